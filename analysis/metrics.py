@@ -1,0 +1,92 @@
+"""Metrics of per-request frames (simulated or live: the same schema) and intervals across seeds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from qsim.records import ANSWERED, OUTCOMES
+
+
+def run_duration(frame: pd.DataFrame, duration_s: float | None = None) -> float:
+    """Seconds that rates are per: the trace's arrival window, else the run's makespan (bursts)."""
+    if duration_s is not None and duration_s > 0:
+        return float(duration_s)
+    if frame.empty:
+        return math.nan
+    span = float(frame["finish_s"].max() - frame["arrival_s"].min())
+    return span if span > 0 else math.nan
+
+
+def summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, float]:
+    """Outcome counts, share in time, goodput (requests/s and good tokens/s), latency percentiles.
+
+    share_good is the share of all requests answered within their deadline.
+    Latency percentiles are over the answered (good or late); refusal_* over the
+    time it took to say no (rejected or expired).
+    """
+    seconds = run_duration(frame, duration_s)
+    outcome = frame["outcome"]
+    counts = outcome.value_counts()
+    n = len(frame)
+    good = outcome.eq("good")
+    answered = frame.loc[outcome.isin(ANSWERED), "latency_s"]
+    refused = frame.loc[outcome.isin(["rejected", "expired"]), "latency_s"]
+    row: dict[str, float] = {"requests": n}
+    row.update({o: int(counts.get(o, 0)) for o in OUTCOMES})
+    row.update(
+        share_good=good.mean() if n else math.nan,
+        goodput_rps=good.sum() / seconds,
+        good_tokens_per_s=frame.loc[good, "max_new_tokens"].sum() / seconds,
+        latency_p50_s=answered.quantile(0.5),
+        latency_p90_s=answered.quantile(0.9),
+        latency_p99_s=answered.quantile(0.99),
+        refusal_p50_s=refused.quantile(0.5),
+        refusal_p99_s=refused.quantile(0.99),
+    )
+    return {k: float(v) for k, v in row.items()}
+
+
+def by_class(frame: pd.DataFrame, duration_s: float | None = None) -> pd.DataFrame:
+    """:func:`summary` for each size class, one row each, ordered by size."""
+    seconds = run_duration(frame, duration_s)
+    rows = {cls: summary(part, seconds) for cls, part in frame.groupby("size_class", sort=False)}
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    order = sorted(table.index, key=_class_key)
+    table = table.loc[order]
+    table.index.name = "size_class"
+    return table
+
+
+def _class_key(label: str) -> tuple[float, str]:
+    """Sort '4' < '16' < '64' < '>64' and anything else after, by name."""
+    text = str(label).lstrip(">")
+    try:
+        return (float(text) + (0.5 if str(label).startswith(">") else 0.0), str(label))
+    except ValueError:
+        return (math.inf, str(label))
+
+
+def mean_ci(values, level: float = 0.95) -> tuple[float, float, float]:
+    """Mean and Student-t confidence interval of independent replications (NaNs dropped)."""
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    if x.size == 0:
+        return (math.nan, math.nan, math.nan)
+    mean = float(x.mean())
+    if x.size < 2:
+        return (mean, math.nan, math.nan)
+    sem = stats.sem(x)
+    if sem == 0:
+        return (mean, mean, mean)
+    low, high = stats.t.interval(level, x.size - 1, loc=mean, scale=sem)
+    return (mean, float(low), float(high))
+
+
+def across_seeds(table: pd.DataFrame, level: float = 0.95) -> pd.DataFrame:
+    """Rows are replications, columns metrics: return mean, ci_low, ci_high per metric."""
+    out = {col: mean_ci(table[col], level) for col in table.columns}
+    return pd.DataFrame.from_dict(out, orient="index", columns=["mean", "ci_low", "ci_high"])

@@ -1,0 +1,181 @@
+"""The simulator against every closed form: the table behind ``qlab theory``.
+
+Each scenario is simulated in R independent replications (seeds seed..seed+R-1),
+the first ``warmup`` requests of each discarded so that the empty start does not
+bias the means. A quantity passes when its closed form lies inside the
+replications' Student-t interval. The intervals are simultaneous: with m
+quantities each is drawn at level 1 - (1 - level) / m (Bonferroni), so the whole
+table is a ``level`` confidence statement and a correct simulator fails it with
+probability at most 1 - level, not once in every twenty rows.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from qsim import theory
+from qsim.model import simulate
+from qsim.policy import Policy
+from qsim.workload import REFERENCE_MIX, make_trace
+from qsim.service import ServiceModel
+
+from .metrics import mean_ci
+
+Stat = Callable[[pd.DataFrame], float]
+
+
+def _served(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["start_s"].notna()]
+
+
+def mean_wait(frame: pd.DataFrame) -> float:
+    served = _served(frame)
+    return float((served["start_s"] - served["arrival_s"]).mean())
+
+
+def mean_sojourn(frame: pd.DataFrame) -> float:
+    return float(_served(frame)["latency_s"].mean())
+
+
+def _wait_share_over(t: float, frame: pd.DataFrame) -> float:
+    served = _served(frame)
+    # Starting "at once" can differ from arrival by a float rounding of the clock.
+    return float(((served["start_s"] - served["arrival_s"]) > t + 1e-9).mean())
+
+
+def wait_share_over(t: float) -> Stat:
+    """P(wait > t) among the served (a partial, so process pools can send it)."""
+    return partial(_wait_share_over, t)
+
+
+def blocked_share(frame: pd.DataFrame) -> float:
+    return float(frame["outcome"].eq("rejected").mean())
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One simulated system and the closed forms it is checked against."""
+
+    name: str
+    engines: int
+    load: float  # offered utilisation lam * E[S] / c
+    requests: int
+    warmup: int
+    service: str = "exponential"
+    max_queue: int | None = None
+    checks: tuple[tuple[str, float, Stat], ...] = field(default=())
+
+    def run(self, seed: int) -> list[float]:
+        mean = None if self.service == "mix" else 1.0
+        trace = make_trace("poisson", self.service, load=self.load, engines=self.engines,
+                           requests=self.requests, seed=seed, mean_service_s=mean)
+        frame = simulate(trace, Policy("theory", max_queue=self.max_queue, deadline_s=1e12), self.engines)
+        frame = frame.iloc[self.warmup:]
+        return [stat(frame) for _, _, stat in self.checks]
+
+
+def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
+    """K = 1, 2 and 8, loads up to 0.95, loss systems, and the reference mix at rho 0.9.
+
+    Exponential service has mean 1 s, so rates are in units of the service rate.
+    ``scale`` multiplies the run lengths (the high loads need long runs: at
+    rho 0.95 a queue forgets its start only after thousands of services).
+    """
+
+    def n(requests: int) -> int:
+        return max(2000, int(requests * scale))
+
+    model = ServiceModel()
+    mix_mean, mix_m2 = REFERENCE_MIX.mean_s(model), REFERENCE_MIX.second_moment_s(model)
+    lam_mix = 0.9 / mix_mean
+    return [
+        Scenario("M/M/1 rho=0.5", 1, 0.5, n(20_000), n(2_000), checks=(
+            ("Wq", theory.mm1(0.5, 1).wq, mean_wait),
+            ("P(wait>1s)", theory.mm1_wait_tail(0.5, 1, 1.0), wait_share_over(1.0)),
+        )),
+        Scenario("M/M/1 rho=0.8", 1, 0.8, n(40_000), n(4_000), checks=(
+            ("Wq", theory.mm1(0.8, 1).wq, mean_wait),
+            ("W", theory.mm1(0.8, 1).w, mean_sojourn),
+        )),
+        Scenario("M/M/1 rho=0.95", 1, 0.95, n(150_000), n(15_000), checks=(
+            ("Wq", theory.mm1(0.95, 1).wq, mean_wait),
+        )),
+        Scenario("M/M/2 rho=0.9 (Erlang C)", 2, 0.9, n(60_000), n(6_000), checks=(
+            ("P(wait)", theory.mmc(1.8, 1, 2).p_wait, wait_share_over(0.0)),
+            ("Wq", theory.mmc(1.8, 1, 2).wq, mean_wait),
+        )),
+        Scenario("M/M/8 rho=0.95 (Erlang C)", 8, 0.95, n(100_000), n(10_000), checks=(
+            ("P(wait)", theory.mmc(7.6, 1, 8).p_wait, wait_share_over(0.0)),
+            ("Wq", theory.mmc(7.6, 1, 8).wq, mean_wait),
+            ("P(wait>1s)", theory.mmc_wait_tail(7.6, 1, 8, 1.0), wait_share_over(1.0)),
+        )),
+        Scenario("M/M/1/5 rho=0.9", 1, 0.9, n(30_000), n(1_000), max_queue=4, checks=(
+            ("P(block)", theory.mm1k(0.9, 1, 5).p_block, blocked_share),
+            ("Wq", theory.mm1k(0.9, 1, 5).wq, mean_wait),
+        )),
+        Scenario("M/M/1/10 rho=1.5", 1, 1.5, n(30_000), n(1_000), max_queue=9, checks=(
+            ("P(block)", theory.mm1k(1.5, 1, 10).p_block, blocked_share),
+        )),
+        Scenario("M/M/8/8 a=6 (Erlang B)", 8, 0.75, n(30_000), n(1_000), max_queue=0, checks=(
+            ("P(block)", theory.erlang_b(8, 6.0), blocked_share),
+        )),
+        Scenario("M/M/2/6 rho=1.2", 2, 1.2, n(30_000), n(1_000), max_queue=4, checks=(
+            ("P(block)", theory.mmck(2.4, 1, 2, 6).p_block, blocked_share),
+            ("Wq", theory.mmck(2.4, 1, 2, 6).wq, mean_wait),
+        )),
+        Scenario("M/D/1 rho=0.9", 1, 0.9, n(60_000), n(6_000), service="deterministic", checks=(
+            ("Wq", theory.md1(0.9, 1.0).wq, mean_wait),
+        )),
+        Scenario("M/G/1 reference mix rho=0.9 (P-K)", 1, 0.9, n(60_000), n(6_000), service="mix", checks=(
+            ("Wq", theory.mg1(lam_mix, mix_mean, mix_m2).wq, mean_wait),
+        )),
+    ]
+
+
+def _run_one(args: tuple[Scenario, int]) -> list[float]:
+    scenario, seed = args
+    return scenario.run(seed)
+
+
+def check(
+    scenarios: list[Scenario] | None = None,
+    *,
+    replications: int = 10,
+    seed: int = 1,
+    level: float = 0.95,
+    workers: int | None = None,
+) -> pd.DataFrame:
+    """Simulate every scenario and return one row per checked quantity.
+
+    Columns: case, quantity, theory, sim_mean, ci_low, ci_high, ok. Results do
+    not depend on ``workers``: each replication has its own seed.
+    """
+    if replications < 2:
+        raise ValueError("need at least 2 replications for a confidence interval")
+    scenarios = standard_scenarios() if scenarios is None else scenarios
+    jobs = [(s, seed + r) for s in scenarios for r in range(replications)]
+    workers = workers or os.cpu_count() or 1
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+            results = list(pool.map(_run_one, jobs, chunksize=1))
+    else:
+        results = [_run_one(job) for job in jobs]
+    m = sum(len(s.checks) for s in scenarios)
+    each = 1 - (1 - level) / m
+    rows = []
+    for i, scenario in enumerate(scenarios):
+        reps = np.array(results[i * replications:(i + 1) * replications])
+        for j, (quantity, value, _) in enumerate(scenario.checks):
+            mean, low, high = mean_ci(reps[:, j], each)
+            rows.append(dict(case=scenario.name, quantity=quantity, theory=value, sim_mean=mean,
+                             ci_low=low, ci_high=high, ok=bool(low <= value <= high)))
+    table = pd.DataFrame(rows)
+    table.attrs.update(level=level, level_each=each, replications=replications, seed=seed)
+    return table

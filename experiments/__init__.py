@@ -1,0 +1,1 @@
+"""experiments: the ``qlab`` command line, and (later) grids, cells and executors for sweeps."""

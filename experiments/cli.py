@@ -1,0 +1,282 @@
+"""The ``qlab`` command: one entry point, one subcommand per job.
+
+Bad input is one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis import metrics
+from qsim import PRESETS, ServiceModel, load_trace, make_trace, preset, simulate
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported in one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print the whole usage first
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+# ------------------------------------------------------------------ argument types
+
+
+def _number(kind, low=None, strict=True, what="value"):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a {kind.__name__}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{what} must be finite, got {text!r}")
+        if low is not None and (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(f"{what} must be {'>' if strict else '>='} {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive = _number(float, 0, what="value")
+positive_int = _number(int, 0, what="value")
+count = _number(int, 0, strict=False, what="value")
+
+
+# ------------------------------------------------------------------ theory
+
+
+def cmd_theory(args) -> int:
+    from analysis.validation import check, standard_scenarios
+
+    table = check(standard_scenarios(args.scale), replications=args.replications, seed=args.seed,
+                  level=args.level, workers=args.workers)
+    if args.json:
+        print(json.dumps(table.to_dict(orient="records"), indent=2))
+    else:
+        attrs = table.attrs
+        print(f"closed forms against qsim: {attrs['replications']} replications from seed {attrs['seed']}, "
+              f"{attrs['level']:.0%} simultaneous intervals ({attrs['level_each']:.4f} each, Bonferroni over {len(table)})")
+        shown = table.assign(ok=table["ok"].map({True: "pass", False: "FAIL"}))
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        print(f"{int(table['ok'].sum())} of {len(table)} inside their interval")
+    return 0 if table["ok"].all() else 1
+
+
+# ------------------------------------------------------------------ simulate
+
+
+@dataclass(frozen=True)
+class _Run:
+    seed: int
+    frame: pd.DataFrame
+    duration_s: float
+
+
+def _trace_for(args, seed: int):
+    model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
+    if args.trace:
+        return load_trace(args.trace, args.time_scale, model=model, speed=args.speed, noise_cv=args.noise, seed=seed)
+    return make_trace(args.arrivals, args.service, load=args.load, engines=args.engines, speed=args.speed,
+                      seconds=args.seconds, requests=args.requests, seed=seed, model=model,
+                      mean_service_s=args.mean_service, noise_cv=args.noise)
+
+
+def _describe(args, policy) -> str:
+    bound = "" if policy.max_queue is None else f", max queue {policy.max_queue}"
+    what = (f"trace {args.trace} (time scale {args.time_scale:g})" if args.trace else
+            f"{args.arrivals} arrivals at load {args.load:g}, {args.service} service, "
+            + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
+    seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
+    return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {args.engines} engine(s), "
+            f"speed {args.speed:g}, {what}, {seeds}")
+
+
+def _fmt(table: pd.DataFrame) -> str:
+    return table.to_string(float_format=lambda v: f"{v:.4g}")
+
+
+def _print_single(run: _Run) -> None:
+    s = metrics.summary(run.frame, run.duration_s)
+    n = max(s["requests"], 1)
+    counts = pd.DataFrame({"count": [int(s[o]) for o in ("good", "late", "rejected", "expired")]},
+                          index=["good", "late", "rejected", "expired"])
+    counts["share"] = counts["count"] / n
+    print(_fmt(counts))
+    print(f"share in time (good): {s['share_good']:.3f}")
+    print(f"goodput: {s['goodput_rps']:.3f} requests/s, {s['good_tokens_per_s']:.1f} good tokens/s")
+    print(f"latency of the answered: p50 {s['latency_p50_s']:.3f} s, p99 {s['latency_p99_s']:.3f} s")
+    cls = metrics.by_class(run.frame, run.duration_s)
+    cols = ["requests", "good", "late", "rejected", "expired", "share_good", "goodput_rps",
+            "good_tokens_per_s", "latency_p50_s", "latency_p99_s"]
+    print("\nby size class (max_new_tokens up to):")
+    print(_fmt(cls[cols]))
+
+
+SEED_METRICS = ["good", "late", "rejected", "expired", "share_good", "goodput_rps", "good_tokens_per_s",
+                "latency_p50_s", "latency_p99_s"]
+
+
+def _seed_tables(runs: list[_Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    overall = pd.DataFrame([metrics.summary(r.frame, r.duration_s) for r in runs])
+    per_class = pd.concat(
+        [metrics.by_class(r.frame, r.duration_s).assign(seed=r.seed) for r in runs]
+    ).reset_index()
+    ci = metrics.across_seeds(overall[SEED_METRICS])
+    by_class = {
+        cls: metrics.across_seeds(part[SEED_METRICS])
+        for cls, part in per_class.groupby("size_class", sort=False)
+    }
+    stacked = pd.concat(by_class, names=["size_class", "metric"])
+    order = sorted(by_class, key=metrics._class_key)
+    return ci, stacked.loc[order]
+
+
+def _print_seeds(runs: list[_Run]) -> None:
+    ci, by_class = _seed_tables(runs)
+    print(f"mean and 95 % confidence interval over {len(runs)} seeds:")
+    print(_fmt(ci))
+    wide = by_class["mean"].unstack("metric")[SEED_METRICS]
+    half = ((by_class["ci_high"] - by_class["ci_low"]) / 2).unstack("metric")[SEED_METRICS]
+    print("\nby size class, mean over seeds:")
+    print(_fmt(wide))
+    print("\nby size class, 95 % CI half-width:")
+    print(_fmt(half))
+
+
+def _json_ready(obj):
+    """NaN and infinities become null: JSON has no such numbers."""
+    if isinstance(obj, dict):
+        return {str(k): _json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_ready(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def cmd_simulate(args) -> int:
+    policy = preset(args.policy).with_overrides(max_queue=args.max_queue, deadline_s=args.deadline)
+    if args.trace and args.trace_conflicts:
+        raise UsageError(f"qlab simulate: error: --trace replaces {', '.join(args.trace_conflicts)}; give one or the other")
+    if args.time_scale != 1.0 and not args.trace:
+        raise UsageError("qlab simulate: error: --time-scale applies only with --trace")
+    if not args.trace and args.seconds is None and args.requests is None:
+        args.seconds = 600.0
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        trace = _trace_for(args, seed)
+        frame = simulate(trace, policy, args.engines, fixed_estimate=args.fixed_estimate)
+        runs.append(_Run(seed, frame, trace.duration_s))
+    if args.out:
+        rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
+        rows.to_parquet(args.out, index=False)
+    if args.json:
+        out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
+               "policy": policy.__dict__}
+        if len(runs) == 1:
+            run = runs[0]
+            out["summary"] = metrics.summary(run.frame, run.duration_s)
+            out["by_class"] = metrics.by_class(run.frame, run.duration_s).to_dict(orient="index")
+        else:
+            ci, by_class = _seed_tables(runs)
+            out["seeds"] = [r.seed for r in runs]
+            out["summary"] = ci.to_dict(orient="index")
+            out["by_class"] = {cls: part.droplevel(0).to_dict(orient="index")
+                               for cls, part in by_class.groupby(level=0, sort=False)}
+        print(json.dumps(_json_ready(out), indent=2))
+        return 0
+    print(_describe(args, policy))
+    if len(runs) == 1:
+        _print_single(runs[0])
+    else:
+        _print_seeds(runs)
+    if args.out:
+        print(f"\nwrote {sum(len(r.frame) for r in runs)} rows to {args.out}")
+    return 0
+
+
+class _Remember(argparse.Action):
+    """Store the value and note that it was given (to reject it beside --trace)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.trace_conflicts = [*getattr(namespace, "trace_conflicts", []), option_string]
+
+
+def _simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate a policy on a seeded workload or a trace file",
+                       description="Simulate one admission policy in front of K engines and print outcomes, "
+                                   "goodput and latency, by size class too.")
+    p.set_defaults(func=cmd_simulate, trace_conflicts=[])
+    p.add_argument("--policy", choices=list(PRESETS), default="none")
+    p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
+    p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
+    p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K)")
+    p.add_argument("--load", type=positive, default=0.9, action=_Remember,
+                   help="utilisation at the simulated speed: lambda = LOAD * K / E[true S]")
+    p.add_argument("--speed", type=positive, default=1.0, help="true service times are SPEED times the calibration")
+    p.add_argument("--arrivals", default="poisson", action=_Remember,
+                   help="poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S")
+    p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=_Remember)
+    p.add_argument("--mean-service", type=positive, action=_Remember,
+                   help="mean service seconds for exponential/deterministic (default: the mix's mean)")
+    p.add_argument("--noise", type=_number(float, 0, strict=False), default=0.0,
+                   help="CV of lognormal noise on true service times (mix and trace files)")
+    p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
+    p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=positive, help="arrival window (default 600)")
+    length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
+    p.add_argument("--trace", help="replay a trace file (Azure LLM CSV or qlab .csv/.parquet)")
+    p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace's arrival times")
+    p.add_argument("--seed", type=count, default=1)
+    p.add_argument("--seeds", type=positive_int, default=1, help="replications, seeds SEED..SEED+N-1")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--out", help="write every request's record to this .parquet file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qlab", description="Admission control in front of LLM engines: simulate, check, compare.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("theory", help="check the simulator against every closed form",
+                       description="Simulate M/M/1, M/M/1/K, M/M/c, M/M/c/c, M/M/c/K, M/D/1 and M/G/1 cases and "
+                                   "compare each with its closed form inside a confidence interval. Exit 1 on any miss.")
+    t.set_defaults(func=cmd_theory)
+    t.add_argument("--json", action="store_true", help="print a list of {case, quantity, theory, sim_mean, ci_low, ci_high, ok}")
+    t.add_argument("--replications", type=_number(int, 1, what="replications"), default=10)
+    t.add_argument("--seed", type=count, default=1)
+    t.add_argument("--level", type=_number(float, 0, what="level"), default=0.95, help="simultaneous confidence level")
+    t.add_argument("--scale", type=positive, default=1.0, help="multiply every run's length")
+    t.add_argument("--workers", type=positive_int, help="processes (default: all cores)")
+    _simulate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "level", 0.5) >= 1:
+            raise UsageError("qlab theory: error: --level must be below 1")
+        return args.func(args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        print(f"qlab: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("qlab: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

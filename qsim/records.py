@@ -1,0 +1,89 @@
+"""The per-request record: one schema for the simulator, the live harness and analysis.
+
+Every request in a trace ends in exactly one row with exactly one outcome.
+Times are seconds on the run's clock (simulated time, or seconds since the
+replay started); a quantity that does not apply is NaN (floats) or <NA> (ints).
+Executors may append columns of their own (the live harness adds HTTP status,
+send lateness, error); :func:`validate` checks only the shared ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+#: good: answered within its deadline; late: answered after it; rejected:
+#: refused at arrival; expired: dropped unrun at the front; error: transport or
+#: server failure (live runs only).
+OUTCOMES = ("good", "late", "rejected", "expired", "error")
+ANSWERED = ("good", "late")
+
+#: column -> (pandas dtype, meaning). The order is the column order of a frame.
+SCHEMA: dict[str, tuple[str, str]] = {
+    "request_id": ("int64", "position of the request in its trace, from 0"),
+    "arrival_s": ("float64", "arrival time"),
+    "size_class": ("string", "size class label: the smallest mix size holding max_new_tokens"),
+    "max_new_tokens": ("int64", "tokens the request may generate; the estimate is made from it"),
+    "est_service_s": ("float64", "estimated service time at admission, speed factor included"),
+    "true_service_s": ("float64", "engine time it took, or would have taken (simulator)"),
+    "deadline_s": ("float64", "deadline relative to arrival"),
+    "outcome": ("string", "one of OUTCOMES"),
+    "reason": ("string", "why refused or dropped (queue_full, work_limit, deadline_unreachable, cannot_finish); <NA> otherwise"),
+    "start_s": ("float64", "engine start time; NaN if never run"),
+    "finish_s": ("float64", "time the answer, refusal or drop was given"),
+    "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),
+    "queued_at_arrival": ("int64", "requests waiting (not in service) when it arrived"),
+    "queued_work_at_arrival_s": ("float64", "estimated work of those waiting when it arrived"),
+    "retry_after_s": ("Int64", "Retry-After given with a refusal, whole seconds"),
+    "engine": ("Int64", "engine that ran it, from 0"),
+}
+COLUMNS = tuple(SCHEMA)
+
+
+def empty(n: int = 0) -> pd.DataFrame:
+    """A frame of the schema's columns and dtypes with n rows of missing values."""
+    return pd.DataFrame({c: pd.Series([pd.NA] * n, dtype=t) for c, (t, _) in SCHEMA.items()})
+
+
+def from_arrays(columns: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Build a frame in schema order and dtypes; -1 in an Int64 column means missing."""
+    data = {}
+    for name, (dtype, _) in SCHEMA.items():
+        values = columns[name]
+        if dtype == "Int64":
+            values = pd.array(np.asarray(values, dtype=np.int64), dtype="Int64")
+            values[np.asarray(columns[name]) < 0] = pd.NA
+        elif dtype == "string":
+            values = pd.array(values, dtype="string")
+        else:
+            values = np.asarray(values, dtype=dtype)
+        data[name] = values
+    extra = {k: v for k, v in columns.items() if k not in SCHEMA}
+    return pd.DataFrame({**data, **extra})
+
+
+def validate(frame: pd.DataFrame) -> pd.DataFrame:
+    """Check a frame against the schema and the invariants every executor keeps; return it.
+
+    Raises ValueError naming the first broken rule.
+    """
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"records lack columns {missing}")
+    for name, (dtype, _) in SCHEMA.items():
+        if str(frame[name].dtype) != dtype:
+            raise ValueError(f"column {name} has dtype {frame[name].dtype}, expected {dtype}")
+    if frame["request_id"].duplicated().any():
+        raise ValueError("a request_id appears twice: every request has exactly one outcome")
+    unknown = set(frame["outcome"].dropna().unique()) - set(OUTCOMES)
+    if unknown or frame["outcome"].isna().any():
+        raise ValueError(f"outcomes must be one of {OUTCOMES}, found {sorted(unknown) or 'missing'}")
+    answered = frame["outcome"].isin(ANSWERED)
+    if frame.loc[answered, "start_s"].isna().any():
+        raise ValueError("an answered request has no start time")
+    if (frame.loc[frame["outcome"].isin(["rejected", "expired"]), "start_s"].notna()).any():
+        raise ValueError("a refused or expired request has a start time")
+    on_time = frame["latency_s"] <= frame["deadline_s"]
+    if (frame.loc[answered, "outcome"].eq("good") != on_time[answered]).any():
+        raise ValueError("good/late disagrees with latency_s against deadline_s")
+    return frame

@@ -1,0 +1,134 @@
+"""Closed forms for the queues qsim models, computed stably with numpy and scipy.
+
+Conventions: lam is the arrival rate, mu the service rate of one engine, c the
+number of engines, K the most requests in the system (waiting + in service).
+Wq / W: mean wait / time in system; Lq / L: mean number waiting / in system.
+Probabilities of the M/M/c/K family are computed in log space (gammaln and
+logsumexp), so c and K in the thousands neither overflow nor lose precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.special import gammaln, logsumexp
+
+
+@dataclass(frozen=True)
+class Queue:
+    """Steady-state means of a queue; p_wait and p_block where they apply."""
+
+    wq: float
+    w: float
+    lq: float
+    l: float  # noqa: E741 - the textbook name
+    p_wait: float = math.nan
+    p_block: float = 0.0
+
+
+def _check_rates(lam: float, mu: float, c: int = 1) -> None:
+    if not (lam > 0 and mu > 0 and math.isfinite(lam) and math.isfinite(mu)):
+        raise ValueError(f"rates must be positive and finite, got lam={lam}, mu={mu}")
+    if c < 1 or int(c) != c:
+        raise ValueError(f"the number of engines must be a whole number >= 1, got {c}")
+
+
+def _stable(lam: float, mu: float, c: int = 1) -> None:
+    _check_rates(lam, mu, c)
+    if lam >= c * mu:
+        raise ValueError(f"unstable: utilisation {lam / (c * mu):.3f} >= 1 has no steady state")
+
+
+def mm1(lam: float, mu: float) -> Queue:
+    """M/M/1: Wq = rho / (mu - lam)."""
+    _stable(lam, mu)
+    rho = lam / mu
+    wq = rho / (mu - lam)
+    return Queue(wq=wq, w=wq + 1 / mu, lq=lam * wq, l=lam * (wq + 1 / mu), p_wait=rho)
+
+
+def mm1_wait_tail(lam: float, mu: float, t: float) -> float:
+    """M/M/1: P(wait > t) = rho exp(-(mu - lam) t)."""
+    _stable(lam, mu)
+    return lam / mu * math.exp(-(mu - lam) * t)
+
+
+def mg1(lam: float, mean_s: float, second_moment_s: float) -> Queue:
+    """M/G/1 by Pollaczek-Khinchine: Wq = lam E[S^2] / (2 (1 - rho))."""
+    _stable(lam, 1 / mean_s)
+    rho = lam * mean_s
+    wq = lam * second_moment_s / (2 * (1 - rho))
+    return Queue(wq=wq, w=wq + mean_s, lq=lam * wq, l=lam * (wq + mean_s), p_wait=rho)
+
+
+def md1(lam: float, d: float) -> Queue:
+    """M/D/1: P-K with E[S^2] = d^2, so Wq = rho d / (2 (1 - rho))."""
+    return mg1(lam, d, d * d)
+
+
+def _mmck_log_weights(a: float, c: int, K: int) -> np.ndarray:
+    """Unnormalised log P(n in system), n = 0..K, for offered load a = lam / mu."""
+    n = np.arange(K + 1)
+    low = n * math.log(a) - gammaln(n + 1)  # a^n / n!            for n <= c
+    high = c * math.log(a) - gammaln(c + 1) + (n - c) * math.log(a / c)  # a^c/c! (a/c)^(n-c)
+    return np.where(n <= c, low, high)
+
+
+def mmck(lam: float, mu: float, c: int, K: int) -> Queue:
+    """M/M/c/K: c engines, at most K in the system (K - c waiting); any load."""
+    _check_rates(lam, mu, c)
+    if K < c or int(K) != K:
+        raise ValueError(f"K (most in system) must be a whole number >= c = {c}, got {K}")
+    logw = _mmck_log_weights(lam / mu, c, K)
+    p = np.exp(logw - logsumexp(logw))
+    n = np.arange(K + 1)
+    lq = float(np.dot(np.maximum(n - c, 0), p))
+    length = float(np.dot(n, p))
+    p_block = float(p[K])
+    lam_eff = lam * (1 - p_block)
+    # PASTA: an arrival finds n with probability p[n]; it waits if it is admitted and all c are busy.
+    p_wait = float(p[c:K].sum() / (1 - p_block)) if K > c else 0.0
+    return Queue(wq=lq / lam_eff, w=length / lam_eff, lq=lq, l=length, p_wait=p_wait, p_block=p_block)
+
+
+def mm1k(lam: float, mu: float, K: int) -> Queue:
+    """M/M/1/K: P_block = (1 - rho) rho^K / (1 - rho^(K+1)), 1 / (K + 1) at rho = 1."""
+    return mmck(lam, mu, 1, K)
+
+
+def erlang_b(c: int, a: float) -> float:
+    """M/M/c/c blocking probability for offered load a (Erlangs).
+
+    The recursion B(n) = a B(n-1) / (n + a B(n-1)) stays in [0, 1], so it is
+    stable for any c, unlike a^c / c! summed directly.
+    """
+    if c < 0 or int(c) != c or not a >= 0:
+        raise ValueError(f"Erlang B needs c >= 0 whole and a >= 0, got c={c}, a={a}")
+    b = 1.0
+    for n in range(1, int(c) + 1):
+        b = a * b / (n + a * b)
+    return b
+
+
+def erlang_c(c: int, a: float) -> float:
+    """M/M/c probability that an arrival waits (Erlang C), from Erlang B."""
+    if not 0 <= a < c:
+        raise ValueError(f"Erlang C needs 0 <= a < c (a stable queue), got a={a}, c={c}")
+    b = erlang_b(c, a)
+    rho = a / c
+    return b / (1 - rho * (1 - b))
+
+
+def mmc(lam: float, mu: float, c: int) -> Queue:
+    """M/M/c: P(wait) by Erlang C, Wq = C / (c mu - lam)."""
+    _stable(lam, mu, c)
+    p_wait = erlang_c(c, lam / mu)
+    wq = p_wait / (c * mu - lam)
+    return Queue(wq=wq, w=wq + 1 / mu, lq=lam * wq, l=lam * (wq + 1 / mu), p_wait=p_wait)
+
+
+def mmc_wait_tail(lam: float, mu: float, c: int, t: float) -> float:
+    """M/M/c: P(wait > t) = C exp(-(c mu - lam) t)."""
+    return mmc(lam, mu, c).p_wait * math.exp(-(c * mu - lam) * t)
