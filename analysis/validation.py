@@ -67,7 +67,7 @@ class Scenario:
     engines: int
     load: float  # offered utilisation lam * E[S] / c
     requests: int
-    warmup: int
+    warmup_share: float  # leading share of each replication discarded
     service: str = "exponential"
     max_queue: int | None = None
     checks: tuple[tuple[str, float, Stat], ...] = field(default=())
@@ -77,7 +77,7 @@ class Scenario:
         trace = make_trace("poisson", self.service, load=self.load, engines=self.engines,
                            requests=self.requests, seed=seed, mean_service_s=mean)
         frame = simulate(trace, Policy("theory", max_queue=self.max_queue, deadline_s=1e12), self.engines)
-        frame = frame.iloc[self.warmup:]
+        frame = frame.iloc[int(self.requests * self.warmup_share):]
         return [stat(frame) for _, _, stat in self.checks]
 
 
@@ -96,44 +96,44 @@ def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
     mix_mean, mix_m2 = REFERENCE_MIX.mean_s(model), REFERENCE_MIX.second_moment_s(model)
     lam_mix = 0.9 / mix_mean
     return [
-        Scenario("M/M/1 rho=0.5", 1, 0.5, n(20_000), n(2_000), checks=(
+        Scenario("M/M/1 rho=0.5", 1, 0.5, n(20_000), 0.1, checks=(
             ("Wq", theory.mm1(0.5, 1).wq, mean_wait),
             ("P(wait>1s)", theory.mm1_wait_tail(0.5, 1, 1.0), wait_share_over(1.0)),
         )),
-        Scenario("M/M/1 rho=0.8", 1, 0.8, n(40_000), n(4_000), checks=(
+        Scenario("M/M/1 rho=0.8", 1, 0.8, n(40_000), 0.1, checks=(
             ("Wq", theory.mm1(0.8, 1).wq, mean_wait),
             ("W", theory.mm1(0.8, 1).w, mean_sojourn),
         )),
-        Scenario("M/M/1 rho=0.95", 1, 0.95, n(150_000), n(15_000), checks=(
+        Scenario("M/M/1 rho=0.95", 1, 0.95, n(150_000), 0.1, checks=(
             ("Wq", theory.mm1(0.95, 1).wq, mean_wait),
         )),
-        Scenario("M/M/2 rho=0.9 (Erlang C)", 2, 0.9, n(60_000), n(6_000), checks=(
+        Scenario("M/M/2 rho=0.9 (Erlang C)", 2, 0.9, n(60_000), 0.1, checks=(
             ("P(wait)", theory.mmc(1.8, 1, 2).p_wait, wait_share_over(0.0)),
             ("Wq", theory.mmc(1.8, 1, 2).wq, mean_wait),
         )),
-        Scenario("M/M/8 rho=0.95 (Erlang C)", 8, 0.95, n(100_000), n(10_000), checks=(
+        Scenario("M/M/8 rho=0.95 (Erlang C)", 8, 0.95, n(100_000), 0.1, checks=(
             ("P(wait)", theory.mmc(7.6, 1, 8).p_wait, wait_share_over(0.0)),
             ("Wq", theory.mmc(7.6, 1, 8).wq, mean_wait),
             ("P(wait>1s)", theory.mmc_wait_tail(7.6, 1, 8, 1.0), wait_share_over(1.0)),
         )),
-        Scenario("M/M/1/5 rho=0.9", 1, 0.9, n(30_000), n(1_000), max_queue=4, checks=(
+        Scenario("M/M/1/5 rho=0.9", 1, 0.9, n(30_000), 0.0333333, max_queue=4, checks=(
             ("P(block)", theory.mm1k(0.9, 1, 5).p_block, blocked_share),
             ("Wq", theory.mm1k(0.9, 1, 5).wq, mean_wait),
         )),
-        Scenario("M/M/1/10 rho=1.5", 1, 1.5, n(30_000), n(1_000), max_queue=9, checks=(
+        Scenario("M/M/1/10 rho=1.5", 1, 1.5, n(30_000), 0.0333333, max_queue=9, checks=(
             ("P(block)", theory.mm1k(1.5, 1, 10).p_block, blocked_share),
         )),
-        Scenario("M/M/8/8 a=6 (Erlang B)", 8, 0.75, n(30_000), n(1_000), max_queue=0, checks=(
+        Scenario("M/M/8/8 a=6 (Erlang B)", 8, 0.75, n(30_000), 0.0333333, max_queue=0, checks=(
             ("P(block)", theory.erlang_b(8, 6.0), blocked_share),
         )),
-        Scenario("M/M/2/6 rho=1.2", 2, 1.2, n(30_000), n(1_000), max_queue=4, checks=(
+        Scenario("M/M/2/6 rho=1.2", 2, 1.2, n(30_000), 0.0333333, max_queue=4, checks=(
             ("P(block)", theory.mmck(2.4, 1, 2, 6).p_block, blocked_share),
             ("Wq", theory.mmck(2.4, 1, 2, 6).wq, mean_wait),
         )),
-        Scenario("M/D/1 rho=0.9", 1, 0.9, n(60_000), n(6_000), service="deterministic", checks=(
+        Scenario("M/D/1 rho=0.9", 1, 0.9, n(60_000), 0.1, service="deterministic", checks=(
             ("Wq", theory.md1(0.9, 1.0).wq, mean_wait),
         )),
-        Scenario("M/G/1 reference mix rho=0.9 (P-K)", 1, 0.9, n(60_000), n(6_000), service="mix", checks=(
+        Scenario("M/G/1 reference mix rho=0.9 (P-K)", 1, 0.9, n(60_000), 0.1, service="mix", checks=(
             ("Wq", theory.mg1(lam_mix, mix_mean, mix_m2).wq, mean_wait),
         )),
     ]

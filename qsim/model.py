@@ -65,7 +65,9 @@ class _Run:
     # -- the three moments -------------------------------------------------
 
     def arrive(self, i: int) -> None:
-        now = self.env.now
+        # The trace's own time: SimPy's clock reaches it as now + (t - now), which can be off by
+        # a rounding, and a request that starts at once should show exactly zero wait.
+        now = self.arrival[i]
         factor = self.tracker.factor
         est = self.base_est[i] * factor
         queued = len(self.waiting)

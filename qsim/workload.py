@@ -129,6 +129,29 @@ def _build(arrival_s, tokens, est, true, *, mix, duration_s, name, meta, deadlin
     )
 
 
+def from_arrays(
+    arrival_s,
+    max_new_tokens,
+    *,
+    true_service_s=None,
+    est_service_s=None,
+    deadline_s=None,
+    model: ServiceModel = ServiceModel(),
+    mix: Mix = REFERENCE_MIX,
+    name: str = "trace",
+) -> Trace:
+    """A trace from explicit requests; service times default to the model's estimate."""
+    tokens = np.asarray(max_new_tokens, dtype=np.int64)
+    arrival = np.asarray(arrival_s, dtype=float)
+    if arrival.shape != tokens.shape or arrival.ndim != 1:
+        raise ValueError("arrival_s and max_new_tokens must be 1-d and equally long")
+    est = model.estimate(tokens) if est_service_s is None else est_service_s
+    true = est if true_service_s is None else true_service_s
+    duration = float(arrival.max() - arrival.min()) if arrival.size else 0.0
+    return _build(arrival, tokens, est, true, mix=mix, duration_s=duration, name=name, meta={},
+                  deadline_s=deadline_s)
+
+
 # ---------------------------------------------------------------- arrivals
 
 
@@ -304,7 +327,7 @@ class _Columns:
         values = pd.to_numeric(raw, errors="coerce")
         bad = values.isna()
         if optional:
-            bad &= ~raw.str.lower().isin(["", "nan", "none", "<na>"])
+            bad &= ~(raw.isna() | raw.str.lower().isin(["", "nan", "none", "<na>"]))
         if integer:
             bad |= values.notna() & (values != values.round())
         if ok is not None:

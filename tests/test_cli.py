@@ -1,0 +1,114 @@
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from experiments.cli import main
+from qsim import records
+
+
+def run(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_prints_outcomes_goodput_and_classes(capsys):
+    code, out, err = run(["simulate", "--policy", "predictive", "--load", "2", "--seconds", "120"], capsys)
+    assert code == 0 and err == ""
+    for needle in ("policy predictive", "rejected", "share in time (good)", "goodput:", "good tokens/s",
+                   "p50", "p99", "by size class", "\n64 "):
+        assert needle in out
+
+
+def test_simulate_json_and_parquet(tmp_path, capsys):
+    out_file = tmp_path / "rows.parquet"
+    code, out, _ = run(["simulate", "--policy", "bounded", "--engines", "2", "--load", "1.5",
+                        "--requests", "500", "--json", "--out", str(out_file)], capsys)
+    assert code == 0
+    data = json.loads(out)
+    summary = data["summary"]
+    assert summary["requests"] == 500
+    assert summary["good"] + summary["late"] + summary["rejected"] + summary["expired"] == 500
+    assert set(data["by_class"]) == {"4", "16", "64"}
+    rows = pd.read_parquet(out_file)
+    records.validate(rows)
+    assert len(rows) == 500 and set(rows["seed"]) == {1} and set(rows["policy"]) == {"bounded"}
+
+
+def test_simulate_seeds_gives_intervals(capsys):
+    code, out, _ = run(["simulate", "--policy", "bounded-deadline", "--load", "1.3", "--seconds", "60",
+                        "--seeds", "4", "--seed", "10", "--json"], capsys)
+    data = json.loads(out)
+    assert data["seeds"] == [10, 11, 12, 13]
+    share = data["summary"]["share_good"]
+    assert share["ci_low"] <= share["mean"] <= share["ci_high"]
+    assert "mean" in data["by_class"]["64"]["goodput_rps"]
+    code, text, _ = run(["simulate", "--load", "1.3", "--seconds", "60", "--seeds", "3"], capsys)
+    assert "95 % confidence interval over 3 seeds" in text and "ci_low" in text
+
+
+def test_simulate_same_seed_same_output(capsys):
+    args = ["simulate", "--policy", "predictive", "--load", "1.7", "--seconds", "60", "--json"]
+    assert run(args, capsys)[1] == run(args, capsys)[1]
+
+
+def test_simulate_overrides_and_bursts(capsys):
+    code, out, _ = run(["simulate", "--policy", "bounded", "--max-queue", "4", "--engines", "2",
+                        "--arrivals", "burst:10", "--json"], capsys)
+    summary = json.loads(out)["summary"]
+    assert summary["rejected"] == 4 and summary["good"] + summary["late"] == 6
+
+
+def test_simulate_azure_trace(capsys, azure_csv):
+    code, out, _ = run(["simulate", "--trace", str(azure_csv), "--time-scale", "0.5", "--policy", "predictive",
+                        "--json"], capsys)
+    assert code == 0
+    assert json.loads(out)["summary"]["requests"] == 8819
+
+
+def test_theory_json_shape(capsys):
+    code, out, _ = run(["theory", "--json", "--scale", "0.05", "--replications", "3", "--workers", "1"], capsys)
+    rows = json.loads(out)
+    assert {r["case"] for r in rows} >= {"M/M/1 rho=0.5", "M/D/1 rho=0.9"}
+    assert set(rows[0]) == {"case", "quantity", "theory", "sim_mean", "ci_low", "ci_high", "ok"}
+    assert code == (0 if all(r["ok"] for r in rows) else 1)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["simulate", "--load", "-1"], "--load"),
+        (["simulate", "--load", "nan"], "--load"),
+        (["simulate", "--policy", "fifo"], "invalid choice"),
+        (["simulate", "--engines", "0"], "--engines"),
+        (["simulate", "--arrivals", "pareto"], "arrival process"),
+        (["simulate", "--arrivals", "gamma:x"], "arrival process"),
+        (["simulate", "--seconds", "5", "--requests", "5"], "not allowed with"),
+        (["simulate", "--trace", "missing.csv"], "no such trace file"),
+        (["simulate", "--trace", "missing.csv", "--load", "2"], "--trace replaces"),
+        (["simulate", "--time-scale", "2"], "--time-scale applies only"),
+        (["simulate", "--mean-service", "0.2"], "mean-service"),
+        (["simulate", "--service-model", "nope.json"], "nope.json"),
+        (["theory", "--replications", "1"], "replications"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(args, needle):
+    proc = subprocess.run([sys.executable, "-m", "experiments", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0] and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_bad_trace_file_names_the_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,max_new_tokens\n0.0,4\n0.5,lots\n")
+    proc = subprocess.run([sys.executable, "-m", "experiments", "simulate", "--trace", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "line 3" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

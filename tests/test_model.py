@@ -1,0 +1,117 @@
+import numpy as np
+import pandas as pd
+import pytest
+
+from qsim import PRESETS, Policy, from_arrays, make_trace, preset, records, simulate
+
+
+def burst(n, tokens=16, **kw):
+    return from_arrays(np.zeros(n), np.full(n, tokens), **kw)
+
+
+def test_starter_burst_six_accepted_four_rejected():
+    # The brief's trap: two start at once, four wait, four are refused.
+    df = simulate(burst(10), Policy(max_queue=4), engines=2)
+    assert (df["outcome"] != "rejected").sum() == 6
+    assert (df["outcome"] == "rejected").sum() == 4
+    assert df.loc[df["outcome"] == "rejected", "request_id"].tolist() == [6, 7, 8, 9]
+    assert df["start_s"].iloc[:2].tolist() == [0.0, 0.0]
+    assert sorted(df["engine"].iloc[:2].tolist()) == [0, 1]
+    assert df["queued_at_arrival"].tolist() == [0, 0, 0, 1, 2, 3, 4, 4, 4, 4]
+
+
+def test_burst_of_30_with_bound_8_admits_9():
+    df = simulate(burst(30), PRESETS["bounded"])
+    assert (df["outcome"] != "rejected").sum() == 9
+    refused = df[df["outcome"] == "rejected"]
+    assert set(refused["reason"]) == {"queue_full"}
+    # Retry-After from the estimated wait: 1 in service + 8 waiting of 0.137 s = 1.233 s -> 2 s.
+    assert set(refused["retry_after_s"]) == {2}
+    assert df.loc[df["outcome"] != "rejected", "retry_after_s"].isna().all()
+
+
+def test_expiry_at_the_front():
+    # 64 tokens = 0.545 s each: three finish by 2 s, the fourth could not, and nor can the rest.
+    df = simulate(burst(30, tokens=64), PRESETS["bounded-deadline"])
+    counts = df["outcome"].value_counts()
+    assert (counts["good"], counts["expired"], counts["rejected"]) == (3, 6, 21)
+    expired = df[df["outcome"] == "expired"]
+    assert set(expired["reason"]) == {"cannot_finish"}
+    assert expired["start_s"].isna().all() and expired["engine"].isna().all()
+    assert np.allclose(expired["finish_s"], 3 * 0.545)  # dropped when they reached the front
+    # Plain bounded runs them all, and most are late.
+    late = simulate(burst(30, tokens=64), PRESETS["bounded"])["outcome"].value_counts()
+    assert (late["good"], late["late"]) == (3, 6)
+
+
+def test_predictive_refuses_at_arrival_with_numbers():
+    df = simulate(burst(20, tokens=64), PRESETS["predictive"])
+    counts = df["outcome"].value_counts()
+    assert counts["good"] == 3 and "late" not in counts and "expired" not in counts
+    refused = df[df["outcome"] == "rejected"]
+    assert set(refused["reason"]) == {"deadline_unreachable"}
+    assert refused["queued_at_arrival"].eq(2).all()
+    assert refused["queued_work_at_arrival_s"].iloc[0] == pytest.approx(2 * 0.545)
+    assert refused["retry_after_s"].eq(2).all()  # wait 1.635 s
+
+
+def test_request_deadlines_override_the_policy():
+    t = from_arrays([0.0, 0.0], [64, 64], deadline_s=[np.nan, 0.5])
+    df = simulate(t, PRESETS["predictive"])
+    assert df["outcome"].tolist() == ["good", "rejected"]
+    assert df["deadline_s"].tolist() == [2.0, 0.5]
+
+
+def test_records_follow_the_schema():
+    t = make_trace(load=1.5, seconds=60, seed=3)
+    df = simulate(t, PRESETS["bounded-deadline"], engines=2)
+    records.validate(df)
+    assert list(df.columns) == list(records.COLUMNS)
+    assert df.attrs["duration_s"] == 60 and df.attrs["engines"] == 2
+    answered = df[df["outcome"].isin(["good", "late"])]
+    assert np.allclose(answered["finish_s"] - answered["start_s"], answered["true_service_s"])
+    assert np.allclose(df["latency_s"], df["finish_s"] - df["arrival_s"])
+
+
+def test_parquet_round_trip_keeps_dtypes(tmp_path):
+    df = simulate(make_trace(load=2, seconds=30, seed=1), PRESETS["predictive"])
+    df.to_parquet(tmp_path / "r.parquet")
+    back = pd.read_parquet(tmp_path / "r.parquet")
+    records.validate(back)
+    pd.testing.assert_frame_equal(back, df, check_like=False)
+
+
+def test_speed_tracking_is_what_keeps_deadline_policies_on_time():
+    # The machine runs 2.25x slower than calibrated, at nominal load 1.
+    t = make_trace(load=2.25, speed=2.25, seconds=600, seed=0)
+    for name in ("predictive", "bounded-deadline"):
+        stale = simulate(t, preset(name), fixed_estimate=True)
+        tracked = simulate(t, preset(name))
+        late_share = lambda d: (d.outcome == "late").sum() / d.outcome.isin(["good", "late"]).sum()  # noqa: E731
+        assert late_share(stale) > 0.10
+        assert late_share(tracked) < 0.005
+        assert tracked.attrs["speed_factor"] == pytest.approx(2.25)
+        assert stale.attrs["speed_factor"] == 1.0
+
+
+def test_common_random_numbers_across_policies():
+    t = make_trace(load=1.3, seconds=120, seed=5)
+    frames = [simulate(t, preset(p)) for p in PRESETS]
+    for f in frames[1:]:
+        assert np.array_equal(f["arrival_s"], frames[0]["arrival_s"])
+        assert np.array_equal(f["true_service_s"], frames[0]["true_service_s"])
+
+
+def test_more_engines_wait_less():
+    t = make_trace(load=0.9, engines=4, seconds=300, seed=2)
+    df = simulate(t, PRESETS["none"], engines=4)
+    assert set(df["engine"].dropna()) == {0, 1, 2, 3}
+
+
+def test_empty_and_invalid():
+    empty = from_arrays([], [])
+    assert len(simulate(empty)) == 0
+    with pytest.raises(ValueError):
+        simulate(burst(3), engines=0)
+    with pytest.raises(ValueError, match="sorted"):
+        simulate(from_arrays([1.0, 0.0], [4, 4]))
