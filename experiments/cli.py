@@ -259,7 +259,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--scale", type=positive, default=1.0, help="multiply every run's length")
     t.add_argument("--workers", type=positive_int, help="processes (default: all cores)")
     _simulate_parser(sub)
+    for register in _command_modules():
+        register(sub)
     return parser
+
+
+def _command_modules():
+    """Subcommands that live beside the code they drive: each module has register(subparsers).
+
+    A registered command's function takes the parsed args and returns an exit status;
+    a ValueError or OSError it raises becomes one line on stderr and exit status 2.
+    """
+    import importlib
+
+    found = []
+    for name in ("experiments.commands", "live.commands"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a missing dependency inside the module is a real error
+                raise
+            continue
+        found.append(module.register)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
