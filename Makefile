@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.qlab-installed
+# The CPU build of torch. A plain `torch` requirement pulls a multi-GB CUDA build on Linux;
+# users with a GPU can pass TORCH=torch (or any pin) to get theirs.
+TORCH  ?= torch==2.13.0
 
 .PHONY: demo test bench clean
 
@@ -12,23 +15,24 @@ $(BIN)/python:
 
 # Reinstall when the project's dependencies change.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m pip install --quiet '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench,live,cluster]'
 	touch $@
 
-# The main job on embedded defaults: every closed form against the simulator,
-# then one simulation per policy at 1.3x capacity on the reference mix.
+# The main job on embedded defaults: every closed form against the simulator, a reduced
+# reference sweep (200 cells), its figures in figures/, and its summary table.
 demo: $(STAMP)
 	$(BIN)/qlab theory
-	@for p in none bounded bounded-deadline predictive; do \
-		echo; echo "== qlab simulate --policy $$p --load 1.3 --seconds 600 --seed 1"; \
-		$(BIN)/qlab simulate --policy $$p --load 1.3 --seconds 600 --seed 1 || exit 1; \
-	done
+	$(BIN)/qlab sweep experiments/demo.toml --out runs/demo --quiet
+	$(BIN)/qlab plot runs/demo --out figures
+	$(BIN)/qlab summary runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py
+	$(BIN)/python benchmarks/bench_sweep.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

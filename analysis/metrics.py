@@ -90,3 +90,18 @@ def across_seeds(table: pd.DataFrame, level: float = 0.95) -> pd.DataFrame:
     """Rows are replications, columns metrics: return mean, ci_low, ci_high per metric."""
     out = {col: mean_ci(table[col], level) for col in table.columns}
     return pd.DataFrame.from_dict(out, orient="index", columns=["mean", "ci_low", "ci_high"])
+
+
+def aggregate(table: pd.DataFrame, by: list[str], columns: list[str], level: float = 0.95) -> pd.DataFrame:
+    """Mean and CI over seeds of ``columns`` for each group of ``by`` (e.g. policy, speed, load).
+
+    Returns one row per group with columns <metric>, <metric>_low, <metric>_high, and n (seeds).
+    """
+    rows = []
+    for key, part in table.groupby(by, sort=True, dropna=False):
+        row = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        row["n"] = len(part)
+        for col in columns:
+            row[col], row[f"{col}_low"], row[f"{col}_high"] = mean_ci(part[col], level)
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,116 @@
+"""``qlab sweep`` and ``qlab plot``: a TOML grid to a parquet dataset, and the dataset to figures."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.metrics import aggregate
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Mean over seeds, with the 95 % CI half-width, of the headline figures per speed, load and policy."""
+    by = [c for c in ("speed", "engines", "load", "policy") if c in summary and summary[c].notna().any()]
+    metrics = ["share_good", "goodput_rps", "good_tokens_per_s", "latency_p99_s"]
+    agg = aggregate(summary, by, metrics)
+    out = agg[by].copy()
+    for m in metrics:
+        half = (agg[f"{m}_high"] - agg[f"{m}_low"]) / 2
+        out[m] = [f"{v:.3g} ±{h:.2g}" if pd.notna(h) else f"{v:.3g}" for v, h in zip(agg[m], half)]
+    return out
+
+
+def _print_summary(summary: pd.DataFrame) -> None:
+    seeds = summary["seed"].nunique()
+    print(f"{int(summary['requests'].sum()):,} requests; mean over {seeds} seed(s), ± 95 % CI half-width:")
+    print(summary_table(summary).to_string(index=False))
+
+
+def _sweep_summary(folder: str) -> tuple[Path, pd.DataFrame]:
+    src = Path(folder)
+    if not (src / "summary.parquet").exists():
+        raise ValueError(f"{src}: no summary.parquet here; run `qlab sweep FILE.toml --out {src}` first")
+    return src, pd.read_parquet(src / "summary.parquet")
+
+
+def cmd_sweep(args) -> int:
+    from . import config, sweep
+
+    cfg = config.load(args.file)
+    n = len(sweep.cells(cfg))
+    began = time.perf_counter()
+    summary = sweep.run(cfg, args.out, workers=args.workers, scheduler=args.scheduler, quiet=args.quiet)
+    wall = time.perf_counter() - began
+    if not args.quiet:
+        print(f"sweep {cfg.name}: {n} cells ({summary.attrs['ran']} run, {summary.attrs['skipped']} already done) "
+              f"in {wall:.1f} s -> {args.out}")
+        _print_summary(summary)
+    return 0
+
+
+def cmd_summary(args) -> int:
+    src, summary = _sweep_summary(args.dir)
+    print(f"{src}: {len(summary)} cells")
+    _print_summary(summary)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from analysis import plots
+
+    from . import sweep
+
+    src, summary = _sweep_summary(args.dir)
+    by_class = pd.read_parquet(src / "summary_by_class.parquet")
+    load = args.cdf_load if args.cdf_load is not None else _cdf_load(summary)
+    speed = sorted(summary["speed"].unique())[0]
+    rows = sweep.load_rows(src, load=load, speed=speed) if load is not None else None
+    paths = plots.save_all(summary, by_class, rows, args.out)
+    print(f"wrote {len(paths)} files to {args.out} (latency CDF at load {load:g}, speed {speed:g})"
+          if load is not None else f"wrote {len(paths)} files to {args.out}")
+    return 0
+
+
+def _cdf_load(summary: pd.DataFrame) -> float | None:
+    """The swept load closest to 1.3 (just past capacity), where the policies differ most."""
+    loads = summary["load"].dropna().unique()
+    return float(min(loads, key=lambda v: abs(v - 1.3))) if len(loads) else None
+
+
+def register(sub) -> None:
+    s = sub.add_parser("sweep", help="run a TOML grid of simulations into a parquet dataset",
+                       description="Run every cell of a sweep file (policy x load x speed x ... x seeds) and "
+                                   "write per-request rows, a summary and a manifest. Re-running skips finished cells.")
+    s.set_defaults(func=cmd_sweep)
+    s.add_argument("file", help="sweep TOML, e.g. experiments/reference.toml")
+    s.add_argument("--out", required=True, help="output folder (created; resumed if it holds this config)")
+    s.add_argument("--workers", type=_positive_int, help="local processes (default: all cores)")
+    s.add_argument("--scheduler", help="run on an existing dask.distributed cluster, e.g. tcp://HOST:8786")
+    s.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+
+    t = sub.add_parser("summary", help="print a sweep's summary table",
+                       description="Mean over seeds and 95 % CI of share in time, goodput and p99 latency per cell.")
+    t.set_defaults(func=cmd_summary)
+    t.add_argument("dir", help="a folder written by qlab sweep")
+
+    p = sub.add_parser("plot", help="draw a sweep's figures (PNG and SVG)",
+                       description="Share in time, goodput (requests/s and tokens/s), share by size class, "
+                                   "latency CDF of the answered, and outcome bars, from a sweep folder.")
+    p.set_defaults(func=cmd_plot)
+    p.add_argument("dir", help="a folder written by qlab sweep")
+    p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
+    p.add_argument("--cdf-load", type=float, help="nominal load of the latency CDF (default: the one closest to 1.3)")

@@ -1,0 +1,215 @@
+"""Sweep configuration: a TOML file read into frozen dataclasses, checked before any cell runs.
+
+```toml
+[sweep]                      # all optional
+name = "reference"
+duration_s = 600             # simulated seconds of arrivals per cell
+seeds = 20                   # replications: seeds first_seed .. first_seed + seeds - 1
+first_seed = 1
+arrivals = "poisson"         # poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S
+noise_cv = 0.0               # lognormal noise on true service times
+fixed_estimate = false       # true: no speed tracking
+
+[service]                    # optional: the calibrated line
+intercept_s = 0.001
+per_token_s = 0.0085
+
+[mixes.reference]            # optional: named size mixes ("reference" is built in)
+sizes = [4, 16, 64]
+probs = [0.5, 0.35, 0.15]
+
+[grid]                       # every combination is one cell (times each seed)
+policy = ["none", "bounded", "bounded-deadline", "predictive"]
+load = [0.5, 1.0, 2.0]       # nominal: relative to the calibrated capacity
+speed = [1.0, 2.25]          # true service times are SPEED times the calibration
+engines = [1]
+deadline_s = [2.0]           # optional, else the preset's
+max_queue = [8]              # optional, else the preset's
+mix = ["reference"]          # names from [mixes]; or
+trace = ["data/x.csv"]       # trace files instead of synthetic arrivals (load then unused)
+time_scale = [1.0]           # with trace
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qsim import PRESETS, REFERENCE_MIX, Mix, ServiceModel
+from qsim.workload import parse_arrivals
+
+SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
+              "noise_cv": float, "fixed_estimate": bool}
+GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
+             "max_queue": int, "mix": str, "trace": str, "time_scale": float}
+SECTIONS = {"sweep", "service", "mixes", "grid"}
+
+
+class ConfigError(ValueError):
+    """A sweep file that cannot run; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    name: str
+    duration_s: float
+    seeds: int
+    first_seed: int
+    arrivals: str
+    noise_cv: float
+    fixed_estimate: bool
+    service: ServiceModel
+    mixes: dict[str, Mix]
+    grid: dict[str, tuple]
+    source: str = field(default="", compare=False)
+
+    def trace_path(self, trace: str) -> Path:
+        """A grid trace path: relative ones are from the sweep file's folder."""
+        return Path(self.source).parent / trace
+
+    def canonical(self) -> dict[str, Any]:
+        """Everything that decides the rows, as plain JSON-able data (the hash is over this)."""
+        return {
+            "name": self.name, "duration_s": self.duration_s, "seeds": self.seeds, "first_seed": self.first_seed,
+            "arrivals": self.arrivals, "noise_cv": self.noise_cv, "fixed_estimate": self.fixed_estimate,
+            "service": asdict(self.service),
+            "mixes": {k: {"sizes": list(m.sizes), "probs": list(m.probs)} for k, m in sorted(self.mixes.items())},
+            "grid": {k: list(v) for k, v in sorted(self.grid.items())},
+        }
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _typed(where: str, value: Any, kind: type) -> Any:
+    """Check one value's type (an int is a fine float; a bool is not a number)."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be finite, got {value!r}")
+    return value
+
+
+def _no_unknown(where: str, table: dict, known) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(known))}")
+
+
+def _positive(where: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str, tuple]:
+    if not isinstance(table, dict) or not table:
+        raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
+    _no_unknown(f"{path}: [grid]", table, GRID_KEYS)
+    grid: dict[str, tuple] = {}
+    for key, values in table.items():
+        where = f"{path}: grid.{key}"
+        values = values if isinstance(values, list) else [values]
+        if not values:
+            raise ConfigError(f"{where}: empty list: a grid axis needs at least one value")
+        checked = tuple(_typed(f"{where}[{i}]", v, GRID_KEYS[key]) for i, v in enumerate(values))
+        if len(set(checked)) != len(checked):
+            raise ConfigError(f"{where}: a value appears twice")
+        for i, v in enumerate(checked):
+            if key == "policy" and v not in PRESETS:
+                raise ConfigError(f"{where}[{i}]: unknown policy {v!r}; choose one of {', '.join(PRESETS)}")
+            if key == "mix" and v not in mixes:
+                raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{v}]")
+            if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
+                _positive(f"{where}[{i}]", v)
+            if key == "max_queue":
+                _positive(f"{where}[{i}]", v, allow_zero=True)
+            if key == "trace" and not (base / v).is_file():
+                raise ConfigError(f"{where}[{i}]: no such trace file {v!r} (relative paths are from the sweep file's folder)")
+        grid[key] = checked
+    if "policy" not in grid:
+        raise ConfigError(f"{path}: grid.policy is required")
+    if "trace" in grid and "load" in grid:
+        raise ConfigError(f"{path}: grid.trace and grid.load exclude each other: a trace brings its own arrivals")
+    if "trace" not in grid and "load" not in grid:
+        raise ConfigError(f"{path}: the grid needs load (synthetic arrivals) or trace (a file's arrivals)")
+    if "time_scale" in grid and "trace" not in grid:
+        raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
+    return grid
+
+
+def _mixes(path: str, table: Any) -> dict[str, Mix]:
+    mixes = {"reference": REFERENCE_MIX}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [mixes] must be a table of named mixes")
+    for name, spec in table.items():
+        where = f"{path}: mixes.{name}"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: expected a table with sizes and probs")
+        _no_unknown(where, spec, {"sizes", "probs"})
+        try:
+            sizes = tuple(_typed(f"{where}.sizes", s, int) for s in spec.get("sizes", []))
+            probs = tuple(_typed(f"{where}.probs", p, float) for p in spec.get("probs", []))
+            mixes[name] = Mix(sizes, probs)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return mixes
+
+
+def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
+    """Check a parsed TOML document and build the config; raise ConfigError naming the key."""
+    _no_unknown(path, data, SECTIONS)
+    sweep = data.get("sweep", {})
+    if not isinstance(sweep, dict):
+        raise ConfigError(f"{path}: [sweep] must be a table")
+    _no_unknown(f"{path}: [sweep]", sweep, SWEEP_KEYS)
+    s = {k: _typed(f"{path}: sweep.{k}", v, SWEEP_KEYS[k]) for k, v in sweep.items()}
+    defaults = dict(name=Path(path).stem, duration_s=600.0, seeds=20, first_seed=1, arrivals="poisson",
+                    noise_cv=0.0, fixed_estimate=False)
+    s = {**defaults, **s}
+    _positive(f"{path}: sweep.duration_s", s["duration_s"])
+    _positive(f"{path}: sweep.seeds", s["seeds"])
+    _positive(f"{path}: sweep.first_seed", s["first_seed"], allow_zero=True)
+    _positive(f"{path}: sweep.noise_cv", s["noise_cv"], allow_zero=True)
+    try:
+        parse_arrivals(s["arrivals"])
+    except ValueError as exc:
+        raise ConfigError(f"{path}: sweep.arrivals: {exc}") from None
+    service = data.get("service", {})
+    if not isinstance(service, dict):
+        raise ConfigError(f"{path}: [service] must be a table")
+    _no_unknown(f"{path}: [service]", service, {"intercept_s", "per_token_s"})
+    try:
+        model = ServiceModel(**{k: _typed(f"{path}: service.{k}", v, float) for k, v in service.items()})
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{path}: [service]: {exc}") from None
+    mixes = _mixes(path, data.get("mixes", {}))
+    return SweepConfig(service=model, mixes=mixes, grid=_grid(path, data.get("grid"), mixes, Path(path).parent),
+                       source=path, **s)
+
+
+def load(path: str | Path) -> SweepConfig:
+    """Read and check a sweep file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse(data, str(path))

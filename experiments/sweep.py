@@ -1,0 +1,276 @@
+"""Sweeps: a grid of cells, each simulated once, written to a parquet dataset.
+
+Layout of ``OUT``::
+
+    manifest.json              config, its sha256, qlab version, seeds, cell count
+    cells/<cell_id>.parquet    one file per cell: its per-request rows (qsim schema + cell columns);
+                               the cell's summaries ride in the file's metadata
+    summary.parquet            one row per cell: parameters, outcome counts, goodput, latency
+    summary_by_class.parquet   one row per cell and size class
+
+Crash safety: every file is written under a temporary name and renamed into
+place, so a file that exists is whole. Resuming: a cell whose file exists is
+skipped. A changed config refuses to write into a folder holding another's cells.
+Determinism: a cell's rows depend only on the config and the cell, so any
+executor and any number of workers give the same rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import os
+import platform
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from analysis import metrics
+from qsim import load_trace, make_trace, preset, simulate
+
+from .config import ConfigError, SweepConfig
+
+META_KEY = b"qlab.cell"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid and one seed."""
+
+    policy: str
+    load: float | None
+    speed: float
+    engines: int
+    deadline_s: float | None
+    max_queue: int | None
+    mix: str
+    trace: str | None
+    time_scale: float | None
+    seed: int
+
+    @property
+    def id(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cells(config: SweepConfig) -> list[Cell]:
+    """Every cell of the grid, in a fixed order (seeds innermost)."""
+    g = config.grid
+    axes = dict(
+        policy=g["policy"], load=g.get("load", (None,)), speed=g.get("speed", (1.0,)),
+        engines=g.get("engines", (1,)), deadline_s=g.get("deadline_s", (None,)),
+        max_queue=g.get("max_queue", (None,)), mix=g.get("mix", ("reference",)),
+        trace=g.get("trace", (None,)),
+        time_scale=g.get("time_scale", (1.0,)) if "trace" in g else (None,),
+        seed=tuple(range(config.first_seed, config.first_seed + config.seeds)),
+    )
+    return [Cell(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
+
+
+# ------------------------------------------------------------------ one cell
+
+
+@dataclass(frozen=True)
+class CellResult:
+    cell_id: str
+    summary: dict
+    by_class: list[dict]
+    parquet: bytes  # the cell's file, encoded in the worker so the parent only writes bytes
+
+
+def _trace(config: SweepConfig, cell: Cell):
+    mix = config.mixes[cell.mix]
+    if cell.trace is not None:
+        return load_trace(config.trace_path(cell.trace), cell.time_scale, model=config.service, mix=mix,
+                          speed=cell.speed, noise_cv=config.noise_cv, seed=cell.seed)
+    # Sweep loads are nominal (relative to the calibrated capacity): the arrival rate stays
+    # put when the machine slows, and make_trace's load is at the simulated speed.
+    return make_trace(config.arrivals, "mix", load=cell.load * cell.speed, engines=cell.engines,
+                      speed=cell.speed, seconds=config.duration_s, seed=cell.seed, mix=mix,
+                      model=config.service, noise_cv=config.noise_cv)
+
+
+def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
+    """Simulate one cell: its rows as parquet bytes, and its summaries."""
+    policy = preset(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
+    trace = _trace(config, cell)
+    frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate)
+    mix = config.mixes[cell.mix]
+    mean_s = mix.mean_s(config.service)
+    # The effective bound and deadline (the preset's unless the grid overrides them).
+    params = {"cell_id": cell.id, **asdict(cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
+    seconds = metrics.run_duration(frame, trace.duration_s)
+    summary = {
+        **params,
+        **metrics.summary(frame, trace.duration_s),
+        "duration_s": seconds,
+        "offered_load": float(trace.true_service_s.sum() / (seconds * cell.engines)),
+        "capacity_rps": cell.engines / (cell.speed * mean_s),
+        "capacity_tokens_per_s": cell.engines * float(pd.Series(mix.sizes).dot(pd.Series(mix.probs)))
+        / (cell.speed * mean_s),
+    }
+    by_class = [{**params, "size_class": cls, **row}
+                for cls, row in metrics.by_class(frame, trace.duration_s).to_dict(orient="index").items()]
+    # Rows keep their own per-request deadline_s.
+    rows = frame.assign(**{k: v for k, v in params.items() if k != "deadline_s"})
+    table = pa.Table.from_pandas(rows, preserve_index=False)
+    meta = json.dumps({"summary": summary, "by_class": by_class}).encode()
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: meta})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return CellResult(cell.id, summary, by_class, buffer.getvalue())
+
+
+# ------------------------------------------------------------------ files
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write under a hidden temporary name, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _frame_bytes(frame: pd.DataFrame) -> bytes:
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer, index=False)
+    return buffer.getvalue()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("qlab")
+    except metadata.PackageNotFoundError:  # running from a checkout that is not installed
+        return "unknown"
+
+
+def _manifest(config: SweepConfig, n_cells: int) -> dict:
+    return {
+        "config": config.canonical(),
+        "config_sha256": config.digest,
+        "source": config.source,
+        "qlab_version": _version(),
+        "python": platform.python_version(),
+        "seeds": list(range(config.first_seed, config.first_seed + config.seeds)),
+        "cells": n_cells,
+    }
+
+
+def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
+    """Create OUT, or check that it holds this very config; clear temporaries of a killed run."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cells").mkdir(exist_ok=True)
+    path = out / "manifest.json"
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise ConfigError(f"{path}: not a qlab sweep manifest; choose another --out") from None
+        if old.get("config_sha256") != config.digest:
+            raise ConfigError(
+                f"{out} holds cells of another sweep config (sha256 {str(old.get('config_sha256'))[:12]}, "
+                f"this one {config.digest[:12]}); choose another --out or remove that folder"
+            )
+    else:
+        _atomic_write(path, (json.dumps(_manifest(config, n_cells), indent=2) + "\n").encode())
+    for stale in itertools.chain((out / "cells").glob(".*.tmp-*"), out.glob(".*.tmp-*")):
+        stale.unlink(missing_ok=True)
+
+
+def finished(out: Path) -> set[str]:
+    return {p.stem for p in (out / "cells").glob("*.parquet")}
+
+
+def read_cell_meta(path: Path) -> dict:
+    return json.loads(pq.read_schema(path).metadata[META_KEY])
+
+
+def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
+    """Gather the summaries of the wanted cells from their files' metadata into the two tables."""
+    metas = [read_cell_meta(out / "cells" / f"{cid}.parquet") for cid in wanted]
+    summary = pd.DataFrame([m["summary"] for m in metas])
+    by_class = pd.DataFrame([row for m in metas for row in m["by_class"]])
+    _atomic_write(out / "summary.parquet", _frame_bytes(summary))
+    _atomic_write(out / "summary_by_class.parquet", _frame_bytes(by_class))
+    return summary
+
+
+# ------------------------------------------------------------------ executors
+
+
+def _local(config: SweepConfig, todo: list[Cell], workers: int) -> Iterator[CellResult]:
+    if workers <= 1:
+        for cell in todo:
+            yield run_cell(config, cell)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(run_cell, config, cell) for cell in todo]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def _dask(config: SweepConfig, todo: list[Cell], scheduler: str) -> Iterator[CellResult]:
+    try:
+        from distributed import Client, as_completed as dask_completed
+    except ImportError:
+        raise ConfigError("--scheduler needs dask.distributed: pip install 'qlab[cluster]'") from None
+    try:
+        client = Client(scheduler, timeout="10s")
+    except (OSError, TimeoutError) as exc:
+        raise ConfigError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
+    with client:
+        futures = client.map(run_cell, [config] * len(todo), todo, pure=False)
+        try:
+            for future in dask_completed(futures):
+                yield future.result()
+        finally:
+            client.cancel(futures)
+
+
+def _progress(total: int, initial: int, quiet: bool):
+    from tqdm import tqdm
+
+    show = not quiet and sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, unit="cell", disable=not show, dynamic_ncols=True)
+
+
+def run(config: SweepConfig, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
+        quiet: bool = False) -> pd.DataFrame:
+    """Run every unfinished cell of ``config`` into ``out`` and return the summary (one row per cell)."""
+    out = Path(out)
+    every = cells(config)
+    prepare(config, out, len(every))
+    done = finished(out)
+    todo = [c for c in every if c.id not in done]
+    workers = workers or os.cpu_count() or 1
+    results = _dask(config, todo, scheduler) if scheduler else _local(config, todo, workers)
+    with _progress(len(every), len(every) - len(todo), quiet) as bar:
+        for result in results:
+            _atomic_write(out / "cells" / f"{result.cell_id}.parquet", result.parquet)
+            bar.update(1)
+    summary = write_summaries(out, [c.id for c in every])
+    summary.attrs.update(ran=len(todo), skipped=len(every) - len(todo))
+    return summary
+
+
+def load_rows(out: str | Path, **equal) -> pd.DataFrame:
+    """Per-request rows of a sweep, optionally only where column == value (e.g. policy="none")."""
+    filters = [(k, "=", v) for k, v in equal.items()] or None
+    return pd.read_parquet(Path(out) / "cells", filters=filters)

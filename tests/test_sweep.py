@@ -1,0 +1,224 @@
+"""Sweeps: grid, determinism across executors, resume, crash safety, config checks, plots, notebook."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments import config, sweep
+from qsim import records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = """
+[sweep]
+duration_s = 40
+seeds = 2
+[grid]
+policy = ["none", "bounded", "bounded-deadline", "predictive"]
+load = [0.5, 1.5]
+speed = [1.0, 2.25]
+"""
+
+
+def write(tmp_path, text, name="s.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def rows_of(out):
+    frame = pd.read_parquet(Path(out) / "cells")
+    return frame.sort_values(["cell_id", "request_id"]).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    cfg = config.load(write(tmp, SMALL))
+    out = tmp / "out"
+    summary = sweep.run(cfg, out, workers=1, quiet=True)
+    return cfg, out, summary
+
+
+def test_grid_and_layout(small):
+    cfg, out, summary = small
+    assert len(sweep.cells(cfg)) == 4 * 2 * 2 * 2
+    assert len(summary) == 32 and summary["cell_id"].is_unique
+    assert len(list((out / "cells").glob("*.parquet"))) == 32
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config_sha256"] == cfg.digest and manifest["seeds"] == [1, 2] and manifest["cells"] == 32
+    assert "qlab_version" in manifest
+    rows = rows_of(out)
+    records.validate(rows.drop_duplicates(["cell_id", "request_id"]).assign(request_id=range(len(rows))))
+    # One row per request per cell, and the summary counts them all.
+    assert rows.groupby("cell_id").size().sum() == summary["requests"].sum()
+    by_class = pd.read_parquet(out / "summary_by_class.parquet")
+    assert set(by_class["size_class"]) == {"4", "16", "64"}
+
+
+def test_common_random_numbers_across_policies(small):
+    _, out, _ = small
+    rows = rows_of(out)
+    cell = rows[(rows["load"] == 1.5) & (rows["speed"] == 1.0) & (rows["seed"] == 1)]
+    arrivals = {p: part["arrival_s"].to_numpy() for p, part in cell.groupby("policy")}
+    first = next(iter(arrivals.values()))
+    assert all((a == first).all() for a in arrivals.values())
+
+
+def test_nominal_load_keeps_the_arrival_rate_when_the_machine_slows(small):
+    _, _, summary = small
+    s = summary[(summary["policy"] == "none") & (summary["load"] == 1.5)]
+    counts = s.groupby("speed")["requests"].sum()
+    assert counts[1.0] == counts[2.25]
+    assert s.loc[s["speed"] == 2.25, "offered_load"].mean() == pytest.approx(1.5 * 2.25, rel=0.15)
+
+
+def test_same_rows_with_a_process_pool(small, tmp_path):
+    cfg, out, _ = small
+    other = tmp_path / "pool"
+    sweep.run(cfg, other, workers=2, quiet=True)
+    pd.testing.assert_frame_equal(rows_of(out), rows_of(other))
+
+
+def test_same_rows_on_a_dask_cluster(small, tmp_path):
+    distributed = pytest.importorskip("distributed")
+    cfg, out, _ = small
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        sweep.run(cfg, tmp_path / "dask", scheduler=cluster.scheduler_address, quiet=True)
+    pd.testing.assert_frame_equal(rows_of(out), rows_of(tmp_path / "dask"))
+
+
+def test_resume_skips_finished_cells(small, tmp_path):
+    cfg, out, _ = small
+    copy = tmp_path / "copy"
+    sweep.run(cfg, copy, workers=1, quiet=True)
+    victims = sorted((copy / "cells").glob("*.parquet"))[:5]
+    for v in victims:
+        v.unlink()
+    mtimes = {p: p.stat().st_mtime_ns for p in (copy / "cells").glob("*.parquet")}
+    summary = sweep.run(cfg, copy, workers=1, quiet=True)
+    assert summary.attrs == {"ran": 5, "skipped": 27}
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+    pd.testing.assert_frame_equal(rows_of(out), rows_of(copy))
+
+
+def test_changed_config_is_refused(small, tmp_path):
+    cfg, out, _ = small
+    changed = config.load(write(tmp_path, SMALL.replace("seeds = 2", "seeds = 3")))
+    with pytest.raises(config.ConfigError, match="another sweep config"):
+        sweep.run(changed, out, quiet=True)
+
+
+def test_killed_sweep_leaves_whole_files_and_resumes(tmp_path):
+    path = write(tmp_path, SMALL.replace("duration_s = 40", "duration_s = 400").replace("seeds = 2", "seeds = 3"))
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out),
+                             "--workers", "2", "--quiet"], env=env, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list((out / "cells").glob("*.parquet"))) < 3:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    written = list((out / "cells").glob("*.parquet"))
+    assert 3 <= len(written) < 48, "the sweep should have been killed part way"
+    for p in written:
+        pd.read_parquet(p)  # every visible file is whole
+    cfg = config.load(path)
+    summary = sweep.run(cfg, out, workers=2, quiet=True)
+    assert summary.attrs["skipped"] == len(written) and len(summary) == 48
+    assert not list((out / "cells").glob(".*tmp*"))
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[grid]\npolicy = ['none']\nload = []\n", "grid.load: empty list"),
+        ("[grid]\npolicy = ['none']\nload = [1.0]\nsped = [1.0]\n", "unknown key 'sped'"),
+        ("[grid]\npolicy = ['none']\nload = ['high']\n", "grid.load[0]: expected float"),
+        ("[grid]\npolicy = ['fifo']\nload = [1.0]\n", "unknown policy 'fifo'"),
+        ("[grid]\npolicy = ['none']\nload = [-1.0]\n", "grid.load[0]: must be > 0"),
+        ("[grid]\npolicy = ['none']\n", "needs load"),
+        ("[grid]\nload = [1.0]\n", "grid.policy is required"),
+        ("[sweep]\nseeds = 'many'\n[grid]\npolicy = ['none']\nload = [1.0]\n", "sweep.seeds: expected int"),
+        ("[sweep]\nseeds = 0\n[grid]\npolicy = ['none']\nload = [1.0]\n", "sweep.seeds: must be > 0"),
+        ("[sweep]\narrivals = 'pareto'\n[grid]\npolicy = ['none']\nload = [1.0]\n", "sweep.arrivals"),
+        ("[sweeps]\n[grid]\npolicy = ['none']\nload = [1.0]\n", "unknown key 'sweeps'"),
+        ("[grid]\npolicy = ['none']\nmix = ['short']\nload = [1.0]\n", "unknown mix 'short'"),
+        ("[mixes.short]\nsizes = [4]\nprobs = [0.5]\n[grid]\npolicy = ['none']\nload = [1.0]\n", "mixes.short"),
+        ("[grid]\npolicy = ['none']\ntrace = ['nope.csv']\n", "no such trace file"),
+        ("[grid\npolicy = ['none']\n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_is_one_clear_error(tmp_path, text, message):
+    with pytest.raises(config.ConfigError) as err:
+        config.load(write(tmp_path, text))
+    assert message in str(err.value) and "s.toml" in str(err.value)
+
+
+def test_bad_toml_from_the_cli_runs_nothing(tmp_path):
+    path = write(tmp_path, "[grid]\npolicy = ['none']\nload = [1.0, 'x']\n")
+    out = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "grid.load[1]" in proc.stderr and not out.exists()
+
+
+def test_trace_and_mix_grids(tmp_path, azure_csv):
+    text = f"""
+[sweep]
+seeds = 1
+[mixes.short]
+sizes = [2, 8]
+probs = [0.7, 0.3]
+[grid]
+policy = ["predictive"]
+trace = ["{azure_csv}"]
+time_scale = [0.25]
+"""
+    cfg = config.load(write(tmp_path, text))
+    summary = sweep.run(cfg, tmp_path / "t", workers=1, quiet=True)
+    assert summary["requests"].iloc[0] == 8819 and summary["rejected"].iloc[0] > 0
+    cfg2 = config.load(write(tmp_path, SMALL.replace("[grid]", "[mixes.short]\nsizes = [2, 8]\nprobs = [0.7, 0.3]\n[grid]\nmix = [\"short\"]"), "m.toml"))
+    rows = sweep.run(cfg2, tmp_path / "m", workers=1, quiet=True)
+    assert len(rows) == 32
+
+
+def test_cli_sweep_and_plot(tmp_path, small):
+    _, out, _ = small
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    figs = tmp_path / "figs"
+    proc = subprocess.run([sys.executable, "-m", "experiments", "plot", str(out), "--out", str(figs)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("share_in_time", "goodput", "share_by_class", "latency_cdf", "outcomes"):
+        for ext in ("png", "svg"):
+            assert (figs / f"{name}.{ext}").stat().st_size > 1000
+    proc = subprocess.run([sys.executable, "-m", "experiments", "plot", str(tmp_path), "--out", str(figs)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "no summary.parquet" in proc.stderr
+
+
+def test_notebook_runs_headless(small):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    _, out, _ = small
+    nb = nbformat.read(ROOT / "notebooks" / "goodput_curves.ipynb", as_version=4)
+    os.environ["QLAB_SWEEP"] = str(out)
+    try:
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT)}}).execute()
+    finally:
+        del os.environ["QLAB_SWEEP"]
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in outputs)
+    assert not any(o.get("output_type") == "error" for o in outputs)
