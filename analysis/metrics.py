@@ -37,15 +37,14 @@ def summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, f
     refused = frame.loc[outcome.isin(["rejected", "expired"]), "latency_s"]
     row: dict[str, float] = {"requests": n}
     row.update({o: int(counts.get(o, 0)) for o in OUTCOMES})
+    lat = np.quantile(answered.to_numpy(), [0.5, 0.9, 0.99]) if len(answered) else [math.nan] * 3
+    ref = np.quantile(refused.to_numpy(), [0.5, 0.99]) if len(refused) else [math.nan] * 2
     row.update(
         share_good=good.mean() if n else math.nan,
         goodput_rps=good.sum() / seconds,
         good_tokens_per_s=frame.loc[good, "max_new_tokens"].sum() / seconds,
-        latency_p50_s=answered.quantile(0.5),
-        latency_p90_s=answered.quantile(0.9),
-        latency_p99_s=answered.quantile(0.99),
-        refusal_p50_s=refused.quantile(0.5),
-        refusal_p99_s=refused.quantile(0.99),
+        latency_p50_s=lat[0], latency_p90_s=lat[1], latency_p99_s=lat[2],
+        refusal_p50_s=ref[0], refusal_p99_s=ref[1],
     )
     return {k: float(v) for k, v in row.items()}
 
