@@ -1,5 +1,6 @@
-"""live: the real harness (HTTP gate in front of GPT-2, open-loop replay).
+"""live: the real harness — an asyncio gate and FastAPI service in front of GPT-2 or a
+synthetic engine, an open-loop replayer of qsim traces, calibration, and live passes.
 
-Not built yet; it will reuse qsim's ``decide``, ``SpeedTracker``, traces and
-record schema rather than copies of them.
+It reuses qsim's ``decide``, ``cannot_finish``, ``SpeedTracker``, traces and record
+schema rather than copies of them. Torch is imported only by ``live.gpt2``.
 """

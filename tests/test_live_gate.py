@@ -1,0 +1,244 @@
+"""The live gate against the simulator: same burst, same rules, same outcomes.
+
+The gate runs in real time with the synthetic engine; service times of tens of
+milliseconds and deadlines with 25 ms of slack on every decision keep the
+comparison exact on a busy machine.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from live.engine import EngineResult, SyntheticEngine
+from live.gate import DeadlineExceeded, EngineFailed, Gate, GateConfig, Job, Rejected
+from qsim import PRESETS, ServiceModel, from_arrays, simulate
+
+MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 s
+
+
+async def _burst(gate: Gate, tokens: list[int]) -> list[str]:
+    """Submit every job in one go (no await in between: a true burst), then collect outcomes in order."""
+    pending = []
+    for n in tokens:
+        try:
+            pending.append(gate.submit(Job("prompt", n)))
+        except Rejected as exc:
+            pending.append(exc)
+    outcomes = []
+    for item in pending:
+        if isinstance(item, Rejected):
+            outcomes.append("rejected")
+            continue
+        try:
+            outcomes.append((await item).outcome)
+        except DeadlineExceeded:
+            outcomes.append("expired")
+    return outcomes
+
+
+def _live(policy, engines: int, tokens: list[int]) -> tuple[list[str], dict]:
+    async def go():
+        async with Gate([SyntheticEngine(MODEL) for _ in range(engines)], GateConfig(policy, MODEL)) as gate:
+            return await _burst(gate, tokens), gate.stats()
+
+    return asyncio.run(go())
+
+
+def _simulated(policy, engines: int, tokens: list[int]) -> list[str]:
+    trace = from_arrays(np.zeros(len(tokens)), tokens, model=MODEL)
+    return simulate(trace, policy, engines)["outcome"].tolist()
+
+
+CASES = {
+    # The brief's trap: two start at once, four wait, four are refused.
+    "bounded 10/limit 4/2 engines": (PRESETS["bounded"].with_overrides(max_queue=4), 2, [12] * 10),
+    "none": (PRESETS["none"], 2, [4, 12, 8, 12, 4, 4, 8, 12]),
+    "bounded": (PRESETS["bounded"].with_overrides(max_queue=3), 1, [12] * 6),
+    # No expiry: the third and fourth run and end after their 0.125 s deadline.
+    "bounded late": (PRESETS["bounded"].with_overrides(max_queue=3, deadline_s=0.125), 1, [12] * 6),
+    # Deadline 0.125 s, 0.05 s each: the second finishes at 0.10, the third would end at 0.15 -> expired.
+    "bounded-deadline expiry": (PRESETS["bounded-deadline"].with_overrides(deadline_s=0.125), 1, [12] * 10),
+    "predictive": (PRESETS["predictive"].with_overrides(deadline_s=0.125), 1, [12] * 10),
+    "predictive 2 engines": (PRESETS["predictive"].with_overrides(deadline_s=0.125), 2, [12] * 10),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_burst_matches_simulator_request_by_request(name):
+    policy, engines, tokens = CASES[name]
+    live, stats = _live(policy, engines, tokens)
+    assert live == _simulated(policy, engines, tokens)
+    assert {k: stats["counts"][k] for k in ("good", "late", "rejected", "expired")} == {
+        k: live.count(k) for k in ("good", "late", "rejected", "expired")}
+    assert stats["waiting"] == 0 and stats["in_service"] == 0
+
+
+def test_burst_of_ten_limit_four_two_engines_admits_six():
+    live, stats = _live(*CASES["bounded 10/limit 4/2 engines"])
+    assert live.count("rejected") == 4 and live.count("good") == 6
+    assert stats["rejected_by_reason"]["queue_full"] == 4
+
+
+def test_bounded_deadline_expires_at_the_front():
+    live, stats = _live(*CASES["bounded-deadline expiry"])
+    assert live == ["good", "good"] + ["expired"] * 7 + ["rejected"]
+    assert stats["counts"]["expired"] == 7
+
+
+def test_expired_request_carries_numbers_and_retry_after():
+    policy = PRESETS["bounded-deadline"].with_overrides(deadline_s=0.06)
+
+    async def go():
+        async with Gate([SyntheticEngine(MODEL)], GateConfig(policy, MODEL)) as gate:
+            first, second = gate.submit(Job("a", 12)), gate.submit(Job("b", 12))
+            await first
+            with pytest.raises(DeadlineExceeded) as info:
+                await second
+            return info.value
+
+    exc = asyncio.run(go())
+    assert exc.reason == "cannot_finish" and exc.retry_after_s >= 1
+    assert exc.numbers["deadline_s"] == 0.06 and exc.numbers["waited_s"] >= 0.05
+
+
+def test_rejection_carries_qsim_rejection():
+    policy = PRESETS["bounded"].with_overrides(max_queue=0)
+
+    async def go():
+        async with Gate([SyntheticEngine(MODEL)], GateConfig(policy, MODEL)) as gate:
+            running = gate.submit(Job("a", 12))
+            with pytest.raises(Rejected) as info:
+                gate.submit(Job("b", 12))
+            await running
+            return info.value
+
+    exc = asyncio.run(go())
+    assert exc.rejection.reason == "queue_full" and exc.rejection.retry_after_s == 1
+    assert exc.arrival.queued == 0 and exc.arrival.est_service_s == pytest.approx(0.05)
+
+
+def test_cancelled_waiting_request_leaves_the_queue_with_its_work():
+    async def go():
+        async with Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL)) as gate:
+            first = gate.submit(Job("a", 12))
+            second = gate.submit(Job("b", 12))
+            third = gate.submit(Job("c", 4))
+            assert gate.waiting == 2
+            second.cancel()  # what the service does when the client disconnects
+            await asyncio.sleep(0)  # the done callback runs on the loop
+            waiting, work = gate.waiting, gate.queued_work_s
+            await first
+            answer = await third
+            return waiting, work, answer, gate.stats()
+
+    waiting, work, answer, stats = asyncio.run(go())
+    assert waiting == 1
+    assert work == pytest.approx(float(MODEL.estimate(4)))
+    assert answer.queue_s < 0.09  # started after the first alone, not after the cancelled one too
+    assert stats["cancelled"] == 1 and stats["counts"]["good"] == 2 and stats["waiting"] == 0
+
+
+class _Flaky:
+    """Fails on the prompt 'boom', otherwise a synthetic engine."""
+
+    max_new_tokens_limit = None
+
+    def __init__(self) -> None:
+        self.inner = SyntheticEngine(MODEL, speed=2.0)
+
+    def run(self, prompt, max_new_tokens, stop):
+        if prompt == "boom":
+            raise RuntimeError("out of memory (pretend)")
+        return self.inner.run(prompt, max_new_tokens, stop)
+
+    def count_tokens(self, text):
+        return len(text)
+
+    def warmup(self):
+        pass
+
+    def info(self):
+        return {"engine": "flaky"}
+
+
+def test_engine_exception_is_an_error_and_teaches_the_tracker_nothing():
+    async def go():
+        async with Gate([_Flaky()], GateConfig(PRESETS["none"], MODEL)) as gate:
+            boom = gate.submit(Job("boom", 12))
+            after = gate.submit(Job("fine", 12))
+            with pytest.raises(EngineFailed) as info:
+                await boom
+            factor_after_failure = gate.tracker.factor
+            answer = await after  # the same engine thread goes on
+            return info.value, factor_after_failure, answer, gate.stats()
+
+    exc, factor, answer, stats = asyncio.run(go())
+    assert isinstance(exc.__cause__, RuntimeError) and exc.engine == 0
+    assert factor == 1.0
+    assert answer.outcome == "good" and answer.engine == 0
+    assert stats["counts"]["error"] == 1 and stats["counts"]["good"] == 1
+    assert stats["speed_factor"] > 1.1  # the slow success did teach it
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_speed_tracking_and_fixed_estimate(fixed):
+    async def go():
+        config = GateConfig(PRESETS["none"], MODEL, fixed_estimate=fixed)
+        async with Gate([SyntheticEngine(MODEL, speed=2.0)], config) as gate:
+            for _ in range(4):
+                await gate.submit(Job("x", 2))
+            return gate.tracker.factor
+
+    factor = asyncio.run(go())
+    assert factor == 1.0 if fixed else 1.5 < factor < 2.1
+
+
+def test_submit_before_start_is_an_error():
+    gate = Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL))
+    with pytest.raises(RuntimeError):
+        gate.submit(Job("x", 1))
+
+
+def test_synthetic_engine_sleeps_the_estimate_times_speed_on_schedule():
+    now = [0.0]
+    engine = SyntheticEngine(ServiceModel(0.0, 0.01), speed=1.0, schedule=[(10.0, 3.0)], clock=lambda: now[0])
+    assert engine.duration_s(5) == pytest.approx(0.05)
+    now[0] = 12.0
+    assert engine.duration_s(5) == pytest.approx(0.15)
+    result = engine.run("p", 3, stop=None)
+    assert isinstance(result, EngineResult) and result.tokens == 3 and result.engine_s >= 0.09
+    assert result.text == " tok" * 3
+    noisy = SyntheticEngine(ServiceModel(0.0, 0.01), noise_cv=0.5, seed=3)
+    draws = [noisy.duration_s(10) for _ in range(2000)]
+    assert np.mean(draws) == pytest.approx(0.1, rel=0.05) and np.std(draws) / np.mean(draws) == pytest.approx(0.5, rel=0.15)
+
+
+class _Wrong(_Flaky):
+    def run(self, prompt, max_new_tokens, stop):
+        return "not an EngineResult"
+
+
+def test_engine_returning_the_wrong_type_is_an_error_not_a_hang():
+    async def go():
+        async with Gate([_Wrong()], GateConfig(PRESETS["none"], MODEL)) as gate:
+            with pytest.raises(EngineFailed, match="EngineResult"):
+                await asyncio.wait_for(gate.submit(Job("x", 1)), 5)
+            return gate.stats()
+
+    stats = asyncio.run(go())
+    assert stats["counts"]["error"] == 1 and stats["in_service"] == 0
+
+
+def test_close_cancels_the_waiting_and_refuses_new_work():
+    async def go():
+        gate = Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL))
+        gate.start()
+        running, waiting = gate.submit(Job("a", 12)), gate.submit(Job("b", 12))
+        gate.close()
+        await asyncio.sleep(0.1)  # the engine finishes "a" after close: nothing more starts
+        with pytest.raises(RuntimeError):
+            gate.submit(Job("c", 1))
+        return running.cancelled(), waiting.cancelled(), gate.waiting
+
+    assert asyncio.run(go()) == (True, True, 0)

@@ -1,0 +1,107 @@
+"""The GPT-2 engine on CPU: the tiny configuration with random weights (no download)."""
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from live.engine import Engine  # noqa: E402
+from live.gate import Gate, GateConfig, Job  # noqa: E402
+from live.gpt2 import GPT2Engine, GPT2Spec, make_engines, resolve_device  # noqa: E402
+from qsim import PRESETS  # noqa: E402
+
+SPEC = GPT2Spec("tiny", "cpu", seed=0, threads=1)  # one thread: steady on a shared CI machine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = GPT2Engine(SPEC)
+    e.warmup(rounds=1)
+    return e
+
+
+def test_generates_exactly_max_new_tokens_greedily(engine):
+    assert isinstance(engine, Engine)
+    first = engine.run("The queue in front of the engine", 12)
+    again = engine.run("The queue in front of the engine", 12)
+    assert first.tokens == again.tokens == 12
+    assert first.text == again.text  # greedy: the same prompt gives the same text
+    assert first.engine_s > 0
+    assert engine.info()["tokenizer"] == "bytes" and engine.info()["n_layer"] == 2
+
+
+class _IdTokenizer:
+    """Decodes each id as '<id>': random weights give unreadable bytes, this makes every token visible."""
+
+    name = "ids"
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+    def count(self, text):
+        return len(text.encode())
+
+
+def test_stop_string_ends_generation_early(engine):
+    visible = GPT2Engine(SPEC, loaded=(engine.net, _IdTokenizer(), "cpu"))
+    full = visible.run("stop here", 24)
+    ids = [int(part) for part in full.text.strip("<>").split("><")]
+    assert len(ids) == 24
+    stop = f"<{ids[2]}>"  # the third token: generation must end where it first appears
+    cut = visible.run("stop here", 24, ["never appears", stop])
+    assert cut.tokens == ids.index(ids[2]) + 1
+    assert cut.text == full.text[: full.text.index(stop)] and stop not in cut.text
+    # With the byte tokenizer too: a stop that is already in the text ends generation at once.
+    first = engine.run("stop here", 24).text[:1]
+    short = engine.run("stop here", 24, [first])
+    assert short.tokens < 24 and short.text == ""
+
+
+def test_long_and_empty_prompts_fit_the_context(engine):
+    assert engine.run("x" * 3000, 4).tokens == 4  # truncated to context - max_new_tokens
+    assert engine.run("", 3).tokens == 3  # starts from the begin-of-text token
+    with pytest.raises(ValueError):
+        engine.run("x", engine.max_new_tokens_limit + 1)
+
+
+def test_same_seed_same_weights_and_local_path_loading(engine, tmp_path):
+    engine.net.save_pretrained(tmp_path)
+    # A local directory without tokenizer files falls back to the byte tokenizer.
+    loaded = GPT2Engine(GPT2Spec(str(tmp_path), "cpu", threads=1))
+    assert loaded.info()["tokenizer"] == "bytes"
+    assert loaded.run("same weights", 6).text == engine.run("same weights", 6).text
+
+
+def test_missing_model_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="--model random"):
+        GPT2Engine(GPT2Spec(str(tmp_path / "absent"), "cpu"))
+
+
+def test_device_resolution():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError):
+            resolve_device("cuda")
+
+
+def test_two_engines_share_weights_behind_the_gate():
+    engines = make_engines(2, SPEC)
+    assert engines[0].net is engines[1].net
+
+    async def go():
+        async with Gate(engines, GateConfig(PRESETS["none"])) as gate:
+            answers = await asyncio.gather(*(gate.submit(Job(f"prompt {i}", 4)) for i in range(3)))
+            return answers, gate.stats()
+
+    answers, stats = asyncio.run(go())
+    assert [a.tokens for a in answers] == [4, 4, 4]
+    assert sorted(a.engine for a in answers[:2]) == [0, 1]
+    assert stats["counts"]["good"] + stats["counts"]["late"] == 3

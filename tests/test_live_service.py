@@ -1,0 +1,223 @@
+"""The service end to end: a real `qlab serve` subprocess on loopback with the synthetic engine.
+
+Synthetic service time is the reference line, 1 ms + 8.5 ms/token: 64 tokens take 0.545 s.
+"""
+
+import asyncio
+import json
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from experiments.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTCOME_OF = {"overloaded": "rejected", "deadline_exceeded": "expired", "engine_error": "error"}
+
+
+def start_server(log_path: Path, *flags: str, timeout_s: float = 60.0):
+    """Start `qlab serve --port 0` and read its URL from the first stdout line."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "serve", "--engine", "synthetic", "--port", "0", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith("qlab serve: listening on http://127.0.0.1:"):
+        proc.kill()
+        raise AssertionError(f"server did not start: {line!r}; log: {log_path.read_text()}")
+    return proc, line.split("listening on ")[1].strip()
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    proc, address = start_server(tmp_path_factory.mktemp("serve") / "serve.log",
+                                 "--policy", "bounded-deadline", "--max-queue", "2")
+    yield address
+    stop_server(proc)
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/stats").json()
+
+
+def client_outcome(response) -> str:
+    if response.status_code == 200:
+        return response.json()["outcome"]
+    return OUTCOME_OF[response.json()["error"]["type"]]
+
+
+def assert_envelope(response, status: int, type_: str, reason: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"type", "reason", "message", "numbers", "retry_after_s"}
+    assert error["type"] == type_ and error["message"]
+    if reason is not None:
+        assert error["reason"] == reason, error
+    return error
+
+
+async def _post_all(url: str, bodies: list[dict]) -> list:
+    # One connection per request (no pool limit): the client must never make a request wait.
+    async with httpx.AsyncClient(base_url=url, timeout=10, limits=httpx.Limits(max_connections=None)) as client:
+        return await asyncio.gather(*(client.post("/v1/generate", json=b) for b in bodies))
+
+
+def test_burst_gives_both_overload_envelopes_and_matching_stats(url):
+    before = stats(url)
+    # One runs (0.545 s), two wait, one is refused (queue full); at 0.545 s neither waiting
+    # one can finish by 0.8 s, so both are dropped at the front.
+    responses = asyncio.run(_post_all(url, [{"prompt": f"p{i}", "max_new_tokens": 64, "deadline_ms": 800}
+                                            for i in range(4)]))
+    outcomes = sorted(client_outcome(r) for r in responses)
+    assert outcomes == ["expired", "expired", "good", "rejected"]
+    for r in responses:
+        if r.status_code == 503:
+            error = r.json()["error"]
+            assert error["type"] in ("overloaded", "deadline_exceeded")
+            assert int(r.headers["Retry-After"]) == error["retry_after_s"] >= 1
+            reason = "queue_full" if error["type"] == "overloaded" else "cannot_finish"
+            assert_envelope(r, 503, error["type"], reason)
+            assert {"est_service_s", "queued", "queued_work_s", "deadline_s"} <= set(error["numbers"])
+    after = stats(url)
+    delta = {k: after["counts"][k] - before["counts"][k] for k in after["counts"]}
+    assert delta == {o: outcomes.count(o) for o in ("good", "late", "rejected", "expired", "error")}
+    assert after["waiting"] == 0 and after["in_service"] == 0
+
+
+def test_request_without_deadline_is_valid_and_timed(url):
+    r = httpx.post(f"{url}/v1/generate", json={"prompt": "hello", "max_new_tokens": 4}, timeout=10)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["outcome"] == "good" and body["tokens"] == 4 and body["text"] == " tok" * 4
+    assert body["admission"]["deadline_s"] == 2.0 and body["engine"] == 0
+    t = body["timings"]
+    assert t["queue_s"] >= 0 and t["engine_s"] > 0.03 and t["total_s"] >= t["engine_s"]
+    assert t["est_service_s"] > 0
+
+
+def test_stop_may_be_one_string_or_a_list(url):
+    for stop in ("tok tok", ["zzz", "tok tok"]):
+        r = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 3, "stop": stop}, timeout=10)
+        assert r.status_code == 200 and r.json()["text"] == " "
+
+
+BIG = "a" * 70_000
+BAD = {
+    "malformed json": ({"content": b'{"prompt": "x", "max_new_tokens":', "headers": {"content-type": "application/json"}},
+                       400, "malformed_json"),
+    "not an object": ({"json": [1, 2]}, 422, "invalid_field"),
+    "missing field": ({"json": {"prompt": "x"}}, 422, "invalid_field"),
+    "prompt not a string": ({"json": {"prompt": 5, "max_new_tokens": 4}}, 422, "invalid_field"),
+    "tokens as a string": ({"json": {"prompt": "x", "max_new_tokens": "4"}}, 422, "invalid_field"),
+    "tokens as a bool": ({"json": {"prompt": "x", "max_new_tokens": True}}, 422, "invalid_field"),
+    "tokens 0": ({"json": {"prompt": "x", "max_new_tokens": 0}}, 422, "invalid_field"),
+    "tokens huge": ({"json": {"prompt": "x", "max_new_tokens": 5000}}, 422, "invalid_field"),
+    "deadline negative": ({"json": {"prompt": "x", "max_new_tokens": 4, "deadline_ms": -5}}, 422, "invalid_field"),
+    "deadline huge": ({"json": {"prompt": "x", "max_new_tokens": 4, "deadline_ms": 10**12}}, 422, "invalid_field"),
+    "deadline a float": ({"json": {"prompt": "x", "max_new_tokens": 4, "deadline_ms": 1.5}}, 422, "invalid_field"),
+    "empty stop": ({"json": {"prompt": "x", "max_new_tokens": 4, "stop": ""}}, 422, "invalid_field"),
+    "unknown field": ({"json": {"prompt": "x", "max_new_tokens": 4, "temperature": 0.7}}, 422, "invalid_field"),
+    "prompt too many chars": ({"json": {"prompt": "a" * 20_000, "max_new_tokens": 4}}, 422, "invalid_field"),
+    "prompt too many tokens": ({"json": {"prompt": "\u00e9" * 9_000, "max_new_tokens": 4}}, 422, "prompt_too_long"),
+    "body too large": ({"content": json.dumps({"prompt": BIG, "max_new_tokens": 4}).encode(),
+                        "headers": {"content-type": "application/json"}}, 413, "body_too_large"),
+    "wrong media type": ({"content": b"prompt=x", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_an_envelope_and_the_service_keeps_serving(url, case):
+    kwargs, status, reason = BAD[case]
+    error = assert_envelope(httpx.post(f"{url}/v1/generate", timeout=10, **kwargs), status, "invalid_request", reason)
+    assert error["retry_after_s"] is None
+    ok = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 1}, timeout=10)
+    assert ok.status_code == 200
+
+
+def test_streamed_body_over_the_cap_is_refused_while_reading(url):
+    async def chunks():
+        for _ in range(80):
+            yield b"a" * 1024
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            return await client.post("/v1/generate", content=chunks(), headers={"content-type": "application/json"})
+
+    assert_envelope(asyncio.run(go()), 413, "invalid_request", "body_too_large")
+
+
+def test_unknown_route_and_method_get_envelopes(url):
+    assert_envelope(httpx.get(f"{url}/v2/nothing"), 404, "invalid_request", "not_found")
+    r = httpx.get(f"{url}/v1/generate")
+    assert_envelope(r, 405, "invalid_request", "method_not_allowed")
+    assert "POST" in r.headers["allow"]
+
+
+def test_healthz_and_stats_shape(url):
+    health = httpx.get(f"{url}/healthz").json()
+    assert health["status"] == "ok" and health["engine"]["engine"] == "synthetic"
+    s = stats(url)
+    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error"}
+    assert s["policy"]["name"] == "bounded-deadline" and s["policy"]["max_queue"] == 2
+    assert s["engines"] == 1 and s["fixed_estimate"] is False and s["speed_factor"] > 0
+    assert s["service_model"] == {"intercept_s": 0.001, "per_token_s": 0.0085}
+
+
+def test_client_disconnect_while_waiting_leaves_the_queue(url):
+    before = stats(url)
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            running = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "a", "max_new_tokens": 64}))
+            await asyncio.sleep(0.1)
+            with pytest.raises(httpx.TimeoutException):
+                await client.post("/v1/generate", json={"prompt": "b", "max_new_tokens": 64}, timeout=0.15)
+            seen = None
+            for _ in range(40):  # the server notices the hang-up within a few milliseconds
+                seen = (await client.get("/stats")).json()
+                if seen["cancelled"] > before["cancelled"]:
+                    break
+                await asyncio.sleep(0.01)
+            return seen, await running
+
+    during, first = asyncio.run(go())
+    assert during["cancelled"] == before["cancelled"] + 1
+    assert during["waiting"] == 0 and during["in_service"] == 1 and during["queued_work_s"] == 0
+    assert first.status_code == 200
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--engine", "gpt2", "--speed", "2"],
+    ["serve", "--engine", "synthetic", "--model", "tiny"],
+    ["serve", "--port", "70000"],
+    ["serve", "--engines", "0"],
+    ["serve", "--speed-schedule", "10-2"],
+    ["serve", "--service-model", "/nonexistent/model.json"],
+])
+def test_bad_serve_arguments_are_one_line_and_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error" in err
+
+
+def test_torch_is_not_imported_for_the_synthetic_engine():
+    code = ("import sys; from experiments.cli import build_parser; from live import service, gate, engine; "
+            "build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
