@@ -273,7 +273,7 @@ def _command_modules():
     import importlib
 
     found = []
-    for name in ("experiments.commands", "live.commands"):
+    for name in ("experiments.commands", "live.commands", "live.load_commands"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -1,0 +1,233 @@
+"""What one exchange with the live service means, as a row of qsim's schema.
+
+Pure functions, no I/O: :mod:`live.loadgen` sends the requests and hands over
+what came back (:class:`Exchange`), and :func:`to_frame` turns the lot into one
+row per request. The outcome is the client's view: good or late by the latency
+it measured against the deadline, rejected for a 503 ``overloaded``, expired
+for a 503 ``deadline_exceeded``, error for anything else (transport failures,
+timeouts, 4xx, 5xx, an answer that is not the contract's).
+
+arrival_s is the actual send time. Columns beyond qsim's schema:
+scheduled_s, sent_s, send_lateness_s, http_status, error; the service's own
+timings (engine_s, queue_s, server_total_s), tokens, prompt_words;
+calibrated_est_s (the server's estimate before speed tracking);
+server_arrival_s (when the gate took it, see :func:`_received`); and the
+server's configuration (:meth:`ServerInfo.columns`), so that ``qlab compare``
+can replay the run in the simulator without being told how it ran.
+queued_at_arrival is -1 where the service did not report it (the schema's
+int64 column has no missing value).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qsim import Policy, ServiceModel, Trace, preset, records
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the server says about itself in /stats, as the simulator needs it."""
+
+    policy: Policy
+    engines: int
+    fixed_estimate: bool
+    speed_factor: float
+    model: ServiceModel | None  # the server's calibration, when it reports one
+
+    def columns(self, n: int) -> dict[str, Any]:
+        """Constant per-run columns: the contract between a run file and ``qlab compare``."""
+        p = self.policy
+        return {
+            "policy": pd.array([p.name] * n, dtype="string"),
+            "engines": np.full(n, self.engines, dtype=np.int64),
+            "max_queue": _nullable_int(np.full(n, -1 if p.max_queue is None else p.max_queue)),
+            "max_queued_seconds": np.full(n, np.nan if p.max_queued_seconds is None else p.max_queued_seconds),
+            "predictive": np.full(n, p.predictive),
+            "expire_at_front": np.full(n, p.expire_at_front),
+            "policy_deadline_s": np.full(n, p.deadline_s),
+            "fixed_estimate": np.full(n, self.fixed_estimate),
+            "initial_speed_factor": np.full(n, self.speed_factor),
+        }
+
+
+def server_info(stats: dict) -> ServerInfo:
+    """Read /stats: ``policy`` as a preset name or a dict of Policy fields."""
+    raw = stats.get("policy")
+    if isinstance(raw, str):
+        policy = preset(raw)
+    elif isinstance(raw, dict):
+        known = {k: raw[k] for k in Policy.__dataclass_fields__ if k in raw}
+        policy = Policy(**known)
+    else:
+        raise ValueError(f"/stats does not say which policy the server runs: {raw!r}")
+    model = stats.get("service_model")
+    return ServerInfo(
+        policy=policy,
+        engines=int(stats.get("engines", 1)),
+        fixed_estimate=bool(stats.get("fixed_estimate", False)),
+        speed_factor=float(stats.get("speed_factor", 1.0)),
+        model=ServiceModel(**{k: float(model[k]) for k in ("intercept_s", "per_token_s")})
+        if isinstance(model, dict) else None,
+    )
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One request as the client saw it; times are seconds since the replay's start clock."""
+
+    scheduled_s: float
+    sent_s: float
+    done_s: float
+    status: int | None = None
+    body: Any = None
+    retry_after: str | None = None
+    error: str | None = None
+
+
+def _error_of(body: Any) -> dict:
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | None]:
+    """(outcome, reason, error) of one exchange; good/late by the client-measured latency."""
+    if ex.error is not None:
+        return "error", None, ex.error
+    error = _error_of(ex.body)
+    if ex.status == 200 and isinstance(ex.body, dict) and "timings" in ex.body:
+        return ("good" if ex.done_s - ex.sent_s <= deadline_s else "late"), None, None
+    if ex.status == 503 and error.get("type") == "overloaded":
+        return "rejected", error.get("reason"), None
+    if ex.status == 503 and error.get("type") == "deadline_exceeded":
+        return "expired", error.get("reason"), None
+    detail = error.get("message") or (str(ex.body)[:200] if ex.body is not None else "no JSON body")
+    return "error", error.get("reason"), f"HTTP {ex.status} {error.get('type', '')}: {detail}".strip()
+
+
+def number(mapping: Any, key: str) -> float:
+    """mapping[key] as a float; NaN when absent or not a number (a bool is not one)."""
+    value = mapping.get(key) if isinstance(mapping, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _retry_after(ex: Exchange) -> int:
+    """Retry-After in whole seconds from the header (else the envelope); -1 when absent."""
+    for value in (ex.retry_after, _error_of(ex.body).get("retry_after_s")):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            continue
+    return -1
+
+
+def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float) -> dict[str, Any]:
+    """The per-request values one exchange gives, NaN or -1 (missing) where the answer does not say."""
+    outcome, reason, error = classify(ex, deadline_s)
+    body = ex.body if isinstance(ex.body, dict) else {}
+    timings = body.get("timings") or {}
+    # The gate's view at arrival: an answer's "admission", a refusal's (or drop's) numbers.
+    seen = body.get("admission") or _error_of(body).get("numbers") or {}
+    answered = outcome in records.ANSWERED
+    est = next((v for v in (number(timings, "est_service_s"), number(seen, "est_service_s")) if math.isfinite(v)),
+               base_est_s)
+    return {
+        "outcome": outcome, "reason": reason, "error": error, "est": est,
+        "engine_s": number(timings, "engine_s") if answered else math.nan,
+        "queue_s": number(timings, "queue_s"), "total_s": number(timings, "total_s"),
+        "tokens": _int_or(body.get("tokens"), -1) if answered else -1,
+        "engine": _int_or(body.get("engine"), -1),
+        "queued": _int_or(seen.get("queued"), -1), "queued_work": number(seen, "queued_work_s"),
+        "retry_after": _retry_after(ex), "status": -1 if ex.status is None else ex.status,
+        "received": _received(ex, outcome, timings, seen, server_zero),
+    }
+
+
+def _received(ex: Exchange, outcome: str, timings: dict, seen: dict, server_zero: float) -> float:
+    """When the gate took the request, on the run's clock; NaN when the answer cannot tell.
+
+    The send time is not it: a burst's requests wait in the server's accept
+    queue and event loop for tens of milliseconds, and are taken in an order
+    of the server's choosing. Best is the gate's own arrival time
+    (``arrived_at``, its clock) mapped through the clocks' offset. Failing
+    that, an estimate: an answer left queue_s + engine_s after the gate took
+    it, a drop waited_s after, a refusal at once (the trip back on loopback is
+    far below a millisecond, but a busy server delays answers by milliseconds,
+    enough to swap requests that arrived a fraction of one apart).
+    """
+    exact = number(seen, "arrived_at") - server_zero
+    if math.isfinite(exact):
+        return exact
+    in_gate = number(timings, "queue_s") + number(timings, "engine_s")
+    back = {"good": in_gate, "late": in_gate, "expired": number(seen, "waited_s"), "rejected": 0.0}.get(outcome, math.nan)
+    return max(ex.sent_s, ex.done_s - back) if math.isfinite(back) else math.nan
+
+
+def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_words,
+             server_zero: float = math.nan) -> pd.DataFrame:
+    """Rows of qsim's schema plus the live columns, built through :func:`qsim.records.from_arrays`.
+
+    calibrated_est_s is the server's own calibrated estimate (before speed
+    tracking) when /stats reports its model: the number its gate started from.
+    server_zero: the server's clock at the run's time 0 (NaN: unknown).
+    """
+    deadline = np.where(np.isnan(trace.deadline_s), info.policy.deadline_s, trace.deadline_s)
+    base = info.model.estimate(trace.max_new_tokens) if info.model else np.asarray(trace.est_service_s, dtype=float)
+    rows = pd.DataFrame([_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)])
+    sent = np.array([ex.sent_s for ex in exchanges], dtype=float)
+    done = np.array([ex.done_s for ex in exchanges], dtype=float)
+    scheduled = np.array([ex.scheduled_s for ex in exchanges], dtype=float)
+    answered = rows["outcome"].isin(records.ANSWERED).to_numpy()
+    # The engine started queue_s after the gate took the request (the send time if that is unknown).
+    taken = rows["received"].fillna(pd.Series(sent)).to_numpy(float)
+    start = np.where(answered, taken + rows["queue_s"].fillna(0.0).to_numpy(), np.nan)
+    frame = records.from_arrays({
+        "request_id": trace.request_id,
+        "arrival_s": sent,
+        "size_class": trace.size_class,
+        "max_new_tokens": trace.max_new_tokens,
+        "est_service_s": rows["est"].to_numpy(float),
+        "true_service_s": rows["engine_s"].to_numpy(float),
+        "deadline_s": deadline,
+        "outcome": rows["outcome"].tolist(),
+        "reason": rows["reason"].tolist(),
+        "start_s": start,
+        "finish_s": done,
+        "latency_s": done - sent,
+        # The schema's int64 column cannot hold "unknown": -1 marks a count the service did not report.
+        "queued_at_arrival": rows["queued"].to_numpy(np.int64),
+        "queued_work_at_arrival_s": rows["queued_work"].to_numpy(float),
+        "retry_after_s": rows["retry_after"].to_numpy(np.int64),
+        "engine": rows["engine"].to_numpy(np.int64),
+        "scheduled_s": scheduled,
+        "sent_s": sent,
+        "send_lateness_s": sent - scheduled,
+        "http_status": _nullable_int(rows["status"]),
+        "error": pd.array(rows["error"].tolist(), dtype="string"),
+        "calibrated_est_s": np.asarray(base, dtype=float),
+        "engine_s": rows["engine_s"].to_numpy(float),
+        "queue_s": rows["queue_s"].to_numpy(float),
+        "server_total_s": rows["total_s"].to_numpy(float),
+        "tokens": _nullable_int(rows["tokens"]),
+        "prompt_words": np.asarray(prompt_words, dtype=np.int64),
+        "server_arrival_s": rows["received"].to_numpy(float),
+        **info.columns(len(trace)),
+    })
+    return records.validate(frame)
+
+
+def _int_or(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else default
+
+
+def _nullable_int(values) -> pd.arrays.IntegerArray:
+    """Int64 with -1 meaning missing, as in :func:`qsim.records.from_arrays`."""
+    values = np.asarray(values, dtype=np.int64)
+    out = pd.array(values, dtype="Int64")
+    out[values < 0] = pd.NA
+    return out

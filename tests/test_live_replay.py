@@ -1,0 +1,197 @@
+"""The load side of the live harness against real `qlab serve` subprocesses (synthetic engine, loopback).
+
+Synthetic service time is the reference line (1 ms + 8.5 ms/token) times --speed.
+"""
+
+import json
+import threading
+
+import numpy as np
+import pandas as pd
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from live import live_config, runner  # noqa: E402
+from live.calibrate import CalibrationConfig, calibrate, probe  # noqa: E402
+from live.load_commands import main as load_main  # noqa: E402
+from live.loadgen import ReplayConfig, replay  # noqa: E402
+from live.rows import Exchange, classify  # noqa: E402
+from live.procs import ServeOptions, Server, serving  # noqa: E402
+from qsim import ServiceModel, from_arrays, make_trace, records  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory):
+    with serving([ServeOptions(policy="bounded")], tmp_path_factory.mktemp("logs"), 60) as (server,):
+        yield server
+
+
+def poisson_and_burst(seconds=3.0, load=1.5, burst=10, burst_at=1.5, seed=2):
+    """A short Poisson trace with a burst of ``burst`` requests at ``burst_at`` merged in."""
+    base = make_trace("poisson", load=load, seconds=seconds, seed=seed)
+    arrival = np.concatenate([base.arrival_s, np.full(burst, burst_at)])
+    tokens = np.concatenate([base.max_new_tokens, np.resize([4, 16, 64], burst)])
+    order = np.argsort(arrival, kind="stable")
+    return from_arrays(arrival[order], tokens[order], name="poisson+burst")
+
+
+def stats(url):
+    return httpx.get(f"{url}/stats").json()
+
+
+def test_every_request_ends_in_exactly_one_row(bounded, tmp_path):
+    trace = poisson_and_burst()
+    before = stats(bounded.url)["counts"]
+    out = tmp_path / "run.parquet"
+    frame = replay(trace, ReplayConfig(bounded.url))
+    frame.to_parquet(out, index=False)
+    rows = records.validate(pd.read_parquet(out))
+    after = stats(bounded.url)["counts"]
+    assert len(rows) == len(trace) and list(rows["request_id"]) == list(range(len(trace)))
+    assert set(rows["outcome"]) <= {"good", "late", "rejected"}, rows["error"].dropna().tolist()
+    assert (rows["outcome"] == "rejected").any()  # the burst overflows a bound of 8
+    # The server counted every request exactly once, as the rows do.
+    for outcome in ("rejected", "error"):
+        assert after[outcome] - before[outcome] == (rows["outcome"] == outcome).sum()
+    assert after["good"] + after["late"] - before["good"] - before["late"] == rows["outcome"].isin(["good", "late"]).sum()
+    refused = rows[rows["outcome"] == "rejected"]
+    assert (refused["http_status"] == 503).all() and (refused["retry_after_s"] >= 1).all()
+    assert set(refused["reason"]) == {"queue_full"} and refused["start_s"].isna().all()
+    answered = rows[rows["outcome"].isin(["good", "late"])]
+    assert (answered["http_status"] == 200).all() and (answered["true_service_s"] > 0).all()
+    assert (answered["tokens"] == answered["max_new_tokens"]).all()
+    # Open loop: each left at (or just after) its time; arrival_s is the actual send time.
+    assert (rows["send_lateness_s"] >= 0).all() and (rows["arrival_s"] == rows["sent_s"]).all()
+    assert rows["send_lateness_s"].median() < 0.005
+    assert set(rows["policy"]) == {"bounded"} and set(rows["max_queue"]) == {8}
+
+
+def test_killing_the_server_mid_replay_records_the_rest_as_errors(tmp_path):
+    trace = from_arrays(np.arange(0.1, 3.0, 0.1), np.full(29, 4))  # 35 ms each: nobody waits
+    server = Server(ServeOptions(policy="none"), tmp_path / "serve.log")
+    server.start(60)
+    try:
+        threading.Timer(1.5 + ReplayConfig(server.url).lead_s, server.kill).start()
+        frame = replay(trace, ReplayConfig(server.url, timeout_s=10))
+    finally:
+        server.stop()
+    frame.to_parquet(tmp_path / "run.parquet", index=False)
+    rows = records.validate(pd.read_parquet(tmp_path / "run.parquet"))
+    assert len(rows) == len(trace) and rows["request_id"].is_unique
+    errors = rows[rows["outcome"] == "error"]
+    after_kill = rows["scheduled_s"] > 1.6
+    assert after_kill.any() and (rows.loc[after_kill, "outcome"] == "error").all()
+    assert (rows.loc[rows["scheduled_s"] < 1.2, "outcome"] == "good").all()  # it was up at first
+    assert errors["error"].notna().all() and errors["http_status"].isna().all()
+    assert errors["finish_s"].notna().all()  # the time the failure was seen
+
+
+def test_classify_maps_every_answer_to_one_outcome():
+    ok = {"text": "", "tokens": 4, "timings": {"queue_s": 0, "engine_s": 0.03, "total_s": 0.04}}
+    over = {"error": {"type": "overloaded", "reason": "queue_full", "numbers": {}, "retry_after_s": 2}}
+    gone = {"error": {"type": "deadline_exceeded", "reason": "cannot_finish", "numbers": {}}}
+    bad = {"error": {"type": "invalid_request", "reason": "invalid_field", "message": "max_new_tokens: too big"}}
+    assert classify(Exchange(0, 0, 1.5, 200, ok), 2.0) == ("good", None, None)
+    assert classify(Exchange(0, 0, 2.5, 200, ok), 2.0) == ("late", None, None)
+    assert classify(Exchange(0, 0, 0.1, 503, over), 2.0) == ("rejected", "queue_full", None)
+    assert classify(Exchange(0, 0, 0.1, 503, gone), 2.0) == ("expired", "cannot_finish", None)
+    outcome, _, error = classify(Exchange(0, 0, 0.1, 422, bad), 2.0)
+    assert outcome == "error" and "422" in error and "too big" in error
+    assert classify(Exchange(0, 0, 0.1, error="ConnectError: refused"), 2.0)[0] == "error"
+    assert classify(Exchange(0, 0, 0.1, 200, None), 2.0)[0] == "error"  # a 200 without a JSON answer
+
+
+def test_calibrate_recovers_the_synthetic_service_model(tmp_path):
+    with serving([ServeOptions(policy="none", speed=0.5)], tmp_path, 60) as (server,):
+        result = calibrate(CalibrationConfig(server.url, rounds=1, per_size=2))
+        speed = probe(server.url, ServiceModel(), requests=3, max_new_tokens=16)
+    truth = ServiceModel(0.0005, 0.00425)  # the reference line at speed 0.5
+    fitted = result.overall.model
+    assert fitted.per_token_s == pytest.approx(truth.per_token_s, rel=0.03)
+    sizes = np.array([4, 16, 64])
+    np.testing.assert_allclose(fitted.estimate(sizes), truth.estimate(sizes), rtol=0.05)
+    assert result.overall.median_rel_error < 0.05 and len(result.rounds) == 1
+    assert speed == pytest.approx(0.5, rel=0.05)
+    result.save(tmp_path / "model.json")
+    assert ServiceModel.load(tmp_path / "model.json") == fitted
+    saved = json.loads((tmp_path / "model.json").read_text())
+    assert {"model", "median_rel_error", "worst_rel_error", "rounds"} <= set(saved)
+
+
+def test_replay_command_writes_rows_and_says_so(bounded, tmp_path, capsys):
+    out = tmp_path / "burst.parquet"
+    assert load_main(["replay", "--url", bounded.url, "--arrivals", "burst:12", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "send lateness" in text and "wrote 12 rows" in text
+    rows = records.validate(pd.read_parquet(out))
+    assert (rows["outcome"] == "rejected").sum() == 12 - 9  # 1 in service + 8 waiting
+
+
+def test_replay_command_refuses_bad_input(tmp_path, capsys):
+    assert load_main(["replay", "--url", "ftp://x", "--out", str(tmp_path / "x.parquet"), "--engines", "1"]) == 2
+    assert "url must start with http" in capsys.readouterr().err
+    assert load_main(["replay", "--url", "http://127.0.0.1:9", "--load", "-1", "--out", "x.parquet"]) == 2
+    assert "--load must be a positive number" in capsys.readouterr().err
+
+
+LIVE_TOML = """
+[server]
+policies = ["bounded", "predictive"]
+startup_timeout_s = 60
+[probe]
+requests = 2
+[[trace]]
+name = "poisson"
+load = 1.2
+seconds = 1.5
+[[trace]]
+name = "burst"
+arrivals = "burst:12"
+"""
+
+
+def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
+    path = tmp_path / "live.toml"
+    path.write_text(LIVE_TOML)
+    summary = runner.run(live_config.load(path), tmp_path / "out", log=lambda line: None)
+    assert len(summary) == 4 and set(summary["policy"]) == {"bounded", "predictive"}
+    # The order rotates: trace 0 starts with bounded, trace 1 with predictive.
+    assert list(summary["policy"]) == ["bounded", "predictive", "predictive", "bounded"]
+    assert summary["speed_before"].between(0.9, 1.2).all() and summary["speed_after"].between(0.9, 1.2).all()
+    poisson = summary[summary["trace"] == "poisson"]
+    np.testing.assert_allclose(poisson["effective_load"], 1.2 * poisson["speed_in_run"])
+    assert summary.loc[summary["trace"] == "burst", "effective_load"].isna().all()
+    assert (summary["error"] == 0).all()
+    for _, row in summary.iterrows():
+        rows = records.validate(pd.read_parquet(tmp_path / "out" / "runs" / f"{row.trace}__{row.policy}.parquet"))
+        assert len(rows) == row.requests
+    assert (tmp_path / "out" / "summary.parquet").is_file()
+    assert (tmp_path / "out" / "logs" / "serve-bounded.log").is_file()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[server]\nengnie = 'gpt2'\n[[trace]]\nname='a'\nseconds=1", "unknown key 'engnie'"),
+    ("[servers]\n", "unknown section 'servers'"),
+    ("[server]\npolicies = ['fifo']\n[[trace]]\nname='a'\nseconds=1", "server.policies"),
+    ("[[trace]]\nname='a'\nload=[1, -2]\nseconds=1", "load: must be > 0"),
+    ("[[trace]]\nname='a'\narrivals='poisson'", "exactly one of seconds and requests"),
+    ("[[trace]]\nname='a'\nseconds='40'", "expected float"),
+    ("[server]\nengine='gpt2'\n", "at least one [[trace]]"),
+])
+def test_live_config_errors_name_the_key(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        live_config.load(path)
+
+
+def test_shipped_live_toml_parses_into_the_reference_passes():
+    cfg = live_config.load(runner.Path(__file__).resolve().parents[1] / "experiments" / "live.toml")
+    assert cfg.server.engine == "synthetic" and len(cfg.server.policies) == 4
+    loads = sorted(t.load for t in cfg.traces if t.arrivals == "poisson")
+    assert loads == [0.5, 1.0, 1.5, 2.0] and all(t.seconds == 40 for t in cfg.traces if t.arrivals == "poisson")
+    assert any(t.arrivals == "burst:30" for t in cfg.traces)
+    assert runner.rotated(cfg.server.policies, 1)[0] == cfg.server.policies[1]
