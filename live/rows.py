@@ -14,8 +14,8 @@ calibrated_est_s (the server's estimate before speed tracking);
 server_arrival_s (when the gate took it, see :func:`_received`); and the
 server's configuration (:meth:`ServerInfo.columns`), so that ``qlab compare``
 can replay the run in the simulator without being told how it ran.
-queued_at_arrival is -1 where the service did not report it (the schema's
-int64 column has no missing value).
+queued_at_arrival is <NA> where the service did not report it (-1 on the way
+in: qsim.records.from_arrays reads -1 in an Int64 column as missing).
 """
 
 from __future__ import annotations

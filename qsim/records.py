@@ -32,7 +32,7 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "start_s": ("float64", "engine start time; NaN if never run"),
     "finish_s": ("float64", "time the answer, refusal or drop was given"),
     "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),
-    "queued_at_arrival": ("int64", "requests waiting (not in service) when it arrived"),
+    "queued_at_arrival": ("Int64", "requests waiting (not in service) when it arrived; <NA> where a service did not say"),
     "queued_work_at_arrival_s": ("float64", "estimated work of those waiting when it arrived"),
     "retry_after_s": ("Int64", "Retry-After given with a refusal, whole seconds"),
     "engine": ("Int64", "engine that ran it, from 0"),
