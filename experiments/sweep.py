@@ -11,6 +11,11 @@ Layout of ``OUT``::
 Crash safety: every file is written under a temporary name and renamed into
 place, so a file that exists is whole. Resuming: a cell whose file exists is
 skipped. A changed config refuses to write into a folder holding another's cells.
+Interrupting (Ctrl-C: SIGINT to the parent and its workers) stops handing out
+cells and ends with KeyboardInterrupt, which ``qlab`` reports in one line with
+exit status 130; nothing half-written is left. Pool workers ignore SIGINT (an
+idle one would print a traceback): they finish the cells they hold, whose
+results are dropped, so stopping takes up to one cell's time.
 Determinism: a cell's rows depend only on the config and the cell, so any
 executor and any number of workers give the same rows.
 """
@@ -23,6 +28,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
@@ -36,6 +42,7 @@ import pyarrow.parquet as pq
 
 from analysis import metrics
 from qsim import load_trace, make_trace, preset, simulate
+from qsim.files import atomic_write, clear_temporaries, parquet_bytes
 
 from .config import ConfigError, SweepConfig
 
@@ -134,22 +141,6 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
 # ------------------------------------------------------------------ files
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write under a hidden temporary name, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _frame_bytes(frame: pd.DataFrame) -> bytes:
-    buffer = io.BytesIO()
-    frame.to_parquet(buffer, index=False)
-    return buffer.getvalue()
-
-
 def _version() -> str:
     try:
         return metadata.version("qlab")
@@ -185,9 +176,9 @@ def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
                 f"this one {config.digest[:12]}); choose another --out or remove that folder"
             )
     else:
-        _atomic_write(path, (json.dumps(_manifest(config, n_cells), indent=2) + "\n").encode())
-    for stale in itertools.chain((out / "cells").glob(".*.tmp-*"), out.glob(".*.tmp-*")):
-        stale.unlink(missing_ok=True)
+        atomic_write(path, (json.dumps(_manifest(config, n_cells), indent=2) + "\n").encode())
+    clear_temporaries(out / "cells")
+    clear_temporaries(out)
 
 
 def finished(out: Path) -> set[str]:
@@ -203,12 +194,17 @@ def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
     metas = [read_cell_meta(out / "cells" / f"{cid}.parquet") for cid in wanted]
     summary = pd.DataFrame([m["summary"] for m in metas])
     by_class = pd.DataFrame([row for m in metas for row in m["by_class"]])
-    _atomic_write(out / "summary.parquet", _frame_bytes(summary))
-    _atomic_write(out / "summary_by_class.parquet", _frame_bytes(by_class))
+    atomic_write(out / "summary.parquet", parquet_bytes(summary))
+    atomic_write(out / "summary_by_class.parquet", parquet_bytes(by_class))
     return summary
 
 
 # ------------------------------------------------------------------ executors
+
+
+def _ignore_sigint() -> None:
+    """In a pool worker: Ctrl-C is for the parent, which stops the sweep (a worker would print a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _local(config: SweepConfig, todo: list[Cell], workers: int) -> Iterator[CellResult]:
@@ -216,7 +212,7 @@ def _local(config: SweepConfig, todo: list[Cell], workers: int) -> Iterator[Cell
         for cell in todo:
             yield run_cell(config, cell)
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_sigint) as pool:
         futures = [pool.submit(run_cell, config, cell) for cell in todo]
         try:
             for future in as_completed(futures):
@@ -263,7 +259,7 @@ def run(config: SweepConfig, out: str | Path, *, workers: int | None = None, sch
     results = _dask(config, todo, scheduler) if scheduler else _local(config, todo, workers)
     with _progress(len(every), len(every) - len(todo), quiet) as bar:
         for result in results:
-            _atomic_write(out / "cells" / f"{result.cell_id}.parquet", result.parquet)
+            atomic_write(out / "cells" / f"{result.cell_id}.parquet", result.parquet)
             bar.update(1)
     summary = write_summaries(out, [c.id for c in every])
     summary.attrs.update(ran=len(todo), skipped=len(every) - len(todo))

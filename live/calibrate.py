@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from qsim.files import atomic_write
 from qsim.service import Fit, ServiceModel, fit
 
 from .loadgen import synthetic_prompt
@@ -70,7 +71,8 @@ class Calibration:
                 "rounds": [r.as_dict() for r in self.rounds]}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        """Write the JSON whole or not at all (a resumed ``qlab live`` reuses it)."""
+        atomic_write(path, (json.dumps(self.as_dict(), indent=2) + "\n").encode())
 
 
 def schedule(cfg: CalibrationConfig) -> list[int]:

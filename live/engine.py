@@ -4,11 +4,18 @@ An engine is anything with the :class:`Engine` shape. Two exist: the GPT-2
 engine (:mod:`live.gpt2`, the only module that imports torch) and
 :class:`SyntheticEngine`, which sleeps for the calibrated service time so the
 whole harness runs on machines without a GPU, in tests and in the demo.
+
+The synthetic engine also injects faults on a deterministic schedule
+(:class:`Faults`, ``qlab serve --fail-every N --hang-after N --hang-for S``),
+so the gate's handling of a failing or hung engine is tested through a real
+server, not only in-process. A very slow engine needs no fault of its own:
+``--speed-schedule 2:50`` makes it 50 x slower from 2 s on.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -95,12 +102,49 @@ def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(steps)
 
 
+class InjectedFault(RuntimeError):
+    """What a synthetic engine raises on a run its :class:`Faults` schedule fails."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Which runs of one engine go wrong; runs count from 1, in the order the engine gets them.
+
+    fail_every: run n raises :class:`InjectedFault` at once when n is a multiple of it (0: never),
+        as an engine that refuses its input (or runs out of memory) before doing any work.
+    hang_after: run hang_after + 1 blocks for hang_s before doing its work (None: never), as a
+        wedged driver or a deadlock would; hang_s None blocks until the process ends.
+    """
+
+    fail_every: int = 0
+    hang_after: int | None = None
+    hang_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.fail_every < 0:
+            raise ValueError(f"fail_every must be >= 0, got {self.fail_every}")
+        if self.hang_after is not None and self.hang_after < 0:
+            raise ValueError(f"hang_after must be >= 0, got {self.hang_after}")
+        if self.hang_s is not None and not (self.hang_s > 0 and math.isfinite(self.hang_s)):
+            raise ValueError(f"hang_s must be a positive number of seconds, got {self.hang_s}")
+
+    def fails(self, n: int) -> bool:
+        return self.fail_every > 0 and n % self.fail_every == 0
+
+    def hangs(self, n: int) -> bool:
+        return self.hang_after is not None and n == self.hang_after + 1
+
+    def info(self) -> dict:
+        return {"fail_every": self.fail_every, "hang_after": self.hang_after, "hang_s": self.hang_s}
+
+
 class SyntheticEngine:
     """Sleeps the service model's estimate x speed (x optional lognormal noise).
 
     speed > 1 is a slower machine. ``schedule`` changes the speed at given
     seconds since construction (the machine slowing down mid-run). The text is
     ``tokens`` copies of one word, so its length follows the request.
+    ``faults`` makes given runs raise or hang (see :class:`Faults`).
     """
 
     max_new_tokens_limit = None
@@ -113,6 +157,7 @@ class SyntheticEngine:
         seed: int = 0,
         schedule: Sequence[tuple[float, float]] = (),
         clock=time.monotonic,
+        faults: Faults = Faults(),
     ) -> None:
         if noise_cv < 0:
             raise ValueError(f"noise_cv must be >= 0, got {noise_cv}")
@@ -124,6 +169,9 @@ class SyntheticEngine:
         self._clock = clock
         self._started = clock()
         self._tokenizer = ByteTokenizer()
+        self.faults = faults
+        self._runs = 0  # under _rng_lock
+        self._never = threading.Event()  # never set: what a hang waits on
 
     def duration_s(self, max_new_tokens: int) -> float:
         """Seconds the next run of this size will take (draws the noise)."""
@@ -134,6 +182,13 @@ class SyntheticEngine:
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None) -> EngineResult:
         start = time.perf_counter()
+        with self._rng_lock:
+            self._runs += 1
+            n = self._runs
+        if self.faults.fails(n):
+            raise InjectedFault(f"injected failure on run {n} (fail every {self.faults.fail_every})")
+        if self.faults.hangs(n):
+            self._never.wait(self.faults.hang_s)
         time.sleep(self.duration_s(max_new_tokens))
         text = " tok" * max_new_tokens
         cut = apply_stop(text, stop)
@@ -156,4 +211,5 @@ class SyntheticEngine:
             "schedule": [list(step) for step in self.speed.steps],
             "noise_cv": self.noise_cv,
             "tokenizer": self._tokenizer.name,
+            **({"faults": self.faults.info()} if self.faults != Faults() else {}),
         }

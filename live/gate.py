@@ -18,6 +18,33 @@ Every piece of state lives on the event loop thread; engine threads only run
 lock is needed and ``submit`` never blocks. Waiting requests are futures, not
 threads: a thread pool in front of the gate would be a second, unbounded and
 invisible queue. The clock is read once per event and passed to the pure rules.
+
+Stalled engines. An engine thread cannot be interrupted, so a hung engine
+would hold its request, and everyone behind it, forever. A watchdog on the
+event loop (every ``watch_interval_s``, 50 ms) looks for them:
+
+* an engine is *stalled* once its request has run longer than
+  ``max(stall_factor x its estimate at start, stall_floor_s)`` (10 x, 5 s).
+  Its request then ends as an error (:class:`EngineStalled`, counted once);
+  the engine stays busy until ``engine.run`` returns, and what it returns
+  then is dropped: a stalled request teaches the speed tracker nothing, so one
+  hang cannot multiply every later estimate;
+* a stalled engine's remaining work counts as its overrun so far (how long it
+  has run past its estimate), not zero: the wait estimate keeps growing and
+  predictive admission keeps refusing, instead of reading the engine as about
+  to finish and letting everyone in;
+* while *every* engine is stalled the queue cannot move, so a waiting request
+  is ended once its deadline has passed: ``expired`` (``cannot_finish``, what
+  the front would have decided) under a policy that expires at the front,
+  else an error (:class:`EngineStalled`). Nothing waits longer than its
+  deadline behind stalled engines, or than the threshold on an engine;
+* ``stats()["stalled"]`` and :meth:`Gate.health` report stalled engines
+  (``/healthz`` says "degraded").
+
+When nothing stalls the watchdog changes nothing: below the threshold an
+overrunning engine counts as about to finish (remaining 0), exactly as in
+qsim, and requests wait as long as the policy lets them, so the gate and the
+simulator still decide alike.
 """
 
 from __future__ import annotations
@@ -47,6 +74,23 @@ class GateConfig:
     model: ServiceModel = ServiceModel()
     fixed_estimate: bool = False  # keep the calibrated estimate: the baseline tracking is measured against
     tracker_weight: float = 0.2
+    # An engine is stalled past max(stall_factor x estimate, stall_floor_s): far beyond any speed change
+    # seen on a shared machine (2.25x), and the floor keeps a short request's hiccup from counting.
+    stall_factor: float = 10.0
+    stall_floor_s: float = 5.0
+    watch_interval_s: float = 0.05  # how often the watchdog looks: the precision of stall detection
+
+    def __post_init__(self) -> None:
+        if not (self.stall_factor >= 1 and math.isfinite(self.stall_factor)):
+            raise ValueError(f"stall_factor must be a finite number >= 1, got {self.stall_factor}")
+        for name in ("stall_floor_s", "watch_interval_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+    def stall_after_s(self, est_service_s: float) -> float:
+        """How long a request estimated at ``est_service_s`` may run before its engine counts as stalled."""
+        return max(self.stall_factor * est_service_s, self.stall_floor_s)
 
 
 @dataclass(frozen=True)
@@ -119,15 +163,32 @@ class EngineFailed(Exception):
         self.arrival = arrival
 
 
+class EngineStalled(Exception):
+    """Given up behind a stalled engine: it ran past its engine's threshold, or it waited past its
+    deadline while every engine was stalled.
+
+    engine: the engine that ran it (None: it was still waiting). numbers: what the gate saw.
+    """
+
+    reason = "engine_stalled"
+
+    def __init__(self, message: str, engine: int | None, numbers: dict[str, float], arrival: Arrival) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.numbers = numbers
+        self.arrival = arrival
+
+
 @dataclass(eq=False)  # identity: a ticket is removed from the deque by being itself
 class _Ticket:
     job: Job
     arrival: Arrival
     base_est_s: float  # calibrated estimate, before the speed factor
     future: asyncio.Future
-    state: str = "waiting"  # waiting -> running -> done, or cancelled / expired
+    state: str = "waiting"  # waiting -> running -> done (or stalled -> done), or cancelled / expired / given_up
     engine: int = -1
     start: float = math.nan
+    stall_after_s: float = math.inf  # set when it starts: its engine is stalled past start + this
 
 
 class _EngineThread:
@@ -176,13 +237,16 @@ class Gate:
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
         self.cancelled = 0  # clients that left before their answer
+        self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
         self._waiting: deque[_Ticket] = deque()
         self._waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
         self._current: list[_Ticket | None] = [None] * self.workers
         self._busy_until = [0.0] * self.workers  # estimated end of each engine's request
         self._idle = list(range(self.workers - 1, -1, -1))  # pop() gives the lowest free engine, as in qsim
+        self._stalled = [False] * self.workers  # running past its stall threshold (see the module docstring)
         self._threads: list[_EngineThread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watch: asyncio.TimerHandle | None = None
         self._closed = False
 
     # -- life cycle -------------------------------------------------------------
@@ -195,10 +259,13 @@ class Gate:
         self._threads = [_EngineThread(k, e, self._post) for k, e in enumerate(self.engines)]
         for t in self._threads:
             t.start()
+        self._watch = self._loop.call_later(self.config.watch_interval_s, self._watchdog)
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Cancel what is still pending and stop the engine threads (a run in progress is not waited for)."""
         self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
         for ticket in [*self._waiting, *filter(None, self._current)]:
             ticket.future.cancel()
         for t in self._threads:
@@ -218,12 +285,15 @@ class Gate:
         """Admit the job and return a future of its :class:`Answer`, or raise :class:`Rejected`.
 
         Never blocks. The future fails with :class:`DeadlineExceeded` (dropped at
-        the front) or :class:`EngineFailed`; cancelling it while the job waits
-        takes the job out of the queue.
+        the front), :class:`EngineFailed` or :class:`EngineStalled`; cancelling it
+        while the job waits takes the job out of the queue. Cancelling it while it
+        runs leaves the engine busy until ``engine.run`` returns (a thread cannot
+        be stopped mid-generation): only then is the engine free for the next.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
         now = self.clock()
+        self.submitted += 1
         factor = self.tracker.factor
         base = float(self.config.model.estimate(job.max_new_tokens))
         deadline = self.policy.deadline_s if job.deadline_s is None else job.deadline_s
@@ -245,8 +315,14 @@ class Gate:
         return ticket.future
 
     def _remaining(self, now: float, idle: int) -> float:
-        """Estimated work left in service, summed over the engines (as qsim's model computes it)."""
-        return 0.0 if idle else sum(max(0.0, end - now) for end in self._busy_until)
+        """Estimated work left in service, summed over the engines (as qsim's model computes it).
+
+        A stalled engine's is its overrun so far: it has shown it is not about to finish.
+        """
+        if idle:
+            return 0.0
+        return sum((now - end) if stalled else max(0.0, end - now)
+                   for end, stalled in zip(self._busy_until, self._stalled))
 
     def _begin(self, k: int, ticket: _Ticket, now: float) -> None:
         if self._closed:  # shutting down: no engine thread will take it
@@ -255,7 +331,9 @@ class Gate:
             return
         ticket.state, ticket.engine, ticket.start = "running", k, now
         self._current[k] = ticket
-        self._busy_until[k] = now + ticket.base_est_s * self.tracker.factor
+        est = ticket.base_est_s * self.tracker.factor
+        self._busy_until[k] = now + est
+        ticket.stall_after_s = self.config.stall_after_s(est)
         self._threads[k].give(ticket)
 
     # -- completion and the front -------------------------------------------------
@@ -269,9 +347,12 @@ class Gate:
 
     def _finished(self, k: int, ticket: _Ticket, result: EngineResult | BaseException) -> None:
         now = self.clock()
+        stalled, self._stalled[k] = self._stalled[k], False  # it returned: the engine works again
         ticket.state = "done"
         self._current[k] = None
-        if isinstance(result, BaseException):
+        if stalled:
+            pass  # its request already ended as an error; a hang's engine time would poison the tracker
+        elif isinstance(result, BaseException):
             self._resolve(ticket, "error", exc=EngineFailed(k, result, ticket.arrival), cause=result)
         else:
             # Against the estimate from max_new_tokens, as qsim's model does: a stop string that ends a
@@ -323,6 +404,50 @@ class Gate:
             exc.__cause__ = cause
             ticket.future.set_exception(exc)
 
+    # -- the watchdog: stalled engines and the queue behind them ----------------------
+
+    def _watchdog(self) -> None:
+        now = self.clock()
+        for k, ticket in enumerate(self._current):
+            if ticket is not None and not self._stalled[k] and now - ticket.start > ticket.stall_after_s:
+                self._stall(k, ticket, now)
+        if all(self._stalled):
+            self._give_up_waiting(now)
+        if not self._closed:
+            self._watch = self._loop.call_later(self.config.watch_interval_s, self._watchdog)
+
+    def _stall(self, k: int, ticket: _Ticket, now: float) -> None:
+        """Engine k ran past its threshold: end its request now; the engine stays busy until it returns."""
+        self._stalled[k] = True
+        ticket.state = "stalled"
+        running = now - ticket.start
+        est = self._busy_until[k] - ticket.start
+        numbers = {**ticket.arrival.numbers(), "engine": k, "running_s": running, "est_service_s": est,
+                   "stall_after_s": ticket.stall_after_s}
+        message = (f"engine {k} has run this request for {running:.3f} s, past its stall threshold of "
+                   f"{ticket.stall_after_s:.3f} s (max of {self.config.stall_factor:g} x its {est:.3f} s estimate "
+                   f"and {self.config.stall_floor_s:g} s); the gate stopped waiting for it")
+        self._resolve(ticket, "error", exc=EngineStalled(message, k, numbers, ticket.arrival))
+
+    def _give_up_waiting(self, now: float) -> None:
+        """Every engine is stalled: end each waiting request whose deadline has passed (too late to answer)."""
+        for ticket in [t for t in self._waiting if now >= t.arrival.at + t.arrival.deadline_s]:
+            self._waiting.remove(ticket)
+            self._waiting_base_s = self._waiting_base_s - ticket.base_est_s if self._waiting else 0.0
+            if ticket.future.done():  # cancelled: its done callback has not run yet, and will count it
+                ticket.state = "cancelled"
+                continue
+            est = ticket.base_est_s * self.tracker.factor
+            if self.policy.expire_at_front:  # what the front would decide: it cannot finish by its deadline
+                self._expire(ticket, est, now)
+                continue
+            ticket.state = "given_up"
+            waited = now - ticket.arrival.at
+            numbers = {**ticket.arrival.numbers(), "waited_s": waited, "stalled_engines": self.workers}
+            message = (f"every engine is stalled; this request waited {waited:.3f} s, past its deadline of "
+                       f"{ticket.arrival.deadline_s:.3f} s, and no engine can take it")
+            self._resolve(ticket, "error", exc=EngineStalled(message, None, numbers, ticket.arrival))
+
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
         """A cancelled future is a client that left: a waiting one leaves the queue with its work."""
         if not future.cancelled():
@@ -348,12 +473,21 @@ class Gate:
     def queued_work_s(self) -> float:
         return self._waiting_base_s * self.tracker.factor
 
+    def health(self) -> dict:
+        """Status "ok", or "degraded" with each stalled engine: how long its request has run, and its threshold."""
+        now = self.clock()
+        stalled = [{"engine": k, "running_s": now - t.start, "stall_after_s": t.stall_after_s,
+                    "est_service_s": self._busy_until[k] - t.start}
+                   for k, t in enumerate(self._current) if t is not None and self._stalled[k]]
+        return {"status": "degraded" if stalled else "ok", "stalled": stalled}
+
     def stats(self) -> dict:
         """The queue now; ``clock`` is the gate's clock (monotonic seconds) at this reading."""
         return {
             "clock": self.clock(),
             "waiting": self.waiting,
             "in_service": self.in_service,
+            "stalled": sum(self._stalled),
             "queued_work_s": self.queued_work_s,
             "speed_factor": self.tracker.factor,
             "fixed_estimate": self.config.fixed_estimate,
@@ -363,4 +497,5 @@ class Gate:
             "counts": dict(self.counts),
             "rejected_by_reason": dict(self.rejected_by_reason),
             "cancelled": self.cancelled,
+            "submitted": self.submitted,
         }

@@ -27,6 +27,7 @@ import inspect
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -104,8 +105,9 @@ def _local_then_hub(loader, name: str):
 
 
 def _pretrained(name: str):
+    # safetensors only: a pickled .bin checkpoint can run code when it is loaded.
     try:
-        return _local_then_hub(AutoModelForCausalLM.from_pretrained, name)
+        return _local_then_hub(partial(AutoModelForCausalLM.from_pretrained, use_safetensors=True), name)
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(f"cannot load model {name!r} ({type(exc).__name__}: {first}); "

@@ -3,6 +3,10 @@
 The server prints ``qlab serve: listening on http://HOST:PORT`` as its first
 line on stdout; everything it says after that goes to a log file, so a chatty
 server can never fill the pipe and stall.
+
+A server started here never outlives its parent: its stdin is a pipe from the
+parent and it runs with ``--watch-stdin``, so when the parent ends, however
+it ends (SIGKILL included), the kernel closes the pipe and the server stops.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class ServeOptions:
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "experiments", "serve", "--policy", self.policy, "--engine", self.engine,
-                "--engines", str(self.engines), "--port", "0"]
+                "--engines", str(self.engines), "--port", "0", "--watch-stdin"]
         if self.engine == "gpt2":
             args += ["--model", self.model, "--device", self.device]
         else:
@@ -70,8 +74,9 @@ class Server:
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(self.options.argv(), stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     cwd=ROOT, env=env, start_new_session=True)
+        # stdin: the pipe whose end tells the server (--watch-stdin) that this process is gone.
+        self.proc = subprocess.Popen(self.options.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, cwd=ROOT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> str:
         """Read the URL from the first stdout line, then wait for /healthz; ValueError on failure."""
@@ -112,6 +117,8 @@ class Server:
                 self.kill()
         if self._copier:
             self._copier.join(2.0)  # the copy ends at EOF, once the process is gone
+        if self.proc.stdin:
+            self.proc.stdin.close()
         if self._log:
             self._log.close()
 

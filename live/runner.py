@@ -9,23 +9,38 @@ machine; the summary reports each run's effective load (nominal x measured speed
 
 Layout of OUT::
 
+    live.json                         the experiment's config: a re-run must be of the same one
     calibration.json                  when the file asks to calibrate first
     runs/<trace>__<policy>.parquet    one row per request (``qlab replay``'s columns)
     summary.parquet                   one row per run
     logs/serve-<policy>.log           what each server said
+
+Interruptions. Every file is written under a temporary name and renamed into
+place (:mod:`qsim.files`), so a run's file exists only whole. Running the same
+command again skips the runs whose files exist (their summary rows are
+recomputed from the files), reuses the calibration, and starts servers only for
+the policies that still have runs to do. SIGINT and SIGTERM end the run in
+progress unwritten and stop the servers on the way out; a SIGKILL cannot be
+caught, but the servers (``--watch-stdin``, see :mod:`live.procs`) stop when
+the kernel closes their stdin pipe.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import replace
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pandas as pd
 
 from analysis import compare, metrics
 from qsim import ServiceModel, Trace, load_trace, make_trace
+from qsim.files import atomic_write, clear_temporaries, write_parquet
 
 from .calibrate import CalibrationConfig, calibrate, describe, probe
 from .live_config import LiveConfig, TraceSpec
@@ -60,13 +75,20 @@ def server_options(cfg: LiveConfig, service_model: str) -> list[ServeOptions]:
 
 
 def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> str:
-    """Calibrate on a server of its own (policy none: nothing refused) and return the JSON's path."""
+    """Calibrate on a server of its own (policy none: nothing refused) and return the JSON's path.
+
+    A calibration already in OUT (an interrupted experiment being resumed) is reused: the
+    finished runs' loads are relative to it.
+    """
+    path = out / "calibration.json"
+    if path.is_file():
+        log(f"resuming: using the calibration in {path}")
+        return str(path)
     options = replace(server_options(cfg, "")[0], policy="none")
     with serving([options], out / "logs", cfg.server.startup_timeout_s, prefix="calibrate") as (server,):
         result = calibrate(CalibrationConfig(server.url, cfg.calibrate.rounds, cfg.calibrate.per_size,
                                              prompt_words=cfg.replay.prompt_words),
                            progress=lambda r: log(describe(r, f"calibration round {r.round}")))
-    path = out / "calibration.json"
     result.save(path)
     log(describe(result.overall, "calibration, all rounds"))
     return str(path)
@@ -94,29 +116,106 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
     }
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One trace under one policy, at its place in the rotated order."""
+
+    spec: TraceSpec
+    trace: Trace
+    policy: str
+    position: int
+
+    def path(self, out: Path) -> Path:
+        return out / "runs" / f"{self.spec.name}__{self.policy}.parquet"
+
+
+def plan(cfg: LiveConfig, traces: list[tuple[TraceSpec, Trace]]) -> list[_Run]:
+    """Every run in the order it goes: trace by trace, policies rotated by the trace's index."""
+    return [_Run(spec, trace, policy, position) for k, (spec, trace) in enumerate(traces)
+            for position, policy in enumerate(rotated(cfg.server.policies, k))]
+
+
+def check_folder(cfg: LiveConfig, out: Path) -> None:
+    """Record the config in OUT, or refuse a folder holding another config's runs (they would not resume it)."""
+    path = out / "live.json"
+    mine = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "source"}))  # tuples -> lists
+    try:
+        theirs = json.loads(path.read_text()).get("config") if path.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        theirs = None
+    if theirs == mine:
+        return
+    if any((out / "runs").glob("*.parquet")):
+        raise ValueError(f"{out} holds runs of another live config (see {path}); choose another --out or remove "
+                         "that folder")
+    # No run was written under the old config (it failed to start): its calibration is not this one's.
+    (out / "calibration.json").unlink(missing_ok=True)
+    atomic_write(path, (json.dumps({"config": mine, "source": cfg.source}, indent=2) + "\n").encode())
+
+
 def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print) -> pd.DataFrame:
-    """Run the experiment; write the runs and the summary under ``out``; return the summary."""
+    """Run the experiment's runs not yet written; write them and the summary under ``out``; return the summary."""
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    check_folder(cfg, out)
+    clear_temporaries(out / "runs")
     base = Path(cfg.source).parent
-    model_path = str(base / cfg.server.service_model) if cfg.server.service_model else ""
-    if cfg.calibrate:
-        model_path = run_calibration(cfg, out, log)
-    model = ServiceModel.load(model_path) if model_path else ServiceModel()
-    traces = [(spec, build_trace(spec, model, cfg.server.engines, base)) for spec in cfg.traces]
-    rows = []
-    with serving(server_options(cfg, model_path), out / "logs", cfg.server.startup_timeout_s) as servers:
-        url = {s.options.policy: s.url for s in servers}
-        for k, (spec, trace) in enumerate(traces):
-            for position, policy in enumerate(rotated(cfg.server.policies, k)):
-                log(f"{spec.name} ({len(trace)} requests) under {policy} at {url[policy]}")
-                frame, speeds = _one_run(cfg, model, url[policy], trace)
-                frame.to_parquet(out / "runs" / f"{spec.name}__{policy}.parquet", index=False)
-                rows.append(summary_row(frame, trace, spec, policy, position, speeds))
-                _log_row(log, rows[-1])
-    summary = pd.DataFrame(rows)
-    summary.to_parquet(out / "summary.parquet", index=False)
+    with sigterm_interrupts():
+        model_path = str(base / cfg.server.service_model) if cfg.server.service_model else ""
+        if cfg.calibrate:
+            model_path = run_calibration(cfg, out, log)
+        model = ServiceModel.load(model_path) if model_path else ServiceModel()
+        runs = plan(cfg, [(spec, build_trace(spec, model, cfg.server.engines, base)) for spec in cfg.traces])
+        rows = {r.path(out): _row_from_file(r, r.path(out)) for r in runs if r.path(out).is_file()}
+        todo = [r for r in runs if r.path(out) not in rows]
+        if rows:
+            log(f"resuming: {len(rows)} of {len(runs)} runs already in {out / 'runs'}; running the other {len(todo)}")
+        if todo:
+            rows.update(_run_all(cfg, model, model_path, todo, out, log))
+    summary = pd.DataFrame([rows[r.path(out)] for r in runs])
+    write_parquet(summary, out / "summary.parquet")
     return summary
+
+
+def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_Run], out: Path,
+             log: Callable[[str], None]) -> dict[Path, dict]:
+    """Start a server for each policy that has runs to do, run them in order, write each run's file whole."""
+    needed = {r.policy for r in todo}
+    options = [o for o in server_options(cfg, model_path) if o.policy in needed]
+    rows = {}
+    with serving(options, out / "logs", cfg.server.startup_timeout_s) as servers:
+        url = {s.options.policy: s.url for s in servers}
+        for r in todo:
+            log(f"{r.spec.name} ({len(r.trace)} requests) under {r.policy} at {url[r.policy]}")
+            frame, speeds = _one_run(cfg, model, url[r.policy], r.trace)
+            write_parquet(frame, r.path(out))
+            rows[r.path(out)] = summary_row(frame, r.trace, r.spec, r.policy, r.position, speeds)
+            _log_row(log, rows[r.path(out)])
+    return rows
+
+
+def _row_from_file(r: _Run, path: Path) -> dict:
+    """The summary row of a run written by an earlier, interrupted attempt."""
+    frame = pd.read_parquet(path)
+    speeds = (float(frame["speed_before"].iloc[0]), float(frame["speed_after"].iloc[0]))
+    return summary_row(frame, r.trace, r.spec, r.policy, r.position, speeds)
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt, as SIGINT is, so that ``finally`` blocks stop the servers.
+
+    Python's default for SIGTERM ends the process at once, skipping them. Only the main thread
+    may set a handler; elsewhere (a library caller's thread) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _one_run(cfg: LiveConfig, model: ServiceModel, url: str, trace: Trace) -> tuple[pd.DataFrame, tuple[float, float]]:

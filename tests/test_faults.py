@@ -1,0 +1,481 @@
+"""Faults, each injected by the test: a failing engine, a hung or very slow engine, clients that hang up,
+a server killed under `qlab replay`, and `qlab sweep` / `qlab live` interrupted by SIGINT or SIGKILL.
+
+Every request must end in exactly one recorded outcome (the gate's counts, the client's rows), nothing may
+wait forever, and whatever was written to disk must be whole and resumable.
+
+In-process gates use a service line of 2 ms + 4 ms/token (12 tokens: 0.05 s) and a stall floor of 0.2 s;
+servers are real `qlab serve` subprocesses with the synthetic engine on the reference line (4 tokens: 35 ms).
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from experiments import config, sweep  # noqa: E402
+from live import live_config, runner  # noqa: E402
+from live.engine import Faults, InjectedFault, SyntheticEngine  # noqa: E402
+from live.gate import DeadlineExceeded, EngineStalled, Gate, GateConfig, Job, Rejected  # noqa: E402
+from live.load_commands import main as load_main  # noqa: E402
+from live.loadgen import ReplayConfig, replay  # noqa: E402
+from live.procs import ServeOptions, Server, serving  # noqa: E402
+from qsim import PRESETS, ServiceModel, from_arrays, records  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)
+GENERATE = "/v1/generate"
+
+
+def settled(stats: dict) -> bool:
+    """At rest every request decided on has exactly one outcome or was cancelled by its client."""
+    return (stats["waiting"] == 0 and stats["in_service"] == 0
+            and stats["submitted"] == sum(stats["counts"].values()) + stats["cancelled"])
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- in-process: a hung or slow engine
+
+
+def _stall_config(policy, stall_factor: float = 2.0) -> GateConfig:
+    """Stalled past max(2 x estimate, 0.2 s): 0.2 s for a 0.05 s request."""
+    return GateConfig(policy, MODEL, stall_factor=stall_factor, stall_floor_s=0.2, watch_interval_s=0.01)
+
+
+async def _timed(future, t0: float):
+    """(outcome or exception, seconds since t0 when it ended)."""
+    try:
+        result = await future
+    except Exception as exc:  # noqa: BLE001 - the exception is the outcome under test
+        result = exc
+    return result, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("policy, behind", [("none", EngineStalled), ("bounded-deadline", DeadlineExceeded),
+                                            ("predictive", DeadlineExceeded)])
+def test_a_hung_engine_ends_its_request_and_those_behind_it(policy, behind):
+    """The engine hangs 1 s: its request ends at the 0.2 s threshold, the waiting ones at their deadlines."""
+    engine = SyntheticEngine(MODEL, faults=Faults(hang_after=0, hang_s=1.0))
+
+    async def go():
+        async with Gate([engine], _stall_config(PRESETS[policy])) as gate:
+            t0 = time.monotonic()
+            hung = asyncio.ensure_future(_timed(gate.submit(Job("a", 12)), t0))
+            waiting = [asyncio.ensure_future(_timed(gate.submit(Job(p, 12, deadline_s=d)), t0))
+                       for p, d in (("b", 0.4), ("c", 0.6))]
+            stalled, stalled_at = await hung
+            during = gate.health(), gate.stats()
+            ends = [await w for w in waiting]
+            await _until(lambda: gate.in_service == 0)  # the engine returns at about 1.05 s
+            factor_after_hang = gate.tracker.factor
+            answer = await gate.submit(Job("d", 12))  # the engine works again
+            return stalled, stalled_at, during, ends, factor_after_hang, answer, gate.health(), gate.stats()
+
+    stalled, stalled_at, (health, stats), ends, factor, answer, health_after, final = asyncio.run(go())
+    assert isinstance(stalled, EngineStalled) and stalled.engine == 0
+    assert 0.2 <= stalled_at < 0.4 and stalled.numbers["stall_after_s"] == 0.2
+    assert health["status"] == "degraded" and health["stalled"][0]["engine"] == 0
+    assert health["stalled"][0]["running_s"] >= 0.2 and stats["stalled"] == 1 and stats["in_service"] == 1
+    for (exc, at), deadline in zip(ends, (0.4, 0.6)):
+        assert isinstance(exc, behind), exc
+        assert deadline <= at < deadline + 0.2  # at its deadline, long before the engine came back
+    assert factor == 1.0  # the hung request taught the tracker nothing
+    assert answer.outcome == "good" and health_after == {"status": "ok", "stalled": []}
+    expected = {"error": 3} if behind is EngineStalled else {"error": 1, "expired": 2}
+    assert {k: v for k, v in final["counts"].items() if v} == {**expected, "good": 1}
+    assert settled(final) and final["submitted"] == 4 and final["stalled"] == 0
+
+
+def test_predictive_keeps_refusing_on_the_estimate_while_an_engine_is_stalled():
+    """Past its threshold a stalled engine's remaining work is its overrun, not zero: no rush of admissions."""
+    engine = SyntheticEngine(MODEL, faults=Faults(hang_after=0, hang_s=0.8))
+
+    async def go():
+        async with Gate([engine], _stall_config(PRESETS["predictive"])) as gate:
+            hung = gate.submit(Job("a", 12))
+            with pytest.raises(EngineStalled):
+                await hung
+            await asyncio.sleep(0.3)  # the estimate said 0.05 s; it has now run about 0.5 s
+            with pytest.raises(Rejected) as refused:
+                gate.submit(Job("b", 12, deadline_s=0.3))
+            await _until(lambda: gate.in_service == 0)
+            return refused.value.rejection
+
+    rejection = asyncio.run(go())
+    # Counted as about to finish (qsim's rule below the threshold), the wait would be 0 and b admitted.
+    assert rejection.reason == "deadline_unreachable" and rejection.numbers["wait_s"] >= 0.4
+    assert rejection.retry_after_s == 1
+
+
+def test_a_very_slow_engine_is_stalled_at_ten_times_its_estimate_and_teaches_nothing():
+    engine = SyntheticEngine(MODEL, speed=30.0)  # 0.05 s estimated, 1.5 s taken: past 10 x 0.05 s
+
+    async def go():
+        async with Gate([engine], _stall_config(PRESETS["none"], stall_factor=10.0)) as gate:
+            t0 = time.monotonic()
+            exc, at = await _timed(gate.submit(Job("a", 12)), t0)
+            await _until(lambda: gate.in_service == 0)
+            return exc, at, gate.tracker.factor, gate.stats()
+
+    exc, at, factor, stats = asyncio.run(go())
+    assert isinstance(exc, EngineStalled) and 0.5 <= at < 0.7 and exc.numbers["stall_after_s"] == pytest.approx(0.5)
+    assert factor == 1.0 and stats["counts"]["error"] == 1 and settled(stats)
+
+
+def test_a_request_cancelled_while_running_holds_its_engine_until_the_run_ends():
+    async def go():
+        async with Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL)) as gate:
+            running = gate.submit(Job("a", 12))
+            behind = gate.submit(Job("b", 4))
+            await asyncio.sleep(0.01)
+            running.cancel()  # its client hung up while the engine ran it
+            await asyncio.sleep(0)
+            during = gate.stats()
+            answer = await behind
+            return during, answer, gate.stats()
+
+    during, answer, final = asyncio.run(go())
+    assert during["cancelled"] == 1 and during["in_service"] == 1 and during["waiting"] == 1
+    assert answer.queue_s >= 0.045  # b started when a's run ended, not when a's client left
+    assert final["counts"]["good"] == 1 and settled(final)
+
+
+def test_fault_schedule_of_the_synthetic_engine():
+    faults = Faults(fail_every=3, hang_after=4, hang_s=0.01)
+    assert [n for n in range(1, 10) if faults.fails(n)] == [3, 6, 9]
+    assert [n for n in range(1, 10) if faults.hangs(n)] == [5]
+    engine = SyntheticEngine(ServiceModel(0.0, 0.0001), faults=Faults(fail_every=2))
+    engine.run("x", 1)
+    with pytest.raises(InjectedFault, match="run 2"):
+        engine.run("x", 1)
+    assert engine.info()["faults"]["fail_every"] == 2
+    for bad in ({"fail_every": -1}, {"hang_after": -1}, {"hang_after": 0, "hang_s": 0.0}):
+        with pytest.raises(ValueError):
+            Faults(**bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hang-for", "2"], "--hang-for: only with --hang-after"),
+    (["--engine", "gpt2", "--fail-every", "3"], "--fail-every: only with --engine synthetic"),
+    (["--fail-every", "0"], "must be > 0"),
+    (["--stall-factor", "0.5"], "must be >= 1"),
+    (["--stall-after", "0"], "must be > 0"),
+])
+def test_fault_and_stall_flags_are_checked(argv, message, capsys):
+    from experiments.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+# ---------------------------------------------------------------- through real servers
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Three servers started together: plain (none), failing every 3rd run (bounded), hanging on run 2 (predictive)."""
+    options = [ServeOptions(policy="none"),
+               ServeOptions(policy="bounded", extra=("--fail-every", "3")),
+               ServeOptions(policy="predictive",
+                            extra=("--hang-after", "1", "--hang-for", "2.5", "--stall-after", "0.5"))]
+    with serving(options, tmp_path_factory.mktemp("logs"), 60) as running:
+        yield {s.options.policy: s.url for s in running}
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/stats").json()
+
+
+def error_of(response, status: int, type_: str, reason: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"type", "reason", "message", "numbers", "retry_after_s"}
+    assert (error["type"], error["reason"]) == (type_, reason) and error["message"]
+    return error
+
+
+def delta(after: dict, before: dict) -> dict:
+    """Outcome counts that changed between two /stats readings."""
+    change = {k: after["counts"][k] - before["counts"][k] for k in after["counts"]}
+    return {k: v for k, v in change.items() if v}
+
+
+def test_engine_failures_are_500s_recorded_as_errors_and_the_next_request_is_served(servers):
+    url = servers["bounded"]  # --fail-every 3: runs 3, 6, 9, ... raise at once
+    before = stats(url)
+    statuses, factors = [], []
+    for _ in range(6):
+        factor = stats(url)["speed_factor"]
+        r = httpx.post(f"{url}{GENERATE}", json={"prompt": "x", "max_new_tokens": 4}, timeout=10)
+        statuses.append(r.status_code)
+        factors.append((factor, stats(url)["speed_factor"]))
+        if r.status_code == 500:
+            error = error_of(r, 500, "engine_error", "engine_exception")
+            assert "injected failure" in error["message"] and error["numbers"] == {"engine": 0}
+    assert statuses == [200, 200, 500, 200, 200, 500]
+    assert factors[2][0] == factors[2][1] and factors[5][0] == factors[5][1]  # a failure teaches the tracker nothing
+    assert delta(stats(url), before) == {"good": 4, "error": 2}
+    # The same through the replayer: runs 7..15, so 9, 12 and 15 fail; its rows and /stats agree.
+    trace = from_arrays(np.arange(9) * 0.08, np.full(9, 4))
+    before = stats(url)
+    rows = replay(trace, ReplayConfig(url, timeout_s=10))
+    after = stats(url)
+    assert list(rows["outcome"]) == ["good", "good", "error"] * 3
+    errors = rows[rows["outcome"] == "error"]
+    assert (errors["http_status"] == 500).all() and errors["error"].str.contains("engine_error").all()
+    assert delta(after, before) == {"good": 6, "error": 3} and settled(after)
+
+
+def test_a_hung_engine_through_the_service(servers):
+    """--hang-after 1 --hang-for 2.5 --stall-after 0.5: run 2 hangs 2.5 s; predictive policy."""
+    url = servers["predictive"]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=10, limits=httpx.Limits(max_connections=None)) as client:
+            def post(deadline_ms=None):
+                body = {"prompt": "x", "max_new_tokens": 4, **({"deadline_ms": deadline_ms} if deadline_ms else {})}
+                return client.post(GENERATE, json=body)
+
+            first = await post()  # run 1
+            before = (await client.get("/stats")).json()
+            t0 = time.monotonic()
+            hung = asyncio.ensure_future(post(10_000))  # run 2: hangs
+            await asyncio.sleep(0.1)
+            behind = asyncio.ensure_future(post(1_200))  # admitted (the engine is not yet known to be stuck): waits
+            hung_r = await hung
+            hung_at = time.monotonic() - t0
+            health = (await client.get("/healthz")).json()
+            refused = await post(400)
+            behind_r = await behind
+            behind_at = time.monotonic() - t0
+            while (await client.get("/healthz")).json()["status"] != "ok":
+                assert time.monotonic() - t0 < 8, "the engine never came back"
+                await asyncio.sleep(0.05)
+            factor = (await client.get("/stats")).json()["speed_factor"]
+            last = await post()
+            return first, before, hung_r, hung_at, health, refused, behind_r, behind_at, factor, last
+
+    first, before, hung, hung_at, health, refused, behind, behind_at, factor, last = asyncio.run(go())
+    assert first.status_code == 200
+    stalled = error_of(hung, 500, "engine_error", "engine_stalled")
+    assert 0.5 <= hung_at < 1.2 and stalled["numbers"]["stall_after_s"] == 0.5 and stalled["numbers"]["engine"] == 0
+    assert health["status"] == "degraded" and [s["engine"] for s in health["stalled"]] == [0]
+    refusal = error_of(refused, 503, "overloaded", "deadline_unreachable")  # the overrun counts as work left
+    assert refusal["numbers"]["wait_s"] >= 0.4 and int(refused.headers["Retry-After"]) >= 1
+    error_of(behind, 503, "deadline_exceeded", "cannot_finish")
+    assert 1.2 <= behind_at < 2.0  # at its deadline, before the engine came back (2.5 s)
+    assert factor == before["speed_factor"]  # the 2.5 s hang taught the tracker nothing
+    assert last.status_code == 200 and last.json()["outcome"] == "good"
+    after = stats(url)
+    assert delta(after, before) == {"good": 1, "error": 1, "rejected": 1, "expired": 1}
+    assert settled(after) and after["stalled"] == 0
+
+
+def test_clients_hanging_up_while_waiting_and_while_served_free_their_slots(servers):
+    url = servers["none"]
+    before = stats(url)
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=10, limits=httpx.Limits(max_connections=None)) as client:
+            def post(tokens, timeout):
+                return client.post(GENERATE, json={"prompt": "x", "max_new_tokens": tokens}, timeout=timeout)
+
+            served = asyncio.ensure_future(post(64, 0.15))  # 0.545 s in service; its client leaves at 0.15 s
+            await asyncio.sleep(0.02)
+            waiting = asyncio.ensure_future(post(64, 0.15))  # waits; its client leaves at 0.15 s
+            await asyncio.sleep(0.03)
+            third = asyncio.ensure_future(post(4, 10))
+            for left in (served, waiting):
+                with pytest.raises(httpx.TimeoutException):
+                    await left
+            seen = None
+            for _ in range(50):
+                seen = (await client.get("/stats")).json()
+                if seen["cancelled"] - before["cancelled"] == 2:
+                    break
+                await asyncio.sleep(0.01)
+            return seen, await third
+
+    during, third = asyncio.run(go())
+    assert during["cancelled"] - before["cancelled"] == 2
+    # The waiting one left the queue; the served one's engine runs on until its run ends.
+    assert during["waiting"] == 1 and during["in_service"] == 1
+    assert third.status_code == 200 and third.json()["timings"]["queue_s"] >= 0.4
+    after = stats(url)
+    assert delta(after, before) == {"good": 1} and settled(after)
+
+
+def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp_path, capsys):
+    server = Server(ServeOptions(policy="none"), tmp_path / "doomed.log")
+    server.start(60)
+    out = tmp_path / "run.parquet"
+    argv = ["replay", "--url", server.url, "--arrivals", "constant", "--load", "0.5", "--seconds", "3",
+            "--engines", "1", "--timeout", "10", "--out", str(out)]
+    try:
+        threading.Timer(1.5 + ReplayConfig(server.url).lead_s, server.kill).start()
+        assert load_main(argv) == 0
+    finally:
+        server.stop()
+    said = capsys.readouterr().out
+    rows = records.validate(pd.read_parquet(out))
+    assert f"wrote {len(rows)} rows" in said and list(rows["request_id"]) == list(range(len(rows)))
+    assert (rows.loc[rows["scheduled_s"] < 1.0, "outcome"] != "error").all()
+    late = rows["scheduled_s"] > 1.6
+    assert late.any() and (rows.loc[late, "outcome"] == "error").all() and rows.loc[late, "error"].notna().all()
+    argv[argv.index(server.url)] = servers["none"]
+    argv[argv.index("3")] = "1"
+    assert load_main(argv) == 0
+    again = records.validate(pd.read_parquet(out))
+    assert len(again) > 0 and not (again["outcome"] == "error").any()
+
+
+# ---------------------------------------------------------------- interrupted sweeps and live runs
+
+
+def _child_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def test_sigint_stops_a_sweep_in_one_line_and_it_resumes(tmp_path):
+    # Two cells, one fast and one slow: when the fast one is written its worker is idle, and an idle
+    # pool worker that takes the Ctrl-C prints a traceback unless it ignores SIGINT.
+    path = tmp_path / "s.toml"
+    path.write_text("[sweep]\nduration_s = 8000\nseeds = 1\n[grid]\npolicy = ['none']\nload = [0.05, 3.0]\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out), "--workers",
+                             "2", "--quiet"], env=_child_env(), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 60
+    while not list((out / "cells").glob("*.parquet")):
+        assert time.monotonic() < end and proc.poll() is None, "the sweep wrote nothing"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "qlab: interrupted\n", err
+    written = list((out / "cells").glob("*.parquet"))
+    assert len(written) == 1 and not list(out.rglob(".*tmp*"))
+    pd.read_parquet(written[0])
+    summary = sweep.run(config.load(path), out, workers=1, quiet=True)
+    assert summary.attrs == {"ran": 1, "skipped": 1} and len(summary) == 2
+
+
+LIVE_TOML = """
+[server]
+policies = ["bounded", "predictive"]
+startup_timeout_s = 60
+[probe]
+requests = 1
+[[trace]]
+name = "burst"
+arrivals = "burst:6"
+[[trace]]
+name = "poisson"
+load = 1.0
+seconds = 0.6
+"""
+
+
+class _Live:
+    """`qlab live` in a subprocess; its stdout lines are collected as they come."""
+
+    def __init__(self, path: Path, out: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "experiments", "live", str(path), "--out", str(out)],
+                                     env=_child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+        self.out = out
+
+    def wait_for_runs(self, n: int, timeout_s: float = 60) -> list:
+        """Once n run files exist: the live servers (this process's children)."""
+        psutil = pytest.importorskip("psutil")
+        end = time.monotonic() + timeout_s
+        while len(list((self.out / "runs").glob("*.parquet"))) < n:
+            assert time.monotonic() < end and self.proc.poll() is None, f"no run written: {self.lines}"
+            time.sleep(0.02)
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+
+def test_interrupted_live_runs_leave_whole_files_stop_their_servers_and_resume(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    path = tmp_path / "live.toml"
+    path.write_text(LIVE_TOML)
+    out = tmp_path / "out"
+
+    # SIGKILL: nothing in the runner can react; the servers see their stdin pipe close and stop.
+    live = _Live(path, out)
+    children = live.wait_for_runs(1)
+    assert children, "the live servers should be children of qlab live"
+    live.proc.kill()
+    live.proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"servers outlived a SIGKILLed qlab live: {alive}"
+    first = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.parquet")}
+    for p in first:
+        records.validate(pd.read_parquet(p))
+
+    # SIGINT: one line, exit 130, servers stopped on the way out; the earlier files untouched.
+    live = _Live(path, out)
+    children = live.wait_for_runs(len(first) + 1)
+    live.proc.send_signal(signal.SIGINT)
+    _, err = live.proc.communicate(timeout=60)
+    assert live.proc.returncode == 130 and err.strip().splitlines()[-1] == "qlab: interrupted", err
+    assert "Traceback" not in err
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+    assert any(line.startswith(f"resuming: {len(first)} of 4 runs") for line in live.lines), live.lines
+    second = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.parquet")}
+    assert all(second[p] == t for p, t in first.items()) and len(second) > len(first)
+
+    # Resume to the end: only the missing runs run; the summary covers all four.
+    logged = []
+    summary = runner.run(live_config.load(path), out, log=logged.append)
+    assert len(summary) == 4 and (summary["error"] == 0).all()
+    assert logged[0].startswith(f"resuming: {len(second)} of 4 runs")
+    assert all(p.stat().st_mtime_ns == t for p, t in second.items())
+    assert not list(out.rglob(".*tmp*"))
+    assert list(summary["policy"]) == ["bounded", "predictive", "predictive", "bounded"]
+
+
+def test_sigterm_interrupts_a_live_run_as_sigint_does():
+    """SIGTERM would end Python without running `finally`; inside a live run it raises KeyboardInterrupt,
+    so the servers are stopped on the way out exactly as for SIGINT (tested above)."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with runner.sigterm_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode boundary: well before this ends
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_live_folder_of_another_config_is_refused(tmp_path):
+    path = tmp_path / "live.toml"
+    path.write_text(LIVE_TOML)
+    out = tmp_path / "out"
+    cfg = live_config.load(path)
+    (out / "runs").mkdir(parents=True)
+    runner.check_folder(cfg, out)
+    (out / "runs" / "burst__bounded.parquet").write_bytes(b"")  # a run of that config
+    path.write_text(LIVE_TOML.replace("burst:6", "burst:7"))
+    with pytest.raises(ValueError, match="another live config"):
+        runner.check_folder(live_config.load(path), out)
