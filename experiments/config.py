@@ -156,6 +156,9 @@ def _mixes(path: str, table: Any) -> dict[str, Mix]:
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a table with sizes and probs")
         _no_unknown(where, spec, {"sizes", "probs"})
+        for key in ("sizes", "probs"):
+            if not isinstance(spec.get(key, []), list):
+                raise ConfigError(f"{where}.{key}: expected a list, got {type(spec[key]).__name__} {spec[key]!r}")
         try:
             sizes = tuple(_typed(f"{where}.sizes", s, int) for s in spec.get("sizes", []))
             probs = tuple(_typed(f"{where}.probs", p, float) for p in spec.get("probs", []))
@@ -205,9 +208,14 @@ def load(path: str | Path) -> SweepConfig:
     """Read and check a sweep file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; say where, as for any other syntax error
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at line {line})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

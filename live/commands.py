@@ -4,6 +4,14 @@ The first line on stdout is ``qlab serve: listening on http://HOST:PORT`` (the
 real port, also with ``--port 0``), printed once the engines are warm and the
 gate is up, so a parent process can read it and start sending.
 Torch is imported only for ``--engine gpt2``.
+
+``--watch-stdin`` makes the server stop when its stdin reaches end of file:
+a parent that starts servers with a pipe on their stdin (``qlab live``) takes
+them down with it however it ends, even by SIGKILL, when the kernel closes
+the pipe. Fault injection (synthetic engine): ``--fail-every N``,
+``--hang-after N`` and ``--hang-for S``; ``--stall-factor`` and
+``--stall-after`` set when the gate counts an engine as stalled (see
+:mod:`live.gate`).
 """
 
 from __future__ import annotations
@@ -11,14 +19,17 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import os
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 from qsim.policy import PRESETS, preset
 from qsim.service import ServiceModel
 
-from .engine import SyntheticEngine, parse_schedule
+from .engine import Faults, SyntheticEngine, parse_schedule
 
 LOOPBACK = "127.0.0.1"
 
@@ -66,29 +77,43 @@ class ServeConfig:
     host: str
     port: int
     log_level: str
+    faults: Faults = Faults()
+    stall_factor: float = 10.0
+    stall_floor_s: float = 5.0
+    watch_stdin: bool = False
+    http: str = "httptools"
 
     @classmethod
     def from_args(cls, args) -> "ServeConfig":
         synthetic_only = [f for f, v in (("--speed", args.speed), ("--noise", args.noise),
-                                         ("--speed-schedule", args.speed_schedule)) if v is not None]
+                                         ("--speed-schedule", args.speed_schedule), ("--fail-every", args.fail_every),
+                                         ("--hang-after", args.hang_after), ("--hang-for", args.hang_for))
+                          if v is not None]
         gpt2_only = [f for f, v in (("--model", args.model), ("--device", args.device), ("--threads", args.threads))
                      if v is not None]
         if args.engine == "gpt2" and synthetic_only:
             raise ValueError(f"{', '.join(synthetic_only)}: only with --engine synthetic")
         if args.engine == "synthetic" and gpt2_only:
             raise ValueError(f"{', '.join(gpt2_only)}: only with --engine gpt2")
+        if args.hang_for is not None and args.hang_after is None:
+            raise ValueError("--hang-for: only with --hang-after (which run hangs)")
         return cls(
             policy=args.policy, max_queue=args.max_queue, deadline_s=args.deadline, engine=args.engine,
             model=args.model or "random", device=args.device or "auto", engines=args.engines,
             speed=1.0 if args.speed is None else args.speed, noise_cv=args.noise or 0.0,
             schedule=parse_schedule(args.speed_schedule or ""), seed=args.seed, threads=args.threads,
-            service_model=args.service_model, fixed_estimate=args.fixed_estimate, host=args.host or LOOPBACK, port=args.port, log_level=args.log_level,
+            service_model=args.service_model, fixed_estimate=args.fixed_estimate, host=args.host or LOOPBACK,
+            port=args.port, log_level=args.log_level,
+            faults=Faults(args.fail_every or 0, args.hang_after, args.hang_for),
+            stall_factor=args.stall_factor, stall_floor_s=args.stall_after, watch_stdin=args.watch_stdin,
+            http=args.http,
         )
 
 
 def _engines(cfg: ServeConfig, model: ServiceModel) -> list:
     if cfg.engine == "synthetic":
-        return [SyntheticEngine(model, cfg.speed, cfg.noise_cv, cfg.seed + k, cfg.schedule) for k in range(cfg.engines)]
+        return [SyntheticEngine(model, cfg.speed, cfg.noise_cv, cfg.seed + k, cfg.schedule, faults=cfg.faults)
+                for k in range(cfg.engines)]
     from . import gpt2  # torch loads here and nowhere else
 
     return gpt2.make_engines(cfg.engines, gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
@@ -129,6 +154,33 @@ def _announce(url: str, cfg: ServeConfig, host_given: bool) -> None:
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
 
 
+def _stop_at_stdin_eof() -> None:
+    """Stop the server (as SIGTERM does: uvicorn finishes gracefully) once stdin reaches end of file."""
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass  # whatever a parent writes means nothing; only the end does
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="qlab-stdin-watch", daemon=True).start()
+
+
+HEAD_CAP_BYTES = 64 * 1024
+
+
+def _http_options(http: str) -> dict:
+    """uvicorn's HTTP parser. httptools (the default) is the fastest to refuse, but it buffers
+    request headers of any size; h11 refuses a request head past HEAD_CAP_BYTES, at about
+    0.3 ms more per refusal. Use h11 where the service is reachable by untrusted clients
+    without a proxy that caps headers."""
+    if http == "h11":
+        return {"http": "h11", "h11_max_incomplete_event_size": HEAD_CAP_BYTES}
+    return {"http": "httptools"}
+
+
 def cmd_serve(args) -> int:
     cfg = ServeConfig.from_args(args)
     policy = preset(cfg.policy).with_overrides(max_queue=cfg.max_queue, deadline_s=cfg.deadline_s)
@@ -144,11 +196,14 @@ def cmd_serve(args) -> int:
     engines = _engines(cfg, model)
     for engine in engines:
         engine.warmup()
-    gate = Gate(engines, GateConfig(policy, model, fixed_estimate=cfg.fixed_estimate))
+    gate = Gate(engines, GateConfig(policy, model, fixed_estimate=cfg.fixed_estimate, stall_factor=cfg.stall_factor,
+                                    stall_floor_s=cfg.stall_floor_s))
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
     server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, **_http_options(cfg.http)))
+    if cfg.watch_stdin:
+        _stop_at_stdin_eof()
     server.run(sockets=[sock])
     return 0
 
@@ -171,9 +226,22 @@ def register(subparsers) -> None:
     p.add_argument("--speed", type=_number(float, 0), help="synthetic: service times are SPEED times the model (default 1)")
     p.add_argument("--noise", type=_number(float, 0, strict=False), help="synthetic: CV of lognormal noise on service times")
     p.add_argument("--speed-schedule", help="synthetic: SECONDS:FACTOR,... speed changes since start, e.g. 20:2.2")
+    p.add_argument("--fail-every", type=_number(int, 0), metavar="N",
+                   help="synthetic, fault injection: every Nth run of an engine raises at once")
+    p.add_argument("--hang-after", type=_number(int, 0, strict=False), metavar="N",
+                   help="synthetic, fault injection: run N+1 of an engine hangs (--hang-for seconds; default forever)")
+    p.add_argument("--hang-for", type=_number(float, 0), metavar="SECONDS", help="synthetic: how long the hang lasts")
+    p.add_argument("--stall-factor", type=_number(float, 1, strict=False), default=10.0,
+                   help="an engine is stalled once its request runs this many times its estimate (default 10) ...")
+    p.add_argument("--stall-after", type=_number(float, 0), default=5.0, metavar="SECONDS",
+                   help="... and at least this long (default 5 s); its request then ends as an engine_error")
     p.add_argument("--seed", type=_number(int, 0, strict=False), default=0, help="random weights and synthetic noise")
     p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
     p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
     p.add_argument("--host", help=f"address to bind (default {LOOPBACK}: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed on the first line)")
+    p.add_argument("--http", choices=["httptools", "h11"], default="httptools",
+                   help="HTTP parser: httptools (fastest) or h11 (caps request headers at 64 KiB)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning")
+    p.add_argument("--watch-stdin", action="store_true",
+                   help="stop when stdin reaches end of file (for a parent process: the server goes when it goes)")

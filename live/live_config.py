@@ -214,9 +214,14 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
 
 def load(path: str | Path) -> LiveConfig:
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; say where, as for any other syntax error
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at line {line})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -11,9 +11,21 @@ Every answer that is not a 200 carries one envelope::
     {"error": {"type", "reason", "message", "numbers", "retry_after_s"}}
 
 type ``overloaded`` (503, refused at arrival), ``deadline_exceeded`` (503,
-dropped at the front), ``invalid_request`` (4xx), ``engine_error`` (500) or
+dropped at the front), ``invalid_request`` (4xx), ``engine_error`` (500:
+reason ``engine_exception`` when the engine raised, ``engine_stalled`` when
+the gate gave up on a stalled engine, see :mod:`live.gate`) or
 ``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
 server cannot take the work now, not "this client sent too much".
+
+``GET /healthz`` answers 200 with ``status`` "ok", or "degraded" and the
+stalled engines (how long each has run its request, and its threshold) while
+any engine is stalled: the process is alive and answers, so the status code
+stays 200; a monitor reads ``status``.
+
+A client that hangs up cancels its request: a waiting one leaves the queue at
+once; a running one is counted as ``cancelled`` at once, and its engine is
+free for the next request when ``engine.run`` returns (it cannot be stopped
+mid-generation).
 """
 
 from __future__ import annotations
@@ -29,10 +41,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from .gate import Answer, DeadlineExceeded, EngineFailed, Gate, Job, Rejected
+from .gate import Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected
 
-ROUTES = "POST /v1/generate, GET /stats, GET /healthz"
+ROUTES = "POST /v1/generate, GET /stats, GET /healthz, GET /openapi.json"
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,10 @@ async def _engine_failed(_: Request, exc: EngineFailed) -> JSONResponse:
     return error_response(500, "engine_error", "engine_exception", str(exc), {"engine": exc.engine})
 
 
+async def _engine_stalled(_: Request, exc: EngineStalled) -> JSONResponse:
+    return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
+
+
 async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
     return error_response(exc.status, "invalid_request", exc.reason, exc.message)
 
@@ -173,10 +190,15 @@ async def read_body(request: Request, cap: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise InvalidRequest(413, "body_too_large", f"the body is {declared} bytes; the limit is {cap}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > cap:
-            raise InvalidRequest(413, "body_too_large", f"the body passes the limit of {cap} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                raise InvalidRequest(413, "body_too_large", f"the body passes the limit of {cap} bytes")
+    except ClientDisconnect:
+        # The client hung up mid-body: bad input, not a server error (nobody is left to read the answer).
+        raise InvalidRequest(400, "malformed_json", f"the body ended after {len(body)} bytes: the client closed "
+                                                    "the connection before sending all of it") from None
     return bytes(body)
 
 
@@ -264,20 +286,26 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         finally:
             gate.close()
 
-    app = FastAPI(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
+    app = FastAPI(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
     # Handlers are async on purpose: Starlette runs a plain function in its thread pool, which
     # would put every refusal behind a hidden queue of threads in a burst.
     for exc_type, handler in ((Rejected, _overloaded), (DeadlineExceeded, _deadline_exceeded),
-                              (EngineFailed, _engine_failed), (InvalidRequest, _invalid),
+                              (EngineFailed, _engine_failed), (EngineStalled, _engine_stalled),
+                              (InvalidRequest, _invalid),
                               (StarletteHTTPException, _http_error), (RequestValidationError, _request_validation),
                               (Exception, _unexpected)):
         app.add_exception_handler(exc_type, handler)
 
-    @app.post("/v1/generate")
+    # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
+    @app.post("/v1/generate", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": prepare.schema.model_json_schema()}}}})
     async def generate(request: Request) -> Response:
         t0 = gate.clock()
         job = prepare(await read_body(request, limits.max_body_bytes))
-        answer = await _outcome(gate.submit(job), request)  # Rejected, DeadlineExceeded, EngineFailed: handlers
+        # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
+        answer = await _outcome(gate.submit(job), request)
         if answer is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         return JSONResponse(_answer_body(answer, gate.clock() - t0))
@@ -288,6 +316,6 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "engines": gate.workers, "engine": gate.engines[0].info(), "policy": gate.policy.name}
+        return {**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(), "policy": gate.policy.name}
 
     return app

@@ -328,8 +328,10 @@ class _Columns:
         bad = values.isna()
         if optional:
             bad &= ~(raw.isna() | raw.str.lower().isin(["", "nan", "none", "<na>"]))
-        if integer:
-            bad |= values.notna() & (values != values.round())
+        if not optional:  # 'inf' parses as a number, but no arrival, size or time can be infinite
+            bad |= values.notna() & ~np.isfinite(values)
+        if integer:  # past 2**53 a float is no longer an exact count, and past 2**63 it wraps when cast
+            bad |= values.notna() & ((values != values.round()) | (values.abs() >= 2.0**53))
         if ok is not None:
             bad |= values.notna() & ~ok(values)
         self.fail_first(column, bad)
@@ -356,7 +358,17 @@ def _read_frame(path: Path) -> tuple[pd.DataFrame, int, str]:
     except pd.errors.EmptyDataError:
         raise ValueError(f"{path}: the file is empty") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not a text CSV file ({exc.reason})") from None
+        raise ValueError(f"{path}: not a text CSV file ({exc.reason} on line {_first_bad_utf8_line(path)})") from None
+
+
+def _first_bad_utf8_line(path: Path) -> int:
+    """The line of the file's first byte that is not UTF-8 (pandas' own offset is into a buffer, not the file)."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return data.count(b"\n", 0, exc.start) + 1
+    return 1  # pandas read it in another encoding; the file as a whole decodes
 
 
 def load_trace(

@@ -1,0 +1,495 @@
+"""Sustained overload and a burst against a real ``qlab serve``: is anything lost or leaked?
+
+For each policy (default ``bounded`` and ``predictive``; synthetic engine, loopback):
+
+1. Sustained: Poisson arrivals at LOAD times the calibrated capacity (default 10x)
+   for SECONDS (default 60), sent open-loop, the first WARMUP seconds (default 10)
+   counted as warm-up for the memory figure.
+2. Bursts: BURST requests (default 1,000) written at once, each on a connection
+   of its own opened beforehand; three bursts, the first counted as warm-up.
+
+Printed per case, never asserted: requests sent and their outcomes as the client
+saw them next to the server's /stats counts (served, refused or expired: each
+request exactly one outcome, and the two must agree); transport errors; the time
+to a refusal (write to the last byte of the 503, p50 / p99 / max); how late the
+client's sends left; the server's resident memory after warm-up, at its peak and
+at the end, against a stated bound (+20 MB after warm-up); and, once the client
+has hung up, the server's asyncio tasks, pending futures, open descriptors and
+threads against their values before the run (a leak shows as a difference).
+
+The server is ``qlab serve`` itself with one route added, ``GET /debug/loop``
+(the event loop's task and pending-future counts): this script starts it as
+``soak.py --serve FLAGS...``, which patches ``live.service.create_app`` and runs
+``qlab serve FLAGS``. Memory, descriptors and threads come from /proc (Linux).
+
+The client is lean (raw HTTP/1.1 on asyncio streams, as bench_live.py's): through
+httpx the client's own ~1 ms per request would be most of what is measured.
+Refusal time targets (live harness): sustained p50 < 1 ms, p99 < 3 ms; a burst of
+30 p99 < 15 ms (a burst of 1,000 has no target: its last refusal waits for the 999
+before it on one event loop).
+
+    PYTHONPATH=. python benchmarks/soak.py                 # ~3 minutes
+    PYTHONPATH=. python benchmarks/soak.py --quick         # ~30 s
+    PYTHONPATH=. python benchmarks/soak.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from live.procs import ServeOptions, Server  # noqa: E402
+from qsim import make_trace  # noqa: E402
+
+#: The stated bound: resident memory may grow this much after warm-up, over a whole sustained run.
+RSS_BOUND_MB = 20.0
+#: A pooled connection idle longer than this is closed, not reused: uvicorn drops idle ones after 5 s.
+IDLE_REUSE_S = 3.0
+#: No request may take longer than this (the slowest admitted one waits a few seconds): past it, a hang.
+REQUEST_TIMEOUT_S = 30.0
+#: Outcome of each non-200 envelope type; anything else is "unexpected".
+OUTCOME_OF = {"overloaded": "rejected", "deadline_exceeded": "expired", "engine_error": "error"}
+OUTCOMES = ("good", "late", "rejected", "expired", "error")
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str = "bounded"
+    load: float = 10.0
+    seconds: float = 60.0
+    warmup_s: float = 10.0
+    burst: int = 1000
+    bursts: int = 3  # the first warms the memory up
+    speed: float = 1.0
+    seed: int = 1
+
+
+FULL = dict(seconds=60.0, warmup_s=10.0, burst=1000)
+QUICK = dict(seconds=8.0, warmup_s=2.0, burst=1000)
+
+
+# ====================================================================== the server side
+
+
+def _serve_with_probe(flags: list[str]) -> int:
+    """Run ``qlab serve FLAGS`` with ``GET /debug/loop`` added (see the module docstring)."""
+    import live.service as service
+
+    original = service.create_app
+
+    def create_app(*args, **kwargs):
+        app = original(*args, **kwargs)
+
+        @app.get("/debug/loop")
+        async def loop_state() -> dict:
+            # This handler's own task is running: it is not one of the counted.
+            tasks = len(asyncio.all_tasks()) - 1
+            pending = sum(1 for o in gc.get_objects()
+                          if isinstance(o, asyncio.Future) and not isinstance(o, asyncio.Task) and not o.done())
+            return {"tasks": tasks, "pending_futures": pending}
+
+        return app
+
+    service.create_app = create_app
+    from experiments.cli import main
+
+    return main(["serve", *flags])
+
+
+@dataclass(frozen=True)
+class ProbedOptions(ServeOptions):
+    """``qlab serve`` flags, started through :func:`_serve_with_probe`."""
+
+    def argv(self) -> list[str]:
+        flags = super().argv()[4:]  # after: python -m experiments serve
+        return [sys.executable, str(Path(__file__).resolve()), "--serve", *flags]
+
+
+def proc_status(pid: int) -> dict:
+    """Resident memory (MB), threads and open descriptors of a process, from /proc."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.split()
+    return {"rss_mb": int(fields["VmRSS"][0]) / 1024, "threads": int(fields["Threads"][0]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+# ====================================================================== the lean client
+
+
+@dataclass(eq=False)  # identity: the pool's set holds each connection once
+class _Conn:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    used_at: float = 0.0
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclass(frozen=True)
+class Reply:
+    outcome: str  # good late rejected expired error, or unexpected:STATUS / transport:ERROR
+    seconds: float  # from the write to the last byte of the answer
+    lateness_s: float = 0.0  # how late the write left against its schedule
+
+
+class Lean:
+    """Raw HTTP/1.1 on asyncio streams; a pool of keep-alive connections, never a wait for one.
+
+    A request takes an idle connection or opens a new one, so the only queue it
+    meets is the server's. Connections idle past IDLE_REUSE_S are closed rather
+    than reused (the server may have dropped them).
+    """
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self._idle: list[_Conn] = []
+        self._all: set[_Conn] = set()
+
+    def request(self, method: str, path: str, body: dict | None = None) -> bytes:
+        data = b"" if body is None else json.dumps(body).encode()
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        return head + data
+
+    async def connect(self) -> _Conn:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        conn = _Conn(reader, writer)
+        self._all.add(conn)
+        return conn
+
+    async def take(self) -> _Conn:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.used_at < IDLE_REUSE_S:
+                return conn
+            self._discard(conn)
+        return await self.connect()
+
+    def give_back(self, conn: _Conn) -> None:
+        conn.used_at = time.monotonic()
+        self._idle.append(conn)
+
+    def _discard(self, conn: _Conn) -> None:
+        conn.close()
+        self._all.discard(conn)
+
+    async def read_answer(self, conn: _Conn) -> tuple[int, dict | None, bool]:
+        """(status, JSON body or None, whether the server will close the connection)."""
+        head = await conn.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+        body = await conn.reader.readexactly(int(headers.get("content-length", "0")))
+        try:
+            payload = json.loads(body) if body else None
+        except ValueError:
+            payload = None
+        return status, payload, headers.get("connection", "").lower() == "close"
+
+    async def exchange(self, conn: _Conn, data: bytes) -> tuple[Reply, dict | None]:
+        """Write one request on ``conn`` and read its answer; the connection goes back to the pool or is closed."""
+        start = time.perf_counter()
+        try:
+            conn.writer.write(data)
+            status, payload, closing = await asyncio.wait_for(self.read_answer(conn), REQUEST_TIMEOUT_S)
+        except Exception as exc:  # a transport failure is this request's one outcome, never a lost request
+            self._discard(conn)
+            return Reply(f"transport:{type(exc).__name__}", time.perf_counter() - start), None
+        seconds = time.perf_counter() - start
+        self._discard(conn) if closing else self.give_back(conn)
+        return Reply(classify(status, payload), seconds), payload
+
+    async def get_json(self, path: str) -> dict:
+        reply, payload = await self.exchange(await self.take(), self.request("GET", path))
+        if payload is None:
+            raise RuntimeError(f"GET {path}: {reply.outcome}")
+        return payload
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            self._discard(conn)
+        self._idle.clear()
+
+
+def classify(status: int, payload: dict | None) -> str:
+    """One outcome per answer, as the server counts it; anything off-contract is 'unexpected:STATUS'."""
+    if status == 200 and isinstance(payload, dict) and payload.get("outcome") in ("good", "late"):
+        return payload["outcome"]
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and error.get("type") in OUTCOME_OF:
+        return OUTCOME_OF[error["type"]]
+    return f"unexpected:{status}"
+
+
+# ====================================================================== one case
+
+
+@dataclass
+class CaseResult:
+    name: str
+    requests: int
+    client: dict  # outcome -> count, as the client saw them
+    server: dict  # outcome -> count, the /stats delta over the case
+    refusal_ms: dict  # p50, p99, max of the time to a refusal at arrival
+    send_late_ms: dict  # p50, p99, max of how late the writes left
+    memory_mb: dict  # rss after warm-up, peak, end, growth
+    leaks: dict  # server state before and after: tasks, pending futures, fds, threads, waiting, in service
+    duration_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def counts_agree(self) -> bool:
+        return all(self.client.get(k, 0) == self.server.get(k, 0) for k in set(self.client) | set(self.server))
+
+
+def _quantiles_ms(seconds: list[float]) -> dict:
+    if not seconds:
+        return {"n": 0, "p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    values = np.asarray(seconds) * 1e3
+    return {"n": int(values.size), "p50": float(np.quantile(values, 0.5)), "p99": float(np.quantile(values, 0.99)),
+            "max": float(values.max())}
+
+
+async def _until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    """Sleep to ~1 ms short of ``when``, then yield until it comes (the selector rounds sleeps up to 1 ms)."""
+    if when - loop.time() > 0.0015:
+        await asyncio.sleep(when - loop.time() - 0.0015)
+    while loop.time() < when:
+        await asyncio.sleep(0)
+
+
+async def _send_at(lean: Lean, data: bytes, when: float) -> Reply:
+    conn = await lean.take()
+    late = asyncio.get_running_loop().time() - when
+    reply, _ = await lean.exchange(conn, data)
+    return Reply(reply.outcome, reply.seconds, late)
+
+
+async def _sample_rss(pid: int, every_s: float, out: list, stop: asyncio.Event) -> None:
+    """(seconds since start, RSS MB) every ``every_s`` until ``stop`` is set."""
+    start = time.monotonic()
+    while not stop.is_set():
+        out.append((time.monotonic() - start, proc_status(pid)["rss_mb"]))
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _server_state(lean: Lean, pid: int) -> dict:
+    loop_state = await lean.get_json("/debug/loop")
+    stats = await lean.get_json("/stats")
+    return {**loop_state, **proc_status(pid), "waiting": stats["waiting"], "in_service": stats["in_service"],
+            "counts": stats["counts"]}
+
+
+async def _settled_state(url: str, pid: int, before: dict, timeout_s: float = 5.0) -> dict:
+    """The server's state once the client has hung up, on a fresh connection.
+
+    uvicorn closes a connection's socket and task a moment after the client's FIN
+    arrives, so this reads until descriptors and tasks are back to ``before``
+    (or ``timeout_s`` passes: then the difference is the leak).
+    """
+    end = time.monotonic() + timeout_s
+    while True:
+        probe = Lean(url)
+        try:
+            state = await _server_state(probe, pid)
+        finally:
+            probe.close()
+        settled = state["fds"] <= before["fds"] and state["tasks"] <= before["tasks"]
+        if settled or time.monotonic() > end:
+            return state
+        await asyncio.sleep(0.05)
+
+
+async def sustained(url: str, pid: int, plan: Plan) -> CaseResult:
+    """Poisson at plan.load x capacity for plan.seconds, open loop; RSS sampled every 0.5 s."""
+    trace = make_trace("poisson", load=plan.load, seconds=plan.seconds, seed=plan.seed, speed=plan.speed)
+    lean = Lean(url)
+    bodies = [lean.request("POST", "/v1/generate", {"prompt": "soak", "max_new_tokens": int(n)})
+              for n in trace.max_new_tokens]
+    before = await _server_state(lean, pid)
+    lean.close()
+    lean = Lean(url)
+    for conn in await asyncio.gather(*(lean.connect() for _ in range(64))):  # warm pool: no connect in the timing
+        lean.give_back(conn)
+    samples: list = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_rss(pid, 0.5, samples, stop))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.1
+    start = time.monotonic()
+    tasks = []
+    for at, data in zip(trace.arrival_s.tolist(), bodies):
+        await _until(loop, t0 + at)
+        tasks.append(asyncio.create_task(_send_at(lean, data, t0 + at)))
+    replies = await asyncio.gather(*tasks)
+    duration = time.monotonic() - start
+    stop.set()
+    await sampler
+    lean.close()
+    after = await _settled_state(url, pid, before)
+    warm = [rss for t, rss in samples if t >= plan.warmup_s] or [samples[-1][1]]
+    memory = {"before": before["rss_mb"], "after_warmup": warm[0], "peak": max(r for _, r in samples),
+              "end": after["rss_mb"], "growth_after_warmup": after["rss_mb"] - warm[0], "bound": RSS_BOUND_MB}
+    return _result(f"sustained {plan.load:g}x, {plan.policy}", replies, before, after, memory, duration)
+
+
+async def burst(url: str, pid: int, plan: Plan) -> CaseResult:
+    """plan.bursts bursts of plan.burst requests, one after the other; the first is the memory's warm-up.
+
+    In a burst every request has a connection of its own, opened beforehand, and
+    all are written back to back before the first answer is read. The next burst
+    starts once every answer of the last is in, so the gate is empty again.
+    """
+    lean = Lean(url)
+    before = await _server_state(lean, pid)
+    lean.close()
+    _raise_fd_limit(plan.burst + 256)
+    trace = make_trace(f"burst:{plan.burst}", requests=plan.burst, seed=plan.seed, speed=plan.speed)
+    replies: list[Reply] = []
+    rss_after: list[float] = []
+    start = time.monotonic()
+    for _ in range(plan.bursts):
+        replies += await _one_burst(url, [int(n) for n in trace.max_new_tokens])
+        rss_after.append(proc_status(pid)["rss_mb"])
+    duration = time.monotonic() - start
+    after = await _settled_state(url, pid, before)
+    memory = {"before": before["rss_mb"], "after_warmup": rss_after[0], "peak": max(rss_after + [after["rss_mb"]]),
+              "end": after["rss_mb"], "growth_after_warmup": after["rss_mb"] - rss_after[0], "bound": RSS_BOUND_MB}
+    name = f"{plan.bursts} bursts of {plan.burst}, {plan.policy}"
+    return _result(name, replies, before, after, memory, duration)
+
+
+async def _one_burst(url: str, sizes: list[int]) -> list[Reply]:
+    lean = Lean(url)
+    data = [lean.request("POST", "/v1/generate", {"prompt": "burst", "max_new_tokens": n}) for n in sizes]
+    conns = []
+    for i in range(0, len(sizes), 100):  # opened in batches: the server's accept queue is deep, not infinite
+        conns += await asyncio.gather(*(lean.connect() for _ in range(min(100, len(sizes) - i))))
+    try:
+        # exchange() writes before its first await, and gather starts the tasks in order in one pass
+        # of the loop: every request is written before the first answer is read.
+        return [reply for reply, _ in await asyncio.gather(*(lean.exchange(c, d) for c, d in zip(conns, data)))]
+    finally:
+        lean.close()
+
+
+def _result(name: str, replies: list[Reply], before: dict, after: dict, memory: dict, duration: float) -> CaseResult:
+    client = Counter(r.outcome for r in replies)
+    server = {k: after["counts"][k] - before["counts"][k] for k in OUTCOMES}
+    leaks = {k: {"before": before[k], "after": after[k]}
+             for k in ("tasks", "pending_futures", "fds", "threads", "waiting", "in_service")}
+    result = CaseResult(name, len(replies), dict(client), server,
+                        _quantiles_ms([r.seconds for r in replies if r.outcome == "rejected"]),
+                        _quantiles_ms([r.lateness_s for r in replies]), memory, leaks, duration)
+    if not result.counts_agree:
+        result.notes.append("client and server counts DIFFER")
+    if any(o.startswith(("transport:", "unexpected:")) for o in client):
+        result.notes.append("some requests got no proper answer")
+    if memory["growth_after_warmup"] > RSS_BOUND_MB:
+        result.notes.append(f"memory grew past the bound of {RSS_BOUND_MB:g} MB")
+    for key in ("tasks", "pending_futures", "fds", "threads"):
+        if after[key] > before[key]:
+            result.notes.append(f"{key} grew: {before[key]} -> {after[key]}")
+    if after["waiting"] or after["in_service"]:
+        result.notes.append("requests left in the gate")
+    return result
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+
+
+# ====================================================================== the whole run
+
+
+def run(plan: Plan, log_dir: str | Path) -> list[CaseResult]:
+    """Both cases against one fresh server for ``plan.policy``."""
+    _raise_fd_limit(plan.burst + 256)  # the server inherits it: it holds one descriptor per connection
+    server = Server(ProbedOptions(policy=plan.policy, speed=plan.speed), Path(log_dir) / f"soak-{plan.policy}.log")
+    server.start(60)
+    try:
+        async def both():
+            return [await sustained(server.url, server.proc.pid, plan), await burst(server.url, server.proc.pid, plan)]
+
+        return asyncio.run(both())
+    finally:
+        server.stop()
+
+
+def report(results: list[CaseResult]) -> None:
+    for r in results:
+        m, lk = r.memory_mb, r.leaks
+        client = " ".join(f"{k} {r.client.get(k, 0)}" for k in OUTCOMES)
+        server = " ".join(f"{k} {r.server.get(k, 0)}" for k in OUTCOMES)
+        others = {k: v for k, v in r.client.items() if k not in OUTCOMES}
+        print(f"\n{r.name}: {r.requests} requests in {r.duration_s:.1f} s")
+        print(f"  client: {client}" + (f"  OTHER {others}" if others else ""))
+        print(f"  server: {server}  ({'agree' if r.counts_agree else 'DIFFER'})")
+        q = r.refusal_ms
+        print(f"  time to a refusal: p50 {q['p50']:.2f} ms, p99 {q['p99']:.2f} ms, max {q['max']:.2f} ms ({q['n']} refusals)")
+        s = r.send_late_ms
+        print(f"  client send lateness: p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms, max {s['max']:.2f} ms")
+        print(f"  server RSS: {m['before']:.1f} MB before, {m['after_warmup']:.1f} after warm-up, peak {m['peak']:.1f}, "
+              f"end {m['end']:.1f}: {m['growth_after_warmup']:+.1f} MB after warm-up (bound +{m['bound']:g} MB)")
+        print("  after the client hung up (before -> after): "
+              + ", ".join(f"{k} {v['before']} -> {v['after']}" for k, v in lk.items()))
+        for note in r.notes:
+            print(f"  NOTE: {note}")
+    print("\ntargets (live harness): sustained refusal p50 < 1 ms, p99 < 3 ms; burst of 30 p99 < 15 ms")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:
+        return _serve_with_probe(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 s instead of 60 s per policy")
+    parser.add_argument("--policies", default="bounded,predictive")
+    parser.add_argument("--load", type=float, default=10.0, help="times the calibrated capacity (default 10)")
+    parser.add_argument("--seconds", type=float)
+    parser.add_argument("--burst", type=int)
+    parser.add_argument("--speed", type=float, default=1.0, help="synthetic engine speed (0.1: 10x faster, 10x the rate)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = dict(QUICK if args.quick else FULL)
+    sizes.update({k: v for k, v in (("seconds", args.seconds), ("burst", args.burst)) if v is not None})
+    sizes["warmup_s"] = min(sizes["warmup_s"], sizes["seconds"] / 4)
+    results = []
+    with tempfile.TemporaryDirectory() as logs:
+        for policy in args.policies.split(","):
+            results += run(Plan(policy=policy, load=args.load, speed=args.speed, **sizes), logs)
+    if args.json:
+        print(json.dumps([{**asdict(r), "counts_agree": r.counts_agree} for r in results], indent=2))
+    else:
+        report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
