@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, from_arrays, simulate
+from qsim.policy import on_time
 from qsim.records import ANSWERED, OUTCOMES
 
 RUN_COLUMNS = ("calibrated_est_s", "engine_s", "policy", "engines", "max_queue", "max_queued_seconds",
@@ -153,9 +154,9 @@ def join(run: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
                                 "reason_live": "live_reason", "reason_sim": "sim_reason"})
     both["live_latency_s"] = both["finish_s_live"] - both["arrival_s"]
     both["sim_latency_s"] = both["finish_s_sim"] - both["arrival_s"]
-    on_time = np.where(both["sim_latency_s"] <= both["deadline_s"], "good", "late")
+    in_time = np.where(on_time(both["sim_latency_s"], both["deadline_s"]), "good", "late")
     sim_answered = both["sim_outcome_at_gate"].isin(ANSWERED)
-    both["sim_outcome"] = both["sim_outcome_at_gate"].where(~sim_answered, pd.Series(on_time, index=both.index))
+    both["sim_outcome"] = both["sim_outcome_at_gate"].where(~sim_answered, pd.Series(in_time, index=both.index))
     both = both.drop(columns=["finish_s_live", "finish_s_sim"])
     both["agree"] = both["live_outcome"].eq(both["sim_outcome"]).astype(bool)
     answered = both["live_outcome"].isin(ANSWERED) & both["sim_outcome"].isin(ANSWERED)

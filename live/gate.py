@@ -59,7 +59,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Callable, Sequence
 
-from qsim.policy import EXPIRE_REASON, REJECT_REASONS, Policy, Rejection, cannot_finish, decide, retry_after
+from qsim.policy import (EXPIRE_REASON, REJECT_REASONS, Policy, Rejection, cannot_finish, decide, on_time,
+                         retry_after)
 from qsim.records import OUTCOMES
 from qsim.service import ServiceModel, SpeedTracker
 
@@ -359,7 +360,7 @@ class Gate:
             # request early reads as a faster machine (learning the used share is a separate estimator).
             self.tracker.observe(ticket.base_est_s, result.engine_s)
             latency = now - ticket.arrival.at
-            outcome = "good" if latency <= ticket.arrival.deadline_s else "late"
+            outcome = "good" if on_time(latency, ticket.arrival.deadline_s) else "late"
             self._resolve(ticket, outcome, Answer(result.text, result.tokens, outcome, ticket.start - ticket.arrival.at,
                                                   result.engine_s, latency, k, ticket.arrival))
         self._next_from_front(k, now)

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
+from qsim.policy import on_time
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | No
         return "error", None, ex.error
     error = _error_of(ex.body)
     if ex.status == 200 and isinstance(ex.body, dict) and "timings" in ex.body:
-        return ("good" if ex.done_s - ex.sent_s <= deadline_s else "late"), None, None
+        return ("good" if on_time(ex.done_s - ex.sent_s, deadline_s) else "late"), None, None
     if ex.status == 503 and error.get("type") == "overloaded":
         return "rejected", error.get("reason"), None
     if ex.status == 503 and error.get("type") == "deadline_exceeded":

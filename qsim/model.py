@@ -25,7 +25,7 @@ import pandas as pd
 import simpy
 
 from . import records
-from .policy import EXPIRE_REASON, PRESETS, Policy, cannot_finish, decide
+from .policy import EXPIRE_REASON, PRESETS, Policy, cannot_finish, decide, on_time
 from .service import SpeedTracker
 from .workload import Trace
 
@@ -134,7 +134,7 @@ class _Run:
             yield env.timeout(self.true[i])
             now = env.now
             self.finish[i] = now
-            self.outcome[i] = "good" if now - self.arrival[i] <= self.deadline[i] else "late"
+            self.outcome[i] = "good" if on_time(now - self.arrival[i], self.deadline[i]) else "late"
             self.tracker.observe(self.base_est[i], self.true[i])
             self.next_from_front(k, now)
 

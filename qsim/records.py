@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .policy import on_time
+
 #: good: answered within its deadline; late: answered after it; rejected:
 #: refused at arrival; expired: dropped unrun at the front; error: transport or
 #: server failure (live runs only).
@@ -83,7 +85,7 @@ def validate(frame: pd.DataFrame) -> pd.DataFrame:
         raise ValueError("an answered request has no start time")
     if (frame.loc[frame["outcome"].isin(["rejected", "expired"]), "start_s"].notna()).any():
         raise ValueError("a refused or expired request has a start time")
-    on_time = frame["latency_s"] <= frame["deadline_s"]
-    if (frame.loc[answered, "outcome"].eq("good") != on_time[answered]).any():
+    in_time = on_time(frame["latency_s"], frame["deadline_s"])
+    if (frame.loc[answered, "outcome"].eq("good") != in_time[answered]).any():
         raise ValueError("good/late disagrees with latency_s against deadline_s")
     return frame

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from qsim.policy import PRESETS, Policy, Rejection, cannot_finish, decide, preset, retry_after
+from qsim.policy import TIME_TOLERANCE_S, PRESETS, Policy, Rejection, cannot_finish, decide, on_time, preset, retry_after
 
 
 def test_presets_match_the_brief():
@@ -105,3 +105,10 @@ def test_overrides():
     p = PRESETS["bounded"].with_overrides(max_queue=4, deadline_s=1.5)
     assert (p.max_queue, p.deadline_s, p.name) == (4, 1.5, "bounded")
     assert PRESETS["none"].with_overrides() is PRESETS["none"]
+
+
+def test_a_deadline_met_to_the_last_bit_is_met():
+    # 0.1 + 0.2 != 0.3 in floats: sums of the same times in another order must not flip an outcome.
+    assert on_time(0.1 + 0.2, 0.3) and not on_time(0.3 + 2 * TIME_TOLERANCE_S, 0.3)
+    assert not cannot_finish(now=0.1, est_service_s=0.2, deadline_at=0.3)
+    assert decide(PRESETS["predictive"], 1, 0.1, 0.0, 0.2, 0.3) is None

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pandas as pd
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qsim import Policy, make_trace, records, simulate
@@ -106,6 +106,11 @@ def test_same_seed_same_rows(run):
 
 @SETTINGS
 @given(runs(exact=True), st.floats(0.1, 5.0), st.booleans())
+# Found in CI: bursts whose deadline is met to the last bit of a float sum.
+@example((Policy("random", deadline_s=1.0), 1, dict(arrivals="periodic:10:1.5", service="mix", load=1.0, engines=1,
+                                                    speed=1.0, noise_cv=0.0, requests=28, seed=2), False), 1.3, False)
+@example((Policy("random", deadline_s=1.0), 1, dict(arrivals="periodic:10:1.5", service="mix", load=1.0, engines=1,
+                                                    speed=1.0, noise_cv=0.0, requests=28, seed=2), False), 1.3, True)
 def test_predictive_with_exact_estimates_is_never_late(run, deadline, expire):
     _, engines, kwargs, fixed = run
     policy = Policy("predictive", predictive=True, deadline_s=deadline, expire_at_front=expire)
