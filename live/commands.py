@@ -17,6 +17,7 @@ the pipe. Fault injection (synthetic engine): ``--fail-every N``,
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import math
 import os
@@ -204,6 +205,10 @@ def cmd_serve(args) -> int:
                                            timeout_graceful_shutdown=5, **_http_options(cfg.http)))
     if cfg.watch_stdin:
         _stop_at_stdin_eof()
+    # What exists now (modules, weights, the app) lives as long as the server: take it out of the
+    # collector's sight, so a full collection does not stall the event loop (and a refusal) for tens of ms.
+    gc.collect()
+    gc.freeze()
     server.run(sockets=[sock])
     return 0
 
