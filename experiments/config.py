@@ -36,12 +36,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qsim import PRESETS, REFERENCE_MIX, Mix, ServiceModel
+from qsim.files import read_toml
 from qsim.workload import parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
@@ -206,18 +206,8 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
 
 def load(path: str | Path) -> SweepConfig:
     """Read and check a sweep file."""
-    path = Path(path)
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:  # TOML is UTF-8; say where, as for any other syntax error
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at line {line})") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        data = read_toml(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return parse(data, str(path))

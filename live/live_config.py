@@ -37,12 +37,12 @@ seed = 1
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qsim import PRESETS
+from qsim.files import read_toml
 from qsim.workload import parse_arrivals
 
 SERVER_KEYS = {"engine": str, "model": str, "device": str, "engines": int, "speed": float, "service_model": str,
@@ -213,17 +213,4 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
 
 
 def load(path: str | Path) -> LiveConfig:
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:  # TOML is UTF-8; say where, as for any other syntax error
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ValueError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at line {line})") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    return parse(data, str(path))
+    return parse(read_toml(path), str(path))

@@ -16,6 +16,7 @@ import httpx
 import pandas as pd
 
 from qsim import ServiceModel, load_trace, make_trace, records
+from qsim.files import write_parquet
 from qsim.records import OUTCOMES
 
 
@@ -72,7 +73,7 @@ def cmd_replay(args) -> int:
                        max_prompt_words=args.max_prompt_words, late_warn_s=args.late_warn_ms / 1e3)
     print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}", flush=True)
     frame = replay(trace, cfg)
-    frame.to_parquet(args.out, index=False)
+    write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
     _print_outcomes(frame)
     print(f"send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "

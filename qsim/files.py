@@ -1,4 +1,5 @@
-"""Files a reader never sees half-written: the crash safety of sweeps and live runs.
+"""Files: written so a reader never sees half of one (the crash safety of sweeps and live runs),
+and configuration files read with errors that name the file and line.
 
 A file is written under a hidden temporary name in its own folder and renamed
 into place (``os.replace`` is atomic on one file system), so a process killed
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import tomllib
 from pathlib import Path
 
 import pandas as pd
@@ -45,3 +47,20 @@ def clear_temporaries(folder: str | Path) -> None:
     """Remove the temporaries a killed writer left in ``folder``."""
     for stale in Path(folder).glob(".*.tmp-*"):
         stale.unlink(missing_ok=True)
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's tables; ValueError naming the file (and line) when it cannot be read or parsed."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; say where, as for any other syntax error
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at line {line})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
