@@ -212,9 +212,7 @@ def compare(run: pd.DataFrame, origin: str = "server") -> Comparison:
 
 def figure(result: Comparison, path: str | Path) -> None:
     """Confusion heatmap beside the distribution of latency errors (sim - live) of requests both answered."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never needs a display
+    # No backend is forced (as in analysis.plots): without a display matplotlib picks Agg by itself.
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))

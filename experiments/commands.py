@@ -9,17 +9,7 @@ import pandas as pd
 
 from analysis.metrics import aggregate
 
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
+from .cli import positive_int
 
 
 def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -98,7 +88,7 @@ def register(sub) -> None:
     s.set_defaults(func=cmd_sweep)
     s.add_argument("file", help="sweep TOML, e.g. experiments/reference.toml")
     s.add_argument("--out", required=True, help="output folder (created; resumed if it holds this config)")
-    s.add_argument("--workers", type=_positive_int, help="local processes (default: all cores)")
+    s.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
     s.add_argument("--scheduler", help="run on an existing dask.distributed cluster, e.g. tcp://HOST:8786")
     s.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
