@@ -22,6 +22,14 @@ stalled engines (how long each has run its request, and its threshold) while
 any engine is stalled: the process is alive and answers, so the status code
 stays 200; a monitor reads ``status``.
 
+``POST /v1/generate`` skips FastAPI's per-request machinery: :class:`GateService`
+hands it straight to the route's function and the same exception handlers
+(:class:`_Direct`). FastAPI's middleware stack, routing and dependency solving
+cost about 0.4 ms per request on two shared cores, as much as the whole rest of
+a refusal (benchmarks/soak.py); the answers are the same either way, which
+tests/test_live_service.py checks by sending the same requests both ways.
+Every other path goes through FastAPI as usual.
+
 A client that hangs up cancels its request: a waiting one leaves the queue at
 once; a running one is counted as ``cancelled`` at once, and its engine is
 free for the next request when ``engine.run`` returns (it cannot be stopped
@@ -31,10 +39,11 @@ mid-generation).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Annotated, Callable
+from typing import Annotated, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,10 +51,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from .gate import Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected
 
-ROUTES = "POST /v1/generate, GET /stats, GET /healthz, GET /openapi.json"
+GENERATE = "/v1/generate"
+ROUTES = f"POST {GENERATE}, GET /stats, GET /healthz, GET /openapi.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -262,16 +274,60 @@ def _answer_body(answer: Answer, total_s: float) -> dict:
 # ---------------------------------------------------------------------- the app
 
 
+Handlers = dict[type, Callable[[Request, Exception], Awaitable[Response]]]
+
+#: Each exception's answer (looked up along its class's MRO, as Starlette does).
+HANDLERS: Handlers = {
+    Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, EngineFailed: _engine_failed,
+    EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
+    RequestValidationError: _request_validation, Exception: _unexpected,
+}
+
+
+@dataclass(frozen=True)
+class _Direct:
+    """A route's function as a plain ASGI app: its answer, or its exception's handler's answer."""
+
+    endpoint: Callable[[Request], Awaitable[Response]]
+    handlers: Handlers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        try:
+            response = await self.endpoint(request)
+        except Exception as exc:
+            handler = next(self.handlers[t] for t in type(exc).__mro__ if t in self.handlers)
+            if handler is _unexpected:  # as Starlette's ServerErrorMiddleware would, leave the traceback in the log
+                log.exception("unexpected error in %s %s", request.method, request.url.path)
+            response = await handler(request, exc)
+        await response(scope, receive, send)
+
+
+class GateService(FastAPI):
+    """FastAPI, with ``POST /v1/generate`` sent to :attr:`direct` when it is set (see the module docstring)."""
+
+    direct: _Direct | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.direct is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] == GENERATE):
+            await self.direct(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def effective_limits(gate: Gate, limits: Limits) -> Limits:
     """The caps, with max_new_tokens lowered to what every engine can generate."""
     caps = [limits.max_new_tokens] + [n for e in gate.engines if (n := getattr(e, "max_new_tokens_limit", None))]
     return Limits(**{**asdict(limits), "max_new_tokens": min(caps)})
 
 
-def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None) -> FastAPI:
+def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
+               direct: bool = True) -> GateService:
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
+    direct=False sends ``POST /v1/generate`` through FastAPI's routing too (same answers, slower).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -287,20 +343,13 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
             gate.close()
 
     # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
-    app = FastAPI(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  redirect_slashes=False)
+    app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json", redirect_slashes=False)
     # Handlers are async on purpose: Starlette runs a plain function in its thread pool, which
     # would put every refusal behind a hidden queue of threads in a burst.
-    for exc_type, handler in ((Rejected, _overloaded), (DeadlineExceeded, _deadline_exceeded),
-                              (EngineFailed, _engine_failed), (EngineStalled, _engine_stalled),
-                              (InvalidRequest, _invalid),
-                              (StarletteHTTPException, _http_error), (RequestValidationError, _request_validation),
-                              (Exception, _unexpected)):
+    for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
 
-    # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
-    @app.post("/v1/generate", openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": prepare.schema.model_json_schema()}}}})
     async def generate(request: Request) -> Response:
         t0 = gate.clock()
         job = prepare(await read_body(request, limits.max_body_bytes))
@@ -309,6 +358,12 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         if answer is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         return JSONResponse(_answer_body(answer, gate.clock() - t0))
+
+    # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
+    app.post(GENERATE, openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": prepare.schema.model_json_schema()}}}})(generate)
+    if direct:
+        app.direct = _Direct(generate, HANDLERS)
 
     @app.get("/stats")
     async def stats() -> dict:

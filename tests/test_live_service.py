@@ -221,3 +221,71 @@ def test_torch_is_not_imported_for_the_synthetic_engine():
     code = ("import sys; from experiments.cli import build_parser; from live import service, gate, engine; "
             "build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# ---------------------------------------------------------------------- the direct path
+
+
+def _in_process_answers(direct: bool, requests: list[dict], submit=None) -> list[tuple]:
+    """Send ``requests`` in order to a fresh in-process app; (status, Retry-After, body without timings) each."""
+    from live.engine import Faults, SyntheticEngine
+    from live.gate import Gate, GateConfig
+    from live.service import create_app
+    from qsim import preset
+
+    engine = SyntheticEngine(speed=1e-4, faults=Faults(fail_every=3))  # runs 3, 6, ... raise
+    gate = Gate([engine], GateConfig(preset("predictive"), fixed_estimate=True))
+    if submit is not None:
+        gate.submit = submit
+    app = create_app(gate, direct=direct)
+    assert (app.direct is not None) == direct
+
+    def comparable(r) -> tuple:
+        body = r.json()
+        body.pop("timings", None)
+        for numbers in (body.get("admission"), body.get("error", {}).get("numbers")):
+            if numbers:  # the arrival's clock reading differs between runs
+                numbers.pop("arrived_at", None)
+        if "error" in body:  # a refusal's message quotes the measured wait; its numbers are checked apart
+            body["error"]["message"] = bool(body["error"]["message"])
+            body["error"]["numbers"] = sorted(body["error"]["numbers"])
+        return r.status_code, r.headers.get("retry-after"), body
+
+    async def go() -> list[tuple]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://qlab.test") as client:
+                return [comparable(await client.post("/v1/generate", **r)) for r in requests]
+
+    return asyncio.run(go())
+
+
+def test_direct_path_answers_as_fastapi_routing_does():
+    """The shortcut past FastAPI's routing changes how fast POST /v1/generate answers, not what it answers."""
+    ok = {"json": {"prompt": "hello", "max_new_tokens": 4}}
+    requests = [
+        ok, ok, ok,  # the third run fails: engine_error
+        {"json": {"prompt": "late", "max_new_tokens": 4, "deadline_ms": 1}},  # deadline_unreachable
+        {"content": b"{not json", "headers": {"content-type": "application/json"}},
+        {"json": {"prompt": "x", "max_new_tokens": "4"}},
+        {"json": {"prompt": "x" * 20_000, "max_new_tokens": 1}},
+        {"content": b"x" * (70 * 1024), "headers": {"content-type": "application/json"}},
+        {"content": b"prompt=x", "headers": {"content-type": "text/plain"}},
+        ok,
+    ]
+    direct, routed = _in_process_answers(True, requests), _in_process_answers(False, requests)
+    assert direct == routed
+    statuses = [status for status, _, _ in direct]
+    assert statuses == [200, 200, 500, 503, 400, 422, 422, 413, 415, 200], direct
+
+
+def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):
+    def broken_submit(job):
+        raise RuntimeError("a bug in the gate")
+
+    requests = [{"json": {"prompt": "x", "max_new_tokens": 1}}]
+    with caplog.at_level("ERROR", logger="live.service"):
+        [(status, _, body)] = _in_process_answers(True, requests, submit=broken_submit)
+    assert status == 500 and body["error"]["type"] == "internal_error" and body["error"]["reason"] == "unexpected"
+    assert "a bug in the gate" in caplog.text  # the traceback is logged, as Starlette would log it
+    assert _in_process_answers(False, requests, submit=broken_submit) == [(status, None, body)]
