@@ -15,11 +15,13 @@ are printed, never asserted:
 Each refusal time is measured by two clients. "replayer" is ``qlab replay``
 itself (httpx), driving the load: its figures include httpx's own cost, about
 1 ms of CPU per request, which in a burst of 30 adds up to tens of
-milliseconds before the last request's bytes leave. "lean" is a minimal
-HTTP/1.1 client on connections opened before the timed write (asyncio
-streams, here only to measure): it shows what the service itself takes. In the sustained
-case the lean client probes every 20 ms while the replayer holds the overload.
-Both clients and the servers share the machine's cores.
+milliseconds before the last request's bytes leave. "lean" is
+benchmarks/lean.py's client (raw HTTP/1.1 on connections opened before the
+timed write, answers parsed by httptools): it shows what the service itself
+takes. In the sustained case the lean client probes every 20 ms from the
+replayer's own event loop while the replayer holds the overload (so its
+figures include waits behind the replayer's work); the bursts run it alone on
+uvloop. Both clients and the servers share the machine's cores.
 
     PYTHONPATH=. python benchmarks/bench_live.py            # ~2.5 minutes
     PYTHONPATH=. python benchmarks/bench_live.py --quick    # ~45 s smoke run
@@ -42,6 +44,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lean import Lean, client_loop  # noqa: E402
 from live.loadgen import ReplayConfig, lateness, replay, replay_async  # noqa: E402
 from live.procs import ServeOptions, serving  # noqa: E402
 from qsim import REFERENCE_MIX, ServiceModel, make_trace  # noqa: E402
@@ -60,32 +63,6 @@ FULL = Sizes(sustained_s=20.0, bursts=6, burst_period_s=2.5, lateness_s=15.0)
 QUICK = Sizes(sustained_s=4.0, bursts=2, burst_period_s=2.0, lateness_s=3.0)
 
 
-class Lean:
-    """A minimal HTTP/1.1 client on connections opened in advance: write the request, time the whole answer."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        self.host, self.port = host, int(port)
-        data = json.dumps(body).encode()
-        self.request = (b"POST /v1/generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(data), data))
-
-    async def open(self, n: int) -> list:
-        return [await asyncio.open_connection(self.host, self.port) for _ in range(n)]
-
-    async def post(self, conn) -> tuple[bool, float]:
-        """(refused at arrival?, seconds from write to the last byte of the answer)."""
-        reader, writer = conn
-        start = time.perf_counter()
-        writer.write(self.request)
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-        body = await reader.readexactly(length)
-        seconds = time.perf_counter() - start
-        # A 503 is also a drop at the front (deadline_exceeded), after a wait: not a refusal at arrival.
-        return b'"overloaded"' in body, seconds
-
-
 def quantiles(seconds) -> dict:
     values = pd.Series(seconds, dtype=float)
     return {"refusals": int(len(values)), "p50_ms": float(values.quantile(0.5) * 1e3),
@@ -97,48 +74,39 @@ def refusal_times(frame: pd.DataFrame) -> pd.Series:
     return frame.loc[frame["outcome"] == "rejected", "latency_s"]
 
 
-async def _probe_while(lean: Lean, until: asyncio.Future, every_s: float = 0.02) -> list[float]:
-    """Probe every ``every_s`` until ``until`` is done; the refusals' times.
-
-    Each probe opens its connection first (not timed): the server closes idle
-    keep-alive connections after a few seconds, and a stale one would fail.
-    """
-    out: list[float] = []
-
-    async def one():
-        conn = (await lean.open(1))[0]
-        refused, seconds = await lean.post(conn)
-        conn[1].close()
-        if refused:
-            out.append(seconds)
-
+async def _probe_while(url: str, until: asyncio.Future, every_s: float = 0.02) -> list[float]:
+    """Probe every ``every_s`` until ``until`` is done; the refusals' times (a 503 after a wait is not one)."""
+    lean = Lean(url)
+    data = lean.request("POST", "/v1/generate", {"prompt": "probe", "max_new_tokens": 64})
     tasks = []
     while not until.done():
-        tasks.append(asyncio.create_task(one()))
+        tasks.append(asyncio.create_task(lean.send(data)))
         await asyncio.sleep(every_s)
-    await asyncio.gather(*tasks)
-    return out
+    replies = [reply for reply, _ in await asyncio.gather(*tasks)]
+    lean.close()
+    return [r.seconds for r in replies if r.outcome == "rejected"]
 
 
 async def _sustained(url: str, seconds: float) -> dict:
     trace = make_trace("poisson", load=2.0, seconds=seconds, seed=1)
     load = asyncio.ensure_future(replay_async(trace, ReplayConfig(url)))
     await asyncio.sleep(min(2.0, seconds / 3))  # let the queue fill first
-    lean = await _probe_while(Lean(url, {"prompt": "probe", "max_new_tokens": 64}), load)
+    lean = await _probe_while(url, load)
     frame = await load
     return {"replayer": quantiles(refusal_times(frame)), "lean": quantiles(lean),
             "send_p99_ms": lateness(frame)["p99_s"] * 1e3}
 
 
 async def _lean_bursts(url: str, count: int, period_s: float) -> list[float]:
-    lean = Lean(url, {"prompt": "burst", "max_new_tokens": 16})
+    lean = Lean(url)
+    data = lean.request("POST", "/v1/generate", {"prompt": "burst", "max_new_tokens": 16})
     out = []
     for _ in range(count):
-        conns = await lean.open(30)
-        answers = await asyncio.gather(*(lean.post(c) for c in conns))
-        out += [seconds for refused, seconds in answers if refused]
-        for _, writer in conns:
-            writer.close()
+        conns = [await lean.connect() for _ in range(30)]
+        # exchange() writes before its first await: all 30 are written before the first answer is read.
+        answers = await asyncio.gather(*(lean.exchange(c, data) for c in conns))
+        out += [reply.seconds for reply, _ in answers if reply.outcome == "rejected"]
+        lean.close()
         await asyncio.sleep(period_s)  # the admitted drain
     return out
 
@@ -147,7 +115,8 @@ def bursts(url: str, count: int, period_s: float) -> dict:
     trace = make_trace(f"periodic:30:{period_s:g}", requests=30 * count, seed=1)
     frame = replay(trace, ReplayConfig(url, late_warn_s=0.05))  # a burst leaves over some ms by nature
     time.sleep(period_s)
-    lean = asyncio.run(_lean_bursts(url, count, period_s))
+    with asyncio.Runner(loop_factory=client_loop()) as runner:
+        lean = runner.run(_lean_bursts(url, count, period_s))
     return {"replayer": quantiles(refusal_times(frame)), "lean": quantiles(lean),
             "send_p99_ms": lateness(frame)["p99_s"] * 1e3}
 

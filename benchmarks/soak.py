@@ -22,8 +22,9 @@ The server is ``qlab serve`` itself with one route added, ``GET /debug/loop``
 ``soak.py --serve FLAGS...``, which patches ``live.service.create_app`` and runs
 ``qlab serve FLAGS``. Memory, descriptors and threads come from /proc (Linux).
 
-The client is lean (raw HTTP/1.1 on asyncio streams, as bench_live.py's): through
-httpx the client's own ~1 ms per request would be most of what is measured.
+The client is benchmarks/lean.py's (raw HTTP/1.1 on asyncio streams, answers
+parsed by httptools, on uvloop): through httpx the client's own ~1 ms per
+request would be most of what is measured.
 Refusal time targets (live harness): sustained p50 < 1 ms, p99 < 3 ms; a burst of
 30 p99 < 15 ms (a burst of 1,000 has no target: its last refusal waits for the 999
 before it on one event loop).
@@ -53,20 +54,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.lean import OUTCOMES, Lean, Reply, client_loop  # noqa: E402
 from live.procs import ServeOptions, Server  # noqa: E402
 from qsim import make_trace  # noqa: E402
 
 #: The stated bound: resident memory may grow this much after warm-up, over a whole sustained run.
 RSS_BOUND_MB = 20.0
-#: A pooled connection idle longer than this is closed, not reused: uvicorn drops idle ones after 5 s.
-IDLE_REUSE_S = 3.0
-#: No request may take longer than this (the slowest admitted one waits a few seconds): past it, a hang.
-REQUEST_TIMEOUT_S = 30.0
-#: Outcome of each non-200 envelope type; anything else is "unexpected".
-OUTCOME_OF = {"overloaded": "rejected", "deadline_exceeded": "expired", "engine_error": "error"}
-OUTCOMES = ("good", "late", "rejected", "expired", "error")
-
-
 @dataclass(frozen=True)
 class Plan:
     policy: str = "bounded"
@@ -131,117 +124,6 @@ def proc_status(pid: int) -> dict:
             "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
-# ====================================================================== the lean client
-
-
-@dataclass(eq=False)  # identity: the pool's set holds each connection once
-class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    used_at: float = 0.0
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-@dataclass(frozen=True)
-class Reply:
-    outcome: str  # good late rejected expired error, or unexpected:STATUS / transport:ERROR
-    seconds: float  # from the write to the last byte of the answer
-    lateness_s: float = 0.0  # how late the write left against its schedule
-
-
-class Lean:
-    """Raw HTTP/1.1 on asyncio streams; a pool of keep-alive connections, never a wait for one.
-
-    A request takes an idle connection or opens a new one, so the only queue it
-    meets is the server's. Connections idle past IDLE_REUSE_S are closed rather
-    than reused (the server may have dropped them).
-    """
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        self.host, self.port = host, int(port)
-        self._idle: list[_Conn] = []
-        self._all: set[_Conn] = set()
-
-    def request(self, method: str, path: str, body: dict | None = None) -> bytes:
-        data = b"" if body is None else json.dumps(body).encode()
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n").encode()
-        return head + data
-
-    async def connect(self) -> _Conn:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        conn = _Conn(reader, writer)
-        self._all.add(conn)
-        return conn
-
-    async def take(self) -> _Conn:
-        now = time.monotonic()
-        while self._idle:
-            conn = self._idle.pop()
-            if now - conn.used_at < IDLE_REUSE_S:
-                return conn
-            self._discard(conn)
-        return await self.connect()
-
-    def give_back(self, conn: _Conn) -> None:
-        conn.used_at = time.monotonic()
-        self._idle.append(conn)
-
-    def _discard(self, conn: _Conn) -> None:
-        conn.close()
-        self._all.discard(conn)
-
-    async def read_answer(self, conn: _Conn) -> tuple[int, dict | None, bool]:
-        """(status, JSON body or None, whether the server will close the connection)."""
-        head = await conn.reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-        body = await conn.reader.readexactly(int(headers.get("content-length", "0")))
-        try:
-            payload = json.loads(body) if body else None
-        except ValueError:
-            payload = None
-        return status, payload, headers.get("connection", "").lower() == "close"
-
-    async def exchange(self, conn: _Conn, data: bytes) -> tuple[Reply, dict | None]:
-        """Write one request on ``conn`` and read its answer; the connection goes back to the pool or is closed."""
-        start = time.perf_counter()
-        try:
-            conn.writer.write(data)
-            status, payload, closing = await asyncio.wait_for(self.read_answer(conn), REQUEST_TIMEOUT_S)
-        except Exception as exc:  # a transport failure is this request's one outcome, never a lost request
-            self._discard(conn)
-            return Reply(f"transport:{type(exc).__name__}", time.perf_counter() - start), None
-        seconds = time.perf_counter() - start
-        self._discard(conn) if closing else self.give_back(conn)
-        return Reply(classify(status, payload), seconds), payload
-
-    async def get_json(self, path: str) -> dict:
-        reply, payload = await self.exchange(await self.take(), self.request("GET", path))
-        if payload is None:
-            raise RuntimeError(f"GET {path}: {reply.outcome}")
-        return payload
-
-    def close(self) -> None:
-        for conn in list(self._all):
-            self._discard(conn)
-        self._idle.clear()
-
-
-def classify(status: int, payload: dict | None) -> str:
-    """One outcome per answer, as the server counts it; anything off-contract is 'unexpected:STATUS'."""
-    if status == 200 and isinstance(payload, dict) and payload.get("outcome") in ("good", "late"):
-        return payload["outcome"]
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(error, dict) and error.get("type") in OUTCOME_OF:
-        return OUTCOME_OF[error["type"]]
-    return f"unexpected:{status}"
-
-
 # ====================================================================== one case
 
 
@@ -272,11 +154,13 @@ def _quantiles_ms(seconds: list[float]) -> dict:
 
 
 async def _until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    """Sleep to ~1 ms short of ``when``, then yield until it comes (the selector rounds sleeps up to 1 ms)."""
-    if when - loop.time() > 0.0015:
-        await asyncio.sleep(when - loop.time() - 0.0015)
-    while loop.time() < when:
-        await asyncio.sleep(0)
+    """Sleep until ``when`` (the loop's timers fire up to about a millisecond late).
+
+    No spin-wait for a more punctual send: on two cores a client spinning before
+    each send takes a core from the server, and the server's refusal p99 rose
+    from about 2 ms to about 3 ms when this client did so.
+    """
+    await asyncio.sleep(max(0.0, when - loop.time()))
 
 
 async def _send_at(lean: Lean, data: bytes, when: float) -> Reply:
@@ -437,7 +321,8 @@ def run(plan: Plan, log_dir: str | Path) -> list[CaseResult]:
         async def both():
             return [await sustained(server.url, server.proc.pid, plan), await burst(server.url, server.proc.pid, plan)]
 
-        return asyncio.run(both())
+        with asyncio.Runner(loop_factory=client_loop()) as runner:
+            return runner.run(both())
     finally:
         server.stop()
 
