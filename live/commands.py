@@ -169,19 +169,6 @@ def _stop_at_stdin_eof() -> None:
     threading.Thread(target=watch, name="qlab-stdin-watch", daemon=True).start()
 
 
-HEAD_CAP_BYTES = 64 * 1024
-
-
-def _http_options(http: str) -> dict:
-    """uvicorn's HTTP parser. httptools (the default) is the fastest to refuse, but it buffers
-    request headers of any size; h11 refuses a request head past HEAD_CAP_BYTES, at about
-    0.3 ms more per refusal. Use h11 where the service is reachable by untrusted clients
-    without a proxy that caps headers."""
-    if http == "h11":
-        return {"http": "h11", "h11_max_incomplete_event_size": HEAD_CAP_BYTES}
-    return {"http": "httptools"}
-
-
 def cmd_serve(args) -> int:
     cfg = ServeConfig.from_args(args)
     policy = preset(cfg.policy).with_overrides(max_queue=cfg.max_queue, deadline_s=cfg.deadline_s)
@@ -192,6 +179,7 @@ def cmd_serve(args) -> int:
     import uvicorn  # the web stack loads only for the command that serves
 
     from .gate import Gate, GateConfig
+    from .protocol import http_options
     from .service import create_app
 
     engines = _engines(cfg, model)
@@ -202,7 +190,7 @@ def cmd_serve(args) -> int:
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
     server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5, **_http_options(cfg.http)))
+                                           timeout_graceful_shutdown=5, **http_options(cfg.http)))
     if cfg.watch_stdin:
         _stop_at_stdin_eof()
     # What exists now (modules, weights, the app) lives as long as the server: take it out of the
@@ -246,7 +234,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", help=f"address to bind (default {LOOPBACK}: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed on the first line)")
     p.add_argument("--http", choices=["httptools", "h11"], default="httptools",
-                   help="HTTP parser: httptools (fastest) or h11 (caps request headers at 64 KiB)")
+                   help="HTTP parser: httptools (default, fastest) or h11; both refuse a request head past 64 KiB")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning")
     p.add_argument("--watch-stdin", action="store_true",
                    help="stop when stdin reaches end of file (for a parent process: the server goes when it goes)")
