@@ -16,6 +16,7 @@ import pandas as pd
 
 from analysis import metrics
 from qsim import PRESETS, ServiceModel, load_trace, make_trace, preset, simulate
+from qsim.argtypes import count, non_negative, number, positive, positive_int
 
 
 class UsageError(Exception):
@@ -25,29 +26,6 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would print the whole usage first
         raise UsageError(f"{self.prog}: error: {message}")
-
-
-# ------------------------------------------------------------------ argument types
-
-
-def _number(kind, low=None, strict=True, what="value"):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a {kind.__name__}, got {text!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{what} must be finite, got {text!r}")
-        if low is not None and (value <= low if strict else value < low):
-            raise argparse.ArgumentTypeError(f"{what} must be {'>' if strict else '>='} {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-positive = _number(float, 0, what="value")
-positive_int = _number(int, 0, what="value")
-count = _number(int, 0, strict=False, what="value")
 
 
 # ------------------------------------------------------------------ theory
@@ -230,7 +208,7 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=_Remember)
     p.add_argument("--mean-service", type=positive, action=_Remember,
                    help="mean service seconds for exponential/deterministic (default: the mix's mean)")
-    p.add_argument("--noise", type=_number(float, 0, strict=False), default=0.0,
+    p.add_argument("--noise", type=non_negative, default=0.0,
                    help="CV of lognormal noise on true service times (mix and trace files)")
     p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
     p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
@@ -253,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "compare each with its closed form inside a confidence interval. Exit 1 on any miss.")
     t.set_defaults(func=cmd_theory)
     t.add_argument("--json", action="store_true", help="print a list of {case, quantity, theory, sim_mean, ci_low, ci_high, ok}")
-    t.add_argument("--replications", type=_number(int, 1, what="replications"), default=10)
+    t.add_argument("--replications", type=number(int, 1), default=10)
     t.add_argument("--seed", type=count, default=1)
-    t.add_argument("--level", type=_number(float, 0, what="level"), default=0.95, help="simultaneous confidence level")
+    t.add_argument("--level", type=positive, default=0.95, help="simultaneous confidence level")
     t.add_argument("--scale", type=positive, default=1.0, help="multiply every run's length")
     t.add_argument("--workers", type=positive_int, help="processes (default: all cores)")
     _simulate_parser(sub)

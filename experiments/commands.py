@@ -9,7 +9,7 @@ import pandas as pd
 
 from analysis.metrics import aggregate
 
-from .cli import positive_int
+from qsim.argtypes import positive, positive_int
 
 
 def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -103,4 +103,4 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plot)
     p.add_argument("dir", help="a folder written by qlab sweep")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
-    p.add_argument("--cdf-load", type=float, help="nominal load of the latency CDF (default: the one closest to 1.3)")
+    p.add_argument("--cdf-load", type=positive, help="nominal load of the latency CDF (default: the one closest to 1.3)")

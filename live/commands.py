@@ -16,10 +16,8 @@ the pipe. Fault injection (synthetic engine): ``--fail-every N``,
 
 from __future__ import annotations
 
-import argparse
 import gc
 import ipaddress
-import math
 import os
 import signal
 import socket
@@ -27,34 +25,13 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from qsim.argtypes import count, non_negative, number, port, positive, positive_int
 from qsim.policy import PRESETS, preset
 from qsim.service import ServiceModel
 
 from .engine import Faults, SyntheticEngine, parse_schedule
 
 LOOPBACK = "127.0.0.1"
-
-
-def _number(kind, low, strict=True):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _port(text: str) -> int:
-    value = _number(int, 0, strict=False)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -208,31 +185,31 @@ def register(subparsers) -> None:
                     "function) in front of K engines. The first stdout line is 'qlab serve: listening on URL'.")
     p.set_defaults(func=cmd_serve)
     p.add_argument("--policy", choices=list(PRESETS), default="none")
-    p.add_argument("--max-queue", type=_number(int, 0, strict=False), help="override the preset's bound on waiting requests")
-    p.add_argument("--deadline", type=_number(float, 0), help="override the default deadline (seconds)")
+    p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
+    p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
     p.add_argument("--engine", choices=["gpt2", "synthetic"], default="synthetic")
-    p.add_argument("--engines", type=_number(int, 0), default=1, help="engines behind the queue (K), one thread each")
+    p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K), one thread each")
     p.add_argument("--model", help="gpt2: a hub name or local path, 'random' (GPT-2 small, random weights; default) "
                                    "or 'tiny' (2 layers, for tests)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="gpt2: where to run (default auto: cuda if available)")
-    p.add_argument("--threads", type=_number(int, 0), help="gpt2: torch CPU threads (default: torch's choice)")
-    p.add_argument("--speed", type=_number(float, 0), help="synthetic: service times are SPEED times the model (default 1)")
-    p.add_argument("--noise", type=_number(float, 0, strict=False), help="synthetic: CV of lognormal noise on service times")
+    p.add_argument("--threads", type=positive_int, help="gpt2: torch CPU threads (default: torch's choice)")
+    p.add_argument("--speed", type=positive, help="synthetic: service times are SPEED times the model (default 1)")
+    p.add_argument("--noise", type=non_negative, help="synthetic: CV of lognormal noise on service times")
     p.add_argument("--speed-schedule", help="synthetic: SECONDS:FACTOR,... speed changes since start, e.g. 20:2.2")
-    p.add_argument("--fail-every", type=_number(int, 0), metavar="N",
+    p.add_argument("--fail-every", type=positive_int, metavar="N",
                    help="synthetic, fault injection: every Nth run of an engine raises at once")
-    p.add_argument("--hang-after", type=_number(int, 0, strict=False), metavar="N",
+    p.add_argument("--hang-after", type=count, metavar="N",
                    help="synthetic, fault injection: run N+1 of an engine hangs (--hang-for seconds; default forever)")
-    p.add_argument("--hang-for", type=_number(float, 0), metavar="SECONDS", help="synthetic: how long the hang lasts")
-    p.add_argument("--stall-factor", type=_number(float, 1, strict=False), default=10.0,
+    p.add_argument("--hang-for", type=positive, metavar="SECONDS", help="synthetic: how long the hang lasts")
+    p.add_argument("--stall-factor", type=number(float, 1, strict=False), default=10.0,
                    help="an engine is stalled once its request runs this many times its estimate (default 10) ...")
-    p.add_argument("--stall-after", type=_number(float, 0), default=5.0, metavar="SECONDS",
+    p.add_argument("--stall-after", type=positive, default=5.0, metavar="SECONDS",
                    help="... and at least this long (default 5 s); its request then ends as an engine_error")
-    p.add_argument("--seed", type=_number(int, 0, strict=False), default=0, help="random weights and synthetic noise")
+    p.add_argument("--seed", type=count, default=0, help="random weights and synthetic noise")
     p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
     p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
     p.add_argument("--host", help=f"address to bind (default {LOOPBACK}: this machine only)")
-    p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed on the first line)")
+    p.add_argument("--port", type=port, default=8000, help="0 picks a free port (printed on the first line)")
     p.add_argument("--http", choices=["httptools", "h11"], default="httptools",
                    help="HTTP parser: httptools (default, fastest) or h11; both refuse a request head past 64 KiB")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning")

@@ -6,23 +6,16 @@ ValueError, which the ``qlab`` entry point prints as one line (exit 2).
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import sys
 from pathlib import Path
 
 import httpx
 import pandas as pd
 
 from qsim import ServiceModel, load_trace, make_trace, records
+from qsim.argtypes import count, positive, positive_int
 from qsim.files import write_parquet
 from qsim.records import OUTCOMES
-
-
-def _positive(name: str, value: float | None) -> None:
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive number, got {value}")
 
 
 def _model(path: str | None) -> ServiceModel:
@@ -44,8 +37,6 @@ def _trace(args):
     model = _model(args.service_model)
     if args.trace:
         return load_trace(args.trace, args.time_scale, model=model, seed=args.seed)
-    for name in ("load", "seconds"):
-        _positive(f"--{name}", getattr(args, name))
     from .runner import trace_length
 
     engines = args.engines or _server_engines(args.url)
@@ -64,8 +55,6 @@ def _print_outcomes(frame: pd.DataFrame) -> None:
 def cmd_replay(args) -> int:
     from .loadgen import ReplayConfig, lateness, replay
 
-    _positive("--timeout", args.timeout)
-    _positive("--late-warn-ms", args.late_warn_ms)
     trace = _trace(args)
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
@@ -89,19 +78,19 @@ def _replay_parser(sub) -> None:
     p.set_defaults(func=cmd_replay)
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of a synthetic one")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace file's arrival times")
+    p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace file's arrival times")
     p.add_argument("--arrivals", default="poisson", help="poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S")
-    p.add_argument("--load", type=float, default=1.0, help="nominal load, relative to the calibrated capacity")
+    p.add_argument("--load", type=positive, default=1.0, help="nominal load, relative to the calibrated capacity")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=float, help="arrival window (default 40)")
-    length.add_argument("--requests", type=int, help="number of requests instead of a window")
-    p.add_argument("--engines", type=int, help="engines the load is spread over (default: the server's)")
-    p.add_argument("--seed", type=int, default=1)
+    length.add_argument("--seconds", type=positive, help="arrival window (default 40)")
+    length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
+    p.add_argument("--engines", type=positive_int, help="engines the load is spread over (default: the server's)")
+    p.add_argument("--seed", type=count, default=1)
     p.add_argument("--service-model", help="calibration JSON: estimates and the load are relative to it")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take end to end")
-    p.add_argument("--prompt-words", type=int, default=16, help="prompt length where the trace has none")
-    p.add_argument("--max-prompt-words", type=int, default=64, help="cap on prompt length")
-    p.add_argument("--late-warn-ms", type=float, default=5.0, help="warn when the p99 send lateness passes this")
+    p.add_argument("--timeout", type=positive, default=300.0, help="seconds one request may take end to end")
+    p.add_argument("--prompt-words", type=positive_int, default=16, help="prompt length where the trace has none")
+    p.add_argument("--max-prompt-words", type=positive_int, default=64, help="cap on prompt length")
+    p.add_argument("--late-warn-ms", type=positive, default=5.0, help="warn when the p99 send lateness passes this")
     p.add_argument("--out", required=True, help="the run's .parquet file")
 
 
@@ -131,10 +120,10 @@ def _calibrate_parser(sub) -> None:
                                    "S = intercept + per_token * tokens and report the error of the line.")
     p.set_defaults(func=cmd_calibrate)
     p.add_argument("--url", required=True)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--per-size", type=int, default=12, help="requests of each size per round")
-    p.add_argument("--prompt-words", type=int, default=16)
-    p.add_argument("--deadline-ms", type=int, help="deadline sent with each request (default: the server's)")
+    p.add_argument("--rounds", type=positive_int, default=2)
+    p.add_argument("--per-size", type=positive_int, default=12, help="requests of each size per round")
+    p.add_argument("--prompt-words", type=positive_int, default=16)
+    p.add_argument("--deadline-ms", type=positive_int, help="deadline sent with each request (default: the server's)")
     p.add_argument("--out", required=True, help="JSON that serve and simulate read with --service-model")
 
 
@@ -210,19 +199,3 @@ def register(subparsers) -> None:
     _calibrate_parser(subparsers)
     _compare_parser(subparsers)
     _live_parser(subparsers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run one of these commands without the full ``qlab`` (for scripts; ``qlab`` is the usual way)."""
-    parser = argparse.ArgumentParser(prog="qlab")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as exc:
-        print(f"qlab: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

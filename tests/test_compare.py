@@ -124,12 +124,12 @@ def test_a_live_burst_gives_the_simulators_counts_exactly(servers, policy):
 
 
 def test_a_live_poisson_run_mostly_agrees_with_the_simulator(servers, tmp_path, capsys):
-    from live.load_commands import main as load_main
+    from experiments.cli import main
 
     run = live_run(servers["predictive"], make_trace("poisson", load=1.6, seconds=6, seed=11))
     path = tmp_path / "run.parquet"
     run.to_parquet(path, index=False)
-    assert load_main(["compare", str(path), "--out", str(tmp_path / "cmp")]) == 0
+    assert main(["compare", str(path), "--out", str(tmp_path / "cmp")]) == 0
     text = capsys.readouterr().out
     assert "outcomes, live (rows) x simulator (columns)" in text and "disagreements:" in text
     joined = pd.read_parquet(tmp_path / "cmp" / "compare.parquet")

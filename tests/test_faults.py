@@ -29,7 +29,7 @@ from experiments import config, sweep  # noqa: E402
 from live import live_config, runner  # noqa: E402
 from live.engine import Faults, InjectedFault, SyntheticEngine  # noqa: E402
 from live.gate import DeadlineExceeded, EngineStalled, Gate, GateConfig, Job, Rejected  # noqa: E402
-from live.load_commands import main as load_main  # noqa: E402
+from experiments.cli import main  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.procs import ServeOptions, Server, serving  # noqa: E402
 from qsim import PRESETS, ServiceModel, from_arrays, records  # noqa: E402
@@ -180,8 +180,6 @@ def test_fault_schedule_of_the_synthetic_engine():
     (["--stall-after", "0"], "must be > 0"),
 ])
 def test_fault_and_stall_flags_are_checked(argv, message, capsys):
-    from experiments.cli import main
-
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
@@ -332,7 +330,7 @@ def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp
             "--engines", "1", "--timeout", "10", "--out", str(out)]
     try:
         threading.Timer(1.5 + ReplayConfig(server.url).lead_s, server.kill).start()
-        assert load_main(argv) == 0
+        assert main(argv) == 0
     finally:
         server.stop()
     said = capsys.readouterr().out
@@ -343,7 +341,7 @@ def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp
     assert late.any() and (rows.loc[late, "outcome"] == "error").all() and rows.loc[late, "error"].notna().all()
     argv[argv.index(server.url)] = servers["none"]
     argv[argv.index("3")] = "1"
-    assert load_main(argv) == 0
+    assert main(argv) == 0
     again = records.validate(pd.read_parquet(out))
     assert len(again) > 0 and not (again["outcome"] == "error").any()
 

@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 
 from live import live_config, runner  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate, probe  # noqa: E402
-from live.load_commands import main as load_main  # noqa: E402
+from experiments.cli import main  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.rows import Exchange, classify  # noqa: E402
 from live.procs import ServeOptions, Server, serving  # noqa: E402
@@ -123,7 +123,7 @@ def test_calibrate_recovers_the_synthetic_service_model(tmp_path):
 
 def test_replay_command_writes_rows_and_says_so(bounded, tmp_path, capsys):
     out = tmp_path / "burst.parquet"
-    assert load_main(["replay", "--url", bounded.url, "--arrivals", "burst:12", "--out", str(out)]) == 0
+    assert main(["replay", "--url", bounded.url, "--arrivals", "burst:12", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "send lateness" in text and "wrote 12 rows" in text
     rows = records.validate(pd.read_parquet(out))
@@ -131,10 +131,18 @@ def test_replay_command_writes_rows_and_says_so(bounded, tmp_path, capsys):
 
 
 def test_replay_command_refuses_bad_input(tmp_path, capsys):
-    assert load_main(["replay", "--url", "ftp://x", "--out", str(tmp_path / "x.parquet"), "--engines", "1"]) == 2
+    assert main(["replay", "--url", "ftp://x", "--out", str(tmp_path / "x.parquet"), "--engines", "1"]) == 2
     assert "url must start with http" in capsys.readouterr().err
-    assert load_main(["replay", "--url", "http://127.0.0.1:9", "--load", "-1", "--out", "x.parquet"]) == 2
-    assert "--load must be a positive number" in capsys.readouterr().err
+    # Checked as the command line is read, before any server is asked anything (nothing listens on port 9).
+    for flags, message in [(["--load", "-1"], "argument --load: value must be > 0, got '-1'"),
+                           (["--requests", "0"], "argument --requests: value must be > 0, got '0'"),
+                           (["--seconds", "nan"], "argument --seconds: value must be finite"),
+                           (["--prompt-words", "-5"], "argument --prompt-words: value must be > 0")]:
+        assert main(["replay", "--url", "http://127.0.0.1:9", *flags, "--out", "x.parquet"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert main(["calibrate", "--url", "http://127.0.0.1:9", "--prompt-words", "-5", "--out", "m.json"]) == 2
+    assert "argument --prompt-words: value must be > 0" in capsys.readouterr().err
 
 
 LIVE_TOML = """
