@@ -308,18 +308,22 @@ AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
 
 
+#: A time of day followed by a UTC offset (Z, +05:00, -0800, +05): a zoned ISO 8601 stamp.
+_ZONED = r"\d:\d\d(?::\d\d(?:\.\d*)?)?\s*(?:Z|[+-]\d\d(?::?\d\d)?)$"
+
+
 class _Columns:
     """Parses the columns of one trace file, naming the line (or row) of the first bad value."""
 
     def __init__(self, frame: pd.DataFrame, path: Path, first: int, where: str) -> None:
         self.frame, self.path, self.first, self.where = frame, path, first, where
 
-    def fail_first(self, column: str, bad: pd.Series) -> None:
+    def fail_first(self, column: str, bad: pd.Series, why: str = "") -> None:
         hits = np.flatnonzero(bad.to_numpy())
         if hits.size:
             i = int(hits[0])
             value = self.frame[column].iloc[i]
-            raise ValueError(f"{self.path}: {self.where} {i + self.first}: bad {column} {value!r}")
+            raise ValueError(f"{self.path}: {self.where} {i + self.first}: bad {column} {value!r}{why}")
 
     def number(self, column: str, ok=None, integer: bool = False, optional: bool = False) -> np.ndarray:
         """The column as numbers; with ``optional``, empty cells and 'nan' become NaN."""
@@ -338,7 +342,14 @@ class _Columns:
         return values.to_numpy(dtype=float)
 
     def timestamps(self, column: str) -> pd.Series:
-        stamps = pd.to_datetime(self.frame[column].str.strip(), format="ISO8601", errors="coerce")
+        """The column as times. Stamps with a UTC offset are put on UTC; a file may not mix them with stamps
+        without one (local time of an unknown zone): the arrivals between the two would be guesses."""
+        raw = self.frame[column].str.strip()
+        zoned = raw.str.contains(_ZONED, na=False)
+        if len(raw):
+            self.fail_first(column, zoned != zoned.iloc[0],
+                            f": {'no' if zoned.iloc[0] else 'a'} UTC offset, unlike {self.where} {self.first}")
+        stamps = pd.to_datetime(raw, format="ISO8601", errors="coerce", utc=bool(len(raw) and zoned.iloc[0]))
         self.fail_first(column, stamps.isna())
         return stamps
 

@@ -126,6 +126,13 @@ def test_load_azure_trace(azure_csv):
     assert np.allclose(half.arrival_s, 0.5 * t.arrival_s)
 
 
+def test_zoned_timestamps_are_put_on_utc(tmp_path):
+    path = tmp_path / "zoned.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:17:04+05:00,10,5\n"
+                    "2023-11-16T13:17:05.5Z,3,4\n2023-11-16T14:17:06+01:00,3,4\n")
+    assert load_trace(path).arrival_s.tolist() == [0.0, 1.5, 2.0]
+
+
 def test_own_trace_round_trip(tmp_path):
     t = make_trace(load=1.2, seconds=30, seed=9, noise_cv=0.2)
     for name in ("t.csv", "t.parquet"):
@@ -159,6 +166,11 @@ def test_own_trace_minimal_with_deadlines(tmp_path):
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,5\nyesterday,3,4\n",
          "line 3: bad TIMESTAMP 'yesterday'"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,-5\n", "line 2: bad GeneratedTokens"),
+        # Local times and zoned times cannot share one axis (found by tests/test_fuzz.py exploring).
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,5\n2023-11-16T18:17:04+05:00,3,4\n",
+         "line 3: bad TIMESTAMP '2023-11-16T18:17:04+05:00': a UTC offset, unlike line 2"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:17:04Z,10,5\n2023-11-16 18:17:05,3,4\n",
+         "line 3: bad TIMESTAMP '2023-11-16 18:17:05': no UTC offset, unlike line 2"),
         ("when,what\n1,2\n", "unrecognised trace columns"),
         ("arrival_s,max_new_tokens\n", "no requests"),
         ("", "empty"),
