@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,7 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str,
             if key == "policy" and v not in PRESETS:
                 raise ConfigError(f"{where}[{i}]: unknown policy {v!r}; choose one of {', '.join(PRESETS)}")
             if key == "mix" and v not in mixes:
-                raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{v}]")
+                raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]")
             if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
                 _positive(f"{where}[{i}]", v)
             if key == "max_queue":
@@ -147,12 +148,17 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str,
     return grid
 
 
+def _key(name: str) -> str:
+    """A TOML key as it would be written: bare when it can be, else quoted (so an error stays one line)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
 def _mixes(path: str, table: Any) -> dict[str, Mix]:
     mixes = {"reference": REFERENCE_MIX}
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [mixes] must be a table of named mixes")
     for name, spec in table.items():
-        where = f"{path}: mixes.{name}"
+        where = f"{path}: mixes.{_key(name)}"
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a table with sizes and probs")
         _no_unknown(where, spec, {"sizes", "probs"})

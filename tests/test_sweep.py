@@ -153,6 +153,8 @@ def test_killed_sweep_leaves_whole_files_and_resumes(tmp_path):
         ("[sweeps]\n[grid]\npolicy = ['none']\nload = [1.0]\n", "unknown key 'sweeps'"),
         ("[grid]\npolicy = ['none']\nmix = ['short']\nload = [1.0]\n", "unknown mix 'short'"),
         ("[mixes.short]\nsizes = [4]\nprobs = [0.5]\n[grid]\npolicy = ['none']\nload = [1.0]\n", "mixes.short"),
+        # A quoted key may hold anything, a line break too: the error names it quoted, on one line.
+        ("[mixes.\"a\\nb\"]\nsizes = [4]\n[grid]\npolicy = ['none']\nload = [1.0]\n", 'mixes."a\\nb"'),
         ("[grid]\npolicy = ['none']\ntrace = ['nope.csv']\n", "no such trace file"),
         ("[grid\npolicy = ['none']\n", "not valid TOML"),
     ],
@@ -160,7 +162,7 @@ def test_killed_sweep_leaves_whole_files_and_resumes(tmp_path):
 def test_bad_toml_is_one_clear_error(tmp_path, text, message):
     with pytest.raises(config.ConfigError) as err:
         config.load(write(tmp_path, text))
-    assert message in str(err.value) and "s.toml" in str(err.value)
+    assert message in str(err.value) and "s.toml" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_bad_toml_from_the_cli_runs_nothing(tmp_path):
