@@ -387,9 +387,10 @@ name = "burst"
 arrivals = "burst:6"
 [[trace]]
 name = "poisson"
-load = 1.0
+load = [0.8, 1.0]
 seconds = 0.6
 """
+RUNS = 6  # 3 traces (the burst and poisson at two loads) x 2 policies
 
 
 class _Live:
@@ -406,12 +407,28 @@ class _Live:
 
     def wait_for_runs(self, n: int, timeout_s: float = 60) -> list:
         """Once n run files exist: the live servers (this process's children)."""
-        psutil = pytest.importorskip("psutil")
+        self._wait(lambda: self.written() >= n, timeout_s)
+        return self.servers()
+
+    def wait_for_a_run_in_progress(self, files_before: int, timeout_s: float = 60) -> list:
+        """Once this process has started a run it has not written (a Poisson run lasts over 0.6 s): the servers."""
+        self._wait(lambda: self.started() > self.written() - files_before, timeout_s)
+        return self.servers()
+
+    def written(self) -> int:
+        return len(list((self.out / "runs").glob("*.parquet")))
+
+    def started(self) -> int:
+        return sum(") under " in line for line in list(self.lines))  # runner.py logs "NAME (N requests) under ..."
+
+    def servers(self) -> list:
+        return pytest.importorskip("psutil").Process(self.proc.pid).children(recursive=True)
+
+    def _wait(self, done, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
-        while len(list((self.out / "runs").glob("*.parquet"))) < n:
-            assert time.monotonic() < end and self.proc.poll() is None, f"no run written: {self.lines}"
+        while not done():
+            assert time.monotonic() < end and self.proc.poll() is None, f"not reached: {self.lines}"
             time.sleep(0.02)
-        return psutil.Process(self.proc.pid).children(recursive=True)
 
 
 def test_interrupted_live_runs_leave_whole_files_stop_their_servers_and_resume(tmp_path):
@@ -432,27 +449,30 @@ def test_interrupted_live_runs_leave_whole_files_stop_their_servers_and_resume(t
     for p in first:
         records.validate(pd.read_parquet(p))
 
-    # SIGINT: one line, exit 130, servers stopped on the way out; the earlier files untouched.
+    # SIGINT in the middle of a run, after one more is written: one line, exit 130, servers stopped on
+    # the way out; the earlier files untouched.
+    assert len(first) + 2 <= RUNS, f"the SIGKILL came too late to leave two runs for the SIGINT: {len(first)}"
     live = _Live(path, out)
-    children = live.wait_for_runs(len(first) + 1)
+    live.wait_for_runs(len(first) + 1)
+    children = live.wait_for_a_run_in_progress(len(first))
     live.proc.send_signal(signal.SIGINT)
     _, err = live.proc.communicate(timeout=60)
     assert live.proc.returncode == 130 and err.strip().splitlines()[-1] == "qlab: interrupted", err
     assert "Traceback" not in err
     _, alive = psutil.wait_procs(children, timeout=5)
     assert not alive
-    assert any(line.startswith(f"resuming: {len(first)} of 4 runs") for line in live.lines), live.lines
+    assert any(line.startswith(f"resuming: {len(first)} of {RUNS} runs") for line in live.lines), live.lines
     second = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.parquet")}
     assert all(second[p] == t for p, t in first.items()) and len(second) > len(first)
 
-    # Resume to the end: only the missing runs run; the summary covers all four.
+    # Resume to the end: only the missing runs run; the summary covers them all.
     logged = []
     summary = runner.run(live_config.load(path), out, log=logged.append)
-    assert len(summary) == 4 and (summary["error"] == 0).all()
-    assert logged[0].startswith(f"resuming: {len(second)} of 4 runs")
+    assert len(summary) == RUNS and (summary["error"] == 0).all()
+    assert logged[0].startswith(f"resuming: {len(second)} of {RUNS} runs")
     assert all(p.stat().st_mtime_ns == t for p, t in second.items())
     assert not list(out.rglob(".*tmp*"))
-    assert list(summary["policy"]) == ["bounded", "predictive", "predictive", "bounded"]
+    assert list(summary["policy"]) == ["bounded", "predictive", "predictive", "bounded", "bounded", "predictive"]
 
 
 def test_sigterm_interrupts_a_live_run_as_sigint_does():
