@@ -322,28 +322,47 @@ def test_clients_hanging_up_while_waiting_and_while_served_free_their_slots(serv
     assert delta(after, before) == {"good": 1} and settled(after)
 
 
+def _kill_once_submitted(server: Server, n: int) -> None:
+    """Kill the server once its gate has taken n requests: tied to the replay's progress, not to a clock
+    that starts before the replay does (on a busy machine that start can take most of a second)."""
+    while True:
+        try:
+            if httpx.get(f"{server.url}/stats", timeout=5).json()["submitted"] >= n:
+                break
+        except httpx.HTTPError:
+            return
+        time.sleep(0.01)
+    server.kill()
+
+
 def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp_path, capsys):
     server = Server(ServeOptions(policy="none"), tmp_path / "doomed.log")
     server.start(60)
     out = tmp_path / "run.parquet"
-    argv = ["replay", "--url", server.url, "--arrivals", "constant", "--load", "0.5", "--seconds", "3",
-            "--engines", "1", "--timeout", "10", "--out", str(out)]
+    # 29 requests of 4 tokens (35 ms each), 0.1 s apart: one engine, nobody waits.
+    trace_csv = tmp_path / "trace.csv"
+    trace_csv.write_text("arrival_s,max_new_tokens\n" + "".join(f"{0.1 * i:.1f},4\n" for i in range(1, 30)))
+    argv = ["replay", "--url", server.url, "--trace", str(trace_csv), "--timeout", "10", "--out", str(out)]
     try:
-        threading.Timer(1.5 + ReplayConfig(server.url).lead_s, server.kill).start()
+        threading.Thread(target=_kill_once_submitted, args=(server, 12), daemon=True).start()
         assert main(argv) == 0
     finally:
         server.stop()
     said = capsys.readouterr().out
     rows = records.validate(pd.read_parquet(out))
-    assert f"wrote {len(rows)} rows" in said and list(rows["request_id"]) == list(range(len(rows)))
-    assert (rows.loc[rows["scheduled_s"] < 1.0, "outcome"] != "error").all()
-    late = rows["scheduled_s"] > 1.6
-    assert late.any() and (rows.loc[late, "outcome"] == "error").all() and rows.loc[late, "error"].notna().all()
+    assert f"wrote {len(rows)} rows" in said and list(rows["request_id"]) == list(range(len(rows))) == list(range(29))
+    # One engine, nobody waiting: answers in order until the kill, errors from then on.
+    outcomes = rows["outcome"].tolist()
+    first_error = outcomes.index("error")
+    assert set(outcomes[:first_error]) == {"good"} and set(outcomes[first_error:]) == {"error"}, outcomes
+    assert 8 <= first_error <= 15, outcomes  # killed once 12 were taken: up at first, then the rest failed
+    errors = rows[rows["outcome"] == "error"]
+    assert errors["error"].notna().all() and errors["http_status"].isna().all()
+    assert errors["finish_s"].notna().all()  # the time the failure was seen
     argv[argv.index(server.url)] = servers["none"]
-    argv[argv.index("3")] = "1"
     assert main(argv) == 0
     again = records.validate(pd.read_parquet(out))
-    assert len(again) > 0 and not (again["outcome"] == "error").any()
+    assert len(again) == 29 and not (again["outcome"] == "error").any()
 
 
 # ---------------------------------------------------------------- interrupted sweeps and live runs
