@@ -60,6 +60,8 @@ from qsim import make_trace  # noqa: E402
 
 #: The stated bound: resident memory may grow this much after warm-up, over a whole sustained run.
 RSS_BOUND_MB = 20.0
+
+
 @dataclass(frozen=True)
 class Plan:
     policy: str = "bounded"

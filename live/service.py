@@ -274,10 +274,8 @@ def _answer_body(answer: Answer, total_s: float) -> dict:
 # ---------------------------------------------------------------------- the app
 
 
-Handlers = dict[type, Callable[[Request, Exception], Awaitable[Response]]]
-
 #: Each exception's answer (looked up along its class's MRO, as Starlette does).
-HANDLERS: Handlers = {
+HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
     Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, EngineFailed: _engine_failed,
     EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
     RequestValidationError: _request_validation, Exception: _unexpected,
@@ -286,17 +284,16 @@ HANDLERS: Handlers = {
 
 @dataclass(frozen=True)
 class _Direct:
-    """A route's function as a plain ASGI app: its answer, or its exception's handler's answer."""
+    """A route's function as a plain ASGI app: its answer, or the answer of its exception's handler in HANDLERS."""
 
     endpoint: Callable[[Request], Awaitable[Response]]
-    handlers: Handlers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
         try:
             response = await self.endpoint(request)
         except Exception as exc:
-            handler = next(self.handlers[t] for t in type(exc).__mro__ if t in self.handlers)
+            handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
             if handler is _unexpected:  # as Starlette's ServerErrorMiddleware would, leave the traceback in the log
                 log.exception("unexpected error in %s %s", request.method, request.url.path)
             response = await handler(request, exc)
@@ -363,7 +360,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     app.post(GENERATE, openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": prepare.schema.model_json_schema()}}}})(generate)
     if direct:
-        app.direct = _Direct(generate, HANDLERS)
+        app.direct = _Direct(generate)
 
     @app.get("/stats")
     async def stats() -> dict:

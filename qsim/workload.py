@@ -346,10 +346,9 @@ class _Columns:
         without one (local time of an unknown zone): the arrivals between the two would be guesses."""
         raw = self.frame[column].str.strip()
         zoned = raw.str.contains(_ZONED, na=False)
-        if len(raw):
-            self.fail_first(column, zoned != zoned.iloc[0],
-                            f": {'no' if zoned.iloc[0] else 'a'} UTC offset, unlike {self.where} {self.first}")
-        stamps = pd.to_datetime(raw, format="ISO8601", errors="coerce", utc=bool(len(raw) and zoned.iloc[0]))
+        utc = bool(zoned.iloc[0]) if len(zoned) else False  # the first line sets the kind
+        self.fail_first(column, zoned != utc, f": {'no' if utc else 'a'} UTC offset, unlike {self.where} {self.first}")
+        stamps = pd.to_datetime(raw, format="ISO8601", errors="coerce", utc=utc)
         self.fail_first(column, stamps.isna())
         return stamps
 

@@ -4,6 +4,7 @@ Synthetic service time is the reference line (1 ms + 8.5 ms/token) times --speed
 """
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -171,7 +172,7 @@ def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
 def test_live_config_errors_name_the_key(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         live_config.load(path)
 
 
