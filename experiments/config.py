@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qsim import PRESETS, REFERENCE_MIX, Mix, ServiceModel
-from qsim.files import read_toml
+from qsim.files import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim.workload import parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
@@ -50,10 +49,6 @@ SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int,
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
              "max_queue": int, "mix": str, "trace": str, "time_scale": float}
 SECTIONS = {"sweep", "service", "mixes", "grid"}
-
-
-class ConfigError(ValueError):
-    """A sweep file that cannot run; the message names the file and the key."""
 
 
 @dataclass(frozen=True)
@@ -90,39 +85,17 @@ class SweepConfig:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _typed(where: str, value: Any, kind: type) -> Any:
-    """Check one value's type (an int is a fine float; a bool is not a number)."""
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
-    if kind is float and not math.isfinite(value):
-        raise ConfigError(f"{where}: must be finite, got {value!r}")
-    return value
-
-
-def _no_unknown(where: str, table: dict, known) -> None:
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(known))}")
-
-
-def _positive(where: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
 def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str, tuple]:
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
-    _no_unknown(f"{path}: [grid]", table, GRID_KEYS)
+    no_unknown_keys(f"{path}: [grid]", table, GRID_KEYS)
     grid: dict[str, tuple] = {}
     for key, values in table.items():
         where = f"{path}: grid.{key}"
         values = values if isinstance(values, list) else [values]
         if not values:
             raise ConfigError(f"{where}: empty list: a grid axis needs at least one value")
-        checked = tuple(_typed(f"{where}[{i}]", v, GRID_KEYS[key]) for i, v in enumerate(values))
+        checked = tuple(typed_value(f"{where}[{i}]", v, GRID_KEYS[key]) for i, v in enumerate(values))
         if len(set(checked)) != len(checked):
             raise ConfigError(f"{where}: a value appears twice")
         for i, v in enumerate(checked):
@@ -131,9 +104,9 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str,
             if key == "mix" and v not in mixes:
                 raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]")
             if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
-                _positive(f"{where}[{i}]", v)
+                positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
-                _positive(f"{where}[{i}]", v, allow_zero=True)
+                positive_value(f"{where}[{i}]", v, zero_ok=True)
             if key == "trace" and not (base / v).is_file():
                 raise ConfigError(f"{where}[{i}]: no such trace file {v!r} (relative paths are from the sweep file's folder)")
         grid[key] = checked
@@ -161,13 +134,13 @@ def _mixes(path: str, table: Any) -> dict[str, Mix]:
         where = f"{path}: mixes.{_key(name)}"
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a table with sizes and probs")
-        _no_unknown(where, spec, {"sizes", "probs"})
+        no_unknown_keys(where, spec, {"sizes", "probs"})
         for key in ("sizes", "probs"):
             if not isinstance(spec.get(key, []), list):
                 raise ConfigError(f"{where}.{key}: expected a list, got {type(spec[key]).__name__} {spec[key]!r}")
         try:
-            sizes = tuple(_typed(f"{where}.sizes", s, int) for s in spec.get("sizes", []))
-            probs = tuple(_typed(f"{where}.probs", p, float) for p in spec.get("probs", []))
+            sizes = tuple(typed_value(f"{where}.sizes", s, int) for s in spec.get("sizes", []))
+            probs = tuple(typed_value(f"{where}.probs", p, float) for p in spec.get("probs", []))
             mixes[name] = Mix(sizes, probs)
         except ConfigError:
             raise
@@ -178,19 +151,19 @@ def _mixes(path: str, table: Any) -> dict[str, Mix]:
 
 def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     """Check a parsed TOML document and build the config; raise ConfigError naming the key."""
-    _no_unknown(path, data, SECTIONS)
+    no_unknown_keys(path, data, SECTIONS)
     sweep = data.get("sweep", {})
     if not isinstance(sweep, dict):
         raise ConfigError(f"{path}: [sweep] must be a table")
-    _no_unknown(f"{path}: [sweep]", sweep, SWEEP_KEYS)
-    s = {k: _typed(f"{path}: sweep.{k}", v, SWEEP_KEYS[k]) for k, v in sweep.items()}
+    no_unknown_keys(f"{path}: [sweep]", sweep, SWEEP_KEYS)
+    s = {k: typed_value(f"{path}: sweep.{k}", v, SWEEP_KEYS[k]) for k, v in sweep.items()}
     defaults = dict(name=Path(path).stem, duration_s=600.0, seeds=20, first_seed=1, arrivals="poisson",
                     noise_cv=0.0, fixed_estimate=False)
     s = {**defaults, **s}
-    _positive(f"{path}: sweep.duration_s", s["duration_s"])
-    _positive(f"{path}: sweep.seeds", s["seeds"])
-    _positive(f"{path}: sweep.first_seed", s["first_seed"], allow_zero=True)
-    _positive(f"{path}: sweep.noise_cv", s["noise_cv"], allow_zero=True)
+    positive_value(f"{path}: sweep.duration_s", s["duration_s"])
+    positive_value(f"{path}: sweep.seeds", s["seeds"])
+    positive_value(f"{path}: sweep.first_seed", s["first_seed"], zero_ok=True)
+    positive_value(f"{path}: sweep.noise_cv", s["noise_cv"], zero_ok=True)
     try:
         parse_arrivals(s["arrivals"])
     except ValueError as exc:
@@ -198,9 +171,9 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     service = data.get("service", {})
     if not isinstance(service, dict):
         raise ConfigError(f"{path}: [service] must be a table")
-    _no_unknown(f"{path}: [service]", service, {"intercept_s", "per_token_s"})
+    no_unknown_keys(f"{path}: [service]", service, {"intercept_s", "per_token_s"})
     try:
-        model = ServiceModel(**{k: _typed(f"{path}: service.{k}", v, float) for k, v in service.items()})
+        model = ServiceModel(**{k: typed_value(f"{path}: service.{k}", v, float) for k, v in service.items()})
     except ConfigError:
         raise
     except ValueError as exc:

@@ -36,13 +36,11 @@ seed = 1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from qsim import PRESETS
-from qsim.files import read_toml
+from qsim.files import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim.workload import parse_arrivals
 
 SERVER_KEYS = {"engine": str, "model": str, "device": str, "engines": int, "speed": float, "service_model": str,
@@ -111,39 +109,21 @@ class LiveConfig:
 
 
 def _fail(where: str, message: str):
-    raise ValueError(f"{where}: {message}")
-
-
-def _typed(where: str, value: Any, kind) -> Any:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        _fail(where, f"expected {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__} {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
-        _fail(where, f"must be finite, got {value!r}")
-    return value
+    raise ConfigError(f"{where}: {message}")
 
 
 def _table(path: str, data: dict, name: str, keys: dict) -> dict:
     table = data.get(name, {})
     if not isinstance(table, dict):
         _fail(f"{path}: [{name}]", "must be a table")
-    unknown = sorted(set(table) - set(keys))
-    if unknown:
-        _fail(f"{path}: [{name}]", f"unknown key {unknown[0]!r}; expected one of {', '.join(sorted(keys))}")
-    return {k: _typed(f"{path}: {name}.{k}", v, keys[k]) for k, v in table.items()}
-
-
-def _positive(where: str, value, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        _fail(where, f"must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+    no_unknown_keys(f"{path}: [{name}]", table, keys)
+    return {k: typed_value(f"{path}: {name}.{k}", v, keys[k]) for k, v in table.items()}
 
 
 def _server(path: str, data: dict) -> ServerConfig:
     s = _table(path, data, "server", SERVER_KEYS)
     if "policies" in s:
-        policies = tuple(_typed(f"{path}: server.policies[{i}]", p, str) for i, p in enumerate(s["policies"]))
+        policies = tuple(typed_value(f"{path}: server.policies[{i}]", p, str) for i, p in enumerate(s["policies"]))
         bad = [p for p in policies if p not in PRESETS]
         if bad or not policies or len(set(policies)) != len(policies):
             _fail(f"{path}: server.policies", f"need distinct names from {', '.join(PRESETS)}, got {list(policies)}")
@@ -154,7 +134,7 @@ def _server(path: str, data: dict) -> ServerConfig:
     if cfg.device not in ("auto", "cpu", "cuda"):
         _fail(f"{path}: server.device", f"must be auto, cpu or cuda, got {cfg.device!r}")
     for key in ("engines", "speed", "startup_timeout_s"):
-        _positive(f"{path}: server.{key}", getattr(cfg, key))
+        positive_value(f"{path}: server.{key}", getattr(cfg, key))
     if cfg.service_model and not (Path(path).parent / cfg.service_model).is_file():
         _fail(f"{path}: server.service_model", f"no such file {cfg.service_model!r} (relative to the config file)")
     return cfg
@@ -170,15 +150,15 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
         where = f"{path}: trace[{i}]"
         name = t.pop("name", None) or _fail(where, "needs a name")
         loads = t.pop("load", 1.0)
-        loads = [_typed(f"{where}.load", v, float) for v in loads] if isinstance(loads, list) else [loads]
+        loads = [typed_value(f"{where}.load", v, float) for v in loads] if isinstance(loads, list) else [loads]
         if not loads:
             _fail(f"{where}.load", "empty list")
         for key in ("seconds", "requests", "time_scale"):
             if key in t:
-                _positive(f"{where}.{key}", t[key])
+                positive_value(f"{where}.{key}", t[key])
         for v in loads:
-            _positive(f"{where}.load", v)
-        _positive(f"{where}.seed", t.get("seed", 0), zero_ok=True)
+            positive_value(f"{where}.load", v)
+        positive_value(f"{where}.seed", t.get("seed", 0), zero_ok=True)
         if "file" in t:
             if not (Path(path).parent / t["file"]).is_file():
                 _fail(f"{where}.file", f"no such trace file {t['file']!r} (relative to the config file)")
@@ -200,15 +180,13 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
 
 def parse(data: dict, path: str = "<live>") -> LiveConfig:
     """Check a parsed TOML document and build the config; ValueError names the file and key."""
-    unknown = sorted(set(data) - SECTIONS)
-    if unknown:
-        _fail(path, f"unknown section {unknown[0]!r}; expected {', '.join(sorted(SECTIONS))}")
+    no_unknown_keys(path, data, SECTIONS, what="section")
     calibrate = CalibrateConfig(**_table(path, data, "calibrate", CALIBRATE_KEYS)) if "calibrate" in data else None
     probe = ProbeConfig(**_table(path, data, "probe", PROBE_KEYS))
     replay = ReplaySettings(**_table(path, data, "replay", REPLAY_KEYS))
     for where, cfg in (("calibrate", calibrate), ("probe", probe), ("replay", replay)):
         for key, value in (vars(cfg) if cfg else {}).items():
-            _positive(f"{path}: {where}.{key}", value)
+            positive_value(f"{path}: {where}.{key}", value)
     return LiveConfig(_server(path, data), calibrate, probe, replay, _traces(path, data), source=path)
 
 
