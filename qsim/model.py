@@ -1,50 +1,65 @@
-"""A SimPy model of one FIFO queue in front of K identical engines.
+"""The SimPy driver of :class:`qsim.queue.AdmissionQueue`: K engines on a simulated clock.
 
-One arrival process walks the trace; K engine processes run requests. The
-rules are the shared ones from :mod:`qsim.policy`, applied at the same three
-moments as in the live gate:
+The queue core holds every piece of queue state and applies the rules; this
+module only turns its answers into SimPy events. One arrival process walks
+the trace and hands each request to the core; each engine runs what the core
+starts (a timeout of the request's true service time) and hands it back. Beside the study's model it can simulate what the live gate meets:
 
-* arrival: :func:`~qsim.policy.decide` on the waiting count, the estimated
-  queued work and the estimated remaining work in service;
-* reaching the front (an engine is free for it): with ``expire_at_front``, a
-  request that :func:`~qsim.policy.cannot_finish` is dropped unrun;
-* completion: the :class:`~qsim.service.SpeedTracker` learns actual over predicted.
-
-A request admitted while an engine is idle is in service from that instant
-(the engine is claimed synchronously, before the next arrival is looked at),
-so a burst cannot slip one more request past a queue bound than the bound allows.
+* engine failures (``failed``): the run holds the engine for its time, ends
+  as an error and teaches the speed tracker nothing;
+* what the engine reports (``reported_s``): the tracker learns this, while the
+  engine is held for ``true_service_s`` (the live gate counts the engine busy
+  until the answer is handed back to it, a little after the engine's own time);
+* clients that leave (``cancel_after_s``): a waiting request leaves the queue
+  with its work; a running one leaves its engine busy until it finishes;
+* stalled engines (``stall``): a request that runs past its threshold ends as
+  an error at that moment, and while every engine is stalled a watchdog ends
+  waiting requests past their deadline, every ``watch_interval_s`` as the gate's does.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 import pandas as pd
 import simpy
+from simpy.events import Timeout
 
 from . import records
-from .policy import EXPIRE_REASON, PRESETS, Policy, cannot_finish, decide, on_time
+from .policy import PRESETS, Policy
+from .queue import STALL_REASON, AdmissionQueue, StallRule
 from .service import SpeedTracker
 from .workload import Trace
 
 _NAN = math.nan
+#: Reason of a request whose client left (outcome ``abandoned``).
+LEFT_REASON = "client_left"
+#: Reason of a request whose engine raised (outcome ``error``), as the live gate says it.
+FAILED_REASON = "engine_exception"
 
 
 class _Run:
-    """State of one simulation; the engine and arrival generators are its methods."""
+    """One simulation: the records it writes, and the processes that drive the queue core."""
 
-    def __init__(self, trace: Trace, policy: Policy, engines: int, tracker: SpeedTracker) -> None:
+    def __init__(self, trace: Trace, queue_args: dict, engines: int, *, failed=None, reported_s=None,
+                 cancel_after_s=None, watch_interval_s: float = 0.05) -> None:
         n = len(trace)
         self.env = simpy.Environment()
-        self.policy, self.engines, self.tracker = policy, engines, tracker
+        self.queue = AdmissionQueue(engines=engines, start=self._start, drop=self._drop, **queue_args)
+        policy = self.queue.policy
         # Python lists: element access in the event loop is several times faster than numpy's.
         self.arrival = trace.arrival_s.tolist()
         self.base_est = trace.est_service_s.tolist()
         self.true = trace.true_service_s.tolist()
+        self.reported = self.true if reported_s is None else np.asarray(reported_s, dtype=float).tolist()
+        self.failed = None if failed is None or not np.any(failed) else np.asarray(failed, dtype=bool).tolist()
         own = trace.deadline_s
         self.deadline = np.where(np.isnan(own), policy.deadline_s, own).tolist()
+        self.patience = None
+        if cancel_after_s is not None and np.isfinite(cancel_after_s).any():
+            self.patience = np.asarray(cancel_after_s, dtype=float).tolist()
+        self.watch_interval_s = watch_interval_s
         self.est = [_NAN] * n
         self.outcome: list = [None] * n
         self.reason: list = [None] * n
@@ -54,89 +69,96 @@ class _Run:
         self.queued_work = [_NAN] * n
         self.retry_after = [-1] * n
         self.engine_of = [-1] * n
-        # Queue state.
-        self.waiting: deque[int] = deque()
-        self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
-        self.current = [-1] * engines  # request on each engine, -1 when idle
-        self.busy_until = [0.0] * engines  # estimated end of the current request
-        self.idle = list(range(engines - 1, -1, -1))  # pop() gives the lowest free engine
-        self.wake: list[simpy.Event | None] = [None] * engines
+        # The driver's hand-off to each engine process (what the gate's engine threads get in their inbox).
+        self.job = [-1] * engines
+        self.finishing = -1  # the engine whose finish is being handled
+        self.next_arrival = 0
+        self.watching = False
 
-    # -- the three moments -------------------------------------------------
+    # -- the core's hooks --------------------------------------------------------
 
-    def arrive(self, i: int) -> None:
+    def _start(self, k: int, i: int, now: float, est: float) -> None:
+        self.start[i] = now
+        self.engine_of[i] = k
+        self.job[k] = i
+        after = self.queue.stall_after_s[k]
+        if self.true[i] > after:  # it will run past its threshold: the watchdog sees it then
+            Timeout(self.env, after).callbacks.append(lambda _, k=k, i=i: self._stall(k, i))
+        if self.finishing == k:  # the engine goes straight on to its next request
+            Timeout(self.env, self.true[i], k).callbacks.append(self._finished)
+        else:  # an idle engine wakes first: a same-time arrival is looked at before its run is scheduled
+            Timeout(self.env, 0, k).callbacks.append(self._run)
+
+    def _drop(self, i: int, now: float, outcome: str, reason: str, est: float) -> None:
+        self._end(i, now, outcome, reason)
+
+    def _end(self, i: int, now: float, outcome: str, reason: str | None) -> None:
+        self.outcome[i], self.reason[i] = outcome, reason
+        self.finish[i] = now
+
+    # -- events: plain SimPy timeouts with callbacks (a generator process per engine costs a third more) --
+
+    def arrivals(self, _event=None) -> None:
+        """Hand every request due by now to the queue core, then wait for the next one."""
+        env = self.env
+        arrival = self.arrival
+        i = self.next_arrival
+        while i < len(arrival):
+            t = arrival[i]
+            if t > env.now:
+                self.next_arrival = i
+                Timeout(env, t - env.now).callbacks.append(self.arrivals)
+                return
+            self._arrive(i, t)
+            i += 1
+        self.next_arrival = i
+
+    def _arrive(self, i: int, t: float) -> None:
         # The trace's own time: SimPy's clock reaches it as now + (t - now), which can be off by
         # a rounding, and a request that starts at once should show exactly zero wait.
-        now = self.arrival[i]
-        factor = self.tracker.factor
-        est = self.base_est[i] * factor
-        queued = len(self.waiting)
-        queued_work = self.waiting_base_s * factor
-        idle = len(self.idle)
-        remaining = 0.0 if idle else sum(max(0.0, end - now) for end in self.busy_until)
-        self.est[i] = est
-        self.queued_at_arrival[i] = queued
-        self.queued_work[i] = queued_work
-        refusal = decide(self.policy, queued, queued_work, remaining, est, self.deadline[i], self.engines, idle)
+        queue = self.queue
+        refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i])
+        self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
         if refusal is not None:
             self.outcome[i], self.reason[i] = "rejected", refusal.reason
             self.retry_after[i] = refusal.retry_after_s
-            self.finish[i] = now
-        elif idle:
-            self.begin(self.idle.pop(), i, now)
-        else:
-            self.waiting.append(i)
-            self.waiting_base_s += self.base_est[i]
+            self.finish[i] = t
+        elif self.patience is not None and math.isfinite(self.patience[i]):
+            Timeout(self.env, self.patience[i]).callbacks.append(lambda _, i=i: self._cancel(i))
 
-    def begin(self, k: int, i: int, now: float) -> None:
-        self.current[k] = i
-        self.start[i] = now
-        self.engine_of[i] = k
-        self.busy_until[k] = now + self.base_est[i] * self.tracker.factor
-        wake = self.wake[k]
-        if wake is not None:
-            self.wake[k] = None
-            wake.succeed()
+    def _run(self, event) -> None:
+        k = event._value
+        Timeout(self.env, self.true[self.job[k]], k).callbacks.append(self._finished)
 
-    def next_from_front(self, k: int, now: float) -> None:
-        """Give engine k the first waiting request that can still make it, or mark k idle."""
-        expire = self.policy.expire_at_front
-        while self.waiting:
-            j = self.waiting.popleft()
-            self.waiting_base_s -= self.base_est[j]
-            if expire and cannot_finish(now, self.base_est[j] * self.tracker.factor, self.arrival[j] + self.deadline[j]):
-                self.outcome[j], self.reason[j] = "expired", EXPIRE_REASON
-                self.finish[j] = now
-                continue
-            self.begin(k, j, now)
-            return
-        self.waiting_base_s = 0.0  # no drift from adding and subtracting floats
-        self.current[k] = -1
-        self.idle.append(k)
+    def _finished(self, event) -> None:
+        k = event._value
+        now = self.env.now
+        i = self.job[k]
+        ok = self.failed is None or not self.failed[i]
+        self.finishing = k
+        outcome = self.queue.finished(k, now, self.reported[i], ok)  # may start engine k's next request
+        self.finishing = -1
+        if outcome is not None:
+            self._end(i, now, outcome, None if ok else FAILED_REASON)
 
-    # -- processes ---------------------------------------------------------
+    def _cancel(self, i: int) -> None:
+        if self.queue.cancel(i, self.env.now) is not None:
+            self._end(i, self.env.now, "abandoned", LEFT_REASON)
 
-    def arrivals(self):
-        env = self.env
-        for i, t in enumerate(self.arrival):
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            self.arrive(i)
+    def _stall(self, k: int, i: int) -> None:
+        now = self.env.now
+        if self.queue.stall(k, now) == i:
+            self._end(i, now, "error", STALL_REASON)
+        if self.queue.all_stalled and not self.watching:
+            self.watching = True
+            self.env.process(self._watchdog())
 
-    def engine(self, k: int):
-        env = self.env
-        while True:
-            i = self.current[k]
-            if i < 0:
-                self.wake[k] = env.event()
-                yield self.wake[k]
-                continue
-            yield env.timeout(self.true[i])
-            now = env.now
-            self.finish[i] = now
-            self.outcome[i] = "good" if on_time(now - self.arrival[i], self.deadline[i]) else "late"
-            self.tracker.observe(self.base_est[i], self.true[i])
-            self.next_from_front(k, now)
+    def _watchdog(self):
+        """While every engine is stalled, end the hopeless waiting, as the gate's watchdog does."""
+        while self.queue.all_stalled:
+            yield self.env.timeout(self.watch_interval_s)
+            self.queue.give_up(self.env.now)
+        self.watching = False
 
     def frame(self, trace: Trace) -> pd.DataFrame:
         finish = np.asarray(self.finish)
@@ -169,21 +191,33 @@ def simulate(
     *,
     fixed_estimate: bool = False,
     tracker_weight: float = 0.2,
+    initial_speed_factor: float = 1.0,
+    failed=None,
+    reported_s=None,
+    cancel_after_s=None,
+    stall: StallRule | None = None,
+    watch_interval_s: float = 0.05,
 ) -> pd.DataFrame:
     """Run ``trace`` through the queue and return one record per request (see :mod:`qsim.records`).
 
-    fixed_estimate keeps the calibrated estimate (speed factor 1) instead of tracking speed.
+    fixed_estimate keeps the calibrated estimate (speed factor 1) instead of tracking speed;
+    initial_speed_factor is where the tracker starts (a live server's is resident across runs).
+    failed (bools), reported_s (the engine's own seconds, which the tracker learns; default the
+    true service time) and cancel_after_s (seconds after arrival at which the client leaves; NaN:
+    never) are per request, in trace order. stall: the live gate's stall rule (None, the study's model: engines never stall).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
     if len(trace) and np.any(np.diff(trace.arrival_s) < 0):
         raise ValueError("trace arrivals must be sorted by time")
-    tracker = SpeedTracker(weight=tracker_weight, fixed=fixed_estimate)
-    run = _Run(trace, policy, engines, tracker)
-    for k in range(engines):
-        run.env.process(run.engine(k))
-    run.env.process(run.arrivals())
+    for name, values in (("failed", failed), ("reported_s", reported_s), ("cancel_after_s", cancel_after_s)):
+        if values is not None and np.shape(values) != (len(trace),):
+            raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
+    tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
+    run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall), engines, failed=failed,
+               reported_s=reported_s, cancel_after_s=cancel_after_s, watch_interval_s=watch_interval_s)
+    run.arrivals()
     run.env.run()
     frame = run.frame(trace)
     frame.attrs.update(duration_s=trace.duration_s, policy=policy.name, engines=engines, speed_factor=tracker.factor)

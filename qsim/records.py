@@ -15,9 +15,10 @@ import pandas as pd
 from .policy import on_time
 
 #: good: answered within its deadline; late: answered after it; rejected:
-#: refused at arrival; expired: dropped unrun at the front; error: transport or
-#: server failure (live runs only).
-OUTCOMES = ("good", "late", "rejected", "expired", "error")
+#: refused at arrival; expired: dropped unrun at the front; error: an engine
+#: failed or stalled, or a transport or server failure; abandoned: its client
+#: left before the answer (a cancelled request).
+OUTCOMES = ("good", "late", "rejected", "expired", "error", "abandoned")
 ANSWERED = ("good", "late")
 
 #: column -> (pandas dtype, meaning). The order is the column order of a frame.
@@ -30,7 +31,7 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "true_service_s": ("float64", "engine time it took, or would have taken (simulator)"),
     "deadline_s": ("float64", "deadline relative to arrival"),
     "outcome": ("string", "one of OUTCOMES"),
-    "reason": ("string", "why refused or dropped (queue_full, work_limit, deadline_unreachable, cannot_finish); <NA> otherwise"),
+    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left); <NA> otherwise"),
     "start_s": ("float64", "engine start time; NaN if never run"),
     "finish_s": ("float64", "time the answer, refusal or drop was given"),
     "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),

@@ -1,0 +1,298 @@
+"""The admission queue: every piece of queue state, and no clock.
+
+:class:`AdmissionQueue` owns the waiting requests and their summed estimate,
+each engine (idle, busy with an estimated end, stalled), the speed tracker
+and the policy. It is driven by events that carry their time and answers by
+calling two hooks its driver passes in, as SimPy's queue variants plug in
+through small hooks:
+
+* ``start(k, req, now, est_s)``: run ``req`` on engine k from ``now``;
+* ``drop(req, now, outcome, reason, est_s)``: end a waiting ``req`` unrun
+  (``expired`` at the front, or given up behind stalled engines).
+
+Events: :meth:`~AdmissionQueue.arrive` (admit, start or queue; or return the
+:class:`~qsim.policy.Rejection`), :meth:`~AdmissionQueue.finished` (an engine
+handed a request back, with the engine's own time and whether it failed),
+:meth:`~AdmissionQueue.stall` (an engine ran past its stall threshold),
+:meth:`~AdmissionQueue.cancel` (a client left) and
+:meth:`~AdmissionQueue.give_up` (every engine is stalled: waiting past a
+deadline is hopeless). Two drivers exist: :mod:`qsim.model` on SimPy's
+simulated clock and :mod:`live.gate` on the event loop's real one. Neither
+keeps queue state, so the simulator and the gate cannot drift apart: every
+number :func:`~qsim.policy.decide`, :func:`~qsim.policy.cannot_finish` and the
+tracker see is computed here and nowhere else.
+
+``req`` is opaque to the queue (a request index in the simulator, a ticket in
+the gate); it is compared with ``==``. The order in which waiting requests are
+started is the *discipline*, a component the queue consults (:class:`Fifo`
+today): ``push``, ``pop_next``, ``remove``, ``len`` and iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from .policy import EXPIRE_REASON, TIME_TOLERANCE_S, Policy, Rejection, cannot_finish, decide, on_time
+from .service import SpeedTracker
+
+#: Reason of a request ended because its engine stalled, or given up behind stalled engines.
+STALL_REASON = "engine_stalled"
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """An engine is stalled once its request has run past max(factor x estimate at start, floor_s).
+
+    Far beyond any speed change seen on a shared machine (2.25x); the floor keeps a
+    short request's hiccup from counting.
+    """
+
+    factor: float = 10.0
+    floor_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (self.factor >= 1 and math.isfinite(self.factor)):
+            raise ValueError(f"stall factor must be a finite number >= 1, got {self.factor}")
+        if not (self.floor_s > 0 and math.isfinite(self.floor_s)):
+            raise ValueError(f"stall floor must be a positive number of seconds, got {self.floor_s}")
+
+    def after_s(self, est_service_s: float) -> float:
+        """How long a request estimated at ``est_service_s`` may run before its engine counts as stalled."""
+        return max(self.factor * est_service_s, self.floor_s)
+
+
+class Fifo(deque):
+    """First come, first served: the study's discipline. Entries are pushed and popped whole."""
+
+    push = deque.append
+    pop_next = deque.popleft
+
+
+class Seen(NamedTuple):
+    """What the queue looked like to one arrival: what its record's admission columns hold."""
+
+    est_service_s: float  # calibrated estimate x speed factor
+    queued: int  # waiting (not in service) before it
+    queued_work_s: float  # their estimated work
+    speed_factor: float
+
+
+# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival).
+Entry = tuple
+
+
+class AdmissionQueue:
+    """Queue state and the rules applied to it; see the module docstring."""
+
+    def __init__(self, policy: Policy, engines: int, *, start: Callable, drop: Callable,
+                 tracker: SpeedTracker | None = None, discipline=None, stall: StallRule | None = StallRule(),
+                 gone: Callable[[Any], bool] | None = None) -> None:
+        """gone(req): True when a waiting request's client has left but has not been cancelled yet
+        (the gate's futures report a hang-up a loop turn late); such a request is skipped at the front."""
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        self.policy = policy
+        self.engines = engines
+        self.tracker = tracker if tracker is not None else SpeedTracker()
+        self.waiting = Fifo() if discipline is None else discipline
+        self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
+        self.running: list[Entry | None] = [None] * engines
+        self.busy_until = [0.0] * engines  # estimated end of each engine's request
+        self.started_at = [math.nan] * engines
+        self.stall_after_s = [math.inf] * engines  # the engine is stalled once its request has run this long
+        self.stalled = [False] * engines
+        self.ended = [False] * engines  # its request already has an outcome (stalled, or its client left)
+        self.idle = list(range(engines - 1, -1, -1))  # pop() gives the lowest free engine
+        self.stall_rule = stall
+        self._start, self._drop, self._gone = start, drop, gone
+        self._n_stalled = 0
+
+    # -- events -------------------------------------------------------------------
+
+    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None) -> Rejection | None:
+        """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
+
+        deadline_s is relative to ``now``; None takes the policy's. ``self.seen`` holds what
+        the decision was made on. A request admitted while an engine is idle is in service from
+        this instant, so a burst cannot slip one more past a bound than the bound allows.
+        """
+        if deadline_s is None:
+            deadline_s = self.policy.deadline_s
+        factor = self.tracker.factor
+        est = base_est_s * factor
+        waiting = self.waiting
+        queued = len(waiting)
+        work = self.waiting_base_s * factor
+        idle = self.idle
+        self.seen = (est, queued, work, factor)  # a Seen's fields; a bare tuple is 5x cheaper to make
+        refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, deadline_s,
+                         self.engines, len(idle))
+        if refusal is not None:
+            return refusal
+        if idle:
+            self._begin(idle.pop(), (req, now, base_est_s, deadline_s), now)
+        else:
+            waiting.push((req, now, base_est_s, deadline_s))
+            self.waiting_base_s += base_est_s
+        return None
+
+    def finished(self, k: int, now: float, engine_s: float, ok: bool = True) -> str | None:
+        """Engine k handed its request back at ``now``; ``engine_s`` is the engine's own time.
+
+        Returns the request's outcome (good or late by ``now``, error when ``ok`` is false), or
+        None when it already had one (stalled, or its client left). A failed or stalled run teaches
+        the tracker nothing (a hang's time would multiply every later estimate); one whose client
+        left still does. Then engine k takes the next waiting request, or goes idle.
+        """
+        entry = self.running[k]
+        if entry is None:
+            raise RuntimeError(f"engine {k} finished but was running nothing")
+        self.running[k] = None
+        if ok and not self._n_stalled and not self.ended[k]:  # the common case, in short
+            self.tracker.observe(entry[2], engine_s)
+            outcome = "good" if now - entry[1] <= entry[3] + TIME_TOLERANCE_S else "late"
+            self._next(k, now)
+            return outcome
+        stalled, ended = self.stalled[k], self.ended[k]
+        if stalled:
+            self.stalled[k] = False
+            self._n_stalled -= 1
+        self.ended[k] = False
+        outcome = None
+        if ok and not stalled:
+            # Against the estimate from max_new_tokens: a stop string that ends a request early reads
+            # as a faster machine (learning the used share is a separate estimator).
+            self.tracker.observe(entry[2], engine_s)
+            if not ended:
+                outcome = "good" if on_time(now - entry[1], entry[3]) else "late"
+        elif not ok and not (stalled or ended):
+            outcome = "error"
+        self._next(k, now)
+        return outcome
+
+    def cancel(self, req, now: float) -> str | None:
+        """The client of ``req`` left: "waiting" (it left the queue with its work), "running" (its engine
+        stays busy until it hands the request back: a run cannot always be stopped), or None (it had ended)."""
+        for entry in self.waiting:
+            if entry[0] == req:
+                self.waiting.remove(entry)
+                self.waiting_base_s = self.waiting_base_s - entry[2] if self.waiting else 0.0
+                return "waiting"
+        for k, entry in enumerate(self.running):
+            if entry is not None and entry[0] == req and not self.ended[k]:
+                self.ended[k] = True
+                return "running"
+        return None
+
+    def overdue(self, now: float) -> list[int]:
+        """Engines whose request has run past its stall threshold and that are not marked stalled yet."""
+        return [k for k in range(self.engines)
+                if self.running[k] is not None and not self.stalled[k] and now - self.started_at[k] > self.stall_after_s[k]]
+
+    def stall(self, k: int, now: float):
+        """Mark engine k stalled. Returns its request when that request now ends (as an error), else None.
+
+        The engine stays busy until it hands the request back; meanwhile its remaining work counts as
+        its overrun so far, so the wait estimate keeps growing instead of reading it as about to finish.
+        """
+        if self.running[k] is None or self.stalled[k]:
+            return None
+        self.stalled[k] = True
+        self._n_stalled += 1
+        if self.ended[k]:
+            return None
+        self.ended[k] = True
+        return self.running[k][0]
+
+    @property
+    def all_stalled(self) -> bool:
+        return self._n_stalled == self.engines
+
+    def give_up(self, now: float) -> int:
+        """While every engine is stalled the queue cannot move: end each waiting request whose deadline
+        has passed, ``expired`` where the policy expires at the front (what the front would decide), else
+        an error. Returns how many were ended."""
+        if not self.all_stalled:
+            return 0
+        late = [e for e in self.waiting if now >= e[1] + e[3]]
+        for entry in late:
+            self.waiting.remove(entry)
+            self.waiting_base_s = self.waiting_base_s - entry[2] if self.waiting else 0.0
+            if self._gone is not None and self._gone(entry[0]):
+                continue
+            expire = self.policy.expire_at_front
+            self._drop(entry[0], now, "expired" if expire else "error", EXPIRE_REASON if expire else STALL_REASON,
+                       entry[2] * self.tracker.factor)
+        return len(late)
+
+    # -- the numbers ----------------------------------------------------------------
+
+    def remaining_s(self, now: float) -> float:
+        """Estimated work left in service, summed over the engines. An engine past its estimate counts as
+        about to finish (0), unless it is stalled: then its overrun so far, since it has shown it is not."""
+        if not self._n_stalled:
+            if self.engines == 1:
+                end = self.busy_until[0]
+                return end - now if end > now else 0.0
+            return sum(max(0.0, end - now) for end in self.busy_until)
+        return sum((now - end) if st else max(0.0, end - now) for end, st in zip(self.busy_until, self.stalled))
+
+    def wait_s(self, now: float) -> float:
+        """The wait :func:`~qsim.policy.decide` would estimate for an arrival now (a Retry-After's basis)."""
+        if self.idle:
+            return 0.0
+        return (self.waiting_base_s * self.tracker.factor + self.remaining_s(now)) / self.engines
+
+    @property
+    def queued_work_s(self) -> float:
+        return self.waiting_base_s * self.tracker.factor
+
+    @property
+    def in_service(self) -> int:
+        return self.engines - len(self.idle)
+
+    def snapshot(self) -> dict:
+        """The queue now, for /stats and tests."""
+        return {"waiting": len(self.waiting), "in_service": self.in_service, "stalled": self._n_stalled,
+                "queued_work_s": self.queued_work_s, "speed_factor": self.tracker.factor, "engines": self.engines}
+
+    def stalled_engines(self, now: float) -> list[dict]:
+        """Each stalled engine: how long its request has run, its threshold and estimate."""
+        return [{"engine": k, "running_s": now - self.started_at[k],
+                 "stall_after_s": self.stall_after_s[k],
+                 "est_service_s": self.busy_until[k] - self.started_at[k]}
+                for k in range(self.engines) if self.stalled[k]]
+
+    # -- inside -------------------------------------------------------------------------
+
+    def _begin(self, k: int, entry: Entry, now: float) -> None:
+        est = entry[2] * self.tracker.factor
+        self.running[k] = entry
+        self.busy_until[k] = now + est
+        self.started_at[k] = now
+        rule = self.stall_rule
+        self.stall_after_s[k] = math.inf if rule is None else rule.after_s(est)
+        self._start(k, entry[0], now, est)
+
+    def _next(self, k: int, now: float) -> None:
+        """Give engine k the first waiting request that can still make it, or mark k idle."""
+        waiting = self.waiting
+        expire = self.policy.expire_at_front
+        gone = self._gone
+        while waiting:
+            entry = waiting.pop_next()
+            self.waiting_base_s -= entry[2]
+            if gone is not None and gone(entry[0]):
+                continue
+            if expire:
+                est = entry[2] * self.tracker.factor
+                if now + est > entry[1] + entry[3] + TIME_TOLERANCE_S:  # cannot_finish, inlined: the hot path
+                    self._drop(entry[0], now, "expired", EXPIRE_REASON, est)
+                    continue
+            self._begin(k, entry, now)
+            return
+        self.waiting_base_s = 0.0  # no drift from adding and subtracting floats
+        self.idle.append(k)

@@ -1,0 +1,97 @@
+"""The live gate and the simulator are two drivers of one queue core: request by request, they agree exactly.
+
+The gate runs on a virtual clock (tests/virtual_time.py): real futures, hooks,
+watchdog and counts, engines that take each request's true service time on that
+clock. Outcomes, reasons, engines and queue counts must be equal; times agree to 1e-12 s
+(asyncio runs timers within its clock resolution of each other together, so a
+finish can be read one float step before the simulator's).
+"""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qsim import PRESETS, ServiceModel, from_arrays, make_trace, simulate
+from virtual_time import run_gate
+
+MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 s
+
+
+def _agree(trace, policy, engines, *, model=ServiceModel(), engine_ties=False, **kw):
+    gate, stats = run_gate(trace, policy, engines, model=model, **kw)
+    sim = simulate(trace, policy, engines, **kw)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    known = gate["outcome"].ne("abandoned").to_numpy()  # a client that left does not hear when its run began
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(gate.loc[known, "start_s"], sim.loc[known, "start_s"], rtol=0, atol=1e-12)
+    if not engine_ties:  # equal service times can end at the same instant, and then either engine goes first
+        np.testing.assert_array_equal(gate.loc[known, "engine"], sim.loc[known, "engine"].fillna(-1))
+    seen = gate["queued"].ge(0).to_numpy()  # abandoned requests carry no admission view on the client side
+    np.testing.assert_array_equal(gate.loc[seen, "queued"], sim.loc[seen, "queued_at_arrival"].astype(int))
+    np.testing.assert_allclose(gate.loc[seen, "queued_work_s"], sim.loc[seen, "queued_work_at_arrival_s"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(gate.loc[seen, "est_service_s"], sim.loc[seen, "est_service_s"], rtol=0, atol=1e-12)
+    counts = sim["outcome"].value_counts()
+    assert {k: v for k, v in stats["counts"].items() if v} == {k: int(v) for k, v in counts.items() if k != "abandoned"}
+    assert stats["cancelled"] == counts.get("abandoned", 0)
+    assert stats["waiting"] == 0 and stats["in_service"] == 0
+    return sim
+
+
+BURSTS = {
+    # The brief's trap: two start at once, four wait, four are refused.
+    "bounded 10/limit 4/2 engines": (PRESETS["bounded"].with_overrides(max_queue=4), 2, [12] * 10),
+    "none": (PRESETS["none"], 2, [4, 12, 8, 12, 4, 4, 8, 12]),
+    "bounded": (PRESETS["bounded"].with_overrides(max_queue=3), 1, [12] * 6),
+    # No expiry: the third and fourth run and end after their 0.125 s deadline.
+    "bounded late": (PRESETS["bounded"].with_overrides(max_queue=3, deadline_s=0.125), 1, [12] * 6),
+    # Deadline 0.125 s, 0.05 s each: the second finishes at 0.10, the third would end at 0.15 -> expired.
+    "bounded-deadline expiry": (PRESETS["bounded-deadline"].with_overrides(deadline_s=0.125), 1, [12] * 10),
+    "predictive": (PRESETS["predictive"].with_overrides(deadline_s=0.125), 1, [12] * 10),
+    "predictive 2 engines": (PRESETS["predictive"].with_overrides(deadline_s=0.125), 2, [12] * 10),
+    "burst of 30, reference mix, 3 engines": (PRESETS["predictive"], 3, [4, 16, 64] * 10),
+}
+
+
+@pytest.mark.parametrize("name", list(BURSTS))
+def test_burst_matches_the_simulator_exactly(name):
+    policy, engines, tokens = BURSTS[name]
+    trace = from_arrays(np.zeros(len(tokens)), tokens, model=MODEL)
+    _agree(trace, policy, engines, model=MODEL, engine_ties=True)
+
+
+def test_the_brief_trap_in_numbers():
+    policy, engines, tokens = BURSTS["bounded 10/limit 4/2 engines"]
+    sim = _agree(from_arrays(np.zeros(10), tokens, model=MODEL), policy, engines, model=MODEL, engine_ties=True)
+    assert sim["outcome"].tolist() == ["good"] * 6 + ["rejected"] * 4
+
+
+@pytest.mark.parametrize("policy", list(PRESETS))
+@pytest.mark.parametrize("engines", [1, 3])
+def test_poisson_overload_with_noise_matches_the_simulator_exactly(policy, engines):
+    trace = make_trace("poisson", "mix", load=2.0, engines=engines, seconds=15, seed=engines, noise_cv=0.3)
+    sim = _agree(trace, PRESETS[policy], engines)
+    assert len(sim) > 100
+
+
+@pytest.mark.parametrize("policy", ["bounded-deadline", "predictive"])
+def test_engine_failures_match_the_simulator_exactly(policy):
+    trace = make_trace("poisson", "mix", load=1.3, engines=2, seconds=15, seed=7, noise_cv=0.3)
+    failed = np.arange(len(trace)) % 7 == 6
+    sim = _agree(trace, PRESETS[policy], 2, failed=failed)
+    assert sim["outcome"].eq("error").sum() > 5
+    assert set(sim.loc[sim["outcome"].eq("error"), "reason"]) == {"engine_exception"}
+
+
+def test_clients_that_leave_match_the_simulator_exactly():
+    trace = make_trace("poisson", "mix", load=1.5, engines=1, seconds=15, seed=4, noise_cv=0.3)
+    patience = np.where(np.arange(len(trace)) % 3 == 0, 0.3, np.inf)  # every third leaves after 0.3 s
+    sim = _agree(trace, PRESETS["none"], 1, cancel_after_s=patience)
+    left = sim[sim["outcome"].eq("abandoned")]
+    assert len(left) > 5 and left["reason"].eq("client_left").all()
+    assert left["start_s"].notna().any() and left["start_s"].isna().any()  # some left while served, some waiting
+
+
+def test_fixed_estimate_matches_the_simulator_exactly():
+    trace = make_trace("poisson", "mix", load=1.5, engines=1, speed=2.0, seconds=15, seed=9, noise_cv=0.2)
+    _agree(trace, PRESETS["predictive"], 1, fixed_estimate=True)
