@@ -115,3 +115,33 @@ def test_empty_and_invalid():
         simulate(burst(3), engines=0)
     with pytest.raises(ValueError, match="sorted"):
         simulate(from_arrays([1.0, 0.0], [4, 4]))
+
+
+def test_a_hung_engine_is_stalled_at_its_threshold_and_the_waiting_give_up():
+    from qsim.queue import StallRule
+
+    # 16 tokens = 0.137 s; the first request hangs for 60 s on the only engine.
+    trace = from_arrays(np.zeros(4), np.full(4, 16), true_service_s=[60.0, 0.137, 0.137, 0.137])
+    df = simulate(trace, PRESETS["bounded-deadline"], stall=StallRule(10.0, 5.0))
+    assert df["outcome"].tolist() == ["error", "expired", "expired", "expired"]
+    assert df.loc[0, "reason"] == "engine_stalled" and df.loc[0, "finish_s"] == pytest.approx(5.0)
+    # The waiting are given up once their 2 s deadline has passed, at the watchdog's next look after 5 s.
+    assert (df.loc[1:, "finish_s"] >= 5.0).all() and (df.loc[1:, "finish_s"] <= 5.1).all()
+    assert set(df.loc[1:, "reason"]) == {"cannot_finish"}
+    # Without a stall rule (the study's model) the hang is just a long request.
+    assert simulate(trace, PRESETS["bounded-deadline"])["outcome"].tolist()[0] == "late"
+
+
+def test_failures_and_clients_that_leave_end_in_one_outcome_each():
+    trace = make_trace("poisson", "mix", load=1.5, seconds=60, seed=3, noise_cv=0.3)
+    n = len(trace)
+    failed = np.arange(n) % 5 == 0
+    patience = np.where(np.arange(n) % 4 == 1, 0.2, np.nan)
+    df = records.validate(simulate(trace, PRESETS["none"], failed=failed, cancel_after_s=patience))
+    assert set(df.loc[failed & df["outcome"].ne("abandoned").to_numpy(), "outcome"]) == {"error"}
+    assert df["outcome"].eq("abandoned").sum() > 10
+    # A failure teaches the tracker nothing; what the engine reports (not what held it) is what it learns.
+    clean = simulate(trace, PRESETS["none"])
+    slower = simulate(trace, PRESETS["none"], reported_s=trace.true_service_s * 2)
+    assert slower.attrs["speed_factor"] > 1.5 * clean.attrs["speed_factor"]
+    np.testing.assert_array_equal(slower["start_s"].notna(), clean["start_s"].notna())

@@ -1,0 +1,171 @@
+"""The queue core on its own: random arrivals, finishes, failures, stalls, cancels and give-ups.
+
+A hypothesis state machine drives :class:`qsim.queue.AdmissionQueue` through
+any interleaving of its events and checks, after every step, the invariants
+both drivers rely on.
+"""
+
+import math
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from qsim.policy import PRESETS, Policy, Rejection
+from qsim.queue import AdmissionQueue, Fifo, StallRule
+
+
+class QueueMachine(RuleBasedStateMachine):
+    @initialize(engines=st.integers(1, 4), name=st.sampled_from(sorted(PRESETS)),
+                bound=st.none() | st.integers(0, 5), stall=st.booleans())
+    def setup(self, engines, name, bound, stall):
+        self.policy = PRESETS[name] if bound is None else PRESETS[name].with_overrides(max_queue=bound)
+        self.now = 0.0
+        self.outcomes: dict[int, str] = {}
+        self.started: list[int] = []
+        self.admitted: list[int] = []
+        self.base: dict[int, float] = {}
+        self.next_id = 0
+        self.q = AdmissionQueue(self.policy, engines, start=self._start, drop=self._drop,
+                                stall=StallRule(2.0, 0.5) if stall else None)
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _start(self, k, req, now, est):
+        assert self.q.running[k][0] == req and now == self.now
+        self.started.append(req)
+
+    def _drop(self, req, now, outcome, reason, est):
+        self._end(req, outcome)
+
+    def _end(self, req, outcome):
+        assert req not in self.outcomes, f"request {req} ended twice"
+        self.outcomes[req] = outcome
+
+    # -- events ---------------------------------------------------------------------------
+
+    @rule(dt=st.floats(0, 1.0))
+    def advance(self, dt):
+        self.now += dt
+
+    @rule(base=st.floats(0.01, 1.0), deadline=st.none() | st.floats(0.05, 3.0))
+    def arrive(self, base, deadline):
+        req = self.next_id
+        self.next_id += 1
+        self.base[req] = base
+        refusal = self.q.arrive(req, self.now, base, deadline)
+        if isinstance(refusal, Rejection):
+            self._end(req, "rejected")
+        else:
+            assert refusal is None
+            self.admitted.append(req)
+
+    @precondition(lambda self: any(e is not None for e in self.q.running))
+    @rule(data=st.data(), ok=st.booleans(), engine_s=st.floats(0.0, 2.0))
+    def finish(self, data, ok, engine_s):
+        k = data.draw(st.sampled_from([k for k, e in enumerate(self.q.running) if e is not None]))
+        req = self.q.running[k][0]
+        factor = self.q.tracker.factor
+        outcome = self.q.finished(k, self.now, engine_s, ok)
+        if outcome is not None:
+            assert outcome in (("good", "late") if ok else ("error",))
+            self._end(req, outcome)
+        if not ok:
+            assert self.q.tracker.factor == factor  # a failure teaches nothing
+
+    @precondition(lambda self: any(e is not None for e in self.q.running))
+    @rule(data=st.data())
+    def stall(self, data):
+        k = data.draw(st.sampled_from([k for k, e in enumerate(self.q.running) if e is not None]))
+        req = self.q.stall(k, self.now)
+        if req is not None:
+            self._end(req, "error")
+
+    @precondition(lambda self: self.next_id > 0)
+    @rule(data=st.data())
+    def cancel(self, data):
+        req = data.draw(st.integers(0, self.next_id - 1))
+        where = self.q.cancel(req, self.now)
+        if where is not None:
+            self._end(req, "abandoned")
+
+    @rule()
+    def give_up(self):
+        self.q.give_up(self.now)
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def at_most_k_in_service(self):
+        busy = sum(e is not None for e in self.q.running)
+        assert busy == self.q.in_service <= self.q.engines
+        assert sorted(self.q.idle) == [k for k, e in enumerate(self.q.running) if e is None]
+
+    @invariant()
+    def no_idle_engine_while_one_waits(self):
+        assert not (self.q.idle and self.q.waiting)
+
+    @invariant()
+    def bound_held(self):
+        if self.policy.max_queue is not None:
+            assert len(self.q.waiting) <= self.policy.max_queue
+
+    @invariant()
+    def summed_estimate_is_the_sum_over_the_waiting(self):
+        assert math.isclose(self.q.waiting_base_s, sum(e[2] for e in self.q.waiting), abs_tol=1e-9)
+
+    @invariant()
+    def fifo_among_the_started(self):
+        assert self.started == sorted(self.started)
+
+    @invariant()
+    def one_outcome_each_and_everyone_accounted_for(self):
+        waiting = {e[0] for e in self.q.waiting}
+        running = {e[0] for k, e in enumerate(self.q.running) if e is not None and not self.q.ended[k]}
+        assert not waiting & running
+        assert not (waiting | running) & set(self.outcomes)
+        assert waiting | running | set(self.outcomes) == set(range(self.next_id))
+
+    def teardown(self):
+        # At rest (every engine hands its request back, the queue drains) each request has one outcome.
+        if not hasattr(self, "q"):
+            return
+        for _ in range(10 * (self.next_id + 1)):
+            busy = [k for k, e in enumerate(self.q.running) if e is not None]
+            if not busy:
+                break
+            self.now += 1.0
+            req = self.q.running[busy[0]][0]
+            outcome = self.q.finished(busy[0], self.now, 0.1)
+            if outcome is not None:
+                self._end(req, outcome)
+        assert not self.q.waiting and set(self.outcomes) == set(range(self.next_id))
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_fifo_is_the_default_discipline():
+    q = AdmissionQueue(Policy(), 1, start=lambda *a: None, drop=lambda *a: None)
+    assert isinstance(q.waiting, Fifo)
+
+
+def test_a_stalled_engine_counts_its_overrun_and_a_failure_frees_it():
+    started = []
+    q = AdmissionQueue(PRESETS["predictive"], 1, start=lambda k, r, now, est: started.append(r),
+                       drop=lambda *a: None, stall=StallRule(2.0, 0.5))
+    assert q.arrive("a", 0.0, 0.4) is None and started == ["a"]
+    assert q.overdue(0.8) == [] and q.overdue(0.81) == [0]  # max(2 x 0.4, 0.5) = 0.8 s
+    assert q.stall(0, 0.81) == "a" and q.all_stalled
+    assert q.remaining_s(1.0) == pytest.approx(0.6)  # ran 1.0 s of a 0.4 s estimate: 0.6 s over
+    assert q.finished(0, 3.0, 3.0) is None  # it had ended as an error when it stalled
+    assert q.tracker.factor == 1.0 and not q.all_stalled and q.idle == [0]
+
+
+def test_stall_rule_refuses_nonsense():
+    with pytest.raises(ValueError, match="stall factor"):
+        StallRule(0.5, 1.0)
+    with pytest.raises(ValueError, match="stall floor"):
+        StallRule(2.0, math.inf)
