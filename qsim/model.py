@@ -73,6 +73,7 @@ class _Run:
         self.job = [-1] * engines
         self.finishing = -1  # the engine whose finish is being handled
         self.next_arrival = 0
+        self.n = n
         self.watching = False
 
     # -- the core's hooks --------------------------------------------------------
@@ -81,11 +82,11 @@ class _Run:
         self.start[i] = now
         self.engine_of[i] = k
         self.job[k] = i
-        after = self.queue.stall_after_s[k]
-        if self.true[i] > after:  # it will run past its threshold: the watchdog sees it then
-            Timeout(self.env, after).callbacks.append(lambda _, k=k, i=i: self._stall(k, i))
+        true = self.true[i]
+        if true > self.queue.stall_after_s[k]:  # it will run past its threshold: the watchdog sees it then
+            Timeout(self.env, self.queue.stall_after_s[k]).callbacks.append(lambda _, k=k, i=i: self._stall(k, i))
         if self.finishing == k:  # the engine goes straight on to its next request
-            Timeout(self.env, self.true[i], k).callbacks.append(self._finished)
+            Timeout(self.env, true, k).callbacks.append(self._finished)
         else:  # an idle engine wakes first: a same-time arrival is looked at before its run is scheduled
             Timeout(self.env, 0, k).callbacks.append(self._run)
 
@@ -103,28 +104,26 @@ class _Run:
         env = self.env
         arrival = self.arrival
         i = self.next_arrival
-        while i < len(arrival):
+        now = env.now
+        while i < self.n:
             t = arrival[i]
-            if t > env.now:
+            if t > now:
                 self.next_arrival = i
-                Timeout(env, t - env.now).callbacks.append(self.arrivals)
+                Timeout(env, t - now).callbacks.append(self.arrivals)
                 return
-            self._arrive(i, t)
+            # The trace's own time: SimPy's clock reaches it as now + (t - now), which can be off by
+            # a rounding, and a request that starts at once should show exactly zero wait.
+            queue = self.queue
+            refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i])
+            self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
+            if refusal is not None:
+                self.outcome[i], self.reason[i] = "rejected", refusal.reason
+                self.retry_after[i] = refusal.retry_after_s
+                self.finish[i] = t
+            elif self.patience is not None and math.isfinite(self.patience[i]):
+                Timeout(env, self.patience[i]).callbacks.append(lambda _, i=i: self._cancel(i))
             i += 1
         self.next_arrival = i
-
-    def _arrive(self, i: int, t: float) -> None:
-        # The trace's own time: SimPy's clock reaches it as now + (t - now), which can be off by
-        # a rounding, and a request that starts at once should show exactly zero wait.
-        queue = self.queue
-        refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i])
-        self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
-        if refusal is not None:
-            self.outcome[i], self.reason[i] = "rejected", refusal.reason
-            self.retry_after[i] = refusal.retry_after_s
-            self.finish[i] = t
-        elif self.patience is not None and math.isfinite(self.patience[i]):
-            Timeout(self.env, self.patience[i]).callbacks.append(lambda _, i=i: self._cancel(i))
 
     def _run(self, event) -> None:
         k = event._value
