@@ -24,17 +24,18 @@ tracker see is computed here and nowhere else.
 
 ``req`` is opaque to the queue (a request index in the simulator, a ticket in
 the gate); it is compared with ``==``. The order in which waiting requests are
-started is the *discipline*, a component the queue consults (:class:`Fifo`
-today): ``push``, ``pop_next``, ``remove``, ``len`` and iteration.
+started is the *discipline*, a component the queue consults (FIFO by default;
+:mod:`qsim.disciplines` holds the others): ``push``, ``pop_next(now)``,
+``remove``, ``len``, iteration, and optionally ``drop_reason`` (CoDel).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
+from .disciplines import Fifo
 from .policy import EXPIRE_REASON, TIME_TOLERANCE_S, Policy, Rejection, cannot_finish, decide, on_time
 from .service import SpeedTracker
 
@@ -64,13 +65,6 @@ class StallRule:
         return max(self.factor * est_service_s, self.floor_s)
 
 
-class Fifo(deque):
-    """First come, first served: the study's discipline. Entries are pushed and popped whole."""
-
-    push = deque.append
-    pop_next = deque.popleft
-
-
 class Seen(NamedTuple):
     """What the queue looked like to one arrival: what its record's admission columns hold."""
 
@@ -80,7 +74,7 @@ class Seen(NamedTuple):
     speed_factor: float
 
 
-# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival).
+# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority).
 Entry = tuple
 
 
@@ -108,15 +102,17 @@ class AdmissionQueue:
         self.idle = list(range(engines - 1, -1, -1))  # pop() gives the lowest free engine
         self.stall_rule = stall
         self._start, self._drop, self._gone = start, drop, gone
+        self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._n_stalled = 0
 
     # -- events -------------------------------------------------------------------
 
-    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None) -> Rejection | None:
+    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
+               priority: int = 0) -> Rejection | None:
         """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
 
         deadline_s is relative to ``now``; None takes the policy's. ``self.seen`` holds what
-        the decision was made on. A request admitted while an engine is idle is in service from
+        the decision was made on; priority orders it under a priority discipline. A request admitted while an engine is idle is in service from
         this instant, so a burst cannot slip one more past a bound than the bound allows.
         """
         if deadline_s is None:
@@ -133,9 +129,9 @@ class AdmissionQueue:
         if refusal is not None:
             return refusal
         if idle:
-            self._begin(idle.pop(), (req, now, base_est_s, deadline_s), now)
+            self._begin(idle.pop(), (req, now, base_est_s, deadline_s, priority), now)
         else:
-            waiting.push((req, now, base_est_s, deadline_s))
+            waiting.push((req, now, base_est_s, deadline_s, priority))
             self.waiting_base_s += base_est_s
         return None
 
@@ -281,9 +277,9 @@ class AdmissionQueue:
         """Give engine k the first waiting request that can still make it, or mark k idle."""
         waiting = self.waiting
         expire = self.policy.expire_at_front
-        gone = self._gone
+        gone, drop_reason = self._gone, self._drop_reason
         while waiting:
-            entry = waiting.pop_next()
+            entry = waiting.pop_next(now)
             self.waiting_base_s -= entry[2]
             if gone is not None and gone(entry[0]):
                 continue
@@ -291,6 +287,12 @@ class AdmissionQueue:
                 est = entry[2] * self.tracker.factor
                 if now + est > entry[1] + entry[3] + TIME_TOLERANCE_S:  # cannot_finish, inlined: the hot path
                     self._drop(entry[0], now, "expired", EXPIRE_REASON, est)
+                    continue
+            if drop_reason is not None:
+                est = entry[2] * self.tracker.factor
+                reason = drop_reason(entry, now, est)
+                if reason is not None:
+                    self._drop(entry[0], now, "expired", reason, est)
                     continue
             self._begin(k, entry, now)
             return

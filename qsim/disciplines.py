@@ -1,0 +1,160 @@
+"""Queue disciplines: the order in which waiting requests are started.
+
+A discipline is what :class:`qsim.queue.AdmissionQueue` keeps its waiting
+requests in. It holds the queue's entries, ``(req, arrived_at, base_est_s,
+deadline_s, priority)``, and answers five things: ``push(entry)``,
+``pop_next(now)`` (the entry to start next), ``remove(entry)`` (a client
+left), ``len()`` and iteration. A discipline may also say that the entry it
+just popped is to be dropped unrun: ``drop_reason(entry, now, est_s)``
+returning a reason (CoDel does); the queue then ends it as ``expired``.
+
+Non-preemptive, all of them: a started request runs to its end. Cancellation
+is rare, so ``remove`` may take linear time; push and pop may not.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+
+#: Reason of a request CoDel dropped at the front.
+CODEL_REASON = "codel"
+
+
+class Fifo(deque):
+    """First come, first served: the study's discipline."""
+
+    push = deque.append
+
+    def pop_next(self, now: float):
+        return self.popleft()
+
+
+class Lifo(deque):
+    """Last come, first served: under overload the newest request, which can still make its deadline, goes first."""
+
+    push = deque.append
+
+    def pop_next(self, now: float):
+        return self.pop()
+
+
+class AdaptiveLifo(deque):
+    """FIFO while the queue is short, LIFO once it holds ``threshold`` or more (Facebook's adaptive LIFO):
+    a short queue is served fairly, a long one sheds its oldest requests' chances instead of everyone's."""
+
+    push = deque.append
+
+    def __init__(self, threshold: int = 8) -> None:
+        super().__init__()
+        if threshold < 1:
+            raise ValueError(f"adaptive LIFO threshold must be >= 1, got {threshold}")
+        self.threshold = threshold
+
+    def pop_next(self, now: float):
+        return self.pop() if len(self) >= self.threshold else self.popleft()
+
+
+class _Keyed:
+    """A heap ordered by ``key(entry)``, ties broken by arrival order (a counter)."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def key(self, entry) -> tuple:
+        raise NotImplementedError
+
+    def push(self, entry) -> None:
+        heapq.heappush(self._heap, (*self.key(entry), next(self._seq), entry))
+
+    def pop_next(self, now: float):
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, entry) -> None:
+        for n, item in enumerate(self._heap):
+            if item[-1] is entry:
+                self._heap[n] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return
+        raise ValueError("entry is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (item[-1] for item in self._heap)
+
+
+class Edf(_Keyed):
+    """Earliest deadline first (absolute deadline: arrival + its deadline)."""
+
+    def key(self, entry) -> tuple:
+        return (entry[1] + entry[3],)
+
+
+class ShortestFirst(_Keyed):
+    """Shortest estimated job first (by the calibrated estimate: the speed factor scales all alike)."""
+
+    def key(self, entry) -> tuple:
+        return (entry[2],)
+
+
+class Priority(_Keyed):
+    """Priority classes, non-preemptive: a higher ``priority`` first; FIFO or EDF inside a class."""
+
+    def __init__(self, within: str = "fifo") -> None:
+        super().__init__()
+        if within not in ("fifo", "edf"):
+            raise ValueError(f"priority classes order within a class by fifo or edf, got {within!r}")
+        self.within = within
+
+    def key(self, entry) -> tuple:
+        return (-entry[4], entry[1] + entry[3]) if self.within == "edf" else (-entry[4],)
+
+
+class CoDel(Fifo):
+    """FIFO with CoDel's drop rule at the front (Nichols and Jacobson, 2012).
+
+    When the time a request waited (its sojourn) has stayed above ``target_s``
+    for at least ``interval_s``, CoDel enters a dropping state and drops the
+    front request, then the next after interval / sqrt(count) and so on, until
+    a sojourn falls below the target. Defaults are scaled to this workload: a
+    2 s deadline and requests of 0.01 to 0.5 s (the network defaults, 5 ms and
+    100 ms, would drop nearly everything that waits behind one long request).
+    """
+
+    def __init__(self, target_s: float = 0.5, interval_s: float = 2.0) -> None:
+        super().__init__()
+        for name, value in (("target_s", target_s), ("interval_s", interval_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"CoDel {name} must be a positive number of seconds, got {value}")
+        self.target_s, self.interval_s = target_s, interval_s
+        self._first_above = math.nan  # when the sojourn has been above target long enough to act
+        self._dropping = False
+        self._count = 0
+        self._drop_next = math.inf
+
+    def drop_reason(self, entry, now: float, est_s: float) -> str | None:
+        sojourn = now - entry[1]
+        if sojourn < self.target_s or not self:  # below target, or the queue has drained behind it
+            self._first_above = math.nan
+            self._dropping = False
+            return None
+        if math.isnan(self._first_above):
+            self._first_above = now + self.interval_s
+            return None
+        if not self._dropping:
+            if now < self._first_above:
+                return None
+            self._dropping, self._count = True, 1
+            self._drop_next = now + self.interval_s / math.sqrt(self._count)
+            return CODEL_REASON
+        if now >= self._drop_next:
+            self._count += 1
+            self._drop_next = now + self.interval_s / math.sqrt(self._count)
+            return CODEL_REASON
+        return None
