@@ -17,7 +17,8 @@ import pandas as pd
 from .metrics import _class_key, aggregate
 
 POLICY_ORDER = ["none", "bounded", "bounded-deadline", "predictive"]
-OUTCOME_COLORS = {"good": "#2a9d8f", "late": "#e9c46a", "rejected": "#e76f51", "expired": "#8d99ae", "error": "#264653"}
+OUTCOME_COLORS = {"good": "#2a9d8f", "late": "#e9c46a", "rejected": "#e76f51", "expired": "#8d99ae", "error": "#264653",
+                  "abandoned": "#b56576"}
 
 
 def _policies(frame: pd.DataFrame) -> list[str]:
@@ -37,7 +38,7 @@ def _band(ax, agg: pd.DataFrame, x: str, y: str, label: str, **style) -> None:
 
 
 def share_in_time(summary: pd.DataFrame) -> plt.Figure:
-    """Share of requests answered within the deadline against nominal load, per policy; a panel per speed."""
+    """Share of requests answered within the deadline against load, per policy; a panel per speed."""
     speeds = _speeds(summary)
     fig, axes = plt.subplots(1, len(speeds), figsize=(5.5 * len(speeds), 4), sharey=True, squeeze=False)
     agg = aggregate(summary, ["policy", "speed", "load"], ["share_good"])
@@ -46,7 +47,7 @@ def share_in_time(summary: pd.DataFrame) -> plt.Figure:
             part = agg[(agg["policy"] == policy) & (agg["speed"] == speed)]
             _band(ax, part, "load", "share_good", policy)
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")
-        ax.set(title=f"service times x{speed:g}", xlabel="nominal load (arrival rate / calibrated capacity)",
+        ax.set(title=f"service times x{speed:g}", xlabel="load (utilisation at the simulated speed)",
                ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("share answered within deadline")
@@ -69,7 +70,8 @@ def goodput(summary: pd.DataFrame) -> plt.Figure:
                 _band(ax, part, "load", metric, policy)
             capacity = agg.loc[agg["speed"] == speed, cap].iloc[0]
             ax.axhline(capacity, color="black", ls="--", lw=1, label=f"capacity ({capacity:.3g})")
-            ax.set(title=f"{unit}, service times x{speed:g}", xlabel="nominal load", ylabel=unit)
+            ax.set(title=f"{unit}, service times x{speed:g}", xlabel="load (utilisation at the simulated speed)",
+                   ylabel=unit)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=8)
@@ -89,7 +91,7 @@ def share_by_class(by_class: pd.DataFrame) -> plt.Figure:
                 part = agg[(agg["policy"] == policy) & (agg["speed"] == speed) & (agg["size_class"] == cls)]
                 ax.plot(part["load"], part["share_good"], marker="o", ms=3, color=f"C{j}",
                         ls="-" if i == 0 else "--", label=f"<= {cls} tokens, x{speed:g}")
-        ax.set(title=policy, xlabel="nominal load", ylim=(0, 1.02))
+        ax.set(title=policy, xlabel="load (utilisation at the simulated speed)", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("share answered within deadline")
     axes[0][0].legend(fontsize=7)
@@ -143,8 +145,8 @@ def outcome_bars(summary: pd.DataFrame) -> plt.Figure:
         ax.set_xticks(ticks, labels, rotation=90, fontsize=7)
         for j, load in enumerate(loads):
             ax.text(j, 1.02, f"load {load:g}", ha="center", va="bottom", fontsize=8)
-        ax.set(title=f"outcomes by policy and nominal load, service times x{speed:g}", ylabel="share of requests",
-               ylim=(0, 1.1))
+        ax.set(title=f"outcomes by policy and load (utilisation at the simulated speed), service times x{speed:g}",
+               ylabel="share of requests", ylim=(0, 1.1))
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return fig

@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lean import Lean, client_loop  # noqa: E402
 from live.loadgen import ReplayConfig, lateness, replay, replay_async  # noqa: E402
-from live.procs import ServeOptions, serving  # noqa: E402
+from live.procs import serving  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
 from qsim import REFERENCE_MIX, ServiceModel, make_trace  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The live harness on GPT-2 small (random weights), in one go, in under 5 minutes:
 #   1. calibrate the engine (its own server, policy none),
-#   2. replay a Poisson trace at load 1.0 and a burst of 30 under all four policies
+#   2. replay a Poisson trace at nominal load 1.0 and a burst of 30 under all four policies
 #      (four resident servers, order rotated, speed probes; `qlab live`),
 #   3. compare every run with the simulator (`qlab compare`),
 #   4. leave a summary and everything else in $OUT (default ./gpu_check_out):
@@ -26,7 +26,7 @@ if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
 else
     DEVICE=cpu SECONDS_=10 LOAD=0.6 BURST=12 ROUNDS=1 PER_SIZE=2
 fi
-echo "gpu_check: device $DEVICE, Poisson ${SECONDS_} s at load $LOAD, burst of $BURST, calibration $ROUNDS x $PER_SIZE per size"
+echo "gpu_check: device $DEVICE, Poisson ${SECONDS_} s at nominal load $LOAD, burst of $BURST, calibration $ROUNDS x $PER_SIZE per size"
 
 cat > "$WORK/gpu_check.toml" <<EOF
 # Written by benchmarks/gpu_check.sh
@@ -48,7 +48,7 @@ max_new_tokens = 16
 [[trace]]
 name = "poisson"
 arrivals = "poisson"
-load = $LOAD
+nominal_load = $LOAD
 seconds = $SECONDS_
 seed = 1
 

@@ -19,7 +19,7 @@ threads against their values before the run (a leak shows as a difference).
 
 The server is ``qlab serve`` itself with one route added, ``GET /debug/loop``
 (the event loop's task and pending-future counts): this script starts it as
-``soak.py --serve FLAGS...``, which patches ``live.service.create_app`` and runs
+``soak.py --serve FLAGS...``, which patches ``live.http_api.create_app`` and runs
 ``qlab serve FLAGS``. Memory, descriptors and threads come from /proc (Linux).
 
 The client is benchmarks/lean.py's (raw HTTP/1.1 on asyncio streams, answers
@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.lean import OUTCOMES, Lean, Reply, client_loop  # noqa: E402
-from live.procs import ServeOptions, Server  # noqa: E402
+from live.procs import Server  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
 from qsim import make_trace  # noqa: E402
 
 #: The stated bound: resident memory may grow this much after warm-up, over a whole sustained run.
@@ -83,9 +84,9 @@ QUICK = dict(seconds=8.0, warmup_s=2.0, burst=1000)
 
 def _serve_with_probe(flags: list[str]) -> int:
     """Run ``qlab serve FLAGS`` with ``GET /debug/loop`` added (see the module docstring)."""
-    import live.service as service
+    import live.http_api as http_api
 
-    original = service.create_app
+    original = http_api.create_app
 
     def create_app(*args, **kwargs):
         app = original(*args, **kwargs)
@@ -100,7 +101,7 @@ def _serve_with_probe(flags: list[str]) -> int:
 
         return app
 
-    service.create_app = create_app
+    http_api.create_app = create_app
     from experiments.cli import main
 
     return main(["serve", *flags])
@@ -358,7 +359,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 s instead of 60 s per policy")
     parser.add_argument("--policies", default="bounded,predictive")
-    parser.add_argument("--load", type=float, default=10.0, help="times the calibrated capacity (default 10)")
+    parser.add_argument("--load", type=float, default=10.0,
+                        help="utilisation at the engine's --speed: times its capacity at that speed (default 10)")
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--burst", type=int)
     parser.add_argument("--speed", type=float, default=1.0, help="synthetic engine speed (0.1: 10x faster, 10x the rate)")

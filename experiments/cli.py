@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import metrics
-from qsim import PRESETS, ServiceModel, load_trace, make_trace, preset, simulate
-from qsim.argtypes import count, non_negative, number, positive, positive_int
+from inputs.argtypes import count, non_negative, number, positive, positive_int
+from qsim import PRESETS, ServiceModel, build_trace, preset, simulate
 
 
 class UsageError(Exception):
@@ -56,15 +56,6 @@ class _Run:
     seed: int
     frame: pd.DataFrame
     duration_s: float
-
-
-def _trace_for(args, seed: int):
-    model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
-    if args.trace:
-        return load_trace(args.trace, args.time_scale, model=model, speed=args.speed, noise_cv=args.noise, seed=seed)
-    return make_trace(args.arrivals, args.service, load=args.load, engines=args.engines, speed=args.speed,
-                      seconds=args.seconds, requests=args.requests, seed=seed, model=model,
-                      mean_service_s=args.mean_service, noise_cv=args.noise)
 
 
 def _describe(args, policy) -> str:
@@ -150,9 +141,13 @@ def cmd_simulate(args) -> int:
         raise UsageError("qlab simulate: error: --time-scale applies only with --trace")
     if not args.trace and args.seconds is None and args.requests is None:
         args.seconds = 600.0
+    model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
-        trace = _trace_for(args, seed)
+        trace = build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service,
+                            load=args.load, engines=args.engines, speed=args.speed, seconds=args.seconds,
+                            requests=args.requests, seed=seed, model=model, mean_service_s=args.mean_service,
+                            noise_cv=args.noise)
         frame = simulate(trace, policy, args.engines, fixed_estimate=args.fixed_estimate)
         runs.append(_Run(seed, frame, trace.duration_s))
     if args.out:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pandas as pd
 
 from analysis.metrics import aggregate
 
-from qsim.argtypes import positive, positive_int
+from inputs.argtypes import positive, positive_int
 
 
 def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -31,9 +33,18 @@ def _print_summary(summary: pd.DataFrame) -> None:
 
 
 def _sweep_summary(folder: str) -> tuple[Path, pd.DataFrame]:
+    from .sweep import old_load_meaning
+
     src = Path(folder)
     if not (src / "summary.parquet").exists():
         raise ValueError(f"{src}: no summary.parquet here; run `qlab sweep FILE.toml --out {src}` first")
+    try:
+        manifest = json.loads((src / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    why = old_load_meaning(src, manifest) if isinstance(manifest, dict) else None
+    if why:  # still readable, but its load column (and the axes drawn from it) mean the old thing
+        print(f"qlab: warning: {why}; its load column is that old, nominal load", file=sys.stderr)
     return src, pd.read_parquet(src / "summary.parquet")
 
 
@@ -103,4 +114,5 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plot)
     p.add_argument("dir", help="a folder written by qlab sweep")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
-    p.add_argument("--cdf-load", type=positive, help="nominal load of the latency CDF (default: the one closest to 1.3)")
+    p.add_argument("--cdf-load", type=positive,
+                   help="load (utilisation at the simulated speed) of the latency CDF (default: the one closest to 1.3)")

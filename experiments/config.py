@@ -20,7 +20,7 @@ probs = [0.5, 0.35, 0.15]
 
 [grid]                       # every combination is one cell (times each seed)
 policy = ["none", "bounded", "bounded-deadline", "predictive"]
-load = [0.5, 1.0, 2.0]       # nominal: relative to the calibrated capacity
+load = [0.5, 1.0, 2.0]       # utilisation at the simulated speed: lambda = load * engines / E[true S]
 speed = [1.0, 2.25]          # true service times are SPEED times the calibration
 engines = [1]
 deadline_s = [2.0]           # optional, else the preset's
@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import PRESETS, REFERENCE_MIX, Mix, ServiceModel
-from qsim.files import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim.workload import parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,

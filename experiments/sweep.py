@@ -2,7 +2,7 @@
 
 Layout of ``OUT``::
 
-    manifest.json              config, its sha256, qlab version, seeds, cell count
+    manifest.json              config, its sha256, qlab version, seeds, cell count, and what load means
     cells/<cell_id>.parquet    one file per cell: its per-request rows (qsim schema + cell columns);
                                the cell's summaries ride in the file's metadata
     summary.parquet            one row per cell: parameters, outcome counts, goodput, latency
@@ -10,12 +10,16 @@ Layout of ``OUT``::
 
 Crash safety: every file is written under a temporary name and renamed into
 place, so a file that exists is whole. Resuming: a cell whose file exists is
-skipped. A changed config refuses to write into a folder holding another's cells.
+skipped. A changed config refuses to write into a folder holding another's cells, and so
+does a folder written when a sweep's ``load`` was nominal (its manifest lacks ``load_meaning``).
 Interrupting (Ctrl-C: SIGINT to the parent and its workers) stops handing out
 cells and ends with KeyboardInterrupt, which ``qlab`` reports in one line with
 exit status 130; nothing half-written is left. Pool workers ignore SIGINT (an
 idle one would print a traceback): they finish the cells they hold, whose
-results are dropped, so stopping takes up to one cell's time.
+results are dropped, so stopping takes up to one cell's time. A sweep killed outright
+(SIGKILL) cleans nothing up: its pool workers end with it (see :func:`_worker_start`). On a
+dask cluster the workers are the cluster's, not the sweep's: when the sweep (a client) dies,
+its connection closes and the scheduler drops its tasks at once; the workers stay, idle.
 Determinism: a cell's rows depend only on the config and the cell, so any
 executor and any number of workers give the same rows.
 """
@@ -30,6 +34,8 @@ import os
 import platform
 import signal
 import sys
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -41,12 +47,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis import metrics
-from qsim import load_trace, make_trace, preset, simulate
-from qsim.files import atomic_write, clear_temporaries, parquet_bytes
+from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
+from qsim import build_trace, preset, simulate
 
 from .config import ConfigError, SweepConfig
 
 META_KEY = b"qlab.cell"
+
+#: What a sweep's ``load`` is, recorded in the manifest. Before this field existed a sweep's load
+#: was nominal (arrival rate over the *calibrated* capacity, so load 1 at speed 2.25 was 2.25x
+#: utilisation); such a folder's cells with speed != 1 are of another workload and are not resumed.
+LOAD_MEANING = "utilisation-at-simulated-speed"
 
 
 @dataclass(frozen=True)
@@ -96,15 +107,12 @@ class CellResult:
 
 
 def _trace(config: SweepConfig, cell: Cell):
-    mix = config.mixes[cell.mix]
-    if cell.trace is not None:
-        return load_trace(config.trace_path(cell.trace), cell.time_scale, model=config.service, mix=mix,
-                          speed=cell.speed, noise_cv=config.noise_cv, seed=cell.seed)
-    # Sweep loads are nominal (relative to the calibrated capacity): the arrival rate stays
-    # put when the machine slows, and make_trace's load is at the simulated speed.
-    return make_trace(config.arrivals, "mix", load=cell.load * cell.speed, engines=cell.engines,
-                      speed=cell.speed, seconds=config.duration_s, seed=cell.seed, mix=mix,
-                      model=config.service, noise_cv=config.noise_cv)
+    # A sweep's load is make_trace's: utilisation at the simulated speed (lambda = load * K / E[true S]),
+    # so load 1 at speed 2.25 arrives 2.25x more slowly than load 1 at speed 1 (the study's definition).
+    return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
+                       time_scale=cell.time_scale or 1.0, arrivals=config.arrivals, load=cell.load,
+                       engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
+                       mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv)
 
 
 def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
@@ -157,7 +165,18 @@ def _manifest(config: SweepConfig, n_cells: int) -> dict:
         "python": platform.python_version(),
         "seeds": list(range(config.first_seed, config.first_seed + config.seeds)),
         "cells": n_cells,
+        "load_meaning": LOAD_MEANING,
     }
+
+
+def old_load_meaning(out: Path, manifest: dict) -> str | None:
+    """Why a folder's ``load`` column means something else than this version's, or None if it does not."""
+    meaning = manifest.get("load_meaning")
+    if meaning == LOAD_MEANING:
+        return None
+    was = "nominal (of the calibrated capacity)" if meaning is None else repr(meaning)
+    return (f"{out} was written when a sweep's load was {was}; it is now utilisation at the simulated speed "
+            "(lambda = load * K / E[true S]), so its cells with speed != 1 had another arrival rate")
 
 
 def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
@@ -170,6 +189,11 @@ def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             raise ConfigError(f"{path}: not a qlab sweep manifest; choose another --out") from None
+        if not isinstance(old, dict):
+            raise ConfigError(f"{path}: not a qlab sweep manifest; choose another --out")
+        why = old_load_meaning(out, old)
+        if why:
+            raise ConfigError(f"{why}: re-run this config into a new --out (or remove that folder)")
         if old.get("config_sha256") != config.digest:
             raise ConfigError(
                 f"{out} holds cells of another sweep config (sha256 {str(old.get('config_sha256'))[:12]}, "
@@ -207,12 +231,79 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no libc symbol table (static or unusual builds)
+        return False
+
+
+def _watch(still_there, every_s: float = 0.5) -> None:
+    """A daemon thread's loop: end this process once ``still_there()`` is false."""
+    while still_there():
+        time.sleep(every_s)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists (a zombie, killed but not yet reaped, does not count)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone (or its pid is now someone else's)
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc: take kill's word
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _worker_start(sweep_pid: int) -> None:
+    """Pool worker initializer: ignore Ctrl-C, and end when the sweep process dies, however it dies.
+
+    A SIGKILLed sweep runs no cleanup, so its idle workers (about 180 MB each) would wait on
+    their call queue forever as orphans. On Linux prctl(PR_SET_PDEATHSIG, SIGKILL) makes the
+    kernel kill the worker the moment its parent dies: no polling, and it works even while the
+    worker is busy inside C code holding the GIL. It applies only from the call on, so a parent
+    that died between the fork and the call is caught by checking the parent pid right after it
+    (then the worker has already been re-parented). The signal follows the *thread* that forked
+    the worker; ProcessPoolExecutor starts its workers from the thread that submits, here the
+    sweep's own, which outlives the pool (its manager thread starts workers only to replace
+    ones retired by max_tasks_per_child, which is not set). Where prctl is unavailable, a daemon
+    thread polls os.getppid() instead (a re-parented process sees another parent pid). With the
+    forkserver start method (Python 3.14's default on Linux) the parent is the fork server,
+    which outlives the sweep as long as it has children: there the thread polls whether the
+    sweep still runs.
+    """
+    _ignore_sigint()
+    if os.getppid() == sweep_pid:  # fork or spawn: the sweep is the parent
+        if _die_with_parent():
+            if os.getppid() != sweep_pid:  # the sweep died before the request took effect
+                os._exit(1)
+            return
+        still_there = lambda: os.getppid() == sweep_pid  # noqa: E731
+    else:  # a fork server's child, or the sweep died before this worker got here
+        still_there = lambda: _alive(sweep_pid)  # noqa: E731
+    if not still_there():
+        os._exit(1)
+    threading.Thread(target=_watch, args=(still_there,), name="qlab-sweep-watch", daemon=True).start()
+
+
 def _local(config: SweepConfig, todo: list[Cell], workers: int) -> Iterator[CellResult]:
     if workers <= 1:
         for cell in todo:
             yield run_cell(config, cell)
         return
-    with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_sigint) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(run_cell, config, cell) for cell in todo]
         try:
             for future in as_completed(futures):

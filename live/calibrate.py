@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from qsim.files import atomic_write
+from inputs.atomic import atomic_write
 from qsim.service import Fit, ServiceModel, fit
 
 from .loadgen import synthetic_prompt

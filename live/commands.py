@@ -3,7 +3,8 @@
 The first line on stdout is ``qlab serve: listening on http://HOST:PORT`` (the
 real port, also with ``--port 0``), printed once the engines are warm and the
 gate is up, so a parent process can read it and start sending.
-Torch is imported only for ``--engine gpt2``.
+Torch is imported only for ``--engine gpt2``. The flags are the fields of
+:class:`live.serve_options.ServeOptions`.
 
 ``--watch-stdin`` makes the server stop when its stdin reaches end of file:
 a parent that starts servers with a pipe on their stdin (``qlab live``) takes
@@ -23,75 +24,19 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 
-from qsim.argtypes import count, non_negative, number, port, positive, positive_int
-from qsim.policy import PRESETS, preset
+from qsim.policy import preset
 from qsim.service import ServiceModel
 
 from .engine import Faults, SyntheticEngine, parse_schedule
-
-LOOPBACK = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Everything ``qlab serve`` needs, checked once."""
-
-    policy: str
-    max_queue: int | None
-    deadline_s: float | None
-    engine: str
-    model: str
-    device: str
-    engines: int
-    speed: float
-    noise_cv: float
-    schedule: tuple[tuple[float, float], ...]
-    seed: int
-    threads: int | None
-    service_model: str | None
-    fixed_estimate: bool
-    host: str
-    port: int
-    log_level: str
-    faults: Faults = Faults()
-    stall_factor: float = 10.0
-    stall_floor_s: float = 5.0
-    watch_stdin: bool = False
-    http: str = "httptools"
-
-    @classmethod
-    def from_args(cls, args) -> "ServeConfig":
-        synthetic_only = [f for f, v in (("--speed", args.speed), ("--noise", args.noise),
-                                         ("--speed-schedule", args.speed_schedule), ("--fail-every", args.fail_every),
-                                         ("--hang-after", args.hang_after), ("--hang-for", args.hang_for))
-                          if v is not None]
-        gpt2_only = [f for f, v in (("--model", args.model), ("--device", args.device), ("--threads", args.threads))
-                     if v is not None]
-        if args.engine == "gpt2" and synthetic_only:
-            raise ValueError(f"{', '.join(synthetic_only)}: only with --engine synthetic")
-        if args.engine == "synthetic" and gpt2_only:
-            raise ValueError(f"{', '.join(gpt2_only)}: only with --engine gpt2")
-        if args.hang_for is not None and args.hang_after is None:
-            raise ValueError("--hang-for: only with --hang-after (which run hangs)")
-        return cls(
-            policy=args.policy, max_queue=args.max_queue, deadline_s=args.deadline, engine=args.engine,
-            model=args.model or "random", device=args.device or "auto", engines=args.engines,
-            speed=1.0 if args.speed is None else args.speed, noise_cv=args.noise or 0.0,
-            schedule=parse_schedule(args.speed_schedule or ""), seed=args.seed, threads=args.threads,
-            service_model=args.service_model, fixed_estimate=args.fixed_estimate, host=args.host or LOOPBACK,
-            port=args.port, log_level=args.log_level,
-            faults=Faults(args.fail_every or 0, args.hang_after, args.hang_for),
-            stall_factor=args.stall_factor, stall_floor_s=args.stall_after, watch_stdin=args.watch_stdin,
-            http=args.http,
-        )
+from .serve_options import LOOPBACK, ServeOptions
 
 
-def _engines(cfg: ServeConfig, model: ServiceModel) -> list:
+def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
     if cfg.engine == "synthetic":
-        return [SyntheticEngine(model, cfg.speed, cfg.noise_cv, cfg.seed + k, cfg.schedule, faults=cfg.faults)
-                for k in range(cfg.engines)]
+        faults = Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for)
+        return [SyntheticEngine(model, cfg.speed, cfg.noise, cfg.seed + k, parse_schedule(cfg.speed_schedule),
+                                faults=faults) for k in range(cfg.engines)]
     from . import gpt2  # torch loads here and nowhere else
 
     return gpt2.make_engines(cfg.engines, gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
@@ -122,7 +67,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _announce(url: str, cfg: ServeConfig, host_given: bool) -> None:
+def _announce(url: str, cfg: ServeOptions, host_given: bool) -> None:
     print(f"qlab serve: listening on {url}", flush=True)
     if not host_given:
         print(f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere", flush=True)
@@ -147,8 +92,8 @@ def _stop_at_stdin_eof() -> None:
 
 
 def cmd_serve(args) -> int:
-    cfg = ServeConfig.from_args(args)
-    policy = preset(cfg.policy).with_overrides(max_queue=cfg.max_queue, deadline_s=cfg.deadline_s)
+    cfg = ServeOptions.from_args(args)
+    policy = preset(cfg.policy).with_overrides(max_queue=cfg.max_queue, deadline_s=cfg.deadline)
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
     if cfg.engine == "gpt2" and not cfg.service_model:
         print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
@@ -156,14 +101,14 @@ def cmd_serve(args) -> int:
     import uvicorn  # the web stack loads only for the command that serves
 
     from .gate import Gate, GateConfig
-    from .protocol import http_options
-    from .service import create_app
+    from .headcap import http_options
+    from .http_api import create_app
 
     engines = _engines(cfg, model)
     for engine in engines:
         engine.warmup()
     gate = Gate(engines, GateConfig(policy, model, fixed_estimate=cfg.fixed_estimate, stall_factor=cfg.stall_factor,
-                                    stall_floor_s=cfg.stall_floor_s))
+                                    stall_floor_s=cfg.stall_after))
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
     server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False, lifespan="on",
@@ -184,34 +129,4 @@ def register(subparsers) -> None:
         description="Serve POST /v1/generate, GET /stats and GET /healthz: the admission gate (qsim's policy "
                     "function) in front of K engines. The first stdout line is 'qlab serve: listening on URL'.")
     p.set_defaults(func=cmd_serve)
-    p.add_argument("--policy", choices=list(PRESETS), default="none")
-    p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
-    p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
-    p.add_argument("--engine", choices=["gpt2", "synthetic"], default="synthetic")
-    p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K), one thread each")
-    p.add_argument("--model", help="gpt2: a hub name or local path, 'random' (GPT-2 small, random weights; default) "
-                                   "or 'tiny' (2 layers, for tests)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="gpt2: where to run (default auto: cuda if available)")
-    p.add_argument("--threads", type=positive_int, help="gpt2: torch CPU threads (default: torch's choice)")
-    p.add_argument("--speed", type=positive, help="synthetic: service times are SPEED times the model (default 1)")
-    p.add_argument("--noise", type=non_negative, help="synthetic: CV of lognormal noise on service times")
-    p.add_argument("--speed-schedule", help="synthetic: SECONDS:FACTOR,... speed changes since start, e.g. 20:2.2")
-    p.add_argument("--fail-every", type=positive_int, metavar="N",
-                   help="synthetic, fault injection: every Nth run of an engine raises at once")
-    p.add_argument("--hang-after", type=count, metavar="N",
-                   help="synthetic, fault injection: run N+1 of an engine hangs (--hang-for seconds; default forever)")
-    p.add_argument("--hang-for", type=positive, metavar="SECONDS", help="synthetic: how long the hang lasts")
-    p.add_argument("--stall-factor", type=number(float, 1, strict=False), default=10.0,
-                   help="an engine is stalled once its request runs this many times its estimate (default 10) ...")
-    p.add_argument("--stall-after", type=positive, default=5.0, metavar="SECONDS",
-                   help="... and at least this long (default 5 s); its request then ends as an engine_error")
-    p.add_argument("--seed", type=count, default=0, help="random weights and synthetic noise")
-    p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
-    p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
-    p.add_argument("--host", help=f"address to bind (default {LOOPBACK}: this machine only)")
-    p.add_argument("--port", type=port, default=8000, help="0 picks a free port (printed on the first line)")
-    p.add_argument("--http", choices=["httptools", "h11"], default="httptools",
-                   help="HTTP parser: httptools (default, fastest) or h11; both refuse a request head past 64 KiB")
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning")
-    p.add_argument("--watch-stdin", action="store_true",
-                   help="stop when stdin reaches end of file (for a parent process: the server goes when it goes)")
+    ServeOptions.add_flags(p)

@@ -1,7 +1,8 @@
 """The ``qlab live`` file: servers, optional calibration, probes and traces, read from TOML into frozen dataclasses.
 
 ```toml
-[server]                 # all optional
+[server]                 # all optional; every option of `qlab serve` is a key (underscores for dashes, e.g.
+                         # noise, stall_factor, fail_every) except policy, host, port, log_level, watch_stdin
 engine = "synthetic"     # synthetic | gpt2
 model = "random"         # gpt2 only: gpt2 | random | tiny | a local path
 device = "auto"          # auto | cpu | cuda
@@ -9,8 +10,8 @@ engines = 1              # K engines behind each server's queue
 speed = 1.0              # synthetic only: service times SPEED x the model
 service_model = ""       # JSON from qlab calibrate (relative to this file); "" = the default line
 fixed_estimate = false   # true: the gates do not track speed
-policies = ["none", "bounded", "bounded-deadline", "predictive"]
-startup_timeout_s = 180
+policies = ["none", "bounded", "bounded-deadline", "predictive"]   # not a serve option: one server per policy
+startup_timeout_s = 180  # not a serve option: how long a server may take to start
 
 [calibrate]              # optional: calibrate first (its own server, policy none); the fit is used everywhere
 rounds = 2
@@ -24,13 +25,14 @@ max_new_tokens = 16
 timeout_s = 300
 prompt_words = 16
 
-[[trace]]                # one or more; load may be a list (one trace per load)
+[[trace]]                # one or more; nominal_load may be a list (one trace per value)
 name = "poisson"
 arrivals = "poisson"     # poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S
-load = [0.5, 1.0]        # nominal: relative to the calibrated capacity of `engines` engines
+nominal_load = [0.5, 1.0]  # arrival rate / the calibrated capacity of `engines` engines (the summary
+                         # adds effective_load = nominal x measured speed); `load` is refused
 seconds = 40             # or requests = N (a burst needs neither)
 seed = 1
-# file = "trace.csv"     # a trace file instead (arrivals/load/seconds then unused); time_scale = 1.0
+# file = "trace.csv"     # a trace file instead (arrivals/nominal_load/seconds then unused); time_scale = 1.0
 ```
 """
 
@@ -39,31 +41,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import PRESETS
-from qsim.files import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim.workload import parse_arrivals
 
-SERVER_KEYS = {"engine": str, "model": str, "device": str, "engines": int, "speed": float, "service_model": str,
-               "fixed_estimate": bool, "policies": list, "startup_timeout_s": float}
+from .serve_options import ServeOptions
+
+#: The serve options (see :mod:`live.serve_options`), and two keys that are not: one server per policy, and how
+#: long each may take to start.
+SERVER_KEYS = {**ServeOptions.toml_kinds(), "policies": list, "startup_timeout_s": float}
 CALIBRATE_KEYS = {"rounds": int, "per_size": int}
 PROBE_KEYS = {"requests": int, "max_new_tokens": int}
 REPLAY_KEYS = {"timeout_s": float, "prompt_words": int}
-TRACE_KEYS = {"name": str, "arrivals": str, "load": (float, list), "seconds": float, "requests": int, "seed": int,
-              "file": str, "time_scale": float}
+TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seconds": float, "requests": int,
+              "seed": int, "file": str, "time_scale": float}
+#: Keys that were renamed: an old file is refused with the new name rather than run with another meaning.
+RENAMED_TRACE_KEYS = {"load": ("nominal_load", "a live trace's rate is relative to the calibrated capacity; "
+                                               "`load` means utilisation at the simulated speed")}
 SECTIONS = {"server", "calibrate", "probe", "replay", "trace"}
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    engine: str = "synthetic"
-    model: str = "random"
-    device: str = "auto"
-    engines: int = 1
-    speed: float = 1.0
-    service_model: str = ""
-    fixed_estimate: bool = False
-    policies: tuple[str, ...] = tuple(PRESETS)
-    startup_timeout_s: float = 180.0
+#: A trace's arrival window when it gives neither seconds nor requests (``qlab replay``'s default too).
+DEFAULT_SECONDS = 40.0
 
 
 @dataclass(frozen=True)
@@ -86,11 +83,11 @@ class ReplaySettings:
 
 @dataclass(frozen=True)
 class TraceSpec:
-    """One trace of the experiment; exactly one of (arrivals with load) or file."""
+    """One trace of the experiment; exactly one of (arrivals with nominal_load) or file."""
 
     name: str
     arrivals: str = "poisson"
-    load: float = 1.0
+    nominal_load: float = 1.0  # arrival rate over the calibrated capacity (make_trace's load at speed 1)
     seconds: float | None = None
     requests: int | None = None
     seed: int = 1
@@ -100,11 +97,13 @@ class TraceSpec:
 
 @dataclass(frozen=True)
 class LiveConfig:
-    server: ServerConfig
+    server: ServeOptions  # every server's options but its policy
     calibrate: CalibrateConfig | None
     probe: ProbeConfig
     replay: ReplaySettings
     traces: tuple[TraceSpec, ...]
+    policies: tuple[str, ...] = tuple(PRESETS)  # one server each
+    startup_timeout_s: float = 180.0
     source: str = ""
 
 
@@ -120,24 +119,22 @@ def _table(path: str, data: dict, name: str, keys: dict) -> dict:
     return {k: typed_value(f"{path}: {name}.{k}", v, keys[k]) for k, v in table.items()}
 
 
-def _server(path: str, data: dict) -> ServerConfig:
+def _server(path: str, data: dict) -> tuple[ServeOptions, dict]:
+    """The [server] table: the serve options, and the keys that are not serve options (LiveConfig's fields)."""
     s = _table(path, data, "server", SERVER_KEYS)
-    if "policies" in s:
-        policies = tuple(typed_value(f"{path}: server.policies[{i}]", p, str) for i, p in enumerate(s["policies"]))
+    extra = {k: s.pop(k) for k in ("policies", "startup_timeout_s") if k in s}
+    if "policies" in extra:
+        policies = tuple(typed_value(f"{path}: server.policies[{i}]", p, str) for i, p in enumerate(extra["policies"]))
         bad = [p for p in policies if p not in PRESETS]
         if bad or not policies or len(set(policies)) != len(policies):
             _fail(f"{path}: server.policies", f"need distinct names from {', '.join(PRESETS)}, got {list(policies)}")
-        s["policies"] = policies
-    cfg = ServerConfig(**s)
-    if cfg.engine not in ("synthetic", "gpt2"):
-        _fail(f"{path}: server.engine", f"must be synthetic or gpt2, got {cfg.engine!r}")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        _fail(f"{path}: server.device", f"must be auto, cpu or cuda, got {cfg.device!r}")
-    for key in ("engines", "speed", "startup_timeout_s"):
-        positive_value(f"{path}: server.{key}", getattr(cfg, key))
-    if cfg.service_model and not (Path(path).parent / cfg.service_model).is_file():
-        _fail(f"{path}: server.service_model", f"no such file {cfg.service_model!r} (relative to the config file)")
-    return cfg
+        extra["policies"] = policies
+    if "startup_timeout_s" in extra:
+        positive_value(f"{path}: server.startup_timeout_s", extra["startup_timeout_s"])
+    options = ServeOptions.from_table(f"{path}: server", s)
+    if options.service_model and not (Path(path).parent / options.service_model).is_file():
+        _fail(f"{path}: server.service_model", f"no such file {options.service_model!r} (relative to the config file)")
+    return options, extra
 
 
 def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
@@ -146,18 +143,21 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
         _fail(path, "needs at least one [[trace]]")
     out: list[TraceSpec] = []
     for i, entry in enumerate(entries):
-        t = _table(path, {f"trace[{i}]": entry}, f"trace[{i}]", TRACE_KEYS)
         where = f"{path}: trace[{i}]"
+        for old, (new, why) in RENAMED_TRACE_KEYS.items():
+            if isinstance(entry, dict) and old in entry:
+                _fail(f"{where}.{old}", f"renamed {new} ({why})")
+        t = _table(path, {f"trace[{i}]": entry}, f"trace[{i}]", TRACE_KEYS)
         name = t.pop("name", None) or _fail(where, "needs a name")
-        loads = t.pop("load", 1.0)
-        loads = [typed_value(f"{where}.load", v, float) for v in loads] if isinstance(loads, list) else [loads]
+        loads = t.pop("nominal_load", 1.0)
+        loads = [typed_value(f"{where}.nominal_load", v, float) for v in loads] if isinstance(loads, list) else [loads]
         if not loads:
-            _fail(f"{where}.load", "empty list")
+            _fail(f"{where}.nominal_load", "empty list")
         for key in ("seconds", "requests", "time_scale"):
             if key in t:
                 positive_value(f"{where}.{key}", t[key])
         for v in loads:
-            positive_value(f"{where}.load", v)
+            positive_value(f"{where}.nominal_load", v)
         positive_value(f"{where}.seed", t.get("seed", 0), zero_ok=True)
         if "file" in t:
             if not (Path(path).parent / t["file"]).is_file():
@@ -169,9 +169,9 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
                 _fail(f"{where}.arrivals", str(exc))
             if kind != "burst" and ("seconds" in t) == ("requests" in t):
                 _fail(where, "give exactly one of seconds and requests")
-        for load in loads:
-            suffix = f"-load{load:g}" if len(loads) > 1 else ""
-            out.append(TraceSpec(name=f"{name}{suffix}", load=load, **t))
+        for nominal in loads:
+            suffix = f"-nominal{nominal:g}" if len(loads) > 1 else ""
+            out.append(TraceSpec(name=f"{name}{suffix}", nominal_load=nominal, **t))
     names = [t.name for t in out]
     if len(set(names)) != len(names):
         _fail(path, f"trace names must be distinct, got {names}")
@@ -187,7 +187,8 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
     for where, cfg in (("calibrate", calibrate), ("probe", probe), ("replay", replay)):
         for key, value in (vars(cfg) if cfg else {}).items():
             positive_value(f"{path}: {where}.{key}", value)
-    return LiveConfig(_server(path, data), calibrate, probe, replay, _traces(path, data), source=path)
+    server, extra = _server(path, data)
+    return LiveConfig(server, calibrate, probe, replay, _traces(path, data), **extra, source=path)
 
 
 def load(path: str | Path) -> LiveConfig:

@@ -7,15 +7,18 @@ ValueError, which the ``qlab`` entry point prints as one line (exit 2).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import httpx
 import pandas as pd
 
-from qsim import ServiceModel, load_trace, make_trace, records
-from qsim.argtypes import count, positive, positive_int
-from qsim.files import write_parquet
+from inputs.argtypes import count, non_negative, positive, positive_int, renamed
+from inputs.atomic import write_parquet
+from qsim import ServiceModel, build_trace, records
 from qsim.records import OUTCOMES
+
+from .live_config import DEFAULT_SECONDS
 
 
 def _model(path: str | None) -> ServiceModel:
@@ -35,13 +38,25 @@ def _server_engines(url: str) -> int:
 
 def _trace(args):
     model = _model(args.service_model)
-    if args.trace:
-        return load_trace(args.trace, args.time_scale, model=model, seed=args.seed)
-    from .runner import trace_length
+    engines = 1 if args.trace else args.engines or _server_engines(args.url)  # a trace file has its own rate
+    # A nominal load is relative to the calibrated capacity: make_trace at speed 1 (the calibration).
+    return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=args.nominal_load,
+                       engines=engines, seconds=args.seconds, requests=args.requests, default_seconds=DEFAULT_SECONDS,
+                       seed=args.seed, model=model)
 
-    engines = args.engines or _server_engines(args.url)
-    return make_trace(args.arrivals, load=args.load, engines=engines, seed=args.seed, model=model,
-                      **trace_length(args.arrivals, args.seconds, args.requests))
+
+def _print_effective_load(args, frame: pd.DataFrame) -> None:
+    """The nominal load beside the effective one: nominal x the speed measured in this run."""
+    if args.trace or args.arrivals.startswith("burst:"):
+        return  # a trace file or a burst has no nominal load of its own
+    from analysis.compare import measured_speed
+
+    speed = measured_speed(frame)
+    if math.isfinite(speed):  # NaN when nothing was served
+        print(f"nominal load {args.nominal_load:g} x measured speed {speed:.3f} = effective load "
+              f"{args.nominal_load * speed:.3g}")
+    else:
+        print(f"nominal load {args.nominal_load:g}; effective load unknown (nothing was served to measure the speed)")
 
 
 def _print_outcomes(frame: pd.DataFrame) -> None:
@@ -65,6 +80,7 @@ def cmd_replay(args) -> int:
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
     _print_outcomes(frame)
+    _print_effective_load(args, frame)
     print(f"send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "
           f"max {late['max_s'] * 1e3:.2f} ms")
     print(f"wrote {len(frame)} rows to {args.out}")
@@ -80,13 +96,17 @@ def _replay_parser(sub) -> None:
     p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of a synthetic one")
     p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace file's arrival times")
     p.add_argument("--arrivals", default="poisson", help="poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S")
-    p.add_argument("--load", type=positive, default=1.0, help="nominal load, relative to the calibrated capacity")
+    p.add_argument("--nominal-load", type=positive, default=1.0,
+                   help="arrival rate over the calibrated capacity of the engines (the run reports the effective "
+                        "load: nominal x the speed it measured)")
+    p.add_argument("--load", action=renamed("--nominal-load", "a replay's rate is relative to the calibrated "
+                                            "capacity, not the utilisation at the machine's unknown speed"))
     length = p.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=positive, help="arrival window (default 40)")
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
     p.add_argument("--engines", type=positive_int, help="engines the load is spread over (default: the server's)")
     p.add_argument("--seed", type=count, default=1)
-    p.add_argument("--service-model", help="calibration JSON: estimates and the load are relative to it")
+    p.add_argument("--service-model", help="calibration JSON: estimates and the nominal load are relative to it")
     p.add_argument("--timeout", type=positive, default=300.0, help="seconds one request may take end to end")
     p.add_argument("--prompt-words", type=positive_int, default=16, help="prompt length where the trace has none")
     p.add_argument("--max-prompt-words", type=positive_int, default=64, help="cap on prompt length")
@@ -131,13 +151,15 @@ def _calibrate_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from analysis.compare import compare, figure
+    from analysis.compare import RULES, compare, figure, predict
 
     try:
         run = pd.read_parquet(args.run)
     except Exception as exc:  # pyarrow raises several types for a missing or bad file
         raise ValueError(f"{args.run}: cannot read parquet: {exc}") from None
     records.validate(run)
+    if args.predict:
+        return _print_prediction(args, predict(run, seeds=args.seeds, noise_cv=args.noise_cv))
     result = compare(run)
     out = Path(args.out) if args.out else Path(args.run).with_suffix("")
     out.mkdir(parents=True, exist_ok=True)
@@ -145,29 +167,67 @@ def cmd_compare(args) -> int:
     figure(result, out / "compare.png")
     s = result.summary
     if args.json:
-        print(json.dumps({"summary": s, "confusion": result.confusion.to_dict(orient="index")}, indent=2))
+        print(json.dumps({"summary": s, "confusion": result.confusion.to_dict(orient="index"),
+                          "reasons": result.reasons.to_dict(orient="index")}, indent=2))
         return 0
-    print(f"{args.run}: {int(s['requests'])} requests, simulated with the service's engine times "
-          f"(speed factor {s['measured_speed']:.3f})")
+    print(f"{args.run}: {int(s['requests'])} requests replayed in the simulator with what the gate knew of each")
+    for rule, text in RULES.items():
+        if s[f"replayed_{rule}"]:
+            print(f"  {int(s[f'replayed_{rule}'])} engine times: {text}")
     print("outcomes, live (rows) x simulator (columns):")
     print(result.confusion.to_string())
     print(f"disagreements: {int(s['disagreements'])} of {int(s['requests'] - s['live_errors'])} "
-          f"({s['disagreement_rate']:.1%}); live errors left out: {int(s['live_errors'])}")
-    print(f"latency error (sim - live) of the {int(s['both_answered'])} both answered: |error| p50 "
-          f"{s['latency_abs_error_p50_s'] * 1e3:.1f} ms, p90 {s['latency_abs_error_p90_s'] * 1e3:.1f} ms, "
-          f"p99 {s['latency_abs_error_p99_s'] * 1e3:.1f} ms; mean signed {s['latency_error_mean_s'] * 1e3:+.1f} ms")
+          f"({s['disagreement_rate']:.1%}); live errors left out: {int(s['live_errors'])} (engine failures among "
+          f"them replayed as failures: {int(s['engine_failures'])}, {int(s['failure_disagreements'])} disagree)")
+    first = ("no divergence" if math.isnan(s["first_divergence_s"])
+             else f"first divergence at {s['first_divergence_s']:.3f} s (gate arrival, run clock)")
+    print(f"  independent (same queue at arrival): {int(s['independent_disagreements'])}, cascade: "
+          f"{int(s['cascade_disagreements'])}; {first}")
+    print(f"refusal reasons of the {int(s['both_refused'])} both refused: {int(s['reasons_agree'])} agree, "
+          f"{int(s['reasons_disagree'])} differ")
+    if s["reasons_disagree"]:
+        print(result.reasons.to_string())
+    print(f"latency error (sim - live, from the simulator's own start and hold) of the {int(s['both_answered'])} "
+          f"both answered: |error| p50 {s['latency_abs_error_p50_s'] * 1e3:.2f} ms, p90 "
+          f"{s['latency_abs_error_p90_s'] * 1e3:.2f} ms, p99 {s['latency_abs_error_p99_s'] * 1e3:.2f} ms; "
+          f"mean signed {s['latency_error_mean_s'] * 1e3:+.2f} ms")
     print(f"wrote {out / 'compare.parquet'} and {out / 'compare.png'}")
+    return 0
+
+
+def _print_prediction(args, result) -> int:
+    table = result.table
+    if args.json:
+        print(json.dumps({"speed": result.speed, "speed_source": result.speed_source, "noise_cv": result.noise_cv,
+                          "seeds": len(result.per_seed), "metrics": table.to_dict(orient="index")}, indent=2))
+        return 0
+    print(f"{args.run}: predicted from its arrivals alone, service times from the calibrated model at speed "
+          f"{result.speed:.3f} ({result.speed_source}) x lognormal noise CV {result.noise_cv:g}, "
+          f"{len(result.per_seed)} seeds")
+    print("95 % interval: Student-t of the mean across seeds; seeds 2.5-97.5 %: where one run would land")
+    shown = table[["live", "sim_mean", "ci_low", "ci_high", "seeds_p2_5", "seeds_p97_5", "error", "relative_error"]]
+    print(shown.to_string(float_format=lambda v: f"{v:.4g}"))
     return 0
 
 
 def _compare_parser(sub) -> None:
     p = sub.add_parser("compare", help="replay a live run's arrivals in the simulator, request by request",
-                       description="Simulate a live run's actual arrivals with the engine times the service "
-                                   "measured; report the outcome confusion matrix and latency error.")
+                       description="Replay a live run in the simulator with what the gate knew of each request "
+                                   "(engine hold and engine time, failures, the server's stall rule, tracker "
+                                   "weight and starting speed factor); report the outcome confusion matrix, "
+                                   "independent and cascade disagreements, refusal reasons and latency error. "
+                                   "--predict instead asks whether the simulator would have predicted the run.")
     p.set_defaults(func=cmd_compare)
     p.add_argument("run", help="a run .parquet from qlab replay or qlab live")
     p.add_argument("--out", help="folder for compare.parquet and compare.png (default: next to the run)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--predict", action="store_true",
+                   help="simulate only the arrivals, service times from the calibrated model at the speed probed "
+                        "before the run, over --seeds seeds of noise; report share in time, goodput and p50/p99 "
+                        "latency against the run's, with 95 %% intervals")
+    p.add_argument("--seeds", type=positive_int, default=20, help="--predict: seeds of the model's noise")
+    p.add_argument("--noise-cv", type=non_negative, default=0.1,
+                   help="--predict: CV of the lognormal noise on modelled service times (default 0.1)")
 
 
 # ------------------------------------------------------------------ live

@@ -1,5 +1,8 @@
 """A ``qlab serve`` subprocess: start it on a free port, learn its URL, stop it cleanly.
 
+Its flags are its :class:`live.serve_options.ServeOptions` (:meth:`~live.serve_options.ServeOptions.argv`),
+with ``--port 0`` (a free port) and ``--watch-stdin``.
+
 The server prints ``qlab serve: listening on http://HOST:PORT`` as its first
 line on stdout; everything it says after that goes to a log file, so a chatty
 server can never fill the pipe and stall.
@@ -16,46 +19,19 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 
+from .serve_options import ServeOptions
+
 LISTENING = re.compile(r"listening on (http://\S+)")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """Flags of ``qlab serve``; engine-specific ones are passed only to the engine that takes them."""
-
-    policy: str = "none"
-    engine: str = "synthetic"
-    model: str = "random"
-    device: str = "auto"
-    engines: int = 1
-    speed: float = 1.0
-    service_model: str = ""
-    fixed_estimate: bool = False
-    extra: tuple[str, ...] = field(default=())
-
-    def argv(self) -> list[str]:
-        args = [sys.executable, "-m", "experiments", "serve", "--policy", self.policy, "--engine", self.engine,
-                "--engines", str(self.engines), "--port", "0", "--watch-stdin"]
-        if self.engine == "gpt2":
-            args += ["--model", self.model, "--device", self.device]
-        else:
-            args += ["--speed", repr(self.speed)]
-        if self.service_model:
-            args += ["--service-model", str(self.service_model)]
-        if self.fixed_estimate:
-            args.append("--fixed-estimate")
-        return args + list(self.extra)
 
 
 class Server:
@@ -75,7 +51,8 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         # stdin: the pipe whose end tells the server (--watch-stdin) that this process is gone.
-        self.proc = subprocess.Popen(self.options.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        argv = replace(self.options, port=0, watch_stdin=True).argv()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, cwd=ROOT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> str:

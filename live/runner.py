@@ -16,7 +16,7 @@ Layout of OUT::
     logs/serve-<policy>.log           what each server said
 
 Interruptions. Every file is written under a temporary name and renamed into
-place (:mod:`qsim.files`), so a run's file exists only whole. Running the same
+place (:mod:`inputs.atomic`), so a run's file exists only whole. Running the same
 command again skips the runs whose files exist (their summary rows are
 recomputed from the files), reuses the calibration, and starts servers only for
 the policies that still have runs to do. SIGINT and SIGTERM end the run in
@@ -39,13 +39,13 @@ from typing import Callable, Iterator
 import pandas as pd
 
 from analysis import compare, metrics
-from qsim import ServiceModel, Trace, load_trace, make_trace
-from qsim.files import atomic_write, clear_temporaries, write_parquet
+from inputs.atomic import atomic_write, clear_temporaries, write_parquet
+from qsim import ServiceModel, Trace, build_trace
 
 from .calibrate import CalibrationConfig, calibrate, describe, probe
-from .live_config import LiveConfig, TraceSpec
+from .live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
 from .loadgen import ReplayConfig, lateness, replay
-from .procs import ServeOptions, serving
+from .procs import serving
 
 
 def rotated(items: tuple[str, ...], k: int) -> list[str]:
@@ -54,38 +54,26 @@ def rotated(items: tuple[str, ...], k: int) -> list[str]:
     return list(items[k:] + items[:k])
 
 
-def build_trace(spec: TraceSpec, model: ServiceModel, engines: int, base: Path) -> Trace:
-    if spec.file:
-        return load_trace(base / spec.file, spec.time_scale, model=model, seed=spec.seed)
-    return make_trace(spec.arrivals, load=spec.load, engines=engines, seed=spec.seed, model=model,
-                      **trace_length(spec.arrivals, spec.seconds, spec.requests))
-
-
-def trace_length(arrivals: str, seconds: float | None, requests: int | None, default_s: float = 40.0) -> dict:
-    """make_trace's length arguments; a burst's length is its size."""
-    if arrivals.startswith("burst:"):
-        return {"requests": int(float(arrivals.split(":")[1]))}
-    return {"requests": requests} if requests else {"seconds": seconds or default_s}
-
-
-def server_options(cfg: LiveConfig, service_model: str) -> list[ServeOptions]:
-    s = cfg.server
-    return [ServeOptions(policy=p, engine=s.engine, model=s.model, device=s.device, engines=s.engines, speed=s.speed,
-                         service_model=service_model, fixed_estimate=s.fixed_estimate) for p in s.policies]
+def trace_for(spec: TraceSpec, model: ServiceModel, engines: int, base: Path) -> Trace:
+    """A [[trace]] entry's trace (a file's path is relative to the config file's folder)."""
+    # A nominal load is relative to the calibrated capacity: make_trace's load at speed 1 (the calibration).
+    return build_trace(base / spec.file if spec.file else None, time_scale=spec.time_scale, arrivals=spec.arrivals,
+                       load=spec.nominal_load, engines=engines, seconds=spec.seconds, requests=spec.requests,
+                       default_seconds=DEFAULT_SECONDS, seed=spec.seed, model=model)
 
 
 def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> str:
     """Calibrate on a server of its own (policy none: nothing refused) and return the JSON's path.
 
     A calibration already in OUT (an interrupted experiment being resumed) is reused: the
-    finished runs' loads are relative to it.
+    finished runs' nominal loads are relative to it.
     """
     path = out / "calibration.json"
     if path.is_file():
         log(f"resuming: using the calibration in {path}")
         return str(path)
-    options = replace(server_options(cfg, "")[0], policy="none")
-    with serving([options], out / "logs", cfg.server.startup_timeout_s, prefix="calibrate") as (server,):
+    options = replace(cfg.server, policy="none", service_model="")
+    with serving([options], out / "logs", cfg.startup_timeout_s, prefix="calibrate") as (server,):
         result = calibrate(CalibrationConfig(server.url, cfg.calibrate.rounds, cfg.calibrate.per_size,
                                              prompt_words=cfg.replay.prompt_words),
                            progress=lambda r: log(describe(r, f"calibration round {r.round}")))
@@ -103,7 +91,7 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
     speed = in_run if math.isfinite(in_run) else (sum(probes) / len(probes) if probes else math.nan)
     late = lateness(frame)
     # A burst or a trace file has no utilisation of its own: its load is not a number to report.
-    nominal = math.nan if spec.file or spec.arrivals.startswith("burst:") else spec.load
+    nominal = math.nan if spec.file or spec.arrivals.startswith("burst:") else spec.nominal_load
     return {
         "trace": spec.name, "policy": policy, "position": position, "arrivals": spec.file or spec.arrivals,
         "nominal_load": nominal, "speed_before": speeds[0], "speed_in_run": in_run,
@@ -132,7 +120,7 @@ class _Run:
 def plan(cfg: LiveConfig, traces: list[tuple[TraceSpec, Trace]]) -> list[_Run]:
     """Every run in the order it goes: trace by trace, policies rotated by the trace's index."""
     return [_Run(spec, trace, policy, position) for k, (spec, trace) in enumerate(traces)
-            for position, policy in enumerate(rotated(cfg.server.policies, k))]
+            for position, policy in enumerate(rotated(cfg.policies, k))]
 
 
 def check_folder(cfg: LiveConfig, out: Path) -> None:
@@ -165,7 +153,7 @@ def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print) ->
         if cfg.calibrate:
             model_path = run_calibration(cfg, out, log)
         model = ServiceModel.load(model_path) if model_path else ServiceModel()
-        runs = plan(cfg, [(spec, build_trace(spec, model, cfg.server.engines, base)) for spec in cfg.traces])
+        runs = plan(cfg, [(spec, trace_for(spec, model, cfg.server.engines, base)) for spec in cfg.traces])
         rows = {r.path(out): _row_from_file(r, r.path(out)) for r in runs if r.path(out).is_file()}
         todo = [r for r in runs if r.path(out) not in rows]
         if rows:
@@ -181,9 +169,9 @@ def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_
              log: Callable[[str], None]) -> dict[Path, dict]:
     """Start a server for each policy that has runs to do, run them in order, write each run's file whole."""
     needed = {r.policy for r in todo}
-    options = [o for o in server_options(cfg, model_path) if o.policy in needed]
+    options = [replace(cfg.server, policy=p, service_model=model_path) for p in cfg.policies if p in needed]
     rows = {}
-    with serving(options, out / "logs", cfg.server.startup_timeout_s) as servers:
+    with serving(options, out / "logs", cfg.startup_timeout_s) as servers:
         url = {s.options.policy: s.url for s in servers}
         for r in todo:
             log(f"{r.spec.name} ({len(r.trace)} requests) under {r.policy} at {url[r.policy]}")
@@ -229,6 +217,7 @@ def _one_run(cfg: LiveConfig, model: ServiceModel, url: str, trace: Trace) -> tu
 
 def _log_row(log: Callable[[str], None], row: dict) -> None:
     log(f"  speed {row['speed_before']:.3f} -> {row['speed_after']:.3f} (in run {row['speed_in_run']:.3f}), "
-        f"effective load {row['effective_load']:.2f}; good {row['good']:.0f} late {row['late']:.0f} "
+        f"nominal load {row['nominal_load']:.2f}, effective load {row['effective_load']:.2f}; "
+        f"good {row['good']:.0f} late {row['late']:.0f} "
         f"rejected {row['rejected']:.0f} expired {row['expired']:.0f} error {row['error']:.0f}; "
         f"sim disagrees on {row['sim_disagreements']:.0f} ({row['sim_disagreement_rate']:.1%})")

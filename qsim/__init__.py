@@ -1,17 +1,27 @@
-"""qsim: a SimPy model of admission control in front of K LLM engines.
+"""qsim: a SimPy model of admission control in front of K LLM engines — simulation only.
 
-Pure: no HTTP, no torch. The live harness and analysis reuse its policy
-function, service model, traces and record schema.
+It owns the admission queue and its SimPy driver (``queue``, ``model``), the
+policies and their one decision function (``policy``), the service-time line
+and speed tracker (``service``), workloads and the one way to build a trace
+from options (``workload``), trace files (``tracefiles``), the per-request
+record schema (``records``) and the closed forms it is checked against
+(``theory``).
+
+Pure: no HTTP, no torch, no command line or config files (those are
+:mod:`inputs`'s); it imports no other qlab package but :mod:`inputs`. The live
+harness and analysis reuse its policy function, service model, traces and
+record schema.
 """
 
 from .model import simulate
 from .policy import PRESETS, Policy, Rejection, cannot_finish, decide, preset, retry_after
 from .records import ANSWERED, OUTCOMES, SCHEMA
 from .service import ServiceModel, SpeedTracker, fit
-from .workload import REFERENCE_MIX, Mix, Trace, from_arrays, load_trace, make_trace
+from .tracefiles import load_trace
+from .workload import REFERENCE_MIX, Mix, Trace, build_trace, from_arrays, make_trace
 
 __all__ = [
     "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Mix", "Policy", "Rejection",
-    "ServiceModel", "SpeedTracker", "Trace", "cannot_finish", "decide", "fit", "load_trace",
+    "ServiceModel", "SpeedTracker", "Trace", "build_trace", "cannot_finish", "decide", "fit", "load_trace",
     "from_arrays", "make_trace", "preset", "retry_after", "simulate",
 ]

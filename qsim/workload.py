@@ -1,4 +1,4 @@
-"""Workloads: size mixes, seeded arrival processes, service times, trace files.
+"""Workloads: size mixes, seeded arrival processes, service times (reading trace files: :mod:`qsim.tracefiles`).
 
 Common random numbers: a seed is split into independent streams for arrival
 gaps, sizes and service noise, and every stream is consumed in request order.
@@ -105,7 +105,7 @@ class Trace:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write the per-request file that :func:`load_trace` reads back (.parquet or .csv)."""
+        """Write the per-request file that :func:`qsim.tracefiles.load_trace` reads back (.parquet or .csv)."""
         frame = self.to_frame()
         if str(path).endswith(".parquet"):
             frame.to_parquet(path, index=False)
@@ -113,7 +113,9 @@ class Trace:
             frame.to_csv(path, index=False)
 
 
-def _build(arrival_s, tokens, est, true, *, mix, duration_s, name, meta, deadline_s=None, prompt_tokens=None) -> Trace:
+def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta, deadline_s=None,
+                   prompt_tokens=None) -> Trace:
+    """A :class:`Trace` from per-request arrays (what make_trace and the trace file reader both end with)."""
     n = len(arrival_s)
     return Trace(
         arrival_s=np.asarray(arrival_s, dtype=float),
@@ -148,7 +150,7 @@ def from_arrays(
     est = model.estimate(tokens) if est_service_s is None else est_service_s
     true = est if true_service_s is None else true_service_s
     duration = float(arrival.max() - arrival.min()) if arrival.size else 0.0
-    return _build(arrival, tokens, est, true, mix=mix, duration_s=duration, name=name, meta={},
+    return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=name, meta={},
                   deadline_s=deadline_s)
 
 
@@ -217,7 +219,7 @@ def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
 # ---------------------------------------------------------------- the trace
 
 
-def _streams(seed: int) -> tuple[np.random.Generator, ...]:
+def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
     """Independent generators for gaps, sizes and service draws (common random numbers)."""
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
 
@@ -274,7 +276,7 @@ def make_trace(
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
     kind, numbers = parse_arrivals(arrivals)
-    gaps_rng, size_rng, service_rng = _streams(seed)
+    gaps_rng, size_rng, service_rng = random_streams(seed)
     rate = load * engines / (speed * mean_s)
     if kind in ("poisson", "constant", "gamma"):
         cv = numbers[0] if numbers else 1.0
@@ -299,146 +301,43 @@ def make_trace(
         true = mean_s * speed * draws
     meta = dict(arrivals=arrivals, service=service, load=load, engines=engines, speed=speed,
                 seed=seed, rate=rate, mean_service_s=mean_s, noise_cv=noise_cv)
-    return _build(times, tokens, est, true, mix=mix, duration_s=duration, name=f"{arrivals}-{service}", meta=meta)
+    return assemble_trace(times, tokens, est, true, mix=mix, duration_s=duration, name=f"{arrivals}-{service}",
+                          meta=meta)
 
 
-# ---------------------------------------------------------------- trace files
-
-AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
+# ---------------------------------------------------------------- a trace from options
 
 
-#: A time of day followed by a UTC offset (Z, +05:00, -0800, +05): a zoned ISO 8601 stamp.
-_ZONED = r"\d:\d\d(?::\d\d(?:\.\d*)?)?\s*(?:Z|[+-]\d\d(?::?\d\d)?)$"
-
-
-class _Columns:
-    """Parses the columns of one trace file, naming the line (or row) of the first bad value."""
-
-    def __init__(self, frame: pd.DataFrame, path: Path, first: int, where: str) -> None:
-        self.frame, self.path, self.first, self.where = frame, path, first, where
-
-    def fail_first(self, column: str, bad: pd.Series, why: str = "") -> None:
-        hits = np.flatnonzero(bad.to_numpy())
-        if hits.size:
-            i = int(hits[0])
-            value = self.frame[column].iloc[i]
-            raise ValueError(f"{self.path}: {self.where} {i + self.first}: bad {column} {value!r}{why}")
-
-    def number(self, column: str, ok=None, integer: bool = False, optional: bool = False) -> np.ndarray:
-        """The column as numbers; with ``optional``, empty cells and 'nan' become NaN."""
-        raw = self.frame[column].str.strip()
-        values = pd.to_numeric(raw, errors="coerce")
-        bad = values.isna()
-        if optional:
-            bad &= ~(raw.isna() | raw.str.lower().isin(["", "nan", "none", "<na>"]))
-        if not optional:  # 'inf' parses as a number, but no arrival, size or time can be infinite
-            bad |= values.notna() & ~np.isfinite(values)
-        if integer:  # past 2**53 a float is no longer an exact count, and past 2**63 it wraps when cast
-            bad |= values.notna() & ((values != values.round()) | (values.abs() >= 2.0**53))
-        if ok is not None:
-            bad |= values.notna() & ~ok(values)
-        self.fail_first(column, bad)
-        return values.to_numpy(dtype=float)
-
-    def timestamps(self, column: str) -> pd.Series:
-        """The column as times. Stamps with a UTC offset are put on UTC; a file may not mix them with stamps
-        without one (local time of an unknown zone): the arrivals between the two would be guesses."""
-        raw = self.frame[column].str.strip()
-        zoned = raw.str.contains(_ZONED, na=False)
-        utc = bool(zoned.iloc[0]) if len(zoned) else False  # the first line sets the kind
-        self.fail_first(column, zoned != utc, f": {'no' if utc else 'a'} UTC offset, unlike {self.where} {self.first}")
-        stamps = pd.to_datetime(raw, format="ISO8601", errors="coerce", utc=utc)
-        self.fail_first(column, stamps.isna())
-        return stamps
-
-
-def _read_frame(path: Path) -> tuple[pd.DataFrame, int, str]:
-    """All cells as strings, the number of the first data line (or row), and which word to use."""
-    if path.suffix == ".parquet":
-        try:
-            return pd.read_parquet(path).astype(str), 0, "row"
-        except Exception as exc:  # pyarrow raises several types for a bad file
-            raise ValueError(f"{path}: cannot read parquet: {exc}") from None
-    try:
-        # Line 1 is the header, so the first request is on line 2.
-        return pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True), 2, "line"
-    except pd.errors.ParserError as exc:
-        raise ValueError(f"{path}: malformed CSV: {exc}".replace("\n", " ")) from None
-    except pd.errors.EmptyDataError:
-        raise ValueError(f"{path}: the file is empty") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not a text CSV file ({exc.reason} on line {_first_bad_utf8_line(path)})") from None
-
-
-def _first_bad_utf8_line(path: Path) -> int:
-    """The line of the file's first byte that is not UTF-8 (pandas' own offset is into a buffer, not the file)."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return data.count(b"\n", 0, exc.start) + 1
-    return 1  # pandas read it in another encoding; the file as a whole decodes
-
-
-def load_trace(
-    path: str | Path,
-    time_scale: float = 1.0,
+def build_trace(
+    file: str | Path | None = None,
     *,
-    model: ServiceModel = ServiceModel(),
-    mix: Mix = REFERENCE_MIX,
+    time_scale: float = 1.0,
+    arrivals: str = "poisson",
+    service: str = "mix",
+    load: float = 0.9,
+    engines: int = 1,
     speed: float = 1.0,
-    noise_cv: float = 0.0,
+    seconds: float | None = None,
+    requests: int | None = None,
+    default_seconds: float | None = None,
     seed: int = 0,
+    mix: Mix = REFERENCE_MIX,
+    model: ServiceModel = ServiceModel(),
+    mean_service_s: float | None = None,
+    noise_cv: float = 0.0,
 ) -> Trace:
-    """Read an Azure LLM inference trace CSV or one of qlab's own per-request files.
+    """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
 
-    Azure: ``TIMESTAMP,ContextTokens,GeneratedTokens``; arrivals are seconds since
-    the first request, GeneratedTokens becomes max_new_tokens, ContextTokens
-    prompt_tokens, and true service times come from ``model`` times ``speed``
-    (and seeded noise). qlab's own files (.csv or .parquet, from
-    :meth:`Trace.save`) need arrival_s and max_new_tokens; est/true service
-    times, deadlines and prompt lengths are used when present.
-    Arrival times are multiplied by ``time_scale`` (0.5 replays twice as fast).
+    With ``file``: that trace file, read by :func:`qsim.tracefiles.load_trace` (``time_scale``,
+    ``model``, ``mix``, ``speed``, ``noise_cv`` and ``seed`` apply; the arrival and length options
+    do not). Otherwise :func:`make_trace`, ``default_seconds`` long when neither ``seconds`` nor
+    ``requests`` is given (a burst's length is its size whatever they are).
     """
-    path = Path(path)
-    if not time_scale > 0 or not math.isfinite(time_scale):
-        raise ValueError(f"time scale must be a positive number, got {time_scale}")
-    if not path.is_file():
-        raise ValueError(f"{path}: no such trace file")
-    frame, first, where = _read_frame(path)
-    if frame.empty:
-        raise ValueError(f"{path}: the trace has no requests")
-    cols = _Columns(frame, path, first, where)
-    present = set(frame.columns)
-    positive = lambda v: v > 0  # noqa: E731
-    if present >= set(AZURE_COLUMNS):
-        stamps = cols.timestamps("TIMESTAMP")
-        arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy()
-        prompt = cols.number("ContextTokens", ok=lambda v: v >= 0, integer=True)
-        tokens = cols.number("GeneratedTokens", ok=lambda v: v >= 1, integer=True)
-        est = true = deadline = None
-    elif present >= set(OWN_REQUIRED):
-        arrival = cols.number("arrival_s", ok=lambda v: v >= 0)
-        tokens = cols.number("max_new_tokens", ok=lambda v: v >= 1, integer=True)
-        prompt = cols.number("prompt_tokens", ok=lambda v: v >= 0, integer=True) if "prompt_tokens" in present else None
-        est = cols.number("est_service_s", ok=positive) if "est_service_s" in present else None
-        true = cols.number("true_service_s", ok=positive) if "true_service_s" in present else None
-        deadline = cols.number("deadline_s", ok=positive, optional=True) if "deadline_s" in present else None
-    else:
-        raise ValueError(
-            f"{path}: unrecognised trace columns {list(frame.columns)}; expected {','.join(AZURE_COLUMNS)} "
-            f"(Azure LLM trace) or at least {','.join(OWN_REQUIRED)} (qlab trace)"
-        )
-    # Real logs are not always sorted; a stable sort keeps the file order among ties.
-    order = np.argsort(arrival, kind="stable")
-    pick = lambda a: None if a is None else a[order]  # noqa: E731
-    arrival, tokens, prompt, est, true, deadline = map(pick, (arrival, tokens, prompt, est, true, deadline))
-    arrival = arrival * time_scale
-    est = model.estimate(tokens) if est is None else est
-    if true is None:
-        true = est * speed * lognormal_noise(_streams(seed)[2], len(tokens), noise_cv)
-    duration = float(arrival[-1] - arrival[0])
-    meta = dict(path=str(path), time_scale=time_scale, speed=speed, noise_cv=noise_cv, seed=seed)
-    return _build(arrival, tokens, est, true, mix=mix, duration_s=duration, name=path.stem, meta=meta,
-                  deadline_s=deadline, prompt_tokens=prompt)
+    if file:
+        from .tracefiles import load_trace  # imported here: tracefiles builds on this module's Trace
+
+        return load_trace(file, time_scale, model=model, mix=mix, speed=speed, noise_cv=noise_cv, seed=seed)
+    if seconds is None and requests is None:
+        seconds = default_seconds
+    return make_trace(arrivals, service, load=load, engines=engines, speed=speed, seconds=seconds, requests=requests,
+                      seed=seed, mix=mix, model=model, mean_service_s=mean_service_s, noise_cv=noise_cv)

@@ -93,6 +93,11 @@ def test_theory_json_shape(capsys):
         (["simulate", "--mean-service", "0.2"], "mean-service"),
         (["simulate", "--service-model", "nope.json"], "nope.json"),
         (["theory", "--replications", "1"], "replications"),
+        # Renamed: a replay's rate is nominal (of the calibrated capacity); `load` is utilisation at the
+        # simulated speed. The old flag names its replacement, with or without a value.
+        (["replay", "--url", "http://127.0.0.1:9", "--load", "1.5", "--out", "x.parquet"],
+         "argument --load: renamed --nominal-load"),
+        (["replay", "--url", "http://127.0.0.1:9", "--out", "x.parquet", "--load"], "renamed --nominal-load"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],

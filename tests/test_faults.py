@@ -31,7 +31,8 @@ from live.engine import Faults, InjectedFault, SyntheticEngine  # noqa: E402
 from live.gate import DeadlineExceeded, EngineStalled, Gate, GateConfig, Job, Rejected  # noqa: E402
 from experiments.cli import main  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
-from live.procs import ServeOptions, Server, serving  # noqa: E402
+from live.procs import Server, serving  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
 from qsim import PRESETS, ServiceModel, from_arrays, records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,9 +193,9 @@ def test_fault_and_stall_flags_are_checked(argv, message, capsys):
 def servers(tmp_path_factory):
     """Three servers started together: plain (none), failing every 3rd run (bounded), hanging on run 2 (predictive)."""
     options = [ServeOptions(policy="none"),
-               ServeOptions(policy="bounded", extra=("--fail-every", "3")),
+               ServeOptions(policy="bounded", fail_every=3),
                ServeOptions(policy="predictive",
-                            extra=("--hang-after", "1", "--hang-for", "2.5", "--stall-after", "0.5"))]
+                            hang_after=1, hang_for=2.5, stall_after=0.5)]
     with serving(options, tmp_path_factory.mktemp("logs"), 60) as running:
         yield {s.options.policy: s.url for s in running}
 
@@ -228,7 +229,9 @@ def test_engine_failures_are_500s_recorded_as_errors_and_the_next_request_is_ser
         factors.append((factor, stats(url)["speed_factor"]))
         if r.status_code == 500:
             error = error_of(r, 500, "engine_error", "engine_exception")
-            assert "injected failure" in error["message"] and error["numbers"] == {"engine": 0}
+            assert "injected failure" in error["message"] and error["numbers"]["engine"] == 0
+            # When the engine took it and handed the failure back (gate clock): what a replay needs.
+            assert error["numbers"]["returned_at"] >= error["numbers"]["started_at"] >= error["numbers"]["arrived_at"]
     assert statuses == [200, 200, 500, 200, 200, 500]
     assert factors[2][0] == factors[2][1] and factors[5][0] == factors[5][1]  # a failure teaches the tracker nothing
     assert delta(stats(url), before) == {"good": 4, "error": 2}
@@ -395,6 +398,77 @@ def test_sigint_stops_a_sweep_in_one_line_and_it_resumes(tmp_path):
     assert summary.attrs == {"ran": 1, "skipped": 1} and len(summary) == 2
 
 
+def _running(process) -> bool:
+    """Still running: a dead orphan may stay a zombie a while if nobody reaps it (PID 1 in a container)."""
+    psutil = pytest.importorskip("psutil")
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigkilled_sweep_leaves_no_pool_workers_behind(tmp_path):
+    # kill -9 runs no cleanup in the sweep: its pool workers must end by themselves (they ask the
+    # kernel to kill them with their parent), not wait on their call queue forever as orphans.
+    psutil = pytest.importorskip("psutil")
+    path = tmp_path / "s.toml"
+    path.write_text("[sweep]\nduration_s = 400\nseeds = 3\n[grid]\npolicy = ['none', 'bounded', 'bounded-deadline', "
+                    "'predictive']\nload = [0.5, 1.5]\nspeed = [1.0, 2.25]\n")  # 48 cells
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out), "--workers",
+                             "2", "--quiet"], env=_child_env(), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        parent = psutil.Process(proc.pid)
+        end = time.monotonic() + 60
+        # Cells are being written and both workers exist (a fork pool starts them at the first submit).
+        while not (list((out / "cells").glob("*.parquet")) and len(workers) >= 2):
+            assert time.monotonic() < end and proc.poll() is None, f"the sweep wrote nothing: {workers}"
+            workers = parent.children(recursive=True)
+            time.sleep(0.02)
+        proc.kill()  # the parent only, as `kill -9 PID` does
+        proc.wait()
+        assert len(list((out / "cells").glob("*.parquet"))) < 48, "the sweep should have been killed part way"
+        end = time.monotonic() + 20
+        while alive := [w for w in workers if _running(w)]:
+            assert time.monotonic() < end, f"pool workers outlived a SIGKILLed sweep: {alive}"
+            time.sleep(0.05)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its session
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_sigkilled_sweep_on_a_dask_cluster_leaves_no_tasks_behind(tmp_path):
+    # There the workers are the cluster's and stay; what must not stay is the dead client's work.
+    distributed = pytest.importorskip("distributed")
+    path = tmp_path / "s.toml"
+    path.write_text("[sweep]\nduration_s = 400\nseeds = 3\n[grid]\npolicy = ['none', 'bounded']\n"
+                    "load = [0.5, 1.5]\nspeed = [1.0, 2.25]\n")  # 24 cells
+    out = tmp_path / "out"
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out),
+                                 "--scheduler", cluster.scheduler_address, "--quiet"], env=_child_env(), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            end = time.monotonic() + 60
+            while not list((out / "cells").glob("*.parquet")):
+                assert time.monotonic() < end and proc.poll() is None, "the sweep wrote nothing"
+                time.sleep(0.02)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert len(list((out / "cells").glob("*.parquet"))) < 24, "the sweep should have been killed part way"
+        end = time.monotonic() + 20
+        while tasks := client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
+            assert time.monotonic() < end, f"the scheduler kept {tasks} tasks of a SIGKILLed sweep"
+            time.sleep(0.1)
+
+
 LIVE_TOML = """
 [server]
 policies = ["bounded", "predictive"]
@@ -406,7 +480,7 @@ name = "burst"
 arrivals = "burst:6"
 [[trace]]
 name = "poisson"
-load = [0.8, 1.0]
+nominal_load = [0.8, 1.0]
 seconds = 0.6
 """
 RUNS = 6  # 3 traces (the burst and poisson at two loads) x 2 policies

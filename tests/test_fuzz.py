@@ -41,8 +41,9 @@ from experiments import config as sweep_config  # noqa: E402
 from live import live_config  # noqa: E402
 from live.engine import SyntheticEngine, apply_stop  # noqa: E402
 from live.gate import Gate, GateConfig  # noqa: E402
-from live.procs import ServeOptions, Server  # noqa: E402
-from live.service import Limits, create_app, request_model  # noqa: E402
+from live.procs import Server  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
+from live.http_api import Limits, create_app, request_model  # noqa: E402
 from qsim import load_trace, make_trace, preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -434,7 +435,7 @@ def test_oversized_bodies_are_refused_declared_or_streamed(service):
 
 
 # ================================================================== the caps at their edges
-# tests/test_live_service.py checks values well outside each cap; these check its edge: the
+# tests/test_http_api.py checks values well outside each cap; these check its edge: the
 # largest accepted value is served, the next one is a 4xx naming the field.
 
 def _body(**fields) -> dict:
@@ -590,13 +591,13 @@ def _bytes_taken_before_hang_up(url: str, limit: int) -> int:
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_a_request_head_past_the_cap_is_refused_and_not_buffered(tmp_path, http):
-    served = Server(ServeOptions(policy="predictive", speed=0.001, extra=("--http", http)), tmp_path / "serve.log")
+    served = Server(ServeOptions(policy="predictive", speed=0.001, http=http), tmp_path / "serve.log")
     served.start(60)
     try:
         # A head still incomplete after 66 KiB (nothing more is sent: the answer must come without it).
         answer = _raw_exchange(served.url, _padded_head(66 * 1024))
         status = int(answer.split(b" ", 2)[1])
-        if http == "httptools":  # the capped httptools protocol (live/protocol.py) answers in the envelope
+        if http == "httptools":  # the capped httptools protocol (live/headcap.py) answers in the envelope
             head, _, body = answer.partition(b"\r\n\r\n")
             error = json.loads(body)["error"]
             assert status == 431 and error["type"] == "invalid_request" and error["reason"] == "headers_too_large"

@@ -19,7 +19,8 @@ from live import live_config, runner  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate, probe  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.rows import Exchange, classify  # noqa: E402
-from live.procs import ServeOptions, serving  # noqa: E402
+from live.procs import serving  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
 from qsim import ServiceModel, from_arrays, make_trace, records  # noqa: E402
 
 
@@ -114,7 +115,10 @@ def test_replay_command_refuses_bad_input(tmp_path, capsys):
     assert main(["replay", "--url", "ftp://x", "--out", str(tmp_path / "x.parquet"), "--engines", "1"]) == 2
     assert "url must start with http" in capsys.readouterr().err
     # Checked as the command line is read, before any server is asked anything (nothing listens on port 9).
-    for flags, message in [(["--load", "-1"], "argument --load: value must be > 0, got '-1'"),
+    for flags, message in [(["--nominal-load", "-1"], "argument --nominal-load: value must be > 0, got '-1'"),
+                           # renamed: `load` is utilisation at the simulated speed; a replay's rate is nominal
+                           (["--load", "1.5"], "argument --load: renamed --nominal-load"),
+                           (["--load"], "argument --load: renamed --nominal-load"),
                            (["--requests", "0"], "argument --requests: value must be > 0, got '0'"),
                            (["--seconds", "nan"], "argument --seconds: value must be finite"),
                            (["--prompt-words", "-5"], "argument --prompt-words: value must be > 0")]:
@@ -133,7 +137,7 @@ startup_timeout_s = 60
 requests = 2
 [[trace]]
 name = "poisson"
-load = 1.2
+nominal_load = 1.2
 seconds = 1.5
 [[trace]]
 name = "burst"
@@ -150,6 +154,7 @@ def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
     assert list(summary["policy"]) == ["bounded", "predictive", "predictive", "bounded"]
     assert summary["speed_before"].between(0.9, 1.2).all() and summary["speed_after"].between(0.9, 1.2).all()
     poisson = summary[summary["trace"] == "poisson"]
+    assert (poisson["nominal_load"] == 1.2).all()
     np.testing.assert_allclose(poisson["effective_load"], 1.2 * poisson["speed_in_run"])
     assert summary.loc[summary["trace"] == "burst", "effective_load"].isna().all()
     assert (summary["error"] == 0).all()
@@ -164,10 +169,21 @@ def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
     ("[server]\nengnie = 'gpt2'\n[[trace]]\nname='a'\nseconds=1", "unknown key 'engnie'"),
     ("[servers]\n", "unknown section 'servers'"),
     ("[server]\npolicies = ['fifo']\n[[trace]]\nname='a'\nseconds=1", "server.policies"),
-    ("[[trace]]\nname='a'\nload=[1, -2]\nseconds=1", "load: must be > 0"),
+    ("[[trace]]\nname='a'\nnominal_load=[1, -2]\nseconds=1", "nominal_load: must be > 0"),
+    ("[[trace]]\nname='a'\nload=[1, 2]\nseconds=1", "trace[0].load: renamed nominal_load"),
     ("[[trace]]\nname='a'\narrivals='poisson'", "exactly one of seconds and requests"),
     ("[[trace]]\nname='a'\nseconds='40'", "expected float"),
     ("[server]\nengine='gpt2'\n", "at least one [[trace]]"),
+    # [server]: the serve options' choices and bounds (live/serve_options.py), as on the command line
+    ("[server]\nengine = 'tpu'\n[[trace]]\nname='a'\nseconds=1", "server.engine: must be gpt2 or synthetic, got 'tpu'"),
+    ("[server]\ndevice = 'gpu'\n[[trace]]\nname='a'\nseconds=1", "server.device: must be auto, cuda or cpu, got 'gpu'"),
+    ("[server]\nengines = 0\n[[trace]]\nname='a'\nseconds=1", "server.engines: must be > 0, got 0"),
+    ("[server]\nspeed = -1\n[[trace]]\nname='a'\nseconds=1", "server.speed: must be > 0, got -1.0"),
+    ("[server]\nstall_factor = 0.5\n[[trace]]\nname='a'\nseconds=1", "server.stall_factor: must be >= 1, got 0.5"),
+    ("[server]\nspeed_schedule = '1-2'\n[[trace]]\nname='a'\nseconds=1", "server.speed_schedule: speed schedule entries"),
+    ("[server]\nhang_for = 2\n[[trace]]\nname='a'\nseconds=1", "server.hang_for: only with hang_after (which run hangs)"),
+    ("[server]\nport = 1\n[[trace]]\nname='a'\nseconds=1", "unknown key 'port'"),
+    ("[server]\nstartup_timeout_s = 0\n[[trace]]\nname='a'\nseconds=1", "server.startup_timeout_s: must be > 0"),
 ])
 def test_live_config_errors_name_the_key(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -176,10 +192,24 @@ def test_live_config_errors_name_the_key(tmp_path, text, message):
         live_config.load(path)
 
 
+def test_a_live_trace_with_the_old_load_key_is_refused_naming_file_and_key(tmp_path, capsys):
+    path = tmp_path / "old.toml"
+    path.write_text("[[trace]]\nname = 'p'\nload = 1.5\nseconds = 2\n")
+    with pytest.raises(live_config.ConfigError) as err:
+        live_config.load(path)
+    message = str(err.value)
+    assert str(path) in message and "trace[0].load: renamed nominal_load" in message and "\n" not in message
+    # Through the command line: one line on stderr, exit 2, nothing run.
+    assert main(["live", str(path), "--out", str(tmp_path / "never")]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "renamed nominal_load" in said and "Traceback" not in said
+    assert not (tmp_path / "never").exists()
+
+
 def test_shipped_live_toml_parses_into_the_reference_passes():
     cfg = live_config.load(runner.Path(__file__).resolve().parents[1] / "experiments" / "live.toml")
-    assert cfg.server.engine == "synthetic" and len(cfg.server.policies) == 4
-    loads = sorted(t.load for t in cfg.traces if t.arrivals == "poisson")
+    assert cfg.server.engine == "synthetic" and len(cfg.policies) == 4
+    loads = sorted(t.nominal_load for t in cfg.traces if t.arrivals == "poisson")
     assert loads == [0.5, 1.0, 1.5, 2.0] and all(t.seconds == 40 for t in cfg.traces if t.arrivals == "poisson")
     assert any(t.arrivals == "burst:30" for t in cfg.traces)
-    assert runner.rotated(cfg.server.policies, 1)[0] == cfg.server.policies[1]
+    assert runner.rotated(cfg.policies, 1)[0] == cfg.policies[1]

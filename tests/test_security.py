@@ -183,12 +183,12 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_host_is_explicit_and_a_non_loopback_host_is_warned_about(capsys):
-    assert commands.ServeConfig.from_args(_serve_args()).host == "127.0.0.1"
-    cfg = commands.ServeConfig.from_args(_serve_args("--host", "0.0.0.0"))
+    assert commands.ServeOptions.from_args(_serve_args()).host == "127.0.0.1"
+    cfg = commands.ServeOptions.from_args(_serve_args("--host", "0.0.0.0"))
     assert cfg.host == "0.0.0.0"
     commands._announce("http://0.0.0.0:8000", cfg, host_given=True)  # printed only: nothing binds here
     assert "reachable from other machines; there is no authentication" in capsys.readouterr().out
-    commands._announce("http://127.0.0.1:8000", commands.ServeConfig.from_args(_serve_args("--host", "127.0.0.1")),
+    commands._announce("http://127.0.0.1:8000", commands.ServeOptions.from_args(_serve_args("--host", "127.0.0.1")),
                        host_given=True)
     assert "reachable" not in capsys.readouterr().out
 

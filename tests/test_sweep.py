@@ -2,17 +2,19 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from experiments import config, sweep
-from qsim import records
+from qsim import REFERENCE_MIX, ServiceModel, make_trace, records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +56,7 @@ def test_grid_and_layout(small):
     assert len(list((out / "cells").glob("*.parquet"))) == 32
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config_sha256"] == cfg.digest and manifest["seeds"] == [1, 2] and manifest["cells"] == 32
-    assert "qlab_version" in manifest
+    assert "qlab_version" in manifest and manifest["load_meaning"] == "utilisation-at-simulated-speed"
     rows = rows_of(out)
     records.validate(rows.drop_duplicates(["cell_id", "request_id"]).assign(request_id=range(len(rows))))
     # One row per request per cell, and the summary counts them all.
@@ -72,12 +74,68 @@ def test_common_random_numbers_across_policies(small):
     assert all((a == first).all() for a in arrivals.values())
 
 
-def test_nominal_load_keeps_the_arrival_rate_when_the_machine_slows(small):
-    _, _, summary = small
-    s = summary[(summary["policy"] == "none") & (summary["load"] == 1.5)]
-    counts = s.groupby("speed")["requests"].sum()
-    assert counts[1.0] == counts[2.25]
-    assert s.loc[s["speed"] == 2.25, "offered_load"].mean() == pytest.approx(1.5 * 2.25, rel=0.15)
+def test_a_cell_is_make_trace_at_its_load_and_speed(small):
+    """A sweep's load is make_trace's (and `qlab simulate --load`'s): utilisation at the simulated speed."""
+    cfg, out, _ = small
+    rows = rows_of(out)
+    for load, speed in [(1.5, 2.25), (0.5, 2.25), (1.5, 1.0)]:
+        cell = rows[(rows["policy"] == "bounded") & (rows["load"] == load) & (rows["speed"] == speed)
+                    & (rows["seed"] == 1)]
+        trace = make_trace("poisson", "mix", load=load, speed=speed, seconds=40, seed=1)
+        assert len(cell) == len(trace)
+        assert (cell["arrival_s"].to_numpy() == trace.arrival_s).all()
+        assert (cell["true_service_s"].to_numpy() == trace.true_service_s).all()
+    # Same seed, same unit gaps: at speed 2.25 every arrival comes 2.25x later (the rate is 2.25x lower).
+    slow = rows[(rows["policy"] == "none") & (rows["load"] == 1.5) & (rows["speed"] == 2.25) & (rows["seed"] == 1)]
+    fast = rows[(rows["policy"] == "none") & (rows["load"] == 1.5) & (rows["speed"] == 1.0) & (rows["seed"] == 1)]
+    assert 0 < len(slow) < len(fast)
+    np.testing.assert_allclose(slow["arrival_s"].to_numpy(), 2.25 * fast["arrival_s"].to_numpy()[:len(slow)])
+
+
+def test_offered_load_agrees_with_load_and_capacity_is_at_the_simulated_speed(tmp_path):
+    text = """
+[sweep]
+duration_s = 800
+seeds = 1
+[grid]
+policy = ["bounded"]
+load = [0.5, 2.0]
+speed = [1.0, 2.25]
+engines = [1, 2]
+"""
+    summary = sweep.run(config.load(write(tmp_path, text)), tmp_path / "out", workers=1, quiet=True)
+    # Fewest requests: load 0.5 at speed 2.25 on one engine, about 1,200; the relative standard error of
+    # the offered work is then about sqrt((1 + CV^2) / n) = 4.5 %, so 15 % is over three of them.
+    np.testing.assert_allclose(summary["offered_load"], summary["load"], rtol=0.15)
+    mean_s = REFERENCE_MIX.mean_s(ServiceModel())
+    np.testing.assert_allclose(summary["capacity_rps"], summary["engines"] / (summary["speed"] * mean_s))
+    # The arrival rate is load x capacity at the cell's speed.
+    np.testing.assert_allclose(summary["requests"] / summary["duration_s"], summary["load"] * summary["capacity_rps"],
+                               rtol=0.15)
+
+
+def test_a_folder_written_when_load_was_nominal_is_refused(small, tmp_path):
+    cfg, out, _ = small
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["load_meaning"]  # what every sweep wrote before load meant utilisation at the simulated speed
+    (old / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    before = {p.name: p.stat().st_mtime_ns for p in (old / "cells").glob("*.parquet")}
+    with pytest.raises(config.ConfigError) as err:
+        sweep.run(cfg, old, workers=1, quiet=True)
+    message = str(err.value)
+    assert "nominal" in message and "new --out" in message and "\n" not in message
+    assert {p.name: p.stat().st_mtime_ns for p in (old / "cells").glob("*.parquet")} == before
+    # From the command line: one line, exit 2; reading its summary still works, with a warning.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "experiments", "sweep", cfg.source, "--out", str(old), "--quiet"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "was nominal" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "experiments", "summary", str(old)], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0 and "warning" in proc.stderr and "nominal" in proc.stderr
 
 
 def test_same_rows_with_a_process_pool(small, tmp_path):

@@ -3,7 +3,8 @@ import pandas as pd
 import pytest
 
 from qsim.service import ServiceModel
-from qsim.workload import REFERENCE_MIX, Mix, load_trace, make_trace, parse_arrivals
+from qsim.tracefiles import load_trace
+from qsim.workload import REFERENCE_MIX, Mix, make_trace, parse_arrivals
 
 def test_reference_mix_moments_match_the_brief():
     m = ServiceModel()
@@ -193,3 +194,40 @@ def test_missing_and_binary_files(tmp_path):
         load_trace(junk)
     with pytest.raises(ValueError, match="time scale"):
         load_trace(junk, time_scale=0)
+
+
+def _same_trace(a, b) -> None:
+    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame())
+    assert (a.duration_s, a.name, a.meta) == (b.duration_s, b.name, b.meta)
+
+
+def test_build_trace_gives_what_each_command_built_before(tmp_path):
+    """build_trace against the calls each command made before it existed (same seed, same trace)."""
+    from qsim import build_trace
+
+    model = ServiceModel(0.002, 0.009)
+    own = tmp_path / "own.csv"
+    make_trace(requests=50, seed=4).save(own)
+    # qlab simulate: every option, synthetic or a trace file with speed and noise.
+    _same_trace(build_trace(arrivals="gamma:2", service="mix", load=1.3, engines=2, speed=1.5, requests=300, seed=7,
+                            model=model, noise_cv=0.3),
+                make_trace("gamma:2", "mix", load=1.3, engines=2, speed=1.5, seconds=None, requests=300, seed=7,
+                           model=model, mean_service_s=None, noise_cv=0.3))
+    _same_trace(build_trace(service="exponential", mean_service_s=0.2, seconds=60.0, seed=1),
+                make_trace("poisson", "exponential", load=0.9, seconds=60.0, seed=1, mean_service_s=0.2))
+    _same_trace(build_trace(own, time_scale=0.5, speed=2.0, noise_cv=0.2, seed=3, model=model),
+                load_trace(own, 0.5, model=model, speed=2.0, noise_cv=0.2, seed=3))
+    # qlab replay and qlab live: a default window of 40 s; a burst's length is its size.
+    _same_trace(build_trace(arrivals="poisson", load=1.2, engines=2, default_seconds=40.0, seed=2, model=model),
+                make_trace("poisson", load=1.2, engines=2, seed=2, model=model, seconds=40.0))
+    _same_trace(build_trace(arrivals="burst:12", default_seconds=40.0, seed=1),
+                make_trace("burst:12", seed=1, requests=12))
+    _same_trace(build_trace(arrivals="constant", load=0.5, requests=40, default_seconds=40.0, seed=4),
+                make_trace("constant", load=0.5, requests=40, seed=4))
+    _same_trace(build_trace(own, time_scale=2.0, seed=9, model=model), load_trace(own, 2.0, model=model, seed=9))
+    # a sweep cell: a mix of its own, speed and noise.
+    mix = Mix((8, 32), (0.7, 0.3))
+    _same_trace(build_trace(arrivals="periodic:5:2", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
+                            model=model, noise_cv=0.1),
+                make_trace("periodic:5:2", "mix", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
+                           model=model, noise_cv=0.1))

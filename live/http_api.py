@@ -27,7 +27,7 @@ hands it straight to the route's function and the same exception handlers
 (:class:`_Direct`). FastAPI's middleware stack, routing and dependency solving
 cost about 0.4 ms per request on two shared cores, as much as the whole rest of
 a refusal (benchmarks/soak.py); the answers are the same either way, which
-tests/test_live_service.py checks by sending the same requests both ways.
+tests/test_http_api.py checks by sending the same requests both ways.
 Every other path goes through FastAPI as usual.
 
 A client that hangs up cancels its request: a waiting one leaves the queue at
@@ -153,7 +153,7 @@ async def _deadline_exceeded(_: Request, exc: DeadlineExceeded) -> JSONResponse:
 
 
 async def _engine_failed(_: Request, exc: EngineFailed) -> JSONResponse:
-    return error_response(500, "engine_error", "engine_exception", str(exc), {"engine": exc.engine})
+    return error_response(500, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
 
 
 async def _engine_stalled(_: Request, exc: EngineStalled) -> JSONResponse:
@@ -265,8 +265,10 @@ def _answer_body(answer: Answer, total_s: float) -> dict:
         "tokens": answer.tokens,
         "outcome": answer.outcome,
         "engine": answer.engine,
+        # started_at / returned_at are the gate's clock: the engine counted busy in between.
         "timings": {"queue_s": answer.queue_s, "engine_s": answer.engine_s, "total_s": total_s,
-                    "est_service_s": a.est_service_s},
+                    "est_service_s": a.est_service_s, "started_at": answer.started_at,
+                    "returned_at": answer.returned_at},
         "admission": a.numbers(),
     }
 

@@ -218,7 +218,7 @@ def test_bad_serve_arguments_are_one_line_and_exit_2(argv, capsys):
 
 
 def test_torch_is_not_imported_for_the_synthetic_engine():
-    code = ("import sys; from experiments.cli import build_parser; from live import service, gate, engine; "
+    code = ("import sys; from experiments.cli import build_parser; from live import http_api, gate, engine; "
             "build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -230,7 +230,7 @@ def _in_process_answers(direct: bool, requests: list[dict], submit=None) -> list
     """Send ``requests`` in order to a fresh in-process app; (status, Retry-After, body without timings) each."""
     from live.engine import Faults, SyntheticEngine
     from live.gate import Gate, GateConfig
-    from live.service import create_app
+    from live.http_api import create_app
     from qsim import preset
 
     engine = SyntheticEngine(speed=1e-4, faults=Faults(fail_every=3))  # runs 3, 6, ... raise
@@ -284,7 +284,7 @@ def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):
         raise RuntimeError("a bug in the gate")
 
     requests = [{"json": {"prompt": "x", "max_new_tokens": 1}}]
-    with caplog.at_level("ERROR", logger="live.service"):
+    with caplog.at_level("ERROR", logger="live.http_api"):
         [(status, _, body)] = _in_process_answers(True, requests, submit=broken_submit)
     assert status == 500 and body["error"]["type"] == "internal_error" and body["error"]["reason"] == "unexpected"
     assert "a bug in the gate" in caplog.text  # the traceback is logged, as Starlette would log it

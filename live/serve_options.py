@@ -1,0 +1,176 @@
+"""The options of ``qlab serve``, written once.
+
+:class:`ServeOptions` is the one list of them. From its fields come
+
+- ``qlab serve``'s flags (:meth:`ServeOptions.add_flags`, :meth:`ServeOptions.from_args`): a field's flag is
+  its name with dashes (``fail_every`` -> ``--fail-every``);
+- the keys of a ``qlab live`` file's ``[server]`` table (:meth:`ServeOptions.toml_kinds`,
+  :meth:`ServeOptions.from_table`), checked against the same choices and bounds as the flags;
+- the command line of a server started as a child process (:meth:`ServeOptions.argv`).
+
+A field's metadata (see :func:`_option`) holds its help text, its type (a parser from
+:mod:`inputs.argtypes`, which also bounds a TOML value) or its choices, and:
+
+- ``engine``: the one engine that takes it. On the command line it is an error with the other
+  engine; a child's argv leaves it out for the other engine (and a TOML value is then unused);
+- ``toml``: False for what ``qlab live`` sets per server itself (policy, host, port, logging);
+- ``check``: a function of the value that raises ValueError on a bad one;
+- ``needs``: (another field, why): given without that one, it is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+
+from inputs import argtypes
+from inputs.tomlfiles import ConfigError
+from qsim.policy import PRESETS
+
+from .engine import parse_schedule
+
+LOOPBACK = "127.0.0.1"
+
+
+def _option(default, help: str | None = None, *, type=None, choices=None, metavar=None, engine=None, toml=True,
+            check=None, needs=None):
+    return field(default=default, metadata=dict(help=help, type=type, choices=choices, metavar=metavar,
+                                                engine=engine, toml=toml, check=check, needs=needs))
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Every option of ``qlab serve``; the defaults are the server's."""
+
+    policy: str = _option("none", choices=tuple(PRESETS), toml=False)
+    max_queue: int | None = _option(None, "override the preset's bound on waiting requests", type=argtypes.count)
+    deadline: float | None = _option(None, "override the default deadline (seconds)", type=argtypes.positive)
+    engine: str = _option("synthetic", choices=("gpt2", "synthetic"))
+    engines: int = _option(1, "engines behind the queue (K), one thread each", type=argtypes.positive_int)
+    model: str = _option("random", "gpt2: a hub name or local path, 'random' (GPT-2 small, random weights; default) "
+                                   "or 'tiny' (2 layers, for tests)", engine="gpt2")
+    device: str = _option("auto", "gpt2: where to run (default auto: cuda if available)",
+                          choices=("auto", "cuda", "cpu"), engine="gpt2")
+    threads: int | None = _option(None, "gpt2: torch CPU threads (default: torch's choice)",
+                                  type=argtypes.positive_int, engine="gpt2")
+    speed: float = _option(1.0, "synthetic: service times are SPEED times the model (default 1)",
+                           type=argtypes.positive, engine="synthetic")
+    noise: float = _option(0.0, "synthetic: CV of lognormal noise on service times", type=argtypes.non_negative,
+                           engine="synthetic")
+    speed_schedule: str = _option("", "synthetic: SECONDS:FACTOR,... speed changes since start, e.g. 20:2.2",
+                                  engine="synthetic", check=parse_schedule)
+    fail_every: int = _option(0, "synthetic, fault injection: every Nth run of an engine raises at once",
+                              type=argtypes.positive_int, metavar="N", engine="synthetic")
+    hang_after: int | None = _option(None, "synthetic, fault injection: run N+1 of an engine hangs (--hang-for "
+                                           "seconds; default forever)", type=argtypes.count, metavar="N",
+                                     engine="synthetic")
+    hang_for: float | None = _option(None, "synthetic: how long the hang lasts", type=argtypes.positive,
+                                     metavar="SECONDS", engine="synthetic", needs=("hang_after", "which run hangs"))
+    stall_factor: float = _option(10.0, "an engine is stalled once its request runs this many times its estimate "
+                                        "(default 10) ...", type=argtypes.number(float, 1, strict=False))
+    stall_after: float = _option(5.0, "... and at least this long (default 5 s); its request then ends as an "
+                                      "engine_error", type=argtypes.positive, metavar="SECONDS")
+    seed: int = _option(0, "random weights and synthetic noise", type=argtypes.count)
+    service_model: str = _option("", "JSON with intercept_s and per_token_s (from qlab calibrate)")
+    fixed_estimate: bool = _option(False, "do not track speed: keep the calibrated estimate")
+    host: str = _option(LOOPBACK, f"address to bind (default {LOOPBACK}: this machine only)", toml=False)
+    port: int = _option(8000, "0 picks a free port (printed on the first line)", type=argtypes.port, toml=False)
+    http: str = _option("httptools", "HTTP parser: httptools (default, fastest) or h11; both refuse a request head "
+                                     "past 64 KiB", choices=("httptools", "h11"))
+    log_level: str = _option("warning", choices=("critical", "error", "warning", "info", "debug"), toml=False)
+    watch_stdin: bool = _option(False, "stop when stdin reaches end of file (for a parent process: the server goes "
+                                       "when it goes)", toml=False)
+
+    # ------------------------------------------------------------ the command line
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field. Every default is None (False for a switch): :meth:`from_args` tells given from not."""
+        for f in fields(cls):
+            m = f.metadata
+            if _kind(f) is bool:
+                parser.add_argument(_flag(f.name), action="store_true", help=m["help"])
+            else:
+                parser.add_argument(_flag(f.name), type=m["type"], choices=m["choices"], metavar=m["metavar"],
+                                    help=m["help"])
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServeOptions":
+        """The options given on the command line, defaults for the rest; ValueError naming the flag when bad."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls)
+                 if getattr(args, f.name) is not None and getattr(args, f.name) is not False}  # 0 is given
+        engine = given.get("engine", cls.engine)
+        wrong = [f for f in fields(cls) if f.metadata["engine"] not in (None, engine) and f.name in given]
+        if wrong:
+            flags = ", ".join(_flag(f.name) for f in wrong)
+            raise ValueError(f"{flags}: only with --engine {wrong[0].metadata['engine']}")
+        options = cls(**given)
+        for name, (other, why) in options._unmet_needs():
+            raise ValueError(f"{_flag(name)}: only with {_flag(other)} ({why})")
+        for f in fields(cls):
+            if f.metadata["check"] and f.name in given:
+                f.metadata["check"](given[f.name])
+        return options
+
+    def argv(self) -> list[str]:
+        """A child process's command line: ``python -m experiments serve`` and every flag whose value is not the
+        default, engine-specific ones only for the engine that takes them."""
+        flags = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default or f.metadata["engine"] not in (None, self.engine):
+                continue
+            flags += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
+        return [sys.executable, "-m", "experiments", "serve", *flags]
+
+    # ------------------------------------------------------------ a [server] table
+
+    @classmethod
+    def toml_kinds(cls) -> dict[str, type]:
+        """The ``[server]`` keys that are serve options, and the TOML type of each."""
+        return {f.name: _kind(f) for f in fields(cls) if f.metadata["toml"]}
+
+    @classmethod
+    def from_table(cls, where: str, table: dict) -> "ServeOptions":
+        """Options from ``[server]`` values already of their kinds (:meth:`toml_kinds`); ConfigError naming the key.
+
+        ``where`` is the table's name in messages, e.g. ``live.toml: server``.
+        """
+        for name, value in table.items():
+            m = cls.__dataclass_fields__[name].metadata
+            problem = None
+            if m["choices"] and value not in m["choices"]:
+                problem = f"must be {', '.join(m['choices'][:-1])} or {m['choices'][-1]}, got {value!r}"
+            elif isinstance(m["type"], argtypes.Number) and m["type"].out_of_range(value):
+                problem = f"{m['type'].out_of_range(value)}, got {value!r}"
+            elif m["check"]:
+                try:
+                    m["check"](value)
+                except ValueError as exc:
+                    problem = str(exc)
+            if problem:
+                raise ConfigError(f"{where}.{name}: {problem}")
+        options = cls(**table)
+        for name, (other, why) in options._unmet_needs():
+            raise ConfigError(f"{where}.{name}: only with {other} ({why})")
+        return options
+
+    def _unmet_needs(self) -> list[tuple[str, tuple[str, str]]]:
+        return [(f.name, f.metadata["needs"]) for f in fields(self)
+                if f.metadata["needs"] and getattr(self, f.name) is not None
+                and getattr(self, f.metadata["needs"][0]) is None]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _kind(f) -> type:
+    """A field's value type, without the None of an optional one."""
+    hint = typing.get_type_hints(ServeOptions)[f.name]
+    if isinstance(hint, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint

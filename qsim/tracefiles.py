@@ -1,0 +1,154 @@
+"""Trace files: an Azure LLM inference trace CSV, or qlab's own per-request .csv/.parquet, read into a :class:`Trace`.
+
+A bad file is a ValueError that names the file and the line (or row) of the first bad value.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .service import ServiceModel
+from .workload import REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, random_streams
+
+AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
+
+
+#: A time of day followed by a UTC offset (Z, +05:00, -0800, +05): a zoned ISO 8601 stamp.
+_ZONED = r"\d:\d\d(?::\d\d(?:\.\d*)?)?\s*(?:Z|[+-]\d\d(?::?\d\d)?)$"
+
+
+class _Columns:
+    """Parses the columns of one trace file, naming the line (or row) of the first bad value."""
+
+    def __init__(self, frame: pd.DataFrame, path: Path, first: int, where: str) -> None:
+        self.frame, self.path, self.first, self.where = frame, path, first, where
+
+    def fail_first(self, column: str, bad: pd.Series, why: str = "") -> None:
+        hits = np.flatnonzero(bad.to_numpy())
+        if hits.size:
+            i = int(hits[0])
+            value = self.frame[column].iloc[i]
+            raise ValueError(f"{self.path}: {self.where} {i + self.first}: bad {column} {value!r}{why}")
+
+    def number(self, column: str, ok=None, integer: bool = False, optional: bool = False) -> np.ndarray:
+        """The column as numbers; with ``optional``, empty cells and 'nan' become NaN."""
+        raw = self.frame[column].str.strip()
+        values = pd.to_numeric(raw, errors="coerce")
+        bad = values.isna()
+        if optional:
+            bad &= ~(raw.isna() | raw.str.lower().isin(["", "nan", "none", "<na>"]))
+        if not optional:  # 'inf' parses as a number, but no arrival, size or time can be infinite
+            bad |= values.notna() & ~np.isfinite(values)
+        if integer:  # past 2**53 a float is no longer an exact count, and past 2**63 it wraps when cast
+            bad |= values.notna() & ((values != values.round()) | (values.abs() >= 2.0**53))
+        if ok is not None:
+            bad |= values.notna() & ~ok(values)
+        self.fail_first(column, bad)
+        return values.to_numpy(dtype=float)
+
+    def timestamps(self, column: str) -> pd.Series:
+        """The column as times. Stamps with a UTC offset are put on UTC; a file may not mix them with stamps
+        without one (local time of an unknown zone): the arrivals between the two would be guesses."""
+        raw = self.frame[column].str.strip()
+        zoned = raw.str.contains(_ZONED, na=False)
+        utc = bool(zoned.iloc[0]) if len(zoned) else False  # the first line sets the kind
+        self.fail_first(column, zoned != utc, f": {'no' if utc else 'a'} UTC offset, unlike {self.where} {self.first}")
+        stamps = pd.to_datetime(raw, format="ISO8601", errors="coerce", utc=utc)
+        self.fail_first(column, stamps.isna())
+        return stamps
+
+
+def _read_frame(path: Path) -> tuple[pd.DataFrame, int, str]:
+    """All cells as strings, the number of the first data line (or row), and which word to use."""
+    if path.suffix == ".parquet":
+        try:
+            return pd.read_parquet(path).astype(str), 0, "row"
+        except Exception as exc:  # pyarrow raises several types for a bad file
+            raise ValueError(f"{path}: cannot read parquet: {exc}") from None
+    try:
+        # Line 1 is the header, so the first request is on line 2.
+        return pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True), 2, "line"
+    except pd.errors.ParserError as exc:
+        raise ValueError(f"{path}: malformed CSV: {exc}".replace("\n", " ")) from None
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{path}: the file is empty") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a text CSV file ({exc.reason} on line {_first_bad_utf8_line(path)})") from None
+
+
+def _first_bad_utf8_line(path: Path) -> int:
+    """The line of the file's first byte that is not UTF-8 (pandas' own offset is into a buffer, not the file)."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return data.count(b"\n", 0, exc.start) + 1
+    return 1  # pandas read it in another encoding; the file as a whole decodes
+
+
+def load_trace(
+    path: str | Path,
+    time_scale: float = 1.0,
+    *,
+    model: ServiceModel = ServiceModel(),
+    mix: Mix = REFERENCE_MIX,
+    speed: float = 1.0,
+    noise_cv: float = 0.0,
+    seed: int = 0,
+) -> Trace:
+    """Read an Azure LLM inference trace CSV or one of qlab's own per-request files.
+
+    Azure: ``TIMESTAMP,ContextTokens,GeneratedTokens``; arrivals are seconds since
+    the first request, GeneratedTokens becomes max_new_tokens, ContextTokens
+    prompt_tokens, and true service times come from ``model`` times ``speed``
+    (and seeded noise). qlab's own files (.csv or .parquet, from
+    :meth:`Trace.save`) need arrival_s and max_new_tokens; est/true service
+    times, deadlines and prompt lengths are used when present.
+    Arrival times are multiplied by ``time_scale`` (0.5 replays twice as fast).
+    """
+    path = Path(path)
+    if not time_scale > 0 or not math.isfinite(time_scale):
+        raise ValueError(f"time scale must be a positive number, got {time_scale}")
+    if not path.is_file():
+        raise ValueError(f"{path}: no such trace file")
+    frame, first, where = _read_frame(path)
+    if frame.empty:
+        raise ValueError(f"{path}: the trace has no requests")
+    cols = _Columns(frame, path, first, where)
+    present = set(frame.columns)
+    positive = lambda v: v > 0  # noqa: E731
+    if present >= set(AZURE_COLUMNS):
+        stamps = cols.timestamps("TIMESTAMP")
+        arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy()
+        prompt = cols.number("ContextTokens", ok=lambda v: v >= 0, integer=True)
+        tokens = cols.number("GeneratedTokens", ok=lambda v: v >= 1, integer=True)
+        est = true = deadline = None
+    elif present >= set(OWN_REQUIRED):
+        arrival = cols.number("arrival_s", ok=lambda v: v >= 0)
+        tokens = cols.number("max_new_tokens", ok=lambda v: v >= 1, integer=True)
+        prompt = cols.number("prompt_tokens", ok=lambda v: v >= 0, integer=True) if "prompt_tokens" in present else None
+        est = cols.number("est_service_s", ok=positive) if "est_service_s" in present else None
+        true = cols.number("true_service_s", ok=positive) if "true_service_s" in present else None
+        deadline = cols.number("deadline_s", ok=positive, optional=True) if "deadline_s" in present else None
+    else:
+        raise ValueError(
+            f"{path}: unrecognised trace columns {list(frame.columns)}; expected {','.join(AZURE_COLUMNS)} "
+            f"(Azure LLM trace) or at least {','.join(OWN_REQUIRED)} (qlab trace)"
+        )
+    # Real logs are not always sorted; a stable sort keeps the file order among ties.
+    order = np.argsort(arrival, kind="stable")
+    pick = lambda a: None if a is None else a[order]  # noqa: E731
+    arrival, tokens, prompt, est, true, deadline = map(pick, (arrival, tokens, prompt, est, true, deadline))
+    arrival = arrival * time_scale
+    est = model.estimate(tokens) if est is None else est
+    if true is None:
+        true = est * speed * lognormal_noise(random_streams(seed)[2], len(tokens), noise_cv)
+    duration = float(arrival[-1] - arrival[0])
+    meta = dict(path=str(path), time_scale=time_scale, speed=speed, noise_cv=noise_cv, seed=seed)
+    return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=path.stem, meta=meta,
+                  deadline_s=deadline, prompt_tokens=prompt)
