@@ -404,7 +404,7 @@ class Gate:
         est = self.queue.busy_until[k] - ticket.start
         after = self.queue.stall_after_s[k]
         numbers = {**ticket.arrival.numbers(), "engine": k, "running_s": running, "est_service_s": est,
-                   "stall_after_s": after}
+                   "stall_after_s": after, "started_at": ticket.start, "at": now}
         message = (f"engine {k} has run this request for {running:.3f} s, past its stall threshold of "
                    f"{after:.3f} s (max of {self.config.stall_factor:g} x its {est:.3f} s estimate "
                    f"and {self.config.stall_floor_s:g} s); the gate stopped waiting for it")

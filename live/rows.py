@@ -14,6 +14,20 @@ calibrated_est_s (the server's estimate before speed tracking);
 server_arrival_s (when the gate took it, see :func:`_received`); and the
 server's configuration (:meth:`ServerInfo.columns`), so that ``qlab compare``
 can replay the run in the simulator without being told how it ran.
+
+What the gate knew of each request, at the time, for the replay (:mod:`analysis.compare`):
+arrival_speed_factor (the tracker's factor when it arrived) and arrival_est_s
+(calibrated_est_s x that factor: the estimate the admission decision used);
+engine_started_s / engine_returned_s (the gate's clock, mapped onto the run's
+as server_arrival_s is, when the engine took the request and when the gate got
+it back: the engine counted busy in between); engine_reported_s (the engine's
+own time, what the gate's speed tracker was given; also for a failed run,
+which teaches the tracker nothing); failed (the engine raised: reason
+engine_exception) and stalled (the gate gave up on it: engine_stalled). A
+stalled run's hand-back is never reported to its client: its
+engine_returned_s is NaN and its engine_started_s is the answer's arrival at
+the client less the ``running_s`` the gate reported. server_finish_s: when the
+gate ended the request (see :func:`_gate_end`).
 queued_at_arrival is <NA> where the service did not report it (-1 on the way
 in: qsim.records.from_arrays reads -1 in an Int64 column as missing).
 """
@@ -40,6 +54,8 @@ class ServerInfo:
     fixed_estimate: bool
     speed_factor: float
     model: ServiceModel | None  # the server's calibration, when it reports one
+    stall_rule: tuple[float, float] | None = None  # (factor, floor_s); None: the server did not say
+    tracker_weight: float = math.nan  # NaN: the server did not say
 
     def columns(self, n: int) -> dict[str, Any]:
         """Constant per-run columns: the contract between a run file and ``qlab compare``."""
@@ -54,6 +70,9 @@ class ServerInfo:
             "policy_deadline_s": np.full(n, p.deadline_s),
             "fixed_estimate": np.full(n, self.fixed_estimate),
             "initial_speed_factor": np.full(n, self.speed_factor),
+            "stall_factor": np.full(n, math.nan if self.stall_rule is None else self.stall_rule[0]),
+            "stall_floor_s": np.full(n, math.nan if self.stall_rule is None else self.stall_rule[1]),
+            "tracker_weight": np.full(n, self.tracker_weight),
         }
 
 
@@ -68,6 +87,8 @@ def server_info(stats: dict) -> ServerInfo:
     else:
         raise ValueError(f"/stats does not say which policy the server runs: {raw!r}")
     model = stats.get("service_model")
+    stall = stats.get("stall_rule")
+    stall_rule = (number(stall, "factor"), number(stall, "floor_s")) if isinstance(stall, dict) else None
     return ServerInfo(
         policy=policy,
         engines=int(stats.get("engines", 1)),
@@ -75,6 +96,8 @@ def server_info(stats: dict) -> ServerInfo:
         speed_factor=float(stats.get("speed_factor", 1.0)),
         model=ServiceModel(**{k: float(model[k]) for k in ("intercept_s", "per_token_s")})
         if isinstance(model, dict) else None,
+        stall_rule=stall_rule if stall_rule and all(map(math.isfinite, stall_rule)) else None,
+        tracker_weight=number(stats, "tracker_weight"),
     )
 
 
@@ -137,15 +160,26 @@ def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float)
     answered = outcome in records.ANSWERED
     est = next((v for v in (number(timings, "est_service_s"), number(seen, "est_service_s")) if math.isfinite(v)),
                base_est_s)
+    failed = outcome == "error" and reason == "engine_exception"
+    stalled = outcome == "error" and reason == "engine_stalled"
+    ran = timings if answered else seen if failed else {}
+    if stalled and math.isfinite(number(seen, "running_s")):  # ended running_s after the engine took it
+        started, returned = ex.done_s - number(seen, "running_s"), math.nan
+    else:
+        started, returned = number(ran, "started_at") - server_zero, number(ran, "returned_at") - server_zero
     return {
         "outcome": outcome, "reason": reason, "error": error, "est": est,
         "engine_s": number(timings, "engine_s") if answered else math.nan,
         "queue_s": number(timings, "queue_s"), "total_s": number(timings, "total_s"),
         "tokens": _int_or(body.get("tokens"), -1) if answered else -1,
-        "engine": _int_or(body.get("engine"), -1),
+        "engine": _int_or(body.get("engine", seen.get("engine")), -1),
         "queued": _int_or(seen.get("queued"), -1), "queued_work": number(seen, "queued_work_s"),
         "retry_after": _retry_after(ex), "status": -1 if ex.status is None else ex.status,
         "received": _received(ex, outcome, timings, seen, server_zero),
+        "speed_factor": number(seen, "speed_factor"), "started": started, "returned": returned,
+        "reported": number(ran, "engine_s"), "failed": failed, "stalled": stalled,
+        "waited": number(seen, "waited_s") if outcome == "expired" else 0.0 if outcome == "rejected" else math.nan,
+        "running": number(seen, "running_s") if stalled else math.nan,
     }
 
 
@@ -217,9 +251,26 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
         "tokens": _nullable_int(rows["tokens"]),
         "prompt_words": np.asarray(prompt_words, dtype=np.int64),
         "server_arrival_s": rows["received"].to_numpy(float),
+        "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
+        "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),
+        "engine_started_s": rows["started"].to_numpy(float),
+        "engine_returned_s": rows["returned"].to_numpy(float),
+        "engine_reported_s": rows["reported"].to_numpy(float),
+        "failed": rows["failed"].to_numpy(bool),
+        "stalled": rows["stalled"].to_numpy(bool),
+        "server_finish_s": _gate_end(rows),
         **info.columns(len(trace)),
     })
     return records.validate(frame)
+
+
+def _gate_end(rows: pd.DataFrame) -> np.ndarray:
+    """When the gate ended each request, on the run's clock: the hand-back of a run, the arrival of a
+    refusal, arrival + waited_s of a drop, start + running_s of a stalled run; NaN when unknown."""
+    ran = rows["returned"].to_numpy(float)
+    refused = rows["received"].to_numpy(float) + rows["waited"].to_numpy(float)
+    stalled = rows["started"].to_numpy(float) + rows["running"].to_numpy(float)
+    return np.where(np.isfinite(ran), ran, np.where(np.isfinite(refused), refused, stalled))
 
 
 def _int_or(value: Any, default: int) -> int:

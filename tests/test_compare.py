@@ -1,30 +1,89 @@
 """Simulator versus service, request by request (analysis/compare.py and `qlab compare`).
 
-The pure parts run on runs made by the simulator itself (which must agree with
-itself exactly); the end-to-end ones replay traces against real `qlab serve`
+The pure parts run on live-like runs made by the simulator itself, written in
+exactly the run-file format `qlab replay` produces (answer bodies read back by
+live.rows), with a hand-back delay and engine failures: the replay must agree
+with them exactly. The end-to-end ones replay traces against real `qlab serve`
 subprocesses with the synthetic engine.
 """
+
+import json
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.compare import compare, confusion, held_s, run_setup
-from qsim import make_trace, preset, records, simulate
+from analysis.compare import compare, confusion, predict, run_setup
+from qsim import from_arrays, make_trace, preset, records, simulate
+from qsim.queue import StallRule
+
+ZERO = 1000.0  # the gate's clock at the run's time 0: the rows must map it away
 
 
-def as_live_run(trace, policy, engines=1):
-    """A simulated run dressed as a live one: the columns `qlab replay` adds beside the schema."""
-    from live.rows import ServerInfo
+def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, trip_in_s=4e-4, trip_out_s=3e-4):
+    """A live run made by the simulator, in exactly the format `qlab replay` writes.
 
-    run = simulate(trace, preset(policy), engines)
-    answered = run["outcome"].isin(records.ANSWERED).to_numpy()
-    run["calibrated_est_s"] = trace.est_service_s
-    run["engine_s"] = np.where(answered, trace.true_service_s, np.nan)
-    run["queue_s"] = run["start_s"] - run["arrival_s"]
-    for name, values in ServerInfo(preset(policy), engines, False, 1.0, None).columns(len(run)).items():
-        run[name] = values
-    return run
+    The engine of request i runs trace.true_service_s (0 when it fails: instant failures, every
+    ``fail_every``-th request) and is held handback_s longer (the hand-back to the gate); the
+    tracker learns the engine's time. Each outcome becomes the answer body the service gives
+    (live.http_api), read back by live.rows.to_frame.
+    """
+    from live.rows import Exchange, ServerInfo, to_frame
+
+    n = len(trace)
+    failed = np.zeros(n, dtype=bool)
+    if fail_every:
+        failed[fail_every - 1::fail_every] = True
+    engine_s = np.where(failed, 0.0, trace.true_service_s)
+    held = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=engine_s + handback_s,
+                       est_service_s=trace.est_service_s, deadline_s=trace.deadline_s)
+    sim = simulate(held, preset(policy), engines, failed=failed, reported_s=engine_s, stall=StallRule())
+    exchanges = []
+    for i, r in sim.iterrows():
+        arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
+        admission = {"arrived_at": arrival + ZERO, "est_service_s": est, "deadline_s": r["deadline_s"],
+                     "queued": int(r["queued_at_arrival"]), "queued_work_s": r["queued_work_at_arrival_s"],
+                     "speed_factor": est / base}
+        start, finish = r["start_s"], r["finish_s"]
+        ran = {"started_at": start + ZERO, "returned_at": finish + ZERO}
+        outcome = r["outcome"]
+        if outcome in records.ANSWERED:
+            status, body = 200, {"text": "", "tokens": int(r["max_new_tokens"]), "outcome": outcome,
+                                 "engine": int(r["engine"]), "admission": admission,
+                                 "timings": {"queue_s": start - arrival, "engine_s": engine_s[i],
+                                             "total_s": finish - arrival, "est_service_s": est, **ran}}
+        elif outcome == "rejected":
+            status, body = 503, {"error": {"type": "overloaded", "reason": r["reason"], "message": "",
+                                           "numbers": admission, "retry_after_s": int(r["retry_after_s"])}}
+        elif outcome == "expired":
+            status, body = 503, {"error": {"type": "deadline_exceeded", "reason": r["reason"], "message": "",
+                                           "numbers": {**admission, "waited_s": finish - arrival}}}
+        elif r["reason"] == "engine_stalled":  # ran past its threshold, or given up behind stalled engines
+            numbers = ({"engine": int(r["engine"]), "running_s": finish - start, "est_service_s": est}
+                       if r["engine"] is not pd.NA else {"waited_s": finish - arrival, "stalled_engines": engines})
+            status, body = 500, {"error": {"type": "engine_error", "reason": "engine_stalled", "message": "",
+                                           "numbers": {**admission, **numbers}}}
+        else:
+            assert r["reason"] == "engine_exception"
+            status, body = 500, {"error": {"type": "engine_error", "reason": "engine_exception", "message": "",
+                                           "numbers": {**admission, "engine": int(r["engine"]), **ran,
+                                                       "engine_s": engine_s[i]}}}
+        sent = arrival - trip_in_s
+        exchanges.append(Exchange(sent, sent, finish + trip_out_s, status, body))
+    info = ServerInfo(preset(policy), engines, False, 1.0, None, stall_rule=(10.0, 5.0), tracker_weight=0.2)
+    return to_frame(trace, exchanges, info, np.full(n, 16), server_zero=ZERO)
+
+
+def assert_no_disagreement(result):
+    s = result.summary
+    assert s["disagreements"] == 0 and s["failure_disagreements"] == 0, result.joined.query("~agree")
+    assert s["independent_disagreements"] == 0 and s["cascade_disagreements"] == 0
+    assert np.isnan(s["first_divergence_s"]) and np.isnan(s["first_disagreement_s"])
+    assert s["reasons_agree"] == s["both_refused"] and s["reasons_disagree"] == 0
+    assert s["latency_abs_error_p99_s"] == pytest.approx(0.0, abs=1e-9)
+    for outcome in ("good", "late", "rejected", "expired", "error"):
+        assert s[f"live_{outcome}"] == s[f"sim_{outcome}"]
+    assert result.joined["same_queue"].all() and not result.joined["diverged"].any()
 
 
 @pytest.mark.parametrize("policy", ["none", "bounded", "bounded-deadline", "predictive"])
@@ -32,57 +91,137 @@ def as_live_run(trace, policy, engines=1):
 def test_the_simulator_agrees_with_itself_exactly(policy, arrivals):
     length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 60}
     trace = make_trace(arrivals, load=1.5, seed=3, noise_cv=0.3, **length)
-    result = compare(as_live_run(trace, policy))
+    result = compare(live_like_run(trace, policy))
+    assert_no_disagreement(result)
+    assert result.summary["requests"] == len(trace) and result.confusion.to_numpy().sum() == len(trace)
+
+
+@pytest.mark.parametrize("policy", ["bounded-deadline", "predictive"])
+def test_hand_back_delay_and_failures_are_replayed_as_the_gate_saw_them(policy):
+    # The engine is held 2 ms past its own time (the tracker learns the engine's time), and every 7th
+    # run fails at once: the replay must hold, teach and fail exactly as the gate did.
+    trace = make_trace("poisson", load=2.0, seconds=40, seed=11, noise_cv=0.3)
+    run = live_like_run(trace, policy, handback_s=0.002, fail_every=7)
+    assert run["failed"].sum() > 0 and (run["engine_returned_s"] - run["engine_started_s"]
+                                        - run["engine_reported_s"]).dropna().round(9).eq(0.002).all()
+    result = compare(run)
+    assert_no_disagreement(result)
     s = result.summary
-    assert s["disagreements"] == 0 and s["requests"] == len(trace)
-    assert s["latency_abs_error_p99_s"] == pytest.approx(0.0, abs=1e-9)
-    for outcome in ("good", "late", "rejected", "expired"):
-        assert s[f"live_{outcome}"] == s[f"sim_{outcome}"]
-    assert result.confusion.to_numpy().sum() == len(trace)
+    assert s["engine_failures"] == run["failed"].sum() and s["live_rejected"] + s["live_expired"] > 0
+    # Nothing from the future: what never ran was given its estimate at arrival.
+    never = result.joined["replayed_with"].eq("estimate")
+    assert never.sum() == s["replayed_estimate"] == run["engine_started_s"].isna().sum()
+
+
+def test_the_old_replay_would_have_disagreed():
+    # Learning the held time instead of the engine's (the old replay) moves the tracker: disagreements.
+    trace = make_trace("poisson", load=2.0, seconds=40, seed=11, noise_cv=0.3)
+    run = live_like_run(trace, "predictive", handback_s=0.02)
+    run["engine_reported_s"] = run["engine_returned_s"] - run["engine_started_s"]
+    assert compare(run).summary["disagreements"] > 0
+
+
+@pytest.mark.parametrize("policy", ["none", "bounded-deadline"])
+def test_a_stalled_engine_is_replayed_as_the_gate_saw_it(policy):
+    # Request k hangs for 12 s (its threshold is 5 s): it ends as an error at 5 s, the engine stays
+    # busy until it comes back, and the gate's watchdog gives up on the queue behind it.
+    trace = make_trace("poisson", load=0.8, seconds=30, seed=3)
+    true = trace.true_service_s.copy()
+    k = int(np.searchsorted(trace.arrival_s, 5.0))
+    true[k] = 12.0
+    hung = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=true, est_service_s=trace.est_service_s)
+    run = live_like_run(hung, policy)
+    # none: the queue behind it ends as engine_stalled errors; bounded-deadline: expired.
+    assert run.loc[k, "stalled"] and run["outcome"].isin(["error", "expired"]).sum() > 1
+    result = compare(run)
+    s = result.summary
+    assert s["replayed_stalled"] == 1 and s["failure_disagreements"] == 0 and s["disagreements"] == 0
+    assert result.joined.set_index("request_id").loc[k, "sim_outcome"] == "error"
 
 
 def test_two_engines_and_run_setup_round_trip():
     trace = make_trace("poisson", load=1.8, engines=2, seconds=30, seed=5)
-    run = as_live_run(trace, "bounded-deadline", engines=2)
+    run = live_like_run(trace, "bounded-deadline", engines=2, handback_s=0.001, fail_every=9)
     setup = run_setup(run)
     assert setup.engines == 2 and setup.policy == preset("bounded-deadline")
-    assert compare(run).summary["disagreements"] == 0
+    assert setup.stall == StallRule(10.0, 5.0) and setup.tracker_weight == 0.2
+    assert_no_disagreement(compare(run))
 
 
-def test_disagreements_and_latency_error_are_counted():
+def test_one_early_flip_is_one_independent_disagreement_and_a_cascade():
+    trace = make_trace("poisson", load=0.9, seconds=60, seed=4)
+    run = live_like_run(trace, "none")
+    # Request k was answered in time; the run file says its engine was held 3 s longer (a measurement
+    # the replay cannot know is wrong): it ends late in the replay, and the queue behind it grows.
+    k = int(run.index[run["outcome"].eq("good") & (run["arrival_s"] > 5)][0])
+    run.loc[k, "engine_returned_s"] += 3.0
+    result = compare(run)
+    s, joined = result.summary, result.joined.set_index("request_id")
+    assert joined.loc[k, "disagreement"] == "independent" and s["independent_disagreements"] == 1
+    assert s["cascade_disagreements"] >= 2 and s["disagreements"] == 1 + s["cascade_disagreements"]
+    assert s["first_divergence_s"] == pytest.approx(run.loc[k, "server_arrival_s"])
+    assert (joined.loc[joined["disagreement"].eq("cascade"), "gate_arrival_s"] > joined.loc[k, "gate_arrival_s"]).all()
+
+
+def test_disagreements_reasons_and_latency_error_are_counted():
     trace = make_trace("poisson", load=1.5, seconds=30, seed=7)
-    run = as_live_run(trace, "bounded")
-    # The service said no to two requests the simulator will run, and was 50 ms slower on a third.
-    answered = np.flatnonzero(run["outcome"].eq("good"))
-    flip, slow = answered[-2:], answered[0]
-    run.loc[flip, ["outcome", "reason", "start_s", "engine_s"]] = ["rejected", "queue_full", np.nan, np.nan]
-    run.loc[flip, "finish_s"] = run.loc[flip, "arrival_s"]
-    run.loc[slow, "finish_s"] += 0.05
+    run = live_like_run(trace, "bounded")
+    refused = np.flatnonzero(run["outcome"].eq("rejected"))
+    assert len(refused) >= 2
+    # The service said work_limit where the simulator says queue_full, and started one answer 50 ms
+    # later than the simulator does (same hold): 50 ms more in the gate. A slower trip back is no error.
+    run.loc[refused[0], "reason"] = "work_limit"
+    last = int(np.flatnonzero(run["outcome"].eq("good"))[-1])
+    run.loc[last, ["finish_s", "engine_started_s", "engine_returned_s", "server_finish_s"]] += 0.05
+    run.loc[last - 1, "finish_s"] += 0.01
     run["latency_s"] = run["finish_s"] - run["arrival_s"]
     result = compare(run)
-    assert result.summary["disagreements"] == 2
-    assert result.summary["disagreement_rate"] == pytest.approx(2 / len(run))
-    assert result.confusion.loc["rejected", "good"] == 2
+    s = result.summary
+    assert s["reasons_disagree"] == 1 and s["reasons_agree"] == s["both_refused"] - 1
+    assert result.reasons.loc["work_limit", "queue_full"] == 1
     error = result.joined.set_index("request_id")["latency_error_s"]
-    assert error[slow] == pytest.approx(-0.05)
-    assert error.drop(index=slow).abs().max() < 1e-9
+    assert error[last] == pytest.approx(-0.05)
+    assert error.drop(index=last).abs().max() < 1e-9
+
+
+def test_a_refused_request_the_simulator_runs_gets_its_estimate_at_arrival():
+    trace = make_trace("poisson", load=1.5, seconds=30, seed=7)
+    run = live_like_run(trace, "bounded")
+    answered = np.flatnonzero(run["outcome"].eq("good"))
+    flip = answered[-2:]  # the service said no to two requests the simulator will run
+    run.loc[flip, ["outcome", "reason", "start_s", "engine_s", "engine_started_s", "engine_returned_s",
+                   "engine_reported_s"]] = ["rejected", "queue_full", np.nan, np.nan, np.nan, np.nan, np.nan]
+    run.loc[flip, "finish_s"] = run.loc[flip, "arrival_s"]
+    run["latency_s"] = run["finish_s"] - run["arrival_s"]
+    result = compare(run)
+    assert result.summary["disagreements"] == 2 and result.confusion.loc["rejected", "good"] == 2
+    assert result.summary["disagreement_rate"] == pytest.approx(2 / len(run))
+    joined = result.joined.set_index("request_id")
+    assert set(joined.loc[flip, "replayed_with"]) == {"estimate"}
+    assert joined.loc[flip[0], "disagreement"] == "independent"  # the second arrived behind the first's divergence
 
 
 def test_confusion_shows_every_outcome():
     joined = pd.DataFrame({"live_outcome": ["good", "error"], "sim_outcome": ["good", "rejected"]})
     table = confusion(joined)
-    assert list(table.index) == list(records.OUTCOMES) and list(table.columns) == ["good", "late", "rejected", "expired"]
+    assert list(table.index) == list(records.OUTCOMES)
+    assert list(table.columns) == ["good", "late", "rejected", "expired", "error"]
     assert table.loc["good", "good"] == 1 and table.loc["error", "rejected"] == 1 and table.to_numpy().sum() == 2
 
 
-def test_held_time_is_the_gap_between_starts_when_the_next_was_waiting():
-    run = pd.DataFrame({"outcome": ["good", "good", "good", "rejected"], "engine_s": [0.10, 0.20, 0.10, np.nan],
-                        "start_s": [0.0, 0.101, 0.5, np.nan], "queue_s": [0.0, 0.05, 0.0, np.nan],
-                        "engine": pd.array([0, 0, 0, None], dtype="Int64")})
-    held = held_s(run)
-    # 0 handed back at 0.101 to 1, which waited; the others get engine_s + that 1 ms hand-back.
-    np.testing.assert_allclose(held[:3], [0.101, 0.201, 0.101])
-    assert np.isnan(held[3])
+def test_prediction_of_a_run_reports_errors_with_intervals():
+    trace = make_trace("poisson", load=1.5, seconds=60, seed=2, noise_cv=0.1)
+    run = live_like_run(trace, "predictive")
+    result = predict(run, seeds=8, noise_cv=0.1)
+    table = result.table
+    assert list(table.index) == ["share_good", "goodput_rps", "latency_p50_s", "latency_p99_s"]
+    assert (table["ci_low"] <= table["sim_mean"]).all() and (table["sim_mean"] <= table["ci_high"]).all()
+    assert len(result.per_seed) == 8 and result.speed == 1.0 and "no probe" in result.speed_source
+    # The same model with other noise: the live run is one of the seeds' kind.
+    assert abs(table.loc["share_good", "relative_error"]) < 0.1
+    run["speed_before"] = 2.0  # a probe said the machine ran at half speed: the prediction follows it
+    slow = predict(run, seeds=3).table
+    assert slow.loc["latency_p50_s", "sim_mean"] > table.loc["latency_p50_s", "sim_mean"]
 
 
 def test_a_frame_without_the_live_columns_is_refused():
@@ -98,7 +237,8 @@ def test_a_frame_without_the_live_columns_is_refused():
 def servers(tmp_path_factory):
     pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from live.procs import ServeOptions, serving
+    from live.procs import serving
+    from live.serve_options import ServeOptions
 
     with serving([ServeOptions(policy=p) for p in ("bounded", "bounded-deadline", "predictive")],
                  tmp_path_factory.mktemp("logs"), 60) as started:
@@ -112,7 +252,7 @@ def live_run(url, trace):
 
 
 @pytest.mark.parametrize("policy", ["bounded", "bounded-deadline", "predictive"])
-def test_a_live_burst_gives_the_simulators_counts_exactly(servers, policy):
+def test_a_live_burst_is_replayed_exactly(servers, policy):
     run = live_run(servers[policy], make_trace("burst:30", requests=30, seed=1))
     s = compare(run).summary
     assert s["live_errors"] == 0
@@ -120,22 +260,31 @@ def test_a_live_burst_gives_the_simulators_counts_exactly(servers, policy):
     assert all(live == sim for live, sim in counts.values()), (
         f"{policy}: live vs sim counts {counts}; exact counts need the gate's arrival times "
         "(arrived_at in the answers, clock in /stats)")
-    assert s["disagreement_rate"] <= 0.10
+    assert s["disagreements"] == 0 and s["reasons_disagree"] == 0
 
 
-def test_a_live_poisson_run_mostly_agrees_with_the_simulator(servers, tmp_path, capsys):
+def test_a_live_overload_run_is_replayed_request_by_request(servers, tmp_path, capsys):
+    # The issue's case, shortened: predictive at nominal load 2 for 10 s, through a real server
+    # (resident: its tracker does not start at 1) and `qlab compare`.
     from experiments.cli import main
 
-    run = live_run(servers["predictive"], make_trace("poisson", load=1.6, seconds=6, seed=11))
+    run = live_run(servers["predictive"], make_trace("poisson", load=2.0, seconds=10, seed=11))
     path = tmp_path / "run.parquet"
     run.to_parquet(path, index=False)
     assert main(["compare", str(path), "--out", str(tmp_path / "cmp")]) == 0
     text = capsys.readouterr().out
-    assert "outcomes, live (rows) x simulator (columns)" in text and "disagreements:" in text
+    for needle in ("outcomes, live (rows) x simulator (columns)", "disagreements:", "independent (same queue",
+                   "refusal reasons of the", "never started: calibrated estimate x speed factor at its arrival"):
+        assert needle in text
     joined = pd.read_parquet(tmp_path / "cmp" / "compare.parquet")
     assert len(joined) == len(run) and joined["request_id"].is_unique
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     s = compare(run).summary
-    assert s["live_errors"] == 0 and s["disagreement_rate"] <= 0.10
-    assert s["latency_abs_error_p50_s"] < 0.02  # the simulator knows the service times it ran
-    assert 0.9 < s["measured_speed"] < 1.2
+    assert s["live_errors"] == 0 and s["live_rejected"] > 0
+    assert s["disagreement_rate"] < 0.005, compare(run).joined.query("~agree")
+    assert s["reasons_disagree"] == 0
+    assert s["latency_abs_error_p99_s"] < 0.005
+    assert main(["compare", str(path), "--predict", "--seeds", "3", "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)
+    assert set(predicted["metrics"]) == {"share_good", "goodput_rps", "latency_p50_s", "latency_p99_s"}
+    assert "no probe" in predicted["speed_source"]
