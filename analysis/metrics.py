@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from qsim.records import ANSWERED, OUTCOMES
+from qsim.records import OUTCOMES
 
 
 def run_duration(frame: pd.DataFrame, duration_s: float | None = None) -> float:
@@ -28,36 +28,50 @@ def summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, f
     Latency percentiles are over the answered (good or late); refusal_* over the
     time it took to say no (rejected or expired).
     """
-    seconds = run_duration(frame, duration_s)
-    outcome = frame["outcome"]
-    counts = outcome.value_counts()
-    n = len(frame)
-    good = outcome.eq("good")
-    answered = frame.loc[outcome.isin(ANSWERED), "latency_s"]
-    refused = frame.loc[outcome.isin(["rejected", "expired"]), "latency_s"]
-    row: dict[str, float] = {"requests": n}
-    row.update({o: int(counts.get(o, 0)) for o in OUTCOMES})
-    lat = np.quantile(answered.to_numpy(), [0.5, 0.9, 0.99]) if len(answered) else [math.nan] * 3
-    ref = np.quantile(refused.to_numpy(), [0.5, 0.99]) if len(refused) else [math.nan] * 2
-    row.update(
-        share_good=good.mean() if n else math.nan,
-        goodput_rps=good.sum() / seconds,
-        good_tokens_per_s=frame.loc[good, "max_new_tokens"].sum() / seconds,
-        latency_p50_s=lat[0], latency_p90_s=lat[1], latency_p99_s=lat[2],
-        refusal_p50_s=ref[0], refusal_p99_s=ref[1],
-    )
-    return {k: float(v) for k, v in row.items()}
+    return _summary(*_columns(frame), run_duration(frame, duration_s))
 
 
 def by_class(frame: pd.DataFrame, duration_s: float | None = None) -> pd.DataFrame:
     """:func:`summary` for each size class, one row each, ordered by size."""
     seconds = run_duration(frame, duration_s)
-    rows = {cls: summary(part, seconds) for cls, part in frame.groupby("size_class", sort=False)}
+    columns = _columns(frame)
+    labels = frame["size_class"].to_numpy(dtype=object)
+    rows = {}
+    for cls in pd.unique(labels):
+        mine = labels == cls
+        rows[cls] = _summary(*(c[mine] for c in columns), seconds)
     table = pd.DataFrame.from_dict(rows, orient="index")
     order = sorted(table.index, key=_class_key)
     table = table.loc[order]
     table.index.name = "size_class"
     return table
+
+
+def _columns(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # numpy arrays, read once: a sweep summarises every cell and each size class in it, and pandas'
+    # string comparisons cost more than the rest of a small cell's summary.
+    return (frame["outcome"].to_numpy(dtype=object), frame["latency_s"].to_numpy(dtype=float),
+            frame["max_new_tokens"].to_numpy())
+
+
+def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, seconds: float) -> dict[str, float]:
+    n = len(outcome)
+    each = {o: outcome == o for o in OUTCOMES}
+    good = each["good"]
+    answered = latency[each["good"] | each["late"]]
+    refused = latency[each["rejected"] | each["expired"]]
+    row: dict[str, float] = {"requests": n}
+    row.update({o: int(mask.sum()) for o, mask in each.items()})
+    lat = np.quantile(answered, [0.5, 0.9, 0.99]) if len(answered) else [math.nan] * 3
+    ref = np.quantile(refused, [0.5, 0.99]) if len(refused) else [math.nan] * 2
+    row.update(
+        share_good=good.mean() if n else math.nan,
+        goodput_rps=good.sum() / seconds,
+        good_tokens_per_s=tokens[good].sum() / seconds,
+        latency_p50_s=lat[0], latency_p90_s=lat[1], latency_p99_s=lat[2],
+        refusal_p50_s=ref[0], refusal_p99_s=ref[1],
+    )
+    return {k: float(v) for k, v in row.items()}
 
 
 def _class_key(label: str) -> tuple[float, str]:

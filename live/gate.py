@@ -320,14 +320,16 @@ class Gate:
         self.submitted += 1
         base = float(self.config.model.estimate(job.max_new_tokens))
         deadline = self.policy.deadline_s if job.deadline_s is None else job.deadline_s
-        ticket = _Ticket(job, None, self._loop.create_future())  # type: ignore[arg-type]
+        ticket = _Ticket(job, None, None)  # type: ignore[arg-type]
         refusal = self.queue.arrive(ticket, now, base, deadline)
-        # Set after: a ticket an idle engine took inside arrive() comes back on a later loop turn.
+        # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn, and a
+        # refusal (most arrivals under overload) needs no future.
         ticket.arrival = Arrival(now, deadline, *self.queue.seen)
         if refusal is not None:
             self.counts["rejected"] += 1
             self.rejected_by_reason[refusal.reason] = self.rejected_by_reason.get(refusal.reason, 0) + 1
             raise Rejected(refusal, ticket.arrival)
+        ticket.future = self._loop.create_future()
         ticket.future.add_done_callback(partial(self._on_future_done, ticket))
         return ticket.future
 
