@@ -110,7 +110,9 @@ def run_setup(run: pd.DataFrame) -> RunSetup:
     policy = Policy(str(_constant(run, "policy")), max_queue=None if bound is None else int(bound),
                     max_queued_seconds=None if work is None else float(work),
                     predictive=bool(_constant(run, "predictive")), deadline_s=float(_constant(run, "policy_deadline_s")),
-                    expire_at_front=bool(_constant(run, "expire_at_front")))
+                    expire_at_front=bool(_constant(run, "expire_at_front")),
+                    # A run file from before disciplines: the gate served FIFO.
+                    discipline=str(_constant(run, "discipline")) if "discipline" in run.columns else "fifo")
     # An older run file does not say: the gate's defaults then (StallRule(), weight 0.2).
     factor = _constant(run, "stall_factor") if "stall_factor" in run.columns else None
     floor = _constant(run, "stall_floor_s") if "stall_floor_s" in run.columns else None

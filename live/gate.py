@@ -147,12 +147,13 @@ class Rejected(Exception):
 
 
 class DeadlineExceeded(Exception):
-    """Dropped unrun at the front: it could not finish by its deadline even if started then."""
+    """Dropped unrun at the front: it could not finish by its deadline even if started then
+    (``cannot_finish``), or the discipline dropped it there (``codel``)."""
 
-    reason = EXPIRE_REASON
-
-    def __init__(self, numbers: dict[str, float], retry_after_s: int, arrival: Arrival) -> None:
-        super().__init__(EXPIRE_REASON)
+    def __init__(self, numbers: dict[str, float], retry_after_s: int, arrival: Arrival,
+                 reason: str = EXPIRE_REASON) -> None:
+        super().__init__(reason)
+        self.reason = reason
         self.numbers = numbers
         self.retry_after_s = retry_after_s
         self.arrival = arrival
@@ -257,7 +258,7 @@ class Gate:
         self.workers = len(self.engines)
         self.queue = AdmissionQueue(config.policy, self.workers, start=self._start, drop=self._drop,
                                     tracker=SpeedTracker(weight=config.tracker_weight, fixed=config.fixed_estimate),
-                                    stall=config.stall_rule, gone=_gone)
+                                    stall=config.stall_rule, gone=_gone, discipline=config.policy.make_discipline())
         self.counts = dict.fromkeys(COUNTED, 0)
         self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
         self.cancelled = 0  # clients that left before their answer
@@ -346,7 +347,7 @@ class Gate:
         waited = now - a.at
         if outcome == "expired":
             numbers = {**a.numbers(), "est_service_s": est, "waited_s": waited, "left_s": a.deadline_s - waited}
-            self._resolve(ticket, outcome, exc=DeadlineExceeded(numbers, retry_after(self.queue.wait_s(now)), a))
+            self._resolve(ticket, outcome, exc=DeadlineExceeded(numbers, retry_after(self.queue.wait_s(now)), a, reason))
             return
         numbers = {**a.numbers(), "waited_s": waited, "stalled_engines": self.workers}
         message = (f"every engine is stalled; this request waited {waited:.3f} s, past its deadline of "

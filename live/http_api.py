@@ -128,6 +128,8 @@ _REFUSAL_TEXT = {
                             "deadline of {deadline_s:.3f} s",
     "cannot_finish": "dropped when it reached the front after {waited_s:.3f} s: {est_service_s:.3f} s of service "
                      "would end after its deadline of {deadline_s:.3f} s",
+    "codel": "dropped by CoDel when it reached the front after waiting {waited_s:.3f} s: waits have stayed "
+             "above the target for longer than the interval",
 }
 
 

@@ -67,6 +67,7 @@ class ServerInfo:
             "max_queued_seconds": np.full(n, np.nan if p.max_queued_seconds is None else p.max_queued_seconds),
             "predictive": np.full(n, p.predictive),
             "expire_at_front": np.full(n, p.expire_at_front),
+            "discipline": pd.array([p.discipline] * n, dtype="string"),
             "policy_deadline_s": np.full(n, p.deadline_s),
             "fixed_estimate": np.full(n, self.fixed_estimate),
             "initial_speed_factor": np.full(n, self.speed_factor),

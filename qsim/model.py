@@ -214,7 +214,7 @@ def simulate(
         if values is not None and np.shape(values) != (len(trace),):
             raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
     tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
-    run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall), engines, failed=failed,
+    run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline()), engines, failed=failed,
                reported_s=reported_s, cancel_after_s=cancel_after_s, watch_interval_s=watch_interval_s)
     run.arrivals()
     run.env.run()

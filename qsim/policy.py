@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from .disciplines import DISCIPLINES
+
 #: Reasons a request can be refused at arrival, in the order they are checked.
 REJECT_REASONS = ("queue_full", "work_limit", "deadline_unreachable")
 #: Reason recorded for a request dropped unrun when it reached the front.
@@ -31,6 +33,8 @@ class Policy:
     deadline_s: the deadline a request gets when it does not bring its own.
     expire_at_front: drop a waiting request unrun when it reaches the front
         and could not finish by its deadline even if started now.
+    discipline: the order waiting requests start in, a name in
+        :data:`qsim.disciplines.DISCIPLINES` (the study's is fifo).
     """
 
     name: str = "custom"
@@ -39,14 +43,21 @@ class Policy:
     predictive: bool = False
     deadline_s: float = 2.0
     expire_at_front: bool = False
+    discipline: str = "fifo"
 
     def __post_init__(self) -> None:
+        if self.discipline not in DISCIPLINES:
+            raise ValueError(f"unknown discipline {self.discipline!r}; choose one of {', '.join(DISCIPLINES)}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_queued_seconds is not None and not self.max_queued_seconds > 0:
             raise ValueError(f"max_queued_seconds must be > 0, got {self.max_queued_seconds}")
         if not (self.deadline_s > 0 and math.isfinite(self.deadline_s)):
             raise ValueError(f"deadline_s must be a positive number of seconds, got {self.deadline_s}")
+
+    def make_discipline(self):
+        """A new, empty queue of this policy's discipline (one per queue: it holds the waiting)."""
+        return DISCIPLINES[self.discipline]()
 
     def with_overrides(self, max_queue: int | None = None, deadline_s: float | None = None) -> "Policy":
         """The preset with a different bound or default deadline (CLI --max-queue, --deadline)."""
@@ -64,7 +75,15 @@ PRESETS: Mapping[str, Policy] = {
     "bounded-deadline": Policy("bounded-deadline", max_queue=8, deadline_s=2.0, expire_at_front=True),
     # Expiry at the front stays as a second line behind the arrival check.
     "predictive": Policy("predictive", predictive=True, deadline_s=2.0, expire_at_front=True),
+    # Beyond the study: the same predictive admission, other orders of service.
+    "predictive-edf": Policy("predictive-edf", predictive=True, expire_at_front=True, discipline="edf"),
+    "predictive-sjf": Policy("predictive-sjf", predictive=True, expire_at_front=True, discipline="sjf"),
+    # No bound at arrival; the order (and CoDel's drops) does the work under overload.
+    "adaptive-lifo": Policy("adaptive-lifo", expire_at_front=True, discipline="adaptive-lifo"),
+    "codel": Policy("codel", discipline="codel"),
 }
+#: The reference study's four policies (its sweeps and figures are over these).
+STUDY = ("none", "bounded", "bounded-deadline", "predictive")
 
 
 def preset(name: str) -> Policy:

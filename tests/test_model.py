@@ -145,3 +145,23 @@ def test_failures_and_clients_that_leave_end_in_one_outcome_each():
     slower = simulate(trace, PRESETS["none"], reported_s=trace.true_service_s * 2)
     assert slower.attrs["speed_factor"] > 1.5 * clean.attrs["speed_factor"]
     np.testing.assert_array_equal(slower["start_s"].notna(), clean["start_s"].notna())
+
+
+def test_disciplines_change_who_is_served_not_how_many_are_decided():
+    trace = make_trace("poisson", "mix", load=2.0, seconds=300, seed=4, noise_cv=0.2)
+    fifo = records.validate(simulate(trace, PRESETS["predictive"]))
+    sjf = records.validate(simulate(trace, PRESETS["predictive-sjf"]))
+    short = trace.max_new_tokens == 4
+    # Shortest first starts the 4-token requests ahead of the waiting 64-token ones.
+    assert sjf.loc[short, "outcome"].eq("good").mean() > fifo.loc[short, "outcome"].eq("good").mean()
+    nearer = make_trace("poisson", "mix", load=1.3, seconds=300, seed=4, noise_cv=0.2)
+    codel = records.validate(simulate(nearer, PRESETS["codel"]))
+    assert set(codel.loc[codel["outcome"].eq("expired"), "reason"]) == {"codel"}
+    assert codel["outcome"].eq("good").mean() > 0.5 > simulate(nearer, PRESETS["none"])["outcome"].eq("good").mean()
+
+
+def test_a_policy_names_a_known_discipline():
+    with pytest.raises(ValueError, match="unknown discipline 'random'; choose one of fifo, lifo"):
+        Policy(discipline="random")
+    p = PRESETS["predictive-edf"]
+    assert p.make_discipline() is not p.make_discipline()  # one per queue
