@@ -47,6 +47,7 @@ the seeds, as Vidur-like simulators report their error.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, from_arrays, simulate
-from qsim.policy import on_time
+from qsim.policy import on_time, policy_from_fields
 from qsim.queue import StallRule
 from qsim.records import ANSWERED, OUTCOMES
 from qsim.workload import lognormal_noise
@@ -105,14 +106,18 @@ def run_setup(run: pd.DataFrame) -> RunSetup:
         raise ValueError(f"not a live run file (from qlab replay): it lacks columns {missing}")
     if run.empty:
         raise ValueError("the run has no requests")
-    bound = _constant(run, "max_queue")
-    work = _constant(run, "max_queued_seconds")
-    policy = Policy(str(_constant(run, "policy")), max_queue=None if bound is None else int(bound),
-                    max_queued_seconds=None if work is None else float(work),
-                    predictive=bool(_constant(run, "predictive")), deadline_s=float(_constant(run, "policy_deadline_s")),
-                    expire_at_front=bool(_constant(run, "expire_at_front")),
-                    # A run file from before disciplines: the gate served FIFO.
-                    discipline=str(_constant(run, "discipline")) if "discipline" in run.columns else "fifo")
+    if "policy_fields" in run.columns:  # every field, a policy class's own parameters too
+        policy = policy_from_fields(json.loads(str(_constant(run, "policy_fields"))))
+    else:
+        bound = _constant(run, "max_queue")
+        work = _constant(run, "max_queued_seconds")
+        policy = Policy(str(_constant(run, "policy")), max_queue=None if bound is None else int(bound),
+                        max_queued_seconds=None if work is None else float(work),
+                        predictive=bool(_constant(run, "predictive")),
+                        deadline_s=float(_constant(run, "policy_deadline_s")),
+                        expire_at_front=bool(_constant(run, "expire_at_front")),
+                        # A run file from before disciplines: the gate served FIFO.
+                        discipline=str(_constant(run, "discipline")) if "discipline" in run.columns else "fifo")
     # An older run file does not say: the gate's defaults then (StallRule(), weight 0.2).
     factor = _constant(run, "stall_factor") if "stall_factor" in run.columns else None
     floor = _constant(run, "stall_floor_s") if "stall_floor_s" in run.columns else None

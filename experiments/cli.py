@@ -16,7 +16,8 @@ import pandas as pd
 
 from analysis import metrics
 from inputs.argtypes import count, non_negative, number, positive, positive_int
-from qsim import PRESETS, ServiceModel, build_trace, preset, simulate
+from qsim import PRESETS, ServiceModel, build_trace, simulate
+from qsim.policy import parse_args, policy_spec, resolve
 
 
 class UsageError(Exception):
@@ -134,7 +135,8 @@ def _json_ready(obj):
 
 
 def cmd_simulate(args) -> int:
-    policy = preset(args.policy).with_overrides(max_queue=args.max_queue, deadline_s=args.deadline)
+    policy = resolve(args.policy, parse_args(args.policy_arg)).with_overrides(max_queue=args.max_queue,
+                                                                            deadline_s=args.deadline)
     if args.trace and args.trace_conflicts:
         raise UsageError(f"qlab simulate: error: --trace replaces {', '.join(args.trace_conflicts)}; give one or the other")
     if args.time_scale != 1.0 and not args.trace:
@@ -191,7 +193,9 @@ def _simulate_parser(sub) -> None:
                        description="Simulate one admission policy in front of K engines and print outcomes, "
                                    "goodput and latency, by size class too.")
     p.set_defaults(func=cmd_simulate, trace_conflicts=[])
-    p.add_argument("--policy", choices=list(PRESETS), default="none")
+    p.add_argument("--policy", type=policy_spec, default="none", metavar="POLICY",
+                   help=f"a preset ({', '.join(PRESETS)}) or module:Class, a qsim.policy.Policy of your own")
+    p.add_argument("--policy-arg", action="append", metavar="KEY=VALUE", help="a parameter of the policy (repeat)")
     p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
     p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
     p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K)")

@@ -28,7 +28,13 @@ max_queue = [8]              # optional, else the preset's
 mix = ["reference"]          # names from [mixes]; or
 trace = ["data/x.csv"]       # trace files instead of synthetic arrivals (load then unused)
 time_scale = [1.0]           # with trace
+
+[policy_args.codel]          # optional: parameters of a grid policy (its dataclass fields)
+target_s = 0.2
 ```
+
+A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
+(``policy = ["predictive", "slack:LeastSlack"]``; the module must be importable).
 """
 
 from __future__ import annotations
@@ -41,14 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
-from qsim import PRESETS, REFERENCE_MIX, Mix, ServiceModel
+from qsim import REFERENCE_MIX, Mix, ServiceModel
+from qsim.policy import resolve
 from qsim.workload import parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
               "noise_cv": float, "fixed_estimate": bool}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
              "max_queue": int, "mix": str, "trace": str, "time_scale": float}
-SECTIONS = {"sweep", "service", "mixes", "grid"}
+SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,11 @@ class SweepConfig:
     mixes: dict[str, Mix]
     grid: dict[str, tuple]
     source: str = field(default="", compare=False)
+    policy_args: dict[str, dict] = field(default_factory=dict)  # grid policy -> its parameters
+
+    def policy(self, name: str):
+        """The grid policy ``name`` with its [policy_args]."""
+        return resolve(name, self.policy_args.get(name, {}))
 
     def trace_path(self, trace: str) -> Path:
         """A grid trace path: relative ones are from the sweep file's folder."""
@@ -77,6 +89,8 @@ class SweepConfig:
             "service": asdict(self.service),
             "mixes": {k: {"sizes": list(m.sizes), "probs": list(m.probs)} for k, m in sorted(self.mixes.items())},
             "grid": {k: list(v) for k, v in sorted(self.grid.items())},
+            # Only when given, so a config without it keeps the digest (and the folders) it had.
+            **({"policy_args": self.policy_args} if self.policy_args else {}),
         }
 
     @property
@@ -99,8 +113,11 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str,
         if len(set(checked)) != len(checked):
             raise ConfigError(f"{where}: a value appears twice")
         for i, v in enumerate(checked):
-            if key == "policy" and v not in PRESETS:
-                raise ConfigError(f"{where}[{i}]: unknown policy {v!r}; choose one of {', '.join(PRESETS)}")
+            if key == "policy":
+                try:
+                    resolve(v)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key == "mix" and v not in mixes:
                 raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]")
             if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
@@ -179,8 +196,27 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     except ValueError as exc:
         raise ConfigError(f"{path}: [service]: {exc}") from None
     mixes = _mixes(path, data.get("mixes", {}))
-    return SweepConfig(service=model, mixes=mixes, grid=_grid(path, data.get("grid"), mixes, Path(path).parent),
-                       source=path, **s)
+    grid = _grid(path, data.get("grid"), mixes, Path(path).parent)
+    return SweepConfig(service=model, mixes=mixes, grid=grid, source=path,
+                       policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"]), **s)
+
+
+def _policy_args(path: str, table: Any, policies: tuple) -> dict[str, dict]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [policy_args] must be a table of grid policies")
+    out = {}
+    for name, args in table.items():
+        where = f"{path}: policy_args.{_key(name)}"
+        if name not in policies:
+            raise ConfigError(f"{where}: {name!r} is not a grid policy ({', '.join(policies)})")
+        if not isinstance(args, dict):
+            raise ConfigError(f"{where}: expected a table of the policy's parameters")
+        try:
+            resolve(name, args)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        out[name] = dict(args)
+    return out
 
 
 def load(path: str | Path) -> SweepConfig:

@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 
 from analysis import metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
-from qsim import build_trace, preset, simulate
+from qsim import build_trace, simulate
 
 from .config import ConfigError, SweepConfig
 
@@ -117,7 +117,7 @@ def _trace(config: SweepConfig, cell: Cell):
 
 def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     """Simulate one cell: its rows as parquet bytes, and its summaries."""
-    policy = preset(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
+    policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
     trace = _trace(config, cell)
     frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate)
     mix = config.mixes[cell.mix]

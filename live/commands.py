@@ -25,7 +25,6 @@ import socket
 import sys
 import threading
 
-from qsim.policy import preset
 from qsim.service import ServiceModel
 
 from .engine import Faults, SyntheticEngine, parse_schedule
@@ -93,7 +92,7 @@ def _stop_at_stdin_eof() -> None:
 
 def cmd_serve(args) -> int:
     cfg = ServeOptions.from_args(args)
-    policy = preset(cfg.policy).with_overrides(max_queue=cfg.max_queue, deadline_s=cfg.deadline)
+    policy = cfg.make_policy()
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
     if cfg.engine == "gpt2" and not cfg.service_model:
         print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "

@@ -34,6 +34,8 @@ in: qsim.records.from_arrays reads -1 in an Int64 column as missing).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +44,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
-from qsim.policy import on_time
+from qsim.policy import on_time, policy_from_fields
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class ServerInfo:
             "predictive": np.full(n, p.predictive),
             "expire_at_front": np.full(n, p.expire_at_front),
             "discipline": pd.array([p.discipline] * n, dtype="string"),
+            # Every field, a policy class's own parameters too: what compare rebuilds the policy from.
+            "policy_fields": pd.array([json.dumps(dataclasses.asdict(p), sort_keys=True)] * n, dtype="string"),
             "policy_deadline_s": np.full(n, p.deadline_s),
             "fixed_estimate": np.full(n, self.fixed_estimate),
             "initial_speed_factor": np.full(n, self.speed_factor),
@@ -83,8 +87,7 @@ def server_info(stats: dict) -> ServerInfo:
     if isinstance(raw, str):
         policy = preset(raw)
     elif isinstance(raw, dict):
-        known = {k: raw[k] for k in Policy.__dataclass_fields__ if k in raw}
-        policy = Policy(**known)
+        policy = policy_from_fields(raw)
     else:
         raise ValueError(f"/stats does not say which policy the server runs: {raw!r}")
     model = stats.get("service_model")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 from inputs import argtypes
 from inputs.tomlfiles import ConfigError
-from qsim.policy import PRESETS
+from qsim.policy import PRESETS, parse_args, policy_spec, resolve
 
 from .engine import parse_schedule
 
@@ -36,16 +36,20 @@ LOOPBACK = "127.0.0.1"
 
 
 def _option(default, help: str | None = None, *, type=None, choices=None, metavar=None, engine=None, toml=True,
-            check=None, needs=None):
+            check=None, needs=None, many=False):
+    """many: a flag that may be repeated; its values are kept joined by commas."""
     return field(default=default, metadata=dict(help=help, type=type, choices=choices, metavar=metavar,
-                                                engine=engine, toml=toml, check=check, needs=needs))
+                                                engine=engine, toml=toml, check=check, needs=needs, many=many))
 
 
 @dataclass(frozen=True)
 class ServeOptions:
     """Every option of ``qlab serve``; the defaults are the server's."""
 
-    policy: str = _option("none", choices=tuple(PRESETS), toml=False)
+    policy: str = _option("none", f"a preset ({', '.join(PRESETS)}) or module:Class, a qsim.policy.Policy of "
+                                  "your own", type=policy_spec, metavar="POLICY", toml=False)
+    policy_arg: str = _option("", "a parameter of the policy, KEY=VALUE (repeat)", metavar="KEY=VALUE", toml=False,
+                              many=True)
     max_queue: int | None = _option(None, "override the preset's bound on waiting requests", type=argtypes.count)
     deadline: float | None = _option(None, "override the default deadline (seconds)", type=argtypes.positive)
     engine: str = _option("synthetic", choices=("gpt2", "synthetic"))
@@ -84,6 +88,11 @@ class ServeOptions:
     watch_stdin: bool = _option(False, "stop when stdin reaches end of file (for a parent process: the server goes "
                                        "when it goes)", toml=False)
 
+    def make_policy(self):
+        """The policy these options name, with its parameters and the --max-queue / --deadline overrides."""
+        return resolve(self.policy, parse_args([self.policy_arg])).with_overrides(max_queue=self.max_queue,
+                                                                                 deadline_s=self.deadline)
+
     # ------------------------------------------------------------ the command line
 
     @classmethod
@@ -93,6 +102,8 @@ class ServeOptions:
             m = f.metadata
             if _kind(f) is bool:
                 parser.add_argument(_flag(f.name), action="store_true", help=m["help"])
+            elif m["many"]:
+                parser.add_argument(_flag(f.name), action="append", metavar=m["metavar"], help=m["help"])
             else:
                 parser.add_argument(_flag(f.name), type=m["type"], choices=m["choices"], metavar=m["metavar"],
                                     help=m["help"])
@@ -102,6 +113,7 @@ class ServeOptions:
         """The options given on the command line, defaults for the rest; ValueError naming the flag when bad."""
         given = {f.name: getattr(args, f.name) for f in fields(cls)
                  if getattr(args, f.name) is not None and getattr(args, f.name) is not False}  # 0 is given
+        given.update({name: ",".join(given[name]) for name in given if cls.__dataclass_fields__[name].metadata["many"]})
         engine = given.get("engine", cls.engine)
         wrong = [f for f in fields(cls) if f.metadata["engine"] not in (None, engine) and f.name in given]
         if wrong:
@@ -110,6 +122,7 @@ class ServeOptions:
         options = cls(**given)
         for name, (other, why) in options._unmet_needs():
             raise ValueError(f"{_flag(name)}: only with {_flag(other)} ({why})")
+        options.make_policy()  # a parameter the policy does not have is refused before anything starts
         for f in fields(cls):
             if f.metadata["check"] and f.name in given:
                 f.metadata["check"](given[f.name])

@@ -21,6 +21,9 @@ from collections import deque
 
 #: Reason of a request CoDel dropped at the front.
 CODEL_REASON = "codel"
+#: Positions in an entry: when it arrived, its calibrated estimate, its deadline (seconds after
+#: arrival) and its priority (entry[0] is the driver's own handle).
+AT, BASE, DEADLINE, PRIORITY = 1, 2, 3, 4
 
 
 class Fifo(deque):
@@ -57,8 +60,8 @@ class AdaptiveLifo(deque):
         return self.pop() if len(self) >= self.threshold else self.popleft()
 
 
-class _Keyed:
-    """A heap ordered by ``key(entry)``, ties broken by arrival order (a counter)."""
+class Keyed:
+    """A heap ordered by ``key(entry)``, ties broken by arrival order: subclass it and give ``key``."""
 
     def __init__(self) -> None:
         self._heap: list = []
@@ -89,21 +92,21 @@ class _Keyed:
         return (item[-1] for item in self._heap)
 
 
-class Edf(_Keyed):
+class Edf(Keyed):
     """Earliest deadline first (absolute deadline: arrival + its deadline)."""
 
     def key(self, entry) -> tuple:
-        return (entry[1] + entry[3],)
+        return (entry[AT] + entry[DEADLINE],)
 
 
-class ShortestFirst(_Keyed):
+class ShortestFirst(Keyed):
     """Shortest estimated job first (by the calibrated estimate: the speed factor scales all alike)."""
 
     def key(self, entry) -> tuple:
-        return (entry[2],)
+        return (entry[BASE],)
 
 
-class Priority(_Keyed):
+class Priority(Keyed):
     """Priority classes, non-preemptive: a higher ``priority`` first; FIFO or EDF inside a class."""
 
     def __init__(self, within: str = "fifo") -> None:
@@ -113,7 +116,7 @@ class Priority(_Keyed):
         self.within = within
 
     def key(self, entry) -> tuple:
-        return (-entry[4], entry[1] + entry[3]) if self.within == "edf" else (-entry[4],)
+        return (-entry[PRIORITY], entry[AT] + entry[DEADLINE]) if self.within == "edf" else (-entry[PRIORITY],)
 
 
 class CoDel(Fifo):

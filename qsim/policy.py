@@ -8,9 +8,14 @@ about a rule, only about the numbers they feed it.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib
 import math
+import types
+import typing
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from .disciplines import DISCIPLINES
 
@@ -56,8 +61,23 @@ class Policy:
             raise ValueError(f"deadline_s must be a positive number of seconds, got {self.deadline_s}")
 
     def make_discipline(self):
-        """A new, empty queue of this policy's discipline (one per queue: it holds the waiting)."""
+        """A new, empty queue of this policy's discipline (one per queue: it holds the waiting).
+
+        A policy class of one's own overrides this to order the queue its way (see docs/policies.md).
+        """
         return DISCIPLINES[self.discipline]()
+
+    def with_args(self, args: Mapping[str, Any]) -> "Policy":
+        """This policy with some parameters changed. Values may be text (``--policy-arg k=v``), converted
+        by the field's type; ValueError naming the parameter, or listing the parameters there are."""
+        hints = typing.get_type_hints(type(self))
+        names = [f.name for f in dataclasses.fields(self) if f.name != "name"]
+        changes = {}
+        for key, value in args.items():
+            if key not in names:
+                raise ValueError(f"policy {self.name!r} has no parameter {key!r}; its parameters are {', '.join(names)}")
+            changes[key] = _typed(key, value, hints[key])
+        return replace(self, **changes) if changes else self
 
     def with_overrides(self, max_queue: int | None = None, deadline_s: float | None = None) -> "Policy":
         """The preset with a different bound or default deadline (CLI --max-queue, --deadline)."""
@@ -84,6 +104,86 @@ PRESETS: Mapping[str, Policy] = {
 }
 #: The reference study's four policies (its sweeps and figures are over these).
 STUDY = ("none", "bounded", "bounded-deadline", "predictive")
+
+
+def resolve(spec: str, args: Mapping[str, Any] | None = None) -> Policy:
+    """The policy a name stands for, with ``args`` applied (:meth:`Policy.with_args`).
+
+    ``spec`` is a preset's name, or ``module:attribute`` naming a :class:`Policy` subclass (built with
+    its defaults and named ``spec``) or instance: the one way simulate, sweeps, serve and compare
+    read a policy. ValueError saying what exists when it names nothing.
+    """
+    if ":" not in spec:
+        return preset(spec).with_args(args or {})
+    module, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"cannot load policy {spec!r}: {type(exc).__name__}: {exc}") from None
+    if isinstance(found, type) and issubclass(found, Policy):
+        found = found(name=spec)
+    if not isinstance(found, Policy):
+        raise ValueError(f"{spec} is a {type(found).__name__}, not a qsim Policy (a subclass or an instance)")
+    return found.with_args(args or {})
+
+
+def policy_from_fields(raw: Mapping[str, Any]) -> Policy:
+    """The policy whose fields (``dataclasses.asdict``, as /stats and run files carry them) these are: resolved
+    by its name, so a policy class of one's own comes back as itself; where the name resolves to nothing
+    here (a class not importable, a renamed policy), a plain Policy of the fields it knows."""
+    fields = {k: v for k, v in raw.items() if k != "name"}
+    try:
+        return resolve(str(raw.get("name")), fields)
+    except ValueError:
+        return Policy(**{k: raw[k] for k in Policy.__dataclass_fields__ if k in raw})
+
+
+def policy_spec(text: str) -> str:
+    """argparse type of ``--policy``: a name :func:`resolve` knows (the text itself is kept)."""
+    try:
+        resolve(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def parse_args(pairs) -> dict[str, str]:
+    """``["k=v", ...]`` (``--policy-arg``, repeatable; a pair may also hold several, comma-separated) -> dict."""
+    out: dict[str, str] = {}
+    for pair in pairs or ():
+        for item in filter(None, (p.strip() for p in str(pair).split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"policy argument {item!r}: expected KEY=VALUE")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _typed(key: str, value: Any, hint) -> Any:
+    """``value`` as the field's type: text is converted, other values are checked."""
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    optional = type(None) in kinds
+    kind = next((k for k in kinds if k is not type(None)), str)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        if optional and text in ("none", "null", ""):
+            return None
+        try:
+            if kind is bool:
+                if text not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(text)
+                return text in ("true", "1", "yes")
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"policy parameter {key}: expected {kind.__name__}, got {value!r}") from None
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ValueError(f"policy parameter {key}: expected {kind.__name__}, got {value!r}")
+    return value
 
 
 def preset(name: str) -> Policy:

@@ -82,7 +82,11 @@ def test_theory_json_shape(capsys):
     [
         (["simulate", "--load", "-1"], "--load"),
         (["simulate", "--load", "nan"], "--load"),
-        (["simulate", "--policy", "fifo"], "invalid choice"),
+        (["simulate", "--policy", "fifo"], "unknown policy 'fifo'; choose one of none, bounded"),
+        (["simulate", "--policy", "nosuchmodule:Policy"], "cannot load policy 'nosuchmodule:Policy'"),
+        (["simulate", "--policy", "predictive", "--policy-arg", "quantum=2"], "has no parameter 'quantum'"),
+        (["simulate", "--policy", "predictive", "--policy-arg", "deadline_s=soon"], "deadline_s: expected float"),
+        (["simulate", "--policy-arg", "deadline_s"], "expected KEY=VALUE"),
         (["simulate", "--engines", "0"], "--engines"),
         (["simulate", "--arrivals", "pareto"], "arrival process"),
         (["simulate", "--arrivals", "gamma:x"], "arrival process"),
