@@ -23,7 +23,7 @@ import pandas as pd
 from qsim import theory
 from qsim.model import simulate
 from qsim.policy import Policy
-from qsim.workload import REFERENCE_MIX, make_trace
+from qsim.workload import REFERENCE_MIX, Mix, make_trace
 from qsim.service import ServiceModel
 
 from .metrics import mean_ci
@@ -55,6 +55,35 @@ def wait_share_over(t: float) -> Stat:
     return partial(_wait_share_over, t)
 
 
+def _class_wait(priority: int, frame: pd.DataFrame) -> float:
+    served = _served(frame)
+    served = served[served["priority"] == priority]
+    return float((served["start_s"] - served["arrival_s"]).mean())
+
+
+def class_wait(priority: int) -> Stat:
+    """Mean wait of the served of one priority class."""
+    return partial(_class_wait, priority)
+
+
+def _size_wait(tokens: int, frame: pd.DataFrame) -> float:
+    served = _served(frame)
+    served = served[served["max_new_tokens"] == tokens]
+    return float((served["start_s"] - served["arrival_s"]).mean())
+
+
+def size_wait(tokens: int) -> Stat:
+    """Mean wait of the served requests of one size."""
+    return partial(_size_wait, tokens)
+
+
+def work_weighted_wait(frame: pd.DataFrame) -> float:
+    """Sum of S_i W_i over sum of S_i: the load-weighted mean wait that the M/G/1 conservation law fixes."""
+    served = _served(frame)
+    s = served["true_service_s"]
+    return float(((served["start_s"] - served["arrival_s"]) * s).sum() / s.sum())
+
+
 def blocked_share(frame: pd.DataFrame) -> float:
     return float(frame["outcome"].eq("rejected").mean())
 
@@ -71,12 +100,18 @@ class Scenario:
     service: str = "exponential"
     max_queue: int | None = None
     checks: tuple[tuple[str, float, Stat], ...] = field(default=())
+    discipline: str = "fifo"
+    high_share: float = 0.0  # share of requests in priority class 1 (the rest in class 0)
+    mix: Mix = REFERENCE_MIX
 
     def run(self, seed: int) -> list[float]:
         mean = None if self.service == "mix" else 1.0
         trace = make_trace("poisson", self.service, load=self.load, engines=self.engines,
-                           requests=self.requests, seed=seed, mean_service_s=mean)
-        frame = simulate(trace, Policy("theory", max_queue=self.max_queue, deadline_s=1e12), self.engines)
+                           requests=self.requests, seed=seed, mean_service_s=mean, mix=self.mix)
+        # Classes from a stream of their own, so the arrivals and sizes are those of the seed.
+        priority = (np.random.default_rng([seed, 1954]).random(len(trace)) < self.high_share).astype(int)
+        policy = Policy("theory", max_queue=self.max_queue, deadline_s=1e12, discipline=self.discipline)
+        frame = simulate(trace, policy, self.engines, priority=priority).assign(priority=priority)
         frame = frame.iloc[int(self.requests * self.warmup_share):]
         return [stat(frame) for _, _, stat in self.checks]
 
@@ -95,6 +130,14 @@ def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
     model = ServiceModel()
     mix_mean, mix_m2 = REFERENCE_MIX.mean_s(model), REFERENCE_MIX.second_moment_s(model)
     lam_mix = 0.9 / mix_mean
+    pk_mix = theory.mg1(lam_mix, mix_mean, mix_m2).wq
+    # Two priority classes on M/M/1 (lambda 0.3 and 0.5, mu 1): Cobham's 1.143 s and 5.714 s.
+    cobham = theory.priority_mg1([0.3, 0.5], [1.0, 1.0], [2.0, 2.0])
+    # Shortest first on two sizes (4 and 64 tokens, 70 % / 30 %) at rho 0.8: Cobham with classes by size.
+    two = Mix((4, 64), (0.7, 0.3))
+    sizes_s = model.estimate(list(two.sizes))
+    lam_two = 0.8 / two.mean_s(model)
+    sjf = theory.priority_mg1(lam_two * np.asarray(two.probs), sizes_s, sizes_s**2)
     return [
         Scenario("M/M/1 rho=0.5", 1, 0.5, n(20_000), 0.1, checks=(
             ("Wq", theory.mm1(0.5, 1).wq, mean_wait),
@@ -134,8 +177,24 @@ def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
             ("Wq", theory.md1(0.9, 1.0).wq, mean_wait),
         )),
         Scenario("M/G/1 reference mix rho=0.9 (P-K)", 1, 0.9, n(60_000), 0.1, service="mix", checks=(
-            ("Wq", theory.mg1(lam_mix, mix_mean, mix_m2).wq, mean_wait),
+            ("Wq", pk_mix, mean_wait),
         )),
+        Scenario("M/M/1 two priority classes rho=0.8 (Cobham)", 1, 0.8, n(60_000), 0.1, discipline="priority",
+                 high_share=0.375, checks=(
+            ("Wq high", cobham[0], class_wait(1)),
+            ("Wq low", cobham[1], class_wait(0)),
+        )),
+        Scenario("M/G/1 two sizes rho=0.8, shortest first", 1, 0.8, n(60_000), 0.1, service="mix", mix=two,
+                 discipline="sjf", checks=(
+            ("Wq 4 tokens", sjf[0], size_wait(4)),
+            ("Wq 64 tokens", sjf[1], size_wait(64)),
+        )),
+        # The conservation law: a work-conserving, non-preemptive order that does not look at the
+        # remaining work moves waiting between requests but keeps sum(S W) / sum(S) at the P-K Wq.
+        *(Scenario(f"M/G/1 reference mix rho=0.9, {d} (conservation)", 1, 0.9, n(60_000), 0.1, service="mix",
+                   discipline=d, high_share=0.3 if d == "priority" else 0.0, checks=(
+            ("load-weighted Wq", pk_mix, work_weighted_wait),
+        )) for d in ("sjf", "priority", "lifo")),
     ]
 
 

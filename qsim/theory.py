@@ -132,3 +132,19 @@ def mmc(lam: float, mu: float, c: int) -> Queue:
 def mmc_wait_tail(lam: float, mu: float, c: int, t: float) -> float:
     """M/M/c: P(wait > t) = C exp(-(c mu - lam) t)."""
     return mmc(lam, mu, c).p_wait * math.exp(-(c * mu - lam) * t)
+
+
+def priority_mg1(lams, means_s, second_moments_s) -> list[float]:
+    """Mean wait of each class of a non-preemptive priority M/G/1, highest priority first (Cobham, 1954).
+
+    W0 = sum(lam_i E[S_i^2]) / 2 is the expected residual work found in service;
+    Wq_k = W0 / ((1 - sigma_{k-1}) (1 - sigma_k)) with sigma_k the load of classes 1..k.
+    Shortest job first over a few job sizes is this with the classes ordered by size.
+    """
+    lams, means, m2 = (np.asarray(v, dtype=float) for v in (lams, means_s, second_moments_s))
+    rho = lams * means
+    if np.any(lams < 0) or not rho.sum() < 1:
+        raise ValueError(f"priority M/G/1 needs total load below 1, got {rho.sum():g}")
+    w0 = float(np.dot(lams, m2)) / 2
+    sigma = np.concatenate([[0.0], np.cumsum(rho)])
+    return [float(w0 / ((1 - sigma[k]) * (1 - sigma[k + 1]))) for k in range(len(lams))]

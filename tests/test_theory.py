@@ -84,3 +84,16 @@ def test_mmc_tail():
 def test_refuses_what_has_no_answer(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_cobham_two_priority_classes():
+    # M/M/1, lambda1 = 0.3 (served first), lambda2 = 0.5, mu = 1.
+    high, low = theory.priority_mg1([0.3, 0.5], [1.0, 1.0], [2.0, 2.0])
+    assert high == pytest.approx(8 / 7) and low == pytest.approx(40 / 7)  # 1.143 and 5.714
+    # The conservation law: load-weighted waits equal the FIFO (P-K) wait of the whole stream.
+    fifo = theory.mg1(0.8, 1.0, 2.0).wq
+    assert (0.3 * high + 0.5 * low) / 0.8 == pytest.approx(fifo)
+    # One class is M/G/1 itself.
+    assert theory.priority_mg1([0.5], [1.0], [2.0])[0] == pytest.approx(theory.mm1(0.5, 1).wq)
+    with pytest.raises(ValueError, match="below 1"):
+        theory.priority_mg1([0.6, 0.5], [1.0, 1.0], [2.0, 2.0])
