@@ -1,12 +1,15 @@
 """How fast does qlab's simulator run, next to plain SimPy and ciw?
 
-Measures simulated requests per wall-clock second, all in one run, for two cases:
+Measures simulated requests per wall-clock second, all in one run, for four cases:
 
 * Case A: M/M/1 at rho 0.9 (Poisson arrivals, exponential service of mean 1 s),
   no admission control.
 * Case B: the ``predictive`` policy at load 2 on the reference mix
   (max_new_tokens 4/16/64 with probabilities 0.5/0.35/0.15, service
   0.001 + 0.0085 * tokens seconds, deadline 2 s).
+* Cases C and D: case B with the queue kept in a heap: earliest deadline first
+  (``predictive-edf``) and two non-preemptive priority classes (30 % high). Their
+  plain SimPy row is case B's FIFO model: a heap must not cost qlab its lead. No ciw rows.
 
 Each case is run by three implementations:
 
@@ -44,7 +47,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import simpy
@@ -58,7 +61,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 # qlab's own targets (ratios measured in the same run): M/M/1 at rho 0.9 with every request
 # recorded at least 1.9x plain SimPy and 4x ciw; predictive at least as fast as plain SimPy.
-TARGETS = {"A": {"plain SimPy": 1.9, "ciw": 4.0}, "B": {"plain SimPy": 1.0, "ciw": 2.0}}
+# Disciplines that need a heap (C: EDF, D: two priority classes) at least at plain SimPy's speed
+# (its model stays the FIFO predictive one of case B: the baseline a heap must not fall behind).
+TARGETS = {"A": {"plain SimPy": 1.9, "ciw": 4.0}, "B": {"plain SimPy": 1.0, "ciw": 2.0},
+           "C": {"plain SimPy": 1.0}, "D": {"plain SimPy": 1.0}}
 CIW_QUEUE_CAPACITY = 13  # ~ deadline 2 s / mean reference-mix service 0.147 s
 
 
@@ -70,6 +76,7 @@ class Case:
     title: str
     trace_kwargs: dict
     policy: Policy
+    classes: bool = False  # draw two priority classes (30 % high) for the requests
 
 
 @dataclass
@@ -94,6 +101,9 @@ def cases(n: int) -> list[Case]:
     return [
         Case("A", "M/M/1 rho 0.9", a, preset("none")),
         Case("B", "predictive, load 2, reference mix", b, preset("predictive")),
+        Case("C", "predictive-edf, load 2, reference mix", b, preset("predictive-edf")),
+        Case("D", "predictive, priority classes, load 2", b, replace(preset("predictive"), discipline="priority"),
+             classes=True),
     ]
 
 
@@ -120,9 +130,9 @@ def best_of(repeat: int, fn, *args):
 # ------------------------------------------------------------------ qlab
 
 
-def run_qlab(trace, policy):
+def run_qlab(trace, policy, priority=None):
     # simulate() returns the full per-request frame, so its construction is timed too.
-    return simulate(trace, policy)
+    return simulate(trace, policy, priority=priority)
 
 
 def qlab_check(frame) -> dict:
@@ -255,13 +265,14 @@ def bench_case(case: Case, args) -> list[Row]:
     trace = make_trace(**case.trace_kwargs)  # not timed
     n = len(trace)
     rows = []
-    sec, frame = best_of(args.repeat, run_qlab, trace, case.policy)
+    priority = (np.random.default_rng(7).random(n) < 0.3).astype(int) if case.classes else None
+    sec, frame = best_of(args.repeat, run_qlab, trace, case.policy, priority)
     rows.append(Row(case.key, "qlab", n, sec, qlab_check(frame)))
     del frame
     sec, (waits, rejected) = best_of(args.repeat, run_plain, case, trace)
     rows.append(Row(case.key, "plain SimPy", n, sec, simpy_check(waits, rejected)))
     del waits, rejected
-    if ciw is not None and not args.no_ciw:
+    if ciw is not None and not args.no_ciw and "ciw" in TARGETS[case.key]:
         m = min(n, args.ciw_requests or n)
         sec, records = best_of(args.repeat, run_ciw, ciw_network(case, trace), m)
         rows.append(Row(case.key, "ciw", m, sec, ciw_check(records), ciw_note(case, m, n)))
@@ -307,6 +318,8 @@ def print_table(rows: list[Row], all_cases: list[Case], args) -> None:
     print()
     for c in all_cases:
         for impl, label in (("plain SimPy", "plain SimPy"), ("ciw", "ciw")):
+            if impl not in TARGETS[c.key]:
+                continue
             target = TARGETS[c.key][impl]
             q = ratio(rows, c.key, impl)
             if q is None:
