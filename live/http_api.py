@@ -15,7 +15,10 @@ dropped at the front), ``invalid_request`` (4xx), ``engine_error`` (500:
 reason ``engine_exception`` when the engine raised, ``engine_stalled`` when
 the gate gave up on a stalled engine, see :mod:`live.gate`) or
 ``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
-server cannot take the work now, not "this client sent too much".
+server cannot take the work now, not "this client sent too much". That one is
+type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
+bucket (``client_rate``, ``client_burst``) refused a client over its rate,
+named by the body's ``client_id`` or the ``x-client-id`` header.
 
 ``GET /healthz`` answers 200 with ``status`` "ok", or "degraded" and the
 stalled engines (how long each has run its request, and its threshold) while
@@ -42,7 +45,7 @@ import asyncio
 import logging
 import math
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -53,9 +56,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from qsim.policy import RATE_LIMITED
+
 from .gate import Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected
 
 GENERATE = "/v1/generate"
+CLIENT_HEADER = "x-client-id"
+CLIENT_ID_CHARS = 128
 ROUTES = f"POST {GENERATE}, GET /stats, GET /healthz, GET /openapi.json"
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,8 @@ def request_model(limits: Limits) -> type[BaseModel]:
         max_new_tokens: Annotated[int, Field(ge=1, le=limits.max_new_tokens)]
         deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
         stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
+        # Whose per-client rate limit it counts against (also the x-client-id header; the body wins).
+        client_id: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
 
         @field_validator("stop", mode="before")
         @classmethod
@@ -121,6 +130,7 @@ def _finite(numbers: dict) -> dict:
 
 
 _REFUSAL_TEXT = {
+    "rate_limited": "this client is over its limit of {client_rate:g} requests/s (bursts of {client_burst:g})",
     "queue_full": "the queue is full: {queued} waiting, the limit is {max_queue}",
     "work_limit": "queued work {queued_work_s:.3f} s plus this request's {est_service_s:.3f} s passes the limit "
                   "of {max_queued_seconds} s",
@@ -144,6 +154,9 @@ def _refusal_message(reason: str, numbers: dict, retry_after_s: int) -> str:
 async def _overloaded(_: Request, exc: Rejected) -> JSONResponse:
     r = exc.rejection
     numbers = {**exc.arrival.numbers(), **r.numbers}
+    if r.reason == RATE_LIMITED:  # this client sent too much: 429, told apart from the service's overload
+        return error_response(429, "rate_limited", r.reason, _refusal_message(r.reason, numbers, r.retry_after_s),
+                              numbers, r.retry_after_s)
     return error_response(503, "overloaded", r.reason, _refusal_message(r.reason, numbers, r.retry_after_s),
                           numbers, r.retry_after_s)
 
@@ -236,7 +249,7 @@ class _Preparer:
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
         stop = tuple(req.stop or ())
         deadline = None if req.deadline_ms is None else req.deadline_ms / 1000.0
-        return Job(req.prompt, req.max_new_tokens, stop, deadline)
+        return Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id)
 
 
 # ---------------------------------------------------------------------- execute and finish
@@ -354,6 +367,11 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     async def generate(request: Request) -> Response:
         t0 = gate.clock()
         job = prepare(await read_body(request, limits.max_body_bytes))
+        header = request.headers.get(CLIENT_HEADER)
+        if job.client_id is None and header:
+            if len(header) > CLIENT_ID_CHARS:
+                raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
+            job = replace(job, client_id=header)
         # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
         answer = await _outcome(gate.submit(job), request)
         if answer is None:

@@ -130,7 +130,7 @@ def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | No
     error = _error_of(ex.body)
     if ex.status == 200 and isinstance(ex.body, dict) and "timings" in ex.body:
         return ("good" if on_time(ex.done_s - ex.sent_s, deadline_s) else "late"), None, None
-    if ex.status == 503 and error.get("type") == "overloaded":
+    if (ex.status, error.get("type")) in ((503, "overloaded"), (429, "rate_limited")):
         return "rejected", error.get("reason"), None
     if ex.status == 503 and error.get("type") == "deadline_exceeded":
         return "expired", error.get("reason"), None

@@ -43,7 +43,7 @@ class _Run:
     """One simulation: the records it writes, and the processes that drive the queue core."""
 
     def __init__(self, trace: Trace, queue_args: dict, engines: int, *, failed=None, reported_s=None,
-                 cancel_after_s=None, priority=None, watch_interval_s: float = 0.05) -> None:
+                 cancel_after_s=None, priority=None, client=None, watch_interval_s: float = 0.05) -> None:
         n = len(trace)
         self.env = simpy.Environment()
         self.queue = AdmissionQueue(engines=engines, start=self._start, drop=self._drop, **queue_args)
@@ -60,6 +60,7 @@ class _Run:
         if cancel_after_s is not None and np.isfinite(cancel_after_s).any():
             self.patience = np.asarray(cancel_after_s, dtype=float).tolist()
         self.priority = [0] * n if priority is None else np.asarray(priority, dtype=np.int64).tolist()
+        self.client = [None] * n if client is None else list(client)
         self.watch_interval_s = watch_interval_s
         self.est = [_NAN] * n
         self.outcome: list = [None] * n
@@ -115,7 +116,7 @@ class _Run:
             # The trace's own time: SimPy's clock reaches it as now + (t - now), which can be off by
             # a rounding, and a request that starts at once should show exactly zero wait.
             queue = self.queue
-            refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i])
+            refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i])
             self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
             if refusal is not None:
                 self.outcome[i], self.reason[i] = "rejected", refusal.reason
@@ -196,6 +197,7 @@ def simulate(
     reported_s=None,
     cancel_after_s=None,
     priority=None,
+    client=None,
     stall: StallRule | None = None,
     watch_interval_s: float = 0.05,
 ) -> pd.DataFrame:
@@ -205,8 +207,8 @@ def simulate(
     initial_speed_factor is where the tracker starts (a live server's is resident across runs).
     failed (bools), reported_s (the engine's own seconds, which the tracker learns; default the
     true service time), cancel_after_s (seconds after arrival at which the client leaves; NaN:
-    never) and priority (ints, higher first under a priority discipline) are per request, in trace
-    order. stall: the live gate's stall rule (None, the study's model: engines never stall).
+    never), priority (ints, higher first under a priority discipline) and client (any hashable; the
+    policy's per-client token bucket counts by it) are per request, in trace order. stall: the live gate's stall rule (None, the study's model: engines never stall).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
     if engines < 1:
@@ -214,12 +216,12 @@ def simulate(
     if len(trace) and np.any(np.diff(trace.arrival_s) < 0):
         raise ValueError("trace arrivals must be sorted by time")
     for name, values in (("failed", failed), ("reported_s", reported_s), ("cancel_after_s", cancel_after_s),
-                         ("priority", priority)):
+                         ("priority", priority), ("client", client)):
         if values is not None and np.shape(values) != (len(trace),):
             raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
     tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
     run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline()), engines, failed=failed,
-               reported_s=reported_s, cancel_after_s=cancel_after_s, priority=priority,
+               reported_s=reported_s, cancel_after_s=cancel_after_s, priority=priority, client=client,
                watch_interval_s=watch_interval_s)
     run.arrivals()
     run.env.run()

@@ -19,8 +19,10 @@ from typing import Any, Mapping
 
 from .disciplines import DISCIPLINES
 
-#: Reasons a request can be refused at arrival, in the order they are checked.
-REJECT_REASONS = ("queue_full", "work_limit", "deadline_unreachable")
+#: Reasons a request can be refused at arrival, in the order they are checked. rate_limited is a
+#: client over its own rate (HTTP 429); the others are the service over capacity (HTTP 503).
+REJECT_REASONS = ("rate_limited", "queue_full", "work_limit", "deadline_unreachable")
+RATE_LIMITED = "rate_limited"
 #: Reason recorded for a request dropped unrun when it reached the front.
 EXPIRE_REASON = "cannot_finish"
 #: Times closer than this are equal. Sums of the same service times taken in another order
@@ -40,6 +42,9 @@ class Policy:
         and could not finish by its deadline even if started now.
     discipline: the order waiting requests start in, a name in
         :data:`qsim.disciplines.DISCIPLINES` (the study's is fifo).
+    client_rate / client_burst: a token bucket per client (requests per second, and
+        how many may come at once); a client over it is refused ``rate_limited``
+        before anything else is looked at. None: no per-client limit.
     """
 
     name: str = "custom"
@@ -49,8 +54,14 @@ class Policy:
     deadline_s: float = 2.0
     expire_at_front: bool = False
     discipline: str = "fifo"
+    client_rate: float | None = None
+    client_burst: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.client_rate is not None and not (self.client_rate > 0 and math.isfinite(self.client_rate)):
+            raise ValueError(f"client_rate must be a positive number of requests per second, got {self.client_rate}")
+        if not (self.client_burst >= 1 and math.isfinite(self.client_burst)):
+            raise ValueError(f"client_burst must be a number >= 1, got {self.client_burst}")
         if self.discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {self.discipline!r}; choose one of {', '.join(DISCIPLINES)}")
         if self.max_queue is not None and self.max_queue < 0:
@@ -255,6 +266,17 @@ def decide(
             retry_after(wait),
         )
     return None
+
+
+def take_token(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, Rejection | None]:
+    """One request from a client whose bucket held ``tokens`` at ``last``: the tokens left, and the refusal
+    when there was not a whole one (its Retry-After: when there will be). Pure, like :func:`decide`."""
+    tokens = min(burst, tokens + (now - last) * rate)
+    if tokens >= 1.0 - 1e-12:
+        return tokens - 1.0, None
+    wait = (1.0 - tokens) / rate
+    return tokens, Rejection(RATE_LIMITED, {"client_rate": rate, "client_burst": burst, "tokens": tokens,
+                                            "wait_s": wait}, retry_after(wait))
 
 
 def cannot_finish(now: float, est_service_s: float, deadline_at: float) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from .disciplines import Fifo
-from .policy import EXPIRE_REASON, TIME_TOLERANCE_S, Policy, Rejection, cannot_finish, decide, on_time
+from .policy import EXPIRE_REASON, TIME_TOLERANCE_S, Policy, Rejection, cannot_finish, decide, on_time, take_token
 from .service import SpeedTracker
 
 #: Reason of a request ended because its engine stalled, or given up behind stalled engines.
@@ -104,15 +104,17 @@ class AdmissionQueue:
         self._start, self._drop, self._gone = start, drop, gone
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._n_stalled = 0
+        self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
 
     # -- events -------------------------------------------------------------------
 
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-               priority: int = 0) -> Rejection | None:
+               priority: int = 0, client=None) -> Rejection | None:
         """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
 
         deadline_s is relative to ``now``; None takes the policy's. ``self.seen`` holds what
-        the decision was made on; priority orders it under a priority discipline. A request admitted while an engine is idle is in service from
+        the decision was made on; priority orders it under a priority discipline; client names whose
+        token bucket it draws on, where the policy limits each client (None: no client). A request admitted while an engine is idle is in service from
         this instant, so a burst cannot slip one more past a bound than the bound allows.
         """
         if deadline_s is None:
@@ -124,6 +126,10 @@ class AdmissionQueue:
         work = self.waiting_base_s * factor
         idle = self.idle
         self.seen = (est, queued, work, factor)  # a Seen's fields; a bare tuple is 5x cheaper to make
+        if client is not None and self.policy.client_rate is not None:
+            refusal = self._rate_limit(client, now)
+            if refusal is not None:
+                return refusal
         refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, deadline_s,
                          self.engines, len(idle))
         if refusal is not None:
@@ -223,6 +229,15 @@ class AdmissionQueue:
             self._drop(entry[0], now, "expired" if expire else "error", EXPIRE_REASON if expire else STALL_REASON,
                        entry[2] * self.tracker.factor)
         return len(late)
+
+    def _rate_limit(self, client, now: float) -> Rejection | None:
+        # A client's tokens are spent when it asks, admitted or not by the rest of the policy:
+        # the limit is on what a client sends, as a gateway's token bucket is.
+        p = self.policy
+        tokens, last = self.buckets.get(client, (p.client_burst, now))
+        tokens, refusal = take_token(tokens, last, now, p.client_rate, p.client_burst)
+        self.buckets[client] = (tokens, now)
+        return refusal
 
     # -- the numbers ----------------------------------------------------------------
 

@@ -289,3 +289,30 @@ def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):
     assert status == 500 and body["error"]["type"] == "internal_error" and body["error"]["reason"] == "unexpected"
     assert "a bug in the gate" in caplog.text  # the traceback is logged, as Starlette would log it
     assert _in_process_answers(False, requests, submit=broken_submit) == [(status, None, body)]
+
+
+def test_a_client_over_its_rate_gets_429_rate_limited_apart_from_503_overloaded(tmp_path):
+    # One engine, bound 0 (the Erlang loss system: busy means refused), each client 1 request/s in bursts of 2.
+    proc, address = start_server(tmp_path / "serve.log", "--policy", "bounded", "--max-queue", "0",
+                                 "--policy-arg", "client_rate=1", "--policy-arg", "client_burst=2", "--speed", "20")
+    try:
+        body = {"prompt": "x", "max_new_tokens": 64}  # 64 tokens x 20: about 11 s on the engine
+        httpx.post(f"{address}/v1/generate", json={**body, "client_id": "a"}, timeout=0.5)
+    except httpx.ReadTimeout:  # the first runs; its answer is not awaited
+        pass
+    try:
+        busy = httpx.post(f"{address}/v1/generate", json={**body, "client_id": "a"}, timeout=10)
+        limited = httpx.post(f"{address}/v1/generate", json=body, headers={"x-client-id": "a"}, timeout=10)
+        other = httpx.post(f"{address}/v1/generate", json={**body, "client_id": "b"}, timeout=10)
+        assert busy.status_code == 503 and busy.json()["error"]["type"] == "overloaded"
+        assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+        error = limited.json()["error"]
+        assert (error["type"], error["reason"]) == ("rate_limited", "rate_limited")
+        assert "over its limit of 1 requests/s" in error["message"] and error["numbers"]["client_rate"] == 1
+        assert other.status_code == 503  # b has its own bucket: refused for the busy engine, not for a's rate
+        seen = stats(address)
+        assert seen["rejected_by_reason"]["rate_limited"] == 1 and seen["policy"]["client_rate"] == 1.0
+        too_long = httpx.post(f"{address}/v1/generate", json=body, headers={"x-client-id": "c" * 129}, timeout=10)
+        assert too_long.status_code == 422 and "x-client-id" in too_long.json()["error"]["message"]
+    finally:
+        stop_server(proc)

@@ -165,3 +165,17 @@ def test_a_policy_names_a_known_discipline():
         Policy(discipline="random")
     p = PRESETS["predictive-edf"]
     assert p.make_discipline() is not p.make_discipline()  # one per queue
+
+
+def test_a_heavy_client_is_rate_limited_and_the_light_one_is_not():
+    trace = make_trace("poisson", "mix", load=1.5, seconds=120, seed=6)
+    client = np.where(np.arange(len(trace)) % 10 == 0, "light", "heavy")  # heavy sends 90 %
+    policy = Policy("limited", client_rate=4.0, client_burst=5, predictive=True, expire_at_front=True)
+    df = records.validate(simulate(trace, policy, client=client))
+    limited = df["reason"].eq("rate_limited").fillna(False).to_numpy(bool)
+    assert limited[client == "heavy"].mean() > 0.3 and not limited[client == "light"].any()
+    heavy_admitted = (~limited & (client == "heavy")).sum()
+    assert heavy_admitted <= 5 + 4.0 * trace.arrival_s[-1]  # burst + rate x time
+    # Without a client the bucket is not consulted: the same rows as the policy without a limit.
+    same = simulate(trace, policy)
+    assert same["outcome"].tolist() == simulate(trace, PRESETS["predictive"])["outcome"].tolist()

@@ -8,7 +8,7 @@ both drivers rely on.
 import math
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -186,3 +186,24 @@ def test_stall_rule_refuses_nonsense():
         StallRule(0.5, 1.0)
     with pytest.raises(ValueError, match="stall floor"):
         StallRule(2.0, math.inf)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rate=st.floats(0.1, 50), burst=st.integers(1, 10),
+       gaps=st.lists(st.floats(0, 2.0), min_size=1, max_size=80), clients=st.data())
+def test_a_token_bucket_never_admits_more_than_its_rate_and_burst(rate, burst, gaps, clients):
+    policy = Policy(client_rate=rate, client_burst=burst)
+    q = AdmissionQueue(policy, 1000, start=lambda *a: None, drop=lambda *a: None)  # engines never the limit
+    now, admitted = 0.0, {}
+    for i, gap in enumerate(gaps):
+        now += gap
+        client = clients.draw(st.sampled_from("ab"))
+        refusal = q.arrive(i, now, 0.01, client=client)
+        if refusal is None:
+            admitted.setdefault(client, []).append(now)
+        else:
+            assert refusal.reason == "rate_limited" and refusal.retry_after_s >= 1
+    for times in admitted.values():  # in every window [t0, t1]: at most burst + rate x (t1 - t0)
+        for i in range(len(times)):
+            for j in range(i, len(times)):
+                assert j - i + 1 <= burst + rate * (times[j] - times[i]) + 1e-6
