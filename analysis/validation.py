@@ -55,26 +55,15 @@ def wait_share_over(t: float) -> Stat:
     return partial(_wait_share_over, t)
 
 
-def _class_wait(priority: int, frame: pd.DataFrame) -> float:
+def _wait_where(column: str, value, frame: pd.DataFrame) -> float:
     served = _served(frame)
-    served = served[served["priority"] == priority]
+    served = served[served[column] == value]
     return float((served["start_s"] - served["arrival_s"]).mean())
 
 
-def class_wait(priority: int) -> Stat:
-    """Mean wait of the served of one priority class."""
-    return partial(_class_wait, priority)
-
-
-def _size_wait(tokens: int, frame: pd.DataFrame) -> float:
-    served = _served(frame)
-    served = served[served["max_new_tokens"] == tokens]
-    return float((served["start_s"] - served["arrival_s"]).mean())
-
-
-def size_wait(tokens: int) -> Stat:
-    """Mean wait of the served requests of one size."""
-    return partial(_size_wait, tokens)
+def wait_where(column: str, value) -> Stat:
+    """Mean wait of the served whose ``column`` equals ``value`` (a priority class, a size)."""
+    return partial(_wait_where, column, value)
 
 
 def work_weighted_wait(frame: pd.DataFrame) -> float:
@@ -181,13 +170,13 @@ def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
         )),
         Scenario("M/M/1 two priority classes rho=0.8 (Cobham)", 1, 0.8, n(60_000), 0.1, discipline="priority",
                  high_share=0.375, checks=(
-            ("Wq high", cobham[0], class_wait(1)),
-            ("Wq low", cobham[1], class_wait(0)),
+            ("Wq high", cobham[0], wait_where("priority", 1)),
+            ("Wq low", cobham[1], wait_where("priority", 0)),
         )),
         Scenario("M/G/1 two sizes rho=0.8, shortest first", 1, 0.8, n(60_000), 0.1, service="mix", mix=two,
                  discipline="sjf", checks=(
-            ("Wq 4 tokens", sjf[0], size_wait(4)),
-            ("Wq 64 tokens", sjf[1], size_wait(64)),
+            ("Wq 4 tokens", sjf[0], wait_where("max_new_tokens", 4)),
+            ("Wq 64 tokens", sjf[1], wait_where("max_new_tokens", 64)),
         )),
         # The conservation law: a work-conserving, non-preemptive order that does not look at the
         # remaining work moves waiting between requests but keeps sum(S W) / sum(S) at the P-K Wq.

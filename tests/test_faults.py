@@ -407,6 +407,12 @@ def _running(process) -> bool:
         return False
 
 
+def _sweep_process(path, out, *flags: str, start_new_session: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out), *flags,
+                             "--quiet"], env=_child_env(), cwd=ROOT, start_new_session=start_new_session,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def test_sigkilled_sweep_leaves_no_pool_workers_behind(tmp_path):
     # kill -9 runs no cleanup in the sweep: its pool workers must end by themselves (they ask the
     # kernel to kill them with their parent), not wait on their call queue forever as orphans.
@@ -415,9 +421,7 @@ def test_sigkilled_sweep_leaves_no_pool_workers_behind(tmp_path):
     path.write_text("[sweep]\nduration_s = 400\nseeds = 3\n[grid]\npolicy = ['none', 'bounded', 'bounded-deadline', "
                     "'predictive']\nload = [0.5, 1.5]\nspeed = [1.0, 2.25]\n")  # 48 cells
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out), "--workers",
-                             "2", "--quiet"], env=_child_env(), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _sweep_process(path, out, "--workers", "2", start_new_session=True)
     workers = []
     try:
         parent = psutil.Process(proc.pid)
@@ -451,9 +455,7 @@ def test_sigkilled_sweep_on_a_dask_cluster_leaves_no_tasks_behind(tmp_path):
     out = tmp_path / "out"
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                   dashboard_address=None) as cluster, distributed.Client(cluster) as client:
-        proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", str(path), "--out", str(out),
-                                 "--scheduler", cluster.scheduler_address, "--quiet"], env=_child_env(), cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = _sweep_process(path, out, "--scheduler", cluster.scheduler_address)
         try:
             end = time.monotonic() + 60
             while not list((out / "cells").glob("*.parquet")):
