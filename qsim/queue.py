@@ -39,6 +39,8 @@ from .disciplines import Fifo
 from .policy import EXPIRE_REASON, TIME_TOLERANCE_S, Policy, Rejection, cannot_finish, decide, on_time, take_token
 from .service import SpeedTracker
 
+#: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
+RESERVE_WEIGHT = 0.05
 #: Reason of a request ended because its engine stalled, or given up behind stalled engines.
 STALL_REASON = "engine_stalled"
 
@@ -105,6 +107,7 @@ class AdmissionQueue:
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._n_stalled = 0
         self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
+        self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
 
     # -- events -------------------------------------------------------------------
 
@@ -130,8 +133,11 @@ class AdmissionQueue:
             refusal = self._rate_limit(client, now)
             if refusal is not None:
                 return refusal
-        refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, deadline_s,
+        budget = deadline_s if self.policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
+        refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, budget,
                          self.engines, len(idle))
+        if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
+            self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
         if refusal is not None:
             return refusal
         if idle:
@@ -229,6 +235,13 @@ class AdmissionQueue:
             self._drop(entry[0], now, "expired" if expire else "error", EXPIRE_REASON if expire else STALL_REASON,
                        entry[2] * self.tracker.factor)
         return len(late)
+
+    def _reserve(self, base_est_s: float, deadline_s: float, factor: float) -> float:
+        """The deadline the rule sees: shortened for the unreserved while the reserved class is under its share."""
+        p = self.policy
+        if base_est_s >= p.reserve_min_s or self.reserved_admitted >= p.reserve_share:
+            return deadline_s
+        return deadline_s - p.reserve_min_s * factor
 
     def _rate_limit(self, client, now: float) -> Rejection | None:
         # A client's tokens are spent when it asks, admitted or not by the rest of the policy:
