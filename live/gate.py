@@ -97,6 +97,7 @@ class Job:
     stop: tuple[str, ...] = ()
     deadline_s: float | None = None
     client_id: str | None = None  # whose token bucket it draws on, where the policy limits each client
+    priority: int = 0  # higher first under a priority discipline
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ class Gate:
         base = float(self.config.model.estimate(job.max_new_tokens))
         deadline = self.policy.deadline_s if job.deadline_s is None else job.deadline_s
         ticket = _Ticket(job, None, None)  # type: ignore[arg-type]
-        refusal = self.queue.arrive(ticket, now, base, deadline, 0, job.client_id)
+        refusal = self.queue.arrive(ticket, now, base, deadline, job.priority, job.client_id)
         # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn, and a
         # refusal (most arrivals under overload) needs no future.
         ticket.arrival = Arrival(now, deadline, *self.queue.seen)

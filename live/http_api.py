@@ -63,6 +63,7 @@ from .gate import Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, J
 GENERATE = "/v1/generate"
 CLIENT_HEADER = "x-client-id"
 CLIENT_ID_CHARS = 128
+PRIORITY_BOUND = 1000
 ROUTES = f"POST {GENERATE}, GET /stats, GET /healthz, GET /openapi.json"
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ def request_model(limits: Limits) -> type[BaseModel]:
         stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
         # Whose per-client rate limit it counts against (also the x-client-id header; the body wins).
         client_id: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
+        # Higher first under a priority discipline (the policy's; FIFO ignores it).
+        priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
 
         @field_validator("stop", mode="before")
         @classmethod
@@ -249,7 +252,7 @@ class _Preparer:
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
         stop = tuple(req.stop or ())
         deadline = None if req.deadline_ms is None else req.deadline_ms / 1000.0
-        return Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id)
+        return Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority)
 
 
 # ---------------------------------------------------------------------- execute and finish

@@ -95,3 +95,16 @@ def test_clients_that_leave_match_the_simulator_exactly():
 def test_fixed_estimate_matches_the_simulator_exactly():
     trace = make_trace("poisson", "mix", load=1.5, engines=1, speed=2.0, seconds=15, seed=9, noise_cv=0.2)
     _agree(trace, PRESETS["predictive"], 1, fixed_estimate=True)
+
+
+def test_priority_classes_and_client_limits_match_the_simulator_exactly():
+    from qsim import Policy
+
+    trace = make_trace("poisson", "mix", load=1.5, engines=2, seconds=15, seed=8, noise_cv=0.3)
+    n = len(trace)
+    priority = np.arange(n) % 3 == 0  # every third request in the higher class
+    client = np.where(np.arange(n) % 4 == 0, "light", "heavy")
+    policy = Policy("classes", predictive=True, expire_at_front=True, discipline="priority", client_rate=6.0,
+                    client_burst=3)
+    sim = _agree(trace, policy, 2, priority=priority.astype(int), client=client)
+    assert sim["reason"].eq("rate_limited").sum() > 10

@@ -316,3 +316,11 @@ def test_a_client_over_its_rate_gets_429_rate_limited_apart_from_503_overloaded(
         assert too_long.status_code == 422 and "x-client-id" in too_long.json()["error"]["message"]
     finally:
         stop_server(proc)
+
+
+def test_priority_is_an_integer_field_with_bounds(url):
+    ok = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 1, "priority": -2}, timeout=10)
+    assert ok.status_code in (200, 503)  # admitted or refused, never a 4xx for a valid priority
+    for bad in (5000, "high", 1.5):
+        r = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 1, "priority": bad}, timeout=10)
+        assert r.status_code == 422 and r.json()["error"]["reason"] == "invalid_field" and "priority" in r.json()["error"]["message"]

@@ -84,12 +84,14 @@ _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error
 
 
 def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
-             cancel_after_s=None, fixed_estimate: bool = False) -> tuple[pd.DataFrame, dict]:
+             cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None
+             ) -> tuple[pd.DataFrame, dict]:
     """Replay ``trace`` through a real Gate on a virtual clock; one row per request, and the final /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
     """
     model = model or ServiceModel()
+    client_of = client  # (the coroutine below is named client)
     true_s = trace.true_service_s.tolist()
     rows = [dict(outcome=None, reason=None, start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1,
                  queued_work_s=math.nan, est_service_s=math.nan) for _ in range(len(trace))]
@@ -127,7 +129,9 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                     await due
                 deadline = None if np.isnan(trace.deadline_s[i]) else float(trace.deadline_s[i])
                 try:
-                    future = gate.submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline))
+                    future = gate.submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline,
+                                             None if client_of is None else str(client_of[i]),
+                                             0 if priority is None else int(priority[i])))
                 except Rejected as exc:
                     rows[i].update(outcome="rejected", reason=exc.rejection.reason, finish_s=loop.time())
                     _seen(rows[i], exc.arrival)
