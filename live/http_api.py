@@ -133,6 +133,7 @@ def _finite(numbers: dict) -> dict:
 
 
 _REFUSAL_TEXT = {
+    "shed": "sheddable (priority {priority}) and {queued} request(s) are waiting",
     "rate_limited": "this client is over its limit of {client_rate:g} requests/s (bursts of {client_burst:g})",
     "queue_full": "the queue is full: {queued} waiting, the limit is {max_queue}",
     "work_limit": "queued work {queued_work_s:.3f} s plus this request's {est_service_s:.3f} s passes the limit "

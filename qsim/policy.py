@@ -21,7 +21,7 @@ from .disciplines import DISCIPLINES
 
 #: Reasons a request can be refused at arrival, in the order they are checked. rate_limited is a
 #: client over its own rate (HTTP 429); the others are the service over capacity (HTTP 503).
-REJECT_REASONS = ("rate_limited", "queue_full", "work_limit", "deadline_unreachable")
+REJECT_REASONS = ("rate_limited", "shed", "queue_full", "work_limit", "deadline_unreachable")
 RATE_LIMITED = "rate_limited"
 #: Reason recorded for a request dropped unrun when it reached the front.
 EXPIRE_REASON = "cannot_finish"
@@ -245,8 +245,12 @@ def decide(
     deadline_s: float | None,
     workers: int = 1,
     idle: int = 0,
+    priority: int = 0,
 ) -> Rejection | None:
     """Admit (``None``) or refuse (:class:`Rejection`) one arriving request.
+
+    A request of priority below 0 is sheddable: refused (``shed``) whenever it would have
+    to wait behind others, so that under overload the sheddable go first.
 
     queued / queued_work_s: requests waiting and their estimated work, not
     counting this one. in_service_remaining_s: estimated remaining work summed
@@ -256,6 +260,8 @@ def decide(
     """
     wait = 0.0 if idle > 0 else (queued_work_s + in_service_remaining_s) / workers
     if idle <= 0:
+        if priority < 0 and queued > 0:
+            return Rejection("shed", {"priority": priority, "queued": queued, "wait_s": wait}, retry_after(wait))
         if policy.max_queue is not None and queued >= policy.max_queue:
             return Rejection(
                 "queue_full",

@@ -135,7 +135,7 @@ class AdmissionQueue:
                 return refusal
         budget = deadline_s if self.policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
         refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, budget,
-                         self.engines, len(idle))
+                         self.engines, len(idle), priority)
         if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
             self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
         if refusal is not None:

@@ -112,3 +112,14 @@ def test_a_deadline_met_to_the_last_bit_is_met():
     assert on_time(0.1 + 0.2, 0.3) and not on_time(0.3 + 2 * TIME_TOLERANCE_S, 0.3)
     assert not cannot_finish(now=0.1, est_service_s=0.2, deadline_at=0.3)
     assert decide(PRESETS["predictive"], 1, 0.1, 0.0, 0.2, 0.3) is None
+
+
+def test_a_sheddable_request_is_refused_whenever_it_would_wait():
+    from qsim.policy import decide
+
+    policy = Policy()
+    assert decide(policy, 0, 0.0, 0.5, 0.1, 2.0, idle=0, priority=-1) is None  # nobody waits: it may queue first
+    shed = decide(policy, 2, 0.4, 0.5, 0.1, 2.0, idle=0, priority=-1)
+    assert shed.reason == "shed" and shed.numbers["priority"] == -1 and shed.retry_after_s == 1
+    assert decide(policy, 2, 0.4, 0.5, 0.1, 2.0, idle=1, priority=-1) is None  # an idle engine takes it at once
+    assert decide(policy, 2, 0.4, 0.5, 0.1, 2.0, idle=0, priority=0) is None
