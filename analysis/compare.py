@@ -61,6 +61,8 @@ from qsim.queue import StallRule
 from qsim.records import ANSWERED, OUTCOMES
 from qsim.workload import lognormal_noise
 
+from .metrics import mean_ci, run_duration, summary
+
 RUN_COLUMNS = ("calibrated_est_s", "engine_s", "policy", "engines", "max_queue", "max_queued_seconds",
                "predictive", "expire_at_front", "policy_deadline_s", "fixed_estimate", "initial_speed_factor")
 #: What the gate knew per request (live.rows); a run file from an older qlab replay lacks them (see _known).
@@ -199,22 +201,34 @@ def _stalled_hold(run: pd.DataFrame, started: np.ndarray, stalled: np.ndarray) -
     return np.asarray(out)
 
 
+def _in_arrival_order(run: pd.DataFrame, origin: str) -> tuple[pd.DataFrame, np.ndarray]:
+    """The run's rows in the order the gate took them, and their arrival times (see :func:`arrival_times`)."""
+    arrival = arrival_times(run, origin)
+    order = np.lexsort((run["request_id"].to_numpy(), arrival))
+    return run.iloc[order], arrival[order]
+
+
+def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: RunSetup, true_s: np.ndarray, name: str,
+              **faults) -> pd.DataFrame:
+    """The run's arrivals through qsim as the server was set up, each request held for ``true_s``."""
+    trace = from_arrays(arrival, ordered["max_new_tokens"].to_numpy(), true_service_s=true_s,
+                        est_service_s=ordered["calibrated_est_s"].to_numpy(float),
+                        deadline_s=ordered["deadline_s"].to_numpy(), name=name)
+    return simulate(trace, setup.policy, setup.engines, fixed_estimate=setup.fixed_estimate,
+                    tracker_weight=setup.tracker_weight, initial_speed_factor=setup.initial_speed_factor,
+                    stall=setup.stall, **faults)
+
+
 def simulate_run(run: pd.DataFrame, origin: str = "server") -> pd.DataFrame:
     """qsim's rows for the run's arrivals, in the run's request order and ids (times on the run's clock).
 
     Extra columns: speed_factor_at_arrival (est_service_s / calibrated) and replayed_with."""
     setup = run_setup(run)
-    arrival = arrival_times(run, origin)
-    order = np.lexsort((run["request_id"].to_numpy(), arrival))
-    ordered = run.iloc[order]
+    ordered, arrival = _in_arrival_order(run, origin)
     given = replay_inputs(ordered, setup)
     base = ordered["calibrated_est_s"].to_numpy(float)
-    trace = from_arrays(arrival[order], ordered["max_new_tokens"].to_numpy(),
-                        true_service_s=given["hold_s"].to_numpy(), est_service_s=base,
-                        deadline_s=ordered["deadline_s"].to_numpy(), name="live-arrivals")
-    sim = simulate(trace, setup.policy, setup.engines, fixed_estimate=setup.fixed_estimate,
-                   tracker_weight=setup.tracker_weight, initial_speed_factor=setup.initial_speed_factor,
-                   failed=given["failed"].to_numpy(), reported_s=given["reported_s"].to_numpy(), stall=setup.stall)
+    sim = _simulate(ordered, arrival, setup, given["hold_s"].to_numpy(), "live-arrivals",
+                    failed=given["failed"].to_numpy(), reported_s=given["reported_s"].to_numpy())
     sim["request_id"] = ordered["request_id"].to_numpy()
     sim["speed_factor_at_arrival"] = sim["est_service_s"].to_numpy(float) / base
     sim["replayed_with"] = given["replayed_with"].to_numpy()
@@ -384,8 +398,6 @@ def prediction_speed(run: pd.DataFrame) -> tuple[float, str]:
 
 def run_seconds(run: pd.DataFrame) -> float:
     """The run's arrival window (from the replay's metadata) else its makespan: goodput is per these seconds."""
-    from analysis.metrics import run_duration
-
     meta = run.attrs.get("qlab_run") if isinstance(run.attrs.get("qlab_run"), dict) else {}
     return run_duration(run, meta.get("duration_s"))
 
@@ -393,26 +405,17 @@ def run_seconds(run: pd.DataFrame) -> float:
 def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float = 0.1, origin: str = "server",
             level: float = 0.95) -> Prediction:
     """Simulate the run's arrivals with modelled service times over ``seeds`` seeds; compare the metrics."""
-    from analysis.metrics import mean_ci, summary
-
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     setup = run_setup(run)
     speed, source = prediction_speed(run)
-    arrival = arrival_times(run, origin)
-    order = np.lexsort((run["request_id"].to_numpy(), arrival))
-    ordered = run.iloc[order]
+    ordered, arrival = _in_arrival_order(run, origin)
     base = ordered["calibrated_est_s"].to_numpy(float)
     seconds = run_seconds(run)
     rows = []
     for seed in range(seeds):
         true = base * speed * lognormal_noise(np.random.default_rng(seed), len(base), noise_cv)
-        trace = from_arrays(arrival[order], ordered["max_new_tokens"].to_numpy(), true_service_s=true,
-                            est_service_s=base, deadline_s=ordered["deadline_s"].to_numpy(), name="predicted")
-        sim = simulate(trace, setup.policy, setup.engines, fixed_estimate=setup.fixed_estimate,
-                       tracker_weight=setup.tracker_weight, initial_speed_factor=setup.initial_speed_factor,
-                       stall=setup.stall)
-        got = summary(sim, seconds)
+        got = summary(_simulate(ordered, arrival, setup, true, "predicted"), seconds)
         rows.append({"seed": seed, **{m: got[m] for m in PREDICTED}})
     per_seed = pd.DataFrame(rows)
     live = summary(run, seconds)

@@ -17,7 +17,7 @@ import pandas as pd
 from analysis import metrics
 from inputs.argtypes import count, non_negative, number, positive, positive_int
 from qsim import PRESETS, ServiceModel, build_trace, simulate
-from qsim.policy import parse_args, policy_spec, resolve
+from qsim.policy import from_options, policy_spec
 
 
 class UsageError(Exception):
@@ -135,8 +135,7 @@ def _json_ready(obj):
 
 
 def cmd_simulate(args) -> int:
-    policy = resolve(args.policy, parse_args(args.policy_arg)).with_overrides(max_queue=args.max_queue,
-                                                                            deadline_s=args.deadline)
+    policy = from_options(args.policy, args.policy_arg, args.max_queue, args.deadline)
     if args.trace and args.trace_conflicts:
         raise UsageError(f"qlab simulate: error: --trace replaces {', '.join(args.trace_conflicts)}; give one or the other")
     if args.time_scale != 1.0 and not args.trace:

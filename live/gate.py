@@ -106,7 +106,7 @@ class Arrival:
 
     at: float  # gate clock
     deadline_s: float
-    # What the queue core decided on (qsim.queue.Seen, in its order):
+    # What the queue core decided on (AdmissionQueue.seen, in its order):
     est_service_s: float  # calibrated estimate x speed factor
     queued: int  # waiting (not in service) before it
     queued_work_s: float  # their estimated work

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 from inputs import argtypes
 from inputs.tomlfiles import ConfigError
-from qsim.policy import PRESETS, parse_args, policy_spec, resolve
+from qsim.policy import PRESETS, from_options, policy_spec
 
 from .engine import parse_schedule
 
@@ -90,8 +90,7 @@ class ServeOptions:
 
     def make_policy(self):
         """The policy these options name, with its parameters and the --max-queue / --deadline overrides."""
-        return resolve(self.policy, parse_args([self.policy_arg])).with_overrides(max_queue=self.max_queue,
-                                                                                 deadline_s=self.deadline)
+        return from_options(self.policy, [self.policy_arg], self.max_queue, self.deadline)
 
     # ------------------------------------------------------------ the command line
 

@@ -153,6 +153,12 @@ def resolve(spec: str, args: Mapping[str, Any] | None = None) -> Policy:
     return found.with_args(args or {})
 
 
+def from_options(spec: str, pairs=(), max_queue: int | None = None, deadline_s: float | None = None) -> Policy:
+    """The policy a command line names: ``--policy``, its ``--policy-arg`` pairs, then the ``--max-queue``
+    and ``--deadline`` overrides (the same for ``qlab simulate`` and ``qlab serve``)."""
+    return resolve(spec, parse_args(pairs)).with_overrides(max_queue=max_queue, deadline_s=deadline_s)
+
+
 def policy_from_fields(raw: Mapping[str, Any]) -> Policy:
     """The policy whose fields (``dataclasses.asdict``, as /stats and run files carry them) these are: resolved
     by its name, so a policy class of one's own comes back as itself; where the name resolves to nothing

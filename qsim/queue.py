@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from .disciplines import Fifo
-from .policy import EXPIRE_REASON, TIME_TOLERANCE_S, Policy, Rejection, cannot_finish, decide, on_time, take_token
+from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, decide, on_time, take_token
 from .service import SpeedTracker
 
 #: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
@@ -65,15 +65,6 @@ class StallRule:
     def after_s(self, est_service_s: float) -> float:
         """How long a request estimated at ``est_service_s`` may run before its engine counts as stalled."""
         return max(self.factor * est_service_s, self.floor_s)
-
-
-class Seen(NamedTuple):
-    """What the queue looked like to one arrival: what its record's admission columns hold."""
-
-    est_service_s: float  # calibrated estimate x speed factor
-    queued: int  # waiting (not in service) before it
-    queued_work_s: float  # their estimated work
-    speed_factor: float
 
 
 # A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority).
@@ -115,10 +106,12 @@ class AdmissionQueue:
                priority: int = 0, client=None) -> Rejection | None:
         """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
 
-        deadline_s is relative to ``now``; None takes the policy's. ``self.seen`` holds what
-        the decision was made on; priority orders it under a priority discipline; client names whose
-        token bucket it draws on, where the policy limits each client (None: no client). A request admitted while an engine is idle is in service from
-        this instant, so a burst cannot slip one more past a bound than the bound allows.
+        deadline_s is relative to ``now``; None takes the policy's. priority orders it under a priority
+        discipline (below 0: sheddable); client names whose token bucket it draws on, where the policy
+        limits each client (None: no client). ``self.seen`` holds what the decision was made on, the
+        admission columns of its record: (estimate x speed factor, waiting count, their estimated
+        work, speed factor). A request admitted while an engine is idle is in service from this
+        instant, so a burst cannot slip one more past a bound than the bound allows.
         """
         if deadline_s is None:
             deadline_s = self.policy.deadline_s
@@ -128,7 +121,7 @@ class AdmissionQueue:
         queued = len(waiting)
         work = self.waiting_base_s * factor
         idle = self.idle
-        self.seen = (est, queued, work, factor)  # a Seen's fields; a bare tuple is 5x cheaper to make
+        self.seen = (est, queued, work, factor)
         if client is not None and self.policy.client_rate is not None:
             refusal = self._rate_limit(client, now)
             if refusal is not None:
@@ -159,11 +152,6 @@ class AdmissionQueue:
         if entry is None:
             raise RuntimeError(f"engine {k} finished but was running nothing")
         self.running[k] = None
-        if ok and not self._n_stalled and not self.ended[k]:  # the common case, in short
-            self.tracker.observe(entry[2], engine_s)
-            outcome = "good" if now - entry[1] <= entry[3] + TIME_TOLERANCE_S else "late"
-            self._next(k, now)
-            return outcome
         stalled, ended = self.stalled[k], self.ended[k]
         if stalled:
             self.stalled[k] = False
@@ -258,7 +246,7 @@ class AdmissionQueue:
         """Estimated work left in service, summed over the engines. An engine past its estimate counts as
         about to finish (0), unless it is stalled: then its overrun so far, since it has shown it is not."""
         if not self._n_stalled:
-            if self.engines == 1:
+            if self.engines == 1:  # a generator per arrival costs a sixth of predictive's simulation time
                 end = self.busy_until[0]
                 return end - now if end > now else 0.0
             return sum(max(0.0, end - now) for end in self.busy_until)
@@ -313,7 +301,7 @@ class AdmissionQueue:
                 continue
             if expire:
                 est = entry[2] * self.tracker.factor
-                if now + est > entry[1] + entry[3] + TIME_TOLERANCE_S:  # cannot_finish, inlined: the hot path
+                if cannot_finish(now, est, entry[1] + entry[3]):
                     self._drop(entry[0], now, "expired", EXPIRE_REASON, est)
                     continue
             if drop_reason is not None:

@@ -19,6 +19,7 @@ import pandas as pd
 
 from live.engine import EngineResult
 from live.gate import DeadlineExceeded, EngineFailed, EngineStalled, Gate, GateConfig, Job, Rejected
+from live.gate import _Failure  # what a worker hands back for a run that raised
 from qsim import Policy, ServiceModel, Trace
 
 
@@ -68,8 +69,6 @@ class SimEngine:
         i = int(ticket.job.prompt)
         s = self.true_s[i]
         if self.failed is not None and self.failed[i]:
-            from live.gate import _Failure  # the worker protocol's failure record
-
             result = _Failure(RuntimeError("injected"), s)
         else:
             result = EngineResult("", int(ticket.job.max_new_tokens), s)
