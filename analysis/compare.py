@@ -213,7 +213,9 @@ def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: RunSetup, true_
     """The run's arrivals through qsim as the server was set up, each request held for ``true_s``."""
     trace = from_arrays(arrival, ordered["max_new_tokens"].to_numpy(), true_service_s=true_s,
                         est_service_s=ordered["calibrated_est_s"].to_numpy(float),
-                        deadline_s=ordered["deadline_s"].to_numpy(), name=name)
+                        deadline_s=ordered["deadline_s"].to_numpy(), priority=ordered["priority"].to_numpy(),
+                        client_id=ordered["client_id"].astype(object).where(ordered["client_id"].notna(), None).to_numpy(),
+                        name=name)
     return simulate(trace, setup.policy, setup.engines, fixed_estimate=setup.fixed_estimate,
                     tracker_weight=setup.tracker_weight, initial_speed_factor=setup.initial_speed_factor,
                     stall=setup.stall, **faults)

@@ -24,27 +24,88 @@ def run_duration(frame: pd.DataFrame, duration_s: float | None = None) -> float:
 def summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, float]:
     """Outcome counts, share in time, goodput (requests/s and good tokens/s), latency percentiles.
 
-    share_good is the share of all requests answered within their deadline.
+    share_good is the share of all requests answered within their deadline; refused counts
+    the rejected and the expired (said no to, unrun), share_refused their share of all.
     Latency percentiles are over the answered (good or late); refusal_* over the
     time it took to say no (rejected or expired).
     """
     return _summary(*_columns(frame), run_duration(frame, duration_s))
 
 
-def by_class(frame: pd.DataFrame, duration_s: float | None = None) -> pd.DataFrame:
-    """:func:`summary` for each size class, one row each, ordered by size."""
+def by_group(frame: pd.DataFrame, column: str, duration_s: float | None = None, *,
+             order=None) -> pd.DataFrame:
+    """:func:`summary` for each value of ``column``, one row each, indexed by that value.
+
+    Rates are per the whole run's seconds (so the groups' goodputs add up to the run's), and
+    each row also has ``share_of_requests``: its requests over the run's. A missing value
+    (<NA>) is a group of its own, ordered last. ``order`` sorts the labels (a key function;
+    default: their natural order).
+    """
     seconds = run_duration(frame, duration_s)
     columns = _columns(frame)
-    labels = frame["size_class"].to_numpy(dtype=object)
+    codes, uniques = pd.factorize(frame[column], use_na_sentinel=False)
+    labels = [v.item() if isinstance(v, np.generic) else v for v in uniques]  # plain ints: JSON-ready
+    total = len(frame)
     rows = {}
-    for cls in pd.unique(labels):
-        mine = labels == cls
-        rows[cls] = _summary(*(c[mine] for c in columns), seconds)
-    table = pd.DataFrame.from_dict(rows, orient="index")
-    order = sorted(table.index, key=_class_key)
-    table = table.loc[order]
-    table.index.name = "size_class"
+    for i, label in enumerate(labels):
+        mine = codes == i
+        rows[label] = {**_summary(*(c[mine] for c in columns), seconds),
+                       "share_of_requests": float(mine.sum() / total)}
+    named = sorted((v for v in labels if not pd.isna(v)), key=order)
+    index = named + [v for v in labels if pd.isna(v)]
+    table = pd.DataFrame([rows[v] for v in index], index=pd.Index(index, name=column, dtype=object))
+    if table.empty:
+        table = pd.DataFrame(columns=list(_summary(*(c[:0] for c in columns), seconds)) + ["share_of_requests"],
+                             index=pd.Index([], name=column, dtype=object))
     return table
+
+
+def by_class(frame: pd.DataFrame, duration_s: float | None = None) -> pd.DataFrame:
+    """:func:`summary` for each size class, one row each, ordered by size."""
+    return by_group(frame, "size_class", duration_s, order=_class_key)
+
+
+def by_client(frame: pd.DataFrame, duration_s: float | None = None) -> pd.DataFrame:
+    """:func:`summary` for each client, ordered by name.
+
+    Requests that named no client (``client_id`` <NA>) are one group whose label is <NA>,
+    last, as in the records: kept rather than left out, so that the rows add up to the run's
+    (and no label can clash with a real client's id). :func:`client_fairness` leaves it out.
+    """
+    return by_group(frame, "client_id", duration_s, order=str)
+
+
+def by_priority(frame: pd.DataFrame, duration_s: float | None = None) -> pd.DataFrame:
+    """:func:`summary` for each priority value, lowest first (below 0: sheddable)."""
+    return by_group(frame, "priority", duration_s, order=int)
+
+
+def jain_index(values) -> float:
+    """Jain's fairness index of non-negative values: (sum x)^2 / (n sum x^2), NaNs dropped.
+
+    1 when all are equal, 1/n when one has everything; NaN for no values or all zero.
+    """
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    squares = float(np.square(x).sum())
+    if x.size == 0 or squares == 0:
+        return math.nan
+    return float(x.sum() ** 2 / (x.size * squares))
+
+
+def client_fairness(table: pd.DataFrame) -> dict[str, float]:
+    """Jain's index across the named clients of a :func:`by_client` table (the <NA> group left out).
+
+    ``jain_goodput`` is over the clients' good tokens/s: equal throughput for everyone, what a
+    fair-share discipline aims at while all are backlogged; a client that sends less scores
+    lower on it however well it is served. ``jain_share`` is over their share answered in
+    time (share_good): equal chances per request, whatever each client sends. A plain queue
+    in front of one heavy client keeps jain_share near 1 with a low jain_goodput; a fair share
+    raises jain_goodput at the price of the heavy client's share in time.
+    """
+    named = table[table.index.notna()]
+    return {"jain_goodput": jain_index(named["good_tokens_per_s"]),
+            "jain_share": jain_index(named["share_good"])}
 
 
 def _columns(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,10 +123,12 @@ def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, secon
     refused = latency[each["rejected"] | each["expired"]]
     row: dict[str, float] = {"requests": n}
     row.update({o: int(mask.sum()) for o, mask in each.items()})
+    row["refused"] = row["rejected"] + row["expired"]
     lat = np.quantile(answered, [0.5, 0.9, 0.99]) if len(answered) else [math.nan] * 3
     ref = np.quantile(refused, [0.5, 0.99]) if len(refused) else [math.nan] * 2
     row.update(
         share_good=good.mean() if n else math.nan,
+        share_refused=row["refused"] / n if n else math.nan,
         goodput_rps=good.sum() / seconds,
         good_tokens_per_s=tokens[good].sum() / seconds,
         latency_p50_s=lat[0], latency_p90_s=lat[1], latency_p99_s=lat[2],

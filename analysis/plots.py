@@ -117,6 +117,121 @@ def latency_cdf(rows: pd.DataFrame, deadline_s: float | None = None) -> plt.Figu
     return fig
 
 
+NO_CLIENT_LABEL = "no client named"
+
+
+def _by_group(table: pd.DataFrame, group: str, what: str, panels: list[tuple[str, str]],
+              extra=None) -> plt.Figure:
+    """A row per policy; a panel per metric with a band per group value (and client set, and speed)
+    against load; ``extra(ax, policy)`` draws one more panel at the end of each row."""
+    table = table.assign(
+        clients=table["clients"].astype(object).where(table["clients"].notna(), "none") if "clients" in table else "-",
+        **{group: table[group].astype(object).where(table[group].notna(), NO_CLIENT_LABEL)})
+    policies = _policies(table)
+    n_cols = len(panels) + (extra is not None)
+    fig, axes = plt.subplots(len(policies), n_cols, figsize=(4.6 * n_cols, 3.4 * len(policies)), squeeze=False)
+    agg = aggregate(table, ["policy", "clients", "speed", group, "load"], [m for m, _ in panels])
+    lines = sorted({(c, s, v) for c, s, v in zip(table["clients"], table["speed"], table[group])},
+                   key=lambda k: (str(k[0]), k[1], k[2] == NO_CLIENT_LABEL, k[2]))
+    many_sets, many_speeds = table["clients"].nunique() > 1, table["speed"].nunique() > 1
+    for row, policy in zip(axes, policies):
+        for ax, (metric, unit) in zip(row, panels):
+            for i, (clients, speed, value) in enumerate(lines):
+                part = agg[(agg["policy"] == policy) & (agg["clients"] == clients) & (agg["speed"] == speed)
+                           & (agg[group] == value)]
+                label = value if value == NO_CLIENT_LABEL else f"{what} {value}"
+                label = ", ".join([f"{clients}: {label}"] if many_sets else [label]) + (f", x{speed:g}" if many_speeds else "")
+                if len(part):
+                    _band(ax, part, "load", metric, label, color=f"C{i % 10}")
+            ax.set(title=f"{policy}: {unit.split(' (')[0]}", xlabel="load (utilisation at the simulated speed)",
+                   ylabel=unit)
+            ax.set_ylim(*((0, 1.02) if metric.startswith("share") else (0, None)))
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+        if extra is not None:
+            extra(row[-1], policy)
+    fig.tight_layout()
+    return fig
+
+
+def by_client(table: pd.DataFrame, summary: pd.DataFrame) -> plt.Figure:
+    """Per policy (a row each): each client's share in time and good tokens/s against load (from
+    summary_by_client), and Jain's index across the clients (from summary: over good tokens/s
+    solid, over share in time dashed; 1/n, its floor for n clients, dotted)."""
+    fair = summary[summary["jain_goodput"].notna()] if "jain_goodput" in summary else summary.iloc[:0]
+    fair = fair.assign(clients=fair["clients"].astype(object) if "clients" in fair else "-")
+    agg = aggregate(fair, ["policy", "clients", "speed", "load"], ["jain_goodput", "jain_share"])
+    named = table[table["client_id"].notna()]
+    n_clients = set(named.groupby(["cell_id"] if "cell_id" in named else ["policy"])["client_id"].nunique())
+    many_sets, many_speeds = agg["clients"].nunique() > 1, agg["speed"].nunique() > 1
+
+    def jain(ax, policy):
+        for i, ((clients, speed), part) in enumerate(agg[agg["policy"] == policy].groupby(["clients", "speed"])):
+            name = ", ".join([str(clients)] * many_sets + [f"x{speed:g}"] * many_speeds)
+            name = f" ({name})" if name else ""
+            _band(ax, part, "load", "jain_goodput", f"good tokens/s{name}", color=f"C{i}")
+            _band(ax, part, "load", "jain_share", f"share in time{name}", color=f"C{i}", ls="--")
+        for n in sorted(n_clients):
+            ax.axhline(1 / n, color="grey", lw=0.8, ls=":")
+        ax.set(title=f"{policy}: Jain's index", ylabel="Jain's index across clients (1/n dotted)",
+               xlabel="load (utilisation at the simulated speed)", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, handlelength=3)
+
+    return _by_group(table, "client_id", "client",
+                     [("share_good", "share in time (answered within deadline)"), ("good_tokens_per_s", "good tokens/s")],
+                     extra=jain)
+
+
+def by_priority(table: pd.DataFrame) -> plt.Figure:
+    """Per policy (a row each): each priority's share in time, good tokens/s and share refused against load."""
+    return _by_group(table, "priority", "priority",
+                     [("share_good", "share in time (answered within deadline)"), ("good_tokens_per_s", "good tokens/s"),
+                      ("share_refused", "share refused (rejected or expired)")])
+
+
+def policy_comparison(summary: pd.DataFrame, by_class: pd.DataFrame, speed: float | None = None) -> plt.Figure:
+    """Every policy on one figure at one speed (default: the first): good tokens/s and share in time
+    against load, and the share in time by size class at the highest load. Client sets are told apart
+    (see :func:`per_client_set`)."""
+    summary, by_class = per_client_set(summary), per_client_set(by_class)
+    speed = _speeds(summary)[0] if speed is None else speed
+    summary, by_class = summary[summary["speed"] == speed], by_class[by_class["speed"] == speed]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    agg = aggregate(summary, ["policy", "load"], ["good_tokens_per_s", "share_good"])
+    policies = _policies(summary)
+    # Past ten policies the default cycle repeats its colours; tab20 keeps each policy its own.
+    color = [f"C{i}" for i in range(10)] if len(policies) <= 10 else [plt.cm.tab20(i % 20) for i in range(len(policies))]
+    for i, policy in enumerate(policies):
+        part = agg[agg["policy"] == policy]
+        _band(axes[0], part, "load", "good_tokens_per_s", policy, color=color[i])
+        _band(axes[1], part, "load", "share_good", policy, color=color[i])
+    capacity = summary["capacity_tokens_per_s"].iloc[0]
+    axes[0].axhline(capacity, color="black", ls="--", lw=1, label=f"capacity ({capacity:.3g})")
+    axes[0].set(title=f"good tokens/s, service times x{speed:g}", ylabel="good tokens/s", ylim=(0, None))
+    axes[1].set(title=f"share in time, service times x{speed:g}", ylabel="share answered within deadline",
+                ylim=(0, 1.02))
+    for ax in axes[:2]:
+        ax.set_xlabel("load (utilisation at the simulated speed)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    top = by_class["load"].max()
+    classes = sorted(by_class["size_class"].unique(), key=_class_key)
+    mean = (aggregate(by_class[by_class["load"] == top], ["policy", "size_class"], ["share_good"])
+            .pivot_table(index="size_class", columns="policy", values="share_good").reindex(classes))
+    width = 0.8 / max(len(policies), 1)
+    for i, policy in enumerate(policies):
+        if policy in mean:
+            axes[2].bar(np.arange(len(classes)) + (i - (len(policies) - 1) / 2) * width, mean[policy], width * 0.95,
+                        color=color[i], label=policy)
+    axes[2].set_xticks(np.arange(len(classes)), classes)
+    axes[2].set(title=f"share in time by size class at load {top:g}", xlabel="size class (max_new_tokens up to)",
+                ylabel="share answered within deadline", ylim=(0, 1.02))
+    axes[2].grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
 SHORT = {"none": "none", "bounded": "bnd", "bounded-deadline": "bnd+dl", "predictive": "pred"}
 
 
@@ -152,19 +267,41 @@ def outcome_bars(summary: pd.DataFrame) -> plt.Figure:
     return fig
 
 
-def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path) -> list[Path]:
-    """Write every figure as PNG and SVG into ``out``; return the paths."""
+def per_client_set(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with its policy labelled "POLICY / CLIENTS" where it holds more than one client set
+    (the sweep's ``clients`` axis; "none" for requests naming no client), else as it is."""
+    if "clients" not in table:
+        return table
+    sets = table["clients"].astype(object).where(table["clients"].notna(), "none")
+    if sets.nunique() < 2:
+        return table
+    return table.assign(policy=table["policy"].astype(str) + " / " + sets.astype(str))
+
+
+def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
+             by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None) -> list[Path]:
+    """Write every figure as PNG and SVG into ``out``; return the paths.
+
+    by_client and by_priority are drawn when their tables (summary_by_client.parquet,
+    summary_by_priority.parquet) are given and not empty.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # The per-policy figures tell client sets apart ("predictive / two-tenant") when there are several.
+    per_set, by_class, rows = (None if t is None else per_client_set(t) for t in (summary, by_class, rows))
     figures = {
-        "share_in_time": share_in_time(summary),
-        "goodput": goodput(summary),
+        "share_in_time": share_in_time(per_set),
+        "goodput": goodput(per_set),
         "share_by_class": share_by_class(by_class),
-        "outcomes": outcome_bars(summary),
+        "outcomes": outcome_bars(per_set),
     }
     if rows is not None and len(rows):
         deadline = float(summary["deadline_s"].mode().iloc[0]) if "deadline_s" in summary else None
         figures["latency_cdf"] = latency_cdf(rows, deadline)
+    if by_client_table is not None and len(by_client_table):
+        figures["by_client"] = by_client(by_client_table, summary)
+    if by_priority_table is not None and len(by_priority_table):
+        figures["by_priority"] = by_priority(by_priority_table)
     paths = []
     for name, fig in figures.items():
         for ext in ("png", "svg"):

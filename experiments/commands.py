@@ -15,14 +15,25 @@ from inputs.argtypes import positive, positive_int
 
 
 def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """Mean over seeds, with the 95 % CI half-width, of the headline figures per speed, load and policy."""
-    by = [c for c in ("speed", "engines", "load", "policy") if c in summary and summary[c].notna().any()]
+    """Mean over seeds, with the 95 % CI half-width, of the headline figures per speed, load and policy.
+
+    A sweep with a ``clients`` axis is also grouped by client set ("none": requests named no
+    client), and shows Jain's indices across clients (jain_goodput, jain_share; "-" where none).
+    """
+    from .config import NO_CLIENTS
+
+    if "clients" in summary:  # "none" cells carry no set name (null)
+        summary = summary.assign(clients=summary["clients"].astype(object).where(summary["clients"].notna(), NO_CLIENTS))
+    by = [c for c in ("speed", "engines", "load", "clients", "policy")
+          if c in summary and summary[c].notna().any() and not (c == "clients" and set(summary[c]) == {NO_CLIENTS})]
     metrics = ["share_good", "goodput_rps", "good_tokens_per_s", "latency_p99_s"]
+    metrics += [m for m in ("jain_goodput", "jain_share") if m in summary and summary[m].notna().any()]
     agg = aggregate(summary, by, metrics)
     out = agg[by].copy()
     for m in metrics:
         half = (agg[f"{m}_high"] - agg[f"{m}_low"]) / 2
-        out[m] = [f"{v:.3g} ±{h:.2g}" if pd.notna(h) else f"{v:.3g}" for v, h in zip(agg[m], half)]
+        out[m] = ["-" if pd.isna(v) else f"{v:.3g} ±{h:.2g}" if pd.notna(h) else f"{v:.3g}"
+                  for v, h in zip(agg[m], half)]
     return out
 
 
@@ -80,7 +91,11 @@ def cmd_plot(args) -> int:
     load = args.cdf_load if args.cdf_load is not None else _cdf_load(summary)
     speed = sorted(summary["speed"].unique())[0]
     rows = sweep.load_rows(src, load=load, speed=speed) if load is not None else None
-    paths = plots.save_all(summary, by_class, rows, args.out)
+    # By client and by priority where the sweep has cells with more than one (sweep.write_summaries).
+    grouped = {key: pd.read_parquet(src / f"summary_{key}.parquet") if (src / f"summary_{key}.parquet").exists()
+               else None for key in ("by_client", "by_priority")}
+    paths = plots.save_all(summary, by_class, rows, args.out, by_client_table=grouped["by_client"],
+                           by_priority_table=grouped["by_priority"])
     print(f"wrote {len(paths)} files to {args.out} (latency CDF at load {load:g}, speed {speed:g})"
           if load is not None else f"wrote {len(paths)} files to {args.out}")
     return 0
@@ -104,13 +119,15 @@ def register(sub) -> None:
     s.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
     t = sub.add_parser("summary", help="print a sweep's summary table",
-                       description="Mean over seeds and 95 % CI of share in time, goodput and p99 latency per cell.")
+                       description="Mean over seeds and 95 % CI of share in time, goodput and p99 latency per cell "
+                                   "(and client set, with Jain's fairness index across clients, where the sweep has them).")
     t.set_defaults(func=cmd_summary)
     t.add_argument("dir", help="a folder written by qlab sweep")
 
     p = sub.add_parser("plot", help="draw a sweep's figures (PNG and SVG)",
                        description="Share in time, goodput (requests/s and tokens/s), share by size class, "
-                                   "latency CDF of the answered, and outcome bars, from a sweep folder.")
+                                   "latency CDF of the answered, and outcome bars, from a sweep folder; by client "
+                                   "(with Jain's index) and by priority where the sweep has them.")
     p.set_defaults(func=cmd_plot)
     p.add_argument("dir", help="a folder written by qlab sweep")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")

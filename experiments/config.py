@@ -30,7 +30,12 @@ trace = ["data/x.csv"]       # trace files instead of synthetic arrivals (load t
 time_scale = [1.0]           # with trace
 
 [policy_args.codel]          # optional: parameters of a grid policy (its dataclass fields)
-target_s = 0.2
+codel_target_s = 0.2
+
+[clients.two-tenant]         # optional: named sets of clients (tenants), each client a table:
+heavy = { share = 0.85 }     #   share of the arrivals (a set's shares sum to 1),
+light = { share = 0.15, priority = 0, mix = "reference" }  # priority (default 0), mix (default the cell's)
+# and in [grid]: clients = ["none", "two-tenant"]  ("none": requests name no client; the default)
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -48,14 +53,17 @@ from typing import Any
 
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import REFERENCE_MIX, Mix, ServiceModel
-from qsim.policy import resolve
-from qsim.workload import parse_arrivals
+from qsim.policy import args_tables, resolve
+from qsim.workload import Client, check_clients, parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
               "noise_cv": float, "fixed_estimate": bool}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
-             "max_queue": int, "mix": str, "trace": str, "time_scale": float}
-SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args"}
+             "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str}
+SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients"}
+CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
+#: The client set of a cell whose requests name no client.
+NO_CLIENTS = "none"
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class SweepConfig:
     grid: dict[str, tuple]
     source: str = field(default="", compare=False)
     policy_args: dict[str, dict] = field(default_factory=dict)  # grid policy -> its parameters
+    clients: dict[str, tuple[Client, ...]] = field(default_factory=dict)  # client set name -> its clients
 
     def policy(self, name: str):
         """The grid policy ``name`` with its [policy_args]."""
@@ -91,6 +100,8 @@ class SweepConfig:
             "grid": {k: list(v) for k, v in sorted(self.grid.items())},
             # Only when given, so a config without it keeps the digest (and the folders) it had.
             **({"policy_args": self.policy_args} if self.policy_args else {}),
+            **({"clients": {k: [_client_dict(c) for c in v] for k, v in sorted(self.clients.items())}}
+               if self.clients else {}),
         }
 
     @property
@@ -99,7 +110,46 @@ class SweepConfig:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str, tuple]:
+def _client_dict(c: Client) -> dict:
+    mix = None if c.mix is None else {"sizes": list(c.mix.sizes), "probs": list(c.mix.probs)}
+    return {"name": c.name, "share": c.share, "priority": c.priority, "mix": mix}
+
+
+def _clients(path: str, table: Any, mixes: dict[str, Mix]) -> dict[str, tuple[Client, ...]]:
+    """[clients.SET] tables: each key a client, each value its share, priority and mix name."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [clients] must be a table of named client sets")
+    out = {}
+    for set_name, members in table.items():
+        where = f"{path}: clients.{_key(set_name)}"
+        if set_name == NO_CLIENTS:
+            raise ConfigError(f"{where}: {NO_CLIENTS!r} is the built-in set of no clients; choose another name")
+        if not isinstance(members, dict) or not members:
+            raise ConfigError(f"{where}: expected a table of clients, e.g. heavy = {{ share = 0.8 }}")
+        built = []
+        for name, spec in members.items():
+            here = f"{where}.{_key(name)}"
+            if not isinstance(spec, dict):
+                raise ConfigError(f"{here}: expected a table with share (and optionally priority, mix)")
+            no_unknown_keys(here, spec, CLIENT_KEYS)
+            if "share" not in spec:
+                raise ConfigError(f"{here}: share is required")
+            v = {k: typed_value(f"{here}.{k}", x, CLIENT_KEYS[k]) for k, x in spec.items()}
+            if "mix" in v and v["mix"] not in mixes:
+                raise ConfigError(f"{here}.mix: unknown mix {v['mix']!r}; define it under [mixes.{_key(v['mix'])}]")
+            try:
+                built.append(Client(name, v["share"], v.get("priority", 0), mixes[v["mix"]] if "mix" in v else None))
+            except ValueError as exc:
+                raise ConfigError(f"{here}: {exc}") from None
+        try:
+            check_clients(tuple(built))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        out[set_name] = tuple(built)
+    return out
+
+
+def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dict) -> dict[str, tuple]:
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
     no_unknown_keys(f"{path}: [grid]", table, GRID_KEYS)
@@ -120,6 +170,9 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str,
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key == "mix" and v not in mixes:
                 raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]")
+            if key == "clients" and v != NO_CLIENTS and v not in clients:
+                raise ConfigError(f"{where}[{i}]: unknown client set {v!r}; define it under [clients.{_key(v)}] "
+                                  f"(or use {NO_CLIENTS!r})")
             if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
@@ -135,6 +188,9 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path) -> dict[str,
         raise ConfigError(f"{path}: the grid needs load (synthetic arrivals) or trace (a file's arrivals)")
     if "time_scale" in grid and "trace" not in grid:
         raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
+    if "trace" in grid and set(grid.get("clients", (NO_CLIENTS,))) != {NO_CLIENTS}:
+        raise ConfigError(f"{path}: grid.clients applies to synthetic arrivals; a trace file brings its own "
+                          "client_id and priority columns")
     return grid
 
 
@@ -196,27 +252,17 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     except ValueError as exc:
         raise ConfigError(f"{path}: [service]: {exc}") from None
     mixes = _mixes(path, data.get("mixes", {}))
-    grid = _grid(path, data.get("grid"), mixes, Path(path).parent)
-    return SweepConfig(service=model, mixes=mixes, grid=grid, source=path,
+    clients = _clients(path, data.get("clients", {}), mixes)
+    grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients)
+    return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients,
                        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"]), **s)
 
 
 def _policy_args(path: str, table: Any, policies: tuple) -> dict[str, dict]:
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [policy_args] must be a table of grid policies")
-    out = {}
-    for name, args in table.items():
-        where = f"{path}: policy_args.{_key(name)}"
-        if name not in policies:
-            raise ConfigError(f"{where}: {name!r} is not a grid policy ({', '.join(policies)})")
-        if not isinstance(args, dict):
-            raise ConfigError(f"{where}: expected a table of the policy's parameters")
-        try:
-            resolve(name, args)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        out[name] = dict(args)
-    return out
+    try:
+        return args_tables(table, policies)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def load(path: str | Path) -> SweepConfig:

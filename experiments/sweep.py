@@ -7,6 +7,8 @@ Layout of ``OUT``::
                                the cell's summaries ride in the file's metadata
     summary.parquet            one row per cell: parameters, outcome counts, goodput, latency
     summary_by_class.parquet   one row per cell and size class
+    summary_by_client.parquet  one row per cell and client, for cells with clients ([clients] sets)
+    summary_by_priority.parquet  one row per cell and priority, for cells with more than one
 
 Crash safety: every file is written under a temporary name and renamed into
 place, so a file that exists is whole. Resuming: a cell whose file exists is
@@ -42,6 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,8 +52,9 @@ import pyarrow.parquet as pq
 from analysis import metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
+from qsim.workload import blend
 
-from .config import ConfigError, SweepConfig
+from .config import NO_CLIENTS, ConfigError, SweepConfig
 
 META_KEY = b"qlab.cell"
 
@@ -74,10 +78,13 @@ class Cell:
     trace: str | None
     time_scale: float | None
     seed: int
+    clients: str | None = None  # a [clients] set; None: requests name no client
 
     @property
     def id(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        # A cell without clients keeps the id it had before the axis existed (its file is resumed).
+        fields = {k: v for k, v in asdict(self).items() if not (k == "clients" and v is None)}
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -91,6 +98,7 @@ def cells(config: SweepConfig) -> list[Cell]:
         trace=g.get("trace", (None,)),
         time_scale=g.get("time_scale", (1.0,)) if "trace" in g else (None,),
         seed=tuple(range(config.first_seed, config.first_seed + config.seeds)),
+        clients=tuple(None if c == NO_CLIENTS else c for c in g.get("clients", (NO_CLIENTS,))),
     )
     return [Cell(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
 
@@ -112,7 +120,8 @@ def _trace(config: SweepConfig, cell: Cell):
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
                        time_scale=cell.time_scale or 1.0, arrivals=config.arrivals, load=cell.load,
                        engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
-                       mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv)
+                       mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
+                       clients=config.clients.get(cell.clients, ()))
 
 
 def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
@@ -120,8 +129,9 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
     trace = _trace(config, cell)
     frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate)
-    mix = config.mixes[cell.mix]
-    mean_s = mix.mean_s(config.service)
+    shares, mixes = blend(config.mixes[cell.mix], config.clients.get(cell.clients, ()))
+    mean_s = float(np.dot(shares, [m.mean_s(config.service) for m in mixes]))
+    mean_tokens = float(np.dot(shares, [np.dot(m.sizes, m.probs) for m in mixes]))
     # The effective bound and deadline (the preset's unless the grid overrides them).
     params = {"cell_id": cell.id, **asdict(cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
     seconds = metrics.run_duration(frame, trace.duration_s)
@@ -131,15 +141,35 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
         "duration_s": seconds,
         "offered_load": float(trace.true_service_s.sum() / (seconds * cell.engines)),
         "capacity_rps": cell.engines / (cell.speed * mean_s),
-        "capacity_tokens_per_s": cell.engines * float(pd.Series(mix.sizes).dot(pd.Series(mix.probs)))
-        / (cell.speed * mean_s),
+        "capacity_tokens_per_s": cell.engines * mean_tokens / (cell.speed * mean_s),
     }
-    by_class = [{**params, "size_class": cls, **row}
-                for cls, row in metrics.by_class(frame, trace.duration_s).to_dict(orient="index").items()]
+
+    def _grouped(column: str, table: pd.DataFrame) -> list[dict]:  # one JSON-ready row per group
+        return [{**params, column: None if pd.isna(label) else label, **row}
+                for label, row in zip(table.index, table.to_dict(orient="records"))]
+
+    by_class = _grouped("size_class", metrics.by_class(frame, trace.duration_s))
+    groups = {}
+    # By client where the rows have more than one (those naming none count as one, <NA>), with
+    # Jain's index across the named; by priority where they have more than one priority.
+    if frame["client_id"].nunique(dropna=False) > 1:
+        clients = metrics.by_client(frame, trace.duration_s)
+        groups["by_client"] = _grouped("client_id", clients)
+        summary.update(metrics.client_fairness(clients))
+    if frame["priority"].nunique() > 1:
+        groups["by_priority"] = _grouped("priority", metrics.by_priority(frame, trace.duration_s))
     # Rows keep their own per-request deadline_s.
     rows = frame.assign(**{k: v for k, v in params.items() if k != "deadline_s"})
     table = pa.Table.from_pandas(rows, preserve_index=False)
-    meta = json.dumps({"summary": summary, "by_class": by_class}).encode()
+    # A parameter that is None in this cell (no client set, no queue bound) would be a column of arrow
+    # type null, which a dataset of the cells cannot read beside another cell's typed one (cast to null is
+    # unsupported): give it its axis's type. The values (all null) are unchanged.
+    for name, kind in (("clients", pa.large_string()), ("trace", pa.large_string()), ("max_queue", pa.int64()),
+                       ("time_scale", pa.float64()), ("load", pa.float64())):
+        i = table.schema.get_field_index(name)
+        if i >= 0 and pa.types.is_null(table.schema.field(i).type):
+            table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))
+    meta = json.dumps({"summary": summary, "by_class": by_class, **groups}).encode()
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: meta})
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
@@ -214,12 +244,21 @@ def read_cell_meta(path: Path) -> dict:
 
 
 def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
-    """Gather the summaries of the wanted cells from their files' metadata into the two tables."""
+    """Gather the summaries of the wanted cells from their files' metadata into the tables.
+
+    summary.parquet and summary_by_class.parquet always; summary_by_client.parquet and
+    summary_by_priority.parquet when some cell has more than one client or priority (a cell
+    written before those tables existed has none).
+    """
     metas = [read_cell_meta(out / "cells" / f"{cid}.parquet") for cid in wanted]
     summary = pd.DataFrame([m["summary"] for m in metas])
     by_class = pd.DataFrame([row for m in metas for row in m["by_class"]])
     atomic_write(out / "summary.parquet", parquet_bytes(summary))
     atomic_write(out / "summary_by_class.parquet", parquet_bytes(by_class))
+    for key, column, dtype in (("by_client", "client_id", "string"), ("by_priority", "priority", "int64")):
+        grouped = pd.DataFrame([row for m in metas for row in m.get(key, ())])
+        if len(grouped):
+            atomic_write(out / f"summary_{key}.parquet", parquet_bytes(grouped.astype({column: dtype})))
     return summary
 
 

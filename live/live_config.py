@@ -11,7 +11,11 @@ speed = 1.0              # synthetic only: service times SPEED x the model
 service_model = ""       # JSON from qlab calibrate (relative to this file); "" = the default line
 fixed_estimate = false   # true: the gates do not track speed
 policies = ["none", "bounded", "bounded-deadline", "predictive"]   # not a serve option: one server per policy
+                         # (presets or module:Class, as in --policy)
 startup_timeout_s = 180  # not a serve option: how long a server may take to start
+
+[policy_args.codel]      # optional: parameters of a policy in `policies` (its --policy-arg pairs)
+codel_target_s = 0.2
 
 [calibrate]              # optional: calibrate first (its own server, policy none); the fit is used everywhere
 rounds = 2
@@ -38,11 +42,12 @@ seed = 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import PRESETS
+from qsim.policy import args_tables, resolve
 from qsim.workload import parse_arrivals
 
 from .serve_options import ServeOptions
@@ -58,7 +63,7 @@ TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seco
 #: Keys that were renamed: an old file is refused with the new name rather than run with another meaning.
 RENAMED_TRACE_KEYS = {"load": ("nominal_load", "a live trace's rate is relative to the calibrated capacity; "
                                                "`load` means utilisation at the simulated speed")}
-SECTIONS = {"server", "calibrate", "probe", "replay", "trace"}
+SECTIONS = {"server", "calibrate", "probe", "replay", "trace", "policy_args"}
 #: A trace's arrival window when it gives neither seconds nor requests (``qlab replay``'s default too).
 DEFAULT_SECONDS = 40.0
 
@@ -105,6 +110,12 @@ class LiveConfig:
     policies: tuple[str, ...] = tuple(PRESETS)  # one server each
     startup_timeout_s: float = 180.0
     source: str = ""
+    policy_args: dict = field(default_factory=dict)  # policy -> its parameters ([policy_args.NAME])
+
+    def serve_options(self, policy: str, **changes) -> ServeOptions:
+        """The options of the server for ``policy``: the [server] table's, that policy and its parameters."""
+        pairs = ",".join(f"{k}={v}" for k, v in self.policy_args.get(policy, {}).items())
+        return replace(self.server, policy=policy, policy_arg=pairs, **changes)
 
 
 def _fail(where: str, message: str):
@@ -125,9 +136,13 @@ def _server(path: str, data: dict) -> tuple[ServeOptions, dict]:
     extra = {k: s.pop(k) for k in ("policies", "startup_timeout_s") if k in s}
     if "policies" in extra:
         policies = tuple(typed_value(f"{path}: server.policies[{i}]", p, str) for i, p in enumerate(extra["policies"]))
-        bad = [p for p in policies if p not in PRESETS]
-        if bad or not policies or len(set(policies)) != len(policies):
-            _fail(f"{path}: server.policies", f"need distinct names from {', '.join(PRESETS)}, got {list(policies)}")
+        if not policies or len(set(policies)) != len(policies):
+            _fail(f"{path}: server.policies", f"need distinct policies, got {list(policies)}")
+        for i, p in enumerate(policies):
+            try:
+                resolve(p)
+            except ValueError as exc:
+                _fail(f"{path}: server.policies[{i}]", str(exc))
         extra["policies"] = policies
     if "startup_timeout_s" in extra:
         positive_value(f"{path}: server.startup_timeout_s", extra["startup_timeout_s"])
@@ -188,6 +203,10 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
         for key, value in (vars(cfg) if cfg else {}).items():
             positive_value(f"{path}: {where}.{key}", value)
     server, extra = _server(path, data)
+    try:
+        extra["policy_args"] = args_tables(data.get("policy_args", {}), extra.get("policies", LiveConfig.policies))
+    except ValueError as exc:
+        _fail(path, str(exc))
     return LiveConfig(server, calibrate, probe, replay, _traces(path, data), **extra, source=path)
 
 

@@ -86,12 +86,18 @@ def prompt_lengths(trace: Trace, cfg: ReplayConfig) -> np.ndarray:
 
 
 def payloads(trace: Trace, cfg: ReplayConfig) -> list[dict]:
-    """One request body per trace entry; deadline_ms only where the trace sets one (else the server's default)."""
+    """One request body per trace entry; deadline_ms only where the trace sets one (else the server's default),
+    priority where it is not 0 and client_id where the trace names a client."""
     out = []
-    for tokens, words, deadline in zip(trace.max_new_tokens, prompt_lengths(trace, cfg), trace.deadline_s):
+    for tokens, words, deadline, priority, client in zip(trace.max_new_tokens, prompt_lengths(trace, cfg),
+                                                          trace.deadline_s, trace.priority, trace.client_id):
         body = {"prompt": synthetic_prompt(int(words)), "max_new_tokens": int(tokens)}
         if math.isfinite(deadline):
             body["deadline_ms"] = int(round(deadline * 1000))
+        if priority:
+            body["priority"] = int(priority)
+        if client is not None:
+            body["client_id"] = str(client)
         out.append(body)
     return out
 

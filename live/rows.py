@@ -233,6 +233,8 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
         "est_service_s": rows["est"].to_numpy(float),
         "true_service_s": rows["engine_s"].to_numpy(float),
         "deadline_s": deadline,
+        "priority": trace.priority,
+        "client_id": trace.client_id,
         "outcome": rows["outcome"].tolist(),
         "reason": rows["reason"].tolist(),
         "start_s": start,

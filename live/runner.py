@@ -169,7 +169,7 @@ def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_
              log: Callable[[str], None]) -> dict[Path, dict]:
     """Start a server for each policy that has runs to do, run them in order, write each run's file whole."""
     needed = {r.policy for r in todo}
-    options = [replace(cfg.server, policy=p, service_model=model_path) for p in cfg.policies if p in needed]
+    options = [cfg.serve_options(p, service_model=model_path) for p in cfg.policies if p in needed]
     rows = {}
     with serving(options, out / "logs", cfg.startup_timeout_s) as servers:
         url = {s.options.policy: s.url for s in servers}

@@ -18,10 +18,10 @@ from .policy import PRESETS, Policy, Rejection, cannot_finish, decide, preset, r
 from .records import ANSWERED, OUTCOMES, SCHEMA
 from .service import ServiceModel, SpeedTracker, fit
 from .tracefiles import load_trace
-from .workload import REFERENCE_MIX, Mix, Trace, build_trace, from_arrays, make_trace
+from .workload import REFERENCE_MIX, Client, Mix, Trace, build_trace, from_arrays, make_trace
 
 __all__ = [
-    "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Mix", "Policy", "Rejection",
+    "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Client", "Mix", "Policy", "Rejection",
     "ServiceModel", "SpeedTracker", "Trace", "build_trace", "cannot_finish", "decide", "fit", "load_trace",
     "from_arrays", "make_trace", "preset", "retry_after", "simulate",
 ]

@@ -2,11 +2,13 @@
 
 A discipline is what :class:`qsim.queue.AdmissionQueue` keeps its waiting
 requests in. It holds the queue's entries, ``(req, arrived_at, base_est_s,
-deadline_s, priority)``, and answers five things: ``push(entry)``,
+deadline_s, priority, client)``, and answers five things: ``push(entry)``,
 ``pop_next(now)`` (the entry to start next), ``remove(entry)`` (a client
 left), ``len()`` and iteration. A discipline may also say that the entry it
 just popped is to be dropped unrun: ``drop_reason(entry, now, est_s)``
-returning a reason (CoDel does); the queue then ends it as ``expired``.
+returning a reason (CoDel does); the queue then ends it as ``expired``. And
+it may want to hear of every start, including a request that went straight
+onto an idle engine without waiting: ``started(entry)`` (fair share does).
 
 Non-preemptive, all of them: a started request runs to its end. Cancellation
 is rare, so ``remove`` may take linear time; push and pop may not.
@@ -22,8 +24,8 @@ from collections import deque
 #: Reason of a request CoDel dropped at the front.
 CODEL_REASON = "codel"
 #: Positions in an entry: when it arrived, its calibrated estimate, its deadline (seconds after
-#: arrival) and its priority (entry[0] is the driver's own handle).
-AT, BASE, DEADLINE, PRIORITY = 1, 2, 3, 4
+#: arrival), its priority and its client (entry[0] is the driver's own handle).
+AT, BASE, DEADLINE, PRIORITY, CLIENT = 1, 2, 3, 4, 5
 
 
 class Fifo(deque):
@@ -85,6 +87,12 @@ class Keyed:
                 return
         raise ValueError("entry is not waiting")
 
+    def work_before(self, entry) -> float:
+        """Calibrated work waiting that would start before ``entry`` if it arrived now and nobody else
+        came: every entry of a key no greater (ties go to the earlier arrival). Linear in the queue."""
+        mine = self.key(entry)
+        return sum(item[-1][BASE] for item in self._heap if tuple(item[:-2]) <= mine)
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -117,6 +125,10 @@ class Priority(Keyed):
 
     def key(self, entry) -> tuple:
         return (-entry[PRIORITY], entry[AT] + entry[DEADLINE]) if self.within == "edf" else (-entry[PRIORITY],)
+
+    # Admission sees the classes: a request waits only behind its own class and those above it, so a
+    # high class is not refused for a queue of low ones (future arrivals of higher classes aside).
+    ahead_s = Keyed.work_before
 
 
 class CoDel(Fifo):
@@ -165,6 +177,108 @@ class CoDel(Fifo):
         return None
 
 
+class FairShare:
+    """Fair share across clients: a virtual token counter (VTC; Sheng et al., "Fairness in Serving
+    Large Language Models", OSDI 2024), non-preemptive.
+
+    Each client has a counter of the service it has been given (its requests' calibrated estimates,
+    which are linear in tokens), charged whenever one of its requests starts, from the queue or
+    straight onto an idle engine (the queue calls :meth:`started`). The backlogged client with the
+    least is served next, FIFO within a client. A client that comes back after an idle spell has its
+    counter lifted to the least among those waiting (or, when none waits, to the counter of the last
+    one served), so it cannot bank credit while away and then hold the engines as long. Requests
+    without a client share the client ``None``. So a light client is served before a heavy one
+    whatever their arrival order, and backlogged clients get equal service whatever their rates.
+    Choosing the next client looks at each backlogged client once: linear in clients, not requests.
+
+    Admission sees this order: :meth:`ahead_s` is the work a new request would wait behind, so a
+    light client's request is not refused for a queue the heavy client built (with FIFO's estimate
+    it would be, and fair service behind a predictive gate would change nothing).
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict = {}  # backlogged client -> its waiting entries, oldest first
+        self.counter: dict = {}  # client -> service given so far (seconds of calibrated estimate)
+        self._floor = 0.0  # the counter of the last client served, before its charge
+        self._popped = None  # the entry pop_next just gave out (its client was lifted when it joined)
+        self._n = 0
+
+    def _lift(self, client) -> None:
+        lift = min(map(self.counter.__getitem__, self._queues)) if self._queues else self._floor
+        self.counter[client] = max(self.counter.get(client, 0.0), lift)
+
+    def push(self, entry) -> None:
+        client = entry[CLIENT]
+        queue = self._queues.get(client)
+        if queue is None:
+            self._lift(client)
+            queue = self._queues[client] = deque()
+        queue.append(entry)
+        self._n += 1
+
+    def pop_next(self, now: float):
+        # min() keeps the first of equal counters: the client backlogged longest.
+        client = min(self._queues, key=self.counter.__getitem__)
+        queue = self._queues[client]
+        entry = self._popped = queue.popleft()
+        if not queue:
+            del self._queues[client]
+        self._n -= 1
+        return entry
+
+    def ahead_s(self, entry) -> float:
+        """Calibrated work that would start before a request of ``client`` arriving now, if nobody else came:
+        its own client's waiting, and from each other client what is served while that client's counter is
+        below the level this request's client reaches when the request comes to its head (on a tie the
+        client that has waited longer goes first, as in :meth:`pop_next`). Sums are taken in the order the
+        counters are charged, so the answer is exact, not a bound (tests/test_queue.py checks it)."""
+        client = entry[CLIENT]
+        own = self._queues.get(client)
+        if own:
+            level = self.counter[client]
+        else:
+            lift = min(map(self.counter.__getitem__, self._queues)) if self._queues else self._floor
+            level = max(self.counter.get(client, 0.0), lift)
+        ahead = 0.0
+        for entry in own or ():
+            ahead += entry[BASE]
+            level += entry[BASE]
+        first = True  # the other client has waited longer than this one (it comes first in the dict)
+        for other, queue in self._queues.items():
+            if other == client:
+                first = False
+                continue
+            given = self.counter[other]
+            for entry in queue:
+                if given > level or (given == level and not first):
+                    break
+                given += entry[BASE]
+                ahead += entry[BASE]
+        return ahead
+
+    def started(self, entry) -> None:
+        """Charge the client of a request that starts (popped, or straight onto an idle engine)."""
+        client = entry[CLIENT]
+        if entry is not self._popped:  # it never waited: it joins as a returning client would
+            self._lift(client)
+        self._popped = None
+        self._floor = self.counter[client]
+        self.counter[client] += entry[BASE]
+
+    def remove(self, entry) -> None:
+        queue = self._queues[entry[CLIENT]]
+        queue.remove(entry)
+        if not queue:
+            del self._queues[entry[CLIENT]]
+        self._n -= 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return (entry for queue in self._queues.values() for entry in queue)
+
+
 #: Disciplines by the name a policy gives (``Policy.discipline``), each with its default parameters.
 DISCIPLINES = {
     "fifo": Fifo,
@@ -175,4 +289,5 @@ DISCIPLINES = {
     "priority": Priority,
     "priority-edf": lambda: Priority("edf"),
     "codel": CoDel,
+    "fair": FairShare,
 }

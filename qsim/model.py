@@ -11,7 +11,10 @@ starts (a timeout of the request's true service time) and hands it back. Beside 
   engine is held for ``true_service_s`` (the live gate counts the engine busy
   until the answer is handed back to it, a little after the engine's own time);
 * clients that leave (``cancel_after_s``): a waiting request leaves the queue
-  with its work; a running one leaves its engine busy until it finishes;
+  with its work; a running one leaves its engine busy until it finishes. The
+  patience counts to the whole answer (``cancel_until="answer"``, the default) or
+  only to its start (``cancel_until="start"``: a client whose request has started
+  stays, the patience-while-waiting of Erlang A and M/M/c+D);
 * stalled engines (``stall``): a request that runs past its threshold ends as
   an error at that moment, and while every engine is stalled a watchdog ends
   waiting requests past their deadline, every ``watch_interval_s`` as the gate's does.
@@ -35,6 +38,8 @@ from .workload import Trace
 _NAN = math.nan
 #: Reason of a request whose client left (outcome ``abandoned``).
 LEFT_REASON = "client_left"
+#: What a client's patience (``cancel_after_s``) waits for: its answer to start, or the whole answer.
+CANCEL_UNTIL = ("answer", "start")
 #: Reason of a request whose engine raised (outcome ``error``), as the live gate says it.
 FAILED_REASON = "engine_exception"
 
@@ -43,7 +48,8 @@ class _Run:
     """One simulation: the records it writes, and the processes that drive the queue core."""
 
     def __init__(self, trace: Trace, queue_args: dict, engines: int, *, failed=None, reported_s=None,
-                 cancel_after_s=None, priority=None, client=None, watch_interval_s: float = 0.05) -> None:
+                 cancel_after_s=None, cancel_until: str = "answer", priority=None, client=None,
+                 watch_interval_s: float = 0.05) -> None:
         n = len(trace)
         self.env = simpy.Environment()
         self.queue = AdmissionQueue(engines=engines, start=self._start, drop=self._drop, **queue_args)
@@ -59,8 +65,9 @@ class _Run:
         self.patience = None
         if cancel_after_s is not None and np.isfinite(cancel_after_s).any():
             self.patience = np.asarray(cancel_after_s, dtype=float).tolist()
-        self.priority = [0] * n if priority is None else np.asarray(priority, dtype=np.int64).tolist()
-        self.client = [None] * n if client is None else list(client)
+        self.wait_only = cancel_until == "start"  # a client whose request has started stays
+        self.priority = np.asarray(trace.priority if priority is None else priority, dtype=np.int64).tolist()
+        self.client = list(trace.client_id if client is None else client)
         self.watch_interval_s = watch_interval_s
         self.est = [_NAN] * n
         self.outcome: list = [None] * n
@@ -122,7 +129,8 @@ class _Run:
                 self.outcome[i], self.reason[i] = "rejected", refusal.reason
                 self.retry_after[i] = refusal.retry_after_s
                 self.finish[i] = t
-            elif self.patience is not None and math.isfinite(self.patience[i]):
+            elif (self.patience is not None and math.isfinite(self.patience[i])
+                  and not (self.wait_only and not math.isnan(self.start[i]))):  # started at once: it stays
                 Timeout(env, self.patience[i]).callbacks.append(lambda _, i=i: self._cancel(i))
             i += 1
         self.next_arrival = i
@@ -143,6 +151,8 @@ class _Run:
             self._end(i, now, outcome, None if ok else FAILED_REASON)
 
     def _cancel(self, i: int) -> None:
+        if self.wait_only and not math.isnan(self.start[i]):  # started: its patience while waiting is over
+            return
         if self.queue.cancel(i, self.env.now) is not None:
             self._end(i, self.env.now, "abandoned", LEFT_REASON)
 
@@ -172,6 +182,8 @@ class _Run:
                 "est_service_s": self.est,
                 "true_service_s": trace.true_service_s,
                 "deadline_s": self.deadline,
+                "priority": self.priority,
+                "client_id": [None if c is None else str(c) for c in self.client],
                 "outcome": self.outcome,
                 "reason": self.reason,
                 "start_s": self.start,
@@ -196,6 +208,7 @@ def simulate(
     failed=None,
     reported_s=None,
     cancel_after_s=None,
+    cancel_until: str = "answer",
     priority=None,
     client=None,
     stall: StallRule | None = None,
@@ -208,11 +221,18 @@ def simulate(
     failed (bools), reported_s (the engine's own seconds, which the tracker learns; default the
     true service time), cancel_after_s (seconds after arrival at which the client leaves; NaN:
     never), priority (ints, higher first under a priority discipline) and client (any hashable; the
-    policy's per-client token bucket counts by it) are per request, in trace order. stall: the live gate's stall rule (None, the study's model: engines never stall).
+    policy's per-client token bucket and fair share count by it) are per request, in trace order;
+    priority and client default to the trace's own. cancel_until: what the patience cancel_after_s
+    waits for, "answer" (the client leaves at that time whether its request waits or runs) or
+    "start" (it leaves only if its request has not started by then: patience while waiting).
+    Either way a client that leaves ends its request ``abandoned`` (reason client_left).
+    stall: the live gate's stall rule (None, the study's model: engines never stall).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
+    if cancel_until not in CANCEL_UNTIL:
+        raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
     if len(trace) and np.any(np.diff(trace.arrival_s) < 0):
         raise ValueError("trace arrivals must be sorted by time")
     for name, values in (("failed", failed), ("reported_s", reported_s), ("cancel_after_s", cancel_after_s),
@@ -221,8 +241,8 @@ def simulate(
             raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
     tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
     run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline()), engines, failed=failed,
-               reported_s=reported_s, cancel_after_s=cancel_after_s, priority=priority, client=client,
-               watch_interval_s=watch_interval_s)
+               reported_s=reported_s, cancel_after_s=cancel_after_s, cancel_until=cancel_until, priority=priority,
+               client=client, watch_interval_s=watch_interval_s)
     run.arrivals()
     run.env.run()
     frame = run.frame(trace)

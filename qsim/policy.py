@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import math
 import types
 import typing
@@ -28,6 +29,10 @@ EXPIRE_REASON = "cannot_finish"
 #: Times closer than this are equal. Sums of the same service times taken in another order
 #: differ in the last bit, and a deadline met exactly must not read as missed by 1e-16 s.
 TIME_TOLERANCE_S = 1e-9
+
+
+#: The policy fields a discipline is built with, in the order its class takes them.
+DISCIPLINE_ARGS = {"codel": ("codel_target_s", "codel_interval_s"), "adaptive-lifo": ("lifo_threshold",)}
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class Policy:
     client_rate / client_burst: a token bucket per client (requests per second, and
         how many may come at once); a client over it is refused ``rate_limited``
         before anything else is looked at. None: no per-client limit.
+    codel_target_s / codel_interval_s: CoDel's target sojourn and interval (discipline codel).
+    lifo_threshold: the queue length from which adaptive LIFO serves the newest first.
     """
 
     name: str = "custom"
@@ -63,6 +70,9 @@ class Policy:
     client_burst: float = 1.0
     reserve_min_s: float | None = None
     reserve_share: float = 0.0
+    codel_target_s: float = 0.1
+    codel_interval_s: float = 0.5
+    lifo_threshold: int = 8
 
     def __post_init__(self) -> None:
         if self.client_rate is not None and not (self.client_rate > 0 and math.isfinite(self.client_rate)):
@@ -75,6 +85,7 @@ class Policy:
             raise ValueError(f"client_burst must be a number >= 1, got {self.client_burst}")
         if self.discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {self.discipline!r}; choose one of {', '.join(DISCIPLINES)}")
+        Policy.make_discipline(self)  # a discipline parameter out of range is refused here, not at the first request
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_queued_seconds is not None and not self.max_queued_seconds > 0:
@@ -87,7 +98,7 @@ class Policy:
 
         A policy class of one's own overrides this to order the queue its way (see docs/policies.md).
         """
-        return DISCIPLINES[self.discipline]()
+        return DISCIPLINES[self.discipline](*(getattr(self, a) for a in DISCIPLINE_ARGS.get(self.discipline, ())))
 
     def with_args(self, args: Mapping[str, Any]) -> "Policy":
         """This policy with some parameters changed. Values may be text (``--policy-arg k=v``), converted
@@ -127,6 +138,11 @@ PRESETS: Mapping[str, Policy] = {
     # room for it while fewer than 30 % of those arriving are admitted (estimates >= 0.5 s: 64 tokens).
     "predictive-reserved": Policy("predictive-reserved", predictive=True, expire_at_front=True, reserve_min_s=0.5,
                                   reserve_share=0.3),
+    # Priority classes (vLLM's --scheduling-policy priority): a higher class first, EDF within a class.
+    "predictive-priority": Policy("predictive-priority", predictive=True, expire_at_front=True,
+                                  discipline="priority-edf"),
+    # Tenants: predictive admission, and the engines shared fairly among the clients who wait.
+    "predictive-fair": Policy("predictive-fair", predictive=True, expire_at_front=True, discipline="fair"),
 }
 #: The reference study's four policies (its sweeps and figures are over these).
 STUDY = ("none", "bounded", "bounded-deadline", "predictive")
@@ -157,6 +173,29 @@ def from_options(spec: str, pairs=(), max_queue: int | None = None, deadline_s: 
     """The policy a command line names: ``--policy``, its ``--policy-arg`` pairs, then the ``--max-queue``
     and ``--deadline`` overrides (the same for ``qlab simulate`` and ``qlab serve``)."""
     return resolve(spec, parse_args(pairs)).with_overrides(max_queue=max_queue, deadline_s=deadline_s)
+
+
+def args_tables(table: Any, policies) -> dict[str, dict]:
+    """A config file's ``[policy_args]``: for each of ``policies`` that has one, a table of its parameters.
+
+    ValueError naming the table (``policy_args.NAME: ...``) when a name is not among ``policies`` or a
+    parameter is one the policy does not have or of the wrong type (sweeps and ``qlab live`` read it alike).
+    """
+    if not isinstance(table, dict):
+        raise ValueError("[policy_args] must be a table of policies")
+    out = {}
+    for name, args in table.items():
+        where = f"policy_args.{json.dumps(name) if not name.replace('-', '').replace('_', '').isalnum() else name}"
+        if name not in policies:
+            raise ValueError(f"{where}: {name!r} is not one of the file's policies ({', '.join(policies)})")
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}: expected a table of the policy's parameters")
+        try:
+            resolve(name, args)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        out[name] = dict(args)
+    return out
 
 
 def policy_from_fields(raw: Mapping[str, Any]) -> Policy:
@@ -252,6 +291,7 @@ def decide(
     workers: int = 1,
     idle: int = 0,
     priority: int = 0,
+    ahead_s: float | None = None,
 ) -> Rejection | None:
     """Admit (``None``) or refuse (:class:`Rejection`) one arriving request.
 
@@ -262,9 +302,12 @@ def decide(
     counting this one. in_service_remaining_s: estimated remaining work summed
     over busy engines. idle: engines free right now; with one free the request
     starts at once, so it waits for nobody and the queue bounds do not apply
-    to it (this is what makes max_queue=0 the Erlang loss system).
+    to it (this is what makes max_queue=0 the Erlang loss system). ahead_s: the part of
+    queued_work_s that would start before this request (None: all of it, as in FIFO); a
+    discipline that serves some arrivals ahead of others says how much (fair share does).
     """
-    wait = 0.0 if idle > 0 else (queued_work_s + in_service_remaining_s) / workers
+    ahead = queued_work_s if ahead_s is None else ahead_s
+    wait = 0.0 if idle > 0 else (ahead + in_service_remaining_s) / workers
     if idle <= 0:
         if priority < 0 and queued > 0:
             return Rejection("shed", {"priority": priority, "queued": queued, "wait_s": wait}, retry_after(wait))

@@ -26,7 +26,10 @@ tracker see is computed here and nowhere else.
 the gate); it is compared with ``==``. The order in which waiting requests are
 started is the *discipline*, a component the queue consults (FIFO by default;
 :mod:`qsim.disciplines` holds the others): ``push``, ``pop_next(now)``,
-``remove``, ``len``, iteration, and optionally ``drop_reason`` (CoDel).
+``remove``, ``len``, iteration, and optionally ``drop_reason`` (CoDel),
+``started`` (fair share) and ``ahead_s(entry)`` (fair share, priority classes:
+how much waiting work an arrival would start behind, which the wait estimate
+uses instead of all of it).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .disciplines import Fifo
 from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, decide, on_time, take_token
 from .service import SpeedTracker
 
@@ -67,7 +69,7 @@ class StallRule:
         return max(self.factor * est_service_s, self.floor_s)
 
 
-# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority).
+# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority, client).
 Entry = tuple
 
 
@@ -84,7 +86,7 @@ class AdmissionQueue:
         self.policy = policy
         self.engines = engines
         self.tracker = tracker if tracker is not None else SpeedTracker()
-        self.waiting = Fifo() if discipline is None else discipline
+        self.waiting = policy.make_discipline() if discipline is None else discipline
         self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
         self.running: list[Entry | None] = [None] * engines
         self.busy_until = [0.0] * engines  # estimated end of each engine's request
@@ -96,6 +98,8 @@ class AdmissionQueue:
         self.stall_rule = stall
         self._start, self._drop, self._gone = start, drop, gone
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
+        self._started = getattr(self.waiting, "started", None)
+        self._ahead = getattr(self.waiting, "ahead_s", None)
         self._n_stalled = 0
         self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
         self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
@@ -127,16 +131,18 @@ class AdmissionQueue:
             if refusal is not None:
                 return refusal
         budget = deadline_s if self.policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
+        entry = (req, now, base_est_s, deadline_s, priority, client)
+        ahead = None if self._ahead is None or idle else self._ahead(entry) * factor
         refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, budget,
-                         self.engines, len(idle), priority)
+                         self.engines, len(idle), priority, ahead)
         if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
             self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
         if refusal is not None:
             return refusal
         if idle:
-            self._begin(idle.pop(), (req, now, base_est_s, deadline_s, priority), now)
+            self._begin(idle.pop(), entry, now)
         else:
-            waiting.push((req, now, base_est_s, deadline_s, priority))
+            waiting.push(entry)
             self.waiting_base_s += base_est_s
         return None
 
@@ -287,6 +293,8 @@ class AdmissionQueue:
         self.started_at[k] = now
         rule = self.stall_rule
         self.stall_after_s[k] = math.inf if rule is None else rule.after_s(est)
+        if self._started is not None:
+            self._started(entry)
         self._start(k, entry[0], now, est)
 
     def _next(self, k: int, now: float) -> None:

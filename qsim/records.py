@@ -20,6 +20,10 @@ from .policy import on_time
 #: left before the answer (a cancelled request).
 OUTCOMES = ("good", "late", "rejected", "expired", "error", "abandoned")
 ANSWERED = ("good", "late")
+#: What a request may carry, in a trace file as in an HTTP body: a priority within +-PRIORITY_BOUND,
+#: a client id of 1 to CLIENT_ID_CHARS characters.
+PRIORITY_BOUND = 1000
+CLIENT_ID_CHARS = 128
 
 #: column -> (pandas dtype, meaning). The order is the column order of a frame.
 SCHEMA: dict[str, tuple[str, str]] = {
@@ -30,6 +34,8 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "est_service_s": ("float64", "estimated service time at admission, speed factor included"),
     "true_service_s": ("float64", "engine time it took, or would have taken (simulator)"),
     "deadline_s": ("float64", "deadline relative to arrival"),
+    "priority": ("int64", "priority it was sent with: higher first under a priority discipline, below 0 sheddable"),
+    "client_id": ("string", "the client that sent it (per-client limits, fair share); <NA>: none named"),
     "outcome": ("string", "one of OUTCOMES"),
     "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left); <NA> otherwise"),
     "start_s": ("float64", "engine start time; NaN if never run"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
 from .workload import REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, random_streams
 
@@ -50,6 +51,13 @@ class _Columns:
             bad |= values.notna() & ~ok(values)
         self.fail_first(column, bad)
         return values.to_numpy(dtype=float)
+
+    def client_ids(self, column: str) -> np.ndarray:
+        """Client names as objects; an empty cell (or NA) is no client (None)."""
+        raw = self.frame[column].str.strip()
+        none = raw.isna() | raw.isin(["", "nan", "None", "<NA>"])
+        self.fail_first(column, raw.str.len() > CLIENT_ID_CHARS, f": a client id is at most {CLIENT_ID_CHARS} characters")
+        return np.where(none.to_numpy(), None, raw.to_numpy(dtype=object))
 
     def timestamps(self, column: str) -> pd.Series:
         """The column as times. Stamps with a UTC offset are put on UTC; a file may not mix them with stamps
@@ -108,7 +116,7 @@ def load_trace(
     prompt_tokens, and true service times come from ``model`` times ``speed``
     (and seeded noise). qlab's own files (.csv or .parquet, from
     :meth:`Trace.save`) need arrival_s and max_new_tokens; est/true service
-    times, deadlines and prompt lengths are used when present.
+    times, deadlines, prompt lengths, priorities and client ids are used when present.
     Arrival times are multiplied by ``time_scale`` (0.5 replays twice as fast).
     """
     path = Path(path)
@@ -127,7 +135,7 @@ def load_trace(
         arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy()
         prompt = cols.number("ContextTokens", ok=lambda v: v >= 0, integer=True)
         tokens = cols.number("GeneratedTokens", ok=lambda v: v >= 1, integer=True)
-        est = true = deadline = None
+        est = true = deadline = priority = client = None
     elif present >= set(OWN_REQUIRED):
         arrival = cols.number("arrival_s", ok=lambda v: v >= 0)
         tokens = cols.number("max_new_tokens", ok=lambda v: v >= 1, integer=True)
@@ -135,6 +143,9 @@ def load_trace(
         est = cols.number("est_service_s", ok=positive) if "est_service_s" in present else None
         true = cols.number("true_service_s", ok=positive) if "true_service_s" in present else None
         deadline = cols.number("deadline_s", ok=positive, optional=True) if "deadline_s" in present else None
+        bounded = lambda v: v.abs() <= PRIORITY_BOUND  # noqa: E731
+        priority = cols.number("priority", ok=bounded, integer=True) if "priority" in present else None
+        client = cols.client_ids("client_id") if "client_id" in present else None
     else:
         raise ValueError(
             f"{path}: unrecognised trace columns {list(frame.columns)}; expected {','.join(AZURE_COLUMNS)} "
@@ -143,7 +154,8 @@ def load_trace(
     # Real logs are not always sorted; a stable sort keeps the file order among ties.
     order = np.argsort(arrival, kind="stable")
     pick = lambda a: None if a is None else a[order]  # noqa: E731
-    arrival, tokens, prompt, est, true, deadline = map(pick, (arrival, tokens, prompt, est, true, deadline))
+    arrival, tokens, prompt, est, true, deadline, priority, client = map(
+        pick, (arrival, tokens, prompt, est, true, deadline, priority, client))
     arrival = arrival * time_scale
     est = model.estimate(tokens) if est is None else est
     if true is None:
@@ -151,4 +163,4 @@ def load_trace(
     duration = float(arrival[-1] - arrival[0])
     meta = dict(path=str(path), time_scale=time_scale, speed=speed, noise_cv=noise_cv, seed=seed)
     return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=path.stem, meta=meta,
-                  deadline_s=deadline, prompt_tokens=prompt)
+                  deadline_s=deadline, prompt_tokens=prompt, priority=priority, client_id=client)

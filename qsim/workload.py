@@ -63,13 +63,54 @@ REFERENCE_MIX = Mix()
 
 
 @dataclass(frozen=True)
+class Client:
+    """One sender in a workload: its share of the arrivals, its priority and its own size mix.
+
+    A workload of clients draws each request's client independently with probability ``share``
+    (so each client's arrivals are a thinned Poisson stream when the whole is Poisson), then its
+    size from that client's ``mix`` (None: the workload's). ``priority`` is sent with every request
+    (higher first under a priority discipline; below 0 sheddable).
+    """
+
+    name: str
+    share: float
+    priority: int = 0
+    mix: Mix | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a client needs a name")
+        if not (0 < self.share <= 1):
+            raise ValueError(f"client {self.name!r}: share must be in (0, 1], got {self.share}")
+
+
+def blend(mix: Mix, clients: tuple[Client, ...] = ()) -> tuple[list[float], list[Mix]]:
+    """The mixes requests are drawn from and the share of each: each client's own (the workload's
+    ``mix`` where it has none), or ``mix`` alone without clients. Checks the clients."""
+    check_clients(clients)
+    if not clients:
+        return [1.0], [mix]
+    return [c.share for c in clients], [c.mix or mix for c in clients]
+
+
+def check_clients(clients: tuple[Client, ...]) -> None:
+    """Clients of one workload: distinct names, shares that sum to 1."""
+    names = [c.name for c in clients]
+    if len(set(names)) != len(names):
+        raise ValueError(f"client names must be distinct, got {names}")
+    if clients and not math.isclose(sum(c.share for c in clients), 1.0, abs_tol=1e-9):
+        raise ValueError(f"client shares must sum to 1, got {[c.share for c in clients]}")
+
+
+@dataclass(frozen=True)
 class Trace:
     """Arrivals with everything the executors need, one entry per request.
 
     est_service_s is the calibrated estimate (before speed tracking);
     true_service_s what the engine will take; deadline_s is relative to arrival,
-    NaN meaning the policy default. duration_s is the arrival window used for
-    rates (goodput); 0 for a single burst.
+    NaN meaning the policy default. priority and client_id are what the request
+    is sent with (client_id None: no client). duration_s is the arrival window
+    used for rates (goodput); 0 for a single burst.
     """
 
     arrival_s: np.ndarray
@@ -79,6 +120,8 @@ class Trace:
     true_service_s: np.ndarray
     deadline_s: np.ndarray
     prompt_tokens: np.ndarray
+    priority: np.ndarray
+    client_id: np.ndarray
     duration_s: float
     name: str = "trace"
     meta: dict = field(default_factory=dict)
@@ -101,6 +144,8 @@ class Trace:
                 "true_service_s": self.true_service_s,
                 "deadline_s": self.deadline_s,
                 "prompt_tokens": self.prompt_tokens,
+                "priority": self.priority,
+                "client_id": pd.array(self.client_id, dtype="string"),
             }
         )
 
@@ -114,9 +159,11 @@ class Trace:
 
 
 def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta, deadline_s=None,
-                   prompt_tokens=None) -> Trace:
+                   prompt_tokens=None, priority=None, client_id=None) -> Trace:
     """A :class:`Trace` from per-request arrays (what make_trace and the trace file reader both end with)."""
     n = len(arrival_s)
+    if client_id is None:
+        client_id = np.full(n, None, dtype=object)
     return Trace(
         arrival_s=np.asarray(arrival_s, dtype=float),
         max_new_tokens=np.asarray(tokens, dtype=np.int64),
@@ -125,6 +172,8 @@ def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta,
         true_service_s=np.asarray(true, dtype=float),
         deadline_s=np.full(n, np.nan) if deadline_s is None else np.asarray(deadline_s, dtype=float),
         prompt_tokens=np.zeros(n, dtype=np.int64) if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64) if priority is None else np.asarray(priority, dtype=np.int64),
+        client_id=np.asarray(client_id, dtype=object),
         duration_s=float(duration_s),
         name=name,
         meta=meta,
@@ -138,6 +187,8 @@ def from_arrays(
     true_service_s=None,
     est_service_s=None,
     deadline_s=None,
+    priority=None,
+    client_id=None,
     model: ServiceModel = ServiceModel(),
     mix: Mix = REFERENCE_MIX,
     name: str = "trace",
@@ -151,7 +202,7 @@ def from_arrays(
     true = est if true_service_s is None else true_service_s
     duration = float(arrival.max() - arrival.min()) if arrival.size else 0.0
     return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=name, meta={},
-                  deadline_s=deadline_s)
+                          deadline_s=deadline_s, priority=priority, client_id=client_id)
 
 
 # ---------------------------------------------------------------- arrivals
@@ -220,8 +271,30 @@ def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
 
 
 def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
-    """Independent generators for gaps, sizes and service draws (common random numbers)."""
-    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    """Independent generators for gaps, sizes, service draws and clients (common random numbers).
+
+    The fourth was added with clients; SeedSequence's children do not depend on how many are
+    spawned, so the first three (and every trace without clients) are what they were.
+    """
+    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
+
+
+def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
+    """n draws of an index with these probabilities, one uniform each: what ``rng.choice(len(probs), n,
+    p=probs)`` draws, written out so that each request's uniform can be mapped through its own client's mix."""
+    cdf = np.cumsum(probs)
+    return np.searchsorted(cdf / cdf[-1], rng.random(n), side="right")
+
+
+def _sizes(rng: np.random.Generator, mixes: list[Mix], which: np.ndarray) -> np.ndarray:
+    """Each request's size from the mix ``mixes[which[i]]``, one uniform per request in request order."""
+    u = rng.random(len(which))
+    tokens = np.empty(len(which), dtype=np.int64)
+    for j, mix in enumerate(mixes):
+        mine = which == j
+        cdf = np.cumsum(mix.probs)
+        tokens[mine] = np.asarray(mix.sizes)[np.searchsorted(cdf / cdf[-1], u[mine], side="right")]
+    return tokens
 
 
 def lognormal_noise(rng: np.random.Generator, n: int, cv: float) -> np.ndarray:
@@ -246,6 +319,7 @@ def make_trace(
     model: ServiceModel = ServiceModel(),
     mean_service_s: float | None = None,
     noise_cv: float = 0.0,
+    clients: tuple[Client, ...] = (),
 ) -> Trace:
     """A seeded synthetic trace.
 
@@ -253,7 +327,9 @@ def make_trace(
     speed multiplies every true service time (2.25 = the machine 2.25x slower).
     service: 'mix' (sizes from ``mix`` through ``model``, optional lognormal
     noise of CV ``noise_cv``), 'exponential' or 'deterministic' with mean
-    ``mean_service_s`` (default: the mix's mean).
+    ``mean_service_s`` (default: the mix's mean). clients: who sends each request
+    (:class:`Client`; each brings its priority and may bring its own mix); the load counts
+    their mixes by their shares.
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")
@@ -271,12 +347,13 @@ def make_trace(
         raise ValueError(f"unknown service distribution {service!r}; choose one of {', '.join(SERVICES)}")
     if mean_service_s is not None and not mean_service_s > 0:
         raise ValueError(f"mean service time must be > 0, got {mean_service_s}")
-    mean_s = mix.mean_s(model) if mean_service_s is None else float(mean_service_s)
+    shares, mixes = blend(mix, clients)
+    mean_s = float(np.dot(shares, [m.mean_s(model) for m in mixes])) if mean_service_s is None else float(mean_service_s)
     if service == "mix" and mean_service_s is not None:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
     kind, numbers = parse_arrivals(arrivals)
-    gaps_rng, size_rng, service_rng = random_streams(seed)
+    gaps_rng, size_rng, service_rng, client_rng = random_streams(seed)
     rate = load * engines / (speed * mean_s)
     if kind in ("poisson", "constant", "gamma"):
         cv = numbers[0] if numbers else 1.0
@@ -289,9 +366,10 @@ def make_trace(
         times = periodic_bursts(int(numbers[0]), numbers[1], seconds=seconds, requests=requests)
         duration = seconds if seconds is not None else (times[-1] + numbers[1] if times.size else 0.0)
     n = times.size
+    which = _draw_index(client_rng, shares, n) if clients else np.zeros(n, dtype=np.int64)
 
     if service == "mix":
-        tokens = np.asarray(mix.sizes)[size_rng.choice(len(mix.sizes), size=n, p=mix.probs)]
+        tokens = _sizes(size_rng, mixes, which)
         est = model.estimate(tokens)
         true = est * speed * lognormal_noise(service_rng, n, noise_cv)
     else:
@@ -301,8 +379,13 @@ def make_trace(
         true = mean_s * speed * draws
     meta = dict(arrivals=arrivals, service=service, load=load, engines=engines, speed=speed,
                 seed=seed, rate=rate, mean_service_s=mean_s, noise_cv=noise_cv)
+    priority = client_id = None
+    if clients:
+        meta["clients"] = [c.name for c in clients]
+        priority = np.asarray([c.priority for c in clients], dtype=np.int64)[which]
+        client_id = np.asarray([c.name for c in clients], dtype=object)[which]
     return assemble_trace(times, tokens, est, true, mix=mix, duration_s=duration, name=f"{arrivals}-{service}",
-                          meta=meta)
+                          meta=meta, priority=priority, client_id=client_id)
 
 
 # ---------------------------------------------------------------- a trace from options
@@ -325,19 +408,24 @@ def build_trace(
     model: ServiceModel = ServiceModel(),
     mean_service_s: float | None = None,
     noise_cv: float = 0.0,
+    clients: tuple[Client, ...] = (),
 ) -> Trace:
     """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
 
     With ``file``: that trace file, read by :func:`qsim.tracefiles.load_trace` (``time_scale``,
     ``model``, ``mix``, ``speed``, ``noise_cv`` and ``seed`` apply; the arrival and length options
-    do not). Otherwise :func:`make_trace`, ``default_seconds`` long when neither ``seconds`` nor
+    do not, and a file brings its own clients, in its client_id and priority columns). Otherwise :func:`make_trace`, ``default_seconds`` long when neither ``seconds`` nor
     ``requests`` is given (a burst's length is its size whatever they are).
     """
     if file:
+        if clients:
+            raise ValueError("a trace file brings its own clients (its client_id and priority columns); "
+                             "workload clients apply to synthetic arrivals")
         from .tracefiles import load_trace  # imported here: tracefiles builds on this module's Trace
 
         return load_trace(file, time_scale, model=model, mix=mix, speed=speed, noise_cv=noise_cv, seed=seed)
     if seconds is None and requests is None:
         seconds = default_seconds
     return make_trace(arrivals, service, load=load, engines=engines, speed=speed, seconds=seconds, requests=requests,
-                      seed=seed, mix=mix, model=model, mean_service_s=mean_service_s, noise_cv=noise_cv)
+                      seed=seed, mix=mix, model=model, mean_service_s=mean_service_s, noise_cv=noise_cv,
+                      clients=clients)

@@ -108,3 +108,16 @@ def test_priority_classes_and_client_limits_match_the_simulator_exactly():
                     client_burst=3)
     sim = _agree(trace, policy, 2, priority=priority.astype(int), client=client)
     assert sim["reason"].eq("rate_limited").sum() > 10
+
+
+def test_a_two_client_workload_under_fair_share_matches_the_simulator_exactly():
+    from qsim import Client, Mix
+
+    clients = (Client("heavy", 0.85), Client("light", 0.15, priority=1, mix=Mix((4, 16), (0.6, 0.4))))
+    trace = make_trace("poisson", "mix", load=2.0, engines=2, seconds=15, seed=5, noise_cv=0.3, clients=clients)
+    for name in ("predictive-fair", "predictive"):
+        sim = _agree(trace, PRESETS[name], 2)
+        assert set(sim["client_id"].dropna()) == {"heavy", "light"}
+    light = sim["client_id"].eq("light")
+    fair = simulate(trace, PRESETS["predictive-fair"], 2)
+    assert fair.loc[light, "outcome"].eq("good").mean() > sim.loc[light, "outcome"].eq("good").mean()

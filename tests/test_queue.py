@@ -13,17 +13,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from qsim.policy import PRESETS, Policy, Rejection
-from qsim.disciplines import AdaptiveLifo, CoDel, Edf, Fifo, Lifo, Priority, ShortestFirst
+from qsim.disciplines import AdaptiveLifo, CoDel, Edf, FairShare, Fifo, Lifo, Priority, ShortestFirst
 from qsim.queue import AdmissionQueue, StallRule
 
 
 DISCIPLINES = {"fifo": Fifo, "lifo": Lifo, "adaptive-lifo": lambda: AdaptiveLifo(3), "edf": Edf,
                "sjf": ShortestFirst, "priority": Priority, "priority-edf": lambda: Priority("edf"),
-               "codel": lambda: CoDel(0.2, 0.5)}
+               "codel": lambda: CoDel(0.2, 0.5), "fair": FairShare}
 # The key each discipline starts the smallest of (None: no such promise at every start).
 FIRST = {"fifo": lambda e: e[1], "codel": lambda e: e[1], "lifo": lambda e: -e[1], "adaptive-lifo": None,
          "edf": lambda e: e[1] + e[3], "sjf": lambda e: e[2], "priority": lambda e: -e[4],
-         "priority-edf": lambda e: (-e[4], e[1] + e[3])}
+         "priority-edf": lambda e: (-e[4], e[1] + e[3]), "fair": None}
 
 
 class QueueMachine(RuleBasedStateMachine):
@@ -51,6 +51,9 @@ class QueueMachine(RuleBasedStateMachine):
         first = FIRST[self.discipline]
         if first is not None:
             assert all(first(entry) <= first(w) for w in self.q.waiting), f"{self.discipline} started {entry}"
+        if self.discipline == "fair":  # the client served had been given the least (counters as charged now)
+            given = self.q.waiting.counter
+            assert all(given[entry[5]] - entry[2] <= given[w[5]] + 1e-9 for w in self.q.waiting), given
 
     def _drop(self, req, now, outcome, reason, est):
         self._end(req, outcome)
@@ -65,12 +68,13 @@ class QueueMachine(RuleBasedStateMachine):
     def advance(self, dt):
         self.now += dt
 
-    @rule(base=st.floats(0.01, 1.0), deadline=st.none() | st.floats(0.05, 3.0), priority=st.integers(-1, 2))
-    def arrive(self, base, deadline, priority):
+    @rule(base=st.floats(0.01, 1.0), deadline=st.none() | st.floats(0.05, 3.0), priority=st.integers(-1, 2),
+          client=st.sampled_from([None, "a", "b", "c"]))
+    def arrive(self, base, deadline, priority, client):
         req = self.next_id
         self.next_id += 1
         self.base[req] = base
-        refusal = self.q.arrive(req, self.now, base, deadline, priority)
+        refusal = self.q.arrive(req, self.now, base, deadline, priority, client)
         if isinstance(refusal, Rejection):
             self._end(req, "rejected")
         else:
@@ -207,3 +211,58 @@ def test_a_token_bucket_never_admits_more_than_its_rate_and_burst(rate, burst, g
         for i in range(len(times)):
             for j in range(i, len(times)):
                 assert j - i + 1 <= burst + rate * (times[j] - times[i]) + 1e-6
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["push", "pop"]), st.sampled_from([None, "a", "b", "c"]),
+                                st.sampled_from([0.25, 0.5, 1.0, 0.1, 0.3]), st.integers(-1, 2),
+                                st.sampled_from([0.5, 1.0, 2.0])), max_size=40),
+       client=st.sampled_from([None, "a", "b", "c", "d"]), base=st.sampled_from([0.25, 0.1]),
+       priority=st.integers(-1, 2), deadline=st.sampled_from([0.5, 1.0, 2.0]),
+       make=st.sampled_from([FairShare, Priority, lambda: Priority("edf")]))
+def test_ahead_s_is_exactly_the_work_that_starts_before_an_arrival(steps, client, base, priority, deadline, make):
+    queue, n = make(), 0
+    for op, who, size, level, due in steps:  # any history of joins, starts and returns
+        if op == "push":
+            queue.push((n, 0.0, size, due, level, who))
+            n += 1
+        elif len(queue):
+            entry = queue.pop_next(0.0)
+            getattr(queue, "started", lambda e: None)(entry)
+    mine = (n, 0.0, base, deadline, priority, client)
+    ahead = queue.ahead_s(mine)
+    queue.push(mine)
+    served = 0.0
+    while (entry := queue.pop_next(0.0)) is not mine:
+        getattr(queue, "started", lambda e: None)(entry)
+        served += entry[2]
+    assert math.isclose(ahead, served, rel_tol=1e-12, abs_tol=1e-12)  # the same requests, summed in another order
+
+
+def test_fair_share_serves_a_light_client_first_and_splits_a_backlog_evenly():
+    started = []
+    q = AdmissionQueue(Policy(discipline="fair"), 1, start=lambda k, r, now, est: started.append(r),
+                       drop=lambda *a: None)
+    for i in range(20):  # the heavy client queues 20 requests of 0.1 s; then the light one sends 5
+        q.arrive(("heavy", i), 0.0, 0.1, 100.0, client="heavy")
+    for i in range(5):
+        q.arrive(("light", i), 0.01, 0.1, 100.0, client="light")
+    now = 0.0
+    while any(e is not None for e in q.running):
+        now += 0.1
+        q.finished(0, now, 0.1)
+    order = [who for who, _ in started]
+    # heavy's first request was already running; then the two alternate until light has nothing left
+    assert order[:11] == ["heavy"] + ["heavy", "light"] * 5
+    assert order[11:] == ["heavy"] * 14
+
+
+def test_fair_share_admission_does_not_count_a_heavy_clients_queue_against_a_light_one():
+    q = AdmissionQueue(PRESETS["predictive-fair"], 1, start=lambda *a: None, drop=lambda *a: None)
+    assert all(q.arrive(("heavy", i), 0.0, 0.3, client="heavy") is None for i in range(6))  # 1.8 s of work
+    assert q.arrive(("heavy", 6), 0.0, 0.3, client="heavy") is not None  # heavy's next would wait too long
+    assert q.arrive(("light", 0), 0.0, 0.3, client="light") is None  # light waits only for the running one
+    fifo = AdmissionQueue(PRESETS["predictive"], 1, start=lambda *a: None, drop=lambda *a: None)
+    for i in range(6):
+        fifo.arrive(("heavy", i), 0.0, 0.3, client="heavy")
+    assert fifo.arrive(("light", 0), 0.0, 0.3, client="light") is not None  # FIFO: behind all of heavy's

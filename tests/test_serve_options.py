@@ -57,3 +57,26 @@ def test_server_table_values_reach_the_options(tmp_path):
     cfg = live_config.load(path)
     assert cfg.server == ServeOptions(engines=2, noise=0.1, fail_every=4)
     assert cfg.policies == ("bounded",) and cfg.startup_timeout_s == 30
+
+
+def test_a_live_file_gives_each_policy_its_parameters_and_refuses_unknown_ones(tmp_path):
+    path = tmp_path / "live.toml"
+    head = "[server]\npolicies = ['predictive', 'codel', 'slack:LeastSlack']\n[[trace]]\nname = 'a'\nseconds = 1\n"
+    path.write_text(head + "[policy_args.codel]\ncodel_target_s = 0.2\n[policy_args.'slack:LeastSlack']\nweight = 0.5\n")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "docs" / "examples"))  # slack.py, the docs' example
+    cfg = live_config.load(path)
+    codel = cfg.serve_options("codel")
+    assert codel.policy == "codel" and codel.make_policy().make_discipline().target_s == 0.2
+    assert cfg.serve_options("slack:LeastSlack").make_policy().weight == 0.5
+    assert cfg.serve_options("predictive").policy_arg == ""
+    for extra, message in [("[policy_args.codel]\nquantum = 1\n", "policy_args.codel: policy 'codel' has no parameter 'quantum'"),
+                           ("[policy_args.edf]\ndeadline_s = 1\n", "policy_args.edf: 'edf' is not one of the file's policies")]:
+        path.write_text(head + extra)
+        with pytest.raises(live_config.ConfigError, match=re.escape(message)):
+            live_config.load(path)
+    path.write_text(head.replace("'codel'", "'nosuch'"))
+    with pytest.raises(live_config.ConfigError, match="server.policies.1.: unknown policy 'nosuch'"):
+        live_config.load(path)

@@ -282,3 +282,85 @@ def test_notebook_runs_headless(small):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in outputs)
     assert not any(o.get("output_type") == "error" for o in outputs)
+
+
+TENANTS = """
+[sweep]
+duration_s = 40
+seeds = 2
+[mixes.short]
+sizes = [4, 16]
+probs = [0.6, 0.4]
+[clients.two-tenant]
+heavy = { share = 0.85 }
+light = { share = 0.15, priority = 1, mix = "short" }
+[grid]
+policy = ["predictive", "predictive-fair"]
+load = [0.8, 2.0]
+clients = ["none", "two-tenant"]
+"""
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tenants")
+    out = tmp / "out"
+    summary = sweep.run(config.load(write(tmp, TENANTS)), out, workers=1, quiet=True)
+    return out, summary
+
+
+def test_a_clients_sweep_summarises_by_client_and_priority(tenants):
+    out, summary = tenants
+    by_client = pd.read_parquet(out / "summary_by_client.parquet")
+    with_clients = summary[summary["clients"] == "two-tenant"]
+    # One row per client in each cell with clients; none for the cells whose requests name no client.
+    assert set(by_client["cell_id"]) == set(with_clients["cell_id"]) and len(with_clients) == 8
+    assert all(sorted(part) == ["heavy", "light"] for _, part in by_client.groupby("cell_id")["client_id"])
+    for column in ("goodput_rps", "good_tokens_per_s", "share_good", "latency_p50_s", "latency_p99_s",
+                   "rejected", "expired", "refused", "share_refused", "share_of_requests"):
+        assert by_client[column].notna().all(), column
+    # The clients add up to their cell.
+    totals = by_client.groupby("cell_id")[["requests", "good", "good_tokens_per_s"]].sum()
+    cells = with_clients.set_index("cell_id").loc[totals.index]
+    np.testing.assert_allclose(totals.to_numpy(), cells[["requests", "good", "good_tokens_per_s"]].to_numpy())
+    # Jain's index over two clients lies in [1/2, 1]; cells without clients have none.
+    for column in ("jain_goodput", "jain_share"):
+        assert with_clients[column].between(0.5, 1.0).all(), column
+        assert summary.loc[summary["clients"].isna(), column].isna().all()
+    # The heavy client sends most, so its good tokens/s are far above the light one's: jain_goodput < jain_share.
+    assert (with_clients["jain_goodput"] < with_clients["jain_share"]).all()
+    by_priority = pd.read_parquet(out / "summary_by_priority.parquet")
+    assert set(by_priority["cell_id"]) == set(with_clients["cell_id"]) and set(by_priority["priority"]) == {0, 1}
+    # The cells' rows are the simulator's with the cell's parameters, no summary columns; and the cells of
+    # both client sets read back as one dataset (a "none" cell's clients column is typed, not null).
+    rows = pd.read_parquet(out / "cells")
+    assert len(rows) == summary["requests"].sum() and set(records.COLUMNS) <= set(rows.columns)
+    assert not {"jain_goodput", "jain_share", "share_of_requests", "refused"} & set(rows.columns)
+    assert rows.loc[rows["clients"].isna(), "client_id"].isna().all()
+    assert set(rows.loc[rows["clients"] == "two-tenant", "client_id"]) == {"heavy", "light"}
+
+
+def test_a_sweep_without_clients_writes_no_client_tables(small):
+    _, out, summary = small
+    assert not (out / "summary_by_client.parquet").exists() and not (out / "summary_by_priority.parquet").exists()
+    assert "jain_goodput" not in summary
+
+
+def test_cli_summary_and_plot_by_client(tenants, tmp_path):
+    out, _ = tenants
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "experiments", "summary", str(out)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    header, *lines = proc.stdout.splitlines()[2:]
+    assert "clients" in header.split() and "jain_goodput" in header.split()
+    # One line per load, client set and policy: "none" and "two-tenant" cells are not mixed.
+    assert len(lines) == 2 * 2 * 2
+    assert sum(" none " in line for line in lines) == 4 and sum(" two-tenant " in line for line in lines) == 4
+    figs = tmp_path / "figs"
+    proc = subprocess.run([sys.executable, "-m", "experiments", "plot", str(out), "--out", str(figs)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("share_in_time", "goodput", "by_client", "by_priority"):
+        for ext in ("png", "svg"):
+            assert (figs / f"{name}.{ext}").stat().st_size > 1000

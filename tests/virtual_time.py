@@ -90,7 +90,9 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
     """
     model = model or ServiceModel()
-    client_of = client  # (the coroutine below is named client)
+    # The trace's own clients and priorities unless given (the coroutine below is named client).
+    client_of = trace.client_id if client is None else client
+    priority = trace.priority if priority is None else priority
     true_s = trace.true_service_s.tolist()
     rows = [dict(outcome=None, reason=None, start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1,
                  queued_work_s=math.nan, est_service_s=math.nan) for _ in range(len(trace))]
@@ -129,8 +131,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                 deadline = None if np.isnan(trace.deadline_s[i]) else float(trace.deadline_s[i])
                 try:
                     future = gate.submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline,
-                                             None if client_of is None else str(client_of[i]),
-                                             0 if priority is None else int(priority[i])))
+                                             None if client_of[i] is None else str(client_of[i]),
+                                             int(priority[i])))
                 except Rejected as exc:
                     rows[i].update(outcome="rejected", reason=exc.rejection.reason, finish_s=loop.time())
                     _seen(rows[i], exc.arrival)
