@@ -77,6 +77,24 @@ def blocked_share(frame: pd.DataFrame) -> float:
     return float(frame["outcome"].eq("rejected").mean())
 
 
+def waited_share(frame: pd.DataFrame) -> float:
+    """P(wait) over every arrival, the abandoned included: the share that did not start at once."""
+    at_once = (frame["start_s"] - frame["arrival_s"]) <= 1e-9  # never started (NaN) counts as waited
+    return float(1.0 - at_once.mean())
+
+
+def abandoned_share(frame: pd.DataFrame) -> float:
+    """P(abandon): the share whose client left while waiting (``abandoned``) or that expiry at the
+    front dropped unrun (``expired``), the two ways qlab models impatience while waiting."""
+    return float(frame["outcome"].isin(("abandoned", "expired")).mean())
+
+
+def mean_wait_all(frame: pd.DataFrame) -> float:
+    """Mean wait over every arrival: to the start for the served, to the moment it left for the abandoned."""
+    left = frame["start_s"].fillna(frame["finish_s"])
+    return float((left - frame["arrival_s"]).mean())
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One simulated system and the closed forms it is checked against."""
@@ -92,21 +110,41 @@ class Scenario:
     discipline: str = "fifo"
     high_share: float = 0.0  # share of requests in priority class 1 (the rest in class 0)
     mix: Mix = REFERENCE_MIX
+    mean_service_s: float = 1.0  # exponential and deterministic service
+    # Patience while waiting, ("exponential", mean) or ("deterministic", tau): each client leaves if its
+    # request has not started that long after arrival (simulate's cancel_after_s with cancel_until="start").
+    patience: tuple[str, float] | None = None
+    # Expiry at the front with a fixed estimate (the mean service time) and deadline tau + that estimate:
+    # a request that reaches the front after waiting more than tau is dropped unrun (M/M/c+D).
+    expire_after_s: float | None = None
 
     def run(self, seed: int) -> list[float]:
-        mean = None if self.service == "mix" else 1.0
+        mean = None if self.service == "mix" else self.mean_service_s
         trace = make_trace("poisson", self.service, load=self.load, engines=self.engines,
                            requests=self.requests, seed=seed, mean_service_s=mean, mix=self.mix)
         # Classes from a stream of their own, so the arrivals and sizes are those of the seed.
         priority = (np.random.default_rng([seed, 1954]).random(len(trace)) < self.high_share).astype(int)
         policy = Policy("theory", max_queue=self.max_queue, deadline_s=1e12, discipline=self.discipline)
-        frame = simulate(trace, policy, self.engines, priority=priority).assign(priority=priority)
+        extra: dict = {}
+        if self.patience is not None:  # patience from a stream of its own too
+            kind, value = self.patience
+            if kind not in ("exponential", "deterministic"):
+                raise ValueError(f"patience must be exponential or deterministic, got {kind!r}")
+            draws = np.random.default_rng([seed, 1981]).standard_exponential(len(trace)) \
+                if kind == "exponential" else np.ones(len(trace))
+            extra.update(cancel_after_s=value * draws, cancel_until="start")
+        if self.expire_after_s is not None:
+            policy = Policy("theory", max_queue=self.max_queue, discipline=self.discipline, expire_at_front=True,
+                            deadline_s=self.expire_after_s + self.mean_service_s)
+            extra.update(fixed_estimate=True)
+        frame = simulate(trace, policy, self.engines, priority=priority, **extra).assign(priority=priority)
         frame = frame.iloc[int(self.requests * self.warmup_share):]
         return [stat(frame) for _, _, stat in self.checks]
 
 
 def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
-    """K = 1, 2 and 8, loads up to 0.95, loss systems, and the reference mix at rho 0.9.
+    """K = 1, 2 and 8, loads up to 0.95, loss systems, the reference mix at rho 0.9, the disciplines,
+    and clients that give up while waiting (Erlang A; M/M/c+D as clients that leave and as expiry at the front).
 
     Exponential service has mean 1 s, so rates are in units of the service rate.
     ``scale`` multiplies the run lengths (the high loads need long runs: at
@@ -127,6 +165,10 @@ def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
     sizes_s = model.estimate(list(two.sizes))
     lam_two = 0.8 / two.mean_s(model)
     sjf = theory.priority_mg1(lam_two * np.asarray(two.probs), sizes_s, sizes_s**2)
+    # Erlang A in minutes, simulated as seconds: lambda 100/30 per minute, mean service 3, mean patience 5, c 14.
+    erlang_a = theory.erlang_a(100 / 30, 1 / 3, 14, 1 / 5)
+    # M/M/c+D at rho 0.9: patience tau while waiting, as clients that leave and as expiry at the front.
+    mmcd = [(c, tau, theory.mmc_deterministic_patience(0.9 * c, 1, c, tau)) for c, tau in ((1, 2.0), (4, 1.0))]
     return [
         Scenario("M/M/1 rho=0.5", 1, 0.5, n(20_000), 0.1, checks=(
             ("Wq", theory.mm1(0.5, 1).wq, mean_wait),
@@ -184,6 +226,18 @@ def standard_scenarios(scale: float = 1.0) -> list[Scenario]:
                    discipline=d, high_share=0.3 if d == "priority" else 0.0, checks=(
             ("load-weighted Wq", pk_mix, work_weighted_wait),
         )) for d in ("sjf", "priority", "lifo")),
+        Scenario("M/M/14+M (Erlang A), minutes as s", 14, 10 / 14, n(30_000), 0.05, mean_service_s=3.0,
+                 patience=("exponential", 5.0), checks=(
+            ("P(wait)", erlang_a.p_wait, waited_share),
+            ("P(abandon)", erlang_a.p_abandon, abandoned_share),
+            ("Wq", erlang_a.wq, mean_wait_all),
+        )),
+        *(Scenario(f"M/M/{c}+D tau={tau:g} rho=0.9, {how}", c, 0.9, n(25_000), 0.05, checks=(
+            ("P(abandon)", p_abandon, abandoned_share),
+        ), **setting) for c, tau, p_abandon in mmcd for how, setting in (
+            ("clients leave while waiting", dict(patience=("deterministic", tau))),
+            ("expiry at the front", dict(expire_after_s=tau)),
+        )),
     ]
 
 

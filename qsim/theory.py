@@ -148,3 +148,71 @@ def priority_mg1(lams, means_s, second_moments_s) -> list[float]:
     w0 = float(np.dot(lams, m2)) / 2
     sigma = np.concatenate([[0.0], np.cumsum(rho)])
     return [float(w0 / ((1 - sigma[k]) * (1 - sigma[k + 1]))) for k in range(len(lams))]
+
+
+@dataclass(frozen=True)
+class Impatient:
+    """Steady state of a queue whose waiting customers may abandon.
+
+    p_wait: an arrival finds every engine busy (PASTA); p_abandon: it leaves unserved;
+    wq / lq: mean wait and mean number waiting over *all* arrivals, an abandoning one
+    counting its time in the queue until it left (so wq = lq / lam by Little).
+    """
+
+    p_wait: float
+    p_abandon: float
+    wq: float
+    lq: float
+
+
+#: Erlang A's chain is cut where the tail weighs under exp(-TAIL_LOG) of its largest state.
+TAIL_LOG = 40.0
+
+
+def erlang_a(lam: float, mu: float, c: int, theta: float) -> Impatient:
+    """M/M/c+M (Erlang A): c engines, waiting customers abandon at rate theta (mean patience 1 / theta).
+
+    The patience runs while waiting only: a customer in service stays. The birth-death
+    chain has birth rate lam and death rate min(n, c) mu + max(n - c, 0) theta in state n;
+    it is stable at any load, since the abandonment rate grows with the queue. It is
+    solved in log space and truncated at the first state N past which every ratio
+    lam / death is below 1/2 and whose weight is under exp(-40) of the largest: the
+    tail beyond N then weighs less than that bound (a geometric series of ratio 1/2),
+    far below double precision. P(wait) = P(N >= c), P(abandon) = theta Lq / lam
+    (abandonments per unit time over arrivals), Wq = Lq / lam.
+    """
+    _check_rates(lam, mu, c)
+    if not (theta > 0 and math.isfinite(theta)):
+        raise ValueError(f"the abandonment rate theta must be positive and finite, got {theta} "
+                         "(theta = 0 is M/M/c: use mmc)")
+
+    def log_weights(top: int) -> np.ndarray:
+        n = np.arange(1, top + 1)
+        death = np.minimum(n, c) * mu + np.maximum(n - c, 0) * theta
+        return np.concatenate([[0.0], np.cumsum(np.log(lam / death))])
+
+    # From `half` on, every ratio is below 1/2, so each step lowers the log weight by at least log 2.
+    half = c + max(0, math.ceil((2 * lam - c * mu) / theta) + 1)
+    logw = log_weights(half)
+    extra = math.ceil((logw[-1] - logw.max() + TAIL_LOG) / math.log(2)) + 1
+    logw = log_weights(half + max(extra, 0))
+    p = np.exp(logw - logsumexp(logw))
+    waiting = np.maximum(np.arange(len(p)) - c, 0)
+    lq = float(np.dot(waiting, p))
+    return Impatient(p_wait=float(p[c:].sum()), p_abandon=theta * lq / lam, wq=lq / lam, lq=lq)
+
+
+def mmc_deterministic_patience(lam: float, mu: float, c: int, tau: float) -> float:
+    """M/M/c+D, FIFO: the probability of abandoning when every customer waits at most tau.
+
+    P(abandon) = (1 - rho) q / (1 - rho q), q = C(c, a) exp(-(c mu - lam) tau), with
+    rho = lam / (c mu), a = lam / mu and C Erlang C (the M/M/c probability of waiting).
+    tau = 0 gives Erlang B; tau -> infinity gives 0. Only for rho < 1, where Erlang C exists
+    (the system itself is stable at any load).
+    """
+    _stable(lam, mu, c)
+    if not tau >= 0:
+        raise ValueError(f"patience tau must be >= 0, got {tau}")
+    rho = lam / (c * mu)
+    q = erlang_c(c, lam / mu) * math.exp(-(c * mu - lam) * tau)
+    return (1 - rho) * q / (1 - rho * q)

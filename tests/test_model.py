@@ -192,3 +192,38 @@ def test_a_reserved_share_serves_the_long_class_that_predictive_starves(load):
     assert kept.mean() < plain.mean()
     tokens = trace.max_new_tokens
     assert tokens[kept].sum() >= 0.99 * tokens[plain].sum()
+
+
+def test_patience_until_start_lets_a_started_request_finish():
+    # Three at once on one engine, 1 s each; every client's patience is 1.5 s.
+    trace = from_arrays(np.zeros(3), np.full(3, 16), true_service_s=np.ones(3), est_service_s=np.ones(3))
+    patience = np.full(3, 1.5)
+    answer = simulate(trace, PRESETS["none"], cancel_after_s=patience)
+    start = records.validate(simulate(trace, PRESETS["none"], cancel_after_s=patience, cancel_until="start"))
+    # The first ends at 1 s. Patience for the whole answer: the second runs from 1 s and its client leaves
+    # at 1.5 s, the third leaves the queue then. Patience to the start: the second has started, so it stays.
+    assert answer["outcome"].tolist() == ["good", "abandoned", "abandoned"]
+    assert start["outcome"].tolist() == ["good", "good", "abandoned"]
+    assert start.loc[2, "reason"] == "client_left" and start.loc[2, "finish_s"] == pytest.approx(1.5)
+    assert start.loc[1, "finish_s"] == pytest.approx(2.0)
+    # The default is the whole answer, row for row.
+    pd.testing.assert_frame_equal(answer, simulate(trace, PRESETS["none"], cancel_after_s=patience,
+                                                   cancel_until="answer"))
+    with pytest.raises(ValueError, match="cancel_until must be one of answer, start"):
+        simulate(trace, PRESETS["none"], cancel_until="finish")
+
+
+@pytest.mark.parametrize("engines", [1, 4])
+def test_deterministic_patience_while_waiting_is_expiry_at_the_front(engines):
+    # M/M/c+D two ways: clients that leave after tau unstarted, and expiry at the front with a fixed
+    # estimate E[S] and deadline tau + E[S]. FIFO: the same requests are served, at the same times.
+    tau = 1.0
+    trace = make_trace("poisson", "exponential", load=0.95, engines=engines, requests=3000, seed=7,
+                       mean_service_s=1.0)
+    leave = simulate(trace, Policy(deadline_s=1e12), engines, cancel_after_s=np.full(len(trace), tau),
+                     cancel_until="start")
+    front = simulate(trace, Policy(deadline_s=tau + 1.0, expire_at_front=True), engines, fixed_estimate=True)
+    gone = leave["outcome"].eq("abandoned")
+    assert gone.mean() > 0.05
+    np.testing.assert_array_equal(gone, front["outcome"].eq("expired"))
+    np.testing.assert_array_equal(leave["start_s"], front["start_s"])

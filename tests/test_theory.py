@@ -97,3 +97,52 @@ def test_cobham_two_priority_classes():
     assert theory.priority_mg1([0.5], [1.0], [2.0])[0] == pytest.approx(theory.mm1(0.5, 1).wq)
     with pytest.raises(ValueError, match="below 1"):
         theory.priority_mg1([0.6, 0.5], [1.0, 1.0], [2.0, 2.0])
+
+
+def test_erlang_a_example():
+    # lambda 100/30 per minute, mean service 3 min, mean patience 5 min, 14 engines.
+    q = theory.erlang_a(100 / 30, 1 / 3, 14, 1 / 5)
+    assert round(q.p_wait, 4) == 0.1453
+    assert round(q.p_abandon, 5) == 0.01398
+    assert round(q.wq, 4) == 0.0699
+    assert q.wq == pytest.approx(q.lq / (100 / 30))
+
+
+def test_erlang_a_identities():
+    from scipy.stats import poisson
+
+    # Patience as long as a service (theta = mu): every customer leaves at rate mu, M/M/inf counts.
+    a, c = 7.0, 5
+    q = theory.erlang_a(a, 1.0, c, 1.0)
+    n = np.arange(200)
+    p = poisson.pmf(n, a)
+    assert q.p_wait == pytest.approx(poisson.sf(c - 1, a), rel=1e-9)
+    assert q.lq == pytest.approx(float(np.dot(np.maximum(n - c, 0), p)), rel=1e-9)
+    # Nearly infinite patience: Erlang C.
+    assert theory.erlang_a(1.8, 1.0, 2, 1e-7).p_wait == pytest.approx(theory.mmc(1.8, 1.0, 2).p_wait, rel=1e-4)
+    # Heavy overload: the engines serve c mu, the rest abandon.
+    assert theory.erlang_a(50.0, 1.0, 10, 0.01).p_abandon == pytest.approx(0.8, rel=1e-6)
+    # Large c stays finite.
+    big = theory.erlang_a(950.0, 1.0, 1000, 0.5)
+    assert 0 < big.p_wait < 1 and 0 < big.p_abandon < big.p_wait
+
+
+def test_mmc_deterministic_patience():
+    assert round(theory.mmc_deterministic_patience(0.9, 1.0, 1, 2.0), 4) == 0.2188
+    assert round(theory.mmc_deterministic_patience(3.6, 1.0, 4, 1.0), 4) == 0.1006
+    # M/M/1: (1 - rho) rho e^{-(mu - lam) tau} / (1 - rho^2 e^{-(mu - lam) tau}).
+    e = math.exp(-0.5 * 3.0)
+    assert theory.mmc_deterministic_patience(0.5, 1.0, 1, 3.0) == pytest.approx(0.5 * 0.5 * e / (1 - 0.25 * e))
+    # No patience at all is the loss system (Erlang B); endless patience abandons nobody.
+    assert theory.mmc_deterministic_patience(6.0, 1.0, 8, 0.0) == pytest.approx(theory.erlang_b(8, 6.0))
+    assert theory.mmc_deterministic_patience(6.0, 1.0, 8, 1e3) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: theory.erlang_a(1.0, 1.0, 2, 0.0), lambda: theory.erlang_a(1.0, 1.0, 0, 1.0),
+    lambda: theory.mmc_deterministic_patience(2.0, 1.0, 2, 1.0),
+    lambda: theory.mmc_deterministic_patience(0.5, 1.0, 1, -1.0),
+])
+def test_impatience_refuses_what_has_no_answer(call):
+    with pytest.raises(ValueError):
+        call()
