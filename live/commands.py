@@ -125,7 +125,8 @@ def cmd_serve(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve the gate and an engine over HTTP (loopback only unless --host)",
-        description="Serve POST /v1/generate, GET /stats and GET /healthz: the admission gate (qsim's policy "
+        description="Serve POST /v1/generate, the OpenAI-compatible POST /v1/completions, POST /v1/chat/completions "
+                    "and GET /v1/models, GET /stats and GET /healthz: the admission gate (qsim's policy "
                     "function) in front of K engines. The first stdout line is 'qlab serve: listening on URL'.")
     p.set_defaults(func=cmd_serve)
     ServeOptions.add_flags(p)

@@ -50,12 +50,14 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Callable, Sequence
 
+from qsim.disciplines import CODEL_REASON
 from qsim.policy import EXPIRE_REASON, REJECT_REASONS, Policy, Rejection, retry_after
 from qsim.queue import STALL_REASON, AdmissionQueue, StallRule
 from qsim.records import OUTCOMES
 from qsim.service import ServiceModel, SpeedTracker
 
 from .engine import Engine, EngineResult
+from .timings import Timings
 
 #: Outcomes the gate counts; a client that leaves is counted apart, as ``cancelled``.
 COUNTED = tuple(o for o in OUTCOMES if o != "abandoned")
@@ -263,6 +265,11 @@ class Gate:
                                     stall=config.stall_rule, gone=_gone, discipline=config.policy.make_discipline())
         self.counts = dict.fromkeys(COUNTED, 0)
         self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
+        # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
+        # front start at 0 so that /metrics shows every series from the first scrape.
+        self.ended_by_reason = dict.fromkeys([("expired", EXPIRE_REASON), ("expired", CODEL_REASON),
+                                              ("error", EngineFailed.reason), ("error", STALL_REASON)], 0)
+        self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
         self._worker = worker
@@ -342,6 +349,8 @@ class Gate:
         ticket.engine, ticket.start = k, now
         if self._closed:  # shutting down: no engine thread will take it; close() cancels its future
             return
+        # No arrival yet: an idle engine took it inside arrive(), at its arrival time.
+        self.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
         self._threads[k].give(ticket)
 
     def _drop(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float) -> None:
@@ -368,6 +377,7 @@ class Gate:
     def _finished(self, k: int, ticket: _Ticket, result: EngineResult | _Failure) -> None:
         now = self.clock()
         failed = isinstance(result, _Failure)
+        self.timings.engine.observe(result.engine_s)  # before the early return: a stalled run's time counts too
         outcome = self.queue.finished(k, now, result.engine_s, ok=not failed)
         if outcome is None:
             return  # it had ended already: stalled (a hang's time teaches nothing), or its client left
@@ -388,6 +398,8 @@ class Gate:
         if exc is None:
             ticket.future.set_result(answer)
         else:
+            key = (outcome, exc.reason)
+            self.ended_by_reason[key] = self.ended_by_reason.get(key, 0) + 1
             exc.__cause__ = cause
             ticket.future.set_exception(exc)
 

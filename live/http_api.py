@@ -1,4 +1,5 @@
-"""The HTTP surface: ``POST /v1/generate``, ``GET /stats``, ``GET /healthz``.
+"""The HTTP surface: ``POST /v1/generate``, ``GET /stats``, ``GET /healthz``, ``GET /metrics``, and the
+OpenAI-compatible routes of :mod:`live.openai_api`.
 
 A request goes prepare (read the body under a size cap, validate, count
 prompt tokens) -> ``gate.submit`` (admit or refuse, never blocks) -> execute
@@ -8,7 +9,11 @@ never a thread.
 
 Every answer that is not a 200 carries one envelope::
 
-    {"error": {"type", "reason", "message", "numbers", "retry_after_s"}}
+    {"error": {"type", "reason", "code", "message", "numbers", "retry_after_s"}}
+
+(``code`` repeats ``reason``: with ``message`` and ``type`` it is OpenAI's error object,
+so the openai SDK reads qlab's errors; see :mod:`live.openai_api` for the
+OpenAI-compatible routes mounted beside ``/v1/generate``.)
 
 type ``overloaded`` (503, refused at arrival), ``deadline_exceeded`` (503,
 dropped at the front), ``invalid_request`` (4xx), ``engine_error`` (500:
@@ -24,6 +29,11 @@ named by the body's ``client_id`` or the ``x-client-id`` header.
 stalled engines (how long each has run its request, and its threshold) while
 any engine is stalled: the process is alive and answers, so the status code
 stays 200; a monitor reads ``status``.
+
+``GET /metrics`` answers in Prometheus' text format (:mod:`live.prometheus_metrics`):
+the gate's counts, its queue, and histograms of engine time, queue time and time
+to a refusal. The gate counts and times every request itself, so requests on the
+direct path below are in it too.
 
 ``POST /v1/generate`` skips FastAPI's per-request machinery: :class:`GateService`
 hands it straight to the route's function and the same exception handlers
@@ -57,14 +67,15 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from qsim.policy import RATE_LIMITED
+from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
 from .gate import Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected
+from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 
 GENERATE = "/v1/generate"
 CLIENT_HEADER = "x-client-id"
-CLIENT_ID_CHARS = 128
-PRIORITY_BOUND = 1000
-ROUTES = f"POST {GENERATE}, GET /stats, GET /healthz, GET /openapi.json"
+ROUTES = (f"POST {GENERATE}, POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /stats, "
+          "GET /healthz, GET /metrics, GET /openapi.json")
 log = logging.getLogger(__name__)
 
 
@@ -119,7 +130,8 @@ class InvalidRequest(Exception):
 
 def error_response(status: int, type_: str, reason: str, message: str, numbers: dict | None = None,
                    retry_after_s: int | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"type": type_, "reason": reason, "message": message,
+    # code: OpenAI's name for the reason (message, type and code are OpenAI's error object, for its SDK).
+    body = {"error": {"type": type_, "reason": reason, "code": reason, "message": message,
                       "numbers": _finite(numbers or {}), "retry_after_s": retry_after_s}}
     headers = dict(headers or {})
     if retry_after_s is not None:
@@ -377,7 +389,13 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
                 raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
             job = replace(job, client_id=header)
         # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
-        answer = await _outcome(gate.submit(job), request)
+        try:
+            future = gate.submit(job)
+        except Rejected:
+            # Timed here, not in middleware: the direct path and FastAPI's routing both run this function.
+            gate.timings.refusal.observe(gate.clock() - t0)
+            raise
+        answer = await _outcome(future, request)
         if answer is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         return JSONResponse(_answer_body(answer, gate.clock() - t0))
@@ -388,6 +406,10 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct = _Direct(generate)
 
+    from .openai_api import mount as mount_openai  # here: live.openai_api imports this module
+
+    mount_openai(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+
     @app.get("/stats")
     async def stats() -> dict:
         return {**gate.stats(), "limits": asdict(limits)}
@@ -395,5 +417,13 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     @app.get("/healthz")
     async def healthz() -> dict:
         return {**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(), "policy": gate.policy.name}
+
+    registry = metrics_registry(gate)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"}})
+    async def metrics() -> Response:
+        # Async on purpose: the collector then reads the gate on the event loop, where the gate changes it.
+        return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

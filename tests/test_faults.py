@@ -207,7 +207,7 @@ def stats(url: str) -> dict:
 def error_of(response, status: int, type_: str, reason: str) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"type", "reason", "message", "numbers", "retry_after_s"}
+    assert set(error) == {"type", "reason", "code", "message", "numbers", "retry_after_s"}
     assert (error["type"], error["reason"]) == (type_, reason) and error["message"]
     return error
 

@@ -61,7 +61,7 @@ def fuzz(share: float = 1.0):
 
 # ================================================================== the answer's contract
 
-ENVELOPE_KEYS = {"type", "reason", "message", "numbers", "retry_after_s"}
+ENVELOPE_KEYS = {"type", "reason", "code", "message", "numbers", "retry_after_s"}
 INVALID_REASONS = {400: {"malformed_json"}, 413: {"body_too_large"}, 415: {"unsupported_media_type"},
                    422: {"invalid_field", "prompt_too_long"}}
 GATE_OUTCOME = {"overloaded": "rejected", "deadline_exceeded": "expired", "engine_error": "error"}

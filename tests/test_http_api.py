@@ -66,7 +66,7 @@ def client_outcome(response) -> str:
 def assert_envelope(response, status: int, type_: str, reason: str | None = None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"type", "reason", "message", "numbers", "retry_after_s"}
+    assert set(error) == {"type", "reason", "code", "message", "numbers", "retry_after_s"}
     assert error["type"] == type_ and error["message"]
     if reason is not None:
         assert error["reason"] == reason, error

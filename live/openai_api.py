@@ -1,0 +1,521 @@
+"""OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+The request and response bodies are the pydantic models of this module; the routes
+are mounted by :func:`live.http_api.create_app` (:func:`mount`) beside ``/v1/generate``
+and admit through the same ``gate.submit(Job(...))``: the same policy, deadlines,
+per-client limits, counts and metrics. Every answer that is not a 200 is qlab's error
+envelope (:func:`live.http_api.error_response`), whose ``message``, ``type`` and ``code``
+are OpenAI's error object, so the openai SDK raises its usual exceptions on them.
+
+What a request becomes (docs/http.md, "OpenAI-compatible API", says the same for users):
+
+* new tokens: ``max_completion_tokens``, else ``max_tokens``, else the server's cap
+  (``Limits.max_new_tokens``, lowered to the engine's own limit); both given and different: 400;
+* the prompt: a completion's ``prompt`` (a string, or a list of exactly one string); a chat's
+  ``messages`` joined by :func:`chat_prompt`, one line ``ROLE: TEXT`` per message (``ROLE (NAME): TEXT``
+  with a name) and a last line ``assistant:``;
+* the deadline: the body's ``deadline_ms`` (a qlab extension), else the ``x-request-deadline-ms``
+  header, else the policy's default;
+* the client (per-client rate limits): the body's ``user``, else the ``x-client-id`` header;
+* ``priority`` (a qlab extension) as on ``/v1/generate``; ``stop`` (a string or a list) is honoured;
+* ``model`` must be the served model's id (:func:`served_model_id`, the one ``GET /v1/models``
+  lists): any other is a 404 ``model_not_found``, as OpenAI and vLLM answer;
+* sampling fields (temperature, top_p, penalties, seed, logit_bias, and a chat's store, metadata,
+  service_tier, parallel_tool_calls) are accepted and ignored: the engines decode greedily;
+* what cannot be honoured is a 400 ``unsupported_parameter`` naming it: ``n`` or ``best_of`` other
+  than 1, a list of several prompts, ``suffix``, ``logprobs``, ``top_logprobs``, tools and functions,
+  a ``response_format`` other than text. Any other field is a 422, as on ``/v1/generate`` (strict).
+
+Streaming (``stream: true``). The engines produce the whole answer at once, so the route waits for
+it (or its failure) before answering: every refusal or failure is then a plain JSON error with its
+status, never a broken stream, and a stream always carries a finished answer as server-sent
+events: (chat) a role chunk, one chunk with the whole text, a last chunk with ``finish_reason``
+and the ``qlab`` timings, (with ``stream_options.include_usage``) a chunk with ``usage``, then
+``data: [DONE]``. Time to the first chunk is therefore the time to the whole answer.
+
+``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
+ended it), else ``length``: the engines never stop at end-of-text. The synthetic engine does all
+the work even when a stop string cuts its text, so it always says ``length``.
+
+Every 200 carries ``qlab``: the gate's outcome (good or late), engine, queue and engine seconds,
+the gate-clock times, and the admission numbers, as ``/v1/generate``'s ``timings`` and ``admission``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
+
+from .gate import Answer, Gate, Job, Rejected
+from .http_api import CLIENT_HEADER, InvalidRequest, Limits, _outcome, _validation_text, read_body
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MODELS = "/v1/models"
+DEADLINE_HEADER = "x-request-deadline-ms"
+ROUTES = f"POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}"
+OWNER = "qlab"
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+# ---------------------------------------------------------------------- request bodies
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    """A part of a message's content; only text parts exist here (no images, audio or files)."""
+
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+
+
+def request_models(limits: Limits) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(CompletionRequest, ChatCompletionRequest) with these caps. Strict: unknown fields are refused."""
+    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
+    new_tokens = Annotated[int, Field(ge=1, le=limits.max_new_tokens)] | None
+
+    class _Common(BaseModel):
+        model_config = _STRICT
+
+        model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
+        stream: bool = False
+        stream_options: StreamOptions | None = None
+        n: int | None = None  # only 1
+        # OpenAI's end-user id: whose per-client limit it counts against (else the x-client-id header).
+        user: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
+        # qlab's extensions (the openai SDK sends them with extra_body).
+        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
+        priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
+        # Accepted and ignored: the engines decode greedily.
+        temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+        top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+        frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+        presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+        seed: int | None = None
+        logit_bias: dict[str, float] | None = None
+
+        @field_validator("stop", mode="before")
+        @classmethod
+        def _one_or_many(cls, value):
+            return [value] if isinstance(value, str) else value
+
+    class CompletionRequest(_Common):
+        prompt: (Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
+                 | list[Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]])
+        max_tokens: new_tokens = None
+        echo: bool = False
+        best_of: int | None = None  # only 1
+        logprobs: int | None = None  # refused when given
+        suffix: str | None = None  # refused when given
+
+    class ChatCompletionRequest(_Common):
+        messages: Annotated[list[ChatMessage], Field(min_length=1)]
+        max_tokens: new_tokens = None
+        max_completion_tokens: new_tokens = None
+        # Refused when they ask for something (see _unsupported_chat).
+        logprobs: bool | None = None
+        top_logprobs: int | None = None
+        tools: list[dict[str, Any]] | None = None
+        tool_choice: str | dict[str, Any] | None = None
+        functions: list[dict[str, Any]] | None = None
+        function_call: str | dict[str, Any] | None = None
+        response_format: dict[str, Any] | None = None
+        # Accepted and ignored.
+        parallel_tool_calls: bool | None = None
+        store: bool | None = None
+        metadata: dict[str, str] | None = None
+        service_tier: str | None = None
+
+    return CompletionRequest, ChatCompletionRequest
+
+
+# ---------------------------------------------------------------------- response bodies
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class QlabInfo(BaseModel):
+    """The gate's view of the request: /v1/generate's ``timings`` and ``admission``, and the outcome."""
+
+    outcome: Literal["good", "late"]
+    engine: int
+    queue_s: float
+    engine_s: float
+    total_s: float
+    est_service_s: float
+    started_at: float  # gate clock: an engine took it
+    returned_at: float  # gate clock: the engine handed it back
+    admission: dict[str, int | float | None]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A completion, and (object the same, as OpenAI's) each chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    qlab: QlabInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    qlab: QlabInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    qlab: QlabInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = OWNER
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------- prompts and names
+
+
+def served_model_id(info: dict) -> str:
+    """The id a request's ``model`` must name: the engine's model, or the engine's name.
+
+    synthetic -> "synthetic"; gpt2 with a hub name or path -> that name; gpt2's random-weight
+    models -> "gpt2-random", "gpt2-tiny".
+    """
+    engine, model = str(info.get("engine", "engine")), info.get("model")
+    if not model:
+        return engine
+    return f"{engine}-{model}" if model in ("random", "tiny") else str(model)
+
+
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """One line per message, ``ROLE: TEXT`` (``ROLE (NAME): TEXT``), then ``assistant:`` for the answer.
+
+    A message's text parts are joined with newlines; so are the messages.
+    """
+    lines = [f"{m.role}{f' ({m.name})' if m.name else ''}: {_text(m.content)}" for m in messages]
+    return "\n".join([*lines, "assistant:"])
+
+
+def _unsupported(name: str, why: str) -> InvalidRequest:
+    return InvalidRequest(400, "unsupported_parameter", f"{name}: {why}")
+
+
+def _check_common(req) -> None:
+    if req.n is not None and req.n != 1:
+        raise _unsupported("n", f"only 1 choice per request is supported, not {req.n}")
+
+
+def _completion_prompt(req) -> str:
+    _check_common(req)
+    if req.best_of is not None and req.best_of != 1:
+        raise _unsupported("best_of", f"only 1 is supported, not {req.best_of}")
+    if req.logprobs is not None:
+        raise _unsupported("logprobs", "log probabilities are not returned by this server")
+    if req.suffix is not None:
+        raise _unsupported("suffix", "insertion after a suffix is not supported")
+    if isinstance(req.prompt, list):
+        if len(req.prompt) != 1:
+            raise _unsupported("prompt", f"a batch of {len(req.prompt)} prompts is not supported: send one string")
+        return req.prompt[0]
+    return req.prompt
+
+
+def _chat_messages_prompt(req) -> str:
+    _check_common(req)
+    if req.logprobs or req.top_logprobs is not None:
+        raise _unsupported("logprobs" if req.logprobs else "top_logprobs",
+                           "log probabilities are not returned by this server")
+    if req.tools or req.functions:
+        raise _unsupported("tools" if req.tools else "functions", "tool and function calls are not supported")
+    for name in ("tool_choice", "function_call"):
+        value = getattr(req, name)
+        if value is not None and value != "none":
+            raise _unsupported(name, "tool and function calls are not supported (only \"none\")")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise _unsupported("response_format", 'only {"type": "text"} is supported')
+    return chat_prompt(req.messages)
+
+
+def _new_tokens(req, cap: int) -> int:
+    both = [v for v in (getattr(req, "max_completion_tokens", None), req.max_tokens) if v is not None]
+    if len(set(both)) > 1:
+        raise InvalidRequest(400, "conflicting_parameters",
+                             f"max_completion_tokens {both[0]} and max_tokens {both[1]} differ: give one")
+    return both[0] if both else cap
+
+
+def _parse(schema: type[BaseModel], body: bytes) -> BaseModel:
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            raise InvalidRequest(400, "malformed_json",
+                                 f"the body is not valid JSON: {_validation_text(errors)}") from None
+        raise InvalidRequest(422, "invalid_field", _validation_text(errors)) from None
+
+
+def _deadline_header(request: Request, limits: Limits) -> float | None:
+    value = request.headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 12 and 1 <= int(value) <= limits.max_deadline_ms):
+        raise InvalidRequest(422, "invalid_field", f"{DEADLINE_HEADER}: an integer number of milliseconds in "
+                                                   f"1..{limits.max_deadline_ms}, not {value[:40]!r}")
+    return int(value) / 1000.0
+
+
+def _client(request: Request, user: str | None) -> str | None:
+    if user is not None:
+        return user
+    header = request.headers.get(CLIENT_HEADER)
+    if header and len(header) > CLIENT_ID_CHARS:
+        raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
+    return header or None
+
+
+# ---------------------------------------------------------------------- the routes
+
+
+def _sse(events: list[BaseModel]) -> Response:
+    body = "".join(f"data: {e.model_dump_json()}\n\n" for e in events) + "data: [DONE]\n\n"
+    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _json(body: BaseModel) -> Response:
+    # model_dump_json writes a non-finite number as null, which JSON needs.
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one admitted request produced."""
+
+    answer: Answer
+    prompt_tokens: int
+    max_new_tokens: int
+    total_s: float
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.answer.tokens < self.max_new_tokens else "length"
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.answer.tokens,
+                     total_tokens=self.prompt_tokens + self.answer.tokens)
+
+    @property
+    def qlab(self) -> QlabInfo:
+        a = self.answer
+        return QlabInfo(outcome=a.outcome, engine=a.engine, queue_s=a.queue_s, engine_s=a.engine_s,
+                        total_s=self.total_s, est_service_s=a.arrival.est_service_s, started_at=a.started_at,
+                        returned_at=a.returned_at, admission=a.arrival.numbers())
+
+
+@dataclass(frozen=True)
+class _Routes:
+    gate: Gate
+    limits: Limits
+    model_id: str
+    created: int
+    completion_schema: type[BaseModel]
+    chat_schema: type[BaseModel]
+
+    async def _run(self, request: Request, req, prompt: str, t0: float) -> _Run | None:
+        """Admit and run; None when the client left first. Refusals and failures raise to their handlers."""
+        if req.model != self.model_id:
+            raise InvalidRequest(404, "model_not_found", f"model {req.model[:80]!r} is not served here; "
+                                                         f"this server serves {self.model_id!r} (GET {MODELS})")
+        if len(prompt) > self.limits.max_prompt_chars:
+            raise InvalidRequest(422, "prompt_too_long",
+                                 f"prompt: {len(prompt)} characters; the limit is {self.limits.max_prompt_chars}")
+        tokens = self.gate.engines[0].count_tokens(prompt)
+        if tokens > self.limits.max_prompt_tokens:
+            raise InvalidRequest(422, "prompt_too_long",
+                                 f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
+        max_new = _new_tokens(req, self.limits.max_new_tokens)
+        deadline = req.deadline_ms / 1000.0 if req.deadline_ms is not None else _deadline_header(request, self.limits)
+        job = Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority)
+        try:
+            future = self.gate.submit(job)
+        except Rejected:
+            self.gate.timings.refusal.observe(self.gate.clock() - t0)
+            raise
+        answer = await _outcome(future, request)
+        if answer is None:
+            return None
+        return _Run(answer, tokens, max_new, self.gate.clock() - t0)
+
+    async def completions(self, request: Request) -> Response:
+        t0 = self.gate.clock()
+        req = _parse(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
+        prompt = _completion_prompt(req)
+        run = await self._run(request, req, prompt, t0)
+        if run is None:
+            return Response(status_code=499)  # nobody is listening; the status is only for logs
+        text = prompt + run.answer.text if req.echo else run.answer.text
+        head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
+        if not req.stream:
+            return _json(Completion(**head, choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)],
+                                    usage=run.usage, qlab=run.qlab))
+        events = [Completion(**head, choices=[CompletionChoice(text=text, finish_reason=None)]),
+                  Completion(**head, choices=[CompletionChoice(text="", finish_reason=run.finish_reason)],
+                             qlab=run.qlab)]
+        if req.stream_options is not None and req.stream_options.include_usage:
+            events.append(Completion(**head, choices=[], usage=run.usage))
+        return _sse(events)
+
+    async def chat(self, request: Request) -> Response:
+        t0 = self.gate.clock()
+        req = _parse(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
+        run = await self._run(request, req, _chat_messages_prompt(req), t0)
+        if run is None:
+            return Response(status_code=499)
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
+        text = run.answer.text
+        if not req.stream:
+            return _json(ChatCompletion(**head, choices=[ChatChoice(message=AssistantMessage(content=text),
+                                                                    finish_reason=run.finish_reason)],
+                                        usage=run.usage, qlab=run.qlab))
+        events = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]),
+                  ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(content=text))]),
+                  ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(),
+                                                                       finish_reason=run.finish_reason)],
+                                      qlab=run.qlab)]
+        if req.stream_options is not None and req.stream_options.include_usage:
+            events.append(ChatCompletionChunk(**head, choices=[], usage=run.usage))
+        return _sse(events)
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.model_id, created=self.created)
+
+
+def _inline(schema: dict) -> dict:
+    """The JSON schema with its ``$defs`` put in place of each ``$ref``: the OpenAPI document has no ``$defs``."""
+    defs = schema.get("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+def _body_spec(schema: type[BaseModel]) -> dict:
+    body = {"schema": _inline(schema.model_json_schema())}
+    return {"requestBody": {"required": True, "content": {"application/json": body}}}
+
+
+def mount(app: FastAPI, gate: Gate, limits: Limits) -> None:
+    """Add the OpenAI-compatible routes to ``app`` (its exception handlers answer their errors)."""
+    completion_schema, chat_schema = request_models(limits)
+    routes = _Routes(gate, limits, served_model_id(gate.engines[0].info()), int(time.time()),
+                     completion_schema, chat_schema)
+    # The routes read the raw body (to cap its size before parsing): state the schemas for /openapi.json.
+    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    app.post(COMPLETIONS, openapi_extra=_body_spec(completion_schema),
+             responses={200: {"model": Completion, "content": stream}})(routes.completions)
+    app.post(CHAT, openapi_extra=_body_spec(chat_schema),
+             responses={200: {"model": ChatCompletion, "content": stream}})(routes.chat)
+
+    @app.get(MODELS)
+    async def models() -> ModelList:
+        return ModelList(data=[routes.card()])
+
+    @app.get(MODELS + "/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id != routes.model_id:
+            raise InvalidRequest(404, "model_not_found",
+                                 f"model {model_id[:80]!r} is not served here; this server serves {routes.model_id!r}")
+        return routes.card()
