@@ -44,7 +44,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -52,7 +51,7 @@ import pyarrow.parquet as pq
 from analysis import metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
-from qsim.workload import blend
+from qsim.workload import blended_means
 
 from .config import NO_CLIENTS, ConfigError, SweepConfig
 
@@ -129,9 +128,7 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
     trace = _trace(config, cell)
     frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate)
-    shares, mixes = blend(config.mixes[cell.mix], config.clients.get(cell.clients, ()))
-    mean_s = float(np.dot(shares, [m.mean_s(config.service) for m in mixes]))
-    mean_tokens = float(np.dot(shares, [np.dot(m.sizes, m.probs) for m in mixes]))
+    mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
     # The effective bound and deadline (the preset's unless the grid overrides them).
     params = {"cell_id": cell.id, **asdict(cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
     seconds = metrics.run_duration(frame, trace.duration_s)

@@ -203,9 +203,14 @@ class FairShare:
         self._popped = None  # the entry pop_next just gave out (its client was lifted when it joined)
         self._n = 0
 
-    def _lift(self, client) -> None:
+    def _joining(self, client) -> float:
+        """The counter ``client`` has when it joins the backlogged: its own, lifted to the least among
+        those waiting (or, when none waits, to the counter of the last one served)."""
         lift = min(map(self.counter.__getitem__, self._queues)) if self._queues else self._floor
-        self.counter[client] = max(self.counter.get(client, 0.0), lift)
+        return max(self.counter.get(client, 0.0), lift)
+
+    def _lift(self, client) -> None:
+        self.counter[client] = self._joining(client)
 
     def push(self, entry) -> None:
         client = entry[CLIENT]
@@ -234,26 +239,22 @@ class FairShare:
         counters are charged, so the answer is exact, not a bound (tests/test_queue.py checks it)."""
         client = entry[CLIENT]
         own = self._queues.get(client)
-        if own:
-            level = self.counter[client]
-        else:
-            lift = min(map(self.counter.__getitem__, self._queues)) if self._queues else self._floor
-            level = max(self.counter.get(client, 0.0), lift)
+        level = self.counter[client] if own else self._joining(client)
         ahead = 0.0
-        for entry in own or ():
-            ahead += entry[BASE]
-            level += entry[BASE]
+        for waiting in own or ():
+            ahead += waiting[BASE]
+            level += waiting[BASE]
         first = True  # the other client has waited longer than this one (it comes first in the dict)
         for other, queue in self._queues.items():
             if other == client:
                 first = False
                 continue
             given = self.counter[other]
-            for entry in queue:
+            for waiting in queue:
                 if given > level or (given == level and not first):
                     break
-                given += entry[BASE]
-                ahead += entry[BASE]
+                given += waiting[BASE]
+                ahead += waiting[BASE]
         return ahead
 
     def started(self, entry) -> None:

@@ -93,6 +93,13 @@ def blend(mix: Mix, clients: tuple[Client, ...] = ()) -> tuple[list[float], list
     return [c.share for c in clients], [c.mix or mix for c in clients]
 
 
+def blended_means(mix: Mix, clients: tuple[Client, ...], model: ServiceModel) -> tuple[float, float]:
+    """Mean calibrated service time and mean max_new_tokens of a request drawn from :func:`blend`."""
+    shares, mixes = blend(mix, clients)
+    return (float(np.dot(shares, [m.mean_s(model) for m in mixes])),
+            float(np.dot(shares, [np.dot(m.sizes, m.probs) for m in mixes])))
+
+
 def check_clients(clients: tuple[Client, ...]) -> None:
     """Clients of one workload: distinct names, shares that sum to 1."""
     names = [c.name for c in clients]
@@ -348,7 +355,7 @@ def make_trace(
     if mean_service_s is not None and not mean_service_s > 0:
         raise ValueError(f"mean service time must be > 0, got {mean_service_s}")
     shares, mixes = blend(mix, clients)
-    mean_s = float(np.dot(shares, [m.mean_s(model) for m in mixes])) if mean_service_s is None else float(mean_service_s)
+    mean_s = blended_means(mix, clients, model)[0] if mean_service_s is None else float(mean_service_s)
     if service == "mix" and mean_service_s is not None:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
