@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from qsim.records import OUTCOMES
+from qsim.policy import on_time
+from qsim.records import ANSWERED, OUTCOMES
 
 
 def run_duration(frame: pd.DataFrame, duration_s: float | None = None) -> float:
@@ -28,8 +29,61 @@ def summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, f
     the rejected and the expired (said no to, unrun), share_refused their share of all.
     Latency percentiles are over the answered (good or late); refusal_* over the
     time it took to say no (rejected or expired).
+
+    Rows are attempts: where clients retried, these are attempt-level, and :func:`retry_summary`'s
+    end-to-end figures (judged from each request's first send) are added.
     """
-    return _summary(*_columns(frame), run_duration(frame, duration_s))
+    seconds = run_duration(frame, duration_s)
+    row = _summary(*_columns(frame), seconds)
+    if "attempt" in frame.columns and (frame["attempt"] > 1).any():
+        row.update(retry_summary(frame, seconds))
+    return row
+
+
+def end_to_end(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per request (its first attempt's ``first_request_id``) as its client saw it, retries included.
+
+    ``outcome`` is its last attempt's, with good/late judged from the *first* send against the first
+    attempt's deadline (``latency_s`` = last finish - first send); ``attempts`` counts its rows.
+    Other columns are the first attempt's (size, client, priority, arrival_s).
+    """
+    rows = frame.sort_values(["first_request_id", "attempt"], kind="stable")
+    first = rows.groupby("first_request_id", sort=True).head(1).set_index("first_request_id")
+    last = rows.groupby("first_request_id", sort=True).tail(1).set_index("first_request_id")
+    out = first.drop(columns=["outcome", "reason", "finish_s", "latency_s"]).copy()
+    out["attempts"] = rows.groupby("first_request_id", sort=True).size()
+    out["finish_s"] = last["finish_s"]
+    out["latency_s"] = last["finish_s"] - first["arrival_s"]
+    answered = last["outcome"].isin(ANSWERED)
+    in_time = on_time(out["latency_s"], first["deadline_s"])
+    outcome = last["outcome"].astype(object).where(~answered, np.where(in_time, "good", "late"))
+    out["outcome"] = pd.array(outcome, dtype="string")
+    out["reason"] = last["reason"]
+    return out.reset_index().rename(columns={"index": "first_request_id"})
+
+
+def retry_summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, float]:
+    """What retries did: amplification, end-to-end goodput, and whether clients waited as told.
+
+    attempts_per_request: rows per request (1 without retries). goodput_e2e_rps and share_good_e2e: requests
+    answered within their deadline from their first send (:func:`end_to_end`), beside the attempt-level
+    goodput_rps. retry_after_adherence: of the retries that followed an answer carrying Retry-After, the
+    share sent no sooner than it said (NaN when none did).
+    """
+    seconds = run_duration(frame, duration_s)
+    e2e = end_to_end(frame)
+    good = e2e["outcome"].eq("good").to_numpy()
+    rows = frame.sort_values(["first_request_id", "attempt"], kind="stable")
+    prev = rows.groupby("first_request_id", sort=False).shift(1)
+    told = (rows["attempt"] > 1) & prev["retry_after_s"].notna()
+    waited = rows.loc[told, "arrival_s"] >= prev.loc[told, "finish_s"] + prev.loc[told, "retry_after_s"].astype(float) - 1e-9
+    return {
+        "requests_e2e": float(len(e2e)),
+        "attempts_per_request": len(frame) / len(e2e) if len(e2e) else math.nan,
+        "share_good_e2e": float(good.mean()) if len(e2e) else math.nan,
+        "goodput_e2e_rps": float(good.sum() / seconds),
+        "retry_after_adherence": float(waited.mean()) if told.any() else math.nan,
+    }
 
 
 def by_group(frame: pd.DataFrame, column: str, duration_s: float | None = None, *,

@@ -15,8 +15,11 @@ import numpy as np
 import pandas as pd
 
 from analysis import metrics
+from inputs import clientflags
 from inputs.argtypes import count, non_negative, number, positive, positive_int
 from qsim import PRESETS, ServiceModel, build_trace, simulate
+from qsim.workload import ARRIVALS
+from qsim.records import OUTCOMES
 from qsim.policy import from_options, policy_spec
 
 
@@ -76,12 +79,16 @@ def _fmt(table: pd.DataFrame) -> str:
 def _print_single(run: _Run) -> None:
     s = metrics.summary(run.frame, run.duration_s)
     n = max(s["requests"], 1)
-    counts = pd.DataFrame({"count": [int(s[o]) for o in ("good", "late", "rejected", "expired")]},
-                          index=["good", "late", "rejected", "expired"])
+    shown = [o for o in OUTCOMES if o in ("good", "late", "rejected", "expired") or s[o]]
+    counts = pd.DataFrame({"count": [int(s[o]) for o in shown]}, index=shown)
     counts["share"] = counts["count"] / n
     print(_fmt(counts))
     print(f"share in time (good): {s['share_good']:.3f}")
     print(f"goodput: {s['goodput_rps']:.3f} requests/s, {s['good_tokens_per_s']:.1f} good tokens/s")
+    if "attempts_per_request" in s:
+        print(f"retries: {s['attempts_per_request']:.3f} attempts per request; end to end (from the first send) "
+              f"{s['share_good_e2e']:.3f} in time, goodput {s['goodput_e2e_rps']:.3f} requests/s; "
+              f"Retry-After adherence {s['retry_after_adherence']:.3f}")
     print(f"latency of the answered: p50 {s['latency_p50_s']:.3f} s, p99 {s['latency_p99_s']:.3f} s")
     cls = metrics.by_class(run.frame, run.duration_s)
     cols = ["requests", "good", "late", "rejected", "expired", "share_good", "goodput_rps",
@@ -94,12 +101,16 @@ SEED_METRICS = ["good", "late", "rejected", "expired", "share_good", "goodput_rp
                 "latency_p50_s", "latency_p99_s"]
 
 
+RETRY_METRICS = ["attempts_per_request", "share_good_e2e", "goodput_e2e_rps", "retry_after_adherence"]
+
+
 def _seed_tables(runs: list[_Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
     overall = pd.DataFrame([metrics.summary(r.frame, r.duration_s) for r in runs])
+    shown = SEED_METRICS + [m for m in ("abandoned", "error", *RETRY_METRICS) if m in overall and overall[m].any()]
     per_class = pd.concat(
         [metrics.by_class(r.frame, r.duration_s).assign(seed=r.seed) for r in runs]
     ).reset_index()
-    ci = metrics.across_seeds(overall[SEED_METRICS])
+    ci = metrics.across_seeds(overall[shown])
     by_class = {
         cls: metrics.across_seeds(part[SEED_METRICS])
         for cls, part in per_class.groupby("size_class", sort=False)
@@ -143,13 +154,14 @@ def cmd_simulate(args) -> int:
     if not args.trace and args.seconds is None and args.requests is None:
         args.seconds = 600.0
     model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
+    patience, retry = clientflags.from_args(args)
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
         trace = build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service,
                             load=args.load, engines=args.engines, speed=args.speed, seconds=args.seconds,
                             requests=args.requests, seed=seed, model=model, mean_service_s=args.mean_service,
-                            noise_cv=args.noise)
-        frame = simulate(trace, policy, args.engines, fixed_estimate=args.fixed_estimate)
+                            noise_cv=args.noise, patience=patience)
+        frame = simulate(trace, policy, args.engines, fixed_estimate=args.fixed_estimate, retry=retry)
         runs.append(_Run(seed, frame, trace.duration_s))
     if args.out:
         rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
@@ -202,7 +214,7 @@ def _simulate_parser(sub) -> None:
                    help="utilisation at the simulated speed: lambda = LOAD * K / E[true S]")
     p.add_argument("--speed", type=positive, default=1.0, help="true service times are SPEED times the calibration")
     p.add_argument("--arrivals", default="poisson", action=_Remember,
-                   help="poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S")
+                   help=" | ".join(ARRIVALS))
     p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=_Remember)
     p.add_argument("--mean-service", type=positive, action=_Remember,
                    help="mean service seconds for exponential/deterministic (default: the mix's mean)")
@@ -219,6 +231,7 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--seeds", type=positive_int, default=1, help="replications, seeds SEED..SEED+N-1")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file")
+    clientflags.add_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

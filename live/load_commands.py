@@ -17,6 +17,7 @@ from inputs.argtypes import count, non_negative, positive, positive_int, renamed
 from inputs.atomic import write_parquet
 from qsim import ServiceModel, build_trace, records
 from qsim.records import OUTCOMES
+from qsim.workload import ARRIVALS
 
 from .live_config import DEFAULT_SECONDS
 
@@ -95,7 +96,7 @@ def _replay_parser(sub) -> None:
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of a synthetic one")
     p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace file's arrival times")
-    p.add_argument("--arrivals", default="poisson", help="poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S")
+    p.add_argument("--arrivals", default="poisson", help=" | ".join(ARRIVALS))
     p.add_argument("--nominal-load", type=positive, default=1.0,
                    help="arrival rate over the calibrated capacity of the engines (the run reports the effective "
                         "load: nominal x the speed it measured)")

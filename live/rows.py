@@ -227,6 +227,8 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
     start = np.where(answered, taken + rows["queue_s"].fillna(0.0).to_numpy(), np.nan)
     frame = records.from_arrays({
         "request_id": trace.request_id,
+        "first_request_id": trace.request_id,
+        "attempt": np.ones(len(trace), dtype=np.int64),
         "arrival_s": sent,
         "size_class": trace.size_class,
         "max_new_tokens": trace.max_new_tokens,

@@ -10,11 +10,16 @@ starts (a timeout of the request's true service time) and hands it back. Beside 
 * what the engine reports (``reported_s``): the tracker learns this, while the
   engine is held for ``true_service_s`` (the live gate counts the engine busy
   until the answer is handed back to it, a little after the engine's own time);
-* clients that leave (``cancel_after_s``): a waiting request leaves the queue
-  with its work; a running one leaves its engine busy until it finishes. The
-  patience counts to the whole answer (``cancel_until="answer"``, the default) or
-  only to its start (``cancel_until="start"``: a client whose request has started
-  stays, the patience-while-waiting of Erlang A and M/M/c+D);
+* clients that leave (``cancel_after_s``, by default the trace's ``patience_s``):
+  a waiting request leaves the queue with its work; a running one leaves its
+  engine busy until it finishes. The patience counts to the whole answer
+  (``cancel_until="answer"``, the default) or only to its start
+  (``cancel_until="start"``: a client whose request has started stays, the
+  patience-while-waiting of Erlang A and M/M/c+D);
+* clients that send again (``retry``, a :class:`qsim.clients.RetryPolicy`): an
+  attempt refused (503, 429) is sent again when :class:`qsim.clients.Retrier`
+  says, as a new row (``attempt`` 2, 3, ... with its ``first_request_id``) that
+  arrives like any other. Patience counts from the first send;
 * stalled engines (``stall``): a request that runs past its threshold ends as
   an error at that moment, and while every engine is stalled a watchdog ends
   waiting requests past their deadline, every ``watch_interval_s`` as the gate's does.
@@ -30,7 +35,8 @@ import simpy
 from simpy.events import Timeout
 
 from . import records
-from .policy import PRESETS, Policy
+from .clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
+from .policy import PRESETS, Policy, retry_after
 from .queue import STALL_REASON, AdmissionQueue, StallRule
 from .service import SpeedTracker
 from .workload import Trace
@@ -49,7 +55,7 @@ class _Run:
 
     def __init__(self, trace: Trace, queue_args: dict, engines: int, *, failed=None, reported_s=None,
                  cancel_after_s=None, cancel_until: str = "answer", priority=None, client=None,
-                 watch_interval_s: float = 0.05) -> None:
+                 watch_interval_s: float = 0.05, retrier: Retrier | None = None) -> None:
         n = len(trace)
         self.env = simpy.Environment()
         self.queue = AdmissionQueue(engines=engines, start=self._start, drop=self._drop, **queue_args)
@@ -58,7 +64,7 @@ class _Run:
         self.arrival = trace.arrival_s.tolist()
         self.base_est = trace.est_service_s.tolist()
         self.true = trace.true_service_s.tolist()
-        self.reported = self.true if reported_s is None else np.asarray(reported_s, dtype=float).tolist()
+        self.reported = list(self.true) if reported_s is None else np.asarray(reported_s, dtype=float).tolist()
         self.failed = None if failed is None or not np.any(failed) else np.asarray(failed, dtype=bool).tolist()
         own = trace.deadline_s
         self.deadline = np.where(np.isnan(own), policy.deadline_s, own).tolist()
@@ -84,6 +90,15 @@ class _Run:
         self.next_arrival = 0
         self.n = n
         self.watching = False
+        # Retries: each attempt after the first is a row appended to every list above, sent at its time.
+        self.retrier = retrier
+        self.first_of = list(range(n)) if retrier is not None else None
+        self.attempt = [1] * n if retrier is not None else None
+        self.timeout_s = math.inf if retrier is None or retrier.policy.timeout_s is None else retrier.policy.timeout_s
+        if retrier is not None and self.patience is None:
+            self.patience = [math.inf] * n
+        if retrier is not None and self.failed is None:
+            self.failed = [False] * n
 
     # -- the core's hooks --------------------------------------------------------
 
@@ -100,11 +115,44 @@ class _Run:
             Timeout(self.env, 0, k).callbacks.append(self._run)
 
     def _drop(self, i: int, now: float, outcome: str, reason: str, est: float) -> None:
-        self._end(i, now, outcome, reason)
+        # An expired request's 503 says when to come back, as the gate's does (computed here, by the same rule).
+        self._end(i, now, outcome, reason, retry_after(self.queue.wait_s(now)) if outcome == "expired" else -1)
 
-    def _end(self, i: int, now: float, outcome: str, reason: str | None) -> None:
+    def _end(self, i: int, now: float, outcome: str, reason: str | None, retry_after_s: int = -1) -> None:
         self.outcome[i], self.reason[i] = outcome, reason
         self.finish[i] = now
+        self.retry_after[i] = retry_after_s
+        # A client that left is gone; one that timed out had no answer and may send again.
+        if self.retrier is not None and (outcome != "abandoned" or reason == TIMEOUT_REASON):
+            self._maybe_retry(i, now, status_of(outcome, reason), retry_after_s)
+
+    # -- retries ----------------------------------------------------------------------
+
+    def _maybe_retry(self, i: int, now: float, status: int | None, retry_after_s: int) -> None:
+        first = self.first_of[i]
+        sent = self.arrival[first]
+        decision = self.retrier.after(first, self.attempt[i], sent, now, status,
+                                      retry_after_s if retry_after_s >= 0 else None, self.patience[first])
+        if decision.at_s is None:
+            return
+        j = self._copy(i, decision.at_s)
+        Timeout(self.env, decision.at_s - now).callbacks.append(lambda _, j=j: self._admit(j, self.arrival[j]))
+
+    def _copy(self, i: int, at: float) -> int:
+        """A new row: attempt i's request sent again at ``at``, with the patience it has left."""
+        first = self.first_of[i]
+        j = len(self.arrival)
+        for values in (self.base_est, self.true, self.reported, self.failed, self.deadline, self.priority, self.client):
+            values.append(values[i])
+        self.arrival.append(at)
+        self.patience.append(self.patience[first] - (at - self.arrival[first]))
+        self.first_of.append(first)
+        self.attempt.append(self.attempt[i] + 1)
+        for values, missing in ((self.est, _NAN), (self.outcome, None), (self.reason, None), (self.start, _NAN),
+                                (self.finish, _NAN), (self.queued_at_arrival, 0), (self.queued_work, _NAN),
+                                (self.retry_after, -1), (self.engine_of, -1)):
+            values.append(missing)
+        return j
 
     # -- events: plain SimPy timeouts with callbacks (a generator process per engine costs a third more) --
 
@@ -122,18 +170,23 @@ class _Run:
                 return
             # The trace's own time: SimPy's clock reaches it as now + (t - now), which can be off by
             # a rounding, and a request that starts at once should show exactly zero wait.
-            queue = self.queue
-            refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i])
-            self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
-            if refusal is not None:
-                self.outcome[i], self.reason[i] = "rejected", refusal.reason
-                self.retry_after[i] = refusal.retry_after_s
-                self.finish[i] = t
-            elif (self.patience is not None and math.isfinite(self.patience[i])
-                  and not (self.wait_only and not math.isnan(self.start[i]))):  # started at once: it stays
-                Timeout(env, self.patience[i]).callbacks.append(lambda _, i=i: self._cancel(i))
+            self._admit(i, t)
             i += 1
         self.next_arrival = i
+
+    def _admit(self, i: int, t: float) -> None:
+        """Hand request (or attempt) i, sent at t, to the queue core and note what it decided on."""
+        queue = self.queue
+        refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i])
+        self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
+        if refusal is not None:
+            self._end(i, t, "rejected", refusal.reason, refusal.retry_after_s)
+            return
+        patience = math.inf if self.patience is None else self.patience[i]
+        if math.isfinite(patience) and not (self.wait_only and not math.isnan(self.start[i])):  # started at once: it stays
+            Timeout(self.env, patience).callbacks.append(lambda _, i=i: self._cancel(i))
+        if self.timeout_s < patience or (self.wait_only and math.isfinite(self.timeout_s)):
+            Timeout(self.env, self.timeout_s).callbacks.append(lambda _, i=i: self._cancel(i, TIMEOUT_REASON))
 
     def _run(self, event) -> None:
         k = event._value
@@ -150,11 +203,11 @@ class _Run:
         if outcome is not None:
             self._end(i, now, outcome, None if ok else FAILED_REASON)
 
-    def _cancel(self, i: int) -> None:
-        if self.wait_only and not math.isnan(self.start[i]):  # started: its patience while waiting is over
-            return
+    def _cancel(self, i: int, reason: str = LEFT_REASON) -> None:
+        if reason == LEFT_REASON and self.wait_only and not math.isnan(self.start[i]):
+            return  # started: its patience while waiting is over
         if self.queue.cancel(i, self.env.now) is not None:
-            self._end(i, self.env.now, "abandoned", LEFT_REASON)
+            self._end(i, self.env.now, "abandoned", reason)
 
     def _stall(self, k: int, i: int) -> None:
         now = self.env.now
@@ -173,14 +226,18 @@ class _Run:
 
     def frame(self, trace: Trace) -> pd.DataFrame:
         finish = np.asarray(self.finish)
+        arrival = np.asarray(self.arrival)
+        first = trace.request_id if self.first_of is None else np.asarray(self.first_of, dtype=np.int64)
         return records.from_arrays(
             {
-                "request_id": trace.request_id,
-                "arrival_s": trace.arrival_s,
-                "size_class": trace.size_class,
-                "max_new_tokens": trace.max_new_tokens,
+                "request_id": np.arange(len(arrival), dtype=np.int64),
+                "first_request_id": first,
+                "attempt": np.ones(len(arrival), dtype=np.int64) if self.attempt is None else self.attempt,
+                "arrival_s": arrival,
+                "size_class": trace.size_class[first],
+                "max_new_tokens": trace.max_new_tokens[first],
                 "est_service_s": self.est,
-                "true_service_s": trace.true_service_s,
+                "true_service_s": trace.true_service_s[first],
                 "deadline_s": self.deadline,
                 "priority": self.priority,
                 "client_id": [None if c is None else str(c) for c in self.client],
@@ -188,7 +245,7 @@ class _Run:
                 "reason": self.reason,
                 "start_s": self.start,
                 "finish_s": finish,
-                "latency_s": finish - trace.arrival_s,
+                "latency_s": finish - arrival,
                 "queued_at_arrival": self.queued_at_arrival,
                 "queued_work_at_arrival_s": self.queued_work,
                 "retry_after_s": self.retry_after,
@@ -208,29 +265,38 @@ def simulate(
     failed=None,
     reported_s=None,
     cancel_after_s=None,
-    cancel_until: str = "answer",
+    cancel_until: str | None = None,
     priority=None,
     client=None,
     stall: StallRule | None = None,
     watch_interval_s: float = 0.05,
+    retry: RetryPolicy | None = None,
+    retry_seed: int | None = None,
 ) -> pd.DataFrame:
     """Run ``trace`` through the queue and return one record per request (see :mod:`qsim.records`).
 
     fixed_estimate keeps the calibrated estimate (speed factor 1) instead of tracking speed;
     initial_speed_factor is where the tracker starts (a live server's is resident across runs).
     failed (bools), reported_s (the engine's own seconds, which the tracker learns; default the
-    true service time), cancel_after_s (seconds after arrival at which the client leaves; NaN:
-    never), priority (ints, higher first under a priority discipline) and client (any hashable; the
+    true service time), cancel_after_s (seconds after arrival at which the client leaves; NaN or inf:
+    never; default the trace's patience_s), priority (ints, higher first under a priority discipline) and client (any hashable; the
     policy's per-client token bucket and fair share count by it) are per request, in trace order;
     priority and client default to the trace's own. cancel_until: what the patience cancel_after_s
     waits for, "answer" (the client leaves at that time whether its request waits or runs) or
-    "start" (it leaves only if its request has not started by then: patience while waiting).
+    "start" (it leaves only if its request has not started by then: patience while waiting); default
+    what the trace's patience was drawn for (its meta's patience_until), else "answer".
     Either way a client that leaves ends its request ``abandoned`` (reason client_left).
+    retry: how clients send refused requests again (None or mode "none": never); each attempt is a row,
+    with ``attempt`` and ``first_request_id``. retry_seed: the jitter's seed (default the trace's seed).
     stall: the live gate's stall rule (None, the study's model: engines never stall).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
+    if cancel_until is None:
+        cancel_until = trace.meta.get("patience_until", "answer")
+    if cancel_after_s is None:
+        cancel_after_s = trace.patience_s
     if cancel_until not in CANCEL_UNTIL:
         raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
     if len(trace) and np.any(np.diff(trace.arrival_s) < 0):
@@ -240,9 +306,13 @@ def simulate(
         if values is not None and np.shape(values) != (len(trace),):
             raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
     tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
+    retrier = None
+    if retry is not None and retry.retries:
+        seed = trace.meta.get("seed", 0) if retry_seed is None else retry_seed
+        retrier = Retrier(retry, trace.arrival_s, seed)
     run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline()), engines, failed=failed,
                reported_s=reported_s, cancel_after_s=cancel_after_s, cancel_until=cancel_until, priority=priority,
-               client=client, watch_interval_s=watch_interval_s)
+               client=client, watch_interval_s=watch_interval_s, retrier=retrier)
     run.arrivals()
     run.env.run()
     frame = run.frame(trace)

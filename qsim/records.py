@@ -1,6 +1,10 @@
 """The per-request record: one schema for the simulator, the live harness and analysis.
 
-Every request in a trace ends in exactly one row with exactly one outcome.
+Every request in a trace ends in exactly one row with exactly one outcome per
+attempt: a client that sends a refused request again (:mod:`qsim.clients`) adds a
+row per attempt, which names its first in ``first_request_id``; the request's
+end-to-end outcome is its last attempt's, judged from its first send
+(:func:`analysis.metrics.end_to_end`).
 Times are seconds on the run's clock (simulated time, or seconds since the
 replay started); a quantity that does not apply is NaN (floats) or <NA> (ints).
 Executors may append columns of their own (the live harness adds HTTP status,
@@ -27,7 +31,9 @@ CLIENT_ID_CHARS = 128
 
 #: column -> (pandas dtype, meaning). The order is the column order of a frame.
 SCHEMA: dict[str, tuple[str, str]] = {
-    "request_id": ("int64", "position of the request in its trace, from 0"),
+    "request_id": ("int64", "position of the request in its trace, from 0; a retry's follows the trace's, in the order retries were decided"),
+    "first_request_id": ("int64", "request_id of the request's first attempt (its own, for a first attempt)"),
+    "attempt": ("int64", "attempt number, from 1; arrival_s is this attempt's send time"),
     "arrival_s": ("float64", "arrival time"),
     "size_class": ("string", "size class label: the smallest mix size holding max_new_tokens"),
     "max_new_tokens": ("int64", "tokens the request may generate; the estimate is made from it"),
@@ -37,13 +43,13 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "priority": ("int64", "priority it was sent with: higher first under a priority discipline, below 0 sheddable"),
     "client_id": ("string", "the client that sent it (per-client limits, fair share); <NA>: none named"),
     "outcome": ("string", "one of OUTCOMES"),
-    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left); <NA> otherwise"),
+    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left, client_timeout); <NA> otherwise"),
     "start_s": ("float64", "engine start time; NaN if never run"),
     "finish_s": ("float64", "time the answer, refusal or drop was given"),
     "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),
     "queued_at_arrival": ("Int64", "requests waiting (not in service) when it arrived; <NA> where a service did not say"),
     "queued_work_at_arrival_s": ("float64", "estimated work of those waiting when it arrived"),
-    "retry_after_s": ("Int64", "Retry-After given with a refusal, whole seconds"),
+    "retry_after_s": ("Int64", "Retry-After given with a refusal or a drop at the front (503, 429), whole seconds"),
     "engine": ("Int64", "engine that ran it, from 0"),
 }
 COLUMNS = tuple(SCHEMA)
@@ -84,6 +90,10 @@ def validate(frame: pd.DataFrame) -> pd.DataFrame:
             raise ValueError(f"column {name} has dtype {frame[name].dtype}, expected {dtype}")
     if frame["request_id"].duplicated().any():
         raise ValueError("a request_id appears twice: every request has exactly one outcome")
+    if (frame["attempt"] < 1).any() or frame[["first_request_id", "attempt"]].duplicated().any():
+        raise ValueError("attempts count from 1, once each per first_request_id")
+    if (frame["attempt"].eq(1) != frame["first_request_id"].eq(frame["request_id"])).any():
+        raise ValueError("a first attempt's first_request_id is its own request_id, and only a first attempt's")
     unknown = set(frame["outcome"].dropna().unique()) - set(OUTCOMES)
     if unknown or frame["outcome"].isna().any():
         raise ValueError(f"outcomes must be one of {OUTCOMES}, found {sorted(unknown) or 'missing'}")

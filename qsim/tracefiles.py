@@ -13,6 +13,7 @@ import pandas as pd
 
 from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
+from .clients import Patience
 from .workload import REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, random_streams
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
@@ -108,6 +109,7 @@ def load_trace(
     speed: float = 1.0,
     noise_cv: float = 0.0,
     seed: int = 0,
+    patience: Patience | None = None,
 ) -> Trace:
     """Read an Azure LLM inference trace CSV or one of qlab's own per-request files.
 
@@ -116,7 +118,9 @@ def load_trace(
     prompt_tokens, and true service times come from ``model`` times ``speed``
     (and seeded noise). qlab's own files (.csv or .parquet, from
     :meth:`Trace.save`) need arrival_s and max_new_tokens; est/true service
-    times, deadlines, prompt lengths, priorities and client ids are used when present.
+    times, deadlines, prompt lengths, priorities, client ids and patience (``patience_s``, seconds from
+    the first send; empty: forever) are used when present. ``patience`` draws each request's patience
+    instead (from the seed's fifth stream); its kind "column" takes the file's and needs it.
     Arrival times are multiplied by ``time_scale`` (0.5 replays twice as fast).
     """
     path = Path(path)
@@ -135,7 +139,7 @@ def load_trace(
         arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy()
         prompt = cols.number("ContextTokens", ok=lambda v: v >= 0, integer=True)
         tokens = cols.number("GeneratedTokens", ok=lambda v: v >= 1, integer=True)
-        est = true = deadline = priority = client = None
+        est = true = deadline = priority = client = patience_col = None
     elif present >= set(OWN_REQUIRED):
         arrival = cols.number("arrival_s", ok=lambda v: v >= 0)
         tokens = cols.number("max_new_tokens", ok=lambda v: v >= 1, integer=True)
@@ -146,6 +150,7 @@ def load_trace(
         bounded = lambda v: v.abs() <= PRIORITY_BOUND  # noqa: E731
         priority = cols.number("priority", ok=bounded, integer=True) if "priority" in present else None
         client = cols.client_ids("client_id") if "client_id" in present else None
+        patience_col = cols.number("patience_s", ok=positive, optional=True) if "patience_s" in present else None
     else:
         raise ValueError(
             f"{path}: unrecognised trace columns {list(frame.columns)}; expected {','.join(AZURE_COLUMNS)} "
@@ -154,13 +159,21 @@ def load_trace(
     # Real logs are not always sorted; a stable sort keeps the file order among ties.
     order = np.argsort(arrival, kind="stable")
     pick = lambda a: None if a is None else a[order]  # noqa: E731
-    arrival, tokens, prompt, est, true, deadline, priority, client = map(
-        pick, (arrival, tokens, prompt, est, true, deadline, priority, client))
+    arrival, tokens, prompt, est, true, deadline, priority, client, patience_col = map(
+        pick, (arrival, tokens, prompt, est, true, deadline, priority, client, patience_col))
     arrival = arrival * time_scale
     est = model.estimate(tokens) if est is None else est
     if true is None:
         true = est * speed * lognormal_noise(random_streams(seed)[2], len(tokens), noise_cv)
     duration = float(arrival[-1] - arrival[0])
     meta = dict(path=str(path), time_scale=time_scale, speed=speed, noise_cv=noise_cv, seed=seed)
+    if patience is not None:
+        if patience.kind == "column" and patience_col is None:
+            raise ValueError(f"{path}: patience 'column' needs a patience_s column, and the file has none")
+        patience_col = patience.draw(random_streams(seed)[4], len(tokens), patience_col)
+        meta.update(patience=patience.spec, patience_until=patience.until)
+    elif patience_col is not None:  # the file's own, empty cells waiting forever
+        patience_col = Patience("column").draw(None, len(tokens), patience_col)
     return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=path.stem, meta=meta,
-                  deadline_s=deadline, prompt_tokens=prompt, priority=priority, client_id=client)
+                          deadline_s=deadline, prompt_tokens=prompt, priority=priority, client_id=client,
+                          patience_s=patience_col)

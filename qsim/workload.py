@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .clients import Patience
 from .service import ServiceModel
 
-ARRIVALS = ("poisson", "constant", "gamma:CV", "burst:N", "periodic:N:PERIOD_S")
+ARRIVALS = ("poisson", "constant", "gamma:CV", "burst:N", "periodic:N:PERIOD_S", "surge:START_S:LENGTH_S:LOAD")
 SERVICES = ("mix", "exponential", "deterministic")
 
 
@@ -117,7 +118,8 @@ class Trace:
     true_service_s what the engine will take; deadline_s is relative to arrival,
     NaN meaning the policy default. priority and client_id are what the request
     is sent with (client_id None: no client). duration_s is the arrival window
-    used for rates (goodput); 0 for a single burst.
+    used for rates (goodput); 0 for a single burst. patience_s is how long each
+    client waits from its first send (inf: forever; see :class:`qsim.clients.Patience`).
     """
 
     arrival_s: np.ndarray
@@ -132,6 +134,11 @@ class Trace:
     duration_s: float
     name: str = "trace"
     meta: dict = field(default_factory=dict)
+    patience_s: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        patience = np.full(len(self.arrival_s), math.inf) if self.patience_s is None else self.patience_s
+        object.__setattr__(self, "patience_s", np.asarray(patience, dtype=float))
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -153,6 +160,8 @@ class Trace:
                 "prompt_tokens": self.prompt_tokens,
                 "priority": self.priority,
                 "client_id": pd.array(self.client_id, dtype="string"),
+                # Only where someone is impatient: a file without the column reads back as patient.
+                **({"patience_s": self.patience_s} if np.isfinite(self.patience_s).any() else {}),
             }
         )
 
@@ -166,7 +175,7 @@ class Trace:
 
 
 def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta, deadline_s=None,
-                   prompt_tokens=None, priority=None, client_id=None) -> Trace:
+                   prompt_tokens=None, priority=None, client_id=None, patience_s=None) -> Trace:
     """A :class:`Trace` from per-request arrays (what make_trace and the trace file reader both end with)."""
     n = len(arrival_s)
     if client_id is None:
@@ -184,6 +193,7 @@ def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta,
         duration_s=float(duration_s),
         name=name,
         meta=meta,
+        patience_s=patience_s,
     )
 
 
@@ -244,6 +254,25 @@ def renewal_arrivals(kind: str, rng: np.random.Generator, rate: float, *, second
     return times[times < seconds]
 
 
+def surge_arrivals(rng: np.random.Generator, rate: float, surge_rate: float, start_s: float, length_s: float, *,
+                   seconds=None, requests=None) -> np.ndarray:
+    """A Poisson process at ``rate``, and at ``surge_rate`` from ``start_s`` for ``length_s`` seconds.
+
+    Drawn by time change from the same unit-rate gaps as ``poisson`` (common random numbers: request i's
+    gap is the same draw at every load): a unit point at s maps to the time where the integrated rate is s.
+    """
+    if requests is not None:
+        unit = renewal_arrivals("poisson", rng, 1.0, requests=requests)
+    else:  # enough unit points to pass ``seconds`` at the higher of the two rates
+        unit = renewal_arrivals("poisson", rng, 1.0, seconds=max(rate, surge_rate) * seconds + 1.0)
+    # Integrated rate at the surge's two ends; between them it grows at surge_rate, elsewhere at rate.
+    a = rate * start_s
+    b = a + surge_rate * length_s
+    times = np.where(unit <= a, unit / rate,
+                     np.where(unit <= b, start_s + (unit - a) / surge_rate, start_s + length_s + (unit - b) / rate))
+    return times if seconds is None else times[times < seconds]
+
+
 def burst_arrivals(n: int, at_s: float = 0.0) -> np.ndarray:
     """n requests arriving at the same instant."""
     return np.full(int(n), float(at_s))
@@ -258,16 +287,18 @@ def periodic_bursts(n: int, period_s: float, *, seconds=None, requests=None) -> 
 
 
 def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
-    """'poisson' | 'constant' | 'gamma:CV' | 'burst:N' | 'periodic:N:PERIOD_S' -> (kind, numbers)."""
+    """'poisson' | 'constant' | 'gamma:CV' | 'burst:N' | 'periodic:N:PERIOD_S' | 'surge:START_S:LENGTH_S:LOAD'
+    -> (kind, numbers). A surge is Poisson at the workload's load, and at LOAD from START_S for LENGTH_S."""
     kind, *args = spec.split(":")
-    arity = {"poisson": 0, "constant": 0, "gamma": 1, "burst": 1, "periodic": 2}
+    arity = {"poisson": 0, "constant": 0, "gamma": 1, "burst": 1, "periodic": 2, "surge": 3}
     if kind not in arity or len(args) != arity[kind]:
         raise ValueError(f"bad arrival process {spec!r}; expected one of {', '.join(ARRIVALS)}")
     try:
         numbers = tuple(float(a) for a in args)
     except ValueError:
         raise ValueError(f"bad arrival process {spec!r}: {':'.join(args)!r} is not a number") from None
-    if any(not (x > 0 and math.isfinite(x)) for x in numbers):
+    # A surge may start at time 0; every other number is a size, a length or a rate.
+    if any(not (x > 0 and math.isfinite(x)) for j, x in enumerate(numbers) if not (kind == "surge" and j == 0 and x == 0)):
         raise ValueError(f"bad arrival process {spec!r}: its numbers must be positive")
     if kind in ("burst", "periodic") and numbers[0] != int(numbers[0]):
         raise ValueError(f"bad arrival process {spec!r}: a burst size is a whole number")
@@ -278,12 +309,12 @@ def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
 
 
 def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
-    """Independent generators for gaps, sizes, service draws and clients (common random numbers).
+    """Independent generators for gaps, sizes, service draws, clients and patience (common random numbers).
 
-    The fourth was added with clients; SeedSequence's children do not depend on how many are
-    spawned, so the first three (and every trace without clients) are what they were.
+    The fourth was added with clients and the fifth with patience; SeedSequence's children do not
+    depend on how many are spawned, so the earlier ones (and every trace without them) are what they were.
     """
-    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
+    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5))
 
 
 def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
@@ -327,6 +358,7 @@ def make_trace(
     mean_service_s: float | None = None,
     noise_cv: float = 0.0,
     clients: tuple[Client, ...] = (),
+    patience: Patience | None = None,
 ) -> Trace:
     """A seeded synthetic trace.
 
@@ -336,7 +368,8 @@ def make_trace(
     noise of CV ``noise_cv``), 'exponential' or 'deterministic' with mean
     ``mean_service_s`` (default: the mix's mean). clients: who sends each request
     (:class:`Client`; each brings its priority and may bring its own mix); the load counts
-    their mixes by their shares.
+    their mixes by their shares. patience: how long each client waits (:class:`qsim.clients.Patience`,
+    drawn from a fifth stream; None or "none": forever).
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")
@@ -360,11 +393,16 @@ def make_trace(
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
     kind, numbers = parse_arrivals(arrivals)
-    gaps_rng, size_rng, service_rng, client_rng = random_streams(seed)
+    gaps_rng, size_rng, service_rng, client_rng, patience_rng = random_streams(seed)
     rate = load * engines / (speed * mean_s)
     if kind in ("poisson", "constant", "gamma"):
         cv = numbers[0] if numbers else 1.0
         times = renewal_arrivals(kind, gaps_rng, rate, seconds=seconds, requests=requests, cv=cv)
+        duration = seconds if seconds is not None else (times[-1] if times.size else 0.0)
+    elif kind == "surge":
+        start_s, length_s, surge_load = numbers
+        times = surge_arrivals(gaps_rng, rate, surge_load * engines / (speed * mean_s), start_s, length_s,
+                               seconds=seconds, requests=requests)
         duration = seconds if seconds is not None else (times[-1] if times.size else 0.0)
     elif kind == "burst":
         times = burst_arrivals(int(numbers[0]))
@@ -391,8 +429,11 @@ def make_trace(
         meta["clients"] = [c.name for c in clients]
         priority = np.asarray([c.priority for c in clients], dtype=np.int64)[which]
         client_id = np.asarray([c.name for c in clients], dtype=object)[which]
+    if patience is not None and patience.kind != "none":
+        meta.update(patience=patience.spec, patience_until=patience.until)
     return assemble_trace(times, tokens, est, true, mix=mix, duration_s=duration, name=f"{arrivals}-{service}",
-                          meta=meta, priority=priority, client_id=client_id)
+                          meta=meta, priority=priority, client_id=client_id,
+                          patience_s=None if patience is None else patience.draw(patience_rng, n))
 
 
 # ---------------------------------------------------------------- a trace from options
@@ -416,12 +457,14 @@ def build_trace(
     mean_service_s: float | None = None,
     noise_cv: float = 0.0,
     clients: tuple[Client, ...] = (),
+    patience: Patience | None = None,
 ) -> Trace:
     """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
 
     With ``file``: that trace file, read by :func:`qsim.tracefiles.load_trace` (``time_scale``,
     ``model``, ``mix``, ``speed``, ``noise_cv`` and ``seed`` apply; the arrival and length options
-    do not, and a file brings its own clients, in its client_id and priority columns). Otherwise :func:`make_trace`, ``default_seconds`` long when neither ``seconds`` nor
+    do not, and a file brings its own clients, in its client_id and priority columns; ``patience`` None keeps
+    the file's patience_s column, if any). Otherwise :func:`make_trace`, ``default_seconds`` long when neither ``seconds`` nor
     ``requests`` is given (a burst's length is its size whatever they are).
     """
     if file:
@@ -430,9 +473,10 @@ def build_trace(
                              "workload clients apply to synthetic arrivals")
         from .tracefiles import load_trace  # imported here: tracefiles builds on this module's Trace
 
-        return load_trace(file, time_scale, model=model, mix=mix, speed=speed, noise_cv=noise_cv, seed=seed)
+        return load_trace(file, time_scale, model=model, mix=mix, speed=speed, noise_cv=noise_cv, seed=seed,
+                          patience=patience)
     if seconds is None and requests is None:
         seconds = default_seconds
     return make_trace(arrivals, service, load=load, engines=engines, speed=speed, seconds=seconds, requests=requests,
                       seed=seed, mix=mix, model=model, mean_service_s=mean_service_s, noise_cv=noise_cv,
-                      clients=clients)
+                      clients=clients, patience=patience)
