@@ -97,6 +97,14 @@ def test_theory_json_shape(capsys):
         (["simulate", "--mean-service", "0.2"], "mean-service"),
         (["simulate", "--service-model", "nope.json"], "nope.json"),
         (["theory", "--replications", "1"], "replications"),
+        # Clients: a setting that makes no sense is refused before anything runs.
+        (["simulate", "--retry", "fixed", "--retry-delay", "-1"], "delay_s must be a finite number >= 0"),
+        (["simulate", "--retry", "exponential", "--retry-budget", "1.5"], "budget must be a share"),
+        (["simulate", "--retry-budget", "0.1"], "--retry-budget needs a retry mode"),
+        (["simulate", "--retry", "often"], "invalid choice"),
+        (["simulate", "--patience", "weibull:2"], "bad patience"),
+        (["simulate", "--patience", "column"], "needs a trace file with a patience_s column"),
+        (["simulate", "--patience-until", "start"], "--patience-until needs --patience"),
         # Renamed: a replay's rate is nominal (of the calibrated capacity); `load` is utilisation at the
         # simulated speed. The old flag names its replacement, with or without a value.
         (["replay", "--url", "http://127.0.0.1:9", "--load", "1.5", "--out", "x.parquet"],
@@ -121,3 +129,23 @@ def test_bad_trace_file_names_the_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiments", "simulate", "--trace", str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "line 3" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_simulate_with_impatient_retrying_clients(capsys, tmp_path):
+    out_file = tmp_path / "rows.parquet"
+    code, out, err = run(["simulate", "--policy", "predictive", "--arrivals", "surge:10:10:2.5", "--load", "0.8",
+                          "--seconds", "60", "--retry", "exponential", "--retry-jitter", "1", "--patience",
+                          "exponential:20", "--out", str(out_file)], capsys)
+    assert code == 0 and err == ""
+    assert "attempts per request" in out and "abandoned" in out
+    rows = records.validate(pd.read_parquet(out_file))
+    assert rows["attempt"].max() > 1 and rows["attempt"].max() <= 3
+
+
+def test_a_trace_files_patience_column(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,max_new_tokens,patience_s\n0,64,\n0,64,0.1\n0,64,0.2\n")
+    code, out, _ = run(["simulate", "--trace", str(trace), "--policy", "none", "--json"], capsys)
+    assert code == 0 and json.loads(out)["summary"]["abandoned"] == 2  # the first waits forever, is served
+    code, out, _ = run(["simulate", "--trace", str(trace), "--policy", "none", "--patience", "none", "--json"], capsys)
+    assert json.loads(out)["summary"]["abandoned"] == 0

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qsim import PRESETS, ServiceModel, from_arrays, make_trace, simulate
+from qsim import PRESETS, ServiceModel, from_arrays, make_trace, records, simulate
+from qsim.clients import Patience, RetryPolicy
 from virtual_time import run_gate
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 s
@@ -121,3 +122,28 @@ def test_a_two_client_workload_under_fair_share_matches_the_simulator_exactly():
     light = sim["client_id"].eq("light")
     fair = simulate(trace, PRESETS["predictive-fair"], 2)
     assert fair.loc[light, "outcome"].eq("good").mean() > sim.loc[light, "outcome"].eq("good").mean()
+
+
+@pytest.mark.parametrize("policy", ["predictive", "bounded-deadline", "none"])
+def test_retrying_impatient_clients_match_the_simulator_exactly(policy):
+    """One Retrier for both drivers: each attempt, its time, outcome and Retry-After agree, by (request, attempt)."""
+    retry = RetryPolicy("exponential", delay_s=0.2, cap_s=2.0, jitter=1.0, max_attempts=4, timeout_s=1.5)
+    trace = make_trace("surge:2:3:2.5", "mix", load=0.8, engines=2, seconds=12, seed=5, noise_cv=0.2,
+                       patience=Patience.parse("exponential:2.5"))
+    gate, stats = run_gate(trace, PRESETS[policy], 2, retry=retry)
+    sim = records.validate(simulate(trace, PRESETS[policy], 2, retry=retry))
+    key = ["first_request_id", "attempt"]
+    gate = gate.sort_values(key, ignore_index=True)
+    sim = sim.sort_values(key, ignore_index=True)
+    assert gate[key].values.tolist() == sim[key].values.tolist()
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    np.testing.assert_allclose(gate["arrival_s"], sim["arrival_s"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
+    told = sim["retry_after_s"].fillna(-1).astype(int).tolist()
+    assert gate["retry_after_s"].tolist() == told
+    assert (sim["attempt"] > 1).sum() >= 5
+    if policy == "none":  # nothing is refused: the retries are of attempts the clients stopped waiting for
+        assert sim["reason"].eq("client_timeout").any()
+    counts = sim["outcome"].value_counts()
+    assert stats["cancelled"] == counts.get("abandoned", 0)

@@ -21,6 +21,7 @@ from live.engine import EngineResult
 from live.gate import DeadlineExceeded, EngineFailed, EngineStalled, Gate, GateConfig, Job, Rejected
 from live.gate import _Failure  # what a worker hands back for a run that raised
 from qsim import Policy, ServiceModel, Trace
+from qsim.clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
 
 
 class _FastForward:
@@ -83,63 +84,102 @@ _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error
 
 
 def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
-             cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None
-             ) -> tuple[pd.DataFrame, dict]:
-    """Replay ``trace`` through a real Gate on a virtual clock; one row per request, and the final /stats.
+             cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None,
+             retry: RetryPolicy | None = None) -> tuple[pd.DataFrame, dict]:
+    """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
+    retry: clients that send again, through the same :class:`qsim.clients.Retrier` the simulator
+    asks; each attempt is a row with first_request_id and attempt, appended in decision order.
+    Patience (``cancel_after_s``, default the trace's) counts from the first send, as in the simulator.
     """
     model = model or ServiceModel()
     # The trace's own clients and priorities unless given (the coroutine below is named client).
     client_of = trace.client_id if client is None else client
     priority = trace.priority if priority is None else priority
+    patience_of = trace.patience_s if cancel_after_s is None else np.asarray(cancel_after_s, dtype=float)
     true_s = trace.true_service_s.tolist()
-    rows = [dict(outcome=None, reason=None, start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1,
-                 queued_work_s=math.nan, est_service_s=math.nan) for _ in range(len(trace))]
+    arrival = trace.arrival_s.tolist()
+    retrier = Retrier(retry, trace.arrival_s, trace.meta.get("seed", 0)) if retry is not None and retry.retries else None
+    timeout_s = math.inf if retry is None or retry.timeout_s is None else retry.timeout_s
+    rows: list[dict] = []
+    pending = set()
 
-    async def client(gate: Gate, i: int, future: asyncio.Future) -> None:
-        row = rows[i]
+    def new_row(first: int, attempt: int, at: float) -> int:
+        rows.append(dict(first_request_id=first, attempt=attempt, arrival_s=at, outcome=None, reason=None,
+                         start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1, queued_work_s=math.nan,
+                         est_service_s=math.nan, retry_after_s=-1))
+        return len(rows) - 1
+
+    def end(j: int, outcome: str, reason, retry_after_s: int = -1) -> None:
+        loop = asyncio.get_running_loop()
+        row = rows[j]
+        row.update(outcome=outcome, reason=reason, finish_s=loop.time(), retry_after_s=retry_after_s)
+        if retrier is None or (outcome == "abandoned" and reason != TIMEOUT_REASON):
+            return
+        first = row["first_request_id"]
+        decision = retrier.after(first, row["attempt"], arrival[first], loop.time(), status_of(outcome, reason),
+                                 retry_after_s if retry_after_s >= 0 else None, patience_of[first])
+        if decision.at_s is not None:
+            k = new_row(first, row["attempt"] + 1, decision.at_s)
+            pending.add(k)
+            loop.call_at(decision.at_s, submit, k)
+
+    async def wait(gate: Gate, j: int, future: asyncio.Future) -> None:
+        row = rows[j]
+        loop = asyncio.get_running_loop()
         waiter = asyncio.ensure_future(asyncio.shield(future))
-        patience = math.inf if cancel_after_s is None else cancel_after_s[i]
+        first = row["first_request_id"]
+        patience = patience_of[first] - (row["arrival_s"] - arrival[first])
+        limit = min(patience, timeout_s)
         try:
-            answer = await asyncio.wait_for(waiter, None if math.isinf(patience) else patience)
+            answer = await asyncio.wait_for(waiter, None if math.isinf(limit) else limit)
         except asyncio.TimeoutError:
             future.cancel()
-            row.update(outcome="abandoned", reason="client_left", finish_s=asyncio.get_running_loop().time())
+            end(j, "abandoned", "client_left" if patience <= timeout_s else TIMEOUT_REASON)
             return
         except tuple(_ENDS) as exc:
-            row.update(outcome=_ENDS[type(exc)], reason=exc.reason, finish_s=asyncio.get_running_loop().time())
             _seen(row, exc.arrival)
             if isinstance(exc, EngineFailed):
                 row.update(engine=exc.engine, start_s=exc.numbers["started_at"])
+            end(j, _ENDS[type(exc)], exc.reason, getattr(exc, "retry_after_s", -1))
             return
+        finally:
+            pending.discard(j)
         row.update(outcome=answer.outcome, start_s=answer.started_at, finish_s=answer.returned_at,
                    engine=answer.engine)
         _seen(row, answer.arrival)
+
+    def submit(j: int) -> None:
+        row = rows[j]
+        i = row["first_request_id"]
+        deadline = None if np.isnan(trace.deadline_s[i]) else float(trace.deadline_s[i])
+        try:
+            future = gate_of[0].submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline,
+                                           None if client_of[i] is None else str(client_of[i]), int(priority[i])))
+        except Rejected as exc:
+            pending.discard(j)
+            _seen(row, exc.arrival)
+            end(j, "rejected", exc.rejection.reason, exc.rejection.retry_after_s)
+        else:
+            pending.add(j)
+            asyncio.ensure_future(wait(gate_of[0], j, future))
+
+    gate_of: list[Gate] = []
 
     async def go():
         loop = asyncio.get_running_loop()
         config = GateConfig(policy, model, fixed_estimate=fixed_estimate)
         worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver)  # noqa: E731
         async with Gate([None] * engines, config, clock=loop.time, worker=worker) as gate:
-            tasks = []
-            for i, t in enumerate(trace.arrival_s.tolist()):
+            gate_of.append(gate)
+            for i, t in enumerate(arrival):
                 if t > loop.time():  # at t exactly, as the simulator's arrivals are
                     due = loop.create_future()
                     loop.call_at(t, due.set_result, None)
                     await due
-                deadline = None if np.isnan(trace.deadline_s[i]) else float(trace.deadline_s[i])
-                try:
-                    future = gate.submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline,
-                                             None if client_of[i] is None else str(client_of[i]),
-                                             int(priority[i])))
-                except Rejected as exc:
-                    rows[i].update(outcome="rejected", reason=exc.rejection.reason, finish_s=loop.time())
-                    _seen(rows[i], exc.arrival)
-                else:
-                    tasks.append(asyncio.ensure_future(client(gate, i, future)))
-            await asyncio.gather(*tasks)
-            while gate.in_service:  # runs whose client left still hold their engine
+                submit(new_row(i, 1, t))
+            while pending or gate.in_service:  # retries to come; runs whose client left still hold their engine
                 await asyncio.sleep(0.01)
             return gate.stats()
 
