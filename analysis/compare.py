@@ -24,7 +24,24 @@ comparison:
   factor at its arrival; the run's initial factor where the answer did not
   say). Column ``replayed_with`` names the rule each request got.
 
-The two outcomes of each request are then joined on request_id
+**Clients that give up and retry** (run files of ``qlab replay`` with patience or a retry
+policy; :mod:`qsim.clients`). The simulator is run with the run's retry policy and jitter
+seed and each request's patience (columns ``retry_policy``, ``retry_seed``, ``patience_s``;
+:func:`live.rows.client_settings`): it is given the *first* attempts at the gate's arrivals
+and decides the retries itself, so a retry it sends at another time, or does not send,
+is a disagreement. Each request's patience runs out at the moment the live client's did
+(its first send + patience, on the run's clock). A request's engine time is that of the
+attempt that ran live (at most one does, unless an attempt timed out while running); one
+that ran only in the simulator gets its estimate at its last live arrival. A run the
+live client hung up on while it ran (the gate tells the engine to stop, and the stopped
+run teaches nothing) holds its engine in the replay until the hang-up reached the gate
+(the hang-up plus the run's median trip to the gate), teaching nothing: rule
+``cancelled``, found by a first pass. Rows are joined on (first_request_id, attempt);
+an attempt one side never sent is outcome ``not_sent`` on that side. :func:`per_request`
+adds the end-to-end view, one row per request: its outcome (the last attempt's, judged from
+the first send) and its number of attempts, live and simulated.
+
+The two outcomes of each request (attempt) are then joined on (first_request_id, attempt)
 (:func:`join`). A disagreement is **independent** when the simulator met the
 same queue at that arrival as the gate did, and **cascade** otherwise (it
 inherits an earlier divergence). The same queue means, precisely: equal
@@ -49,6 +66,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,12 +74,13 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, from_arrays, simulate
+from qsim.clients import Decision, Retrier
 from qsim.policy import on_time, policy_from_fields
 from qsim.queue import StallRule
 from qsim.records import ANSWERED, OUTCOMES
 from qsim.workload import lognormal_noise
 
-from .metrics import mean_ci, run_duration, summary
+from .metrics import end_to_end, mean_ci, run_duration, summary
 
 RUN_COLUMNS = ("calibrated_est_s", "engine_s", "policy", "engines", "max_queue", "max_queued_seconds",
                "predictive", "expire_at_front", "policy_deadline_s", "fixed_estimate", "initial_speed_factor")
@@ -70,6 +89,10 @@ REPLAY_COLUMNS = ("server_arrival_s", "arrival_speed_factor", "engine_started_s"
                   "engine_reported_s", "failed", "stalled", "server_finish_s", "stall_factor", "stall_floor_s",
                   "tracker_weight")
 SIM_OUTCOMES = tuple(o for o in OUTCOMES if o != "abandoned")
+#: The outcome of an attempt one side never sent (the simulator's clients retried otherwise).
+NOT_SENT = "not_sent"
+#: Rows of a run with retries are attempts: (first_request_id, attempt) names one on both sides.
+KEYS = ["first_request_id", "attempt"]
 REFUSED = ("rejected", "expired")
 #: Engine failures the simulator replays; any other live error (transport, 4xx) it cannot.
 ENGINE_REASONS = ("engine_exception", "engine_stalled")
@@ -79,7 +102,8 @@ TOLERANCE_S = 1e-6
 RULES = {"held": "returned - started (what the gate counted busy)",
          "engine_s": "the engine's own time (an older run file: no hand-back known)",
          "stalled": "a stalled run: until its engine next took a request",
-         "estimate": "never started: calibrated estimate x speed factor at its arrival"}
+         "estimate": "never started: calibrated estimate x speed factor at its arrival",
+         "cancelled": "its client hung up while it ran: until the hang-up reached the gate"}
 
 
 @dataclass(frozen=True)
@@ -141,14 +165,27 @@ def measured_speed(run: pd.DataFrame) -> float:
 
 def arrival_times(run: pd.DataFrame, origin: str = "server") -> np.ndarray:
     """When each request reached the system: the gate's arrival where the run knows it
-    (``origin="server"``), else, or with ``origin="sent"``, the client's send time."""
+    (``origin="server"``), else, or with ``origin="sent"``, the client's send time. Where the
+    gate's is unknown (no answer: the client hung up, or the transport failed) and others are
+    known, the send time plus the run's median trip to the gate (:func:`trip_s`)."""
     if origin not in ("server", "sent"):
         raise ValueError(f"arrival origin must be server or sent, got {origin!r}")
     sent = run["arrival_s"].to_numpy(float)
     if origin == "sent" or "server_arrival_s" not in run.columns:
         return sent
     server = run["server_arrival_s"].to_numpy(float)
-    return np.where(np.isfinite(server), server, sent)
+    if np.isfinite(server).all():
+        return server
+    return np.where(np.isfinite(server), server, sent + trip_s(run))
+
+
+def trip_s(run: pd.DataFrame) -> float:
+    """The median time from a send to the gate taking the request (0 where the run does not say)."""
+    if "server_arrival_s" not in run.columns:
+        return 0.0
+    trip = (run["server_arrival_s"] - run["arrival_s"]).to_numpy(float)
+    trip = trip[np.isfinite(trip)]
+    return float(max(0.0, np.median(trip))) if trip.size else 0.0
 
 
 def _known(run: pd.DataFrame) -> pd.DataFrame:
@@ -201,9 +238,12 @@ def _stalled_hold(run: pd.DataFrame, started: np.ndarray, stalled: np.ndarray) -
     return np.asarray(out)
 
 
-def _in_arrival_order(run: pd.DataFrame, origin: str) -> tuple[pd.DataFrame, np.ndarray]:
-    """The run's rows in the order the gate took them, and their arrival times (see :func:`arrival_times`)."""
-    arrival = arrival_times(run, origin)
+def _in_arrival_order(run: pd.DataFrame, arrival: np.ndarray,
+                      rows: np.ndarray | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+    """The run's rows (those ``rows`` marks, default all) in the order the gate took them, and their
+    arrival times (``arrival``, one per row of the run; see :func:`arrival_times`)."""
+    if rows is not None:
+        run, arrival = run[rows], arrival[rows]
     order = np.lexsort((run["request_id"].to_numpy(), arrival))
     return run.iloc[order], arrival[order]
 
@@ -221,56 +261,419 @@ def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: RunSetup, true_
                     stall=setup.stall, **faults)
 
 
-def simulate_run(run: pd.DataFrame, origin: str = "server") -> pd.DataFrame:
-    """qsim's rows for the run's arrivals, in the run's request order and ids (times on the run's clock).
+def _retrying(run: pd.DataFrame):
+    """The run's clients (:func:`live.rows.client_settings`) and whether they retried."""
+    from live.rows import client_settings
 
-    Extra columns: speed_factor_at_arrival (est_service_s / calibrated) and replayed_with."""
+    clients, _ = client_settings(run)
+    return clients, clients.retry is not None and clients.retry.retries
+
+
+def _client_faults(run: pd.DataFrame, ordered: pd.DataFrame, arrival: np.ndarray,
+                   notice: np.ndarray | float = 0.0) -> dict:
+    """simulate()'s arguments for the run's clients: each request's patience, running out when the live
+    client's did (its first send + patience) and ``notice`` later (when the gate heard of it), and the
+    retry policy with its jitter seed."""
+    clients, retrying = _retrying(run)
+    out = {}
+    if "patience_s" in ordered.columns:
+        patience = ordered["patience_s"].to_numpy(float)
+        hangup = ordered["arrival_s"].to_numpy(float) + np.where(np.isnan(patience), np.inf, patience) + notice
+        if np.isfinite(hangup).any():
+            out.update(cancel_after_s=hangup - arrival, cancel_until=clients.patience_until)
+    if retrying:
+        out.update(retry=clients.retry, retry_seed=clients.retry_seed)
+    return out
+
+
+class _LiveRetrier(Retrier):
+    """The run's clients as the simulator's, on the gate's clock: :class:`qsim.clients.Retrier` itself,
+    told each attempt's end when the live client learnt it and answering when the retry reached the gate.
+
+    The simulator's clients hear an attempt's end at the gate's end and send again straight into the
+    gate; the live client heard it ``out`` later (the answer's trip back; its hang-up for an attempt
+    it left) and its retry reached the gate ``back`` after the time the retrier gave (send lateness
+    and the trip in). Both are the run's own, per attempt, where the run sent that attempt (else the
+    run's medians), so a retry both sides send arrives when it did. Requests are the run's (the jitter
+    is drawn per request id), the budget counts the run's first sends, and a patience runs out when
+    the client's did (the simulator's ends ``notice`` later, when the gate heard of it).
+    """
+
+    def __init__(self, policy, ids: np.ndarray, first_sends, seed: int, out: dict, back: dict, usual: tuple,
+                 notice: np.ndarray) -> None:
+        super().__init__(policy, np.sort(first_sends), seed)
+        self.ids, self.out, self.back, self.usual, self.notice = ids, out, back, usual, notice
+
+    def after(self, request, attempt, first_sent_s, now, status, retry_after_s=None, patience_s=math.inf):
+        first = int(self.ids[request])
+        heard = now + self.out.get((first, attempt), self.usual[0])
+        decision = super().after(first, attempt, first_sent_s, heard, status, retry_after_s,
+                                 patience_s - self.notice[request])
+        if decision.at_s is None:
+            return decision
+        return Decision(decision.at_s + self.back.get((first, attempt + 1), self.usual[1]), decision.why)
+
+
+@contextmanager
+def _live_retrier(run: pd.DataFrame, arrival: np.ndarray, ids: np.ndarray, retrying: bool, notice: np.ndarray):
+    """While inside, :func:`qsim.simulate` builds a :class:`_LiveRetrier` of ``run`` for its clients.
+
+    simulate() takes a retry policy, not a retrier, so the one name it builds from is swapped for the
+    duration (and put back, whatever happens)."""
+    if not retrying:
+        yield
+        return
+    from qsim import model
+
+    live_end = np.where(run["outcome"].eq("abandoned"), run["hangup_s"], _known(run)["server_finish_s"])
+    out = (run["finish_s"] - live_end).to_numpy(float)
+    back = arrival - run["scheduled_s"].to_numpy(float)
+    keys = list(zip(run["first_request_id"].tolist(), run["attempt"].tolist()))
+    known = np.isfinite(out)
+    usual = (float(np.median(out[known])) if known.any() else 0.0,
+             float(np.median(back[run["attempt"].gt(1).to_numpy()])) if run["attempt"].gt(1).any() else trip_s(run))
+    firsts = run.loc[run["attempt"].eq(1), "scheduled_s"].to_numpy(float)
+    built = model.Retrier
+
+    def build(policy, _first_sends, seed):
+        return _LiveRetrier(policy, ids, firsts, seed, {k: v for k, v in zip(keys, out) if math.isfinite(v)},
+                            dict(zip(keys, back)), usual, notice)
+
+    model.Retrier = build
+    try:
+        yield
+    finally:
+        model.Retrier = built
+
+
+def _per_request(run: pd.DataFrame, given: pd.DataFrame) -> pd.DataFrame:
+    """replay_inputs per request (indexed by first_request_id): the attempt that ran live (the last, if
+    several did), else the last attempt whose speed factor at arrival is known, else the last."""
+    factor = (run["arrival_speed_factor"] if "arrival_speed_factor" in run.columns
+              else pd.Series(np.nan, index=run.index))
+    g = given.assign(first=run["first_request_id"].to_numpy(), attempt=run["attempt"].to_numpy(),
+                     ran=given["replayed_with"].ne("estimate").to_numpy(), known=np.isfinite(factor.to_numpy(float)))
+    pick = g.sort_values(["first", "ran", "known", "attempt"], kind="stable").groupby("first").tail(1)
+    return pick.set_index("first")[["hold_s", "reported_s", "failed", "replayed_with"]]
+
+
+def simulate_run(run: pd.DataFrame, origin: str = "server") -> pd.DataFrame:
+    """qsim's rows for the run's arrivals, with the run's request ids (times on the run's clock).
+
+    With retries the simulator gets the first attempts and its own clients send the rest; a
+    simulated attempt takes the run's request_id of the same (first_request_id, attempt), and one
+    the run lacks an id after the run's. Extra columns: speed_factor_at_arrival (est_service_s /
+    calibrated) and replayed_with."""
+    return _replay(run, origin)[0]
+
+
+@dataclass
+class _Unsaid:
+    """What the run does not say, as the replay takes it: each row's gate arrival (estimated where no
+    answer gave it), and how long after a client hung up the gate let its request go (``notice_s``;
+    per request where the queue others saw says otherwise, in ``late``)."""
+
+    arrival: np.ndarray
+    notice_s: float
+    late: dict
+
+    def notice(self, firsts) -> np.ndarray:
+        return np.array([self.late.get(int(f), self.notice_s) for f in firsts], dtype=float)
+
+
+def _replay(run: pd.DataFrame, origin: str) -> tuple[pd.DataFrame, _Unsaid]:
+    """:func:`simulate_run`, and what it took for what the run does not say (:class:`_Unsaid`).
+
+    An attempt the gate never answered (its client hung up) has no known gate arrival: it is placed
+    at its send plus the run's median trip; a client's hang-up reaches the gate that median trip after
+    it. Where either puts an arrival or a departure on the wrong side of a request that came within
+    the run's spread of trips of it (that request's queue at arrival, as the gate reported it, says
+    so), it is moved just across and the run replayed again."""
     setup = run_setup(run)
-    ordered, arrival = _in_arrival_order(run, origin)
-    given = replay_inputs(ordered, setup)
-    base = ordered["calibrated_est_s"].to_numpy(float)
-    sim = _simulate(ordered, arrival, setup, given["hold_s"].to_numpy(), "live-arrivals",
-                    failed=given["failed"].to_numpy(), reported_s=given["reported_s"].to_numpy())
-    sim["request_id"] = ordered["request_id"].to_numpy()
+    unsaid = _Unsaid(arrival_times(run, origin).copy(), trip_s(run), {})
+    guessed = _guessed(run, origin)
+    moved: set = set()
+    for _ in range(int(guessed.sum()) + int(run["outcome"].eq("abandoned").sum()) + 1):
+        sim = _replay_once(run, setup, unsaid)
+        if not _misplaced(run, sim, unsaid, guessed, moved):
+            break
+    return sim, unsaid
+
+
+def _guessed(run: pd.DataFrame, origin: str) -> np.ndarray:
+    """Rows whose gate arrival :func:`arrival_times` estimated (no answer said when the gate took them)."""
+    if origin != "server" or "server_arrival_s" not in run.columns:
+        return np.zeros(len(run), dtype=bool)
+    known = np.isfinite(run["server_arrival_s"].to_numpy(float))
+    return ~known if known.any() else np.zeros(len(run), dtype=bool)
+
+
+def _replay_once(run: pd.DataFrame, setup: RunSetup, unsaid: _Unsaid) -> pd.DataFrame:
+    """One replay of the run with these gate arrivals and hang-ups (see :func:`simulate_run`)."""
+    _, retrying = _retrying(run)
+    arrival = unsaid.arrival
+    ordered, first_arrival = _in_arrival_order(run, arrival, run["attempt"].eq(1).to_numpy() if retrying else None)
+    if retrying:
+        given = _per_request(run, replay_inputs(run, setup)).loc[ordered["request_id"].to_numpy()]
+    else:
+        given = replay_inputs(ordered, setup)
+    hold = given["hold_s"].to_numpy(float).copy()
+    reported = given["reported_s"].to_numpy(float).copy()
+    failed = given["failed"].to_numpy(bool).copy()
+    rule = given["replayed_with"].to_numpy(object).copy()
+    usual: list = []  # the delay from a hang-up to its engine's next start, once a pass has seen it
+    # Each pass settles at least the earliest run a live client hung up on that the last one had wrong
+    # (a later one's start moves with it): at most one pass per such attempt, and one to confirm.
+    for _ in range(int(run["outcome"].eq("abandoned").sum()) + 1):
+        notice = unsaid.notice(ordered["first_request_id"])
+        faults = _client_faults(run, ordered, first_arrival, notice)
+        with _live_retrier(run, arrival, ordered["request_id"].to_numpy(), retrying, notice):
+            sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", failed=failed, reported_s=reported,
+                            **faults)
+        if not _cancelled_runs(run, unsaid, ordered, sim, hold, reported, failed, rule, usual):
+            break
+    sim_first = sim["first_request_id"].to_numpy()
+    sim["first_request_id"] = ordered["request_id"].to_numpy()[sim_first]
+    base = ordered["calibrated_est_s"].to_numpy(float)[sim_first]
     sim["speed_factor_at_arrival"] = sim["est_service_s"].to_numpy(float) / base
-    sim["replayed_with"] = given["replayed_with"].to_numpy()
+    sim["replayed_with"] = rule[sim_first]
+    if retrying:  # a request's rule is its run's: an attempt the simulator did not start held nothing
+        sim["replayed_with"] = sim["replayed_with"].where(np.isfinite(sim["start_s"].to_numpy(float)), "estimate")
+    ids = run.set_index(KEYS)["request_id"].reindex(pd.MultiIndex.from_arrays(
+        [sim["first_request_id"], sim["attempt"]])).to_numpy(dtype=float, na_value=np.nan).copy()
+    extra = np.isnan(ids)
+    ids[extra] = run["request_id"].max() + 1 + np.arange(extra.sum())
+    sim["request_id"] = ids.astype(np.int64)
     return sim.sort_values("request_id", ignore_index=True)
 
 
-def join(run: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
-    """One row per request: live and simulated outcome, reason, latency, queue at arrival, and agreement.
+def _misplaced(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid, guessed: np.ndarray, moved: set) -> bool:
+    """Move one thing the run does not say to where the run says it was, and say so (True); each once.
+
+    An attempt whose client hung up that the replay refused at its guessed arrival came later (it had
+    been admitted), just before the next known arrival within the run's spread of trips. Else, at the
+    first request (in gate order) whose queue at arrival differs between the gate and the replay, look
+    within that spread for what explains it: the replay saw more waiting work, so an arrival of guessed
+    time just before it came after it, or a hang-up just after it reached the gate before it; less, the
+    other way round. Move the nearest such just across."""
+    arrival = unsaid.arrival
+    keys = pd.MultiIndex.from_arrays([run["first_request_id"], run["attempt"]])
+    simmed = sim.set_index(KEYS).reindex(keys)
+    sent = run["arrival_s"].to_numpy(float)
+    spread = float(np.nanmax(np.abs(arrival - sent)[~guessed], initial=0.0)) if (~guessed).any() else 0.0
+    # A client that hung up had been admitted (a refusal is answered at once): where the replay refuses
+    # it at its guessed arrival, it came later, before the next arrival the run knows.
+    refused = guessed & run["outcome"].eq("abandoned").to_numpy() & simmed["outcome"].eq("rejected").to_numpy()
+    for k in np.flatnonzero(refused)[np.argsort(arrival[refused])]:
+        later = ~guessed & (arrival > arrival[k])
+        if ("admitted", int(k)) in moved or not later.any():
+            continue
+        nxt = arrival[later].min()
+        if nxt - arrival[k] <= spread:
+            moved.add(("admitted", int(k)))
+            arrival[k] = nxt - TOLERANCE_S
+            return True
+    work = simmed["queued_work_at_arrival_s"].to_numpy(float)
+    mine = run["queued_work_at_arrival_s"].to_numpy(float)
+    differ = np.isfinite(mine) & np.isfinite(work) & (np.abs(mine - work) > TOLERANCE_S)
+    if not differ.any():
+        return False
+    at = np.flatnonzero(differ)[np.argmin(arrival[differ])]
+    when, more = arrival[at], work[at] > mine[at]
+    options = []  # (distance, kind, key)
+    for k in np.flatnonzero(guessed):
+        gap = arrival[k] - when
+        if ("arrival", int(k)) not in moved and 0 < abs(gap) <= spread and (gap < 0) == more:
+            options.append((abs(gap), "arrival", int(k)))
+    waited_out = sim["outcome"].eq("abandoned").to_numpy() & np.isnan(sim["start_s"].to_numpy(float))
+    for first, end in zip(sim.loc[waited_out, "first_request_id"], sim.loc[waited_out, "finish_s"]):
+        gap = end - when
+        if ("left", int(first)) not in moved and 0 < abs(gap) <= spread and (gap > 0) == more:
+            options.append((abs(gap), "left", int(first)))
+    if not options:
+        return False
+    _, kind, key = min(options)
+    moved.add((kind, key))
+    if kind == "arrival":
+        arrival[key] = when + (TOLERANCE_S if more else -TOLERANCE_S)
+    else:  # that request's hang-up reached the gate just before (or after) this arrival
+        notice = unsaid.late.get(key, unsaid.notice_s)
+        unsaid.late[key] = notice + (when - TOLERANCE_S if more else when + TOLERANCE_S) - \
+            float(sim.loc[waited_out & sim["first_request_id"].eq(key).to_numpy(), "finish_s"].iloc[0])
+    return True
+
+
+def _cancelled_runs(run: pd.DataFrame, unsaid: _Unsaid, ordered: pd.DataFrame, sim: pd.DataFrame,
+                    hold: np.ndarray, reported: np.ndarray, failed: np.ndarray, rule: np.ndarray,
+                    usual: list) -> bool:
+    """Where the simulator ran an attempt the live client hung up on, and that request ran nowhere
+    else live: hold its engine until the live engine was free again, teaching nothing (the gate stops
+    such a run). Updates the arrays in place; True when something changed.
+
+    When the live engine was free again: where the request the replay starts next on that engine had
+    waited for it and the run knows its start, at that start (as for a stalled run), unless an attempt
+    whose client hung up later was waiting then (the engine may have run it in between, unseen); else
+    (the next is another attempt whose client hung up, or nobody was waiting) at the hang-up plus the
+    run's usual delay from a hang-up to the engine's next start (its median where the first pass that knows any
+    saw them, kept in ``usual`` so that the passes settle; else the trip to the gate). An engine free
+    before the hang-up ran the request to its end: the gate answered it, the client had left. A run
+    stopped by its client's hang-up had been let go by then: where the replay hears of that hang-up
+    later (``unsaid``), it hears of it just before.
+    """
+    arrival = unsaid.arrival
+    ran = np.isfinite(sim["start_s"].to_numpy(float))
+    if not ran.any() or not run["outcome"].eq("abandoned").any():
+        return False
+    firsts = ordered["request_id"].to_numpy()
+    position = pd.Series(np.arange(len(run)),
+                         index=pd.MultiIndex.from_arrays([run["first_request_id"], run["attempt"]]))
+    started = _known(run)["engine_started_s"].to_numpy(float)
+    waited = started > arrival + TOLERANCE_S  # its engine was busy (or others ahead of it) when it came
+    abandoned = run["outcome"].eq("abandoned").to_numpy()
+    hangup = run["finish_s"].to_numpy(float)  # when the client hung up
+    intended = run["hangup_s"].to_numpy(float) if "hangup_s" in run.columns else hangup  # when it meant to
+    on = sim[ran].sort_values("start_s", kind="stable")
+    found = []  # (j, row position in the run, sim start, the next start if known)
+    for engine, runs in on.groupby("engine", sort=False):
+        rows = runs[["first_request_id", "attempt", "start_s"]].to_numpy()
+        for n, (j, attempt, start) in enumerate(rows):
+            j = int(j)
+            k = position.get((firsts[j], int(attempt)))
+            if k is None or not abandoned[k] or rule[j] not in ("estimate", "cancelled"):
+                continue
+            after = position.get((firsts[int(rows[n + 1][0])], int(rows[n + 1][1]))) if n + 1 < len(rows) else None
+            known = after is not None and np.isfinite(started[after]) and started[after] > start
+            found.append((j, k, start, started[after] if known else np.nan, known and waited[after]))
+    if not found:
+        return False
+    # Attempts the replay had leave while waiting (their clients hung up): if one was waiting when the
+    # engine was free, the live engine may have taken it first, and its start is unknown.
+    left = sim["outcome"].eq("abandoned").to_numpy() & ~ran
+    came = sim["arrival_s"].to_numpy(float)[left]
+    mine = [position.get((firsts[int(f)], int(a)))
+            for f, a in zip(sim.loc[left, "first_request_id"], sim.loc[left, "attempt"])]
+    went = np.where([m is None for m in mine], sim.loc[left, "finish_s"].to_numpy(float),  # when its client hung up
+                    [hangup[m] if m is not None else np.nan for m in mine])
+
+    def unseen(free: float, nxt: float) -> bool:
+        return bool(((came < free) & (went > free) & (went < nxt)).any())
+
+    # The usual delay: measured where nothing else can have run in between, and no longer than a trip can
+    # take (a first pass, before the others settle, pairs runs that were not one after the other).
+    spread = float(np.nanmax(np.abs(arrival - run["arrival_s"].to_numpy(float)), initial=0.0))
+    delays = [d for _, k, _, nxt, exact in found if exact and not unseen(hangup[k], nxt)
+              for d in [nxt - hangup[k]] if 0 <= d <= spread]
+    if not usual and delays:
+        usual.append(float(np.median(delays)))
+    delay = usual[0] if usual else trip_s(run)
+    changed = False
+    for j, k, start, nxt, exact in found:
+        free = hangup[k] + delay
+        exact = exact and not unseen(free, nxt)
+        end = nxt if exact else min(free, nxt) if np.isfinite(nxt) else free
+        target = max(0.0, end - start)
+        # Ended before the hang-up: the gate answered (and its tracker learned) an answer the client did not
+        # wait for, still on its way back; otherwise the stopped run teaches nothing.
+        stopped = bool(end >= hangup[k])
+        if rule[j] != "cancelled" or abs(hold[j] - target) > 1e-9 or failed[j] != stopped:
+            hold[j], reported[j], failed[j], rule[j] = target, target, stopped, "cancelled"
+            changed = True
+        first, heard = int(firsts[j]), intended[k] + unsaid.notice([firsts[j]])[0]
+        if stopped and heard > end - TOLERANCE_S:
+            unsaid.late[first] = max(0.0, end - TOLERANCE_S - intended[k])
+            changed = True
+    return changed
+
+
+def join(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid | None = None) -> pd.DataFrame:
+    """One row per attempt (per request without retries): live and simulated outcome, reason, latency,
+    queue at arrival, and agreement, matched on (first_request_id, attempt).
 
     Latencies are the client's: live_latency_s as measured; sim_latency_s is the simulator's own
     time in the gate (its finish, from its own start and hold, less the gate arrival) plus the trips
     the client measured (send to gate arrival, gate end to answer), so latency_error_s is the time
     in the gate the simulator got wrong. A simulated answer is good or late by that latency, as
-    the live one is by the client's; sim_outcome_at_gate keeps the simulator's own verdict.
+    the live one is by the client's; sim_outcome_at_gate keeps the simulator's own verdict. An
+    attempt one side never sent is ``not_sent`` there (its times NaN, its gate arrival the other's).
+    unsaid: what the replay took for what the run does not say (default: arrivals from
+    :func:`arrival_times`, hang-ups heard at once).
     """
     known = _known(run)
-    live = run[["request_id", "size_class", "max_new_tokens", "deadline_s", "outcome", "reason", "arrival_s",
+    arrival = arrival_times(run) if unsaid is None else unsaid.arrival
+    live_end = known["server_finish_s"].to_numpy()
+    if "hangup_s" in run.columns:  # the gate's end of an attempt whose client hung up: when it heard of it
+        hung = run["outcome"].eq("abandoned").to_numpy()
+        heard = 0.0 if unsaid is None else unsaid.notice(run["first_request_id"])
+        live_end = np.where(hung, run["hangup_s"].to_numpy(float) + heard, live_end)
+    live = run[["request_id", *KEYS, "size_class", "max_new_tokens", "deadline_s", "outcome", "reason", "arrival_s",
                 "finish_s", "queued_at_arrival", "queued_work_at_arrival_s"]].assign(
-        gate_arrival_s=arrival_times(run), live_start_s=known["engine_started_s"].to_numpy(),
-        live_end_s=known["server_finish_s"].to_numpy(), live_speed_factor=known["arrival_speed_factor"].to_numpy())
-    simmed = sim[["request_id", "outcome", "reason", "start_s", "finish_s", "latency_s", "queued_at_arrival",
-                  "queued_work_at_arrival_s", "speed_factor_at_arrival", "replayed_with"]].rename(
+        gate_arrival_s=arrival, live_start_s=known["engine_started_s"].to_numpy(),
+        live_end_s=live_end, live_speed_factor=known["arrival_speed_factor"].to_numpy())
+    simmed = sim[["request_id", *KEYS, "outcome", "reason", "arrival_s", "start_s", "finish_s", "latency_s",
+                  "queued_at_arrival", "queued_work_at_arrival_s", "speed_factor_at_arrival", "replayed_with",
+                  "size_class", "max_new_tokens", "deadline_s"]].rename(
         columns={"start_s": "sim_start_s", "finish_s": "sim_end_s", "latency_s": "sim_gate_latency_s",
-                 "speed_factor_at_arrival": "sim_speed_factor"})
-    both = live.merge(simmed, on="request_id", suffixes=("_live", "_sim"), validate="one_to_one")
+                 "speed_factor_at_arrival": "sim_speed_factor", "arrival_s": "sim_arrival_s",
+                 "request_id": "sim_request_id", "size_class": "sim_size_class",
+                 "max_new_tokens": "sim_max_new_tokens", "deadline_s": "sim_deadline_s"})
+    both = live.merge(simmed, on=KEYS, how="outer", suffixes=("_live", "_sim"), validate="one_to_one")
     both = both.rename(columns={"outcome_live": "live_outcome", "outcome_sim": "sim_outcome_at_gate",
                                 "reason_live": "live_reason", "reason_sim": "sim_reason"})
+    only_sim = both["live_outcome"].isna()
+    if only_sim.any():  # sent only by the simulator's clients: what the simulator knows of it
+        both["request_id"] = both["request_id"].fillna(both["sim_request_id"])
+        for name in ("size_class", "max_new_tokens", "deadline_s"):
+            both[name] = both[name].fillna(both[f"sim_{name}"])
+        both["gate_arrival_s"] = both["gate_arrival_s"].fillna(both["sim_arrival_s"])
+        both["live_outcome"] = both["live_outcome"].fillna(NOT_SENT)
+    both["request_id"] = both["request_id"].astype(np.int64)
+    both["max_new_tokens"] = both["max_new_tokens"].astype(np.int64)
+    both = both.drop(columns=["sim_request_id", "sim_size_class", "sim_max_new_tokens", "sim_deadline_s"])
     both["live_latency_s"] = both["finish_s"] - both["arrival_s"]
     live_gate = both["live_end_s"] - both["gate_arrival_s"]
     trips = (both["live_latency_s"] - live_gate).where(live_gate.notna(), both["gate_arrival_s"] - both["arrival_s"])
-    both["sim_latency_s"] = both["sim_gate_latency_s"] + trips
+    both["sim_latency_s"] = both["sim_gate_latency_s"] + trips.fillna(0.0)
     in_time = np.where(on_time(both["sim_latency_s"], both["deadline_s"]), "good", "late")
     sim_answered = both["sim_outcome_at_gate"].isin(ANSWERED)
     both["sim_outcome"] = both["sim_outcome_at_gate"].where(~sim_answered, pd.Series(in_time, index=both.index))
-    both = both.drop(columns=["finish_s"])
+    both["sim_outcome"] = both["sim_outcome"].fillna(NOT_SENT)
+    both = both.drop(columns=["finish_s", "sim_arrival_s"])
     both["agree"] = both["live_outcome"].eq(both["sim_outcome"]).astype(bool)
     answered = both["live_outcome"].isin(ANSWERED) & both["sim_outcome"].isin(ANSWERED)
     both["latency_error_s"] = (both["sim_latency_s"] - both["live_latency_s"]).where(answered)
     both["modelled"] = (both["live_outcome"].ne("error") | both["live_reason"].isin(ENGINE_REASONS)).astype(bool)
     return _divergence(both)
+
+
+def per_request(run: pd.DataFrame, joined: pd.DataFrame) -> pd.DataFrame:
+    """One row per request (first_request_id), end to end as its client saw it, live and simulated:
+    the outcome of its last attempt (an answer judged good or late from the *first* send, as
+    :func:`analysis.metrics.end_to_end`), that attempt's reason, and how many attempts were sent.
+
+    The simulated latency from the first send is the simulated attempt's (:func:`join`) plus the time
+    from the first send to that attempt's send (the live send where the run sent it, else the
+    simulator's arrival). agree: same outcome and attempt count."""
+    live = end_to_end(run).set_index("first_request_id")
+    first_sent = live["arrival_s"]
+    sent = joined[joined["sim_outcome"].ne(NOT_SENT)].sort_values(KEYS, kind="stable")
+    last = sent.groupby("first_request_id", sort=True).tail(1).set_index("first_request_id")
+    own_send = last["arrival_s"].fillna(last["gate_arrival_s"])
+    latency = own_send - first_sent.reindex(last.index) + last["sim_latency_s"]
+    answered = last["sim_outcome_at_gate"].isin(ANSWERED)
+    in_time = on_time(latency, live["deadline_s"].reindex(last.index))
+    sim_outcome = last["sim_outcome"].astype(object).where(~answered, np.where(in_time, "good", "late"))
+    out = pd.DataFrame({
+        "live_outcome": live["outcome"].astype(str),
+        "sim_outcome": sim_outcome.reindex(live.index).fillna(NOT_SENT).astype(str),
+        "live_reason": live["reason"], "sim_reason": last["sim_reason"].reindex(live.index),
+        "live_attempts": live["attempts"].astype(np.int64),
+        "sim_attempts": sent.groupby("first_request_id").size().reindex(live.index, fill_value=0).astype(np.int64),
+        "live_latency_s": live["latency_s"], "sim_latency_s": latency.where(answered).reindex(live.index),
+    }, index=live.index)
+    out["outcome_agree"] = out["live_outcome"].eq(out["sim_outcome"])
+    out["attempts_agree"] = out["live_attempts"].eq(out["sim_attempts"])
+    out["agree"] = out["outcome_agree"] & out["attempts_agree"]
+    return out.reset_index()
 
 
 def _close(a: pd.Series, b: pd.Series, tol: float) -> np.ndarray:
@@ -285,7 +688,9 @@ def _divergence(both: pd.DataFrame) -> pd.DataFrame:
     order = np.lexsort((both["request_id"].to_numpy(), both["gate_arrival_s"].to_numpy(float)))
     b = both.iloc[order].copy()
     live_end = b["live_end_s"].fillna(b["arrival_s"] + b["live_latency_s"])
-    b["diverged"] = ~(b["agree"].to_numpy() & _close(b["live_start_s"], b["sim_start_s"], TOLERANCE_S)
+    # A client that hung up got no answer: whether (and when) its request started, the run cannot say.
+    unknown = b["live_outcome"].eq("abandoned").to_numpy() & b["live_start_s"].isna().to_numpy()
+    b["diverged"] = ~(b["agree"].to_numpy() & (_close(b["live_start_s"], b["sim_start_s"], TOLERANCE_S) | unknown)
                       & _close(live_end, b["sim_end_s"], TOLERANCE_S))
     counts = b["queued_at_arrival_live"].astype("Float64").to_numpy(dtype=float, na_value=np.nan)
     sim_counts = b["queued_at_arrival_sim"].astype("Float64").to_numpy(dtype=float, na_value=np.nan)
@@ -306,8 +711,13 @@ def _divergence(both: pd.DataFrame) -> pd.DataFrame:
 
 def confusion(joined: pd.DataFrame) -> pd.DataFrame:
     """Counts of (live outcome, simulated outcome), every outcome shown even when zero."""
-    table = pd.crosstab(joined["live_outcome"].astype(str), joined["sim_outcome"].astype(str))
-    table = table.reindex(index=list(OUTCOMES), columns=list(SIM_OUTCOMES), fill_value=0)
+    live, sim = joined["live_outcome"].astype(str), joined["sim_outcome"].astype(str)
+    table = pd.crosstab(live, sim)
+    # Where clients gave up or retried: abandoned on the simulator's side too, and attempts one side never sent.
+    hung = ["abandoned"] if (live.eq("abandoned") | sim.eq("abandoned")).any() else []
+    rows = list(OUTCOMES) + ([NOT_SENT] if live.eq(NOT_SENT).any() else [])
+    columns = list(SIM_OUTCOMES) + hung + ([NOT_SENT] if sim.eq(NOT_SENT).any() else [])
+    table = table.reindex(index=rows, columns=columns, fill_value=0)
     table.index.name, table.columns.name = "live", "sim"
     return table
 
@@ -320,10 +730,16 @@ def reasons(joined: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def summarize(joined: pd.DataFrame, speed: float = math.nan) -> dict[str, float]:
+def summarize(joined: pd.DataFrame, speed: float = math.nan, requests: pd.DataFrame | None = None) -> dict[str, float]:
     """Disagreements among requests the service handled (live errors apart; engine failures are
     replayed and counted as failure_disagreements), independent and cascade, the first divergence,
-    refusal reasons both ways, outcome counts both ways and the latency error of requests both answered."""
+    refusal reasons both ways, outcome counts both ways and the latency error of requests both answered.
+
+    Rows are attempts where clients retried; with ``requests`` (:func:`per_request`) the end-to-end
+    figures are added: requests_e2e, e2e_disagreements (outcome or attempt count differ, among
+    requests not ending in a live error) and their rate, e2e_outcome_disagreements,
+    attempt_count_disagreements, attempts and abandoned requests on each side, and live_not_sent /
+    sim_not_sent (attempts only the other side sent)."""
     handled = joined[joined["live_outcome"] != "error"]
     wrong = ~handled["agree"]
     failures = joined[joined["live_outcome"].eq("error") & joined["modelled"]]
@@ -354,9 +770,22 @@ def summarize(joined: pd.DataFrame, speed: float = math.nan) -> dict[str, float]
     }
     for rule in RULES:
         row[f"replayed_{rule}"] = int((joined["replayed_with"] == rule).sum())
-    for outcome in OUTCOMES:
+    for outcome in (*OUTCOMES, NOT_SENT):
         row[f"live_{outcome}"] = int((joined["live_outcome"] == outcome).sum())
         row[f"sim_{outcome}"] = int((joined["sim_outcome"] == outcome).sum())
+    if requests is not None:
+        judged = requests[requests["live_outcome"] != "error"]
+        row.update({
+            "requests_e2e": len(requests),
+            "e2e_disagreements": int((~judged["agree"]).sum()),
+            "e2e_disagreement_rate": float((~judged["agree"]).mean()) if len(judged) else math.nan,
+            "e2e_outcome_disagreements": int((~judged["outcome_agree"]).sum()),
+            "attempt_count_disagreements": int((~judged["attempts_agree"]).sum()),
+            "live_attempts": int(requests["live_attempts"].sum()),
+            "sim_attempts": int(requests["sim_attempts"].sum()),
+            "live_abandoned_e2e": int(requests["live_outcome"].eq("abandoned").sum()),
+            "sim_abandoned_e2e": int(requests["sim_outcome"].eq("abandoned").sum()),
+        })
     return {k: float(v) for k, v in row.items()}
 
 
@@ -366,12 +795,22 @@ class Comparison:
     confusion: pd.DataFrame
     summary: dict[str, float]
     reasons: pd.DataFrame | None = None
+    # Per request, end to end (:func:`per_request`): runs whose clients gave up or retried.
+    requests: pd.DataFrame | None = None
+
+
+def has_clients(run: pd.DataFrame) -> bool:
+    """Whether the run's clients could give up or retry: a patience, or a retry policy that retries."""
+    patient = "patience_s" not in run.columns or not np.isfinite(run["patience_s"].to_numpy(float)).any()
+    return not patient or _retrying(run)[1]
 
 
 def compare(run: pd.DataFrame, origin: str = "server") -> Comparison:
     """Replay the run in the simulator (arrivals the gate's by default, see :func:`arrival_times`) and join."""
-    joined = join(run, simulate_run(run, origin))
-    return Comparison(joined, confusion(joined), summarize(joined, measured_speed(run)), reasons(joined))
+    joined = join(run, *_replay(run, origin))
+    requests = per_request(run, joined) if has_clients(run) else None
+    return Comparison(joined, confusion(joined), summarize(joined, measured_speed(run), requests), reasons(joined),
+                      requests)
 
 
 # ---------------------------------------------------------------- prediction
@@ -411,13 +850,16 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float = 0.1, origin: s
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     setup = run_setup(run)
     speed, source = prediction_speed(run)
-    ordered, arrival = _in_arrival_order(run, origin)
+    _, retrying = _retrying(run)  # with retries the simulator's own clients send all but the first attempts
+    ordered, arrival = _in_arrival_order(run, arrival_times(run, origin),
+                                         run["attempt"].eq(1).to_numpy() if retrying else None)
+    faults = _client_faults(run, ordered, arrival)
     base = ordered["calibrated_est_s"].to_numpy(float)
     seconds = run_seconds(run)
     rows = []
     for seed in range(seeds):
         true = base * speed * lognormal_noise(np.random.default_rng(seed), len(base), noise_cv)
-        got = summary(_simulate(ordered, arrival, setup, true, "predicted"), seconds)
+        got = summary(_simulate(ordered, arrival, setup, true, "predicted", **faults), seconds)
         rows.append({"seed": seed, **{m: got[m] for m in PREDICTED}})
     per_seed = pd.DataFrame(rows)
     live = summary(run, seconds)

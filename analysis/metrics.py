@@ -86,6 +86,72 @@ def retry_summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[
     }
 
 
+def over_time(frame: pd.DataFrame, bin_s: float = 1.0, until_s: float | None = None) -> pd.DataFrame:
+    """What happened each ``bin_s`` seconds of a run, one row per bin [t_s, t_s + bin_s) from 0, as rates per second.
+
+    attempts_per_s: attempts sent (every row, retries included: the load the service was offered);
+    first_sends_per_s: requests sent for the first time (attempt 1); goodput_rps: good answers by the time they
+    came back (``finish_s``, attempt-level: an attempt answered within its deadline from its own send);
+    goodput_e2e_rps: requests good end to end (:func:`end_to_end`: answered within the deadline from the
+    *first* send), by the time of that first send. Bins run to ``until_s`` (default: the last send or
+    finish); events at or after it are left out.
+    """
+    if not bin_s > 0:
+        raise ValueError(f"bin_s must be > 0, got {bin_s}")
+    if until_s is None:
+        until_s = float(np.nanmax(frame[["arrival_s", "finish_s"]].to_numpy(dtype=float), initial=0.0))
+        n = int(np.floor(until_s / bin_s)) + 1  # the bin holding the last event
+    else:
+        n = int(np.ceil(until_s / bin_s - 1e-9))
+
+    def per_s(times) -> np.ndarray:
+        index = np.floor(np.asarray(times, dtype=float) / bin_s)
+        index = index[(index >= 0) & (index < n)].astype(np.int64)
+        return np.bincount(index, minlength=n)[:n] / bin_s
+
+    first = frame["attempt"].to_numpy() == 1 if "attempt" in frame else np.ones(len(frame), dtype=bool)
+    good = frame["outcome"].to_numpy(dtype=object) == "good"
+    if "first_request_id" in frame and len(frame):
+        e2e = end_to_end(frame)
+        e2e_good = e2e.loc[e2e["outcome"].eq("good").to_numpy(), "arrival_s"]
+    else:
+        e2e_good = frame.loc[good, "arrival_s"]
+    return pd.DataFrame({
+        "t_s": np.arange(n) * bin_s,
+        "attempts_per_s": per_s(frame["arrival_s"]),
+        "first_sends_per_s": per_s(frame.loc[first, "arrival_s"]),
+        "goodput_rps": per_s(frame.loc[good, "finish_s"]),
+        "goodput_e2e_rps": per_s(e2e_good),
+    })
+
+
+def recovery(series: pd.DataFrame, start_s: float, end_s: float, column: str = "goodput_e2e_rps", *,
+             window_s: float = 5.0, within: float = 0.1) -> dict[str, float]:
+    """How long after a disturbance [start_s, end_s) a run's goodput took to come back (an :func:`over_time` table).
+
+    The steady state is ``column``'s mean over the bins before ``start_s``. Recovered at the first bin from
+    ``end_s`` on whose ``window_s`` seconds (that bin and the following ones: a forward moving average) average
+    at least (1 - within) times the steady state; above it counts as recovered (a backlog being served).
+    recovery_s: seconds from ``end_s`` to that bin's start, NaN when no whole window of the run reached it
+    ("never"); recovered: 1 or 0 (NaN, with recovery_s, when there was no steady state to return to);
+    steady_rps: the steady state.
+    """
+    t = series["t_s"].to_numpy(dtype=float)
+    values = series[column].to_numpy(dtype=float)
+    bin_s = float(t[1] - t[0]) if len(t) > 1 else 1.0
+    steady = values[t + bin_s <= start_s + 1e-9]
+    level = float(steady.mean()) if len(steady) else math.nan
+    if not level > 0:
+        return {"recovery_s": math.nan, "recovered": math.nan, "steady_rps": level}
+    width = max(1, int(round(window_s / bin_s)))
+    # Forward mean of each bin and the width - 1 after it; only whole windows (the run's last bins have none).
+    forward = pd.Series(values[::-1]).rolling(width).mean().to_numpy()[::-1]
+    ok = np.flatnonzero((t >= end_s - 1e-9) & (forward >= (1.0 - within) * level))
+    if not len(ok):
+        return {"recovery_s": math.nan, "recovered": 0.0, "steady_rps": level}
+    return {"recovery_s": float(t[ok[0]] - end_s), "recovered": 1.0, "steady_rps": level}
+
+
 def by_group(frame: pd.DataFrame, column: str, duration_s: float | None = None, *,
              order=None) -> pd.DataFrame:
     """:func:`summary` for each value of ``column``, one row each, indexed by that value.

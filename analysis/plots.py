@@ -278,17 +278,139 @@ def per_client_set(table: pd.DataFrame) -> pd.DataFrame:
     return table.assign(policy=table["policy"].astype(str) + " / " + sets.astype(str))
 
 
+#: Axes of a sweep that label a policy's curve when they hold more than one value (None: "none").
+VARIANT_AXES = ("clients", "retry", "patience")
+
+
+def per_variant(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with its policy labelled "POLICY / CLIENTS / RETRY / PATIENCE", naming each of those
+    axes that holds more than one value ("none" for a cell without), else as it is; with only a clients
+    axis the same as :func:`per_client_set`."""
+    parts = []
+    for axis in VARIANT_AXES:
+        if axis in table:
+            values = table[axis].astype(object).where(table[axis].notna(), "none").astype(str)
+            if values.nunique() > 1:
+                parts.append(values)
+    if not parts:
+        return table
+    label = table["policy"].astype(str)
+    for values in parts:
+        label = label + " / " + values
+    return table.assign(policy=label)
+
+
+RETRY_ORDER = ["none", "immediate", "exponential", "retry-after", "budget"]
+#: The axes other than the policy (a panel each) that may tell a time series' lines apart.
+_LINE_AXES = ("retry", "patience", "clients", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
+
+
+def _lines(table: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """``table`` with a ``line`` label from the axes that vary within a policy (retry first; an effective bound or
+    deadline that only follows the policy's preset makes no line), and the labels in order."""
+    axes = [a for a in _LINE_AXES if a in table
+            and table[a].astype(object).fillna("none").groupby(table["policy"]).nunique().max() > 1]
+    if not axes:
+        return table.assign(line="-"), ["-"]
+    text = {a: table[a].astype(object).where(table[a].notna(), "none").astype(str) for a in axes}
+    label = text[axes[0]] if len(axes) == 1 else pd.Series(
+        [", ".join(f"{a} {v}" for a, v in zip(axes, vs)) for vs in zip(*text.values())], index=table.index)
+    present = list(dict.fromkeys(label))
+    rank = {r: i for i, r in enumerate(RETRY_ORDER)}
+    order = sorted(present, key=lambda v: (rank.get(v.split(", ")[0].removeprefix("retry "), len(rank)), v))
+    return table.assign(line=label), order
+
+
+def retries(series: pd.DataFrame, surge: tuple[float, float] | None = None, smooth_s: float = 5.0) -> plt.Figure:
+    """Over time (timeseries.parquet): good requests/s end to end (by first send), good answers/s (attempt-level,
+    by answer) and offered attempts/s, a column per policy and a line per retry behaviour (or other varying
+    axis), each the mean over seeds smoothed by a centred ``smooth_s`` moving average; the surge shaded."""
+    series, lines = _lines(series)
+    policies = _policies(series)
+    panels = [("goodput_e2e_rps", "good requests/s, end to end\n(by first send)"),
+              ("goodput_rps", "good answers/s (attempt-level)"),
+              ("attempts_per_s", "offered attempts/s")]
+    fig, axes = plt.subplots(len(panels), len(policies), figsize=(4.4 * len(policies), 2.9 * len(panels)),
+                             sharex=True, sharey="row", squeeze=False)
+    mean = series.groupby(["policy", "line", "t_s"], sort=True)[[m for m, _ in panels]].mean().reset_index()
+    step = float(np.median(np.diff(np.unique(series["t_s"])))) if series["t_s"].nunique() > 1 else 1.0
+    width = max(1, int(round(smooth_s / step)))
+    for j, policy in enumerate(policies):
+        for i, line in enumerate(lines):
+            part = mean[(mean["policy"] == policy) & (mean["line"] == line)]
+            for row, (metric, _) in enumerate(panels):
+                smooth = part[metric].rolling(width, center=True, min_periods=1).mean()
+                axes[row][j].plot(part["t_s"], smooth, color=f"C{i % 10}", lw=1.2, label=line)
+        for row, (_, unit) in enumerate(panels):
+            ax = axes[row][j]
+            if surge is not None:
+                ax.axvspan(*surge, color="grey", alpha=0.15, lw=0, label="surge" if j == 0 and row == 0 else None)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel(unit)
+        axes[0][j].set_title(policy)
+        axes[-1][j].set_xlabel("time (s)")
+    for row in axes:  # once every panel of the row is drawn (they share their y axis)
+        row[0].set_ylim(bottom=0)
+    seeds = series.groupby(["policy", "line"])["seed"].nunique().max() if "seed" in series else 1
+    axes[0][0].legend(fontsize=7, title=f"retry (mean of {seeds} seeds)" if "retry" in series else None,
+                      title_fontsize=7)
+    fig.suptitle(f"goodput and offered attempts over time, {smooth_s:g} s moving average", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def recovery(summary: pd.DataFrame, after_s: float | None = None) -> plt.Figure:
+    """Seconds from the surge's end until end-to-end goodput is back (the summary's recovery_s): mean over the
+    seeds with 95 % CI, a bar per line (retry behaviour) in a group per policy. Where some seed never recovered
+    the bar is hatched and reaches ``after_s`` (the rest of the run), labelled with how many seeds did not."""
+    table, lines = _lines(summary)
+    policies = _policies(table)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(policies) * max(len(lines), 1) / 2.5, 3.8))
+    width = 0.8 / max(len(lines), 1)
+    agg = aggregate(table, ["policy", "line"], ["recovery_s", "recovered"])
+    top = after_s if after_s is not None else float(np.nanmax(table["recovery_s"], initial=1.0))
+    for i, line in enumerate(lines):
+        for j, policy in enumerate(policies):
+            part = agg[(agg["policy"] == policy) & (agg["line"] == line)]
+            if part.empty:
+                continue
+            row = part.iloc[0]
+            x = j + (i - (len(lines) - 1) / 2) * width
+            label = line if j == 0 else None
+            if row["recovered"] < 1:
+                ax.bar(x, top, width * 0.95, color=f"C{i % 10}", alpha=0.35, hatch="//", label=label)
+                never = int(round((1 - row["recovered"]) * row["n"]))
+                ax.text(x, top, f"never\n{never}/{int(row['n'])}", ha="center", va="bottom", fontsize=6)
+            else:
+                low, high = max(row["recovery_s_low"], 0.0), row["recovery_s_high"]
+                err = None if np.isnan(high) else [[row["recovery_s"] - low], [high - row["recovery_s"]]]
+                ax.bar(x, row["recovery_s"], width * 0.95, color=f"C{i % 10}", yerr=err, capsize=2, label=label)
+    ax.set_xticks(np.arange(len(policies)), policies)
+    ax.set(ylabel="seconds after the surge until\nend-to-end goodput is back", ylim=(0, top * 1.15 + 1),
+           title="recovery after the surge (mean over seeds, 95 % CI; hatched: some seed never recovered)")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, title="retry" if "retry" in table else None, title_fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
-             by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None) -> list[Path]:
+             by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None,
+             timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None) -> list[Path]:
     """Write every figure as PNG and SVG into ``out``; return the paths.
 
     by_client and by_priority are drawn when their tables (summary_by_client.parquet,
-    summary_by_priority.parquet) are given and not empty.
+    summary_by_priority.parquet) are given and not empty; retries when the sweep has a retry axis and its
+    time series (timeseries.parquet) is given, with recovery when the summary has recovery_s (surge arrivals,
+    ``surge`` = (start_s, end_s)).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # The per-policy figures tell client sets apart ("predictive / two-tenant") when there are several.
-    per_set, by_class, rows = (None if t is None else per_client_set(t) for t in (summary, by_class, rows))
+    # The per-policy figures tell client sets, retry policies and patiences apart ("predictive / immediate")
+    # when there are several.
+    per_set, by_class, rows = (None if t is None else per_variant(t) for t in (summary, by_class, rows))
     figures = {
         "share_in_time": share_in_time(per_set),
         "goodput": goodput(per_set),
@@ -302,6 +424,11 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
         figures["by_client"] = by_client(by_client_table, summary)
     if by_priority_table is not None and len(by_priority_table):
         figures["by_priority"] = by_priority(by_priority_table)
+    if timeseries is not None and len(timeseries) and "retry" in summary:
+        figures["retries"] = retries(timeseries, surge)
+        if "recovery_s" in summary:
+            end = float(summary["duration_s"].max()) - surge[1] if surge is not None else None
+            figures["recovery"] = recovery(summary, end)
     paths = []
     for name, fig in figures.items():
         for ext in ("png", "svg"):

@@ -19,15 +19,21 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
 
     A sweep with a ``clients`` axis is also grouped by client set ("none": requests named no
     client), and shows Jain's indices across clients (jain_goodput, jain_share; "-" where none).
+    One with a ``retry`` or ``patience`` axis is grouped by those too ("none": no retries, no patience) and
+    shows the end-to-end view (share_good_e2e, attempts_per_request); one of surge arrivals, the seconds
+    after the surge until goodput was back (recovery_s, over the seeds that recovered) and the share of
+    seeds that did (recovered).
     """
     from .config import NO_CLIENTS
 
-    if "clients" in summary:  # "none" cells carry no set name (null)
-        summary = summary.assign(clients=summary["clients"].astype(object).where(summary["clients"].notna(), NO_CLIENTS))
-    by = [c for c in ("speed", "engines", "load", "clients", "policy")
-          if c in summary and summary[c].notna().any() and not (c == "clients" and set(summary[c]) == {NO_CLIENTS})]
+    optional = ("clients", "retry", "patience")  # axes whose "none" cells carry no name (null)
+    summary = summary.assign(**{c: summary[c].astype(object).where(summary[c].notna(), NO_CLIENTS)
+                                for c in optional if c in summary})
+    by = [c for c in ("speed", "engines", "load", "clients", "retry", "patience", "policy")
+          if c in summary and summary[c].notna().any() and not (c in optional and set(summary[c]) == {NO_CLIENTS})]
     metrics = ["share_good", "goodput_rps", "good_tokens_per_s", "latency_p99_s"]
-    metrics += [m for m in ("jain_goodput", "jain_share") if m in summary and summary[m].notna().any()]
+    metrics += [m for m in ("jain_goodput", "jain_share", "share_good_e2e", "attempts_per_request", "recovery_s",
+                            "recovered") if m in summary and summary[m].notna().any()]
     agg = aggregate(summary, by, metrics)
     out = agg[by].copy()
     for m in metrics:
@@ -94,11 +100,24 @@ def cmd_plot(args) -> int:
     # By client and by priority where the sweep has cells with more than one (sweep.write_summaries).
     grouped = {key: pd.read_parquet(src / f"summary_{key}.parquet") if (src / f"summary_{key}.parquet").exists()
                else None for key in ("by_client", "by_priority")}
+    # Over time where the sweep kept its cells' seconds (retry or patience axes, surge arrivals).
+    timeseries = pd.read_parquet(src / "timeseries.parquet") if (src / "timeseries.parquet").exists() else None
     paths = plots.save_all(summary, by_class, rows, args.out, by_client_table=grouped["by_client"],
-                           by_priority_table=grouped["by_priority"])
+                           by_priority_table=grouped["by_priority"], timeseries=timeseries, surge=_surge(src))
     print(f"wrote {len(paths)} files to {args.out} (latency CDF at load {load:g}, speed {speed:g})"
           if load is not None else f"wrote {len(paths)} files to {args.out}")
     return 0
+
+
+def _surge(src: Path) -> tuple[float, float] | None:
+    """(start_s, end_s) of the sweep's surge of arrivals, from its manifest; None for other arrivals."""
+    from qsim.workload import parse_arrivals
+
+    try:
+        kind, numbers = parse_arrivals(json.loads((src / "manifest.json").read_text())["config"]["arrivals"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (numbers[0], numbers[0] + numbers[1]) if kind == "surge" else None
 
 
 def _cdf_load(summary: pd.DataFrame) -> float | None:
@@ -127,7 +146,8 @@ def register(sub) -> None:
     p = sub.add_parser("plot", help="draw a sweep's figures (PNG and SVG)",
                        description="Share in time, goodput (requests/s and tokens/s), share by size class, "
                                    "latency CDF of the answered, and outcome bars, from a sweep folder; by client "
-                                   "(with Jain's index) and by priority where the sweep has them.")
+                                   "(with Jain's index) and by priority where the sweep has them; goodput and "
+                                   "offered attempts over time, and recovery after a surge, where it has a retry axis.")
     p.set_defaults(func=cmd_plot)
     p.add_argument("dir", help="a folder written by qlab sweep")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")

@@ -36,6 +36,15 @@ codel_target_s = 0.2
 heavy = { share = 0.85 }     #   share of the arrivals (a set's shares sum to 1),
 light = { share = 0.15, priority = 0, mix = "reference" }  # priority (default 0), mix (default the cell's)
 # and in [grid]: clients = ["none", "two-tenant"]  ("none": requests name no client; the default)
+
+[retry.naive]                # optional: named retry policies (keys: qsim.clients.RetryPolicy's fields)
+mode = "immediate"           #   none | immediate | fixed | exponential
+retry_after = "ignore"
+max_attempts = 5
+timeout_s = 8                #   the client hangs up on an attempt after 8 s and sends it again
+# and in [grid]: retry = ["none", "naive"]  ("none": clients never retry; the default)
+# and in [grid]: patience = ["none", "exponential:30"]  (qsim.clients.Patience specs; "none": the default)
+# with, in [sweep], patience_until = "answer" | "start" (default answer)
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -51,19 +60,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inputs.clientflags import patience_from_table, retry_from_table
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import REFERENCE_MIX, Mix, ServiceModel
+from qsim.clients import PATIENCE_UNTIL, RetryPolicy
 from qsim.policy import args_tables, resolve
 from qsim.workload import Client, check_clients, parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
-              "noise_cv": float, "fixed_estimate": bool}
+              "noise_cv": float, "fixed_estimate": bool, "patience_until": str}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
-             "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str}
-SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients"}
+             "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str, "retry": str,
+             "patience": str}
+SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients", "retry"}
 CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
 #: The client set of a cell whose requests name no client.
 NO_CLIENTS = "none"
+#: The retry policy of a cell whose clients never send a request again.
+NO_RETRY = "none"
+#: The patience of a cell whose clients wait forever (a trace file's own patience_s column, if any).
+NO_PATIENCE = "none"
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,12 @@ class SweepConfig:
     source: str = field(default="", compare=False)
     policy_args: dict[str, dict] = field(default_factory=dict)  # grid policy -> its parameters
     clients: dict[str, tuple[Client, ...]] = field(default_factory=dict)  # client set name -> its clients
+    retries: dict[str, RetryPolicy] = field(default_factory=dict)  # [retry.NAME] -> its policy
+    patience_until: str = "answer"  # what a grid patience waits for (the whole answer, or its start)
+
+    def patience(self, spec: str | None):
+        """The grid patience ``spec`` (None: the trace's own, i.e. none for synthetic arrivals)."""
+        return None if spec is None else patience_from_table("grid.patience", spec, self.patience_until)
 
     def policy(self, name: str):
         """The grid policy ``name`` with its [policy_args]."""
@@ -102,6 +124,8 @@ class SweepConfig:
             **({"policy_args": self.policy_args} if self.policy_args else {}),
             **({"clients": {k: [_client_dict(c) for c in v] for k, v in sorted(self.clients.items())}}
                if self.clients else {}),
+            **({"retry": {k: asdict(v) for k, v in sorted(self.retries.items())}} if self.retries else {}),
+            **({"patience_until": self.patience_until} if "patience" in self.grid else {}),
         }
 
     @property
@@ -149,7 +173,21 @@ def _clients(path: str, table: Any, mixes: dict[str, Mix]) -> dict[str, tuple[Cl
     return out
 
 
-def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dict) -> dict[str, tuple]:
+def _retries(path: str, table: Any) -> dict[str, RetryPolicy]:
+    """[retry.NAME] tables: each a RetryPolicy's fields, checked as ``qlab simulate``'s --retry-* flags are."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [retry] must be a table of named retry policies")
+    out = {}
+    for name, spec in table.items():
+        where = f"{path}: retry.{_key(name)}"
+        if name == NO_RETRY:
+            raise ConfigError(f"{where}: {NO_RETRY!r} is the built-in policy of no retries; choose another name")
+        out[name] = retry_from_table(where, spec)
+    return out
+
+
+def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dict,
+          retries: dict | None = None, patience_until: str = "answer") -> dict[str, tuple]:
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
     no_unknown_keys(f"{path}: [grid]", table, GRID_KEYS)
@@ -173,6 +211,11 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
             if key == "clients" and v != NO_CLIENTS and v not in clients:
                 raise ConfigError(f"{where}[{i}]: unknown client set {v!r}; define it under [clients.{_key(v)}] "
                                   f"(or use {NO_CLIENTS!r})")
+            if key == "retry" and v != NO_RETRY and v not in (retries or {}):
+                raise ConfigError(f"{where}[{i}]: unknown retry policy {v!r}; define it under [retry.{_key(v)}] "
+                                  f"(or use {NO_RETRY!r})")
+            if key == "patience":
+                patience_from_table(f"{where}[{i}]", v, patience_until)
             if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
@@ -188,6 +231,8 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         raise ConfigError(f"{path}: the grid needs load (synthetic arrivals) or trace (a file's arrivals)")
     if "time_scale" in grid and "trace" not in grid:
         raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
+    if "trace" not in grid and any(p.strip() == "column" for p in grid.get("patience", ())):
+        raise ConfigError(f"{path}: grid.patience 'column' reads a trace file's patience_s column; it needs grid.trace")
     if "trace" in grid and set(grid.get("clients", (NO_CLIENTS,))) != {NO_CLIENTS}:
         raise ConfigError(f"{path}: grid.clients applies to synthetic arrivals; a trace file brings its own "
                           "client_id and priority columns")
@@ -237,6 +282,9 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     positive_value(f"{path}: sweep.seeds", s["seeds"])
     positive_value(f"{path}: sweep.first_seed", s["first_seed"], zero_ok=True)
     positive_value(f"{path}: sweep.noise_cv", s["noise_cv"], zero_ok=True)
+    until = s.pop("patience_until", None)
+    if until is not None and until not in PATIENCE_UNTIL:
+        raise ConfigError(f"{path}: sweep.patience_until: expected one of {', '.join(PATIENCE_UNTIL)}, got {until!r}")
     try:
         parse_arrivals(s["arrivals"])
     except ValueError as exc:
@@ -253,8 +301,12 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         raise ConfigError(f"{path}: [service]: {exc}") from None
     mixes = _mixes(path, data.get("mixes", {}))
     clients = _clients(path, data.get("clients", {}), mixes)
-    grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients)
-    return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients,
+    retries = _retries(path, data.get("retry", {}))
+    grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients, retries, until or "answer")
+    if until is not None and "patience" not in grid:
+        raise ConfigError(f"{path}: sweep.patience_until applies only with grid.patience")
+    return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients, retries=retries,
+                       patience_until=until or "answer",
                        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"]), **s)
 
 

@@ -9,6 +9,8 @@ Layout of ``OUT``::
     summary_by_class.parquet   one row per cell and size class
     summary_by_client.parquet  one row per cell and client, for cells with clients ([clients] sets)
     summary_by_priority.parquet  one row per cell and priority, for cells with more than one
+    timeseries.parquet         one row per cell and second (analysis.metrics.over_time): offered attempts,
+                               goodput; for sweeps with a retry or patience axis or surge arrivals
 
 Crash safety: every file is written under a temporary name and renamed into
 place, so a file that exists is whole. Resuming: a cell whose file exists is
@@ -39,6 +41,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+import dataclasses
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -51,9 +54,9 @@ import pyarrow.parquet as pq
 from analysis import metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
-from qsim.workload import blended_means
+from qsim.workload import blended_means, parse_arrivals
 
-from .config import NO_CLIENTS, ConfigError, SweepConfig
+from .config import NO_CLIENTS, NO_PATIENCE, NO_RETRY, ConfigError, SweepConfig
 
 META_KEY = b"qlab.cell"
 
@@ -78,13 +81,39 @@ class Cell:
     time_scale: float | None
     seed: int
     clients: str | None = None  # a [clients] set; None: requests name no client
+    retry: str | None = None  # a [retry] policy; None: clients never retry
+    patience: str | None = None  # a patience spec; None: clients wait forever (or a trace file's own)
 
     @property
     def id(self) -> str:
-        # A cell without clients keeps the id it had before the axis existed (its file is resumed).
-        fields = {k: v for k, v in asdict(self).items() if not (k == "clients" and v is None)}
+        # A cell without clients, retries or patience keeps the id it had before those axes existed
+        # (its file is resumed).
+        fields = {k: v for k, v in asdict(self).items() if not (k in OPTIONAL_AXES and v is None)}
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+#: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and summary
+#: carry their column only when the sweep has the axis.
+OPTIONAL_AXES = ("clients", "retry", "patience")
+
+
+def _params(config: SweepConfig, cell: Cell) -> dict:
+    """The cell's parameters as its rows and summary carry them: retry and patience only in sweeps with that axis."""
+    return {k: v for k, v in asdict(cell).items() if k not in ("retry", "patience") or k in config.grid}
+
+
+def _surge(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
+    """(start_s, end_s) of the cell's surge of arrivals, or None (other arrivals, or a trace file)."""
+    if cell.trace is not None:
+        return None
+    kind, numbers = parse_arrivals(config.arrivals)
+    return (numbers[0], numbers[0] + numbers[1]) if kind == "surge" else None
+
+
+def _keeps_over_time(config: SweepConfig) -> bool:
+    """Whether cells keep their time series: sweeps of surges, retries or impatient clients, which change in time."""
+    return "retry" in config.grid or "patience" in config.grid or parse_arrivals(config.arrivals)[0] == "surge"
 
 
 def cells(config: SweepConfig) -> list[Cell]:
@@ -98,6 +127,8 @@ def cells(config: SweepConfig) -> list[Cell]:
         time_scale=g.get("time_scale", (1.0,)) if "trace" in g else (None,),
         seed=tuple(range(config.first_seed, config.first_seed + config.seeds)),
         clients=tuple(None if c == NO_CLIENTS else c for c in g.get("clients", (NO_CLIENTS,))),
+        retry=tuple(None if r == NO_RETRY else r for r in g.get("retry", (NO_RETRY,))),
+        patience=tuple(None if p == NO_PATIENCE else p for p in g.get("patience", (NO_PATIENCE,))),
     )
     return [Cell(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
 
@@ -120,17 +151,18 @@ def _trace(config: SweepConfig, cell: Cell):
                        time_scale=cell.time_scale or 1.0, arrivals=config.arrivals, load=cell.load,
                        engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
-                       clients=config.clients.get(cell.clients, ()))
+                       clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience))
 
 
 def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     """Simulate one cell: its rows as parquet bytes, and its summaries."""
     policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
     trace = _trace(config, cell)
-    frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate)
+    frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate,
+                     retry=config.retries.get(cell.retry))
     mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
     # The effective bound and deadline (the preset's unless the grid overrides them).
-    params = {"cell_id": cell.id, **asdict(cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
+    params = {"cell_id": cell.id, **_params(config, cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
     seconds = metrics.run_duration(frame, trace.duration_s)
     summary = {
         **params,
@@ -140,6 +172,15 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
         "capacity_rps": cell.engines / (cell.speed * mean_s),
         "capacity_tokens_per_s": cell.engines * mean_tokens / (cell.speed * mean_s),
     }
+    if "retry" in config.grid:  # every cell of a retry sweep has the end-to-end view, its no-retry baseline too
+        summary.update(metrics.retry_summary(frame, seconds))
+    over_time = None
+    if _keeps_over_time(config):
+        series = metrics.over_time(frame, until_s=seconds)
+        over_time = {k: series[k].tolist() for k in series.columns}
+        surge = _surge(config, cell)
+        if surge is not None:
+            summary.update(metrics.recovery(series, *surge))
 
     def _grouped(column: str, table: pd.DataFrame) -> list[dict]:  # one JSON-ready row per group
         return [{**params, column: None if pd.isna(label) else label, **row}
@@ -162,10 +203,13 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     # type null, which a dataset of the cells cannot read beside another cell's typed one (cast to null is
     # unsupported): give it its axis's type. The values (all null) are unchanged.
     for name, kind in (("clients", pa.large_string()), ("trace", pa.large_string()), ("max_queue", pa.int64()),
-                       ("time_scale", pa.float64()), ("load", pa.float64())):
+                       ("time_scale", pa.float64()), ("load", pa.float64()), ("retry", pa.large_string()),
+                       ("patience", pa.large_string())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))
+    if over_time is not None:
+        groups["over_time"] = over_time
     meta = json.dumps({"summary": summary, "by_class": by_class, **groups}).encode()
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: meta})
     buffer = io.BytesIO()
@@ -256,7 +300,16 @@ def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
         grouped = pd.DataFrame([row for m in metas for row in m.get(key, ())])
         if len(grouped):
             atomic_write(out / f"summary_{key}.parquet", parquet_bytes(grouped.astype({column: dtype})))
+    # Each cell's seconds, beside its parameters (those of the summary before its metrics: cell_id .. deadline_s).
+    series = [pd.DataFrame(m["over_time"]).assign(**_cell_columns(m["summary"])) for m in metas if "over_time" in m]
+    if series:
+        atomic_write(out / "timeseries.parquet", parquet_bytes(pd.concat(series, ignore_index=True)))
     return summary
+
+
+def _cell_columns(summary: dict) -> dict:
+    names = ["cell_id", *(f.name for f in dataclasses.fields(Cell)), "max_queue", "deadline_s"]
+    return {k: summary[k] for k in names if k in summary}
 
 
 # ------------------------------------------------------------------ executors

@@ -13,6 +13,11 @@ the pipe. Fault injection (synthetic engine): ``--fail-every N``,
 ``--hang-after N`` and ``--hang-for S``; ``--stall-factor`` and
 ``--stall-after`` set when the gate counts an engine as stalled (see
 :mod:`live.gate`).
+
+``--engine upstream --upstream-url URL`` forwards each admitted request to an
+OpenAI-compatible server (:mod:`live.upstream`), ``--engines K`` at a time; the
+upstream is asked for its models before the server starts, so an unreachable
+one is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
         faults = Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for)
         return [SyntheticEngine(model, cfg.speed, cfg.noise, cfg.seed + k, parse_schedule(cfg.speed_schedule),
                                 faults=faults) for k in range(cfg.engines)]
+    if cfg.engine == "upstream":
+        from . import upstream
+
+        spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout)
+        return upstream.make_engines(cfg.engines, spec)
     from . import gpt2  # torch loads here and nowhere else
 
     return gpt2.make_engines(cfg.engines, gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
@@ -73,6 +83,7 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool) -> None:
     elif not _is_loopback(cfg.host):
         print(f"qlab serve: --host {cfg.host}: reachable from other machines; there is no authentication", flush=True)
     print(f"qlab serve: policy {cfg.policy}, {cfg.engines} {cfg.engine} engine(s)"
+          + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
 
 
@@ -94,16 +105,16 @@ def cmd_serve(args) -> int:
     cfg = ServeOptions.from_args(args)
     policy = cfg.make_policy()
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
-    if cfg.engine == "gpt2" and not cfg.service_model:
-        print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
-              "speed tracker corrects them; `qlab calibrate` fits this machine", file=sys.stderr)
     import uvicorn  # the web stack loads only for the command that serves
 
     from .gate import Gate, GateConfig
     from .headcap import http_options
     from .http_api import create_app
 
-    engines = _engines(cfg, model)
+    engines = _engines(cfg, model)  # first: an engine that cannot start is the one line said
+    if cfg.engine != "synthetic" and not cfg.service_model:
+        print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
+              "speed tracker corrects them; `qlab calibrate` fits this engine", file=sys.stderr)
     for engine in engines:
         engine.warmup()
     gate = Gate(engines, GateConfig(policy, model, fixed_estimate=cfg.fixed_estimate, stall_factor=cfg.stall_factor,

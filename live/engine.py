@@ -1,9 +1,23 @@
 """Engines: what runs one request. The gate calls ``run`` from an engine thread.
 
-An engine is anything with the :class:`Engine` shape. Two exist: the GPT-2
-engine (:mod:`live.gpt2`, the only module that imports torch) and
+An engine is anything with the :class:`Engine` shape. Three exist: the GPT-2
+engine (:mod:`live.gpt2`, the only module that imports torch),
 :class:`SyntheticEngine`, which sleeps for the calibrated service time so the
-whole harness runs on machines without a GPU, in tests and in the demo.
+whole harness runs on machines without a GPU, in tests and in the demo, and the
+upstream engine (:mod:`live.upstream`), which forwards each request to an
+OpenAI-compatible server (vLLM, or another ``qlab serve``).
+
+Stopping a run. The gate hands ``run`` a :class:`Cancel` (``cancel=``, optional: an
+engine whose ``run`` has no such parameter is called without it) and sets it when the
+client of the running request leaves. An engine may stop early then and return an
+:class:`EngineResult` with ``stopped=True``; the gate teaches the speed tracker nothing
+from a stopped run's time. The synthetic engine waits on it instead of sleeping, GPT-2
+looks at it between decoding steps, the upstream engine closes its connection at once
+(:meth:`Cancel.when_set`: a thread blocked reading a socket cannot look at anything).
+
+An upstream engine's failures are :class:`UpstreamError` (an error status, no connection,
+an answer broken off) and :class:`UpstreamTimeout`; the gate tells them apart from an
+engine's own failure (502 and 504 instead of 500, see :mod:`live.http_api`).
 
 The synthetic engine also injects faults on a deterministic schedule
 (:class:`Faults`, ``qlab serve --fail-every N --hang-after N --hang-for S``),
@@ -15,11 +29,13 @@ server, not only in-process. A very slow engine needs no fault of its own:
 from __future__ import annotations
 
 import bisect
+import inspect
 import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from functools import partial
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -31,11 +47,65 @@ from .tokenizer import ByteTokenizer
 
 @dataclass(frozen=True)
 class EngineResult:
-    """What one run produced: the text, tokens generated and the engine's own seconds."""
+    """What one run produced: the text, tokens generated and the engine's own seconds.
+
+    first_token_s: seconds to the first token, where the engine sees it apart (None: it does not).
+    stopped: the run was cut short because its :class:`Cancel` was set; text and tokens are what
+    it had by then, and engine_s is not a service time (the gate teaches the tracker nothing from it).
+    """
 
     text: str
     tokens: int
     engine_s: float
+    first_token_s: float | None = None
+    stopped: bool = False
+
+
+class Cancel(threading.Event):
+    """Set (by the gate, on its event loop) when the client of a running request left.
+
+    An engine that polls calls ``is_set()`` or ``wait(seconds)``. One blocked in I/O registers
+    a callback with :meth:`when_set`, which ``set`` runs in the setting thread: keep it short and
+    non-blocking (shutting a socket down is), since that thread is the gate's event loop.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks_lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        with self._callbacks_lock:
+            super().set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def when_set(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run ``callback`` once this is set (now, if it is already); returns a function that unregisters it."""
+        with self._callbacks_lock:
+            if not self.is_set():
+                self._callbacks.append(callback)
+                return partial(self._forget, callback)
+        callback()
+        return lambda: None
+
+    def _forget(self, callback: Callable[[], None]) -> None:
+        with self._callbacks_lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+
+class UpstreamError(RuntimeError):
+    """An upstream server answered an error status, could not be reached, or broke its answer off."""
+
+    reason = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    """An upstream server sent nothing for longer than the engine's timeout."""
+
+    reason = "upstream_timeout"
 
 
 @runtime_checkable
@@ -48,6 +118,7 @@ class Engine(Protocol):
 
     max_new_tokens_limit: int | None
 
+    # An engine may also take ``cancel: Cancel | None = None`` (see the module docstring).
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None) -> EngineResult: ...
 
     def count_tokens(self, text: str) -> int: ...
@@ -55,6 +126,15 @@ class Engine(Protocol):
     def warmup(self) -> None: ...
 
     def info(self) -> dict: ...
+
+
+def takes_cancel(engine) -> bool:
+    """Whether ``engine.run`` takes ``cancel=`` (engines written before it existed do not)."""
+    try:
+        params = inspect.signature(engine.run).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return any(p.name == "cancel" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0) -> str | None:
@@ -144,7 +224,8 @@ class SyntheticEngine:
     speed > 1 is a slower machine. ``schedule`` changes the speed at given
     seconds since construction (the machine slowing down mid-run). The text is
     ``tokens`` copies of one word, so its length follows the request.
-    ``faults`` makes given runs raise or hang (see :class:`Faults`).
+    ``faults`` makes given runs raise or hang (see :class:`Faults`). A run's ``cancel``
+    ends its wait at once (``stopped``); a hang does not listen, as a wedged driver would not.
     """
 
     max_new_tokens_limit = None
@@ -180,7 +261,8 @@ class SyntheticEngine:
             noise = float(lognormal_noise(self._rng, 1, self.noise_cv)[0])
         return float(self.model.estimate(max_new_tokens)) * speed * noise
 
-    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None) -> EngineResult:
+    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
+            cancel: threading.Event | None = None) -> EngineResult:
         start = time.perf_counter()
         with self._rng_lock:
             self._runs += 1
@@ -188,8 +270,12 @@ class SyntheticEngine:
         if self.faults.fails(n):
             raise InjectedFault(f"injected failure on run {n} (fail every {self.faults.fail_every})")
         if self.faults.hangs(n):
-            self._never.wait(self.faults.hang_s)
-        time.sleep(self.duration_s(max_new_tokens))
+            self._never.wait(self.faults.hang_s)  # a wedged driver: deaf to cancel too
+        duration = self.duration_s(max_new_tokens)
+        if cancel is None:
+            time.sleep(duration)
+        elif cancel.wait(duration):  # the client left: the rest of the work is not done
+            return EngineResult("", 0, time.perf_counter() - start, stopped=True)
         text = " tok" * max_new_tokens
         cut = apply_stop(text, stop)
         # The sleep was for every token: a synthetic stop shortens the text, not the work.

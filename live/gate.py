@@ -14,7 +14,8 @@ only about the times they feed the core:
   engine's own time (a failure teaches nothing), and gives the engine the next
   request, dropping those that cannot finish (``expire_at_front``);
 * a client leaves: its future is cancelled and the core takes it out of the
-  queue (a running one holds its engine until ``engine.run`` returns).
+  queue; a running one holds its engine until ``engine.run`` returns, which the
+  gate hastens by setting the run's :class:`~live.engine.Cancel` (below).
 
 Every piece of state lives on the event loop thread; engine threads only run
 ``engine.run`` and post the result back with ``call_soon_threadsafe``, so no
@@ -33,6 +34,24 @@ so predictive admission keeps refusing. While *every* engine is stalled, a
 waiting request whose deadline has passed is ended (``expired`` under a policy
 that expires at the front, else :class:`EngineStalled`). ``/healthz`` says
 "degraded" meanwhile. When nothing stalls the watchdog changes nothing.
+
+Cancelling a run. Each run gets a :class:`~live.engine.Cancel` (``engine.run(...,
+cancel=)``, for an engine whose ``run`` takes it), set on the event loop when the core
+says a cancelled request was running (``AdmissionQueue.cancel`` -> "running"), and by
+:meth:`Gate.close`. The engine may stop early (the synthetic engine stops waiting, GPT-2
+stops between decoding steps, the upstream engine closes its connection, so the upstream
+server sees its client leave too) and hands back ``EngineResult(stopped=True)``. The core
+is then told ``ok=False``: the request had already ended (counted as cancelled), so
+there is no outcome, and a truncated time teaches the speed tracker nothing. The engine
+is free as soon as the run returns (for the core, an earlier hand-back like any other).
+A stalled run is not cancelled: the stall rule stops waiting for a run, not the run (a
+wedged engine would not listen anyway); a slow upstream is ended by its own timeout.
+
+Upstream failures. An upstream engine (:mod:`live.upstream`) raises
+:class:`~live.engine.UpstreamError` or :class:`~live.engine.UpstreamTimeout`; the request
+then fails with :class:`UpstreamFailed` or :class:`UpstreamTimedOut` (both
+:class:`EngineFailed`: outcome error, the tracker learns nothing), which the HTTP layer
+answers 502 and 504, and each one counts in ``Timings.upstream_errors``.
 
 What the gate reports per request is exactly what the core knew at that
 moment (:class:`Arrival`, and the gate-clock times an engine took and handed
@@ -56,7 +75,7 @@ from qsim.queue import STALL_REASON, AdmissionQueue, StallRule
 from qsim.records import OUTCOMES
 from qsim.service import ServiceModel, SpeedTracker
 
-from .engine import Engine, EngineResult
+from .engine import Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, takes_cancel
 from .timings import Timings
 
 #: Outcomes the gate counts; a client that leaves is counted apart, as ``cancelled``.
@@ -139,6 +158,7 @@ class Answer:
     arrival: Arrival
     started_at: float = math.nan
     returned_at: float = math.nan
+    first_token_s: float | None = None  # the engine's own seconds to its first token, where it sees that
 
 
 class Rejected(Exception):
@@ -178,6 +198,24 @@ class EngineFailed(Exception):
         self.numbers = {"engine": engine, **(numbers or {})}
 
 
+class UpstreamFailed(EngineFailed):
+    """The upstream server of an upstream engine answered an error, could not be reached, or broke off."""
+
+    reason = UpstreamError.reason
+
+
+class UpstreamTimedOut(UpstreamFailed):
+    """The upstream server sent nothing for longer than the upstream engine's timeout."""
+
+    reason = UpstreamTimeout.reason
+
+
+def _failure_type(error: BaseException) -> type[EngineFailed]:
+    if isinstance(error, UpstreamTimeout):
+        return UpstreamTimedOut
+    return UpstreamFailed if isinstance(error, UpstreamError) else EngineFailed
+
+
 class EngineStalled(Exception):
     """Given up behind a stalled engine: it ran past its engine's threshold, or it waited past its
     deadline while every engine was stalled.
@@ -201,6 +239,7 @@ class _Ticket:
     future: asyncio.Future
     engine: int = -1
     start: float = math.nan
+    cancel: Cancel | None = None  # set when its client leaves while it runs
 
 
 @dataclass(frozen=True)
@@ -216,6 +255,7 @@ class _EngineThread:
 
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
+        self._takes_cancel = takes_cancel(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"qlab-engine-{k}", daemon=True)
@@ -234,8 +274,9 @@ class _EngineThread:
         while (ticket := self._inbox.get()) is not None:
             job = ticket.job
             began = time.perf_counter()
+            cancel = {"cancel": ticket.cancel} if self._takes_cancel else {}
             try:
-                result = self.engine.run(job.prompt, job.max_new_tokens, job.stop or None)
+                result = self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel)
                 if not isinstance(result, EngineResult):
                     raise TypeError(f"engine returned {type(result).__name__}, not EngineResult")
             except Exception as exc:  # one failed request must not take the engine down
@@ -268,7 +309,9 @@ class Gate:
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
         self.ended_by_reason = dict.fromkeys([("expired", EXPIRE_REASON), ("expired", CODEL_REASON),
-                                              ("error", EngineFailed.reason), ("error", STALL_REASON)], 0)
+                                              ("error", EngineFailed.reason), ("error", STALL_REASON),
+                                              ("error", UpstreamFailed.reason), ("error", UpstreamTimedOut.reason)],
+                                             0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
@@ -319,10 +362,11 @@ class Gate:
         """Admit the job and return a future of its :class:`Answer`, or raise :class:`Rejected`.
 
         Never blocks. The future fails with :class:`DeadlineExceeded` (dropped at
-        the front), :class:`EngineFailed` or :class:`EngineStalled`; cancelling it
-        while the job waits takes the job out of the queue. Cancelling it while it
-        runs leaves the engine busy until ``engine.run`` returns (a thread cannot
-        be stopped mid-generation): only then is the engine free for the next.
+        the front), :class:`EngineFailed` (:class:`UpstreamFailed`, :class:`UpstreamTimedOut`)
+        or :class:`EngineStalled`; cancelling it while the job waits takes the job out of
+        the queue. Cancelling it while it runs sets the run's cancel event; the engine is
+        busy until ``engine.run`` returns (at once for an engine that listens, at the end
+        of the run for one that does not): only then is it free for the next.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
@@ -347,6 +391,7 @@ class Gate:
 
     def _start(self, k: int, ticket: _Ticket, now: float, est: float) -> None:
         ticket.engine, ticket.start = k, now
+        ticket.cancel = Cancel()
         if self._closed:  # shutting down: no engine thread will take it; close() cancels its future
             return
         # No arrival yet: an idle engine took it inside arrive(), at its arrival time.
@@ -377,18 +422,24 @@ class Gate:
     def _finished(self, k: int, ticket: _Ticket, result: EngineResult | _Failure) -> None:
         now = self.clock()
         failed = isinstance(result, _Failure)
-        self.timings.engine.observe(result.engine_s)  # before the early return: a stalled run's time counts too
-        outcome = self.queue.finished(k, now, result.engine_s, ok=not failed)
+        # Before the early return: a stalled (or cancelled) run's time and a failed upstream call count too.
+        self.timings.engine.observe(result.engine_s)
+        if failed and isinstance(result.error, UpstreamError):
+            self.timings.upstream_errors += 1
+        if not failed and result.stopped:  # cut short: its time is no service time
+            result = _Failure(RuntimeError("the engine stopped the run unasked"), result.engine_s)
+        outcome = self.queue.finished(k, now, result.engine_s, ok=not isinstance(result, _Failure))
         if outcome is None:
             return  # it had ended already: stalled (a hang's time teaches nothing), or its client left
         held = {"started_at": ticket.start, "returned_at": now}
-        if failed:
-            error = EngineFailed(k, result.error, ticket.arrival, {**held, "engine_s": result.engine_s})
+        if isinstance(result, _Failure):
+            error = _failure_type(result.error)(k, result.error, ticket.arrival, {**held, "engine_s": result.engine_s})
             self._resolve(ticket, outcome, exc=error, cause=result.error)
             return
         latency = now - ticket.arrival.at
         self._resolve(ticket, outcome, Answer(result.text, result.tokens, outcome, ticket.start - ticket.arrival.at,
-                                              result.engine_s, latency, k, ticket.arrival, ticket.start, now))
+                                              result.engine_s, latency, k, ticket.arrival, ticket.start, now,
+                                              result.first_token_s))
 
     def _resolve(self, ticket: _Ticket, outcome: str, answer: Answer | None = None, exc: Exception | None = None,
                  cause: BaseException | None = None) -> None:
@@ -428,11 +479,13 @@ class Gate:
         self._resolve(ticket, "error", exc=EngineStalled(message, k, numbers, ticket.arrival))
 
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
-        """A cancelled future is a client that left: a waiting one leaves the queue with its work."""
+        """A cancelled future is a client that left: a waiting one leaves the queue with its work, a
+        running one's engine is asked to stop."""
         if not future.cancelled():
             return
         self.cancelled += 1
-        self.queue.cancel(ticket, self.clock())
+        if self.queue.cancel(ticket, self.clock()) == "running" and ticket.cancel is not None:
+            ticket.cancel.set()
 
     # -- observation ------------------------------------------------------------
 

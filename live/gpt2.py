@@ -18,13 +18,16 @@ Tokenizer: the model's own where its files load; otherwise (always for
 
 Decoding generates exactly ``max_new_tokens`` tokens (end-of-text does not
 stop it: the study wants the work to follow the request's size) unless a stop
-string appears in the decoded text, which is then cut before the stop string.
+string appears in the decoded text, which is then cut before the stop string,
+or the gate cancels the run (its client left): decoding then stops before the
+next step and the run reports ``stopped``.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -164,11 +167,13 @@ class GPT2Engine:
 
     # -- the Engine protocol ------------------------------------------------
 
-    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None) -> EngineResult:
+    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
+            cancel: threading.Event | None = None) -> EngineResult:
         start = time.perf_counter()
         ids = self._prompt_ids(prompt, max_new_tokens)
-        new_ids, text = self._generate(ids, max_new_tokens, tuple(stop or ()))
-        return EngineResult(text, len(new_ids), time.perf_counter() - start)
+        new_ids, text = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel)
+        stopped = cancel is not None and cancel.is_set() and len(new_ids) < max_new_tokens
+        return EngineResult(text, len(new_ids), time.perf_counter() - start, stopped=stopped)
 
     def count_tokens(self, text: str) -> int:
         return self.tokenizer.count(text)
@@ -203,7 +208,8 @@ class GPT2Engine:
         return ids or [self._bos]
 
     @torch.inference_mode()
-    def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...]) -> tuple[list[int], str]:
+    def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...],
+                  cancel: threading.Event | None = None) -> tuple[list[int], str]:
         x = torch.tensor([ids], device=self.device)
         cache = None
         steps: list[torch.Tensor] = []
@@ -211,6 +217,8 @@ class GPT2Engine:
         longest = max((len(s) for s in stop), default=0)
         seen = 0  # characters already searched for a stop string
         for _ in range(max_new_tokens):
+            if cancel is not None and cancel.is_set():  # the client left: the rest is work for nobody
+                break
             out = self.net(input_ids=x, use_cache=True, **{self._cache_kw: cache}, **self._keep)
             cache = getattr(out, self._cache_kw)
             x = out.logits[:, -1:].argmax(-1)  # greedy; shape (1, 1), stays on the device

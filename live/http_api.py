@@ -18,8 +18,10 @@ OpenAI-compatible routes mounted beside ``/v1/generate``.)
 type ``overloaded`` (503, refused at arrival), ``deadline_exceeded`` (503,
 dropped at the front), ``invalid_request`` (4xx), ``engine_error`` (500:
 reason ``engine_exception`` when the engine raised, ``engine_stalled`` when
-the gate gave up on a stalled engine, see :mod:`live.gate`) or
-``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
+the gate gave up on a stalled engine, see :mod:`live.gate`; 502 ``upstream_error``
+when the upstream server of ``--engine upstream`` answered an error, could not be
+reached or broke its answer off; 504 ``upstream_timeout`` when it sent nothing for
+``--upstream-timeout`` seconds) or ``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
 server cannot take the work now, not "this client sent too much". That one is
 type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
 bucket (``client_rate``, ``client_burst``) refused a client over its rate,
@@ -44,9 +46,9 @@ tests/test_http_api.py checks by sending the same requests both ways.
 Every other path goes through FastAPI as usual.
 
 A client that hangs up cancels its request: a waiting one leaves the queue at
-once; a running one is counted as ``cancelled`` at once, and its engine is
-free for the next request when ``engine.run`` returns (it cannot be stopped
-mid-generation).
+once; a running one is counted as ``cancelled`` at once, its engine is asked to
+stop (see :mod:`live.gate`), and the engine is free for the next request when
+``engine.run`` returns.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ from starlette.types import Receive, Scope, Send
 from qsim.policy import RATE_LIMITED
 from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
-from .gate import Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected
+from .gate import (Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected, UpstreamFailed,
+                   UpstreamTimedOut)
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 
 GENERATE = "/v1/generate"
@@ -187,6 +190,12 @@ async def _engine_failed(_: Request, exc: EngineFailed) -> JSONResponse:
     return error_response(500, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
 
 
+async def _upstream_failed(_: Request, exc: UpstreamFailed) -> JSONResponse:
+    # 502: the server behind the gate failed; 504: it did not answer in time. Outcome error either way.
+    status = 504 if isinstance(exc, UpstreamTimedOut) else 502
+    return error_response(status, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
+
+
 async def _engine_stalled(_: Request, exc: EngineStalled) -> JSONResponse:
     return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
 
@@ -297,9 +306,10 @@ def _answer_body(answer: Answer, total_s: float) -> dict:
         "outcome": answer.outcome,
         "engine": answer.engine,
         # started_at / returned_at are the gate's clock: the engine counted busy in between.
+        # first_token_s: the engine's own time to its first token (null for an engine that does not see it).
         "timings": {"queue_s": answer.queue_s, "engine_s": answer.engine_s, "total_s": total_s,
                     "est_service_s": a.est_service_s, "started_at": answer.started_at,
-                    "returned_at": answer.returned_at},
+                    "returned_at": answer.returned_at, "first_token_s": answer.first_token_s},
         "admission": a.numbers(),
     }
 
@@ -310,7 +320,7 @@ def _answer_body(answer: Answer, total_s: float) -> dict:
 #: Each exception's answer (looked up along its class's MRO, as Starlette does).
 HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
     Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, EngineFailed: _engine_failed,
-    EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
+    UpstreamFailed: _upstream_failed, EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
     RequestValidationError: _request_validation, Exception: _unexpected,
 }
 

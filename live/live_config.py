@@ -28,6 +28,14 @@ max_new_tokens = 16
 [replay]
 timeout_s = 300
 prompt_words = 16
+patience = "none"        # optional: how long each client waits from its first send (qsim.clients.Patience:
+                         # exponential:MEAN_S, deterministic:SECONDS, lognormal:MEAN_S:CV, column)
+patience_until = "answer"  # the whole answer (start is the simulator's alone: a client cannot see it)
+
+[retry]                  # optional: how clients send a refused request again (qsim.clients.RetryPolicy's fields,
+mode = "exponential"     # as qlab replay's --retry-* flags); none by default
+jitter = 1.0
+max_attempts = 3
 
 [[trace]]                # one or more; nominal_load may be a list (one trace per value)
 name = "poisson"
@@ -45,8 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from inputs.clientflags import patience_from_table, retry_from_table
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import PRESETS
+from qsim.clients import Patience, RetryPolicy
 from qsim.policy import args_tables, resolve
 from qsim.workload import parse_arrivals
 
@@ -57,13 +67,13 @@ from .serve_options import ServeOptions
 SERVER_KEYS = {**ServeOptions.toml_kinds(), "policies": list, "startup_timeout_s": float}
 CALIBRATE_KEYS = {"rounds": int, "per_size": int}
 PROBE_KEYS = {"requests": int, "max_new_tokens": int}
-REPLAY_KEYS = {"timeout_s": float, "prompt_words": int}
+REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "patience": str, "patience_until": str}
 TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seconds": float, "requests": int,
               "seed": int, "file": str, "time_scale": float}
 #: Keys that were renamed: an old file is refused with the new name rather than run with another meaning.
 RENAMED_TRACE_KEYS = {"load": ("nominal_load", "a live trace's rate is relative to the calibrated capacity; "
                                                "`load` means utilisation at the simulated speed")}
-SECTIONS = {"server", "calibrate", "probe", "replay", "trace", "policy_args"}
+SECTIONS = {"server", "calibrate", "probe", "replay", "trace", "policy_args", "retry"}
 #: A trace's arrival window when it gives neither seconds nor requests (``qlab replay``'s default too).
 DEFAULT_SECONDS = 40.0
 
@@ -84,6 +94,13 @@ class ProbeConfig:
 class ReplaySettings:
     timeout_s: float = 300.0
     prompt_words: int = 16
+    patience: str = "none"  # a qsim.clients.Patience spec: how long each client waits from its first send
+    patience_until: str = "answer"
+
+    @property
+    def clients_patience(self) -> Patience | None:
+        """The traces' patience (None: the trace's own, i.e. a trace file's patience_s column, if any)."""
+        return None if self.patience == "none" else Patience.parse(self.patience, self.patience_until)
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,7 @@ class LiveConfig:
     startup_timeout_s: float = 180.0
     source: str = ""
     policy_args: dict = field(default_factory=dict)  # policy -> its parameters ([policy_args.NAME])
+    retry: RetryPolicy | None = None  # [retry]: how the clients send a refused request again (None: never)
 
     def serve_options(self, policy: str, **changes) -> ServeOptions:
         """The options of the server for ``policy``: the [server] table's, that policy and its parameters."""
@@ -201,13 +219,34 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
     replay = ReplaySettings(**_table(path, data, "replay", REPLAY_KEYS))
     for where, cfg in (("calibrate", calibrate), ("probe", probe), ("replay", replay)):
         for key, value in (vars(cfg) if cfg else {}).items():
-            positive_value(f"{path}: {where}.{key}", value)
+            if not isinstance(value, str):
+                positive_value(f"{path}: {where}.{key}", value)
     server, extra = _server(path, data)
     try:
         extra["policy_args"] = args_tables(data.get("policy_args", {}), extra.get("policies", LiveConfig.policies))
     except ValueError as exc:
         _fail(path, str(exc))
-    return LiveConfig(server, calibrate, probe, replay, _traces(path, data), **extra, source=path)
+    traces = _traces(path, data)
+    _clients(path, data, replay, traces)
+    if "retry" in data:
+        extra["retry"] = retry_from_table(f"{path}: retry", data["retry"])
+    return LiveConfig(server, calibrate, probe, replay, traces, **extra, source=path)
+
+
+def _clients(path: str, data: dict, replay: ReplaySettings, traces: tuple[TraceSpec, ...]) -> None:
+    """The [replay] patience: a spec the simulator reads too, waiting for the answer (a live client cannot
+    see its request start), and 'column' only where every trace is a file (its patience_s column)."""
+    where = f"{path}: replay.patience"
+    if "patience_until" in data.get("replay", {}) and replay.patience == "none":
+        _fail(f"{where}_until", "needs replay.patience")
+    if replay.patience == "none":
+        return
+    patience = patience_from_table(where, replay.patience, replay.patience_until)
+    if patience.until == "start":
+        _fail(f"{where}_until", "start is simulator-only: over plain HTTP a client cannot see its request start; "
+                                "use answer")
+    if patience.kind == "column" and any(t.file is None for t in traces):
+        _fail(where, "'column' reads a trace file's patience_s column; every [[trace]] then needs a file")
 
 
 def load(path: str | Path) -> LiveConfig:

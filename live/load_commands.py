@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pandas as pd
 
+from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int, renamed
 from inputs.atomic import write_parquet
 from qsim import ServiceModel, build_trace, records
@@ -37,13 +38,22 @@ def _server_engines(url: str) -> int:
 # ------------------------------------------------------------------ replay
 
 
-def _trace(args):
+def _trace(args, patience=None):
     model = _model(args.service_model)
     engines = 1 if args.trace else args.engines or _server_engines(args.url)  # a trace file has its own rate
     # A nominal load is relative to the calibrated capacity: make_trace at speed 1 (the calibration).
     return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=args.nominal_load,
                        engines=engines, seconds=args.seconds, requests=args.requests, default_seconds=DEFAULT_SECONDS,
-                       seed=args.seed, model=model)
+                       seed=args.seed, model=model, patience=patience)
+
+
+def _clients(args):
+    """The patience and retry flags, checked before anything is asked of the server."""
+    patience, retry = clientflags.from_args(args)
+    if patience is not None and patience.until == "start":
+        raise ValueError("--patience-until start is simulator-only: over plain HTTP a client cannot see its request "
+                         "start (use answer, the default)")
+    return patience, retry
 
 
 def _print_effective_load(args, frame: pd.DataFrame) -> None:
@@ -68,22 +78,45 @@ def _print_outcomes(frame: pd.DataFrame) -> None:
         print(f"{len(errors)} errors, first: {errors.iloc[0]}")
 
 
-def cmd_replay(args) -> int:
-    from .loadgen import ReplayConfig, lateness, replay
+def _print_retries(frame: pd.DataFrame, duration_s: float) -> None:
+    """End to end (from each request's first send), when clients retried or gave up."""
+    from analysis.metrics import end_to_end, retry_summary
 
-    trace = _trace(args)
+    if not (frame["attempt"].gt(1).any() or frame["outcome"].eq("abandoned").any()):
+        return
+    e2e = end_to_end(frame)
+    counts = e2e["outcome"].value_counts().reindex(list(OUTCOMES), fill_value=0)
+    print(f"end to end, {len(e2e)} requests: " + "  ".join(f"{o} {n}" for o, n in counts.items()))
+    if frame["attempt"].gt(1).any():
+        s = retry_summary(frame, duration_s or None)
+        print(f"retries: {s['attempts_per_request']:.3f} attempts per request; end to end (from the first send) "
+              f"{s['share_good_e2e']:.3f} in time, goodput {s['goodput_e2e_rps']:.3f} requests/s; "
+              f"Retry-After adherence {s['retry_after_adherence']:.3f}")
+
+
+def cmd_replay(args) -> int:
+    from .loadgen import ReplayConfig, check_patience, lateness, replay
+
+    patience, retry = _clients(args)
+    cfg = ReplayConfig(args.url.rstrip("/"), timeout_s=args.timeout, prompt_words=args.prompt_words,
+                       max_prompt_words=args.max_prompt_words, late_warn_s=args.late_warn_ms / 1e3, retry=retry)
+    trace = _trace(args, patience)
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
-    cfg = ReplayConfig(args.url.rstrip("/"), timeout_s=args.timeout, prompt_words=args.prompt_words,
-                       max_prompt_words=args.max_prompt_words, late_warn_s=args.late_warn_ms / 1e3)
+    check_patience(trace)
     print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}", flush=True)
     frame = replay(trace, cfg)
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
     _print_outcomes(frame)
+    _print_retries(frame, trace.duration_s)
     _print_effective_load(args, frame)
     print(f"send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "
           f"max {late['max_s'] * 1e3:.2f} ms")
+    if frame["attempt"].gt(1).any():
+        late = lateness(frame, retries=True)
+        print(f"retry send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "
+              f"max {late['max_s'] * 1e3:.2f} ms")
     print(f"wrote {len(frame)} rows to {args.out}")
     return 0
 
@@ -113,6 +146,7 @@ def _replay_parser(sub) -> None:
     p.add_argument("--max-prompt-words", type=positive_int, default=64, help="cap on prompt length")
     p.add_argument("--late-warn-ms", type=positive, default=5.0, help="warn when the p99 send lateness passes this")
     p.add_argument("--out", required=True, help="the run's .parquet file")
+    clientflags.add_flags(p)
 
 
 # ------------------------------------------------------------------ calibrate
@@ -165,13 +199,19 @@ def cmd_compare(args) -> int:
     out = Path(args.out) if args.out else Path(args.run).with_suffix("")
     out.mkdir(parents=True, exist_ok=True)
     result.joined.to_parquet(out / "compare.parquet", index=False)
+    if result.requests is not None:
+        result.requests.to_parquet(out / "requests.parquet", index=False)
     figure(result, out / "compare.png")
     s = result.summary
     if args.json:
         print(json.dumps({"summary": s, "confusion": result.confusion.to_dict(orient="index"),
                           "reasons": result.reasons.to_dict(orient="index")}, indent=2))
         return 0
-    print(f"{args.run}: {int(s['requests'])} requests replayed in the simulator with what the gate knew of each")
+    if result.requests is None:
+        print(f"{args.run}: {int(s['requests'])} requests replayed in the simulator with what the gate knew of each")
+    else:
+        print(f"{args.run}: {int(s['requests_e2e'])} requests ({int(s['live_attempts'])} attempts) replayed in the "
+              "simulator with what the gate knew of each, and the run's patience and retry policy")
     for rule, text in RULES.items():
         if s[f"replayed_{rule}"]:
             print(f"  {int(s[f'replayed_{rule}'])} engine times: {text}")
@@ -192,6 +232,14 @@ def cmd_compare(args) -> int:
           f"both answered: |error| p50 {s['latency_abs_error_p50_s'] * 1e3:.2f} ms, p90 "
           f"{s['latency_abs_error_p90_s'] * 1e3:.2f} ms, p99 {s['latency_abs_error_p99_s'] * 1e3:.2f} ms; "
           f"mean signed {s['latency_error_mean_s'] * 1e3:+.2f} ms")
+    if result.requests is not None:
+        print(f"end to end, per request (from its first send): {int(s['e2e_disagreements'])} of "
+              f"{int(s['requests_e2e'])} disagree ({s['e2e_disagreement_rate']:.1%}): outcome "
+              f"{int(s['e2e_outcome_disagreements'])}, attempt count {int(s['attempt_count_disagreements'])}; attempts "
+              f"live {int(s['live_attempts'])}, sim {int(s['sim_attempts'])}; abandoned live "
+              f"{int(s['live_abandoned_e2e'])}, sim {int(s['sim_abandoned_e2e'])}")
+        print(f"wrote {out / 'compare.parquet'}, {out / 'requests.parquet'} and {out / 'compare.png'}")
+        return 0
     print(f"wrote {out / 'compare.parquet'} and {out / 'compare.png'}")
     return 0
 

@@ -9,11 +9,26 @@ any waiting the rows show happened in the service, which is what we study.
 Every request ends in exactly one row of qsim's schema (:mod:`qsim.records`),
 even when the server dies: a transport failure is outcome ``error`` (the rows
 themselves are built by :mod:`live.rows`).
+
+Clients that give up and retry, as the simulator's do (:mod:`qsim.clients`, one
+copy of the rules). Patience (the trace's ``patience_s``, counted from the
+request's first send): the client hangs up on the attempt in flight at first send
++ patience, cancelling the HTTP request, which closes its connection (the gate
+takes a waiting request out of its queue, and tells a running one's engine to
+stop); the retry policy's ``timeout_s`` hangs up on each attempt that long after
+its send. Either way the attempt is a row, ``abandoned`` (client_left,
+client_timeout). After every other attempt, :class:`qsim.clients.Retrier` is told
+how it ended (the HTTP status, None without an answer, and Retry-After) and
+answers when to send again: the retry is sent at that time on the same clock as
+the first attempts, whose open-loop schedule does not change. Patience "until
+start" is the simulator's alone: over plain HTTP a client cannot see its request
+start, so :func:`replay_async` refuses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import math
 import resource
@@ -27,8 +42,10 @@ import numpy as np
 import pandas as pd
 
 from qsim import Trace
+from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
+from qsim.model import LEFT_REASON
 
-from .rows import Exchange, number, server_info, to_frame
+from .rows import ClientSettings, Exchange, number, retry_after_s, server_info, to_frame
 
 #: Words of the synthetic prompts; common lowercase words are one GPT-2 token each.
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
@@ -54,7 +71,9 @@ class ReplayConfig:
     timeout_s bounds one request end to end: long enough for a request stuck
     behind an unbounded queue to be answered late rather than counted an error.
     lead_s is the head start between starting the clock and the first send, so
-    that the first requests do not leave late.
+    that the first requests do not leave late. retry: how clients send a request
+    again (None: never; its timeout_s is the per-attempt hang-up); retry_seed: the
+    jitter's seed (None: the trace's seed, as :func:`qsim.simulate` takes it).
     """
 
     url: str
@@ -64,6 +83,8 @@ class ReplayConfig:
     lead_s: float = 0.2
     late_warn_s: float = 0.005
     max_warm_connections: int = 256
+    retry: RetryPolicy | None = None
+    retry_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -72,6 +93,8 @@ class ReplayConfig:
             raise ValueError("timeout_s and late_warn_s must be > 0 and lead_s >= 0")
         if not 1 <= self.prompt_words <= self.max_prompt_words:
             raise ValueError("need 1 <= prompt_words <= max_prompt_words")
+        if self.retry is not None and not isinstance(self.retry, RetryPolicy):
+            raise ValueError(f"retry must be a qsim.clients.RetryPolicy, got {type(self.retry).__name__}")
 
 
 def synthetic_prompt(words: int) -> str:
@@ -177,34 +200,126 @@ async def warm_up(lanes: Lanes, connections: int) -> None:
     await asyncio.gather(*(lanes.send(lanes.request("GET", "/healthz")) for _ in range(connections)))
 
 
-async def _send(lanes: Lanes, request: httpx.Request, at: float, t0: float) -> Exchange:
-    loop = asyncio.get_running_loop()
-    sent = loop.time()
-    try:
-        response = await lanes.send(request)
-    except Exception as exc:  # any failure is this request's one row, never a lost request
-        return Exchange(at, sent - t0, loop.time() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
-    done = loop.time()
-    try:
-        payload = response.json()
-    except ValueError:
-        payload = None
-    return Exchange(at, sent - t0, done - t0, response.status_code, payload, response.headers.get("retry-after"))
+class _Clients:
+    """Every attempt of one replay: the open-loop sends of the first attempts, the hang-ups, and the
+    retries :class:`qsim.clients.Retrier` asks for, each sent at its time on the same clock.
 
-
-async def _dispatch(lanes: Lanes, requests: list[httpx.Request], times, t0: float) -> list[Exchange]:
-    """Start request i's task at its time, never waiting for an answer: the open loop.
-
-    One dispatcher rather than one timer per request: asyncio orders equal timers
-    arbitrarily, and requests due at the same instant (a burst) must leave in
-    trace order. Tasks created together run in creation order.
+    exchanges: the first attempts in trace order, then each retry in the order it was decided (its
+    request_id), as :func:`qsim.simulate` numbers them.
     """
-    loop = asyncio.get_running_loop()
-    tasks = []
-    for request, at in zip(requests, times):
-        await _until(loop, t0 + at)
-        tasks.append(asyncio.create_task(_send(lanes, request, at, t0)))
-    return list(await asyncio.gather(*tasks))
+
+    def __init__(self, lanes: Lanes, trace: Trace, bodies: list[dict], retry: RetryPolicy | None, seed: int,
+                 t0: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.lanes, self.bodies, self.t0 = lanes, bodies, t0
+        self.patience = np.asarray(trace.patience_s, dtype=float).tolist()  # from the first send; inf: none
+        # As in the simulator: no retrier (and no per-attempt timeout) unless the policy retries.
+        self.retrier = Retrier(retry, trace.arrival_s, seed) if retry is not None and retry.retries else None
+        self.timeout_s = math.inf if self.retrier is None or retry.timeout_s is None else retry.timeout_s
+        self.first_sent = [math.nan] * len(trace)
+        self.exchanges: list[Exchange | None] = [None] * len(trace)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self, requests: list[httpx.Request], times) -> list[Exchange]:
+        """Start request i's first attempt at its time, never waiting for an answer: the open loop;
+        then wait until every attempt, retries included, has ended.
+
+        One dispatcher rather than one timer per request: asyncio orders equal timers
+        arbitrarily, and requests due at the same instant (a burst) must leave in
+        trace order. Tasks created together run in creation order.
+        """
+        loop, t0 = self.loop, self.t0
+        for i, (request, at) in enumerate(zip(requests, times)):
+            await _until(loop, t0 + at)
+            self._spawn(self._attempt(i, i, 1, request, at))
+        while self._tasks:
+            done, _ = await asyncio.wait(set(self._tasks))
+            for task in done:
+                task.result()  # a bug in the client is raised, not lost
+        return self.exchanges
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _hangup(self, first: int, sent: float) -> tuple[float, str]:
+        """When, on the run's clock, the client hangs up on an attempt sent at ``sent``, and why: its
+        patience's end (from the first send), or the per-attempt timeout when that comes first
+        (the simulator's rule: the timeout only when shorter than the patience left)."""
+        end = self.first_sent[first] + self.patience[first]
+        if self.timeout_s < end - sent:
+            return sent + self.timeout_s, TIMEOUT_REASON
+        return end, LEFT_REASON
+
+    async def _attempt(self, slot: int, first: int, attempt: int, request: httpx.Request, at: float) -> None:
+        loop, t0 = self.loop, self.t0
+        sent = loop.time() - t0
+        if attempt == 1:
+            self.first_sent[first] = sent
+        hangup, why = self._hangup(first, sent)
+        ex = await self._exchange(request, at, sent, hangup, why)
+        decision = self._next(first, attempt, ex)
+        self.exchanges[slot] = dataclasses.replace(ex, first=first, attempt=attempt,
+                                                   hangup_s=hangup if math.isfinite(hangup) else math.nan,
+                                                   next=None if decision is None else decision.why)
+        if decision is not None and decision.at_s is not None:
+            retry = len(self.exchanges)  # its request_id: retries are numbered in the order they are decided
+            self.exchanges.append(None)
+            again = self.lanes.request("POST", "/v1/generate", json=self.bodies[first])
+            self._spawn(self._later(retry, first, attempt + 1, again, decision.at_s))
+
+    async def _later(self, slot: int, first: int, attempt: int, request: httpx.Request, at: float) -> None:
+        await _until(self.loop, self.t0 + at)
+        await self._attempt(slot, first, attempt, request, at)
+
+    def _next(self, first: int, attempt: int, ex: Exchange) -> Decision | None:
+        """Ask the retrier what the client does after this attempt (None: no retry policy)."""
+        if self.retrier is None:
+            return None
+        if ex.left == LEFT_REASON:  # gone: a client that left sends nothing again
+            return Decision(None, "left")
+        status = None if ex.left is not None or ex.error is not None else ex.status
+        told = retry_after_s(ex)
+        return self.retrier.after(first, attempt, self.first_sent[first], ex.done_s, status,
+                                  told if told >= 0 else None, self.patience[first])
+
+    async def _exchange(self, request: httpx.Request, at: float, sent: float, hangup: float, why: str) -> Exchange:
+        loop, t0 = self.loop, self.t0
+        try:
+            if math.isfinite(hangup):
+                task = asyncio.ensure_future(self.lanes.send(request))
+                if not await _within(loop, task, t0 + hangup):
+                    left = loop.time() - t0
+                    task.cancel()  # Lanes.send closes the connection: the gate sees the client leave
+                    try:
+                        response = await task
+                    except asyncio.CancelledError:
+                        if asyncio.current_task().cancelling():  # the replay itself is being cancelled
+                            raise
+                        return Exchange(at, sent, left, left=why)
+                else:
+                    response = task.result()
+            else:
+                response = await self.lanes.send(request)
+        except Exception as exc:  # any failure is this attempt's one row, never a lost request
+            return Exchange(at, sent, loop.time() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+        done = loop.time() - t0
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        return Exchange(at, sent, done, response.status_code, payload, response.headers.get("retry-after"))
+
+
+async def _within(loop: asyncio.AbstractEventLoop, task: asyncio.Future, until: float) -> bool:
+    """Wait for ``task`` until ``until`` on the loop's clock (to well under a millisecond, as
+    :func:`_until`); True when it finished by then."""
+    if until - loop.time() > SPIN_S:
+        await asyncio.wait({task}, timeout=until - loop.time() - SPIN_S)
+    while not task.done() and loop.time() < until:
+        await asyncio.sleep(0)
+    return task.done()
 
 
 async def _until(loop: asyncio.AbstractEventLoop, when: float) -> None:
@@ -239,12 +354,23 @@ async def fetch_stats(lanes: Lanes) -> tuple[dict, float]:
     return stats, (0.0 if abs(offset) <= (after - before) / 2 else offset)
 
 
+def check_patience(trace: Trace) -> None:
+    """Refuse what a live client cannot do: patience until its request *starts* (the simulator's alone)."""
+    if trace.meta.get("patience_until", "answer") == "start" and np.isfinite(trace.patience_s).any():
+        raise ValueError("patience until start is simulator-only: over plain HTTP a client cannot see its request "
+                         "start; replay with patience until answer")
+
+
 async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
-    """Send every request of ``trace`` at its time; return one validated row per request."""
+    """Send every request of ``trace`` at its time (and its retries at theirs); return one validated row
+    per attempt."""
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
     if np.any(np.diff(trace.arrival_s) < 0):
         raise ValueError("trace arrivals must be sorted by time")
+    check_patience(trace)
+    seed = int(trace.meta.get("seed", 0)) if cfg.retry_seed is None else int(cfg.retry_seed)
+    clients = ClientSettings(cfg.retry, seed, str(trace.meta.get("patience_until", "answer")))
     _raise_fd_limit(len(trace) + 64)
     bodies = payloads(trace, cfg)
     async with Lanes(cfg) as lanes:
@@ -259,10 +385,13 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
         await warm_up(lanes, min(peak_simultaneous(trace.arrival_s), cfg.max_warm_connections))
         with _frozen_heap():
             t0 = asyncio.get_running_loop().time() + cfg.lead_s  # the trace's time 0
-            exchanges = await _dispatch(lanes, requests, trace.arrival_s.tolist(), t0)
-    frame = to_frame(trace, exchanges, info, prompt_lengths(trace, cfg), server_zero=t0 + offset)
+            run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0)
+            exchanges = await run.run(requests, trace.arrival_s.tolist())
+    frame = to_frame(trace, exchanges, info, prompt_lengths(trace, cfg), server_zero=t0 + offset, clients=clients)
     frame.attrs["qlab_run"] = {"url": cfg.url, "trace": trace.name, "trace_meta": _plain(trace.meta),
-                               "duration_s": trace.duration_s, "clock_offset_s": offset}
+                               "duration_s": trace.duration_s, "clock_offset_s": offset,
+                               "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
+                               "retry_seed": seed}
     warn_if_late(frame, cfg.late_warn_s)
     return frame
 
@@ -296,9 +425,14 @@ def _frozen_heap():
 # ---------------------------------------------------------------- lateness
 
 
-def lateness(frame: pd.DataFrame) -> dict[str, float]:
-    """p50, p99 and max of how late the sends left, in seconds."""
+def lateness(frame: pd.DataFrame, retries: bool = False) -> dict[str, float]:
+    """p50, p99 and max of how late the sends left, in seconds: of the first attempts (the open loop's
+    schedule), or with ``retries`` of the retries alone (NaN where there were none)."""
     late = frame["send_lateness_s"]
+    if "attempt" in frame.columns:
+        late = late[frame["attempt"].gt(1) == retries]
+    elif retries:
+        late = late.iloc[:0]
     return {"p50_s": float(late.quantile(0.5)), "p99_s": float(late.quantile(0.99)), "max_s": float(late.max())}
 
 

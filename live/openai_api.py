@@ -32,9 +32,14 @@ status, never a broken stream, and a stream always carries a finished answer as 
 events: (chat) a role chunk, one chunk with the whole text, a last chunk with ``finish_reason``
 and the ``qlab`` timings, (with ``stream_options.include_usage``) a chunk with ``usage``, then
 ``data: [DONE]``. Time to the first chunk is therefore the time to the whole answer.
+That holds behind ``--engine upstream`` too: the upstream engine reads the upstream's own stream
+to its end (timing its first token, ``qlab.first_token_s``) before the gate answers, so an upstream
+that fails, times out or breaks off mid-stream gives the client a plain JSON 502 or 504, not a
+cut stream. Passing tokens through as the upstream sends them is not done (a known limit).
 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
-ended it), else ``length``: the engines never stop at end-of-text. The synthetic engine does all
+ended it), else ``length``: the engines never stop at end-of-text (an upstream server may: its
+shorter answer then says ``stop`` too). The synthetic engine does all
 the work even when a stop string cuts its text, so it always says ``length``.
 
 Every 200 carries ``qlab``: the gate's outcome (good or late), engine, queue and engine seconds,
@@ -175,6 +180,7 @@ class QlabInfo(BaseModel):
     started_at: float  # gate clock: an engine took it
     returned_at: float  # gate clock: the engine handed it back
     admission: dict[str, int | float | None]
+    first_token_s: float | None = None  # the engine's own time to its first token, where it sees it (upstream)
 
 
 class CompletionChoice(BaseModel):
@@ -259,12 +265,12 @@ def served_model_id(info: dict) -> str:
     """The id a request's ``model`` must name: the engine's model, or the engine's name.
 
     synthetic -> "synthetic"; gpt2 with a hub name or path -> that name; gpt2's random-weight
-    models -> "gpt2-random", "gpt2-tiny".
+    models -> "gpt2-random", "gpt2-tiny"; upstream -> the upstream's model.
     """
     engine, model = str(info.get("engine", "engine")), info.get("model")
     if not model:
         return engine
-    return f"{engine}-{model}" if model in ("random", "tiny") else str(model)
+    return f"{engine}-{model}" if engine == "gpt2" and model in ("random", "tiny") else str(model)
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -395,7 +401,7 @@ class _Run:
         a = self.answer
         return QlabInfo(outcome=a.outcome, engine=a.engine, queue_s=a.queue_s, engine_s=a.engine_s,
                         total_s=self.total_s, est_service_s=a.arrival.est_service_s, started_at=a.started_at,
-                        returned_at=a.returned_at, admission=a.arrival.numbers())
+                        returned_at=a.returned_at, admission=a.arrival.numbers(), first_token_s=a.first_token_s)
 
 
 @dataclass(frozen=True)

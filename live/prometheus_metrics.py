@@ -62,9 +62,9 @@ class GateCollector:
             yield GaugeMetricFamily(name, text, value=snapshot[key])
         for name, (text, field) in HISTOGRAMS.items():
             yield _histogram(name, text, getattr(gate.timings, field))
-        yield CounterMetricFamily("qlab_upstream_errors_total", "Failed calls to an upstream engine (errors and "
-                                  "timeouts). Always 0 until the gate can forward to an OpenAI-compatible server.",
-                                  value=gate.timings.upstream_errors)
+        yield CounterMetricFamily("qlab_upstream_errors_total", "Failed calls of an upstream engine to its "
+                                  "OpenAI-compatible server (error statuses, no connection, answers broken off, "
+                                  "timeouts); always 0 for the other engines.", value=gate.timings.upstream_errors)
 
 
 def _requests(gate: Gate) -> CounterMetricFamily:

@@ -30,6 +30,16 @@ the client less the ``running_s`` the gate reported. server_finish_s: when the
 gate ended the request (see :func:`_gate_end`).
 queued_at_arrival is <NA> where the service did not report it (-1 on the way
 in: qsim.records.from_arrays reads -1 in an Int64 column as missing).
+
+Clients that give up and retry (:class:`ClientSettings`, :mod:`qsim.clients`): every
+attempt is a row (``first_request_id``, ``attempt``; a retry's request_id follows the
+trace's, in the order the retries were decided). An attempt whose client hung up is
+``abandoned`` (reason client_left, or client_timeout for the retry policy's per-attempt
+timeout). Columns: patience_s (the request's patience from its first send; NaN: none),
+hangup_s (when the client would hang up on this attempt, on the run's clock; NaN: never),
+client_next (what the client did next: "retry", or why not, :class:`qsim.clients.Decision`;
+<NA> without a retry policy), and the constant retry_policy (the policy's fields as JSON;
+<NA>: none), retry_seed and patience_until, from which ``qlab compare`` rebuilds the clients.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
+from qsim.clients import RetryPolicy
 from qsim.policy import on_time, policy_from_fields
 
 
@@ -106,8 +117,49 @@ def server_info(stats: dict) -> ServerInfo:
 
 
 @dataclass(frozen=True)
+class ClientSettings:
+    """The replay's clients besides their sends: the retry policy (None: never again), its jitter's
+    seed, and what the trace's patience waits for; constant columns of the run file (see the module)."""
+
+    retry: RetryPolicy | None = None
+    retry_seed: int = 0
+    patience_until: str = "answer"
+
+    def columns(self, n: int) -> dict[str, Any]:
+        policy = None if self.retry is None else json.dumps(dataclasses.asdict(self.retry), sort_keys=True)
+        return {
+            "retry_policy": pd.array([policy] * n, dtype="string"),
+            "retry_seed": _nullable_int(np.full(n, -1 if self.retry is None else self.retry_seed)),
+            "patience_until": pd.array([self.patience_until] * n, dtype="string"),
+        }
+
+
+def client_settings(run: pd.DataFrame) -> tuple[ClientSettings, np.ndarray]:
+    """The clients of a run file, and each row's patience (seconds from its request's first send; inf:
+    none). A run file from before clients gave up and retried: patient clients that never retry."""
+    patience = run["patience_s"].to_numpy(float) if "patience_s" in run.columns else np.full(len(run), np.nan)
+    patience = np.where(np.isnan(patience), math.inf, patience)
+    if "retry_policy" not in run.columns or run.empty:
+        return ClientSettings(), patience
+    values = run["retry_policy"].dropna().unique()
+    if len(values) > 1:
+        raise ValueError(f"run column retry_policy must hold one value for the whole run, found {list(values)[:3]}")
+    retry = RetryPolicy.from_table(json.loads(values[0])) if len(values) else None
+    seed = run["retry_seed"].dropna()
+    until = run["patience_until"].dropna() if "patience_until" in run.columns else pd.Series([], dtype=object)
+    return (ClientSettings(retry, int(seed.iloc[0]) if len(seed) else 0, str(until.iloc[0]) if len(until) else "answer"),
+            patience)
+
+
+@dataclass(frozen=True)
 class Exchange:
-    """One request as the client saw it; times are seconds since the replay's start clock."""
+    """One attempt as the client saw it; times are seconds since the replay's start clock.
+
+    first: the trace position of its request (-1: its position among the exchanges, one attempt
+    each); attempt counts from 1. left: why the client hung up before the answer (client_left,
+    client_timeout), making it abandoned. hangup_s: when the client would have hung up (NaN: never);
+    next: what the client did after it ("retry" or why not; None without a retry policy).
+    """
 
     scheduled_s: float
     sent_s: float
@@ -116,6 +168,11 @@ class Exchange:
     body: Any = None
     retry_after: str | None = None
     error: str | None = None
+    first: int = -1
+    attempt: int = 1
+    left: str | None = None
+    hangup_s: float = math.nan
+    next: str | None = None
 
 
 def _error_of(body: Any) -> dict:
@@ -125,6 +182,8 @@ def _error_of(body: Any) -> dict:
 
 def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | None]:
     """(outcome, reason, error) of one exchange; good/late by the client-measured latency."""
+    if ex.left is not None:
+        return "abandoned", ex.left, None
     if ex.error is not None:
         return "error", None, ex.error
     error = _error_of(ex.body)
@@ -144,7 +203,7 @@ def number(mapping: Any, key: str) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def _retry_after(ex: Exchange) -> int:
+def retry_after_s(ex: Exchange) -> int:
     """Retry-After in whole seconds from the header (else the envelope); -1 when absent."""
     for value in (ex.retry_after, _error_of(ex.body).get("retry_after_s")):
         try:
@@ -178,7 +237,7 @@ def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float)
         "tokens": _int_or(body.get("tokens"), -1) if answered else -1,
         "engine": _int_or(body.get("engine", seen.get("engine")), -1),
         "queued": _int_or(seen.get("queued"), -1), "queued_work": number(seen, "queued_work_s"),
-        "retry_after": _retry_after(ex), "status": -1 if ex.status is None else ex.status,
+        "retry_after": retry_after_s(ex), "status": -1 if ex.status is None else ex.status,
         "received": _received(ex, outcome, timings, seen, server_zero),
         "speed_factor": number(seen, "speed_factor"), "started": started, "returned": returned,
         "reported": number(ran, "engine_s"), "failed": failed, "stalled": stalled,
@@ -208,15 +267,19 @@ def _received(ex: Exchange, outcome: str, timings: dict, seen: dict, server_zero
 
 
 def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_words,
-             server_zero: float = math.nan) -> pd.DataFrame:
-    """Rows of qsim's schema plus the live columns, built through :func:`qsim.records.from_arrays`.
+             server_zero: float = math.nan, clients: ClientSettings = ClientSettings()) -> pd.DataFrame:
+    """Rows of qsim's schema plus the live columns, built through :func:`qsim.records.from_arrays`:
+    one per exchange (attempt), in the order given (the trace's first attempts, then the retries).
 
     calibrated_est_s is the server's own calibrated estimate (before speed
     tracking) when /stats reports its model: the number its gate started from.
     server_zero: the server's clock at the run's time 0 (NaN: unknown).
     """
-    deadline = np.where(np.isnan(trace.deadline_s), info.policy.deadline_s, trace.deadline_s)
-    base = info.model.estimate(trace.max_new_tokens) if info.model else np.asarray(trace.est_service_s, dtype=float)
+    first = np.array([k if ex.first < 0 else ex.first for k, ex in enumerate(exchanges)], dtype=np.int64)
+    n = len(exchanges)
+    deadline = np.where(np.isnan(trace.deadline_s), info.policy.deadline_s, trace.deadline_s)[first]
+    base = (info.model.estimate(trace.max_new_tokens) if info.model
+            else np.asarray(trace.est_service_s, dtype=float))[first]
     rows = pd.DataFrame([_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)])
     sent = np.array([ex.sent_s for ex in exchanges], dtype=float)
     done = np.array([ex.done_s for ex in exchanges], dtype=float)
@@ -225,18 +288,19 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
     # The engine started queue_s after the gate took the request (the send time if that is unknown).
     taken = rows["received"].fillna(pd.Series(sent)).to_numpy(float)
     start = np.where(answered, taken + rows["queue_s"].fillna(0.0).to_numpy(), np.nan)
+    patience = np.asarray(trace.patience_s, dtype=float)[first]
     frame = records.from_arrays({
-        "request_id": trace.request_id,
-        "first_request_id": trace.request_id,
-        "attempt": np.ones(len(trace), dtype=np.int64),
+        "request_id": np.arange(n, dtype=np.int64),
+        "first_request_id": first,
+        "attempt": np.array([ex.attempt for ex in exchanges], dtype=np.int64),
         "arrival_s": sent,
-        "size_class": trace.size_class,
-        "max_new_tokens": trace.max_new_tokens,
+        "size_class": trace.size_class[first],
+        "max_new_tokens": trace.max_new_tokens[first],
         "est_service_s": rows["est"].to_numpy(float),
         "true_service_s": rows["engine_s"].to_numpy(float),
         "deadline_s": deadline,
-        "priority": trace.priority,
-        "client_id": trace.client_id,
+        "priority": trace.priority[first],
+        "client_id": trace.client_id[first],
         "outcome": rows["outcome"].tolist(),
         "reason": rows["reason"].tolist(),
         "start_s": start,
@@ -257,7 +321,7 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
         "queue_s": rows["queue_s"].to_numpy(float),
         "server_total_s": rows["total_s"].to_numpy(float),
         "tokens": _nullable_int(rows["tokens"]),
-        "prompt_words": np.asarray(prompt_words, dtype=np.int64),
+        "prompt_words": np.asarray(prompt_words, dtype=np.int64)[first],
         "server_arrival_s": rows["received"].to_numpy(float),
         "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
         "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),
@@ -267,7 +331,11 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
         "failed": rows["failed"].to_numpy(bool),
         "stalled": rows["stalled"].to_numpy(bool),
         "server_finish_s": _gate_end(rows),
-        **info.columns(len(trace)),
+        "patience_s": np.where(np.isfinite(patience), patience, np.nan),
+        "hangup_s": np.array([ex.hangup_s for ex in exchanges], dtype=float),
+        "client_next": pd.array([ex.next for ex in exchanges], dtype="string"),
+        **info.columns(n),
+        **clients.columns(n),
     })
     return records.validate(frame)
 

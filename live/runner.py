@@ -54,12 +54,13 @@ def rotated(items: tuple[str, ...], k: int) -> list[str]:
     return list(items[k:] + items[:k])
 
 
-def trace_for(spec: TraceSpec, model: ServiceModel, engines: int, base: Path) -> Trace:
-    """A [[trace]] entry's trace (a file's path is relative to the config file's folder)."""
+def trace_for(spec: TraceSpec, model: ServiceModel, engines: int, base: Path, patience=None) -> Trace:
+    """A [[trace]] entry's trace (a file's path is relative to the config file's folder), its clients'
+    patience drawn from ``patience`` ([replay] patience; None: a trace file's own column, if any)."""
     # A nominal load is relative to the calibrated capacity: make_trace's load at speed 1 (the calibration).
     return build_trace(base / spec.file if spec.file else None, time_scale=spec.time_scale, arrivals=spec.arrivals,
                        load=spec.nominal_load, engines=engines, seconds=spec.seconds, requests=spec.requests,
-                       default_seconds=DEFAULT_SECONDS, seed=spec.seed, model=model)
+                       default_seconds=DEFAULT_SECONDS, seed=spec.seed, model=model, patience=patience)
 
 
 def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> str:
@@ -98,7 +99,9 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
         "speed_after": speeds[1], "effective_load": nominal * speed,
         **metrics.summary(frame, trace.duration_s or None),
         "send_lateness_p99_s": late["p99_s"], "send_lateness_max_s": late["max_s"],
+        "retry_send_lateness_p99_s": lateness(frame, retries=True)["p99_s"],
         "sim_disagreements": versus["disagreements"], "sim_disagreement_rate": versus["disagreement_rate"],
+        "sim_e2e_disagreement_rate": versus.get("e2e_disagreement_rate", math.nan),
         "sim_latency_abs_error_p50_s": versus["latency_abs_error_p50_s"],
         "sim_latency_abs_error_p99_s": versus["latency_abs_error_p99_s"],
     }
@@ -153,7 +156,8 @@ def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print) ->
         if cfg.calibrate:
             model_path = run_calibration(cfg, out, log)
         model = ServiceModel.load(model_path) if model_path else ServiceModel()
-        runs = plan(cfg, [(spec, trace_for(spec, model, cfg.server.engines, base)) for spec in cfg.traces])
+        patience = cfg.replay.clients_patience
+        runs = plan(cfg, [(spec, trace_for(spec, model, cfg.server.engines, base, patience)) for spec in cfg.traces])
         rows = {r.path(out): _row_from_file(r, r.path(out)) for r in runs if r.path(out).is_file()}
         todo = [r for r in runs if r.path(out) not in rows]
         if rows:
@@ -209,7 +213,8 @@ def sigterm_interrupts() -> Iterator[None]:
 def _one_run(cfg: LiveConfig, model: ServiceModel, url: str, trace: Trace) -> tuple[pd.DataFrame, tuple[float, float]]:
     p = cfg.probe
     before = probe(url, model, p.requests, p.max_new_tokens, cfg.replay.prompt_words)
-    frame = replay(trace, ReplayConfig(url, timeout_s=cfg.replay.timeout_s, prompt_words=cfg.replay.prompt_words))
+    frame = replay(trace, ReplayConfig(url, timeout_s=cfg.replay.timeout_s, prompt_words=cfg.replay.prompt_words,
+                                       retry=cfg.retry))
     after = probe(url, model, p.requests, p.max_new_tokens, cfg.replay.prompt_words)
     frame["speed_before"], frame["speed_after"] = before, after
     return frame, (before, after)

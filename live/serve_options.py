@@ -11,8 +11,9 @@
 A field's metadata (see :func:`_option`) holds its help text, its type (a parser from
 :mod:`inputs.argtypes`, which also bounds a TOML value) or its choices, and:
 
-- ``engine``: the one engine that takes it. On the command line it is an error with the other
-  engine; a child's argv leaves it out for the other engine (and a TOML value is then unused);
+- ``engine``: the one engine that takes it. On the command line it is an error with another
+  engine; a child's argv leaves it out for the other engines (and a TOML value is then unused);
+- ``required``: with its engine, it must be given (``--engine upstream`` needs ``--upstream-url``);
 - ``toml``: False for what ``qlab live`` sets per server itself (policy, host, port, logging);
 - ``check``: a function of the value that raises ValueError on a bad one;
 - ``needs``: (another field, why): given without that one, it is an error.
@@ -25,6 +26,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 from inputs import argtypes
 from inputs.tomlfiles import ConfigError
@@ -36,10 +38,25 @@ LOOPBACK = "127.0.0.1"
 
 
 def _option(default, help: str | None = None, *, type=None, choices=None, metavar=None, engine=None, toml=True,
-            check=None, needs=None, many=False):
+            check=None, needs=None, many=False, required=False):
     """many: a flag that may be repeated; its values are kept joined by commas."""
     return field(default=default, metadata=dict(help=help, type=type, choices=choices, metavar=metavar,
-                                                engine=engine, toml=toml, check=check, needs=needs, many=many))
+                                                engine=engine, toml=toml, check=check, needs=needs, many=many,
+                                                required=required))
+
+
+def check_upstream_url(url: str) -> str:
+    """The root URL of an OpenAI-compatible server, without a trailing slash or ``/v1`` (both are
+    accepted: ``/v1`` is where an OpenAI client's base URL ends); ValueError when it is no http(s) URL."""
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"the upstream URL must be http://HOST[:PORT] or https://HOST[:PORT], got {url!r}")
+    root = url.strip().rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 @dataclass(frozen=True)
@@ -52,7 +69,9 @@ class ServeOptions:
                               many=True)
     max_queue: int | None = _option(None, "override the preset's bound on waiting requests", type=argtypes.count)
     deadline: float | None = _option(None, "override the default deadline (seconds)", type=argtypes.positive)
-    engine: str = _option("synthetic", choices=("gpt2", "synthetic"))
+    engine: str = _option("synthetic", "synthetic (sleeps the service model's time; default), gpt2, or upstream "
+                                       "(forward to an OpenAI-compatible server: --upstream-url)",
+                          choices=("gpt2", "synthetic", "upstream"))
     engines: int = _option(1, "engines behind the queue (K), one thread each", type=argtypes.positive_int)
     model: str = _option("random", "gpt2: a hub name or local path, 'random' (GPT-2 small, random weights; default) "
                                    "or 'tiny' (2 layers, for tests)", engine="gpt2")
@@ -73,6 +92,14 @@ class ServeOptions:
                                      engine="synthetic")
     hang_for: float | None = _option(None, "synthetic: how long the hang lasts", type=argtypes.positive,
                                      metavar="SECONDS", engine="synthetic", needs=("hang_after", "which run hangs"))
+    upstream_url: str | None = _option(None, "upstream: the OpenAI-compatible server to forward to, e.g. "
+                                             "http://127.0.0.1:8001 (vllm serve, or another qlab serve)",
+                                       metavar="URL", engine="upstream", check=check_upstream_url, required=True)
+    upstream_model: str | None = _option(None, "upstream: the model to ask for (default: the first the upstream's "
+                                               "GET /v1/models lists)", metavar="NAME", engine="upstream")
+    upstream_timeout: float = _option(60.0, "upstream: a request fails as upstream_timeout (504) when the upstream "
+                                            "sends nothing for this long (default 60 s)", type=argtypes.positive,
+                                      metavar="SECONDS", engine="upstream")
     stall_factor: float = _option(10.0, "an engine is stalled once its request runs this many times its estimate "
                                         "(default 10) ...", type=argtypes.number(float, 1, strict=False))
     stall_after: float = _option(5.0, "... and at least this long (default 5 s); its request then ends as an "
@@ -121,6 +148,8 @@ class ServeOptions:
         options = cls(**given)
         for name, (other, why) in options._unmet_needs():
             raise ValueError(f"{_flag(name)}: only with {_flag(other)} ({why})")
+        for f in options._missing():
+            raise ValueError(f"--engine {engine} needs {_flag(f.name)} {f.metadata['metavar']}")
         options.make_policy()  # a parameter the policy does not have is refused before anything starts
         for f in fields(cls):
             if f.metadata["check"] and f.name in given:
@@ -168,7 +197,14 @@ class ServeOptions:
         options = cls(**table)
         for name, (other, why) in options._unmet_needs():
             raise ConfigError(f"{where}.{name}: only with {other} ({why})")
+        for f in options._missing():
+            raise ConfigError(f"{where}.{f.name}: required with engine = {options.engine!r}")
         return options
+
+    def _missing(self) -> list:
+        """The fields this engine requires that are not set."""
+        return [f for f in fields(self) if f.metadata["required"] and f.metadata["engine"] == self.engine
+                and getattr(self, f.name) is None]
 
     def _unmet_needs(self) -> list[tuple[str, tuple[str, str]]]:
         return [(f.name, f.metadata["needs"]) for f in fields(self)

@@ -56,8 +56,9 @@ class Timings:
     engine: the engine's own time for every run it handed back (answered or raised; a stalled run
     once it returns); queue: arrival to an engine taking it, for every request an engine took;
     refusal: the route receiving a request to its refusal at arrival (``rejected``, 503 or 429).
-    upstream_errors: failed calls to an upstream engine. No upstream engine exists yet; the one
-    that forwards to an OpenAI-compatible server adds 1 here per failed call.
+    upstream_errors: failed calls of an upstream engine (:mod:`live.upstream`) to its server: an
+    error status, no connection, an answer broken off, or a timeout; the gate adds 1 per failed run
+    (a run its client cancelled is not a failure).
     """
 
     engine: Histogram = field(default_factory=lambda: Histogram(SERVICE_BUCKETS_S))

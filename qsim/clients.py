@@ -46,7 +46,7 @@ def status_of(outcome: str, reason: str | None) -> int | None:
     """The HTTP status the gate answers an attempt with (None: no answer, the client left).
 
     Refusals and drops at the front are 503, except a client's own rate limit (429); an engine
-    failure or stall is 500. The live gate's handlers say the same (tests compare them per row).
+    failure or stall is 500; a run stopped at its deadline 504. The live gate's handlers say the same (tests compare them per row).
     """
     if outcome in ("good", "late"):
         return 200
@@ -56,6 +56,8 @@ def status_of(outcome: str, reason: str | None) -> int | None:
         return 503
     if outcome == "error":
         return 500
+    if outcome == "cancelled":  # stopped in service at its deadline: too late, like a gateway's timeout
+        return 504
     return None
 
 

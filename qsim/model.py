@@ -20,6 +20,13 @@ starts (a timeout of the request's true service time) and hands it back. Beside 
   attempt refused (503, 429) is sent again when :class:`qsim.clients.Retrier`
   says, as a new row (``attempt`` 2, 3, ... with its ``first_request_id``) that
   arrives like any other. Patience counts from the first send;
+* requests that stop early (the trace's ``tokens_generated``): the engine takes
+  their true time, and the policy's estimator (:mod:`qsim.estimators`) learns
+  from the tokens each completion generated, as the gate's does;
+* a machine whose speed changes (``speed_schedule``): a run takes its true time
+  times the schedule's speed at its start, over the trace's own speed;
+* cancelling at the deadline (``Policy.cancel_at_deadline``): a run that would pass
+  its request's deadline is cut there (outcome ``cancelled``), freeing its engine;
 * stalled engines (``stall``): a request that runs past its threshold ends as
   an error at that moment, and while every engine is stalled a watchdog ends
   waiting requests past their deadline, every ``watch_interval_s`` as the gate's does.
@@ -36,9 +43,9 @@ from simpy.events import Timeout
 
 from . import records
 from .clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
-from .policy import PRESETS, Policy, retry_after
-from .queue import STALL_REASON, AdmissionQueue, StallRule
-from .service import SpeedTracker
+from .policy import PRESETS, Policy, on_time, retry_after
+from .queue import CUT_REASON, STALL_REASON, AdmissionQueue, StallRule
+from .service import ServiceModel, SpeedSchedule, SpeedTracker
 from .workload import Trace
 
 _NAN = math.nan
@@ -55,7 +62,8 @@ class _Run:
 
     def __init__(self, trace: Trace, queue_args: dict, engines: int, *, failed=None, reported_s=None,
                  cancel_after_s=None, cancel_until: str = "answer", priority=None, client=None,
-                 watch_interval_s: float = 0.05, retrier: Retrier | None = None) -> None:
+                 watch_interval_s: float = 0.05, retrier: Retrier | None = None,
+                 speed_schedule: SpeedSchedule | None = None) -> None:
         n = len(trace)
         self.env = simpy.Environment()
         self.queue = AdmissionQueue(engines=engines, start=self._start, drop=self._drop, **queue_args)
@@ -99,6 +107,18 @@ class _Run:
             self.patience = [math.inf] * n
         if retrier is not None and self.failed is None:
             self.failed = [False] * n
+        # What a run takes beyond its true time: the machine's speed at its start, a cut at its deadline.
+        self.schedule = speed_schedule
+        self.cuts = policy.cancel_at_deadline
+        self.plain = speed_schedule is None and not self.cuts
+        self.ran = [_NAN] * n  # how long each run held its engine
+        self.speed_at = [1.0] * n  # the schedule's speed over the trace's, at each start
+        self.cut = [False] * n
+        # The estimator's inputs: each request's work (limit, prompt, tokens generated) and what it generated.
+        self.work = None
+        if self.queue.estimator is not None:
+            self.work = list(zip(trace.max_new_tokens.tolist(), trace.prompt_tokens.tolist(),
+                                 trace.tokens_generated.tolist()))
 
     # -- the core's hooks --------------------------------------------------------
 
@@ -106,11 +126,12 @@ class _Run:
         self.start[i] = now
         self.engine_of[i] = k
         self.job[k] = i
-        true = self.true[i]
-        if true > self.queue.stall_after_s[k]:  # it will run past its threshold: the watchdog sees it then
+        run = self.true[i] if self.plain else self._run_time(i, now)
+        self.ran[i] = run
+        if run > self.queue.stall_after_s[k]:  # it will run past its threshold: the watchdog sees it then
             Timeout(self.env, self.queue.stall_after_s[k]).callbacks.append(lambda _, k=k, i=i: self._stall(k, i))
         if self.finishing == k:  # the engine goes straight on to its next request
-            Timeout(self.env, true, k).callbacks.append(self._finished)
+            Timeout(self.env, run, k).callbacks.append(self._finished)
         else:  # an idle engine wakes first: a same-time arrival is looked at before its run is scheduled
             Timeout(self.env, 0, k).callbacks.append(self._run)
 
@@ -144,13 +165,16 @@ class _Run:
         j = len(self.arrival)
         for values in (self.base_est, self.true, self.reported, self.failed, self.deadline, self.priority, self.client):
             values.append(values[i])
+        if self.work is not None:
+            self.work.append(self.work[i])
         self.arrival.append(at)
         self.patience.append(self.patience[first] - (at - self.arrival[first]))
         self.first_of.append(first)
         self.attempt.append(self.attempt[i] + 1)
         for values, missing in ((self.est, _NAN), (self.outcome, None), (self.reason, None), (self.start, _NAN),
                                 (self.finish, _NAN), (self.queued_at_arrival, 0), (self.queued_work, _NAN),
-                                (self.retry_after, -1), (self.engine_of, -1)):
+                                (self.retry_after, -1), (self.engine_of, -1), (self.ran, _NAN),
+                                (self.speed_at, 1.0), (self.cut, False)):
             values.append(missing)
         return j
 
@@ -177,7 +201,8 @@ class _Run:
     def _admit(self, i: int, t: float) -> None:
         """Hand request (or attempt) i, sent at t, to the queue core and note what it decided on."""
         queue = self.queue
-        refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i])
+        refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i],
+                               None if self.work is None else self.work[i])
         self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
         if refusal is not None:
             self._end(i, t, "rejected", refusal.reason, refusal.retry_after_s)
@@ -188,17 +213,37 @@ class _Run:
         if self.timeout_s < patience or (self.wait_only and math.isfinite(self.timeout_s)):
             Timeout(self.env, self.timeout_s).callbacks.append(lambda _, i=i: self._cancel(i, TIMEOUT_REASON))
 
+    def _run_time(self, i: int, now: float) -> float:
+        """How long request i holds its engine from ``now``: its true time at the machine's speed then, up to
+        its deadline where the policy cuts there."""
+        run = self.true[i]
+        if self.schedule is not None:
+            self.speed_at[i] = self.schedule.at(now) / self.schedule.base
+            run *= self.speed_at[i]
+        if self.cuts:
+            left = self.arrival[i] + self.deadline[i] - now
+            if not on_time(now + run - self.arrival[i], self.deadline[i]):
+                self.cut[i] = True
+                return max(0.0, left)
+        return run
+
     def _run(self, event) -> None:
         k = event._value
-        Timeout(self.env, self.true[self.job[k]], k).callbacks.append(self._finished)
+        Timeout(self.env, self.ran[self.job[k]], k).callbacks.append(self._finished)
 
     def _finished(self, event) -> None:
         k = event._value
         now = self.env.now
         i = self.job[k]
-        ok = self.failed is None or not self.failed[i]
+        if self.cut[i]:  # its deadline passed in service: stopped there, its engine free at once
+            if self.queue.cut(k, now) is not None:
+                self._end(i, now, "cancelled", CUT_REASON)
+            ok, tokens = False, None
+        else:
+            ok = self.failed is None or not self.failed[i]
+            tokens = None if self.work is None else self.work[i][2]
         self.finishing = k
-        outcome = self.queue.finished(k, now, self.reported[i], ok)  # may start engine k's next request
+        outcome = self.queue.finished(k, now, self.reported[i] * self.speed_at[i], ok, tokens)  # may start k's next
         self.finishing = -1
         if outcome is not None:
             self._end(i, now, outcome, None if ok else FAILED_REASON)
@@ -237,7 +282,7 @@ class _Run:
                 "size_class": trace.size_class[first],
                 "max_new_tokens": trace.max_new_tokens[first],
                 "est_service_s": self.est,
-                "true_service_s": trace.true_service_s[first],
+                "true_service_s": trace.true_service_s[first] * np.asarray(self.speed_at),
                 "deadline_s": self.deadline,
                 "priority": self.priority,
                 "client_id": [None if c is None else str(c) for c in self.client],
@@ -272,6 +317,8 @@ def simulate(
     watch_interval_s: float = 0.05,
     retry: RetryPolicy | None = None,
     retry_seed: int | None = None,
+    model: ServiceModel | None = None,
+    speed_schedule: SpeedSchedule | None = None,
 ) -> pd.DataFrame:
     """Run ``trace`` through the queue and return one record per request (see :mod:`qsim.records`).
 
@@ -288,6 +335,9 @@ def simulate(
     Either way a client that leaves ends its request ``abandoned`` (reason client_left).
     retry: how clients send refused requests again (None or mode "none": never); each attempt is a row,
     with ``attempt`` and ``first_request_id``. retry_seed: the jitter's seed (default the trace's seed).
+    model: the calibrated line a learned or oracle estimator scales by (default the reference).
+    speed_schedule: the machine's speed over time (:class:`qsim.service.SpeedSchedule`, base = the trace's
+    speed): each run takes its true time x the speed at its start / base.
     stall: the live gate's stall rule (None, the study's model: engines never stall).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
@@ -310,9 +360,10 @@ def simulate(
     if retry is not None and retry.retries:
         seed = trace.meta.get("seed", 0) if retry_seed is None else retry_seed
         retrier = Retrier(retry, trace.arrival_s, seed)
-    run = _Run(trace, dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline()), engines, failed=failed,
+    queue_args = dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline(), model=model)
+    run = _Run(trace, queue_args, engines, failed=failed,
                reported_s=reported_s, cancel_after_s=cancel_after_s, cancel_until=cancel_until, priority=priority,
-               client=client, watch_interval_s=watch_interval_s, retrier=retrier)
+               client=client, watch_interval_s=watch_interval_s, retrier=retrier, speed_schedule=speed_schedule)
     run.arrivals()
     run.env.run()
     frame = run.frame(trace)

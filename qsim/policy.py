@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .disciplines import DISCIPLINES
+from .estimators import ESTIMATORS, make_estimator
 
 #: Reasons a request can be refused at arrival, in the order they are checked. rate_limited is a
 #: client over its own rate (HTTP 429); the others are the service over capacity (HTTP 503).
@@ -57,6 +58,12 @@ class Policy:
         before anything else is looked at. None: no per-client limit.
     codel_target_s / codel_interval_s: CoDel's target sojourn and interval (discipline codel).
     lifo_threshold: the queue length from which adaptive LIFO serves the newest first.
+    estimator: what a request's service time is estimated from (:mod:`qsim.estimators`): "limit"
+        (its max_new_tokens, the study's), "learned" (the limit times the share of it that requests
+        of its size class used lately: their mean, or the ``estimator_quantile``, over the last
+        ``estimator_window`` completions) or "oracle" (the tokens it will generate: simulator only).
+    cancel_at_deadline: stop a request in service when its deadline passes (outcome cancelled),
+        freeing its engine; the study's gate (False) lets it finish late.
     """
 
     name: str = "custom"
@@ -73,6 +80,10 @@ class Policy:
     codel_target_s: float = 0.1
     codel_interval_s: float = 0.5
     lifo_threshold: int = 8
+    estimator: str = "limit"
+    estimator_quantile: float | None = None
+    estimator_window: int = 200
+    cancel_at_deadline: bool = False
 
     def __post_init__(self) -> None:
         if self.client_rate is not None and not (self.client_rate > 0 and math.isfinite(self.client_rate)):
@@ -92,6 +103,12 @@ class Policy:
             raise ValueError(f"max_queued_seconds must be > 0, got {self.max_queued_seconds}")
         if not (self.deadline_s > 0 and math.isfinite(self.deadline_s)):
             raise ValueError(f"deadline_s must be a positive number of seconds, got {self.deadline_s}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {self.estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+        if self.estimator_quantile is not None and not 0 < self.estimator_quantile <= 1:
+            raise ValueError(f"estimator_quantile must be in (0, 1], got {self.estimator_quantile}")
+        if not self.estimator_window >= 1:
+            raise ValueError(f"estimator_window must be >= 1, got {self.estimator_window}")
 
     def make_discipline(self):
         """A new, empty queue of this policy's discipline (one per queue: it holds the waiting).
@@ -99,6 +116,10 @@ class Policy:
         A policy class of one's own overrides this to order the queue its way (see docs/policies.md).
         """
         return DISCIPLINES[self.discipline](*(getattr(self, a) for a in DISCIPLINE_ARGS.get(self.discipline, ())))
+
+    def make_estimator(self, model):
+        """A new estimator of this policy's kind over the calibrated ``model`` (None: from the limit, as given)."""
+        return make_estimator(self.estimator, model, self.estimator_quantile, self.estimator_window)
 
     def with_args(self, args: Mapping[str, Any]) -> "Policy":
         """This policy with some parameters changed. Values may be text (``--policy-arg k=v``), converted

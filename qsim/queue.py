@@ -14,9 +14,12 @@ Events: :meth:`~AdmissionQueue.arrive` (admit, start or queue; or return the
 :class:`~qsim.policy.Rejection`), :meth:`~AdmissionQueue.finished` (an engine
 handed a request back, with the engine's own time and whether it failed),
 :meth:`~AdmissionQueue.stall` (an engine ran past its stall threshold),
-:meth:`~AdmissionQueue.cancel` (a client left) and
-:meth:`~AdmissionQueue.give_up` (every engine is stalled: waiting past a
-deadline is hopeless). Two drivers exist: :mod:`qsim.model` on SimPy's
+:meth:`~AdmissionQueue.cancel` (a client left),
+:meth:`~AdmissionQueue.cut` (a running request's deadline passed, under a policy
+that cancels at the deadline) and :meth:`~AdmissionQueue.give_up` (every engine
+is stalled: waiting past a deadline is hopeless). The policy's estimator
+(:mod:`qsim.estimators`) lives here too: it makes each arrival's estimate and
+learns from each completion's tokens, for both drivers. Two drivers exist: :mod:`qsim.model` on SimPy's
 simulated clock and :mod:`live.gate` on the event loop's real one. Neither
 keeps queue state, so the simulator and the gate cannot drift apart: every
 number :func:`~qsim.policy.decide`, :func:`~qsim.policy.cannot_finish` and the
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, decide, on_time, take_token
-from .service import SpeedTracker
+from .service import ServiceModel, SpeedTracker
 
 #: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
 RESERVE_WEIGHT = 0.05
@@ -69,8 +72,11 @@ class StallRule:
         return max(self.factor * est_service_s, self.floor_s)
 
 
-# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority, client).
+# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority, client,
+# work), work being (max_new_tokens, prompt tokens, tokens it will generate or None) or None where the driver gave none.
 Entry = tuple
+#: Reason of a request stopped in service when its deadline passed (outcome cancelled).
+CUT_REASON = "deadline_passed"
 
 
 class AdmissionQueue:
@@ -78,15 +84,17 @@ class AdmissionQueue:
 
     def __init__(self, policy: Policy, engines: int, *, start: Callable, drop: Callable,
                  tracker: SpeedTracker | None = None, discipline=None, stall: StallRule | None = StallRule(),
-                 gone: Callable[[Any], bool] | None = None) -> None:
+                 gone: Callable[[Any], bool] | None = None, model: ServiceModel | None = None) -> None:
         """gone(req): True when a waiting request's client has left but has not been cancelled yet
-        (the gate's futures report a hang-up a loop turn late); such a request is skipped at the front."""
+        (the gate's futures report a hang-up a loop turn late); such a request is skipped at the front.
+        model: the calibrated service line the policy's estimator scales by (default the reference)."""
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
         self.policy = policy
         self.engines = engines
         self.tracker = tracker if tracker is not None else SpeedTracker()
         self.waiting = policy.make_discipline() if discipline is None else discipline
+        self.estimator = policy.make_estimator(model if model is not None else ServiceModel())
         self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
         self.running: list[Entry | None] = [None] * engines
         self.busy_until = [0.0] * engines  # estimated end of each engine's request
@@ -107,18 +115,22 @@ class AdmissionQueue:
     # -- events -------------------------------------------------------------------
 
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-               priority: int = 0, client=None) -> Rejection | None:
+               priority: int = 0, client=None, work: tuple | None = None) -> Rejection | None:
         """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
 
         deadline_s is relative to ``now``; None takes the policy's. priority orders it under a priority
         discipline (below 0: sheddable); client names whose token bucket it draws on, where the policy
-        limits each client (None: no client). ``self.seen`` holds what the decision was made on, the
+        limits each client (None: no client). work: (max_new_tokens, prompt tokens, tokens it will
+        generate or None), what the policy's estimator estimates from in place of base_est_s (which
+        is the estimate at the limit); None: base_est_s as it is. ``self.seen`` holds what the decision was made on, the
         admission columns of its record: (estimate x speed factor, waiting count, their estimated
         work, speed factor). A request admitted while an engine is idle is in service from this
         instant, so a burst cannot slip one more past a bound than the bound allows.
         """
         if deadline_s is None:
             deadline_s = self.policy.deadline_s
+        if self.estimator is not None and work is not None:
+            base_est_s = self.estimator.base_s(base_est_s, *work)
         factor = self.tracker.factor
         est = base_est_s * factor
         waiting = self.waiting
@@ -131,7 +143,7 @@ class AdmissionQueue:
             if refusal is not None:
                 return refusal
         budget = deadline_s if self.policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
-        entry = (req, now, base_est_s, deadline_s, priority, client)
+        entry = (req, now, base_est_s, deadline_s, priority, client, work)
         ahead = None if self._ahead is None or idle else self._ahead(entry) * factor
         refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, budget,
                          self.engines, len(idle), priority, ahead)
@@ -146,13 +158,15 @@ class AdmissionQueue:
             self.waiting_base_s += base_est_s
         return None
 
-    def finished(self, k: int, now: float, engine_s: float, ok: bool = True) -> str | None:
+    def finished(self, k: int, now: float, engine_s: float, ok: bool = True, tokens: int | None = None) -> str | None:
         """Engine k handed its request back at ``now``; ``engine_s`` is the engine's own time.
 
         Returns the request's outcome (good or late by ``now``, error when ``ok`` is false), or
-        None when it already had one (stalled, or its client left). A failed or stalled run teaches
-        the tracker nothing (a hang's time would multiply every later estimate); one whose client
-        left still does. Then engine k takes the next waiting request, or goes idle.
+        None when it already had one (stalled, cut, or its client left). A failed, stalled or cut
+        run teaches the tracker nothing (a hang's time would multiply every later estimate); one
+        whose client left still does. tokens: the tokens it generated, which the estimator learns
+        (and the tracker compares against, where the estimator learns). Then engine k takes the
+        next waiting request, or goes idle.
         """
         entry = self.running[k]
         if entry is None:
@@ -165,9 +179,14 @@ class AdmissionQueue:
         self.ended[k] = False
         outcome = None
         if ok and not stalled:
-            # Against the estimate from max_new_tokens: a stop string that ends a request early reads
-            # as a faster machine (learning the used share is a separate estimator).
-            self.tracker.observe(entry[2], engine_s)
+            work, est = entry[6], self.estimator
+            if est is not None and est.learns and work is not None and tokens is not None:
+                est.learn(work[0], tokens)
+                self.tracker.observe(est.work_s(work[0], work[1], tokens), engine_s)
+            else:
+                # Against the estimate made at arrival (from max_new_tokens, the study's): a stop string
+                # that ends a request early reads as a faster machine.
+                self.tracker.observe(entry[2], engine_s)
             if not ended:
                 outcome = "good" if on_time(now - entry[1], entry[3]) else "late"
         elif not ok and not (stalled or ended):
@@ -188,6 +207,18 @@ class AdmissionQueue:
                 self.ended[k] = True
                 return "running"
         return None
+
+    def cut(self, k: int, now: float):
+        """Engine k's request passed its deadline under ``cancel_at_deadline``: it ends now (cancelled).
+
+        Returns the request, or None when it had ended already. The driver stops the engine, which then
+        hands the request back through :meth:`finished` (with ``ok`` False: a cut run teaches nothing).
+        """
+        entry = self.running[k]
+        if entry is None or self.ended[k]:
+            return None
+        self.ended[k] = True
+        return entry[0]
 
     def overdue(self, now: float) -> list[int]:
         """Engines whose request has run past its stall threshold and that are not marked stalled yet."""

@@ -21,8 +21,8 @@ from .policy import on_time
 #: good: answered within its deadline; late: answered after it; rejected:
 #: refused at arrival; expired: dropped unrun at the front; error: an engine
 #: failed or stalled, or a transport or server failure; abandoned: its client
-#: left before the answer (a cancelled request).
-OUTCOMES = ("good", "late", "rejected", "expired", "error", "abandoned")
+#: left before the answer; cancelled: stopped in service when its deadline passed.
+OUTCOMES = ("good", "late", "rejected", "expired", "error", "abandoned", "cancelled")
 ANSWERED = ("good", "late")
 #: What a request may carry, in a trace file as in an HTTP body: a priority within +-PRIORITY_BOUND,
 #: a client id of 1 to CLIENT_ID_CHARS characters.
@@ -43,7 +43,7 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "priority": ("int64", "priority it was sent with: higher first under a priority discipline, below 0 sheddable"),
     "client_id": ("string", "the client that sent it (per-client limits, fair share); <NA>: none named"),
     "outcome": ("string", "one of OUTCOMES"),
-    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left, client_timeout); <NA> otherwise"),
+    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left, client_timeout, deadline_passed); <NA> otherwise"),
     "start_s": ("float64", "engine start time; NaN if never run"),
     "finish_s": ("float64", "time the answer, refusal or drop was given"),
     "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),
@@ -98,8 +98,8 @@ def validate(frame: pd.DataFrame) -> pd.DataFrame:
     if unknown or frame["outcome"].isna().any():
         raise ValueError(f"outcomes must be one of {OUTCOMES}, found {sorted(unknown) or 'missing'}")
     answered = frame["outcome"].isin(ANSWERED)
-    if frame.loc[answered, "start_s"].isna().any():
-        raise ValueError("an answered request has no start time")
+    if frame.loc[answered | frame["outcome"].eq("cancelled"), "start_s"].isna().any():
+        raise ValueError("an answered or cancelled request has no start time")
     if (frame.loc[frame["outcome"].isin(["rejected", "expired"]), "start_s"].notna()).any():
         raise ValueError("a refused or expired request has a start time")
     in_time = on_time(frame["latency_s"], frame["deadline_s"])

@@ -1,37 +1,50 @@
-"""Service-time estimates: the calibrated line and the speed tracker.
+"""Service-time estimates: the calibrated line, the speed tracker and the machine's speed over time.
 
-Service time is close to a straight line in the number of new tokens, but the
-machine changes speed; :class:`SpeedTracker` scales every estimate by a running
-ratio of actual over predicted engine time, as the live gate does.
+Service time is close to a straight line in the number of new tokens (plus a
+term in the prompt's tokens, the prefill), but the machine changes speed;
+:class:`SpeedTracker` scales every estimate by a running ratio of actual over
+predicted engine time, as the live gate does. :class:`SpeedSchedule` is how
+fast the machine is at each moment, for the simulator and the synthetic engine alike.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
 
 @dataclass(frozen=True)
 class ServiceModel:
-    """S = intercept_s + per_token_s * max_new_tokens (reference: 1 ms + 8.5 ms/token)."""
+    """S = intercept_s + per_prompt_token_s * prompt tokens + per_token_s * new tokens.
+
+    The reference: 1 ms + 8.5 ms per new token, and no prompt term (the study's prompts were
+    short); ``qlab calibrate`` fits the prompt term where it sends several prompt lengths.
+    """
 
     intercept_s: float = 0.001
     per_token_s: float = 0.0085
+    per_prompt_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.intercept_s >= 0 and self.per_token_s > 0):
+        if not (self.intercept_s >= 0 and self.per_token_s > 0 and self.per_prompt_token_s >= 0
+                and all(map(math.isfinite, (self.intercept_s, self.per_token_s, self.per_prompt_token_s)))):
             raise ValueError(
-                f"service model needs intercept_s >= 0 and per_token_s > 0, got {self.intercept_s}, {self.per_token_s}"
+                f"service model needs intercept_s >= 0, per_token_s > 0 and per_prompt_token_s >= 0, all finite, "
+                f"got {self.intercept_s}, {self.per_token_s}, {self.per_prompt_token_s}"
             )
 
-    def estimate(self, max_new_tokens):
+    def estimate(self, max_new_tokens, prompt_tokens=0):
         """Estimated seconds for a request (works on scalars and numpy arrays)."""
-        return self.intercept_s + self.per_token_s * np.asarray(max_new_tokens, dtype=float)
+        new = self.per_token_s * np.asarray(max_new_tokens, dtype=float)
+        if self.per_prompt_token_s == 0:  # no prefill term: the study's line, exactly
+            return self.intercept_s + new
+        return self.intercept_s + new + self.per_prompt_token_s * np.asarray(prompt_tokens, dtype=float)
 
     def tokens_for(self, seconds: float) -> int:
         """The whole number of new tokens (>= 1) whose estimate is closest to ``seconds``."""
@@ -49,9 +62,15 @@ class ServiceModel:
             raise ValueError(f"{path}: cannot read a service model: {exc}") from None
         data = data.get("model", data) if isinstance(data, dict) else data
         try:
-            return cls(intercept_s=float(data["intercept_s"]), per_token_s=float(data["per_token_s"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            return cls.from_fields(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{path}: expected intercept_s and per_token_s ({exc})") from None
+
+    @classmethod
+    def from_fields(cls, data) -> "ServiceModel":
+        """From a mapping of the fields (as saved, or as /stats reports them); the prompt term may be absent."""
+        return cls(intercept_s=float(data["intercept_s"]), per_token_s=float(data["per_token_s"]),
+                   per_prompt_token_s=float(data.get("per_prompt_token_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -64,18 +83,29 @@ class Fit:
     n: int
 
 
-def fit(tokens, seconds) -> Fit:
-    """Fit the service line by least squares; report per-request relative errors."""
+def fit(tokens, seconds, prompt_tokens=None) -> Fit:
+    """Fit the service line by least squares; report per-request relative errors.
+
+    With ``prompt_tokens`` of at least two lengths, the prompt term too: a least-squares fit of all three
+    terms bounded at 0 (scipy's lsq_linear), since a negative cost is noise around a tiny one.
+    """
     x = np.asarray(tokens, dtype=float)
     y = np.asarray(seconds, dtype=float)
     if x.shape != y.shape or x.size < 2:
         raise ValueError("fit needs two equally long sequences of at least 2 points")
     if np.unique(x).size < 2:
         raise ValueError("fit needs at least two different token counts")
-    line = stats.linregress(x, y)
-    # A negative intercept is noise around a tiny fixed cost; clamp it rather than predict < 0.
-    model = ServiceModel(intercept_s=max(0.0, float(line.intercept)), per_token_s=float(line.slope))
-    rel = np.abs(model.estimate(x) - y) / y
+    p = None if prompt_tokens is None else np.asarray(prompt_tokens, dtype=float)
+    if p is not None and p.shape != x.shape:
+        raise ValueError("prompt_tokens needs one value per point")
+    if p is None or np.unique(p).size < 2:
+        line = stats.linregress(x, y)
+        # A negative intercept is noise around a tiny fixed cost; clamp it rather than predict < 0.
+        model = ServiceModel(intercept_s=max(0.0, float(line.intercept)), per_token_s=float(line.slope))
+    else:
+        terms = optimize.lsq_linear(np.column_stack([np.ones_like(x), x, p]), y, bounds=(0, np.inf)).x
+        model = ServiceModel(intercept_s=float(terms[0]), per_token_s=float(terms[1]), per_prompt_token_s=float(terms[2]))
+    rel = np.abs(model.estimate(x, 0 if p is None else p) - y) / y
     return Fit(model, float(np.median(rel)), float(np.max(rel)), int(x.size))
 
 
@@ -103,3 +133,40 @@ class SpeedTracker:
 
     def scale(self, est_s: float) -> float:
         return est_s * self.factor
+
+
+@dataclass(frozen=True)
+class SpeedSchedule:
+    """How many times slower than calibrated the machine is, as a step function of seconds since it started.
+
+    ``steps`` are (elapsed_s, speed) pairs; before the first step the base speed holds. The simulator
+    (``simulate(..., speed_schedule=)``) and the synthetic engine (``--speed-schedule``) read the same one:
+    a run takes its estimate times the speed at the moment it starts.
+    """
+
+    base: float = 1.0
+    steps: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.base > 0 or any(not s > 0 for _, s in self.steps):
+            raise ValueError("speed factors must be > 0")
+        times = [t for t, _ in self.steps]
+        if times != sorted(times) or any(t < 0 for t in times):
+            raise ValueError(f"speed schedule times must be >= 0 and increasing, got {times}")
+
+    def at(self, elapsed_s: float) -> float:
+        k = bisect.bisect_right([t for t, _ in self.steps], elapsed_s)
+        return self.base if k == 0 else self.steps[k - 1][1]
+
+
+def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
+    """'10:2.2,30:1' -> ((10.0, 2.2), (30.0, 1.0)): from 10 s on 2.2x slower, from 30 s back to 1x."""
+    steps = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            t, s = part.split(":")
+            steps.append((float(t), float(s)))
+        except ValueError:
+            raise ValueError(f"speed schedule entries are SECONDS:FACTOR, got {part!r}") from None
+    SpeedSchedule(1.0, tuple(steps))  # checks the factors and the order
+    return tuple(steps)

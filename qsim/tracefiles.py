@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .clients import Patience
 from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
-from .clients import Patience
-from .workload import REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, random_streams
+from .workload import REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, random_streams, used_tokens
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
@@ -110,6 +110,7 @@ def load_trace(
     noise_cv: float = 0.0,
     seed: int = 0,
     patience: Patience | None = None,
+    used=None,
 ) -> Trace:
     """Read an Azure LLM inference trace CSV or one of qlab's own per-request files.
 
@@ -120,7 +121,9 @@ def load_trace(
     :meth:`Trace.save`) need arrival_s and max_new_tokens; est/true service
     times, deadlines, prompt lengths, priorities, client ids and patience (``patience_s``, seconds from
     the first send; empty: forever) are used when present. ``patience`` draws each request's patience
-    instead (from the seed's fifth stream); its kind "column" takes the file's and needs it.
+    instead (from the seed's fifth stream); its kind "column" takes the file's and needs it. A file's
+    ``tokens_generated`` (at most max_new_tokens) is the work each request does where it stops early;
+    ``used`` (:class:`qsim.workload.UsedShare`) draws it instead, from the seed's sixth stream.
     Arrival times are multiplied by ``time_scale`` (0.5 replays twice as fast).
     """
     path = Path(path)
@@ -139,7 +142,7 @@ def load_trace(
         arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy()
         prompt = cols.number("ContextTokens", ok=lambda v: v >= 0, integer=True)
         tokens = cols.number("GeneratedTokens", ok=lambda v: v >= 1, integer=True)
-        est = true = deadline = priority = client = patience_col = None
+        est = true = deadline = priority = client = patience_col = generated = None
     elif present >= set(OWN_REQUIRED):
         arrival = cols.number("arrival_s", ok=lambda v: v >= 0)
         tokens = cols.number("max_new_tokens", ok=lambda v: v >= 1, integer=True)
@@ -151,6 +154,10 @@ def load_trace(
         priority = cols.number("priority", ok=bounded, integer=True) if "priority" in present else None
         client = cols.client_ids("client_id") if "client_id" in present else None
         patience_col = cols.number("patience_s", ok=positive, optional=True) if "patience_s" in present else None
+        generated = cols.number("tokens_generated", ok=lambda v: v >= 1, integer=True) \
+            if "tokens_generated" in present else None
+        if generated is not None:
+            cols.fail_first("tokens_generated", pd.Series(generated > tokens), ": more than its max_new_tokens")
     else:
         raise ValueError(
             f"{path}: unrecognised trace columns {list(frame.columns)}; expected {','.join(AZURE_COLUMNS)} "
@@ -159,12 +166,16 @@ def load_trace(
     # Real logs are not always sorted; a stable sort keeps the file order among ties.
     order = np.argsort(arrival, kind="stable")
     pick = lambda a: None if a is None else a[order]  # noqa: E731
-    arrival, tokens, prompt, est, true, deadline, priority, client, patience_col = map(
-        pick, (arrival, tokens, prompt, est, true, deadline, priority, client, patience_col))
+    arrival, tokens, prompt, est, true, deadline, priority, client, patience_col, generated = map(
+        pick, (arrival, tokens, prompt, est, true, deadline, priority, client, patience_col, generated))
     arrival = arrival * time_scale
-    est = model.estimate(tokens) if est is None else est
-    if true is None:
-        true = est * speed * lognormal_noise(random_streams(seed)[2], len(tokens), noise_cv)
+    prompt_or_0 = 0 if prompt is None else prompt
+    est = model.estimate(tokens, prompt_or_0) if est is None else est
+    if used is not None:  # early stops drawn, in place of the file's own tokens_generated
+        generated = used_tokens(random_streams(seed)[5], tokens.astype(np.int64), used)
+    if true is None:  # the engine's time follows the work done: the tokens generated where known
+        work = est if generated is None else model.estimate(generated, prompt_or_0)
+        true = work * speed * lognormal_noise(random_streams(seed)[2], len(tokens), noise_cv)
     duration = float(arrival[-1] - arrival[0])
     meta = dict(path=str(path), time_scale=time_scale, speed=speed, noise_cv=noise_cv, seed=seed)
     if patience is not None:
@@ -176,4 +187,4 @@ def load_trace(
         patience_col = Patience("column").draw(None, len(tokens), patience_col)
     return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=path.stem, meta=meta,
                           deadline_s=deadline, prompt_tokens=prompt, priority=priority, client_id=client,
-                          patience_s=patience_col)
+                          patience_s=patience_col, tokens_generated=generated)

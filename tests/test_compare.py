@@ -15,20 +15,28 @@ import pytest
 
 from analysis.compare import compare, confusion, predict, run_setup
 from qsim import from_arrays, make_trace, preset, records, simulate
+from qsim.clients import Patience, RetryPolicy
 from qsim.queue import StallRule
 
 ZERO = 1000.0  # the gate's clock at the run's time 0: the rows must map it away
 
 
-def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, trip_in_s=4e-4, trip_out_s=3e-4):
+def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, trip_in_s=4e-4, trip_out_s=3e-4,
+                  retry=None, retry_seed=7):
     """A live run made by the simulator, in exactly the format `qlab replay` writes.
 
     The engine of request i runs trace.true_service_s (0 when it fails: instant failures, every
     ``fail_every``-th request) and is held handback_s longer (the hand-back to the gate); the
     tracker learns the engine's time. Each outcome becomes the answer body the service gives
-    (live.http_api), read back by live.rows.to_frame.
+    (live.http_api), read back by live.rows.to_frame. With ``retry`` (a RetryPolicy) the simulator's
+    clients send refused requests again, each attempt a row; its clients hear an answer at the gate's
+    end and reach the gate at once, so the trips must then be 0, and the gate's clock is the run's
+    (retries due at one instant keep their order: no rounding through ZERO tells them apart).
     """
-    from live.rows import Exchange, ServerInfo, to_frame
+    from live.rows import ClientSettings, Exchange, ServerInfo, to_frame
+
+    assert retry is None or trip_in_s == trip_out_s == 0, "a simulated client's retry has no trips"
+    zero = ZERO if retry is None else 0.0
 
     n = len(trace)
     failed = np.zeros(n, dtype=bool)
@@ -37,15 +45,17 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     engine_s = np.where(failed, 0.0, trace.true_service_s)
     held = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=engine_s + handback_s,
                        est_service_s=trace.est_service_s, deadline_s=trace.deadline_s)
-    sim = simulate(held, preset(policy), engines, failed=failed, reported_s=engine_s, stall=StallRule())
+    sim = simulate(held, preset(policy), engines, failed=failed, reported_s=engine_s, stall=StallRule(), retry=retry,
+                   retry_seed=retry_seed)
     exchanges = []
-    for i, r in sim.iterrows():
+    for _, r in sim.iterrows():
+        i = int(r["first_request_id"])
         arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
-        admission = {"arrived_at": arrival + ZERO, "est_service_s": est, "deadline_s": r["deadline_s"],
+        admission = {"arrived_at": arrival + zero, "est_service_s": est, "deadline_s": r["deadline_s"],
                      "queued": int(r["queued_at_arrival"]), "queued_work_s": r["queued_work_at_arrival_s"],
                      "speed_factor": est / base}
         start, finish = r["start_s"], r["finish_s"]
-        ran = {"started_at": start + ZERO, "returned_at": finish + ZERO}
+        ran = {"started_at": start + zero, "returned_at": finish + zero}
         outcome = r["outcome"]
         if outcome in records.ANSWERED:
             status, body = 200, {"text": "", "tokens": int(r["max_new_tokens"]), "outcome": outcome,
@@ -57,7 +67,8 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
                                            "numbers": admission, "retry_after_s": int(r["retry_after_s"])}}
         elif outcome == "expired":
             status, body = 503, {"error": {"type": "deadline_exceeded", "reason": r["reason"], "message": "",
-                                           "numbers": {**admission, "waited_s": finish - arrival}}}
+                                           "numbers": {**admission, "waited_s": finish - arrival},
+                                           "retry_after_s": int(r["retry_after_s"])}}
         elif r["reason"] == "engine_stalled":  # ran past its threshold, or given up behind stalled engines
             numbers = ({"engine": int(r["engine"]), "running_s": finish - start, "est_service_s": est}
                        if r["engine"] is not pd.NA else {"waited_s": finish - arrival, "stalled_engines": engines})
@@ -69,9 +80,9 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
                                            "numbers": {**admission, "engine": int(r["engine"]), **ran,
                                                        "engine_s": engine_s[i]}}}
         sent = arrival - trip_in_s
-        exchanges.append(Exchange(sent, sent, finish + trip_out_s, status, body))
+        exchanges.append(Exchange(sent, sent, finish + trip_out_s, status, body, first=i, attempt=int(r["attempt"])))
     info = ServerInfo(preset(policy), engines, False, 1.0, None, stall_rule=(10.0, 5.0), tracker_weight=0.2)
-    return to_frame(trace, exchanges, info, np.full(n, 16), server_zero=ZERO)
+    return to_frame(trace, exchanges, info, np.full(n, 16), server_zero=zero, clients=ClientSettings(retry, retry_seed))
 
 
 def assert_no_disagreement(result):
@@ -205,8 +216,14 @@ def test_confusion_shows_every_outcome():
     joined = pd.DataFrame({"live_outcome": ["good", "error"], "sim_outcome": ["good", "rejected"]})
     table = confusion(joined)
     assert list(table.index) == list(records.OUTCOMES)
-    assert list(table.columns) == ["good", "late", "rejected", "expired", "error"]
+    assert list(table.columns) == [o for o in records.OUTCOMES if o != "abandoned"]  # the simulator's, without clients
     assert table.loc["good", "good"] == 1 and table.loc["error", "rejected"] == 1 and table.to_numpy().sum() == 2
+    # Clients that give up and retry: abandoned on both sides, and attempts only one side sent.
+    joined = pd.DataFrame({"live_outcome": ["abandoned", "rejected", "not_sent"],
+                           "sim_outcome": ["abandoned", "not_sent", "rejected"]})
+    table = confusion(joined)
+    assert list(table.index)[-1] == "not_sent" and list(table.columns)[-2:] == ["abandoned", "not_sent"]
+    assert table.loc["abandoned", "abandoned"] == table.loc["rejected", "not_sent"] == table.loc["not_sent", "rejected"] == 1
 
 
 def test_prediction_of_a_run_reports_errors_with_intervals():
@@ -228,6 +245,74 @@ def test_a_frame_without_the_live_columns_is_refused():
     run = simulate(make_trace("poisson", load=1.0, seconds=5, seed=1), preset("none"))
     with pytest.raises(ValueError, match="not a live run file"):
         compare(run)
+
+
+RETRIES = {"honoured": RetryPolicy(mode="exponential", jitter=1.0, max_attempts=3),
+           "jittered": RetryPolicy(mode="exponential", delay_s=0.5, jitter=1.0, retry_after="ignore", max_attempts=4)}
+
+
+@pytest.mark.parametrize("retry", list(RETRIES))
+@pytest.mark.parametrize("policy, arrivals", [("predictive", "poisson"), ("bounded", "poisson"), ("bounded", "burst:30")])
+def test_retries_are_replayed_by_the_simulators_own_clients(policy, arrivals, retry):
+    # A run whose clients retried: compare gives the simulator the first attempts and the run's retry
+    # policy and seed; its clients must send every retry the run has, at the same times, and no other.
+    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 40}
+    trace = make_trace(arrivals, load=2.0, seed=5, noise_cv=0.2, **length)
+    run = live_like_run(trace, policy, trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES[retry])
+    assert run["attempt"].max() > 1 and set(run["retry_seed"]) == {7}
+    result = compare(run)
+    assert_no_disagreement(result)
+    s, requests = result.summary, result.requests
+    assert s["requests"] == len(run) and s["requests_e2e"] == len(trace) == len(requests)
+    assert s["e2e_disagreements"] == 0 and s["live_attempts"] == s["sim_attempts"] == len(run)
+    assert requests["agree"].all() and (requests["live_attempts"] == requests["sim_attempts"]).all()
+    assert s["live_not_sent"] == s["sim_not_sent"] == 0
+
+
+def test_an_attempt_only_the_simulator_sends_is_a_disagreement_of_attempts():
+    trace = make_trace("poisson", load=2.0, seconds=40, seed=5)
+    run = live_like_run(trace, "predictive", trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES["honoured"])
+    # As if the live client of one retried request had given up after its first refusal.
+    gone = run.index[run["attempt"].eq(2)][0]
+    first = int(run.loc[gone, "first_request_id"])
+    run = run[run["first_request_id"].ne(first) | run["attempt"].eq(1)].reset_index(drop=True)
+    result = compare(run)
+    s = result.summary
+    assert s["live_not_sent"] >= 1 and s["sim_not_sent"] == 0
+    assert s["attempt_count_disagreements"] == 1 and s["e2e_disagreements"] == 1
+    assert result.confusion.loc["not_sent"].sum() == s["live_not_sent"]
+    mine = result.requests.set_index("first_request_id").loc[first]
+    assert mine["live_attempts"] == 1 and mine["sim_attempts"] > 1 and not mine["agree"]
+    # Everything else is the same run: every attempt both sent agrees.
+    both = result.joined[result.joined["live_outcome"].ne("not_sent")]
+    assert both["agree"].all() and result.joined["request_id"].is_unique
+
+
+def test_a_run_file_carries_its_clients():
+    from live.rows import Exchange, client_settings, to_frame
+
+    trace = make_trace("poisson", load=1.0, seconds=5, seed=2, patience=Patience.parse("deterministic:3"))
+    run = live_like_run(trace, "bounded", trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES["jittered"])
+    clients, patience = client_settings(run)
+    assert clients.retry == RETRIES["jittered"] and clients.retry_seed == 7 and clients.patience_until == "answer"
+    np.testing.assert_array_equal(patience[run["attempt"].eq(1).to_numpy()], 3.0)
+    # A client that hung up: abandoned, with its reason; no answer, so no status, start or gate arrival.
+    ex = Exchange(1.0, 1.0, 4.0, first=0, attempt=1, left="client_left", hangup_s=4.0, next="left")
+    info_run = to_frame(trace, [ex], *_info_args(), clients=clients)
+    row = info_run.iloc[0]
+    assert (row["outcome"], row["reason"], row["client_next"]) == ("abandoned", "client_left", "left")
+    assert pd.isna(row["http_status"]) and np.isnan(row["start_s"]) and np.isnan(row["server_arrival_s"])
+    assert row["hangup_s"] == 4.0 and row["patience_s"] == 3.0
+    # An older run file: patient clients that never retry.
+    old = run.drop(columns=["retry_policy", "retry_seed", "patience_until", "patience_s"])
+    clients, patience = client_settings(old)
+    assert clients.retry is None and np.isinf(patience).all()
+
+
+def _info_args():
+    from live.rows import ServerInfo
+
+    return ServerInfo(preset("bounded"), 1, False, 1.0, None), np.full(1, 16)
 
 
 # ---------------------------------------------------------------- against the live service

@@ -97,7 +97,7 @@ def test_burst_gives_both_overload_envelopes_and_matching_stats(url):
             assert {"est_service_s", "queued", "queued_work_s", "deadline_s"} <= set(error["numbers"])
     after = stats(url)
     delta = {k: after["counts"][k] - before["counts"][k] for k in after["counts"]}
-    assert delta == {o: outcomes.count(o) for o in ("good", "late", "rejected", "expired", "error")}
+    assert delta == {o: outcomes.count(o) for o in ("good", "late", "rejected", "expired", "error", "cancelled")}
     assert after["waiting"] == 0 and after["in_service"] == 0
 
 
@@ -174,10 +174,10 @@ def test_healthz_and_stats_shape(url):
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["engine"]["engine"] == "synthetic"
     s = stats(url)
-    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error"}
+    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error", "cancelled"}
     assert s["policy"]["name"] == "bounded-deadline" and s["policy"]["max_queue"] == 2
     assert s["engines"] == 1 and s["fixed_estimate"] is False and s["speed_factor"] > 0
-    assert s["service_model"] == {"intercept_s": 0.001, "per_token_s": 0.0085}
+    assert s["service_model"] == {"intercept_s": 0.001, "per_token_s": 0.0085, "per_prompt_token_s": 0.0}
 
 
 def test_client_disconnect_while_waiting_leaves_the_queue(url):
@@ -293,8 +293,10 @@ def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):
 
 def test_a_client_over_its_rate_gets_429_rate_limited_apart_from_503_overloaded(tmp_path):
     # One engine, bound 0 (the Erlang loss system: busy means refused), each client 1 request/s in bursts of 2.
+    # The first run hangs 30 s (deaf to its client leaving, as a wedged engine), so the engine stays busy.
     proc, address = start_server(tmp_path / "serve.log", "--policy", "bounded", "--max-queue", "0",
-                                 "--policy-arg", "client_rate=1", "--policy-arg", "client_burst=2", "--speed", "20")
+                                 "--policy-arg", "client_rate=1", "--policy-arg", "client_burst=2", "--speed", "20",
+                                 "--hang-after", "0", "--hang-for", "30")
     try:
         body = {"prompt": "x", "max_new_tokens": 64}  # 64 tokens x 20: about 11 s on the engine
         httpx.post(f"{address}/v1/generate", json={**body, "client_id": "a"}, timeout=0.5)

@@ -11,8 +11,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from live.engine import EngineResult, SyntheticEngine
-from live.gate import DeadlineExceeded, EngineFailed, Gate, GateConfig, Job, Rejected
+from live.engine import Cancel, EngineResult, SyntheticEngine, UpstreamError, UpstreamTimeout, takes_cancel
+from live.gate import (DeadlineExceeded, EngineFailed, Gate, GateConfig, Job, Rejected, UpstreamFailed,
+                       UpstreamTimedOut)
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 s
@@ -223,3 +224,100 @@ def test_close_cancels_the_waiting_and_refuses_new_work():
         return running.cancelled(), waiting.cancelled(), gate.waiting
 
     assert asyncio.run(go()) == (True, True, 0)
+
+
+# ---------------------------------------------------------------- cancelling a run, upstream failures
+
+
+class _Recording(SyntheticEngine):
+    """A synthetic engine that keeps what each run returned."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.results = []
+
+    def run(self, prompt, max_new_tokens, stop=None, cancel=None):
+        result = super().run(prompt, max_new_tokens, stop, cancel)
+        self.results.append(result)
+        return result
+
+
+def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing():
+    async def go():
+        engine = _Recording(MODEL)
+        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+            running = gate.submit(Job("a", 2500))  # 10 s unless stopped
+            await asyncio.sleep(0.02)
+            running.cancel()  # its client hung up while the engine ran it
+            while gate.in_service:  # the engine is told to stop; it is free once its run returns
+                await asyncio.sleep(0.005)
+            factor = gate.tracker.factor
+            answer = await gate.submit(Job("b", 2))
+            return engine.results, factor, answer, gate.stats()
+
+    results, factor, answer, stats = asyncio.run(asyncio.wait_for(go(), 5))  # well before a's 10 s
+    assert results[0].stopped and results[0].tokens == 0 and not results[1].stopped
+    assert factor == 1.0  # the stopped run's time taught the tracker nothing
+    assert answer.outcome == "good" and answer.tokens == 2
+    assert stats["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
+
+
+def test_cancel_runs_its_callbacks_once_and_engines_without_it_are_called_without_it():
+    cancel, calls = Cancel(), []
+    forget = cancel.when_set(lambda: calls.append("a"))
+    cancel.when_set(lambda: calls.append("b"))
+    forget()
+    cancel.set()
+    cancel.set()
+    cancel.when_set(lambda: calls.append("late"))  # already set: at once
+    assert calls == ["b", "late"] and cancel.is_set()
+    assert takes_cancel(SyntheticEngine(MODEL)) and not takes_cancel(_Flaky())
+
+
+class _Upstream(_Flaky):
+    """Raises what an upstream engine raises, on the prompts 'error' and 'timeout'."""
+
+    def run(self, prompt, max_new_tokens, stop):
+        if prompt == "error":
+            raise UpstreamError("the upstream answered HTTP 500: boom")
+        if prompt == "timeout":
+            raise UpstreamTimeout("the upstream sent nothing for 1 s")
+        return super().run(prompt, max_new_tokens, stop)
+
+
+def test_upstream_failures_are_their_own_errors_counted_apart():
+    async def go():
+        async with Gate([_Upstream()], GateConfig(PRESETS["none"], MODEL)) as gate:
+            caught = []
+            for prompt in ("error", "timeout"):
+                with pytest.raises(EngineFailed) as info:
+                    await gate.submit(Job(prompt, 2))
+                caught.append(info.value)
+            factor = gate.tracker.factor
+            answer = await gate.submit(Job("fine", 2))  # the gate keeps serving
+            return caught, factor, answer, gate
+
+    (error, timeout), factor, answer, gate = asyncio.run(go())
+    assert type(error) is UpstreamFailed and error.reason == "upstream_error" and "boom" in str(error)
+    assert type(timeout) is UpstreamTimedOut and timeout.reason == "upstream_timeout"
+    assert answer.outcome == "good" and gate.timings.upstream_errors == 2 and factor == 1.0
+    assert gate.ended_by_reason[("error", "upstream_error")] == 1
+    assert gate.ended_by_reason[("error", "upstream_timeout")] == 1
+
+
+class _Quitter(_Flaky):
+    """Says its run stopped though nobody asked."""
+
+    def run(self, prompt, max_new_tokens, stop, cancel=None):
+        return EngineResult("", 0, 0.001, stopped=True)
+
+
+def test_a_run_stopped_unasked_is_an_engine_error():
+    async def go():
+        async with Gate([_Quitter()], GateConfig(PRESETS["none"], MODEL)) as gate:
+            with pytest.raises(EngineFailed, match="stopped the run unasked"):
+                await gate.submit(Job("x", 2))
+            return gate.stats()
+
+    stats = asyncio.run(go())
+    assert stats["counts"]["error"] == 1 and stats["in_service"] == 0

@@ -113,3 +113,77 @@ def test_client_fairness_leaves_out_requests_naming_no_client():
     fair = metrics.client_fairness(metrics.by_client(HAND, 10))
     assert fair["jain_goodput"] == pytest.approx(metrics.jain_index([4.0, 2.0]))  # a and b only
     assert fair["jain_share"] == pytest.approx(metrics.jain_index([0.5, 0.5])) == 1.0
+
+
+def _attempts(rows):
+    """A hand-made frame of attempts: (first_request_id, attempt, arrival_s, finish_s, outcome), deadline 2 s."""
+    frame = pd.DataFrame(rows, columns=["first_request_id", "attempt", "arrival_s", "finish_s", "outcome"])
+    return frame.assign(request_id=range(len(frame)), latency_s=frame["finish_s"] - frame["arrival_s"],
+                        deadline_s=2.0, reason=None, max_new_tokens=16)
+
+
+TINY = _attempts([
+    (0, 1, 0.2, 1.1, "good"),
+    (1, 1, 0.5, 0.5, "rejected"),
+    (1, 2, 1.5, 2.2, "good"),       # 1.7 s from the first send: good end to end, counted at 0.5
+    (2, 1, 1.0, 3.0, "abandoned"),  # the client's timeout
+    (2, 2, 3.0, 3.5, "good"),       # good as an attempt, late end to end (2.5 s from the first send)
+    (3, 1, 2.9, 5.5, "late"),
+])
+
+
+def test_over_time_bins_a_hand_made_frame():
+    series = metrics.over_time(TINY)
+    assert list(series["t_s"]) == [0, 1, 2, 3, 4, 5]  # to the bin of the last event (a finish at 5.5)
+    assert list(series["attempts_per_s"]) == [2, 2, 1, 1, 0, 0]
+    assert list(series["first_sends_per_s"]) == [2, 1, 1, 0, 0, 0]
+    assert list(series["goodput_rps"]) == [0, 1, 1, 1, 0, 0]  # by the time the good answers came back
+    assert list(series["goodput_e2e_rps"]) == [2, 0, 0, 0, 0, 0]  # by first send
+    # Wider bins give rates per second; until_s ends the bins, and what happens at or after it is left out.
+    two = metrics.over_time(TINY, bin_s=2.0)
+    assert list(two["t_s"]) == [0, 2, 4] and list(two["attempts_per_s"]) == [2.0, 1.0, 0.0]
+    cut = metrics.over_time(TINY, until_s=3.0)
+    assert list(cut["t_s"]) == [0, 1, 2] and list(cut["attempts_per_s"]) == [2, 2, 1]
+    assert list(cut["goodput_rps"]) == [0, 1, 1]
+    # The counts add up to the frame's.
+    assert series["attempts_per_s"].sum() == len(TINY) and series["goodput_rps"].sum() == 3
+    with pytest.raises(ValueError, match="bin_s"):
+        metrics.over_time(TINY, bin_s=0)
+
+
+def test_over_time_of_a_run_adds_up_to_its_summary():
+    trace = make_trace("surge:20:10:2.5", load=0.8, seconds=60, seed=3)
+    from qsim.clients import RetryPolicy
+
+    frame = simulate(trace, PRESETS["bounded"], retry=RetryPolicy("immediate", max_attempts=3))
+    series = metrics.over_time(frame)
+    s = metrics.summary(frame, 60)
+    assert series["attempts_per_s"].sum() == len(frame) > s["requests_e2e"] == series["first_sends_per_s"].sum()
+    assert series["goodput_rps"].sum() == s["good"]
+    assert series["goodput_e2e_rps"].sum() == pytest.approx(s["goodput_e2e_rps"] * 60)
+
+
+def _series(values):
+    return pd.DataFrame({"t_s": np.arange(len(values), dtype=float), "goodput_e2e_rps": np.asarray(values, float)})
+
+
+def test_recovery_on_a_constructed_series():
+    # Steady at 10 before the surge (20 to 30 s), nothing until 50 s, then 9.5: within 10 % of 10.
+    values = [10.0] * 20 + [15.0] * 10 + [0.0] * 20 + [9.5] * 50
+    r = metrics.recovery(_series(values), 20, 30)
+    assert r == {"recovery_s": 20.0, "recovered": 1.0, "steady_rps": 10.0}
+    # The forward 5 s window: a ramp is back at the first bin whose next 5 s average reach 9.
+    ramp = [10.0] * 20 + [0.0] * 20 + [6.0, 8.0, 9.0, 10.0, 12.0] + [10.0] * 20
+    assert metrics.recovery(_series(ramp), 20, 30)["recovery_s"] == 10.0
+    # Back above the steady state counts (a backlog served); at 8 it never is, unless within 25 %.
+    assert metrics.recovery(_series([10.0] * 20 + [30.0] * 30), 10, 20)["recovery_s"] == 0.0
+    low = [10.0] * 20 + [0.0] * 10 + [8.0] * 30
+    assert math.isnan(metrics.recovery(_series(low), 20, 30)["recovery_s"])
+    assert metrics.recovery(_series(low), 20, 30)["recovered"] == 0.0
+    assert metrics.recovery(_series(low), 20, 30, within=0.25)["recovery_s"] == 0.0
+    # Only whole windows: back for the run's last 3 s is "never".
+    late = [10.0] * 20 + [0.0] * 37 + [10.0] * 3
+    assert metrics.recovery(_series(late), 20, 30)["recovered"] == 0.0
+    # No steady state to return to: unknown.
+    r = metrics.recovery(_series([0.0] * 40), 20, 30)
+    assert math.isnan(r["recovery_s"]) and math.isnan(r["recovered"])

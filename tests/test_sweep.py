@@ -1,5 +1,6 @@
 """Sweeps: grid, determinism across executors, resume, crash safety, config checks, plots, notebook."""
 
+import io
 import json
 import os
 import shutil
@@ -58,7 +59,9 @@ def test_grid_and_layout(small):
     assert manifest["config_sha256"] == cfg.digest and manifest["seeds"] == [1, 2] and manifest["cells"] == 32
     assert "qlab_version" in manifest and manifest["load_meaning"] == "utilisation-at-simulated-speed"
     rows = rows_of(out)
-    records.validate(rows.drop_duplicates(["cell_id", "request_id"]).assign(request_id=range(len(rows))))
+    # Every cell numbers its requests from 0 (one attempt each here): renumber them to validate the lot as one run.
+    records.validate(rows.drop_duplicates(["cell_id", "request_id"]).assign(request_id=range(len(rows)),
+                                                                            first_request_id=range(len(rows))))
     # One row per request per cell, and the summary counts them all.
     assert rows.groupby("cell_id").size().sum() == summary["requests"].sum()
     by_class = pd.read_parquet(out / "summary_by_class.parquet")
@@ -364,3 +367,166 @@ def test_cli_summary_and_plot_by_client(tenants, tmp_path):
     for name in ("share_in_time", "goodput", "by_client", "by_priority"):
         for ext in ("png", "svg"):
             assert (figs / f"{name}.{ext}").stat().st_size > 1000
+
+
+RETRIES = """
+[sweep]
+duration_s = 40
+seeds = 2
+arrivals = "surge:10:10:2.5"
+[retry.naive]
+mode = "immediate"
+retry_after = "ignore"
+max_attempts = 4
+timeout_s = 6
+[grid]
+policy = ["none", "predictive"]
+load = [0.8]
+retry = ["none", "naive"]
+patience = ["none", "exponential:20"]
+"""
+RETRY_COLUMNS = ("attempts_per_request", "share_good_e2e", "goodput_e2e_rps", "retry_after_adherence")
+
+
+@pytest.fixture(scope="module")
+def retries(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("retries")
+    cfg = config.load(write(tmp, RETRIES))
+    out = tmp / "out"
+    return cfg, out, sweep.run(cfg, out, workers=1, quiet=True)
+
+
+def test_a_sweep_with_retry_and_patience_axes(retries):
+    cfg, out, summary = retries
+    assert len(summary) == 2 * 2 * 2 * 2 and summary["cell_id"].is_unique
+    assert cfg.retries["naive"].mode == "immediate" and cfg.retries["naive"].timeout_s == 6
+    # Every cell of a retry sweep has the end-to-end view and, with surge arrivals, the recovery measure.
+    for column in (*RETRY_COLUMNS, "requests_e2e", "recovery_s", "recovered", "steady_rps"):
+        assert column in summary, column
+    plain = summary[summary["retry"].isna()]
+    naive = summary[summary["retry"] == "naive"]
+    assert (plain["attempts_per_request"] == 1).all() and (plain["requests"] == plain["requests_e2e"]).all()
+    assert (naive.loc[naive["policy"] == "none", "attempts_per_request"] > 1.2).all()
+    np.testing.assert_allclose(plain["share_good_e2e"], plain["share_good"])
+    # Impatient clients leave: abandoned requests where there is patience, none where there is not (and no timeout).
+    assert (summary.loc[summary["patience"].notna() & (summary["policy"] == "none"), "abandoned"] > 0).all()
+    assert (summary.loc[summary["patience"].isna() & summary["retry"].isna(), "abandoned"] == 0).all()
+    assert summary["recovered"].isin([0.0, 1.0]).all()
+    assert (summary.loc[summary["policy"] == "predictive", "recovered"] == 1).all()
+    # The rows carry their cell's retry and patience; both kinds of cell read back as one dataset.
+    rows = pd.read_parquet(out / "cells")
+    assert len(rows) == summary["requests"].sum()
+    assert set(rows["retry"].dropna()) == {"naive"} and set(rows["patience"].dropna()) == {"exponential:20"}
+    assert rows.loc[rows["retry"].isna(), "attempt"].eq(1).all()
+    # One row per cell and second: attempts add up to the rows sent in the run's 40 s.
+    series = pd.read_parquet(out / "timeseries.parquet")
+    assert len(series) == 16 * 40 and set(series.groupby("cell_id")["t_s"].max()) == {39.0}
+    sent = rows[rows["arrival_s"] < 40].groupby("cell_id").size()
+    np.testing.assert_array_equal(series.groupby("cell_id")["attempts_per_s"].sum().loc[sent.index], sent)
+    first = series.groupby("cell_id")["first_sends_per_s"].sum()
+    np.testing.assert_array_equal(first.loc[summary["cell_id"]], summary["requests_e2e"])
+    assert {"policy", "retry", "patience", "seed", "goodput_rps", "goodput_e2e_rps"} <= set(series.columns)
+
+
+def test_cells_without_retry_or_patience_keep_their_ids_and_rows(retries, tmp_path):
+    # The id a cell had before the clients, retry and patience axes existed.
+    assert sweep.Cell("predictive", 1.0, 1.0, 1, None, None, "reference", None, None, 1).id == "0b3c8c9626cf6f2b"
+    cfg, out, summary = retries
+    # The same sweep without the two axes and the [retry] table.
+    without = RETRIES.split("[retry.naive]")[0] + "[grid]" + RETRIES.split("[grid]")[1]
+    without = without.replace('retry = ["none", "naive"]\n', "").replace('patience = ["none", "exponential:20"]\n', "")
+    old_cfg = config.load(write(tmp_path, without))
+    assert "retry" not in old_cfg.canonical() and "patience_until" not in old_cfg.canonical()
+    old_summary = sweep.run(old_cfg, tmp_path / "old", workers=1, quiet=True)
+    # No retry or patience columns in a sweep without those axes.
+    assert not {"retry", "patience", *RETRY_COLUMNS} & set(old_summary.columns)
+    old_rows = rows_of(tmp_path / "old")
+    assert not {"retry", "patience"} & set(old_rows.columns)
+    plain = summary[summary["retry"].isna() & summary["patience"].isna()]
+    assert sorted(plain["cell_id"]) == sorted(old_summary["cell_id"])
+    new_rows = rows_of(out)
+    new_rows = new_rows[new_rows["cell_id"].isin(plain["cell_id"])].drop(columns=["retry", "patience"])
+    pd.testing.assert_frame_equal(new_rows.reset_index(drop=True), old_rows)
+    same = old_summary.columns.drop(["cell_id"])
+    pd.testing.assert_frame_equal(plain.set_index("cell_id").sort_index()[same],
+                                  old_summary.set_index("cell_id").sort_index()[same])
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[retry.naive]\nmode = 'immediate'\ntmeout_s = 8\n", "retry.naive: unknown retry setting 'tmeout_s'"),
+        ("[retry.naive]\nmode = 'immediate'\nmax_attempts = 'five'\n", "retry.naive.max_attempts: expected int"),
+        ("[retry.naive]\nmode = 'immediate'\njitter = 2.0\n", "retry.naive: retry jitter must be in [0, 1]"),
+        ("[retry.naive]\nmode = 'sometimes'\n", "retry.naive: retry mode must be one of"),
+        ("[retry.naive]\ndelay_s = 2.0\n", "retry.naive.delay_s needs a retry mode"),
+        ("[retry.none]\nmode = 'immediate'\n", "retry.none: 'none' is the built-in"),
+        ("[retry]\nnaive = 3\n", "retry.naive: expected a table"),
+        ("", "grid.retry[1]: unknown retry policy 'naive'"),
+    ],
+)
+def test_bad_retry_tables_are_one_clear_error(tmp_path, text, message):
+    grid = "[grid]\npolicy = ['none']\nload = [1.0]\nretry = ['none', 'naive']\n"
+    with pytest.raises(config.ConfigError) as err:
+        config.load(write(tmp_path, text + grid))
+    assert message in str(err.value) and "s.toml" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[grid]\npolicy = ['none']\nload = [1.0]\npatience = ['exponential']\n", "grid.patience[0]: bad patience"),
+        ("[grid]\npolicy = ['none']\nload = [1.0]\npatience = ['weibull:3']\n", "grid.patience[0]"),
+        ("[grid]\npolicy = ['none']\nload = [1.0]\npatience = ['column']\n", "needs grid.trace"),
+        ("[sweep]\npatience_until = 'end'\n[grid]\npolicy = ['none']\nload = [1.0]\npatience = ['exponential:9']\n",
+         "sweep.patience_until: expected one of answer, start"),
+        ("[sweep]\npatience_until = 'start'\n[grid]\npolicy = ['none']\nload = [1.0]\n",
+         "patience_until applies only with grid.patience"),
+    ],
+)
+def test_bad_patience_is_one_clear_error(tmp_path, text, message):
+    with pytest.raises(config.ConfigError) as err:
+        config.load(write(tmp_path, text))
+    assert message in str(err.value) and "s.toml" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_patience_until_start_reaches_the_cells(tmp_path):
+    text = RETRIES.replace("[sweep]\n", "[sweep]\npatience_until = 'start'\n").replace("seeds = 2", "seeds = 1")
+    cfg = config.load(write(tmp_path, text))
+    assert cfg.patience("exponential:20").until == "start" and cfg.canonical()["patience_until"] == "start"
+    assert cfg.digest != config.load(write(tmp_path, RETRIES, "r.toml")).digest
+    cell = next(c for c in sweep.cells(cfg) if c.patience and c.retry is None and c.policy == "none")
+    rows = pd.read_parquet(io.BytesIO(sweep.run_cell(cfg, cell).parquet))
+    left = rows[rows["outcome"] == "abandoned"]
+    assert len(left) and left["start_s"].isna().all()  # patience while waiting: none left once started
+
+
+def test_cli_summary_and_plot_of_a_retry_sweep(retries, tmp_path):
+    _, out, _ = retries
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "experiments", "summary", str(out)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    header, *lines = proc.stdout.splitlines()[2:]
+    for column in ("retry", "patience", "share_good_e2e", "attempts_per_request", "recovery_s", "recovered"):
+        assert column in header.split(), column
+    assert len(lines) == 2 * 2 * 2
+    figs = tmp_path / "figs"
+    proc = subprocess.run([sys.executable, "-m", "experiments", "plot", str(out), "--out", str(figs)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("retries", "recovery", "share_in_time", "outcomes"):
+        for ext in ("png", "svg"):
+            assert (figs / f"{name}.{ext}").stat().st_size > 1000
+
+
+def test_per_variant_labels_each_axis_that_varies(retries):
+    from analysis import plots
+
+    _, _, summary = retries
+    labelled = plots.per_variant(summary)
+    assert set(labelled["policy"]) == {f"{p} / {r} / {q}" for p in ("none", "predictive") for r in ("none", "naive")
+                                       for q in ("none", "exponential:20")}
+    one = summary[summary["patience"].isna()]
+    assert set(plots.per_variant(one)["policy"]) == {"none / none", "none / naive", "predictive / none",
+                                                     "predictive / naive"}

@@ -1,0 +1,372 @@
+"""``qlab serve --engine upstream``: the gate in front of an OpenAI-compatible server (live/upstream.py).
+
+The upstream is the synthetic engine behind the same API, started as a process:
+``qlab serve --engine synthetic --policy none`` (a gate with no admission limit). Two pairs run:
+
+* ``ok``: an upstream on the reference line (4 tokens: 35 ms), and a ``predictive`` gate in front
+  of it with two engines: answers through the openai SDK, streaming, calibration, and a client that
+  hangs up mid-run (the upstream must see it leave and count it cancelled);
+* ``faulty``: an upstream whose run 1 hangs 5 s and every 2nd run fails (``--hang-after 0
+  --hang-for 5 --fail-every 2``), and a gate with a 2 s ``--upstream-timeout`` (a 35 ms answer
+  fits it many times over): 504, then 502, then 200, in that order, so one test drives it.
+
+What the engine does with a stream (usage or not, errors in it, broken off, cancelled) is
+checked in-process against a scripted HTTP server, byte by byte.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from experiments.cli import main  # noqa: E402
+from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
+from live.engine import Cancel, UpstreamError, UpstreamTimeout  # noqa: E402
+from live.procs import Server  # noqa: E402
+from live.serve_options import ServeOptions, check_upstream_url  # noqa: E402
+from live.upstream import UpstreamEngine, UpstreamSpec, resolve_model  # noqa: E402
+
+MODEL = "synthetic"  # the upstream's model, which the gate serves under the same name
+UPSTREAMS = {"ok": ServeOptions(policy="none", engines=2),
+             "faulty": ServeOptions(policy="none", hang_after=0, hang_for=5.0, fail_every=2)}
+
+
+@contextmanager
+def _started(named: dict[str, ServeOptions], log_dir) -> Iterator[dict[str, str]]:
+    """Start every server at once, yield their URLs by name, always stop them."""
+    with ExitStack() as stack:
+        servers = {}
+        for name, options in named.items():
+            servers[name] = server = Server(options, log_dir / f"{name}.log")
+            stack.callback(server.stop)
+            server.spawn()
+        yield {name: server.wait_ready(60) for name, server in servers.items()}
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory):
+    """{"ok": (gate, upstream), "faulty": (gate, upstream)}."""
+    logs = tmp_path_factory.mktemp("upstream-logs")
+    with _started({f"up-{k}": v for k, v in UPSTREAMS.items()}, logs) as up:
+        gates = {"ok": ServeOptions(policy="predictive", deadline=600.0, engine="upstream", engines=2,
+                                    upstream_url=up["up-ok"]),
+                 "faulty": ServeOptions(policy="none", engine="upstream", upstream_url=up["up-faulty"],
+                                        upstream_timeout=2.0)}
+        with _started({f"gate-{k}": v for k, v in gates.items()}, logs) as gate:
+            yield {k: (gate[f"gate-{k}"], up[f"up-{k}"]) for k in gates}
+
+
+def sdk(url: str) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/stats", timeout=10).json()
+
+
+def until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for something that must happen (the bound only keeps a broken build from hanging)."""
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.02)
+
+
+def metrics(url: str) -> dict:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+# ================================================================== through real servers
+
+
+def test_completion_and_chat_through_the_gate(urls):
+    gate, _ = urls["ok"]
+    client = sdk(gate)
+    assert [m.id for m in client.models.list()] == [MODEL]  # the upstream's model, asked for at start-up
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5)
+    assert r.choices[0].text == " tok" * 5 and r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    qlab = r.to_dict()["qlab"]
+    assert qlab["outcome"] == "good" and 0 < qlab["first_token_s"] <= qlab["engine_s"] <= qlab["total_s"]
+    stopped = client.completions.create(model=MODEL, prompt="x", max_tokens=3, stop="k t")  # forwarded upstream
+    assert stopped.choices[0].text == " to"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].message.content == " tok" * 4 and chat.usage.completion_tokens == 4
+    body = httpx.post(f"{gate}/v1/generate", json={"prompt": "x", "max_new_tokens": 3}, timeout=30).json()
+    assert body["tokens"] == 3 and 0 < body["timings"]["first_token_s"] <= body["timings"]["engine_s"]
+    health = httpx.get(f"{gate}/healthz", timeout=10).json()
+    assert health["engine"] == {"engine": "upstream", "url": urls["ok"][1], "model": MODEL, "timeout_s": 60.0,
+                                "tokenizer": "bytes"} and health["engines"] == 2
+
+
+def test_a_streamed_chat_through_the_gate(urls):
+    gate, _ = urls["ok"]
+    stream = sdk(gate).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " tok" * 6
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_calibrate_an_upstream_backed_gate(urls):
+    gate, _ = urls["ok"]
+    cal = calibrate(CalibrationConfig(gate, rounds=1, per_size=2, sizes=(1, 8), deadline_ms=600_000))
+    (only,) = cal.rounds
+    assert only.tokens == (1, 8, 1, 8) and all(s > 0 for s in only.engine_s)
+
+
+def _hang_up_once_upstream_runs(gate: str, upstream: str, tokens: int) -> None:
+    """Send a request on a raw socket and close it once the upstream is running it."""
+    body = json.dumps({"prompt": "x", "max_new_tokens": tokens, "deadline_ms": 600_000}).encode()
+    host, port = gate.removeprefix("http://").split(":")
+    running = stats(upstream)["in_service"]
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        until(lambda: stats(upstream)["in_service"] > running)
+
+
+def test_a_client_hanging_up_cancels_the_upstream_request(urls):
+    gate, upstream = urls["ok"]
+    before_gate, before_up = stats(gate), stats(upstream)
+    _hang_up_once_upstream_runs(gate, upstream, 1000)  # 8.5 s upstream unless cancelled
+    # The upstream saw its client (the gate's engine) leave: cancelled, and its engine stopped.
+    until(lambda: stats(upstream)["cancelled"] == before_up["cancelled"] + 1 and stats(upstream)["in_service"] == 0)
+    until(lambda: stats(gate)["in_service"] == 0)
+    after_gate, after_up = stats(gate), stats(upstream)
+    assert after_up["counts"] == before_up["counts"]  # it never finished
+    assert after_gate["cancelled"] == before_gate["cancelled"] + 1 and after_gate["counts"] == before_gate["counts"]
+    assert after_gate["speed_factor"] == before_gate["speed_factor"]  # a cut-short time teaches nothing
+    assert sdk(gate).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text == " tok" * 2
+
+
+def _error(exc: "openai.APIStatusError", status: int, reason: str) -> dict:
+    assert exc.status_code == status and exc.code == reason
+    error = exc.response.json()["error"]
+    assert error["type"] == "engine_error" and error["reason"] == reason
+    return error
+
+
+def test_upstream_timeout_then_failure_then_the_gate_serves_on(urls):
+    gate, upstream = urls["faulty"]  # upstream run 1 hangs 5 s, runs 2, 4, ... fail; the gate waits 2 s
+    client = sdk(gate)
+    with pytest.raises(openai.InternalServerError) as timeout:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert "sent nothing for 2 s" in _error(timeout.value, 504, "upstream_timeout")["message"]
+    until(lambda: stats(upstream)["in_service"] == 0)  # the hang ends; the upstream counted its client gone
+    assert stats(upstream)["cancelled"] == 1
+    with pytest.raises(openai.InternalServerError) as failure:  # streaming too: a plain JSON error, not a stream
+        list(client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True))
+    message = _error(failure.value, 502, "upstream_error")["message"]
+    assert "HTTP 500" in message and "injected failure on run 2" in message
+    assert stats(gate)["speed_factor"] == 1.0  # neither failure taught the tracker anything
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=4).choices[0].text == " tok" * 4
+    samples = metrics(gate)
+    assert samples[("qlab_upstream_errors_total", ())] == 2
+    assert samples[("qlab_requests_total", (("outcome", "error"), ("reason", "upstream_error")))] == 1
+    assert samples[("qlab_requests_total", (("outcome", "error"), ("reason", "upstream_timeout")))] == 1
+    after = stats(gate)
+    assert after["counts"]["error"] == 2 and after["counts"]["good"] + after["counts"]["late"] == 1
+    assert httpx.get(f"{gate}/healthz", timeout=10).json()["status"] == "ok"
+
+
+# ================================================================== the command line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--upstream-url", "http://127.0.0.1:8001"], "--upstream-url: only with --engine upstream"),
+    (["--engine", "upstream"], "--engine upstream needs --upstream-url URL"),
+    (["--engine", "upstream", "--upstream-url", "ftp://x"], "must be http://HOST[:PORT]"),
+    (["--engine", "gpt2", "--upstream-timeout", "3"], "--upstream-timeout: only with --engine upstream"),
+    (["--engine", "upstream", "--upstream-url", "http://127.0.0.1:1", "--upstream-timeout", "0"], "must be > 0"),
+])
+def test_bad_upstream_options_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+def test_an_unreachable_upstream_is_one_line_and_exit_2(capsys):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    assert main(["serve", "--engine", "upstream", "--upstream-url", url, "--port", "0"]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.startswith(f"qlab: error: --upstream-url {url}: cannot reach the upstream (ConnectError"), err
+
+
+def test_upstream_options_in_a_server_table_and_a_childs_argv():
+    options = ServeOptions(engine="upstream", engines=3, upstream_url="http://h:1", upstream_model="m",
+                           upstream_timeout=5.0)
+    assert options.argv()[4:] == ["--engine", "upstream", "--engines", "3", "--upstream-url", "http://h:1",
+                                  "--upstream-model", "m", "--upstream-timeout", "5.0"]
+    assert ServeOptions.from_table("t", {"engine": "upstream", "upstream_url": "http://h:1"}).upstream_url == "http://h:1"
+    from inputs.tomlfiles import ConfigError
+
+    with pytest.raises(ConfigError, match=r"t.upstream_url: required with engine = 'upstream'"):
+        ServeOptions.from_table("t", {"engine": "upstream"})
+    assert check_upstream_url("http://h:8001/v1/") == "http://h:8001"  # an OpenAI base URL is taken too
+
+
+# ================================================================== the engine against a scripted server
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                  0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return body
+
+
+@contextmanager
+def scripted(respond: Callable[[socket.socket, bytes], None]) -> Iterator[str]:
+    """A server that answers each connection's one request with ``respond(conn, request_body)``."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            respond(conn, _read_request(conn))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def _sse(*events: dict | str, done: bool = True, status: str = "200 OK") -> bytes:
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
+    return (f"HTTP/1.1 {status}\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+            + "".join(lines) + ("data: [DONE]\n\n" if done else "")).encode()
+
+
+def _plain(status: str, body: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-length: %d\r\n\r\n%s" % (status.encode(), len(body), body)
+
+
+def _chunk(text: str, usage: int | None = None) -> dict:
+    choices = [{"index": 0, "text": text, "finish_reason": None, "stop_reason": None}] if usage is None else []
+    chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": choices}
+    return {**chunk, "usage": {"prompt_tokens": 1, "completion_tokens": usage, "total_tokens": usage + 1}} \
+        if usage is not None else chunk
+
+
+def _engine(url: str, timeout_s: float = 10.0) -> UpstreamEngine:
+    return UpstreamEngine(UpstreamSpec(url, "m", timeout_s), "m")
+
+
+def test_the_engine_reads_text_usage_and_the_first_token_from_the_stream():
+    seen = []
+
+    def respond(conn, body):
+        seen.append(json.loads(body))
+        conn.sendall(_sse(_chunk("Hel"), _chunk("lo"), _chunk("", usage=7)))
+
+    with scripted(respond) as url:
+        result = _engine(url).run("p", 9, ["x"])
+    assert (result.text, result.tokens, result.stopped) == ("Hello", 7, False)  # tokens: the upstream's usage
+    assert 0 < result.first_token_s <= result.engine_s
+    assert seen == [{"model": "m", "prompt": "p", "max_tokens": 9, "stop": ["x"], "stream": True,
+                     "stream_options": {"include_usage": True}}]
+
+
+def test_without_usage_the_chunks_are_counted():
+    with scripted(lambda conn, _: conn.sendall(_sse(_chunk("a"), _chunk(""), _chunk("b")))) as url:
+        assert _engine(url).run("p", 5).tokens == 2
+
+
+@pytest.mark.parametrize("answer, message", [
+    (_sse(_chunk("a"), done=False), "ended before data: [DONE]"),  # the upstream went away mid-stream
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\ndata: {\"id\": ", "RemoteProtocolError"),
+    (_sse(_chunk("a"), {"error": {"message": "out of memory"}}), "failed mid-stream: out of memory"),
+    (_sse("not json"), "not a completion chunk"),
+    (_plain("500 Internal Server Error", b'{"error": {"message": "boom!!"}}'), "answered HTTP 500: boom!!"),
+    (_plain("400 Bad Request", b"nope"), "answered HTTP 400: nope"),
+])
+def test_upstream_failures_are_upstream_errors(answer, message):
+    with scripted(lambda conn, _: conn.sendall(answer)) as url:
+        with pytest.raises(UpstreamError, match=re.escape(message)) as caught:
+            _engine(url).run("p", 5)
+    assert type(caught.value) is UpstreamError
+
+
+def _holding(left: threading.Event):
+    """Answers nothing; sets ``left`` when the client closes its side."""
+    def respond(conn, _):
+        conn.settimeout(30)
+        try:
+            left.set() if conn.recv(1) == b"" else None
+        except OSError:
+            left.set()
+    return respond
+
+
+def test_silence_past_the_timeout_is_an_upstream_timeout():
+    left = threading.Event()
+    with scripted(_holding(left)) as url:
+        with pytest.raises(UpstreamTimeout, match="sent nothing for 0.3 s"):
+            _engine(url, timeout_s=0.3).run("p", 5)
+        assert left.wait(10)  # and the engine hung up
+
+
+def test_a_cancel_shuts_the_connection_while_the_engine_waits():
+    left, cancel, box = threading.Event(), Cancel(), []
+    with scripted(_holding(left)) as url:
+        engine = _engine(url)
+        runner = threading.Thread(target=lambda: box.append(engine.run("p", 5, cancel=cancel)))
+        runner.start()
+        time.sleep(0.2)  # it is most likely blocked reading by now; if not, the cancel is seen on the way
+        cancel.set()
+        runner.join(10)
+        assert left.wait(10)  # the upstream saw its client leave
+    assert box and box[0].stopped and box[0].tokens == 0
+
+
+def test_an_unreachable_engine_call_is_an_upstream_error():
+    with pytest.raises(UpstreamError, match="ConnectError"):
+        _engine(f"http://127.0.0.1:{_closed_port()}").run("p", 5)
+
+
+def test_the_model_is_asked_for_at_start_up():
+    def models(data):
+        return lambda conn, _: conn.sendall(_plain("200 OK", json.dumps({"object": "list", "data": data}).encode()))
+
+    with scripted(models([{"id": "llama", "object": "model", "created": 1, "owned_by": "vllm", "root": "x"},
+                          {"id": "other"}])) as url:
+        assert resolve_model(UpstreamSpec(url)) == "llama"
+        assert resolve_model(UpstreamSpec(url, "mine")) == "mine"
+    with scripted(models([])) as url:
+        with pytest.raises(ValueError, match="lists no model; name one with --upstream-model"):
+            resolve_model(UpstreamSpec(url))
