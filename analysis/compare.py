@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,17 +313,12 @@ class _LiveRetrier(Retrier):
         return Decision(decision.at_s + self.back.get((first, attempt + 1), self.usual[1]), decision.why)
 
 
-@contextmanager
-def _live_retrier(run: pd.DataFrame, arrival: np.ndarray, ids: np.ndarray, retrying: bool, notice: np.ndarray):
-    """While inside, :func:`qsim.simulate` builds a :class:`_LiveRetrier` of ``run`` for its clients.
+def _live_retrier(run: pd.DataFrame, arrival: np.ndarray, ids: np.ndarray, retrying, notice: np.ndarray):
+    """The :class:`_LiveRetrier` of ``run`` that :func:`qsim.simulate` takes for its clients (None: no retries).
 
-    simulate() takes a retry policy, not a retrier, so the one name it builds from is swapped for the
-    duration (and put back, whatever happens)."""
+    retrying: the run's retry policy and seed, or None."""
     if not retrying:
-        yield
-        return
-    from qsim import model
-
+        return None
     live_end = np.where(run["outcome"].eq("abandoned"), run["hangup_s"], _known(run)["server_finish_s"])
     out = (run["finish_s"] - live_end).to_numpy(float)
     back = arrival - run["scheduled_s"].to_numpy(float)
@@ -333,17 +327,9 @@ def _live_retrier(run: pd.DataFrame, arrival: np.ndarray, ids: np.ndarray, retry
     usual = (float(np.median(out[known])) if known.any() else 0.0,
              float(np.median(back[run["attempt"].gt(1).to_numpy()])) if run["attempt"].gt(1).any() else trip_s(run))
     firsts = run.loc[run["attempt"].eq(1), "scheduled_s"].to_numpy(float)
-    built = model.Retrier
-
-    def build(policy, _first_sends, seed):
-        return _LiveRetrier(policy, ids, firsts, seed, {k: v for k, v in zip(keys, out) if math.isfinite(v)},
-                            dict(zip(keys, back)), usual, notice)
-
-    model.Retrier = build
-    try:
-        yield
-    finally:
-        model.Retrier = built
+    policy, seed = retrying
+    return _LiveRetrier(policy, ids, firsts, seed, {k: v for k, v in zip(keys, out) if math.isfinite(v)},
+                        dict(zip(keys, back)), usual, notice)
 
 
 def _per_request(run: pd.DataFrame, given: pd.DataFrame) -> pd.DataFrame:
@@ -427,9 +413,10 @@ def _replay_once(run: pd.DataFrame, setup: RunSetup, unsaid: _Unsaid) -> pd.Data
     for _ in range(int(run["outcome"].eq("abandoned").sum()) + 1):
         notice = unsaid.notice(ordered["first_request_id"])
         faults = _client_faults(run, ordered, first_arrival, notice)
-        with _live_retrier(run, arrival, ordered["request_id"].to_numpy(), retrying, notice):
-            sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", failed=failed, reported_s=reported,
-                            **faults)
+        retrier = _live_retrier(run, arrival, ordered["request_id"].to_numpy(),
+                                (faults["retry"], faults["retry_seed"]) if retrying else None, notice)
+        sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", failed=failed, reported_s=reported,
+                        retrier=retrier, **faults)
         if not _cancelled_runs(run, unsaid, ordered, sim, hold, reported, failed, rule, usual):
             break
     sim_first = sim["first_request_id"].to_numpy()

@@ -317,6 +317,7 @@ def simulate(
     watch_interval_s: float = 0.05,
     retry: RetryPolicy | None = None,
     retry_seed: int | None = None,
+    retrier: Retrier | None = None,
     model: ServiceModel | None = None,
     speed_schedule: SpeedSchedule | None = None,
 ) -> pd.DataFrame:
@@ -335,6 +336,8 @@ def simulate(
     Either way a client that leaves ends its request ``abandoned`` (reason client_left).
     retry: how clients send refused requests again (None or mode "none": never); each attempt is a row,
     with ``attempt`` and ``first_request_id``. retry_seed: the jitter's seed (default the trace's seed).
+    retrier: the clients' state machine itself, in place of one built from ``retry`` (``qlab compare``
+    passes one that hears each answer when the live client did).
     model: the calibrated line a learned or oracle estimator scales by (default the reference).
     speed_schedule: the machine's speed over time (:class:`qsim.service.SpeedSchedule`, base = the trace's
     speed): each run takes its true time x the speed at its start / base.
@@ -356,8 +359,7 @@ def simulate(
         if values is not None and np.shape(values) != (len(trace),):
             raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
     tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
-    retrier = None
-    if retry is not None and retry.retries:
+    if retrier is None and retry is not None and retry.retries:
         seed = trace.meta.get("seed", 0) if retry_seed is None else retry_seed
         retrier = Retrier(retry, trace.arrival_s, seed)
     queue_args = dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline(), model=model)
