@@ -135,9 +135,9 @@ class AdmissionQueue:
         est = base_est_s * factor
         waiting = self.waiting
         queued = len(waiting)
-        work = self.waiting_base_s * factor
+        queued_work = self.waiting_base_s * factor
         idle = self.idle
-        self.seen = (est, queued, work, factor)
+        self.seen = (est, queued, queued_work, factor)
         if client is not None and self.policy.client_rate is not None:
             refusal = self._rate_limit(client, now)
             if refusal is not None:
@@ -145,7 +145,7 @@ class AdmissionQueue:
         budget = deadline_s if self.policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
         entry = (req, now, base_est_s, deadline_s, priority, client, work)
         ahead = None if self._ahead is None or idle else self._ahead(entry) * factor
-        refusal = decide(self.policy, queued, work, 0.0 if idle else self.remaining_s(now), est, budget,
+        refusal = decide(self.policy, queued, queued_work, 0.0 if idle else self.remaining_s(now), est, budget,
                          self.engines, len(idle), priority, ahead)
         if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
             self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
