@@ -28,7 +28,6 @@ server, not only in-process. A very slow engine needs no fault of its own:
 
 from __future__ import annotations
 
-import bisect
 import inspect
 import math
 import threading
@@ -39,7 +38,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from qsim.service import ServiceModel
+from qsim.service import ServiceModel, SpeedSchedule, parse_schedule  # noqa: F401 (parse_schedule: re-exported)
 from qsim.workload import lognormal_noise
 
 from .tokenizer import ByteTokenizer
@@ -146,40 +145,6 @@ def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0) -> s
         return None
     hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
     return text[: min(hits)] if hits else None
-
-
-@dataclass(frozen=True)
-class SpeedSchedule:
-    """Speed factor as a step function of seconds since the engine started.
-
-    ``steps`` are (elapsed_s, speed) pairs; before the first step the base speed holds.
-    """
-
-    base: float = 1.0
-    steps: tuple[tuple[float, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.base > 0 or any(not s > 0 for _, s in self.steps):
-            raise ValueError("speed factors must be > 0")
-        times = [t for t, _ in self.steps]
-        if times != sorted(times) or any(t < 0 for t in times):
-            raise ValueError(f"speed schedule times must be >= 0 and increasing, got {times}")
-
-    def at(self, elapsed_s: float) -> float:
-        k = bisect.bisect_right([t for t, _ in self.steps], elapsed_s)
-        return self.base if k == 0 else self.steps[k - 1][1]
-
-
-def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
-    """'10:2.2,30:1' -> ((10.0, 2.2), (30.0, 1.0)): from 10 s on 2.2x slower, from 30 s back to 1x."""
-    steps = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            t, s = part.split(":")
-            steps.append((float(t), float(s)))
-        except ValueError:
-            raise ValueError(f"speed schedule entries are SECONDS:FACTOR, got {part!r}") from None
-    return tuple(steps)
 
 
 class InjectedFault(RuntimeError):
