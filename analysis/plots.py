@@ -18,7 +18,7 @@ from .metrics import _class_key, aggregate
 
 POLICY_ORDER = ["none", "bounded", "bounded-deadline", "predictive"]
 OUTCOME_COLORS = {"good": "#2a9d8f", "late": "#e9c46a", "rejected": "#e76f51", "expired": "#8d99ae", "error": "#264653",
-                  "abandoned": "#b56576"}
+                  "abandoned": "#b56576", "cancelled": "#6d597a"}
 
 
 def _policies(frame: pd.DataFrame) -> list[str]:
@@ -279,7 +279,18 @@ def per_client_set(table: pd.DataFrame) -> pd.DataFrame:
 
 
 #: Axes of a sweep that label a policy's curve when they hold more than one value (None: "none").
-VARIANT_AXES = ("clients", "retry", "patience")
+VARIANT_AXES = ("clients", "retry", "patience", "used", "speed_schedule", "estimator", "fixed_estimate",
+                "cancel_at_deadline")
+#: How a yes/no axis reads in a label: (its False, its True).
+FLAG_LABELS = {"fixed_estimate": ("tracking", "fixed estimate"), "cancel_at_deadline": ("runs on", "cut at deadline")}
+
+
+def _axis_text(table: pd.DataFrame, axis: str) -> pd.Series:
+    """An axis's values as label text: "none" for a cell without, a yes/no axis in words."""
+    if axis in FLAG_LABELS:
+        no, yes = FLAG_LABELS[axis]
+        return table[axis].map(lambda v: "none" if pd.isna(v) else yes if bool(v) else no).astype(str)
+    return table[axis].astype(object).where(table[axis].notna(), "none").astype(str)
 
 
 def per_variant(table: pd.DataFrame) -> pd.DataFrame:
@@ -289,7 +300,7 @@ def per_variant(table: pd.DataFrame) -> pd.DataFrame:
     parts = []
     for axis in VARIANT_AXES:
         if axis in table:
-            values = table[axis].astype(object).where(table[axis].notna(), "none").astype(str)
+            values = _axis_text(table, axis)
             if values.nunique() > 1:
                 parts.append(values)
     if not parts:
@@ -302,7 +313,8 @@ def per_variant(table: pd.DataFrame) -> pd.DataFrame:
 
 RETRY_ORDER = ["none", "immediate", "exponential", "retry-after", "budget"]
 #: The axes other than the policy (a panel each) that may tell a time series' lines apart.
-_LINE_AXES = ("retry", "patience", "clients", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
+_LINE_AXES = ("retry", "patience", "clients", "estimator", "used", "speed_schedule", "fixed_estimate",
+              "cancel_at_deadline", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
 
 
 def _lines(table: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
@@ -396,6 +408,114 @@ def recovery(summary: pd.DataFrame, after_s: float | None = None) -> plt.Figure:
     return fig
 
 
+# ------------------------------------------------------------------ what the controller knows (issue 12)
+
+ESTIMATOR_ORDER = ["limit", "learned", "oracle"]
+
+
+def _bars(ax, agg: pd.DataFrame, groups: list, group_col: str, bars: list, bar_col: str, metric: str,
+          labels: dict | None = None) -> None:
+    """Grouped bars of ``metric`` (mean, 95 % CI as error bars) with a group per ``groups`` value on x."""
+    width = 0.8 / max(len(bars), 1)
+    for i, bar in enumerate(bars):
+        part = agg[agg[bar_col] == bar].set_index(group_col).reindex(groups)
+        x = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * width
+        mean = part[metric].to_numpy(dtype=float)
+        low = np.clip(part[f"{metric}_low"].to_numpy(dtype=float), 0, None)
+        high = part[f"{metric}_high"].to_numpy(dtype=float)
+        err = np.nan_to_num(np.vstack([mean - np.minimum(low, mean), np.maximum(high, mean) - mean]))
+        ax.bar(x, mean, width * 0.95, yerr=err, capsize=2, color=f"C{i}",
+               label=(labels or {}).get(bar, str(bar)))
+    ax.set_xticks(np.arange(len(groups)), [f"{g:g}" if isinstance(g, float) else str(g) for g in groups])
+    ax.grid(alpha=0.3, axis="y")
+
+
+def estimation(summary: pd.DataFrame) -> plt.Figure:
+    """The estimation experiment: goodput, share refused, refused that would have fit and admitted that
+    missed, against load (the work actually done), a band per estimator (estimation.toml)."""
+    from .estimation import estimation_table
+
+    agg = estimation_table(summary)
+    present = list(dict.fromkeys(agg["estimator"]))
+    estimators = [e for e in ESTIMATOR_ORDER if e in present] + [e for e in present if e not in ESTIMATOR_ORDER]
+    panels = [("goodput_rps", "good requests/s"), ("share_refused", "share refused"),
+              ("refused_would_fit", "refused that would have fit\n(share of all requests)"),
+              ("admitted_missed", "admitted that missed\n(late, expired, cut; share of all)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (metric, unit) in zip(axes[0], panels):
+        for estimator in estimators:
+            _band(ax, agg[agg["estimator"] == estimator].sort_values("load"), "load", metric, estimator)
+        ax.set(xlabel="load (utilisation in the work actually done)", ylabel=unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(title="estimator", fontsize=8)
+    policy = ", ".join(map(str, dict.fromkeys(summary["policy"])))
+    fig.suptitle(f"estimates from the limit, learned, or exact: {policy}, requests stop early "
+                 "(mean over seeds, 95 % CI)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def stale(summary: pd.DataFrame) -> plt.Figure:
+    """The stale-estimator experiment: the late share of the completed before and after the machine's speed
+    changes, and goodput, a bar per tracking or fixed estimate in a group per policy (stale.toml)."""
+    from .estimation import stale_table
+
+    agg = stale_table(summary)
+    agg["label"] = _axis_text(agg.replace({"fixed_estimate": {"none": None}}), "fixed_estimate") \
+        if "fixed_estimate" in agg else "tracking"
+    policies = _policies(agg)
+    labels = list(dict.fromkeys(agg["label"]))
+    panels = [("late_share_before_change", "late share of the completed,\nbefore the change"),
+              ("late_share_after_change", "late share of the completed,\nfrom the change on"),
+              ("goodput_rps", "good requests/s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (metric, unit) in zip(axes[0], panels):
+        _bars(ax, agg, policies, "policy", labels, "label", metric)
+        ax.set(ylabel=unit)
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8)
+    change = ", ".join(map(str, dict.fromkeys(summary["speed_schedule"].dropna()))) \
+        if "speed_schedule" in summary else "none"
+    fig.suptitle(f"a machine that slows down mid-run (speed schedule {change}): tracking against a fixed estimate "
+                 "(mean over seeds, 95 % CI)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def cancellation(summary: pd.DataFrame) -> plt.Figure:
+    """The cancellation experiment: goodput against load cutting at the deadline (solid) or not (dashed) per
+    policy; the engine seconds cutting saved; the goodput it gained, paired by seed (cancellation.toml)."""
+    from .estimation import cancellation_table
+
+    agg = cancellation_table(summary)
+    policies = _policies(agg)
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8), squeeze=False)
+    ax = axes[0][0]
+    for i, policy in enumerate(policies):
+        for cut, style in ((True, "-"), (False, "--")):
+            part = agg[(agg["policy"] == policy) & (agg["cancel_at_deadline"] == cut)].sort_values("load")
+            if len(part):
+                _band(ax, part, "load", "goodput_rps", f"{policy}, {FLAG_LABELS['cancel_at_deadline'][cut]}",
+                      color=f"C{i}", ls=style)
+    ax.set(xlabel="load", ylabel="good requests/s", title="goodput (solid: cut at the deadline)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    cut = agg[agg["cancel_at_deadline"] == True]  # noqa: E712 (numpy bools)
+    loads = sorted(cut["load"].unique())
+    panels = [("engine_s_saved", "engine seconds saved\nper cell (one run of the trace)"),
+              ("goodput_gained_rps", "goodput gained (requests/s),\npaired by seed")]
+    for ax, (metric, unit) in zip(axes[0][1:], panels):
+        _bars(ax, cut, loads, "load", policies, "policy", metric)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set(xlabel="load", ylabel=unit)
+    axes[0][1].legend(fontsize=8)
+    fig.suptitle("cutting a run at its deadline (mean over seeds, 95 % CI)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
              by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None,
              timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None) -> list[Path]:
@@ -404,7 +524,8 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
     by_client and by_priority are drawn when their tables (summary_by_client.parquet,
     summary_by_priority.parquet) are given and not empty; retries when the sweep has a retry axis and its
     time series (timeseries.parquet) is given, with recovery when the summary has recovery_s (surge arrivals,
-    ``surge`` = (start_s, end_s)).
+    ``surge`` = (start_s, end_s)); estimation, stale and cancellation where the sweep has an estimator axis
+    (of several), a speed schedule, or cutting at the deadline both on and off.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -424,6 +545,13 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
         figures["by_client"] = by_client(by_client_table, summary)
     if by_priority_table is not None and len(by_priority_table):
         figures["by_priority"] = by_priority(by_priority_table)
+    # The experiments of what the controller knows, where the sweep has their axes.
+    if "estimator" in summary and summary["estimator"].nunique() > 1:
+        figures["estimation"] = estimation(summary)
+    if "speed_schedule" in summary and summary["speed_schedule"].notna().any():
+        figures["stale"] = stale(summary)
+    if "cancel_at_deadline" in summary and summary["cancel_at_deadline"].nunique() > 1:
+        figures["cancellation"] = cancellation(summary)
     if timeseries is not None and len(timeseries) and "retry" in summary:
         figures["retries"] = retries(timeseries, surge)
         if "recovery_s" in summary:

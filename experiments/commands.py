@@ -26,10 +26,11 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     """
     from .config import NO_CLIENTS
 
-    optional = ("clients", "retry", "patience")  # axes whose "none" cells carry no name (null)
+    optional = ("clients", "retry", "patience", "used", "speed_schedule")  # axes whose "none" cells carry no name (null)
     summary = summary.assign(**{c: summary[c].astype(object).where(summary[c].notna(), NO_CLIENTS)
                                 for c in optional if c in summary})
-    by = [c for c in ("speed", "engines", "load", "clients", "retry", "patience", "policy")
+    by = [c for c in ("speed", "engines", "load", "clients", "retry", "patience", "used", "speed_schedule",
+                      "fixed_estimate", "cancel_at_deadline", "estimator", "policy")
           if c in summary and summary[c].notna().any() and not (c in optional and set(summary[c]) == {NO_CLIENTS})]
     metrics = ["share_good", "goodput_rps", "good_tokens_per_s", "latency_p99_s"]
     metrics += [m for m in ("jain_goodput", "jain_share", "share_good_e2e", "attempts_per_request", "recovery_s",

@@ -45,6 +45,13 @@ timeout_s = 8                #   the client hangs up on an attempt after 8 s and
 # and in [grid]: retry = ["none", "naive"]  ("none": clients never retry; the default)
 # and in [grid]: patience = ["none", "exponential:30"]  (qsim.clients.Patience specs; "none": the default)
 # with, in [sweep], patience_until = "answer" | "start" (default answer)
+# What the controller knows (optional axes; docs/sweeps.md "Estimation, stale estimates, cancelling"):
+# estimator = ["limit", "learned", "oracle"]  # the policy's estimator (qsim.estimators); default the policy's
+# used = ["none", "study"]    # early stops: "none" every request generates its limit (the default), "study"
+#                             #   the study's measured UsedShare, or "AT_LIMIT:MEDIAN:SIGMA"; load counts the work done
+# speed_schedule = ["none", "20:2.2"]  # the machine's speed over time, SECONDS:FACTOR,... ("none": constant)
+# fixed_estimate = [false, true]       # per cell, in place of [sweep] fixed_estimate
+# cancel_at_deadline = [false, true]   # cut a run in service when its deadline passes (outcome cancelled)
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -64,14 +71,17 @@ from inputs.clientflags import patience_from_table, retry_from_table
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import REFERENCE_MIX, Mix, ServiceModel
 from qsim.clients import PATIENCE_UNTIL, RetryPolicy
+from qsim.estimators import ESTIMATORS
+from qsim.service import SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
-from qsim.workload import Client, check_clients, parse_arrivals
+from qsim.workload import Client, UsedShare, check_clients, parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
               "noise_cv": float, "fixed_estimate": bool, "patience_until": str}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
              "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str, "retry": str,
-             "patience": str}
+             "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
+             "fixed_estimate": bool}
 SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients", "retry"}
 CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
 #: The client set of a cell whose requests name no client.
@@ -80,6 +90,33 @@ NO_CLIENTS = "none"
 NO_RETRY = "none"
 #: The patience of a cell whose clients wait forever (a trace file's own patience_s column, if any).
 NO_PATIENCE = "none"
+#: The early stops of a cell whose requests all generate their limit (a trace file's own tokens_generated).
+NO_USED = "none"
+#: The speed schedule of a cell whose machine keeps its speed.
+NO_SCHEDULE = "none"
+
+
+def parse_used(spec: str) -> UsedShare | None:
+    """A ``used`` spec: "none" (None: every request generates its limit), "study" (the study's measured
+    :class:`qsim.workload.UsedShare`) or "AT_LIMIT:MEDIAN:SIGMA"; ValueError saying what is expected."""
+    text = spec.strip()
+    if text == NO_USED:
+        return None
+    if text == "study":
+        return UsedShare()
+    parts = text.split(":")
+    try:
+        numbers = [float(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) != 3:
+        raise ValueError(f"expected none, study or AT_LIMIT:MEDIAN:SIGMA (e.g. 0.067:0.13:1), got {spec!r}")
+    return UsedShare(*numbers)
+
+
+def parse_speed_schedule(spec: str, base: float = 1.0) -> SpeedSchedule | None:
+    """A ``speed_schedule`` spec: "none" (None) or SECONDS:FACTOR,... over a machine of speed ``base``."""
+    return None if spec.strip() == NO_SCHEDULE else SpeedSchedule(base, parse_schedule(spec))
 
 
 @dataclass(frozen=True)
@@ -216,6 +253,13 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                                   f"(or use {NO_RETRY!r})")
             if key == "patience":
                 patience_from_table(f"{where}[{i}]", v, patience_until)
+            if key == "estimator" and v not in ESTIMATORS:
+                raise ConfigError(f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
+            if key in ("used", "speed_schedule"):
+                try:
+                    (parse_used if key == "used" else parse_speed_schedule)(v)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
@@ -305,6 +349,8 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients, retries, until or "answer")
     if until is not None and "patience" not in grid:
         raise ConfigError(f"{path}: sweep.patience_until applies only with grid.patience")
+    if "fixed_estimate" in sweep and "fixed_estimate" in grid:
+        raise ConfigError(f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one")
     return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients, retries=retries,
                        patience_until=until or "answer",
                        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"]), **s)

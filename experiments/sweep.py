@@ -51,12 +51,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from analysis import metrics
+from analysis import estimation, metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
-from qsim.workload import blended_means, parse_arrivals
+from qsim.workload import blended_means, parse_arrivals, used_mean_s
 
-from .config import NO_CLIENTS, NO_PATIENCE, NO_RETRY, ConfigError, SweepConfig
+from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
+                     parse_speed_schedule, parse_used)
 
 META_KEY = b"qlab.cell"
 
@@ -83,6 +84,12 @@ class Cell:
     clients: str | None = None  # a [clients] set; None: requests name no client
     retry: str | None = None  # a [retry] policy; None: clients never retry
     patience: str | None = None  # a patience spec; None: clients wait forever (or a trace file's own)
+    # What the controller knows (issue 12's axes); None: the policy's own, or the sweep's.
+    estimator: str | None = None  # limit | learned | oracle
+    cancel_at_deadline: bool | None = None
+    used: str | None = None  # early stops (config.parse_used); None: every request generates its limit
+    speed_schedule: str | None = None  # SECONDS:FACTOR,...; None: the machine keeps its speed
+    fixed_estimate: bool | None = None  # None: [sweep] fixed_estimate
 
     @property
     def id(self) -> str:
@@ -95,12 +102,16 @@ class Cell:
 
 #: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and summary
 #: carry their column only when the sweep has the axis.
-OPTIONAL_AXES = ("clients", "retry", "patience")
+OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
+                 "fixed_estimate")
+#: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
+ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
 
 def _params(config: SweepConfig, cell: Cell) -> dict:
-    """The cell's parameters as its rows and summary carry them: retry and patience only in sweeps with that axis."""
-    return {k: v for k, v in asdict(cell).items() if k not in ("retry", "patience") or k in config.grid}
+    """The cell's parameters as its rows and summary carry them: each optional axis but clients (always carried)
+    only in sweeps with that axis, so an older sweep's columns are unchanged."""
+    return {k: v for k, v in asdict(cell).items() if k not in OPTIONAL_AXES[1:] or k in config.grid}
 
 
 def _surge(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
@@ -129,6 +140,11 @@ def cells(config: SweepConfig) -> list[Cell]:
         clients=tuple(None if c == NO_CLIENTS else c for c in g.get("clients", (NO_CLIENTS,))),
         retry=tuple(None if r == NO_RETRY else r for r in g.get("retry", (NO_RETRY,))),
         patience=tuple(None if p == NO_PATIENCE else p for p in g.get("patience", (NO_PATIENCE,))),
+        estimator=g.get("estimator", (None,)),
+        cancel_at_deadline=g.get("cancel_at_deadline", (None,)),
+        used=tuple(None if u == NO_USED else u for u in g.get("used", (NO_USED,))),
+        speed_schedule=tuple(None if v == NO_SCHEDULE else v for v in g.get("speed_schedule", (NO_SCHEDULE,))),
+        fixed_estimate=g.get("fixed_estimate", (None,)),
     )
     return [Cell(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
 
@@ -151,16 +167,30 @@ def _trace(config: SweepConfig, cell: Cell):
                        time_scale=cell.time_scale or 1.0, arrivals=config.arrivals, load=cell.load,
                        engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
-                       clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience))
+                       clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience),
+                       used=None if cell.used is None else parse_used(cell.used))
+
+
+def _policy(config: SweepConfig, cell: Cell):
+    """The cell's policy: the grid's, with the bound, deadline, estimator and cutting at the deadline that the grid sets."""
+    policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
+    changes = {k: v for k, v in (("estimator", cell.estimator), ("cancel_at_deadline", cell.cancel_at_deadline))
+               if v is not None}
+    return dataclasses.replace(policy, **changes) if changes else policy
 
 
 def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     """Simulate one cell: its rows as parquet bytes, and its summaries."""
-    policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
+    policy = _policy(config, cell)
     trace = _trace(config, cell)
-    frame = simulate(trace, policy, cell.engines, fixed_estimate=config.fixed_estimate,
-                     retry=config.retries.get(cell.retry))
+    schedule = None if cell.speed_schedule is None else parse_speed_schedule(cell.speed_schedule, cell.speed)
+    fixed = config.fixed_estimate if cell.fixed_estimate is None else cell.fixed_estimate
+    frame = simulate(trace, policy, cell.engines, fixed_estimate=fixed, retry=config.retries.get(cell.retry),
+                     model=config.service, speed_schedule=schedule)
     mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
+    if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
+        mean_s = used_mean_s(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service,
+                             parse_used(cell.used))
     # The effective bound and deadline (the preset's unless the grid overrides them).
     params = {"cell_id": cell.id, **_params(config, cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
     seconds = metrics.run_duration(frame, trace.duration_s)
@@ -172,6 +202,9 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
         "capacity_rps": cell.engines / (cell.speed * mean_s),
         "capacity_tokens_per_s": cell.engines * mean_tokens / (cell.speed * mean_s),
     }
+    if any(axis in config.grid for axis in ESTIMATION_AXES):  # what the estimates got wrong, and what cutting saved
+        change = None if schedule is None or not schedule.steps else schedule.steps[0][0]
+        summary.update(estimation.cell_summary(frame, cell.engines, change_s=change))
     if "retry" in config.grid:  # every cell of a retry sweep has the end-to-end view, its no-retry baseline too
         summary.update(metrics.retry_summary(frame, seconds))
     over_time = None
@@ -204,7 +237,8 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     # unsupported): give it its axis's type. The values (all null) are unchanged.
     for name, kind in (("clients", pa.large_string()), ("trace", pa.large_string()), ("max_queue", pa.int64()),
                        ("time_scale", pa.float64()), ("load", pa.float64()), ("retry", pa.large_string()),
-                       ("patience", pa.large_string())):
+                       ("patience", pa.large_string()), ("estimator", pa.large_string()),
+                       ("used", pa.large_string()), ("speed_schedule", pa.large_string())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))
