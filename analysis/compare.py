@@ -18,6 +18,14 @@ comparison:
   nothing, ends as an error);
 * a stalled run holds its engine until that engine next took a request (the
   gate never reports the hand-back of a stalled run), or past the run's end;
+* a run the gate cut at its deadline (``Policy.cancel_at_deadline``, outcome
+  ``cancelled``) would have run past it: it holds its engine for its deadline plus
+  its estimate, longer than any start leaves it, so the simulator cuts it too (rule ``cut``);
+* the policy's estimator learns from the tokens each answered run generated (column
+  ``tokens``; the limit where the run does not say), scaled by the server's own
+  calibration (column ``service_model``), as the gate's did. The synthetic engine's
+  speed schedule (column ``speed_schedule``, on the run's clock) is not replayed: the
+  held times already carry it; :func:`predict`, which draws its service times, applies it;
 * **a request the engine never took** (refused, dropped, or run only in the
   simulator) gets what was known at its arrival and nothing later: its
   estimate then, ``calibrated_est_s x arrival_speed_factor`` (the tracker's
@@ -64,6 +72,7 @@ the seeds, as Vidur-like simulators report their error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -72,11 +81,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qsim import Policy, from_arrays, simulate
+from qsim import Policy, ServiceModel, from_arrays, simulate
 from qsim.clients import Decision, Retrier
 from qsim.policy import on_time, policy_from_fields
 from qsim.queue import StallRule
 from qsim.records import ANSWERED, OUTCOMES
+from qsim.service import SpeedSchedule
 from qsim.workload import lognormal_noise
 
 from .metrics import end_to_end, mean_ci, run_duration, summary
@@ -102,7 +112,8 @@ RULES = {"held": "returned - started (what the gate counted busy)",
          "engine_s": "the engine's own time (an older run file: no hand-back known)",
          "stalled": "a stalled run: until its engine next took a request",
          "estimate": "never started: calibrated estimate x speed factor at its arrival",
-         "cancelled": "its client hung up while it ran: until the hang-up reached the gate"}
+         "cancelled": "its client hung up while it ran: until the hang-up reached the gate",
+         "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts"}
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,8 @@ class RunSetup:
     initial_speed_factor: float
     stall: StallRule | None = StallRule()
     tracker_weight: float = 0.2
+    model: ServiceModel | None = None  # the server's calibration (None: the run file does not say)
+    speed_schedule: SpeedSchedule | None = None  # the synthetic engine's, on the run's clock
 
 
 def _constant(run: pd.DataFrame, column: str):
@@ -148,8 +161,14 @@ def run_setup(run: pd.DataFrame) -> RunSetup:
     floor = _constant(run, "stall_floor_s") if "stall_floor_s" in run.columns else None
     stall = StallRule() if factor is None or floor is None else StallRule(float(factor), float(floor))
     weight = _constant(run, "tracker_weight") if "tracker_weight" in run.columns else None
+    model = _constant(run, "service_model") if "service_model" in run.columns else None
+    schedule = _constant(run, "speed_schedule") if "speed_schedule" in run.columns else None
+    if schedule is not None:
+        schedule = json.loads(str(schedule))
+        schedule = SpeedSchedule(float(schedule["base"]), tuple((float(t), float(v)) for t, v in schedule["steps"]))
     return RunSetup(policy, int(_constant(run, "engines")), bool(_constant(run, "fixed_estimate")),
-                    float(_constant(run, "initial_speed_factor")), stall, 0.2 if weight is None else float(weight))
+                    float(_constant(run, "initial_speed_factor")), stall, 0.2 if weight is None else float(weight),
+                    None if model is None else ServiceModel.from_fields(json.loads(str(model))), schedule)
 
 
 def measured_speed(run: pd.DataFrame) -> float:
@@ -216,10 +235,19 @@ def replay_inputs(run: pd.DataFrame, setup: RunSetup) -> pd.DataFrame:
     factor = known["arrival_speed_factor"].to_numpy(float)
     factor = np.where(np.isfinite(factor), factor, 1.0 if setup.fixed_estimate else setup.initial_speed_factor)
     estimate = run["calibrated_est_s"].to_numpy(float) * factor
+    cut = run["outcome"].eq("cancelled").to_numpy()
     rule = np.where(np.isfinite(held), "held", np.where(ran_old, "engine_s", np.where(stalled, "stalled", "estimate")))
-    hold = np.select([rule == "held", rule == "engine_s"], [held, engine_s], estimate)
+    rule = np.where(cut, "cut", rule)
+    hold = np.select([rule == "held", rule == "engine_s", rule == "cut"],
+                     [held, engine_s, run["deadline_s"].to_numpy(float) + estimate], estimate)
     if stalled.any():
         hold[stalled] = _stalled_hold(run, started, stalled)
+    if setup.policy.cancel_at_deadline:
+        # Answered, so handed back before its cut was due, though the gate read its clock a little later
+        # (a busy loop): the replay's run ends just inside its deadline, which the live one beat.
+        left = arrival_times(run) + run["deadline_s"].to_numpy(float) - started - TOLERANCE_S
+        beat = (rule == "held") & run["outcome"].isin(ANSWERED).to_numpy() & (hold > left)
+        hold[beat] = np.maximum(left[beat], 0.0)
     reported = np.where(np.isfinite(engine_s) & np.isin(rule, ["held", "engine_s"]), engine_s, hold)
     return pd.DataFrame({"hold_s": np.maximum(hold, 0.0), "reported_s": reported,
                          "failed": failed & (rule != "estimate"), "replayed_with": rule}, index=run.index)
@@ -248,16 +276,35 @@ def _in_arrival_order(run: pd.DataFrame, arrival: np.ndarray,
 
 
 def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: RunSetup, true_s: np.ndarray, name: str,
+              generated: np.ndarray | None = None, schedule: SpeedSchedule | None = None,
               **faults) -> pd.DataFrame:
-    """The run's arrivals through qsim as the server was set up, each request held for ``true_s``."""
+    """The run's arrivals through qsim as the server was set up, each request held for ``true_s`` (times the
+    speed ``schedule``, where given), generating ``generated`` tokens (default: its limit)."""
     trace = from_arrays(arrival, ordered["max_new_tokens"].to_numpy(), true_service_s=true_s,
                         est_service_s=ordered["calibrated_est_s"].to_numpy(float),
                         deadline_s=ordered["deadline_s"].to_numpy(), priority=ordered["priority"].to_numpy(),
                         client_id=ordered["client_id"].astype(object).where(ordered["client_id"].notna(), None).to_numpy(),
                         name=name)
+    if generated is not None:
+        trace = dataclasses.replace(trace, tokens_generated=np.asarray(generated, dtype=np.int64))
+    if "prompt_tokens" in ordered.columns:  # the prompts as sent: the estimator's work has their term too
+        trace = dataclasses.replace(trace, prompt_tokens=ordered["prompt_tokens"].to_numpy(np.int64))
     return simulate(trace, setup.policy, setup.engines, fixed_estimate=setup.fixed_estimate,
                     tracker_weight=setup.tracker_weight, initial_speed_factor=setup.initial_speed_factor,
-                    stall=setup.stall, **faults)
+                    stall=setup.stall, model=setup.model, speed_schedule=schedule, **faults)
+
+
+def generated_tokens(run: pd.DataFrame, ordered: pd.DataFrame) -> np.ndarray:
+    """Per row of ``ordered``: the tokens its request's answered attempt generated live (column ``tokens``),
+    else its limit (the synthetic engine always generates it; a run cut short teaches nothing anyway)."""
+    limit = ordered["max_new_tokens"].to_numpy(np.int64)
+    if "tokens" not in run.columns:
+        return limit
+    tokens = run["tokens"].astype("Float64")
+    known = run[tokens.notna().to_numpy()]
+    by_request = known.groupby("first_request_id")["tokens"].last()
+    found = ordered["first_request_id"].map(by_request).astype("Float64").to_numpy(dtype=float, na_value=np.nan)
+    return np.where(np.isfinite(found), found, limit).astype(np.int64)
 
 
 def _retrying(run: pd.DataFrame):
@@ -415,8 +462,8 @@ def _replay_once(run: pd.DataFrame, setup: RunSetup, unsaid: _Unsaid) -> pd.Data
         faults = _client_faults(run, ordered, first_arrival, notice)
         retrier = _live_retrier(run, arrival, ordered["request_id"].to_numpy(),
                                 (faults["retry"], faults["retry_seed"]) if retrying else None, notice)
-        sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", failed=failed, reported_s=reported,
-                        retrier=retrier, **faults)
+        sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", generated_tokens(run, ordered),
+                        failed=failed, reported_s=reported, retrier=retrier, **faults)
         if not _cancelled_runs(run, unsaid, ordered, sim, hold, reported, failed, rule, usual):
             break
     sim_first = sim["first_request_id"].to_numpy()
@@ -846,7 +893,8 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float = 0.1, origin: s
     rows = []
     for seed in range(seeds):
         true = base * speed * lognormal_noise(np.random.default_rng(seed), len(base), noise_cv)
-        got = summary(_simulate(ordered, arrival, setup, true, "predicted", **faults), seconds)
+        got = summary(_simulate(ordered, arrival, setup, true, "predicted", generated_tokens(run, ordered),
+                                setup.speed_schedule, **faults), seconds)
         rows.append({"seed": seed, **{m: got[m] for m in PREDICTED}})
     per_seed = pd.DataFrame(rows)
     live = summary(run, seconds)

@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httptools
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from live.contract import ChatCompletionChunk, read_error  # noqa: E402
+from live.contract import read_answer as answer_of  # noqa: E402
 
 #: A pooled connection idle longer than this is closed, not reused.
 IDLE_REUSE_S = 3.0
@@ -40,14 +47,49 @@ def client_loop():
     return uvloop.new_event_loop
 
 
-def classify(status: int, payload: dict | None) -> str:
-    """One outcome per answer, as the server counts it; anything off-contract is 'unexpected:STATUS'."""
-    if status == 200 and isinstance(payload, dict) and payload.get("outcome") in ("good", "late"):
-        return payload["outcome"]
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(error, dict) and error.get("type") in OUTCOME_OF:
-        return OUTCOME_OF[error["type"]]
+def classify(status: int, payload: dict | list | None) -> str:
+    """One outcome per answer, as the server counts it, read through live.contract (a streamed answer: the list
+    of its chunks, see :func:`stream_events`); anything off-contract is 'unexpected:STATUS'."""
+    if status == 200:
+        if isinstance(payload, list):
+            outcome = _streamed_outcome(payload)
+        else:
+            answer = answer_of(payload)
+            outcome = None if answer is None else answer.outcome
+        return outcome or f"unexpected:{status}"
+    error = read_error(payload)
+    if error is not None and error.type in OUTCOME_OF:
+        return OUTCOME_OF[error.type]
     return f"unexpected:{status}"
+
+
+def _streamed_outcome(chunks: list | None) -> str | None:
+    """The gate's outcome from a streamed chat answer: the chunk that carries ``qlab``."""
+    for chunk in chunks or ():
+        try:
+            q = ChatCompletionChunk.model_validate(chunk).qlab
+        except ValueError:
+            return None
+        if q is not None:
+            return q.outcome
+    return None
+
+
+def stream_events(body: bytes) -> list | None:
+    """The JSON events of a server-sent event stream that ends ``data: [DONE]``; None when it is not one."""
+    events, done = [], False
+    for line in body.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            continue
+        try:
+            events.append(json.loads(data))
+        except ValueError:
+            return None
+    return events if done else None
 
 
 @dataclass(frozen=True)
@@ -55,6 +97,7 @@ class Reply:
     outcome: str  # good late rejected expired error, or unexpected:STATUS / transport:ERROR
     seconds: float  # from the write to the last byte of the answer
     lateness_s: float = 0.0  # how late the write left against its schedule
+    first_s: float = float("nan")  # from the write to the first byte of the body (a stream's first event)
 
 
 @dataclass(eq=False)  # identity: the pool's set holds each connection once
@@ -73,16 +116,25 @@ class _Answer:
     def __init__(self) -> None:
         self.body = bytearray()
         self.complete = False
+        self.first_at = float("nan")  # perf_counter when the body's first bytes were parsed
+        self.stream = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+            self.stream = True
 
     def on_body(self, body: bytes) -> None:
+        if not self.body:
+            self.first_at = time.perf_counter()
         self.body += body
 
     def on_message_complete(self) -> None:
         self.complete = True
 
 
-async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict | None, bool]:
-    """(status, JSON body or None, whether the connection may be reused) of the next answer on ``reader``."""
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict | list | None, bool, float]:
+    """(status, JSON body or None, whether the connection may be reused, perf_counter at the body's first bytes)
+    of the next answer on ``reader``; a server-sent event stream's body is the list of its JSON events."""
     answer = _Answer()
     parser = httptools.HttpResponseParser(answer)
     while not answer.complete:
@@ -90,11 +142,13 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict | None, b
         if not data:
             raise ConnectionError("the server closed the connection before the end of its answer")
         parser.feed_data(data)
+    if answer.stream:
+        return parser.get_status_code(), stream_events(bytes(answer.body)), parser.should_keep_alive(), answer.first_at
     try:
         payload = json.loads(answer.body) if answer.body else None
     except ValueError:
         payload = None
-    return parser.get_status_code(), payload, parser.should_keep_alive()
+    return parser.get_status_code(), payload, parser.should_keep_alive(), answer.first_at
 
 
 class Lean:
@@ -107,7 +161,8 @@ class Lean:
         self._all: set[Conn] = set()
 
     def request(self, method: str, path: str, body: dict | None = None) -> bytes:
-        """The bytes of one request, built once and written as they are."""
+        """The bytes of one request, built once and written as they are (``body``: e.g. a contract
+        model's ``.body()``, such as :class:`live.contract.ChatCompletionRequest`'s)."""
         data = b"" if body is None else json.dumps(body).encode()
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(data)}\r\n\r\n").encode()
@@ -145,13 +200,13 @@ class Lean:
         try:
             conn.writer.write(data)
             async with asyncio.timeout(REQUEST_TIMEOUT_S):  # no task of its own, as wait_for would make
-                status, payload, reusable = await read_answer(conn.reader)
+                status, payload, reusable, first_at = await read_answer(conn.reader)
         except Exception as exc:  # a transport failure is this request's one outcome, never a lost request
             self._discard(conn)
             return Reply(f"transport:{type(exc).__name__}", time.perf_counter() - start), None
         seconds = time.perf_counter() - start
         self.give_back(conn) if reusable else self._discard(conn)
-        return Reply(classify(status, payload), seconds), payload
+        return Reply(classify(status, payload), seconds, first_s=first_at - start), payload
 
     async def send(self, data: bytes) -> tuple[Reply, dict | None]:
         """One request on a pooled connection (opened first if none is idle; the opening is not timed)."""

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.lean import OUTCOMES, Lean, Reply, client_loop  # noqa: E402
+from live.contract import Stats  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from qsim import make_trace  # noqa: E402
@@ -186,9 +187,9 @@ async def _sample_rss(pid: int, every_s: float, out: list, stop: asyncio.Event) 
 
 async def _server_state(lean: Lean, pid: int) -> dict:
     loop_state = await lean.get_json("/debug/loop")
-    stats = await lean.get_json("/stats")
-    return {**loop_state, **proc_status(pid), "waiting": stats["waiting"], "in_service": stats["in_service"],
-            "counts": stats["counts"]}
+    stats = Stats.model_validate(await lean.get_json("/stats"))  # read through the contract
+    return {**loop_state, **proc_status(pid), "waiting": stats.waiting, "in_service": stats.in_service,
+            "counts": stats.counts}
 
 
 async def _settled_state(url: str, pid: int, before: dict, timeout_s: float = 5.0) -> dict:

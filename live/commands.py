@@ -31,6 +31,7 @@ import sys
 import threading
 
 from qsim.service import ServiceModel
+from qsim.workload import UsedShare
 
 from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions
@@ -39,8 +40,9 @@ from .serve_options import LOOPBACK, ServeOptions
 def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
     if cfg.engine == "synthetic":
         faults = Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for)
+        early = UsedShare() if cfg.early_stops else None
         return [SyntheticEngine(model, cfg.speed, cfg.noise, cfg.seed + k, parse_schedule(cfg.speed_schedule),
-                                faults=faults) for k in range(cfg.engines)]
+                                faults=faults, early_stops=early) for k in range(cfg.engines)]
     if cfg.engine == "upstream":
         from . import upstream
 

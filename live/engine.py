@@ -32,14 +32,14 @@ import inspect
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from qsim.service import ServiceModel, SpeedSchedule, parse_schedule  # noqa: F401 (parse_schedule: re-exported)
-from qsim.workload import lognormal_noise
+from qsim.workload import UsedShare, lognormal_noise
 
 from .tokenizer import ByteTokenizer
 
@@ -191,6 +191,9 @@ class SyntheticEngine:
     ``tokens`` copies of one word, so its length follows the request.
     ``faults`` makes given runs raise or hang (see :class:`Faults`). A run's ``cancel``
     ends its wait at once (``stopped``); a hang does not listen, as a wedged driver would not.
+    ``early_stops`` (a :class:`qsim.workload.UsedShare`, ``qlab serve --early-stops``): each run
+    generates a share of its limit drawn from it, as if a stop string ended it, and takes the time
+    of the tokens it generated (what a learning estimator learns); None: every run generates its limit.
     """
 
     max_new_tokens_limit = None
@@ -204,6 +207,7 @@ class SyntheticEngine:
         schedule: Sequence[tuple[float, float]] = (),
         clock=time.monotonic,
         faults: Faults = Faults(),
+        early_stops: UsedShare | None = None,
     ) -> None:
         if noise_cv < 0:
             raise ValueError(f"noise_cv must be >= 0, got {noise_cv}")
@@ -216,15 +220,17 @@ class SyntheticEngine:
         self._started = clock()
         self._tokenizer = ByteTokenizer()
         self.faults = faults
+        self.early_stops = early_stops
         self._runs = 0  # under _rng_lock
         self._never = threading.Event()  # never set: what a hang waits on
 
-    def duration_s(self, max_new_tokens: int) -> float:
-        """Seconds the next run of this size will take (draws the noise)."""
+    def duration_s(self, max_new_tokens: int, prompt_tokens: int = 0) -> float:
+        """Seconds the next run of this size will take (draws the noise); the model's prompt term
+        counts the prompt's tokens under this engine's tokenizer (bytes)."""
         speed = self.speed.at(self._clock() - self._started)
         with self._rng_lock:
             noise = float(lognormal_noise(self._rng, 1, self.noise_cv)[0])
-        return float(self.model.estimate(max_new_tokens)) * speed * noise
+        return float(self.model.estimate(max_new_tokens, prompt_tokens)) * speed * noise
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
             cancel: threading.Event | None = None) -> EngineResult:
@@ -236,16 +242,20 @@ class SyntheticEngine:
             raise InjectedFault(f"injected failure on run {n} (fail every {self.faults.fail_every})")
         if self.faults.hangs(n):
             self._never.wait(self.faults.hang_s)  # a wedged driver: deaf to cancel too
-        duration = self.duration_s(max_new_tokens)
+        generated = max_new_tokens
+        if self.early_stops is not None:
+            with self._rng_lock:  # two draws per run, after the noise's: the same seed gives the same runs
+                generated = int(self.early_stops.draw(self._rng, [max_new_tokens])[0])
+        duration = self.duration_s(generated, self.count_tokens(prompt))
         if cancel is None:
             time.sleep(duration)
-        elif cancel.wait(duration):  # the client left: the rest of the work is not done
+        elif cancel.wait(duration):  # the client left, or its deadline passed: the rest of the work is not done
             return EngineResult("", 0, time.perf_counter() - start, stopped=True)
-        text = " tok" * max_new_tokens
+        text = " tok" * generated
         cut = apply_stop(text, stop)
-        # The sleep was for every token: a synthetic stop shortens the text, not the work.
+        # The sleep was for every token generated: a stop string given by the client shortens the text, not the work.
         text = text if cut is None else cut
-        return EngineResult(text, max_new_tokens, time.perf_counter() - start)
+        return EngineResult(text, generated, time.perf_counter() - start)
 
     def count_tokens(self, text: str) -> int:
         return self._tokenizer.count(text)
@@ -258,9 +268,14 @@ class SyntheticEngine:
             "engine": "synthetic",
             "intercept_s": self.model.intercept_s,
             "per_token_s": self.model.per_token_s,
+            "per_prompt_token_s": self.model.per_prompt_token_s,
             "speed": self.speed.base,
             "schedule": [list(step) for step in self.speed.steps],
+            # The engine's clock (the gate's: time.monotonic) when the schedule's seconds began: a run file maps
+            # the schedule onto its own clock with it, so that qlab compare simulates the same change.
+            "schedule_started_at": self._started,
             "noise_cv": self.noise_cv,
+            "early_stops": None if self.early_stops is None else asdict(self.early_stops),
             "tokenizer": self._tokenizer.name,
             **({"faults": self.faults.info()} if self.faults != Faults() else {}),
         }

@@ -47,6 +47,18 @@ is free as soon as the run returns (for the core, an earlier hand-back like any 
 A stalled run is not cancelled: the stall rule stops waiting for a run, not the run (a
 wedged engine would not listen anyway); a slow upstream is ended by its own timeout.
 
+Estimators and cutting at the deadline. The policy's estimator (``Policy.estimator``,
+:mod:`qsim.estimators`) lives in the queue core: each arrival's estimate comes from its
+work (``Job.max_new_tokens`` and ``Job.prompt_tokens``; the service model's prompt term
+counts the prompt) and a learning estimator learns from the tokens each completed run
+actually generated (``EngineResult.tokens``). The oracle is refused (:func:`check_live_policy`):
+a live gate cannot know how many tokens a request will generate. Under
+``Policy.cancel_at_deadline`` a run still going at its deadline (arrival + deadline, the
+gate's clock) is cut there: the core ends it (``AdmissionQueue.cut``), the run's Cancel is
+set so that the engine stops, and the client gets :class:`DeadlineCut` (outcome
+``cancelled``, reason ``deadline_passed``; HTTP 504) at once. The engine is free when
+``engine.run`` returns, as for a client that leaves.
+
 Upstream failures. An upstream engine (:mod:`live.upstream`) raises
 :class:`~live.engine.UpstreamError` or :class:`~live.engine.UpstreamTimeout`; the request
 then fails with :class:`UpstreamFailed` or :class:`UpstreamTimedOut` (both
@@ -71,15 +83,23 @@ from typing import Callable, Sequence
 
 from qsim.disciplines import CODEL_REASON
 from qsim.policy import EXPIRE_REASON, REJECT_REASONS, Policy, Rejection, retry_after
-from qsim.queue import STALL_REASON, AdmissionQueue, StallRule
+from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, StallRule
 from qsim.records import OUTCOMES
 from qsim.service import ServiceModel, SpeedTracker
 
 from .engine import Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, takes_cancel
 from .timings import Timings
 
-#: Outcomes the gate counts; a client that leaves is counted apart, as ``cancelled``.
+#: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
+#: (stats' top-level ``cancelled``).
 COUNTED = tuple(o for o in OUTCOMES if o != "abandoned")
+
+
+def check_live_policy(policy: Policy) -> Policy:
+    """The policy, or ValueError where a live gate cannot run it (the oracle estimator)."""
+    if policy.estimator == "oracle":
+        raise ValueError("oracle is simulator-only: a live gate cannot know how many tokens a request will generate")
+    return policy
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,7 @@ class GateConfig:
     watch_interval_s: float = 0.05  # how often the watchdog looks: the precision of stall detection
 
     def __post_init__(self) -> None:
+        check_live_policy(self.policy)
         if not (self.stall_factor >= 1 and math.isfinite(self.stall_factor)):
             raise ValueError(f"stall_factor must be a finite number >= 1, got {self.stall_factor}")
         for name in ("stall_floor_s", "watch_interval_s"):
@@ -119,6 +140,7 @@ class Job:
     deadline_s: float | None = None
     client_id: str | None = None  # whose token bucket it draws on, where the policy limits each client
     priority: int = 0  # higher first under a priority discipline
+    prompt_tokens: int = 0  # counted by the engine's tokenizer: the service model's prompt term
 
 
 @dataclass(frozen=True)
@@ -183,6 +205,20 @@ class DeadlineExceeded(Exception):
         self.arrival = arrival
 
 
+class DeadlineCut(Exception):
+    """Stopped in service when its deadline passed, under a policy that cancels at the deadline
+    (``Policy.cancel_at_deadline``): outcome ``cancelled``. numbers: what the gate saw, with the
+    engine, when it took the request (``started_at``) and when the gate cut it (``at``, gate clock)."""
+
+    reason = CUT_REASON
+
+    def __init__(self, numbers: dict[str, float], arrival: Arrival) -> None:
+        super().__init__(f"stopped in service after {numbers['running_s']:.3f} s: its deadline of "
+                         f"{arrival.deadline_s:.3f} s passed (the policy cancels at the deadline)")
+        self.numbers = numbers
+        self.arrival = arrival
+
+
 class EngineFailed(Exception):
     """The engine raised while running the request; ``__cause__`` is what it raised.
 
@@ -239,7 +275,10 @@ class _Ticket:
     future: asyncio.Future
     engine: int = -1
     start: float = math.nan
-    cancel: Cancel | None = None  # set when its client leaves while it runs
+    cancel: Cancel | None = None  # set when its client leaves while it runs, or the gate cuts it
+    due: float = math.inf  # gate clock: arrival + deadline, where the policy cuts a run there
+    timer: asyncio.TimerHandle | None = None  # the cut at ``due``, while it runs
+    cut: bool = False  # the gate cut it at its deadline (a worker in tests tells this from a client leaving)
 
 
 @dataclass(frozen=True)
@@ -303,15 +342,16 @@ class Gate:
         self.workers = len(self.engines)
         self.queue = AdmissionQueue(config.policy, self.workers, start=self._start, drop=self._drop,
                                     tracker=SpeedTracker(weight=config.tracker_weight, fixed=config.fixed_estimate),
-                                    stall=config.stall_rule, gone=_gone, discipline=config.policy.make_discipline())
+                                    stall=config.stall_rule, gone=_gone, discipline=config.policy.make_discipline(),
+                                    model=config.model)
         self.counts = dict.fromkeys(COUNTED, 0)
         self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
         self.ended_by_reason = dict.fromkeys([("expired", EXPIRE_REASON), ("expired", CODEL_REASON),
                                               ("error", EngineFailed.reason), ("error", STALL_REASON),
-                                              ("error", UpstreamFailed.reason), ("error", UpstreamTimedOut.reason)],
-                                             0)
+                                              ("error", UpstreamFailed.reason), ("error", UpstreamTimedOut.reason),
+                                              ("cancelled", CUT_REASON)], 0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
@@ -343,6 +383,9 @@ class Gate:
         if self._watch is not None:
             self._watch.cancel()
         running = [entry[0] for entry in self.queue.running if entry is not None]
+        for ticket in running:
+            if ticket.timer is not None:
+                ticket.timer.cancel()
         for ticket in [*(entry[0] for entry in self.queue.waiting), *running]:
             ticket.future.cancel()
         for t in self._threads:
@@ -362,9 +405,9 @@ class Gate:
         """Admit the job and return a future of its :class:`Answer`, or raise :class:`Rejected`.
 
         Never blocks. The future fails with :class:`DeadlineExceeded` (dropped at
-        the front), :class:`EngineFailed` (:class:`UpstreamFailed`, :class:`UpstreamTimedOut`)
-        or :class:`EngineStalled`; cancelling it while the job waits takes the job out of
-        the queue. Cancelling it while it runs sets the run's cancel event; the engine is
+        the front), :class:`DeadlineCut` (cut in service at its deadline), :class:`EngineFailed`
+        (:class:`UpstreamFailed`, :class:`UpstreamTimedOut`) or :class:`EngineStalled`;
+        cancelling it while the job waits takes the job out of the queue. Cancelling it while it runs sets the run's cancel event; the engine is
         busy until ``engine.run`` returns (at once for an engine that listens, at the end
         of the run for one that does not): only then is it free for the next.
         """
@@ -372,10 +415,15 @@ class Gate:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
         now = self.clock()
         self.submitted += 1
-        base = float(self.config.model.estimate(job.max_new_tokens))
+        # The calibrated estimate at the limit, prompt term included; the policy's estimator scales it from
+        # the work (the tokens generated are unknown here: None, which refuses the oracle's question).
+        base = float(self.config.model.estimate(job.max_new_tokens, job.prompt_tokens))
         deadline = self.policy.deadline_s if job.deadline_s is None else job.deadline_s
         ticket = _Ticket(job, None, None)  # type: ignore[arg-type]
-        refusal = self.queue.arrive(ticket, now, base, deadline, job.priority, job.client_id)
+        if self.policy.cancel_at_deadline:
+            ticket.due = now + deadline
+        refusal = self.queue.arrive(ticket, now, base, deadline, job.priority, job.client_id,
+                                    (job.max_new_tokens, job.prompt_tokens, None))
         # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn, and a
         # refusal (most arrivals under overload) needs no future.
         ticket.arrival = Arrival(now, deadline, *self.queue.seen)
@@ -396,6 +444,11 @@ class Gate:
             return
         # No arrival yet: an idle engine took it inside arrive(), at its arrival time.
         self.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
+        if math.isfinite(ticket.due):
+            # On the loop's clock (the gate's, or one at a fixed offset from it); call_at, not call_later, so
+            # that the gate's and loop's clock being the same one gives the deadline to the last bit.
+            when = ticket.due if self.clock == self._loop.time else self._loop.time() + (ticket.due - now)
+            ticket.timer = self._loop.call_at(when, self._deadline_passed, k, ticket)
         self._threads[k].give(ticket)
 
     def _drop(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float) -> None:
@@ -421,6 +474,9 @@ class Gate:
 
     def _finished(self, k: int, ticket: _Ticket, result: EngineResult | _Failure) -> None:
         now = self.clock()
+        if ticket.timer is not None:  # handed back before its deadline: no cut
+            ticket.timer.cancel()
+            ticket.timer = None
         failed = isinstance(result, _Failure)
         # Before the early return: a stalled (or cancelled) run's time and a failed upstream call count too.
         self.timings.engine.observe(result.engine_s)
@@ -428,7 +484,9 @@ class Gate:
             self.timings.upstream_errors += 1
         if not failed and result.stopped:  # cut short: its time is no service time
             result = _Failure(RuntimeError("the engine stopped the run unasked"), result.engine_s)
-        outcome = self.queue.finished(k, now, result.engine_s, ok=not isinstance(result, _Failure))
+        ok = not isinstance(result, _Failure)
+        # The tokens it generated: what a learning estimator learns (a stop string ends a run early).
+        outcome = self.queue.finished(k, now, result.engine_s, ok=ok, tokens=result.tokens if ok else None)
         if outcome is None:
             return  # it had ended already: stalled (a hang's time teaches nothing), or its client left
         held = {"started_at": ticket.start, "returned_at": now}
@@ -453,6 +511,27 @@ class Gate:
             self.ended_by_reason[key] = self.ended_by_reason.get(key, 0) + 1
             exc.__cause__ = cause
             ticket.future.set_exception(exc)
+
+    # -- cutting a run at its deadline (Policy.cancel_at_deadline) -------------------
+
+    def _deadline_passed(self, k: int, ticket: _Ticket) -> None:
+        ticket.timer = None
+        # One loop turn later: a hand-back due at this very instant (already among the ready callbacks) goes
+        # first, and a run that ends at its deadline is answered, as the simulator's is.
+        self._loop.call_soon(self._cut, k, ticket)
+
+    def _cut(self, k: int, ticket: _Ticket) -> None:
+        entry = self.queue.running[k]
+        if self._closed or entry is None or entry[0] is not ticket:
+            return  # handed back in time
+        now = self.clock()
+        if self.queue.cut(k, now) is None:
+            return  # it had ended already: stalled, or its client left
+        ticket.cut = True
+        numbers = {**ticket.arrival.numbers(), "engine": k, "started_at": ticket.start, "at": now,
+                   "running_s": now - ticket.start}
+        self._resolve(ticket, "cancelled", exc=DeadlineCut(numbers, ticket.arrival))
+        ticket.cancel.set()  # the engine stops (between decode steps, or its wait); it is free once it hands back
 
     # -- the watchdog: stalled engines and the queue behind them ----------------------
 
@@ -514,6 +593,9 @@ class Gate:
             "fixed_estimate": self.config.fixed_estimate,
             "policy": asdict(self.policy),
             "service_model": asdict(self.config.model),
+            # A learning estimator's used share of the limit now, per size class (empty: none learned yet).
+            "estimator_shares": {str(c): share for c, share
+                                 in sorted(getattr(self.queue.estimator, "share_now", {}).items())},
             "stall_rule": asdict(self.config.stall_rule),
             "tracker_weight": self.config.tracker_weight,
             "counts": dict(self.counts),

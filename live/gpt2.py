@@ -19,8 +19,10 @@ Tokenizer: the model's own where its files load; otherwise (always for
 Decoding generates exactly ``max_new_tokens`` tokens (end-of-text does not
 stop it: the study wants the work to follow the request's size) unless a stop
 string appears in the decoded text, which is then cut before the stop string,
-or the gate cancels the run (its client left): decoding then stops before the
-next step and the run reports ``stopped``.
+or the gate cancels the run (its client left, or its deadline passed under a policy
+that cuts there): decoding then stops before the next step and the run reports
+``stopped``. ``EngineResult.tokens`` is the number generated, not the limit: what a
+learning estimator (``Policy.estimator = "learned"``) learns from.
 """
 
 from __future__ import annotations
@@ -171,8 +173,9 @@ class GPT2Engine:
             cancel: threading.Event | None = None) -> EngineResult:
         start = time.perf_counter()
         ids = self._prompt_ids(prompt, max_new_tokens)
-        new_ids, text = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel)
-        stopped = cancel is not None and cancel.is_set() and len(new_ids) < max_new_tokens
+        new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel)
+        # tokens: what it generated (fewer than asked where a stop string or the Cancel ended it), which a
+        # learning estimator learns from; the stop string's own tokens are work done, so they count.
         return EngineResult(text, len(new_ids), time.perf_counter() - start, stopped=stopped)
 
     def count_tokens(self, text: str) -> int:
@@ -209,15 +212,18 @@ class GPT2Engine:
 
     @torch.inference_mode()
     def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...],
-                  cancel: threading.Event | None = None) -> tuple[list[int], str]:
+                  cancel: threading.Event | None = None) -> tuple[list[int], str, bool]:
+        """The new token ids, their text (cut before a stop string) and whether the Cancel stopped it."""
         x = torch.tensor([ids], device=self.device)
         cache = None
         steps: list[torch.Tensor] = []
         new_ids: list[int] = []
         longest = max((len(s) for s in stop), default=0)
         seen = 0  # characters already searched for a stop string
+        stopped = False
         for _ in range(max_new_tokens):
-            if cancel is not None and cancel.is_set():  # the client left: the rest is work for nobody
+            if cancel is not None and cancel.is_set():  # the client left, or its deadline passed: work for nobody
+                stopped = True
                 break
             out = self.net(input_ids=x, use_cache=True, **{self._cache_kw: cache}, **self._keep)
             cache = getattr(out, self._cache_kw)
@@ -231,11 +237,11 @@ class GPT2Engine:
             # a multi-byte character that completed this step.
             cut = apply_stop(text, stop, max(0, seen - longest - 4))
             if cut is not None:
-                return new_ids, cut
+                return new_ids, cut, False
             seen = len(text)
         if steps:
             new_ids = torch.cat(steps, dim=1)[0].tolist()
-        return new_ids, self.tokenizer.decode(new_ids)
+        return new_ids, self.tokenizer.decode(new_ids), stopped
 
 
 def make_engines(k: int, spec: GPT2Spec) -> list[GPT2Engine]:

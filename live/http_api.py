@@ -16,7 +16,8 @@ so the openai SDK reads qlab's errors; see :mod:`live.openai_api` for the
 OpenAI-compatible routes mounted beside ``/v1/generate``.)
 
 type ``overloaded`` (503, refused at arrival), ``deadline_exceeded`` (503,
-dropped at the front), ``invalid_request`` (4xx), ``engine_error`` (500:
+dropped at the front; 504, reason ``deadline_passed``, cut in service at its deadline
+under a policy with ``cancel_at_deadline``), ``invalid_request`` (4xx), ``engine_error`` (500:
 reason ``engine_exception`` when the engine raised, ``engine_stalled`` when
 the gate gave up on a stalled engine, see :mod:`live.gate`; 502 ``upstream_error``
 when the upstream server of ``--engine upstream`` answered an error, could not be
@@ -37,12 +38,14 @@ the gate's counts, its queue, and histograms of engine time, queue time and time
 to a refusal. The gate counts and times every request itself, so requests on the
 direct path below are in it too.
 
-``POST /v1/generate`` skips FastAPI's per-request machinery: :class:`GateService`
-hands it straight to the route's function and the same exception handlers
+``POST /v1/generate``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` skip FastAPI's
+per-request machinery: :class:`GateService`
+hands each straight to its route's function and the same exception handlers
 (:class:`_Direct`). FastAPI's middleware stack, routing and dependency solving
 cost about 0.4 ms per request on two shared cores, as much as the whole rest of
 a refusal (benchmarks/soak.py); the answers are the same either way, which
-tests/test_http_api.py checks by sending the same requests both ways.
+tests/test_http_api.py (and tests/test_contract.py for the OpenAI-compatible routes)
+checks by sending the same requests both ways.
 Every other path goes through FastAPI as usual.
 
 A client that hangs up cancels its request: a waiting one leaves the queue at
@@ -55,23 +58,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Annotated, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from qsim.policy import RATE_LIMITED
-from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
+from qsim.records import CLIENT_ID_CHARS
 
-from .gate import (Answer, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected, UpstreamFailed,
+from .contract import (Admission, GenerateResponse, Health, Limits, Stats, Timings, error_json,  # noqa: F401
+                       request_model)
+from .gate import (Answer, DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected, UpstreamFailed,
                    UpstreamTimedOut)
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 
@@ -82,42 +86,7 @@ ROUTES = (f"POST {GENERATE}, POST /v1/completions, POST /v1/chat/completions, GE
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Caps on one request; the engine's own limit on new tokens also applies."""
-
-    max_new_tokens: int = 1024
-    max_deadline_ms: int = 600_000
-    max_prompt_chars: int = 16_384
-    max_prompt_tokens: int = 16_384
-    max_body_bytes: int = 64 * 1024
-    max_stops: int = 8
-    max_stop_chars: int = 64
-
-
-def request_model(limits: Limits) -> type[BaseModel]:
-    """The body schema with these caps. Strict: "16" is not a number and unknown fields are refused."""
-    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
-
-    class GenerateRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
-
-        prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
-        max_new_tokens: Annotated[int, Field(ge=1, le=limits.max_new_tokens)]
-        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
-        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
-        # Whose per-client rate limit it counts against (also the x-client-id header; the body wins).
-        client_id: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
-        # Higher first under a priority discipline (the policy's; FIFO ignores it).
-        priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
-
-        @field_validator("stop", mode="before")
-        @classmethod
-        def _one_or_many(cls, value):
-            # One stop string may come bare; a union type would make the error messages name its branches.
-            return [value] if isinstance(value, str) else value
-
-    return GenerateRequest
+# Limits and request_model (the body schema with a server's caps) live in live.contract, with every body.
 
 
 # ---------------------------------------------------------------------- the envelope
@@ -132,19 +101,17 @@ class InvalidRequest(Exception):
 
 
 def error_response(status: int, type_: str, reason: str, message: str, numbers: dict | None = None,
-                   retry_after_s: int | None = None, headers: dict | None = None) -> JSONResponse:
-    # code: OpenAI's name for the reason (message, type and code are OpenAI's error object, for its SDK).
-    body = {"error": {"type": type_, "reason": reason, "code": reason, "message": message,
-                      "numbers": _finite(numbers or {}), "retry_after_s": retry_after_s}}
+                   retry_after_s: int | None = None, headers: dict | None = None) -> Response:
+    """The envelope (:class:`live.contract.ErrorEnvelope`), with Retry-After when it says when to come back."""
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(retry_after_s)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return json_response(error_json(type_, reason, message, numbers, retry_after_s), status, headers)
 
 
-def _finite(numbers: dict) -> dict:
-    """JSON has no NaN or infinity: such numbers become null."""
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in numbers.items()}
+def json_response(text: str, status: int = 200, headers: dict | None = None) -> Response:
+    """A body a contract model wrote (its model_dump_json: compact, non-finite numbers as null)."""
+    return Response(text, status_code=status, headers=headers, media_type="application/json")
 
 
 _REFUSAL_TEXT = {
@@ -170,7 +137,7 @@ def _refusal_message(reason: str, numbers: dict, retry_after_s: int) -> str:
     return f"{text}; retry after {retry_after_s} s"
 
 
-async def _overloaded(_: Request, exc: Rejected) -> JSONResponse:
+async def _overloaded(_: Request, exc: Rejected) -> Response:
     r = exc.rejection
     numbers = {**exc.arrival.numbers(), **r.numbers}
     if r.reason == RATE_LIMITED:  # this client sent too much: 429, told apart from the service's overload
@@ -180,31 +147,37 @@ async def _overloaded(_: Request, exc: Rejected) -> JSONResponse:
                           numbers, r.retry_after_s)
 
 
-async def _deadline_exceeded(_: Request, exc: DeadlineExceeded) -> JSONResponse:
+async def _deadline_exceeded(_: Request, exc: DeadlineExceeded) -> Response:
     return error_response(503, "deadline_exceeded", exc.reason,
                           _refusal_message(exc.reason, exc.numbers, exc.retry_after_s),
                           exc.numbers, exc.retry_after_s)
 
 
-async def _engine_failed(_: Request, exc: EngineFailed) -> JSONResponse:
+async def _deadline_cut(_: Request, exc: DeadlineCut) -> Response:
+    # 504, as a gateway's timeout: the answer would have come too late (Policy.cancel_at_deadline). No
+    # Retry-After: the work was admitted and ran; sending it again meets the same deadline.
+    return error_response(504, "deadline_exceeded", exc.reason, str(exc), exc.numbers)
+
+
+async def _engine_failed(_: Request, exc: EngineFailed) -> Response:
     return error_response(500, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
 
 
-async def _upstream_failed(_: Request, exc: UpstreamFailed) -> JSONResponse:
+async def _upstream_failed(_: Request, exc: UpstreamFailed) -> Response:
     # 502: the server behind the gate failed; 504: it did not answer in time. Outcome error either way.
     status = 504 if isinstance(exc, UpstreamTimedOut) else 502
     return error_response(status, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
 
 
-async def _engine_stalled(_: Request, exc: EngineStalled) -> JSONResponse:
+async def _engine_stalled(_: Request, exc: EngineStalled) -> Response:
     return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
 
 
-async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
+async def _invalid(_: Request, exc: InvalidRequest) -> Response:
     return error_response(exc.status, "invalid_request", exc.reason, exc.message)
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     reason, message = {
         404: ("not_found", f"no route {request.method} {request.url.path}; the routes are {ROUTES}"),
         405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}; the routes are {ROUTES}"),
@@ -222,11 +195,11 @@ def _validation_text(errors) -> str:
     return "; ".join(parts)
 
 
-async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _request_validation(_: Request, exc: RequestValidationError) -> Response:
     return error_response(422, "invalid_request", "invalid_field", _validation_text(exc.errors()))
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(_: Request, exc: Exception) -> Response:
     return error_response(500, "internal_error", "unexpected", f"{type(exc).__name__}: {exc}")
 
 
@@ -274,7 +247,7 @@ class _Preparer:
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
         stop = tuple(req.stop or ())
         deadline = None if req.deadline_ms is None else req.deadline_ms / 1000.0
-        return Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority)
+        return Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority, tokens)
 
 
 # ---------------------------------------------------------------------- execute and finish
@@ -298,20 +271,13 @@ async def _outcome(future: asyncio.Future, request: Request) -> Answer | None:
     return None if future.cancelled() else future.result()
 
 
-def _answer_body(answer: Answer, total_s: float) -> dict:
+def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
     a = answer.arrival
-    return {
-        "text": answer.text,
-        "tokens": answer.tokens,
-        "outcome": answer.outcome,
-        "engine": answer.engine,
-        # started_at / returned_at are the gate's clock: the engine counted busy in between.
-        # first_token_s: the engine's own time to its first token (null for an engine that does not see it).
-        "timings": {"queue_s": answer.queue_s, "engine_s": answer.engine_s, "total_s": total_s,
-                    "est_service_s": a.est_service_s, "started_at": answer.started_at,
-                    "returned_at": answer.returned_at, "first_token_s": answer.first_token_s},
-        "admission": a.numbers(),
-    }
+    timings = Timings(queue_s=answer.queue_s, engine_s=answer.engine_s, total_s=total_s,
+                      est_service_s=a.est_service_s, started_at=answer.started_at,
+                      returned_at=answer.returned_at, first_token_s=answer.first_token_s)
+    return GenerateResponse(text=answer.text, tokens=answer.tokens, outcome=answer.outcome, engine=answer.engine,
+                            timings=timings, admission=Admission.model_validate(a.numbers()))
 
 
 # ---------------------------------------------------------------------- the app
@@ -319,7 +285,8 @@ def _answer_body(answer: Answer, total_s: float) -> dict:
 
 #: Each exception's answer (looked up along its class's MRO, as Starlette does).
 HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
-    Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, EngineFailed: _engine_failed,
+    Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, DeadlineCut: _deadline_cut,
+    EngineFailed: _engine_failed,
     UpstreamFailed: _upstream_failed, EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
     RequestValidationError: _request_validation, Exception: _unexpected,
 }
@@ -344,14 +311,16 @@ class _Direct:
 
 
 class GateService(FastAPI):
-    """FastAPI, with ``POST /v1/generate`` sent to :attr:`direct` when it is set (see the module docstring)."""
+    """FastAPI, with ``POST /v1/generate`` (:attr:`direct`) and the OpenAI-compatible POST routes sent
+    straight to their functions (:attr:`direct_posts`, by path) when set (see the module docstring)."""
 
     direct: _Direct | None = None
+    direct_posts: dict[str, _Direct] = {}  # replaced, never changed in place
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.direct is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"] == GENERATE):
-            await self.direct(scope, receive, send)
+        route = self.direct_posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is not None:
+            await route(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
@@ -367,7 +336,8 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
-    direct=False sends ``POST /v1/generate`` through FastAPI's routing too (same answers, slower).
+    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
+    too (same answers, slower).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -408,7 +378,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         answer = await _outcome(future, request)
         if answer is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
-        return JSONResponse(_answer_body(answer, gate.clock() - t0))
+        return json_response(_answer_body(answer, gate.clock() - t0).model_dump_json())
 
     # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
     app.post(GENERATE, openapi_extra={"requestBody": {"required": True, "content": {
@@ -418,15 +388,20 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     from .openai_api import mount as mount_openai  # here: live.openai_api imports this module
 
-    mount_openai(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    posts = mount_openai(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    if direct:
+        app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats")
-    async def stats() -> dict:
-        return {**gate.stats(), "limits": asdict(limits)}
+    @app.get("/stats", response_model=Stats)
+    async def stats() -> Response:
+        body = Stats.model_validate({**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()})
+        return json_response(body.model_dump_json(exclude_unset=True))
 
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(), "policy": gate.policy.name}
+    @app.get("/healthz", response_model=Health)
+    async def healthz() -> Response:
+        body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(),
+                                      "policy": gate.policy.name})
+        return json_response(body.model_dump_json(exclude_unset=True))
 
     registry = metrics_registry(gate)
 

@@ -6,6 +6,7 @@ ValueError, which the ``qlab`` entry point prints as one line (exit 2).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -20,6 +21,7 @@ from qsim import ServiceModel, build_trace, records
 from qsim.records import OUTCOMES
 from qsim.workload import ARRIVALS
 
+from .contract import Stats
 from .live_config import DEFAULT_SECONDS
 
 
@@ -30,8 +32,8 @@ def _model(path: str | None) -> ServiceModel:
 def _server_engines(url: str) -> int:
     """Engines behind the server, from /stats: a trace's load is per engine."""
     try:
-        return int(httpx.get(f"{url.rstrip('/')}/stats", timeout=10.0).json().get("engines", 1))
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        return Stats.model_validate_json(httpx.get(f"{url.rstrip('/')}/stats", timeout=10.0).content).engines
+    except (httpx.HTTPError, ValueError) as exc:
         raise ValueError(f"{url}: cannot read /stats: {exc}") from None
 
 
@@ -94,17 +96,34 @@ def _print_retries(frame: pd.DataFrame, duration_s: float) -> None:
               f"Retry-After adherence {s['retry_after_adherence']:.3f}")
 
 
+def _print_prompts(frame: pd.DataFrame, trace) -> None:
+    """Prompt lengths sent, and the counts the context capped or kept from being sent (also on stderr), where
+    the trace gave the lengths or the context changed one; time to the first token where it was measured."""
+    meta = frame.attrs.get("qlab_run", {})
+    sent = frame.loc[frame["prompt_tokens"] > 0, "prompt_tokens"]
+    touched = meta.get("prompts_capped", 0) or meta.get("prompts_cannot_fit", 0)
+    if len(sent) and (touched or (trace.prompt_tokens > 0).any()):
+        print(f"prompts: {int(sent.median())} tokens median, {int(sent.max())} max; capped to the context "
+              f"({meta.get('context_tokens') or 'none known'}): {meta.get('prompts_capped', 0)}, not sent "
+              f"(cannot fit): {meta.get('prompts_cannot_fit', 0)}")
+    if "ttft_s" in frame.columns and frame["ttft_s"].notna().any():
+        ttft = frame["ttft_s"].dropna()
+        print(f"time to first token: p50 {ttft.quantile(0.5) * 1e3:.1f} ms, p99 {ttft.quantile(0.99) * 1e3:.1f} ms")
+
+
 def cmd_replay(args) -> int:
     from .loadgen import ReplayConfig, check_patience, lateness, replay
 
     patience, retry = _clients(args)
     cfg = ReplayConfig(args.url.rstrip("/"), timeout_s=args.timeout, prompt_words=args.prompt_words,
-                       max_prompt_words=args.max_prompt_words, late_warn_s=args.late_warn_ms / 1e3, retry=retry)
+                       context_tokens=args.context_tokens, late_warn_s=args.late_warn_ms / 1e3, retry=retry,
+                       api=args.api, model=args.model)
     trace = _trace(args, patience)
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
     check_patience(trace)
-    print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}", flush=True)
+    api = "" if cfg.api == "qlab" else " (OpenAI-compatible /v1/completions, streamed)"
+    print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}", flush=True)
     frame = replay(trace, cfg)
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
@@ -113,6 +132,7 @@ def cmd_replay(args) -> int:
     _print_effective_load(args, frame)
     print(f"send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "
           f"max {late['max_s'] * 1e3:.2f} ms")
+    _print_prompts(frame, trace)
     if frame["attempt"].gt(1).any():
         late = lateness(frame, retries=True)
         print(f"retry send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "
@@ -142,8 +162,18 @@ def _replay_parser(sub) -> None:
     p.add_argument("--seed", type=count, default=1)
     p.add_argument("--service-model", help="calibration JSON: estimates and the nominal load are relative to it")
     p.add_argument("--timeout", type=positive, default=300.0, help="seconds one request may take end to end")
-    p.add_argument("--prompt-words", type=positive_int, default=16, help="prompt length where the trace has none")
-    p.add_argument("--max-prompt-words", type=positive_int, default=64, help="cap on prompt length")
+    p.add_argument("--prompt-words", type=positive_int, default=16,
+                   help="where the trace has no prompt lengths, a prompt of this many words (each one GPT-2 token)")
+    p.add_argument("--context-tokens", type=positive_int,
+                   help="the model's context: each prompt is capped at it minus the request's new tokens (counted "
+                        "and reported), a request whose new tokens fill it is not sent (default: the server's "
+                        "/healthz says, as GPT-2's 1024; else no cap)")
+    p.add_argument("--max-prompt-words", action=renamed("--context-tokens", "prompts are the trace's length, "
+                                                        "capped at the context minus the request's new tokens"))
+    p.add_argument("--api", choices=("qlab", "openai"), default="qlab",
+                   help="qlab: POST /v1/generate (default); openai: POST /v1/completions, streamed, on any "
+                        "OpenAI-compatible server (a qlab gate or e.g. vLLM), recording the time to the first token")
+    p.add_argument("--model", help="--api openai: the model to ask for (default: the first GET /v1/models lists)")
     p.add_argument("--late-warn-ms", type=positive, default=5.0, help="warn when the p99 send lateness passes this")
     p.add_argument("--out", required=True, help="the run's .parquet file")
     clientflags.add_flags(p)
@@ -152,18 +182,34 @@ def _replay_parser(sub) -> None:
 # ------------------------------------------------------------------ calibrate
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """'16,256,768' -> (16, 256, 768): prompt lengths, each a whole number >= 1."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
+    return values
+
+
 def cmd_calibrate(args) -> int:
     from .calibrate import CalibrationConfig, calibrate, describe
 
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
-                            prompt_words=args.prompt_words, deadline_ms=args.deadline_ms)
-    print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens, "
+                            prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
+                            prompt_tokens=args.prompt_tokens)
+    prompts = "" if cfg.prompt_tokens is None else f" with prompts of {list(cfg.prompt_tokens)} tokens"
+    print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
           "one request at a time", flush=True)
     try:
         result = calibrate(cfg, progress=lambda r: print(describe(r, f"round {r.round}"), flush=True))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
     print(describe(result.overall, "all rounds"))
+    lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
+    print(f"prompt lengths measured: {lengths} tokens ({result.tokenizer or 'tokenizer not said'})"
+          + ("; one length: no prompt term fitted" if len(lengths) < 2 else ""))
     result.save(args.out)
     print(f"wrote {args.out}")
     return 0
@@ -171,13 +217,18 @@ def cmd_calibrate(args) -> int:
 
 def _calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="fit the service-time line on a live server",
-                       description="Send requests of 1, 2, 4, ... 64 new tokens one at a time, in rounds, fit "
-                                   "S = intercept + per_token * tokens and report the error of the line.")
+                       description="Send requests of 1, 2, 4, ... 64 new tokens with prompts of several lengths, "
+                                   "one at a time, in rounds; fit S = intercept + per_prompt_token * prompt tokens "
+                                   "+ per_token * new tokens and report the error of the fit on one request.")
     p.set_defaults(func=cmd_calibrate)
     p.add_argument("--url", required=True)
     p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--per-size", type=positive_int, default=12, help="requests of each size per round")
-    p.add_argument("--prompt-words", type=positive_int, default=16)
+    p.add_argument("--prompt-words", type=positive_int, default=16,
+                   help="the shortest prompt: the replayer's default one, of this many words")
+    p.add_argument("--prompt-tokens", type=_lengths, metavar="N,N,...",
+                   help="prompt lengths in the server's tokens (default: the --prompt-words prompt, 256 and 768, "
+                        "those that fit the context beside 64 new tokens); one length fits no prompt term")
     p.add_argument("--deadline-ms", type=positive_int, help="deadline sent with each request (default: the server's)")
     p.add_argument("--out", required=True, help="JSON that serve and simulate read with --service-model")
 
@@ -193,6 +244,9 @@ def cmd_compare(args) -> int:
     except Exception as exc:  # pyarrow raises several types for a missing or bad file
         raise ValueError(f"{args.run}: cannot read parquet: {exc}") from None
     records.validate(run)
+    if "qlab_gate" in run.columns and not run["qlab_gate"].all():
+        raise ValueError(f"{args.run}: replayed against a server that is not a qlab gate (it has no /stats): qlab "
+                         "compare needs what a qlab gate reports of each request; replay through `qlab serve`")
     if args.predict:
         return _print_prediction(args, predict(run, seeds=args.seeds, noise_cv=args.noise_cv))
     result = compare(run)

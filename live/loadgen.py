@@ -41,15 +41,19 @@ import httpx
 import numpy as np
 import pandas as pd
 
-from qsim import Trace
+from qsim import Policy, Trace
 from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
 from qsim.model import LEFT_REASON
 
-from .rows import ClientSettings, Exchange, number, retry_after_s, server_info, to_frame
+from . import openai_replay
+from .calibrate import ServerFacts, default_prompt_tokens, server_facts
+from .contract import Stats, num
+from .rows import ClientSettings, Exchange, ServerInfo, retry_after_s, server_info, to_frame
+from .tokenizer import prompt_of
 
-#: Words of the synthetic prompts; common lowercase words are one GPT-2 token each.
-_WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
-          "tree near the quiet river bank").split()
+GENERATE = "/v1/generate"
+#: qlab: qlab's own /v1/generate; openai: POST /v1/completions, streamed, on any OpenAI-compatible server.
+APIS = ("qlab", "openai")
 #: The last stretch before a send is spent yielding rather than sleeping (see :func:`_until`).
 SPIN_S = 0.0015
 #: Idle connections stay open this long: a warmed connection must outlive the gaps of a run.
@@ -71,50 +75,96 @@ class ReplayConfig:
     timeout_s bounds one request end to end: long enough for a request stuck
     behind an unbounded queue to be answered late rather than counted an error.
     lead_s is the head start between starting the clock and the first send, so
-    that the first requests do not leave late. retry: how clients send a request
+    that the first requests do not leave late. Prompts are the trace's length in the
+    server's tokens (prompt_words words where it has none: see :func:`plan_prompts`),
+    capped at the context minus the request's new tokens; context_tokens: the
+    engine's context (None: what the server's /healthz says, else no limit). retry: how clients send a request
     again (None: never; its timeout_s is the per-attempt hang-up); retry_seed: the
     jitter's seed (None: the trace's seed, as :func:`qsim.simulate` takes it).
+    api: qlab (``/v1/generate``) or openai (streamed ``/v1/completions`` of ``model``, None: the first the
+    server lists; see :class:`Api`).
     """
 
     url: str
     timeout_s: float = 300.0
     prompt_words: int = 16
-    max_prompt_words: int = 64
+    context_tokens: int | None = None
     lead_s: float = 0.2
     late_warn_s: float = 0.005
     max_warm_connections: int = 256
     retry: RetryPolicy | None = None
     retry_seed: int | None = None
+    api: str = "qlab"
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.model is not None and self.api != "openai":
+            raise ValueError("a model is named only with api openai (qlab's /v1/generate takes none)")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         if not (self.timeout_s > 0 and self.lead_s >= 0 and self.late_warn_s > 0):
             raise ValueError("timeout_s and late_warn_s must be > 0 and lead_s >= 0")
-        if not 1 <= self.prompt_words <= self.max_prompt_words:
-            raise ValueError("need 1 <= prompt_words <= max_prompt_words")
+        if self.prompt_words < 1:
+            raise ValueError(f"prompt_words must be >= 1, got {self.prompt_words}")
+        if self.context_tokens is not None and self.context_tokens < 2:
+            raise ValueError(f"context_tokens must be >= 2 (a prompt token and a new one), got {self.context_tokens}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a qsim.clients.RetryPolicy, got {type(self.retry).__name__}")
 
 
-def synthetic_prompt(words: int) -> str:
-    """A deterministic English-ish prompt of about ``words`` GPT-2 tokens."""
-    return " ".join(_WORDS[i % len(_WORDS)] for i in range(max(1, words)))
+#: The reason of a request the replayer did not send: its new tokens leave no room for a prompt token.
+CANNOT_FIT = "prompt_cannot_fit"
 
 
-def prompt_lengths(trace: Trace, cfg: ReplayConfig) -> np.ndarray:
-    """The trace's prompt lengths where it has them, else the default; capped (GPT-2's context is short)."""
+@dataclass(frozen=True)
+class PromptPlan:
+    """Each request's prompt length in the server's tokens, and what the context did to it.
+
+    tokens: the length sent (0 where nothing is sent); capped: shortened to fit the context beside its
+    new tokens (or the gate's prompt cap); unfit: not sent at all, its new tokens fill the context.
+    """
+
+    tokens: np.ndarray
+    capped: np.ndarray
+    unfit: np.ndarray
+    facts: ServerFacts
+
+    def meta(self) -> dict:
+        """The counts, for the run's attrs and the command's report."""
+        return {"context_tokens": self.facts.context, "prompt_tokenizer": self.facts.tokenizer,
+                "prompts_capped": int(self.capped.sum()), "prompts_cannot_fit": int(self.unfit.sum())}
+
+
+def plan_prompts(trace: Trace, cfg: ReplayConfig, facts: ServerFacts = ServerFacts()) -> PromptPlan:
+    """The trace's prompt lengths where it has them, else the default prompt's; each capped at the room
+    its new tokens leave in the context (``cfg.context_tokens``, else the server's), and at the gate's
+    prompt cap. A request that leaves no room (max_new_tokens >= context) is not sent: never shortened
+    without being counted."""
+    if cfg.context_tokens is not None:
+        facts = dataclasses.replace(facts, context=cfg.context_tokens)
     own = np.asarray(trace.prompt_tokens, dtype=np.int64)
-    return np.clip(np.where(own > 0, own, cfg.prompt_words), 1, cfg.max_prompt_words)
+    wanted = np.where(own > 0, own, default_prompt_tokens(facts, cfg.prompt_words))
+    room = np.array([facts.longest_prompt(int(n)) for n in trace.max_new_tokens], dtype=float)
+    unfit = room < 1
+    capped = ~unfit & (wanted > room)
+    tokens = np.where(unfit, 0, np.minimum(wanted, np.where(np.isfinite(room), room, wanted))).astype(np.int64)
+    return PromptPlan(tokens, capped, unfit, facts)
 
 
-def payloads(trace: Trace, cfg: ReplayConfig) -> list[dict]:
-    """One request body per trace entry; deadline_ms only where the trace sets one (else the server's default),
-    priority where it is not 0 and client_id where the trace names a client."""
+def payloads(trace: Trace, cfg: ReplayConfig, plan: PromptPlan | None = None) -> list[dict | None]:
+    """One request body per trace entry (None: not sent, see :func:`plan_prompts`); deadline_ms only where the
+    trace sets one (else the server's default), priority where it is not 0 and client_id where the trace
+    names a client."""
+    plan = plan_prompts(trace, cfg) if plan is None else plan
     out = []
-    for tokens, words, deadline, priority, client in zip(trace.max_new_tokens, prompt_lengths(trace, cfg),
-                                                          trace.deadline_s, trace.priority, trace.client_id):
-        body = {"prompt": synthetic_prompt(int(words)), "max_new_tokens": int(tokens)}
+    for tokens, length, unfit, deadline, priority, client in zip(trace.max_new_tokens, plan.tokens, plan.unfit,
+                                                                 trace.deadline_s, trace.priority, trace.client_id):
+        if unfit:
+            out.append(None)
+            continue
+        body = {"prompt": prompt_of(int(length), plan.facts.tokenizer), "max_new_tokens": int(tokens)}
         if math.isfinite(deadline):
             body["deadline_ms"] = int(round(deadline * 1000))
         if priority:
@@ -148,17 +198,22 @@ class Lanes:
     def request(self, method: str, path: str, **kwargs) -> httpx.Request:
         return httpx.Request(method, self.url + path, extensions={"timeout": self.timeout}, **kwargs)
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        """Send on an idle lane (or a new one) and read the whole answer."""
+    async def send(self, request: httpx.Request, read=None):
+        """Send on an idle lane (or a new one) and read the whole answer; with ``read`` (a coroutine function
+        of the response that reads it to its end, e.g. event by event), what ``read`` returns."""
         lane = self._idle.pop() if self._idle else self._new()
         try:
             response = await lane.handle_async_request(request)
-            await response.aread()
+            if read is not None:
+                result = await read(response)
+            else:
+                await response.aread()
+                result = response
         except BaseException:
             await lane.aclose()  # its connection is in an unknown state: never reuse it
             raise
         self._idle.append(lane)
-        return response
+        return result
 
     def _new(self) -> httpx.AsyncHTTPTransport:
         lane = httpx.AsyncHTTPTransport(verify=self._ssl, limits=self._limits)
@@ -189,7 +244,7 @@ def peak_simultaneous(arrival_s, window_s: float = BURST_WINDOW_S) -> int:
     return int((np.searchsorted(times, times + window_s, side="left") - np.arange(times.size)).max()) if times.size else 0
 
 
-async def warm_up(lanes: Lanes, connections: int) -> None:
+async def warm_up(lanes: Lanes, connections: int, path: str = "/healthz") -> None:
     """Open ``connections`` keep-alive lanes before the clock starts.
 
     A new connection costs the client a name lookup (a thread hop) and a
@@ -197,7 +252,29 @@ async def warm_up(lanes: Lanes, connections: int) -> None:
     is tens of milliseconds during which the requests sit in the client.
     Opened in advance, a send is a write on an idle connection.
     """
-    await asyncio.gather(*(lanes.send(lanes.request("GET", "/healthz")) for _ in range(connections)))
+    await asyncio.gather(*(lanes.send(lanes.request("GET", path)) for _ in range(connections)))
+
+
+@dataclass(frozen=True)
+class Api:
+    """Where the requests go and how their answers are read: qlab's ``/v1/generate`` (``model`` None; answers
+    read whole, as they always were), or an OpenAI-compatible server's ``/v1/completions``, streamed, asking
+    for ``model`` (:mod:`live.openai_replay`: time to the first token and to ``[DONE]``)."""
+
+    model: str | None = None
+
+    @property
+    def path(self) -> str:
+        return GENERATE if self.model is None else openai_replay.COMPLETIONS
+
+    @property
+    def read(self):
+        return None if self.model is None else openai_replay.read_completion
+
+    def request(self, lanes: Lanes, body: dict) -> httpx.Request:
+        """The request of one ``/v1/generate`` body, in this API."""
+        kwargs = {"json": body} if self.model is None else openai_replay.completion_request(body, self.model)
+        return lanes.request("POST", self.path, **kwargs)
 
 
 class _Clients:
@@ -208,15 +285,16 @@ class _Clients:
     request_id), as :func:`qsim.simulate` numbers them.
     """
 
-    def __init__(self, lanes: Lanes, trace: Trace, bodies: list[dict], retry: RetryPolicy | None, seed: int,
-                 t0: float) -> None:
+    def __init__(self, lanes: Lanes, trace: Trace, bodies: list[dict | None], retry: RetryPolicy | None, seed: int,
+                 t0: float, api: Api = Api()) -> None:
         self.loop = asyncio.get_running_loop()
-        self.lanes, self.bodies, self.t0 = lanes, bodies, t0
+        self.lanes, self.bodies, self.t0, self.api = lanes, bodies, t0, api
         self.patience = np.asarray(trace.patience_s, dtype=float).tolist()  # from the first send; inf: none
         # As in the simulator: no retrier (and no per-attempt timeout) unless the policy retries.
         self.retrier = Retrier(retry, trace.arrival_s, seed) if retry is not None and retry.retries else None
         self.timeout_s = math.inf if self.retrier is None or retry.timeout_s is None else retry.timeout_s
         self.first_sent = [math.nan] * len(trace)
+        self.new_tokens = np.asarray(trace.max_new_tokens).tolist()
         self.exchanges: list[Exchange | None] = [None] * len(trace)
         self._tasks: set[asyncio.Task] = set()
 
@@ -230,6 +308,12 @@ class _Clients:
         """
         loop, t0 = self.loop, self.t0
         for i, (request, at) in enumerate(zip(requests, times)):
+            if request is None:  # not sent (its prompt cannot fit): its one row, at its time, and no retry
+                self.first_sent[i] = at
+                self.exchanges[i] = Exchange(at, at, at, error=f"not sent: {CANNOT_FIT}: max_new_tokens "
+                                             f"{self.new_tokens[i]} leaves no room for a prompt in the "
+                                             "context", reason=CANNOT_FIT, first=i)
+                continue
             await _until(loop, t0 + at)
             self._spawn(self._attempt(i, i, 1, request, at))
         while self._tasks:
@@ -266,7 +350,7 @@ class _Clients:
         if decision is not None and decision.at_s is not None:
             retry = len(self.exchanges)  # its request_id: retries are numbered in the order they are decided
             self.exchanges.append(None)
-            again = self.lanes.request("POST", "/v1/generate", json=self.bodies[first])
+            again = self.api.request(self.lanes, self.bodies[first])
             self._spawn(self._later(retry, first, attempt + 1, again, decision.at_s))
 
     async def _later(self, slot: int, first: int, attempt: int, request: httpx.Request, at: float) -> None:
@@ -288,7 +372,7 @@ class _Clients:
         loop, t0 = self.loop, self.t0
         try:
             if math.isfinite(hangup):
-                task = asyncio.ensure_future(self.lanes.send(request))
+                task = asyncio.ensure_future(self.lanes.send(request, self.api.read))
                 if not await _within(loop, task, t0 + hangup):
                     left = loop.time() - t0
                     task.cancel()  # Lanes.send closes the connection: the gate sees the client leave
@@ -301,9 +385,12 @@ class _Clients:
                 else:
                     response = task.result()
             else:
-                response = await self.lanes.send(request)
+                response = await self.lanes.send(request, self.api.read)
         except Exception as exc:  # any failure is this attempt's one row, never a lost request
             return Exchange(at, sent, loop.time() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+        if isinstance(response, openai_replay.Streamed):
+            return Exchange(at, sent, response.done_at - t0, response.status, response.body, response.retry_after,
+                            error=response.error, first_token_s=response.first_token_at - t0)
         done = loop.time() - t0
         try:
             payload = response.json()
@@ -349,7 +436,7 @@ async def fetch_stats(lanes: Lanes) -> tuple[dict, float]:
     if response.status_code != 200:
         raise ValueError(f"GET /stats answered HTTP {response.status_code}")
     stats = response.json()
-    clock = number(stats, "clock")
+    clock = num(Stats.model_validate(stats).clock)  # the contract's reading (ValueError when /stats is not it)
     offset = clock - (before + after) / 2
     return stats, (0.0 if abs(offset) <= (after - before) / 2 else offset)
 
@@ -359,6 +446,40 @@ def check_patience(trace: Trace) -> None:
     if trace.meta.get("patience_until", "answer") == "start" and np.isfinite(trace.patience_s).any():
         raise ValueError("patience until start is simulator-only: over plain HTTP a client cannot see its request "
                          "start; replay with patience until answer")
+
+
+async def _server(lanes: Lanes, cfg: ReplayConfig) -> tuple[dict | None, float, ServerFacts]:
+    """/stats (None: the server is not a qlab gate, which only ``--api openai`` may replay against), the clocks'
+    offset, and what prompts depend on (/healthz's tokenizer and context, /stats' prompt caps)."""
+    try:
+        stats, offset = await fetch_stats(lanes)
+        server_info(stats)  # a qlab gate's /stats says which policy it runs
+    except (httpx.HTTPError, ValueError) as exc:
+        if cfg.api == "qlab":
+            raise ValueError(f"{cfg.url}: cannot read the server's /stats: {exc}") from None
+        return None, math.nan, ServerFacts()
+    try:
+        response = await lanes.send(lanes.request("GET", "/healthz"))
+        health = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        health = None
+    return stats, offset, server_facts(health, stats)
+
+
+def bare_server_info() -> ServerInfo:
+    """What a run against a server that is not a qlab gate records of it: nothing is known (no policy: the
+    deadline where the trace has none is :class:`qsim.Policy`'s default, 2 s)."""
+    return ServerInfo(policy=Policy("unknown"), engines=1, fixed_estimate=False, speed_factor=math.nan, model=None)
+
+
+def report_prompts(plan: PromptPlan, requests: int) -> None:
+    """Say on stderr what the context did to the prompts: never shortened or left unsent without a count."""
+    if plan.capped.any():
+        print(f"qlab replay: {int(plan.capped.sum())} of {requests} prompts capped to fit the context "
+              f"({plan.facts.context} tokens) beside their new tokens, or the server's prompt cap", file=sys.stderr)
+    if plan.unfit.any():
+        print(f"qlab replay: {int(plan.unfit.sum())} of {requests} requests not sent: max_new_tokens fills the "
+              f"context of {plan.facts.context} tokens (outcome error, reason {CANNOT_FIT})", file=sys.stderr)
 
 
 async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
@@ -372,26 +493,37 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
     seed = int(trace.meta.get("seed", 0)) if cfg.retry_seed is None else int(cfg.retry_seed)
     clients = ClientSettings(cfg.retry, seed, str(trace.meta.get("patience_until", "answer")))
     _raise_fd_limit(len(trace) + 64)
-    bodies = payloads(trace, cfg)
+    api = Api(None if cfg.api == "qlab" else openai_replay.choose_model(cfg.url, cfg.model, min(cfg.timeout_s, 30.0)))
     async with Lanes(cfg) as lanes:
-        try:
-            stats, offset = await fetch_stats(lanes)
-            info = server_info(stats)
-        except (httpx.HTTPError, ValueError) as exc:
-            raise ValueError(f"{cfg.url}: cannot read the server's /stats: {exc}") from None
+        stats, offset, facts = await _server(lanes, cfg)
+        info = server_info(stats) if stats is not None else bare_server_info()
+        plan = plan_prompts(trace, cfg, facts)
+        bodies = payloads(trace, cfg, plan)
         # Requests are built (JSON encoded) and connections opened before the clock starts:
         # at send time only the send is left.
-        requests = [lanes.request("POST", "/v1/generate", json=b) for b in bodies]
-        await warm_up(lanes, min(peak_simultaneous(trace.arrival_s), cfg.max_warm_connections))
+        requests = [None if b is None else api.request(lanes, b) for b in bodies]
+        await warm_up(lanes, min(peak_simultaneous(trace.arrival_s), cfg.max_warm_connections),
+                      "/healthz" if cfg.api == "qlab" else openai_replay.MODELS)
         with _frozen_heap():
             t0 = asyncio.get_running_loop().time() + cfg.lead_s  # the trace's time 0
-            run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0)
+            run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0, api)
             exchanges = await run.run(requests, trace.arrival_s.tolist())
-    frame = to_frame(trace, exchanges, info, prompt_lengths(trace, cfg), server_zero=t0 + offset, clients=clients)
-    frame.attrs["qlab_run"] = {"url": cfg.url, "trace": trace.name, "trace_meta": _plain(trace.meta),
-                               "duration_s": trace.duration_s, "clock_offset_s": offset,
-                               "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
-                               "retry_seed": seed}
+    frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
+    first = frame["first_request_id"].to_numpy()
+    frame["prompt_capped"] = plan.capped[first]
+    frame.loc[plan.unfit[first], "send_lateness_s"] = math.nan  # never sent: no lateness to speak of
+    meta = {"url": cfg.url, "trace": trace.name, "trace_meta": _plain(trace.meta),
+            "duration_s": trace.duration_s, "clock_offset_s": offset,
+            "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
+            "retry_seed": seed, **plan.meta()}
+    if api.model is not None:
+        # Time to the first token, client-measured from the send (NaN: no text came, or not a stream).
+        frame["ttft_s"] = np.array([ex.first_token_s - ex.sent_s for ex in exchanges], dtype=float)
+        frame["api"] = pd.array(["openai"] * len(frame), dtype="string")
+        frame["qlab_gate"] = stats is not None
+        meta.update(api="openai", model=api.model, qlab_gate=stats is not None)
+    frame.attrs["qlab_run"] = meta
+    report_prompts(plan, len(trace))
     warn_if_late(frame, cfg.late_warn_s)
     return frame
 

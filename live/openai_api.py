@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
 
-The request and response bodies are the pydantic models of this module; the routes
+The request and response bodies are pydantic models of :mod:`live.contract`; the routes
 are mounted by :func:`live.http_api.create_app` (:func:`mount`) beside ``/v1/generate``
 and admit through the same ``gate.submit(Job(...))``: the same policy, deadlines,
 per-client limits, counts and metrics. Every answer that is not a 200 is qlab's error
@@ -51,211 +51,29 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
-from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
+from qsim.records import CLIENT_ID_CHARS
 
+from .contract import (OWNER, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
+                       ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
+                       CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
+                       Usage, request_models)
 from .gate import Answer, Gate, Job, Rejected
-from .http_api import CLIENT_HEADER, InvalidRequest, Limits, _outcome, _validation_text, read_body
+from .http_api import CLIENT_HEADER, InvalidRequest, Limits, _outcome, _validation_text, json_response, read_body
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MODELS = "/v1/models"
 DEADLINE_HEADER = "x-request-deadline-ms"
 ROUTES = f"POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}"
-OWNER = "qlab"
-
-_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-# ---------------------------------------------------------------------- request bodies
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-
-    include_usage: bool = False
-
-
-class TextPart(BaseModel):
-    """A part of a message's content; only text parts exist here (no images, audio or files)."""
-
-    model_config = _STRICT
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
-
-
-def request_models(limits: Limits) -> tuple[type[BaseModel], type[BaseModel]]:
-    """(CompletionRequest, ChatCompletionRequest) with these caps. Strict: unknown fields are refused."""
-    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
-    new_tokens = Annotated[int, Field(ge=1, le=limits.max_new_tokens)] | None
-
-    class _Common(BaseModel):
-        model_config = _STRICT
-
-        model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
-        stream: bool = False
-        stream_options: StreamOptions | None = None
-        n: int | None = None  # only 1
-        # OpenAI's end-user id: whose per-client limit it counts against (else the x-client-id header).
-        user: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
-        # qlab's extensions (the openai SDK sends them with extra_body).
-        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
-        priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
-        # Accepted and ignored: the engines decode greedily.
-        temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-        top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-        frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-        presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-        seed: int | None = None
-        logit_bias: dict[str, float] | None = None
-
-        @field_validator("stop", mode="before")
-        @classmethod
-        def _one_or_many(cls, value):
-            return [value] if isinstance(value, str) else value
-
-    class CompletionRequest(_Common):
-        prompt: (Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
-                 | list[Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]])
-        max_tokens: new_tokens = None
-        echo: bool = False
-        best_of: int | None = None  # only 1
-        logprobs: int | None = None  # refused when given
-        suffix: str | None = None  # refused when given
-
-    class ChatCompletionRequest(_Common):
-        messages: Annotated[list[ChatMessage], Field(min_length=1)]
-        max_tokens: new_tokens = None
-        max_completion_tokens: new_tokens = None
-        # Refused when they ask for something (see _unsupported_chat).
-        logprobs: bool | None = None
-        top_logprobs: int | None = None
-        tools: list[dict[str, Any]] | None = None
-        tool_choice: str | dict[str, Any] | None = None
-        functions: list[dict[str, Any]] | None = None
-        function_call: str | dict[str, Any] | None = None
-        response_format: dict[str, Any] | None = None
-        # Accepted and ignored.
-        parallel_tool_calls: bool | None = None
-        store: bool | None = None
-        metadata: dict[str, str] | None = None
-        service_tier: str | None = None
-
-    return CompletionRequest, ChatCompletionRequest
-
-
-# ---------------------------------------------------------------------- response bodies
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class QlabInfo(BaseModel):
-    """The gate's view of the request: /v1/generate's ``timings`` and ``admission``, and the outcome."""
-
-    outcome: Literal["good", "late"]
-    engine: int
-    queue_s: float
-    engine_s: float
-    total_s: float
-    est_service_s: float
-    started_at: float  # gate clock: an engine took it
-    returned_at: float  # gate clock: the engine handed it back
-    admission: dict[str, int | float | None]
-    first_token_s: float | None = None  # the engine's own time to its first token, where it sees it (upstream)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
-
-
-class Completion(BaseModel):
-    """A completion, and (object the same, as OpenAI's) each chunk of a streamed one."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    qlab: QlabInfo | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    qlab: QlabInfo
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    qlab: QlabInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = OWNER
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+# The request and answer bodies are live.contract's (imported above), with every other body.
 
 
 # ---------------------------------------------------------------------- prompts and names
@@ -375,7 +193,7 @@ def _sse(events: list[BaseModel]) -> Response:
 
 def _json(body: BaseModel) -> Response:
     # model_dump_json writes a non-finite number as null, which JSON needs.
-    return Response(body.model_dump_json(), media_type="application/json")
+    return json_response(body.model_dump_json())
 
 
 @dataclass(frozen=True)
@@ -401,7 +219,8 @@ class _Run:
         a = self.answer
         return QlabInfo(outcome=a.outcome, engine=a.engine, queue_s=a.queue_s, engine_s=a.engine_s,
                         total_s=self.total_s, est_service_s=a.arrival.est_service_s, started_at=a.started_at,
-                        returned_at=a.returned_at, admission=a.arrival.numbers(), first_token_s=a.first_token_s)
+                        returned_at=a.returned_at, admission=Admission.model_validate(a.arrival.numbers()),
+                        first_token_s=a.first_token_s)
 
 
 @dataclass(frozen=True)
@@ -427,7 +246,7 @@ class _Routes:
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
         max_new = _new_tokens(req, self.limits.max_new_tokens)
         deadline = req.deadline_ms / 1000.0 if req.deadline_ms is not None else _deadline_header(request, self.limits)
-        job = Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority)
+        job = Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority, tokens)
         try:
             future = self.gate.submit(job)
         except Rejected:
@@ -503,8 +322,9 @@ def _body_spec(schema: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": body}}}
 
 
-def mount(app: FastAPI, gate: Gate, limits: Limits) -> None:
-    """Add the OpenAI-compatible routes to ``app`` (its exception handlers answer their errors)."""
+def mount(app: FastAPI, gate: Gate, limits: Limits) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """Add the OpenAI-compatible routes to ``app`` (its exception handlers answer their errors); returns
+    the POST routes' functions by path, for the direct path of :class:`live.http_api.GateService`."""
     completion_schema, chat_schema = request_models(limits)
     routes = _Routes(gate, limits, served_model_id(gate.engines[0].info()), int(time.time()),
                      completion_schema, chat_schema)
@@ -525,3 +345,5 @@ def mount(app: FastAPI, gate: Gate, limits: Limits) -> None:
             raise InvalidRequest(404, "model_not_found",
                                  f"model {model_id[:80]!r} is not served here; this server serves {routes.model_id!r}")
         return routes.card()
+
+    return {COMPLETIONS: routes.completions, CHAT: routes.chat}

@@ -71,7 +71,8 @@ def _requests(gate: Gate) -> CounterMetricFamily:
     """Every request once, by outcome and reason; reason is empty where the outcome has none."""
     family = CounterMetricFamily("qlab_requests_total", "Requests by how they ended: good or late (answered, by "
                                  "the deadline or after it), rejected (refused at arrival), expired (dropped unrun), "
-                                 "error, or cancelled (the client left first).", labels=("outcome", "reason"))
+                                 "error, or cancelled (the client left first, reason empty; or cut in service at "
+                                 "its deadline, reason deadline_passed).", labels=("outcome", "reason"))
     for outcome in ANSWERED:
         family.add_metric((outcome, ""), gate.counts[outcome])
     for reason, n in gate.rejected_by_reason.items():

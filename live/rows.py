@@ -9,7 +9,8 @@ timeouts, 4xx, 5xx, an answer that is not the contract's).
 
 arrival_s is the actual send time. Columns beyond qsim's schema:
 scheduled_s, sent_s, send_lateness_s, http_status, error; the service's own
-timings (engine_s, queue_s, server_total_s), tokens, prompt_words;
+timings (engine_s, queue_s, server_total_s), tokens, prompt_tokens (the prompt's length
+in the server's tokens, as sent);
 calibrated_est_s (the server's estimate before speed tracking);
 server_arrival_s (when the gate took it, see :func:`_received`); and the
 server's configuration (:meth:`ServerInfo.columns`), so that ``qlab compare``
@@ -54,8 +55,12 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
+from qsim.service import SpeedSchedule
 from qsim.clients import RetryPolicy
 from qsim.policy import on_time, policy_from_fields
+
+from .contract import ErrorDetail, Numbers, Timings, num, read_error
+from .contract import read_answer as answer_of
 
 
 @dataclass(frozen=True)
@@ -69,11 +74,20 @@ class ServerInfo:
     model: ServiceModel | None  # the server's calibration, when it reports one
     stall_rule: tuple[float, float] | None = None  # (factor, floor_s); None: the server did not say
     tracker_weight: float = math.nan  # NaN: the server did not say
+    # A synthetic engine's speed over time, and the server's clock when its seconds began (NaN: unknown).
+    speed_schedule: SpeedSchedule | None = None
+    schedule_zero: float = math.nan
 
-    def columns(self, n: int) -> dict[str, Any]:
-        """Constant per-run columns: the contract between a run file and ``qlab compare``."""
+    def columns(self, n: int, server_zero: float = math.nan) -> dict[str, Any]:
+        """Constant per-run columns: the contract between a run file and ``qlab compare``.
+
+        server_zero: the server's clock at the run's time 0, which puts the speed schedule on the run's clock.
+        The policy's estimator and cancel_at_deadline travel in policy_fields."""
         p = self.policy
+        model = None if self.model is None else json.dumps(dataclasses.asdict(self.model), sort_keys=True)
         return {
+            "service_model": pd.array([model] * n, dtype="string"),
+            "speed_schedule": pd.array([self._schedule_on_run_clock(server_zero)] * n, dtype="string"),
             "policy": pd.array([p.name] * n, dtype="string"),
             "engines": np.full(n, self.engines, dtype=np.int64),
             "max_queue": _nullable_int(np.full(n, -1 if p.max_queue is None else p.max_queue)),
@@ -90,6 +104,29 @@ class ServerInfo:
             "stall_floor_s": np.full(n, math.nan if self.stall_rule is None else self.stall_rule[1]),
             "tracker_weight": np.full(n, self.tracker_weight),
         }
+
+
+    def _schedule_on_run_clock(self, server_zero: float) -> str | None:
+        """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a step before
+        the run's start sets the base. None where there is none or the clocks are unknown."""
+        schedule, shift = self.speed_schedule, self.schedule_zero - server_zero
+        if schedule is None or not math.isfinite(shift):
+            return None
+        base, steps = schedule.base, []
+        for t, speed in schedule.steps:
+            if t + shift <= 0:
+                base = speed
+            else:
+                steps.append([t + shift, speed])
+        return json.dumps({"base": base, "steps": steps})
+
+
+def _speed_schedule(engine: Any) -> tuple[SpeedSchedule | None, float]:
+    """A synthetic engine's schedule and its start (its info() in /stats); (None, NaN) for other engines."""
+    if not isinstance(engine, dict) or engine.get("engine") != "synthetic" or "speed" not in engine:
+        return None, math.nan
+    steps = tuple((float(t), float(s)) for t, s in engine.get("schedule") or ())
+    return SpeedSchedule(float(engine["speed"]), steps), number(engine, "schedule_started_at")
 
 
 def server_info(stats: dict) -> ServerInfo:
@@ -109,10 +146,10 @@ def server_info(stats: dict) -> ServerInfo:
         engines=int(stats.get("engines", 1)),
         fixed_estimate=bool(stats.get("fixed_estimate", False)),
         speed_factor=float(stats.get("speed_factor", 1.0)),
-        model=ServiceModel(**{k: float(model[k]) for k in ("intercept_s", "per_token_s")})
-        if isinstance(model, dict) else None,
+        model=ServiceModel.from_fields(model) if isinstance(model, dict) else None,
         stall_rule=stall_rule if stall_rule and all(map(math.isfinite, stall_rule)) else None,
         tracker_weight=number(stats, "tracker_weight"),
+        **dict(zip(("speed_schedule", "schedule_zero"), _speed_schedule(stats.get("engine")))),
     )
 
 
@@ -159,6 +196,8 @@ class Exchange:
     each); attempt counts from 1. left: why the client hung up before the answer (client_left,
     client_timeout), making it abandoned. hangup_s: when the client would have hung up (NaN: never);
     next: what the client did after it ("retry" or why not; None without a retry policy).
+    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit); first_token_s:
+    when the first token arrived (a streamed answer; NaN: not seen).
     """
 
     scheduled_s: float
@@ -173,28 +212,38 @@ class Exchange:
     left: str | None = None
     hangup_s: float = math.nan
     next: str | None = None
+    reason: str | None = None
+    first_token_s: float = math.nan
 
 
-def _error_of(body: Any) -> dict:
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else {}
+_NO_ERROR = ErrorDetail(type="")
+#: What an exchange without an answer's timings reads: every number null (NaN).
+_NO_TIMINGS = Timings(queue_s=None, engine_s=None, total_s=None, est_service_s=None, started_at=None, returned_at=None)
+
+
+def _error_of(body: Any) -> ErrorDetail:
+    """The envelope's error (:class:`live.contract.ErrorDetail`); an empty one when the body is not an envelope."""
+    return read_error(body) or _NO_ERROR
 
 
 def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | None]:
-    """(outcome, reason, error) of one exchange; good/late by the client-measured latency."""
+    """(outcome, reason, error) of one exchange; good/late by the client-measured latency.
+    A 200 whose body is not the contract's answer (:func:`answer_of`) is an error."""
     if ex.left is not None:
         return "abandoned", ex.left, None
     if ex.error is not None:
-        return "error", None, ex.error
-    error = _error_of(ex.body)
-    if ex.status == 200 and isinstance(ex.body, dict) and "timings" in ex.body:
+        return "error", ex.reason, ex.error
+    if ex.status == 200 and answer_of(ex.body) is not None:
         return ("good" if on_time(ex.done_s - ex.sent_s, deadline_s) else "late"), None, None
-    if (ex.status, error.get("type")) in ((503, "overloaded"), (429, "rate_limited")):
-        return "rejected", error.get("reason"), None
-    if ex.status == 503 and error.get("type") == "deadline_exceeded":
-        return "expired", error.get("reason"), None
-    detail = error.get("message") or (str(ex.body)[:200] if ex.body is not None else "no JSON body")
-    return "error", error.get("reason"), f"HTTP {ex.status} {error.get('type', '')}: {detail}".strip()
+    error = _error_of(ex.body)
+    if (ex.status, error.type) in ((503, "overloaded"), (429, "rate_limited")):
+        return "rejected", error.reason, None
+    if ex.status == 503 and error.type == "deadline_exceeded":
+        return "expired", error.reason, None
+    if ex.status == 504 and error.type == "deadline_exceeded":  # cut in service at its deadline
+        return "cancelled", error.reason, None
+    detail = error.message or (str(ex.body)[:200] if ex.body is not None else "no JSON body")
+    return "error", error.reason, f"HTTP {ex.status} {error.type}: {detail}".strip()
 
 
 def number(mapping: Any, key: str) -> float:
@@ -205,7 +254,7 @@ def number(mapping: Any, key: str) -> float:
 
 def retry_after_s(ex: Exchange) -> int:
     """Retry-After in whole seconds from the header (else the envelope); -1 when absent."""
-    for value in (ex.retry_after, _error_of(ex.body).get("retry_after_s")):
+    for value in (ex.retry_after, _error_of(ex.body).retry_after_s):
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -216,37 +265,37 @@ def retry_after_s(ex: Exchange) -> int:
 def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float) -> dict[str, Any]:
     """The per-request values one exchange gives, NaN or -1 (missing) where the answer does not say."""
     outcome, reason, error = classify(ex, deadline_s)
-    body = ex.body if isinstance(ex.body, dict) else {}
-    timings = body.get("timings") or {}
-    # The gate's view at arrival: an answer's "admission", a refusal's (or drop's) numbers.
-    seen = body.get("admission") or _error_of(body).get("numbers") or {}
-    answered = outcome in records.ANSWERED
-    est = next((v for v in (number(timings, "est_service_s"), number(seen, "est_service_s")) if math.isfinite(v)),
-               base_est_s)
+    answer = answer_of(ex.body) if ex.status == 200 else None
+    answered = outcome in records.ANSWERED and answer is not None
+    timings = answer.timings if answered else _NO_TIMINGS
+    # The gate's view at arrival: an answer's admission, a refusal's (or drop's, or failure's) numbers.
+    seen = Numbers.model_validate(answer.admission, from_attributes=True) if answered else _error_of(ex.body).numbers
+    est = next((v for v in (num(timings.est_service_s), num(seen.est_service_s)) if math.isfinite(v)), base_est_s)
     failed = outcome == "error" and reason == "engine_exception"
     stalled = outcome == "error" and reason == "engine_stalled"
-    ran = timings if answered else seen if failed else {}
-    if stalled and math.isfinite(number(seen, "running_s")):  # ended running_s after the engine took it
-        started, returned = ex.done_s - number(seen, "running_s"), math.nan
+    # The run's clock readings and own time: an answer's timings, a failure's numbers.
+    cut = outcome == "cancelled"  # its numbers say when the engine took it and how long it ran until the cut
+    ran = timings if answered else seen if failed or cut else _NO_TIMINGS
+    if stalled and math.isfinite(num(seen.running_s)):  # ended running_s after the engine took it
+        started, returned = ex.done_s - num(seen.running_s), math.nan
     else:
-        started, returned = number(ran, "started_at") - server_zero, number(ran, "returned_at") - server_zero
+        started, returned = num(ran.started_at) - server_zero, num(ran.returned_at) - server_zero
     return {
         "outcome": outcome, "reason": reason, "error": error, "est": est,
-        "engine_s": number(timings, "engine_s") if answered else math.nan,
-        "queue_s": number(timings, "queue_s"), "total_s": number(timings, "total_s"),
-        "tokens": _int_or(body.get("tokens"), -1) if answered else -1,
-        "engine": _int_or(body.get("engine", seen.get("engine")), -1),
-        "queued": _int_or(seen.get("queued"), -1), "queued_work": number(seen, "queued_work_s"),
+        "engine_s": num(timings.engine_s), "queue_s": num(timings.queue_s), "total_s": num(timings.total_s),
+        "tokens": answer.tokens if answered else -1,
+        "engine": answer.engine if answered else _int_or(seen.engine, -1),
+        "queued": _int_or(seen.queued, -1), "queued_work": num(seen.queued_work_s),
         "retry_after": retry_after_s(ex), "status": -1 if ex.status is None else ex.status,
         "received": _received(ex, outcome, timings, seen, server_zero),
-        "speed_factor": number(seen, "speed_factor"), "started": started, "returned": returned,
-        "reported": number(ran, "engine_s"), "failed": failed, "stalled": stalled,
-        "waited": number(seen, "waited_s") if outcome == "expired" else 0.0 if outcome == "rejected" else math.nan,
-        "running": number(seen, "running_s") if stalled else math.nan,
+        "speed_factor": num(seen.speed_factor), "started": started, "returned": returned,
+        "reported": num(ran.engine_s), "failed": failed, "stalled": stalled,
+        "waited": num(seen.waited_s) if outcome == "expired" else 0.0 if outcome == "rejected" else math.nan,
+        "running": num(seen.running_s) if stalled or cut else math.nan,
     }
 
 
-def _received(ex: Exchange, outcome: str, timings: dict, seen: dict, server_zero: float) -> float:
+def _received(ex: Exchange, outcome: str, timings: Timings, seen: Numbers, server_zero: float) -> float:
     """When the gate took the request, on the run's clock; NaN when the answer cannot tell.
 
     The send time is not it: a burst's requests wait in the server's accept
@@ -258,15 +307,15 @@ def _received(ex: Exchange, outcome: str, timings: dict, seen: dict, server_zero
     far below a millisecond, but a busy server delays answers by milliseconds,
     enough to swap requests that arrived a fraction of one apart).
     """
-    exact = number(seen, "arrived_at") - server_zero
+    exact = num(seen.arrived_at) - server_zero
     if math.isfinite(exact):
         return exact
-    in_gate = number(timings, "queue_s") + number(timings, "engine_s")
-    back = {"good": in_gate, "late": in_gate, "expired": number(seen, "waited_s"), "rejected": 0.0}.get(outcome, math.nan)
+    in_gate = num(timings.queue_s) + num(timings.engine_s)
+    back = {"good": in_gate, "late": in_gate, "expired": num(seen.waited_s), "rejected": 0.0}.get(outcome, math.nan)
     return max(ex.sent_s, ex.done_s - back) if math.isfinite(back) else math.nan
 
 
-def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_words,
+def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_tokens,
              server_zero: float = math.nan, clients: ClientSettings = ClientSettings()) -> pd.DataFrame:
     """Rows of qsim's schema plus the live columns, built through :func:`qsim.records.from_arrays`:
     one per exchange (attempt), in the order given (the trace's first attempts, then the retries).
@@ -278,7 +327,8 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
     first = np.array([k if ex.first < 0 else ex.first for k, ex in enumerate(exchanges)], dtype=np.int64)
     n = len(exchanges)
     deadline = np.where(np.isnan(trace.deadline_s), info.policy.deadline_s, trace.deadline_s)[first]
-    base = (info.model.estimate(trace.max_new_tokens) if info.model
+    # The server's line with its prompt term, over the prompts as sent: what the gate's estimate started from.
+    base = (info.model.estimate(trace.max_new_tokens, np.asarray(prompt_tokens, dtype=np.int64)) if info.model
             else np.asarray(trace.est_service_s, dtype=float))[first]
     rows = pd.DataFrame([_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)])
     sent = np.array([ex.sent_s for ex in exchanges], dtype=float)
@@ -288,6 +338,8 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
     # The engine started queue_s after the gate took the request (the send time if that is unknown).
     taken = rows["received"].fillna(pd.Series(sent)).to_numpy(float)
     start = np.where(answered, taken + rows["queue_s"].fillna(0.0).to_numpy(), np.nan)
+    # A run cut at its deadline started when the gate's numbers say (the engine took it).
+    start = np.where(rows["outcome"].eq("cancelled").to_numpy(), rows["started"].to_numpy(float), start)
     patience = np.asarray(trace.patience_s, dtype=float)[first]
     frame = records.from_arrays({
         "request_id": np.arange(n, dtype=np.int64),
@@ -321,7 +373,7 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
         "queue_s": rows["queue_s"].to_numpy(float),
         "server_total_s": rows["total_s"].to_numpy(float),
         "tokens": _nullable_int(rows["tokens"]),
-        "prompt_words": np.asarray(prompt_words, dtype=np.int64)[first],
+        "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64)[first],
         "server_arrival_s": rows["received"].to_numpy(float),
         "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
         "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),
@@ -334,7 +386,7 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_w
         "patience_s": np.where(np.isfinite(patience), patience, np.nan),
         "hangup_s": np.array([ex.hangup_s for ex in exchanges], dtype=float),
         "client_next": pd.array([ex.next for ex in exchanges], dtype="string"),
-        **info.columns(n),
+        **info.columns(n, server_zero),
         **clients.columns(n),
     })
     return records.validate(frame)

@@ -37,13 +37,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from .contract import ForeignError, UpstreamChunk, UpstreamModels, UpstreamRequest
 from .engine import Cancel, EngineResult, UpstreamError, UpstreamTimeout
-from .openai_api import COMPLETIONS, MODELS, Completion, CompletionChoice, ModelCard, ModelList, StreamOptions
+from .openai_api import COMPLETIONS, MODELS
 from .serve_options import check_upstream_url
 from .tokenizer import ByteTokenizer
 
@@ -68,60 +69,13 @@ class UpstreamSpec:
 # ---------------------------------------------------------------------- what goes up and comes back
 
 
-class _Request(BaseModel):
-    model: str
-    prompt: str
-    max_tokens: int
-    stop: list[str] | None = None
-    stream: bool = True
-    stream_options: StreamOptions = StreamOptions(include_usage=True)
-
-
-class _Choice(CompletionChoice):
-    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort")."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: Any = None
-
-
-class _Chunk(Completion):
-    """One event of the upstream's stream: qlab's own completion chunk, read leniently."""
-
-    object: str = "text_completion"
-    choices: list[_Choice] = []
-    qlab: Any = None
-
-
-class _ErrorDetail(BaseModel):
-    message: str = ""
-
-
-class _ErrorBody(BaseModel):
-    """OpenAI's (and qlab's) ``{"error": {"message"}}``, or an older vLLM's top-level ``message``."""
-
-    error: _ErrorDetail | None = None
-    message: str | None = None
-
-    @property
-    def text(self) -> str | None:
-        return self.error.message if self.error is not None else self.message
-
-
-class _Card(ModelCard):
-    created: int | None = None
-    object: str = "model"
-    owned_by: str | None = None
-
-
-class _Models(ModelList):
-    object: str = "list"
-    data: list[_Card]
+# The bodies (what goes up, the chunks and errors that come back) are live.contract's: UpstreamRequest,
+# UpstreamChunk, ForeignError and UpstreamModels, read leniently there.
 
 
 def _error_message(payload: bytes | str) -> str | None:
     try:
-        return _ErrorBody.model_validate_json(payload).text
+        return ForeignError.model_validate_json(payload).text
     except ValidationError:
         return None
 
@@ -148,7 +102,7 @@ def resolve_model(spec: UpstreamSpec) -> str:
         raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} answered HTTP {response.status_code}; "
                          "name the model with --upstream-model")
     try:
-        models = _Models.model_validate_json(response.content).data
+        models = UpstreamModels.model_validate_json(response.content).data
     except ValidationError:
         raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} is not an OpenAI model list; "
                          "name the model with --upstream-model") from None
@@ -204,7 +158,7 @@ class _Reading:
     last_s: float | None = None
     usage_tokens: int | None = None
 
-    def add(self, chunk: _Chunk) -> None:
+    def add(self, chunk: UpstreamChunk) -> None:
         text = "".join(choice.text for choice in chunk.choices)
         if text:
             now = time.perf_counter() - self.start
@@ -242,7 +196,7 @@ class UpstreamEngine:
             return reading.result(stopped=True)
         forget = self._watch(cancel)
         try:
-            self._stream(_Request(model=self.model, prompt=prompt, max_tokens=max_new_tokens,
+            self._stream(UpstreamRequest(model=self.model, prompt=prompt, max_tokens=max_new_tokens,
                                   stop=list(stop) if stop else None), reading, cancel)
         except (httpx.HTTPError, UpstreamError) as exc:
             if cancel is not None and cancel.is_set():
@@ -266,7 +220,7 @@ class UpstreamEngine:
 
         return forget
 
-    def _stream(self, body: _Request, reading: _Reading, cancel: threading.Event | None) -> None:
+    def _stream(self, body: UpstreamRequest, reading: _Reading, cancel: threading.Event | None) -> None:
         with self._client.stream("POST", COMPLETIONS, content=body.model_dump_json(exclude_none=True),
                                  headers={"content-type": "application/json"},
                                  extensions={"trace": self._connection.trace}) as response:
@@ -312,11 +266,11 @@ def _data(lines: Iterator[str]) -> Iterator[str]:
             yield line[5:].strip()
 
 
-def _parse_chunk(payload: str) -> _Chunk:
+def _parse_chunk(payload: str) -> UpstreamChunk:
     message = _error_message(payload)
     if message is not None:
         raise UpstreamError(f"the upstream failed mid-stream: {_one_line(message) or 'no message'}")
     try:
-        return _Chunk.model_validate_json(payload)
+        return UpstreamChunk.model_validate_json(payload)
     except ValidationError:
         raise UpstreamError(f"the upstream sent an event that is not a completion chunk: {payload[:200]!r}") from None

@@ -43,7 +43,7 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "priority": ("int64", "priority it was sent with: higher first under a priority discipline, below 0 sheddable"),
     "client_id": ("string", "the client that sent it (per-client limits, fair share); <NA>: none named"),
     "outcome": ("string", "one of OUTCOMES"),
-    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left, client_timeout, deadline_passed); <NA> otherwise"),
+    "reason": ("string", "why refused, dropped or ended (queue_full, work_limit, deadline_unreachable, cannot_finish, engine_exception, engine_stalled, client_left, client_timeout, deadline_passed, prompt_cannot_fit: a live replayer did not send it, its new tokens fill the context); <NA> otherwise"),
     "start_s": ("float64", "engine start time; NaN if never run"),
     "finish_s": ("float64", "time the answer, refusal or drop was given"),
     "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),

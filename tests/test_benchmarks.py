@@ -18,3 +18,19 @@ def test_bench_qsim_quick_runs_and_reports_every_implementation():
     text = json.dumps(data)
     for needle in ("qlab", "plain SimPy"):
         assert needle in text
+
+
+def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
+    """The gate's costs on the OpenAI-compatible API (issue 13, section 7): printed, never asserted."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/bench_openai.py", "--quick", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data) == {"refusal", "refusal_generate", "added", "added_ttft"}
+    for figure in (data[k] for k in ("refusal", "added", "added_ttft")):
+        assert {"n", "p50_ms", "p99_ms", "target", "verdict"} <= set(figure)
+        assert figure["verdict"] in ("PASS", "MISS") and figure["target"]["p50_ms"] == 1.0
+    assert data["refusal"]["requests"] > 0 and data["added"]["n"] > 0 and data["added_ttft"]["n"] > 0
+    for key in ("added", "added_ttft"):  # every pair was answered, by both sides
+        assert not data[key]["not_answered"] and {"upstream_alone", "through_gate"} <= set(data[key])

@@ -71,7 +71,10 @@ def test_every_request_ends_in_exactly_one_row(bounded, tmp_path):
 
 
 def test_classify_maps_every_answer_to_one_outcome():
-    ok = {"text": "", "tokens": 4, "timings": {"queue_s": 0, "engine_s": 0.03, "total_s": 0.04}}
+    # An answer must be the contract's whole answer (live.contract.GenerateResponse): a partial one is an error.
+    timings = {"queue_s": 0, "engine_s": 0.03, "total_s": 0.04, "est_service_s": 0.035, "started_at": 1.0,
+               "returned_at": 1.03}
+    ok = {"text": "", "tokens": 4, "outcome": "good", "engine": 0, "timings": timings, "admission": {}}
     over = {"error": {"type": "overloaded", "reason": "queue_full", "numbers": {}, "retry_after_s": 2}}
     gone = {"error": {"type": "deadline_exceeded", "reason": "cannot_finish", "numbers": {}}}
     bad = {"error": {"type": "invalid_request", "reason": "invalid_field", "message": "max_new_tokens: too big"}}
@@ -83,6 +86,8 @@ def test_classify_maps_every_answer_to_one_outcome():
     assert outcome == "error" and "422" in error and "too big" in error
     assert classify(Exchange(0, 0, 0.1, error="ConnectError: refused"), 2.0)[0] == "error"
     assert classify(Exchange(0, 0, 0.1, 200, None), 2.0)[0] == "error"  # a 200 without a JSON answer
+    partial = {"text": "", "tokens": 4, "timings": {"queue_s": 0, "engine_s": 0.03, "total_s": 0.04}}
+    assert classify(Exchange(0, 0, 0.1, 200, partial), 2.0)[0] == "error"  # not the contract's answer
 
 
 def test_calibrate_recovers_the_synthetic_service_model(tmp_path):

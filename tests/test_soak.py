@@ -66,7 +66,12 @@ def test_memory_stays_bounded_after_warm_up(results, case):
 
 
 def test_outcomes_are_read_from_the_envelope():
-    assert classify(200, {"outcome": "good"}) == "good" and classify(200, {"outcome": "late"}) == "late"
+    answer = {"text": "", "tokens": 1, "engine": 0, "admission": {},
+              "timings": dict.fromkeys(("queue_s", "engine_s", "total_s", "est_service_s", "started_at", "returned_at"),
+                                       0.0)}
+    assert classify(200, {**answer, "outcome": "good"}) == "good" and classify(200, {**answer, "outcome": "late"}) == "late"
+    # Read through live.contract: a 200 that is not the whole answer is off the contract.
+    assert classify(200, {"outcome": "good"}) == "unexpected:200"
     assert classify(503, {"error": {"type": "overloaded"}}) == "rejected"
     assert classify(503, {"error": {"type": "deadline_exceeded"}}) == "expired"
     assert classify(500, {"error": {"type": "engine_error"}}) == "error"

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from live.engine import EngineResult
-from live.gate import DeadlineExceeded, EngineFailed, EngineStalled, Gate, GateConfig, Job, Rejected
+from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, GateConfig, Job, Rejected
 from live.gate import _Failure  # what a worker hands back for a run that raised
 from qsim import Policy, ServiceModel, Trace
 from qsim.clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
@@ -54,11 +54,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 class SimEngine:
     """A gate worker that takes the request's true service time on the loop's clock; no thread.
 
-    The job's prompt is the request's index into ``true_s`` (and ``failed``).
+    The job's prompt is the request's index into ``true_s`` (and ``failed``, and ``tokens``: the
+    tokens each generates, default its limit). A run the gate cuts at its deadline stops at once
+    (its Cancel), as the simulator's does; one whose client left runs on to its end, as the
+    simulator models it.
     """
 
-    def __init__(self, k: int, true_s, failed, deliver) -> None:
-        self.k, self.true_s, self.failed, self.deliver = k, true_s, failed, deliver
+    def __init__(self, k: int, true_s, failed, deliver, tokens=None, schedule=None) -> None:
+        self.k, self.true_s, self.failed, self.deliver, self.tokens = k, true_s, failed, deliver, tokens
+        self.schedule = schedule  # qsim.service.SpeedSchedule: a run takes true x speed at its start / base
 
     def start(self) -> None:
         pass
@@ -68,30 +72,51 @@ class SimEngine:
 
     def give(self, ticket) -> None:
         i = int(ticket.job.prompt)
+        loop = asyncio.get_running_loop()
         s = self.true_s[i]
+        if self.schedule is not None:  # as the simulator's engines: the speed at the start, over the trace's
+            s *= self.schedule.at(loop.time()) / self.schedule.base
         if self.failed is not None and self.failed[i]:
             result = _Failure(RuntimeError("injected"), s)
         else:
-            result = EngineResult("", int(ticket.job.max_new_tokens), s)
-        asyncio.get_running_loop().call_later(s, self.deliver, self.k, ticket, result)
+            generated = ticket.job.max_new_tokens if self.tokens is None else self.tokens[i]
+            result = EngineResult("", int(generated), s)
+        began, done = loop.time(), []
+
+        def hand_back(result) -> None:
+            if not done:
+                done.append(True)
+                self.deliver(self.k, ticket, result)
+
+        handle = loop.call_later(s, hand_back, result)
+
+        def cut() -> None:
+            if ticket.cut and not done:
+                handle.cancel()
+                loop.call_soon(hand_back, EngineResult("", 0, loop.time() - began, stopped=True))
+
+        if ticket.cancel is not None:
+            ticket.cancel.when_set(cut)
 
 
 def _seen(row: dict, arrival) -> None:
     row.update(queued=arrival.queued, queued_work_s=arrival.queued_work_s, est_service_s=arrival.est_service_s)
 
 
-_ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error", EngineStalled: "error"}
+_ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error", EngineStalled: "error",
+         DeadlineCut: "cancelled"}
 
 
 def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
              cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None,
-             retry: RetryPolicy | None = None) -> tuple[pd.DataFrame, dict]:
+             retry: RetryPolicy | None = None, speed_schedule=None) -> tuple[pd.DataFrame, dict]:
     """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
     retry: clients that send again, through the same :class:`qsim.clients.Retrier` the simulator
     asks; each attempt is a row with first_request_id and attempt, appended in decision order.
     Patience (``cancel_after_s``, default the trace's) counts from the first send, as in the simulator.
+    speed_schedule: the engines' speed over the virtual clock, as ``simulate(speed_schedule=)`` takes it.
     """
     model = model or ServiceModel()
     # The trace's own clients and priorities unless given (the coroutine below is named client).
@@ -99,6 +124,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     priority = trace.priority if priority is None else priority
     patience_of = trace.patience_s if cancel_after_s is None else np.asarray(cancel_after_s, dtype=float)
     true_s = trace.true_service_s.tolist()
+    tokens = trace.tokens_generated.tolist()  # what each run generates: what a learning estimator learns
     arrival = trace.arrival_s.tolist()
     retrier = Retrier(retry, trace.arrival_s, trace.meta.get("seed", 0)) if retry is not None and retry.retries else None
     timeout_s = math.inf if retry is None or retry.timeout_s is None else retry.timeout_s
@@ -140,8 +166,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
             return
         except tuple(_ENDS) as exc:
             _seen(row, exc.arrival)
-            if isinstance(exc, EngineFailed):
-                row.update(engine=exc.engine, start_s=exc.numbers["started_at"])
+            if isinstance(exc, (EngineFailed, DeadlineCut)):
+                row.update(engine=exc.numbers["engine"], start_s=exc.numbers["started_at"])
             end(j, _ENDS[type(exc)], exc.reason, getattr(exc, "retry_after_s", -1))
             return
         finally:
@@ -156,7 +182,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
         deadline = None if np.isnan(trace.deadline_s[i]) else float(trace.deadline_s[i])
         try:
             future = gate_of[0].submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline,
-                                           None if client_of[i] is None else str(client_of[i]), int(priority[i])))
+                                           None if client_of[i] is None else str(client_of[i]), int(priority[i]),
+                                           int(trace.prompt_tokens[i])))
         except Rejected as exc:
             pending.discard(j)
             _seen(row, exc.arrival)
@@ -170,7 +197,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     async def go():
         loop = asyncio.get_running_loop()
         config = GateConfig(policy, model, fixed_estimate=fixed_estimate)
-        worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver)  # noqa: E731
+        worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver, tokens, speed_schedule)  # noqa: E731
         async with Gate([None] * engines, config, clock=loop.time, worker=worker) as gate:
             gate_of.append(gate)
             for i, t in enumerate(arrival):

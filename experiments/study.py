@@ -1,0 +1,928 @@
+"""``qlab study``: the whole reference study (../shared/docs/brief.md) as one resumable command, written up.
+
+The study is a list of :class:`Section` s, run in order into ``DIR/sections/NAME/``:
+
+theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, live, configuration.
+
+Each section has its inputs (everything that decides its results: the scaled sweep config, the
+theory's replications, the live config); their digest goes into ``inputs.json`` when the section
+starts and into ``done.json`` when it ends. A re-run skips a done section whose inputs did not change,
+resumes an unfinished one (a sweep's finished cells, a live experiment's finished runs are kept), and
+starts afresh one whose inputs changed (its folder is cleared: the old results answer another question).
+The report (``report.md``, ``report.html`` and ``figures/``) is rebuilt from the sections' files on every
+run, which takes seconds.
+
+Hypotheses are judged from the numbers with 95 % Student-t intervals across seeds. Cells that differ
+only in policy (or speed, or load) share their seed's random numbers, so a comparison is the interval
+of the per-seed *difference* (paired by seed), which is narrower than two separate intervals.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import html
+import importlib
+import io
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from analysis.metrics import _class_key, aggregate, mean_ci
+from inputs.argtypes import positive_int
+from inputs.atomic import atomic_write, write_parquet
+
+HERE = Path(__file__).resolve().parent
+#: Bump when a section's computation changes, so that done sections are recomputed.
+STUDY_VERSION = 1
+#: H1: an unbounded queue has collapsed when, at the highest load, its share in time is below this.
+COLLAPSED_SHARE = 0.2
+POLICIES = ("none", "bounded", "bounded-deadline", "predictive")
+
+
+# ------------------------------------------------------------------ scale
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big the study is. None: each experiment file's own value (the reference sizes)."""
+
+    name: str
+    seeds: int | None = None  # seeds of every sweep (at most; a file with fewer keeps its own)
+    duration_s: float | None = None  # simulated seconds of every sweep (at most)
+    loads: tuple[float, ...] | None = None  # the reference sweep's loads
+    theory_replications: int = 10
+    theory_scale: float = 1.0
+    live_policies: tuple[str, ...] = POLICIES
+    live_loads: tuple[float, ...] = (1.0, 2.0)
+    live_seconds: float = 40.0
+
+
+FULL = Scale("full")
+QUICK = Scale("quick", seeds=5, duration_s=300.0, loads=(0.5, 0.9, 1.3, 2.0, 3.0), theory_replications=5,
+              theory_scale=0.1, live_policies=("bounded-deadline", "predictive"), live_loads=(2.0,), live_seconds=20.0)
+
+
+@dataclass(frozen=True)
+class Context:
+    out: Path
+    scale: Scale
+    workers: int | None = None
+    skip_live: bool = False
+    log: Callable[[str], None] = print
+
+
+# ------------------------------------------------------------------ report blocks
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Table:
+    frame: pd.DataFrame
+    caption: str = ""
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # file name stem under figures/
+    png: bytes
+    caption: str = ""
+
+
+@dataclass(frozen=True)
+class Code:
+    text: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    label: str  # "H1", or "check"
+    claim: str
+    supported: bool | None  # None: the data cannot test it (say why in evidence)
+    evidence: str
+
+    @property
+    def word(self) -> str:
+        return {True: "supported", False: "not supported", None: "not testable"}[self.supported]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    title: str
+    inputs: Callable[[Context], dict]  # what decides the results; {"unavailable": why} when it cannot run
+    run: Callable[[Context, Path], None]  # write results into the folder (resuming what is there)
+    report: Callable[[Context, Path], list]  # the blocks, read back from the folder
+
+
+# ------------------------------------------------------------------ numbers with intervals
+
+
+@dataclass(frozen=True)
+class Est:
+    """A mean over seeds and its 95 % interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values) -> "Est":
+        return cls(*mean_ci(values))
+
+    def __str__(self) -> str:
+        if math.isnan(self.low):
+            return f"{self.mean:.3g}"
+        return f"{self.mean:.3g} [{self.low:.3g}, {self.high:.3g}]"
+
+
+def _select(table: pd.DataFrame, equal: dict) -> pd.DataFrame:
+    mask = np.ones(len(table), dtype=bool)
+    for key, value in equal.items():
+        mask &= (table[key] == value).to_numpy()
+    return table[mask]
+
+
+def per_seed(table: pd.DataFrame, metric: str, **equal) -> pd.Series:
+    """``metric`` of the cells matching ``equal``, one value per seed (averaged over any other axis)."""
+    return _select(table, equal).groupby("seed")[metric].mean()
+
+
+def level(table: pd.DataFrame, metric: str, **equal) -> Est:
+    return Est.of(per_seed(table, metric, **equal))
+
+
+def difference(table: pd.DataFrame, metric: str, a: dict, b: dict) -> Est:
+    """Mean and interval of metric(a) - metric(b), paired by seed."""
+    return Est.of((per_seed(table, metric, **a) - per_seed(table, metric, **b)).dropna())
+
+
+def with_ci(frame: pd.DataFrame) -> pd.DataFrame:
+    """Columns ``m``, ``m_low``, ``m_high`` shown as one column "mean [low, high]"; other columns as they are."""
+    out = pd.DataFrame(index=frame.index)
+    for col in frame.columns:
+        if col.endswith(("_low", "_high")) and col.rsplit("_", 1)[0] in frame.columns:
+            continue
+        if f"{col}_low" in frame.columns and f"{col}_high" in frame.columns:
+            out[col] = [str(Est(m, lo, hi)) if pd.notna(m) else "-"
+                        for m, lo, hi in zip(frame[col], frame[f"{col}_low"], frame[f"{col}_high"])]
+        else:
+            out[col] = frame[col]
+    return out.reset_index(drop=True)
+
+
+# ------------------------------------------------------------------ folders and markers
+
+
+def _digest(inputs: dict) -> str:
+    text = json.dumps({"study_version": STUDY_VERSION, **inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    atomic_write(path, (json.dumps(data, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def check_out(out: Path) -> None:
+    """OUT must be a folder that is new, empty or a study's; never a file or another tool's folder."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "study.json").is_file():
+        raise ValueError(f"--out {out}: a folder that is not a qlab study (no study.json); choose an empty or new one")
+
+
+def run_section(ctx: Context, section: Section, force: bool = False) -> str:
+    """Run one section unless it is done with these inputs; return what happened (for the log)."""
+    folder = ctx.out / "sections" / section.name
+    inputs = section.inputs(ctx)
+    if "unavailable" in inputs:
+        return f"not available: {inputs['unavailable']}"
+    digest = _digest(inputs)
+    done = _read_json(folder / "done.json")
+    if not force and done is not None and done.get("digest") == digest:
+        return "done before with the same inputs: skipped"
+    started = _read_json(folder / "inputs.json")
+    fresh = force or started is None or started.get("digest") != digest
+    if fresh:
+        shutil.rmtree(folder, ignore_errors=True)  # another question's results (or none): nothing to resume
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "done.json").unlink(missing_ok=True)
+    _write_json(folder / "inputs.json", {"digest": digest, "inputs": inputs})
+    section.run(ctx, folder)
+    _write_json(folder / "done.json", {"digest": digest})
+    return "ran" if fresh else "resumed and finished"
+
+
+# ------------------------------------------------------------------ sweeps
+
+
+def scaled(cfg, scale: Scale, loads: bool = False):
+    """A sweep config cut to the scale: at most its seeds and seconds, and the scale's loads if asked."""
+    changes = {}
+    if scale.seeds is not None:
+        changes["seeds"] = min(cfg.seeds, scale.seeds)
+    if scale.duration_s is not None:
+        changes["duration_s"] = min(cfg.duration_s, scale.duration_s)
+    if loads and scale.loads is not None and "load" in cfg.grid:
+        changes["grid"] = {**cfg.grid, "load": tuple(scale.loads)}
+    return dataclasses.replace(cfg, **changes)
+
+
+def _sweep_config(file: str, scale: Scale, loads: bool = False):
+    from . import config
+
+    return scaled(config.load(HERE / file), scale, loads)
+
+
+def _sweep_inputs(file: str, loads: bool = False) -> Callable[[Context], dict]:
+    def inputs(ctx: Context) -> dict:
+        from .config import ConfigError
+
+        if not (HERE / file).is_file():
+            return {"unavailable": f"experiments/{file} is not in this qlab"}
+        try:
+            cfg = _sweep_config(file, ctx.scale, loads)
+        except ConfigError as exc:  # e.g. an axis this qlab's sweeps do not know yet
+            return {"unavailable": f"experiments/{file} does not load here: {exc}"}
+        return {"file": f"experiments/{file}", "config": cfg.canonical()}
+    return inputs
+
+
+def _sweep_run(file: str, loads: bool = False) -> Callable[[Context, Path], None]:
+    def run(ctx: Context, folder: Path) -> None:
+        from . import sweep
+
+        sweep.run(_sweep_config(file, ctx.scale, loads), folder / "sweep", workers=ctx.workers, quiet=True)
+    return run
+
+
+def _summaries(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    path = folder / "sweep" / "summary.parquet"
+    if not path.is_file():
+        return None
+    summary = pd.read_parquet(path)
+    summary["share_late"] = summary["late"] / summary["requests"]
+    return summary, pd.read_parquet(folder / "sweep" / "summary_by_class.parquet")
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _sweep_table(summary: pd.DataFrame, caption: str) -> Table:
+    from .commands import summary_table
+
+    return Table(summary_table(summary), caption)
+
+
+def _not_run(folder: Path) -> list:
+    return [Text(f"not available: no results in {folder} (the section did not run)")]
+
+
+# ------------------------------------------------------------------ theory
+
+
+def _theory_inputs(ctx: Context) -> dict:
+    return {"replications": ctx.scale.theory_replications, "scale": ctx.scale.theory_scale, "seed": 1, "level": 0.95}
+
+
+def _theory_run(ctx: Context, folder: Path) -> None:
+    from analysis.validation import check, standard_scenarios
+
+    table = check(standard_scenarios(ctx.scale.theory_scale), replications=ctx.scale.theory_replications, seed=1,
+                  level=0.95, workers=ctx.workers)
+    _write_json(folder / "attrs.json", dict(table.attrs))
+    write_parquet(table, folder / "theory.parquet")
+
+
+def _theory_report(ctx: Context, folder: Path) -> list:
+    if not (folder / "theory.parquet").is_file():
+        return _not_run(folder)
+    table = pd.read_parquet(folder / "theory.parquet")
+    attrs = _read_json(folder / "attrs.json") or {}
+    passed = int(table["ok"].sum())
+    shown = table.assign(ok=table["ok"].map({True: "pass", False: "FAIL"}))
+    return [
+        Text(f"Every closed form of the brief against the simulator: {attrs.get('replications')} replications from "
+             f"seed {attrs.get('seed')}, {attrs.get('level', 0.95):.0%} simultaneous intervals (Bonferroni over "
+             f"{len(table)}: {attrs.get('level_each', math.nan):.4f} each), run lengths x{ctx.scale.theory_scale:g}."),
+        Verdict("check", "the simulator agrees with every closed form", passed == len(table),
+                f"{passed} of {len(table)} closed-form values inside their simulated interval"),
+        Table(shown, "closed forms (theory) against the simulator's mean and interval"),
+    ]
+
+
+# ------------------------------------------------------------------ the reference sweep and H1-H3
+
+
+def _split_loads(summary: pd.DataFrame, speed: float) -> tuple[list[float], list[float]]:
+    loads = sorted(summary.loc[summary["speed"] == speed, "load"].dropna().unique())
+    return [v for v in loads if v <= 1], [v for v in loads if v > 1]
+
+
+def hypothesis_1(summary: pd.DataFrame) -> tuple[Verdict, pd.DataFrame]:
+    """H1: the unbounded queue collapses past capacity (goodput falls below its value at capacity)."""
+    claim = "the unbounded queue (none) collapses beyond capacity"
+    rows, evidence, ok = [], [], True
+    for speed in sorted(summary["speed"].unique()):
+        under, over = _split_loads(summary, speed)
+        if not under or not over:
+            why = f"speed x{speed:g} lacks a load at or below 1 or one above"
+            return Verdict("H1", claim, None, why), pd.DataFrame()
+        # Its best at or below capacity (at load 1 itself an unbounded queue is already unstable).
+        best = max(under, key=lambda v: level(summary, "goodput_rps", policy="none", speed=speed, load=v).mean)
+        ref = {"policy": "none", "speed": speed, "load": best}
+        for load in over:
+            here = {"policy": "none", "speed": speed, "load": load}
+            drop = difference(summary, "goodput_rps", here, ref)
+            ok &= drop.high < 0
+            rows.append({"speed": speed, "load": load, "share in time": str(level(summary, "share_good", **here)),
+                         "goodput (requests/s)": str(level(summary, "goodput_rps", **here)),
+                         f"goodput minus at load {best:g}": str(drop)})
+        top = {"policy": "none", "speed": speed, "load": over[-1]}
+        share = level(summary, "share_good", **top)
+        ok &= share.high < COLLAPSED_SHARE
+        evidence.append(f"service x{speed:g}: at load {over[-1]:g} none answers {share} of requests in time "
+                        f"(collapsed: below {COLLAPSED_SHARE:g}); goodput {level(summary, 'goodput_rps', **top)} "
+                        f"requests/s against its best at or below capacity, {level(summary, 'goodput_rps', **ref)} "
+                        f"at load {best:g}, difference {difference(summary, 'goodput_rps', top, ref)}")
+    return Verdict("H1", claim, ok, "; ".join(evidence)), pd.DataFrame(rows)
+
+
+def hypothesis_2(summary: pd.DataFrame) -> tuple[Verdict, pd.DataFrame]:
+    """H2: a bound on the count of waiting requests does not bound their wait when the machine is slower."""
+    claim = "a count bound (bounded, 8 waiting) does not bound the wait across speeds"
+    speeds = sorted(summary["speed"].unique())
+    if len(speeds) < 2:
+        return Verdict("H2", claim, None, "the sweep has one speed"), pd.DataFrame()
+    fast, slow = speeds[0], speeds[-1]
+    over = sorted(set(_split_loads(summary, fast)[1]) & set(_split_loads(summary, slow)[1]))
+    if not over:
+        return Verdict("H2", claim, None, "no load beyond capacity at both speeds"), pd.DataFrame()
+    deadline = float(summary.loc[summary["policy"] == "bounded", "deadline_s"].iloc[0])
+    rows, ok = [], True
+    for load in over:
+        a, b = {"policy": "bounded", "speed": slow, "load": load}, {"policy": "bounded", "speed": fast, "load": load}
+        p99, late = difference(summary, "latency_p99_s", a, b), difference(summary, "share_late", a, b)
+        ok &= p99.low > 0 and late.low > 0
+        rows.append({"load": load, f"p99 latency (s) x{fast:g}": str(level(summary, "latency_p99_s", **b)),
+                     f"p99 latency (s) x{slow:g}": str(level(summary, "latency_p99_s", **a)),
+                     "p99 difference": str(p99),
+                     f"share late x{fast:g}": str(level(summary, "share_late", **b)),
+                     f"share late x{slow:g}": str(level(summary, "share_late", **a)),
+                     "share late difference": str(late)})
+    top = rows[-1]
+    evidence = (f"at load {over[-1]:g} bounded's p99 latency of the answered is {top[f'p99 latency (s) x{fast:g}']} s "
+                f"at service x{fast:g} and {top[f'p99 latency (s) x{slow:g}']} s at x{slow:g} (difference "
+                f"{top['p99 difference']} s; the deadline is {deadline:g} s), and its share late goes from "
+                f"{top[f'share late x{fast:g}']} to {top[f'share late x{slow:g}']}; the p99 and the share late "
+                f"rise at every load beyond capacity: {'yes' if ok else 'no'}")
+    return Verdict("H2", claim, ok, evidence), pd.DataFrame(rows)
+
+
+def hypothesis_3(summary: pd.DataFrame, by_class: pd.DataFrame) -> tuple[Verdict, list[pd.DataFrame]]:
+    """H3: predictive beats deadline expiry beyond capacity, and does so by serving the short requests."""
+    claim = ("predictive beats deadline expiry (bounded-deadline) in goodput and share in time beyond capacity, "
+             "by preferring short requests")
+    pred, bd = {"policy": "predictive"}, {"policy": "bounded-deadline"}
+    rows, classes, evidence, ok = [], [], [], True
+    for speed in sorted(summary["speed"].unique()):
+        over = _split_loads(summary, speed)[1]
+        if not over:
+            return Verdict("H3", claim, None, f"no load beyond capacity at speed x{speed:g}"), [pd.DataFrame()] * 2
+        for load in over:
+            at = {"speed": speed, "load": load}
+            diffs = {m: difference(summary, m, {**pred, **at}, {**bd, **at})
+                     for m in ("goodput_rps", "share_good", "good_tokens_per_s")}
+            ok &= diffs["goodput_rps"].low > 0 and diffs["share_good"].low > 0
+            rows.append({"speed": speed, "load": load, **{f"{m} predictive minus bounded-deadline": str(d)
+                                                          for m, d in diffs.items()}})
+        at = {"speed": speed, "load": over[-1]}
+        labels = sorted(by_class.loc[by_class["speed"] == speed, "size_class"].unique(), key=_class_key)
+        gain = {c: per_seed(by_class, "share_good", **pred, **at, size_class=c)
+                - per_seed(by_class, "share_good", **bd, **at, size_class=c) for c in labels}
+        short_first = Est.of((gain[labels[0]] - gain[labels[-1]]).dropna())
+        ok &= short_first.low > 0
+        for c in labels:
+            classes.append({"speed": speed, "load": over[-1], "size class": c,
+                            "predictive share in time": str(level(by_class, "share_good", **pred, **at, size_class=c)),
+                            "bounded-deadline share in time": str(level(by_class, "share_good", **bd, **at,
+                                                                        size_class=c)),
+                            "difference": str(Est.of(gain[c].dropna()))})
+        last = rows[-1]
+        evidence.append(f"service x{speed:g}, load {over[-1]:g}, predictive minus bounded-deadline: goodput "
+                        f"{last['goodput_rps predictive minus bounded-deadline']} requests/s, share in time "
+                        f"{last['share_good predictive minus bounded-deadline']}, good tokens/s "
+                        f"{last['good_tokens_per_s predictive minus bounded-deadline']}; its gain in share in time for "
+                        f"size {labels[0]} exceeds that for size {labels[-1]} by {short_first}")
+    return Verdict("H3", claim, ok, "; ".join(evidence)), [pd.DataFrame(rows), pd.DataFrame(classes)]
+
+
+def _reference_report(ctx: Context, folder: Path) -> list:
+    from analysis import plots
+    from . import sweep
+    from .commands import _cdf_load
+
+    tables = _summaries(folder)
+    if tables is None:
+        return _not_run(folder)
+    summary, by_class = tables
+    seeds, seconds = summary["seed"].nunique(), summary["duration_s"].max()
+    v1, t1 = hypothesis_1(summary)
+    v2, t2 = hypothesis_2(summary)
+    v3, (t3, t3c) = hypothesis_3(summary, by_class)
+    load = _cdf_load(summary)
+    speed = sorted(summary["speed"].unique())[0]
+    rows = sweep.load_rows(folder / "sweep", load=load, speed=speed)
+    return [
+        Text(f"Every policy at loads {', '.join(f'{v:g}' for v in sorted(summary['load'].unique()))} (utilisation at "
+             f"the simulated speed), at the calibrated speed and with service times x"
+             f"{', x'.join(f'{v:g}' for v in sorted(summary['speed'].unique()))}; {seeds} seeds of {seconds:g} "
+             "simulated seconds. Differences are paired by seed (common random numbers). A policy can raise "
+             "request goodput by serving cheap requests, so good tokens/s is shown beside it."),
+        v1, Table(t1, "H1: the unbounded queue beyond capacity"),
+        v2, Table(t2, "H2: bounded at the two speeds"),
+        v3, Table(t3, "H3: predictive minus bounded-deadline beyond capacity"),
+        Table(t3c, "H3: share in time by size class at the highest load"),
+        *(Figure(f"reference_policies_x{v:g}", _png(plots.policy_comparison(summary, by_class, speed=v)),
+                 f"service times x{v:g}: good tokens/s and share in time against load, and by size class at the "
+                 "highest load") for v in sorted(summary["speed"].unique())),
+        Figure("reference_share_in_time", _png(plots.share_in_time(summary)), "share in time against load"),
+        Figure("reference_goodput", _png(plots.goodput(summary)), "goodput against load"),
+        Figure("reference_share_by_class", _png(plots.share_by_class(by_class)), "share in time by size class"),
+        Figure("reference_outcomes", _png(plots.outcome_bars(summary)), "outcomes by policy and load"),
+        Figure("reference_latency_cdf", _png(plots.latency_cdf(rows, float(summary["deadline_s"].mode().iloc[0]))),
+               f"latency of the answered at load {load:g}, service x{speed:g}"),
+        _sweep_table(summary, "the sweep: mean over seeds ± 95 % CI half-width"),
+    ]
+
+
+# ------------------------------------------------------------------ the burst of 30
+
+
+BURST = {"sweep": {"name": "burst30", "arrivals": "burst:30", "duration_s": 1.0, "seeds": 20},
+         "grid": {"policy": list(POLICIES), "load": [1.0], "engines": [1, 3]}}
+
+
+def _burst_config(scale: Scale):
+    from . import config
+
+    return scaled(config.parse(BURST, "<study burst>"), dataclasses.replace(scale, duration_s=None))
+
+
+def _burst_inputs(ctx: Context) -> dict:
+    return {"config": _burst_config(ctx.scale).canonical()}
+
+
+def _burst_run(ctx: Context, folder: Path) -> None:
+    from . import sweep
+
+    sweep.run(_burst_config(ctx.scale), folder / "sweep", workers=ctx.workers, quiet=True)
+
+
+def _burst_report(ctx: Context, folder: Path) -> list:
+    tables = _summaries(folder)
+    if tables is None:
+        return _not_run(folder)
+    summary = tables[0].assign(accepted=lambda t: t["requests"] - t["rejected"])
+    columns = ["accepted", "rejected", "expired", "good", "late"]
+    agg = aggregate(summary, ["engines", "policy"], columns)
+    spread = summary.groupby(["engines", "policy"])["accepted"].agg(["min", "max"]).reset_index()
+    shown = with_ci(agg.drop(columns="n")).merge(spread.rename(columns={"min": "accepted min", "max": "accepted max"}))
+    bounded = summary[summary["policy"] == "bounded"]
+    expected = (bounded["engines"] + bounded["max_queue"]).astype(int)
+    right = bool((bounded["accepted"] == expected).all())
+    seen = ", ".join(f"{k} engine(s): {sorted(set(part['accepted'].astype(int)))}"
+                     for k, part in bounded.groupby("engines"))
+    return [
+        Text(f"30 requests arrive at once ({summary['seed'].nunique()} seeds of sizes). A request admitted to an idle "
+             "engine is in service from that instant: with K engines and at most 8 waiting, bounded accepts K + 8 "
+             "(the brief's trap: counting those that start at once as waiting admits too few, or too many)."),
+        Verdict("check", "bounded accepts exactly K + 8 of a burst of 30", right,
+                f"accepted by bounded, per seed: {seen} (expected {', '.join(map(str, sorted(set(expected))))})"),
+        Table(shown, "a burst of 30 per policy and number of engines: mean [95 % CI] over seeds"),
+    ]
+
+
+# ------------------------------------------------------------------ estimation, stale, cancellation
+
+
+def _analysis(name: str):
+    """analysis.estimation.NAME and analysis.plots.NAME-like callables, or the reason they are missing."""
+    try:
+        module = importlib.import_module("analysis.estimation")
+    except ModuleNotFoundError as exc:
+        if exc.name != "analysis.estimation":
+            raise
+        return None, "analysis.estimation is not in this qlab"
+    fn = getattr(module, name, None)
+    return (fn, None) if fn is not None else (None, f"analysis.estimation has no {name}")
+
+
+def _figure_of(name: str, summary: pd.DataFrame, caption: str) -> list:
+    from analysis import plots
+
+    draw = getattr(plots, name, None)
+    if draw is None:
+        return [Text(f"figure not available: analysis.plots has no {name}")]
+    return [Figure(name, _png(draw(summary)), caption)]
+
+
+def _experiment_report(name: str, table_fn: str, what: str) -> Callable[[Context, Path], list]:
+    def report(ctx: Context, folder: Path) -> list:
+        tables = _summaries(folder)
+        if tables is None:
+            return _not_run(folder)
+        summary = tables[0]
+        fn, why = _analysis(table_fn)
+        blocks = [Text(f"{what} {summary['seed'].nunique()} seeds of {summary['duration_s'].max():g} simulated s.")]
+        blocks.append(Table(with_ci(fn(summary)), f"{name}: mean [95 % CI] over seeds") if fn is not None
+                      else Text(f"table not available ({why}); the sweep's summary follows"))
+        blocks += _figure_of(name, summary, name)
+        blocks.append(_sweep_table(summary, f"the {name} sweep: mean over seeds ± 95 % CI half-width"))
+        return blocks
+    return report
+
+
+def hypothesis_4(stale: pd.DataFrame | None, estimation: pd.DataFrame | None) -> tuple[Verdict, pd.DataFrame]:
+    """H4: not knowing costs: a stale estimate lets late work in, an estimate from the limit turns fitting work away."""
+    claim = ("the estimator's knowledge costs: after a slowdown a fixed estimate lets deadline-aware policies start "
+             "work they cannot finish, and an estimate from the limit refuses work that would have fit")
+    need = {"stale": (stale, ("fixed_estimate", "late_share_of_completed")),
+            "estimation": (estimation, ("estimator", "goodput_rps"))}
+    for what, (table, columns) in need.items():
+        if table is None or not set(columns) <= set(table.columns):
+            return Verdict("H4", claim, None, f"the {what} sweep's results (columns {', '.join(columns)}) are not "
+                                              "available"), pd.DataFrame()
+    rows, ok, evidence = [], True, []
+    for policy in sorted(stale["policy"].unique()):
+        d = difference(stale, "late_share_of_completed", {"policy": policy, "fixed_estimate": True},
+                       {"policy": policy, "fixed_estimate": False})
+        ok &= d.low > 0
+        rows.append({"experiment": "stale", "policy": policy, "comparison": "fixed minus tracking estimate",
+                     "metric": "late share of completed", "difference": str(d)})
+        evidence.append(f"{policy}: late share of completed, fixed minus tracking {d}")
+    for load in [v for v in sorted(estimation["load"].unique()) if v > 1]:
+        at = {"load": load}
+        d = difference(estimation, "goodput_rps", {**at, "estimator": "learned"}, {**at, "estimator": "limit"})
+        ok &= d.low > 0
+        rows.append({"experiment": "estimation", "policy": "predictive",
+                     "comparison": f"learned minus limit, load {load:g}", "metric": "goodput (requests/s)",
+                     "difference": str(d)})
+        evidence.append(f"load {load:g}: goodput learned minus limit {d} requests/s")
+    return Verdict("H4", claim, ok, "; ".join(evidence)), pd.DataFrame(rows)
+
+
+def _stale_report(ctx: Context, folder: Path) -> list:
+    blocks = _experiment_report("stale", "stale_table", "The machine slows during the run; tracking versus a fixed "
+                                "estimate for the deadline-aware policies,")(ctx, folder)
+    stale, estimation = _summaries(folder), _summaries(folder.parent / "estimation")
+    verdict, table = hypothesis_4(None if stale is None else stale[0], None if estimation is None else estimation[0])
+    return [verdict, Table(table, "H4: paired differences by seed")] + blocks
+
+
+# ------------------------------------------------------------------ live
+
+
+def _live_data(ctx: Context) -> dict:
+    """The live experiment as a ``qlab live`` TOML document: short, on the synthetic engine (GPT-2 on CUDA)."""
+    server = {"engine": "synthetic", "policies": list(ctx.scale.live_policies), "startup_timeout_s": 180}
+    data = {"probe": {"requests": 3}}
+    if _cuda():
+        server.update(engine="gpt2", model="random", device="cuda")
+        data["calibrate"] = {"rounds": 1, "per_size": 4}
+    data["server"] = server
+    data["trace"] = [{"name": "poisson", "arrivals": "poisson", "nominal_load": list(ctx.scale.live_loads),
+                      "seconds": ctx.scale.live_seconds, "seed": 1},
+                     {"name": "burst30", "arrivals": "burst:30", "seed": 1}]
+    return data
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _live_inputs(ctx: Context) -> dict:
+    if ctx.skip_live:
+        # A live pass finished by an earlier run is still reported (and not run again); none is started.
+        folder = ctx.out / "sections" / "live"
+        done, started = _read_json(folder / "done.json"), _read_json(folder / "inputs.json")
+        if done and started and done.get("digest") == started.get("digest"):
+            return started["inputs"]
+        return {"unavailable": "skipped (--skip-live)"}
+    return {"live": _live_data(ctx)}
+
+
+def _live_run(ctx: Context, folder: Path) -> None:
+    from live import live_config, runner
+
+    cfg = live_config.parse(_live_data(ctx), str(folder / "live.toml"))
+    runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
+
+
+def _live_report(ctx: Context, folder: Path) -> list:
+    path = folder / "live" / "summary.parquet"
+    if not path.is_file():
+        return _not_run(folder)
+    from analysis import compare
+
+    summary = pd.read_parquet(path)
+    judged = (summary["requests"] - summary["error"]).sum()
+    share = summary["sim_disagreements"].sum() / judged if judged else math.nan
+    inputs = (_read_json(folder / "inputs.json") or {}).get("inputs", {}).get("live", {})
+    engine = inputs.get("server", {}).get("engine", "synthetic")
+    cols = ["trace", "policy", "nominal_load", "effective_load", "requests", "good", "late", "rejected", "expired",
+            "error", "goodput_rps", "sim_disagreements", "sim_disagreement_rate"]
+    blocks = [
+        Text(f"Each trace under each policy against a resident `qlab serve` ({engine} engine), order rotated, a speed "
+             "probe before and after each run; then each run replayed in the simulator with what the gate knew, "
+             "request by request (`qlab compare`)."),
+        Verdict("check", "the simulator and the service agree request by request",
+                None if not judged else bool(share <= 0.05),
+                f"{int(summary['sim_disagreements'].sum())} of {int(judged)} requests disagree ({share:.1%}; the "
+                "reference study found about 1.6 %; judged against 5 %)"),
+        Table(summary[cols], "live runs and their per-request disagreement with the simulator"),
+    ]
+    for _, row in summary[summary["trace"] != "burst30"].iterrows():
+        run = pd.read_parquet(folder / "live" / "runs" / f"{row['trace']}__{row['policy']}.parquet")
+        png = folder / f"compare-{row['trace']}__{row['policy']}.png"
+        compare.figure(compare.compare(run), png)
+        blocks.append(Figure(png.stem, png.read_bytes(), f"simulator against service, {row['policy']} at nominal load "
+                                                         f"{row['nominal_load']:g}"))
+    return blocks
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def _version() -> str:
+    from .sweep import _version as version
+
+    return version()
+
+
+def _configuration_report(ctx: Context, folder: Path) -> list:
+    rows = [{"setting": "qlab version", "value": _version()},
+            {"setting": "python", "value": platform.python_version()},
+            {"setting": "scale", "value": ctx.scale.name + ("" if ctx.scale == FULL else " (not the reference sizes)")}]
+    rows += [{"setting": f"scale.{k}", "value": str(v)}
+             for k, v in dataclasses.asdict(ctx.scale).items() if k != "name"]
+    for section in SECTIONS:
+        marker = _read_json(ctx.out / "sections" / section.name / "inputs.json")
+        if marker is not None and marker.get("inputs"):
+            given = marker["inputs"]
+            rows.append({"setting": f"{section.name} inputs", "value": f"{given.get('file', 'built in')}, sha256 "
+                                                                       f"{marker['digest'][:16]}"})
+    blocks = [Table(pd.DataFrame(rows), "the settings of this report")]
+    for section in SECTIONS:
+        marker = _read_json(ctx.out / "sections" / section.name / "inputs.json")
+        if marker is not None and marker.get("inputs"):
+            blocks += [Text(f"{section.name}: its inputs (their digest marks the section done)"),
+                       Code(json.dumps(marker["inputs"], indent=1, sort_keys=True, default=str))]
+    return blocks
+
+
+def _nothing(ctx: Context) -> dict:
+    return {}
+
+
+def _no_run(ctx: Context, folder: Path) -> None:
+    return None
+
+
+SECTIONS = (
+    Section("theory", "Theory: closed forms against the simulator", _theory_inputs, _theory_run, _theory_report),
+    Section("reference", "The reference sweep: H1, H2, H3", _sweep_inputs("reference.toml", loads=True),
+            _sweep_run("reference.toml", loads=True), _reference_report),
+    Section("burst", "A burst of 30", _burst_inputs, _burst_run, _burst_report),
+    Section("estimation", "Estimation: the estimate from the limit, learned, or exact",
+            _sweep_inputs("estimation.toml"), _sweep_run("estimation.toml"),
+            _experiment_report("estimation", "estimation_table", "Predictive at loads of the work actually done, with "
+                               "the estimate from the limit, learned online, or exact (an oracle);")),
+    Section("stale", "A stale estimator: H4", _sweep_inputs("stale.toml"), _sweep_run("stale.toml"), _stale_report),
+    Section("cancellation", "Cancelling at the deadline", _sweep_inputs("cancellation.toml"),
+            _sweep_run("cancellation.toml"),
+            _experiment_report("cancellation", "cancellation_table", "Runs cut at their deadline or left to finish;")),
+    Section("live", "A live pass and the simulator against the service", _live_inputs, _live_run, _live_report),
+    Section("configuration", "Configuration", _nothing, _no_run, _configuration_report),
+)
+NAMES = tuple(s.name for s in SECTIONS)
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _cell(value) -> str:
+    if isinstance(value, (float, np.floating)):
+        return "-" if math.isnan(value) else f"{value:.4g}"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def pipe_table(frame: pd.DataFrame) -> str:
+    """A markdown (pipe) table; | in a cell is escaped."""
+    cells = [[_cell(v).replace("|", "\\|") for v in row] for row in frame.itertuples(index=False)]
+    head = [str(c).replace("|", "\\|") for c in frame.columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+
+
+def _sentence(text: str) -> str:
+    return "Evidence: " + text + ("" if text.endswith(".") else ".")
+
+
+def _verdict_line(v: Verdict) -> str:
+    name = v.label if v.label != "check" else "Check"
+    return f"**{name} {v.word}**: {v.claim}. {_sentence(v.evidence)}"
+
+
+def _hypotheses(parts: list[tuple[Section, list]]) -> list[Verdict]:
+    return [b for _, blocks in parts for b in blocks if isinstance(b, Verdict) and b.label != "check"]
+
+
+def render_markdown(title: str, preface: list[str], parts: list[tuple[Section, list]], figures: str) -> str:
+    out = [f"# {title}", "", *preface, "", "## Verdicts", ""]
+    out += [f"- {_verdict_line(b)}" for b in _hypotheses(parts)]
+    out.append("")
+    for number, (section, blocks) in enumerate(parts, 1):
+        out += [f"## {number}. {section.title}", ""]
+        for b in blocks:
+            if isinstance(b, Text):
+                out += [b.text, ""]
+            elif isinstance(b, Verdict):
+                out += [_verdict_line(b), ""]
+            elif isinstance(b, Table):
+                out += [f"*{b.caption}*", ""] if b.caption else []
+                out += [pipe_table(b.frame) if len(b.frame) else "(empty)", ""]
+            elif isinstance(b, Figure):
+                out += [f"![{b.caption}]({figures}/{b.name}.png)", ""]
+            elif isinstance(b, Code):
+                out += ["```", b.text, "```", ""]
+            elif isinstance(b, Failed):
+                out += [f"**FAILED**: {b.error}", ""]
+    return "\n".join(out)
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:75em;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0 1.5em}th,td{border:1px solid #ccc;padding:2px 6px}
+th{background:#f0f0f0}caption{caption-side:top;text-align:left;font-style:italic;padding:4px 0}
+.verdict{padding:0.5em 0.8em;margin:0.8em 0;border-left:5px solid #999}.yes{border-color:#2a9d8f;background:#eef8f6}
+.no{border-color:#e76f51;background:#fdf0ec}img{max-width:100%}figure{margin:1em 0}figcaption{font-style:italic}"""
+
+
+def _html_block(b) -> str:
+    if isinstance(b, Text):
+        return f"<p>{html.escape(b.text)}</p>"
+    if isinstance(b, Verdict):
+        kind = {True: "yes", False: "no", None: ""}[b.supported]
+        name = b.label if b.label != "check" else "Check"
+        return (f'<div class="verdict {kind}"><b>{html.escape(name)} {b.word}</b>: {html.escape(b.claim)}. '
+                f"{html.escape(_sentence(b.evidence))}</div>")
+    if isinstance(b, Table):
+        shown = b.frame.map(_cell) if len(b.frame) else b.frame
+        table = shown.to_html(index=False, border=0, escape=True) if len(b.frame) else "<p>(empty)</p>"
+        return (f"<p><i>{html.escape(b.caption)}</i></p>" if b.caption else "") + table
+    if isinstance(b, Code):
+        return f"<pre>{html.escape(b.text)}</pre>"
+    if isinstance(b, Failed):
+        return f'<div class="verdict no"><b>FAILED</b>: {html.escape(b.error)}</div>'
+    data = base64.b64encode(b.png).decode()
+    return (f'<figure><img alt="{html.escape(b.caption)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(b.caption)}</figcaption></figure>")
+
+
+def render_html(title: str, preface: list[str], parts: list[tuple[Section, list]]) -> str:
+    verdicts = _hypotheses(parts)
+    body = [f"<h1>{html.escape(title)}</h1>", *(f"<p>{html.escape(p)}</p>" for p in preface), "<h2>Verdicts</h2>",
+            "<ul>" + "".join(f"<li>{_html_block(v)}</li>" for v in verdicts) + "</ul>"]
+    for number, (section, blocks) in enumerate(parts, 1):
+        body.append(f'<h2 id="{section.name}">{number}. {html.escape(section.title)}</h2>')
+        body += [_html_block(b) for b in blocks]
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _blocks(ctx: Context, section: Section, folder: Path) -> list:
+    """The section's report, or why there is none: not available here, or failed (in its run or its report)."""
+    inputs = section.inputs(ctx)
+    if "unavailable" in inputs:
+        return [Text(f"not available: {inputs['unavailable']}")]
+    failed = _read_json(folder / "failed.json")
+    if failed is not None:
+        return [Failed(failed["error"])]
+    try:
+        return section.report(ctx, folder)
+    except Exception as exc:  # noqa: BLE001 - the other sections' reports are still worth writing
+        ctx.log(f"{section.name}: report FAILED: {type(exc).__name__}: {exc}")
+        return [Failed(f"its report: {type(exc).__name__}: {exc}")]
+
+
+def write_report(ctx: Context) -> list[tuple[Section, list]]:
+    """Build every section's blocks from its folder, and write report.md, figures/ and report.html."""
+    parts = []
+    for section in SECTIONS:
+        folder = ctx.out / "sections" / section.name
+        parts.append((section, _blocks(ctx, section, folder)))
+    quick = "" if ctx.scale == FULL else f" ({ctx.scale.name}: a reduced study, not the reference sizes)"
+    title = f"qlab study{quick}"
+    preface = [f"qlab {_version()}. Written by qlab study; every number is a mean over seeds with its 95 % "
+               "Student-t confidence interval in brackets, and a verdict follows from the intervals stated beside it."]
+    figures = ctx.out / "figures"
+    figures.mkdir(exist_ok=True)
+    for _, blocks in parts:
+        for b in blocks:
+            if isinstance(b, Figure):
+                atomic_write(figures / f"{b.name}.png", b.png)
+    atomic_write(ctx.out / "report.md", render_markdown(title, preface, parts, "figures").encode())
+    atomic_write(ctx.out / "report.html", render_html(title, preface, parts).encode())
+    return parts
+
+
+# ------------------------------------------------------------------ command
+
+
+def run(out: str | Path, scale: Scale = FULL, *, workers: int | None = None, skip_live: bool = False,
+        force: tuple[str, ...] = (), log: Callable[[str], None] = print) -> list[tuple[Section, list]]:
+    """Run every section not yet done into OUT and write the report; return the report's parts."""
+    out = Path(out)
+    check_out(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "study.json", {"scale": dataclasses.asdict(scale), "qlab_version": _version()})
+    ctx = Context(out, scale, workers, skip_live, log)
+    for section in SECTIONS:
+        began = time.perf_counter()
+        try:
+            said = run_section(ctx, section, section.name in force)
+        except Exception as exc:  # noqa: BLE001 - one failed section (a server that will not start) keeps the others
+            error = f"{type(exc).__name__}: {exc}"
+            said = f"FAILED: {error}"
+            (out / "sections" / section.name).mkdir(parents=True, exist_ok=True)
+            _write_json(out / "sections" / section.name / "failed.json", {"error": error})
+        else:
+            (out / "sections" / section.name / "failed.json").unlink(missing_ok=True)
+        log(f"{section.name}: {said} ({time.perf_counter() - began:.1f} s)")
+    parts = write_report(ctx)
+    log(f"wrote {out / 'report.md'} and {out / 'report.html'}")
+    return parts
+
+
+def cmd_study(args) -> int:
+    parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers, skip_live=args.skip_live,
+                force=tuple(args.force or ()), log=lambda line: print(line, flush=True))
+    for verdict in _hypotheses(parts):
+        print(f"{verdict.label} {verdict.word}")
+    failed = [section.name for section, blocks in parts if any(isinstance(b, Failed) for b in blocks)]
+    if failed:
+        print(f"qlab study: failed sections (see the report): {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("study", help="run the whole reference study and write report.md and report.html",
+                       description="Theory, the reference sweep (H1-H3), the burst of 30, estimation, the stale "
+                                   "estimator (H4), cancellation and a live pass compared with the simulator, into "
+                                   "one folder, with a report. Re-running resumes: done sections are skipped.")
+    p.set_defaults(func=cmd_study)
+    p.add_argument("--out", required=True, help="the study's folder (created; resumed if it holds a study)")
+    p.add_argument("--quick", action="store_true", help="a reduced study: a few minutes on 2 cores")
+    p.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
+    p.add_argument("--skip-live", action="store_true", help="leave out the live pass (no servers started)")
+    p.add_argument("--force", action="append", choices=NAMES, metavar="SECTION",
+                   help=f"run this section again even if done (repeat): {', '.join(NAMES)}")

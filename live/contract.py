@@ -1,0 +1,604 @@
+"""One typed contract: every body ``qlab serve`` takes or gives, as pydantic models.
+
+The service builds its answers through these models, and every client in qlab (the
+replayer's rows, ``qlab calibrate``, the benchmarks' lean client) reads answers through
+them (``model_validate`` / ``model_validate_json``), so a field renamed here changes both
+sides at once, and a test (tests/test_contract.py) fails instead of a column becoming NaN;
+the same test scans the client modules for body keys named by string.
+
+* qlab's own API: :class:`GenerateRequest` (``POST /v1/generate``; :func:`request_model`
+  makes it with a server's :class:`Limits`), :class:`GenerateResponse`, the error envelope
+  :class:`ErrorEnvelope` (every answer that is not a 200), :class:`Stats` (``GET /stats``)
+  and :class:`Health` (``GET /healthz``);
+* the OpenAI-compatible API (:mod:`live.openai_api`): :class:`CompletionRequest`,
+  :class:`ChatCompletionRequest` (:func:`request_models`), :class:`Completion`,
+  :class:`ChatCompletion`, :class:`ChatCompletionChunk`, :class:`ModelList`;
+* what the upstream engine (:mod:`live.upstream`) sends to and reads from any
+  OpenAI-compatible server: :class:`UpstreamRequest`, :class:`UpstreamChunk`,
+  :class:`ForeignError`, :class:`UpstreamModels`, read leniently (other servers differ).
+
+Requests are strict (``"16"`` is not a number, unknown fields are refused). Answers are
+lenient where a server may say more than qlab reads (``extra="allow"`` on the numbers and
+``/stats``), so a newer server does not break an older client.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_OPEN = ConfigDict(extra="allow")
+#: A number as the gate reports it: an int stays an int on the wire, non-finite floats go out as null.
+Num = float | int | None
+OWNER = "qlab"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on one request; the engine's own limit on new tokens also applies."""
+
+    max_new_tokens: int = 1024
+    max_deadline_ms: int = 600_000
+    max_prompt_chars: int = 16_384
+    max_prompt_tokens: int = 16_384
+    max_body_bytes: int = 64 * 1024
+    max_stops: int = 8
+    max_stop_chars: int = 64
+
+
+def num(value: Num) -> float:
+    """A reported number as a float; NaN where the server said null or nothing."""
+    return math.nan if value is None else float(value)
+
+
+def _stop_list(value):
+    # One stop string may come bare; a union type would make the error messages name its branches.
+    return [value] if isinstance(value, str) else value
+
+
+# ---------------------------------------------------------------------- POST /v1/generate
+
+
+class GenerateRequest(BaseModel):
+    """``POST /v1/generate``'s body without a server's caps (what a client builds); the server
+    validates with :func:`request_model`'s subclass, which adds them."""
+
+    model_config = _STRICT
+
+    prompt: str
+    max_new_tokens: Annotated[int, Field(ge=1)]
+    deadline_ms: Annotated[int, Field(ge=1)] | None = None
+    stop: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
+    # Whose per-client rate limit it counts against (also the x-client-id header; the body wins).
+    client_id: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
+    # Higher first under a priority discipline (the policy's; FIFO ignores it).
+    priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_or_many(cls, value):
+        return _stop_list(value)
+
+    def body(self) -> dict:
+        """The JSON body: the fields given, defaults left out (the server applies its own)."""
+        return self.model_dump(exclude_defaults=True)
+
+
+_GenerateRequest = GenerateRequest  # the caps' subclass below has the same name (its schema's title)
+
+
+def request_model(limits: Limits) -> type[GenerateRequest]:
+    """The body schema with these caps. Strict: "16" is not a number and unknown fields are refused."""
+    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
+
+    class GenerateRequest(_GenerateRequest):  # the same name in /openapi.json
+        prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
+        max_new_tokens: Annotated[int, Field(ge=1, le=limits.max_new_tokens)]
+        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
+        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
+
+    return GenerateRequest
+
+
+class Admission(BaseModel):
+    """What the gate saw when the request arrived (``admission`` of an answer; the start of an error's ``numbers``).
+
+    arrived_at: the gate's clock; a client maps it onto its own to learn the gate's arrival order.
+    """
+
+    model_config = _OPEN
+
+    arrived_at: Num = None
+    est_service_s: Num = None
+    deadline_s: Num = None
+    queued: Num = None
+    queued_work_s: Num = None
+    speed_factor: Num = None
+
+
+class Numbers(Admission):
+    """An error's ``numbers``: the arrival's, and whichever of these the refusal or failure had.
+
+    Only the keys the server gave are sent (:func:`error_json` dumps with ``exclude_unset``).
+    """
+
+    wait_s: Num = None  # estimated wait at arrival (refusals)
+    priority: Num = None
+    max_queue: Num = None
+    max_queued_seconds: Num = None
+    client_rate: Num = None
+    client_burst: Num = None
+    tokens: Num = None  # the client's token bucket
+    waited_s: Num = None  # dropped at the front after this wait
+    left_s: Num = None
+    engine: Num = None
+    running_s: Num = None  # a stalled engine's run so far
+    stall_after_s: Num = None
+    stalled_engines: Num = None
+    started_at: Num = None  # gate clock: the engine took it
+    returned_at: Num = None  # gate clock: the failure came back
+    engine_s: Num = None  # a failed run's own time
+    at: Num = None  # gate clock: when the gate gave up on it, or cut it
+
+
+class Timings(BaseModel):
+    """An answer's seconds. started_at / returned_at are the gate's clock: the engine counted busy in between.
+    first_token_s: the engine's own time to its first token (null for an engine that does not see it)."""
+
+    queue_s: Num
+    engine_s: Num
+    total_s: Num
+    est_service_s: Num
+    started_at: Num
+    returned_at: Num
+    first_token_s: Num = None
+
+
+class GenerateResponse(BaseModel):
+    """A 200 of ``POST /v1/generate``."""
+
+    text: str
+    tokens: int
+    outcome: Literal["good", "late"]
+    engine: int
+    timings: Timings
+    admission: Admission
+
+
+# ---------------------------------------------------------------------- the error envelope
+
+
+class ErrorDetail(BaseModel):
+    """qlab's error object: OpenAI's (``message``, ``type``, ``code``) and more.
+
+    code repeats reason (OpenAI's name for it, so the openai SDK reads qlab's errors); numbers: what the
+    gate knew (see :class:`Numbers`); retry_after_s: also the Retry-After header, on a 503 or 429.
+    """
+
+    type: str
+    reason: str | None = None
+    code: str | None = None
+    message: str = ""
+    numbers: Numbers = Numbers()
+    retry_after_s: int | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    """Every answer that is not a 200: ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+def error_json(type_: str, reason: str, message: str, numbers: dict | None = None,
+               retry_after_s: int | None = None) -> str:
+    """The envelope's JSON (non-finite numbers as null: JSON has neither NaN nor infinity)."""
+    detail = ErrorDetail(type=type_, reason=reason, code=reason, message=message,
+                         numbers=Numbers.model_validate(numbers or {}), retry_after_s=retry_after_s)
+    return ErrorEnvelope(error=detail).model_dump_json(exclude_unset=True)
+
+
+# ---------------------------------------------------------------------- GET /stats and GET /healthz
+
+
+class ServiceModelBody(BaseModel):
+    """The server's calibration (qsim.ServiceModel's fields)."""
+
+    model_config = _OPEN
+
+    intercept_s: float
+    per_token_s: float
+    per_prompt_token_s: float = 0.0
+
+
+class StallRuleBody(BaseModel):
+    model_config = _OPEN
+
+    factor: Num = None
+    floor_s: Num = None
+
+
+class EngineInfo(BaseModel):
+    """An engine's description of itself (``engine.info()``), in /stats and /healthz; each engine says more."""
+
+    model_config = _OPEN
+
+    engine: str
+    model: str | None = None  # gpt2's model name, or the upstream's model
+    tokenizer: str | None = None  # the tokenizer its prompts are counted with
+    context: int | None = None  # gpt2: the model's context, in tokens
+
+
+class LimitsBody(BaseModel):
+    """The server's :class:`Limits` in /stats."""
+
+    model_config = _OPEN
+
+    max_new_tokens: int | None = None
+    max_deadline_ms: int | None = None
+    max_prompt_chars: int | None = None
+    max_prompt_tokens: int | None = None
+    max_body_bytes: int | None = None
+    max_stops: int | None = None
+    max_stop_chars: int | None = None
+
+
+class Stats(BaseModel):
+    """``GET /stats``: the gate's queue, counts and configuration. The defaults are what a client
+    assumes of a server that does not say (one engine, a tracking estimate, speed 1); the server
+    dumps with ``exclude_unset``, so the body holds what the gate said and no more."""
+
+    model_config = _OPEN
+
+    clock: Num = None  # the gate's clock (monotonic seconds) at this reading
+    waiting: int = 0
+    in_service: int = 0
+    stalled: int = 0
+    queued_work_s: Num = None
+    speed_factor: Num = 1.0
+    engines: int = 1
+    fixed_estimate: bool = False
+    policy: str | dict[str, Any] | None = None  # a preset's name or qsim.Policy's fields
+    service_model: ServiceModelBody | None = None
+    # A learning estimator's used share of the limit now, per size class (empty: none learned yet).
+    estimator_shares: dict[str, float] = {}
+    stall_rule: StallRuleBody | None = None
+    tracker_weight: Num = None
+    counts: dict[str, int] = {}
+    rejected_by_reason: dict[str, int] = {}
+    cancelled: int = 0
+    submitted: int = 0
+    limits: LimitsBody = LimitsBody()
+    engine: EngineInfo | None = None  # as in /healthz
+
+
+class StalledEngine(BaseModel):
+    engine: int
+    running_s: Num
+    stall_after_s: Num
+    est_service_s: Num
+
+
+class Health(BaseModel):
+    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process answers)."""
+
+    status: Literal["ok", "degraded"]
+    stalled: list[StalledEngine]
+    engines: int
+    engine: EngineInfo
+    policy: str
+
+
+# ---------------------------------------------------------------------- OpenAI-compatible requests
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    """A part of a message's content; only text parts exist here (no images, audio or files)."""
+
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+
+
+_NewTokens = Annotated[int, Field(ge=1)] | None
+
+
+class _Common(BaseModel):
+    model_config = _STRICT
+
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    stop: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None  # only 1
+    # OpenAI's end-user id: whose per-client limit it counts against (else the x-client-id header).
+    user: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
+    # qlab's extensions (the openai SDK sends them with extra_body).
+    deadline_ms: Annotated[int, Field(ge=1)] | None = None
+    priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
+    # Accepted and ignored: the engines decode greedily.
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_or_many(cls, value):
+        return _stop_list(value)
+
+    def body(self) -> dict:
+        """The JSON body: the fields given, defaults left out."""
+        return self.model_dump(exclude_defaults=True)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions`` without a server's caps (see :func:`request_models`)."""
+
+    prompt: str | list[str]
+    max_tokens: _NewTokens = None
+    echo: bool = False
+    best_of: int | None = None  # only 1
+    logprobs: int | None = None  # refused when given
+    suffix: str | None = None  # refused when given
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions`` without a server's caps (see :func:`request_models`)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: _NewTokens = None
+    max_completion_tokens: _NewTokens = None
+    # Refused when they ask for something (live.openai_api).
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # Accepted and ignored.
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+
+_CompletionRequest, _ChatCompletionRequest = CompletionRequest, ChatCompletionRequest
+
+
+def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+    """(CompletionRequest, ChatCompletionRequest) with these caps. Strict: unknown fields are refused."""
+    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
+    prompt_text = Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
+    new_tokens = Annotated[int, Field(ge=1, le=limits.max_new_tokens)] | None
+
+    class CompletionRequest(_CompletionRequest):
+        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
+        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
+        prompt: prompt_text | list[prompt_text]
+        max_tokens: new_tokens = None
+
+    class ChatCompletionRequest(_ChatCompletionRequest):
+        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
+        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
+        max_tokens: new_tokens = None
+        max_completion_tokens: new_tokens = None
+
+    return CompletionRequest, ChatCompletionRequest
+
+
+# ---------------------------------------------------------------------- OpenAI-compatible answers
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class QlabInfo(BaseModel):
+    """The gate's view of the request: /v1/generate's ``timings`` and ``admission``, and the outcome."""
+
+    outcome: Literal["good", "late"]
+    engine: int
+    queue_s: float
+    engine_s: float
+    total_s: float
+    est_service_s: float
+    started_at: float  # gate clock: an engine took it
+    returned_at: float  # gate clock: the engine handed it back
+    admission: Admission
+    first_token_s: float | None = None  # the engine's own time to its first token, where it sees it (upstream)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A completion, and (object the same, as OpenAI's) each chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    qlab: QlabInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    qlab: QlabInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    qlab: QlabInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = OWNER
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------- reading answers (the clients' side)
+
+
+def read_answer(body: Any) -> GenerateResponse | None:
+    """A 200's answer by the contract (a parsed JSON body): /v1/generate's, or an OpenAI-compatible (chat)
+    completion's, whose ``qlab`` part has the same timings and admission numbers; None when it is neither."""
+    try:
+        return GenerateResponse.model_validate(body)
+    except ValueError:
+        pass
+    for model in (ChatCompletion, Completion):
+        try:
+            done = model.model_validate(body)
+        except ValueError:
+            continue
+        return _as_generate(done.qlab, done.usage, done.choices)
+    return None
+
+
+def _as_generate(q: QlabInfo | None, usage: Usage | None, choices: list) -> GenerateResponse | None:
+    if q is None or usage is None or not choices:
+        return None
+    choice = choices[0]
+    text = choice.message.content if isinstance(choice, ChatChoice) else choice.text
+    return GenerateResponse(text=text, tokens=usage.completion_tokens, outcome=q.outcome, engine=q.engine,
+                            admission=q.admission,
+                            timings=Timings(queue_s=q.queue_s, engine_s=q.engine_s, total_s=q.total_s,
+                                            est_service_s=q.est_service_s, started_at=q.started_at,
+                                            returned_at=q.returned_at, first_token_s=q.first_token_s))
+
+
+def read_error(body: Any) -> ErrorDetail | None:
+    """The envelope's error object (a parsed JSON body); None when the body is not an envelope."""
+    try:
+        return ErrorEnvelope.model_validate(body).error
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------- to and from an upstream server
+
+
+class UpstreamRequest(BaseModel):
+    """What the upstream engine sends: only what the upstream needs (its defaults apply to the rest)."""
+
+    model: str
+    prompt: str
+    max_tokens: int
+    stop: list[str] | None = None
+    stream: bool = True
+    stream_options: StreamOptions = StreamOptions(include_usage=True)
+
+
+class UpstreamChoice(CompletionChoice):
+    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort")."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class UpstreamChunk(Completion):
+    """One event of the upstream's stream: qlab's own completion chunk, read leniently."""
+
+    object: str = "text_completion"
+    choices: list[UpstreamChoice] = []
+    qlab: Any = None
+
+
+class ForeignErrorDetail(BaseModel):
+    message: str = ""
+
+
+class ForeignError(BaseModel):
+    """OpenAI's (and qlab's) ``{"error": {"message"}}``, or an older vLLM's top-level ``message``."""
+
+    error: ForeignErrorDetail | None = None
+    message: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        return self.error.message if self.error is not None else self.message
+
+
+class UpstreamCard(ModelCard):
+    created: int | None = None
+    object: str = "model"
+    owned_by: str | None = None
+
+
+class UpstreamModels(ModelList):
+    object: str = "list"
+    data: list[UpstreamCard]

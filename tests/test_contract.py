@@ -1,0 +1,359 @@
+"""One typed contract (live/contract.py): every route's JSON is its model's, a renamed field fails here
+instead of becoming NaN in a run file, and no client module reads a body key by string.
+
+The service runs in-process (FastAPI's TestClient, synthetic engine at 1/10,000 of the reference time).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+from live import contract  # noqa: E402
+from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
+                           Completion, ErrorEnvelope, GenerateRequest, GenerateResponse, Health, ModelList, Stats,
+                           read_answer, read_error)
+from live.engine import Faults, SyntheticEngine  # noqa: E402
+from live.gate import Gate, GateConfig  # noqa: E402
+from live.http_api import create_app  # noqa: E402
+from live.rows import Exchange, _row, classify  # noqa: E402
+from qsim import preset  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OK = GenerateRequest(prompt="hello", max_new_tokens=4).body()
+UNREACHABLE = GenerateRequest(prompt="late", max_new_tokens=4, deadline_ms=1).body()  # deadline_unreachable
+CHAT = ChatCompletionRequest(model="synthetic", messages=[ChatMessage(role="user", content="hi")], max_tokens=3)
+
+
+def serve(faults: Faults = Faults()) -> TestClient:
+    gate = Gate([SyntheticEngine(speed=1e-4, faults=faults)], GateConfig(preset("predictive"), fixed_estimate=True))
+    return TestClient(create_app(gate))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serve() as c:
+        yield c
+
+
+def keys(model: type[BaseModel]) -> set[str]:
+    return set(model.model_fields)
+
+
+def validated(model: type[BaseModel], response) -> BaseModel:
+    """The body through its model; its JSON keys exactly the model's fields (nothing the model does not name)."""
+    parsed = model.model_validate_json(response.content)
+    assert set(response.json()) <= keys(model), (model.__name__, set(response.json()) - keys(model))
+    return parsed
+
+
+def stream_events(response) -> list[dict]:
+    lines = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ---------------------------------------------------------------------- (a) every route's JSON is its model's
+
+
+def test_generate_answer_is_the_contracts_with_every_field(client):
+    r = client.post("/v1/generate", json=OK)
+    assert r.status_code == 200
+    answer = validated(GenerateResponse, r)
+    body = r.json()
+    assert set(body) == keys(GenerateResponse)
+    assert set(body["timings"]) == keys(contract.Timings)
+    # Admission: what the gate's arrival reports, every number a declared field (none an untyped extra).
+    assert set(body["admission"]) == keys(contract.Admission) and not answer.admission.model_extra
+
+
+@pytest.mark.parametrize("request_body, status, type_", [
+    (UNREACHABLE, 503, "overloaded"),
+    ({"prompt": "x", "max_new_tokens": "4"}, 422, "invalid_request"),
+])
+def test_error_answers_are_the_envelope(client, request_body, status, type_):
+    r = client.post("/v1/generate", json=request_body)
+    assert r.status_code == status
+    envelope = validated(ErrorEnvelope, r)
+    assert set(r.json()["error"]) == keys(contract.ErrorDetail) and envelope.error.type == type_
+    numbers = envelope.error.numbers
+    assert not numbers.model_extra, f"numbers the contract does not declare: {numbers.model_extra}"
+    if status == 503:
+        assert envelope.error.retry_after_s == int(r.headers["retry-after"]) >= 1
+        assert numbers.wait_s is not None and numbers.deadline_s == pytest.approx(0.001)
+
+
+def test_an_engine_failure_and_an_unknown_route_are_the_envelope(client):
+    with serve(Faults(fail_every=1)) as failing:  # every run raises: engine_error
+        failed = failing.post("/v1/generate", json=OK)
+    assert failed.status_code == 500
+    envelope = validated(ErrorEnvelope, failed)
+    assert envelope.error.type == "engine_error" and not envelope.error.numbers.model_extra
+    assert envelope.error.numbers.engine == 0 and envelope.error.numbers.started_at is not None
+    missing = client.get("/v2/nothing")
+    assert missing.status_code == 404 and validated(ErrorEnvelope, missing).error.reason == "not_found"
+
+
+def test_stats_and_health_are_their_models_exactly(client):
+    stats = client.get("/stats")
+    parsed = validated(Stats, stats)
+    assert set(stats.json()) == keys(Stats), "a /stats key the contract's Stats does not name, or one it lost"
+    assert parsed.service_model is not None and not parsed.service_model.model_extra
+    assert parsed.engines == 1 and math.isfinite(contract.num(parsed.clock))
+    health = client.get("/healthz")
+    assert set(health.json()) == keys(Health) and validated(Health, health).status == "ok"
+
+
+def test_openai_routes_are_their_models(client):
+    models = validated(ModelList, client.get("/v1/models"))
+    assert [m.id for m in models.data] == ["synthetic"]
+    chat = client.post("/v1/chat/completions", json=CHAT.body())
+    done = validated(ChatCompletion, chat)
+    assert done.qlab is not None and set(chat.json()["qlab"]) == keys(contract.QlabInfo)
+    completion = client.post("/v1/completions", json={"model": "synthetic", "prompt": "hi", "max_tokens": 2})
+    assert validated(Completion, completion).usage.completion_tokens == 2
+    streamed = client.post("/v1/chat/completions", json=CHAT.model_copy(update={"stream": True}).body())
+    chunks = [ChatCompletionChunk.model_validate(e) for e in stream_events(streamed)]
+    assert chunks[-1].qlab is not None and chunks[-1].qlab.outcome in ("good", "late")
+    refused = client.post("/v1/chat/completions", json=CHAT.model_copy(update={"deadline_ms": 1}).body())
+    assert refused.status_code == 503 and validated(ErrorEnvelope, refused).error.reason == "deadline_unreachable"
+
+
+# ---------------------------------------------------------------------- (b) a renamed field fails, never a NaN
+
+#: The wire format as docs/http.md states it: changing a model's field name changes these, and fails here.
+WIRE = {
+    "answer": {"text", "tokens", "outcome", "engine", "timings", "admission"},
+    "timings": {"queue_s", "engine_s", "total_s", "est_service_s", "started_at", "returned_at", "first_token_s"},
+    "admission": {"arrived_at", "est_service_s", "deadline_s", "queued", "queued_work_s", "speed_factor"},
+    "error": {"type", "reason", "code", "message", "numbers", "retry_after_s"},
+}
+
+
+def test_the_wire_keys_are_the_documented_ones(client):
+    body = client.post("/v1/generate", json=OK).json()
+    assert (set(body), set(body["timings"]), set(body["admission"])) == (WIRE["answer"], WIRE["timings"],
+                                                                         WIRE["admission"])
+    assert set(client.post("/v1/generate", json=UNREACHABLE).json()["error"]) == WIRE["error"]
+
+
+def test_rows_read_an_answer_and_a_refusal_without_a_nan(client):
+    answer = client.post("/v1/generate", json=OK)
+    row = _row(Exchange(0.0, 0.0, 0.01, 200, answer.json()), 2.0, 0.1, 0.0)
+    assert row["outcome"] in ("good", "late") and row["tokens"] == 4 and row["engine"] == 0
+    for column in ("est", "engine_s", "queue_s", "total_s", "queued_work", "received", "speed_factor", "started",
+                   "returned", "reported"):
+        assert math.isfinite(row[column]), column
+    assert row["queued"] >= 0
+    refusal = client.post("/v1/generate", json=UNREACHABLE)
+    row = _row(Exchange(0.0, 0.0, 0.01, 503, refusal.json(), refusal.headers["retry-after"]), 2.0, 0.1, 0.0)
+    assert (row["outcome"], row["reason"]) == ("rejected", "deadline_unreachable") and row["retry_after"] >= 1
+    for column in ("est", "queued_work", "received", "speed_factor", "waited"):
+        assert math.isfinite(row[column]), column
+
+
+def _renamed(body: dict, path: tuple[str, ...]) -> dict:
+    body = json.loads(json.dumps(body))
+    holder = body
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1] + "_renamed"] = holder.pop(path[-1])
+    return body
+
+
+@pytest.mark.parametrize("path", [(k,) for k in sorted(WIRE["answer"])] +
+                         [("timings", k) for k in sorted(WIRE["timings"] - {"first_token_s"})])
+def test_a_renamed_answer_field_is_an_error_not_a_nan(client, path):
+    """The client reads through the model: a body whose field changed name is not an answer at all."""
+    body = client.post("/v1/generate", json=OK).json()
+    assert read_answer(body) is not None
+    mutated = _renamed(body, path)
+    assert read_answer(mutated) is None
+    outcome, _, error = classify(Exchange(0.0, 0.0, 0.01, 200, mutated), 2.0)
+    assert outcome == "error" and "HTTP 200" in error
+
+
+def test_a_renamed_error_type_is_not_a_refusal():
+    body = {"error": {"type": "overloaded", "reason": "queue_full", "retry_after_s": 1}}
+    assert read_error(body).type == "overloaded"
+    assert read_error(_renamed(body, ("error", "type"))) is None
+
+
+# ---------------------------------------------------------------------- (c) no body key by string
+
+#: Modules that read answers: each must read them through live.contract.
+SCANNED = ["live/rows.py", "live/loadgen.py", "live/calibrate.py", "live/load_commands.py", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py"))]
+#: Names that hold a parsed body wherever they appear (parameters and results of the readers).
+BODY_NAMES = {"body", "payload", "stats", "health", "answer", "error", "numbers", "timings", "seen", "mapping",
+              "chunk", "event", "response_body"}
+#: Functions still reading /stats or /healthz by key, each a known debt (it must still have a hit to stay here).
+PENDING: set[tuple[str, str]] = {("live/rows.py", "server_info"), ("live/calibrate.py", "server_facts"),
+                                 ("live/calibrate.py", "counted_by_gate")}
+
+
+def _fields(model: type[BaseModel], seen: set) -> set[str]:
+    if model in seen:
+        return set()
+    seen.add(model)
+    names = set(model.model_fields)
+    for info in model.model_fields.values():
+        for arg in _types(info.annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                names |= _fields(arg, seen)
+    return names
+
+
+def _types(annotation) -> list:
+    args = getattr(annotation, "__args__", None) or ()
+    return [annotation, *[t for a in args for t in _types(a)]]
+
+
+def contract_fields() -> set[str]:
+    """Every field name of every body model in live.contract."""
+    models = [v for v in vars(contract).values() if isinstance(v, type) and issubclass(v, BaseModel)
+              and v.__module__ == contract.__name__]
+    seen: set = set()
+    return set().union(*(_fields(m, seen) for m in models))
+
+
+class _Scan(ast.NodeVisitor):
+    """String-keyed reads of a parsed body: ``b["k"]``, ``b.get("k")`` and ``number(b, "k")`` with ``k`` a contract
+    field, where ``b`` is a body: a ``.json()`` / ``get_json()`` / ``json.loads()`` result, an ``.body`` or
+    ``.payload`` attribute, a name in BODY_NAMES or assigned from a body, or a part of one (chained reads)."""
+
+    def __init__(self, fields: set[str]) -> None:
+        self.fields, self.hits, self.function, self.bodies = fields, [], "<module>", set()
+
+    def visit_FunctionDef(self, node) -> None:
+        outer = (self.function, self.bodies)
+        self.function, self.bodies = node.name, set()
+        self.generic_visit(node)
+        self.function, self.bodies = outer
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def is_body(self, node) -> bool:
+        if isinstance(node, ast.Await):
+            return self.is_body(node.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("json", "get_json", "loads"):
+                return True
+            return node.func.attr == "get" and self.is_body(node.func.value)
+        if isinstance(node, ast.Attribute):
+            return node.attr in ("body", "payload")
+        if isinstance(node, ast.Name):
+            return node.id in BODY_NAMES or node.id in self.bodies
+        if isinstance(node, ast.Subscript):
+            return self.is_body(node.value)
+        if isinstance(node, ast.BoolOp):
+            return any(self.is_body(v) for v in node.values)
+        return False
+
+    def visit_Assign(self, node) -> None:
+        if self.is_body(node.value):
+            self.bodies |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        self.generic_visit(node)
+
+    def _hit(self, node, key) -> None:
+        if isinstance(key, ast.Constant) and key.value in self.fields:
+            self.hits.append((self.function, node.lineno, key.value))
+
+    def visit_Subscript(self, node) -> None:
+        if isinstance(node.ctx, ast.Load) and self.is_body(node.value):
+            self._hit(node, node.slice)
+        self.generic_visit(node)
+
+    def visit_Call(self, node) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "get" and node.args and self.is_body(func.value):
+            self._hit(node, node.args[0])
+        if isinstance(func, ast.Name) and func.id == "number" and len(node.args) == 2:
+            self._hit(node, node.args[1])
+        self.generic_visit(node)
+
+
+def scan(source: str) -> list[tuple[str, int, str]]:
+    visitor = _Scan(contract_fields())
+    visitor.visit(ast.parse(source))
+    return visitor.hits
+
+
+def test_the_scan_finds_the_readings_it_forbids():
+    """The scanner would have caught what the clients did before the contract."""
+    before = '''
+def _engine_seconds(http, body):
+    response = http.post("/v1/generate", json=body)
+    return float(response.json()["timings"]["engine_s"])
+
+def _row(ex):
+    body = ex.body if isinstance(ex.body, dict) else {}
+    timings = body.get("timings") or {}
+    seen = body.get("admission") or {}
+    return number(timings, "queue_s"), seen.get("queued")
+
+async def state(lean):
+    stats = await lean.get_json("/stats")
+    return stats["waiting"]
+'''
+    found = {(f, k) for f, _, k in scan(before)}
+    assert found == {("_engine_seconds", "timings"), ("_engine_seconds", "engine_s"), ("_row", "timings"),
+                     ("_row", "admission"), ("_row", "queue_s"), ("_row", "queued"), ("state", "waiting")}
+    # Not bodies: a frame's columns, a dict the module builds itself.
+    assert scan('def f(frame, rows):\n    return frame["outcome"], rows["engine_s"]\n') == []
+
+
+def test_no_client_module_reads_a_body_key_by_string():
+    offending, pending_hit = [], set()
+    for name in SCANNED:
+        for function, line, key in scan((ROOT / name).read_text()):
+            if (name, function) in PENDING:
+                pending_hit.add((name, function))
+            else:
+                offending.append(f"{name}:{line} in {function}: {key!r} (read it through live.contract)")
+    assert not offending, "\n".join(offending)
+    assert pending_hit == PENDING, f"converted, so take them off PENDING: {PENDING - pending_hit}"
+
+
+# ---------------------------------------------------------------------- the direct path of the OpenAI routes
+
+
+def _openai_answers(direct: bool) -> list[tuple]:
+    """The same OpenAI-compatible requests to a fresh app; (status, Retry-After, body less its ids, clocks)."""
+    gate = Gate([SyntheticEngine(speed=1e-4, faults=Faults(fail_every=3))],
+                GateConfig(preset("predictive"), fixed_estimate=True))
+    app = create_app(gate, direct=direct)
+    assert bool(app.direct_posts) == direct
+    requests = [("/v1/chat/completions", CHAT.body()),
+                ("/v1/completions", {"model": "synthetic", "prompt": "hi", "max_tokens": 2}),
+                ("/v1/chat/completions", CHAT.body()),  # the third run raises: engine_error
+                ("/v1/chat/completions", CHAT.model_copy(update={"deadline_ms": 1}).body()),  # refused
+                ("/v1/chat/completions", {**CHAT.body(), "n": 2}),  # unsupported_parameter
+                ("/v1/completions", {"model": "other", "prompt": "hi"}),  # model_not_found
+                ("/v1/chat/completions", CHAT.model_copy(update={"stream": True}).body())]
+
+    def comparable(r) -> tuple:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            chunks = [ChatCompletionChunk.model_validate(e) for e in stream_events(r)]
+            return r.status_code, None, [c.model_dump(exclude={"id", "created", "qlab"}) for c in chunks]
+        answer, error = read_answer(r.json()), read_error(r.json())
+        if answer is not None:
+            return r.status_code, None, (answer.text, answer.tokens, answer.outcome, answer.engine)
+        return r.status_code, r.headers.get("retry-after"), (error.type, error.reason, sorted(error.numbers.model_fields_set))
+
+    with TestClient(app) as c:
+        return [comparable(c.post(path, json=body)) for path, body in requests]
+
+
+def test_the_openai_routes_answer_the_same_on_the_direct_path():
+    direct, routed = _openai_answers(True), _openai_answers(False)
+    assert direct == routed
+    assert [status for status, _, _ in direct] == [200, 200, 500, 503, 400, 404, 200]

@@ -1,0 +1,157 @@
+"""``qlab study``: the whole study at a tiny scale, its report, resumption, bad input, and the verdicts' logic."""
+
+import re
+
+import pandas as pd
+import pytest
+
+from experiments import study
+from experiments.cli import main
+
+#: Small enough for a test (about half a minute on 2 cores), large enough that H1-H3 are decided.
+TINY = study.Scale("tiny", seeds=3, duration_s=60.0, loads=(0.5, 2.0), theory_replications=2, theory_scale=0.02)
+VERDICT = re.compile(r"^\*\*(H\d) (supported|not supported|not testable)\*\*: (.*)$", re.M)
+INTERVAL = re.compile(r"-?\d[\d.e+-]* \[-?\d[\d.e+-]*, -?\d[\d.e+-]*\]")
+
+
+def _cells(out):
+    return {p: p.stat().st_mtime_ns for p in (out / "sections").glob("*/sweep/cells/*.parquet")}
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    first, second = [], []
+    study.run(out, TINY, workers=2, skip_live=True, log=first.append)
+    cells = _cells(out)
+    # A second run: everything is done with the same inputs, except the section forced again.
+    study.run(out, TINY, workers=2, skip_live=True, force=("burst",), log=second.append)
+    return out, first, second, cells
+
+
+def test_report_has_every_section_and_embeds_its_figures(done):
+    out, *_ = done
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert md.startswith("# qlab study (tiny: a reduced study, not the reference sizes)")
+    for number, section in enumerate(study.SECTIONS, 1):
+        assert f"\n## {number}. {section.title}\n" in md
+        assert f'<h2 id="{section.name}">{number}. ' in page
+    figures = re.findall(r"!\[[^\]]*\]\((figures/[^)]+\.png)\)", md)
+    assert len(figures) >= 6 and all((out / f).is_file() for f in figures)
+    # Self-contained: every image is a PNG data URI, nothing is fetched from elsewhere.
+    sources = re.findall(r'<img[^>]* src="([^"]+)"', page)
+    assert len(sources) == len(figures)
+    assert all(s.startswith("data:image/png;base64,iVBORw0KGgo") for s in sources)
+    assert not re.search(r'(src|href)="(https?:)?//', page) and "<link" not in page and "<script" not in page
+    assert "FAILED" not in md and "not available: skipped (--skip-live)" in md
+
+
+def test_hypotheses_have_verdicts_with_their_numbers(done):
+    out, *_ = done
+    md = (out / "report.md").read_text()
+    verdicts = {}
+    for label, word, text in VERDICT.findall(md):
+        assert INTERVAL.search(text), f"{label} states no mean with its interval: {text}"
+        verdicts.setdefault(label, set()).add(word)
+    # The brief's answers, from 3 seeds of 60 s: the differences are wide apart from zero.
+    for label in ("H1", "H2", "H3"):
+        assert verdicts[label] == {"supported"}, (label, verdicts)
+    assert "**Check supported**: bounded accepts exactly K + 8 of a burst of 30" in md
+    assert "**Check supported**: the simulator agrees with every closed form" in md
+    # The summary at the top repeats each hypothesis.
+    top = md.split("\n## 1. ")[0]
+    assert all(f"- **{label} " in top for label in ("H1", "H2", "H3"))
+
+
+def test_a_second_run_skips_done_sections_and_redoes_a_forced_one(done):
+    out, first, second, cells = done
+    assert any(line.startswith("reference: ran") for line in first)
+    for name in ("theory", "reference", "estimation", "stale", "cancellation"):
+        line = next(line for line in second if line.startswith(f"{name}:"))
+        assert "skipped" in line or "not available" in line, line
+    assert any(line.startswith("burst: ran") for line in second)
+    after = _cells(out)
+    assert set(after) == set(cells)
+    unchanged = [p for p in cells if "/reference/" in str(p)]
+    assert unchanged and all(after[p] == cells[p] for p in unchanged)
+    redone = [p for p in cells if "/burst/" in str(p)]
+    assert redone and all(after[p] != cells[p] for p in redone)
+
+
+def test_changed_inputs_start_the_section_afresh(tmp_path):
+    ctx = study.Context(tmp_path, TINY, workers=1, log=lambda line: None)
+    burst = next(s for s in study.SECTIONS if s.name == "burst")
+    assert study.run_section(ctx, burst) == "ran"
+    assert study.run_section(ctx, burst).endswith("skipped")
+    fewer = study.Context(tmp_path, study.dataclasses.replace(TINY, seeds=2), workers=1, log=lambda line: None)
+    assert study.run_section(fewer, burst) == "ran"  # not "resumed": another sweep config's cells were cleared
+    assert pd.read_parquet(tmp_path / "sections" / "burst" / "sweep" / "summary.parquet")["seed"].nunique() == 2
+
+
+def test_bad_out_is_one_line_and_exit_2(tmp_path, capsys):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("not a study")
+    for args, needle in ((["--out", str(afile)], "is a file, not a folder"),
+                         (["--out", str(other)], "not a qlab study"),
+                         (["--out", str(tmp_path / "new"), "--force", "everything"], "--force: invalid choice"),
+                         (["--out", str(tmp_path / "new"), "--workers", "0"], "--workers")):
+        assert main(["study", *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "new").exists()
+
+
+def _summary(share_at_2: float) -> pd.DataFrame:
+    """policy none at loads 0.5 and 2, three seeds, its share in time at load 2 as given."""
+    rows = []
+    for seed in (1, 2, 3):
+        rows.append(dict(policy="none", speed=1.0, load=0.5, seed=seed, share_good=0.99, goodput_rps=3.4 + 0.01 * seed))
+        rows.append(dict(policy="none", speed=1.0, load=2.0, seed=seed, share_good=share_at_2 + 0.01 * seed,
+                         goodput_rps=share_at_2 * 13.7 + 0.02 * seed))
+    return pd.DataFrame(rows)
+
+
+def test_h1_verdict_follows_the_intervals():
+    collapsed, table = study.hypothesis_1(_summary(0.02))
+    assert collapsed.supported is True and len(table) == 1
+    assert "at load 2 none answers 0.04 [" in collapsed.evidence
+    held, _ = study.hypothesis_1(_summary(0.9))  # a queue that kept 90 % in time has not collapsed
+    assert held.supported is False
+    untestable, _ = study.hypothesis_1(_summary(0.02).query("load > 1"))
+    assert untestable.supported is None
+
+
+def test_pipe_table_escapes_and_formats():
+    frame = pd.DataFrame({"a|b": ["x|y", "z"], "v": [0.123456, float("nan")], "ok": [True, False]})
+    assert study.pipe_table(frame).splitlines() == ["| a\\|b | v | ok |", "|---|---|---|",
+                                                    "| x\\|y | 0.1235 | yes |", "| z | - | no |"]
+
+
+def test_a_failed_section_is_reported_and_resumed_by_the_next_run(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def run(ctx, folder):
+        calls.append(folder)
+        (folder / "partial").touch()  # what an interrupted run leaves, for the next one to resume
+        if len(calls) == 1:
+            raise RuntimeError("engine on fire")
+
+    def report(ctx, folder):
+        return [study.Text(f"partial kept: {(folder / 'partial').is_file()}")]
+
+    monkeypatch.setattr(study, "SECTIONS", (study.Section("boom", "Boom", lambda ctx: {"x": 1}, run, report),))
+    monkeypatch.setattr(study, "QUICK", TINY)
+    assert main(["study", "--out", str(tmp_path), "--quick"]) == 1  # the others still run and the report is written
+    out, err = capsys.readouterr()
+    assert out.startswith("boom: FAILED: RuntimeError: engine on fire")
+    assert err == "qlab study: failed sections (see the report): boom\n"
+    assert "**FAILED**: RuntimeError: engine on fire" in (tmp_path / "report.md").read_text()
+    assert 'class="verdict no"><b>FAILED</b>' in (tmp_path / "report.html").read_text()
+    log = []
+    study.run(tmp_path, TINY, log=log.append)
+    assert log[0].startswith("boom: resumed and finished") and len(calls) == 2
+    assert "partial kept: True" in (tmp_path / "report.md").read_text()
+    assert not (tmp_path / "sections" / "boom" / "failed.json").exists()
