@@ -23,19 +23,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
+from pydantic import BaseModel
 
 from inputs.atomic import atomic_write
 from qsim.service import Fit, ServiceModel, fit
 
-from .contract import GenerateRequest, GenerateResponse, num
+from .contract import (Completion, CompletionRequest, EngineFacts, GenerateRequest, GenerateResponse, HealthFacts,
+                       Stats, UpstreamModels, num)
 from .tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: Longer prompts of the default schedule, beside the replayer's default prompt.
 LONG_PROMPTS = (256, 768)
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -89,15 +93,22 @@ def _positive_int(value) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def server_facts(health: dict | None, stats: dict | None) -> ServerFacts:
-    """Read ``GET /healthz``'s engine (tokenizer, context) and ``GET /stats``'s limits; None: not a qlab gate."""
-    engine = health.get("engine") if isinstance(health, dict) else None
-    engine = engine if isinstance(engine, dict) else {}
-    limits = stats.get("limits") if isinstance(stats, dict) else None
-    limits = limits if isinstance(limits, dict) else {}
-    tokenizer = engine.get("tokenizer")
-    return ServerFacts(tokenizer if isinstance(tokenizer, str) else None, _positive_int(engine.get("context")),
-                       _positive_int(limits.get("max_prompt_tokens")), _positive_int(limits.get("max_prompt_chars")))
+def server_facts(health: Any, stats: Any) -> ServerFacts:
+    """Read ``GET /healthz``'s engine (tokenizer, context) and ``GET /stats``'s limits (parsed bodies, through
+    :class:`live.contract.HealthFacts` and :class:`~live.contract.Stats`); a page that is not one (None: not
+    there, or not a qlab gate's) says nothing."""
+    engine = _lenient(HealthFacts, health).engine or EngineFacts()
+    limits = _lenient(Stats, stats).limits
+    return ServerFacts(engine.tokenizer, _positive_int(engine.context), _positive_int(limits.max_prompt_tokens),
+                       _positive_int(limits.max_prompt_chars))
+
+
+def _lenient(model: type[M], body: Any) -> M:
+    """``body`` through ``model``; the model's defaults (nothing said) when it is not one."""
+    try:
+        return model() if body is None else model.model_validate(body)
+    except ValueError:
+        return model()
 
 
 def read_facts(http: httpx.Client) -> ServerFacts:
@@ -194,19 +205,23 @@ def counted_by_gate(http: httpx.Client, prompts: dict[int, str]) -> dict[int, in
     the nominal count where the server does not answer one (no OpenAI routes)."""
     try:
         models = http.get("/v1/models")
-        model = models.json()["data"][0]["id"] if models.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        model = None
+        cards = UpstreamModels.model_validate_json(models.content).data if models.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        cards = []
+    model = cards[0].id if cards else None
     counts = {}
     for nominal, text in prompts.items():
         counts[nominal] = nominal
         if model is None:
             continue
         try:
-            answer = http.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1})
-            counts[nominal] = int(answer.json()["usage"]["prompt_tokens"]) if answer.status_code == 200 else nominal
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            pass
+            request = CompletionRequest(model=model, prompt=text, max_tokens=1)
+            answer = http.post("/v1/completions", json=request.body())
+            usage = Completion.model_validate_json(answer.content).usage if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            usage = None
+        if usage is not None:
+            counts[nominal] = usage.prompt_tokens
     return counts
 
 

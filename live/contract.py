@@ -15,7 +15,10 @@ the same test scans the client modules for body keys named by string.
   :class:`ChatCompletion`, :class:`ChatCompletionChunk`, :class:`ModelList`;
 * what the upstream engine (:mod:`live.upstream`) sends to and reads from any
   OpenAI-compatible server: :class:`UpstreamRequest`, :class:`UpstreamChunk`,
-  :class:`ForeignError`, :class:`UpstreamModels`, read leniently (other servers differ).
+  :class:`ForeignError`, :class:`UpstreamModels`, read leniently (other servers differ);
+* what a client reads of any server, qlab's or not, leniently: :class:`HealthFacts` (``/healthz``'s
+  :class:`EngineFacts`), :class:`AnswerEvent` (a streamed or whole OpenAI-compatible answer, read by
+  ``qlab replay --api openai``; :func:`generate_of` makes it ``/v1/generate``'s answer).
 
 Requests are strict (``"16"`` is not a number, unknown fields are refused). Answers are
 lenient where a server may say more than qlab reads (``extra="allow"`` on the numbers and
@@ -223,15 +226,35 @@ class StallRuleBody(BaseModel):
     floor_s: Num = None
 
 
-class EngineInfo(BaseModel):
-    """An engine's description of itself (``engine.info()``), in /stats and /healthz; each engine says more."""
+class EngineFacts(BaseModel):
+    """An engine's description as a client reads it of any server's /healthz or /stats: every field
+    optional (a server that is not qlab's, or an engine written elsewhere, may say none of them)."""
 
     model_config = _OPEN
 
-    engine: str
+    engine: str | None = None
     model: str | None = None  # gpt2's model name, or the upstream's model
     tokenizer: str | None = None  # the tokenizer its prompts are counted with
     context: int | None = None  # gpt2: the model's context, in tokens
+    # The synthetic engine's speed now and its schedule of [seconds, speed] steps, whose seconds began at
+    # schedule_started_at (the gate's clock): a run file puts the schedule on its own clock with it.
+    speed: float | None = None
+    schedule: list[tuple[float, float]] | None = None
+    schedule_started_at: Num = None
+
+
+class EngineInfo(EngineFacts):
+    """An engine's description of itself (``engine.info()``), in /stats and /healthz; each engine says more."""
+
+    engine: str
+
+
+class HealthFacts(BaseModel):
+    """What a client reads of any server's ``GET /healthz`` (:class:`Health` is qlab's): its engine, if it says."""
+
+    model_config = _OPEN
+
+    engine: EngineFacts | None = None
 
 
 class LimitsBody(BaseModel):
@@ -533,11 +556,60 @@ def _as_generate(q: QlabInfo | None, usage: Usage | None, choices: list) -> Gene
         return None
     choice = choices[0]
     text = choice.message.content if isinstance(choice, ChatChoice) else choice.text
-    return GenerateResponse(text=text, tokens=usage.completion_tokens, outcome=q.outcome, engine=q.engine,
-                            admission=q.admission,
+    return generate_of(q, text, usage.completion_tokens)
+
+
+def generate_of(q: QlabInfo | None, text: str, tokens: int) -> GenerateResponse:
+    """An OpenAI-compatible answer as ``/v1/generate``'s: a qlab gate's ``qlab`` part gives the outcome, engine,
+    timings and admission numbers; without one (a server that is not a qlab gate) they are unknown: nulls,
+    engine -1, and outcome good, which nothing reads (a client judges an answer by the latency it measured)."""
+    if q is None:
+        return GenerateResponse(text=text, tokens=tokens, outcome="good", engine=-1, admission=Admission(),
+                                timings=Timings(queue_s=None, engine_s=None, total_s=None, est_service_s=None,
+                                                started_at=None, returned_at=None))
+    return GenerateResponse(text=text, tokens=tokens, outcome=q.outcome, engine=q.engine, admission=q.admission,
                             timings=Timings(queue_s=q.queue_s, engine_s=q.engine_s, total_s=q.total_s,
                                             est_service_s=q.est_service_s, started_at=q.started_at,
                                             returned_at=q.returned_at, first_token_s=q.first_token_s))
+
+
+class EventUsage(BaseModel):
+    """An answer's usage as any server reports it (qlab's is :class:`Usage`), read leniently."""
+
+    model_config = _OPEN
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class EventDelta(BaseModel):
+    model_config = _OPEN
+
+    content: str | None = None
+
+
+class EventChoice(BaseModel):
+    """A choice of a completion (its ``text``) or of a chat chunk (its ``delta``), read leniently."""
+
+    model_config = _OPEN
+
+    text: str | None = None
+    delta: EventDelta | None = None
+
+
+class AnswerEvent(BaseModel):
+    """One ``data:`` event of any OpenAI-compatible server's streamed answer, or its whole answer, as the
+    replayer reads it (:mod:`live.openai_replay`); qlab's :class:`Completion` and :class:`ChatCompletionChunk`
+    are such events. Lenient (other servers say more, or less); ``qlab``: a qlab gate's part; ``error``: an
+    error event (its content is not read)."""
+
+    model_config = _OPEN
+
+    choices: list[EventChoice] | None = None
+    usage: EventUsage | None = None
+    qlab: QlabInfo | None = None
+    error: Any = None
 
 
 def read_error(body: Any) -> ErrorDetail | None:
@@ -579,14 +651,26 @@ class UpstreamChunk(Completion):
 
 
 class ForeignErrorDetail(BaseModel):
-    message: str = ""
+    """Any server's error object, read leniently (qlab's :class:`ErrorDetail` is one: its other keys are kept)."""
+
+    model_config = _OPEN
+
+    message: str | None = ""
+    type: str | None = None
+    code: str | int | None = None
 
 
 class ForeignError(BaseModel):
-    """OpenAI's (and qlab's) ``{"error": {"message"}}``, or an older vLLM's top-level ``message``."""
+    """OpenAI's (and qlab's) ``{"error": {"message"}}``, or an older vLLM's top-level error
+    (``object: "error"``, ``message``, ``type``, ``code``)."""
+
+    model_config = _OPEN
 
     error: ForeignErrorDetail | None = None
+    object: str | None = None
     message: str | None = None
+    type: str | None = None
+    code: str | int | None = None
 
     @property
     def text(self) -> str | None:

@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from .contract import (AnswerEvent, CompletionRequest, EventChoice, EventUsage, ForeignError, GenerateRequest,
+                       QlabInfo, StreamOptions, UpstreamModels, generate_of)
 from .openai_api import COMPLETIONS, DEADLINE_HEADER, MODELS
 
 #: Error types under which qlab's gate refuses or drops (live.rows reads them); a server that is
@@ -39,14 +41,12 @@ DONE = "[DONE]"
 
 def completion_request(body: dict, model: str) -> dict:
     """A ``/v1/generate`` body as keyword arguments of an ``httpx.Request`` to ``/v1/completions``, streamed."""
-    payload: dict[str, Any] = {"model": model, "prompt": body["prompt"], "max_tokens": body["max_new_tokens"],
-                               "stream": True, "stream_options": {"include_usage": True}}
-    if "priority" in body:
-        payload["priority"] = body["priority"]
-    if "client_id" in body:
-        payload["user"] = body["client_id"]
-    headers = {DEADLINE_HEADER: str(body["deadline_ms"])} if "deadline_ms" in body else {}
-    return {"json": payload, "headers": headers}
+    asked = GenerateRequest.model_validate(body, strict=False)  # the contract's body: a misnamed key fails here
+    request = CompletionRequest(model=model, prompt=asked.prompt, max_tokens=asked.max_new_tokens, stop=asked.stop,
+                                stream=True, stream_options=StreamOptions(include_usage=True),
+                                priority=asked.priority, user=asked.client_id)
+    headers = {} if asked.deadline_ms is None else {DEADLINE_HEADER: str(asked.deadline_ms)}
+    return {"json": request.model_dump(exclude_none=True, exclude_defaults=True), "headers": headers}
 
 
 def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
@@ -54,8 +54,8 @@ def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
     try:
         response = httpx.get(url + MODELS, timeout=timeout_s)
         response.raise_for_status()
-        ids = [str(card["id"]) for card in response.json()["data"]]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        ids = [card.id for card in UpstreamModels.model_validate_json(response.content).data]
+    except (httpx.HTTPError, ValueError) as exc:
         raise ValueError(f"{url}{MODELS}: cannot list the served models ({type(exc).__name__}); "
                          "name one with --model") from None
     if not ids:
@@ -101,39 +101,55 @@ def refusal_body(status: int, body: Any) -> Any:
     """An error body in qlab's envelope: as it is when it is one, else OpenAI's (or vLLM's older top-level)
     error object put in it; a 503 or 429 typed as qlab's refusal (overloaded, rate_limited) when the server
     did not type it so, with no reason (the server did not give one)."""
-    if isinstance(body, dict) and body.get("object") == "error" and "error" not in body:
-        body = {"error": {k: body[k] for k in ("message", "type", "code") if k in body}}
-    error = body.get("error") if isinstance(body, dict) else None
-    if status in QLAB_REFUSALS:
-        error = dict(error) if isinstance(error, dict) else {"message": str(body)[:200] if body is not None else ""}
-        if error.get("type") not in QLAB_REFUSALS[status]:
-            error = {"message": str(error.get("message") or ""), "type": QLAB_REFUSALS[status][0], "reason": None}
-        return {"error": error}
-    return body
+    foreign = _foreign_error(body)
+    if foreign is not None and foreign.error is None and foreign.object == "error":  # vLLM's older top level
+        body = {"error": foreign.model_dump(include={"message", "type", "code"}, exclude_unset=True)}
+        foreign = _foreign_error(body)
+    if status not in QLAB_REFUSALS:
+        return body
+    detail = None if foreign is None else foreign.error
+    if detail is not None and detail.type in QLAB_REFUSALS[status]:
+        return body
+    if detail is None:
+        message = str(body)[:200] if body is not None else ""
+    else:
+        message = str(detail.message or "")
+    return {"error": {"message": message, "type": QLAB_REFUSALS[status][0], "reason": None}}
 
 
-def answer_body(text: str, usage: dict | None, qlab: dict | None) -> dict:
-    """The streamed events as ``/v1/generate``'s answer: a qlab gate's ``qlab`` part gives the outcome, engine,
-    timings and admission numbers; a bare server gives none (nulls, engine -1: unknown, and outcome good, which
-    nothing reads: the row is judged by the latency the client measured, as every answer is)."""
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    q = qlab if isinstance(qlab, dict) else {}
-    timings = {k: q.get(k) for k in ("queue_s", "engine_s", "total_s", "est_service_s", "started_at",
-                                     "returned_at", "first_token_s")}
-    return {"text": text, "tokens": tokens if isinstance(tokens, int) else -1, "outcome": q.get("outcome", "good"),
-            "engine": q.get("engine", -1), "timings": timings,
-            "admission": q.get("admission") if isinstance(q.get("admission"), dict) else {}}
+def _foreign_error(body: Any) -> ForeignError | None:
+    """Any server's error body through :class:`live.contract.ForeignError`; None when it is not one."""
+    try:
+        return ForeignError.model_validate(body) if isinstance(body, dict) else None
+    except ValueError:
+        return None
 
 
-def _text_of(event: dict) -> str:
+def answer_body(text: str, usage: EventUsage | None, qlab: QlabInfo | None) -> dict:
+    """The streamed events as ``/v1/generate``'s answer (:func:`live.contract.generate_of`): a qlab gate's
+    ``qlab`` part gives the outcome, engine, timings and admission numbers; a bare server gives none (nulls,
+    engine -1: unknown); tokens -1 where the server reported no usage."""
+    tokens = usage.completion_tokens if usage is not None else None
+    return generate_of(qlab, text, -1 if tokens is None else tokens).model_dump()
+
+
+def _text_of(event: AnswerEvent) -> str:
     """The text an event carries: a completion chunk's ``text``, or a chat chunk's ``delta.content``."""
-    out = []
-    for choice in event.get("choices") or ():
-        if isinstance(choice, dict):
-            delta = choice.get("delta")
-            piece = choice.get("text") if "text" in choice else delta.get("content") if isinstance(delta, dict) else None
-            out.append(piece if isinstance(piece, str) else "")
-    return "".join(out)
+    return "".join(_piece(choice) for choice in event.choices or ())
+
+
+def _piece(choice: EventChoice) -> str:
+    if choice.text is not None:
+        return choice.text
+    return (choice.delta.content or "") if choice.delta is not None else ""
+
+
+def _event_of(body: Any) -> AnswerEvent | None:
+    """A parsed event (or whole answer) through :class:`live.contract.AnswerEvent`; None when it is not one."""
+    try:
+        return AnswerEvent.model_validate(body) if isinstance(body, dict) else None
+    except ValueError:
+        return None
 
 
 async def read_completion(response: httpx.Response, clock=None) -> Streamed:
@@ -146,9 +162,10 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
             body = response.json()
         except ValueError:
             body = None
-        if response.status_code == 200 and isinstance(body, dict) and "choices" in body:
+        whole = _event_of(body) if response.status_code == 200 else None
+        if whole is not None and whole.choices is not None:
             # A server that ignored stream: true answered whole; no first token to time.
-            return Streamed(200, answer_body(_text_of(body), body.get("usage"), body.get("qlab")), None, now())
+            return Streamed(200, answer_body(_text_of(whole), whole.usage, whole.qlab), None, now())
         return Streamed(response.status_code, refusal_body(response.status_code, body),
                         response.headers.get("retry-after"), now())
     first, done, pieces, usage, qlab, broken = math.nan, math.nan, [], None, None, None
@@ -161,19 +178,21 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
             done = now()
             continue
         try:
-            event = json.loads(data)
+            raw = json.loads(data)
         except ValueError:
             broken = f"an event that is not JSON: {data[:120]!r}"
             continue
-        if not isinstance(event, dict) or "error" in event:
-            broken = f"an error event: {str(event)[:200]}"
+        event = _event_of(raw)
+        if event is None or event.error is not None:
+            what = "an event that is not a completion chunk" if event is None else "an error event"
+            broken = f"{what}: {str(raw)[:200]}"
             continue
         text = _text_of(event)
         if text and math.isnan(first):
             first = now()
         pieces.append(text)
-        usage = event.get("usage") or usage
-        qlab = event.get("qlab") or qlab
+        usage = event.usage or usage
+        qlab = event.qlab or qlab
     end = now()
     if broken or math.isnan(done):
         why = broken or f"the stream ended before data: {DONE}"

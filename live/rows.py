@@ -59,7 +59,7 @@ from qsim.service import SpeedSchedule
 from qsim.clients import RetryPolicy
 from qsim.policy import on_time, policy_from_fields
 
-from .contract import ErrorDetail, Numbers, Timings, num, read_error
+from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings, num, read_error
 from .contract import read_answer as answer_of
 
 
@@ -121,35 +121,37 @@ class ServerInfo:
         return json.dumps({"base": base, "steps": steps})
 
 
-def _speed_schedule(engine: Any) -> tuple[SpeedSchedule | None, float]:
+def _speed_schedule(engine: EngineFacts | None) -> tuple[SpeedSchedule | None, float]:
     """A synthetic engine's schedule and its start (its info() in /stats); (None, NaN) for other engines."""
-    if not isinstance(engine, dict) or engine.get("engine") != "synthetic" or "speed" not in engine:
+    if engine is None or engine.engine != "synthetic" or engine.speed is None:
         return None, math.nan
-    steps = tuple((float(t), float(s)) for t, s in engine.get("schedule") or ())
-    return SpeedSchedule(float(engine["speed"]), steps), number(engine, "schedule_started_at")
+    return SpeedSchedule(engine.speed, tuple(engine.schedule or ())), num(engine.schedule_started_at)
 
 
-def server_info(stats: dict) -> ServerInfo:
-    """Read /stats: ``policy`` as a preset name or a dict of Policy fields."""
-    raw = stats.get("policy")
+def server_info(stats: Any) -> ServerInfo:
+    """Read /stats (a parsed body, through :class:`live.contract.Stats`; ValueError when it is not one):
+    ``policy`` as a preset name or a dict of Policy fields."""
+    parsed = Stats.model_validate(stats)
+    raw = parsed.policy
     if isinstance(raw, str):
         policy = preset(raw)
     elif isinstance(raw, dict):
         policy = policy_from_fields(raw)
     else:
         raise ValueError(f"/stats does not say which policy the server runs: {raw!r}")
-    model = stats.get("service_model")
-    stall = stats.get("stall_rule")
-    stall_rule = (number(stall, "factor"), number(stall, "floor_s")) if isinstance(stall, dict) else None
+    stall = parsed.stall_rule
+    stall_rule = None if stall is None else (num(stall.factor), num(stall.floor_s))
+    model = parsed.service_model
     return ServerInfo(
         policy=policy,
-        engines=int(stats.get("engines", 1)),
-        fixed_estimate=bool(stats.get("fixed_estimate", False)),
-        speed_factor=float(stats.get("speed_factor", 1.0)),
-        model=ServiceModel.from_fields(model) if isinstance(model, dict) else None,
+        engines=parsed.engines,
+        fixed_estimate=parsed.fixed_estimate,
+        speed_factor=num(parsed.speed_factor),
+        model=None if model is None else ServiceModel(intercept_s=model.intercept_s, per_token_s=model.per_token_s,
+                                                       per_prompt_token_s=model.per_prompt_token_s),
         stall_rule=stall_rule if stall_rule and all(map(math.isfinite, stall_rule)) else None,
-        tracker_weight=number(stats, "tracker_weight"),
-        **dict(zip(("speed_schedule", "schedule_zero"), _speed_schedule(stats.get("engine")))),
+        tracker_weight=num(parsed.tracker_weight),
+        **dict(zip(("speed_schedule", "schedule_zero"), _speed_schedule(parsed.engine))),
     )
 
 
@@ -244,12 +246,6 @@ def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | No
         return "cancelled", error.reason, None
     detail = error.message or (str(ex.body)[:200] if ex.body is not None else "no JSON body")
     return "error", error.reason, f"HTTP {ex.status} {error.type}: {detail}".strip()
-
-
-def number(mapping: Any, key: str) -> float:
-    """mapping[key] as a float; NaN when absent or not a number (a bool is not one)."""
-    value = mapping.get(key) if isinstance(mapping, dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def retry_after_s(ex: Exchange) -> int:
