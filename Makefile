@@ -19,13 +19,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench,live,cluster]'
 	touch $@
 
-# The main job on embedded defaults: every closed form against the simulator, a reduced
-# reference sweep (200 cells), its figures in figures/, and its summary table.
+# The main job on embedded defaults: the whole study in its quick form (every closed form against
+# the simulator, a reduced reference sweep with its hypotheses, the burst of 30, the estimation,
+# stale-estimator and cancellation experiments, a live pass on the synthetic engine compared with
+# the simulator request by request), written to runs/study/report.md and report.html. Resumable.
 demo: $(STAMP)
-	$(BIN)/qlab theory
-	$(BIN)/qlab sweep experiments/demo.toml --out runs/demo --quiet
-	$(BIN)/qlab plot runs/demo --out figures
-	$(BIN)/qlab summary runs/demo
+	$(BIN)/qlab study --out runs/study --quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

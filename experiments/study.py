@@ -2,7 +2,8 @@
 
 The study is a list of :class:`Section` s, run in order into ``DIR/sections/NAME/``:
 
-theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, live, configuration.
+theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, live, live_stale,
+live_cancellation, configuration.
 
 Each section has its inputs (everything that decides its results: the scaled sweep config, the
 theory's replications, the live config); their digest goes into ``inputs.json`` when the section
@@ -66,11 +67,17 @@ class Scale:
     live_policies: tuple[str, ...] = POLICIES
     live_loads: tuple[float, ...] = (1.0, 2.0)
     live_seconds: float = 40.0
+    live_stale_seconds: float = 60.0  # each live stale-estimator run (the machine slows a third in)
+    live_cut_policies: tuple[str, ...] = ("none", "predictive")  # live cutting at the deadline, off and on
+    live_cut_loads: tuple[float, ...] = (1.5, 3.0)
+    live_cut_seconds: float = 40.0
 
 
 FULL = Scale("full")
 QUICK = Scale("quick", seeds=5, duration_s=300.0, loads=(0.5, 0.9, 1.3, 2.0, 3.0), theory_replications=5,
-              theory_scale=0.1, live_policies=("bounded-deadline", "predictive"), live_loads=(2.0,), live_seconds=20.0)
+              theory_scale=0.1, live_policies=("bounded-deadline", "predictive"), live_loads=(2.0,), live_seconds=20.0,
+              live_stale_seconds=10.0, live_cut_policies=("predictive",), live_cut_loads=(1.5,),
+              live_cut_seconds=10.0)
 
 
 @dataclass(frozen=True)
@@ -639,14 +646,7 @@ def _cuda() -> bool:
 
 
 def _live_inputs(ctx: Context) -> dict:
-    if ctx.skip_live:
-        # A live pass finished by an earlier run is still reported (and not run again); none is started.
-        folder = ctx.out / "sections" / "live"
-        done, started = _read_json(folder / "done.json"), _read_json(folder / "inputs.json")
-        if done and started and done.get("digest") == started.get("digest"):
-            return started["inputs"]
-        return {"unavailable": "skipped (--skip-live)"}
-    return {"live": _live_data(ctx)}
+    return _skippable("live", lambda c: {"live": _live_data(c)})(ctx)
 
 
 def _live_run(ctx: Context, folder: Path) -> None:
@@ -686,6 +686,240 @@ def _live_report(ctx: Context, folder: Path) -> list:
         blocks.append(Figure(png.stem, png.read_bytes(), f"simulator against service, {row['policy']} at nominal load "
                                                          f"{row['nominal_load']:g}"))
     return blocks
+
+
+# ------------------------------------------------------------------ live: a stale estimator, cutting at the deadline
+
+#: A live section's servers start together (seconds each, in parallel) and its runs go one after another. The
+#: run of cell i begins LIVE_LEAD_S + i x (its seconds + LIVE_DRAIN_S) after its server's start (the engine's
+#: clock), and its speed schedule steps a third of the way into that: a speed schedule counts from the server's
+#: start. A run that begins late (the one before it drained slowly) slows earlier in its run; the report reads
+#: the step on each run's clock back from its run file, so it says where it fell.
+LIVE_LEAD_S = 5.0
+LIVE_DRAIN_S = 4.0  # a run outlasts its arrivals by its drain and the replay's own start and end: 1.5-2.5 s seen
+SLOWDOWN = 2.2  # as experiments/stale.toml
+
+
+def _skippable(name: str, data: Callable[[Context], dict]) -> Callable[[Context], dict]:
+    """A live section's inputs; with --skip-live, those of a pass finished earlier (reported, not run again)."""
+    def inputs(ctx: Context) -> dict:
+        if ctx.skip_live:
+            folder = ctx.out / "sections" / name
+            done, started = _read_json(folder / "done.json"), _read_json(folder / "inputs.json")
+            if done and started and done.get("digest") == started.get("digest"):
+                return started["inputs"]
+            return {"unavailable": "skipped (--skip-live)"}
+        return data(ctx)
+    return inputs
+
+
+def _stale_cells(ctx: Context) -> dict:
+    seconds = ctx.scale.live_stale_seconds
+    pairs = [(policy, fixed) for policy in ("bounded-deadline", "predictive") for fixed in (False, True)]
+    cells = []
+    for i, (policy, fixed) in enumerate(pairs):
+        lead = LIVE_LEAD_S + i * (seconds + LIVE_DRAIN_S)
+        cells.append({"name": f"{policy}__{'fixed' if fixed else 'tracking'}", "seconds": seconds, "load": 0.9,
+                      "seed": 1, "early_stops": False, "lead_s": lead,
+                      "options": {"policy": policy, "speed_schedule": f"{lead + seconds / 3:g}:{SLOWDOWN:g}",
+                                  "fixed_estimate": fixed}})
+    return {"cells": cells}
+
+
+def _cut_cells(ctx: Context) -> dict:
+    # Early stops (as experiments/cancellation.toml): the estimate from the limit is right only on average, so
+    # the runs that go to their limit pass their deadline and there is something to cut; the seed is the engine's.
+    cells = [{"name": f"{policy}__load{load:g}__{'cut' if cut else 'nocut'}", "seconds": ctx.scale.live_cut_seconds,
+              "load": load, "seed": 1, "early_stops": True, "lead_s": 0.0,
+              "options": {"policy": policy, "early_stops": True, "seed": 1,
+                          "policy_arg": "cancel_at_deadline=true" if cut else ""}}
+             for policy in ctx.scale.live_cut_policies for load in ctx.scale.live_cut_loads for cut in (False, True)]
+    return {"cells": cells}
+
+
+def _live_cell_trace(cell: dict):
+    from qsim import make_trace
+    from qsim.workload import UsedShare
+
+    # The load counts the work actually done where runs stop early, as the simulated sweep's (used = "study").
+    return make_trace("poisson", load=cell["load"], seconds=cell["seconds"], seed=cell["seed"],
+                      used=UsedShare() if cell["early_stops"] else None)
+
+
+def _run_cells(ctx: Context, folder: Path, cells: list[dict]) -> None:
+    """Each cell against its own `qlab serve`, started together, the runs one after another; a cell whose run
+    file exists is kept (resuming)."""
+    from contextlib import ExitStack
+
+    from live.loadgen import ReplayConfig, replay
+    from live.procs import Server
+    from live.serve_options import ServeOptions
+
+    runs = folder / "runs"
+    runs.mkdir(exist_ok=True)
+    todo = [cell for cell in cells if not (runs / f"{cell['name']}.parquet").is_file()]
+    (folder / "logs").mkdir(exist_ok=True)
+    with ExitStack() as stack:
+        servers = []
+        for cell in todo:
+            server = Server(ServeOptions(**cell["options"], port=0), folder / "logs" / f"{cell['name']}.log")
+            stack.callback(server.stop)
+            server.spawn()
+            servers.append(server)
+        for cell, server in zip(todo, servers):
+            server.wait_ready(180)
+            _wait_lead(server.url, cell["lead_s"])
+            began = time.perf_counter()
+            run = replay(_live_cell_trace(cell), ReplayConfig(server.url))
+            write_parquet(run, runs / f"{cell['name']}.parquet")
+            ctx.log(f"  {folder.name}: {cell['name']}: {len(run)} requests in {time.perf_counter() - began:.1f} s")
+
+
+def _wait_lead(url: str, lead_s: float) -> None:
+    """Wait until the server's engine has run for lead_s (its schedule_started_at in /stats is on this machine's
+    monotonic clock); at once if it has, or if the engine does not say."""
+    import httpx
+
+    if lead_s <= 0:
+        return
+    started = (httpx.get(f"{url}/stats", timeout=10).json().get("engine") or {}).get("schedule_started_at")
+    if isinstance(started, (int, float)):
+        time.sleep(max(0.0, min(lead_s, started + lead_s - time.monotonic())))
+
+
+def _live_cells_run(cells: Callable[[Context], dict]) -> Callable[[Context, Path], None]:
+    def run(ctx: Context, folder: Path) -> None:
+        _run_cells(ctx, folder, cells(ctx)["cells"])
+    return run
+
+
+def _late_share(outcome: pd.Series) -> float:
+    good, late = int(outcome.eq("good").sum()), int(outcome.eq("late").sum())
+    return late / (good + late) if good + late else math.nan
+
+
+def _cell_row(cell: dict, run: pd.DataFrame) -> dict:
+    """One live run: its outcomes, goodput, engine seconds and its per-request disagreement with the simulator."""
+    from analysis import compare, metrics
+
+    versus = compare.compare(run).summary
+    row = metrics.summary(run, cell["seconds"])
+    # A cut run reports no engine time: it held its engine from its start until the gate cut it.
+    engine = run["engine_s"].to_numpy(dtype=float, na_value=np.nan).copy()
+    cut = run["outcome"].eq("cancelled").to_numpy()
+    engine[cut] = (run["server_finish_s"] - run["engine_started_s"]).to_numpy(dtype=float, na_value=np.nan)[cut]
+    return {"requests": len(run), "good": int(run["outcome"].eq("good").sum()),
+            "late": int(run["outcome"].eq("late").sum()), "cancelled": int(run["outcome"].eq("cancelled").sum()),
+            "refused": int(run["outcome"].isin(["rejected", "expired"]).sum()),
+            "error": int(run["outcome"].eq("error").sum()), "goodput_rps": row["goodput_rps"],
+            "engine_s_per_s": float(np.nansum(engine)) / cell["seconds"],
+            "sim_disagreements": int(versus["disagreements"]), "sim_disagreement_rate": versus["disagreement_rate"],
+            "judged": len(run) - int(versus["live_errors"])}
+
+
+def _cell_rows(folder: Path, cells: list[dict]) -> list[tuple[dict, pd.DataFrame, dict]]:
+    out = []
+    for cell in cells:
+        path = folder / "runs" / f"{cell['name']}.parquet"
+        if path.is_file():
+            run = pd.read_parquet(path)
+            out.append((cell, run, _cell_row(cell, run)))
+    return out
+
+
+def _cells_of(folder: Path) -> list[dict]:
+    return ((_read_json(folder / "inputs.json") or {}).get("inputs") or {}).get("cells", [])
+
+
+def _disagreement(rows: list[dict]) -> Verdict:
+    wrong, judged = sum(r["sim_disagreements"] for r in rows), sum(r["judged"] for r in rows)
+    share = wrong / judged if judged else math.nan
+    return Verdict("check", "the simulator and the service agree request by request", None if not judged
+                   else bool(share <= 0.05), f"{wrong} of {judged} requests disagree ({share:.1%}; judged against 5 %)")
+
+
+def _sim_summary(folder: Path, name: str) -> pd.DataFrame | None:
+    tables = _summaries(folder.parent / name)
+    return None if tables is None else tables[0]
+
+
+def _live_stale_report(ctx: Context, folder: Path) -> list:
+    from analysis.compare import run_setup
+
+    done = _cell_rows(folder, _cells_of(folder))
+    if not done:
+        return _not_run(folder)
+    sim = _sim_summary(folder, "stale")
+    rows = []
+    for cell, run, row in done:
+        schedule = run_setup(run).speed_schedule
+        # No step left on the run's clock: it came before the run began, which then ran slow from its start.
+        change = math.nan if schedule is None else schedule.steps[0][0] if schedule.steps else 0.0
+        after = run["arrival_s"] >= change
+        policy, fixed = cell["options"]["policy"], cell["options"]["fixed_estimate"]
+        shown = {"policy": policy, "estimate": "fixed" if fixed else "tracking", "slows at (s of the run)": change,
+                 "late share of completed, from the change": _late_share(run.loc[after, "outcome"]),
+                 "late share of completed, before": _late_share(run.loc[~after, "outcome"]),
+                 **{k: row[k] for k in ("requests", "good", "late", "refused", "error", "goodput_rps",
+                                        "sim_disagreements", "sim_disagreement_rate")}}
+        if sim is not None:
+            at = {"policy": policy, "fixed_estimate": fixed}
+            shown["simulated late share from the change"] = str(level(sim, "late_share_after_change", **at))
+            shown["simulated goodput_rps"] = str(level(sim, "goodput_rps", **at))
+        rows.append(shown)
+    cell = done[0][0]
+    return [
+        Text(f"Live: bounded-deadline and predictive at load 0.9 on the synthetic engine, which becomes "
+             f"{SLOWDOWN:g}x slower a third of the way into each {cell['seconds']:g} s run (`--speed-schedule`; a "
+             "fresh server per run, the step on the run's clock read back from the run file), tracking the speed "
+             "or keeping the calibrated estimate (`--fixed-estimate`). Each run is replayed in the simulator "
+             "request by request (`qlab compare`). One live seed: no interval; the simulated columns are the stale "
+             "section's means [95 % CI] over its seeds (its runs are longer and slow at 20 s, so its goodput is "
+             "over a larger share of slow time)."),
+        _disagreement([r for *_, r in done]),
+        Table(pd.DataFrame(rows), "live stale estimator, beside the simulated stale sweep"
+              + ("" if sim is not None else " (not available: the stale section has no results)")),
+    ]
+
+
+def _live_cut_report(ctx: Context, folder: Path) -> list:
+    done = _cell_rows(folder, _cells_of(folder))
+    if not done:
+        return _not_run(folder)
+    sim = _sim_summary(folder, "cancellation")
+    if sim is not None:
+        sim = sim.assign(engine_s_saved_per_s=sim["engine_s_saved"] / sim["duration_s"])
+    runs = pd.DataFrame([{"policy": c["options"]["policy"], "load": c["load"],
+                          "cut at the deadline": bool(c["options"]["policy_arg"]), **r} for c, _, r in done])
+    pairs = []
+    for (policy, load), part in runs.groupby(["policy", "load"], sort=False):
+        on, off = part[part["cut at the deadline"]], part[~part["cut at the deadline"]]
+        if on.empty or off.empty:
+            continue
+        on, off = on.iloc[0], off.iloc[0]
+        pair = {"policy": policy, "load": load, "runs cut": int(on["cancelled"]),
+                "engine s/s saved (not cut minus cut)": off["engine_s_per_s"] - on["engine_s_per_s"],
+                "goodput gained (cut minus not cut)": on["goodput_rps"] - off["goodput_rps"]}
+        if sim is not None and load in set(sim["load"]) and policy in set(sim["policy"]):
+            at = {"policy": policy, "load": load}
+            pair["simulated engine s/s saved"] = str(level(sim, "engine_s_saved_per_s", **at, cancel_at_deadline=True))
+            pair["simulated goodput gained"] = str(difference(sim, "goodput_rps", {**at, "cancel_at_deadline": True},
+                                                              {**at, "cancel_at_deadline": False}))
+        pairs.append(pair)
+    cell = done[0][0]
+    return [
+        Text(f"Live: each policy and load with `--policy-arg cancel_at_deadline=true` and without, "
+             f"{cell['seconds']:g} s of Poisson arrivals each on the synthetic engine with early stops "
+             "(`--early-stops`, seeded: the study's used share, as experiments/cancellation.toml), a server per run. "
+             "Engine seconds are the engine time the service reported (a cut run's from its start to its cut), per "
+             "second of arrivals; saved and gained are "
+             "the difference of the two live runs (one live seed, same arrivals: no interval). The simulated columns "
+             "are the cancellation section's means [95 % CI] over its seeds (gained paired by seed)."),
+        _disagreement(runs.to_dict("records")),
+        Table(pd.DataFrame(pairs), "live cutting at the deadline: what it saved and gained, beside the simulated sweep"
+              + ("" if sim is not None else " (not available: the cancellation section has no results)")),
+        Table(runs.drop(columns="judged"), "the live runs and their per-request disagreement with the simulator"),
+    ]
 
 
 # ------------------------------------------------------------------ configuration
@@ -740,6 +974,10 @@ SECTIONS = (
             _sweep_run("cancellation.toml"),
             _experiment_report("cancellation", "cancellation_table", "Runs cut at their deadline or left to finish;")),
     Section("live", "A live pass and the simulator against the service", _live_inputs, _live_run, _live_report),
+    Section("live_stale", "Live: a stale estimator", _skippable("live_stale", _stale_cells),
+            _live_cells_run(_stale_cells), _live_stale_report),
+    Section("live_cancellation", "Live: cutting at the deadline", _skippable("live_cancellation", _cut_cells),
+            _live_cells_run(_cut_cells), _live_cut_report),
     Section("configuration", "Configuration", _nothing, _no_run, _configuration_report),
 )
 NAMES = tuple(s.name for s in SECTIONS)
@@ -917,12 +1155,13 @@ def cmd_study(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("study", help="run the whole reference study and write report.md and report.html",
                        description="Theory, the reference sweep (H1-H3), the burst of 30, estimation, the stale "
-                                   "estimator (H4), cancellation and a live pass compared with the simulator, into "
-                                   "one folder, with a report. Re-running resumes: done sections are skipped.")
+                                   "estimator (H4), cancellation, a live pass, and the stale estimator and "
+                                   "cancellation live, each live run compared with the simulator, into one folder, "
+                                   "with a report. Re-running resumes: done sections are skipped.")
     p.set_defaults(func=cmd_study)
     p.add_argument("--out", required=True, help="the study's folder (created; resumed if it holds a study)")
     p.add_argument("--quick", action="store_true", help="a reduced study: a few minutes on 2 cores")
     p.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
-    p.add_argument("--skip-live", action="store_true", help="leave out the live pass (no servers started)")
+    p.add_argument("--skip-live", action="store_true", help="leave out the live sections (no servers started)")
     p.add_argument("--force", action="append", choices=NAMES, metavar="SECTION",
                    help=f"run this section again even if done (repeat): {', '.join(NAMES)}")

@@ -155,3 +155,43 @@ def test_a_failed_section_is_reported_and_resumed_by_the_next_run(tmp_path, monk
     assert log[0].startswith("boom: resumed and finished") and len(calls) == 2
     assert "partial kept: True" in (tmp_path / "report.md").read_text()
     assert not (tmp_path / "sections" / "boom" / "failed.json").exists()
+
+
+def test_the_live_stale_and_cancellation_parts_run_and_report_the_disagreement(tmp_path, monkeypatch):
+    pytest.importorskip("httpx")
+    # A few seconds of trace per run; the runs' slots closer together than the study's (a slot a run overruns only
+    # moves its slowdown earlier in its run, which the report reads back from the run file).
+    monkeypatch.setattr(study, "LIVE_LEAD_S", 2.0)
+    monkeypatch.setattr(study, "LIVE_DRAIN_S", 3.0)
+    tiny = study.dataclasses.replace(TINY, live_stale_seconds=4.0, live_cut_policies=("predictive",),
+                                     live_cut_loads=(1.5,), live_cut_seconds=4.0)
+    ctx = study.Context(tmp_path, tiny, workers=1, log=lambda line: None)
+    parts = {s.name: s for s in study.SECTIONS}
+    for name in ("live_stale", "live_cancellation"):
+        assert study.run_section(ctx, parts[name]) == "ran"
+        assert len(list((tmp_path / "sections" / name / "runs").glob("*.parquet"))) == (4 if "stale" in name else 2)
+    assert study.run_section(ctx, parts["live_stale"]).endswith("skipped")
+    study.write_report(ctx)
+    md = (tmp_path / "report.md").read_text()
+    number = {s.name: i for i, s in enumerate(study.SECTIONS, 1)}
+    stale = md.split(f"\n## {number['live_stale']}. Live: a stale estimator\n")[1].split("\n## ")[0]
+    cut = md.split(f"\n## {number['live_cancellation']}. Live: cutting at the deadline\n")[1].split("\n## ")[0]
+    disagree = re.compile(r"\*\*Check (supported|not supported)\*\*: the simulator and the service agree request by "
+                          r"request\. Evidence: (\d+) of (\d+) requests disagree \(\d+\.\d%")
+    for text, runs in ((stale, 4), (cut, 2)):
+        found = disagree.search(text)
+        assert found and int(found.group(3)) > 0, text  # compare ran on every request the service handled
+        assert "One live seed: no interval" in text or "one live seed" in text
+    # Each run's row holds its numbers: the late share of the completed from the slowdown, goodput, disagreement.
+    rows = [line for line in stale.splitlines() if line.startswith(("| bounded-deadline |", "| predictive |"))]
+    assert len(rows) == 4 and {"tracking", "fixed"} <= {line.split(" | ")[1] for line in rows}
+    for line in rows:
+        cells = line.strip("|").split(" | ")
+        slows_at, late_after, goodput = float(cells[2]), float(cells[3]), float(cells[10])
+        assert 0 <= slows_at < 4 and 0 <= late_after <= 1 and goodput > 0
+    # The stale section has not run here: its simulated columns say so instead of numbers.
+    assert "(not available: the stale section has no results)" in stale
+    pair = [line for line in cut.splitlines() if line.startswith("| predictive | 1.5 |")]
+    assert len(pair) == 3  # what cutting saved and gained, and the two runs
+    saved, gained = (float(v) for v in pair[0].strip("|").split(" | ")[3:5])
+    assert abs(saved) < 2 and abs(gained) < 50
