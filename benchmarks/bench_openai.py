@@ -19,11 +19,10 @@ read through live.contract) on uvloop. Figures are printed, never asserted:
    engine sleeps). The difference of the two sets' percentiles is printed beside it.
    Targets: p50 < 1 ms, p99 < 3 ms.
 3. Time to the first token the gate adds in streaming (``stream: true``): the same pairs,
-   timed to the first bytes of the event stream. Target: p50 < 1 ms. Neither side streams
-   token by token here (qlab serve sends its stream once the answer is whole, and so does the
-   gate, see docs/http.md), so this is the gate's own delay to the first event; in front of an
-   upstream that streams tokens as it makes them, the gate would add the whole generation time
-   to the first token (no pass-through yet, a known limit).
+   timed to the first bytes of the event stream. Target: p50 < 1 ms. Both sides stream token
+   by token (the synthetic engine emits each token when its time is up, and the gate passes the
+   upstream's chunks through as they arrive, see docs/http.md), so this is the gate's own delay
+   to the first token, not the generation time.
 
     PYTHONPATH=. python benchmarks/bench_openai.py            # ~1 minute
     PYTHONPATH=. python benchmarks/bench_openai.py --quick    # ~20 s smoke run

@@ -15,6 +15,13 @@ from a stopped run's time. The synthetic engine waits on it instead of sleeping,
 looks at it between decoding steps, the upstream engine closes its connection at once
 (:meth:`Cancel.when_set`: a thread blocked reading a socket cannot look at anything).
 
+Streaming. An engine whose ``run`` also takes ``emit`` (an :data:`Emit`, optional like ``cancel``;
+:func:`takes_emit`) is handed one when the client asked for a stream, and calls it in its thread with
+each piece of text as it is produced: the upstream engine per upstream chunk, GPT-2 per decoding step
+(the new token's text, held back while a stop string may be starting), the synthetic engine per token
+(it then sleeps its run's time token by token, the same total). The pieces joined are the result's text.
+An engine without ``emit`` streams its whole answer at the end.
+
 An upstream engine's failures are :class:`UpstreamError` (an error status, no connection,
 an answer broken off) and :class:`UpstreamTimeout`; the gate tells them apart from an
 engine's own failure (502 and 504 instead of 500, see :mod:`live.http_api`).
@@ -117,7 +124,7 @@ class Engine(Protocol):
 
     max_new_tokens_limit: int | None
 
-    # An engine may also take ``cancel: Cancel | None = None`` (see the module docstring).
+    # An engine may also take ``cancel: Cancel | None = None`` and ``emit: Emit | None = None`` (module docstring).
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None) -> EngineResult: ...
 
     def count_tokens(self, text: str) -> int: ...
@@ -127,13 +134,42 @@ class Engine(Protocol):
     def info(self) -> dict: ...
 
 
-def takes_cancel(engine) -> bool:
-    """Whether ``engine.run`` takes ``cancel=`` (engines written before it existed do not)."""
+def _takes(engine, name: str) -> bool:
     try:
         params = inspect.signature(engine.run).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return False
-    return any(p.name == "cancel" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def takes_cancel(engine) -> bool:
+    """Whether ``engine.run`` takes ``cancel=`` (engines written before it existed do not)."""
+    return _takes(engine, "cancel")
+
+
+def takes_emit(engine) -> bool:
+    """Whether ``engine.run`` takes ``emit=`` (see the module docstring: streaming)."""
+    return _takes(engine, "emit")
+
+
+#: What an engine calls, in its own thread, with each piece of text as it produces it.
+Emit = Callable[[str], None]
+
+
+class PieceFeed:
+    """Hands ``emit`` the new part of a text that grows as decoding goes, holding back its last ``hold``
+    characters (where a stop string may be starting) and a character whose bytes are not all there yet."""
+
+    def __init__(self, emit: Emit, hold: int = 0) -> None:
+        self.emit, self.hold, self.sent = emit, hold, 0
+
+    def grow(self, text: str, final: bool = False) -> None:
+        end = len(text) if final else len(text) - self.hold
+        while not final and end > self.sent and text[end - 1] == "\ufffd":  # a partial UTF-8 sequence decoded
+            end -= 1
+        if end > self.sent:
+            self.emit(text[self.sent:end])
+            self.sent = end
 
 
 def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0) -> str | None:
@@ -145,6 +181,18 @@ def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0) -> s
         return None
     hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
     return text[: min(hits)] if hits else None
+
+
+#: The synthetic engine's text: this word once per token.
+WORD = " tok"
+
+
+def _waited_out(cancel: threading.Event | None, seconds: float) -> bool:
+    """Sleep ``seconds``; True if ``cancel`` was set first (the sleep then ends at once)."""
+    if cancel is None:
+        time.sleep(seconds)
+        return False
+    return cancel.wait(seconds)
 
 
 class InjectedFault(RuntimeError):
@@ -233,7 +281,7 @@ class SyntheticEngine:
         return float(self.model.estimate(max_new_tokens, prompt_tokens)) * speed * noise
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None) -> EngineResult:
+            cancel: threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
         start = time.perf_counter()
         with self._rng_lock:
             self._runs += 1
@@ -246,16 +294,33 @@ class SyntheticEngine:
         if self.early_stops is not None:
             with self._rng_lock:  # two draws per run, after the noise's: the same seed gives the same runs
                 generated = int(self.early_stops.draw(self._rng, [max_new_tokens])[0])
-        duration = self.duration_s(generated, self.count_tokens(prompt))
-        if cancel is None:
-            time.sleep(duration)
-        elif cancel.wait(duration):  # the client left, or its deadline passed: the rest of the work is not done
-            return EngineResult("", 0, time.perf_counter() - start, stopped=True)
-        text = " tok" * generated
+        prompt_tokens = self.count_tokens(prompt)
+        duration = self.duration_s(generated, prompt_tokens)
+        text = WORD * generated
         cut = apply_stop(text, stop)
-        # The sleep was for every token generated: a stop string given by the client shortens the text, not the work.
+        # The sleep is for every token generated: a stop string given by the client shortens the text, not the work.
         text = text if cut is None else cut
+        if emit is not None and generated > 0:
+            return self._stream(text, generated, prompt_tokens, duration, start, cancel, emit)
+        if _waited_out(cancel, duration):  # the client left, or its deadline passed: the rest of the work is not done
+            return EngineResult("", 0, time.perf_counter() - start, stopped=True)
         return EngineResult(text, generated, time.perf_counter() - start)
+
+    def _stream(self, text: str, generated: int, prompt_tokens: int, duration: float, start: float,
+                cancel: threading.Event | None, emit: Emit) -> EngineResult:
+        """The run's time token by token: each token the model's per-token share of it, the rest (intercept,
+        prompt) before the first; each token's text is emitted when its time is up."""
+        estimate = float(self.model.estimate(generated, prompt_tokens))
+        step = duration * self.model.per_token_s / estimate if estimate > 0 else duration / generated
+        first_s = None
+        for i in range(generated):
+            if _waited_out(cancel, duration - step * (generated - 1) if i == 0 else step):
+                return EngineResult(text[: len(WORD) * i], i, time.perf_counter() - start, first_s, stopped=True)
+            first_s = time.perf_counter() - start if first_s is None else first_s
+            piece = text[len(WORD) * i: len(WORD) * (i + 1)]  # empty past a stop string's cut
+            if piece:
+                emit(piece)
+        return EngineResult(text, generated, time.perf_counter() - start, first_s)
 
     def count_tokens(self, text: str) -> int:
         return self._tokenizer.count(text)

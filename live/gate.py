@@ -59,6 +59,12 @@ set so that the engine stops, and the client gets :class:`DeadlineCut` (outcome
 ``cancelled``, reason ``deadline_passed``; HTTP 504) at once. The engine is free when
 ``engine.run`` returns, as for a client that leaves.
 
+Streaming. :meth:`Gate.submit_streaming` admits a job as ``submit`` does (the same core, the same
+counts) and also returns the queue of its text pieces (:class:`Streamed`): the engine thread hands
+each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run`` takes ``emit``, see
+:mod:`live.engine`), and :data:`END` follows once the future is done. Nothing else changes: the
+future is answered, fails or is cut exactly as a job that does not stream.
+
 Upstream failures. An upstream engine (:mod:`live.upstream`) raises
 :class:`~live.engine.UpstreamError` or :class:`~live.engine.UpstreamTimeout`; the request
 then fails with :class:`UpstreamFailed` or :class:`UpstreamTimedOut` (both
@@ -77,7 +83,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Callable, Sequence
 
@@ -87,7 +93,7 @@ from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, StallRule
 from qsim.records import OUTCOMES
 from qsim.service import ServiceModel, SpeedTracker
 
-from .engine import Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, takes_cancel
+from .engine import Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, takes_cancel, takes_emit
 from .timings import Timings
 
 #: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
@@ -141,6 +147,7 @@ class Job:
     client_id: str | None = None  # whose token bucket it draws on, where the policy limits each client
     priority: int = 0  # higher first under a priority discipline
     prompt_tokens: int = 0  # counted by the engine's tokenizer: the service model's prompt term
+    stream: bool = False  # the engine hands over its text piece by piece (Gate.submit_streaming)
 
 
 @dataclass(frozen=True)
@@ -279,6 +286,24 @@ class _Ticket:
     due: float = math.inf  # gate clock: arrival + deadline, where the policy cuts a run there
     timer: asyncio.TimerHandle | None = None  # the cut at ``due``, while it runs
     cut: bool = False  # the gate cut it at its deadline (a worker in tests tells this from a client leaving)
+    emit: Callable[[str], None] | None = None  # a streamed job's: posts a piece of text to ``pieces``
+    pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
+
+
+#: The last item of a streamed job's pieces: its future is done (answered, failed, or cancelled).
+END = object()
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed job: its future (as :meth:`Gate.submit`'s) and the text pieces the engine produces.
+
+    ``pieces`` holds each piece as it comes, then :data:`END` once the future is done; what came after
+    (an engine still going after a cut) is never read. An engine without ``emit`` puts no piece.
+    """
+
+    future: asyncio.Future
+    pieces: asyncio.Queue
 
 
 @dataclass(frozen=True)
@@ -295,6 +320,7 @@ class _EngineThread:
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
         self._takes_cancel = takes_cancel(engine)
+        self._takes_emit = takes_emit(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"qlab-engine-{k}", daemon=True)
@@ -314,6 +340,8 @@ class _EngineThread:
             job = ticket.job
             began = time.perf_counter()
             cancel = {"cancel": ticket.cancel} if self._takes_cancel else {}
+            if ticket.emit is not None and self._takes_emit:
+                cancel["emit"] = ticket.emit
             try:
                 result = self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel)
                 if not isinstance(result, EngineResult):
@@ -411,6 +439,9 @@ class Gate:
         busy until ``engine.run`` returns (at once for an engine that listens, at the end
         of the run for one that does not): only then is it free for the next.
         """
+        return self._submit(job).future
+
+    def _submit(self, job: Job) -> _Ticket:
         if self._loop is None or self._closed:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
         now = self.clock()
@@ -420,6 +451,9 @@ class Gate:
         base = float(self.config.model.estimate(job.max_new_tokens, job.prompt_tokens))
         deadline = self.policy.deadline_s if job.deadline_s is None else job.deadline_s
         ticket = _Ticket(job, None, None)  # type: ignore[arg-type]
+        if job.stream:  # before arrive(): an idle engine may take it there
+            ticket.pieces = asyncio.Queue()
+            ticket.emit = partial(self._post_piece, ticket.pieces)
         if self.policy.cancel_at_deadline:
             ticket.due = now + deadline
         refusal = self.queue.arrive(ticket, now, base, deadline, job.priority, job.client_id,
@@ -433,7 +467,16 @@ class Gate:
             raise Rejected(refusal, ticket.arrival)
         ticket.future = self._loop.create_future()
         ticket.future.add_done_callback(partial(self._on_future_done, ticket))
-        return ticket.future
+        if ticket.pieces is not None:
+            # A done callback runs after every piece the engine posted before its hand-back resolved the future.
+            ticket.future.add_done_callback(lambda _: ticket.pieces.put_nowait(END))
+        return ticket
+
+    def submit_streaming(self, job: Job) -> Streamed:
+        """:meth:`submit` for a client that reads the answer as it is produced: the engine (one whose
+        ``run`` takes ``emit``) hands each piece of text to the loop as it goes. Raises :class:`Rejected`."""
+        ticket = self._submit(job if job.stream else replace(job, stream=True))
+        return Streamed(ticket.future, ticket.pieces)
 
     # -- the core's hooks -------------------------------------------------------------
 
@@ -464,6 +507,13 @@ class Gate:
         self._resolve(ticket, outcome, exc=EngineStalled(message, None, numbers, a))
 
     # -- completion -------------------------------------------------------------------
+
+    def _post_piece(self, pieces: asyncio.Queue, text: str) -> None:
+        """Engine thread -> event loop, for each piece of a streamed run: never blocks the engine."""
+        try:
+            self._loop.call_soon_threadsafe(pieces.put_nowait, text)
+        except RuntimeError:  # the loop closed while the engine ran: nobody is reading any more
+            pass
 
     def _post(self, k: int, ticket: _Ticket, result) -> None:
         """Engine thread -> event loop."""

@@ -21,8 +21,10 @@ stop it: the study wants the work to follow the request's size) unless a stop
 string appears in the decoded text, which is then cut before the stop string,
 or the gate cancels the run (its client left, or its deadline passed under a policy
 that cuts there): decoding then stops before the next step and the run reports
-``stopped``. ``EngineResult.tokens`` is the number generated, not the limit: what a
-learning estimator (``Policy.estimator = "learned"``) learns from.
+``stopped``. A run that streams (``emit``, see :mod:`live.engine`) brings each token to the
+host as it is decoded and emits its text (held back while a stop string may be starting).
+``EngineResult.tokens`` is the number generated, not the limit: what a learning estimator
+(``Policy.estimator = "learned"``) learns from.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from .engine import EngineResult, apply_stop
+from .engine import Emit, EngineResult, PieceFeed, apply_stop
 from .tokenizer import ByteTokenizer
 
 #: The test model: GPT-2's vocabulary and context, two thin layers.
@@ -170,10 +172,10 @@ class GPT2Engine:
     # -- the Engine protocol ------------------------------------------------
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None) -> EngineResult:
+            cancel: threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
         start = time.perf_counter()
         ids = self._prompt_ids(prompt, max_new_tokens)
-        new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel)
+        new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel, emit)
         # tokens: what it generated (fewer than asked where a stop string or the Cancel ended it), which a
         # learning estimator learns from; the stop string's own tokens are work done, so they count.
         return EngineResult(text, len(new_ids), time.perf_counter() - start, stopped=stopped)
@@ -212,8 +214,9 @@ class GPT2Engine:
 
     @torch.inference_mode()
     def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...],
-                  cancel: threading.Event | None = None) -> tuple[list[int], str, bool]:
-        """The new token ids, their text (cut before a stop string) and whether the Cancel stopped it."""
+                  cancel: threading.Event | None = None, emit: Emit | None = None) -> tuple[list[int], str, bool]:
+        """The new token ids, their text (cut before a stop string) and whether the Cancel stopped it;
+        ``emit`` gets the text as it grows, step by step (live.engine.PieceFeed)."""
         x = torch.tensor([ids], device=self.device)
         cache = None
         steps: list[torch.Tensor] = []
@@ -221,6 +224,7 @@ class GPT2Engine:
         longest = max((len(s) for s in stop), default=0)
         seen = 0  # characters already searched for a stop string
         stopped = False
+        feed = None if emit is None else PieceFeed(emit, longest)
         for _ in range(max_new_tokens):
             if cancel is not None and cancel.is_set():  # the client left, or its deadline passed: work for nobody
                 stopped = True
@@ -228,20 +232,27 @@ class GPT2Engine:
             out = self.net(input_ids=x, use_cache=True, **{self._cache_kw: cache}, **self._keep)
             cache = getattr(out, self._cache_kw)
             x = out.logits[:, -1:].argmax(-1)  # greedy; shape (1, 1), stays on the device
-            if not stop:
+            if not stop and feed is None:
                 steps.append(x)  # no reason to wait for the device each token
                 continue
-            new_ids.append(int(x))  # a stop check needs the token on the host
+            new_ids.append(int(x))  # a stop check, or a stream, needs the token on the host
             text = self.tokenizer.decode(new_ids)
             # Only the tail can hold a new match; a few extra characters cover
             # a multi-byte character that completed this step.
             cut = apply_stop(text, stop, max(0, seen - longest - 4))
             if cut is not None:
+                if feed is not None:
+                    feed.grow(cut, final=True)
                 return new_ids, cut, False
+            if feed is not None:
+                feed.grow(text)
             seen = len(text)
         if steps:
             new_ids = torch.cat(steps, dim=1)[0].tolist()
-        return new_ids, self.tokenizer.decode(new_ids), stopped
+        text = self.tokenizer.decode(new_ids)
+        if feed is not None:
+            feed.grow(text, final=True)
+        return new_ids, text, stopped
 
 
 def make_engines(k: int, spec: GPT2Spec) -> list[GPT2Engine]:

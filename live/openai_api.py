@@ -26,16 +26,17 @@ What a request becomes (docs/http.md, "OpenAI-compatible API", says the same for
   than 1, a list of several prompts, ``suffix``, ``logprobs``, ``top_logprobs``, tools and functions,
   a ``response_format`` other than text. Any other field is a 422, as on ``/v1/generate`` (strict).
 
-Streaming (``stream: true``). The engines produce the whole answer at once, so the route waits for
-it (or its failure) before answering: every refusal or failure is then a plain JSON error with its
-status, never a broken stream, and a stream always carries a finished answer as server-sent
-events: (chat) a role chunk, one chunk with the whole text, a last chunk with ``finish_reason``
-and the ``qlab`` timings, (with ``stream_options.include_usage``) a chunk with ``usage``, then
-``data: [DONE]``. Time to the first chunk is therefore the time to the whole answer.
-That holds behind ``--engine upstream`` too: the upstream engine reads the upstream's own stream
-to its end (timing its first token, ``qlab.first_token_s``) before the gate answers, so an upstream
-that fails, times out or breaks off mid-stream gives the client a plain JSON 502 or 504, not a
-cut stream. Passing tokens through as the upstream sends them is not done (a known limit).
+Streaming (``stream: true``). The answer is passed through as the engine produces it
+(:meth:`live.gate.Gate.submit_streaming`; an engine's ``emit``, :mod:`live.engine`): (chat) a role
+chunk, then one chunk per piece of text as it arrives (the synthetic engine's tokens, GPT-2's decoding
+steps, the upstream server's own chunks), then a last chunk with ``finish_reason`` and the ``qlab``
+timings, (with ``stream_options.include_usage``) a chunk with ``usage``, then ``data: [DONE]``. The
+response starts with the first piece: until then a refusal or a failure is a plain JSON error with its
+status (never a stream), and an engine without ``emit`` streams its whole answer at the end, as before.
+A failure after the first piece (an upstream that errors, times out or hangs up mid-stream, an engine
+error, a stall, a cut at the deadline) ends the stream with one event holding the error envelope its
+handler would have answered (``data: {"error": {...}}``, on which the openai SDK raises ``APIError``),
+then ``data: [DONE]``. A client that hangs up mid-stream cancels the future, so the run's Cancel is set.
 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
 ended it), else ``length``: the engines never stop at end-of-text (an upstream server may: its
@@ -48,13 +49,14 @@ the gate-clock times, and the admission numbers, as ``/v1/generate``'s ``timings
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from qsim.records import CLIENT_ID_CHARS
@@ -63,8 +65,9 @@ from .contract import (OWNER, Admission, AssistantMessage, ChatChoice, ChatChunk
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
                        Usage, request_models)
-from .gate import Answer, Gate, Job, Rejected
-from .http_api import CLIENT_HEADER, InvalidRequest, Limits, _outcome, _validation_text, json_response, read_body
+from .gate import END, Answer, Gate, Job, Rejected, Streamed
+from .http_api import (CLIENT_HEADER, HANDLERS, InvalidRequest, Limits, _outcome, _until_disconnect, _validation_text,
+                       json_response, read_body)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -186,9 +189,25 @@ def _client(request: Request, user: str | None) -> str | None:
 # ---------------------------------------------------------------------- the routes
 
 
+DONE_EVENT = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache"}
+
+
+def _event(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
 def _sse(events: list[BaseModel]) -> Response:
-    body = "".join(f"data: {e.model_dump_json()}\n\n" for e in events) + "data: [DONE]\n\n"
-    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    body = "".join(_event(e) for e in events) + DONE_EVENT
+    return Response(body, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _error_event(request: Request, exc: Exception) -> str:
+    """The envelope its handler answers a request that fails before streaming, as one event: the openai
+    SDK raises APIError on a data event with an ``error`` key."""
+    handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
+    response = await handler(request, exc)
+    return f"data: {bytes(response.body).decode()}\n\n"
 
 
 def _json(body: BaseModel) -> Response:
@@ -224,6 +243,45 @@ class _Run:
 
 
 @dataclass(frozen=True)
+class _Shape:
+    """A streamed answer's events: those before the text (chat's role chunk), one for a piece of text
+    (the first piece after ``prefix``: an echoed prompt), and those after it (finish_reason, qlab, usage)."""
+
+    lead: tuple[BaseModel, ...]
+    piece: Callable[[str], BaseModel]
+    tail: Callable[[_Run], list[BaseModel]]
+    prefix: str = ""
+
+
+def _completion_shape(head: dict, include_usage: bool, prefix: str) -> _Shape:
+    def piece(text: str) -> BaseModel:
+        return Completion(**head, choices=[CompletionChoice(text=text, finish_reason=None)])
+
+    def tail(run: _Run) -> list[BaseModel]:
+        last = Completion(**head, choices=[CompletionChoice(text="", finish_reason=run.finish_reason)], qlab=run.qlab)
+        return [last, *([Completion(**head, choices=[], usage=run.usage)] if include_usage else [])]
+
+    return _Shape((), piece, tail, prefix)
+
+
+def _chat_shape(head: dict, include_usage: bool) -> _Shape:
+    def piece(text: str) -> BaseModel:
+        return ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(content=text))])
+
+    def tail(run: _Run) -> list[BaseModel]:
+        done = ChatChunkChoice(delta=ChatDelta(), finish_reason=run.finish_reason)
+        last = ChatCompletionChunk(**head, choices=[done], qlab=run.qlab)
+        return [last, *([ChatCompletionChunk(**head, choices=[], usage=run.usage)] if include_usage else [])]
+
+    role = ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    return _Shape((role,), piece, tail)
+
+
+def _include_usage(req) -> bool:
+    return req.stream_options is not None and bool(req.stream_options.include_usage)
+
+
+@dataclass(frozen=True)
 class _Routes:
     gate: Gate
     limits: Limits
@@ -234,6 +292,64 @@ class _Routes:
 
     async def _run(self, request: Request, req, prompt: str, t0: float) -> _Run | None:
         """Admit and run; None when the client left first. Refusals and failures raise to their handlers."""
+        job = self._job(request, req, prompt)
+        answer = await _outcome(self._admit(self.gate.submit, job, t0), request)
+        if answer is None:
+            return None
+        return _Run(answer, job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+
+    def _admit(self, submit, job: Job, t0: float):
+        try:
+            return submit(job)
+        except Rejected:
+            self.gate.timings.refusal.observe(self.gate.clock() - t0)
+            raise
+
+    async def _stream(self, request: Request, req, prompt: str, t0: float, shape: _Shape) -> Response:
+        """Admit, then stream the pieces as the engine produces them. Until the first piece, a refusal or
+        failure raises to its handler (a plain JSON error); after it, a failure is the stream's last event."""
+        job = self._job(request, req, prompt)
+        streamed = self._admit(self.gate.submit_streaming, job, t0)
+        # A client that hangs up cancels the future (the run's Cancel is set), which ends the pieces (END).
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        watch.add_done_callback(lambda _: streamed.future.cancel())
+        try:
+            first = await streamed.pieces.get()
+        except BaseException:
+            watch.cancel()
+            raise
+        if first is not END:
+            return StreamingResponse(self._events(request, streamed, watch, first, shape, job, t0),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        watch.cancel()  # done before any piece: an engine without emit, a failure, or the client left
+        if streamed.future.cancelled():
+            return Response(status_code=499)
+        run = _Run(streamed.future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+        return _sse([*shape.lead, shape.piece(shape.prefix + run.answer.text), *shape.tail(run)])
+
+    async def _events(self, request: Request, streamed: Streamed, watch: asyncio.Future, first: str,
+                      shape: _Shape, job: Job, t0: float) -> AsyncIterator[str]:
+        try:
+            for event in shape.lead:
+                yield _event(event)
+            piece, prefix = first, shape.prefix
+            while piece is not END:
+                yield _event(shape.piece(prefix + piece))
+                piece, prefix = await streamed.pieces.get(), ""
+            future = streamed.future
+            if future.cancelled():
+                return  # the client left (or the server is shutting down): nobody reads on
+            if future.exception() is not None:
+                yield await _error_event(request, future.exception())
+            else:
+                run = _Run(future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+                for event in shape.tail(run):
+                    yield _event(event)
+            yield DONE_EVENT
+        finally:
+            watch.cancel()  # and so the future: a stream closed early stops its run
+
+    def _job(self, request: Request, req, prompt: str) -> Job:
         if req.model != self.model_id:
             raise InvalidRequest(404, "model_not_found", f"model {req.model[:80]!r} is not served here; "
                                                          f"this server serves {self.model_id!r} (GET {MODELS})")
@@ -246,56 +362,36 @@ class _Routes:
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
         max_new = _new_tokens(req, self.limits.max_new_tokens)
         deadline = req.deadline_ms / 1000.0 if req.deadline_ms is not None else _deadline_header(request, self.limits)
-        job = Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority, tokens)
-        try:
-            future = self.gate.submit(job)
-        except Rejected:
-            self.gate.timings.refusal.observe(self.gate.clock() - t0)
-            raise
-        answer = await _outcome(future, request)
-        if answer is None:
-            return None
-        return _Run(answer, tokens, max_new, self.gate.clock() - t0)
+        return Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority, tokens)
 
     async def completions(self, request: Request) -> Response:
         t0 = self.gate.clock()
         req = _parse(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _completion_prompt(req)
+        head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
+        if req.stream:
+            shape = _completion_shape(head, _include_usage(req), prompt if req.echo else "")
+            return await self._stream(request, req, prompt, t0, shape)
         run = await self._run(request, req, prompt, t0)
         if run is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         text = prompt + run.answer.text if req.echo else run.answer.text
-        head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
-        if not req.stream:
-            return _json(Completion(**head, choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)],
-                                    usage=run.usage, qlab=run.qlab))
-        events = [Completion(**head, choices=[CompletionChoice(text=text, finish_reason=None)]),
-                  Completion(**head, choices=[CompletionChoice(text="", finish_reason=run.finish_reason)],
-                             qlab=run.qlab)]
-        if req.stream_options is not None and req.stream_options.include_usage:
-            events.append(Completion(**head, choices=[], usage=run.usage))
-        return _sse(events)
+        return _json(Completion(**head, choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)],
+                                usage=run.usage, qlab=run.qlab))
 
     async def chat(self, request: Request) -> Response:
         t0 = self.gate.clock()
         req = _parse(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
-        run = await self._run(request, req, _chat_messages_prompt(req), t0)
+        prompt = _chat_messages_prompt(req)
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
+        if req.stream:
+            return await self._stream(request, req, prompt, t0, _chat_shape(head, _include_usage(req)))
+        run = await self._run(request, req, prompt, t0)
         if run is None:
             return Response(status_code=499)
-        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
-        text = run.answer.text
-        if not req.stream:
-            return _json(ChatCompletion(**head, choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                                    finish_reason=run.finish_reason)],
-                                        usage=run.usage, qlab=run.qlab))
-        events = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]),
-                  ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(content=text))]),
-                  ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(),
-                                                                       finish_reason=run.finish_reason)],
-                                      qlab=run.qlab)]
-        if req.stream_options is not None and req.stream_options.include_usage:
-            events.append(ChatCompletionChunk(**head, choices=[], usage=run.usage))
-        return _sse(events)
+        return _json(ChatCompletion(**head, choices=[ChatChoice(message=AssistantMessage(content=run.answer.text),
+                                                                finish_reason=run.finish_reason)],
+                                    usage=run.usage, qlab=run.qlab))
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.model_id, created=self.created)

@@ -4,7 +4,8 @@
 server that speaks OpenAI's API (vLLM, or another ``qlab serve``): the gate decides who is
 admitted, and each of its K engine threads forwards one request at a time to the upstream's
 ``POST /v1/completions`` with ``stream: true``, so K is the concurrency the operator allows
-the upstream. The engine reads the stream to its end and hands the gate the whole answer:
+the upstream. The engine reads the stream to its end and hands the gate the whole answer (and, for
+a client that asked for a stream, each chunk's text as it comes: ``emit``, see :mod:`live.engine`):
 
 * engine time: from sending the request to the last token (what the speed tracker learns,
   so ``qlab calibrate`` and speed tracking work as with the other engines); the time to the
@@ -43,7 +44,7 @@ import httpx
 from pydantic import ValidationError
 
 from .contract import ForeignError, UpstreamChunk, UpstreamModels, UpstreamRequest
-from .engine import Cancel, EngineResult, UpstreamError, UpstreamTimeout
+from .engine import Cancel, Emit, EngineResult, UpstreamError, UpstreamTimeout
 from .openai_api import COMPLETIONS, MODELS
 from .serve_options import check_upstream_url
 from .tokenizer import ByteTokenizer
@@ -158,10 +159,12 @@ class _Reading:
     last_s: float | None = None
     usage_tokens: int | None = None
 
-    def add(self, chunk: UpstreamChunk) -> None:
+    def add(self, chunk: UpstreamChunk, emit: Emit | None = None) -> None:
         text = "".join(choice.text for choice in chunk.choices)
         if text:
             now = time.perf_counter() - self.start
+            if emit is not None:  # streamed on as it came
+                emit(text)
             self.text.append(text)
             self.chunks += 1
             self.first_s = now if self.first_s is None else self.first_s
@@ -190,14 +193,14 @@ class UpstreamEngine:
                                     limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: Cancel | threading.Event | None = None) -> EngineResult:
+            cancel: Cancel | threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
         reading = _Reading(time.perf_counter())
         if cancel is not None and cancel.is_set():
             return reading.result(stopped=True)
         forget = self._watch(cancel)
         try:
             self._stream(UpstreamRequest(model=self.model, prompt=prompt, max_tokens=max_new_tokens,
-                                  stop=list(stop) if stop else None), reading, cancel)
+                                  stop=list(stop) if stop else None), reading, cancel, emit)
         except (httpx.HTTPError, UpstreamError) as exc:
             if cancel is not None and cancel.is_set():
                 return reading.result(stopped=True)  # the error is the socket we shut
@@ -220,7 +223,8 @@ class UpstreamEngine:
 
         return forget
 
-    def _stream(self, body: UpstreamRequest, reading: _Reading, cancel: threading.Event | None) -> None:
+    def _stream(self, body: UpstreamRequest, reading: _Reading, cancel: threading.Event | None,
+                emit: Emit | None) -> None:
         with self._client.stream("POST", COMPLETIONS, content=body.model_dump_json(exclude_none=True),
                                  headers={"content-type": "application/json"},
                                  extensions={"trace": self._connection.trace}) as response:
@@ -231,7 +235,7 @@ class UpstreamEngine:
             for payload in _data(response.iter_lines()):
                 if payload == DONE:
                     return
-                reading.add(_parse_chunk(payload))
+                reading.add(_parse_chunk(payload), emit)
                 if cancel is not None and cancel.is_set():
                     return
         raise UpstreamError(f"the upstream's stream ended before data: {DONE}")
