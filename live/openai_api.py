@@ -41,7 +41,8 @@ then ``data: [DONE]``. A client that hangs up mid-stream cancels the future, so 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
 ended it), else ``length``: the engines never stop at end-of-text (an upstream server may: its
 shorter answer then says ``stop`` too). The synthetic engine does all
-the work even when a stop string cuts its text, so it always says ``length``.
+the work even when a stop string cuts its text, so it says ``length`` unless it stops early of its own
+(``--early-stops``), then ``stop``.
 
 Every 200 carries ``qlab``: the gate's outcome (good or late), engine, queue and engine seconds,
 the gate-clock times, and the admission numbers, as ``/v1/generate``'s ``timings`` and ``admission``.
