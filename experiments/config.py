@@ -176,51 +176,54 @@ def _client_dict(c: Client) -> dict:
     return {"name": c.name, "share": c.share, "priority": c.priority, "mix": mix}
 
 
-def _clients(path: str, table: Any, mixes: dict[str, Mix]) -> dict[str, tuple[Client, ...]]:
-    """[clients.SET] tables: each key a client, each value its share, priority and mix name."""
+def _named(path: str, table: Any, section: str, what: str, builtin: tuple[str, str], build) -> dict[str, Any]:
+    """[SECTION.NAME] tables, each built by ``build(where, spec)``; ``builtin``: the name of the axis's built-in
+    value, which no table may take, and what it is."""
     if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [clients] must be a table of named client sets")
+        raise ConfigError(f"{path}: [{section}] must be a table of named {what}")
     out = {}
-    for set_name, members in table.items():
-        where = f"{path}: clients.{_key(set_name)}"
-        if set_name == NO_CLIENTS:
-            raise ConfigError(f"{where}: {NO_CLIENTS!r} is the built-in set of no clients; choose another name")
-        if not isinstance(members, dict) or not members:
-            raise ConfigError(f"{where}: expected a table of clients, e.g. heavy = {{ share = 0.8 }}")
-        built = []
-        for name, spec in members.items():
-            here = f"{where}.{_key(name)}"
-            if not isinstance(spec, dict):
-                raise ConfigError(f"{here}: expected a table with share (and optionally priority, mix)")
-            no_unknown_keys(here, spec, CLIENT_KEYS)
-            if "share" not in spec:
-                raise ConfigError(f"{here}: share is required")
-            v = {k: typed_value(f"{here}.{k}", x, CLIENT_KEYS[k]) for k, x in spec.items()}
-            if "mix" in v and v["mix"] not in mixes:
-                raise ConfigError(f"{here}.mix: unknown mix {v['mix']!r}; define it under [mixes.{_key(v['mix'])}]")
-            try:
-                built.append(Client(name, v["share"], v.get("priority", 0), mixes[v["mix"]] if "mix" in v else None))
-            except ValueError as exc:
-                raise ConfigError(f"{here}: {exc}") from None
-        try:
-            check_clients(tuple(built))
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        out[set_name] = tuple(built)
+    for name, spec in table.items():
+        where = f"{path}: {section}.{_key(name)}"
+        if name == builtin[0]:
+            raise ConfigError(f"{where}: {builtin[0]!r} is the built-in {builtin[1]}; choose another name")
+        out[name] = build(where, spec)
     return out
+
+
+def _client_set(where: str, members: Any, mixes: dict[str, Mix]) -> tuple[Client, ...]:
+    """One [clients.SET] table: each key a client, each value its share, priority and mix name."""
+    if not isinstance(members, dict) or not members:
+        raise ConfigError(f"{where}: expected a table of clients, e.g. heavy = {{ share = 0.8 }}")
+    built = []
+    for name, spec in members.items():
+        here = f"{where}.{_key(name)}"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{here}: expected a table with share (and optionally priority, mix)")
+        no_unknown_keys(here, spec, CLIENT_KEYS)
+        if "share" not in spec:
+            raise ConfigError(f"{here}: share is required")
+        v = {k: typed_value(f"{here}.{k}", x, CLIENT_KEYS[k]) for k, x in spec.items()}
+        if "mix" in v and v["mix"] not in mixes:
+            raise ConfigError(f"{here}.mix: unknown mix {v['mix']!r}; define it under [mixes.{_key(v['mix'])}]")
+        try:
+            built.append(Client(name, v["share"], v.get("priority", 0), mixes[v["mix"]] if "mix" in v else None))
+        except ValueError as exc:
+            raise ConfigError(f"{here}: {exc}") from None
+    try:
+        check_clients(tuple(built))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return tuple(built)
+
+
+def _clients(path: str, table: Any, mixes: dict[str, Mix]) -> dict[str, tuple[Client, ...]]:
+    """[clients.SET] tables."""
+    return _named(path, table, "clients", "client sets", (NO_CLIENTS, "set of no clients"), lambda where, spec: _client_set(where, spec, mixes))
 
 
 def _retries(path: str, table: Any) -> dict[str, RetryPolicy]:
     """[retry.NAME] tables: each a RetryPolicy's fields, checked as ``qlab simulate``'s --retry-* flags are."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [retry] must be a table of named retry policies")
-    out = {}
-    for name, spec in table.items():
-        where = f"{path}: retry.{_key(name)}"
-        if name == NO_RETRY:
-            raise ConfigError(f"{where}: {NO_RETRY!r} is the built-in policy of no retries; choose another name")
-        out[name] = retry_from_table(where, spec)
-    return out
+    return _named(path, table, "retry", "retry policies", (NO_RETRY, "policy of no retries"), retry_from_table)
 
 
 def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dict,
