@@ -888,7 +888,7 @@ def _live_cut_report(ctx: Context, folder: Path) -> list:
         return _not_run(folder)
     sim = _sim_summary(folder, "cancellation")
     if sim is not None:
-        sim = sim.assign(engine_s_saved_per_s=sim["engine_s_saved"] / sim["duration_s"])
+        sim = sim.assign(engine_s_total_per_s=sim["engine_s_total"] / sim["duration_s"])
     runs = pd.DataFrame([{"policy": c["options"]["policy"], "load": c["load"],
                           "cut at the deadline": bool(c["options"]["policy_arg"]), **r} for c, _, r in done])
     pairs = []
@@ -902,7 +902,11 @@ def _live_cut_report(ctx: Context, folder: Path) -> list:
                 "goodput gained (cut minus not cut)": on["goodput_rps"] - off["goodput_rps"]}
         if sim is not None and load in set(sim["load"]) and policy in set(sim["policy"]):
             at = {"policy": policy, "load": load}
-            pair["simulated engine s/s saved"] = str(level(sim, "engine_s_saved_per_s", **at, cancel_at_deadline=True))
+            # The live runs' measure (total engine time, not cut minus cut, paired by seed), not the sweep's
+            # engine_s_saved: a cut frees an engine for requests that would otherwise have been refused.
+            pair["simulated engine s/s saved"] = str(difference(sim, "engine_s_total_per_s",
+                                                                {**at, "cancel_at_deadline": False},
+                                                                {**at, "cancel_at_deadline": True}))
             pair["simulated goodput gained"] = str(difference(sim, "goodput_rps", {**at, "cancel_at_deadline": True},
                                                               {**at, "cancel_at_deadline": False}))
         pairs.append(pair)
@@ -913,8 +917,11 @@ def _live_cut_report(ctx: Context, folder: Path) -> list:
              "(`--early-stops`, seeded: the study's used share, as experiments/cancellation.toml), a server per run. "
              "Engine seconds are the engine time the service reported (a cut run's from its start to its cut), per "
              "second of arrivals; saved and gained are "
-             "the difference of the two live runs (one live seed, same arrivals: no interval). The simulated columns "
-             "are the cancellation section's means [95 % CI] over its seeds (gained paired by seed)."),
+             "the difference of the two live runs (one live seed, same arrivals: no interval). Saved is the whole "
+             "engine time of the run without cutting minus that with it, so it can be negative: a cut frees the "
+             "engine for requests that would otherwise have been refused (the cancellation section's "
+             "engine_s_saved counts only the cut runs' unrun time). The simulated columns are the same differences "
+             "in the cancellation section, means [95 % CI] paired by seed."),
         _disagreement(runs.to_dict("records")),
         Table(pd.DataFrame(pairs), "live cutting at the deadline: what it saved and gained, beside the simulated sweep"
               + ("" if sim is not None else " (not available: the cancellation section has no results)")),
