@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -30,6 +29,7 @@ from live.procs import serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from live.tokenizer import words_prompt  # noqa: E402
 from qsim import from_arrays, records  # noqa: E402
+from fake_http import listening, read_request  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -193,18 +193,6 @@ def test_api_flags_are_checked(capsys):
 # ================================================================== --api openai against a server that is not a gate
 
 
-def _request(conn: socket.socket) -> tuple[str, dict, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += conn.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    while len(body) < int(headers.get("content-length", 0)):
-        body += conn.recv(65536)
-    return lines[0], headers, body
-
-
 def _sse_head() -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
 
@@ -226,7 +214,7 @@ GAP_S = 0.05
 
 
 def _bare(conn: socket.socket, seen: list) -> None:
-    line, headers, body = _request(conn)
+    line, headers, body = read_request(conn)
     if line.startswith("GET /v1/models"):
         conn.sendall(_plain("200 OK", {"object": "list", "data": [{"id": "llama", "object": "model"}]}))
         return
@@ -255,26 +243,9 @@ def _bare(conn: socket.socket, seen: list) -> None:
 @contextmanager
 def bare_server() -> Iterator[tuple[str, list]]:
     """An OpenAI-compatible server that is not a qlab gate: one request per connection, no /stats."""
-    server = socket.create_server(("127.0.0.1", 0))
     seen: list = []
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            _bare(conn, seen)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}", seen
-    finally:
-        server.close()
+    with listening(lambda conn: _bare(conn, seen)) as url:
+        yield url, seen
 
 
 def test_openai_replay_of_a_bare_server_records_first_token_refusals_and_errors(tmp_path, capsys):

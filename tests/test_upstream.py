@@ -38,6 +38,7 @@ from live.engine import Cancel, UpstreamError, UpstreamTimeout  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions, check_upstream_url  # noqa: E402
 from live.upstream import UpstreamEngine, UpstreamSpec, resolve_model  # noqa: E402
+from fake_http import listening, read_request  # noqa: E402
 
 MODEL = "synthetic"  # the upstream's model, which the gate serves under the same name
 UPSTREAMS = {"ok": ServeOptions(policy="none", engines=2),
@@ -230,40 +231,11 @@ def test_upstream_options_in_a_server_table_and_a_childs_argv():
 # ================================================================== the engine against a scripted server
 
 
-def _read_request(conn: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += conn.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
-                  0)
-    while len(body) < length:
-        body += conn.recv(65536)
-    return body
-
-
 @contextmanager
 def scripted(respond: Callable[[socket.socket, bytes], None]) -> Iterator[str]:
     """A server that answers each connection's one request with ``respond(conn, request_body)``."""
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            respond(conn, _read_request(conn))
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        server.close()
+    with listening(lambda conn: respond(conn, read_request(conn)[2])) as url:
+        yield url
 
 
 def _sse(*events: dict | str, done: bool = True, status: str = "200 OK") -> bytes:
