@@ -117,7 +117,9 @@ def engine_seconds(frame: pd.DataFrame) -> dict[str, float]:
     }
 
 
-def _late_share(outcome: np.ndarray) -> float:
+def late_share(outcome) -> float:
+    """Late answers over all answers (good + late) among these outcomes; NaN without an answer."""
+    outcome = np.asarray(outcome, dtype=object)
     good, late = int((outcome == "good").sum()), int((outcome == "late").sum())
     return late / (good + late) if good + late else math.nan
 
@@ -144,9 +146,9 @@ def cell_summary(frame: pd.DataFrame, engines: int = 1, change_s: float | None =
         "admitted_missed": float(missed.sum() / n) if n else math.nan,
         "share_late": float((outcome == "late").sum() / n) if n else math.nan,
         "est_rel_error_median": float(np.median(np.abs(est - true) / true)) if len(true) else math.nan,
-        "late_share_of_completed": _late_share(outcome),
-        "late_share_before_change": math.nan if change_s is None else _late_share(outcome[arrival < change_s]),
-        "late_share_after_change": math.nan if change_s is None else _late_share(outcome[arrival >= change_s]),
+        "late_share_of_completed": late_share(outcome),
+        "late_share_before_change": math.nan if change_s is None else late_share(outcome[arrival < change_s]),
+        "late_share_after_change": math.nan if change_s is None else late_share(outcome[arrival >= change_s]),
     }
     row.update(engine_seconds(frame))
     return row

@@ -793,11 +793,6 @@ def _live_cells_run(cells: Callable[[Context], dict]) -> Callable[[Context, Path
     return run
 
 
-def _late_share(outcome: pd.Series) -> float:
-    good, late = int(outcome.eq("good").sum()), int(outcome.eq("late").sum())
-    return late / (good + late) if good + late else math.nan
-
-
 def _cell_row(cell: dict, run: pd.DataFrame) -> dict:
     """One live run: its outcomes, goodput, engine seconds and its per-request disagreement with the simulator."""
     from analysis import compare, metrics
@@ -845,6 +840,7 @@ def _sim_summary(folder: Path, name: str) -> pd.DataFrame | None:
 
 def _live_stale_report(ctx: Context, folder: Path) -> list:
     from analysis.compare import run_setup
+    from analysis.estimation import late_share
 
     done = _cell_rows(folder, _cells_of(folder))
     if not done:
@@ -858,8 +854,8 @@ def _live_stale_report(ctx: Context, folder: Path) -> list:
         after = run["arrival_s"] >= change
         policy, fixed = cell["options"]["policy"], cell["options"]["fixed_estimate"]
         shown = {"policy": policy, "estimate": "fixed" if fixed else "tracking", "slows at (s of the run)": change,
-                 "late share of completed, from the change": _late_share(run.loc[after, "outcome"]),
-                 "late share of completed, before": _late_share(run.loc[~after, "outcome"]),
+                 "late share of completed, from the change": late_share(run.loc[after, "outcome"]),
+                 "late share of completed, before": late_share(run.loc[~after, "outcome"]),
                  **{k: row[k] for k in ("requests", "good", "late", "refused", "error", "goodput_rps",
                                         "sim_disagreements", "sim_disagreement_rate")}}
         if sim is not None:
