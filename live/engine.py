@@ -1,4 +1,4 @@
-"""Engines: what runs one request. The gate calls ``run`` from an engine thread.
+"""Engines: what runs one request. The gate calls ``run`` from an engine thread, or awaits ``arun`` on its loop.
 
 An engine is anything with the :class:`Engine` shape. Three exist: the GPT-2
 engine (:mod:`live.gpt2`, the only module that imports torch),
@@ -22,6 +22,12 @@ each piece of text as it is produced: the upstream engine per upstream chunk, GP
 (it then sleeps its run's time token by token, the same total). The pieces joined are the result's text.
 An engine without ``emit`` streams its whole answer at the end.
 
+Coroutine engines. An engine whose work is waiting on I/O (the upstream engine: a socket) may instead
+define ``async def arun(prompt, max_new_tokens, stop, emit=None)`` (:func:`is_coroutine_engine`). The
+gate runs it as a task on its own event loop, with no thread: nothing to hand over between threads, and
+``emit`` is called on the loop. It is stopped by cancelling its task (:func:`cancellable`, which turns a
+set :class:`Cancel` into that), so it takes no ``cancel``. :func:`run_coroutine` runs one from a thread.
+
 An upstream engine's failures are :class:`UpstreamError` (an error status, no connection,
 an answer broken off) and :class:`UpstreamTimeout`; the gate tells them apart from an
 engine's own failure (502 and 504 instead of 500, see :mod:`live.http_api`).
@@ -35,13 +41,14 @@ server, not only in-process. A very slow engine needs no fault of its own:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -116,7 +123,8 @@ class UpstreamTimeout(UpstreamError):
 
 @runtime_checkable
 class Engine(Protocol):
-    """One request at a time; ``run`` blocks and is called from one engine thread.
+    """One request at a time; ``run`` blocks and is called from one engine thread (or, instead, a coroutine
+    ``arun`` that the gate awaits on its loop: module docstring, "Coroutine engines").
 
     max_new_tokens_limit: the most new tokens a request may ask for (None: no
     limit of the engine's own; the service applies its cap).
@@ -134,9 +142,15 @@ class Engine(Protocol):
     def info(self) -> dict: ...
 
 
+def is_coroutine_engine(engine) -> bool:
+    """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as ``run`` but
+    ``cancel``): the gate then runs it as a task on its event loop, with no thread (module docstring)."""
+    return inspect.iscoroutinefunction(getattr(engine, "arun", None))
+
+
 def _takes(engine, name: str) -> bool:
     try:
-        params = inspect.signature(engine.run).parameters.values()
+        params = inspect.signature(engine.arun if is_coroutine_engine(engine) else engine.run).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return False
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
@@ -154,6 +168,45 @@ def takes_emit(engine) -> bool:
 
 #: What an engine calls, in its own thread, with each piece of text as it produces it.
 Emit = Callable[[str], None]
+
+
+async def cancellable(run: Awaitable[EngineResult], cancel: Cancel | None) -> EngineResult:
+    """Await a coroutine engine's run in the current task; ``cancel`` set (from any thread, before or during the
+    run) cancels the task's wait, and the run ends as a stopped result (the engine's ``async with`` blocks have
+    closed what they held: the upstream engine's connection)."""
+    began = time.perf_counter()
+    if cancel is None:
+        return await run
+    task, loop = asyncio.current_task(), asyncio.get_running_loop()
+
+    def stop() -> None:
+        try:
+            loop.call_soon_threadsafe(task.cancel)  # the setting thread may be the loop's own or another
+        except RuntimeError:
+            pass  # the loop has closed: the run is over
+
+    forget = cancel.when_set(stop)
+    try:
+        return await run
+    except asyncio.CancelledError:
+        if not cancel.is_set():
+            raise  # cancelled by someone else (the gate closing): not a stopped run
+        task.uncancel()
+        return EngineResult("", 0, time.perf_counter() - began, stopped=True)
+    finally:
+        forget()
+
+
+def run_coroutine(make: Callable[[], Awaitable[EngineResult]], cancel: threading.Event | None = None) -> EngineResult:
+    """A coroutine engine's run called from a thread (tests, scripts): on an event loop of its own. A
+    :class:`Cancel` stops it at once; a plain Event is looked at before the run only."""
+    if cancel is not None and cancel.is_set():
+        return EngineResult("", 0, 0.0, stopped=True)
+
+    async def main() -> EngineResult:
+        return await cancellable(make(), cancel if isinstance(cancel, Cancel) else None)
+
+    return asyncio.run(main())
 
 
 class PieceFeed:
@@ -309,12 +362,14 @@ class SyntheticEngine:
     def _stream(self, text: str, generated: int, prompt_tokens: int, duration: float, start: float,
                 cancel: threading.Event | None, emit: Emit) -> EngineResult:
         """The run's time token by token: each token the model's per-token share of it, the rest (intercept,
-        prompt) before the first; each token's text is emitted when its time is up."""
+        prompt) before the first; each token's text is emitted when its time is up. Each wait runs to the
+        token's time since the start, so that the sleeps' overshoots do not add up: the run takes its time."""
         estimate = float(self.model.estimate(generated, prompt_tokens))
         step = duration * self.model.per_token_s / estimate if estimate > 0 else duration / generated
         first_s = None
         for i in range(generated):
-            if _waited_out(cancel, duration - step * (generated - 1) if i == 0 else step):
+            due = duration - step * (generated - 1 - i)  # seconds since the start at which token i is out
+            if _waited_out(cancel, max(0.0, due - (time.perf_counter() - start))):
                 return EngineResult(text[: len(WORD) * i], i, time.perf_counter() - start, first_s, stopped=True)
             first_s = time.perf_counter() - start if first_s is None else first_s
             piece = text[len(WORD) * i: len(WORD) * (i + 1)]  # empty past a stop string's cut

@@ -19,7 +19,9 @@ only about the times they feed the core:
 
 Every piece of state lives on the event loop thread; engine threads only run
 ``engine.run`` and post the result back with ``call_soon_threadsafe``, so no
-lock is needed and ``submit`` never blocks. Waiting requests are futures, not
+lock is needed and ``submit`` never blocks. A coroutine engine (``arun``: the
+upstream engine, whose work is waiting on a socket) needs no thread at all: each
+of its runs is a task on the same loop, posting back the same way. Waiting requests are futures, not
 threads: a thread pool in front of the gate would be a second, unbounded and
 invisible queue. The clock is read once per event and passed to the core.
 
@@ -62,7 +64,7 @@ set so that the engine stops, and the client gets :class:`DeadlineCut` (outcome
 Streaming. :meth:`Gate.submit_streaming` admits a job as ``submit`` does (the same core, the same
 counts) and also returns the queue of its text pieces (:class:`Streamed`): the engine thread hands
 each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run`` takes ``emit``, see
-:mod:`live.engine`), and :data:`END` follows once the future is done. Nothing else changes: the
+:mod:`live.engine`; a coroutine engine's task puts it in the queue itself), and :data:`END` follows once the future is done. Nothing else changes: the
 future is answered, fails or is cut exactly as a job that does not stream.
 
 Upstream failures. An upstream engine (:mod:`live.upstream`) raises
@@ -93,7 +95,8 @@ from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, StallRule
 from qsim.records import OUTCOMES
 from qsim.service import ServiceModel, SpeedTracker
 
-from .engine import Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, takes_cancel, takes_emit
+from .engine import (Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, cancellable, is_coroutine_engine,
+                     takes_cancel, takes_emit)
 from .timings import Timings
 
 #: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
@@ -343,24 +346,73 @@ class _EngineThread:
             if ticket.emit is not None and self._takes_emit:
                 cancel["emit"] = ticket.emit
             try:
-                result = self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel)
-                if not isinstance(result, EngineResult):
-                    raise TypeError(f"engine returned {type(result).__name__}, not EngineResult")
+                result = _checked(self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel))
             except Exception as exc:  # one failed request must not take the engine down
                 result = _Failure(exc, time.perf_counter() - began)
             self._deliver(self.k, ticket, result)
+
+
+def _checked(result) -> EngineResult:
+    if not isinstance(result, EngineResult):
+        raise TypeError(f"engine returned {type(result).__name__}, not EngineResult")
+    return result
+
+
+class _EngineTask:
+    """A coroutine engine (``arun``, :func:`live.engine.is_coroutine_engine`): each run is a task on the gate's
+    loop. Its work is waiting on I/O, so a thread would add only the two hand-overs between threads (and the
+    GIL's) to every request; ``emit`` puts each piece straight into the ticket's queue. Cancelling the run's
+    Cancel cancels the task (:func:`live.engine.cancellable`)."""
+
+    def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
+        self.k, self.engine, self._deliver = k, engine, deliver
+        self._takes_emit = takes_emit(engine)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Nothing to start: a run's task is made when the gate gives the engine a ticket."""
+
+    def give(self, ticket: _Ticket) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(ticket), name=f"qlab-engine-{self.k}")
+
+    def stop(self, timeout_s: float) -> None:
+        if self._task is not None:
+            self._task.cancel()  # the gate is closing: the run's answer has nobody to go to
+
+    async def aclose(self) -> None:
+        """Let the engine close what it holds on this loop (the upstream engine's session)."""
+        close = getattr(self.engine, "aclose", None)
+        if close is not None:
+            await close()
+
+    async def _run(self, ticket: _Ticket) -> None:
+        job, began = ticket.job, time.perf_counter()
+        emit = {"emit": ticket.pieces.put_nowait} if ticket.pieces is not None and self._takes_emit else {}
+        try:
+            run = self.engine.arun(job.prompt, job.max_new_tokens, job.stop or None, **emit)
+            result = _checked(await cancellable(run, ticket.cancel))
+        except Exception as exc:  # as an engine thread's: one failed request must not take the engine down
+            result = _Failure(exc, time.perf_counter() - began)
+        # No await from here on: a cancel the loop delivers later finds this task done.
+        self._deliver(self.k, ticket, result)
+
+
+def _worker_for(k: int, engine: Engine, deliver: Callable):
+    """A task on the loop for a coroutine engine, else a thread of its own."""
+    return (_EngineTask if is_coroutine_engine(engine) else _EngineThread)(k, engine, deliver)
 
 
 class Gate:
     """The queue core on the event loop, and K engine threads; use inside one running event loop.
 
     worker: what runs engine k (``worker(k, engine, deliver)`` with start, give(ticket) and
-    stop(timeout_s)); engine threads by default. Tests pass one that runs on the loop's
-    (virtual) clock, to check the gate against the simulator in simulated time.
+    stop(timeout_s)); by default an engine thread, or a task on the loop for a coroutine engine.
+    Tests pass one that runs on the loop's (virtual) clock, to check the gate against the simulator
+    in simulated time.
     """
 
     def __init__(self, engines: Sequence[Engine], config: GateConfig, clock: Callable[[], float] = time.monotonic,
-                 worker: Callable = _EngineThread) -> None:
+                 worker: Callable = _worker_for) -> None:
         if not engines:
             raise ValueError("the gate needs at least one engine")
         self.engines = list(engines)
@@ -385,6 +437,7 @@ class Gate:
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
         self._worker = worker
         self._threads: list = []
+        self._closing: list = []  # the workers close() stopped, for aclose()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
@@ -418,14 +471,22 @@ class Gate:
             ticket.future.cancel()
         for t in self._threads:
             t.stop(timeout_s / max(1, len(self._threads)))
-        self._threads = []
+        self._closing, self._threads = self._threads, []
+
+    async def aclose(self, timeout_s: float = 1.0) -> None:
+        """:meth:`close`, then let coroutine engines close what they hold on the loop (connections)."""
+        self.close(timeout_s)
+        for t in self._closing:
+            if hasattr(t, "aclose"):
+                await t.aclose()
+        self._closing = []
 
     async def __aenter__(self) -> "Gate":
         self.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.close()
+        await self.aclose()
 
     # -- arrival ----------------------------------------------------------------
 

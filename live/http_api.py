@@ -350,7 +350,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         try:
             yield
         finally:
-            gate.close()
+            await gate.aclose()
 
     # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
     app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,

@@ -57,8 +57,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from qsim.records import CLIENT_ID_CHARS
 
@@ -198,6 +199,30 @@ def _event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
+class EventStream(Response):
+    """A server-sent event stream, sent as the route's generator yields each event.
+
+    Not Starlette's StreamingResponse: that one runs each stream in an anyio task group with a task of its own
+    listening for the client to leave, about 0.4 ms per stream on two cores (benchmarks/bench_openai.py,
+    docs/benchmarks.md), while the route already watches for that (``_until_disconnect`` cancels the future,
+    which ends the events). A Response all the same, so that FastAPI's routing passes it on as it is."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        self.events, self.status_code, self.background = events, 200, None
+        self.init_headers(SSE_HEADERS)  # no body: no content-length, the stream ends with the connection's chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for event in self.events:  # after a client left, the server's send drops what comes
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()  # its own finally stops the watch, and so the run, if we stopped early
+
+
 def _sse(events: list[BaseModel]) -> Response:
     body = "".join(_event(e) for e in events) + DONE_EVENT
     return Response(body, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -320,8 +345,7 @@ class _Routes:
             watch.cancel()
             raise
         if first is not END:
-            return StreamingResponse(self._events(request, streamed, watch, first, shape, job, t0),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStream(self._events(request, streamed, watch, first, shape, job, t0))
         watch.cancel()  # done before any piece: an engine without emit, a failure, or the client left
         if streamed.future.cancelled():
             return Response(status_code=499)
@@ -330,23 +354,22 @@ class _Routes:
 
     async def _events(self, request: Request, streamed: Streamed, watch: asyncio.Future, first: str,
                       shape: _Shape, job: Job, t0: float) -> AsyncIterator[str]:
+        # Events ready together go out in one write (the lead with the first piece, the tail with [DONE]):
+        # each write is a wake-up for the client, and for a gate in front of this one, a read.
         try:
-            for event in shape.lead:
-                yield _event(event)
+            lead = "".join(_event(event) for event in shape.lead)
             piece, prefix = first, shape.prefix
             while piece is not END:
-                yield _event(shape.piece(prefix + piece))
-                piece, prefix = await streamed.pieces.get(), ""
+                yield lead + _event(shape.piece(prefix + piece))
+                piece, prefix, lead = await streamed.pieces.get(), "", ""
             future = streamed.future
             if future.cancelled():
                 return  # the client left (or the server is shutting down): nobody reads on
             if future.exception() is not None:
-                yield await _error_event(request, future.exception())
+                yield await _error_event(request, future.exception()) + DONE_EVENT
             else:
                 run = _Run(future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
-                for event in shape.tail(run):
-                    yield _event(event)
-            yield DONE_EVENT
+                yield "".join(_event(event) for event in shape.tail(run)) + DONE_EVENT
         finally:
             watch.cancel()  # and so the future: a stream closed early stops its run
 

@@ -2,7 +2,7 @@
 
 ``qlab serve --engine upstream --upstream-url URL --engines K`` puts the gate in front of a
 server that speaks OpenAI's API (vLLM, or another ``qlab serve``): the gate decides who is
-admitted, and each of its K engine threads forwards one request at a time to the upstream's
+admitted, and each of its K engines forwards one request at a time to the upstream's
 ``POST /v1/completions`` with ``stream: true``, so K is the concurrency the operator allows
 the upstream. The engine reads the stream to its end and hands the gate the whole answer (and, for
 a client that asked for a stream, each chunk's text as it comes: ``emit``, see :mod:`live.engine`):
@@ -17,6 +17,14 @@ a client that asked for a stream, each chunk's text as it comes: ``emit``, see :
 * only ``prompt``, ``max_tokens`` and ``stop`` go upstream: sampling fields the gate accepts
   and ignores are not forwarded, so the upstream's defaults apply.
 
+A coroutine engine. Forwarding is waiting on a socket, so :meth:`UpstreamEngine.arun` is a
+coroutine that the gate runs as a task on its own event loop (:mod:`live.gate`), with aiohttp's
+client (the one vLLM's and SGLang's serving benchmarks use): no engine thread, no hand-over
+between threads, and about a third of httpx's cost per request (benchmarks/bench_openai.py,
+docs/benchmarks.md). Each engine keeps its own session with one keep-alive connection, made on
+the loop that first runs it. :meth:`UpstreamEngine.run` is the same call for a thread (tests,
+scripts): it runs ``arun`` on an event loop of its own.
+
 Failures (:class:`~live.engine.UpstreamError`, answered 502 ``upstream_error``): an error
 status (its message is passed on), no connection, a stream that breaks off or ends without
 ``data: [DONE]``, an error event in the stream, a chunk that is not a completion chunk.
@@ -24,27 +32,25 @@ status (its message is passed on), no connection, a stream that breaks off or en
 for ``timeout_s`` (connecting, or between two reads: a server that streams tokens sends
 one per token; one that answers at the end, as ``qlab serve`` does, must finish in time).
 
-Cancelling. When the gate sets the run's :class:`~live.engine.Cancel` (its client left),
-the engine shuts its socket down from the gate's thread: a read blocked in the engine
-thread returns at once, and the upstream sees its client leave and can free its own slot.
-That is why each engine has its own ``httpx.Client`` holding one connection (K in all)
-rather than one client sharing a pool: the socket to shut is the engine's one connection,
-learned when it connects (httpx's ``trace`` extension), and no other request can be on it.
+Cancelling. The gate cancels the run's task when the run's :class:`~live.engine.Cancel` is set
+(its client left, or its deadline passed): aiohttp then closes the connection it was reading,
+so the upstream sees its client leave and can free its own slot, and the next run opens a new one.
 """
 
 from __future__ import annotations
 
-import socket
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import AsyncIterator, Sequence
 
+import aiohttp
 import httpx
 from pydantic import ValidationError
 
 from .contract import ForeignError, UpstreamChunk, UpstreamModels, UpstreamRequest
-from .engine import Cancel, Emit, EngineResult, UpstreamError, UpstreamTimeout
+from .engine import Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
 from .openai_api import COMPLETIONS, MODELS
 from .serve_options import check_upstream_url
 from .tokenizer import ByteTokenizer
@@ -123,31 +129,6 @@ def make_engines(k: int, spec: UpstreamSpec) -> list["UpstreamEngine"]:
 # ---------------------------------------------------------------------- the engine
 
 
-class _Connection:
-    """The socket of an engine's one connection, learned from httpx's trace events when it connects."""
-
-    def __init__(self) -> None:
-        self.sock: socket.socket | None = None
-        self.cancel: Cancel | None = None  # the run in progress's
-
-    def trace(self, event: str, info: dict) -> None:
-        """Called in the engine thread at each step of a request."""
-        if event == "connection.connect_tcp.complete":
-            self.sock = info["return_value"].get_extra_info("socket")
-        if self.cancel is not None and self.cancel.is_set():
-            self.shut()  # cancelled before the socket was known: stop at the next read
-
-    def shut(self) -> None:
-        """Shut the socket down (from any thread): a blocked read returns, the upstream sees us leave."""
-        sock = self.sock
-        if sock is None:
-            return
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # closed already
-
-
 @dataclass
 class _Reading:
     """What the stream has given so far."""
@@ -172,11 +153,18 @@ class _Reading:
         if chunk.usage is not None:
             self.usage_tokens = chunk.usage.completion_tokens
 
-    def result(self, stopped: bool = False) -> EngineResult:
+    def result(self) -> EngineResult:
         # Engine time: to the last token; a stream without text, to its end.
-        engine_s = self.last_s if self.last_s is not None and not stopped else time.perf_counter() - self.start
+        engine_s = self.last_s if self.last_s is not None else time.perf_counter() - self.start
         tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
-        return EngineResult("".join(self.text), tokens, engine_s, self.first_s, stopped)
+        return EngineResult("".join(self.text), tokens, engine_s, self.first_s)
+
+
+#: Longest line of the upstream's event stream read (aiohttp's buffer): far above any token's chunk.
+READ_BUFFER = 1 << 20
+#: A kept-alive connection idle this long is closed rather than reused: below uvicorn's 5 s (``qlab serve``
+#: as the upstream), so that the engine never writes on a connection the upstream is closing.
+KEEPALIVE_S = 4.0
 
 
 class UpstreamEngine:
@@ -187,64 +175,62 @@ class UpstreamEngine:
     def __init__(self, spec: UpstreamSpec, model: str) -> None:
         self.spec, self.model = spec, model
         self._tokenizer = ByteTokenizer()
-        self._connection = _Connection()
-        # One connection: the engine runs one request at a time, and a cancel must know its socket.
-        self._client = httpx.Client(base_url=spec.url, timeout=spec.timeout_s,
-                                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        self._session: aiohttp.ClientSession | None = None  # on the loop that runs arun (the gate's)
+
+    async def arun(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
+                   emit: Emit | None = None) -> EngineResult:
+        """Forward one request; the gate cancels the task to stop it (its connection is then closed)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session.loop is not loop:
+            self._session = self._new_session()
+        return await self._forward(self._session, prompt, max_new_tokens, stop, emit)
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: Cancel | threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
+            cancel: threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
+        """:meth:`arun` from a thread, on an event loop (and a session) of its own; ``cancel`` stops it."""
+        async def once() -> EngineResult:
+            async with self._new_session() as session:
+                return await self._forward(session, prompt, max_new_tokens, stop, emit)
+
+        return run_coroutine(once, cancel)
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        # One connection: the engine runs one request at a time. Timeouts: connecting, and between two reads.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=self.spec.timeout_s)
+        return aiohttp.ClientSession(self.spec.url, timeout=timeout, read_bufsize=READ_BUFFER,
+                                     connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=KEEPALIVE_S))
+
+    async def _forward(self, session: aiohttp.ClientSession, prompt: str, max_new_tokens: int,
+                       stop: Sequence[str] | None, emit: Emit | None) -> EngineResult:
         reading = _Reading(time.perf_counter())
-        if cancel is not None and cancel.is_set():
-            return reading.result(stopped=True)
-        forget = self._watch(cancel)
+        body = UpstreamRequest(model=self.model, prompt=prompt, max_tokens=max_new_tokens,
+                               stop=list(stop) if stop else None)
         try:
-            self._stream(UpstreamRequest(model=self.model, prompt=prompt, max_tokens=max_new_tokens,
-                                  stop=list(stop) if stop else None), reading, cancel, emit)
-        except (httpx.HTTPError, UpstreamError) as exc:
-            if cancel is not None and cancel.is_set():
-                return reading.result(stopped=True)  # the error is the socket we shut
+            await self._stream(session, body, reading, emit)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a line past READ_BUFFER
             raise self._failure(exc) from None
-        finally:
-            forget()
-        # Set now: it came between two chunks (we stopped reading), or after the last (no matter: nobody waits).
-        return reading.result(stopped=cancel is not None and cancel.is_set())
+        return reading.result()
 
-    def _watch(self, cancel: Cancel | threading.Event | None) -> Callable[[], None]:
-        """Arrange for a cancel to shut the connection down; returns the undo."""
-        if not isinstance(cancel, Cancel):
-            return lambda: None  # none, or a plain Event: looked at between chunks only
-        self._connection.cancel = cancel
-        unregister = cancel.when_set(self._connection.shut)
-
-        def forget() -> None:
-            unregister()
-            self._connection.cancel = None
-
-        return forget
-
-    def _stream(self, body: UpstreamRequest, reading: _Reading, cancel: threading.Event | None,
-                emit: Emit | None) -> None:
-        with self._client.stream("POST", COMPLETIONS, content=body.model_dump_json(exclude_none=True),
-                                 headers={"content-type": "application/json"},
-                                 extensions={"trace": self._connection.trace}) as response:
-            if response.status_code != 200:
-                response.read()
-                message = _error_message(response.content) or _one_line(response.text) or "no body"
-                raise UpstreamError(f"the upstream answered HTTP {response.status_code}: {message}")
-            for payload in _data(response.iter_lines()):
+    async def _stream(self, session: aiohttp.ClientSession, body: UpstreamRequest, reading: _Reading,
+                      emit: Emit | None) -> None:
+        async with session.post(COMPLETIONS, data=body.model_dump_json(exclude_none=True).encode(),
+                                headers={"content-type": "application/json"}) as response:
+            if response.status != 200:
+                content = await response.read()
+                text = content.decode("utf-8", "replace")
+                message = _error_message(content) or _one_line(text) or "no body"
+                raise UpstreamError(f"the upstream answered HTTP {response.status}: {message}")
+            async for payload in _data(response.content):
                 if payload == DONE:
                     return
                 reading.add(_parse_chunk(payload), emit)
-                if cancel is not None and cancel.is_set():
-                    return
         raise UpstreamError(f"the upstream's stream ended before data: {DONE}")
 
     def _failure(self, exc: Exception) -> UpstreamError:
         if isinstance(exc, UpstreamError):
             return exc
         where = f"{self.spec.url}{COMPLETIONS}"
-        if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors
             return UpstreamTimeout(f"{where} sent nothing for {self.spec.timeout_s:g} s ({type(exc).__name__})")
         detail = _one_line(str(exc)) or "no detail"
         return UpstreamError(f"{where}: {type(exc).__name__}: {detail}")
@@ -255,23 +241,27 @@ class UpstreamEngine:
     def warmup(self) -> None:
         """Nothing to warm here: start-up already asked the upstream for its models."""
 
-    def close(self) -> None:
-        self._client.close()
+    async def aclose(self) -> None:
+        """Close the session (on the loop that made it); the next run makes a new one."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
 
     def info(self) -> dict:
         return {"engine": "upstream", "url": self.spec.url, "model": self.model, "timeout_s": self.spec.timeout_s,
                 "tokenizer": self._tokenizer.name}
 
 
-def _data(lines: Iterator[str]) -> Iterator[str]:
+async def _data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
     """The payloads of a server-sent event stream's ``data:`` lines (OpenAI's events are one line each)."""
-    for line in lines:
+    async for raw in lines:
+        line = raw.decode("utf-8", "replace")
         if line.startswith("data:"):
             yield line[5:].strip()
 
 
 def _parse_chunk(payload: str) -> UpstreamChunk:
-    message = _error_message(payload)
+    message = _error_message(payload) if "error" in payload else None  # only such an event can be an error
     if message is not None:
         raise UpstreamError(f"the upstream failed mid-stream: {_one_line(message) or 'no message'}")
     try:

@@ -244,8 +244,8 @@ def test_gpt2_emits_each_decoding_step_and_holds_back_a_stop_string():
 
 
 def test_a_client_leaving_mid_stream_cancels_its_run():
-    # It hangs up once it has the role chunk and "a" (two body messages).
-    status, lines, stats, ended = _in_virtual_time(CHAT_BODY, leave_after=2)
+    # It hangs up once it has the role chunk and "a" (one body message: events ready together go out together).
+    status, lines, stats, ended = _in_virtual_time(CHAT_BODY, leave_after=1)
     assert status == 200 and "[DONE]" not in lines and texts([json.loads(x) for x in lines], chat=True) == ["a"]
     assert stats["cancelled"] == 1 and stats["in_service"] == 0  # the engine stopped (its Cancel), and is free
     assert ended < 10.0  # long before the run's own end at 10 s (virtual): it was stopped, not waited for

@@ -281,7 +281,7 @@ def test_without_usage_the_chunks_are_counted():
 
 @pytest.mark.parametrize("answer, message", [
     (_sse(_chunk("a"), done=False), "ended before data: [DONE]"),  # the upstream went away mid-stream
-    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\ndata: {\"id\": ", "RemoteProtocolError"),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\ndata: {\"id\": ", "ClientPayloadError"),
     (_sse(_chunk("a"), {"error": {"message": "out of memory"}}), "failed mid-stream: out of memory"),
     (_sse("not json"), "not a completion chunk"),
     (_plain("500 Internal Server Error", b'{"error": {"message": "boom!!"}}'), "answered HTTP 500: boom!!"),
@@ -327,7 +327,7 @@ def test_a_cancel_shuts_the_connection_while_the_engine_waits():
 
 
 def test_an_unreachable_engine_call_is_an_upstream_error():
-    with pytest.raises(UpstreamError, match="ConnectError"):
+    with pytest.raises(UpstreamError, match="ClientConnectorError"):
         _engine(f"http://127.0.0.1:{_closed_port()}").run("p", 5)
 
 
