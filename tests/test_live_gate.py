@@ -1,4 +1,4 @@
-"""The live gate in real time, with engine threads and the synthetic engine.
+"""The live gate in real time, with engine threads and the synthetic engine (and coroutine engines as tasks).
 
 Exact agreement with the simulator is checked on a virtual clock
 (tests/test_gate_sim.py); here the real threads, sleeps and futures: service
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from live.engine import Cancel, EngineResult, SyntheticEngine, UpstreamError, UpstreamTimeout, takes_cancel
-from live.gate import (DeadlineExceeded, EngineFailed, Gate, GateConfig, Job, Rejected, UpstreamFailed,
+from live.gate import (END, DeadlineExceeded, EngineFailed, Gate, GateConfig, Job, Rejected, UpstreamFailed,
                        UpstreamTimedOut)
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
 
@@ -321,3 +321,136 @@ def test_a_run_stopped_unasked_is_an_engine_error():
 
     stats = asyncio.run(go())
     assert stats["counts"]["error"] == 1 and stats["in_service"] == 0
+
+
+# ---------------------------------------------------------------------- coroutine engines (arun: a task on the loop)
+
+
+class _Steered:
+    """A coroutine engine whose runs end when the test says: each run waits on its own asyncio.Event."""
+
+    max_new_tokens_limit = None
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, asyncio.Event]] = []  # (prompt, its release)
+        self.ended: list[str] = []  # prompt and how: "done", "failed" or "cancelled"
+        self.closed = False
+
+    async def arun(self, prompt, max_new_tokens, stop=None, emit=None):
+        release = asyncio.Event()
+        self.runs.append((prompt, release))
+        try:
+            for i in range(max_new_tokens):
+                if emit is not None:
+                    emit(f"<{i}>")
+            await release.wait()
+        except asyncio.CancelledError:
+            self.ended.append(f"{prompt} cancelled")
+            raise
+        if prompt == "fail":
+            self.ended.append(f"{prompt} failed")
+            raise RuntimeError("boom")
+        self.ended.append(f"{prompt} done")
+        return EngineResult("x" * max_new_tokens, max_new_tokens, 0.01)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    def count_tokens(self, text):
+        return len(text)
+
+    def warmup(self):
+        pass
+
+    def info(self):
+        return {"engine": "steered"}
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_coroutine_engine_runs_as_a_task_on_the_loop_in_queue_order():
+    import threading
+
+    async def go():
+        engine, before = _Steered(), threading.active_count()
+        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+            first, second = gate.submit(Job("a", 3)), gate.submit(Job("b", 2))
+            await _turns()
+            assert [p for p, _ in engine.runs] == ["a"] and gate.waiting == 1  # one at a time, b waits
+            assert threading.active_count() == before  # no engine thread
+            engine.runs[0][1].set()
+            answer = await first
+            await _turns()
+            engine.runs[1][1].set()
+            return engine, answer, await second, gate.stats()
+
+    engine, a, b, stats = asyncio.run(go())
+    assert (a.text, a.tokens, b.text) == ("xxx", 3, "xx") and engine.ended == ["a done", "b done"]
+    assert stats["counts"]["good"] == 2 and engine.closed  # the gate's aclose let the engine close
+
+
+def test_a_coroutine_engine_failure_is_an_engine_error_and_the_engine_serves_on():
+    async def go():
+        engine = _Steered()
+        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+            failing, after = gate.submit(Job("fail", 1)), gate.submit(Job("ok", 1))
+            await _turns()
+            engine.runs[0][1].set()
+            with pytest.raises(EngineFailed, match="boom"):
+                await failing
+            await _turns()
+            engine.runs[1][1].set()
+            return (await after).outcome, gate.stats()
+
+    outcome, stats = asyncio.run(go())
+    assert outcome == "good" and stats["counts"]["error"] == 1 and stats["in_service"] == 0
+
+
+def test_a_client_leaving_cancels_a_coroutine_engines_task_and_frees_it():
+    async def go():
+        engine = _Steered()
+        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+            leaving, next_one = gate.submit(Job("gone", 1)), gate.submit(Job("next", 1))
+            await _turns()
+            leaving.cancel()  # its client hung up while it ran
+            await _turns()
+            assert engine.ended == ["gone cancelled"] and [p for p, _ in engine.runs] == ["gone", "next"]
+            engine.runs[1][1].set()
+            return (await next_one).outcome, gate.stats()
+
+    outcome, stats = asyncio.run(go())
+    assert outcome == "good" and stats["cancelled"] == 1 and stats["counts"]["error"] == 0
+
+
+def test_a_coroutine_engine_streams_its_pieces_straight_into_the_queue():
+    async def go():
+        engine = _Steered()
+        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+            streamed = gate.submit_streaming(Job("s", 3))
+            await _turns()
+            engine.runs[0][1].set()
+            await streamed.future
+            pieces = []
+            while (piece := await streamed.pieces.get()) is not END:
+                pieces.append(piece)
+            return pieces
+
+    assert asyncio.run(go()) == ["<0>", "<1>", "<2>"]
+
+
+def test_closing_the_gate_cancels_a_running_coroutine_engine():
+    async def go():
+        engine = _Steered()
+        gate = Gate([engine], GateConfig(PRESETS["none"], MODEL))
+        gate.start()
+        running = gate.submit(Job("r", 1))
+        await _turns()
+        await gate.aclose()
+        await _turns()
+        return engine, running
+
+    engine, running = asyncio.run(go())
+    assert running.cancelled() and engine.ended == ["r cancelled"] and engine.closed
