@@ -28,6 +28,8 @@ max_new_tokens = 16
 [replay]
 timeout_s = 300
 prompt_words = 16
+# context_tokens = 1024  # optional, as qlab replay's --context-tokens: each prompt capped at it minus the request's
+                         # new tokens (absent: each server's /healthz says, else no cap)
 patience = "none"        # optional: how long each client waits from its first send (qsim.clients.Patience:
                          # exponential:MEAN_S, deterministic:SECONDS, lognormal:MEAN_S:CV, column)
 patience_until = "answer"  # the whole answer (start is the simulator's alone: a client cannot see it)
@@ -61,13 +63,15 @@ from qsim.policy import args_tables, resolve
 from qsim.workload import parse_arrivals
 
 from .serve_options import ServeOptions
+from .tokenizer import MIN_CONTEXT_TOKENS
 
 #: The serve options (see :mod:`live.serve_options`), and two keys that are not: one server per policy, and how
 #: long each may take to start.
 SERVER_KEYS = {**ServeOptions.toml_kinds(), "policies": list, "startup_timeout_s": float}
 CALIBRATE_KEYS = {"rounds": int, "per_size": int}
 PROBE_KEYS = {"requests": int, "max_new_tokens": int}
-REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "patience": str, "patience_until": str}
+REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "context_tokens": int, "patience": str,
+               "patience_until": str}
 TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seconds": float, "requests": int,
               "seed": int, "file": str, "time_scale": float}
 #: Keys that were renamed: an old file is refused with the new name rather than run with another meaning.
@@ -94,6 +98,7 @@ class ProbeConfig:
 class ReplaySettings:
     timeout_s: float = 300.0
     prompt_words: int = 16
+    context_tokens: int | None = None  # the model's context, as --context-tokens (None: each server's /healthz)
     patience: str = "none"  # a qsim.clients.Patience spec: how long each client waits from its first send
     patience_until: str = "answer"
 
@@ -219,8 +224,12 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
     replay = ReplaySettings(**_table(path, data, "replay", REPLAY_KEYS))
     for where, cfg in (("calibrate", calibrate), ("probe", probe), ("replay", replay)):
         for key, value in (vars(cfg) if cfg else {}).items():
-            if not isinstance(value, str):
+            if not isinstance(value, str) and value is not None:  # None: an optional key left out
                 positive_value(f"{path}: {where}.{key}", value)
+    if replay.context_tokens is not None and replay.context_tokens < MIN_CONTEXT_TOKENS:
+        # Refused here, before any server starts, as ReplayConfig would refuse it at the first run.
+        _fail(f"{path}: replay.context_tokens", f"must be >= {MIN_CONTEXT_TOKENS} (a prompt token and a new one), "
+                                                f"got {replay.context_tokens}")
     server, extra = _server(path, data)
     try:
         extra["policy_args"] = args_tables(data.get("policy_args", {}), extra.get("policies", LiveConfig.policies))

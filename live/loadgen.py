@@ -49,7 +49,7 @@ from . import openai_replay
 from .calibrate import ServerFacts, default_prompt_tokens, server_facts
 from .contract import Stats, num
 from .rows import ClientSettings, Exchange, ServerInfo, retry_after_s, server_info, to_frame
-from .tokenizer import prompt_of
+from .tokenizer import MIN_CONTEXT_TOKENS, prompt_of
 
 GENERATE = "/v1/generate"
 #: qlab: qlab's own /v1/generate; openai: POST /v1/completions, streamed, on any OpenAI-compatible server.
@@ -108,8 +108,9 @@ class ReplayConfig:
             raise ValueError("timeout_s and late_warn_s must be > 0 and lead_s >= 0")
         if self.prompt_words < 1:
             raise ValueError(f"prompt_words must be >= 1, got {self.prompt_words}")
-        if self.context_tokens is not None and self.context_tokens < 2:
-            raise ValueError(f"context_tokens must be >= 2 (a prompt token and a new one), got {self.context_tokens}")
+        if self.context_tokens is not None and self.context_tokens < MIN_CONTEXT_TOKENS:
+            raise ValueError(f"context_tokens must be >= {MIN_CONTEXT_TOKENS} (a prompt token and a new one), "
+                             f"got {self.context_tokens}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a qsim.clients.RetryPolicy, got {type(self.retry).__name__}")
 

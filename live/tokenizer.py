@@ -11,6 +11,10 @@ four times GPT-2's BPE counts for English text.
 
 from __future__ import annotations
 
+#: The smallest context a replay may assume (``--context-tokens``, a live file's ``context_tokens``): a prompt token
+#: and a new one.
+MIN_CONTEXT_TOKENS = 2
+
 
 class ByteTokenizer:
     """UTF-8 bytes <-> ids; invalid byte sequences decode as U+FFFD."""

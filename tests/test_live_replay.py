@@ -189,6 +189,12 @@ def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
     ("[server]\nhang_for = 2\n[[trace]]\nname='a'\nseconds=1", "server.hang_for: only with hang_after (which run hangs)"),
     ("[server]\nport = 1\n[[trace]]\nname='a'\nseconds=1", "unknown key 'port'"),
     ("[server]\nstartup_timeout_s = 0\n[[trace]]\nname='a'\nseconds=1", "server.startup_timeout_s: must be > 0"),
+    # [replay] context_tokens: as qlab replay's --context-tokens (> 0, and room for a prompt token and a new one)
+    ("[replay]\ncontext_tokens = 0\n[[trace]]\nname='a'\nseconds=1", "replay.context_tokens: must be > 0, got 0"),
+    ("[replay]\ncontext_tokens = 1\n[[trace]]\nname='a'\nseconds=1",
+     "replay.context_tokens: must be >= 2 (a prompt token and a new one), got 1"),
+    ("[replay]\ncontext_tokens = 512.0\n[[trace]]\nname='a'\nseconds=1", "replay.context_tokens: expected int"),
+    ("[replay]\ncontext_tokens = true\n[[trace]]\nname='a'\nseconds=1", "replay.context_tokens: expected int"),
 ])
 def test_live_config_errors_name_the_key(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -209,6 +215,38 @@ def test_a_live_trace_with_the_old_load_key_is_refused_naming_file_and_key(tmp_p
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and "renamed nominal_load" in said and "Traceback" not in said
     assert not (tmp_path / "never").exists()
+
+
+def test_a_bad_live_context_is_one_line_and_nothing_starts(tmp_path, capsys):
+    path = tmp_path / "small.toml"
+    path.write_text("[replay]\ncontext_tokens = 1\n[[trace]]\nname = 'p'\nseconds = 2\n")
+    assert main(["live", str(path), "--out", str(tmp_path / "never")]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "Traceback" not in said, said
+    assert f"{path}: replay.context_tokens: must be >= 2 (a prompt token and a new one), got 1" in said
+    assert not (tmp_path / "never").exists()
+
+
+def test_qlab_live_caps_prompts_at_the_files_context_as_qlab_replay_does(tmp_path):
+    # The synthetic engine's /healthz names no context: only the file's context_tokens can cap or hold back.
+    pd.DataFrame({"arrival_s": np.arange(4) * 0.1, "max_new_tokens": [10, 20, 40, 4],
+                  "prompt_tokens": [25, 35, 10, 2]}).to_csv(tmp_path / "trace.csv", index=False)
+    path = tmp_path / "live.toml"
+    path.write_text("[server]\npolicies = ['none']\nstartup_timeout_s = 60\n[probe]\nrequests = 1\n"
+                    "[replay]\ncontext_tokens = 40\n[[trace]]\nname = 'capped'\nfile = 'trace.csv'\n")
+    cfg = live_config.load(path)
+    assert cfg.replay.context_tokens == 40
+    runner.run(cfg, tmp_path / "out", log=lambda line: None)
+    frame = pd.read_parquet(tmp_path / "out" / "runs" / "capped__none.parquet")
+    meta = frame.attrs["qlab_run"]
+    assert (meta["context_tokens"], meta["prompts_capped"], meta["prompts_cannot_fit"]) == (40, 1, 1)
+    rows = records.validate(frame)
+    assert rows["prompt_tokens"].tolist() == [25, 20, 0, 2]  # 40 - 20 = 20; 40 new tokens leave no room
+    assert rows["prompt_capped"].tolist() == [False, True, False, False]
+    assert rows.loc[2, "reason"] == "prompt_cannot_fit" and rows.loc[2, "outcome"] == "error"
+    # Without the key the replay takes the server's context, as qlab replay without --context-tokens.
+    path.write_text(path.read_text().replace("context_tokens = 40\n", ""))
+    assert live_config.load(path).replay.context_tokens is None
 
 
 def test_shipped_live_toml_parses_into_the_reference_passes():
