@@ -201,9 +201,9 @@ class ErrorEnvelope(BaseModel):
 def error_json(type_: str, reason: str, message: str, numbers: dict | None = None,
                retry_after_s: int | None = None) -> str:
     """The envelope's JSON (non-finite numbers as null: JSON has neither NaN nor infinity)."""
-    detail = ErrorDetail(type=type_, reason=reason, code=reason, message=message,
-                         numbers=Numbers.model_validate(numbers or {}), retry_after_s=retry_after_s)
-    return ErrorEnvelope(error=detail).model_dump_json(exclude_unset=True)
+    detail = {"type": type_, "reason": reason, "code": reason, "message": message, "numbers": numbers or {},
+              "retry_after_s": retry_after_s}
+    return ErrorEnvelope.model_validate({"error": detail}).model_dump_json(exclude_unset=True)  # one validation
 
 
 # ---------------------------------------------------------------------- GET /stats and GET /healthz

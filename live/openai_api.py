@@ -331,11 +331,12 @@ class _Routes:
             self.gate.timings.refusal.observe(self.gate.clock() - t0)
             raise
 
-    async def _stream(self, request: Request, req, prompt: str, t0: float, shape: _Shape) -> Response:
+    async def _stream(self, request: Request, req, prompt: str, t0: float, make_shape: Callable[[], _Shape]) -> Response:
         """Admit, then stream the pieces as the engine produces them. Until the first piece, a refusal or
         failure raises to its handler (a plain JSON error); after it, a failure is the stream's last event."""
         job = self._job(request, req, prompt)
         streamed = self._admit(self.gate.submit_streaming, job, t0)
+        shape = make_shape()
         # A client that hangs up cancels the future (the run's Cancel is set), which ends the pieces (END).
         watch = asyncio.ensure_future(_until_disconnect(request))
         watch.add_done_callback(lambda _: streamed.future.cancel())
@@ -392,30 +393,34 @@ class _Routes:
         t0 = self.gate.clock()
         req = _parse(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _completion_prompt(req)
-        head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
         if req.stream:
-            shape = _completion_shape(head, _include_usage(req), prompt if req.echo else "")
-            return await self._stream(request, req, prompt, t0, shape)
+            return await self._stream(request, req, prompt, t0, lambda: _completion_shape(
+                self._head("cmpl"), _include_usage(req), prompt if req.echo else ""))
         run = await self._run(request, req, prompt, t0)
         if run is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         text = prompt + run.answer.text if req.echo else run.answer.text
-        return _json(Completion(**head, choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)],
+        return _json(Completion(**self._head("cmpl"), choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)],
                                 usage=run.usage, qlab=run.qlab))
 
     async def chat(self, request: Request) -> Response:
         t0 = self.gate.clock()
         req = _parse(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _chat_messages_prompt(req)
-        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
         if req.stream:
-            return await self._stream(request, req, prompt, t0, _chat_shape(head, _include_usage(req)))
+            return await self._stream(request, req, prompt, t0,
+                                      lambda: _chat_shape(self._head("chatcmpl"), _include_usage(req)))
         run = await self._run(request, req, prompt, t0)
         if run is None:
             return Response(status_code=499)
-        return _json(ChatCompletion(**head, choices=[ChatChoice(message=AssistantMessage(content=run.answer.text),
+        return _json(ChatCompletion(**self._head("chatcmpl"), choices=[ChatChoice(message=AssistantMessage(content=run.answer.text),
                                                                 finish_reason=run.finish_reason)],
                                     usage=run.usage, qlab=run.qlab))
+
+    def _head(self, kind: str) -> dict:
+        """An answer's id, time and model, made once it is admitted: a refusal needs none (uuid4 reads the
+        system's randomness, a cost every refusal under overload would pay)."""
+        return dict(id=f"{kind}-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id)
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.model_id, created=self.created)

@@ -41,6 +41,11 @@ class ServiceModel:
 
     def estimate(self, max_new_tokens, prompt_tokens=0):
         """Estimated seconds for a request (works on scalars and numpy arrays)."""
+        if type(max_new_tokens) is int and type(prompt_tokens) is int:
+            # One request (the gate's every arrival): plain floats, the same operations in the same order as
+            # numpy's below, so the same bits, without numpy's array machinery on a refusal's path.
+            seconds = self.intercept_s + self.per_token_s * float(max_new_tokens)
+            return seconds if self.per_prompt_token_s == 0 else seconds + self.per_prompt_token_s * float(prompt_tokens)
         new = self.per_token_s * np.asarray(max_new_tokens, dtype=float)
         if self.per_prompt_token_s == 0:  # no prefill term: the study's line, exactly
             return self.intercept_s + new
