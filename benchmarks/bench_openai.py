@@ -9,23 +9,34 @@ read through live.contract) on uvloop. Figures are printed, never asserted:
    reference mix), sent open loop after a few long requests that fill the queue (so that the
    overload is at its steady state from the start). Client-measured time from the write to the
    complete 503. The same overload is then sent through ``/v1/generate`` (qlab's own route),
-   printed beside it as a yardstick of how busy the machine was.
-   Targets: p50 < 1 ms, p99 < 3 ms.
+   printed beside it as a yardstick of how busy the machine was. The machine's floor is printed
+   beside the figure: the same arrivals sent to a bare uvicorn app that answers a fixed 503
+   (benchmarks/floor.py's refuser). Targets: p50 < 1 ms, p99 < 3 ms.
+   The same again against a gate with ``--engines 8`` (a trace for 8 engines: eight times the
+   rate, so the machine is idle for less between requests, as in front of a real upstream that
+   serves many at once), with its own verdict and its own refuser floor under those arrivals.
 2. Latency the gate adds to a served request: the gate (``qlab serve --engine upstream
    --upstream-url U --policy predictive``) in front of a fake upstream U (``qlab serve --engine
    synthetic --policy none``), minus U alone, one request at a time (low load). Each pair
-   sends the same chat request to U and to the gate back to back, in alternating order, and
+   sends the same chat request to U and to the gate back to back (order rotating), and
    the figure is the per-pair difference (paired; its percentiles include the noise of two
-   engine sleeps). The difference of the two sets' percentiles is printed beside it.
+   engine sleeps). The difference of the two sets' percentiles is printed beside it. The
+   machine's floor: each pair is a triple, with the same request also sent through a bare
+   pass-through proxy (benchmarks/floor.py's proxy: aiohttp to the same upstream, the answer
+   streamed back), order rotating; printed beside the figure are what the bare proxy adds over
+   the upstream alone and what the gate adds over the bare proxy (paired, per request).
    Targets: p50 < 1 ms, p99 < 3 ms.
 3. Time to the first token the gate adds in streaming (``stream: true``): the same pairs,
    timed to the first bytes of the event stream. Target: p50 < 1 ms. Both sides stream token
    by token (the synthetic engine emits each token when its time is up, and the gate passes the
    upstream's chunks through as they arrive, see docs/http.md), so this is the gate's own delay
-   to the first token, not the generation time.
+   to the first token, not the generation time. The bare proxy's figures as in 2.
 
-    PYTHONPATH=. python benchmarks/bench_openai.py            # ~1 minute
-    PYTHONPATH=. python benchmarks/bench_openai.py --quick    # ~20 s smoke run
+The verdicts are on the absolute targets; the floor lines are information: what part of each
+figure a bare server on the same machine, under the same arrivals, costs as well.
+
+    PYTHONPATH=. python benchmarks/bench_openai.py            # ~3 minutes
+    PYTHONPATH=. python benchmarks/bench_openai.py --quick    # ~1 minute smoke run
     PYTHONPATH=. python benchmarks/bench_openai.py --json
 """
 
@@ -44,6 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.floor import floors  # noqa: E402
 from benchmarks.lean import Lean, Reply, client_loop  # noqa: E402
 from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
                            GenerateRequest, QlabInfo)
@@ -58,6 +70,10 @@ MODEL = "synthetic"  # the model id both the fake upstream and the gate in front
 #: that the 2x overload is at its steady state at once; refusals in the first SETTLE_S are left out all the same.
 PREFILL = 4
 SETTLE_S = 0.5
+#: Seconds for a gate's queue to drain after an overload, before the next measurement.
+DRAIN_S = 3.0
+#: The second overload row's engines (a trace made for them: ENGINES_MANY times the request rate).
+ENGINES_MANY = 8
 #: The fake upstream's engine at this fraction of the reference time: a 4-token answer takes about 3.5 ms.
 UPSTREAM_SPEED = 0.1
 PAIR_TOKENS = 4
@@ -66,14 +82,14 @@ PAIR_TOKENS = 4
 @dataclass(frozen=True)
 class Sizes:
     overload_s: float  # seconds of sustained 2x overload
-    pairs: int  # request pairs (upstream alone, through the gate) per measurement
+    pairs: int  # request triples (upstream alone, through the gate, through the bare proxy) per measurement
     warmup: int  # pairs sent first and not counted
 
 
 # Predictive refuses mostly the long requests at 2x (about one request in four or five): a run needs some
 # seconds to have refusals to count.
 FULL = Sizes(overload_s=30.0, pairs=400, warmup=20)
-QUICK = Sizes(overload_s=6.0, pairs=40, warmup=5)
+QUICK = Sizes(overload_s=4.0, pairs=30, warmup=5)
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,8 @@ class Target:
 
 TARGETS = {
     "refusal": Target("refusal through /v1/chat/completions at 2x, predictive", 1.0, 3.0),
+    "refusal_8": Target(f"refusal through /v1/chat/completions at 2x, predictive, {ENGINES_MANY} engines "
+                        f"({ENGINES_MANY}x the rate)", 1.0, 3.0),
     "added": Target("latency added by the gate to a served request", 1.0, 3.0),
     "added_ttft": Target("time to first token added by the gate, streaming", 1.0, None),
 }
@@ -111,13 +129,14 @@ def generate(max_new_tokens: int) -> dict:
     return GenerateRequest(prompt="say something", max_new_tokens=max_new_tokens).body()
 
 
-async def _overload(url: str, seconds: float, path: str = CHAT) -> dict:
-    trace = make_trace("poisson", load=2.0, seconds=seconds, seed=1)
+async def _overload(url: str, seconds: float, path: str = CHAT, engines: int = 1) -> dict:
+    """A 2x overload of ``engines`` engines (the trace's rate: ``engines`` times one engine's) sent to ``url``."""
+    trace = make_trace("poisson", load=2.0, seconds=seconds, seed=1, engines=engines)
     lean = Lean(url)
     body = chat if path == CHAT else generate
-    fill = [asyncio.create_task(lean.send(lean.request("POST", path, body(64)))) for _ in range(PREFILL)]
+    fill = [asyncio.create_task(lean.send(lean.request("POST", path, body(64)))) for _ in range(PREFILL * engines)]
     data = [lean.request("POST", path, body(int(n))) for n in trace.max_new_tokens]
-    for conn in await asyncio.gather(*(lean.connect() for _ in range(48))):  # no connect inside a timing
+    for conn in await asyncio.gather(*(lean.connect() for _ in range(48 * engines))):  # no connect inside a timing
         lean.give_back(conn)
     loop = asyncio.get_running_loop()
     start = loop.time() + 0.05
@@ -138,14 +157,18 @@ async def _overload(url: str, seconds: float, path: str = CHAT) -> dict:
 # ---------------------------------------------------------------------- 2 and 3. the gate in front of an upstream
 
 
-async def _pairs(upstream: str, gate: str, sizes: Sizes, stream: bool) -> dict:
-    """Per pair, the same request to the upstream alone and through the gate, order alternating."""
-    clients = {"upstream": Lean(upstream), "gate": Lean(gate)}
+SIDES = ("upstream", "gate", "proxy")  # the upstream alone, through the gate, through the bare proxy
+
+
+async def _pairs(upstream: str, gate: str, proxy: str, sizes: Sizes, stream: bool) -> dict:
+    """Per pair, the same request to the upstream alone, through the gate and through the bare proxy (the
+    machine's floor), in rotating order (each side first, second and third equally often)."""
+    clients = {"upstream": Lean(upstream), "gate": Lean(gate), "proxy": Lean(proxy)}
     data = {k: c.request("POST", CHAT, chat(PAIR_TOKENS, stream)) for k, c in clients.items()}
-    times: dict[str, list[Reply]] = {"upstream": [], "gate": []}
-    told: dict[str, list[QlabInfo | None]] = {"upstream": [], "gate": []}  # each answer's own timings
+    times: dict[str, list[Reply]] = {k: [] for k in SIDES}
+    told: dict[str, list[QlabInfo | None]] = {k: [] for k in SIDES}  # each answer's own timings
     for i in range(sizes.warmup + sizes.pairs):
-        order = ("upstream", "gate") if i % 2 == 0 else ("gate", "upstream")
+        order = SIDES[i % 3:] + SIDES[:i % 3]
         for k in order:
             reply, payload = await clients[k].send(data[k])
             if i >= sizes.warmup:
@@ -154,13 +177,18 @@ async def _pairs(upstream: str, gate: str, sizes: Sizes, stream: bool) -> dict:
     for c in clients.values():
         c.close()
     bad = {k: [r.outcome for r in v if r.outcome not in ("good", "late")] for k, v in times.items()}
-    up, through = times["upstream"], times["gate"]
+    up, through, bare = times["upstream"], times["gate"], times["proxy"]
     pick = (lambda r: r.first_s) if stream else (lambda r: r.seconds)
-    diff = [pick(g) - pick(u) for u, g in zip(up, through)]
+
+    def paired(later: list[Reply], earlier: list[Reply]) -> dict:
+        return percentiles_ms([pick(a) - pick(b) for a, b in zip(later, earlier)])
+
     alone, gated = percentiles_ms([pick(r) for r in up]), percentiles_ms([pick(r) for r in through])
-    return {**percentiles_ms(diff), "upstream_alone": alone, "through_gate": gated,
+    return {**paired(through, up), "upstream_alone": alone, "through_gate": gated,
             "difference_of_percentiles": {"p50_ms": gated["p50_ms"] - alone["p50_ms"],
                                           "p99_ms": gated["p99_ms"] - alone["p99_ms"]},
+            "floor": {"through_bare_proxy": percentiles_ms([pick(r) for r in bare]),
+                      "bare_proxy_adds": paired(bare, up), "gate_adds_over_bare_proxy": paired(through, bare)},
             "where_p50_ms": _where(told["upstream"], told["gate"]),
             "not_answered": {k: v[:5] for k, v in bad.items() if v}}
 
@@ -194,17 +222,24 @@ def _where(upstream: list[QlabInfo | None], gate: list[QlabInfo | None]) -> dict
 def run(sizes: Sizes) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory() as logs:
-        with serving([ServeOptions(policy="predictive"),
-                      ServeOptions(policy="none", speed=UPSTREAM_SPEED)], logs, 120) as (overloaded, upstream):
+        with serving([ServeOptions(policy="predictive"), ServeOptions(policy="none", speed=UPSTREAM_SPEED)],
+                     logs, 120) as (overloaded, upstream), \
+             serving([ServeOptions(policy="predictive", engines=ENGINES_MANY)], logs, 120, prefix="many") as (many,):
             with serving([ServeOptions(policy="predictive", engine="upstream", upstream_url=upstream.url)],
-                         logs, 120, prefix="gate") as (gate,):
+                         logs, 120, prefix="gate") as (gate,), floors(logs, upstream.url) as (refuser, proxy):
                 with asyncio.Runner(loop_factory=client_loop()) as runner:
-                    results["refusal"] = runner.run(_overload(overloaded.url, sizes.overload_s))
-                    # The same overload through qlab's own route, as a yardstick of the machine at the time.
-                    time.sleep(3.0)  # the queue drains
-                    results["refusal_generate"] = runner.run(_overload(overloaded.url, sizes.overload_s, GENERATE))
-                    results["added"] = runner.run(_pairs(upstream.url, gate.url, sizes, stream=False))
-                    results["added_ttft"] = runner.run(_pairs(upstream.url, gate.url, sizes, stream=True))
+                    for key, server, engines in (("refusal", overloaded, 1), ("refusal_8", many, ENGINES_MANY)):
+                        # The floor first, on the same arrivals: the refuser has no queue to drain.
+                        floor = runner.run(_overload(refuser.url, sizes.overload_s, engines=engines))
+                        results[key] = runner.run(_overload(server.url, sizes.overload_s, engines=engines))
+                        results[key]["floor"] = floor
+                        time.sleep(DRAIN_S)  # the queue drains
+                        if key == "refusal":  # the same overload through qlab's own route: a yardstick of the machine
+                            results["refusal_generate"] = runner.run(
+                                _overload(overloaded.url, sizes.overload_s, GENERATE))
+                            time.sleep(DRAIN_S)
+                    results["added"] = runner.run(_pairs(upstream.url, gate.url, proxy.url, sizes, stream=False))
+                    results["added_ttft"] = runner.run(_pairs(upstream.url, gate.url, proxy.url, sizes, stream=True))
     for key, target in TARGETS.items():
         results[key]["target"] = asdict(target)
         results[key]["verdict"] = verdict(results[key], target)
@@ -233,13 +268,23 @@ def report(results: dict) -> None:
                       f"{w['gate_apart_from_the_upstream_call']:.3f} ms; the upstream call less the upstream's own "
                       f"total {w['upstream_call_less_upstream_total']:.3f} ms (upstream's own total "
                       f"{w['upstream_own_total']:.3f} ms)")
+            f = r["floor"]
+            bare, over = f["bare_proxy_adds"], f["gate_adds_over_bare_proxy"]
+            print(f"  the machine's floor (paired): the bare proxy adds p50 {bare['p50_ms']:.3f} ms, p99 "
+                  f"{bare['p99_ms']:.3f} ms; the gate adds over the bare proxy p50 {over['p50_ms']:.3f} ms, "
+                  f"p99 {over['p99_ms']:.3f} ms")
             if r["not_answered"]:
                 print(f"  NOT ANSWERED: {r['not_answered']}")
         else:
-            g = results["refusal_generate"]
-            print(f"  {r['requests']} requests sent, outcomes {r['outcomes']}; the same overload through "
-                  f"{GENERATE} (qlab's own route, a yardstick): n {g['n']}, p50 {g['p50_ms']:.3f} ms, "
-                  f"p99 {g['p99_ms']:.3f} ms")
+            print(f"  {r['requests']} requests sent, outcomes {r['outcomes']}")
+            if key == "refusal":
+                g = results["refusal_generate"]
+                print(f"  the same overload through {GENERATE} (qlab's own route, a yardstick): n {g['n']}, "
+                      f"p50 {g['p50_ms']:.3f} ms, p99 {g['p99_ms']:.3f} ms")
+            f = r["floor"]
+            print(f"  the machine's floor (a bare uvicorn app answering a fixed 503, the same arrivals): n {f['n']}, "
+                  f"p50 {f['p50_ms']:.3f} ms, p99 {f['p99_ms']:.3f} ms; the gate's p50 above it "
+                  f"{r['p50_ms'] - f['p50_ms']:.3f} ms")
 
 
 def _nulls(value):

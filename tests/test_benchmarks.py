@@ -27,10 +27,18 @@ def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data) == {"refusal", "refusal_generate", "added", "added_ttft"}
-    for figure in (data[k] for k in ("refusal", "added", "added_ttft")):
-        assert {"n", "p50_ms", "p99_ms", "target", "verdict"} <= set(figure)
+    assert set(data) == {"refusal", "refusal_8", "refusal_generate", "added", "added_ttft"}
+    for figure in (data[k] for k in ("refusal", "refusal_8", "added", "added_ttft")):
+        assert {"n", "p50_ms", "p99_ms", "target", "verdict", "floor"} <= set(figure)
         assert figure["verdict"] in ("PASS", "MISS") and figure["target"]["p50_ms"] == 1.0
     assert data["refusal"]["requests"] > 0 and data["added"]["n"] > 0 and data["added_ttft"]["n"] > 0
-    for key in ("added", "added_ttft"):  # every pair was answered, by both sides
+    # Eight engines' trace: eight times the rate (same seed, same seconds).
+    assert data["refusal_8"]["requests"] > 4 * data["refusal"]["requests"]
+    for key in ("refusal", "refusal_8"):  # the bare refuser got the same arrivals and refused every one of them
+        floor = data[key]["floor"]
+        assert floor["requests"] == data[key]["requests"] and floor["n"] > 0
+        assert floor["outcomes"] == {"rejected": floor["requests"]}
+    for key in ("added", "added_ttft"):  # every triple was answered, by all three sides
         assert not data[key]["not_answered"] and {"upstream_alone", "through_gate"} <= set(data[key])
+        floor = data[key]["floor"]
+        assert floor["bare_proxy_adds"]["n"] == floor["gate_adds_over_bare_proxy"]["n"] == data[key]["n"]
