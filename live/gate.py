@@ -58,8 +58,10 @@ a live gate cannot know how many tokens a request will generate. Under
 ``Policy.cancel_at_deadline`` a run still going at its deadline (arrival + deadline, the
 gate's clock) is cut there: the core ends it (``AdmissionQueue.cut``), the run's Cancel is
 set so that the engine stops, and the client gets :class:`DeadlineCut` (outcome
-``cancelled``, reason ``deadline_passed``; HTTP 504) at once. The engine is free when
-``engine.run`` returns, as for a client that leaves.
+``cancelled``, reason ``deadline_passed``; HTTP 504) at once. For the core the engine is
+free at the cut, as the simulator's is (a client that leaves holds it until ``engine.run``
+returns): it takes the next request then, which its thread or task starts once the cut run
+has returned, so the stopping time counts in that request's time, where a replay sees it.
 
 Streaming. :meth:`Gate.submit_streaming` admits a job as ``submit`` does (the same core, the same
 counts) and also returns the queue of its text pieces (:class:`Streamed`): the engine thread hands
@@ -289,6 +291,7 @@ class _Ticket:
     due: float = math.inf  # gate clock: arrival + deadline, where the policy cuts a run there
     timer: asyncio.TimerHandle | None = None  # the cut at ``due``, while it runs
     cut: bool = False  # the gate cut it at its deadline (a worker in tests tells this from a client leaving)
+    released: bool = False  # cut, and its engine given its next request then (its hand-back only ends the run)
     emit: Callable[[str], None] | None = None  # a streamed job's: posts a piece of text to ``pieces``
     pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
 
@@ -367,17 +370,21 @@ class _EngineTask:
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
         self._takes_emit = takes_emit(engine)
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []  # the run in progress, and a next one waiting for it to stop
 
     def start(self) -> None:
         """Nothing to start: a run's task is made when the gate gives the engine a ticket."""
 
     def give(self, ticket: _Ticket) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(ticket), name=f"qlab-engine-{self.k}")
+        # One run at a time: after a cut the gate gives the next request while the cut run is still stopping.
+        self._tasks = [t for t in self._tasks if not t.done()]
+        previous = self._tasks[-1] if self._tasks else None
+        self._tasks.append(asyncio.get_running_loop().create_task(self._run(ticket, previous),
+                                                                  name=f"qlab-engine-{self.k}"))
 
     def stop(self, timeout_s: float) -> None:
-        if self._task is not None:
-            self._task.cancel()  # the gate is closing: the run's answer has nobody to go to
+        for task in self._tasks:
+            task.cancel()  # the gate is closing: the runs' answers have nobody to go to
 
     async def aclose(self) -> None:
         """Let the engine close what it holds on this loop (the upstream engine's session)."""
@@ -385,7 +392,9 @@ class _EngineTask:
         if close is not None:
             await close()
 
-    async def _run(self, ticket: _Ticket) -> None:
+    async def _run(self, ticket: _Ticket, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # a run cut at its deadline, stopping
         job, began = ticket.job, time.perf_counter()
         emit = {"emit": ticket.pieces.put_nowait} if ticket.pieces is not None and self._takes_emit else {}
         try:
@@ -593,6 +602,8 @@ class Gate:
         self.timings.engine.observe(result.engine_s)
         if failed and isinstance(result.error, UpstreamError):
             self.timings.upstream_errors += 1
+        if ticket.released:
+            return  # cut at its deadline: the core freed its engine then, and has moved on
         if not failed and result.stopped:  # cut short: its time is no service time
             result = _Failure(RuntimeError("the engine stopped the run unasked"), result.engine_s)
         ok = not isinstance(result, _Failure)
@@ -636,13 +647,23 @@ class Gate:
         if self._closed or entry is None or entry[0] is not ticket:
             return  # handed back in time
         now = self.clock()
+        if now < ticket.due:
+            # The loop's timers are coarser than the gate's clock (uvloop's: whole milliseconds), so the timer
+            # can come early: wait on to the deadline itself, where the simulator cuts.
+            ticket.timer = self._loop.call_later(ticket.due - now, self._deadline_passed, k, ticket)
+            return
         if self.queue.cut(k, now) is None:
             return  # it had ended already: stalled, or its client left
         ticket.cut = True
         numbers = {**ticket.arrival.numbers(), "engine": k, "started_at": ticket.start, "at": now,
                    "running_s": now - ticket.start}
         self._resolve(ticket, "cancelled", exc=DeadlineCut(numbers, ticket.arrival))
-        ticket.cancel.set()  # the engine stops (between decode steps, or its wait); it is free once it hands back
+        ticket.cancel.set()  # the engine stops (between decode steps, or its wait)
+        # Its engine is free at the cut, as the simulator's is: the core gives it its next request now, which
+        # the engine's thread (or task) starts as soon as the cut run has returned (at once, for an engine
+        # that listens to its Cancel). The hand-back of the cut run then only ends it (``released``).
+        ticket.released = True
+        self.queue.finished(k, now, now - ticket.start, ok=False)
 
     # -- the watchdog: stalled engines and the queue behind them ----------------------
 

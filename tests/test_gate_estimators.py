@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from live.engine import EngineResult
 from qsim import PRESETS, ServiceModel, make_trace, simulate
 from qsim.workload import UsedShare, lognormal_noise
 from virtual_time import run_gate
@@ -315,3 +316,140 @@ def test_runs_cut_at_the_deadline_are_replayed_request_by_request(servers):
     assert cut["start_s"].notna().all()
     assert s["replayed_cut"] == len(cut) and s["sim_cancelled"] >= 5
     assert s["live_errors"] == 0 and s["disagreement_rate"] <= 0.02
+
+
+class _SlowToStop:
+    """A gate worker on the virtual clock that runs one request at a time, each for ``run_s``, and takes
+    ``stop_s`` to stop a cut run (as an engine between two decoding steps): a request given meanwhile waits."""
+
+    run_s, stop_s = 1.0, 0.25
+
+    def __init__(self, k: int, engine, deliver) -> None:
+        self.k, self.deliver, self.busy_until, self.starts = k, deliver, 0.0, []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float) -> None:
+        pass
+
+    def give(self, ticket) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        begin = max(loop.time(), self.busy_until)
+        self.starts.append(begin)
+        self.busy_until = begin + self.run_s
+        handle = loop.call_at(self.busy_until, self.deliver, self.k, ticket, EngineResult("", 1, self.run_s))
+
+        def stopping() -> None:
+            handle.cancel()
+            self.busy_until = loop.time() + self.stop_s
+            loop.call_at(self.busy_until, self.deliver, self.k, ticket,
+                         EngineResult("", 0, self.busy_until - begin, stopped=True))
+
+        ticket.cancel.when_set(stopping)
+
+
+def _cut_then_serve(clock_rate: float = 1.0, second_deadline_s: float = 5.0):
+    """Two 1 s requests on one engine: the first cut at its 0.6 s deadline, the second (given second_deadline_s)
+    behind it. The gate's clock runs at clock_rate of the loop's (below 1: the loop's timers come early by the
+    gate's clock, as uvloop's millisecond ones can). Returns each request's answer or DeadlineCut numbers."""
+    import asyncio
+
+    from live.gate import DeadlineCut, Gate, GateConfig, Job
+    from virtual_time import VirtualLoop
+
+    policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
+    workers = []
+
+    def worker(k, engine, deliver):
+        workers.append(_SlowToStop(k, engine, deliver))
+        return workers[-1]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        gate = Gate([None], GateConfig(policy), clock=lambda: loop.time() * clock_rate, worker=worker)
+        async with gate:
+            ends = []
+            for future in (gate.submit(Job("a", 1)), gate.submit(Job("b", 1, deadline_s=second_deadline_s))):
+                try:
+                    ends.append(await future)
+                except DeadlineCut as cut:
+                    ends.append(cut.numbers)
+            await asyncio.sleep(1.0)  # any run still stopping
+            return ends, gate.stats(), workers[0].starts
+
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def test_a_cut_frees_the_engine_for_the_core_at_once_as_in_the_simulator():
+    (cut, answer), stats, starts = _cut_then_serve()
+    assert cut["at"] == pytest.approx(0.6)
+    # The second request started, for the core, at the cut, as the simulator starts it; its engine ran it once
+    # the cut run had stopped (0.25 s later), so the stopping is in its time, where a replay of it sees it.
+    assert answer.started_at == pytest.approx(0.6) and starts == [0.0, pytest.approx(0.85)]
+    assert answer.returned_at == pytest.approx(1.85) and answer.outcome == "good"
+    # The cut run's late hand-back ended nothing more: one cancelled, one good, the engine idle.
+    assert stats["counts"]["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
+    assert stats["in_service"] == 0 and stats["submitted"] == 2
+
+
+def test_a_cut_timer_that_comes_early_by_the_gates_clock_waits_for_the_deadline():
+    ends, stats, _ = _cut_then_serve(clock_rate=0.999, second_deadline_s=0.9)
+    assert len(ends) == 2 and stats["counts"]["cancelled"] == 2
+    for numbers in ends:
+        assert numbers["at"] >= numbers["arrived_at"] + numbers["deadline_s"]  # never before its deadline
+
+
+def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stopped():
+    import asyncio
+
+    from live.gate import DeadlineCut, Gate, GateConfig, Job
+    from virtual_time import VirtualLoop
+
+    class SlowToStop:  # a coroutine engine: 1 s a run, 0.25 s to stop once cancelled
+        max_new_tokens_limit = None
+
+        def __init__(self):
+            self.spans = []  # (prompt, began, ended) per run, on the loop's clock
+
+        async def arun(self, prompt, max_new_tokens, stop=None):
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            try:
+                await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.25)
+                self.spans.append((prompt, began, loop.time()))
+                raise
+            self.spans.append((prompt, began, loop.time()))
+            return EngineResult("", 1, 1.0)
+
+        def count_tokens(self, text):
+            return 1
+
+        def info(self):
+            return {"engine": "slow-to-stop"}
+
+    policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
+
+    async def go():
+        loop, engine = asyncio.get_running_loop(), SlowToStop()
+        async with Gate([engine], GateConfig(policy), clock=loop.time) as gate:
+            first, second = gate.submit(Job("a", 1)), gate.submit(Job("b", 1, deadline_s=5.0))
+            with pytest.raises(DeadlineCut):
+                await first
+            return engine.spans, await second
+
+    loop = VirtualLoop()
+    try:
+        spans, answer = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert spans == [("a", 0.0, pytest.approx(0.85)), ("b", pytest.approx(0.85), pytest.approx(1.85))]
+    assert answer.started_at == pytest.approx(0.6) and answer.outcome == "good"  # for the core: at the cut
