@@ -447,6 +447,7 @@ class Gate:
         self._worker = worker
         self._threads: list = []
         self._closing: list = []  # the workers close() stopped, for aclose()
+        self._latest = -math.inf  # the gate-clock time of the last event the core was told of
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
@@ -514,7 +515,7 @@ class Gate:
     def _submit(self, job: Job) -> _Ticket:
         if self._loop is None or self._closed:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
-        now = self.clock()
+        now = self._now()
         self.submitted += 1
         # The calibrated estimate at the limit, prompt term included; the policy's estimator scales it from
         # the work (the tokens generated are unknown here: None, which refuses the oracle's question).
@@ -564,6 +565,11 @@ class Gate:
             ticket.timer = self._loop.call_at(when, self._deadline_passed, k, ticket)
         self._threads[k].give(ticket)
 
+    def _now(self) -> float:
+        """The clock, read once for an event the core is told of; the latest such time is kept (see _cut)."""
+        self._latest = self.clock()
+        return self._latest
+
     def _drop(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float) -> None:
         a = ticket.arrival
         waited = now - a.at
@@ -593,7 +599,7 @@ class Gate:
             pass
 
     def _finished(self, k: int, ticket: _Ticket, result: EngineResult | _Failure) -> None:
-        now = self.clock()
+        now = self._now()
         if ticket.timer is not None:  # handed back before its deadline: no cut
             ticket.timer.cancel()
             ticket.timer = None
@@ -652,6 +658,11 @@ class Gate:
             # can come early: wait on to the deadline itself, where the simulator cuts.
             ticket.timer = self._loop.call_later(ticket.due - now, self._deadline_passed, k, ticket)
             return
+        # The cut is placed at the deadline itself, as the simulator places it, unless the core has been told
+        # of something since: the microseconds the loop took to get here would otherwise shift every later
+        # start on this engine, and a replay's decisions with them.
+        now = ticket.due if self._latest <= ticket.due else now
+        self._latest = now
         if self.queue.cut(k, now) is None:
             return  # it had ended already: stalled, or its client left
         ticket.cut = True
@@ -668,7 +679,7 @@ class Gate:
     # -- the watchdog: stalled engines and the queue behind them ----------------------
 
     def _watchdog(self) -> None:
-        now = self.clock()
+        now = self._now()
         for k in self.queue.overdue(now):
             ticket = self.queue.stall(k, now)
             if ticket is not None:
@@ -695,7 +706,7 @@ class Gate:
         if not future.cancelled():
             return
         self.cancelled += 1
-        if self.queue.cancel(ticket, self.clock()) == "running" and ticket.cancel is not None:
+        if self.queue.cancel(ticket, self._now()) == "running" and ticket.cancel is not None:
             ticket.cancel.set()
 
     # -- observation ------------------------------------------------------------
