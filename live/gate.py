@@ -296,6 +296,13 @@ class _Ticket:
     pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
 
 
+#: How long before a run's deadline its cut timer is set, on a real clock: a loop's timer can come up to a
+#: millisecond late, and a cut that comes late shifts every later start on its engine (see Gate._cut).
+CUT_LEAD_S = 0.002
+#: A cut this close to its deadline is at it (the cut is placed at the deadline itself, see Gate._cut): below the
+#: resolution of two clocks that are apart, waiting on would never end.
+CUT_SLACK_S = 1e-6
+
 #: The last item of a streamed job's pieces: its future is done (answered, failed, or cancelled).
 END = object()
 
@@ -560,9 +567,12 @@ class Gate:
         self.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
         if math.isfinite(ticket.due):
             # On the loop's clock (the gate's, or one at a fixed offset from it); call_at, not call_later, so
-            # that the gate's and loop's clock being the same one gives the deadline to the last bit.
-            when = ticket.due if self.clock == self._loop.time else self._loop.time() + (ticket.due - now)
-            ticket.timer = self._loop.call_at(when, self._deadline_passed, k, ticket)
+            # that the gate's and loop's clock being the same one gives the deadline to the last bit. A real
+            # loop's timers come up to a millisecond late (epoll's and uvloop's resolution): this one is set
+            # CUT_LEAD_S early, and _cut waits on from there to the deadline itself.
+            due = ticket.due if self.clock == self._loop.time else self._loop.time() + (ticket.due - now)
+            lead = 0.0 if self.clock == self._loop.time else CUT_LEAD_S
+            ticket.timer = self._loop.call_at(due - lead, self._deadline_passed, k, ticket)
         self._threads[k].give(ticket)
 
     def _now(self) -> float:
@@ -653,10 +663,14 @@ class Gate:
         if self._closed or entry is None or entry[0] is not ticket:
             return  # handed back in time
         now = self.clock()
-        if now < ticket.due:
-            # The loop's timers are coarser than the gate's clock (uvloop's: whole milliseconds), so the timer
-            # can come early: wait on to the deadline itself, where the simulator cuts.
-            ticket.timer = self._loop.call_later(ticket.due - now, self._deadline_passed, k, ticket)
+        if ticket.due - now > CUT_SLACK_S:
+            # Early (set so, see _start; or the loop's clock is coarser than the gate's): wait on to the deadline
+            # itself, where the simulator cuts, aiming early again while more than half the lead is left, as a
+            # timer can come late. uvloop rounds the last wait down to whole milliseconds, that is to the next
+            # turn of the loop: the cut then comes within microseconds of the deadline.
+            left = ticket.due - now
+            wait = left - CUT_LEAD_S / 2 if left - CUT_LEAD_S / 2 > CUT_SLACK_S else left  # never a wait of nothing
+            ticket.timer = self._loop.call_later(wait, self._deadline_passed, k, ticket)
             return
         # The cut is placed at the deadline itself, as the simulator places it, unless the core has been told
         # of something since: the microseconds the loop took to get here would otherwise shift every later
