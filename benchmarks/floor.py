@@ -31,7 +31,6 @@ outlive the benchmark).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from live.commands import _bind, _stop_at_stdin_eof, _url  # noqa: E402
+from live.commands import _bind, _url, run_app  # noqa: E402
 from live.contract import error_json  # noqa: E402
 from live.procs import ROOT, Server  # noqa: E402
 from live.serve_options import LOOPBACK, ServeOptions  # noqa: E402
@@ -139,22 +138,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.kind == "proxy" and not args.upstream:
         parser.error("proxy needs --upstream URL")
-    import uvicorn
-
-    from live.headcap import http_options
-
     sock = _bind(args.host, args.port)
     url = _url(sock)
     app = FloorApp(args.kind, lambda: print(f"floor {args.kind}: listening on {url}", flush=True),
                    args.upstream.rstrip("/") if args.upstream else None)
-    # The settings of qlab serve (live/commands.py cmd_serve), so that the floor is the same server stack.
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5, **http_options("httptools")))
-    if args.watch_stdin:
-        _stop_at_stdin_eof()
-    gc.collect()
-    gc.freeze()
-    server.run(sockets=[sock])
+    run_app(app, sock, "warning", "httptools", args.watch_stdin)  # qlab serve's own server stack
     return 0
 
 

@@ -107,10 +107,7 @@ def cmd_serve(args) -> int:
     cfg = ServeOptions.from_args(args)
     policy = cfg.make_policy()
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
-    import uvicorn  # the web stack loads only for the command that serves
-
-    from .gate import Gate, GateConfig
-    from .headcap import http_options
+    from .gate import Gate, GateConfig  # the web stack loads only for the command that serves
     from .http_api import create_app
 
     engines = _engines(cfg, model)  # first: an engine that cannot start is the one line said
@@ -123,16 +120,25 @@ def cmd_serve(args) -> int:
                                     stall_floor_s=cfg.stall_after))
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5, **http_options(cfg.http)))
-    if cfg.watch_stdin:
+    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin)
+    return 0
+
+
+def run_app(app, sock, log_level: str, http: str, watch_stdin: bool) -> None:
+    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way)."""
+    import uvicorn
+
+    from .headcap import http_options
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=5, **http_options(http)))
+    if watch_stdin:
         _stop_at_stdin_eof()
     # What exists now (modules, weights, the app) lives as long as the server: take it out of the
     # collector's sight, so a full collection does not stall the event loop (and a refusal) for tens of ms.
     gc.collect()
     gc.freeze()
     server.run(sockets=[sock])
-    return 0
 
 
 def register(subparsers) -> None:
