@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from live.engine import EngineResult
+from live.gate import CUT_LEAD_S
 from qsim import PRESETS, ServiceModel, make_trace, simulate
 from qsim.workload import UsedShare, lognormal_noise
 from virtual_time import run_gate
@@ -355,7 +356,7 @@ def _cut_then_serve(clock_offset_s: float = 0.0, second_deadline_s: float = 5.0)
     """Two 1 s requests on one engine: the first cut at its 0.6 s deadline, the second (given second_deadline_s)
     behind it. The gate's clock is the loop's plus clock_offset_s (not 0: the clocks differ, as time.monotonic
     and uvloop's millisecond one do, so the gate sets its cut timers early and waits on to each deadline).
-    Returns each request's answer or DeadlineCut numbers."""
+    Returns each request's answer or DeadlineCut numbers (with ``seen_at``: the gate-clock time its client saw the cut)."""
     import asyncio
 
     from live.gate import DeadlineCut, Gate, GateConfig, Job
@@ -377,7 +378,7 @@ def _cut_then_serve(clock_offset_s: float = 0.0, second_deadline_s: float = 5.0)
                 try:
                     ends.append(await future)
                 except DeadlineCut as cut:
-                    ends.append(cut.numbers)
+                    ends.append({**cut.numbers, "seen_at": gate.clock()})
             await asyncio.sleep(1.0)  # any run still stopping
             return ends, gate.stats(), workers[0].starts
 
@@ -405,8 +406,11 @@ def test_a_cut_timer_set_early_waits_for_the_deadline():
     assert len(ends) == 2 and stats["counts"]["cancelled"] == 2
     for numbers in ends:
         # Never before its deadline, and placed at the deadline itself (nothing else happened in between),
-        # where the simulator cuts: not the moment the loop came round to it.
+        # where the simulator cuts: not the moment the loop came round to it. The timer went off 2 ms early
+        # (CUT_LEAD_S); the cut waited on, so its client saw it no earlier than the deadline (to the rounding of
+        # the two clocks' offset; without the wait it would see it CUT_LEAD_S early).
         assert numbers["at"] == numbers["arrived_at"] + numbers["deadline_s"]
+        assert numbers["at"] - 1e-9 <= numbers["seen_at"] < numbers["at"] + CUT_LEAD_S / 2
 
 
 def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stopped():
