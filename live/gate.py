@@ -454,7 +454,6 @@ class Gate:
         self._worker = worker
         self._threads: list = []
         self._closing: list = []  # the workers close() stopped, for aclose()
-        self._latest = -math.inf  # the gate-clock time of the last event the core was told of
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
@@ -570,15 +569,20 @@ class Gate:
             # that the gate's and loop's clock being the same one gives the deadline to the last bit. A real
             # loop's timers come up to a millisecond late (epoll's and uvloop's resolution): this one is set
             # CUT_LEAD_S early, and _cut waits on from there to the deadline itself.
-            due = ticket.due if self.clock == self._loop.time else self._loop.time() + (ticket.due - now)
+            # The clock is read again: a run started by a cut placed in the past (_cut_overdue) starts at ``now``
+            # for the core, but its timer counts from the loop's present.
+            due = ticket.due if self.clock == self._loop.time else self._loop.time() + (ticket.due - self.clock())
             lead = 0.0 if self.clock == self._loop.time else CUT_LEAD_S
             ticket.timer = self._loop.call_at(due - lead, self._deadline_passed, k, ticket)
         self._threads[k].give(ticket)
 
     def _now(self) -> float:
-        """The clock, read once for an event the core is told of; the latest such time is kept (see _cut)."""
-        self._latest = self.clock()
-        return self._latest
+        """The clock, read once for an event the core is told of. Runs whose deadline passed before it are cut
+        first (see _cut_overdue): the core hears of events in their order, as the simulator's does."""
+        now = self.clock()
+        if self.policy.cancel_at_deadline:
+            self._cut_overdue(now)
+        return now
 
     def _drop(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float) -> None:
         a = ticket.arrival
@@ -672,11 +676,28 @@ class Gate:
             wait = left - CUT_LEAD_S / 2 if left - CUT_LEAD_S / 2 > CUT_SLACK_S else left  # never a wait of nothing
             ticket.timer = self._loop.call_later(wait, self._deadline_passed, k, ticket)
             return
-        # The cut is placed at the deadline itself, as the simulator places it, unless the core has been told
-        # of something since: the microseconds the loop took to get here would otherwise shift every later
-        # start on this engine, and a replay's decisions with them.
-        now = ticket.due if self._latest <= ticket.due else now
-        self._latest = now
+        # Placed at the deadline itself (or the start, for a run that started past it), as the simulator places
+        # it: the microseconds the loop took to get here would otherwise shift every later start on this engine,
+        # and a replay's decisions with them. Nothing the core was told of came in between: _now cuts first.
+        self._cut_at(k, ticket, max(ticket.due, ticket.start))
+
+    def _cut_overdue(self, now: float) -> None:
+        """Cut, at their deadlines and in their order, the runs whose deadline passed before ``now`` and whose
+        timer the loop has not come round to yet (a loop late by a fraction of a millisecond, an arrival read
+        first): the event at ``now`` then meets the queue the simulator's would."""
+        while True:
+            late = [(max(e[0].due, e[0].start), k) for k, e in enumerate(self.queue.running)
+                    if e is not None and not self.queue.ended[k] and e[0].due + CUT_SLACK_S < now]
+            if not late:
+                return
+            at, k = min(late)
+            ticket = self.queue.running[k][0]
+            if ticket.timer is not None:
+                ticket.timer.cancel()
+                ticket.timer = None
+            self._cut_at(k, ticket, at)
+
+    def _cut_at(self, k: int, ticket: _Ticket, now: float) -> None:
         if self.queue.cut(k, now) is None:
             return  # it had ended already: stalled, or its client left
         ticket.cut = True

@@ -413,6 +413,43 @@ def test_a_cut_timer_set_early_waits_for_the_deadline():
         assert numbers["at"] - 1e-9 <= numbers["seen_at"] < numbers["at"] + CUT_LEAD_S / 2
 
 
+def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
+    """The loop comes round late: an arrival's clock reads past a running request's deadline before the cut
+    timer fired. The core hears of the cut first, placed at the deadline, as the simulator orders them."""
+    import asyncio
+
+    from live.gate import DeadlineCut, Gate, GateConfig, Job
+    from virtual_time import VirtualLoop
+
+    policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
+    late = {"by": 0.0}  # how far the gate's clock reads ahead of the loop's timers
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        gate = Gate([None], GateConfig(policy), clock=lambda: loop.time() + 100.0 + late["by"],
+                    worker=lambda k, engine, deliver: _SlowToStop(k, engine, deliver))
+        async with gate:
+            a, b = gate.submit(Job("a", 1)), gate.submit(Job("b", 1, deadline_s=5.0))
+            await asyncio.sleep(0.5975)  # before the cut timer (set CUT_LEAD_S early) goes off
+            late["by"] = 0.003  # the clock now reads 0.6005 s after a's arrival: past its deadline
+            c = gate.submit(Job("c", 1, deadline_s=5.0))
+            late["by"] = 0.0
+            cut = await asyncio.gather(a, return_exceptions=True)
+            answers = await asyncio.gather(b, c)
+            return cut[0], answers, gate.stats()
+
+    loop = VirtualLoop()
+    try:
+        cut, (b, c), stats = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert isinstance(cut, DeadlineCut) and cut.numbers["at"] == pytest.approx(100.6, abs=1e-9)
+    assert b.started_at == pytest.approx(100.6, abs=1e-9)  # its start, for the core, at the cut
+    # c met b running and nothing waiting (without the cut first: a running, b waiting, 1 queued).
+    assert c.arrival.queued == 0 and c.arrival.at == pytest.approx(100.6005)
+    assert stats["counts"]["cancelled"] == 1 and stats["counts"]["good"] == 2
+
+
 def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stopped():
     import asyncio
 
