@@ -30,20 +30,18 @@ uvloop. Both clients and the servers share the machine's cores.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cli import bench_main  # noqa: E402
 from benchmarks.lean import Lean, client_loop  # noqa: E402
 from live.loadgen import ReplayConfig, lateness, replay, replay_async  # noqa: E402
 from live.procs import serving  # noqa: E402
@@ -162,16 +160,7 @@ def report(results: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    results = run(QUICK if args.quick else FULL)
-    if args.json:
-        print(json.dumps(results, indent=2, default=lambda v: float(v) if isinstance(v, np.floating) else str(v)))
-    else:
-        report(results)
-    return 0
+    return bench_main(__doc__, run, report, QUICK, FULL, argv)
 
 
 if __name__ == "__main__":

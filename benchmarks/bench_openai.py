@@ -42,9 +42,7 @@ figure a bare server on the same machine, under the same arrivals, costs as well
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -56,6 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.floor import floors  # noqa: E402
+from benchmarks.cli import bench_main  # noqa: E402
 from benchmarks.lean import Lean, Reply, client_loop  # noqa: E402
 from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
                            GenerateRequest, QlabInfo)
@@ -287,24 +286,8 @@ def report(results: dict) -> None:
                   f"{r['p50_ms'] - f['p50_ms']:.3f} ms")
 
 
-def _nulls(value):
-    """NaN (a figure with no sample) as JSON's null."""
-    if isinstance(value, dict):
-        return {k: _nulls(v) for k, v in value.items()}
-    return None if isinstance(value, float) and value != value else value
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    results = run(QUICK if args.quick else FULL)
-    if args.json:
-        print(json.dumps(_nulls(results), indent=2))
-    else:
-        report(results)
-    return 0
+    return bench_main(__doc__, run, report, QUICK, FULL, argv)
 
 
 if __name__ == "__main__":
