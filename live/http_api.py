@@ -22,7 +22,8 @@ reason ``engine_exception`` when the engine raised, ``engine_stalled`` when
 the gate gave up on a stalled engine, see :mod:`live.gate`; 502 ``upstream_error``
 when the upstream server of ``--engine upstream`` answered an error, could not be
 reached or broke its answer off; 504 ``upstream_timeout`` when it sent nothing for
-``--upstream-timeout`` seconds) or ``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
+``--upstream-timeout`` seconds), ``unavailable`` (503, reason ``shutting_down``: still running when
+the server's graceful shutdown ran out of time) or ``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
 server cannot take the work now, not "this client sent too much". That one is
 type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
 bucket (``client_rate``, ``client_burst``) refused a client over its rate,
@@ -173,6 +174,25 @@ async def _engine_stalled(_: Request, exc: EngineStalled) -> Response:
     return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
 
 
+#: What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
+#: cancels it then): 503 in the envelope, as a stream's last event where the stream had begun.
+SHUTDOWN = ("unavailable", "shutting_down", "the server is shutting down and stopped this request before it was "
+                                            "answered; send it again", 1)
+
+
+def shutdown_response() -> Response:
+    type_, reason, message, retry_after_s = SHUTDOWN
+    return error_response(503, type_, reason, message, retry_after_s=retry_after_s)
+
+
+def stopped_by_shutdown() -> None:
+    """The request's task was cancelled (the server's shutdown) and answers it instead of ending: the
+    cancellation is handled, so the task is not counted as cancelled (asyncio.Task.uncancel)."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
 async def _invalid(_: Request, exc: InvalidRequest) -> Response:
     return error_response(exc.status, "invalid_request", exc.reason, exc.message)
 
@@ -302,6 +322,9 @@ class _Direct:
         request = Request(scope, receive, send)
         try:
             response = await self.endpoint(request)
+        except asyncio.CancelledError:  # only the server cancels a request's task: its shutdown timed out
+            stopped_by_shutdown()
+            response = shutdown_response()
         except Exception as exc:
             handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
             if handler is _unexpected:  # as Starlette's ServerErrorMiddleware would, leave the traceback in the log

@@ -34,9 +34,9 @@ timings, (with ``stream_options.include_usage``) a chunk with ``usage``, then ``
 response starts with the first piece: until then a refusal or a failure is a plain JSON error with its
 status (never a stream), and an engine without ``emit`` streams its whole answer at the end, as before.
 A failure after the first piece (an upstream that errors, times out or hangs up mid-stream, an engine
-error, a stall, a cut at the deadline) ends the stream with one event holding the error envelope its
-handler would have answered (``data: {"error": {...}}``, on which the openai SDK raises ``APIError``),
-then ``data: [DONE]``. A client that hangs up mid-stream cancels the future, so the run's Cancel is set.
+error, a stall, a cut at the deadline, the server's graceful shutdown running out of time) ends the
+stream with one event holding the error envelope its handler would have answered (``data: {"error":
+{...}}``, on which the openai SDK raises ``APIError``), then ``data: [DONE]``. A client that hangs up mid-stream cancels the future, so the run's Cancel is set.
 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
 ended it), else ``length``: the engines never stop at end-of-text (an upstream server may: its
@@ -69,7 +69,7 @@ from .contract import (OWNER, Admission, AssistantMessage, ChatChoice, ChatChunk
                        Usage, request_models)
 from .gate import END, Answer, Gate, Job, Rejected, Streamed
 from .http_api import (CLIENT_HEADER, HANDLERS, InvalidRequest, Limits, _outcome, _until_disconnect, _validation_text,
-                       json_response, read_body)
+                       json_response, read_body, shutdown_response, stopped_by_shutdown)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -192,6 +192,7 @@ def _client(request: Request, user: str | None) -> str | None:
 
 
 DONE_EVENT = "data: [DONE]\n\n"
+SHUTDOWN_EVENT = f"data: {bytes(shutdown_response().body).decode()}\n\n{DONE_EVENT}"
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
@@ -216,8 +217,12 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for event in self.events:  # after a client left, the server's send drops what comes
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            try:
+                async for event in self.events:  # after a client left, the server's send drops what comes
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            except asyncio.CancelledError:  # the server's shutdown timed out: the stream ends as a failure does
+                stopped_by_shutdown()
+                await send({"type": "http.response.body", "body": SHUTDOWN_EVENT.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.events.aclose()  # its own finally stops the watch, and so the run, if we stopped early

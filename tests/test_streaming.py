@@ -175,11 +175,15 @@ async def _post(app, path: str, body: dict, leave_after: int | None = None) -> t
              "scheme": "http", "server": ("test", 80), "client": ("test", 1), "http_version": "1.1", "root_path": ""}
     await app.direct_posts[path](scope, receive, send)
     body_text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    if (b"content-type", b"application/json") in sent[0]["headers"]:
+        return sent[0]["status"], [body_text]  # not a stream: the body, whole
     return sent[0]["status"], [line[6:] for line in body_text.split("\n") if line.startswith("data: ")]
 
 
-def _in_virtual_time(body: dict, leave_after: int | None = None) -> tuple[int, list[str], dict, float]:
-    """One streamed chat through a cutting gate on a virtual clock: status, data lines, stats, the loop's end time."""
+def _in_virtual_time(body: dict, leave_after: int | None = None,
+                     shutdown_at: float | None = None) -> tuple[int, list[str], dict, float]:
+    """One streamed chat through a cutting gate on a virtual clock: status, data lines, stats, the loop's end time.
+    shutdown_at: the request's task is cancelled then, as uvicorn cancels what runs past its graceful shutdown."""
     loop = VirtualLoop()
 
     async def go():
@@ -188,7 +192,11 @@ def _in_virtual_time(body: dict, leave_after: int | None = None) -> tuple[int, l
         app = create_app(gate)
         gate.start()
         try:
-            status, lines = await _post(app, CHAT, body, leave_after)
+            task = asyncio.ensure_future(_post(app, CHAT, body, leave_after))
+            if shutdown_at is not None:
+                loop.call_at(shutdown_at, task.cancel)
+            status, lines = await task  # the task answers its cancellation: it ends, not cancelled
+            assert not task.cancelled() and task.cancelling() == 0
             await asyncio.sleep(0.01)  # virtual: the hand-back of a stopped run, a few loop turns on
             return status, lines, gate.stats(), loop.time()
         finally:
@@ -249,3 +257,19 @@ def test_a_client_leaving_mid_stream_cancels_its_run():
     assert status == 200 and "[DONE]" not in lines and texts([json.loads(x) for x in lines], chat=True) == ["a"]
     assert stats["cancelled"] == 1 and stats["in_service"] == 0  # the engine stopped (its Cancel), and is free
     assert ended < 10.0  # long before the run's own end at 10 s (virtual): it was stopped, not waited for
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_still_running_when_the_shutdown_times_out_is_answered_503(stream):
+    # Cancelled at 0.15 s (virtual): a stream has had "a", so it ends with the error as its last event; an
+    # answer not begun is a 503 in the envelope, not uvicorn's bare 500. Either way the run is stopped.
+    status, lines, stats, ended = _in_virtual_time({**CHAT_BODY, "stream": stream}, shutdown_at=0.15)
+    if stream:
+        assert status == 200 and lines[-1] == "[DONE]"
+        assert texts([json.loads(x) for x in lines[:-2]], chat=True) == ["a"]
+        error = json.loads(lines[-2])["error"]
+    else:
+        assert status == 503 and len(lines) == 1
+        error = json.loads(lines[0])["error"]
+    assert (error["type"], error["code"], error["retry_after_s"]) == ("unavailable", "shutting_down", 1)
+    assert stats["in_service"] == 0 and ended < 10.0  # its engine was told to stop
