@@ -464,13 +464,19 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
-class Completion(BaseModel):
-    """A completion, and (object the same, as OpenAI's) each chunk of a streamed one."""
+class _AnswerHead(BaseModel):
+    """The fields every OpenAI answer object begins with; each kind names its ``object``."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
+
+
+class Completion(_AnswerHead):
+    """A completion, and (object the same, as OpenAI's) each chunk of a streamed one."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
     qlab: QlabInfo | None = None
@@ -488,11 +494,8 @@ class ChatChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_AnswerHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     qlab: QlabInfo
@@ -510,11 +513,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_AnswerHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     qlab: QlabInfo | None = None
