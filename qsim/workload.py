@@ -8,6 +8,7 @@ and true service time whatever the policy, and at every load.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -533,45 +534,31 @@ def make_trace(
 # ---------------------------------------------------------------- a trace from options
 
 
-def build_trace(
-    file: str | Path | None = None,
-    *,
-    time_scale: float = 1.0,
-    arrivals: str = "poisson",
-    service: str = "mix",
-    load: float = 0.9,
-    engines: int = 1,
-    speed: float = 1.0,
-    seconds: float | None = None,
-    requests: int | None = None,
-    default_seconds: float | None = None,
-    seed: int = 0,
-    mix: Mix = REFERENCE_MIX,
-    model: ServiceModel = ServiceModel(),
-    mean_service_s: float | None = None,
-    noise_cv: float = 0.0,
-    clients: tuple[Client, ...] = (),
-    patience: Patience | None = None,
-    used: "UsedShare | dict[int, UsedShare] | None" = None,
-) -> Trace:
+#: The options of :func:`make_trace` that also apply to a trace file (:func:`qsim.tracefiles.load_trace`).
+FILE_OPTIONS = ("model", "mix", "speed", "noise_cv", "seed", "patience", "used")
+
+
+def build_trace(file: str | Path | None = None, *, time_scale: float = 1.0, default_seconds: float | None = None,
+                **options) -> Trace:
     """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
 
-    With ``file``: that trace file, read by :func:`qsim.tracefiles.load_trace` (``time_scale``,
-    ``model``, ``mix``, ``speed``, ``noise_cv`` and ``seed`` apply; the arrival and length options
-    do not, and a file brings its own clients, in its client_id and priority columns; ``patience`` None keeps
-    the file's patience_s column, if any). Otherwise :func:`make_trace`, ``default_seconds`` long when neither ``seconds`` nor
-    ``requests`` is given (a burst's length is its size whatever they are).
+    ``options`` are :func:`make_trace`'s (``arrivals`` and ``service`` by name). With ``file``: that trace
+    file, read by :func:`qsim.tracefiles.load_trace` (``time_scale`` and the :data:`FILE_OPTIONS` apply; the
+    arrival and length options do not, and a file brings its own clients, in its client_id and priority
+    columns; ``patience`` None keeps the file's patience_s column, if any). Otherwise :func:`make_trace`,
+    ``default_seconds`` long when neither ``seconds`` nor ``requests`` is given (a burst's length is its size
+    whatever they are).
     """
+    unknown = set(options) - set(inspect.signature(make_trace).parameters)
+    if unknown:
+        raise TypeError(f"build_trace() got unexpected options: {', '.join(sorted(unknown))}")
     if file:
-        if clients:
+        if options.get("clients"):
             raise ValueError("a trace file brings its own clients (its client_id and priority columns); "
                              "workload clients apply to synthetic arrivals")
         from .tracefiles import load_trace  # imported here: tracefiles builds on this module's Trace
 
-        return load_trace(file, time_scale, model=model, mix=mix, speed=speed, noise_cv=noise_cv, seed=seed,
-                          patience=patience, used=used)
-    if seconds is None and requests is None:
-        seconds = default_seconds
-    return make_trace(arrivals, service, load=load, engines=engines, speed=speed, seconds=seconds, requests=requests,
-                      seed=seed, mix=mix, model=model, mean_service_s=mean_service_s, noise_cv=noise_cv,
-                      clients=clients, patience=patience, used=used)
+        return load_trace(file, time_scale, **{k: v for k, v in options.items() if k in FILE_OPTIONS})
+    if options.get("seconds") is None and options.get("requests") is None:
+        options["seconds"] = default_seconds
+    return make_trace(**options)
