@@ -18,7 +18,7 @@ from live.engine import EngineResult
 from live.gate import CUT_LEAD_S
 from qsim import PRESETS, ServiceModel, make_trace, simulate
 from qsim.workload import UsedShare, lognormal_noise
-from virtual_time import run_gate
+from virtual_time import LoopWorker, run_gate
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004, per_prompt_token_s=0.0002)
 
@@ -319,20 +319,15 @@ def test_runs_cut_at_the_deadline_are_replayed_request_by_request(servers):
     assert s["live_errors"] == 0 and s["disagreement_rate"] <= 0.02
 
 
-class _SlowToStop:
+class _SlowToStop(LoopWorker):
     """A gate worker on the virtual clock that runs one request at a time, each for ``run_s``, and takes
     ``stop_s`` to stop a cut run (as an engine between two decoding steps): a request given meanwhile waits."""
 
     run_s, stop_s = 1.0, 0.25
 
     def __init__(self, k: int, engine, deliver) -> None:
-        self.k, self.deliver, self.busy_until, self.starts = k, deliver, 0.0, []
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, timeout_s: float) -> None:
-        pass
+        super().__init__(k, deliver)
+        self.busy_until, self.starts = 0.0, []
 
     def give(self, ticket) -> None:
         import asyncio

@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from test_upstream import _chunk, _plain, _sse, scripted  # noqa: E402
-from virtual_time import VirtualLoop  # noqa: E402
+from virtual_time import LoopWorker, VirtualLoop  # noqa: E402
 
 from live.engine import Cancel, EngineResult, SyntheticEngine  # noqa: E402
 from live.gate import Gate, GateConfig  # noqa: E402
@@ -127,17 +127,11 @@ def test_an_upstream_that_dies_mid_stream_ends_the_stream_with_an_error(tmp_path
 # ================================================================== a cut at the deadline, in virtual time
 
 
-class _Emitter:
+class _Emitter(LoopWorker):
     """A gate worker on the loop's clock: emits "a" at 0.1 s and "b" at 0.2 s, hands back at 10 s unless cut."""
 
     def __init__(self, k: int, engine, deliver) -> None:
-        self.k, self.deliver = k, deliver
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, timeout_s: float) -> None:
-        pass
+        super().__init__(k, deliver)
 
     def give(self, ticket) -> None:
         loop = asyncio.get_running_loop()

@@ -51,7 +51,21 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         return self.now
 
 
-class SimEngine:
+class LoopWorker:
+    """A gate worker on the loop's clock, with no thread: nothing to start or stop; a subclass's ``give``
+    schedules the run's hand-back (``deliver(k, ticket, result)``) on the loop."""
+
+    def __init__(self, k: int, deliver) -> None:
+        self.k, self.deliver = k, deliver
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float) -> None:
+        pass
+
+
+class SimEngine(LoopWorker):
     """A gate worker that takes the request's true service time on the loop's clock; no thread.
 
     The job's prompt is the request's index into ``true_s`` (and ``failed``, and ``tokens``: the
@@ -61,14 +75,9 @@ class SimEngine:
     """
 
     def __init__(self, k: int, true_s, failed, deliver, tokens=None, schedule=None) -> None:
-        self.k, self.true_s, self.failed, self.deliver, self.tokens = k, true_s, failed, deliver, tokens
+        super().__init__(k, deliver)
+        self.true_s, self.failed, self.tokens = true_s, failed, tokens
         self.schedule = schedule  # qsim.service.SpeedSchedule: a run takes true x speed at its start / base
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, timeout_s: float) -> None:
-        pass
 
     def give(self, ticket) -> None:
         i = int(ticket.job.prompt)
