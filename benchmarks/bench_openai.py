@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.floor import floors  # noqa: E402
+from benchmarks.floor import floors, machine  # noqa: E402
 from benchmarks.cli import bench_main  # noqa: E402
 from benchmarks.lean import Lean, Reply, client_loop  # noqa: E402
 from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
@@ -242,6 +242,7 @@ def run(sizes: Sizes) -> dict:
     for key, target in TARGETS.items():
         results[key]["target"] = asdict(target)
         results[key]["verdict"] = verdict(results[key], target)
+    results["machine"] = machine()
     return results
 
 
@@ -251,6 +252,9 @@ def verdict(r: dict, target: Target) -> str:
 
 
 def report(results: dict) -> None:
+    m = results["machine"]
+    print(f"machine: {m['cpus']} CPUs ({m['cpu_model']}), cpuidle governor {m['cpuidle_governor']}, Linux "
+          f"{m['kernel']}, Python {m['python']}, uvloop {m['uvloop']}")
     for key, target in TARGETS.items():
         r = results[key]
         p99 = f"p99 {r['p99_ms']:.3f} ms" + ("" if target.p99_ms is None else f" (target < {target.p99_ms:g} ms)")

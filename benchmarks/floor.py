@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import subprocess
 import sys
 from contextlib import ExitStack, contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
@@ -162,6 +164,27 @@ class FloorServer(Server):
         argv += ["--upstream", self.upstream] if self.upstream else []
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, cwd=ROOT, env=env, start_new_session=True)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def machine() -> dict:
+    """What a floor depends on, printed beside the figures: the same code meets or misses the targets by the
+    host (docs/benchmarks.md). Linux's /proc and /sys where they are; None where not."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), None)
+    try:
+        uvloop = metadata.version("uvloop")
+    except metadata.PackageNotFoundError:
+        uvloop = None
+    return {"cpus": os.cpu_count(), "cpu_model": cpu,
+            "cpuidle_governor": _read("/sys/devices/system/cpu/cpuidle/current_governor").strip() or None,
+            "kernel": platform.release(), "python": platform.python_version(), "uvloop": uvloop}
 
 
 @contextmanager

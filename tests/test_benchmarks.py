@@ -27,7 +27,8 @@ def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data) == {"refusal", "refusal_8", "refusal_generate", "added", "added_ttft"}
+    assert set(data) == {"refusal", "refusal_8", "refusal_generate", "added", "added_ttft", "machine"}
+    assert data["machine"]["cpus"] == os.cpu_count() and data["machine"]["python"] == sys.version.split()[0]
     for figure in (data[k] for k in ("refusal", "refusal_8", "added", "added_ttft")):
         assert {"n", "p50_ms", "p99_ms", "target", "verdict", "floor"} <= set(figure)
         assert figure["verdict"] in ("PASS", "MISS") and figure["target"]["p50_ms"] == 1.0
