@@ -53,8 +53,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.floor import floors, machine  # noqa: E402
 from benchmarks.cli import bench_main  # noqa: E402
+from benchmarks.floor import floors, machine  # noqa: E402
 from benchmarks.lean import Lean, Reply, client_loop  # noqa: E402
 from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
                            GenerateRequest, QlabInfo)

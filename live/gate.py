@@ -565,15 +565,17 @@ class Gate:
         # No arrival yet: an idle engine took it inside arrive(), at its arrival time.
         self.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
         if math.isfinite(ticket.due):
-            # On the loop's clock (the gate's, or one at a fixed offset from it); call_at, not call_later, so
-            # that the gate's and loop's clock being the same one gives the deadline to the last bit. A real
-            # loop's timers come up to a millisecond late (epoll's and uvloop's resolution): this one is set
-            # CUT_LEAD_S early, and _cut waits on from there to the deadline itself.
-            # The clock is read again: a run started by a cut placed in the past (_cut_overdue) starts at ``now``
-            # for the core, but its timer counts from the loop's present.
-            due = ticket.due if self.clock == self._loop.time else self._loop.time() + (ticket.due - self.clock())
-            lead = 0.0 if self.clock == self._loop.time else CUT_LEAD_S
-            ticket.timer = self._loop.call_at(due - lead, self._deadline_passed, k, ticket)
+            # On the loop's clock; call_at, not call_later, so that the gate's and loop's clock being the same
+            # one gives the deadline to the last bit. Otherwise (a real clock) the loop's timers come up to a
+            # millisecond late (epoll's and uvloop's resolution): this one is set CUT_LEAD_S early, and _cut
+            # waits on from there to the deadline itself. The clock is read again, not ``now``: a run started by
+            # a cut placed in the past (_cut_overdue) starts at ``now`` for the core, but its timer counts from
+            # the loop's present.
+            if self.clock == self._loop.time:
+                when = ticket.due
+            else:
+                when = self._loop.time() + (ticket.due - self.clock()) - CUT_LEAD_S
+            ticket.timer = self._loop.call_at(when, self._deadline_passed, k, ticket)
         self._threads[k].give(ticket)
 
     def _now(self) -> float:

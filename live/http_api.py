@@ -23,8 +23,8 @@ the gate gave up on a stalled engine, see :mod:`live.gate`; 502 ``upstream_error
 when the upstream server of ``--engine upstream`` answered an error, could not be
 reached or broke its answer off; 504 ``upstream_timeout`` when it sent nothing for
 ``--upstream-timeout`` seconds), ``unavailable`` (503, reason ``shutting_down``: still running when
-the server's graceful shutdown ran out of time) or ``internal_error`` (500). Overload is 503 with Retry-After, never 429: the
-server cannot take the work now, not "this client sent too much". That one is
+the server's graceful shutdown ran out of time) or ``internal_error`` (500). Overload is 503 with
+Retry-After, never 429: the server cannot take the work now, not "this client sent too much". That one is
 type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
 bucket (``client_rate``, ``client_burst``) refused a client over its rate,
 named by the body's ``client_id`` or the ``x-client-id`` header.
@@ -174,15 +174,11 @@ async def _engine_stalled(_: Request, exc: EngineStalled) -> Response:
     return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
 
 
-#: What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
-#: cancels it then): 503 in the envelope, as a stream's last event where the stream had begun.
-SHUTDOWN = ("unavailable", "shutting_down", "the server is shutting down and stopped this request before it was "
-                                            "answered; send it again", 1)
-
-
 def shutdown_response() -> Response:
-    type_, reason, message, retry_after_s = SHUTDOWN
-    return error_response(503, type_, reason, message, retry_after_s=retry_after_s)
+    """What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
+    cancels it then): 503 in the envelope, as a stream's last event where the stream had begun."""
+    return error_response(503, "unavailable", "shutting_down", "the server is shutting down and stopped this request "
+                                                               "before it was answered; send it again", retry_after_s=1)
 
 
 def stopped_by_shutdown() -> None:

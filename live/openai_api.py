@@ -36,7 +36,8 @@ status (never a stream), and an engine without ``emit`` streams its whole answer
 A failure after the first piece (an upstream that errors, times out or hangs up mid-stream, an engine
 error, a stall, a cut at the deadline, the server's graceful shutdown running out of time) ends the
 stream with one event holding the error envelope its handler would have answered (``data: {"error":
-{...}}``, on which the openai SDK raises ``APIError``), then ``data: [DONE]``. A client that hangs up mid-stream cancels the future, so the run's Cancel is set.
+{...}}``, on which the openai SDK raises ``APIError``), then ``data: [DONE]``. A client that hangs up
+mid-stream cancels the future, so the run's Cancel is set.
 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
 ended it), else ``length``: the engines never stop at end-of-text (an upstream server may: its
@@ -192,7 +193,6 @@ def _client(request: Request, user: str | None) -> str | None:
 
 
 DONE_EVENT = "data: [DONE]\n\n"
-SHUTDOWN_EVENT = f"data: {bytes(shutdown_response().body).decode()}\n\n{DONE_EVENT}"
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
@@ -233,12 +233,19 @@ def _sse(events: list[BaseModel]) -> Response:
     return Response(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _error_event(request: Request, exc: Exception) -> str:
-    """The envelope its handler answers a request that fails before streaming, as one event: the openai
-    SDK raises APIError on a data event with an ``error`` key."""
-    handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
-    response = await handler(request, exc)
+def _as_event(response: Response) -> str:
+    """An error answer's envelope as one event: the openai SDK raises APIError on a data event with an ``error`` key."""
     return f"data: {bytes(response.body).decode()}\n\n"
+
+
+async def _error_event(request: Request, exc: Exception) -> str:
+    """The envelope its handler answers a request that fails before streaming, as one event."""
+    handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
+    return _as_event(await handler(request, exc))
+
+
+#: A stream's end when the server's shutdown cancels it (:func:`live.http_api.shutdown_response`).
+SHUTDOWN_EVENT = _as_event(shutdown_response()) + DONE_EVENT
 
 
 def _json(body: BaseModel) -> Response:
