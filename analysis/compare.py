@@ -81,18 +81,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qsim import Policy, ServiceModel, from_arrays, simulate
+from qsim import from_arrays, simulate
 from qsim.clients import Decision, Retrier
-from qsim.policy import on_time, policy_from_fields
-from qsim.queue import StallRule
-from qsim.records import ANSWERED, OUTCOMES
+from qsim.config import ServerConfig
+from qsim.outcomes import ANSWERED, OUTCOMES, Outcome, Reason
+from qsim.policy import on_time
+from qsim.runfile import server_config, speed_schedule
 from qsim.service import SpeedSchedule
 from qsim.workload import lognormal_noise
 
 from .metrics import end_to_end, mean_ci, run_duration, summary
 
-RUN_COLUMNS = ("calibrated_est_s", "engine_s", "policy", "engines", "max_queue", "max_queued_seconds",
-               "predictive", "expire_at_front", "policy_deadline_s", "fixed_estimate", "initial_speed_factor")
+#: Columns of a live run file besides the server's configuration (qsim.runfile).
+RUN_COLUMNS = ("calibrated_est_s", "engine_s")
 #: What the gate knew per request (live.rows); a run file from an older qlab replay lacks them (see _known).
 REPLAY_COLUMNS = ("server_arrival_s", "arrival_speed_factor", "engine_started_s", "engine_returned_s",
                   "engine_reported_s", "failed", "stalled", "server_finish_s", "stall_factor", "stall_floor_s",
@@ -116,59 +117,12 @@ RULES = {"held": "returned - started (what the gate counted busy)",
          "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts"}
 
 
-@dataclass(frozen=True)
-class RunSetup:
-    """How the live server was configured, read back from the run's constant columns."""
-
-    policy: Policy
-    engines: int
-    fixed_estimate: bool
-    initial_speed_factor: float
-    stall: StallRule | None = StallRule()
-    tracker_weight: float = 0.2
-    model: ServiceModel | None = None  # the server's calibration (None: the run file does not say)
-    speed_schedule: SpeedSchedule | None = None  # the synthetic engine's, on the run's clock
-
-
-def _constant(run: pd.DataFrame, column: str):
-    values = run[column].drop_duplicates()
-    if len(values) != 1:
-        raise ValueError(f"run column {column} must hold one value for the whole run, found {list(values)[:5]}")
-    value = values.iloc[0]
-    return None if pd.isna(value) else value
-
-
-def run_setup(run: pd.DataFrame) -> RunSetup:
+def run_setup(run: pd.DataFrame) -> ServerConfig:
+    """The server the run ran against (:func:`qsim.runfile.server_config`), checked to be a live run file."""
     missing = [c for c in RUN_COLUMNS if c not in run.columns]
     if missing:
         raise ValueError(f"not a live run file (from qlab replay): it lacks columns {missing}")
-    if run.empty:
-        raise ValueError("the run has no requests")
-    if "policy_fields" in run.columns:  # every field, a policy class's own parameters too
-        policy = policy_from_fields(json.loads(str(_constant(run, "policy_fields"))))
-    else:
-        bound = _constant(run, "max_queue")
-        work = _constant(run, "max_queued_seconds")
-        policy = Policy(str(_constant(run, "policy")), max_queue=None if bound is None else int(bound),
-                        max_queued_seconds=None if work is None else float(work),
-                        predictive=bool(_constant(run, "predictive")),
-                        deadline_s=float(_constant(run, "policy_deadline_s")),
-                        expire_at_front=bool(_constant(run, "expire_at_front")),
-                        # A run file from before disciplines: the gate served FIFO.
-                        discipline=str(_constant(run, "discipline")) if "discipline" in run.columns else "fifo")
-    # An older run file does not say: the gate's defaults then (StallRule(), weight 0.2).
-    factor = _constant(run, "stall_factor") if "stall_factor" in run.columns else None
-    floor = _constant(run, "stall_floor_s") if "stall_floor_s" in run.columns else None
-    stall = StallRule() if factor is None or floor is None else StallRule(float(factor), float(floor))
-    weight = _constant(run, "tracker_weight") if "tracker_weight" in run.columns else None
-    model = _constant(run, "service_model") if "service_model" in run.columns else None
-    schedule = _constant(run, "speed_schedule") if "speed_schedule" in run.columns else None
-    if schedule is not None:
-        schedule = json.loads(str(schedule))
-        schedule = SpeedSchedule(float(schedule["base"]), tuple((float(t), float(v)) for t, v in schedule["steps"]))
-    return RunSetup(policy, int(_constant(run, "engines")), bool(_constant(run, "fixed_estimate")),
-                    float(_constant(run, "initial_speed_factor")), stall, 0.2 if weight is None else float(weight),
-                    None if model is None else ServiceModel.from_fields(json.loads(str(model))), schedule)
+    return server_config(run)
 
 
 def measured_speed(run: pd.DataFrame) -> float:
@@ -221,7 +175,7 @@ def _known(run: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def replay_inputs(run: pd.DataFrame, setup: RunSetup) -> pd.DataFrame:
+def replay_inputs(run: pd.DataFrame, setup: ServerConfig) -> pd.DataFrame:
     """Per request (in the run's row order): hold_s (engine time in the replay), reported_s (what the
     tracker learns), failed, and replayed_with (which rule of :data:`RULES` gave hold_s)."""
     known = _known(run)
@@ -275,7 +229,7 @@ def _in_arrival_order(run: pd.DataFrame, arrival: np.ndarray,
     return run.iloc[order], arrival[order]
 
 
-def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: RunSetup, true_s: np.ndarray, name: str,
+def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: ServerConfig, true_s: np.ndarray, name: str,
               generated: np.ndarray | None = None, schedule: SpeedSchedule | None = None,
               **faults) -> pd.DataFrame:
     """The run's arrivals through qsim as the server was set up, each request held for ``true_s`` (times the
@@ -289,9 +243,7 @@ def _simulate(ordered: pd.DataFrame, arrival: np.ndarray, setup: RunSetup, true_
         trace = dataclasses.replace(trace, tokens_generated=np.asarray(generated, dtype=np.int64))
     if "prompt_tokens" in ordered.columns:  # the prompts as sent: the estimator's work has their term too
         trace = dataclasses.replace(trace, prompt_tokens=ordered["prompt_tokens"].to_numpy(np.int64))
-    return simulate(trace, setup.policy, setup.engines, fixed_estimate=setup.fixed_estimate,
-                    tracker_weight=setup.tracker_weight, initial_speed_factor=setup.initial_speed_factor,
-                    stall=setup.stall, model=setup.model, speed_schedule=schedule, **faults)
+    return simulate(trace, setup, speed_schedule=schedule, **faults)
 
 
 def generated_tokens(run: pd.DataFrame, ordered: pd.DataFrame) -> np.ndarray:
@@ -441,7 +393,7 @@ def _guessed(run: pd.DataFrame, origin: str) -> np.ndarray:
     return ~known if known.any() else np.zeros(len(run), dtype=bool)
 
 
-def _replay_once(run: pd.DataFrame, setup: RunSetup, unsaid: _Unsaid) -> pd.DataFrame:
+def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.DataFrame:
     """One replay of the run with these gate arrivals and hang-ups (see :func:`simulate_run`)."""
     _, retrying = _retrying(run)
     arrival = unsaid.arrival
@@ -866,7 +818,7 @@ def prediction_speed(run: pd.DataFrame) -> tuple[float, str]:
     """The speed the prediction runs at, and where it came from."""
     if "speed_before" in run.columns and np.isfinite(run["speed_before"].astype(float)).any():
         return float(run["speed_before"].astype(float).dropna().iloc[0]), "probed before the run (speed_before)"
-    return (float(_constant(run, "initial_speed_factor")),
+    return (run_setup(run).initial_speed_factor,
             "the server's speed factor at the run's start (the run file has no probe: "
             "qlab replay alone does not probe)")
 
@@ -894,7 +846,7 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float = 0.1, origin: s
     for seed in range(seeds):
         true = base * speed * lognormal_noise(np.random.default_rng(seed), len(base), noise_cv)
         got = summary(_simulate(ordered, arrival, setup, true, "predicted", generated_tokens(run, ordered),
-                                setup.speed_schedule, **faults), seconds)
+                                speed_schedule(run), **faults), seconds)
         rows.append({"seed": seed, **{m: got[m] for m in PREDICTED}})
     per_seed = pd.DataFrame(rows)
     live = summary(run, seconds)

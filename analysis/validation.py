@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import theory
+from qsim.config import ServerConfig
 from qsim.model import simulate
 from qsim.policy import Policy
 from qsim.workload import REFERENCE_MIX, Mix, make_trace
@@ -126,6 +127,7 @@ class Scenario:
         priority = (np.random.default_rng([seed, 1954]).random(len(trace)) < self.high_share).astype(int)
         policy = Policy("theory", max_queue=self.max_queue, deadline_s=1e12, discipline=self.discipline)
         extra: dict = {}
+        fixed = False
         if self.patience is not None:  # patience from a stream of its own too
             kind, value = self.patience
             if kind not in ("exponential", "deterministic"):
@@ -136,8 +138,9 @@ class Scenario:
         if self.expire_after_s is not None:
             policy = Policy("theory", max_queue=self.max_queue, discipline=self.discipline, expire_at_front=True,
                             deadline_s=self.expire_after_s + self.mean_service_s)
-            extra.update(fixed_estimate=True)
-        frame = simulate(trace, policy, self.engines, priority=priority, **extra).assign(priority=priority)
+            fixed = True
+        server = ServerConfig(policy, self.engines, fixed_estimate=fixed)
+        frame = simulate(trace, server, priority=priority, **extra).assign(priority=priority)
         frame = frame.iloc[int(self.requests * self.warmup_share):]
         return [stat(frame) for _, _, stat in self.checks]
 

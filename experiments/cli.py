@@ -19,6 +19,7 @@ from analysis import metrics
 from inputs import clientflags
 from inputs.argtypes import count, non_negative, number, positive, positive_int
 from qsim import PRESETS, ServiceModel, build_trace, simulate
+from qsim.config import ServerConfig
 from qsim.workload import ARRIVALS
 from qsim.records import OUTCOMES
 from qsim.policy import from_options, policy_spec
@@ -167,8 +168,8 @@ def cmd_simulate(args) -> int:
                             noise_cv=args.noise, patience=patience, used=args.used)
         # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
         schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, args.speed_schedule)
-        frame = simulate(trace, policy, args.engines, fixed_estimate=args.fixed_estimate, retry=retry, model=model,
-                         speed_schedule=schedule)
+        server = ServerConfig(policy, args.engines, model, fixed_estimate=args.fixed_estimate)
+        frame = simulate(trace, server, retry=retry, speed_schedule=schedule)
         runs.append(_Run(seed, frame, trace.duration_s))
     if args.out:
         rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)

@@ -54,6 +54,7 @@ import pyarrow.parquet as pq
 from analysis import estimation, metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
+from qsim.config import ServerConfig
 from qsim.workload import blended_means, parse_arrivals, used_mean_s
 
 from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
@@ -185,8 +186,8 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     trace = _trace(config, cell)
     schedule = None if cell.speed_schedule is None else parse_speed_schedule(cell.speed_schedule, cell.speed)
     fixed = config.fixed_estimate if cell.fixed_estimate is None else cell.fixed_estimate
-    frame = simulate(trace, policy, cell.engines, fixed_estimate=fixed, retry=config.retries.get(cell.retry),
-                     model=config.service, speed_schedule=schedule)
+    server = ServerConfig(policy, cell.engines, config.service, fixed_estimate=fixed)
+    frame = simulate(trace, server, retry=config.retries.get(cell.retry), speed_schedule=schedule)
     mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
     if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
         mean_s = used_mean_s(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service,

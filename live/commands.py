@@ -107,7 +107,9 @@ def cmd_serve(args) -> int:
     cfg = ServeOptions.from_args(args)
     policy = cfg.make_policy()
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
-    from .gate import Gate, GateConfig  # the web stack loads only for the command that serves
+    from qsim.config import StallRule
+
+    from .gate import Gate, gate_config  # the web stack loads only for the command that serves
     from .http_api import create_app
 
     engines = _engines(cfg, model)  # first: an engine that cannot start is the one line said
@@ -116,8 +118,8 @@ def cmd_serve(args) -> int:
               "speed tracker corrects them; `qlab calibrate` fits this engine", file=sys.stderr)
     for engine in engines:
         engine.warmup()
-    gate = Gate(engines, GateConfig(policy, model, fixed_estimate=cfg.fixed_estimate, stall_factor=cfg.stall_factor,
-                                    stall_floor_s=cfg.stall_after))
+    gate = Gate(engines, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
+                                     stall=StallRule(cfg.stall_factor, cfg.stall_after)))
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin)

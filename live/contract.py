@@ -298,6 +298,7 @@ class Stats(BaseModel):
     submitted: int = 0
     limits: LimitsBody = LimitsBody()
     engine: EngineInfo | None = None  # as in /healthz
+    server_config: dict[str, Any] | None = None  # qsim.config.ServerConfig's fields: what a replay simulates
 
 
 class StalledEngine(BaseModel):

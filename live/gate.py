@@ -91,11 +91,14 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Callable, Sequence
 
+from qsim.config import ServerConfig, StallRule
 from qsim.disciplines import CODEL_REASON
-from qsim.policy import EXPIRE_REASON, REJECT_REASONS, Policy, Rejection, retry_after
-from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, StallRule
-from qsim.records import OUTCOMES
-from qsim.service import ServiceModel, SpeedTracker
+from qsim.engines import OneAtATime
+from qsim.entry import Work
+from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome
+from qsim.policy import EXPIRE_REASON, Policy, Rejection
+from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue
+from qsim.service import SpeedTracker
 
 from .engine import (Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, cancellable, is_coroutine_engine,
                      takes_cancel, takes_emit)
@@ -103,7 +106,9 @@ from .timings import Timings
 
 #: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
 #: (stats' top-level ``cancelled``).
-COUNTED = tuple(o for o in OUTCOMES if o != "abandoned")
+COUNTED = tuple(o for o in OUTCOMES if o != Outcome.ABANDONED)
+#: The stall rule a gate runs with unless its ServerConfig says otherwise (see gate_config).
+GATE_STALL = StallRule()
 
 
 def check_live_policy(policy: Policy) -> Policy:
@@ -113,32 +118,11 @@ def check_live_policy(policy: Policy) -> Policy:
     return policy
 
 
-@dataclass(frozen=True)
-class GateConfig:
-    """The policy, the calibration the estimates come from, and speed tracking."""
-
-    policy: Policy
-    model: ServiceModel = ServiceModel()
-    fixed_estimate: bool = False  # keep the calibrated estimate: the baseline tracking is measured against
-    tracker_weight: float = 0.2
-    # An engine is stalled past max(stall_factor x estimate, stall_floor_s): far beyond any speed change
-    # seen on a shared machine (2.25x), and the floor keeps a short request's hiccup from counting.
-    stall_factor: float = 10.0
-    stall_floor_s: float = 5.0
-    watch_interval_s: float = 0.05  # how often the watchdog looks: the precision of stall detection
-
-    def __post_init__(self) -> None:
-        check_live_policy(self.policy)
-        if not (self.stall_factor >= 1 and math.isfinite(self.stall_factor)):
-            raise ValueError(f"stall_factor must be a finite number >= 1, got {self.stall_factor}")
-        for name in ("stall_floor_s", "watch_interval_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-
-    @property
-    def stall_rule(self) -> StallRule:
-        return StallRule(self.stall_factor, self.stall_floor_s)
+def gate_config(policy: Policy, **settings) -> ServerConfig:
+    """A gate's :class:`~qsim.config.ServerConfig`: ``policy`` and ``settings`` (ServerConfig's fields), with the
+    gate's stall rule (:data:`GATE_STALL`) unless ``stall`` is given: a live engine can hang, a simulated one not."""
+    settings.setdefault("stall", GATE_STALL)
+    return ServerConfig(check_live_policy(policy), **settings)
 
 
 @dataclass(frozen=True)
@@ -427,27 +411,30 @@ class Gate:
     in simulated time.
     """
 
-    def __init__(self, engines: Sequence[Engine], config: GateConfig, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, engines: Sequence[Engine], config: ServerConfig, clock: Callable[[], float] = time.monotonic,
                  worker: Callable = _worker_for) -> None:
         if not engines:
             raise ValueError("the gate needs at least one engine")
+        check_live_policy(config.policy)
         self.engines = list(engines)
+        if not isinstance(config.engine, OneAtATime):
+            raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver, not this one")
+        if config.engines != len(self.engines):  # the gate runs as many engines as it is given
+            config = config.replace(engine=OneAtATime(len(self.engines), config.engine.concurrency))
         self.config = config
         self.policy = config.policy
         self.clock = clock
         self.workers = len(self.engines)
-        self.queue = AdmissionQueue(config.policy, self.workers, start=self._start, drop=self._drop,
-                                    tracker=SpeedTracker(weight=config.tracker_weight, fixed=config.fixed_estimate),
-                                    stall=config.stall_rule, gone=_gone, discipline=config.policy.make_discipline(),
-                                    model=config.model)
+        self.queue = AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
         self.counts = dict.fromkeys(COUNTED, 0)
         self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
-        self.ended_by_reason = dict.fromkeys([("expired", EXPIRE_REASON), ("expired", CODEL_REASON),
-                                              ("error", EngineFailed.reason), ("error", STALL_REASON),
-                                              ("error", UpstreamFailed.reason), ("error", UpstreamTimedOut.reason),
-                                              ("cancelled", CUT_REASON)], 0)
+        self.ended_by_reason = dict.fromkeys([(Outcome.EXPIRED, EXPIRE_REASON), (Outcome.EXPIRED, CODEL_REASON),
+                                              (Outcome.ERROR, EngineFailed.reason), (Outcome.ERROR, STALL_REASON),
+                                              (Outcome.ERROR, UpstreamFailed.reason),
+                                              (Outcome.ERROR, UpstreamTimedOut.reason),
+                                              (Outcome.CANCELLED, CUT_REASON)], 0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
@@ -479,11 +466,11 @@ class Gate:
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
-        running = [entry[0] for entry in self.queue.running if entry is not None]
+        running = [entry.req for entry in self.queue.running if entry is not None]
         for ticket in running:
             if ticket.timer is not None:
                 ticket.timer.cancel()
-        for ticket in [*(entry[0] for entry in self.queue.waiting), *running]:
+        for ticket in [*(entry.req for entry in self.queue.waiting), *running]:
             ticket.future.cancel()
         for t in self._threads:
             t.stop(timeout_s / max(1, len(self._threads)))
@@ -526,20 +513,19 @@ class Gate:
         # The calibrated estimate at the limit, prompt term included; the policy's estimator scales it from
         # the work (the tokens generated are unknown here: None, which refuses the oracle's question).
         base = float(self.config.model.estimate(job.max_new_tokens, job.prompt_tokens))
-        deadline = self.policy.deadline_s if job.deadline_s is None else job.deadline_s
+        deadline = self.queue.deadline_of(job.deadline_s)
         ticket = _Ticket(job, None, None)  # type: ignore[arg-type]
         if job.stream:  # before arrive(): an idle engine may take it there
             ticket.pieces = asyncio.Queue()
             ticket.emit = partial(self._post_piece, ticket.pieces)
-        if self.policy.cancel_at_deadline:
-            ticket.due = now + deadline
         refusal = self.queue.arrive(ticket, now, base, deadline, job.priority, job.client_id,
-                                    (job.max_new_tokens, job.prompt_tokens, None))
+                                    Work(job.max_new_tokens, job.prompt_tokens))
         # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn, and a
         # refusal (most arrivals under overload) needs no future.
-        ticket.arrival = Arrival(now, deadline, *self.queue.seen)
+        seen = self.queue.seen
+        ticket.arrival = Arrival(now, deadline, seen.est_service_s, seen.queued, seen.queued_work_s, seen.speed_factor)
         if refusal is not None:
-            self.counts["rejected"] += 1
+            self.counts[Outcome.REJECTED] += 1
             self.rejected_by_reason[refusal.reason] = self.rejected_by_reason.get(refusal.reason, 0) + 1
             raise Rejected(refusal, ticket.arrival)
         ticket.future = self._loop.create_future()
@@ -564,6 +550,7 @@ class Gate:
             return
         # No arrival yet: an idle engine took it inside arrive(), at its arrival time.
         self.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
+        ticket.due = self.queue.cut_at(k)  # the core's rule: its deadline, where the policy cuts there
         if math.isfinite(ticket.due):
             # On the loop's clock; call_at, not call_later, so that the gate's and loop's clock being the same
             # one gives the deadline to the last bit. Otherwise (a real clock) the loop's timers come up to a
@@ -586,12 +573,13 @@ class Gate:
             self._cut_overdue(now)
         return now
 
-    def _drop(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float) -> None:
+    def _drop(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float,
+              retry_after_s: int | None) -> None:
         a = ticket.arrival
         waited = now - a.at
-        if outcome == "expired":
+        if outcome == Outcome.EXPIRED:
             numbers = {**a.numbers(), "est_service_s": est, "waited_s": waited, "left_s": a.deadline_s - waited}
-            self._resolve(ticket, outcome, exc=DeadlineExceeded(numbers, retry_after(self.queue.wait_s(now)), a, reason))
+            self._resolve(ticket, outcome, exc=DeadlineExceeded(numbers, retry_after_s, a, reason))
             return
         numbers = {**a.numbers(), "waited_s": waited, "stalled_engines": self.workers}
         message = (f"every engine is stalled; this request waited {waited:.3f} s, past its deadline of "
@@ -666,7 +654,7 @@ class Gate:
 
     def _cut(self, k: int, ticket: _Ticket) -> None:
         entry = self.queue.running[k]
-        if self._closed or entry is None or entry[0] is not ticket:
+        if self._closed or entry is None or entry.req is not ticket:
             return  # handed back in time
         now = self.clock()
         if ticket.due - now > CUT_SLACK_S:
@@ -688,12 +676,12 @@ class Gate:
         timer the loop has not come round to yet (a loop late by a fraction of a millisecond, an arrival read
         first): the event at ``now`` then meets the queue the simulator's would."""
         while True:
-            late = [(max(e[0].due, e[0].start), k) for k, e in enumerate(self.queue.running)
-                    if e is not None and not self.queue.ended[k] and e[0].due + CUT_SLACK_S < now]
+            late = [(max(e.req.due, e.req.start), k) for k, e in enumerate(self.queue.running)
+                    if e is not None and not self.queue.ended[k] and e.req.due + CUT_SLACK_S < now]
             if not late:
                 return
             at, k = min(late)
-            ticket = self.queue.running[k][0]
+            ticket = self.queue.running[k].req
             if ticket.timer is not None:
                 ticket.timer.cancel()
                 ticket.timer = None
@@ -705,7 +693,7 @@ class Gate:
         ticket.cut = True
         numbers = {**ticket.arrival.numbers(), "engine": k, "started_at": ticket.start, "at": now,
                    "running_s": now - ticket.start}
-        self._resolve(ticket, "cancelled", exc=DeadlineCut(numbers, ticket.arrival))
+        self._resolve(ticket, Outcome.CANCELLED, exc=DeadlineCut(numbers, ticket.arrival))
         ticket.cancel.set()  # the engine stops (between decode steps, or its wait)
         # Its engine is free at the cut, as the simulator's is: the core gives it its next request now, which
         # the engine's thread (or task) starts as soon as the cut run has returned (at once, for an engine
@@ -733,9 +721,9 @@ class Gate:
         numbers = {**ticket.arrival.numbers(), "engine": k, "running_s": running, "est_service_s": est,
                    "stall_after_s": after, "started_at": ticket.start, "at": now}
         message = (f"engine {k} has run this request for {running:.3f} s, past its stall threshold of "
-                   f"{after:.3f} s (max of {self.config.stall_factor:g} x its {est:.3f} s estimate "
-                   f"and {self.config.stall_floor_s:g} s); the gate stopped waiting for it")
-        self._resolve(ticket, "error", exc=EngineStalled(message, k, numbers, ticket.arrival))
+                   f"{after:.3f} s (max of {self.config.stall.factor:g} x its {est:.3f} s estimate "
+                   f"and {self.config.stall.floor_s:g} s); the gate stopped waiting for it")
+        self._resolve(ticket, Outcome.ERROR, exc=EngineStalled(message, k, numbers, ticket.arrival))
 
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
         """A cancelled future is a client that left: a waiting one leaves the queue with its work, a
@@ -776,9 +764,10 @@ class Gate:
             # A learning estimator's used share of the limit now, per size class (empty: none learned yet).
             "estimator_shares": {str(c): share for c, share
                                  in sorted(getattr(self.queue.estimator, "share_now", {}).items())},
-            "stall_rule": asdict(self.config.stall_rule),
+            "stall_rule": None if self.config.stall is None else asdict(self.config.stall),
             "tracker_weight": self.config.tracker_weight,
             "counts": dict(self.counts),
+            "server_config": self.config.to_fields(),
             "rejected_by_reason": dict(self.rejected_by_reason),
             "cancelled": self.cancelled,
             "submitted": self.submitted,

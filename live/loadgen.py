@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, Trace
+from qsim.config import ServerConfig
 from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
 from qsim.model import LEFT_REASON
 
@@ -470,7 +471,7 @@ async def _server(lanes: Lanes, cfg: ReplayConfig) -> tuple[dict | None, float, 
 def bare_server_info() -> ServerInfo:
     """What a run against a server that is not a qlab gate records of it: nothing is known (no policy: the
     deadline where the trace has none is :class:`qsim.Policy`'s default, 2 s)."""
-    return ServerInfo(policy=Policy("unknown"), engines=1, fixed_estimate=False, speed_factor=math.nan, model=None)
+    return ServerInfo(ServerConfig(Policy("unknown")), model_known=False)
 
 
 def report_prompts(plan: PromptPlan, requests: int) -> None:

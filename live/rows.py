@@ -55,6 +55,8 @@ import numpy as np
 import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
+from qsim.config import ServerConfig, StallRule
+from qsim.runfile import server_columns
 from qsim.service import SpeedSchedule
 from qsim.clients import RetryPolicy
 from qsim.policy import on_time, policy_from_fields
@@ -65,46 +67,21 @@ from .contract import read_answer as answer_of
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """What the server says about itself in /stats, as the simulator needs it."""
+    """What the server says about itself in /stats, as the simulator needs it: its configuration, with the
+    tracker's factor at this reading as its initial_speed_factor (a resident server's speed carries over
+    from run to run), and a synthetic engine's speed over time with the server's clock when its seconds
+    began (NaN: unknown)."""
 
-    policy: Policy
-    engines: int
-    fixed_estimate: bool
-    speed_factor: float
-    model: ServiceModel | None  # the server's calibration, when it reports one
-    stall_rule: tuple[float, float] | None = None  # (factor, floor_s); None: the server did not say
-    tracker_weight: float = math.nan  # NaN: the server did not say
-    # A synthetic engine's speed over time, and the server's clock when its seconds began (NaN: unknown).
+    config: ServerConfig
     speed_schedule: SpeedSchedule | None = None
     schedule_zero: float = math.nan
+    model_known: bool = True  # the server reported its calibration (config.model); else the trace's estimates stand
 
     def columns(self, n: int, server_zero: float = math.nan) -> dict[str, Any]:
-        """Constant per-run columns: the contract between a run file and ``qlab compare``.
-
-        server_zero: the server's clock at the run's time 0, which puts the speed schedule on the run's clock.
-        The policy's estimator and cancel_at_deadline travel in policy_fields."""
-        p = self.policy
-        model = None if self.model is None else json.dumps(dataclasses.asdict(self.model), sort_keys=True)
-        return {
-            "service_model": pd.array([model] * n, dtype="string"),
-            "speed_schedule": pd.array([self._schedule_on_run_clock(server_zero)] * n, dtype="string"),
-            "policy": pd.array([p.name] * n, dtype="string"),
-            "engines": np.full(n, self.engines, dtype=np.int64),
-            "max_queue": _nullable_int(np.full(n, -1 if p.max_queue is None else p.max_queue)),
-            "max_queued_seconds": np.full(n, np.nan if p.max_queued_seconds is None else p.max_queued_seconds),
-            "predictive": np.full(n, p.predictive),
-            "expire_at_front": np.full(n, p.expire_at_front),
-            "discipline": pd.array([p.discipline] * n, dtype="string"),
-            # Every field, a policy class's own parameters too: what compare rebuilds the policy from.
-            "policy_fields": pd.array([json.dumps(dataclasses.asdict(p), sort_keys=True)] * n, dtype="string"),
-            "policy_deadline_s": np.full(n, p.deadline_s),
-            "fixed_estimate": np.full(n, self.fixed_estimate),
-            "initial_speed_factor": np.full(n, self.speed_factor),
-            "stall_factor": np.full(n, math.nan if self.stall_rule is None else self.stall_rule[0]),
-            "stall_floor_s": np.full(n, math.nan if self.stall_rule is None else self.stall_rule[1]),
-            "tracker_weight": np.full(n, self.tracker_weight),
-        }
-
+        """Constant per-run columns (:func:`qsim.runfile.server_columns`): the contract between a run file and
+        ``qlab compare``. server_zero: the server's clock at the run's time 0, which puts the speed schedule
+        on the run's clock."""
+        return server_columns(self.config, n, self._schedule_on_run_clock(server_zero))
 
     def _schedule_on_run_clock(self, server_zero: float) -> str | None:
         """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a step before
@@ -139,20 +116,24 @@ def server_info(stats: Any) -> ServerInfo:
         policy = policy_from_fields(raw)
     else:
         raise ValueError(f"/stats does not say which policy the server runs: {raw!r}")
-    stall = parsed.stall_rule
-    stall_rule = None if stall is None else (num(stall.factor), num(stall.floor_s))
-    model = parsed.service_model
-    return ServerInfo(
-        policy=policy,
-        engines=parsed.engines,
-        fixed_estimate=parsed.fixed_estimate,
-        speed_factor=num(parsed.speed_factor),
-        model=None if model is None else ServiceModel(intercept_s=model.intercept_s, per_token_s=model.per_token_s,
-                                                       per_prompt_token_s=model.per_prompt_token_s),
-        stall_rule=stall_rule if stall_rule and all(map(math.isfinite, stall_rule)) else None,
-        tracker_weight=num(parsed.tracker_weight),
-        **dict(zip(("speed_schedule", "schedule_zero"), _speed_schedule(parsed.engine))),
-    )
+    factor = num(parsed.speed_factor)
+    if parsed.server_config is not None:  # the whole configuration, as the gate holds it
+        config = ServerConfig.from_fields(parsed.server_config).replace(policy=policy)
+        known = True
+    else:  # a server from before /stats carried it: the settings it reported one by one
+        stall, model, weight = parsed.stall_rule, parsed.service_model, num(parsed.tracker_weight)
+        known = model is not None
+        stall_rule = None if stall is None else (num(stall.factor), num(stall.floor_s))
+        config = ServerConfig(
+            policy, parsed.engines,
+            ServiceModel() if model is None else ServiceModel(intercept_s=model.intercept_s,
+                                                              per_token_s=model.per_token_s,
+                                                              per_prompt_token_s=model.per_prompt_token_s),
+            fixed_estimate=parsed.fixed_estimate, tracker_weight=weight if math.isfinite(weight) else 0.2,
+            stall=StallRule(*stall_rule) if stall_rule and all(map(math.isfinite, stall_rule)) else StallRule())
+    if math.isfinite(factor) and factor > 0:
+        config = config.replace(initial_speed_factor=factor)
+    return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known)
 
 
 @dataclass(frozen=True)
@@ -322,9 +303,10 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_t
     """
     first = np.array([k if ex.first < 0 else ex.first for k, ex in enumerate(exchanges)], dtype=np.int64)
     n = len(exchanges)
-    deadline = np.where(np.isnan(trace.deadline_s), info.policy.deadline_s, trace.deadline_s)[first]
+    deadline = np.where(np.isnan(trace.deadline_s), info.config.policy.deadline_s, trace.deadline_s)[first]
     # The server's line with its prompt term, over the prompts as sent: what the gate's estimate started from.
-    base = (info.model.estimate(trace.max_new_tokens, np.asarray(prompt_tokens, dtype=np.int64)) if info.model
+    model = info.config.model
+    base = (model.estimate(trace.max_new_tokens, np.asarray(prompt_tokens, dtype=np.int64)) if info.model_known
             else np.asarray(trace.est_service_s, dtype=float))[first]
     rows = pd.DataFrame([_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)])
     sent = np.array([ex.sent_s for ex in exchanges], dtype=float)

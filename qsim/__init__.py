@@ -13,7 +13,10 @@ harness and analysis reuse its policy function, service model, traces and
 record schema.
 """
 
+from .config import ServerConfig, StallRule
+from .engines import Batching, OneAtATime, StepModel
 from .model import simulate
+from .outcomes import Outcome, Reason
 from .policy import PRESETS, Policy, Rejection, cannot_finish, decide, preset, retry_after
 from .records import ANSWERED, OUTCOMES, SCHEMA
 from .service import ServiceModel, SpeedTracker, fit
@@ -21,7 +24,8 @@ from .tracefiles import load_trace
 from .workload import REFERENCE_MIX, Client, Mix, Trace, build_trace, from_arrays, make_trace
 
 __all__ = [
-    "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Client", "Mix", "Policy", "Rejection",
-    "ServiceModel", "SpeedTracker", "Trace", "build_trace", "cannot_finish", "decide", "fit", "load_trace",
+    "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Batching", "Client", "Mix", "OneAtATime",
+    "Outcome", "Policy", "Reason", "Rejection", "ServerConfig", "ServiceModel", "SpeedTracker", "StallRule",
+    "StepModel", "Trace", "build_trace", "cannot_finish", "decide", "fit", "load_trace",
     "from_arrays", "make_trace", "preset", "retry_after", "simulate",
 ]

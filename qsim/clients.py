@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .outcomes import ANSWERED, NEVER_SERVABLE, Outcome, Reason
 from .policy import RATE_LIMITED
 
 PATIENCE = ("none", "exponential:MEAN_S", "deterministic:SECONDS", "lognormal:MEAN_S:CV", "column")
@@ -37,7 +38,7 @@ PATIENCE_UNTIL = ("answer", "start")
 RETRY_MODES = ("none", "immediate", "fixed", "exponential")
 RETRY_AFTER = ("honour", "ignore")
 #: Reason of an attempt whose client stopped waiting for it (RetryPolicy.timeout_s); outcome abandoned.
-TIMEOUT_REASON = "client_timeout"
+TIMEOUT_REASON = Reason.CLIENT_TIMEOUT
 #: Statuses a client retries: the service is overloaded (503) or this client sent too much (429).
 RETRY_STATUSES = (503, 429)
 
@@ -48,15 +49,15 @@ def status_of(outcome: str, reason: str | None) -> int | None:
     Refusals and drops at the front are 503, except a client's own rate limit (429); an engine
     failure or stall is 500; a run stopped at its deadline 504. The live gate's handlers say the same (tests compare them per row).
     """
-    if outcome in ("good", "late"):
+    if outcome in ANSWERED:
         return 200
-    if outcome == "rejected":
-        return 429 if reason == RATE_LIMITED else 503
-    if outcome == "expired":
+    if outcome == Outcome.REJECTED:
+        return 429 if reason == RATE_LIMITED else 400 if reason in NEVER_SERVABLE else 503
+    if outcome == Outcome.EXPIRED:
         return 503
-    if outcome == "error":
+    if outcome == Outcome.ERROR:
         return 500
-    if outcome == "cancelled":  # stopped in service at its deadline: too late, like a gateway's timeout
+    if outcome == Outcome.CANCELLED:  # stopped in service at its deadline: too late, like a gateway's timeout
         return 504
     return None
 

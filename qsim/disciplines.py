@@ -21,11 +21,10 @@ import itertools
 import math
 from collections import deque
 
+from .outcomes import Reason
+
 #: Reason of a request CoDel dropped at the front.
-CODEL_REASON = "codel"
-#: Positions in an entry: when it arrived, its calibrated estimate, its deadline (seconds after
-#: arrival), its priority and its client (entry[0] is the driver's own handle).
-AT, BASE, DEADLINE, PRIORITY, CLIENT = 1, 2, 3, 4, 5
+CODEL_REASON = Reason.CODEL
 
 
 class Fifo(deque):
@@ -91,7 +90,7 @@ class Keyed:
         """Calibrated work waiting that would start before ``entry`` if it arrived now and nobody else
         came: every entry of a key no greater (ties go to the earlier arrival). Linear in the queue."""
         mine = self.key(entry)
-        return sum(item[-1][BASE] for item in self._heap if tuple(item[:-2]) <= mine)
+        return sum(item[-1].base_s for item in self._heap if tuple(item[:-2]) <= mine)
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -104,14 +103,14 @@ class Edf(Keyed):
     """Earliest deadline first (absolute deadline: arrival + its deadline)."""
 
     def key(self, entry) -> tuple:
-        return (entry[AT] + entry[DEADLINE],)
+        return (entry.arrived_at + entry.deadline_s,)
 
 
 class ShortestFirst(Keyed):
     """Shortest estimated job first (by the calibrated estimate: the speed factor scales all alike)."""
 
     def key(self, entry) -> tuple:
-        return (entry[BASE],)
+        return (entry.base_s,)
 
 
 class Priority(Keyed):
@@ -124,7 +123,7 @@ class Priority(Keyed):
         self.within = within
 
     def key(self, entry) -> tuple:
-        return (-entry[PRIORITY], entry[AT] + entry[DEADLINE]) if self.within == "edf" else (-entry[PRIORITY],)
+        return (-entry.priority, entry.arrived_at + entry.deadline_s) if self.within == "edf" else (-entry.priority,)
 
     # Admission sees the classes: a request waits only behind its own class and those above it, so a
     # high class is not refused for a queue of low ones (future arrivals of higher classes aside).
@@ -156,7 +155,7 @@ class CoDel(Fifo):
         self._drop_next = math.inf
 
     def drop_reason(self, entry, now: float, est_s: float) -> str | None:
-        sojourn = now - entry[1]
+        sojourn = now - entry.arrived_at
         if sojourn < self.target_s or not self:  # below target, or the queue has drained behind it
             self._first_above = math.nan
             self._dropping = False
@@ -213,7 +212,7 @@ class FairShare:
         self.counter[client] = self._joining(client)
 
     def push(self, entry) -> None:
-        client = entry[CLIENT]
+        client = entry.client
         queue = self._queues.get(client)
         if queue is None:
             self._lift(client)
@@ -237,13 +236,13 @@ class FairShare:
         below the level this request's client reaches when the request comes to its head (on a tie the
         client that has waited longer goes first, as in :meth:`pop_next`). Sums are taken in the order the
         counters are charged, so the answer is exact, not a bound (tests/test_queue.py checks it)."""
-        client = entry[CLIENT]
+        client = entry.client
         own = self._queues.get(client)
         level = self.counter[client] if own else self._joining(client)
         ahead = 0.0
         for waiting in own or ():
-            ahead += waiting[BASE]
-            level += waiting[BASE]
+            ahead += waiting.base_s
+            level += waiting.base_s
         first = True  # the other client has waited longer than this one (it comes first in the dict)
         for other, queue in self._queues.items():
             if other == client:
@@ -253,24 +252,24 @@ class FairShare:
             for waiting in queue:
                 if given > level or (given == level and not first):
                     break
-                given += waiting[BASE]
-                ahead += waiting[BASE]
+                given += waiting.base_s
+                ahead += waiting.base_s
         return ahead
 
     def started(self, entry) -> None:
         """Charge the client of a request that starts (popped, or straight onto an idle engine)."""
-        client = entry[CLIENT]
+        client = entry.client
         if entry is not self._popped:  # it never waited: it joins as a returning client would
             self._lift(client)
         self._popped = None
         self._floor = self.counter[client]
-        self.counter[client] += entry[BASE]
+        self.counter[client] += entry.base_s
 
     def remove(self, entry) -> None:
-        queue = self._queues[entry[CLIENT]]
+        queue = self._queues[entry.client]
         queue.remove(entry)
         if not queue:
-            del self._queues[entry[CLIENT]]
+            del self._queues[entry.client]
         self._n -= 1
 
     def __len__(self) -> int:

@@ -43,46 +43,48 @@ from simpy.events import Timeout
 
 from . import records
 from .clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
-from .policy import PRESETS, Policy, on_time, retry_after
-from .queue import CUT_REASON, STALL_REASON, AdmissionQueue, StallRule
-from .service import ServiceModel, SpeedSchedule, SpeedTracker
+from .config import ServerConfig, StallRule, as_config  # noqa: F401 (StallRule: re-exported)
+from .entry import Work
+from .outcomes import ANSWERED, Outcome, Reason
+from .policy import Policy
+from .batch import BatchQueue
+from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
+from .service import SpeedSchedule
 from .workload import Trace
 
 _NAN = math.nan
 #: Reason of a request whose client left (outcome ``abandoned``).
-LEFT_REASON = "client_left"
+LEFT_REASON = Reason.CLIENT_LEFT
 #: What a client's patience (``cancel_after_s``) waits for: its answer to start, or the whole answer.
 CANCEL_UNTIL = ("answer", "start")
 #: Reason of a request whose engine raised (outcome ``error``), as the live gate says it.
-FAILED_REASON = "engine_exception"
+FAILED_REASON = Reason.ENGINE_EXCEPTION
 
 
 class _Run:
     """One simulation: the records it writes, and the processes that drive the queue core."""
 
-    def __init__(self, trace: Trace, queue_args: dict, engines: int, *, failed=None, reported_s=None,
+    def __init__(self, trace: Trace, config: ServerConfig, *, failed=None, reported_s=None,
                  cancel_after_s=None, cancel_until: str = "answer", priority=None, client=None,
-                 watch_interval_s: float = 0.05, retrier: Retrier | None = None,
-                 speed_schedule: SpeedSchedule | None = None) -> None:
+                 retrier: Retrier | None = None, speed_schedule: SpeedSchedule | None = None) -> None:
         n = len(trace)
         self.env = simpy.Environment()
-        self.queue = AdmissionQueue(engines=engines, start=self._start, drop=self._drop, **queue_args)
-        policy = self.queue.policy
+        self.queue = self._make_queue(config)
+        engines = config.engines
         # Python lists: element access in the event loop is several times faster than numpy's.
         self.arrival = trace.arrival_s.tolist()
         self.base_est = trace.est_service_s.tolist()
         self.true = trace.true_service_s.tolist()
         self.reported = list(self.true) if reported_s is None else np.asarray(reported_s, dtype=float).tolist()
         self.failed = None if failed is None or not np.any(failed) else np.asarray(failed, dtype=bool).tolist()
-        own = trace.deadline_s
-        self.deadline = np.where(np.isnan(own), policy.deadline_s, own).tolist()
+        self.deadline = list(map(self.queue.deadline_of, trace.deadline_s.tolist()))
         self.patience = None
         if cancel_after_s is not None and np.isfinite(cancel_after_s).any():
             self.patience = np.asarray(cancel_after_s, dtype=float).tolist()
         self.wait_only = cancel_until == "start"  # a client whose request has started stays
         self.priority = np.asarray(trace.priority if priority is None else priority, dtype=np.int64).tolist()
         self.client = list(trace.client_id if client is None else client)
-        self.watch_interval_s = watch_interval_s
+        self.watch_interval_s = config.watch_interval_s
         self.est = [_NAN] * n
         self.outcome: list = [None] * n
         self.reason: list = [None] * n
@@ -109,16 +111,22 @@ class _Run:
             self.failed = [False] * n
         # What a run takes beyond its true time: the machine's speed at its start, a cut at its deadline.
         self.schedule = speed_schedule
-        self.cuts = policy.cancel_at_deadline
+        self.cuts = config.policy.cancel_at_deadline
         self.plain = speed_schedule is None and not self.cuts
         self.ran = [_NAN] * n  # how long each run held its engine
         self.speed_at = [1.0] * n  # the schedule's speed over the trace's, at each start
         self.cut = [False] * n
+        policy = config.policy
+        self.objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
+        self.prompt_tokens, self.generated = trace.prompt_tokens, trace.tokens_generated
         # The estimator's inputs: each request's work (limit, prompt, tokens generated) and what it generated.
         self.work = None
-        if self.queue.estimator is not None:
-            self.work = list(zip(trace.max_new_tokens.tolist(), trace.prompt_tokens.tolist(),
+        if self.queue.estimator is not None or config.batching:
+            self.work = list(map(Work, trace.max_new_tokens.tolist(), trace.prompt_tokens.tolist(),
                                  trace.tokens_generated.tolist()))
+
+    def _make_queue(self, config: ServerConfig):
+        return AdmissionQueue(config, start=self._start, drop=self._drop)
 
     # -- the core's hooks --------------------------------------------------------
 
@@ -126,7 +134,7 @@ class _Run:
         self.start[i] = now
         self.engine_of[i] = k
         self.job[k] = i
-        run = self.true[i] if self.plain else self._run_time(i, now)
+        run = self.true[i] if self.plain else self._run_time(k, i, now)
         self.ran[i] = run
         if run > self.queue.stall_after_s[k]:  # it will run past its threshold: the watchdog sees it then
             Timeout(self.env, self.queue.stall_after_s[k]).callbacks.append(lambda _, k=k, i=i: self._stall(k, i))
@@ -135,16 +143,15 @@ class _Run:
         else:  # an idle engine wakes first: a same-time arrival is looked at before its run is scheduled
             Timeout(self.env, 0, k).callbacks.append(self._run)
 
-    def _drop(self, i: int, now: float, outcome: str, reason: str, est: float) -> None:
-        # An expired request's 503 says when to come back, as the gate's does (computed here, by the same rule).
-        self._end(i, now, outcome, reason, retry_after(self.queue.wait_s(now)) if outcome == "expired" else -1)
+    def _drop(self, i: int, now: float, outcome: str, reason: str, est: float, retry_after_s: int | None) -> None:
+        self._end(i, now, outcome, reason, -1 if retry_after_s is None else retry_after_s)
 
     def _end(self, i: int, now: float, outcome: str, reason: str | None, retry_after_s: int = -1) -> None:
         self.outcome[i], self.reason[i] = outcome, reason
         self.finish[i] = now
         self.retry_after[i] = retry_after_s
         # A client that left is gone; one that timed out had no answer and may send again.
-        if self.retrier is not None and (outcome != "abandoned" or reason == TIMEOUT_REASON):
+        if self.retrier is not None and (outcome != Outcome.ABANDONED or reason == TIMEOUT_REASON):
             self._maybe_retry(i, now, status_of(outcome, reason), retry_after_s)
 
     # -- retries ----------------------------------------------------------------------
@@ -174,9 +181,13 @@ class _Run:
         for values, missing in ((self.est, _NAN), (self.outcome, None), (self.reason, None), (self.start, _NAN),
                                 (self.finish, _NAN), (self.queued_at_arrival, 0), (self.queued_work, _NAN),
                                 (self.retry_after, -1), (self.engine_of, -1), (self.ran, _NAN),
-                                (self.speed_at, 1.0), (self.cut, False)):
+                                (self.speed_at, 1.0), (self.cut, False), *self._per_attempt()):
             values.append(missing)
         return j
+
+    def _per_attempt(self) -> tuple:
+        """A driver's own per-attempt lists, with the value a new attempt starts with."""
+        return ()
 
     # -- events: plain SimPy timeouts with callbacks (a generator process per engine costs a third more) --
 
@@ -203,9 +214,11 @@ class _Run:
         queue = self.queue
         refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i],
                                None if self.work is None else self.work[i])
-        self.est[i], self.queued_at_arrival[i], self.queued_work[i], _ = queue.seen
+        seen = queue.seen
+        self.est[i], self.queued_at_arrival[i], self.queued_work[i] = seen.est_service_s, seen.queued, seen.queued_work_s
         if refusal is not None:
-            self._end(i, t, "rejected", refusal.reason, refusal.retry_after_s)
+            self._end(i, t, Outcome.REJECTED, refusal.reason,
+                      -1 if refusal.retry_after_s is None else refusal.retry_after_s)
             return
         patience = math.inf if self.patience is None else self.patience[i]
         if math.isfinite(patience) and not (self.wait_only and not math.isnan(self.start[i])):  # started at once: it stays
@@ -213,18 +226,18 @@ class _Run:
         if self.timeout_s < patience or (self.wait_only and math.isfinite(self.timeout_s)):
             Timeout(self.env, self.timeout_s).callbacks.append(lambda _, i=i: self._cancel(i, TIMEOUT_REASON))
 
-    def _run_time(self, i: int, now: float) -> float:
-        """How long request i holds its engine from ``now``: its true time at the machine's speed then, up to
-        its deadline where the policy cuts there."""
+    def _run_time(self, k: int, i: int, now: float) -> float:
+        """How long request i holds engine k from ``now``: its true time at the machine's speed then, up to
+        its deadline where the core cuts it there."""
         run = self.true[i]
         if self.schedule is not None:
             self.speed_at[i] = self.schedule.at(now) / self.schedule.base
             run *= self.speed_at[i]
         if self.cuts:
-            left = self.arrival[i] + self.deadline[i] - now
-            if not on_time(now + run - self.arrival[i], self.deadline[i]):
+            cut = self.queue.cut_after(k, now, run)
+            if cut is not None:
                 self.cut[i] = True
-                return max(0.0, left)
+                return cut
         return run
 
     def _run(self, event) -> None:
@@ -237,27 +250,36 @@ class _Run:
         i = self.job[k]
         if self.cut[i]:  # its deadline passed in service: stopped there, its engine free at once
             if self.queue.cut(k, now) is not None:
-                self._end(i, now, "cancelled", CUT_REASON)
+                self._end(i, now, Outcome.CANCELLED, CUT_REASON)
             ok, tokens = False, None
         else:
             ok = self.failed is None or not self.failed[i]
             tokens = None if self.work is None else self.work[i][2]
+        first = self._first_token_at(i) if self.objectives else _NAN
         self.finishing = k
-        outcome = self.queue.finished(k, now, self.reported[i] * self.speed_at[i], ok, tokens)  # may start k's next
+        outcome = self.queue.finished(k, now, self.reported[i] * self.speed_at[i], ok, tokens, first)  # may start k's next
         self.finishing = -1
         if outcome is not None:
             self._end(i, now, outcome, None if ok else FAILED_REASON)
+
+    def _first_token_at(self, i: int) -> float:
+        """When run i's first token came: its start plus the calibrated line's share of the first token (fixed and
+        prompt terms and one token) of the time it ran (what frame() writes as ttft_s, by the same operations)."""
+        model = self.queue.config.model
+        first = self.first_of[i] if self.first_of is not None else i
+        prompt, tokens = int(self.prompt_tokens[first]), int(self.generated[first])
+        return self.start[i] + self.ran[i] * (float(model.estimate(1, prompt)) / float(model.estimate(tokens, prompt)))
 
     def _cancel(self, i: int, reason: str = LEFT_REASON) -> None:
         if reason == LEFT_REASON and self.wait_only and not math.isnan(self.start[i]):
             return  # started: its patience while waiting is over
         if self.queue.cancel(i, self.env.now) is not None:
-            self._end(i, self.env.now, "abandoned", reason)
+            self._end(i, self.env.now, Outcome.ABANDONED, reason)
 
     def _stall(self, k: int, i: int) -> None:
         now = self.env.now
         if self.queue.stall(k, now) == i:
-            self._end(i, now, "error", STALL_REASON)
+            self._end(i, now, Outcome.ERROR, STALL_REASON)
         if self.queue.all_stalled and not self.watching:
             self.watching = True
             self.env.process(self._watchdog())
@@ -270,10 +292,13 @@ class _Run:
         self.watching = False
 
     def frame(self, trace: Trace) -> pd.DataFrame:
+        return records.from_arrays(self._columns(trace))
+
+    def _columns(self, trace: Trace) -> dict:
         finish = np.asarray(self.finish)
         arrival = np.asarray(self.arrival)
         first = trace.request_id if self.first_of is None else np.asarray(self.first_of, dtype=np.int64)
-        return records.from_arrays(
+        return (
             {
                 "request_id": np.arange(len(arrival), dtype=np.int64),
                 "first_request_id": first,
@@ -295,57 +320,161 @@ class _Run:
                 "queued_work_at_arrival_s": self.queued_work,
                 "retry_after_s": self.retry_after,
                 "engine": self.engine_of,
+                **self._token_columns(trace, first, finish, arrival),
             }
         )
+
+    def _token_columns(self, trace: Trace, first: np.ndarray, finish: np.ndarray, arrival: np.ndarray) -> dict:
+        """ttft_s, tpot_s, output_tokens, preemptions and the objectives of answered runs, engines one at a time:
+        the first token comes after the calibrated line's share of the first token of the time the run took."""
+        model = self.queue.config.model
+        prompt, tokens = trace.prompt_tokens[first], trace.tokens_generated[first]
+        answered = np.isin(np.asarray(self.outcome, dtype=object), ANSWERED)
+        share = np.asarray(model.estimate(np.ones_like(tokens), prompt), dtype=float) / \
+            np.asarray(model.estimate(tokens, prompt), dtype=float)
+        first_token = np.asarray(self.start) + np.asarray(self.ran) * share
+        many = answered & (tokens > 1)
+        policy = self.queue.policy
+        return {
+            "ttft_s": np.where(answered, first_token - arrival, np.nan),
+            "tpot_s": np.where(many, (finish - first_token) / np.maximum(tokens - 1, 1), np.nan),
+            "output_tokens": np.where(answered, tokens, -1),
+            "preemptions": np.where(answered, 0, -1),
+            "ttft_slo_s": np.full(len(first), np.nan if policy.ttft_slo_s is None else policy.ttft_slo_s),
+            "tpot_slo_s": np.full(len(first), np.nan if policy.tpot_slo_s is None else policy.tpot_slo_s),
+        }
+
+
+class _BatchRun(_Run):
+    """A batching engine on SimPy's clock: one event per step (its time the step model's, times a gamma draw of
+    mean 1 and the model's ``cv`` where set, times the machine's speed), and one per deadline the core cuts at."""
+
+    def _make_queue(self, config: ServerConfig):
+        queue = BatchQueue(config, step=self._step, end=self._ended, drop=self._drop, joined=self._joined)
+        cv = config.engine.step.cv
+        self.noise = None
+        if cv > 0:  # a stream of its own, from the server's seed: the same draws under every policy
+            rng, shape = np.random.default_rng([config.seed, 7919]), 1.0 / cv**2
+            self.noise = lambda: rng.gamma(shape, 1.0 / shape)
+        self.timer_at = math.inf
+        return queue
+
+    def _per_attempt(self) -> tuple:
+        return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1), (self.kv_peak, -1))
+
+    def arrivals(self, _event=None) -> None:
+        if not hasattr(self, "first_token"):
+            n = self.n
+            self.first_token, self.tokens = [_NAN] * n, [-1] * n
+            self.preempted, self.kv_peak = [-1] * n, [-1] * n
+        super().arrivals(_event)
+        self._arm()
+
+    def _admit(self, i: int, t: float) -> None:
+        super()._admit(i, t)
+        self._arm()
+
+    def _cancel(self, i: int, reason: str = LEFT_REASON) -> None:
+        super()._cancel(i, reason)
+        self._arm()
+
+    # -- the core's hooks --------------------------------------------------------------
+
+    def _joined(self, i: int, now: float) -> None:
+        self.start[i], self.engine_of[i] = now, 0
+
+    def _step(self, plan, now: float) -> None:
+        run = plan.model_s
+        if self.noise is not None:
+            run *= self.noise()
+        if self.schedule is not None:
+            run *= self.schedule.at(now) / self.schedule.base
+        Timeout(self.env, run).callbacks.append(self._step_done)
+
+    def _step_done(self, event) -> None:
+        self.queue.step_done(self.env.now)
+        self._arm()
+
+    def _ended(self, i: int, now: float, outcome: str, reason: str | None, stats) -> None:
+        self.first_token[i], self.tokens[i] = stats.first_token_s, stats.tokens
+        self.preempted[i], self.kv_peak[i] = stats.preemptions, stats.kv_blocks_peak
+        self.ran[i] = now - stats.start_s
+        self._end(i, now, outcome, reason)
+
+    # -- the core's timers (cutting at the deadline) ----------------------------------------
+
+    def _arm(self) -> None:
+        due = self.queue.next_timer()
+        if due < self.timer_at:
+            self.timer_at = due
+            Timeout(self.env, max(0.0, due - self.env.now)).callbacks.append(lambda _, due=due: self._timer(due))
+
+    def _timer(self, due: float) -> None:
+        if due != self.timer_at:
+            return  # an earlier one was set since, and has run
+        self.timer_at = math.inf
+        self.queue.timer(self.env.now)
+        self._arm()
+
+    def _columns(self, trace: Trace) -> dict:
+        columns = super()._columns(trace)
+        arrival, finish = np.asarray(self.arrival), np.asarray(self.finish)
+        first_token, tokens = np.asarray(self.first_token), np.asarray(self.tokens)
+        answered = np.isin(np.asarray(self.outcome, dtype=object), ANSWERED)
+        many = answered & (tokens > 1)
+        columns.update({
+            "true_service_s": np.asarray(self.ran),  # how long it was in the batch
+            "ttft_s": first_token - arrival,
+            "tpot_s": np.where(many, (finish - first_token) / np.maximum(tokens - 1, 1), np.nan),
+            "output_tokens": tokens,
+            "preemptions": np.asarray(self.preempted),
+            "kv_blocks_peak": np.asarray(self.kv_peak),
+        })
+        return columns
 
 
 def simulate(
     trace: Trace,
-    policy: Policy = PRESETS["none"],
-    engines: int = 1,
+    config: ServerConfig | Policy = ServerConfig(),
+    engines: int | None = None,
     *,
-    fixed_estimate: bool = False,
-    tracker_weight: float = 0.2,
-    initial_speed_factor: float = 1.0,
     failed=None,
     reported_s=None,
     cancel_after_s=None,
     cancel_until: str | None = None,
     priority=None,
     client=None,
-    stall: StallRule | None = None,
-    watch_interval_s: float = 0.05,
     retry: RetryPolicy | None = None,
     retry_seed: int | None = None,
     retrier: Retrier | None = None,
-    model: ServiceModel | None = None,
     speed_schedule: SpeedSchedule | None = None,
 ) -> pd.DataFrame:
-    """Run ``trace`` through the queue and return one record per request (see :mod:`qsim.records`).
+    """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
-    fixed_estimate keeps the calibrated estimate (speed factor 1) instead of tracking speed;
-    initial_speed_factor is where the tracker starts (a live server's is resident across runs).
-    failed (bools), reported_s (the engine's own seconds, which the tracker learns; default the
-    true service time), cancel_after_s (seconds after arrival at which the client leaves; NaN or inf:
-    never; default the trace's patience_s), priority (ints, higher first under a priority discipline) and client (any hashable; the
-    policy's per-client token bucket and fair share count by it) are per request, in trace order;
-    priority and client default to the trace's own. cancel_until: what the patience cancel_after_s
-    waits for, "answer" (the client leaves at that time whether its request waits or runs) or
-    "start" (it leaves only if its request has not started by then: patience while waiting); default
-    what the trace's patience was drawn for (its meta's patience_until), else "answer".
-    Either way a client that leaves ends its request ``abandoned`` (reason client_left).
-    retry: how clients send refused requests again (None or mode "none": never); each attempt is a row,
-    with ``attempt`` and ``first_request_id``. retry_seed: the jitter's seed (default the trace's seed).
-    retrier: the clients' state machine itself, in place of one built from ``retry`` (``qlab compare``
-    passes one that hears each answer when the live client did).
-    model: the calibrated line a learned or oracle estimator scales by (default the reference).
+    config: the server (:class:`qsim.config.ServerConfig`: policy, engine model, calibration, speed
+    tracking, stall rule), or a bare Policy on ``engines`` engines (default 1) with the rest at its defaults.
+    The rest are the run's inputs, per request in trace order: failed (bools), reported_s (the engine's
+    own seconds, which the tracker learns; default the true service time), cancel_after_s (seconds after
+    arrival at which the client leaves; NaN or inf: never; default the trace's patience_s), priority
+    (ints, higher first under a priority discipline) and client (any hashable; the policy's per-client
+    token bucket and fair share count by it); priority and client default to the trace's own.
+    cancel_until: what the patience cancel_after_s waits for, "answer" (the client leaves at that time
+    whether its request waits or runs) or "start" (it leaves only if its request has not started by then:
+    patience while waiting); default what the trace's patience was drawn for (its meta's
+    patience_until), else "answer". Either way a client that leaves ends its request ``abandoned``
+    (reason client_left). retry: how clients send refused requests again (None or mode "none": never);
+    each attempt is a row, with ``attempt`` and ``first_request_id``. retry_seed: the jitter's seed
+    (default the trace's seed). retrier: the clients' state machine itself, in place of one built from
+    ``retry`` (``qlab compare`` passes one that hears each answer when the live client did).
     speed_schedule: the machine's speed over time (:class:`qsim.service.SpeedSchedule`, base = the trace's
     speed): each run takes its true time x the speed at its start / base.
-    stall: the live gate's stall rule (None, the study's model: engines never stall).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
-    if engines < 1:
-        raise ValueError(f"engines must be >= 1, got {engines}")
+    if isinstance(config, Policy):
+        config = ServerConfig(config, 1 if engines is None else engines)
+    elif engines is not None:
+        raise ValueError("engines come from the ServerConfig; pass them there")
+    config = as_config(config)
     if cancel_until is None:
         cancel_until = trace.meta.get("patience_until", "answer")
     if cancel_after_s is None:
@@ -358,16 +487,18 @@ def simulate(
                          ("priority", priority), ("client", client)):
         if values is not None and np.shape(values) != (len(trace),):
             raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
-    tracker = SpeedTracker(weight=tracker_weight, initial=initial_speed_factor, fixed=fixed_estimate)
     if retrier is None and retry is not None and retry.retries:
         seed = trace.meta.get("seed", 0) if retry_seed is None else retry_seed
         retrier = Retrier(retry, trace.arrival_s, seed)
-    queue_args = dict(policy=policy, tracker=tracker, stall=stall, discipline=policy.make_discipline(), model=model)
-    run = _Run(trace, queue_args, engines, failed=failed,
-               reported_s=reported_s, cancel_after_s=cancel_after_s, cancel_until=cancel_until, priority=priority,
-               client=client, watch_interval_s=watch_interval_s, retrier=retrier, speed_schedule=speed_schedule)
+    if config.batching and (failed is not None or reported_s is not None):
+        raise ValueError("failures and reported times are per run: a batching engine's steps have neither here")
+    run = (_BatchRun if config.batching else _Run)(trace, config, failed=failed, reported_s=reported_s,
+               cancel_after_s=cancel_after_s,
+               cancel_until=cancel_until, priority=priority, client=client, retrier=retrier,
+               speed_schedule=speed_schedule)
     run.arrivals()
     run.env.run()
     frame = run.frame(trace)
-    frame.attrs.update(duration_s=trace.duration_s, policy=policy.name, engines=engines, speed_factor=tracker.factor)
+    frame.attrs.update(duration_s=trace.duration_s, policy=config.policy.name, engines=config.engines,
+                       speed_factor=run.queue.tracker.factor)
     return frame

@@ -16,17 +16,15 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from .disciplines import DISCIPLINES
 from .estimators import ESTIMATORS, make_estimator
+from .outcomes import REJECT_REASONS, Reason  # noqa: F401 (REJECT_REASONS: re-exported)
 
-#: Reasons a request can be refused at arrival, in the order they are checked. rate_limited is a
-#: client over its own rate (HTTP 429); the others are the service over capacity (HTTP 503).
-REJECT_REASONS = ("rate_limited", "shed", "queue_full", "work_limit", "deadline_unreachable")
-RATE_LIMITED = "rate_limited"
+RATE_LIMITED = Reason.RATE_LIMITED
 #: Reason recorded for a request dropped unrun when it reached the front.
-EXPIRE_REASON = "cannot_finish"
+EXPIRE_REASON = Reason.CANNOT_FINISH
 #: Times closer than this are equal. Sums of the same service times taken in another order
 #: differ in the last bit, and a deadline met exactly must not read as missed by 1e-16 s.
 TIME_TOLERANCE_S = 1e-9
@@ -64,6 +62,23 @@ class Policy:
         ``estimator_window`` completions) or "oracle" (the tokens it will generate: simulator only).
     cancel_at_deadline: stop a request in service when its deadline passes (outcome cancelled),
         freeing its engine; the study's gate (False) lets it finish late.
+    ttft_slo_s / tpot_slo_s: objectives on the time to first token and the time per output token
+        (None: none). A request is good only when it meets every objective it has (DistServe's
+        goodput), and predictive admission refuses one it projects to miss any.
+    max_queued_tokens: refuse when the prompt tokens waiting would pass this (vLLM's
+        ``max_num_queued_tokens``; ``max_queue`` is its ``max_num_queued_reqs``).
+    kv_admission: admission by memory (the reference study's exercise 6), for a batching
+        engine: refuse (``kv_full``) a request whose prompt plus max_new_tokens cannot get its
+        KV blocks in time to meet its deadline.
+    shed_queue_threshold / shed_kv_threshold / shed_power / shed_k / shed_below_priority:
+        llm-d's probabilistic admitter: saturation = max(waiting / shed_queue_threshold,
+        KV share in use / shed_kv_threshold), and a request of priority below
+        ``shed_below_priority`` (llm-d: 0, the sheddable) is shed with probability
+        min(saturation ** shed_power * shed_k, 1). None: no such shedding.
+
+    A policy class of one's own may override :meth:`decide` (the admission rule itself),
+    :meth:`make_discipline` (the order of the waiting) and :meth:`make_estimator`; its own
+    dataclass fields are its parameters (docs/policies.md).
     """
 
     name: str = "custom"
@@ -84,8 +99,30 @@ class Policy:
     estimator_quantile: float | None = None
     estimator_window: int = 200
     cancel_at_deadline: bool = False
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    max_queued_tokens: int | None = None
+    kv_admission: bool = False
+    shed_queue_threshold: float | None = None
+    shed_kv_threshold: float = 0.8
+    shed_power: float = 5.0
+    shed_k: float = 300.0
+    shed_below_priority: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_queued_tokens is not None and self.max_queued_tokens < 0:
+            raise ValueError(f"max_queued_tokens must be >= 0, got {self.max_queued_tokens}")
+        if self.shed_queue_threshold is not None and not (self.shed_queue_threshold > 0
+                                                          and math.isfinite(self.shed_queue_threshold)):
+            raise ValueError(f"shed_queue_threshold must be a positive number, got {self.shed_queue_threshold}")
+        if not 0 < self.shed_kv_threshold <= 1:
+            raise ValueError(f"shed_kv_threshold must be in (0, 1], got {self.shed_kv_threshold}")
+        if not (self.shed_power > 0 and self.shed_k > 0 and math.isfinite(self.shed_power) and math.isfinite(self.shed_k)):
+            raise ValueError(f"shed_power and shed_k must be positive numbers, got {self.shed_power}, {self.shed_k}")
         if self.client_rate is not None and not (self.client_rate > 0 and math.isfinite(self.client_rate)):
             raise ValueError(f"client_rate must be a positive number of requests per second, got {self.client_rate}")
         if self.reserve_min_s is not None and not (self.reserve_min_s > 0 and math.isfinite(self.reserve_min_s)):
@@ -109,6 +146,15 @@ class Policy:
             raise ValueError(f"estimator_quantile must be in (0, 1], got {self.estimator_quantile}")
         if not self.estimator_window >= 1:
             raise ValueError(f"estimator_window must be >= 1, got {self.estimator_window}")
+
+    def decide(self, view: "View") -> "Rejection | None":
+        """The admission rule: admit (None) or refuse (a :class:`Rejection`) the request ``view`` describes.
+
+        The queue core calls this for every arrival, in the simulator and the gate alike, with a read-only
+        :class:`View` of the queue it computed once. Override it in a policy class of one's own to change the
+        rule (call ``super().decide(view)`` for the built-in checks); keep it pure: the same view, the same
+        answer."""
+        return decide_view(self, view)
 
     def make_discipline(self):
         """A new, empty queue of this policy's discipline (one per queue: it holds the waiting).
@@ -288,11 +334,12 @@ def preset(name: str) -> Policy:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A refusal at arrival: why, the numbers behind it, and when to come back."""
+    """A refusal at arrival: why, the numbers behind it, and when to come back (None: never, it can never be
+    served; such a refusal is a client's error, not overload)."""
 
     reason: str
     numbers: Mapping[str, float] = field(default_factory=dict)
-    retry_after_s: int = 1
+    retry_after_s: int | None = 1
 
 
 def retry_after(wait_s: float) -> int:
@@ -300,6 +347,39 @@ def retry_after(wait_s: float) -> int:
     if not math.isfinite(wait_s):
         raise ValueError(f"estimated wait must be finite, got {wait_s}")
     return max(1, math.ceil(wait_s))
+
+
+class View(NamedTuple):
+    """What an admission rule sees of the queue when a request arrives: read-only numbers the queue core
+    computed once (:meth:`Policy.decide` takes one). Times are seconds, estimates include the speed factor."""
+
+    queued: int  # requests waiting (not in service), not counting this one
+    queued_work_s: float  # their estimated work
+    remaining_s: float  # estimated work left in service, summed over the engines
+    est_service_s: float  # this request's own estimated service time
+    deadline_s: float | None  # its deadline, from now (shortened where a reserve applies)
+    engines: int = 1
+    idle: int = 0  # engines free now: with one free it starts at once (a batching engine: a seat it takes now)
+    priority: int = 0  # below 0: sheddable
+    ahead_s: float | None = None  # the part of queued_work_s that would start before it (None: all, FIFO)
+    client: Any = None
+    wait_s: float | None = None  # the core's projection of its wait (batching); None: (ahead + remaining) / engines
+    ttft_s: float = math.nan  # projected time from now to its first token (NaN: not projected)
+    tpot_s: float = math.nan  # projected time per output token
+    kv_wait_s: float | None = None  # its wait with the KV blocks of everyone before it reserved (batching)
+    kv_use: float = 0.0  # share of the KV blocks in use
+    queued_tokens: int = 0  # prompt tokens waiting
+    prompt_tokens: int = 0  # its own
+    u: float = math.nan  # a uniform draw for randomised rules, the same for the same arrival under any policy
+
+    @property
+    def wait(self) -> float:
+        """The estimated wait before it starts."""
+        if self.wait_s is not None:
+            return self.wait_s
+        if self.idle > 0:
+            return 0.0
+        return ((self.queued_work_s if self.ahead_s is None else self.ahead_s) + self.remaining_s) / self.engines
 
 
 def decide(
@@ -314,10 +394,8 @@ def decide(
     priority: int = 0,
     ahead_s: float | None = None,
 ) -> Rejection | None:
-    """Admit (``None``) or refuse (:class:`Rejection`) one arriving request.
-
-    A request of priority below 0 is sheddable: refused (``shed``) whenever it would have
-    to wait behind others, so that under overload the sheddable go first.
+    """Admit (``None``) or refuse (:class:`Rejection`) one arriving request: :meth:`Policy.decide` on a
+    :class:`View` of these numbers (the brief's signature).
 
     queued / queued_work_s: requests waiting and their estimated work, not
     counting this one. in_service_remaining_s: estimated remaining work summed
@@ -327,35 +405,64 @@ def decide(
     queued_work_s that would start before this request (None: all of it, as in FIFO); a
     discipline that serves some arrivals ahead of others says how much (fair share does).
     """
-    ahead = queued_work_s if ahead_s is None else ahead_s
-    wait = 0.0 if idle > 0 else (ahead + in_service_remaining_s) / workers
+    return policy.decide(View(queued, queued_work_s, in_service_remaining_s, est_service_s, deadline_s, workers, idle,
+                              priority, ahead_s))
+
+
+def decide_view(policy: Policy, view: View) -> Rejection | None:
+    """The built-in rules, in order (what :meth:`Policy.decide` does unless a policy class overrides it).
+
+    A request of priority below 0 is sheddable: refused (``shed``) whenever it would have to wait behind
+    others, so that under overload the sheddable go first. Then the bounds on what waits (count, prompt
+    tokens, estimated work), llm-d's probabilistic shedding, and the predictive rule: refuse when the
+    estimated wait plus service passes the deadline, or the projected time to first token or per output
+    token passes its objective; with ``kv_admission``, ``kv_full`` when it is memory that makes it late.
+    """
+    wait = view.wait_s  # View.wait, inlined: this runs once per arrival
+    idle = view.idle
+    if wait is None:
+        wait = 0.0 if idle > 0 else \
+            ((view.queued_work_s if view.ahead_s is None else view.ahead_s) + view.remaining_s) / view.engines
+    queued, est = view.queued, view.est_service_s
     if idle <= 0:
-        if priority < 0 and queued > 0:
-            return Rejection("shed", {"priority": priority, "queued": queued, "wait_s": wait}, retry_after(wait))
+        if view.priority < 0 and queued > 0:
+            return Rejection(Reason.SHED, {"priority": view.priority, "queued": queued, "wait_s": wait},
+                             retry_after(wait))
         if policy.max_queue is not None and queued >= policy.max_queue:
-            return Rejection(
-                "queue_full",
-                {"queued": queued, "max_queue": policy.max_queue, "wait_s": wait},
-                retry_after(wait),
-            )
+            return Rejection(Reason.QUEUE_FULL, {"queued": queued, "max_queue": policy.max_queue, "wait_s": wait},
+                             retry_after(wait))
+        tokens = policy.max_queued_tokens
+        if tokens is not None and view.queued_tokens + view.prompt_tokens > tokens:
+            return Rejection(Reason.TOKENS_QUEUED, {"queued_tokens": view.queued_tokens,
+                                                    "prompt_tokens": view.prompt_tokens,
+                                                    "max_queued_tokens": tokens, "wait_s": wait}, retry_after(wait))
         limit = policy.max_queued_seconds
-        if limit is not None and queued_work_s + est_service_s > limit:
-            return Rejection(
-                "work_limit",
-                {
-                    "queued_work_s": queued_work_s,
-                    "est_service_s": est_service_s,
-                    "max_queued_seconds": limit,
-                    "wait_s": wait,
-                },
-                retry_after(wait),
-            )
-    if policy.predictive and deadline_s is not None and wait + est_service_s > deadline_s + TIME_TOLERANCE_S:
-        return Rejection(
-            "deadline_unreachable",
-            {"wait_s": wait, "est_service_s": est_service_s, "deadline_s": deadline_s},
-            retry_after(wait),
-        )
+        if limit is not None and view.queued_work_s + est > limit:
+            return Rejection(Reason.WORK_LIMIT, {"queued_work_s": view.queued_work_s, "est_service_s": est,
+                                                 "max_queued_seconds": limit, "wait_s": wait}, retry_after(wait))
+    if policy.shed_queue_threshold is not None and view.priority < policy.shed_below_priority:
+        saturation = max(queued / policy.shed_queue_threshold, view.kv_use / policy.shed_kv_threshold)
+        chance = min(saturation ** policy.shed_power * policy.shed_k, 1.0)
+        if view.u < chance:
+            return Rejection(Reason.SHED, {"saturation": saturation, "probability": chance, "queued": queued,
+                                           "kv_use": view.kv_use, "wait_s": wait}, retry_after(wait))
+    if not policy.predictive or view.deadline_s is None:
+        return None
+    deadline = view.deadline_s
+    if policy.kv_admission and view.kv_wait_s is not None and view.kv_wait_s + est > deadline + TIME_TOLERANCE_S:
+        if wait + est <= deadline + TIME_TOLERANCE_S:  # it is the memory that makes it late
+            return Rejection(Reason.KV_FULL, {"kv_wait_s": view.kv_wait_s, "wait_s": wait, "est_service_s": est,
+                                              "deadline_s": deadline, "kv_use": view.kv_use},
+                             retry_after(view.kv_wait_s))
+    if wait + est > deadline + TIME_TOLERANCE_S:
+        return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "deadline_s": deadline},
+                         retry_after(wait))
+    for objective, projected in (("ttft_slo_s", view.ttft_s), ("tpot_slo_s", view.tpot_s)):
+        slo = getattr(policy, objective)
+        if slo is not None and projected > slo + TIME_TOLERANCE_S:
+            return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": est, objective: slo,
+                                                           objective.replace("_slo", "_projected"): projected},
+                             retry_after(wait))
     return None
 
 

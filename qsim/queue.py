@@ -7,8 +7,16 @@ calling two hooks its driver passes in, as SimPy's queue variants plug in
 through small hooks:
 
 * ``start(k, req, now, est_s)``: run ``req`` on engine k from ``now``;
-* ``drop(req, now, outcome, reason, est_s)``: end a waiting ``req`` unrun
-  (``expired`` at the front, or given up behind stalled engines).
+* ``drop(req, now, outcome, reason, est_s, retry_after_s)``: end a waiting ``req`` unrun
+  (``expired`` at the front, with the Retry-After its 503 carries, or given up behind
+  stalled engines, with None).
+
+It is built from a :class:`qsim.config.ServerConfig` (the policy, the engine model, the
+calibrated line, the tracker's settings, the stall rule), the one configuration every
+driver reads. The rules every driver would otherwise write for itself live here: the
+deadline a request gets when it brings none (:meth:`~AdmissionQueue.deadline_of`), when a
+run is cut at its deadline (:meth:`~AdmissionQueue.cut_at`, :meth:`~AdmissionQueue.cut_after`),
+when an engine counts as stalled (:meth:`~AdmissionQueue.overdue`) and the Retry-After of a drop.
 
 Events: :meth:`~AdmissionQueue.arrive` (admit, start or queue; or return the
 :class:`~qsim.policy.Rejection`), :meth:`~AdmissionQueue.finished` (an engine
@@ -38,64 +46,64 @@ uses instead of all of it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, decide, on_time, take_token
-from .service import ServiceModel, SpeedTracker
+from .config import ServerConfig, StallRule, as_config
+from .engines import OneAtATime
+from .entry import Entry, Work
+from .outcomes import Outcome, Reason
+from .clients import uniform
+from .policy import (EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, on_time, retry_after,
+                     take_token)
+from .service import SpeedTracker
 
 #: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
 RESERVE_WEIGHT = 0.05
+_new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
 #: Reason of a request ended because its engine stalled, or given up behind stalled engines.
-STALL_REASON = "engine_stalled"
-
-
-@dataclass(frozen=True)
-class StallRule:
-    """An engine is stalled once its request has run past max(factor x estimate at start, floor_s).
-
-    Far beyond any speed change seen on a shared machine (2.25x); the floor keeps a
-    short request's hiccup from counting.
-    """
-
-    factor: float = 10.0
-    floor_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if not (self.factor >= 1 and math.isfinite(self.factor)):
-            raise ValueError(f"stall factor must be a finite number >= 1, got {self.factor}")
-        if not (self.floor_s > 0 and math.isfinite(self.floor_s)):
-            raise ValueError(f"stall floor must be a positive number of seconds, got {self.floor_s}")
-
-    def after_s(self, est_service_s: float) -> float:
-        """How long a request estimated at ``est_service_s`` may run before its engine counts as stalled."""
-        return max(self.factor * est_service_s, self.floor_s)
-
-
-# A waiting or running request: (req, arrived_at, calibrated estimate, deadline relative to arrival, priority, client,
-# work), work being (max_new_tokens, prompt tokens, tokens it will generate or None) or None where the driver gave none.
-Entry = tuple
+STALL_REASON = Reason.ENGINE_STALLED
 #: Reason of a request stopped in service when its deadline passed (outcome cancelled).
-CUT_REASON = "deadline_passed"
+CUT_REASON = Reason.DEADLINE_PASSED
+
+__all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Seen", "StallRule"]
+
+
+class Seen(NamedTuple):
+    """What an admission decision was made on: the admission columns of the request's record."""
+
+    est_service_s: float  # its estimate x the speed factor
+    queued: int  # requests waiting (not in service) before it
+    queued_work_s: float  # their estimated work
+    speed_factor: float  # the tracker's factor the estimates were scaled by
 
 
 class AdmissionQueue:
     """Queue state and the rules applied to it; see the module docstring."""
 
-    def __init__(self, policy: Policy, engines: int, *, start: Callable, drop: Callable,
-                 tracker: SpeedTracker | None = None, discipline=None, stall: StallRule | None = StallRule(),
-                 gone: Callable[[Any], bool] | None = None, model: ServiceModel | None = None) -> None:
-        """gone(req): True when a waiting request's client has left but has not been cancelled yet
-        (the gate's futures report a hang-up a loop turn late); such a request is skipped at the front.
-        model: the calibrated service line the policy's estimator scales by (default the reference)."""
-        if engines < 1:
-            raise ValueError(f"engines must be >= 1, got {engines}")
-        self.policy = policy
-        self.engines = engines
-        self.tracker = tracker if tracker is not None else SpeedTracker()
-        self.waiting = policy.make_discipline() if discipline is None else discipline
-        self.estimator = policy.make_estimator(model if model is not None else ServiceModel())
+    def __init__(self, config: ServerConfig | Policy, engines: int | None = None, *, start: Callable,
+                 drop: Callable, gone: Callable[[Any], bool] | None = None) -> None:
+        """config: the server (a bare Policy: that policy on ``engines`` engines, everything else at its
+        default). gone(req): True when a waiting request's client has left but has not been cancelled yet
+        (the gate's futures report a hang-up a loop turn late); such a request is skipped at the front."""
+        if isinstance(config, Policy):
+            config = ServerConfig(config, OneAtATime(1 if engines is None else engines))
+        elif engines is not None:
+            raise ValueError("engines come from the ServerConfig; pass them there")
+        config = as_config(config)
+        if not isinstance(config.engine, OneAtATime):
+            raise ValueError(f"AdmissionQueue runs engines one at a time; {config.engine.kind} engines run in "
+                             "qsim.batch.BatchQueue (qsim.queue.make_queue picks)")
+        self.config = config
+        self.policy = policy = config.policy
+        self.engines = engines = config.engine.engines
+        self._slowdown = config.engine.slowdown if config.engine.concurrency else None
+        self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
+                                    fixed=config.fixed_estimate)
+        self.waiting = policy.make_discipline()
+        self.estimator = policy.make_estimator(config.model)
         self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
+        self.waiting_tokens = 0  # their prompt tokens, summed
+        self.arrivals = 0
         self.running: list[Entry | None] = [None] * engines
         self.busy_until = [0.0] * engines  # estimated end of each engine's request
         self.started_at = [math.nan] * engines
@@ -103,32 +111,49 @@ class AdmissionQueue:
         self.stalled = [False] * engines
         self.ended = [False] * engines  # its request already has an outcome (stalled, or its client left)
         self.idle = list(range(engines - 1, -1, -1))  # pop() gives the lowest free engine
-        self.stall_rule = stall
+        self.stall_rule = config.stall
         self._start, self._drop, self._gone = start, drop, gone
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._started = getattr(self.waiting, "started", None)
         self._ahead = getattr(self.waiting, "ahead_s", None)
         self._n_stalled = 0
+        self.slow = [1.0] * engines  # the slowdown each engine's run started with (OneAtATime.concurrency)
         self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
         self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
+        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)
+        # The admission rule: the policy's own where its class overrides decide, else the built-in one directly.
+        self._decide = decide_view if type(policy).decide is Policy.decide else type(policy).decide
+        self._objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
+        self._sheds = policy.shed_queue_threshold is not None
 
     # -- events -------------------------------------------------------------------
 
+    def deadline_of(self, deadline_s: float | None) -> float:
+        """The deadline a request gets: its own (seconds after arrival), or the policy's where it brings none
+        (None or NaN)."""
+        return self.policy.deadline_s if deadline_s is None or deadline_s != deadline_s else deadline_s
+
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-               priority: int = 0, client=None, work: tuple | None = None) -> Rejection | None:
+               priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
         """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
 
-        deadline_s is relative to ``now``; None takes the policy's. priority orders it under a priority
+        deadline_s is relative to ``now``; None (or NaN) takes the policy's. priority orders it under a priority
         discipline (below 0: sheddable); client names whose token bucket it draws on, where the policy
-        limits each client (None: no client). work: (max_new_tokens, prompt tokens, tokens it will
-        generate or None), what the policy's estimator estimates from in place of base_est_s (which
-        is the estimate at the limit); None: base_est_s as it is. ``self.seen`` holds what the decision was made on, the
-        admission columns of its record: (estimate x speed factor, waiting count, their estimated
-        work, speed factor). A request admitted while an engine is idle is in service from this
-        instant, so a burst cannot slip one more past a bound than the bound allows.
+        limits each client (None: no client). work: a :class:`~qsim.entry.Work` (max_new_tokens, prompt
+        tokens, tokens it will generate or None), what the policy's estimator estimates from in place of
+        base_est_s (which is the estimate at the limit); None: base_est_s as it is. ``self.seen`` holds what
+        the decision was made on (:class:`Seen`), the admission columns of its record. A request admitted
+        while an engine is idle is in service from this instant, so a burst cannot slip one more past a
+        bound than the bound allows.
         """
-        if deadline_s is None:
-            deadline_s = self.policy.deadline_s
+        # Per arrival, so kept lean: named tuples are made with tuple.__new__ (their Python __new__ costs a
+        # sixth of a plain run's simulation time), and what a policy does not use is not computed.
+        self.arrivals += 1
+        policy = self.policy
+        if deadline_s is None or deadline_s != deadline_s:
+            deadline_s = policy.deadline_s
+        if work is not None and type(work) is not Work:
+            work = Work(*work)
         if self.estimator is not None and work is not None:
             base_est_s = self.estimator.base_s(base_est_s, *work)
         factor = self.tracker.factor
@@ -137,16 +162,26 @@ class AdmissionQueue:
         queued = len(waiting)
         queued_work = self.waiting_base_s * factor
         idle = self.idle
-        self.seen = (est, queued, queued_work, factor)
-        if client is not None and self.policy.client_rate is not None:
+        if self._slowdown is not None:  # engines that share a machine: what it would take when it starts
+            est *= self._slowdown(self.engines - len(idle) + 1 if idle else self.engines)
+            queued_work *= self._slowdown(self.engines)
+        self.seen = _new(Seen, (est, queued, queued_work, factor))
+        if client is not None and policy.client_rate is not None:
             refusal = self._rate_limit(client, now)
             if refusal is not None:
                 return refusal
-        budget = deadline_s if self.policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
-        entry = (req, now, base_est_s, deadline_s, priority, client, work)
+        budget = deadline_s if policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
+        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         ahead = None if self._ahead is None or idle else self._ahead(entry) * factor
-        refusal = decide(self.policy, queued, queued_work, 0.0 if idle else self.remaining_s(now), est, budget,
-                         self.engines, len(idle), priority, ahead)
+        prompt = 0 if work is None else work.prompt
+        ttft = tpot = math.nan
+        if self._objectives:
+            ttft, tpot = first_token_split(self.config.model, entry, est, self.wait_s(now))
+        u = uniform(self.config.seed, self.arrivals, 0) if self._sheds else math.nan
+        view = _new(View, (queued, queued_work, 0.0 if idle else self.remaining_s(now), est, budget, self.engines,
+                           len(idle), priority, ahead, client, None, ttft, tpot, None, 0.0, self.waiting_tokens,
+                           prompt, u))
+        refusal = self._decide(policy, view)
         if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
             self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
         if refusal is not None:
@@ -156,17 +191,20 @@ class AdmissionQueue:
         else:
             waiting.push(entry)
             self.waiting_base_s += base_est_s
+            self.waiting_tokens += prompt
         return None
 
-    def finished(self, k: int, now: float, engine_s: float, ok: bool = True, tokens: int | None = None) -> str | None:
+    def finished(self, k: int, now: float, engine_s: float, ok: bool = True, tokens: int | None = None,
+                 first_token_at: float = math.nan) -> Outcome | None:
         """Engine k handed its request back at ``now``; ``engine_s`` is the engine's own time.
 
         Returns the request's outcome (good or late by ``now``, error when ``ok`` is false), or
         None when it already had one (stalled, cut, or its client left). A failed, stalled or cut
         run teaches the tracker nothing (a hang's time would multiply every later estimate); one
         whose client left still does. tokens: the tokens it generated, which the estimator learns
-        (and the tracker compares against, where the estimator learns). Then engine k takes the
-        next waiting request, or goes idle.
+        (and the tracker compares against, where the estimator learns). first_token_at: when its first token
+        came (NaN: not known), which the policy's TTFT and TPOT objectives are judged on. Then engine k takes
+        the next waiting request, or goes idle.
         """
         entry = self.running[k]
         if entry is None:
@@ -179,18 +217,22 @@ class AdmissionQueue:
         self.ended[k] = False
         outcome = None
         if ok and not stalled:
-            work, est = entry[6], self.estimator
+            work, est = entry.work, self.estimator
+            slow = 1.0 if self._slowdown is None else self.slow[k]
             if est is not None and est.learns and work is not None and tokens is not None:
-                est.learn(work[0], tokens)
-                self.tracker.observe(est.work_s(work[0], work[1], tokens), engine_s)
+                est.learn(work.limit, tokens)
+                self.tracker.observe(est.work_s(work.limit, work.prompt, tokens) * slow, engine_s)
             else:
                 # Against the estimate made at arrival (from max_new_tokens, the study's): a stop string
                 # that ends a request early reads as a faster machine.
-                self.tracker.observe(entry[2], engine_s)
+                self.tracker.observe(entry.base_s * slow, engine_s)
             if not ended:
-                outcome = "good" if on_time(now - entry[1], entry[3]) else "late"
+                if self._objectives:
+                    outcome = judge(self.policy, entry, now, first_token_at, tokens)
+                else:  # the deadline alone (the common case, inlined: once per request)
+                    outcome = Outcome.GOOD if on_time(now - entry.arrived_at, entry.deadline_s) else Outcome.LATE
         elif not ok and not (stalled or ended):
-            outcome = "error"
+            outcome = Outcome.ERROR
         self._next(k, now)
         return outcome
 
@@ -198,15 +240,34 @@ class AdmissionQueue:
         """The client of ``req`` left: "waiting" (it left the queue with its work), "running" (its engine
         stays busy until it hands the request back: a run cannot always be stopped), or None (it had ended)."""
         for entry in self.waiting:
-            if entry[0] == req:
-                self.waiting.remove(entry)
-                self.waiting_base_s = self.waiting_base_s - entry[2] if self.waiting else 0.0
+            if entry.req == req:
+                self._left(entry)
                 return "waiting"
         for k, entry in enumerate(self.running):
-            if entry is not None and entry[0] == req and not self.ended[k]:
+            if entry is not None and entry.req == req and not self.ended[k]:
                 self.ended[k] = True
                 return "running"
         return None
+
+    # -- cutting a run at its deadline (Policy.cancel_at_deadline) ---------------------------
+
+    def cut_at(self, k: int) -> float:
+        """When engine k's run is cut: its request's deadline where the policy cancels there, else never (inf).
+        The gate sets its timer from this."""
+        entry = self.running[k]
+        if entry is None or not self.policy.cancel_at_deadline:
+            return math.inf
+        return entry.arrived_at + entry.deadline_s
+
+    def cut_after(self, k: int, now: float, run_s: float) -> float | None:
+        """For a run of ``run_s`` started on engine k at ``now`` (a driver that knows how long it will take: the
+        simulator): the seconds after which it is cut, or None where it ends in time or the policy does not cut."""
+        entry = self.running[k]
+        if entry is None or not self.policy.cancel_at_deadline:
+            return None
+        if on_time(now + run_s - entry.arrived_at, entry.deadline_s):
+            return None
+        return max(0.0, entry.arrived_at + entry.deadline_s - now)
 
     def cut(self, k: int, now: float):
         """Engine k's request passed its deadline under ``cancel_at_deadline``: it ends now (cancelled).
@@ -218,7 +279,13 @@ class AdmissionQueue:
         if entry is None or self.ended[k]:
             return None
         self.ended[k] = True
-        return entry[0]
+        return entry.req
+
+    # -- stalled engines -----------------------------------------------------------------------
+
+    def stall_at(self, k: int) -> float:
+        """When engine k counts as stalled if its run has not come back (inf: never, or nothing runs)."""
+        return self.started_at[k] + self.stall_after_s[k] if self.running[k] is not None else math.inf
 
     def overdue(self, now: float) -> list[int]:
         """Engines whose request has run past its stall threshold and that are not marked stalled yet."""
@@ -238,7 +305,7 @@ class AdmissionQueue:
         if self.ended[k]:
             return None
         self.ended[k] = True
-        return self.running[k][0]
+        return self.running[k].req
 
     @property
     def all_stalled(self) -> bool:
@@ -250,16 +317,24 @@ class AdmissionQueue:
         an error. Returns how many were ended."""
         if not self.all_stalled:
             return 0
-        late = [e for e in self.waiting if now >= e[1] + e[3]]
+        late = [e for e in self.waiting if now >= e.arrived_at + e.deadline_s]
         for entry in late:
-            self.waiting.remove(entry)
-            self.waiting_base_s = self.waiting_base_s - entry[2] if self.waiting else 0.0
-            if self._gone is not None and self._gone(entry[0]):
+            self._left(entry)
+            if self._gone is not None and self._gone(entry.req):
                 continue
-            expire = self.policy.expire_at_front
-            self._drop(entry[0], now, "expired" if expire else "error", EXPIRE_REASON if expire else STALL_REASON,
-                       entry[2] * self.tracker.factor)
+            est = entry.base_s * self.tracker.factor
+            if self.policy.expire_at_front:
+                self._drop(entry.req, now, Outcome.EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
+            else:
+                self._drop(entry.req, now, Outcome.ERROR, STALL_REASON, est, None)
         return len(late)
+
+    def _left(self, entry: Entry) -> None:
+        """A waiting entry leaves the line (its client left, or it is given up)."""
+        self.waiting.remove(entry)
+        self.waiting_base_s = self.waiting_base_s - entry.base_s if self.waiting else 0.0
+        if entry.work is not None:
+            self.waiting_tokens = self.waiting_tokens - entry.work.prompt if self.waiting else 0
 
     def _reserve(self, base_est_s: float, deadline_s: float, factor: float) -> float:
         """The deadline the rule sees: shortened for the unreserved while the reserved class is under its share."""
@@ -293,11 +368,13 @@ class AdmissionQueue:
         """The wait :func:`~qsim.policy.decide` would estimate for an arrival now (a Retry-After's basis)."""
         if self.idle:
             return 0.0
-        return (self.waiting_base_s * self.tracker.factor + self.remaining_s(now)) / self.engines
+        return (self.queued_work_s + self.remaining_s(now)) / self.engines
 
     @property
     def queued_work_s(self) -> float:
-        return self.waiting_base_s * self.tracker.factor
+        """The waiting's estimated work (as each will run, with every engine busy)."""
+        work = self.waiting_base_s * self.tracker.factor
+        return work if self._slowdown is None else work * self._slowdown(self.engines)
 
     @property
     def in_service(self) -> int:
@@ -318,7 +395,10 @@ class AdmissionQueue:
     # -- inside -------------------------------------------------------------------------
 
     def _begin(self, k: int, entry: Entry, now: float) -> None:
-        est = entry[2] * self.tracker.factor
+        est = entry.base_s * self.tracker.factor
+        if self._slowdown is not None:  # as many busy as will be, itself included
+            self.slow[k] = self._slowdown(self.engines - len(self.idle))
+            est *= self.slow[k]
         self.running[k] = entry
         self.busy_until[k] = now + est
         self.started_at[k] = now
@@ -326,7 +406,7 @@ class AdmissionQueue:
         self.stall_after_s[k] = math.inf if rule is None else rule.after_s(est)
         if self._started is not None:
             self._started(entry)
-        self._start(k, entry[0], now, est)
+        self._start(k, entry.req, now, est)
 
     def _next(self, k: int, now: float) -> None:
         """Give engine k the first waiting request that can still make it, or mark k idle."""
@@ -335,21 +415,49 @@ class AdmissionQueue:
         gone, drop_reason = self._gone, self._drop_reason
         while waiting:
             entry = waiting.pop_next(now)
-            self.waiting_base_s -= entry[2]
-            if gone is not None and gone(entry[0]):
+            self.waiting_base_s -= entry.base_s
+            if entry.work is not None:
+                self.waiting_tokens -= entry.work.prompt
+            if gone is not None and gone(entry.req):
                 continue
             if expire:
-                est = entry[2] * self.tracker.factor
-                if cannot_finish(now, est, entry[1] + entry[3]):
-                    self._drop(entry[0], now, "expired", EXPIRE_REASON, est)
+                est = entry.base_s * self.tracker.factor
+                if cannot_finish(now, est, entry.arrived_at + entry.deadline_s):
+                    self._drop(entry.req, now, Outcome.EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
                     continue
             if drop_reason is not None:
-                est = entry[2] * self.tracker.factor
+                est = entry.base_s * self.tracker.factor
                 reason = drop_reason(entry, now, est)
                 if reason is not None:
-                    self._drop(entry[0], now, "expired", reason, est)
+                    self._drop(entry.req, now, Outcome.EXPIRED, reason, est, retry_after(self.wait_s(now)))
                     continue
             self._begin(k, entry, now)
             return
         self.waiting_base_s = 0.0  # no drift from adding and subtracting floats
+        self.waiting_tokens = 0
         self.idle.append(k)
+
+
+def first_token_split(model, entry: Entry, est: float, wait: float) -> tuple[float, float]:
+    """(time from now to the first token, time per output token) for a request of estimate ``est`` (speed
+    factor in) that waits ``wait`` first: the calibrated line's share of its first token (fixed and prompt
+    terms and one token) of ``est``, and the rest over its other tokens."""
+    work = entry.work
+    limit, prompt = (1, 0) if work is None else (max(1, work.limit), work.prompt)
+    whole = float(model.estimate(limit, prompt))
+    first = est * float(model.estimate(1, prompt)) / whole if whole > 0 else est
+    return wait + first, (est - first) / (limit - 1) if limit > 1 else math.nan
+
+
+def judge(policy: Policy, entry: Entry, now: float, first_token_at: float = math.nan, tokens: int | None = None) -> Outcome:
+    """An answered request's outcome at ``now``: good when it met every objective it had (its deadline; the
+    policy's time to first token and per output token where set and known), else late (DistServe's goodput)."""
+    if not on_time(now - entry.arrived_at, entry.deadline_s):
+        return Outcome.LATE
+    if first_token_at == first_token_at:
+        ttft, tpot = policy.ttft_slo_s, policy.tpot_slo_s
+        if ttft is not None and not on_time(first_token_at - entry.arrived_at, ttft):
+            return Outcome.LATE
+        if tpot is not None and tokens is not None and tokens > 1 and not on_time((now - first_token_at) / (tokens - 1), tpot):
+            return Outcome.LATE
+    return Outcome.GOOD

@@ -16,14 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .outcomes import ANSWERED, OUTCOMES, Outcome  # noqa: F401 (the vocabulary, re-exported: qsim.outcomes)
 from .policy import on_time
-
-#: good: answered within its deadline; late: answered after it; rejected:
-#: refused at arrival; expired: dropped unrun at the front; error: an engine
-#: failed or stalled, or a transport or server failure; abandoned: its client
-#: left before the answer; cancelled: stopped in service when its deadline passed.
-OUTCOMES = ("good", "late", "rejected", "expired", "error", "abandoned", "cancelled")
-ANSWERED = ("good", "late")
 #: What a request may carry, in a trace file as in an HTTP body: a priority within +-PRIORITY_BOUND,
 #: a client id of 1 to CLIENT_ID_CHARS characters.
 PRIORITY_BOUND = 1000
@@ -51,8 +45,19 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "queued_work_at_arrival_s": ("float64", "estimated work of those waiting when it arrived"),
     "retry_after_s": ("Int64", "Retry-After given with a refusal or a drop at the front (503, 429), whole seconds"),
     "engine": ("Int64", "engine that ran it, from 0"),
+    # What the engine did, token by token (metric definitions: analysis.metrics and docs/metrics.md).
+    "ttft_s": ("float64", "time to first token: from arrival_s to its first token, queueing included; NaN: none"),
+    "tpot_s": ("float64", "time per output token after the first: (finish_s - first token) / (output_tokens - 1); "
+                          "NaN below two tokens or where unknown"),
+    "output_tokens": ("Int64", "tokens it generated (answered, or before it was cut); <NA>: never ran or unknown"),
+    "preemptions": ("Int64", "times a batching engine preempted it (recompute); <NA>: never ran or unknown"),
+    "kv_blocks_peak": ("Int64", "KV-cache blocks it held at its peak (a batching engine's); <NA>: unknown"),
+    "ttft_slo_s": ("float64", "its time-to-first-token objective; NaN: none"),
+    "tpot_slo_s": ("float64", "its time-per-output-token objective; NaN: none"),
 }
 COLUMNS = tuple(SCHEMA)
+#: Columns a driver may leave out of :func:`from_arrays` (filled as missing): what older drivers do not know.
+OPTIONAL = ("ttft_s", "tpot_s", "output_tokens", "preemptions", "kv_blocks_peak", "ttft_slo_s", "tpot_slo_s")
 
 
 def empty(n: int = 0) -> pd.DataFrame:
@@ -61,9 +66,14 @@ def empty(n: int = 0) -> pd.DataFrame:
 
 
 def from_arrays(columns: dict[str, np.ndarray]) -> pd.DataFrame:
-    """Build a frame in schema order and dtypes; -1 in an Int64 column means missing."""
+    """Build a frame in schema order and dtypes; -1 in an Int64 column means missing, as does an
+    :data:`OPTIONAL` column left out."""
     data = {}
+    n = len(next(iter(columns.values()))) if columns else 0
     for name, (dtype, _) in SCHEMA.items():
+        if name not in columns and name in OPTIONAL:
+            data[name] = pd.array([pd.NA] * n, dtype="Int64") if dtype == "Int64" else np.full(n, np.nan)
+            continue
         values = columns[name]
         if dtype == "Int64":
             values = pd.array(np.asarray(values, dtype=np.int64), dtype="Int64")
@@ -96,13 +106,23 @@ def validate(frame: pd.DataFrame) -> pd.DataFrame:
         raise ValueError("a first attempt's first_request_id is its own request_id, and only a first attempt's")
     unknown = set(frame["outcome"].dropna().unique()) - set(OUTCOMES)
     if unknown or frame["outcome"].isna().any():
-        raise ValueError(f"outcomes must be one of {OUTCOMES}, found {sorted(unknown) or 'missing'}")
+        raise ValueError(f"outcomes must be one of {', '.join(OUTCOMES)}, found {sorted(unknown) or 'missing'}")
     answered = frame["outcome"].isin(ANSWERED)
-    if frame.loc[answered | frame["outcome"].eq("cancelled"), "start_s"].isna().any():
+    if frame.loc[answered | frame["outcome"].eq(Outcome.CANCELLED), "start_s"].isna().any():
         raise ValueError("an answered or cancelled request has no start time")
-    if (frame.loc[frame["outcome"].isin(["rejected", "expired"]), "start_s"].notna()).any():
+    if (frame.loc[frame["outcome"].isin([Outcome.REJECTED, Outcome.EXPIRED]), "start_s"].notna()).any():
         raise ValueError("a refused or expired request has a start time")
-    in_time = on_time(frame["latency_s"], frame["deadline_s"])
-    if (frame.loc[answered, "outcome"].eq("good") != in_time[answered]).any():
-        raise ValueError("good/late disagrees with latency_s against deadline_s")
+    if (frame.loc[answered, "outcome"].eq(Outcome.GOOD) != met_objectives(frame)[answered]).any():
+        raise ValueError("good/late disagrees with latency_s against deadline_s (and the TTFT and TPOT objectives)")
     return frame
+
+
+def met_objectives(frame: pd.DataFrame) -> pd.Series:
+    """Per row: its latency met its deadline, and its TTFT and TPOT met their objectives where it has them and
+    they are known (DistServe's goodput counts a request good only when it meets every objective set)."""
+    met = pd.Series(on_time(frame["latency_s"], frame["deadline_s"]), index=frame.index)
+    for value, slo in (("ttft_s", "ttft_slo_s"), ("tpot_s", "tpot_slo_s")):
+        if slo in frame.columns and value in frame.columns:
+            checked = frame[slo].notna() & frame[value].notna()
+            met &= ~checked | pd.Series(on_time(frame[value], frame[slo]), index=frame.index)
+    return met

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from analysis import metrics
 from qsim import PRESETS, from_arrays, make_trace, records, simulate
+from qsim.config import ServerConfig
 from qsim.clients import Patience, Retrier, RetryPolicy, status_of, uniform
 from test_properties import runs, simulate_run
 
@@ -137,7 +138,7 @@ def test_retries_off_and_infinite_patience_give_the_same_rows(run):
     policy, engines, kwargs, fixed = run
     trace, before = simulate_run(run)
     for retry in (RetryPolicy(), RetryPolicy("immediate", max_attempts=1)):
-        after = simulate(trace, policy, engines, fixed_estimate=fixed, retry=retry, cancel_after_s=np.full(len(trace), np.inf))
+        after = simulate(trace, ServerConfig(policy, engines, fixed_estimate=fixed), retry=retry, cancel_after_s=np.full(len(trace), np.inf))
         pd.testing.assert_frame_equal(before, after)
     assert before["attempt"].eq(1).all() and before["first_request_id"].equals(before["request_id"])
 
@@ -161,7 +162,7 @@ retries = st.builds(
 def test_retry_invariants(run, retry, patience):
     policy, engines, kwargs, fixed = run
     trace = make_trace(**kwargs, patience=Patience.parse(patience))
-    df = records.validate(simulate(trace, policy, engines, fixed_estimate=fixed, retry=retry))
+    df = records.validate(simulate(trace, ServerConfig(policy, engines, fixed_estimate=fixed), retry=retry))
     firsts = df[df["attempt"].eq(1)]
     assert firsts["request_id"].tolist() == list(range(len(trace)))  # every request was sent once, in order
     rows = df.sort_values(["first_request_id", "attempt"])

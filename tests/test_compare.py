@@ -15,6 +15,7 @@ import pytest
 
 from analysis.compare import compare, confusion, predict, run_setup
 from qsim import from_arrays, make_trace, preset, records, simulate
+from qsim.config import ServerConfig
 from qsim.clients import Patience, RetryPolicy
 from qsim.queue import StallRule
 
@@ -45,8 +46,7 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     engine_s = np.where(failed, 0.0, trace.true_service_s)
     held = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=engine_s + handback_s,
                        est_service_s=trace.est_service_s, deadline_s=trace.deadline_s)
-    sim = simulate(held, preset(policy), engines, failed=failed, reported_s=engine_s, stall=StallRule(), retry=retry,
-                   retry_seed=retry_seed)
+    sim = simulate(held, ServerConfig(preset(policy), engines, stall=StallRule()), failed=failed, reported_s=engine_s, retry=retry, retry_seed=retry_seed)
     exchanges = []
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
@@ -81,7 +81,7 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
                                                        "engine_s": engine_s[i]}}}
         sent = arrival - trip_in_s
         exchanges.append(Exchange(sent, sent, finish + trip_out_s, status, body, first=i, attempt=int(r["attempt"])))
-    info = ServerInfo(preset(policy), engines, False, 1.0, None, stall_rule=(10.0, 5.0), tracker_weight=0.2)
+    info = ServerInfo(ServerConfig(preset(policy), engines, stall=StallRule(10.0, 5.0), tracker_weight=0.2))
     return to_frame(trace, exchanges, info, np.full(n, 16), server_zero=zero, clients=ClientSettings(retry, retry_seed))
 
 
@@ -312,7 +312,7 @@ def test_a_run_file_carries_its_clients():
 def _info_args():
     from live.rows import ServerInfo
 
-    return ServerInfo(preset("bounded"), 1, False, 1.0, None), np.full(1, 16)
+    return ServerInfo(ServerConfig(preset("bounded"))), np.full(1, 16)
 
 
 # ---------------------------------------------------------------- against the live service

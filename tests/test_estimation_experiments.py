@@ -13,6 +13,7 @@ import pytest
 from analysis import estimation, plots
 from experiments import cli, config, sweep
 from qsim import PRESETS, make_trace, simulate
+from qsim.config import ServerConfig
 from qsim.workload import UsedShare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +232,7 @@ def test_the_rebuilt_wait_is_the_one_decided_on(engines):
     predictive decision: a request refused as unreachable had wait + estimate past its deadline, and one
     admitted had not."""
     trace = make_trace(load=1.8, seconds=60, seed=5, engines=engines, used=UsedShare())
-    frame = simulate(trace, PRESETS["predictive"], engines, fixed_estimate=True)
+    frame = simulate(trace, ServerConfig(PRESETS["predictive"], engines, fixed_estimate=True))
     wait = estimation.predicted_wait(frame, engines)
     over = wait + frame["est_service_s"].to_numpy() > frame["deadline_s"].to_numpy() + 1e-9
     refused = frame["reason"].eq("deadline_unreachable").fillna(False).to_numpy(dtype=bool)

@@ -28,12 +28,13 @@ pytest.importorskip("uvicorn")
 from experiments import config, sweep  # noqa: E402
 from live import live_config, runner  # noqa: E402
 from live.engine import Faults, InjectedFault, SyntheticEngine  # noqa: E402
-from live.gate import DeadlineExceeded, EngineStalled, Gate, GateConfig, Job, Rejected  # noqa: E402
+from live.gate import DeadlineExceeded, EngineStalled, Gate, gate_config, Job, Rejected  # noqa: E402
 from experiments.cli import main  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.procs import Server, serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from qsim import PRESETS, ServiceModel, from_arrays, records  # noqa: E402
+from qsim.config import ServerConfig, StallRule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)
@@ -56,9 +57,9 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
 # ---------------------------------------------------------------- in-process: a hung or slow engine
 
 
-def _stall_config(policy, stall_factor: float = 2.0) -> GateConfig:
+def _stall_config(policy, stall_factor: float = 2.0) -> ServerConfig:
     """Stalled past max(2 x estimate, 0.2 s): 0.2 s for a 0.05 s request."""
-    return GateConfig(policy, MODEL, stall_factor=stall_factor, stall_floor_s=0.2, watch_interval_s=0.01)
+    return gate_config(policy, model=MODEL, stall=StallRule(stall_factor, 0.2), watch_interval_s=0.01)
 
 
 async def _timed(future, t0: float):
@@ -150,7 +151,7 @@ class _Deaf(SyntheticEngine):
 
 def test_a_request_cancelled_while_running_holds_its_engine_until_the_run_ends():
     async def go():
-        async with Gate([_Deaf(MODEL)], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([_Deaf(MODEL)], gate_config(PRESETS["none"], model=MODEL)) as gate:
             running = gate.submit(Job("a", 12))
             behind = gate.submit(Job("b", 4))
             await asyncio.sleep(0.01)

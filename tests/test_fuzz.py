@@ -40,7 +40,7 @@ from hypothesis import strategies as st  # noqa: E402
 from experiments import config as sweep_config  # noqa: E402
 from live import live_config  # noqa: E402
 from live.engine import SyntheticEngine, apply_stop  # noqa: E402
-from live.gate import Gate, GateConfig  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from live.http_api import Limits, create_app, request_model  # noqa: E402
@@ -191,7 +191,7 @@ def fast_gate(policy: str = "predictive", engines=None) -> Gate:
     # Predictive with the fixed (calibrated) estimate: a small deadline_ms is refused at arrival
     # (deadline_unreachable) by the same arithmetic on every run, so 503s are part of the fuzz.
     engines = engines or [SyntheticEngine(speed=1e-4)]
-    return Gate(engines, GateConfig(preset(policy), fixed_estimate=True))
+    return Gate(engines, gate_config(preset(policy), fixed_estimate=True))
 
 
 @pytest.fixture(scope="module")

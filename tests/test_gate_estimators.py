@@ -17,6 +17,7 @@ import pytest
 from live.engine import EngineResult
 from live.gate import CUT_LEAD_S
 from qsim import PRESETS, ServiceModel, make_trace, simulate
+from qsim.config import ServerConfig
 from qsim.workload import UsedShare, lognormal_noise
 from virtual_time import LoopWorker, run_gate
 
@@ -26,7 +27,7 @@ MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004, per_prompt_token_s=0.
 def _agree(trace, policy, engines, model=ServiceModel()):
     """Outcome, reason, start, finish, engine, queue seen and estimate agree exactly; counts match /stats."""
     gate, stats = run_gate(trace, policy, engines, model=model)
-    sim = simulate(trace, policy, engines, model=model)
+    sim = simulate(trace, ServerConfig(policy, engines, model=model))
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
     np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
@@ -83,7 +84,7 @@ def test_a_stale_estimate_under_a_speed_change_matches_the_simulator_exactly(pol
     trace = make_trace("poisson", "mix", load=0.8, engines=2, seconds=12, seed=8, noise_cv=0.2)
     schedule = SpeedSchedule(1.0, ((5.0, 2.2),))
     gate, stats = run_gate(trace, PRESETS[policy], 2, fixed_estimate=fixed, speed_schedule=schedule)
-    sim = simulate(trace, PRESETS[policy], 2, fixed_estimate=fixed, speed_schedule=schedule)
+    sim = simulate(trace, ServerConfig(PRESETS[policy], 2, fixed_estimate=fixed), speed_schedule=schedule)
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
     np.testing.assert_allclose(gate["est_service_s"], sim["est_service_s"], rtol=0, atol=1e-12)
@@ -116,12 +117,12 @@ def test_prompt_tokens_in_the_estimate_match_the_simulator_exactly(estimator):
 
 
 def test_the_oracle_is_refused_for_a_live_gate():
-    from live.gate import GateConfig
+    from live.gate import gate_config
     from live.serve_options import ServeOptions
 
     oracle = PRESETS["predictive"].with_args({"estimator": "oracle"})
     with pytest.raises(ValueError, match="oracle is simulator-only: a live gate cannot know how many tokens"):
-        GateConfig(oracle)
+        gate_config(oracle)
     with pytest.raises(ValueError, match="oracle is simulator-only"):
         ServeOptions(policy="predictive", policy_arg="estimator=oracle").make_policy()
     learned = ServeOptions(policy="predictive", policy_arg="estimator=learned,cancel_at_deadline=true").make_policy()
@@ -157,13 +158,13 @@ def test_a_run_cut_at_its_deadline_gets_504_and_frees_its_engine():
     from prometheus_client.parser import text_string_to_metric_families
 
     from live.engine import SyntheticEngine
-    from live.gate import Gate, GateConfig
+    from live.gate import Gate, gate_config
     from live.http_api import create_app
 
     # A 10,000-byte prompt costs 50 s through the prompt term; the deadline is 0.2 s: only a cut ends it in time.
     model = ServiceModel(intercept_s=0.001, per_token_s=0.001, per_prompt_token_s=0.005)
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True})
-    gate = Gate([SyntheticEngine(model)], GateConfig(policy, model))
+    gate = Gate([SyntheticEngine(model)], gate_config(policy, model=model))
     with TestClient(create_app(gate)) as client:
         for path, body in (("/v1/generate", {"prompt": "x" * 10_000, "max_new_tokens": 4, "deadline_ms": 200}),
                            ("/v1/completions", {"model": "synthetic", "prompt": "x" * 10_000, "max_tokens": 4,
@@ -214,7 +215,7 @@ def test_the_gate_learns_the_tokens_gpt2_generated_and_gpt2_stops_when_cut():
     import asyncio
 
     from live.engine import Cancel
-    from live.gate import Gate, GateConfig, Job
+    from live.gate import Gate, gate_config, Job
     from live.gpt2 import GPT2Engine, GPT2Spec
 
     engine = GPT2Engine(GPT2Spec("tiny", "cpu", seed=0, threads=1))
@@ -228,7 +229,7 @@ def test_the_gate_learns_the_tokens_gpt2_generated_and_gpt2_stops_when_cut():
 
     async def go():
         policy = PRESETS["none"].with_args({"estimator": "learned"})
-        async with Gate([engine], GateConfig(policy)) as gate:
+        async with Gate([engine], gate_config(policy)) as gate:
             answers = [await gate.submit(Job("stop here", 16, (first,))) for _ in range(3)]
             return answers, gate.stats()
 
@@ -267,16 +268,16 @@ PROMPTED = ServiceModel(intercept_s=0.001, per_token_s=0.0085, per_prompt_token_
 def _replayed(url, load: float):
     from analysis.compare import compare, run_setup
     from live.loadgen import ReplayConfig, replay
+    from qsim.runfile import speed_schedule
 
     run = replay(make_trace("poisson", load=load, seconds=6, seed=5), ReplayConfig(url))
-    return run, run_setup(run), compare(run).summary
+    return run, (run_setup(run), speed_schedule(run)), compare(run).summary
 
 
 def test_a_speed_schedule_is_in_the_run_file_on_the_runs_clock(servers):
     from analysis.compare import predict
 
-    run, setup, s = _replayed(servers["schedule"], 2.0)
-    schedule = setup.speed_schedule
+    run, (setup, schedule), s = _replayed(servers["schedule"], 2.0)
     assert schedule is not None and not setup.fixed_estimate
     # The schedule on the run's clock says how slow each served run was: engine time over its calibrated
     # estimate is the speed at its start (away from the step itself, a hand-off from the engine's start).
@@ -298,7 +299,7 @@ def test_a_speed_schedule_is_in_the_run_file_on_the_runs_clock(servers):
 
 
 def test_a_learned_estimator_is_replayed_request_by_request(servers):
-    run, setup, s = _replayed(servers["learned"], 3.0)
+    run, (setup, _), s = _replayed(servers["learned"], 3.0)
     assert setup.policy.estimator == "learned" and setup.model == PROMPTED  # /stats' model, from_fields
     # The calibrated estimate counts the prompt as sent, in the server's tokens.
     assert run["prompt_tokens"].gt(0).all()
@@ -310,7 +311,7 @@ def test_a_learned_estimator_is_replayed_request_by_request(servers):
 
 
 def test_runs_cut_at_the_deadline_are_replayed_request_by_request(servers):
-    run, setup, s = _replayed(servers["cut"], 1.3)
+    run, (setup, _), s = _replayed(servers["cut"], 1.3)
     assert setup.policy.cancel_at_deadline
     cut = run[run["outcome"].eq("cancelled")]
     assert len(cut) >= 5 and cut["http_status"].eq(504).all() and cut["reason"].eq("deadline_passed").all()
@@ -354,7 +355,7 @@ def _cut_then_serve(clock_offset_s: float = 0.0, second_deadline_s: float = 5.0)
     Returns each request's answer or DeadlineCut numbers (with ``seen_at``: the gate-clock time its client saw the cut)."""
     import asyncio
 
-    from live.gate import DeadlineCut, Gate, GateConfig, Job
+    from live.gate import DeadlineCut, Gate, gate_config, Job
     from virtual_time import VirtualLoop
 
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
@@ -366,7 +367,7 @@ def _cut_then_serve(clock_offset_s: float = 0.0, second_deadline_s: float = 5.0)
 
     async def go():
         loop = asyncio.get_running_loop()
-        gate = Gate([None], GateConfig(policy), clock=lambda: loop.time() + clock_offset_s, worker=worker)
+        gate = Gate([None], gate_config(policy), clock=lambda: loop.time() + clock_offset_s, worker=worker)
         async with gate:
             ends = []
             for future in (gate.submit(Job("a", 1)), gate.submit(Job("b", 1, deadline_s=second_deadline_s))):
@@ -413,7 +414,7 @@ def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
     timer fired. The core hears of the cut first, placed at the deadline, as the simulator orders them."""
     import asyncio
 
-    from live.gate import DeadlineCut, Gate, GateConfig, Job
+    from live.gate import DeadlineCut, Gate, gate_config, Job
     from virtual_time import VirtualLoop
 
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
@@ -421,7 +422,7 @@ def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
 
     async def go():
         loop = asyncio.get_running_loop()
-        gate = Gate([None], GateConfig(policy), clock=lambda: loop.time() + 100.0 + late["by"],
+        gate = Gate([None], gate_config(policy), clock=lambda: loop.time() + 100.0 + late["by"],
                     worker=lambda k, engine, deliver: _SlowToStop(k, engine, deliver))
         async with gate:
             a, b = gate.submit(Job("a", 1)), gate.submit(Job("b", 1, deadline_s=5.0))
@@ -448,7 +449,7 @@ def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
 def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stopped():
     import asyncio
 
-    from live.gate import DeadlineCut, Gate, GateConfig, Job
+    from live.gate import DeadlineCut, Gate, gate_config, Job
     from virtual_time import VirtualLoop
 
     class SlowToStop:  # a coroutine engine: 1 s a run, 0.25 s to stop once cancelled
@@ -479,7 +480,7 @@ def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stoppe
 
     async def go():
         loop, engine = asyncio.get_running_loop(), SlowToStop()
-        async with Gate([engine], GateConfig(policy), clock=loop.time) as gate:
+        async with Gate([engine], gate_config(policy), clock=loop.time) as gate:
             first, second = gate.submit(Job("a", 1)), gate.submit(Job("b", 1, deadline_s=5.0))
             with pytest.raises(DeadlineCut):
                 await first

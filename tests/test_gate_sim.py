@@ -13,14 +13,16 @@ import pytest
 
 from qsim import PRESETS, ServiceModel, from_arrays, make_trace, records, simulate
 from qsim.clients import Patience, RetryPolicy
+from qsim.config import ServerConfig
 from virtual_time import run_gate
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 s
 
 
 def _agree(trace, policy, engines, *, model=ServiceModel(), engine_ties=False, **kw):
-    gate, stats = run_gate(trace, policy, engines, model=model, **kw)
-    sim = simulate(trace, policy, engines, **kw)
+    gate, stats = run_gate(trace, policy, engines, model=model, **kw)  # run_gate: the gate's own stall rule
+    server = {k: kw.pop(k) for k in ("fixed_estimate",) if k in kw}
+    sim = simulate(trace, ServerConfig(policy, engines, **server), **kw)
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     known = gate["outcome"].ne("abandoned").to_numpy()  # a client that left does not hear when its run began
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()

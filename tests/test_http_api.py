@@ -229,12 +229,12 @@ def test_torch_is_not_imported_for_the_synthetic_engine():
 def _in_process_answers(direct: bool, requests: list[dict], submit=None) -> list[tuple]:
     """Send ``requests`` in order to a fresh in-process app; (status, Retry-After, body without timings) each."""
     from live.engine import Faults, SyntheticEngine
-    from live.gate import Gate, GateConfig
+    from live.gate import Gate, gate_config
     from live.http_api import create_app
     from qsim import preset
 
     engine = SyntheticEngine(speed=1e-4, faults=Faults(fail_every=3))  # runs 3, 6, ... raise
-    gate = Gate([engine], GateConfig(preset("predictive"), fixed_estimate=True))
+    gate = Gate([engine], gate_config(preset("predictive"), fixed_estimate=True))
     if submit is not None:
         gate.submit = submit
     app = create_app(gate, direct=direct)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from live.engine import Cancel, EngineResult, SyntheticEngine, UpstreamError, UpstreamTimeout, takes_cancel
-from live.gate import (END, DeadlineExceeded, EngineFailed, Gate, GateConfig, Job, Rejected, UpstreamFailed,
+from live.gate import (END, DeadlineExceeded, EngineFailed, Gate, gate_config, Job, Rejected, UpstreamFailed,
                        UpstreamTimedOut)
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
 
@@ -41,7 +41,7 @@ async def _burst(gate: Gate, tokens: list[int]) -> list[str]:
 
 def _live(policy, engines: int, tokens: list[int]) -> tuple[list[str], dict]:
     async def go():
-        async with Gate([SyntheticEngine(MODEL) for _ in range(engines)], GateConfig(policy, MODEL)) as gate:
+        async with Gate([SyntheticEngine(MODEL) for _ in range(engines)], gate_config(policy, model=MODEL)) as gate:
             return await _burst(gate, tokens), gate.stats()
 
     return asyncio.run(go())
@@ -72,7 +72,7 @@ def test_expired_request_carries_numbers_and_retry_after():
     policy = PRESETS["bounded-deadline"].with_overrides(deadline_s=0.06)
 
     async def go():
-        async with Gate([SyntheticEngine(MODEL)], GateConfig(policy, MODEL)) as gate:
+        async with Gate([SyntheticEngine(MODEL)], gate_config(policy, model=MODEL)) as gate:
             first, second = gate.submit(Job("a", 12)), gate.submit(Job("b", 12))
             await first
             with pytest.raises(DeadlineExceeded) as info:
@@ -88,7 +88,7 @@ def test_rejection_carries_qsim_rejection():
     policy = PRESETS["bounded"].with_overrides(max_queue=0)
 
     async def go():
-        async with Gate([SyntheticEngine(MODEL)], GateConfig(policy, MODEL)) as gate:
+        async with Gate([SyntheticEngine(MODEL)], gate_config(policy, model=MODEL)) as gate:
             running = gate.submit(Job("a", 12))
             with pytest.raises(Rejected) as info:
                 gate.submit(Job("b", 12))
@@ -102,7 +102,7 @@ def test_rejection_carries_qsim_rejection():
 
 def test_cancelled_waiting_request_leaves_the_queue_with_its_work():
     async def go():
-        async with Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([SyntheticEngine(MODEL)], gate_config(PRESETS["none"], model=MODEL)) as gate:
             first = gate.submit(Job("a", 12))
             second = gate.submit(Job("b", 12))
             third = gate.submit(Job("c", 4))
@@ -146,7 +146,7 @@ class _Flaky:
 
 def test_engine_exception_is_an_error_and_teaches_the_tracker_nothing():
     async def go():
-        async with Gate([_Flaky()], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([_Flaky()], gate_config(PRESETS["none"], model=MODEL)) as gate:
             boom = gate.submit(Job("boom", 12))
             after = gate.submit(Job("fine", 12))
             with pytest.raises(EngineFailed) as info:
@@ -166,7 +166,7 @@ def test_engine_exception_is_an_error_and_teaches_the_tracker_nothing():
 @pytest.mark.parametrize("fixed", [False, True])
 def test_speed_tracking_and_fixed_estimate(fixed):
     async def go():
-        config = GateConfig(PRESETS["none"], MODEL, fixed_estimate=fixed)
+        config = gate_config(PRESETS["none"], model=MODEL, fixed_estimate=fixed)
         async with Gate([SyntheticEngine(MODEL, speed=2.0)], config) as gate:
             for _ in range(4):
                 await gate.submit(Job("x", 2))
@@ -177,7 +177,7 @@ def test_speed_tracking_and_fixed_estimate(fixed):
 
 
 def test_submit_before_start_is_an_error():
-    gate = Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL))
+    gate = Gate([SyntheticEngine(MODEL)], gate_config(PRESETS["none"], model=MODEL))
     with pytest.raises(RuntimeError):
         gate.submit(Job("x", 1))
 
@@ -203,7 +203,7 @@ class _Wrong(_Flaky):
 
 def test_engine_returning_the_wrong_type_is_an_error_not_a_hang():
     async def go():
-        async with Gate([_Wrong()], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([_Wrong()], gate_config(PRESETS["none"], model=MODEL)) as gate:
             with pytest.raises(EngineFailed, match="EngineResult"):
                 await asyncio.wait_for(gate.submit(Job("x", 1)), 5)
             return gate.stats()
@@ -214,7 +214,7 @@ def test_engine_returning_the_wrong_type_is_an_error_not_a_hang():
 
 def test_close_cancels_the_waiting_and_refuses_new_work():
     async def go():
-        gate = Gate([SyntheticEngine(MODEL)], GateConfig(PRESETS["none"], MODEL))
+        gate = Gate([SyntheticEngine(MODEL)], gate_config(PRESETS["none"], model=MODEL))
         gate.start()
         running, waiting = gate.submit(Job("a", 12)), gate.submit(Job("b", 12))
         gate.close()
@@ -245,7 +245,7 @@ class _Recording(SyntheticEngine):
 def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing():
     async def go():
         engine = _Recording(MODEL)
-        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             running = gate.submit(Job("a", 2500))  # 10 s unless stopped
             await asyncio.sleep(0.02)
             running.cancel()  # its client hung up while the engine ran it
@@ -287,7 +287,7 @@ class _Upstream(_Flaky):
 
 def test_upstream_failures_are_their_own_errors_counted_apart():
     async def go():
-        async with Gate([_Upstream()], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([_Upstream()], gate_config(PRESETS["none"], model=MODEL)) as gate:
             caught = []
             for prompt in ("error", "timeout"):
                 with pytest.raises(EngineFailed) as info:
@@ -314,7 +314,7 @@ class _Quitter(_Flaky):
 
 def test_a_run_stopped_unasked_is_an_engine_error():
     async def go():
-        async with Gate([_Quitter()], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([_Quitter()], gate_config(PRESETS["none"], model=MODEL)) as gate:
             with pytest.raises(EngineFailed, match="stopped the run unasked"):
                 await gate.submit(Job("x", 2))
             return gate.stats()
@@ -376,7 +376,7 @@ def test_a_coroutine_engine_runs_as_a_task_on_the_loop_in_queue_order():
 
     async def go():
         engine, before = _Steered(), threading.active_count()
-        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             first, second = gate.submit(Job("a", 3)), gate.submit(Job("b", 2))
             await _turns()
             assert [p for p, _ in engine.runs] == ["a"] and gate.waiting == 1  # one at a time, b waits
@@ -395,7 +395,7 @@ def test_a_coroutine_engine_runs_as_a_task_on_the_loop_in_queue_order():
 def test_a_coroutine_engine_failure_is_an_engine_error_and_the_engine_serves_on():
     async def go():
         engine = _Steered()
-        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             failing, after = gate.submit(Job("fail", 1)), gate.submit(Job("ok", 1))
             await _turns()
             engine.runs[0][1].set()
@@ -412,7 +412,7 @@ def test_a_coroutine_engine_failure_is_an_engine_error_and_the_engine_serves_on(
 def test_a_client_leaving_cancels_a_coroutine_engines_task_and_frees_it():
     async def go():
         engine = _Steered()
-        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             leaving, next_one = gate.submit(Job("gone", 1)), gate.submit(Job("next", 1))
             await _turns()
             leaving.cancel()  # its client hung up while it ran
@@ -428,7 +428,7 @@ def test_a_client_leaving_cancels_a_coroutine_engines_task_and_frees_it():
 def test_a_coroutine_engine_streams_its_pieces_straight_into_the_queue():
     async def go():
         engine = _Steered()
-        async with Gate([engine], GateConfig(PRESETS["none"], MODEL)) as gate:
+        async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             streamed = gate.submit_streaming(Job("s", 3))
             await _turns()
             engine.runs[0][1].set()
@@ -444,7 +444,7 @@ def test_a_coroutine_engine_streams_its_pieces_straight_into_the_queue():
 def test_closing_the_gate_cancels_a_running_coroutine_engine():
     async def go():
         engine = _Steered()
-        gate = Gate([engine], GateConfig(PRESETS["none"], MODEL))
+        gate = Gate([engine], gate_config(PRESETS["none"], model=MODEL))
         gate.start()
         running = gate.submit(Job("r", 1))
         await _turns()

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from live.engine import Engine  # noqa: E402
-from live.gate import Gate, GateConfig, Job  # noqa: E402
+from live.gate import Gate, gate_config, Job  # noqa: E402
 from live.gpt2 import GPT2Engine, GPT2Spec, make_engines, resolve_device  # noqa: E402
 from qsim import PRESETS  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_two_engines_share_weights_behind_the_gate():
     assert engines[0].net is engines[1].net
 
     async def go():
-        async with Gate(engines, GateConfig(PRESETS["none"])) as gate:
+        async with Gate(engines, gate_config(PRESETS["none"])) as gate:
             answers = await asyncio.gather(*(gate.submit(Job(f"prompt {i}", 4)) for i in range(3)))
             return answers, gate.stats()
 

@@ -3,6 +3,7 @@ import pandas as pd
 import pytest
 
 from qsim import PRESETS, Policy, from_arrays, make_trace, preset, records, simulate
+from qsim.config import ServerConfig
 
 
 def burst(n, tokens=16, **kw):
@@ -85,7 +86,7 @@ def test_speed_tracking_is_what_keeps_deadline_policies_on_time():
     # The machine runs 2.25x slower than calibrated, at nominal load 1.
     t = make_trace(load=2.25, speed=2.25, seconds=600, seed=0)
     for name in ("predictive", "bounded-deadline"):
-        stale = simulate(t, preset(name), fixed_estimate=True)
+        stale = simulate(t, ServerConfig(preset(name), fixed_estimate=True))
         tracked = simulate(t, preset(name))
         late_share = lambda d: (d.outcome == "late").sum() / d.outcome.isin(["good", "late"]).sum()  # noqa: E731
         assert late_share(stale) > 0.10
@@ -122,7 +123,7 @@ def test_a_hung_engine_is_stalled_at_its_threshold_and_the_waiting_give_up():
 
     # 16 tokens = 0.137 s; the first request hangs for 60 s on the only engine.
     trace = from_arrays(np.zeros(4), np.full(4, 16), true_service_s=[60.0, 0.137, 0.137, 0.137])
-    df = simulate(trace, PRESETS["bounded-deadline"], stall=StallRule(10.0, 5.0))
+    df = simulate(trace, ServerConfig(PRESETS["bounded-deadline"], stall=StallRule(10.0, 5.0)))
     assert df["outcome"].tolist() == ["error", "expired", "expired", "expired"]
     assert df.loc[0, "reason"] == "engine_stalled" and df.loc[0, "finish_s"] == pytest.approx(5.0)
     # The waiting are given up once their 2 s deadline has passed, at the watchdog's next look after 5 s.
@@ -222,7 +223,7 @@ def test_deterministic_patience_while_waiting_is_expiry_at_the_front(engines):
                        mean_service_s=1.0)
     leave = simulate(trace, Policy(deadline_s=1e12), engines, cancel_after_s=np.full(len(trace), tau),
                      cancel_until="start")
-    front = simulate(trace, Policy(deadline_s=tau + 1.0, expire_at_front=True), engines, fixed_estimate=True)
+    front = simulate(trace, ServerConfig(Policy(deadline_s=tau + 1.0, expire_at_front=True), engines, fixed_estimate=True))
     gone = leave["outcome"].eq("abandoned")
     assert gone.mean() > 0.05
     np.testing.assert_array_equal(gone, front["outcome"].eq("expired"))

@@ -90,12 +90,12 @@ def test_histogram_buckets_are_inclusive_upper_bounds():
 def _in_process_metrics(direct: bool) -> tuple[dict, dict]:
     """A fresh in-process app (own registry): some answers, an engine failure, refusals; then (metrics, stats)."""
     from live.engine import Faults, SyntheticEngine
-    from live.gate import Gate, GateConfig
+    from live.gate import Gate, gate_config
     from live.http_api import create_app
     from qsim import preset
 
     engine = SyntheticEngine(speed=1e-4, faults=Faults(fail_every=3))  # runs 3, 6, ... raise
-    app = create_app(Gate([engine], GateConfig(preset("predictive"), fixed_estimate=True)), direct=direct)
+    app = create_app(Gate([engine], gate_config(preset("predictive"), fixed_estimate=True)), direct=direct)
     ok = {"prompt": "hello", "max_new_tokens": 4}
     bodies = [ok, ok, ok, {**ok, "deadline_ms": 1}, ok, {**ok, "deadline_ms": 1}]
 

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qsim import Policy, make_trace, records, simulate
+from qsim.config import ServerConfig
 
 policies = st.builds(
     Policy,
@@ -43,7 +44,7 @@ def runs(draw, exact=False):
 def simulate_run(run):
     policy, engines, kwargs, fixed = run
     trace = make_trace(**kwargs)
-    return trace, simulate(trace, policy, engines, fixed_estimate=fixed)
+    return trace, simulate(trace, ServerConfig(policy, engines, fixed_estimate=fixed))
 
 
 def busy_at(served: pd.DataFrame, t: float) -> int:

@@ -5,6 +5,7 @@ any interleaving of its events and checks, after every step, the invariants
 both drivers rely on.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from qsim.policy import PRESETS, Policy, Rejection
 from qsim.disciplines import AdaptiveLifo, CoDel, Edf, FairShare, Fifo, Lifo, Priority, ShortestFirst
+from qsim.config import ServerConfig
+from qsim.entry import Entry
 from qsim.queue import AdmissionQueue, StallRule
 
 
@@ -38,8 +41,12 @@ class QueueMachine(RuleBasedStateMachine):
         self.admitted: list[int] = []
         self.base: dict[int, float] = {}
         self.next_id = 0
-        self.q = AdmissionQueue(self.policy, engines, start=self._start, drop=self._drop,
-                                stall=StallRule(2.0, 0.5) if stall else None, discipline=DISCIPLINES[discipline]())
+        # The discipline's own parameters as the list above has them (adaptive LIFO from 3, CoDel 0.2 s / 0.5 s).
+        ordered = dataclasses.replace(self.policy, discipline=discipline, lifo_threshold=3, codel_target_s=0.2,
+                                      codel_interval_s=0.5)
+        self.q = AdmissionQueue(ServerConfig(ordered, engines,
+                                             stall=StallRule(2.0, 0.5) if stall else None),
+                                start=self._start, drop=self._drop)
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -55,7 +62,7 @@ class QueueMachine(RuleBasedStateMachine):
             given = self.q.waiting.counter
             assert all(given[entry[5]] - entry[2] <= given[w[5]] + 1e-9 for w in self.q.waiting), given
 
-    def _drop(self, req, now, outcome, reason, est):
+    def _drop(self, req, now, outcome, reason, est, retry_after_s):
         self._end(req, outcome)
 
     def _end(self, req, outcome):
@@ -175,8 +182,8 @@ def test_fifo_is_the_default_discipline():
 
 def test_a_stalled_engine_counts_its_overrun_and_a_failure_frees_it():
     started = []
-    q = AdmissionQueue(PRESETS["predictive"], 1, start=lambda k, r, now, est: started.append(r),
-                       drop=lambda *a: None, stall=StallRule(2.0, 0.5))
+    q = AdmissionQueue(ServerConfig(PRESETS["predictive"], stall=StallRule(2.0, 0.5)),
+                       start=lambda k, r, now, est: started.append(r), drop=lambda *a: None)
     assert q.arrive("a", 0.0, 0.4) is None and started == ["a"]
     assert q.overdue(0.8) == [] and q.overdue(0.81) == [0]  # max(2 x 0.4, 0.5) = 0.8 s
     assert q.stall(0, 0.81) == "a" and q.all_stalled
@@ -224,12 +231,12 @@ def test_ahead_s_is_exactly_the_work_that_starts_before_an_arrival(steps, client
     queue, n = make(), 0
     for op, who, size, level, due in steps:  # any history of joins, starts and returns
         if op == "push":
-            queue.push((n, 0.0, size, due, level, who))
+            queue.push(Entry(n, 0.0, size, due, level, who))
             n += 1
         elif len(queue):
             entry = queue.pop_next(0.0)
             getattr(queue, "started", lambda e: None)(entry)
-    mine = (n, 0.0, base, deadline, priority, client)
+    mine = Entry(n, 0.0, base, deadline, priority, client)
     ahead = queue.ahead_s(mine)
     queue.push(mine)
     served = 0.0

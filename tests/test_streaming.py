@@ -22,7 +22,7 @@ from test_upstream import _chunk, _plain, _sse, scripted  # noqa: E402
 from virtual_time import LoopWorker, VirtualLoop  # noqa: E402
 
 from live.engine import Cancel, EngineResult, SyntheticEngine  # noqa: E402
-from live.gate import Gate, GateConfig  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from live.openai_api import CHAT, COMPLETIONS  # noqa: E402
 from live.procs import serving  # noqa: E402
@@ -182,7 +182,7 @@ def _in_virtual_time(body: dict, leave_after: int | None = None,
 
     async def go():
         policy = Policy(name="cut", deadline_s=60.0, cancel_at_deadline=True)
-        gate = Gate([SyntheticEngine()], GateConfig(policy), clock=loop.time, worker=_Emitter)
+        gate = Gate([SyntheticEngine()], gate_config(policy), clock=loop.time, worker=_Emitter)
         app = create_app(gate)
         gate.start()
         try:

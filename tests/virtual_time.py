@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from live.engine import EngineResult
-from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, GateConfig, Job, Rejected
+from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, gate_config, Job, Rejected
 from live.gate import _Failure  # what a worker hands back for a run that raised
 from qsim import Policy, ServiceModel, Trace
 from qsim.clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
@@ -205,7 +205,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
 
     async def go():
         loop = asyncio.get_running_loop()
-        config = GateConfig(policy, model, fixed_estimate=fixed_estimate)
+        config = gate_config(policy, model=model, fixed_estimate=fixed_estimate)
         worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver, tokens, speed_schedule)  # noqa: E731
         async with Gate([None] * engines, config, clock=loop.time, worker=worker) as gate:
             gate_of.append(gate)

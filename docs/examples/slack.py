@@ -8,7 +8,7 @@ PYTHONPATH).
 
 from dataclasses import dataclass
 
-from qsim.disciplines import AT, BASE, DEADLINE, Keyed
+from qsim.disciplines import Keyed
 from qsim.policy import Policy
 
 
@@ -20,7 +20,7 @@ class SlackOrder(Keyed):
         self.weight = weight
 
     def key(self, entry) -> tuple:
-        return (entry[AT] + entry[DEADLINE] - self.weight * entry[BASE],)
+        return (entry.due - self.weight * entry.base_s,)  # an entry: qsim.entry.Entry
 
 
 @dataclass(frozen=True)

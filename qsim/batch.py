@@ -1,0 +1,643 @@
+"""The queue core of a batching engine: continuous batching as vLLM's v1 scheduler does it, and no clock.
+
+:class:`BatchQueue` is :class:`qsim.queue.AdmissionQueue`'s sibling for an engine that runs its
+requests together (:class:`qsim.engines.Batching`). It holds the waiting line, the running batch and
+the KV blocks, plans each step and learns from each step's time; its drivers (the simulator in
+:mod:`qsim.model`, a live engine through the gate) only turn "run this step" into a timeout or a
+forward pass and come back with :meth:`BatchQueue.step_done`. Events are steps, never tokens.
+
+A step is planned as vLLM's v1 scheduler plans it (``vllm/v1/core/sched/scheduler.py``), in
+aggregate where it can be:
+
+1. every running request that is decoding computes one token (the token budget is at least
+   ``max_num_seqs``, as vLLM requires). A decoding request needs a new KV block when its tokens
+   fill the last one; where the free blocks do not suffice, the newest running request is
+   preempted (recompute: its blocks are freed and it goes back to the head of the line, to
+   compute its prompt and what it generated again) until they do;
+2. each running request still computing its prompt (chunked prefill) gets the budget left, in
+   order, preempting the newest where its chunk's blocks do not fit (itself, last);
+3. only if nothing was preempted: waiting requests join while there is budget, a free seat
+   (``max_num_seqs``) and the blocks for their first chunk (without chunked prefill, the whole
+   prompt must fit in the budget), in the discipline's order, preempted ones first.
+
+The one departure from vLLM is the order inside the running list: vLLM walks it in admission order,
+so a request computing a long prompt can take the budget from decoding requests admitted after it;
+here decoding requests go first (Sarathi-Serve's decode-maximal order). With the budget at least
+the batch size, this differs only for requests admitted in the same step as a long chunk.
+
+The step's time is the :class:`qsim.engines.StepModel` of what it computes: prefill tokens, the
+sequences that produce a token (the decoding and those whose prompt completes), and the context
+tokens held. A request's first token comes at the end of the step that completes its prompt; it
+finishes at the end of the step that produces its last token. A request admitted while the batch
+has a free seat and blocks for its first chunk, and nobody waits, is in the batch from that
+instant (it computes from the next step on), as an idle engine's request is in service at once.
+
+Admission (:meth:`BatchQueue.arrive`) shares the policy's rule (:meth:`qsim.policy.Policy.decide`)
+with the one-at-a-time core; what differs is the :class:`~qsim.policy.View` it is given: the wait
+and the time to first token are projected from the running batch (each running request's remaining
+tokens, the line before it, the step model at the batch size that will be), and with
+``kv_admission`` a second projection in which everyone holds the blocks of their prompt and limit
+says when memory would let it in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from .clients import uniform
+from .config import ServerConfig
+from .engines import Batching
+from .entry import Entry, Work
+from .outcomes import Outcome, Reason
+from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, on_time, retry_after, take_token
+from .queue import CUT_REASON, RESERVE_WEIGHT, Seen, judge
+from .service import SpeedTracker
+
+_new = tuple.__new__
+
+
+class RunStats(NamedTuple):
+    """What the engine did for one request, as its record's engine columns hold it."""
+
+    start_s: float  # when it first joined the batch
+    first_token_s: float  # absolute time of its first token (NaN: none)
+    tokens: int  # tokens generated
+    preemptions: int
+    kv_blocks_peak: int
+
+
+class Step(NamedTuple):
+    """One planned step: what the engine computes, and how long the step model says it takes.
+
+    ``chunks`` lists (request, tokens of its prompt computed in this step) for the requests computing their
+    prompt; ``decoding`` the requests that compute one token each (a live engine needs them; the simulator
+    does not). model_s: the step model's seconds (before the speed factor)."""
+
+    chunks: tuple
+    decoding: tuple
+    decoders: int  # requests computing one token each
+    prefill_tokens: int
+    sampling: int  # requests that produce a token: the decoding, and those whose prompt completes
+    context: int
+    model_s: float
+
+
+class _Seq:
+    """A request in the batch, or preempted and waiting to join again."""
+
+    __slots__ = ("entry", "prompt", "out", "est_out", "order", "computed", "target", "generated", "blocks", "peak",
+                 "preemptions", "start", "first_token", "decoding", "d0", "kv0", "finish_at", "alive", "chunk",
+                 "due", "in_line")
+
+    def __init__(self, entry: Entry, prompt: int, out: int, est_out: int) -> None:
+        self.entry = entry
+        self.prompt, self.out, self.est_out = prompt, out, est_out
+        self.order = -1
+        self.computed = 0  # tokens whose KV is computed (while computing its prompt)
+        self.target = prompt  # tokens to compute before it samples: its prompt, and after a preemption what it generated
+        self.generated = 0
+        self.blocks = 0  # KV blocks held while computing its prompt (a decoding request's follow from its tokens)
+        self.peak = 0
+        self.preemptions = 0
+        self.start = math.nan
+        self.first_token = math.nan
+        self.decoding = False
+        self.d0 = self.kv0 = self.finish_at = 0
+        self.alive = True
+        self.chunk = 0
+        self.due = math.inf
+        self.in_line = False  # waiting (in the discipline's line or at its front): its prompt counts as queued
+
+
+class BatchQueue:
+    """The waiting line, the running batch and the KV blocks of one batching engine; see the module.
+
+    Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when it is over;
+    ``end(req, now, outcome, reason, stats)``: a request that joined the batch ended (answered good or late, or
+    cut at its deadline), with its :class:`RunStats`; ``drop(req, now, outcome, reason, est_s, retry_after_s)``: a
+    waiting request ended unrun (as :class:`~qsim.queue.AdmissionQueue`'s). After any event the driver asks
+    :meth:`next_timer` when to call :meth:`timer` (a running request's deadline, where the policy cuts there).
+    """
+
+    _wants_members = False  # a live driver sets it: it needs the decoding requests by name, the simulator does not
+    _decode_reserved = False  # the decoding hold their next token's KV slot (a step is planned or in flight)
+    _planned: list = []
+
+    def __init__(self, config: ServerConfig, *, step: Callable, end: Callable, drop: Callable,
+                 joined: Callable | None = None, gone: Callable[[Any], bool] | None = None) -> None:
+        """joined(req, now): a request joins the batch for the first time (its start)."""
+        engine = config.engine
+        if not isinstance(engine, Batching):
+            raise ValueError(f"BatchQueue runs a batching engine, not {engine.kind}")
+        if config.stall is not None:
+            raise ValueError("a stall rule applies to engines run one at a time; a batching engine has none here")
+        self.config, self.engine = config, engine
+        self.policy = policy = config.policy
+        self.model = engine.step
+        self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
+                                    fixed=config.fixed_estimate)
+        self.waiting = policy.make_discipline()
+        self.front: deque[_Seq] = deque()  # preempted, or pulled but not fitting yet: ahead of the discipline's line
+        self.estimator = policy.make_estimator(config.model)
+        self._step, self._end, self._drop, self._gone, self._joined = step, end, drop, gone, joined
+        self._decide = decide_view if type(policy).decide is Policy.decide else type(policy).decide
+        self._drop_reason = getattr(self.waiting, "drop_reason", None)
+        self._started = getattr(self.waiting, "started", None)
+        self._sheds = policy.shed_queue_threshold is not None
+        # Projecting the batch costs a walk over it and the line: only for rules that read the projection.
+        self._projects = (policy.predictive or policy.kv_admission or policy.ttft_slo_s is not None
+                          or policy.tpot_slo_s is not None or type(policy).decide is not Policy.decide)
+        self.seq_of: dict[int, _Seq] = {}  # id(entry) -> its sequence, while it waits in the discipline's line
+        self.running: dict[int, _Seq] = {}  # order -> sequence, oldest first: the batch
+        self.prefilling: list[_Seq] = []  # those still computing their prompt, in batch order
+        self.finishing: list = []  # the decoding: heap of (decode count it finishes at, order, seq)
+        self.residue = [0] * engine.block_size  # the decoding by (kv0 - d0) mod block size
+        self.n_dec = 0
+        self.kv_dec = 0  # sum over the decoding of kv0 - d0: their KV tokens are kv_dec + n_dec x decoded
+        self.decoded = 0  # decode steps so far
+        self.kv_used = 0
+        self.kv_cap = math.inf if engine.kv_blocks is None else engine.kv_blocks
+        self.line_tokens = 0  # prompt tokens of the line
+        self.joined = 0
+        self.arrivals = 0
+        self.plan: Step | None = None
+        self.plan_started = math.nan
+        self.cuts: list = []  # heap of (deadline, order, seq) of those that joined, where the policy cuts there
+        self.buckets: dict = {}
+        self.reserved_admitted = 1.0
+        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)
+
+    # -- the numbers -----------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting) + len(self.front)
+
+    @property
+    def in_service(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_use(self) -> float:
+        return 0.0 if self.kv_cap == math.inf else self.kv_used / self.kv_cap
+
+    def context(self) -> int:
+        """KV tokens the batch holds."""
+        return self.kv_dec + self.n_dec * self.decoded + sum(s.computed for s in self.prefilling)
+
+    def step_s(self, seqs: float, context: float, prefill: float = 0.0) -> float:
+        """A step's estimated seconds (speed factor in) for ``seqs`` sequences holding ``context`` tokens."""
+        return self.model.time(prefill, seqs, context) * self.tracker.factor
+
+    def snapshot(self) -> dict:
+        """The queue now, for /stats and tests."""
+        return {"waiting": self.queued, "in_service": self.in_service, "stalled": 0, "queued_work_s": math.nan,
+                "speed_factor": self.tracker.factor, "engines": 1, "kv_blocks_used": self.kv_used,
+                "kv_use": self.kv_use}
+
+    # -- events ------------------------------------------------------------------------
+
+    def deadline_of(self, deadline_s: float | None) -> float:
+        """The deadline a request gets: its own, or the policy's where it brings none (None or NaN)."""
+        return self.policy.deadline_s if deadline_s is None or deadline_s != deadline_s else deadline_s
+
+    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None, priority: int = 0,
+               client=None, work: Work | tuple | None = None) -> Rejection | None:
+        """Admit ``req`` (into the batch at once where it has a seat and blocks and nobody waits, else into the
+        line) or return the refusal. ``work`` (limit, prompt tokens, tokens it will generate) is what the batch
+        runs: without it the request asks for the tokens ``config.model`` gives ``base_est_s`` and no prompt; a
+        ``generated`` of None (a live gate's) runs to the limit."""
+        self.arrivals += 1
+        policy = self.policy
+        deadline_s = self.deadline_of(deadline_s)
+        if work is None:
+            work = Work(self.config.model.tokens_for(base_est_s), 0, None)
+        elif type(work) is not Work:
+            work = Work(*work)
+        if self.estimator is not None:
+            base_est_s = self.estimator.base_s(base_est_s, *work)
+            est_out = min(work.limit, self.config.model.tokens_for(base_est_s)) if work.limit > 0 else 1
+        else:
+            est_out = work.limit
+        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
+        seq = _Seq(entry, work.prompt, work.limit if work.generated is None else work.generated, max(1, est_out))
+        seq.out = max(1, seq.out)
+        never = self._never(seq)
+        if never is not None:
+            self.seen = _new(Seen, (math.nan, self.queued, math.nan, self.tracker.factor))
+            return never
+        factor = self.tracker.factor
+        queued = self.queued
+        room = not queued and self._has_room(seq)
+        wait, ttft, finish, kv_wait = self._project(seq, now, room)
+        est = finish - wait
+        self.seen = _new(Seen, (est, queued, math.nan, factor))
+        if client is not None and policy.client_rate is not None:
+            tokens, last = self.buckets.get(client, (policy.client_burst, now))
+            tokens, refusal = take_token(tokens, last, now, policy.client_rate, policy.client_burst)
+            self.buckets[client] = (tokens, now)
+            if refusal is not None:
+                return refusal
+        budget = deadline_s
+        if policy.reserve_min_s is not None and base_est_s < policy.reserve_min_s \
+                and self.reserved_admitted < policy.reserve_share:
+            budget = deadline_s - policy.reserve_min_s * factor
+        tpot = (finish - ttft) / (seq.est_out - 1) if seq.est_out > 1 else math.nan
+        u = uniform(self.config.seed, self.arrivals, 0) if self._sheds else math.nan
+        view = _new(View, (queued, math.nan, math.nan, est, budget, 1, 1 if room else 0, priority, None, client, wait,
+                           ttft, tpot, kv_wait, self.kv_use, self.line_tokens, work.prompt, u))
+        refusal = self._decide(policy, view)
+        if policy.reserve_min_s is not None and base_est_s >= policy.reserve_min_s:
+            self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
+        if refusal is not None:
+            return refusal
+        if room:
+            first = min(seq.prompt, self.engine.max_num_batched_tokens) if self.engine.chunked_prefill else seq.prompt
+            self._join(seq, now, self.engine.blocks_for(max(1, first)))
+        else:
+            self.seq_of[id(entry)] = seq
+            self.waiting.push(entry)
+            seq.in_line = True
+            self.line_tokens += seq.prompt
+        if self.plan is None:
+            self._next_step(now)
+        return None
+
+    def step_done(self, now: float, elapsed_s: float | None = None) -> None:
+        """The step in flight ended at ``now`` (it took ``elapsed_s``, for the speed tracker: a live engine's own
+        time; None: ``now`` minus its start). Its tokens are counted, the requests it finished end, and the
+        next step is planned."""
+        plan = self.plan
+        if plan is None:
+            raise RuntimeError("step_done with no step in flight")
+        self.plan = None
+        self.tracker.observe(plan.model_s, now - self.plan_started if elapsed_s is None else elapsed_s)
+        if plan.decoders:
+            self.decoded += 1
+        self._decode_reserved = False  # the slots held for this step's tokens are now counted in their tokens
+        for seq, chunk in self._planned:
+            if seq.alive and seq.chunk == chunk and seq.order in self.running:
+                seq.chunk = 0
+                seq.computed += chunk
+                if seq.computed >= seq.target:
+                    self._sampled(seq, now)
+        finishing = self.finishing
+        while finishing and finishing[0][0] <= self.decoded:
+            _, order, seq = heapq.heappop(finishing)
+            if seq.alive and seq.decoding and seq.order == order and seq.finish_at <= self.decoded:
+                self._finish(seq, now)
+        self._next_step(now)
+
+    def cancel(self, req, now: float) -> str | None:
+        """The client of ``req`` left: "waiting" (it left the line), "running" (it left the batch: its blocks are
+        free for the next step), or None (it had ended)."""
+        for seq in self.front:
+            if seq.entry.req == req:
+                self.front.remove(seq)
+                self._out_of_line(seq)
+                seq.alive = False
+                return "waiting"
+        for entry in self.waiting:
+            if entry.req == req:
+                self.waiting.remove(entry)
+                seq = self.seq_of.pop(id(entry))
+                self._out_of_line(seq)
+                seq.alive = False
+                return "waiting"
+        for seq in self.running.values():
+            if seq.entry.req == req:
+                self._leave(seq)
+                if self.plan is None:
+                    self._next_step(now)
+                return "running"
+        return None
+
+    # -- timers: cutting at the deadline -----------------------------------------------
+
+    def next_timer(self) -> float:
+        """When the core next needs to be told the time (a joined request's deadline, where the policy cuts
+        there); inf: never."""
+        cuts = self.cuts
+        while cuts and not cuts[0][2].alive:
+            heapq.heappop(cuts)
+        return cuts[0][0] if cuts else math.inf
+
+    def timer(self, now: float) -> None:
+        """Time ``now`` has come: cut the joined requests whose deadline it is (outcome cancelled), in the batch
+        or preempted and waiting to join again."""
+        cuts = self.cuts
+        while cuts and (not cuts[0][2].alive or cuts[0][0] <= now):
+            due, _, seq = heapq.heappop(cuts)
+            if not seq.alive:
+                continue
+            if seq.in_line:
+                self.front.remove(seq)
+                self._out_of_line(seq)
+                seq.alive = False
+            else:
+                self._leave(seq)
+            self._end(seq.entry.req, due, Outcome.CANCELLED, CUT_REASON, self._stats(seq))
+        if self.plan is None:
+            self._next_step(now)
+
+    # -- planning -------------------------------------------------------------------------
+
+    def _next_step(self, now: float) -> None:
+        """Plan the next step from ``now`` and hand it to the driver, or rest when there is nothing to run."""
+        engine, cap = self.engine, self.kv_cap
+        preempted = False
+        # 1. The decoding: one token each, a new block for those whose last block is full.
+        need = self.residue[(-self.decoded) % engine.block_size] if self.n_dec else 0
+        while self.kv_used + need > cap and self.running:
+            self._preempt(self._newest())
+            preempted = True
+            need = self.residue[(-self.decoded) % engine.block_size] if self.n_dec else 0
+        self.kv_used += need
+        self._decode_reserved = True  # each decoding request holds the slot of this step's token from here
+        budget = engine.max_num_batched_tokens - self.n_dec
+        chunks = []
+        # 2. Those still computing their prompt, in batch order.
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            if seq.order not in self.running:
+                continue  # preempted just now
+            chunk = min(seq.target - seq.computed, budget)
+            blocks = max(0, engine.blocks_for(seq.computed + chunk) - seq.blocks)
+            while self.kv_used + blocks > cap and seq.order in self.running:
+                self._preempt(self._newest())
+                preempted = True
+            if seq.order not in self.running:
+                break  # it was the newest left: nothing after it runs either
+            self._hold(seq, blocks)
+            seq.chunk = chunk
+            budget -= chunk
+            chunks.append((seq, chunk))
+        # 3. The line, where nothing was preempted.
+        if not preempted:
+            while budget > 0 and len(self.running) < engine.max_num_seqs:
+                seq = self._pull(now)
+                if seq is None:
+                    break
+                todo = seq.target - seq.computed
+                chunk = min(todo, budget)
+                blocks = engine.blocks_for(max(1, chunk))
+                if (not engine.chunked_prefill and todo > budget) or self.kv_used + blocks > cap:
+                    self.front.appendleft(seq)  # it stays at the head of the line
+                    seq.in_line = True
+                    self.line_tokens += seq.prompt
+                    break
+                self._join(seq, now, blocks)
+                seq.chunk = chunk
+                budget -= chunk
+                chunks.append((seq, chunk))
+        decoders = self.n_dec
+        if not chunks and not decoders:
+            return  # nothing can run: idle until an arrival, a client leaving or a cut changes that
+        prefill = sum(c for _, c in chunks)
+        completing = sum(1 for s, c in chunks if s.computed + c >= s.target)
+        context = self.kv_dec + decoders * (self.decoded + 1) + sum(s.computed + c for s, c in chunks)
+        model_s = self.model.time(prefill, decoders + completing, context)
+        members = tuple(s.entry.req for s in self.running.values() if s.decoding) if self._wants_members else ()
+        self.plan = _new(Step, (tuple((s.entry.req, c) for s, c in chunks), members, decoders, prefill,
+                                decoders + completing, context, model_s))
+        self._planned = chunks
+        self.plan_started = now
+        self._step(self.plan, now)
+
+    def _pull(self, now: float) -> _Seq | None:
+        """The next of the line that may still join (the preempted first), dropping at the front those the
+        policy expires (they could not finish in time even if they joined now) and those whose client has left."""
+        while True:
+            if self.front:
+                seq = self.front.popleft()
+                self._out_of_line(seq)
+                return seq
+            if not self.waiting:
+                return None
+            entry = self.waiting.pop_next(now)
+            seq = self.seq_of.pop(id(entry))
+            self._out_of_line(seq)
+            if self._gone is not None and self._gone(entry.req):
+                seq.alive = False
+                continue
+            est = self._alone_s(seq)
+            reason = None
+            if self.policy.expire_at_front and cannot_finish(now, est, entry.arrived_at + entry.deadline_s):
+                reason = EXPIRE_REASON
+            elif self._drop_reason is not None:
+                reason = self._drop_reason(entry, now, est)
+            if reason is not None:
+                seq.alive = False
+                self._drop(entry.req, now, Outcome.EXPIRED, reason, est, retry_after(self._cheap_wait(now)))
+                continue
+            return seq
+
+    def _join(self, seq: _Seq, now: float, blocks: int) -> None:
+        """Into the batch, holding ``blocks`` for its first chunk; it computes from the next step on."""
+        self.joined += 1
+        seq.order = self.joined
+        self.running[seq.order] = seq
+        self.prefilling.append(seq)
+        seq.computed = 0
+        seq.decoding = False
+        seq.blocks = 0
+        self._hold(seq, blocks)
+        if math.isnan(seq.start):
+            seq.start = now
+            if self._joined is not None:
+                self._joined(seq.entry.req, now)
+            if self.policy.cancel_at_deadline:
+                seq.due = seq.entry.arrived_at + seq.entry.deadline_s
+                heapq.heappush(self.cuts, (seq.due, seq.order, seq))
+            if self._started is not None:
+                self._started(seq.entry)
+
+    def _hold(self, seq: _Seq, blocks: int) -> None:
+        self.kv_used += blocks
+        seq.blocks += blocks
+        if seq.blocks > seq.peak:
+            seq.peak = seq.blocks
+
+    def _sampled(self, seq: _Seq, now: float) -> None:
+        """Its prompt (and, after a preemption, what it had generated) is computed: this step produced a token."""
+        seq.generated += 1
+        if seq.first_token != seq.first_token:
+            seq.first_token = now
+        if seq.generated >= seq.out:
+            self._finish(seq, now)
+            return
+        # Decoding from now on: its KV tokens grow by one each decode step (the blocks follow from the tokens).
+        self.prefilling.remove(seq)
+        seq.decoding = True
+        seq.d0, seq.kv0 = self.decoded, seq.computed
+        seq.finish_at = self.decoded + seq.out - seq.generated
+        self.kv_used += self.engine.blocks_for(seq.kv0) - seq.blocks
+        seq.blocks = 0
+        self.n_dec += 1
+        self.kv_dec += seq.kv0 - seq.d0
+        self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] += 1
+        heapq.heappush(self.finishing, (seq.finish_at, seq.order, seq))
+
+    def _release(self, seq: _Seq) -> None:
+        """Out of the batch, its blocks freed (what it generated counted)."""
+        if seq.decoding:
+            seq.generated += self.decoded - seq.d0
+            blocks = self.engine.blocks_for(seq.kv0 + self.decoded - seq.d0 + self._decode_reserved)
+            self.n_dec -= 1
+            self.kv_dec -= seq.kv0 - seq.d0
+            self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] -= 1
+            seq.decoding = False
+        else:
+            blocks = seq.blocks
+            self.prefilling.remove(seq)
+        if blocks > seq.peak:
+            seq.peak = blocks
+        self.kv_used -= blocks
+        del self.running[seq.order]
+        seq.blocks = 0
+        seq.chunk = 0
+
+    def _finish(self, seq: _Seq, now: float) -> None:
+        self._release(seq)
+        seq.alive = False
+        entry = seq.entry
+        if self.estimator is not None and self.estimator.learns:
+            self.estimator.learn(entry.work.limit, seq.generated)
+        self._end(entry.req, now, judge(self.policy, entry, now, seq.first_token, seq.generated), None,
+                  self._stats(seq))
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Recompute preemption: out of the batch with its blocks freed, to the head of the line."""
+        self._release(seq)
+        seq.preemptions += 1
+        seq.computed = 0
+        seq.target = seq.prompt + seq.generated
+        self.front.appendleft(seq)
+        seq.in_line = True
+        self.line_tokens += seq.prompt
+
+    def _leave(self, seq: _Seq) -> None:
+        """Out of the batch for good (its client left, or it was cut): blocks freed, no outcome here."""
+        self._release(seq)
+        seq.alive = False
+
+    def _out_of_line(self, seq: _Seq) -> None:
+        if seq.in_line:
+            seq.in_line = False
+            self.line_tokens -= seq.prompt
+
+    def _newest(self) -> _Seq:
+        return self.running[next(reversed(self.running))]
+
+    @staticmethod
+    def _stats(seq: _Seq) -> RunStats:
+        return _new(RunStats, (seq.start, seq.first_token, seq.generated, seq.preemptions, seq.peak))
+
+    # -- projections for admission ----------------------------------------------------------
+
+    def _never(self, seq: _Seq) -> Rejection | None:
+        """The refusal of a request no state of the engine could serve, or None: its prompt takes more than a step
+        without chunked prefill, or its prompt and limit more KV blocks than the cache has (vLLM refuses both)."""
+        engine = self.engine
+        if not engine.chunked_prefill and seq.prompt > engine.max_num_batched_tokens:
+            return Rejection(Reason.TOO_LARGE, {"prompt_tokens": seq.prompt,
+                                                "max_num_batched_tokens": engine.max_num_batched_tokens}, None)
+        if engine.blocks_for(seq.prompt + seq.entry.work.limit) > self.kv_cap:
+            return Rejection(Reason.TOO_LARGE, {"prompt_tokens": seq.prompt, "max_new_tokens": seq.entry.work.limit,
+                                                "kv_blocks": self.kv_cap, "block_size": engine.block_size}, None)
+        return None
+
+    def _has_room(self, seq: _Seq) -> bool:
+        """A seat free, and blocks for its first chunk, now."""
+        engine = self.engine
+        if len(self.running) >= engine.max_num_seqs:
+            return False
+        first = min(seq.prompt, engine.max_num_batched_tokens) if engine.chunked_prefill else seq.prompt
+        return self.kv_used + engine.blocks_for(max(1, first)) <= self.kv_cap
+
+    def _alone_s(self, seq: _Seq) -> float:
+        """Its estimated service in the batch as it is: its prompt, then its estimated tokens at today's step."""
+        n = len(self.running) + 1
+        step = self.step_s(n, self.context() + seq.prompt)
+        return step + self.model.b1 * seq.prompt * self.tracker.factor + (seq.est_out - 1) * step
+
+    def _cheap_wait(self, now: float) -> float:
+        """A wait without the projection (a Retry-After's basis): the step in flight, then the line's share of
+        the batch's seats, each seat held for the running's mean estimated tokens."""
+        left = 0.0 if self.plan is None else max(0.0, self.plan_started + self.plan.model_s * self.tracker.factor - now)
+        n = len(self.running)
+        if n < self.engine.max_num_seqs and not self.queued:
+            return left
+        mean_tokens = sum(s.est_out for s in self.running.values()) / n if n else 1.0
+        step = self.step_s(max(1, n), self.context())
+        return left + (self.queued + 1) / self.engine.max_num_seqs * mean_tokens * step
+
+    def _project(self, seq: _Seq, now: float, room: bool) -> tuple[float, float, float, float | None]:
+        """(wait, time to first token, finish, wait with memory held), in seconds from ``now``, for ``seq``
+        joining after the line: each running request keeps its seat for its estimated remaining tokens, each
+        one waiting takes the first seat that frees for its prompt and estimated tokens, in steps of the
+        step model at the batch size there will be. The memory projection (``kv_admission`` only) also holds
+        every one of them to the blocks of its prompt and estimated tokens, so it joins when those fit."""
+        engine = self.engine
+        left = 0.0 if self.plan is None else max(0.0, self.plan_started + self.plan.model_s * self.tracker.factor - now)
+        if not self._projects:
+            wait = self._cheap_wait(now) if not room else left
+            step = self.step_s(len(self.running) + 1, self.context() + seq.prompt)
+            ttft = wait + step + self.model.b1 * seq.prompt * self.tracker.factor
+            return wait, ttft, ttft + (seq.est_out - 1) * step, None
+        running = self.running
+        ahead = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
+        n_after = min(engine.max_num_seqs, len(running) + len(ahead) + 1)
+        per_seq = self.context() / len(running) if running else seq.prompt + seq.est_out / 2
+        step = self.step_s(n_after, per_seq * n_after)
+        prefill_s = self.model.b1 * self.tracker.factor
+        ahead_prefill = prefill_s * sum(a.prompt for a in ahead)
+        own_steps = max(1, math.ceil(seq.prompt / engine.max_num_batched_tokens)) if engine.chunked_prefill else 1
+        kv_wait = None
+        if room:
+            wait = left
+            if self.policy.kv_admission and self.kv_cap != math.inf:
+                kv_wait = left + self._seat_steps(seq, [], self.kv_cap) * step
+        else:
+            wait = left + self._seat_steps(seq, ahead, math.inf) * step + ahead_prefill
+            if self.policy.kv_admission and self.kv_cap != math.inf:
+                kv_wait = left + self._seat_steps(seq, ahead, self.kv_cap) * step + ahead_prefill
+        ttft = wait + own_steps * step + prefill_s * seq.prompt
+        return wait, ttft, ttft + (seq.est_out - 1) * step, kv_wait
+
+    def _remaining_steps(self, s: _Seq) -> int:
+        if s.decoding:
+            return max(1, s.est_out - (s.generated + self.decoded - s.d0))
+        todo = s.target - s.computed
+        return max(1, math.ceil(todo / self.engine.max_num_batched_tokens)) + max(0, s.est_out - s.generated - 1)
+
+    def _seat_steps(self, seq: _Seq, ahead: list, cap: float) -> float:
+        """Steps from now until ``seq`` gets a seat (and, with a finite ``cap``, the blocks of its prompt and
+        estimated tokens while everyone holds theirs); inf where it never would."""
+        engine = self.engine
+        blocks = engine.blocks_for
+        memory = cap != math.inf
+        events = [(self._remaining_steps(s), blocks(s.prompt + s.est_out) if memory else 0)
+                  for s in self.running.values()]
+        heapq.heapify(events)
+        active, held, t = len(events), sum(b for _, b in events), 0.0
+        for s in (*ahead, seq):
+            need = blocks(s.prompt + s.est_out) if memory else 0
+            if need > cap:
+                return math.inf
+            while active >= engine.max_num_seqs or held + need > cap:
+                if not events:
+                    return math.inf
+                end, freed = heapq.heappop(events)
+                t = max(t, end)
+                active -= 1
+                held -= freed
+            steps = max(1, math.ceil(s.prompt / engine.max_num_batched_tokens)) + s.est_out
+            heapq.heappush(events, (t + steps, need))
+            active += 1
+            held += need
+        return t

@@ -1,0 +1,175 @@
+"""Engine models: what runs the admitted requests, and how long it takes.
+
+An engine model is a component of the queue core (:mod:`qsim.queue`), declared once in a
+:class:`qsim.config.ServerConfig` and read the same way by the simulator, the gate, a run
+file and ``qlab compare``. Two:
+
+* :class:`OneAtATime`: K engines, each running one request from start to end (the
+  reference study's; the default). With ``concurrency`` c > 0 a run is slower the more
+  engines are busy when it starts: its time x (1 + c (n - 1)) for n busy, itself
+  included (engine threads that share a machine's cores slow each other; measured live
+  at 1.22-2.29x).
+* :class:`Batching`: one engine that runs requests together in iteration-level steps,
+  as vLLM's v1 scheduler does: at most ``max_num_seqs`` running, at most
+  ``max_num_batched_tokens`` computed per step, chunked prefill, KV memory in blocks of
+  ``block_size`` tokens, and recompute preemption of the newest running request when the
+  blocks run out. How long a step takes is a :class:`StepModel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import numpy as np
+from scipy import optimize
+
+
+def _finite(value: float, lowest: float = 0.0) -> bool:
+    return math.isfinite(value) and value >= lowest
+
+
+@dataclass(frozen=True)
+class OneAtATime:
+    """K engines, one request each at a time; ``concurrency``: the slowdown per other busy engine."""
+
+    engines: int = 1
+    concurrency: float = 0.0
+
+    kind = "one-at-a-time"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.engines, int) and self.engines >= 1):
+            raise ValueError(f"engines must be an integer >= 1, got {self.engines!r}")
+        if not _finite(self.concurrency):
+            raise ValueError(f"concurrency must be a finite number >= 0, got {self.concurrency}")
+
+    def slowdown(self, busy: int) -> float:
+        """How many times its calibrated time a run takes that starts with ``busy`` engines busy, itself included."""
+        return 1.0 + self.concurrency * (busy - 1)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds one step of a batching engine takes:
+
+        t = b0 + b1 x prefill tokens computed in the step + b2 x sequences that produce a token
+            + b3 x context tokens held (the KV the step's attention reads, its own tokens included)
+
+    (DistServe's and BLIS's form). ``cv``: the spread of a step's time around the model, a gamma
+    draw of mean 1 (cv 1 is exponential), for the simulator; 0: exactly the model.
+    """
+
+    b0: float = 0.010
+    b1: float = 0.0
+    b2: float = 0.0002
+    b3: float = 0.0
+    cv: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("b0", "b1", "b2", "b3", "cv"):
+            if not _finite(getattr(self, name)):
+                raise ValueError(f"step model {name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.b0 + self.b1 + self.b2 + self.b3 <= 0:
+            raise ValueError("a step model needs a positive coefficient: every step would take no time")
+
+    def time(self, prefill: float, seqs: float, context: float) -> float:
+        return self.b0 + self.b1 * prefill + self.b2 * seqs + self.b3 * context
+
+    @classmethod
+    def fit(cls, prefill, seqs, context, seconds) -> "StepFit":
+        """Non-negative least squares (scipy's lsq_linear) of measured steps' times on the four terms."""
+        x = np.column_stack([np.ones(len(seconds)), np.asarray(prefill, float), np.asarray(seqs, float),
+                             np.asarray(context, float)])
+        y = np.asarray(seconds, dtype=float)
+        if x.shape[0] < 4:
+            raise ValueError(f"a step model needs at least 4 measured steps, got {x.shape[0]}")
+        b = optimize.lsq_linear(x, y, bounds=(0, np.inf)).x
+        model = cls(*map(float, b))
+        rel = np.abs(x @ b - y) / np.where(y > 0, y, np.nan)
+        resid = y / np.where(x @ b > 0, x @ b, np.nan)
+        return StepFit(model, float(np.nanmedian(rel)), float(np.nanmax(rel)), float(np.nanstd(resid)), len(y))
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A fitted step model, its median and worst relative error on one step, and the CV of steps around it."""
+
+    model: StepModel
+    median_rel_error: float
+    worst_rel_error: float
+    cv: float
+    n: int
+
+
+#: vLLM's defaults for an OpenAI-compatible server on a GPU under 70 GiB (its EngineArgs.get_batch_defaults).
+VLLM_MAX_NUM_SEQS = 256
+VLLM_MAX_NUM_BATCHED_TOKENS = 2048
+VLLM_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Batching:
+    """One engine running requests together in steps, as vLLM's v1 scheduler does (see :mod:`qsim.batch`).
+
+    kv_blocks: KV-cache capacity in blocks of ``block_size`` tokens (None: unlimited).
+    """
+
+    step: StepModel = StepModel()
+    max_num_seqs: int = VLLM_MAX_NUM_SEQS
+    max_num_batched_tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS
+    chunked_prefill: bool = True
+    kv_blocks: int | None = None
+    block_size: int = VLLM_BLOCK_SIZE
+
+    kind = "batching"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # vLLM refuses this too: every running request must be able to decode in each step.
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+        if self.kv_blocks is not None and not (isinstance(self.kv_blocks, int) and self.kv_blocks >= 1):
+            raise ValueError(f"kv_blocks must be an integer >= 1 or None, got {self.kv_blocks!r}")
+
+    @property
+    def engines(self) -> int:
+        return 1
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks that ``tokens`` tokens take."""
+        return -(-tokens // self.block_size)
+
+
+EngineModel = OneAtATime | Batching
+
+
+def engine_fields(engine: EngineModel) -> dict[str, Any]:
+    """The engine model as JSON-able fields, ``kind`` first (what a run file and /stats carry)."""
+    fields = asdict(engine)
+    return {"kind": engine.kind, **fields}
+
+
+def engine_from_fields(raw: Mapping[str, Any] | int) -> EngineModel:
+    """The engine model ``raw`` describes (:func:`engine_fields`'s output; an int: that many engines one at a time).
+    ValueError naming what is wrong."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return OneAtATime(raw)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"an engine model is a table with a kind, got {raw!r}")
+    fields = {k: v for k, v in raw.items() if k != "kind"}
+    kind = raw.get("kind", OneAtATime.kind)
+    try:
+        if kind == OneAtATime.kind:
+            return OneAtATime(**fields)
+        if kind == Batching.kind:
+            step = fields.pop("step", {})
+            return Batching(step=step if isinstance(step, StepModel) else StepModel(**step), **fields)
+    except TypeError as exc:
+        raise ValueError(f"engine model {kind}: {exc}") from None
+    raise ValueError(f"unknown engine model kind {kind!r}; choose {OneAtATime.kind} or {Batching.kind}")

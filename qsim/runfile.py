@@ -1,0 +1,95 @@
+"""What a live run file says of the server it ran against: written by the replayer, read by the comparison.
+
+A run file (one row per request, from ``qlab replay``) carries the server's
+:class:`~qsim.config.ServerConfig` as JSON in the constant column ``server_config``, with the
+policy's name and the engine count beside it for people reading the table, and the synthetic
+engine's speed schedule on the run's clock (``speed_schedule``). A run file from before the
+config column has the older per-setting columns, which :func:`server_config` still reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .config import ServerConfig, StallRule
+from .policy import Policy, policy_from_fields
+from .service import ServiceModel, SpeedSchedule
+
+#: The column holding the server's ServerConfig as JSON.
+SERVER_CONFIG = "server_config"
+#: What a run file from before the config column had instead (qlab 0.1 run files).
+LEGACY_COLUMNS = ("policy", "engines", "max_queue", "max_queued_seconds", "predictive", "expire_at_front",
+                  "policy_deadline_s", "fixed_estimate", "initial_speed_factor")
+
+
+def server_columns(config: ServerConfig, n: int, speed_schedule: str | None = None) -> dict[str, Any]:
+    """The constant columns a run file of ``n`` rows gets from its server (speed_schedule: JSON, see
+    :func:`speed_schedule`)."""
+    return {
+        SERVER_CONFIG: pd.array([config.to_json()] * n, dtype="string"),
+        "policy": pd.array([config.policy.name] * n, dtype="string"),
+        "engines": np.full(n, config.engines, dtype=np.int64),
+        "speed_schedule": pd.array([speed_schedule] * n, dtype="string"),
+    }
+
+
+def constant(run: pd.DataFrame, column: str):
+    """The one value a run column holds for the whole run (None where it is missing); ValueError otherwise."""
+    values = run[column].drop_duplicates()
+    if len(values) != 1:
+        raise ValueError(f"run column {column} must hold one value for the whole run, found {list(values)[:5]}")
+    value = values.iloc[0]
+    return None if pd.isna(value) else value
+
+
+def server_config(run: pd.DataFrame) -> ServerConfig:
+    """The server a run file ran against. ValueError when the frame is not a run file."""
+    if run.empty:
+        raise ValueError("the run has no requests")
+    if SERVER_CONFIG in run.columns:
+        return ServerConfig.from_json(str(constant(run, SERVER_CONFIG)))
+    missing = [c for c in LEGACY_COLUMNS if c not in run.columns]
+    if missing:
+        raise ValueError(f"not a live run file (from qlab replay): it lacks columns {[SERVER_CONFIG, *missing]}")
+    return _legacy(run)
+
+
+def _legacy(run: pd.DataFrame) -> ServerConfig:
+    """A run file's server from the per-setting columns of the run files before ``server_config``."""
+    def maybe(column: str):
+        return constant(run, column) if column in run.columns else None
+
+    if "policy_fields" in run.columns:  # every field, a policy class's own parameters too
+        policy = policy_from_fields(json.loads(str(constant(run, "policy_fields"))))
+    else:
+        bound, work = maybe("max_queue"), maybe("max_queued_seconds")
+        policy = Policy(str(constant(run, "policy")), max_queue=None if bound is None else int(bound),
+                        max_queued_seconds=None if work is None else float(work),
+                        predictive=bool(constant(run, "predictive")),
+                        deadline_s=float(constant(run, "policy_deadline_s")),
+                        expire_at_front=bool(constant(run, "expire_at_front")),
+                        # A run file from before disciplines: the gate served FIFO.
+                        discipline=str(maybe("discipline") or "fifo"))
+    # An older run file does not say: the gate's defaults then (StallRule(), weight 0.2).
+    factor, floor, weight, model = maybe("stall_factor"), maybe("stall_floor_s"), maybe("tracker_weight"), \
+        maybe("service_model")
+    stall = StallRule() if factor is None or floor is None else StallRule(float(factor), float(floor))
+    return ServerConfig(policy, int(constant(run, "engines")),
+                        ServiceModel() if model is None else ServiceModel.from_fields(json.loads(str(model))),
+                        fixed_estimate=bool(constant(run, "fixed_estimate")),
+                        tracker_weight=0.2 if weight is None or not math.isfinite(float(weight)) else float(weight),
+                        initial_speed_factor=float(constant(run, "initial_speed_factor")), stall=stall)
+
+
+def speed_schedule(run: pd.DataFrame) -> SpeedSchedule | None:
+    """The synthetic engine's speed schedule on the run's clock, where the run file has one."""
+    raw = constant(run, "speed_schedule") if "speed_schedule" in run.columns else None
+    if raw is None:
+        return None
+    data = json.loads(str(raw))
+    return SpeedSchedule(float(data["base"]), tuple((float(t), float(v)) for t, v in data["steps"]))
