@@ -839,7 +839,7 @@ def _sim_summary(folder: Path, name: str) -> pd.DataFrame | None:
 
 
 def _live_stale_report(ctx: Context, folder: Path) -> list:
-    from analysis.compare import run_setup
+    from qsim.runfile import speed_schedule
     from analysis.estimation import late_share
 
     done = _cell_rows(folder, _cells_of(folder))
@@ -848,7 +848,7 @@ def _live_stale_report(ctx: Context, folder: Path) -> list:
     sim = _sim_summary(folder, "stale")
     rows = []
     for cell, run, row in done:
-        schedule = run_setup(run).speed_schedule
+        schedule = speed_schedule(run)
         # No step left on the run's clock: it came before the run began, which then ran slow from its start.
         change = math.nan if schedule is None else schedule.steps[0][0] if schedule.steps else 0.0
         after = run["arrival_s"] >= change

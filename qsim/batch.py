@@ -51,8 +51,8 @@ from .clients import uniform
 from .config import ServerConfig
 from .engines import Batching
 from .entry import Entry, Work
-from .outcomes import Outcome, Reason
-from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, on_time, retry_after, take_token
+from .outcomes import CANCELLED, EXPIRED, Reason
+from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, retry_after, take_token
 from .queue import CUT_REASON, RESERVE_WEIGHT, Seen, judge
 from .service import SpeedTracker
 
@@ -90,7 +90,7 @@ class _Seq:
 
     __slots__ = ("entry", "prompt", "out", "est_out", "order", "computed", "target", "generated", "blocks", "peak",
                  "preemptions", "start", "first_token", "decoding", "d0", "kv0", "finish_at", "alive", "chunk",
-                 "due", "in_line")
+                 "due", "in_line", "hold")
 
     def __init__(self, entry: Entry, prompt: int, out: int, est_out: int) -> None:
         self.entry = entry
@@ -110,6 +110,7 @@ class _Seq:
         self.chunk = 0
         self.due = math.inf
         self.in_line = False  # waiting (in the discipline's line or at its front): its prompt counts as queued
+        self.hold = 0  # the seat-steps it added to the line's when it joined it
 
 
 class BatchQueue:
@@ -127,8 +128,11 @@ class BatchQueue:
     _planned: list = []
 
     def __init__(self, config: ServerConfig, *, step: Callable, end: Callable, drop: Callable,
-                 joined: Callable | None = None, gone: Callable[[Any], bool] | None = None) -> None:
-        """joined(req, now): a request joins the batch for the first time (its start)."""
+                 joined: Callable | None = None, wake: Callable | None = None,
+                 gone: Callable[[Any], bool] | None = None) -> None:
+        """joined(req, now): a request joins the batch for the first time (its start). wake(now): the engine was
+        idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has arrived, so that a
+        burst starts in one step (None: the step is planned at once)."""
         engine = config.engine
         if not isinstance(engine, Batching):
             raise ValueError(f"BatchQueue runs a batching engine, not {engine.kind}")
@@ -143,6 +147,8 @@ class BatchQueue:
         self.front: deque[_Seq] = deque()  # preempted, or pulled but not fitting yet: ahead of the discipline's line
         self.estimator = policy.make_estimator(config.model)
         self._step, self._end, self._drop, self._gone, self._joined = step, end, drop, gone, joined
+        self._wake = wake
+        self.waking = False  # the driver was asked to begin a step
         self._decide = decide_view if type(policy).decide is Policy.decide else type(policy).decide
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._started = getattr(self.waiting, "started", None)
@@ -161,6 +167,8 @@ class BatchQueue:
         self.kv_used = 0
         self.kv_cap = math.inf if engine.kv_blocks is None else engine.kv_blocks
         self.line_tokens = 0  # prompt tokens of the line
+        self.line_hold = 0  # seat-steps the line will hold (each one's _holds when it joined the line)
+        self.dec_est = 0  # over the decoding: est_out - generated at d0 + d0, summed (see _running_steps)
         self.joined = 0
         self.arrivals = 0
         self.plan: Step | None = None
@@ -197,6 +205,34 @@ class BatchQueue:
         return {"waiting": self.queued, "in_service": self.in_service, "stalled": 0, "queued_work_s": math.nan,
                 "speed_factor": self.tracker.factor, "engines": 1, "kv_blocks_used": self.kv_used,
                 "kv_use": self.kv_use}
+
+    def audit(self) -> None:
+        """Check the batch's bookkeeping against its requests one by one (AssertionError naming what is off):
+        the blocks held add up, the cache and the seats are not overrun, the aggregates over the decoding
+        match. For tests and the test kit; costs a walk over the batch."""
+        engine = self.engine
+        held, dec, kv, est = 0, 0, 0, 0
+        for seq in self.running.values():
+            if seq.decoding:
+                tokens = seq.kv0 + self.decoded - seq.d0
+                held += engine.blocks_for(tokens + self._decode_reserved)
+                dec += 1
+                kv += seq.kv0 - seq.d0
+                est += seq.est_out - seq.generated + seq.d0
+            else:
+                held += seq.blocks
+                assert seq in self.prefilling, f"request {seq.entry.req!r} runs, neither decoding nor computing its prompt"
+        assert held == self.kv_used, f"KV blocks: {self.kv_used} counted, {held} held by the running"
+        assert self.kv_used <= self.kv_cap, f"KV blocks: {self.kv_used} in use of {self.kv_cap}"
+        assert len(self.running) <= engine.max_num_seqs, f"{len(self.running)} running of {engine.max_num_seqs} seats"
+        assert (dec, kv, est) == (self.n_dec, self.kv_dec, self.dec_est), \
+            f"decoding aggregates {(self.n_dec, self.kv_dec, self.dec_est)} against {(dec, kv, est)} recounted"
+        line = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
+        assert sum(s.prompt for s in line) == self.line_tokens, "prompt tokens of the line"
+        assert sum(s.hold for s in line) == self.line_hold, "seat-steps of the line"
+        if self.plan is not None:
+            assert self.plan.prefill_tokens + self.plan.decoders <= engine.max_num_batched_tokens, \
+                f"a step of {self.plan.prefill_tokens + self.plan.decoders} tokens over the budget"
 
     # -- events ------------------------------------------------------------------------
 
@@ -260,11 +296,25 @@ class BatchQueue:
         else:
             self.seq_of[id(entry)] = seq
             self.waiting.push(entry)
-            seq.in_line = True
-            self.line_tokens += seq.prompt
+            self._into_line(seq)
+        self._kick(now)
+        return None
+
+    def begin(self, now: float) -> None:
+        """The driver's answer to ``wake``: plan the first step now (see __init__)."""
+        self.waking = False
         if self.plan is None:
             self._next_step(now)
-        return None
+
+    def _kick(self, now: float) -> None:
+        """Work for an idle engine: a step now, or once the driver has taken in the rest of this instant."""
+        if self.plan is not None or self.waking:
+            return
+        if self._wake is None:
+            self._next_step(now)
+        else:
+            self.waking = True
+            self._wake(now)
 
     def step_done(self, now: float, elapsed_s: float | None = None) -> None:
         """The step in flight ended at ``now`` (it took ``elapsed_s``, for the speed tracker: a live engine's own
@@ -339,9 +389,8 @@ class BatchQueue:
                 seq.alive = False
             else:
                 self._leave(seq)
-            self._end(seq.entry.req, due, Outcome.CANCELLED, CUT_REASON, self._stats(seq))
-        if self.plan is None:
-            self._next_step(now)
+            self._end(seq.entry.req, due, CANCELLED, CUT_REASON, self._stats(seq))
+        self._kick(now)
 
     # -- planning -------------------------------------------------------------------------
 
@@ -387,8 +436,7 @@ class BatchQueue:
                 blocks = engine.blocks_for(max(1, chunk))
                 if (not engine.chunked_prefill and todo > budget) or self.kv_used + blocks > cap:
                     self.front.appendleft(seq)  # it stays at the head of the line
-                    seq.in_line = True
-                    self.line_tokens += seq.prompt
+                    self._into_line(seq)
                     break
                 self._join(seq, now, blocks)
                 seq.chunk = chunk
@@ -432,7 +480,7 @@ class BatchQueue:
                 reason = self._drop_reason(entry, now, est)
             if reason is not None:
                 seq.alive = False
-                self._drop(entry.req, now, Outcome.EXPIRED, reason, est, retry_after(self._cheap_wait(now)))
+                self._drop(entry.req, now, EXPIRED, reason, est, retry_after(self._wait_now(now)))
                 continue
             return seq
 
@@ -479,6 +527,7 @@ class BatchQueue:
         seq.blocks = 0
         self.n_dec += 1
         self.kv_dec += seq.kv0 - seq.d0
+        self.dec_est += seq.est_out - seq.generated + seq.d0
         self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] += 1
         heapq.heappush(self.finishing, (seq.finish_at, seq.order, seq))
 
@@ -489,6 +538,7 @@ class BatchQueue:
             blocks = self.engine.blocks_for(seq.kv0 + self.decoded - seq.d0 + self._decode_reserved)
             self.n_dec -= 1
             self.kv_dec -= seq.kv0 - seq.d0
+            self.dec_est -= seq.est_out - (seq.generated - (self.decoded - seq.d0)) + seq.d0
             self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] -= 1
             seq.decoding = False
         else:
@@ -517,18 +567,24 @@ class BatchQueue:
         seq.computed = 0
         seq.target = seq.prompt + seq.generated
         self.front.appendleft(seq)
-        seq.in_line = True
-        self.line_tokens += seq.prompt
+        self._into_line(seq)
 
     def _leave(self, seq: _Seq) -> None:
         """Out of the batch for good (its client left, or it was cut): blocks freed, no outcome here."""
         self._release(seq)
         seq.alive = False
 
+    def _into_line(self, seq: _Seq) -> None:
+        seq.in_line = True
+        seq.hold = self._holds(seq)
+        self.line_tokens += seq.prompt
+        self.line_hold += seq.hold
+
     def _out_of_line(self, seq: _Seq) -> None:
         if seq.in_line:
             seq.in_line = False
             self.line_tokens -= seq.prompt
+            self.line_hold -= seq.hold
 
     def _newest(self) -> _Seq:
         return self.running[next(reversed(self.running))]
@@ -540,11 +596,14 @@ class BatchQueue:
     # -- projections for admission ----------------------------------------------------------
 
     def _never(self, seq: _Seq) -> Rejection | None:
-        """The refusal of a request no state of the engine could serve, or None: its prompt takes more than a step
-        without chunked prefill, or its prompt and limit more KV blocks than the cache has (vLLM refuses both)."""
+        """The refusal of a request no state of the engine could serve, or None: without chunked prefill its prompt
+        and limit take more than a step, or its prompt and limit more KV blocks than the cache has."""
         engine = self.engine
-        if not engine.chunked_prefill and seq.prompt > engine.max_num_batched_tokens:
-            return Rejection(Reason.TOO_LARGE, {"prompt_tokens": seq.prompt,
+        limit = seq.entry.work.limit
+        if not engine.chunked_prefill and seq.prompt + limit > engine.max_num_batched_tokens:
+            # Preempted, it computes its prompt and what it generated again in one step: vLLM requires
+            # max_num_batched_tokens >= max_model_len without chunked prefill for the same reason.
+            return Rejection(Reason.TOO_LARGE, {"prompt_tokens": seq.prompt, "max_new_tokens": limit,
                                                 "max_num_batched_tokens": engine.max_num_batched_tokens}, None)
         if engine.blocks_for(seq.prompt + seq.entry.work.limit) > self.kv_cap:
             return Rejection(Reason.TOO_LARGE, {"prompt_tokens": seq.prompt, "max_new_tokens": seq.entry.work.limit,
@@ -561,20 +620,35 @@ class BatchQueue:
 
     def _alone_s(self, seq: _Seq) -> float:
         """Its estimated service in the batch as it is: its prompt, then its estimated tokens at today's step."""
-        n = len(self.running) + 1
+        n = min(self.engine.max_num_seqs, len(self.running) + 1)
         step = self.step_s(n, self.context() + seq.prompt)
-        return step + self.model.b1 * seq.prompt * self.tracker.factor + (seq.est_out - 1) * step
+        return self._holds(seq) * step + self.model.b1 * seq.prompt * self.tracker.factor
 
-    def _cheap_wait(self, now: float) -> float:
-        """A wait without the projection (a Retry-After's basis): the step in flight, then the line's share of
-        the batch's seats, each seat held for the running's mean estimated tokens."""
-        left = 0.0 if self.plan is None else max(0.0, self.plan_started + self.plan.model_s * self.tracker.factor - now)
-        n = len(self.running)
-        if n < self.engine.max_num_seqs and not self.queued:
+    def _left(self, now: float) -> float:
+        """Estimated seconds left of the step in flight (0: none)."""
+        return 0.0 if self.plan is None else max(0.0, self.plan_started + self.plan.model_s * self.tracker.factor - now)
+
+    def _running_steps(self) -> int:
+        """Seat-steps the running are estimated to hold after the step in flight (self.dec_est keeps the decoding
+        ones' in aggregate: est_out - generated summed is dec_est - n_dec x decode steps)."""
+        decoded = self.decoded + (1 if self.plan is not None and self.plan.decoders else 0)
+        return max(0, self.dec_est - self.n_dec * decoded) + sum(map(self._remaining_steps, self.prefilling))
+
+    def _work_wait(self, now: float) -> float:
+        """The wait without the projection (for rules that do not read it, and a Retry-After's basis): the step in
+        flight, then the seat-steps the running and the line will hold over the seats, and the line's prompts
+        (work over servers, as the one-at-a-time core estimates; exact for a batch of one)."""
+        left = self._left(now)
+        n, seats = len(self.running), self.engine.max_num_seqs
+        if n < seats and not self.queued:
             return left
-        mean_tokens = sum(s.est_out for s in self.running.values()) / n if n else 1.0
-        step = self.step_s(max(1, n), self.context())
-        return left + (self.queued + 1) / self.engine.max_num_seqs * mean_tokens * step
+        step = self.step_s(min(seats, n + self.queued + 1), self.context())
+        return left + (self._running_steps() + self.line_hold) / seats * step + \
+            self.model.b1 * self.tracker.factor * self.line_tokens
+
+    def _wait_now(self, now: float) -> float:
+        """The wait an arrival would be given now (a Retry-After's basis)."""
+        return self._work_wait(now)
 
     def _project(self, seq: _Seq, now: float, room: bool) -> tuple[float, float, float, float | None]:
         """(wait, time to first token, finish, wait with memory held), in seconds from ``now``, for ``seq``
@@ -583,11 +657,12 @@ class BatchQueue:
         step model at the batch size there will be. The memory projection (``kv_admission`` only) also holds
         every one of them to the blocks of its prompt and estimated tokens, so it joins when those fit."""
         engine = self.engine
-        left = 0.0 if self.plan is None else max(0.0, self.plan_started + self.plan.model_s * self.tracker.factor - now)
+        left = self._left(now)
         if not self._projects:
-            wait = self._cheap_wait(now) if not room else left
-            step = self.step_s(len(self.running) + 1, self.context() + seq.prompt)
-            ttft = wait + step + self.model.b1 * seq.prompt * self.tracker.factor
+            wait = left if room else self._work_wait(now)
+            step = self.step_s(min(engine.max_num_seqs, len(self.running) + 1), self.context() + seq.prompt)
+            prompt_steps = self._holds(seq) - max(0, seq.est_out - 1)
+            ttft = wait + prompt_steps * step + self.model.b1 * seq.prompt * self.tracker.factor
             return wait, ttft, ttft + (seq.est_out - 1) * step, None
         running = self.running
         ahead = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
@@ -610,23 +685,43 @@ class BatchQueue:
         return wait, ttft, ttft + (seq.est_out - 1) * step, kv_wait
 
     def _remaining_steps(self, s: _Seq) -> int:
+        """Steps it is estimated to hold its seat after the step in flight (if any) ends."""
+        in_flight = self.plan is not None
         if s.decoding:
-            return max(1, s.est_out - (s.generated + self.decoded - s.d0))
-        todo = s.target - s.computed
-        return max(1, math.ceil(todo / self.engine.max_num_batched_tokens)) + max(0, s.est_out - s.generated - 1)
+            done = s.generated + self.decoded - s.d0 + (1 if in_flight and self.plan.decoders else 0)
+            return max(0, s.est_out - done)
+        todo = s.target - s.computed - (s.chunk if in_flight else 0)
+        left = max(0, s.est_out - s.generated - 1)  # tokens after the one its prompt's last step produces
+        if todo <= 0:
+            return left  # its prompt completes in the step in flight
+        return math.ceil(todo / self.engine.max_num_batched_tokens) + left
+
+    def _holds(self, s: _Seq) -> int:
+        """Steps a request that joins holds its seat: its prompt's steps (the last produces its first token),
+        then one per further token."""
+        return max(1, math.ceil(s.target / self.engine.max_num_batched_tokens)) + max(0, s.est_out - 1)
 
     def _seat_steps(self, seq: _Seq, ahead: list, cap: float) -> float:
         """Steps from now until ``seq`` gets a seat (and, with a finite ``cap``, the blocks of its prompt and
-        estimated tokens while everyone holds theirs); inf where it never would."""
+        estimated tokens while everyone holds theirs); inf where it never would. With memory held so, the
+        running that do not fit beside those before them wait too (they would be preempted): the projection
+        serialises what the cache cannot hold together."""
         engine = self.engine
         blocks = engine.blocks_for
         memory = cap != math.inf
-        events = [(self._remaining_steps(s), blocks(s.prompt + s.est_out) if memory else 0)
-                  for s in self.running.values()]
-        heapq.heapify(events)
-        active, held, t = len(events), sum(b for _, b in events), 0.0
-        for s in (*ahead, seq):
+        events, later = [], []
+        held = 0
+        for s in self.running.values():
             need = blocks(s.prompt + s.est_out) if memory else 0
+            if memory and held + need > cap:
+                later.append((self._remaining_steps(s), need))
+                continue
+            events.append((self._remaining_steps(s), need))
+            held += need
+        heapq.heapify(events)
+        active, t = len(events), 0.0
+        line = [*later, *((self._holds(s), blocks(s.prompt + s.est_out) if memory else 0) for s in (*ahead, seq))]
+        for steps, need in line:
             if need > cap:
                 return math.inf
             while active >= engine.max_num_seqs or held + need > cap:
@@ -636,7 +731,6 @@ class BatchQueue:
                 t = max(t, end)
                 active -= 1
                 held -= freed
-            steps = max(1, math.ceil(s.prompt / engine.max_num_batched_tokens)) + s.est_out
             heapq.heappush(events, (t + steps, need))
             active += 1
             held += need

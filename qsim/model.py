@@ -45,7 +45,7 @@ from . import records
 from .clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
 from .config import ServerConfig, StallRule, as_config  # noqa: F401 (StallRule: re-exported)
 from .entry import Work
-from .outcomes import ANSWERED, Outcome, Reason
+from .outcomes import ABANDONED, ANSWERED, CANCELLED, ERROR, REJECTED, Reason
 from .policy import Policy
 from .batch import BatchQueue
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
@@ -151,7 +151,7 @@ class _Run:
         self.finish[i] = now
         self.retry_after[i] = retry_after_s
         # A client that left is gone; one that timed out had no answer and may send again.
-        if self.retrier is not None and (outcome != Outcome.ABANDONED or reason == TIMEOUT_REASON):
+        if self.retrier is not None and (outcome != ABANDONED or reason == TIMEOUT_REASON):
             self._maybe_retry(i, now, status_of(outcome, reason), retry_after_s)
 
     # -- retries ----------------------------------------------------------------------
@@ -217,7 +217,7 @@ class _Run:
         seen = queue.seen
         self.est[i], self.queued_at_arrival[i], self.queued_work[i] = seen.est_service_s, seen.queued, seen.queued_work_s
         if refusal is not None:
-            self._end(i, t, Outcome.REJECTED, refusal.reason,
+            self._end(i, t, REJECTED, refusal.reason,
                       -1 if refusal.retry_after_s is None else refusal.retry_after_s)
             return
         patience = math.inf if self.patience is None else self.patience[i]
@@ -250,7 +250,7 @@ class _Run:
         i = self.job[k]
         if self.cut[i]:  # its deadline passed in service: stopped there, its engine free at once
             if self.queue.cut(k, now) is not None:
-                self._end(i, now, Outcome.CANCELLED, CUT_REASON)
+                self._end(i, now, CANCELLED, CUT_REASON)
             ok, tokens = False, None
         else:
             ok = self.failed is None or not self.failed[i]
@@ -274,12 +274,12 @@ class _Run:
         if reason == LEFT_REASON and self.wait_only and not math.isnan(self.start[i]):
             return  # started: its patience while waiting is over
         if self.queue.cancel(i, self.env.now) is not None:
-            self._end(i, self.env.now, Outcome.ABANDONED, reason)
+            self._end(i, self.env.now, ABANDONED, reason)
 
     def _stall(self, k: int, i: int) -> None:
         now = self.env.now
         if self.queue.stall(k, now) == i:
-            self._end(i, now, Outcome.ERROR, STALL_REASON)
+            self._end(i, now, ERROR, STALL_REASON)
         if self.queue.all_stalled and not self.watching:
             self.watching = True
             self.env.process(self._watchdog())
@@ -350,7 +350,8 @@ class _BatchRun(_Run):
     mean 1 and the model's ``cv`` where set, times the machine's speed), and one per deadline the core cuts at."""
 
     def _make_queue(self, config: ServerConfig):
-        queue = BatchQueue(config, step=self._step, end=self._ended, drop=self._drop, joined=self._joined)
+        queue = BatchQueue(config, step=self._step, end=self._ended, drop=self._drop, joined=self._joined,
+                           wake=self._wake)
         cv = config.engine.step.cv
         self.noise = None
         if cv > 0:  # a stream of its own, from the server's seed: the same draws under every policy
@@ -382,6 +383,14 @@ class _BatchRun(_Run):
 
     def _joined(self, i: int, now: float) -> None:
         self.start[i], self.engine_of[i] = now, 0
+
+    def _wake(self, now: float) -> None:
+        # An idle engine wakes on a zero timeout: arrivals at this same instant join its first step.
+        Timeout(self.env, 0).callbacks.append(self._begin)
+
+    def _begin(self, _event) -> None:
+        self.queue.begin(self.env.now)
+        self._arm()
 
     def _step(self, plan, now: float) -> None:
         run = plan.model_s

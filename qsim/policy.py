@@ -9,10 +9,13 @@ about a rule, only about the numbers they feed it.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
+import inspect
 import json
 import math
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -210,6 +213,14 @@ PRESETS: Mapping[str, Policy] = {
                                   discipline="priority-edf"),
     # Tenants: predictive admission, and the engines shared fairly among the clients who wait.
     "predictive-fair": Policy("predictive-fair", predictive=True, expire_at_front=True, discipline="fair"),
+    # On a batching engine: predictive admission that also knows the memory (exercise 6): kv_full when the
+    # KV blocks of its prompt and limit cannot be had in time.
+    "predictive-kv": Policy("predictive-kv", predictive=True, expire_at_front=True, kv_admission=True),
+    # vLLM's own caps on what waits (max_num_queued_reqs, max_num_queued_tokens; 503 when over).
+    "vllm-caps": Policy("vllm-caps", max_queue=64, max_queued_tokens=16384),
+    # llm-d's probabilistic admitter (its defaults): sheddable requests (priority below 0) shed with probability
+    # min(saturation ** 5 * 300, 1), saturation = max(waiting / 5, KV share in use / 0.8).
+    "llm-d-shed": Policy("llm-d-shed", shed_queue_threshold=5.0),
 }
 #: The reference study's four policies (its sweeps and figures are over these).
 STUDY = ("none", "bounded", "bounded-deadline", "predictive")
@@ -230,10 +241,67 @@ def resolve(spec: str, args: Mapping[str, Any] | None = None) -> Policy:
     except (ImportError, AttributeError, ValueError) as exc:
         raise ValueError(f"cannot load policy {spec!r}: {type(exc).__name__}: {exc}") from None
     if isinstance(found, type) and issubclass(found, Policy):
+        check_plugin(found, spec)
         found = found(name=spec)
     if not isinstance(found, Policy):
         raise ValueError(f"{spec} is a {type(found).__name__}, not a qsim Policy (a subclass or an instance)")
+    check_plugin(type(found), spec)
     return found.with_args(args or {})
+
+
+#: What a policy class of one's own may define besides its fields: the hooks the queue core calls.
+HOOKS = ("decide", "make_discipline", "make_estimator")
+
+
+def check_plugin(cls: type, spec: str = "") -> None:
+    """ValueError when a Policy subclass defines something qlab would silently ignore: a public method that is
+    not one of :data:`HOOKS` (the core never calls it), a hook with the wrong parameters, a parameter (a
+    dataclass field of its own) that none of its hooks reads, or a class that is not a frozen dataclass (its
+    fields would not be parameters)."""
+    name = spec or cls.__qualname__
+    if cls is Policy:
+        return
+    own = {k: v for c in cls.__mro__[:cls.__mro__.index(Policy)] for k, v in vars(c).items()}
+    undecorated = [c for c in cls.__mro__[:cls.__mro__.index(Policy)]
+                   if "__dataclass_fields__" not in vars(c) and vars(c).get("__annotations__")]
+    if undecorated:
+        raise ValueError(f"policy {name}: decorate {undecorated[0].__qualname__} with @dataclass(frozen=True) so "
+                         "that its parameters are fields (docs/policies.md)")
+    for key, value in own.items():
+        if key.startswith("_") or not callable(value) and not isinstance(value, (staticmethod, classmethod)):
+            continue
+        if key not in HOOKS and not hasattr(Policy, key):
+            raise ValueError(f"policy {name}: method {key}() is never called by qlab; a policy class may override "
+                             f"{', '.join(HOOKS)} (docs/policies.md)")
+        if key in HOOKS:
+            want = list(inspect.signature(getattr(Policy, key)).parameters)
+            got = list(inspect.signature(value).parameters)
+            if len(got) != len(want):
+                raise ValueError(f"policy {name}: {key} must take ({', '.join(want)}), as Policy.{key} does; "
+                                 f"it takes ({', '.join(got)})")
+    mine = [f.name for f in dataclasses.fields(cls) if f.name not in Policy.__dataclass_fields__]
+    if mine:
+        read = _attributes_read(cls)
+        unused = [f for f in mine if f not in read]
+        if unused:
+            raise ValueError(f"policy {name}: parameter(s) {', '.join(unused)} are read by none of its methods "
+                             f"({', '.join(HOOKS)}, __post_init__): they would change nothing")
+
+
+def _attributes_read(cls: type) -> set[str]:
+    """Names read as ``self.NAME`` in the methods a class (and its bases below Policy) defines."""
+    names: set[str] = set()
+    for klass in cls.__mro__[:cls.__mro__.index(Policy)]:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):  # no source (made at run time): cannot tell, so do not refuse
+            return {f.name for f in dataclasses.fields(cls)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+                names.update(a.value for a in node.args[1:2] if isinstance(a, ast.Constant))
+    return names
 
 
 def from_options(spec: str, pairs=(), max_queue: int | None = None, deadline_s: float | None = None) -> Policy:
@@ -418,52 +486,71 @@ def decide_view(policy: Policy, view: View) -> Rejection | None:
     estimated wait plus service passes the deadline, or the projected time to first token or per output
     token passes its objective; with ``kv_admission``, ``kv_full`` when it is memory that makes it late.
     """
-    wait = view.wait_s  # View.wait, inlined: this runs once per arrival
-    idle = view.idle
+    return rule(policy, view.queued, view.queued_work_s, view.remaining_s, view.est_service_s, view.deadline_s,
+                view.engines, view.idle, view.priority, view.ahead_s, view)
+
+
+def rule(policy: Policy, queued: int, queued_work_s: float, remaining_s: float, est: float, deadline: float | None,
+         engines: int = 1, idle: int = 0, priority: int = 0, ahead_s: float | None = None,
+         view: View | None = None) -> Rejection | None:
+    """:func:`decide_view` on a view's first fields, the brief's numbers (the queue cores call it so where the
+    policy keeps the built-in rule: it runs once per arrival), and on ``view`` itself for the rest (None: the
+    view of those numbers alone, for a policy that reads nothing more: see :func:`reads_more`)."""
+    if view is None:
+        wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = None, _NAN, _NAN, None, 0.0, 0, 0, _NAN
+    else:
+        wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = view[10:]
     if wait is None:
-        wait = 0.0 if idle > 0 else \
-            ((view.queued_work_s if view.ahead_s is None else view.ahead_s) + view.remaining_s) / view.engines
-    queued, est = view.queued, view.est_service_s
+        wait = 0.0 if idle > 0 else ((queued_work_s if ahead_s is None else ahead_s) + remaining_s) / engines
     if idle <= 0:
-        if view.priority < 0 and queued > 0:
-            return Rejection(Reason.SHED, {"priority": view.priority, "queued": queued, "wait_s": wait},
-                             retry_after(wait))
+        if priority < 0 and queued > 0:
+            return Rejection(_SHED, {"priority": priority, "queued": queued, "wait_s": wait}, retry_after(wait))
         if policy.max_queue is not None and queued >= policy.max_queue:
-            return Rejection(Reason.QUEUE_FULL, {"queued": queued, "max_queue": policy.max_queue, "wait_s": wait},
+            return Rejection(_QUEUE_FULL, {"queued": queued, "max_queue": policy.max_queue, "wait_s": wait},
                              retry_after(wait))
         tokens = policy.max_queued_tokens
-        if tokens is not None and view.queued_tokens + view.prompt_tokens > tokens:
-            return Rejection(Reason.TOKENS_QUEUED, {"queued_tokens": view.queued_tokens,
-                                                    "prompt_tokens": view.prompt_tokens,
+        if tokens is not None and queued_tokens + prompt_tokens > tokens:
+            return Rejection(Reason.TOKENS_QUEUED, {"queued_tokens": queued_tokens, "prompt_tokens": prompt_tokens,
                                                     "max_queued_tokens": tokens, "wait_s": wait}, retry_after(wait))
         limit = policy.max_queued_seconds
-        if limit is not None and view.queued_work_s + est > limit:
-            return Rejection(Reason.WORK_LIMIT, {"queued_work_s": view.queued_work_s, "est_service_s": est,
-                                                 "max_queued_seconds": limit, "wait_s": wait}, retry_after(wait))
-    if policy.shed_queue_threshold is not None and view.priority < policy.shed_below_priority:
-        saturation = max(queued / policy.shed_queue_threshold, view.kv_use / policy.shed_kv_threshold)
+        if limit is not None and queued_work_s + est > limit:
+            return Rejection(_WORK_LIMIT, {"queued_work_s": queued_work_s, "est_service_s": est,
+                                           "max_queued_seconds": limit, "wait_s": wait}, retry_after(wait))
+    if policy.shed_queue_threshold is not None and priority < policy.shed_below_priority:
+        saturation = max(queued / policy.shed_queue_threshold, kv_use / policy.shed_kv_threshold)
         chance = min(saturation ** policy.shed_power * policy.shed_k, 1.0)
-        if view.u < chance:
-            return Rejection(Reason.SHED, {"saturation": saturation, "probability": chance, "queued": queued,
-                                           "kv_use": view.kv_use, "wait_s": wait}, retry_after(wait))
-    if not policy.predictive or view.deadline_s is None:
+        if u < chance:
+            return Rejection(_SHED, {"saturation": saturation, "probability": chance, "queued": queued,
+                                     "kv_use": kv_use, "wait_s": wait}, retry_after(wait))
+    if not policy.predictive or deadline is None:
         return None
-    deadline = view.deadline_s
-    if policy.kv_admission and view.kv_wait_s is not None and view.kv_wait_s + est > deadline + TIME_TOLERANCE_S:
+    if policy.kv_admission and kv_wait is not None and kv_wait + est > deadline + TIME_TOLERANCE_S:
         if wait + est <= deadline + TIME_TOLERANCE_S:  # it is the memory that makes it late
-            return Rejection(Reason.KV_FULL, {"kv_wait_s": view.kv_wait_s, "wait_s": wait, "est_service_s": est,
-                                              "deadline_s": deadline, "kv_use": view.kv_use},
-                             retry_after(view.kv_wait_s))
+            return Rejection(Reason.KV_FULL, {"kv_wait_s": kv_wait, "wait_s": wait, "est_service_s": est,
+                                              "deadline_s": deadline, "kv_use": kv_use}, retry_after(kv_wait))
     if wait + est > deadline + TIME_TOLERANCE_S:
-        return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "deadline_s": deadline},
+        return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "deadline_s": deadline},
                          retry_after(wait))
-    for objective, projected in (("ttft_slo_s", view.ttft_s), ("tpot_slo_s", view.tpot_s)):
-        slo = getattr(policy, objective)
-        if slo is not None and projected > slo + TIME_TOLERANCE_S:
-            return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": est, objective: slo,
-                                                           objective.replace("_slo", "_projected"): projected},
-                             retry_after(wait))
+    if policy.ttft_slo_s is not None and ttft > policy.ttft_slo_s + TIME_TOLERANCE_S:
+        return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "ttft_slo_s": policy.ttft_slo_s,
+                                        "ttft_projected_s": ttft}, retry_after(wait))
+    if policy.tpot_slo_s is not None and tpot > policy.tpot_slo_s + TIME_TOLERANCE_S:
+        return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "tpot_slo_s": policy.tpot_slo_s,
+                                        "tpot_projected_s": tpot}, retry_after(wait))
     return None
+
+
+def reads_more(policy: Policy) -> bool:
+    """Whether the built-in rule reads more of a view than the brief's numbers for this policy (queued tokens,
+    the KV share, objectives, a draw): the queue cores build the whole view only then."""
+    return (policy.max_queued_tokens is not None or policy.shed_queue_threshold is not None or policy.kv_admission
+            or policy.ttft_slo_s is not None or policy.tpot_slo_s is not None)
+
+
+_NAN = math.nan
+# The reasons decide_view gives most, as module names (an enum member read through its class is slow).
+_SHED, _QUEUE_FULL, _WORK_LIMIT, _UNREACHABLE = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LIMIT, \
+    Reason.DEADLINE_UNREACHABLE
 
 
 def take_token(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, Rejection | None]:

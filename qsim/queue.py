@@ -51,15 +51,16 @@ from typing import Any, Callable, NamedTuple
 from .config import ServerConfig, StallRule, as_config
 from .engines import OneAtATime
 from .entry import Entry, Work
-from .outcomes import Outcome, Reason
+from .outcomes import ERROR, EXPIRED, GOOD, LATE, Outcome, Reason
 from .clients import uniform
-from .policy import (EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, on_time, retry_after,
+from .policy import (EXPIRE_REASON, Policy, Rejection, View, cannot_finish, on_time, reads_more, retry_after, rule,
                      take_token)
 from .service import SpeedTracker
 
 #: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
 RESERVE_WEIGHT = 0.05
 _new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
+_NAN = math.nan
 #: Reason of a request ended because its engine stalled, or given up behind stalled engines.
 STALL_REASON = Reason.ENGINE_STALLED
 #: Reason of a request stopped in service when its deadline passed (outcome cancelled).
@@ -122,7 +123,8 @@ class AdmissionQueue:
         self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
         self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)
         # The admission rule: the policy's own where its class overrides decide, else the built-in one directly.
-        self._decide = decide_view if type(policy).decide is Policy.decide else type(policy).decide
+        self._decide = None if type(policy).decide is Policy.decide else type(policy).decide  # None: rule()
+        self._reads_more = reads_more(policy)
         self._objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
         self._sheds = policy.shed_queue_threshold is not None
 
@@ -147,15 +149,16 @@ class AdmissionQueue:
         bound than the bound allows.
         """
         # Per arrival, so kept lean: named tuples are made with tuple.__new__ (their Python __new__ costs a
-        # sixth of a plain run's simulation time), and what a policy does not use is not computed.
-        self.arrivals += 1
+        # sixth of a plain run's simulation time), the built-in rule takes the view's fields as arguments, and
+        # what a policy does not use is not computed.
         policy = self.policy
         if deadline_s is None or deadline_s != deadline_s:
             deadline_s = policy.deadline_s
-        if work is not None and type(work) is not Work:
-            work = Work(*work)
-        if self.estimator is not None and work is not None:
-            base_est_s = self.estimator.base_s(base_est_s, *work)
+        if work is not None:
+            if type(work) is not Work:
+                work = Work(*work)
+            if self.estimator is not None:
+                base_est_s = self.estimator.base_s(base_est_s, *work)
         factor = self.tracker.factor
         est = base_est_s * factor
         waiting = self.waiting
@@ -174,14 +177,19 @@ class AdmissionQueue:
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         ahead = None if self._ahead is None or idle else self._ahead(entry) * factor
         prompt = 0 if work is None else work.prompt
-        ttft = tpot = math.nan
+        ttft = tpot = u = _NAN
         if self._objectives:
             ttft, tpot = first_token_split(self.config.model, entry, est, self.wait_s(now))
-        u = uniform(self.config.seed, self.arrivals, 0) if self._sheds else math.nan
-        view = _new(View, (queued, queued_work, 0.0 if idle else self.remaining_s(now), est, budget, self.engines,
-                           len(idle), priority, ahead, client, None, ttft, tpot, None, 0.0, self.waiting_tokens,
-                           prompt, u))
-        refusal = self._decide(policy, view)
+        if self._sheds:
+            self.arrivals += 1
+            u = uniform(self.config.seed, self.arrivals, 0)
+        remaining = 0.0 if idle else self.remaining_s(now)
+        if self._decide is None and not self._reads_more:  # the brief's numbers are all the rule reads
+            refusal = rule(policy, queued, queued_work, remaining, est, budget, self.engines, len(idle), priority, ahead)
+        else:
+            view = _new(View, (queued, queued_work, remaining, est, budget, self.engines, len(idle), priority, ahead,
+                               client, None, ttft, tpot, None, 0.0, self.waiting_tokens, prompt, u))
+            refusal = rule(policy, *view[:9], view) if self._decide is None else self._decide(policy, view)
         if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
             self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
         if refusal is not None:
@@ -230,9 +238,9 @@ class AdmissionQueue:
                 if self._objectives:
                     outcome = judge(self.policy, entry, now, first_token_at, tokens)
                 else:  # the deadline alone (the common case, inlined: once per request)
-                    outcome = Outcome.GOOD if on_time(now - entry.arrived_at, entry.deadline_s) else Outcome.LATE
+                    outcome = GOOD if on_time(now - entry.arrived_at, entry.deadline_s) else LATE
         elif not ok and not (stalled or ended):
-            outcome = Outcome.ERROR
+            outcome = ERROR
         self._next(k, now)
         return outcome
 
@@ -324,9 +332,9 @@ class AdmissionQueue:
                 continue
             est = entry.base_s * self.tracker.factor
             if self.policy.expire_at_front:
-                self._drop(entry.req, now, Outcome.EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
+                self._drop(entry.req, now, EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
             else:
-                self._drop(entry.req, now, Outcome.ERROR, STALL_REASON, est, None)
+                self._drop(entry.req, now, ERROR, STALL_REASON, est, None)
         return len(late)
 
     def _left(self, entry: Entry) -> None:
@@ -423,13 +431,13 @@ class AdmissionQueue:
             if expire:
                 est = entry.base_s * self.tracker.factor
                 if cannot_finish(now, est, entry.arrived_at + entry.deadline_s):
-                    self._drop(entry.req, now, Outcome.EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
+                    self._drop(entry.req, now, EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
                     continue
             if drop_reason is not None:
                 est = entry.base_s * self.tracker.factor
                 reason = drop_reason(entry, now, est)
                 if reason is not None:
-                    self._drop(entry.req, now, Outcome.EXPIRED, reason, est, retry_after(self.wait_s(now)))
+                    self._drop(entry.req, now, EXPIRED, reason, est, retry_after(self.wait_s(now)))
                     continue
             self._begin(k, entry, now)
             return
@@ -453,11 +461,11 @@ def judge(policy: Policy, entry: Entry, now: float, first_token_at: float = math
     """An answered request's outcome at ``now``: good when it met every objective it had (its deadline; the
     policy's time to first token and per output token where set and known), else late (DistServe's goodput)."""
     if not on_time(now - entry.arrived_at, entry.deadline_s):
-        return Outcome.LATE
+        return LATE
     if first_token_at == first_token_at:
         ttft, tpot = policy.ttft_slo_s, policy.tpot_slo_s
         if ttft is not None and not on_time(first_token_at - entry.arrived_at, ttft):
-            return Outcome.LATE
+            return LATE
         if tpot is not None and tokens is not None and tokens > 1 and not on_time((now - first_token_at) / (tokens - 1), tpot):
-            return Outcome.LATE
-    return Outcome.GOOD
+            return LATE
+    return GOOD

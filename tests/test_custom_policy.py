@@ -78,5 +78,5 @@ def test_a_server_serves_it_and_compare_rebuilds_it(tmp_path):
         done = subprocess.run([*qlab, "compare", str(run), "--out", str(tmp_path / "cmp")],
                               check=True, capture_output=True, text=True)
     frame = pd.read_parquet(run)
-    assert frame["policy"].iloc[0] == SPEC and '"weight": 0.5' in frame["policy_fields"].iloc[0]
+    assert frame["policy"].iloc[0] == SPEC and '"weight": 0.5' in frame["server_config"].iloc[0]
     assert "disagreements: 0 of 30" in done.stdout

@@ -19,6 +19,7 @@ from live import live_config, runner  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate, probe  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.rows import Exchange, classify  # noqa: E402
+from analysis.compare import run_setup  # noqa: E402
 from live.procs import serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from qsim import ServiceModel, from_arrays, make_trace, records  # noqa: E402
@@ -67,7 +68,7 @@ def test_every_request_ends_in_exactly_one_row(bounded, tmp_path):
     # Open loop: each left at (or just after) its time; arrival_s is the actual send time.
     assert (rows["send_lateness_s"] >= 0).all() and (rows["arrival_s"] == rows["sent_s"]).all()
     assert rows["send_lateness_s"].median() < 0.005
-    assert set(rows["policy"]) == {"bounded"} and set(rows["max_queue"]) == {8}
+    assert set(rows["policy"]) == {"bounded"} and run_setup(rows).policy.max_queue == 8
 
 
 def test_classify_maps_every_answer_to_one_outcome():
