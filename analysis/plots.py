@@ -22,7 +22,7 @@ from matplotlib.ticker import FuncFormatter
 
 from .metrics import _class_key, aggregate
 from .objectives import Objective
-from .styles import OUTCOME_COLORS, policy_color, policy_rank, policy_styles
+from .styles import OUTCOME_COLORS, policy_color, policy_order, policy_styles
 
 #: Panels in a row before a figure of one panel per policy wraps to the next row.
 MAX_COLUMNS = 4
@@ -33,9 +33,8 @@ LOAD_LABEL = "load (utilisation at the simulated speed)"
 
 
 def _policies(frame: pd.DataFrame) -> list[str]:
-    """The policies (or variant labels) of ``frame`` in figure order: built-in ones as listed in
-    analysis.styles.POLICY_COLORS, then others as they come."""
-    return sorted(dict.fromkeys(frame["policy"]), key=policy_rank)
+    """The policies (or variant labels) of ``frame`` in figure order (analysis.styles.policy_order)."""
+    return policy_order(frame["policy"])
 
 
 def _speeds(frame: pd.DataFrame) -> list[float]:

@@ -50,6 +50,19 @@ def base_policy(label: str) -> str:
     return str(label).split(VARIANT_SEPARATOR, 1)[0]
 
 
+def variant(label: str) -> str:
+    """The variant a curve's label names: "two-tenant" for "predictive / two-tenant", "" for "predictive"."""
+    return str(label).partition(VARIANT_SEPARATOR)[2]
+
+
+def policy_order(labels: Iterable[str]) -> list[str]:
+    """Curves' labels in the order figures list them: by policy (:func:`policy_rank`, then name), a policy's
+    variants in the order their variants first appear among all ``labels``."""
+    labels = list(dict.fromkeys(labels))
+    variants = list(dict.fromkeys(map(variant, labels)))
+    return sorted(labels, key=lambda label: (policy_rank(label), base_policy(label), variants.index(variant(label))))
+
+
 def policy_color(label: str) -> str:
     """The colour of a policy (or of a variant of one): fixed per name."""
     name = base_policy(label)
@@ -88,10 +101,10 @@ def policy_styles(labels: Iterable[str]) -> dict[str, PolicyStyle]:
     """A style for each label: its policy's colour, and a line style, marker and hatch by its variant
     (the part after " / "), in the order the variants first appear."""
     labels = list(dict.fromkeys(labels))
-    variants = list(dict.fromkeys(label.partition(VARIANT_SEPARATOR)[2] for label in labels))
+    variants = list(dict.fromkeys(map(variant, labels)))
     styles = {}
     for label in labels:
-        i = variants.index(label.partition(VARIANT_SEPARATOR)[2]) if len(variants) > 1 else 0
+        i = variants.index(variant(label)) if len(variants) > 1 else 0
         styles[label] = PolicyStyle(policy_color(label), LINE_STYLES[i % len(LINE_STYLES)], MARKERS[i % len(MARKERS)],
                                     HATCHES[i % len(HATCHES)])
     return styles

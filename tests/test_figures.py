@@ -14,7 +14,7 @@ from matplotlib.colors import to_hex
 
 from analysis import plots
 from analysis.objectives import Objective, parse_objectives
-from analysis.styles import OTHER_COLORS, POLICY_COLORS, policy_color, policy_styles
+from analysis.styles import OTHER_COLORS, POLICY_COLORS, policy_color, policy_order, policy_styles
 from experiments import config, sweep
 from experiments.cli import main
 from qsim.policy import PRESETS
@@ -138,6 +138,14 @@ def test_variants_keep_their_policys_colour_and_differ_in_line_style():
     assert styles["predictive / none"].linestyle == styles["bounded / none"].linestyle
     assert styles["predictive / none"].hatch != styles["predictive / two-tenant"].hatch
     assert policy_styles(["predictive"])["predictive"].linestyle == "-"
+
+
+def test_figures_list_policies_in_one_order_with_a_policys_variants_together():
+    labels = ["predictive / none", "mine:Margin / none", "codel / two-tenant", "none / none", "predictive / two-tenant",
+              "codel / none", "none / two-tenant"]
+    assert policy_order(labels) == ["none / none", "none / two-tenant", "predictive / none", "predictive / two-tenant",
+                                    "codel / none", "codel / two-tenant", "mine:Margin / none"]
+    assert policy_order(["codel", "predictive", "none"]) == ["none", "predictive", "codel"]
 
 
 # ------------------------------------------------------------------ the latency CDF
