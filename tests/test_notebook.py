@@ -113,3 +113,23 @@ def test_without_a_sweep_the_notebook_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("QLAB_SWEEP", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=f"^no sweep to show: QLAB_SWEEP={tmp_path} holds no summary.parquet"):
         run_cells(1)
+
+
+def test_make_notebook_opens_it_in_jupyterlab_from_an_extra_that_make_test_does_not_need(tmp_path):
+    import shutil
+    import subprocess
+    import tomllib
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    # -n: print what it would run (installing JupyterLab and starting it is for a person, not a test); -B: as on
+    # a fresh clone, where nothing is installed yet.
+    plan = subprocess.run(["make", "-n", "-B", "notebook", f"SWEEP={tmp_path}"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+    assert "pip install --quiet -e '.[notebook]'" in plan
+    assert f"QLAB_SWEEP='{tmp_path}' .venv/bin/jupyter lab notebooks/goodput_curves.ipynb" in plan
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("jupyterlab") for r in extras["notebook"])
+    test_plan = subprocess.run(["make", "-n", "-B", "test"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout
+    assert "notebook" not in test_plan and "jupyterlab" not in test_plan
