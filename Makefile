@@ -35,7 +35,7 @@ bench: $(STAMP)
 
 # notebooks/goodput_curves.ipynb in JupyterLab (the `notebook` extra, installed on first use) on a sweep
 # folder: SWEEP=DIR, by default the reference sweep that `make demo` writes.
-SWEEP ?= runs/study/reference/sweep
+SWEEP ?= runs/study/sections/reference/sweep
 NOTEBOOK_STAMP := $(VENV)/.qlab-notebook
 
 $(NOTEBOOK_STAMP): pyproject.toml | $(STAMP)

@@ -107,7 +107,7 @@ def test_without_a_sweep_the_notebook_says_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as raised:
         run_cells(1)
     assert str(raised.value) == (
-        "no sweep to show: QLAB_SWEEP is not set, and runs/study/reference/sweep (what `make demo` writes) holds no "
+        "no sweep to show: QLAB_SWEEP is not set, and runs/study/sections/reference/sweep (what `make demo` writes) holds no "
         "summary.parquet (a folder written by `qlab sweep`). Run `make demo`, or `qlab sweep FILE.toml --out DIR` and "
         "then `make notebook SWEEP=DIR` (or set QLAB_SWEEP=DIR before starting Jupyter).")
     monkeypatch.setenv("QLAB_SWEEP", str(tmp_path))
