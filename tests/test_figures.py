@@ -29,14 +29,6 @@ policy = {SEVEN!r}
 load = [0.5, 1.5]
 speed = [1.0, 2.25]
 """
-TWO = """
-[sweep]
-duration_s = 10
-seeds = 2
-[grid]
-policy = ["bounded", "predictive"]
-load = [0.5, 1.5]
-"""
 CANCEL = """
 [sweep]
 duration_s = 20
@@ -46,16 +38,6 @@ policy = ["none", "predictive"]
 load = [1.5]
 cancel_at_deadline = [true, false]
 """
-
-
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    """A sweep of two policies at two loads (2 seeds of 10 s), for the command's tests: it draws every figure."""
-    out = tmp_path_factory.mktemp("figures") / "two"
-    path = out.parent / "two.toml"
-    path.write_text(TWO)
-    sweep.run(config.load(path), out, workers=1, quiet=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -173,12 +155,12 @@ def test_latency_cdf_is_linear_from_zero_where_latencies_span_little():
     plt.close(fig)
 
 
-def test_a_cdf_load_not_in_the_grid_is_one_clear_error(two, tmp_path, capsys):
-    out = two
+def test_a_cdf_load_not_in_the_grid_is_one_clear_error(tiny_sweep, tmp_path, capsys):
+    out = tiny_sweep
     code = main(["plot", str(out), "--out", str(tmp_path / "figs"), "--cdf-load", "1.25"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err == "qlab: error: --cdf-load 1.25 is not a load of this sweep; its loads: 0.5, 1.5\n"
+    assert err == "qlab: error: --cdf-load 1.25 is not a load of this sweep; its loads: 0.5, 2\n"
     assert not (tmp_path / "figs").exists()
     code = main(["plot", str(out), "--out", str(tmp_path / "figs"), "--cdf-load", "0.5"])
     assert code == 0 and "latency CDF at load 0.5" in capsys.readouterr().out
@@ -303,8 +285,8 @@ def test_an_objective_is_a_line_on_every_panel_of_its_metric(seven):
     plt.close(fig)
 
 
-def test_plot_draws_the_objective_and_refuses_one_no_figure_draws(two, tmp_path, capsys):
-    out = two
+def test_plot_draws_the_objective_and_refuses_one_no_figure_draws(tiny_sweep, tmp_path, capsys):
+    out = tiny_sweep
     assert main(["plot", str(out), "--out", str(tmp_path / "a"), "--objective", "share_good>=0.9"]) == 0
     svg = (tmp_path / "a" / "share_in_time.svg").read_text()
     assert "objective share_good ≥ 0.9" in svg
@@ -317,9 +299,9 @@ def test_plot_draws_the_objective_and_refuses_one_no_figure_draws(two, tmp_path,
     assert not (tmp_path / "b").exists()
 
 
-def test_with_too_few_panels_for_a_spare_one_the_legend_goes_outside_clear_of_the_title(two):
-    summary = pd.read_parquet(two / "summary.parquet")
-    by_class = pd.read_parquet(two / "summary_by_class.parquet")
+def test_with_too_few_panels_for_a_spare_one_the_legend_goes_outside_clear_of_the_title(tiny_sweep):
+    summary = pd.read_parquet(tiny_sweep / "summary.parquet")
+    by_class = pd.read_parquet(tiny_sweep / "summary_by_class.parquet")
     for fig in (plots.share_by_class(by_class), plots.outcome_bars(summary)):
         assert fig.get_suptitle() and len(fig.legends) == 1  # no spare panel: a figure legend
         assert_legends_cover_nothing(fig)

@@ -10,25 +10,12 @@ import pandas as pd
 import pytest
 
 from analysis.metrics import aggregate
-from experiments import config, sweep
 from experiments.cli import main
 
-GRID = """
-[sweep]
-duration_s = 10
-seeds = 3
-[grid]
-policy = ["bounded", "predictive"]
-load = [0.5, 2.0]
-"""
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("summary")
-    (tmp / "s.toml").write_text(GRID)
-    summary = sweep.run(config.load(tmp / "s.toml"), tmp / "out", workers=1, quiet=True)
-    return tmp / "out", summary
+def tiny(tiny_sweep):
+    """conftest's tiny sweep (2 policies x 2 loads x 3 seeds) and its summary table."""
+    return tiny_sweep, pd.read_parquet(tiny_sweep / "summary.parquet")
 
 
 def summary_out(args, capsys) -> str:
