@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.qlab-installed
 # users with a GPU can pass TORCH=torch (or any pin) to get theirs.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench audit clean
+.PHONY: demo test bench notebook audit clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,19 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py
 	$(BIN)/python benchmarks/bench_sweep.py
+
+# notebooks/goodput_curves.ipynb in JupyterLab (the `notebook` extra, installed on first use) on a sweep
+# folder: SWEEP=DIR, by default the reference sweep that `make demo` writes.
+SWEEP ?= runs/study/sections/reference/sweep
+NOTEBOOK_STAMP := $(VENV)/.qlab-notebook
+
+$(NOTEBOOK_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[notebook]'
+	touch $@
+
+notebook: $(STAMP) $(NOTEBOOK_STAMP)
+	@test -f '$(SWEEP)/summary.parquet' || { echo "make notebook: no sweep in $(SWEEP) (no summary.parquet): run make demo, or qlab sweep FILE.toml --out DIR and make notebook SWEEP=DIR" >&2; exit 2; }
+	QLAB_SWEEP='$(abspath $(SWEEP))' $(BIN)/jupyter lab notebooks/goodput_curves.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Known-vulnerable dependencies. Needs PyPI's JSON API or OSV, which this project's machines
 # do not reach (pip-audit then audits nothing, and --strict makes that a failure).

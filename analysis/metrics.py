@@ -266,6 +266,11 @@ def _class_key(label: str) -> tuple[float, str]:
         return (math.inf, str(label))
 
 
+def class_order(labels) -> list[str]:
+    """The distinct size classes of ``labels`` in numeric order ('4', '16', '64', not '16', '4', '64')."""
+    return sorted(dict.fromkeys(str(v) for v in labels), key=_class_key)
+
+
 def mean_ci(values, level: float = 0.95) -> tuple[float, float, float]:
     """Mean and Student-t confidence interval of independent replications (NaNs dropped)."""
     x = np.asarray(values, dtype=float)

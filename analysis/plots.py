@@ -2,28 +2,39 @@
 
 Every function takes the sweep's summary tables (or rows) and returns a Figure;
 :func:`save_all` writes each as PNG and SVG. Bands and error bars are 95 %
-confidence intervals across seeds.
+confidence intervals across seeds. A policy has one colour in every figure
+(:mod:`analysis.styles`); legends sit outside the panels or in an empty one, never over a
+curve; a figure of one panel per policy wraps them into rows of at most four. Objectives
+(:mod:`analysis.objectives`) are drawn as a dash-dotted black line on each panel of their metric.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 # No backend is forced: without a display matplotlib picks Agg, and in a notebook the kernel's inline one.
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import FuncFormatter
 
 from .metrics import _class_key, aggregate
+from .objectives import Objective
+from .styles import OUTCOME_COLORS, policy_color, policy_order, policy_styles
 
-POLICY_ORDER = ["none", "bounded", "bounded-deadline", "predictive"]
-OUTCOME_COLORS = {"good": "#2a9d8f", "late": "#e9c46a", "rejected": "#e76f51", "expired": "#8d99ae", "error": "#264653",
-                  "abandoned": "#b56576", "cancelled": "#6d597a"}
+#: Panels in a row before a figure of one panel per policy wraps to the next row.
+MAX_COLUMNS = 4
+#: The metrics some figure draws against its y axis (or, for a latency percentile, on the CDF): where an
+#: objective's line can go.
+DRAWN_METRICS = ("share_good", "goodput_rps", "good_tokens_per_s", "share_refused")
+LOAD_LABEL = "load (utilisation at the simulated speed)"
 
 
 def _policies(frame: pd.DataFrame) -> list[str]:
-    present = list(dict.fromkeys(frame["policy"]))
-    return [p for p in POLICY_ORDER if p in present] + [p for p in present if p not in POLICY_ORDER]
+    """The policies (or variant labels) of ``frame`` in figure order (analysis.styles.policy_order)."""
+    return policy_order(frame["policy"])
 
 
 def _speeds(frame: pd.DataFrame) -> list[float]:
@@ -31,89 +42,174 @@ def _speeds(frame: pd.DataFrame) -> list[float]:
 
 
 def _band(ax, agg: pd.DataFrame, x: str, y: str, label: str, **style) -> None:
-    ax.plot(agg[x], agg[y], marker="o", ms=3, label=label, **style)
-    # A t-interval over few seeds can reach below zero; nothing plotted here can.
-    low = agg[f"{y}_low"].clip(lower=0)
-    ax.fill_between(agg[x], low, agg[f"{y}_high"], alpha=0.2, color=ax.lines[-1].get_color())
+    style = {"marker": "o", "ms": 3, **style}
+    ax.plot(agg[x], agg[y], label=label, **style)
+    # A t-interval over few seeds can reach below zero, or past 1 for a share; nothing plotted here can.
+    low, high = agg[f"{y}_low"].clip(lower=0), agg[f"{y}_high"]
+    if y.startswith(("share", "jain")):
+        high = high.clip(upper=1)
+    ax.fill_between(agg[x], low, high, alpha=0.2, color=ax.lines[-1].get_color(), lw=0)
 
 
-def share_in_time(summary: pd.DataFrame) -> plt.Figure:
+def check_objectives(objectives: Sequence[Objective]) -> None:
+    """ValueError for an objective no figure can draw (its metric is on none of their axes)."""
+    for o in objectives:
+        if o.metric not in DRAWN_METRICS and o.quantile is None:
+            raise ValueError(f"objective {o.metric}: no figure draws it; one of {', '.join(DRAWN_METRICS)} "
+                             "or a latency percentile (latency_p99_s)")
+
+
+def _objective_lines(ax, metric: str, objectives: Sequence[Objective] | None) -> None:
+    for o in objectives or ():
+        if o.metric == metric:
+            ax.axhline(o.value, color="black", ls="-.", lw=1, label=f"objective {o}")
+
+
+def _grid(panels: int, size: tuple[float, float], blocks: int = 1, **subplots) -> tuple[plt.Figure, list, list]:
+    """A figure of ``blocks`` blocks of ``panels`` panels each, at most MAX_COLUMNS a row, each block starting
+    a row of its own: the figure, each block's axes, and the spare axes (turned off: room for a legend)."""
+    cols = min(panels, MAX_COLUMNS)
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows * blocks, cols, figsize=(size[0] * cols, size[1] * rows * blocks),
+                             squeeze=False, layout="constrained", **subplots)
+    flat = list(axes.flat)
+    per_block = rows * cols
+    used = [flat[b * per_block: b * per_block + panels] for b in range(blocks)]
+    spare = [ax for b in range(blocks) for ax in flat[b * per_block + panels: (b + 1) * per_block]]
+    for ax in spare:
+        ax.axis("off")
+    return fig, used, spare
+
+
+def _legend(fig: plt.Figure, axes, spare: list | None = None, loc: str | None = None, **style) -> None:
+    """One legend for the figure, over nothing: every entry of ``axes`` once, in the first spare (empty)
+    panel if there is one, else outside the panels (``loc``; default on the right, at the top, or halfway
+    down where the figure has a title across it, which would run into the legend). Call it after suptitle."""
+    entries = {}
+    for ax in np.ravel(axes):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if not entries:
+        return
+    style = {"fontsize": 8, **style}
+    if spare:
+        spare[0].legend(entries.values(), entries.keys(), loc="center", **style)
+    else:
+        loc = loc or ("outside right center" if fig.get_suptitle() else "outside right upper")
+        fig.legend(entries.values(), entries.keys(), loc=loc, **style)
+
+
+def share_in_time(summary: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """Share of requests answered within the deadline against load, per policy; a panel per speed."""
     speeds = _speeds(summary)
-    fig, axes = plt.subplots(1, len(speeds), figsize=(5.5 * len(speeds), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(speeds), figsize=(4.8 * len(speeds) + 1.8, 3.8), sharey=True, squeeze=False,
+                             layout="constrained")
     agg = aggregate(summary, ["policy", "speed", "load"], ["share_good"])
+    styles = policy_styles(_policies(summary))
     for ax, speed in zip(axes[0], speeds):
-        for policy in _policies(summary):
+        for policy, style in styles.items():
             part = agg[(agg["policy"] == policy) & (agg["speed"] == speed)]
-            _band(ax, part, "load", "share_good", policy)
+            _band(ax, part, "load", "share_good", policy, **style.line())
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")
-        ax.set(title=f"service times x{speed:g}", xlabel="load (utilisation at the simulated speed)",
-               ylim=(0, 1.02))
+        _objective_lines(ax, "share_good", objectives)
+        ax.set(title=f"service times x{speed:g}", xlabel=LOAD_LABEL, ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("share answered within deadline")
-    axes[0][0].legend(title="policy")
-    fig.tight_layout()
+    _legend(fig, axes, title="policy")
     return fig
 
 
-def goodput(summary: pd.DataFrame) -> plt.Figure:
+def goodput(summary: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """Goodput in requests/s and good tokens/s against load, capacity marked; rows per speed."""
     speeds = _speeds(summary)
-    fig, axes = plt.subplots(len(speeds), 2, figsize=(11, 3.8 * len(speeds)), squeeze=False)
+    fig, axes = plt.subplots(len(speeds), 2, figsize=(11.5, 3.6 * len(speeds)), squeeze=False, layout="constrained")
     cols = ["goodput_rps", "good_tokens_per_s", "capacity_rps", "capacity_tokens_per_s"]
     agg = aggregate(summary, ["policy", "speed", "load"], cols)
+    styles = policy_styles(_policies(summary))
     for row, speed in zip(axes, speeds):
         for ax, (metric, cap, unit) in zip(row, [("goodput_rps", "capacity_rps", "good requests/s"),
                                                  ("good_tokens_per_s", "capacity_tokens_per_s", "good tokens/s")]):
-            for policy in _policies(summary):
+            for policy, style in styles.items():
                 part = agg[(agg["policy"] == policy) & (agg["speed"] == speed)]
-                _band(ax, part, "load", metric, policy)
+                _band(ax, part, "load", metric, policy, **style.line())
             capacity = agg.loc[agg["speed"] == speed, cap].iloc[0]
-            ax.axhline(capacity, color="black", ls="--", lw=1, label=f"capacity ({capacity:.3g})")
-            ax.set(title=f"{unit}, service times x{speed:g}", xlabel="load (utilisation at the simulated speed)",
+            ax.axhline(capacity, color="black", ls="--", lw=1, label="capacity")
+            _objective_lines(ax, metric, objectives)
+            ax.set(title=f"{unit}, service times x{speed:g} (capacity {capacity:.3g})", xlabel=LOAD_LABEL,
                    ylabel=unit)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        row[0].legend(fontsize=8)
-    fig.tight_layout()
+    _legend(fig, axes, title="policy")
     return fig
 
 
-def share_by_class(by_class: pd.DataFrame) -> plt.Figure:
-    """Share in time by size class against load: a panel per policy (first speed in solid, others dashed)."""
+def share_by_class(by_class: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
+    """Share in time by size class against load: a panel per policy, wrapped into rows (first speed in
+    solid, others dashed)."""
     policies = _policies(by_class)
-    fig, axes = plt.subplots(1, len(policies), figsize=(4.2 * len(policies), 3.8), sharey=True, squeeze=False)
+    fig, (axes,), spare = _grid(len(policies), (3.6, 3.1), sharey=True)
     agg = aggregate(by_class, ["policy", "speed", "size_class", "load"], ["share_good"])
     classes = sorted(by_class["size_class"].unique(), key=_class_key)
-    for ax, policy in zip(axes[0], policies):
+    for ax, policy in zip(axes, policies):
         for i, speed in enumerate(_speeds(by_class)):
             for j, cls in enumerate(classes):
                 part = agg[(agg["policy"] == policy) & (agg["speed"] == speed) & (agg["size_class"] == cls)]
                 ax.plot(part["load"], part["share_good"], marker="o", ms=3, color=f"C{j}",
-                        ls="-" if i == 0 else "--", label=f"<= {cls} tokens, x{speed:g}")
-        ax.set(title=policy, xlabel="load (utilisation at the simulated speed)", ylim=(0, 1.02))
+                        ls="-" if i == 0 else "--", label=f"<= {cls} tokens, service times x{speed:g}")
+        _objective_lines(ax, "share_good", objectives)
+        ax.set(title=policy, xlabel="load", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("share answered within deadline")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    for ax in axes[::MAX_COLUMNS]:
+        ax.set_ylabel("share answered within deadline")
+    fig.suptitle("share answered in time by size class (max_new_tokens up to); load: utilisation at the "
+                 "simulated speed", fontsize=10)
+    _legend(fig, axes, spare, title="size class")
     return fig
 
 
-def latency_cdf(rows: pd.DataFrame, deadline_s: float | None = None) -> plt.Figure:
-    """Empirical CDF of the latency of the answered (good or late), one curve per policy."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+def _latency_scale(ax, latencies: np.ndarray) -> None:
+    """Log where the latencies span a factor of 20 or more (and none is 0), else linear from 0."""
+    if latencies.size and latencies.min() > 0 and latencies.max() / latencies.min() >= 20:
+        ax.set_xscale("log")
+        # 0.1, 1, 10 rather than 10^-1: latencies in seconds read as numbers.
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    else:
+        ax.set_xlim(left=0)
+
+
+def _only(rows: pd.DataFrame, column: str) -> float | None:
+    """The one value of ``column`` in ``rows``, or None where it has none or several."""
+    if column not in rows:
+        return None
+    values = rows[column].dropna().unique()
+    return float(values[0]) if len(values) == 1 else None
+
+
+def latency_cdf(rows: pd.DataFrame, deadline_s: float | None = None,
+                objectives: Sequence[Objective] | None = None) -> plt.Figure:
+    """Empirical CDF of the latency of the answered (good or late), one curve per policy, titled by the load
+    (and speed) of ``rows``; an objective on a latency percentile is a dash-dotted cross at (value, quantile)."""
+    fig, ax = plt.subplots(figsize=(7.4, 4), layout="constrained")
     answered = rows[rows["outcome"].isin(["good", "late"])]
-    for policy in _policies(rows):
+    for policy, style in policy_styles(_policies(rows)).items():
         lat = np.sort(answered.loc[answered["policy"] == policy, "latency_s"].to_numpy())
         if lat.size:
-            ax.step(lat, np.arange(1, lat.size + 1) / lat.size, where="post", label=policy)
+            ax.step(lat, np.arange(1, lat.size + 1) / lat.size, where="post", label=policy, color=style.color,
+                    ls=style.linestyle)
     if deadline_s:
         ax.axvline(deadline_s, color="black", ls="--", lw=1, label=f"deadline {deadline_s:g} s")
-    ax.set(xlabel="latency of the answered (s)", ylabel="share of answered requests", ylim=(0, 1.01))
-    ax.set_xscale("symlog", linthresh=0.1)
+    for o in objectives or ():
+        if o.quantile is not None:
+            ax.axvline(o.value, color="black", ls="-.", lw=1, label=f"objective {o}")
+            ax.axhline(o.quantile, color="black", ls="-.", lw=1)
+    _latency_scale(ax, answered["latency_s"].to_numpy())
+    load, speed = _only(rows, "load"), _only(rows, "speed")
+    where = "".join([f" at load {load:g}" if load is not None else "",
+                     f", service times x{speed:g}" if speed is not None else ""])
+    ax.set(title=f"latency of the answered{where}", xlabel="latency of the answered (s)",
+           ylabel="share of answered requests", ylim=(0, 1.01))
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    _legend(fig, [ax])
     return fig
 
 
@@ -121,7 +217,7 @@ NO_CLIENT_LABEL = "no client named"
 
 
 def _by_group(table: pd.DataFrame, group: str, what: str, panels: list[tuple[str, str]],
-              extra=None) -> plt.Figure:
+              extra=None, objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """A row per policy; a panel per metric with a band per group value (and client set, and speed)
     against load; ``extra(ax, policy)`` draws one more panel at the end of each row."""
     table = table.assign(
@@ -129,7 +225,8 @@ def _by_group(table: pd.DataFrame, group: str, what: str, panels: list[tuple[str
         **{group: table[group].astype(object).where(table[group].notna(), NO_CLIENT_LABEL)})
     policies = _policies(table)
     n_cols = len(panels) + (extra is not None)
-    fig, axes = plt.subplots(len(policies), n_cols, figsize=(4.6 * n_cols, 3.4 * len(policies)), squeeze=False)
+    fig, axes = plt.subplots(len(policies), n_cols, figsize=(4.3 * n_cols + 2.2, 3.2 * len(policies)),
+                             squeeze=False, layout="constrained")
     agg = aggregate(table, ["policy", "clients", "speed", group, "load"], [m for m, _ in panels])
     lines = sorted({(c, s, v) for c, s, v in zip(table["clients"], table["speed"], table[group])},
                    key=lambda k: (str(k[0]), k[1], k[2] == NO_CLIENT_LABEL, k[2]))
@@ -143,18 +240,19 @@ def _by_group(table: pd.DataFrame, group: str, what: str, panels: list[tuple[str
                 label = ", ".join([f"{clients}: {label}"] if many_sets else [label]) + (f", x{speed:g}" if many_speeds else "")
                 if len(part):
                     _band(ax, part, "load", metric, label, color=f"C{i % 10}")
-            ax.set(title=f"{policy}: {unit.split(' (')[0]}", xlabel="load (utilisation at the simulated speed)",
-                   ylabel=unit)
+            _objective_lines(ax, metric, objectives)
+            ax.set(title=f"{policy}: {unit.split(' (')[0]}", xlabel=LOAD_LABEL, ylabel=unit)
             ax.set_ylim(*((0, 1.02) if metric.startswith("share") else (0, None)))
             ax.grid(alpha=0.3)
-        row[0].legend(fontsize=7)
         if extra is not None:
             extra(row[-1], policy)
-    fig.tight_layout()
+    _legend(fig, axes[:, :len(panels)], title=what)
+    if extra is not None:  # the extra panel's own entries, below the first
+        _legend(fig, axes[:, -1], loc="outside right lower")
     return fig
 
 
-def by_client(table: pd.DataFrame, summary: pd.DataFrame) -> plt.Figure:
+def by_client(table: pd.DataFrame, summary: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """Per policy (a row each): each client's share in time and good tokens/s against load (from
     summary_by_client), and Jain's index across the clients (from summary: over good tokens/s
     solid, over share in time dashed; 1/n, its floor for n clients, dotted)."""
@@ -169,52 +267,52 @@ def by_client(table: pd.DataFrame, summary: pd.DataFrame) -> plt.Figure:
         for i, ((clients, speed), part) in enumerate(agg[agg["policy"] == policy].groupby(["clients", "speed"])):
             name = ", ".join([str(clients)] * many_sets + [f"x{speed:g}"] * many_speeds)
             name = f" ({name})" if name else ""
-            _band(ax, part, "load", "jain_goodput", f"good tokens/s{name}", color=f"C{i}")
-            _band(ax, part, "load", "jain_share", f"share in time{name}", color=f"C{i}", ls="--")
+            _band(ax, part, "load", "jain_goodput", f"Jain over good tokens/s{name}", color=f"C{i}")
+            _band(ax, part, "load", "jain_share", f"Jain over share in time{name}", color=f"C{i}", ls="--")
         for n in sorted(n_clients):
             ax.axhline(1 / n, color="grey", lw=0.8, ls=":")
         ax.set(title=f"{policy}: Jain's index", ylabel="Jain's index across clients (1/n dotted)",
-               xlabel="load (utilisation at the simulated speed)", ylim=(0, 1.02))
+               xlabel=LOAD_LABEL, ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, handlelength=3)
 
     return _by_group(table, "client_id", "client",
                      [("share_good", "share in time (answered within deadline)"), ("good_tokens_per_s", "good tokens/s")],
-                     extra=jain)
+                     extra=jain, objectives=objectives)
 
 
-def by_priority(table: pd.DataFrame) -> plt.Figure:
+def by_priority(table: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """Per policy (a row each): each priority's share in time, good tokens/s and share refused against load."""
     return _by_group(table, "priority", "priority",
                      [("share_good", "share in time (answered within deadline)"), ("good_tokens_per_s", "good tokens/s"),
-                      ("share_refused", "share refused (rejected or expired)")])
+                      ("share_refused", "share refused (rejected or expired)")], objectives=objectives)
 
 
-def policy_comparison(summary: pd.DataFrame, by_class: pd.DataFrame, speed: float | None = None) -> plt.Figure:
+def policy_comparison(summary: pd.DataFrame, by_class: pd.DataFrame, speed: float | None = None,
+                      objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """Every policy on one figure at one speed (default: the first): good tokens/s and share in time
     against load, and the share in time by size class at the highest load. Client sets are told apart
     (see :func:`per_client_set`)."""
     summary, by_class = per_client_set(summary), per_client_set(by_class)
     speed = _speeds(summary)[0] if speed is None else speed
     summary, by_class = summary[summary["speed"] == speed], by_class[by_class["speed"] == speed]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.2), layout="constrained")
     agg = aggregate(summary, ["policy", "load"], ["good_tokens_per_s", "share_good"])
     policies = _policies(summary)
-    # Past ten policies the default cycle repeats its colours; tab20 keeps each policy its own.
-    color = [f"C{i}" for i in range(10)] if len(policies) <= 10 else [plt.cm.tab20(i % 20) for i in range(len(policies))]
-    for i, policy in enumerate(policies):
+    styles = policy_styles(policies)
+    for policy, style in styles.items():
         part = agg[agg["policy"] == policy]
-        _band(axes[0], part, "load", "good_tokens_per_s", policy, color=color[i])
-        _band(axes[1], part, "load", "share_good", policy, color=color[i])
+        _band(axes[0], part, "load", "good_tokens_per_s", policy, **style.line())
+        _band(axes[1], part, "load", "share_good", policy, **style.line())
     capacity = summary["capacity_tokens_per_s"].iloc[0]
-    axes[0].axhline(capacity, color="black", ls="--", lw=1, label=f"capacity ({capacity:.3g})")
-    axes[0].set(title=f"good tokens/s, service times x{speed:g}", ylabel="good tokens/s", ylim=(0, None))
+    axes[0].axhline(capacity, color="black", ls="--", lw=1, label="capacity")
+    axes[0].set(title=f"good tokens/s, service times x{speed:g} (capacity {capacity:.3g})", ylabel="good tokens/s",
+                ylim=(0, None))
     axes[1].set(title=f"share in time, service times x{speed:g}", ylabel="share answered within deadline",
                 ylim=(0, 1.02))
-    for ax in axes[:2]:
-        ax.set_xlabel("load (utilisation at the simulated speed)")
+    for ax, metric in zip(axes[:2], ("good_tokens_per_s", "share_good")):
+        _objective_lines(ax, metric, objectives)
+        ax.set_xlabel(LOAD_LABEL)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
     top = by_class["load"].max()
     classes = sorted(by_class["size_class"].unique(), key=_class_key)
     mean = (aggregate(by_class[by_class["load"] == top], ["policy", "size_class"], ["share_good"])
@@ -223,47 +321,42 @@ def policy_comparison(summary: pd.DataFrame, by_class: pd.DataFrame, speed: floa
     for i, policy in enumerate(policies):
         if policy in mean:
             axes[2].bar(np.arange(len(classes)) + (i - (len(policies) - 1) / 2) * width, mean[policy], width * 0.95,
-                        color=color[i], label=policy)
+                        **styles[policy].bar())
+    _objective_lines(axes[2], "share_good", objectives)
     axes[2].set_xticks(np.arange(len(classes)), classes)
     axes[2].set(title=f"share in time by size class at load {top:g}", xlabel="size class (max_new_tokens up to)",
                 ylabel="share answered within deadline", ylim=(0, 1.02))
     axes[2].grid(alpha=0.3, axis="y")
-    fig.tight_layout()
+    _legend(fig, axes, title="policy")
     return fig
 
 
-SHORT = {"none": "none", "bounded": "bnd", "bounded-deadline": "bnd+dl", "predictive": "pred"}
-
-
 def outcome_bars(summary: pd.DataFrame) -> plt.Figure:
-    """Stacked shares of each outcome, one bar per policy at each load; a panel per speed."""
+    """Stacked shares of each outcome against load: a panel per policy (named in full), wrapped into rows of
+    at most four; a block of rows per speed."""
     speeds = _speeds(summary)
     outcomes = [o for o in OUTCOME_COLORS if o in summary.columns and summary[o].sum() > 0]
     shares = summary.assign(**{o: summary[o] / summary["requests"] for o in outcomes})
     mean = shares.groupby(["speed", "load", "policy"])[outcomes].mean().reset_index()
     policies = _policies(summary)
-    fig, axes = plt.subplots(len(speeds), 1, figsize=(12, 3.9 * len(speeds)), squeeze=False)
-    width = 0.8 / len(policies)
-    for ax, speed in zip(axes[:, 0], speeds):
+    fig, blocks, spare = _grid(len(policies), (3.4, 2.9), blocks=len(speeds), sharey=True)
+    for axes, speed in zip(blocks, speeds):
         loads = sorted(mean.loc[mean["speed"] == speed, "load"].unique())
-        ticks, labels = [], []
-        for i, policy in enumerate(policies):
+        for ax, policy in zip(axes, policies):
             part = mean[(mean["speed"] == speed) & (mean["policy"] == policy)].set_index("load").reindex(loads)
-            x = np.arange(len(loads)) + (i - (len(policies) - 1) / 2) * width
             bottom = np.zeros(len(loads))
             for outcome in outcomes:
-                ax.bar(x, part[outcome], width * 0.95, bottom=bottom, color=OUTCOME_COLORS[outcome],
-                       label=outcome if i == 0 else None)
+                ax.bar(np.arange(len(loads)), part[outcome], 0.8, bottom=bottom, color=OUTCOME_COLORS[outcome],
+                       label=outcome)
                 bottom += part[outcome].fillna(0).to_numpy()
-            ticks += list(x)
-            labels += [SHORT.get(policy, policy)] * len(loads)
-        ax.set_xticks(ticks, labels, rotation=90, fontsize=7)
-        for j, load in enumerate(loads):
-            ax.text(j, 1.02, f"load {load:g}", ha="center", va="bottom", fontsize=8)
-        ax.set(title=f"outcomes by policy and load (utilisation at the simulated speed), service times x{speed:g}",
-               ylabel="share of requests", ylim=(0, 1.1))
-        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
+            ax.set_xticks(np.arange(len(loads)), [f"{v:g}" for v in loads])
+            ax.set(title=policy if len(speeds) == 1 else f"{policy}, service times x{speed:g}", xlabel="load",
+                   ylim=(0, 1))
+        for ax in axes[::MAX_COLUMNS]:
+            ax.set_ylabel("share of requests")
+    fig.suptitle("outcomes by policy and load (utilisation at the simulated speed)"
+                 + (f", service times x{speeds[0]:g}" if len(speeds) == 1 else ""), fontsize=10)
+    _legend(fig, [blocks[0][0]], spare, title="outcome")
     return fig
 
 
@@ -342,8 +435,8 @@ def retries(series: pd.DataFrame, surge: tuple[float, float] | None = None, smoo
     panels = [("goodput_e2e_rps", "good requests/s, end to end\n(by first send)"),
               ("goodput_rps", "good answers/s (attempt-level)"),
               ("attempts_per_s", "offered attempts/s")]
-    fig, axes = plt.subplots(len(panels), len(policies), figsize=(4.4 * len(policies), 2.9 * len(panels)),
-                             sharex=True, sharey="row", squeeze=False)
+    fig, axes = plt.subplots(len(panels), len(policies), figsize=(4.2 * len(policies) + 1.8, 2.8 * len(panels)),
+                             sharex=True, sharey="row", squeeze=False, layout="constrained")
     mean = series.groupby(["policy", "line", "t_s"], sort=True)[[m for m, _ in panels]].mean().reset_index()
     step = float(np.median(np.diff(np.unique(series["t_s"])))) if series["t_s"].nunique() > 1 else 1.0
     width = max(1, int(round(smooth_s / step)))
@@ -365,10 +458,8 @@ def retries(series: pd.DataFrame, surge: tuple[float, float] | None = None, smoo
     for row in axes:  # once every panel of the row is drawn (they share their y axis)
         row[0].set_ylim(bottom=0)
     seeds = series.groupby(["policy", "line"])["seed"].nunique().max() if "seed" in series else 1
-    axes[0][0].legend(fontsize=7, title=f"retry (mean of {seeds} seeds)" if "retry" in series else None,
-                      title_fontsize=7)
     fig.suptitle(f"goodput and offered attempts over time, {smooth_s:g} s moving average", fontsize=10)
-    fig.tight_layout()
+    _legend(fig, axes, title=f"retry (mean of {seeds} seeds)" if "retry" in series else None, title_fontsize=8)
     return fig
 
 
@@ -378,7 +469,7 @@ def recovery(summary: pd.DataFrame, after_s: float | None = None) -> plt.Figure:
     the bar is hatched and reaches ``after_s`` (the rest of the run), labelled with how many seeds did not."""
     table, lines = _lines(summary)
     policies = _policies(table)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(policies) * max(len(lines), 1) / 2.5, 3.8))
+    fig, ax = plt.subplots(figsize=(3.4 + 1.2 * len(policies) * max(len(lines), 1) / 2.5, 3.8), layout="constrained")
     width = 0.8 / max(len(lines), 1)
     agg = aggregate(table, ["policy", "line"], ["recovery_s", "recovered"])
     top = after_s if after_s is not None else float(np.nanmax(table["recovery_s"], initial=1.0))
@@ -403,8 +494,7 @@ def recovery(summary: pd.DataFrame, after_s: float | None = None) -> plt.Figure:
            title="recovery after the surge (mean over seeds, 95 % CI; hatched: some seed never recovered)")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7, title="retry" if "retry" in table else None, title_fontsize=7)
-    fig.tight_layout()
+    _legend(fig, [ax], title="retry" if "retry" in table else None, title_fontsize=8)
     return fig
 
 
@@ -414,8 +504,9 @@ ESTIMATOR_ORDER = ["limit", "learned", "oracle"]
 
 
 def _bars(ax, agg: pd.DataFrame, groups: list, group_col: str, bars: list, bar_col: str, metric: str,
-          labels: dict | None = None) -> None:
-    """Grouped bars of ``metric`` (mean, 95 % CI as error bars) with a group per ``groups`` value on x."""
+          labels: dict | None = None, colors: dict | None = None) -> None:
+    """Grouped bars of ``metric`` (mean, 95 % CI as error bars) with a group per ``groups`` value on x;
+    ``colors`` by bar value (default: the colour cycle in order)."""
     width = 0.8 / max(len(bars), 1)
     for i, bar in enumerate(bars):
         part = agg[agg[bar_col] == bar].set_index(group_col).reindex(groups)
@@ -424,7 +515,7 @@ def _bars(ax, agg: pd.DataFrame, groups: list, group_col: str, bars: list, bar_c
         low = np.clip(part[f"{metric}_low"].to_numpy(dtype=float), 0, None)
         high = part[f"{metric}_high"].to_numpy(dtype=float)
         err = np.nan_to_num(np.vstack([mean - np.minimum(low, mean), np.maximum(high, mean) - mean]))
-        ax.bar(x, mean, width * 0.95, yerr=err, capsize=2, color=f"C{i}",
+        ax.bar(x, mean, width * 0.95, yerr=err, capsize=2, color=(colors or {}).get(bar, f"C{i % 10}"),
                label=(labels or {}).get(bar, str(bar)))
     ax.set_xticks(np.arange(len(groups)), [f"{g:g}" if isinstance(g, float) else str(g) for g in groups])
     ax.grid(alpha=0.3, axis="y")
@@ -441,18 +532,18 @@ def estimation(summary: pd.DataFrame) -> plt.Figure:
     panels = [("goodput_rps", "good requests/s"), ("share_refused", "share refused"),
               ("refused_would_fit", "refused that would have fit\n(share of all requests)"),
               ("admitted_missed", "admitted that missed\n(late, expired, cut; share of all)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1.4, 3.6), squeeze=False,
+                             layout="constrained")
     for ax, (metric, unit) in zip(axes[0], panels):
         for estimator in estimators:
             _band(ax, agg[agg["estimator"] == estimator].sort_values("load"), "load", metric, estimator)
         ax.set(xlabel="load (utilisation in the work actually done)", ylabel=unit)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(title="estimator", fontsize=8)
     policy = ", ".join(map(str, dict.fromkeys(summary["policy"])))
     fig.suptitle(f"estimates from the limit, learned, or exact: {policy}, requests stop early "
                  "(mean over seeds, 95 % CI)", fontsize=10)
-    fig.tight_layout()
+    _legend(fig, axes, title="estimator")
     return fig
 
 
@@ -469,17 +560,17 @@ def stale(summary: pd.DataFrame) -> plt.Figure:
     panels = [("late_share_before_change", "late share of the completed,\nbefore the change"),
               ("late_share_after_change", "late share of the completed,\nfrom the change on"),
               ("goodput_rps", "good requests/s")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1.6, 3.6), squeeze=False,
+                             layout="constrained")
     for ax, (metric, unit) in zip(axes[0], panels):
         _bars(ax, agg, policies, "policy", labels, "label", metric)
         ax.set(ylabel=unit)
         ax.set_ylim(bottom=0)
-    axes[0][0].legend(fontsize=8)
     change = ", ".join(map(str, dict.fromkeys(summary["speed_schedule"].dropna()))) \
         if "speed_schedule" in summary else "none"
     fig.suptitle(f"a machine that slows down mid-run (speed schedule {change}): tracking against a fixed estimate "
                  "(mean over seeds, 95 % CI)", fontsize=10)
-    fig.tight_layout()
+    _legend(fig, axes, title="estimate")
     return fig
 
 
@@ -490,37 +581,38 @@ def cancellation(summary: pd.DataFrame) -> plt.Figure:
 
     agg = cancellation_table(summary)
     policies = _policies(agg)
-    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, 3, figsize=(15.5, 3.8), squeeze=False, layout="constrained")
     ax = axes[0][0]
-    for i, policy in enumerate(policies):
+    for policy in policies:
         for cut, style in ((True, "-"), (False, "--")):
             part = agg[(agg["policy"] == policy) & (agg["cancel_at_deadline"] == cut)].sort_values("load")
             if len(part):
                 _band(ax, part, "load", "goodput_rps", f"{policy}, {FLAG_LABELS['cancel_at_deadline'][cut]}",
-                      color=f"C{i}", ls=style)
+                      color=policy_color(policy), ls=style)
     ax.set(xlabel="load", ylabel="good requests/s", title="goodput (solid: cut at the deadline)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
     cut = agg[agg["cancel_at_deadline"] == True]  # noqa: E712 (numpy bools)
     loads = sorted(cut["load"].unique())
     panels = [("engine_s_saved", "engine seconds saved\nper cell (one run of the trace)"),
               ("goodput_gained_rps", "goodput gained (requests/s),\npaired by seed")]
     for ax, (metric, unit) in zip(axes[0][1:], panels):
-        _bars(ax, cut, loads, "load", policies, "policy", metric)
+        _bars(ax, cut, loads, "load", policies, "policy", metric, colors={p: policy_color(p) for p in policies})
         ax.axhline(0, color="black", lw=0.8)
         ax.set(xlabel="load", ylabel=unit)
-    axes[0][1].legend(fontsize=8)
+    # The bars are in the policies' colours of the goodput panel's lines: one legend serves all three.
     fig.suptitle("cutting a run at its deadline (mean over seeds, 95 % CI)", fontsize=10)
-    fig.tight_layout()
+    _legend(fig, [axes[0][0]], title="policy")
     return fig
 
 
 def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
              by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None,
-             timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None) -> list[Path]:
+             timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None,
+             objectives: Sequence[Objective] = ()) -> list[Path]:
     """Write every figure as PNG and SVG into ``out``; return the paths.
 
+    ``objectives`` are drawn on each panel of their metric (see :func:`check_objectives`).
     by_client and by_priority are drawn when their tables (summary_by_client.parquet,
     summary_by_priority.parquet) are given and not empty; retries when the sweep has a retry axis and its
     time series (timeseries.parquet) is given, with recovery when the summary has recovery_s (surge arrivals,
@@ -533,18 +625,18 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
     # when there are several.
     per_set, by_class, rows = (None if t is None else per_variant(t) for t in (summary, by_class, rows))
     figures = {
-        "share_in_time": share_in_time(per_set),
-        "goodput": goodput(per_set),
-        "share_by_class": share_by_class(by_class),
+        "share_in_time": share_in_time(per_set, objectives),
+        "goodput": goodput(per_set, objectives),
+        "share_by_class": share_by_class(by_class, objectives),
         "outcomes": outcome_bars(per_set),
     }
     if rows is not None and len(rows):
         deadline = float(summary["deadline_s"].mode().iloc[0]) if "deadline_s" in summary else None
-        figures["latency_cdf"] = latency_cdf(rows, deadline)
+        figures["latency_cdf"] = latency_cdf(rows, deadline, objectives)
     if by_client_table is not None and len(by_client_table):
-        figures["by_client"] = by_client(by_client_table, summary)
+        figures["by_client"] = by_client(by_client_table, summary, objectives)
     if by_priority_table is not None and len(by_priority_table):
-        figures["by_priority"] = by_priority(by_priority_table)
+        figures["by_priority"] = by_priority(by_priority_table, objectives)
     # The experiments of what the controller knows, where the sweep has their axes.
     if "estimator" in summary and summary["estimator"].nunique() > 1:
         figures["estimation"] = estimation(summary)

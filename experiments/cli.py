@@ -9,6 +9,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import select
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -303,6 +306,16 @@ def _command_modules():
     return found
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone: poll reports an error or hang-up on it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here (Windows), or stdout is no file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -311,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UsageError as exc:
         print(exc, file=sys.stderr)
+    except BrokenPipeError as exc:  # before OSError, of which it is one
+        if not _stdout_closed():
+            print(f"qlab: error: {exc}", file=sys.stderr)
+            return 2
+        # `qlab ... | head`: the reader has gone, which is no error of ours. Point stdout at /dev/null so that
+        # the interpreter's last flush at exit finds nowhere to fail either, and exit as SIGPIPE would have.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, OSError) as exc:
         print(f"qlab: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

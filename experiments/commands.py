@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -14,11 +16,22 @@ from analysis.metrics import aggregate
 from inputs.argtypes import positive, positive_int
 
 
-def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """Mean over seeds, with the 95 % CI half-width, of the headline figures per speed, load and policy.
+@dataclass(frozen=True)
+class SummaryNumbers:
+    """The headline figures of a sweep per cell of its grid but the seed: ``table`` has the ``axes``
+    that tell cells apart, n (seeds), and for each of ``metrics`` its mean over seeds and 95 % CI
+    (METRIC, METRIC_low, METRIC_high)."""
+
+    table: pd.DataFrame
+    axes: tuple[str, ...]
+    metrics: tuple[str, ...]
+
+
+def summary_numbers(summary: pd.DataFrame) -> SummaryNumbers:
+    """Mean over seeds and 95 % CI of the headline figures per speed, load and policy.
 
     A sweep with a ``clients`` axis is also grouped by client set ("none": requests named no
-    client), and shows Jain's indices across clients (jain_goodput, jain_share; "-" where none).
+    client), and shows Jain's indices across clients (jain_goodput, jain_share; NaN where none).
     One with a ``retry`` or ``patience`` axis is grouped by those too ("none": no retries, no patience) and
     shows the end-to-end view (share_good_e2e, attempts_per_request); one of surge arrivals, the seconds
     after the surge until goodput was back (recovery_s, over the seeds that recovered) and the share of
@@ -36,8 +49,19 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     metrics += [m for m in ("jain_goodput", "jain_share", "share_good_e2e", "attempts_per_request", "recovery_s",
                             "recovered") if m in summary and summary[m].notna().any()]
     agg = aggregate(summary, by, metrics)
-    out = agg[by].copy()
-    for m in metrics:
+    columns = [*by, "n", *(c for m in metrics for c in (m, f"{m}_low", f"{m}_high"))]
+    return SummaryNumbers(agg[columns], tuple(by), tuple(metrics))
+
+
+SUMMARY_FORMATS = ("table", "csv", "json", "markdown")
+
+
+def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """:func:`summary_numbers` as text: each metric's mean over seeds ± the 95 % CI half-width."""
+    numbers = summary_numbers(summary)
+    agg = numbers.table
+    out = agg[list(numbers.axes)].copy()
+    for m in numbers.metrics:
         half = (agg[f"{m}_high"] - agg[f"{m}_low"]) / 2
         out[m] = ["-" if pd.isna(v) else f"{v:.3g} ±{h:.2g}" if pd.notna(h) else f"{v:.3g}"
                   for v, h in zip(agg[m], half)]
@@ -83,20 +107,33 @@ def cmd_sweep(args) -> int:
 
 def cmd_summary(args) -> int:
     src, summary = _sweep_summary(args.dir)
-    print(f"{src}: {len(summary)} cells")
-    _print_summary(summary)
+    if args.format == "table":
+        print(f"{src}: {len(summary)} cells")
+        _print_summary(summary)
+    elif args.format == "markdown":
+        from .study import pipe_table
+
+        print(pipe_table(summary_table(summary)))
+    else:  # numbers for a program: mean and CI bounds in columns of their own, no NaN but null (JSON)
+        table = summary_numbers(summary).table
+        print(table.to_csv(index=False) if args.format == "csv" else table.to_json(orient="records", indent=2, double_precision=15),
+              end="" if args.format == "csv" else "\n")
     return 0
 
 
 def cmd_plot(args) -> int:
     from analysis import plots
+    from analysis.objectives import parse_objectives
 
     from . import sweep
 
+    objectives = tuple(o for text in args.objective or () for o in parse_objectives(text))
+    plots.check_objectives(objectives)
     src, summary = _sweep_summary(args.dir)
     by_class = pd.read_parquet(src / "summary_by_class.parquet")
-    load = args.cdf_load if args.cdf_load is not None else _cdf_load(summary)
     speed = sorted(summary["speed"].unique())[0]
+    load = _cdf_load(summary) if args.cdf_load is None else _grid_load(summary[summary["speed"] == speed],
+                                                                       args.cdf_load)
     rows = sweep.load_rows(src, load=load, speed=speed) if load is not None else None
     # By client and by priority where the sweep has cells with more than one (sweep.write_summaries).
     grouped = {key: pd.read_parquet(src / f"summary_{key}.parquet") if (src / f"summary_{key}.parquet").exists()
@@ -104,10 +141,22 @@ def cmd_plot(args) -> int:
     # Over time where the sweep kept its cells' seconds (retry or patience axes, surge arrivals).
     timeseries = pd.read_parquet(src / "timeseries.parquet") if (src / "timeseries.parquet").exists() else None
     paths = plots.save_all(summary, by_class, rows, args.out, by_client_table=grouped["by_client"],
-                           by_priority_table=grouped["by_priority"], timeseries=timeseries, surge=_surge(src))
+                           by_priority_table=grouped["by_priority"], timeseries=timeseries, surge=_surge(src),
+                           objectives=objectives)
+    drew_cdf = Path(args.out) / "latency_cdf.png" in paths
     print(f"wrote {len(paths)} files to {args.out} (latency CDF at load {load:g}, speed {speed:g})"
-          if load is not None else f"wrote {len(paths)} files to {args.out}")
+          if drew_cdf else f"wrote {len(paths)} files to {args.out}")
     return 0
+
+
+def _grid_load(summary: pd.DataFrame, wanted: float) -> float:
+    """The sweep's load equal to ``wanted`` (to rounding); ValueError naming the loads there are."""
+    loads = sorted(summary["load"].dropna().unique())
+    for load in loads:
+        if math.isclose(load, wanted, rel_tol=1e-9, abs_tol=1e-12):
+            return float(load)
+    raise ValueError(f"--cdf-load {wanted:g} is not a load of this sweep; its loads: "
+                     + (", ".join(f"{v:g}" for v in loads) or "none"))
 
 
 def _surge(src: Path) -> tuple[float, float] | None:
@@ -143,6 +192,10 @@ def register(sub) -> None:
                                    "(and client set, with Jain's fairness index across clients, where the sweep has them).")
     t.set_defaults(func=cmd_summary)
     t.add_argument("dir", help="a folder written by qlab sweep")
+    t.add_argument("--format", choices=SUMMARY_FORMATS, default="table",
+                   help="table: mean ± 95 %% CI half-width, for reading (the default); markdown: the same as a pipe "
+                        "table; csv, json: one row (object) per cell of the grid but the seed, with the axes, n (seeds), "
+                        "and each metric's mean, METRIC_low and METRIC_high (95 %% CI)")
 
     p = sub.add_parser("plot", help="draw a sweep's figures (PNG and SVG)",
                        description="Share in time, goodput (requests/s and tokens/s), share by size class, "
@@ -153,4 +206,8 @@ def register(sub) -> None:
     p.add_argument("dir", help="a folder written by qlab sweep")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
     p.add_argument("--cdf-load", type=positive,
-                   help="load (utilisation at the simulated speed) of the latency CDF (default: the one closest to 1.3)")
+                   help="load (utilisation at the simulated speed) of the latency CDF, one of the sweep's "
+                        "(default: the one closest to 1.3)")
+    p.add_argument("--objective", action="append", metavar="METRIC>=VALUE",
+                   help="draw an objective on each panel of its metric, e.g. share_good>=0.9 (METRIC=VALUE: at least "
+                        "for shares and goodput, at most for latencies; several joined with 'and', or repeat)")

@@ -1,0 +1,110 @@
+"""How the figures tell policies and outcomes apart: one colour per policy, in every figure and the notebook.
+
+A policy's colour depends on its name alone, never on which other policies a figure shows, so
+``predictive`` is the same red beside three policies or ten. A curve labelled by a variant of a
+policy ("predictive / two-tenant", see :func:`analysis.plots.per_variant`) keeps its policy's
+colour and gets a line style, marker and hatch of its own.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: Every built-in policy (qsim.policy.PRESETS) in the order figures list them: the reference study's
+#: four first (in matplotlib's first four default colours, as the figures always had them), then
+#: the other predictive ones, then the orders that need no estimate.
+POLICY_COLORS: dict[str, str] = {
+    "none": "#1f77b4",                 # blue
+    "bounded": "#ff7f0e",              # orange
+    "bounded-deadline": "#2ca02c",     # green
+    "predictive": "#d62728",           # red
+    "predictive-edf": "#9467bd",       # purple
+    "predictive-sjf": "#8c564b",       # brown
+    "predictive-priority": "#e377c2",  # pink
+    "predictive-reserved": "#7f7f7f",  # grey
+    "predictive-fair": "#bcbd22",      # olive
+    "adaptive-lifo": "#17becf",        # cyan
+    "codel": "#393b79",                # indigo
+}
+#: A policy of one's own (module:Class) takes one of these, chosen by a checksum of its name, so it
+#: too keeps its colour from figure to figure (two such policies may share one).
+OTHER_COLORS = ("#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a",
+                "#a55194", "#6b6ecf", "#b5cf6b", "#e7ba52", "#d6616b", "#ce6dbd")
+
+OUTCOME_COLORS = {"good": "#2a9d8f", "late": "#e9c46a", "rejected": "#e76f51", "expired": "#8d99ae",
+                  "error": "#264653", "abandoned": "#b56576", "cancelled": "#6d597a"}
+
+#: What tells a policy's variants apart, the first variant (in a figure's order) getting the first of each.
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D")
+HATCHES = ("", "//", "..", "xx")
+
+#: Between a policy's name and its variant in a curve's label (analysis.plots.per_variant).
+VARIANT_SEPARATOR = " / "
+
+
+def base_policy(label: str) -> str:
+    """The policy a curve's label is of: "predictive" for "predictive / two-tenant"."""
+    return str(label).split(VARIANT_SEPARATOR, 1)[0]
+
+
+def variant(label: str) -> str:
+    """The variant a curve's label names: "two-tenant" for "predictive / two-tenant", "" for "predictive"."""
+    return str(label).partition(VARIANT_SEPARATOR)[2]
+
+
+def policy_order(labels: Iterable[str]) -> list[str]:
+    """Curves' labels in the order figures list them: by policy (:func:`policy_rank`, then name), a policy's
+    variants in the order their variants first appear among all ``labels``."""
+    labels = list(dict.fromkeys(labels))
+    variants = list(dict.fromkeys(map(variant, labels)))
+    return sorted(labels, key=lambda label: (policy_rank(label), base_policy(label), variants.index(variant(label))))
+
+
+def policy_color(label: str) -> str:
+    """The colour of a policy (or of a variant of one): fixed per name."""
+    name = base_policy(label)
+    if name in POLICY_COLORS:
+        return POLICY_COLORS[name]
+    # crc32, not hash(): Python salts str hashes per process, and the colour must not change between runs.
+    return OTHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_COLORS)]
+
+
+def policy_rank(label: str) -> int:
+    """Where a policy comes in a figure: the built-in ones in POLICY_COLORS' order, any other after them."""
+    order = list(POLICY_COLORS)
+    name = base_policy(label)
+    return order.index(name) if name in order else len(order)
+
+
+@dataclass(frozen=True)
+class PolicyStyle:
+    """How one curve (or bar) of a policy is drawn."""
+
+    color: str
+    linestyle: str = "-"
+    marker: str = "o"
+    hatch: str = ""
+
+    def line(self) -> dict:
+        """Keyword arguments of Axes.plot."""
+        return {"color": self.color, "ls": self.linestyle, "marker": self.marker}
+
+    def bar(self) -> dict:
+        """Keyword arguments of Axes.bar (a white edge so that a hatch shows on a dark colour)."""
+        return {"color": self.color, "hatch": self.hatch, "edgecolor": "white" if self.hatch else None}
+
+
+def policy_styles(labels: Iterable[str]) -> dict[str, PolicyStyle]:
+    """A style for each label: its policy's colour, and a line style, marker and hatch by its variant
+    (the part after " / "), in the order the variants first appear."""
+    labels = list(dict.fromkeys(labels))
+    variants = list(dict.fromkeys(map(variant, labels)))
+    styles = {}
+    for label in labels:
+        i = variants.index(variant(label)) if len(variants) > 1 else 0
+        styles[label] = PolicyStyle(policy_color(label), LINE_STYLES[i % len(LINE_STYLES)], MARKERS[i % len(MARKERS)],
+                                    HATCHES[i % len(HATCHES)])
+    return styles
