@@ -228,16 +228,25 @@ def client_fairness(table: pd.DataFrame) -> dict[str, float]:
             "jain_share": jain_index(named["share_good"])}
 
 
-def _columns(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _columns(frame: pd.DataFrame) -> tuple[np.ndarray, ...]:
     # numpy arrays, read once: a sweep summarises every cell and each size class in it, and pandas'
     # string comparisons cost more than the rest of a small cell's summary.
+    nan = np.full(len(frame), np.nan)
     return (frame["outcome"].to_numpy(dtype=object), frame["latency_s"].to_numpy(dtype=float),
-            frame["max_new_tokens"].to_numpy())
+            frame["max_new_tokens"].to_numpy(),
+            frame["ttft_s"].to_numpy(dtype=float) if "ttft_s" in frame else nan,
+            frame["tpot_s"].to_numpy(dtype=float) if "tpot_s" in frame else nan)
 
 
-def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, seconds: float) -> dict[str, float]:
+def _quantiles(values: np.ndarray, qs) -> list[float]:
+    values = values[~np.isnan(values)]
+    return list(np.quantile(values, qs)) if len(values) else [math.nan] * len(qs)
+
+
+def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, ttft: np.ndarray, tpot: np.ndarray,
+             seconds: float) -> dict[str, float]:
     n = len(outcome)
-    each = {o: outcome == o for o in OUTCOMES}
+    each = {str(o): outcome == o for o in OUTCOMES}
     good = each["good"]
     answered = latency[each["good"] | each["late"]]
     refused = latency[each["rejected"] | each["expired"]]
@@ -254,6 +263,11 @@ def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, secon
         latency_p50_s=lat[0], latency_p90_s=lat[1], latency_p99_s=lat[2],
         refusal_p50_s=ref[0], refusal_p99_s=ref[1],
     )
+    # Time to first token and per output token of the answered (definitions: docs/metrics.md).
+    answered_mask = each["good"] | each["late"]
+    first = _quantiles(ttft[answered_mask], [0.5, 0.99])
+    per = _quantiles(tpot[answered_mask], [0.5, 0.99])
+    row.update(ttft_p50_s=first[0], ttft_p99_s=first[1], tpot_p50_s=per[0], tpot_p99_s=per[1])
     return {k: float(v) for k, v in row.items()}
 
 

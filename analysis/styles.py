@@ -27,6 +27,9 @@ POLICY_COLORS: dict[str, str] = {
     "predictive-fair": "#bcbd22",      # olive
     "adaptive-lifo": "#17becf",        # cyan
     "codel": "#393b79",                # indigo
+    "predictive-kv": "#ff9896",        # light red: predictive that also knows the memory
+    "vllm-caps": "#98df8a",            # light green
+    "llm-d-shed": "#c5b0d5",           # lavender
 }
 #: A policy of one's own (module:Class) takes one of these, chosen by a checksum of its name, so it
 #: too keeps its colour from figure to figure (two such policies may share one).

@@ -52,6 +52,18 @@ timeout_s = 8                #   the client hangs up on an attempt after 8 s and
 # speed_schedule = ["none", "20:2.2"]  # the machine's speed over time, SECONDS:FACTOR,... ("none": constant)
 # fixed_estimate = [false, true]       # per cell, in place of [sweep] fixed_estimate
 # cancel_at_deadline = [false, true]   # cut a run in service when its deadline passes (outcome cancelled)
+
+[batching]                   # optional: one engine that runs requests together (qsim.engines.Batching);
+b0 = 0.008                   #   its step model (seconds: per step, per prefill token, per sequence producing a
+b1 = 5e-05                   #   token, per context token held), cv (a step's spread), and its vLLM settings
+b2 = 0.0001                  #   max_num_seqs, max_num_batched_tokens, chunked_prefill, kv_blocks (absent:
+b3 = 1e-07                   #   unlimited), block_size. load is then of its saturated throughput
+kv_blocks = 2000             #   (Batching.capacity_rps) and grid.engines must be absent.
+[steps.slow]                 # optional: named step models (b0, b1, b2, b3, cv), a grid axis:
+b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("default": [batching]'s)
+# Batching axes, each optional: max_num_seqs = [64, 256], kv_blocks = [1000, 4000], chunked_prefill = [true, false],
+# step = [...]; objectives of any sweep: ttft_slo_s = [0.5], tpot_slo_s = [0.05] (a request is good only when it
+# meets every objective it has). In [sweep], prompts = "lognormal:512:0.8" (qsim.workload.Prompts; default none).
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -63,7 +75,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +83,27 @@ from inputs.clientflags import patience_from_table, retry_from_table
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import REFERENCE_MIX, Mix, ServiceModel
 from qsim.clients import PATIENCE_UNTIL, RetryPolicy
+from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
 from qsim.service import SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
-from qsim.workload import Client, UsedShare, check_clients, parse_arrivals
+from qsim.workload import Client, Prompts, UsedShare, check_clients, parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
-              "noise_cv": float, "fixed_estimate": bool, "patience_until": str}
+              "noise_cv": float, "fixed_estimate": bool, "patience_until": str, "prompts": str}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
              "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str, "retry": str,
              "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
-             "fixed_estimate": bool}
-SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients", "retry"}
+             "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
+             "ttft_slo_s": float, "tpot_slo_s": float}
+#: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
+BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step")
+#: The step model of a cell without a step axis: [batching]'s own.
+DEFAULT_STEP = "default"
+STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}
+BATCHING_KEYS = {**STEP_KEYS, "max_num_seqs": int, "max_num_batched_tokens": int, "chunked_prefill": bool,
+                 "kv_blocks": int, "block_size": int}
+SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients", "retry", "batching", "steps"}
 CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
 #: The client set of a cell whose requests name no client.
 NO_CLIENTS = "none"
@@ -136,6 +157,22 @@ class SweepConfig:
     clients: dict[str, tuple[Client, ...]] = field(default_factory=dict)  # client set name -> its clients
     retries: dict[str, RetryPolicy] = field(default_factory=dict)  # [retry.NAME] -> its policy
     patience_until: str = "answer"  # what a grid patience waits for (the whole answer, or its start)
+    batching: Batching | None = None  # [batching]: cells run one batching engine with these settings
+    steps: dict[str, StepModel] = field(default_factory=dict)  # [steps.NAME], and "default": [batching]'s
+    prompts: str = "none"  # [sweep] prompts: qsim.workload.Prompts' spec
+
+    def engine(self, max_num_seqs: int | None = None, kv_blocks: int | None = None,
+               chunked_prefill: bool | None = None, step: str | None = None) -> Batching | None:
+        """A cell's batching engine: [batching] with the cell's axes applied (None: engines run one at a time)."""
+        if self.batching is None:
+            return None
+        changes = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("kv_blocks", kv_blocks),
+                                     ("chunked_prefill", chunked_prefill)) if v is not None}
+        if step is not None:
+            changes["step"] = self.steps[step]
+        if "max_num_seqs" in changes and changes["max_num_seqs"] > self.batching.max_num_batched_tokens:
+            changes["max_num_batched_tokens"] = changes["max_num_seqs"]
+        return replace(self.batching, **changes) if changes else self.batching
 
     def patience(self, spec: str | None):
         """The grid patience ``spec`` (None: the trace's own, i.e. none for synthetic arrivals)."""
@@ -163,6 +200,9 @@ class SweepConfig:
                if self.clients else {}),
             **({"retry": {k: asdict(v) for k, v in sorted(self.retries.items())}} if self.retries else {}),
             **({"patience_until": self.patience_until} if "patience" in self.grid else {}),
+            **({"batching": asdict(self.batching), "steps": {k: asdict(v) for k, v in sorted(self.steps.items())}}
+               if self.batching is not None else {}),
+            **({"prompts": self.prompts} if self.prompts != "none" else {}),
         }
 
     @property
@@ -227,7 +267,8 @@ def _retries(path: str, table: Any) -> dict[str, RetryPolicy]:
 
 
 def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dict,
-          retries: dict | None = None, patience_until: str = "answer") -> dict[str, tuple]:
+          retries: dict | None = None, patience_until: str = "answer", batching: bool = False,
+          steps: dict | None = None) -> dict[str, tuple]:
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
     no_unknown_keys(f"{path}: [grid]", table, GRID_KEYS)
@@ -263,7 +304,8 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                     (parse_used if key == "used" else parse_speed_schedule)(v)
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
-            if key in ("load", "speed", "engines", "deadline_s", "time_scale"):
+            if key in ("load", "speed", "engines", "deadline_s", "time_scale", "max_num_seqs", "kv_blocks",
+                       "ttft_slo_s", "tpot_slo_s"):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
                 positive_value(f"{where}[{i}]", v, zero_ok=True)
@@ -280,6 +322,15 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
     if "trace" not in grid and any(p.strip() == "column" for p in grid.get("patience", ())):
         raise ConfigError(f"{path}: grid.patience 'column' reads a trace file's patience_s column; it needs grid.trace")
+    if any(axis in grid for axis in BATCHING_AXES) and not batching:
+        raise ConfigError(f"{path}: grid.{next(a for a in BATCHING_AXES if a in grid)} is a batching engine's "
+                          "setting: add a [batching] table")
+    if batching and grid.get("engines", (1,)) != (1,):
+        raise ConfigError(f"{path}: grid.engines: a [batching] sweep runs one batching engine per cell")
+    for i, name in enumerate(grid.get("step", ())):
+        if name not in (steps or {}):
+            raise ConfigError(f"{path}: grid.step[{i}]: unknown step model {name!r}; define it under "
+                              f"[steps.{_key(name)}] (or use {DEFAULT_STEP!r}: [batching]'s)")
     if "trace" in grid and set(grid.get("clients", (NO_CLIENTS,))) != {NO_CLIENTS}:
         raise ConfigError(f"{path}: grid.clients applies to synthetic arrivals; a trace file brings its own "
                           "client_id and priority columns")
@@ -349,14 +400,58 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     mixes = _mixes(path, data.get("mixes", {}))
     clients = _clients(path, data.get("clients", {}), mixes)
     retries = _retries(path, data.get("retry", {}))
-    grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients, retries, until or "answer")
+    batching, steps = _batching(path, data.get("batching"), data.get("steps", {}))
+    try:
+        Prompts.parse(s.get("prompts", "none"))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: sweep.prompts: {exc}") from None
+    grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients, retries, until or "answer",
+                 batching is not None, steps)
     if until is not None and "patience" not in grid:
         raise ConfigError(f"{path}: sweep.patience_until applies only with grid.patience")
     if "fixed_estimate" in sweep and "fixed_estimate" in grid:
         raise ConfigError(f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one")
     return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients, retries=retries,
-                       patience_until=until or "answer",
+                       patience_until=until or "answer", batching=batching, steps=steps,
                        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"]), **s)
+
+
+def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> StepModel:
+    values = {k: typed_value(f"{where}.{k}", v, STEP_KEYS[k]) for k, v in table.items() if k in STEP_KEYS}
+    try:
+        return replace(defaults, **values)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _batching(path: str, table: Any, steps: Any) -> tuple[Batching | None, dict[str, StepModel]]:
+    """[batching] (the engine, with its step model inline) and [steps.NAME] (other step models)."""
+    if table is None:
+        if steps:
+            raise ConfigError(f"{path}: [steps] are step models of a batching engine: add a [batching] table")
+        return None, {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [batching] must be a table")
+    no_unknown_keys(f"{path}: [batching]", table, BATCHING_KEYS)
+    step = _step_model(f"{path}: batching", table)
+    settings = {k: typed_value(f"{path}: batching.{k}", v, BATCHING_KEYS[k]) for k, v in table.items()
+                if k not in STEP_KEYS}
+    try:
+        engine = Batching(step=step, **settings)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: [batching]: {exc}") from None
+    models = {DEFAULT_STEP: step}
+    if not isinstance(steps, dict):
+        raise ConfigError(f"{path}: [steps] must be a table of named step models")
+    for name, spec in steps.items():
+        where = f"{path}: steps.{_key(name)}"
+        if name == DEFAULT_STEP:
+            raise ConfigError(f"{where}: {DEFAULT_STEP!r} is [batching]'s own step model; name yours otherwise")
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: expected a table of b0, b1, b2, b3, cv")
+        no_unknown_keys(where, spec, STEP_KEYS)
+        models[name] = _step_model(where, spec, step)  # what it does not say is [batching]'s
+    return engine, models
 
 
 def _policy_args(path: str, table: Any, policies: tuple) -> dict[str, dict]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import math
 import json
 import os
 import platform
@@ -55,7 +56,7 @@ from analysis import estimation, metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import blended_means, parse_arrivals, used_mean_s
+from qsim.workload import Prompts, blended_means, parse_arrivals, used_mean_s
 
 from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
                      parse_speed_schedule, parse_used)
@@ -91,6 +92,13 @@ class Cell:
     used: str | None = None  # early stops (config.parse_used); None: every request generates its limit
     speed_schedule: str | None = None  # SECONDS:FACTOR,...; None: the machine keeps its speed
     fixed_estimate: bool | None = None  # None: [sweep] fixed_estimate
+    # A batching engine's settings ([batching] and its axes; None: [batching]'s) and the objectives.
+    max_num_seqs: int | None = None
+    kv_blocks: int | None = None
+    chunked_prefill: bool | None = None
+    step: str | None = None
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
     @property
     def id(self) -> str:
@@ -104,7 +112,7 @@ class Cell:
 #: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and summary
 #: carry their column only when the sweep has the axis.
 OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
-                 "fixed_estimate")
+                 "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s")
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
@@ -146,8 +154,30 @@ def cells(config: SweepConfig) -> list[Cell]:
         used=tuple(None if u == NO_USED else u for u in g.get("used", (NO_USED,))),
         speed_schedule=tuple(None if v == NO_SCHEDULE else v for v in g.get("speed_schedule", (NO_SCHEDULE,))),
         fixed_estimate=g.get("fixed_estimate", (None,)),
+        **{axis: g.get(axis, (None,)) for axis in ("max_num_seqs", "kv_blocks", "chunked_prefill", "step",
+                                                   "ttft_slo_s", "tpot_slo_s")},
     )
     return [Cell(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
+
+
+def _engine(config: SweepConfig, cell: Cell):
+    """The cell's batching engine (its step model times the cell's speed), or None: engines one at a time."""
+    engine = config.engine(cell.max_num_seqs, cell.kv_blocks, cell.chunked_prefill, cell.step)
+    if engine is None or cell.speed == 1.0:
+        return engine
+    step = engine.step
+    return dataclasses.replace(engine, step=dataclasses.replace(
+        step, b0=step.b0 * cell.speed, b1=step.b1 * cell.speed, b2=step.b2 * cell.speed, b3=step.b3 * cell.speed))
+
+
+def _capacity(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
+    """A batching cell's saturated throughput (requests/s, tokens/s) for its mix and prompts; None otherwise."""
+    engine = _engine(config, cell)
+    if engine is None:
+        return None
+    _, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
+    rps = engine.capacity_rps(Prompts.parse(config.prompts).mean(), mean_tokens)
+    return rps, rps * mean_tokens
 
 
 # ------------------------------------------------------------------ one cell
@@ -164,19 +194,24 @@ class CellResult:
 def _trace(config: SweepConfig, cell: Cell):
     # A sweep's load is make_trace's: utilisation at the simulated speed (lambda = load * K / E[true S]),
     # so load 1 at speed 2.25 arrives 2.25x more slowly than load 1 at speed 1 (the study's definition).
+    # A batching engine's load is of its saturated throughput (Batching.capacity_rps; its speed is in its steps).
+    capacity = _capacity(config, cell)
+    options = {} if capacity is None or cell.trace is not None else {"capacity_rps": capacity[0]}
+    if config.prompts != "none" and cell.trace is None:
+        options["prompts"] = Prompts.parse(config.prompts)
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
                        time_scale=cell.time_scale or 1.0, arrivals=config.arrivals, load=cell.load,
                        engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
                        clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience),
-                       used=None if cell.used is None else parse_used(cell.used))
+                       used=None if cell.used is None else parse_used(cell.used), **options)
 
 
 def _policy(config: SweepConfig, cell: Cell):
     """The cell's policy: the grid's, with the bound, deadline, estimator and cutting at the deadline that the grid sets."""
     policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
-    changes = {k: v for k, v in (("estimator", cell.estimator), ("cancel_at_deadline", cell.cancel_at_deadline))
-               if v is not None}
+    changes = {k: v for k, v in (("estimator", cell.estimator), ("cancel_at_deadline", cell.cancel_at_deadline),
+                                 ("ttft_slo_s", cell.ttft_slo_s), ("tpot_slo_s", cell.tpot_slo_s)) if v is not None}
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
@@ -186,7 +221,9 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     trace = _trace(config, cell)
     schedule = None if cell.speed_schedule is None else parse_speed_schedule(cell.speed_schedule, cell.speed)
     fixed = config.fixed_estimate if cell.fixed_estimate is None else cell.fixed_estimate
-    server = ServerConfig(policy, cell.engines, config.service, fixed_estimate=fixed)
+    engine = _engine(config, cell)
+    server = ServerConfig(policy, cell.engines if engine is None else engine, config.service, fixed_estimate=fixed,
+                          seed=cell.seed)
     frame = simulate(trace, server, retry=config.retries.get(cell.retry), speed_schedule=schedule)
     mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
     if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
@@ -203,6 +240,13 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
         "capacity_rps": cell.engines / (cell.speed * mean_s),
         "capacity_tokens_per_s": cell.engines * mean_tokens / (cell.speed * mean_s),
     }
+    batch_capacity = _capacity(config, cell)
+    if batch_capacity is not None:  # a batching engine: what it can serve saturated, and what it did
+        summary.update(capacity_rps=batch_capacity[0], capacity_tokens_per_s=batch_capacity[1],
+                       offered_load=float(len(trace) / seconds / batch_capacity[0]),
+                       preempted_share=float(frame["preemptions"].fillna(0).gt(0).mean()),
+                       kv_blocks_peak_p99=float(frame["kv_blocks_peak"].dropna().quantile(0.99))
+                       if frame["kv_blocks_peak"].notna().any() else math.nan)
     if any(axis in config.grid for axis in ESTIMATION_AXES):  # what the estimates got wrong, and what cutting saved
         change = None if schedule is None or not schedule.steps else schedule.steps[0][0]
         summary.update(estimation.cell_summary(frame, cell.engines, change_s=change))
@@ -239,7 +283,9 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     for name, kind in (("clients", pa.large_string()), ("trace", pa.large_string()), ("max_queue", pa.int64()),
                        ("time_scale", pa.float64()), ("load", pa.float64()), ("retry", pa.large_string()),
                        ("patience", pa.large_string()), ("estimator", pa.large_string()),
-                       ("used", pa.large_string()), ("speed_schedule", pa.large_string())):
+                       ("used", pa.large_string()), ("speed_schedule", pa.large_string()),
+                       ("max_num_seqs", pa.int64()), ("kv_blocks", pa.int64()), ("chunked_prefill", pa.bool_()),
+                       ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))

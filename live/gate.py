@@ -106,7 +106,7 @@ from .timings import Timings
 
 #: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
 #: (stats' top-level ``cancelled``).
-COUNTED = tuple(o for o in OUTCOMES if o != Outcome.ABANDONED)
+COUNTED = tuple(str(o) for o in OUTCOMES if o != Outcome.ABANDONED)  # plain strings: JSON and label values
 #: The stall rule a gate runs with unless its ServerConfig says otherwise (see gate_config).
 GATE_STALL = StallRule()
 
@@ -427,14 +427,13 @@ class Gate:
         self.workers = len(self.engines)
         self.queue = AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
         self.counts = dict.fromkeys(COUNTED, 0)
-        self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
+        self.rejected_by_reason = dict.fromkeys(map(str, REJECT_REASONS), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
-        self.ended_by_reason = dict.fromkeys([(Outcome.EXPIRED, EXPIRE_REASON), (Outcome.EXPIRED, CODEL_REASON),
-                                              (Outcome.ERROR, EngineFailed.reason), (Outcome.ERROR, STALL_REASON),
-                                              (Outcome.ERROR, UpstreamFailed.reason),
-                                              (Outcome.ERROR, UpstreamTimedOut.reason),
-                                              (Outcome.CANCELLED, CUT_REASON)], 0)
+        self.ended_by_reason = dict.fromkeys([(str(o), str(r)) for o, r in (
+            (Outcome.EXPIRED, EXPIRE_REASON), (Outcome.EXPIRED, CODEL_REASON), (Outcome.ERROR, EngineFailed.reason),
+            (Outcome.ERROR, STALL_REASON), (Outcome.ERROR, UpstreamFailed.reason),
+            (Outcome.ERROR, UpstreamTimedOut.reason), (Outcome.CANCELLED, CUT_REASON))], 0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it

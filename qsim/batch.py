@@ -57,6 +57,8 @@ from .queue import CUT_REASON, RESERVE_WEIGHT, Seen, judge
 from .service import SpeedTracker
 
 _new = tuple.__new__
+#: Weight of one step in the average of the prompt tokens steps compute (about the last twenty steps).
+PREFILL_WEIGHT = 0.05
 
 
 class RunStats(NamedTuple):
@@ -173,6 +175,7 @@ class BatchQueue:
         self.arrivals = 0
         self.plan: Step | None = None
         self.plan_started = math.nan
+        self.prefill_per_step = 0.0  # an EWMA (weight PREFILL_WEIGHT) of the prompt tokens a step computed
         self.cuts: list = []  # heap of (deadline, order, seq) of those that joined, where the policy cuts there
         self.buckets: dict = {}
         self.reserved_admitted = 1.0
@@ -196,9 +199,12 @@ class BatchQueue:
         """KV tokens the batch holds."""
         return self.kv_dec + self.n_dec * self.decoded + sum(s.computed for s in self.prefilling)
 
-    def step_s(self, seqs: float, context: float, prefill: float = 0.0) -> float:
-        """A step's estimated seconds (speed factor in) for ``seqs`` sequences holding ``context`` tokens."""
-        return self.model.time(prefill, seqs, context) * self.tracker.factor
+    def step_s(self, seqs: float, context: float, prefill: float | None = None) -> float:
+        """A step's estimated seconds (speed factor in) for ``seqs`` sequences holding ``context`` tokens, computing
+        ``prefill`` prompt tokens (None: as many as steps have lately, an average over the last twenty or so:
+        others' prompts share the steps a request decodes in)."""
+        return self.model.time(self.prefill_per_step if prefill is None else prefill, seqs, context) * \
+            self.tracker.factor
 
     def snapshot(self) -> dict:
         """The queue now, for /stats and tests."""
@@ -325,6 +331,7 @@ class BatchQueue:
             raise RuntimeError("step_done with no step in flight")
         self.plan = None
         self.tracker.observe(plan.model_s, now - self.plan_started if elapsed_s is None else elapsed_s)
+        self.prefill_per_step += PREFILL_WEIGHT * (plan.prefill_tokens - self.prefill_per_step)
         if plan.decoders:
             self.decoded += 1
         self._decode_reserved = False  # the slots held for this step's tokens are now counted in their tokens

@@ -145,6 +145,22 @@ class Batching:
         """KV blocks that ``tokens`` tokens take."""
         return -(-tokens // self.block_size)
 
+    def capacity_rps(self, mean_prompt: float, mean_out: float) -> float:
+        """Requests per second this engine serves when saturated, for requests of these mean prompt and output
+        lengths: a full batch (``max_num_seqs``, or as many as the KV blocks hold at a request's mean context,
+        prompt plus half its output), each finishing after its output tokens, at the step model's time for that
+        batch (its prefill tokens spread over the steps). An approximation a sweep's load is measured against
+        (load 1: about saturation); the simulator, not this, says what the engine does."""
+        if not (mean_out >= 1 and mean_prompt >= 0):
+            raise ValueError(f"a capacity needs mean output >= 1 and prompt >= 0, got {mean_out}, {mean_prompt}")
+        context = mean_prompt + mean_out / 2
+        seqs = float(self.max_num_seqs)
+        if self.kv_blocks is not None:
+            seqs = min(seqs, self.kv_blocks * self.block_size / max(context, 1.0))
+        seqs = max(seqs, 1.0)
+        step = self.step.time(seqs / mean_out * mean_prompt, seqs, seqs * context)
+        return seqs / (mean_out * step)
+
 
 EngineModel = OneAtATime | Batching
 

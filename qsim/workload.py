@@ -108,6 +108,64 @@ class UsedShare:
         return np.where(full, limits, early)
 
 
+@dataclass(frozen=True)
+class Prompts:
+    """How long requests' prompts are, in tokens: ``none`` (0, the reference study's short prompts counted as
+    nothing), ``fixed:N``, ``uniform:LOW:HIGH`` (whole numbers, both ends included) or ``lognormal:MEDIAN:SIGMA``
+    (rounded, at least 1). A batching engine computes them before the first token (:mod:`qsim.batch`)."""
+
+    kind: str = "none"
+    a: float = 0.0
+    b: float = 0.0
+
+    KINDS = {"none": 0, "fixed": 1, "uniform": 2, "lognormal": 2}
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"prompt lengths are none, fixed:N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA, "
+                             f"got {self.kind!r}")
+        if self.kind in ("fixed", "uniform") and not (self.a >= 0 and self.a == int(self.a)):
+            raise ValueError(f"prompt lengths are whole numbers of tokens >= 0, got {self.a}")
+        if self.kind == "uniform" and not (self.b >= self.a and self.b == int(self.b)):
+            raise ValueError(f"uniform prompt lengths need LOW <= HIGH, whole numbers, got {self.a}, {self.b}")
+        if self.kind == "lognormal" and not (self.a >= 1 and self.b >= 0 and math.isfinite(self.a * self.b)):
+            raise ValueError(f"lognormal prompt lengths need a median >= 1 and a sigma >= 0, got {self.a}, {self.b}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Prompts":
+        kind, *numbers = str(spec).strip().split(":")
+        if kind not in cls.KINDS or len(numbers) != cls.KINDS[kind]:
+            raise ValueError(f"bad prompt lengths {spec!r}: expected none, fixed:N, uniform:LOW:HIGH or "
+                             "lognormal:MEDIAN:SIGMA")
+        try:
+            return cls(kind, *(float(x) for x in numbers))
+        except ValueError as exc:
+            raise ValueError(f"bad prompt lengths {spec!r}: {exc}") from None
+
+    @property
+    def spec(self) -> str:
+        return {"none": "none", "fixed": f"fixed:{self.a:g}", "uniform": f"uniform:{self.a:g}:{self.b:g}",
+                "lognormal": f"lognormal:{self.a:g}:{self.b:g}"}[self.kind]
+
+    def mean(self) -> float:
+        if self.kind == "none":
+            return 0.0
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "uniform":
+            return (self.a + self.b) / 2
+        return float(np.mean(self.draw(np.random.default_rng(0), 200_000)))  # rounding and the floor of 1
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "none":
+            return np.zeros(n, dtype=np.int64)
+        if self.kind == "fixed":
+            return np.full(n, int(self.a), dtype=np.int64)
+        if self.kind == "uniform":
+            return rng.integers(int(self.a), int(self.b) + 1, n).astype(np.int64)
+        return np.maximum(1, np.round(self.a * np.exp(self.b * rng.standard_normal(n)))).astype(np.int64)
+
+
 def _used_of(used, size: int) -> "UsedShare | None":
     return used if isinstance(used, UsedShare) else used.get(size)
 
@@ -391,11 +449,12 @@ def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
     """Independent generators for gaps, sizes, service draws, clients, patience and early stops
     (common random numbers).
 
-    The fourth was added with clients, the fifth with patience and the sixth with early stops;
+    The fourth was added with clients, the fifth with patience, the sixth with early stops and the
+    seventh with prompt lengths;
     SeedSequence's children do not depend on how many are spawned, so the earlier ones (and every
     trace without them) are what they were.
     """
-    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6))
+    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(7))
 
 
 def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
@@ -441,6 +500,8 @@ def make_trace(
     clients: tuple[Client, ...] = (),
     patience: Patience | None = None,
     used: "UsedShare | dict[int, UsedShare] | None" = None,
+    prompts: "Prompts | None" = None,
+    capacity_rps: float | None = None,
 ) -> Trace:
     """A seeded synthetic trace.
 
@@ -454,6 +515,9 @@ def make_trace(
     drawn from a fifth stream; None or "none": forever). used: early stops (:class:`UsedShare`, one
     for all or a mapping from a size to its own, from a sixth stream; None: every request generates its
     limit): true service times follow the tokens generated, and ``load`` counts that work.
+    prompts: prompt lengths (:class:`Prompts`, from a seventh stream; None: none). capacity_rps: the requests per
+    second the server can take (a batching engine's, :func:`qsim.engines.Batching.capacity_rps`): then
+    lambda = load * capacity_rps, and engines, speed and the mix's mean time no longer set the rate.
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")
@@ -479,8 +543,10 @@ def make_trace(
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
     kind, numbers = parse_arrivals(arrivals)
-    gaps_rng, size_rng, service_rng, client_rng, patience_rng, used_rng = random_streams(seed)
-    rate = load * engines / (speed * mean_s)
+    gaps_rng, size_rng, service_rng, client_rng, patience_rng, used_rng, prompt_rng = random_streams(seed)
+    if capacity_rps is not None and not (capacity_rps > 0 and math.isfinite(capacity_rps)):
+        raise ValueError(f"capacity_rps must be a positive number of requests per second, got {capacity_rps}")
+    rate = load * engines / (speed * mean_s) if capacity_rps is None else load * capacity_rps
     if kind in ("poisson", "constant", "gamma"):
         cv = numbers[0] if numbers else 1.0
         times = renewal_arrivals(kind, gaps_rng, rate, seconds=seconds, requests=requests, cv=cv)
@@ -500,15 +566,16 @@ def make_trace(
     which = _draw_index(client_rng, shares, n) if clients else np.zeros(n, dtype=np.int64)
 
     generated = None
+    prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(prompt_rng, n)
     if service == "mix":
         tokens = _sizes(size_rng, mixes, which)
-        est = model.estimate(tokens)
+        est = model.estimate(tokens) if prompt is None else model.estimate(tokens, prompt)
         noise = lognormal_noise(service_rng, n, noise_cv)
         if used is None:
             true = est * speed * noise
         else:  # the engine does the work actually generated; the estimate still sees the limit
             generated = used_tokens(used_rng, tokens, used)
-            true = model.estimate(generated) * speed * noise
+            true = (model.estimate(generated) if prompt is None else model.estimate(generated, prompt)) * speed * noise
     else:
         tokens = np.full(n, model.tokens_for(mean_s), dtype=np.int64)
         est = np.full(n, mean_s)
@@ -525,8 +592,10 @@ def make_trace(
         client_id = np.asarray([c.name for c in clients], dtype=object)[which]
     if patience is not None and patience.kind != "none":
         meta.update(patience=patience.spec, patience_until=patience.until)
+    if prompt is not None:
+        meta["prompts"] = prompts.spec
     return assemble_trace(times, tokens, est, true, mix=mix, duration_s=duration, name=f"{arrivals}-{service}",
-                          meta=meta, priority=priority, client_id=client_id,
+                          meta=meta, priority=priority, client_id=client_id, prompt_tokens=prompt,
                           patience_s=None if patience is None else patience.draw(patience_rng, n),
                           tokens_generated=generated)
 
