@@ -31,6 +31,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py
+	$(BIN)/python benchmarks/bench_batching.py
 	$(BIN)/python benchmarks/bench_sweep.py
 
 # notebooks/goodput_curves.ipynb in JupyterLab (the `notebook` extra, installed on first use) on a sweep

@@ -156,8 +156,7 @@ class BatchQueue:
         self._started = getattr(self.waiting, "started", None)
         self._sheds = policy.shed_queue_threshold is not None
         # Projecting the batch costs a walk over it and the line: only for rules that read the projection.
-        self._projects = (policy.predictive or policy.kv_admission or policy.ttft_slo_s is not None
-                          or policy.tpot_slo_s is not None or type(policy).decide is not Policy.decide)
+        self._projects = policy.predictive or type(policy).decide is not Policy.decide
         self.seq_of: dict[int, _Seq] = {}  # id(entry) -> its sequence, while it waits in the discipline's line
         self.running: dict[int, _Seq] = {}  # order -> sequence, oldest first: the batch
         self.prefilling: list[_Seq] = []  # those still computing their prompt, in batch order

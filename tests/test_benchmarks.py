@@ -20,6 +20,16 @@ def test_bench_qsim_quick_runs_and_reports_every_implementation():
         assert needle in text
 
 
+def test_bench_batching_quick_reports_each_policy_against_the_target():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/bench_batching.py", "--quick", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert {r["policy"] for r in data["rows"]} == {"none", "predictive", "predictive-kv"}
+    assert all(r["verdict"] in ("PASS", "MISS") and r["requests"] == 2400 for r in data["rows"])
+
+
 def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
     """The gate's costs on the OpenAI-compatible API (issue 13, section 7): printed, never asserted."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
