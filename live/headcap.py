@@ -24,7 +24,7 @@ from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .http_api import error_response
+from .envelope import error_response
 
 #: The largest request head (request line and headers) either parser accepts.
 HEAD_CAP_BYTES = 64 * 1024

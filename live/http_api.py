@@ -58,189 +58,30 @@ stop (see :mod:`live.gate`), and the engine is free for the next request when
 from __future__ import annotations
 
 import asyncio
-import logging
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from qsim.policy import RATE_LIMITED
 from qsim.records import CLIENT_ID_CHARS
 
-from .contract import (Admission, GenerateResponse, Health, Limits, Stats, Timings, error_json,  # noqa: F401
-                       request_model)
-from .gate import (Answer, DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected, UpstreamFailed,
-                   UpstreamTimedOut)
+from . import openai_api
+from .contract import Admission, GenerateResponse, Health, Limits, Stats, Timings, request_model
+from .envelope import HANDLERS, InvalidRequest, answer_for, json_response, parse_body, shutdown_response, stopped_by_shutdown
+from .gate import Answer, Gate, Job, Rejected
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
+from .request_io import outcome, read_body
+from .routes import CLIENT_HEADER, GENERATE
 
-GENERATE = "/v1/generate"
-CLIENT_HEADER = "x-client-id"
-ROUTES = (f"POST {GENERATE}, POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /stats, "
-          "GET /healthz, GET /metrics, GET /openapi.json")
-log = logging.getLogger(__name__)
-
-
-# Limits and request_model (the body schema with a server's caps) live in live.contract, with every body.
-
-
-# ---------------------------------------------------------------------- the envelope
-
-
-class InvalidRequest(Exception):
-    """A 4xx found while preparing a request."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
-
-
-def error_response(status: int, type_: str, reason: str, message: str, numbers: dict | None = None,
-                   retry_after_s: int | None = None, headers: dict | None = None) -> Response:
-    """The envelope (:class:`live.contract.ErrorEnvelope`), with Retry-After when it says when to come back."""
-    headers = dict(headers or {})
-    if retry_after_s is not None:
-        headers["Retry-After"] = str(retry_after_s)
-    return json_response(error_json(type_, reason, message, numbers, retry_after_s), status, headers)
-
-
-def json_response(text: str, status: int = 200, headers: dict | None = None) -> Response:
-    """A body a contract model wrote (its model_dump_json: compact, non-finite numbers as null)."""
-    return Response(text, status_code=status, headers=headers, media_type="application/json")
-
-
-_REFUSAL_TEXT = {
-    "shed": "sheddable (priority {priority}) and {queued} request(s) are waiting",
-    "rate_limited": "this client is over its limit of {client_rate:g} requests/s (bursts of {client_burst:g})",
-    "queue_full": "the queue is full: {queued} waiting, the limit is {max_queue}",
-    "work_limit": "queued work {queued_work_s:.3f} s plus this request's {est_service_s:.3f} s passes the limit "
-                  "of {max_queued_seconds} s",
-    "deadline_unreachable": "estimated wait {wait_s:.3f} s plus service {est_service_s:.3f} s exceeds the "
-                            "deadline of {deadline_s:.3f} s",
-    "cannot_finish": "dropped when it reached the front after {waited_s:.3f} s: {est_service_s:.3f} s of service "
-                     "would end after its deadline of {deadline_s:.3f} s",
-    "codel": "dropped by CoDel when it reached the front after waiting {waited_s:.3f} s: waits have stayed "
-             "above the target for longer than the interval",
-}
-
-
-def _refusal_message(reason: str, numbers: dict, retry_after_s: int) -> str:
-    try:
-        text = _REFUSAL_TEXT[reason].format(**numbers)
-    except (KeyError, ValueError):
-        text = reason
-    return f"{text}; retry after {retry_after_s} s"
-
-
-async def _overloaded(_: Request, exc: Rejected) -> Response:
-    r = exc.rejection
-    numbers = {**exc.arrival.numbers(), **r.numbers}
-    if r.reason == RATE_LIMITED:  # this client sent too much: 429, told apart from the service's overload
-        return error_response(429, "rate_limited", r.reason, _refusal_message(r.reason, numbers, r.retry_after_s),
-                              numbers, r.retry_after_s)
-    return error_response(503, "overloaded", r.reason, _refusal_message(r.reason, numbers, r.retry_after_s),
-                          numbers, r.retry_after_s)
-
-
-async def _deadline_exceeded(_: Request, exc: DeadlineExceeded) -> Response:
-    return error_response(503, "deadline_exceeded", exc.reason,
-                          _refusal_message(exc.reason, exc.numbers, exc.retry_after_s),
-                          exc.numbers, exc.retry_after_s)
-
-
-async def _deadline_cut(_: Request, exc: DeadlineCut) -> Response:
-    # 504, as a gateway's timeout: the answer would have come too late (Policy.cancel_at_deadline). No
-    # Retry-After: the work was admitted and ran; sending it again meets the same deadline.
-    return error_response(504, "deadline_exceeded", exc.reason, str(exc), exc.numbers)
-
-
-async def _engine_failed(_: Request, exc: EngineFailed) -> Response:
-    return error_response(500, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
-
-
-async def _upstream_failed(_: Request, exc: UpstreamFailed) -> Response:
-    # 502: the server behind the gate failed; 504: it did not answer in time. Outcome error either way.
-    status = 504 if isinstance(exc, UpstreamTimedOut) else 502
-    return error_response(status, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
-
-
-async def _engine_stalled(_: Request, exc: EngineStalled) -> Response:
-    return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
-
-
-def shutdown_response() -> Response:
-    """What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
-    cancels it then): 503 in the envelope, as a stream's last event where the stream had begun."""
-    return error_response(503, "unavailable", "shutting_down", "the server is shutting down and stopped this request "
-                                                               "before it was answered; send it again", retry_after_s=1)
-
-
-def stopped_by_shutdown() -> None:
-    """The request's task was cancelled (the server's shutdown) and answers it instead of ending: the
-    cancellation is handled, so the task is not counted as cancelled (asyncio.Task.uncancel)."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-
-
-async def _invalid(_: Request, exc: InvalidRequest) -> Response:
-    return error_response(exc.status, "invalid_request", exc.reason, exc.message)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    reason, message = {
-        404: ("not_found", f"no route {request.method} {request.url.path}; the routes are {ROUTES}"),
-        405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}; the routes are {ROUTES}"),
-    }.get(exc.status_code, ("http_error", str(exc.detail)))
-    type_ = "invalid_request" if exc.status_code < 500 else "internal_error"
-    return error_response(exc.status_code, type_, reason, message, headers=exc.headers)
-
-
-def _validation_text(errors) -> str:
-    """'max_new_tokens: Input should be less than or equal to 1024; prompt: Field required'."""
-    parts = []
-    for e in errors:
-        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
-async def _request_validation(_: Request, exc: RequestValidationError) -> Response:
-    return error_response(422, "invalid_request", "invalid_field", _validation_text(exc.errors()))
-
-
-async def _unexpected(_: Request, exc: Exception) -> Response:
-    return error_response(500, "internal_error", "unexpected", f"{type(exc).__name__}: {exc}")
+# Limits and request_model (the body schema with a server's caps) live in live.contract, with every body; the
+# envelope and the answer to each exception in live.envelope.
 
 
 # ---------------------------------------------------------------------- prepare
-
-
-async def read_body(request: Request, cap: int) -> bytes:
-    """The body, refused with 413 as soon as it passes ``cap`` bytes (declared or actual) and before parsing."""
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media != "application/json" and not media.endswith("+json"):
-        raise InvalidRequest(415, "unsupported_media_type", f"send the body as application/json, not {media!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise InvalidRequest(413, "body_too_large", f"the body is {declared} bytes; the limit is {cap}")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > cap:
-                raise InvalidRequest(413, "body_too_large", f"the body passes the limit of {cap} bytes")
-    except ClientDisconnect:
-        # The client hung up mid-body: bad input, not a server error (nobody is left to read the answer).
-        raise InvalidRequest(400, "malformed_json", f"the body ended after {len(body)} bytes: the client closed "
-                                                    "the connection before sending all of it") from None
-    return bytes(body)
 
 
 @dataclass(frozen=True)
@@ -250,13 +91,7 @@ class _Preparer:
     count_tokens: Callable[[str], int]
 
     def __call__(self, body: bytes) -> Job:
-        try:
-            req = self.schema.model_validate_json(body)
-        except ValidationError as exc:
-            errors = exc.errors()
-            if any(e.get("type") == "json_invalid" for e in errors):
-                raise InvalidRequest(400, "malformed_json", f"the body is not valid JSON: {_validation_text(errors)}") from None
-            raise InvalidRequest(422, "invalid_field", _validation_text(errors)) from None
+        req = parse_body(self.schema, body)
         tokens = self.count_tokens(req.prompt)
         if tokens > self.limits.max_prompt_tokens:
             raise InvalidRequest(422, "prompt_too_long",
@@ -269,24 +104,6 @@ class _Preparer:
 # ---------------------------------------------------------------------- execute and finish
 
 
-async def _until_disconnect(request: Request) -> None:
-    """Returns when the client hangs up (the body is read, so receive() waits for that alone)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _outcome(future: asyncio.Future, request: Request) -> Answer | None:
-    """The answer, or None when the client left first (its future is then cancelled: it leaves the queue)."""
-    watch = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait((future, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not future.done():  # the client left, or this handler itself was cancelled
-            future.cancel()
-    return None if future.cancelled() else future.result()
-
-
 def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
     a = answer.arrival
     timings = Timings(queue_s=answer.queue_s, engine_s=answer.engine_s, total_s=total_s,
@@ -297,15 +114,6 @@ def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
 
 
 # ---------------------------------------------------------------------- the app
-
-
-#: Each exception's answer (looked up along its class's MRO, as Starlette does).
-HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
-    Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, DeadlineCut: _deadline_cut,
-    EngineFailed: _engine_failed,
-    UpstreamFailed: _upstream_failed, EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
-    RequestValidationError: _request_validation, Exception: _unexpected,
-}
 
 
 @dataclass(frozen=True)
@@ -322,10 +130,7 @@ class _Direct:
             stopped_by_shutdown()
             response = shutdown_response()
         except Exception as exc:
-            handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
-            if handler is _unexpected:  # as Starlette's ServerErrorMiddleware would, leave the traceback in the log
-                log.exception("unexpected error in %s %s", request.method, request.url.path)
-            response = await handler(request, exc)
+            response = await answer_for(request, exc)
         await response(scope, receive, send)
 
 
@@ -394,7 +199,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
             # Timed here, not in middleware: the direct path and FastAPI's routing both run this function.
             gate.timings.refusal.observe(gate.clock() - t0)
             raise
-        answer = await _outcome(future, request)
+        answer = await outcome(future, request)
         if answer is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         return json_response(_answer_body(answer, gate.clock() - t0).model_dump_json())
@@ -405,9 +210,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct = _Direct(generate)
 
-    from .openai_api import mount as mount_openai  # here: live.openai_api imports this module
-
-    posts = mount_openai(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    posts = openai_api.mount(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 

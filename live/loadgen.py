@@ -49,10 +49,10 @@ from qsim.model import LEFT_REASON
 from . import openai_replay
 from .calibrate import ServerFacts, default_prompt_tokens, server_facts
 from .contract import Stats, num
+from .routes import GENERATE
 from .rows import ClientSettings, Exchange, ServerInfo, retry_after_s, server_info, to_frame
 from .tokenizer import MIN_CONTEXT_TOKENS, prompt_of
 
-GENERATE = "/v1/generate"
 #: qlab: qlab's own /v1/generate; openai: POST /v1/completions, streamed, on any OpenAI-compatible server.
 APIS = ("qlab", "openai")
 #: The last stretch before a send is spent yielding rather than sleeping (see :func:`_until`).

@@ -4,7 +4,7 @@ The request and response bodies are pydantic models of :mod:`live.contract`; the
 are mounted by :func:`live.http_api.create_app` (:func:`mount`) beside ``/v1/generate``
 and admit through the same ``gate.submit(Job(...))``: the same policy, deadlines,
 per-client limits, counts and metrics. Every answer that is not a 200 is qlab's error
-envelope (:func:`live.http_api.error_response`), whose ``message``, ``type`` and ``code``
+envelope (:func:`live.envelope.error_response`), whose ``message``, ``type`` and ``code``
 are OpenAI's error object, so the openai SDK raises its usual exceptions on them.
 
 What a request becomes (docs/http.md, "OpenAI-compatible API", says the same for users):
@@ -59,7 +59,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from qsim.records import CLIENT_ID_CHARS
@@ -68,15 +68,11 @@ from .contract import (OWNER, Admission, AssistantMessage, ChatChoice, ChatChunk
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
                        Usage, request_models)
+from .contract import Limits
+from .envelope import InvalidRequest, answer_for, json_response, parse_body, shutdown_response, stopped_by_shutdown
 from .gate import END, Answer, Gate, Job, Rejected, Streamed
-from .http_api import (CLIENT_HEADER, HANDLERS, InvalidRequest, Limits, _outcome, _until_disconnect, _validation_text,
-                       json_response, read_body, shutdown_response, stopped_by_shutdown)
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-MODELS = "/v1/models"
-DEADLINE_HEADER = "x-request-deadline-ms"
-ROUTES = f"POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}"
+from .request_io import outcome, read_body, until_disconnect
+from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
 
 # The request and answer bodies are live.contract's (imported above), with every other body.
@@ -158,17 +154,6 @@ def _new_tokens(req, cap: int) -> int:
     return both[0] if both else cap
 
 
-def _parse(schema: type[BaseModel], body: bytes) -> BaseModel:
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            raise InvalidRequest(400, "malformed_json",
-                                 f"the body is not valid JSON: {_validation_text(errors)}") from None
-        raise InvalidRequest(422, "invalid_field", _validation_text(errors)) from None
-
-
 def _deadline_header(request: Request, limits: Limits) -> float | None:
     value = request.headers.get(DEADLINE_HEADER)
     if value is None:
@@ -205,7 +190,7 @@ class EventStream(Response):
 
     Not Starlette's StreamingResponse: that one runs each stream in an anyio task group with a task of its own
     listening for the client to leave, about 0.4 ms per stream on two cores (benchmarks/bench_openai.py,
-    docs/benchmarks.md), while the route already watches for that (``_until_disconnect`` cancels the future,
+    docs/benchmarks.md), while the route already watches for that (``until_disconnect`` cancels the future,
     which ends the events). A Response all the same, so that FastAPI's routing passes it on as it is."""
 
     media_type = "text/event-stream"
@@ -240,11 +225,10 @@ def _as_event(response: Response) -> str:
 
 async def _error_event(request: Request, exc: Exception) -> str:
     """The envelope its handler answers a request that fails before streaming, as one event."""
-    handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
-    return _as_event(await handler(request, exc))
+    return _as_event(await answer_for(request, exc))
 
 
-#: A stream's end when the server's shutdown cancels it (:func:`live.http_api.shutdown_response`).
+#: A stream's end when the server's shutdown cancels it (:func:`live.envelope.shutdown_response`).
 SHUTDOWN_EVENT = _as_event(shutdown_response()) + DONE_EVENT
 
 
@@ -331,7 +315,7 @@ class _Routes:
     async def _run(self, request: Request, req, prompt: str, t0: float) -> _Run | None:
         """Admit and run; None when the client left first. Refusals and failures raise to their handlers."""
         job = self._job(request, req, prompt)
-        answer = await _outcome(self._admit(self.gate.submit, job, t0), request)
+        answer = await outcome(self._admit(self.gate.submit, job, t0), request)
         if answer is None:
             return None
         return _Run(answer, job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
@@ -350,7 +334,7 @@ class _Routes:
         streamed = self._admit(self.gate.submit_streaming, job, t0)
         shape = make_shape()
         # A client that hangs up cancels the future (the run's Cancel is set), which ends the pieces (END).
-        watch = asyncio.ensure_future(_until_disconnect(request))
+        watch = asyncio.ensure_future(until_disconnect(request))
         watch.add_done_callback(lambda _: streamed.future.cancel())
         try:
             first = await streamed.pieces.get()
@@ -403,7 +387,7 @@ class _Routes:
 
     async def completions(self, request: Request) -> Response:
         t0 = self.gate.clock()
-        req = _parse(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
+        req = parse_body(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _completion_prompt(req)
         if req.stream:
             return await self._stream(request, req, prompt, t0, lambda: _completion_shape(
@@ -417,7 +401,7 @@ class _Routes:
 
     async def chat(self, request: Request) -> Response:
         t0 = self.gate.clock()
-        req = _parse(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
+        req = parse_body(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _chat_messages_prompt(req)
         if req.stream:
             return await self._stream(request, req, prompt, t0,

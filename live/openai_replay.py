@@ -31,7 +31,7 @@ import httpx
 
 from .contract import (AnswerEvent, CompletionRequest, EventChoice, EventUsage, ForeignError, GenerateRequest,
                        QlabInfo, StreamOptions, UpstreamModels, generate_of)
-from .openai_api import COMPLETIONS, DEADLINE_HEADER, MODELS
+from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS
 
 #: Error types under which qlab's gate refuses or drops (live.rows reads them); a server that is
 #: not a qlab gate has its own words for overload.

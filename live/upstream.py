@@ -51,7 +51,7 @@ from pydantic import ValidationError
 
 from .contract import ForeignError, UpstreamChunk, UpstreamModels, UpstreamRequest
 from .engine import Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
-from .openai_api import COMPLETIONS, MODELS
+from .routes import COMPLETIONS, MODELS
 from .serve_options import check_upstream_url
 from .tokenizer import ByteTokenizer
 
