@@ -109,6 +109,7 @@ def cmd_serve(args) -> int:
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
     from qsim.config import StallRule
 
+    from .contract import Limits
     from .gate import Gate, gate_config  # the web stack loads only for the command that serves
     from .http_api import create_app
 
@@ -121,7 +122,8 @@ def cmd_serve(args) -> int:
     gate = Gate(engines, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after)))
     sock = _bind(cfg.host, cfg.port)
-    app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
+    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens),
+                     on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin)
     return 0
 

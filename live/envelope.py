@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qsim.policy import RATE_LIMITED
 
 from .contract import error_json
-from .gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Rejected, UpstreamFailed, UpstreamTimedOut
+from .gate import (DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, NeverInTime, Rejected, UpstreamFailed,
+                   UpstreamTimedOut)
 from .routes import ROUTES
 
 log = logging.getLogger("live.http_api")
@@ -106,6 +107,11 @@ async def _overloaded(_: Request, exc: Rejected) -> Response:
                           numbers, r.retry_after_s)
 
 
+async def _never_in_time(_: Request, exc: NeverInTime) -> Response:
+    # Not overload: no queue could answer it in time, so no Retry-After (the openai SDK does not retry a 400).
+    return error_response(400, "invalid_request", exc.reason, str(exc), exc.numbers)
+
+
 async def _deadline_exceeded(_: Request, exc: DeadlineExceeded) -> Response:
     return error_response(503, "deadline_exceeded", exc.reason,
                           _refusal_message(exc.reason, exc.numbers, exc.retry_after_s),
@@ -170,7 +176,7 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
 
 #: Each exception's answer (looked up along its class's MRO, as Starlette does).
 HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
-    Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, DeadlineCut: _deadline_cut,
+    Rejected: _overloaded, NeverInTime: _never_in_time, DeadlineExceeded: _deadline_exceeded, DeadlineCut: _deadline_cut,
     EngineFailed: _engine_failed,
     UpstreamFailed: _upstream_failed, EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
     RequestValidationError: _request_validation, Exception: _unexpected,

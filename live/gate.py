@@ -96,12 +96,12 @@ from qsim.disciplines import CODEL_REASON
 from qsim.engines import OneAtATime
 from qsim.entry import Work
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome
-from qsim.policy import EXPIRE_REASON, Policy, Rejection
+from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from qsim.service import SpeedTracker
 
-from .engine import (Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, cancellable, is_coroutine_engine,
-                     takes_cancel, takes_emit)
+from .engine import (Asked, Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, cancellable,
+                     is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
 from .timings import Timings
 
 #: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
@@ -137,6 +137,11 @@ class Job:
     priority: int = 0  # higher first under a priority discipline
     prompt_tokens: int = 0  # counted by the engine's tokenizer: the service model's prompt term
     stream: bool = False  # the engine hands over its text piece by piece (Gate.submit_streaming)
+    asked: Asked = Asked()  # what else the client asked, for an engine that takes it (live.engine)
+    # The client's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; None: not given. Carried
+    # into the answer and the run file; admission does not read them (yet).
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,36 @@ class Rejected(Exception):
         super().__init__(rejection.reason)
         self.rejection = rejection
         self.arrival = arrival
+
+
+#: Why a request no queue could answer in time is refused (:class:`NeverInTime`).
+NEVER_IN_TIME = "deadline_too_short"
+
+
+def never_in_time(policy: Policy, est_idle_s: float, deadline_s: float) -> bool:
+    """Whether the policy refuses a request whose estimate on an idle engine is ``est_idle_s`` even with every
+    engine idle and nobody waiting: then no queue state could admit it, and it is not overload but a request
+    that cannot be answered in time (:class:`NeverInTime`). The policy's own rule decides (:func:`qsim.policy.decide`
+    at its best case), so only a policy that refuses for the deadline (predictive) refuses it."""
+    refusal = decide(policy, 0, 0.0, 0.0, est_idle_s, deadline_s, workers=1, idle=1)
+    return refusal is not None and refusal.reason == "deadline_unreachable"
+
+
+class NeverInTime(Exception):
+    """Refused at arrival because no queue could answer it in time (:func:`never_in_time`): its estimate on an idle
+    engine exceeds its deadline. Not overload (no Retry-After: sending it again meets the same deadline);
+    ``fit_new_tokens``: the most new tokens whose estimate fits the deadline (0: none)."""
+
+    reason = NEVER_IN_TIME
+
+    def __init__(self, job: "Job", arrival: "Arrival", est_idle_s: float, fit_new_tokens: int) -> None:
+        fit = (f"at most {fit_new_tokens} new tokens fit it" if fit_new_tokens > 0
+               else "not even 1 new token fits it")
+        super().__init__(f"its estimate on an idle engine, {est_idle_s:.3f} s for {job.max_new_tokens} new tokens, "
+                         f"exceeds its deadline of {arrival.deadline_s:.3f} s, so no queue could answer it in time: "
+                         f"{fit}, or {job.max_new_tokens} need a deadline of at least {math.ceil(est_idle_s * 1000)} ms")
+        self.arrival = arrival
+        self.numbers = {**arrival.numbers(), "fit_new_tokens": fit_new_tokens}
 
 
 class DeadlineExceeded(Exception):
@@ -318,6 +353,7 @@ class _EngineThread:
         self.k, self.engine, self._deliver = k, engine, deliver
         self._takes_cancel = takes_cancel(engine)
         self._takes_emit = takes_emit(engine)
+        self._takes_asked = takes_asked(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"qlab-engine-{k}", daemon=True)
@@ -339,6 +375,8 @@ class _EngineThread:
             cancel = {"cancel": ticket.cancel} if self._takes_cancel else {}
             if ticket.emit is not None and self._takes_emit:
                 cancel["emit"] = ticket.emit
+            if self._takes_asked and job.asked != Asked():
+                cancel["asked"] = job.asked
             try:
                 result = _checked(self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel))
             except Exception as exc:  # one failed request must not take the engine down
@@ -361,6 +399,7 @@ class _EngineTask:
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
         self._takes_emit = takes_emit(engine)
+        self._takes_asked = takes_asked(engine)
         self._tasks: list[asyncio.Task] = []  # the run in progress, and a next one waiting for it to stop
 
     def start(self) -> None:
@@ -388,6 +427,8 @@ class _EngineTask:
             await asyncio.wait([previous])  # a run cut at its deadline, stopping
         job, began = ticket.job, time.perf_counter()
         emit = {"emit": ticket.pieces.put_nowait} if ticket.pieces is not None and self._takes_emit else {}
+        if self._takes_asked and job.asked != Asked():
+            emit["asked"] = job.asked
         try:
             run = self.engine.arun(job.prompt, job.max_new_tokens, job.stop or None, **emit)
             result = _checked(await cancellable(run, ticket.cancel))
@@ -427,7 +468,7 @@ class Gate:
         self.workers = len(self.engines)
         self.queue = AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
         self.counts = dict.fromkeys(COUNTED, 0)
-        self.rejected_by_reason = dict.fromkeys(REJECT_REASONS, 0)
+        self.rejected_by_reason = dict.fromkeys((*REJECT_REASONS, NEVER_IN_TIME), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
         self.ended_by_reason = dict.fromkeys([(Outcome.EXPIRED, EXPIRE_REASON), (Outcome.EXPIRED, CODEL_REASON),
@@ -525,8 +566,15 @@ class Gate:
         seen = self.queue.seen
         ticket.arrival = Arrival(now, deadline, seen.est_service_s, seen.queued, seen.queued_work_s, seen.speed_factor)
         if refusal is not None:
+            # The core refused it (and kept its state as the simulator's would); one no queue could answer in time
+            # is told so, not told to come back.
+            est_idle = self._idle_estimate_s(job, base)
+            never = refusal.reason != RATE_LIMITED and never_in_time(self.policy, est_idle, deadline)
+            reason = NEVER_IN_TIME if never else refusal.reason
             self.counts[Outcome.REJECTED] += 1
-            self.rejected_by_reason[refusal.reason] = self.rejected_by_reason.get(refusal.reason, 0) + 1
+            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+            if never:
+                raise NeverInTime(job, ticket.arrival, est_idle, self.fitting_tokens(deadline, job.prompt_tokens))
             raise Rejected(refusal, ticket.arrival)
         ticket.future = self._loop.create_future()
         ticket.future.add_done_callback(partial(self._on_future_done, ticket))
@@ -534,6 +582,23 @@ class Gate:
             # A done callback runs after every piece the engine posted before its hand-back resolved the future.
             ticket.future.add_done_callback(lambda _: ticket.pieces.put_nowait(END))
         return ticket
+
+    def _idle_estimate_s(self, job: Job, base: float) -> float:
+        """The job's estimate on an idle engine: the policy's estimator's, at the speed factor or the calibrated
+        speed, whichever is faster (a slow spell is the queue's state, and passes)."""
+        estimator = self.queue.estimator
+        own = base if estimator is None else estimator.base_s(base, job.max_new_tokens, job.prompt_tokens, None)
+        return own * min(1.0, self.tracker.factor)
+
+    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0) -> int:
+        """The most new tokens whose calibrated estimate (prompt term included) fits ``deadline_s`` (None: the
+        policy's) on an idle engine at the calibrated speed; 0 when not even one does. What an OpenAI request
+        that names no ``max_tokens`` gets (at most the server's cap), and what a :class:`NeverInTime` says fits."""
+        deadline = self.queue.deadline_of(deadline_s)
+        m = self.config.model
+        room = deadline - m.intercept_s - m.per_prompt_token_s * prompt_tokens
+        n = max(0, math.floor(room / m.per_token_s + 1e-9))
+        return n - 1 if n > 0 and float(m.estimate(n, prompt_tokens)) > deadline + 1e-9 else n  # a rounding edge
 
     def submit_streaming(self, job: Job) -> Streamed:
         """:meth:`submit` for a client that reads the answer as it is produced: the engine (one whose

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -67,15 +67,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from qsim.records import CLIENT_ID_CHARS
-
 from . import openai_api
 from .contract import Admission, GenerateResponse, Health, Limits, Stats, Timings, request_model
 from .envelope import HANDLERS, InvalidRequest, answer_for, json_response, parse_body, shutdown_response, stopped_by_shutdown
-from .gate import Answer, Gate, Job, Rejected
+from .gate import Answer, Gate, Job, NeverInTime, Rejected
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
-from .request_io import outcome, read_body
-from .routes import CLIENT_HEADER, GENERATE
+from .request_io import outcome, read_body, with_headers
+from .routes import GENERATE
 
 # Limits and request_model (the body schema with a server's caps) live in live.contract, with every body; the
 # envelope and the answer to each exception in live.envelope.
@@ -152,7 +150,8 @@ class GateService(FastAPI):
 def effective_limits(gate: Gate, limits: Limits) -> Limits:
     """The caps, with max_new_tokens lowered to what every engine can generate."""
     caps = [limits.max_new_tokens] + [n for e in gate.engines if (n := getattr(e, "max_new_tokens_limit", None))]
-    return Limits(**{**asdict(limits), "max_new_tokens": min(caps)})
+    default = None if limits.default_max_tokens is None else min(limits.default_max_tokens, *caps)
+    return Limits(**{**asdict(limits), "max_new_tokens": min(caps), "default_max_tokens": default})
 
 
 def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
@@ -186,16 +185,11 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     async def generate(request: Request) -> Response:
         t0 = gate.clock()
-        job = prepare(await read_body(request, limits.max_body_bytes))
-        header = request.headers.get(CLIENT_HEADER)
-        if job.client_id is None and header:
-            if len(header) > CLIENT_ID_CHARS:
-                raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
-            job = replace(job, client_id=header)
+        job = with_headers(prepare(await read_body(request, limits.max_body_bytes)), request, limits.max_deadline_ms)
         # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
         try:
             future = gate.submit(job)
-        except Rejected:
+        except (Rejected, NeverInTime):  # refused at arrival
             # Timed here, not in middleware: the direct path and FastAPI's routing both run this function.
             gate.timings.refusal.observe(gate.clock() - t0)
             raise

@@ -62,16 +62,16 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from qsim.records import CLIENT_ID_CHARS
 
-from .contract import (OWNER, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
+from .contract import (CHAT_FIELDS, OWNER, SAMPLING_FIELDS, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
                        Usage, request_models)
 from .contract import Limits
 from .envelope import InvalidRequest, answer_for, json_response, parse_body, shutdown_response, stopped_by_shutdown
-from .gate import END, Answer, Gate, Job, Rejected, Streamed
-from .request_io import outcome, read_body, until_disconnect
+from .engine import Asked
+from .gate import END, Answer, Gate, Job, NeverInTime, Rejected, Streamed
+from .request_io import deadline_header, outcome, read_body, until_disconnect, with_headers
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
 
@@ -113,6 +113,24 @@ def _unsupported(name: str, why: str) -> InvalidRequest:
 def _check_common(req) -> None:
     if req.n is not None and req.n != 1:
         raise _unsupported("n", f"only 1 choice per request is supported, not {req.n}")
+    if req.use_beam_search:
+        raise _unsupported("use_beam_search", "the engines decode greedily; beam search is not supported")
+    if req.prompt_logprobs is not None:
+        raise _unsupported("prompt_logprobs", "log probabilities are not returned by this server")
+
+
+def _asked(req) -> Asked:
+    """What the request asks of its run beyond prompt, size and stop strings: min_tokens, a chat's messages as
+    they came, and the sampling fields the client gave (for an upstream: SAMPLING_FIELDS, a chat's CHAT_FIELDS)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    forwarded = req.model_dump(include=set(SAMPLING_FIELDS + (CHAT_FIELDS if chat else ())), exclude_unset=True)
+    messages = tuple(m.model_dump(exclude_none=True) for m in req.messages) if chat else None
+    if not forwarded and messages is None and not req.min_tokens:
+        return _NOTHING_ASKED
+    return Asked(req.min_tokens or 0, messages, tuple(forwarded.items()))
+
+
+_NOTHING_ASKED = Asked()
 
 
 def _completion_prompt(req) -> str:
@@ -146,32 +164,13 @@ def _chat_messages_prompt(req) -> str:
     return chat_prompt(req.messages)
 
 
-def _new_tokens(req, cap: int) -> int:
+def _new_tokens(req, default: Callable[[], int]) -> int:
+    """The new tokens asked for: max_completion_tokens or max_tokens (400 when both differ), else ``default()``."""
     both = [v for v in (getattr(req, "max_completion_tokens", None), req.max_tokens) if v is not None]
     if len(set(both)) > 1:
         raise InvalidRequest(400, "conflicting_parameters",
                              f"max_completion_tokens {both[0]} and max_tokens {both[1]} differ: give one")
-    return both[0] if both else cap
-
-
-def _deadline_header(request: Request, limits: Limits) -> float | None:
-    value = request.headers.get(DEADLINE_HEADER)
-    if value is None:
-        return None
-    value = value.strip()
-    if not (value.isascii() and value.isdigit() and len(value) <= 12 and 1 <= int(value) <= limits.max_deadline_ms):
-        raise InvalidRequest(422, "invalid_field", f"{DEADLINE_HEADER}: an integer number of milliseconds in "
-                                                   f"1..{limits.max_deadline_ms}, not {value[:40]!r}")
-    return int(value) / 1000.0
-
-
-def _client(request: Request, user: str | None) -> str | None:
-    if user is not None:
-        return user
-    header = request.headers.get(CLIENT_HEADER)
-    if header and len(header) > CLIENT_ID_CHARS:
-        raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
-    return header or None
+    return both[0] if both else default()
 
 
 # ---------------------------------------------------------------------- the routes
@@ -242,18 +241,17 @@ class _Run:
     """What one admitted request produced."""
 
     answer: Answer
-    prompt_tokens: int
-    max_new_tokens: int
+    job: Job
     total_s: float
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.answer.tokens < self.max_new_tokens else "length"
+        return "stop" if self.answer.tokens < self.job.max_new_tokens else "length"
 
     @property
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.answer.tokens,
-                     total_tokens=self.prompt_tokens + self.answer.tokens)
+        prompt = self.job.prompt_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=self.answer.tokens, total_tokens=prompt + self.answer.tokens)
 
     @property
     def qlab(self) -> QlabInfo:
@@ -261,7 +259,7 @@ class _Run:
         return QlabInfo(outcome=a.outcome, engine=a.engine, queue_s=a.queue_s, engine_s=a.engine_s,
                         total_s=self.total_s, est_service_s=a.arrival.est_service_s, started_at=a.started_at,
                         returned_at=a.returned_at, admission=Admission.model_validate(a.arrival.numbers()),
-                        first_token_s=a.first_token_s)
+                        first_token_s=a.first_token_s, ttft_slo_s=self.job.ttft_slo_s, tpot_slo_s=self.job.tpot_slo_s)
 
 
 @dataclass(frozen=True)
@@ -318,12 +316,12 @@ class _Routes:
         answer = await outcome(self._admit(self.gate.submit, job, t0), request)
         if answer is None:
             return None
-        return _Run(answer, job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+        return _Run(answer, job, self.gate.clock() - t0)
 
     def _admit(self, submit, job: Job, t0: float):
         try:
             return submit(job)
-        except Rejected:
+        except (Rejected, NeverInTime):  # refused at arrival
             self.gate.timings.refusal.observe(self.gate.clock() - t0)
             raise
 
@@ -346,7 +344,7 @@ class _Routes:
         watch.cancel()  # done before any piece: an engine without emit, a failure, or the client left
         if streamed.future.cancelled():
             return Response(status_code=499)
-        run = _Run(streamed.future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+        run = _Run(streamed.future.result(), job, self.gate.clock() - t0)
         return _sse([*shape.lead, shape.piece(shape.prefix + run.answer.text), *shape.tail(run)])
 
     async def _events(self, request: Request, streamed: Streamed, watch: asyncio.Future, first: str,
@@ -365,7 +363,7 @@ class _Routes:
             if future.exception() is not None:
                 yield await _error_event(request, future.exception()) + DONE_EVENT
             else:
-                run = _Run(future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+                run = _Run(future.result(), job, self.gate.clock() - t0)
                 yield "".join(_event(event) for event in shape.tail(run)) + DONE_EVENT
         finally:
             watch.cancel()  # and so the future: a stream closed early stops its run
@@ -381,9 +379,22 @@ class _Routes:
         if tokens > self.limits.max_prompt_tokens:
             raise InvalidRequest(422, "prompt_too_long",
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
-        max_new = _new_tokens(req, self.limits.max_new_tokens)
-        deadline = req.deadline_ms / 1000.0 if req.deadline_ms is not None else _deadline_header(request, self.limits)
-        return Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority, tokens)
+        deadline = (req.deadline_ms / 1000.0 if req.deadline_ms is not None
+                    else deadline_header(request, self.limits.max_deadline_ms))
+        max_new = _new_tokens(req, lambda: self._default_new_tokens(deadline, tokens))
+        if req.min_tokens is not None and req.min_tokens > max_new:
+            raise InvalidRequest(400, "conflicting_parameters", f"min_tokens {req.min_tokens} is more than the "
+                                                                f"{max_new} new tokens asked for")
+        job = Job(prompt, max_new, tuple(req.stop or ()), deadline, req.user, req.priority, tokens,
+                  asked=_asked(req))
+        return with_headers(job, request, self.limits.max_deadline_ms)
+
+    def _default_new_tokens(self, deadline_s: float | None, prompt_tokens: int) -> int:
+        """A request that names no max_tokens: the server's --default-max-tokens, else the most whose calibrated
+        estimate fits its deadline (at least 1, at most the cap): never the cap a deadline cannot hold."""
+        if self.limits.default_max_tokens is not None:
+            return self.limits.default_max_tokens
+        return max(1, min(self.limits.max_new_tokens, self.gate.fitting_tokens(deadline_s, prompt_tokens)))
 
     async def completions(self, request: Request) -> Response:
         t0 = self.gate.clock()

@@ -8,12 +8,17 @@ cancels the request.
 from __future__ import annotations
 
 import asyncio
+import math
+from dataclasses import replace
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from qsim.records import CLIENT_ID_CHARS
+
 from .envelope import InvalidRequest
-from .gate import Answer
+from .gate import Answer, Job
+from .routes import CLIENT_HEADER, DEADLINE_HEADER, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 
 
 async def read_body(request: Request, cap: int) -> bytes:
@@ -53,3 +58,53 @@ async def outcome(future: asyncio.Future, request: Request) -> Answer | None:
         if not future.done():  # the client left, or this handler itself was cancelled
             future.cancel()
     return None if future.cancelled() else future.result()
+
+
+# ---------------------------------------------------------------------- what the headers say
+
+
+def client_header(request: Request) -> str | None:
+    """The ``x-client-id`` header (None: absent or empty); 422 past CLIENT_ID_CHARS characters."""
+    header = request.headers.get(CLIENT_HEADER)
+    if header and len(header) > CLIENT_ID_CHARS:
+        raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
+    return header or None
+
+
+def deadline_header(request: Request, max_ms: int) -> float | None:
+    """The ``x-request-deadline-ms`` header in seconds (None: absent); 422 unless an integer in 1..max_ms."""
+    value = request.headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 12 and 1 <= int(value) <= max_ms):
+        raise InvalidRequest(422, "invalid_field", f"{DEADLINE_HEADER}: an integer number of milliseconds in "
+                                                   f"1..{max_ms}, not {value[:40]!r}")
+    return int(value) / 1000.0
+
+
+def slo_header(request: Request, name: str, max_ms: int) -> float | None:
+    """An objective's header (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) in seconds (None: absent); 422 unless a
+    number of milliseconds in (0, max_ms]."""
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    try:
+        ms = float(value.strip()) if len(value) <= 24 else math.nan
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms <= max_ms:  # NaN and infinity fail here too
+        raise InvalidRequest(422, "invalid_field", f"{name}: a number of milliseconds above 0 and at most "
+                                                   f"{max_ms}, not {value[:40]!r}")
+    return ms / 1000.0
+
+
+def with_headers(job: Job, request: Request, max_ms: int) -> Job:
+    """The job with what the headers add where the body did not say: the client (``x-client-id``) and the
+    objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``)."""
+    client = job.client_id if job.client_id is not None else client_header(request)
+    ttft, tpot = slo_header(request, TTFT_SLO_HEADER, max_ms), slo_header(request, TPOT_SLO_HEADER, max_ms)
+    if client == job.client_id and ttft is None and tpot is None:
+        return job  # the common case: nothing to copy
+    return replace(job, client_id=client, ttft_slo_s=ttft, tpot_slo_s=tpot)
+

@@ -63,6 +63,7 @@ from qsim.policy import on_time, policy_from_fields
 
 from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings, num, read_error
 from .contract import read_answer as answer_of
+from .gate import NEVER_IN_TIME
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,8 @@ def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | No
     if ex.status == 200 and answer_of(ex.body) is not None:
         return ("good" if on_time(ex.done_s - ex.sent_s, deadline_s) else "late"), None, None
     error = _error_of(ex.body)
-    if (ex.status, error.type) in ((503, "overloaded"), (429, "rate_limited")):
-        return "rejected", error.reason, None
+    if (ex.status, error.type) in ((503, "overloaded"), (429, "rate_limited")) or error.reason == NEVER_IN_TIME:
+        return "rejected", error.reason, None  # overload, a client over its rate, or never answerable in time
     if ex.status == 503 and error.type == "deadline_exceeded":
         return "expired", error.reason, None
     if ex.status == 504 and error.type == "deadline_exceeded":  # cut in service at its deadline

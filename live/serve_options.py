@@ -103,6 +103,10 @@ class ServeOptions:
     upstream_timeout: float = _option(60.0, "upstream: a request fails as upstream_timeout (504) when the upstream "
                                             "sends nothing for this long (default 60 s)", type=argtypes.positive,
                                       metavar="SECONDS", engine="upstream")
+    default_max_tokens: int | None = _option(None, "OpenAI routes: the new tokens of a request that names no "
+                                                   "max_tokens (default: the most whose calibrated estimate fits its "
+                                                   "deadline, at most the cap)", type=argtypes.positive_int,
+                                             metavar="N")
     stall_factor: float = _option(10.0, "an engine is stalled once its request runs this many times its estimate "
                                         "(default 10) ...", type=argtypes.number(float, 1, strict=False))
     stall_after: float = _option(5.0, "... and at least this long (default 5 s); its request then ends as an "

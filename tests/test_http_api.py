@@ -265,7 +265,7 @@ def test_direct_path_answers_as_fastapi_routing_does():
     ok = {"json": {"prompt": "hello", "max_new_tokens": 4}}
     requests = [
         ok, ok, ok,  # the third run fails: engine_error
-        {"json": {"prompt": "late", "max_new_tokens": 4, "deadline_ms": 1}},  # deadline_unreachable
+        {"json": {"prompt": "late", "max_new_tokens": 4, "deadline_ms": 1}},  # never in time: deadline_too_short
         {"content": b"{not json", "headers": {"content-type": "application/json"}},
         {"json": {"prompt": "x", "max_new_tokens": "4"}},
         {"json": {"prompt": "x" * 20_000, "max_new_tokens": 1}},
@@ -276,7 +276,7 @@ def test_direct_path_answers_as_fastapi_routing_does():
     direct, routed = _in_process_answers(True, requests), _in_process_answers(False, requests)
     assert direct == routed
     statuses = [status for status, _, _ in direct]
-    assert statuses == [200, 200, 500, 503, 400, 422, 422, 413, 415, 200], direct
+    assert statuses == [200, 200, 500, 400, 400, 422, 422, 413, 415, 200], direct
 
 
 def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):

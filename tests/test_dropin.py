@@ -1,0 +1,189 @@
+"""A drop-in gate (issue 23): what OpenAI-compatible clients send is accepted, a request no queue could answer
+in time is a 400 and not overload, and a request without max_tokens gets one that fits its deadline.
+
+The service runs in-process (FastAPI's TestClient), synthetic engine at 1/10,000 of the reference time,
+policy ``predictive`` with the calibrated (fixed) estimate: the reference line, 1 ms + 8.5 ms per new token,
+so the 2 s default deadline holds at most 235 new tokens (1.9985 s).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from live.contract import Limits  # noqa: E402
+from live.engine import WORD, Asked, SyntheticEngine  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
+from live.http_api import create_app  # noqa: E402
+from qsim import preset  # noqa: E402
+from qsim.workload import UsedShare  # noqa: E402
+
+MODEL = "synthetic"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+FITS_2S = 235  # new tokens whose reference estimate fits 2 s
+
+
+def serve(policy: str = "predictive", limits: Limits = Limits()) -> TestClient:
+    gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset(policy), fixed_estimate=True))
+    return TestClient(create_app(gate, limits))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serve() as c:
+        yield c
+
+
+def tok(n: int) -> str:
+    return WORD * n
+
+
+def events(response) -> list[dict]:
+    lines = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ---------------------------------------------------------------------- what clients send is accepted
+
+#: A value of each vendor field the benchmark clients (and vLLM's own) send.
+VENDOR = {"ignore_eos": True, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "length_penalty": 1.0,
+          "min_tokens": 2, "stop_token_ids": [50256], "include_stop_str_in_output": False,
+          "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": 512,
+          "add_special_tokens": False, "return_tokens_as_token_ids": False, "request_id": "r-1",
+          "use_beam_search": False}
+CHAT_VENDOR = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {"x": 1},
+               "chat_template": "{{ messages }}", "reasoning_effort": "low"}
+
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+                                         ("/v1/chat/completions", {**CHAT, **CHAT_VENDOR})])
+def test_vendor_fields_are_accepted(client, route, body):
+    r = client.post(route, json={**body, **VENDOR, "max_tokens": 4, "temperature": 0, "top_p": 1, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("field, value", [("top_k", -2), ("top_k", "5"), ("min_p", 1.5), ("repetition_penalty", 0),
+                                          ("ignore_eos", "yes"), ("min_tokens", -1), ("stop_token_ids", ["x"]),
+                                          ("request_id", 7)])
+def test_a_malformed_vendor_value_is_a_422_naming_it(client, field, value):
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, field: value})
+    error = r.json()["error"]
+    assert r.status_code == 422 and error["reason"] == "invalid_field" and field in error["message"], r.text
+
+
+def test_an_unknown_field_is_still_a_422(client):
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "ignore_eoss": True})
+    assert r.status_code == 422 and "ignore_eoss" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fields, name", [({"use_beam_search": True}, "use_beam_search"),
+                                          ({"prompt_logprobs": 1}, "prompt_logprobs")])
+def test_vendor_fields_asking_what_cannot_be_done_are_400s(client, fields, name):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **fields})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["reason"] == "unsupported_parameter" and name in error["message"]
+
+
+def test_min_tokens_past_max_tokens_is_a_400(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["reason"] == "conflicting_parameters"
+
+
+@pytest.mark.parametrize("min_tokens, text", [(0, ""), (1, tok(1)), (3, tok(3)), (5, tok(5))])
+def test_min_tokens_holds_off_a_stop_string(client, min_tokens, text):
+    """The synthetic engine's text is " tok" per token: the stop string " tok" ends it at once, unless min_tokens
+    says how many tokens must come out first (as vLLM's min_tokens does)."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5, "stop": " tok",
+                                             "min_tokens": min_tokens})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+
+
+def test_an_early_stopping_engine_runs_at_least_min_tokens():
+    engine = SyntheticEngine(speed=1e-4, early_stops=UsedShare())
+    assert {engine.run("x", 64, asked=Asked(min_tokens=64)).tokens for _ in range(20)} == {64}
+    assert min(engine.run("x", 64).tokens for _ in range(50)) < 64  # without it, most stop early
+
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"model": MODEL, "prompt": "hi"}), ("/v1/chat/completions", CHAT)])
+def test_a_stream_with_usage_options_as_guidellm_sends_them(client, route, body):
+    """stream_options.continuous_usage_stats (vLLM's) is accepted; include_usage adds OpenAI's usage chunk: no
+    choices, the usage, after the last choice and before [DONE]; every other chunk's usage is null."""
+    r = client.post(route, json={**body, "max_tokens": 3, "stream": True,
+                                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 200, r.text
+    chunks = events(r)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None and c["choices"] for c in chunks[:-1])
+
+
+def test_the_slo_headers_set_the_requests_objectives(client):
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
+                    headers={"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "12.5"})
+    qlab = r.json()["qlab"]
+    assert (qlab["ttft_slo_s"], qlab["tpot_slo_s"]) == (0.5, 0.0125)
+    plain = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).json()["qlab"]
+    assert (plain["ttft_slo_s"], plain["tpot_slo_s"]) == (None, None)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "nan", "inf", "600001", "1" * 30])
+def test_a_bad_slo_header_is_a_422_naming_it(client, value):
+    for route, body in (("/v1/chat/completions", {**CHAT, "max_tokens": 2}),
+                        ("/v1/generate", {"prompt": "x", "max_new_tokens": 2})):
+        r = client.post(route, json=body, headers={"x-slo-tpot-ms": value})
+        error = r.json()["error"]
+        assert r.status_code == 422 and error["reason"] == "invalid_field" and "x-slo-tpot-ms" in error["message"]
+
+
+# ---------------------------------------------------------------------- never in time is not overload
+
+
+def test_a_chat_without_max_tokens_gets_what_fits_its_deadline(client):
+    """Not the 1,024-token cap, which the 2 s deadline cannot hold (a 503 on an idle gate, before)."""
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == FITS_2S
+    shorter = client.post("/v1/chat/completions", json=CHAT, headers={"x-request-deadline-ms": "1000"})
+    assert shorter.json()["usage"]["completion_tokens"] == 117  # 0.9955 s
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).json()["usage"]["completion_tokens"] == FITS_2S
+
+
+def test_the_default_max_tokens_is_a_serve_option():
+    with serve(limits=Limits(default_max_tokens=50)) as c:
+        assert c.post("/v1/chat/completions", json=CHAT).json()["usage"]["completion_tokens"] == 50
+        assert c.get("/stats").json()["limits"]["default_max_tokens"] == 50
+    with serve(limits=Limits(max_new_tokens=30, default_max_tokens=50)) as c:  # never past the cap
+        assert c.post("/v1/chat/completions", json=CHAT).json()["usage"]["completion_tokens"] == 30
+
+
+@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {**CHAT, "max_tokens": 300}),
+                                         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 300}),
+                                         ("/v1/generate", {"prompt": "x", "max_new_tokens": 300})])
+def test_a_request_no_queue_could_answer_in_time_is_a_400_without_retry_after(client, route, body):
+    before = client.get("/stats").json()
+    r = client.post(route, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and "retry-after" not in r.headers and error["retry_after_s"] is None
+    assert error["type"] == "invalid_request" and error["code"] == error["reason"] == "deadline_too_short"
+    assert error["numbers"]["fit_new_tokens"] == FITS_2S and error["numbers"]["deadline_s"] == 2.0
+    assert f"at most {FITS_2S} new tokens fit" in error["message"] and "at least 2551 ms" in error["message"]
+    after = client.get("/stats").json()
+    assert after["rejected_by_reason"]["deadline_too_short"] - before["rejected_by_reason"]["deadline_too_short"] == 1
+    assert after["submitted"] - before["submitted"] == 1 and after["counts"]["rejected"] - before["counts"]["rejected"] == 1
+
+
+def test_not_even_one_token_fitting_says_so(client):
+    r = client.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 4, "deadline_ms": 5})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["numbers"]["fit_new_tokens"] == 0 and "not even 1 new token" in error["message"]
+
+
+def test_a_policy_that_admits_late_answers_admits_it():
+    """Only a policy that refuses for the deadline refuses: under ``none`` the request runs."""
+    with serve("none") as c:
+        r = c.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 300})
+        assert r.status_code == 200 and r.json()["tokens"] == 300
