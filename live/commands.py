@@ -46,7 +46,8 @@ def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
     if cfg.engine == "upstream":
         from . import upstream
 
-        spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout)
+        spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
+                                     upstream.api_key(cfg.upstream_api_key))
         return upstream.make_engines(cfg.engines, spec)
     from . import gpt2  # torch loads here and nowhere else
 
@@ -78,7 +79,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _announce(url: str, cfg: ServeOptions, host_given: bool) -> None:
+def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list) -> None:
     print(f"qlab serve: listening on {url}", flush=True)
     if not host_given:
         print(f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere", flush=True)
@@ -87,6 +88,8 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool) -> None:
     print(f"qlab serve: policy {cfg.policy}, {cfg.engines} {cfg.engine} engine(s)"
           + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
+    if cfg.engine == "upstream":
+        print(f"qlab serve: {engines[0].routes.says()}", flush=True)
 
 
 def _stop_at_stdin_eof() -> None:
@@ -123,7 +126,7 @@ def cmd_serve(args) -> int:
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after)))
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens),
-                     on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
+                     on_ready=lambda: _announce(_url(sock), cfg, args.host is not None, engines))
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin)
     return 0
 

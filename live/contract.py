@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -314,13 +314,33 @@ class StalledEngine(BaseModel):
 
 
 class Health(BaseModel):
-    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process answers)."""
+    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process answers);
+    ready: whether it can answer now (``GET /ready``'s verdict), and not_ready: why not (the upstream
+    unreachable or failing, every engine stalled)."""
 
     status: Literal["ok", "degraded"]
     stalled: list[StalledEngine]
     engines: int
     engine: EngineInfo
     policy: str
+    ready: bool = True
+    not_ready: list[str] = []
+
+
+class Liveness(BaseModel):
+    """``GET /health``: the process answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    """``GET /ready`` when ready (otherwise a 503 in the envelope, reason ``not_ready``)."""
+
+    ready: Literal[True] = True
+
+
+LIVE = Liveness().model_dump_json()
+READY = Readiness().model_dump_json()
 
 
 # ---------------------------------------------------------------------- OpenAI-compatible requests
@@ -674,26 +694,58 @@ def read_error(body: Any) -> ErrorDetail | None:
 
 
 class UpstreamRequest(BaseModel):
-    """What the upstream engine sends: only what the upstream needs (its defaults apply to the rest)."""
+    """What the upstream engine sends to a completions route: what the gate decided (the model, the size, the stop
+    strings, a stream with its usage), and the sampling fields the client gave, unchanged (extra keys: the
+    upstream's defaults apply to what the client did not give)."""
+
+    model_config = _OPEN
+    route: ClassVar[str] = "/v1/completions"  # where it goes (live.routes.COMPLETIONS)
 
     model: str
     prompt: str
     max_tokens: int
     stop: list[str] | None = None
     stream: bool = True
-    stream_options: StreamOptions = StreamOptions(include_usage=True)
+    # OpenAI's one key, not this contract's StreamOptions: an upstream may refuse keys it does not know.
+    stream_options: dict[str, bool] = {"include_usage": True}
+
+    def wire(self) -> bytes:
+        """The JSON sent: what is None left out, so the upstream's defaults apply."""
+        return self.model_dump_json(exclude_none=True, exclude_defaults=False).encode()
+
+
+class UpstreamChatRequest(UpstreamRequest):
+    """The same to a chat route: the client's messages as they came, in place of a prompt."""
+
+    route: ClassVar[str] = "/v1/chat/completions"  # live.routes.CHAT
+
+    prompt: None = None
+    messages: list[dict[str, Any]]
+
+
+class UpstreamDelta(BaseModel):
+    model_config = _OPEN
+
+    content: str | None = None
 
 
 class UpstreamChoice(CompletionChoice):
-    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort")."""
+    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort"); a chat
+    chunk's text is its ``delta.content``."""
 
     text: str = ""
+    delta: UpstreamDelta | None = None
     finish_reason: str | None = None
     logprobs: Any = None
 
+    @property
+    def piece(self) -> str:
+        """The text this choice adds: a completion's ``text``, or a chat chunk's ``delta.content``."""
+        return self.text or (self.delta.content or "" if self.delta is not None else "")
+
 
 class UpstreamChunk(Completion):
-    """One event of the upstream's stream: qlab's own completion chunk, read leniently."""
+    """One event of the upstream's stream: a completion chunk (qlab's own, read leniently) or a chat chunk."""
 
     object: str = "text_completion"
     choices: list[UpstreamChoice] = []

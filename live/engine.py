@@ -132,9 +132,16 @@ class Cancel(threading.Event):
 
 
 class UpstreamError(RuntimeError):
-    """An upstream server answered an error status, could not be reached, or broke its answer off."""
+    """An upstream server answered an error status, could not be reached, or broke its answer off.
+
+    failing: whether it says the upstream is failing (no connection, a broken stream, a 5xx, a missing route),
+    not only this request (a 400 for its body): the upstream is then not ready (``GET /ready``)."""
 
     reason = "upstream_error"
+
+    def __init__(self, message: str, failing: bool = True) -> None:
+        super().__init__(message)
+        self.failing = failing
 
 
 class UpstreamTimeout(UpstreamError):
@@ -162,6 +169,23 @@ class Engine(Protocol):
     def warmup(self) -> None: ...
 
     def info(self) -> dict: ...
+
+
+@runtime_checkable
+class SelfTimed(Protocol):
+    """An engine that bounds its own runs (the upstream engine: nothing received for ``run_timeout_s`` is a
+    timeout). The gate's stall rule does not end its runs: one that keeps producing is not stalled, and a silent
+    one ends as the engine's own timeout (504 ``upstream_timeout``), whatever the stall settings."""
+
+    run_timeout_s: float
+
+
+@runtime_checkable
+class Checked(Protocol):
+    """An engine that can say whether what it depends on is there (the upstream engine: its server), for
+    ``GET /ready`` and ``/healthz``: None when ready, else why not, in one line."""
+
+    async def readiness(self) -> str | None: ...
 
 
 def is_coroutine_engine(engine) -> bool:

@@ -35,7 +35,9 @@ teaches the tracker nothing. Its remaining work counts as its overrun so far,
 so predictive admission keeps refusing. While *every* engine is stalled, a
 waiting request whose deadline has passed is ended (``expired`` under a policy
 that expires at the front, else :class:`EngineStalled`). ``/healthz`` says
-"degraded" meanwhile. When nothing stalls the watchdog changes nothing.
+"degraded" meanwhile. When nothing stalls the watchdog changes nothing. An engine that bounds its
+own runs (:class:`~live.engine.SelfTimed`: the upstream engine, whose timeout ends a silent upstream
+as 504 ``upstream_timeout``) is left to do so: the stall rule does not end its runs.
 
 Cancelling a run. Each run gets a :class:`~live.engine.Cancel` (``engine.run(...,
 cancel=)``, for an engine whose ``run`` takes it), set on the event loop when the core
@@ -100,7 +102,7 @@ from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from qsim.service import SpeedTracker
 
-from .engine import (Asked, Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, cancellable,
+from .engine import (Asked, Cancel, Engine, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
                      is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
 from .timings import Timings
 
@@ -477,6 +479,7 @@ class Gate:
                                               (Outcome.ERROR, UpstreamTimedOut.reason),
                                               (Outcome.CANCELLED, CUT_REASON)], 0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
+        self._self_timed = [isinstance(e, SelfTimed) for e in self.engines]
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
         self._worker = worker
@@ -771,6 +774,8 @@ class Gate:
     def _watchdog(self) -> None:
         now = self._now()
         for k in self.queue.overdue(now):
+            if self._self_timed[k]:
+                continue  # the engine bounds its own runs (an upstream's timeout): it ends them, not the stall rule
             ticket = self.queue.stall(k, now)
             if ticket is not None:
                 self._stalled(k, ticket, now)

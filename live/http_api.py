@@ -68,12 +68,15 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from . import openai_api
-from .contract import Admission, GenerateResponse, Health, Limits, Stats, Timings, request_model
-from .envelope import HANDLERS, InvalidRequest, answer_for, json_response, parse_body, shutdown_response, stopped_by_shutdown
+from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
+                       Stats, Timings, request_model)
+from .engine import Checked
+from .envelope import (HANDLERS, InvalidRequest, answer_for, error_response, json_response, parse_body, shutdown_response,
+                       stopped_by_shutdown)
 from .gate import Answer, Gate, Job, NeverInTime, Rejected
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 from .request_io import outcome, read_body, with_headers
-from .routes import GENERATE
+from .routes import CHAT, COMPLETIONS, GENERATE
 
 # Limits and request_model (the body schema with a server's caps) live in live.contract, with every body; the
 # envelope and the answer to each exception in live.envelope.
@@ -143,8 +146,29 @@ class GateService(FastAPI):
         route = self.direct_posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if route is not None:
             await route(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] not in POSTS:
+            # HEAD on every GET route, as orchestrators' and load balancers' checks send it: routed as the GET,
+            # whose body the server leaves out (uvicorn reads the method from its own copy of the scope).
+            scope = {**scope, "method": "GET"}
+        await super().__call__(scope, receive, send)
+
+
+#: The POST routes: HEAD on them stays a 405.
+POSTS = frozenset({GENERATE, COMPLETIONS, CHAT})
+
+
+async def readiness(gate: Gate) -> list[str]:
+    """Why the service cannot answer now (empty: ready): every engine stalled, or what an engine depends on
+    is not there (the upstream engine's server: :class:`live.engine.Checked`)."""
+    reasons = []
+    if gate.queue.all_stalled:
+        reasons.append(f"every engine ({gate.workers}) is stalled")
+    checked = [e for e in gate.engines if isinstance(e, Checked)]
+    for problem in await asyncio.gather(*(e.readiness() for e in checked)):
+        if problem is not None and problem not in reasons:
+            reasons.append(problem)
+    return reasons
 
 
 def effective_limits(gate: Gate, limits: Limits) -> Limits:
@@ -215,9 +239,22 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> Response:
+        reasons = await readiness(gate)
         body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(),
-                                      "policy": gate.policy.name})
+                                      "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
         return json_response(body.model_dump_json(exclude_unset=True))
+
+    @app.get("/health", response_model=Liveness)
+    async def health() -> Response:
+        # Liveness: the process answers. Nothing else is looked at (a restart would not mend an upstream).
+        return json_response(LIVE)
+
+    @app.get("/ready", response_model=Readiness, responses={503: {"model": ErrorEnvelope}})
+    async def ready() -> Response:
+        reasons = await readiness(gate)
+        if reasons:
+            return error_response(503, "unavailable", "not_ready", "not ready: " + "; ".join(reasons), retry_after_s=1)
+        return json_response(READY)
 
     registry = metrics_registry(gate)
 

@@ -38,11 +38,14 @@ LOOPBACK = "127.0.0.1"
 
 
 def _option(default, help: str | None = None, *, type=None, choices=None, metavar=None, engine=None, toml=True,
-            check=None, needs=None, many=False, required=False):
-    """many: a flag that may be repeated; its values are kept joined by commas."""
-    return field(default=default, metadata=dict(help=help, type=type, choices=choices, metavar=metavar,
-                                                engine=engine, toml=toml, check=check, needs=needs, many=many,
-                                                required=required))
+            check=None, needs=None, many=False, required=False, secret=False):
+    """many: a flag that may be repeated; its values are kept joined by commas. secret: a key, never put on a
+    child's command line (where other users could read it) nor in a TOML file; a child reads it from its
+    environment instead."""
+    return field(default=default, repr=not secret,
+                 metadata=dict(help=help, type=type, choices=choices, metavar=metavar, engine=engine,
+                               toml=toml and not secret, check=check, needs=needs, many=many, required=required,
+                               secret=secret))
 
 
 def check_upstream_url(url: str) -> str:
@@ -103,6 +106,10 @@ class ServeOptions:
     upstream_timeout: float = _option(60.0, "upstream: a request fails as upstream_timeout (504) when the upstream "
                                             "sends nothing for this long (default 60 s)", type=argtypes.positive,
                                       metavar="SECONDS", engine="upstream")
+    upstream_api_key: str | None = _option(None, "upstream: the key to send it as Authorization: Bearer (default: "
+                                                 "the QLAB_UPSTREAM_API_KEY environment variable, which other users "
+                                                 "cannot read in the process list)", metavar="KEY", engine="upstream",
+                                           secret=True)
     default_max_tokens: int | None = _option(None, "OpenAI routes: the new tokens of a request that names no "
                                                    "max_tokens (default: the most whose calibrated estimate fits its "
                                                    "deadline, at most the cap)", type=argtypes.positive_int,
@@ -171,7 +178,7 @@ class ServeOptions:
         flags = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value == f.default or f.metadata["engine"] not in (None, self.engine):
+            if value == f.default or f.metadata["engine"] not in (None, self.engine) or f.metadata["secret"]:
                 continue
             flags += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
         return [sys.executable, "-m", "experiments", "serve", *flags]

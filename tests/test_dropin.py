@@ -187,3 +187,41 @@ def test_a_policy_that_admits_late_answers_admits_it():
     with serve("none") as c:
         r = c.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 300})
         assert r.status_code == 200 and r.json()["tokens"] == 300
+
+
+# ---------------------------------------------------------------------- health as orchestrators expect
+
+
+class _Unready(SyntheticEngine):
+    """An engine whose dependency is away (live.engine.Checked), as an upstream engine's server can be."""
+
+    async def readiness(self) -> str | None:
+        return "the upstream is away"
+
+
+def test_liveness_and_readiness(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"ready": True}
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["ready"] is True and health["not_ready"] == []
+    gate = Gate([_Unready(speed=1e-4)], GateConfig(preset("predictive"), fixed_estimate=True))
+    with TestClient(create_app(gate)) as unready:
+        r = unready.get("/ready")
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["reason"] == "not_ready" and "the upstream is away" in error["message"]
+        assert r.headers["retry-after"] == "1"
+        health = unready.get("/healthz")
+        assert health.status_code == 200 and health.json()["ready"] is False  # alive, but not ready
+        assert health.json()["not_ready"] == ["the upstream is away"]
+        assert unready.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/healthz", "/stats", "/metrics", "/v1/models",
+                                  "/v1/models/synthetic", "/openapi.json"])
+def test_head_on_every_get_route(client, path):
+    assert client.head(path).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions", "/v1/chat/completions"])
+def test_head_on_a_post_route_is_a_405(client, path):
+    assert client.head(path).status_code == 405

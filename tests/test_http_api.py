@@ -170,6 +170,16 @@ def test_unknown_route_and_method_get_envelopes(url):
     assert "POST" in r.headers["allow"]
 
 
+def test_health_routes_and_head_as_orchestrators_send_them(url):
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}  # liveness (guidellm's start-up check)
+    assert httpx.get(f"{url}/ready").json() == {"ready": True}
+    for path in ("/health", "/ready", "/healthz", "/stats", "/metrics", "/v1/models", "/openapi.json"):
+        got, head = httpx.get(f"{url}{path}"), httpx.head(f"{url}{path}")
+        assert head.status_code == 200 and head.content == b"", path  # the server leaves the body out
+        assert head.headers["content-type"] == got.headers["content-type"], path
+    assert httpx.head(f"{url}/v1/generate").status_code == 405
+
+
 def test_healthz_and_stats_shape(url):
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["engine"]["engine"] == "synthetic"
