@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -127,18 +128,40 @@ def cmd_serve(args) -> int:
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens),
                      on_ready=lambda: _announce(_url(sock), cfg, args.host is not None, engines))
-    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin)
+    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon)
     return 0
 
 
-def run_app(app, sock, log_level: str, http: str, watch_stdin: bool) -> None:
-    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way)."""
+#: Seconds the server gives the requests still running after SIGTERM or SIGINT (those waiting are answered at once).
+GRACEFUL_S = 5
+
+
+class _GracefulCut(logging.Filter):
+    """uvicorn logs the requests its graceful shutdown cut at ERROR; they are answered (503 shutting_down) and a
+    stop is normal, so the line is a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in record.getMessage():
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=None) -> None:
+    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way).
+    on_exit runs when a signal asks the server to stop (in the signal handler: it must only schedule work)."""
     import uvicorn
 
     from .headcap import http_options
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5, **http_options(http)))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if on_exit is not None:
+                on_exit()
+
+    server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                   timeout_graceful_shutdown=GRACEFUL_S, **http_options(http)))
+    logging.getLogger("uvicorn.error").addFilter(_GracefulCut())
     if watch_stdin:
         _stop_at_stdin_eof()
     # What exists now (modules, weights, the app) lives as long as the server: take it out of the

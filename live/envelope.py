@@ -24,9 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qsim.policy import RATE_LIMITED
 
-from .contract import error_json
-from .gate import (DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, NeverInTime, Rejected, UpstreamFailed,
-                   UpstreamTimedOut)
+from .contract import ErrorEnvelope, error_json
+from .gate import (DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, NeverInTime, Rejected, ShuttingDown,
+                   UpstreamFailed, UpstreamTimedOut)
 from .routes import ROUTES
 
 log = logging.getLogger("live.http_api")
@@ -138,11 +138,16 @@ async def _engine_stalled(_: Request, exc: EngineStalled) -> Response:
     return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
 
 
-def shutdown_response() -> Response:
+def shutdown_response(message: str = "the server is shutting down and stopped this request before it was answered; "
+                                      "send it again") -> Response:
     """What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
-    cancels it then): 503 in the envelope, as a stream's last event where the stream had begun."""
-    return error_response(503, "unavailable", "shutting_down", "the server is shutting down and stopped this request "
-                                                               "before it was answered; send it again", retry_after_s=1)
+    cancels it then): 503 in the envelope, as a stream's last event where the stream had begun. A request still
+    waiting when the shutdown began, or arriving after, gets the same at once (:class:`live.gate.ShuttingDown`)."""
+    return error_response(503, "unavailable", "shutting_down", message, retry_after_s=1)
+
+
+async def _shutting_down(_: Request, exc: ShuttingDown) -> Response:
+    return shutdown_response(str(exc))
 
 
 def stopped_by_shutdown() -> None:
@@ -177,7 +182,7 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
 #: Each exception's answer (looked up along its class's MRO, as Starlette does).
 HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
     Rejected: _overloaded, NeverInTime: _never_in_time, DeadlineExceeded: _deadline_exceeded, DeadlineCut: _deadline_cut,
-    EngineFailed: _engine_failed,
+    EngineFailed: _engine_failed, ShuttingDown: _shutting_down,
     UpstreamFailed: _upstream_failed, EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
     RequestValidationError: _request_validation, Exception: _unexpected,
 }
@@ -190,3 +195,37 @@ async def answer_for(request: Request, exc: Exception) -> Response:
     if handler is _unexpected:
         log.exception("unexpected error in %s %s", request.method, request.url.path)
     return await handler(request, exc)
+
+
+# ---------------------------------------------------------------------- /openapi.json: every status a route gives
+
+#: What each error status means, for /openapi.json (docs/http.md's table says the same).
+STATUS_TEXT = {
+    400: "invalid_request: malformed_json (not JSON, or a body cut short), deadline_too_short (no queue could "
+         "answer it in time: no Retry-After; numbers.fit_new_tokens says what fits); on the OpenAI-compatible "
+         "routes also unsupported_parameter, conflicting_parameters",
+    401: "invalid_request: unauthorized (no valid Authorization: Bearer key, where the server has keys)",
+    404: "invalid_request: not_found (no such route), model_not_found (OpenAI-compatible routes)",
+    405: "invalid_request: method_not_allowed",
+    413: "invalid_request: body_too_large",
+    415: "invalid_request: unsupported_media_type (not JSON, or a content-encoding)",
+    422: "invalid_request: invalid_field, prompt_too_long",
+    429: "rate_limited: this client is over its rate (Retry-After)",
+    431: "invalid_request: headers_too_large (the request head passes 64 KiB; the connection is closed)",
+    500: "engine_error: engine_exception, engine_stalled; internal_error: unexpected",
+    502: "engine_error: upstream_error (the upstream server answered an error, could not be reached or broke off)",
+    503: "overloaded (refused at arrival: shed, queue_full, work_limit, deadline_unreachable), deadline_exceeded "
+         "(cannot_finish, codel: dropped at the front), unavailable (shutting_down); all with Retry-After",
+    504: "engine_error: upstream_timeout; deadline_exceeded: deadline_passed (cut in service at its deadline)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, dict]:
+    """FastAPI's ``responses`` for these statuses: each one the envelope (:class:`live.contract.ErrorEnvelope`)."""
+    return {status: {"model": ErrorEnvelope, "description": STATUS_TEXT[status]} for status in statuses}
+
+
+#: What any route can answer, whatever it does: a head too large, a key missing (where the server has keys).
+ANY_ROUTE = (401, 431)
+#: What a route that admits a request through the gate can answer, besides its 200.
+ADMITTING = (*ANY_ROUTE, 400, 413, 415, 422, 429, 500, 502, 503, 504)

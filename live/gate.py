@@ -106,11 +106,13 @@ from .engine import (Asked, Cancel, Engine, EngineResult, SelfTimed, UpstreamErr
                      is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
 from .timings import Timings
 
-#: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
-#: (stats' top-level ``cancelled``).
-COUNTED = tuple(o for o in OUTCOMES if o != Outcome.ABANDONED)
+#: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its client left
+#: first, also stats' top-level ``cancelled``, kept for older clients). At rest they add up to ``submitted``.
+COUNTED = OUTCOMES
 #: The stall rule a gate runs with unless its ServerConfig says otherwise (see gate_config).
 GATE_STALL = StallRule()
+#: Why a request still waiting when the server stops, or arriving while it stops, is not run.
+SHUTDOWN_REASON = "shutting_down"
 
 
 def check_live_policy(policy: Policy) -> Policy:
@@ -208,21 +210,30 @@ def never_in_time(policy: Policy, est_idle_s: float, deadline_s: float) -> bool:
     return refusal is not None and refusal.reason == "deadline_unreachable"
 
 
-class NeverInTime(Exception):
-    """Refused at arrival because no queue could answer it in time (:func:`never_in_time`): its estimate on an idle
-    engine exceeds its deadline. Not overload (no Retry-After: sending it again meets the same deadline);
-    ``fit_new_tokens``: the most new tokens whose estimate fits the deadline (0: none)."""
+class NeverInTime(Rejected):
+    """Refused at arrival, and no queue could have answered it in time (:func:`never_in_time`): its estimate on an
+    idle engine exceeds its deadline. ``rejection`` is the core's refusal, as for any :class:`Rejected` (a driver
+    that compares with the simulator reads it); the answer is not overload (no Retry-After: sending it again
+    meets the same deadline). ``fit_new_tokens``: the most new tokens whose estimate fits the deadline (0: none)."""
 
     reason = NEVER_IN_TIME
 
-    def __init__(self, job: "Job", arrival: "Arrival", est_idle_s: float, fit_new_tokens: int) -> None:
+    def __init__(self, rejection: Rejection, arrival: "Arrival", job: "Job", est_idle_s: float,
+                 fit_new_tokens: int) -> None:
+        super().__init__(rejection, arrival)
         fit = (f"at most {fit_new_tokens} new tokens fit it" if fit_new_tokens > 0
                else "not even 1 new token fits it")
-        super().__init__(f"its estimate on an idle engine, {est_idle_s:.3f} s for {job.max_new_tokens} new tokens, "
-                         f"exceeds its deadline of {arrival.deadline_s:.3f} s, so no queue could answer it in time: "
-                         f"{fit}, or {job.max_new_tokens} need a deadline of at least {math.ceil(est_idle_s * 1000)} ms")
-        self.arrival = arrival
+        self.args = (f"its estimate on an idle engine, {est_idle_s:.3f} s for {job.max_new_tokens} new tokens, "
+                     f"exceeds its deadline of {arrival.deadline_s:.3f} s, so no queue could answer it in time: "
+                     f"{fit}, or {job.max_new_tokens} need a deadline of at least {math.ceil(est_idle_s * 1000)} ms",)
         self.numbers = {**arrival.numbers(), "fit_new_tokens": fit_new_tokens}
+
+
+class ShuttingDown(Exception):
+    """The server is stopping (SIGTERM, :meth:`Gate.drain`): a request still waiting is answered at once (outcome
+    error), and one arriving now is refused before the gate decides on it (not counted)."""
+
+    reason = SHUTDOWN_REASON
 
 
 class DeadlineExceeded(Exception):
@@ -477,7 +488,7 @@ class Gate:
                                               (Outcome.ERROR, EngineFailed.reason), (Outcome.ERROR, STALL_REASON),
                                               (Outcome.ERROR, UpstreamFailed.reason),
                                               (Outcome.ERROR, UpstreamTimedOut.reason),
-                                              (Outcome.CANCELLED, CUT_REASON)], 0)
+                                              (Outcome.CANCELLED, CUT_REASON), (Outcome.ERROR, SHUTDOWN_REASON)], 0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self._self_timed = [isinstance(e, SelfTimed) for e in self.engines]
         self.cancelled = 0  # clients that left before their answer
@@ -488,6 +499,7 @@ class Gate:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
+        self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
 
     @property
     def tracker(self) -> SpeedTracker:
@@ -528,6 +540,25 @@ class Gate:
                 await t.aclose()
         self._closing = []
 
+    def drain(self) -> None:
+        """The server is stopping: every request still waiting is answered now (:class:`ShuttingDown`, outcome
+        error), and new ones are refused; the running go on (to the end of the server's graceful shutdown)."""
+        if self.draining or self._loop is None or self._closed:
+            return
+        self.draining = True
+        now = self._now()
+        for entry in list(self.queue.waiting):
+            ticket = entry.req
+            if self.queue.cancel(ticket, now) == "waiting":
+                self._resolve(ticket, Outcome.ERROR, exc=ShuttingDown("the server is shutting down and did not start this "
+                                                                "request; send it again"))
+
+    def drain_soon(self) -> None:
+        """:meth:`drain` on the gate's loop, from any thread or a signal handler (where the server's SIGTERM
+        handler runs)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.drain)
+
     async def __aenter__(self) -> "Gate":
         self.start()
         return self
@@ -552,6 +583,8 @@ class Gate:
     def _submit(self, job: Job) -> _Ticket:
         if self._loop is None or self._closed:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
+        if self.draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests; send it again")
         now = self._now()
         self.submitted += 1
         # The calibrated estimate at the limit, prompt term included; the policy's estimator scales it from
@@ -577,7 +610,7 @@ class Gate:
             self.counts[Outcome.REJECTED] += 1
             self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
             if never:
-                raise NeverInTime(job, ticket.arrival, est_idle, self.fitting_tokens(deadline, job.prompt_tokens))
+                raise NeverInTime(refusal, ticket.arrival, job, est_idle, self.fitting_tokens(deadline, job.prompt_tokens))
             raise Rejected(refusal, ticket.arrival)
         ticket.future = self._loop.create_future()
         ticket.future.add_done_callback(partial(self._on_future_done, ticket))
@@ -801,6 +834,7 @@ class Gate:
         if not future.cancelled():
             return
         self.cancelled += 1
+        self.counts[Outcome.ABANDONED] += 1
         if self.queue.cancel(ticket, self._now()) == "running" and ticket.cancel is not None:
             ticket.cancel.set()
 

@@ -71,9 +71,9 @@ from . import openai_api
 from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
                        Stats, Timings, request_model)
 from .engine import Checked
-from .envelope import (HANDLERS, InvalidRequest, answer_for, error_response, json_response, parse_body, shutdown_response,
-                       stopped_by_shutdown)
-from .gate import Answer, Gate, Job, NeverInTime, Rejected
+from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_for, error_response, error_responses,
+                       json_response, parse_body, shutdown_response, stopped_by_shutdown)
+from .gate import Answer, Gate, Job, Rejected
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 from .request_io import outcome, read_body, with_headers
 from .routes import CHAT, COMPLETIONS, GENERATE
@@ -159,9 +159,9 @@ POSTS = frozenset({GENERATE, COMPLETIONS, CHAT})
 
 
 async def readiness(gate: Gate) -> list[str]:
-    """Why the service cannot answer now (empty: ready): every engine stalled, or what an engine depends on
-    is not there (the upstream engine's server: :class:`live.engine.Checked`)."""
-    reasons = []
+    """Why the service cannot answer now (empty: ready): it is stopping, every engine is stalled, or what an
+    engine depends on is not there (the upstream engine's server: :class:`live.engine.Checked`)."""
+    reasons = ["the server is shutting down"] if gate.draining else []
     if gate.queue.all_stalled:
         reasons.append(f"every engine ({gate.workers}) is stalled")
     checked = [e for e in gate.engines if isinstance(e, Checked)]
@@ -213,7 +213,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
         try:
             future = gate.submit(job)
-        except (Rejected, NeverInTime):  # refused at arrival
+        except Rejected:  # refused at arrival (NeverInTime too)
             # Timed here, not in middleware: the direct path and FastAPI's routing both run this function.
             gate.timings.refusal.observe(gate.clock() - t0)
             raise
@@ -224,7 +224,8 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
     app.post(GENERATE, openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": prepare.schema.model_json_schema()}}}})(generate)
+        "application/json": {"schema": prepare.schema.model_json_schema()}}}},
+             responses={200: {"model": GenerateResponse}, **error_responses(*ADMITTING)})(generate)
     if direct:
         app.direct = _Direct(generate)
 
@@ -232,24 +233,26 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats", response_model=Stats)
+    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE))
     async def stats() -> Response:
         body = Stats.model_validate({**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()})
         return json_response(body.model_dump_json(exclude_unset=True))
 
-    @app.get("/healthz", response_model=Health)
+    @app.get("/healthz", response_model=Health, responses=error_responses(*ANY_ROUTE))
     async def healthz() -> Response:
         reasons = await readiness(gate)
         body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(),
                                       "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
         return json_response(body.model_dump_json(exclude_unset=True))
 
-    @app.get("/health", response_model=Liveness)
+    @app.get("/health", response_model=Liveness, responses=error_responses(431))
     async def health() -> Response:
         # Liveness: the process answers. Nothing else is looked at (a restart would not mend an upstream).
         return json_response(LIVE)
 
-    @app.get("/ready", response_model=Readiness, responses={503: {"model": ErrorEnvelope}})
+    @app.get("/ready", response_model=Readiness,
+             responses=error_responses(431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
+                                                          "not_ready (why, in the message), Retry-After 1"}})
     async def ready() -> Response:
         reasons = await readiness(gate)
         if reasons:
@@ -259,7 +262,8 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     registry = metrics_registry(gate)
 
     @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"}})
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"},
+                        **error_responses(*ANY_ROUTE)})
     async def metrics() -> Response:
         # Async on purpose: the collector then reads the gate on the event loop, where the gate changes it.
         return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)

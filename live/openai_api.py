@@ -68,9 +68,10 @@ from .contract import (CHAT_FIELDS, OWNER, SAMPLING_FIELDS, Admission, Assistant
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
                        Usage, request_models)
 from .contract import Limits
-from .envelope import InvalidRequest, answer_for, json_response, parse_body, shutdown_response, stopped_by_shutdown
+from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
+                       shutdown_response, stopped_by_shutdown)
 from .engine import Asked
-from .gate import END, Answer, Gate, Job, NeverInTime, Rejected, Streamed
+from .gate import END, Answer, Gate, Job, Rejected, Streamed
 from .request_io import deadline_header, outcome, read_body, until_disconnect, with_headers
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
@@ -321,7 +322,7 @@ class _Routes:
     def _admit(self, submit, job: Job, t0: float):
         try:
             return submit(job)
-        except (Rejected, NeverInTime):  # refused at arrival
+        except Rejected:  # refused at arrival (NeverInTime too)
             self.gate.timings.refusal.observe(self.gate.clock() - t0)
             raise
 
@@ -462,16 +463,17 @@ def mount(app: FastAPI, gate: Gate, limits: Limits) -> dict[str, Callable[[Reque
                      completion_schema, chat_schema)
     # The routes read the raw body (to cap its size before parsing): state the schemas for /openapi.json.
     stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    errors = error_responses(*ADMITTING, 404)
     app.post(COMPLETIONS, openapi_extra=_body_spec(completion_schema),
-             responses={200: {"model": Completion, "content": stream}})(routes.completions)
+             responses={200: {"model": Completion, "content": stream}, **errors})(routes.completions)
     app.post(CHAT, openapi_extra=_body_spec(chat_schema),
-             responses={200: {"model": ChatCompletion, "content": stream}})(routes.chat)
+             responses={200: {"model": ChatCompletion, "content": stream}, **errors})(routes.chat)
 
-    @app.get(MODELS)
+    @app.get(MODELS, responses=error_responses(*ANY_ROUTE))
     async def models() -> ModelList:
         return ModelList(data=[routes.card()])
 
-    @app.get(MODELS + "/{model_id:path}")
+    @app.get(MODELS + "/{model_id:path}", responses=error_responses(*ANY_ROUTE, 404, 422))
     async def model(model_id: str) -> ModelCard:
         if model_id != routes.model_id:
             raise InvalidRequest(404, "model_not_found",

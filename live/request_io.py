@@ -26,6 +26,10 @@ async def read_body(request: Request, cap: int) -> bytes:
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise InvalidRequest(415, "unsupported_media_type", f"send the body as application/json, not {media!r}")
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", ""):
+        raise InvalidRequest(415, "unsupported_media_type", f"the body is {encoding[:40]!r}-encoded; send it "
+                                                            "unencoded (this server reads no content-encoding)")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise InvalidRequest(413, "body_too_large", f"the body is {declared} bytes; the limit is {cap}")

@@ -8,6 +8,7 @@ so the 2 s default deadline holds at most 235 new tokens (1.9985 s).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -16,11 +17,13 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from live.contract import Limits  # noqa: E402
-from live.engine import WORD, Asked, SyntheticEngine  # noqa: E402
-from live.gate import Gate, gate_config  # noqa: E402
+from live.engine import WORD, Asked, Faults, SyntheticEngine  # noqa: E402
+from live.gate import Gate, Job, Rejected, ShuttingDown, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from qsim import preset  # noqa: E402
+from qsim.config import StallRule  # noqa: E402
 from qsim.workload import UsedShare  # noqa: E402
+from virtual_time import SimEngine, VirtualLoop  # noqa: E402
 
 MODEL = "synthetic"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -204,7 +207,7 @@ def test_liveness_and_readiness(client):
     assert client.get("/ready").json() == {"ready": True}
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["ready"] is True and health["not_ready"] == []
-    gate = Gate([_Unready(speed=1e-4)], GateConfig(preset("predictive"), fixed_estimate=True))
+    gate = Gate([_Unready(speed=1e-4)], gate_config(preset("predictive"), fixed_estimate=True))
     with TestClient(create_app(gate)) as unready:
         r = unready.get("/ready")
         error = r.json()["error"]
@@ -225,3 +228,93 @@ def test_head_on_every_get_route(client, path):
 @pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions", "/v1/chat/completions"])
 def test_head_on_a_post_route_is_a_405(client, path):
     assert client.head(path).status_code == 405
+
+
+# ---------------------------------------------------------------------- the speed tracker resists outliers
+
+
+def _after_a_pause(max_step: float) -> tuple[object, float]:
+    """On a virtual clock, through a real gate (predictive, 2 s deadline, reference line): one 180-token
+    request whose run pauses to 9.19 s (6 x its 1.531 s estimate, as an upstream that stalled), then another
+    180-token request. What happens to the second, and the speed factor between them."""
+    true_s = [9.186, 1.531]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        config = gate_config(preset("predictive"), stall=StallRule(10.0, 60.0))  # the pause is no stall here
+        worker = lambda k, engine, deliver: SimEngine(k, true_s, None, deliver)  # noqa: E731
+        gate = Gate([None], config, clock=loop.time, worker=worker)
+        gate.queue.tracker.max_step = max_step
+        async with gate:
+            await gate.submit(Job("0", 180, deadline_s=60.0))
+            factor = gate.tracker.factor
+            try:
+                return await gate.submit(Job("1", 180)), factor
+            except Rejected as refused:
+                return refused, factor
+
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def test_one_paused_run_moves_the_speed_factor_a_bounded_step():
+    answer, factor = _after_a_pause(max_step=0.25)
+    assert factor == pytest.approx(1.25)  # 1 + at most 25 %
+    assert answer.outcome == "good" and answer.arrival.est_service_s == pytest.approx(1.531 * 1.25)
+    # Unbounded (the EWMA alone): the same pause doubles the factor, and the next request is refused.
+    refused, unbounded = _after_a_pause(max_step=1e9)
+    assert unbounded == pytest.approx(1 + 0.2 * (9.186 / 1.531 - 1))
+    assert isinstance(refused, Rejected) and refused.rejection.reason == "deadline_unreachable"
+
+
+# ---------------------------------------------------------------------- /openapi.json is the contract
+
+
+def test_the_openapi_document_gives_every_status_with_the_envelope(client):
+    doc = client.get("/openapi.json").json()
+    envelope = "#/components/schemas/ErrorEnvelope"
+    assert set(doc["components"]["schemas"]["ErrorEnvelope"]["properties"]) == {"error"}
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            errors = {int(s): r for s, r in op["responses"].items() if int(s) >= 400}
+            assert 431 in errors, (method, path)  # any route: a head too large
+            for status, response in errors.items():
+                assert response["content"]["application/json"]["schema"]["$ref"] == envelope, (method, path, status)
+                assert response["description"], (method, path, status)
+    admitting = {400, 401, 413, 415, 422, 429, 431, 500, 502, 503, 504}
+    assert set(map(int, doc["paths"]["/v1/generate"]["post"]["responses"])) == {200, *admitting}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(map(int, doc["paths"][path]["post"]["responses"])) == {200, 404, *admitting}
+    assert set(map(int, doc["paths"]["/ready"]["get"]["responses"])) == {200, 431, 503}
+
+
+def test_every_status_a_route_gave_is_in_its_document():
+    """What the routes answer (the bad requests, a failing engine, a client over its rate) is documented."""
+    gate = Gate([SyntheticEngine(speed=1e-4, faults=Faults(fail_every=2))],
+                gate_config(preset("predictive").with_args({"client_rate": 0.001}), fixed_estimate=True))
+    sends = [
+        ("post", "/v1/generate", dict(json={"prompt": "x", "max_new_tokens": 2})),
+        ("post", "/v1/generate", dict(json={"prompt": "x", "max_new_tokens": 2})),  # run 2 raises: 500
+        ("post", "/v1/generate", dict(content=b"{", headers={"content-type": "application/json"})),
+        ("post", "/v1/generate", dict(json={"prompt": "x", "max_new_tokens": 300})),  # deadline_too_short
+        ("post", "/v1/generate", dict(json={"prompt": "x", "max_new_tokens": "2"})),
+        ("post", "/v1/generate", dict(content=b"x" * 70_000, headers={"content-type": "application/json"})),
+        ("post", "/v1/generate", dict(content=b"x", headers={"content-type": "text/plain"})),
+        ("post", "/v1/chat/completions", dict(json={**CHAT, "max_tokens": 2, "user": "u"})),
+        ("post", "/v1/chat/completions", dict(json={**CHAT, "max_tokens": 2, "user": "u"})),  # 429
+        ("post", "/v1/chat/completions", dict(json={**CHAT, "model": "other"})),
+        ("post", "/v1/completions", dict(json={"model": MODEL, "prompt": "x", "n": 2})),
+        ("get", "/v1/models/other", {}),
+    ]
+    seen = set()
+    with TestClient(create_app(gate)) as c:
+        doc = c.get("/openapi.json").json()
+        for method, path, kwargs in sends:
+            status = getattr(c, method)(path, **kwargs).status_code
+            seen.add(status)
+            route = "/v1/models/{model_id}" if path.startswith("/v1/models/") else path
+            assert str(status) in doc["paths"][route][method]["responses"], (method, path, status)
+    assert {200, 400, 404, 413, 415, 422, 429, 500} <= seen

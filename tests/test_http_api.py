@@ -184,7 +184,7 @@ def test_healthz_and_stats_shape(url):
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["engine"]["engine"] == "synthetic"
     s = stats(url)
-    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error", "cancelled"}
+    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error", "abandoned", "cancelled"}
     assert s["policy"]["name"] == "bounded-deadline" and s["policy"]["max_queue"] == 2
     assert s["engines"] == 1 and s["fixed_estimate"] is False and s["speed_factor"] > 0
     assert s["service_model"] == {"intercept_s": 0.001, "per_token_s": 0.0085, "per_prompt_token_s": 0.0}
@@ -336,3 +336,34 @@ def test_priority_is_an_integer_field_with_bounds(url):
     for bad in (5000, "high", 1.5):
         r = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 1, "priority": bad}, timeout=10)
         assert r.status_code == 422 and r.json()["error"]["reason"] == "invalid_field" and "priority" in r.json()["error"]["message"]
+
+
+def test_sigterm_answers_the_waiting_at_once_and_logs_no_error(tmp_path):
+    """The one engine runs an 8.5 s request; a second waits. SIGTERM: the waiting one is answered at once (it was
+    never started), the running one when the 5 s of graceful shutdown run out (it was); the log holds no
+    ERROR line."""
+    log = tmp_path / "serve.log"
+    proc, url = start_server(log, "--policy", "none", "--log-level", "info")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            async def go():
+                async with httpx.AsyncClient(base_url=url, timeout=30) as a:
+                    running = asyncio.ensure_future(a.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 1000}))
+                    while client.get("/stats").json()["in_service"] == 0:
+                        await asyncio.sleep(0.01)
+                    waiting = asyncio.ensure_future(a.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 4}))
+                    while client.get("/stats").json()["waiting"] == 0:
+                        await asyncio.sleep(0.01)
+                    proc.terminate()
+                    first = await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
+                    return [t is waiting for t in first[0]], await waiting, await running
+
+            firsts, waited, ran = asyncio.run(go())
+    finally:
+        stop_server(proc)
+    assert firsts == [True]  # the waiting one was answered first, not held to the end of the graceful shutdown
+    for r, said in ((waited, "did not start this request"), (ran, "stopped this request")):
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["reason"] == "shutting_down" and said in r.json()["error"]["message"]
+    text = log.read_text()
+    assert "Cancel 1 running task(s)" in text and "ERROR" not in text, text
