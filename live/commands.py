@@ -128,7 +128,8 @@ def cmd_serve(args) -> int:
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens),
                      on_ready=lambda: _announce(_url(sock), cfg, args.host is not None, engines))
-    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon)
+    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,
+            head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout)
     return 0
 
 
@@ -146,9 +147,12 @@ class _GracefulCut(logging.Filter):
         return True
 
 
-def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=None) -> None:
+def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=None,
+            head_timeout_s: float = ServeOptions.header_timeout,
+            body_timeout_s: float = ServeOptions.body_timeout) -> None:
     """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way).
-    on_exit runs when a signal asks the server to stop (in the signal handler: it must only schedule work)."""
+    on_exit runs when a signal asks the server to stop (in the signal handler: it must only schedule work);
+    head_timeout_s and body_timeout_s: how long a request head and its body may take to arrive (live.headcap)."""
     import uvicorn
 
     from .headcap import http_options
@@ -160,7 +164,8 @@ def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=Non
                 on_exit()
 
     server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                   timeout_graceful_shutdown=GRACEFUL_S, **http_options(http)))
+                                   timeout_graceful_shutdown=GRACEFUL_S,
+                                   **http_options(http, head_timeout_s, body_timeout_s)))
     logging.getLogger("uvicorn.error").addFilter(_GracefulCut())
     if watch_stdin:
         _stop_at_stdin_eof()

@@ -207,6 +207,7 @@ STATUS_TEXT = {
     401: "invalid_request: unauthorized (no valid Authorization: Bearer key, where the server has keys)",
     404: "invalid_request: not_found (no such route), model_not_found (OpenAI-compatible routes)",
     405: "invalid_request: method_not_allowed",
+    408: "invalid_request: request_timeout (the head or the body did not arrive in time; the connection is closed)",
     413: "invalid_request: body_too_large",
     415: "invalid_request: unsupported_media_type (not JSON, or a content-encoding)",
     422: "invalid_request: invalid_field, prompt_too_long",
@@ -225,7 +226,8 @@ def error_responses(*statuses: int) -> dict[int, dict]:
     return {status: {"model": ErrorEnvelope, "description": STATUS_TEXT[status]} for status in statuses}
 
 
-#: What any route can answer, whatever it does: a head too large, a key missing (where the server has keys).
-ANY_ROUTE = (401, 431)
+#: What any route can answer, whatever it does: a key missing (where the server has keys), a head or body too
+#: slow, a head too large.
+ANY_ROUTE = (401, 408, 431)
 #: What a route that admits a request through the gate can answer, besides its 200.
 ADMITTING = (*ANY_ROUTE, 400, 413, 415, 422, 429, 500, 502, 503, 504)

@@ -125,6 +125,13 @@ class ServeOptions:
     port: int = _option(8000, "0 picks a free port (printed on the first line)", type=argtypes.port, toml=False)
     http: str = _option("httptools", "HTTP parser: httptools (default, fastest) or h11; both refuse a request head "
                                      "past 64 KiB", choices=("httptools", "h11"))
+    header_timeout: float = _option(10.0, "a request head must arrive within this many seconds of the connection's "
+                                          "opening (or its first byte, on a kept-alive connection), else 408 and the "
+                                          "connection is closed (default 10)", type=argtypes.positive,
+                                    metavar="SECONDS")
+    body_timeout: float = _option(30.0, "a request body must arrive within this many seconds of its head, else 408 "
+                                        "and the connection is closed (default 30)", type=argtypes.positive,
+                                  metavar="SECONDS")
     log_level: str = _option("warning", choices=("critical", "error", "warning", "info", "debug"), toml=False)
     watch_stdin: bool = _option(False, "stop when stdin reaches end of file (for a parent process: the server goes "
                                        "when it goes)", toml=False)

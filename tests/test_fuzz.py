@@ -505,8 +505,9 @@ def served(tmp_path_factory):
     server.stop()
 
 
-def _raw_exchange(url: str, data: bytes, close_after_send: bool = False) -> bytes:
-    """Send raw bytes on a fresh connection; whatever comes back before the server closes (or HANG_S passes)."""
+def _raw_exchange(url: str, data: bytes, close_after_send: bool = False, until_closed: bool = False) -> bytes:
+    """Send raw bytes on a fresh connection; whatever comes back before the server closes (or HANG_S passes).
+    until_closed: read on past a whole answer, until the server closes (an error if it does not, within HANG_S)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=HANG_S) as conn:
         conn.sendall(data)
@@ -516,7 +517,7 @@ def _raw_exchange(url: str, data: bytes, close_after_send: bool = False) -> byte
         try:
             while chunk := conn.recv(65536):
                 out += chunk
-                if b"\r\n\r\n" in out and _complete(out):
+                if b"\r\n\r\n" in out and _complete(out) and not until_closed:
                     break
         except socket.timeout:
             raise AssertionError(f"no answer within {HANG_S} s to {data[:80]!r}") from None
@@ -598,17 +599,40 @@ def test_a_request_head_past_the_cap_is_refused_and_not_buffered(tmp_path, http)
     served.start(60)
     try:
         # A head still incomplete after 66 KiB (nothing more is sent: the answer must come without it).
-        answer = _raw_exchange(served.url, _padded_head(66 * 1024))
-        status = int(answer.split(b" ", 2)[1])
-        if http == "httptools":  # the capped httptools protocol (live/headcap.py) answers in the envelope
+        # Then a whole head of 100 KB sent in one write (it ends within the read that passes the cap). Both parsers'
+        # protocols (live/headcap.py) answer in the envelope.
+        whole = _padded_head(100 * 1024) + b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        for sent in (_padded_head(66 * 1024), whole):
+            answer = _raw_exchange(served.url, sent)
             head, _, body = answer.partition(b"\r\n\r\n")
             error = json.loads(body)["error"]
-            assert status == 431 and error["type"] == "invalid_request" and error["reason"] == "headers_too_large"
-        else:  # h11's cap: uvicorn's plain-text 400
-            assert status == 400 and b"invalid_request" not in answer, answer[:300]
+            assert int(head.split(b" ", 2)[1]) == 431, answer[:300]
+            assert error["type"] == "invalid_request" and error["reason"] == "headers_too_large"
         # A stock httptools server takes all 64 MiB (and grows by more); a capped one hangs up within a few
         # MiB (what the kernel's socket buffers hold).
         assert _bytes_taken_before_hang_up(served.url, 64 << 20) < 16 << 20
+        assert httpx.post(f"{served.url}/v1/generate", json=_body(), timeout=HANG_S).status_code == 200
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_heads_and_bodies_too_slow_are_408_and_the_connection_closed(tmp_path, http):
+    """A slow client (a head or a body that stops coming) holds its connection only until its deadline
+    (here 1 s each): then a 408 in the envelope, and the server closes the connection."""
+    served = Server(ServeOptions(policy="predictive", speed=0.001, http=http, header_timeout=1.0, body_timeout=1.0),
+                    tmp_path / "serve.log")
+    served.start(60)
+    try:
+        for sent, what in ((b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nX-Slow: ", "head"),
+                           (b"", "head"),  # a connection that sends nothing at all
+                           (b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"prompt\": ", "body")):
+            answer = _raw_exchange(served.url, sent, until_closed=True)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            error = json.loads(body)["error"]
+            assert int(head.split(b" ", 2)[1]) == 408 and error["reason"] == "request_timeout", answer[:300]
+            assert f"request {what} did not arrive within 1 s" in error["message"]
         assert httpx.post(f"{served.url}/v1/generate", json=_body(), timeout=HANG_S).status_code == 200
     finally:
         served.stop()
