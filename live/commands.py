@@ -28,12 +28,14 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 
 from qsim.service import ServiceModel
 from qsim.workload import UsedShare
 
+from .auth import load_keys
 from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions
 
@@ -68,9 +70,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(sock: socket.socket) -> str:
+def _tls(certfile: str | None, keyfile: str | None) -> dict:
+    """uvicorn's TLS arguments (empty: plain HTTP), after loading the pair once here: a file that is not a
+    certificate and its key is one line on stderr, not a traceback from inside the server."""
+    if not certfile:
+        return {}
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a usable certificate and key "
+                         f"({type(exc).__name__}: {exc.strerror or exc})") from None
+    return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
+
+
+def _url(sock: socket.socket, tls: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -80,12 +96,18 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list) -> None:
+def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keyed: bool) -> None:
     print(f"qlab serve: listening on {url}", flush=True)
     if not host_given:
         print(f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere", flush=True)
     elif not _is_loopback(cfg.host):
-        print(f"qlab serve: --host {cfg.host}: reachable from other machines; there is no authentication", flush=True)
+        if not keyed:
+            guard = "there is no authentication (--api-key, --api-key-file)"
+        elif not cfg.ssl_certfile:
+            guard = "keys travel in clear text (--ssl-certfile, --ssl-keyfile)"
+        else:
+            guard = "requests need a key, over TLS"
+        print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
     print(f"qlab serve: policy {cfg.policy}, {cfg.engines} {cfg.engine} engine(s)"
           + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
@@ -125,11 +147,14 @@ def cmd_serve(args) -> int:
         engine.warmup()
     gate = Gate(engines, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after)))
+    keys = load_keys(cfg.api_key, cfg.api_key_file, cfg.auth_stats)
+    tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
-    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens),
-                     on_ready=lambda: _announce(_url(sock), cfg, args.host is not None, engines))
+    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
+                     on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, engines,
+                                                keys is not None))
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,
-            head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout)
+            head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout, tls=tls)
     return 0
 
 
@@ -149,10 +174,11 @@ class _GracefulCut(logging.Filter):
 
 def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=None,
             head_timeout_s: float = ServeOptions.header_timeout,
-            body_timeout_s: float = ServeOptions.body_timeout) -> None:
+            body_timeout_s: float = ServeOptions.body_timeout, tls: dict | None = None) -> None:
     """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way).
     on_exit runs when a signal asks the server to stop (in the signal handler: it must only schedule work);
-    head_timeout_s and body_timeout_s: how long a request head and its body may take to arrive (live.headcap)."""
+    head_timeout_s and body_timeout_s: how long a request head and its body may take to arrive (live.headcap);
+    tls: uvicorn's ``ssl_certfile`` and ``ssl_keyfile``, for HTTPS."""
     import uvicorn
 
     from .headcap import http_options
@@ -165,7 +191,7 @@ def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=Non
 
     server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                                    timeout_graceful_shutdown=GRACEFUL_S,
-                                   **http_options(http, head_timeout_s, body_timeout_s)))
+                                   **http_options(http, head_timeout_s, body_timeout_s), **(tls or {})))
     logging.getLogger("uvicorn.error").addFilter(_GracefulCut())
     if watch_stdin:
         _stop_at_stdin_eof()

@@ -68,6 +68,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from . import openai_api
+from .auth import SCOPE_CLIENT, ApiKeys
 from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
                        Stats, Timings, request_model)
 from .engine import Checked
@@ -141,8 +142,15 @@ class GateService(FastAPI):
 
     direct: _Direct | None = None
     direct_posts: dict[str, _Direct] = {}  # replaced, never changed in place
+    keys: ApiKeys | None = None  # set: the guarded routes want one of them (live.auth)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.keys is not None and scope["type"] == "http" and self.keys.guards(scope["path"]):
+            holder = self.keys.holder(_header(scope, b"authorization"))
+            if holder is None:
+                await UNAUTHORIZED(scope, receive, send)
+                return
+            scope[SCOPE_CLIENT] = holder.client_id  # the key's client: what per-client limits count by
         route = self.direct_posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if route is not None:
             await route(scope, receive, send)
@@ -156,6 +164,14 @@ class GateService(FastAPI):
 
 #: The POST routes: HEAD on them stays a 405.
 POSTS = frozenset({GENERATE, COMPLETIONS, CHAT})
+#: A guarded route's answer to a request without one of the server's keys (the message never names a key).
+UNAUTHORIZED = error_response(401, "invalid_request", "unauthorized", "this route needs an API key: send "
+                              "Authorization: Bearer KEY with one of the server's keys",
+                              headers={"WWW-Authenticate": "Bearer"})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key == name), None)
 
 
 async def readiness(gate: Gate) -> list[str]:
@@ -179,12 +195,12 @@ def effective_limits(gate: Gate, limits: Limits) -> Limits:
 
 
 def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
-               direct: bool = True) -> GateService:
+               direct: bool = True, keys: ApiKeys | None = None) -> GateService:
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
     direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
-    too (same answers, slower).
+    too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -202,6 +218,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
     app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json", redirect_slashes=False)
+    app.keys = keys
     # Handlers are async on purpose: Starlette runs a plain function in its thread pool, which
     # would put every refusal behind a hidden queue of threads in a burst.
     for exc_type, handler in HANDLERS.items():

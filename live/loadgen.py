@@ -47,6 +47,7 @@ from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
 from qsim.model import LEFT_REASON
 
 from . import openai_replay
+from .auth import client_headers
 from .calibrate import ServerFacts, default_prompt_tokens, server_facts
 from .contract import Stats, num
 from .routes import GENERATE
@@ -196,9 +197,11 @@ class Lanes:
         self._all: list[httpx.AsyncHTTPTransport] = []
         self.timeout = httpx.Timeout(cfg.timeout_s).as_dict()
         self.url = cfg.url
+        self.headers = client_headers()  # a key for a server that wants one (QLAB_API_KEY)
 
-    def request(self, method: str, path: str, **kwargs) -> httpx.Request:
-        return httpx.Request(method, self.url + path, extensions={"timeout": self.timeout}, **kwargs)
+    def request(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Request:
+        return httpx.Request(method, self.url + path, headers={**self.headers, **(headers or {})},
+                             extensions={"timeout": self.timeout}, **kwargs)
 
     async def send(self, request: httpx.Request, read=None):
         """Send on an idle lane (or a new one) and read the whole answer; with ``read`` (a coroutine function

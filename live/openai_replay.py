@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from .auth import client_headers
 from .contract import (AnswerEvent, CompletionRequest, EventChoice, EventUsage, ForeignError, GenerateRequest,
                        QlabInfo, StreamOptions, UpstreamModels, generate_of)
 from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS
@@ -52,7 +53,7 @@ def completion_request(body: dict, model: str) -> dict:
 def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
     """The ids ``GET /v1/models`` lists; ValueError when the server lists none or cannot be asked."""
     try:
-        response = httpx.get(url + MODELS, timeout=timeout_s)
+        response = httpx.get(url + MODELS, timeout=timeout_s, headers=client_headers())
         response.raise_for_status()
         ids = [card.id for card in UpstreamModels.model_validate_json(response.content).data]
     except (httpx.HTTPError, ValueError) as exc:

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from qsim.records import CLIENT_ID_CHARS
 
+from .auth import SCOPE_CLIENT
 from .envelope import InvalidRequest
 from .gate import Answer, Job
 from .routes import CLIENT_HEADER, DEADLINE_HEADER, TPOT_SLO_HEADER, TTFT_SLO_HEADER
@@ -104,9 +105,10 @@ def slo_header(request: Request, name: str, max_ms: int) -> float | None:
 
 
 def with_headers(job: Job, request: Request, max_ms: int) -> Job:
-    """The job with what the headers add where the body did not say: the client (``x-client-id``) and the
-    objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``)."""
-    client = job.client_id if job.client_id is not None else client_header(request)
+    """The job with what the headers add: the client (the API key's, live.auth, whatever the request says; else
+    the body's; else ``x-client-id``) and the objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``)."""
+    client = request.scope.get(SCOPE_CLIENT) or job.client_id
+    client = client if client is not None else client_header(request)
     ttft, tpot = slo_header(request, TTFT_SLO_HEADER, max_ms), slo_header(request, TPOT_SLO_HEADER, max_ms)
     if client == job.client_id and ttft is None and tpot is None:
         return job  # the common case: nothing to copy

@@ -121,6 +121,17 @@ class ServeOptions:
     seed: int = _option(0, "random weights and synthetic noise", type=argtypes.count)
     service_model: str = _option("", "JSON with intercept_s and per_token_s (from qlab calibrate)")
     fixed_estimate: bool = _option(False, "do not track speed: keep the calibrated estimate")
+    api_key: str | None = _option(None, "every /v1/ route wants Authorization: Bearer KEY (default: the QLAB_API_KEY "
+                                        "environment variable, which other users cannot read in the process list; "
+                                        "none: open)", metavar="KEY", secret=True)
+    api_key_file: str | None = _option(None, "keys, one a line: KEY CLIENT_ID (the client per-client limits and fair "
+                                             "share count by) or KEY alone", metavar="FILE")
+    auth_stats: bool = _option(False, "/stats, /healthz and /metrics want a key too (/health, /ready and "
+                                      "/openapi.json stay open)")
+    ssl_certfile: str | None = _option(None, "serve HTTPS with this certificate (PEM), with --ssl-keyfile (uvicorn's "
+                                             "TLS)", metavar="FILE", needs=("ssl_keyfile", "the certificate's key"))
+    ssl_keyfile: str | None = _option(None, "the certificate's private key (PEM)", metavar="FILE",
+                                      needs=("ssl_certfile", "the certificate"))
     host: str = _option(LOOPBACK, f"address to bind (default {LOOPBACK}: this machine only)", toml=False)
     port: int = _option(8000, "0 picks a free port (printed on the first line)", type=argtypes.port, toml=False)
     http: str = _option("httptools", "HTTP parser: httptools (default, fastest) or h11; both refuse a request head "

@@ -16,10 +16,12 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from live.auth import load_keys  # noqa: E402
 from live.contract import Limits  # noqa: E402
 from live.engine import WORD, Asked, Faults, SyntheticEngine  # noqa: E402
 from live.gate import Gate, Job, Rejected, ShuttingDown, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
 from qsim import preset  # noqa: E402
 from qsim.config import StallRule  # noqa: E402
 from qsim.workload import UsedShare  # noqa: E402
@@ -318,3 +320,90 @@ def test_every_status_a_route_gave_is_in_its_document():
             route = "/v1/models/{model_id}" if path.startswith("/v1/models/") else path
             assert str(status) in doc["paths"][route][method]["responses"], (method, path, status)
     assert {200, 400, 404, 413, 415, 422, 429, 500} <= seen
+
+
+# ---------------------------------------------------------------------- keys
+
+
+KEY_FILE = """# key        client
+sk-tenant-a  tenant-a
+sk-tenant-b  tenant-b
+sk-anyone
+"""
+
+
+@pytest.fixture()
+def keyed(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text(KEY_FILE)
+    gate = Gate([SyntheticEngine(speed=1e-4)],
+                GateConfig(preset("predictive").with_args({"client_rate": 0.001}), fixed_estimate=True))
+    with TestClient(create_app(gate, keys=load_keys("sk-admin", str(path)))) as c:
+        yield c
+
+
+def _bearer(key: str) -> dict:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("headers", [{}, _bearer("sk-wrong"), {"authorization": "sk-tenant-a"},
+                                     {"authorization": "Basic c2stdGVuYW50LWE="}, _bearer("")])
+def test_a_guarded_route_without_a_valid_key_is_a_401(keyed, headers):
+    for method, path, body in (("post", "/v1/chat/completions", {**CHAT, "max_tokens": 2}),
+                               ("post", "/v1/generate", {"prompt": "x", "max_new_tokens": 2}), ("get", "/v1/models", None)):
+        r = getattr(keyed, method)(path, headers=headers, **({"json": body} if body else {}))
+        error = r.json()["error"]
+        assert r.status_code == 401 and error["reason"] == "unauthorized" and r.headers["www-authenticate"] == "Bearer"
+        assert "sk-" not in r.text  # no key in the answer
+    assert keyed.get("/stats").json()["submitted"] == 0  # refused before the gate
+
+
+def test_each_key_is_let_in_and_names_its_client(keyed):
+    import openai
+
+    for key in ("sk-admin", "sk-tenant-a", "sk-anyone"):
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=keyed, max_retries=0)
+        assert sdk.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2).usage.completion_tokens == 2
+    # tenant-a's key is tenant-a, whatever the body says: its one request per 1,000 s is spent (client_rate).
+    r = keyed.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "user": "someone-else"},
+                   headers=_bearer("sk-tenant-a"))
+    assert r.status_code == 429 and r.json()["error"]["reason"] == "rate_limited"
+    assert keyed.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}, headers=_bearer("sk-tenant-b")).status_code == 200
+    # A key that names no client leaves the request's own: the body's user, then x-client-id.
+    assert keyed.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "user": "u1"},
+                      headers=_bearer("sk-anyone")).status_code == 200
+    for path in ("/health", "/ready", "/openapi.json", "/stats", "/healthz", "/metrics"):  # open unless --auth-stats
+        assert keyed.get(path).status_code == 200, path
+
+
+def test_auth_stats_puts_stats_and_metrics_behind_the_key():
+    gate = Gate([SyntheticEngine(speed=1e-4)], GateConfig(preset("predictive"), fixed_estimate=True))
+    with TestClient(create_app(gate, keys=load_keys("sk-admin", None, guard_stats=True))) as c:
+        for path in ("/stats", "/healthz", "/metrics"):
+            assert c.get(path).status_code == 401 and c.get(path, headers=_bearer("sk-admin")).status_code == 200
+        for path in ("/health", "/ready", "/openapi.json"):
+            assert c.get(path).status_code == 200
+
+
+def test_keys_are_compared_in_constant_time_and_never_shown(monkeypatch, tmp_path, caplog):
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    keys = load_keys("sk-admin", None)
+    monkeypatch.setenv("QLAB_API_KEY", "sk-env")
+    assert load_keys(None, None).holder(b"Bearer sk-env") is not None  # the environment's key
+    assert keys.holder(b"Bearer sk-admin") is not None and keys.holder(b"bearer  sk-admin ") is not None
+    assert keys.holder(b"Bearer sk-admi") is None and len(calls) == 4  # every comparison through compare_digest
+    assert "sk-admin" not in repr(keys)
+    bad = tmp_path / "keys.txt"
+    bad.write_text("sk-secret-1 a b\n")
+    with pytest.raises(ValueError, match=r"keys.txt:1: a line is KEY or KEY CLIENT_ID") as caught:
+        load_keys(None, str(bad))
+    assert "sk-secret" not in str(caught.value)
+    with pytest.raises(ValueError, match="--auth-stats: only with"):
+        monkeypatch.delenv("QLAB_API_KEY")
+        load_keys(None, None, guard_stats=True)
+    options = ServeOptions(api_key="sk-admin", api_key_file=str(bad))
+    assert "sk-admin" not in repr(options) and "sk-admin" not in " ".join(options.argv())

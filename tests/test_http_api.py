@@ -6,6 +6,7 @@ Synthetic service time is the reference line, 1 ms + 8.5 ms/token: 64 tokens tak
 import asyncio
 import json
 import select
+import ssl
 import subprocess
 import sys
 import time
@@ -367,3 +368,48 @@ def test_sigterm_answers_the_waiting_at_once_and_logs_no_error(tmp_path):
         assert r.json()["error"]["reason"] == "shutting_down" and said in r.json()["error"]["message"]
     text = log.read_text()
     assert "Cancel 1 running task(s)" in text and "ERROR" not in text, text
+
+
+def test_tls_and_a_key_as_an_openai_compatible_server_has_them(tmp_path, monkeypatch):
+    """--ssl-certfile/--ssl-keyfile (uvicorn's TLS) and a key from QLAB_API_KEY, through a real server."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a test certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("QLAB_API_KEY", "sk-test-key")
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "serve", "--port", "0", "--host", "127.0.0.1",
+                             "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("qlab serve: listening on https://127.0.0.1:"), line
+        url = line.split("listening on ")[1].strip()
+        body = {"prompt": "x", "max_new_tokens": 2}
+        with httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=str(cert)), timeout=30) as client:
+            assert client.post("/v1/generate", json=body).status_code == 401
+            ok = client.post("/v1/generate", json=body, headers={"authorization": "Bearer sk-test-key"})
+            assert ok.status_code == 200 and ok.json()["tokens"] == 2
+            assert client.get("/health").status_code == 200
+    finally:
+        stop_server(proc)
+        log.close()
+    assert "sk-test-key" not in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--auth-stats"], "--auth-stats: only with --api-key"),
+    (["--ssl-certfile", "x.pem"], "--ssl-certfile: only with --ssl-keyfile"),
+    (["--ssl-certfile", "nope.pem", "--ssl-keyfile", "nope.key"], "not a usable certificate and key"),
+    (["--api-key-file", "nope.txt"], "--api-key-file nope.txt: cannot read it"),
+])
+def test_bad_key_and_tls_options_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("QLAB_API_KEY", raising=False)
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
