@@ -180,8 +180,9 @@ class Exchange:
     each); attempt counts from 1. left: why the client hung up before the answer (client_left,
     client_timeout), making it abandoned. hangup_s: when the client would have hung up (NaN: never);
     next: what the client did after it ("retry" or why not; None without a retry policy).
-    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit); first_token_s:
-    when the first token arrived (a streamed answer; NaN: not seen).
+    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit); first_token_s and
+    last_token_s: when the first and the last piece of text arrived (a streamed answer; NaN: not seen);
+    pieces: how many pieces of text came.
     """
 
     scheduled_s: float
@@ -198,6 +199,8 @@ class Exchange:
     next: str | None = None
     reason: str | None = None
     first_token_s: float = math.nan
+    last_token_s: float = math.nan
+    pieces: int = 0
 
 
 _NO_ERROR = ErrorDetail(type="")
