@@ -59,6 +59,10 @@ def _raw_answer(status: int, reason: str, message: str) -> bytes:
     return b"".join(head) + b"connection: close\r\n\r\n" + response.body
 
 
+#: A head past the cap's answer (the connection is closed after it).
+TOO_LARGE = _raw_answer(431, "headers_too_large", f"the request head passes the limit of {HEAD_CAP_BYTES} bytes")
+
+
 class ReadDeadlines:
     """The two read deadlines of one connection: a head, then its body. ``expired(what)`` runs when one passes."""
 
@@ -103,16 +107,12 @@ def _timed_out_answer(phase: str, deadlines: ReadDeadlines) -> bytes:
     return _raw_answer(408, "request_timeout", f"the request {phase} did not arrive within {seconds:g} s")
 
 
-class HeadCappedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering 431 to a request head past HEAD_CAP_BYTES (unfinished, or whole)
-    and 408 to a head or body that does not arrive in time."""
+class _ReadGuard:
+    """What both protocols add to uvicorn's: the read deadlines, and an answer of their own written before they
+    close the connection (after which the parser's callbacks are for nobody: ``_refused``)."""
 
-    def __init__(self, *args, head_timeout_s: float, body_timeout_s: float, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._in_head = True  # a new connection's first bytes are a head
-        self._head_bytes = 0  # bytes arrived while the head is unfinished
-        self._head_size = 0  # the head's target and headers, as parsed
-        self._refused = False  # answered by this protocol: the parser's later callbacks are for nobody
+    def _guard(self, head_timeout_s: float, body_timeout_s: float) -> None:
+        self._refused = False
         self._deadlines = ReadDeadlines(head_timeout_s, body_timeout_s, self._timed_out)
 
     def connection_made(self, transport) -> None:
@@ -122,6 +122,29 @@ class HeadCappedHttpTools(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         self._deadlines.close()
         super().connection_lost(exc)
+
+    def _timed_out(self, phase: str) -> None:
+        if self.transport.is_closing() or (self.cycle is not None and self.cycle.response_started):
+            return  # answered already (a refusal before the body was read): the body is nobody's concern
+        self._refuse(_timed_out_answer(phase, self._deadlines))
+
+    def _refuse(self, answer: bytes) -> None:
+        self._refused = True
+        self._deadlines.close()
+        self.transport.write(answer)
+        self.transport.close()
+
+
+class HeadCappedHttpTools(_ReadGuard, HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering 431 to a request head past HEAD_CAP_BYTES (unfinished, or whole)
+    and 408 to a head or body that does not arrive in time."""
+
+    def __init__(self, *args, head_timeout_s: float, body_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # a new connection's first bytes are a head
+        self._head_bytes = 0  # bytes arrived while the head is unfinished
+        self._head_size = 0  # the head's target and headers, as parsed
+        self._guard(head_timeout_s, body_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -133,8 +156,7 @@ class HeadCappedHttpTools(HttpToolsProtocol):
             self._head_bytes += len(data)
         super().data_received(data)
         if self._in_head and self._head_bytes > HEAD_CAP_BYTES and not self.transport.is_closing():
-            self._refuse(_raw_answer(431, "headers_too_large",
-                                     f"the request head passes the limit of {HEAD_CAP_BYTES} bytes"))
+            self._refuse(TOO_LARGE)
 
     def on_message_begin(self) -> None:
         self._head_size = 0
@@ -151,8 +173,7 @@ class HeadCappedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes = False, 0
         if self._head_size + len(self.parser.get_method()) + _LINE_EXTRA > HEAD_CAP_BYTES:
-            self._refuse(_raw_answer(431, "headers_too_large",
-                                     f"the request head passes the limit of {HEAD_CAP_BYTES} bytes"))
+            self._refuse(TOO_LARGE)
             return
         self._deadlines.head_done()
         super().on_headers_complete()
@@ -167,18 +188,6 @@ class HeadCappedHttpTools(HttpToolsProtocol):
         self._deadlines.message_done()
         super().on_message_complete()
         self._in_head = True  # what comes next on this connection starts a new head
-
-    def _timed_out(self, phase: str) -> None:
-        if self.transport.is_closing() or (self.cycle is not None and self.cycle.response_started):
-            return  # answered already (a refusal before the body was read): the body is nobody's concern
-        self._refuse(_timed_out_answer(phase, self._deadlines))
-
-    def _refuse(self, answer: bytes) -> None:
-        self._refused = True
-        self._deadlines.close()
-        self.transport.write(answer)
-        self.transport.close()
-
 
 class HeadMeter:
     """The size of a request head as its bytes arrive, whatever the reads: the bytes before its blank line."""
@@ -204,33 +213,22 @@ class HeadMeter:
         self.size, self._tail = 0, b""
 
 
-class CappedH11(H11Protocol):
+class CappedH11(_ReadGuard, H11Protocol):
     """uvicorn's h11 protocol with the head capped as the httptools one (h11's own cap lets a whole head of any
     size through when it comes in one read) and the same read deadlines, from h11's states."""
 
     def __init__(self, *args, head_timeout_s: float, body_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._deadlines = ReadDeadlines(head_timeout_s, body_timeout_s, self._timed_out)
+        self._guard(head_timeout_s, body_timeout_s)
         self._head = HeadMeter()
 
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._deadlines.reading_head()
-
-    def connection_lost(self, exc) -> None:
-        self._deadlines.close()
-        super().connection_lost(exc)
-
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
+        if self._refused or self.transport.is_closing():
             return
         if self.conn.their_state is h11.IDLE:  # these bytes begin, or go on with, a head
             ended = self._head.feed(data)
             if self._head.size > HEAD_CAP_BYTES:
-                self._deadlines.close()
-                self.transport.write(_raw_answer(431, "headers_too_large",
-                                                 f"the request head passes the limit of {HEAD_CAP_BYTES} bytes"))
-                self.transport.close()
+                self._refuse(TOO_LARGE)
                 return
             if ended:
                 self._head.reset()
@@ -243,11 +241,6 @@ class CappedH11(H11Protocol):
         else:  # DONE (or closing): nothing more to read for this request
             self._deadlines.message_done()
 
-    def _timed_out(self, phase: str) -> None:
-        if self.transport.is_closing() or (self.cycle is not None and self.cycle.response_started):
-            return
-        self.transport.write(_timed_out_answer(phase, self._deadlines))
-        self.transport.close()
 
 
 def http_options(http: str, head_timeout_s: float, body_timeout_s: float) -> dict:

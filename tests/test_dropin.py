@@ -43,6 +43,15 @@ def client():
         yield c
 
 
+def on_a_virtual_clock(coroutine):
+    """Run the coroutine on tests/virtual_time.py's loop, whose clock jumps to the next timer."""
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        loop.close()
+
+
 def tok(n: int) -> str:
     return WORD * n
 
@@ -255,11 +264,7 @@ def _after_a_pause(max_step: float) -> tuple[object, float]:
             except Rejected as refused:
                 return refused, factor
 
-    loop = VirtualLoop()
-    try:
-        return loop.run_until_complete(go())
-    finally:
-        loop.close()
+    return on_a_virtual_clock(go())
 
 
 def test_one_paused_run_moves_the_speed_factor_a_bounded_step():
@@ -407,3 +412,55 @@ def test_keys_are_compared_in_constant_time_and_never_shown(monkeypatch, tmp_pat
         load_keys(None, None, guard_stats=True)
     options = ServeOptions(api_key="sk-admin", api_key_file=str(bad))
     assert "sk-admin" not in repr(options) and "sk-admin" not in " ".join(options.argv())
+
+
+# ---------------------------------------------------------------------- the small ones
+
+
+def test_a_stop_answers_the_waiting_at_once_and_refuses_new_ones():
+    """Gate.drain (what SIGTERM does): the waiting are answered now (error, shutting_down), a new request is
+    refused before the gate decides on it, and the running one goes on to its answer."""
+    true_s = [1.0, 1.0, 1.0]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = lambda k, engine, deliver: SimEngine(k, true_s, None, deliver)  # noqa: E731
+        async with Gate([None], GateConfig(preset("none")), clock=loop.time, worker=worker) as gate:
+            running, waiting = gate.submit(Job("0", 4)), gate.submit(Job("1", 4))
+            assert gate.in_service == 1 and gate.waiting == 1
+            gate.drain()
+            with pytest.raises(ShuttingDown):
+                await waiting
+            stopped_at = loop.time()
+            with pytest.raises(ShuttingDown):
+                gate.submit(Job("2", 4))
+            answer = await running
+            return stopped_at, answer, gate.stats()
+
+    stopped_at, answer, stats = on_a_virtual_clock(go())
+    assert stopped_at == 0.0 and answer.outcome == "good" and answer.returned_at == 1.0
+    assert stats["counts"]["error"] == 1 and stats["counts"]["good"] == 1 and stats["submitted"] == 2
+    assert stats["submitted"] == sum(stats["counts"].values())
+
+
+def test_a_client_that_hangs_up_is_in_counts():
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = lambda k, engine, deliver: SimEngine(k, [1.0, 1.0], None, deliver)  # noqa: E731
+        async with Gate([None], GateConfig(preset("none")), clock=loop.time, worker=worker) as gate:
+            running, waiting = gate.submit(Job("0", 4)), gate.submit(Job("1", 4))
+            waiting.cancel()  # its client left
+            await running
+            return gate.stats()
+
+    stats = on_a_virtual_clock(go())
+    assert stats["counts"]["abandoned"] == stats["cancelled"] == 1 and stats["counts"]["good"] == 1
+    assert stats["submitted"] == sum(stats["counts"].values())  # every request once, in counts
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate"])
+def test_an_encoded_body_is_a_415(client, encoding):
+    r = client.post("/v1/completions", content=b"\x1f\x8b...", headers={"content-type": "application/json",
+                                                                         "content-encoding": encoding})
+    error = r.json()["error"]
+    assert r.status_code == 415 and error["reason"] == "unsupported_media_type" and encoding in error["message"]
