@@ -7,9 +7,10 @@ tool run against the tap for ``--seconds`` at a rate past the engine's capacity,
 
 * the HTTP statuses the tool got (the tap counts them): no 4xx other than 429 (503 is the
   gate's refusal, expected past capacity);
-* the tool's own counts against the gate's ``/stats``: its successes = good + late, its errors =
-  rejected + expired + error + cancelled, the requests it cut off at its end = abandoned (or more:
-  one cut off before it reached the gate is in the tool's count only);
+* the tool's own counts against the gate's ``/stats`` (:func:`agree`): its successes = good + late, its
+  errors = rejected + expired + error + cancelled, the requests it cut off at its end = abandoned, or more:
+  the gate may have answered or refused one before it saw the client go, and one cut off before it
+  reached the gate is the tool's alone;
 * its time to the first token is reported (a finite median).
 
 The tools size prompts with a Hugging Face tokenizer they would download; this machine reaches
@@ -152,6 +153,10 @@ class Counts:
     failed: int
     unfinished: int
 
+    @property
+    def total(self) -> int:
+        return self.answered + self.failed + self.unfinished
+
 
 @dataclass(frozen=True)
 class Tool:
@@ -260,6 +265,15 @@ class Result:
 REFUSED = ("rejected", "expired", "error", "cancelled")
 
 
+def agree(tool: Counts, gate: Counts) -> bool:
+    """Whether the tool's counts are the gate's. A request the tool cut off at its end may have been answered or
+    refused by the gate before it saw the client go, or never reached it: so the tool's answered and refused are at
+    most the gate's, its cut-off ones at least the gate's abandoned, and it sent at least what the gate took.
+    Without cut-offs at the end, all four are equalities."""
+    return (tool.answered <= gate.answered and tool.failed <= gate.failed and tool.unfinished >= gate.unfinished
+            and tool.total >= gate.total)
+
+
 def gate_counts(stats: Stats) -> Counts:
     c = stats.counts
     return Counts(sum(c[o] for o in ANSWERED), sum(c[o] for o in REFUSED), sum(c[o] for o in LEFT))
@@ -299,10 +313,8 @@ def check(tool: Tool, version: str, seconds: int, work: Path, record: Path | Non
     bad = {s: n for s, n in tap.statuses.items() if 400 <= s < 500 and s != 429}
     if bad:
         result.problems.append(f"4xx other than 429: {bad}")
-    t, g = result.tool_counts, result.gate_counts
-    # A request the tool cut off at its end before it reached the gate is in the tool's count only.
-    if (t.answered, t.failed) != (g.answered, g.failed) or t.unfinished < g.unfinished:
-        result.problems.append(f"the tool counted {t}, the gate {g}")
+    if not agree(result.tool_counts, result.gate_counts):
+        result.problems.append(f"the tool counted {result.tool_counts}, the gate {result.gate_counts}")
     if not (result.ttft_ms > 0 and math.isfinite(result.ttft_ms)):
         result.problems.append("no time to first token reported")
     if record is not None:

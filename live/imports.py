@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -116,7 +116,8 @@ def _guidellm(data: dict) -> list[Sent]:
                 start = t.get("request_start") or t.get("resolve_start")
                 end = t.get("request_end") or t.get("resolve_end") or start
                 tokens = (r.get("output_metrics") or {}).get("text_tokens")
-                common = dict(sent_s=start, done_s=end, max_new_tokens=_new_tokens(body), prompt_tokens=_prompt_bytes(body))
+                prompt = _prompt_bytes(body) or int((r.get("input_metrics") or {}).get("text_tokens") or 0)
+                common = dict(sent_s=start, done_s=end, max_new_tokens=_new_tokens(body), prompt_tokens=prompt)
                 if kind == "successful":
                     first = t.get("first_token_iteration") or math.nan
                     last = t.get("last_token_iteration") or math.nan
@@ -251,8 +252,13 @@ def read_tool_file(path: str | Path) -> tuple[str, list[Sent]]:
 
 def to_run(sent: list[Sent], info: ServerInfo, model: ServiceModel, name: str) -> pd.DataFrame:
     """The requests as qlab's run file (:func:`live.rows.to_frame`), in their send order, on a clock whose 0 is
-    the first send; the requests not sent (no body) are left out."""
-    sent = sorted((s for s in sent if s.max_new_tokens > 0 and math.isfinite(s.sent_s)), key=lambda s: s.sent_s)
+    the first send. A request whose body the tool did not keep (guidellm's errored ones) is given the size most
+    of those it kept asked for."""
+    sizes = [s.max_new_tokens for s in sent if s.max_new_tokens > 0]
+    usual = max(set(sizes), key=sizes.count) if sizes else -1
+    sent = sorted((s if s.max_new_tokens > 0 else replace(s, max_new_tokens=usual)
+                   for s in sent if math.isfinite(s.sent_s)), key=lambda s: s.sent_s)
+    sent = [s for s in sent if s.max_new_tokens > 0]
     if not sent:
         raise ValueError("the file holds no request qlab can read")
     zero = sent[0].sent_s
