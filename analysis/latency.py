@@ -21,8 +21,9 @@ inference-perf and aiperf.
   them, per second (DistServe, Zhong et al., OSDI 2024; vLLM's ``bench serve --goodput``, aiperf's
   ``--goodput``, inference-perf's SLOs): the deadline for E2E (qlab's own objective, always set), and
   where set (the ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` headers, ``qlab replay --slo-ttft-ms``,
-  ``--slo-tpot-ms``) TTFT and TPOT. An objective is met at equality (vLLM's ``<=``). An answer of one
-  token has no TPOT and meets any TPOT objective (vLLM counts its TPOT as 0).
+  ``--slo-tpot-ms``) TTFT and TPOT. An objective is met at equality (vLLM's ``<=``); one whose value is
+  unknown (an answer not streamed has no TTFT, one of one token no TPOT) is not judged, as
+  :func:`qsim.records.met_objectives` judges a record's good and late (vLLM counts a one-token TPOT as 0).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from qsim.policy import on_time
+from qsim import records
 from qsim.records import ANSWERED
 
 #: The percentiles :func:`summary` reports.
@@ -69,26 +70,19 @@ def itl_s(first_token_s, last_token_s, pieces) -> np.ndarray:
         return np.where(pieces > 1, (_floats(last_token_s) - _floats(first_token_s)) / (pieces - 1), np.nan)
 
 
-def _met(value: np.ndarray, objective: np.ndarray, unknown_meets: bool) -> np.ndarray:
-    """value <= objective where an objective is set (NaN: none, met); an unknown value meets it or not."""
-    with np.errstate(invalid="ignore"):
-        met = value <= objective + 1e-12
-    return np.where(np.isnan(objective), True, np.where(np.isnan(value), unknown_meets, met))
-
-
 def good(outcome, e2e, deadline_s, ttft=None, ttft_slo_s=None, tpot=None, tpot_slo_s=None) -> np.ndarray:
     """Which requests were answered meeting every objective set for them (DistServe's good request): E2E within
-    the deadline, and TTFT and TPOT within theirs where set (NaN objective: not set). An answer whose TTFT is
-    unknown (not streamed) misses a TTFT objective; one without a TPOT (one token) meets a TPOT objective."""
+    the deadline, and TTFT and TPOT within theirs where the objective is set and the value known (NaN: not set,
+    or not measured), as :func:`qsim.records.met_objectives` judges a record's good and late."""
     n = len(outcome)
-    answered = pd.Series(outcome).astype(object).isin(ANSWERED).to_numpy()
-    in_time = on_time(pd.Series(_floats(e2e)), pd.Series(_floats(deadline_s))).to_numpy(dtype=bool)
     nothing = np.full(n, np.nan)
-    ttft_ok = _met(_floats(nothing if ttft is None else ttft), _floats(nothing if ttft_slo_s is None else ttft_slo_s),
-                   unknown_meets=False)
-    tpot_ok = _met(_floats(nothing if tpot is None else tpot), _floats(nothing if tpot_slo_s is None else tpot_slo_s),
-                   unknown_meets=True)
-    return answered & in_time & ttft_ok & tpot_ok
+    frame = pd.DataFrame({"latency_s": _floats(e2e), "deadline_s": _floats(deadline_s),
+                          "ttft_s": _floats(nothing if ttft is None else ttft),
+                          "ttft_slo_s": _floats(nothing if ttft_slo_s is None else ttft_slo_s),
+                          "tpot_s": _floats(nothing if tpot is None else tpot),
+                          "tpot_slo_s": _floats(nothing if tpot_slo_s is None else tpot_slo_s)})
+    answered = pd.Series(outcome).astype(object).isin(ANSWERED).to_numpy()
+    return answered & records.met_objectives(frame).to_numpy(dtype=bool)
 
 
 def goodput(good_rows, seconds: float) -> float:
@@ -114,6 +108,26 @@ def streamed(frame: pd.DataFrame) -> pd.DataFrame:
            if {"last_token_s", "pieces"} <= set(frame.columns) else np.full(len(frame), np.nan))
     return pd.DataFrame({"ttft_s": ttft, "itl_s": itl, "tpot_s": tpot_s(e2e, ttft, tokens), "e2e_s": e2e},
                         index=frame.index)
+
+
+def judged(frame: pd.DataFrame) -> pd.DataFrame:
+    """A live run file with its schema's token columns filled from what it streamed (``ttft_s`` as measured,
+    ``tpot_s`` by :func:`tpot_s`, ``output_tokens`` the server's count) and each answered request judged good or
+    late by every objective it had (:func:`good`): what ``qlab replay`` writes, where it streamed or has
+    objectives."""
+    out = frame.copy()
+    metrics = streamed(out)
+    out["ttft_s"] = metrics["ttft_s"].to_numpy(float)
+    out["tpot_s"] = metrics["tpot_s"].to_numpy(float)
+    if "tokens" in out.columns:
+        out["output_tokens"] = out["tokens"]
+    answered = out["outcome"].isin(ANSWERED).to_numpy()
+    ok = good(out["outcome"], out["latency_s"], out["deadline_s"], out["ttft_s"],
+              out["ttft_slo_s"] if "ttft_slo_s" in out.columns else None, out["tpot_s"],
+              out["tpot_slo_s"] if "tpot_slo_s" in out.columns else None)
+    out["outcome"] = pd.array(np.where(answered, np.where(ok, "good", "late"), out["outcome"].astype(object)),
+                              dtype="string")
+    return out
 
 
 def summary(frame: pd.DataFrame, seconds: float) -> dict[str, float]:

@@ -135,6 +135,8 @@ def _objectives(args):
 
 def _import(args) -> int:
     """``qlab replay --import FILE``: another tool's per-request results as a run file (live.imports)."""
+    from analysis.latency import judged
+
     from .imports import read_tool_file, to_run
     from .rows import server_info
 
@@ -149,11 +151,11 @@ def _import(args) -> int:
         raise ValueError("--import needs the gate's configuration: --stats FILE (its /stats, saved) or --url URL")
     info = server_info(Stats.model_validate(stats))
     tool, sent = read_tool_file(args.import_file)
-    frame = to_run(sent, info, info.model or ServiceModel(), f"{tool}:{Path(args.import_file).name}")
+    frame = to_run(sent, info, info.config.model, f"{tool}:{Path(args.import_file).name}")
     objectives = _objectives(args)
     if objectives is not None:
         frame = objectives.columns(frame)
-    records.validate(frame)
+    frame = records.validate(judged(frame))
     write_parquet(frame, args.out)
     print(f"imported {len(frame)} requests of {tool} ({args.import_file})")
     _print_outcomes(frame)
@@ -163,6 +165,8 @@ def _import(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    from analysis.latency import judged
+
     from .loadgen import ReplayConfig, check_patience, lateness, replay
 
     if args.import_file:
@@ -179,7 +183,7 @@ def cmd_replay(args) -> int:
     check_patience(trace)
     api = "" if cfg.api == "qlab" else " (OpenAI-compatible /v1/completions, streamed)"
     print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}", flush=True)
-    frame = replay(trace, cfg)
+    frame = records.validate(judged(replay(trace, cfg)))  # TTFT and TPOT where it streamed, judged by every objective
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
     _print_outcomes(frame)

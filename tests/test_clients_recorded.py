@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from live.engine import SyntheticEngine  # noqa: E402
-from live.gate import Gate, GateConfig  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from qsim import preset  # noqa: E402
 
@@ -36,7 +36,7 @@ CASES = [(tool, i) for tool in TOOLS for i in range(len(_requests(tool)))]
 
 @pytest.fixture(scope="module")
 def client():
-    gate = Gate([SyntheticEngine(speed=1e-4)], GateConfig(preset("predictive"), fixed_estimate=True))
+    gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("predictive"), fixed_estimate=True))
     with TestClient(create_app(gate)) as c:
         yield c
 

@@ -342,7 +342,7 @@ def keyed(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text(KEY_FILE)
     gate = Gate([SyntheticEngine(speed=1e-4)],
-                GateConfig(preset("predictive").with_args({"client_rate": 0.001}), fixed_estimate=True))
+                gate_config(preset("predictive").with_args({"client_rate": 0.001}), fixed_estimate=True))
     with TestClient(create_app(gate, keys=load_keys("sk-admin", str(path)))) as c:
         yield c
 
@@ -382,7 +382,7 @@ def test_each_key_is_let_in_and_names_its_client(keyed):
 
 
 def test_auth_stats_puts_stats_and_metrics_behind_the_key():
-    gate = Gate([SyntheticEngine(speed=1e-4)], GateConfig(preset("predictive"), fixed_estimate=True))
+    gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("predictive"), fixed_estimate=True))
     with TestClient(create_app(gate, keys=load_keys("sk-admin", None, guard_stats=True))) as c:
         for path in ("/stats", "/healthz", "/metrics"):
             assert c.get(path).status_code == 401 and c.get(path, headers=_bearer("sk-admin")).status_code == 200
@@ -425,7 +425,7 @@ def test_a_stop_answers_the_waiting_at_once_and_refuses_new_ones():
     async def go():
         loop = asyncio.get_running_loop()
         worker = lambda k, engine, deliver: SimEngine(k, true_s, None, deliver)  # noqa: E731
-        async with Gate([None], GateConfig(preset("none")), clock=loop.time, worker=worker) as gate:
+        async with Gate([None], gate_config(preset("none")), clock=loop.time, worker=worker) as gate:
             running, waiting = gate.submit(Job("0", 4)), gate.submit(Job("1", 4))
             assert gate.in_service == 1 and gate.waiting == 1
             gate.drain()
@@ -447,7 +447,7 @@ def test_a_client_that_hangs_up_is_in_counts():
     async def go():
         loop = asyncio.get_running_loop()
         worker = lambda k, engine, deliver: SimEngine(k, [1.0, 1.0], None, deliver)  # noqa: E731
-        async with Gate([None], GateConfig(preset("none")), clock=loop.time, worker=worker) as gate:
+        async with Gate([None], gate_config(preset("none")), clock=loop.time, worker=worker) as gate:
             running, waiting = gate.submit(Job("0", 4)), gate.submit(Job("1", 4))
             waiting.cancel()  # its client left
             await running

@@ -38,12 +38,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from experiments.cli import main  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from live.engine import Asked, Cancel, UpstreamError, UpstreamTimeout  # noqa: E402
-from live.gate import Gate, GateConfig, Job, UpstreamTimedOut  # noqa: E402
+from live.gate import Gate, Job, UpstreamTimedOut, gate_config  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions, check_upstream_url  # noqa: E402
 from live.upstream import (API_KEY_ENV, FRESH_S, UpstreamEngine, UpstreamHealth, UpstreamRoutes,  # noqa: E402
                            UpstreamSpec, api_key, probe_routes, resolve_model)
 from qsim import preset  # noqa: E402
+from qsim.config import StallRule  # noqa: E402
 from fake_http import listening, read_request  # noqa: E402
 
 MODEL = "synthetic"  # the upstream's model, which the gate serves under the same name
@@ -522,7 +523,7 @@ def test_a_hung_upstream_is_a_504_whatever_the_stall_rule():
     left = threading.Event()
 
     async def go():
-        config = GateConfig(preset("none"), stall_factor=1.0, stall_floor_s=0.05, watch_interval_s=0.01)
+        config = gate_config(preset("none"), stall=StallRule(1.0, 0.05), watch_interval_s=0.01)
         async with Gate([_engine(url, timeout_s=0.5)], config) as gate:
             future = gate.submit(Job("p", 2))
             with pytest.raises(UpstreamTimedOut):
