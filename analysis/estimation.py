@@ -37,10 +37,12 @@ import math
 import numpy as np
 import pandas as pd
 
+from qsim.outcomes import Reason
+
 from .metrics import aggregate, mean_ci
 
 #: The refusal a wrong estimate makes at arrival (qsim.policy.decide's predictive rule).
-UNREACHABLE = "deadline_unreachable"
+UNREACHABLE = Reason.DEADLINE_UNREACHABLE
 
 
 def _in_service_left(frame: pd.DataFrame, at: np.ndarray, engines: int) -> tuple[np.ndarray, np.ndarray]:

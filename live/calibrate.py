@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from inputs.atomic import atomic_write
 from qsim.service import Fit, ServiceModel, fit
 
+from .auth import client_headers
 from .contract import (Completion, CompletionRequest, EngineFacts, GenerateRequest, GenerateResponse, HealthFacts,
                        Stats, UpstreamModels, num)
 from .tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
@@ -247,7 +248,7 @@ def measure_round(http: httpx.Client, cfg: CalibrationConfig, number: int, texts
 
 def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
     """Warm up once, measure ``rounds`` rounds, fit each and all of them together."""
-    with httpx.Client(base_url=cfg.url, timeout=cfg.timeout_s) as http:
+    with httpx.Client(base_url=cfg.url, timeout=cfg.timeout_s, headers=client_headers()) as http:
         facts = read_facts(http)
         lengths = prompt_schedule(cfg, facts)
         texts = {p: prompt_of(p, facts.tokenizer) for p in lengths}
@@ -281,7 +282,7 @@ def probe(url: str, model: ServiceModel, requests: int = 5, max_new_tokens: int 
     """
     body = {"prompt": words_prompt(prompt_words), "max_new_tokens": max_new_tokens}
     seconds = []
-    with httpx.Client(base_url=url, timeout=timeout_s) as http:
+    with httpx.Client(base_url=url, timeout=timeout_s, headers=client_headers()) as http:
         prompt_tokens = default_prompt_tokens(read_facts(http), prompt_words) if model.per_prompt_token_s else 0
         for _ in range(requests):
             try:

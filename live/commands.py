@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 
 from qsim.service import ServiceModel
 from qsim.workload import UsedShare
 
+from .auth import load_keys
 from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions
 
@@ -46,7 +49,8 @@ def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
     if cfg.engine == "upstream":
         from . import upstream
 
-        spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout)
+        spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
+                                     upstream.api_key(cfg.upstream_api_key))
         return upstream.make_engines(cfg.engines, spec)
     from . import gpt2  # torch loads here and nowhere else
 
@@ -66,9 +70,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(sock: socket.socket) -> str:
+def _tls(certfile: str | None, keyfile: str | None) -> dict:
+    """uvicorn's TLS arguments (empty: plain HTTP), after loading the pair once here: a file that is not a
+    certificate and its key is one line on stderr, not a traceback from inside the server."""
+    if not certfile:
+        return {}
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a usable certificate and key "
+                         f"({type(exc).__name__}: {exc.strerror or exc})") from None
+    return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
+
+
+def _url(sock: socket.socket, tls: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -78,15 +96,23 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _announce(url: str, cfg: ServeOptions, host_given: bool) -> None:
+def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keyed: bool) -> None:
     print(f"qlab serve: listening on {url}", flush=True)
     if not host_given:
         print(f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere", flush=True)
     elif not _is_loopback(cfg.host):
-        print(f"qlab serve: --host {cfg.host}: reachable from other machines; there is no authentication", flush=True)
+        if not keyed:
+            guard = "there is no authentication (--api-key, --api-key-file)"
+        elif not cfg.ssl_certfile:
+            guard = "keys travel in clear text (--ssl-certfile, --ssl-keyfile)"
+        else:
+            guard = "requests need a key, over TLS"
+        print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
     print(f"qlab serve: policy {cfg.policy}, {cfg.engines} {cfg.engine} engine(s)"
           + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
+    if cfg.engine == "upstream":
+        print(f"qlab serve: {engines[0].routes.says()}", flush=True)
 
 
 def _stop_at_stdin_eof() -> None:
@@ -109,6 +135,7 @@ def cmd_serve(args) -> int:
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
     from qsim.config import StallRule
 
+    from .contract import Limits
     from .gate import Gate, gate_config  # the web stack loads only for the command that serves
     from .http_api import create_app
 
@@ -120,20 +147,52 @@ def cmd_serve(args) -> int:
         engine.warmup()
     gate = Gate(engines, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after)))
+    keys = load_keys(cfg.api_key, cfg.api_key_file, cfg.auth_stats)
+    tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
-    app = create_app(gate, on_ready=lambda: _announce(_url(sock), cfg, args.host is not None))
-    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin)
+    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
+                     on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, engines,
+                                                keys is not None))
+    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,
+            head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout, tls=tls)
     return 0
 
 
-def run_app(app, sock, log_level: str, http: str, watch_stdin: bool) -> None:
-    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way)."""
+#: Seconds the server gives the requests still running after SIGTERM or SIGINT (those waiting are answered at once).
+GRACEFUL_S = 5
+
+
+class _GracefulCut(logging.Filter):
+    """uvicorn logs the requests its graceful shutdown cut at ERROR; they are answered (503 shutting_down) and a
+    stop is normal, so the line is a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in record.getMessage():
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=None,
+            head_timeout_s: float = ServeOptions.header_timeout,
+            body_timeout_s: float = ServeOptions.body_timeout, tls: dict | None = None) -> None:
+    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way).
+    on_exit runs when a signal asks the server to stop (in the signal handler: it must only schedule work);
+    head_timeout_s and body_timeout_s: how long a request head and its body may take to arrive (live.headcap);
+    tls: uvicorn's ``ssl_certfile`` and ``ssl_keyfile``, for HTTPS."""
     import uvicorn
 
     from .headcap import http_options
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5, **http_options(http)))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if on_exit is not None:
+                on_exit()
+
+    server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                   timeout_graceful_shutdown=GRACEFUL_S,
+                                   **http_options(http, head_timeout_s, body_timeout_s), **(tls or {})))
+    logging.getLogger("uvicorn.error").addFilter(_GracefulCut())
     if watch_stdin:
         _stop_at_stdin_eof()
     # What exists now (modules, weights, the app) lives as long as the server: take it out of the

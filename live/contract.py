@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -53,6 +53,9 @@ class Limits:
     max_body_bytes: int = 64 * 1024
     max_stops: int = 8
     max_stop_chars: int = 64
+    # An OpenAI request that names no max_tokens gets this many (None: the most whose calibrated estimate fits
+    # its deadline, at most max_new_tokens; live.gate.Gate.fitting_tokens).
+    default_max_tokens: int | None = None
 
 
 def num(value: Num) -> float:
@@ -148,6 +151,7 @@ class Numbers(Admission):
     returned_at: Num = None  # gate clock: the failure came back
     engine_s: Num = None  # a failed run's own time
     at: Num = None  # gate clock: when the gate gave up on it, or cut it
+    fit_new_tokens: Num = None  # deadline_too_short: the most new tokens whose estimate fits the deadline
 
 
 class Timings(BaseModel):
@@ -269,6 +273,7 @@ class LimitsBody(BaseModel):
     max_body_bytes: int | None = None
     max_stops: int | None = None
     max_stop_chars: int | None = None
+    default_max_tokens: int | None = None
 
 
 class Stats(BaseModel):
@@ -309,13 +314,33 @@ class StalledEngine(BaseModel):
 
 
 class Health(BaseModel):
-    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process answers)."""
+    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process answers);
+    ready: whether it can answer now (``GET /ready``'s verdict), and not_ready: why not (the upstream
+    unreachable or failing, every engine stalled)."""
 
     status: Literal["ok", "degraded"]
     stalled: list[StalledEngine]
     engines: int
     engine: EngineInfo
     policy: str
+    ready: bool = True
+    not_ready: list[str] = []
+
+
+class Liveness(BaseModel):
+    """``GET /health``: the process answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    """``GET /ready`` when ready (otherwise a 503 in the envelope, reason ``not_ready``)."""
+
+    ready: Literal[True] = True
+
+
+LIVE = Liveness().model_dump_json()
+READY = Readiness().model_dump_json()
 
 
 # ---------------------------------------------------------------------- OpenAI-compatible requests
@@ -325,6 +350,8 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = False
+    # vLLM's: usage in every chunk (live.openai_api: each text chunk says the tokens so far).
+    continuous_usage_stats: bool = False
 
 
 class TextPart(BaseModel):
@@ -367,6 +394,26 @@ class _Common(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    # Vendor fields: the sampling parameters vLLM (and the benchmark clients written for it) send. Typed, so a
+    # malformed value is a 422; min_tokens, ignore_eos and top_k are honoured (live.openai_api), the rest
+    # ignored; all go on to an upstream as given (SAMPLING_FIELDS). use_beam_search and prompt_logprobs are
+    # refused when they ask for something.
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0: every token, as vLLM reads them
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    length_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: Annotated[str, StringConstraints(max_length=256)] | None = None
+    use_beam_search: bool | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -376,6 +423,18 @@ class _Common(BaseModel):
     def body(self) -> dict:
         """The JSON body: the fields given, defaults left out."""
         return self.model_dump(exclude_defaults=True)
+
+
+#: The fields of a request that go on to an upstream server as the client gave them (where it gave them):
+#: OpenAI's sampling fields and the vendor ones above. The others are the gate's (the model, size, stop strings,
+#: streaming, the client, qlab's extensions) or refused when they ask for something.
+SAMPLING_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "logit_bias", "top_k",
+                   "min_p", "repetition_penalty", "length_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                   "truncate_prompt_tokens", "add_special_tokens", "return_tokens_as_token_ids", "request_id")
+#: A chat's own fields that go on to an upstream's chat route likewise.
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+               "reasoning_effort")
 
 
 class CompletionRequest(_Common):
@@ -408,6 +467,13 @@ class ChatCompletionRequest(_Common):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # Vendor (vLLM's chat template controls) and OpenAI's reasoning effort: ignored here, forwarded to an
+    # upstream's chat route (CHAT_FIELDS).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
 
 _CompletionRequest, _ChatCompletionRequest = CompletionRequest, ChatCompletionRequest
@@ -455,7 +521,10 @@ class QlabInfo(BaseModel):
     started_at: float  # gate clock: an engine took it
     returned_at: float  # gate clock: the engine handed it back
     admission: Admission
-    first_token_s: float | None = None  # the engine's own time to its first token, where it sees it (upstream)
+    first_token_s: float | None = None  # the engine's own time to its first token, where it sees it
+    # The request's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; null: none given.
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -625,26 +694,58 @@ def read_error(body: Any) -> ErrorDetail | None:
 
 
 class UpstreamRequest(BaseModel):
-    """What the upstream engine sends: only what the upstream needs (its defaults apply to the rest)."""
+    """What the upstream engine sends to a completions route: what the gate decided (the model, the size, the stop
+    strings, a stream with its usage), and the sampling fields the client gave, unchanged (extra keys: the
+    upstream's defaults apply to what the client did not give)."""
+
+    model_config = _OPEN
+    route: ClassVar[str] = "/v1/completions"  # where it goes (live.routes.COMPLETIONS)
 
     model: str
     prompt: str
     max_tokens: int
     stop: list[str] | None = None
     stream: bool = True
-    stream_options: StreamOptions = StreamOptions(include_usage=True)
+    # OpenAI's one key, not this contract's StreamOptions: an upstream may refuse keys it does not know.
+    stream_options: dict[str, bool] = {"include_usage": True}
+
+    def wire(self) -> bytes:
+        """The JSON sent: what is None left out, so the upstream's defaults apply."""
+        return self.model_dump_json(exclude_none=True, exclude_defaults=False).encode()
+
+
+class UpstreamChatRequest(UpstreamRequest):
+    """The same to a chat route: the client's messages as they came, in place of a prompt."""
+
+    route: ClassVar[str] = "/v1/chat/completions"  # live.routes.CHAT
+
+    prompt: None = None
+    messages: list[dict[str, Any]]
+
+
+class UpstreamDelta(BaseModel):
+    model_config = _OPEN
+
+    content: str | None = None
 
 
 class UpstreamChoice(CompletionChoice):
-    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort")."""
+    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort"); a chat
+    chunk's text is its ``delta.content``."""
 
     text: str = ""
+    delta: UpstreamDelta | None = None
     finish_reason: str | None = None
     logprobs: Any = None
 
+    @property
+    def piece(self) -> str:
+        """The text this choice adds: a completion's ``text``, or a chat chunk's ``delta.content``."""
+        return self.text or (self.delta.content or "" if self.delta is not None else "")
+
 
 class UpstreamChunk(Completion):
-    """One event of the upstream's stream: qlab's own completion chunk, read leniently."""
+    """One event of the upstream's stream: a completion chunk (qlab's own, read leniently) or a chat chunk."""
 
     object: str = "text_completion"
     choices: list[UpstreamChoice] = []

@@ -22,6 +22,12 @@ each piece of text as it is produced: the upstream engine per upstream chunk, GP
 (it then sleeps its run's time token by token, the same total). The pieces joined are the result's text.
 An engine without ``emit`` streams its whole answer at the end.
 
+What else a client asked. An engine whose ``run`` (or ``arun``) also takes ``asked`` (an :class:`Asked`,
+optional like ``cancel``; :func:`takes_asked`) is handed what the client asked beyond the prompt, the size
+and the stop strings: ``min_tokens`` (the synthetic and GPT-2 engines let no stop string end a run before
+that many tokens, as vLLM does), and, for the upstream engine, the chat's messages as they came and the
+client's sampling fields, which it forwards unchanged.
+
 Coroutine engines. An engine whose work is waiting on I/O (the upstream engine: a socket) may instead
 define ``async def arun(prompt, max_new_tokens, stop, emit=None)`` (:func:`is_coroutine_engine`). The
 gate runs it as a task on its own event loop, with no thread: nothing to hand over between threads, and
@@ -56,6 +62,22 @@ from qsim.service import ServiceModel, SpeedSchedule, parse_schedule  # noqa: F4
 from qsim.workload import UsedShare, lognormal_noise
 
 from .tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a client asked of a run beyond its prompt, size and stop strings.
+
+    min_tokens: no stop string ends the run before this many tokens are out (vLLM's ``min_tokens``; the
+    engines here never stop at end-of-text, so that is all it changes). messages: a chat's messages as the
+    client sent them (None: a prompt), for an engine that forwards a chat as a chat (the upstream engine).
+    sampling: the client's sampling fields as (name, value) pairs, forwarded unchanged by the upstream engine
+    (the synthetic and GPT-2 engines decode greedily, which every ``top_k`` admits).
+    """
+
+    min_tokens: int = 0
+    messages: tuple[dict, ...] | None = None
+    sampling: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,9 +132,16 @@ class Cancel(threading.Event):
 
 
 class UpstreamError(RuntimeError):
-    """An upstream server answered an error status, could not be reached, or broke its answer off."""
+    """An upstream server answered an error status, could not be reached, or broke its answer off.
+
+    failing: whether it says the upstream is failing (no connection, a broken stream, a 5xx, a missing route),
+    not only this request (a 400 for its body): the upstream is then not ready (``GET /ready``)."""
 
     reason = "upstream_error"
+
+    def __init__(self, message: str, failing: bool = True) -> None:
+        super().__init__(message)
+        self.failing = failing
 
 
 class UpstreamTimeout(UpstreamError):
@@ -142,6 +171,23 @@ class Engine(Protocol):
     def info(self) -> dict: ...
 
 
+@runtime_checkable
+class SelfTimed(Protocol):
+    """An engine that bounds its own runs (the upstream engine: nothing received for ``run_timeout_s`` is a
+    timeout). The gate's stall rule does not end its runs: one that keeps producing is not stalled, and a silent
+    one ends as the engine's own timeout (504 ``upstream_timeout``), whatever the stall settings."""
+
+    run_timeout_s: float
+
+
+@runtime_checkable
+class Checked(Protocol):
+    """An engine that can say whether what it depends on is there (the upstream engine: its server), for
+    ``GET /ready`` and ``/healthz``: None when ready, else why not, in one line."""
+
+    async def readiness(self) -> str | None: ...
+
+
 def is_coroutine_engine(engine) -> bool:
     """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as ``run`` but
     ``cancel``): the gate then runs it as a task on its event loop, with no thread (module docstring)."""
@@ -164,6 +210,11 @@ def takes_cancel(engine) -> bool:
 def takes_emit(engine) -> bool:
     """Whether ``engine.run`` takes ``emit=`` (see the module docstring: streaming)."""
     return _takes(engine, "emit")
+
+
+def takes_asked(engine) -> bool:
+    """Whether ``engine.run`` takes ``asked=`` (see the module docstring: what else a client asked)."""
+    return _takes(engine, "asked")
 
 
 #: What an engine calls, in its own thread, with each piece of text as it produces it.
@@ -225,14 +276,15 @@ class PieceFeed:
             self.sent = end
 
 
-def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0) -> str | None:
-    """Text cut before the earliest stop string found at or after ``search_from``; None if none is found.
+def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0, ends_after: int = 0) -> str | None:
+    """Text cut before the earliest stop string found at or after ``search_from`` that ends past the first
+    ``ends_after`` characters (the text of a request's ``min_tokens``); None if none is found.
 
     The stop string itself is not part of the answer.
     """
     if not stop:
         return None
-    hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
+    hits = [i for i in (text.find(s, max(search_from, ends_after - len(s) + 1)) for s in stop) if i >= 0]
     return text[: min(hits)] if hits else None
 
 
@@ -334,7 +386,7 @@ class SyntheticEngine:
         return float(self.model.estimate(max_new_tokens, prompt_tokens)) * speed * noise
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
+            cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         start = time.perf_counter()
         with self._rng_lock:
             self._runs += 1
@@ -347,10 +399,11 @@ class SyntheticEngine:
         if self.early_stops is not None:
             with self._rng_lock:  # two draws per run, after the noise's: the same seed gives the same runs
                 generated = int(self.early_stops.draw(self._rng, [max_new_tokens])[0])
+            generated = max(generated, min(asked.min_tokens, max_new_tokens))  # no early end before min_tokens
         prompt_tokens = self.count_tokens(prompt)
         duration = self.duration_s(generated, prompt_tokens)
         text = WORD * generated
-        cut = apply_stop(text, stop)
+        cut = apply_stop(text, stop, ends_after=len(WORD) * min(asked.min_tokens, generated))
         # The sleep is for every token generated: a stop string given by the client shortens the text, not the work.
         text = text if cut is None else cut
         if emit is not None and generated > 0:

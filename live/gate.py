@@ -35,7 +35,9 @@ teaches the tracker nothing. Its remaining work counts as its overrun so far,
 so predictive admission keeps refusing. While *every* engine is stalled, a
 waiting request whose deadline has passed is ended (``expired`` under a policy
 that expires at the front, else :class:`EngineStalled`). ``/healthz`` says
-"degraded" meanwhile. When nothing stalls the watchdog changes nothing.
+"degraded" meanwhile. When nothing stalls the watchdog changes nothing. An engine that bounds its
+own runs (:class:`~live.engine.SelfTimed`: the upstream engine, whose timeout ends a silent upstream
+as 504 ``upstream_timeout``) is left to do so: the stall rule does not end its runs.
 
 Cancelling a run. Each run gets a :class:`~live.engine.Cancel` (``engine.run(...,
 cancel=)``, for an engine whose ``run`` takes it), set on the event loop when the core
@@ -95,20 +97,22 @@ from qsim.config import ServerConfig, StallRule
 from qsim.disciplines import CODEL_REASON
 from qsim.engines import OneAtATime
 from qsim.entry import Work
-from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome
-from qsim.policy import EXPIRE_REASON, Policy, Rejection
+from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
+from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from qsim.service import SpeedTracker
 
-from .engine import (Cancel, Engine, EngineResult, UpstreamError, UpstreamTimeout, cancellable, is_coroutine_engine,
-                     takes_cancel, takes_emit)
+from .engine import (Asked, Cancel, Engine, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
+                     is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
 from .timings import Timings
 
-#: Outcomes the gate counts (``cancelled``: cut at its deadline); a client that leaves is counted apart
-#: (stats' top-level ``cancelled``).
-COUNTED = tuple(str(o) for o in OUTCOMES if o != Outcome.ABANDONED)  # plain strings: JSON and label values
+#: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its client left
+#: first, also stats' top-level ``cancelled``, kept for older clients). At rest they add up to ``submitted``.
+COUNTED = tuple(map(str, OUTCOMES))  # plain strings: JSON and label values
 #: The stall rule a gate runs with unless its ServerConfig says otherwise (see gate_config).
 GATE_STALL = StallRule()
+#: Why a request still waiting when the server stops, or arriving while it stops, is not run.
+SHUTDOWN_REASON = Reason.SHUTTING_DOWN
 
 
 def check_live_policy(policy: Policy) -> Policy:
@@ -137,6 +141,11 @@ class Job:
     priority: int = 0  # higher first under a priority discipline
     prompt_tokens: int = 0  # counted by the engine's tokenizer: the service model's prompt term
     stream: bool = False  # the engine hands over its text piece by piece (Gate.submit_streaming)
+    asked: Asked = Asked()  # what else the client asked, for an engine that takes it (live.engine)
+    # The client's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; None: not given. Carried
+    # into the answer and the run file; admission does not read them (yet).
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,45 @@ class Rejected(Exception):
         super().__init__(rejection.reason)
         self.rejection = rejection
         self.arrival = arrival
+
+
+#: Why a request no queue could answer in time is refused (:class:`NeverInTime`).
+NEVER_IN_TIME = Reason.DEADLINE_TOO_SHORT
+
+
+def never_in_time(policy: Policy, est_idle_s: float, deadline_s: float) -> bool:
+    """Whether the policy refuses a request whose estimate on an idle engine is ``est_idle_s`` even with every
+    engine idle and nobody waiting: then no queue state could admit it, and it is not overload but a request
+    that cannot be answered in time (:class:`NeverInTime`). The policy's own rule decides (:func:`qsim.policy.decide`
+    at its best case), so only a policy that refuses for the deadline (predictive) refuses it."""
+    refusal = decide(policy, 0, 0.0, 0.0, est_idle_s, deadline_s, workers=1, idle=1)
+    return refusal is not None and refusal.reason == Reason.DEADLINE_UNREACHABLE
+
+
+class NeverInTime(Rejected):
+    """Refused at arrival, and no queue could have answered it in time (:func:`never_in_time`): its estimate on an
+    idle engine exceeds its deadline. ``rejection`` is the core's refusal, as for any :class:`Rejected` (a driver
+    that compares with the simulator reads it); the answer is not overload (no Retry-After: sending it again
+    meets the same deadline). ``fit_new_tokens``: the most new tokens whose estimate fits the deadline (0: none)."""
+
+    reason = NEVER_IN_TIME
+
+    def __init__(self, rejection: Rejection, arrival: "Arrival", job: "Job", est_idle_s: float,
+                 fit_new_tokens: int) -> None:
+        super().__init__(rejection, arrival)
+        fit = (f"at most {fit_new_tokens} new tokens fit it" if fit_new_tokens > 0
+               else "not even 1 new token fits it")
+        self.args = (f"its estimate on an idle engine, {est_idle_s:.3f} s for {job.max_new_tokens} new tokens, "
+                     f"exceeds its deadline of {arrival.deadline_s:.3f} s, so no queue could answer it in time: "
+                     f"{fit}, or {job.max_new_tokens} need a deadline of at least {math.ceil(est_idle_s * 1000)} ms",)
+        self.numbers = {**arrival.numbers(), "fit_new_tokens": fit_new_tokens}
+
+
+class ShuttingDown(Exception):
+    """The server is stopping (SIGTERM, :meth:`Gate.drain`): a request still waiting is answered at once (outcome
+    error), and one arriving now is refused before the gate decides on it (not counted)."""
+
+    reason = SHUTDOWN_REASON
 
 
 class DeadlineExceeded(Exception):
@@ -318,6 +366,7 @@ class _EngineThread:
         self.k, self.engine, self._deliver = k, engine, deliver
         self._takes_cancel = takes_cancel(engine)
         self._takes_emit = takes_emit(engine)
+        self._takes_asked = takes_asked(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"qlab-engine-{k}", daemon=True)
@@ -339,6 +388,8 @@ class _EngineThread:
             cancel = {"cancel": ticket.cancel} if self._takes_cancel else {}
             if ticket.emit is not None and self._takes_emit:
                 cancel["emit"] = ticket.emit
+            if self._takes_asked and job.asked != Asked():
+                cancel["asked"] = job.asked
             try:
                 result = _checked(self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel))
             except Exception as exc:  # one failed request must not take the engine down
@@ -361,6 +412,7 @@ class _EngineTask:
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
         self._takes_emit = takes_emit(engine)
+        self._takes_asked = takes_asked(engine)
         self._tasks: list[asyncio.Task] = []  # the run in progress, and a next one waiting for it to stop
 
     def start(self) -> None:
@@ -388,6 +440,8 @@ class _EngineTask:
             await asyncio.wait([previous])  # a run cut at its deadline, stopping
         job, began = ticket.job, time.perf_counter()
         emit = {"emit": ticket.pieces.put_nowait} if ticket.pieces is not None and self._takes_emit else {}
+        if self._takes_asked and job.asked != Asked():
+            emit["asked"] = job.asked
         try:
             run = self.engine.arun(job.prompt, job.max_new_tokens, job.stop or None, **emit)
             result = _checked(await cancellable(run, ticket.cancel))
@@ -427,14 +481,16 @@ class Gate:
         self.workers = len(self.engines)
         self.queue = AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
         self.counts = dict.fromkeys(COUNTED, 0)
-        self.rejected_by_reason = dict.fromkeys(map(str, REJECT_REASONS), 0)
+        self.rejected_by_reason = dict.fromkeys(map(str, (*REJECT_REASONS, NEVER_IN_TIME)), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
         self.ended_by_reason = dict.fromkeys([(str(o), str(r)) for o, r in (
             (Outcome.EXPIRED, EXPIRE_REASON), (Outcome.EXPIRED, CODEL_REASON), (Outcome.ERROR, EngineFailed.reason),
             (Outcome.ERROR, STALL_REASON), (Outcome.ERROR, UpstreamFailed.reason),
-            (Outcome.ERROR, UpstreamTimedOut.reason), (Outcome.CANCELLED, CUT_REASON))], 0)
+            (Outcome.ERROR, UpstreamTimedOut.reason), (Outcome.CANCELLED, CUT_REASON),
+            (Outcome.ERROR, SHUTDOWN_REASON))], 0)
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
+        self._self_timed = [isinstance(e, SelfTimed) for e in self.engines]
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, the outcome counts plus cancelled add up to it
         self._worker = worker
@@ -443,6 +499,7 @@ class Gate:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
+        self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
 
     @property
     def tracker(self) -> SpeedTracker:
@@ -483,6 +540,25 @@ class Gate:
                 await t.aclose()
         self._closing = []
 
+    def drain(self) -> None:
+        """The server is stopping: every request still waiting is answered now (:class:`ShuttingDown`, outcome
+        error), and new ones are refused; the running go on (to the end of the server's graceful shutdown)."""
+        if self.draining or self._loop is None or self._closed:
+            return
+        self.draining = True
+        now = self._now()
+        for entry in list(self.queue.waiting):
+            ticket = entry.req
+            if self.queue.cancel(ticket, now) == "waiting":
+                self._resolve(ticket, Outcome.ERROR, exc=ShuttingDown("the server is shutting down and did not start this "
+                                                                "request; send it again"))
+
+    def drain_soon(self) -> None:
+        """:meth:`drain` on the gate's loop, from any thread or a signal handler (where the server's SIGTERM
+        handler runs)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.drain)
+
     async def __aenter__(self) -> "Gate":
         self.start()
         return self
@@ -507,6 +583,8 @@ class Gate:
     def _submit(self, job: Job) -> _Ticket:
         if self._loop is None or self._closed:
             raise RuntimeError("the gate is not running: start it inside the event loop (and not after close)")
+        if self.draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests; send it again")
         now = self._now()
         self.submitted += 1
         # The calibrated estimate at the limit, prompt term included; the policy's estimator scales it from
@@ -524,8 +602,15 @@ class Gate:
         seen = self.queue.seen
         ticket.arrival = Arrival(now, deadline, seen.est_service_s, seen.queued, seen.queued_work_s, seen.speed_factor)
         if refusal is not None:
+            # The core refused it (and kept its state as the simulator's would); one no queue could answer in time
+            # is told so, not told to come back.
+            est_idle = self._idle_estimate_s(job, base)
+            never = refusal.reason != RATE_LIMITED and never_in_time(self.policy, est_idle, deadline)
+            reason = NEVER_IN_TIME if never else refusal.reason
             self.counts[Outcome.REJECTED] += 1
-            self.rejected_by_reason[refusal.reason] = self.rejected_by_reason.get(refusal.reason, 0) + 1
+            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+            if never:
+                raise NeverInTime(refusal, ticket.arrival, job, est_idle, self.fitting_tokens(deadline, job.prompt_tokens))
             raise Rejected(refusal, ticket.arrival)
         ticket.future = self._loop.create_future()
         ticket.future.add_done_callback(partial(self._on_future_done, ticket))
@@ -533,6 +618,23 @@ class Gate:
             # A done callback runs after every piece the engine posted before its hand-back resolved the future.
             ticket.future.add_done_callback(lambda _: ticket.pieces.put_nowait(END))
         return ticket
+
+    def _idle_estimate_s(self, job: Job, base: float) -> float:
+        """The job's estimate on an idle engine: the policy's estimator's, at the speed factor or the calibrated
+        speed, whichever is faster (a slow spell is the queue's state, and passes)."""
+        estimator = self.queue.estimator
+        own = base if estimator is None else estimator.base_s(base, job.max_new_tokens, job.prompt_tokens, None)
+        return own * min(1.0, self.tracker.factor)
+
+    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0) -> int:
+        """The most new tokens whose calibrated estimate (prompt term included) fits ``deadline_s`` (None: the
+        policy's) on an idle engine at the calibrated speed; 0 when not even one does. What an OpenAI request
+        that names no ``max_tokens`` gets (at most the server's cap), and what a :class:`NeverInTime` says fits."""
+        deadline = self.queue.deadline_of(deadline_s)
+        m = self.config.model
+        room = deadline - m.intercept_s - m.per_prompt_token_s * prompt_tokens
+        n = max(0, math.floor(room / m.per_token_s + 1e-9))
+        return n - 1 if n > 0 and float(m.estimate(n, prompt_tokens)) > deadline + 1e-9 else n  # a rounding edge
 
     def submit_streaming(self, job: Job) -> Streamed:
         """:meth:`submit` for a client that reads the answer as it is produced: the engine (one whose
@@ -705,6 +807,8 @@ class Gate:
     def _watchdog(self) -> None:
         now = self._now()
         for k in self.queue.overdue(now):
+            if self._self_timed[k]:
+                continue  # the engine bounds its own runs (an upstream's timeout): it ends them, not the stall rule
             ticket = self.queue.stall(k, now)
             if ticket is not None:
                 self._stalled(k, ticket, now)
@@ -730,6 +834,7 @@ class Gate:
         if not future.cancelled():
             return
         self.cancelled += 1
+        self.counts[Outcome.ABANDONED] += 1
         if self.queue.cancel(ticket, self._now()) == "running" and ticket.cancel is not None:
             ticket.cancel.set()
 

@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from .engine import Emit, EngineResult, PieceFeed, apply_stop
+from .engine import Asked, Emit, EngineResult, PieceFeed, apply_stop
 from .tokenizer import ByteTokenizer
 
 #: The test model: GPT-2's vocabulary and context, two thin layers.
@@ -172,10 +172,10 @@ class GPT2Engine:
     # -- the Engine protocol ------------------------------------------------
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
+            cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         start = time.perf_counter()
         ids = self._prompt_ids(prompt, max_new_tokens)
-        new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel, emit)
+        new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel, emit, asked.min_tokens)
         # tokens: what it generated (fewer than asked where a stop string or the Cancel ended it), which a
         # learning estimator learns from; the stop string's own tokens are work done, so they count.
         return EngineResult(text, len(new_ids), time.perf_counter() - start, stopped=stopped)
@@ -214,15 +214,18 @@ class GPT2Engine:
 
     @torch.inference_mode()
     def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...],
-                  cancel: threading.Event | None = None, emit: Emit | None = None) -> tuple[list[int], str, bool]:
-        """The new token ids, their text (cut before a stop string) and whether the Cancel stopped it;
-        ``emit`` gets the text as it grows, step by step (live.engine.PieceFeed)."""
+                  cancel: threading.Event | None = None, emit: Emit | None = None,
+                  min_tokens: int = 0) -> tuple[list[int], str, bool]:
+        """The new token ids, their text (cut before a stop string that ends past the first ``min_tokens``
+        tokens' text) and whether the Cancel stopped it; ``emit`` gets the text as it grows, step by step
+        (live.engine.PieceFeed)."""
         x = torch.tensor([ids], device=self.device)
         cache = None
         steps: list[torch.Tensor] = []
         new_ids: list[int] = []
         longest = max((len(s) for s in stop), default=0)
         seen = 0  # characters already searched for a stop string
+        floor = 0  # characters of the first min_tokens tokens
         stopped = False
         feed = None if emit is None else PieceFeed(emit, longest)
         for _ in range(max_new_tokens):
@@ -237,9 +240,11 @@ class GPT2Engine:
                 continue
             new_ids.append(int(x))  # a stop check, or a stream, needs the token on the host
             text = self.tokenizer.decode(new_ids)
+            if len(new_ids) == min_tokens:
+                floor = len(text)  # a stop string must end past the first min_tokens tokens' text
             # Only the tail can hold a new match; a few extra characters cover
             # a multi-byte character that completed this step.
-            cut = apply_stop(text, stop, max(0, seen - longest - 4))
+            cut = None if len(new_ids) < min_tokens else apply_stop(text, stop, max(0, seen - longest - 4), floor)
             if cut is not None:
                 if feed is not None:
                     feed.grow(cut, final=True)

@@ -58,189 +58,32 @@ stop (see :mod:`live.gate`), and the engine is free for the next request when
 from __future__ import annotations
 
 import asyncio
-import logging
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from qsim.policy import RATE_LIMITED
-from qsim.records import CLIENT_ID_CHARS
-
-from .contract import (Admission, GenerateResponse, Health, Limits, Stats, Timings, error_json,  # noqa: F401
-                       request_model)
-from .gate import (Answer, DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, Job, Rejected, UpstreamFailed,
-                   UpstreamTimedOut)
+from . import openai_api
+from .auth import SCOPE_CLIENT, ApiKeys
+from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
+                       Stats, Timings, request_model)
+from .engine import Checked
+from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_for, error_response, error_responses,
+                       json_response, parse_body, shutdown_response, stopped_by_shutdown)
+from .gate import Answer, Gate, Job, Rejected
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
+from .request_io import outcome, read_body, with_headers
+from .routes import CHAT, COMPLETIONS, GENERATE
 
-GENERATE = "/v1/generate"
-CLIENT_HEADER = "x-client-id"
-ROUTES = (f"POST {GENERATE}, POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /stats, "
-          "GET /healthz, GET /metrics, GET /openapi.json")
-log = logging.getLogger(__name__)
-
-
-# Limits and request_model (the body schema with a server's caps) live in live.contract, with every body.
-
-
-# ---------------------------------------------------------------------- the envelope
-
-
-class InvalidRequest(Exception):
-    """A 4xx found while preparing a request."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
-
-
-def error_response(status: int, type_: str, reason: str, message: str, numbers: dict | None = None,
-                   retry_after_s: int | None = None, headers: dict | None = None) -> Response:
-    """The envelope (:class:`live.contract.ErrorEnvelope`), with Retry-After when it says when to come back."""
-    headers = dict(headers or {})
-    if retry_after_s is not None:
-        headers["Retry-After"] = str(retry_after_s)
-    return json_response(error_json(type_, reason, message, numbers, retry_after_s), status, headers)
-
-
-def json_response(text: str, status: int = 200, headers: dict | None = None) -> Response:
-    """A body a contract model wrote (its model_dump_json: compact, non-finite numbers as null)."""
-    return Response(text, status_code=status, headers=headers, media_type="application/json")
-
-
-_REFUSAL_TEXT = {
-    "shed": "sheddable (priority {priority}) and {queued} request(s) are waiting",
-    "rate_limited": "this client is over its limit of {client_rate:g} requests/s (bursts of {client_burst:g})",
-    "queue_full": "the queue is full: {queued} waiting, the limit is {max_queue}",
-    "work_limit": "queued work {queued_work_s:.3f} s plus this request's {est_service_s:.3f} s passes the limit "
-                  "of {max_queued_seconds} s",
-    "deadline_unreachable": "estimated wait {wait_s:.3f} s plus service {est_service_s:.3f} s exceeds the "
-                            "deadline of {deadline_s:.3f} s",
-    "cannot_finish": "dropped when it reached the front after {waited_s:.3f} s: {est_service_s:.3f} s of service "
-                     "would end after its deadline of {deadline_s:.3f} s",
-    "codel": "dropped by CoDel when it reached the front after waiting {waited_s:.3f} s: waits have stayed "
-             "above the target for longer than the interval",
-}
-
-
-def _refusal_message(reason: str, numbers: dict, retry_after_s: int) -> str:
-    try:
-        text = _REFUSAL_TEXT[reason].format(**numbers)
-    except (KeyError, ValueError):
-        text = reason
-    return f"{text}; retry after {retry_after_s} s"
-
-
-async def _overloaded(_: Request, exc: Rejected) -> Response:
-    r = exc.rejection
-    numbers = {**exc.arrival.numbers(), **r.numbers}
-    if r.reason == RATE_LIMITED:  # this client sent too much: 429, told apart from the service's overload
-        return error_response(429, "rate_limited", r.reason, _refusal_message(r.reason, numbers, r.retry_after_s),
-                              numbers, r.retry_after_s)
-    return error_response(503, "overloaded", r.reason, _refusal_message(r.reason, numbers, r.retry_after_s),
-                          numbers, r.retry_after_s)
-
-
-async def _deadline_exceeded(_: Request, exc: DeadlineExceeded) -> Response:
-    return error_response(503, "deadline_exceeded", exc.reason,
-                          _refusal_message(exc.reason, exc.numbers, exc.retry_after_s),
-                          exc.numbers, exc.retry_after_s)
-
-
-async def _deadline_cut(_: Request, exc: DeadlineCut) -> Response:
-    # 504, as a gateway's timeout: the answer would have come too late (Policy.cancel_at_deadline). No
-    # Retry-After: the work was admitted and ran; sending it again meets the same deadline.
-    return error_response(504, "deadline_exceeded", exc.reason, str(exc), exc.numbers)
-
-
-async def _engine_failed(_: Request, exc: EngineFailed) -> Response:
-    return error_response(500, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
-
-
-async def _upstream_failed(_: Request, exc: UpstreamFailed) -> Response:
-    # 502: the server behind the gate failed; 504: it did not answer in time. Outcome error either way.
-    status = 504 if isinstance(exc, UpstreamTimedOut) else 502
-    return error_response(status, "engine_error", exc.reason, str(exc), {**exc.arrival.numbers(), **exc.numbers})
-
-
-async def _engine_stalled(_: Request, exc: EngineStalled) -> Response:
-    return error_response(500, "engine_error", exc.reason, str(exc), exc.numbers)
-
-
-def shutdown_response() -> Response:
-    """What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
-    cancels it then): 503 in the envelope, as a stream's last event where the stream had begun."""
-    return error_response(503, "unavailable", "shutting_down", "the server is shutting down and stopped this request "
-                                                               "before it was answered; send it again", retry_after_s=1)
-
-
-def stopped_by_shutdown() -> None:
-    """The request's task was cancelled (the server's shutdown) and answers it instead of ending: the
-    cancellation is handled, so the task is not counted as cancelled (asyncio.Task.uncancel)."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-
-
-async def _invalid(_: Request, exc: InvalidRequest) -> Response:
-    return error_response(exc.status, "invalid_request", exc.reason, exc.message)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    reason, message = {
-        404: ("not_found", f"no route {request.method} {request.url.path}; the routes are {ROUTES}"),
-        405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}; the routes are {ROUTES}"),
-    }.get(exc.status_code, ("http_error", str(exc.detail)))
-    type_ = "invalid_request" if exc.status_code < 500 else "internal_error"
-    return error_response(exc.status_code, type_, reason, message, headers=exc.headers)
-
-
-def _validation_text(errors) -> str:
-    """'max_new_tokens: Input should be less than or equal to 1024; prompt: Field required'."""
-    parts = []
-    for e in errors:
-        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
-async def _request_validation(_: Request, exc: RequestValidationError) -> Response:
-    return error_response(422, "invalid_request", "invalid_field", _validation_text(exc.errors()))
-
-
-async def _unexpected(_: Request, exc: Exception) -> Response:
-    return error_response(500, "internal_error", "unexpected", f"{type(exc).__name__}: {exc}")
+# Limits and request_model (the body schema with a server's caps) live in live.contract, with every body; the
+# envelope and the answer to each exception in live.envelope.
 
 
 # ---------------------------------------------------------------------- prepare
-
-
-async def read_body(request: Request, cap: int) -> bytes:
-    """The body, refused with 413 as soon as it passes ``cap`` bytes (declared or actual) and before parsing."""
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media != "application/json" and not media.endswith("+json"):
-        raise InvalidRequest(415, "unsupported_media_type", f"send the body as application/json, not {media!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise InvalidRequest(413, "body_too_large", f"the body is {declared} bytes; the limit is {cap}")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > cap:
-                raise InvalidRequest(413, "body_too_large", f"the body passes the limit of {cap} bytes")
-    except ClientDisconnect:
-        # The client hung up mid-body: bad input, not a server error (nobody is left to read the answer).
-        raise InvalidRequest(400, "malformed_json", f"the body ended after {len(body)} bytes: the client closed "
-                                                    "the connection before sending all of it") from None
-    return bytes(body)
 
 
 @dataclass(frozen=True)
@@ -250,13 +93,7 @@ class _Preparer:
     count_tokens: Callable[[str], int]
 
     def __call__(self, body: bytes) -> Job:
-        try:
-            req = self.schema.model_validate_json(body)
-        except ValidationError as exc:
-            errors = exc.errors()
-            if any(e.get("type") == "json_invalid" for e in errors):
-                raise InvalidRequest(400, "malformed_json", f"the body is not valid JSON: {_validation_text(errors)}") from None
-            raise InvalidRequest(422, "invalid_field", _validation_text(errors)) from None
+        req = parse_body(self.schema, body)
         tokens = self.count_tokens(req.prompt)
         if tokens > self.limits.max_prompt_tokens:
             raise InvalidRequest(422, "prompt_too_long",
@@ -269,24 +106,6 @@ class _Preparer:
 # ---------------------------------------------------------------------- execute and finish
 
 
-async def _until_disconnect(request: Request) -> None:
-    """Returns when the client hangs up (the body is read, so receive() waits for that alone)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _outcome(future: asyncio.Future, request: Request) -> Answer | None:
-    """The answer, or None when the client left first (its future is then cancelled: it leaves the queue)."""
-    watch = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait((future, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not future.done():  # the client left, or this handler itself was cancelled
-            future.cancel()
-    return None if future.cancelled() else future.result()
-
-
 def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
     a = answer.arrival
     timings = Timings(queue_s=answer.queue_s, engine_s=answer.engine_s, total_s=total_s,
@@ -297,15 +116,6 @@ def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
 
 
 # ---------------------------------------------------------------------- the app
-
-
-#: Each exception's answer (looked up along its class's MRO, as Starlette does).
-HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
-    Rejected: _overloaded, DeadlineExceeded: _deadline_exceeded, DeadlineCut: _deadline_cut,
-    EngineFailed: _engine_failed,
-    UpstreamFailed: _upstream_failed, EngineStalled: _engine_stalled, InvalidRequest: _invalid, StarletteHTTPException: _http_error,
-    RequestValidationError: _request_validation, Exception: _unexpected,
-}
 
 
 @dataclass(frozen=True)
@@ -322,10 +132,7 @@ class _Direct:
             stopped_by_shutdown()
             response = shutdown_response()
         except Exception as exc:
-            handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
-            if handler is _unexpected:  # as Starlette's ServerErrorMiddleware would, leave the traceback in the log
-                log.exception("unexpected error in %s %s", request.method, request.url.path)
-            response = await handler(request, exc)
+            response = await answer_for(request, exc)
         await response(scope, receive, send)
 
 
@@ -335,28 +142,65 @@ class GateService(FastAPI):
 
     direct: _Direct | None = None
     direct_posts: dict[str, _Direct] = {}  # replaced, never changed in place
+    keys: ApiKeys | None = None  # set: the guarded routes want one of them (live.auth)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.keys is not None and scope["type"] == "http" and self.keys.guards(scope["path"]):
+            holder = self.keys.holder(_header(scope, b"authorization"))
+            if holder is None:
+                await UNAUTHORIZED(scope, receive, send)
+                return
+            scope[SCOPE_CLIENT] = holder.client_id  # the key's client: what per-client limits count by
         route = self.direct_posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if route is not None:
             await route(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] not in POSTS:
+            # HEAD on every GET route, as orchestrators' and load balancers' checks send it: routed as the GET,
+            # whose body the server leaves out (uvicorn reads the method from its own copy of the scope).
+            scope = {**scope, "method": "GET"}
+        await super().__call__(scope, receive, send)
+
+
+#: The POST routes: HEAD on them stays a 405.
+POSTS = frozenset({GENERATE, COMPLETIONS, CHAT})
+#: A guarded route's answer to a request without one of the server's keys (the message never names a key).
+UNAUTHORIZED = error_response(401, "invalid_request", "unauthorized", "this route needs an API key: send "
+                              "Authorization: Bearer KEY with one of the server's keys",
+                              headers={"WWW-Authenticate": "Bearer"})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key == name), None)
+
+
+async def readiness(gate: Gate) -> list[str]:
+    """Why the service cannot answer now (empty: ready): it is stopping, every engine is stalled, or what an
+    engine depends on is not there (the upstream engine's server: :class:`live.engine.Checked`)."""
+    reasons = ["the server is shutting down"] if gate.draining else []
+    if gate.queue.all_stalled:
+        reasons.append(f"every engine ({gate.workers}) is stalled")
+    checked = [e for e in gate.engines if isinstance(e, Checked)]
+    for problem in await asyncio.gather(*(e.readiness() for e in checked)):
+        if problem is not None and problem not in reasons:
+            reasons.append(problem)
+    return reasons
 
 
 def effective_limits(gate: Gate, limits: Limits) -> Limits:
     """The caps, with max_new_tokens lowered to what every engine can generate."""
     caps = [limits.max_new_tokens] + [n for e in gate.engines if (n := getattr(e, "max_new_tokens_limit", None))]
-    return Limits(**{**asdict(limits), "max_new_tokens": min(caps)})
+    default = None if limits.default_max_tokens is None else min(limits.default_max_tokens, *caps)
+    return Limits(**{**asdict(limits), "max_new_tokens": min(caps), "default_max_tokens": default})
 
 
 def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
-               direct: bool = True) -> GateService:
+               direct: bool = True, keys: ApiKeys | None = None) -> GateService:
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
     direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
-    too (same answers, slower).
+    too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -374,6 +218,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
     app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json", redirect_slashes=False)
+    app.keys = keys
     # Handlers are async on purpose: Starlette runs a plain function in its thread pool, which
     # would put every refusal behind a hidden queue of threads in a burst.
     for exc_type, handler in HANDLERS.items():
@@ -381,51 +226,61 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     async def generate(request: Request) -> Response:
         t0 = gate.clock()
-        job = prepare(await read_body(request, limits.max_body_bytes))
-        header = request.headers.get(CLIENT_HEADER)
-        if job.client_id is None and header:
-            if len(header) > CLIENT_ID_CHARS:
-                raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
-            job = replace(job, client_id=header)
+        job = with_headers(prepare(await read_body(request, limits.max_body_bytes)), request, limits.max_deadline_ms)
         # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
         try:
             future = gate.submit(job)
-        except Rejected:
+        except Rejected:  # refused at arrival (NeverInTime too)
             # Timed here, not in middleware: the direct path and FastAPI's routing both run this function.
             gate.timings.refusal.observe(gate.clock() - t0)
             raise
-        answer = await _outcome(future, request)
+        answer = await outcome(future, request)
         if answer is None:
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         return json_response(_answer_body(answer, gate.clock() - t0).model_dump_json())
 
     # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
     app.post(GENERATE, openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": prepare.schema.model_json_schema()}}}})(generate)
+        "application/json": {"schema": prepare.schema.model_json_schema()}}}},
+             responses={200: {"model": GenerateResponse}, **error_responses(*ADMITTING)})(generate)
     if direct:
         app.direct = _Direct(generate)
 
-    from .openai_api import mount as mount_openai  # here: live.openai_api imports this module
-
-    posts = mount_openai(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    posts = openai_api.mount(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats", response_model=Stats)
+    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE))
     async def stats() -> Response:
         body = Stats.model_validate({**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()})
         return json_response(body.model_dump_json(exclude_unset=True))
 
-    @app.get("/healthz", response_model=Health)
+    @app.get("/healthz", response_model=Health, responses=error_responses(*ANY_ROUTE))
     async def healthz() -> Response:
+        reasons = await readiness(gate)
         body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(),
-                                      "policy": gate.policy.name})
+                                      "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
         return json_response(body.model_dump_json(exclude_unset=True))
+
+    @app.get("/health", response_model=Liveness, responses=error_responses(408, 431))
+    async def health() -> Response:
+        # Liveness: the process answers. Nothing else is looked at (a restart would not mend an upstream).
+        return json_response(LIVE)
+
+    @app.get("/ready", response_model=Readiness,
+             responses=error_responses(408, 431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
+                                                          "not_ready (why, in the message), Retry-After 1"}})
+    async def ready() -> Response:
+        reasons = await readiness(gate)
+        if reasons:
+            return error_response(503, "unavailable", "not_ready", "not ready: " + "; ".join(reasons), retry_after_s=1)
+        return json_response(READY)
 
     registry = metrics_registry(gate)
 
     @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"}})
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"},
+                        **error_responses(*ANY_ROUTE)})
     async def metrics() -> Response:
         # Async on purpose: the collector then reads the gate on the event loop, where the gate changes it.
         return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)

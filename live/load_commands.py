@@ -106,25 +106,84 @@ def _print_prompts(frame: pd.DataFrame, trace) -> None:
         print(f"prompts: {int(sent.median())} tokens median, {int(sent.max())} max; capped to the context "
               f"({meta.get('context_tokens') or 'none known'}): {meta.get('prompts_capped', 0)}, not sent "
               f"(cannot fit): {meta.get('prompts_cannot_fit', 0)}")
-    if "ttft_s" in frame.columns and frame["ttft_s"].notna().any():
-        ttft = frame["ttft_s"].dropna()
-        print(f"time to first token: p50 {ttft.quantile(0.5) * 1e3:.1f} ms, p99 {ttft.quantile(0.99) * 1e3:.1f} ms")
+
+
+def _print_latency(frame: pd.DataFrame, seconds: float) -> None:
+    """TTFT, ITL, TPOT and E2E of the answered, and goodput, by analysis.latency's definitions (docs/metrics.md)."""
+    from analysis.latency import summary
+
+    s = summary(frame, seconds)
+    parts = [f"{name} p50 {s[f'{key}_p50_s'] * 1e3:.1f} ms, p99 {s[f'{key}_p99_s'] * 1e3:.1f} ms"
+             for key, name in (("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT"), ("e2e", "E2E"))
+             if math.isfinite(s[f"{key}_p50_s"])]
+    if parts:
+        print("latency (docs/metrics.md): " + "; ".join(parts))
+    objectives = ["the deadline"] + [f"{name} <= {frame[col].dropna().iloc[0] * 1e3:g} ms"
+                                     for col, name in (("ttft_slo_s", "TTFT"), ("tpot_slo_s", "TPOT"))
+                                     if col in frame.columns and frame[col].notna().any()]
+    print(f"goodput: {int(s['good'])} answered meeting {', '.join(objectives)}; {s['goodput_rps']:.3f} requests/s")
+
+
+def _objectives(args):
+    from .loadgen import Objectives
+
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        return None
+    return Objectives(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+                      None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
+
+
+def _import(args) -> int:
+    """``qlab replay --import FILE``: another tool's per-request results as a run file (live.imports)."""
+    from analysis.latency import judged
+
+    from .imports import read_tool_file, to_run
+    from .rows import server_info
+
+    if args.stats:
+        try:
+            stats = json.loads(Path(args.stats).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--stats {args.stats}: cannot read the gate's /stats JSON ({type(exc).__name__})") from None
+    elif args.url:
+        stats = httpx.get(f"{args.url.rstrip('/')}/stats", timeout=10.0).json()
+    else:
+        raise ValueError("--import needs the gate's configuration: --stats FILE (its /stats, saved) or --url URL")
+    info = server_info(Stats.model_validate(stats))
+    tool, sent = read_tool_file(args.import_file)
+    frame = to_run(sent, info, info.config.model, f"{tool}:{Path(args.import_file).name}")
+    objectives = _objectives(args)
+    if objectives is not None:
+        frame = objectives.columns(frame)
+    frame = records.validate(judged(frame))
+    write_parquet(frame, args.out)
+    print(f"imported {len(frame)} requests of {tool} ({args.import_file})")
+    _print_outcomes(frame)
+    _print_latency(frame, frame.attrs["qlab_run"]["duration_s"])
+    print(f"wrote {len(frame)} rows to {args.out}")
+    return 0
 
 
 def cmd_replay(args) -> int:
+    from analysis.latency import judged
+
     from .loadgen import ReplayConfig, check_patience, lateness, replay
 
+    if args.import_file:
+        return _import(args)
+    if not args.url:
+        raise ValueError("qlab replay needs --url (or --import FILE)")
     patience, retry = _clients(args)
     cfg = ReplayConfig(args.url.rstrip("/"), timeout_s=args.timeout, prompt_words=args.prompt_words,
                        context_tokens=args.context_tokens, late_warn_s=args.late_warn_ms / 1e3, retry=retry,
-                       api=args.api, model=args.model)
+                       api=args.api, model=args.model, slo=_objectives(args))
     trace = _trace(args, patience)
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
     check_patience(trace)
     api = "" if cfg.api == "qlab" else " (OpenAI-compatible /v1/completions, streamed)"
     print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}", flush=True)
-    frame = replay(trace, cfg)
+    frame = records.validate(judged(replay(trace, cfg)))  # TTFT and TPOT where it streamed, judged by every objective
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
     _print_outcomes(frame)
@@ -137,6 +196,7 @@ def cmd_replay(args) -> int:
         late = lateness(frame, retries=True)
         print(f"retry send lateness: p50 {late['p50_s'] * 1e3:.2f} ms, p99 {late['p99_s'] * 1e3:.2f} ms, "
               f"max {late['max_s'] * 1e3:.2f} ms")
+    _print_latency(frame, trace.duration_s or frame["finish_s"].max())
     print(f"wrote {len(frame)} rows to {args.out}")
     return 0
 
@@ -146,7 +206,17 @@ def _replay_parser(sub) -> None:
                        description="Send every request of a qsim trace at its scheduled time (open loop) to a "
                                    "qlab serve and record one row per request.")
     p.set_defaults(func=cmd_replay)
-    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", help="the server, e.g. http://127.0.0.1:8000 (with --import: the gate it ran against, "
+                                 "for its configuration)")
+    p.add_argument("--import", dest="import_file", metavar="FILE",
+                   help="no replay: read a guidellm (--output kind=json), inference-perf "
+                        "(per_request_lifecycle_metrics.json) or aiperf (profile_export.jsonl) result file into a run "
+                        "file, for qlab compare --predict (the gate's configuration from --stats or --url)")
+    p.add_argument("--stats", help="--import: the gate's GET /stats, saved as JSON")
+    p.add_argument("--slo-ttft-ms", type=positive, help="an objective for the time to the first token: sent as "
+                                                          "x-slo-ttft-ms and judged in goodput (docs/metrics.md)")
+    p.add_argument("--slo-tpot-ms", type=positive, help="an objective for the time per output token after the "
+                                                          "first: sent as x-slo-tpot-ms and judged in goodput")
     p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of a synthetic one")
     p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace file's arrival times")
     p.add_argument("--arrivals", default="poisson", help=" | ".join(ARRIVALS))

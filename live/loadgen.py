@@ -47,12 +47,13 @@ from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
 from qsim.model import LEFT_REASON
 
 from . import openai_replay
+from .auth import client_headers
 from .calibrate import ServerFacts, default_prompt_tokens, server_facts
 from .contract import Stats, num
+from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 from .rows import ClientSettings, Exchange, ServerInfo, retry_after_s, server_info, to_frame
 from .tokenizer import MIN_CONTEXT_TOKENS, prompt_of
 
-GENERATE = "/v1/generate"
 #: qlab: qlab's own /v1/generate; openai: POST /v1/completions, streamed, on any OpenAI-compatible server.
 APIS = ("qlab", "openai")
 #: The last stretch before a send is spent yielding rather than sleeping (see :func:`_until`).
@@ -97,6 +98,7 @@ class ReplayConfig:
     retry_seed: int | None = None
     api: str = "qlab"
     model: str | None = None
+    slo: Objectives | None = None  # sent with every request, and recorded (ttft_slo_s, tpot_slo_s)
 
     def __post_init__(self) -> None:
         if self.api not in APIS:
@@ -114,6 +116,25 @@ class ReplayConfig:
                              f"got {self.context_tokens}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a qsim.clients.RetryPolicy, got {type(self.retry).__name__}")
+
+
+@dataclass(frozen=True)
+class Objectives:
+    """A run's objectives beside the deadline: time to the first token and time per output token after it (seconds;
+    None: not set), sent as the ``x-slo-ttft-ms`` and ``x-slo-tpot-ms`` headers and recorded as the ttft_slo_s and
+    tpot_slo_s columns, which goodput (analysis.latency) judges by."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def headers(self) -> dict[str, str]:
+        pairs = ((TTFT_SLO_HEADER, self.ttft_s), (TPOT_SLO_HEADER, self.tpot_s))
+        return {name: f"{seconds * 1000:g}" for name, seconds in pairs if seconds is not None}
+
+    def columns(self, frame: pd.DataFrame) -> pd.DataFrame:
+        for name, seconds in (("ttft_slo_s", self.ttft_s), ("tpot_slo_s", self.tpot_s)):
+            frame[name] = np.full(len(frame), math.nan if seconds is None else seconds)
+        return frame
 
 
 #: The reason of a request the replayer did not send: its new tokens leave no room for a prompt token.
@@ -196,9 +217,12 @@ class Lanes:
         self._all: list[httpx.AsyncHTTPTransport] = []
         self.timeout = httpx.Timeout(cfg.timeout_s).as_dict()
         self.url = cfg.url
+        # A key for a server that wants one (QLAB_API_KEY), and the run's objectives.
+        self.headers = {**client_headers(), **(cfg.slo.headers() if cfg.slo is not None else {})}
 
-    def request(self, method: str, path: str, **kwargs) -> httpx.Request:
-        return httpx.Request(method, self.url + path, extensions={"timeout": self.timeout}, **kwargs)
+    def request(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Request:
+        return httpx.Request(method, self.url + path, headers={**self.headers, **(headers or {})},
+                             extensions={"timeout": self.timeout}, **kwargs)
 
     async def send(self, request: httpx.Request, read=None):
         """Send on an idle lane (or a new one) and read the whole answer; with ``read`` (a coroutine function
@@ -392,7 +416,8 @@ class _Clients:
             return Exchange(at, sent, loop.time() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
         if isinstance(response, openai_replay.Streamed):
             return Exchange(at, sent, response.done_at - t0, response.status, response.body, response.retry_after,
-                            error=response.error, first_token_s=response.first_token_at - t0)
+                            error=response.error, first_token_s=response.first_token_at - t0,
+                            last_token_s=response.last_token_at - t0, pieces=response.pieces)
         done = loop.time() - t0
         try:
             payload = response.json()
@@ -518,9 +543,14 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
             "duration_s": trace.duration_s, "clock_offset_s": offset,
             "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
             "retry_seed": seed, **plan.meta()}
+    if cfg.slo is not None:
+        frame = cfg.slo.columns(frame)
     if api.model is not None:
-        # Time to the first token, client-measured from the send (NaN: no text came, or not a stream).
+        # Time to the first and the last piece of text, client-measured from the send (NaN: no text came, or not
+        # a stream), and the pieces: what analysis.latency reads TTFT, ITL and TPOT from.
         frame["ttft_s"] = np.array([ex.first_token_s - ex.sent_s for ex in exchanges], dtype=float)
+        frame["last_token_s"] = np.array([ex.last_token_s - ex.sent_s for ex in exchanges], dtype=float)
+        frame["pieces"] = np.array([ex.pieces for ex in exchanges], dtype=np.int64)
         frame["api"] = pd.array(["openai"] * len(frame), dtype="string")
         frame["qlab_gate"] = stats is not None
         meta.update(api="openai", model=api.model, qlab_gate=stats is not None)

@@ -4,7 +4,7 @@ The request and response bodies are pydantic models of :mod:`live.contract`; the
 are mounted by :func:`live.http_api.create_app` (:func:`mount`) beside ``/v1/generate``
 and admit through the same ``gate.submit(Job(...))``: the same policy, deadlines,
 per-client limits, counts and metrics. Every answer that is not a 200 is qlab's error
-envelope (:func:`live.http_api.error_response`), whose ``message``, ``type`` and ``code``
+envelope (:func:`live.envelope.error_response`), whose ``message``, ``type`` and ``code``
 are OpenAI's error object, so the openai SDK raises its usual exceptions on them.
 
 What a request becomes (docs/http.md, "OpenAI-compatible API", says the same for users):
@@ -59,24 +59,21 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from qsim.records import CLIENT_ID_CHARS
 
-from .contract import (OWNER, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
+from .contract import (CHAT_FIELDS, OWNER, SAMPLING_FIELDS, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
                        Usage, request_models)
+from .contract import Limits
+from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
+                       shutdown_response, stopped_by_shutdown)
+from .engine import Asked
 from .gate import END, Answer, Gate, Job, Rejected, Streamed
-from .http_api import (CLIENT_HEADER, HANDLERS, InvalidRequest, Limits, _outcome, _until_disconnect, _validation_text,
-                       json_response, read_body, shutdown_response, stopped_by_shutdown)
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-MODELS = "/v1/models"
-DEADLINE_HEADER = "x-request-deadline-ms"
-ROUTES = f"POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}"
+from .request_io import deadline_header, outcome, read_body, until_disconnect, with_headers
+from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
 
 # The request and answer bodies are live.contract's (imported above), with every other body.
@@ -117,6 +114,24 @@ def _unsupported(name: str, why: str) -> InvalidRequest:
 def _check_common(req) -> None:
     if req.n is not None and req.n != 1:
         raise _unsupported("n", f"only 1 choice per request is supported, not {req.n}")
+    if req.use_beam_search:
+        raise _unsupported("use_beam_search", "the engines decode greedily; beam search is not supported")
+    if req.prompt_logprobs is not None:
+        raise _unsupported("prompt_logprobs", "log probabilities are not returned by this server")
+
+
+def _asked(req) -> Asked:
+    """What the request asks of its run beyond prompt, size and stop strings: min_tokens, a chat's messages as
+    they came, and the sampling fields the client gave (for an upstream: SAMPLING_FIELDS, a chat's CHAT_FIELDS)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    forwarded = req.model_dump(include=set(SAMPLING_FIELDS + (CHAT_FIELDS if chat else ())), exclude_unset=True)
+    messages = tuple(m.model_dump(exclude_none=True) for m in req.messages) if chat else None
+    if not forwarded and messages is None and not req.min_tokens:
+        return _NOTHING_ASKED
+    return Asked(req.min_tokens or 0, messages, tuple(forwarded.items()))
+
+
+_NOTHING_ASKED = Asked()
 
 
 def _completion_prompt(req) -> str:
@@ -150,43 +165,13 @@ def _chat_messages_prompt(req) -> str:
     return chat_prompt(req.messages)
 
 
-def _new_tokens(req, cap: int) -> int:
+def _new_tokens(req, default: Callable[[], int]) -> int:
+    """The new tokens asked for: max_completion_tokens or max_tokens (400 when both differ), else ``default()``."""
     both = [v for v in (getattr(req, "max_completion_tokens", None), req.max_tokens) if v is not None]
     if len(set(both)) > 1:
         raise InvalidRequest(400, "conflicting_parameters",
                              f"max_completion_tokens {both[0]} and max_tokens {both[1]} differ: give one")
-    return both[0] if both else cap
-
-
-def _parse(schema: type[BaseModel], body: bytes) -> BaseModel:
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            raise InvalidRequest(400, "malformed_json",
-                                 f"the body is not valid JSON: {_validation_text(errors)}") from None
-        raise InvalidRequest(422, "invalid_field", _validation_text(errors)) from None
-
-
-def _deadline_header(request: Request, limits: Limits) -> float | None:
-    value = request.headers.get(DEADLINE_HEADER)
-    if value is None:
-        return None
-    value = value.strip()
-    if not (value.isascii() and value.isdigit() and len(value) <= 12 and 1 <= int(value) <= limits.max_deadline_ms):
-        raise InvalidRequest(422, "invalid_field", f"{DEADLINE_HEADER}: an integer number of milliseconds in "
-                                                   f"1..{limits.max_deadline_ms}, not {value[:40]!r}")
-    return int(value) / 1000.0
-
-
-def _client(request: Request, user: str | None) -> str | None:
-    if user is not None:
-        return user
-    header = request.headers.get(CLIENT_HEADER)
-    if header and len(header) > CLIENT_ID_CHARS:
-        raise InvalidRequest(422, "invalid_field", f"{CLIENT_HEADER}: at most {CLIENT_ID_CHARS} characters")
-    return header or None
+    return both[0] if both else default()
 
 
 # ---------------------------------------------------------------------- the routes
@@ -205,7 +190,7 @@ class EventStream(Response):
 
     Not Starlette's StreamingResponse: that one runs each stream in an anyio task group with a task of its own
     listening for the client to leave, about 0.4 ms per stream on two cores (benchmarks/bench_openai.py,
-    docs/benchmarks.md), while the route already watches for that (``_until_disconnect`` cancels the future,
+    docs/benchmarks.md), while the route already watches for that (``until_disconnect`` cancels the future,
     which ends the events). A Response all the same, so that FastAPI's routing passes it on as it is."""
 
     media_type = "text/event-stream"
@@ -240,11 +225,10 @@ def _as_event(response: Response) -> str:
 
 async def _error_event(request: Request, exc: Exception) -> str:
     """The envelope its handler answers a request that fails before streaming, as one event."""
-    handler = next(HANDLERS[t] for t in type(exc).__mro__ if t in HANDLERS)
-    return _as_event(await handler(request, exc))
+    return _as_event(await answer_for(request, exc))
 
 
-#: A stream's end when the server's shutdown cancels it (:func:`live.http_api.shutdown_response`).
+#: A stream's end when the server's shutdown cancels it (:func:`live.envelope.shutdown_response`).
 SHUTDOWN_EVENT = _as_event(shutdown_response()) + DONE_EVENT
 
 
@@ -258,18 +242,17 @@ class _Run:
     """What one admitted request produced."""
 
     answer: Answer
-    prompt_tokens: int
-    max_new_tokens: int
+    job: Job
     total_s: float
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.answer.tokens < self.max_new_tokens else "length"
+        return "stop" if self.answer.tokens < self.job.max_new_tokens else "length"
 
     @property
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.answer.tokens,
-                     total_tokens=self.prompt_tokens + self.answer.tokens)
+        prompt = self.job.prompt_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=self.answer.tokens, total_tokens=prompt + self.answer.tokens)
 
     @property
     def qlab(self) -> QlabInfo:
@@ -277,7 +260,7 @@ class _Run:
         return QlabInfo(outcome=a.outcome, engine=a.engine, queue_s=a.queue_s, engine_s=a.engine_s,
                         total_s=self.total_s, est_service_s=a.arrival.est_service_s, started_at=a.started_at,
                         returned_at=a.returned_at, admission=Admission.model_validate(a.arrival.numbers()),
-                        first_token_s=a.first_token_s)
+                        first_token_s=a.first_token_s, ttft_slo_s=self.job.ttft_slo_s, tpot_slo_s=self.job.tpot_slo_s)
 
 
 @dataclass(frozen=True)
@@ -331,15 +314,15 @@ class _Routes:
     async def _run(self, request: Request, req, prompt: str, t0: float) -> _Run | None:
         """Admit and run; None when the client left first. Refusals and failures raise to their handlers."""
         job = self._job(request, req, prompt)
-        answer = await _outcome(self._admit(self.gate.submit, job, t0), request)
+        answer = await outcome(self._admit(self.gate.submit, job, t0), request)
         if answer is None:
             return None
-        return _Run(answer, job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+        return _Run(answer, job, self.gate.clock() - t0)
 
     def _admit(self, submit, job: Job, t0: float):
         try:
             return submit(job)
-        except Rejected:
+        except Rejected:  # refused at arrival (NeverInTime too)
             self.gate.timings.refusal.observe(self.gate.clock() - t0)
             raise
 
@@ -350,7 +333,7 @@ class _Routes:
         streamed = self._admit(self.gate.submit_streaming, job, t0)
         shape = make_shape()
         # A client that hangs up cancels the future (the run's Cancel is set), which ends the pieces (END).
-        watch = asyncio.ensure_future(_until_disconnect(request))
+        watch = asyncio.ensure_future(until_disconnect(request))
         watch.add_done_callback(lambda _: streamed.future.cancel())
         try:
             first = await streamed.pieces.get()
@@ -362,7 +345,7 @@ class _Routes:
         watch.cancel()  # done before any piece: an engine without emit, a failure, or the client left
         if streamed.future.cancelled():
             return Response(status_code=499)
-        run = _Run(streamed.future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+        run = _Run(streamed.future.result(), job, self.gate.clock() - t0)
         return _sse([*shape.lead, shape.piece(shape.prefix + run.answer.text), *shape.tail(run)])
 
     async def _events(self, request: Request, streamed: Streamed, watch: asyncio.Future, first: str,
@@ -381,7 +364,7 @@ class _Routes:
             if future.exception() is not None:
                 yield await _error_event(request, future.exception()) + DONE_EVENT
             else:
-                run = _Run(future.result(), job.prompt_tokens, job.max_new_tokens, self.gate.clock() - t0)
+                run = _Run(future.result(), job, self.gate.clock() - t0)
                 yield "".join(_event(event) for event in shape.tail(run)) + DONE_EVENT
         finally:
             watch.cancel()  # and so the future: a stream closed early stops its run
@@ -397,13 +380,26 @@ class _Routes:
         if tokens > self.limits.max_prompt_tokens:
             raise InvalidRequest(422, "prompt_too_long",
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
-        max_new = _new_tokens(req, self.limits.max_new_tokens)
-        deadline = req.deadline_ms / 1000.0 if req.deadline_ms is not None else _deadline_header(request, self.limits)
-        return Job(prompt, max_new, tuple(req.stop or ()), deadline, _client(request, req.user), req.priority, tokens)
+        deadline = (req.deadline_ms / 1000.0 if req.deadline_ms is not None
+                    else deadline_header(request, self.limits.max_deadline_ms))
+        max_new = _new_tokens(req, lambda: self._default_new_tokens(deadline, tokens))
+        if req.min_tokens is not None and req.min_tokens > max_new:
+            raise InvalidRequest(400, "conflicting_parameters", f"min_tokens {req.min_tokens} is more than the "
+                                                                f"{max_new} new tokens asked for")
+        job = Job(prompt, max_new, tuple(req.stop or ()), deadline, req.user, req.priority, tokens,
+                  asked=_asked(req))
+        return with_headers(job, request, self.limits.max_deadline_ms)
+
+    def _default_new_tokens(self, deadline_s: float | None, prompt_tokens: int) -> int:
+        """A request that names no max_tokens: the server's --default-max-tokens, else the most whose calibrated
+        estimate fits its deadline (at least 1, at most the cap): never the cap a deadline cannot hold."""
+        if self.limits.default_max_tokens is not None:
+            return self.limits.default_max_tokens
+        return max(1, min(self.limits.max_new_tokens, self.gate.fitting_tokens(deadline_s, prompt_tokens)))
 
     async def completions(self, request: Request) -> Response:
         t0 = self.gate.clock()
-        req = _parse(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
+        req = parse_body(self.completion_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _completion_prompt(req)
         if req.stream:
             return await self._stream(request, req, prompt, t0, lambda: _completion_shape(
@@ -417,7 +413,7 @@ class _Routes:
 
     async def chat(self, request: Request) -> Response:
         t0 = self.gate.clock()
-        req = _parse(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
+        req = parse_body(self.chat_schema, await read_body(request, self.limits.max_body_bytes))
         prompt = _chat_messages_prompt(req)
         if req.stream:
             return await self._stream(request, req, prompt, t0,
@@ -467,16 +463,17 @@ def mount(app: FastAPI, gate: Gate, limits: Limits) -> dict[str, Callable[[Reque
                      completion_schema, chat_schema)
     # The routes read the raw body (to cap its size before parsing): state the schemas for /openapi.json.
     stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    errors = error_responses(*ADMITTING, 404)
     app.post(COMPLETIONS, openapi_extra=_body_spec(completion_schema),
-             responses={200: {"model": Completion, "content": stream}})(routes.completions)
+             responses={200: {"model": Completion, "content": stream}, **errors})(routes.completions)
     app.post(CHAT, openapi_extra=_body_spec(chat_schema),
-             responses={200: {"model": ChatCompletion, "content": stream}})(routes.chat)
+             responses={200: {"model": ChatCompletion, "content": stream}, **errors})(routes.chat)
 
-    @app.get(MODELS)
+    @app.get(MODELS, responses=error_responses(*ANY_ROUTE))
     async def models() -> ModelList:
         return ModelList(data=[routes.card()])
 
-    @app.get(MODELS + "/{model_id:path}")
+    @app.get(MODELS + "/{model_id:path}", responses=error_responses(*ANY_ROUTE, 404, 422))
     async def model(model_id: str) -> ModelCard:
         if model_id != routes.model_id:
             raise InvalidRequest(404, "model_not_found",

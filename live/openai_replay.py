@@ -29,9 +29,10 @@ from typing import Any
 
 import httpx
 
+from .auth import client_headers
 from .contract import (AnswerEvent, CompletionRequest, EventChoice, EventUsage, ForeignError, GenerateRequest,
                        QlabInfo, StreamOptions, UpstreamModels, generate_of)
-from .openai_api import COMPLETIONS, DEADLINE_HEADER, MODELS
+from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS
 
 #: Error types under which qlab's gate refuses or drops (live.rows reads them); a server that is
 #: not a qlab gate has its own words for overload.
@@ -52,7 +53,7 @@ def completion_request(body: dict, model: str) -> dict:
 def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
     """The ids ``GET /v1/models`` lists; ValueError when the server lists none or cannot be asked."""
     try:
-        response = httpx.get(url + MODELS, timeout=timeout_s)
+        response = httpx.get(url + MODELS, timeout=timeout_s, headers=client_headers())
         response.raise_for_status()
         ids = [card.id for card in UpstreamModels.model_validate_json(response.content).data]
     except (httpx.HTTPError, ValueError) as exc:
@@ -85,8 +86,9 @@ class Streamed:
     """One completion as the client read it. Times are the event loop's clock.
 
     body: a 200's answer as ``/v1/generate``'s, else the error body (None: not JSON); done_at: when
-    ``data: [DONE]`` (or the whole error body) had arrived; first_token_at: when the first event with
-    text did (NaN: none did); error: a broken stream (the attempt is then an error).
+    ``data: [DONE]`` (or the whole error body) had arrived; first_token_at and last_token_at: when the
+    first and the last event with text did (NaN: none did); pieces: the events with text; error: a broken
+    stream (the attempt is then an error).
     """
 
     status: int
@@ -95,6 +97,8 @@ class Streamed:
     done_at: float
     first_token_at: float = math.nan
     error: str | None = None
+    last_token_at: float = math.nan
+    pieces: int = 0
 
 
 def refusal_body(status: int, body: Any) -> Any:
@@ -168,7 +172,7 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
             return Streamed(200, answer_body(_text_of(whole), whole.usage, whole.qlab), None, now())
         return Streamed(response.status_code, refusal_body(response.status_code, body),
                         response.headers.get("retry-after"), now())
-    first, done, pieces, usage, qlab, broken = math.nan, math.nan, [], None, None, None
+    first, last, done, pieces, usage, qlab, broken = math.nan, math.nan, math.nan, [], None, None, None
     # Read to the stream's end even after [DONE], so that the connection is clean to reuse.
     async for line in response.aiter_lines():
         if not line.startswith("data:") or broken or math.isfinite(done):
@@ -188,14 +192,17 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
             broken = f"{what}: {str(raw)[:200]}"
             continue
         text = _text_of(event)
-        if text and math.isnan(first):
-            first = now()
-        pieces.append(text)
+        if text:
+            last = now()
+            first = last if math.isnan(first) else first
+            pieces.append(text)
         usage = event.usage or usage
         qlab = event.qlab or qlab
     end = now()
     if broken or math.isnan(done):
         why = broken or f"the stream ended before data: {DONE}"
-        return Streamed(200, None, None, end, first, error=f"broken stream: {why}")
-    return Streamed(200, answer_body("".join(pieces), usage, qlab), None, done, first)
+        return Streamed(200, None, None, end, first, error=f"broken stream: {why}", last_token_at=last,
+                        pieces=len(pieces))
+    return Streamed(200, answer_body("".join(pieces), usage, qlab), None, done, first, last_token_at=last,
+                    pieces=len(pieces))
 

@@ -30,7 +30,7 @@ import httpx
 
 from .serve_options import ServeOptions
 
-LISTENING = re.compile(r"listening on (http://\S+)")
+LISTENING = re.compile(r"listening on (https?://\S+)")
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -63,6 +63,7 @@ from qsim.policy import on_time, policy_from_fields
 
 from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings, num, read_error
 from .contract import read_answer as answer_of
+from .gate import NEVER_IN_TIME
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,9 @@ class Exchange:
     each); attempt counts from 1. left: why the client hung up before the answer (client_left,
     client_timeout), making it abandoned. hangup_s: when the client would have hung up (NaN: never);
     next: what the client did after it ("retry" or why not; None without a retry policy).
-    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit); first_token_s:
-    when the first token arrived (a streamed answer; NaN: not seen).
+    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit); first_token_s and
+    last_token_s: when the first and the last piece of text arrived (a streamed answer; NaN: not seen);
+    pieces: how many pieces of text came.
     """
 
     scheduled_s: float
@@ -197,6 +199,8 @@ class Exchange:
     next: str | None = None
     reason: str | None = None
     first_token_s: float = math.nan
+    last_token_s: float = math.nan
+    pieces: int = 0
 
 
 _NO_ERROR = ErrorDetail(type="")
@@ -219,8 +223,8 @@ def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | No
     if ex.status == 200 and answer_of(ex.body) is not None:
         return ("good" if on_time(ex.done_s - ex.sent_s, deadline_s) else "late"), None, None
     error = _error_of(ex.body)
-    if (ex.status, error.type) in ((503, "overloaded"), (429, "rate_limited")):
-        return "rejected", error.reason, None
+    if (ex.status, error.type) in ((503, "overloaded"), (429, "rate_limited")) or error.reason == NEVER_IN_TIME:
+        return "rejected", error.reason, None  # overload, a client over its rate, or never answerable in time
     if ex.status == 503 and error.type == "deadline_exceeded":
         return "expired", error.reason, None
     if ex.status == 504 and error.type == "deadline_exceeded":  # cut in service at its deadline

@@ -38,11 +38,14 @@ LOOPBACK = "127.0.0.1"
 
 
 def _option(default, help: str | None = None, *, type=None, choices=None, metavar=None, engine=None, toml=True,
-            check=None, needs=None, many=False, required=False):
-    """many: a flag that may be repeated; its values are kept joined by commas."""
-    return field(default=default, metadata=dict(help=help, type=type, choices=choices, metavar=metavar,
-                                                engine=engine, toml=toml, check=check, needs=needs, many=many,
-                                                required=required))
+            check=None, needs=None, many=False, required=False, secret=False):
+    """many: a flag that may be repeated; its values are kept joined by commas. secret: a key, never put on a
+    child's command line (where other users could read it) nor in a TOML file; a child reads it from its
+    environment instead."""
+    return field(default=default, repr=not secret,
+                 metadata=dict(help=help, type=type, choices=choices, metavar=metavar, engine=engine,
+                               toml=toml and not secret, check=check, needs=needs, many=many, required=required,
+                               secret=secret))
 
 
 def check_upstream_url(url: str) -> str:
@@ -103,6 +106,14 @@ class ServeOptions:
     upstream_timeout: float = _option(60.0, "upstream: a request fails as upstream_timeout (504) when the upstream "
                                             "sends nothing for this long (default 60 s)", type=argtypes.positive,
                                       metavar="SECONDS", engine="upstream")
+    upstream_api_key: str | None = _option(None, "upstream: the key to send it as Authorization: Bearer (default: "
+                                                 "the QLAB_UPSTREAM_API_KEY environment variable, which other users "
+                                                 "cannot read in the process list)", metavar="KEY", engine="upstream",
+                                           secret=True)
+    default_max_tokens: int | None = _option(None, "OpenAI routes: the new tokens of a request that names no "
+                                                   "max_tokens (default: the most whose calibrated estimate fits its "
+                                                   "deadline, at most the cap)", type=argtypes.positive_int,
+                                             metavar="N")
     stall_factor: float = _option(10.0, "an engine is stalled once its request runs this many times its estimate "
                                         "(default 10) ...", type=argtypes.number(float, 1, strict=False))
     stall_after: float = _option(5.0, "... and at least this long (default 5 s); its request then ends as an "
@@ -110,10 +121,28 @@ class ServeOptions:
     seed: int = _option(0, "random weights and synthetic noise", type=argtypes.count)
     service_model: str = _option("", "JSON with intercept_s and per_token_s (from qlab calibrate)")
     fixed_estimate: bool = _option(False, "do not track speed: keep the calibrated estimate")
+    api_key: str | None = _option(None, "every /v1/ route wants Authorization: Bearer KEY (default: the QLAB_API_KEY "
+                                        "environment variable, which other users cannot read in the process list; "
+                                        "none: open)", metavar="KEY", secret=True)
+    api_key_file: str | None = _option(None, "keys, one a line: KEY CLIENT_ID (the client per-client limits and fair "
+                                             "share count by) or KEY alone", metavar="FILE")
+    auth_stats: bool = _option(False, "/stats, /healthz and /metrics want a key too (/health, /ready and "
+                                      "/openapi.json stay open)")
+    ssl_certfile: str | None = _option(None, "serve HTTPS with this certificate (PEM), with --ssl-keyfile (uvicorn's "
+                                             "TLS)", metavar="FILE", needs=("ssl_keyfile", "the certificate's key"))
+    ssl_keyfile: str | None = _option(None, "the certificate's private key (PEM)", metavar="FILE",
+                                      needs=("ssl_certfile", "the certificate"))
     host: str = _option(LOOPBACK, f"address to bind (default {LOOPBACK}: this machine only)", toml=False)
     port: int = _option(8000, "0 picks a free port (printed on the first line)", type=argtypes.port, toml=False)
     http: str = _option("httptools", "HTTP parser: httptools (default, fastest) or h11; both refuse a request head "
                                      "past 64 KiB", choices=("httptools", "h11"))
+    header_timeout: float = _option(10.0, "a request head must arrive within this many seconds of the connection's "
+                                          "opening (or its first byte, on a kept-alive connection), else 408 and the "
+                                          "connection is closed (default 10)", type=argtypes.positive,
+                                    metavar="SECONDS")
+    body_timeout: float = _option(30.0, "a request body must arrive within this many seconds of its head, else 408 "
+                                        "and the connection is closed (default 30)", type=argtypes.positive,
+                                  metavar="SECONDS")
     log_level: str = _option("warning", choices=("critical", "error", "warning", "info", "debug"), toml=False)
     watch_stdin: bool = _option(False, "stop when stdin reaches end of file (for a parent process: the server goes "
                                        "when it goes)", toml=False)
@@ -167,7 +196,7 @@ class ServeOptions:
         flags = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value == f.default or f.metadata["engine"] not in (None, self.engine):
+            if value == f.default or f.metadata["engine"] not in (None, self.engine) or f.metadata["secret"]:
                 continue
             flags += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
         return [sys.executable, "-m", "experiments", "serve", *flags]

@@ -2,20 +2,30 @@
 
 ``qlab serve --engine upstream --upstream-url URL --engines K`` puts the gate in front of a
 server that speaks OpenAI's API (vLLM, or another ``qlab serve``): the gate decides who is
-admitted, and each of its K engines forwards one request at a time to the upstream's
-``POST /v1/completions`` with ``stream: true``, so K is the concurrency the operator allows
-the upstream. The engine reads the stream to its end and hands the gate the whole answer (and, for
-a client that asked for a stream, each chunk's text as it comes: ``emit``, see :mod:`live.engine`):
+admitted, and each of its K engines forwards one request at a time, with ``stream: true``, so K
+is the concurrency the operator allows the upstream. The engine reads the stream to its end and
+hands the gate the whole answer (and, for a client that asked for a stream, each chunk's text as
+it comes: ``emit``, see :mod:`live.engine`):
 
+* the route: a chat goes to the upstream's ``POST /v1/chat/completions`` with its messages as the
+  client sent them (so an instruct model gets its chat template), a prompt (a completion, or
+  ``/v1/generate``) to ``POST /v1/completions``. Which routes the upstream serves is asked at
+  start-up (:func:`probe_routes`: one one-token request to each); where it serves only one, every
+  request goes there (a chat flattened to its prompt, a prompt sent as one user message), and
+  where it serves neither the gate does not start;
+* what goes up: the model, ``max_tokens``, the stop strings, and every sampling field the client
+  gave (:attr:`live.engine.Asked.sampling`), unchanged; the upstream's defaults apply to the rest;
 * engine time: from sending the request to the last token (what the speed tracker learns,
   so ``qlab calibrate`` and speed tracking work as with the other engines); the time to the
   first token is kept apart (``EngineResult.first_token_s``);
 * tokens: the upstream's ``usage.completion_tokens`` (asked for with
-  ``stream_options.include_usage``), else the number of chunks that carried text;
+  ``stream_options.include_usage``), else the number of chunks that carried text. An upstream that
+  sends more than ``max_tokens`` is cut there: text chunks past the ``max_tokens``-th are dropped
+  (vLLM streams one token a chunk) and the tokens reported are at most ``max_tokens``;
 * the prompt is counted for the gate's caps with the byte tokenizer (:mod:`live.tokenizer`):
   the gate never sees the upstream's tokenizer;
-* only ``prompt``, ``max_tokens`` and ``stop`` go upstream: sampling fields the gate accepts
-  and ignores are not forwarded, so the upstream's defaults apply.
+* ``--upstream-api-key`` (or the ``QLAB_UPSTREAM_API_KEY`` environment variable): sent as
+  ``Authorization: Bearer`` to an upstream that needs a key.
 
 A coroutine engine. Forwarding is waiting on a socket, so :meth:`UpstreamEngine.arun` is a
 coroutine that the gate runs as a task on its own event loop (:mod:`live.gate`), with aiohttp's
@@ -30,7 +40,14 @@ status (its message is passed on), no connection, a stream that breaks off or en
 ``data: [DONE]``, an error event in the stream, a chunk that is not a completion chunk.
 :class:`~live.engine.UpstreamTimeout` (504 ``upstream_timeout``): the upstream sent nothing
 for ``timeout_s`` (connecting, or between two reads: a server that streams tokens sends
-one per token; one that answers at the end, as ``qlab serve`` does, must finish in time).
+one per token; one that answers at the end, as ``qlab serve`` does, must finish in time). The
+engine bounds its own runs so (``run_timeout_s``): the gate's stall rule does not end them, so a
+hung upstream is a 504 whatever the stall settings, and one that keeps sending is not stalled.
+
+Readiness (:class:`UpstreamHealth`, shared by the K engines): what the gate last learned of the
+upstream, from each run's end (no connection, a timeout, a 5xx, 404, 405, 401 or 403 make it not
+ready; an answer makes it ready) and, when nothing was learned for a few seconds, from a
+``GET /v1/models``; ``GET /ready`` and ``/healthz`` report it.
 
 Cancelling. The gate cancels the run's task when the run's :class:`~live.engine.Cancel` is set
 (its client left, or its deadline passed): aiohttp then closes the connection it was reading,
@@ -40,6 +57,7 @@ so the upstream sees its client leave and can free its own slot, and the next ru
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,35 +67,49 @@ import aiohttp
 import httpx
 from pydantic import ValidationError
 
-from .contract import ForeignError, UpstreamChunk, UpstreamModels, UpstreamRequest
-from .engine import Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
-from .openai_api import COMPLETIONS, MODELS
+from .contract import CHAT_FIELDS, ForeignError, UpstreamChatRequest, UpstreamChunk, UpstreamModels, UpstreamRequest
+from .engine import Asked, Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
+from .routes import CHAT, COMPLETIONS, MODELS
 from .serve_options import check_upstream_url
 from .tokenizer import ByteTokenizer
 
 DONE = "[DONE]"
+#: Where ``--upstream-api-key`` is read from when the flag is not given.
+API_KEY_ENV = "QLAB_UPSTREAM_API_KEY"
 
 
 @dataclass(frozen=True)
 class UpstreamSpec:
-    """Where to forward: the server's root URL, the model to ask for (None: the first it lists), and
-    the longest the engine waits for the upstream to connect or send its next bytes."""
+    """Where to forward: the server's root URL, the model to ask for (None: the first it lists), the
+    longest the engine waits for the upstream to connect or send its next bytes, and the key to send it
+    (None: none; never shown)."""
 
     url: str
     model: str | None = None
     timeout_s: float = 60.0
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_upstream_url(self.url))
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"the upstream timeout must be a positive number of seconds, got {self.timeout_s}")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to the upstream carries besides its body."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def api_key(given: str | None) -> str | None:
+    """The upstream's key: the flag's, else the environment's (:data:`API_KEY_ENV`), else None."""
+    return given or os.environ.get(API_KEY_ENV) or None
+
 
 # ---------------------------------------------------------------------- what goes up and comes back
 
 
 # The bodies (what goes up, the chunks and errors that come back) are live.contract's: UpstreamRequest,
-# UpstreamChunk, ForeignError and UpstreamModels, read leniently there.
+# UpstreamChatRequest, UpstreamChunk, ForeignError and UpstreamModels, read leniently there.
 
 
 def _error_message(payload: bytes | str) -> str | None:
@@ -91,6 +123,59 @@ def _one_line(text: str, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 
 
+@dataclass(frozen=True)
+class UpstreamRoutes:
+    """Which of OpenAI's generating routes the upstream serves, as :func:`probe_routes` found at start-up, and
+    why not where it does not (one line per route)."""
+
+    completions: bool = True
+    chat: bool = True
+    why_not: tuple[str, ...] = ()
+
+    def says(self) -> str:
+        """One line for the operator: what is served, and what the gate does about what is not."""
+        if self.completions and self.chat:
+            return f"the upstream serves {COMPLETIONS} and {CHAT}: each request goes to its own"
+        if self.completions:
+            return (f"the upstream serves {COMPLETIONS} only ({'; '.join(self.why_not)}): chats go there as their "
+                    "flattened prompt")
+        return (f"the upstream serves {CHAT} only ({'; '.join(self.why_not)}): a prompt goes there as one user "
+                "message")
+
+    def info(self) -> dict:
+        return {"completions": self.completions, "chat": self.chat}
+
+
+#: How a start-up probe asks each route: one new token.
+_PROBES = {COMPLETIONS: {"prompt": "Hello", "max_tokens": 1},
+           CHAT: {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}}
+
+
+def _route_problem(client: httpx.Client, route: str, model: str) -> str | None:
+    """None when ``route`` served a one-token probe (or refused it for load: the route is there), else why not."""
+    try:
+        response = client.post(route, json={"model": model, **_PROBES[route]})
+    except httpx.HTTPError as exc:
+        return f"{route}: {type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}"
+    if response.status_code == 200 or response.status_code in (429, 503):
+        return None
+    detail = _error_message(response.content) or _one_line(response.text) or "no body"
+    return f"{route} answered HTTP {response.status_code}: {_one_line(detail, 160)}"
+
+
+def probe_routes(spec: UpstreamSpec, model: str) -> UpstreamRoutes:
+    """Which generating routes the upstream serves: one one-token request to each. ValueError (one line) when it
+    serves neither."""
+    # A connection per probe: a server that closes a kept-alive one between them must not look like a missing route.
+    with httpx.Client(base_url=spec.url, timeout=spec.timeout_s, headers={**spec.headers, "connection": "close"}) as client:
+        problems = {route: _route_problem(client, route, model) for route in (COMPLETIONS, CHAT)}
+    why_not = tuple(p for p in problems.values() if p is not None)
+    if len(why_not) == 2:
+        raise ValueError(f"--upstream-url {spec.url}: serves neither {COMPLETIONS} nor {CHAT} for model {model!r} "
+                         f"({'; '.join(why_not)})")
+    return UpstreamRoutes(problems[COMPLETIONS] is None, problems[CHAT] is None, why_not)
+
+
 # ---------------------------------------------------------------------- start-up
 
 
@@ -98,11 +183,14 @@ def resolve_model(spec: UpstreamSpec) -> str:
     """The model to ask for: the spec's, else the first the upstream lists. ValueError (one line) when the
     upstream cannot be reached, or lists nothing usable and no model was given."""
     try:
-        with httpx.Client(base_url=spec.url, timeout=spec.timeout_s) as client:
+        with httpx.Client(base_url=spec.url, timeout=spec.timeout_s, headers=spec.headers) as client:
             response = client.get(MODELS)
     except httpx.HTTPError as exc:
         raise ValueError(f"--upstream-url {spec.url}: cannot reach the upstream "
                          f"({type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}); is it running?") from None
+    if response.status_code in (401, 403):
+        raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} answered HTTP {response.status_code}: the upstream "
+                         f"wants a key (--upstream-api-key, or {API_KEY_ENV})")
     if spec.model:
         return spec.model  # it answered: reachable, and the model is the operator's word
     if response.status_code != 200:
@@ -119,11 +207,71 @@ def resolve_model(spec: UpstreamSpec) -> str:
 
 
 def make_engines(k: int, spec: UpstreamSpec) -> list["UpstreamEngine"]:
-    """K engines forwarding to one upstream, each with its own connection."""
+    """K engines forwarding to one upstream, each with its own connection, sharing what is known of the upstream:
+    its model, the routes it serves (asked now) and its readiness."""
     if k < 1:
         raise ValueError(f"engines must be >= 1, got {k}")
     model = resolve_model(spec)
-    return [UpstreamEngine(spec, model) for _ in range(k)]
+    routes = probe_routes(spec, model)
+    health = UpstreamHealth(spec)
+    return [UpstreamEngine(spec, model, routes, health) for _ in range(k)]
+
+
+# ---------------------------------------------------------------------- readiness
+
+
+#: What the gate learned of the upstream (a run's end, or a probe) counts for this long; then /ready probes again.
+FRESH_S = 5.0
+#: The longest a readiness probe waits: a monitor's poll must not hang on a hung upstream.
+PROBE_TIMEOUT_S = 2.0
+#: Statuses of a run's answer that say the upstream is failing, not the request: it is then not ready.
+FAILING_STATUSES = frozenset({401, 403, 404, 405}) | frozenset(range(500, 600)) - {503}
+
+
+class UpstreamHealth:
+    """What the gate last learned of its upstream: None (ready) or why it is not, and when it learned it.
+
+    Each run's end tells it (:meth:`learned`); :meth:`problem` probes ``GET /v1/models`` (at most every
+    :data:`FRESH_S`) when nothing newer is known, so an idle gate still notices an upstream going away.
+    """
+
+    def __init__(self, spec: UpstreamSpec, clock=time.monotonic) -> None:
+        self.spec, self.clock = spec, clock
+        self.last_problem: str | None = None
+        self.learned_at = -float("inf")
+        self._session: aiohttp.ClientSession | None = None
+        self._probing: asyncio.Task | None = None
+
+    def learned(self, problem: str | None) -> None:
+        self.last_problem, self.learned_at = problem, self.clock()
+
+    async def problem(self) -> str | None:
+        """None when the upstream is ready, else why not (one line)."""
+        if self.clock() - self.learned_at > FRESH_S:
+            if self._probing is None or self._probing.done():  # several monitors polling at once share one probe
+                self._probing = asyncio.ensure_future(self._probe())
+            await asyncio.shield(self._probing)
+        return self.last_problem
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session.loop is not loop:
+            timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.spec.timeout_s))
+            self._session = aiohttp.ClientSession(self.spec.url, timeout=timeout, headers=self.spec.headers,
+                                                  connector=aiohttp.TCPConnector(limit=1))
+        try:
+            async with self._session.get(MODELS) as response:
+                await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.learned(f"{self.spec.url}{MODELS}: cannot reach the upstream ({type(exc).__name__})")
+            return
+        self.learned(None if status == 200 else f"{self.spec.url}{MODELS} answered HTTP {status}")
+
+    async def aclose(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
 
 
 # ---------------------------------------------------------------------- the engine
@@ -131,18 +279,19 @@ def make_engines(k: int, spec: UpstreamSpec) -> list["UpstreamEngine"]:
 
 @dataclass
 class _Reading:
-    """What the stream has given so far."""
+    """What the stream has given so far; text past ``max_tokens`` chunks is an overrun, dropped."""
 
     start: float
+    max_tokens: int
     text: list[str] = field(default_factory=list)
-    chunks: int = 0  # chunks that carried text
+    chunks: int = 0  # chunks that carried text, kept
     first_s: float | None = None
     last_s: float | None = None
     usage_tokens: int | None = None
 
     def add(self, chunk: UpstreamChunk, emit: Emit | None = None) -> None:
-        text = "".join(choice.text for choice in chunk.choices)
-        if text:
+        text = "".join(choice.piece for choice in chunk.choices)
+        if text and self.chunks < self.max_tokens:
             now = time.perf_counter() - self.start
             if emit is not None:  # streamed on as it came
                 emit(text)
@@ -157,7 +306,7 @@ class _Reading:
         # Engine time: to the last token; a stream without text, to its end.
         engine_s = self.last_s if self.last_s is not None else time.perf_counter() - self.start
         tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
-        return EngineResult("".join(self.text), tokens, engine_s, self.first_s)
+        return EngineResult("".join(self.text), min(tokens, self.max_tokens), engine_s, self.first_s)
 
 
 #: Longest line of the upstream's event stream read (aiohttp's buffer): far above any token's chunk.
@@ -168,29 +317,36 @@ KEEPALIVE_S = 4.0
 
 
 class UpstreamEngine:
-    """Forwards one request at a time to an OpenAI-compatible server's streaming ``/v1/completions``."""
+    """Forwards one request at a time to an OpenAI-compatible server's streaming completions or chat route."""
 
     max_new_tokens_limit = None
 
-    def __init__(self, spec: UpstreamSpec, model: str) -> None:
-        self.spec, self.model = spec, model
+    def __init__(self, spec: UpstreamSpec, model: str, routes: UpstreamRoutes = UpstreamRoutes(),
+                 health: UpstreamHealth | None = None) -> None:
+        self.spec, self.model, self.routes = spec, model, routes
+        self.health = health if health is not None else UpstreamHealth(spec)
         self._tokenizer = ByteTokenizer()
         self._session: aiohttp.ClientSession | None = None  # on the loop that runs arun (the gate's)
 
+    @property
+    def run_timeout_s(self) -> float:
+        """The engine bounds its own runs (live.engine.SelfTimed): nothing received for this long is a timeout."""
+        return self.spec.timeout_s
+
     async def arun(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-                   emit: Emit | None = None) -> EngineResult:
+                   emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         """Forward one request; the gate cancels the task to stop it (its connection is then closed)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session.loop is not loop:
             self._session = self._new_session()
-        return await self._forward(self._session, prompt, max_new_tokens, stop, emit)
+        return await self._forward(self._session, prompt, max_new_tokens, stop, emit, asked)
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None, emit: Emit | None = None) -> EngineResult:
+            cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         """:meth:`arun` from a thread, on an event loop (and a session) of its own; ``cancel`` stops it."""
         async def once() -> EngineResult:
             async with self._new_session() as session:
-                return await self._forward(session, prompt, max_new_tokens, stop, emit)
+                return await self._forward(session, prompt, max_new_tokens, stop, emit, asked)
 
         return run_coroutine(once, cancel)
 
@@ -198,38 +354,54 @@ class UpstreamEngine:
         # One connection: the engine runs one request at a time. Timeouts: connecting, and between two reads.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=self.spec.timeout_s)
         return aiohttp.ClientSession(self.spec.url, timeout=timeout, read_bufsize=READ_BUFFER,
+                                     headers=self.spec.headers,
                                      connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=KEEPALIVE_S))
 
+    def request(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None, asked: Asked) -> UpstreamRequest:
+        """The body for one request (its ``route`` says where it goes): a chat to the chat route with its messages, a prompt to the
+        completions route, each to the other where the upstream serves only that one (module docstring)."""
+        gate = {"model": self.model, "max_tokens": max_new_tokens, "stop": list(stop) if stop else None}
+        sampling = dict(asked.sampling)
+        chat = self.routes.chat and (asked.messages is not None or not self.routes.completions)
+        if chat:
+            messages = list(asked.messages) if asked.messages is not None else [{"role": "user", "content": prompt}]
+            return UpstreamChatRequest(**sampling, **gate, messages=messages)
+        plain = {k: v for k, v in sampling.items() if k not in CHAT_FIELDS}  # a flattened chat's own fields stay
+        return UpstreamRequest(**plain, **gate, prompt=prompt)
+
     async def _forward(self, session: aiohttp.ClientSession, prompt: str, max_new_tokens: int,
-                       stop: Sequence[str] | None, emit: Emit | None) -> EngineResult:
-        reading = _Reading(time.perf_counter())
-        body = UpstreamRequest(model=self.model, prompt=prompt, max_tokens=max_new_tokens,
-                               stop=list(stop) if stop else None)
+                       stop: Sequence[str] | None, emit: Emit | None, asked: Asked) -> EngineResult:
+        body = self.request(prompt, max_new_tokens, stop, asked)
+        reading = _Reading(time.perf_counter(), max_new_tokens)
         try:
             await self._stream(session, body, reading, emit)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a line past READ_BUFFER
-            raise self._failure(exc) from None
+            failure = self._failure(body.route, exc)
+            self.health.learned(str(failure) if failure.failing else None)
+            raise failure from None
+        except UpstreamError as exc:
+            self.health.learned(str(exc) if exc.failing else None)
+            raise
+        self.health.learned(None)
         return reading.result()
 
     async def _stream(self, session: aiohttp.ClientSession, body: UpstreamRequest, reading: _Reading,
                       emit: Emit | None) -> None:
-        async with session.post(COMPLETIONS, data=body.model_dump_json(exclude_none=True).encode(),
-                                headers={"content-type": "application/json"}) as response:
+        async with session.post(body.route, data=body.wire(), headers={"content-type": "application/json"}) as response:
             if response.status != 200:
                 content = await response.read()
                 text = content.decode("utf-8", "replace")
                 message = _error_message(content) or _one_line(text) or "no body"
-                raise UpstreamError(f"the upstream answered HTTP {response.status}: {message}")
+                raise UpstreamError(f"the upstream answered HTTP {response.status}: {message}",
+                                    failing=response.status in FAILING_STATUSES)
             async for payload in _data(response.content):
                 if payload == DONE:
                     return
                 reading.add(_parse_chunk(payload), emit)
         raise UpstreamError(f"the upstream's stream ended before data: {DONE}")
 
-    def _failure(self, exc: Exception) -> UpstreamError:
-        if isinstance(exc, UpstreamError):
-            return exc
-        where = f"{self.spec.url}{COMPLETIONS}"
+    def _failure(self, route: str, exc: Exception) -> UpstreamError:
+        where = f"{self.spec.url}{route}"
         if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors
             return UpstreamTimeout(f"{where} sent nothing for {self.spec.timeout_s:g} s ({type(exc).__name__})")
         detail = _one_line(str(exc)) or "no detail"
@@ -239,17 +411,22 @@ class UpstreamEngine:
         return self._tokenizer.count(text)
 
     def warmup(self) -> None:
-        """Nothing to warm here: start-up already asked the upstream for its models."""
+        """Nothing to warm here: start-up already asked the upstream for its models and routes."""
+
+    async def readiness(self) -> str | None:
+        """None when the upstream is ready, else why not (live.engine.Checked)."""
+        return await self.health.problem()
 
     async def aclose(self) -> None:
         """Close the session (on the loop that made it); the next run makes a new one."""
         session, self._session = self._session, None
         if session is not None and not session.closed:
             await session.close()
+        await self.health.aclose()
 
     def info(self) -> dict:
         return {"engine": "upstream", "url": self.spec.url, "model": self.model, "timeout_s": self.spec.timeout_s,
-                "tokenizer": self._tokenizer.name}
+                "routes": self.routes.info(), "tokenizer": self._tokenizer.name}
 
 
 async def _data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:

@@ -114,26 +114,46 @@ def fit(tokens, seconds, prompt_tokens=None) -> Fit:
     return Fit(model, float(np.median(rel)), float(np.max(rel)), int(x.size))
 
 
-class SpeedTracker:
-    """Exponentially weighted ratio of actual over predicted engine time.
+#: The most one observation moves the speed factor up, as a share of it: a run far beyond the model (an
+#: upstream that paused, a machine that hiccuped) is one observation, not a new speed. 25 % up mirrors the 20 %
+#: down that the EWMA's weight (0.2) already bounds a step to (a ratio is never below 0): factor x 1.25 or / 1.25.
+MAX_STEP = 0.25
 
-    ``factor`` multiplies every estimate. With ``fixed=True`` it stays at its
-    initial value: the stale-calibration baseline that tracking is measured against.
+
+class SpeedTracker:
+    """Exponentially weighted ratio of actual over predicted engine time, each step bounded.
+
+    ``factor`` multiplies every estimate. Each completed request moves it towards its ratio r =
+    actual / predicted by ``weight`` (an EWMA: factor + weight x (r - factor)), but never by more
+    than ``max_step`` of itself: the new factor stays within [factor / (1 + max_step),
+    factor x (1 + max_step)]. So one outlier (a run 6 x its estimate, an upstream that paused) moves
+    the factor 25 %, not 100 % (with the default weight 0.2); a lasting change of speed is followed
+    as before (a machine 2.25 x slower: no step reaches the bound; 5 x slower: the factor passes
+    4 after 9 requests, 7 unbounded). Inside the bound, which an observation below 2.25 x the factor
+    is (with the default weight the lower bound is where the plain EWMA's step ends anyway), the
+    step is the plain EWMA's. With ``fixed=True`` it stays at its initial value: the stale-calibration
+    baseline that tracking is measured against.
     """
 
-    def __init__(self, weight: float = 0.2, initial: float = 1.0, fixed: bool = False) -> None:
+    def __init__(self, weight: float = 0.2, initial: float = 1.0, fixed: bool = False,
+                 max_step: float = MAX_STEP) -> None:
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         if not initial > 0:
             raise ValueError(f"initial factor must be > 0, got {initial}")
+        if not max_step > 0:
+            raise ValueError(f"max_step must be > 0, got {max_step}")
         self.weight = weight
         self.factor = float(initial)
         self.fixed = fixed
+        self.max_step = max_step
 
     def observe(self, predicted_s: float, actual_s: float) -> float:
         """Fold one completed request in; ignores unusable pairs (failed or zero-time)."""
         if not self.fixed and predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s):
-            self.factor += self.weight * (actual_s / predicted_s - self.factor)
+            moved = self.factor + self.weight * (actual_s / predicted_s - self.factor)
+            bound = 1.0 + self.max_step
+            self.factor = min(max(moved, self.factor / bound), self.factor * bound)
         return self.factor
 
     def scale(self, est_s: float) -> float:

@@ -32,7 +32,8 @@ from qsim import preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OK = GenerateRequest(prompt="hello", max_new_tokens=4).body()
-UNREACHABLE = GenerateRequest(prompt="late", max_new_tokens=4, deadline_ms=1).body()  # deadline_unreachable
+# Its estimate on an idle engine passes its deadline: no queue could answer it in time (400 deadline_too_short).
+UNREACHABLE = GenerateRequest(prompt="late", max_new_tokens=4, deadline_ms=1).body()
 CHAT = ChatCompletionRequest(model="synthetic", messages=[ChatMessage(role="user", content="hi")], max_tokens=3)
 
 
@@ -79,7 +80,7 @@ def test_generate_answer_is_the_contracts_with_every_field(client):
 
 
 @pytest.mark.parametrize("request_body, status, type_", [
-    (UNREACHABLE, 503, "overloaded"),
+    (UNREACHABLE, 400, "invalid_request"),
     ({"prompt": "x", "max_new_tokens": "4"}, 422, "invalid_request"),
 ])
 def test_error_answers_are_the_envelope(client, request_body, status, type_):
@@ -89,9 +90,9 @@ def test_error_answers_are_the_envelope(client, request_body, status, type_):
     assert set(r.json()["error"]) == keys(contract.ErrorDetail) and envelope.error.type == type_
     numbers = envelope.error.numbers
     assert not numbers.model_extra, f"numbers the contract does not declare: {numbers.model_extra}"
-    if status == 503:
-        assert envelope.error.retry_after_s == int(r.headers["retry-after"]) >= 1
-        assert numbers.wait_s is not None and numbers.deadline_s == pytest.approx(0.001)
+    if status == 400:  # never in time: no Retry-After, and what would fit
+        assert envelope.error.reason == "deadline_too_short" and "retry-after" not in r.headers
+        assert numbers.fit_new_tokens == 0 and numbers.deadline_s == pytest.approx(0.001)
 
 
 def test_an_engine_failure_and_an_unknown_route_are_the_envelope(client):
@@ -127,7 +128,7 @@ def test_openai_routes_are_their_models(client):
     chunks = [ChatCompletionChunk.model_validate(e) for e in stream_events(streamed)]
     assert chunks[-1].qlab is not None and chunks[-1].qlab.outcome in ("good", "late")
     refused = client.post("/v1/chat/completions", json=CHAT.model_copy(update={"deadline_ms": 1}).body())
-    assert refused.status_code == 503 and validated(ErrorEnvelope, refused).error.reason == "deadline_unreachable"
+    assert refused.status_code == 400 and validated(ErrorEnvelope, refused).error.reason == "deadline_too_short"
 
 
 # ---------------------------------------------------------------------- (b) a renamed field fails, never a NaN
@@ -157,8 +158,8 @@ def test_rows_read_an_answer_and_a_refusal_without_a_nan(client):
         assert math.isfinite(row[column]), column
     assert row["queued"] >= 0
     refusal = client.post("/v1/generate", json=UNREACHABLE)
-    row = _row(Exchange(0.0, 0.0, 0.01, 503, refusal.json(), refusal.headers["retry-after"]), 2.0, 0.1, 0.0)
-    assert (row["outcome"], row["reason"]) == ("rejected", "deadline_unreachable") and row["retry_after"] >= 1
+    row = _row(Exchange(0.0, 0.0, 0.01, 400, refusal.json()), 2.0, 0.1, 0.0)
+    assert (row["outcome"], row["reason"]) == ("rejected", "deadline_too_short") and row["retry_after"] == -1
     for column in ("est", "queued_work", "received", "speed_factor", "waited"):
         assert math.isfinite(row[column]), column
 
@@ -227,7 +228,7 @@ def test_the_openai_replayer_reads_a_gates_stream_as_its_whole_answer(client):
     assert math.isfinite(contract.num(answer.admission.arrived_at))
     refused = client.post("/v1/completions", json={**request["json"], "stream": False},
                           headers=completion_request(UNREACHABLE, "synthetic")["headers"])
-    assert read_error(refusal_body(refused.status_code, refused.json())).reason == "deadline_unreachable"
+    assert read_error(refusal_body(refused.status_code, refused.json())).reason == "deadline_too_short"
 
 
 # ---------------------------------------------------------------------- (c) no body key by string
@@ -398,4 +399,4 @@ def _openai_answers(direct: bool) -> list[tuple]:
 def test_the_openai_routes_answer_the_same_on_the_direct_path():
     direct, routed = _openai_answers(True), _openai_answers(False)
     assert direct == routed
-    assert [status for status, _, _ in direct] == [200, 200, 500, 503, 400, 404, 200]
+    assert [status for status, _, _ in direct] == [200, 200, 500, 400, 400, 404, 200]

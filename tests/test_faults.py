@@ -42,9 +42,9 @@ GENERATE = "/v1/generate"
 
 
 def settled(stats: dict) -> bool:
-    """At rest every request decided on has exactly one outcome or was cancelled by its client."""
+    """At rest every request decided on has exactly one outcome (abandoned: its client left)."""
     return (stats["waiting"] == 0 and stats["in_service"] == 0
-            and stats["submitted"] == sum(stats["counts"].values()) + stats["cancelled"])
+            and stats["submitted"] == sum(stats["counts"].values()) and stats["cancelled"] == stats["counts"]["abandoned"])
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:
@@ -330,7 +330,7 @@ def test_clients_hanging_up_while_waiting_and_while_served_free_their_slots(serv
     # listens), so the third did not wait out the 8.5 s run.
     assert third.status_code == 200 and third.json()["timings"]["queue_s"] < 5
     after = stats(url)
-    assert delta(after, before) == {"good": 1} and settled(after)
+    assert delta(after, before) == {"good": 1, "abandoned": 2} and settled(after)
 
 
 def _kill_once_submitted(server: Server, n: int) -> None:

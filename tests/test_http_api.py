@@ -6,6 +6,7 @@ Synthetic service time is the reference line, 1 ms + 8.5 ms/token: 64 tokens tak
 import asyncio
 import json
 import select
+import ssl
 import subprocess
 import sys
 import time
@@ -170,11 +171,21 @@ def test_unknown_route_and_method_get_envelopes(url):
     assert "POST" in r.headers["allow"]
 
 
+def test_health_routes_and_head_as_orchestrators_send_them(url):
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}  # liveness (guidellm's start-up check)
+    assert httpx.get(f"{url}/ready").json() == {"ready": True}
+    for path in ("/health", "/ready", "/healthz", "/stats", "/metrics", "/v1/models", "/openapi.json"):
+        got, head = httpx.get(f"{url}{path}"), httpx.head(f"{url}{path}")
+        assert head.status_code == 200 and head.content == b"", path  # the server leaves the body out
+        assert head.headers["content-type"] == got.headers["content-type"], path
+    assert httpx.head(f"{url}/v1/generate").status_code == 405
+
+
 def test_healthz_and_stats_shape(url):
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["engine"]["engine"] == "synthetic"
     s = stats(url)
-    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error", "cancelled"}
+    assert set(s["counts"]) == {"good", "late", "rejected", "expired", "error", "abandoned", "cancelled"}
     assert s["policy"]["name"] == "bounded-deadline" and s["policy"]["max_queue"] == 2
     assert s["engines"] == 1 and s["fixed_estimate"] is False and s["speed_factor"] > 0
     assert s["service_model"] == {"intercept_s": 0.001, "per_token_s": 0.0085, "per_prompt_token_s": 0.0}
@@ -265,7 +276,7 @@ def test_direct_path_answers_as_fastapi_routing_does():
     ok = {"json": {"prompt": "hello", "max_new_tokens": 4}}
     requests = [
         ok, ok, ok,  # the third run fails: engine_error
-        {"json": {"prompt": "late", "max_new_tokens": 4, "deadline_ms": 1}},  # deadline_unreachable
+        {"json": {"prompt": "late", "max_new_tokens": 4, "deadline_ms": 1}},  # never in time: deadline_too_short
         {"content": b"{not json", "headers": {"content-type": "application/json"}},
         {"json": {"prompt": "x", "max_new_tokens": "4"}},
         {"json": {"prompt": "x" * 20_000, "max_new_tokens": 1}},
@@ -276,7 +287,7 @@ def test_direct_path_answers_as_fastapi_routing_does():
     direct, routed = _in_process_answers(True, requests), _in_process_answers(False, requests)
     assert direct == routed
     statuses = [status for status, _, _ in direct]
-    assert statuses == [200, 200, 500, 503, 400, 422, 422, 413, 415, 200], direct
+    assert statuses == [200, 200, 500, 400, 400, 422, 422, 413, 415, 200], direct
 
 
 def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):
@@ -326,3 +337,79 @@ def test_priority_is_an_integer_field_with_bounds(url):
     for bad in (5000, "high", 1.5):
         r = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 1, "priority": bad}, timeout=10)
         assert r.status_code == 422 and r.json()["error"]["reason"] == "invalid_field" and "priority" in r.json()["error"]["message"]
+
+
+def test_sigterm_answers_the_waiting_at_once_and_logs_no_error(tmp_path):
+    """The one engine runs an 8.5 s request; a second waits. SIGTERM: the waiting one is answered at once (it was
+    never started), the running one when the 5 s of graceful shutdown run out (it was); the log holds no
+    ERROR line."""
+    log = tmp_path / "serve.log"
+    proc, url = start_server(log, "--policy", "none", "--log-level", "info")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            async def go():
+                async with httpx.AsyncClient(base_url=url, timeout=30) as a:
+                    running = asyncio.ensure_future(a.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 1000}))
+                    while client.get("/stats").json()["in_service"] == 0:
+                        await asyncio.sleep(0.01)
+                    waiting = asyncio.ensure_future(a.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 4}))
+                    while client.get("/stats").json()["waiting"] == 0:
+                        await asyncio.sleep(0.01)
+                    proc.terminate()
+                    first = await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
+                    return [t is waiting for t in first[0]], await waiting, await running
+
+            firsts, waited, ran = asyncio.run(go())
+    finally:
+        stop_server(proc)
+    assert firsts == [True]  # the waiting one was answered first, not held to the end of the graceful shutdown
+    for r, said in ((waited, "did not start this request"), (ran, "stopped this request")):
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["reason"] == "shutting_down" and said in r.json()["error"]["message"]
+    text = log.read_text()
+    assert "Cancel 1 running task(s)" in text and "ERROR" not in text, text
+
+
+def test_tls_and_a_key_as_an_openai_compatible_server_has_them(tmp_path, monkeypatch):
+    """--ssl-certfile/--ssl-keyfile (uvicorn's TLS) and a key from QLAB_API_KEY, through a real server."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a test certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("QLAB_API_KEY", "sk-test-key")
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "serve", "--port", "0", "--host", "127.0.0.1",
+                             "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("qlab serve: listening on https://127.0.0.1:"), line
+        url = line.split("listening on ")[1].strip()
+        body = {"prompt": "x", "max_new_tokens": 2}
+        with httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=str(cert)), timeout=30) as client:
+            assert client.post("/v1/generate", json=body).status_code == 401
+            ok = client.post("/v1/generate", json=body, headers={"authorization": "Bearer sk-test-key"})
+            assert ok.status_code == 200 and ok.json()["tokens"] == 2
+            assert client.get("/health").status_code == 200
+    finally:
+        stop_server(proc)
+        log.close()
+    assert "sk-test-key" not in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--auth-stats"], "--auth-stats: only with --api-key"),
+    (["--ssl-certfile", "x.pem"], "--ssl-certfile: only with --ssl-keyfile"),
+    (["--ssl-certfile", "nope.pem", "--ssl-keyfile", "nope.key"], "not a usable certificate and key"),
+    (["--api-key-file", "nope.txt"], "--api-key-file nope.txt: cannot read it"),
+])
+def test_bad_key_and_tls_options_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("QLAB_API_KEY", raising=False)
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

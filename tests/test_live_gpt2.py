@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from live.engine import Engine  # noqa: E402
+from live.engine import Asked, Engine  # noqa: E402
 from live.gate import Gate, gate_config, Job  # noqa: E402
 from live.gpt2 import GPT2Engine, GPT2Spec, make_engines, resolve_device  # noqa: E402
 from qsim import PRESETS  # noqa: E402
@@ -45,6 +45,20 @@ class _IdTokenizer:
 
     def count(self, text):
         return len(text.encode())
+
+
+def test_min_tokens_holds_a_stop_string_off(engine):
+    """vLLM's min_tokens: no stop string ends the answer before that many tokens; one ending after them does."""
+    visible = GPT2Engine(SPEC, loaded=(engine.net, _IdTokenizer(), "cpu"))
+    full = visible.run("stop here", 24)
+    ids = [int(part) for part in full.text.strip("<>").split("><")]
+    stop = f"<{ids[2]}>"  # the third token's text
+    assert visible.run("stop here", 24, [stop]).tokens == ids.index(ids[2]) + 1
+    later = [i for i, t in enumerate(ids) if t == ids[2] and i >= 5]
+    held = visible.run("stop here", 24, [stop], asked=Asked(min_tokens=5))
+    assert held.tokens == (later[0] + 1 if later else 24)  # only a stop past the first 5 tokens counts
+    assert held.text == (full.text[: full.text.index(stop, len("".join(f"<{t}>" for t in ids[:5])) - len(stop) + 1)]
+                         if later else full.text)
 
 
 def test_stop_string_ends_generation_early(engine):

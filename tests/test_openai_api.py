@@ -3,14 +3,15 @@
 
 The server: synthetic engine at 1/1000 of the reference time (1,024 tokens take about 9 ms), policy
 ``predictive`` with the calibrated (fixed) estimate and a 600 s default deadline, so only a request
-with a deadline shorter than its estimate is refused (``deadline_unreachable``, by the same
-arithmetic every time), and a per-client limit of one request per 1,000 s (``client_rate=0.001``):
+with a deadline shorter than its estimate is refused (as never answerable in time, ``deadline_too_short``,
+by the same arithmetic every time), and a per-client limit of one request per 1,000 s (``client_rate=0.001``):
 a client id's first request passes, its second is a 429. Requests without a client id are not limited.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -152,13 +153,39 @@ def test_the_stream_is_server_sent_events_ending_done(url):
 # ================================================================== refusals the SDK sees
 
 
+@pytest.fixture(scope="module")
+def busy_url(tmp_path_factory):
+    """A gate whose one engine hangs on its first run for the rest of the module (the synthetic engine's fault
+    injection; the stall rule set past it) and that queues nothing (bounded, max_queue 0): once that run holds
+    the engine, every request is refused 503 queue_full with Retry-After, by the same rule every time."""
+    options = ServeOptions(policy="bounded", max_queue=0, hang_after=0, hang_for=600.0, stall_after=600.0)
+    with serving([options], tmp_path_factory.mktemp("openai-busy"), 60) as (server,):
+        hold = threading.Thread(target=lambda: _quietly(httpx.post, f"{server.url}/v1/generate", timeout=600,
+                                                        json={"prompt": "x", "max_new_tokens": 1}), daemon=True)
+        hold.start()
+        for _ in range(3000):  # until the engine holds that run (polled, not slept on: a busy machine may be slow)
+            if stats(server.url)["in_service"] == 1:
+                break
+        else:
+            raise AssertionError("the engine never took the run that holds it")
+        yield server.url
+
+
+def _quietly(call, *args, **kwargs) -> None:
+    try:
+        call(*args, **kwargs)
+    except httpx.HTTPError:  # the server went away at the module's end
+        pass
+
+
 @pytest.mark.parametrize("how", ["header", "body"])
-def test_a_503_carries_retry_after_and_the_sdk_retries_it(url, how):
-    """A deadline shorter than the estimate is refused at arrival every time: the SDK tries 3 times."""
+def test_a_503_carries_retry_after_and_the_sdk_retries_it(busy_url, how):
+    """The one engine is busy and nothing may wait: refused at arrival every time, so the SDK tries 3 times."""
+    url = busy_url
     sent = []
     http_client = openai.DefaultHttpxClient(event_hooks={"request": [lambda request: sent.append(request.url.path)]})
     client = sdk(url, max_retries=2, http_client=http_client)
-    deadline = {"extra_headers": {DEADLINE_HEADER: "1"}} if how == "header" else {"extra_body": {"deadline_ms": 1}}
+    deadline = {"extra_headers": {DEADLINE_HEADER: "5000"}} if how == "header" else {"extra_body": {"deadline_ms": 5000}}
     before = stats(url)
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=64,
@@ -166,22 +193,42 @@ def test_a_503_carries_retry_after_and_the_sdk_retries_it(url, how):
     after = stats(url)
     error = caught.value
     assert error.status_code == 503 and int(error.response.headers["retry-after"]) >= 1
-    assert error.code == "deadline_unreachable" and error.type == "overloaded"
+    assert error.code == "queue_full" and error.type == "overloaded"
     assert error.body["retry_after_s"] == int(error.response.headers["retry-after"])
-    assert error.body["numbers"]["deadline_s"] == 0.001
+    assert error.body["numbers"]["deadline_s"] == 5.0 and error.body["numbers"]["max_queue"] == 0
     assert sent == ["/v1/chat/completions"] * 3
     assert after["submitted"] - before["submitted"] == 3
     assert after["counts"]["rejected"] - before["counts"]["rejected"] == 3
-    assert after["rejected_by_reason"]["deadline_unreachable"] - before["rejected_by_reason"]["deadline_unreachable"] == 3
+    assert after["rejected_by_reason"]["queue_full"] - before["rejected_by_reason"]["queue_full"] == 3
+
+
+def test_a_request_never_answerable_in_time_is_a_400_the_sdk_does_not_retry(url):
+    """Its estimate on an idle engine passes its deadline: no queue could answer it in time. Not overload: a 400
+    without Retry-After that says what would fit, counted as refused at arrival, and not retried."""
+    sent = []
+    http_client = openai.DefaultHttpxClient(event_hooks={"request": [lambda request: sent.append(request.url.path)]})
+    before = stats(url)
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(url, max_retries=2, http_client=http_client).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=64, extra_headers={DEADLINE_HEADER: "100"})
+    after = stats(url)
+    error = caught.value
+    assert error.code == "deadline_too_short" and error.type == "invalid_request" and sent == ["/v1/chat/completions"]
+    assert "retry-after" not in error.response.headers and error.body["retry_after_s"] is None
+    # 64 tokens take 0.545 s by the reference line: 11 fit 100 ms (0.0945 s).
+    assert error.body["numbers"]["fit_new_tokens"] == 11 and "at most 11 new tokens fit" in error.message
+    assert "a deadline of at least 545 ms" in error.message
+    assert after["rejected_by_reason"]["deadline_too_short"] - before["rejected_by_reason"]["deadline_too_short"] == 1
+    assert after["counts"]["rejected"] - before["counts"]["rejected"] == 1
 
 
 def test_a_refused_stream_is_a_json_error_not_a_stream(url):
     r = httpx.post(f"{url}/v1/completions", headers={DEADLINE_HEADER: "1"}, timeout=10,
                    json={"model": MODEL, "prompt": "x", "max_tokens": 64, "stream": True})
-    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
     error = r.json()["error"]
-    assert error["code"] == error["reason"] == "deadline_unreachable" and r.headers["retry-after"] == "1"
-    with pytest.raises(openai.InternalServerError):
+    assert error["code"] == error["reason"] == "deadline_too_short" and "retry-after" not in r.headers
+    with pytest.raises(openai.BadRequestError):
         list(sdk(url).completions.create(model=MODEL, prompt="x", max_tokens=64, stream=True,
                                          extra_headers={DEADLINE_HEADER: "1"}))
 
@@ -246,14 +293,15 @@ def test_malformed_json_is_a_400_in_the_envelope(url):
 # ================================================================== fuzzed from /openapi.json
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-INVALID = {400: {"malformed_json", "unsupported_parameter", "conflicting_parameters"}, 404: {"model_not_found"},
+INVALID = {400: {"malformed_json", "unsupported_parameter", "conflicting_parameters", "deadline_too_short"},
+           404: {"model_not_found"},
            413: {"body_too_large"}, 415: {"unsupported_media_type"}, 422: {"invalid_field", "prompt_too_long"}}
 SETTINGS = settings(max_examples=150, derandomize=True, database=None, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.large_base_example])
 KNOWN_KEYWORDS = {"type", "properties", "required", "additionalProperties", "anyOf", "items", "minimum", "maximum",
                   "minLength", "maxLength", "minItems", "maxItems", "title", "default", "description", "enum",
-                  "const"}
+                  "const", "exclusiveMinimum"}
 WIDE_CHARS = ["a", "\u00e9", "\u20ac", "\U0001F600"]
 json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70)
                 | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
@@ -281,6 +329,8 @@ def from_schema(schema: dict) -> st.SearchStrategy:
     if kind == "integer":
         return st.integers(None if low is None else int(low), None if high is None else int(high))
     if kind == "number":
+        if "exclusiveMinimum" in schema:  # repetition_penalty: above 0
+            return st.floats(schema["exclusiveMinimum"], high, exclude_min=True, allow_nan=False, allow_infinity=False)
         return st.floats(low, high, allow_nan=False, allow_infinity=False) | st.integers(
             None if low is None else int(low), None if high is None else int(high))
     if kind == "string":
@@ -311,7 +361,7 @@ def published(url: str, route: str) -> dict:
 
 
 REFUSED_WHEN_SET = {"n", "best_of", "logprobs", "suffix", "top_logprobs", "tools", "tool_choice", "functions",
-                    "function_call", "response_format"}
+                    "function_call", "response_format", "use_beam_search", "prompt_logprobs"}
 
 
 @st.composite
@@ -350,7 +400,7 @@ def check_answer(r: httpx.Response, stream: bool) -> str | None:
         assert r.headers["retry-after"] == str(e["retry_after_s"]) and e["retry_after_s"] >= 1
         return GATED[e["type"]]
     assert e["type"] == "invalid_request" and e["reason"] in INVALID[r.status_code], (r.status_code, e)
-    return None
+    return "rejected" if e["reason"] == "deadline_too_short" else None  # never in time: the gate refused it
 
 
 def assert_gate_counted(url: str, before: dict, seen: dict) -> None:

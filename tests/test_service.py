@@ -51,14 +51,29 @@ def test_model_save_load(tmp_path):
 def test_tracker_ewma():
     t = SpeedTracker()
     assert t.factor == 1.0
-    t.observe(0.1, 0.2)  # ratio 2
-    assert t.factor == pytest.approx(1.2)
-    t.observe(0.1, 0.2)
-    assert t.factor == pytest.approx(1.2 + 0.2 * 0.8)
+    t.observe(0.1, 0.14)  # ratio 1.4: inside the bound, the plain EWMA step
+    assert t.factor == pytest.approx(1.08)
+    t.observe(0.1, 0.14)
+    assert t.factor == pytest.approx(1.08 + 0.2 * 0.32)
     for _ in range(100):
         t.observe(0.1, 0.225)
     assert t.factor == pytest.approx(2.25)
     assert t.scale(0.5) == pytest.approx(1.125)
+
+
+def test_one_observation_moves_the_factor_at_most_max_step():
+    """A run 6 x its estimate (an upstream that paused) is one observation: the factor moves 25 %, not 100 %.
+    Down, the EWMA's own step is the bound (1 - weight = 1 / 1.25). A lasting change is still followed."""
+    up, down = SpeedTracker(), SpeedTracker()
+    assert up.observe(1.7, 10.2) == pytest.approx(1.25)  # unbounded: 1 + 0.2 x 5 = 2.0
+    assert down.observe(1.0, 1e-9) == pytest.approx(1 / 1.25)
+    steps = [up.observe(1.0, 5.0) for _ in range(30)]  # a machine 5 x slower
+    assert all(b / a <= 1.25 + 1e-12 for a, b in zip([1.25, *steps], steps))
+    assert steps[6] < 4.0 < steps[7] and steps[-1] == pytest.approx(5.0, rel=0.01)
+    wide = SpeedTracker(max_step=1e9)  # the bound off: the plain EWMA
+    assert wide.observe(1.7, 10.2) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="max_step"):
+        SpeedTracker(max_step=0)
 
 
 def test_tracker_ignores_failures_and_fixed_stays():

@@ -84,13 +84,15 @@ def test_the_sdk_reads_a_streamed_chat_chunk_by_chunk(url):
 
 
 def _upstream(conn, body: bytes) -> None:
-    """The models list for start-up; a prompt with "die" in it: two chunks, then it hangs up; with "broken": a 500."""
+    """The models list for start-up; a prompt (or a chat's messages) with "die" in it: two chunks, then it hangs up;
+    with "broken": a 500."""
     if not body:
         reply = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                      b"connection: close\r\n\r\n%s" % (len(reply), reply))
         return
-    prompt = json.loads(body)["prompt"]
+    sent = json.loads(body)
+    prompt = sent.get("prompt") or json.dumps(sent.get("messages"))
     if "broken" in prompt:
         conn.sendall(_plain("500 Internal Server Error", b'{"error": {"message": "boom"}}'))
         return

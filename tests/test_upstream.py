@@ -6,9 +6,10 @@ The upstream is the synthetic engine behind the same API, started as a process:
 * ``ok``: an upstream on the reference line (4 tokens: 35 ms), and a ``predictive`` gate in front
   of it with two engines: answers through the openai SDK, streaming, calibration, and a client that
   hangs up mid-run (the upstream must see it leave and count it cancelled);
-* ``faulty``: an upstream whose run 1 hangs 5 s and every 2nd run fails (``--hang-after 0
-  --hang-for 5 --fail-every 2``), and a gate with a 2 s ``--upstream-timeout`` (a 35 ms answer
-  fits it many times over): 504, then 502, then 200, in that order, so one test drives it.
+* ``faulty``: an upstream whose run 3 hangs 5 s and every 4th run fails (``--hang-after 2
+  --hang-for 5 --fail-every 4``; runs 1 and 2 are the gate's start-up probes of its two routes), and a
+  gate with a 2 s ``--upstream-timeout`` (a 35 ms answer fits it many times over): 504, then 502, then
+  200, in that order, so one test drives it.
 
 What the engine does with a stream (usage or not, errors in it, broken off, cancelled) is
 checked in-process against a scripted HTTP server, byte by byte.
@@ -16,12 +17,14 @@ checked in-process against a scripted HTTP server, byte by byte.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
 import threading
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import pytest
@@ -34,15 +37,19 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from experiments.cli import main  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
-from live.engine import Cancel, UpstreamError, UpstreamTimeout  # noqa: E402
+from live.engine import Asked, Cancel, UpstreamError, UpstreamTimeout  # noqa: E402
+from live.gate import Gate, Job, UpstreamTimedOut, gate_config  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions, check_upstream_url  # noqa: E402
-from live.upstream import UpstreamEngine, UpstreamSpec, resolve_model  # noqa: E402
+from live.upstream import (API_KEY_ENV, FRESH_S, UpstreamEngine, UpstreamHealth, UpstreamRoutes,  # noqa: E402
+                           UpstreamSpec, api_key, probe_routes, resolve_model)
+from qsim import preset  # noqa: E402
+from qsim.config import StallRule  # noqa: E402
 from fake_http import listening, read_request  # noqa: E402
 
 MODEL = "synthetic"  # the upstream's model, which the gate serves under the same name
 UPSTREAMS = {"ok": ServeOptions(policy="none", engines=2),
-             "faulty": ServeOptions(policy="none", hang_after=0, hang_for=5.0, fail_every=2)}
+             "faulty": ServeOptions(policy="none", hang_after=2, hang_for=5.0, fail_every=4)}
 
 
 @contextmanager
@@ -113,7 +120,8 @@ def test_completion_and_chat_through_the_gate(urls):
     assert body["tokens"] == 3 and 0 < body["timings"]["first_token_s"] <= body["timings"]["engine_s"]
     health = httpx.get(f"{gate}/healthz", timeout=10).json()
     assert health["engine"] == {"engine": "upstream", "url": urls["ok"][1], "model": MODEL, "timeout_s": 60.0,
-                                "tokenizer": "bytes"} and health["engines"] == 2
+                                "tokenizer": "bytes", "routes": {"completions": True, "chat": True}}
+    assert health["engines"] == 2 and health["ready"] is True and health["not_ready"] == []
 
 
 def test_a_streamed_chat_through_the_gate(urls):
@@ -151,8 +159,10 @@ def test_a_client_hanging_up_cancels_the_upstream_request(urls):
     until(lambda: stats(upstream)["cancelled"] == before_up["cancelled"] + 1 and stats(upstream)["in_service"] == 0)
     until(lambda: stats(gate)["in_service"] == 0)
     after_gate, after_up = stats(gate), stats(upstream)
-    assert after_up["counts"] == before_up["counts"]  # it never finished
-    assert after_gate["cancelled"] == before_gate["cancelled"] + 1 and after_gate["counts"] == before_gate["counts"]
+    left = {**before_up["counts"], "abandoned": before_up["counts"]["abandoned"] + 1}
+    assert after_up["counts"] == left  # it never finished: its client (the gate) left
+    assert after_gate["cancelled"] == before_gate["cancelled"] + 1
+    assert after_gate["counts"] == {**before_gate["counts"], "abandoned": before_gate["counts"]["abandoned"] + 1}
     assert after_gate["speed_factor"] == before_gate["speed_factor"]  # a cut-short time teaches nothing
     assert sdk(gate).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text == " tok" * 2
 
@@ -165,7 +175,7 @@ def _error(exc: "openai.APIStatusError", status: int, reason: str) -> dict:
 
 
 def test_upstream_timeout_then_failure_then_the_gate_serves_on(urls):
-    gate, upstream = urls["faulty"]  # upstream run 1 hangs 5 s, runs 2, 4, ... fail; the gate waits 2 s
+    gate, upstream = urls["faulty"]  # after the 2 probes, upstream run 3 hangs 5 s, runs 4, 8, ... fail; the gate waits 2 s
     client = sdk(gate)
     with pytest.raises(openai.InternalServerError) as timeout:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4)
@@ -175,7 +185,7 @@ def test_upstream_timeout_then_failure_then_the_gate_serves_on(urls):
     with pytest.raises(openai.InternalServerError) as failure:  # streaming too: a plain JSON error, not a stream
         list(client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True))
     message = _error(failure.value, 502, "upstream_error")["message"]
-    assert "HTTP 500" in message and "injected failure on run 2" in message
+    assert "HTTP 500" in message and "injected failure on run 4" in message
     assert stats(gate)["speed_factor"] == 1.0  # neither failure taught the tracker anything
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=4).choices[0].text == " tok" * 4
     samples = metrics(gate)
@@ -342,3 +352,186 @@ def test_the_model_is_asked_for_at_start_up():
     with scripted(models([])) as url:
         with pytest.raises(ValueError, match="lists no model; name one with --upstream-model"):
             resolve_model(UpstreamSpec(url))
+
+
+# ================================================================== chats stay chats, keys, overruns, readiness
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request a scripted upstream received."""
+
+    path: str
+    headers: dict
+    body: dict | None
+
+
+@contextmanager
+def recording(answer: Callable[[str, dict | None], bytes]) -> Iterator[tuple[str, list[Seen]]]:
+    """A scripted upstream answering ``answer(path, body)``; yields its URL and what it received."""
+    seen: list[Seen] = []
+
+    def handle(conn):
+        line, headers, body = read_request(conn)
+        seen.append(Seen(line.split()[1], headers, json.loads(body) if body else None))
+        conn.sendall(answer(seen[-1].path, seen[-1].body))
+
+    with listening(handle) as url:
+        yield url, seen
+
+
+def _chat_chunk(text: str) -> dict:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+def _streams(path: str, _body) -> bytes:
+    """A streamed answer in the shape of the route asked: chat chunks or completion chunks."""
+    if path == "/v1/chat/completions":
+        return _sse(_chat_chunk("Hel"), _chat_chunk("lo"), _chunk("", usage=2))
+    return _sse(_chunk("Hel"), _chunk("lo"), _chunk("", usage=2))
+
+
+MESSAGES = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]})
+SAMPLING = (("temperature", 0.0), ("top_k", 5), ("ignore_eos", True), ("add_generation_prompt", True))
+
+
+def test_a_chat_goes_to_the_chat_route_with_its_messages_and_the_clients_sampling_fields():
+    with recording(_streams) as (url, seen):
+        result = _engine(url).run("system: Be brief.\nuser: Hi\nassistant:", 9, ["x"],
+                                  asked=Asked(messages=MESSAGES, sampling=SAMPLING))
+    assert (result.text, result.tokens) == ("Hello", 2)
+    assert seen == [Seen("/v1/chat/completions", seen[0].headers, {
+        "model": "m", "messages": list(MESSAGES), "max_tokens": 9, "stop": ["x"], "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0.0, "top_k": 5, "ignore_eos": True,
+        "add_generation_prompt": True})]
+    assert "authorization" not in seen[0].headers  # no key given: none sent
+
+
+def test_a_prompt_goes_to_completions_without_a_chats_own_fields():
+    with recording(_streams) as (url, seen):
+        assert _engine(url).run("p", 3, asked=Asked(sampling=SAMPLING)).text == "Hello"
+    assert seen[0].path == "/v1/completions" and seen[0].body == {
+        "model": "m", "prompt": "p", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+        "temperature": 0.0, "top_k": 5, "ignore_eos": True}
+
+
+def test_where_the_upstream_serves_one_route_every_request_goes_there():
+    spec = UpstreamSpec("http://127.0.0.1:1", "m")
+    completions_only = UpstreamEngine(spec, "m", UpstreamRoutes(True, False, ("chat: HTTP 404",)))
+    chat_only = UpstreamEngine(spec, "m", UpstreamRoutes(False, True, ("completions: HTTP 404",)))
+    flattened = completions_only.request("user: Hi\nassistant:", 4, None, Asked(messages=MESSAGES, sampling=SAMPLING))
+    assert flattened.route == "/v1/completions" and flattened.prompt == "user: Hi\nassistant:"
+    assert "add_generation_prompt" not in json.loads(flattened.wire())
+    one_message = chat_only.request("p", 4, None, Asked())
+    assert one_message.route == "/v1/chat/completions" and one_message.messages == [{"role": "user", "content": "p"}]
+    assert "only" in completions_only.routes.says() and "flattened" in completions_only.routes.says()
+    assert "one user message" in chat_only.routes.says()
+
+
+def _routes_answering(chat: str, completions: str):
+    def answer(path, _body):
+        status = chat if path == "/v1/chat/completions" else completions
+        if path == "/v1/models":
+            return _plain("200 OK", json.dumps({"object": "list", "data": [{"id": "m"}]}).encode())
+        return _plain(status, b'{"error": {"message": "route says ' + status.encode() + b'"}}')
+    return answer
+
+
+@pytest.mark.parametrize("chat, completions, served", [
+    ("200 OK", "200 OK", (True, True)),
+    ("404 Not Found", "200 OK", (True, False)),  # a base model's server: no chat route
+    ("200 OK", "404 Not Found", (False, True)),  # a chat-only server
+    ("503 Service Unavailable", "429 Too Many Requests", (True, True)),  # busy is there
+])
+def test_the_start_up_probe_finds_the_routes(chat, completions, served):
+    with recording(_routes_answering(chat, completions)) as (url, seen):
+        routes = probe_routes(UpstreamSpec(url), "m")
+    assert (routes.completions, routes.chat) == served
+    assert all(s.body["max_tokens"] == 1 and s.body["model"] == "m" for s in seen)  # one token each
+    assert {s.path for s in seen} == {"/v1/completions", "/v1/chat/completions"}
+    assert all(("HTTP 404" in line and "route says 404" in line) for line in routes.why_not)
+
+
+def test_an_upstream_serving_neither_route_is_one_line_at_start_up(capsys):
+    with recording(_routes_answering("404 Not Found", "405 Method Not Allowed")) as (url, _):
+        assert main(["serve", "--engine", "upstream", "--upstream-url", url, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "serves neither /v1/completions nor /v1/chat/completions" in err
+
+
+def test_an_overrun_is_cut_to_max_tokens():
+    """Asked for 2, the upstream sends 3 chunks and says 3 tokens: the answer is the first 2, and says 2."""
+    answer = _sse(_chunk("a"), _chunk("b"), _chunk("c"), _chunk("", usage=3))
+    pieces = []
+    with scripted(lambda conn, _: conn.sendall(answer)) as url:
+        result = _engine(url).run("p", 2, emit=pieces.append)
+    assert (result.text, result.tokens, pieces) == ("ab", 2, ["a", "b"])
+
+
+def test_the_key_goes_to_the_upstream_and_is_never_shown(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    assert api_key(None) == "sk-from-env" and api_key("sk-flag") == "sk-flag"
+    spec = UpstreamSpec("http://127.0.0.1:1", "m", api_key="sk-secret")
+    assert "sk-secret" not in repr(spec)
+    with recording(_streams) as (url, seen):
+        UpstreamEngine(UpstreamSpec(url, "m", api_key="sk-secret"), "m").run("p", 2)
+        probe_routes(UpstreamSpec(url, api_key="sk-secret"), "m")
+    assert [s.headers["authorization"] for s in seen] == ["Bearer sk-secret"] * 3
+    argv = ServeOptions(engine="upstream", upstream_url="http://h:1", upstream_api_key="sk-secret").argv()
+    assert "sk-secret" not in " ".join(argv)  # a child reads it from its environment
+
+
+def test_an_upstream_that_wants_a_key_is_told_at_start_up():
+    with recording(lambda path, _: _plain("401 Unauthorized", b'{"error": {"message": "no key"}}')) as (url, _):
+        with pytest.raises(ValueError, match="wants a key .--upstream-api-key, or QLAB_UPSTREAM_API_KEY"):
+            resolve_model(UpstreamSpec(url))
+
+
+def test_readiness_follows_what_the_runs_and_a_probe_said():
+    clock = [100.0]
+    health = UpstreamHealth(UpstreamSpec(f"http://127.0.0.1:{_closed_port()}"), clock=lambda: clock[0])
+
+    async def problem():
+        try:
+            return await health.problem()
+        finally:
+            await health.aclose()
+
+    health.learned("the upstream answered HTTP 500: boom")
+    assert asyncio.run(problem()) == "the upstream answered HTTP 500: boom"  # fresh: no probe
+    health.learned(None)
+    assert asyncio.run(problem()) is None
+    clock[0] += FRESH_S + 1  # nothing learned lately: the probe finds nobody there
+    assert "cannot reach the upstream" in asyncio.run(problem())
+    with recording(lambda path, _: _plain("200 OK", b'{"object": "list", "data": []}')) as (url, seen):
+        health = UpstreamHealth(UpstreamSpec(url), clock=lambda: clock[0])
+        assert asyncio.run(problem()) is None and [s.path for s in seen] == ["/v1/models"]
+
+
+@pytest.mark.parametrize("status, failing", [("500 Internal Server Error", True), ("404 Not Found", True),
+                                             ("400 Bad Request", False), ("503 Service Unavailable", False)])
+def test_a_run_tells_readiness_whether_the_upstream_is_failing(status, failing):
+    with scripted(lambda conn, _: conn.sendall(_plain(status, b"{}"))) as url:
+        engine = _engine(url)
+        with pytest.raises(UpstreamError):
+            engine.run("p", 2)
+    assert (engine.health.last_problem is not None) == failing
+
+
+def test_a_hung_upstream_is_a_504_whatever_the_stall_rule():
+    """The stall rule (here 0.05 s) would end the run long before the upstream's timeout (0.5 s): the engine
+    bounds its own runs, so the answer is the upstream's timeout, not engine_stalled."""
+    left = threading.Event()
+
+    async def go():
+        config = gate_config(preset("none"), stall=StallRule(1.0, 0.05), watch_interval_s=0.01)
+        async with Gate([_engine(url, timeout_s=0.5)], config) as gate:
+            future = gate.submit(Job("p", 2))
+            with pytest.raises(UpstreamTimedOut):
+                await future
+            return gate.stats()
+
+    with scripted(_holding(left)) as url:
+        stats_after = asyncio.run(go())
+    assert stats_after["counts"]["error"] == 1 and stats_after["stalled"] == 0
