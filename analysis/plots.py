@@ -606,6 +606,40 @@ def cancellation(summary: pd.DataFrame) -> plt.Figure:
     return fig
 
 
+def goodput_vs_refused(summary: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
+    """Goodput against the share refused, one line per policy through its loads (rising along
+    the line), error bars the 95 % CIs of both: what a policy buys with the requests it turns away. Left panel
+    goodput in requests/s, right the share answered well; a batching sweep's view (experiments/batching.toml),
+    where a request is good when it meets every objective it has (DistServe's goodput)."""
+    agg = aggregate(summary, ["policy", "load"], ["goodput_rps", "share_good", "share_refused"])
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.2), squeeze=False, layout="constrained")
+    styles = policy_styles(_policies(summary))
+    for ax, (metric, unit) in zip(axes[0], [("goodput_rps", "good requests/s"),
+                                            ("share_good", "share good (every objective met)")]):
+        for policy, style in styles.items():
+            part = agg[agg["policy"] == policy].sort_values("load")
+            if not len(part):
+                continue
+            line = style.line()
+            xerr = [part["share_refused"] - part["share_refused_low"].clip(lower=0),
+                    part["share_refused_high"].clip(upper=1) - part["share_refused"]]
+            yerr = [part[metric] - part[f"{metric}_low"].clip(lower=0), part[f"{metric}_high"] - part[metric]]
+            ax.errorbar(part["share_refused"], part[metric], xerr=xerr, yerr=yerr, label=policy, capsize=2,
+                        elinewidth=0.8, **{"marker": "o", "ms": 3, **line})
+        loads = sorted(agg["load"].unique())
+        if "capacity_rps" in summary and metric == "goodput_rps":
+            capacity = float(summary["capacity_rps"].iloc[0])
+            ax.axhline(capacity, color="black", ls="--", lw=1, label="capacity")
+        _objective_lines(ax, metric, objectives)
+        ax.set(xlabel="share refused at arrival", ylabel=unit, xlim=(-0.02, 1.02))
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"goodput against the share refused, loads {', '.join(f'{v:g}' for v in loads)} along each line "
+                 "(mean over seeds, 95 % CI)", fontsize=10)
+    _legend(fig, axes, title="policy")
+    return fig
+
+
 def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
              by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None,
              timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None,
@@ -644,6 +678,8 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
         figures["stale"] = stale(summary)
     if "cancel_at_deadline" in summary and summary["cancel_at_deadline"].nunique() > 1:
         figures["cancellation"] = cancellation(summary)
+    if "kv_blocks_peak_p99" in summary and summary["kv_blocks_peak_p99"].notna().any():  # a batching engine
+        figures["goodput_vs_refused"] = goodput_vs_refused(per_set, objectives)
     if timeseries is not None and len(timeseries) and "retry" in summary:
         figures["retries"] = retries(timeseries, surge)
         if "recovery_s" in summary:

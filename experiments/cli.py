@@ -23,10 +23,12 @@ from inputs import clientflags
 from inputs.argtypes import count, non_negative, number, positive, positive_int
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import ARRIVALS
+from qsim.workload import ARRIVALS, REFERENCE_MIX
 from qsim.records import OUTCOMES
 from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
+
+from . import engineflags
 
 
 class UsageError(Exception):
@@ -68,13 +70,13 @@ class _Run:
     duration_s: float
 
 
-def _describe(args, policy) -> str:
+def _describe(args, policy, engine) -> str:
     bound = "" if policy.max_queue is None else f", max queue {policy.max_queue}"
     what = (f"trace {args.trace} (time scale {args.time_scale:g})" if args.trace else
             f"{args.arrivals} arrivals at load {args.load:g}, {args.service} service, "
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
-    return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {args.engines} engine(s), "
+    return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {engineflags.describe(engine)}, "
             f"speed {args.speed:g}, {what}, {seeds}")
 
 
@@ -96,6 +98,9 @@ def _print_single(run: _Run) -> None:
               f"{s['share_good_e2e']:.3f} in time, goodput {s['goodput_e2e_rps']:.3f} requests/s; "
               f"Retry-After adherence {s['retry_after_adherence']:.3f}")
     print(f"latency of the answered: p50 {s['latency_p50_s']:.3f} s, p99 {s['latency_p99_s']:.3f} s")
+    if run.frame["kv_blocks_peak"].notna().any() or run.frame["ttft_slo_s"].notna().any():
+        print(f"time to first token: p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; time per output "
+              f"token: p50 {s['tpot_p50_s']:.4f} s, p99 {s['tpot_p99_s']:.4f} s")
     cls = metrics.by_class(run.frame, run.duration_s)
     cols = ["requests", "good", "late", "rejected", "expired", "share_good", "goodput_rps",
             "good_tokens_per_s", "latency_p50_s", "latency_p99_s"]
@@ -163,15 +168,18 @@ def cmd_simulate(args) -> int:
         args.seconds = 600.0
     model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
     patience, retry = clientflags.from_args(args)
+    engine = engineflags.engine_from_args(args)
+    policy = engineflags.with_objectives(policy, args)
+    options = engineflags.trace_options(args, engine, REFERENCE_MIX, model)
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
         trace = build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service,
                             load=args.load, engines=args.engines, speed=args.speed, seconds=args.seconds,
                             requests=args.requests, seed=seed, model=model, mean_service_s=args.mean_service,
-                            noise_cv=args.noise, patience=patience, used=args.used)
+                            noise_cv=args.noise, patience=patience, used=args.used, **options)
         # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
         schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, args.speed_schedule)
-        server = ServerConfig(policy, args.engines, model, fixed_estimate=args.fixed_estimate)
+        server = ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
         frame = simulate(trace, server, retry=retry, speed_schedule=schedule)
         runs.append(_Run(seed, frame, trace.duration_s))
     if args.out:
@@ -192,7 +200,7 @@ def cmd_simulate(args) -> int:
                                for cls, part in by_class.groupby(level=0, sort=False)}
         print(json.dumps(_json_ready(out), indent=2))
         return 0
-    print(_describe(args, policy))
+    print(_describe(args, policy, engine))
     if len(runs) == 1:
         _print_single(runs[0])
     else:
@@ -265,6 +273,7 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file")
     clientflags.add_flags(p)
+    engineflags.add_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

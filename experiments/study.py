@@ -2,7 +2,7 @@
 
 The study is a list of :class:`Section` s, run in order into ``DIR/sections/NAME/``:
 
-theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, live, live_stale,
+theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, batching (H5), live, live_stale,
 live_cancellation, configuration.
 
 Each section has its inputs (everything that decides its results: the scaled sweep config, the
@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.metrics import _class_key, aggregate, mean_ci
+from analysis.styles import policy_order
 from inputs.argtypes import positive_int
 from inputs.atomic import atomic_write, write_parquet
 
@@ -71,13 +72,17 @@ class Scale:
     live_cut_policies: tuple[str, ...] = ("none", "predictive")  # live cutting at the deadline, off and on
     live_cut_loads: tuple[float, ...] = (1.5, 3.0)
     live_cut_seconds: float = 40.0
+    # The batching sweep (H5) on its own scale: its cells are several times the reference sweep's work.
+    batching_seeds: int | None = None
+    batching_duration_s: float | None = None
+    batching_loads: tuple[float, ...] | None = None
 
 
 FULL = Scale("full")
 QUICK = Scale("quick", seeds=5, duration_s=300.0, loads=(0.5, 0.9, 1.3, 2.0, 3.0), theory_replications=5,
               theory_scale=0.1, live_policies=("bounded-deadline", "predictive"), live_loads=(2.0,), live_seconds=20.0,
               live_stale_seconds=10.0, live_cut_policies=("predictive",), live_cut_loads=(1.5,),
-              live_cut_seconds=10.0)
+              live_cut_seconds=10.0, batching_seeds=4, batching_duration_s=60.0, batching_loads=(0.5, 1.3, 3.0))
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,18 @@ def scaled(cfg, scale: Scale, loads: bool = False):
 def _sweep_config(file: str, scale: Scale, loads: bool = False):
     from . import config
 
-    return scaled(config.load(HERE / file), scale, loads)
+    return scaled(config.load(HERE / file), _own_scale(file, scale), loads or file == BATCHING_FILE)
+
+
+#: The batching sweep (H5), scaled by the scale's batching fields.
+BATCHING_FILE = "batching.toml"
+
+
+def _own_scale(file: str, scale: Scale) -> Scale:
+    if file != BATCHING_FILE:
+        return scale
+    return dataclasses.replace(scale, seeds=scale.batching_seeds, duration_s=scale.batching_duration_s,
+                               loads=scale.batching_loads)
 
 
 def _sweep_inputs(file: str, loads: bool = False) -> Callable[[Context], dict]:
@@ -618,6 +634,79 @@ def _stale_report(ctx: Context, folder: Path) -> list:
     stale, estimation = _summaries(folder), _summaries(folder.parent / "estimation")
     verdict, table = hypothesis_4(None if stale is None else stale[0], None if estimation is None else estimation[0])
     return [verdict, Table(table, "H4: paired differences by seed")] + blocks
+
+
+# ------------------------------------------------------------------ a batching engine: H5
+
+#: Rules that know the batch and the memory, and the baselines H5 holds them against (a count bound and the
+#: engine's own caps); the others in the sweep are shown beside them.
+KNOWING = ("predictive", "predictive-kv")
+BASELINES = ("bounded", "vllm-caps")
+
+
+def hypothesis_5(summary: pd.DataFrame) -> tuple[Verdict, pd.DataFrame]:
+    """H5: on a batching engine, admission that knows the batch and the memory keeps goodput beyond capacity where
+    a count bound and the engine's own caps do not."""
+    claim = ("on a batching engine, an admission rule that knows the batch and the memory (predictive, predictive-kv) "
+             "keeps goodput beyond capacity where a count bound (bounded) and the engine's own caps (vllm-caps) do not")
+    present = set(summary["policy"])
+    missing = [p for p in (*KNOWING, *BASELINES) if p not in present]
+    over = sorted(v for v in summary["load"].unique() if v > 1)
+    if missing or not over:
+        why = f"the sweep lacks {', '.join(missing)}" if missing else "the sweep has no load beyond capacity"
+        return Verdict("H5", claim, None, why), pd.DataFrame()
+    rows, ok, evidence = [], True, []
+    for load in over:
+        for knowing in KNOWING:
+            row = {"load": load, "policy": knowing,
+                   "goodput (requests/s)": str(level(summary, "goodput_rps", policy=knowing, load=load))}
+            for base in (*BASELINES, *sorted(present - set(KNOWING) - set(BASELINES) - {"none"})):
+                d = difference(summary, "goodput_rps", {"policy": knowing, "load": load}, {"policy": base, "load": load})
+                if base in BASELINES:
+                    ok &= d.low > 0
+                row[f"minus {base}"] = str(d)
+            rows.append(row)
+    top = over[-1]
+    at = {"load": top}
+    capacity = float(summary["capacity_rps"].iloc[0])
+    admitted = summary.assign(late_of_answered=summary["late"] / (summary["good"] + summary["late"]))
+    evidence.append(f"at load {top:g} (capacity {capacity:.3g} requests/s) goodput is " + ", ".join(
+        f"{p} {level(summary, 'goodput_rps', policy=p, **at)}" for p in policy_order(summary["policy"].unique())))
+    evidence.append("predictive minus " + ", ".join(
+        f"{b} {difference(summary, 'goodput_rps', {'policy': 'predictive', **at}, {'policy': b, **at})}"
+        for b in BASELINES) + " requests/s, paired by seed")
+    evidence.append(f"predictive-kv minus predictive {difference(summary, 'goodput_rps', {'policy': 'predictive-kv', **at}, {'policy': 'predictive', **at})}"
+                    " (admission by memory adds what the projection misses)")
+    evidence.append("in good tokens/s (what a request goodput can hide: refusing the long requests raises it) " + ", ".join(
+        f"{p} {level(summary, 'good_tokens_per_s', policy=p, **at)}" for p in (*KNOWING, *BASELINES, "llm-d-shed")
+        if p in present))
+    evidence.append(f"of what predictive answered at load {top:g}, {level(admitted, 'late_of_answered', policy='predictive', **at)} "
+                    "missed an objective: the projection cannot see the prompts that arrive after it decides")
+    return Verdict("H5", claim, ok, "; ".join(evidence)), pd.DataFrame(rows)
+
+
+def _batching_report(ctx: Context, folder: Path) -> list:
+    from analysis import plots
+
+    tables = _summaries(folder)
+    if tables is None:
+        return _not_run(folder)
+    summary = tables[0]
+    verdict, table = hypothesis_5(summary)
+    slo = summary["ttft_slo_s"].dropna().unique() if "ttft_slo_s" in summary else []
+    objective = f" with its first token within {slo[0]:g} s" if len(slo) else ""
+    return [
+        Text(f"One batching engine (experiments/batching.toml: vLLM's limits, chunked prefill, KV memory in blocks) "
+             f"at loads {', '.join(f'{v:g}' for v in sorted(summary['load'].unique()))} of its saturated throughput; "
+             f"{summary['seed'].nunique()} seeds of {summary['duration_s'].max():g} simulated seconds. A request is "
+             f"good when answered within its deadline{objective} (DistServe's goodput). Differences are paired by "
+             "seed."),
+        verdict, Table(table, "H5: goodput beyond capacity, and each rule that knows the batch minus the others"),
+        Figure("batching_goodput_vs_refused", _png(plots.goodput_vs_refused(summary)),
+               "goodput against the share refused, one point per load"),
+        Figure("batching_goodput", _png(plots.goodput(summary)), "goodput against load"),
+        _sweep_table(summary, "the batching sweep: mean over seeds ± 95 % CI half-width"),
+    ]
 
 
 # ------------------------------------------------------------------ live
@@ -976,6 +1065,8 @@ SECTIONS = (
     Section("cancellation", "Cancelling at the deadline", _sweep_inputs("cancellation.toml"),
             _sweep_run("cancellation.toml"),
             _experiment_report("cancellation", "cancellation_table", "Runs cut at their deadline or left to finish;")),
+    Section("batching", "A batching engine: H5", _sweep_inputs(BATCHING_FILE), _sweep_run(BATCHING_FILE),
+            _batching_report),
     Section("live", "A live pass and the simulator against the service", _live_inputs, _live_run, _live_report),
     Section("live_stale", "Live: a stale estimator", _skippable("live_stale", _stale_cells),
             _live_cells_run(_stale_cells), _live_stale_report),

@@ -688,6 +688,13 @@ class BatchQueue:
             if self.policy.kv_admission and self.kv_cap != math.inf:
                 kv_wait = left + self._seat_steps(seq, ahead, self.kv_cap) * step + ahead_prefill
         ttft = wait + own_steps * step + prefill_s * seq.prompt
+        if engine.chunked_prefill and seq.prompt:
+            # A step's token budget goes to the prompts before it first (the running still computing theirs, then
+            # the line's): where those fill the budget its prompt completes only when the budget has got to it.
+            budget = max(1, engine.max_num_batched_tokens - min(n_after, engine.max_num_seqs))
+            backlog = sum(s.target - s.computed for s in self.prefilling) + sum(a.prompt for a in ahead)
+            steps = math.ceil((backlog + seq.prompt) / budget)
+            ttft = max(ttft, left + steps * self.step_s(n_after, per_seq * n_after, budget))
         return wait, ttft, ttft + (seq.est_out - 1) * step, kv_wait
 
     def _remaining_steps(self, s: _Seq) -> int:

@@ -112,7 +112,9 @@ class _Run:
         # What a run takes beyond its true time: the machine's speed at its start, a cut at its deadline.
         self.schedule = speed_schedule
         self.cuts = config.policy.cancel_at_deadline
-        self.plain = speed_schedule is None and not self.cuts
+        # Engines that slow each other (OneAtATime.concurrency): a run takes its time x the core's slowdown.
+        self.shared = not config.batching and config.engine.concurrency > 0
+        self.plain = speed_schedule is None and not self.cuts and not self.shared
         self.ran = [_NAN] * n  # how long each run held its engine
         self.speed_at = [1.0] * n  # the schedule's speed over the trace's, at each start
         self.cut = [False] * n
@@ -227,12 +229,14 @@ class _Run:
             Timeout(self.env, self.timeout_s).callbacks.append(lambda _, i=i: self._cancel(i, TIMEOUT_REASON))
 
     def _run_time(self, k: int, i: int, now: float) -> float:
-        """How long request i holds engine k from ``now``: its true time at the machine's speed then, up to
-        its deadline where the core cuts it there."""
+        """How long request i holds engine k from ``now``: its true time at the machine's speed then (and slowed by
+        the engines busy beside it), up to its deadline where the core cuts it there."""
         run = self.true[i]
         if self.schedule is not None:
             self.speed_at[i] = self.schedule.at(now) / self.schedule.base
-            run *= self.speed_at[i]
+        if self.shared:  # the busy engines' slowdown at its start, which the core set as it started it
+            self.speed_at[i] *= self.queue.slow[k]
+        run *= self.speed_at[i]
         if self.cuts:
             cut = self.queue.cut_after(k, now, run)
             if cut is not None:

@@ -97,6 +97,15 @@ def test_theory_json_shape(capsys):
         (["simulate", "--mean-service", "0.2"], "mean-service"),
         (["simulate", "--service-model", "nope.json"], "nope.json"),
         (["theory", "--replications", "1"], "replications"),
+        # The engine model: batching options need --batching, and a batching engine counts tokens.
+        (["simulate", "--kv-blocks", "100"], "--kv-blocks is a batching engine's: add --batching"),
+        (["simulate", "--batching", "--engines", "2"], "runs one batching engine"),
+        (["simulate", "--batching", "--service", "exponential"], "--batching needs --service mix"),
+        (["simulate", "--batching", "--step", "1,2"], "bad step model '1,2'"),
+        (["simulate", "--batching", "--step", "0,0,0,0"], "needs a positive coefficient"),
+        (["simulate", "--batching", "--max-num-seqs", "4096"], "max_num_batched_tokens (2048) must be >= max_num_seqs"),
+        (["simulate", "--prompts", "gaussian:5"], "bad prompt lengths"),
+        (["simulate", "--ttft-slo", "0"], "--ttft-slo"),
         # Clients: a setting that makes no sense is refused before anything runs.
         (["simulate", "--retry", "fixed", "--retry-delay", "-1"], "delay_s must be a finite number >= 0"),
         (["simulate", "--retry", "exponential", "--retry-budget", "1.5"], "budget must be a share"),
@@ -149,3 +158,30 @@ def test_a_trace_files_patience_column(tmp_path, capsys):
     assert code == 0 and json.loads(out)["summary"]["abandoned"] == 2  # the first waits forever, is served
     code, out, _ = run(["simulate", "--trace", str(trace), "--policy", "none", "--patience", "none", "--json"], capsys)
     assert json.loads(out)["summary"]["abandoned"] == 0
+
+
+def test_simulate_a_batching_engine(capsys, tmp_path):
+    args = ["simulate", "--policy", "predictive", "--batching", "--kv-blocks", "400", "--step",
+            "0.008,5e-5,1e-4,1e-7", "--prompts", "lognormal:256:0.5", "--ttft-slo", "0.5", "--load", "2",
+            "--seconds", "20", "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "rows.parquet")]) == 0
+    out = capsys.readouterr().out
+    assert "a batching engine (256 seqs, 2048 tokens a step, 400 KV blocks of 16)" in out
+    assert "time to first token: p50" in out
+    rows = records.validate(pd.read_parquet(tmp_path / "rows.parquet"))
+    answered = rows[rows["outcome"].isin(["good", "late"])]
+    assert len(answered) and answered["kv_blocks_peak"].between(1, 400).all()
+    assert (rows["ttft_slo_s"] == 0.5).all()
+    # A good answer met its first-token objective too; the seed decides everything.
+    assert (rows.loc[rows["outcome"] == "good", "ttft_s"] <= 0.5).all()
+    assert main(args) == 0 and capsys.readouterr().out == out.replace(f"\nwrote {len(rows)} rows to "
+                                                                       f"{tmp_path / 'rows.parquet'}\n", "")
+
+
+def test_simulate_engines_that_slow_each_other(capsys):
+    assert main(["simulate", "--engines", "2", "--load", "1", "--seconds", "60", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["summary"]
+    assert main(["simulate", "--engines", "2", "--concurrency", "0.5", "--load", "1", "--seconds", "60",
+                 "--json"]) == 0
+    slowed = json.loads(capsys.readouterr().out)["summary"]
+    assert slowed["latency_p50_s"] > alone["latency_p50_s"] and slowed["share_good"] < alone["share_good"]

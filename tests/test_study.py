@@ -9,7 +9,8 @@ from experiments import study
 from experiments.cli import main
 
 #: Small enough for a test (about half a minute on 2 cores), large enough that H1-H3 are decided.
-TINY = study.Scale("tiny", seeds=3, duration_s=60.0, loads=(0.5, 2.0), theory_replications=2, theory_scale=0.02)
+TINY = study.Scale("tiny", seeds=3, duration_s=60.0, loads=(0.5, 2.0), theory_replications=2, theory_scale=0.02,
+                   batching_seeds=3, batching_duration_s=30.0, batching_loads=(0.5, 3.0))
 VERDICT = re.compile(r"^\*\*(H\d) (supported|not supported|not testable)\*\*: (.*)$", re.M)
 INTERVAL = re.compile(r"-?\d[\d.e+-]* \[-?\d[\d.e+-]*, -?\d[\d.e+-]*\]")
 
@@ -54,7 +55,7 @@ def test_hypotheses_have_verdicts_with_their_numbers(done):
         assert INTERVAL.search(text), f"{label} states no mean with its interval: {text}"
         verdicts.setdefault(label, set()).add(word)
     # The brief's answers, from 3 seeds of 60 s: the differences are wide apart from zero.
-    for label in ("H1", "H2", "H3"):
+    for label in ("H1", "H2", "H3", "H5"):
         assert verdicts[label] == {"supported"}, (label, verdicts)
     assert "**Check supported**: bounded accepts exactly K + 8 of a burst of 30" in md
     assert "**Check supported**: the simulator agrees with every closed form" in md
@@ -122,6 +123,33 @@ def test_h1_verdict_follows_the_intervals():
     assert held.supported is False
     untestable, _ = study.hypothesis_1(_summary(0.02).query("load > 1"))
     assert untestable.supported is None
+
+
+def _batching_summary(predictive_at_3: float) -> pd.DataFrame:
+    """A batching sweep's summary: every policy H5 names at loads 0.5 and 3, three seeds; predictive's (and
+    predictive-kv's) goodput at load 3 as given, bounded's 12 and vllm-caps' near 0."""
+    rows = []
+    at_3 = {"predictive": predictive_at_3, "predictive-kv": predictive_at_3, "bounded": 12.0, "vllm-caps": 0.2,
+            "llm-d-shed": 18.0}
+    for seed in (1, 2, 3):
+        for policy, goodput in at_3.items():
+            for load, rps in ((0.5, 12.0), (3.0, goodput)):
+                rps += 0.3 * seed
+                rows.append(dict(policy=policy, load=load, seed=seed, goodput_rps=rps, good_tokens_per_s=10 * rps,
+                                 good=rps * 60, late=5, capacity_rps=24.0))
+    return pd.DataFrame(rows)
+
+
+def test_h5_verdict_follows_the_intervals():
+    kept, table = study.hypothesis_5(_batching_summary(25.0))
+    assert kept.supported is True and set(table["policy"]) == {"predictive", "predictive-kv"}
+    assert "predictive minus bounded 13 [" in kept.evidence and "missed an objective" in kept.evidence
+    lost, _ = study.hypothesis_5(_batching_summary(11.0))  # below the count bound's goodput
+    assert lost.supported is False
+    without, _ = study.hypothesis_5(_batching_summary(25.0).query("policy != 'vllm-caps'"))
+    assert without.supported is None and "lacks vllm-caps" in without.evidence
+    under, _ = study.hypothesis_5(_batching_summary(25.0).query("load < 1"))
+    assert under.supported is None
 
 
 def test_pipe_table_escapes_and_formats():

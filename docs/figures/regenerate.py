@@ -2,11 +2,12 @@
 
     .venv/bin/python docs/figures/regenerate.py [--runs runs] [--workers N]
 
-runs (or resumes) experiments/{policies,retries,estimation,stale,cancellation}.toml into RUNS/NAME
-(about 10 minutes on 2 cores the first time, nothing after), then writes
+runs (or resumes) experiments/{policies,retries,estimation,stale,cancellation,batching}.toml into RUNS/NAME
+(about 30 minutes on 2 cores the first time, nothing after), then writes
 policies.png (every policy without clients, analysis.plots.policy_comparison),
 policies_by_client.png (three policies with two tenants, analysis.plots.by_client) and the
-figures `qlab plot` draws of the others (retries, recovery, estimation, stale, cancellation).
+figures `qlab plot` draws of the others (retries, recovery, estimation, stale, cancellation,
+goodput_vs_refused of the batching sweep).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 #: Sweep name -> the figures of `qlab plot` kept from it.
 PLOTTED = {"retries": ("retries", "recovery"), "estimation": ("estimation",), "stale": ("stale",),
-           "cancellation": ("cancellation",)}
+           "cancellation": ("cancellation",), "batching": ("goodput_vs_refused",)}
 TENANT_POLICIES = ["predictive", "predictive-priority", "predictive-fair"]
 DPI = 110
 
