@@ -45,7 +45,7 @@ from . import records
 from .clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
 from .config import ServerConfig, StallRule, as_config  # noqa: F401 (StallRule: re-exported)
 from .entry import Work
-from .outcomes import ABANDONED, ANSWERED, CANCELLED, ERROR, REJECTED, Reason
+from .outcomes import ABANDONED, ANSWERED, CANCELLED, ERROR, GOOD, LATE, REJECTED, Reason
 from .policy import Policy
 from .batch import BatchQueue
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
@@ -333,7 +333,8 @@ class _Run:
         the first token comes after the calibrated line's share of the first token of the time the run took."""
         model = self.queue.config.model
         prompt, tokens = trace.prompt_tokens[first], trace.tokens_generated[first]
-        answered = np.isin(np.asarray(self.outcome, dtype=object), ANSWERED)
+        outcome = np.asarray(self.outcome, dtype=object)
+        answered = (outcome == GOOD) | (outcome == LATE)  # np.isin sorts: several times slower on objects
         share = np.asarray(model.estimate(np.ones_like(tokens), prompt), dtype=float) / \
             np.asarray(model.estimate(tokens, prompt), dtype=float)
         first_token = np.asarray(self.start) + np.asarray(self.ran) * share

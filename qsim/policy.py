@@ -497,7 +497,7 @@ def rule(policy: Policy, queued: int, queued_work_s: float, remaining_s: float, 
     policy keeps the built-in rule: it runs once per arrival), and on ``view`` itself for the rest (None: the
     view of those numbers alone, for a policy that reads nothing more: see :func:`reads_more`)."""
     if view is None:
-        wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = None, _NAN, _NAN, None, 0.0, 0, 0, _NAN
+        wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = _NO_VIEW
     else:
         wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = view[10:]
     if wait is None:
@@ -548,6 +548,8 @@ def reads_more(policy: Policy) -> bool:
 
 
 _NAN = math.nan
+#: The view's fields after the brief's numbers, for a call without a view (a constant: built once, not per call).
+_NO_VIEW = (None, _NAN, _NAN, None, 0.0, 0, 0, _NAN)
 # The reasons decide_view gives most, as module names (an enum member read through its class is slow).
 _SHED, _QUEUE_FULL, _WORK_LIMIT, _UNREACHABLE = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LIMIT, \
     Reason.DEADLINE_UNREACHABLE

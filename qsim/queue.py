@@ -127,8 +127,55 @@ class AdmissionQueue:
         self._reads_more = reads_more(policy)
         self._objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
         self._sheds = policy.shed_queue_threshold is not None
+        if (self._decide is None and not self._reads_more and not self._objectives and not self._sheds
+                and self._slowdown is None and policy.client_rate is None and policy.reserve_min_s is None):
+            self.arrive = self._arrive_plain  # the brief's policies: the same decisions on a shorter path
+        # A rule that can refuse only the sheddable (priority below 0) while others wait.
+        self._admits_all = not policy.predictive and policy.max_queue is None and policy.max_queued_seconds is None \
+            and policy.max_queued_tokens is None
 
     # -- events -------------------------------------------------------------------
+
+    def _arrive_plain(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
+                      priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
+        """:meth:`arrive` for a policy whose rule reads the brief's numbers alone (no plug-in rule, objectives,
+        shedding, slowdown, client rate or reserve): the same decisions, without the checks that cannot apply.
+        It runs once per arrival of every plain simulation (bench_qsim's cases A and B)."""
+        policy = self.policy
+        if deadline_s is None or deadline_s != deadline_s:
+            deadline_s = policy.deadline_s
+        if work is not None:
+            if type(work) is not Work:
+                work = Work(*work)
+            if self.estimator is not None:
+                base_est_s = self.estimator.base_s(base_est_s, *work)
+        factor = self.tracker.factor
+        est = base_est_s * factor
+        waiting = self.waiting
+        queued = len(waiting)
+        queued_work = self.waiting_base_s * factor
+        idle = self.idle
+        self.seen = _new(Seen, (est, queued, queued_work, factor))
+        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
+        if idle:
+            refusal = None if self._admits_all else rule(policy, queued, queued_work, 0.0, est, deadline_s,
+                                                          self.engines, len(idle), priority, None)
+        elif self._admits_all and priority >= 0:
+            refusal = None
+        else:
+            ahead = None if self._ahead is None else self._ahead(entry) * factor
+            refusal = rule(policy, queued, queued_work, self.remaining_s(now), est, deadline_s, self.engines, 0,
+                           priority, ahead)
+        if refusal is not None:
+            return refusal
+        if idle:
+            self._begin(idle.pop(), entry, now)
+        else:
+            waiting.push(entry)
+            self.waiting_base_s += base_est_s
+            if work is not None:
+                self.waiting_tokens += work.prompt
+        return None
 
     def deadline_of(self, deadline_s: float | None) -> float:
         """The deadline a request gets: its own (seconds after arrival), or the policy's where it brings none

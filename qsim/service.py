@@ -147,13 +147,19 @@ class SpeedTracker:
         self.factor = float(initial)
         self.fixed = fixed
         self.max_step = max_step
+        self._up = 1.0 + max_step  # once per completed request: min() and max() calls cost more than the arithmetic
 
     def observe(self, predicted_s: float, actual_s: float) -> float:
         """Fold one completed request in; ignores unusable pairs (failed or zero-time)."""
-        if not self.fixed and predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s):
-            moved = self.factor + self.weight * (actual_s / predicted_s - self.factor)
-            bound = 1.0 + self.max_step
-            self.factor = min(max(moved, self.factor / bound), self.factor * bound)
+        if not self.fixed and predicted_s > 0 and actual_s > 0 and actual_s != math.inf:
+            factor = self.factor
+            moved = factor + self.weight * (actual_s / predicted_s - factor)
+            up = self._up
+            if moved > factor * up:
+                moved = factor * up
+            elif moved < factor / up:
+                moved = factor / up
+            self.factor = moved
         return self.factor
 
     def scale(self, est_s: float) -> float:

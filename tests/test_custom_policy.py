@@ -80,3 +80,24 @@ def test_a_server_serves_it_and_compare_rebuilds_it(tmp_path):
     frame = pd.read_parquet(run)
     assert frame["policy"].iloc[0] == SPEC and '"weight": 0.5' in frame["server_config"].iloc[0]
     assert "disagreements: 0 of 30" in done.stdout
+
+
+def test_a_rule_of_its_own_decides_in_the_gate_as_in_the_simulator():
+    """docs/examples/margin.py overrides Policy.decide: the gate, on a virtual clock, makes every decision the
+    simulator makes, and the margin refuses what plain predictive admits."""
+    from virtual_time import run_gate
+
+    trace = make_trace("poisson", "mix", load=2.0, engines=2, seconds=15, seed=5, noise_cv=0.3)
+    policy = resolve("margin:Margin", {"margin_s": "0.4"})
+    assert type(policy).__name__ == "Margin" and policy.margin_s == 0.4
+    gate, _ = run_gate(trace, policy, 2)
+    sim = simulate(trace, policy, 2)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("").tolist() == sim["reason"].fillna("").tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
+    # The first decision that differs from plain predictive's is the margin's refusal of what predictive admits.
+    plain = simulate(trace, resolve("predictive"), 2)
+    differ = np.flatnonzero(sim["outcome"].to_numpy() != plain["outcome"].to_numpy())
+    assert len(differ) and sim["outcome"].iloc[differ[0]] == "rejected" != plain["outcome"].iloc[differ[0]]
+    with pytest.raises(ValueError, match="margin_s must be >= 0"):
+        resolve("margin:Margin", {"margin_s": "-1"})
