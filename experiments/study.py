@@ -676,12 +676,12 @@ def hypothesis_5(summary: pd.DataFrame) -> tuple[Verdict, pd.DataFrame]:
         f"{b} {difference(summary, 'goodput_rps', {'policy': 'predictive', **at}, {'policy': b, **at})}"
         for b in BASELINES) + " requests/s, paired by seed")
     evidence.append(f"predictive-kv minus predictive {difference(summary, 'goodput_rps', {'policy': 'predictive-kv', **at}, {'policy': 'predictive', **at})}"
-                    " (admission by memory adds what the projection misses)")
+                    ": what admitting by memory adds to the time projection here")
     evidence.append("in good tokens/s (what a request goodput can hide: refusing the long requests raises it) " + ", ".join(
         f"{p} {level(summary, 'good_tokens_per_s', policy=p, **at)}" for p in (*KNOWING, *BASELINES, "llm-d-shed")
         if p in present))
     evidence.append(f"of what predictive answered at load {top:g}, {level(admitted, 'late_of_answered', policy='predictive', **at)} "
-                    "missed an objective: the projection cannot see the prompts that arrive after it decides")
+                    "missed an objective (the projection is an estimate: it cannot see what arrives after it decides)")
     return Verdict("H5", claim, ok, "; ".join(evidence)), pd.DataFrame(rows)
 
 
@@ -1249,7 +1249,7 @@ def cmd_study(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("study", help="run the whole reference study and write report.md and report.html",
                        description="Theory, the reference sweep (H1-H3), the burst of 30, estimation, the stale "
-                                   "estimator (H4), cancellation, a live pass, and the stale estimator and "
+                                   "estimator (H4), cancellation, a batching engine (H5), a live pass, and the stale estimator and "
                                    "cancellation live, each live run compared with the simulator, into one folder, "
                                    "with a report. Re-running resumes: done sections are skipped.")
     p.set_defaults(func=cmd_study)
