@@ -1,10 +1,13 @@
-"""Trace files: an Azure LLM inference trace CSV, or qlab's own per-request .csv/.parquet, read into a :class:`Trace`.
+"""Trace files: an Azure LLM inference trace CSV, or qlab's own per-request .csv/.parquet, read into a :class:`Trace`;
+and :func:`build_trace`, the one way a command's options become a trace (a file, or :func:`~qsim.workload.make_trace`).
 
-A bad file is a ValueError that names the file and the line (or row) of the first bad value.
+A bad file is a ValueError that names the file and the line (or row) of the first bad value. This module
+builds on :mod:`qsim.workload` and never the other way round (tests/test_layout.py checks there is no circle).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
@@ -14,7 +17,8 @@ import pandas as pd
 from .clients import Patience
 from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
-from .workload import REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, random_streams, used_tokens
+from .workload import (REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, make_trace, random_streams,
+                       used_tokens)
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
@@ -188,3 +192,34 @@ def load_trace(
     return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=path.stem, meta=meta,
                           deadline_s=deadline, prompt_tokens=prompt, priority=priority, client_id=client,
                           patience_s=patience_col, tokens_generated=generated)
+
+
+# ---------------------------------------------------------------- a trace from options
+
+
+#: The options of :func:`make_trace` that also apply to a trace file (:func:`qsim.tracefiles.load_trace`).
+FILE_OPTIONS = ("model", "mix", "speed", "noise_cv", "seed", "patience", "used")
+
+
+def build_trace(file: str | Path | None = None, *, time_scale: float = 1.0, default_seconds: float | None = None,
+                **options) -> Trace:
+    """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
+
+    ``options`` are :func:`make_trace`'s (``arrivals`` and ``service`` by name). With ``file``: that trace
+    file, read by :func:`qsim.tracefiles.load_trace` (``time_scale`` and the :data:`FILE_OPTIONS` apply; the
+    arrival and length options do not, and a file brings its own clients, in its client_id and priority
+    columns; ``patience`` None keeps the file's patience_s column, if any). Otherwise :func:`make_trace`,
+    ``default_seconds`` long when neither ``seconds`` nor ``requests`` is given (a burst's length is its size
+    whatever they are).
+    """
+    unknown = set(options) - set(inspect.signature(make_trace).parameters)
+    if unknown:
+        raise TypeError(f"build_trace() got unexpected options: {', '.join(sorted(unknown))}")
+    if file:
+        if options.get("clients"):
+            raise ValueError("a trace file brings its own clients (its client_id and priority columns); "
+                             "workload clients apply to synthetic arrivals")
+        return load_trace(file, time_scale, **{k: v for k, v in options.items() if k in FILE_OPTIONS})
+    if options.get("seconds") is None and options.get("requests") is None:
+        options["seconds"] = default_seconds
+    return make_trace(**options)

@@ -1,4 +1,5 @@
-"""Workloads: size mixes, seeded arrival processes, service times (reading trace files: :mod:`qsim.tracefiles`).
+"""Workloads: size mixes, seeded arrival processes, service times (reading trace files, and building a trace
+from a command's options: :mod:`qsim.tracefiles`).
 
 Common random numbers: a seed is split into independent streams for arrival
 gaps, sizes and service noise, and every stream is consumed in request order.
@@ -8,7 +9,6 @@ and true service time whatever the policy, and at every load.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -598,36 +598,3 @@ def make_trace(
                           meta=meta, priority=priority, client_id=client_id, prompt_tokens=prompt,
                           patience_s=None if patience is None else patience.draw(patience_rng, n),
                           tokens_generated=generated)
-
-
-# ---------------------------------------------------------------- a trace from options
-
-
-#: The options of :func:`make_trace` that also apply to a trace file (:func:`qsim.tracefiles.load_trace`).
-FILE_OPTIONS = ("model", "mix", "speed", "noise_cv", "seed", "patience", "used")
-
-
-def build_trace(file: str | Path | None = None, *, time_scale: float = 1.0, default_seconds: float | None = None,
-                **options) -> Trace:
-    """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
-
-    ``options`` are :func:`make_trace`'s (``arrivals`` and ``service`` by name). With ``file``: that trace
-    file, read by :func:`qsim.tracefiles.load_trace` (``time_scale`` and the :data:`FILE_OPTIONS` apply; the
-    arrival and length options do not, and a file brings its own clients, in its client_id and priority
-    columns; ``patience`` None keeps the file's patience_s column, if any). Otherwise :func:`make_trace`,
-    ``default_seconds`` long when neither ``seconds`` nor ``requests`` is given (a burst's length is its size
-    whatever they are).
-    """
-    unknown = set(options) - set(inspect.signature(make_trace).parameters)
-    if unknown:
-        raise TypeError(f"build_trace() got unexpected options: {', '.join(sorted(unknown))}")
-    if file:
-        if options.get("clients"):
-            raise ValueError("a trace file brings its own clients (its client_id and priority columns); "
-                             "workload clients apply to synthetic arrivals")
-        from .tracefiles import load_trace  # imported here: tracefiles builds on this module's Trace
-
-        return load_trace(file, time_scale, **{k: v for k, v in options.items() if k in FILE_OPTIONS})
-    if options.get("seconds") is None and options.get("requests") is None:
-        options["seconds"] = default_seconds
-    return make_trace(**options)
