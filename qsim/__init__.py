@@ -2,10 +2,12 @@
 
 It owns the admission queue and its SimPy driver (``queue``, ``model``), the
 policies and their one decision function (``policy``), the service-time line
-and speed tracker (``service``), workloads and the one way to build a trace
-from options (``workload``), trace files (``tracefiles``), the per-request
-record schema (``records``) and the closed forms it is checked against
-(``theory``).
+and speed tracker (``service``), workloads (``workload``), trace files and the
+one way to build a trace from options (``tracefiles``), the per-request record
+schema (``records``) and the closed forms it is checked against (``theory``).
+Its property-testing kit is :mod:`qsim.testing` (hypothesis strategies and
+invariant checkers; it needs the ``testing`` extra, and nothing else in qsim
+imports it).
 
 Pure: no HTTP, no torch, no command line or config files (those are
 :mod:`inputs`'s); it imports no other qlab package but :mod:`inputs`. The live
@@ -20,8 +22,8 @@ from .outcomes import Outcome, Reason
 from .policy import PRESETS, Policy, Rejection, cannot_finish, decide, preset, retry_after
 from .records import ANSWERED, OUTCOMES, SCHEMA
 from .service import ServiceModel, SpeedTracker, fit
-from .tracefiles import load_trace
-from .workload import REFERENCE_MIX, Client, Mix, Trace, build_trace, from_arrays, make_trace
+from .tracefiles import build_trace, load_trace
+from .workload import REFERENCE_MIX, Client, Mix, Trace, from_arrays, make_trace
 
 __all__ = [
     "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Batching", "Client", "Mix", "OneAtATime",

@@ -98,15 +98,20 @@ def validate(frame: pd.DataFrame) -> pd.DataFrame:
     for name, (dtype, _) in SCHEMA.items():
         if str(frame[name].dtype) != dtype:
             raise ValueError(f"column {name} has dtype {frame[name].dtype}, expected {dtype}")
-    if frame["request_id"].duplicated().any():
-        raise ValueError("a request_id appears twice: every request has exactly one outcome")
+    twice = frame["request_id"].duplicated()
+    if twice.any():
+        raise ValueError(f"request_id {frame['request_id'][twice].iloc[0]} appears twice: every request has exactly "
+                         "one outcome")
     if (frame["attempt"] < 1).any() or frame[["first_request_id", "attempt"]].duplicated().any():
         raise ValueError("attempts count from 1, once each per first_request_id")
     if (frame["attempt"].eq(1) != frame["first_request_id"].eq(frame["request_id"])).any():
         raise ValueError("a first attempt's first_request_id is its own request_id, and only a first attempt's")
-    unknown = set(frame["outcome"].dropna().unique()) - set(OUTCOMES)
-    if unknown or frame["outcome"].isna().any():
-        raise ValueError(f"outcomes must be one of {', '.join(OUTCOMES)}, found {sorted(unknown) or 'missing'}")
+    bad = ~frame["outcome"].isin(OUTCOMES)  # none (a lost request) or an unknown one: name the first
+    if bad.any():
+        first = frame[bad].iloc[0]
+        has = "no outcome" if pd.isna(first["outcome"]) else f"outcome {first['outcome']!r}"
+        raise ValueError(f"request_id {first['request_id']} has {has}: every request ends in exactly one of "
+                         f"{', '.join(OUTCOMES)}")
     answered = frame["outcome"].isin(ANSWERED)
     if frame.loc[answered | frame["outcome"].eq(Outcome.CANCELLED), "start_s"].isna().any():
         raise ValueError("an answered or cancelled request has no start time")

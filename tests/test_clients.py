@@ -9,10 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from analysis import metrics
-from qsim import PRESETS, from_arrays, make_trace, records, simulate
-from qsim.config import ServerConfig
+from qsim import PRESETS, from_arrays, records, simulate
 from qsim.clients import Patience, Retrier, RetryPolicy, status_of, uniform
-from test_properties import runs, simulate_run
+from qsim.testing import runs
 
 # -- settings --------------------------------------------------------------------------------
 
@@ -135,10 +134,10 @@ def test_patience_counts_from_the_first_send_and_timeouts_are_retried():
 @given(runs())
 def test_retries_off_and_infinite_patience_give_the_same_rows(run):
     """A policy that never retries, or one whose every request is answered, changes nothing."""
-    policy, engines, kwargs, fixed = run
-    trace, before = simulate_run(run)
+    trace = run.trace()
+    before = run.simulate(trace)
     for retry in (RetryPolicy(), RetryPolicy("immediate", max_attempts=1)):
-        after = simulate(trace, ServerConfig(policy, engines, fixed_estimate=fixed), retry=retry, cancel_after_s=np.full(len(trace), np.inf))
+        after = run.simulate(trace, retry=retry, cancel_after_s=np.full(len(trace), np.inf))
         pd.testing.assert_frame_equal(before, after)
     assert before["attempt"].eq(1).all() and before["first_request_id"].equals(before["request_id"])
 
@@ -160,9 +159,8 @@ retries = st.builds(
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs(), retries, st.sampled_from(["none", "exponential:1", "deterministic:2"]))
 def test_retry_invariants(run, retry, patience):
-    policy, engines, kwargs, fixed = run
-    trace = make_trace(**kwargs, patience=Patience.parse(patience))
-    df = records.validate(simulate(trace, ServerConfig(policy, engines, fixed_estimate=fixed), retry=retry))
+    trace = run.trace(patience=Patience.parse(patience))
+    df = records.validate(run.simulate(trace, retry=retry))
     firsts = df[df["attempt"].eq(1)]
     assert firsts["request_id"].tolist() == list(range(len(trace)))  # every request was sent once, in order
     rows = df.sort_values(["first_request_id", "attempt"])

@@ -1,0 +1,202 @@
+"""The public test kit (qsim.testing) itself: a wrong promise fails, a broken invariant names its request,
+the docs' example runs, and qsim works without hypothesis."""
+
+import heapq
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsim import PRESETS, Policy, from_arrays, records
+from qsim import testing
+from qsim.disciplines import Edf, Fifo, Keyed, Lifo, Priority
+from qsim.testing import DisciplineCase, InvariantBroken, SimRun
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- the state machine
+
+
+class FifoThatClaimsShortestFirst(Keyed):
+    """Declares SJF's key but pops in arrival order: what it does is not what it says."""
+
+    def key(self, entry) -> tuple:
+        return (entry.base_s,)
+
+    def pop_next(self, now: float):
+        item = min(self._heap, key=lambda item: item[-2])  # the earliest pushed
+        self._heap.remove(item)
+        heapq.heapify(self._heap)
+        return item[-1]
+
+
+WRONG = [
+    DisciplineCase("lifo claimed as fifo", Lifo, testing.by_arrival),
+    DisciplineCase("fifo claimed as lifo", Fifo, testing.newest_first),
+    DisciplineCase("edf claimed as sjf", Edf, lambda d, e: e.base_s),
+    DisciplineCase("priority claimed as fifo", Priority, testing.by_arrival),
+    DisciplineCase("its own key, not kept", FifoThatClaimsShortestFirst),
+]
+
+
+@pytest.mark.parametrize("case", WRONG, ids=lambda case: case.name)
+def test_a_wrong_ordering_claim_fails(case):
+    with pytest.raises(InvariantBroken, match=rf"discipline {re.escape(case.name)}'s order: popped request \d+ "
+                                              rf"\(key .*\) while request \d+ \(key .*\) waited"):
+        testing.check_queue_core(disciplines=[case], max_examples=60, shrink=False)
+
+
+def test_a_discipline_must_say_its_order_or_that_it_promises_none():
+    with pytest.raises(ValueError, match="declares no key"):
+        DisciplineCase("mine", Fifo)
+    assert DisciplineCase("mine", Fifo, order=None).order is None  # promises none: the rest is still checked
+    assert DisciplineCase("mine", Edf).order is testing.DECLARED
+
+
+class Leaky(Fifo):
+    """FIFO that loses the request behind the one it pops."""
+
+    def pop_next(self, now: float):
+        entry = self.popleft()
+        if self:
+            self.popleft()
+        return entry
+
+
+def test_a_lost_request_is_named():
+    with pytest.raises(InvariantBroken, match=r"one outcome per request: request \d+ has no outcome and is neither "
+                                              r"waiting nor running \(lost\)"):
+        testing.check_queue_core(disciplines=[DisciplineCase("leaky", Leaky, testing.by_arrival)], max_examples=60,
+                                 shrink=False)
+
+
+class Idler(Fifo):
+    """Says it is empty while one request waits, so the queue leaves an engine idle beside it."""
+
+    def __len__(self) -> int:
+        n = super().__len__()
+        return 0 if n == 1 else n
+
+
+def test_an_engine_idle_while_one_waits_is_named():
+    with pytest.raises(InvariantBroken, match=r"no idle engine while work waits: engines \[.*\] idle while requests "
+                                              r"\[\d+\] wait"):
+        testing.check_queue_core(disciplines=[DisciplineCase("idler", Idler, testing.by_arrival)], max_examples=60,
+                                 shrink=False)
+
+
+def test_the_machine_is_built_from_the_cases_given_when_it_runs():
+    first = testing.queue_machine(disciplines=[DisciplineCase("fifo", Fifo, testing.by_arrival)])
+    second = testing.queue_machine(disciplines=WRONG[:1])
+    assert first is not second and "lifo claimed as fifo" in second.__name__
+    with pytest.raises(ValueError, match="at least one"):
+        testing.queue_machine(disciplines=[])
+
+
+# ---------------------------------------------------------------- checkers on records
+
+
+def _one_engine():
+    """Five requests, one engine, FIFO, nobody refused: 0 runs at once, 1 to 4 wait their turns."""
+    trace = from_arrays([0.0, 0.01, 0.02, 0.03, 0.5], [16] * 5)
+    run = SimRun(PRESETS["none"])
+    return trace, run, records.validate(run.simulate(trace))
+
+
+def test_the_checkers_pass_a_true_run():
+    trace, run, df = _one_engine()
+    testing.check_records(df, run, trace)
+
+
+def test_a_lost_request_names_its_request_id():
+    trace, run, df = _one_engine()
+    with pytest.raises(InvariantBroken, match=r"one outcome per request: request_id 3 has no row: lost \(1 of "
+                                              r"the trace's 5 requests"):
+        testing.check_records(df.drop(index=3), run, trace)
+    no_outcome = df.copy()
+    no_outcome.loc[3, "outcome"] = pd.NA
+    with pytest.raises(InvariantBroken, match="request_id 3 has no outcome"):
+        testing.check_one_outcome_each(no_outcome, len(trace))
+    with pytest.raises(ValueError, match="request_id 3 has no outcome: every request ends in exactly one of"):
+        records.validate(no_outcome)
+    with pytest.raises(InvariantBroken, match="request_id 2 has 2 rows"):
+        testing.check_one_outcome_each(pd.concat([df, df.iloc[[2]]]), len(trace))
+
+
+def test_each_broken_invariant_is_named_with_its_request():
+    trace, run, df = _one_engine()
+    early = df.copy()
+    early.loc[2, "start_s"] = early.loc[2, "arrival_s"] - 0.005
+    with pytest.raises(InvariantBroken, match="conservation: request_id 2 started before it arrived"):
+        testing.check_conservation(early, 1)
+    overlap = df.copy()
+    overlap.loc[2, ["start_s", "finish_s"]] = overlap.loc[1, ["start_s", "finish_s"]].to_numpy() + 0.01
+    with pytest.raises(InvariantBroken, match=r"at most K in service: request_id 2 started on engine 0 at t=.* while "
+                                              r"request_id 1 ran there"):
+        testing.check_at_most_k_in_service(overlap, 1)
+    idle = df.copy()
+    idle.loc[4, ["start_s", "finish_s"]] += 0.3  # waits although the engine is free from 0.5 s
+    idle.loc[4, "arrival_s"] = idle.loc[3, "finish_s"]
+    with pytest.raises(InvariantBroken, match="no idle engine while work waits: request_id 4 waited"):
+        testing.check_work_conserving(idle, 1)
+    swapped = df.copy()
+    swapped.loc[[1, 2], ["start_s", "finish_s"]] = df.loc[[2, 1], ["start_s", "finish_s"]].to_numpy()
+    with pytest.raises(InvariantBroken, match=r"Fifo's order: request_id 2 \(key 0.02\) started at t=.* while "
+                                              r"request_id 1 \(key 0.01\) waited"):
+        testing.check_order(swapped, testing.records_order(Fifo()), "Fifo")
+    with pytest.raises(InvariantBroken, match=r"queue bound: request_id 4 arrived with 3 waiting|queue bound: 3 waited"):
+        testing.check_queue_bound(df, 2)
+
+
+def test_records_orders_of_the_disciplines_records_can_say():
+    assert testing.records_order(Fifo()) is not None and testing.records_order(Edf()) is not None
+    assert testing.records_order(testing.DISCIPLINES[-1].make()) is None  # fair share: the machine checks it
+    sjf = Policy(discipline="sjf").make_discipline()
+    assert testing.records_order(sjf) is None and testing.records_order(sjf, fixed_estimate=True) is not None
+
+
+# ---------------------------------------------------------------- strategies, docs, packaging
+
+
+@settings(max_examples=10, deadline=None)
+@given(run=testing.runs(exact=True), trace=testing.traces(), policy=testing.policies(["edf", "lifo"]),
+       custom=testing.runs(policy=st.just(PRESETS["predictive"])))
+def test_the_strategies_draw_what_they_say(run, trace, policy, custom):
+    exact = run.trace()
+    assert np.array_equal(exact.true_service_s, exact.est_service_s) and run.engines.speed == 1.0
+    assert len(trace) >= 1
+    assert isinstance(policy, Policy) and policy.discipline in ("edf", "lifo")
+    assert custom.policy is PRESETS["predictive"]
+
+
+def _docs_example() -> str:
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "docs/testing.md has no python example"
+    return blocks[0]
+
+
+def test_the_docs_example_runs_and_is_ten_lines(monkeypatch):
+    code = _docs_example()
+    assert len([line for line in code.splitlines() if line.strip()]) <= 12
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
+    space: dict = {}
+    exec(compile(code, "docs/testing.md", "exec"), space)
+    tests = [f for name, f in space.items() if name.startswith("test_")]
+    assert len(tests) >= 2
+    for test in tests:
+        test()
+
+
+def test_without_hypothesis_the_kit_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # what an absent package looks like to import
+    monkeypatch.delitem(sys.modules, "qsim.testing")
+    with pytest.raises(ImportError, match=re.escape("pip install 'qlab[testing]'")):
+        importlib.import_module("qsim.testing")
