@@ -1,0 +1,133 @@
+"""The import layering, read from the source (every import, also those inside functions):
+qsim imports no other qlab package but inputs, there are no import circles, only qsim.testing
+imports hypothesis, and nothing imports the project's tests as a package (a `tests` package
+installed in site-packages would answer instead)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("qsim", "live", "analysis", "experiments", "inputs")
+#: Packages whose modules import each other without a circle (live joins once http_api and
+#: openai_api no longer import each other).
+CIRCLE_FREE = ("qsim", "inputs", "analysis", "experiments")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    return {_module(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+
+def _imports(path: Path) -> set[str]:
+    """What a file imports, as full module names (``from . import records`` in qsim: qsim.records)."""
+    name = _module(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                found.add(sub if sub in _modules() else module)
+    return found
+
+
+def _graph(packages) -> dict[str, set[str]]:
+    mods = {m: p for m, p in _modules().items() if m.split(".")[0] in packages}
+    return {m: {i for i in _imports(p) if i in mods and i != m} for m, p in mods.items()}
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (the modules in order, the first repeated last), or None."""
+    state: dict[str, str] = {}  # "open" while on the path, "done" after
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                return path[path.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_qsim_imports_no_other_qlab_package_but_inputs():
+    wrong = {m: sorted(i for i in _imports(p) if i.split(".")[0] in PACKAGES and i.split(".")[0] not in ("qsim", "inputs"))
+             for m, p in _modules().items() if m.split(".")[0] == "qsim"}
+    assert not {m: i for m, i in wrong.items() if i}
+
+
+def test_no_import_circles():
+    circle = _circle(_graph(CIRCLE_FREE))
+    assert circle is None, f"import circle: {' -> '.join(circle)}"
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_only_the_test_kit_imports_hypothesis():
+    users = sorted(m for m, p in _modules().items()
+                   if any(i.split(".")[0] == "hypothesis" for i in _imports(p)))
+    assert users == ["qsim.testing"]
+    importers = sorted(m for m, p in _modules().items() if "qsim.testing" in _imports(p))
+    assert importers == []  # nothing in qlab needs the kit: qsim runs without hypothesis
+
+
+def test_nothing_imports_the_projects_tests_as_a_package():
+    files = [p for folder in (*PACKAGES, "tests", "benchmarks", "docs") for p in (ROOT / folder).rglob("*.py")]
+    wrong = [str(p.relative_to(ROOT)) for p in files
+             if any(i == "tests" or i.startswith("tests.") for i in _imports(p))]
+    assert not wrong
+    assert not (ROOT / "tests" / "__init__.py").exists()
+
+
+@pytest.mark.slow
+def test_a_tests_package_in_site_packages_does_not_shadow_the_projects(tmp_path):
+    """Run a test file that imports the helpers of tests/ with a decoy ``tests`` package (and decoy helpers)
+    ahead of everything on the path: pytest still loads the project's."""
+    decoy = tmp_path / "decoy"
+    (decoy / "tests").mkdir(parents=True)
+    (decoy / "tests" / "__init__.py").write_text("raise ImportError('the decoy tests package was imported')\n")
+    (decoy / "virtual_time.py").write_text("raise ImportError('the decoy virtual_time was imported')\n")
+    env = {"PYTHONPATH": str(decoy), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "decoy_probe",
+                           str(ROOT / "tests" / "test_layout.py")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
+def test_decoy_probe():
+    """Where the helpers come from, whoever runs this (the test above runs it with decoys on the path)."""
+    import virtual_time
+
+    assert Path(virtual_time.__file__).resolve() == ROOT / "tests" / "virtual_time.py"
