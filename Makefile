@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.qlab-installed
 # users with a GPU can pass TORCH=torch (or any pin) to get theirs.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench notebook audit clean
+.PHONY: demo test test-fast bench notebook audit clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Everything but the tests that start servers or other processes (marked slow): see docs/testing.md.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py

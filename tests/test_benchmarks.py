@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each runs a benchmark script in a process of its own
 
 
 def test_bench_qsim_quick_runs_and_reports_every_implementation():

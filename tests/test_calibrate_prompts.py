@@ -37,6 +37,7 @@ def prompt_costly(tmp_path_factory):
         yield server
 
 
+@pytest.mark.slow
 def test_calibrating_recovers_both_terms_and_reports_the_error(prompt_costly, tmp_path):
     result = calibrate(CalibrationConfig(prompt_costly.url, rounds=1, per_size=6, sizes=SIZES))
     (only,) = result.rounds
@@ -55,6 +56,7 @@ def test_calibrating_recovers_both_terms_and_reports_the_error(prompt_costly, tm
     assert ServiceModel.load(tmp_path / "model.json") == fitted
 
 
+@pytest.mark.slow
 def test_a_line_alone_misses_what_the_prompt_costs(prompt_costly):
     """One prompt length cannot see the prompt term: the fit is the old line, and it is wrong at other lengths."""
     result = calibrate(CalibrationConfig(prompt_costly.url, rounds=1, per_size=2, sizes=SIZES, prompt_tokens=(16,)))
@@ -63,6 +65,7 @@ def test_a_line_alone_misses_what_the_prompt_costs(prompt_costly):
     assert line.estimate(16, 768) < 0.8 * TRUTH.estimate(16, 768)
 
 
+@pytest.mark.slow
 def test_the_command_takes_prompt_lengths_and_saves_the_prompt_term(prompt_costly, tmp_path, capsys):
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--url", prompt_costly.url, "--rounds", "1", "--per-size", "2",

@@ -77,6 +77,7 @@ def test_theory_json_shape(capsys):
     assert code == (0 if all(r["ok"] for r in rows) else 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -132,6 +133,7 @@ def test_bad_arguments_one_line_exit_2(args, needle):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_bad_trace_file_names_the_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("arrival_s,max_new_tokens\n0.0,4\n0.5,lots\n")

@@ -336,6 +336,7 @@ def live_run(url, trace):
     return replay(trace, ReplayConfig(url))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["bounded", "bounded-deadline", "predictive"])
 def test_a_live_burst_is_replayed_exactly(servers, policy):
     run = live_run(servers[policy], make_trace("burst:30", requests=30, seed=1))
@@ -348,6 +349,7 @@ def test_a_live_burst_is_replayed_exactly(servers, policy):
     assert s["disagreements"] == 0 and s["reasons_disagree"] == 0
 
 
+@pytest.mark.slow
 def test_a_live_overload_run_is_replayed_request_by_request(servers, tmp_path, capsys):
     # The case, shortened: predictive at nominal load 2 for 10 s, through a real server
     # (resident: its tracker does not start at 1) and `qlab compare`.

@@ -64,6 +64,7 @@ weight = 0.5
         config.load(tmp_path / "bad.toml")
 
 
+@pytest.mark.slow
 def test_a_server_serves_it_and_compare_rebuilds_it(tmp_path):
     pytest.importorskip("fastapi")
     from live.procs import serving

@@ -25,6 +25,7 @@ def _diff(expected: list[str], actual: list[str]) -> str:
     return "\n".join(difflib.unified_diff(de._trim(expected), de._trim(actual), "saved", "now", lineterm=""))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_example(block: de.Block):
     opts = block.options
@@ -59,6 +60,7 @@ def test_links(path):
     assert not de.broken_links(path)
 
 
+@pytest.mark.slow
 def test_every_subcommand_has_a_readme_example():
     text = subprocess.run(de.qlab_argv() + ["--help"], capture_output=True, text=True, check=True).stdout
     subcommands = re.search(r"\{([\w,-]+)\}", text).group(1).split(",")

@@ -543,6 +543,7 @@ PROTOCOL_JUNK = {
 }
 
 
+@pytest.mark.slow
 def test_fuzz_through_a_real_server(served):
     before = httpx.get(f"{served.url}/stats", timeout=HANG_S).json()
     tally = Tally()
@@ -593,6 +594,7 @@ def _bytes_taken_before_hang_up(url: str, limit: int) -> int:
     return sent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_a_request_head_past_the_cap_is_refused_and_not_buffered(tmp_path, http):
     served = Server(ServeOptions(policy="predictive", speed=0.001, http=http), tmp_path / "serve.log")
@@ -616,6 +618,7 @@ def test_a_request_head_past_the_cap_is_refused_and_not_buffered(tmp_path, http)
         served.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_heads_and_bodies_too_slow_are_408_and_the_connection_closed(tmp_path, http):
     """A slow client (a head or a body that stops coming) holds its connection only until its deadline
@@ -638,6 +641,7 @@ def test_heads_and_bodies_too_slow_are_408_and_the_connection_closed(tmp_path, h
         served.stop()
 
 
+@pytest.mark.slow
 def test_a_client_that_hangs_up_mid_body_is_not_a_server_error(tmp_path):
     server = Server(ServeOptions(policy="predictive", speed=0.001), tmp_path / "serve.log")
     server.start(60)
@@ -915,6 +919,7 @@ CLI_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CLI_CASES))
 def test_malformed_files_through_the_cli_are_one_line_exit_2(tmp_path, case):
     kind, data, needle = CLI_CASES[case]

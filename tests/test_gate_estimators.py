@@ -274,6 +274,7 @@ def _replayed(url, load: float):
     return run, (run_setup(run), speed_schedule(run)), compare(run).summary
 
 
+@pytest.mark.slow
 def test_a_speed_schedule_is_in_the_run_file_on_the_runs_clock(servers):
     from analysis.compare import predict
 
@@ -298,6 +299,7 @@ def test_a_speed_schedule_is_in_the_run_file_on_the_runs_clock(servers):
     assert np.isfinite(table.loc["share_good", "sim_mean"])
 
 
+@pytest.mark.slow
 def test_a_learned_estimator_is_replayed_request_by_request(servers):
     run, (setup, _), s = _replayed(servers["learned"], 3.0)
     assert setup.policy.estimator == "learned" and setup.model == PROMPTED  # /stats' model, from_fields
@@ -310,6 +312,7 @@ def test_a_learned_estimator_is_replayed_request_by_request(servers):
     assert s["live_errors"] == 0 and s["disagreement_rate"] <= 0.02
 
 
+@pytest.mark.slow
 def test_runs_cut_at_the_deadline_are_replayed_request_by_request(servers):
     run, (setup, _), s = _replayed(servers["cut"], 1.3)
     assert setup.policy.cancel_at_deadline

@@ -80,6 +80,7 @@ async def _post_all(url: str, bodies: list[dict]) -> list:
         return await asyncio.gather(*(client.post("/v1/generate", json=b) for b in bodies))
 
 
+@pytest.mark.slow
 def test_burst_gives_both_overload_envelopes_and_matching_stats(url):
     before = stats(url)
     # One runs (0.545 s), two wait, one is refused (queue full); at 0.545 s neither waiting
@@ -102,6 +103,7 @@ def test_burst_gives_both_overload_envelopes_and_matching_stats(url):
     assert after["waiting"] == 0 and after["in_service"] == 0
 
 
+@pytest.mark.slow
 def test_request_without_deadline_is_valid_and_timed(url):
     r = httpx.post(f"{url}/v1/generate", json={"prompt": "hello", "max_new_tokens": 4}, timeout=10)
     assert r.status_code == 200, r.text
@@ -113,6 +115,7 @@ def test_request_without_deadline_is_valid_and_timed(url):
     assert t["est_service_s"] > 0
 
 
+@pytest.mark.slow
 def test_stop_may_be_one_string_or_a_list(url):
     for stop in ("tok tok", ["zzz", "tok tok"]):
         r = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 3, "stop": stop}, timeout=10)
@@ -143,6 +146,7 @@ BAD = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gets_an_envelope_and_the_service_keeps_serving(url, case):
     kwargs, status, reason = BAD[case]
@@ -152,6 +156,7 @@ def test_bad_input_gets_an_envelope_and_the_service_keeps_serving(url, case):
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_streamed_body_over_the_cap_is_refused_while_reading(url):
     async def chunks():
         for _ in range(80):
@@ -164,6 +169,7 @@ def test_streamed_body_over_the_cap_is_refused_while_reading(url):
     assert_envelope(asyncio.run(go()), 413, "invalid_request", "body_too_large")
 
 
+@pytest.mark.slow
 def test_unknown_route_and_method_get_envelopes(url):
     assert_envelope(httpx.get(f"{url}/v2/nothing"), 404, "invalid_request", "not_found")
     r = httpx.get(f"{url}/v1/generate")
@@ -171,6 +177,7 @@ def test_unknown_route_and_method_get_envelopes(url):
     assert "POST" in r.headers["allow"]
 
 
+@pytest.mark.slow
 def test_health_routes_and_head_as_orchestrators_send_them(url):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}  # liveness (guidellm's start-up check)
     assert httpx.get(f"{url}/ready").json() == {"ready": True}
@@ -181,6 +188,7 @@ def test_health_routes_and_head_as_orchestrators_send_them(url):
     assert httpx.head(f"{url}/v1/generate").status_code == 405
 
 
+@pytest.mark.slow
 def test_healthz_and_stats_shape(url):
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["engine"]["engine"] == "synthetic"
@@ -191,6 +199,7 @@ def test_healthz_and_stats_shape(url):
     assert s["service_model"] == {"intercept_s": 0.001, "per_token_s": 0.0085, "per_prompt_token_s": 0.0}
 
 
+@pytest.mark.slow
 def test_client_disconnect_while_waiting_leaves_the_queue(url):
     before = stats(url)
 
@@ -228,6 +237,7 @@ def test_bad_serve_arguments_are_one_line_and_exit_2(argv, capsys):
     assert err.count("\n") == 1 and "error" in err
 
 
+@pytest.mark.slow
 def test_torch_is_not_imported_for_the_synthetic_engine():
     code = ("import sys; from experiments.cli import build_parser; from live import http_api, gate, engine; "
             "build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
@@ -302,6 +312,7 @@ def test_direct_path_turns_an_unexpected_error_into_the_envelope(caplog):
     assert _in_process_answers(False, requests, submit=broken_submit) == [(status, None, body)]
 
 
+@pytest.mark.slow
 def test_a_client_over_its_rate_gets_429_rate_limited_apart_from_503_overloaded(tmp_path):
     # One engine, bound 0 (the Erlang loss system: busy means refused), each client 1 request/s in bursts of 2.
     # The first run hangs 30 s (deaf to its client leaving, as a wedged engine), so the engine stays busy.
@@ -331,6 +342,7 @@ def test_a_client_over_its_rate_gets_429_rate_limited_apart_from_503_overloaded(
         stop_server(proc)
 
 
+@pytest.mark.slow
 def test_priority_is_an_integer_field_with_bounds(url):
     ok = httpx.post(f"{url}/v1/generate", json={"prompt": "x", "max_new_tokens": 1, "priority": -2}, timeout=10)
     assert ok.status_code in (200, 503)  # admitted or refused, never a 4xx for a valid priority

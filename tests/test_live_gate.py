@@ -1,9 +1,11 @@
 """The live gate in real time, with engine threads and the synthetic engine (and coroutine engines as tasks).
 
 Exact agreement with the simulator is checked on a virtual clock
-(tests/test_gate_sim.py); here the real threads, sleeps and futures: service
-times of tens of milliseconds and deadlines with 25 ms of slack on every
-decision keep these outcomes independent of a busy machine.
+(tests/test_gate_sim.py); here the real threads, sleeps and futures, in tests
+whose outcomes do not turn on how fast a busy machine is. Where an outcome
+turns on a margin of milliseconds (a deadline met by 25 ms, the speed the
+tracker learns), the same engine's times run on a virtual clock instead
+(tests/virtual_time.py).
 """
 
 import asyncio
@@ -15,6 +17,7 @@ from live.engine import Cancel, EngineResult, SyntheticEngine, UpstreamError, Up
 from live.gate import (END, DeadlineExceeded, EngineFailed, Gate, gate_config, Job, Rejected, UpstreamFailed,
                        UpstreamTimedOut)
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
+from virtual_time import LoopSynthetic, on_virtual_clock
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 s
 
@@ -47,6 +50,18 @@ def _live(policy, engines: int, tokens: list[int]) -> tuple[list[str], dict]:
     return asyncio.run(go())
 
 
+def _virtual(policy, engines: int, tokens: list[int]) -> tuple[list[str], dict]:
+    """As _live, with the synthetic engines' times on a virtual clock: where an outcome turns on a margin of
+    milliseconds, which a busy machine's threads could miss."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        engines_ = [LoopSynthetic(MODEL) for _ in range(engines)]
+        async with Gate(engines_, gate_config(policy, model=MODEL), clock=loop.time) as gate:
+            return await _burst(gate, tokens), gate.stats()
+
+    return on_virtual_clock(go)
+
+
 def _simulated(policy, engines: int, tokens: list[int]) -> list[str]:
     trace = from_arrays(np.zeros(len(tokens)), tokens, model=MODEL)
     return simulate(trace, policy, engines)["outcome"].tolist()
@@ -63,7 +78,7 @@ def test_a_burst_in_real_time_matches_the_simulator():
 
 def test_bounded_deadline_expires_at_the_front():
     # Deadline 0.125 s, 0.05 s each: the second finishes at 0.10, the third would end at 0.15 -> expired.
-    live, stats = _live(PRESETS["bounded-deadline"].with_overrides(deadline_s=0.125), 1, [12] * 10)
+    live, stats = _virtual(PRESETS["bounded-deadline"].with_overrides(deadline_s=0.125), 1, [12] * 10)
     assert live == ["good", "good"] + ["expired"] * 7 + ["rejected"]
     assert stats["counts"]["expired"] == 7 and stats["rejected_by_reason"]["queue_full"] == 1
 
@@ -100,9 +115,24 @@ def test_rejection_carries_qsim_rejection():
     assert exc.arrival.queued == 0 and exc.arrival.est_service_s == pytest.approx(0.05)
 
 
+class _Recording(SyntheticEngine):
+    """A synthetic engine that keeps what each run was given and returned."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompts, self.results = [], []
+
+    def run(self, prompt, max_new_tokens, stop=None, cancel=None):
+        self.prompts.append(prompt)
+        result = super().run(prompt, max_new_tokens, stop, cancel)
+        self.results.append(result)
+        return result
+
+
 def test_cancelled_waiting_request_leaves_the_queue_with_its_work():
     async def go():
-        async with Gate([SyntheticEngine(MODEL)], gate_config(PRESETS["none"], model=MODEL)) as gate:
+        engine = _Recording(MODEL)
+        async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             first = gate.submit(Job("a", 12))
             second = gate.submit(Job("b", 12))
             third = gate.submit(Job("c", 4))
@@ -112,12 +142,13 @@ def test_cancelled_waiting_request_leaves_the_queue_with_its_work():
             waiting, work = gate.waiting, gate.queued_work_s
             await first
             answer = await third
-            return waiting, work, answer, gate.stats()
+            return waiting, work, answer, engine.prompts, gate.stats()
 
-    waiting, work, answer, stats = asyncio.run(go())
+    waiting, work, answer, ran, stats = asyncio.run(go())
     assert waiting == 1
     assert work == pytest.approx(float(MODEL.estimate(4)))
-    assert answer.queue_s < 0.09  # started after the first alone, not after the cancelled one too
+    assert ran == ["a", "c"]  # started after the first alone, not after the cancelled one too
+    assert answer.started_at >= answer.arrival.at
     assert stats["cancelled"] == 1 and stats["counts"]["good"] == 2 and stats["waiting"] == 0
 
 
@@ -165,15 +196,25 @@ def test_engine_exception_is_an_error_and_teaches_the_tracker_nothing():
 
 @pytest.mark.parametrize("fixed", [False, True])
 def test_speed_tracking_and_fixed_estimate(fixed):
-    async def go():
+    def engine_on(clock: str):
+        return SyntheticEngine(MODEL, speed=2.0) if clock == "real" else LoopSynthetic(MODEL, speed=2.0)
+
+    async def go(clock: str):
         config = gate_config(PRESETS["none"], model=MODEL, fixed_estimate=fixed)
-        async with Gate([SyntheticEngine(MODEL, speed=2.0)], config) as gate:
+        loop = asyncio.get_running_loop()
+        async with Gate([engine_on(clock)], config, clock=loop.time) as gate:
             for _ in range(4):
                 await gate.submit(Job("x", 2))
             return gate.tracker.factor
 
-    factor = asyncio.run(go())
-    assert factor == 1.0 if fixed else 1.5 < factor < 2.1
+    real, virtual = asyncio.run(go("real")), on_virtual_clock(lambda: go("virtual"))
+    if fixed:
+        assert real == virtual == 1.0
+    else:
+        # Four runs at twice their estimate, folded in with weight 0.2: exactly so on the virtual clock; real
+        # sleeps only ever overshoot, so at least so on the wall clock.
+        assert virtual == pytest.approx(1.0 + (1.0 - 0.8**4) * (2.0 - 1.0), rel=1e-12)
+        assert real >= virtual - 1e-9
 
 
 def test_submit_before_start_is_an_error():
@@ -214,51 +255,37 @@ def test_engine_returning_the_wrong_type_is_an_error_not_a_hang():
 
 def test_close_cancels_the_waiting_and_refuses_new_work():
     async def go():
-        gate = Gate([SyntheticEngine(MODEL)], gate_config(PRESETS["none"], model=MODEL))
+        engine = _Recording(MODEL)
+        gate = Gate([engine], gate_config(PRESETS["none"], model=MODEL))
         gate.start()
         running, waiting = gate.submit(Job("a", 12)), gate.submit(Job("b", 12))
-        gate.close()
-        await asyncio.sleep(0.1)  # the engine finishes "a" after close: nothing more starts
+        gate.close(timeout_s=5.0)  # the engine thread finishes "a" (0.05 s) and is joined: nothing more starts
+        await asyncio.sleep(0)  # a's hand-back, posted by the thread, runs on the loop
         with pytest.raises(RuntimeError):
             gate.submit(Job("c", 1))
-        return running.cancelled(), waiting.cancelled(), gate.waiting
+        return running.cancelled(), waiting.cancelled(), gate.waiting, engine.prompts
 
-    assert asyncio.run(go()) == (True, True, 0)
+    assert asyncio.run(go()) == (True, True, 0, ["a"])
 
 
 # ---------------------------------------------------------------- cancelling a run, upstream failures
-
-
-class _Recording(SyntheticEngine):
-    """A synthetic engine that keeps what each run returned."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.results = []
-
-    def run(self, prompt, max_new_tokens, stop=None, cancel=None):
-        result = super().run(prompt, max_new_tokens, stop, cancel)
-        self.results.append(result)
-        return result
 
 
 def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing():
     async def go():
         engine = _Recording(MODEL)
         async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
-            running = gate.submit(Job("a", 2500))  # 10 s unless stopped
-            await asyncio.sleep(0.02)
+            running = gate.submit(Job("a", 2500))  # 10 s unless stopped; in service at once
             running.cancel()  # its client hung up while the engine ran it
-            while gate.in_service:  # the engine is told to stop; it is free once its run returns
-                await asyncio.sleep(0.005)
-            factor = gate.tracker.factor
-            answer = await gate.submit(Job("b", 2))
-            return engine.results, factor, answer, gate.stats()
+            behind = gate.submit(Job("b", 2))  # starts once a's stopped run has returned
+            answer = await behind
+            return engine.results, gate.tracker.factor, answer, gate.stats()
 
     results, factor, answer, stats = asyncio.run(asyncio.wait_for(go(), 5))  # well before a's 10 s
     assert results[0].stopped and results[0].tokens == 0 and not results[1].stopped
-    assert factor == 1.0  # the stopped run's time taught the tracker nothing
-    assert answer.outcome == "good" and answer.tokens == 2
+    # The tracker learned b's run alone: the stopped run's time taught it nothing.
+    assert factor == pytest.approx(1.0 + 0.2 * (answer.engine_s / float(MODEL.estimate(2)) - 1.0), rel=1e-12)
+    assert answer.outcome == "good" and answer.tokens == 2 and answer.arrival.speed_factor == 1.0
     assert stats["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
 
 

@@ -44,6 +44,7 @@ def stats(url):
     return httpx.get(f"{url}/stats").json()
 
 
+@pytest.mark.slow
 def test_every_request_ends_in_exactly_one_row(bounded, tmp_path):
     trace = poisson_and_burst()
     before = stats(bounded.url)["counts"]
@@ -91,6 +92,7 @@ def test_classify_maps_every_answer_to_one_outcome():
     assert classify(Exchange(0, 0, 0.1, 200, partial), 2.0)[0] == "error"  # not the contract's answer
 
 
+@pytest.mark.slow
 def test_calibrate_recovers_the_synthetic_service_model(tmp_path):
     with serving([ServeOptions(policy="none", speed=0.5)], tmp_path, 60) as (server,):
         result = calibrate(CalibrationConfig(server.url, rounds=1, per_size=2))
@@ -108,6 +110,7 @@ def test_calibrate_recovers_the_synthetic_service_model(tmp_path):
     assert {"model", "median_rel_error", "worst_rel_error", "rounds"} <= set(saved)
 
 
+@pytest.mark.slow
 def test_replay_command_writes_rows_and_says_so(bounded, tmp_path, capsys):
     out = tmp_path / "burst.parquet"
     assert main(["replay", "--url", bounded.url, "--arrivals", "burst:12", "--out", str(out)]) == 0
@@ -151,6 +154,7 @@ arrivals = "burst:12"
 """
 
 
+@pytest.mark.slow
 def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
     path = tmp_path / "live.toml"
     path.write_text(LIVE_TOML)
@@ -228,6 +232,7 @@ def test_a_bad_live_context_is_one_line_and_nothing_starts(tmp_path, capsys):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_qlab_live_caps_prompts_at_the_files_context_as_qlab_replay_does(tmp_path):
     # The synthetic engine's /healthz names no context: only the file's context_tokens can cap or hold back.
     pd.DataFrame({"arrival_s": np.arange(4) * 0.1, "max_new_tokens": [10, 20, 40, 4],

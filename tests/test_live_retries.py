@@ -43,6 +43,7 @@ def stats(url):
     return {**body["counts"], "cancelled": body["cancelled"], "submitted": body["submitted"]}
 
 
+@pytest.mark.slow
 def test_impatient_retrying_clients_against_a_live_gate(predictive, tmp_path, capsys):
     out = tmp_path / "run.parquet"
     before = stats(predictive.url)
@@ -107,6 +108,7 @@ def test_impatient_retrying_clients_against_a_live_gate(predictive, tmp_path, ca
     assert pd.read_parquet(tmp_path / "cmp" / "requests.parquet")["first_request_id"].is_unique
 
 
+@pytest.mark.slow
 def test_a_client_timeout_is_abandoned_and_retried(predictive, tmp_path, capsys):
     # A burst of 64-token requests (0.55 s each) whose clients wait 0.25 s per attempt: the first runs
     # and times out, the waiting time out, the rest are refused; a timed-out attempt had no answer and is
@@ -188,6 +190,7 @@ def test_live_file_client_errors_name_the_key(tmp_path, capsys, text, message):
     assert err.count("\n") == 1 and message in err and not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_qlab_live_replays_with_the_files_clients(tmp_path):
     from live import runner
 

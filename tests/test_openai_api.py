@@ -26,6 +26,7 @@ from live.openai_api import DEADLINE_HEADER  # noqa: E402
 from live.procs import serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here asks a real `qlab serve` (the url fixture)
 MODEL = "synthetic"  # the synthetic engine's model id (live.openai_api.served_model_id)
 GATED = {"overloaded": "rejected", "rate_limited": "rejected", "deadline_exceeded": "expired", "engine_error": "error"}
 

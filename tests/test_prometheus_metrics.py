@@ -137,6 +137,7 @@ def _trace():
     return from_arrays(arrival[order], tokens[order], name="poisson+burst")
 
 
+@pytest.mark.slow
 def test_metrics_scraped_during_a_replay_agree_with_stats_and_the_run_file(tmp_path):
     options = ServeOptions(policy="bounded-deadline", max_queue=4, deadline=0.5, fail_every=4, speed=0.5)
     trace = _trace()

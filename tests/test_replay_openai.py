@@ -81,6 +81,7 @@ def test_the_default_prompt_is_the_same_text_as_before():
         assert [b["prompt"] for b in bodies] == [words_prompt(16)] * 2
 
 
+@pytest.mark.slow
 def test_a_replay_caps_counts_and_keeps_one_row_per_request(gate, tmp_path, capsys):
     path = tmp_path / "trace.csv"
     pd.DataFrame({"arrival_s": np.arange(6) * 0.15, "max_new_tokens": [10, 10, 20, 40, 64, 4],
@@ -104,6 +105,7 @@ def test_a_replay_caps_counts_and_keeps_one_row_per_request(gate, tmp_path, caps
     assert (meta["prompts_capped"], meta["prompts_cannot_fit"], meta["context_tokens"]) == (3, 2, 40)
 
 
+@pytest.mark.slow
 def test_gpt2_s_context_comes_from_the_server(tmp_path):
     """GPT-2 (tiny, random weights, CPU) says its context of 1,024 in /healthz: no flag needed."""
     pytest.importorskip("torch")
@@ -130,6 +132,7 @@ def test_the_old_cap_flag_names_the_new_one(capsys):
 # ================================================================== --api openai against a qlab gate
 
 
+@pytest.mark.slow
 def test_openai_replay_of_a_qlab_gate_matches_its_stats_and_compares(gate, tmp_path, capsys):
     trace = from_arrays(np.r_[np.zeros(12), 1.8 + np.arange(3) * 0.2], [16] * 12 + [4, 8, 4], name="burst")
     before = stats(gate)["counts"]
@@ -157,6 +160,7 @@ def test_openai_replay_of_a_qlab_gate_matches_its_stats_and_compares(gate, tmp_p
     assert summary["requests"] == len(trace) and summary["live_errors"] == 0
 
 
+@pytest.mark.slow
 def test_openai_clients_hang_up_on_a_stream_and_the_gate_hears_it(gate):
     """Patience works on a streamed request as on /v1/generate: the hang-up closes the connection."""
     trace = from_arrays(np.zeros(4), [64] * 4, deadline_s=[60.0] * 4)  # 0.545 s each, one engine
@@ -172,6 +176,7 @@ def test_openai_clients_hang_up_on_a_stream_and_the_gate_hears_it(gate):
     assert after["cancelled"] - before["cancelled"] == 4 and after["counts"]["good"] == before["counts"]["good"]
 
 
+@pytest.mark.slow
 def test_a_model_the_server_does_not_serve_is_refused_before_sending(gate, tmp_path, capsys):
     before = stats(gate)["submitted"]
     assert main(["replay", "--url", gate, "--api", "openai", "--model", "gpt-4", "--arrivals", "burst:3",

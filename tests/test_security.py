@@ -159,6 +159,7 @@ def test_gpt2_refuses_a_pickled_checkpoint(tmp_path):
 # ---------------------------------------------------------------- where the service listens
 
 
+@pytest.mark.slow
 def test_serve_binds_loopback_by_default_and_says_so(tmp_path):
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "experiments", "serve", "--port", "0"], cwd=ROOT,

@@ -38,6 +38,7 @@ def results(tmp_path_factory):
     return {"sustained": sustained, "bursts": bursts}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sustained", "bursts"])
 def test_every_request_has_exactly_one_outcome_and_the_server_counts_the_same(results, case):
     r = results[case]
@@ -48,6 +49,7 @@ def test_every_request_has_exactly_one_outcome_and_the_server_counts_the_same(re
     assert r.client.get("rejected", 0) > r.requests / 2 and r.client.get("good", 0) > 0, r.client
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sustained", "bursts"])
 def test_nothing_is_left_behind(results, case):
     leaks = results[case].leaks
@@ -59,6 +61,7 @@ def test_nothing_is_left_behind(results, case):
     assert leaks["threads"]["after"] == leaks["threads"]["before"], leaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sustained", "bursts"])
 def test_memory_stays_bounded_after_warm_up(results, case):
     memory = results[case].memory_mb

@@ -55,6 +55,7 @@ def url(tmp_path_factory):
         yield server.url
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", [{"prompt": "Hi", "max_tokens": 6},
                                   {"prompt": "Hi", "max_tokens": 5, "echo": True}])
 def test_a_streamed_completion_is_the_answer_in_pieces(url, body):
@@ -68,6 +69,7 @@ def test_a_streamed_completion_is_the_answer_in_pieces(url, body):
     assert last["qlab"]["outcome"] == "good"
 
 
+@pytest.mark.slow
 def test_the_sdk_reads_a_streamed_chat_chunk_by_chunk(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
     messages = [{"role": "user", "content": "Hi"}]
@@ -100,6 +102,7 @@ def _upstream(conn, body: bytes) -> None:
     conn.sendall(_sse(_chunk("Hel"), _chunk("lo"), done=not dies))
 
 
+@pytest.mark.slow
 def test_an_upstream_that_dies_mid_stream_ends_the_stream_with_an_error(tmp_path):
     with scripted(_upstream) as upstream:
         gate = ServeOptions(policy="none", engine="upstream", engines=1, upstream_url=upstream, upstream_model="m")

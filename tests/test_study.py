@@ -30,6 +30,7 @@ def done(tmp_path_factory):
     return out, first, second, cells
 
 
+@pytest.mark.slow
 def test_report_has_every_section_and_embeds_its_figures(done):
     out, *_ = done
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
@@ -47,6 +48,7 @@ def test_report_has_every_section_and_embeds_its_figures(done):
     assert "FAILED" not in md and "not available: skipped (--skip-live)" in md
 
 
+@pytest.mark.slow
 def test_hypotheses_have_verdicts_with_their_numbers(done):
     out, *_ = done
     md = (out / "report.md").read_text()
@@ -64,6 +66,7 @@ def test_hypotheses_have_verdicts_with_their_numbers(done):
     assert all(f"- **{label} " in top for label in ("H1", "H2", "H3"))
 
 
+@pytest.mark.slow
 def test_a_second_run_skips_done_sections_and_redoes_a_forced_one(done):
     out, first, second, cells = done
     assert any(line.startswith("reference: ran") for line in first)

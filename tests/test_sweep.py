@@ -117,6 +117,7 @@ engines = [1, 2]
                                rtol=0.15)
 
 
+@pytest.mark.slow
 def test_a_folder_written_when_load_was_nominal_is_refused(small, tmp_path):
     cfg, out, _ = small
     old = tmp_path / "old"
@@ -141,6 +142,7 @@ def test_a_folder_written_when_load_was_nominal_is_refused(small, tmp_path):
     assert proc.returncode == 0 and "warning" in proc.stderr and "nominal" in proc.stderr
 
 
+@pytest.mark.slow
 def test_same_rows_with_a_process_pool(small, tmp_path):
     cfg, out, _ = small
     other = tmp_path / "pool"
@@ -148,6 +150,7 @@ def test_same_rows_with_a_process_pool(small, tmp_path):
     pd.testing.assert_frame_equal(rows_of(out), rows_of(other))
 
 
+@pytest.mark.slow
 def test_same_rows_on_a_dask_cluster(small, tmp_path):
     distributed = pytest.importorskip("distributed")
     cfg, out, _ = small
@@ -177,6 +180,7 @@ def test_changed_config_is_refused(small, tmp_path):
         sweep.run(changed, out, quiet=True)
 
 
+@pytest.mark.slow
 def test_killed_sweep_leaves_whole_files_and_resumes(tmp_path):
     path = write(tmp_path, SMALL.replace("duration_s = 40", "duration_s = 400").replace("seeds = 2", "seeds = 3"))
     out = tmp_path / "killed"
@@ -226,6 +230,7 @@ def test_bad_toml_is_one_clear_error(tmp_path, text, message):
     assert message in str(err.value) and "s.toml" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_bad_toml_from_the_cli_runs_nothing(tmp_path):
     path = write(tmp_path, "[grid]\npolicy = ['none']\nload = [1.0, 'x']\n")
     out = tmp_path / "never"
@@ -255,6 +260,7 @@ time_scale = [0.25]
     assert len(rows) == 32
 
 
+@pytest.mark.slow
 def test_cli_sweep_and_plot(tmp_path, small):
     _, out, _ = small
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -332,6 +338,7 @@ def test_a_sweep_without_clients_writes_no_client_tables(small):
     assert "jain_goodput" not in summary
 
 
+@pytest.mark.slow
 def test_cli_summary_and_plot_by_client(tenants, tmp_path):
     out, _ = tenants
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -484,6 +491,7 @@ def test_patience_until_start_reaches_the_cells(tmp_path):
     assert len(left) and left["start_s"].isna().all()  # patience while waiting: none left once started
 
 
+@pytest.mark.slow
 def test_cli_summary_and_plot_of_a_retry_sweep(retries, tmp_path):
     _, out, _ = retries
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

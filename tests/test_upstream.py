@@ -104,6 +104,7 @@ def metrics(url: str) -> dict:
 # ================================================================== through real servers
 
 
+@pytest.mark.slow
 def test_completion_and_chat_through_the_gate(urls):
     gate, _ = urls["ok"]
     client = sdk(gate)
@@ -124,6 +125,7 @@ def test_completion_and_chat_through_the_gate(urls):
     assert health["engines"] == 2 and health["ready"] is True and health["not_ready"] == []
 
 
+@pytest.mark.slow
 def test_a_streamed_chat_through_the_gate(urls):
     gate, _ = urls["ok"]
     stream = sdk(gate).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
@@ -133,6 +135,7 @@ def test_a_streamed_chat_through_the_gate(urls):
     assert chunks[-1].usage.completion_tokens == 6
 
 
+@pytest.mark.slow
 def test_calibrate_an_upstream_backed_gate(urls):
     gate, _ = urls["ok"]
     cal = calibrate(CalibrationConfig(gate, rounds=1, per_size=2, sizes=(1, 8), deadline_ms=600_000))
@@ -151,6 +154,7 @@ def _hang_up_once_upstream_runs(gate: str, upstream: str, tokens: int) -> None:
         until(lambda: stats(upstream)["in_service"] > running)
 
 
+@pytest.mark.slow
 def test_a_client_hanging_up_cancels_the_upstream_request(urls):
     gate, upstream = urls["ok"]
     before_gate, before_up = stats(gate), stats(upstream)
@@ -174,6 +178,7 @@ def _error(exc: "openai.APIStatusError", status: int, reason: str) -> dict:
     return error
 
 
+@pytest.mark.slow
 def test_upstream_timeout_then_failure_then_the_gate_serves_on(urls):
     gate, upstream = urls["faulty"]  # after the 2 probes, upstream run 3 hangs 5 s, runs 4, 8, ... fail; the gate waits 2 s
     client = sdk(gate)
@@ -304,9 +309,11 @@ def test_upstream_failures_are_upstream_errors(answer, message):
     assert type(caught.value) is UpstreamError
 
 
-def _holding(left: threading.Event):
-    """Answers nothing; sets ``left`` when the client closes its side."""
+def _holding(left: threading.Event, asked: threading.Event | None = None):
+    """Answers nothing; sets ``asked`` once the request is in, ``left`` when the client closes its side."""
     def respond(conn, _):
+        if asked is not None:
+            asked.set()
         conn.settimeout(30)
         try:
             left.set() if conn.recv(1) == b"" else None
@@ -324,12 +331,12 @@ def test_silence_past_the_timeout_is_an_upstream_timeout():
 
 
 def test_a_cancel_shuts_the_connection_while_the_engine_waits():
-    left, cancel, box = threading.Event(), Cancel(), []
-    with scripted(_holding(left)) as url:
+    left, asked, cancel, box = threading.Event(), threading.Event(), Cancel(), []
+    with scripted(_holding(left, asked)) as url:
         engine = _engine(url)
         runner = threading.Thread(target=lambda: box.append(engine.run("p", 5, cancel=cancel)))
         runner.start()
-        time.sleep(0.2)  # it is most likely blocked reading by now; if not, the cancel is seen on the way
+        assert asked.wait(10)  # the request is in: the engine waits for its answer (or is about to)
         cancel.set()
         runner.join(10)
         assert left.wait(10)  # the upstream saw its client leave

@@ -12,11 +12,13 @@ def table():
     return check(standard_scenarios(), replications=10, seed=1, workers=2)
 
 
+@pytest.mark.slow
 def test_every_closed_form_inside_its_interval(table):
     misses = table[~table["ok"]]
     assert misses.empty, "\n" + misses.to_string()
 
 
+@pytest.mark.slow
 def test_the_standard_set_covers_the_issue(table):
     cases = " ".join(table["case"])
     for needle in ("M/M/1 rho=0.95", "M/M/2", "M/M/8", "M/M/1/5", "Erlang B", "M/M/2/6", "M/D/1",
@@ -35,6 +37,7 @@ def test_the_check_can_fail():
     assert not result["ok"].any()
 
 
+@pytest.mark.slow
 def test_results_do_not_depend_on_workers():
     small = [s for s in standard_scenarios(scale=0.1) if "M/M/1/5" in s.name or "Erlang B" in s.name]
     a = check(small, replications=3, workers=1)
@@ -42,6 +45,7 @@ def test_results_do_not_depend_on_workers():
     pd.testing.assert_frame_equal(a, b)
 
 
+@pytest.mark.slow
 def test_impatient_clients_rows(table):
     a = table[table["case"].str.contains("Erlang A")].set_index("quantity")
     assert list(a.index) == ["P(wait)", "P(abandon)", "Wq"]
@@ -53,6 +57,7 @@ def test_impatient_clients_rows(table):
         assert pair["sim_mean"].nunique() == 1 and pair["ok"].all()
 
 
+@pytest.mark.slow
 def test_patience_while_waiting_against_erlang_a_short():
     # A few short replications: the simulator's clients that leave while waiting give Erlang A's P(abandon)
     # and M/M/1+D's.

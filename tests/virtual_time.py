@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from live.engine import EngineResult
+from live.engine import WORD, EngineResult, Faults
 from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, gate_config, Job, Rejected
 from live.gate import _Failure  # what a worker hands back for a run that raised
 from qsim import Policy, ServiceModel, Trace
@@ -49,6 +49,49 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.now
+
+
+def on_virtual_clock(main):
+    """Run the coroutine function ``main`` on a fresh :class:`VirtualLoop` to its end; its result."""
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+class LoopSynthetic:
+    """The synthetic engine's service line, speed and fault schedule as a coroutine engine on the loop's clock.
+
+    The gate runs a coroutine engine as a task on its own loop (its real worker for one, not a test's),
+    so on a :class:`VirtualLoop` a run takes its time in virtual seconds: the watchdog, the stall rule and
+    the deadlines are checked to the exact time, where :class:`live.engine.SyntheticEngine`'s threads and
+    sleeps on the wall clock need slack. As that engine's: a run takes the model's estimate x speed, and run
+    n hangs ``faults.hang_s`` longer where ``faults.hangs(n)``; a cancel (a client that left) stops a run at once.
+    """
+
+    max_new_tokens_limit = None
+
+    def __init__(self, model: ServiceModel, speed: float = 1.0, faults: Faults = Faults()) -> None:
+        self.model, self.speed, self.faults = model, speed, faults
+        self.runs = 0
+
+    async def arun(self, prompt, max_new_tokens, stop=None):
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        self.runs += 1
+        hang = self.faults.hang_s if self.faults.hangs(self.runs) else 0.0
+        await asyncio.sleep(hang + float(self.model.estimate(max_new_tokens)) * self.speed)
+        return EngineResult(WORD * max_new_tokens, max_new_tokens, loop.time() - began)
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.encode())
+
+    def warmup(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"engine": "loop-synthetic"}
 
 
 class LoopWorker:
@@ -219,10 +262,6 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                 await asyncio.sleep(0.01)
             return gate.stats()
 
-    loop = VirtualLoop()
-    try:
-        stats = loop.run_until_complete(go())
-    finally:
-        loop.close()
+    stats = on_virtual_clock(go)
     frame = pd.DataFrame(rows)
     return frame, stats
