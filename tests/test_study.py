@@ -188,6 +188,7 @@ def test_a_failed_section_is_reported_and_resumed_by_the_next_run(tmp_path, monk
     assert not (tmp_path / "sections" / "boom" / "failed.json").exists()
 
 
+@pytest.mark.slow
 def test_the_live_stale_and_cancellation_parts_run_and_report_the_disagreement(tmp_path, monkeypatch):
     pytest.importorskip("httpx")
     # A few seconds of trace per run; the runs' slots closer together than the study's (a slot a run overruns only
