@@ -29,9 +29,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Everything but the tests that start servers or other processes (marked slow): see docs/testing.md.
+# Everything but the tests that start servers or other processes (marked slow), one worker per core
+# (pytest-xdist): see docs/testing.md.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n auto
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py
