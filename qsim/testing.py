@@ -54,10 +54,11 @@ from .records import OUTCOMES
 from .workload import Trace, make_trace
 
 __all__ = [
-    "ARRIVALS", "DISCIPLINES", "DisciplineCase", "EngineSettings", "InvariantBroken", "SimRun", "Workload",
-    "check_at_most_k_in_service", "check_conservation", "check_one_outcome_each", "check_order",
-    "check_queue_bound", "check_queue_core", "check_records", "check_work_conserving", "engine_settings",
-    "policies", "preset_policies", "queue_machine", "records_order", "runs", "traces", "workloads",
+    "ARRIVALS", "DECLARED", "DISCIPLINES", "DisciplineCase", "EngineSettings", "InvariantBroken", "SimRun",
+    "Workload", "adaptive", "by_arrival", "check_at_most_k_in_service", "check_conservation",
+    "check_one_outcome_each", "check_order", "check_queue_bound", "check_queue_core", "check_records",
+    "check_work_conserving", "engine_settings", "least_served", "newest_first", "policies", "preset_policies",
+    "queue_machine", "records_order", "runs", "traces", "workloads",
 ]
 
 
@@ -113,13 +114,13 @@ class DisciplineCase:
     popped must have the least key of all those waiting (ties allowed). By default the
     discipline's own key (a :class:`~qsim.disciplines.Keyed` one declares it); a discipline that
     declares none must say its order, or ``order=None`` to promise none (the other invariants
-    are still checked). ``work_conserving``: it never leaves an engine idle while a request waits.
+    are still checked). Every discipline is work-conserving in this core (``pop_next`` gives an
+    entry whenever one waits), and the state machine checks that it is.
     """
 
     name: str
     make: Callable[[], Any]
     order: Callable[[Any, Entry], Any] | None = DECLARED
-    work_conserving: bool = True
 
     def __post_init__(self) -> None:
         if self.order is DECLARED and not isinstance(self.make(), Keyed):
@@ -178,7 +179,8 @@ class _Watched:
             mine = next((k for k, e in keyed if e is entry), None)
             if mine is None:
                 self.broken = True
-                raise InvariantBroken(f"discipline {self.case.name}", f"popped request {entry.req!r}, which was not waiting")
+                raise InvariantBroken(f"discipline {self.case.name}",
+                                      f"popped request {entry.req!r}, which was not waiting")
             ahead = [(k, e) for k, e in keyed if k < mine]
             if ahead:
                 key, other = min(ahead, key=lambda item: item[0])
@@ -210,8 +212,10 @@ class _Watched:
 
 def preset_policies() -> st.SearchStrategy[Policy]:
     """Every preset, sometimes with a queue bound of 0 to 5 of its own."""
-    return st.builds(lambda name, bound: PRESETS[name] if bound is None else PRESETS[name].with_overrides(max_queue=bound),
-                     st.sampled_from(sorted(PRESETS)), st.none() | st.integers(0, 5))
+    def preset(name: str, bound: int | None) -> Policy:
+        return PRESETS[name] if bound is None else PRESETS[name].with_overrides(max_queue=bound)
+
+    return st.builds(preset, st.sampled_from(sorted(PRESETS)), st.none() | st.integers(0, 5))
 
 
 #: What an arrival brings: its calibrated estimate, its deadline (None: the policy's), priority and client.
@@ -226,7 +230,7 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
     its promised order at every pop), through any interleaving of arrivals, the passing of time, finishes
     (good or failed), stalls, cancels and give-ups, and checks after every step: one outcome per request and
     every request accounted for (waiting, running or ended, never two of these), at most K in service, no idle
-    engine while one waits (a work-conserving discipline), the queue bound, the summed estimate. At the end
+    engine while one waits, the queue bound, the summed estimate. At the end
     every engine hands its request back and every request must have exactly one outcome.
 
     Built when called, from the cases given then."""
@@ -261,7 +265,8 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
                 raise InvariantBroken("one outcome per request", f"request {req} ended twice: {self.outcomes[req]}, "
                                                                  f"then {outcome}")
             if outcome not in OUTCOMES:
-                raise InvariantBroken("one outcome per request", f"request {req} ended {outcome!r}, not one of {OUTCOMES}")
+                raise InvariantBroken("one outcome per request",
+                                      f"request {req} ended {outcome!r}, not one of {OUTCOMES}")
             self.outcomes[req] = outcome
 
         def _busy(self) -> list[int]:
@@ -346,7 +351,7 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
         @invariant()
         def no_idle_engine_while_one_waits(self):
             waiting = [e.req for e in self.q.waiting]  # its entries, not its len(): a discipline may miscount
-            if self.case.work_conserving and self.q.idle and waiting:
+            if self.q.idle and waiting:
                 raise InvariantBroken("no idle engine while work waits", f"engines {sorted(self.q.idle)} idle while "
                                                                          f"requests {waiting} wait")
 
@@ -563,8 +568,10 @@ def check_conservation(frame: pd.DataFrame, engines: int) -> None:
         (ran & (start < arrival - TIME_TOL), "started before it arrived"),
         (ran & (finish < start - TIME_TOL), "finished before it started"),
         (finish < arrival - TIME_TOL, "ended before it arrived"),
-        (frame["outcome"].eq(Outcome.REJECTED) & ((finish - arrival).abs() > TIME_TOL), "was refused after its arrival"),
-        (ran & (engine.isna() | (engine < 0) | (engine >= engines)).fillna(True), f"ran on no engine of 0..{engines - 1}"),
+        (frame["outcome"].eq(Outcome.REJECTED) & ((finish - arrival).abs() > TIME_TOL),
+         "was refused after its arrival"),
+        (ran & (engine.isna() | (engine < 0) | (engine >= engines)).fillna(True),
+         f"ran on no engine of 0..{engines - 1}"),
         (~ran & engine.notna(), "never ran but names an engine"),
         ((frame["latency_s"] - (finish - arrival)).abs() > TIME_TOL, "has latency_s other than finish - arrival"),
     ]
@@ -661,8 +668,8 @@ def records_order(discipline, fixed_estimate: bool = False) -> Callable[[pd.Data
     if kind is Edf:
         return lambda f: list(f["arrival_s"] + f["deadline_s"])
     if kind is Priority:
-        second = (lambda f: f["arrival_s"] + f["deadline_s"]) if discipline.within == "edf" else (lambda f: f["arrival_s"])
-        return lambda f: list(zip(-f["priority"].astype("int64"), second(f)))
+        edf = discipline.within == "edf"
+        return lambda f: list(zip(-f["priority"].astype("int64"), f["arrival_s"] + (f["deadline_s"] if edf else 0.0)))
     if kind is ShortestFirst and fixed_estimate:
         return lambda f: list(f["est_service_s"])
     return None
@@ -693,8 +700,8 @@ def check_order(frame: pd.DataFrame, key: Callable[[pd.DataFrame], list], name: 
 
 def check_records(frame: pd.DataFrame, run: SimRun, trace: Trace | None = None) -> None:
     """Every records invariant of ``run`` (its trace ``trace``, default the run's own): one outcome per
-    request, conservation, at most K in service, no idle engine while work waits (under a work-conserving
-    discipline, as all of qsim's are), the queue bound, and the order of service where the records can say it
+    request, conservation, at most K in service, no idle engine while work waits (every discipline is
+    work-conserving in qsim's core), the queue bound, and the order of service where the records can say it
     (:func:`records_order`)."""
     requests = len(trace if trace is not None else run.trace())
     k = run.engines.count
