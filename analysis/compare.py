@@ -35,7 +35,7 @@ comparison:
 **Clients that give up and retry** (run files of ``qlab replay`` with patience or a retry
 policy; :mod:`qsim.clients`). The simulator is run with the run's retry policy and jitter
 seed and each request's patience (columns ``retry_policy``, ``retry_seed``, ``patience_s``;
-:func:`live.rows.client_settings`): it is given the *first* attempts at the gate's arrivals
+:func:`qsim.runfile.client_settings`): it is given the *first* attempts at the gate's arrivals
 and decides the retries itself, so a retry it sends at another time, or does not send,
 is a disagreement. Each request's patience runs out at the moment the live client's did
 (its first send + patience, on the run's clock). A request's engine time is that of the
@@ -260,8 +260,8 @@ def generated_tokens(run: pd.DataFrame, ordered: pd.DataFrame) -> np.ndarray:
 
 
 def _retrying(run: pd.DataFrame):
-    """The run's clients (:func:`live.rows.client_settings`) and whether they retried."""
-    from live.rows import client_settings
+    """The run's clients (:func:`qsim.runfile.client_settings`) and whether they retried."""
+    from qsim.runfile import client_settings
 
     clients, _ = client_settings(run)
     return clients, clients.retry is not None and clients.retry.retries

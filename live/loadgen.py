@@ -45,13 +45,14 @@ from qsim import Policy, Trace
 from qsim.config import ServerConfig
 from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
 from qsim.model import LEFT_REASON
+from qsim.runfile import ClientSettings
 
 from . import openai_replay
 from .auth import client_headers
 from .calibrate import ServerFacts, default_prompt_tokens, server_facts
 from .contract import Stats, num
 from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
-from .rows import ClientSettings, Exchange, ServerInfo, retry_after_s, server_info, to_frame
+from .rows import Exchange, ServerInfo, retry_after_s, server_info, to_frame
 from .tokenizer import MIN_CONTEXT_TOKENS, prompt_of
 
 #: qlab: qlab's own /v1/generate; openai: POST /v1/completions, streamed, on any OpenAI-compatible server.

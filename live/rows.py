@@ -32,7 +32,7 @@ gate ended the request (see :func:`_gate_end`).
 queued_at_arrival is <NA> where the service did not report it (-1 on the way
 in: qsim.records.from_arrays reads -1 in an Int64 column as missing).
 
-Clients that give up and retry (:class:`ClientSettings`, :mod:`qsim.clients`): every
+Clients that give up and retry (:class:`qsim.runfile.ClientSettings`, :mod:`qsim.clients`): every
 attempt is a row (``first_request_id``, ``attempt``; a retry's request_id follows the
 trace's, in the order the retries were decided). An attempt whose client hung up is
 ``abandoned`` (reason client_left, or client_timeout for the retry policy's per-attempt
@@ -45,7 +45,6 @@ client_next (what the client did next: "retry", or why not, :class:`qsim.clients
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -56,9 +55,8 @@ import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
 from qsim.config import ServerConfig, StallRule
-from qsim.runfile import server_columns
+from qsim.runfile import ClientSettings, server_columns
 from qsim.service import SpeedSchedule
-from qsim.clients import RetryPolicy
 from qsim.policy import on_time, policy_from_fields
 
 from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings, num, read_error
@@ -135,41 +133,6 @@ def server_info(stats: Any) -> ServerInfo:
     if math.isfinite(factor) and factor > 0:
         config = config.replace(initial_speed_factor=factor)
     return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known)
-
-
-@dataclass(frozen=True)
-class ClientSettings:
-    """The replay's clients besides their sends: the retry policy (None: never again), its jitter's
-    seed, and what the trace's patience waits for; constant columns of the run file (see the module)."""
-
-    retry: RetryPolicy | None = None
-    retry_seed: int = 0
-    patience_until: str = "answer"
-
-    def columns(self, n: int) -> dict[str, Any]:
-        policy = None if self.retry is None else json.dumps(dataclasses.asdict(self.retry), sort_keys=True)
-        return {
-            "retry_policy": pd.array([policy] * n, dtype="string"),
-            "retry_seed": _nullable_int(np.full(n, -1 if self.retry is None else self.retry_seed)),
-            "patience_until": pd.array([self.patience_until] * n, dtype="string"),
-        }
-
-
-def client_settings(run: pd.DataFrame) -> tuple[ClientSettings, np.ndarray]:
-    """The clients of a run file, and each row's patience (seconds from its request's first send; inf:
-    none). A run file from before clients gave up and retried: patient clients that never retry."""
-    patience = run["patience_s"].to_numpy(float) if "patience_s" in run.columns else np.full(len(run), np.nan)
-    patience = np.where(np.isnan(patience), math.inf, patience)
-    if "retry_policy" not in run.columns or run.empty:
-        return ClientSettings(), patience
-    values = run["retry_policy"].dropna().unique()
-    if len(values) > 1:
-        raise ValueError(f"run column retry_policy must hold one value for the whole run, found {list(values)[:3]}")
-    retry = RetryPolicy.from_table(json.loads(values[0])) if len(values) else None
-    seed = run["retry_seed"].dropna()
-    until = run["patience_until"].dropna() if "patience_until" in run.columns else pd.Series([], dtype=object)
-    return (ClientSettings(retry, int(seed.iloc[0]) if len(seed) else 0, str(until.iloc[0]) if len(until) else "answer"),
-            patience)
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,23 @@ A run file (one row per request, from ``qlab replay``) carries the server's
 :class:`~qsim.config.ServerConfig` as JSON in the constant column ``server_config``, with the
 policy's name and the engine count beside it for people reading the table, and the synthetic
 engine's speed schedule on the run's clock (``speed_schedule``). A run file from before the
-config column has the older per-setting columns, which :func:`server_config` still reads.
+config column has the older per-setting columns, which :func:`server_config` still reads. The replay's
+clients (their retry policy, its seed, what patience waits for) are constant columns too
+(:class:`ClientSettings`, read back by :func:`client_settings`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from .clients import RetryPolicy
 from .config import ServerConfig, StallRule
 from .policy import Policy, policy_from_fields
 from .service import ServiceModel, SpeedSchedule
@@ -93,3 +98,38 @@ def speed_schedule(run: pd.DataFrame) -> SpeedSchedule | None:
         return None
     data = json.loads(str(raw))
     return SpeedSchedule(float(data["base"]), tuple((float(t), float(v)) for t, v in data["steps"]))
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """The replay's clients besides their sends: the retry policy (None: never again), its jitter's
+    seed, and what the trace's patience waits for; constant columns of the run file (:mod:`live.rows` writes them)."""
+
+    retry: RetryPolicy | None = None
+    retry_seed: int = 0
+    patience_until: str = "answer"
+
+    def columns(self, n: int) -> dict[str, Any]:
+        policy = None if self.retry is None else json.dumps(dataclasses.asdict(self.retry), sort_keys=True)
+        return {
+            "retry_policy": pd.array([policy] * n, dtype="string"),
+            "retry_seed": pd.array([None if self.retry is None else self.retry_seed] * n, dtype="Int64"),
+            "patience_until": pd.array([self.patience_until] * n, dtype="string"),
+        }
+
+
+def client_settings(run: pd.DataFrame) -> tuple[ClientSettings, np.ndarray]:
+    """The clients of a run file, and each row's patience (seconds from its request's first send; inf:
+    none). A run file from before clients gave up and retried: patient clients that never retry."""
+    patience = run["patience_s"].to_numpy(float) if "patience_s" in run.columns else np.full(len(run), np.nan)
+    patience = np.where(np.isnan(patience), math.inf, patience)
+    if "retry_policy" not in run.columns or run.empty:
+        return ClientSettings(), patience
+    values = run["retry_policy"].dropna().unique()
+    if len(values) > 1:
+        raise ValueError(f"run column retry_policy must hold one value for the whole run, found {list(values)[:3]}")
+    retry = RetryPolicy.from_table(json.loads(values[0])) if len(values) else None
+    seed = run["retry_seed"].dropna()
+    until = run["patience_until"].dropna() if "patience_until" in run.columns else pd.Series([], dtype=object)
+    return (ClientSettings(retry, int(seed.iloc[0]) if len(seed) else 0, str(until.iloc[0]) if len(until) else "answer"),
+            patience)

@@ -34,7 +34,8 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     end and reach the gate at once, so the trips must then be 0, and the gate's clock is the run's
     (retries due at one instant keep their order: no rounding through ZERO tells them apart).
     """
-    from live.rows import ClientSettings, Exchange, ServerInfo, to_frame
+    from live.rows import Exchange, ServerInfo, to_frame
+    from qsim.runfile import ClientSettings
 
     assert retry is None or trip_in_s == trip_out_s == 0, "a simulated client's retry has no trips"
     zero = ZERO if retry is None else 0.0
@@ -289,7 +290,8 @@ def test_an_attempt_only_the_simulator_sends_is_a_disagreement_of_attempts():
 
 
 def test_a_run_file_carries_its_clients():
-    from live.rows import Exchange, client_settings, to_frame
+    from live.rows import Exchange, to_frame
+    from qsim.runfile import client_settings
 
     trace = make_trace("poisson", load=1.0, seconds=5, seed=2, patience=Patience.parse("deterministic:3"))
     run = live_like_run(trace, "bounded", trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES["jittered"])
