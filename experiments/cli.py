@@ -304,7 +304,7 @@ def _command_modules():
     import importlib
 
     found = []
-    for name in ("experiments.commands", "live.commands", "live.load_commands", "experiments.study"):
+    for name in ("experiments.commands", "live.commands", "experiments.load_commands", "experiments.study"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

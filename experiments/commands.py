@@ -111,7 +111,7 @@ def cmd_summary(args) -> int:
         print(f"{src}: {len(summary)} cells")
         _print_summary(summary)
     elif args.format == "markdown":
-        from .study import pipe_table
+        from .tables import pipe_table
 
         print(pipe_table(summary_table(summary)))
     else:  # numbers for a program: mean and CI bounds in columns of their own, no NaN but null (JSON)

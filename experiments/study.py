@@ -44,6 +44,8 @@ from analysis.styles import policy_order
 from inputs.argtypes import positive_int
 from inputs.atomic import atomic_write, write_parquet
 
+from .tables import pipe_table, table_cell
+
 HERE = Path(__file__).resolve().parent
 #: Bump when a section's computation changes, so that done sections are recomputed.
 STUDY_VERSION = 1
@@ -739,10 +741,12 @@ def _live_inputs(ctx: Context) -> dict:
 
 
 def _live_run(ctx: Context, folder: Path) -> None:
-    from live import live_config, runner
+    from live import live_config
+
+    from . import live_runner
 
     cfg = live_config.parse(_live_data(ctx), str(folder / "live.toml"))
-    runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
+    live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
 
 
 def _live_report(ctx: Context, folder: Path) -> list:
@@ -1080,22 +1084,6 @@ NAMES = tuple(s.name for s in SECTIONS)
 # ------------------------------------------------------------------ rendering
 
 
-def _cell(value) -> str:
-    if isinstance(value, (float, np.floating)):
-        return "-" if math.isnan(value) else f"{value:.4g}"
-    if isinstance(value, (bool, np.bool_)):
-        return "yes" if value else "no"
-    return str(value)
-
-
-def pipe_table(frame: pd.DataFrame) -> str:
-    """A markdown (pipe) table; | in a cell is escaped."""
-    cells = [[_cell(v).replace("|", "\\|") for v in row] for row in frame.itertuples(index=False)]
-    head = [str(c).replace("|", "\\|") for c in frame.columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
-
-
 def _sentence(text: str) -> str:
     return "Evidence: " + text + ("" if text.endswith(".") else ".")
 
@@ -1148,7 +1136,7 @@ def _html_block(b) -> str:
         return (f'<div class="verdict {kind}"><b>{html.escape(name)} {b.word}</b>: {html.escape(b.claim)}. '
                 f"{html.escape(_sentence(b.evidence))}</div>")
     if isinstance(b, Table):
-        shown = b.frame.map(_cell) if len(b.frame) else b.frame
+        shown = b.frame.map(table_cell) if len(b.frame) else b.frame
         table = shown.to_html(index=False, border=0, escape=True) if len(b.frame) else "<p>(empty)</p>"
         return (f"<p><i>{html.escape(b.caption)}</i></p>" if b.caption else "") + table
     if isinstance(b, Code):

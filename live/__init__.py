@@ -6,8 +6,9 @@ The server side: ``gate`` (the asyncio driver of qsim's queue), ``engine`` and `
 heads), ``serve_options`` (every option of ``qlab serve``, written once) and ``commands``
 (``qlab serve``). The load side: ``procs`` (a server as a child process), ``loadgen``
 (open-loop replay), ``rows`` (an exchange as a record), ``calibrate``, ``live_config``
-and ``runner`` (``qlab live``), ``load_commands`` (``qlab replay``, ``calibrate``,
-``compare``, ``live``).
+(``qlab live``'s file). The commands of the load side (``qlab replay``, ``calibrate``,
+``compare``, ``live``) are :mod:`experiments.load_commands` and :mod:`experiments.live_runner`:
+they use :mod:`analysis` too, and live imports nothing from analysis (tests/test_layout.py).
 
 It reuses qsim's ``decide``, ``cannot_finish``, ``SpeedTracker``, traces and record
 schema rather than copies of them. Torch is imported only by ``live.gpt2``.

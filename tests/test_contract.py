@@ -234,7 +234,7 @@ def test_the_openai_replayer_reads_a_gates_stream_as_its_whole_answer(client):
 # ---------------------------------------------------------------------- (c) no body key by string
 
 #: Modules that read answers: each must read them through live.contract.
-SCANNED = ["live/rows.py", "live/loadgen.py", "live/calibrate.py", "live/load_commands.py", "live/openai_replay.py",
+SCANNED = ["live/rows.py", "live/loadgen.py", "live/calibrate.py", "experiments/load_commands.py", "live/openai_replay.py",
            *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py"))]
 #: Names that hold a parsed body wherever they appear (parameters and results of the readers).
 BODY_NAMES = {"body", "payload", "stats", "health", "answer", "error", "numbers", "timings", "seen", "mapping",

@@ -26,7 +26,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from experiments import config, sweep  # noqa: E402
-from live import live_config, runner  # noqa: E402
+from experiments import live_runner as runner  # noqa: E402
+from live import live_config  # noqa: E402
 from live.engine import Faults, InjectedFault, SyntheticEngine  # noqa: E402
 from live.gate import DeadlineExceeded, EngineStalled, Gate, gate_config, Job, Rejected  # noqa: E402
 from experiments.cli import main  # noqa: E402
@@ -548,7 +549,7 @@ class _Live:
         return len(list((self.out / "runs").glob("*.parquet")))
 
     def started(self) -> int:
-        return sum(") under " in line for line in list(self.lines))  # runner.py logs "NAME (N requests) under ..."
+        return sum(") under " in line for line in list(self.lines))  # live_runner.py logs "NAME (N requests) under ..."
 
     def servers(self) -> list:
         return pytest.importorskip("psutil").Process(self.proc.pid).children(recursive=True)

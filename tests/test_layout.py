@@ -1,5 +1,6 @@
-"""The import layering, read from the source (every import, also those inside functions):
-qsim imports no other qlab package but inputs, there are no import circles, only qsim.testing
+"""The import layering, read from the source (every import, also those inside functions): each
+package imports only from the layers below its own (qsim; inputs; analysis and live, which never
+import each other; experiments), no modules import each other in a circle, only qsim.testing
 imports hypothesis, and nothing imports the project's tests as a package (a `tests` package
 installed in site-packages would answer instead)."""
 
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("qsim", "live", "analysis", "experiments", "inputs")
-#: Packages whose modules import each other without a circle (live joins once http_api and
-#: openai_api no longer import each other).
-CIRCLE_FREE = ("qsim", "inputs", "analysis", "experiments")
+#: qlab's packages, bottom layer first: a package imports only from layers below its own. The run file's
+#: settings (qsim.runfile) are in the bottom layer, so that the comparison (analysis) reads them without live;
+#: the commands that drive live runs and measure them (experiments.load_commands, live_runner) are on top.
+LAYERS = (("qsim",), ("inputs",), ("analysis", "live"), ("experiments",))
+PACKAGES = tuple(p for layer in LAYERS for p in layer)
+LAYER = {p: i for i, layer in enumerate(LAYERS) for p in layer}
 
 
 def _module(path: Path) -> str:
@@ -79,15 +82,27 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_qsim_imports_no_other_qlab_package_but_inputs():
-    others = set(PACKAGES) - {"qsim", "inputs"}
-    wrong = {m: sorted(i for i in _imports(p) if i.split(".")[0] in others)
-             for m, p in _modules().items() if m.split(".")[0] == "qsim"}
-    assert not {m: i for m, i in wrong.items() if i}
+def _upward(module: str, imported: str) -> bool:
+    """Whether ``module`` importing ``imported`` goes sideways or up a layer (into another package not below)."""
+    mine, theirs = module.split(".")[0], imported.split(".")[0]
+    return theirs in LAYER and theirs != mine and LAYER[theirs] >= LAYER[mine]
+
+
+def test_each_package_imports_only_from_the_layers_below():
+    wrong = sorted(f"{m} imports {i}" for m, p in _modules().items() for i in _imports(p) if _upward(m, i))
+    assert not wrong, "imports across the layering (" + " < ".join(" & ".join(l) for l in LAYERS) + "): " + \
+        "; ".join(wrong)
+
+
+def test_the_layering_check_sees_an_import_up_or_sideways():
+    assert _upward("live.runner", "analysis.compare") and _upward("analysis.compare", "live.rows")
+    assert _upward("qsim.model", "inputs.atomic") and _upward("inputs.atomic", "experiments.cli")
+    assert not _upward("experiments.study", "live.procs") and not _upward("live.gate", "qsim.queue")
+    assert not _upward("live.gate", "live.engine") and not _upward("live.gate", "numpy")
 
 
 def test_no_import_circles():
-    circle = _circle(_graph(CIRCLE_FREE))
+    circle = _circle(_graph(PACKAGES))
     assert circle is None, f"import circle: {' -> '.join(circle)}"
 
 

@@ -15,7 +15,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from experiments.cli import main  # noqa: E402
-from live import live_config, runner  # noqa: E402
+from experiments import live_runner as runner  # noqa: E402
+from live import live_config  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate, probe  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.rows import Exchange, classify  # noqa: E402

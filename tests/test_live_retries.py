@@ -192,7 +192,7 @@ def test_live_file_client_errors_name_the_key(tmp_path, capsys, text, message):
 
 @pytest.mark.slow
 def test_qlab_live_replays_with_the_files_clients(tmp_path):
-    from live import runner
+    from experiments import live_runner as runner
 
     path = tmp_path / "live.toml"
     path.write_text("[server]\npolicies = ['predictive']\nstartup_timeout_s = 60\n[probe]\nrequests = 2\n"

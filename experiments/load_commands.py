@@ -1,4 +1,5 @@
-"""``qlab replay``, ``qlab calibrate``, ``qlab compare`` and ``qlab live``: the load side of the live harness.
+"""``qlab replay``, ``qlab calibrate``, ``qlab compare`` and ``qlab live``: the load side of the live harness, and
+what it measures (analysis); here, above both, so that :mod:`live` never imports :mod:`analysis`.
 
 Each command takes the parsed args and returns an exit status; bad input is a
 ValueError, which the ``qlab`` entry point prints as one line (exit 2).
@@ -21,8 +22,8 @@ from qsim import ServiceModel, build_trace, records
 from qsim.records import OUTCOMES
 from qsim.workload import ARRIVALS
 
-from .contract import Stats
-from .live_config import DEFAULT_SECONDS
+from live.contract import Stats
+from live.live_config import DEFAULT_SECONDS
 
 
 def _model(path: str | None) -> ServiceModel:
@@ -125,7 +126,7 @@ def _print_latency(frame: pd.DataFrame, seconds: float) -> None:
 
 
 def _objectives(args):
-    from .loadgen import Objectives
+    from live.loadgen import Objectives
 
     if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
         return None
@@ -137,8 +138,8 @@ def _import(args) -> int:
     """``qlab replay --import FILE``: another tool's per-request results as a run file (live.imports)."""
     from analysis.latency import judged
 
-    from .imports import read_tool_file, to_run
-    from .rows import server_info
+    from live.imports import read_tool_file, to_run
+    from live.rows import server_info
 
     if args.stats:
         try:
@@ -167,7 +168,7 @@ def _import(args) -> int:
 def cmd_replay(args) -> int:
     from analysis.latency import judged
 
-    from .loadgen import ReplayConfig, check_patience, lateness, replay
+    from live.loadgen import ReplayConfig, check_patience, lateness, replay
 
     if args.import_file:
         return _import(args)
@@ -264,7 +265,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import CalibrationConfig, calibrate, describe
+    from live.calibrate import CalibrationConfig, calibrate, describe
 
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
@@ -407,10 +408,12 @@ def _compare_parser(sub) -> None:
 
 
 def cmd_live(args) -> int:
-    from . import live_config, runner
+    from live import live_config
+
+    from . import live_runner
 
     cfg = live_config.load(args.config)
-    summary = runner.run(cfg, args.out, log=lambda line: print(line, flush=True))
+    summary = live_runner.run(cfg, args.out, log=lambda line: print(line, flush=True))
     cols = ["trace", "policy", "effective_load", "good", "late", "rejected", "expired", "error", "goodput_rps",
             "good_tokens_per_s", "sim_disagreement_rate"]
     print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))

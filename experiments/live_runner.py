@@ -1,4 +1,5 @@
-"""``qlab live``: every trace under every policy, against resident live servers.
+"""``qlab live``: every trace under every policy, against resident live servers, each run compared with
+the simulator (:mod:`analysis.compare`): an experiment, above both :mod:`live` and :mod:`analysis`.
 
 One ``qlab serve`` per policy runs for the whole experiment (started together,
 so a model loads once per server, and a policy's server is already warm when
@@ -42,10 +43,10 @@ from analysis import compare, metrics
 from inputs.atomic import atomic_write, clear_temporaries, write_parquet
 from qsim import ServiceModel, Trace, build_trace
 
-from .calibrate import CalibrationConfig, calibrate, describe, probe
-from .live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
-from .loadgen import ReplayConfig, lateness, replay
-from .procs import serving
+from live.calibrate import CalibrationConfig, calibrate, describe, probe
+from live.live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
+from live.loadgen import ReplayConfig, lateness, replay
+from live.procs import serving
 
 
 def rotated(items: tuple[str, ...], k: int) -> list[str]:
