@@ -395,7 +395,9 @@ class BatchQueue:
                 seq.alive = False
             else:
                 self._leave(seq)
-            self._end(seq.entry.req, due, CANCELLED, CUT_REASON, self._stats(seq))
+            # One that joined after its deadline (it waited past it) is cut as it joins, as an engine run one at a
+            # time cuts it as it starts: never before its start.
+            self._end(seq.entry.req, max(due, seq.start), CANCELLED, CUT_REASON, self._stats(seq))
         self._kick(now)
 
     # -- planning -------------------------------------------------------------------------

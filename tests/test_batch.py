@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsim import Batching, ServerConfig, ServiceModel, StepModel, from_arrays, make_trace, records, simulate
-from qsim.batch import BatchQueue
+from qsim import testing
 from qsim.policy import PRESETS, Policy, resolve
+from qsim.testing import EngineSettings, SimRun
 from qsim.workload import UsedShare
 
 
@@ -30,16 +31,11 @@ def run(trace, policy=PRESETS["none"], **engine):
 
 
 @pytest.fixture
-def audited(monkeypatch):
-    """Every step planned is audited (BatchQueue.audit): the blocks, seats and aggregates add up."""
-    plan = BatchQueue._next_step
-
-    def checked(self, now):
-        self.audit()
-        plan(self, now)
-        self.audit()
-
-    monkeypatch.setattr(BatchQueue, "_next_step", checked)
+def audited():
+    """Every step planned is audited (BatchQueue.audit, through the test kit): the blocks, seats and aggregates
+    add up."""
+    with testing.audited_batches():
+        yield
 
 
 # ---------------------------------------------------------------- by hand
@@ -109,6 +105,16 @@ def test_a_run_past_its_deadline_is_cut_there(audited):
     assert df["finish_s"].iloc[1] == pytest.approx(0.05) and df["reason"].iloc[1] == "deadline_passed"
 
 
+def test_one_that_joins_after_its_deadline_is_cut_as_it_joins(audited):
+    # Found by the test kit (conservation: finished before it started): one seat, 60 ms steps, 50 ms deadlines.
+    # The first is cut at 0.05 s in its step, which runs on to 0.06 s; the second joins then, past its deadline,
+    # and was recorded cut "at 0.05 s".
+    policy = resolve("none", {"cancel_at_deadline": True, "deadline_s": 0.05})
+    df = run(trace_of([0.0, 0.0], [0, 0], [1, 1]), policy, step=StepModel(0.06, 0, 0, 0), max_num_seqs=1)
+    assert df["outcome"].tolist() == ["cancelled", "cancelled"] and df["finish_s"].iloc[0] == pytest.approx(0.05)
+    assert df["start_s"].iloc[1] == df["finish_s"].iloc[1] == pytest.approx(0.06)
+
+
 def test_ttft_and_tpot_objectives_make_an_answer_late(audited):
     trace = trace_of([0.0, 0.0, 0.0], [0, 0, 0], [5, 5, 5])
     step = StepModel(0.01, 0, 0.001, 0)
@@ -159,7 +165,8 @@ def test_every_request_ends_once_and_the_books_balance(audited, seed, load, seqs
     engine = Batching(StepModel(0.005, 2e-5, 3e-4, 1e-6, cv=cv), max_num_seqs=seqs, max_num_batched_tokens=budget,
                       chunked_prefill=chunked, kv_blocks=blocks)
     df = records.validate(simulate(trace, ServerConfig(policy, engine, seed=seed), cancel_after_s=patience))
-    assert len(df) == len(trace) and df["outcome"].notna().all()
+    # One outcome each, conservation, seats, the cache, never idle while one waits, the bound, FIFO's order.
+    testing.check_records(df, SimRun(policy, EngineSettings(batching=engine)), trace)
     ran = df["start_s"].notna()
     assert (df.loc[df["outcome"].isin(["good", "late"]), "output_tokens"] ==
             trace.tokens_generated[df.loc[df["outcome"].isin(["good", "late"]), "request_id"]]).all()
