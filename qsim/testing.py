@@ -6,8 +6,10 @@ shows a new discipline and a new policy tested with it in ten lines.
 Strategies (hypothesis ``SearchStrategy`` objects):
 
 * :func:`policies`: policies with random admission settings and disciplines;
-* :func:`engine_settings`: engine counts, machine speed, service noise, tracked or fixed estimates;
-* :func:`workloads`: arrival process, service distribution, load, length and seed;
+* :func:`engine_settings`: engine counts, machine speed, service noise, tracked or fixed estimates, and
+  (``batching=True``) batching engines, :func:`batching_engines` (:class:`qsim.engines.Batching`: seats,
+  token budget, chunked prefill, KV blocks, a :func:`step_models` step model);
+* :func:`workloads`: arrival process, service distribution, load, length, seed and prompt lengths;
 * :func:`runs`: all three together, a :class:`SimRun` that builds its trace and simulates it;
 * :func:`traces`: the traces of such runs.
 
@@ -15,8 +17,10 @@ Checkers raise :class:`InvariantBroken` (an AssertionError) whose message names 
 the request that breaks it:
 
 * on the simulator's records (:func:`check_records` runs them all): :func:`check_one_outcome_each`,
-  :func:`check_conservation`, :func:`check_at_most_k_in_service`, :func:`check_work_conserving`,
-  :func:`check_queue_bound`, :func:`check_order`;
+  :func:`check_conservation`, :func:`check_at_most_k_in_service` (a batching engine:
+  :func:`check_at_most_seats_in_batch`, :func:`check_kv_blocks`), :func:`check_work_conserving`,
+  :func:`check_queue_bound`, :func:`check_order`; a batching engine's books are audited at every step
+  while it runs (:func:`audited_batches`);
 * on the queue core itself, through any interleaving of arrivals, finishes, failures, stalls,
   cancels and give-ups: :func:`check_queue_core` (a hypothesis state machine, :func:`queue_machine`),
   for the disciplines and policies it is given. A discipline comes with the order it promises
@@ -26,11 +30,12 @@ the request that breaks it:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 try:
     from hypothesis import Phase, settings
@@ -43,22 +48,26 @@ except ImportError as exc:  # qsim runs without hypothesis; only this kit needs 
 import numpy as np
 import pandas as pd
 
+from .batch import BatchQueue
 from .config import ServerConfig, StallRule
 from .disciplines import AdaptiveLifo, CoDel, Edf, FairShare, Fifo, Keyed, Lifo, Priority, ShortestFirst
+from .engines import Batching, EngineModel, OneAtATime, StepModel
 from .entry import Entry
 from .model import simulate
 from .outcomes import Outcome, Reason
 from .policy import PRESETS, Policy, Rejection
 from .queue import AdmissionQueue
 from .records import OUTCOMES
-from .workload import Trace, make_trace
+from .service import ServiceModel
+from .workload import REFERENCE_MIX, Prompts, Trace, blended_means, make_trace
 
 __all__ = [
-    "ARRIVALS", "DECLARED", "DISCIPLINES", "DisciplineCase", "EngineSettings", "InvariantBroken", "SimRun",
-    "Workload", "adaptive", "by_arrival", "check_at_most_k_in_service", "check_conservation",
+    "ARRIVALS", "DECLARED", "DISCIPLINES", "PROMPTS", "DisciplineCase", "EngineSettings", "InvariantBroken",
+    "SimRun", "Workload", "adaptive", "audited_batches", "batching_engines", "by_arrival",
+    "check_at_most_k_in_service", "check_at_most_seats_in_batch", "check_conservation", "check_kv_blocks",
     "check_one_outcome_each", "check_order", "check_queue_bound", "check_queue_core", "check_records",
     "check_work_conserving", "engine_settings", "least_served", "newest_first", "policies", "preset_policies",
-    "queue_machine", "records_order", "runs", "traces", "workloads",
+    "queue_machine", "records_order", "runs", "step_models", "traces", "workloads",
 ]
 
 
@@ -447,26 +456,46 @@ def policies(disciplines: Iterable[str] = ("fifo",), name: str = "random") -> st
     )
 
 
+#: Prompt lengths :func:`workloads` draws from (:class:`qsim.workload.Prompts` specs): a batching engine computes
+#: them before the first token; an engine run one at a time does not see them (its calibration has no prompt term).
+PROMPTS = ("none", "fixed:64", "uniform:0:300", "lognormal:64:0.8")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """The engines and the machine: how many, how much slower than calibrated, how noisy, and whether the
-    policy tracks the machine's speed or keeps the calibrated estimate."""
+    policy tracks the machine's speed or keeps the calibrated estimate; or one batching engine
+    (``batching``, :class:`qsim.engines.Batching`: its speed and spread are its step model's, and ``count``,
+    ``speed`` and ``noise_cv`` stay 1, 1 and 0)."""
 
     count: int = 1
     speed: float = 1.0
     noise_cv: float = 0.0  # lognormal noise on the mix's service times (the mix only)
     fixed_estimate: bool = False
+    batching: Batching | None = None
+
+    def __post_init__(self) -> None:
+        if self.batching is not None and (self.count, self.speed, self.noise_cv) != (1, 1.0, 0.0):
+            raise ValueError("a batching engine is one engine; its speed and spread are its step model's: "
+                             f"count 1, speed 1, noise_cv 0, got {self.count}, {self.speed}, {self.noise_cv}")
+
+    @property
+    def engine(self) -> EngineModel:
+        """The engine model a :class:`~qsim.config.ServerConfig` is built with."""
+        return OneAtATime(self.count) if self.batching is None else self.batching
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A seeded synthetic workload, as :func:`qsim.make_trace` takes it."""
+    """A seeded synthetic workload, as :func:`qsim.make_trace` takes it (``prompts``: a
+    :class:`qsim.workload.Prompts` spec)."""
 
     arrivals: str = "poisson"
     service: str = "mix"
     load: float = 1.0
     requests: int = 100
     seed: int = 0
+    prompts: str = "none"
 
 
 @dataclass(frozen=True)
@@ -478,47 +507,113 @@ class SimRun:
     workload: Workload = field(default_factory=Workload)
 
     def trace(self, **options) -> Trace:
-        """The workload's trace at these engine settings; ``options`` are more of make_trace's (patience=...)."""
+        """The workload's trace at these engine settings; ``options`` are more of make_trace's (patience=...).
+        A batching engine's load is of its saturated throughput (:meth:`qsim.engines.Batching.capacity_rps`)."""
         w, e = self.workload, self.engines
         noise = {"noise_cv": e.noise_cv} if w.service == "mix" else {}
+        prompts = Prompts.parse(w.prompts)
+        if e.batching is not None:
+            _, mean_tokens = blended_means(REFERENCE_MIX, (), ServiceModel())
+            options = {"capacity_rps": e.batching.capacity_rps(prompts.mean(), mean_tokens), **options}
         return make_trace(w.arrivals, w.service, load=w.load, engines=e.count, speed=e.speed, requests=w.requests,
-                          seed=w.seed, **noise, **options)
+                          seed=w.seed, prompts=prompts, **noise, **options)
+
+    def config(self) -> ServerConfig:
+        """The server this run simulates."""
+        return ServerConfig(self.policy, self.engines.engine, fixed_estimate=self.engines.fixed_estimate)
 
     def simulate(self, trace: Trace | None = None, **options) -> pd.DataFrame:
         """simulate() of ``trace`` (default: :meth:`trace`) under this run's policy and engines; ``options`` are
-        more of simulate's (retry=..., cancel_after_s=...)."""
-        config = ServerConfig(self.policy, self.engines.count, fixed_estimate=self.engines.fixed_estimate)
-        return simulate(self.trace() if trace is None else trace, config, **options)
+        more of simulate's (retry=..., cancel_after_s=...). A batching engine's bookkeeping is audited at every
+        step (:func:`audited_batches`)."""
+        with audited_batches() if self.engines.batching is not None else contextlib.nullcontext():
+            return simulate(self.trace() if trace is None else trace, self.config(), **options)
 
 
-def engine_settings(exact: bool = False, max_engines: int = 4) -> st.SearchStrategy[EngineSettings]:
+def step_models() -> st.SearchStrategy[StepModel]:
+    """A batching engine's step times: 1 to 20 ms a step, and per prefill token, per sequence and per context
+    token terms or none; steps exactly the model's or spread around it (CV 0.5)."""
+    return st.builds(StepModel, b0=st.floats(0.001, 0.02), b1=st.sampled_from([0.0, 2e-5]),
+                     b2=st.sampled_from([0.0, 3e-4]), b3=st.sampled_from([0.0, 1e-6]), cv=st.sampled_from([0.0, 0.5]))
+
+
+def batching_engines(max_num_seqs: int = 32) -> st.SearchStrategy[Batching]:
+    """Batching engines (:class:`qsim.engines.Batching`): 1 to ``max_num_seqs`` seats, a token budget of at least
+    that, chunked prefill or not, a KV cache unlimited or of 48 to 4,000 tokens (a few requests' to plenty, so
+    that some preempt and some are too large for it), in blocks of 1 or 16 tokens."""
+    def engine(step, seqs, extra, chunked, kv_tokens, block_size):
+        blocks = None if kv_tokens is None else max(1, kv_tokens // block_size)
+        return Batching(step, seqs, seqs + extra, chunked, blocks, block_size)
+
+    return st.builds(engine, step_models(), st.integers(1, max_num_seqs), st.sampled_from([0, 31, 256]),
+                     st.booleans(), st.none() | st.integers(48, 4000), st.sampled_from([1, 16]))
+
+
+def engine_settings(exact: bool = False, max_engines: int = 4,
+                    batching: bool = False) -> st.SearchStrategy[EngineSettings]:
     """1 to ``max_engines`` engines, a machine 0.5 to 3 times slower than calibrated, noise CV 0 or 0.3,
-    tracked or fixed estimates; ``exact``: the calibrated machine, no noise, tracked (estimates are exact)."""
+    tracked or fixed estimates; ``exact``: the calibrated machine, no noise, tracked (estimates are exact).
+    ``batching``: one :func:`batching_engines` engine half the time (not with ``exact``: a batch's estimates
+    are projections)."""
     if exact:
         return st.builds(EngineSettings, count=st.integers(1, max_engines))
-    return st.builds(EngineSettings, count=st.integers(1, max_engines), speed=st.floats(0.5, 3.0),
-                     noise_cv=st.sampled_from([0.0, 0.3]), fixed_estimate=st.booleans())
+    one_at_a_time = st.builds(EngineSettings, count=st.integers(1, max_engines), speed=st.floats(0.5, 3.0),
+                              noise_cv=st.sampled_from([0.0, 0.3]), fixed_estimate=st.booleans())
+    if not batching:
+        return one_at_a_time
+    return one_at_a_time | st.builds(EngineSettings, fixed_estimate=st.booleans(), batching=batching_engines())
 
 
 def workloads(exact: bool = False, max_requests: int = 250) -> st.SearchStrategy[Workload]:
     """An arrival process of :data:`ARRIVALS`, the mix or exponential or deterministic service (``exact``: the
-    mix), load 0.2 to 3, 1 to ``max_requests`` requests, any seed."""
+    mix), load 0.2 to 3, 1 to ``max_requests`` requests, any seed, prompt lengths of :data:`PROMPTS`."""
     return st.builds(Workload, arrivals=st.sampled_from(ARRIVALS),
                      service=st.just("mix") if exact else st.sampled_from(["mix", "exponential", "deterministic"]),
-                     load=st.floats(0.2, 3.0), requests=st.integers(1, max_requests), seed=st.integers(0, 2**32 - 1))
+                     load=st.floats(0.2, 3.0), requests=st.integers(1, max_requests), seed=st.integers(0, 2**32 - 1),
+                     prompts=st.sampled_from(PROMPTS))
 
 
-def runs(exact: bool = False, policy: st.SearchStrategy[Policy] | None = None) -> st.SearchStrategy[SimRun]:
+def runs(exact: bool = False, policy: st.SearchStrategy[Policy] | None = None,
+         engines: st.SearchStrategy[EngineSettings] | None = None) -> st.SearchStrategy[SimRun]:
     """Simulations to check: a policy drawn from ``policy`` (default :func:`policies` over every discipline of
-    qsim's), :func:`engine_settings` and :func:`workloads` (``exact``: estimates equal true service times)."""
+    qsim's), engines from ``engines`` (default :func:`engine_settings`; ``engine_settings(batching=True)``: a
+    batching engine half the time) and :func:`workloads` (``exact``: estimates equal true service times)."""
     if policy is None:
         policy = policies(tuple(c.name for c in DISCIPLINES))
-    return st.builds(SimRun, policy=policy, engines=engine_settings(exact), workload=workloads(exact))
+    return st.builds(SimRun, policy=policy, engines=engine_settings(exact) if engines is None else engines,
+                     workload=workloads(exact))
 
 
 def traces(exact: bool = False) -> st.SearchStrategy[Trace]:
     """Traces of :func:`workloads` at :func:`engine_settings`."""
     return st.builds(lambda e, w: SimRun(Policy(), e, w).trace(), engine_settings(exact), workloads(exact))
+
+
+@contextlib.contextmanager
+def audited_batches() -> Iterator[None]:
+    """While in this block, every step a batching engine's core (:class:`qsim.batch.BatchQueue`) plans is audited
+    before and after (:meth:`~qsim.batch.BatchQueue.audit`: the KV blocks held add up and never exceed the cache,
+    at most ``max_num_seqs`` run, the aggregates match the batch, a step keeps to the token budget); a slip is an
+    :class:`InvariantBroken` naming what is off. Patches the class: not for threads running other batches."""
+    plan = BatchQueue._next_step
+
+    def checked(self, now):
+        _audit(self, now)
+        plan(self, now)
+        _audit(self, now)
+
+    BatchQueue._next_step = checked
+    try:
+        yield
+    finally:
+        BatchQueue._next_step = plan
+
+
+def _audit(queue: BatchQueue, now: float) -> None:
+    try:
+        queue.audit()
+    except AssertionError as exc:
+        raise InvariantBroken("the batch's books", f"at t={now}: {exc}") from None
 
 
 # ---------------------------------------------------------------- checkers on the simulator's records
@@ -581,15 +676,17 @@ def check_conservation(frame: pd.DataFrame, engines: int) -> None:
             raise InvariantBroken(invariant, f"{_name(frame, bad)} {what}")
 
 
-def _occupancy(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row positions, start, end) of each engine's busy spell: from start to finish, or, where the request
-    ended while its run went on (its client left, or its engine stalled), to start + its true service time."""
+def _occupancy(frame: pd.DataFrame, batching: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row positions, start, end) of each request's spell in service: from start to finish, or, on an engine run
+    one at a time, where the request ended while its run went on (its client left, or its engine stalled), to
+    start + its true service time. In a batch (``batching``) a request leaves the batch when it ends."""
     ran = frame["start_s"].notna().to_numpy()
     start = frame["start_s"].to_numpy(dtype=float)
     end = frame["finish_s"].to_numpy(dtype=float)
-    runs_on = (frame["outcome"].eq(Outcome.ABANDONED) | frame["reason"].eq(Reason.ENGINE_STALLED)).fillna(False)
-    runs_on = runs_on.to_numpy(bool)
-    end = np.where(runs_on, np.maximum(end, start + frame["true_service_s"].to_numpy(dtype=float)), end)
+    if not batching:
+        runs_on = (frame["outcome"].eq(Outcome.ABANDONED) | frame["reason"].eq(Reason.ENGINE_STALLED)).fillna(False)
+        runs_on = runs_on.to_numpy(bool)
+        end = np.where(runs_on, np.maximum(end, start + frame["true_service_s"].to_numpy(dtype=float)), end)
     rows = np.flatnonzero(ran)
     return rows, start[rows], end[rows]
 
@@ -607,6 +704,34 @@ def check_at_most_k_in_service(frame: pd.DataFrame, engines: int) -> None:
                                   f"until t={end[a]}")
 
 
+def check_at_most_seats_in_batch(frame: pd.DataFrame, max_num_seqs: int) -> None:
+    """A batching engine never holds more than ``max_num_seqs`` requests at once. Records give each request one
+    spell, from its first joining the batch to its end; a request preempted meanwhile was out of the batch for
+    part of it, so only the spells of requests never preempted are counted (a necessary condition; the
+    :func:`audited_batches` audit counts seats exactly at every step)."""
+    rows, start, end = _occupancy(frame, batching=True)
+    kept = (frame["preemptions"].to_numpy(dtype=float, na_value=np.nan)[rows] == 0)
+    rows, start, end = rows[kept], start[kept], end[kept]
+    held = _busy_at(start, start, end)
+    over = np.flatnonzero(held > max_num_seqs)
+    if len(over):
+        i = over[0]
+        raise InvariantBroken("at most K in service",
+                              f"request_id {frame['request_id'].iloc[rows[i]]} joined the batch at t={start[i]} with "
+                              f"{held[i] - 1} others in it, over max_num_seqs {max_num_seqs}")
+
+
+def check_kv_blocks(frame: pd.DataFrame, kv_blocks: int | None) -> None:
+    """No request of a batching engine held more KV blocks than the cache has."""
+    if kv_blocks is None:
+        return
+    peak = frame["kv_blocks_peak"].to_numpy(dtype=float, na_value=np.nan)
+    over = peak > kv_blocks
+    if over.any():
+        raise InvariantBroken("KV blocks", f"{_name(frame, over)} held {int(peak[over][0])} blocks of a cache of "
+                                           f"{kv_blocks}")
+
+
 def _busy_at(t: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """How many engines are busy at each time in ``t`` (a spell covers [start, end))."""
     return ((start[None, :] <= t[:, None] + TIME_TOL) & (t[:, None] < end[None, :] - TIME_TOL)).sum(axis=1)
@@ -617,10 +742,24 @@ def _waited(frame: pd.DataFrame) -> np.ndarray:
     return frame["start_s"].fillna(frame["finish_s"]).to_numpy(dtype=float)
 
 
-def check_work_conserving(frame: pd.DataFrame, engines: int) -> None:
+def _steps_in_flight(frame: pd.DataFrame, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Spell ends of a batch, where a request left it mid-step (its client left, or it was cut at its deadline)
+    carried on to the next join: the step it was in runs to its end, and records do not say when that was."""
+    left = frame["outcome"].isin([Outcome.ABANDONED, Outcome.CANCELLED]).to_numpy(bool)[rows]
+    joins = np.sort(start)
+    after = np.searchsorted(joins, end, side="right")
+    nxt = np.where(after < len(joins), joins[np.minimum(after, len(joins) - 1)], end)
+    return np.where(left, np.maximum(end, nxt), end)
+
+
+def check_work_conserving(frame: pd.DataFrame, engines: int, batching: bool = False) -> None:
     """While a request waits, every engine is busy: at each event time between a request's arrival and its
-    leaving the queue (its start, or its end unrun), K engines hold a request."""
-    _, start, end = _occupancy(frame)
+    leaving the queue (its start, or its end unrun), K engines hold a request. A batching engine (``batching``,
+    ``engines`` 1) may keep a request waiting beside free seats (the step in flight, the token budget, the KV
+    blocks), but never idles while one waits: a request is in the batch, or a step is in flight."""
+    rows, start, end = _occupancy(frame, batching)
+    if batching:
+        end = _steps_in_flight(frame, rows, start, end)
     arrival, left = frame["arrival_s"].to_numpy(dtype=float), _waited(frame)
     admitted = frame["outcome"].ne(Outcome.REJECTED).to_numpy(bool)
     events = np.unique(np.concatenate([start, end, arrival]))
@@ -636,10 +775,12 @@ def check_work_conserving(frame: pd.DataFrame, engines: int) -> None:
 
 
 def check_queue_bound(frame: pd.DataFrame, max_queue: int) -> None:
-    """Never more than ``max_queue`` wait (not counting those in service): none saw more at its arrival, and
-    none made more by joining."""
+    """Never more than ``max_queue`` wait (not counting those in service): none admitted saw more at its
+    arrival, and none made more by joining. (A batching engine puts the requests it preempts back in line
+    whatever the bound: one that arrives then may see more, and is refused.)"""
     seen = frame["queued_at_arrival"].astype("Float64")
-    over = (seen > max_queue).fillna(False).to_numpy(bool)
+    admitted = frame["outcome"].ne(Outcome.REJECTED).to_numpy(bool)
+    over = (seen > max_queue).fillna(False).to_numpy(bool) & admitted
     if over.any():
         raise InvariantBroken("queue bound", f"{_name(frame, over)} arrived with {seen[over].iloc[0]} waiting, "
                                              f"over the bound of {max_queue}")
@@ -655,14 +796,19 @@ def check_queue_bound(frame: pd.DataFrame, max_queue: int) -> None:
         raise InvariantBroken("queue bound", f"{int(depth.max())} waited at t={at}, over the bound of {max_queue}")
 
 
-def records_order(discipline, fixed_estimate: bool = False) -> Callable[[pd.DataFrame], list] | None:
+def records_order(discipline, fixed_estimate: bool = False,
+                  batching: bool = False) -> Callable[[pd.DataFrame], list] | None:
     """What a discipline of qsim's promises about starts, as a key over records' columns (see
     :func:`check_order`); None where records cannot say (adaptive LIFO, fair share, a discipline of
     one's own: :func:`check_queue_core` checks those). SJF only with fixed estimates (records hold the
-    estimate times the speed factor of each arrival, which tracking changes)."""
+    estimate times the speed factor of each arrival, which tracking changes). On a batching engine
+    (``batching``) FIFO's alone: the head of the line that does not fit the batch yet keeps its place
+    there, and a request that arrives meanwhile with a smaller key waits behind it."""
     kind = type(discipline)
     if kind in (Fifo, CoDel):
         return lambda f: list(f["arrival_s"])
+    if batching:
+        return None
     if kind is Lifo:
         return lambda f: list(-f["arrival_s"])
     if kind is Edf:
@@ -700,18 +846,22 @@ def check_order(frame: pd.DataFrame, key: Callable[[pd.DataFrame], list], name: 
 
 def check_records(frame: pd.DataFrame, run: SimRun, trace: Trace | None = None) -> None:
     """Every records invariant of ``run`` (its trace ``trace``, default the run's own): one outcome per
-    request, conservation, at most K in service, no idle engine while work waits (every discipline is
-    work-conserving in qsim's core), the queue bound, and the order of service where the records can say it
-    (:func:`records_order`)."""
+    request, conservation, at most K in service (a batching engine: at most its seats, and its KV blocks),
+    no idle engine while work waits (every discipline is work-conserving in qsim's core), the queue bound,
+    and the order of service where the records can say it (:func:`records_order`)."""
     requests = len(trace if trace is not None else run.trace())
-    k = run.engines.count
+    k, batch = run.engines.count, run.engines.batching
     check_one_outcome_each(frame, requests)
     check_conservation(frame, k)
-    check_at_most_k_in_service(frame, k)
-    check_work_conserving(frame, k)
+    if batch is None:
+        check_at_most_k_in_service(frame, k)
+    else:
+        check_at_most_seats_in_batch(frame, batch.max_num_seqs)
+        check_kv_blocks(frame, batch.kv_blocks)
+    check_work_conserving(frame, k, batching=batch is not None)
     if run.policy.max_queue is not None:
         check_queue_bound(frame, run.policy.max_queue)
     discipline = run.policy.make_discipline()
-    key = records_order(discipline, run.engines.fixed_estimate)
+    key = records_order(discipline, run.engines.fixed_estimate, batching=batch is not None)
     if key is not None:
         check_order(frame, key, type(discipline).__name__)

@@ -1,6 +1,7 @@
 """The public test kit (qsim.testing) itself: a wrong promise fails, a broken invariant names its request,
 the docs' example runs, and qsim works without hypothesis."""
 
+import dataclasses
 import heapq
 import importlib
 import re
@@ -13,10 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsim import PRESETS, Policy, from_arrays, records
+from qsim import PRESETS, Batching, Policy, StepModel, from_arrays, records
 from qsim import testing
+from qsim.batch import BatchQueue
 from qsim.disciplines import Edf, Fifo, Keyed, Lifo, Priority
-from qsim.testing import DisciplineCase, InvariantBroken, SimRun
+from qsim.testing import DisciplineCase, EngineSettings, InvariantBroken, SimRun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,11 +157,52 @@ def test_each_broken_invariant_is_named_with_its_request():
         testing.check_queue_bound(df, 2)
 
 
+def _batch(max_num_seqs=4, **engine):
+    """Eight requests at once, 16 prompt tokens and 10 out each, on a batching engine of 10 ms steps."""
+    trace = from_arrays(np.zeros(8), np.full(8, 10))
+    trace = dataclasses.replace(trace, prompt_tokens=np.full(8, 16), tokens_generated=np.full(8, 10))
+    run = SimRun(PRESETS["none"], EngineSettings(batching=Batching(StepModel(0.01, 0, 0, 0), max_num_seqs, **engine)))
+    return trace, run, records.validate(run.simulate(trace))
+
+
+def test_the_batch_checkers_pass_a_true_run_and_name_what_breaks():
+    trace, run, df = _batch()
+    testing.check_records(df, run, trace)
+    with pytest.raises(InvariantBroken, match=r"at most K in service: request_id \d joined the batch at t=0.0 with 3 "
+                                              r"others in it, over max_num_seqs 2"):
+        testing.check_at_most_seats_in_batch(df, 2)
+    with pytest.raises(InvariantBroken, match=r"KV blocks: request_id 0 held 2 blocks of a cache of 1"):
+        testing.check_kv_blocks(df, 1)
+    trace, run, df = _batch(max_num_seqs=1)  # one at a time: each waits for the one before
+    idle = df.copy()
+    idle.loc[1, ["start_s", "finish_s"]] += 0.5  # the engine rests half a second while request 1 waits
+    with pytest.raises(InvariantBroken, match=r"no idle engine while work waits: request_id 1 waited from t=0.0 "
+                                              r"to t=.*, and at t=.* only 0 of 1 engines were busy"):
+        testing.check_work_conserving(idle, 1, batching=True)
+
+
+def test_the_audit_names_books_that_do_not_balance(monkeypatch):
+    hold = BatchQueue._hold
+
+    def forgets_a_block(self, seq, blocks):
+        hold(self, seq, blocks)
+        self.kv_used -= blocks > 0
+
+    trace, run, _ = _batch()
+    monkeypatch.setattr(BatchQueue, "_hold", forgets_a_block)
+    with pytest.raises(InvariantBroken, match=r"the batch's books: at t=.*: KV blocks: \d+ counted, \d+ held by the "
+                                              r"running"):
+        run.simulate(trace)
+    assert BatchQueue._next_step.__name__ == "_next_step"  # the audit is undone on the way out
+
+
 def test_records_orders_of_the_disciplines_records_can_say():
     assert testing.records_order(Fifo()) is not None and testing.records_order(Edf()) is not None
     assert testing.records_order(testing.DISCIPLINES[-1].make()) is None  # fair share: the machine checks it
     sjf = Policy(discipline="sjf").make_discipline()
     assert testing.records_order(sjf) is None and testing.records_order(sjf, fixed_estimate=True) is not None
+    assert testing.records_order(Edf(), batching=True) is None  # a batch's head that does not fit keeps its place
+    assert testing.records_order(Fifo(), batching=True) is not None
 
 
 # ---------------------------------------------------------------- strategies, docs, packaging
@@ -167,13 +210,23 @@ def test_records_orders_of_the_disciplines_records_can_say():
 
 @settings(max_examples=10, deadline=None)
 @given(run=testing.runs(exact=True), trace=testing.traces(), policy=testing.policies(["edf", "lifo"]),
-       custom=testing.runs(policy=st.just(PRESETS["predictive"])))
-def test_the_strategies_draw_what_they_say(run, trace, policy, custom):
+       custom=testing.runs(policy=st.just(PRESETS["predictive"])),
+       batch=testing.runs(engines=testing.engine_settings(batching=True)))
+def test_the_strategies_draw_what_they_say(run, trace, policy, custom, batch):
     exact = run.trace()
     assert np.array_equal(exact.true_service_s, exact.est_service_s) and run.engines.speed == 1.0
     assert len(trace) >= 1
     assert isinstance(policy, Policy) and policy.discipline in ("edf", "lifo")
     assert custom.policy is PRESETS["predictive"]
+    engine = batch.config().engine
+    assert isinstance(engine, Batching) == (batch.engines.batching is not None)
+    if isinstance(engine, Batching):
+        assert engine.max_num_batched_tokens >= engine.max_num_seqs and batch.engines.count == 1
+
+
+def test_a_batching_engine_is_one_engine_at_its_own_speed():
+    with pytest.raises(ValueError, match="a batching engine is one engine"):
+        EngineSettings(count=2, batching=Batching())
 
 
 def _docs_example() -> str:

@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qsim import Policy, records
-from qsim.testing import EngineSettings, SimRun, Workload, check_records, runs
+from qsim.policy import PRESETS
+from qsim.testing import (EngineSettings, SimRun, Workload, batching_engines, check_records, policies,
+                          preset_policies, runs)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -60,3 +62,27 @@ def test_predictive_with_exact_estimates_is_never_late(run, deadline, expire):
     assert not df["outcome"].eq("late").any()
     # With exact estimates nothing admitted ever has to expire either.
     assert not df["outcome"].eq("expired").any()
+
+
+BATCHING = st.builds(EngineSettings, fixed_estimate=st.booleans(), batching=batching_engines())
+#: Presets that read a batching engine's projections or memory, besides random FIFO policies.
+BATCH_POLICIES = policies(("fifo", "edf", "priority")) | preset_policies() | \
+    st.sampled_from([PRESETS[n] for n in ("predictive-kv", "vllm-caps", "llm-d-shed")])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(runs(policy=BATCH_POLICIES, engines=BATCHING))
+def test_batching_engine_invariants(run):
+    """A batching engine (qsim.engines.Batching) under random seats, budgets, caches and step models: one outcome
+    each, conservation, at most max_num_seqs in the batch and the cache never overrun (also audited at every
+    step), never idle while one waits, the queue bound, FIFO's order of first joins."""
+    trace = run.trace()
+    df = records.validate(run.simulate(trace))
+    check_records(df, run, trace)
+    assert df["outcome"].isin(["good", "late", "rejected", "expired"]).all()
+    # What no state of the engine could serve is refused at once, whatever the rule; nothing else is refused
+    # under a rule that cannot refuse.
+    policy = run.policy
+    if policy.name == "random" and policy.max_queue is None and policy.max_queued_seconds is None and \
+            not policy.predictive:  # a policies() draw that cannot refuse
+        assert df.loc[df["outcome"].eq("rejected"), "reason"].eq("too_large").all()
