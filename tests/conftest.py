@@ -1,4 +1,8 @@
+import contextlib
+import multiprocessing.process
 import os
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,54 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- the slow marker, kept honest
+#
+# A test that starts a server or another process is marked slow (docs/testing.md), so that `make test-fast`
+# leaves it out. Rather than trust each author to remember, a test run without the marker (its fixtures'
+# set-up included) may not start one: these calls fail it, naming what it started.
+STARTS = (
+    (subprocess.Popen, "__init__", "a process (subprocess.Popen)"),
+    (multiprocessing.process.BaseProcess, "start", "a process (multiprocessing: a pool, a Dask cluster)"),
+    (os, "fork", "a process (os.fork)"),
+    (socket.socket, "listen", "a server (a socket listening)"),
+)
+
+
+@contextlib.contextmanager
+def _no_servers_or_processes(item: pytest.Item):
+    started: list[str] = []
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in STARTS]
+
+    def refusing(what: str):
+        def refuse(*args, **kwargs):
+            started.append(what)
+            pytest.fail(f"{item.nodeid} starts {what} but is not marked slow: give it @pytest.mark.slow "
+                        "(docs/testing.md)", pytrace=False)
+        return refuse
+
+    for owner, name, what in STARTS:
+        setattr(owner, name, refusing(what))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    if started:  # also where the refusal was raised in a thread, or caught
+        pytest.fail(f"{item.nodeid} starts {started[0]} but is not marked slow: give it @pytest.mark.slow "
+                    "(docs/testing.md)", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with contextlib.nullcontext() if item.get_closest_marker("slow") else _no_servers_or_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with contextlib.nullcontext() if item.get_closest_marker("slow") else _no_servers_or_processes(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -206,7 +206,8 @@ def test_client_disconnect_while_waiting_leaves_the_queue(url):
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             running = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "a", "max_new_tokens": 64}))
-            await asyncio.sleep(0.1)
+            while (await client.get("/stats")).json()["in_service"] == 0:  # the first holds the engine
+                await asyncio.sleep(0.01)
             with pytest.raises(httpx.TimeoutException):
                 await client.post("/v1/generate", json={"prompt": "b", "max_new_tokens": 64}, timeout=0.15)
             seen = None
@@ -351,6 +352,7 @@ def test_priority_is_an_integer_field_with_bounds(url):
         assert r.status_code == 422 and r.json()["error"]["reason"] == "invalid_field" and "priority" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_sigterm_answers_the_waiting_at_once_and_logs_no_error(tmp_path):
     """The one engine runs an 8.5 s request; a second waits. SIGTERM: the waiting one is answered at once (it was
     never started), the running one when the 5 s of graceful shutdown run out (it was); the log holds no
@@ -382,6 +384,7 @@ def test_sigterm_answers_the_waiting_at_once_and_logs_no_error(tmp_path):
     assert "Cancel 1 running task(s)" in text and "ERROR" not in text, text
 
 
+@pytest.mark.slow
 def test_tls_and_a_key_as_an_openai_compatible_server_has_them(tmp_path, monkeypatch):
     """--ssl-certfile/--ssl-keyfile (uvicorn's TLS) and a key from QLAB_API_KEY, through a real server."""
     import shutil

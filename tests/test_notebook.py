@@ -69,6 +69,7 @@ def execute(cells: int | None = None, extra: str | None = None, cwd: Path = ROOT
     return nb
 
 
+@pytest.mark.slow
 def test_the_notebook_runs_headless_with_tables_per_load(small_sweep, monkeypatch):
     monkeypatch.setenv("QLAB_SWEEP", str(small_sweep))
     monkeypatch.delenv("QLAB_LOAD", raising=False)
@@ -115,6 +116,7 @@ def test_without_a_sweep_the_notebook_says_what_to_do(tmp_path, monkeypatch):
         run_cells(1)
 
 
+@pytest.mark.slow
 def test_make_notebook_opens_it_in_jupyterlab_from_an_extra_that_make_test_does_not_need(tmp_path):
     import shutil
     import subprocess

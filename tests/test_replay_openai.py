@@ -253,6 +253,7 @@ def bare_server() -> Iterator[tuple[str, list]]:
         yield url, seen
 
 
+@pytest.mark.slow
 def test_openai_replay_of_a_bare_server_records_first_token_refusals_and_errors(tmp_path, capsys):
     trace = from_arrays([0.0, 0.05, 0.1, 0.15, 0.2], [4, 13, 14, 15, 8], deadline_s=[5.0, 5.0, 5.0, 5.0, np.nan],
                         client_id=["a", None, None, None, None])

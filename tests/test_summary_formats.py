@@ -71,6 +71,7 @@ def test_an_unknown_format_is_one_clear_error(tiny, capsys):
     assert err.count("\n") == 1 and "invalid choice: 'xml'" in err
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_the_command_quietly(tiny):
     """`qlab summary DIR | head -1`: the reader goes away. Its read end is closed before qlab starts here, so
     the first write fails, whatever the timing: no traceback, no "Broken pipe" line, the status of SIGPIPE."""

@@ -219,7 +219,9 @@ def test_bad_upstream_options_are_one_line_and_exit_2(argv, message, capsys):
 
 
 def _closed_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
+    """A loopback port nothing listens on (bound for a moment, never listening: connections are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
@@ -274,6 +276,7 @@ def _engine(url: str, timeout_s: float = 10.0) -> UpstreamEngine:
     return UpstreamEngine(UpstreamSpec(url, "m", timeout_s), "m")
 
 
+@pytest.mark.slow
 def test_the_engine_reads_text_usage_and_the_first_token_from_the_stream():
     seen = []
 
@@ -289,11 +292,13 @@ def test_the_engine_reads_text_usage_and_the_first_token_from_the_stream():
                      "stream_options": {"include_usage": True}}]
 
 
+@pytest.mark.slow
 def test_without_usage_the_chunks_are_counted():
     with scripted(lambda conn, _: conn.sendall(_sse(_chunk("a"), _chunk(""), _chunk("b")))) as url:
         assert _engine(url).run("p", 5).tokens == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer, message", [
     (_sse(_chunk("a"), done=False), "ended before data: [DONE]"),  # the upstream went away mid-stream
     (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\ndata: {\"id\": ", "ClientPayloadError"),
@@ -322,6 +327,7 @@ def _holding(left: threading.Event, asked: threading.Event | None = None):
     return respond
 
 
+@pytest.mark.slow
 def test_silence_past_the_timeout_is_an_upstream_timeout():
     left = threading.Event()
     with scripted(_holding(left)) as url:
@@ -330,6 +336,7 @@ def test_silence_past_the_timeout_is_an_upstream_timeout():
         assert left.wait(10)  # and the engine hung up
 
 
+@pytest.mark.slow
 def test_a_cancel_shuts_the_connection_while_the_engine_waits():
     left, asked, cancel, box = threading.Event(), threading.Event(), Cancel(), []
     with scripted(_holding(left, asked)) as url:
@@ -348,6 +355,7 @@ def test_an_unreachable_engine_call_is_an_upstream_error():
         _engine(f"http://127.0.0.1:{_closed_port()}").run("p", 5)
 
 
+@pytest.mark.slow
 def test_the_model_is_asked_for_at_start_up():
     def models(data):
         return lambda conn, _: conn.sendall(_plain("200 OK", json.dumps({"object": "list", "data": data}).encode()))
@@ -403,6 +411,7 @@ MESSAGES = ({"role": "system", "content": "Be brief."}, {"role": "user", "conten
 SAMPLING = (("temperature", 0.0), ("top_k", 5), ("ignore_eos", True), ("add_generation_prompt", True))
 
 
+@pytest.mark.slow
 def test_a_chat_goes_to_the_chat_route_with_its_messages_and_the_clients_sampling_fields():
     with recording(_streams) as (url, seen):
         result = _engine(url).run("system: Be brief.\nuser: Hi\nassistant:", 9, ["x"],
@@ -415,6 +424,7 @@ def test_a_chat_goes_to_the_chat_route_with_its_messages_and_the_clients_samplin
     assert "authorization" not in seen[0].headers  # no key given: none sent
 
 
+@pytest.mark.slow
 def test_a_prompt_goes_to_completions_without_a_chats_own_fields():
     with recording(_streams) as (url, seen):
         assert _engine(url).run("p", 3, asked=Asked(sampling=SAMPLING)).text == "Hello"
@@ -445,6 +455,7 @@ def _routes_answering(chat: str, completions: str):
     return answer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat, completions, served", [
     ("200 OK", "200 OK", (True, True)),
     ("404 Not Found", "200 OK", (True, False)),  # a base model's server: no chat route
@@ -460,6 +471,7 @@ def test_the_start_up_probe_finds_the_routes(chat, completions, served):
     assert all(("HTTP 404" in line and "route says 404" in line) for line in routes.why_not)
 
 
+@pytest.mark.slow
 def test_an_upstream_serving_neither_route_is_one_line_at_start_up(capsys):
     with recording(_routes_answering("404 Not Found", "405 Method Not Allowed")) as (url, _):
         assert main(["serve", "--engine", "upstream", "--upstream-url", url, "--port", "0"]) == 2
@@ -467,6 +479,7 @@ def test_an_upstream_serving_neither_route_is_one_line_at_start_up(capsys):
     assert len(err.strip().splitlines()) == 1 and "serves neither /v1/completions nor /v1/chat/completions" in err
 
 
+@pytest.mark.slow
 def test_an_overrun_is_cut_to_max_tokens():
     """Asked for 2, the upstream sends 3 chunks and says 3 tokens: the answer is the first 2, and says 2."""
     answer = _sse(_chunk("a"), _chunk("b"), _chunk("c"), _chunk("", usage=3))
@@ -476,6 +489,7 @@ def test_an_overrun_is_cut_to_max_tokens():
     assert (result.text, result.tokens, pieces) == ("ab", 2, ["a", "b"])
 
 
+@pytest.mark.slow
 def test_the_key_goes_to_the_upstream_and_is_never_shown(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
     assert api_key(None) == "sk-from-env" and api_key("sk-flag") == "sk-flag"
@@ -489,12 +503,14 @@ def test_the_key_goes_to_the_upstream_and_is_never_shown(monkeypatch):
     assert "sk-secret" not in " ".join(argv)  # a child reads it from its environment
 
 
+@pytest.mark.slow
 def test_an_upstream_that_wants_a_key_is_told_at_start_up():
     with recording(lambda path, _: _plain("401 Unauthorized", b'{"error": {"message": "no key"}}')) as (url, _):
         with pytest.raises(ValueError, match="wants a key .--upstream-api-key, or QLAB_UPSTREAM_API_KEY"):
             resolve_model(UpstreamSpec(url))
 
 
+@pytest.mark.slow
 def test_readiness_follows_what_the_runs_and_a_probe_said():
     clock = [100.0]
     health = UpstreamHealth(UpstreamSpec(f"http://127.0.0.1:{_closed_port()}"), clock=lambda: clock[0])
@@ -516,6 +532,7 @@ def test_readiness_follows_what_the_runs_and_a_probe_said():
         assert asyncio.run(problem()) is None and [s.path for s in seen] == ["/v1/models"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status, failing", [("500 Internal Server Error", True), ("404 Not Found", True),
                                              ("400 Bad Request", False), ("503 Service Unavailable", False)])
 def test_a_run_tells_readiness_whether_the_upstream_is_failing(status, failing):
@@ -526,6 +543,7 @@ def test_a_run_tells_readiness_whether_the_upstream_is_failing(status, failing):
     assert (engine.health.last_problem is not None) == failing
 
 
+@pytest.mark.slow
 def test_a_hung_upstream_is_a_504_whatever_the_stall_rule():
     """The stall rule (here 0.05 s) would end the run long before the upstream's timeout (0.5 s): the engine
     bounds its own runs, so the answer is the upstream's timeout, not engine_stalled."""

@@ -1,0 +1,60 @@
+"""The slow marker is kept honest (tests/conftest.py): a test not marked slow that starts a process or a server
+fails, naming what it started, also where its fixture starts it, where it does so in a thread, or where it
+catches the failure; a test marked slow runs as it is."""
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PROBES = '''
+import multiprocessing, socket, subprocess, threading
+import pytest
+
+def test_a_process():
+    subprocess.run(["true"])
+
+def test_a_caught_one():
+    try:
+        subprocess.run(["true"])
+    except BaseException:
+        pass
+
+def test_a_pool_in_a_thread():
+    thread = threading.Thread(target=lambda: multiprocessing.get_context("spawn").Process(target=print).start())
+    thread.start()
+    thread.join()
+
+@pytest.fixture(scope="module")
+def server():
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        yield sock
+
+def test_a_server_of_a_fixture(server):
+    pass
+
+def test_nothing_started():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # a port, nothing listening
+
+@pytest.mark.slow
+def test_marked():
+    with socket.create_server(("127.0.0.1", 0)):
+        subprocess.run(["true"], check=True)
+'''
+
+
+@pytest.mark.slow  # its marked probe really starts a process and listens
+def test_a_test_that_starts_a_process_or_a_server_must_be_marked_slow(pytester):
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeini("[pytest]\naddopts = --strict-markers\nmarkers =\n    slow: starts a server or a process\n")
+    pytester.makepyfile(test_probes=PROBES)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=3, errors=1)
+    result.stdout.fnmatch_lines_random([
+        "*test_probes.py::test_a_process starts a process (subprocess.Popen) but is not marked slow*",
+        "*test_probes.py::test_a_caught_one starts a process (subprocess.Popen) but is not marked slow*",
+        "*test_probes.py::test_a_pool_in_a_thread starts a process (multiprocessing*) but is not marked slow*",
+        "*test_probes.py::test_a_server_of_a_fixture starts a server (a socket listening) but is not marked slow*",
+    ])
