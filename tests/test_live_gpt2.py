@@ -1,23 +1,42 @@
-"""The GPT-2 engine on CPU: the tiny configuration with random weights (no download)."""
+"""The GPT-2 engine on CPU: the tiny configuration with random weights (no download).
+
+torch and transformers are imported by the ``gpt2`` fixture, not at collection: importing them takes
+longer than running these tests, and a run that leaves them out (``-k``, ``-m``) need not pay for it."""
 
 import asyncio
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from live.engine import Asked, Engine  # noqa: E402
-from live.gate import Gate, gate_config, Job  # noqa: E402
-from live.gpt2 import GPT2Engine, GPT2Spec, make_engines, resolve_device  # noqa: E402
-from qsim import PRESETS  # noqa: E402
-
-SPEC = GPT2Spec("tiny", "cpu", seed=0, threads=1)  # one thread: steady on a shared CI machine
+from live.engine import Asked, Engine
+from live.gate import Gate, gate_config, Job
+from qsim import PRESETS
 
 
 @pytest.fixture(scope="module")
-def engine():
-    e = GPT2Engine(SPEC)
+def gpt2():
+    """live.gpt2 (torch and transformers), or a skip where they are not installed."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import live.gpt2
+
+    return live.gpt2
+
+
+def tiny_spec():
+    """The tiny configuration, random weights, on CPU with one thread (steady on a shared CI machine)."""
+    from live.gpt2 import GPT2Spec
+
+    return GPT2Spec("tiny", "cpu", seed=0, threads=1)
+
+
+@pytest.fixture(scope="module")
+def spec(gpt2):
+    return tiny_spec()
+
+
+@pytest.fixture(scope="module")
+def engine(gpt2, spec):
+    e = gpt2.GPT2Engine(spec)
     e.warmup(rounds=1)
     return e
 
@@ -47,9 +66,9 @@ class _IdTokenizer:
         return len(text.encode())
 
 
-def test_min_tokens_holds_a_stop_string_off(engine):
+def test_min_tokens_holds_a_stop_string_off(engine, gpt2, spec):
     """vLLM's min_tokens: no stop string ends the answer before that many tokens; one ending after them does."""
-    visible = GPT2Engine(SPEC, loaded=(engine.net, _IdTokenizer(), "cpu"))
+    visible = gpt2.GPT2Engine(spec, loaded=(engine.net, _IdTokenizer(), "cpu"))
     full = visible.run("stop here", 24)
     ids = [int(part) for part in full.text.strip("<>").split("><")]
     stop = f"<{ids[2]}>"  # the third token's text
@@ -61,8 +80,8 @@ def test_min_tokens_holds_a_stop_string_off(engine):
                          if later else full.text)
 
 
-def test_stop_string_ends_generation_early(engine):
-    visible = GPT2Engine(SPEC, loaded=(engine.net, _IdTokenizer(), "cpu"))
+def test_stop_string_ends_generation_early(engine, gpt2, spec):
+    visible = gpt2.GPT2Engine(spec, loaded=(engine.net, _IdTokenizer(), "cpu"))
     full = visible.run("stop here", 24)
     ids = [int(part) for part in full.text.strip("<>").split("><")]
     assert len(ids) == 24
@@ -83,31 +102,33 @@ def test_long_and_empty_prompts_fit_the_context(engine):
         engine.run("x", engine.max_new_tokens_limit + 1)
 
 
-def test_same_seed_same_weights_and_local_path_loading(engine, tmp_path):
+def test_same_seed_same_weights_and_local_path_loading(engine, gpt2, tmp_path):
     engine.net.save_pretrained(tmp_path)
     # A local directory without tokenizer files falls back to the byte tokenizer.
-    loaded = GPT2Engine(GPT2Spec(str(tmp_path), "cpu", threads=1))
+    loaded = gpt2.GPT2Engine(gpt2.GPT2Spec(str(tmp_path), "cpu", threads=1))
     assert loaded.info()["tokenizer"] == "bytes"
     assert loaded.run("same weights", 6).text == engine.run("same weights", 6).text
 
 
-def test_missing_model_is_a_value_error(tmp_path):
+def test_missing_model_is_a_value_error(gpt2, tmp_path):
     with pytest.raises(ValueError, match="--model random"):
-        GPT2Engine(GPT2Spec(str(tmp_path / "absent"), "cpu"))
+        gpt2.GPT2Engine(gpt2.GPT2Spec(str(tmp_path / "absent"), "cpu"))
 
 
-def test_device_resolution():
-    assert resolve_device("cpu") == "cpu"
-    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+def test_device_resolution(gpt2):
+    import torch
+
+    assert gpt2.resolve_device("cpu") == "cpu"
+    assert gpt2.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError):
-        resolve_device("tpu")
+        gpt2.resolve_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError):
-            resolve_device("cuda")
+            gpt2.resolve_device("cuda")
 
 
-def test_two_engines_share_weights_behind_the_gate():
-    engines = make_engines(2, SPEC)
+def test_two_engines_share_weights_behind_the_gate(gpt2, spec):
+    engines = gpt2.make_engines(2, spec)
     assert engines[0].net is engines[1].net
 
     async def go():

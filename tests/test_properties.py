@@ -70,7 +70,7 @@ BATCH_POLICIES = policies(("fifo", "edf", "priority")) | preset_policies() | \
     st.sampled_from([PRESETS[n] for n in ("predictive-kv", "vllm-caps", "llm-d-shed")])
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs(policy=BATCH_POLICIES, engines=BATCHING))
 def test_batching_engine_invariants(run):
     """A batching engine (qsim.engines.Batching) under random seats, budgets, caches and step models: one outcome

@@ -235,12 +235,12 @@ def test_a_synthetic_run_emits_each_token_and_stops_on_cancel():
 def test_gpt2_emits_each_decoding_step_and_holds_back_a_stop_string():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_live_gpt2 import SPEC, _IdTokenizer
+    from test_live_gpt2 import _IdTokenizer, tiny_spec
 
     from live.gpt2 import GPT2Engine
 
-    base = GPT2Engine(SPEC)
-    engine = GPT2Engine(SPEC, loaded=(base.net, _IdTokenizer(), "cpu"))  # every token visible as '<id>'
+    base = GPT2Engine(tiny_spec())
+    engine = GPT2Engine(tiny_spec(), loaded=(base.net, _IdTokenizer(), "cpu"))  # every token visible as '<id>'
     pieces: list[str] = []
     full = engine.run("stream me", 6, emit=pieces.append)
     assert len(pieces) == 6 and "".join(pieces) == full.text == engine.run("stream me", 6).text
