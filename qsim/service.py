@@ -147,7 +147,15 @@ class SpeedTracker:
         self.factor = float(initial)
         self.fixed = fixed
         self.max_step = max_step
-        self._up = 1.0 + max_step  # once per completed request: min() and max() calls cost more than the arithmetic
+
+    @property
+    def max_step(self) -> float:
+        return self._up - 1.0
+
+    @max_step.setter
+    def max_step(self, value: float) -> None:
+        # observe() runs once per completed request: it reads the bound as 1 + max_step, kept ready.
+        self._up = 1.0 + value
 
     def observe(self, predicted_s: float, actual_s: float) -> float:
         """Fold one completed request in; ignores unusable pairs (failed or zero-time)."""
