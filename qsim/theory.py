@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize
+from scipy import linalg, optimize, stats
 from scipy.special import gammaln, logsumexp
 
 
@@ -338,3 +338,60 @@ def bulk_service(lam: float, mu: float, K: int) -> Queue:
     lq = c * r0 / (1 - r0) ** 2
     wq = lq / lam
     return Queue(wq=wq, w=wq + 1 / mu, lq=lq, l=lam * (wq + 1 / mu), p_wait=1 - c * mu / lam)
+
+
+def continuous_batching_steps(lam: float, step_s: float, per_seq_s: float, mean_tokens: float,
+                              max_running: int | None = None) -> float:
+    """Mean time in system of continuous batching as a step-level simulator runs it, solved exactly.
+
+    The model of :func:`continuous_batching` (and, with ``max_running`` K, of
+    :func:`continuous_batching_capped`) in discrete steps: a step with m = min(n, K) running takes
+    exactly a + b m seconds; each of the m gives one token and ends with it with probability
+    1 / E[L]; requests that arrive during a step join at its end (the first K present run, FIFO).
+    The number present at a step's start is a Markov chain (survivors + those behind + a Poisson
+    number of arrivals in the step); when nobody is left the engine idles 1 / lam on average and the
+    next arrival starts a step alone. Its stationary law is solved with scipy on states 1..N, N well
+    past where the continuous chain's tail is below 1e-15 (the mass beyond N is kept at N), and
+    E[T] = E[N] / lam, E[N] the time average of the number present: a step starting with n holds
+    n for its length tau and its arrivals for tau^2 lam / 2 on average.
+
+    It differs from the continuous-time forms by the steps: an arrival waits for the step in flight
+    to end, about a / (2 (1 - lam E[L] b)) more in a busy batch, while the per-sequence part b n of
+    the step in flight is work done for the others that the continuous chain counts the same way.
+    """
+    _check_batching(lam, step_s, per_seq_s, mean_tokens)
+    if max_running is None:
+        c = lam * mean_tokens * per_seq_s
+        if c >= 1:
+            raise ValueError(f"unstable: lam E[L] b = {c:.3f} >= 1 has no steady state")
+        far = (stats.poisson.isf(1e-15, lam * mean_tokens * step_s) if per_seq_s == 0
+               else stats.nbinom.isf(1e-15, step_s / per_seq_s + 1, 1 - c))
+        cap = math.inf
+    else:
+        capped = continuous_batching_capped(lam, step_s, per_seq_s, mean_tokens, max_running)  # checks K, stability
+        s = lam * mean_tokens * (step_s + per_seq_s * max_running) / max_running
+        far = max_running + math.log(1e-15) / math.log(s) + capped.l
+        cap = max_running
+    top = int(1.5 * far) + 30
+    n = np.arange(1, top + 1)
+    run = np.minimum(n, cap).astype(int)
+    tau = step_s + per_seq_s * run
+    p_end = 1 / mean_tokens
+    moves = np.zeros((top + 1, top + 1))  # from n (row, 1..top) to n' (column, 0..top)
+    for i, (k, m, t) in enumerate(zip(n, run, tau), start=1):
+        nxt = np.convolve(stats.binom.pmf(np.arange(m + 1), m, 1 - p_end),
+                          stats.poisson.pmf(np.arange(top + 1), lam * t))
+        nxt = np.concatenate([np.zeros(k - m), nxt])[:top + 1]
+        nxt[-1] += max(0.0, 1.0 - nxt.sum())  # the far tail, kept at the top
+        moves[i] = nxt
+    idle = moves[1:, 0].copy()  # the batch empties after this step: an idle time of mean 1 / lam follows
+    chain = moves[1:, 1:]
+    chain[:, 0] += idle  # ... and the next arrival starts a step alone
+    a = chain.T - np.eye(top)
+    a[-1] = 1.0  # one balance equation is redundant: replace it by the normalisation
+    rhs = np.zeros(top)
+    rhs[-1] = 1.0
+    pi = linalg.solve(a, rhs)
+    held = float(pi @ (n * tau + lam * tau**2 / 2))
+    length = float(pi @ (tau + idle / lam))
+    return held / length / lam

@@ -305,3 +305,24 @@ def test_bulk_service_of_one_is_mm1():
 def test_sharing_refuses_what_has_no_answer(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_batching_in_steps_against_the_continuous_forms():
+    # In a busy batch the steps add about a / (2 (1 - c)): the wait for the step in flight to end.
+    for lam in (5.0, 12.5):
+        cont = theory.continuous_batching(lam, 0.010, 0.0002, 200).w
+        steps = theory.continuous_batching_steps(lam, 0.010, 0.0002, 200)
+        assert steps - cont == pytest.approx(0.010 / (2 * (1 - lam * 200 * 0.0002)), rel=1e-3)
+    # A cap that is never reached changes nothing; with K = 16 the gap is of the same size.
+    free = theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200)
+    assert theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 400) == pytest.approx(free, rel=1e-9)
+    capped = theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 16)
+    assert capped / theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 16).w - 1 == pytest.approx(0.002, abs=5e-4)
+    # No step overhead: processor sharing, the closer the more tokens a request has.
+    gaps = [abs(theory.continuous_batching_steps(0.5, 0.0, 1 / m, m) / 2.0 - 1) for m in (2, 5, 20)]
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3
+    # No per-sequence cost: every request is in for its own steps, plus the wait for the step in flight.
+    lone = theory.continuous_batching_steps(1e-4, 0.010, 0.0, 5)
+    assert lone == pytest.approx(5 * 0.010, rel=1e-3)
+    with pytest.raises(ValueError):
+        theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 12)
