@@ -240,15 +240,18 @@ class BatchScenario:
     checks: tuple[tuple[str, float, Stat], ...] = field(default=())
     control: Control | None = None
 
-    def run(self, seed: int) -> list[float]:
+    def records(self, seed: int) -> pd.DataFrame:
+        """One replication's records, the warm-up included."""
         rng = np.random.default_rng([seed, 2007])
         arrival = np.cumsum(rng.exponential(1 / self.rate, self.requests))
         tokens = self.lengths.draw(rng, self.requests)
         trace = replace(from_arrays(arrival, tokens), prompt_tokens=np.zeros(self.requests, dtype=np.int64))
         engine = Batching(self.step, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=max(2048, self.max_num_seqs))
-        frame = simulate(trace, ServerConfig(Policy("theory", deadline_s=1e12), engine, seed=seed))
-        frame = frame.iloc[int(self.requests * self.warmup_share):]
+        return simulate(trace, ServerConfig(Policy("theory", deadline_s=1e12), engine, seed=seed))
+
+    def run(self, seed: int) -> list[float]:
+        frame = self.records(seed).iloc[int(self.requests * self.warmup_share):]
         return [stat(frame) for _, _, stat in self.checks] + ([] if self.control is None else [self.control.stat(frame)])
 
 

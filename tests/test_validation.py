@@ -118,6 +118,21 @@ def test_the_batching_engine_is_the_discrete_chain():
     assert list(result["verdict"]) == ["pass", "fail"], result.to_string()
 
 
+def test_the_batching_engine_step_by_step_against_a_plain_reference():
+    # The rows' engine is the model the docs describe: a step of a + b m for m running, joins at a step's end, the
+    # first K present run, FIFO behind. tests/step_reference.py writes that model plainly; both give every
+    # request the same time in system (a cap that binds, and one that does not).
+    from step_reference import sojourns
+
+    for cap in (3, 100_000):
+        case = BatchScenario("reference", 8.0, Lengths("geometric", 8), StepModel(b0=0.02, b1=0.0, b2=0.004, b3=0.0),
+                             3000, 0.0, max_num_seqs=cap)
+        frame = case.records(7)
+        assert frame["outcome"].eq("good").all()
+        want = sojourns(frame["arrival_s"], frame["output_tokens"], 0.02, 0.004, cap)
+        assert (frame["finish_s"] - frame["arrival_s"]).to_numpy() == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
 def test_results_do_not_depend_on_workers():
     small = [s for s in standard_scenarios(scale=0.1) if "M/M/1/5" in s.name or "Erlang B" in s.name or "M/M/1-PS" in s.name]
     a = check(small, replications=3, workers=1)
