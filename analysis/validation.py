@@ -367,7 +367,8 @@ def sharing_scenarios(scale: float = 1.0) -> list[BatchScenario]:
 
     Steps are discrete and a request joins at a step's end, so the engine is close to, not equal to, these
     continuous-time forms; the parameters keep the gap (docs/simulate.md, "Engines that share") well inside
-    the intervals. At ``scale`` 1 with 10 replications every half-width is under 2 % of its value.
+    the intervals. At ``scale`` 1 with 10 replications every half-width is under 2 % of its value (0.6-1.8 % over
+    seeds 1 and 2; the lengths aim at about 1.2 %, since the half-width of 10 replications varies by a third).
     """
 
     def n(requests: int) -> int:
@@ -385,19 +386,19 @@ def sharing_scenarios(scale: float = 1.0) -> list[BatchScenario]:
                       StepModel(b0=0.0, b1=0.0, b2=0.1, b3=0.0), n(20_000), 0.05,
                       checks=(("W", ps, mean_sojourn),), control=Control("mean tokens", 10, mean_tokens)),
         BatchScenario("M/G/1-PS rho=0.3, batching: 50 tokens each", 0.3, Lengths("deterministic", 50),
-                      StepModel(b0=0.0, b1=0.0, b2=0.02, b3=0.0), n(8_000), 0.05,
+                      StepModel(b0=0.0, b1=0.0, b2=0.02, b3=0.0), n(16_000), 0.05,
                       checks=(("W", ps, mean_sojourn),), control=Control("mean gap", 1 / 0.3, mean_gap)),
         # No control here: the steps add a / (2 (1 - c)) = 0.25 % to W, which a much narrower interval would see.
         *(BatchScenario(f"batching a=10ms b=0.2ms E[L]=200 lambda={lam:g}", lam, Lengths("geometric", tokens),
                         batching, n(requests), 0.05,
                         checks=(("W", theory.continuous_batching(lam, a, b, tokens).w, mean_sojourn),))
-          for lam, requests in ((5.0, 15_000), (12.5, 40_000))),
+          for lam, requests in ((5.0, 35_000), (12.5, 80_000))),
         BatchScenario("batching a=10ms b=0.2ms E[L]=200 K=16 lambda=5", 5.0,
                       Lengths("geometric", tokens), batching, n(70_000), 0.05, max_num_seqs=16,
                       checks=(("W", capped, mean_sojourn),), control=Control("mean tokens", tokens, mean_tokens)),
         # Every request one token and no prompt: a step is a batch's service, exponential whatever its size.
         BatchScenario("M/M^[4]/1 bulk service lambda=3 mu=1 (Bailey)", 3.0, Lengths("deterministic", 1),
-                      StepModel(b0=1.0, b1=0.0, b2=0.0, b3=0.0, cv=1.0), n(500_000), 0.02, max_num_seqs=4,
+                      StepModel(b0=1.0, b1=0.0, b2=0.0, b3=0.0, cv=1.0), n(300_000), 0.02, max_num_seqs=4,
                       checks=(("W", bulk, mean_sojourn),), control=Control("mean step time", 1.0, mean_step_s)),
     ]
 
