@@ -367,8 +367,9 @@ def sharing_scenarios(scale: float = 1.0) -> list[BatchScenario]:
 
     Steps are discrete and a request joins at a step's end, so the engine is close to, not equal to, these
     continuous-time forms; the parameters keep the gap (docs/simulate.md, "Engines that share") well inside
-    the intervals. At ``scale`` 1 with 10 replications every half-width is under 2 % of its value (0.6-1.8 % over
-    seeds 1 and 2; the lengths aim at about 1.2 %, since the half-width of 10 replications varies by a third).
+    the intervals. At ``scale`` 1 with 10 replications every half-width is under 2 % of its value (0.7-1.6 % with
+    seed 1, 0.6-1.1 % with seed 2; the lengths aim at about 1.2 %: the half-width of 10 replications varies by a
+    third from seed to seed).
     """
 
     def n(requests: int) -> int:

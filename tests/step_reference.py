@@ -8,7 +8,7 @@ times request by request; run as a script, it measures how far the steps put the
 processor sharing's E[S] / (1 - rho) for equal lengths, where no exact chain is at hand (docs/simulate.md,
 "Engines that share"):
 
-    .venv/bin/python -m tests.step_reference
+    .venv/bin/python tests/step_reference.py
 """
 
 from __future__ import annotations
