@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import linalg, optimize, stats
 from scipy.special import gammaln, logsumexp
 
 
@@ -216,3 +217,181 @@ def mmc_deterministic_patience(lam: float, mu: float, c: int, tau: float) -> flo
     rho = lam / (c * mu)
     q = erlang_c(c, lam / mu) * math.exp(-(c * mu - lam) * tau)
     return (1 - rho) * q / (1 - rho * q)
+
+
+# ---------------------------------------------------------------- engines that share
+
+
+def mg1_ps(lam: float, mean_s: float) -> Queue:
+    """M/G/1 processor sharing (M/M/1-PS included): W = E[S] / (1 - rho), L = rho / (1 - rho).
+
+    Every request present gets an equal share of the engine, so nobody waits (wq = lq = 0,
+    p_wait = 0) and the mean time in system depends on the size distribution through its
+    mean only (insensitivity; Kleinrock 1967, Sakata-Noguchi-Oizumi 1971): E[T | S = x] =
+    x / (1 - rho) for every x.
+    """
+    _stable(lam, 1 / mean_s)
+    rho = lam * mean_s
+    w = mean_s / (1 - rho)
+    return Queue(wq=0.0, w=w, lq=0.0, l=lam * w, p_wait=0.0)
+
+
+def _check_batching(lam: float, step_s: float, per_seq_s: float, mean_tokens: float) -> None:
+    if not (lam > 0 and math.isfinite(lam)):
+        raise ValueError(f"the arrival rate must be positive and finite, got {lam}")
+    if not (step_s >= 0 and per_seq_s >= 0 and step_s + per_seq_s > 0
+            and math.isfinite(step_s) and math.isfinite(per_seq_s)):
+        raise ValueError(f"a step takes a + b n seconds with a, b >= 0 and a + b > 0, got a={step_s}, b={per_seq_s}")
+    if not (mean_tokens >= 1 and math.isfinite(mean_tokens)):
+        raise ValueError(f"the mean output length is at least 1 token, got {mean_tokens}")
+
+
+def continuous_batching(lam: float, step_s: float, per_seq_s: float, mean_tokens: float) -> Queue:
+    """Continuous batching as state-dependent processor sharing: W = E[L] (a + b) / (1 - lam E[L] b).
+
+    Every request present runs (no cap on the batch); a step with n sequences takes
+    a + b n seconds (``step_s`` = a, ``per_seq_s`` = b) and gives each of them one token;
+    output lengths are geometric with mean E[L] (``mean_tokens``), so each sequence ends
+    at a step's end with probability 1 / E[L]; no prompt cost. In continuous time that is a
+    birth-death chain on the number present: births lam, deaths at n present
+    mu_n = n / (E[L] (a + b n)) (n sequences, each ending at rate 1 / (E[L] x step time)).
+    With c = lam E[L] b and r = a / b, its stationary weights are
+    prod_{k<=n} lam / mu_k = prod_{k<=n} c (r + k) / k = c^n (r + 1)_n / n!,
+    a negative binomial: P(N = n) = C(n + r, n) (1 - c)^(r + 1) c^n, of mean (r + 1) c / (1 - c)
+    (scipy.stats.nbinom(r + 1, 1 - c)); stable while c < 1. By Little,
+    W = E[N] / lam = E[L] (a + b) / (1 - c). With a = 0 it is PS of E[S] = E[L] b
+    (:func:`mg1_ps`); with b = 0 it is M/M/inf of mean E[L] a. Nobody waits (wq = lq = 0).
+    """
+    _check_batching(lam, step_s, per_seq_s, mean_tokens)
+    c = lam * mean_tokens * per_seq_s
+    if c >= 1:
+        raise ValueError(f"unstable: lam E[L] b = {c:.3f} >= 1 has no steady state")
+    w = mean_tokens * (step_s + per_seq_s) / (1 - c)
+    return Queue(wq=0.0, w=w, lq=0.0, l=lam * w, p_wait=0.0)
+
+
+def continuous_batching_capped(lam: float, step_s: float, per_seq_s: float, mean_tokens: float,
+                               max_running: int) -> Queue:
+    """:func:`continuous_batching` with at most K (``max_running``) in the batch and a FIFO line behind.
+
+    The birth-death chain on the number present n has births lam and deaths
+    mu_n = m / (E[L] (a + b m)), m = min(n, K) running. Its weights up to K are the
+    products of lam / mu_k (in log space); beyond K the death rate stays mu_K, so the tail
+    is geometric of ratio s = lam / mu_K and is summed in closed form:
+    sum_{j>=1} w_K s^j = w_K s / (1 - s), sum_{j>=1} j w_K s^j = w_K s / (1 - s)^2.
+    Stable while s < 1 (lam E[L] (a + b K) < K). Lq: mean number in the line (n - K)^+;
+    Wq = Lq / lam, W = L / lam (Little); p_wait = P(N >= K), an arrival finding every seat
+    taken (PASTA).
+    """
+    _check_batching(lam, step_s, per_seq_s, mean_tokens)
+    if not (isinstance(max_running, (int, np.integer)) and max_running >= 1):
+        raise ValueError(f"the most running K must be a whole number >= 1, got {max_running}")
+    k = np.arange(1, max_running + 1)
+    death = k / (mean_tokens * (step_s + per_seq_s * k))
+    s = float(lam / death[-1])
+    if s >= 1:
+        raise ValueError(f"unstable: lam E[L] (a + b K) / K = {s:.3f} >= 1 has no steady state")
+    logw = np.concatenate([[0.0], np.cumsum(np.log(lam / death))])  # n = 0..K
+    tail = logw[-1] + math.log(s / (1 - s))  # log of the tail's total weight, n > K
+    log_z = logsumexp(np.append(logw, tail))
+    p = np.exp(logw - log_z)
+    tail_p = math.exp(tail - log_z)
+    lq = tail_p / (1 - s)  # sum_{j>=1} j w_K s^j over the total
+    length = float(np.dot(np.arange(max_running + 1), p)) + max_running * tail_p + lq
+    return Queue(wq=lq / lam, w=length / lam, lq=lq, l=length, p_wait=float(p[-1]) + tail_p)
+
+
+def bulk_service_root(lam: float, mu: float, K: int) -> float:
+    """The root r0 in (0, 1) of mu z^(K+1) - (lam + mu) z + lam = 0 (Bailey 1954), by scipy's brentq.
+
+    f(z) = mu z^(K+1) - (lam + mu) z + lam is convex on z > 0 with f(0) = lam > 0 and
+    f(1) = 0; when the queue is stable (lam < K mu) f'(1) = K mu - lam > 0, so f dips below 0
+    before 1, at its minimum z* = ((lam + mu) / ((K + 1) mu))^(1/K) < 1: the root lies in (0, z*).
+    """
+    _check_rates(lam, mu)
+    if not (isinstance(K, (int, np.integer)) and K >= 1):
+        raise ValueError(f"the batch size K must be a whole number >= 1, got {K}")
+    if lam >= K * mu:
+        raise ValueError(f"unstable: utilisation lam / (K mu) = {lam / (K * mu):.3f} >= 1 has no steady state")
+    z_min = ((lam + mu) / ((K + 1) * mu)) ** (1 / K)
+    return float(optimize.brentq(lambda z: mu * z ** (K + 1) - (lam + mu) * z + lam, 0.0, z_min, xtol=1e-15,
+                                 rtol=4 * np.finfo(float).eps))
+
+
+def bulk_service(lam: float, mu: float, K: int) -> Queue:
+    """M/M^[K]/1 (Bailey 1954): one server takes up to K waiting customers at once (fewer if fewer wait),
+    serves the batch in an exponential time of rate mu whatever its size; arrivals during a service
+    wait for the next; an arrival to an idle server starts a batch of one at once.
+
+    States: idle, and busy with n waiting (n >= 0). Balance: lam P_idle = mu p_0 (a batch ends with
+    nobody waiting); (lam + mu) p_n = lam p_(n-1) + mu p_(n+K) for n >= 1, solved by p_n = C r0^n with
+    r0 = :func:`bulk_service_root`; the n = 0 equation, (lam + mu) p_0 = lam P_idle + mu (p_1 + ... + p_K),
+    then holds because mu r0 (1 - r0^K) / (1 - r0) = lam is the characteristic equation itself. So the
+    waiting count is geometric of ratio r0 beyond 0; normalising, C = 1 / (1 / (1 - r0) + mu / lam).
+    Lq = C r0 / (1 - r0)^2, Wq = Lq / lam (Little), W = Wq + 1 / mu (a batch's service does not depend
+    on who is in it), p_wait = 1 - P_idle = 1 - C mu / lam (PASTA: an arrival to a busy server waits).
+    (The textbook variant whose server keeps cycling when empty, so that every arrival waits for the
+    next service epoch, has p_n = (1 - r0) r0^n for all n >= 0 instead.) K = 1 is M/M/1 (r0 = rho).
+    """
+    r0 = bulk_service_root(lam, mu, K)
+    c = 1 / (1 / (1 - r0) + mu / lam)
+    lq = c * r0 / (1 - r0) ** 2
+    wq = lq / lam
+    return Queue(wq=wq, w=wq + 1 / mu, lq=lq, l=lam * (wq + 1 / mu), p_wait=1 - c * mu / lam)
+
+
+def continuous_batching_steps(lam: float, step_s: float, per_seq_s: float, mean_tokens: float,
+                              max_running: int | None = None) -> float:
+    """Mean time in system of continuous batching as a step-level simulator runs it, solved exactly.
+
+    The model of :func:`continuous_batching` (and, with ``max_running`` K, of
+    :func:`continuous_batching_capped`) in discrete steps: a step with m = min(n, K) running takes
+    exactly a + b m seconds; each of the m gives one token and ends with it with probability
+    1 / E[L]; requests that arrive during a step join at its end (the first K present run, FIFO).
+    The number present at a step's start is a Markov chain (survivors + those behind + a Poisson
+    number of arrivals in the step); when nobody is left the engine idles 1 / lam on average and the
+    next arrival starts a step alone. Its stationary law is solved with scipy on states 1..N, N well
+    past where the continuous chain's tail is below 1e-15 (the mass beyond N is kept at N), and
+    E[T] = E[N] / lam, E[N] the time average of the number present: a step starting with n holds
+    n for its length tau and its arrivals for tau^2 lam / 2 on average.
+
+    It differs from the continuous-time forms by the steps: an arrival waits for the step in flight
+    to end, about a / (2 (1 - lam E[L] b)) more in a busy batch, while the per-sequence part b n of
+    the step in flight is work done for the others that the continuous chain counts the same way.
+    """
+    _check_batching(lam, step_s, per_seq_s, mean_tokens)
+    if max_running is None:
+        c = lam * mean_tokens * per_seq_s
+        if c >= 1:
+            raise ValueError(f"unstable: lam E[L] b = {c:.3f} >= 1 has no steady state")
+        far = (stats.poisson.isf(1e-15, lam * mean_tokens * step_s) if per_seq_s == 0
+               else stats.nbinom.isf(1e-15, step_s / per_seq_s + 1, 1 - c))
+        cap = math.inf
+    else:
+        capped = continuous_batching_capped(lam, step_s, per_seq_s, mean_tokens, max_running)  # checks K, stability
+        s = lam * mean_tokens * (step_s + per_seq_s * max_running) / max_running
+        far = max_running + math.log(1e-15) / math.log(s) + capped.l
+        cap = max_running
+    top = int(1.5 * far) + 30
+    n = np.arange(1, top + 1)
+    run = np.minimum(n, cap).astype(int)
+    tau = step_s + per_seq_s * run
+    p_end = 1 / mean_tokens
+    moves = np.zeros((top + 1, top + 1))  # from n (row, 1..top) to n' (column, 0..top)
+    for i, (k, m, t) in enumerate(zip(n, run, tau), start=1):
+        nxt = np.convolve(stats.binom.pmf(np.arange(m + 1), m, 1 - p_end),
+                          stats.poisson.pmf(np.arange(top + 1), lam * t))
+        nxt = np.concatenate([np.zeros(k - m), nxt])[:top + 1]
+        nxt[-1] += max(0.0, 1.0 - nxt.sum())  # the far tail, kept at the top
+        moves[i] = nxt
+    idle = moves[1:, 0].copy()  # the batch empties after this step: an idle time of mean 1 / lam follows
+    chain = moves[1:, 1:]
+    chain[:, 0] += idle  # ... and the next arrival starts a step alone
+    a = chain.T - np.eye(top)
+    a[-1] = 1.0  # one balance equation is redundant: replace it by the normalisation
+    rhs = np.zeros(top)
+    rhs[-1] = 1.0
+    pi = linalg.solve(a, rhs)
+    held = float(pi @ (n * tau + lam * tau**2 / 2))
+    length = float(pi @ (tau + idle / lam))
+    return held / length / lam

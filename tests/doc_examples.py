@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER_URL = "http://127.0.0.1:8000"
 LINKED_INTO_TMP = ("data", "experiments", "docs")
 COMMAND_TIMEOUT_S = 120
+SLOW_COMMAND_TIMEOUT_S = 3600  # a slow block (run with QLAB_DOCS_SLOW=1) may take minutes, e.g. the full qlab theory
 
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc-test:\s*(.*?)\s*-->\s*$")
@@ -228,7 +229,7 @@ class Server:
             self.proc.stdout.close()
 
 
-def run_command(cmd: str, cwd: str, url: str | None) -> subprocess.CompletedProcess:
+def run_command(cmd: str, cwd: str, url: str | None, timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
     if url:
         cmd = cmd.replace(PLACEHOLDER_URL, url)
     argv = shlex.split(cmd)
@@ -236,7 +237,7 @@ def run_command(cmd: str, cwd: str, url: str | None) -> subprocess.CompletedProc
         raise ValueError(f"only qlab commands are run; mark this block <!-- doc-test: skip -->: {cmd}")
     return subprocess.run(
         qlab_argv() + argv[1:], cwd=cwd, env=command_env(), capture_output=True, text=True,
-        timeout=COMMAND_TIMEOUT_S,
+        timeout=timeout_s,
     )
 
 
@@ -256,7 +257,8 @@ def run_block(block: Block) -> list[Result]:
         try:
             for c in block.commands:
                 t0 = time.perf_counter()
-                p = run_command(c.line, cwd, server.url if server else None)
+                p = run_command(c.line, cwd, server.url if server else None,
+                                SLOW_COMMAND_TIMEOUT_S if "slow" in block.options else COMMAND_TIMEOUT_S)
                 out = p.stdout
                 if server:
                     out = out.replace(server.url, PLACEHOLDER_URL)

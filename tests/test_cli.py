@@ -72,9 +72,42 @@ def test_simulate_azure_trace(capsys, azure_csv):
 def test_theory_json_shape(capsys):
     code, out, _ = run(["theory", "--json", "--scale", "0.05", "--replications", "3", "--workers", "1"], capsys)
     rows = json.loads(out)
-    assert {r["case"] for r in rows} >= {"M/M/1 rho=0.5", "M/D/1 rho=0.9"}
-    assert set(rows[0]) == {"case", "quantity", "theory", "sim_mean", "ci_low", "ci_high", "ok"}
-    assert code == (0 if all(r["ok"] for r in rows) else 1)
+    assert {r["case"] for r in rows} >= {"M/M/1 rho=0.5", "M/D/1 rho=0.9", "M/M^[4]/1 bulk service lambda=3 mu=1 (Bailey)"}
+    assert set(rows[0]) == {"case", "quantity", "theory", "sim_mean", "ci_low", "ci_high", "control", "rel_half_width",
+                            "inside", "verdict"}
+    assert {r["verdict"] for r in rows} <= {"pass", "fail", "too wide"}
+    # Three replications of a case with a control leave one degree of freedom: wide, but an interval.
+    assert all(r["rel_half_width"] is not None for r in rows)
+    assert code == (1 if any(r["verdict"] == "fail" for r in rows) else 0)
+
+
+def _theory_cases(monkeypatch, wrong: bool):
+    """qlab theory on one short case: M/M/1 at rho 0.95 (too wide to judge in 2 replications of 2000 requests),
+    or M/M/1/5 against a wrong blocking probability (0.5, not 0.126)."""
+    from analysis import validation
+    from qsim import theory
+
+    case = (validation.Scenario("M/M/1/5 wrong", 1, 0.9, 2000, 0.05, max_queue=4,
+                                checks=(("P(block)", 0.5, validation.blocked_share),)) if wrong else
+            validation.Scenario("M/M/1 short", 1, 0.95, 2000, 0.1,
+                                checks=(("Wq", theory.mm1(0.95, 1).wq, validation.mean_wait),)))
+    monkeypatch.setattr(validation, "standard_scenarios", lambda scale: [case])
+
+
+def test_theory_too_wide_rows_do_not_fail_unless_strict(capsys, monkeypatch):
+    _theory_cases(monkeypatch, wrong=False)
+    code, out, _ = run(["theory", "--replications", "2", "--workers", "1"], capsys)
+    assert code == 0 and "too wide" in out
+    assert out.rstrip().endswith("0 of 0 judged rows inside their interval; 1 too wide to judge (half-width over "
+                                 "25% of the value: run longer with --scale or more --replications)")
+    code, _, _ = run(["theory", "--replications", "2", "--workers", "1", "--strict"], capsys)
+    assert code == 1
+
+
+def test_theory_exit_status_on_a_judged_failure(capsys, monkeypatch):
+    _theory_cases(monkeypatch, wrong=True)
+    code, out, _ = run(["theory", "--replications", "5", "--workers", "1"], capsys)
+    assert code == 1 and " FAIL" in out and "0 of 1 judged rows inside their interval" in out
 
 
 @pytest.mark.slow

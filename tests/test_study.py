@@ -60,7 +60,9 @@ def test_hypotheses_have_verdicts_with_their_numbers(done):
     for label in ("H1", "H2", "H3", "H5"):
         assert verdicts[label] == {"supported"}, (label, verdicts)
     assert "**Check supported**: bounded accepts exactly K + 8 of a burst of 30" in md
-    assert "**Check supported**: the simulator agrees with every closed form" in md
+    # Two replications of a fiftieth of the length: intervals too wide to judge, so the theory check claims nothing.
+    assert "**Check not testable**: the simulator agrees with every closed form. Evidence: " in md
+    assert "too wide to judge (half-width over 25% of the value" in md
     # The summary at the top repeats each hypothesis.
     top = md.split("\n## 1. ")[0]
     assert all(f"- **{label} " in top for label in ("H1", "H2", "H3"))
@@ -227,3 +229,15 @@ def test_the_live_stale_and_cancellation_parts_run_and_report_the_disagreement(t
     assert len(pair) == 3  # what cutting saved and gained, and the two runs
     saved, gained = (float(v) for v in pair[0].strip("|").split(" | ")[3:5])
     assert abs(saved) < 2 and abs(gained) < 50
+
+
+def test_the_theory_check_claims_only_what_it_judged():
+    rows = [("a", "pass"), ("b", "pass"), ("c", "too wide")]
+    table = pd.DataFrame({"case": [c for c, _ in rows], "quantity": "W", "verdict": [v for _, v in rows]})
+    assert study.theory_verdict(table.iloc[:2], 0.25).supported is True
+    wide = study.theory_verdict(table, 0.25)
+    assert wide.supported is None and wide.word == "not testable"
+    assert wide.evidence == ("2 of 2 judged closed-form values inside their simulated interval; 1 of 3 intervals too "
+                             "wide to judge (half-width over 25% of the value: c W)")
+    failed = study.theory_verdict(table.assign(verdict=["pass", "fail", "too wide"]), 0.25)
+    assert failed.supported is False and "outside: b W" in failed.evidence

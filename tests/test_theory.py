@@ -146,3 +146,183 @@ def test_mmc_deterministic_patience():
 def test_impatience_refuses_what_has_no_answer(call):
     with pytest.raises(ValueError):
         call()
+
+
+# ---------------------------------------------------------------- engines that share, against brute force
+# Each closed form is checked against its continuous-time Markov chain built state by state as a truncated
+# generator matrix and solved with scipy (pi Q = 0, sum pi = 1), not against pinned numbers.
+
+
+def _stationary(q) -> np.ndarray:
+    """pi with pi Q = 0 and sum(pi) = 1 for a generator Q (rows sum to 0), by scipy's sparse solver."""
+    from scipy import sparse
+    from scipy.sparse.linalg import spsolve
+
+    a = sparse.lil_matrix(sparse.csr_matrix(q).T)
+    a[-1, :] = 1.0  # one balance equation is redundant: replace it by the normalisation
+    rhs = np.zeros(q.shape[0])
+    rhs[-1] = 1.0
+    return spsolve(a.tocsc(), rhs)
+
+
+def _birth_death(birth: float, death, top: int):
+    """Generator of a birth-death chain on 0..top (births stop at top), death(n) the rate down from n."""
+    from scipy import sparse
+
+    n = np.arange(top + 1)
+    up = np.where(n < top, birth, 0.0)
+    down = np.array([death(k) if k else 0.0 for k in n])
+    return sparse.diags([down[1:], -(up + down), up[:-1]], [-1, 0, 1], format="csr")
+
+
+def _means(pi: np.ndarray, lam: float, running) -> dict:
+    """W, Wq, L, Lq and P(wait) of a chain on the number present, ``running(n)`` of them being served."""
+    n = np.arange(len(pi))
+    served = np.array([running(k) for k in n])
+    length, lq = float(n @ pi), float((n - served) @ pi)
+    return dict(w=length / lam, wq=lq / lam, l=length, lq=lq)
+
+
+def test_ps_against_its_chain_and_insensitivity():
+    # M/M/1-PS: the number present is the M/M/1 chain whatever the order of service.
+    lam, mu = 0.7, 1.0
+    pi = _stationary(_birth_death(lam, lambda n: mu, 400))
+    assert theory.mg1_ps(lam, 1 / mu).w == pytest.approx(_means(pi, lam, lambda n: n)["w"], rel=1e-9)
+    # M/H2/1-PS: sizes exponential of mean 4 (one in five) or 1/4, mean 1 and squared CV 5.5; the state is how many
+    # of each kind are present, each of the n present served at rate 1/n. Insensitivity: the same mean time in
+    # system as exponential sizes (and the same geometric number present, so the chain truncates at 60).
+    from scipy import sparse
+
+    lam, top, p, rates = 0.5, 60, (0.2, 0.8), (0.25, 4.0)
+    states = [(i, j) for i in range(top + 1) for j in range(top + 1 - i)]
+    index = {s: k for k, s in enumerate(states)}
+    rows, cols, vals = [], [], []
+    for (i, j), k in index.items():
+        n = i + j
+        moves = [((i + 1, j), lam * p[0]), ((i, j + 1), lam * p[1])] if n < top else []
+        moves += [((i - 1, j), i * rates[0] / n), ((i, j - 1), j * rates[1] / n)] if n else []
+        moves = [(to, rate) for to, rate in moves if rate]
+        rows += [k] * (len(moves) + 1)
+        cols += [index[to] for to, _ in moves] + [k]
+        vals += [rate for _, rate in moves] + [-sum(rate for _, rate in moves)]
+    pi = _stationary(sparse.csr_matrix((vals, (rows, cols)), shape=(len(states), len(states))))
+    length = sum(prob * sum(s) for prob, s in zip(pi, states))
+    mean_s = p[0] / rates[0] + p[1] / rates[1]
+    assert mean_s == pytest.approx(1.0)
+    assert theory.mg1_ps(lam, mean_s).w == pytest.approx(length / lam, rel=1e-9)
+    # ... unlike FIFO, where these sizes wait 3.25 times as long as exponential ones (P-K).
+    second = 2 * (p[0] / rates[0] ** 2 + p[1] / rates[1] ** 2)
+    assert theory.mg1(lam, mean_s, second).wq == pytest.approx(3.25 * theory.mm1(lam, 1.0).wq)
+
+
+@pytest.mark.parametrize("lam,a,b,mean", [(5.0, 0.010, 0.0002, 200), (12.5, 0.010, 0.0002, 200), (3.0, 0.02, 0.01, 8)])
+def test_continuous_batching_against_its_chain(lam, a, b, mean):
+    from scipy import stats
+
+    top = 1500
+    pi = _stationary(_birth_death(lam, lambda n: n / (mean * (a + b * n)), top))
+    got = theory.continuous_batching(lam, a, b, mean)
+    assert got.w == pytest.approx(_means(pi, lam, lambda n: n)["w"], rel=1e-9)
+    assert got.l == pytest.approx(lam * got.w)
+    # The stationary law is negative binomial (r + 1, 1 - c), r = a / b, c = lam E[L] b, as the docstring derives.
+    c = lam * mean * b
+    assert pi[:200] == pytest.approx(stats.nbinom.pmf(np.arange(200), a / b + 1, 1 - c), abs=1e-12)
+
+
+def test_continuous_batching_limits():
+    # No step overhead: processor sharing of E[S] = E[L] b. No per-sequence cost: M/M/inf, W = E[L] a.
+    assert theory.continuous_batching(0.5, 0.0, 0.01, 100).w == pytest.approx(theory.mg1_ps(0.5, 1.0).w)
+    assert theory.continuous_batching(50.0, 0.01, 0.0, 100).w == pytest.approx(1.0)
+    # A cap that is never reached changes nothing; a cap of one is M/M/1 with service E[L] (a + b).
+    far = theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 2000)
+    free = theory.continuous_batching(5.0, 0.010, 0.0002, 200)
+    assert far.w == pytest.approx(free.w, rel=1e-9) and far.wq == pytest.approx(0.0, abs=1e-12)
+    one = theory.continuous_batching_capped(0.3, 0.010, 0.0002, 200, 1)
+    mm1 = theory.mm1(0.3, 1 / (200 * 0.0102))
+    assert (one.w, one.wq, one.p_wait) == pytest.approx((mm1.w, mm1.wq, mm1.p_wait), rel=1e-9)
+
+
+@pytest.mark.parametrize("lam,a,b,mean,K", [(5.0, 0.010, 0.0002, 200, 16), (5.0, 0.010, 0.0002, 200, 24),
+                                            (2.0, 0.05, 0.01, 10, 3)])
+def test_capped_batching_against_its_chain(lam, a, b, mean, K):
+    top = 3000
+
+    def running(n):
+        return min(n, K)
+
+    pi = _stationary(_birth_death(lam, lambda n: running(n) / (mean * (a + b * running(n))), top))
+    want = _means(pi, lam, running)
+    got = theory.continuous_batching_capped(lam, a, b, mean, K)
+    # (rel 1e-7: the sparse solver's rounding on probabilities of a few in a thousand)
+    assert (got.w, got.wq, got.l, got.lq) == pytest.approx((want["w"], want["wq"], want["l"], want["lq"]), rel=1e-7)
+    assert got.p_wait == pytest.approx(float(pi[K:].sum()), rel=1e-7)
+
+
+def _bulk_generator(lam: float, mu: float, K: int, top: int):
+    """State 0: idle; state 1 + n: busy with n waiting (n = 0..top)."""
+    from scipy import sparse
+
+    q = sparse.lil_matrix((top + 2, top + 2))
+    q[0, 1] = lam  # an arrival to an idle server starts a batch of one
+    for n in range(top + 1):
+        i = 1 + n
+        if n < top:
+            q[i, i + 1] = lam
+        q[i, 0 if n == 0 else 1 + max(n - K, 0)] = mu  # the batch ends; the next takes up to K of the waiting
+        q[i, i] = -(mu + (lam if n < top else 0.0))
+    q[0, 0] = -lam
+    return q
+
+
+@pytest.mark.parametrize("lam,mu,K", [(3.0, 1.0, 4), (0.5, 1.0, 1), (7.0, 1.0, 8), (1.0, 2.0, 3)])
+def test_bulk_service_against_its_chain(lam, mu, K):
+    pi = _stationary(_bulk_generator(lam, mu, K, 2000))
+    waiting = np.concatenate([[0], np.arange(len(pi) - 1)])
+    lq = float(waiting @ pi)
+    got = theory.bulk_service(lam, mu, K)
+    assert got.lq == pytest.approx(lq, rel=1e-9)
+    assert got.wq == pytest.approx(lq / lam, rel=1e-9) and got.w == pytest.approx(lq / lam + 1 / mu, rel=1e-9)
+    assert got.p_wait == pytest.approx(1 - pi[0], rel=1e-9)
+    # The waiting count is geometric of ratio r0 beyond 0 (checked where the probabilities are well above rounding).
+    r0 = theory.bulk_service_root(lam, mu, K)
+    assert pi[3:10] / pi[2:9] == pytest.approx(np.full(7, r0), rel=1e-7)
+    assert mu * r0 ** (K + 1) - (lam + mu) * r0 + lam == pytest.approx(0.0, abs=1e-12) and 0 < r0 < 1
+
+
+def test_bulk_service_of_one_is_mm1():
+    q, mm1 = theory.bulk_service(0.9, 1.0, 1), theory.mm1(0.9, 1.0)
+    assert theory.bulk_service_root(0.9, 1.0, 1) == pytest.approx(0.9)
+    assert (q.wq, q.w, q.lq, q.p_wait) == pytest.approx((mm1.wq, mm1.w, mm1.lq, mm1.p_wait), rel=1e-9)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: theory.mg1_ps(1.0, 1.0), lambda: theory.continuous_batching(5.0, 0.01, 0.001, 200),
+    lambda: theory.continuous_batching(5.0, 0.0, 0.0, 200), lambda: theory.continuous_batching(5.0, 0.01, 0.0, 0.5),
+    lambda: theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 12),
+    lambda: theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 0),
+    lambda: theory.bulk_service(4.0, 1.0, 4), lambda: theory.bulk_service(1.0, 1.0, 0),
+])
+def test_sharing_refuses_what_has_no_answer(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_batching_in_steps_against_the_continuous_forms():
+    # In a busy batch the steps add about a / (2 (1 - c)): the wait for the step in flight to end.
+    for lam in (5.0, 12.5):
+        cont = theory.continuous_batching(lam, 0.010, 0.0002, 200).w
+        steps = theory.continuous_batching_steps(lam, 0.010, 0.0002, 200)
+        assert steps - cont == pytest.approx(0.010 / (2 * (1 - lam * 200 * 0.0002)), rel=1e-3)
+    # A cap that is never reached changes nothing; with K = 16 the gap is of the same size.
+    free = theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200)
+    assert theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 400) == pytest.approx(free, rel=1e-9)
+    capped = theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 16)
+    assert capped / theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 16).w - 1 == pytest.approx(0.002, abs=5e-4)
+    # No step overhead: processor sharing, the closer the more tokens a request has.
+    gaps = [abs(theory.continuous_batching_steps(0.5, 0.0, 1 / m, m) / 2.0 - 1) for m in (2, 5, 20)]
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3
+    # No per-sequence cost: every request is in for its own steps, plus the wait for the step in flight.
+    lone = theory.continuous_batching_steps(1e-4, 0.010, 0.0, 5)
+    assert lone == pytest.approx(5 * 0.010, rel=1e-3)
+    with pytest.raises(ValueError):
+        theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 12)
