@@ -48,6 +48,7 @@ def test_the_standard_set_covers_the_issue(table):
         assert any(needle in name for name in names), needle
 
 
+@pytest.mark.slow
 def test_engines_that_share_against_their_closed_forms(sharing):
     assert set(sharing.columns) == COLUMNS
     misses = sharing[sharing["verdict"] != "pass"]
