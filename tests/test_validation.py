@@ -74,7 +74,7 @@ def test_processor_sharing_rows_tell_sharing_from_fifo():
     # 1.43 s of processor sharing: the batching engine's row must refuse it.
     row = next(s for s in sharing_scenarios(0.2) if "M/G/1-PS" in s.name)
     fifo = replace(row, checks=(("W", theory.md1(0.3, 1.0).w, mean_sojourn),))
-    result = check([fifo], replications=5, workers=2)
+    result = check([fifo], replications=5, workers=1)
     assert list(result["verdict"]) == ["fail"], result.to_string()
 
 
@@ -95,7 +95,7 @@ def test_short_runs_are_too_wide_to_judge():
     # Two short replications of a case with a control variate leave no interval; of a plain one, a wide one.
     short = [s for s in standard_scenarios(0.01) if s.name in ("M/M/1 rho=0.8", "M/M^[4]/1 bulk service lambda=3 mu=1 "
                                                                                 "(Bailey)")]
-    result = check(short, replications=2, workers=2).set_index("case")
+    result = check(short, replications=2, workers=1).set_index("case")
     assert (result["verdict"] == "too wide").all()
     assert (result.loc["M/M/1 rho=0.8", "rel_half_width"] > TOO_WIDE).all()
     assert math.isnan(result.loc["M/M^[4]/1 bulk service lambda=3 mu=1 (Bailey)", "rel_half_width"])
@@ -117,7 +117,7 @@ def test_the_batching_engine_is_the_discrete_chain():
     assert steps / continuous - 1 == pytest.approx(0.084, abs=0.002)
     case = BatchScenario("steps", lam, Lengths("geometric", tokens), StepModel(b0=a, b1=0.0, b2=b, b3=0.0), 20_000,
                          0.05, checks=(("W", steps, mean_sojourn), ("W", continuous, mean_sojourn)))
-    result = check([case], replications=5, workers=2)
+    result = check([case], replications=5, workers=1)
     assert list(result["verdict"]) == ["pass", "fail"], result.to_string()
 
 
