@@ -373,7 +373,7 @@ def per_client_set(table: pd.DataFrame) -> pd.DataFrame:
 
 #: Axes of a sweep that label a policy's curve when they hold more than one value (None: "none").
 VARIANT_AXES = ("clients", "retry", "patience", "used", "speed_schedule", "estimator", "fixed_estimate",
-                "cancel_at_deadline")
+                "cancel_at_deadline", "arrivals", "policy_args")
 #: How a yes/no axis reads in a label: (its False, its True).
 FLAG_LABELS = {"fixed_estimate": ("tracking", "fixed estimate"), "cancel_at_deadline": ("runs on", "cut at deadline")}
 
@@ -407,7 +407,7 @@ def per_variant(table: pd.DataFrame) -> pd.DataFrame:
 RETRY_ORDER = ["none", "immediate", "exponential", "retry-after", "budget"]
 #: The axes other than the policy (a panel each) that may tell a time series' lines apart.
 _LINE_AXES = ("retry", "patience", "clients", "estimator", "used", "speed_schedule", "fixed_estimate",
-              "cancel_at_deadline", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
+              "cancel_at_deadline", "arrivals", "policy_args", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
 
 
 def _lines(table: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
