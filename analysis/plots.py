@@ -643,7 +643,7 @@ def goodput_vs_refused(summary: pd.DataFrame, objectives: Sequence[Objective] | 
 def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
              by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None,
              timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None,
-             objectives: Sequence[Objective] = ()) -> list[Path]:
+             objectives: Sequence[Objective] = (), extra: dict[str, plt.Figure] | None = None) -> list[Path]:
     """Write every figure as PNG and SVG into ``out``; return the paths.
 
     ``objectives`` are drawn on each panel of their metric (see :func:`check_objectives`).
@@ -651,7 +651,8 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
     summary_by_priority.parquet) are given and not empty; retries when the sweep has a retry axis and its
     time series (timeseries.parquet) is given, with recovery when the summary has recovery_s (surge arrivals,
     ``surge`` = (start_s, end_s)); estimation, stale and cancellation where the sweep has an estimator axis
-    (of several), a speed schedule, or cutting at the deadline both on and off.
+    (of several), a speed schedule, or cutting at the deadline both on and off; and the ``extra`` figures, by name
+    (a capacity search's).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -685,6 +686,7 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
         if "recovery_s" in summary:
             end = float(summary["duration_s"].max()) - surge[1] if surge is not None else None
             figures["recovery"] = recovery(summary, end)
+    figures.update(extra or {})
     paths = []
     for name, fig in figures.items():
         for ext in ("png", "svg"):
@@ -693,3 +695,35 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
             paths.append(path)
         plt.close(fig)
     return paths
+
+
+def capacity(summary: pd.DataFrame, results: list[dict], metric: str, threshold: float) -> plt.Figure:
+    """A capacity search (``qlab capacity``): ``metric`` against load at every load tried (mean and 95 % band over
+    the seeds), a panel per arrival process, the objective's threshold dotted, and each policy's capacity with its
+    95 % interval marked on it. ``results`` are capacity.json's (policy, arrivals, load, ci_low, ci_high)."""
+    processes = list(dict.fromkeys(r["arrivals"] for r in results))
+    policies = _policies(pd.DataFrame({"policy": [r["policy"] for r in results]}))
+    fig, axes = plt.subplots(1, len(processes), figsize=(max(7.0, 5.5 * len(processes)), 4.4), squeeze=False)
+    for ax, process in zip(axes[0], processes):
+        part = summary[summary["arrivals"] == process] if "arrivals" in summary else summary
+        agg = aggregate(part, ["policy", "load"], [metric])
+        mine = [r for r in results if r["arrivals"] == process]
+        for i, policy in enumerate(policies):
+            color = f"C{i}"  # a policy's colour is the same in every panel
+            _band(ax, agg[agg["policy"] == policy], "load", metric, policy, color=color)
+            for r in (r for r in mine if r["policy"] == policy and r["load"] is not None):
+                low, high = r["ci_low"] or 0.0, r["ci_high"] if r["ci_high"] is not None else r["load"]
+                ax.errorbar([r["load"]], [threshold], xerr=[[r["load"] - low], [high - r["load"]]], fmt="D",
+                            color=color, ms=6, capsize=4, zorder=5)
+        ax.axhline(threshold, color="black", lw=1, ls=":")
+        # Up to a little past the highest interval: the loads far beyond are bracketing, not the answer.
+        right = max((r["ci_high"] or r["load"] or 0.0) for r in mine) * 1.6
+        ax.set(title=f"{process} arrivals", xlabel="load (utilisation at the simulated speed)", ylabel=metric,
+               xlim=(0, right if right > 0 else None))
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.suptitle(f"{metric} against load: each capacity (diamond) and its 95 % interval (bar) at {threshold:g}",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig

@@ -143,7 +143,7 @@ def cmd_plot(args) -> int:
     timeseries = pd.read_parquet(src / "timeseries.parquet") if (src / "timeseries.parquet").exists() else None
     paths = plots.save_all(summary, by_class, rows, args.out, by_client_table=grouped["by_client"],
                            by_priority_table=grouped["by_priority"], timeseries=timeseries, surge=_surge(src),
-                           objectives=objectives)
+                           objectives=objectives, extra=_capacity_figure(src, summary))
     drew_cdf = Path(args.out) / "latency_cdf.png" in paths
     print(f"wrote {len(paths)} files to {args.out} (latency CDF at load {load:g}, speed {speed:g})"
           if drew_cdf else f"wrote {len(paths)} files to {args.out}")
@@ -158,6 +158,20 @@ def _grid_load(summary: pd.DataFrame, wanted: float) -> float:
             return float(load)
     raise ValueError(f"--cdf-load {wanted:g} is not a load of this sweep; its loads: "
                      + (", ".join(f"{v:g}" for v in loads) or "none"))
+
+
+def _capacity_figure(src: Path, summary: pd.DataFrame) -> dict:
+    """{"capacity": its figure} for a folder written by qlab capacity (its capacity.json), else {}."""
+    from analysis import plots
+
+    from .capacity import parse_objective
+
+    path = src / "capacity.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    first = parse_objective(data["objective"]).clauses[0]  # the figure draws the first clause's metric
+    return {"capacity": plots.capacity(summary, data["results"], first.metric, first.threshold)}
 
 
 def _surge(src: Path) -> tuple[float, float] | None:

@@ -797,7 +797,7 @@ def capacity_table(results: list[dict], bounds: dict) -> pd.DataFrame:
 
 
 def _capacity_report(ctx: Context, folder: Path) -> list:
-    from analysis import plots
+    from .commands import _capacity_figure
 
     data = _read_json(folder / "sweep" / "capacity.json")
     if data is None:
@@ -816,8 +816,9 @@ def _capacity_report(ctx: Context, folder: Path) -> list:
              "wholly below (test inversion). Requests/s is the capacity times the requests/s one engine serves at "
              "the calibrated speed."),
         Table(capacity_table(data["results"], bounds), "capacity: the highest load answering 90 % in time"),
-        Figure("capacity_share_in_time", _png(plots.share_in_time(plots.per_variant(summary))),
-               "share in time at every load the search tried, per policy and arrival process"),
+        Figure("capacity", _png(_capacity_figure(folder / "sweep", summary)["capacity"]),
+               "share in time at every load the search tried (mean and 95 % band over the seeds), each policy's "
+               "capacity (diamond) and its 95 % interval (bar) on the 0.9 line, per arrival process"),
     ]
 
 

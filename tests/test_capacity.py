@@ -158,6 +158,11 @@ def test_the_printed_table(small, capsys):
     assert out[-1].startswith("0 cells run (") and "already done" in out[-1]
 
 
+def test_plot_draws_the_searchs_figure_beside_the_sweeps(small, tmp_path, capsys):
+    assert main(["plot", str(small), "--out", str(tmp_path / "figs")]) == 0
+    assert {"capacity.png", "capacity.svg", "share_in_time.png"} <= {p.name for p in (tmp_path / "figs").iterdir()}
+
+
 def test_same_search_with_any_number_of_workers(small, tmp_path):
     again = tmp_path / "two"
     assert main(["capacity", *SMALL, "--out", str(again), "--workers", "2", "--json"]) == 0
