@@ -171,6 +171,14 @@ def test_same_search_with_any_number_of_workers(small, tmp_path):
     pd.testing.assert_frame_equal(a, b)
 
 
+def test_same_search_on_a_dask_cluster(small, tmp_path):
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        assert main(["capacity", *SMALL, "--out", str(tmp_path / "dask"), "--scheduler", cluster.scheduler_address,
+                     "--json"]) == 0
+    assert json.loads((tmp_path / "dask" / "capacity.json").read_text()) == json.loads((small / "capacity.json").read_text())
+
+
 def test_an_interrupted_search_resumes(small, tmp_path):
     cfg = capacity.config_from_args(_args(SMALL))
     spec = capacity.Search(cfg, capacity.parse_objective("share_good>=0.9"), capacity.Bounds(tolerance=0.05))
