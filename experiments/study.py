@@ -778,21 +778,17 @@ def _capacity_run(ctx: Context, folder: Path) -> None:
     capacity.run(_capacity_search(ctx.scale), folder / "sweep", workers=ctx.workers)
 
 
-def _load_text(value, missing: str) -> str:
-    return missing if value is None else f"{value:.3g}"
-
-
 def capacity_table(results: list[dict], bounds: dict) -> pd.DataFrame:
     """A row per policy: its capacity [95 % interval] and the rate it is, under each arrival process."""
+    from .capacity import Bounds, shown
+
     rows: dict[str, dict] = {}
     for r in results:
         what = CAPACITY_ARRIVALS.get(r["arrivals"], r["arrivals"])
-        load = (f"< {bounds['min_load']:g}" if r["load"] is None else
-                f">= {r['load']:.3g}" if r["fails_at"] is None else f"{r['load']:.3g}")
+        text = shown(r, Bounds(**bounds))
         row = rows.setdefault(r["policy"], {"policy": r["policy"]})
-        row[f"{what}: capacity [95 % interval]"] = (f"{load} [{_load_text(r['ci_low'], '0')}, "
-                                                     f"{_load_text(r['ci_high'], '> ' + format(bounds['max_load'], 'g'))}]")
-        row[f"{what}: requests/s"] = _load_text(r["rate_rps"], "-")
+        row[f"{what}: capacity [95 % interval]"] = f"{text['capacity']} {text['95 % interval']}"
+        row[f"{what}: requests/s"] = text["requests/s"]
     return pd.DataFrame(list(rows.values()))
 
 
