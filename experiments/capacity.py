@@ -460,7 +460,7 @@ def register(sub) -> None:
     p = sub.add_parser("capacity", help="the highest load at which each policy meets an objective",
                        description="Search each policy's capacity: the highest load at which an objective over a run's "
                                    "summary (e.g. 'share_good>=0.9') holds for the mean of the seeds, by bracketing "
-                                   "and bisection over load with the same seeds at every load, and its 95 %% interval. "
+                                   "and bisection over load with the same seeds at every load, and its 95 % interval. "
                                    "The cells run are written as a sweep dataset (qlab summary, qlab plot); re-running "
                                    "resumes.")
     p.set_defaults(func=cmd_capacity)
