@@ -697,33 +697,41 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
     return paths
 
 
-def capacity(summary: pd.DataFrame, results: list[dict], metric: str, threshold: float) -> plt.Figure:
-    """A capacity search (``qlab capacity``): ``metric`` against load at every load tried (mean and 95 % band over
-    the seeds), a panel per arrival process, the objective's threshold dotted, and each policy's capacity with its
-    95 % interval marked on it. ``results`` are capacity.json's (policy, arrivals, load, ci_low, ci_high)."""
+def capacity(summary: pd.DataFrame, results: list[dict], objective: Objective) -> plt.Figure:
+    """A capacity search (``qlab capacity``): the objective's metric against load at every load tried (mean and
+    95 % band over the seeds), a panel per arrival process, the objective's line, and each policy's capacity with
+    its 95 % interval marked on it. ``results`` are capacity.json's (policy, policy_args, arrivals, load, ci_low,
+    ci_high); a policy's parameter variants are curves of their own ("adaptive-lifo / lifo_threshold=4")."""
+    metric = objective.metric
+    labelled = summary.assign(policy=_with_args(summary))
+    results = [{**r, "policy": _with_args(pd.DataFrame([r])).iloc[0]} for r in results]
     processes = list(dict.fromkeys(r["arrivals"] for r in results))
-    policies = _policies(pd.DataFrame({"policy": [r["policy"] for r in results]}))
-    fig, axes = plt.subplots(1, len(processes), figsize=(max(7.0, 5.5 * len(processes)), 4.4), squeeze=False)
-    for ax, process in zip(axes[0], processes):
-        part = summary[summary["arrivals"] == process] if "arrivals" in summary else summary
+    styles = policy_styles(policy_order(r["policy"] for r in results))
+    fig, (axes,), spare = _grid(len(processes), (5.2, 4.0))
+    for ax, process in zip(axes, processes):
+        part = labelled[labelled["arrivals"] == process] if "arrivals" in labelled else labelled
         agg = aggregate(part, ["policy", "load"], [metric])
         mine = [r for r in results if r["arrivals"] == process]
-        for i, policy in enumerate(policies):
-            color = f"C{i}"  # a policy's colour is the same in every panel
-            _band(ax, agg[agg["policy"] == policy], "load", metric, policy, color=color)
+        for policy, style in styles.items():
+            _band(ax, agg[agg["policy"] == policy], "load", metric, policy, **style.line())
             for r in (r for r in mine if r["policy"] == policy and r["load"] is not None):
                 low, high = r["ci_low"] or 0.0, r["ci_high"] if r["ci_high"] is not None else r["load"]
-                ax.errorbar([r["load"]], [threshold], xerr=[[r["load"] - low], [high - r["load"]]], fmt="D",
-                            color=color, ms=6, capsize=4, zorder=5)
-        ax.axhline(threshold, color="black", lw=1, ls=":")
+                ax.errorbar([r["load"]], [objective.value], xerr=[[r["load"] - low], [high - r["load"]]], fmt="D",
+                            color=style.color, ms=6, capsize=4, zorder=5)
+        _objective_lines(ax, metric, [objective])
         # Up to a little past the highest interval: the loads far beyond are bracketing, not the answer.
         right = max((r["ci_high"] or r["load"] or 0.0) for r in mine) * 1.6
-        ax.set(title=f"{process} arrivals", xlabel="load (utilisation at the simulated speed)", ylabel=metric,
-               xlim=(0, right if right > 0 else None))
+        ax.set(title=f"{process} arrivals", xlabel=LOAD_LABEL, ylabel=metric, xlim=(0, right if right > 0 else None))
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle(f"{metric} against load: each capacity (diamond) and its 95 % interval (bar) at {threshold:g}",
+    fig.suptitle(f"{metric} against load: each capacity (diamond) and its 95 % interval (bar) at {objective.value:g}",
                  fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    _legend(fig, [axes], spare, title="policy")
     return fig
+
+
+def _with_args(table: pd.DataFrame) -> pd.Series:
+    """The policy column, with its [policy_args] variant where the row has one: "adaptive-lifo / lifo_threshold=4"."""
+    if "policy_args" not in table:
+        return table["policy"].astype(str)
+    args = table["policy_args"].astype(object)
+    return table["policy"].astype(str) + args.map(lambda a: "" if a is None or a != a else f" / {a}")

@@ -36,8 +36,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import operator
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,6 +46,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.metrics import mean_ci
+from analysis.objectives import Objective, parse_objectives, written
 from inputs import clientflags
 from inputs.argtypes import positive, positive_int
 from inputs.atomic import atomic_write
@@ -61,8 +60,8 @@ from .config import SweepConfig
 from .jsonout import json_ready
 from .simflags import add_workload_options
 
-OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
-_CLAUSE = re.compile(r"\s*([A-Za-z_]\w*)\s*(>=|<=|>|<)\s*(\S+)\s*")
+#: An objective: its clauses, all of which a load must meet (analysis.objectives.parse_objectives).
+Objectives = tuple[Objective, ...]
 #: The load of the placeholder grid a search's config is checked with; the cells take the loads searched.
 _SOME_LOAD = 1.0
 
@@ -70,51 +69,14 @@ _SOME_LOAD = 1.0
 # ------------------------------------------------------------------ objectives
 
 
-@dataclass(frozen=True)
-class Clause:
-    metric: str
-    op: str  # one of OPERATORS
-    threshold: float
-
-    def holds(self, value: float) -> bool:
-        return bool(OPERATORS[self.op](value, self.threshold))
-
-    def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.threshold:g}"
+def metrics_of(objective: Objectives) -> list[str]:
+    """The metrics an objective's clauses name, each once, in order."""
+    return list(dict.fromkeys(c.metric for c in objective))
 
 
-@dataclass(frozen=True)
-class Objective:
-    clauses: tuple[Clause, ...]
-
-    def __str__(self) -> str:
-        return " and ".join(map(str, self.clauses))
-
-    @property
-    def metrics(self) -> list[str]:
-        return list(dict.fromkeys(c.metric for c in self.clauses))
-
-
-def parse_objective(text: str) -> Objective:
-    """'share_good>=0.9 and latency_p99_s<=2' -> an :class:`Objective`; ValueError saying what is expected."""
-    expected = ("expected METRIC>=NUMBER (or <=, >, <), several joined with 'and', "
-                "e.g. 'share_good>=0.9 and latency_p99_s<=2'")
-    clauses = []
-    for part in re.split(r"\s+and\s+", str(text).strip()):
-        match = _CLAUSE.fullmatch(part)
-        try:
-            threshold = float(match.group(3)) if match else math.nan
-        except ValueError:
-            threshold = math.nan
-        if match is None or not math.isfinite(threshold):
-            raise ValueError(f"--objective {text!r}: {part.strip()!r} is not a clause; {expected}")
-        clauses.append(Clause(match.group(1), match.group(2), threshold))
-    return Objective(tuple(clauses))
-
-
-def check_metrics(objective: Objective, available: list[str]) -> None:
+def check_metrics(objective: Objectives, available: list[str]) -> None:
     """ValueError naming a clause's metric that the cells' summaries do not have, and those they do."""
-    for metric in objective.metrics:
+    for metric in metrics_of(objective):
         if metric not in available:
             raise ValueError(f"--objective: no metric {metric!r} in a cell's summary; it has {', '.join(available)}")
 
@@ -132,14 +94,14 @@ class Judgement:
     values: dict = field(default_factory=dict)  # metric -> {mean, ci_low, ci_high} (at the clause's level)
 
 
-def judge(per_seed: dict[str, np.ndarray], objective: Objective, level: float = 0.95) -> Judgement:
+def judge(per_seed: dict[str, np.ndarray], objective: Objectives, level: float = 0.95) -> Judgement:
     """The objective at one load, from each metric's values over the seeds; each clause's interval at
     1 - (1 - level) / (number of clauses), so that the capacity's interval holds at ``level`` (Bonferroni)."""
-    each = 1 - (1 - level) / len(objective.clauses)
+    each = 1 - (1 - level) / len(objective)
     met = surely_met = True
     surely_failed = False
     values = {}
-    for clause in objective.clauses:
+    for clause in objective:
         x = np.asarray(per_seed[clause.metric], dtype=float)
         mean, low, high = mean_ci(x, each)
         values[clause.metric] = {"mean": mean, "ci_low": low, "ci_high": high}
@@ -248,7 +210,7 @@ class Search:
     """A capacity search: the cells of ``config`` (its grid's load is a placeholder) at every load searched."""
 
     config: SweepConfig
-    objective: Objective
+    objective: Objectives
     bounds: Bounds = Bounds()
     level: float = 0.95
 
@@ -326,7 +288,7 @@ def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler:
             for unit, load in asks:
                 summaries = [used[c.id] for c in cells_at(unit, load)]
                 rate[unit] = summaries[0]["capacity_rps"]
-                per_seed = {m: np.array([s[m] for s in summaries], dtype=float) for m in spec.objective.metrics}
+                per_seed = {m: np.array([s[m] for s in summaries], dtype=float) for m in metrics_of(spec.objective)}
                 judged[unit, load] = judge(per_seed, spec.objective, spec.level)
             return judged
 
@@ -334,8 +296,8 @@ def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler:
     results = [Result(unit, sweep.arrivals_of(spec.config, unit), Capacity.of(judged[unit]), rate[unit], judged[unit])
                for unit in units]
     summary = sweep.write_summaries(out, list(used))
-    written = _manifest(spec, sorted(set(summary["load"])), len(summary))
-    atomic_write(out / "manifest.json", (json.dumps(written, indent=2) + "\n").encode())
+    manifest = _manifest(spec, sorted(set(summary["load"])), len(summary))
+    atomic_write(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     atomic_write(out / "capacity.json", (json.dumps(json_ready(_report(spec, results)), indent=2) + "\n").encode())
     return Outcome(results, ran, len(used) - ran)
 
@@ -343,18 +305,18 @@ def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler:
 def _manifest(spec: Search, loads: list[float], n_cells: int = 0) -> dict:
     """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the loads out."""
     cfg = dataclasses.replace(spec.config, grid={**spec.config.grid, "load": tuple(loads) or (_SOME_LOAD,)})
-    written = sweep.manifest(cfg, n_cells)
-    written.update(config_sha256=spec.digest, source="qlab capacity",
-                   capacity={"objective": str(spec.objective), "level": spec.level, **asdict(spec.bounds)})
+    manifest = sweep.manifest(cfg, n_cells)
+    manifest.update(config_sha256=spec.digest, source="qlab capacity",
+                    capacity={"objective": written(spec.objective), "level": spec.level, **asdict(spec.bounds)})
     if loads:
-        written["config"]["grid"]["load"] = list(loads)
-    return written
+        manifest["config"]["grid"]["load"] = list(loads)
+    return manifest
 
 
 def _report(spec: Search, results: list[Result]) -> dict:
     tried = [{**r.record(), "load": load, **{k: getattr(j, k) for k in ("met", "surely_met", "surely_failed")},
               "values": j.values} for r in results for load, j in sorted(r.judged.items())]
-    return {"objective": str(spec.objective), "level": spec.level, "bounds": asdict(spec.bounds),
+    return {"objective": written(spec.objective), "level": spec.level, "bounds": asdict(spec.bounds),
             "seeds": spec.config.seeds, "duration_s": spec.config.duration_s,
             "results": [r.record() for r in results], "tried": json_ready(tried)}
 
@@ -436,7 +398,7 @@ def table(results: list[Result], bounds: Bounds) -> pd.DataFrame:
 
 def cmd_capacity(args) -> int:
     began = time.perf_counter()
-    spec = Search(config_from_args(args), parse_objective(args.objective),
+    spec = Search(config_from_args(args), parse_objectives(args.objective),
                   Bounds(args.start, args.min_load, args.max_load, args.tolerance))
     show = not args.quiet and not args.json and sys.stderr.isatty()
     outcome = run(spec, args.out, workers=args.workers, scheduler=args.scheduler,
@@ -445,7 +407,7 @@ def cmd_capacity(args) -> int:
         print(json.dumps(json_ready([r.record() for r in outcome.results]), indent=2))
         return 0
     cfg = spec.config
-    print(f"capacity: the highest load at which {spec.objective} holds for the mean of {cfg.seeds} seeds of "
+    print(f"capacity: the highest load at which {written(spec.objective)} holds for the mean of {cfg.seeds} seeds of "
           f"{cfg.duration_s:g} s; {', '.join(cfg.arrival_processes)} arrivals, {cfg.grid['engines'][0]} engine(s), "
           f"speed {cfg.grid['speed'][0]:g}")
     print(table(outcome.results, spec.bounds).to_string(index=False))

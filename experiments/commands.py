@@ -163,15 +163,14 @@ def _grid_load(summary: pd.DataFrame, wanted: float) -> float:
 def _capacity_figure(src: Path, summary: pd.DataFrame) -> dict:
     """{"capacity": its figure} for a folder written by qlab capacity (its capacity.json), else {}."""
     from analysis import plots
-
-    from .capacity import parse_objective
+    from analysis.objectives import parse_objectives
 
     path = src / "capacity.json"
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
-    first = parse_objective(data["objective"]).clauses[0]  # the figure draws the first clause's metric
-    return {"capacity": plots.capacity(summary, data["results"], first.metric, first.threshold)}
+    first = parse_objectives(data["objective"])[0]  # the figure draws the first clause's metric
+    return {"capacity": plots.capacity(summary, data["results"], first)}
 
 
 def _surge(src: Path) -> tuple[float, float] | None:

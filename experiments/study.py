@@ -41,6 +41,7 @@ import pandas as pd
 
 from analysis.metrics import _class_key, aggregate, mean_ci
 from analysis.styles import policy_order
+from analysis.objectives import parse_objectives, written
 from inputs.argtypes import positive_int
 from inputs.atomic import atomic_write, write_parquet
 
@@ -762,13 +763,13 @@ def _capacity_search(scale: Scale):
     seconds = CAPACITY_SECONDS if scale.duration_s is None else min(CAPACITY_SECONDS, scale.duration_s)
     cfg = capacity.search_config(list(POLICIES), list(CAPACITY_ARRIVALS), seconds=seconds, seeds=seeds,
                                  where="<study capacity>")
-    return capacity.Search(cfg, capacity.parse_objective(CAPACITY_OBJECTIVE),
+    return capacity.Search(cfg, parse_objectives(CAPACITY_OBJECTIVE),
                            capacity.Bounds(tolerance=scale.capacity_tolerance))
 
 
 def _capacity_inputs(ctx: Context) -> dict:
     spec = _capacity_search(ctx.scale)
-    return {"config": spec.config.canonical(), "objective": str(spec.objective), "level": spec.level,
+    return {"config": spec.config.canonical(), "objective": written(spec.objective), "level": spec.level,
             "bounds": dataclasses.asdict(spec.bounds)}
 
 

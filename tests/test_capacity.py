@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.objectives import Objective, parse_objectives, written
 from experiments import capacity, sweep
 from experiments.cli import main
 
@@ -19,18 +20,20 @@ SMALL = ["--policy", "bounded", "--policy", "predictive", "--objective", "share_
 
 
 def test_objectives_parse():
-    objective = capacity.parse_objective("share_good>=0.9 and latency_p99_s <= 2.5 and goodput_rps>1e1")
-    assert [str(c) for c in objective.clauses] == ["share_good>=0.9", "latency_p99_s<=2.5", "goodput_rps>10"]
-    assert objective.metrics == ["share_good", "latency_p99_s", "goodput_rps"]
-    assert str(capacity.parse_objective("  ttft_p99_s<0.5 ")) == "ttft_p99_s<0.5"  # any name: checked on the cells
+    objective = parse_objectives("share_good>=0.9 and latency_p99_s <= 2.5 and goodput_rps>1e1 and ttft_p99_s=1")
+    assert written(objective) == "share_good>=0.9 and latency_p99_s<=2.5 and goodput_rps>10 and ttft_p99_s<=1"
+    assert capacity.metrics_of(objective * 2) == ["share_good", "latency_p99_s", "goodput_rps", "ttft_p99_s"]
+    assert written(parse_objectives("  ttft_p99_s<0.5 ")) == "ttft_p99_s<0.5"  # any name: checked on the cells
+    strict = parse_objectives("share_good>0.9")[0]
+    assert not strict.holds(0.9) and strict.holds(0.91) and not strict.holds(float("nan"))
 
 
 @pytest.mark.parametrize("text", ["", "share_good", "share_good=>0.9", "share_good==0.9", "share_good>=high",
                                   "share_good>=0.9 or latency_p99_s<=2", "share_good>=nan", "share_good>=inf",
                                   "share_good>=0.9 and", "9>=share_good"])
 def test_a_bad_objective_is_one_line_and_exit_2(text, tmp_path, capsys):
-    with pytest.raises(ValueError, match="is not a clause; expected METRIC>=NUMBER"):
-        capacity.parse_objective(text)
+    with pytest.raises(ValueError, match="objective '.*'"):
+        parse_objectives(text)
     assert main(["capacity", "--policy", "none", "--objective", text, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "o").exists()
@@ -62,7 +65,7 @@ def test_bad_search_settings_are_one_line_and_exit_2(extra, message, tmp_path, c
 # ------------------------------------------------------------------ the search, on a synthetic metric
 
 
-def synthetic(offsets: np.ndarray, objective: capacity.Objective):
+def synthetic(offsets: np.ndarray, objective: tuple[Objective, ...]):
     """An evaluate function for :func:`capacity.search`: seed s's metric at load L is 1 - L / 4 + offsets[s]."""
     def evaluate(asks):
         return {(unit, load): capacity.judge({"m": 1 - load / 4 + offsets}, objective) for unit, load in asks}
@@ -72,7 +75,7 @@ def synthetic(offsets: np.ndarray, objective: capacity.Objective):
 def test_the_search_finds_the_crossing_of_the_seeds_mean_and_an_interval_around_it():
     rng = np.random.default_rng(7)
     offsets = rng.normal(0, 0.05, 10)
-    objective = capacity.parse_objective("m>=0.5")
+    objective = parse_objectives("m>=0.5")
     bounds = capacity.Bounds(tolerance=0.01)
     judged = capacity.search(synthetic(offsets, objective), ["a"], bounds)["a"]
     cap = capacity.Capacity.of(judged)
@@ -87,21 +90,21 @@ def test_the_search_finds_the_crossing_of_the_seeds_mean_and_an_interval_around_
 
 def test_the_search_says_where_it_ran_out_of_loads():
     flat = np.zeros(5)
-    never = capacity.Capacity.of(capacity.search(synthetic(flat, capacity.parse_objective("m>=2")), ["a"],
+    never = capacity.Capacity.of(capacity.search(synthetic(flat, parse_objectives("m>=2")), ["a"],
                                                  capacity.Bounds())["a"])
     assert never.load is None and never.ci_low is None and never.fails_at == 0.01 and never.ci_high == 0.01
-    always = capacity.Capacity.of(capacity.search(synthetic(flat, capacity.parse_objective("m>=-5")), ["a"],
+    always = capacity.Capacity.of(capacity.search(synthetic(flat, parse_objectives("m>=-5")), ["a"],
                                                   capacity.Bounds(max_load=8))["a"])
     assert always.load == 8 and always.fails_at is None and always.ci_high is None
 
 
 def test_several_clauses_each_at_a_bonferroni_level():
     values = {"a": np.array([0.91, 0.93, 0.95]), "b": np.array([1.0, 1.2, 1.1])}
-    one = capacity.judge(values, capacity.parse_objective("a>=0.9"))
-    two = capacity.judge(values, capacity.parse_objective("a>=0.9 and b<=2"))
+    one = capacity.judge(values, parse_objectives("a>=0.9"))
+    two = capacity.judge(values, parse_objectives("a>=0.9 and b<=2"))
     assert one.values["a"]["ci_low"] > two.values["a"]["ci_low"]  # the 97.5 % interval is wider
-    assert two.met and not capacity.judge(values, capacity.parse_objective("a>=0.9 and b<1")).met
-    undefined = capacity.judge({"a": np.array([0.95, np.nan, 0.96])}, capacity.parse_objective("a>=0.9"))
+    assert two.met and not capacity.judge(values, parse_objectives("a>=0.9 and b<1")).met
+    undefined = capacity.judge({"a": np.array([0.95, np.nan, 0.96])}, parse_objectives("a>=0.9"))
     assert not undefined.met and undefined.surely_failed
 
 
@@ -117,7 +120,7 @@ def test_the_capacity_of_an_mm1_queue_is_its_closed_form(tmp_path):
     cfg = capacity.search_config(["none"], ["poisson"], seconds=1000, seeds=10,
                                  sweep_settings={"service_dist": "exponential", "mean_service_s": 1.0},
                                  grid={"deadline_s": [deadline]})
-    spec = capacity.Search(cfg, capacity.parse_objective("share_good>=0.9"))
+    spec = capacity.Search(cfg, parse_objectives("share_good>=0.9"))
     (result,) = capacity.run(spec, tmp_path / "mm1", workers=2).results
     cap = result.capacity
     assert cap.ci_low <= truth <= cap.ci_high and cap.ci_high - cap.ci_low < 0.15
@@ -163,6 +166,31 @@ def test_plot_draws_the_searchs_figure_beside_the_sweeps(small, tmp_path, capsys
     assert {"capacity.png", "capacity.svg", "share_in_time.png"} <= {p.name for p in (tmp_path / "figs").iterdir()}
 
 
+def test_the_capacity_figure_keeps_each_policys_colour(small):
+    from matplotlib import colors
+
+    from analysis import plots, styles
+
+    data = json.loads((small / "capacity.json").read_text())
+    fig = plots.capacity(pd.read_parquet(small / "summary.parquet"), data["results"],
+                         parse_objectives(data["objective"])[0])
+    (ax,) = [a for a in fig.axes if a.lines]
+    curves = {line.get_label(): colors.to_hex(line.get_color()) for line in ax.lines if not line.get_label().startswith("_")}
+    assert curves["bounded"] == styles.policy_color("bounded") and curves["predictive"] == styles.policy_color("predictive")
+    assert "objective share_good ≥ 0.9" in curves
+
+
+def test_an_objective_over_ttft(tmp_path, capsys):
+    # The p99 time to first token: any summary metric can be searched on, in either direction.
+    argv = ["capacity", "--policy", "predictive", "--objective", "ttft_p99_s<=1", "--seconds", "60", "--seeds", "3",
+            "--tolerance", "0.1", "--workers", "1", "--out", str(tmp_path / "ttft"), "--json"]
+    assert main(argv) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    summary = pd.read_parquet(tmp_path / "ttft" / "summary.parquet").groupby("load")["ttft_p99_s"].mean()
+    assert summary[record["load"]] <= 1 < summary[record["fails_at"]]
+    assert record["ci_low"] <= record["load"] < record["fails_at"] <= record["ci_high"]
+
+
 def test_same_search_with_any_number_of_workers(small, tmp_path):
     again = tmp_path / "two"
     assert main(["capacity", *SMALL, "--out", str(again), "--workers", "2", "--json"]) == 0
@@ -181,7 +209,7 @@ def test_same_search_on_a_dask_cluster(small, tmp_path):
 
 def test_an_interrupted_search_resumes(small, tmp_path):
     cfg = capacity.config_from_args(_args(SMALL))
-    spec = capacity.Search(cfg, capacity.parse_objective("share_good>=0.9"), capacity.Bounds(tolerance=0.05))
+    spec = capacity.Search(cfg, parse_objectives("share_good>=0.9"), capacity.Bounds(tolerance=0.05))
     out = tmp_path / "resumed"
 
     def stop_at_round_3(line):
@@ -196,7 +224,7 @@ def test_an_interrupted_search_resumes(small, tmp_path):
     assert outcome.reused == kept and outcome.ran > 0
     assert json.loads((out / "capacity.json").read_text()) == json.loads((small / "capacity.json").read_text())
     # Another objective on the same cells reuses every one it asks for again (the folder's digest leaves loads out).
-    other = capacity.Search(cfg, capacity.parse_objective("share_good>=0.8"), capacity.Bounds(tolerance=0.05))
+    other = capacity.Search(cfg, parse_objectives("share_good>=0.8"), capacity.Bounds(tolerance=0.05))
     assert capacity.run(other, out, workers=1).reused > 0
 
 
