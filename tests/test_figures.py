@@ -293,7 +293,7 @@ def test_plot_draws_the_objective_and_refuses_one_no_figure_draws(tiny_sweep, tm
     svg = (tmp_path / "a" / "share_in_time.svg").read_text()
     assert "objective share_good ≥ 0.9" in svg
     for bad, message in (("requests>=10", "objective requests: no figure draws it"),
-                         ("share_good>0.9", "expected METRIC>=VALUE")):
+                         ("share_good=>0.9", "expected METRIC>=VALUE")):
         capsys.readouterr()
         assert main(["plot", str(out), "--out", str(tmp_path / "b"), "--objective", bad]) == 2
         err = capsys.readouterr().err
