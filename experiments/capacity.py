@@ -51,11 +51,12 @@ from inputs import clientflags
 from inputs.argtypes import positive, positive_int
 from inputs.atomic import atomic_write
 from qsim import PRESETS, ServiceModel
+from qsim.engines import Batching, OneAtATime
 from qsim.policy import parse_args, policy_spec
 from qsim.workload import arrivals_take_load
 
 from . import config as sweep_config
-from . import sweep
+from . import engineflags, sweep
 from .config import SweepConfig
 from .jsonout import json_ready
 from .simflags import add_workload_options
@@ -326,9 +327,11 @@ def _report(spec: Search, results: list[Result]) -> dict:
 
 def search_config(policies: list[str], arrivals: list[str], *, seconds: float, seeds: int, first_seed: int = 1,
                   sweep_settings: dict | None = None, grid: dict | None = None, policy_args: dict | None = None,
-                  service: dict | None = None, retry: dict | None = None, where: str = "qlab capacity") -> SweepConfig:
+                  service: dict | None = None, retry: dict | None = None, batching: dict | None = None,
+                  where: str = "qlab capacity") -> SweepConfig:
     """The sweep config a search runs the cells of: ``policies`` x ``arrivals`` (an axis when there are several) at a
-    placeholder load. ValueError when an arrival process takes no load (a search is over load)."""
+    placeholder load; ``batching``: a [batching] table (one batching engine, whose saturated throughput is load 1).
+    ValueError when an arrival process takes no load (a search is over load)."""
     for spec in arrivals:
         if not arrivals_take_load(spec):
             raise ValueError(f"--arrivals {spec}: takes no load (its burst size sets its rate), and the search is "
@@ -344,7 +347,22 @@ def search_config(policies: list[str], arrivals: list[str], *, seconds: float, s
     if retry:
         data["retry"] = {"flags": retry}
         data["grid"]["retry"] = ["flags"]
+    if batching:
+        data["batching"] = batching
     return sweep_config.parse(data, where)
+
+
+def _batching_table(args) -> dict | None:
+    """The [batching] table of ``--batching`` and its options (``qlab simulate``'s), or None: engines one at a time.
+    ValueError for an option the search cannot take, or one of a batching engine without --batching."""
+    if args.concurrency:
+        raise ValueError("--concurrency: a search runs sweep cells, whose engines do not slow each other; leave it "
+                         "out (or search a batching engine, --batching)")
+    engine = engineflags.engine_from_args(args)
+    if not isinstance(engine, Batching):
+        return None
+    settings = {k: v for k, v in asdict(engine).items() if k != "step" and v is not None}
+    return {**asdict(engine.step), **settings}
 
 
 def config_from_args(args) -> SweepConfig:
@@ -357,9 +375,14 @@ def config_from_args(args) -> SweepConfig:
     if args.service != "mix":
         settings.update(service_dist=args.service, **({"mean_service_s": args.mean_service}
                                                       if args.mean_service is not None else {}))
-    grid = {"engines": [args.engines], "speed": [args.speed]}
+    batching = _batching_table(args)
+    if args.prompts is not None:
+        settings["prompts"] = args.prompts.spec
+    # A batching sweep runs one engine per cell (its table says so); its step model times the speed.
+    grid = {"speed": [args.speed], **({} if batching else {"engines": [args.engines]})}
     for key, value in (("deadline_s", args.deadline), ("max_queue", args.max_queue), ("used", args.used),
-                       ("speed_schedule", args.speed_schedule), ("patience", args.patience)):
+                       ("speed_schedule", args.speed_schedule), ("patience", args.patience),
+                       ("ttft_slo_s", args.ttft_slo), ("tpot_slo_s", args.tpot_slo)):
         if value is not None:
             grid[key] = [value]
     clientflags.from_args(args)  # the patience and retry flags, checked as simulate checks them
@@ -370,7 +393,7 @@ def config_from_args(args) -> SweepConfig:
     return search_config(args.policy, args.arrivals or ["poisson"], seconds=args.seconds, seeds=args.seeds,
                          first_seed=args.seed, sweep_settings=settings, grid=grid,
                          policy_args={p: dict(pairs) for p in args.policy} if pairs else None, service=model,
-                         retry=clientflags.retry_table(args) or None)
+                         retry=clientflags.retry_table(args) or None, batching=batching)
 
 
 def _number(value: float | None, missing: str) -> str:
@@ -407,8 +430,9 @@ def cmd_capacity(args) -> int:
         print(json.dumps(json_ready([r.record() for r in outcome.results]), indent=2))
         return 0
     cfg = spec.config
+    engine = cfg.engine() or OneAtATime(cfg.grid["engines"][0])
     print(f"capacity: the highest load at which {written(spec.objective)} holds for the mean of {cfg.seeds} seeds of "
-          f"{cfg.duration_s:g} s; {', '.join(cfg.arrival_processes)} arrivals, {cfg.grid['engines'][0]} engine(s), "
+          f"{cfg.duration_s:g} s; {', '.join(cfg.arrival_processes)} arrivals, {engineflags.describe(engine)}, "
           f"speed {cfg.grid['speed'][0]:g}")
     print(table(outcome.results, spec.bounds).to_string(index=False))
     print(f"95 % interval: from the last load met surely to the first failed surely, by the seeds' t-intervals "
@@ -438,6 +462,7 @@ def register(sub) -> None:
     p.add_argument("--tolerance", type=positive, default=Bounds.tolerance,
                    help="stop when each crossing's bracket is narrower than this share of its load (default 0.02)")
     add_workload_options(p, seeds=10, several_arrivals=True)
+    engineflags.add_flags(p)
     p.add_argument("--out", required=True, help="output folder: a sweep dataset (created; resumed if it holds this search)")
     p.add_argument("--json", action="store_true",
                    help="print a list of {policy, arrivals, load, ci_low, ci_high, fails_at, rate_rps, loads_tried}")

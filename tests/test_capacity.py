@@ -54,6 +54,9 @@ def test_an_unknown_metric_names_those_there_are_and_runs_nothing(tmp_path, caps
     (["--tolerance", "1.5"], "--tolerance must be in (0, 1)"),
     (["--mean-service", "1"], "--mean-service applies to exponential and deterministic service"),
     (["--policy-arg", "aging=0.1"], "has no parameter 'aging'"),
+    (["--concurrency", "0.1"], "--concurrency: a search runs sweep cells"),
+    (["--kv-blocks", "100"], "--kv-blocks is a batching engine's: add --batching"),
+    (["--batching", "--service", "exponential"], "service_dist: a [batching] engine's work is its requests' tokens"),
 ])
 def test_bad_search_settings_are_one_line_and_exit_2(extra, message, tmp_path, capsys):
     argv = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", "--out", str(tmp_path / "o"), *extra]
@@ -178,6 +181,27 @@ def test_the_capacity_figure_keeps_each_policys_colour(small):
     curves = {line.get_label(): colors.to_hex(line.get_color()) for line in ax.lines if not line.get_label().startswith("_")}
     assert curves["bounded"] == styles.policy_color("bounded") and curves["predictive"] == styles.policy_color("predictive")
     assert "objective share_good ≥ 0.9" in curves
+
+
+def test_a_batching_engines_capacity_with_a_ttft_objective(tmp_path, capsys):
+    # simulate's engine options: one batching engine, whose saturated throughput is load 1, and an objective on
+    # the first token that makes a request good only when it meets it too.
+    from qsim.engines import Batching
+    from qsim.workload import REFERENCE_MIX
+
+    argv = ["capacity", "--policy", "predictive", "--objective", "share_good>=0.9", "--batching", "--max-num-seqs",
+            "8", "--ttft-slo", "0.5", "--seconds", "30", "--seeds", "2", "--tolerance", "0.1", "--workers", "1",
+            "--out", str(tmp_path / "b"), "--json"]
+    assert main(argv) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    mean_tokens = sum(s * p for s, p in zip(REFERENCE_MIX.sizes, REFERENCE_MIX.probs))
+    assert record["rate_rps"] == pytest.approx(record["load"] * Batching(max_num_seqs=8).capacity_rps(0.0, mean_tokens))
+    summary = pd.read_parquet(tmp_path / "b" / "summary.parquet")
+    assert set(summary["ttft_slo_s"]) == {0.5} and summary["kv_blocks_peak_p99"].notna().all()
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["config"]["batching"]["max_num_seqs"] == 8
+    assert main([*argv[:-1]]) == 0  # the table names the engine
+    assert "a batching engine (8 seqs" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_an_objective_over_ttft(tmp_path, capsys):
