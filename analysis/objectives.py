@@ -1,18 +1,25 @@
-"""Objectives over a sweep's summary metrics ("share_good>=0.9"), as the figures draw them.
+"""Objectives over a sweep's summary metrics ("share_good>=0.9"): what the figures draw and what
+``qlab capacity`` searches for.
 
-An objective is a metric, a direction and a value: ``share_good>=0.9`` (at least 90 % in time),
-``latency_p99_s<=2`` (p99 latency of the answered at most 2 s). ``METRIC=VALUE`` means the
-metric's good direction: at least VALUE for a share or goodput, at most VALUE for a latency.
+An objective is a metric, a comparison and a value: ``share_good>=0.9`` (at least 90 % in time),
+``latency_p99_s<=2`` (p99 latency of the answered at most 2 s), ``ttft_p99_s<0.5``; ``>`` and ``<``
+are strict. ``METRIC=VALUE`` means the metric's good direction: at most VALUE for a time (a metric
+in seconds, ``..._s``: latencies, TTFT, TPOT), at least VALUE for anything else (a share, a goodput).
 Several are joined with ``and``.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
-_TERM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|=)\s*([^\s=<>]+)\s*$")
+#: Each comparison an objective may make, and how the figures write it.
+COMPARISONS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+_SYMBOLS = {">=": "≥", "<=": "≤", ">": ">", "<": "<"}
+_TERM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<|=)\s*([^\s=<>]+)\s*$")
 _LATENCY = re.compile(r"^latency_p(\d+(?:\.\d+)?)_s$")
 
 
@@ -21,11 +28,20 @@ class Objective:
     """``metric op value``: what a summary metric should meet."""
 
     metric: str
-    op: str  # ">=" or "<="
+    op: str  # one of COMPARISONS
     value: float
 
     def __str__(self) -> str:
-        return f"{self.metric} {'≥' if self.op == '>=' else '≤'} {self.value:g}"
+        return f"{self.metric} {_SYMBOLS[self.op]} {self.value:g}"
+
+    @property
+    def text(self) -> str:
+        """As it is written on a command line: ``share_good>=0.9``."""
+        return f"{self.metric}{self.op}{self.value:g}"
+
+    def holds(self, measured: float) -> bool:
+        """Whether ``measured`` meets it (NaN never does)."""
+        return bool(COMPARISONS[self.op](measured, self.value))
 
     @property
     def quantile(self) -> float | None:
@@ -37,11 +53,11 @@ class Objective:
 def parse_objectives(text: str) -> tuple[Objective, ...]:
     """``"share_good>=0.9 and latency_p99_s<=2"`` as Objectives; ValueError saying what is wrong."""
     found = []
-    for term in re.split(r"\s+and\s+", text.strip()):
+    for term in re.split(r"\s+and\s+", str(text).strip()):
         match = _TERM.match(term)
         if not match:
-            raise ValueError(f"objective {term!r}: expected METRIC>=VALUE, METRIC<=VALUE or METRIC=VALUE "
-                             "(e.g. share_good>=0.9), several joined with 'and'")
+            raise ValueError(f"objective {term!r}: expected METRIC>=VALUE or METRIC<=VALUE (or >, <, or = for the "
+                             "metric's good direction), e.g. share_good>=0.9, several joined with 'and'")
         metric, op, number = match.groups()
         try:
             value = float(number)
@@ -49,7 +65,12 @@ def parse_objectives(text: str) -> tuple[Objective, ...]:
             raise ValueError(f"objective {term!r}: {number!r} is not a number") from None
         if not math.isfinite(value):
             raise ValueError(f"objective {term!r}: the value must be finite")
-        if op == "=":  # the good direction: latencies should be low, shares and rates high
-            op = "<=" if metric.startswith("latency") else ">="
+        if op == "=":  # the good direction: times should be short, shares and rates high
+            op = "<=" if metric.endswith("_s") else ">="
         found.append(Objective(metric, op, value))
     return tuple(found)
+
+
+def written(objectives: Iterable[Objective]) -> str:
+    """Objectives as one command-line text, joined with 'and' (:func:`parse_objectives` reads it back)."""
+    return " and ".join(o.text for o in objectives)

@@ -373,7 +373,7 @@ def per_client_set(table: pd.DataFrame) -> pd.DataFrame:
 
 #: Axes of a sweep that label a policy's curve when they hold more than one value (None: "none").
 VARIANT_AXES = ("clients", "retry", "patience", "used", "speed_schedule", "estimator", "fixed_estimate",
-                "cancel_at_deadline")
+                "cancel_at_deadline", "arrivals", "policy_args")
 #: How a yes/no axis reads in a label: (its False, its True).
 FLAG_LABELS = {"fixed_estimate": ("tracking", "fixed estimate"), "cancel_at_deadline": ("runs on", "cut at deadline")}
 
@@ -407,7 +407,7 @@ def per_variant(table: pd.DataFrame) -> pd.DataFrame:
 RETRY_ORDER = ["none", "immediate", "exponential", "retry-after", "budget"]
 #: The axes other than the policy (a panel each) that may tell a time series' lines apart.
 _LINE_AXES = ("retry", "patience", "clients", "estimator", "used", "speed_schedule", "fixed_estimate",
-              "cancel_at_deadline", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
+              "cancel_at_deadline", "arrivals", "policy_args", "load", "speed", "engines", "mix", "deadline_s", "max_queue")
 
 
 def _lines(table: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
@@ -643,7 +643,7 @@ def goodput_vs_refused(summary: pd.DataFrame, objectives: Sequence[Objective] | 
 def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame | None, out: str | Path,
              by_client_table: pd.DataFrame | None = None, by_priority_table: pd.DataFrame | None = None,
              timeseries: pd.DataFrame | None = None, surge: tuple[float, float] | None = None,
-             objectives: Sequence[Objective] = ()) -> list[Path]:
+             objectives: Sequence[Objective] = (), extra: dict[str, plt.Figure] | None = None) -> list[Path]:
     """Write every figure as PNG and SVG into ``out``; return the paths.
 
     ``objectives`` are drawn on each panel of their metric (see :func:`check_objectives`).
@@ -651,7 +651,8 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
     summary_by_priority.parquet) are given and not empty; retries when the sweep has a retry axis and its
     time series (timeseries.parquet) is given, with recovery when the summary has recovery_s (surge arrivals,
     ``surge`` = (start_s, end_s)); estimation, stale and cancellation where the sweep has an estimator axis
-    (of several), a speed schedule, or cutting at the deadline both on and off.
+    (of several), a speed schedule, or cutting at the deadline both on and off; and the ``extra`` figures, by name
+    (a capacity search's).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -685,6 +686,7 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
         if "recovery_s" in summary:
             end = float(summary["duration_s"].max()) - surge[1] if surge is not None else None
             figures["recovery"] = recovery(summary, end)
+    figures.update(extra or {})
     paths = []
     for name, fig in figures.items():
         for ext in ("png", "svg"):
@@ -693,3 +695,43 @@ def save_all(summary: pd.DataFrame, by_class: pd.DataFrame, rows: pd.DataFrame |
             paths.append(path)
         plt.close(fig)
     return paths
+
+
+def capacity(summary: pd.DataFrame, results: list[dict], objective: Objective) -> plt.Figure:
+    """A capacity search (``qlab capacity``): the objective's metric against load at every load tried (mean and
+    95 % band over the seeds), a panel per arrival process, the objective's line, and each policy's capacity with
+    its 95 % interval marked on it. ``results`` are capacity.json's (policy, policy_args, arrivals, load, ci_low,
+    ci_high); a policy's parameter variants are curves of their own ("adaptive-lifo / lifo_threshold=4")."""
+    metric = objective.metric
+    labelled = summary.assign(policy=_with_args(summary))
+    results = [{**r, "policy": _with_args(pd.DataFrame([r])).iloc[0]} for r in results]
+    processes = list(dict.fromkeys(r["arrivals"] for r in results))
+    styles = policy_styles(policy_order(r["policy"] for r in results))
+    fig, (axes,), spare = _grid(len(processes), (5.2, 4.0))
+    for ax, process in zip(axes, processes):
+        part = labelled[labelled["arrivals"] == process] if "arrivals" in labelled else labelled
+        agg = aggregate(part, ["policy", "load"], [metric])
+        mine = [r for r in results if r["arrivals"] == process]
+        for policy, style in styles.items():
+            _band(ax, agg[agg["policy"] == policy], "load", metric, policy, **style.line())
+            for r in (r for r in mine if r["policy"] == policy and r["load"] is not None):
+                low, high = r["ci_low"] or 0.0, r["ci_high"] if r["ci_high"] is not None else r["load"]
+                ax.errorbar([r["load"]], [objective.value], xerr=[[r["load"] - low], [high - r["load"]]], fmt="D",
+                            color=style.color, ms=6, capsize=4, zorder=5)
+        _objective_lines(ax, metric, [objective])
+        # Up to a little past the highest interval: the loads far beyond are bracketing, not the answer.
+        right = max((r["ci_high"] or r["load"] or 0.0) for r in mine) * 1.6
+        ax.set(title=f"{process} arrivals", xlabel=LOAD_LABEL, ylabel=metric, xlim=(0, right if right > 0 else None))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{metric} against load: each capacity (diamond) and its 95 % interval (bar) at {objective.value:g}",
+                 fontsize=10)
+    _legend(fig, [axes], spare, title="policy")
+    return fig
+
+
+def _with_args(table: pd.DataFrame) -> pd.Series:
+    """The policy column, with its [policy_args] variant where the row has one: "adaptive-lifo / lifo_threshold=4"."""
+    if "policy_args" not in table:
+        return table["policy"].astype(str)
+    args = table["policy_args"].astype(object)
+    return table["policy"].astype(str) + args.map(lambda a: "" if a is None or a != a else f" / {a}")

@@ -44,7 +44,7 @@ class Scenario:
     name: str
     policy: str
     arrivals: str = "poisson"
-    load: float = 2.0
+    load: float | None = 2.0  # None: a burst, whose size sets its rate
     seconds: float | None = 30.0
     requests: int | None = None
     noise: float = 0.0
@@ -56,7 +56,7 @@ SCENARIOS = (
     Scenario("predictive-load2", "predictive"),
     Scenario("bounded-deadline-load2", "bounded-deadline"),
     Scenario("noisy-failing-load1.3", "predictive", load=1.3, seconds=40.0, noise=0.3, fail_every=7),
-    Scenario("burst30", "predictive", arrivals="burst:30", seconds=None, requests=30),
+    Scenario("burst30", "predictive", arrivals="burst:30", load=None, seconds=None, requests=30),
 )
 
 

@@ -6,29 +6,29 @@ Bad input is one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import select
 import signal
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from analysis import metrics
 from inputs import clientflags
-from inputs.argtypes import count, non_negative, number, positive, positive_int
+from inputs.argtypes import count, number, positive, positive_int
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import ARRIVALS, REFERENCE_MIX
+from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
 from qsim.records import OUTCOMES
 from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
 
 from . import engineflags
+from .config import parse_used
+from .jsonout import json_ready as _json_ready
+from .simflags import Remember, add_workload_options
 
 
 class UsageError(Exception):
@@ -75,8 +75,11 @@ class _Run:
 
 def _describe(args, policy, engine) -> str:
     bound = "" if policy.max_queue is None else f", max queue {policy.max_queue}"
+    # A process that brings its own rate (a burst) has no load to state.
+    at = (f" at load {DEFAULT_LOAD if args.load is None else args.load:g}"
+          if not args.trace and arrivals_take_load(args.arrivals) else "")
     what = (f"trace {args.trace} (time scale {args.time_scale:g})" if args.trace else
-            f"{args.arrivals} arrivals at load {args.load:g}, {args.service} service, "
+            f"{args.arrivals} arrivals{at}, {args.service} service, "
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {engineflags.describe(engine)}, "
@@ -146,21 +149,6 @@ def _print_seeds(runs: list[_Run]) -> None:
     print(_fmt(half))
 
 
-def _json_ready(obj):
-    """NaN and infinities become null: JSON has no such numbers."""
-    if isinstance(obj, dict):
-        return {str(k): _json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_ready(v) for v in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # e.g. --used's UsedShare
-        return _json_ready(dataclasses.asdict(obj))
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
-
-
 def cmd_simulate(args) -> int:
     policy = from_options(args.policy, args.policy_arg, args.max_queue, args.deadline)
     if args.trace and args.trace_conflicts:
@@ -179,9 +167,10 @@ def cmd_simulate(args) -> int:
         trace = build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service,
                             load=args.load, engines=args.engines, speed=args.speed, seconds=args.seconds,
                             requests=args.requests, seed=seed, model=model, mean_service_s=args.mean_service,
-                            noise_cv=args.noise, patience=patience, used=args.used, **options)
+                            noise_cv=args.noise, patience=patience, used=None if args.used is None else parse_used(args.used),
+                            **options)
         # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
-        schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, args.speed_schedule)
+        schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
         server = ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
         frame = simulate(trace, server, retry=retry, speed_schedule=schedule)
         runs.append(_Run(seed, frame, trace.duration_s))
@@ -213,69 +202,24 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-def _used(text: str):
-    from .config import parse_used
-
-    try:
-        return parse_used(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _schedule(text: str):
-    try:
-        return parse_schedule(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class _Remember(argparse.Action):
-    """Store the value and note that it was given (to reject it beside --trace)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.trace_conflicts = [*getattr(namespace, "trace_conflicts", []), option_string]
-
-
 def _simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a policy on a seeded workload or a trace file",
                        description="Simulate one admission policy in front of K engines and print outcomes, "
                                    "goodput and latency, by size class too.")
-    p.set_defaults(func=cmd_simulate, trace_conflicts=[])
+    p.set_defaults(func=cmd_simulate)
     p.add_argument("--policy", type=policy_spec, default="none", metavar="POLICY",
                    help=f"a preset ({', '.join(PRESETS)}) or module:Class, a qsim.policy.Policy of your own")
-    p.add_argument("--policy-arg", action="append", metavar="KEY=VALUE", help="a parameter of the policy (repeat)")
-    p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
-    p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
-    p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K)")
-    p.add_argument("--load", type=positive, default=0.9, action=_Remember,
-                   help="utilisation at the simulated speed: lambda = LOAD * K / E[true S]")
-    p.add_argument("--speed", type=positive, default=1.0, help="true service times are SPEED times the calibration")
-    p.add_argument("--arrivals", default="poisson", action=_Remember,
-                   help=" | ".join(ARRIVALS))
-    p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=_Remember)
-    p.add_argument("--mean-service", type=positive, action=_Remember,
-                   help="mean service seconds for exponential/deterministic (default: the mix's mean)")
-    p.add_argument("--noise", type=non_negative, default=0.0,
-                   help="CV of lognormal noise on true service times (mix and trace files)")
-    p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
-    p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
-    p.add_argument("--used", type=_used, metavar="SPEC",
-                   help="early stops: none (every request generates its limit, the default), study (the study's "
-                        "measured share: median 13 %% of the limit, 4 in 60 at it) or AT_LIMIT:MEDIAN:SIGMA; "
-                        "--load then counts the work actually done (estimators: --policy-arg estimator=learned)")
-    p.add_argument("--speed-schedule", type=_schedule, metavar="SECONDS:FACTOR,...",
-                   help="the machine's speed over time, e.g. 20:2.2 (2.2x slower than calibrated from 20 s on)")
+    p.add_argument("--load", type=positive, action=Remember,
+                   help=f"utilisation at the simulated speed: lambda = LOAD * K / E[true S] (default {DEFAULT_LOAD:g}; "
+                        "burst:N and periodic:N:PERIOD_S take none)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=positive, help="arrival window (default 600)")
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
     p.add_argument("--trace", help="replay a trace file (Azure LLM CSV or qlab .csv/.parquet)")
     p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace's arrival times")
-    p.add_argument("--seed", type=count, default=1)
-    p.add_argument("--seeds", type=positive_int, default=1, help="replications, seeds SEED..SEED+N-1")
+    add_workload_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file")
-    clientflags.add_flags(p)
     engineflags.add_flags(p)
 
 
@@ -311,7 +255,8 @@ def _command_modules():
     import importlib
 
     found = []
-    for name in ("experiments.commands", "live.commands", "experiments.load_commands", "experiments.study"):
+    for name in ("experiments.commands", "live.commands", "experiments.load_commands", "experiments.study",
+                 "experiments.capacity"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

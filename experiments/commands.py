@@ -39,11 +39,12 @@ def summary_numbers(summary: pd.DataFrame) -> SummaryNumbers:
     """
     from .config import NO_CLIENTS
 
-    optional = ("clients", "retry", "patience", "used", "speed_schedule")  # axes whose "none" cells carry no name (null)
+    # Axes whose "none" cells carry no name (null).
+    optional = ("clients", "retry", "patience", "used", "speed_schedule", "policy_args")
     summary = summary.assign(**{c: summary[c].astype(object).where(summary[c].notna(), NO_CLIENTS)
                                 for c in optional if c in summary})
-    by = [c for c in ("speed", "engines", "load", "clients", "retry", "patience", "used", "speed_schedule",
-                      "fixed_estimate", "cancel_at_deadline", "estimator", "policy")
+    by = [c for c in ("speed", "engines", "arrivals", "load", "clients", "retry", "patience", "used", "speed_schedule",
+                      "fixed_estimate", "cancel_at_deadline", "estimator", "policy", "policy_args")
           if c in summary and summary[c].notna().any() and not (c in optional and set(summary[c]) == {NO_CLIENTS})]
     metrics = ["share_good", "goodput_rps", "good_tokens_per_s", "latency_p99_s"]
     metrics += [m for m in ("jain_goodput", "jain_share", "share_good_e2e", "attempts_per_request", "recovery_s",
@@ -142,7 +143,7 @@ def cmd_plot(args) -> int:
     timeseries = pd.read_parquet(src / "timeseries.parquet") if (src / "timeseries.parquet").exists() else None
     paths = plots.save_all(summary, by_class, rows, args.out, by_client_table=grouped["by_client"],
                            by_priority_table=grouped["by_priority"], timeseries=timeseries, surge=_surge(src),
-                           objectives=objectives)
+                           objectives=objectives, extra=_capacity_figure(src, summary))
     drew_cdf = Path(args.out) / "latency_cdf.png" in paths
     print(f"wrote {len(paths)} files to {args.out} (latency CDF at load {load:g}, speed {speed:g})"
           if drew_cdf else f"wrote {len(paths)} files to {args.out}")
@@ -159,15 +160,30 @@ def _grid_load(summary: pd.DataFrame, wanted: float) -> float:
                      + (", ".join(f"{v:g}" for v in loads) or "none"))
 
 
+def _capacity_figure(src: Path, summary: pd.DataFrame) -> dict:
+    """{"capacity": its figure} for a folder written by qlab capacity (its capacity.json), else {}."""
+    from analysis import plots
+    from analysis.objectives import parse_objectives
+
+    path = src / "capacity.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    first = parse_objectives(data["objective"])[0]  # the figure draws the first clause's metric
+    return {"capacity": plots.capacity(summary, data["results"], first)}
+
+
 def _surge(src: Path) -> tuple[float, float] | None:
-    """(start_s, end_s) of the sweep's surge of arrivals, from its manifest; None for other arrivals."""
+    """(start_s, end_s) of the sweep's surge of arrivals (the first of its arrivals axis), from its manifest; None for
+    other arrivals."""
     from qsim.workload import parse_arrivals
 
     try:
-        kind, numbers = parse_arrivals(json.loads((src / "manifest.json").read_text())["config"]["arrivals"])
-    except (OSError, ValueError, KeyError, TypeError):
+        cfg = json.loads((src / "manifest.json").read_text())["config"]
+        processes = [parse_arrivals(a) for a in cfg["grid"].get("arrivals") or [cfg["arrivals"]]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return (numbers[0], numbers[0] + numbers[1]) if kind == "surge" else None
+    return next(((numbers[0], numbers[0] + numbers[1]) for kind, numbers in processes if kind == "surge"), None)
 
 
 def _cdf_load(summary: pd.DataFrame) -> float | None:

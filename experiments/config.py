@@ -6,7 +6,10 @@ name = "reference"
 duration_s = 600             # simulated seconds of arrivals per cell
 seeds = 20                   # replications: seeds first_seed .. first_seed + seeds - 1
 first_seed = 1
-arrivals = "poisson"         # poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S
+arrivals = "poisson"         # poisson | constant | gamma:CV | periodic:PERIOD_S | surge:START_S:LENGTH_S:LOAD
+                             #   (these take the grid's load), or burst:N | periodic:N:PERIOD_S (their size
+                             #   sets their rate: the grid then has no load)
+service_dist = "mix"         # mix | exponential | deterministic (the latter two: mean_service_s, else the mix's mean)
 noise_cv = 0.0               # lognormal noise on true service times
 fixed_estimate = false       # true: no speed tracking
 
@@ -28,9 +31,12 @@ max_queue = [8]              # optional, else the preset's
 mix = ["reference"]          # names from [mixes]; or
 trace = ["data/x.csv"]       # trace files instead of synthetic arrivals (load then unused)
 time_scale = [1.0]           # with trace
+arrivals = ["poisson", "periodic:10"]  # optional: an axis of arrival processes, in place of [sweep] arrivals
 
 [policy_args.codel]          # optional: parameters of a grid policy (its dataclass fields)
 codel_target_s = 0.2
+[policy_args.adaptive-lifo]  # a list is an axis of that parameter's values (for this policy only):
+lifo_threshold = [4, 8]      #   each value is a cell of its own, labelled policy_args = "lifo_threshold=4"
 
 [clients.two-tenant]         # optional: named sets of clients (tenants), each client a table:
 heavy = { share = 0.85 }     #   share of the arrivals (a set's shares sum to 1),
@@ -73,6 +79,7 @@ A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Poli
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -87,15 +94,16 @@ from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
 from qsim.service import SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
-from qsim.workload import Client, Prompts, UsedShare, check_clients, parse_arrivals
+from qsim.workload import SERVICES, Client, Prompts, UsedShare, arrivals_take_load, check_clients, parse_arrivals
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
-              "noise_cv": float, "fixed_estimate": bool, "patience_until": str, "prompts": str}
+              "noise_cv": float, "fixed_estimate": bool, "patience_until": str, "prompts": str,
+              "service_dist": str, "mean_service_s": float}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
              "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str, "retry": str,
              "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
              "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
-             "ttft_slo_s": float, "tpot_slo_s": float}
+             "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str}
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
 BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step")
 #: The step model of a cell without a step axis: [batching]'s own.
@@ -173,14 +181,29 @@ class SweepConfig:
         if "max_num_seqs" in changes and changes["max_num_seqs"] > self.batching.max_num_batched_tokens:
             changes["max_num_batched_tokens"] = changes["max_num_seqs"]
         return replace(self.batching, **changes) if changes else self.batching
+    service_dist: str = "mix"  # mix | exponential | deterministic (qsim.make_trace's service)
+    mean_service_s: float | None = None  # exponential and deterministic: their mean (None: the mix's)
 
     def patience(self, spec: str | None):
         """The grid patience ``spec`` (None: the trace's own, i.e. none for synthetic arrivals)."""
         return None if spec is None else patience_from_table("grid.patience", spec, self.patience_until)
 
-    def policy(self, name: str):
-        """The grid policy ``name`` with its [policy_args]."""
-        return resolve(name, self.policy_args.get(name, {}))
+    def policy(self, name: str, variant: str | None = None):
+        """The grid policy ``name`` with its [policy_args], at ``variant``: the label of one combination of
+        its list-valued parameters (:meth:`policy_variants`; None: it has none)."""
+        args = self.policy_args.get(name, {})
+        fixed = {k: v for k, v in args.items() if not isinstance(v, list)}
+        return resolve(name, {**fixed, **(self.policy_variants(name)[variant] if variant is not None else {})})
+
+    def policy_variants(self, name: str) -> dict[str | None, dict]:
+        """The combinations of the grid policy's list-valued [policy_args] (its parameter axes), each by its label
+        ("lifo_threshold=4", several joined by ", "), in the lists' order; {None: {}} when it has no list."""
+        return policy_variants(self.policy_args.get(name, {}))
+
+    @property
+    def arrival_processes(self) -> tuple[str, ...]:
+        """Every arrival process of the sweep: the grid's arrivals axis, else [sweep] arrivals."""
+        return self.grid.get("arrivals", (self.arrivals,))
 
     def trace_path(self, trace: str) -> Path:
         """A grid trace path: relative ones are from the sweep file's folder."""
@@ -203,6 +226,8 @@ class SweepConfig:
             **({"batching": asdict(self.batching), "steps": {k: asdict(v) for k, v in sorted(self.steps.items())}}
                if self.batching is not None else {}),
             **({"prompts": self.prompts} if self.prompts != "none" else {}),
+            **({"service_dist": self.service_dist, "mean_service_s": self.mean_service_s}
+               if self.service_dist != "mix" else {}),
         }
 
     @property
@@ -214,6 +239,20 @@ class SweepConfig:
 def _client_dict(c: Client) -> dict:
     mix = None if c.mix is None else {"sizes": list(c.mix.sizes), "probs": list(c.mix.probs)}
     return {"name": c.name, "share": c.share, "priority": c.priority, "mix": mix}
+
+
+def _label_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def policy_variants(args: dict) -> dict[str | None, dict]:
+    """A [policy_args.NAME] table's list-valued parameters (axes) combined: {label: {parameter: value}}, the first
+    parameter (by name) outermost; {None: {}} when none is a list."""
+    axes = {k: v for k, v in sorted(args.items()) if isinstance(v, list)}
+    if not axes:
+        return {None: {}}
+    combos = (dict(zip(axes, values)) for values in itertools.product(*axes.values()))
+    return {", ".join(f"{k}={_label_value(v)}" for k, v in combo.items()): combo for combo in combos}
 
 
 def _named(path: str, table: Any, section: str, what: str, builtin: tuple[str, str], build) -> dict[str, Any]:
@@ -299,9 +338,9 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                 patience_from_table(f"{where}[{i}]", v, patience_until)
             if key == "estimator" and v not in ESTIMATORS:
                 raise ConfigError(f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
-            if key in ("used", "speed_schedule"):
+            if key in ("used", "speed_schedule", "arrivals"):
                 try:
-                    (parse_used if key == "used" else parse_speed_schedule)(v)
+                    {"used": parse_used, "speed_schedule": parse_speed_schedule, "arrivals": parse_arrivals}[key](v)
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key in ("load", "speed", "engines", "deadline_s", "time_scale", "max_num_seqs", "kv_blocks",
@@ -316,8 +355,8 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         raise ConfigError(f"{path}: grid.policy is required")
     if "trace" in grid and "load" in grid:
         raise ConfigError(f"{path}: grid.trace and grid.load exclude each other: a trace brings its own arrivals")
-    if "trace" not in grid and "load" not in grid:
-        raise ConfigError(f"{path}: the grid needs load (synthetic arrivals) or trace (a file's arrivals)")
+    if "trace" in grid and "arrivals" in grid:
+        raise ConfigError(f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own")
     if "time_scale" in grid and "trace" not in grid:
         raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
     if "trace" not in grid and any(p.strip() == "column" for p in grid.get("patience", ())):
@@ -387,6 +426,13 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         parse_arrivals(s["arrivals"])
     except ValueError as exc:
         raise ConfigError(f"{path}: sweep.arrivals: {exc}") from None
+    if s.get("service_dist", "mix") not in SERVICES:
+        raise ConfigError(f"{path}: sweep.service_dist: expected one of {', '.join(SERVICES)}, got {s['service_dist']!r}")
+    if "mean_service_s" in s:
+        positive_value(f"{path}: sweep.mean_service_s", s["mean_service_s"])
+        if s.get("service_dist", "mix") == "mix":
+            raise ConfigError(f"{path}: sweep.mean_service_s applies to exponential and deterministic service_dist, "
+                              "not to the mix")
     service = data.get("service", {})
     if not isinstance(service, dict):
         raise ConfigError(f"{path}: [service] must be a table")
@@ -411,9 +457,32 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         raise ConfigError(f"{path}: sweep.patience_until applies only with grid.patience")
     if "fixed_estimate" in sweep and "fixed_estimate" in grid:
         raise ConfigError(f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one")
+    _check_load(path, grid, sweep)
+    if batching is not None and s.get("service_dist", "mix") != "mix":
+        raise ConfigError(f"{path}: sweep.service_dist: a [batching] engine's work is its requests' tokens, drawn "
+                          "from the mix; service_dist applies to engines that run one request at a time")
     return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients, retries=retries,
                        patience_until=until or "answer", batching=batching, steps=steps,
-                       policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"]), **s)
+                       policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"], grid), **s)
+
+
+def _check_load(path: str, grid: dict, sweep: dict) -> None:
+    """Synthetic arrivals take the grid's load exactly when their process does: a load given to bursts of their
+    own size would be ignored, so it is refused (and a process that needs one without it)."""
+    if "trace" in grid:
+        return
+    if "arrivals" in grid and "arrivals" in sweep:
+        raise ConfigError(f"{path}: sweep.arrivals and grid.arrivals exclude each other; give one")
+    where = "grid.arrivals" if "arrivals" in grid else "sweep.arrivals"
+    for spec in grid.get("arrivals", (sweep.get("arrivals", "poisson"),)):
+        takes = arrivals_take_load(spec)
+        if takes and "load" not in grid:
+            raise ConfigError(f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} takes one) "
+                              "or trace (a file's arrivals)")
+        if not takes and "load" in grid:
+            raise ConfigError(f"{path}: {where} {spec!r} takes no load (its burst size sets its rate); leave "
+                              "grid.load out, give periodic:PERIOD_S (its burst size follows the load), or sweep it "
+                              "in a file of its own")
 
 
 def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> StepModel:
@@ -454,11 +523,32 @@ def _batching(path: str, table: Any, steps: Any) -> tuple[Batching | None, dict[
     return engine, models
 
 
-def _policy_args(path: str, table: Any, policies: tuple) -> dict[str, dict]:
+def _policy_args(path: str, table: Any, policies: tuple, grid: dict) -> dict[str, dict]:
+    """[policy_args]: each policy's parameters; a list is an axis of that parameter's values, each combination
+    checked as a plain table is."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [policy_args] must be a table of policies")
+    candidates = []  # (name, one plain table): every combination of a table's lists
+    for name, args in table.items():
+        if not isinstance(args, dict):
+            candidates.append((name, args))  # args_tables says what it should be
+            continue
+        for key, value in args.items():
+            where = f"{path}: policy_args.{_key(name)}.{key}"
+            if isinstance(value, list) and not value:
+                raise ConfigError(f"{where}: empty list: a parameter axis needs at least one value")
+            if isinstance(value, list) and len({json.dumps(v) for v in value}) != len(value):
+                raise ConfigError(f"{where}: a value appears twice")
+            if key in GRID_KEYS and key in grid:  # the grid's axis would set it over this value
+                raise ConfigError(f"{where}: the grid's {key} axis sets it for every policy; give its values there")
+        plain = {k: v for k, v in args.items() if not isinstance(v, list)}
+        candidates += [(name, {**plain, **combo}) for combo in policy_variants(args).values()]
     try:
-        return args_tables(table, policies)
+        for name, args in candidates:
+            args_tables({name: args}, policies)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    return {name: dict(args) for name, args in table.items()}
 
 
 def load(path: str | Path) -> SweepConfig:

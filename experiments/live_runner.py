@@ -60,7 +60,7 @@ def trace_for(spec: TraceSpec, model: ServiceModel, engines: int, base: Path, pa
     patience drawn from ``patience`` ([replay] patience; None: a trace file's own column, if any)."""
     # A nominal load is relative to the calibrated capacity: make_trace's load at speed 1 (the calibration).
     return build_trace(base / spec.file if spec.file else None, time_scale=spec.time_scale, arrivals=spec.arrivals,
-                       load=spec.nominal_load, engines=engines, seconds=spec.seconds, requests=spec.requests,
+                       load=spec.load, engines=engines, seconds=spec.seconds, requests=spec.requests,
                        default_seconds=DEFAULT_SECONDS, seed=spec.seed, model=model, patience=patience)
 
 
@@ -93,7 +93,7 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
     speed = in_run if math.isfinite(in_run) else (sum(probes) / len(probes) if probes else math.nan)
     late = lateness(frame)
     # A burst or a trace file has no utilisation of its own: its load is not a number to report.
-    nominal = math.nan if spec.file or spec.arrivals.startswith("burst:") else spec.nominal_load
+    nominal = math.nan if spec.load is None else spec.load
     return {
         "trace": spec.name, "policy": policy, "position": position, "arrivals": spec.file or spec.arrivals,
         "nominal_load": nominal, "speed_before": speeds[0], "speed_in_run": in_run,

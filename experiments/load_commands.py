@@ -20,10 +20,10 @@ from inputs.argtypes import count, non_negative, positive, positive_int, renamed
 from inputs.atomic import write_parquet
 from qsim import ServiceModel, build_trace, records
 from qsim.records import OUTCOMES
-from qsim.workload import ARRIVALS
+from qsim.workload import ARRIVALS, arrivals_take_load
 
 from live.contract import Stats
-from live.live_config import DEFAULT_SECONDS
+from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS
 
 
 def _model(path: str | None) -> ServiceModel:
@@ -45,7 +45,7 @@ def _trace(args, patience=None):
     model = _model(args.service_model)
     engines = 1 if args.trace else args.engines or _server_engines(args.url)  # a trace file has its own rate
     # A nominal load is relative to the calibrated capacity: make_trace at speed 1 (the calibration).
-    return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=args.nominal_load,
+    return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=_nominal_load(args),
                        engines=engines, seconds=args.seconds, requests=args.requests, default_seconds=DEFAULT_SECONDS,
                        seed=args.seed, model=model, patience=patience)
 
@@ -59,18 +59,26 @@ def _clients(args):
     return patience, retry
 
 
+def _nominal_load(args) -> float | None:
+    """--nominal-load, 1 where it is left out and the arrivals take a load; None for a trace file or a burst of its
+    own size without one (a burst given one is refused by build_trace: the load would be ignored)."""
+    if args.nominal_load is not None or args.trace or not arrivals_take_load(args.arrivals):
+        return args.nominal_load
+    return DEFAULT_NOMINAL_LOAD
+
+
 def _print_effective_load(args, frame: pd.DataFrame) -> None:
     """The nominal load beside the effective one: nominal x the speed measured in this run."""
-    if args.trace or args.arrivals.startswith("burst:"):
+    nominal = _nominal_load(args)
+    if args.trace or nominal is None:
         return  # a trace file or a burst has no nominal load of its own
     from analysis.compare import measured_speed
 
     speed = measured_speed(frame)
     if math.isfinite(speed):  # NaN when nothing was served
-        print(f"nominal load {args.nominal_load:g} x measured speed {speed:.3f} = effective load "
-              f"{args.nominal_load * speed:.3g}")
+        print(f"nominal load {nominal:g} x measured speed {speed:.3f} = effective load {nominal * speed:.3g}")
     else:
-        print(f"nominal load {args.nominal_load:g}; effective load unknown (nothing was served to measure the speed)")
+        print(f"nominal load {nominal:g}; effective load unknown (nothing was served to measure the speed)")
 
 
 def _print_outcomes(frame: pd.DataFrame) -> None:
@@ -221,9 +229,10 @@ def _replay_parser(sub) -> None:
     p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of a synthetic one")
     p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace file's arrival times")
     p.add_argument("--arrivals", default="poisson", help=" | ".join(ARRIVALS))
-    p.add_argument("--nominal-load", type=positive, default=1.0,
+    p.add_argument("--nominal-load", type=positive,
                    help="arrival rate over the calibrated capacity of the engines (the run reports the effective "
-                        "load: nominal x the speed it measured)")
+                        f"load: nominal x the speed it measured; default {DEFAULT_NOMINAL_LOAD:g}; burst:N and "
+                        "periodic:N:PERIOD_S take none)")
     p.add_argument("--load", action=renamed("--nominal-load", "a replay's rate is relative to the calibrated "
                                             "capacity, not the utilisation at the machine's unknown speed"))
     length = p.add_mutually_exclusive_group()

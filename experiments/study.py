@@ -2,8 +2,8 @@
 
 The study is a list of :class:`Section` s, run in order into ``DIR/sections/NAME/``:
 
-theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, batching (H5), live, live_stale,
-live_cancellation, configuration.
+theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, batching (H5), capacity (exercise 8),
+live, live_stale, live_cancellation, configuration.
 
 Each section has its inputs (everything that decides its results: the scaled sweep config, the
 theory's replications, the live config); their digest goes into ``inputs.json`` when the section
@@ -41,6 +41,7 @@ import pandas as pd
 
 from analysis.metrics import _class_key, aggregate, mean_ci
 from analysis.styles import policy_order
+from analysis.objectives import parse_objectives, written
 from inputs.argtypes import positive_int
 from inputs.atomic import atomic_write, write_parquet
 
@@ -78,6 +79,7 @@ class Scale:
     batching_seeds: int | None = None
     batching_duration_s: float | None = None
     batching_loads: tuple[float, ...] | None = None
+    capacity_tolerance: float = 0.02  # the capacity search's brackets, as a share of their load
 
 
 FULL = Scale("full")
@@ -89,7 +91,8 @@ FULL = Scale("full")
 QUICK = Scale("quick", seeds=5, duration_s=300.0, loads=(0.5, 0.9, 1.3, 2.0, 3.0), theory_replications=10,
               theory_scale=0.1, live_policies=("bounded-deadline", "predictive"), live_loads=(2.0,), live_seconds=20.0,
               live_stale_seconds=10.0, live_cut_policies=("predictive",), live_cut_loads=(1.5,),
-              live_cut_seconds=10.0, batching_seeds=4, batching_duration_s=60.0, batching_loads=(0.5, 1.3, 3.0))
+              live_cut_seconds=10.0, batching_seeds=4, batching_duration_s=60.0, batching_loads=(0.5, 1.3, 3.0),
+              capacity_tolerance=0.02)
 
 
 @dataclass(frozen=True)
@@ -549,7 +552,7 @@ def _reference_report(ctx: Context, folder: Path) -> list:
 
 
 BURST = {"sweep": {"name": "burst30", "arrivals": "burst:30", "duration_s": 1.0, "seeds": 20},
-         "grid": {"policy": list(POLICIES), "load": [1.0], "engines": [1, 3]}}
+         "grid": {"policy": list(POLICIES), "engines": [1, 3]}}  # a burst of its own size: no load
 
 
 def _burst_config(scale: Scale):
@@ -739,6 +742,80 @@ def _batching_report(ctx: Context, folder: Path) -> list:
                "goodput against the share refused, one point per load"),
         Figure("batching_goodput", _png(plots.goodput(summary)), "goodput against load"),
         _sweep_table(summary, "the batching sweep: mean over seeds ± 95 % CI half-width"),
+    ]
+
+
+# ------------------------------------------------------------------ capacity (exercise 8)
+
+
+#: Exercise 8: the highest load at which each policy answers 90 % of requests in time, under Poisson arrivals and
+#: under a burst every 10 s at the same load (the requests a constant rate sends in 10 s, at once).
+CAPACITY_OBJECTIVE = "share_good>=0.9"
+CAPACITY_ARRIVALS = {"poisson": "Poisson", "periodic:10": "a burst every 10 s"}
+#: The search's seeds and seconds at the reference sizes; a reduced scale's cut them, as they cut every sweep.
+CAPACITY_SEEDS, CAPACITY_SECONDS = 10, 600.0
+
+
+def _capacity_search(scale: Scale):
+    from . import capacity
+
+    seeds = CAPACITY_SEEDS if scale.seeds is None else min(CAPACITY_SEEDS, scale.seeds)
+    seconds = CAPACITY_SECONDS if scale.duration_s is None else min(CAPACITY_SECONDS, scale.duration_s)
+    cfg = capacity.search_config(list(POLICIES), list(CAPACITY_ARRIVALS), seconds=seconds, seeds=seeds,
+                                 where="<study capacity>")
+    return capacity.Search(cfg, parse_objectives(CAPACITY_OBJECTIVE),
+                           capacity.Bounds(tolerance=scale.capacity_tolerance))
+
+
+def _capacity_inputs(ctx: Context) -> dict:
+    spec = _capacity_search(ctx.scale)
+    return {"config": spec.config.canonical(), "objective": written(spec.objective), "level": spec.level,
+            "bounds": dataclasses.asdict(spec.bounds)}
+
+
+def _capacity_run(ctx: Context, folder: Path) -> None:
+    from . import capacity
+
+    capacity.run(_capacity_search(ctx.scale), folder / "sweep", workers=ctx.workers)
+
+
+def capacity_table(results: list[dict], bounds: dict) -> pd.DataFrame:
+    """A row per policy: its capacity [95 % interval] and the rate it is, under each arrival process."""
+    from .capacity import Bounds, shown
+
+    rows: dict[str, dict] = {}
+    for r in results:
+        what = CAPACITY_ARRIVALS.get(r["arrivals"], r["arrivals"])
+        text = shown(r, Bounds(**bounds))
+        row = rows.setdefault(r["policy"], {"policy": r["policy"]})
+        row[f"{what}: capacity [95 % interval]"] = f"{text['capacity']} {text['95 % interval']}"
+        row[f"{what}: requests/s"] = text["requests/s"]
+    return pd.DataFrame(list(rows.values()))
+
+
+def _capacity_report(ctx: Context, folder: Path) -> list:
+    from .commands import _capacity_figure
+
+    data = _read_json(folder / "sweep" / "capacity.json")
+    if data is None:
+        return _not_run(folder)
+    summary = pd.read_parquet(folder / "sweep" / "summary.parquet")
+    bounds = data["bounds"]
+    return [
+        Text(f"Exercise 8: the highest load at which each policy answers 90 % of requests within the deadline "
+             f"({data['objective']}, the mean over {data['seeds']} seeds of {data['duration_s']:g} simulated s), under "
+             "Poisson arrivals and under a burst every 10 s at the same load (each burst is the requests a constant "
+             "rate would send in its 10 s, sent at once; the same seeds, so the same requests, at every load and for "
+             "every policy). This is DistServe's goodput: the highest rate at which 90 % of requests meet their "
+             "objective. qlab capacity searches it by bracketing and bisection on the seeds' mean until each bracket "
+             f"is narrower than {bounds['tolerance']:.0%} of its load. The 95 % interval runs from the last load at "
+             "which the seeds' t-interval of the share in time lay wholly above 0.9 to the first at which it lay "
+             "wholly below (test inversion). Requests/s is the capacity times the requests/s one engine serves at "
+             "the calibrated speed."),
+        Table(capacity_table(data["results"], bounds), "capacity: the highest load answering 90 % in time"),
+        Figure("capacity", _png(_capacity_figure(folder / "sweep", summary)["capacity"]),
+               "share in time at every load the search tried (mean and 95 % band over the seeds), each policy's "
+               "capacity (diamond) and its 95 % interval (bar) on the 0.9 line, per arrival process"),
     ]
 
 
@@ -1102,6 +1179,8 @@ SECTIONS = (
             _experiment_report("cancellation", "cancellation_table", "Runs cut at their deadline or left to finish;")),
     Section("batching", "A batching engine: H5", _sweep_inputs(BATCHING_FILE), _sweep_run(BATCHING_FILE),
             _batching_report),
+    Section("capacity", "Capacity under Poisson arrivals and bursts every 10 s (exercise 8)", _capacity_inputs,
+            _capacity_run, _capacity_report),
     Section("live", "A live pass and the simulator against the service", _live_inputs, _live_run, _live_report),
     Section("live_stale", "Live: a stale estimator", _skippable("live_stale", _stale_cells),
             _live_cells_run(_stale_cells), _live_stale_report),
@@ -1268,7 +1347,8 @@ def cmd_study(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("study", help="run the whole reference study and write report.md and report.html",
                        description="Theory, the reference sweep (H1-H3), the burst of 30, estimation, the stale "
-                                   "estimator (H4), cancellation, a batching engine (H5), a live pass, and the stale estimator and "
+                                   "estimator (H4), cancellation, a batching engine (H5), each policy's capacity "
+                                   "(exercise 8), a live pass, and the stale estimator and "
                                    "cancellation live, each live run compared with the simulator, into one folder, "
                                    "with a report. Re-running resumes: done sections are skipped.")
     p.set_defaults(func=cmd_study)

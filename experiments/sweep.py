@@ -30,6 +30,7 @@ executor and any number of workers give the same rows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
@@ -46,7 +47,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pandas as pd
 import pyarrow as pa
@@ -99,11 +100,13 @@ class Cell:
     step: str | None = None
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    arrivals: str | None = None  # the grid's arrival process; None: [sweep] arrivals
+    policy_args: str | None = None  # the label of its policy's [policy_args] lists' values; None: it has none
 
     @property
     def id(self) -> str:
-        # A cell without clients, retries or patience keeps the id it had before those axes existed
-        # (its file is resumed).
+        # A cell without clients, retries, patience (or any optional axis) keeps the id it had before those
+        # axes existed (its file is resumed).
         fields = {k: v for k, v in asdict(self).items() if not (k in OPTIONAL_AXES and v is None)}
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -112,35 +115,51 @@ class Cell:
 #: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and summary
 #: carry their column only when the sweep has the axis.
 OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
-                 "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s")
+                 "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s",
+                 "arrivals", "policy_args")
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
+
+
+def _swept(config: SweepConfig) -> set[str]:
+    """The sweep's axes: its grid's, and policy_args where a grid policy has a list of a parameter's values."""
+    variants = any(None not in config.policy_variants(name) for name in config.grid["policy"])
+    return set(config.grid) | ({"policy_args"} if variants else set())
 
 
 def _params(config: SweepConfig, cell: Cell) -> dict:
     """The cell's parameters as its rows and summary carry them: each optional axis but clients (always carried)
     only in sweeps with that axis, so an older sweep's columns are unchanged."""
-    return {k: v for k, v in asdict(cell).items() if k not in OPTIONAL_AXES[1:] or k in config.grid}
+    swept = _swept(config)
+    return {k: v for k, v in asdict(cell).items() if k not in OPTIONAL_AXES[1:] or k in swept}
+
+
+def arrivals_of(config: SweepConfig, cell: Cell) -> str:
+    """The cell's arrival process: the grid's arrivals axis, else [sweep] arrivals."""
+    return cell.arrivals if cell.arrivals is not None else config.arrivals
 
 
 def _surge(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
     """(start_s, end_s) of the cell's surge of arrivals, or None (other arrivals, or a trace file)."""
     if cell.trace is not None:
         return None
-    kind, numbers = parse_arrivals(config.arrivals)
+    kind, numbers = parse_arrivals(arrivals_of(config, cell))
     return (numbers[0], numbers[0] + numbers[1]) if kind == "surge" else None
 
 
 def _keeps_over_time(config: SweepConfig) -> bool:
     """Whether cells keep their time series: sweeps of surges, retries or impatient clients, which change in time."""
-    return "retry" in config.grid or "patience" in config.grid or parse_arrivals(config.arrivals)[0] == "surge"
+    return ("retry" in config.grid or "patience" in config.grid
+            or any(parse_arrivals(a)[0] == "surge" for a in config.arrival_processes))
 
 
 def cells(config: SweepConfig) -> list[Cell]:
-    """Every cell of the grid, in a fixed order (seeds innermost)."""
+    """Every cell of the grid, in a fixed order (seeds innermost); a policy with lists in its [policy_args] has a
+    cell for each combination of their values (beside it, in the policy axis's place)."""
     g = config.grid
+    policies = [(name, label) for name in g["policy"] for label in config.policy_variants(name)]
     axes = dict(
-        policy=g["policy"], load=g.get("load", (None,)), speed=g.get("speed", (1.0,)),
+        policy=policies, load=g.get("load", (None,)), speed=g.get("speed", (1.0,)),
         engines=g.get("engines", (1,)), deadline_s=g.get("deadline_s", (None,)),
         max_queue=g.get("max_queue", (None,)), mix=g.get("mix", ("reference",)),
         trace=g.get("trace", (None,)),
@@ -156,8 +175,14 @@ def cells(config: SweepConfig) -> list[Cell]:
         fixed_estimate=g.get("fixed_estimate", (None,)),
         **{axis: g.get(axis, (None,)) for axis in ("max_num_seqs", "kv_blocks", "chunked_prefill", "step",
                                                    "ttft_slo_s", "tpot_slo_s")},
+        arrivals=g.get("arrivals", (None,)),
     )
-    return [Cell(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
+    out = []
+    for combo in itertools.product(*axes.values()):
+        fields = dict(zip(axes, combo))
+        fields["policy"], fields["policy_args"] = fields["policy"]
+        out.append(Cell(**fields))
+    return out
 
 
 def _engine(config: SweepConfig, cell: Cell):
@@ -200,7 +225,8 @@ def _trace(config: SweepConfig, cell: Cell):
     if config.prompts != "none" and cell.trace is None:
         options["prompts"] = Prompts.parse(config.prompts)
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
-                       time_scale=cell.time_scale or 1.0, arrivals=config.arrivals, load=cell.load,
+                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell), load=cell.load,
+                       service=config.service_dist, mean_service_s=config.mean_service_s,
                        engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
                        clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience),
@@ -209,7 +235,8 @@ def _trace(config: SweepConfig, cell: Cell):
 
 def _policy(config: SweepConfig, cell: Cell):
     """The cell's policy: the grid's, with the bound, deadline, estimator and cutting at the deadline that the grid sets."""
-    policy = config.policy(cell.policy).with_overrides(max_queue=cell.max_queue, deadline_s=cell.deadline_s)
+    policy = config.policy(cell.policy, cell.policy_args).with_overrides(max_queue=cell.max_queue,
+                                                                          deadline_s=cell.deadline_s)
     changes = {k: v for k, v in (("estimator", cell.estimator), ("cancel_at_deadline", cell.cancel_at_deadline),
                                  ("ttft_slo_s", cell.ttft_slo_s), ("tpot_slo_s", cell.tpot_slo_s)) if v is not None}
     return dataclasses.replace(policy, **changes) if changes else policy
@@ -229,6 +256,8 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
         mean_s = used_mean_s(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service,
                              parse_used(cell.used))
+    if config.mean_service_s is not None:  # exponential or deterministic service of a given mean
+        mean_s, mean_tokens = config.mean_service_s, float(config.service.tokens_for(config.mean_service_s))
     # The effective bound and deadline (the preset's unless the grid overrides them).
     params = {"cell_id": cell.id, **_params(config, cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
     seconds = metrics.run_duration(frame, trace.duration_s)
@@ -285,7 +314,8 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        ("patience", pa.large_string()), ("estimator", pa.large_string()),
                        ("used", pa.large_string()), ("speed_schedule", pa.large_string()),
                        ("max_num_seqs", pa.int64()), ("kv_blocks", pa.int64()), ("chunked_prefill", pa.bool_()),
-                       ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64())):
+                       ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64()),
+                       ("policy_args", pa.large_string())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))
@@ -308,7 +338,7 @@ def _version() -> str:
         return "unknown"
 
 
-def _manifest(config: SweepConfig, n_cells: int) -> dict:
+def manifest(config: SweepConfig, n_cells: int) -> dict:
     return {
         "config": config.canonical(),
         "config_sha256": config.digest,
@@ -333,6 +363,12 @@ def old_load_meaning(out: Path, manifest: dict) -> str | None:
 
 def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
     """Create OUT, or check that it holds this very config; clear temporaries of a killed run."""
+    claim(out, manifest(config, n_cells))
+
+
+def claim(out: Path, written: dict) -> None:
+    """Create OUT with the manifest ``written``, or check that its manifest has the same ``config_sha256`` (the
+    digest of what decides the cells' rows); clear temporaries of a killed run."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     path = out / "manifest.json"
@@ -346,13 +382,13 @@ def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
         why = old_load_meaning(out, old)
         if why:
             raise ConfigError(f"{why}: re-run this config into a new --out (or remove that folder)")
-        if old.get("config_sha256") != config.digest:
+        if old.get("config_sha256") != written["config_sha256"]:
             raise ConfigError(
                 f"{out} holds cells of another sweep config (sha256 {str(old.get('config_sha256'))[:12]}, "
-                f"this one {config.digest[:12]}); choose another --out or remove that folder"
+                f"this one {written['config_sha256'][:12]}); choose another --out or remove that folder"
             )
     else:
-        atomic_write(path, (json.dumps(_manifest(config, n_cells), indent=2) + "\n").encode())
+        atomic_write(path, (json.dumps(written, indent=2) + "\n").encode())
     clear_temporaries(out / "cells")
     clear_temporaries(out)
 
@@ -388,9 +424,18 @@ def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
     return summary
 
 
+#: The summary's columns that are a cell's parameters (those before its metrics: cell_id .. deadline_s).
+PARAMETERS = ("cell_id", *(f.name for f in dataclasses.fields(Cell)), "max_queue", "deadline_s")
+
+
 def _cell_columns(summary: dict) -> dict:
-    names = ["cell_id", *(f.name for f in dataclasses.fields(Cell)), "max_queue", "deadline_s"]
-    return {k: summary[k] for k in names if k in summary}
+    return {k: summary[k] for k in PARAMETERS if k in summary}
+
+
+def metric_names(summary: dict) -> list[str]:
+    """A cell summary's metrics: its numbers that are not the cell's parameters (what an objective may name)."""
+    return [k for k, v in summary.items() if k not in PARAMETERS and isinstance(v, (int, float))
+            and not isinstance(v, bool)]
 
 
 # ------------------------------------------------------------------ executors
@@ -468,22 +513,29 @@ def _worker_start(sweep_pid: int) -> None:
     threading.Thread(target=_watch, args=(still_there,), name="qlab-sweep-watch", daemon=True).start()
 
 
-def _local(config: SweepConfig, todo: list[Cell], workers: int) -> Iterator[CellResult]:
+#: Runs cells and yields their results as they finish (in any order).
+Runner = Callable[[list[Cell]], Iterator[CellResult]]
+
+
+@contextlib.contextmanager
+def _local(config: SweepConfig, workers: int) -> Iterator[Runner]:
     if workers <= 1:
-        for cell in todo:
-            yield run_cell(config, cell)
+        yield lambda todo: (run_cell(config, cell) for cell in todo)
         return
     with ProcessPoolExecutor(max_workers=workers, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
-        futures = [pool.submit(run_cell, config, cell) for cell in todo]
-        try:
-            for future in as_completed(futures):
-                yield future.result()
-        finally:
-            for future in futures:
-                future.cancel()
+        def results(todo: list[Cell]) -> Iterator[CellResult]:
+            futures = [pool.submit(run_cell, config, cell) for cell in todo]
+            try:
+                for future in as_completed(futures):
+                    yield future.result()
+            finally:
+                for future in futures:
+                    future.cancel()
+        yield results
 
 
-def _dask(config: SweepConfig, todo: list[Cell], scheduler: str) -> Iterator[CellResult]:
+@contextlib.contextmanager
+def _dask(config: SweepConfig, scheduler: str) -> Iterator[Runner]:
     try:
         from distributed import Client, as_completed as dask_completed
     except ImportError:
@@ -493,12 +545,27 @@ def _dask(config: SweepConfig, todo: list[Cell], scheduler: str) -> Iterator[Cel
     except (OSError, TimeoutError) as exc:
         raise ConfigError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
     with client:
-        futures = client.map(run_cell, [config] * len(todo), todo, pure=False)
-        try:
-            for future in dask_completed(futures):
-                yield future.result()
-        finally:
-            client.cancel(futures)
+        def results(todo: list[Cell]) -> Iterator[CellResult]:
+            futures = client.map(run_cell, [config] * len(todo), todo, pure=False)
+            try:
+                for future in dask_completed(futures):
+                    yield future.result()
+            finally:
+                client.cancel(futures)
+        yield results
+
+
+def executor(config: SweepConfig, *, workers: int | None = None, scheduler: str | None = None):
+    """A context holding local processes (``workers``, default all cores) or a dask client (``scheduler``), and
+    giving a :data:`Runner` of ``config``'s cells: one pool or client for every batch of cells it is given."""
+    return _dask(config, scheduler) if scheduler else _local(config, workers or os.cpu_count() or 1)
+
+
+def store(out: Path, runner: Runner, todo: list[Cell], on_each: Callable[[], object] = lambda: None) -> None:
+    """Run ``todo`` and write each cell's file into OUT as it finishes (atomically: a file that exists is whole)."""
+    for result in runner(todo):
+        atomic_write(out / "cells" / f"{result.cell_id}.parquet", result.parquet)
+        on_each()
 
 
 def _progress(total: int, initial: int, quiet: bool):
@@ -516,12 +583,9 @@ def run(config: SweepConfig, out: str | Path, *, workers: int | None = None, sch
     prepare(config, out, len(every))
     done = finished(out)
     todo = [c for c in every if c.id not in done]
-    workers = workers or os.cpu_count() or 1
-    results = _dask(config, todo, scheduler) if scheduler else _local(config, todo, workers)
-    with _progress(len(every), len(every) - len(todo), quiet) as bar:
-        for result in results:
-            atomic_write(out / "cells" / f"{result.cell_id}.parquet", result.parquet)
-            bar.update(1)
+    with executor(config, workers=workers, scheduler=scheduler) as runner, \
+            _progress(len(every), len(every) - len(todo), quiet) as bar:
+        store(out, runner, todo, lambda: bar.update(1))
     summary = write_summaries(out, [c.id for c in every])
     summary.attrs.update(ran=len(todo), skipped=len(every) - len(todo))
     return summary

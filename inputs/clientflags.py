@@ -77,8 +77,12 @@ def from_args(args: argparse.Namespace) -> tuple[Patience | None, RetryPolicy | 
         patience = Patience.parse(args.patience, args.patience_until or "answer")
     elif args.patience_until is not None:
         raise ValueError("--patience-until needs --patience")
-    given = {name: getattr(args, f"retry_{name}") for name in RETRY_FLAGS if getattr(args, f"retry_{name}") is not None}
-    return patience, _retry(given, lambda name: RETRY_FLAGS[name][0])
+    return patience, _retry(retry_table(args), lambda name: RETRY_FLAGS[name][0])
+
+
+def retry_table(args: argparse.Namespace) -> dict:
+    """The retry flags given, as a retry table (RetryPolicy's field -> value): what :func:`retry_from_table` reads."""
+    return {name: getattr(args, f"retry_{name}") for name in RETRY_FLAGS if getattr(args, f"retry_{name}") is not None}
 
 
 def _retry(given: dict, label) -> RetryPolicy | None:

@@ -41,7 +41,7 @@ max_attempts = 3
 
 [[trace]]                # one or more; nominal_load may be a list (one trace per value)
 name = "poisson"
-arrivals = "poisson"     # poisson | constant | gamma:CV | burst:N | periodic:N:PERIOD_S
+arrivals = "poisson"     # poisson | constant | gamma:CV | periodic:PERIOD_S, or burst:N | periodic:N:PERIOD_S (no load)
 nominal_load = [0.5, 1.0]  # arrival rate / the calibrated capacity of `engines` engines (the summary
                          # adds effective_load = nominal x measured speed); `load` is refused
 seconds = 40             # or requests = N (a burst needs neither)
@@ -60,7 +60,7 @@ from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_
 from qsim import PRESETS
 from qsim.clients import Patience, RetryPolicy
 from qsim.policy import args_tables, resolve
-from qsim.workload import parse_arrivals
+from qsim.workload import arrivals_take_load, check_load, parse_arrivals
 
 from .serve_options import ServeOptions
 from .tokenizer import MIN_CONTEXT_TOKENS
@@ -80,6 +80,8 @@ RENAMED_TRACE_KEYS = {"load": ("nominal_load", "a live trace's rate is relative 
 SECTIONS = {"server", "calibrate", "probe", "replay", "trace", "policy_args", "retry"}
 #: A trace's arrival window when it gives neither seconds nor requests (``qlab replay``'s default too).
 DEFAULT_SECONDS = 40.0
+#: A trace's nominal load when it gives none and its arrivals take one (``qlab replay``'s default too).
+DEFAULT_NOMINAL_LOAD = 1.0
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,17 @@ class TraceSpec:
 
     name: str
     arrivals: str = "poisson"
-    nominal_load: float = 1.0  # arrival rate over the calibrated capacity (make_trace's load at speed 1)
+    nominal_load: float = DEFAULT_NOMINAL_LOAD  # arrival rate over the calibrated capacity (make_trace's load at speed 1)
     seconds: float | None = None
     requests: int | None = None
     seed: int = 1
     file: str | None = None
     time_scale: float = 1.0
+
+    @property
+    def load(self) -> float | None:
+        """The nominal load the trace is built at: None for a trace file or a burst of its own size (no load)."""
+        return None if self.file or not arrivals_take_load(self.arrivals) else self.nominal_load
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,8 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
                 _fail(f"{where}.{old}", f"renamed {new} ({why})")
         t = _table(path, {f"trace[{i}]": entry}, f"trace[{i}]", TRACE_KEYS)
         name = t.pop("name", None) or _fail(where, "needs a name")
-        loads = t.pop("nominal_load", 1.0)
+        given = "nominal_load" in t
+        loads = t.pop("nominal_load", DEFAULT_NOMINAL_LOAD)
         loads = [typed_value(f"{where}.nominal_load", v, float) for v in loads] if isinstance(loads, list) else [loads]
         if not loads:
             _fail(f"{where}.nominal_load", "empty list")
@@ -205,6 +213,10 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
                 kind, _ = parse_arrivals(t.get("arrivals", "poisson"))
             except ValueError as exc:
                 _fail(f"{where}.arrivals", str(exc))
+            try:  # a burst of its own size would ignore a load
+                check_load(t.get("arrivals", "poisson"), loads[0] if given else None)
+            except ValueError as exc:
+                _fail(f"{where}.nominal_load", str(exc))
             if kind != "burst" and ("seconds" in t) == ("requests" in t):
                 _fail(where, "give exactly one of seconds and requests")
         for nominal in loads:

@@ -59,7 +59,7 @@ from .policy import PRESETS, Policy, Rejection
 from .queue import AdmissionQueue
 from .records import OUTCOMES
 from .service import ServiceModel
-from .workload import REFERENCE_MIX, Prompts, Trace, blended_means, make_trace
+from .workload import REFERENCE_MIX, Prompts, Trace, arrivals_take_load, blended_means, make_trace
 
 __all__ = [
     "ARRIVALS", "DECLARED", "DISCIPLINES", "PROMPTS", "DisciplineCase", "EngineSettings", "InvariantBroken",
@@ -436,8 +436,9 @@ def check_queue_core(policy: st.SearchStrategy[Policy] | None = None,
 
 # ---------------------------------------------------------------- strategies for simulations
 
-#: Arrival processes :func:`workloads` draws from (a burst of 1 and of 25; periodic bursts).
-ARRIVALS = ("poisson", "constant", "gamma:0.5", "gamma:3", "burst:1", "burst:25", "periodic:10:1.5")
+#: Arrival processes :func:`workloads` draws from (a burst of 1 and of 25; periodic bursts of 10, and of the load's
+#: size). A burst of its own size takes no load: its :class:`Workload`'s load is then unused.
+ARRIVALS = ("poisson", "constant", "gamma:0.5", "gamma:3", "burst:1", "burst:25", "periodic:10:1.5", "periodic:1.5")
 
 
 def policies(disciplines: Iterable[str] = ("fifo",), name: str = "random") -> st.SearchStrategy[Policy]:
@@ -515,7 +516,8 @@ class SimRun:
         if e.batching is not None:
             _, mean_tokens = blended_means(REFERENCE_MIX, (), ServiceModel())
             options = {"capacity_rps": e.batching.capacity_rps(prompts.mean(), mean_tokens), **options}
-        return make_trace(w.arrivals, w.service, load=w.load, engines=e.count, speed=e.speed, requests=w.requests,
+        load = w.load if arrivals_take_load(w.arrivals) else None  # a burst's own size sets its rate
+        return make_trace(w.arrivals, w.service, load=load, engines=e.count, speed=e.speed, requests=w.requests,
                           seed=w.seed, prompts=prompts, **noise, **options)
 
     def config(self) -> ServerConfig:

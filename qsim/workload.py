@@ -20,7 +20,12 @@ from scipy import stats
 from .clients import Patience
 from .service import ServiceModel
 
-ARRIVALS = ("poisson", "constant", "gamma:CV", "burst:N", "periodic:N:PERIOD_S", "surge:START_S:LENGTH_S:LOAD")
+ARRIVALS = ("poisson", "constant", "gamma:CV", "periodic:PERIOD_S", "surge:START_S:LENGTH_S:LOAD", "burst:N",
+            "periodic:N:PERIOD_S")
+#: The arrival processes whose size sets their rate: they take no load (giving one is an error).
+SIZED = ("burst:N", "periodic:N:PERIOD_S")
+#: The load of a process that takes one when none is given (``qlab simulate``'s default).
+DEFAULT_LOAD = 0.9
 SERVICES = ("mix", "exponential", "deterministic")
 
 
@@ -423,12 +428,31 @@ def periodic_bursts(n: int, period_s: float, *, seconds=None, requests=None) -> 
     return (np.arange(count) // int(n)) * float(period_s)
 
 
+def periodic_at_rate(rate: float, period_s: float, *, seconds=None, requests=None) -> np.ndarray:
+    """Bursts every period_s from 0 at a mean ``rate``: the requests a constant-rate process would send in each
+    period, all at the period's start (request i at floor(i / (rate * period_s)) * period_s).
+
+    A burst holds rate * period_s requests on average; where that is not whole, bursts of its floor and its
+    ceiling alternate so that every window of whole periods has the rate exactly. With ``seconds``: the
+    requests a constant rate sends before it (the last burst is of the part of its period inside the window).
+    """
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"arrival rate must be a positive number, got {rate}")
+    if not period_s > 0:
+        raise ValueError(f"burst period must be > 0, got {period_s}")
+    per_burst = rate * period_s
+    count = int(requests) if requests is not None else math.ceil(seconds * rate - 1e-9)
+    # The tolerance keeps request k * per_burst (a whole number in exact arithmetic) in burst k.
+    return np.floor(np.arange(count) / per_burst + 1e-9) * float(period_s)
+
+
 def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
-    """'poisson' | 'constant' | 'gamma:CV' | 'burst:N' | 'periodic:N:PERIOD_S' | 'surge:START_S:LENGTH_S:LOAD'
-    -> (kind, numbers). A surge is Poisson at the workload's load, and at LOAD from START_S for LENGTH_S."""
+    """One of :data:`ARRIVALS` -> (kind, numbers). A surge is Poisson at the workload's load, and at LOAD from
+    START_S for LENGTH_S; ``periodic:PERIOD_S`` is a burst every PERIOD_S whose size follows the load
+    (:func:`periodic_at_rate`), ``periodic:N:PERIOD_S`` one of N (its rate is its own: it takes no load)."""
     kind, *args = spec.split(":")
-    arity = {"poisson": 0, "constant": 0, "gamma": 1, "burst": 1, "periodic": 2, "surge": 3}
-    if kind not in arity or len(args) != arity[kind]:
+    arity = {"poisson": (0,), "constant": (0,), "gamma": (1,), "burst": (1,), "periodic": (1, 2), "surge": (3,)}
+    if kind not in arity or len(args) not in arity[kind]:
         raise ValueError(f"bad arrival process {spec!r}; expected one of {', '.join(ARRIVALS)}")
     try:
         numbers = tuple(float(a) for a in args)
@@ -437,9 +461,28 @@ def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
     # A surge may start at time 0; every other number is a size, a length or a rate.
     if any(not (x > 0 and math.isfinite(x)) for j, x in enumerate(numbers) if not (kind == "surge" and j == 0 and x == 0)):
         raise ValueError(f"bad arrival process {spec!r}: its numbers must be positive")
-    if kind in ("burst", "periodic") and numbers[0] != int(numbers[0]):
+    if not takes_load(kind, numbers) and numbers[0] != int(numbers[0]):
         raise ValueError(f"bad arrival process {spec!r}: a burst size is a whole number")
     return kind, numbers
+
+
+def takes_load(kind: str, numbers: tuple[float, ...]) -> bool:
+    """Whether a parsed arrival process's rate comes from the load (False: from its own burst size)."""
+    return not (kind == "burst" or (kind == "periodic" and len(numbers) == 2))
+
+
+def arrivals_take_load(spec: str) -> bool:
+    """Whether the arrival process ``spec`` takes a load (ValueError for a bad spec)."""
+    return takes_load(*parse_arrivals(spec))
+
+
+def check_load(spec: str, load: float | None) -> None:
+    """ValueError when a load is given to a process that takes none (it would be ignored)."""
+    kind, numbers = parse_arrivals(spec)
+    if load is not None and not takes_load(kind, numbers):
+        what = f"a burst of {numbers[0]:g}" + (f" every {numbers[1]:g} s" if kind == "periodic" else "")
+        raise ValueError(f"arrivals {spec!r} take no load ({what}: the size sets the rate); leave the load out, "
+                         "or give periodic:PERIOD_S, whose burst size follows the load")
 
 
 # ---------------------------------------------------------------- the trace
@@ -487,7 +530,7 @@ def make_trace(
     arrivals: str = "poisson",
     service: str = "mix",
     *,
-    load: float = 0.9,
+    load: float | None = None,
     engines: int = 1,
     speed: float = 1.0,
     seconds: float | None = None,
@@ -505,7 +548,9 @@ def make_trace(
 ) -> Trace:
     """A seeded synthetic trace.
 
-    load is the utilisation at the simulated speed: lambda = load * engines / E[true S].
+    load is the utilisation at the simulated speed: lambda = load * engines / E[true S] (None:
+    :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`SIZED`) takes none, and giving
+    it one is a ValueError.
     speed multiplies every true service time (2.25 = the machine 2.25x slower).
     service: 'mix' (sizes from ``mix`` through ``model``, optional lognormal
     noise of CV ``noise_cv``), 'exponential' or 'deterministic' with mean
@@ -527,7 +572,11 @@ def make_trace(
         raise ValueError(f"requests must be >= 1, got {requests}")
     if not speed > 0:
         raise ValueError(f"speed must be > 0, got {speed}")
-    if not load > 0:
+    check_load(arrivals, load)
+    kind, numbers = parse_arrivals(arrivals)
+    if load is None and takes_load(kind, numbers):
+        load = DEFAULT_LOAD
+    if load is not None and not load > 0:
         raise ValueError(f"load must be > 0, got {load}")
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
@@ -542,11 +591,13 @@ def make_trace(
     if service == "mix" and mean_service_s is not None:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
-    kind, numbers = parse_arrivals(arrivals)
     gaps_rng, size_rng, service_rng, client_rng, patience_rng, used_rng, prompt_rng = random_streams(seed)
     if capacity_rps is not None and not (capacity_rps > 0 and math.isfinite(capacity_rps)):
         raise ValueError(f"capacity_rps must be a positive number of requests per second, got {capacity_rps}")
-    rate = load * engines / (speed * mean_s) if capacity_rps is None else load * capacity_rps
+    if load is None:  # a sized process's rate is its own: a burst has none, periodic bursts of N one every period
+        rate = numbers[0] / numbers[1] if kind == "periodic" else math.nan
+    else:
+        rate = load * engines / (speed * mean_s) if capacity_rps is None else load * capacity_rps
     if kind in ("poisson", "constant", "gamma"):
         cv = numbers[0] if numbers else 1.0
         times = renewal_arrivals(kind, gaps_rng, rate, seconds=seconds, requests=requests, cv=cv)
@@ -560,8 +611,10 @@ def make_trace(
         times = burst_arrivals(int(numbers[0]))
         duration = 0.0
     else:
-        times = periodic_bursts(int(numbers[0]), numbers[1], seconds=seconds, requests=requests)
-        duration = seconds if seconds is not None else (times[-1] + numbers[1] if times.size else 0.0)
+        period = numbers[-1]
+        times = (periodic_at_rate(rate, period, seconds=seconds, requests=requests) if load is not None
+                 else periodic_bursts(int(numbers[0]), period, seconds=seconds, requests=requests))
+        duration = seconds if seconds is not None else (times[-1] + period if times.size else 0.0)
     n = times.size
     which = _draw_index(client_rng, shares, n) if clients else np.zeros(n, dtype=np.int64)
 

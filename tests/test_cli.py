@@ -129,6 +129,13 @@ def test_theory_exit_status_on_a_judged_failure(capsys, monkeypatch):
         (["simulate", "--trace", "missing.csv", "--load", "2"], "--trace replaces"),
         (["simulate", "--time-scale", "2"], "--time-scale applies only"),
         (["simulate", "--mean-service", "0.2"], "mean-service"),
+        # A process of its own size ignores a load: giving one is refused, not run as if it mattered.
+        (["simulate", "--arrivals", "burst:30", "--load", "2"], "arrivals 'burst:30' take no load"),
+        (["simulate", "--arrivals", "periodic:20:10", "--load", "0.5"], "arrivals 'periodic:20:10' take no load"),
+        (["replay", "--url", "http://127.0.0.1:9", "--arrivals", "burst:30", "--nominal-load", "2", "--engines", "1",
+          "--out", "x.parquet"], "arrivals 'burst:30' take no load"),
+        (["capacity", "--policy", "none", "--arrivals", "periodic:20:10", "--objective", "share_good>=0.9",
+          "--out", "x"], "takes no load"),
         (["simulate", "--service-model", "nope.json"], "nope.json"),
         (["theory", "--replications", "1"], "replications"),
         # The engine model: batching options need --batching, and a batching engine counts tokens.

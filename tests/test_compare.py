@@ -101,8 +101,8 @@ def assert_no_disagreement(result):
 @pytest.mark.parametrize("policy", ["none", "bounded", "bounded-deadline", "predictive"])
 @pytest.mark.parametrize("arrivals", ["poisson", "burst:30"])
 def test_the_simulator_agrees_with_itself_exactly(policy, arrivals):
-    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 60}
-    trace = make_trace(arrivals, load=1.5, seed=3, noise_cv=0.3, **length)
+    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 60, "load": 1.5}  # a burst takes no load
+    trace = make_trace(arrivals, seed=3, noise_cv=0.3, **length)
     result = compare(live_like_run(trace, policy))
     assert_no_disagreement(result)
     assert result.summary["requests"] == len(trace) and result.confusion.to_numpy().sum() == len(trace)
@@ -257,8 +257,8 @@ RETRIES = {"honoured": RetryPolicy(mode="exponential", jitter=1.0, max_attempts=
 def test_retries_are_replayed_by_the_simulators_own_clients(policy, arrivals, retry):
     # A run whose clients retried: compare gives the simulator the first attempts and the run's retry
     # policy and seed; its clients must send every retry the run has, at the same times, and no other.
-    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 40}
-    trace = make_trace(arrivals, load=2.0, seed=5, noise_cv=0.2, **length)
+    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 40, "load": 2.0}  # a burst takes no load
+    trace = make_trace(arrivals, seed=5, noise_cv=0.2, **length)
     run = live_like_run(trace, policy, trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES[retry])
     assert run["attempt"].max() > 1 and set(run["retry_seed"]) == {7}
     result = compare(run)

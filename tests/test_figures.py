@@ -254,7 +254,9 @@ def test_objectives_parse():
         Objective("share_good", ">=", 0.9), Objective("latency_p99_s", "<=", 2.0))
     assert parse_objectives("latency_p99_s <= 2")[0].quantile == 0.99
     assert Objective("share_good", ">=", 0.9).quantile is None
-    for bad in ("share_good", "share_good>0.9", "share_good>=x", "share_good>=nan", ">=0.9", "share_good>=0.9 and"):
+    assert parse_objectives("share_good>0.9") == (Objective("share_good", ">", 0.9),)
+    assert parse_objectives("ttft_p99_s=0.5")[0].op == "<="  # a time's good direction is down
+    for bad in ("share_good", "share_good=>0.9", "share_good>=x", "share_good>=nan", ">=0.9", "share_good>=0.9 and"):
         with pytest.raises(ValueError, match="objective"):
             parse_objectives(bad)
 
@@ -291,7 +293,7 @@ def test_plot_draws_the_objective_and_refuses_one_no_figure_draws(tiny_sweep, tm
     svg = (tmp_path / "a" / "share_in_time.svg").read_text()
     assert "objective share_good ≥ 0.9" in svg
     for bad, message in (("requests>=10", "objective requests: no figure draws it"),
-                         ("share_good>0.9", "expected METRIC>=VALUE")):
+                         ("share_good=>0.9", "expected METRIC>=VALUE")):
         capsys.readouterr()
         assert main(["plot", str(out), "--out", str(tmp_path / "b"), "--objective", bad]) == 2
         err = capsys.readouterr().err

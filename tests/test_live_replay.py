@@ -182,6 +182,7 @@ def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
     ("[server]\npolicies = ['fifo']\n[[trace]]\nname='a'\nseconds=1", "server.policies"),
     ("[[trace]]\nname='a'\nnominal_load=[1, -2]\nseconds=1", "nominal_load: must be > 0"),
     ("[[trace]]\nname='a'\nload=[1, 2]\nseconds=1", "trace[0].load: renamed nominal_load"),
+    ("[[trace]]\nname='a'\narrivals='burst:30'\nnominal_load=2", "trace[0].nominal_load: arrivals 'burst:30' take no load"),
     ("[[trace]]\nname='a'\narrivals='poisson'", "exactly one of seconds and requests"),
     ("[[trace]]\nname='a'\nseconds='40'", "expected float"),
     ("[server]\nengine='gpt2'\n", "at least one [[trace]]"),

@@ -10,7 +10,7 @@ from experiments.cli import main
 
 #: Small enough for a test (about half a minute on 2 cores), large enough that H1-H3 are decided.
 TINY = study.Scale("tiny", seeds=3, duration_s=60.0, loads=(0.5, 2.0), theory_replications=2, theory_scale=0.02,
-                   batching_seeds=3, batching_duration_s=30.0, batching_loads=(0.5, 3.0))
+                   batching_seeds=3, batching_duration_s=30.0, batching_loads=(0.5, 3.0), capacity_tolerance=0.1)
 VERDICT = re.compile(r"^\*\*(H\d) (supported|not supported|not testable)\*\*: (.*)$", re.M)
 INTERVAL = re.compile(r"-?\d[\d.e+-]* \[-?\d[\d.e+-]*, -?\d[\d.e+-]*\]")
 
@@ -69,10 +69,41 @@ def test_hypotheses_have_verdicts_with_their_numbers(done):
 
 
 @pytest.mark.slow
+def test_exercise_8_each_policys_capacity_under_poisson_and_bursts_with_intervals(done):
+    out, *_ = done
+    md = (out / "report.md").read_text()
+    section = md.split("Capacity under Poisson arrivals and bursts every 10 s (exercise 8)\n", 1)[1].split("\n## ", 1)[0]
+    assert "DistServe's goodput" in section and "(figures/capacity.png)" in section
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| policy")]
+    assert [row.split("|")[1].strip() for row in rows] == list(study.POLICIES)
+    results = pd.read_json(out / "sections" / "capacity" / "sweep" / "capacity.json", typ="series")["results"]
+    by = {(r["policy"], r["arrivals"]): r for r in results}
+    for policy in study.POLICIES:
+        poisson, burst = by[policy, "poisson"], by[policy, "periodic:10"]
+        for r in (poisson, burst):
+            assert r["ci_low"] <= r["load"] < r["fails_at"] <= r["ci_high"]
+        # The same load sent as a burst every 10 s is harder for every policy.
+        assert burst["load"] < poisson["load"]
+        row = next(row for row in rows if row.split("|")[1].strip() == policy)
+        assert len(INTERVAL.findall(row)) == 2  # a capacity [interval] under each process
+    # The summary's and plot's dataset: every load the search tried, at every seed.
+    summary = pd.read_parquet(out / "sections" / "capacity" / "sweep" / "summary.parquet")
+    assert set(summary["arrivals"]) == {"poisson", "periodic:10"} and summary["seed"].nunique() == 3
+
+
+def test_the_quick_and_full_studies_search_capacity_at_their_sizes():
+    quick, full = study._capacity_search(study.QUICK), study._capacity_search(study.FULL)
+    assert (quick.config.seeds, quick.config.duration_s, full.config.seeds, full.config.duration_s) == (5, 300, 10, 600)
+    for spec in (quick, full):
+        assert spec.config.arrival_processes == ("poisson", "periodic:10")
+        assert tuple(spec.config.grid["policy"]) == tuple(study.POLICIES) and spec.bounds.tolerance == 0.02
+
+
+@pytest.mark.slow
 def test_a_second_run_skips_done_sections_and_redoes_a_forced_one(done):
     out, first, second, cells = done
     assert any(line.startswith("reference: ran") for line in first)
-    for name in ("theory", "reference", "estimation", "stale", "cancellation"):
+    for name in ("theory", "reference", "estimation", "stale", "cancellation", "capacity"):
         line = next(line for line in second if line.startswith(f"{name}:"))
         assert "skipped" in line or "not available" in line, line
     assert any(line.startswith("burst: ran") for line in second)

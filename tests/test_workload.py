@@ -1,10 +1,12 @@
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from qsim.service import ServiceModel
 from qsim.tracefiles import load_trace
-from qsim.workload import REFERENCE_MIX, Mix, make_trace, parse_arrivals
+from qsim.workload import REFERENCE_MIX, Mix, arrivals_take_load, make_trace, parse_arrivals
 
 def test_reference_mix_moments_match_the_brief():
     m = ServiceModel()
@@ -101,7 +103,36 @@ def test_bursts():
     assert len(p) == 25 and list(np.unique(p.arrival_s)) == [0, 2, 4, 6, 8]
 
 
-@pytest.mark.parametrize("spec", ["pareto", "gamma", "gamma:x", "burst:0", "burst:2.5", "periodic:3", "gamma:-1"])
+@pytest.mark.parametrize("load", [0.05, 0.5, 0.9, 2.0, 3.7])
+def test_periodic_bursts_at_a_load_have_its_rate_and_the_poisson_traces_requests(load):
+    # A burst every 10 s whose size follows the load: the rate is exact over whole periods, the bursts differ
+    # by at most one request, and the requests are the Poisson trace's (common random numbers: the same sizes).
+    p = make_trace("periodic:10", load=load, seconds=600, seed=3)
+    poisson = make_trace("poisson", load=load, requests=len(p), seed=3)
+    rate = load / REFERENCE_MIX.mean_s(ServiceModel())
+    assert p.meta["rate"] == pytest.approx(rate) and p.duration_s == 600
+    assert len(p) == math.ceil(600 * rate - 1e-9)
+    times, sizes = np.unique(p.arrival_s, return_counts=True)
+    assert set(times) <= set(np.arange(0, 600, 10.0)) and np.all(np.diff(p.arrival_s) >= 0)
+    full = sizes[:-1]  # the last burst may be the part of its period inside the window
+    assert full.max() - full.min() <= 1 and full.mean() == pytest.approx(rate * 10, abs=1)
+    np.testing.assert_array_equal(p.max_new_tokens, poisson.max_new_tokens)
+    # requests= takes the first N of the same bursts.
+    np.testing.assert_array_equal(make_trace("periodic:10", load=load, requests=50, seed=3).arrival_s,
+                                  make_trace("periodic:10", load=load, seconds=600, seed=3).arrival_s[:50])
+
+
+@pytest.mark.parametrize("spec", ["burst:30", "periodic:20:10"])
+def test_a_process_of_its_own_size_takes_no_load(spec):
+    with pytest.raises(ValueError, match=f"arrivals '{spec}' take no load"):
+        make_trace(spec, load=2.0, seconds=60)
+    assert arrivals_take_load("periodic:10") and not arrivals_take_load(spec)
+    # Without one it is what it was: its size sets its rate.
+    assert len(make_trace(spec, seconds=60)) == (30 if spec == "burst:30" else 120)
+
+
+@pytest.mark.parametrize("spec", ["pareto", "gamma", "gamma:x", "burst:0", "burst:2.5", "periodic:1:2:3", "periodic:0",
+                                  "periodic:2.5:10", "periodic", "gamma:-1"])
 def test_bad_arrival_specs(spec):
     with pytest.raises(ValueError, match="arrival process"):
         parse_arrivals(spec)
@@ -227,7 +258,7 @@ def test_build_trace_gives_what_each_command_built_before(tmp_path):
     _same_trace(build_trace(own, time_scale=2.0, seed=9, model=model), load_trace(own, 2.0, model=model, seed=9))
     # a sweep cell: a mix of its own, speed and noise.
     mix = Mix((8, 32), (0.7, 0.3))
-    _same_trace(build_trace(arrivals="periodic:5:2", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
+    _same_trace(build_trace(arrivals="periodic:2", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
                             model=model, noise_cv=0.1),
-                make_trace("periodic:5:2", "mix", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
+                make_trace("periodic:2", "mix", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
                            model=model, noise_cv=0.1))

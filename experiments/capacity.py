@@ -1,0 +1,471 @@
+"""``qlab capacity``: the highest load at which each policy meets an objective, with a 95 % interval.
+
+An *objective* is one or more clauses over a cell summary's metrics (``analysis.metrics.summary`` and the
+sweep's columns: share_good, goodput_rps, latency_p99_s, ...), joined with ``and``:
+``share_good>=0.9 and latency_p99_s<=2``. A load *meets* it when the mean over the seeds of every clause's
+metric is on its side. DistServe's goodput, "the highest request rate at which 90 % of requests meet the
+latency objectives", is this search with ``share_good>=0.9`` (the share answered within the deadline).
+
+The search (:func:`next_loads`), per policy (and arrival process), over loads that all share the seeds
+(common random numbers: the same seed sends the same requests at every load and to every policy):
+
+1. *Bracketing*: from ``start``, halve until a load meets the objective surely, double until one fails it
+   surely (within ``min_load`` .. ``max_load``).
+2. *Bisection* of three crossings at once: where the seeds' mean stops meeting the objective (the capacity),
+   where the objective stops being met surely, and where it starts failing surely; each until its bracket
+   is narrower than ``tolerance`` times its upper end.
+
+*Surely* is judged from Student-t intervals across seeds, one per clause at 1 - 0.05 / (number of clauses)
+(Bonferroni): met surely when every clause's interval lies on its side, failed surely when some clause's lies
+wholly on the other. The 95 % interval of the capacity is the set of loads where the seeds cannot reject
+that the metric equals its threshold (test inversion): from the last load met surely to the first failed
+surely, the outer ends of their brackets, so it holds the capacity with probability at least 95 % where the
+metric's mean falls with load. A metric that is undefined in a seed's run (NaN: a p99 of no answers) fails
+its clause, surely, at that load.
+
+The cells are a sweep's (``experiments.sweep``: the same cell runner, executors and layout), written into
+OUT as a sweep dataset, so ``qlab summary`` and ``qlab plot`` read it; ``capacity.json`` holds the results
+and every load tried. The folder's digest is of everything but the loads, so a search interrupted, or re-run
+with another objective, reuses every cell it already has; any number of workers, or a dask cluster, gives
+the same cells and so the same search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from analysis.metrics import mean_ci
+from analysis.objectives import Objective, parse_objectives, written
+from inputs import clientflags
+from inputs.argtypes import positive, positive_int
+from inputs.atomic import atomic_write
+from qsim import PRESETS, ServiceModel
+from qsim.engines import Batching, OneAtATime
+from qsim.policy import parse_args, policy_spec
+from qsim.workload import arrivals_take_load
+
+from . import config as sweep_config
+from . import engineflags, sweep
+from .config import SweepConfig
+from .jsonout import json_ready
+from .simflags import add_workload_options
+
+#: An objective: its clauses, all of which a load must meet (analysis.objectives.parse_objectives).
+Objectives = tuple[Objective, ...]
+#: The load of the placeholder grid a search's config is checked with; the cells take the loads searched.
+_SOME_LOAD = 1.0
+
+
+# ------------------------------------------------------------------ objectives
+
+
+def metrics_of(objective: Objectives) -> list[str]:
+    """The metrics an objective's clauses name, each once, in order."""
+    return list(dict.fromkeys(c.metric for c in objective))
+
+
+def check_metrics(objective: Objectives, available: list[str]) -> None:
+    """ValueError naming a clause's metric that the cells' summaries do not have, and those they do."""
+    for metric in metrics_of(objective):
+        if metric not in available:
+            raise ValueError(f"--objective: no metric {metric!r} in a cell's summary; it has {', '.join(available)}")
+
+
+# ------------------------------------------------------------------ judging one load
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What the seeds say of the objective at one load."""
+
+    met: bool  # the seeds' mean of every clause's metric is on its side
+    surely_met: bool  # every clause's interval lies on its side
+    surely_failed: bool  # some clause's interval lies wholly on the other side
+    values: dict = field(default_factory=dict)  # metric -> {mean, ci_low, ci_high} (at the clause's level)
+
+
+def judge(per_seed: dict[str, np.ndarray], objective: Objectives, level: float = 0.95) -> Judgement:
+    """The objective at one load, from each metric's values over the seeds; each clause's interval at
+    1 - (1 - level) / (number of clauses), so that the capacity's interval holds at ``level`` (Bonferroni)."""
+    each = 1 - (1 - level) / len(objective)
+    met = surely_met = True
+    surely_failed = False
+    values = {}
+    for clause in objective:
+        x = np.asarray(per_seed[clause.metric], dtype=float)
+        mean, low, high = mean_ci(x, each)
+        values[clause.metric] = {"mean": mean, "ci_low": low, "ci_high": high}
+        if np.isnan(x).any():  # undefined in some seed's run (a p99 of no answers): not met, surely
+            met, surely_met, surely_failed = False, False, True
+            continue
+        met &= clause.holds(mean)
+        surely_met &= clause.holds(low) and clause.holds(high)
+        surely_failed |= not clause.holds(low) and not clause.holds(high)
+    return Judgement(met, surely_met, surely_failed, values)
+
+
+# ------------------------------------------------------------------ the search
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Where and how finely to search: from ``start``, within ``min_load`` .. ``max_load``, until each
+    crossing's bracket is narrower than ``tolerance`` times its upper end."""
+
+    start: float = 1.0
+    min_load: float = 0.01
+    max_load: float = 10.0
+    tolerance: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_load <= self.start <= self.max_load < math.inf:
+            raise ValueError(f"the search needs 0 < --min-load <= --start <= --max-load, got {self.min_load:g}, "
+                             f"{self.start:g}, {self.max_load:g}")
+        if not 0 < self.tolerance < 1:
+            raise ValueError(f"--tolerance must be in (0, 1), got {self.tolerance:g}")
+
+
+#: The three crossings searched, each a property true at low loads and false from some load on.
+CROSSINGS: dict[str, Callable[[Judgement], bool]] = {
+    "surely_met": lambda j: j.surely_met,
+    "met": lambda j: j.met,
+    "not_surely_failed": lambda j: not j.surely_failed,
+}
+
+
+def crossing(judged: dict[float, Judgement], holds: Callable[[Judgement], bool]) -> tuple[float | None, float | None]:
+    """(lo, hi): the first load tried where ``holds`` is false, and the highest below it where it is true
+    (None where there is none)."""
+    hi = min((load for load, j in judged.items() if not holds(j)), default=None)
+    lo = max((load for load, j in judged.items() if holds(j) and (hi is None or load < hi)), default=None)
+    return lo, hi
+
+
+def next_loads(judged: dict[float, Judgement], bounds: Bounds) -> list[float]:
+    """The loads to try next for one policy, given what is known; [] when its search is done."""
+    if not judged:
+        return [bounds.start]
+    lowest, highest = min(judged), max(judged)
+    wanted = set()
+    if not any(j.surely_met for j in judged.values()) and lowest > bounds.min_load:
+        wanted.add(max(lowest / 2, bounds.min_load))
+    if not any(j.surely_failed for j in judged.values()) and highest < bounds.max_load:
+        wanted.add(min(highest * 2, bounds.max_load))
+    for holds in CROSSINGS.values():
+        lo, hi = crossing(judged, holds)
+        if lo is not None and hi is not None and hi - lo > bounds.tolerance * hi:
+            wanted.add((lo + hi) / 2)
+    return sorted(wanted - set(judged))
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One policy's capacity: the highest load tried that met the objective below the first that did not, and the
+    interval (None: beyond the loads searched; see the module's docstring)."""
+
+    load: float | None
+    fails_at: float | None
+    ci_low: float | None
+    ci_high: float | None
+    loads_tried: int
+
+    @classmethod
+    def of(cls, judged: dict[float, Judgement]) -> "Capacity":
+        load, fails_at = crossing(judged, CROSSINGS["met"])
+        ci_low = crossing(judged, CROSSINGS["surely_met"])[0]
+        ci_high = crossing(judged, CROSSINGS["not_surely_failed"])[1]
+        return cls(load, fails_at, ci_low, ci_high, len(judged))
+
+
+def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list, bounds: Bounds,
+           log: Callable[[str], None] = lambda line: None) -> dict:
+    """Search every unit (a policy, say) at once: each round asks ``evaluate`` for the judgements of every unit's
+    next loads, as (unit, load) pairs, until none has a load left to try. Returns {unit: {load: Judgement}}."""
+    judged: dict = {unit: {} for unit in units}
+    for round_ in range(1, 1000):
+        asks = [(unit, load) for unit in units for load in next_loads(judged[unit], bounds)]
+        if not asks:
+            return judged
+        log(f"round {round_}: {len(asks)} load(s): " + ", ".join(sorted({f'{load:.4g}' for _, load in asks})))
+        for (unit, load), judgement in evaluate(asks).items():
+            judged[unit][load] = judgement
+    raise RuntimeError("the capacity search did not end")  # cannot happen: brackets halve, bounds are finite
+
+
+# ------------------------------------------------------------------ on sweep cells
+
+
+@dataclass(frozen=True)
+class Search:
+    """A capacity search: the cells of ``config`` (its grid's load is a placeholder) at every load searched."""
+
+    config: SweepConfig
+    objective: Objectives
+    bounds: Bounds = Bounds()
+    level: float = 0.95
+
+    @property
+    def digest(self) -> str:
+        """Of everything that decides the cells' rows but their loads (the folder holds any of them)."""
+        canonical = self.config.canonical()
+        canonical["grid"] = {k: v for k, v in canonical["grid"].items() if k != "load"}
+        text = json.dumps({"capacity_search": canonical}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def units(self) -> dict[sweep.Cell, list[sweep.Cell]]:
+        """Each searched unit (a cell of the placeholder load and seed 0: its policy, arrivals, ...) and its cells."""
+        out: dict = {}
+        for cell in sweep.cells(self.config):
+            out.setdefault(dataclasses.replace(cell, seed=0), []).append(cell)
+        return out
+
+    def check(self) -> None:
+        """ValueError before anything runs: the objective's metrics must be in a cell's summary (one short cell
+        of the first unit tells which there are)."""
+        cell = sweep.cells(self.config)[0]
+        probe = sweep.run_cell(dataclasses.replace(self.config, duration_s=min(self.config.duration_s, 1.0)), cell)
+        check_metrics(self.objective, sweep.metric_names(probe.summary))
+
+
+@dataclass(frozen=True)
+class Result:
+    unit: sweep.Cell
+    arrivals: str
+    capacity: Capacity
+    capacity_rps: float  # requests per second at load 1 (the cells' capacity_rps), so load x it is a rate
+    judged: dict  # load -> Judgement
+
+    def record(self) -> dict:
+        c = self.capacity
+        rate = None if c.load is None else c.load * self.capacity_rps
+        return {"policy": self.unit.policy, **({"policy_args": self.unit.policy_args} if self.unit.policy_args else {}),
+                "arrivals": self.arrivals, "load": c.load, "ci_low": c.ci_low, "ci_high": c.ci_high,
+                "fails_at": c.fails_at, "rate_rps": rate, "loads_tried": c.loads_tried}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    results: list[Result]
+    ran: int  # cells run by this call
+    reused: int  # cells the search used that OUT already held
+
+
+def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
+        log: Callable[[str], None] = lambda line: None) -> Outcome:
+    """Search every policy's capacity, running the cells it needs into OUT (resuming the ones there); write the
+    sweep dataset and ``capacity.json``."""
+    out = Path(out)
+    spec.check()
+    units = spec.units()
+    sweep.claim(out, _manifest(spec, []))
+    used: dict[str, dict] = {}  # every cell the search used (its summary), in the order asked
+    rate: dict = {}  # unit -> its cells' capacity_rps (requests/s at load 1)
+    ran = 0
+
+    def cells_at(unit, load):
+        return [dataclasses.replace(c, load=load) for c in units[unit]]
+
+    with sweep.executor(spec.config, workers=workers, scheduler=scheduler) as runner:
+        def evaluate(asks):
+            nonlocal ran
+            wanted = [c for unit, load in asks for c in cells_at(unit, load)]
+            done = sweep.finished(out)
+            todo = [c for c in wanted if c.id not in done]
+            sweep.store(out, runner, todo)
+            ran += len(todo)
+            used.update((c.id, sweep.read_cell_meta(out / "cells" / f"{c.id}.parquet")["summary"]) for c in wanted)
+            judged = {}
+            for unit, load in asks:
+                summaries = [used[c.id] for c in cells_at(unit, load)]
+                rate[unit] = summaries[0]["capacity_rps"]
+                per_seed = {m: np.array([s[m] for s in summaries], dtype=float) for m in metrics_of(spec.objective)}
+                judged[unit, load] = judge(per_seed, spec.objective, spec.level)
+            return judged
+
+        judged = search(evaluate, list(units), spec.bounds, log)
+    results = [Result(unit, sweep.arrivals_of(spec.config, unit), Capacity.of(judged[unit]), rate[unit], judged[unit])
+               for unit in units]
+    summary = sweep.write_summaries(out, list(used))
+    manifest = _manifest(spec, sorted(set(summary["load"])), len(summary))
+    atomic_write(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write(out / "capacity.json", (json.dumps(json_ready(_report(spec, results)), indent=2) + "\n").encode())
+    return Outcome(results, ran, len(used) - ran)
+
+
+def _manifest(spec: Search, loads: list[float], n_cells: int = 0) -> dict:
+    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the loads out."""
+    cfg = dataclasses.replace(spec.config, grid={**spec.config.grid, "load": tuple(loads) or (_SOME_LOAD,)})
+    manifest = sweep.manifest(cfg, n_cells)
+    manifest.update(config_sha256=spec.digest, source="qlab capacity",
+                    capacity={"objective": written(spec.objective), "level": spec.level, **asdict(spec.bounds)})
+    if loads:
+        manifest["config"]["grid"]["load"] = list(loads)
+    return manifest
+
+
+def _report(spec: Search, results: list[Result]) -> dict:
+    tried = [{**r.record(), "load": load, **{k: getattr(j, k) for k in ("met", "surely_met", "surely_failed")},
+              "values": j.values} for r in results for load, j in sorted(r.judged.items())]
+    return {"objective": written(spec.objective), "level": spec.level, "bounds": asdict(spec.bounds),
+            "seeds": spec.config.seeds, "duration_s": spec.config.duration_s,
+            "results": [r.record() for r in results], "tried": json_ready(tried)}
+
+
+# ------------------------------------------------------------------ from the command line
+
+
+def search_config(policies: list[str], arrivals: list[str], *, seconds: float, seeds: int, first_seed: int = 1,
+                  sweep_settings: dict | None = None, grid: dict | None = None, policy_args: dict | None = None,
+                  service: dict | None = None, retry: dict | None = None, batching: dict | None = None,
+                  where: str = "qlab capacity") -> SweepConfig:
+    """The sweep config a search runs the cells of: ``policies`` x ``arrivals`` (an axis when there are several) at a
+    placeholder load; ``batching``: a [batching] table (one batching engine, whose saturated throughput is load 1).
+    ValueError when an arrival process takes no load (a search is over load)."""
+    for spec in arrivals:
+        if not arrivals_take_load(spec):
+            raise ValueError(f"--arrivals {spec}: takes no load (its burst size sets its rate), and the search is "
+                             "over load; give periodic:PERIOD_S (bursts whose size follows the load)")
+    data = {"sweep": {"name": "capacity", "duration_s": seconds, "seeds": seeds, "first_seed": first_seed,
+                      **({"arrivals": arrivals[0]} if len(arrivals) == 1 else {}), **(sweep_settings or {})},
+            "grid": {"policy": list(policies), "load": [_SOME_LOAD], **({"arrivals": list(arrivals)}
+                                                                      if len(arrivals) > 1 else {}), **(grid or {})}}
+    if policy_args:
+        data["policy_args"] = policy_args
+    if service:
+        data["service"] = service
+    if retry:
+        data["retry"] = {"flags": retry}
+        data["grid"]["retry"] = ["flags"]
+    if batching:
+        data["batching"] = batching
+    return sweep_config.parse(data, where)
+
+
+def _batching_table(args) -> dict | None:
+    """The [batching] table of ``--batching`` and its options (``qlab simulate``'s), or None: engines one at a time.
+    ValueError for an option the search cannot take, or one of a batching engine without --batching."""
+    if args.concurrency:
+        raise ValueError("--concurrency: a search runs sweep cells, whose engines do not slow each other; leave it "
+                         "out (or search a batching engine, --batching)")
+    engine = engineflags.engine_from_args(args)
+    if not isinstance(engine, Batching):
+        return None
+    settings = {k: v for k, v in asdict(engine).items() if k != "step" and v is not None}
+    return {**asdict(engine.step), **settings}
+
+
+def config_from_args(args) -> SweepConfig:
+    """The search's config from ``qlab capacity``'s options (the workload options are ``qlab simulate``'s)."""
+    if args.mean_service is not None and args.service == "mix":
+        raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
+    if args.seeds < 2:
+        raise ValueError("--seeds must be at least 2: the interval is across seeds")
+    settings = {"noise_cv": args.noise, "fixed_estimate": args.fixed_estimate}
+    if args.service != "mix":
+        settings.update(service_dist=args.service, **({"mean_service_s": args.mean_service}
+                                                      if args.mean_service is not None else {}))
+    batching = _batching_table(args)
+    if args.prompts is not None:
+        settings["prompts"] = args.prompts.spec
+    # A batching sweep runs one engine per cell (its table says so); its step model times the speed.
+    grid = {"speed": [args.speed], **({} if batching else {"engines": [args.engines]})}
+    for key, value in (("deadline_s", args.deadline), ("max_queue", args.max_queue), ("used", args.used),
+                       ("speed_schedule", args.speed_schedule), ("patience", args.patience),
+                       ("ttft_slo_s", args.ttft_slo), ("tpot_slo_s", args.tpot_slo)):
+        if value is not None:
+            grid[key] = [value]
+    clientflags.from_args(args)  # the patience and retry flags, checked as simulate checks them
+    if args.patience_until is not None:
+        settings["patience_until"] = args.patience_until
+    pairs = parse_args(args.policy_arg)
+    model = asdict(ServiceModel.load(args.service_model)) if args.service_model else None
+    return search_config(args.policy, args.arrivals or ["poisson"], seconds=args.seconds, seeds=args.seeds,
+                         first_seed=args.seed, sweep_settings=settings, grid=grid,
+                         policy_args={p: dict(pairs) for p in args.policy} if pairs else None, service=model,
+                         retry=clientflags.retry_table(args) or None, batching=batching)
+
+
+def _number(value: float | None, missing: str) -> str:
+    return missing if value is None else f"{value:.3g}"
+
+
+def shown(record: dict, bounds: Bounds) -> dict[str, str]:
+    """A result's :meth:`Result.record` as printed: its capacity, interval, the load it fails at and the rate; a bound
+    the search ran into reads ``< MIN`` or ``> MAX`` (and an interval's low end never met surely, 0)."""
+    load = (f"< {bounds.min_load:g}" if record["load"] is None else
+            f">= {record['load']:.3g}" if record["fails_at"] is None else f"{record['load']:.3g}")
+    return {"capacity": load,
+            "95 % interval": f"[{_number(record['ci_low'], '0')}, {_number(record['ci_high'], f'> {bounds.max_load:g}')}]",
+            "fails at": _number(record["fails_at"], "-"), "requests/s": _number(record["rate_rps"], "-")}
+
+
+def table(results: list[Result], bounds: Bounds) -> pd.DataFrame:
+    """The results as printed: a row per policy (and arrival process, where there are several)."""
+    rows = [{"policy": r.unit.policy + (f" ({r.unit.policy_args})" if r.unit.policy_args else ""),
+             "arrivals": r.arrivals, **shown(r.record(), bounds), "loads tried": r.capacity.loads_tried}
+            for r in results]
+    frame = pd.DataFrame(rows)
+    return frame if frame["arrivals"].nunique() > 1 else frame.drop(columns="arrivals")
+
+
+def cmd_capacity(args) -> int:
+    began = time.perf_counter()
+    spec = Search(config_from_args(args), parse_objectives(args.objective),
+                  Bounds(args.start, args.min_load, args.max_load, args.tolerance))
+    show = not args.quiet and not args.json and sys.stderr.isatty()
+    outcome = run(spec, args.out, workers=args.workers, scheduler=args.scheduler,
+                  log=lambda line: show and print(f"qlab capacity: {line}", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(json_ready([r.record() for r in outcome.results]), indent=2))
+        return 0
+    cfg = spec.config
+    engine = cfg.engine() or OneAtATime(cfg.grid["engines"][0])
+    print(f"capacity: the highest load at which {written(spec.objective)} holds for the mean of {cfg.seeds} seeds of "
+          f"{cfg.duration_s:g} s; {', '.join(cfg.arrival_processes)} arrivals, {engineflags.describe(engine)}, "
+          f"speed {cfg.grid['speed'][0]:g}")
+    print(table(outcome.results, spec.bounds).to_string(index=False))
+    print(f"95 % interval: from the last load met surely to the first failed surely, by the seeds' t-intervals "
+          f"(docs/capacity.md); brackets within {spec.bounds.tolerance:.0%}")
+    print(f"{outcome.ran} cells run ({outcome.reused} already done) in {time.perf_counter() - began:.1f} s "
+          f"-> {args.out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("capacity", help="the highest load at which each policy meets an objective",
+                       description="Search each policy's capacity: the highest load at which an objective over a run's "
+                                   "summary (e.g. 'share_good>=0.9') holds for the mean of the seeds, by bracketing "
+                                   "and bisection over load with the same seeds at every load, and its 95 % interval. "
+                                   "The cells run are written as a sweep dataset (qlab summary, qlab plot); re-running "
+                                   "resumes.")
+    p.set_defaults(func=cmd_capacity)
+    p.add_argument("--policy", action="append", required=True, type=policy_spec, metavar="POLICY",
+                   help=f"a preset ({', '.join(PRESETS)}) or module:Class (repeat for several)")
+    p.add_argument("--objective", required=True,
+                   help="METRIC>=NUMBER (or <=, >, <) over a cell summary's metrics, several joined with 'and', "
+                        "e.g. 'share_good>=0.9' or 'share_good>=0.9 and latency_p99_s<=2'")
+    p.add_argument("--seconds", type=positive, default=300.0, help="simulated seconds of arrivals per run (default 300)")
+    p.add_argument("--start", type=positive, default=Bounds.start, help="the first load tried (default 1)")
+    p.add_argument("--min-load", type=positive, default=Bounds.min_load, help="the lowest load tried (default 0.01)")
+    p.add_argument("--max-load", type=positive, default=Bounds.max_load, help="the highest load tried (default 10)")
+    p.add_argument("--tolerance", type=positive, default=Bounds.tolerance,
+                   help="stop when each crossing's bracket is narrower than this share of its load (default 0.02)")
+    add_workload_options(p, seeds=10, several_arrivals=True)
+    engineflags.add_flags(p)
+    p.add_argument("--out", required=True, help="output folder: a sweep dataset (created; resumed if it holds this search)")
+    p.add_argument("--json", action="store_true",
+                   help="print a list of {policy, arrivals, load, ci_low, ci_high, fails_at, rate_rps, loads_tried}")
+    p.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
+    p.add_argument("--scheduler", help="run on an existing dask.distributed cluster, e.g. tcp://HOST:8786")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on a terminal")

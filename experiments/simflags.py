@@ -1,0 +1,67 @@
+"""The workload, engine and client options that ``qlab simulate`` and ``qlab capacity`` share, written once.
+
+Each command adds its own ``--policy``, ``--load`` and length options, and its output options.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from inputs import clientflags
+from inputs.argtypes import count, non_negative, positive, positive_int
+from qsim.service import parse_schedule
+from qsim.workload import ARRIVALS
+
+from .config import parse_used
+
+
+def _checked(parse):
+    """An argparse type that checks the text with ``parse`` and keeps the text (a sweep cell names it so)."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    check.__name__ = parse.__name__  # argparse names the type in its error
+    return check
+
+
+class Remember(argparse.Action):
+    """Store the value and note that it was given (to reject it beside --trace)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.trace_conflicts = [*getattr(namespace, "trace_conflicts", []), option_string]
+
+
+def add_workload_options(p: argparse.ArgumentParser, *, seeds: int = 1, several_arrivals: bool = False) -> None:
+    """The options of the policy's settings, the engines, the workload and its clients (``seeds``: --seeds' default;
+    ``several_arrivals``: --arrivals may be repeated, a list, None when not given)."""
+    p.set_defaults(trace_conflicts=[])
+    p.add_argument("--policy-arg", action="append", metavar="KEY=VALUE", help="a parameter of the policy (repeat)")
+    p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
+    p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
+    p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K)")
+    p.add_argument("--speed", type=positive, default=1.0, help="true service times are SPEED times the calibration")
+    p.add_argument("--arrivals", default=None if several_arrivals else "poisson",
+                   action="append" if several_arrivals else Remember,
+                   help=" | ".join(ARRIVALS) + " (periodic:PERIOD_S: a burst every PERIOD_S whose size follows the "
+                        "load; burst:N and periodic:N:PERIOD_S bring their own rate and take no load)"
+                        + (" (repeat for several; default poisson)" if several_arrivals else ""))
+    p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=Remember)
+    p.add_argument("--mean-service", type=positive, action=Remember,
+                   help="mean service seconds for exponential/deterministic (default: the mix's mean)")
+    p.add_argument("--noise", type=non_negative, default=0.0,
+                   help="CV of lognormal noise on true service times (mix and trace files)")
+    p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
+    p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
+    p.add_argument("--used", type=_checked(parse_used), metavar="SPEC",
+                   help="early stops: none (every request generates its limit, the default), study (the study's "
+                        "measured share: median 13 %% of the limit, 4 in 60 at it) or AT_LIMIT:MEDIAN:SIGMA; "
+                        "the load then counts the work actually done (estimators: --policy-arg estimator=learned)")
+    p.add_argument("--speed-schedule", type=_checked(parse_schedule), metavar="SECONDS:FACTOR,...",
+                   help="the machine's speed over time, e.g. 20:2.2 (2.2x slower than calibrated from 20 s on)")
+    p.add_argument("--seed", type=count, default=1)
+    p.add_argument("--seeds", type=positive_int, default=seeds, help=f"replications, seeds SEED..SEED+N-1 (default {seeds})")
+    clientflags.add_flags(p)
