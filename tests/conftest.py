@@ -1,8 +1,11 @@
 import contextlib
 import multiprocessing.process
 import os
+import platform
 import socket
 import subprocess
+import sysconfig
+import traceback
 from pathlib import Path
 
 import pytest
@@ -20,13 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 #
 # A test that starts a server or another process is marked slow (docs/testing.md), so that `make test-fast`
 # leaves it out. Rather than trust each author to remember, a test run without the marker (its fixtures'
-# set-up included) may not start one: these calls fail it, naming what it started.
+# set-up included) may not start one: these calls fail it, naming what it started and where from.
 STARTS = (
     (subprocess.Popen, "__init__", "a process (subprocess.Popen)"),
     (multiprocessing.process.BaseProcess, "start", "a process (multiprocessing: a pool, a Dask cluster)"),
     (os, "fork", "a process (os.fork)"),
     (socket.socket, "listen", "a server (a socket listening)"),
 )
+
+# The platform module runs `uname -p` once per process and caches the answer: asked here, before any test, so
+# that a library that asks later (the openai SDK's request headers) starts no process inside a test.
+platform.platform()
+platform.processor()
 
 
 @contextlib.contextmanager
@@ -36,8 +44,8 @@ def _no_servers_or_processes(item: pytest.Item):
 
     def refusing(what: str):
         def refuse(*args, **kwargs):
-            started.append(what)
-            pytest.fail(f"{item.nodeid} starts {what} but is not marked slow: give it @pytest.mark.slow "
+            started.append(f"{what}, from {_caller()}")
+            pytest.fail(f"{item.nodeid} starts {started[-1]}, but is not marked slow: give it @pytest.mark.slow "
                         "(docs/testing.md)", pytrace=False)
         return refuse
 
@@ -49,8 +57,16 @@ def _no_servers_or_processes(item: pytest.Item):
         for owner, name, original in originals:
             setattr(owner, name, original)
     if started:  # also where the refusal was raised in a thread, or caught
-        pytest.fail(f"{item.nodeid} starts {started[0]} but is not marked slow: give it @pytest.mark.slow "
+        pytest.fail(f"{item.nodeid} starts {started[0]}, but is not marked slow: give it @pytest.mark.slow "
                     "(docs/testing.md)", pytrace=False)
+
+
+def _caller() -> str:
+    """Where the start was asked for: the innermost frame outside the standard library (a test, a fixture, or
+    the package that spawns)."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(stdlib)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "the standard library"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,6 +1,6 @@
 """The slow marker is kept honest (tests/conftest.py): a test not marked slow that starts a process or a server
-fails, naming what it started, also where its fixture starts it, where it does so in a thread, or where it
-catches the failure; a test marked slow runs as it is."""
+fails, naming what it started and where from, also where its fixture starts it, where it does so in a thread, or
+where it catches the failure; a test marked slow runs as it is."""
 
 from pathlib import Path
 
@@ -53,8 +53,10 @@ def test_a_test_that_starts_a_process_or_a_server_must_be_marked_slow(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=3, errors=1)
     result.stdout.fnmatch_lines_random([
-        "*test_probes.py::test_a_process starts a process (subprocess.Popen) but is not marked slow*",
-        "*test_probes.py::test_a_caught_one starts a process (subprocess.Popen) but is not marked slow*",
-        "*test_probes.py::test_a_pool_in_a_thread starts a process (multiprocessing*) but is not marked slow*",
-        "*test_probes.py::test_a_server_of_a_fixture starts a server (a socket listening) but is not marked slow*",
+        "*test_probes.py::test_a_process starts a process (subprocess.Popen), from *test_probes.py:5, but is not "
+        "marked slow*",
+        "*test_probes.py::test_a_caught_one starts a process (subprocess.Popen), from *test_probes.py:9, but*",
+        "*test_probes.py::test_a_pool_in_a_thread starts a process (multiprocessing*), from *test_probes.py:14, but*",
+        "*test_probes.py::test_a_server_of_a_fixture starts a server (a socket listening), from *test_probes.py:20, "
+        "but*",
     ])
