@@ -99,7 +99,8 @@ def test_burst_gives_both_overload_envelopes_and_matching_stats(url):
             assert {"est_service_s", "queued", "queued_work_s", "deadline_s"} <= set(error["numbers"])
     after = stats(url)
     delta = {k: after["counts"][k] - before["counts"][k] for k in after["counts"]}
-    assert delta == {o: outcomes.count(o) for o in ("good", "late", "rejected", "expired", "error", "cancelled")}
+    assert delta == {o: outcomes.count(o) for o in ("good", "late", "rejected", "expired", "error", "abandoned",
+                                                    "cancelled")}
     assert after["waiting"] == 0 and after["in_service"] == 0
 
 
