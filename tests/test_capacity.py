@@ -114,6 +114,7 @@ def test_several_clauses_each_at_a_bonferroni_level():
 # ------------------------------------------------------------------ on the simulator
 
 
+@pytest.mark.slow  # two worker processes, and 10 seeds of 1000 s at every load the search tries
 def test_the_capacity_of_an_mm1_queue_is_its_closed_form(tmp_path):
     # FIFO M/M/1 with service rate 1: the sojourn is exponential of rate 1 - rho, so the share within a deadline d
     # is 1 - exp(-(1 - rho) d), and it is 0.9 at rho = 1 - ln(10) / d. (A deadline of 5 puts it at 0.54, where
@@ -164,6 +165,7 @@ def test_the_printed_table(small, capsys):
     assert out[-1].startswith("0 cells run (") and "already done" in out[-1]
 
 
+@pytest.mark.slow  # every figure of the search drawn: 8 s of CPU
 def test_plot_draws_the_searchs_figure_beside_the_sweeps(small, tmp_path, capsys):
     assert main(["plot", str(small), "--out", str(tmp_path / "figs")]) == 0
     assert {"capacity.png", "capacity.svg", "share_in_time.png"} <= {p.name for p in (tmp_path / "figs").iterdir()}
@@ -215,6 +217,7 @@ def test_an_objective_over_ttft(tmp_path, capsys):
     assert record["ci_low"] <= record["load"] < record["fails_at"] <= record["ci_high"]
 
 
+@pytest.mark.slow  # a process pool
 def test_same_search_with_any_number_of_workers(small, tmp_path):
     again = tmp_path / "two"
     assert main(["capacity", *SMALL, "--out", str(again), "--workers", "2", "--json"]) == 0
@@ -223,6 +226,7 @@ def test_same_search_with_any_number_of_workers(small, tmp_path):
     pd.testing.assert_frame_equal(a, b)
 
 
+@pytest.mark.slow  # a Dask cluster of worker processes
 def test_same_search_on_a_dask_cluster(small, tmp_path):
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
@@ -231,6 +235,7 @@ def test_same_search_on_a_dask_cluster(small, tmp_path):
     assert json.loads((tmp_path / "dask" / "capacity.json").read_text()) == json.loads((small / "capacity.json").read_text())
 
 
+@pytest.mark.slow  # a search run twice: 7 s of CPU
 def test_an_interrupted_search_resumes(small, tmp_path):
     cfg = capacity.config_from_args(_args(SMALL))
     spec = capacity.Search(cfg, parse_objectives("share_good>=0.9"), capacity.Bounds(tolerance=0.05))

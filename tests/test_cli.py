@@ -69,6 +69,7 @@ def test_simulate_azure_trace(capsys, azure_csv):
     assert json.loads(out)["summary"]["requests"] == 8819
 
 
+@pytest.mark.slow  # the whole theory table: 15 s of CPU
 def test_theory_json_shape(capsys):
     code, out, _ = run(["theory", "--json", "--scale", "0.05", "--replications", "3", "--workers", "1"], capsys)
     rows = json.loads(out)

@@ -196,6 +196,7 @@ def test_the_synthetic_engines_early_stops_are_seeded_draws_of_the_used_share():
     assert [SyntheticEngine(fast).run("p", 64).tokens for _ in range(3)] == [64] * 3  # off: the limit, always
 
 
+@pytest.mark.slow  # GPT-2: torch and transformers, 7 s of CPU to import
 def test_the_gate_learns_the_tokens_gpt2_generated_and_gpt2_stops_when_cut():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -11,6 +11,9 @@ from live.engine import Asked, Engine
 from live.gate import Gate, gate_config, Job
 from qsim import PRESETS
 
+# Loading GPT-2 (torch and transformers: 7 s of CPU to import) is a heavy start, as a server's is.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def gpt2():

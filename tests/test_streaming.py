@@ -232,6 +232,7 @@ def test_a_synthetic_run_emits_each_token_and_stops_on_cancel():
     assert SyntheticEngine().run("p", 3, ["k t"], emit=cut.append).text == "".join(cut) == " to"
 
 
+@pytest.mark.slow  # GPT-2: torch and transformers, 7 s of CPU to import
 def test_gpt2_emits_each_decoding_step_and_holds_back_a_stop_string():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

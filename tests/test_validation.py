@@ -69,6 +69,7 @@ def test_the_check_can_fail():
     assert list(result["verdict"]) == ["fail", "fail"] and not result["inside"].any()
 
 
+@pytest.mark.slow  # long runs of several rows: 8 s of CPU
 def test_processor_sharing_rows_tell_sharing_from_fifo():
     # Equal lengths served first come, first served (M/D/1) would be in for 1 + rho / (2 (1 - rho)) = 1.21 s, not the
     # 1.43 s of processor sharing: the batching engine's row must refuse it.
@@ -108,6 +109,7 @@ def test_step_times_recovered_from_the_records():
     assert exact.run(3) == [pytest.approx(0.5, rel=1e-12)] * 2  # the statistic, and the control
 
 
+@pytest.mark.slow  # long runs of several rows: 7 s of CPU
 def test_the_batching_engine_is_the_discrete_chain():
     # Few tokens and a large step overhead: the steps put W 8 % above the continuous-time form, and the simulator
     # agrees with the discrete model solved exactly (theory.continuous_batching_steps) instead.
