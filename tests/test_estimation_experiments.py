@@ -250,6 +250,7 @@ def test_figures(tiny, tmp_path):
         plots.plt.close(fig)
 
 
+@pytest.mark.slow  # qlab plot end to end, every figure drawn: 6 s of CPU
 def test_plot_draws_the_stale_figure_only_for_a_stale_sweep(tiny, tmp_path):
     summary = tiny["stale"]
     by_class = pd.DataFrame(summary[["policy", "speed", "load", "seed"]].assign(size_class="4", share_good=1.0))

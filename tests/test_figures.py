@@ -155,6 +155,7 @@ def test_latency_cdf_is_linear_from_zero_where_latencies_span_little():
     plt.close(fig)
 
 
+@pytest.mark.slow  # qlab plot end to end, every figure drawn: 5 s of CPU
 def test_a_cdf_load_not_in_the_grid_is_one_clear_error(tiny_sweep, tmp_path, capsys):
     out = tiny_sweep
     code = main(["plot", str(out), "--out", str(tmp_path / "figs"), "--cdf-load", "1.25"])
@@ -287,6 +288,7 @@ def test_an_objective_is_a_line_on_every_panel_of_its_metric(seven):
     plt.close(fig)
 
 
+@pytest.mark.slow  # qlab plot end to end, every figure drawn: 5 s of CPU
 def test_plot_draws_the_objective_and_refuses_one_no_figure_draws(tiny_sweep, tmp_path, capsys):
     out = tiny_sweep
     assert main(["plot", str(out), "--out", str(tmp_path / "a"), "--objective", "share_good>=0.9"]) == 0
