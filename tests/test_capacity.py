@@ -114,6 +114,7 @@ def test_several_clauses_each_at_a_bonferroni_level():
 # ------------------------------------------------------------------ on the simulator
 
 
+@pytest.mark.slow  # worker processes
 def test_the_capacity_of_an_mm1_queue_is_its_closed_form(tmp_path):
     # FIFO M/M/1 with service rate 1: the sojourn is exponential of rate 1 - rho, so the share within a deadline d
     # is 1 - exp(-(1 - rho) d), and it is 0.9 at rho = 1 - ln(10) / d. (A deadline of 5 puts it at 0.54, where
@@ -215,6 +216,7 @@ def test_an_objective_over_ttft(tmp_path, capsys):
     assert record["ci_low"] <= record["load"] < record["fails_at"] <= record["ci_high"]
 
 
+@pytest.mark.slow  # worker processes
 def test_same_search_with_any_number_of_workers(small, tmp_path):
     again = tmp_path / "two"
     assert main(["capacity", *SMALL, "--out", str(again), "--workers", "2", "--json"]) == 0
@@ -223,6 +225,7 @@ def test_same_search_with_any_number_of_workers(small, tmp_path):
     pd.testing.assert_frame_equal(a, b)
 
 
+@pytest.mark.slow  # worker processes
 def test_same_search_on_a_dask_cluster(small, tmp_path):
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
