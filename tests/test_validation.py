@@ -23,8 +23,8 @@ def table():
 
 @pytest.fixture(scope="module")
 def sharing():
-    # A fifth of qlab theory's lengths (which give half-widths under 2 %): about a minute on 2 cores.
-    return check(sharing_scenarios(0.2), replications=10, seed=1, workers=2)
+    # The quick study's size, a tenth of qlab theory's lengths (which give half-widths of about 1.2 %): about 60 CPU s.
+    return check(sharing_scenarios(0.1), replications=10, seed=1, workers=2)
 
 
 @pytest.mark.slow
@@ -56,7 +56,7 @@ def test_engines_that_share_against_their_closed_forms(sharing):
     # Two length distributions, one closed form: processor sharing is insensitive to all but the mean.
     ps = sharing[sharing["case"].str.contains("-PS")]
     assert len(ps) == 2 and ps["theory"].nunique() == 1
-    assert (sharing["rel_half_width"] < 0.06).all()  # about sqrt(5) x the full size's 2 %
+    assert (sharing["rel_half_width"] < 0.06).all()  # about sqrt(10) x the full size's 1.2 %
     assert set(sharing["control"]) == {"", "mean tokens", "mean gap", "mean step time"}
 
 
@@ -73,7 +73,7 @@ def test_the_check_can_fail():
 def test_processor_sharing_rows_tell_sharing_from_fifo():
     # Equal lengths served first come, first served (M/D/1) would be in for 1 + rho / (2 (1 - rho)) = 1.21 s, not the
     # 1.43 s of processor sharing: the batching engine's row must refuse it.
-    row = next(s for s in sharing_scenarios(0.2) if "M/G/1-PS" in s.name)
+    row = next(s for s in sharing_scenarios(0.1) if "M/G/1-PS" in s.name)
     fifo = replace(row, checks=(("W", theory.md1(0.3, 1.0).w, mean_sojourn),))
     result = check([fifo], replications=5, workers=1)
     assert list(result["verdict"]) == ["fail"], result.to_string()
