@@ -657,8 +657,9 @@ class TracePlan:
         count, last = 0, None
         for times in self._pieces(random_streams(self.seed)[0], PIECE):
             count, last = count + times.size, times[-1]
-        return TraceChunks(count, int(size), self._duration(last), self.name, self.meta,
-                           lambda: self._chunked(int(size), count, self._duration(last)))
+        duration = float(self._duration(last))
+        return TraceChunks(count, int(size), duration, self.name, self.meta,
+                           lambda: self._chunked(int(size), count, duration))
 
     def _chunked(self, size: int, count: int, duration: float) -> Iterator[Trace]:
         gaps, *rest = random_streams(self.seed)

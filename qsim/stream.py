@@ -1,0 +1,290 @@
+"""A simulation whose records stream to a parquet file as it runs, in row groups and in request order.
+
+:func:`simulate_to_parquet` runs what :func:`qsim.simulate` runs, with the same driver and the same core, and
+writes the same rows; but it reads its trace a chunk at a time (:class:`qsim.chunks.TraceChunks`: a synthetic
+trace's from :meth:`qsim.workload.TracePlan.chunks`, or a trace in memory cut by :meth:`qsim.workload.Trace.chunks`)
+and keeps only the requests it has not written yet. Its memory is that of the requests in flight and a few row
+groups, whatever the trace's length.
+
+How: the driver's per-request lists are a window of *slots*, a row group's worth (a block) at a time. The core's
+handle of a request is its slot, so the event loop indexes its lists exactly as an in-memory run does. When the
+arrivals reach the end of a block, the next chunk of the trace is loaded into a free block; the oldest blocks
+whose every request has an outcome are written (in request order: a block waits for the ones before it), and a
+written block is free again once no timer of its requests (a client's patience, an engine's run) can still fire.
+
+What does not stream: clients that send again (a retry's row follows the whole trace's, and the retry budget
+counts first sends around it), and the per-request inputs that :func:`qsim.simulate` takes beside its trace
+(failures, reported times): a streamed run reads what its trace carries.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import records
+from .chunks import TraceChunks
+from .clients import RetryPolicy
+from .config import ServerConfig, as_config
+from .model import CANCEL_UNTIL, _BatchRun, _Run
+from .policy import Policy
+from .service import SpeedSchedule
+from .workload import REFERENCE_MIX, Trace, assemble_trace
+
+#: Rows per row group (and requests per chunk of the trace) unless told otherwise: the driver keeps about three
+#: such blocks at a time when few requests wait long.
+ROW_GROUP = 32_768
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What a streamed run wrote: ``rows`` records in ``row_groups`` row groups; ``slots``, the most requests its
+    window held at once (its memory); and what :func:`qsim.simulate` puts in its frame's attrs (the trace's
+    duration, the policy, the engines, the final speed factor)."""
+
+    rows: int
+    row_groups: int
+    slots: int
+    duration_s: float
+    policy: str
+    engines: int
+    speed_factor: float
+
+
+class RecordWriter:
+    """A parquet file of records written a row group at a time: to a hidden file beside ``path``, moved onto
+    ``path`` when the writer closes after success and removed after a failure, so a half-written file never
+    takes a path's name. A path that cannot be written is a ValueError on opening, before any run."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._partial = self.path.with_name(f".{self.path.name}.partial")
+        self._file = None
+        self._writer: pq.ParquetWriter | None = None
+        self.row_groups = 0
+
+    def __enter__(self) -> "RecordWriter":
+        if self.path.is_dir():
+            raise ValueError(f"cannot write records to {self.path}: it is a directory")
+        try:
+            self._file = open(self._partial, "wb")
+        except OSError as exc:
+            raise ValueError(f"cannot write records to {self.path}: {exc.strerror or exc}") from None
+        return self
+
+    def write(self, frame: pd.DataFrame) -> None:
+        """Append ``frame`` as a row group (the first one sets the file's schema)."""
+        if self._writer is None:
+            table = pa.Table.from_pandas(frame, preserve_index=False)
+            self._writer = pq.ParquetWriter(self._file, table.schema)
+        else:
+            table = pa.Table.from_pandas(frame, schema=self._writer.schema, preserve_index=False)
+        self._writer.write_table(table, row_group_size=max(len(frame), 1))
+        self.row_groups += 1
+
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            if kind is None and self._writer is None:  # nothing written: an empty file of the schema
+                self.write(records.empty())
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._file.close()
+            if kind is None:
+                os.replace(self._partial, self.path)
+            else:
+                self._partial.unlink(missing_ok=True)
+
+
+def simulate_to_parquet(source: Trace | TraceChunks, path: str | Path, config: ServerConfig | Policy = ServerConfig(),
+                        *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
+                        speed_schedule: SpeedSchedule | None = None, row_group: int = ROW_GROUP) -> Streamed:
+    """Run ``source`` through a server as :func:`qsim.simulate` does and write its records to the parquet file
+    ``path`` as the run goes, ``row_group`` rows at a time in request order (reading the file back gives
+    simulate's frame for the same trace and server). source: a trace's chunks (:class:`qsim.chunks.TraceChunks`,
+    read in its own chunk size) or a trace (cut into chunks of ``row_group``). config, cancel_until and
+    speed_schedule: as simulate's. retry: None or one that never retries (retries do not stream)."""
+    with RecordWriter(path) as writer:
+        return stream_run(source, writer, config, cancel_until=cancel_until, retry=retry,
+                          speed_schedule=speed_schedule, row_group=row_group)
+
+
+def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: ServerConfig | Policy = ServerConfig(),
+               *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
+               speed_schedule: SpeedSchedule | None = None, row_group: int = ROW_GROUP,
+               columns: dict | None = None) -> Streamed:
+    """:func:`simulate_to_parquet` into an open :class:`RecordWriter` (several runs may share one file), each
+    row group with the constant ``columns`` added (as ``frame.assign(**columns)``: the command line adds each
+    run's seed and policy)."""
+    config = ServerConfig(config) if isinstance(config, Policy) else as_config(config)
+    if retry is not None and retry.retries:
+        raise ValueError("clients that send again do not stream (a retry's row follows the whole trace's): "
+                         "run qsim.simulate for retries")
+    chunks = source.chunks(row_group) if isinstance(source, Trace) else source
+    if cancel_until is None:
+        cancel_until = chunks.meta.get("patience_until", "answer")
+    if cancel_until not in CANCEL_UNTIL:
+        raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
+    inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule)
+    base = _BatchRun if config.batching else _Run
+    rows = 0
+
+    def write(frame: pd.DataFrame) -> None:
+        nonlocal rows
+        writer.write(frame if not columns else frame.assign(**columns))
+        rows += len(frame)
+
+    parts = iter(chunks)
+    first = next(parts, None)
+    slots = 0
+    if first is None:  # no requests: the schema alone
+        factor = base(_NO_REQUESTS, config, **inputs).queue.tracker.factor
+    else:
+        run = (_StreamedBatchRun if config.batching else _StreamedRun)(first, config, cancel_after_s=first.patience_s,
+                                                                      **inputs)
+        run.stream(first, parts, chunks.size, base, inputs, write)
+        factor, slots = run.queue.tracker.factor, len(run.arrival)
+    if rows == 0:
+        write(records.empty())
+    return Streamed(rows, writer.row_groups, slots, chunks.duration_s, config.policy.name, config.engines, factor)
+
+
+_NO_REQUESTS = assemble_trace(np.empty(0), np.empty(0, dtype=np.int64), np.empty(0), np.empty(0), mix=REFERENCE_MIX,
+                              duration_s=0.0, name="none", meta={})
+
+
+class _Block(NamedTuple):
+    """Requests first .. first + len(trace) - 1, held in slots slot .. slot + len(trace) - 1."""
+
+    slot: int
+    first: int
+    trace: Trace
+
+
+class _Streamed:
+    """The window of slots, for either driver (:class:`_StreamedRun`, :class:`_StreamedBatchRun`)."""
+
+    def stream(self, first: Trace, parts, size: int, base: type, inputs: dict, write) -> None:
+        """Run ``first`` (the chunk this driver was made from) and the chunks ``parts``, writing as it goes."""
+        self._parts, self._size, self._base, self._inputs, self._write = parts, size, base, inputs, write
+        if len(first) > size:
+            raise ValueError(f"a trace's chunks hold at most {size} requests, got {len(first)}")
+        # Every row a list (an in-memory run keeps some as arrays, or as None where nobody is impatient), and the
+        # first block as long as every other.
+        self.patience = [math.inf] * self.n if self.patience is None else self.patience
+        self.prompt_tokens, self.generated = list(self.prompt_tokens), list(self.generated)
+        self._names = self._slots()
+        for values in self._names.values():
+            values.extend([None] * (size - self.n))
+        self._pending: deque[_Block] = deque([_Block(0, 0, first)])
+        self._cooling: list[tuple[float, int]] = []  # (when its last timer is due, slot) of written blocks
+        self._free: list[int] = []
+        self._next_id = self.n
+        self._last_arrival = first.arrival_s[-1] if self.n else -math.inf
+        self.arrivals()
+        self.env.run()
+        self._flush(final=True)
+
+    def _slots(self) -> dict:
+        return {name: values for name, values in self._rows().items() if values is not None}
+
+    def arrivals(self, _event=None) -> None:
+        super().arrivals(_event)
+        while self.next_arrival == self.n and self._load():  # the block's last request came: on to the next chunk
+            super().arrivals()
+
+    def _load(self) -> bool:
+        trace = next(self._parts, None)
+        if trace is None:
+            return False
+        m = len(trace)
+        if m > self._size:
+            raise ValueError(f"a trace's chunks hold at most {self._size} requests, got {m}")
+        if m and (trace.arrival_s[0] < self._last_arrival or np.any(np.diff(trace.arrival_s) < 0)):
+            raise ValueError("trace arrivals must be sorted by time")
+        self._flush()
+        slot = self._free.pop() if self._free else self._grow()
+        scratch = self._scratch(trace)
+        for name, values in scratch.items():
+            self._names[name][slot:slot + m] = values
+        self._pending.append(_Block(slot, self._next_id, trace))
+        self._next_id += m
+        self._last_arrival = trace.arrival_s[-1] if m else self._last_arrival
+        self.next_arrival, self.n = slot, slot + m
+        return True
+
+    def _grow(self) -> int:
+        slot = len(self.arrival)
+        for values in self._names.values():
+            values.extend([None] * self._size)
+        return slot
+
+    def _scratch(self, trace: Trace) -> dict:
+        """A new chunk's rows as an in-memory run of it starts them (its inputs, and what it writes unwritten)."""
+        run = self._made(trace)
+        rows = {name: values.tolist() if isinstance(values, np.ndarray) else values
+                for name, values in run._rows().items() if values is not None}
+        if rows.keys() != self._names.keys():
+            raise AssertionError(f"a chunk's rows {sorted(rows)} are not the run's {sorted(self._names)}")
+        return rows
+
+    def _made(self, trace: Trace):
+        """An in-memory run of one chunk (never run: its lists are what a row starts with, or a block's rows)."""
+        run = self._base(trace, self.queue.config, cancel_after_s=trace.patience_s, **self._inputs)
+        if run.patience is None:
+            run.patience = [math.inf] * len(trace)
+        return run
+
+    def _flush(self, final: bool = False) -> None:
+        """Write the oldest blocks whose every request has ended; free the written ones no timer can reach now."""
+        now = self.env.now
+        while self._pending:
+            block = self._pending[0]
+            end = block.slot + len(block.trace)
+            if None in self.outcome[block.slot:end]:
+                if final:
+                    raise AssertionError("a request ended the run without an outcome")
+                break
+            self._pending.popleft()
+            self._write(self._frame(block))
+            self._cooling.append((self._last_timer(block.slot, end), block.slot))
+        ready = [slot for due, slot in self._cooling if due <= now]
+        self._cooling = [(due, slot) for due, slot in self._cooling if due > now]
+        self._free.extend(ready)
+
+    def _last_timer(self, lo: int, hi: int) -> float:
+        """When the last timer that names one of these slots can fire: a client's patience (from its arrival) or
+        the end of an engine's run (a run goes on after its client left; a stall timer fires before its end)."""
+        arrival = np.asarray(self.arrival[lo:hi], dtype=float)
+        due = np.concatenate([arrival + np.asarray(self.patience[lo:hi], dtype=float),
+                              np.asarray(self.start[lo:hi], dtype=float) + np.asarray(self.ran[lo:hi], dtype=float)])
+        return float(np.max(due[np.isfinite(due)], initial=-math.inf))
+
+    def _frame(self, block: _Block) -> pd.DataFrame:
+        """The block's records: an in-memory run of its chunk, given the slots' rows, builds them."""
+        view = self._made(block.trace)
+        end = block.slot + len(block.trace)
+        for name, values in view._rows().items():
+            if values is not None:
+                values[:] = self._names[name][block.slot:end]
+        columns = view._columns(block.trace)
+        columns["request_id"] = columns["request_id"] + block.first
+        columns["first_request_id"] = np.asarray(columns["first_request_id"]) + block.first
+        return records.from_arrays(columns)
+
+
+class _StreamedRun(_Streamed, _Run):
+    pass
+
+
+class _StreamedBatchRun(_Streamed, _BatchRun):
+    pass
