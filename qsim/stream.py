@@ -136,12 +136,12 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
         raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
     inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule)
     base = _BatchRun if config.batching else _Run
-    rows = 0
+    rows = groups = 0
 
     def write(frame: pd.DataFrame) -> None:
-        nonlocal rows
+        nonlocal rows, groups
         writer.write(frame if not columns else frame.assign(**columns))
-        rows += len(frame)
+        rows, groups = rows + len(frame), groups + 1
 
     parts = iter(chunks)
     first = next(parts, None)
@@ -153,9 +153,9 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
                                                                       **inputs)
         run.stream(first, parts, chunks.size, base, inputs, write)
         factor, slots = run.queue.tracker.factor, len(run.arrival)
-    if rows == 0:
+    if writer.row_groups == 0:  # no requests, and the first run in the file: its schema, its own columns too
         write(records.empty())
-    return Streamed(rows, writer.row_groups, slots, chunks.duration_s, config.policy.name, config.engines, factor)
+    return Streamed(rows, groups, slots, chunks.duration_s, config.policy.name, config.engines, factor)
 
 
 _NO_REQUESTS = assemble_trace(np.empty(0), np.empty(0, dtype=np.int64), np.empty(0), np.empty(0), mix=REFERENCE_MIX,
