@@ -45,15 +45,17 @@ def _peak_mb() -> float:
 
 def child(mode: str, requests: int, out: str) -> dict:
     """One run in this process: its peak memory, its time and what it wrote."""
+    import pyarrow.parquet as pq
+
     from qsim import PRESETS, make_trace, simulate
-    from qsim.stream import simulate_to_parquet
+    from qsim.stream import CHUNK, simulate_to_parquet
     from qsim.workload import plan_trace
 
     imports_mb = _peak_mb()
     start, cpu = time.perf_counter(), time.process_time()
     if mode == "stream":
-        info = simulate_to_parquet(plan_trace(requests=requests, **WORKLOAD).chunks(16_384), out, PRESETS[POLICY])
-        written = {"rows": info.rows, "row_groups": info.row_groups, "slots": info.slots}
+        info = simulate_to_parquet(plan_trace(requests=requests, **WORKLOAD).chunks(CHUNK), out, PRESETS[POLICY])
+        written = {"rows": info.rows, "row_groups": pq.ParquetFile(out).num_row_groups, "slots": info.slots}
     else:
         frame = simulate(make_trace(requests=requests, **WORKLOAD), PRESETS[POLICY])
         frame.to_parquet(out, index=False)

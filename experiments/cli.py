@@ -25,8 +25,8 @@ from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
 from qsim.records import OUTCOMES
 from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
+from qsim.stream import CHUNK, RecordWriter, stream_run
 from qsim.tracefiles import build_chunks
-from qsim.stream import ROW_GROUP, RecordWriter, stream_run
 
 from . import engineflags
 from .config import parse_used
@@ -226,7 +226,7 @@ def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
     finished = []
     with RecordWriter(args.out) as writer:
         for seed in seeds:
-            info = stream_run(build_chunks(ROW_GROUP, args.trace, **workload(seed)), writer, server(seed),
+            info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, server(seed),
                               speed_schedule=schedule, columns={"seed": seed, "policy": server(seed).policy.name})
             finished.append((seed, info.duration_s))
     runs = []

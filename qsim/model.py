@@ -198,10 +198,11 @@ class _Run:
             "arrival": self.arrival, "base_est": self.base_est, "true": self.true, "reported": self.reported,
             "failed": self.failed, "deadline": self.deadline, "patience": self.patience, "priority": self.priority,
             "client": self.client, "work": self.work, "first_of": self.first_of, "attempt": self.attempt,
-            "prompt_tokens": self.prompt_tokens, "generated": self.generated, "est": self.est, "outcome": self.outcome,
-            "reason": self.reason, "start": self.start, "finish": self.finish, "queued_at_arrival": self.queued_at_arrival,
-            "queued_work": self.queued_work, "retry_after": self.retry_after, "engine_of": self.engine_of,
-            "ran": self.ran, "speed_at": self.speed_at, "cut": self.cut,
+            "prompt_tokens": self.prompt_tokens, "generated": self.generated, "est": self.est,
+            "outcome": self.outcome, "reason": self.reason, "start": self.start, "finish": self.finish,
+            "queued_at_arrival": self.queued_at_arrival, "queued_work": self.queued_work,
+            "retry_after": self.retry_after, "engine_of": self.engine_of, "ran": self.ran, "speed_at": self.speed_at,
+            "cut": self.cut,
         }
 
     # -- events: plain SimPy timeouts with callbacks (a generator process per engine costs a third more) --

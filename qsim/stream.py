@@ -3,10 +3,10 @@
 :func:`simulate_to_parquet` runs what :func:`qsim.simulate` runs, with the same driver and the same core, and
 writes the same rows; but it reads its trace a chunk at a time (:class:`qsim.chunks.TraceChunks`: a synthetic
 trace's from :meth:`qsim.workload.TracePlan.chunks`, or a trace in memory cut by :meth:`qsim.workload.Trace.chunks`)
-and keeps only the requests it has not written yet. Its memory is that of the requests in flight and a few row
-groups, whatever the trace's length.
+and keeps only the requests it has not written yet. Its memory is that of the requests in flight, a few chunks
+and a row group, whatever the trace's length.
 
-How: the driver's per-request lists are a window of *slots*, a row group's worth (a block) at a time. The core's
+How: the driver's per-request lists are a window of *slots*, a chunk's worth (a block) at a time. The core's
 handle of a request is its slot, so the event loop indexes its lists exactly as an in-memory run does. When the
 arrivals reach the end of a block, the next chunk of the trace is loaded into a free block; the oldest blocks
 whose every request has an outcome are written (in request order: a block waits for the ones before it), and a
@@ -40,19 +40,22 @@ from .policy import Policy
 from .service import SpeedSchedule
 from .workload import REFERENCE_MIX, Trace, assemble_trace
 
-#: Rows per row group (and requests per chunk of the trace) unless told otherwise: the driver keeps two or three
-#: such blocks at a time when few requests wait long (about 270 MB of memory at 2 million requests, imports included).
-ROW_GROUP = 16_384
+#: Requests per chunk of the trace (a block of the driver's window) unless told otherwise: the driver keeps two
+#: or three blocks at a time when few requests wait long.
+CHUNK = 8_192
+#: Rows per row group of the file unless told otherwise: a few chunks' records, held as arrow tables until
+#: written. Larger groups would hold more; smaller ones cost the writer about 0.8 KB a column a group until it
+#: closes (parquet's footer describes every group), about 27 MB at 20 million rows in groups of 16,384.
+ROW_GROUP = 65_536
 
 
 @dataclass(frozen=True)
 class Streamed:
-    """What a streamed run wrote: ``rows`` records in ``row_groups`` row groups; ``slots``, the most requests its
-    window held at once (its memory); and what :func:`qsim.simulate` puts in its frame's attrs (the trace's
-    duration, the policy, the engines, the final speed factor)."""
+    """What a streamed run wrote: ``rows`` records; ``slots``, the most requests its window held at once (its
+    memory); and what :func:`qsim.simulate` puts in its frame's attrs (the trace's duration, the policy, the
+    engines, the final speed factor)."""
 
     rows: int
-    row_groups: int
     slots: int
     duration_s: float
     policy: str
@@ -61,15 +64,21 @@ class Streamed:
 
 
 class RecordWriter:
-    """A parquet file of records written a row group at a time: to a hidden file beside ``path``, moved onto
-    ``path`` when the writer closes after success and removed after a failure, so a half-written file never
-    takes a path's name. A path that cannot be written is a ValueError on opening, before any run."""
+    """A parquet file of records written in row groups of ``row_group`` rows (the last: what is left), to a hidden
+    file beside ``path`` that takes its name when the writer closes after success and is removed after a failure:
+    a half-written file never takes a path's name. A path that cannot be written is a ValueError on opening,
+    before any run."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, row_group: int = ROW_GROUP) -> None:
+        if not (isinstance(row_group, (int, np.integer)) and row_group >= 1):
+            raise ValueError(f"a row group holds a whole number >= 1 of rows, got {row_group!r}")
         self.path = Path(path)
+        self.row_group = int(row_group)
         self._partial = self.path.with_name(f".{self.path.name}.partial")
         self._file = None
         self._writer: pq.ParquetWriter | None = None
+        self._held: list[pa.Table] = []  # records not written yet, fewer than a row group
+        self._held_rows = 0
         self.row_groups = 0
 
     def __enter__(self) -> "RecordWriter":
@@ -81,20 +90,37 @@ class RecordWriter:
             raise ValueError(f"cannot write records to {self.path}: {exc.strerror or exc}") from None
         return self
 
+    @property
+    def started(self) -> bool:
+        """Whether a frame has set the file's schema."""
+        return self._writer is not None
+
     def write(self, frame: pd.DataFrame) -> None:
-        """Append ``frame`` as a row group (the first one sets the file's schema)."""
+        """Append ``frame``'s rows (the first frame sets the file's schema), writing each row group once full."""
         if self._writer is None:
             table = pa.Table.from_pandas(frame, preserve_index=False)
             self._writer = pq.ParquetWriter(self._file, table.schema)
         else:
             table = pa.Table.from_pandas(frame, schema=self._writer.schema, preserve_index=False)
-        self._writer.write_table(table, row_group_size=max(len(frame), 1))
+        self._held.append(table)
+        self._held_rows += len(frame)
+        while self._held_rows >= self.row_group:
+            self._write_group(self.row_group)
+
+    def _write_group(self, rows: int) -> None:
+        held = pa.concat_tables(self._held)  # no copy: the tables' chunks side by side
+        self._writer.write_table(held.slice(0, rows), row_group_size=max(rows, 1))
+        rest = held.slice(rows)
+        self._held, self._held_rows = ([rest] if rest.num_rows else []), rest.num_rows
         self.row_groups += 1
 
     def __exit__(self, kind, value, traceback) -> None:
         try:
-            if kind is None and self._writer is None:  # nothing written: an empty file of the schema
-                self.write(records.empty())
+            if kind is None:
+                if self._writer is None:  # nothing written: an empty file of the schema
+                    self.write(records.empty())
+                if self._held_rows or self.row_groups == 0:
+                    self._write_group(self._held_rows)
             if self._writer is not None:
                 self._writer.close()
         finally:
@@ -107,41 +133,42 @@ class RecordWriter:
 
 def simulate_to_parquet(source: Trace | TraceChunks, path: str | Path, config: ServerConfig | Policy = ServerConfig(),
                         *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
-                        speed_schedule: SpeedSchedule | None = None, row_group: int = ROW_GROUP) -> Streamed:
+                        speed_schedule: SpeedSchedule | None = None, chunk: int = CHUNK,
+                        row_group: int = ROW_GROUP) -> Streamed:
     """Run ``source`` through a server as :func:`qsim.simulate` does and write its records to the parquet file
-    ``path`` as the run goes, ``row_group`` rows at a time in request order (reading the file back gives
+    ``path`` as the run goes, in request order, in row groups of ``row_group`` rows (reading the file back gives
     simulate's frame for the same trace and server). source: a trace's chunks (:class:`qsim.chunks.TraceChunks`,
-    read in its own chunk size) or a trace (cut into chunks of ``row_group``). config, cancel_until and
+    read in its own chunk size) or a trace (cut into chunks of ``chunk``). config, cancel_until and
     speed_schedule: as simulate's. retry: None or one that never retries (retries do not stream)."""
-    with RecordWriter(path) as writer:
+    with RecordWriter(path, row_group) as writer:
         return stream_run(source, writer, config, cancel_until=cancel_until, retry=retry,
-                          speed_schedule=speed_schedule, row_group=row_group)
+                          speed_schedule=speed_schedule, chunk=chunk)
 
 
 def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: ServerConfig | Policy = ServerConfig(),
                *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
-               speed_schedule: SpeedSchedule | None = None, row_group: int = ROW_GROUP,
+               speed_schedule: SpeedSchedule | None = None, chunk: int = CHUNK,
                columns: dict | None = None) -> Streamed:
     """:func:`simulate_to_parquet` into an open :class:`RecordWriter` (several runs may share one file), each
-    row group with the constant ``columns`` added (as ``frame.assign(**columns)``: the command line adds each
+    record with the constant ``columns`` added (as ``frame.assign(**columns)``: the command line adds each
     run's seed and policy)."""
     config = ServerConfig(config) if isinstance(config, Policy) else as_config(config)
     if retry is not None and retry.retries:
         raise ValueError("clients that send again do not stream (a retry's row follows the whole trace's): "
                          "run qsim.simulate for retries")
-    chunks = source.chunks(row_group) if isinstance(source, Trace) else source
+    chunks = source.chunks(chunk) if isinstance(source, Trace) else source
     if cancel_until is None:
         cancel_until = chunks.meta.get("patience_until", "answer")
     if cancel_until not in CANCEL_UNTIL:
         raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
     inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule)
     base = _BatchRun if config.batching else _Run
-    rows = groups = 0
+    rows = 0
 
     def write(frame: pd.DataFrame) -> None:
-        nonlocal rows, groups
+        nonlocal rows
         writer.write(frame if not columns else frame.assign(**columns))
-        rows, groups = rows + len(frame), groups + 1
+        rows += len(frame)
 
     parts = iter(chunks)
     first = next(parts, None)
@@ -153,9 +180,9 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
                                                                       **inputs)
         run.stream(first, parts, chunks.size, base, inputs, write)
         factor, slots = run.queue.tracker.factor, len(run.arrival)
-    if writer.row_groups == 0:  # no requests, and the first run in the file: its schema, its own columns too
+    if not writer.started:  # no requests, and the first run in the file: its schema, its own columns too
         write(records.empty())
-    return Streamed(rows, groups, slots, chunks.duration_s, config.policy.name, config.engines, factor)
+    return Streamed(rows, slots, chunks.duration_s, config.policy.name, config.engines, factor)
 
 
 _NO_REQUESTS = assemble_trace(np.empty(0), np.empty(0, dtype=np.int64), np.empty(0), np.empty(0), mix=REFERENCE_MIX,
@@ -178,13 +205,12 @@ class _Streamed:
         self._parts, self._size, self._base, self._inputs, self._write = parts, size, base, inputs, write
         if len(first) > size:
             raise ValueError(f"a trace's chunks hold at most {size} requests, got {len(first)}")
-        # Every row a list (an in-memory run keeps some as arrays, or as None where nobody is impatient), and the
-        # first block as long as every other.
-        self.patience = [math.inf] * self.n if self.patience is None else self.patience
-        self.prompt_tokens, self.generated = list(self.prompt_tokens), list(self.generated)
-        self._names = self._slots()
-        for values in self._names.values():
+        self._names = _rows(self)
+        for values in self._names.values():  # the first block as long as every other
             values.extend([None] * (size - self.n))
+        # What builds a block's records: an in-memory run of a chunk, whose rows become the block's each time.
+        self._view = self._made(first)
+        self._view_rows = _rows(self._view)
         self._pending: deque[_Block] = deque([_Block(0, 0, first)])
         self._cooling: list[tuple[float, int]] = []  # (when its last timer is due, slot) of written blocks
         self._free: list[int] = []
@@ -193,9 +219,6 @@ class _Streamed:
         self.arrivals()
         self.env.run()
         self._flush(final=True)
-
-    def _slots(self) -> dict:
-        return {name: values for name, values in self._rows().items() if values is not None}
 
     def arrivals(self, _event=None) -> None:
         super().arrivals(_event)
@@ -230,19 +253,14 @@ class _Streamed:
 
     def _scratch(self, trace: Trace) -> dict:
         """A new chunk's rows as an in-memory run of it starts them (its inputs, and what it writes unwritten)."""
-        run = self._made(trace)
-        rows = {name: values.tolist() if isinstance(values, np.ndarray) else values
-                for name, values in run._rows().items() if values is not None}
+        rows = _rows(self._made(trace))
         if rows.keys() != self._names.keys():
             raise AssertionError(f"a chunk's rows {sorted(rows)} are not the run's {sorted(self._names)}")
         return rows
 
     def _made(self, trace: Trace):
         """An in-memory run of one chunk (never run: its lists are what a row starts with, or a block's rows)."""
-        run = self._base(trace, self.queue.config, cancel_after_s=trace.patience_s, **self._inputs)
-        if run.patience is None:
-            run.patience = [math.inf] * len(trace)
-        return run
+        return self._base(trace, self.queue.config, cancel_after_s=trace.patience_s, **self._inputs)
 
     def _flush(self, final: bool = False) -> None:
         """Write the oldest blocks whose every request has ended; free the written ones no timer can reach now."""
@@ -270,16 +288,24 @@ class _Streamed:
         return float(np.max(due[np.isfinite(due)], initial=-math.inf))
 
     def _frame(self, block: _Block) -> pd.DataFrame:
-        """The block's records: an in-memory run of its chunk, given the slots' rows, builds them."""
-        view = self._made(block.trace)
+        """The block's records, as an in-memory run of its chunk builds them from its rows."""
         end = block.slot + len(block.trace)
-        for name, values in view._rows().items():
-            if values is not None:
-                values[:] = self._names[name][block.slot:end]
-        columns = view._columns(block.trace)
+        for name, values in self._view_rows.items():
+            values[:] = self._names[name][block.slot:end]
+        columns = self._view._columns(block.trace)
         columns["request_id"] = columns["request_id"] + block.first
         columns["first_request_id"] = np.asarray(columns["first_request_id"]) + block.first
         return records.from_arrays(columns)
+
+
+def _rows(run: _Run) -> dict:
+    """A run's per-request rows by name, every one a list: an in-memory run keeps some as arrays, and patience as
+    None where nobody is impatient (forever, as a list)."""
+    if run.patience is None:
+        run.patience = [math.inf] * run.n
+    if isinstance(run.prompt_tokens, np.ndarray):
+        run.prompt_tokens, run.generated = run.prompt_tokens.tolist(), run.generated.tolist()
+    return {name: values for name, values in run._rows().items() if values is not None}
 
 
 class _StreamedRun(_Streamed, _Run):

@@ -710,7 +710,8 @@ class TracePlan:
                 true = est * speed * noise
             else:  # the engine does the work actually generated; the estimate still sees the limit
                 generated = used_tokens(rng.used, tokens, used)
-                true = (model.estimate(generated) if prompt is None else model.estimate(generated, prompt)) * speed * noise
+                work = model.estimate(generated) if prompt is None else model.estimate(generated, prompt)
+                true = work * speed * noise
         else:
             tokens = np.full(n, model.tokens_for(self.mean_s), dtype=np.int64)
             est = np.full(n, self.mean_s)

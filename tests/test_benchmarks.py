@@ -68,6 +68,6 @@ def test_bench_memory_quick_reports_peaks_flatness_and_the_ratio():
     assert [(r["mode"], r["requests"]) for r in data["rows"]] == [("stream", 20_000), ("stream", 100_000),
                                                                   ("memory", 100_000)]
     assert all(r["peak_mb"] > r["imports_mb"] > 0 and r["rows"] == r["requests"] for r in data["rows"])
-    assert data["rows"][1]["row_groups"] == 7  # 100,000 rows in row groups of 16,384
+    assert data["rows"][1]["row_groups"] == 2  # 100,000 rows in row groups of 65,536
     assert data["peak"]["verdict"] in ("PASS", "MISS") and data["flat"]["verdict"] in ("PASS", "MISS")
     assert data["ratio"]["in_memory_over_stream"] > 0

@@ -52,7 +52,7 @@ def test_simulate_out_streams_simulates_rows_and_prints_the_same_summary(tmp_pat
     want = pd.concat([simulate(make_trace("poisson", load=1.4, seconds=90, seed=seed), PRESETS["predictive"])
                       .assign(seed=seed, policy="predictive") for seed in (1, 2)], ignore_index=True)
     pd.testing.assert_frame_equal(pd.read_parquet(out_file), want, check_exact=True)
-    assert pq.ParquetFile(out_file).num_row_groups == 2  # one per seed at this length
+    assert pq.ParquetFile(out_file).num_row_groups == 1  # the two seeds' 1,700 rows: one row group
 
 
 def test_simulate_out_to_a_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
