@@ -214,27 +214,28 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-#: The records' columns that the printed summary reads back from a streamed run's file.
+#: The records' columns that the printed summary reads back from a streamed run's file (and, where the trace
+#: has no arrival window to take rates over, a burst's, the run's span: arrival_s and finish_s).
 SUMMARY_COLUMNS = ["outcome", "size_class", "latency_s", "max_new_tokens", "ttft_s", "tpot_s", "kv_blocks_peak",
-                   "ttft_slo_s", "arrival_s", "finish_s"]
+                   "ttft_slo_s"]
 
 
 def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
-    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: the records never sit in memory all at
-    once), then the columns the summary reads, read back a seed at a time (the outcome and size class as
-    categories: a byte a request)."""
+    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in memory all at
+    once), then the columns its summary reads, read back (the outcome and size class as categories)."""
     finished = []
     with RecordWriter(args.out) as writer:
         for seed in seeds:
-            info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, server(seed),
-                              speed_schedule=schedule, columns={"seed": seed, "policy": server(seed).policy.name})
+            config = server(seed)
+            info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, config,
+                              speed_schedule=schedule, columns={"seed": seed, "policy": config.policy.name})
             finished.append((seed, info.duration_s))
     runs = []
     for seed, duration_s in finished:
-        table = pq.read_table(args.out, columns=SUMMARY_COLUMNS, filters=[("seed", "=", seed)],
-                              read_dictionary=["outcome", "size_class"])
-        frame = table.to_pandas()
-        runs.append(_Run(seed, frame.assign(size_class=frame["size_class"].astype(object)), duration_s))
+        columns = SUMMARY_COLUMNS + ([] if duration_s > 0 else ["arrival_s", "finish_s"])
+        table = pq.read_table(args.out, columns=columns, filters=[("seed", "=", seed)],
+                              read_dictionary=["outcome", "size_class"], use_threads=False, pre_buffer=False)
+        runs.append(_Run(seed, table.to_pandas(self_destruct=True), duration_s))
     return runs
 
 

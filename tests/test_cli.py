@@ -55,6 +55,13 @@ def test_simulate_out_streams_simulates_rows_and_prints_the_same_summary(tmp_pat
     assert pq.ParquetFile(out_file).num_row_groups == 1  # the two seeds' 1,700 rows: one row group
 
 
+def test_simulate_out_of_a_burst_takes_its_rates_over_the_run(tmp_path, capsys):
+    args = ["simulate", "--policy", "bounded", "--engines", "2", "--arrivals", "burst:40", "--json"]
+    plain = json.loads(run(args, capsys)[1])
+    streamed = json.loads(run(args + ["--out", str(tmp_path / "rows.parquet")], capsys)[1])
+    assert streamed["summary"] == plain["summary"] and plain["summary"]["goodput_rps"] > 0
+
+
 def test_simulate_out_to_a_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
     code, out, err = run(["simulate", "--requests", "50", "--out", str(tmp_path / "missing" / "rows.parquet")], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "cannot write records" in err
