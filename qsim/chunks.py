@@ -9,12 +9,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:  # workload builds on this module
-    from .workload import Trace
 
 #: Values drawn at a time where a stream is drawn through only to find where it ends.
 PIECE = 1 << 16
@@ -31,9 +27,10 @@ class TraceChunks:
     duration_s: float
     name: str
     meta: dict = field(compare=False)
-    draw: Callable[[], Iterator["Trace"]] = field(compare=False, repr=False)
+    # Traces of qsim.workload, which builds on this module.
+    draw: Callable[[], Iterator] = field(compare=False, repr=False)
 
-    def __iter__(self) -> Iterator["Trace"]:
+    def __iter__(self) -> Iterator:
         return self.draw()
 
 

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from qsim import PRESETS, Batching, ServerConfig, StepModel, from_arrays, make_trace, records, simulate
+from qsim.engines import OneAtATime
 from qsim.clients import Patience, RetryPolicy
 from qsim.config import StallRule
 from qsim.policy import resolve
@@ -43,6 +44,10 @@ CASES = {
     "cut at the deadline, early stops": (dict(arrivals="poisson", seconds=90.0, load=1.5, used=UsedShare()),
                                          ServerConfig(resolve("none", {"cancel_at_deadline": True}), 2)),
     "a burst": (dict(arrivals="burst:900", requests=1), ServerConfig(PRESETS["bounded-deadline"])),
+    "engines that slow each other": (dict(arrivals="poisson", seconds=60.0, load=1.2, engines=3),
+                                     ServerConfig(PRESETS["predictive"], OneAtATime(3, concurrency=0.3))),
+    "periodic bursts at a load": (dict(arrivals="periodic:5", seconds=60.0, load=1.2),
+                                  ServerConfig(PRESETS["predictive"])),
     "batching": (dict(arrivals="poisson", seconds=40.0, load=8.0, used=UsedShare(),
                       prompts=Prompts.parse("uniform:0:120")), ServerConfig(PRESETS["predictive"], BATCHING)),
     "batching, cut, impatient, step noise": (
