@@ -37,6 +37,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py
 	$(BIN)/python benchmarks/bench_batching.py
+	$(BIN)/python benchmarks/bench_memory.py
 	$(BIN)/python benchmarks/bench_sweep.py
 
 # notebooks/goodput_curves.ipynb in JupyterLab (the `notebook` extra, installed on first use) on a sweep

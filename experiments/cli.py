@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from analysis import metrics
 from inputs import clientflags
@@ -24,6 +25,8 @@ from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
 from qsim.records import OUTCOMES
 from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
+from qsim.stream import CHUNK, RecordWriter, stream_run
+from qsim.tracefiles import build_chunks
 
 from . import engineflags
 from .config import parse_used
@@ -162,21 +165,30 @@ def cmd_simulate(args) -> int:
     engine = engineflags.engine_from_args(args)
     policy = engineflags.with_objectives(policy, args)
     options = engineflags.trace_options(args, engine, REFERENCE_MIX, model)
-    runs = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        trace = build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service,
-                            load=args.load, engines=args.engines, speed=args.speed, seconds=args.seconds,
-                            requests=args.requests, seed=seed, model=model, mean_service_s=args.mean_service,
-                            noise_cv=args.noise, patience=patience, used=None if args.used is None else parse_used(args.used),
-                            **options)
-        # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
-        schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
-        server = ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
-        frame = simulate(trace, server, retry=retry, speed_schedule=schedule)
-        runs.append(_Run(seed, frame, trace.duration_s))
-    if args.out:
-        rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
-        rows.to_parquet(args.out, index=False)
+    # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
+    schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
+
+    def workload(seed: int) -> dict:
+        return dict(time_scale=args.time_scale, arrivals=args.arrivals, service=args.service, load=args.load,
+                    engines=args.engines, speed=args.speed, seconds=args.seconds, requests=args.requests, seed=seed,
+                    model=model, mean_service_s=args.mean_service, noise_cv=args.noise, patience=patience,
+                    used=None if args.used is None else parse_used(args.used), **options)
+
+    def server(seed: int) -> ServerConfig:
+        return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
+
+    seeds = range(args.seed, args.seed + args.seeds)
+    if args.out and not (retry is not None and retry.retries):
+        runs = _streamed_runs(args, seeds, workload, server, schedule)
+    else:
+        runs = []
+        for seed in seeds:
+            trace = build_trace(args.trace, **workload(seed))
+            frame = simulate(trace, server(seed), retry=retry, speed_schedule=schedule)
+            runs.append(_Run(seed, frame, trace.duration_s))
+        if args.out:
+            rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
+            rows.to_parquet(args.out, index=False)
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
                "policy": policy.__dict__}
@@ -202,6 +214,31 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+#: The records' columns that the printed summary reads back from a streamed run's file (and, where the trace
+#: has no arrival window to take rates over, a burst's, the run's span: arrival_s and finish_s).
+SUMMARY_COLUMNS = ["outcome", "size_class", "latency_s", "max_new_tokens", "ttft_s", "tpot_s", "kv_blocks_peak",
+                   "ttft_slo_s"]
+
+
+def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
+    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in memory all at
+    once), then the columns its summary reads, read back (the outcome and size class as categories)."""
+    finished = []
+    with RecordWriter(args.out) as writer:
+        for seed in seeds:
+            config = server(seed)
+            info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, config,
+                              speed_schedule=schedule, columns={"seed": seed, "policy": config.policy.name})
+            finished.append((seed, info.duration_s))
+    runs = []
+    for seed, duration_s in finished:
+        columns = SUMMARY_COLUMNS + ([] if duration_s > 0 else ["arrival_s", "finish_s"])
+        table = pq.read_table(args.out, columns=columns, filters=[("seed", "=", seed)],
+                              read_dictionary=["outcome", "size_class"], use_threads=False, pre_buffer=False)
+        runs.append(_Run(seed, table.to_pandas(self_destruct=True), duration_s))
+    return runs
+
+
 def _simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a policy on a seeded workload or a trace file",
                        description="Simulate one admission policy in front of K engines and print outcomes, "
@@ -219,7 +256,8 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace's arrival times")
     add_workload_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--out", help="write every request's record to this .parquet file")
+    p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
+                                 "goes (in memory first with --retry)")
     engineflags.add_flags(p)
 
 

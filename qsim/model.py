@@ -191,6 +191,20 @@ class _Run:
         """A driver's own per-attempt lists, with the value a new attempt starts with."""
         return ()
 
+    def _rows(self) -> dict:
+        """Every per-request (or per-attempt) sequence by name, what the run reads and what it writes (None: this run
+        has none): a streamed run (:mod:`qsim.stream`) keeps them as a window of slots."""
+        return {
+            "arrival": self.arrival, "base_est": self.base_est, "true": self.true, "reported": self.reported,
+            "failed": self.failed, "deadline": self.deadline, "patience": self.patience, "priority": self.priority,
+            "client": self.client, "work": self.work, "first_of": self.first_of, "attempt": self.attempt,
+            "prompt_tokens": self.prompt_tokens, "generated": self.generated, "est": self.est,
+            "outcome": self.outcome, "reason": self.reason, "start": self.start, "finish": self.finish,
+            "queued_at_arrival": self.queued_at_arrival, "queued_work": self.queued_work,
+            "retry_after": self.retry_after, "engine_of": self.engine_of, "ran": self.ran, "speed_at": self.speed_at,
+            "cut": self.cut,
+        }
+
     # -- events: plain SimPy timeouts with callbacks (a generator process per engine costs a third more) --
 
     def arrivals(self, _event=None) -> None:
@@ -365,14 +379,20 @@ class _BatchRun(_Run):
         self.timer_at = math.inf
         return queue
 
+    def __init__(self, trace: Trace, config: ServerConfig, **inputs) -> None:
+        super().__init__(trace, config, **inputs)
+        n = self.n
+        self.first_token, self.tokens = [_NAN] * n, [-1] * n
+        self.preempted, self.kv_peak = [-1] * n, [-1] * n
+
     def _per_attempt(self) -> tuple:
         return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1), (self.kv_peak, -1))
 
+    def _rows(self) -> dict:
+        return {**super()._rows(), "first_token": self.first_token, "tokens": self.tokens, "preempted": self.preempted,
+                "kv_peak": self.kv_peak}
+
     def arrivals(self, _event=None) -> None:
-        if not hasattr(self, "first_token"):
-            n = self.n
-            self.first_token, self.tokens = [_NAN] * n, [-1] * n
-            self.preempted, self.kv_peak = [-1] * n, [-1] * n
         super().arrivals(_event)
         self._arm()
 

@@ -1,5 +1,6 @@
 """Trace files: an Azure LLM inference trace CSV, or qlab's own per-request .csv/.parquet, read into a :class:`Trace`;
-and :func:`build_trace`, the one way a command's options become a trace (a file, or :func:`~qsim.workload.make_trace`).
+and :func:`build_trace`, the one way a command's options become a trace (a file, or :func:`~qsim.workload.make_trace`),
+whole or a chunk at a time (:func:`build_chunks`).
 
 A bad file is a ValueError that names the file and the line (or row) of the first bad value. This module
 builds on :mod:`qsim.workload` and never the other way round (tests/test_layout.py checks there is no circle).
@@ -17,8 +18,9 @@ import pandas as pd
 from .clients import Patience
 from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
-from .workload import (REFERENCE_MIX, Mix, Trace, assemble_trace, lognormal_noise, make_trace, random_streams,
-                       used_tokens)
+from .chunks import TraceChunks
+from .workload import (REFERENCE_MIX, Mix, Trace, TracePlan, assemble_trace, lognormal_noise, plan_trace,
+                       random_streams, used_tokens)
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
@@ -212,7 +214,19 @@ def build_trace(file: str | Path | None = None, *, time_scale: float = 1.0, defa
     ``default_seconds`` long when neither ``seconds`` nor ``requests`` is given (a burst's length is its size
     whatever they are).
     """
-    unknown = set(options) - set(inspect.signature(make_trace).parameters)
+    source = _source(file, time_scale, default_seconds, options)
+    return source if isinstance(source, Trace) else source.trace()
+
+
+def build_chunks(size: int, file: str | Path | None = None, *, time_scale: float = 1.0,
+                 default_seconds: float | None = None, **options) -> TraceChunks:
+    """:func:`build_trace`'s trace ``size`` requests at a time (what a streamed run reads, :mod:`qsim.stream`):
+    a synthetic one drawn a chunk at a time (:meth:`qsim.workload.TracePlan.chunks`), a file read whole and cut."""
+    return _source(file, time_scale, default_seconds, options).chunks(size)
+
+
+def _source(file, time_scale: float, default_seconds: float | None, options: dict) -> Trace | TracePlan:
+    unknown = set(options) - set(inspect.signature(plan_trace).parameters)
     if unknown:
         raise TypeError(f"build_trace() got unexpected options: {', '.join(sorted(unknown))}")
     if file:
@@ -222,4 +236,4 @@ def build_trace(file: str | Path | None = None, *, time_scale: float = 1.0, defa
         return load_trace(file, time_scale, **{k: v for k, v in options.items() if k in FILE_OPTIONS})
     if options.get("seconds") is None and options.get("requests") is None:
         options["seconds"] = default_seconds
-    return make_trace(**options)
+    return plan_trace(**options)

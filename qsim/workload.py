@@ -10,13 +10,16 @@ and true service time whatever the policy, and at every load.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
+from .chunks import PIECE, BlockStream, TraceChunks, exactly, spans
 from .clients import Patience
 from .service import ServiceModel
 
@@ -286,6 +289,21 @@ class Trace:
     def request_id(self) -> np.ndarray:
         return np.arange(len(self), dtype=np.int64)
 
+    def rows(self, lo: int, hi: int) -> "Trace":
+        """Requests lo to hi - 1 as a trace of their own (request_id from 0; duration, name and meta the whole's)."""
+        part = slice(lo, hi)
+        return Trace(self.arrival_s[part], self.max_new_tokens[part], self.size_class[part], self.est_service_s[part],
+                     self.true_service_s[part], self.deadline_s[part], self.prompt_tokens[part], self.priority[part],
+                     self.client_id[part], self.duration_s, self.name, self.meta, self.patience_s[part],
+                     self.tokens_generated[part])
+
+    def chunks(self, size: int) -> TraceChunks:
+        """This trace ``size`` requests at a time (what a streamed run reads: :mod:`qsim.stream`)."""
+        if not (isinstance(size, (int, np.integer)) and size >= 1):
+            raise ValueError(f"a chunk holds a whole number >= 1 of requests, got {size!r}")
+        return TraceChunks(len(self), int(size), self.duration_s, self.name, self.meta,
+                           lambda: (self.rows(lo, hi) for lo, hi in spans(len(self), int(size))))
+
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame(
             {
@@ -379,21 +397,72 @@ def _unit_gaps(kind: str, rng: np.random.Generator, n: int, cv: float) -> np.nda
     raise ValueError(f"unknown arrival process {kind!r}")
 
 
+def renewal_pieces(kind: str, rng: np.random.Generator, rate: float, *, seconds=None, requests=None, cv=1.0,
+                   size: int | None = None) -> Iterator[np.ndarray]:
+    """:func:`renewal_arrivals`'s times in pieces of at most ``size`` (None: as they are drawn), the same numbers:
+    the gaps are drawn in request order, and each piece's running sum goes on from the last one's."""
+    if not rate > 0 or not math.isfinite(rate):
+        raise ValueError(f"arrival rate must be a positive number, got {rate}")
+    if requests is not None:
+        return _running_sums(kind, rng, int(requests), cv, rate, 0.0, size)
+    return _before(_rounds(kind, rng, rate, int(rate * seconds * 1.1) + 64, cv, size), seconds)
+
+
+def _running_sums(kind: str, rng: np.random.Generator, count: int, cv: float, rate: float, start: float,
+                  size: int | None) -> Iterator[np.ndarray]:
+    """start + the running sum of ``count`` unit gaps / rate, in pieces. A piece's sum starts from the last
+    one's: the carry leads the cumsum and is dropped after, so the additions are those of one cumsum."""
+    carry = 0.0
+    for lo, hi in spans(count, size):
+        units = np.cumsum(np.concatenate(([carry], _unit_gaps(kind, rng, hi - lo, cv))))[1:]
+        carry = units[-1]
+        yield start + units / rate
+
+
+def _rounds(kind: str, rng: np.random.Generator, rate: float, count: int, cv: float,
+            size: int | None) -> Iterator[np.ndarray]:
+    """Rounds of ``count`` gaps without end, each from the last time of the round before."""
+    start = 0.0
+    while True:
+        for times in _running_sums(kind, rng, count, cv, rate, start, size):
+            yield times
+        start = times[-1]
+
+
+def _before(pieces: Iterator[np.ndarray], seconds: float | None) -> Iterator[np.ndarray]:
+    """The times of nondecreasing ``pieces`` before ``seconds`` (all where None), up to the first past it."""
+    for times in pieces:
+        below = times if seconds is None else times[times < seconds]
+        if below.size:
+            yield below
+        if below.size < times.size:
+            return
+
+
 def renewal_arrivals(kind: str, rng: np.random.Generator, rate: float, *, seconds=None, requests=None, cv=1.0) -> np.ndarray:
     """Arrival times of a renewal process at ``rate``: the first ``requests``, or all before ``seconds``.
 
     The first arrival comes one gap after time 0, as in a stationary process seen from an empty system.
     """
-    if not rate > 0 or not math.isfinite(rate):
-        raise ValueError(f"arrival rate must be a positive number, got {rate}")
+    return _whole(renewal_pieces(kind, rng, rate, seconds=seconds, requests=requests, cv=cv))
+
+
+def _whole(pieces: Iterator[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.empty(0), *pieces])
+
+
+def surge_pieces(rng: np.random.Generator, rate: float, surge_rate: float, start_s: float, length_s: float, *,
+                 seconds=None, requests=None, size: int | None = None) -> Iterator[np.ndarray]:
+    """:func:`surge_arrivals`'s times in pieces of at most ``size`` (None: as drawn), the same numbers."""
     if requests is not None:
-        return np.cumsum(_unit_gaps(kind, rng, int(requests), cv)) / rate
-    times = np.empty(0)
-    chunk = int(rate * seconds * 1.1) + 64
-    while times.size == 0 or times[-1] < seconds:
-        start = times[-1] if times.size else 0.0
-        times = np.concatenate([times, start + np.cumsum(_unit_gaps(kind, rng, chunk, cv)) / rate])
-    return times[times < seconds]
+        unit = renewal_pieces("poisson", rng, 1.0, requests=requests, size=size)
+    else:  # enough unit points to pass ``seconds`` at the higher of the two rates
+        unit = renewal_pieces("poisson", rng, 1.0, seconds=max(rate, surge_rate) * seconds + 1.0, size=size)
+    # Integrated rate at the surge's two ends; between them it grows at surge_rate, elsewhere at rate.
+    a = rate * start_s
+    b = a + surge_rate * length_s
+    return _before((np.where(u <= a, u / rate, np.where(u <= b, start_s + (u - a) / surge_rate,
+                                                         start_s + length_s + (u - b) / rate)) for u in unit), seconds)
 
 
 def surge_arrivals(rng: np.random.Generator, rate: float, surge_rate: float, start_s: float, length_s: float, *,
@@ -403,29 +472,44 @@ def surge_arrivals(rng: np.random.Generator, rate: float, surge_rate: float, sta
     Drawn by time change from the same unit-rate gaps as ``poisson`` (common random numbers: request i's
     gap is the same draw at every load): a unit point at s maps to the time where the integrated rate is s.
     """
-    if requests is not None:
-        unit = renewal_arrivals("poisson", rng, 1.0, requests=requests)
-    else:  # enough unit points to pass ``seconds`` at the higher of the two rates
-        unit = renewal_arrivals("poisson", rng, 1.0, seconds=max(rate, surge_rate) * seconds + 1.0)
-    # Integrated rate at the surge's two ends; between them it grows at surge_rate, elsewhere at rate.
-    a = rate * start_s
-    b = a + surge_rate * length_s
-    times = np.where(unit <= a, unit / rate,
-                     np.where(unit <= b, start_s + (unit - a) / surge_rate, start_s + length_s + (unit - b) / rate))
-    return times if seconds is None else times[times < seconds]
+    return _whole(surge_pieces(rng, rate, surge_rate, start_s, length_s, seconds=seconds, requests=requests))
+
+
+def burst_pieces(n: int, at_s: float = 0.0, size: int | None = None) -> Iterator[np.ndarray]:
+    """n requests arriving at the same instant, in pieces of at most ``size``."""
+    return (np.full(hi - lo, float(at_s)) for lo, hi in spans(int(n), size))
 
 
 def burst_arrivals(n: int, at_s: float = 0.0) -> np.ndarray:
     """n requests arriving at the same instant."""
-    return np.full(int(n), float(at_s))
+    return _whole(burst_pieces(n, at_s))
+
+
+def periodic_pieces(n: int, period_s: float, *, seconds=None, requests=None,
+                    size: int | None = None) -> Iterator[np.ndarray]:
+    """:func:`periodic_bursts`'s times in pieces of at most ``size``."""
+    if not period_s > 0:
+        raise ValueError(f"burst period must be > 0, got {period_s}")
+    count = int(requests) if requests is not None else int(n) * math.ceil(seconds / period_s)
+    return ((np.arange(lo, hi) // int(n)) * float(period_s) for lo, hi in spans(count, size))
 
 
 def periodic_bursts(n: int, period_s: float, *, seconds=None, requests=None) -> np.ndarray:
     """A burst of n every period_s, starting at 0: as many as fit before ``seconds``, or ``requests`` in all."""
+    return _whole(periodic_pieces(n, period_s, seconds=seconds, requests=requests))
+
+
+def periodic_at_rate_pieces(rate: float, period_s: float, *, seconds=None, requests=None,
+                           size: int | None = None) -> Iterator[np.ndarray]:
+    """:func:`periodic_at_rate`'s times in pieces of at most ``size``."""
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"arrival rate must be a positive number, got {rate}")
     if not period_s > 0:
         raise ValueError(f"burst period must be > 0, got {period_s}")
-    count = int(requests) if requests is not None else int(n) * math.ceil(seconds / period_s)
-    return (np.arange(count) // int(n)) * float(period_s)
+    per_burst = rate * period_s
+    count = int(requests) if requests is not None else math.ceil(seconds * rate - 1e-9)
+    # The tolerance keeps request k * per_burst (a whole number in exact arithmetic) in burst k.
+    return (np.floor(np.arange(lo, hi) / per_burst + 1e-9) * float(period_s) for lo, hi in spans(count, size))
 
 
 def periodic_at_rate(rate: float, period_s: float, *, seconds=None, requests=None) -> np.ndarray:
@@ -436,14 +520,7 @@ def periodic_at_rate(rate: float, period_s: float, *, seconds=None, requests=Non
     ceiling alternate so that every window of whole periods has the rate exactly. With ``seconds``: the
     requests a constant rate sends before it (the last burst is of the part of its period inside the window).
     """
-    if not (rate > 0 and math.isfinite(rate)):
-        raise ValueError(f"arrival rate must be a positive number, got {rate}")
-    if not period_s > 0:
-        raise ValueError(f"burst period must be > 0, got {period_s}")
-    per_burst = rate * period_s
-    count = int(requests) if requests is not None else math.ceil(seconds * rate - 1e-9)
-    # The tolerance keeps request k * per_burst (a whole number in exact arithmetic) in burst k.
-    return np.floor(np.arange(count) / per_burst + 1e-9) * float(period_s)
+    return _whole(periodic_at_rate_pieces(rate, period_s, seconds=seconds, requests=requests))
 
 
 def parse_arrivals(spec: str) -> tuple[str, tuple[float, ...]]:
@@ -526,7 +603,142 @@ def lognormal_noise(rng: np.random.Generator, n: int, cv: float) -> np.ndarray:
     return rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), n)
 
 
-def make_trace(
+class _Streams(NamedTuple):
+    """The random streams a request's values are drawn from (:func:`random_streams`, gaps aside): numpy
+    Generators, or :class:`qsim.chunks.BlockStream` s that serve the same draws a chunk at a time."""
+
+    size: np.random.Generator
+    service: np.random.Generator
+    client: np.random.Generator
+    patience: np.random.Generator
+    used: np.random.Generator
+    prompt: np.random.Generator
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """A synthetic workload as :func:`plan_trace` resolves it from its options: its requests drawn whole
+    (:meth:`trace`, what :func:`make_trace` returns) or a chunk at a time (:meth:`chunks`), the same values."""
+
+    kind: str  # the arrival process (parse_arrivals) and its numbers
+    numbers: tuple[float, ...]
+    rate: float
+    surge_rate: float  # a surge's rate during it (NaN for other processes)
+    seconds: float | None
+    requests: int | None
+    seed: int
+    service: str
+    model: ServiceModel
+    mean_s: float
+    speed: float
+    noise_cv: float
+    mix: Mix
+    shares: tuple[float, ...]
+    mixes: tuple[Mix, ...]
+    clients: tuple[Client, ...]
+    used: "UsedShare | dict[int, UsedShare] | None"
+    prompts: "Prompts | None"
+    patience: Patience | None
+    name: str
+    meta: dict = field(compare=False)
+
+    def trace(self) -> Trace:
+        gaps, size, service, client, patience, used, prompt = random_streams(self.seed)
+        times = _whole(self._pieces(gaps, None))
+        return self._requests(times, self._duration(times[-1] if times.size else None),
+                              _Streams(size, service, client, patience, used, prompt))
+
+    def chunks(self, size: int) -> TraceChunks:
+        """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are drawn through
+        once first (to count them and find the duration), every other stream as :class:`qsim.chunks.BlockStream`
+        serves it."""
+        if not (isinstance(size, (int, np.integer)) and size >= 1):
+            raise ValueError(f"a chunk holds a whole number >= 1 of requests, got {size!r}")
+        count, last = 0, None
+        for times in self._pieces(random_streams(self.seed)[0], PIECE):
+            count, last = count + times.size, times[-1]
+        duration = float(self._duration(last))
+        return TraceChunks(count, int(size), duration, self.name, self.meta,
+                           lambda: self._chunked(int(size), count, duration))
+
+    def _chunked(self, size: int, count: int, duration: float) -> Iterator[Trace]:
+        gaps, *rest = random_streams(self.seed)
+        streams = _Streams(*(BlockStream(rng, count) for rng in rest))
+        for times in exactly(self._pieces(gaps, size), size):
+            for stream in streams:
+                stream.chunk()
+            yield self._requests(times, duration, streams)
+
+    def _pieces(self, gaps: np.random.Generator, size: int | None) -> Iterator[np.ndarray]:
+        """The arrival times in pieces of at most ``size`` (None: as drawn)."""
+        kind, numbers, seconds, requests = self.kind, self.numbers, self.seconds, self.requests
+        if kind in ("poisson", "constant", "gamma"):
+            cv = numbers[0] if numbers else 1.0
+            return renewal_pieces(kind, gaps, self.rate, seconds=seconds, requests=requests, cv=cv, size=size)
+        if kind == "surge":
+            start_s, length_s, _ = numbers
+            return surge_pieces(gaps, self.rate, self.surge_rate, start_s, length_s, seconds=seconds,
+                                requests=requests, size=size)
+        if kind == "burst":
+            return burst_pieces(int(numbers[0]), size=size)
+        if takes_load(kind, numbers):  # periodic:PERIOD_S, bursts whose size follows the load
+            return periodic_at_rate_pieces(self.rate, numbers[-1], seconds=seconds, requests=requests, size=size)
+        return periodic_pieces(int(numbers[0]), numbers[1], seconds=seconds, requests=requests, size=size)
+
+    def _duration(self, last: float | None) -> float:
+        """The arrival window that rates are per, from the last arrival (None: none came)."""
+        if self.kind == "burst":
+            return 0.0
+        if self.seconds is not None:
+            return self.seconds
+        if last is None:
+            return 0.0
+        return last + self.numbers[-1] if self.kind == "periodic" else last
+
+    def _requests(self, times: np.ndarray, duration: float, rng: _Streams) -> Trace:
+        """The requests that arrive at ``times``: each stream drawn once per request, in request order."""
+        n = times.size
+        which = _draw_index(rng.client, self.shares, n) if self.clients else np.zeros(n, dtype=np.int64)
+        model, speed, used, prompts = self.model, self.speed, self.used, self.prompts
+        generated = None
+        prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(rng.prompt, n)
+        if self.service == "mix":
+            tokens = _sizes(rng.size, self.mixes, which)
+            est = model.estimate(tokens) if prompt is None else model.estimate(tokens, prompt)
+            noise = lognormal_noise(rng.service, n, self.noise_cv)
+            if used is None:
+                true = est * speed * noise
+            else:  # the engine does the work actually generated; the estimate still sees the limit
+                generated = used_tokens(rng.used, tokens, used)
+                work = model.estimate(generated) if prompt is None else model.estimate(generated, prompt)
+                true = work * speed * noise
+        else:
+            tokens = np.full(n, model.tokens_for(self.mean_s), dtype=np.int64)
+            est = np.full(n, self.mean_s)
+            draws = rng.service.standard_exponential(n) if self.service == "exponential" else np.ones(n)
+            true = self.mean_s * speed * draws
+        priority = client_id = None
+        if self.clients:
+            priority = np.asarray([c.priority for c in self.clients], dtype=np.int64)[which]
+            client_id = np.asarray([c.name for c in self.clients], dtype=object)[which]
+        patience = self.patience
+        return assemble_trace(times, tokens, est, true, mix=self.mix, duration_s=duration, name=self.name,
+                              meta=self.meta, priority=priority, client_id=client_id, prompt_tokens=prompt,
+                              patience_s=None if patience is None else patience.draw(rng.patience, n),
+                              tokens_generated=generated)
+
+
+def make_trace(arrivals: str = "poisson", service: str = "mix", **options) -> Trace:
+    """A seeded synthetic trace: :func:`plan_trace`'s (which says what each option does), drawn whole."""
+    return plan_trace(arrivals, service, **options).trace()
+
+
+def trace_chunks(size: int, **options) -> TraceChunks:
+    """:func:`make_trace`'s trace for these options, ``size`` requests at a time (:meth:`TracePlan.chunks`)."""
+    return plan_trace(**options).chunks(size)
+
+
+def plan_trace(
     arrivals: str = "poisson",
     service: str = "mix",
     *,
@@ -545,8 +757,9 @@ def make_trace(
     used: "UsedShare | dict[int, UsedShare] | None" = None,
     prompts: "Prompts | None" = None,
     capacity_rps: float | None = None,
-) -> Trace:
-    """A seeded synthetic trace.
+) -> TracePlan:
+    """A seeded synthetic workload: what :func:`make_trace` draws whole and :meth:`TracePlan.chunks` a chunk at a
+    time.
 
     load is the utilisation at the simulated speed: lambda = load * engines / E[true S] (None:
     :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`SIZED`) takes none, and giving
@@ -591,63 +804,23 @@ def make_trace(
     if service == "mix" and mean_service_s is not None:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
-    gaps_rng, size_rng, service_rng, client_rng, patience_rng, used_rng, prompt_rng = random_streams(seed)
     if capacity_rps is not None and not (capacity_rps > 0 and math.isfinite(capacity_rps)):
         raise ValueError(f"capacity_rps must be a positive number of requests per second, got {capacity_rps}")
+    if used is not None and service != "mix":
+        raise ValueError("early stops (used share) apply to the mix's sizes, not to exponential or deterministic service")
     if load is None:  # a sized process's rate is its own: a burst has none, periodic bursts of N one every period
         rate = numbers[0] / numbers[1] if kind == "periodic" else math.nan
     else:
         rate = load * engines / (speed * mean_s) if capacity_rps is None else load * capacity_rps
-    if kind in ("poisson", "constant", "gamma"):
-        cv = numbers[0] if numbers else 1.0
-        times = renewal_arrivals(kind, gaps_rng, rate, seconds=seconds, requests=requests, cv=cv)
-        duration = seconds if seconds is not None else (times[-1] if times.size else 0.0)
-    elif kind == "surge":
-        start_s, length_s, surge_load = numbers
-        times = surge_arrivals(gaps_rng, rate, surge_load * engines / (speed * mean_s), start_s, length_s,
-                               seconds=seconds, requests=requests)
-        duration = seconds if seconds is not None else (times[-1] if times.size else 0.0)
-    elif kind == "burst":
-        times = burst_arrivals(int(numbers[0]))
-        duration = 0.0
-    else:
-        period = numbers[-1]
-        times = (periodic_at_rate(rate, period, seconds=seconds, requests=requests) if load is not None
-                 else periodic_bursts(int(numbers[0]), period, seconds=seconds, requests=requests))
-        duration = seconds if seconds is not None else (times[-1] + period if times.size else 0.0)
-    n = times.size
-    which = _draw_index(client_rng, shares, n) if clients else np.zeros(n, dtype=np.int64)
-
-    generated = None
-    prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(prompt_rng, n)
-    if service == "mix":
-        tokens = _sizes(size_rng, mixes, which)
-        est = model.estimate(tokens) if prompt is None else model.estimate(tokens, prompt)
-        noise = lognormal_noise(service_rng, n, noise_cv)
-        if used is None:
-            true = est * speed * noise
-        else:  # the engine does the work actually generated; the estimate still sees the limit
-            generated = used_tokens(used_rng, tokens, used)
-            true = (model.estimate(generated) if prompt is None else model.estimate(generated, prompt)) * speed * noise
-    else:
-        tokens = np.full(n, model.tokens_for(mean_s), dtype=np.int64)
-        est = np.full(n, mean_s)
-        draws = service_rng.standard_exponential(n) if service == "exponential" else np.ones(n)
-        true = mean_s * speed * draws
+    surge_rate = numbers[2] * engines / (speed * mean_s) if kind == "surge" else math.nan
     meta = dict(arrivals=arrivals, service=service, load=load, engines=engines, speed=speed,
                 seed=seed, rate=rate, mean_service_s=mean_s, noise_cv=noise_cv)
-    if used is not None and service != "mix":
-        raise ValueError("early stops (used share) apply to the mix's sizes, not to exponential or deterministic service")
-    priority = client_id = None
     if clients:
         meta["clients"] = [c.name for c in clients]
-        priority = np.asarray([c.priority for c in clients], dtype=np.int64)[which]
-        client_id = np.asarray([c.name for c in clients], dtype=object)[which]
     if patience is not None and patience.kind != "none":
         meta.update(patience=patience.spec, patience_until=patience.until)
-    if prompt is not None:
+    if prompts is not None and prompts.kind != "none":
         meta["prompts"] = prompts.spec
-    return assemble_trace(times, tokens, est, true, mix=mix, duration_s=duration, name=f"{arrivals}-{service}",
-                          meta=meta, priority=priority, client_id=client_id, prompt_tokens=prompt,
-                          patience_s=None if patience is None else patience.draw(patience_rng, n),
-                          tokens_generated=generated)
+    return TracePlan(kind, numbers, rate, surge_rate, seconds, requests, seed, service, model, mean_s, speed, noise_cv,
+                     mix, tuple(shares), tuple(mixes), tuple(clients), used, prompts, patience,
+                     f"{arrivals}-{service}", meta)

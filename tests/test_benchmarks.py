@@ -56,3 +56,18 @@ def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
         assert not data[key]["not_answered"] and {"upstream_alone", "through_gate"} <= set(data[key])
         floor = data[key]["floor"]
         assert floor["bare_proxy_adds"]["n"] == floor["gate_adds_over_bare_proxy"]["n"] == data[key]["n"]
+
+
+def test_bench_memory_quick_reports_peaks_flatness_and_the_ratio():
+    """Issue 21, section 5: peak memory of streamed runs against the target, printed, never asserted."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--quick", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [(r["mode"], r["requests"]) for r in data["rows"]] == [("stream", 20_000), ("stream", 100_000),
+                                                                  ("memory", 100_000)]
+    assert all(r["peak_mb"] > r["imports_mb"] > 0 and r["rows"] == r["requests"] for r in data["rows"])
+    assert data["rows"][1]["row_groups"] == 2  # 100,000 rows in row groups of 65,536
+    assert data["peak"]["verdict"] in ("PASS", "MISS") and data["flat"]["verdict"] in ("PASS", "MISS")
+    assert data["ratio"]["in_memory_over_stream"] > 0

@@ -3,10 +3,11 @@ import subprocess
 import sys
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from experiments.cli import main
-from qsim import records
+from qsim import PRESETS, make_trace, records, simulate
 
 
 def run(args, capsys):
@@ -36,6 +37,34 @@ def test_simulate_json_and_parquet(tmp_path, capsys):
     rows = pd.read_parquet(out_file)
     records.validate(rows)
     assert len(rows) == 500 and set(rows["seed"]) == {1} and set(rows["policy"]) == {"bounded"}
+
+
+def test_simulate_out_streams_simulates_rows_and_prints_the_same_summary(tmp_path, capsys):
+    """--out streams each seed's records to the file as the run goes (qsim.stream): the rows are simulate's and
+    the summary is the one printed without --out."""
+    args = ["simulate", "--policy", "predictive", "--load", "1.4", "--seconds", "90", "--seeds", "2", "--json"]
+    plain = json.loads(run(args, capsys)[1])
+    out_file = tmp_path / "rows.parquet"
+    code, out, err = run(args + ["--out", str(out_file)], capsys)
+    assert code == 0 and err == ""
+    streamed = json.loads(out)
+    assert (streamed["summary"], streamed["by_class"]) == (plain["summary"], plain["by_class"])
+    want = pd.concat([simulate(make_trace("poisson", load=1.4, seconds=90, seed=seed), PRESETS["predictive"])
+                      .assign(seed=seed, policy="predictive") for seed in (1, 2)], ignore_index=True)
+    pd.testing.assert_frame_equal(pd.read_parquet(out_file), want, check_exact=True)
+    assert pq.ParquetFile(out_file).num_row_groups == 1  # the two seeds' 1,700 rows: one row group
+
+
+def test_simulate_out_of_a_burst_takes_its_rates_over_the_run(tmp_path, capsys):
+    args = ["simulate", "--policy", "bounded", "--engines", "2", "--arrivals", "burst:40", "--json"]
+    plain = json.loads(run(args, capsys)[1])
+    streamed = json.loads(run(args + ["--out", str(tmp_path / "rows.parquet")], capsys)[1])
+    assert streamed["summary"] == plain["summary"] and plain["summary"]["goodput_rps"] > 0
+
+
+def test_simulate_out_to_a_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    code, out, err = run(["simulate", "--requests", "50", "--out", str(tmp_path / "missing" / "rows.parquet")], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "cannot write records" in err
 
 
 def test_simulate_seeds_gives_intervals(capsys):
