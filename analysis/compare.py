@@ -86,7 +86,7 @@ from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
 from qsim.outcomes import ANSWERED, OUTCOMES, Outcome, Reason
 from qsim.policy import on_time
-from qsim.runfile import server_config, speed_schedule
+from qsim.runfile import engine_info, server_config, speed_probe, speed_schedule
 from qsim.service import SpeedSchedule
 from qsim.workload import lognormal_noise
 
@@ -128,11 +128,22 @@ def run_setup(run: pd.DataFrame) -> ServerConfig:
 def measured_speed(run: pd.DataFrame) -> float:
     """Median of measured engine time over the calibrated estimate, among the served; NaN if none was.
 
-    The run's speed after the fact, for its effective load (nominal x this); the replay does not use
-    it (it would hand a request information from the run's future)."""
+    The run's typical speed after the fact (its effective load is :func:`engine_time_ratio`'s); the replay
+    does not use it (it would hand a request information from the run's future)."""
     served = run["outcome"].isin(ANSWERED) & run["engine_s"].gt(0)
     ratio = run.loc[served, "engine_s"] / run.loc[served, "calibrated_est_s"]
     return float(ratio.median()) if len(ratio) else math.nan
+
+
+def engine_time_ratio(run: pd.DataFrame) -> float:
+    """Total measured engine time over the total calibrated estimate, among the served; NaN if none was.
+
+    The run's effective load is its nominal load x this: the engines' busy time over what the calibration
+    promised, so long runs weigh as much as they took (the median ratio, :func:`measured_speed`, can read
+    1.04 on a run whose engines were busy 1.28x the calibrated total)."""
+    served = run["outcome"].isin(ANSWERED) & run["engine_s"].gt(0)
+    calibrated = float(run.loc[served, "calibrated_est_s"].sum())
+    return float(run.loc[served, "engine_s"].sum()) / calibrated if calibrated > 0 else math.nan
 
 
 def arrival_times(run: pd.DataFrame, origin: str = "server") -> np.ndarray:
@@ -812,15 +823,42 @@ class Prediction:
     speed: float
     speed_source: str
     noise_cv: float
+    noise_source: str = "given"
+
+
+#: The noise CV a prediction assumes where neither the caller nor the run file says (an older run file, a GPT-2
+#: engine, a server that is not a qlab gate).
+DEFAULT_NOISE_CV = 0.1
 
 
 def prediction_speed(run: pd.DataFrame) -> tuple[float, str]:
-    """The speed the prediction runs at, and where it came from."""
-    if "speed_before" in run.columns and np.isfinite(run["speed_before"].astype(float)).any():
-        return float(run["speed_before"].astype(float).dropna().iloc[0]), "probed before the run (speed_before)"
+    """The speed the prediction runs at, and where it came from: the synthetic engine's own speed setting where
+    the run file recorded it (its times are the model's x that, exactly; a probe of a few requests would measure
+    it through their noise); else a probe before the run where the run file has one; else the gate's speed
+    factor at the run's start."""
+    engine = engine_info(run) or {}
+    schedule = speed_schedule(run)
+    if engine.get("engine") == "synthetic" and schedule is not None:
+        return schedule.base, "the synthetic engine's speed setting at the run's start (engine_info)"
+    probed = speed_probe(run)
+    if math.isfinite(probed):
+        return probed, "probed before the run (speed_before)"
     return (run_setup(run).initial_speed_factor,
             "the server's speed factor at the run's start (the run file has no probe: "
-            "qlab replay alone does not probe)")
+            "qlab replay --probe N records one)")
+
+
+def prediction_noise(run: pd.DataFrame) -> tuple[float, str]:
+    """The CV of the lognormal noise on each modelled service time, and where it came from: the synthetic engine's
+    noise setting (``qlab serve --noise``) where the run file recorded it, else :data:`DEFAULT_NOISE_CV`."""
+    engine = engine_info(run)
+    if engine is None:
+        return DEFAULT_NOISE_CV, (f"the default {DEFAULT_NOISE_CV:g}: the run file does not record its engine "
+                                  "(an older qlab replay, or not a qlab gate); --noise-cv sets it")
+    if engine.get("engine") == "synthetic" and engine.get("noise_cv") is not None:
+        return float(engine["noise_cv"]), "the synthetic engine's noise setting (engine_info)"
+    return DEFAULT_NOISE_CV, (f"the default {DEFAULT_NOISE_CV:g}: the {engine.get('engine', 'unnamed')} engine does "
+                              "not say its noise; --noise-cv sets it")
 
 
 def run_seconds(run: pd.DataFrame) -> float:
@@ -829,13 +867,16 @@ def run_seconds(run: pd.DataFrame) -> float:
     return run_duration(run, meta.get("duration_s"))
 
 
-def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float = 0.1, origin: str = "server",
+def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, origin: str = "server",
             level: float = 0.95) -> Prediction:
-    """Simulate the run's arrivals with modelled service times over ``seeds`` seeds; compare the metrics."""
+    """Simulate the run's arrivals with modelled service times over ``seeds`` seeds; compare the metrics.
+    ``noise_cv`` None: what the run file says (:func:`prediction_noise`)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     setup = run_setup(run)
     speed, source = prediction_speed(run)
+    noise_cv, noise_source = (prediction_noise(run) if noise_cv is None
+                              else (float(noise_cv), "given (--noise-cv)"))
     _, retrying = _retrying(run)  # with retries the simulator's own clients send all but the first attempts
     ordered, arrival = _in_arrival_order(run, arrival_times(run, origin),
                                          run["attempt"].eq(1).to_numpy() if retrying else None)
@@ -860,7 +901,7 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float = 0.1, origin: s
                       "seeds_p2_5": lo_q, "seeds_p97_5": hi_q, "error": error,
                       "relative_error": error / live[m] if live[m] else math.nan,
                       "live_within_seeds": bool(lo_q <= live[m] <= hi_q)})
-    return Prediction(pd.DataFrame(table).set_index("metric"), per_seed, speed, source, noise_cv)
+    return Prediction(pd.DataFrame(table).set_index("metric"), per_seed, speed, source, noise_cv, noise_source)
 
 
 def figure(result: Comparison, path: str | Path) -> None:

@@ -31,7 +31,7 @@ from qsim.tracefiles import build_chunks
 from . import engineflags
 from .config import parse_used
 from .jsonout import json_ready as _json_ready
-from .simflags import Remember, add_workload_options
+from .simflags import add_trace_flags, add_workload_options, trace_window
 
 
 class UsageError(Exception):
@@ -81,12 +81,20 @@ def _describe(args, policy, engine) -> str:
     # A process that brings its own rate (a burst) has no load to state.
     at = (f" at load {DEFAULT_LOAD if args.load is None else args.load:g}"
           if not args.trace and arrivals_take_load(args.arrivals) else "")
-    what = (f"trace {args.trace} (time scale {args.time_scale:g})" if args.trace else
+    what = (f"trace {args.trace} ({_window(args)})" if args.trace else
             f"{args.arrivals} arrivals{at}, {args.service} service, "
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {engineflags.describe(engine)}, "
             f"speed {args.speed:g}, {what}, {seeds}")
+
+
+def _window(args) -> str:
+    """The part of the trace file a run takes, and at what rate, in words."""
+    part = ("" if args.seconds is None else f"{args.seconds:g} s from ") + \
+        ("the start" if args.start is None else f"{args.start:g} s")
+    rate = f"time scale {args.time_scale:g}" if args.load is None else f"scaled to load {args.load:g}"
+    return rate if args.start is None and args.seconds is None else f"{part}, {rate}"
 
 
 def _fmt(table: pd.DataFrame) -> str:
@@ -158,6 +166,7 @@ def cmd_simulate(args) -> int:
         raise UsageError(f"qlab simulate: error: --trace replaces {', '.join(args.trace_conflicts)}; give one or the other")
     if args.time_scale != 1.0 and not args.trace:
         raise UsageError("qlab simulate: error: --time-scale applies only with --trace")
+    window = trace_window(args, args.load, "--load")
     if not args.trace and args.seconds is None and args.requests is None:
         args.seconds = 600.0
     model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
@@ -169,7 +178,7 @@ def cmd_simulate(args) -> int:
     schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
 
     def workload(seed: int) -> dict:
-        return dict(time_scale=args.time_scale, arrivals=args.arrivals, service=args.service, load=args.load,
+        return dict(window=window, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service, load=args.load,
                     engines=args.engines, speed=args.speed, seconds=args.seconds, requests=args.requests, seed=seed,
                     model=model, mean_service_s=args.mean_service, noise_cv=args.noise, patience=patience,
                     used=None if args.used is None else parse_used(args.used), **options)
@@ -246,14 +255,14 @@ def _simulate_parser(sub) -> None:
     p.set_defaults(func=cmd_simulate)
     p.add_argument("--policy", type=policy_spec, default="none", metavar="POLICY",
                    help=f"a preset ({', '.join(PRESETS)}) or module:Class, a qsim.policy.Policy of your own")
-    p.add_argument("--load", type=positive, action=Remember,
+    p.add_argument("--load", type=positive,
                    help=f"utilisation at the simulated speed: lambda = LOAD * K / E[true S] (default {DEFAULT_LOAD:g}; "
-                        "burst:N and periodic:N:PERIOD_S take none)")
+                        "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=positive, help="arrival window (default 600)")
+    length.add_argument("--seconds", type=positive, help="arrival window (default 600; with --trace: the file's "
+                                                          "whole length, or N seconds of it from --start)")
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
-    p.add_argument("--trace", help="replay a trace file (Azure LLM CSV or qlab .csv/.parquet)")
-    p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace's arrival times")
+    add_trace_flags(p, load_flag="--load")
     add_workload_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "

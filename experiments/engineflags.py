@@ -93,6 +93,9 @@ def engine_from_args(args) -> OneAtATime | Batching:
 def trace_options(args, engine, mix, model) -> dict:
     """build_trace's options for the engine: prompt lengths, and a batching engine's rate (load x its capacity)."""
     options = {} if args.prompts is None else {"prompts": args.prompts}
+    if isinstance(engine, Batching) and args.trace and args.load is not None:
+        raise ValueError("--load with --trace and --batching: a trace file's rate is scaled to engines x their "
+                         "one-at-a-time capacity, not a batch's; give the file's own rate (--time-scale)")
     if isinstance(engine, Batching) and not args.trace:
         if args.service != "mix":
             raise ValueError("--batching needs --service mix: a batching engine's steps count tokens")

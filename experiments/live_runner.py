@@ -6,7 +6,8 @@ so a model loads once per server, and a policy's server is already warm when
 its turn comes). Traces run one after another; within trace i the policies go
 in an order rotated by i, so no policy always runs first on a fresh machine or
 last on a tired one. A speed probe before and after each run measures the
-machine; the summary reports each run's effective load (nominal x measured speed).
+machine; the summary reports each run's effective load (nominal x total engine time over total calibrated
+time of the served, ``speed_in_run``; the median ratio of one request's beside it, ``speed_in_run_median``).
 
 Layout of OUT::
 
@@ -88,7 +89,7 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
                 speeds: tuple[float, float]) -> dict:
     """One run: what ran, how fast the machine was, outcomes and goodput, send lateness, agreement with qsim."""
     versus = compare.compare(frame).summary
-    in_run = versus["measured_speed"]
+    in_run = compare.engine_time_ratio(frame)  # the effective load's: total engine time over calibrated time
     probes = [s for s in speeds if math.isfinite(s)]
     speed = in_run if math.isfinite(in_run) else (sum(probes) / len(probes) if probes else math.nan)
     late = lateness(frame)
@@ -97,7 +98,7 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
     return {
         "trace": spec.name, "policy": policy, "position": position, "arrivals": spec.file or spec.arrivals,
         "nominal_load": nominal, "speed_before": speeds[0], "speed_in_run": in_run,
-        "speed_after": speeds[1], "effective_load": nominal * speed,
+        "speed_after": speeds[1], "speed_in_run_median": versus["measured_speed"], "effective_load": nominal * speed,
         **metrics.summary(frame, trace.duration_s or None),
         "send_lateness_p99_s": late["p99_s"], "send_lateness_max_s": late["max_s"],
         "retry_send_lateness_p99_s": lateness(frame, retries=True)["p99_s"],

@@ -20,10 +20,13 @@ from inputs.argtypes import count, non_negative, positive, positive_int, renamed
 from inputs.atomic import write_parquet
 from qsim import ServiceModel, build_trace, records
 from qsim.records import OUTCOMES
+from qsim.runfile import SPEED_PROBES
 from qsim.workload import ARRIVALS, arrivals_take_load
 
 from live.contract import Stats
 from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS
+
+from .simflags import add_trace_flags, trace_window
 
 
 def _model(path: str | None) -> ServiceModel:
@@ -43,11 +46,15 @@ def _server_engines(url: str) -> int:
 
 def _trace(args, patience=None):
     model = _model(args.service_model)
-    engines = 1 if args.trace else args.engines or _server_engines(args.url)  # a trace file has its own rate
+    load = _nominal_load(args)
+    window = trace_window(args, load, "--nominal-load")  # what a trace file cannot take, refused before asking the server
+    # A trace file at its own rate needs no engine count; scaled to a nominal load, it is per engine as synthetic
+    # arrivals are.
+    engines = 1 if args.trace and load is None else args.engines or _server_engines(args.url)
     # A nominal load is relative to the calibrated capacity: make_trace at speed 1 (the calibration).
-    return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=_nominal_load(args),
+    return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=load,
                        engines=engines, seconds=args.seconds, requests=args.requests, default_seconds=DEFAULT_SECONDS,
-                       seed=args.seed, model=model, patience=patience)
+                       seed=args.seed, model=model, patience=patience, window=window)
 
 
 def _clients(args):
@@ -68,17 +75,35 @@ def _nominal_load(args) -> float | None:
 
 
 def _print_effective_load(args, frame: pd.DataFrame) -> None:
-    """The nominal load beside the effective one: nominal x the speed measured in this run."""
+    """The nominal load beside the effective one: nominal x total engine time over total calibrated time of the
+    served (the median ratio of one request's times beside it)."""
     nominal = _nominal_load(args)
-    if args.trace or nominal is None:
-        return  # a trace file or a burst has no nominal load of its own
-    from analysis.compare import measured_speed
+    if nominal is None:
+        return  # a trace file at its own rate, or a burst, has no nominal load of its own
+    from analysis.compare import engine_time_ratio, measured_speed
 
-    speed = measured_speed(frame)
-    if math.isfinite(speed):  # NaN when nothing was served
-        print(f"nominal load {nominal:g} x measured speed {speed:.3f} = effective load {nominal * speed:.3g}")
+    ratio = engine_time_ratio(frame)
+    if math.isfinite(ratio):  # NaN when nothing was served
+        print(f"nominal load {nominal:g} x engine time / calibrated time {ratio:.3f} = effective load "
+              f"{nominal * ratio:.3g} (median ratio of one request's {measured_speed(frame):.3f})")
     else:
         print(f"nominal load {nominal:g}; effective load unknown (nothing was served to measure the speed)")
+
+
+def _probe(args) -> float:
+    """With ``--probe N``: the machine's speed over the server's own calibration, from N requests sent one at a
+    time (:func:`live.calibrate.probe`); NaN without it."""
+    if not args.probe:
+        return math.nan
+    from live.calibrate import probe
+    from live.rows import server_info
+
+    url = args.url.rstrip("/")
+    try:
+        model = server_info(httpx.get(f"{url}/stats", timeout=10.0).json()).config.model
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ValueError(f"--probe: cannot read {url}/stats (it needs a qlab gate): {exc}") from None
+    return probe(url, model, args.probe, prompt_words=args.prompt_words)
 
 
 def _print_outcomes(frame: pd.DataFrame) -> None:
@@ -192,7 +217,12 @@ def cmd_replay(args) -> int:
     check_patience(trace)
     api = "" if cfg.api == "qlab" else " (OpenAI-compatible /v1/completions, streamed)"
     print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}", flush=True)
+    before = _probe(args)
     frame = records.validate(judged(replay(trace, cfg)))  # TTFT and TPOT where it streamed, judged by every objective
+    if args.probe:  # the columns qlab live writes: what qlab compare --predict runs the model at
+        frame[SPEED_PROBES[0]], frame[SPEED_PROBES[1]] = before, _probe(args)
+        print(f"speed probe ({args.probe} requests, one at a time): {before:.3f} before, "
+              f"{float(frame[SPEED_PROBES[1]].iloc[0]):.3f} after")
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
     late = lateness(frame)
     _print_outcomes(frame)
@@ -226,17 +256,17 @@ def _replay_parser(sub) -> None:
                                                           "x-slo-ttft-ms and judged in goodput (docs/metrics.md)")
     p.add_argument("--slo-tpot-ms", type=positive, help="an objective for the time per output token after the "
                                                           "first: sent as x-slo-tpot-ms and judged in goodput")
-    p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of a synthetic one")
-    p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace file's arrival times")
+    add_trace_flags(p, load_flag="--nominal-load")
     p.add_argument("--arrivals", default="poisson", help=" | ".join(ARRIVALS))
     p.add_argument("--nominal-load", type=positive,
                    help="arrival rate over the calibrated capacity of the engines (the run reports the effective "
-                        f"load: nominal x the speed it measured; default {DEFAULT_NOMINAL_LOAD:g}; burst:N and "
-                        "periodic:N:PERIOD_S take none)")
+                        f"load: nominal x its engine time over the calibrated time; default {DEFAULT_NOMINAL_LOAD:g}; "
+                        "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
     p.add_argument("--load", action=renamed("--nominal-load", "a replay's rate is relative to the calibrated "
                                             "capacity, not the utilisation at the machine's unknown speed"))
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=positive, help="arrival window (default 40)")
+    length.add_argument("--seconds", type=positive, help="arrival window (default 40; with --trace: the file's whole "
+                                                          "length, or N seconds of it from --start)")
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
     p.add_argument("--engines", type=positive_int, help="engines the load is spread over (default: the server's)")
     p.add_argument("--seed", type=count, default=1)
@@ -254,6 +284,10 @@ def _replay_parser(sub) -> None:
                    help="qlab: POST /v1/generate (default); openai: POST /v1/completions, streamed, on any "
                         "OpenAI-compatible server (a qlab gate or e.g. vLLM), recording the time to the first token")
     p.add_argument("--model", help="--api openai: the model to ask for (default: the first GET /v1/models lists)")
+    p.add_argument("--probe", type=count, default=0, metavar="N",
+                   help="send N requests one at a time before the replay and after it to measure the machine's speed "
+                        "over the server's calibration; recorded as speed_before and speed_after, which qlab compare "
+                        "--predict runs the model at (default 0: no probe; a qlab gate only)")
     p.add_argument("--late-warn-ms", type=positive, default=5.0, help="warn when the p99 send lateness passes this")
     p.add_argument("--out", required=True, help="the run's .parquet file")
     clientflags.add_flags(p)
@@ -382,11 +416,12 @@ def _print_prediction(args, result) -> int:
     table = result.table
     if args.json:
         print(json.dumps({"speed": result.speed, "speed_source": result.speed_source, "noise_cv": result.noise_cv,
-                          "seeds": len(result.per_seed), "metrics": table.to_dict(orient="index")}, indent=2))
+                          "noise_source": result.noise_source, "seeds": len(result.per_seed),
+                          "metrics": table.to_dict(orient="index")}, indent=2))
         return 0
     print(f"{args.run}: predicted from its arrivals alone, service times from the calibrated model at speed "
-          f"{result.speed:.3f} ({result.speed_source}) x lognormal noise CV {result.noise_cv:g}, "
-          f"{len(result.per_seed)} seeds")
+          f"{result.speed:.3f} ({result.speed_source}) x lognormal noise CV {result.noise_cv:g} "
+          f"({result.noise_source}), {len(result.per_seed)} seeds")
     print("95 % interval: Student-t of the mean across seeds; seeds 2.5-97.5 %: where one run would land")
     shown = table[["live", "sim_mean", "ci_low", "ci_high", "seeds_p2_5", "seeds_p97_5", "error", "relative_error"]]
     print(shown.to_string(float_format=lambda v: f"{v:.4g}"))
@@ -409,8 +444,9 @@ def _compare_parser(sub) -> None:
                         "before the run, over --seeds seeds of noise; report share in time, goodput and p50/p99 "
                         "latency against the run's, with 95 %% intervals")
     p.add_argument("--seeds", type=positive_int, default=20, help="--predict: seeds of the model's noise")
-    p.add_argument("--noise-cv", type=non_negative, default=0.1,
-                   help="--predict: CV of the lognormal noise on modelled service times (default 0.1)")
+    p.add_argument("--noise-cv", type=non_negative,
+                   help="--predict: CV of the lognormal noise on modelled service times (default: the server's "
+                        "noise setting, recorded in the run file's engine_info; 0.1 where it does not say)")
 
 
 # ------------------------------------------------------------------ live

@@ -1,4 +1,6 @@
-"""The workload, engine and client options that ``qlab simulate`` and ``qlab capacity`` share, written once.
+"""The workload, engine and client options that ``qlab simulate`` and ``qlab capacity`` share, written once;
+and the trace file's options that ``qlab simulate`` and ``qlab replay`` share (:func:`add_trace_flags`,
+:func:`trace_window`).
 
 Each command adds its own ``--policy``, ``--load`` and length options, and its output options.
 """
@@ -10,6 +12,7 @@ import argparse
 from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int
 from qsim.service import parse_schedule
+from qsim.tracefiles import TraceWindow
 from qsim.workload import ARRIVALS
 
 from .config import parse_used
@@ -65,3 +68,33 @@ def add_workload_options(p: argparse.ArgumentParser, *, seeds: int = 1, several_
     p.add_argument("--seed", type=count, default=1)
     p.add_argument("--seeds", type=positive_int, default=seeds, help=f"replications, seeds SEED..SEED+N-1 (default {seeds})")
     clientflags.add_flags(p)
+
+
+def add_trace_flags(p: argparse.ArgumentParser, *, load_flag: str) -> None:
+    """--trace, --time-scale and --start (``load_flag``: the command's load option, which with --trace sets the
+    file's rate; --seconds is the command's own, a window of the file with --trace)."""
+    p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of synthetic arrivals")
+    p.add_argument("--time-scale", type=positive, default=1.0, help="--trace: multiply the file's arrival times")
+    p.add_argument("--start", type=non_negative, metavar="S",
+                   help="--trace: take the requests arriving from S seconds into the file (its own clock, after "
+                        "--time-scale), their times shifted to start at 0; with --seconds N, those in [S, S+N). "
+                        f"{load_flag} with --trace scales the window's times so that its mean rate is that load "
+                        "x the engines' capacity at its requests' mean service time (docs/simulate.md)")
+
+
+def trace_window(args, load: float | None, load_flag: str) -> TraceWindow | None:
+    """The window of the trace file that --start, --seconds and the load (given as ``load``, None when left out;
+    ``load_flag`` names it) ask for (None without --trace; the load is of the engines build_trace is given);
+    ValueError, one line, for what a trace file cannot
+    take: --requests (a window is in seconds), --start without --trace, and a load beside --time-scale (both
+    would set the file's rate)."""
+    if not args.trace:
+        if args.start is not None:
+            raise ValueError("--start applies only with --trace")
+        return None
+    if args.requests is not None:
+        raise ValueError("--requests applies to synthetic arrivals; with --trace take a window with --start and "
+                         "--seconds")
+    if load is not None and args.time_scale != 1.0:
+        raise ValueError(f"{load_flag} and --time-scale both set the trace's rate: give one or the other")
+    return TraceWindow(args.start, args.seconds, load)

@@ -43,7 +43,7 @@ max_attempts = 3
 name = "poisson"
 arrivals = "poisson"     # poisson | constant | gamma:CV | periodic:PERIOD_S, or burst:N | periodic:N:PERIOD_S (no load)
 nominal_load = [0.5, 1.0]  # arrival rate / the calibrated capacity of `engines` engines (the summary
-                         # adds effective_load = nominal x measured speed); `load` is refused
+                         # adds effective_load = nominal x engine time / calibrated time); `load` is refused
 seconds = 40             # or requests = N (a burst needs neither)
 seed = 1
 # file = "trace.csv"     # a trace file instead (arrivals/nominal_load/seconds then unused); time_scale = 1.0

@@ -55,7 +55,7 @@ import pandas as pd
 
 from qsim import Policy, ServiceModel, Trace, preset, records
 from qsim.config import ServerConfig, StallRule
-from qsim.runfile import ClientSettings, server_columns
+from qsim.runfile import ClientSettings, engine_columns, server_columns
 from qsim.service import SpeedSchedule
 from qsim.policy import on_time, policy_from_fields
 
@@ -75,12 +75,14 @@ class ServerInfo:
     speed_schedule: SpeedSchedule | None = None
     schedule_zero: float = math.nan
     model_known: bool = True  # the server reported its calibration (config.model); else the trace's estimates stand
+    engine: dict | None = None  # the engine's info() in /stats (None: not said), for the model-only prediction
 
     def columns(self, n: int, server_zero: float = math.nan) -> dict[str, Any]:
-        """Constant per-run columns (:func:`qsim.runfile.server_columns`): the contract between a run file and
-        ``qlab compare``. server_zero: the server's clock at the run's time 0, which puts the speed schedule
-        on the run's clock."""
-        return server_columns(self.config, n, self._schedule_on_run_clock(server_zero))
+        """Constant per-run columns (:func:`qsim.runfile.server_columns`, :func:`qsim.runfile.engine_columns`):
+        the contract between a run file and ``qlab compare``. server_zero: the server's clock at the run's time 0,
+        which puts the speed schedule on the run's clock."""
+        return {**server_columns(self.config, n, self._schedule_on_run_clock(server_zero)),
+                **engine_columns(self.engine, n)}
 
     def _schedule_on_run_clock(self, server_zero: float) -> str | None:
         """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a step before
@@ -132,7 +134,8 @@ def server_info(stats: Any) -> ServerInfo:
             stall=StallRule(*stall_rule) if stall_rule and all(map(math.isfinite, stall_rule)) else StallRule())
     if math.isfinite(factor) and factor > 0:
         config = config.replace(initial_speed_factor=factor)
-    return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known)
+    engine = None if parsed.engine is None else parsed.engine.model_dump(mode="json")
+    return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known, engine=engine)
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,35 @@ def client_settings(run: pd.DataFrame) -> tuple[ClientSettings, np.ndarray]:
     until = run["patience_until"].dropna() if "patience_until" in run.columns else pd.Series([], dtype=object)
     return (ClientSettings(retry, int(seed.iloc[0]) if len(seed) else 0, str(until.iloc[0]) if len(until) else "answer"),
             patience)
+
+
+# ---------------------------------------------------------------- what the model-only prediction reads
+
+#: The column holding the engine's own description (its ``info()`` in the gate's /stats) as JSON: what
+#: ``qlab compare --predict`` reads of the engine (the synthetic engine's noise and speed settings, a GPT-2
+#: engine's model). A run file from before it lacks the column (:func:`engine_info` is then None).
+ENGINE_INFO = "engine_info"
+#: The speed probes a run file may carry (``qlab live``, ``qlab replay --probe``): the machine's speed over
+#: the calibration, one request at a time on the idle server, before and after the run.
+SPEED_PROBES = ("speed_before", "speed_after")
+
+
+def engine_columns(info: dict | None, n: int) -> dict[str, Any]:
+    """The constant column a run file of ``n`` rows gets from its engine's description (None: not known)."""
+    text = None if info is None else json.dumps(info, sort_keys=True, default=str)
+    return {ENGINE_INFO: pd.array([text] * n, dtype="string")}
+
+
+def engine_info(run: pd.DataFrame) -> dict | None:
+    """The engine's description that the run file recorded; None where it does not say (an older run file, or a
+    server that is not a qlab gate)."""
+    raw = constant(run, ENGINE_INFO) if ENGINE_INFO in run.columns and not run.empty else None
+    return None if raw is None else json.loads(str(raw))
+
+
+def speed_probe(run: pd.DataFrame) -> float:
+    """The speed probed before the run (NaN where the run file has no probe)."""
+    if SPEED_PROBES[0] not in run.columns:
+        return math.nan
+    probes = run[SPEED_PROBES[0]].astype(float).dropna()
+    return float(probes.iloc[0]) if len(probes) else math.nan

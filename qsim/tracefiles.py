@@ -8,8 +8,10 @@ builds on :mod:`qsim.workload` and never the other way round (tests/test_layout.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from .clients import Patience
 from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
 from .chunks import TraceChunks
-from .workload import (REFERENCE_MIX, Mix, Trace, TracePlan, assemble_trace, lognormal_noise, plan_trace,
+from .workload import (REFERENCE_MIX, Mix, Trace, TracePlan, assemble_trace, load_rate, lognormal_noise, plan_trace,
                        random_streams, used_tokens)
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
@@ -196,6 +198,73 @@ def load_trace(
                           patience_s=patience_col, tokens_generated=generated)
 
 
+# ---------------------------------------------------------------- a window of a trace file
+
+
+@dataclass(frozen=True)
+class TraceWindow:
+    """Which part of a trace file a run takes, and at what rate: ``--start``, ``--seconds`` and the load
+    (``qlab simulate --load``, ``qlab replay --nominal-load``) beside ``--trace``.
+
+    The window is on the file's clock (its arrival times as read, after ``--time-scale``): the requests that
+    arrive in [start_s, start_s + seconds), their times shifted by start_s so that the run starts at 0.
+    start_s None: at the file's first request; seconds None: to its last. The window's length is ``seconds``,
+    or less where the file ends sooner (its last request then closes it); rates (goodput) are over it.
+
+    With ``load``, the window's times (and its length) are then multiplied by one factor so that its mean
+    rate, its requests over its length, is ``load`` x the capacity of the run's engines (K, given to
+    :meth:`apply`; build_trace's ``engines``) at its requests' mean true service time: lambda = load * K / mean(true S) (:func:`qsim.workload.load_rate`, synthetic
+    arrivals' rule, with the window's own requests as the mix). The gaps keep their shape; each request
+    keeps its sizes, deadline, client and patience. The true service times are those the trace was built
+    with: at the simulated speed in ``qlab simulate``, the calibration's (speed 1) in ``qlab replay``, so
+    that the load means there what the command's load means for synthetic arrivals.
+    """
+
+    start_s: float | None = None
+    seconds: float | None = None
+    load: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_s is not None and not (self.start_s >= 0 and math.isfinite(self.start_s)):
+            raise ValueError(f"a trace window's start must be a number of seconds >= 0, got {self.start_s}")
+        for name in ("seconds", "load"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"a trace window's {name} must be a positive number, got {value}")
+
+    @property
+    def whole(self) -> bool:
+        """Nothing asked: the file as it is."""
+        return self.start_s is None and self.seconds is None and self.load is None
+
+    def apply(self, trace: Trace, engines: int = 1) -> Trace:
+        """The window of ``trace`` (arrivals sorted, as :func:`load_trace` reads them); ValueError when it holds
+        no request, or when a load is asked of a window with no length to take a rate over."""
+        if self.whole or len(trace) == 0:
+            return trace
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        arrival = trace.arrival_s
+        start = float(arrival[0]) if self.start_s is None else self.start_s
+        end = math.inf if self.seconds is None else start + self.seconds
+        lo, hi = (int(i) for i in np.searchsorted(arrival, [start, end], side="left"))
+        if lo == hi:
+            raise ValueError(f"{trace.name}: no request arrives in [{start:g}, {end:g}) s (its arrivals run from "
+                             f"{arrival[0]:g} to {arrival[-1]:g} s)")
+        length = min(end, float(arrival[-1])) - start
+        factor = 1.0
+        if self.load is not None:
+            if not length > 0:
+                raise ValueError(f"{trace.name}: the window [{start:g}, {end:g}) s has no length to take a rate "
+                                 "over (its requests arrive at one instant): a load cannot scale it")
+            part = trace.true_service_s[lo:hi]
+            factor = (hi - lo) / length / load_rate(self.load, engines, float(part.mean()))
+        window = dict(start_s=start, seconds=self.seconds, load=self.load, engines=engines,
+                      time_factor=factor, requests_in_file=len(trace))
+        return dataclasses.replace(trace.rows(lo, hi), arrival_s=(arrival[lo:hi] - start) * factor,
+                                   duration_s=length * factor, meta={**trace.meta, "window": window})
+
+
 # ---------------------------------------------------------------- a trace from options
 
 
@@ -204,28 +273,31 @@ FILE_OPTIONS = ("model", "mix", "speed", "noise_cv", "seed", "patience", "used")
 
 
 def build_trace(file: str | Path | None = None, *, time_scale: float = 1.0, default_seconds: float | None = None,
-                **options) -> Trace:
+                window: TraceWindow | None = None, **options) -> Trace:
     """The trace that a command's options describe; every command (simulate, replay, live, sweep) builds it here.
 
     ``options`` are :func:`make_trace`'s (``arrivals`` and ``service`` by name). With ``file``: that trace
     file, read by :func:`qsim.tracefiles.load_trace` (``time_scale`` and the :data:`FILE_OPTIONS` apply; the
     arrival and length options do not, and a file brings its own clients, in its client_id and priority
-    columns; ``patience`` None keeps the file's patience_s column, if any). Otherwise :func:`make_trace`,
+    columns; ``patience`` None keeps the file's patience_s column, if any; ``window``, a :class:`TraceWindow`,
+    takes part of it at a rate of its own). Otherwise :func:`make_trace`,
     ``default_seconds`` long when neither ``seconds`` nor ``requests`` is given (a burst's length is its size
     whatever they are).
     """
-    source = _source(file, time_scale, default_seconds, options)
+    source = _source(file, time_scale, default_seconds, options, window)
     return source if isinstance(source, Trace) else source.trace()
 
 
 def build_chunks(size: int, file: str | Path | None = None, *, time_scale: float = 1.0,
-                 default_seconds: float | None = None, **options) -> TraceChunks:
+                 default_seconds: float | None = None, window: TraceWindow | None = None, **options) -> TraceChunks:
     """:func:`build_trace`'s trace ``size`` requests at a time (what a streamed run reads, :mod:`qsim.stream`):
-    a synthetic one drawn a chunk at a time (:meth:`qsim.workload.TracePlan.chunks`), a file read whole and cut."""
-    return _source(file, time_scale, default_seconds, options).chunks(size)
+    a synthetic one drawn a chunk at a time (:meth:`qsim.workload.TracePlan.chunks`), a file read whole, its
+    window taken, and cut."""
+    return _source(file, time_scale, default_seconds, options, window).chunks(size)
 
 
-def _source(file, time_scale: float, default_seconds: float | None, options: dict) -> Trace | TracePlan:
+def _source(file, time_scale: float, default_seconds: float | None, options: dict,
+            window: TraceWindow | None = None) -> Trace | TracePlan:
     unknown = set(options) - set(inspect.signature(plan_trace).parameters)
     if unknown:
         raise TypeError(f"build_trace() got unexpected options: {', '.join(sorted(unknown))}")
@@ -233,7 +305,10 @@ def _source(file, time_scale: float, default_seconds: float | None, options: dic
         if options.get("clients"):
             raise ValueError("a trace file brings its own clients (its client_id and priority columns); "
                              "workload clients apply to synthetic arrivals")
-        return load_trace(file, time_scale, **{k: v for k, v in options.items() if k in FILE_OPTIONS})
+        trace = load_trace(file, time_scale, **{k: v for k, v in options.items() if k in FILE_OPTIONS})
+        return trace if window is None else window.apply(trace, options.get("engines", 1))
+    if window is not None and not window.whole:
+        raise ValueError("a trace window (start, seconds and load of a trace file) applies to a trace file")
     if options.get("seconds") is None and options.get("requests") is None:
         options["seconds"] = default_seconds
     return plan_trace(**options)

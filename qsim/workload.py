@@ -738,6 +738,13 @@ def trace_chunks(size: int, **options) -> TraceChunks:
     return plan_trace(**options).chunks(size)
 
 
+def load_rate(load: float, engines: int, mean_true_s: float) -> float:
+    """Requests per second at utilisation ``load`` of ``engines`` engines whose requests take ``mean_true_s``
+    on average: lambda = load * K / E[true S] (synthetic arrivals here, a trace file's window in
+    :class:`qsim.tracefiles.TraceWindow`)."""
+    return load * engines / mean_true_s
+
+
 def plan_trace(
     arrivals: str = "poisson",
     service: str = "mix",
@@ -811,8 +818,8 @@ def plan_trace(
     if load is None:  # a sized process's rate is its own: a burst has none, periodic bursts of N one every period
         rate = numbers[0] / numbers[1] if kind == "periodic" else math.nan
     else:
-        rate = load * engines / (speed * mean_s) if capacity_rps is None else load * capacity_rps
-    surge_rate = numbers[2] * engines / (speed * mean_s) if kind == "surge" else math.nan
+        rate = load_rate(load, engines, speed * mean_s) if capacity_rps is None else load * capacity_rps
+    surge_rate = load_rate(numbers[2], engines, speed * mean_s) if kind == "surge" else math.nan
     meta = dict(arrivals=arrivals, service=service, load=load, engines=engines, speed=speed,
                 seed=seed, rate=rate, mean_service_s=mean_s, noise_cv=noise_cv)
     if clients:

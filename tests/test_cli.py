@@ -156,7 +156,8 @@ def test_theory_exit_status_on_a_judged_failure(capsys, monkeypatch):
         (["simulate", "--arrivals", "gamma:x"], "arrival process"),
         (["simulate", "--seconds", "5", "--requests", "5"], "not allowed with"),
         (["simulate", "--trace", "missing.csv"], "no such trace file"),
-        (["simulate", "--trace", "missing.csv", "--load", "2"], "--trace replaces"),
+        (["simulate", "--trace", "missing.csv", "--arrivals", "gamma:2"], "--trace replaces"),
+        (["simulate", "--trace", "missing.csv", "--load", "2"], "no such trace file"),  # a trace file takes a load
         (["simulate", "--time-scale", "2"], "--time-scale applies only"),
         (["simulate", "--mean-service", "0.2"], "mean-service"),
         # A process of its own size ignores a load: giving one is refused, not run as if it mattered.

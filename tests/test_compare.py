@@ -376,4 +376,6 @@ def test_a_live_overload_run_is_replayed_request_by_request(servers, tmp_path, c
     assert main(["compare", str(path), "--predict", "--seeds", "3", "--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert set(predicted["metrics"]) == {"share_good", "goodput_rps", "latency_p50_s", "latency_p99_s"}
-    assert "no probe" in predicted["speed_source"]
+    # Nothing passed by hand: the run file says the engine is synthetic, at speed 1 and without noise.
+    assert "the synthetic engine's speed setting" in predicted["speed_source"] and predicted["speed"] == 1.0
+    assert "noise setting" in predicted["noise_source"] and predicted["noise_cv"] == 0.0
