@@ -84,10 +84,9 @@ def add_trace_flags(p: argparse.ArgumentParser, *, load_flag: str) -> None:
 
 def trace_window(args, load: float | None, load_flag: str) -> TraceWindow | None:
     """The window of the trace file that --start, --seconds and the load (given as ``load``, None when left out;
-    ``load_flag`` names it) ask for (None without --trace; the load is of the engines build_trace is given);
-    ValueError, one line, for what a trace file cannot
-    take: --requests (a window is in seconds), --start without --trace, and a load beside --time-scale (both
-    would set the file's rate)."""
+    ``load_flag`` names it) ask for (None without --trace; the load is of the engines build_trace is given).
+    ValueError, one line, for what a trace file cannot take: --requests (a window is in seconds), --start
+    without --trace, and a load beside --time-scale (both would set the file's rate)."""
     if not args.trace:
         if args.start is not None:
             raise ValueError("--start applies only with --trace")

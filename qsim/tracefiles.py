@@ -213,9 +213,10 @@ class TraceWindow:
 
     With ``load``, the window's times (and its length) are then multiplied by one factor so that its mean
     rate, its requests over its length, is ``load`` x the capacity of the run's engines (K, given to
-    :meth:`apply`; build_trace's ``engines``) at its requests' mean true service time: lambda = load * K / mean(true S) (:func:`qsim.workload.load_rate`, synthetic
-    arrivals' rule, with the window's own requests as the mix). The gaps keep their shape; each request
-    keeps its sizes, deadline, client and patience. The true service times are those the trace was built
+    :meth:`apply`; build_trace's ``engines``) at its requests' mean true service time:
+    lambda = load * K / mean(true S) (:func:`qsim.workload.load_rate`, synthetic arrivals' rule, with the
+    window's own requests as the mix). The gaps keep their shape; each request keeps its sizes, deadline,
+    client and patience; the factor is in the trace's ``meta["window"]["time_factor"]``. The true service times are those the trace was built
     with: at the simulated speed in ``qlab simulate``, the calibration's (speed 1) in ``qlab replay``, so
     that the load means there what the command's load means for synthetic arrivals.
     """
@@ -227,8 +228,7 @@ class TraceWindow:
     def __post_init__(self) -> None:
         if self.start_s is not None and not (self.start_s >= 0 and math.isfinite(self.start_s)):
             raise ValueError(f"a trace window's start must be a number of seconds >= 0, got {self.start_s}")
-        for name in ("seconds", "load"):
-            value = getattr(self, name)
+        for name, value in (("seconds", self.seconds), ("load", self.load)):
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"a trace window's {name} must be a positive number, got {value}")
 
