@@ -62,9 +62,11 @@ arrival that diverged or met a different queue.
 
 **Prediction** (:func:`predict`): would the simulator have predicted this run?
 Only the arrivals are kept; service times come from the calibrated model at the
-speed probed before the run (``speed_before``, from ``qlab live``; a run of
-``qlab replay`` alone has no probe, and the server's speed factor at the run's
-start stands in), times lognormal noise of a given CV, over many seeds. Share
+run's speed (:func:`prediction_speed`: the synthetic engine's setting, else the
+probe before the run, ``speed_before`` from ``qlab live`` or ``qlab replay --probe``,
+else the server's speed factor at the run's start), times lognormal noise
+(:func:`prediction_noise`: the synthetic engine's ``--noise`` as the run file's
+``engine_info`` records it, else :data:`DEFAULT_NOISE_CV`), over many seeds. Share
 in time, goodput and latency percentiles are compared with the live run's, with
 95 % Student-t intervals of the mean across seeds and the 2.5-97.5 % range of
 the seeds, as Vidur-like simulators report their error.
