@@ -60,6 +60,19 @@ whose trajectory diverged (outcome, engine start or end differ by more than
 :data:`TOLERANCE_S`). The first divergence is the gate time of the first
 arrival that diverged or met a different queue.
 
+That split says how a disagreement spread, not why it began (a systematically wrong rule reads as
+one independent disagreement and a long cascade). Each attempt apart (diverged, met another queue, or
+disagrees) is also given a **cause** (:func:`_causes`, :data:`CAUSES`): the numbers each side
+recorded as its admission decision's inputs (estimate, waiting count and work, work left in service,
+idle engines, deadline, priority: qsim.policy.decide's arguments) are put into
+:func:`qsim.policy.decide`; where its answer is not the decision that side recorded, the simulator,
+given that queue state, would have decided otherwise: a **rule** difference (a bug). Where both
+sides decided as decide does, the states they met differed, or they parted after admission:
+**timing** (a run that ended a few ms apart, a hang-up heard earlier). **unknown** where no decision
+can be checked and the two differ (a live client that hung up unanswered has no numbers). An
+attempt one side never sent takes the cause of the attempt before it. :func:`first_divergence`
+names the first one's cause and what told the two apart.
+
 **Prediction** (:func:`predict`): would the simulator have predicted this run?
 Only the arrivals are kept; service times come from the calibrated model at the
 run's speed (:func:`prediction_speed`: the synthetic engine's setting, else the
@@ -86,8 +99,8 @@ import pandas as pd
 from qsim import from_arrays, simulate
 from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
-from qsim.outcomes import ANSWERED, OUTCOMES, Outcome, Reason
-from qsim.policy import on_time
+from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Outcome, Reason
+from qsim.policy import Policy, decide, on_time, reads_more
 from qsim.runfile import engine_info, server_config, speed_probe, speed_schedule
 from qsim.service import SpeedSchedule
 from qsim.workload import lognormal_noise
@@ -117,6 +130,18 @@ RULES = {"held": "returned - started (what the gate counted busy)",
          "estimate": "never started: calibrated estimate x speed factor at its arrival",
          "cancelled": "its client hung up while it ran: until the hang-up reached the gate",
          "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts"}
+#: Why a divergence began (column cause; :func:`_causes`).
+CAUSES = {"rule": "the numbers one side decided on, put into qsim.policy.decide, give another answer than the one it "
+                  "recorded: the gate and the simulator do not run the same rule (a bug)",
+          "timing": "each side decided as decide does on the queue it met: the queue states differed, or the two "
+                    "parted after admission (a start, an end, a hang-up at another time)",
+          "unknown": "no decision can be checked (no numbers recorded: a client that hung up unanswered, or a rule "
+                     "that reads more than the record holds) and the two sides' decisions differ"}
+#: Refusals qsim.policy.decide gives (rate_limited comes from a client's bucket, before it).
+DECIDE_REASONS = tuple(str(r) for r in REJECT_REASONS if r != Reason.RATE_LIMITED)
+#: What the built-in rule reads, as record columns (besides deadline_s), per side in the joined frame.
+DECIDED_ON = ("est_service_s", "queued_at_arrival", "queued_work_at_arrival_s", "in_service_work_at_arrival_s",
+              "idle_at_arrival", "priority")
 
 
 def run_setup(run: pd.DataFrame) -> ServerConfig:
@@ -605,11 +630,11 @@ def join(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid | None = None) ->
         heard = 0.0 if unsaid is None else unsaid.notice(run["first_request_id"])
         live_end = np.where(hung, run["hangup_s"].to_numpy(float) + heard, live_end)
     live = run[["request_id", *KEYS, "size_class", "max_new_tokens", "deadline_s", "outcome", "reason", "arrival_s",
-                "finish_s", "queued_at_arrival", "queued_work_at_arrival_s"]].assign(
+                "finish_s", *DECIDED_ON]].assign(
         gate_arrival_s=arrival, live_start_s=known["engine_started_s"].to_numpy(),
         live_end_s=live_end, live_speed_factor=known["arrival_speed_factor"].to_numpy())
     simmed = sim[["request_id", *KEYS, "outcome", "reason", "arrival_s", "start_s", "finish_s", "latency_s",
-                  "queued_at_arrival", "queued_work_at_arrival_s", "speed_factor_at_arrival", "replayed_with",
+                  *DECIDED_ON, "speed_factor_at_arrival", "replayed_with",
                   "size_class", "max_new_tokens", "deadline_s"]].rename(
         columns={"start_s": "sim_start_s", "finish_s": "sim_end_s", "latency_s": "sim_gate_latency_s",
                  "speed_factor_at_arrival": "sim_speed_factor", "arrival_s": "sim_arrival_s",
@@ -641,7 +666,7 @@ def join(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid | None = None) ->
     answered = both["live_outcome"].isin(ANSWERED) & both["sim_outcome"].isin(ANSWERED)
     both["latency_error_s"] = (both["sim_latency_s"] - both["live_latency_s"]).where(answered)
     both["modelled"] = (both["live_outcome"].ne("error") | both["live_reason"].isin(ENGINE_REASONS)).astype(bool)
-    return _divergence(both)
+    return _causes(_divergence(both), run_setup(run))
 
 
 def per_request(run: pd.DataFrame, joined: pd.DataFrame) -> pd.DataFrame:
@@ -708,6 +733,117 @@ def _divergence(both: pd.DataFrame) -> pd.DataFrame:
     return b.sort_values("request_id", ignore_index=True)
 
 
+def _checkable(policy: Policy) -> bool:
+    """Whether a record holds every number this policy's admission rule reads: the built-in rule over the
+    brief's numbers (no plug-in rule, queued tokens, shedding draw, objectives or memory, reserved class, or a
+    discipline that serves some arrivals ahead of others, as the queue core's own test for it)."""
+    return (type(policy).decide is Policy.decide and not reads_more(policy) and policy.reserve_min_s is None
+            and getattr(policy.make_discipline(), "ahead_s", None) is None)
+
+
+def _decisions(b: pd.DataFrame, side: str, setup: ServerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, one side's admission decision as recorded ("admit" or the refusal's reason) and what
+    :func:`qsim.policy.decide` answers on the numbers that side recorded; None where unknown (not sent, no
+    numbers, a refusal decide does not give, or a policy whose rule reads more than the record)."""
+    outcome = b["live_outcome" if side == "live" else "sim_outcome_at_gate"].astype(object).to_numpy()
+    reason = b[f"{side}_reason"].astype(object).to_numpy()
+    numbers = {c: b[f"{c}_{side}"].astype("Float64").to_numpy(dtype=float, na_value=np.nan) for c in DECIDED_ON}
+    deadline = b["deadline_s"].to_numpy(float)
+    policy, engines = setup.policy, setup.engine.engines
+    checkable = _checkable(policy)
+    recorded, rule = np.full(len(b), None, dtype=object), np.full(len(b), None, dtype=object)
+    for i in range(len(b)):
+        values = [numbers[c][i] for c in DECIDED_ON]
+        said = all(math.isfinite(v) for v in values)
+        if (pd.isna(outcome[i]) or outcome[i] == NOT_SENT or (outcome[i] == "error" and not said)
+                or (outcome[i] == "rejected" and reason[i] == Reason.RATE_LIMITED)):
+            continue  # not sent, a transport failure, or refused before the rule
+        # Any other outcome was admitted; one whose client hung up too (a refusal is answered at once).
+        recorded[i] = reason[i] if outcome[i] == "rejected" else "admit"
+        if not checkable or not said:
+            continue
+        est, queued, work, in_service, idle, priority = values
+        due = deadline[i] if math.isfinite(deadline[i]) else policy.deadline_s
+        refusal = decide(policy, int(queued), work, in_service, est, due, engines, int(idle), int(priority))
+        rule[i] = "admit" if refusal is None else str(refusal.reason)
+    return recorded, rule
+
+
+def _agrees(recorded, rule) -> bool | None:
+    """Whether decide's answer is the recorded decision (the reason too, where it is one decide gives; the
+    gate's deadline_too_short is decide's refusal in its HTTP words); None where either is unknown."""
+    if pd.isna(recorded) or pd.isna(rule):  # None, or NaN once in a frame
+        return None
+    if recorded == "admit" or rule == "admit" or recorded not in DECIDE_REASONS:
+        return (recorded == "admit") == (rule == "admit")
+    return recorded == rule
+
+
+def _causes(b: pd.DataFrame, setup: ServerConfig) -> pd.DataFrame:
+    """Name why each attempt that diverged, met another queue or disagrees did so (column cause, one of
+    :data:`CAUSES`): ``rule`` where a side's recorded decision is not what :func:`qsim.policy.decide` gives on
+    the numbers that side recorded (so the simulator, given the live queue state, would have decided
+    otherwise), ``timing`` where both decided as decide does (the states they met differed, or they parted
+    after admission), ``unknown`` where neither can be checked and the decisions differ. An attempt one side
+    never sent follows from the request's earlier attempt, and takes its cause. Columns live_decision /
+    sim_decision (as recorded) and live_rule / sim_rule (decide on that side's numbers): "admit" or a reason."""
+    for side in ("live", "sim"):
+        b[f"{side}_decision"], b[f"{side}_rule"] = _decisions(b, side, setup)
+    checks = {side: [_agrees(d, r) for d, r in zip(b[f"{side}_decision"], b[f"{side}_rule"])] for side in ("live", "sim")}
+    same = [pd.notna(d) and pd.notna(e) and (d == "admit") == (e == "admit")
+            for d, e in zip(b["live_decision"], b["sim_decision"])]
+    cause = np.where([a is False or c is False for a, c in zip(checks["live"], checks["sim"])], "rule",
+                     np.where([a is True or s for a, s in zip(checks["live"], same)], "timing", "unknown")).astype(object)
+    # A retry one side never sent: the cause of the request's attempt before it (attempts in order).
+    position = {key: k for k, key in enumerate(zip(b["first_request_id"], b["attempt"]))}
+    unsent = (b["live_outcome"].eq(NOT_SENT) | b["sim_outcome"].eq(NOT_SENT)).to_numpy()
+    for k in sorted(np.flatnonzero(unsent), key=lambda k: b["attempt"].iat[k]):
+        before = position.get((b["first_request_id"].iat[k], b["attempt"].iat[k] - 1))
+        cause[k] = cause[before] if before is not None and cause[before] != "" else "unknown"
+    apart = (b["diverged"] | ~b["same_queue"] | ~b["agree"]).to_numpy()
+    b["cause"] = np.where(apart, cause, "")
+    return b
+
+
+def first_divergence(joined: pd.DataFrame) -> dict | None:
+    """The first attempt (in gate order) that diverged or met another queue: its keys, outcomes, cause, and
+    what told the two apart (the decision numbers that differ, or the start and end); None: no divergence."""
+    apart = joined[joined["diverged"] | ~joined["same_queue"]]
+    if apart.empty:
+        return None
+    row = apart.sort_values(["gate_arrival_s", "request_id"]).iloc[0]
+    differ = []
+    # A live attempt the gate never answered (its client hung up) has no numbers; its estimate is the calibrated one.
+    said = pd.notna(row["queued_at_arrival_live"])
+    for c in (*DECIDED_ON, "speed_factor") if said else ():
+        live, sim = (row["live_speed_factor"], row["sim_speed_factor"]) if c == "speed_factor" else \
+            (row[f"{c}_live"], row[f"{c}_sim"])
+        if pd.notna(live) and pd.notna(sim) and abs(float(live) - float(sim)) > TOLERANCE_S:
+            differ.append(f"{c} live {float(live):.6g}, sim {float(sim):.6g}")
+    if not differ:
+        for c in ("start_s", "end_s"):
+            live, sim = row[f"live_{c}"], row[f"sim_{c}"]
+            if pd.notna(live) and pd.notna(sim) and abs(float(live) - float(sim)) > TOLERANCE_S:
+                differ.append(f"{c} sim - live {(float(sim) - float(live)) * 1e3:+.1f} ms")
+    return {"request_id": int(row["request_id"]), "first_request_id": int(row["first_request_id"]),
+            "attempt": int(row["attempt"]), "gate_arrival_s": float(row["gate_arrival_s"]),
+            "live_outcome": str(row["live_outcome"]), "sim_outcome": str(row["sim_outcome"]),
+            "cause": str(row["cause"]), "differ": differ,
+            **{c: None if pd.isna(row[c]) else str(row[c]) for c in ("live_decision", "live_rule", "sim_decision",
+                                                                    "sim_rule")}}
+
+
+def describe_first_divergence(first: dict) -> str:
+    """One line for :func:`first_divergence`'s answer: which attempt, its outcomes, its cause and why."""
+    head = (f"request {first['first_request_id']} attempt {first['attempt']} at {first['gate_arrival_s']:.3f} s, live "
+            f"{first['live_outcome']}, sim {first['sim_outcome']}: {first['cause']}")
+    if first["cause"] == "rule":
+        wrong = [f"{side} recorded {first[f'{side}_decision']}, decide on its numbers gives {first[f'{side}_rule']}"
+                 for side in ("live", "sim") if _agrees(first[f"{side}_decision"], first[f"{side}_rule"]) is False]
+        return f"{head} ({'; '.join(wrong)})"
+    return f"{head} ({'; '.join(first['differ']) or 'the same numbers and times'})"
+
+
 def confusion(joined: pd.DataFrame) -> pd.DataFrame:
     """Counts of (live outcome, simulated outcome), every outcome shown even when zero."""
     live, sim = joined["live_outcome"].astype(str), joined["sim_outcome"].astype(str)
@@ -731,7 +867,8 @@ def reasons(joined: pd.DataFrame) -> pd.DataFrame:
 
 def summarize(joined: pd.DataFrame, speed: float = math.nan, requests: pd.DataFrame | None = None) -> dict[str, float]:
     """Disagreements among requests the service handled (live errors apart; engine failures are
-    replayed and counted as failure_disagreements), independent and cascade, the first divergence,
+    replayed and counted as failure_disagreements), independent and cascade, and by cause (rule, timing,
+    unknown: :data:`CAUSES`; ``*_divergences`` count every attempt apart, agreeing or not), the first divergence,
     refusal reasons both ways, outcome counts both ways and the latency error of requests both answered.
 
     Rows are attempts where clients retried; with ``requests`` (:func:`per_request`) the end-to-end
@@ -746,6 +883,7 @@ def summarize(joined: pd.DataFrame, speed: float = math.nan, requests: pd.DataFr
     refused = joined["live_outcome"].isin(REFUSED) & joined["sim_outcome"].isin(REFUSED)
     same_reason = joined.loc[refused, "live_reason"].astype(str).eq(joined.loc[refused, "sim_reason"].astype(str))
     apart = joined["diverged"] | ~joined["same_queue"]
+    first = first_divergence(joined)
     row: dict[str, float] = {
         "requests": len(joined),
         "live_errors": int((joined["live_outcome"] == "error").sum()),
@@ -755,6 +893,12 @@ def summarize(joined: pd.DataFrame, speed: float = math.nan, requests: pd.DataFr
         "independent_disagreements": int((handled["disagreement"] == "independent").sum()),
         "cascade_disagreements": int((handled["disagreement"] == "cascade").sum()),
         "failure_disagreements": int((~failures["agree"]).sum()),
+        **{f"{cause}_disagreements" if cause != "unknown" else "unknown_cause_disagreements":
+           int(handled.loc[wrong, "cause"].eq(cause).sum()) for cause in CAUSES},
+        **{f"{cause}_divergences": int(joined["cause"].eq(cause).sum()) for cause in CAUSES},
+        # 1: the first divergence is a rule difference, 0: timing, NaN: unknown or none (first_divergence says).
+        "first_divergence_rule": math.nan if first is None or first["cause"] == "unknown" else
+        float(first["cause"] == "rule"),
         "first_divergence_s": joined.loc[apart, "gate_arrival_s"].min() if apart.any() else math.nan,
         "first_disagreement_s": handled.loc[wrong, "gate_arrival_s"].min() if wrong.any() else math.nan,
         "both_refused": int(refused.sum()),
@@ -796,6 +940,7 @@ class Comparison:
     reasons: pd.DataFrame | None = None
     # Per request, end to end (:func:`per_request`): runs whose clients gave up or retried.
     requests: pd.DataFrame | None = None
+    first_divergence: dict | None = None  # :func:`first_divergence`
 
 
 def has_clients(run: pd.DataFrame) -> bool:
@@ -809,7 +954,7 @@ def compare(run: pd.DataFrame, origin: str = "server") -> Comparison:
     joined = join(run, *_replay(run, origin))
     requests = per_request(run, joined) if has_clients(run) else None
     return Comparison(joined, confusion(joined), summarize(joined, measured_speed(run), requests), reasons(joined),
-                      requests)
+                      requests, first_divergence(joined))
 
 
 # ---------------------------------------------------------------- prediction
@@ -909,7 +1054,7 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
 def figure(result: Comparison, path: str | Path) -> None:
     """Three panels: the confusion heatmap (with refusal reasons agreeing), the distribution of latency
     errors (sim - live) of requests both answered, and disagreements over the run's time, independent
-    and cascade, with the first divergence marked."""
+    and cascade, with the first divergence marked and its cause named."""
     # No backend is forced (as in analysis.plots): without a display matplotlib picks Agg by itself.
     import matplotlib.pyplot as plt
 
@@ -942,12 +1087,15 @@ def figure(result: Comparison, path: str | Path) -> None:
         right.step(joined["gate_arrival_s"], np.cumsum(mine), where="post", color=color,
                    label=f"{kind}: {int(mine.sum())}")
     if math.isfinite(s["first_divergence_s"]):
+        cause = "" if result.first_divergence is None else f" ({result.first_divergence['cause']})"
         right.axvline(s["first_divergence_s"], color="tab:orange", linestyle="--",
-                      label=f"first divergence {s['first_divergence_s']:.2f} s")
+                      label=f"first divergence {s['first_divergence_s']:.2f} s{cause}")
     right.set_xlabel("arrival at the gate (s)")
     right.set_ylabel("disagreements so far")
     right.legend(fontsize=8, loc="upper left")
-    right.set_title("independent (same queue at arrival) vs cascade", fontsize=9)
+    right.set_title(f"independent (same queue at arrival) vs cascade; by cause: rule {int(s['rule_disagreements'])}, "
+                    f"timing {int(s['timing_disagreements'])}, unknown {int(s['unknown_cause_disagreements'])}",
+                    fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

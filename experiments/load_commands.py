@@ -351,13 +351,13 @@ def _calibrate_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from analysis.compare import RULES, compare, figure, predict
+    from analysis.compare import RULES, compare, describe_first_divergence, figure, predict
 
     try:
         run = pd.read_parquet(args.run)
     except Exception as exc:  # pyarrow raises several types for a missing or bad file
         raise ValueError(f"{args.run}: cannot read parquet: {exc}") from None
-    records.validate(run)
+    run = records.validate(records.with_optional(run))
     if "qlab_gate" in run.columns and not run["qlab_gate"].all():
         raise ValueError(f"{args.run}: replayed against a server that is not a qlab gate (it has no /stats): qlab "
                          "compare needs what a qlab gate reports of each request; replay through `qlab serve`")
@@ -373,7 +373,8 @@ def cmd_compare(args) -> int:
     s = result.summary
     if args.json:
         print(json.dumps({"summary": s, "confusion": result.confusion.to_dict(orient="index"),
-                          "reasons": result.reasons.to_dict(orient="index")}, indent=2))
+                          "reasons": result.reasons.to_dict(orient="index"),
+                          "first_divergence": result.first_divergence}, indent=2))
         return 0
     if result.requests is None:
         print(f"{args.run}: {int(s['requests'])} requests replayed in the simulator with what the gate knew of each")
@@ -392,6 +393,11 @@ def cmd_compare(args) -> int:
              else f"first divergence at {s['first_divergence_s']:.3f} s (gate arrival, run clock)")
     print(f"  independent (same queue at arrival): {int(s['independent_disagreements'])}, cascade: "
           f"{int(s['cascade_disagreements'])}; {first}")
+    print(f"  by cause: rule {int(s['rule_disagreements'])} (a decision qsim.policy.decide would not give on the "
+          f"numbers it was made on: a bug), timing {int(s['timing_disagreements'])} (the queues met differed, or "
+          f"they parted after admission), unknown {int(s['unknown_cause_disagreements'])}")
+    if result.first_divergence is not None:
+        print(f"  first divergence: {describe_first_divergence(result.first_divergence)}")
     print(f"refusal reasons of the {int(s['both_refused'])} both refused: {int(s['reasons_agree'])} agree, "
           f"{int(s['reasons_disagree'])} differ")
     if s["reasons_disagree"]:

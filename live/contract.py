@@ -126,6 +126,8 @@ class Admission(BaseModel):
     queued: Num = None
     queued_work_s: Num = None
     speed_factor: Num = None
+    in_service_s: Num = None  # estimated work left in service (0 with an engine idle)
+    idle: Num = None  # engines free
 
 
 class Numbers(Admission):

@@ -233,6 +233,7 @@ def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float)
         "tokens": answer.tokens if answered else -1,
         "engine": answer.engine if answered else _int_or(seen.engine, -1),
         "queued": _int_or(seen.queued, -1), "queued_work": num(seen.queued_work_s),
+        "in_service": num(seen.in_service_s), "idle": _int_or(seen.idle, -1),
         "retry_after": retry_after_s(ex), "status": -1 if ex.status is None else ex.status,
         "received": _received(ex, outcome, timings, seen, server_zero),
         "speed_factor": num(seen.speed_factor), "started": started, "returned": returned,
@@ -309,6 +310,8 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_t
         # The schema's int64 column cannot hold "unknown": -1 marks a count the service did not report.
         "queued_at_arrival": rows["queued"].to_numpy(np.int64),
         "queued_work_at_arrival_s": rows["queued_work"].to_numpy(float),
+        "in_service_work_at_arrival_s": rows["in_service"].to_numpy(float),
+        "idle_at_arrival": rows["idle"].to_numpy(np.int64),
         "retry_after_s": rows["retry_after"].to_numpy(np.int64),
         "engine": rows["engine"].to_numpy(np.int64),
         "scheduled_s": scheduled,

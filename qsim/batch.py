@@ -178,7 +178,7 @@ class BatchQueue:
         self.cuts: list = []  # heap of (deadline, order, seq) of those that joined, where the policy cuts there
         self.buckets: dict = {}
         self.reserved_admitted = 1.0
-        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)
+        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)  # a batch's rule reads more: not recorded
 
     # -- the numbers -----------------------------------------------------------------
 
@@ -268,14 +268,14 @@ class BatchQueue:
         seq.out = max(1, seq.out)
         never = self._never(seq)
         if never is not None:
-            self.seen = _new(Seen, (math.nan, self.queued, math.nan, self.tracker.factor))
+            self.seen = _new(Seen, (math.nan, self.queued, math.nan, self.tracker.factor, math.nan, -1))
             return never
         factor = self.tracker.factor
         queued = self.queued
         room = not queued and self._has_room(seq)
         wait, ttft, finish, kv_wait = self._project(seq, now, room)
         est = finish - wait
-        self.seen = _new(Seen, (est, queued, math.nan, factor))
+        self.seen = _new(Seen, (est, queued, math.nan, factor, math.nan, -1))
         if client is not None and policy.client_rate is not None:
             tokens, last = self.buckets.get(client, (policy.client_burst, now))
             tokens, refusal = take_token(tokens, last, now, policy.client_rate, policy.client_burst)

@@ -92,6 +92,8 @@ class _Run:
         self.finish = [_NAN] * n
         self.queued_at_arrival = [0] * n
         self.queued_work = [_NAN] * n
+        self.in_service_work = [_NAN] * n
+        self.idle_at_arrival = [-1] * n
         self.retry_after = [-1] * n
         self.engine_of = [-1] * n
         # The driver's hand-off to each engine process (what the gate's engine threads get in their inbox).
@@ -182,6 +184,7 @@ class _Run:
         self.attempt.append(self.attempt[i] + 1)
         for values, missing in ((self.est, _NAN), (self.outcome, None), (self.reason, None), (self.start, _NAN),
                                 (self.finish, _NAN), (self.queued_at_arrival, 0), (self.queued_work, _NAN),
+                                (self.in_service_work, _NAN), (self.idle_at_arrival, -1),
                                 (self.retry_after, -1), (self.engine_of, -1), (self.ran, _NAN),
                                 (self.speed_at, 1.0), (self.cut, False), *self._per_attempt()):
             values.append(missing)
@@ -201,6 +204,7 @@ class _Run:
             "prompt_tokens": self.prompt_tokens, "generated": self.generated, "est": self.est,
             "outcome": self.outcome, "reason": self.reason, "start": self.start, "finish": self.finish,
             "queued_at_arrival": self.queued_at_arrival, "queued_work": self.queued_work,
+            "in_service_work": self.in_service_work, "idle_at_arrival": self.idle_at_arrival,
             "retry_after": self.retry_after, "engine_of": self.engine_of, "ran": self.ran, "speed_at": self.speed_at,
             "cut": self.cut,
         }
@@ -232,6 +236,7 @@ class _Run:
                                None if self.work is None else self.work[i])
         seen = queue.seen
         self.est[i], self.queued_at_arrival[i], self.queued_work[i] = seen.est_service_s, seen.queued, seen.queued_work_s
+        self.in_service_work[i], self.idle_at_arrival[i] = seen.in_service_s, seen.idle
         if refusal is not None:
             self._end(i, t, REJECTED, refusal.reason,
                       -1 if refusal.retry_after_s is None else refusal.retry_after_s)
@@ -336,6 +341,8 @@ class _Run:
                 "latency_s": finish - arrival,
                 "queued_at_arrival": self.queued_at_arrival,
                 "queued_work_at_arrival_s": self.queued_work,
+                "in_service_work_at_arrival_s": self.in_service_work,
+                "idle_at_arrival": self.idle_at_arrival,
                 "retry_after_s": self.retry_after,
                 "engine": self.engine_of,
                 **self._token_columns(trace, first, finish, arrival),

@@ -76,6 +76,10 @@ class Seen(NamedTuple):
     queued: int  # requests waiting (not in service) before it
     queued_work_s: float  # their estimated work
     speed_factor: float  # the tracker's factor the estimates were scaled by
+    # The rest of what the built-in rule reads, so that a decision can be checked against qsim.policy.decide from
+    # its record alone (analysis.compare names a disagreement's cause so): NaN and -1 where a queue does not say.
+    in_service_s: float = math.nan  # estimated work left in service, summed over the busy engines (0 with one idle)
+    idle: int = -1  # engines free
 
 
 class AdmissionQueue:
@@ -121,7 +125,7 @@ class AdmissionQueue:
         self.slow = [1.0] * engines  # the slowdown each engine's run started with (OneAtATime.concurrency)
         self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
         self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
-        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)
+        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines)
         # The admission rule: the policy's own where its class overrides decide, else the built-in one directly.
         self._decide = None if type(policy).decide is Policy.decide else type(policy).decide  # None: rule()
         self._reads_more = reads_more(policy)
@@ -155,17 +159,20 @@ class AdmissionQueue:
         queued = len(waiting)
         queued_work = self.waiting_base_s * factor
         idle = self.idle
-        self.seen = _new(Seen, (est, queued, queued_work, factor))
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         if idle:
+            self.seen = _new(Seen, (est, queued, queued_work, factor, 0.0, len(idle)))
             refusal = None if self._admits_all else rule(policy, queued, queued_work, 0.0, est, deadline_s,
                                                           self.engines, len(idle), priority, None)
-        elif self._admits_all and priority >= 0:
-            refusal = None
         else:
-            ahead = None if self._ahead is None else self._ahead(entry) * factor
-            refusal = rule(policy, queued, queued_work, self.remaining_s(now), est, deadline_s, self.engines, 0,
-                           priority, ahead)
+            remaining = self.remaining_s(now)
+            self.seen = _new(Seen, (est, queued, queued_work, factor, remaining, 0))
+            if self._admits_all and priority >= 0:
+                refusal = None
+            else:
+                ahead = None if self._ahead is None else self._ahead(entry) * factor
+                refusal = rule(policy, queued, queued_work, remaining, est, deadline_s, self.engines, 0, priority,
+                               ahead)
         if refusal is not None:
             return refusal
         if idle:
@@ -215,7 +222,8 @@ class AdmissionQueue:
         if self._slowdown is not None:  # engines that share a machine: what it would take when it starts
             est *= self._slowdown(self.engines - len(idle) + 1 if idle else self.engines)
             queued_work *= self._slowdown(self.engines)
-        self.seen = _new(Seen, (est, queued, queued_work, factor))
+        remaining = 0.0 if idle else self.remaining_s(now)
+        self.seen = _new(Seen, (est, queued, queued_work, factor, remaining, len(idle)))
         if client is not None and policy.client_rate is not None:
             refusal = self._rate_limit(client, now)
             if refusal is not None:
@@ -230,7 +238,6 @@ class AdmissionQueue:
         if self._sheds:
             self.arrivals += 1
             u = uniform(self.config.seed, self.arrivals, 0)
-        remaining = 0.0 if idle else self.remaining_s(now)
         if self._decide is None and not self._reads_more:  # the brief's numbers are all the rule reads
             refusal = rule(policy, queued, queued_work, remaining, est, budget, self.engines, len(idle), priority, ahead)
         else:

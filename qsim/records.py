@@ -43,6 +43,11 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "latency_s": ("float64", "finish_s - arrival_s: latency of an answer, or time to a refusal"),
     "queued_at_arrival": ("Int64", "requests waiting (not in service) when it arrived; <NA> where a service did not say"),
     "queued_work_at_arrival_s": ("float64", "estimated work of those waiting when it arrived"),
+    # With the columns above, what the built-in admission rule read (qsim.policy.decide's numbers), so that a decision
+    # can be checked from its record alone (analysis.compare: a disagreement's cause, rule or timing).
+    "in_service_work_at_arrival_s": ("float64", "estimated work left in service when it arrived, summed over the busy "
+                                                "engines (0 with an engine idle); NaN where a service did not say"),
+    "idle_at_arrival": ("Int64", "engines idle when it arrived; <NA> where a service did not say"),
     "retry_after_s": ("Int64", "Retry-After given with a refusal or a drop at the front (503, 429), whole seconds"),
     "engine": ("Int64", "engine that ran it, from 0"),
     # What the engine did, token by token (metric definitions: analysis.metrics and docs/metrics.md).
@@ -57,7 +62,7 @@ SCHEMA: dict[str, tuple[str, str]] = {
 }
 COLUMNS = tuple(SCHEMA)
 #: Columns a driver may leave out of :func:`from_arrays` (filled as missing): what older drivers do not know.
-OPTIONAL = ("ttft_s", "tpot_s", "output_tokens", "preemptions", "kv_blocks_peak", "ttft_slo_s", "tpot_slo_s")
+OPTIONAL = ("in_service_work_at_arrival_s", "idle_at_arrival", "ttft_s", "tpot_s", "output_tokens", "preemptions", "kv_blocks_peak", "ttft_slo_s", "tpot_slo_s")
 
 
 def empty(n: int = 0) -> pd.DataFrame:
@@ -85,6 +90,16 @@ def from_arrays(columns: dict[str, np.ndarray]) -> pd.DataFrame:
         data[name] = values
     extra = {k: v for k, v in columns.items() if k not in SCHEMA}
     return pd.DataFrame({**data, **extra})
+
+
+def with_optional(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with any :data:`OPTIONAL` column it lacks added as missing: a run file written before that column
+    existed still reads (``qlab compare``)."""
+    absent = [c for c in OPTIONAL if c not in frame.columns]
+    if not absent:
+        return frame
+    return frame.assign(**{c: pd.array([pd.NA] * len(frame), dtype=SCHEMA[c][0]) if SCHEMA[c][0] == "Int64"
+                           else np.full(len(frame), np.nan) for c in absent})
 
 
 def validate(frame: pd.DataFrame) -> pd.DataFrame:

@@ -7,13 +7,14 @@ with them exactly. The end-to-end ones replay traces against real `qlab serve`
 subprocesses with the synthetic engine.
 """
 
+import dataclasses
 import json
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.compare import compare, confusion, predict, run_setup
+from analysis.compare import compare, confusion, describe_first_divergence, predict, run_setup
 from qsim import from_arrays, make_trace, preset, records, simulate
 from qsim.config import ServerConfig
 from qsim.clients import Patience, RetryPolicy
@@ -23,7 +24,7 @@ ZERO = 1000.0  # the gate's clock at the run's time 0: the rows must map it away
 
 
 def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, trip_in_s=4e-4, trip_out_s=3e-4,
-                  retry=None, retry_seed=7):
+                  retry=None, retry_seed=7, gate=None):
     """A live run made by the simulator, in exactly the format `qlab replay` writes.
 
     The engine of request i runs trace.true_service_s (0 when it fails: instant failures, every
@@ -33,6 +34,8 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     clients send refused requests again, each attempt a row; its clients hear an answer at the gate's
     end and reach the gate at once, so the trips must then be 0, and the gate's clock is the run's
     (retries due at one instant keep their order: no rounding through ZERO tells them apart).
+    ``gate``: a Policy the simulated gate ran in place of ``policy``, which the run file still names (a
+    gate whose rule is wrong).
     """
     from live.rows import Exchange, ServerInfo, to_frame
     from qsim.runfile import ClientSettings
@@ -47,14 +50,16 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     engine_s = np.where(failed, 0.0, trace.true_service_s)
     held = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=engine_s + handback_s,
                        est_service_s=trace.est_service_s, deadline_s=trace.deadline_s)
-    sim = simulate(held, ServerConfig(preset(policy), engines, stall=StallRule()), failed=failed, reported_s=engine_s, retry=retry, retry_seed=retry_seed)
+    sim = simulate(held, ServerConfig(gate or preset(policy), engines, stall=StallRule()), failed=failed,
+                   reported_s=engine_s, retry=retry, retry_seed=retry_seed)
     exchanges = []
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
         arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
         admission = {"arrived_at": arrival + zero, "est_service_s": est, "deadline_s": r["deadline_s"],
                      "queued": int(r["queued_at_arrival"]), "queued_work_s": r["queued_work_at_arrival_s"],
-                     "speed_factor": est / base}
+                     "speed_factor": est / base, "in_service_s": r["in_service_work_at_arrival_s"],
+                     "idle": int(r["idle_at_arrival"])}
         start, finish = r["start_s"], r["finish_s"]
         ran = {"started_at": start + zero, "returned_at": finish + zero}
         outcome = r["outcome"]
@@ -173,6 +178,45 @@ def test_one_early_flip_is_one_independent_disagreement_and_a_cascade():
     assert s["cascade_disagreements"] >= 2 and s["disagreements"] == 1 + s["cascade_disagreements"]
     assert s["first_divergence_s"] == pytest.approx(run.loc[k, "server_arrival_s"])
     assert (joined.loc[joined["disagreement"].eq("cascade"), "gate_arrival_s"] > joined.loc[k, "gate_arrival_s"]).all()
+
+
+def test_a_wrong_rule_at_the_gate_reads_as_a_rule_difference():
+    # The gate refused at a bound of 3 waiting that predictive does not have: the simulator, given the numbers
+    # the gate decided on, admits. The old split calls most of it a cascade; the cause says rule, from the first.
+    trace = make_trace("poisson", load=2.0, seconds=60, seed=11, noise_cv=0.3)
+    run = live_like_run(trace, "predictive", gate=dataclasses.replace(preset("predictive"), max_queue=3))
+    result = compare(run)
+    s, joined = result.summary, result.joined
+    wrong = joined["live_decision"].eq("queue_full")
+    assert wrong.any() and joined.loc[wrong, "live_rule"].ne("queue_full").all()
+    assert (joined.loc[wrong, "cause"] == "rule").all()
+    assert s["rule_disagreements"] >= (wrong & ~joined["agree"]).sum() > 10 * s["independent_disagreements"]
+    assert s["first_divergence_rule"] == 1.0 and result.first_divergence["cause"] == "rule"
+    assert result.first_divergence["live_decision"] == "queue_full"
+    # The simulator's own decisions are decide's on its own numbers, everywhere.
+    sim = joined["sim_rule"].notna()
+    assert sim.sum() > 0.9 * len(joined) and joined.loc[sim, "sim_rule"].eq(joined.loc[sim, "sim_decision"]).all()
+
+
+def test_a_finish_shifted_a_few_ms_reads_as_timing():
+    # The gate's rule is the simulator's; one run handed back 40 ms later than the run file says (a finish a
+    # few ms apart, as on a busy machine): the queues behind it differ, and every decision is still decide's
+    # on the numbers it was made on.
+    trace = make_trace("poisson", load=2.0, seconds=60, seed=11, noise_cv=0.3)
+    run = live_like_run(trace, "predictive")
+    assert_no_disagreement(compare(run))
+    waited = run["queued_at_arrival"].gt(0) & run["outcome"].eq("good") & run["arrival_s"].gt(10)
+    k = int(run.index[waited][0])
+    run.loc[k, "engine_returned_s"] -= 0.04  # the replay frees the engine 40 ms sooner than the gate did
+    result = compare(run)
+    s = result.summary
+    assert s["disagreements"] > 0 and s["timing_disagreements"] == s["disagreements"]
+    assert s["rule_disagreements"] == s["unknown_cause_disagreements"] == s["rule_divergences"] == 0
+    first = result.first_divergence
+    assert first["request_id"] == k and first["cause"] == "timing" and s["first_divergence_rule"] == 0.0
+    assert first["differ"] == ["end_s sim - live -40.0 ms"]
+    text = describe_first_divergence(first)
+    assert text.startswith(f"request {k} attempt 1 at") and "timing (end_s sim - live -40.0 ms)" in text
 
 
 def test_disagreements_reasons_and_latency_error_are_counted():
