@@ -99,10 +99,12 @@ import pandas as pd
 from qsim import from_arrays, simulate
 from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
+from qsim.engines import OneAtATime
+from qsim.records import with_optional
 from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import Policy, decide, on_time, reads_more
 from qsim.runfile import engine_info, server_config, speed_probe, speed_schedule
-from qsim.service import SpeedSchedule
+from qsim.service import SpeedSchedule, SpeedTracker
 from qsim.workload import lognormal_noise
 
 from .metrics import end_to_end, mean_ci, run_duration, summary
@@ -394,11 +396,16 @@ def simulate_run(run: pd.DataFrame, origin: str = "server") -> pd.DataFrame:
 class _Unsaid:
     """What the run does not say, as the replay takes it: each row's gate arrival (estimated where no
     answer gave it), and how long after a client hung up the gate let its request go (``notice_s``;
-    per request where the queue others saw says otherwise, in ``late``)."""
+    per request where the queue others saw says otherwise, in ``late``). ``settled``: the engine times the
+    last replay settled on for the runs whose clients hung up (request_id -> hold, reported, failed, rule),
+    and ``usual`` its delay from a hang-up to the next start, where the next replay starts from (it differs
+    by one arrival or hang-up moved, so it settles in a few passes, not one per such run again)."""
 
     arrival: np.ndarray
     notice_s: float
     late: dict
+    settled: dict = dataclasses.field(default_factory=dict)
+    usual: list = dataclasses.field(default_factory=list)
 
     def notice(self, firsts) -> np.ndarray:
         return np.array([self.late.get(int(f), self.notice_s) for f in firsts], dtype=float)
@@ -444,7 +451,11 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.
     reported = given["reported_s"].to_numpy(float).copy()
     failed = given["failed"].to_numpy(bool).copy()
     rule = given["replayed_with"].to_numpy(object).copy()
-    usual: list = []  # the delay from a hang-up to its engine's next start, once a pass has seen it
+    ids = ordered["request_id"].to_numpy()
+    for j, first in enumerate(ids):
+        if first in unsaid.settled:
+            hold[j], reported[j], failed[j], rule[j] = unsaid.settled[first]
+    usual = unsaid.usual  # the delay from a hang-up to its engine's next start, once a pass has seen it
     # Each pass settles at least the earliest run a live client hung up on that the last one had wrong
     # (a later one's start moves with it): at most one pass per such attempt, and one to confirm.
     for _ in range(int(run["outcome"].eq("abandoned").sum()) + 1):
@@ -454,8 +465,10 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.
                                 (faults["retry"], faults["retry_seed"]) if retrying else None, notice)
         sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", generated_tokens(run, ordered),
                         failed=failed, reported_s=reported, retrier=retrier, **faults)
-        if not _cancelled_runs(run, unsaid, ordered, sim, hold, reported, failed, rule, usual):
+        if not _cancelled_runs(run, setup, unsaid, ordered, sim, hold, reported, failed, rule, usual):
             break
+    unsaid.settled = {first: (hold[j], reported[j], failed[j], rule[j]) for j, first in enumerate(ids)
+                      if rule[j] == "cancelled"}
     sim_first = sim["first_request_id"].to_numpy()
     sim["first_request_id"] = ordered["request_id"].to_numpy()[sim_first]
     base = ordered["calibrated_est_s"].to_numpy(float)[sim_first]
@@ -475,7 +488,8 @@ def _misplaced(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid, guessed: n
     """Move one thing the run does not say to where the run says it was, and say so (True); each once.
 
     An attempt whose client hung up that the replay refused at its guessed arrival came later (it had
-    been admitted), just before the next known arrival within the run's spread of trips. Else, at the
+    been admitted): just after the replay next made room (a waiting attempt left, an engine took the next), one
+    such at a time, else just before the next known arrival, within the run's spread of trips. Else, at the
     first request (in gate order) whose queue at arrival differs between the gate and the replay, look
     within that spread for what explains it: the replay saw more waiting work, so an arrival of guessed
     time just before it came after it, or a hang-up just after it reached the gate before it; less, the
@@ -488,22 +502,33 @@ def _misplaced(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid, guessed: n
     # A client that hung up had been admitted (a refusal is answered at once): where the replay refuses
     # it at its guessed arrival, it came later, before the next arrival the run knows.
     refused = guessed & run["outcome"].eq("abandoned").to_numpy() & simmed["outcome"].eq("rejected").to_numpy()
+    # Where room opened in the replay (a waiting attempt left, an engine took the next) it may have come just after.
+    waited_out = sim["outcome"].eq("abandoned").to_numpy() & np.isnan(sim["start_s"].to_numpy(float))
+    freed = np.sort(np.concatenate([sim.loc[waited_out, "finish_s"].to_numpy(float), sim["start_s"].dropna()]))
     for k in np.flatnonzero(refused)[np.argsort(arrival[refused])]:
         later = ~guessed & (arrival > arrival[k])
+        nxt = arrival[later].min() if later.any() else math.inf
+        for when in freed[(freed > arrival[k]) & (freed < nxt) & (freed - arrival[k] <= spread)]:
+            if ("admitted", int(k), float(when)) not in moved:
+                moved.add(("admitted", int(k), float(when)))
+                arrival[k] = when + TOLERANCE_S
+                return True
         if ("admitted", int(k)) in moved or not later.any():
             continue
-        nxt = arrival[later].min()
         if nxt - arrival[k] <= spread:
             moved.add(("admitted", int(k)))
             arrival[k] = nxt - TOLERANCE_S
             return True
-    work = simmed["queued_work_at_arrival_s"].to_numpy(float)
-    mine = run["queued_work_at_arrival_s"].to_numpy(float)
-    differ = np.isfinite(mine) & np.isfinite(work) & (np.abs(mine - work) > TOLERANCE_S)
+    # Who waited, not their work: an arrival or a departure on the wrong side changes the count, while the work
+    # also moves with the speed factor, which a run answered or stopped around its client's hang-up (the run
+    # cannot say which) may have left a little apart for the rest of the run.
+    count = simmed["queued_at_arrival"].astype("Float64").to_numpy(dtype=float, na_value=np.nan)
+    mine = run["queued_at_arrival"].astype("Float64").to_numpy(dtype=float, na_value=np.nan)
+    differ = np.isfinite(mine) & np.isfinite(count) & (mine != count)
     if not differ.any():
         return False
     at = np.flatnonzero(differ)[np.argmin(arrival[differ])]
-    when, more = arrival[at], work[at] > mine[at]
+    when, more = arrival[at], count[at] > mine[at]
     options = []  # (distance, kind, key)
     for k in np.flatnonzero(guessed):
         gap = arrival[k] - when
@@ -527,7 +552,7 @@ def _misplaced(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid, guessed: n
     return True
 
 
-def _cancelled_runs(run: pd.DataFrame, unsaid: _Unsaid, ordered: pd.DataFrame, sim: pd.DataFrame,
+def _cancelled_runs(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid, ordered: pd.DataFrame, sim: pd.DataFrame,
                     hold: np.ndarray, reported: np.ndarray, failed: np.ndarray, rule: np.ndarray,
                     usual: list) -> bool:
     """Where the simulator ran an attempt the live client hung up on, and that request ran nowhere
@@ -591,22 +616,105 @@ def _cancelled_runs(run: pd.DataFrame, unsaid: _Unsaid, ordered: pd.DataFrame, s
         usual.append(float(np.median(delays)))
     delay = usual[0] if usual else trip_s(run)
     changed = False
+    tracker = _TrackerEvidence(run, setup, unsaid, ordered, sim, position, reported, failed)
     for j, k, start, nxt, exact in found:
         free = hangup[k] + delay
         exact = exact and not unseen(free, nxt)
         end = nxt if exact else min(free, nxt) if np.isfinite(nxt) else free
         target = max(0.0, end - start)
         # Ended before the hang-up: the gate answered (and its tracker learned) an answer the client did not
-        # wait for, still on its way back; otherwise the stopped run teaches nothing.
-        stopped = bool(end >= hangup[k])
-        if rule[j] != "cancelled" or abs(hold[j] - target) > 1e-9 or failed[j] != stopped:
-            hold[j], reported[j], failed[j], rule[j] = target, target, stopped, "cancelled"
+        # wait for, still on its way back; otherwise the stopped run teaches nothing. Where the live speed
+        # factor around its end says which (and what it learned), that.
+        stopped, taught = bool(end >= hangup[k]), target
+        said = tracker.learned(j, end)
+        if said is not None:
+            stopped, taught = said is False, target if said is False else said
+        if (rule[j] != "cancelled" or abs(hold[j] - target) > 1e-9 or failed[j] != stopped
+                or abs(reported[j] - taught) > 1e-12):
+            hold[j], reported[j], failed[j], rule[j] = target, taught, stopped, "cancelled"
             changed = True
         first, heard = int(firsts[j]), intended[k] + unsaid.notice([firsts[j]])[0]
         if stopped and heard > end - TOLERANCE_S:
             unsaid.late[first] = max(0.0, end - TOLERANCE_S - intended[k])
             changed = True
+        elif not stopped and heard <= end:  # the gate heard of the hang-up after the run had ended
+            unsaid.late[first] = end + TOLERANCE_S - intended[k]
+            changed = True
     return changed
+
+
+class _TrackerEvidence:
+    """What the gate's speed tracker says of a run whose client hung up around its end: the tracker's factor
+    at the live arrivals just before and after the run's end (the run records it per answered request).
+    Where the replay's factor agrees at the first, the replay's other runs that taught the tracker between the
+    two are folded in as the replay has them, and this one's teaching is what makes the second agree: none (the
+    factor as without it: the run was stopped), or the engine time the tracker's step solves for (it ran to
+    its end, and the gate answered it)."""
+
+    def __init__(self, run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid, ordered: pd.DataFrame,
+                 sim: pd.DataFrame, position: pd.Series, reported: np.ndarray, failed: np.ndarray) -> None:
+        live = (run["arrival_speed_factor"] if "arrival_speed_factor" in run.columns
+                else pd.Series(np.nan, index=run.index)).to_numpy(float)
+        # A learning estimator, engines that share, or a fixed estimate: the factor's steps are not the plain EWMA's.
+        self.usable = (not setup.fixed_estimate and setup.policy.estimator == "limit"
+                       and isinstance(setup.engine, OneAtATime) and not setup.engine.concurrency
+                       and np.isfinite(live).any())
+        if not self.usable:
+            return
+        known = np.flatnonzero(np.isfinite(live))
+        order = np.argsort(unsaid.arrival[known], kind="stable")
+        self.rows, self.at = known[order], unsaid.arrival[known][order]
+        self.live, self.weight = live, setup.tracker_weight
+        self.base, self.reported, self.failed = ordered["calibrated_est_s"].to_numpy(float), reported, failed
+        ran = sim[np.isfinite(sim["start_s"].to_numpy(float))].sort_values("finish_s", kind="stable")
+        self.finished = ran[["first_request_id", "finish_s"]].to_numpy()
+        keys = pd.MultiIndex.from_arrays([ordered["request_id"].to_numpy()[sim["first_request_id"].to_numpy()],
+                                          sim["attempt"].to_numpy()])
+        mine = position.reindex(keys).to_numpy(dtype=float, na_value=np.nan)
+        factor = sim["est_service_s"].to_numpy(float) / self.base[sim["first_request_id"].to_numpy()]
+        self.sim = np.full(len(run), np.nan)
+        self.sim[mine[np.isfinite(mine)].astype(int)] = factor[np.isfinite(mine)]
+
+    def learned(self, j: int, end: float) -> float | bool | None:
+        """False: the run taught nothing; a number: the engine time it taught; None: the run cannot tell."""
+        if not self.usable:
+            return None
+        n = int(np.searchsorted(self.at, end))
+        if n == 0 or n == len(self.at):
+            return None
+        before, after = self.rows[n - 1], self.rows[n]
+        lo, hi = self.at[n - 1], self.at[n]
+        if not abs(self.sim[before] - self.live[before]) <= 1e-9:
+            return None  # apart already: an earlier difference, not this run's
+        # The others that taught in between, in the order they finished, around this one's end.
+        taught = [(f, int(other)) for other, f in self.finished
+                  if lo < f < hi and int(other) != j and not self.failed[int(other)]]
+        first = [(self.base[o], self.reported[o]) for f, o in taught if f <= end]
+        then = [(self.base[o], self.reported[o]) for f, o in taught if f > end]
+        without = self._fold(self.live[before], first + then)
+        if abs(without - self.live[after]) <= 1e-12:
+            return False
+        # The tracker's steps are affine below its bound: solve for the ratio that lands on the live factor.
+        at = self._fold(self.live[before], first)
+        slope = (1 - self.weight) ** len(then)
+        offset = self._fold(0.0, then, bounded=False)
+        ratio = ((self.live[after] - offset) / slope - (1 - self.weight) * at) / self.weight
+        engine_s = ratio * self.base[j]
+        if not engine_s > 0 or abs(self._fold(self.live[before], first + [(self.base[j], engine_s)] + then)
+                                   - self.live[after]) > 1e-9:
+            return None  # a step met the tracker's bound, or the window holds what the replay does not
+        return float(engine_s)
+
+    def _fold(self, factor: float, steps: list, bounded: bool = True) -> float:
+        """The tracker's factor from ``factor`` after these (predicted, engine time) observations."""
+        if not bounded:  # the affine part alone (an offset, from 0)
+            for predicted, engine_s in steps:
+                factor += self.weight * (engine_s / predicted - factor)
+            return factor
+        tracker = SpeedTracker(self.weight, factor)
+        for predicted, engine_s in steps:
+            tracker.observe(predicted, engine_s)
+        return tracker.factor
 
 
 def join(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid | None = None) -> pd.DataFrame:
@@ -629,7 +737,7 @@ def join(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid | None = None) ->
         hung = run["outcome"].eq("abandoned").to_numpy()
         heard = 0.0 if unsaid is None else unsaid.notice(run["first_request_id"])
         live_end = np.where(hung, run["hangup_s"].to_numpy(float) + heard, live_end)
-    live = run[["request_id", *KEYS, "size_class", "max_new_tokens", "deadline_s", "outcome", "reason", "arrival_s",
+    live = with_optional(run)[["request_id", *KEYS, "size_class", "max_new_tokens", "deadline_s", "outcome", "reason", "arrival_s",
                 "finish_s", *DECIDED_ON]].assign(
         gate_arrival_s=arrival, live_start_s=known["engine_started_s"].to_numpy(),
         live_end_s=live_end, live_speed_factor=known["arrival_speed_factor"].to_numpy())
@@ -661,6 +769,13 @@ def join(run: pd.DataFrame, sim: pd.DataFrame, unsaid: _Unsaid | None = None) ->
     sim_answered = both["sim_outcome_at_gate"].isin(ANSWERED)
     both["sim_outcome"] = both["sim_outcome_at_gate"].where(~sim_answered, pd.Series(in_time, index=both.index))
     both["sim_outcome"] = both["sim_outcome"].fillna(NOT_SENT)
+    if "hangup_s" in run.columns:  # an answer that would have reached the client after it hung up: it had left
+        hangup = run.set_index(KEYS)["hangup_s"].reindex(pd.MultiIndex.from_frame(both[KEYS])).to_numpy(float)
+        answered_live = run["outcome"].isin(ANSWERED).to_numpy()
+        back = (run["finish_s"] - known["server_finish_s"]).to_numpy(float)[answered_live]
+        back = float(np.nanmedian(back)) if np.isfinite(back).any() else 0.0
+        gone = sim_answered.to_numpy() & (both["sim_end_s"].to_numpy(float) + back > hangup)
+        both.loc[gone, "sim_outcome"] = "abandoned"
     both = both.drop(columns=["finish_s", "sim_arrival_s"])
     both["agree"] = both["live_outcome"].eq(both["sim_outcome"]).astype(bool)
     answered = both["live_outcome"].isin(ANSWERED) & both["sim_outcome"].isin(ANSWERED)
@@ -683,7 +798,7 @@ def per_request(run: pd.DataFrame, joined: pd.DataFrame) -> pd.DataFrame:
     last = sent.groupby("first_request_id", sort=True).tail(1).set_index("first_request_id")
     own_send = last["arrival_s"].fillna(last["gate_arrival_s"])
     latency = own_send - first_sent.reindex(last.index) + last["sim_latency_s"]
-    answered = last["sim_outcome_at_gate"].isin(ANSWERED)
+    answered = last["sim_outcome_at_gate"].isin(ANSWERED) & last["sim_outcome"].ne("abandoned")
     in_time = on_time(latency, live["deadline_s"].reindex(last.index))
     sim_outcome = last["sim_outcome"].astype(object).where(~answered, np.where(in_time, "good", "late"))
     out = pd.DataFrame({

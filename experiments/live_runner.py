@@ -103,6 +103,9 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
         "send_lateness_p99_s": late["p99_s"], "send_lateness_max_s": late["max_s"],
         "retry_send_lateness_p99_s": lateness(frame, retries=True)["p99_s"],
         "sim_disagreements": versus["disagreements"], "sim_disagreement_rate": versus["disagreement_rate"],
+        # Why they began (analysis.compare.CAUSES): a rule difference is a bug, timing a coin flip.
+        "sim_rule_disagreements": versus["rule_disagreements"],
+        "sim_timing_disagreements": versus["timing_disagreements"],
         "sim_e2e_disagreement_rate": versus.get("e2e_disagreement_rate", math.nan),
         "sim_latency_abs_error_p50_s": versus["latency_abs_error_p50_s"],
         "sim_latency_abs_error_p99_s": versus["latency_abs_error_p99_s"],
@@ -227,4 +230,5 @@ def _log_row(log: Callable[[str], None], row: dict) -> None:
         f"nominal load {row['nominal_load']:.2f}, effective load {row['effective_load']:.2f}; "
         f"good {row['good']:.0f} late {row['late']:.0f} "
         f"rejected {row['rejected']:.0f} expired {row['expired']:.0f} error {row['error']:.0f}; "
-        f"sim disagrees on {row['sim_disagreements']:.0f} ({row['sim_disagreement_rate']:.1%})")
+        f"sim disagrees on {row['sim_disagreements']:.0f} ({row['sim_disagreement_rate']:.1%}; rule "
+        f"{row['sim_rule_disagreements']:.0f}, timing {row['sim_timing_disagreements']:.0f})")

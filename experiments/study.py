@@ -869,7 +869,8 @@ def _live_report(ctx: Context, folder: Path) -> list:
     inputs = (_read_json(folder / "inputs.json") or {}).get("inputs", {}).get("live", {})
     engine = inputs.get("server", {}).get("engine", "synthetic")
     cols = ["trace", "policy", "nominal_load", "effective_load", "requests", "good", "late", "rejected", "expired",
-            "error", "goodput_rps", "sim_disagreements", "sim_disagreement_rate"]
+            "error", "goodput_rps", "sim_disagreements", "sim_disagreement_rate", *CAUSE_COLUMNS]
+    cols = [c for c in cols if c in summary.columns]  # a summary from before the causes were counted lacks them
     blocks = [
         Text(f"Each trace under each policy against a resident `qlab serve` ({engine} engine), order rotated, a speed "
              "probe before and after each run; then each run replayed in the simulator with what the gate knew, "
@@ -878,6 +879,7 @@ def _live_report(ctx: Context, folder: Path) -> list:
                 None if not judged else bool(share <= 0.05),
                 f"{int(summary['sim_disagreements'].sum())} of {int(judged)} requests disagree ({share:.1%}; the "
                 "reference study found about 1.6 %; judged against 5 %)"),
+        *_rule_verdict(summary.to_dict("records")),
         Table(summary[cols], "live runs and their per-request disagreement with the simulator"),
     ]
     for _, row in summary[summary["trace"] != "burst30"].iterrows():
@@ -1010,6 +1012,8 @@ def _cell_row(cell: dict, run: pd.DataFrame) -> dict:
             "error": int(run["outcome"].eq("error").sum()), "goodput_rps": row["goodput_rps"],
             "engine_s_per_s": float(np.nansum(engine)) / cell["seconds"],
             "sim_disagreements": int(versus["disagreements"]), "sim_disagreement_rate": versus["disagreement_rate"],
+            "sim_rule_disagreements": int(versus["rule_disagreements"]),
+            "sim_timing_disagreements": int(versus["timing_disagreements"]),
             "judged": len(run) - int(versus["live_errors"])}
 
 
@@ -1027,11 +1031,28 @@ def _cells_of(folder: Path) -> list[dict]:
     return ((_read_json(folder / "inputs.json") or {}).get("inputs") or {}).get("cells", [])
 
 
-def _disagreement(rows: list[dict]) -> Verdict:
+def _disagreement(rows: list[dict]) -> list[Verdict]:
     wrong, judged = sum(r["sim_disagreements"] for r in rows), sum(r["judged"] for r in rows)
     share = wrong / judged if judged else math.nan
-    return Verdict("check", "the simulator and the service agree request by request", None if not judged
-                   else bool(share <= 0.05), f"{wrong} of {judged} requests disagree ({share:.1%}; judged against 5 %)")
+    return [Verdict("check", "the simulator and the service agree request by request", None if not judged
+                    else bool(share <= 0.05), f"{wrong} of {judged} requests disagree ({share:.1%}; judged against 5 %)"),
+            *_rule_verdict(rows)]
+
+
+#: Per live run, its disagreements with the simulator by cause (analysis.compare.CAUSES).
+CAUSE_COLUMNS = ("sim_rule_disagreements", "sim_timing_disagreements")
+
+
+def _rule_verdict(rows: list[dict]) -> list[Verdict]:
+    """Whether the gate decided by the simulator's rule wherever they disagree: a rule difference is a bug, a
+    timing one a coin flip of the machine (none where the runs predate the causes)."""
+    if not rows or any(c not in r for r in rows for c in CAUSE_COLUMNS):
+        return []
+    rule, timing = (int(sum(r[c] for r in rows)) for c in CAUSE_COLUMNS)
+    return [Verdict("check", "where they disagree, it is timing, not the rule", bool(rule == 0),
+                    f"disagreements by cause: rule {rule} (the gate's decision is not qsim.policy.decide's on the "
+                    f"numbers it decided on: a bug), timing {timing} (the queues met differed, or they parted after "
+                    "admission); the rest unknown")]
 
 
 def _sim_summary(folder: Path, name: str) -> pd.DataFrame | None:
@@ -1058,7 +1079,7 @@ def _live_stale_report(ctx: Context, folder: Path) -> list:
                  "late share of completed, from the change": late_share(run.loc[after, "outcome"]),
                  "late share of completed, before": late_share(run.loc[~after, "outcome"]),
                  **{k: row[k] for k in ("requests", "good", "late", "refused", "error", "goodput_rps",
-                                        "sim_disagreements", "sim_disagreement_rate")}}
+                                        "sim_disagreements", "sim_disagreement_rate", *CAUSE_COLUMNS)}}
         if sim is not None:
             at = {"policy": policy, "fixed_estimate": fixed}
             shown["simulated late share from the change"] = str(level(sim, "late_share_after_change", **at))
@@ -1073,7 +1094,7 @@ def _live_stale_report(ctx: Context, folder: Path) -> list:
              "request by request (`qlab compare`). One live seed: no interval; the simulated columns are the stale "
              "section's means [95 % CI] over its seeds (its runs are longer and slow at 20 s, so its goodput is "
              "over a larger share of slow time)."),
-        _disagreement([r for *_, r in done]),
+        *_disagreement([r for *_, r in done]),
         Table(pd.DataFrame(rows), "live stale estimator, beside the simulated stale sweep"
               + ("" if sim is not None else " (not available: the stale section has no results)")),
     ]
@@ -1119,7 +1140,7 @@ def _live_cut_report(ctx: Context, folder: Path) -> list:
              "engine for requests that would otherwise have been refused (the cancellation section's "
              "engine_s_saved counts only the cut runs' unrun time). The simulated columns are the same differences "
              "in the cancellation section, means [95 % CI] paired by seed."),
-        _disagreement(runs.to_dict("records")),
+        *_disagreement(runs.to_dict("records")),
         Table(pd.DataFrame(pairs), "live cutting at the deadline: what it saved and gained, beside the simulated sweep"
               + ("" if sim is not None else " (not available: the cancellation section has no results)")),
         Table(runs.drop(columns="judged"), "the live runs and their per-request disagreement with the simulator"),
