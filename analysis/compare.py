@@ -44,8 +44,11 @@ that ran only in the simulator gets its estimate at its last live arrival. A run
 live client hung up on while it ran (the gate tells the engine to stop, and the stopped
 run teaches nothing) holds its engine in the replay until the hang-up reached the gate
 (the hang-up plus the run's median trip to the gate), teaching nothing: rule
-``cancelled``, found by a first pass. Rows are joined on (first_request_id, attempt);
-an attempt one side never sent is outcome ``not_sent`` on that side. :func:`per_request`
+``cancelled``, found by a first pass; whether it was stopped or ran to its end (and what it
+taught) is read from the tracker's factor the gate reported around its end
+(:class:`_TrackerEvidence`). A simulated answer that would reach its client after the live
+client hung up (the run's median trip back) is ``abandoned``, as live. Rows are joined on
+(first_request_id, attempt); an attempt one side never sent is outcome ``not_sent`` on that side. :func:`per_request`
 adds the end-to-end view, one row per request: its outcome (the last attempt's, judged from
 the first send) and its number of attempts, live and simulated.
 

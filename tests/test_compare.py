@@ -423,3 +423,33 @@ def test_a_live_overload_run_is_replayed_request_by_request(servers, tmp_path, c
     # Nothing passed by hand: the run file says the engine is synthetic, at speed 1 and without noise.
     assert "the synthetic engine's speed setting" in predicted["speed_source"] and predicted["speed"] == 1.0
     assert "noise setting" in predicted["noise_source"] and predicted["noise_cv"] == 0.0
+
+
+@pytest.mark.parametrize("taught", [None, 0.8, 1.3])
+def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracker(taught):
+    # Request 1's client hung up around the end of its run: the gate's factor at the next arrival (request 3)
+    # says whether it was stopped (taught nothing) or ran out (and what it taught), with request 2's teaching in
+    # between folded in as the replay has it.
+    from analysis.compare import _TrackerEvidence, _Unsaid
+    from qsim.service import SpeedTracker
+
+    base, reported2 = np.array([0.1, 0.2, 0.1, 0.1]), 0.11
+    tracker = SpeedTracker(0.2, 1.0)
+    if taught is not None:
+        tracker.observe(base[1], taught * base[1])
+    tracker.observe(base[2], reported2)
+    run = pd.DataFrame({"first_request_id": range(4), "attempt": 1,
+                        "arrival_speed_factor": [1.0, np.nan, np.nan, tracker.factor]})
+    ordered = pd.DataFrame({"request_id": range(4), "calibrated_est_s": base})
+    sim = pd.DataFrame({"first_request_id": range(4), "attempt": 1, "start_s": [0.0, 0.1, 0.3, 0.5],
+                        "finish_s": [0.1, 0.3, 0.5, 0.6], "est_service_s": base})
+    position = pd.Series(range(4), index=pd.MultiIndex.from_arrays([range(4), [1] * 4]))
+    setup = ServerConfig(preset("predictive"), 1, tracker_weight=0.2)
+    evidence = _TrackerEvidence(run, setup, _Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim,
+                                position, np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool))
+    said = evidence.learned(1, 0.3)
+    assert said is False if taught is None else said == pytest.approx(taught * base[1], rel=1e-9)
+    # Apart before its end (the replay's factor at request 0 is not the gate's): the run cannot tell.
+    run.loc[0, "arrival_speed_factor"] = 1.01
+    assert _TrackerEvidence(run, setup, _Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim, position,
+                            np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool)).learned(1, 0.3) is None

@@ -137,7 +137,8 @@ def test_openai_routes_are_their_models(client):
 WIRE = {
     "answer": {"text", "tokens", "outcome", "engine", "timings", "admission"},
     "timings": {"queue_s", "engine_s", "total_s", "est_service_s", "started_at", "returned_at", "first_token_s"},
-    "admission": {"arrived_at", "est_service_s", "deadline_s", "queued", "queued_work_s", "speed_factor"},
+    "admission": {"arrived_at", "est_service_s", "deadline_s", "queued", "queued_work_s", "speed_factor", "in_service_s",
+                  "idle"},
     "error": {"type", "reason", "code", "message", "numbers", "retry_after_s"},
 }
 
