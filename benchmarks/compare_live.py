@@ -10,7 +10,7 @@ builds it (``build_trace`` at the calibrated reference line), and compares:
 4. ``predictive``, a burst of 30 at once.
 
 Printed per scenario: disagreements among the requests the service handled (target < 0.5 %),
-independent vs cascade and the first divergence, refusal reasons, engine failures replayed,
+independent vs cascade, by cause (rule or timing) and the first divergence, refusal reasons, engine failures replayed,
 the latency error of requests both answered (from the simulator's own starts and holds),
 and the prediction's error (``qlab compare --predict``: arrivals only, model times).
 Figures are printed, never asserted.
@@ -74,7 +74,7 @@ def run_one(sc: Scenario, logs: Path, quick: bool, out: Path | None, seeds: int)
     late = lateness(run)
     return {"scenario": sc.name, **{k: s[k] for k in (
         "requests", "disagreements", "disagreement_rate", "independent_disagreements", "cascade_disagreements",
-        "first_divergence_s", "both_refused", "reasons_agree", "engine_failures", "failure_disagreements",
+        "rule_disagreements", "timing_disagreements", "unknown_cause_disagreements", "first_divergence_s", "both_refused", "reasons_agree", "engine_failures", "failure_disagreements",
         "live_errors", "both_answered", "latency_abs_error_p50_s", "latency_abs_error_p99_s", "replayed_estimate",
         "live_good", "live_late", "live_rejected", "live_expired")},
         "send_lateness_p99_s": late["p99_s"],
@@ -90,8 +90,9 @@ def describe(r: dict) -> str:
         f"rejected {r['live_rejected']:.0f}, expired {r['live_expired']:.0f}, errors {r['live_errors']:.0f}); "
         f"send lateness p99 {r['send_lateness_p99_s'] * 1e3:.2f} ms",
         f"  disagreements {r['disagreements']:.0f} of {handled:.0f} non-error ({r['disagreement_rate']:.2%}): "
-        f"independent {r['independent_disagreements']:.0f}, cascade {r['cascade_disagreements']:.0f}; "
-        f"first divergence {first}",
+        f"independent {r['independent_disagreements']:.0f}, cascade {r['cascade_disagreements']:.0f}; by cause "
+        f"rule {r['rule_disagreements']:.0f}, timing {r['timing_disagreements']:.0f}, unknown "
+        f"{r['unknown_cause_disagreements']:.0f}; first divergence {first}",
         f"  refusal reasons agree {r['reasons_agree']:.0f}/{r['both_refused']:.0f}; engine failures "
         f"{r['engine_failures']:.0f} ({r['failure_disagreements']:.0f} disagree); never started, replayed with the "
         f"estimate at arrival: {r['replayed_estimate']:.0f}",
