@@ -640,8 +640,8 @@ def _cancelled_runs(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid, ord
         if stopped and heard > end - TOLERANCE_S:
             unsaid.late[first] = max(0.0, end - TOLERANCE_S - intended[k])
             changed = True
-        elif not stopped and heard <= end:  # the gate heard of the hang-up after the run had ended
-            unsaid.late[first] = end + TOLERANCE_S - intended[k]
+        elif not stopped and heard <= end:  # the gate heard of the hang-up after the run had ended: just after
+            unsaid.late[first] = end + TOLERANCE_S / 2 - intended[k]  # (within the tolerance: the same end)
             changed = True
     return changed
 
@@ -942,7 +942,7 @@ def first_divergence(joined: pd.DataFrame) -> dict | None:
         for c in ("start_s", "end_s"):
             live, sim = row[f"live_{c}"], row[f"sim_{c}"]
             if pd.notna(live) and pd.notna(sim) and abs(float(live) - float(sim)) > TOLERANCE_S:
-                differ.append(f"{c} sim - live {(float(sim) - float(live)) * 1e3:+.1f} ms")
+                differ.append(f"{c} sim - live {(float(sim) - float(live)) * 1e3:+.3f} ms")
     return {"request_id": int(row["request_id"]), "first_request_id": int(row["first_request_id"]),
             "attempt": int(row["attempt"]), "gate_arrival_s": float(row["gate_arrival_s"]),
             "live_outcome": str(row["live_outcome"]), "sim_outcome": str(row["sim_outcome"]),

@@ -214,9 +214,9 @@ def test_a_finish_shifted_a_few_ms_reads_as_timing():
     assert s["rule_disagreements"] == s["unknown_cause_disagreements"] == s["rule_divergences"] == 0
     first = result.first_divergence
     assert first["request_id"] == k and first["cause"] == "timing" and s["first_divergence_rule"] == 0.0
-    assert first["differ"] == ["end_s sim - live -40.0 ms"]
+    assert first["differ"] == ["end_s sim - live -40.000 ms"]
     text = describe_first_divergence(first)
-    assert text.startswith(f"request {k} attempt 1 at") and "timing (end_s sim - live -40.0 ms)" in text
+    assert text.startswith(f"request {k} attempt 1 at") and "timing (end_s sim - live -40.000 ms)" in text
 
 
 def test_disagreements_reasons_and_latency_error_are_counted():
