@@ -164,15 +164,16 @@ class AdmissionQueue:
             self.seen = _new(Seen, (est, queued, queued_work, factor, 0.0, len(idle)))
             refusal = None if self._admits_all else rule(policy, queued, queued_work, 0.0, est, deadline_s,
                                                           self.engines, len(idle), priority, None)
+        elif self._admits_all and priority >= 0:
+            # A rule that admits all reads nothing: the work in service is left unsaid (NaN) rather than summed
+            # on every arrival of bench_qsim's case A.
+            self.seen = _new(Seen, (est, queued, queued_work, factor, _NAN, 0))
+            refusal = None
         else:
             remaining = self.remaining_s(now)
             self.seen = _new(Seen, (est, queued, queued_work, factor, remaining, 0))
-            if self._admits_all and priority >= 0:
-                refusal = None
-            else:
-                ahead = None if self._ahead is None else self._ahead(entry) * factor
-                refusal = rule(policy, queued, queued_work, remaining, est, deadline_s, self.engines, 0, priority,
-                               ahead)
+            ahead = None if self._ahead is None else self._ahead(entry) * factor
+            refusal = rule(policy, queued, queued_work, remaining, est, deadline_s, self.engines, 0, priority, ahead)
         if refusal is not None:
             return refusal
         if idle:
