@@ -95,7 +95,7 @@ from typing import Callable, Sequence
 
 from qsim.config import ServerConfig, StallRule
 from qsim.disciplines import CODEL_REASON
-from qsim.engines import OneAtATime
+from qsim.engines import Batching, OneAtATime
 from qsim.entry import Work
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
@@ -125,7 +125,8 @@ def check_live_policy(policy: Policy) -> Policy:
 def gate_config(policy: Policy, **settings) -> ServerConfig:
     """A gate's :class:`~qsim.config.ServerConfig`: ``policy`` and ``settings`` (ServerConfig's fields), with the
     gate's stall rule (:data:`GATE_STALL`) unless ``stall`` is given: a live engine can hang, a simulated one not."""
-    settings.setdefault("stall", GATE_STALL)
+    # A batching engine's core has no stall rule (qsim.batch): its steps are timed by the step model.
+    settings.setdefault("stall", None if isinstance(settings.get("engine"), Batching) else GATE_STALL)
     return ServerConfig(check_live_policy(policy), **settings)
 
 
@@ -471,15 +472,11 @@ class Gate:
             raise ValueError("the gate needs at least one engine")
         check_live_policy(config.policy)
         self.engines = list(engines)
-        if not isinstance(config.engine, OneAtATime):
-            raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver, not this one")
-        if config.engines != len(self.engines):  # the gate runs as many engines as it is given
-            config = config.replace(engine=OneAtATime(len(self.engines), config.engine.concurrency))
-        self.config = config
+        self.config = config = self._fitted(config)
         self.policy = config.policy
         self.clock = clock
         self.workers = len(self.engines)
-        self.queue = AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
+        self.queue = self._make_queue(config)
         self.counts = dict.fromkeys(COUNTED, 0)
         self.rejected_by_reason = dict.fromkeys(map(str, (*REJECT_REASONS, NEVER_IN_TIME)), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
@@ -500,6 +497,19 @@ class Gate:
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
+
+    def _fitted(self, config: ServerConfig) -> ServerConfig:
+        """The config this gate runs: engines one at a time, as many as it is given (a batching engine has its own
+        driver, :class:`live.batching.BatchGate`)."""
+        if not isinstance(config.engine, OneAtATime):
+            raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver "
+                             "(live.batching.BatchGate), not this one")
+        if config.engines != len(self.engines):  # the gate runs as many engines as it is given
+            config = config.replace(engine=OneAtATime(len(self.engines), config.engine.concurrency))
+        return config
+
+    def _make_queue(self, config: ServerConfig):
+        return AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
 
     @property
     def tracker(self) -> SpeedTracker:

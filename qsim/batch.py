@@ -125,6 +125,7 @@ class BatchQueue:
     :meth:`next_timer` when to call :meth:`timer` (a running request's deadline, where the policy cuts there).
     """
 
+    all_stalled = False  # no stall rule here (a live gate's readiness asks)
     _wants_members = False  # a live driver sets it: it needs the decoding requests by name, the simulator does not
     _decode_reserved = False  # the decoding hold their next token's KV slot (a step is planned or in flight)
     _planned: list = []
