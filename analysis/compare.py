@@ -88,7 +88,7 @@ from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
 from qsim.outcomes import ANSWERED, OUTCOMES, Outcome, Reason
 from qsim.policy import on_time
-from qsim.runfile import engine_info, server_config, speed_probe, speed_schedule
+from qsim.runfile import batch_step_times, engine_info, server_config, speed_probe, speed_schedule
 from qsim.service import SpeedSchedule
 from qsim.workload import lognormal_noise
 
@@ -116,7 +116,8 @@ RULES = {"held": "returned - started (what the gate counted busy)",
          "stalled": "a stalled run: until its engine next took a request",
          "estimate": "never started: calibrated estimate x speed factor at its arrival",
          "cancelled": "its client hung up while it ran: until the hang-up reached the gate",
-         "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts"}
+         "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts",
+         "steps": "a batching engine: the run's steps in order, each as long as it ran live"}
 
 
 def run_setup(run: pd.DataFrame) -> ServerConfig:
@@ -415,6 +416,8 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.
         given = _per_request(run, replay_inputs(run, setup)).loc[ordered["request_id"].to_numpy()]
     else:
         given = replay_inputs(ordered, setup)
+    if setup.batching:
+        given = given.assign(replayed_with="steps")
     hold = given["hold_s"].to_numpy(float).copy()
     reported = given["reported_s"].to_numpy(float).copy()
     failed = given["failed"].to_numpy(bool).copy()
@@ -427,9 +430,12 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.
         faults = _client_faults(run, ordered, first_arrival, notice)
         retrier = _live_retrier(run, arrival, ordered["request_id"].to_numpy(),
                                 (faults["retry"], faults["retry_seed"]) if retrying else None, notice)
+        # A batching engine's steps take the run's step times, in order (the core decides the rest, as live); its
+        # requests have no run time of their own.
+        runs = {"step_times": batch_step_times(run)} if setup.batching else {"failed": failed, "reported_s": reported}
         sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", generated_tokens(run, ordered),
-                        failed=failed, reported_s=reported, retrier=retrier, **faults)
-        if not _cancelled_runs(run, unsaid, ordered, sim, hold, reported, failed, rule, usual):
+                        retrier=retrier, **runs, **faults)
+        if setup.batching or not _cancelled_runs(run, unsaid, ordered, sim, hold, reported, failed, rule, usual):
             break
     sim_first = sim["first_request_id"].to_numpy()
     sim["first_request_id"] = ordered["request_id"].to_numpy()[sim_first]

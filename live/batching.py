@@ -38,6 +38,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -52,6 +53,10 @@ from qsim.service import SpeedSchedule
 from .engine import WORD, Faults, InjectedFault, apply_stop
 from .gate import Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _Ticket
 from .tokenizer import ByteTokenizer
+
+
+#: Steps a batching gate remembers for ``GET /stats?steps_since=`` (about half an hour at 100 steps a second).
+STEP_LOG = 200_000
 
 
 @dataclass(frozen=True)
@@ -264,6 +269,10 @@ class BatchGate(Gate):
         self._timer_at = math.inf
         self._ended: list = []  # keys out of the batch for good since the last step (StepWork.ended)
         self.steps = 0
+        # (woken, began, ended, engine seconds, model seconds) of the last STEP_LOG steps: for a replay (step_log).
+        self.step_log: deque = deque(maxlen=STEP_LOG)
+        self._woken_at: float | None = None  # an idle engine was woken then (the core's wake), and not begun yet
+        self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
 
     def _fitted(self, config: ServerConfig) -> ServerConfig:
         if not isinstance(config.engine, Batching):
@@ -308,8 +317,8 @@ class BatchGate(Gate):
         """The clock, read once for an event the core is told of; deadlines passed before it are cut first (placed
         at their deadlines by the core), so that the core hears of events in their order, as the simulator's."""
         now = self.clock()
-        if self.queue.next_timer() < now:
-            self.queue.timer(now)
+        while (due := self.queue.next_timer()) < now:
+            self.queue.timer(due)  # at its own time: an idle engine it frees is woken then, as the simulator's
         return now
 
     def _joined(self, ticket: _Ticket, now: float) -> None:
@@ -319,6 +328,8 @@ class BatchGate(Gate):
 
     def _wake(self, now: float) -> None:
         # One loop turn later, as the simulator's zero timeout: arrivals at this same instant join the first step.
+        # For the core the step begins then; the engine was busy from ``now`` (the step log's start, see _step).
+        self._woken_at = now
         self._loop.call_soon(self._begin)
 
     def _begin(self) -> None:
@@ -331,6 +342,9 @@ class BatchGate(Gate):
         if self._closed:
             return
         self.steps += 1
+        # The step log's: when an idle engine was woken for it (else now), and when the core began it (the loop
+        # turn in between decides which arrivals join the first step: a replay waits it too).
+        self._began, self._woken_at = ((now if self._woken_at is None else self._woken_at), now), None
         work = StepWork(tuple((t, t.job, n) for t, n in plan.chunks), plan.decoding, plan.prefill_tokens,
                         plan.sampling, plan.context, plan.model_s, tuple(self._ended))
         self._ended = []
@@ -356,6 +370,7 @@ class BatchGate(Gate):
                 self._ended.append(ticket)
                 numbers = {"started_at": ticket.start, "returned_at": now}
                 self._resolve(ticket, Outcome.ERROR, exc=EngineFailed(0, error, ticket.arrival, numbers), cause=error)
+        self.step_log.append((*self._began, now, result.engine_s, work.model_s))
         self.queue.step_done(now, result.engine_s)
         self._arm()
 
@@ -395,7 +410,9 @@ class BatchGate(Gate):
         self._timer, self._timer_at = None, math.inf
         if self._closed:
             return
-        self.queue.timer(max(due, self.clock()))  # a timer may come a clock tick early
+        # At the deadline itself, though the loop came round to it later: the core cuts there, and an idle engine
+        # it frees is woken there (the step log's wake), as the simulator's; nothing else came in between (_now).
+        self.queue.timer(due)
         self._arm()
 
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
@@ -429,9 +446,17 @@ class BatchGate(Gate):
         """Always "ok": the core has no stall rule for a batching engine (a hang ends, see the module)."""
         return {"status": "ok", "stalled": []}
 
-    def stats(self) -> dict:
+    def stats(self, steps_since: float | None = None) -> dict:
+        """As the gate's, with ``batching`` (the batch and its KV blocks now, the steps so far) and, given
+        ``steps_since`` (gate clock), ``step_log``: each step woken for or begun since then as [woken, began, ended,
+        the engine's seconds, the step model's seconds], on the gate's clock: when an arrival woke the idle engine for
+        it (its start where it followed a step), when the core began it, when the gate had it back (what ``qlab
+        compare`` replays with; the model's seconds say what the step computed)."""
         engine = self.config.engine
-        return {**super().stats(), "batching": {
+        stats = {**super().stats(), "batching": {
             "running": self.queue.in_service, "max_num_seqs": engine.max_num_seqs,
             "kv_blocks_used": self.queue.kv_used, "kv_blocks": engine.kv_blocks, "block_size": engine.block_size,
             "kv_use": self.queue.kv_use, "steps": self.steps}}
+        if steps_since is not None:
+            stats["step_log"] = [list(step) for step in self.step_log if step[0] >= steps_since]
+        return stats

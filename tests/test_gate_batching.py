@@ -1,0 +1,210 @@
+"""The batching gate (live.batching) and the simulator are two drivers of one batching core: request by request,
+they agree.
+
+On the virtual clock (tests/virtual_time.py) the real :class:`live.batching.BatchGate` drives the real
+:class:`live.batching.SyntheticBatchEngine` (a task on the loop whose steps take the step model's time), and
+``simulate()`` runs the same trace through the same :class:`qsim.config.ServerConfig`: outcome, reason, start,
+finish, time to first token and tokens must agree, under several policies, with KV blocks that bind (preemption),
+step noise, clients that leave, a speed change and cuts at the deadline. Then the live pieces: the faults, the
+one-line refusals of ``qlab serve``, and a real HTTP server with ``--batching``.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from live.batching import BatchGate, StepWork, SyntheticBatchEngine
+from live.engine import Faults
+from live.gate import EngineFailed, Job, gate_config
+from qsim import PRESETS, make_trace, simulate
+from qsim.config import ServerConfig
+from qsim.engines import Batching, StepModel
+from qsim.service import SpeedSchedule
+from qsim.workload import Prompts
+from virtual_time import on_virtual_clock, run_gate
+
+STEP = StepModel(0.01, 0.0001, 0.0002, 0.000001)
+ENGINE = Batching(STEP, max_num_seqs=8, max_num_batched_tokens=256)
+#: So little KV memory that a full batch does not fit: the newest running are preempted (recompute).
+TIGHT = Batching(STEP, max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+PROMPTS = Prompts.parse("uniform:10:200")
+
+
+def _trace(engine: Batching, load: float, seed: int, seconds: float = 20.0, **options):
+    return make_trace("poisson", "mix", load=load, engines=1, seconds=seconds, seed=seed, prompts=PROMPTS,
+                      capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0), **options)
+
+
+def _agree(trace, config: ServerConfig, **inputs):
+    """Outcome, reason, start, finish, first token, tokens and the admission view agree; /stats' counts too."""
+    gate, stats = run_gate(trace, None, 1, config=config, **inputs)
+    sim = simulate(trace, config, **inputs)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
+    known = gate["outcome"].ne("abandoned").to_numpy()  # a client that left does not hear when it joined
+    np.testing.assert_allclose(gate.loc[known, "start_s"], sim.loc[known, "start_s"], rtol=0, atol=1e-9)
+    answered = sim["outcome"].isin(["good", "late"]).to_numpy()
+    np.testing.assert_allclose(gate.loc[answered, "first_token_s"] - gate.loc[answered, "arrival_s"],
+                               sim.loc[answered, "ttft_s"], rtol=0, atol=1e-9)
+    np.testing.assert_array_equal(gate.loc[answered, "tokens"], sim.loc[answered, "output_tokens"])
+    seen = gate["queued"].ge(0).to_numpy()
+    np.testing.assert_array_equal(gate.loc[seen, "queued"], sim.loc[seen, "queued_at_arrival"].astype(int))
+    np.testing.assert_allclose(gate.loc[seen, "est_service_s"], sim.loc[seen, "est_service_s"], rtol=0, atol=1e-9)
+    counts = sim["outcome"].value_counts()
+    assert {k: v for k, v in stats["counts"].items() if v} == {k: int(v) for k, v in counts.items()}
+    assert stats["waiting"] == 0 and stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["batching"]["steps"] > 0 and stats["server_config"]["engine"]["kind"] == "batching"
+    return sim
+
+
+@pytest.mark.parametrize("policy", ["none", "bounded", "predictive", "bounded-deadline"])
+def test_the_batching_gate_matches_the_simulator_request_by_request(policy):
+    sim = _agree(_trace(ENGINE, 1.5, seed=3), ServerConfig(PRESETS[policy], engine=ENGINE))
+    assert len(sim) > 400
+    assert sim["ttft_s"].notna().sum() > 100
+
+
+@pytest.mark.parametrize("policy", ["none", "predictive"])
+def test_kv_blocks_that_bind_preempt_alike(policy):
+    sim = _agree(_trace(TIGHT, 1.2, seed=5), ServerConfig(PRESETS[policy], engine=TIGHT))
+    assert sim["preemptions"].max() >= 1 and (sim["preemptions"] > 0).sum() >= 5
+
+
+def test_noisy_steps_are_the_simulators_draws():
+    noisy = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.4), max_num_seqs=8,
+                     max_num_batched_tokens=256)
+    _agree(_trace(noisy, 1.3, seed=6), ServerConfig(PRESETS["predictive"], engine=noisy, seed=11))
+
+
+def test_cuts_at_the_deadline_match_the_simulator():
+    policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=1.5)
+    sim = _agree(_trace(TIGHT, 1.5, seed=7), ServerConfig(policy, engine=TIGHT))
+    cut = sim[sim["outcome"].eq("cancelled")]
+    assert len(cut) >= 5 and cut["reason"].eq("deadline_passed").all()
+    assert not sim["outcome"].eq("late").any()
+
+
+def test_clients_that_leave_and_a_speed_change_match_the_simulator():
+    trace = _trace(ENGINE, 1.0, seed=8)
+    patience = np.where(np.arange(len(trace)) % 4 == 0, 0.4, np.inf)  # every fourth leaves after 0.4 s
+    sim = _agree(trace, ServerConfig(PRESETS["predictive"], engine=ENGINE), cancel_after_s=patience,
+                 speed_schedule=SpeedSchedule(1.0, ((8.0, 2.0),)))
+    left = sim[sim["outcome"].eq("abandoned")]
+    assert len(left) >= 5 and left["start_s"].notna().any()  # some left from the batch
+
+
+# ---------------------------------------------------------------- the live pieces
+
+
+def _gate_run(engine, config, jobs):
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with BatchGate(engine(loop), config, clock=loop.time) as gate:
+            answers = await asyncio.gather(*(gate.submit(job) for job in jobs), return_exceptions=True)
+            return answers, gate.stats()
+
+    return on_virtual_clock(go)
+
+
+def test_the_synthetic_engines_fail_every_fails_every_nth_request_to_join():
+    config = gate_config(PRESETS["none"], engine=ENGINE)
+    engine = lambda loop: SyntheticBatchEngine(STEP, clock=loop.time, faults=Faults(fail_every=3))  # noqa: E731
+    answers, stats = _gate_run(engine, config, [Job("x" * 20, 8, prompt_tokens=20) for _ in range(9)])
+    failed = [i for i, a in enumerate(answers) if isinstance(a, EngineFailed)]
+    assert failed == [2, 5, 8]  # the 3rd, 6th and 9th to join (a burst joins in arrival order)
+    assert all(a.tokens == 8 and a.text == " tok" * 8 for i, a in enumerate(answers) if i not in failed)
+    assert stats["counts"]["error"] == 3 and stats["counts"]["good"] == 6 and stats["kv_blocks_used"] == 0
+
+
+def test_a_hung_step_holds_the_whole_batch_for_its_time():
+    config = gate_config(PRESETS["none"], engine=ENGINE)
+    engine = lambda loop: SyntheticBatchEngine(STEP, clock=loop.time, faults=Faults(hang_after=0, hang_s=2.0))  # noqa: E731
+    answers, _ = _gate_run(engine, config, [Job("x", 4, prompt_tokens=1) for _ in range(3)])
+    assert all(a.outcome == "late" and a.returned_at > 2.0 for a in answers)  # past the 1 s deadline: the hang
+
+
+def test_a_step_that_raises_fails_the_requests_in_it_and_the_engine_goes_on():
+    class Once(SyntheticBatchEngine):
+        async def astep(self, work: StepWork):
+            if self.steps == 0:
+                self.steps += 1
+                raise RuntimeError("a broken step")
+            return await super().astep(work)
+
+    config = gate_config(PRESETS["none"], engine=ENGINE)
+    answers, stats = _gate_run(lambda loop: Once(STEP, clock=loop.time), config,
+                               [Job("x", 4, prompt_tokens=1) for _ in range(2)])
+    assert all(isinstance(a, EngineFailed) for a in answers)
+    assert stats["counts"]["error"] == 2
+
+    async def after():
+        loop = asyncio.get_running_loop()
+        async with BatchGate(Once(STEP, clock=loop.time), config, clock=loop.time) as gate:
+            with pytest.raises(EngineFailed):
+                await gate.submit(Job("x", 4, prompt_tokens=1))
+            return await gate.submit(Job("x", 4, prompt_tokens=1))
+
+    assert on_virtual_clock(after).outcome == "good"
+
+
+def test_the_batching_gate_refuses_what_it_cannot_run():
+    from live.engine import SyntheticEngine
+    from live.gate import Gate
+
+    with pytest.raises(ValueError, match="runs steps"):
+        BatchGate(SyntheticEngine(), gate_config(PRESETS["none"], engine=ENGINE))
+    with pytest.raises(ValueError, match="batching engine"):
+        BatchGate(SyntheticBatchEngine(), gate_config(PRESETS["none"]))
+    with pytest.raises(ValueError, match="BatchGate"):
+        Gate([SyntheticEngine()], gate_config(PRESETS["none"], engine=ENGINE))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--step", "0.01,0,0,0"], "--step is a batching engine's: add --batching"),
+    (["--batching", "--engines", "2"], "--batching runs one batching engine"),
+    (["--batching", "--noise", "0.3"], "--noise"),
+    (["--batching", "--early-stops"], "--early-stops"),
+    (["--batching", "--hang-after", "3"], "--hang-for"),
+    (["--batching", "--engine", "upstream", "--upstream-url", "http://127.0.0.1:9"], "--engine synthetic"),
+    (["--batching", "--stall-after", "3"], "stall"),
+    (["--batching", "--step", "1,2"], "step model"),
+    (["--batching", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "max_num_batched_tokens"),
+])
+def test_qlab_serve_refuses_a_bad_batching_combination_in_one_line(capsys, argv, says):
+    from experiments.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.slow  # a server process: a few seconds
+def test_qlab_serve_batching_answers_over_http(tmp_path):
+    import httpx
+
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+
+    options = ServeOptions(policy="bounded", max_queue=4, batching=True, step="0.02,0.0001,0.0005,0",
+                           max_num_seqs=4, max_num_batched_tokens=64, kv_blocks=16, block_size=8, port=0)
+    with serving([options], tmp_path, 60) as (server,):
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            async def burst():
+                async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+                    return await asyncio.gather(*(http.post("/v1/generate", json={
+                        "prompt": "y" * (10 * i + 1), "max_new_tokens": 8}) for i in range(12)))
+
+            responses = asyncio.run(burst())
+            stats = client.get("/stats").json()
+            metrics = client.get("/metrics").text
+    assert {r.status_code for r in responses} <= {200, 503}
+    answered = [r.json() for r in responses if r.status_code == 200]
+    refused = [r.json()["error"] for r in responses if r.status_code == 503]
+    assert len(answered) >= 4 and all(a["tokens"] == 8 for a in answered)
+    assert all(e["type"] == "overloaded" for e in refused)
+    assert stats["submitted"] == 12 and sum(stats["counts"].values()) == 12
+    assert stats["server_config"]["engine"]["kind"] == "batching" and stats["batching"]["steps"] > 0
+    assert stats["engine"]["batching"] is True and stats["kv_blocks_used"] == 0
+    assert "qlab_kv_blocks_used 0.0" in metrics and "qlab_kv_cache_usage 0.0" in metrics
