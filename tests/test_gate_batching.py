@@ -95,6 +95,27 @@ def test_clients_that_leave_and_a_speed_change_match_the_simulator():
     assert len(left) >= 5 and left["start_s"].notna().any()  # some left from the batch
 
 
+def test_a_runs_own_steps_replayed_give_its_rows():
+    """qlab compare's replay of a batching run: simulate(step_times=) takes each step's time from the gate's step log
+    (stats' step_log), in order; the simulator's own noise (another seed here) then plays no part."""
+    noisy = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.5), max_num_seqs=8,
+                     max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    trace = _trace(noisy, 1.4, seed=9)
+    config = ServerConfig(PRESETS["predictive"].with_args({"cancel_at_deadline": True}), engine=noisy, seed=3)
+    gate, stats = run_gate(trace, None, 1, config=config)
+    log = stats["step_log"]
+    assert len(log) == stats["batching"]["steps"] > 100
+    times = [(began - woken, ended - began, engine) for woken, began, ended, engine, _ in log]
+    replayed = simulate(trace, config.replace(seed=4), step_times=times)
+    assert gate["outcome"].tolist() == replayed["outcome"].tolist()
+    np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
+    assert replayed["outcome"].value_counts().get("cancelled", 0) >= 3 and replayed["preemptions"].max() >= 1
+    own = simulate(trace, config.replace(seed=4))  # its own draws: another run
+    assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
+    with pytest.raises(ValueError, match="step_times are a batching engine's"):
+        simulate(trace, PRESETS["none"], step_times=times)
+
+
 # ---------------------------------------------------------------- the live pieces
 
 
@@ -208,3 +229,14 @@ def test_qlab_serve_batching_answers_over_http(tmp_path):
     assert stats["server_config"]["engine"]["kind"] == "batching" and stats["batching"]["steps"] > 0
     assert stats["engine"]["batching"] is True and stats["kv_blocks_used"] == 0
     assert "qlab_kv_blocks_used 0.0" in metrics and "qlab_kv_cache_usage 0.0" in metrics
+    # qlab replay records the server's steps; qlab compare replays the run with them, request by request.
+    from analysis.compare import compare
+    from live.loadgen import ReplayConfig, replay
+    from qsim.runfile import batch_step_times
+
+    with serving([options], tmp_path, 60) as (server,):
+        run = replay(make_trace("poisson", load=3.0, seconds=5, seed=5), ReplayConfig(server.url))
+    steps = batch_step_times(run)
+    assert len(steps) > 50 and all(wait >= 0 and ran > 0 for wait, ran, _ in steps)
+    summary = compare(run).summary
+    assert summary["live_errors"] == 0 and summary["disagreement_rate"] <= 0.02
