@@ -35,8 +35,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -51,7 +49,7 @@ from qsim.outcomes import Outcome
 from qsim.service import SpeedSchedule
 
 from .engine import WORD, Faults, InjectedFault, apply_stop
-from .gate import Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _Ticket
+from .gate import Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _InboxThread, _Ticket
 from .tokenizer import ByteTokenizer
 
 
@@ -219,23 +217,12 @@ class _StepTask:
             self._task.cancel()
 
 
-class _StepThread:
+class _StepThread(_InboxThread):
     """A blocking engine's steps, on one thread of its own that posts each result back to the loop."""
 
     def __init__(self, engine, deliver: Callable) -> None:
         self.engine, self._deliver = engine, deliver
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="qlab-batch-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def give(self, work: StepWork) -> None:
-        self._inbox.put(work)
-
-    def stop(self, timeout_s: float) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout_s)
+        super().__init__("qlab-batch-engine")
 
     def _loop(self) -> None:
         while (work := self._inbox.get()) is not None:

@@ -360,7 +360,28 @@ class _Failure:
     engine_s: float
 
 
-class _EngineThread:
+class _InboxThread:
+    """A thread of its own that takes one piece of work at a time from its inbox (None stops it); ``_loop`` runs it."""
+
+    def __init__(self, name: str) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def give(self, work) -> None:
+        self._inbox.put(work)
+
+    def stop(self, timeout_s: float) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class _EngineThread(_InboxThread):
     """One thread per engine: takes one ticket at a time from the gate, posts the result back."""
 
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
@@ -369,18 +390,7 @@ class _EngineThread:
         self._takes_emit = takes_emit(engine)
         self._takes_asked = takes_asked(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=f"qlab-engine-{k}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def give(self, ticket: _Ticket) -> None:
-        self._inbox.put(ticket)
-
-    def stop(self, timeout_s: float) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout_s)
+        super().__init__(f"qlab-engine-{k}")
 
     def _loop(self) -> None:
         while (ticket := self._inbox.get()) is not None:

@@ -170,6 +170,45 @@ def test_a_step_that_raises_fails_the_requests_in_it_and_the_engine_goes_on():
     assert on_virtual_clock(after).outcome == "good"
 
 
+def test_an_engine_with_a_blocking_step_runs_on_a_thread_of_its_own():
+    import threading
+
+    from live.batching import StepDone
+
+    class Blocking:  # step, not astep: the gate runs it on one engine thread
+        max_new_tokens_limit = None
+
+        def __init__(self):
+            self.threads = set()
+
+        def step(self, work: StepWork) -> StepDone:
+            self.threads.add(threading.current_thread().name)
+            return StepDone(STEP.time(work.prefill_tokens, work.sampling, work.context))
+
+        def text(self, key, job, tokens):
+            return "x" * tokens
+
+        def count_tokens(self, text):
+            return len(text)
+
+        def warmup(self):
+            pass
+
+        def info(self):
+            return {"engine": "blocking"}
+
+    engine = Blocking()
+
+    async def go():
+        async with BatchGate(engine, gate_config(PRESETS["none"], engine=ENGINE)) as gate:
+            return await asyncio.gather(*(gate.submit(Job("x" * 9, 5, prompt_tokens=9)) for _ in range(12)))
+
+    answers = asyncio.run(go())
+    # Answered (good or late: the real clock of a busy machine decides which), each after its 5 tokens.
+    assert all(a.outcome in ("good", "late") and a.tokens == 5 and a.text == "xxxxx" for a in answers)
+    assert engine.threads == {"qlab-batch-engine"}
+
+
 def test_the_batching_gate_refuses_what_it_cannot_run():
     from live.engine import SyntheticEngine
     from live.gate import Gate
