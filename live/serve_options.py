@@ -25,7 +25,7 @@ import argparse
 import sys
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from urllib.parse import urlsplit
 
 from inputs import argtypes
@@ -96,7 +96,8 @@ class ServeOptions:
                                   type=argtypes.positive_int, engine="gpt2")
     speed: float = _option(1.0, "synthetic: service times are SPEED times the model (default 1)",
                            type=argtypes.positive, engine="synthetic")
-    noise: float = _option(0.0, "synthetic: CV of lognormal noise on service times", type=argtypes.non_negative,
+    noise: float = _option(0.0, "synthetic: CV of lognormal noise on service times (with --batching: of the gamma "
+                                "noise on each step's time, the step model's CV)", type=argtypes.non_negative,
                            engine="synthetic")
     speed_schedule: str = _option("", "synthetic: SECONDS:FACTOR,... speed changes since start, e.g. 20:2.2",
                                   engine="synthetic", check=parse_schedule)
@@ -177,8 +178,8 @@ class ServeOptions:
         unfit = (
             (self.engine != "synthetic", f"--batching: only with --engine synthetic (not {self.engine})"),
             (self.engines != 1, "--batching runs one batching engine: drop --engines"),
-            (self.noise != defaults["noise"], "--noise: a batching engine's step times vary by the step model's CV "
-                                              "(--step B0,B1,B2,B3,CV)"),
+            (self.noise and batching.step.cv, "--noise and --step's CV both set a batching engine's step noise: "
+                                              "give one"),
             (self.early_stops, "--early-stops: not with --batching (the batch runs each request to its limit)"),
             (self.hang_after is not None and self.hang_for is None,
              "--hang-after with --batching needs --hang-for (a batching engine has no stall rule to end a hang)"),
@@ -188,6 +189,8 @@ class ServeOptions:
         for bad, why in unfit:
             if bad:
                 raise ValueError(why)
+        if self.noise:  # the spread of a step's time around the model (a gamma of mean 1), the simulator's too
+            batching = replace(batching, step=replace(batching.step, cv=self.noise))
         return batching
 
     # ------------------------------------------------------------ the command line

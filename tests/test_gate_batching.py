@@ -224,7 +224,7 @@ def test_the_batching_gate_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("argv,says", [
     (["--step", "0.01,0,0,0"], "--step is a batching engine's: add --batching"),
     (["--batching", "--engines", "2"], "--batching runs one batching engine"),
-    (["--batching", "--noise", "0.3"], "--noise"),
+    (["--batching", "--noise", "0.3", "--step", "0.01,0,0,0,0.2"], "--noise and --step's CV"),
     (["--batching", "--early-stops"], "--early-stops"),
     (["--batching", "--hang-after", "3"], "--hang-for"),
     (["--batching", "--engine", "upstream", "--upstream-url", "http://127.0.0.1:9"], "--engine synthetic"),
@@ -238,6 +238,16 @@ def test_qlab_serve_refuses_a_bad_batching_combination_in_one_line(capsys, argv,
     assert main(["serve", "--port", "0", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_noise_with_batching_is_the_step_models_cv():
+    from live.serve_options import ServeOptions
+
+    engine = ServeOptions(batching=True, noise=0.3, step="0.01,0,0.001,0").engine_model()
+    assert engine.step == StepModel(0.01, 0.0, 0.001, 0.0, cv=0.3)
+    assert ServeOptions(batching=True, max_num_seqs=4, max_num_batched_tokens=64).engine_model() == \
+        Batching(max_num_seqs=4, max_num_batched_tokens=64)
+    assert ServeOptions().engine_model() is None
 
 
 @pytest.mark.slow  # a server process: a few seconds
