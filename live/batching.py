@@ -63,7 +63,8 @@ class StepWork:
 
     prefill: (key, job, prompt tokens it computes in this step) for each request computing its prompt; a request
     preempted (recompute) comes back here from its first token, to compute its prompt and what it had generated.
-    decode: the keys of the requests that compute one token each. ended: the keys that left the batch for good
+    decode: the keys of the requests that compute one token each; completing: the keys among prefill whose prompt
+    completes in this step (each produces a token, as each of decode does). ended: the keys that left the batch for good
     since the last step (answered, cut, failed, or their client left): the engine may forget them. The step's
     shape, as the step model reads it: prefill_tokens, sampling (the requests that produce a token), context (KV
     tokens held); model_s: the gate's step model's seconds for it (its calibration, not the engine's truth).
@@ -76,15 +77,18 @@ class StepWork:
     context: int
     model_s: float
     ended: tuple[object, ...] = ()
+    completing: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True)
 class StepDone:
-    """What a step did: the engine's own seconds for it (what the speed tracker learns), and the requests that
-    failed in it, as (key, the exception): they leave the batch as errors."""
+    """What a step did: the engine's own seconds for it (what the speed tracker learns), the requests that failed
+    in it, as (key, the exception): they leave the batch as errors; and pieces: (key, the text of the token it
+    produced) for the streamed requests (``job.stream``), which the gate hands to their clients as they come."""
 
     engine_s: float
     failed: tuple[tuple[object, BaseException], ...] = ()
+    pieces: tuple[tuple[object, str], ...] = ()
 
 
 @runtime_checkable
@@ -139,18 +143,38 @@ class SyntheticBatchEngine:
         self._seen: set = set()  # the requests in the batch (or preempted) that it has counted as runs
         self.runs = 0  # requests that joined, in order: what fail_every counts
         self.steps = 0
+        self._streamed: dict = {}  # key -> [job, tokens streamed so far], for the streamed requests in the batch
 
     def _faulty(self, work: StepWork) -> tuple[tuple[object, BaseException], ...]:
         self._seen.difference_update(work.ended)
+        for key in work.ended:
+            self._streamed.pop(key, None)
         failed = []
-        for key, _, _ in work.prefill:
+        for key, job, _ in work.prefill:
             if key not in self._seen:
                 self._seen.add(key)
                 self.runs += 1
                 if self.faults.fails(self.runs):
                     failed.append((key, InjectedFault(f"injected failure on request {self.runs} of the batch "
                                                       f"(fail every {self.faults.fail_every})")))
+                elif job.stream:
+                    self._streamed[key] = [job, 0]
         return tuple(failed)
+
+    def _pieces(self, work: StepWork) -> tuple[tuple[object, str], ...]:
+        """Each streamed request's token of this step: its share of the text it ends with (every run generates its
+        limit), so that the pieces joined are the answer's text, a stop string's cut included."""
+        pieces = []
+        for key in (*work.decode, *work.completing):
+            streamed = self._streamed.get(key)
+            if streamed is None:
+                continue
+            job, i = streamed
+            streamed[1] = i + 1
+            piece = self.text(key, job, job.max_new_tokens)[len(WORD) * i: len(WORD) * (i + 1)]
+            if piece:  # empty past a stop string's cut
+                pieces.append((key, piece))
+        return tuple(pieces)
 
     def duration_s(self, work: StepWork) -> float:
         """The step's seconds (draws the noise): the model, x noise, x the speed at its start (that order: the
@@ -167,7 +191,7 @@ class SyntheticBatchEngine:
         if self.faults.hangs(self.steps):
             await asyncio.sleep(self.faults.hang_s)  # a wedged driver: the whole batch waits
         await asyncio.sleep(self.duration_s(work))
-        return StepDone(self._clock() - began, failed)
+        return StepDone(self._clock() - began, failed, self._pieces(work))
 
     def text(self, key, job: Job, tokens: int) -> str:
         text = WORD * tokens
@@ -333,7 +357,7 @@ class BatchGate(Gate):
         # turn in between decides which arrivals join the first step: a replay waits it too).
         self._began, self._woken_at = ((now if self._woken_at is None else self._woken_at), now), None
         work = StepWork(tuple((t, t.job, n) for t, n in plan.chunks), plan.decoding, plan.prefill_tokens,
-                        plan.sampling, plan.context, plan.model_s, tuple(self._ended))
+                        plan.sampling, plan.context, plan.model_s, tuple(self._ended), plan.completing)
         self._ended = []
         self._threads[0].give(work)
 
@@ -352,6 +376,9 @@ class BatchGate(Gate):
             failed = tuple((key, result.error) for key in (*(key for key, _, _ in work.prefill), *work.decode))
         else:
             failed = result.failed
+            for ticket, piece in result.pieces:  # before the step's ends: a stream's last piece, then its END
+                if ticket.pieces is not None and not ticket.future.done():
+                    ticket.pieces.put_nowait(piece)
         for ticket, error in failed:
             if self.queue.cancel(ticket, now) == "running":  # out of the batch, its blocks free
                 self._ended.append(ticket)

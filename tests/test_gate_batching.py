@@ -10,6 +10,7 @@ one-line refusals of ``qlab serve``, and a real HTTP server with ``--batching``.
 """
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -137,6 +138,36 @@ def test_the_synthetic_engines_fail_every_fails_every_nth_request_to_join():
     assert failed == [2, 5, 8]  # the 3rd, 6th and 9th to join (a burst joins in arrival order)
     assert all(a.tokens == 8 and a.text == " tok" * 8 for i, a in enumerate(answers) if i not in failed)
     assert stats["counts"]["error"] == 3 and stats["counts"]["good"] == 6 and stats["kv_blocks_used"] == 0
+
+
+def test_a_streamed_request_gets_each_token_at_the_end_of_its_step():
+    from live.gate import END
+
+    config = gate_config(PRESETS["none"], engine=ENGINE)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with BatchGate(SyntheticBatchEngine(STEP, clock=loop.time), config, clock=loop.time) as gate:
+            plain = gate.submit(Job("x" * 300, 3, prompt_tokens=300))  # a long prompt: two steps of prefill
+            streams = [gate.submit_streaming(Job("y" * 40, 6, ("tok tok tok tok tok",), prompt_tokens=40)),
+                       gate.submit_streaming(Job("z" * 20, 4, prompt_tokens=20))]
+            async def read(streamed):
+                pieces = []  # each piece, and when it came
+                while (piece := await streamed.pieces.get()) is not END:
+                    pieces.append((piece, loop.time()))
+                return pieces, streamed.future.result()
+
+            return await asyncio.gather(*map(read, streams)), await plain
+
+    (cut, whole), plain = on_virtual_clock(go)
+    assert plain.text == " tok" * 3
+    pieces, answer = whole
+    assert "".join(p for p, _ in pieces) == answer.text == " tok" * 4 and len(pieces) == 4
+    # One token a step from the step that completed its prompt: the first at its first token.
+    assert pieces[0][1] == pytest.approx(answer.started_at + answer.first_token_s, abs=1e-12)
+    assert len({t for _, t in pieces}) == 4 and pieces[-1][1] <= answer.returned_at
+    pieces, answer = cut  # a stop string cuts the text, not the work: the pieces joined are the cut text
+    assert "".join(p for p, _ in pieces) == answer.text == " " and answer.tokens == 6
 
 
 def test_a_hung_step_holds_the_whole_batch_for_its_time():
@@ -267,6 +298,10 @@ def test_qlab_serve_batching_answers_over_http(tmp_path):
                         "prompt": "y" * (10 * i + 1), "max_new_tokens": 8}) for i in range(12)))
 
             responses = asyncio.run(burst())
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            with client.stream("POST", "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 5,
+                                                                  "stream": True}) as streamed:
+                events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
             stats = client.get("/stats").json()
             metrics = client.get("/metrics").text
     assert {r.status_code for r in responses} <= {200, 503}
@@ -274,7 +309,10 @@ def test_qlab_serve_batching_answers_over_http(tmp_path):
     refused = [r.json()["error"] for r in responses if r.status_code == 503]
     assert len(answered) >= 4 and all(a["tokens"] == 8 for a in answered)
     assert all(e["type"] == "overloaded" for e in refused)
-    assert stats["submitted"] == 12 and sum(stats["counts"].values()) == 12
+    assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1] if json.loads(e[6:])["choices"]]
+    assert "".join(texts) == " tok" * 5 and texts.count(" tok") == 5  # a piece per token, each as its step ended
+    assert stats["submitted"] == 13 and sum(stats["counts"].values()) == 13
     assert stats["server_config"]["engine"]["kind"] == "batching" and stats["batching"]["steps"] > 0
     assert stats["engine"]["batching"] is True and stats["kv_blocks_used"] == 0
     assert "qlab_kv_blocks_used 0.0" in metrics and "qlab_kv_cache_usage 0.0" in metrics
