@@ -446,6 +446,11 @@ class BatchGate(Gate):
             if not self._closed and self._loop is not None:
                 self._arm()
 
+    def _idle_estimate_s(self, job: Job, base: float) -> float:
+        """No "never in time" here: the gate's service line is not what a batching engine's steps take, so a
+        refusal keeps the core's reason (deadline_unreachable), as the simulator's."""
+        return 0.0
+
     # -- observation ------------------------------------------------------------
 
     @property

@@ -240,6 +240,27 @@ def test_an_engine_with_a_blocking_step_runs_on_a_thread_of_its_own():
     assert engine.threads == {"qlab-batch-engine"}
 
 
+def test_a_refusal_keeps_the_cores_reason():
+    from live.gate import NeverInTime, Rejected
+
+    # 512 tokens: far past the 2 s deadline at the gate's service line (8.5 ms a token), inside it at 2.1 ms a step
+    # for the batch; the core projects the batch, and its refusal (a tighter deadline) keeps its own reason.
+    fast = StepModel(0.002, 0.0, 0.0001, 0.0)
+    config = gate_config(PRESETS["predictive"], engine=Batching(fast, max_num_seqs=8, max_num_batched_tokens=256))
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with BatchGate(SyntheticBatchEngine(fast, clock=loop.time), config, clock=loop.time) as gate:
+            first = gate.submit(Job("x", 512, prompt_tokens=1))
+            with pytest.raises(Rejected) as refused:
+                gate.submit(Job("x", 512, prompt_tokens=1, deadline_s=1.0))
+            return await first, refused.value
+
+    answer, refused = on_virtual_clock(go)
+    assert answer.outcome == "good" and answer.tokens == 512
+    assert not isinstance(refused, NeverInTime) and refused.rejection.reason == "deadline_unreachable"
+
+
 def test_the_batching_gate_refuses_what_it_cannot_run():
     from live.engine import SyntheticEngine
     from live.gate import Gate
