@@ -302,6 +302,23 @@ def test_noise_with_batching_is_the_step_models_cv():
     assert ServeOptions().engine_model() is None
 
 
+def test_a_live_files_server_table_takes_the_batching_settings(tmp_path):
+    from inputs.tomlfiles import ConfigError
+    from live import live_config
+    from live.serve_options import ServeOptions
+
+    path = tmp_path / "live.toml"
+    trace = "policies = ['bounded']\n[[trace]]\nname = 'a'\nseconds = 1\n"
+    path.write_text("[server]\nbatching = true\nstep = '0.01,0,0.0002,0'\nkv_blocks = 40\n" + trace)
+    server = live_config.load(path).server
+    assert server == ServeOptions(batching=True, step="0.01,0,0.0002,0", kv_blocks=40)
+    assert server.engine_model() == Batching(StepModel(0.01, 0.0, 0.0002, 0.0), kv_blocks=40)
+    assert "--batching" in server.argv() and "--kv-blocks" in server.argv()  # a child server gets them
+    path.write_text("[server]\nbatching = true\nengines = 2\n" + trace)
+    with pytest.raises(ConfigError, match="--batching runs one batching engine"):
+        live_config.load(path)
+
+
 @pytest.mark.slow  # a server process: a few seconds
 def test_qlab_serve_batching_answers_over_http(tmp_path):
     import httpx
