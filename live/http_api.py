@@ -250,7 +250,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE))
+    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))  # 422: a bad steps_since
     async def stats(steps_since: float | None = None) -> Response:
         body = Stats.model_validate({**gate.stats(steps_since), "limits": asdict(limits),
                                      "engine": gate.engines[0].info()})
