@@ -49,7 +49,7 @@ from qsim.outcomes import Outcome
 from qsim.service import SpeedSchedule
 
 from .engine import WORD, Faults, InjectedFault, apply_stop
-from .gate import Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _InboxThread, _Ticket
+from .gate import CUT_SLACK_S, Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _InboxThread, _Ticket
 from .tokenizer import ByteTokenizer
 
 
@@ -423,6 +423,12 @@ class BatchGate(Gate):
     def _on_timer(self, due: float) -> None:
         self._timer, self._timer_at = None, math.inf
         if self._closed:
+            return
+        if due - self.clock() > CUT_SLACK_S:
+            # Early: a loop whose clock is coarser than the gate's (uvloop's is libuv's, cached a loop turn, in
+            # milliseconds) fires a timer up to its staleness before the gate's clock gets there. Wait on: a cut
+            # before its deadline would free blocks the simulator's core still counts.
+            self._arm()
             return
         # At the deadline itself, though the loop came round to it later: the core cuts there, and an idle engine
         # it frees is woken there (the step log's wake), as the simulator's; nothing else came in between (_now).

@@ -170,6 +170,30 @@ def test_a_streamed_request_gets_each_token_at_the_end_of_its_step():
     assert "".join(p for p, _ in pieces) == answer.text == " " and answer.tokens == 6
 
 
+def test_a_cut_timer_that_fires_early_waits_for_the_deadline():
+    """uvloop's clock is libuv's, cached a loop turn: a timer set from it can fire before the gate's clock reaches
+    the deadline. The cut waits on (freeing its blocks early would let the next request join a step before the
+    simulator's core would)."""
+    from live.gate import DeadlineCut
+
+    policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.05)
+    ahead = [0.002]  # how far the gate's clock reads ahead of the loop's
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        gate = BatchGate(SyntheticBatchEngine(STEP, clock=loop.time), gate_config(policy, engine=ENGINE),
+                         clock=lambda: loop.time() + ahead[0])
+        async with gate:
+            cut = gate.submit(Job("x", 64, prompt_tokens=1))  # due at 0.052 on the gate's clock: the loop's 0.050
+            ahead[0] = 0.0  # the gate's clock falls back onto the loop's: the timer comes 2 ms early
+            with pytest.raises(DeadlineCut) as caught:
+                await cut
+            return caught.value.numbers, loop.time()
+
+    numbers, seen = on_virtual_clock(go)
+    assert numbers["at"] == pytest.approx(0.052, abs=1e-12) and seen >= 0.052 - 1e-12
+
+
 def test_a_hung_step_holds_the_whole_batch_for_its_time():
     config = gate_config(PRESETS["none"], engine=ENGINE)
     engine = lambda loop: SyntheticBatchEngine(STEP, clock=loop.time, faults=Faults(hang_after=0, hang_s=2.0))  # noqa: E731
