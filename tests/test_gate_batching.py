@@ -230,27 +230,16 @@ def test_an_engine_with_a_blocking_step_runs_on_a_thread_of_its_own():
 
     from live.batching import StepDone
 
-    class Blocking:  # step, not astep: the gate runs it on one engine thread
-        max_new_tokens_limit = None
+    class Blocking(SyntheticBatchEngine):
+        astep = None  # a blocking step, not a coroutine: the gate runs it on one engine thread
 
         def __init__(self):
+            super().__init__(STEP)
             self.threads = set()
 
         def step(self, work: StepWork) -> StepDone:
             self.threads.add(threading.current_thread().name)
             return StepDone(STEP.time(work.prefill_tokens, work.sampling, work.context))
-
-        def text(self, key, job, tokens):
-            return "x" * tokens
-
-        def count_tokens(self, text):
-            return len(text)
-
-        def warmup(self):
-            pass
-
-        def info(self):
-            return {"engine": "blocking"}
 
     engine = Blocking()
 
@@ -260,7 +249,7 @@ def test_an_engine_with_a_blocking_step_runs_on_a_thread_of_its_own():
 
     answers = asyncio.run(go())
     # Answered (good or late: the real clock of a busy machine decides which), each after its 5 tokens.
-    assert all(a.outcome in ("good", "late") and a.tokens == 5 and a.text == "xxxxx" for a in answers)
+    assert all(a.outcome in ("good", "late") and a.tokens == 5 and a.text == " tok" * 5 for a in answers)
     assert engine.threads == {"qlab-batch-engine"}
 
 
