@@ -124,8 +124,8 @@ def check_live_policy(policy: Policy) -> Policy:
 
 def gate_config(policy: Policy, **settings) -> ServerConfig:
     """A gate's :class:`~qsim.config.ServerConfig`: ``policy`` and ``settings`` (ServerConfig's fields), with the
-    gate's stall rule (:data:`GATE_STALL`) unless ``stall`` is given: a live engine can hang, a simulated one not."""
-    # A batching engine's core has no stall rule (qsim.batch): its steps are timed by the step model.
+    gate's stall rule (:data:`GATE_STALL`) unless ``stall`` is given: a live engine can hang, a simulated one not.
+    A batching engine (``engine=`` a :class:`qsim.engines.Batching`) gets none: its core has no stall rule."""
     settings.setdefault("stall", None if isinstance(settings.get("engine"), Batching) else GATE_STALL)
     return ServerConfig(check_live_policy(policy), **settings)
 
