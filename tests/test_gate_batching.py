@@ -67,7 +67,7 @@ def test_the_batching_gate_matches_the_simulator_request_by_request(policy):
     assert sim["ttft_s"].notna().sum() > 100
 
 
-@pytest.mark.parametrize("policy", ["none", "predictive"])
+@pytest.mark.parametrize("policy", ["none", "predictive", "predictive-kv"])
 def test_kv_blocks_that_bind_preempt_alike(policy):
     sim = _agree(_trace(TIGHT, 1.2, seed=5), ServerConfig(PRESETS[policy], engine=TIGHT))
     assert sim["preemptions"].max() >= 1 and (sim["preemptions"] > 0).sum() >= 5
@@ -115,6 +115,24 @@ def test_a_runs_own_steps_replayed_give_its_rows():
     assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
     with pytest.raises(ValueError, match="step_times are a batching engine's"):
         simulate(trace, PRESETS["none"], step_times=times)
+
+
+def test_retrying_impatient_clients_match_the_simulator():
+    """One Retrier for both drivers: each attempt, its outcome, reason and finish agree, by (request, attempt)."""
+    from qsim import records
+    from qsim.clients import Patience, RetryPolicy
+
+    retry = RetryPolicy("exponential", delay_s=0.2, cap_s=2.0, jitter=1.0, max_attempts=4, timeout_s=1.5)
+    trace = _trace(TIGHT, 2.0, seed=10, seconds=12, patience=Patience.parse("exponential:2.5"))
+    config = ServerConfig(PRESETS["bounded"].with_overrides(max_queue=4), engine=TIGHT)
+    gate, _ = run_gate(trace, None, 1, config=config, retry=retry)
+    sim = records.validate(simulate(trace, config, retry=retry))
+    key = ["first_request_id", "attempt"]
+    gate, sim = gate.sort_values(key, ignore_index=True), sim.sort_values(key, ignore_index=True)
+    assert gate[key].values.tolist() == sim[key].values.tolist() and (sim["attempt"] > 1).sum() >= 5
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
 
 
 # ---------------------------------------------------------------- the live pieces
