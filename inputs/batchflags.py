@@ -66,8 +66,8 @@ BATCHING_ONLY = tuple(BATCHING_FLAGS)
 
 
 def add_batching_flags(group) -> None:
-    """``--batching``, each of :data:`BATCHING_FLAGS` and ``--no-chunked-prefill`` on an argparse group;
-    ``batching_help`` says what --batching does to the command's load."""
+    """Each of :data:`BATCHING_FLAGS` and ``--no-chunked-prefill`` on an argparse group (``--batching`` itself is
+    the command's: what it does to the command's load differs)."""
     for name, (kind, metavar, text) in BATCHING_FLAGS.items():
         group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
     group.add_argument("--no-chunked-prefill", action="store_true", help=NO_CHUNKED_PREFILL_HELP)
