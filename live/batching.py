@@ -37,8 +37,8 @@ import inspect
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -57,20 +57,30 @@ from .tokenizer import ByteTokenizer
 STEP_LOG = 200_000
 
 
+class Chunk(NamedTuple):
+    """A request computing part of its prompt in a step: ``tokens`` of them from ``start`` (those it had computed
+    before this step: 0 for its first chunk, or the first after a preemption, which computes its prompt and what it
+    had generated again)."""
+
+    key: object
+    job: Job
+    start: int
+    tokens: int
+
+
 @dataclass(frozen=True)
 class StepWork:
     """One step as the gate hands it to a batching engine.
 
-    prefill: (key, job, prompt tokens it computes in this step) for each request computing its prompt; a request
-    preempted (recompute) comes back here from its first token, to compute its prompt and what it had generated.
-    decode: the keys of the requests that compute one token each; completing: the keys among prefill whose prompt
+    prefill: a :class:`Chunk` for each request computing its prompt (a request preempted, recompute, comes back
+    here from its first token, to compute its prompt and what it had generated). decode: the keys of the requests that compute one token each; completing: the keys among prefill whose prompt
     completes in this step (each produces a token, as each of decode does). ended: the keys that left the batch for good
     since the last step (answered, cut, failed, or their client left): the engine may forget them. The step's
     shape, as the step model reads it: prefill_tokens, sampling (the requests that produce a token), context (KV
     tokens held); model_s: the gate's step model's seconds for it (its calibration, not the engine's truth).
     A key is the gate's handle of a request: hashable, compared by identity."""
 
-    prefill: tuple[tuple[object, Job, int], ...]
+    prefill: tuple[Chunk, ...]
     decode: tuple[object, ...]
     prefill_tokens: int
     sampling: int
@@ -82,13 +92,13 @@ class StepWork:
 
 @dataclass(frozen=True)
 class StepDone:
-    """What a step did: the engine's own seconds for it (what the speed tracker learns), the requests that failed
-    in it, as (key, the exception): they leave the batch as errors; and pieces: (key, the text of the token it
-    produced) for the streamed requests (``job.stream``), which the gate hands to their clients as they come."""
+    """What a step did: the engine's own seconds for it (what the speed tracker learns); failed: the requests that
+    failed in it, key -> the exception (they leave the batch as errors); pieces: key -> the text of the token it
+    produced, for the streamed requests (``job.stream``), which the gate hands to their clients as they come."""
 
     engine_s: float
-    failed: tuple[tuple[object, BaseException], ...] = ()
-    pieces: tuple[tuple[object, str], ...] = ()
+    failed: Mapping[object, BaseException] = field(default_factory=dict)
+    pieces: Mapping[object, str] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -145,26 +155,27 @@ class SyntheticBatchEngine:
         self.steps = 0
         self._streamed: dict = {}  # key -> [job, tokens streamed so far], for the streamed requests in the batch
 
-    def _faulty(self, work: StepWork) -> tuple[tuple[object, BaseException], ...]:
+    def _faulty(self, work: StepWork) -> dict:
         self._seen.difference_update(work.ended)
         for key in work.ended:
             self._streamed.pop(key, None)
-        failed = []
-        for key, job, _ in work.prefill:
+        failed = {}
+        for chunk in work.prefill:
+            key, job = chunk.key, chunk.job
             if key not in self._seen:
                 self._seen.add(key)
                 self.runs += 1
                 if self.faults.fails(self.runs):
-                    failed.append((key, InjectedFault(f"injected failure on request {self.runs} of the batch "
-                                                      f"(fail every {self.faults.fail_every})")))
+                    failed[key] = InjectedFault(f"injected failure on request {self.runs} of the batch "
+                                                f"(fail every {self.faults.fail_every})")
                 elif job.stream:
                     self._streamed[key] = [job, 0]
-        return tuple(failed)
+        return failed
 
-    def _pieces(self, work: StepWork) -> tuple[tuple[object, str], ...]:
+    def _pieces(self, work: StepWork) -> dict:
         """Each streamed request's token of this step: its share of the text it ends with (every run generates its
         limit), so that the pieces joined are the answer's text, a stop string's cut included."""
-        pieces = []
+        pieces = {}
         for key in (*work.decode, *work.completing):
             streamed = self._streamed.get(key)
             if streamed is None:
@@ -173,8 +184,8 @@ class SyntheticBatchEngine:
             streamed[1] = i + 1
             piece = self.text(key, job, job.max_new_tokens)[len(WORD) * i: len(WORD) * (i + 1)]
             if piece:  # empty past a stop string's cut
-                pieces.append((key, piece))
-        return tuple(pieces)
+                pieces[key] = piece
+        return pieces
 
     def duration_s(self, work: StepWork) -> float:
         """The step's seconds (draws the noise): the model, x noise, x the speed at its start (that order: the
@@ -356,7 +367,8 @@ class BatchGate(Gate):
         # The step log's: when an idle engine was woken for it (else now), and when the core began it (the loop
         # turn in between decides which arrivals join the first step: a replay waits it too).
         self._began, self._woken_at = ((now if self._woken_at is None else self._woken_at), now), None
-        work = StepWork(tuple((t, t.job, n) for t, n in plan.chunks), plan.decoding, plan.prefill_tokens,
+        prefill = tuple(Chunk(t, t.job, start, n) for (t, n), start in zip(plan.chunks, plan.starts))
+        work = StepWork(prefill, plan.decoding, plan.prefill_tokens,
                         plan.sampling, plan.context, plan.model_s, tuple(self._ended), plan.completing)
         self._ended = []
         self._threads[0].give(work)
@@ -373,13 +385,13 @@ class BatchGate(Gate):
             return
         now = self._now()
         if isinstance(result, _Failure):  # the whole step raised: every request in it fails
-            failed = tuple((key, result.error) for key in (*(key for key, _, _ in work.prefill), *work.decode))
+            failed = dict.fromkeys((*(chunk.key for chunk in work.prefill), *work.decode), result.error)
         else:
             failed = result.failed
-            for ticket, piece in result.pieces:  # before the step's ends: a stream's last piece, then its END
+            for ticket, piece in result.pieces.items():  # before the step's ends: a stream's last piece, then END
                 if ticket.pieces is not None and not ticket.future.done():
                     ticket.pieces.put_nowait(piece)
-        for ticket, error in failed:
+        for ticket, error in failed.items():
             if self.queue.cancel(ticket, now) == "running":  # out of the batch, its blocks free
                 self._ended.append(ticket)
                 numbers = {"started_at": ticket.start, "returned_at": now}

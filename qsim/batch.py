@@ -77,7 +77,9 @@ class Step(NamedTuple):
     ``chunks`` lists (request, tokens of its prompt computed in this step) for the requests computing their
     prompt; ``decoding`` the requests that compute one token each, and ``completing`` those among ``chunks`` whose
     prompt completes in this step (each produces a token: its first, or after a preemption its next); a live engine
-    needs both, the simulator neither. model_s: the step model's seconds (before the speed factor)."""
+    needs both, the simulator neither; ``starts``, for each of ``chunks``, the tokens its request had computed before
+    this step (0: its first chunk, or the first after a preemption), for a live engine's cache. model_s: the step
+    model's seconds (before the speed factor)."""
 
     chunks: tuple
     decoding: tuple
@@ -87,6 +89,7 @@ class Step(NamedTuple):
     context: int
     model_s: float
     completing: tuple = ()
+    starts: tuple = ()
 
 
 class _Seq:
@@ -460,12 +463,13 @@ class BatchQueue:
         done = [s for s, c in chunks if s.computed + c >= s.target]
         context = self.kv_dec + decoders * (self.decoded + 1) + sum(s.computed + c for s, c in chunks)
         model_s = self.model.time(prefill, decoders + len(done), context)
-        members, completing = (), ()
+        members, completing, starts = (), (), ()
         if self._wants_members:
             members = tuple(s.entry.req for s in self.running.values() if s.decoding)
             completing = tuple(s.entry.req for s in done)
+            starts = tuple(s.computed for s, _ in chunks)
         self.plan = _new(Step, (tuple((s.entry.req, c) for s, c in chunks), members, decoders, prefill,
-                                decoders + len(done), context, model_s, completing))
+                                decoders + len(done), context, model_s, completing, starts))
         self._planned = chunks
         self.plan_started = now
         self._step(self.plan, now)

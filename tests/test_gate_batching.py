@@ -212,6 +212,37 @@ def test_a_cut_timer_that_fires_early_waits_for_the_deadline():
     assert numbers["at"] == pytest.approx(0.052, abs=1e-12) and seen >= 0.052 - 1e-12
 
 
+def test_the_engine_is_told_each_chunk_of_a_prompt_from_where_it_starts():
+    class Recording(SyntheticBatchEngine):
+        def __init__(self, clock):
+            super().__init__(STEP, clock=clock)
+            self.chunks = []  # (prompt, start, tokens) of each step's chunks
+
+        async def astep(self, work: StepWork):
+            self.chunks += [(c.job.prompt, c.start, c.tokens) for c in work.prefill]
+            return await super().astep(work)
+
+    # 600 prompt tokens in steps of 256: three chunks; 4 KV blocks of 256 tokens hold one such request, not two
+    # (the second to join is preempted, and computes its prompt again from its start).
+    engine = Batching(STEP, max_num_seqs=4, max_num_batched_tokens=256, kv_blocks=4, block_size=256)
+    config = gate_config(PRESETS["none"].with_overrides(deadline_s=30.0), engine=engine)
+    recording = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        recording.append(Recording(loop.time))
+        async with BatchGate(recording[0], config, clock=loop.time) as gate:
+            return await asyncio.gather(*(gate.submit(Job(name, 300, prompt_tokens=600)) for name in "ab"))
+
+    answers = on_virtual_clock(go)
+    assert [a.tokens for a in answers] == [300, 300]
+    chunks = recording[0].chunks
+    assert [c for c in chunks if c[0] == "a"][:3] == [("a", 0, 256), ("a", 256, 256), ("a", 512, 88)]
+    b = [c for c in chunks if c[0] == "b"]
+    assert [start for _, start, _ in b].count(0) >= 2  # b started over after its preemption
+    assert all(start + tokens <= 600 + 300 for _, start, tokens in b)
+
+
 def test_a_hung_step_holds_the_whole_batch_for_its_time():
     config = gate_config(PRESETS["none"], engine=ENGINE)
     engine = lambda loop: SyntheticBatchEngine(STEP, clock=loop.time, faults=Faults(hang_after=0, hang_s=2.0))  # noqa: E731
