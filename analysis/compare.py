@@ -106,7 +106,7 @@ from qsim.engines import OneAtATime
 from qsim.records import with_optional
 from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import Policy, decide, on_time, reads_more
-from qsim.runfile import engine_info, server_config, speed_probe, speed_schedule
+from qsim.runfile import batch_step_times, engine_info, server_config, speed_probe, speed_schedule
 from qsim.service import SpeedSchedule, SpeedTracker
 from qsim.workload import lognormal_noise
 
@@ -134,7 +134,8 @@ RULES = {"held": "returned - started (what the gate counted busy)",
          "stalled": "a stalled run: until its engine next took a request",
          "estimate": "never started: calibrated estimate x speed factor at its arrival",
          "cancelled": "its client hung up while it ran: until the hang-up reached the gate",
-         "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts"}
+         "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it wherever it starts",
+         "steps": "a batching engine: the run's steps in order, each as long as it ran live"}
 #: Why a divergence began (column cause; :func:`_causes`).
 CAUSES = {"rule": "the numbers one side decided on, put into qsim.policy.decide, give another answer than the one it "
                   "recorded: the gate and the simulator do not run the same rule (a bug)",
@@ -450,6 +451,8 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.
         given = _per_request(run, replay_inputs(run, setup)).loc[ordered["request_id"].to_numpy()]
     else:
         given = replay_inputs(ordered, setup)
+    if setup.batching:
+        given = given.assign(replayed_with="steps")
     hold = given["hold_s"].to_numpy(float).copy()
     reported = given["reported_s"].to_numpy(float).copy()
     failed = given["failed"].to_numpy(bool).copy()
@@ -466,9 +469,12 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: _Unsaid) -> pd.
         faults = _client_faults(run, ordered, first_arrival, notice)
         retrier = _live_retrier(run, arrival, ordered["request_id"].to_numpy(),
                                 (faults["retry"], faults["retry_seed"]) if retrying else None, notice)
+        # A batching engine's steps take the run's step times, in order (the core decides the rest, as live); its
+        # requests have no run time of their own.
+        runs = {"step_times": batch_step_times(run)} if setup.batching else {"failed": failed, "reported_s": reported}
         sim = _simulate(ordered, first_arrival, setup, hold, "live-arrivals", generated_tokens(run, ordered),
-                        failed=failed, reported_s=reported, retrier=retrier, **faults)
-        if not _cancelled_runs(run, setup, unsaid, ordered, sim, hold, reported, failed, rule, usual):
+                        retrier=retrier, **runs, **faults)
+        if setup.batching or not _cancelled_runs(run, setup, unsaid, ordered, sim, hold, reported, failed, rule, usual):
             break
     unsaid.settled = {first: (hold[j], reported[j], failed[j], rule[j]) for j, first in enumerate(ids)
                       if rule[j] == "cancelled"}

@@ -108,7 +108,8 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keye
         else:
             guard = "requests need a key, over TLS"
         print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
-    print(f"qlab serve: policy {cfg.policy}, {cfg.engines} {cfg.engine} engine(s)"
+    engine = "1 batching synthetic engine" if cfg.batching else f"{cfg.engines} {cfg.engine} engine(s)"
+    print(f"qlab serve: policy {cfg.policy}, {engine}"
           + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
     if cfg.engine == "upstream":
@@ -135,10 +136,12 @@ def cmd_serve(args) -> int:
     model = ServiceModel.load(cfg.service_model) if cfg.service_model else ServiceModel()
     from qsim.config import StallRule
 
-    from .contract import Limits
     from .gate import Gate, gate_config  # the web stack loads only for the command that serves
-    from .http_api import create_app
 
+    batching = cfg.engine_model()
+    if batching is not None:
+        _serve(args, cfg, _batching_gate(cfg, policy, model, batching))
+        return 0
     engines = _engines(cfg, model)  # first: an engine that cannot start is the one line said
     if cfg.engine != "synthetic" and not cfg.service_model:
         print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
@@ -147,15 +150,34 @@ def cmd_serve(args) -> int:
         engine.warmup()
     gate = Gate(engines, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after)))
+    _serve(args, cfg, gate)
+    return 0
+
+
+def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
+    """The batching synthetic engine (its step model the one given, x --speed) behind a gate that drives it through
+    the simulator's batching core (live.batching)."""
+    from .batching import BatchGate, SyntheticBatchEngine
+    from .gate import gate_config
+
+    engine = SyntheticBatchEngine(batching.step, cfg.speed, cfg.seed, parse_schedule(cfg.speed_schedule),
+                                  faults=Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for))
+    return BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
+                                         seed=cfg.seed))
+
+
+def _serve(args, cfg: ServeOptions, gate) -> None:
+    from .contract import Limits
+    from .http_api import create_app
+
     keys = load_keys(cfg.api_key, cfg.api_key_file, cfg.auth_stats)
     tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
-                     on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, engines,
+                     on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
                                                 keys is not None))
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,
             head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout, tls=tls)
-    return 0
 
 
 #: Seconds the server gives the requests still running after SIGTERM or SIGINT (those waiting are answered at once).

@@ -95,7 +95,7 @@ from typing import Callable, Sequence
 
 from qsim.config import ServerConfig, StallRule
 from qsim.disciplines import CODEL_REASON
-from qsim.engines import OneAtATime
+from qsim.engines import Batching, OneAtATime
 from qsim.entry import Work
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
@@ -124,8 +124,9 @@ def check_live_policy(policy: Policy) -> Policy:
 
 def gate_config(policy: Policy, **settings) -> ServerConfig:
     """A gate's :class:`~qsim.config.ServerConfig`: ``policy`` and ``settings`` (ServerConfig's fields), with the
-    gate's stall rule (:data:`GATE_STALL`) unless ``stall`` is given: a live engine can hang, a simulated one not."""
-    settings.setdefault("stall", GATE_STALL)
+    gate's stall rule (:data:`GATE_STALL`) unless ``stall`` is given: a live engine can hang, a simulated one not.
+    A batching engine (``engine=`` a :class:`qsim.engines.Batching`) gets none: its core has no stall rule."""
+    settings.setdefault("stall", None if isinstance(settings.get("engine"), Batching) else GATE_STALL)
     return ServerConfig(check_live_policy(policy), **settings)
 
 
@@ -366,7 +367,28 @@ class _Failure:
     engine_s: float
 
 
-class _EngineThread:
+class _InboxThread:
+    """A thread of its own that takes one piece of work at a time from its inbox (None stops it); ``_loop`` runs it."""
+
+    def __init__(self, name: str) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def give(self, work) -> None:
+        self._inbox.put(work)
+
+    def stop(self, timeout_s: float) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class _EngineThread(_InboxThread):
     """One thread per engine: takes one ticket at a time from the gate, posts the result back."""
 
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
@@ -375,18 +397,7 @@ class _EngineThread:
         self._takes_emit = takes_emit(engine)
         self._takes_asked = takes_asked(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=f"qlab-engine-{k}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def give(self, ticket: _Ticket) -> None:
-        self._inbox.put(ticket)
-
-    def stop(self, timeout_s: float) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout_s)
+        super().__init__(f"qlab-engine-{k}")
 
     def _loop(self) -> None:
         while (ticket := self._inbox.get()) is not None:
@@ -478,15 +489,11 @@ class Gate:
             raise ValueError("the gate needs at least one engine")
         check_live_policy(config.policy)
         self.engines = list(engines)
-        if not isinstance(config.engine, OneAtATime):
-            raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver, not this one")
-        if config.engines != len(self.engines):  # the gate runs as many engines as it is given
-            config = config.replace(engine=OneAtATime(len(self.engines), config.engine.concurrency))
-        self.config = config
+        self.config = config = self._fitted(config)
         self.policy = config.policy
         self.clock = clock
         self.workers = len(self.engines)
-        self.queue = AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
+        self.queue = self._make_queue(config)
         self.counts = dict.fromkeys(COUNTED, 0)
         self.rejected_by_reason = dict.fromkeys(map(str, (*REJECT_REASONS, NEVER_IN_TIME)), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
@@ -507,6 +514,19 @@ class Gate:
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
+
+    def _fitted(self, config: ServerConfig) -> ServerConfig:
+        """The config this gate runs: engines one at a time, as many as it is given (a batching engine has its own
+        driver, :class:`live.batching.BatchGate`)."""
+        if not isinstance(config.engine, OneAtATime):
+            raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver "
+                             "(live.batching.BatchGate), not this one")
+        if config.engines != len(self.engines):  # the gate runs as many engines as it is given
+            config = config.replace(engine=OneAtATime(len(self.engines), config.engine.concurrency))
+        return config
+
+    def _make_queue(self, config: ServerConfig):
+        return AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
 
     @property
     def tracker(self) -> SpeedTracker:
@@ -865,8 +885,9 @@ class Gate:
         stalled = self.queue.stalled_engines(self.clock())
         return {"status": "degraded" if stalled else "ok", "stalled": stalled}
 
-    def stats(self) -> dict:
-        """The queue now; ``clock`` is the gate's clock (monotonic seconds) at this reading."""
+    def stats(self, steps_since: float | None = None) -> dict:
+        """The queue now; ``clock`` is the gate's clock (monotonic seconds) at this reading. steps_since: a batching
+        gate's steps since then (:class:`live.batching.BatchGate`); engines one at a time have none."""
         return {
             "clock": self.clock(),
             **self.queue.snapshot(),

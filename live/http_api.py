@@ -250,9 +250,10 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE))
-    async def stats() -> Response:
-        body = Stats.model_validate({**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()})
+    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))  # 422: a bad steps_since
+    async def stats(steps_since: float | None = None) -> Response:
+        body = Stats.model_validate({**gate.stats(steps_since), "limits": asdict(limits),
+                                     "engine": gate.engines[0].info()})
         return json_response(body.model_dump_json(exclude_unset=True))
 
     @app.get("/healthz", response_model=Health, responses=error_responses(*ANY_ROUTE))

@@ -45,7 +45,7 @@ from qsim import Policy, Trace
 from qsim.config import ServerConfig
 from qsim.clients import TIMEOUT_REASON, Decision, Retrier, RetryPolicy
 from qsim.model import LEFT_REASON
-from qsim.runfile import ClientSettings
+from qsim.runfile import ClientSettings, batch_step_columns
 
 from . import openai_replay
 from .auth import client_headers
@@ -469,6 +469,15 @@ async def fetch_stats(lanes: Lanes) -> tuple[dict, float]:
     return stats, (0.0 if abs(offset) <= (after - before) / 2 else offset)
 
 
+async def fetch_steps(lanes: Lanes, since: float) -> list:
+    """A batching server's steps woken for at ``since`` or later (its clock): [woken, began, ended, engine seconds,
+    model seconds] each (/stats' step_log)."""
+    response = await lanes.send(lanes.request("GET", "/stats", params={"steps_since": repr(since)}))
+    if response.status_code != 200:
+        raise ValueError(f"GET /stats?steps_since= answered HTTP {response.status_code}")
+    return response.json().get("step_log", [])
+
+
 def check_patience(trace: Trace) -> None:
     """Refuse what a live client cannot do: patience until its request *starts* (the simulator's alone)."""
     if trace.meta.get("patience_until", "answer") == "start" and np.isfinite(trace.patience_s).any():
@@ -536,7 +545,13 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
             t0 = asyncio.get_running_loop().time() + cfg.lead_s  # the trace's time 0
             run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0, api)
             exchanges = await run.run(requests, trace.arrival_s.tolist())
+        # A batching server's steps since the run's time 0, for the replay (qlab compare), on the run's clock.
+        steps = await fetch_steps(lanes, t0 + offset) if stats is not None and info.config.batching else None
     frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
+    if steps is not None:
+        zero = t0 + offset
+        frame = frame.assign(**batch_step_columns([[w - zero, b - zero, e - zero, r, m] for w, b, e, r, m in steps],
+                                                  len(frame)))
     first = frame["first_request_id"].to_numpy()
     frame["prompt_capped"] = plan.capped[first]
     frame.loc[plan.unfit[first], "send_lateness_s"] = math.nan  # never sent: no lateness to speak of

@@ -36,6 +36,12 @@ GAUGES = {
                                           "estimate (1 = as calibrated, 2 = twice as slow)."),
 }
 
+#: Only a batching engine's core has these (live.batching): queue snapshot key -> (gauge name, help).
+BATCH_GAUGES = {
+    "kv_blocks_used": ("qlab_kv_blocks_used", "KV blocks the batching engine's running requests hold."),
+    "kv_use": ("qlab_kv_cache_usage", "Share of the batching engine's KV blocks in use (0 with no limit)."),
+}
+
 #: name -> (help, the Timings field).
 HISTOGRAMS = {
     "qlab_engine_time_seconds": ("The engine's own time for each run it handed back, answered or raised.", "engine"),
@@ -60,6 +66,9 @@ class GateCollector:
         snapshot = gate.queue.snapshot()
         for key, (name, text) in GAUGES.items():
             yield GaugeMetricFamily(name, text, value=snapshot[key])
+        for key, (name, text) in BATCH_GAUGES.items():
+            if key in snapshot:
+                yield GaugeMetricFamily(name, text, value=snapshot[key])
         for name, (text, field) in HISTOGRAMS.items():
             yield _histogram(name, text, getattr(gate.timings, field))
         yield CounterMetricFamily("qlab_upstream_errors_total", "Failed calls of an upstream engine to its "

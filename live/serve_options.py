@@ -25,11 +25,14 @@ import argparse
 import sys
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from urllib.parse import urlsplit
 
 from inputs import argtypes
+from inputs.batchflags import (BATCHING_FLAGS, BATCHING_HELP, BATCHING_ONLY, NO_CHUNKED_PREFILL_HELP, STEP_METAVAR,
+                               batching_engine, parse_step)
 from inputs.tomlfiles import ConfigError
+from qsim.engines import Batching
 from qsim.policy import PRESETS, from_options, policy_spec
 
 from .engine import parse_schedule
@@ -76,6 +79,15 @@ class ServeOptions:
                                        "(forward to an OpenAI-compatible server: --upstream-url)",
                           choices=("gpt2", "synthetic", "upstream"))
     engines: int = _option(1, "engines behind the queue (K), one thread each", type=argtypes.positive_int)
+    batching: bool = _option(False, BATCHING_HELP + ": the synthetic engine runs each step for its step model's "
+                                    "time, the gate drives it through the simulator's batching core (live.batching)")
+    step: str | None = _option(None, BATCHING_FLAGS["step"][2], metavar=STEP_METAVAR, check=parse_step)
+    max_num_seqs: int | None = _option(None, BATCHING_FLAGS["max_num_seqs"][2], type=argtypes.positive_int)
+    max_num_batched_tokens: int | None = _option(None, BATCHING_FLAGS["max_num_batched_tokens"][2],
+                                                 type=argtypes.positive_int)
+    kv_blocks: int | None = _option(None, BATCHING_FLAGS["kv_blocks"][2], type=argtypes.positive_int)
+    block_size: int | None = _option(None, BATCHING_FLAGS["block_size"][2], type=argtypes.positive_int)
+    no_chunked_prefill: bool = _option(False, NO_CHUNKED_PREFILL_HELP)
     model: str = _option("random", "gpt2: a hub name or local path, 'random' (GPT-2 small, random weights; default) "
                                    "or 'tiny' (2 layers, for tests)", engine="gpt2")
     device: str = _option("auto", "gpt2: where to run (default auto: cuda if available)",
@@ -84,7 +96,8 @@ class ServeOptions:
                                   type=argtypes.positive_int, engine="gpt2")
     speed: float = _option(1.0, "synthetic: service times are SPEED times the model (default 1)",
                            type=argtypes.positive, engine="synthetic")
-    noise: float = _option(0.0, "synthetic: CV of lognormal noise on service times", type=argtypes.non_negative,
+    noise: float = _option(0.0, "synthetic: CV of lognormal noise on service times (with --batching: of the gamma "
+                                "noise on each step's time, the step model's CV)", type=argtypes.non_negative,
                            engine="synthetic")
     speed_schedule: str = _option("", "synthetic: SECONDS:FACTOR,... speed changes since start, e.g. 20:2.2",
                                   engine="synthetic", check=parse_schedule)
@@ -153,6 +166,33 @@ class ServeOptions:
 
         return check_live_policy(from_options(self.policy, [self.policy_arg], self.max_queue, self.deadline))
 
+    def engine_model(self) -> Batching | None:
+        """The batching engine these options describe (None: engines one at a time); ValueError for a combination
+        that cannot run: a batching option without --batching, or with --batching an option that applies to
+        engines run one at a time (each names what to use instead)."""
+        batching = batching_engine(self.batching, {name: getattr(self, name) for name in BATCHING_ONLY},
+                                   self.no_chunked_prefill)
+        if batching is None:
+            return None
+        defaults = {f.name: f.default for f in fields(self)}
+        unfit = (
+            (self.engine != "synthetic", f"--batching: only with --engine synthetic (not {self.engine})"),
+            (self.engines != 1, "--batching runs one batching engine: drop --engines"),
+            (self.noise and batching.step.cv, "--noise and --step's CV both set a batching engine's step noise: "
+                                              "give one"),
+            (self.early_stops, "--early-stops: not with --batching (the batch runs each request to its limit)"),
+            (self.hang_after is not None and self.hang_for is None,
+             "--hang-after with --batching needs --hang-for (a batching engine has no stall rule to end a hang)"),
+            (self.stall_factor != defaults["stall_factor"] or self.stall_after != defaults["stall_after"],
+             "--stall-factor, --stall-after: engines run one at a time; a batching engine has no stall rule"),
+        )
+        for bad, why in unfit:
+            if bad:
+                raise ValueError(why)
+        if self.noise:  # the spread of a step's time around the model (a gamma of mean 1), the simulator's too
+            batching = replace(batching, step=replace(batching.step, cv=self.noise))
+        return batching
+
     # ------------------------------------------------------------ the command line
 
     @classmethod
@@ -188,6 +228,7 @@ class ServeOptions:
         for f in fields(cls):
             if f.metadata["check"] and f.name in given:
                 f.metadata["check"](given[f.name])
+        options.engine_model()
         return options
 
     def argv(self) -> list[str]:
@@ -233,6 +274,10 @@ class ServeOptions:
             raise ConfigError(f"{where}.{name}: only with {other} ({why})")
         for f in options._missing():
             raise ConfigError(f"{where}.{f.name}: required with engine = {options.engine!r}")
+        try:
+            options.engine_model()
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
         return options
 
     def _missing(self) -> list:

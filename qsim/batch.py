@@ -75,8 +75,11 @@ class Step(NamedTuple):
     """One planned step: what the engine computes, and how long the step model says it takes.
 
     ``chunks`` lists (request, tokens of its prompt computed in this step) for the requests computing their
-    prompt; ``decoding`` the requests that compute one token each (a live engine needs them; the simulator
-    does not). model_s: the step model's seconds (before the speed factor)."""
+    prompt; ``decoding`` the requests that compute one token each, and ``completing`` those among ``chunks`` whose
+    prompt completes in this step (each produces a token: its first, or after a preemption its next); a live engine
+    needs both, the simulator neither; ``starts``, for each of ``chunks``, the tokens its request had computed before
+    this step (0: its first chunk, or the first after a preemption), for a live engine's cache. model_s: the step
+    model's seconds (before the speed factor)."""
 
     chunks: tuple
     decoding: tuple
@@ -85,6 +88,8 @@ class Step(NamedTuple):
     sampling: int  # requests that produce a token: the decoding, and those whose prompt completes
     context: int
     model_s: float
+    completing: tuple = ()
+    starts: tuple = ()
 
 
 class _Seq:
@@ -125,6 +130,7 @@ class BatchQueue:
     :meth:`next_timer` when to call :meth:`timer` (a running request's deadline, where the policy cuts there).
     """
 
+    all_stalled = False  # no stall rule here (a live gate's readiness asks)
     _wants_members = False  # a live driver sets it: it needs the decoding requests by name, the simulator does not
     _decode_reserved = False  # the decoding hold their next token's KV slot (a step is planned or in flight)
     _planned: list = []
@@ -454,12 +460,16 @@ class BatchQueue:
         if not chunks and not decoders:
             return  # nothing can run: idle until an arrival, a client leaving or a cut changes that
         prefill = sum(c for _, c in chunks)
-        completing = sum(1 for s, c in chunks if s.computed + c >= s.target)
+        done = [s for s, c in chunks if s.computed + c >= s.target]
         context = self.kv_dec + decoders * (self.decoded + 1) + sum(s.computed + c for s, c in chunks)
-        model_s = self.model.time(prefill, decoders + completing, context)
-        members = tuple(s.entry.req for s in self.running.values() if s.decoding) if self._wants_members else ()
+        model_s = self.model.time(prefill, decoders + len(done), context)
+        members, completing, starts = (), (), ()
+        if self._wants_members:
+            members = tuple(s.entry.req for s in self.running.values() if s.decoding)
+            completing = tuple(s.entry.req for s in done)
+            starts = tuple(s.computed for s, _ in chunks)
         self.plan = _new(Step, (tuple((s.entry.req, c) for s, c in chunks), members, decoders, prefill,
-                                decoders + completing, context, model_s))
+                                decoders + len(done), context, model_s, completing, starts))
         self._planned = chunks
         self.plan_started = now
         self._step(self.plan, now)

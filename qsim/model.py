@@ -386,8 +386,11 @@ class _BatchRun(_Run):
         self.timer_at = math.inf
         return queue
 
-    def __init__(self, trace: Trace, config: ServerConfig, **inputs) -> None:
+    def __init__(self, trace: Trace, config: ServerConfig, step_times=None, **inputs) -> None:
         super().__init__(trace, config, **inputs)
+        self.step_times = step_times  # (seconds it ran, seconds the tracker learns) of each step, in order
+        self.steps_run = 0
+        self.step_reported = None
         n = self.n
         self.first_token, self.tokens = [_NAN] * n, [-1] * n
         self.preempted, self.kv_peak = [-1] * n, [-1] * n
@@ -417,23 +420,32 @@ class _BatchRun(_Run):
         self.start[i], self.engine_of[i] = now, 0
 
     def _wake(self, now: float) -> None:
-        # An idle engine wakes on a zero timeout: arrivals at this same instant join its first step.
-        Timeout(self.env, 0).callbacks.append(self._begin)
+        # An idle engine wakes on a zero timeout: arrivals at this same instant join its first step. A live run's
+        # step began as long after its wake as the gate took (a replay): arrivals in between join it too.
+        k = self.steps_run
+        wait = self.step_times[k][0] if self.step_times is not None and k < len(self.step_times) else 0
+        Timeout(self.env, wait).callbacks.append(self._begin)
 
     def _begin(self, _event) -> None:
         self.queue.begin(self.env.now)
         self._arm()
 
     def _step(self, plan, now: float) -> None:
-        run = plan.model_s
-        if self.noise is not None:
-            run *= self.noise()
-        if self.schedule is not None:
-            run *= self.schedule.at(now) / self.schedule.base
+        k = self.steps_run
+        self.steps_run += 1
+        if self.step_times is not None and k < len(self.step_times):  # a live run's step, as it ran (a replay)
+            _, run, self.step_reported = self.step_times[k]
+        else:
+            run = plan.model_s
+            if self.noise is not None:
+                run *= self.noise()
+            if self.schedule is not None:
+                run *= self.schedule.at(now) / self.schedule.base
         Timeout(self.env, run).callbacks.append(self._step_done)
 
     def _step_done(self, event) -> None:
-        self.queue.step_done(self.env.now)
+        reported, self.step_reported = self.step_reported, None  # step_done plans (and sets) the next step's
+        self.queue.step_done(self.env.now, reported)
         self._arm()
 
     def _ended(self, i: int, now: float, outcome: str, reason: str | None, stats) -> None:
@@ -489,6 +501,7 @@ def simulate(
     retry_seed: int | None = None,
     retrier: Retrier | None = None,
     speed_schedule: SpeedSchedule | None = None,
+    step_times=None,
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -509,6 +522,9 @@ def simulate(
     ``retry`` (``qlab compare`` passes one that hears each answer when the live client did).
     speed_schedule: the machine's speed over time (:class:`qsim.service.SpeedSchedule`, base = the trace's
     speed): each run takes its true time x the speed at its start / base.
+    step_times: a batching engine's steps as a live run's took them, in order (``qlab compare``'s replay): (seconds
+    from an idle engine's wake to the step's start, seconds the step ran, seconds the speed tracker learns) each; the
+    steps after the last take the step model's.
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
     if isinstance(config, Policy):
@@ -533,7 +549,10 @@ def simulate(
         retrier = Retrier(retry, trace.arrival_s, seed)
     if config.batching and (failed is not None or reported_s is not None):
         raise ValueError("failures and reported times are per run: a batching engine's steps have neither here")
-    run = (_BatchRun if config.batching else _Run)(trace, config, failed=failed, reported_s=reported_s,
+    if step_times is not None and not config.batching:
+        raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
+    batch = {"step_times": step_times} if config.batching else {}
+    run = (_BatchRun if config.batching else _Run)(trace, config, **batch, failed=failed, reported_s=reported_s,
                cancel_after_s=cancel_after_s,
                cancel_until=cancel_until, priority=priority, client=client, retrier=retrier,
                speed_schedule=speed_schedule)

@@ -3,7 +3,8 @@
 A run file (one row per request, from ``qlab replay``) carries the server's
 :class:`~qsim.config.ServerConfig` as JSON in the constant column ``server_config``, with the
 policy's name and the engine count beside it for people reading the table, and the synthetic
-engine's speed schedule on the run's clock (``speed_schedule``). A run file from before the
+engine's speed schedule on the run's clock (``speed_schedule``), and a batching server's steps during the run
+(``batch_steps``, :func:`batch_step_times`). A run file from before the
 config column has the older per-setting columns, which :func:`server_config` still reads. The replay's
 clients (their retry policy, its seed, what patience waits for) are constant columns too
 (:class:`ClientSettings`, read back by :func:`client_settings`).
@@ -98,6 +99,29 @@ def speed_schedule(run: pd.DataFrame) -> SpeedSchedule | None:
         return None
     data = json.loads(str(raw))
     return SpeedSchedule(float(data["base"]), tuple((float(t), float(v)) for t, v in data["steps"]))
+
+
+#: The column of a batching server's steps during the run: JSON [[woken_s, began_s, ended_s, engine_s, model_s], ...],
+#: times on the run's clock (woken: when an arrival woke the idle engine for it, its start where it followed a step;
+#: model_s: the gate's step model's seconds for what it computed).
+BATCH_STEPS = "batch_steps"
+
+
+def batch_step_columns(steps: list, n: int) -> dict[str, Any]:
+    """The constant column of a run of ``n`` rows against a batching server whose steps were ``steps``
+    ([woken_s, began_s, ended_s, the engine's seconds, the step model's seconds] each, times on the run's clock)."""
+    return {BATCH_STEPS: pd.array([json.dumps(steps)] * n, dtype="string")}
+
+
+def batch_step_times(run: pd.DataFrame) -> list[tuple[float, float, float]] | None:
+    """A batching server's steps as the run's replay takes them (``simulate(step_times=)``): (seconds from its wake
+    to its start, seconds it ran as the gate's core counted it, seconds the engine reported) each; None where the
+    run file has none."""
+    raw = constant(run, BATCH_STEPS) if BATCH_STEPS in run.columns else None
+    if raw is None:
+        return None
+    return [(float(began) - float(woken), float(ended) - float(began), float(engine))
+            for woken, began, ended, engine, _ in json.loads(str(raw))]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import pandas as pd
 from live.engine import WORD, EngineResult, Faults
 from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, gate_config, Job, Rejected
 from live.gate import _Failure  # what a worker hands back for a run that raised
+from live.batching import BatchGate, SyntheticBatchEngine
+from qsim.config import ServerConfig
 from qsim import Policy, ServiceModel, Trace
 from qsim.clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
 
@@ -161,7 +163,8 @@ _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error
 
 def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
              cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None,
-             retry: RetryPolicy | None = None, speed_schedule=None) -> tuple[pd.DataFrame, dict]:
+             retry: RetryPolicy | None = None, speed_schedule=None,
+             config: ServerConfig | None = None) -> tuple[pd.DataFrame, dict]:
     """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
@@ -169,7 +172,14 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     asks; each attempt is a row with first_request_id and attempt, appended in decision order.
     Patience (``cancel_after_s``, default the trace's) counts from the first send, as in the simulator.
     speed_schedule: the engines' speed over the virtual clock, as ``simulate(speed_schedule=)`` takes it.
+    config: a batching server (its engine a :class:`qsim.engines.Batching`; policy, model and engines come from it):
+    a :class:`live.batching.BatchGate` in front of the real :class:`live.batching.SyntheticBatchEngine` (a task on
+    the loop, its steps taking the step model's time on the virtual clock); each row also has first_token_s
+    (absolute, NaN where none) and tokens. Each request then runs to its limit (the gate cannot know early stops).
     """
+    batching = config
+    if batching is not None:
+        policy, model, engines = config.policy, config.model, 1
     model = model or ServiceModel()
     # The trace's own clients and priorities unless given (the coroutine below is named client).
     client_of = trace.client_id if client is None else client
@@ -186,7 +196,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     def new_row(first: int, attempt: int, at: float) -> int:
         rows.append(dict(first_request_id=first, attempt=attempt, arrival_s=at, outcome=None, reason=None,
                          start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1, queued_work_s=math.nan,
-                         est_service_s=math.nan, retry_after_s=-1))
+                         est_service_s=math.nan, retry_after_s=-1, first_token_s=math.nan, tokens=-1))
         return len(rows) - 1
 
     def end(j: int, outcome: str, reason, retry_after_s: int = -1) -> None:
@@ -225,7 +235,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
         finally:
             pending.discard(j)
         row.update(outcome=answer.outcome, start_s=answer.started_at, finish_s=answer.returned_at,
-                   engine=answer.engine)
+                   engine=answer.engine, tokens=answer.tokens,
+                   first_token_s=math.nan if answer.first_token_s is None else answer.started_at + answer.first_token_s)
         _seen(row, answer.arrival)
 
     def submit(j: int) -> None:
@@ -248,9 +259,13 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
 
     async def go():
         loop = asyncio.get_running_loop()
-        config = gate_config(policy, model=model, fixed_estimate=fixed_estimate)
+        config = gate_config(policy, model=model, fixed_estimate=fixed_estimate) if batching is None else batching
         worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver, tokens, speed_schedule)  # noqa: E731
-        async with Gate([None] * engines, config, clock=loop.time, worker=worker) as gate:
+        gate = Gate([None] * engines, config, clock=loop.time, worker=worker) if batching is None else \
+            BatchGate(SyntheticBatchEngine(batching.engine.step, seed=batching.seed, clock=loop.time,
+                                           schedule=() if speed_schedule is None else speed_schedule.steps),
+                      batching, clock=loop.time)
+        async with gate:
             gate_of.append(gate)
             for i, t in enumerate(arrival):
                 if t > loop.time():  # at t exactly, as the simulator's arrivals are
@@ -260,7 +275,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                 submit(new_row(i, 1, t))
             while pending or gate.in_service:  # retries to come; runs whose client left still hold their engine
                 await asyncio.sleep(0.01)
-            return gate.stats()
+            return gate.stats(steps_since=-math.inf)  # a batching gate's: every step (step_log)
 
     stats = on_virtual_clock(go)
     frame = pd.DataFrame(rows)

@@ -1,0 +1,92 @@
+"""The batching engine's options, written once for ``qlab simulate`` (and the commands that share its engine flags,
+:mod:`experiments.engineflags`) and ``qlab serve`` (:mod:`live.serve_options`): their names, help, and the one
+function that turns them into a :class:`qsim.engines.Batching`.
+
+Here, below both, because the live layer may not import experiments: the two commands read the same table, so a
+setting is named, explained and checked in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from qsim.engines import Batching, StepModel
+
+from .argtypes import positive_int
+
+STEP_FIELDS = ("b0", "b1", "b2", "b3", "cv")
+
+BATCHING_HELP = "one engine that batches as vLLM's v1 scheduler (qsim.engines.Batching)"
+NO_CHUNKED_PREFILL_HELP = "a prompt must fit one step's token budget"
+STEP_METAVAR = "B0,B1,B2,B3[,CV] | FILE.json"
+
+
+def parse_step(text: str) -> StepModel:
+    """``B0,B1,B2,B3[,CV]`` (seconds: fixed, per prefill token, per sequence, per context token) or a JSON file
+    with those fields (b0 ... cv), e.g. a fitted step model; ValueError naming what is wrong."""
+    path = Path(text)
+    try:
+        if path.suffix == ".json" or path.is_file():
+            raw = json.loads(path.read_text())
+            raw = raw.get("step", raw) if isinstance(raw, dict) else raw
+            if not isinstance(raw, dict) or set(raw) - set(STEP_FIELDS):
+                raise ValueError(f"{text}: a step model file holds {', '.join(STEP_FIELDS)}")
+            return StepModel(**{k: float(v) for k, v in raw.items()})
+        numbers = [float(v) for v in text.split(",")]
+        if not 4 <= len(numbers) <= 5:
+            raise ValueError("give B0,B1,B2,B3 or B0,B1,B2,B3,CV")
+        return StepModel(*numbers)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read step model {text}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad step model {text!r}: {exc}") from None
+
+
+def step_spec(text: str) -> StepModel:
+    """:func:`parse_step` for argparse (a bad one is argparse's one-line error)."""
+    try:
+        return parse_step(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: Batching's settings that a flag sets: field -> (the flag's type, metavar, help).
+BATCHING_FLAGS: dict[str, tuple] = {
+    "step": (step_spec, STEP_METAVAR,
+             "the batching engine's step model: seconds = B0 + B1 prefill tokens + B2 sequences + B3 context tokens "
+             f"(default {StepModel().b0:g},{StepModel().b1:g},{StepModel().b2:g},{StepModel().b3:g})"),
+    "max_num_seqs": (positive_int, None, "at most this many running (vLLM's; default 256)"),
+    "max_num_batched_tokens": (positive_int, None, "tokens a step computes (default 2048)"),
+    "kv_blocks": (positive_int, None, "KV memory in blocks (default unlimited)"),
+    "block_size": (positive_int, None, "tokens per KV block (default 16)"),
+}
+BATCHING_ONLY = tuple(BATCHING_FLAGS)
+
+
+def add_batching_flags(group) -> None:
+    """Each of :data:`BATCHING_FLAGS` and ``--no-chunked-prefill`` on an argparse group (``--batching`` itself is
+    the command's: what it does to the command's load differs)."""
+    for name, (kind, metavar, text) in BATCHING_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
+    group.add_argument("--no-chunked-prefill", action="store_true", help=NO_CHUNKED_PREFILL_HELP)
+
+
+def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = False) -> Batching | None:
+    """The batching engine the options describe (None: not batching); ValueError naming the first batching option
+    given without ``--batching``. settings: :data:`BATCHING_FLAGS`' fields, None where not given (``step`` a
+    StepModel or its text)."""
+    given = [name for name in BATCHING_ONLY if settings.get(name) is not None]
+    if no_chunked_prefill:
+        given.append("no_chunked_prefill")
+    if not batching:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is a batching engine's: add --batching")
+        return None
+    fields = {k: settings[k] for k in BATCHING_ONLY if settings.get(k) is not None}
+    if isinstance(fields.get("step"), str):
+        fields["step"] = parse_step(fields["step"])
+    if no_chunked_prefill:
+        fields["chunked_prefill"] = False
+    return Batching(**fields)
