@@ -371,7 +371,7 @@ def config_from_args(args) -> SweepConfig:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
     if args.seeds < 2:
         raise ValueError("--seeds must be at least 2: the interval is across seeds")
-    settings = {"noise_cv": args.noise, "fixed_estimate": args.fixed_estimate}
+    settings = {"noise_cv": args.noise or 0.0, "fixed_estimate": args.fixed_estimate}
     if args.service != "mix":
         settings.update(service_dist=args.service, **({"mean_service_s": args.mean_service}
                                                       if args.mean_service is not None else {}))

@@ -171,6 +171,7 @@ def cmd_simulate(args) -> int:
         args.seconds = 600.0
     model = ServiceModel.load(args.service_model) if args.service_model else ServiceModel()
     patience, retry = clientflags.from_args(args)
+    engineflags.calibrated_defaults(args)
     engine = engineflags.engine_from_args(args)
     policy = engineflags.with_objectives(policy, args)
     options = engineflags.trace_options(args, engine, REFERENCE_MIX, model)

@@ -13,6 +13,7 @@ import dataclasses
 from inputs.argtypes import non_negative, positive
 from inputs.batchflags import BATCHING_HELP, BATCHING_ONLY, add_batching_flags, batching_engine
 from qsim.engines import Batching, OneAtATime
+from qsim.service import LoadTerms
 from qsim.workload import Prompts
 
 
@@ -25,8 +26,9 @@ def prompts_spec(text: str) -> Prompts:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the engine model (default: --engines K, one request each at a time)")
-    g.add_argument("--concurrency", type=non_negative, default=0.0,
-                   help="engines one at a time: a run takes x (1 + C (busy - 1)) with that many engines busy")
+    g.add_argument("--concurrency", type=non_negative,
+                   help="engines one at a time: a run takes x (1 + C (busy - 1)) with that many engines busy "
+                        "(default: the --service-model calibration's, measured under load; else 0)")
     g.add_argument("--batching", action="store_true", help=BATCHING_HELP + "; --load is then of its saturated "
                    "throughput")
     add_batching_flags(g)
@@ -37,11 +39,21 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tpot-slo", type=positive, metavar="SECONDS", help="objective on time per output token")
 
 
+def calibrated_defaults(args) -> None:
+    """--concurrency and --noise where they are not given: what the --service-model calibration measured under load
+    (:class:`qsim.service.LoadTerms`; a batching engine takes no concurrency term), else 0."""
+    terms = LoadTerms.load(args.service_model)
+    if args.concurrency is None:
+        args.concurrency = 0.0 if args.batching else terms.concurrency
+    if args.noise is None:
+        args.noise = terms.noise_cv or 0.0
+
+
 def engine_from_args(args) -> OneAtATime | Batching:
     """The engine the options describe; ValueError for a batching option without --batching (or the reverse)."""
     batching = batching_engine(args.batching, {k: getattr(args, k) for k in BATCHING_ONLY}, args.no_chunked_prefill)
     if batching is None:
-        return OneAtATime(args.engines, args.concurrency)
+        return OneAtATime(args.engines, args.concurrency or 0.0)
     if args.engines != 1 or args.concurrency:
         raise ValueError("--batching runs one batching engine: drop --engines and --concurrency")
     return batching

@@ -44,7 +44,7 @@ from analysis import compare, metrics
 from inputs.atomic import atomic_write, clear_temporaries, write_parquet
 from qsim import ServiceModel, Trace, build_trace
 
-from live.calibrate import CalibrationConfig, calibrate, describe, probe
+from live.calibrate import CalibrationConfig, calibrate, describe, describe_load, probe, report
 from live.live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
 from live.loadgen import ReplayConfig, lateness, replay
 from live.procs import serving
@@ -79,9 +79,10 @@ def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> s
     with serving([options], out / "logs", cfg.startup_timeout_s, prefix="calibrate") as (server,):
         result = calibrate(CalibrationConfig(server.url, cfg.calibrate.rounds, cfg.calibrate.per_size,
                                              prompt_words=cfg.replay.prompt_words),
-                           progress=lambda r: log(describe(r, f"calibration round {r.round}")))
+                           progress=lambda step: log(f"calibration {report(step)}"))
     result.save(path)
     log(describe(result.overall, "calibration, all rounds"))
+    log(f"calibration {describe_load(result.load)}")
     return str(path)
 
 

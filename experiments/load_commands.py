@@ -19,6 +19,7 @@ from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int, renamed
 from inputs.atomic import write_parquet
 from qsim import ServiceModel, build_trace, records
+from qsim.service import LoadTerms
 from qsim.records import OUTCOMES
 from qsim.runfile import SPEED_PROBES
 from qsim.workload import ARRIVALS, arrivals_take_load
@@ -307,20 +308,37 @@ def _lengths(text: str) -> tuple[int, ...]:
     return values
 
 
+def _in_flight(text: str) -> tuple[int, ...]:
+    """'2,4' -> (2, 4); 'none' -> (): requests in flight at once, each >= 2."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas or none, got {text!r}") from None
+    if min(values) < 2:
+        raise argparse.ArgumentTypeError(f"requests in flight must be >= 2 (one at a time is the rounds'), got {text!r}")
+    return values
+
+
 def cmd_calibrate(args) -> int:
-    from live.calibrate import CalibrationConfig, calibrate, describe
+    from live.calibrate import CalibrationConfig, calibrate, describe, describe_load, report
 
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
-                            prompt_tokens=args.prompt_tokens)
+                            prompt_tokens=args.prompt_tokens, levels=args.in_flight,
+                            load_per_size=args.load_per_size)
     prompts = "" if cfg.prompt_tokens is None else f" with prompts of {list(cfg.prompt_tokens)} tokens"
+    levels = ("2, 4, ... up to the server's engines" if cfg.levels is None
+              else ", ".join(map(str, cfg.levels)) or "none")
     print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
-          "one request at a time", flush=True)
+          f"one request at a time; then {cfg.load_per_size} x the sizes with {levels} in flight", flush=True)
     try:
-        result = calibrate(cfg, progress=lambda r: print(describe(r, f"round {r.round}"), flush=True))
+        result = calibrate(cfg, progress=lambda step: print(report(step), flush=True))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
     print(describe(result.overall, "all rounds"))
+    print(describe_load(result.load))
     lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
     print(f"prompt lengths measured: {lengths} tokens ({result.tokenizer or 'tokenizer not said'})"
           + ("; one length: no prompt term fitted" if len(lengths) < 2 else ""))
@@ -333,7 +351,9 @@ def _calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="fit the service-time line on a live server",
                        description="Send requests of 1, 2, 4, ... 64 new tokens with prompts of several lengths, "
                                    "one at a time, in rounds; fit S = intercept + per_prompt_token * prompt tokens "
-                                   "+ per_token * new tokens and report the error of the fit on one request.")
+                                   "+ per_token * new tokens and report the error of the fit on one request. Then "
+                                   "send them with 2, 4, ... requests in flight (up to the server's engines) and fit "
+                                   "the slowdown per other busy engine and the noise (CV) around the model.")
     p.set_defaults(func=cmd_calibrate)
     p.add_argument("--url", required=True)
     p.add_argument("--rounds", type=positive_int, default=2)
@@ -344,7 +364,13 @@ def _calibrate_parser(sub) -> None:
                    help="prompt lengths in the server's tokens (default: the --prompt-words prompt, 256 and 768, "
                         "those that fit the context beside 64 new tokens); one length fits no prompt term")
     p.add_argument("--deadline-ms", type=positive_int, help="deadline sent with each request (default: the server's)")
-    p.add_argument("--out", required=True, help="JSON that serve and simulate read with --service-model")
+    p.add_argument("--in-flight", type=_in_flight, metavar="N,N,...|none",
+                   help="requests in flight at once under load, each >= 2 and at most the server's engines (default: "
+                        "2, 4, ... and the engine count; none: one at a time only); fits the concurrency term and "
+                        "the noise under load")
+    p.add_argument("--load-per-size", type=positive_int, default=4,
+                   help="under load: requests of each size per in-flight level (default 4)")
+    p.add_argument("--out", required=True, help="JSON that serve, simulate and compare read with --service-model")
 
 
 # ------------------------------------------------------------------ compare
@@ -361,8 +387,11 @@ def cmd_compare(args) -> int:
     if "qlab_gate" in run.columns and not run["qlab_gate"].all():
         raise ValueError(f"{args.run}: replayed against a server that is not a qlab gate (it has no /stats): qlab "
                          "compare needs what a qlab gate reports of each request; replay through `qlab serve`")
+    if args.service_model and not args.predict:
+        raise ValueError("--service-model is --predict's: the per-request replay runs with what the gate knew")
     if args.predict:
-        return _print_prediction(args, predict(run, seeds=args.seeds, noise_cv=args.noise_cv))
+        terms = LoadTerms.load(args.service_model) if args.service_model else None
+        return _print_prediction(args, predict(run, seeds=args.seeds, noise_cv=args.noise_cv, terms=terms))
     result = compare(run)
     out = Path(args.out) if args.out else Path(args.run).with_suffix("")
     out.mkdir(parents=True, exist_ok=True)
@@ -422,12 +451,14 @@ def _print_prediction(args, result) -> int:
     table = result.table
     if args.json:
         print(json.dumps({"speed": result.speed, "speed_source": result.speed_source, "noise_cv": result.noise_cv,
-                          "noise_source": result.noise_source, "seeds": len(result.per_seed),
+                          "noise_source": result.noise_source, "concurrency": result.concurrency,
+                          "seeds": len(result.per_seed),
                           "metrics": table.to_dict(orient="index")}, indent=2))
         return 0
     print(f"{args.run}: predicted from its arrivals alone, service times from the calibrated model at speed "
           f"{result.speed:.3f} ({result.speed_source}) x lognormal noise CV {result.noise_cv:g} "
-          f"({result.noise_source}), {len(result.per_seed)} seeds")
+          f"({result.noise_source}), {len(result.per_seed)} seeds"
+          + (f"; each run x (1 + {result.concurrency:g} x (busy engines - 1))" if result.concurrency > 0 else ""))
     print("95 % interval: Student-t of the mean across seeds; seeds 2.5-97.5 %: where one run would land")
     shown = table[["live", "sim_mean", "ci_low", "ci_high", "seeds_p2_5", "seeds_p97_5", "error", "relative_error"]]
     print(shown.to_string(float_format=lambda v: f"{v:.4g}"))
@@ -452,7 +483,11 @@ def _compare_parser(sub) -> None:
     p.add_argument("--seeds", type=positive_int, default=20, help="--predict: seeds of the model's noise")
     p.add_argument("--noise-cv", type=non_negative,
                    help="--predict: CV of the lognormal noise on modelled service times (default: the server's "
-                        "noise setting, recorded in the run file's engine_info; 0.1 where it does not say)")
+                        "noise setting, recorded in the run file's engine_info; else the CV calibrated under load; "
+                        "0.1 where neither says)")
+    p.add_argument("--service-model", metavar="CALIBRATION.json",
+                   help="--predict: the concurrency term and noise CV of this qlab calibrate JSON in place of the "
+                        "run file's (for a run from a server that did not load them)")
 
 
 # ------------------------------------------------------------------ live

@@ -55,8 +55,9 @@ def add_workload_options(p: argparse.ArgumentParser, *, seeds: int = 1, several_
     p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=Remember)
     p.add_argument("--mean-service", type=positive, action=Remember,
                    help="mean service seconds for exponential/deterministic (default: the mix's mean)")
-    p.add_argument("--noise", type=non_negative, default=0.0,
-                   help="CV of lognormal noise on true service times (mix and trace files)")
+    p.add_argument("--noise", type=non_negative,
+                   help="CV of lognormal noise on true service times (mix and trace files; default: the --service-model "
+                        "calibration's CV under load, else 0)")
     p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
     p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
     p.add_argument("--used", type=_checked(parse_used), metavar="SPEC",

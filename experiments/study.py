@@ -80,6 +80,7 @@ class Scale:
     batching_duration_s: float | None = None
     batching_loads: tuple[float, ...] | None = None
     capacity_tolerance: float = 0.02  # the capacity search's brackets, as a share of their load
+    predict_seeds: int = 20  # seeds of the model-only prediction of each live run (qlab compare --predict)
 
 
 FULL = Scale("full")
@@ -92,7 +93,7 @@ QUICK = Scale("quick", seeds=5, duration_s=300.0, loads=(0.5, 0.9, 1.3, 2.0, 3.0
               theory_scale=0.1, live_policies=("bounded-deadline", "predictive"), live_loads=(2.0,), live_seconds=20.0,
               live_stale_seconds=10.0, live_cut_policies=("predictive",), live_cut_loads=(1.5,),
               live_cut_seconds=10.0, batching_seeds=4, batching_duration_s=60.0, batching_loads=(0.5, 1.3, 3.0),
-              capacity_tolerance=0.02)
+              capacity_tolerance=0.02, predict_seeds=3)
 
 
 @dataclass(frozen=True)
@@ -857,6 +858,39 @@ def _live_run(ctx: Context, folder: Path) -> None:
     live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
 
 
+#: The columns a live run's model-only prediction adds beside its per-request replay (metric: column).
+PREDICTION_COLUMNS = {"share_good": "predicted share in time, rel. error", "goodput_rps": "predicted goodput, rel. error",
+                      "latency_p99_s": "predicted p99 latency, rel. error"}
+
+
+def _prediction(run: pd.DataFrame, seeds: int) -> dict:
+    """A live run's model-only prediction (``qlab compare --predict``: its arrivals and the calibrated model alone),
+    as report columns: the relative error of each judged metric, and whether all are within their targets."""
+    from analysis import compare
+
+    judged = compare.predict(run, seeds=seeds)
+    within = judged.within_targets()
+    verdict = "n/a" if None in within.values() else "PASS" if all(within.values()) else "MISS"
+    return {**{column: float(judged.table.loc[m, "relative_error"]) for m, column in PREDICTION_COLUMNS.items()},
+            "prediction": verdict}
+
+
+def _prediction_verdict(rows: list[dict], seeds: int) -> Verdict:
+    """Whether the model alone predicted every live run within the targets, with the worst error of each metric."""
+    from analysis.compare import PREDICTION_TARGETS
+
+    judged = [r for r in rows if r.get("prediction") in ("PASS", "MISS")]
+    worst = "; ".join(f"{column.split(',')[0]} worst {max(abs(r[column]) for r in judged):.1%} "
+                      f"(target {PREDICTION_TARGETS[m]:.0%})" for m, column in PREDICTION_COLUMNS.items()) if judged else ""
+    passed = sum(r["prediction"] == "PASS" for r in judged)
+    return Verdict("check", "the simulator predicts each live run from its arrivals and the calibrated model alone "
+                            "(share in time and goodput within 5 %, p99 latency within 10 %)",
+                   None if not judged else passed == len(judged),
+                   f"{passed} of {len(judged)} runs within every target over {seeds} seeds of the model's noise"
+                   + (f"; {worst}" if worst else "") + " (the per-request replay, exact by construction, cannot tell "
+                   "whether the model is right; this can)")
+
+
 def _live_report(ctx: Context, folder: Path) -> list:
     path = folder / "live" / "summary.parquet"
     if not path.is_file():
@@ -880,10 +914,17 @@ def _live_report(ctx: Context, folder: Path) -> list:
                 f"{int(summary['sim_disagreements'].sum())} of {int(judged)} requests disagree ({share:.1%}; the "
                 "reference study found about 1.6 %; judged against 5 %)"),
         *_rule_verdict(summary.to_dict("records")),
-        Table(summary[cols], "live runs and their per-request disagreement with the simulator"),
     ]
+    runs = {(row["trace"], row["policy"]): pd.read_parquet(folder / "live" / "runs" / f"{row['trace']}__{row['policy']}.parquet")
+            for _, row in summary.iterrows()}
+    predicted = pd.DataFrame([_prediction(runs[key], ctx.scale.predict_seeds) for key in zip(summary["trace"],
+                                                                                            summary["policy"])])
+    blocks += [_prediction_verdict(predicted.to_dict("records"), ctx.scale.predict_seeds),
+               Table(pd.concat([summary[cols].reset_index(drop=True), predicted], axis=1),
+                     "live runs: their per-request disagreement with the simulator, and the model-only prediction's "
+                     "relative error (simulated mean minus live, over live)")]
     for _, row in summary[summary["trace"] != "burst30"].iterrows():
-        run = pd.read_parquet(folder / "live" / "runs" / f"{row['trace']}__{row['policy']}.parquet")
+        run = runs[(row["trace"], row["policy"])]
         png = folder / f"compare-{row['trace']}__{row['policy']}.png"
         compare.figure(compare.compare(run), png)
         blocks.append(Figure(png.stem, png.read_bytes(), f"simulator against service, {row['policy']} at nominal load "
@@ -1079,7 +1120,8 @@ def _live_stale_report(ctx: Context, folder: Path) -> list:
                  "late share of completed, from the change": late_share(run.loc[after, "outcome"]),
                  "late share of completed, before": late_share(run.loc[~after, "outcome"]),
                  **{k: row[k] for k in ("requests", "good", "late", "refused", "error", "goodput_rps",
-                                        "sim_disagreements", "sim_disagreement_rate", *CAUSE_COLUMNS)}}
+                                        "sim_disagreements", "sim_disagreement_rate", *CAUSE_COLUMNS)},
+                 **_prediction(run, ctx.scale.predict_seeds)}
         if sim is not None:
             at = {"policy": policy, "fixed_estimate": fixed}
             shown["simulated late share from the change"] = str(level(sim, "late_share_after_change", **at))
@@ -1095,7 +1137,9 @@ def _live_stale_report(ctx: Context, folder: Path) -> list:
              "section's means [95 % CI] over its seeds (its runs are longer and slow at 20 s, so its goodput is "
              "over a larger share of slow time)."),
         *_disagreement([r for *_, r in done]),
-        Table(pd.DataFrame(rows), "live stale estimator, beside the simulated stale sweep"
+        _prediction_verdict(rows, ctx.scale.predict_seeds),
+        Table(pd.DataFrame(rows), "live stale estimator, beside the simulated stale sweep, with the model-only "
+                                  "prediction's relative errors"
               + ("" if sim is not None else " (not available: the stale section has no results)")),
     ]
 
@@ -1108,7 +1152,8 @@ def _live_cut_report(ctx: Context, folder: Path) -> list:
     if sim is not None:
         sim = sim.assign(engine_s_total_per_s=sim["engine_s_total"] / sim["duration_s"])
     runs = pd.DataFrame([{"policy": c["options"]["policy"], "load": c["load"],
-                          "cut at the deadline": bool(c["options"]["policy_arg"]), **r} for c, _, r in done])
+                          "cut at the deadline": bool(c["options"]["policy_arg"]), **r,
+                          **_prediction(run, ctx.scale.predict_seeds)} for c, run, r in done])
     pairs = []
     for (policy, load), part in runs.groupby(["policy", "load"], sort=False):
         on, off = part[part["cut at the deadline"]], part[~part["cut at the deadline"]]
@@ -1141,9 +1186,11 @@ def _live_cut_report(ctx: Context, folder: Path) -> list:
              "engine_s_saved counts only the cut runs' unrun time). The simulated columns are the same differences "
              "in the cancellation section, means [95 % CI] paired by seed."),
         *_disagreement(runs.to_dict("records")),
+        _prediction_verdict(runs.to_dict("records"), ctx.scale.predict_seeds),
         Table(pd.DataFrame(pairs), "live cutting at the deadline: what it saved and gained, beside the simulated sweep"
               + ("" if sim is not None else " (not available: the cancellation section has no results)")),
-        Table(runs.drop(columns="judged"), "the live runs and their per-request disagreement with the simulator"),
+        Table(runs.drop(columns="judged"), "the live runs: their per-request disagreement with the simulator, and the "
+                                           "model-only prediction's relative errors"),
     ]
 
 

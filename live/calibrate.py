@@ -16,25 +16,36 @@ The shortest prompt is the replayer's default one (``prompt_words``): the fit is
 exact where most requests are. Lengths that would not fit the engine's context
 beside the largest size are left out of the default schedule (and refused when
 asked for by name).
+
+**Under load** (:func:`measure_load`). With K engines on the server, the same schedule is then sent with
+2, 4, ... K requests in flight at once (each of L workers sends its next request as its last one is
+answered), and each request's engines busy at its start (itself included) counted from the gate's own
+``started_at`` / ``returned_at``. :func:`fit_load` fits the concurrency term of
+:class:`qsim.engines.OneAtATime` (a run takes its time x (1 + c (busy - 1))) to every point, the rounds'
+(busy 1) included, by bounded least squares, and the noise: the CV of a request's time around the model x
+that slowdown, one at a time and under load. Both go into the calibration JSON (key ``load``), which
+``serve``, ``simulate`` and ``compare`` read (:class:`qsim.service.LoadTerms`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import numpy as np
 from pydantic import BaseModel
+from scipy import optimize, stats
 
 from inputs.atomic import atomic_write
-from qsim.service import Fit, ServiceModel, fit
+from qsim.service import Fit, LoadTerms, ServiceModel, fit
 
 from .auth import client_headers
 from .contract import (Completion, CompletionRequest, EngineFacts, GenerateRequest, GenerateResponse, HealthFacts,
-                       Stats, UpstreamModels, num)
+                       Stats, Timings, UpstreamModels, num)
 from .tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -56,6 +67,10 @@ class CalibrationConfig:
     deadline_ms: int | None = None  # None: the server's default (run calibration on an idle server)
     timeout_s: float = 120.0
     prompt_tokens: tuple[int, ...] | None = None
+    # Requests in flight at once under load (None: 2, 4, ... up to the server's engines; (): none), and each
+    # level's schedule's repetitions of the sizes.
+    levels: tuple[int, ...] | None = None
+    load_per_size: int = 4
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.per_size < 1:
@@ -66,17 +81,36 @@ class CalibrationConfig:
             raise ValueError(f"prompt_words must be >= 1, got {self.prompt_words}")
         if self.prompt_tokens is not None and (not self.prompt_tokens or min(self.prompt_tokens) < 1):
             raise ValueError(f"prompt lengths must be >= 1 token, got {list(self.prompt_tokens)}")
+        if self.levels is not None and self.levels and min(self.levels) < 2:
+            raise ValueError(f"requests in flight under load must be >= 2 (one at a time is the rounds'), "
+                             f"got {list(self.levels)}")
+        if self.load_per_size < 1:
+            raise ValueError(f"load_per_size must be >= 1, got {self.load_per_size}")
+
+    def load_levels(self, engines: int) -> tuple[int, ...]:
+        """The in-flight levels to measure on a server of ``engines`` engines: as asked (none above the
+        engines: the gate would queue them), or 2, 4, ... and ``engines`` itself."""
+        if self.levels is not None:
+            over = [n for n in self.levels if n > engines]
+            if over:
+                raise ValueError(f"requests in flight {over} exceed the server's {engines} engine(s): the gate would "
+                                 "queue them rather than run them at once")
+            return tuple(sorted(set(self.levels)))
+        doubling = [2 ** k for k in range(1, max(engines, 1).bit_length()) if 2 ** k <= engines]
+        return tuple(sorted({*doubling, engines} - {1}))
 
 
 @dataclass(frozen=True)
 class ServerFacts:
     """What the server says that prompts depend on: its tokenizer's name, the engine's context (None: no
-    limit of its own) and the gate's caps on a prompt (tokens, characters; None: not said)."""
+    limit of its own) and the gate's caps on a prompt (tokens, characters; None: not said); and its engines,
+    which the load phase fills."""
 
     tokenizer: str | None = None
     context: int | None = None
     max_prompt_tokens: int | None = None
     max_prompt_chars: int | None = None
+    engines: int = 1
 
     def longest_prompt(self, new_tokens: int) -> float:
         """The most prompt tokens a request of ``new_tokens`` new tokens may bring (inf: no limit)."""
@@ -99,9 +133,10 @@ def server_facts(health: Any, stats: Any) -> ServerFacts:
     :class:`live.contract.HealthFacts` and :class:`~live.contract.Stats`); a page that is not one (None: not
     there, or not a qlab gate's) says nothing."""
     engine = _lenient(HealthFacts, health).engine or EngineFacts()
-    limits = _lenient(Stats, stats).limits
+    said = _lenient(Stats, stats)
+    limits = said.limits
     return ServerFacts(engine.tokenizer, _positive_int(engine.context), _positive_int(limits.max_prompt_tokens),
-                       _positive_int(limits.max_prompt_chars))
+                       _positive_int(limits.max_prompt_chars), _positive_int(said.engines) or 1)
 
 
 def _lenient(model: type[M], body: Any) -> M:
@@ -165,18 +200,101 @@ class Round:
 
 
 @dataclass(frozen=True)
+class LoadLevel:
+    """One in-flight level's requests under load: their sizes, engine times, and engines busy at each start."""
+
+    level: int
+    tokens: tuple[int, ...]
+    prompt_tokens: tuple[int, ...]
+    engine_s: tuple[float, ...]
+    busy: tuple[int, ...]
+
+    def as_dict(self) -> dict:
+        return {"level": self.level, "n": len(self.tokens), "tokens": list(self.tokens),
+                "prompt_tokens": list(self.prompt_tokens), "engine_s": list(self.engine_s), "busy": list(self.busy)}
+
+
+@dataclass(frozen=True)
+class LoadFit:
+    """The concurrency term and the noise, fitted to every point (the rounds' at busy 1 and the load levels').
+
+    ratio = engine time / the line's estimate = speed x (1 + concurrency x (busy - 1)) x noise;
+    ``speed``: the fitted ratio at busy 1 (about 1: the line was fitted to those points);
+    ``concurrency``: None where no point had another engine busy; ``noise_cv_one`` / ``noise_cv_load``: the CV of
+    the noise at busy 1 and above (NaN: no such point); ``noise_cv``: the one a prediction draws, under load
+    where it was measured."""
+
+    speed: float
+    concurrency: float | None
+    noise_cv_one: float
+    noise_cv_load: float
+    n: int
+    busy_counts: dict[int, int]
+
+    @property
+    def noise_cv(self) -> float:
+        return self.noise_cv_load if np.isfinite(self.noise_cv_load) else self.noise_cv_one
+
+    def terms(self) -> LoadTerms:
+        return LoadTerms(self.concurrency or 0.0, None if not np.isfinite(self.noise_cv) else self.noise_cv)
+
+    def as_dict(self) -> dict:
+        def finite(value: float) -> float | None:
+            return float(value) if np.isfinite(value) else None
+
+        return {"concurrency": self.concurrency, "noise_cv": finite(self.noise_cv), "speed_at_one": self.speed,
+                "noise_cv_one_at_a_time": finite(self.noise_cv_one), "noise_cv_under_load": finite(self.noise_cv_load),
+                "n": self.n, "busy_counts": {str(k): v for k, v in sorted(self.busy_counts.items())}}
+
+
+def busy_at_start(started: np.ndarray, returned: np.ndarray) -> np.ndarray:
+    """For each request, how many of these requests held an engine when it started, itself included: those
+    started at or before it and not yet returned (the gate's clock, where only these requests ran)."""
+    started, returned = np.asarray(started, float), np.asarray(returned, float)
+    holding = (started[None, :] <= started[:, None]) & (returned[None, :] > started[:, None])
+    return holding.sum(axis=1)
+
+
+def _cv(values: np.ndarray) -> float:
+    return float(stats.variation(values, ddof=1)) if values.size >= 2 else float("nan")
+
+
+def fit_load(model: ServiceModel, tokens, prompt_tokens, engine_s, busy) -> LoadFit:
+    """Fit ratio = speed + d x (busy - 1) by least squares bounded at 0 (scipy's lsq_linear), concurrency =
+    d / speed, and the noise: the CV of ratio / (speed + d (busy - 1)), at busy 1 and above."""
+    ratio = np.asarray(engine_s, float) / model.estimate(np.asarray(tokens), np.asarray(prompt_tokens))
+    busy = np.asarray(busy, dtype=int)
+    if ratio.size < 2 or not np.all(np.isfinite(ratio)) or busy.shape != ratio.shape or busy.min() < 1:
+        raise ValueError("a load fit needs at least 2 points, each with a finite time and busy >= 1")
+    shared = np.unique(busy).size > 1
+    if shared:
+        x = np.column_stack([np.ones_like(ratio), busy - 1.0])
+        speed, slope = optimize.lsq_linear(x, ratio, bounds=([1e-9, 0.0], [np.inf, np.inf])).x
+    else:  # every point at one busy count: no slope to fit, the speed is the mean ratio
+        speed, slope = float(ratio.mean()), 0.0
+    noise = ratio / (speed + slope * (busy - 1.0))
+    return LoadFit(float(speed), float(slope / speed) if shared and busy.max() > 1 else None,
+                   _cv(noise[busy == 1]), _cv(noise[busy > 1]), int(ratio.size),
+                   {int(b): int(n) for b, n in zip(*np.unique(busy, return_counts=True))})
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """The overall fit over every round, and each round's own."""
+    """The overall fit over every round, each round's own, and the load phase's levels and fit."""
 
     overall: Fit
     rounds: tuple[Round, ...]
     tokenizer: str | None = None
+    levels: tuple[LoadLevel, ...] = ()
+    load: LoadFit | None = None
 
     def as_dict(self) -> dict:
-        """The JSON that ``ServiceModel.load`` reads (its ``model`` key) and people read too."""
+        """The JSON that ``ServiceModel.load`` reads (its ``model`` key), ``LoadTerms.load`` too (its ``load``
+        key), and people read."""
+        load = None if self.load is None else {**self.load.as_dict(), "levels": [lv.as_dict() for lv in self.levels]}
         return {"model": asdict(self.overall.model), "median_rel_error": self.overall.median_rel_error,
                 "worst_rel_error": self.overall.worst_rel_error, "n": self.overall.n,
-                "prompt_tokenizer": self.tokenizer, "rounds": [r.as_dict() for r in self.rounds]}
+                "prompt_tokenizer": self.tokenizer, "rounds": [r.as_dict() for r in self.rounds], "load": load}
 
     def save(self, path: str | Path) -> None:
         """Write the JSON whole or not at all (a resumed ``qlab live`` reuses it)."""
@@ -189,16 +307,20 @@ def schedule(cfg: CalibrationConfig, prompts: tuple[int, ...] = (0,)) -> list[tu
     return [(s, prompts[(j + r) % len(prompts)]) for r in range(cfg.per_size) for j, s in enumerate(cfg.sizes)]
 
 
-def _engine_seconds(http: httpx.Client, body: dict) -> float:
+def _timings(http: httpx.Client, body: dict) -> Timings:
     request = GenerateRequest.model_validate(body, strict=False)  # the contract's body: a misnamed key fails here
     response = http.post("/v1/generate", json=request.body())
     if response.status_code != 200:
         raise ValueError(f"calibration request {request.max_new_tokens} tokens got HTTP {response.status_code}: "
                          f"{response.text[:200]} (calibrate an idle server, e.g. policy none)")
     try:
-        return num(GenerateResponse.model_validate_json(response.content).timings.engine_s)
+        return GenerateResponse.model_validate_json(response.content).timings
     except ValueError:
         raise ValueError(f"calibration request: the answer is not /v1/generate's: {response.text[:200]}") from None
+
+
+def _engine_seconds(http: httpx.Client, body: dict) -> float:
+    return num(_timings(http, body).engine_s)
 
 
 def counted_by_gate(http: httpx.Client, prompts: dict[int, str]) -> dict[int, int]:
@@ -235,10 +357,7 @@ def measure_round(http: httpx.Client, cfg: CalibrationConfig, number: int, texts
     points = schedule(cfg, tuple(texts))
     seconds = []
     for n, p in points:
-        body = {"prompt": texts[p], "max_new_tokens": n}
-        if cfg.deadline_ms is not None:
-            body["deadline_ms"] = cfg.deadline_ms
-        seconds.append(_engine_seconds(http, body))
+        seconds.append(_engine_seconds(http, _body(cfg, texts[p], n)))
     tokens = [n for n, _ in points]
     prompt_tokens = [counts[p] for _, p in points]
     f = fit(tokens, seconds, prompt_tokens=prompt_tokens)
@@ -246,8 +365,35 @@ def measure_round(http: httpx.Client, cfg: CalibrationConfig, number: int, texts
                  tuple(prompt_tokens))
 
 
+def _body(cfg: CalibrationConfig, text: str, tokens: int) -> dict:
+    body = {"prompt": text, "max_new_tokens": tokens}
+    if cfg.deadline_ms is not None:
+        body["deadline_ms"] = cfg.deadline_ms
+    return body
+
+
+def measure_load(http: httpx.Client, cfg: CalibrationConfig, level: int, texts: dict[int, str],
+                 counts: dict[int, int]) -> LoadLevel:
+    """``level`` requests in flight at once: the schedule (``load_per_size`` repetitions) dealt to ``level``
+    workers, each sending its next request as its last is answered; busy at each start from the gate's clock."""
+    points = schedule(replace(cfg, per_size=cfg.load_per_size), tuple(texts))
+
+    def worker(share: list[tuple[int, int]]) -> list[Timings]:
+        return [_timings(http, _body(cfg, texts[p], n)) for n, p in share]
+
+    shares = [points[w::level] for w in range(level)]
+    with ThreadPoolExecutor(max_workers=level, thread_name_prefix="qlab-calibrate") as pool:
+        answers = list(pool.map(worker, shares))
+    done = [(point, t) for share, got in zip(shares, answers) for point, t in zip(share, got)]
+    started = np.array([num(t.started_at) for _, t in done])
+    returned = np.array([num(t.returned_at) for _, t in done])
+    return LoadLevel(level, tuple(n for (n, _), _ in done), tuple(counts[p] for (_, p), _ in done),
+                     tuple(num(t.engine_s) for _, t in done), tuple(int(b) for b in busy_at_start(started, returned)))
+
+
 def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
-    """Warm up once, measure ``rounds`` rounds, fit each and all of them together."""
+    """Warm up once, measure ``rounds`` rounds, fit each and all of them together; then the load levels, and
+    the concurrency term and noise around that fit."""
     with httpx.Client(base_url=cfg.url, timeout=cfg.timeout_s, headers=client_headers()) as http:
         facts = read_facts(http)
         lengths = prompt_schedule(cfg, facts)
@@ -260,10 +406,42 @@ def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
             rounds.append(measure_round(http, cfg, number, texts, counts))
             if progress:
                 progress(rounds[-1])
+        levels = []
+        for level in cfg.load_levels(facts.engines):
+            levels.append(measure_load(http, cfg, level, texts, counts))
+            if progress:
+                progress(levels[-1])
     tokens = np.concatenate([r.tokens for r in rounds])
     prompt_tokens = np.concatenate([r.prompt_tokens for r in rounds])
     seconds = np.concatenate([r.engine_s for r in rounds])
-    return Calibration(fit(tokens, seconds, prompt_tokens=prompt_tokens), tuple(rounds), facts.tokenizer)
+    overall = fit(tokens, seconds, prompt_tokens=prompt_tokens)
+    # The rounds ran one at a time: busy 1 each.
+    every = [*((r.tokens, r.prompt_tokens, r.engine_s, (1,) * len(r.tokens)) for r in rounds),
+             *((lv.tokens, lv.prompt_tokens, lv.engine_s, lv.busy) for lv in levels)]
+    load = fit_load(overall.model, *(np.concatenate([np.asarray(p[k]) for p in every]) for k in range(4)))
+    return Calibration(overall, tuple(rounds), facts.tokenizer, tuple(levels), load)
+
+
+def report(step: Round | LoadLevel) -> str:
+    """A line on one step of :func:`calibrate` as it ends (its ``progress``): a round's fit, or a load level."""
+    return describe(step, f"round {step.round}") if isinstance(step, Round) else describe_level(step)
+
+
+def describe_level(level: LoadLevel) -> str:
+    busy = np.asarray(level.busy)
+    return (f"{level.level} in flight: {len(busy)} requests, engines busy at their start: median {np.median(busy):g}, "
+            f"max {busy.max()}")
+
+
+def describe_load(load: LoadFit) -> str:
+    """The fitted concurrency term and noise, in one line."""
+    def cv(value: float) -> str:
+        return f"{value:.3f}" if np.isfinite(value) else "not measured"
+
+    slowdown = ("not measured (one engine)" if load.concurrency is None
+                else f"{load.concurrency:.3f} (a run x {1 + load.concurrency:.3f} with two engines busy)")
+    return (f"under load: concurrency {slowdown}; noise CV one at a time {cv(load.noise_cv_one)}, under load "
+            f"{cv(load.noise_cv_load)}; ratio at one busy {load.speed:.3f}; {load.n} requests")
 
 
 def describe(r: Round | Fit, label: str) -> str:

@@ -32,7 +32,8 @@ import ssl
 import sys
 import threading
 
-from qsim.service import ServiceModel
+from qsim.engines import OneAtATime
+from qsim.service import LoadTerms, ServiceModel
 from qsim.workload import UsedShare
 
 from .auth import load_keys
@@ -148,7 +149,11 @@ def cmd_serve(args) -> int:
               "speed tracker corrects them; `qlab calibrate` fits this engine", file=sys.stderr)
     for engine in engines:
         engine.warmup()
-    gate = Gate(engines, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
+    # The calibration's load terms (LoadTerms): admission counts the slowdown of engines that share the machine,
+    # and the run files of this server say the noise that qlab compare --predict draws.
+    terms = LoadTerms.load(cfg.service_model)
+    engine = OneAtATime(len(engines), terms.concurrency, terms.noise_cv or 0.0)
+    gate = Gate(engines, gate_config(policy, engine=engine, model=model, fixed_estimate=cfg.fixed_estimate,
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after)))
     _serve(args, cfg, gate)
     return 0

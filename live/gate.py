@@ -522,7 +522,7 @@ class Gate:
             raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver "
                              "(live.batching.BatchGate), not this one")
         if config.engines != len(self.engines):  # the gate runs as many engines as it is given
-            config = config.replace(engine=OneAtATime(len(self.engines), config.engine.concurrency))
+            config = config.replace(engine=replace(config.engine, engines=len(self.engines)))
         return config
 
     def _make_queue(self, config: ServerConfig):

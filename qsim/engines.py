@@ -8,7 +8,8 @@ file and ``qlab compare``. Two:
   reference study's; the default). With ``concurrency`` c > 0 a run is slower the more
   engines are busy when it starts: its time x (1 + c (n - 1)) for n busy, itself
   included (engine threads that share a machine's cores slow each other; measured live
-  at 1.22-2.29x).
+  at 1.22-2.29x). ``cv``: the spread of one run's time around that (``qlab calibrate``
+  measures both).
 * :class:`Batching`: one engine that runs requests together in iteration-level steps,
   as vLLM's v1 scheduler does: at most ``max_num_seqs`` running, at most
   ``max_num_batched_tokens`` computed per step, chunked prefill, KV memory in blocks of
@@ -32,10 +33,14 @@ def _finite(value: float, lowest: float = 0.0) -> bool:
 
 @dataclass(frozen=True)
 class OneAtATime:
-    """K engines, one request each at a time; ``concurrency``: the slowdown per other busy engine."""
+    """K engines, one request each at a time; ``concurrency``: the slowdown per other busy engine; ``cv``: the CV
+    of one run's time around the model x that slowdown, as calibrated (0: not said). A trace's service times
+    carry their own noise, so the simulator does not draw this again: it is where ``qlab simulate`` (without
+    ``--noise``) and ``qlab compare --predict`` take their noise from."""
 
     engines: int = 1
     concurrency: float = 0.0
+    cv: float = 0.0
 
     kind = "one-at-a-time"
 
@@ -44,6 +49,8 @@ class OneAtATime:
             raise ValueError(f"engines must be an integer >= 1, got {self.engines!r}")
         if not _finite(self.concurrency):
             raise ValueError(f"concurrency must be a finite number >= 0, got {self.concurrency}")
+        if not _finite(self.cv):
+            raise ValueError(f"cv must be a finite number >= 0, got {self.cv}")
 
     def slowdown(self, busy: int) -> float:
         """How many times its calibrated time a run takes that starts with ``busy`` engines busy, itself included."""

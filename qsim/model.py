@@ -66,7 +66,8 @@ class _Run:
 
     def __init__(self, trace: Trace, config: ServerConfig, *, failed=None, reported_s=None,
                  cancel_after_s=None, cancel_until: str = "answer", priority=None, client=None,
-                 retrier: Retrier | None = None, speed_schedule: SpeedSchedule | None = None) -> None:
+                 retrier: Retrier | None = None, speed_schedule: SpeedSchedule | None = None,
+                 held: bool = False) -> None:
         n = len(trace)
         self.env = simpy.Environment()
         self.queue = self._make_queue(config)
@@ -115,7 +116,8 @@ class _Run:
         self.schedule = speed_schedule
         self.cuts = config.policy.cancel_at_deadline
         # Engines that slow each other (OneAtATime.concurrency): a run takes its time x the core's slowdown.
-        self.shared = not config.batching and config.engine.concurrency > 0
+        # A live run's replay (held) gives each run the time it held its engine, the slowdown already in it.
+        self.shared = not config.batching and config.engine.concurrency > 0 and not held
         self.plain = speed_schedule is None and not self.cuts and not self.shared
         self.ran = [_NAN] * n  # how long each run held its engine
         self.speed_at = [1.0] * n  # the schedule's speed over the trace's, at each start
@@ -502,6 +504,7 @@ def simulate(
     retrier: Retrier | None = None,
     speed_schedule: SpeedSchedule | None = None,
     step_times=None,
+    held: bool = False,
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -555,7 +558,7 @@ def simulate(
     run = (_BatchRun if config.batching else _Run)(trace, config, **batch, failed=failed, reported_s=reported_s,
                cancel_after_s=cancel_after_s,
                cancel_until=cancel_until, priority=priority, client=client, retrier=retrier,
-               speed_schedule=speed_schedule)
+               speed_schedule=speed_schedule, held=held)
     run.arrivals()
     run.env.run()
     frame = run.frame(trace)

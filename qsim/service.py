@@ -79,6 +79,41 @@ class ServiceModel:
 
 
 @dataclass(frozen=True)
+class LoadTerms:
+    """What ``qlab calibrate`` measured beside the line, under load: ``concurrency``, the slowdown per other busy
+    engine (:class:`qsim.engines.OneAtATime`), and ``noise_cv``, the CV of one request's time around the model x
+    that slowdown (None: not measured). A calibration file without them (an older ``qlab calibrate``'s) reads as
+    no slowdown, noise not said."""
+
+    concurrency: float = 0.0
+    noise_cv: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("concurrency", self.concurrency), ("noise_cv", self.noise_cv)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"calibrated {name} must be a finite number >= 0, got {value}")
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "LoadTerms":
+        """The terms of a calibration JSON (its ``load`` key); none (None, or a file without the key) reads as
+        :class:`LoadTerms`'s defaults."""
+        if not path:
+            return cls()
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read a calibration: {exc}") from None
+        load = data.get("load") if isinstance(data, dict) else None
+        if not isinstance(load, dict):
+            return cls()
+        try:
+            concurrency, cv = load.get("concurrency"), load.get("noise_cv")
+            return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: bad calibrated load terms ({exc})") from None
+
+
+@dataclass(frozen=True)
 class Fit:
     """A least-squares fit and how well it predicts one request."""
 
