@@ -908,17 +908,17 @@ def _live_report(ctx: Context, folder: Path) -> list:
     blocks = [
         Text(f"Each trace under each policy against a resident `qlab serve` ({engine} engine), order rotated, a speed "
              "probe before and after each run; then each run replayed in the simulator with what the gate knew, "
-             "request by request (`qlab compare`)."),
+             "request by request (`qlab compare`), and predicted from its arrivals and the calibrated model alone "
+             f"(`qlab compare --predict`, {ctx.scale.predict_seeds} seeds of the model's noise)."),
         Verdict("check", "the simulator and the service agree request by request",
                 None if not judged else bool(share <= 0.05),
                 f"{int(summary['sim_disagreements'].sum())} of {int(judged)} requests disagree ({share:.1%}; the "
                 "reference study found about 1.6 %; judged against 5 %)"),
         *_rule_verdict(summary.to_dict("records")),
     ]
-    runs = {(row["trace"], row["policy"]): pd.read_parquet(folder / "live" / "runs" / f"{row['trace']}__{row['policy']}.parquet")
-            for _, row in summary.iterrows()}
-    predicted = pd.DataFrame([_prediction(runs[key], ctx.scale.predict_seeds) for key in zip(summary["trace"],
-                                                                                            summary["policy"])])
+    keys = list(zip(summary["trace"], summary["policy"]))
+    runs = {key: pd.read_parquet(folder / "live" / "runs" / f"{key[0]}__{key[1]}.parquet") for key in keys}
+    predicted = pd.DataFrame([_prediction(runs[key], ctx.scale.predict_seeds) for key in keys])
     blocks += [_prediction_verdict(predicted.to_dict("records"), ctx.scale.predict_seeds),
                Table(pd.concat([summary[cols].reset_index(drop=True), predicted], axis=1),
                      "live runs: their per-request disagreement with the simulator, and the model-only prediction's "

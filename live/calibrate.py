@@ -24,7 +24,8 @@ answered), and each request's engines busy at its start (itself included) counte
 :class:`qsim.engines.OneAtATime` (a run takes its time x (1 + c (busy - 1))) to every point, the rounds'
 (busy 1) included, by bounded least squares, and the noise: the CV of a request's time around the model x
 that slowdown, one at a time and under load. Both go into the calibration JSON (key ``load``), which
-``serve``, ``simulate`` and ``compare`` read (:class:`qsim.service.LoadTerms`).
+``serve``, ``simulate`` and ``compare`` read (:class:`qsim.service.LoadTerms`: ``noise_cv`` there is
+:attr:`LoadFit.noise_cv`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pydantic import BaseModel
 from scipy import optimize, stats
 
 from inputs.atomic import atomic_write
-from qsim.service import Fit, LoadTerms, ServiceModel, fit
+from qsim.service import Fit, ServiceModel, fit
 
 from .auth import client_headers
 from .contract import (Completion, CompletionRequest, EngineFacts, GenerateRequest, GenerateResponse, HealthFacts,
@@ -235,9 +236,6 @@ class LoadFit:
     def noise_cv(self) -> float:
         return self.noise_cv_load if np.isfinite(self.noise_cv_load) else self.noise_cv_one
 
-    def terms(self) -> LoadTerms:
-        return LoadTerms(self.concurrency or 0.0, None if not np.isfinite(self.noise_cv) else self.noise_cv)
-
     def as_dict(self) -> dict:
         def finite(value: float) -> float | None:
             return float(value) if np.isfinite(value) else None
@@ -273,7 +271,7 @@ def fit_load(model: ServiceModel, tokens, prompt_tokens, engine_s, busy) -> Load
     else:  # every point at one busy count: no slope to fit, the speed is the mean ratio
         speed, slope = float(ratio.mean()), 0.0
     noise = ratio / (speed + slope * (busy - 1.0))
-    return LoadFit(float(speed), float(slope / speed) if shared and busy.max() > 1 else None,
+    return LoadFit(float(speed), float(slope / speed) if shared else None,
                    _cv(noise[busy == 1]), _cv(noise[busy > 1]), int(ratio.size),
                    {int(b): int(n) for b, n in zip(*np.unique(busy, return_counts=True))})
 

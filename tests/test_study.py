@@ -274,3 +274,32 @@ def test_the_theory_check_claims_only_what_it_judged():
                              "wide to judge (half-width over 25% of the value: c W)")
     failed = study.theory_verdict(table.assign(verdict=["pass", "fail", "too wide"]), 0.25)
     assert failed.supported is False and "outside: b W" in failed.evidence
+
+
+def test_the_live_sections_report_the_model_only_prediction_beside_the_replay(tmp_path):
+    """Each live run's row holds the prediction's relative errors and its PASS or MISS, and a verdict judges them
+    against the targets (share in time and goodput within 5 %, p99 latency within 10 %)."""
+    import json
+
+    from inputs.atomic import write_parquet
+    from qsim import make_trace
+    from test_compare import live_like_run
+
+    folder = tmp_path / "sections" / "live_cancellation"
+    (folder / "runs").mkdir(parents=True)
+    cells = [{"name": f"predictive__load1.5__{cut}", "seconds": 20.0, "load": 1.5, "seed": 1, "early_stops": False,
+              "lead_s": 0.0, "options": {"policy": "predictive", "policy_arg": "cancel_at_deadline=true" if cut == "cut"
+                                         else ""}} for cut in ("nocut", "cut")]
+    (folder / "inputs.json").write_text(json.dumps({"inputs": {"cells": cells}}))
+    for cell in cells:
+        run = live_like_run(make_trace("poisson", load=1.5, seconds=20, seed=3, noise_cv=0.1), "predictive")
+        write_parquet(run, folder / "runs" / f"{cell['name']}.parquet")
+    ctx = study.Context(tmp_path, study.dataclasses.replace(TINY, predict_seeds=2), log=lambda line: None)
+    blocks = study._live_cut_report(ctx, folder)
+    verdicts = [b for b in blocks if isinstance(b, study.Verdict) and "predicts each live run" in b.claim]
+    assert len(verdicts) == 1 and verdicts[0].supported is not None
+    assert "of 2 runs within every target over 2 seeds" in verdicts[0].evidence
+    runs = next(b for b in blocks if isinstance(b, study.Table) and b.caption.startswith("the live runs"))
+    for column in study.PREDICTION_COLUMNS.values():
+        assert runs.frame[column].abs().lt(1).all()  # a relative error each, not a placeholder
+    assert set(runs.frame["prediction"]) <= {"PASS", "MISS"}
