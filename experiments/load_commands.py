@@ -329,10 +329,12 @@ def cmd_calibrate(args) -> int:
                             prompt_tokens=args.prompt_tokens, levels=args.in_flight,
                             load_per_size=args.load_per_size)
     prompts = "" if cfg.prompt_tokens is None else f" with prompts of {list(cfg.prompt_tokens)} tokens"
-    levels = ("2, 4, ... up to the server's engines" if cfg.levels is None
-              else ", ".join(map(str, cfg.levels)) or "none")
+    if cfg.levels is None:
+        load = f"; then {cfg.load_per_size} x the sizes with 2, 4, ... in flight, up to the server's engines"
+    else:
+        load = f"; then {cfg.load_per_size} x the sizes with {', '.join(map(str, cfg.levels))} in flight" if cfg.levels else ""
     print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
-          f"one request at a time; then {cfg.load_per_size} x the sizes with {levels} in flight", flush=True)
+          f"one request at a time{load}", flush=True)
     try:
         result = calibrate(cfg, progress=lambda step: print(report(step), flush=True))
     except httpx.HTTPError as exc:
