@@ -244,3 +244,17 @@ def test_a_real_synthetic_server_calibrates_to_its_noise_and_serves_the_terms(tm
         engine = httpx.get(f"{server.url}/stats", timeout=10).json()["server_config"]["engine"]
     assert engine == {"kind": "one-at-a-time", "engines": 2, "concurrency": result.load.concurrency,
                       "cv": result.load.noise_cv}
+
+
+def test_compare_takes_a_calibration_for_the_prediction_only(tmp_path, capsys):
+    from inputs.atomic import write_parquet
+    from test_compare import live_like_run
+
+    run = tmp_path / "run.parquet"
+    write_parquet(live_like_run(make_trace("poisson", load=1.2, seconds=10, seed=2), "predictive"), run)
+    path = _calibration(tmp_path, 0.5, 0.25)
+    assert main(["compare", str(run), "--service-model", str(path)]) == 2
+    assert "--service-model is --predict's" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["compare", str(run), "--predict", "--seeds", "2", "--service-model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "noise CV 0.25 (the calibrated CV under load" in out and "x (1 + 0.5 x (busy engines - 1))" in out
