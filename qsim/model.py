@@ -528,6 +528,9 @@ def simulate(
     step_times: a batching engine's steps as a live run's took them, in order (``qlab compare``'s replay): (seconds
     from an idle engine's wake to the step's start, seconds the step ran, seconds the speed tracker learns) each; the
     steps after the last take the step model's.
+    held: the true times are what each run held its engine live, the engines' slowdown
+    (:attr:`qsim.engines.OneAtATime.concurrency`) already in them: the core still slows its
+    estimates as the gate's did, the runs are not slowed again.
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
     """
     if isinstance(config, Policy):
