@@ -1,0 +1,304 @@
+"""The batched GPT-2 engine: one forward pass per step over every sequence the step runs, with the KV cache.
+
+:class:`BatchedGPT2` is driven step by step, as :class:`qsim.batch.BatchQueue` plans steps: sequences
+join (:meth:`~BatchedGPT2.add`) and leave (:meth:`~BatchedGPT2.remove`, :meth:`~BatchedGPT2.preempt`)
+between steps; each :meth:`~BatchedGPT2.step` runs one forward pass over the sequences its plan names,
+each feeding the number of tokens the plan gives it (a chunk of its prompt, or the one token it sampled
+last), and returns the token each sequence sampled and the step's measured seconds.
+
+The interface, for a driver such as the gate::
+
+    engine = BatchedGPT2(GPT2Spec("tiny"))
+    ids = engine.encode("Once upon a time", max_new_tokens=32)   # the prompt's token ids (its tail if long)
+    engine.add("r1", ids, 32, stop=("\\n\\n",), min_tokens=0)     # joins at the next step boundary
+    engine.remaining("r1")                                        # tokens it may feed now: len(ids)
+    done = engine.step({"r1": 5})         # a prefill chunk of 5 prompt tokens: no token sampled yet
+    done = engine.step({"r1": engine.remaining("r1")})   # the rest of the prompt: its first token
+    done.seconds, done.outputs["r1"].token, done.outputs["r1"].finished
+    done = engine.step({"r1": 1})         # decode: the token sampled last goes in, the next comes out
+    engine.step()                         # no plan: every sequence feeds all it has (what a bench does)
+    engine.preempt("r1")                  # frees its KV; later it recomputes prompt + generated (vLLM's recompute)
+    engine.remove("r1")                   # cancelled or answered: forgets it, frees its KV
+
+From a :class:`qsim.batch.Step` the plan is ``{req: chunk for req, chunk in step.chunks} | {req: 1 for req in
+step.decoding}`` (a prompt token count there must be this engine's: :meth:`~BatchedGPT2.count_tokens`); the driver
+then calls ``BatchQueue.step_done(now, elapsed_s=result.seconds)``.
+
+A sequence samples a token (greedy) in the step whose feed reaches the end of its tokens (its prompt, at first;
+after a preemption its prompt and what it had generated). It finishes when it has ``max_new_tokens`` tokens
+or a stop string appears in its text past its first ``min_tokens`` tokens' text (the text is then cut before
+it), as :class:`live.gpt2.GPT2Engine` decides; a finished sequence leaves the batch and its KV is freed at
+once, its :class:`Produced` carries the final text. Every method is called from one thread (the engine's),
+between steps: the engine holds no lock.
+
+How the batch is computed. Each step's rows are the plan's sequences. Row ``i`` holds its cached tokens
+left-padded to the longest row's, then its new tokens left-padded to the longest feed; a 2-D attention mask
+hides the padding and per-row position ids continue each sequence's own positions (GPT-2's are learned and
+absolute, added to the input), so a row computes what the sequence computes alone. With the new tokens
+right-aligned the last column is every row's last token: only it goes through the vocabulary projection. While
+the rows stay the same and every row decodes (the steady state), the step appends to the batched
+:class:`transformers.DynamicCache` in place; when the rows change (one joins, leaves, prefills a chunk) the
+cache is rebuilt from each row's unpadded KV, which costs a copy of the batch's context, once per change.
+
+Transformers' own continuous batching (``init_continuous_batching`` / ``generate_batch``) is not used: it runs
+its own scheduler and paged cache in a background thread, so a step cannot be planned from outside or timed
+alone (its step, ``ContinuousBatchProcessor._generation_step``, is private).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .engine import apply_stop
+from .gpt2 import GPT2Spec, load
+
+
+@dataclass(frozen=True)
+class Produced:
+    """What one sequence got from a step that sampled for it.
+
+    token: the token sampled; generated: how many it has now; finished: it ended in this step (``reason``
+    ``"length"``: ``max_new_tokens`` reached, ``"stop"``: a stop string), and then ``text`` is its answer (cut
+    before the stop string), else None."""
+
+    token: int
+    generated: int
+    finished: bool
+    reason: str | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step: the seconds it took (the forward pass, the batch's rebuild if any, the sampled tokens brought
+    to the host), the tokens it computed, and the sequences that sampled (by id)."""
+
+    seconds: float
+    rows: int
+    fed_tokens: int
+    outputs: Mapping[Hashable, Produced] = field(default_factory=dict)
+
+
+class _Seq:
+    """One sequence: its tokens (prompt, then generated), how many have their KV computed, and where the KV is."""
+
+    __slots__ = ("tokens", "prompt_len", "max_new", "stop", "min_tokens", "computed", "kv", "floor")
+
+    def __init__(self, ids: list[int], max_new: int, stop: tuple[str, ...], min_tokens: int) -> None:
+        self.tokens = list(ids)
+        self.prompt_len = len(ids)
+        self.max_new, self.stop, self.min_tokens = max_new, stop, min_tokens
+        self.computed = 0
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # unpadded (1, heads, computed, dim) per layer
+        self.floor = 0  # characters of the first min_tokens tokens' text
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class BatchedGPT2:
+    """GPT-2 decoding a batch of sequences one step at a time (see the module docstring for the interface)."""
+
+    def __init__(self, spec: GPT2Spec = GPT2Spec(), loaded=None) -> None:
+        self.spec = spec
+        self.net, self.tokenizer, self.device = loaded if loaded is not None else load(spec)
+        config = self.net.config
+        self.context = int(config.n_positions)
+        self.max_new_tokens_limit = self.context - 1
+        self._seqs: dict[Hashable, _Seq] = {}
+        # The batched cache of the last step, kept while the next step runs the same rows, all decoding.
+        self._rows: list[Hashable] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # (rows, columns): 1 where a column holds a row's token
+
+    # -- membership, between steps ---------------------------------------------------------
+
+    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """The prompt's token ids, its tail where it would not fit the context beside ``max_new_tokens``."""
+        self._check_limit(max_new_tokens)
+        ids = self.tokenizer.encode(prompt)[-(self.context - max_new_tokens):]
+        return ids or [int(self.net.config.bos_token_id or 0)]
+
+    def count_tokens(self, text: str) -> int:
+        return self.tokenizer.count(text)
+
+    def add(self, seq_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+            min_tokens: int = 0) -> None:
+        """A sequence joins; it computes from the next step that names it."""
+        self._check_limit(max_new_tokens)
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the batch")
+        if not prompt_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        if len(prompt_ids) + max_new_tokens > self.context:
+            raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones exceed the context "
+                             f"of {self.context}")
+        self._seqs[seq_id] = _Seq([int(t) for t in prompt_ids], max_new_tokens, tuple(stop), min_tokens)
+
+    def remove(self, seq_id: Hashable) -> None:
+        """The sequence leaves (cancelled, cut, or its answer taken): its KV is freed. Unknown ids are ignored
+        (a sequence that finished has already left)."""
+        self._seqs.pop(seq_id, None)
+        self._forget_rows()
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """Free the sequence's KV but keep its tokens: it recomputes prompt and generated tokens (vLLM's recompute
+        preemption) in the steps that name it again, then goes on decoding where it was."""
+        seq = self._seqs[seq_id]
+        self._forget_rows()
+        seq.kv, seq.computed = None, 0
+
+    def remaining(self, seq_id: Hashable) -> int:
+        """Tokens the sequence may feed in the next step: what is left of its prompt (or of its recompute), or 1
+        when it decodes."""
+        seq = self._seqs[seq_id]
+        return len(seq.tokens) - seq.computed
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def cached_tokens(self) -> int:
+        """Tokens whose KV the engine holds, over all sequences (0 once every sequence has left)."""
+        return sum(s.computed for s in self._seqs.values())
+
+    # -- a step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, plan: Mapping[Hashable, int] | None = None) -> StepResult:
+        """One forward pass over the plan's sequences, each feeding as many of its tokens as the plan says (None:
+        every sequence, all it has). Sequences that finish leave."""
+        start = time.perf_counter()
+        plan = {k: self.remaining(k) for k in self._seqs} if plan is None else dict(plan)
+        for seq_id, n in plan.items():
+            if seq_id not in self._seqs:
+                raise KeyError(f"sequence {seq_id!r} is not in the batch")
+            if not 1 <= n <= self.remaining(seq_id):
+                raise ValueError(f"sequence {seq_id!r} may feed 1..{self.remaining(seq_id)} tokens, planned {n}")
+        if not plan:
+            return StepResult(0.0, 0, 0)
+        rows = list(plan)
+        if rows == self._rows and all(n == 1 for n in plan.values()):
+            cache, mask = self._cache, self._mask
+        else:
+            cache, mask = self._rebuild(rows)
+        seqs = [self._seqs[k] for k in rows]
+        width = max(plan.values())
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        new_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
+        for i, (seq, n) in enumerate(zip(seqs, plan.values())):
+            ids[i, width - n:] = torch.tensor(seq.tokens[seq.computed:seq.computed + n])
+            pos[i, width - n:] = torch.arange(seq.computed, seq.computed + n)
+            new_mask[i, width - n:] = 1
+        mask = torch.cat([mask, new_mask.to(self.device)], dim=1)
+        out = self.net(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
+                       cache=cache, use_cache=True, logits_to_keep=1)
+        sampled = out.logits[:, -1].argmax(-1).tolist()  # to the host: the step is over on the device too
+        self._rows, self._cache, self._mask = rows, out.cache, mask
+        outputs = {}
+        for seq_id, seq, n, token in zip(rows, seqs, plan.values(), sampled):
+            seq.computed += n
+            if seq.computed == len(seq.tokens):  # its feed reached its last token: what comes next is sampled
+                outputs[seq_id] = self._sampled(seq_id, seq, token)
+        return StepResult(time.perf_counter() - start, len(rows), sum(plan.values()), outputs)
+
+    def _sampled(self, seq_id: Hashable, seq: _Seq, token: int) -> Produced:
+        seq.tokens.append(token)
+        new = seq.generated
+        reason, text = None, None
+        if seq.stop:
+            decoded = self.tokenizer.decode(new)
+            if len(new) == seq.min_tokens:
+                seq.floor = len(decoded)
+            cut = None if len(new) < seq.min_tokens else apply_stop(decoded, seq.stop, 0, seq.floor)
+            if cut is not None:
+                reason, text = "stop", cut
+        if reason is None and len(new) >= seq.max_new:
+            reason, text = "length", self.tokenizer.decode(new)
+        if reason is not None:
+            self.remove(seq_id)
+        return Produced(token, len(new), reason is not None, reason, text)
+
+    def _rebuild(self, rows: list[Hashable]) -> tuple[DynamicCache, torch.Tensor]:
+        """The batched cache for ``rows``: each row's unpadded KV (taken from the last step's batch where it was
+        there), left-padded to the longest."""
+        self._unbatch()
+        seqs = [self._seqs[k] for k in rows]
+        longest = max(s.computed for s in seqs)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            mask[i, longest - s.computed:] = 1
+        if longest == 0:
+            return DynamicCache(config=self.net.config), mask
+        layers = []
+        for layer in range(self.net.config.n_layer):
+            k_rows, v_rows = [], []
+            for s in seqs:
+                k, v = s.kv[layer] if s.kv is not None else (None, None)
+                k_rows.append(self._left_pad(k, longest))
+                v_rows.append(self._left_pad(v, longest))
+            layers.append((torch.cat(k_rows), torch.cat(v_rows)))
+        for s in seqs:
+            s.kv = None  # the batch holds it now
+        return DynamicCache(ddp_cache_data=layers, config=self.net.config), mask
+
+    def _unbatch(self) -> None:
+        """Move each live row of the last step's batch into its sequence's own unpadded KV."""
+        if self._cache is None:
+            return
+        for i, seq_id in enumerate(self._rows):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue  # it left: its KV goes with the batch
+            keep = self._mask[i].nonzero().squeeze(1)
+            seq.kv = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep]) for layer in self._cache.layers]
+        self._forget_rows(unbatch=False)
+
+    def _forget_rows(self, unbatch: bool = True) -> None:
+        if unbatch and self._cache is not None:
+            self._unbatch()
+            return
+        self._rows, self._cache, self._mask = [], None, None
+
+    def _left_pad(self, t: torch.Tensor | None, length: int) -> torch.Tensor:
+        """A row's (1, heads, n, dim) keys or values (None: n = 0) with zeros before them up to ``length``."""
+        if t is not None and t.shape[2] == length:
+            return t
+        config = self.net.config
+        padded = torch.zeros((1, config.n_head, length, config.n_embd // config.n_head), dtype=self.net.dtype,
+                             device=self.device)
+        if t is not None and t.shape[2]:
+            padded[:, :, length - t.shape[2]:] = t
+        return padded
+
+    def _check_limit(self, max_new_tokens: int) -> None:
+        if not 1 <= max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens must be 1..{self.max_new_tokens_limit}, got {max_new_tokens}")
+
+    def warmup(self, rounds: int = 2) -> None:
+        """A few short batched generations: first calls pay for allocation and kernel selection."""
+        if self._seqs:
+            raise RuntimeError("warm up before any sequence joins")
+        for r in range(rounds):
+            for i in range(2):
+                self.add(("warmup", r, i), self.encode("Warm-up prompt for the engine." * (i + 1), 8), 8)
+            while self._seqs:
+                self.step()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def info(self) -> dict:
+        config = self.net.config
+        return {"engine": "gpt2-batch", "model": self.spec.model, "device": self.device,
+                "tokenizer": self.tokenizer.name, "n_layer": config.n_layer, "n_embd": config.n_embd,
+                "context": self.context}
+
