@@ -4,8 +4,9 @@
 #   2. replay a Poisson trace at nominal load 1.0 and a burst of 30 under all four policies
 #      (four resident servers, order rotated, speed probes; `qlab live`),
 #   3. compare every run with the simulator (`qlab compare`),
-#   4. leave a summary and everything else in $OUT (default ./gpu_check_out):
-#        summary.txt, summary.parquet, calibration.json, compare.parquet (all runs, per request),
+#   4. measure the batched GPT-2 engine's tokens/s at batch 1..32 against batch 1 (benchmarks/bench_gpt2_batch.py),
+#   5. leave a summary and everything else in $OUT (default ./gpu_check_out):
+#        summary.txt, bench_gpt2_batch.txt, summary.parquet, calibration.json, compare.parquet (all runs, per request),
 #        gpu_check.tar.gz (run files, compare figures, server logs, the experiment file).
 # On CUDA: a 40 s trace. Without a GPU (detected) the same steps run on the CPU with a
 # shorter trace and fewer calibration requests, so the script is checked anywhere.
@@ -23,8 +24,10 @@ qlab() { "$PYTHON" -m experiments "$@"; }
 
 if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     DEVICE=cuda SECONDS_=40 LOAD=1.0 BURST=30 ROUNDS=2 PER_SIZE=6
+    BATCH_BENCH=(--batches 1,2,4,8,16,32)
 else
     DEVICE=cpu SECONDS_=10 LOAD=0.6 BURST=12 ROUNDS=1 PER_SIZE=2
+    BATCH_BENCH=(--prompt-tokens 32 --new-tokens 16 --repeat 1)
 fi
 echo "gpu_check: device $DEVICE, Poisson ${SECONDS_} s at nominal load $LOAD, burst of $BURST, calibration $ROUNDS x $PER_SIZE per size"
 
@@ -95,7 +98,10 @@ print(f"simulator vs service over all runs: {wrong} of {total} requests disagree
 EOF
 cat "$WORK/summary.txt"
 
-for f in summary.txt live/summary.parquet live/calibration.json compare.parquet; do
+"$PYTHON" benchmarks/bench_gpt2_batch.py --model random --device "$DEVICE" "${BATCH_BENCH[@]}" \
+    | tee "$WORK/bench_gpt2_batch.txt" || status=$?
+
+for f in summary.txt bench_gpt2_batch.txt live/summary.parquet live/calibration.json compare.parquet; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
 done
 tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" .

@@ -71,3 +71,25 @@ def test_bench_memory_quick_reports_peaks_flatness_and_the_ratio():
     assert data["rows"][1]["row_groups"] == 2  # 100,000 rows in row groups of 65,536
     assert data["peak"]["verdict"] in ("PASS", "MISS") and data["flat"]["verdict"] in ("PASS", "MISS")
     assert data["ratio"]["in_memory_over_stream"] > 0
+
+
+def test_bench_gpt2_batch_quick_reports_each_batch_against_batch_one():
+    """Issue 22, section 1: the batched GPT-2 engine's tokens/s per batch size as ratios, printed, never asserted."""
+    pytest.importorskip("torch")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/bench_gpt2_batch.py", "--quick", "--device", "cpu",
+                           "--batches", "1,2", "--threads", "1", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["model"], data["device"]) == ("tiny", "cpu")
+    assert [r["batch"] for r in data["rows"]] == [1, 2]
+    assert [r["tokens"] for r in data["rows"]] == [16, 32]
+    assert data["rows"][0]["ratio"] == 1.0 and all(r["tokens_per_s"] > 0 and r["ratio"] > 0 for r in data["rows"])
+    assert data["one_at_a_time_tokens_per_s"] > 0
+
+
+def test_bench_gpt2_batch_refuses_bad_batch_sizes_in_one_line():
+    proc = subprocess.run([sys.executable, "benchmarks/bench_gpt2_batch.py", "--batches", "0,x"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--batches" in proc.stderr
