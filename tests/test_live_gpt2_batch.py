@@ -160,3 +160,41 @@ def test_bad_plans_and_sequences_are_refused(batch):
     with pytest.raises(ValueError, match="at least one"):
         batch.add("s", [], 4)
     assert batch.step({}).rows == 0
+
+
+def test_driven_by_the_queue_cores_batch_plan_each_request_decodes_as_alone(batch, solo):
+    """qsim.batch.BatchQueue plans the steps (3 seats, 8 tokens a step: chunked prefill, requests waiting for a
+    seat), the engine runs them as planned: every request gets its solo tokens, and ends in the step in which the
+    queue core ends it, with as many tokens."""
+    from qsim import Batching, ServerConfig, StepModel
+    from qsim.batch import BatchQueue
+    from qsim.entry import Work
+    from qsim.policy import PRESETS
+
+    planned, ended = [], {}
+    queue = BatchQueue(ServerConfig(PRESETS["none"], Batching(StepModel(0.01, 0, 0, 0), max_num_seqs=3,
+                                                                max_num_batched_tokens=8)),
+                       step=lambda plan, now: planned.append(plan),
+                       end=lambda req, now, outcome, reason, stats: ended.setdefault(req, (step, stats.tokens)),
+                       drop=lambda *a: pytest.fail(f"dropped {a}"))
+    queue._wants_members = True  # a live driver needs the decoding requests by name
+    sizes = {0: 12, 1: 5, 2: 9, 3: 7, 4: 6}
+    ids = {k: batch.encode(PROMPTS[k % len(PROMPTS)], n) for k, n in sizes.items()}
+    arrivals = {0: [0, 1], 3: [2, 3], 4: [4]}
+    got, finished, now = {k: [] for k in sizes}, {}, 0.0
+    for step in range(200):
+        for k in arrivals.get(step, ()):
+            batch.add(k, ids[k], sizes[k])
+            assert queue.arrive(k, now, 0.1, work=Work(sizes[k], len(ids[k]), None)) is None
+        if not planned:
+            break
+        plan = planned.pop()
+        result = batch.step({req: chunk for req, chunk in plan.chunks} | {req: 1 for req in plan.decoding})
+        for k, out in result.outputs.items():
+            got[k].append(out.token)
+            if out.finished:
+                finished[k] = (step, out.generated)
+        now += 0.01
+        queue.step_done(now, elapsed_s=result.seconds)
+    assert got == {k: alone(solo, ids[k], n) for k, n in sizes.items()}
+    assert finished == ended and len(batch) == 0
