@@ -174,7 +174,7 @@ class GPT2Engine:
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
             cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         start = time.perf_counter()
-        ids = self._prompt_ids(prompt, max_new_tokens)
+        ids = self.prompt_ids(prompt, max_new_tokens)
         new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel, emit, asked.min_tokens)
         # tokens: what it generated (fewer than asked where a stop string or the Cancel ended it), which a
         # learning estimator learns from; the stop string's own tokens are work done, so they count.
@@ -205,12 +205,21 @@ class GPT2Engine:
 
     # -- decoding -------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
+    def check_max_new_tokens(self, max_new_tokens: int) -> None:
         if not 1 <= max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens must be 1..{self.max_new_tokens_limit}, got {max_new_tokens}")
+
+    def prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """The prompt's token ids as a run decodes from them (also the batched engine's, :mod:`live.gpt2_batch`)."""
+        self.check_max_new_tokens(max_new_tokens)
         # Keep the end of a long prompt: it is what the continuation follows.
         ids = self.tokenizer.encode(prompt)[-(self.context - max_new_tokens):]
         return ids or [self._bos]
+
+    def greedy_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """The token ids a run decodes after these prompt ids, with no stop string: what a batched engine
+        (:mod:`live.gpt2_batch`) must decode for the same sequence."""
+        return self._generate(ids, max_new_tokens, ())[0]
 
     @torch.inference_mode()
     def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...],

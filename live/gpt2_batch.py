@@ -55,7 +55,7 @@ import torch
 from transformers import DynamicCache
 
 from .engine import apply_stop
-from .gpt2 import GPT2Spec, load
+from .gpt2 import GPT2Engine, GPT2Spec, load
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,12 @@ class BatchedGPT2:
 
     def __init__(self, spec: GPT2Spec = GPT2Spec(), loaded=None) -> None:
         self.spec = spec
-        self.net, self.tokenizer, self.device = loaded if loaded is not None else load(spec)
-        config = self.net.config
-        self.context = int(config.n_positions)
-        self.max_new_tokens_limit = self.context - 1
+        loaded = loaded if loaded is not None else load(spec)
+        self.net, self.tokenizer, self.device = loaded
+        # The one-at-a-time engine on the same weights: its rules for prompts and limits are this engine's too.
+        self._one = GPT2Engine(spec, loaded)
+        self.context = self._one.context
+        self.max_new_tokens_limit = self._one.max_new_tokens_limit
         self._seqs: dict[Hashable, _Seq] = {}
         # The batched cache of the last step, kept while the next step runs the same rows, all decoding.
         self._rows: list[Hashable] = []
@@ -121,9 +123,7 @@ class BatchedGPT2:
 
     def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
         """The prompt's token ids, its tail where it would not fit the context beside ``max_new_tokens``."""
-        self._check_limit(max_new_tokens)
-        ids = self.tokenizer.encode(prompt)[-(self.context - max_new_tokens):]
-        return ids or [int(self.net.config.bos_token_id or 0)]
+        return self._one.prompt_ids(prompt, max_new_tokens)
 
     def count_tokens(self, text: str) -> int:
         return self.tokenizer.count(text)
@@ -131,7 +131,7 @@ class BatchedGPT2:
     def add(self, seq_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
             min_tokens: int = 0) -> None:
         """A sequence joins; it computes from the next step that names it."""
-        self._check_limit(max_new_tokens)
+        self._one.check_max_new_tokens(max_new_tokens)
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the batch")
         if not prompt_ids:
@@ -280,10 +280,6 @@ class BatchedGPT2:
             padded[:, :, length - t.shape[2]:] = t
         return padded
 
-    def _check_limit(self, max_new_tokens: int) -> None:
-        if not 1 <= max_new_tokens <= self.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens must be 1..{self.max_new_tokens_limit}, got {max_new_tokens}")
-
     def warmup(self, rounds: int = 2) -> None:
         """A few short batched generations: first calls pay for allocation and kernel selection."""
         if self._seqs:
@@ -297,8 +293,5 @@ class BatchedGPT2:
             torch.cuda.synchronize()
 
     def info(self) -> dict:
-        config = self.net.config
-        return {"engine": "gpt2-batch", "model": self.spec.model, "device": self.device,
-                "tokenizer": self.tokenizer.name, "n_layer": config.n_layer, "n_embd": config.n_embd,
-                "context": self.context}
+        return {**self._one.info(), "engine": "gpt2-batch"}
 

@@ -42,7 +42,7 @@ PROMPTS = ("Hello there, my friend", "A", "The queue in front of the engine is l
 
 
 def alone(solo, ids, n):
-    return solo._generate(ids, n, ())[0]
+    return solo.greedy_ids(ids, n)
 
 
 def run(batch, joins, chunk=4, leaves=(), preempts=()):
