@@ -28,7 +28,9 @@ A sequence samples a token (greedy) in the step whose feed reaches the end of it
 after a preemption its prompt and what it had generated). It finishes when it has ``max_new_tokens`` tokens
 or a stop string appears in its text past its first ``min_tokens`` tokens' text (the text is then cut before
 it), as :class:`live.gpt2.GPT2Engine` decides; a finished sequence leaves the batch and its KV is freed at
-once, its :class:`Produced` carries the final text. Every method is called from one thread (the engine's),
+once, its :class:`Produced` carries the final text. A step that raises (out of memory) leaves its sequences
+without KV, to compute their tokens again in the steps that name them (:meth:`~BatchedGPT2.remaining` says how
+many), as after a preemption. Every method is called from one thread (the engine's),
 between steps: the engine holds no lock.
 
 How the batch is computed. Each step's rows are the plan's sequences. Row ``i`` holds its cached tokens
@@ -144,8 +146,8 @@ class BatchedGPT2:
     def remove(self, seq_id: Hashable) -> None:
         """The sequence leaves (cancelled, cut, or its answer taken): its KV is freed. Unknown ids are ignored
         (a sequence that finished has already left)."""
-        self._seqs.pop(seq_id, None)
-        self._forget_rows()
+        if self._seqs.pop(seq_id, None) is not None and seq_id in self._rows:
+            self._forget_rows()  # the batched cache holds its row: the others' rows move out of it
 
     def preempt(self, seq_id: Hashable) -> None:
         """Free the sequence's KV but keep its tokens: it recomputes prompt and generated tokens (vLLM's recompute
@@ -200,9 +202,17 @@ class BatchedGPT2:
             pos[i, width - n:] = torch.arange(seq.computed, seq.computed + n)
             new_mask[i, width - n:] = 1
         mask = torch.cat([mask, new_mask.to(self.device)], dim=1)
-        out = self.net(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
-                       cache=cache, use_cache=True, logits_to_keep=1)
-        sampled = out.logits[:, -1].argmax(-1).tolist()  # to the host: the step is over on the device too
+        try:
+            out = self.net(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
+                           cache=cache, use_cache=True, logits_to_keep=1)
+            sampled = out.logits[:, -1].argmax(-1).tolist()  # to the host: the step is over on the device too
+        except BaseException:
+            # The batched cache may be half updated (out of memory in a layer): the step's sequences lose their KV
+            # and compute it again in the steps that name them, as after a preemption. Nothing is silently wrong.
+            self._rows, self._cache, self._mask = [], None, None
+            for seq in seqs:
+                seq.kv, seq.computed = None, 0
+            raise
         self._rows, self._cache, self._mask = rows, out.cache, mask
         outputs = {}
         for seq_id, seq, n, token in zip(rows, seqs, plan.values(), sampled):

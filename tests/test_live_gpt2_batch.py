@@ -198,3 +198,23 @@ def test_driven_by_the_queue_cores_batch_plan_each_request_decodes_as_alone(batc
         queue.step_done(now, elapsed_s=result.seconds)
     assert got == {k: alone(solo, ids[k], n) for k, n in sizes.items()}
     assert finished == ended and len(batch) == 0
+
+
+def test_a_step_that_raises_leaves_its_sequences_to_recompute(batch, solo, monkeypatch):
+    ids = [batch.encode(p, 12) for p in PROMPTS[:3]]
+    for k in range(3):
+        batch.add(k, ids[k], 12)
+    got = {k: [] for k in range(3)}
+    for _ in range(4):
+        for k, out in batch.step().outputs.items():
+            got[k].append(out.token)
+    forward = batch.net.forward
+    monkeypatch.setattr(batch.net, "forward", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("out of memory")))
+    with pytest.raises(MemoryError):
+        batch.step({0: 1, 1: 1})  # 2 is not in this step: it keeps its KV
+    monkeypatch.setattr(batch.net, "forward", forward)
+    assert batch.remaining(0) == len(ids[0]) + 4 and batch.remaining(2) == 1
+    while len(batch):
+        for k, out in batch.step().outputs.items():
+            got[k].append(out.token)
+    assert got == {k: alone(solo, ids[k], 12) for k in range(3)}
