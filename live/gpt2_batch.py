@@ -56,7 +56,7 @@ from typing import Hashable, Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
-from .engine import apply_stop
+from .engine import PieceFeed, apply_stop
 from .gpt2 import GPT2Engine, GPT2Spec, load
 
 
@@ -161,6 +161,10 @@ class BatchedGPT2:
         when it decodes."""
         seq = self._seqs[seq_id]
         return len(seq.tokens) - seq.computed
+
+    def computed(self, seq_id: Hashable) -> int:
+        """Tokens of the sequence whose KV the engine holds."""
+        return self._seqs[seq_id].computed
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -305,3 +309,99 @@ class BatchedGPT2:
     def info(self) -> dict:
         return {**self._one.info(), "engine": "gpt2-batch"}
 
+
+
+class GPT2BatchEngine:
+    """:class:`BatchedGPT2` behind the batching gate's engine protocol (:class:`live.batching.BatchEngine`):
+    :class:`live.batching.BatchGate` hands it each step the queue core planned (a :class:`live.batching.StepWork`)
+    from one engine thread, and it runs the step as one forward pass.
+
+    The queue core decides the work, as it does for the synthetic batching engine: every request runs to its
+    ``max_new_tokens`` (a stop string cuts the text, not the work; its text must end past the first ``min_tokens``
+    tokens' text), so the engine adds its sequences without stop strings and the core and the engine end each
+    request in the same step. A chunk that starts at 0 for a sequence the engine holds KV of is a preemption
+    (recompute): its KV is freed and it computes its prompt and generated tokens again. A request whose prompt,
+    tokenized here, is not the ``prompt_tokens`` the core plans with, or does not fit the context beside its
+    ``max_new_tokens``, fails (``StepDone.failed``) before any work. Streamed requests get each token's text as
+    its step ends (held back while a stop string may be starting)."""
+
+    def __init__(self, spec: GPT2Spec = GPT2Spec(), loaded=None) -> None:
+        self.batch = BatchedGPT2(spec, loaded)
+        self.max_new_tokens_limit = self.batch.max_new_tokens_limit
+        self._ids: dict = {}  # key -> the token ids it generated, until its text is taken or it ends
+        self._feeds: dict = {}  # key -> (job, PieceFeed, the pieces of this step), for the streamed
+
+    def step(self, work):
+        from .batching import StepDone  # the gate's module (imports the gate); needed only when a gate drives this
+
+        batch = self.batch
+        for key in work.ended:
+            batch.remove(key)
+            self._ids.pop(key, None)
+            self._feeds.pop(key, None)
+        plan, failed = {}, {}
+        for chunk in work.prefill:
+            key, job = chunk.key, chunk.job
+            if key not in batch:
+                try:
+                    self._join(key, job)
+                except ValueError as exc:
+                    failed[key] = exc
+                    continue
+            elif chunk.start == 0 and batch.computed(key):
+                batch.preempt(key)  # the core recomputes it from its first token: its KV is gone
+            plan[key] = chunk.tokens
+        plan.update(dict.fromkeys(work.decode, 1))
+        result = batch.step(plan)
+        pieces = {}
+        for key, out in result.outputs.items():
+            self._ids[key].append(out.token)
+            if key in self._feeds:
+                piece = self._stream(key, out.finished)
+                if piece:
+                    pieces[key] = piece
+        return StepDone(result.seconds, failed, pieces)
+
+    def _join(self, key, job) -> None:
+        ids = self.batch.tokenizer.encode(job.prompt) or self.batch.encode(job.prompt, job.max_new_tokens)
+        if len(ids) != job.prompt_tokens:
+            raise ValueError(f"the prompt is {len(ids)} tokens here, the gate planned {job.prompt_tokens}")
+        self.batch.add(key, ids, job.max_new_tokens)  # no stop strings: the core runs it to its limit
+        self._ids[key] = []
+        if job.stream:
+            sink: list[str] = []
+            self._feeds[key] = (job, PieceFeed(sink.append, max((len(s) for s in job.stop), default=0)), sink)
+
+    def _stream(self, key, finished: bool) -> str:
+        job, feed, sink = self._feeds[key]
+        text, cut = self._text(job, self._ids[key])
+        feed.grow(text, final=finished or cut)
+        if cut:
+            del self._feeds[key]  # the text is over; the work goes on to the limit
+        piece = "".join(sink)
+        sink.clear()
+        return piece
+
+    def _text(self, job, ids: list[int]) -> tuple[str, bool]:
+        """The text of these generated ids, cut before a stop string ending past the first min_tokens tokens' text;
+        and whether it was cut."""
+        decode = self.batch.tokenizer.decode
+        text = decode(ids)
+        floor = len(decode(ids[:job.asked.min_tokens])) if job.asked.min_tokens else 0
+        cut = apply_stop(text, job.stop, 0, floor)
+        return (text, False) if cut is None else (cut, True)
+
+    def text(self, key, job, tokens: int) -> str:
+        """The answer of a request that ended (called on the gate's loop, between steps)."""
+        ids = self._ids.pop(key, [])
+        self._feeds.pop(key, None)
+        return self._text(job, ids[:tokens])[0]
+
+    def count_tokens(self, text: str) -> int:
+        return self.batch.count_tokens(text)
+
+    def warmup(self) -> None:
+        self.batch.warmup()
+
+    def info(self) -> dict:
+        return {**self.batch.info(), "batching": True}

@@ -218,3 +218,46 @@ def test_a_step_that_raises_leaves_its_sequences_to_recompute(batch, solo, monke
         for k, out in batch.step().outputs.items():
             got[k].append(out.token)
     assert got == {k: alone(solo, ids[k], 12) for k in range(3)}
+
+
+def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
+    """live.batching.BatchGate (the queue core with KV blocks that bind: preemption) drives GPT2BatchEngine from its
+    engine thread: every answer is the solo engine's text (stop strings cut the text, not the work), a streamed
+    one's pieces join to it, and the engine holds nothing at the end."""
+    import asyncio
+
+    from live.batching import BatchGate, is_batch_engine
+    from live.gate import END, Job, gate_config
+    from live.gpt2 import GPT2Spec
+    from live.gpt2_batch import GPT2BatchEngine
+    from qsim import PRESETS
+    from qsim.engines import Batching, StepModel
+
+    engine = GPT2BatchEngine(GPT2Spec("tiny", "cpu"), loaded)
+    assert is_batch_engine(engine)
+    preempted, preempt = [], engine.batch.preempt
+    engine.batch.preempt = lambda key: preempted.append(key) or preempt(key)
+    tight = Batching(StepModel(0.01, 0.0001, 0.0002, 0.000001), max_num_seqs=4, max_num_batched_tokens=16,
+                     kv_blocks=20, block_size=8)
+    prompts = [p * 2 for p in PROMPTS]
+    stops = {1: [solo.run(prompts[1], 14).text[6:8]]}
+    jobs = [Job(p, 14, tuple(stops.get(i, ())), prompt_tokens=engine.count_tokens(p), stream=i == 2)
+            for i, p in enumerate(prompts)]
+
+    async def go():
+        async with BatchGate(engine, gate_config(PRESETS["none"], engine=tight)) as gate:
+            plain = [gate.submit(j) for j in jobs if not j.stream]
+            streamed = gate.submit_streaming(jobs[2])
+            pieces = []
+            while (piece := await streamed.pieces.get()) is not END:
+                pieces.append(piece)
+            return await asyncio.gather(*plain), pieces, await streamed.future, gate.stats()
+
+    answers, pieces, answer, stats = asyncio.run(go())
+    answers.insert(2, answer)
+    assert [a.text for a in answers] == [solo.run(p, 14, stop=stops.get(i)).text for i, p in enumerate(prompts)]
+    assert all(a.tokens == 14 for a in answers)  # the core runs each to its limit
+    assert "".join(pieces) == answer.text and len(pieces) > 1
+    assert stats["counts"]["good"] + stats["counts"].get("late", 0) == 4
+    assert len(engine.batch) == 0 and not engine._ids
+    assert preempted  # 20 blocks of 8 tokens do not hold the four at their limits
