@@ -109,7 +109,7 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keye
         else:
             guard = "requests need a key, over TLS"
         print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
-    engine = "1 batching synthetic engine" if cfg.batching else f"{cfg.engines} {cfg.engine} engine(s)"
+    engine = f"1 batching {cfg.engine} engine" if cfg.batching else f"{cfg.engines} {cfg.engine} engine(s)"
     print(f"qlab serve: policy {cfg.policy}, {engine}"
           + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
@@ -160,13 +160,19 @@ def cmd_serve(args) -> int:
 
 
 def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
-    """The batching synthetic engine (its step model the one given, x --speed) behind a gate that drives it through
-    the simulator's batching core (live.batching)."""
+    """The batching engine (synthetic: its step model the one given, x --speed; gpt2: one forward pass a step) behind
+    a gate that drives it through the simulator's batching core (live.batching)."""
     from .batching import BatchGate, SyntheticBatchEngine
     from .gate import gate_config
 
-    engine = SyntheticBatchEngine(batching.step, cfg.speed, cfg.seed, parse_schedule(cfg.speed_schedule),
-                                  faults=Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for))
+    if cfg.engine == "gpt2":
+        from . import gpt2, gpt2_batch  # torch loads here and nowhere else
+
+        engine = gpt2_batch.GPT2BatchEngine(gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
+        engine.warmup()
+    else:
+        engine = SyntheticBatchEngine(batching.step, cfg.speed, cfg.seed, parse_schedule(cfg.speed_schedule),
+                                      faults=Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for))
     return BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
                                          seed=cfg.seed))
 

@@ -80,7 +80,8 @@ class ServeOptions:
                           choices=("gpt2", "synthetic", "upstream"))
     engines: int = _option(1, "engines behind the queue (K), one thread each", type=argtypes.positive_int)
     batching: bool = _option(False, BATCHING_HELP + ": the synthetic engine runs each step for its step model's "
-                                    "time, the gate drives it through the simulator's batching core (live.batching)")
+                                    "time, gpt2 one forward pass over the batch; the gate drives it through the "
+                                    "simulator's batching core (live.batching)")
     step: str | None = _option(None, BATCHING_FLAGS["step"][2], metavar=STEP_METAVAR, check=parse_step)
     max_num_seqs: int | None = _option(None, BATCHING_FLAGS["max_num_seqs"][2], type=argtypes.positive_int)
     max_num_batched_tokens: int | None = _option(None, BATCHING_FLAGS["max_num_batched_tokens"][2],
@@ -176,7 +177,8 @@ class ServeOptions:
             return None
         defaults = {f.name: f.default for f in fields(self)}
         unfit = (
-            (self.engine != "synthetic", f"--batching: only with --engine synthetic (not {self.engine})"),
+            (self.engine not in ("synthetic", "gpt2"),
+             f"--batching: only with --engine synthetic or --engine gpt2 (not {self.engine})"),
             (self.engines != 1, "--batching runs one batching engine: drop --engines"),
             (self.noise and batching.step.cv, "--noise and --step's CV both set a batching engine's step noise: "
                                               "give one"),

@@ -261,3 +261,30 @@ def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
     assert stats["counts"]["good"] + stats["counts"].get("late", 0) == 4
     assert len(engine.batch) == 0 and not engine._ids
     assert preempted  # 20 blocks of 8 tokens do not hold the four at their limits
+
+
+def test_qlab_serve_batching_gpt2_answers_over_http(tmp_path):
+    """``qlab serve --batching --engine gpt2 --model tiny``: a burst batched over HTTP gets the solo engine's texts."""
+    import asyncio
+
+    import httpx
+
+    from live.gpt2 import GPT2Engine, GPT2Spec
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+
+    options = ServeOptions(engine="gpt2", model="tiny", device="cpu", threads=1, policy="none", batching=True,
+                           max_num_seqs=4, max_num_batched_tokens=32, port=0)
+    prompts = [f"request {i}: " + "y" * (7 * i + 1) for i in range(6)]
+    with serving([options], tmp_path, 120) as (server,):
+        async def burst():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                return await asyncio.gather(*(http.post("/v1/generate", json={"prompt": p, "max_new_tokens": 8})
+                                              for p in prompts))
+
+        responses = asyncio.run(burst())
+        stats = httpx.get(f"{server.url}/stats", timeout=30).json()
+    assert [r.status_code for r in responses] == [200] * 6
+    one = GPT2Engine(GPT2Spec("tiny", "cpu", seed=0))
+    assert [r.json()["text"] for r in responses] == [one.run(p, 8).text for p in prompts]
+    assert stats["engine"]["engine"] == "gpt2-batch" and stats["batching"]["steps"] > 0
