@@ -34,10 +34,11 @@ many), as after a preemption. Every method is called from one thread (the engine
 between steps: the engine holds no lock.
 
 How the batch is computed. Each step's rows are the plan's sequences. Row ``i`` holds its cached tokens
-left-padded to the longest row's, then its new tokens left-padded to the longest feed; a 2-D attention mask
+left-padded to the longest row's, then its new tokens right-padded to the longest feed; a 2-D attention mask
 hides the padding and per-row position ids continue each sequence's own positions (GPT-2's are learned and
-absolute, added to the input), so a row computes what the sequence computes alone. With the new tokens
-right-aligned the last column is every row's last token: only it goes through the vocabulary projection. While
+absolute, added to the input), so a row computes what the sequence computes alone. Right-padding the new tokens
+leaves no query that sees no key (a pad sees its row's new tokens before it), which some attention kernels
+answer with NaN; only each row's last new token goes through the vocabulary projection. While
 the rows stay the same and every row decodes (the steady state), the step appends to the batched
 :class:`transformers.DynamicCache` in place; when the rows change (one joins, leaves, prefills a chunk) the
 cache is rebuilt from each row's unpadded KV, which costs a copy of the batch's context, once per change.
@@ -202,13 +203,14 @@ class BatchedGPT2:
         pos = torch.zeros((len(rows), width), dtype=torch.long)
         new_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
         for i, (seq, n) in enumerate(zip(seqs, plan.values())):
-            ids[i, width - n:] = torch.tensor(seq.tokens[seq.computed:seq.computed + n])
-            pos[i, width - n:] = torch.arange(seq.computed, seq.computed + n)
-            new_mask[i, width - n:] = 1
+            ids[i, :n] = torch.tensor(seq.tokens[seq.computed:seq.computed + n])
+            pos[i, :n] = torch.arange(seq.computed, seq.computed + n)
+            new_mask[i, :n] = 1
+        last = torch.tensor([[n - 1] for n in plan.values()], device=self.device)  # each row's last new token
         mask = torch.cat([mask, new_mask.to(self.device)], dim=1)
         try:
             out = self.net(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
-                           cache=cache, use_cache=True, logits_to_keep=1)
+                           cache=cache, use_cache=True, logits_to_keep=last)
             sampled = out.logits[:, -1].argmax(-1).tolist()  # to the host: the step is over on the device too
         except BaseException:
             # The batched cache may be half updated (out of memory in a layer): the step's sequences lose their KV
