@@ -22,7 +22,8 @@ The interface, for a driver such as the gate::
 
 From a :class:`qsim.batch.Step` the plan is ``{req: chunk for req, chunk in step.chunks} | {req: 1 for req in
 step.decoding}`` (a prompt token count there must be this engine's: :meth:`~BatchedGPT2.count_tokens`); the driver
-then calls ``BatchQueue.step_done(now, elapsed_s=result.seconds)``.
+then calls ``BatchQueue.step_done(now, elapsed_s=result.seconds)``. :class:`GPT2BatchEngine` does this for the
+batching gate (:mod:`live.batching`, ``qlab serve --batching --engine gpt2``).
 
 A sequence samples a token (greedy) in the step whose feed reaches the end of its tokens (its prompt, at first;
 after a preemption its prompt and what it had generated). It finishes when it has ``max_new_tokens`` tokens
