@@ -70,6 +70,12 @@ def empty(n: int = 0) -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series([pd.NA] * n, dtype=t) for c, (t, _) in SCHEMA.items()})
 
 
+def _int64(values: np.ndarray, missing: np.ndarray) -> pd.arrays.IntegerArray:
+    """An Int64 column from its values and its mask, built directly: pd.array of a list of pd.NA, or a masked
+    assignment after, costs a simulation of 50,000 requests about a tenth of its time (bench_qsim)."""
+    return pd.arrays.IntegerArray(np.where(missing, 0, values), missing)
+
+
 def from_arrays(columns: dict[str, np.ndarray]) -> pd.DataFrame:
     """Build a frame in schema order and dtypes; -1 in an Int64 column means missing, as does an
     :data:`OPTIONAL` column left out."""
@@ -77,12 +83,13 @@ def from_arrays(columns: dict[str, np.ndarray]) -> pd.DataFrame:
     n = len(next(iter(columns.values()))) if columns else 0
     for name, (dtype, _) in SCHEMA.items():
         if name not in columns and name in OPTIONAL:
-            data[name] = pd.array([pd.NA] * n, dtype="Int64") if dtype == "Int64" else np.full(n, np.nan)
+            data[name] = _int64(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)) if dtype == "Int64" \
+                else np.full(n, np.nan)
             continue
         values = columns[name]
         if dtype == "Int64":
-            values = pd.array(np.asarray(values, dtype=np.int64), dtype="Int64")
-            values[np.asarray(columns[name]) < 0] = pd.NA
+            values = np.asarray(values, dtype=np.int64)
+            values = _int64(values, values < 0)
         elif dtype == "string":
             values = pd.array(values, dtype="string")
         else:
