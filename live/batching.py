@@ -33,7 +33,6 @@ the speed at its start, as ``simulate(speed_schedule=)`` does.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import time
 from collections import deque
@@ -48,7 +47,7 @@ from qsim.engines import Batching, StepModel
 from qsim.outcomes import Outcome
 from qsim.service import SpeedSchedule
 
-from .engine import WORD, Faults, InjectedFault, apply_stop
+from .engine import WORD, Faults, InjectedFault, apply_stop, runs_as_coroutine
 from .gate import CUT_SLACK_S, Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _InboxThread, _Ticket
 from .tokenizer import ByteTokenizer
 
@@ -121,7 +120,7 @@ class BatchEngine(Protocol):
 def is_batch_engine(engine) -> bool:
     """Whether ``engine`` runs steps (:class:`BatchEngine`: ``step`` or ``astep``) rather than one request a run."""
     return isinstance(engine, BatchEngine) and (callable(getattr(engine, "step", None))
-                                                or inspect.iscoroutinefunction(getattr(engine, "astep", None)))
+                                                or runs_as_coroutine(engine, "astep"))
 
 
 class SyntheticBatchEngine:
@@ -270,7 +269,7 @@ class _StepThread(_InboxThread):
 
 
 def _step_worker_for(k: int, engine, deliver: Callable):
-    return (_StepTask if inspect.iscoroutinefunction(getattr(engine, "astep", None)) else _StepThread)(engine, deliver)
+    return (_StepTask if runs_as_coroutine(engine, "astep") else _StepThread)(engine, deliver)
 
 
 # ---------------------------------------------------------------- the gate

@@ -188,10 +188,16 @@ class Checked(Protocol):
     async def readiness(self) -> str | None: ...
 
 
+def runs_as_coroutine(engine, method: str) -> bool:
+    """Whether ``engine.<method>`` is an ``async def``: the gate then runs it as a task on its event loop, with no
+    thread. (A Protocol cannot say which of a blocking and a coroutine spelling an engine chose.)"""
+    return inspect.iscoroutinefunction(getattr(engine, method, None))
+
+
 def is_coroutine_engine(engine) -> bool:
     """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as ``run`` but
     ``cancel``): the gate then runs it as a task on its event loop, with no thread (module docstring)."""
-    return inspect.iscoroutinefunction(getattr(engine, "arun", None))
+    return runs_as_coroutine(engine, "arun")
 
 
 def _takes(engine, name: str) -> bool:
