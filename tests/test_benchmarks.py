@@ -12,34 +12,34 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each runs a benchmark script in a process of its own
 
 
-def test_bench_qsim_quick_runs_and_reports_every_implementation():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_qsim.py", "--quick", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=timeout)
+
+
+def _json_of(script: str, *args: str) -> dict:
+    """What a benchmark script prints with --json, after it exited 0."""
+    proc = _run(script, *args, "--json")
     assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_bench_qsim_quick_runs_and_reports_every_implementation():
+    data = _json_of("bench_qsim.py", "--quick")
     text = json.dumps(data)
     for needle in ("qlab", "plain SimPy"):
         assert needle in text
 
 
 def test_bench_batching_quick_reports_each_policy_against_the_target():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_batching.py", "--quick", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    data = _json_of("bench_batching.py", "--quick")
     assert {r["policy"] for r in data["rows"]} == {"none", "predictive", "predictive-kv"}
     assert all(r["verdict"] in ("PASS", "MISS") and r["requests"] == 2400 for r in data["rows"])
 
 
 def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
     """The gate's costs on the OpenAI-compatible API (issue 13, section 7): printed, never asserted."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_openai.py", "--quick", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    data = _json_of("bench_openai.py", "--quick")
     assert set(data) == {"refusal", "refusal_8", "refusal_generate", "added", "added_ttft", "machine"}
     assert data["machine"]["cpus"] == os.cpu_count() and data["machine"]["python"] == sys.version.split()[0]
     for figure in (data[k] for k in ("refusal", "refusal_8", "added", "added_ttft")):
@@ -60,11 +60,7 @@ def test_bench_openai_quick_runs_and_reports_each_figure_with_its_target():
 
 def test_bench_memory_quick_reports_peaks_flatness_and_the_ratio():
     """Issue 21, section 5: peak memory of streamed runs against the target, printed, never asserted."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--quick", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    data = _json_of("bench_memory.py", "--quick")
     assert [(r["mode"], r["requests"]) for r in data["rows"]] == [("stream", 20_000), ("stream", 100_000),
                                                                   ("memory", 100_000)]
     assert all(r["peak_mb"] > r["imports_mb"] > 0 and r["rows"] == r["requests"] for r in data["rows"])
@@ -76,12 +72,7 @@ def test_bench_memory_quick_reports_peaks_flatness_and_the_ratio():
 def test_bench_gpt2_batch_quick_reports_each_batch_against_batch_one():
     """Issue 22, section 1: the batched GPT-2 engine's tokens/s per batch size as ratios, printed, never asserted."""
     pytest.importorskip("torch")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_gpt2_batch.py", "--quick", "--device", "cpu",
-                           "--batches", "1,2", "--threads", "1", "--json"], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    data = _json_of("bench_gpt2_batch.py", "--quick", "--device", "cpu", "--batches", "1,2", "--threads", "1")
     assert (data["model"], data["device"]) == ("tiny", "cpu")
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     assert [r["tokens"] for r in data["rows"]] == [16, 32]
@@ -91,6 +82,5 @@ def test_bench_gpt2_batch_quick_reports_each_batch_against_batch_one():
 
 
 def test_bench_gpt2_batch_refuses_bad_batch_sizes_in_one_line():
-    proc = subprocess.run([sys.executable, "benchmarks/bench_gpt2_batch.py", "--batches", "0,x"], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    proc = _run("bench_gpt2_batch.py", "--batches", "0,x", timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--batches" in proc.stderr
