@@ -320,47 +320,47 @@ class _Run:
         return records.from_arrays(self._columns(trace))
 
     def _columns(self, trace: Trace) -> dict:
-        finish = np.asarray(self.finish)
-        arrival = np.asarray(self.arrival)
+        # Each list becomes an array once: a conversion costs a plain run of 200,000 requests ~15 ms a column.
+        finish, arrival, start = np.asarray(self.finish), np.asarray(self.arrival), np.asarray(self.start)
         first = trace.request_id if self.first_of is None else np.asarray(self.first_of, dtype=np.int64)
-        return (
-            {
-                "request_id": np.arange(len(arrival), dtype=np.int64),
-                "first_request_id": first,
-                "attempt": np.ones(len(arrival), dtype=np.int64) if self.attempt is None else self.attempt,
-                "arrival_s": arrival,
-                "size_class": trace.size_class[first],
-                "max_new_tokens": trace.max_new_tokens[first],
-                "est_service_s": self.est,
-                "true_service_s": trace.true_service_s[first] * np.asarray(self.speed_at),
-                "deadline_s": self.deadline,
-                "priority": self.priority,
-                "client_id": [None if c is None else str(c) for c in self.client],
-                "outcome": self.outcome,
-                "reason": self.reason,
-                "start_s": self.start,
-                "finish_s": finish,
-                "latency_s": finish - arrival,
-                "queued_at_arrival": self.queued_at_arrival,
-                "queued_work_at_arrival_s": self.queued_work,
-                "in_service_work_at_arrival_s": self.in_service_work,
-                "idle_at_arrival": self.idle_at_arrival,
-                "retry_after_s": self.retry_after,
-                "engine": self.engine_of,
-                **self._token_columns(trace, first, finish, arrival),
-            }
-        )
+        columns = {
+            "request_id": np.arange(len(arrival), dtype=np.int64),
+            "first_request_id": first,
+            "attempt": np.ones(len(arrival), dtype=np.int64) if self.attempt is None else self.attempt,
+            "arrival_s": arrival,
+            "size_class": trace.size_class[first],
+            "max_new_tokens": trace.max_new_tokens[first],
+            "est_service_s": self.est,
+            "true_service_s": trace.true_service_s[first] * np.asarray(self.speed_at),
+            "deadline_s": self.deadline,
+            "priority": self.priority,
+            "client_id": self.client,  # records.from_arrays names a client given as a number by its str
+            "outcome": np.asarray(self.outcome, dtype=object),
+            "reason": self.reason,
+            "start_s": start,
+            "finish_s": finish,
+            "latency_s": finish - arrival,
+            "queued_at_arrival": self.queued_at_arrival,
+            "queued_work_at_arrival_s": self.queued_work,
+            "in_service_work_at_arrival_s": self.in_service_work,
+            "idle_at_arrival": self.idle_at_arrival,
+            "retry_after_s": self.retry_after,
+            "engine": self.engine_of,
+        }
+        columns.update(self._token_columns(trace, first, columns))
+        return columns
 
-    def _token_columns(self, trace: Trace, first: np.ndarray, finish: np.ndarray, arrival: np.ndarray) -> dict:
-        """ttft_s, tpot_s, output_tokens, preemptions and the objectives of answered runs, engines one at a time:
-        the first token comes after the calibrated line's share of the first token of the time the run took."""
+    def _token_columns(self, trace: Trace, first: np.ndarray, columns: dict) -> dict:
+        """ttft_s, tpot_s, output_tokens, preemptions and the objectives of answered runs, engines one at a time
+        (from the record's other ``columns``, arrays): the first token comes after the calibrated line's share of
+        the first token of the time the run took."""
         model = self.queue.config.model
         prompt, tokens = trace.prompt_tokens[first], trace.tokens_generated[first]
-        outcome = np.asarray(self.outcome, dtype=object)
+        outcome, arrival, finish = columns["outcome"], columns["arrival_s"], columns["finish_s"]
         answered = (outcome == GOOD) | (outcome == LATE)  # np.isin sorts: several times slower on objects
         share = np.asarray(model.estimate(np.ones_like(tokens), prompt), dtype=float) / \
             np.asarray(model.estimate(tokens, prompt), dtype=float)
-        first_token = np.asarray(self.start) + np.asarray(self.ran) * share
+        first_token = columns["start_s"] + np.asarray(self.ran) * share
         many = answered & (tokens > 1)
         policy = self.queue.policy
         return {
@@ -473,9 +473,9 @@ class _BatchRun(_Run):
 
     def _columns(self, trace: Trace) -> dict:
         columns = super()._columns(trace)
-        arrival, finish = np.asarray(self.arrival), np.asarray(self.finish)
+        arrival, finish = columns["arrival_s"], columns["finish_s"]
         first_token, tokens = np.asarray(self.first_token), np.asarray(self.tokens)
-        answered = np.isin(np.asarray(self.outcome, dtype=object), ANSWERED)
+        answered = np.isin(columns["outcome"], ANSWERED)
         many = answered & (tokens > 1)
         columns.update({
             "true_service_s": np.asarray(self.ran),  # how long it was in the batch
