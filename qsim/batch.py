@@ -53,7 +53,7 @@ from .engines import Batching
 from .entry import Entry, Work
 from .outcomes import CANCELLED, EXPIRED, Reason
 from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, retry_after, take_token
-from .queue import CUT_REASON, RESERVE_WEIGHT, Seen, judge
+from .queue import CUT_REASON, RESERVE_WEIGHT, Seen, Sees, judge
 from .service import SpeedTracker
 
 _new = tuple.__new__
@@ -120,7 +120,7 @@ class _Seq:
         self.hold = 0  # the seat-steps it added to the line's when it joined it
 
 
-class BatchQueue:
+class BatchQueue(Sees):
     """The waiting line, the running batch and the KV blocks of one batching engine; see the module.
 
     Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when it is over;
@@ -184,7 +184,7 @@ class BatchQueue:
         self.cuts: list = []  # heap of (deadline, order, seq) of those that joined, where the policy cuts there
         self.buckets: dict = {}
         self.reserved_admitted = 1.0
-        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor)  # a batch's rule reads more: not recorded
+        self.seen_numbers = Seen(math.nan, 0, 0.0, self.tracker.factor)  # a batch's rule reads more: not recorded
 
     # -- the numbers -----------------------------------------------------------------
 
@@ -274,14 +274,14 @@ class BatchQueue:
         seq.out = max(1, seq.out)
         never = self._never(seq)
         if never is not None:
-            self.seen = _new(Seen, (math.nan, self.queued, math.nan, self.tracker.factor, math.nan, -1))
+            self.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor, math.nan, -1)
             return never
         factor = self.tracker.factor
         queued = self.queued
         room = not queued and self._has_room(seq)
         wait, ttft, finish, kv_wait = self._project(seq, now, room)
         est = finish - wait
-        self.seen = _new(Seen, (est, queued, math.nan, factor, math.nan, -1))
+        self.seen_numbers = (est, queued, math.nan, factor, math.nan, -1)
         if client is not None and policy.client_rate is not None:
             tokens, last = self.buckets.get(client, (policy.client_burst, now))
             tokens, refusal = take_token(tokens, last, now, policy.client_rate, policy.client_burst)

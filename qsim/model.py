@@ -112,6 +112,8 @@ class _Run:
             self.patience = [math.inf] * n
         if retrier is not None and self.failed is None:
             self.failed = [False] * n
+        # Whether an admitted request's client can leave (a patience) or time out: most runs' clients wait for good.
+        self.client_timers = self.patience is not None or math.isfinite(self.timeout_s)
         # What a run takes beyond its true time: the machine's speed at its start, a cut at its deadline.
         self.schedule = speed_schedule
         self.cuts = config.policy.cancel_at_deadline
@@ -236,13 +238,18 @@ class _Run:
         queue = self.queue
         refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i], self.client[i],
                                None if self.work is None else self.work[i])
-        seen = queue.seen
-        self.est[i], self.queued_at_arrival[i], self.queued_work[i] = seen.est_service_s, seen.queued, seen.queued_work_s
-        self.in_service_work[i], self.idle_at_arrival[i] = seen.in_service_s, seen.idle
+        # What the decision was made on (queue.Seen's fields, in order), straight into the record's columns.
+        (self.est[i], self.queued_at_arrival[i], self.queued_work[i], _, self.in_service_work[i],
+         self.idle_at_arrival[i]) = queue.seen_numbers
         if refusal is not None:
             self._end(i, t, REJECTED, refusal.reason,
                       -1 if refusal.retry_after_s is None else refusal.retry_after_s)
-            return
+        elif self.client_timers:
+            self._client_timers(i)
+
+    def _client_timers(self, i: int) -> None:
+        """Admitted request i's client leaves after its patience, or gives up on the attempt at the retry policy's
+        timeout: a timer for each that can come."""
         patience = math.inf if self.patience is None else self.patience[i]
         if math.isfinite(patience) and not (self.wait_only and not math.isnan(self.start[i])):  # started at once: it stays
             Timeout(self.env, patience).callbacks.append(lambda _, i=i: self._cancel(i))

@@ -66,7 +66,7 @@ STALL_REASON = Reason.ENGINE_STALLED
 #: Reason of a request stopped in service when its deadline passed (outcome cancelled).
 CUT_REASON = Reason.DEADLINE_PASSED
 
-__all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Seen", "StallRule"]
+__all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Seen", "Sees", "StallRule"]
 
 
 class Seen(NamedTuple):
@@ -82,7 +82,21 @@ class Seen(NamedTuple):
     idle: int = -1  # engines free
 
 
-class AdmissionQueue:
+class Sees:
+    """A queue core's record of what its last admission decision was made on.
+
+    ``seen_numbers`` holds :class:`Seen`'s fields in their order as a plain tuple: a named tuple made on every
+    arrival cost a plain simulation a twentieth of its time (bench_qsim's case A), and the simulator, which
+    unpacks the numbers straight into its record columns, reads them so. ``seen`` is the named view."""
+
+    seen_numbers: tuple = Seen(math.nan, 0, 0.0, 1.0)
+
+    @property
+    def seen(self) -> Seen:
+        return _new(Seen, self.seen_numbers)
+
+
+class AdmissionQueue(Sees):
     """Queue state and the rules applied to it; see the module docstring."""
 
     def __init__(self, config: ServerConfig | Policy, engines: int | None = None, *, start: Callable,
@@ -125,7 +139,7 @@ class AdmissionQueue:
         self.slow = [1.0] * engines  # the slowdown each engine's run started with (OneAtATime.concurrency)
         self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
         self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
-        self.seen = Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines)
+        self.seen_numbers = Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines)
         # The admission rule: the policy's own where its class overrides decide, else the built-in one directly.
         self._decide = None if type(policy).decide is Policy.decide else type(policy).decide  # None: rule()
         self._reads_more = reads_more(policy)
@@ -161,17 +175,17 @@ class AdmissionQueue:
         idle = self.idle
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         if idle:
-            self.seen = _new(Seen, (est, queued, queued_work, factor, 0.0, len(idle)))
+            self.seen_numbers = (est, queued, queued_work, factor, 0.0, len(idle))
             refusal = None if self._admits_all else rule(policy, queued, queued_work, 0.0, est, deadline_s,
                                                           self.engines, len(idle), priority, None)
         elif self._admits_all and priority >= 0:
             # A rule that admits all reads nothing: the work in service is left unsaid (NaN) rather than summed
             # on every arrival of bench_qsim's case A.
-            self.seen = _new(Seen, (est, queued, queued_work, factor, _NAN, 0))
+            self.seen_numbers = (est, queued, queued_work, factor, _NAN, 0)
             refusal = None
         else:
             remaining = self.remaining_s(now)
-            self.seen = _new(Seen, (est, queued, queued_work, factor, remaining, 0))
+            self.seen_numbers = (est, queued, queued_work, factor, remaining, 0)
             ahead = None if self._ahead is None else self._ahead(entry) * factor
             refusal = rule(policy, queued, queued_work, remaining, est, deadline_s, self.engines, 0, priority, ahead)
         if refusal is not None:
@@ -198,7 +212,7 @@ class AdmissionQueue:
         discipline (below 0: sheddable); client names whose token bucket it draws on, where the policy
         limits each client (None: no client). work: a :class:`~qsim.entry.Work` (max_new_tokens, prompt
         tokens, tokens it will generate or None), what the policy's estimator estimates from in place of
-        base_est_s (which is the estimate at the limit); None: base_est_s as it is. ``self.seen`` holds what
+        base_est_s (which is the estimate at the limit); None: base_est_s as it is. ``self.seen`` says what
         the decision was made on (:class:`Seen`), the admission columns of its record. A request admitted
         while an engine is idle is in service from this instant, so a burst cannot slip one more past a
         bound than the bound allows.
@@ -224,7 +238,7 @@ class AdmissionQueue:
             est *= self._slowdown(self.engines - len(idle) + 1 if idle else self.engines)
             queued_work *= self._slowdown(self.engines)
         remaining = 0.0 if idle else self.remaining_s(now)
-        self.seen = _new(Seen, (est, queued, queued_work, factor, remaining, len(idle)))
+        self.seen_numbers = (est, queued, queued_work, factor, remaining, len(idle))
         if client is not None and policy.client_rate is not None:
             refusal = self._rate_limit(client, now)
             if refusal is not None:
