@@ -53,7 +53,7 @@ from .engines import Batching
 from .entry import Entry, Work
 from .outcomes import CANCELLED, EXPIRED, Reason
 from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, retry_after, take_token
-from .queue import CUT_REASON, RESERVE_WEIGHT, Seen, Sees, judge
+from .queue import CUT_REASON, RESERVE_WEIGHT, Core, Seen, judge
 from .service import SpeedTracker
 
 _new = tuple.__new__
@@ -120,7 +120,7 @@ class _Seq:
         self.hold = 0  # the seat-steps it added to the line's when it joined it
 
 
-class BatchQueue(Sees):
+class BatchQueue(Core):
     """The waiting line, the running batch and the KV blocks of one batching engine; see the module.
 
     Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when it is over;
@@ -246,10 +246,6 @@ class BatchQueue(Sees):
                 f"a step of {self.plan.prefill_tokens + self.plan.decoders} tokens over the budget"
 
     # -- events ------------------------------------------------------------------------
-
-    def deadline_of(self, deadline_s: float | None) -> float:
-        """The deadline a request gets: its own, or the policy's where it brings none (None or NaN)."""
-        return self.policy.deadline_s if deadline_s is None or deadline_s != deadline_s else deadline_s
 
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None, priority: int = 0,
                client=None, work: Work | tuple | None = None) -> Rejection | None:

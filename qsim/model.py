@@ -78,7 +78,7 @@ class _Run:
         self.true = trace.true_service_s.tolist()
         self.reported = list(self.true) if reported_s is None else np.asarray(reported_s, dtype=float).tolist()
         self.failed = None if failed is None or not np.any(failed) else np.asarray(failed, dtype=bool).tolist()
-        self.deadline = list(map(self.queue.deadline_of, trace.deadline_s.tolist()))
+        self.deadline = self.queue.deadlines_of(trace.deadline_s)
         self.patience = None
         if cancel_after_s is not None and np.isfinite(cancel_after_s).any():
             self.patience = np.asarray(cancel_after_s, dtype=float).tolist()

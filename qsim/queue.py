@@ -48,6 +48,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from .config import ServerConfig, StallRule, as_config
 from .engines import OneAtATime
 from .entry import Entry, Work
@@ -66,7 +68,7 @@ STALL_REASON = Reason.ENGINE_STALLED
 #: Reason of a request stopped in service when its deadline passed (outcome cancelled).
 CUT_REASON = Reason.DEADLINE_PASSED
 
-__all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Seen", "Sees", "StallRule"]
+__all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Core", "Seen", "StallRule"]
 
 
 class Seen(NamedTuple):
@@ -82,21 +84,33 @@ class Seen(NamedTuple):
     idle: int = -1  # engines free
 
 
-class Sees:
-    """A queue core's record of what its last admission decision was made on.
+class Core:
+    """What every queue core (this module's, :class:`qsim.batch.BatchQueue`) answers the same way: the deadline a
+    request gets, and what its last admission decision was made on.
 
     ``seen_numbers`` holds :class:`Seen`'s fields in their order as a plain tuple: a named tuple made on every
     arrival cost a plain simulation a twentieth of its time (bench_qsim's case A), and the simulator, which
     unpacks the numbers straight into its record columns, reads them so. ``seen`` is the named view."""
 
+    policy: Policy
     seen_numbers: tuple = Seen(math.nan, 0, 0.0, 1.0)
 
     @property
     def seen(self) -> Seen:
         return _new(Seen, self.seen_numbers)
 
+    def deadline_of(self, deadline_s: float | None) -> float:
+        """The deadline a request gets: its own (seconds after arrival), or the policy's where it brings none
+        (None or NaN)."""
+        return self.policy.deadline_s if deadline_s is None or deadline_s != deadline_s else deadline_s
 
-class AdmissionQueue(Sees):
+    def deadlines_of(self, deadline_s: np.ndarray) -> list[float]:
+        """:meth:`deadline_of` of a trace's column at once (the simulator's: per request it cost a tenth of a plain
+        run's set-up and loop)."""
+        return np.where(np.isnan(deadline_s), self.policy.deadline_s, deadline_s).tolist()
+
+
+class AdmissionQueue(Core):
     """Queue state and the rules applied to it; see the module docstring."""
 
     def __init__(self, config: ServerConfig | Policy, engines: int | None = None, *, start: Callable,
@@ -198,11 +212,6 @@ class AdmissionQueue(Sees):
             if work is not None:
                 self.waiting_tokens += work.prompt
         return None
-
-    def deadline_of(self, deadline_s: float | None) -> float:
-        """The deadline a request gets: its own (seconds after arrival), or the policy's where it brings none
-        (None or NaN)."""
-        return self.policy.deadline_s if deadline_s is None or deadline_s != deadline_s else deadline_s
 
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
                priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
