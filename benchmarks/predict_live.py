@@ -14,7 +14,9 @@ so the run records the time to the first token), and a probe after. Each run is 
 
 Beside the errors it prints what a miss is read from: the nominal and effective load (nominal x total engine
 time over total calibrated time), the probe before the run and the speed in the run (total and median ratio),
-and the speed, noise CV and concurrency term the prediction ran at, with where they came from.
+and the speed, noise CV and concurrency term the prediction ran at, with where they came from. Where the speed
+was probed (GPT-2 one at a time, engines that do not slow each other), the errors are printed once more with the probe replaced by the speed the run went at:
+hindsight, not a prediction, which tells a speed that drifted after the probe from a model that is wrong.
 
 Cases (``--cases``, comma-separated): gpt2-1 (GPT-2 ``tiny`` on CPU, one engine, predictive, nominal loads
 0.5, 1.5, 2.5), gpt2-2 (the same with two engines), gpt2-cut (one engine, cutting at the deadline),
@@ -116,6 +118,12 @@ def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int) -> dict:
                       "target": compare.REPLAY_DISAGREEMENT_TARGET,
                       "verdict": "n/a" if not math.isfinite(rate) else
                       "PASS" if rate <= compare.REPLAY_DISAGREEMENT_TARGET else "MISS"}}
+    # Only engines one at a time that do not slow each other: where they do, the speed in the run holds that
+    # slowdown, which the prediction adds again; a batching engine's prediction runs at its step model's times,
+    # not at a speed (its concurrency is NaN).
+    alone = p.concurrency == 0
+    hindsight = (at_speed_in_run(run, row["speed_in_run"], seeds) if alone and p.speed_source.startswith("probed")
+                 else None)
     for m in METRICS:
         if m not in p.table.index:  # not measured in the run (TTFT without a streamed answer)
             continue
@@ -123,8 +131,18 @@ def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int) -> dict:
         verdict = within.get(m)
         out["metrics"][m] = {"live": float(t["live"]), "sim_mean": float(t["sim_mean"]),
                              "relative_error": float(t["relative_error"]), "target": compare.PREDICTION_TARGETS[m],
-                             "verdict": "n/a" if verdict is None else "PASS" if verdict else "MISS"}
+                             "verdict": "n/a" if verdict is None else "PASS" if verdict else "MISS",
+                             "relative_error_at_speed_in_run": math.nan if hindsight is None else
+                             float(hindsight.loc[m, "relative_error"])}
     return out
+
+
+def at_speed_in_run(run: pd.DataFrame, speed: float, seeds: int) -> pd.DataFrame | None:
+    """The prediction's table had its probe read the speed the run went at (total engine time over calibrated):
+    hindsight, not a prediction, that tells a speed that drifted from the probe apart from a model that is wrong."""
+    if not math.isfinite(speed):
+        return None
+    return compare.predict(run.assign(speed_before=speed), seeds=seeds).table
 
 
 def run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out: Path, log) -> dict:
@@ -146,6 +164,8 @@ def run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out
 def describe(r: dict) -> str:
     at = r["predicted_at"]
     errors = ", ".join(f"{METRICS[m]} {v['relative_error']:+.1%} {v['verdict']}" for m, v in r["metrics"].items())
+    hindsight = ", ".join(f"{METRICS[m]} {v['relative_error_at_speed_in_run']:+.1%}" for m, v in r["metrics"].items()
+                          if math.isfinite(v["relative_error_at_speed_in_run"]))
     rep = r["replay"]
     return (f"{r['case']} nominal load {r['nominal_load']:g} (effective {r['effective_load']:.2f}): "
             f"{r['requests']} requests; prediction {r['prediction']}: {errors}; per-request replay "
@@ -154,7 +174,8 @@ def describe(r: dict) -> str:
             f"    speed probe before {r['speed_before']:.3f}, in run {r['speed_in_run']:.3f} (median "
             f"{r['speed_in_run_median']:.3f}), after {r['speed_after']:.3f}; predicted at speed {at['speed']:.3f} "
             f"({at['speed_source']}), noise CV {at['noise_cv']:.3g} ({at['noise_source']}), concurrency "
-            f"{at['concurrency']:.3g}")
+            f"{at['concurrency']:.3g}"
+            + (f"\n    at the speed in the run (hindsight): {hindsight}" if hindsight else ""))
 
 
 def table(cases: list[dict]) -> str:
