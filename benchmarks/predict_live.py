@@ -19,13 +19,14 @@ was probed (GPT-2 one at a time, engines that do not slow each other), the error
 hindsight, not a prediction, which tells a speed that drifted after the probe from a model that is wrong.
 
 Cases (``--cases``, comma-separated): gpt2-1 (GPT-2 ``tiny`` on CPU, one engine, predictive, nominal loads
-0.5, 1.5, 2.5), gpt2-2 (the same with two engines), gpt2-cut (one engine, cutting at the deadline),
+0.5, 1.5, 2.5), gpt2-2 (the same with two engines), gpt2-cut (the same, cutting at the deadline),
 gpt2-batched (batched GPT-2 ``tiny``, max_num_seqs 8, loads 0.5, 1.5, 2.5), synthetic-noise (the batching
 synthetic engine at --noise 0.3, load 3) and gpu-batched (batched ``gpt2`` random weights on CUDA; skipped
 with its reason where there is no CUDA). Figures are printed, never asserted; misses are results.
 
     PYTHONPATH=. python benchmarks/predict_live.py                       # 60 s runs: about half an hour
     PYTHONPATH=. python benchmarks/predict_live.py --seconds 30 --cases gpt2-1,synthetic-noise
+    PYTHONPATH=. python benchmarks/predict_live.py --cases gpt2-cut --loads 0.5 --api qlab
     PYTHONPATH=. python benchmarks/predict_live.py --quick --json out.json   # two cases, 5 s runs
     PYTHONPATH=. python benchmarks/predict_live.py --out /tmp/predict   # keep run files and calibrations
 """
@@ -70,7 +71,7 @@ class Case:
 CASES = (
     Case("gpt2-1", "GPT-2 tiny, CPU, one engine", CPU_GPT2, (0.5, 1.5, 2.5)),
     Case("gpt2-2", "GPT-2 tiny, CPU, two engines", {**CPU_GPT2, "engines": 2}, (0.5, 1.5, 2.5)),
-    Case("gpt2-cut", "GPT-2 tiny, CPU, one engine, cutting at the deadline", CPU_GPT2, (1.5, 2.5),
+    Case("gpt2-cut", "GPT-2 tiny, CPU, one engine, cutting at the deadline", CPU_GPT2, (0.5, 1.5, 2.5),
          {"cancel_at_deadline": "true"}),
     Case("gpt2-batched", "batched GPT-2 tiny, CPU, max_num_seqs 8",
          {**CPU_GPT2, "batching": True, "max_num_seqs": 8}, (0.5, 1.5, 2.5)),
@@ -202,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a short run for a test: cases " + ", ".join(QUICK) + ", one load each, 5 s runs, a short "
                          "calibration")
+    ap.add_argument("--loads", help="comma-separated nominal loads, in place of each case's own")
     ap.add_argument("--seeds", type=int, default=20, help="seeds of the model's noise in each prediction")
     ap.add_argument("--seed", type=int, default=1, help="the arrivals' seed")
     ap.add_argument("--rounds", type=int, default=2, help="calibration rounds (qlab calibrate --rounds)")
@@ -219,6 +221,13 @@ def main(argv=None) -> int:
     if unknown:
         print(f"predict_live.py: unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
+    try:
+        loads = tuple(float(x) for x in args.loads.split(",")) if args.loads else None
+    except ValueError:
+        loads = ()
+    if loads is not None and not (loads and all(math.isfinite(x) and x > 0 for x in loads)):
+        print(f"predict_live.py: --loads takes positive numbers, comma-separated, got {args.loads!r}", file=sys.stderr)
+        return 2
     if args.quick:
         args = replace_args(args, seconds=5.0, rounds=1, per_size=4, probe=2, seeds=min(args.seeds, 3))
     to_stdout = args.json == "-"
@@ -233,8 +242,8 @@ def main(argv=None) -> int:
                 log(f"{name}: skipped: {missing}")
                 cases.append({"case": name, "what": case.what, "skipped": missing, "runs": []})
                 continue
-            loads = QUICK.get(name, case.loads[:1]) if args.quick else case.loads
-            cases.append(run_case(case, loads, args, out, log))
+            chosen = loads or (QUICK.get(name, case.loads[:1]) if args.quick else case.loads)
+            cases.append(run_case(case, chosen, args, out, log))
     log(table(cases))
     result = {"seconds": args.seconds, "api": args.api, "seeds": args.seeds, "targets": compare.PREDICTION_TARGETS,
               "replay_disagreement_target": compare.REPLAY_DISAGREEMENT_TARGET, "cases": cases}

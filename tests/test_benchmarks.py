@@ -106,6 +106,8 @@ def test_predict_live_quick_judges_each_run_against_the_targets():
         assert 0 <= run["replay"]["disagreement_rate"] <= 1
 
 
-def test_predict_live_refuses_an_unknown_case_in_one_line():
-    proc = _run("predict_live.py", "--cases", "gpt2-1,nope", timeout=60)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "nope" in proc.stderr
+@pytest.mark.parametrize("args, said", [(("--cases", "gpt2-1,nope"), "nope"), (("--loads", "0.5,x"), "--loads"),
+                                        (("--loads", "0"), "--loads")])
+def test_predict_live_refuses_bad_cases_and_loads_in_one_line(args, said):
+    proc = _run("predict_live.py", *args, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and said in proc.stderr
