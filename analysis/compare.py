@@ -1089,9 +1089,15 @@ def compare(run: pd.DataFrame, origin: str = "server") -> Comparison:
 
 #: Metrics a prediction is judged on (analysis.metrics.summary's names).
 PREDICTED = ("share_good", "goodput_rps", "latency_p50_s", "latency_p99_s")
-#: What the model-only prediction should reach on a live run (issue 22; BLIS and Vidur report 9 % and less): the
-#: most relative error of the mean over seeds, per metric.
-PREDICTION_TARGETS = {"share_good": 0.05, "goodput_rps": 0.05, "latency_p99_s": 0.10}
+#: Metrics predicted only where the run measured them: the time to the first token needs a streamed answer
+#: (``qlab replay --api openai``); a run through ``/v1/generate`` has no live figure to compare with.
+PREDICTED_WHERE_MEASURED = ("ttft_p99_s",)
+#: What the model-only prediction should reach on a live run (issue 22; BLIS reports 9.2 % and 29 %, Vidur under
+#: 9 %): the most relative error of the mean over seeds, per metric.
+PREDICTION_TARGETS = {"share_good": 0.05, "goodput_rps": 0.05, "latency_p99_s": 0.10, "ttft_p99_s": 0.15}
+#: What the per-request replay of a live run ("with what the gate knew") should reach: the most share of the
+#: requests the service handled on whose outcome the simulator disagrees (issue 22).
+REPLAY_DISAGREEMENT_TARGET = 0.005
 
 
 @dataclass(frozen=True)
@@ -1105,11 +1111,18 @@ class Prediction:
     concurrency: float = math.nan  # the engines' slowdown per other busy one (NaN: not engines one at a time)
 
     def within_targets(self) -> dict[str, bool | None]:
-        """Per metric of :data:`PREDICTION_TARGETS`: whether its relative error is within the target (None: no
-        error to judge, e.g. nothing answered live)."""
+        """Per metric of :data:`PREDICTION_TARGETS` that the prediction holds (the time to the first token only
+        where the run measured it): whether its relative error is within the target (None: no error to judge,
+        e.g. nothing answered live)."""
         errors = self.table["relative_error"]
         return {m: None if not math.isfinite(errors[m]) else bool(abs(errors[m]) <= target)
-                for m, target in PREDICTION_TARGETS.items()}
+                for m, target in PREDICTION_TARGETS.items() if m in errors.index}
+
+    def verdict(self) -> str:
+        """PASS when every judged metric is within its target, MISS when one is not, n/a when one has no error to
+        judge."""
+        within = self.within_targets()
+        return "n/a" if None in within.values() else "PASS" if all(within.values()) else "MISS"
 
 
 #: The noise CV a prediction assumes where neither the caller nor the run file says (an older run file, a GPT-2
@@ -1187,16 +1200,17 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
     faults = _client_faults(run, ordered, arrival)
     base = ordered["calibrated_est_s"].to_numpy(float)
     seconds = run_seconds(run)
+    live = summary(run, seconds)
+    metrics = PREDICTED + tuple(m for m in PREDICTED_WHERE_MEASURED if math.isfinite(live[m]))
     rows = []
     for seed in range(seeds):
         true = base * speed * lognormal_noise(np.random.default_rng(seed), len(base), noise_cv)
         got = summary(_simulate(ordered, arrival, setup, true, "predicted", generated_tokens(run, ordered),
                                 speed_schedule(run), **faults), seconds)
-        rows.append({"seed": seed, **{m: got[m] for m in PREDICTED}})
+        rows.append({"seed": seed, **{m: got[m] for m in metrics}})
     per_seed = pd.DataFrame(rows)
-    live = summary(run, seconds)
     table = []
-    for m in PREDICTED:
+    for m in metrics:
         mean, low, high = mean_ci(per_seed[m], level)
         values = per_seed[m].dropna()
         lo_q, hi_q = (values.quantile(0.025), values.quantile(0.975)) if len(values) else (math.nan, math.nan)

@@ -220,7 +220,8 @@ def _one_run(cfg: LiveConfig, model: ServiceModel, url: str, trace: Trace) -> tu
     p = cfg.probe
     before = probe(url, model, p.requests, p.max_new_tokens, cfg.replay.prompt_words)
     frame = replay(trace, ReplayConfig(url, timeout_s=cfg.replay.timeout_s, prompt_words=cfg.replay.prompt_words,
-                                       context_tokens=cfg.replay.context_tokens, retry=cfg.retry))
+                                       context_tokens=cfg.replay.context_tokens, retry=cfg.retry,
+                                       api=cfg.replay.api))
     after = probe(url, model, p.requests, p.max_new_tokens, cfg.replay.prompt_words)
     frame["speed_before"], frame["speed_after"] = before, after
     return frame, (before, after)

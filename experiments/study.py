@@ -869,10 +869,8 @@ def _prediction(run: pd.DataFrame, seeds: int) -> dict:
     from analysis import compare
 
     judged = compare.predict(run, seeds=seeds)
-    within = judged.within_targets()
-    verdict = "n/a" if None in within.values() else "PASS" if all(within.values()) else "MISS"
     return {**{column: float(judged.table.loc[m, "relative_error"]) for m, column in PREDICTION_COLUMNS.items()},
-            "prediction": verdict}
+            "prediction": judged.verdict()}
 
 
 def _prediction_verdict(rows: list[dict], seeds: int) -> Verdict:

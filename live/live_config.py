@@ -33,6 +33,7 @@ prompt_words = 16
 patience = "none"        # optional: how long each client waits from its first send (qsim.clients.Patience:
                          # exponential:MEAN_S, deterministic:SECONDS, lognormal:MEAN_S:CV, column)
 patience_until = "answer"  # the whole answer (start is the simulator's alone: a client cannot see it)
+api = "qlab"             # qlab (/v1/generate) or openai (streamed /v1/completions: the runs record TTFT)
 
 [retry]                  # optional: how clients send a refused request again (qsim.clients.RetryPolicy's fields,
 mode = "exponential"     # as qlab replay's --retry-* flags); none by default
@@ -62,6 +63,7 @@ from qsim.clients import Patience, RetryPolicy
 from qsim.policy import args_tables, resolve
 from qsim.workload import arrivals_take_load, check_load, parse_arrivals
 
+from .loadgen import APIS
 from .serve_options import ServeOptions
 from .tokenizer import MIN_CONTEXT_TOKENS
 
@@ -71,7 +73,7 @@ SERVER_KEYS = {**ServeOptions.toml_kinds(), "policies": list, "startup_timeout_s
 CALIBRATE_KEYS = {"rounds": int, "per_size": int}
 PROBE_KEYS = {"requests": int, "max_new_tokens": int}
 REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "context_tokens": int, "patience": str,
-               "patience_until": str}
+               "patience_until": str, "api": str}
 TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seconds": float, "requests": int,
               "seed": int, "file": str, "time_scale": float}
 #: Keys that were renamed: an old file is refused with the new name rather than run with another meaning.
@@ -103,6 +105,7 @@ class ReplaySettings:
     context_tokens: int | None = None  # the model's context, as --context-tokens (None: each server's /healthz)
     patience: str = "none"  # a qsim.clients.Patience spec: how long each client waits from its first send
     patience_until: str = "answer"
+    api: str = "qlab"  # as qlab replay's --api: qlab (/v1/generate) or openai (streamed /v1/completions)
 
     @property
     def clients_patience(self) -> Patience | None:
@@ -242,6 +245,8 @@ def parse(data: dict, path: str = "<live>") -> LiveConfig:
         # Refused here, before any server starts, as ReplayConfig would refuse it at the first run.
         _fail(f"{path}: replay.context_tokens", f"must be >= {MIN_CONTEXT_TOKENS} (a prompt token and a new one), "
                                                 f"got {replay.context_tokens}")
+    if replay.api not in APIS:
+        _fail(f"{path}: replay.api", f"must be one of {', '.join(APIS)}, got {replay.api!r}")
     server, extra = _server(path, data)
     try:
         extra["policy_args"] = args_tables(data.get("policy_args", {}), extra.get("policies", LiveConfig.policies))

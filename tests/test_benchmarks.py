@@ -1,6 +1,7 @@
 """The benchmark scripts must keep running (their figures are printed, never asserted)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -84,3 +85,29 @@ def test_bench_gpt2_batch_quick_reports_each_batch_against_batch_one():
 def test_bench_gpt2_batch_refuses_bad_batch_sizes_in_one_line():
     proc = _run("bench_gpt2_batch.py", "--batches", "0,x", timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--batches" in proc.stderr
+
+
+def test_predict_live_quick_judges_each_run_against_the_targets():
+    """Issue 22, section 3: each case served, calibrated, replayed and predicted; its errors finite numbers, each
+    judged against its target (a PASS or a MISS: the figures are printed, never asserted)."""
+    pytest.importorskip("torch")
+    data = _json_of("predict_live.py", "--quick")
+    assert data["targets"] == {"share_good": 0.05, "goodput_rps": 0.05, "latency_p99_s": 0.10, "ttft_p99_s": 0.15}
+    assert [c["case"] for c in data["cases"]] == ["synthetic-noise", "gpt2-1"]
+    for case in data["cases"]:
+        assert case["skipped"] is None and len(case["runs"]) == 1 and "model" in case["calibration"]
+        run = case["runs"][0]
+        assert run["requests"] > 0 and math.isfinite(run["effective_load"]) and math.isfinite(run["speed_before"])
+        assert set(run["metrics"]) == set(data["targets"])  # streamed: TTFT measured too
+        for metric, figure in run["metrics"].items():
+            assert math.isfinite(figure["relative_error"]) and figure["target"] == data["targets"][metric]
+            assert figure["verdict"] in ("PASS", "MISS")
+        assert run["prediction"] in ("PASS", "MISS") and run["replay"]["verdict"] in ("PASS", "MISS")
+        assert 0 <= run["replay"]["disagreement_rate"] <= 1
+
+
+@pytest.mark.parametrize("args, said", [(("--cases", "gpt2-1,nope"), "nope"), (("--loads", "0.5,x"), "--loads"),
+                                        (("--loads", "0"), "--loads")])
+def test_predict_live_refuses_bad_cases_and_loads_in_one_line(args, said):
+    proc = _run("predict_live.py", *args, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and said in proc.stderr

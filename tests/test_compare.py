@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.compare import compare, confusion, describe_first_divergence, predict, run_setup
+from analysis.compare import PREDICTION_TARGETS, compare, confusion, describe_first_divergence, predict, run_setup
 from qsim import from_arrays, make_trace, preset, records, simulate
 from qsim.config import ServerConfig
 from qsim.clients import Patience, RetryPolicy
@@ -284,6 +284,18 @@ def test_prediction_of_a_run_reports_errors_with_intervals():
     run["speed_before"] = 2.0  # a probe said the machine ran at half speed: the prediction follows it
     slow = predict(run, seeds=3).table
     assert slow.loc["latency_p50_s", "sim_mean"] > table.loc["latency_p50_s", "sim_mean"]
+
+
+def test_prediction_judges_the_time_to_first_token_only_where_the_run_measured_it():
+    trace = make_trace("poisson", load=1.5, seconds=30, seed=2, noise_cv=0.1)
+    run = live_like_run(trace, "predictive")
+    plain = predict(run, seeds=3)  # through /v1/generate: no TTFT in the run, none judged
+    assert "ttft_p99_s" not in plain.table.index and set(plain.within_targets()) == {
+        "share_good", "goodput_rps", "latency_p99_s"}
+    run["ttft_s"] = np.where(run["outcome"].isin(records.ANSWERED), 1e3, np.nan)  # streamed, and absurdly slow
+    streamed = predict(run, seeds=3)
+    assert streamed.table.loc["ttft_p99_s", "live"] == 1e3 and streamed.within_targets()["ttft_p99_s"] is False
+    assert streamed.verdict() == "MISS" and set(streamed.within_targets()) == set(PREDICTION_TARGETS)
 
 
 def test_a_frame_without_the_live_columns_is_refused():

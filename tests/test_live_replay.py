@@ -202,6 +202,7 @@ def test_qlab_live_runs_every_trace_under_every_policy(tmp_path):
      "replay.context_tokens: must be >= 2 (a prompt token and a new one), got 1"),
     ("[replay]\ncontext_tokens = 512.0\n[[trace]]\nname='a'\nseconds=1", "replay.context_tokens: expected int"),
     ("[replay]\ncontext_tokens = true\n[[trace]]\nname='a'\nseconds=1", "replay.context_tokens: expected int"),
+    ("[replay]\napi = 'grpc'\n[[trace]]\nname='a'\nseconds=1", "replay.api: must be one of qlab, openai, got 'grpc'"),
 ])
 def test_live_config_errors_name_the_key(tmp_path, text, message):
     path = tmp_path / "bad.toml"
