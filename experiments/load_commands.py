@@ -322,7 +322,7 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
-    from live.calibrate import CalibrationConfig, calibrate, describe, describe_load, describe_steps, report
+    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, report
 
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
@@ -341,7 +341,7 @@ def cmd_calibrate(args) -> int:
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
     print(describe(result.overall, "all rounds"))
-    print(describe_load(result.load) if result.steps is None else describe_steps(result.steps))
+    print(describe_terms(result))
     lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
     print(f"prompt lengths measured: {lengths} tokens ({result.tokenizer or 'tokenizer not said'})"
           + ("; one length: no prompt term fitted" if len(lengths) < 2 else ""))

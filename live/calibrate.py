@@ -561,6 +561,12 @@ def describe_batch(level: BatchLevel) -> str:
     return f"{level.level} in flight: {level.requests} requests, {said['steps']} steps{batch}"
 
 
+def describe_terms(result: Calibration) -> str:
+    """What the calibration fitted beside the line, in one line: the concurrency term and the noise (engines one at
+    a time), or the step model (a batching server)."""
+    return describe_load(result.load) if result.steps is None else describe_steps(result.steps)
+
+
 def describe_steps(steps: StepCalibration) -> str:
     """The fitted step model and how well it fits, in one line."""
     m, f = steps.model, steps.fit
