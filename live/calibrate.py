@@ -263,12 +263,15 @@ class LoadFit:
         return self.noise_cv_load if np.isfinite(self.noise_cv_load) else self.noise_cv_one
 
     def as_dict(self) -> dict:
-        def finite(value: float) -> float | None:
-            return float(value) if np.isfinite(value) else None
-
+        finite = _json_number
         return {"concurrency": self.concurrency, "noise_cv": finite(self.noise_cv), "speed_at_one": self.speed,
                 "noise_cv_one_at_a_time": finite(self.noise_cv_one), "noise_cv_under_load": finite(self.noise_cv_load),
                 "n": self.n, "busy_counts": {str(k): v for k, v in sorted(self.busy_counts.items())}}
+
+
+def _json_number(value: float) -> float | None:
+    """A number for the JSON: None where it is not finite (not measured; JSON has no NaN)."""
+    return float(value) if np.isfinite(value) else None
 
 
 def busy_at_start(started: np.ndarray, returned: np.ndarray) -> np.ndarray:
@@ -349,8 +352,8 @@ class StepCalibration:
 
     def as_dict(self) -> dict:
         f = self.fit
-        return {"median_rel_error": f.median_rel_error, "worst_rel_error": f.worst_rel_error, "cv": f.cv, "r2": f.r2,
-                "n": f.n, "standard_errors": {k: (v if np.isfinite(v) else None) for k, v in zip(STEP_FIELDS, f.se)},
+        return {"median_rel_error": f.median_rel_error, "worst_rel_error": f.worst_rel_error, "cv": f.cv,
+                "r2": _json_number(f.r2), "n": f.n, "standard_errors": dict(zip(STEP_FIELDS, map(_json_number, f.se))),
                 "seconds": "gate: each step's start to the gate having it back",
                 "levels": [lv.as_dict() for lv in self.levels]}
 

@@ -92,6 +92,21 @@ def test_calibrating_a_noisy_engine_recovers_its_step_model_within_its_standard_
     assert got.calibrated == replace(got.model, cv=got.cv) and 0.5 < got.r2 < 1
 
 
+def test_the_calibration_json_carries_the_step_model_and_its_fit(tmp_path):
+    from live.calibrate import BatchLevel, Calibration, StepCalibration, describe_terms
+    from qsim.service import fit
+
+    steps = _calibration_steps(replace(TRUE, cv=0.1), levels=(1, 4))
+    calibrated = StepCalibration(fit_steps(steps), (BatchLevel(1, 42, tuple(steps)),))
+    result = Calibration(fit([1, 2, 4], [0.01, 0.02, 0.04]), (), "bytes", steps=calibrated)
+    result.save(tmp_path / "cal.json")
+    saved = json.loads((tmp_path / "cal.json").read_text())
+    assert saved["load"] is None and saved["step_fit"]["n"] == len(steps) == saved["step_fit"]["levels"][0]["steps"]
+    assert LoadTerms.load(tmp_path / "cal.json").step == calibrated.model == StepModel(**saved["step"])
+    assert set(saved["step_fit"]["standard_errors"]) == {"b0", "b1", "b2", "b3"}
+    assert describe_terms(result).startswith("step model: ") and f"{len(steps)} steps" in describe_terms(result)
+
+
 def test_a_step_log_without_compositions_is_refused():
     old = [LoggedStep(0.0, 0.0, 0.01, 0.01, 0.01)] * 10  # a gate from before compositions were logged
     with pytest.raises(ValueError, match="at least 4 logged steps"):
