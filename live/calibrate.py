@@ -519,12 +519,13 @@ def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
 def measure_batches(http: httpx.Client, cfg: CalibrationConfig, batching: Batching, texts: dict[int, str],
                     counts: dict[int, int], progress=None) -> list[BatchLevel]:
     """A batching server under load: at each level (2, 4, ... up to its ``max_num_seqs``, or as asked) the
-    schedule sent with that many in flight (:func:`measure_load`; repeated so that each worker sends at least
-    two), and the steps the server ran meanwhile."""
+    schedule sent with that many in flight (:func:`measure_load`; repeated at least ``level`` times, so that each
+    worker sends about one request of each size: the batch is full for most of the phase, not only until the
+    first workers run out), and the steps the server ran meanwhile."""
     measured = []
     for level in cfg.load_levels(batching.max_num_seqs, "seats in the batch (max_num_seqs)"):
         since = gate_clock(http)
-        per_size = max(cfg.load_per_size, -(-2 * level // len(cfg.sizes)))
+        per_size = max(cfg.load_per_size, level)
         sent = measure_load(http, cfg, level, texts, counts, per_size)
         measured.append(BatchLevel(level, len(sent.tokens), fetch_steps(http, since)))
         if progress:
