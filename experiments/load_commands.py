@@ -374,7 +374,8 @@ def _calibrate_parser(sub) -> None:
                         "batching server's max_num_seqs (default: 2, 4, ... and that count; none: one at a time "
                         "only); fits the concurrency term and the noise under load, or the step model")
     p.add_argument("--load-per-size", type=positive_int, default=4,
-                   help="under load: requests of each size per in-flight level (default 4)")
+                   help="under load: requests of each size per in-flight level (default 4; against a batching server "
+                        "at least the level's requests in flight)")
     p.add_argument("--out", required=True, help="JSON that serve, simulate and compare read with --service-model")
 
 

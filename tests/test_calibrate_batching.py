@@ -107,6 +107,12 @@ def test_the_calibration_json_carries_the_step_model_and_its_fit(tmp_path):
     assert describe_terms(result).startswith("step model: ") and f"{len(steps)} steps" in describe_terms(result)
 
 
+def test_a_batching_servers_levels_go_up_to_its_seats():
+    assert CalibrationConfig("http://x").load_levels(8, "seats in the batch") == (2, 4, 8)
+    with pytest.raises(ValueError, match="exceed the server's 8 seats in the batch"):
+        CalibrationConfig("http://x", levels=(16,)).load_levels(8, "seats in the batch")
+
+
 def test_a_step_log_without_compositions_is_refused():
     old = [LoggedStep(0.0, 0.0, 0.01, 0.01, 0.01)] * 10  # a gate from before compositions were logged
     with pytest.raises(ValueError, match="at least 4 logged steps"):
