@@ -104,7 +104,7 @@ import pandas as pd
 from qsim import from_arrays, simulate
 from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
-from qsim.engines import OneAtATime
+from qsim.engines import Batching, OneAtATime
 from qsim.records import with_optional
 from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import Policy, decide, on_time, reads_more
@@ -1156,6 +1156,8 @@ def prediction_noise(run: pd.DataFrame, setup: ServerConfig | None = None) -> tu
     if engine is not None and engine.get("engine") == "synthetic" and engine.get("noise_cv") is not None:
         return float(engine["noise_cv"]), "the synthetic engine's noise setting (engine_info)"
     model = (setup or run_setup(run)).engine
+    if isinstance(model, Batching):  # its requests' times are its steps': their spread is the step model's
+        return model.step.cv, "the batching engine's step model CV (a gamma draw on each step; the server config's)"
     if isinstance(model, OneAtATime) and model.cv > 0:
         return model.cv, "the calibrated CV under load (qlab calibrate; the server config's engine)"
     if engine is None:
@@ -1168,8 +1170,11 @@ def prediction_noise(run: pd.DataFrame, setup: ServerConfig | None = None) -> tu
 
 def calibrated_setup(run: pd.DataFrame, terms: LoadTerms | None = None) -> ServerConfig:
     """The run's server, with the calibration's load terms in its engines (a run from a server that did not load
-    them: an older calibration, or an older qlab serve); ``terms`` None: as the run file says."""
+    them: an older calibration, or an older qlab serve), or a batching engine's fitted step model where the
+    calibration has one; ``terms`` None: as the run file says (a batching gate's: the step model it planned with)."""
     setup = run_setup(run)
+    if terms is not None and isinstance(setup.engine, Batching) and terms.step is not None:
+        return setup.replace(engine=dataclasses.replace(setup.engine, step=terms.step))
     if terms is None or not isinstance(setup.engine, OneAtATime):
         return setup
     return setup.replace(engine=dataclasses.replace(setup.engine, concurrency=terms.concurrency,
@@ -1194,6 +1199,9 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
     speed, source = prediction_speed(run)
     noise_cv, noise_source = (prediction_noise(run, setup) if noise_cv is None
                               else (float(noise_cv), "given (--noise-cv)"))
+    if isinstance(setup.engine, Batching):  # a batching engine draws its noise on each step, not on a request
+        setup = setup.replace(engine=dataclasses.replace(setup.engine, step=dataclasses.replace(setup.engine.step,
+                                                                                                cv=noise_cv)))
     _, retrying = _retrying(run)  # with retries the simulator's own clients send all but the first attempts
     ordered, arrival = _in_arrival_order(run, arrival_times(run, origin),
                                          run["attempt"].eq(1).to_numpy() if retrying else None)
@@ -1205,8 +1213,10 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
     rows = []
     for seed in range(seeds):
         true = base * speed * lognormal_noise(np.random.default_rng(seed), len(base), noise_cv)
-        got = summary(_simulate(ordered, arrival, setup, true, "predicted", generated_tokens(run, ordered),
-                                speed_schedule(run), **faults), seconds)
+        # The server's own draws (a batching engine's step noise, a randomised rule's) from this seed too: with
+        # the run's seed alone every seed drew the same steps, and the interval across seeds was too narrow.
+        got = summary(_simulate(ordered, arrival, setup.replace(seed=setup.seed + seed), true, "predicted",
+                                generated_tokens(run, ordered), speed_schedule(run), **faults), seconds)
         rows.append({"seed": seed, **{m: got[m] for m in metrics}})
     per_seed = pd.DataFrame(rows)
     table = []

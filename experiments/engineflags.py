@@ -41,8 +41,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def calibrated_defaults(args) -> None:
     """--concurrency and --noise where they are not given: what the --service-model calibration measured under load
-    (:class:`qsim.service.LoadTerms`; a batching engine takes no concurrency term), else 0."""
+    (:class:`qsim.service.LoadTerms`; a batching engine takes no concurrency term), else 0; with --batching, --step
+    where it is not given: the calibration's fitted step model, where it has one."""
     terms = LoadTerms.load(args.service_model)
+    if args.batching and args.step is None:
+        args.step = terms.step
     if args.concurrency is None:
         args.concurrency = 0.0 if args.batching else terms.concurrency
     if args.noise is None:

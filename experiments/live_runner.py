@@ -44,7 +44,7 @@ from analysis import compare, metrics
 from inputs.atomic import atomic_write, clear_temporaries, write_parquet
 from qsim import ServiceModel, Trace, build_trace
 
-from live.calibrate import CalibrationConfig, calibrate, describe, describe_load, probe, report
+from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, probe, report
 from live.live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
 from live.loadgen import ReplayConfig, lateness, replay
 from live.procs import serving
@@ -82,7 +82,7 @@ def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> s
                            progress=lambda step: log(f"calibration {report(step)}"))
     result.save(path)
     log(describe(result.overall, "calibration, all rounds"))
-    log(f"calibration {describe_load(result.load)}")
+    log(f"calibration {describe_terms(result)}")
     return str(path)
 
 

@@ -322,7 +322,7 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
-    from live.calibrate import CalibrationConfig, calibrate, describe, describe_load, report
+    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, report
 
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
@@ -330,7 +330,8 @@ def cmd_calibrate(args) -> int:
                             load_per_size=args.load_per_size)
     prompts = "" if cfg.prompt_tokens is None else f" with prompts of {list(cfg.prompt_tokens)} tokens"
     if cfg.levels is None:
-        load = f"; then {cfg.load_per_size} x the sizes with 2, 4, ... in flight, up to the server's engines"
+        load = (f"; then {cfg.load_per_size} x the sizes with 2, 4, ... in flight, up to the server's engines (a "
+                "batching server's seats)")
     else:
         load = f"; then {cfg.load_per_size} x the sizes with {', '.join(map(str, cfg.levels))} in flight" if cfg.levels else ""
     print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
@@ -340,7 +341,7 @@ def cmd_calibrate(args) -> int:
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
     print(describe(result.overall, "all rounds"))
-    print(describe_load(result.load))
+    print(describe_terms(result))
     lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
     print(f"prompt lengths measured: {lengths} tokens ({result.tokenizer or 'tokenizer not said'})"
           + ("; one length: no prompt term fitted" if len(lengths) < 2 else ""))
@@ -355,7 +356,9 @@ def _calibrate_parser(sub) -> None:
                                    "one at a time, in rounds; fit S = intercept + per_prompt_token * prompt tokens "
                                    "+ per_token * new tokens and report the error of the fit on one request. Then "
                                    "send them with 2, 4, ... requests in flight (up to the server's engines) and fit "
-                                   "the slowdown per other busy engine and the noise (CV) around the model.")
+                                   "the slowdown per other busy engine and the noise (CV) around the model; against a "
+                                   "batching server (qlab serve --batching), up to its max_num_seqs, and fit the step "
+                                   "model to the steps it ran (its /stats step log).")
     p.set_defaults(func=cmd_calibrate)
     p.add_argument("--url", required=True)
     p.add_argument("--rounds", type=positive_int, default=2)
@@ -367,11 +370,12 @@ def _calibrate_parser(sub) -> None:
                         "those that fit the context beside 64 new tokens); one length fits no prompt term")
     p.add_argument("--deadline-ms", type=positive_int, help="deadline sent with each request (default: the server's)")
     p.add_argument("--in-flight", type=_in_flight, metavar="N,N,...|none",
-                   help="requests in flight at once under load, each >= 2 and at most the server's engines (default: "
-                        "2, 4, ... and the engine count; none: one at a time only); fits the concurrency term and "
-                        "the noise under load")
+                   help="requests in flight at once under load, each >= 2 and at most the server's engines, or a "
+                        "batching server's max_num_seqs (default: 2, 4, ... and that count; none: one at a time "
+                        "only); fits the concurrency term and the noise under load, or the step model")
     p.add_argument("--load-per-size", type=positive_int, default=4,
-                   help="under load: requests of each size per in-flight level (default 4)")
+                   help="under load: requests of each size per in-flight level (default 4; against a batching server "
+                        "at least the level's requests in flight)")
     p.add_argument("--out", required=True, help="JSON that serve, simulate and compare read with --service-model")
 
 

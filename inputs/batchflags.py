@@ -16,8 +16,6 @@ from qsim.engines import Batching, StepModel
 
 from .argtypes import positive_int
 
-STEP_FIELDS = ("b0", "b1", "b2", "b3", "cv")
-
 BATCHING_HELP = "one engine that batches as vLLM's v1 scheduler (qsim.engines.Batching)"
 NO_CHUNKED_PREFILL_HELP = "a prompt must fit one step's token budget"
 STEP_METAVAR = "B0,B1,B2,B3[,CV] | FILE.json"
@@ -30,10 +28,8 @@ def parse_step(text: str) -> StepModel:
     try:
         if path.suffix == ".json" or path.is_file():
             raw = json.loads(path.read_text())
-            raw = raw.get("step", raw) if isinstance(raw, dict) else raw
-            if not isinstance(raw, dict) or set(raw) - set(STEP_FIELDS):
-                raise ValueError(f"{text}: a step model file holds {', '.join(STEP_FIELDS)}")
-            return StepModel(**{k: float(v) for k, v in raw.items()})
+            raw = raw.get("step", raw) if isinstance(raw, dict) else raw  # a calibration's: its "step" key
+            return StepModel.from_fields(raw)
         numbers = [float(v) for v in text.split(",")]
         if not 4 <= len(numbers) <= 5:
             raise ValueError("give B0,B1,B2,B3 or B0,B1,B2,B3,CV")

@@ -45,6 +45,7 @@ from qsim.batch import BatchQueue, RunStats, Step
 from qsim.config import ServerConfig
 from qsim.engines import Batching, StepModel
 from qsim.outcomes import Outcome
+from qsim.runfile import LoggedStep
 from qsim.service import SpeedSchedule
 
 from .engine import WORD, Faults, InjectedFault, apply_stop, runs_as_coroutine
@@ -290,8 +291,8 @@ class BatchGate(Gate):
         self._timer_at = math.inf
         self._ended: list = []  # keys out of the batch for good since the last step (StepWork.ended)
         self.steps = 0
-        # (woken, began, ended, engine seconds, model seconds) of the last STEP_LOG steps: for a replay (step_log).
-        self.step_log: deque = deque(maxlen=STEP_LOG)
+        # The last STEP_LOG steps (qsim.runfile.LoggedStep): for a replay and a calibration (step_log).
+        self.step_log: deque[LoggedStep] = deque(maxlen=STEP_LOG)
         self._woken_at: float | None = None  # an idle engine was woken then (the core's wake), and not begun yet
         self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
 
@@ -395,7 +396,8 @@ class BatchGate(Gate):
                 self._ended.append(ticket)
                 numbers = {"started_at": ticket.start, "returned_at": now}
                 self._resolve(ticket, Outcome.ERROR, exc=EngineFailed(0, error, ticket.arrival, numbers), cause=error)
-        self.step_log.append((*self._began, now, result.engine_s, work.model_s))
+        self.step_log.append(LoggedStep(*self._began, now, result.engine_s, work.model_s, work.prefill_tokens,
+                                        work.sampling, work.context))
         self.queue.step_done(now, result.engine_s)
         self._arm()
 
@@ -485,14 +487,15 @@ class BatchGate(Gate):
     def stats(self, steps_since: float | None = None) -> dict:
         """As the gate's, with ``batching`` (the batch and its KV blocks now, the steps so far) and, given
         ``steps_since`` (gate clock), ``step_log``: each step woken for or begun since then as [woken, began, ended,
-        the engine's seconds, the step model's seconds], on the gate's clock: when an arrival woke the idle engine for
-        it (its start where it followed a step), when the core began it, when the gate had it back (what ``qlab
-        compare`` replays with; the model's seconds say what the step computed)."""
+        the engine's seconds, the step model's seconds, prefill tokens, sequences sampling, context tokens]
+        (:class:`qsim.runfile.LoggedStep`), on the gate's clock: when an arrival woke the idle engine for it (its
+        start where it followed a step), when the core began it, when the gate had it back (what ``qlab compare``
+        replays with), and what it computed (what ``qlab calibrate`` fits a step model to)."""
         engine = self.config.engine
         stats = {**super().stats(), "batching": {
             "running": self.queue.in_service, "max_num_seqs": engine.max_num_seqs,
             "kv_blocks_used": self.queue.kv_used, "kv_blocks": engine.kv_blocks, "block_size": engine.block_size,
             "kv_use": self.queue.kv_use, "steps": self.steps}}
         if steps_since is not None:
-            stats["step_log"] = [list(step) for step in self.step_log if step[0] >= steps_since]
+            stats["step_log"] = [list(step) for step in self.step_log if step.woken >= steps_since]
         return stats

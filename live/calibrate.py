@@ -26,6 +26,15 @@ answered), and each request's engines busy at its start (itself included) counte
 that slowdown, one at a time and under load. Both go into the calibration JSON (key ``load``), which
 ``serve``, ``simulate`` and ``compare`` read (:class:`qsim.service.LoadTerms`: ``noise_cv`` there is
 :attr:`LoadFit.noise_cv`).
+
+**A batching server** (its ``/stats`` server config's engine is :class:`qsim.engines.Batching`) runs requests
+together in steps, so there is no concurrency term to fit: after the rounds, the schedule is sent with 2, 4, ... up
+to its ``max_num_seqs`` requests in flight, and the steps the server ran meanwhile (its step log,
+``/stats?steps_since=``: each step's seconds on the gate's clock and what it computed, prefill tokens, sequences
+that produced a token, context tokens held) are fitted to the step model (:meth:`qsim.engines.StepModel.fit`), the
+rounds' steps with them. The fitted model, its CV the spread of a step's time around it, goes into the calibration
+JSON (key ``step``, which ``--step FILE`` reads too; ``step_fit``: r^2, the errors, the standard errors, the
+levels), where ``LoadTerms`` reads it (:func:`fit_steps`).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ from pydantic import BaseModel
 from scipy import optimize, stats
 
 from inputs.atomic import atomic_write
+from qsim.engines import STEP_FIELDS, Batching, StepFit, StepModel, engine_from_fields
+from qsim.runfile import LoggedStep
 from qsim.service import Fit, ServiceModel, fit
 
 from .auth import client_headers
@@ -88,13 +99,14 @@ class CalibrationConfig:
         if self.load_per_size < 1:
             raise ValueError(f"load_per_size must be >= 1, got {self.load_per_size}")
 
-    def load_levels(self, engines: int) -> tuple[int, ...]:
-        """The in-flight levels to measure on a server of ``engines`` engines: as asked (none above the
-        engines: the gate would queue them), or 2, 4, ... and ``engines`` itself."""
+    def load_levels(self, engines: int, unit: str = "engine(s)") -> tuple[int, ...]:
+        """The in-flight levels to measure on a server of ``engines`` engines (a batching server's: its seats in the
+        batch, ``unit`` says which): as asked (none above them: the gate would queue them), or 2, 4, ... and
+        ``engines`` itself."""
         if self.levels is not None:
             over = [n for n in self.levels if n > engines]
             if over:
-                raise ValueError(f"requests in flight {over} exceed the server's {engines} engine(s): the gate would "
+                raise ValueError(f"requests in flight {over} exceed the server's {engines} {unit}: the gate would "
                                  "queue them rather than run them at once")
             return tuple(sorted(set(self.levels)))
         doubling = [2 ** k for k in range(1, max(engines, 1).bit_length()) if 2 ** k <= engines]
@@ -105,13 +117,14 @@ class CalibrationConfig:
 class ServerFacts:
     """What the server says that prompts depend on: its tokenizer's name, the engine's context (None: no
     limit of its own) and the gate's caps on a prompt (tokens, characters; None: not said); and its engines,
-    which the load phase fills."""
+    which the load phase fills, or its batching engine (None: engines one at a time, or not said)."""
 
     tokenizer: str | None = None
     context: int | None = None
     max_prompt_tokens: int | None = None
     max_prompt_chars: int | None = None
     engines: int = 1
+    batching: Batching | None = None
 
     def longest_prompt(self, new_tokens: int) -> float:
         """The most prompt tokens a request of ``new_tokens`` new tokens may bring (inf: no limit)."""
@@ -137,7 +150,20 @@ def server_facts(health: Any, stats: Any) -> ServerFacts:
     said = _lenient(Stats, stats)
     limits = said.limits
     return ServerFacts(engine.tokenizer, _positive_int(engine.context), _positive_int(limits.max_prompt_tokens),
-                       _positive_int(limits.max_prompt_chars), _positive_int(said.engines) or 1)
+                       _positive_int(limits.max_prompt_chars), _positive_int(said.engines) or 1,
+                       _batching(said.server_config))
+
+
+def _batching(server_config: dict | None) -> Batching | None:
+    """The batching engine a gate's server config names (None: engines one at a time, or no config said); its
+    engine alone is read (a policy of the server's own need not be known here)."""
+    if server_config is None or "engine" not in server_config:
+        return None
+    try:
+        engine = engine_from_fields(server_config["engine"])
+    except ValueError:
+        return None
+    return engine if isinstance(engine, Batching) else None
 
 
 def _lenient(model: type[M], body: Any) -> M:
@@ -237,12 +263,15 @@ class LoadFit:
         return self.noise_cv_load if np.isfinite(self.noise_cv_load) else self.noise_cv_one
 
     def as_dict(self) -> dict:
-        def finite(value: float) -> float | None:
-            return float(value) if np.isfinite(value) else None
-
+        finite = _json_number
         return {"concurrency": self.concurrency, "noise_cv": finite(self.noise_cv), "speed_at_one": self.speed,
                 "noise_cv_one_at_a_time": finite(self.noise_cv_one), "noise_cv_under_load": finite(self.noise_cv_load),
                 "n": self.n, "busy_counts": {str(k): v for k, v in sorted(self.busy_counts.items())}}
+
+
+def _json_number(value: float) -> float | None:
+    """A number for the JSON: None where it is not finite (not measured; JSON has no NaN)."""
+    return float(value) if np.isfinite(value) else None
 
 
 def busy_at_start(started: np.ndarray, returned: np.ndarray) -> np.ndarray:
@@ -277,22 +306,78 @@ def fit_load(model: ServiceModel, tokens, prompt_tokens, engine_s, busy) -> Load
 
 
 @dataclass(frozen=True)
+class BatchLevel:
+    """A phase against a batching server: ``level`` requests in flight (1: the rounds, one at a time), the requests
+    it sent, and the steps the server ran meanwhile (its step log)."""
+
+    level: int
+    requests: int
+    steps: tuple[LoggedStep, ...]
+
+    def as_dict(self) -> dict:
+        running = np.array([s.sampling for s in self.steps], dtype=float)
+        return {"level": self.level, "requests": self.requests, "steps": len(self.steps),
+                "sampling_median": float(np.median(running)) if running.size else None,
+                "sampling_max": int(running.max()) if running.size else None}
+
+
+def step_seconds(step: LoggedStep) -> float:
+    """A logged step's seconds as the gate's core counted them (from its start to the gate having it back): what
+    the simulator's step takes, the engine's own time and the hop back to the gate's loop included."""
+    return float(step.ended) - float(step.began)
+
+
+def fit_steps(steps) -> StepFit:
+    """The step model fitted to logged steps (:class:`qsim.runfile.LoggedStep`; those without their composition,
+    from an older gate, are left out): :meth:`qsim.engines.StepModel.fit` of :func:`step_seconds` on the prefill
+    tokens, the sequences that produced a token and the context held."""
+    known = [s for s in steps if s.prefill_tokens >= 0]
+    if len(known) < 4:
+        raise ValueError(f"a step model needs at least 4 logged steps with what they computed, the server logged "
+                         f"{len(known)} (a qlab gate from before step compositions were logged?)")
+    return StepModel.fit([s.prefill_tokens for s in known], [s.sampling for s in known],
+                         [s.context for s in known], [step_seconds(s) for s in known])
+
+
+@dataclass(frozen=True)
+class StepCalibration:
+    """A batching server's step model, fitted to the steps of every phase (:func:`fit_steps`)."""
+
+    fit: StepFit
+    levels: tuple[BatchLevel, ...]
+
+    @property
+    def model(self) -> StepModel:
+        return self.fit.calibrated
+
+    def as_dict(self) -> dict:
+        f = self.fit
+        return {"median_rel_error": f.median_rel_error, "worst_rel_error": f.worst_rel_error, "cv": f.cv,
+                "r2": _json_number(f.r2), "n": f.n, "standard_errors": dict(zip(STEP_FIELDS, map(_json_number, f.se))),
+                "seconds": "gate: each step's start to the gate having it back",
+                "levels": [lv.as_dict() for lv in self.levels]}
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """The overall fit over every round, each round's own, and the load phase's levels and fit."""
+    """The overall fit over every round, each round's own, and the load phase's levels and fit (engines one at a
+    time) or the step model (a batching server)."""
 
     overall: Fit
     rounds: tuple[Round, ...]
     tokenizer: str | None = None
     levels: tuple[LoadLevel, ...] = ()
     load: LoadFit | None = None
+    steps: StepCalibration | None = None
 
     def as_dict(self) -> dict:
-        """The JSON that ``ServiceModel.load`` reads (its ``model`` key), ``LoadTerms.load`` too (its ``load``
-        key), and people read."""
+        """The JSON that ``ServiceModel.load`` reads (its ``model`` key), ``LoadTerms.load`` too (its ``load`` and
+        ``step`` keys; ``step`` is a step model file too, as ``--step FILE`` reads), and people read."""
         load = None if self.load is None else {**self.load.as_dict(), "levels": [lv.as_dict() for lv in self.levels]}
+        step = {} if self.steps is None else {"step": asdict(self.steps.model), "step_fit": self.steps.as_dict()}
         return {"model": asdict(self.overall.model), "median_rel_error": self.overall.median_rel_error,
                 "worst_rel_error": self.overall.worst_rel_error, "n": self.overall.n,
-                "prompt_tokenizer": self.tokenizer, "rounds": [r.as_dict() for r in self.rounds], "load": load}
+                "prompt_tokenizer": self.tokenizer, "rounds": [r.as_dict() for r in self.rounds], "load": load, **step}
 
     def save(self, path: str | Path) -> None:
         """Write the JSON whole or not at all (a resumed ``qlab live`` reuses it)."""
@@ -371,10 +456,11 @@ def _body(cfg: CalibrationConfig, text: str, tokens: int) -> dict:
 
 
 def measure_load(http: httpx.Client, cfg: CalibrationConfig, level: int, texts: dict[int, str],
-                 counts: dict[int, int]) -> LoadLevel:
-    """``level`` requests in flight at once: the schedule (``load_per_size`` repetitions) dealt to ``level``
-    workers, each sending its next request as its last is answered; busy at each start from the gate's clock."""
-    points = schedule(replace(cfg, per_size=cfg.load_per_size), tuple(texts))
+                 counts: dict[int, int], per_size: int | None = None) -> LoadLevel:
+    """``level`` requests in flight at once: the schedule (``per_size`` repetitions, default ``load_per_size``)
+    dealt to ``level`` workers, each sending its next request as its last is answered; busy at each start from the
+    gate's clock."""
+    points = schedule(replace(cfg, per_size=per_size or cfg.load_per_size), tuple(texts))
 
     def worker(share: list[tuple[int, int]]) -> list[Timings]:
         return [_timings(http, _body(cfg, texts[p], n)) for n, p in share]
@@ -391,28 +477,38 @@ def measure_load(http: httpx.Client, cfg: CalibrationConfig, level: int, texts: 
 
 def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
     """Warm up once, measure ``rounds`` rounds, fit each and all of them together; then the load levels, and
-    the concurrency term and noise around that fit."""
-    with httpx.Client(base_url=cfg.url, timeout=cfg.timeout_s, headers=client_headers()) as http:
+    the concurrency term and noise around that fit (engines one at a time) or the step model (a batching server)."""
+    # As many connections as requests in flight (httpx's default pool holds 100: a batch of 256 would queue).
+    with httpx.Client(base_url=cfg.url, timeout=cfg.timeout_s, headers=client_headers(),
+                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as http:
         facts = read_facts(http)
         lengths = prompt_schedule(cfg, facts)
         texts = {p: prompt_of(p, facts.tokenizer) for p in lengths}
         # The first request pays for lazy set-up (connections, allocator, kernels): not service time.
         _engine_seconds(http, {"prompt": texts[lengths[-1]], "max_new_tokens": max(cfg.sizes)})
         counts = counted_by_gate(http, texts) if len(lengths) > 1 else {p: p for p in lengths}
+        since = gate_clock(http) if facts.batching is not None else None
         rounds = []
         for number in range(1, cfg.rounds + 1):
             rounds.append(measure_round(http, cfg, number, texts, counts))
             if progress:
                 progress(rounds[-1])
-        levels = []
-        for level in cfg.load_levels(facts.engines):
-            levels.append(measure_load(http, cfg, level, texts, counts))
-            if progress:
-                progress(levels[-1])
+        if facts.batching is not None:
+            batch = [BatchLevel(1, sum(len(r.tokens) for r in rounds), fetch_steps(http, since))]
+            batch.extend(measure_batches(http, cfg, facts.batching, texts, counts, progress))
+        else:
+            levels = []
+            for level in cfg.load_levels(facts.engines):
+                levels.append(measure_load(http, cfg, level, texts, counts))
+                if progress:
+                    progress(levels[-1])
     tokens = np.concatenate([r.tokens for r in rounds])
     prompt_tokens = np.concatenate([r.prompt_tokens for r in rounds])
     seconds = np.concatenate([r.engine_s for r in rounds])
     overall = fit(tokens, seconds, prompt_tokens=prompt_tokens)
+    if facts.batching is not None:  # a batch's requests share each step: the step model, no concurrency term
+        steps = StepCalibration(fit_steps([s for level in batch for s in level.steps]), tuple(batch))
+        return Calibration(overall, tuple(rounds), facts.tokenizer, steps=steps)
     # The rounds ran one at a time: busy 1 each.
     every = [*((r.tokens, r.prompt_tokens, r.engine_s, (1,) * len(r.tokens)) for r in rounds),
              *((lv.tokens, lv.prompt_tokens, lv.engine_s, lv.busy) for lv in levels)]
@@ -420,9 +516,67 @@ def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
     return Calibration(overall, tuple(rounds), facts.tokenizer, tuple(levels), load)
 
 
-def report(step: Round | LoadLevel) -> str:
+def measure_batches(http: httpx.Client, cfg: CalibrationConfig, batching: Batching, texts: dict[int, str],
+                    counts: dict[int, int], progress=None) -> list[BatchLevel]:
+    """A batching server under load: at each level (2, 4, ... up to its ``max_num_seqs``, or as asked) the
+    schedule sent with that many in flight (:func:`measure_load`; repeated at least ``level`` times, so that each
+    worker sends about one request of each size: the batch is full for most of the phase, not only until the
+    first workers run out), and the steps the server ran meanwhile."""
+    measured = []
+    for level in cfg.load_levels(batching.max_num_seqs, "seats in the batch (max_num_seqs)"):
+        since = gate_clock(http)
+        per_size = max(cfg.load_per_size, level)
+        sent = measure_load(http, cfg, level, texts, counts, per_size)
+        measured.append(BatchLevel(level, len(sent.tokens), fetch_steps(http, since)))
+        if progress:
+            progress(measured[-1])
+    return measured
+
+
+def gate_clock(http: httpx.Client) -> float:
+    """The gate's clock now (``/stats``' ``clock``): where a phase's steps begin in its step log."""
+    response = http.get("/stats")
+    clock = _lenient(Stats, response.json() if response.status_code == 200 else None).clock
+    if clock is None:
+        raise ValueError(f"GET /stats does not say the gate's clock (HTTP {response.status_code}): a batching "
+                         "server's steps cannot be read back")
+    return num(clock)
+
+
+def fetch_steps(http: httpx.Client, since: float) -> tuple[LoggedStep, ...]:
+    """The steps a batching gate woke for at ``since`` or later (its clock; ``/stats?steps_since=``'s step log)."""
+    response = http.get("/stats", params={"steps_since": repr(since)})
+    if response.status_code != 200:
+        raise ValueError(f"GET /stats?steps_since= answered HTTP {response.status_code}")
+    return tuple(LoggedStep(*row) for row in response.json().get("step_log", []))
+
+
+def report(step: Round | LoadLevel | BatchLevel) -> str:
     """A line on one step of :func:`calibrate` as it ends (its ``progress``): a round's fit, or a load level."""
-    return describe(step, f"round {step.round}") if isinstance(step, Round) else describe_level(step)
+    if isinstance(step, Round):
+        return describe(step, f"round {step.round}")
+    return describe_level(step) if isinstance(step, LoadLevel) else describe_batch(step)
+
+
+def describe_batch(level: BatchLevel) -> str:
+    said = level.as_dict()
+    batch = ("" if not level.steps else f", sequences producing a token per step: median {said['sampling_median']:g}, "
+             f"max {said['sampling_max']}")
+    return f"{level.level} in flight: {level.requests} requests, {said['steps']} steps{batch}"
+
+
+def describe_terms(result: Calibration) -> str:
+    """What the calibration fitted beside the line, in one line: the concurrency term and the noise (engines one at
+    a time), or the step model (a batching server)."""
+    return describe_load(result.load) if result.steps is None else describe_steps(result.steps)
+
+
+def describe_steps(steps: StepCalibration) -> str:
+    """The fitted step model and how well it fits, in one line."""
+    m, f = steps.model, steps.fit
+    return (f"step model: {m.b0 * 1e3:.3f} ms + {m.b1 * 1e6:.3f} us/prefill token + {m.b2 * 1e6:.1f} us/sequence + "
+            f"{m.b3 * 1e9:.2f} ns/context token, CV {m.cv:.3f}; r^2 {f.r2:.3f}, error on one step: median "
+            f"{f.median_rel_error:.1%}, worst {f.worst_rel_error:.1%}; {f.n} steps")
 
 
 def describe_level(level: LoadLevel) -> str:

@@ -470,8 +470,8 @@ async def fetch_stats(lanes: Lanes) -> tuple[dict, float]:
 
 
 async def fetch_steps(lanes: Lanes, since: float) -> list:
-    """A batching server's steps woken for at ``since`` or later (its clock): [woken, began, ended, engine seconds,
-    model seconds] each (/stats' step_log)."""
+    """A batching server's steps woken for at ``since`` or later (its clock): :class:`qsim.runfile.LoggedStep`'s
+    fields each (/stats' step_log)."""
     response = await lanes.send(lanes.request("GET", "/stats", params={"steps_since": repr(since)}))
     if response.status_code != 200:
         raise ValueError(f"GET /stats?steps_since= answered HTTP {response.status_code}")
@@ -550,7 +550,7 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
     frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
     if steps is not None:
         zero = t0 + offset
-        frame = frame.assign(**batch_step_columns([[w - zero, b - zero, e - zero, r, m] for w, b, e, r, m in steps],
+        frame = frame.assign(**batch_step_columns([[w - zero, b - zero, e - zero, *rest] for w, b, e, *rest in steps],
                                                   len(frame)))
     first = frame["first_request_id"].to_numpy()
     frame["prompt_capped"] = plan.capped[first]

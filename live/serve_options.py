@@ -34,6 +34,7 @@ from inputs.batchflags import (BATCHING_FLAGS, BATCHING_HELP, BATCHING_ONLY, NO_
 from inputs.tomlfiles import ConfigError
 from qsim.engines import Batching
 from qsim.policy import PRESETS, from_options, policy_spec
+from qsim.service import LoadTerms
 
 from .engine import parse_schedule
 
@@ -133,7 +134,8 @@ class ServeOptions:
     stall_after: float = _option(5.0, "... and at least this long (default 5 s); its request then ends as an "
                                       "engine_error", type=argtypes.positive, metavar="SECONDS")
     seed: int = _option(0, "random weights and synthetic noise", type=argtypes.count)
-    service_model: str = _option("", "JSON with intercept_s and per_token_s (from qlab calibrate)")
+    service_model: str = _option("", "JSON with intercept_s and per_token_s (from qlab calibrate); with --batching "
+                                     "its fitted step model too, where --step does not say one")
     fixed_estimate: bool = _option(False, "do not track speed: keep the calibrated estimate")
     api_key: str | None = _option(None, "every /v1/ route wants Authorization: Bearer KEY (default: the QLAB_API_KEY "
                                         "environment variable, which other users cannot read in the process list; "
@@ -191,6 +193,9 @@ class ServeOptions:
         for bad, why in unfit:
             if bad:
                 raise ValueError(why)
+        calibrated = LoadTerms.load(self.service_model).step
+        if self.step is None and calibrated is not None:  # --step given wins over the calibration's
+            batching = replace(batching, step=calibrated)
         if self.noise:  # the spread of a step's time around the model (a gamma of mean 1), the simulator's too
             batching = replace(batching, step=replace(batching.step, cv=self.noise))
         return batching

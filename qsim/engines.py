@@ -20,7 +20,7 @@ file and ``qlab compare``. Two:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -85,8 +85,21 @@ class StepModel:
         return self.b0 + self.b1 * prefill + self.b2 * seqs + self.b3 * context
 
     @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> "StepModel":
+        """From a table of the fields (b0 ... cv; any may be absent: its default), as a step model file, a
+        calibration's ``step`` and a run file's server config hold it; ValueError naming what is wrong."""
+        if not isinstance(raw, Mapping) or set(raw) - set(STEP_FIELDS):
+            raise ValueError(f"a step model is a table of {', '.join(STEP_FIELDS)}, got {raw!r}")
+        try:
+            return cls(**{k: float(v) for k, v in raw.items()})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad step model {dict(raw)!r}: {exc}") from None
+
+    @classmethod
     def fit(cls, prefill, seqs, context, seconds) -> "StepFit":
-        """Non-negative least squares (scipy's lsq_linear) of measured steps' times on the four terms."""
+        """Non-negative least squares (scipy's lsq_linear) of measured steps' times on the four terms; the fit's
+        errors on one step, the CV of steps around it, r^2, and each coefficient's standard error (White's
+        heteroscedasticity-consistent one: a step's spread grows with its time)."""
         x = np.column_stack([np.ones(len(seconds)), np.asarray(prefill, float), np.asarray(seqs, float),
                              np.asarray(context, float)])
         y = np.asarray(seconds, dtype=float)
@@ -96,18 +109,46 @@ class StepModel:
         model = cls(*map(float, b))
         rel = np.abs(x @ b - y) / np.where(y > 0, y, np.nan)
         resid = y / np.where(x @ b > 0, x @ b, np.nan)
-        return StepFit(model, float(np.nanmedian(rel)), float(np.nanmax(rel)), float(np.nanstd(resid)), len(y))
+        return StepFit(model, float(np.nanmedian(rel)), float(np.nanmax(rel)), float(np.nanstd(resid)), len(y),
+                       _r2(y, x @ b), _standard_errors(x, y - x @ b))
+
+
+def _r2(y: np.ndarray, fitted: np.ndarray) -> float:
+    total = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - float(np.sum((y - fitted) ** 2)) / total if total > 0 else math.nan
+
+
+def _standard_errors(x: np.ndarray, resid: np.ndarray) -> tuple[float, ...]:
+    """White's (HC0) standard error of each coefficient; NaN for a term the steps did not vary (its column is
+    constant or zero: the intercept takes it, and nothing can be said of it alone)."""
+    xtx_inv = np.linalg.pinv(x.T @ x)
+    cov = xtx_inv @ (x.T * resid**2) @ x @ xtx_inv
+    varied = np.array([True, *(np.ptp(x[:, k]) > 0 for k in range(1, x.shape[1]))])
+    return tuple(float(np.sqrt(v)) if ok and v >= 0 else math.nan for v, ok in zip(np.diag(cov), varied))
+
+
+#: A step model's fields, in order (what ``--step B0,B1,B2,B3[,CV]`` gives).
+STEP_FIELDS = ("b0", "b1", "b2", "b3", "cv")
 
 
 @dataclass(frozen=True)
 class StepFit:
-    """A fitted step model, its median and worst relative error on one step, and the CV of steps around it."""
+    """A fitted step model (its ``cv`` 0: the spread is :attr:`cv`), its median and worst relative error on one
+    step, the CV of steps around it (each step's time over the model's), the number of steps, r^2, and the
+    standard errors of b0 ... b3 (NaN: a term the steps did not vary)."""
 
     model: StepModel
     median_rel_error: float
     worst_rel_error: float
     cv: float
     n: int
+    r2: float = math.nan
+    se: tuple[float, ...] = ()
+
+    @property
+    def calibrated(self) -> StepModel:
+        """The fitted model with the spread of steps around it as its CV: what a simulator draws from."""
+        return replace(self.model, cv=self.cv)
 
 
 #: vLLM's defaults for an OpenAI-compatible server on a GPU under 70 GiB (its EngineArgs.get_batch_defaults).

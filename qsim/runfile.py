@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -101,15 +101,32 @@ def speed_schedule(run: pd.DataFrame) -> SpeedSchedule | None:
     return SpeedSchedule(float(data["base"]), tuple((float(t), float(v)) for t, v in data["steps"]))
 
 
-#: The column of a batching server's steps during the run: JSON [[woken_s, began_s, ended_s, engine_s, model_s], ...],
-#: times on the run's clock (woken: when an arrival woke the idle engine for it, its start where it followed a step;
-#: model_s: the gate's step model's seconds for what it computed).
+#: The column of a batching server's steps during the run: JSON [[woken_s, began_s, ended_s, engine_s, model_s,
+#: prefill_tokens, sampling, context], ...] (a :class:`LoggedStep` each), times on the run's clock.
 BATCH_STEPS = "batch_steps"
+
+
+class LoggedStep(NamedTuple):
+    """One step of a batching gate's step log (``/stats?steps_since=``'s ``step_log``, a run file's
+    ``batch_steps``): when an arrival woke the idle engine for it (its start where it followed a step), when the
+    core began it, when the gate had it back (the gate's clock, or the run's), the engine's own seconds, the
+    gate's step model's seconds for it; and what it computed, as the step model reads it: prefill tokens, the
+    sequences that produced a token, the context tokens held (-1: a log from before they were recorded). What
+    ``qlab compare`` replays with, and ``qlab calibrate`` fits a step model to."""
+
+    woken: float
+    began: float
+    ended: float
+    engine_s: float
+    model_s: float
+    prefill_tokens: int = -1
+    sampling: int = -1
+    context: int = -1
 
 
 def batch_step_columns(steps: list, n: int) -> dict[str, Any]:
     """The constant column of a run of ``n`` rows against a batching server whose steps were ``steps``
-    ([woken_s, began_s, ended_s, the engine's seconds, the step model's seconds] each, times on the run's clock)."""
+    (:class:`LoggedStep` fields each, times on the run's clock)."""
     return {BATCH_STEPS: pd.array([json.dumps(steps)] * n, dtype="string")}
 
 
@@ -120,8 +137,8 @@ def batch_step_times(run: pd.DataFrame) -> list[tuple[float, float, float]] | No
     raw = constant(run, BATCH_STEPS) if BATCH_STEPS in run.columns else None
     if raw is None:
         return None
-    return [(float(began) - float(woken), float(ended) - float(began), float(engine))
-            for woken, began, ended, engine, _ in json.loads(str(raw))]
+    steps = [LoggedStep(*row) for row in json.loads(str(raw))]
+    return [(float(s.began) - float(s.woken), float(s.ended) - float(s.began), float(s.engine_s)) for s in steps]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from scipy import optimize, stats
 
+from .engines import StepModel
+
 
 @dataclass(frozen=True)
 class ServiceModel:
@@ -82,11 +84,13 @@ class ServiceModel:
 class LoadTerms:
     """What ``qlab calibrate`` measured beside the line, under load: ``concurrency``, the slowdown per other busy
     engine (:class:`qsim.engines.OneAtATime`), and ``noise_cv``, the CV of one request's time around the model x
-    that slowdown (None: not measured). A calibration file without them (an older ``qlab calibrate``'s) reads as
-    no slowdown, noise not said."""
+    that slowdown (None: not measured); against a batching server, ``step``: the step model fitted to the steps it
+    ran, its CV the spread of a step around the fit (None: not a batching server's calibration). A calibration file
+    without them (an older ``qlab calibrate``'s) reads as no slowdown, noise not said, no step model."""
 
     concurrency: float = 0.0
     noise_cv: float | None = None
+    step: StepModel | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("concurrency", self.concurrency), ("noise_cv", self.noise_cv)):
@@ -95,20 +99,25 @@ class LoadTerms:
 
     @classmethod
     def load(cls, path: str | Path | None) -> "LoadTerms":
-        """The terms of a calibration JSON (its ``load`` key); none (None, or a file without the key) reads as
-        :class:`LoadTerms`'s defaults."""
+        """The terms of a calibration JSON (its ``load`` and ``step`` keys); none (None, or a file without the keys)
+        reads as :class:`LoadTerms`'s defaults."""
         if not path:
             return cls()
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: cannot read a calibration: {exc}") from None
-        load = data.get("load") if isinstance(data, dict) else None
+        data = data if isinstance(data, dict) else {}
+        load, step = data.get("load"), data.get("step")
+        try:
+            step = None if step is None else StepModel.from_fields(step)
+        except ValueError as exc:
+            raise ValueError(f"{path}: bad calibrated step model ({exc})") from None
         if not isinstance(load, dict):
-            return cls()
+            return cls(step=step)
         try:
             concurrency, cv = load.get("concurrency"), load.get("noise_cv")
-            return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv))
+            return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv), step)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad calibrated load terms ({exc})") from None
 

@@ -106,7 +106,7 @@ def test_a_runs_own_steps_replayed_give_its_rows():
     gate, stats = run_gate(trace, None, 1, config=config)
     log = stats["step_log"]
     assert len(log) == stats["batching"]["steps"] > 100
-    times = [(began - woken, ended - began, engine) for woken, began, ended, engine, _ in log]
+    times = [(began - woken, ended - began, engine) for woken, began, ended, engine, *_ in log]
     replayed = simulate(trace, config.replace(seed=4), step_times=times)
     assert gate["outcome"].tolist() == replayed["outcome"].tolist()
     np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
