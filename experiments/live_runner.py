@@ -60,9 +60,14 @@ def trace_for(spec: TraceSpec, model: ServiceModel, engines: int, base: Path, pa
     """A [[trace]] entry's trace (a file's path is relative to the config file's folder), its clients'
     patience drawn from ``patience`` ([replay] patience; None: a trace file's own column, if any)."""
     # A nominal load is relative to the calibrated capacity: make_trace's load at speed 1 (the calibration).
-    return build_trace(base / spec.file if spec.file else None, time_scale=spec.time_scale, arrivals=spec.arrivals,
-                       load=spec.load, engines=engines, seconds=spec.seconds, requests=spec.requests,
-                       default_seconds=DEFAULT_SECONDS, seed=spec.seed, model=model, patience=patience)
+    # A trace file's start, seconds and nominal_load are its window (qlab replay's --start, --seconds and
+    # --nominal-load beside --trace: one rule, qsim.tracefiles.TraceWindow).
+    if spec.file:
+        return build_trace(base / spec.file, time_scale=spec.time_scale, engines=engines, seed=spec.seed,
+                           model=model, patience=patience, window=spec.window)
+    return build_trace(None, arrivals=spec.arrivals, load=spec.load, engines=engines, seconds=spec.seconds,
+                       requests=spec.requests, default_seconds=DEFAULT_SECONDS, seed=spec.seed, model=model,
+                       patience=patience)
 
 
 def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> str:

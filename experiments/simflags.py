@@ -12,7 +12,7 @@ import argparse
 from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int
 from qsim.service import parse_schedule
-from qsim.tracefiles import TraceWindow
+from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.workload import ARRIVALS
 
 from .config import parse_used
@@ -92,9 +92,5 @@ def trace_window(args, load: float | None, load_flag: str) -> TraceWindow | None
         if args.start is not None:
             raise ValueError("--start applies only with --trace")
         return None
-    if args.requests is not None:
-        raise ValueError("--requests applies to synthetic arrivals; with --trace take a window with --start and "
-                         "--seconds")
-    if load is not None and args.time_scale != 1.0:
-        raise ValueError(f"{load_flag} and --time-scale both set the trace's rate: give one or the other")
-    return TraceWindow(args.start, args.seconds, load)
+    return TraceWindow.asked(args.start, args.seconds, load, requests=args.requests, time_scale=args.time_scale,
+                             names=WindowNames(load=load_flag))

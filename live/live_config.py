@@ -47,7 +47,11 @@ nominal_load = [0.5, 1.0]  # arrival rate / the calibrated capacity of `engines`
                          # adds effective_load = nominal x engine time / calibrated time); `load` is refused
 seconds = 40             # or requests = N (a burst needs neither)
 seed = 1
-# file = "trace.csv"     # a trace file instead (arrivals/nominal_load/seconds then unused); time_scale = 1.0
+# file = "trace.csv"     # a trace file instead (arrivals then unused); time_scale = 1.0. As qlab replay's --trace
+                         # with --start/--seconds/--nominal-load: start = S and seconds = N take the requests
+                         # arriving in [S, S+N) of the file, and nominal_load scales that window's times to that
+                         # load (qsim.tracefiles.TraceWindow); requests, and nominal_load beside time_scale, are
+                         # refused
 ```
 """
 
@@ -61,6 +65,7 @@ from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_
 from qsim import PRESETS
 from qsim.clients import Patience, RetryPolicy
 from qsim.policy import args_tables, resolve
+from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.workload import arrivals_take_load, check_load, parse_arrivals
 
 from .loadgen import APIS
@@ -75,7 +80,10 @@ PROBE_KEYS = {"requests": int, "max_new_tokens": int}
 REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "context_tokens": int, "patience": str,
                "patience_until": str, "api": str}
 TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seconds": float, "requests": int,
-              "seed": int, "file": str, "time_scale": float}
+              "seed": int, "file": str, "time_scale": float, "start": float}
+#: A [[trace]]'s keys under the names a trace window's refusals use.
+WINDOW_KEYS = WindowNames(trace="file", start="start", seconds="seconds", requests="requests", load="nominal_load",
+                          time_scale="time_scale")
 #: Keys that were renamed: an old file is refused with the new name rather than run with another meaning.
 RENAMED_TRACE_KEYS = {"load": ("nominal_load", "a live trace's rate is relative to the calibrated capacity; "
                                                "`load` means utilisation at the simulated speed")}
@@ -115,7 +123,8 @@ class ReplaySettings:
 
 @dataclass(frozen=True)
 class TraceSpec:
-    """One trace of the experiment; exactly one of (arrivals with nominal_load) or file."""
+    """One trace of the experiment; exactly one of (arrivals with nominal_load) or file (with, optionally, a window:
+    start, seconds and nominal_load, as qlab replay's --start, --seconds and --nominal-load beside --trace)."""
 
     name: str
     arrivals: str = "poisson"
@@ -125,11 +134,24 @@ class TraceSpec:
     seed: int = 1
     file: str | None = None
     time_scale: float = 1.0
+    start: float | None = None
+    file_load: bool = False  # a file's nominal_load was given: its window is scaled to it
 
     @property
     def load(self) -> float | None:
-        """The nominal load the trace is built at: None for a trace file or a burst of its own size (no load)."""
-        return None if self.file or not arrivals_take_load(self.arrivals) else self.nominal_load
+        """The nominal load the trace is built at: None for a burst of its own size, or a trace file whose rate
+        is its own (no load)."""
+        if self.file:
+            return self.nominal_load if self.file_load else None
+        return self.nominal_load if arrivals_take_load(self.arrivals) else None
+
+    @property
+    def window(self) -> TraceWindow | None:
+        """A trace file's window (None: synthetic arrivals)."""
+        if not self.file:
+            return None
+        return TraceWindow.asked(self.start, self.seconds, self.load, requests=self.requests,
+                                 time_scale=self.time_scale, names=WINDOW_KEYS)
 
 
 @dataclass(frozen=True)
@@ -208,9 +230,18 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
         for v in loads:
             positive_value(f"{where}.nominal_load", v)
         positive_value(f"{where}.seed", t.get("seed", 0), zero_ok=True)
+        if "start" in t:
+            positive_value(f"{where}.start", t["start"], zero_ok=True)
         if "file" in t:
             if not (Path(path).parent / t["file"]).is_file():
                 _fail(f"{where}.file", f"no such trace file {t['file']!r} (relative to the config file)")
+            t["file_load"] = given
+            try:
+                TraceSpec(name=name, nominal_load=loads[0], **t).window  # what a trace file cannot take
+            except ValueError as exc:
+                _fail(where, str(exc))
+        elif "start" in t:
+            _fail(f"{where}.start", "a window's start applies to a trace file (file = ...)")
         else:
             try:
                 kind, _ = parse_arrivals(t.get("arrivals", "poisson"))

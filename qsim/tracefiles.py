@@ -202,6 +202,19 @@ def load_trace(
 
 
 @dataclass(frozen=True)
+class WindowNames:
+    """What a window's options are called where they were given (the command line's flags by default), for its
+    refusals."""
+
+    trace: str = "--trace"
+    start: str = "--start"
+    seconds: str = "--seconds"
+    requests: str = "--requests"
+    load: str = "--load"
+    time_scale: str = "--time-scale"
+
+
+@dataclass(frozen=True)
 class TraceWindow:
     """Which part of a trace file a run takes, and at what rate: ``--start``, ``--seconds`` and the load
     (``qlab simulate --load``, ``qlab replay --nominal-load``) beside ``--trace``.
@@ -231,6 +244,20 @@ class TraceWindow:
         for name, value in (("seconds", self.seconds), ("load", self.load)):
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"a trace window's {name} must be a positive number, got {value}")
+
+    @classmethod
+    def asked(cls, start_s: float | None, seconds: float | None, load: float | None, *, requests: int | None = None,
+              time_scale: float = 1.0, names: WindowNames | None = None) -> TraceWindow:
+        """The window that a command's (or a config's) options ask of a trace file, refusing (ValueError, one line,
+        in ``names``' words) what a trace file cannot take: a number of requests (a window is in seconds), and a
+        load beside a time scale (both would set the file's rate)."""
+        n = names or WindowNames()
+        if requests is not None:
+            raise ValueError(f"{n.requests} applies to synthetic arrivals; with {n.trace} take a window with "
+                             f"{n.start} and {n.seconds}")
+        if load is not None and time_scale != 1.0:
+            raise ValueError(f"{n.load} and {n.time_scale} both set the trace's rate: give one or the other")
+        return cls(start_s, seconds, load)
 
     @property
     def whole(self) -> bool:

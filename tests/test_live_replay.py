@@ -23,7 +23,7 @@ from live.rows import Exchange, classify  # noqa: E402
 from analysis.compare import run_setup  # noqa: E402
 from live.procs import serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
-from qsim import ServiceModel, from_arrays, make_trace, records  # noqa: E402
+from qsim import ServiceModel, build_trace, from_arrays, make_trace, records  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +265,51 @@ def test_shipped_live_toml_parses_into_the_reference_passes():
     assert loads == [0.5, 1.0, 1.5, 2.0] and all(t.seconds == 40 for t in cfg.traces if t.arrivals == "poisson")
     assert any(t.arrivals == "burst:30" for t in cfg.traces)
     assert runner.rotated(cfg.policies, 1)[0] == cfg.policies[1]
+
+
+def _file_trace(tmp_path, keys: str) -> live_config.LiveConfig:
+    """A [[trace]] of a 100-request file (one a second) with ``keys`` beside its file."""
+    pd.DataFrame({"arrival_s": np.arange(100.0), "max_new_tokens": 64}).to_csv(tmp_path / "t.csv", index=False)
+    path = tmp_path / "live.toml"
+    path.write_text(f"[[trace]]\nname = 'f'\nfile = 't.csv'\n{keys}")
+    return live_config.load(path)
+
+
+def test_a_live_trace_file_takes_its_window_and_load_as_qlab_replay_does(tmp_path):
+    from qsim.tracefiles import TraceWindow
+    model = ServiceModel()
+    whole = runner.trace_for(_file_trace(tmp_path, "").traces[0], model, 2, tmp_path)
+    assert len(whole) == 100 and "window" not in whole.meta  # nothing asked: the file as it is
+    spec = _file_trace(tmp_path, "start = 10\nseconds = 20\nnominal_load = 1.5\n").traces[0]
+    trace = runner.trace_for(spec, model, 2, tmp_path)
+    # The one rule qlab replay --trace --start --seconds --nominal-load applies (the same window, the same rows).
+    expected = build_trace(tmp_path / "t.csv", engines=2, model=model, window=TraceWindow(10.0, 20.0, 1.5))
+    assert len(trace) == 20 and np.array_equal(trace.arrival_s, expected.arrival_s)
+    assert trace.meta["window"]["load"] == 1.5 and trace.meta["window"]["time_factor"] != 1.0
+    assert spec.load == 1.5  # the summary's nominal load: the window's
+    unscaled = runner.trace_for(_file_trace(tmp_path, "seconds = 20\n").traces[0], model, 2, tmp_path)
+    assert len(unscaled) == 20 and unscaled.meta["window"]["time_factor"] == 1.0
+    assert _file_trace(tmp_path, "seconds = 20\n").traces[0].load is None  # the file's own rate: no load
+
+
+@pytest.mark.parametrize("keys, message", [
+    ("requests = 5\n", "trace[0]: requests applies to synthetic arrivals; with file take a window with start and "
+                       "seconds"),
+    ("nominal_load = 2\ntime_scale = 0.5\n", "trace[0]: nominal_load and time_scale both set the trace's rate"),
+    ("start = -1\n", "trace[0].start: must be >= 0"),
+])
+def test_what_a_live_trace_file_cannot_take_is_refused_in_one_line(tmp_path, capsys, keys, message):
+    with pytest.raises(live_config.ConfigError, match=re.escape(message)):
+        _file_trace(tmp_path, keys)
+    assert main(["live", str(tmp_path / "live.toml"), "--out", str(tmp_path / "never")]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and message in said and "Traceback" not in said
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_start_without_a_trace_file_is_refused(tmp_path):
+    path = tmp_path / "live.toml"
+    path.write_text("[[trace]]\nname = 'p'\nseconds = 2\nstart = 1\n")
+    with pytest.raises(live_config.ConfigError, match=re.escape("trace[0].start: a window's start applies to a "
+                                                                "trace file")):
+        live_config.load(path)
