@@ -204,6 +204,21 @@ class ErrorEnvelope(BaseModel):
     error: ErrorDetail
 
 
+#: A streamed answer's finish_reason when the server stopped it before its end (vLLM's and SGLang's word for a
+#: request they abort; the openai SDK passes any finish_reason through).
+STOPPED = "abort"
+
+
+class Stopped(BaseModel):
+    """Why the gate stopped a streamed answer after its first piece, on its last chunk (``qlab_stopped``, beside
+    finish_reason :data:`STOPPED`): the status and the error object its handler answers the same stop unstreamed
+    (a cut at the deadline: 504 ``deadline_exceeded``, with its numbers). Not ``error``: the openai SDK raises on
+    an event with an ``error`` key, and an answer the gate cut is a partial answer, not a failure."""
+
+    status: int
+    error: ErrorDetail
+
+
 def error_json(type_: str, reason: str, message: str, numbers: dict | None = None,
                retry_after_s: int | None = None) -> str:
     """The envelope's JSON (non-finite numbers as null: JSON has neither NaN nor infinity)."""
@@ -532,7 +547,7 @@ class QlabInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
     logprobs: None = None
 
 
@@ -552,6 +567,7 @@ class Completion(_AnswerHead):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     qlab: QlabInfo | None = None
+    qlab_stopped: Stopped | None = None  # the gate stopped it after its first piece (finish_reason abort)
 
 
 class AssistantMessage(BaseModel):
@@ -581,7 +597,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
     logprobs: None = None
 
 
@@ -590,6 +606,7 @@ class ChatCompletionChunk(_AnswerHead):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     qlab: QlabInfo | None = None
+    qlab_stopped: Stopped | None = None
 
 
 class ModelCard(BaseModel):
@@ -673,14 +690,16 @@ class EventChoice(BaseModel):
 class AnswerEvent(BaseModel):
     """One ``data:`` event of any OpenAI-compatible server's streamed answer, or its whole answer, as the
     replayer reads it (:mod:`live.openai_replay`); qlab's :class:`Completion` and :class:`ChatCompletionChunk`
-    are such events. Lenient (other servers say more, or less); ``qlab``: a qlab gate's part; ``error``: an
-    error event (its content is not read)."""
+    are such events. Lenient (other servers say more, or less); ``qlab``: a qlab gate's part; ``qlab_stopped``: a
+    qlab gate's word that it stopped the answer (:class:`Stopped`); ``error``: an error event (its content is not
+    read)."""
 
     model_config = _OPEN
 
     choices: list[EventChoice] | None = None
     usage: EventUsage | None = None
     qlab: QlabInfo | None = None
+    qlab_stopped: Stopped | None = None
     error: Any = None
 
 

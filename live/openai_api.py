@@ -34,9 +34,14 @@ timings, (with ``stream_options.include_usage``) a chunk with ``usage``, then ``
 response starts with the first piece: until then a refusal or a failure is a plain JSON error with its
 status (never a stream), and an engine without ``emit`` streams its whole answer at the end, as before.
 A failure after the first piece (an upstream that errors, times out or hangs up mid-stream, an engine
-error, a stall, a cut at the deadline, the server's graceful shutdown running out of time) ends the
+error, a stall, the server's graceful shutdown running out of time) ends the
 stream with one event holding the error envelope its handler would have answered (``data: {"error":
-{...}}``, on which the openai SDK raises ``APIError``), then ``data: [DONE]``. A client that hangs up
+{...}}``, on which the openai SDK raises ``APIError``), then ``data: [DONE]``. A cut at the deadline
+after the first piece is not a failure but the gate stopping the answer: its last chunk says
+``finish_reason: "abort"`` (what vLLM and SGLang send for a request they abort; the openai SDK passes
+it through) and, in ``qlab_stopped``, the status and error object the handler answers the cut unstreamed
+(504 ``deadline_exceeded``, reason ``deadline_passed``, with its numbers), then ``data: [DONE]``: a
+client keeps the text it got, and ``qlab replay --api openai`` records the outcome the gate recorded. A client that hangs up
 mid-stream cancels the future, so the run's Cancel is set.
 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
@@ -67,11 +72,12 @@ from .contract import (CHAT_FIELDS, OWNER, SAMPLING_FIELDS, Admission, Assistant
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
                        Usage, request_models)
+from .contract import STOPPED, ErrorEnvelope, Stopped
 from .contract import Limits
 from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
                        shutdown_response, stopped_by_shutdown)
 from .engine import Asked
-from .gate import END, Answer, Gate, Job, Rejected, Streamed
+from .gate import END, Answer, DeadlineCut, Gate, Job, Rejected, Streamed
 from .request_io import deadline_header, outcome, read_body, until_disconnect, with_headers
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
@@ -228,6 +234,12 @@ async def _error_event(request: Request, exc: Exception) -> str:
     return _as_event(await answer_for(request, exc))
 
 
+async def _stopped(request: Request, exc: Exception) -> Stopped:
+    """Why the gate stopped a streamed answer: the status and error its handler answers ``exc`` unstreamed."""
+    response = await answer_for(request, exc)
+    return Stopped(status=response.status_code, error=ErrorEnvelope.model_validate_json(bytes(response.body)).error)
+
+
 #: A stream's end when the server's shutdown cancels it (:func:`live.envelope.shutdown_response`).
 SHUTDOWN_EVENT = _as_event(shutdown_response()) + DONE_EVENT
 
@@ -266,11 +278,13 @@ class _Run:
 @dataclass(frozen=True)
 class _Shape:
     """A streamed answer's events: those before the text (chat's role chunk), one for a piece of text
-    (the first piece after ``prefix``: an echoed prompt), and those after it (finish_reason, qlab, usage)."""
+    (the first piece after ``prefix``: an echoed prompt), those after it (finish_reason, qlab, usage), and the
+    last one of an answer the gate stopped (finish_reason abort, and why: :class:`~live.contract.Stopped`)."""
 
     lead: tuple[BaseModel, ...]
     piece: Callable[[str], BaseModel]
     tail: Callable[[_Run], list[BaseModel]]
+    stopped: Callable[[Stopped], BaseModel]
     prefix: str = ""
 
 
@@ -282,7 +296,10 @@ def _completion_shape(head: dict, include_usage: bool, prefix: str) -> _Shape:
         last = Completion(**head, choices=[CompletionChoice(text="", finish_reason=run.finish_reason)], qlab=run.qlab)
         return [last, *([Completion(**head, choices=[], usage=run.usage)] if include_usage else [])]
 
-    return _Shape((), piece, tail, prefix)
+    def stopped(why: Stopped) -> BaseModel:
+        return Completion(**head, choices=[CompletionChoice(text="", finish_reason=STOPPED)], qlab_stopped=why)
+
+    return _Shape((), piece, tail, stopped, prefix)
 
 
 def _chat_shape(head: dict, include_usage: bool) -> _Shape:
@@ -294,8 +311,12 @@ def _chat_shape(head: dict, include_usage: bool) -> _Shape:
         last = ChatCompletionChunk(**head, choices=[done], qlab=run.qlab)
         return [last, *([ChatCompletionChunk(**head, choices=[], usage=run.usage)] if include_usage else [])]
 
+    def stopped(why: Stopped) -> BaseModel:
+        return ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=STOPPED)],
+                                   qlab_stopped=why)
+
     role = ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-    return _Shape((role,), piece, tail)
+    return _Shape((role,), piece, tail, stopped)
 
 
 def _include_usage(req) -> bool:
@@ -361,7 +382,9 @@ class _Routes:
             future = streamed.future
             if future.cancelled():
                 return  # the client left (or the server is shutting down): nobody reads on
-            if future.exception() is not None:
+            if isinstance(future.exception(), DeadlineCut):  # stopped by the gate: a partial answer, said so
+                yield _event(shape.stopped(await _stopped(request, future.exception()))) + DONE_EVENT
+            elif future.exception() is not None:
                 yield await _error_event(request, future.exception()) + DONE_EVENT
             else:
                 run = _Run(future.result(), job, self.gate.clock() - t0)

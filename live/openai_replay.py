@@ -16,7 +16,11 @@ compare`` needs; a bare server's answer has only the text and the usage. Anythin
 a 200 event stream is read whole as an error body: qlab's envelope is a superset of
 OpenAI's error object, so a qlab gate's refusals keep their type and reason; a 503 or
 429 from a server that is not a qlab gate is a refusal too (:func:`refusal_body`).
-A stream that ends without ``[DONE]`` or carries an error event is an error.
+A stream that ends without ``[DONE]`` or carries an error event is an error. A qlab gate that stopped
+a streamed answer (cut at its deadline after its first token) says so on its last chunk
+(``qlab_stopped``: the status and error its handler answers the cut unstreamed, beside ``finish_reason:
+"abort"``): the answer is then read as that status and error body, so that its row is the one
+``/v1/generate`` gives the same cut (outcome ``cancelled``, its numbers), with the stream's token times.
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
         return Streamed(response.status_code, refusal_body(response.status_code, body),
                         response.headers.get("retry-after"), now())
     first, last, done, pieces, usage, qlab, broken = math.nan, math.nan, math.nan, [], None, None, None
+    stopped = None
     # Read to the stream's end even after [DONE], so that the connection is clean to reuse.
     async for line in response.aiter_lines():
         if not line.startswith("data:") or broken or math.isfinite(done):
@@ -198,11 +203,15 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
             pieces.append(text)
         usage = event.usage or usage
         qlab = event.qlab or qlab
+        stopped = event.qlab_stopped or stopped
     end = now()
     if broken or math.isnan(done):
         why = broken or f"the stream ended before data: {DONE}"
         return Streamed(200, None, None, end, first, error=f"broken stream: {why}", last_token_at=last,
                         pieces=len(pieces))
+    if stopped is not None:  # the gate stopped it: the row of the same stop unstreamed
+        return Streamed(stopped.status, {"error": stopped.error.model_dump(exclude_unset=True)}, None, done, first,
+                        last_token_at=last, pieces=len(pieces))
     return Streamed(200, answer_body("".join(pieces), usage, qlab), None, done, first, last_token_at=last,
                     pieces=len(pieces))
 

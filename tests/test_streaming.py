@@ -210,15 +210,48 @@ def _in_virtual_time(body: dict, leave_after: int | None = None,
 CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True}
 
 
-def test_a_cut_at_the_deadline_mid_stream_is_an_error_event():
+def test_a_cut_at_the_deadline_mid_stream_ends_with_finish_reason_abort_and_why():
     status, lines, stats, _ = _in_virtual_time({**CHAT_BODY, "deadline_ms": 1000})
     assert status == 200 and lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     assert texts(chunks[:-1], chat=True) == ["a", "b"]
-    error = chunks[-1]["error"]
-    assert (error["type"], error["code"]) == ("deadline_exceeded", "deadline_passed")
-    assert error["numbers"]["running_s"] == pytest.approx(1.0)  # virtual seconds: exact up to rounding
+    last = chunks[-1]
+    assert "error" not in last and last["choices"][0]["finish_reason"] == "abort"  # not a failure: a stop
+    # Why, as the handler answers the same cut unstreamed: 504 deadline_exceeded, with its numbers.
+    stopped = last["qlab_stopped"]
+    assert stopped["status"] == 504
+    assert (stopped["error"]["type"], stopped["error"]["code"]) == ("deadline_exceeded", "deadline_passed")
+    assert stopped["error"]["numbers"]["running_s"] == pytest.approx(1.0)  # virtual seconds: exact up to rounding
     assert stats["counts"]["cancelled"] == 1
+
+
+def test_the_openai_sdk_reads_a_cut_stream_to_its_end_and_the_replayer_records_the_gates_outcome():
+    """The openai SDK (the client the replay stands for) takes finish_reason abort without raising; the
+    replayer's reading of the same events is the row /v1/generate's 504 gives (outcome cancelled)."""
+    from openai import Stream
+    from openai.types.chat import ChatCompletionChunk
+
+    from live.openai_replay import read_completion
+    from live.rows import Exchange, classify
+
+    _, lines, _, _ = _in_virtual_time({**CHAT_BODY, "deadline_ms": 1000})
+    body = "".join(f"data: {line}\n\n" for line in lines).encode()
+    response = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body,
+                              request=httpx.Request("POST", "http://gate" + CHAT))
+    client = openai.OpenAI(api_key="unused", base_url="http://gate/v1")
+    chunks = list(Stream(cast_to=ChatCompletionChunk, response=response, client=client))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ab"
+    assert chunks[-1].choices[0].finish_reason == "abort"
+
+    async def read():
+        again = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+        times = iter(range(100))
+        return await read_completion(again, clock=lambda: float(next(times)))
+
+    streamed = asyncio.run(read())
+    assert streamed.error is None and streamed.status == 504 and streamed.pieces == 2
+    exchange = Exchange(0.0, 0.0, streamed.done_at, streamed.status, streamed.body)
+    assert classify(exchange, 60.0) == ("cancelled", "deadline_passed", None)
 
 
 def test_a_synthetic_run_emits_each_token_and_stops_on_cancel():
