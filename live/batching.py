@@ -36,7 +36,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -49,7 +49,7 @@ from qsim.runfile import LoggedStep
 from qsim.service import SpeedSchedule
 
 from .engine import WORD, Faults, InjectedFault, apply_stop, runs_as_coroutine
-from .gate import CUT_SLACK_S, Answer, DeadlineCut, EngineFailed, Gate, Job, _Failure, _gone, _InboxThread, _Ticket
+from .gate import CUT_SLACK_S, Answer, DeadlineCut, Gate, Job, _Failure, _failure_type, _gone, _InboxThread, _Ticket
 from .tokenizer import ByteTokenizer
 
 
@@ -99,6 +99,9 @@ class StepDone:
     engine_s: float
     failed: Mapping[object, BaseException] = field(default_factory=dict)
     pieces: Mapping[object, str] = field(default_factory=dict)
+    # key -> tokens generated, for the requests the engine ended before the core's count of their tokens (an
+    # upstream server's end of text: live.upstream_batch): they finish at this step.
+    finished: Mapping[object, int] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -251,6 +254,12 @@ class _StepTask:
         if self._task is not None:
             self._task.cancel()
 
+    async def aclose(self) -> None:
+        """Let the engine close what it holds on this loop (an upstream's connections)."""
+        close = getattr(self.engine, "aclose", None)
+        if close is not None:
+            await close()
+
 
 class _StepThread(_InboxThread):
     """A blocking engine's steps, on one thread of its own that posts each result back to the loop."""
@@ -386,8 +395,9 @@ class BatchGate(Gate):
         now = self._now()
         if isinstance(result, _Failure):  # the whole step raised: every request in it fails
             failed = dict.fromkeys((*(chunk.key for chunk in work.prefill), *work.decode), result.error)
+            finished = {}
         else:
-            failed = result.failed
+            failed, finished = result.failed, result.finished
             for ticket, piece in result.pieces.items():  # before the step's ends: a stream's last piece, then END
                 if ticket.pieces is not None and not ticket.future.done():
                     ticket.pieces.put_nowait(piece)
@@ -395,7 +405,11 @@ class BatchGate(Gate):
             if self.queue.cancel(ticket, now) == "running":  # out of the batch, its blocks free
                 self._ended.append(ticket)
                 numbers = {"started_at": ticket.start, "returned_at": now}
-                self._resolve(ticket, Outcome.ERROR, exc=EngineFailed(0, error, ticket.arrival, numbers), cause=error)
+                # An upstream's failure is the one-at-a-time gate's (502 upstream_error, 504 upstream_timeout).
+                failure = _failure_type(error)(0, error, ticket.arrival, numbers)
+                self._resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
+        for ticket, tokens in finished.items():
+            self.queue.finish(ticket, now, tokens)
         self.step_log.append(LoggedStep(*self._began, now, result.engine_s, work.model_s, work.prefill_tokens,
                                         work.sampling, work.context))
         self.queue.step_done(now, result.engine_s)
@@ -464,6 +478,12 @@ class BatchGate(Gate):
         finally:
             if not self._closed and self._loop is not None:
                 self._arm()
+
+    def use_step_model(self, step: StepModel) -> None:
+        """Plan with ``step`` from now on (an engine that learns its server's steps: live.upstream_batch): the next
+        admission and the next step read it, and /stats's server_config says it."""
+        self.queue.model = step
+        self.config = replace(self.config, engine=replace(self.config.engine, step=step))
 
     def _idle_estimate_s(self, job: Job, base: float) -> float:
         """No "never in time" here: the gate's service line is not what a batching engine's steps take, so a

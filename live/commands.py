@@ -165,6 +165,8 @@ def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
     from .batching import BatchGate, SyntheticBatchEngine
     from .gate import gate_config
 
+    if cfg.engine == "upstream":
+        return _upstream_batching_gate(cfg, policy, model, batching)
     if cfg.engine == "gpt2":
         from . import gpt2, gpt2_batch  # torch loads here and nowhere else
 
@@ -175,6 +177,29 @@ def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
                                       faults=Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for))
     return BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
                                          seed=cfg.seed))
+
+
+def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
+    """A batching gate in front of a batching upstream (live.upstream_batch): its batch limit --max-num-seqs, else
+    what the upstream says of its own, else vLLM's default; its step model --step (or the default) until it has
+    learned the upstream's."""
+    from dataclasses import replace
+
+    from . import upstream, upstream_batch
+    from .batching import BatchGate
+    from .gate import gate_config
+
+    spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
+                                 upstream.api_key(cfg.upstream_api_key))
+    forwarder = upstream.make_engines(1, spec)[0]
+    seats = cfg.max_num_seqs or upstream_batch.upstream_batch(spec) or batching.max_num_seqs
+    batching = replace(batching, max_num_seqs=seats,
+                       max_num_batched_tokens=max(seats, batching.max_num_batched_tokens))
+    engine = upstream_batch.UpstreamBatchEngine(forwarder, seats, upstream_batch.StepLearner(batching.step))
+    gate = BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
+                                         seed=cfg.seed))
+    engine.on_refit = gate.use_step_model
+    return gate
 
 
 def _serve(args, cfg: ServeOptions, gate) -> None:

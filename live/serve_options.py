@@ -179,8 +179,6 @@ class ServeOptions:
             return None
         defaults = {f.name: f.default for f in fields(self)}
         unfit = (
-            (self.engine not in ("synthetic", "gpt2"),
-             f"--batching: only with --engine synthetic or --engine gpt2 (not {self.engine})"),
             (self.engines != 1, "--batching runs one batching engine: drop --engines"),
             (self.noise and batching.step.cv, "--noise and --step's CV both set a batching engine's step noise: "
                                               "give one"),

@@ -338,24 +338,25 @@ class UpstreamEngine:
         """Forward one request; the gate cancels the task to stop it (its connection is then closed)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session.loop is not loop:
-            self._session = self._new_session()
-        return await self._forward(self._session, prompt, max_new_tokens, stop, emit, asked)
+            self._session = self.new_session()
+        return await self.forward(self._session, prompt, max_new_tokens, stop, emit, asked)
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
             cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         """:meth:`arun` from a thread, on an event loop (and a session) of its own; ``cancel`` stops it."""
         async def once() -> EngineResult:
-            async with self._new_session() as session:
-                return await self._forward(session, prompt, max_new_tokens, stop, emit, asked)
+            async with self.new_session() as session:
+                return await self.forward(session, prompt, max_new_tokens, stop, emit, asked)
 
         return run_coroutine(once, cancel)
 
-    def _new_session(self) -> aiohttp.ClientSession:
-        # One connection: the engine runs one request at a time. Timeouts: connecting, and between two reads.
+    def new_session(self, connections: int = 1) -> aiohttp.ClientSession:
+        """A session of ``connections`` kept-alive connections: one where the engine runs one request at a time, a
+        batch's seats where it forwards a batch (live.upstream_batch). Timeouts: connecting, and between two reads."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=self.spec.timeout_s)
         return aiohttp.ClientSession(self.spec.url, timeout=timeout, read_bufsize=READ_BUFFER,
                                      headers=self.spec.headers,
-                                     connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=KEEPALIVE_S))
+                                     connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_S))
 
     def request(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None, asked: Asked) -> UpstreamRequest:
         """The body for one request (its ``route`` says where it goes): a chat to the chat route with its messages, a prompt to the
@@ -369,8 +370,10 @@ class UpstreamEngine:
         plain = {k: v for k, v in sampling.items() if k not in CHAT_FIELDS}  # a flattened chat's own fields stay
         return UpstreamRequest(**plain, **gate, prompt=prompt)
 
-    async def _forward(self, session: aiohttp.ClientSession, prompt: str, max_new_tokens: int,
-                       stop: Sequence[str] | None, emit: Emit | None, asked: Asked) -> EngineResult:
+    async def forward(self, session: aiohttp.ClientSession, prompt: str, max_new_tokens: int,
+                      stop: Sequence[str] | None, emit: Emit | None, asked: Asked) -> EngineResult:
+        """One request forwarded on ``session``, read to its end (``emit``: each chunk's text as it comes); the
+        health learns how it went. UpstreamError (or UpstreamTimeout) for a failure."""
         body = self.request(prompt, max_new_tokens, stop, asked)
         reading = _Reading(time.perf_counter(), max_new_tokens)
         try:

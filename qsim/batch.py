@@ -565,8 +565,23 @@ class BatchQueue(Core):
         seq.blocks = 0
         seq.chunk = 0
 
+    def finish(self, req, now: float, tokens: int) -> bool:
+        """A live engine ended ``req`` in the batch before its count of tokens did (an upstream server's end of
+        text or stop string), having generated ``tokens``: it finishes now, as at its last token (judged, ended
+        through ``end``). False when it is not in the batch."""
+        for seq in self.running.values():
+            if seq.entry.req == req:
+                self._release(seq)
+                seq.generated = tokens
+                self._done(seq, now)
+                return True
+        return False
+
     def _finish(self, seq: _Seq, now: float) -> None:
         self._release(seq)
+        self._done(seq, now)
+
+    def _done(self, seq: _Seq, now: float) -> None:
         seq.alive = False
         entry = seq.entry
         if self.estimator is not None and self.estimator.learns:

@@ -341,7 +341,7 @@ def test_the_batching_gate_refuses_what_it_cannot_run():
     (["--batching", "--noise", "0.3", "--step", "0.01,0,0,0,0.2"], "--noise and --step's CV"),
     (["--batching", "--early-stops"], "--early-stops"),
     (["--batching", "--hang-after", "3"], "--hang-for"),
-    (["--batching", "--engine", "upstream", "--upstream-url", "http://127.0.0.1:9"], "--engine synthetic"),
+    (["--batching", "--engine", "upstream", "--upstream-url", "http://127.0.0.1:9"], "cannot reach the upstream"),
     (["--batching", "--stall-after", "3"], "stall"),
     (["--batching", "--step", "1,2"], "step model"),
     (["--batching", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "max_num_batched_tokens"),

@@ -1,0 +1,349 @@
+"""The upstream engine in front of a batching server, and the step model it learns from what the server streams.
+
+``qlab serve --engine upstream --upstream-url URL --batching`` puts a :class:`live.batching.BatchGate` in front of
+an OpenAI-compatible server that batches (vLLM, SGLang, another ``qlab serve --batching``): the gate's batching
+core (:class:`qsim.batch.BatchQueue`, the simulator's) decides who is admitted, who is in the batch (at most
+``max_num_seqs``: ``--max-num-seqs``, else what the upstream's ``GET /stats`` says of its own batch, else vLLM's
+default), and plans with a step model, the one :class:`StepLearner` learns; :class:`UpstreamBatchEngine` runs the
+core's steps by forwarding:
+
+* a request that joins the batch (its first prefill chunk in a step) is forwarded at once, streamed, as the
+  one-at-a-time upstream engine forwards it (:class:`live.upstream.UpstreamEngine`: the same routes, bodies,
+  failures and readiness), on a session of up to ``max_num_seqs`` connections;
+* a step is over when every request that the core says produces a token in it (decoding, or completing its prompt)
+  has had its next chunk of text from the upstream, or its stream has ended: the gate's steps follow the
+  upstream's, token by token, and a streamed client gets each chunk as its step ends;
+* a stream that ends before the core's count (end of text, a stop string at the upstream) finishes its request at
+  that step (:meth:`qsim.batch.BatchQueue.finish`); one that fails fails its request (outcome error, as the
+  upstream engine's failures); a request that leaves the batch (answered, cut, its client gone) has its stream
+  closed, so the upstream frees its slot;
+* the answer's text is what the upstream sent.
+
+Learning the step model (:class:`StepLearner`). The gate sees no step of the upstream, only when each chunk of each
+streamed answer arrives. A server that batches ends a step with one token for every sequence it runs, written
+together: the chunks of all answers fall in bursts, one a step (chunks closer than :data:`BURST_SHARE` of the median
+gap between one answer's chunks are one burst; the gate reads a burst within a fraction of a millisecond, a step is
+tens of them). A burst is what one step computed: each answer with a chunk in it ran in it (``seqs``), one whose
+*first* chunk is in it computed its prompt in it (``prefill``: its prompt tokens), and each held its prompt and the
+tokens it had (``context``); its seconds are the gap from the burst before, the median over the answers that have a
+chunk in both (a burst with no such answer followed an idle server and is left out, as is one where an answer has
+two chunks, one :data:`PAUSE` times the median step or longer, and the answers whose ``usage.completion_tokens`` says that their chunks carried more than one token
+each). The four coefficients are then :meth:`qsim.engines.StepModel.fit`'s (non-negative least squares), the CV
+the spread of the steps around the fit.
+
+The rule (a checkpoint, documented in docs/live.md): after every :data:`REFIT_EVERY` new gaps between two chunks
+of an answer, once :data:`MIN_GAPS` steps have been read at two batch sizes at least, the model is fitted again on
+the last :data:`WINDOW` steps and replaces the gate's at once (its next admission and next step read it:
+:meth:`live.batching.BatchGate.use_step_model`); until the first fit the gate plans with ``--step`` (or its
+default). ``/stats`` says the model in use (``server_config``) and the learner's state (``engine.learned``: the
+fit, its errors, how many gaps and refits). Prompt tokens are the gate's count (the byte tokenizer): the same as a
+``qlab serve`` upstream's; another server's tokenizer makes ``b1`` per byte, not per token of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import aiohttp
+import httpx
+import numpy as np
+
+from qsim.engines import StepFit, StepModel
+
+from .batching import StepDone, StepWork
+from .engine import EngineResult, UpstreamError
+from .gate import Job
+from .upstream import UpstreamEngine, UpstreamSpec
+
+#: New gaps between two chunks of an answer between two fits of the step model.
+REFIT_EVERY = 200
+#: Steps read (at two batch sizes at least) before the first fit replaces the given model.
+MIN_GAPS = 50
+#: The last steps a fit reads: the server's speed now, not an hour ago.
+WINDOW = 4000
+#: Answers the learner keeps the chunk times of (enough to hold WINDOW gaps of short answers).
+KEPT_ANSWERS = 2000
+
+
+@dataclass
+class Timeline:
+    """One forwarded answer as the learner sees it: its prompt tokens and the arrival of each chunk of text."""
+
+    prompt: int
+    times: list[float] = field(default_factory=list)
+    one_token_chunks: bool = True  # False: usage said its chunks carried more tokens than there were chunks
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """Steps read off the chunk times: for each, the prefill tokens, sequences, context tokens and seconds."""
+
+    prefill: np.ndarray
+    seqs: np.ndarray
+    context: np.ndarray
+    seconds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.seconds)
+
+
+#: Chunks of different answers closer than this share of the median gap between one answer's chunks belong to one
+#: step of the server (it writes a step's tokens together; the gate reads them within a fraction of a millisecond).
+BURST_SHARE = 0.25
+#: A "step" this many times the median step is a pause of the server (a hang, a stop of the world), not a step.
+PAUSE = 10.0
+
+
+def gaps_of(timelines: list[Timeline], window: int = WINDOW) -> Gaps:
+    """The last ``window`` single steps that the answers' chunk times show (see the module)."""
+    kept = [t for t in timelines if t.one_token_chunks and t.times]
+    rows = []
+    if kept:
+        times = np.concatenate([np.asarray(t.times, float) for t in kept])
+        rid = np.concatenate([np.full(len(t.times), i) for i, t in enumerate(kept)])
+        idx = np.concatenate([np.arange(len(t.times)) for t in kept])
+        prompt = np.array([t.prompt for t in kept], float)[rid]
+        order = np.argsort(times, kind="stable")
+        times, rid, idx, prompt = times[order], rid[order], idx[order], prompt[order]
+        own = np.concatenate([np.diff(t.times) for t in kept if len(t.times) > 1] or [np.zeros(0)])
+        if len(own):
+            # Bursts: a server step's chunks, split where the time between two chunks is a real gap.
+            tau = BURST_SHARE * float(np.median(own))
+            burst = np.concatenate([[0], np.cumsum(np.diff(times) > tau)])
+            rows = _steps(times, rid, idx, prompt, burst, window)
+    a = np.array(rows, float).reshape(-1, 4)
+    if len(a):
+        a = a[a[:, 3] <= PAUSE * np.median(a[:, 3])]
+    return Gaps(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+
+
+def _steps(times, rid, idx, prompt, burst, window: int) -> list[tuple[float, float, float, float]]:
+    """One row per burst that is one step after the burst before it: each answer in it has one chunk there, and
+    some answer has its previous chunk in the burst before (the server was busy in between, not idle); seconds:
+    the median over those answers of their two chunks' gap."""
+    bounds = np.flatnonzero(np.diff(burst)) + 1
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(times)]])
+    rows, before = [], {}
+    for lo, hi in zip(starts, ends):
+        who = rid[lo:hi].tolist()
+        now = dict(zip(who, times[lo:hi].tolist()))
+        if len(now) == len(who):  # an answer with two chunks in a burst: not one step's
+            gaps = [now[r] - before[r] for r, i in zip(who, idx[lo:hi].tolist()) if i >= 1 and r in before]
+            if gaps:
+                first = idx[lo:hi] == 0
+                rows.append((float(prompt[lo:hi][first].sum()), float(len(who)),
+                             float((prompt[lo:hi] + idx[lo:hi] + 1).sum()), float(np.median(gaps))))
+        before = now
+    return rows[-window:]
+
+
+class StepLearner:
+    """Learns the upstream's step model from its answers' chunk times (module docstring: what, and when)."""
+
+    def __init__(self, initial: StepModel, refit_every: int = REFIT_EVERY, min_gaps: int = MIN_GAPS,
+                 window: int = WINDOW) -> None:
+        self.model = initial
+        self.refit_every, self.min_gaps, self.window = refit_every, min_gaps, window
+        self.timelines: deque[Timeline] = deque(maxlen=KEPT_ANSWERS)
+        self.fit: StepFit | None = None
+        self.refits = 0
+        self.gaps_seen = 0
+        self._since_fit = 0
+        self.last_problem: str | None = None  # why the last checkpoint kept the model (None: it did not, or none yet)
+
+    def started(self, prompt_tokens: int) -> Timeline:
+        timeline = Timeline(prompt_tokens)
+        self.timelines.append(timeline)
+        return timeline
+
+    def chunk(self, timeline: Timeline, at: float) -> None:
+        timeline.times.append(at)
+        if len(timeline.times) > 1:
+            self.gaps_seen += 1
+            self._since_fit += 1
+
+    @staticmethod
+    def ended(timeline: Timeline, tokens: int) -> None:
+        """The answer's tokens as the upstream counted them (``usage``, else its chunks)."""
+        if tokens > len(timeline.times):
+            timeline.one_token_chunks = False
+
+    def checkpoint(self) -> StepModel | None:
+        """The refitted model when a fit is due and the gaps allow one (module docstring), else None."""
+        if self._since_fit < self.refit_every:
+            return None
+        self._since_fit = 0
+        gaps = gaps_of(list(self.timelines), self.window)
+        if len(gaps) < self.min_gaps or len(np.unique(gaps.seqs)) < 2:
+            self.last_problem = (f"{len(gaps)} steps read at {len(np.unique(gaps.seqs))} batch size(s): "
+                                 f"a fit needs {self.min_gaps} at two sizes at least")
+            return None
+        try:
+            fit = StepModel.fit(gaps.prefill, gaps.seqs, gaps.context, gaps.seconds)
+            model = StepModel(fit.model.b0, fit.model.b1, fit.model.b2, fit.model.b3, fit.cv)
+        except ValueError as exc:  # every coefficient 0: no step would take time
+            self.last_problem = str(exc)
+            return None
+        self.fit, self.model, self.last_problem = fit, model, None
+        self.refits += 1
+        return model
+
+    def info(self) -> dict:
+        fit = self.fit
+        return {"step": asdict(self.model), "refits": self.refits, "gaps_seen": self.gaps_seen,
+                "refit_every": self.refit_every, "min_gaps": self.min_gaps, "window": self.window,
+                "fitted_on": None if fit is None else fit.n,
+                "median_rel_error": None if fit is None else fit.median_rel_error,
+                "kept": self.last_problem}
+
+
+class _Forward:
+    """One request forwarded: its task, the chunks of text come and not yet taken by a step, and how it ended."""
+
+    def __init__(self, job: Job, timeline: Timeline) -> None:
+        self.job, self.timeline = job, timeline
+        self.pieces: deque[str] = deque()
+        self.text: list[str] = []
+        self.arrived = asyncio.Event()
+        self.result: EngineResult | None = None
+        self.error: BaseException | None = None
+        self.task: asyncio.Task | None = None
+        self.taken = 0  # chunks handed to steps
+
+    @property
+    def over(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    def emit(self, piece: str) -> None:
+        self.pieces.append(piece)
+        self.text.append(piece)
+        self.arrived.set()
+
+    async def next(self) -> str | None:
+        """Its next chunk of text; None when its stream ended (or failed) without one."""
+        while not self.pieces:
+            if self.over:
+                return None
+            self.arrived.clear()
+            await self.arrived.wait()
+        self.taken += 1
+        return self.pieces.popleft()
+
+
+class UpstreamBatchEngine:
+    """Runs a :class:`~live.batching.BatchGate`'s steps by forwarding to a batching server (module docstring).
+    ``forwarder``: the one-at-a-time upstream engine whose forwarding it reuses; ``on_refit``: told each model the
+    learner fits (the gate's :meth:`~live.batching.BatchGate.use_step_model`)."""
+
+    max_new_tokens_limit = None
+
+    def __init__(self, forwarder: UpstreamEngine, max_num_seqs: int, learner: StepLearner,
+                 on_refit: Callable[[StepModel], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.forwarder, self.max_num_seqs, self.learner = forwarder, max_num_seqs, learner
+        self.on_refit = on_refit
+        self._clock = clock
+        self._forwards: dict[object, _Forward] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self.steps = 0
+
+    def _start(self, job: Job) -> _Forward:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session.loop is not loop:
+            self._session = self.forwarder.new_session(self.max_num_seqs)
+        forward = _Forward(job, self.learner.started(job.prompt_tokens))
+        learner, clock = self.learner, self._clock
+
+        def emit(piece: str) -> None:
+            learner.chunk(forward.timeline, clock())
+            forward.emit(piece)
+
+        async def run() -> None:
+            try:
+                forward.result = await self.forwarder.forward(self._session, job.prompt, job.max_new_tokens,
+                                                              job.stop, emit, job.asked)
+                learner.ended(forward.timeline, forward.result.tokens)
+            except UpstreamError as exc:
+                forward.error = exc
+            finally:
+                forward.arrived.set()
+
+        forward.task = loop.create_task(run(), name="qlab-upstream-forward")
+        return forward
+
+    async def astep(self, work: StepWork) -> StepDone:
+        began = self._clock()
+        self.steps += 1
+        for key in work.ended:  # out of the batch for good: close its stream, so the upstream frees its slot
+            forward = self._forwards.pop(key, None)
+            if forward is not None and not forward.over:
+                forward.task.cancel()
+        for chunk in work.prefill:
+            if chunk.key not in self._forwards:
+                self._forwards[chunk.key] = self._start(chunk.job)
+        producing = [*work.decode, *work.completing]
+        got = await asyncio.gather(*(self._forwards[key].next() for key in producing))
+        if not producing:
+            await asyncio.sleep(0)  # a step of prompt chunks alone: the upstream shows nothing of it
+        failed, finished, pieces = {}, {}, {}
+        for key, piece in zip(producing, got):
+            forward = self._forwards[key]
+            if piece is None and forward.error is not None:
+                failed[key] = forward.error
+                continue
+            if piece is not None and forward.job.stream:
+                pieces[key] = piece
+            # Its stream has ended (end of text, or a stop string, at the upstream) short of the core's count: it
+            # finishes at this step, with the chunks it had (the core counts a token a step).
+            if forward.over and not forward.pieces and forward.taken < forward.job.max_new_tokens:
+                finished[key] = forward.taken
+        model = self.learner.checkpoint()
+        if model is not None and self.on_refit is not None:
+            self.on_refit(model)
+        return StepDone(self._clock() - began, failed, pieces, finished)
+
+    def text(self, key, job: Job, tokens: int) -> str:
+        forward = self._forwards.get(key)
+        return "" if forward is None else "".join(forward.text)
+
+    @property
+    def routes(self):
+        """The routes the upstream serves (what ``qlab serve`` says at start-up)."""
+        return self.forwarder.routes
+
+    def count_tokens(self, text: str) -> int:
+        return self.forwarder.count_tokens(text)
+
+    def warmup(self) -> None:
+        """Nothing to warm: start-up asked the upstream for its model, routes and batch."""
+
+    async def readiness(self) -> str | None:
+        return await self.forwarder.readiness()
+
+    async def aclose(self) -> None:
+        for forward in self._forwards.values():
+            if not forward.over:
+                forward.task.cancel()
+        self._forwards.clear()
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
+        await self.forwarder.aclose()
+
+    def info(self) -> dict:
+        return {**self.forwarder.info(), "batching": True, "max_num_seqs": self.max_num_seqs,
+                "learned": self.learner.info()}
+
+
+def upstream_batch(spec: UpstreamSpec) -> int | None:
+    """What the upstream says of its own batch: a qlab gate's ``GET /stats`` ``batching.max_num_seqs`` (None: it
+    does not say; vLLM's API does not)."""
+    try:
+        response = httpx.get(spec.url + "/stats", timeout=spec.timeout_s, headers=spec.headers)
+        seats = response.json().get("batching", {}).get("max_num_seqs") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return seats if isinstance(seats, int) and seats >= 1 else None

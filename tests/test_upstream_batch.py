@@ -1,0 +1,153 @@
+"""The upstream engine in front of a batching server (live/upstream_batch.py).
+
+* the step learner on chunk times drawn from a known step model (a simulated batching server, seeded: exact
+  and fast): the bursts are read as its steps and the fit lands on its coefficients;
+* the core's hook for a request an engine ends early (qsim.batch.BatchQueue.finish);
+* slow: a real ``qlab serve --batching`` (the synthetic batching engine, a known ``--step``) as the upstream of a
+  ``qlab serve --engine upstream --batching`` gate, over real HTTP: the gate reads the upstream's batch limit,
+  forwards up to it, learns the step model, and plans with it (``/stats``). The precise recovery measured on this
+  machine is in docs/live.md; here, its structure and loose bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from live.upstream_batch import StepLearner, Timeline, gaps_of
+from qsim import Policy, ServerConfig
+from qsim.batch import BatchQueue
+from qsim.engines import Batching, StepModel
+from qsim.entry import Work
+
+TRUE = StepModel(b0=0.02, b1=0.0001, b2=0.002, b3=0.0)
+
+
+def _served(model: StepModel, seed: int, requests: int = 300, seats: int = 8, rate: float = 6.0,
+            jitter_s: float = 0.0005) -> list[Timeline]:
+    """The chunk times a batching server with this step model gives its answers: Poisson arrivals joining at step
+    boundaries (at most ``seats`` running), each step as long as the model says (x a gamma draw of CV 0.05), its
+    tokens read by the gate up to ``jitter_s`` after its end; prompts of 20 to 200 tokens, 4 to 64 new tokens."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, requests))
+    prompts = rng.integers(20, 200, requests)
+    outs = rng.choice([4, 16, 64], requests)
+    timelines = [Timeline(int(p)) for p in prompts]
+    now, nxt, running, line = 0.0, 0, [], []
+    while nxt < requests or running or line:
+        while nxt < requests and arrivals[nxt] <= now:
+            line.append(nxt)
+            nxt += 1
+        if not running and not line:
+            now = arrivals[nxt]
+            continue
+        joining = []
+        while line and len(running) + len(joining) < seats:
+            joining.append(line.pop(0))
+        batch = running + joining
+        context = sum(prompts[i] + len(timelines[i].times) + 1 for i in batch)
+        step = model.time(float(prompts[joining].sum()) if joining else 0.0, len(batch), float(context))
+        now += step * rng.gamma(400.0, 1 / 400.0)
+        for i in batch:
+            timelines[i].times.append(now + rng.uniform(0, jitter_s))
+        running = [i for i in batch if len(timelines[i].times) < outs[i]]
+    return timelines
+
+
+def test_the_learner_reads_a_batching_servers_steps_off_its_chunk_times():
+    timelines = _served(TRUE, seed=3)
+    gaps = gaps_of(timelines)
+    assert len(gaps) > 1000 and set(np.unique(gaps.seqs)) == set(range(1, 9))
+    learner = StepLearner(StepModel(), refit_every=1)
+    learner.timelines.extend(timelines)
+    learner._since_fit = 1
+    fitted = learner.checkpoint()
+    assert fitted is not None and learner.refits == 1 and learner.model is fitted
+    # Seeded: the same draws every run, so these bounds hold or fail the same way everywhere.
+    assert fitted.b0 == pytest.approx(TRUE.b0, rel=0.05)
+    assert fitted.b1 == pytest.approx(TRUE.b1, rel=0.15)
+    assert fitted.b2 == pytest.approx(TRUE.b2, rel=0.15)
+    assert fitted.b3 < 2e-6 and 0 < fitted.cv < 0.2
+
+
+def test_gaps_that_span_more_than_a_step_or_an_idle_server_are_left_out():
+    # One answer alone, a step every 10 ms, then a pause of 1 s (a hang), then a step: the pause is no step.
+    alone = Timeline(10, [0.01, 0.02, 0.03, 1.03, 1.04])
+    assert sorted(gaps_of([alone]).seconds.round(6).tolist()) == [0.01, 0.01, 0.01]
+    # A burst after an idle server (nobody had a chunk in the burst before it) is no step either.
+    after_idle = [Timeline(10, [0.01, 0.02]), Timeline(10, [2.0, 2.01])]
+    assert sorted(gaps_of(after_idle).seconds.round(6).tolist()) == [0.01, 0.01]
+    # An answer whose usage said more tokens than it had chunks (several tokens a chunk) is not read at all.
+    learner = StepLearner(StepModel())
+    timeline = learner.started(10)
+    for t in (0.0, 0.01, 0.02):
+        learner.chunk(timeline, t)
+    learner.ended(timeline, tokens=6)
+    assert len(gaps_of(list(learner.timelines))) == 0
+
+
+def test_no_fit_replaces_the_model_before_two_batch_sizes_are_seen():
+    learner = StepLearner(StepModel(), refit_every=2, min_gaps=2)
+    timeline = learner.started(5)
+    for t in np.arange(1, 40) * 0.01:
+        learner.chunk(timeline, float(t))
+    assert learner.checkpoint() is None and learner.model == StepModel()
+    assert "1 batch size(s)" in learner.info()["kept"]
+
+
+def test_the_core_finishes_a_request_its_engine_ended_early():
+    engine = Batching(StepModel(0.01, 0.0, 0.001, 0.0), max_num_seqs=4, kv_blocks=100, block_size=16)
+    ended, steps = [], []
+    config = ServerConfig(policy=Policy(name="none"), engine=engine)
+    queue = BatchQueue(config, step=lambda plan, now: steps.append(plan), drop=lambda *a: None,
+                       end=lambda req, now, outcome, reason, stats: ended.append((req, now, outcome, stats.tokens)))
+    queue._wants_members = True
+    for name in ("a", "b"):
+        assert queue.arrive(name, 0.0, 0.1, work=Work(10, 20, None)) is None
+    now = 0.0
+    for _ in range(3):  # a prompt step, then two decode steps
+        now += steps[-1].model_s
+        queue.step_done(now)
+    assert queue.finish("a", now, 3) is True and ended == [("a", now, "good", 3)]
+    queue.audit()  # its blocks are free, the batch's aggregates hold
+    assert queue.in_service == 1 and queue.finish("a", now, 3) is False
+    while queue.plan is not None:
+        now += queue.plan.model_s
+        queue.step_done(now)
+    assert ended[-1][0] == "b" and ended[-1][3] == 10 and math.isfinite(now)
+
+
+@pytest.mark.slow
+def test_a_gate_in_front_of_a_batching_qlab_serve_learns_its_step_model(tmp_path):
+    """Real processes, real HTTP: the upstream is ``qlab serve --batching --step 0.02,0.0001,0.002,0`` with 8 seats;
+    the gate, ``--engine upstream --batching`` under predictive, is told neither (it reads the seats from the
+    upstream's /stats and starts from the default step model)."""
+    httpx = pytest.importorskip("httpx")
+    from live.loadgen import ReplayConfig, replay
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+    from qsim import from_arrays
+
+    upstream = ServeOptions(policy="none", batching=True, step="0.02,0.0001,0.002,0", max_num_seqs=8)
+    with serving([upstream], tmp_path / "up") as (up,):
+        gate_options = ServeOptions(policy="predictive", engine="upstream", upstream_url=up.url, batching=True)
+        with serving([gate_options], tmp_path / "gate") as (gate,):
+            rng = np.random.default_rng(5)
+            trace = from_arrays(np.cumsum(rng.exponential(1 / 5.0, 100)), rng.choice([4, 16, 64], 100),
+                                deadline_s=[30.0] * 100)
+            frame = replay(trace, ReplayConfig(gate.url))
+            stats = httpx.get(gate.url + "/stats", timeout=10).json()
+            up_stats = httpx.get(up.url + "/stats", timeout=10).json()
+    assert len(frame) == 100 and set(frame["outcome"]) <= {"good", "late"}  # each ended, none failed
+    engine, in_use = stats["engine"], stats["server_config"]["engine"]
+    assert engine["max_num_seqs"] == in_use["max_num_seqs"] == 8  # the upstream's own limit, read from it
+    assert up_stats["counts"]["good"] + up_stats["counts"]["late"] >= 100  # every request went up (and 2 probes)
+    learned = engine["learned"]
+    assert learned["refits"] >= 1 and learned["kept"] is None
+    assert in_use["step"] == learned["step"]  # the gate plans with what it learned
+    step = learned["step"]
+    # Loose: a busy 2-core machine adds its own milliseconds to every step it reads (docs/live.md has the measured).
+    assert 0.5 * 0.02 < step["b0"] < 2 * 0.02 and 0.25 * 0.002 < step["b2"] < 4 * 0.002
+    assert step["b1"] < 10 * 0.0001 and step["b3"] < 1e-4
