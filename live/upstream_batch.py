@@ -248,12 +248,13 @@ class UpstreamBatchEngine:
         self._clock = clock
         self._forwards: dict[object, _Forward] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None  # the loop that made it (the gate's)
         self.steps = 0
 
     def _start(self, job: Job) -> _Forward:
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session.loop is not loop:
-            self._session = self.forwarder.new_session(self.max_num_seqs)
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session, self._session_loop = self.forwarder.new_session(self.max_num_seqs), loop
         forward = _Forward(job, self.learner.started(job.prompt_tokens))
         learner, clock = self.learner, self._clock
 
@@ -291,14 +292,15 @@ class UpstreamBatchEngine:
         failed, finished, pieces = {}, {}, {}
         for key, piece in zip(producing, got):
             forward = self._forwards[key]
-            if piece is None and forward.error is not None:
-                failed[key] = forward.error
-                continue
             if piece is not None and forward.job.stream:
                 pieces[key] = piece
-            # Its stream has ended (end of text, or a stop string, at the upstream) short of the core's count: it
-            # finishes at this step, with the chunks it had (the core counts a token a step).
-            if forward.over and not forward.pieces and forward.taken < forward.job.max_new_tokens:
+            if not forward.over or forward.pieces:
+                continue
+            if forward.error is not None:  # its stream failed: it fails at this step (its last chunk sent on)
+                failed[key] = forward.error
+            elif forward.taken < forward.job.max_new_tokens:
+                # Its stream ended (end of text, or a stop string, at the upstream) short of the core's count: it
+                # finishes at this step, with the chunks it had (the core counts a token a step).
                 finished[key] = forward.taken
         model = self.learner.checkpoint()
         if model is not None and self.on_refit is not None:

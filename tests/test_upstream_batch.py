@@ -151,3 +151,43 @@ def test_a_gate_in_front_of_a_batching_qlab_serve_learns_its_step_model(tmp_path
     # Loose: a busy 2-core machine adds its own milliseconds to every step it reads (docs/live.md has the measured).
     assert 0.5 * 0.02 < step["b0"] < 2 * 0.02 and 0.25 * 0.002 < step["b2"] < 4 * 0.002
     assert step["b1"] < 10 * 0.0001 and step["b3"] < 1e-4
+
+
+@pytest.mark.slow  # a scripted HTTP server on a thread
+def test_answers_the_upstream_ends_early_finish_and_one_that_fails_mid_stream_fails_alone():
+    import asyncio
+    import json
+
+    from test_upstream import _chunk, _sse, scripted
+
+    from live.batching import BatchGate
+    from live.gate import Job, UpstreamFailed, gate_config
+    from live.upstream import UpstreamEngine, UpstreamSpec
+    from live.upstream_batch import UpstreamBatchEngine
+    from qsim import PRESETS
+
+    def respond(conn, body):
+        prompt = json.loads(body)["prompt"]
+        if prompt == "short":  # end of text after 3 of its 6 tokens
+            conn.sendall(_sse(*(_chunk("a") for _ in range(3)), _chunk("", usage=3)))
+        elif prompt == "bad":  # two tokens, then the upstream fails
+            conn.sendall(_sse(_chunk("b"), _chunk("b"), {"error": {"message": "boom", "type": "server_error"}},
+                              done=False))
+        else:
+            conn.sendall(_sse(*(_chunk("c") for _ in range(6)), _chunk("", usage=6)))
+
+    async def go(url):
+        forwarder = UpstreamEngine(UpstreamSpec(url, "m", 10.0), "m")
+        engine = UpstreamBatchEngine(forwarder, 4, StepLearner(StepModel()))
+        config = gate_config(PRESETS["none"], engine=Batching(StepModel(), max_num_seqs=4))
+        async with BatchGate(engine, config) as gate:
+            jobs = [Job(p, 6, prompt_tokens=len(p)) for p in ("short", "full", "bad")]
+            answers = await asyncio.gather(*(gate.submit(job) for job in jobs), return_exceptions=True)
+            return answers, gate.stats()
+
+    with scripted(respond) as url:
+        (short, full, bad), stats = asyncio.run(go(url))
+    assert (short.text, short.tokens, short.outcome) == ("aaa", 3, "good")  # finished at its last chunk
+    assert (full.text, full.tokens) == ("cccccc", 6)
+    assert isinstance(bad, UpstreamFailed) and "boom" in str(bad)
+    assert stats["counts"]["good"] == 2 and stats["counts"]["error"] == 1 and stats["in_service"] == 0
