@@ -121,6 +121,15 @@ class BatchEngine(Protocol):
     def info(self) -> dict: ...
 
 
+@runtime_checkable
+class Releases(Protocol):
+    """A batching engine that holds something outside the gate for each request (an upstream's stream), and lets
+    it go as soon as the request is cut or its client leaves, rather than at the next step (which an idle batch
+    may not have for a while): ``release(key)``, on the loop."""
+
+    def release(self, key) -> None: ...
+
+
 def is_batch_engine(engine) -> bool:
     """Whether ``engine`` runs steps (:class:`BatchEngine`: ``step`` or ``astep``) rather than one request a run."""
     return isinstance(engine, BatchEngine) and (callable(getattr(engine, "step", None))
@@ -423,6 +432,7 @@ class BatchGate(Gate):
         arrival = ticket.arrival
         if outcome == Outcome.CANCELLED:
             ticket.cut = True
+            self._release(ticket)
             numbers = {**arrival.numbers(), "engine": 0, "started_at": stats.start_s, "at": now, "running_s": held}
             self._resolve(ticket, outcome, exc=DeadlineCut(numbers, arrival))
             return
@@ -470,7 +480,14 @@ class BatchGate(Gate):
         self.counts[Outcome.ABANDONED] += 1
         if self.queue.cancel(ticket, self._now()) == "running":
             self._ended.append(ticket)
+            self._release(ticket)
         self._arm()
+
+    def _release(self, ticket: _Ticket) -> None:
+        """Out of the batch before its end (cut, or its client left): an engine that holds something for it lets it
+        go now (:class:`Releases`); every engine hears of it with the next step (StepWork.ended)."""
+        if isinstance(self.engines[0], Releases):
+            self.engines[0].release(ticket)
 
     def _submit(self, job: Job) -> _Ticket:
         try:

@@ -15,8 +15,8 @@ core's steps by forwarding:
   upstream's, token by token, and a streamed client gets each chunk as its step ends;
 * a stream that ends before the core's count (end of text, a stop string at the upstream) finishes its request at
   that step (:meth:`qsim.batch.BatchQueue.finish`); one that fails fails its request (outcome error, as the
-  upstream engine's failures); a request that leaves the batch (answered, cut, its client gone) has its stream
-  closed, so the upstream frees its slot;
+  upstream engine's failures); a request cut at its deadline or whose client left has its stream closed at once
+  (:class:`live.batching.Releases`), so the upstream frees its slot;
 * the answer's text is what the upstream sent.
 
 Learning the step model (:class:`StepLearner`). The gate sees no step of the upstream, only when each chunk of each
@@ -306,6 +306,13 @@ class UpstreamBatchEngine:
         if model is not None and self.on_refit is not None:
             self.on_refit(model)
         return StepDone(self._clock() - began, failed, pieces, finished)
+
+    def release(self, key) -> None:
+        """Its request was cut or its client left: close its stream now, so the upstream frees its slot (the gate
+        may have no next step for a while to say so); its text stays until the next step's ``ended``."""
+        forward = self._forwards.get(key)
+        if forward is not None and not forward.over:
+            forward.task.cancel()
 
     def text(self, key, job: Job, tokens: int) -> str:
         forward = self._forwards.get(key)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -156,7 +157,6 @@ def test_a_gate_in_front_of_a_batching_qlab_serve_learns_its_step_model(tmp_path
 @pytest.mark.slow  # a scripted HTTP server on a thread
 def test_answers_the_upstream_ends_early_finish_and_one_that_fails_mid_stream_fails_alone():
     import asyncio
-    import json
 
     from test_upstream import _chunk, _sse, scripted
 
@@ -191,3 +191,41 @@ def test_answers_the_upstream_ends_early_finish_and_one_that_fails_mid_stream_fa
     assert (full.text, full.tokens) == ("cccccc", 6)
     assert isinstance(bad, UpstreamFailed) and "boom" in str(bad)
     assert stats["counts"]["good"] == 2 and stats["counts"]["error"] == 1 and stats["in_service"] == 0
+
+
+@pytest.mark.slow  # a scripted HTTP server on a thread
+def test_a_client_that_leaves_closes_its_upstream_stream_though_the_batch_goes_idle():
+    import asyncio
+    import threading
+
+    from test_upstream import _chunk, scripted
+
+    from live.batching import BatchGate
+    from live.gate import Job, gate_config
+    from live.upstream import UpstreamEngine, UpstreamSpec
+    from live.upstream_batch import UpstreamBatchEngine
+    from qsim import PRESETS
+
+    sent, closed = threading.Event(), threading.Event()
+
+    def respond(conn, body):  # one token, then nothing more until the gate hangs up
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        conn.sendall(head + f"data: {json.dumps(_chunk('a'))}\n\n".encode())
+        sent.set()
+        if conn.recv(1) == b"":
+            closed.set()
+
+    async def go(url):
+        forwarder = UpstreamEngine(UpstreamSpec(url, "m", 30.0), "m")
+        engine = UpstreamBatchEngine(forwarder, 4, StepLearner(StepModel()))
+        config = gate_config(PRESETS["none"], engine=Batching(StepModel(), max_num_seqs=4))
+        async with BatchGate(engine, config) as gate:
+            future = gate.submit(Job("p", 8, prompt_tokens=1))
+            await asyncio.get_running_loop().run_in_executor(None, sent.wait, 30)
+            future.cancel()  # the client leaves; nothing else runs, so no step follows
+            left = await asyncio.get_running_loop().run_in_executor(None, closed.wait, 30)
+            return left, gate.stats()
+
+    with scripted(respond) as url:
+        left, stats = asyncio.run(go(url))
+    assert left and stats["counts"]["abandoned"] == 1 and stats["in_service"] == 0
