@@ -41,8 +41,8 @@ after the first piece is not a failure but the gate stopping the answer: its las
 ``finish_reason: "abort"`` (what vLLM and SGLang send for a request they abort; the openai SDK passes
 it through) and, in ``qlab_stopped``, the status and error object the handler answers the cut unstreamed
 (504 ``deadline_exceeded``, reason ``deadline_passed``, with its numbers), then ``data: [DONE]``: a
-client keeps the text it got, and ``qlab replay --api openai`` records the outcome the gate recorded. A client that hangs up
-mid-stream cancels the future, so the run's Cancel is set.
+client keeps the text it got, and ``qlab replay --api openai`` records the outcome the gate recorded.
+A client that hangs up mid-stream cancels the future, so the run's Cancel is set.
 
 ``finish_reason`` is ``stop`` when the engine generated fewer tokens than asked (a stop string
 ended it), else ``length``: the engines never stop at end-of-text (an upstream server may: its

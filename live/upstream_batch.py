@@ -12,7 +12,8 @@ core's steps by forwarding:
   failures and readiness), on a session of up to ``max_num_seqs`` connections;
 * a step is over when every request that the core says produces a token in it (decoding, or completing its prompt)
   has had its next chunk of text from the upstream, or its stream has ended: the gate's steps follow the
-  upstream's, token by token, and a streamed client gets each chunk as its step ends;
+  upstream's, token by token, and a streamed client gets each chunk as its step ends. The step's seconds the
+  speed tracker learns from are the upstream's (the gap between the chunks it took and the ones before);
 * a stream that ends before the core's count (end of text, a stop string at the upstream) finishes its request at
   that step (:meth:`qsim.batch.BatchQueue.finish`); one that fails fails its request (outcome error, as the
   upstream engine's failures); a request cut at its deadline or whose client left has its stream closed at once
@@ -27,8 +28,8 @@ tens of them). A burst is what one step computed: each answer with a chunk in it
 *first* chunk is in it computed its prompt in it (``prefill``: its prompt tokens), and each held its prompt and the
 tokens it had (``context``); its seconds are the gap from the burst before, the median over the answers that have a
 chunk in both (a burst with no such answer followed an idle server and is left out, as is one where an answer has
-two chunks, one :data:`PAUSE` times the median step or longer, and the answers whose ``usage.completion_tokens`` says that their chunks carried more than one token
-each). The four coefficients are then :meth:`qsim.engines.StepModel.fit`'s (non-negative least squares), the CV
+two chunks, one :data:`PAUSE` times the median step or longer, and the answers whose
+``usage.completion_tokens`` says that their chunks carried more than one token each). The four coefficients are then :meth:`qsim.engines.StepModel.fit`'s (non-negative least squares), the CV
 the spread of the steps around the fit.
 
 The rule (a checkpoint, documented in docs/live.md): after every :data:`REFIT_EVERY` new gaps between two chunks
@@ -305,7 +306,19 @@ class UpstreamBatchEngine:
         model = self.learner.checkpoint()
         if model is not None and self.on_refit is not None:
             self.on_refit(model)
-        return StepDone(self._clock() - began, failed, pieces, finished)
+        return StepDone(self._upstream_s(producing, got, self._clock() - began), failed, pieces, finished)
+
+    def _upstream_s(self, producing: list, got: list, elapsed: float) -> float:
+        """The step's seconds for the speed tracker: the upstream's own, the median gap between the chunk each
+        producing answer took now and its one before (the gate's step may have found them waiting, or waited for
+        two); ``elapsed`` where none took a second chunk."""
+        gaps = []
+        for key, piece in zip(producing, got):
+            forward = self._forwards[key]
+            times, taken = forward.timeline.times, forward.taken
+            if piece is not None and taken >= 2:
+                gaps.append(times[taken - 1] - times[taken - 2])
+        return float(np.median(gaps)) if gaps else elapsed
 
     def release(self, key) -> None:
         """Its request was cut or its client left: close its stream now, so the upstream frees its slot (the gate
