@@ -13,7 +13,7 @@ core's steps by forwarding:
 * a step is over when every request that the core says produces a token in it (decoding, or completing its prompt)
   has had its next chunk of text from the upstream, or its stream has ended: the gate's steps follow the
   upstream's, token by token, and a streamed client gets each chunk as its step ends. The step's seconds the
-  speed tracker learns from are the upstream's (the gap between the chunks it took and the ones before);
+  speed tracker learns from are the upstream's (the gap between the chunks it took and the ones before, 0: none);
 * a stream that ends before the core's count (end of text, a stop string at the upstream) finishes its request at
   that step (:meth:`qsim.batch.BatchQueue.finish`); one that fails fails its request (outcome error, as the
   upstream engine's failures); a request cut at its deadline or whose client left has its stream closed at once
@@ -277,7 +277,6 @@ class UpstreamBatchEngine:
         return forward
 
     async def astep(self, work: StepWork) -> StepDone:
-        began = self._clock()
         self.steps += 1
         for key in work.ended:  # out of the batch for good: close its stream, so the upstream frees its slot
             forward = self._forwards.pop(key, None)
@@ -306,19 +305,20 @@ class UpstreamBatchEngine:
         model = self.learner.checkpoint()
         if model is not None and self.on_refit is not None:
             self.on_refit(model)
-        return StepDone(self._upstream_s(producing, got, self._clock() - began), failed, pieces, finished)
+        return StepDone(self._upstream_s(producing, got, work.model_s), failed, pieces, finished)
 
-    def _upstream_s(self, producing: list, got: list, elapsed: float) -> float:
+    def _upstream_s(self, producing: list, got: list, model_s: float) -> float:
         """The step's seconds for the speed tracker: the upstream's own, the median gap between the chunk each
         producing answer took now and its one before (the gate's step may have found them waiting, or waited for
-        two); ``elapsed`` where none took a second chunk."""
+        two). Gaps under :data:`BURST_SHARE` of the model's step are chunks read together (the gate's loop was
+        busy), not a step; 0 where no gap is left (the tracker then learns nothing from the step)."""
         gaps = []
         for key, piece in zip(producing, got):
             forward = self._forwards[key]
             times, taken = forward.timeline.times, forward.taken
-            if piece is not None and taken >= 2:
+            if piece is not None and taken >= 2 and times[taken - 1] - times[taken - 2] >= BURST_SHARE * model_s:
                 gaps.append(times[taken - 1] - times[taken - 2])
-        return float(np.median(gaps)) if gaps else elapsed
+        return float(np.median(gaps)) if gaps else 0.0
 
     def release(self, key) -> None:
         """Its request was cut or its client left: close its stream now, so the upstream frees its slot (the gate
@@ -369,3 +369,4 @@ def upstream_batch(spec: UpstreamSpec) -> int | None:
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
     return seats if isinstance(seats, int) and seats >= 1 else None
+
