@@ -286,7 +286,7 @@ class _Run:
             ok, tokens = False, None
         else:
             ok = self.failed is None or not self.failed[i]
-            tokens = None if self.work is None else self.work[i][2]
+            tokens = None if self.work is None else self.work[i].generated
         first = self._first_token_at(i) if self.objectives else _NAN
         self.finishing = k
         outcome = self.queue.finished(k, now, self.reported[i] * self.speed_at[i], ok, tokens, first)  # may start k's next

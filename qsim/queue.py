@@ -190,27 +190,27 @@ class AdmissionQueue(Core):
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         if idle:
             self.seen_numbers = (est, queued, queued_work, factor, 0.0, len(idle))
-            refusal = None if self._admits_all else rule(policy, queued, queued_work, 0.0, est, deadline_s,
-                                                          self.engines, len(idle), priority, None)
-        elif self._admits_all and priority >= 0:
+            if not self._admits_all:
+                refusal = rule(policy, queued, queued_work, 0.0, est, deadline_s, self.engines, len(idle), priority, None)
+                if refusal is not None:
+                    return refusal
+            self._begin(idle.pop(), entry, now)
+            return None
+        if self._admits_all and priority >= 0:
             # A rule that admits all reads nothing: the work in service is left unsaid (NaN) rather than summed
             # on every arrival of bench_qsim's case A.
             self.seen_numbers = (est, queued, queued_work, factor, _NAN, 0)
-            refusal = None
         else:
             remaining = self.remaining_s(now)
             self.seen_numbers = (est, queued, queued_work, factor, remaining, 0)
             ahead = None if self._ahead is None else self._ahead(entry) * factor
             refusal = rule(policy, queued, queued_work, remaining, est, deadline_s, self.engines, 0, priority, ahead)
-        if refusal is not None:
-            return refusal
-        if idle:
-            self._begin(idle.pop(), entry, now)
-        else:
-            waiting.push(entry)
-            self.waiting_base_s += base_est_s
-            if work is not None:
-                self.waiting_tokens += work.prompt
+            if refusal is not None:
+                return refusal
+        waiting.push(entry)
+        self.waiting_base_s += base_est_s
+        if work is not None:
+            self.waiting_tokens += work.prompt
         return None
 
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
@@ -300,12 +300,14 @@ class AdmissionQueue(Core):
         if stalled:
             self.stalled[k] = False
             self._n_stalled -= 1
-        self.ended[k] = False
+        if ended:
+            self.ended[k] = False
         outcome = None
         if ok and not stalled:
-            work, est = entry.work, self.estimator
-            slow = 1.0 if self._slowdown is None else self.slow[k]
-            if est is not None and est.learns and work is not None and tokens is not None:
+            est = self.estimator
+            slow = self.slow[k]  # 1.0 unless engines slow each other
+            if est is not None and est.learns and entry.work is not None and tokens is not None:
+                work = entry.work
                 est.learn(work.limit, tokens)
                 self.tracker.observe(est.work_s(work.limit, work.prompt, tokens) * slow, engine_s)
             else:
@@ -489,7 +491,8 @@ class AdmissionQueue(Core):
         self.busy_until[k] = now + est
         self.started_at[k] = now
         rule = self.stall_rule
-        self.stall_after_s[k] = math.inf if rule is None else rule.after_s(est)
+        if rule is not None:  # else never: stall_after_s stays inf
+            self.stall_after_s[k] = rule.after_s(est)
         if self._started is not None:
             self._started(entry)
         self._start(k, entry.req, now, est)

@@ -162,6 +162,7 @@ def fit(tokens, seconds, prompt_tokens=None) -> Fit:
 #: upstream that paused, a machine that hiccuped) is one observation, not a new speed. 25 % up mirrors the 20 %
 #: down that the EWMA's weight (0.2) already bounds a step to (a ratio is never below 0): factor x 1.25 or / 1.25.
 MAX_STEP = 0.25
+_INF = math.inf  # a module global: observe() runs once per completed request
 
 
 class SpeedTracker:
@@ -203,7 +204,7 @@ class SpeedTracker:
 
     def observe(self, predicted_s: float, actual_s: float) -> float:
         """Fold one completed request in; ignores unusable pairs (failed or zero-time)."""
-        if not self.fixed and predicted_s > 0 and actual_s > 0 and actual_s != math.inf:
+        if not self.fixed and predicted_s > 0 and actual_s > 0 and actual_s != _INF:
             factor = self.factor
             moved = factor + self.weight * (actual_s / predicted_s - factor)
             up = self._up
