@@ -1168,6 +1168,15 @@ def prediction_noise(run: pd.DataFrame, setup: ServerConfig | None = None) -> tu
                               "--service-model sets it")
 
 
+def step_speed(schedule: SpeedSchedule | None, speed: float) -> SpeedSchedule:
+    """A batching engine's speed on the run's clock, as the simulator applies it to each step: its step model is
+    the calibration's (fitted at speed 1), so a step takes the model's time x ``speed`` (the run's,
+    :func:`prediction_speed`) x the schedule's later changes over its base. The simulator divides by the
+    schedule's base (a one-at-a-time run's true times already carry it); here the base is the model's speed, 1."""
+    base, later = (1.0, ()) if schedule is None else (schedule.base, schedule.steps)
+    return SpeedSchedule(1.0, ((0.0, speed), *((t, speed * s / base) for t, s in later)))
+
+
 def calibrated_setup(run: pd.DataFrame, terms: LoadTerms | None = None) -> ServerConfig:
     """The run's server, with the calibration's load terms in its engines (a run from a server that did not load
     them: an older calibration, or an older qlab serve), or a batching engine's fitted step model where the
@@ -1199,9 +1208,11 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
     speed, source = prediction_speed(run)
     noise_cv, noise_source = (prediction_noise(run, setup) if noise_cv is None
                               else (float(noise_cv), "given (--noise-cv)"))
+    schedule = speed_schedule(run)
     if isinstance(setup.engine, Batching):  # a batching engine draws its noise on each step, not on a request
         setup = setup.replace(engine=dataclasses.replace(setup.engine, step=dataclasses.replace(setup.engine.step,
                                                                                                 cv=noise_cv)))
+        schedule = step_speed(schedule, speed)  # and its steps, not its requests' true times, carry the speed
     _, retrying = _retrying(run)  # with retries the simulator's own clients send all but the first attempts
     ordered, arrival = _in_arrival_order(run, arrival_times(run, origin),
                                          run["attempt"].eq(1).to_numpy() if retrying else None)
@@ -1216,7 +1227,7 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
         # The server's own draws (a batching engine's step noise, a randomised rule's) from this seed too: with
         # the run's seed alone every seed drew the same steps, and the interval across seeds was too narrow.
         got = summary(_simulate(ordered, arrival, setup.replace(seed=setup.seed + seed), true, "predicted",
-                                generated_tokens(run, ordered), speed_schedule(run), **faults), seconds)
+                                generated_tokens(run, ordered), schedule, **faults), seconds)
         rows.append({"seed": seed, **{m: got[m] for m in metrics}})
     per_seed = pd.DataFrame(rows)
     table = []

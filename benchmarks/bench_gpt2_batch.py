@@ -1,8 +1,8 @@
 """How much does batching buy on GPT-2? Tokens a second of the batched engine at batch 1, 2, 4, 8, against batch 1.
 
 For each batch size B, B sequences (prompts of ``--prompt-tokens`` tokens less 0..7, so that rows are padded,
-``--new-tokens`` each) join :class:`live.gpt2_batch.BatchedGPT2` together, compute their prompts in one step and
-decode to the end, one forward pass per step. Each run also says whether every sequence got the tokens it gets
+``--new-tokens`` each) join :class:`live.gpt2_batch.BatchedGPT2` together, compute their prompts in one step (a
+pass each) and decode to the end, one batched forward pass per step. Each run also says whether every sequence got the tokens it gets
 decoded alone (greedy; on CUDA, batched kernels may round differently and flip a near tie). Reported per B: tokens generated per second of step time, over the whole run and over the
 decode steps alone, and each as a ratio to B = 1 measured in the same run; the best of ``--repeat`` runs. The
 one-at-a-time engine (:class:`live.gpt2.GPT2Engine`) on the same prompt is the reference line. Nothing is

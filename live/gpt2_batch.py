@@ -1,9 +1,9 @@
-"""The batched GPT-2 engine: one forward pass per step over every sequence the step runs, with the KV cache.
+"""The batched GPT-2 engine: each step one batched forward pass over the sequences decoding, with the KV cache, and
+a pass of its own for each prefill chunk.
 
 :class:`BatchedGPT2` is driven step by step, as :class:`qsim.batch.BatchQueue` plans steps: sequences
 join (:meth:`~BatchedGPT2.add`) and leave (:meth:`~BatchedGPT2.remove`, :meth:`~BatchedGPT2.preempt`)
-between steps; each :meth:`~BatchedGPT2.step` runs one forward pass over the sequences its plan names,
-each feeding the number of tokens the plan gives it (a chunk of its prompt, or the one token it sampled
+between steps; each :meth:`~BatchedGPT2.step` runs the sequences its plan names, each feeding the number of tokens the plan gives it (a chunk of its prompt, or the one token it sampled
 last), and returns the token each sequence sampled and the step's measured seconds.
 
 The interface, for a driver such as the gate::
@@ -34,15 +34,17 @@ without KV, to compute their tokens again in the steps that name them (:meth:`~B
 many), as after a preemption. Every method is called from one thread (the engine's),
 between steps: the engine holds no lock.
 
-How the batch is computed. Each step's rows are the plan's sequences. Row ``i`` holds its cached tokens
-left-padded to the longest row's, then its new tokens right-padded to the longest feed; a 2-D attention mask
-hides the padding and per-row position ids continue each sequence's own positions (GPT-2's are learned and
-absolute, added to the input), so a row computes what the sequence computes alone. Right-padding the new tokens
-leaves no query that sees no key (a pad sees its row's new tokens before it), which some attention kernels
-answer with NaN; only each row's last new token goes through the vocabulary projection. While
-the rows stay the same and every row decodes (the steady state), the step appends to the batched
-:class:`transformers.DynamicCache` in place; when the rows change (one joins, leaves, prefills a chunk) the
-cache is rebuilt from each row's unpadded KV, which costs a copy of the batch's context, once per change.
+How a step is computed. The sequences feeding one token (decoding, or the last token of a prompt) run as one
+batched forward pass: row ``i`` holds its cached tokens left-padded to the longest row's, then its new token; a
+2-D attention mask hides the padding and per-row position ids continue each sequence's own positions (GPT-2's are
+learned and absolute, added to the input), so a row computes what the sequence computes alone. While those rows
+stay the same (the steady state) the pass appends to the batched :class:`transformers.DynamicCache` in place; when
+they change (one joins, leaves) the cache is rebuilt from each row's unpadded KV, a copy of the batch's context,
+once per change. Each prefill chunk (more than one token) runs as a pass of its own on its sequence's unpadded KV,
+as vLLM packs prefills beside decodes without padding one to the other: padding every row to a chunk's length made
+a step mixing a chunk of ~390 tokens with 7 decoding rows cost 8 chunks (468 ms against 52 ms for 8 decoding rows
+and 26 ms for the chunk alone, GPT-2 tiny on CPU), a cost the step model (prefill tokens, sequences, context) could
+not express. A step thus costs one pass over its decoding rows plus one pass per chunk.
 
 Transformers' own continuous batching (``init_continuous_batching`` / ``generate_batch``) is not used: it runs
 its own scheduler and paged cache in a background thread, so a step cannot be planned from outside or timed
@@ -79,7 +81,7 @@ class Produced:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One step: the seconds it took (the forward pass, the batch's rebuild if any, the sampled tokens brought
+    """One step: the seconds it took (the forward passes, the batch's rebuild if any, the sampled tokens brought
     to the host), the tokens it computed, and the sequences that sampled (by id)."""
 
     seconds: float
@@ -182,8 +184,9 @@ class BatchedGPT2:
 
     @torch.inference_mode()
     def step(self, plan: Mapping[Hashable, int] | None = None) -> StepResult:
-        """One forward pass over the plan's sequences, each feeding as many of its tokens as the plan says (None:
-        every sequence, all it has). Sequences that finish leave."""
+        """One step over the plan's sequences, each feeding as many of its tokens as the plan says (None: every
+        sequence, all it has): the sequences feeding one token in one batched forward pass, each longer chunk in a
+        pass of its own (see the module docstring). Sequences that finish leave."""
         start = time.perf_counter()
         plan = {k: self.remaining(k) for k in self._seqs} if plan is None else dict(plan)
         for seq_id, n in plan.items():
@@ -193,40 +196,55 @@ class BatchedGPT2:
                 raise ValueError(f"sequence {seq_id!r} may feed 1..{self.remaining(seq_id)} tokens, planned {n}")
         if not plan:
             return StepResult(0.0, 0, 0)
-        rows = list(plan)
-        if rows == self._rows and all(n == 1 for n in plan.values()):
-            cache, mask = self._cache, self._mask
-        else:
-            cache, mask = self._rebuild(rows)
-        seqs = [self._seqs[k] for k in rows]
-        width = max(plan.values())
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        pos = torch.zeros((len(rows), width), dtype=torch.long)
-        new_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
-        for i, (seq, n) in enumerate(zip(seqs, plan.values())):
-            ids[i, :n] = torch.tensor(seq.tokens[seq.computed:seq.computed + n])
-            pos[i, :n] = torch.arange(seq.computed, seq.computed + n)
-            new_mask[i, :n] = 1
-        last = torch.tensor([[n - 1] for n in plan.values()], device=self.device)  # each row's last new token
-        mask = torch.cat([mask, new_mask.to(self.device)], dim=1)
+        single = [k for k, n in plan.items() if n == 1]
+        chunks = [k for k, n in plan.items() if n > 1]
+        if any(k in self._rows for k in chunks):
+            self._unbatch()  # a chunk runs on its sequence's own KV
         try:
-            out = self.net(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
-                           cache=cache, use_cache=True, logits_to_keep=last)
-            sampled = out.logits[:, -1].argmax(-1).tolist()  # to the host: the step is over on the device too
+            sampled = self._batched(single) if single else {}
+            for seq_id in chunks:
+                sampled[seq_id] = self._chunk(self._seqs[seq_id], plan[seq_id])
+            # The sampled tokens are on the host: the step is over on the device too.
         except BaseException:
             # The batched cache may be half updated (out of memory in a layer): the step's sequences lose their KV
             # and compute it again in the steps that name them, as after a preemption. Nothing is silently wrong.
-            self._rows, self._cache, self._mask = [], None, None
-            for seq in seqs:
-                seq.kv, seq.computed = None, 0
+            if single:
+                self._rows, self._cache, self._mask = [], None, None
+            for seq_id in plan:
+                self._seqs[seq_id].kv, self._seqs[seq_id].computed = None, 0
             raise
-        self._rows, self._cache, self._mask = rows, out.cache, mask
         outputs = {}
-        for seq_id, seq, n, token in zip(rows, seqs, plan.values(), sampled):
+        for seq_id, n in plan.items():
+            seq = self._seqs[seq_id]
             seq.computed += n
             if seq.computed == len(seq.tokens):  # its feed reached its last token: what comes next is sampled
-                outputs[seq_id] = self._sampled(seq_id, seq, token)
-        return StepResult(time.perf_counter() - start, len(rows), sum(plan.values()), outputs)
+                outputs[seq_id] = self._sampled(seq_id, seq, sampled[seq_id])
+        return StepResult(time.perf_counter() - start, len(plan), sum(plan.values()), outputs)
+
+    def _batched(self, rows: list[Hashable]) -> dict[Hashable, int]:
+        """One forward pass over ``rows``, each feeding its next token, on the batched cache (kept from the last
+        step where its rows are these); the token each row's logits pick."""
+        cache, mask = (self._cache, self._mask) if rows == self._rows else self._rebuild(rows)
+        seqs = [self._seqs[k] for k in rows]
+        ids = torch.tensor([[s.tokens[s.computed]] for s in seqs], device=self.device)
+        pos = torch.tensor([[s.computed] for s in seqs], device=self.device)
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
+        out = self.net(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=1)
+        self._rows, self._cache, self._mask = rows, out.cache, mask
+        return dict(zip(rows, out.logits[:, -1].argmax(-1).tolist()))
+
+    def _chunk(self, seq: _Seq, n: int) -> int:
+        """A forward pass of one sequence's next ``n`` tokens on its own unpadded KV (which it keeps); the token
+        its last one's logits pick."""
+        config = self.net.config
+        cache = (DynamicCache(ddp_cache_data=seq.kv, config=config) if seq.kv is not None
+                 else DynamicCache(config=config))
+        ids = torch.tensor([seq.tokens[seq.computed:seq.computed + n]], device=self.device)
+        pos = torch.arange(seq.computed, seq.computed + n, device=self.device).unsqueeze(0)
+        out = self.net(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        seq.kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+        return int(out.logits[0, -1].argmax())
 
     def _sampled(self, seq_id: Hashable, seq: _Seq, token: int) -> Produced:
         seq.tokens.append(token)
@@ -317,7 +335,7 @@ class BatchedGPT2:
 class GPT2BatchEngine:
     """:class:`BatchedGPT2` behind the batching gate's engine protocol (:class:`live.batching.BatchEngine`):
     :class:`live.batching.BatchGate` hands it each step the queue core planned (a :class:`live.batching.StepWork`)
-    from one engine thread, and it runs the step as one forward pass.
+    from one engine thread, and it runs the step (:meth:`BatchedGPT2.step`).
 
     The queue core decides the work, as it does for the synthetic batching engine: every request runs to its
     ``max_new_tokens`` (a stop string cuts the text, not the work; its text must end past the first ``min_tokens``

@@ -192,6 +192,19 @@ def test_the_prediction_of_a_batching_run_draws_other_steps_for_each_seed(tmp_pa
     assert calibrated_setup(run).engine.step == noisy
 
 
+def test_the_prediction_of_a_batching_run_runs_its_steps_at_the_probed_speed():
+    from analysis.compare import predict
+
+    run = _batching_run(TRUE)
+    twice = StepModel(*(2 * b for b in (TRUE.b0, TRUE.b1, TRUE.b2, TRUE.b3)))
+    got = predict(run.assign(speed_before=2.0), seeds=2, noise_cv=0.0)  # a probe said: half speed
+    assert got.speed == 2.0 and "probed" in got.speed_source
+    # Each step the model's time x 2: the prediction of a server whose steps take twice the model's.
+    assert got.per_seed.equals(predict(_batching_run(twice), seeds=2, noise_cv=0.0).per_seed)
+    at_one = predict(run, seeds=2, noise_cv=0.0).table
+    assert got.table.loc["latency_p50_s", "sim_mean"] > 1.5 * at_one.loc["latency_p50_s", "sim_mean"]
+
+
 # ---------------------------------------------------------------- end to end, over HTTP
 
 @pytest.mark.slow  # two server processes and a calibration: several seconds
