@@ -99,7 +99,7 @@ from qsim.engines import Batching, OneAtATime
 from qsim.entry import Work
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
-from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue
+from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
 from qsim.service import SpeedTracker
 
 from .engine import (Asked, Cancel, Engine, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
@@ -155,22 +155,17 @@ class Arrival:
 
     at: float  # gate clock
     deadline_s: float
-    # What the queue core decided on (AdmissionQueue.seen, in its order):
-    est_service_s: float  # calibrated estimate x speed factor
-    queued: int  # waiting (not in service) before it
-    queued_work_s: float  # their estimated work
-    speed_factor: float  # the tracker's factor the estimates were scaled by
-    in_service_s: float = math.nan  # estimated work left in service (0 with an engine idle); NaN: not said
-    idle: int = -1  # engines free; -1: not said
+    seen: Seen  # what the queue core decided on (AdmissionQueue.seen)
 
     def numbers(self) -> dict[str, float]:
         """For answers and refusals; arrived_at lets a client put the gate's own arrival order on its clock.
         in_service_s and idle (where the core said them) complete what the admission rule read."""
-        said = {"in_service_s": self.in_service_s} if math.isfinite(self.in_service_s) else {}
-        if self.idle >= 0:
-            said["idle"] = self.idle
-        return {"arrived_at": self.at, "est_service_s": self.est_service_s, "deadline_s": self.deadline_s,
-                "queued": self.queued, "queued_work_s": self.queued_work_s, "speed_factor": self.speed_factor,
+        seen = self.seen
+        said = {"in_service_s": seen.in_service_s} if math.isfinite(seen.in_service_s) else {}
+        if seen.idle >= 0:
+            said["idle"] = seen.idle
+        return {"arrived_at": self.at, "est_service_s": seen.est_service_s, "deadline_s": self.deadline_s,
+                "queued": seen.queued, "queued_work_s": seen.queued_work_s, "speed_factor": seen.speed_factor,
                 **said}
 
 
@@ -626,9 +621,7 @@ class Gate:
                                     Work(job.max_new_tokens, job.prompt_tokens))
         # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn, and a
         # refusal (most arrivals under overload) needs no future.
-        seen = self.queue.seen
-        ticket.arrival = Arrival(now, deadline, seen.est_service_s, seen.queued, seen.queued_work_s, seen.speed_factor,
-                                 seen.in_service_s, seen.idle)
+        ticket.arrival = Arrival(now, deadline, self.queue.seen)
         if refusal is not None:
             # The core refused it (and kept its state as the simulator's would); one no queue could answer in time
             # is told so, not told to come back.

@@ -109,7 +109,7 @@ class _Preparer:
 def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
     a = answer.arrival
     timings = Timings(queue_s=answer.queue_s, engine_s=answer.engine_s, total_s=total_s,
-                      est_service_s=a.est_service_s, started_at=answer.started_at,
+                      est_service_s=a.seen.est_service_s, started_at=answer.started_at,
                       returned_at=answer.returned_at, first_token_s=answer.first_token_s)
     return GenerateResponse(text=answer.text, tokens=answer.tokens, outcome=answer.outcome, engine=answer.engine,
                             timings=timings, admission=Admission.model_validate(a.numbers()))

@@ -270,7 +270,7 @@ class _Run:
     def qlab(self) -> QlabInfo:
         a = self.answer
         return QlabInfo(outcome=a.outcome, engine=a.engine, queue_s=a.queue_s, engine_s=a.engine_s,
-                        total_s=self.total_s, est_service_s=a.arrival.est_service_s, started_at=a.started_at,
+                        total_s=self.total_s, est_service_s=a.arrival.seen.est_service_s, started_at=a.started_at,
                         returned_at=a.returned_at, admission=Admission.model_validate(a.arrival.numbers()),
                         first_token_s=a.first_token_s, ttft_slo_s=self.job.ttft_slo_s, tpot_slo_s=self.job.tpot_slo_s)
 

@@ -270,7 +270,7 @@ def _after_a_pause(max_step: float) -> tuple[object, float]:
 def test_one_paused_run_moves_the_speed_factor_a_bounded_step():
     answer, factor = _after_a_pause(max_step=0.25)
     assert factor == pytest.approx(1.25)  # 1 + at most 25 %
-    assert answer.outcome == "good" and answer.arrival.est_service_s == pytest.approx(1.531 * 1.25)
+    assert answer.outcome == "good" and answer.arrival.seen.est_service_s == pytest.approx(1.531 * 1.25)
     # Unbounded (the EWMA alone): the same pause doubles the factor, and the next request is refused.
     refused, unbounded = _after_a_pause(max_step=1e9)
     assert unbounded == pytest.approx(1 + 0.2 * (9.186 / 1.531 - 1))

@@ -433,7 +433,7 @@ def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
     assert isinstance(cut, DeadlineCut) and cut.numbers["at"] == pytest.approx(100.6, abs=1e-9)
     assert b.started_at == pytest.approx(100.6, abs=1e-9)  # its start, for the core, at the cut
     # c met b running and nothing waiting (without the cut first: a running, b waiting, 1 queued).
-    assert c.arrival.queued == 0 and c.arrival.at == pytest.approx(100.6005)
+    assert c.arrival.seen.queued == 0 and c.arrival.at == pytest.approx(100.6005)
     assert stats["counts"]["cancelled"] == 1 and stats["counts"]["good"] == 2
 
 

@@ -112,7 +112,7 @@ def test_rejection_carries_qsim_rejection():
 
     exc = asyncio.run(go())
     assert exc.rejection.reason == "queue_full" and exc.rejection.retry_after_s == 1
-    assert exc.arrival.queued == 0 and exc.arrival.est_service_s == pytest.approx(0.05)
+    assert exc.arrival.seen.queued == 0 and exc.arrival.seen.est_service_s == pytest.approx(0.05)
 
 
 class _Recording(SyntheticEngine):
@@ -285,7 +285,7 @@ def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing
     assert results[0].stopped and results[0].tokens == 0 and not results[1].stopped
     # The tracker learned b's run alone: the stopped run's time taught it nothing.
     assert factor == pytest.approx(1.0 + 0.2 * (answer.engine_s / float(MODEL.estimate(2)) - 1.0), rel=1e-12)
-    assert answer.outcome == "good" and answer.tokens == 2 and answer.arrival.speed_factor == 1.0
+    assert answer.outcome == "good" and answer.tokens == 2 and answer.arrival.seen.speed_factor == 1.0
     assert stats["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
 
 

@@ -154,7 +154,7 @@ class SimEngine(LoopWorker):
 
 
 def _seen(row: dict, arrival) -> None:
-    row.update(queued=arrival.queued, queued_work_s=arrival.queued_work_s, est_service_s=arrival.est_service_s)
+    row.update(queued=arrival.seen.queued, queued_work_s=arrival.seen.queued_work_s, est_service_s=arrival.seen.est_service_s)
 
 
 _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error", EngineStalled: "error",
