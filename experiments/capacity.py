@@ -50,7 +50,7 @@ from analysis.objectives import Objective, parse_objectives, written
 from inputs import clientflags
 from inputs.argtypes import positive, positive_int
 from inputs.atomic import atomic_write
-from qsim import PRESETS, ServiceModel
+from qsim import PRESETS
 from qsim.engines import Batching, OneAtATime
 from qsim.policy import parse_args, policy_spec
 from qsim.workload import arrivals_take_load
@@ -354,15 +354,24 @@ def search_config(policies: list[str], arrivals: list[str], *, seconds: float, s
 
 def _batching_table(args) -> dict | None:
     """The [batching] table of ``--batching`` and its options (``qlab simulate``'s), or None: engines one at a time.
-    ValueError for an option the search cannot take, or one of a batching engine without --batching."""
-    if args.concurrency:
-        raise ValueError("--concurrency: a search runs sweep cells, whose engines do not slow each other; leave it "
-                         "out (or search a batching engine, --batching)")
+    Its step model only where --step gives one: else the --service-model calibration's (the sweep's rule), else the
+    default. ValueError for an option of a batching engine without --batching (or --concurrency with it)."""
     engine = engineflags.engine_from_args(args)
     if not isinstance(engine, Batching):
         return None
     settings = {k: v for k, v in asdict(engine).items() if k != "step" and v is not None}
-    return {**asdict(engine.step), **settings}
+    return {**(asdict(engine.step) if args.step is not None else {}), **settings}
+
+
+def _service_table(args) -> dict | None:
+    """The [service] table: ``file``, the --service-model calibration (its line, concurrency term and noise, as a
+    sweep's [service] file), or --concurrency inline; ValueError for both."""
+    if args.service_model and args.concurrency is not None:
+        raise ValueError("--concurrency with --service-model: the calibration's concurrency term is the search's "
+                         "(a sweep's [service] file); give one")
+    if args.service_model:
+        return {"file": str(Path(args.service_model).resolve())}
+    return {"concurrency": args.concurrency} if args.concurrency else None
 
 
 def config_from_args(args) -> SweepConfig:
@@ -371,7 +380,8 @@ def config_from_args(args) -> SweepConfig:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
     if args.seeds < 2:
         raise ValueError("--seeds must be at least 2: the interval is across seeds")
-    settings = {"noise_cv": args.noise or 0.0, "fixed_estimate": args.fixed_estimate}
+    # --noise where given; else the calibration's (a [service] file's noise), else none.
+    settings = {"fixed_estimate": args.fixed_estimate, **({"noise_cv": args.noise} if args.noise is not None else {})}
     if args.service != "mix":
         settings.update(service_dist=args.service, **({"mean_service_s": args.mean_service}
                                                       if args.mean_service is not None else {}))
@@ -389,10 +399,9 @@ def config_from_args(args) -> SweepConfig:
     if args.patience_until is not None:
         settings["patience_until"] = args.patience_until
     pairs = parse_args(args.policy_arg)
-    model = asdict(ServiceModel.load(args.service_model)) if args.service_model else None
     return search_config(args.policy, args.arrivals or ["poisson"], seconds=args.seconds, seeds=args.seeds,
                          first_seed=args.seed, sweep_settings=settings, grid=grid,
-                         policy_args={p: dict(pairs) for p in args.policy} if pairs else None, service=model,
+                         policy_args={p: dict(pairs) for p in args.policy} if pairs else None, service=_service_table(args),
                          retry=clientflags.retry_table(args) or None, batching=batching)
 
 
@@ -430,7 +439,7 @@ def cmd_capacity(args) -> int:
         print(json.dumps(json_ready([r.record() for r in outcome.results]), indent=2))
         return 0
     cfg = spec.config
-    engine = cfg.engine() or OneAtATime(cfg.grid["engines"][0])
+    engine = cfg.engine() or OneAtATime(cfg.grid["engines"][0], cfg.concurrency)
     print(f"capacity: the highest load at which {written(spec.objective)} holds for the mean of {cfg.seeds} seeds of "
           f"{cfg.duration_s:g} s; {', '.join(cfg.arrival_processes)} arrivals, {engineflags.describe(engine)}, "
           f"speed {cfg.grid['speed'][0]:g}")

@@ -13,9 +13,15 @@ service_dist = "mix"         # mix | exponential | deterministic (the latter two
 noise_cv = 0.0               # lognormal noise on true service times
 fixed_estimate = false       # true: no speed tracking
 
-[service]                    # optional: the calibrated line
+[service]                    # optional: the calibrated line (default 1 ms + 8.5 ms per new token), inline:
 intercept_s = 0.001
 per_token_s = 0.0085
+# per_prompt_token_s = 0.0   #   the prefill term (seconds per prompt token)
+# concurrency = 0.0          #   engines one at a time slow each other: a run x (1 + C (busy - 1))
+# or instead, from a `qlab calibrate` JSON (relative to this file's folder; exclusive with the keys above):
+# file = "calibration.json"  #   its line, its concurrency term, its noise CV (the cells' noise_cv unless
+#                            #   [sweep] noise_cv is given) and, for a [batching] sweep, its step model (unless
+#                            #   [batching] gives b0 .. cv); the manifest records the file and its terms
 
 [mixes.reference]            # optional: named size mixes ("reference" is built in)
 sizes = [4, 16, 64]
@@ -92,7 +98,7 @@ from qsim import REFERENCE_MIX, Mix, ServiceModel
 from qsim.clients import PATIENCE_UNTIL, RetryPolicy
 from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
-from qsim.service import SpeedSchedule, parse_schedule
+from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
 from qsim.workload import SERVICES, Client, Prompts, UsedShare, arrivals_take_load, check_clients, parse_arrivals
 
@@ -111,6 +117,8 @@ DEFAULT_STEP = "default"
 STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}
 BATCHING_KEYS = {**STEP_KEYS, "max_num_seqs": int, "max_num_batched_tokens": int, "chunked_prefill": bool,
                  "kv_blocks": int, "block_size": int}
+#: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a calibration's).
+SERVICE_KEYS = {"intercept_s": float, "per_token_s": float, "per_prompt_token_s": float, "concurrency": float}
 SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients", "retry", "batching", "steps"}
 CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
 #: The client set of a cell whose requests name no client.
@@ -123,6 +131,31 @@ NO_PATIENCE = "none"
 NO_USED = "none"
 #: The speed schedule of a cell whose machine keeps its speed.
 NO_SCHEDULE = "none"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """[service] file: a ``qlab calibrate`` JSON as read once, when the config is (so every executor's cells get the
+    same terms): its line (:meth:`qsim.ServiceModel.load`) and what it measured under load
+    (:meth:`qsim.service.LoadTerms.load`)."""
+
+    file: str
+    model: ServiceModel
+    terms: LoadTerms
+
+    @classmethod
+    def read(cls, where: str, file: Path) -> "Calibration":
+        try:
+            return cls(str(file), ServiceModel.load(file), LoadTerms.load(file))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def record(self) -> dict[str, Any]:
+        """The file and its terms, as the manifest records them."""
+        step = self.terms.step
+        return {"file": self.file, "model": asdict(self.model),
+                "load": {"concurrency": self.terms.concurrency, "noise_cv": self.terms.noise_cv},
+                "step": None if step is None else asdict(step)}
 
 
 def parse_used(spec: str) -> UsedShare | None:
@@ -168,6 +201,9 @@ class SweepConfig:
     batching: Batching | None = None  # [batching]: cells run one batching engine with these settings
     steps: dict[str, StepModel] = field(default_factory=dict)  # [steps.NAME], and "default": [batching]'s
     prompts: str = "none"  # [sweep] prompts: qsim.workload.Prompts' spec
+    concurrency: float = 0.0  # engines one at a time slow each other (qsim.engines.OneAtATime.concurrency)
+    # [service] file: where the line, concurrency, noise_cv and [batching]'s step model came from (None: inline).
+    calibration: Calibration | None = field(default=None, compare=False)
 
     def engine(self, max_num_seqs: int | None = None, kv_blocks: int | None = None,
                chunked_prefill: bool | None = None, step: str | None = None) -> Batching | None:
@@ -226,6 +262,8 @@ class SweepConfig:
             **({"batching": asdict(self.batching), "steps": {k: asdict(v) for k, v in sorted(self.steps.items())}}
                if self.batching is not None else {}),
             **({"prompts": self.prompts} if self.prompts != "none" else {}),
+            # The terms, not the file they came from: a calibration file and the same settings inline are one config.
+            **({"concurrency": self.concurrency} if self.concurrency else {}),
             **({"service_dist": self.service_dist, "mean_service_s": self.mean_service_s}
                if self.service_dist != "mix" else {}),
         }
@@ -433,20 +471,19 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         if s.get("service_dist", "mix") == "mix":
             raise ConfigError(f"{path}: sweep.mean_service_s applies to exponential and deterministic service_dist, "
                               "not to the mix")
-    service = data.get("service", {})
-    if not isinstance(service, dict):
-        raise ConfigError(f"{path}: [service] must be a table")
-    no_unknown_keys(f"{path}: [service]", service, {"intercept_s", "per_token_s"})
-    try:
-        model = ServiceModel(**{k: typed_value(f"{path}: service.{k}", v, float) for k, v in service.items()})
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(f"{path}: [service]: {exc}") from None
+    model, concurrency, calibration = _service(path, data.get("service", {}))
+    if calibration is not None and "noise_cv" not in sweep:  # the noise measured under load, unless given
+        s["noise_cv"] = calibration.terms.noise_cv or 0.0
     mixes = _mixes(path, data.get("mixes", {}))
     clients = _clients(path, data.get("clients", {}), mixes)
     retries = _retries(path, data.get("retry", {}))
-    batching, steps = _batching(path, data.get("batching"), data.get("steps", {}))
+    batching, steps = _batching(path, data.get("batching"), data.get("steps", {}),
+                                None if calibration is None else calibration.terms.step)
+    if batching is not None and concurrency:
+        if calibration is None:
+            raise ConfigError(f"{path}: service.concurrency slows engines that run one request at a time; a "
+                              "[batching] engine's requests share its steps (its step model says how)")
+        concurrency = 0.0  # a calibration's concurrency term is of engines one at a time, not of a batch
     try:
         Prompts.parse(s.get("prompts", "none"))
     except ValueError as exc:
@@ -462,8 +499,31 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         raise ConfigError(f"{path}: sweep.service_dist: a [batching] engine's work is its requests' tokens, drawn "
                           "from the mix; service_dist applies to engines that run one request at a time")
     return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients, retries=retries,
-                       patience_until=until or "answer", batching=batching, steps=steps,
+                       patience_until=until or "answer", batching=batching, steps=steps, concurrency=concurrency,
+                       calibration=calibration,
                        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"], grid), **s)
+
+
+def _service(path: str, table: Any) -> tuple[ServiceModel, float, Calibration | None]:
+    """[service]: the line and the concurrency term inline, or ``file``, a calibration (from the sweep file's folder)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [service] must be a table")
+    no_unknown_keys(f"{path}: [service]", table, {*SERVICE_KEYS, "file"})
+    if "file" in table:
+        inline = sorted(set(table) - {"file"})
+        if inline:
+            raise ConfigError(f"{path}: service.file and service.{inline[0]} exclude each other: the calibration "
+                              "file holds the line and its load terms; give the file or the keys")
+        file = typed_value(f"{path}: service.file", table["file"], str)
+        calibration = Calibration.read(f"{path}: service.file", Path(path).parent / file)
+        return calibration.model, calibration.terms.concurrency, calibration
+    values = {k: typed_value(f"{path}: service.{k}", v, SERVICE_KEYS[k]) for k, v in table.items()}
+    concurrency = values.pop("concurrency", 0.0)
+    positive_value(f"{path}: service.concurrency", concurrency, zero_ok=True)
+    try:
+        return ServiceModel(**values), concurrency, None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: [service]: {exc}") from None
 
 
 def _check_load(path: str, grid: dict, sweep: dict) -> None:
@@ -493,8 +553,10 @@ def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> S
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _batching(path: str, table: Any, steps: Any) -> tuple[Batching | None, dict[str, StepModel]]:
-    """[batching] (the engine, with its step model inline) and [steps.NAME] (other step models)."""
+def _batching(path: str, table: Any, steps: Any,
+              calibrated: StepModel | None = None) -> tuple[Batching | None, dict[str, StepModel]]:
+    """[batching] (the engine, with its step model inline) and [steps.NAME] (other step models). ``calibrated``: a
+    calibration's step model, [batching]'s where it gives none of b0 .. cv (given ones win, as ``--step`` does)."""
     if table is None:
         if steps:
             raise ConfigError(f"{path}: [steps] are step models of a batching engine: add a [batching] table")
@@ -502,7 +564,8 @@ def _batching(path: str, table: Any, steps: Any) -> tuple[Batching | None, dict[
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [batching] must be a table")
     no_unknown_keys(f"{path}: [batching]", table, BATCHING_KEYS)
-    step = _step_model(f"{path}: batching", table)
+    inline = any(k in STEP_KEYS for k in table)
+    step = _step_model(f"{path}: batching", table, StepModel() if inline or calibrated is None else calibrated)
     settings = {k: typed_value(f"{path}: batching.{k}", v, BATCHING_KEYS[k]) for k, v in table.items()
                 if k not in STEP_KEYS}
     try:

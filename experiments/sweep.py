@@ -57,6 +57,7 @@ from analysis import estimation, metrics
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
 from qsim.config import ServerConfig
+from qsim.engines import OneAtATime
 from qsim.workload import Prompts, blended_means, parse_arrivals, used_mean_s
 
 from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
@@ -249,8 +250,9 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     schedule = None if cell.speed_schedule is None else parse_speed_schedule(cell.speed_schedule, cell.speed)
     fixed = config.fixed_estimate if cell.fixed_estimate is None else cell.fixed_estimate
     engine = _engine(config, cell)
-    server = ServerConfig(policy, cell.engines if engine is None else engine, config.service, fixed_estimate=fixed,
-                          seed=cell.seed)
+    if engine is None:  # engines one at a time, slowing each other by the calibrated concurrency term (if any)
+        engine = OneAtATime(cell.engines, config.concurrency)
+    server = ServerConfig(policy, engine, config.service, fixed_estimate=fixed, seed=cell.seed)
     frame = simulate(trace, server, retry=config.retries.get(cell.retry), speed_schedule=schedule)
     mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
     if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
@@ -348,6 +350,8 @@ def manifest(config: SweepConfig, n_cells: int) -> dict:
         "seeds": list(range(config.first_seed, config.first_seed + config.seeds)),
         "cells": n_cells,
         "load_meaning": LOAD_MEANING,
+        # [service] file: the calibration the cells' line, load terms (and step model) came from.
+        **({"calibration": config.calibration.record()} if config.calibration is not None else {}),
     }
 
 

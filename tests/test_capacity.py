@@ -54,7 +54,7 @@ def test_an_unknown_metric_names_those_there_are_and_runs_nothing(tmp_path, caps
     (["--tolerance", "1.5"], "--tolerance must be in (0, 1)"),
     (["--mean-service", "1"], "--mean-service applies to exponential and deterministic service"),
     (["--policy-arg", "aging=0.1"], "has no parameter 'aging'"),
-    (["--concurrency", "0.1"], "--concurrency: a search runs sweep cells"),
+    (["--concurrency", "0.1", "--batching"], "drop --engines and --concurrency"),
     (["--kv-blocks", "100"], "--kv-blocks is a batching engine's: add --batching"),
     (["--batching", "--service", "exponential"], "service_dist: a [batching] engine's work is its requests' tokens"),
 ])
