@@ -72,7 +72,8 @@ class Keyed:
         raise NotImplementedError
 
     def push(self, entry) -> None:
-        heapq.heappush(self._heap, (*self.key(entry), next(self._seq), entry))
+        # (key, order of arrival, entry): the key kept whole, so that work_before compares it without slicing.
+        heapq.heappush(self._heap, (self.key(entry), next(self._seq), entry))
 
     def pop_next(self, now: float):
         return heapq.heappop(self._heap)[-1]
@@ -90,7 +91,7 @@ class Keyed:
         """Calibrated work waiting that would start before ``entry`` if it arrived now and nobody else
         came: every entry of a key no greater (ties go to the earlier arrival). Linear in the queue."""
         mine = self.key(entry)
-        return sum(item[-1].base_s for item in self._heap if tuple(item[:-2]) <= mine)
+        return sum(entry.base_s for key, _, entry in self._heap if key <= mine)
 
     def __len__(self) -> int:
         return len(self._heap)
