@@ -48,7 +48,7 @@ from qsim.outcomes import Outcome
 from qsim.runfile import LoggedStep
 from qsim.service import SpeedSchedule
 
-from .engine import WORD, Faults, InjectedFault, apply_stop, runs_as_coroutine
+from .engine import WORD, Faults, InjectedFault, apply_stop, close_on_loop, runs_as_coroutine
 from .gate import CUT_SLACK_S, Answer, DeadlineCut, Gate, Job, _Failure, _failure_type, _gone, _InboxThread, _Ticket
 from .tokenizer import ByteTokenizer
 
@@ -265,9 +265,7 @@ class _StepTask:
 
     async def aclose(self) -> None:
         """Let the engine close what it holds on this loop (an upstream's connections)."""
-        close = getattr(self.engine, "aclose", None)
-        if close is not None:
-            await close()
+        await close_on_loop(self.engine)
 
 
 class _StepThread(_InboxThread):

@@ -188,6 +188,20 @@ class Checked(Protocol):
     async def readiness(self) -> str | None: ...
 
 
+@runtime_checkable
+class ClosesOnLoop(Protocol):
+    """An engine that holds something on the gate's event loop (the upstream engines: their HTTP connections) and
+    closes it there when the gate stops: ``async def aclose()``."""
+
+    async def aclose(self) -> None: ...
+
+
+async def close_on_loop(engine) -> None:
+    """Let ``engine`` close what it holds on this loop, where it holds anything (:class:`ClosesOnLoop`)."""
+    if isinstance(engine, ClosesOnLoop):
+        await engine.aclose()
+
+
 def runs_as_coroutine(engine, method: str) -> bool:
     """Whether ``engine.<method>`` is an ``async def``: the gate then runs it as a task on its event loop, with no
     thread. (A Protocol cannot say which of a blocking and a coroutine spelling an engine chose.)"""

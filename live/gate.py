@@ -102,7 +102,7 @@ from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
 from qsim.service import SpeedTracker
 
-from .engine import (Asked, Cancel, Engine, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
+from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
                      is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
 from .timings import Timings
 
@@ -444,9 +444,7 @@ class _EngineTask:
 
     async def aclose(self) -> None:
         """Let the engine close what it holds on this loop (the upstream engine's session)."""
-        close = getattr(self.engine, "aclose", None)
-        if close is not None:
-            await close()
+        await close_on_loop(self.engine)
 
     async def _run(self, ticket: _Ticket, previous: asyncio.Task | None) -> None:
         if previous is not None:
