@@ -392,7 +392,12 @@ def schedule(cfg: CalibrationConfig, prompts: tuple[int, ...] = (0,)) -> list[tu
 
 def _timings(http: httpx.Client, body: dict) -> Timings:
     request = GenerateRequest.model_validate(body, strict=False)  # the contract's body: a misnamed key fails here
-    response = http.post("/v1/generate", json=request.body())
+    try:
+        response = http.post("/v1/generate", json=request.body())
+    except httpx.RemoteProtocolError:
+        # The server closed this pooled connection for sitting idle (its keep-alive timeout) as the request went
+        # out on it, between two load levels of a busy machine: nothing ran, so it goes again on a new connection.
+        response = http.post("/v1/generate", json=request.body())
     if response.status_code != 200:
         raise ValueError(f"calibration request {request.max_new_tokens} tokens got HTTP {response.status_code}: "
                          f"{response.text[:200]} (calibrate an idle server, e.g. policy none)")

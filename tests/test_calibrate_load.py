@@ -258,3 +258,28 @@ def test_compare_takes_a_calibration_for_the_prediction_only(tmp_path, capsys):
     assert main(["compare", str(run), "--predict", "--seeds", "2", "--service-model", str(path)]) == 0
     out = capsys.readouterr().out
     assert "noise CV 0.25 (the calibrated CV under load" in out and "x (1 + 0.5 x (busy engines - 1))" in out
+
+
+def test_a_request_on_a_connection_the_server_closed_idle_goes_again_once():
+    """A pooled connection the server closed for sitting idle (keep-alive) as a request went out on it: nothing ran
+    there, so calibrate sends it again; a second such failure is not hidden."""
+    answer = {"text": "x", "tokens": 1, "outcome": "good", "engine": 0,
+              "timings": {"queue_s": 0.0, "engine_s": 0.01, "total_s": 0.01, "est_service_s": 0.01,
+                          "started_at": 0.0, "returned_at": 0.01},
+              "admission": {}}
+    for drops, raises in ((1, False), (2, True)):
+        calls = []
+
+        def handler(request: httpx.Request, drops=drops, calls=calls) -> httpx.Response:
+            calls.append(request)
+            if len(calls) <= drops:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+            return httpx.Response(200, json=answer)
+
+        with httpx.Client(base_url="http://gate", transport=httpx.MockTransport(handler)) as http:
+            if raises:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    cal._timings(http, {"prompt": "hi", "max_new_tokens": 1})
+            else:
+                assert cal._timings(http, {"prompt": "hi", "max_new_tokens": 1}).engine_s == 0.01
+        assert len(calls) == 2
