@@ -72,8 +72,7 @@ class Keyed:
         raise NotImplementedError
 
     def push(self, entry) -> None:
-        # (key, order of arrival, entry): the key kept whole, so that work_before compares it without slicing.
-        heapq.heappush(self._heap, (self.key(entry), next(self._seq), entry))
+        heapq.heappush(self._heap, (*self.key(entry), next(self._seq), entry))
 
     def pop_next(self, now: float):
         return heapq.heappop(self._heap)[-1]
@@ -90,8 +89,10 @@ class Keyed:
     def work_before(self, entry) -> float:
         """Calibrated work waiting that would start before ``entry`` if it arrived now and nobody else
         came: every entry of a key no greater (ties go to the earlier arrival). Linear in the queue."""
-        mine = self.key(entry)
-        return sum(entry.base_s for key, _, entry in self._heap if key <= mine)
+        # An item (*key, order, entry) is below (*mine, inf) exactly when its key is no greater than mine: the
+        # comparison ends at the order at the latest, without slicing each item's key out (once per arrival).
+        bound = (*self.key(entry), math.inf)
+        return sum(item[-1].base_s for item in self._heap if item < bound)
 
     def __len__(self) -> int:
         return len(self._heap)
