@@ -185,7 +185,7 @@ class StepLearner:
             return None
         try:
             fit = StepModel.fit(gaps.prefill, gaps.seqs, gaps.context, gaps.seconds)
-            model = StepModel(fit.model.b0, fit.model.b1, fit.model.b2, fit.model.b3, fit.cv)
+            model = fit.calibrated
         except ValueError as exc:  # every coefficient 0: no step would take time
             self.last_problem = str(exc)
             return None
