@@ -102,6 +102,9 @@ class StepDone:
     # key -> tokens generated, for the requests the engine ended before the core's count of their tokens (an
     # upstream server's end of text: live.upstream_batch): they finish at this step.
     finished: Mapping[object, int] = field(default_factory=dict)
+    # key -> the prompt's tokens as the engine counted them, once it knows (an upstream's usage): what the
+    # request's client is told, where the gate's own count differs.
+    prompt_tokens: Mapping[object, int] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -405,6 +408,8 @@ class BatchGate(Gate):
             finished = {}
         else:
             failed, finished = result.failed, result.finished
+            for ticket, tokens in result.prompt_tokens.items():
+                ticket.prompt_tokens = tokens
             for ticket, piece in result.pieces.items():  # before the step's ends: a stream's last piece, then END
                 if ticket.pieces is not None and not ticket.future.done():
                     ticket.pieces.put_nowait(piece)
@@ -437,7 +442,8 @@ class BatchGate(Gate):
         text = self.engines[0].text(ticket, ticket.job, stats.tokens)
         first = stats.first_token_s - stats.start_s if stats.first_token_s == stats.first_token_s else None
         self._resolve(ticket, outcome, Answer(text, stats.tokens, outcome, stats.start_s - arrival.at, held,
-                                              now - arrival.at, 0, arrival, stats.start_s, now, first))
+                                              now - arrival.at, 0, arrival, stats.start_s, now, first,
+                                              ticket.prompt_tokens))
 
     # -- the core's timer (cutting at the deadline) ----------------------------------------
 

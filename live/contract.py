@@ -367,7 +367,7 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = False
-    # vLLM's: usage in every chunk (live.openai_api: each text chunk says the tokens so far).
+    # vLLM's: usage in every chunk. Accepted; qlab's own server sends usage once, at the end.
     continuous_usage_stats: bool = False
 
 
@@ -727,7 +727,8 @@ class UpstreamRequest(BaseModel):
     max_tokens: int
     stop: list[str] | None = None
     stream: bool = True
-    # OpenAI's one key, not this contract's StreamOptions: an upstream may refuse keys it does not know.
+    # A dict, not this contract's StreamOptions: the keys sent are those the upstream takes
+    # (live.upstream.probe_routes: vLLM's continuous_usage_stats where it is accepted).
     stream_options: dict[str, bool] = {"include_usage": True}
 
     def wire(self) -> bytes:
@@ -770,6 +771,7 @@ class UpstreamChunk(Completion):
 
     object: str = "text_completion"
     choices: list[UpstreamChoice] = []
+    usage: EventUsage | None = None
     qlab: Any = None
 
 

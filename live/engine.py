@@ -87,6 +87,7 @@ class EngineResult:
     first_token_s: seconds to the first token, where the engine sees it apart (None: it does not).
     stopped: the run was cut short because its :class:`Cancel` was set; text and tokens are what
     it had by then, and engine_s is not a service time (the gate teaches the tracker nothing from it).
+    prompt_tokens: the engine's own count of the prompt (None: the gate's count, Job.prompt_tokens).
     """
 
     text: str
@@ -94,6 +95,9 @@ class EngineResult:
     engine_s: float
     first_token_s: float | None = None
     stopped: bool = False
+    # The prompt's tokens as the engine counted them, where that differs from the gate's count (an
+    # upstream's usage.prompt_tokens, by its own tokenizer); None: the gate's count stands.
+    prompt_tokens: int | None = None
 
 
 class Cancel(threading.Event):

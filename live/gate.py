@@ -189,6 +189,7 @@ class Answer:
     started_at: float = math.nan
     returned_at: float = math.nan
     first_token_s: float | None = None  # the engine's own seconds to its first token, where it sees that
+    prompt_tokens: int | None = None  # the engine's own count of the prompt (an upstream's usage), where it says
 
 
 class Rejected(Exception):
@@ -329,6 +330,7 @@ class _Ticket:
     released: bool = False  # cut, and its engine given its next request then (its hand-back only ends the run)
     emit: Callable[[str], None] | None = None  # a streamed job's: posts a piece of text to ``pieces``
     pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
+    prompt_tokens: int | None = None  # a batching engine's own count of its prompt, once it said (StepDone)
 
 
 #: How long before a run's deadline its cut timer is set, on a real clock: a loop's timer can come up to a
@@ -749,7 +751,7 @@ class Gate:
         latency = now - ticket.arrival.at
         self._resolve(ticket, outcome, Answer(result.text, result.tokens, outcome, ticket.start - ticket.arrival.at,
                                               result.engine_s, latency, k, ticket.arrival, ticket.start, now,
-                                              result.first_token_s))
+                                              result.first_token_s, result.prompt_tokens))
 
     def _resolve(self, ticket: _Ticket, outcome: str, answer: Answer | None = None, exc: Exception | None = None,
                  cause: BaseException | None = None) -> None:

@@ -263,7 +263,9 @@ class _Run:
 
     @property
     def usage(self) -> Usage:
-        prompt = self.job.prompt_tokens
+        # The engine's own count where it has one (an upstream's tokenizer), else the gate's.
+        said = self.answer.prompt_tokens
+        prompt = self.job.prompt_tokens if said is None else said
         return Usage(prompt_tokens=prompt, completion_tokens=self.answer.tokens, total_tokens=prompt + self.answer.tokens)
 
     @property

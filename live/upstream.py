@@ -18,12 +18,15 @@ it comes: ``emit``, see :mod:`live.engine`):
 * engine time: from sending the request to the last token (what the speed tracker learns,
   so ``qlab calibrate`` and speed tracking work as with the other engines); the time to the
   first token is kept apart (``EngineResult.first_token_s``);
-* tokens: the upstream's ``usage.completion_tokens`` (asked for with
-  ``stream_options.include_usage``), else the number of chunks that carried text. An upstream that
-  sends more than ``max_tokens`` is cut there: text chunks past the ``max_tokens``-th are dropped
-  (vLLM streams one token a chunk) and the tokens reported are at most ``max_tokens``;
-* the prompt is counted for the gate's caps with the byte tokenizer (:mod:`live.tokenizer`):
-  the gate never sees the upstream's tokenizer;
+* tokens: the upstream's ``usage`` (asked for with ``stream_options.include_usage`` and, where the
+  upstream takes it, vLLM's ``continuous_usage_stats``: the tokens so far in every chunk), else one
+  per chunk that carried text. A chunk may carry several tokens (a loaded vLLM's API process writes
+  what several engine steps made in one chunk) or none (a token whose text is not yet whole). An
+  upstream that sends more than ``max_tokens`` is cut there, and the tokens reported are at most
+  ``max_tokens``;
+* the prompt is counted for the gate's caps with the byte tokenizer (:mod:`live.tokenizer`): the
+  gate never sees the upstream's tokenizer. The answer's ``usage.prompt_tokens`` is the upstream's
+  count (``EngineResult.prompt_tokens``), which its clients get;
 * ``--upstream-api-key`` (or the ``QLAB_UPSTREAM_API_KEY`` environment variable): sent as
   ``Authorization: Bearer`` to an upstream that needs a key.
 
@@ -61,7 +64,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import aiohttp
 import httpx
@@ -126,11 +129,13 @@ def _one_line(text: str, limit: int = 300) -> str:
 @dataclass(frozen=True)
 class UpstreamRoutes:
     """Which of OpenAI's generating routes the upstream serves, as :func:`probe_routes` found at start-up, and
-    why not where it does not (one line per route)."""
+    why not where it does not (one line per route); ``continuous_usage``: it takes vLLM's
+    ``stream_options.continuous_usage_stats`` (the tokens so far in every chunk)."""
 
     completions: bool = True
     chat: bool = True
     why_not: tuple[str, ...] = ()
+    continuous_usage: bool = False
 
     def says(self) -> str:
         """One line for the operator: what is served, and what the gate does about what is not."""
@@ -142,25 +147,41 @@ class UpstreamRoutes:
         return (f"the upstream serves {CHAT} only ({'; '.join(self.why_not)}): a prompt goes there as one user "
                 "message")
 
+    @property
+    def stream_options(self) -> dict[str, bool]:
+        """What each forwarded request asks of the stream: its usage, in every chunk where the upstream can."""
+        return {"include_usage": True, **({"continuous_usage_stats": True} if self.continuous_usage else {})}
+
     def info(self) -> dict:
-        return {"completions": self.completions, "chat": self.chat}
+        return {"completions": self.completions, "chat": self.chat, "continuous_usage": self.continuous_usage}
 
 
 #: How a start-up probe asks each route: one new token.
 _PROBES = {COMPLETIONS: {"prompt": "Hello", "max_tokens": 1},
            CHAT: {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}}
+#: A probe streams as forwarded requests do, first asking for usage in every chunk.
+_CONTINUOUS = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+#: Statuses that say the route is there (it served, or refused the probe for load).
+_THERE = (200, 429, 503)
 
 
-def _route_problem(client: httpx.Client, route: str, model: str) -> str | None:
-    """None when ``route`` served a one-token probe (or refused it for load: the route is there), else why not."""
+def _route_problem(client: httpx.Client, route: str, model: str) -> tuple[str | None, bool]:
+    """None when ``route`` served a one-token probe (or refused it for load: the route is there), else why not;
+    and whether it took ``continuous_usage_stats`` (a server that refuses unknown stream options answers 400,
+    and is asked again without it)."""
+    body = {"model": model, **_PROBES[route]}
     try:
-        response = client.post(route, json={"model": model, **_PROBES[route]})
+        response = client.post(route, json={**body, **_CONTINUOUS})
+        if response.status_code in (400, 422):
+            plain = client.post(route, json=body)
+            if plain.status_code in _THERE:
+                return None, False
     except httpx.HTTPError as exc:
-        return f"{route}: {type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}"
-    if response.status_code == 200 or response.status_code in (429, 503):
-        return None
+        return f"{route}: {type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}", False
+    if response.status_code in _THERE:
+        return None, True
     detail = _error_message(response.content) or _one_line(response.text) or "no body"
-    return f"{route} answered HTTP {response.status_code}: {_one_line(detail, 160)}"
+    return f"{route} answered HTTP {response.status_code}: {_one_line(detail, 160)}", False
 
 
 def probe_routes(spec: UpstreamSpec, model: str) -> UpstreamRoutes:
@@ -168,12 +189,13 @@ def probe_routes(spec: UpstreamSpec, model: str) -> UpstreamRoutes:
     serves neither."""
     # A connection per probe: a server that closes a kept-alive one between them must not look like a missing route.
     with httpx.Client(base_url=spec.url, timeout=spec.timeout_s, headers={**spec.headers, "connection": "close"}) as client:
-        problems = {route: _route_problem(client, route, model) for route in (COMPLETIONS, CHAT)}
-    why_not = tuple(p for p in problems.values() if p is not None)
+        found = {route: _route_problem(client, route, model) for route in (COMPLETIONS, CHAT)}
+    why_not = tuple(problem for problem, _ in found.values() if problem is not None)
     if len(why_not) == 2:
         raise ValueError(f"--upstream-url {spec.url}: serves neither {COMPLETIONS} nor {CHAT} for model {model!r} "
                          f"({'; '.join(why_not)})")
-    return UpstreamRoutes(problems[COMPLETIONS] is None, problems[CHAT] is None, why_not)
+    served = [continuous for problem, continuous in found.values() if problem is None]
+    return UpstreamRoutes(found[COMPLETIONS][0] is None, found[CHAT][0] is None, why_not, all(served))
 
 
 # ---------------------------------------------------------------------- start-up
@@ -277,36 +299,70 @@ class UpstreamHealth:
 # ---------------------------------------------------------------------- the engine
 
 
+@dataclass(frozen=True)
+class ChunkRead:
+    """One chunk of the upstream's stream as read: its text, the tokens it carried (either may be empty or 0),
+    and the prompt's tokens as the upstream counted them (None: its usage has not said yet)."""
+
+    text: str
+    tokens: int
+    prompt_tokens: int | None
+
+
+#: Told of each chunk read (live.upstream_batch follows the upstream token by token with it).
+Counted = Callable[[ChunkRead], None]
+
+
 @dataclass
 class _Reading:
-    """What the stream has given so far; text past ``max_tokens`` chunks is an overrun, dropped."""
+    """What the stream has given so far, in tokens as the upstream counts them.
+
+    A chunk's tokens: the rise of its ``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``
+    puts the tokens so far in every chunk) over the chunk before, else 1 for a chunk with text. A
+    loaded vLLM writes several tokens in one chunk (its API process falls behind its engine), and a
+    token whose text is not yet whole comes in a chunk with no text: counting chunks miscounts both.
+    Text past ``max_tokens`` tokens is an overrun, dropped."""
 
     start: float
     max_tokens: int
     text: list[str] = field(default_factory=list)
-    chunks: int = 0  # chunks that carried text, kept
+    tokens: int = 0  # tokens taken so far, at most max_tokens
     first_s: float | None = None
     last_s: float | None = None
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None  # the upstream's own count of the prompt (usage), where it says
 
-    def add(self, chunk: UpstreamChunk, emit: Emit | None = None) -> None:
+    def add(self, chunk: UpstreamChunk, emit: Emit | None = None, counted: Counted | None = None) -> None:
         text = "".join(choice.piece for choice in chunk.choices)
-        if text and self.chunks < self.max_tokens:
-            now = time.perf_counter() - self.start
-            if emit is not None:  # streamed on as it came
-                emit(text)
-            self.text.append(text)
-            self.chunks += 1
+        usage = chunk.usage
+        said = usage.completion_tokens if usage is not None else None
+        if said is not None:
+            new = max(0, said - (self.usage_tokens if self.usage_tokens is not None else self.tokens))
+            self.usage_tokens = said
+        else:
+            new = 1 if text else 0
+        if usage is not None and usage.prompt_tokens is not None:
+            self.prompt_tokens = usage.prompt_tokens
+        if self.tokens >= self.max_tokens or not (text or new):
+            return
+        new = min(new, self.max_tokens - self.tokens)
+        now = time.perf_counter() - self.start
+        if emit is not None and text:  # streamed on as it came
+            emit(text)
+        if counted is not None:
+            counted(ChunkRead(text, new, self.prompt_tokens))
+        self.text.append(text)
+        self.tokens += new
+        if new:
             self.first_s = now if self.first_s is None else self.first_s
             self.last_s = now
-        if chunk.usage is not None:
-            self.usage_tokens = chunk.usage.completion_tokens
 
     def result(self) -> EngineResult:
-        # Engine time: to the last token; a stream without text, to its end.
+        # Engine time: to the last token; a stream without one, to its end.
         engine_s = self.last_s if self.last_s is not None else time.perf_counter() - self.start
-        tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
-        return EngineResult("".join(self.text), min(tokens, self.max_tokens), engine_s, self.first_s)
+        tokens = self.usage_tokens if self.usage_tokens is not None else self.tokens
+        return EngineResult("".join(self.text), min(tokens, self.max_tokens), engine_s, self.first_s,
+                            prompt_tokens=self.prompt_tokens)
 
 
 #: Longest line of the upstream's event stream read (aiohttp's buffer): far above any token's chunk.
@@ -361,7 +417,8 @@ class UpstreamEngine:
     def request(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None, asked: Asked) -> UpstreamRequest:
         """The body for one request (its ``route`` says where it goes): a chat to the chat route with its messages, a prompt to the
         completions route, each to the other where the upstream serves only that one (module docstring)."""
-        gate = {"model": self.model, "max_tokens": max_new_tokens, "stop": list(stop) if stop else None}
+        gate = {"model": self.model, "max_tokens": max_new_tokens, "stop": list(stop) if stop else None,
+                "stream_options": self.routes.stream_options}
         sampling = dict(asked.sampling)
         chat = self.routes.chat and (asked.messages is not None or not self.routes.completions)
         if chat:
@@ -371,13 +428,15 @@ class UpstreamEngine:
         return UpstreamRequest(**plain, **gate, prompt=prompt)
 
     async def forward(self, session: aiohttp.ClientSession, prompt: str, max_new_tokens: int,
-                      stop: Sequence[str] | None, emit: Emit | None, asked: Asked) -> EngineResult:
-        """One request forwarded on ``session``, read to its end (``emit``: each chunk's text as it comes); the
-        health learns how it went. UpstreamError (or UpstreamTimeout) for a failure."""
+                      stop: Sequence[str] | None, emit: Emit | None, asked: Asked,
+                      counted: Counted | None = None) -> EngineResult:
+        """One request forwarded on ``session``, read to its end (``emit``: each chunk's text as it comes;
+        ``counted``: each chunk's text and tokens); the health learns how it went. UpstreamError (or
+        UpstreamTimeout) for a failure."""
         body = self.request(prompt, max_new_tokens, stop, asked)
         reading = _Reading(time.perf_counter(), max_new_tokens)
         try:
-            await self._stream(session, body, reading, emit)
+            await self._stream(session, body, reading, emit, counted)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a line past READ_BUFFER
             failure = self._failure(body.route, exc)
             self.health.learned(str(failure) if failure.failing else None)
@@ -389,7 +448,7 @@ class UpstreamEngine:
         return reading.result()
 
     async def _stream(self, session: aiohttp.ClientSession, body: UpstreamRequest, reading: _Reading,
-                      emit: Emit | None) -> None:
+                      emit: Emit | None, counted: Counted | None) -> None:
         async with session.post(body.route, data=body.wire(), headers={"content-type": "application/json"}) as response:
             if response.status != 200:
                 content = await response.read()
@@ -400,7 +459,7 @@ class UpstreamEngine:
             async for payload in _data(response.content):
                 if payload == DONE:
                     return
-                reading.add(_parse_chunk(payload), emit)
+                reading.add(_parse_chunk(payload), emit, counted)
         raise UpstreamError(f"the upstream's stream ended before data: {DONE}")
 
     def _failure(self, route: str, exc: Exception) -> UpstreamError:

@@ -58,7 +58,7 @@ from qsim.engines import StepFit, StepModel
 from .batching import StepDone, StepWork
 from .engine import EngineResult, UpstreamError
 from .gate import Job
-from .upstream import UpstreamEngine, UpstreamSpec
+from .upstream import ChunkRead, UpstreamEngine, UpstreamSpec
 
 #: New gaps between two chunks of an answer between two fits of the step model.
 REFIT_EVERY = 200
@@ -161,8 +161,12 @@ class StepLearner:
         self.timelines.append(timeline)
         return timeline
 
-    def chunk(self, timeline: Timeline, at: float) -> None:
+    def chunk(self, timeline: Timeline, at: float, tokens: int = 1) -> None:
+        """A chunk of ``tokens`` tokens came at ``at``; one of several tokens spans steps the gate cannot see
+        apart, so its answer leaves the gaps' count (its time still spans them)."""
         timeline.times.append(at)
+        if tokens != 1:
+            timeline.one_token_chunks = False
         if len(timeline.times) > 1:
             self.gaps_seen += 1
             self._since_fit += 1
@@ -203,7 +207,9 @@ class StepLearner:
 
 
 class _Forward:
-    """One request forwarded: its task, the chunks of text come and not yet taken by a step, and how it ended."""
+    """One request forwarded: its task, the tokens come and not yet taken by a step (each with its text: a chunk
+    of several tokens is its text and then empty pieces, so that the core's token a step meets the upstream's
+    count), and how it ended."""
 
     def __init__(self, job: Job, timeline: Timeline) -> None:
         self.job, self.timeline = job, timeline
@@ -213,26 +219,42 @@ class _Forward:
         self.result: EngineResult | None = None
         self.error: BaseException | None = None
         self.task: asyncio.Task | None = None
-        self.taken = 0  # chunks handed to steps
+        self.taken = 0  # tokens handed to steps
+        self.prompt_tokens: int | None = None  # the upstream's count, once its usage said
+        self._held = ""  # text that came with no token of its own: it goes with the next token
+        self._last_at: float | None = None
+        self.gap: float | None = None
 
     @property
     def over(self) -> bool:
         return self.task is not None and self.task.done()
 
-    def emit(self, piece: str) -> None:
-        self.pieces.append(piece)
-        self.text.append(piece)
+    def counted(self, chunk: ChunkRead, at: float) -> None:
+        """A chunk read at ``at`` (the engine's clock)."""
+        self.text.append(chunk.text)
+        if chunk.prompt_tokens is not None:
+            self.prompt_tokens = chunk.prompt_tokens
+        if not chunk.tokens:
+            self._held += chunk.text
+            return
+        self.pieces.append((self._held + chunk.text, at))
+        self.pieces.extend([("", at)] * (chunk.tokens - 1))
+        self._held = ""
         self.arrived.set()
 
     async def next(self) -> str | None:
-        """Its next chunk of text; None when its stream ended (or failed) without one."""
+        """Its next token's text; None when its stream ended (or failed) without one. ``gap``: then the time
+        between the chunks of this token and the one before (None: its first; 0: the same chunk)."""
         while not self.pieces:
             if self.over:
                 return None
             self.arrived.clear()
             await self.arrived.wait()
         self.taken += 1
-        return self.pieces.popleft()
+        piece, at = self.pieces.popleft()
+        self.gap = None if self._last_at is None else at - self._last_at
+        self._last_at = at
+        return piece
 
 
 class UpstreamBatchEngine:
@@ -259,14 +281,18 @@ class UpstreamBatchEngine:
         forward = _Forward(job, self.learner.started(job.prompt_tokens))
         learner, clock = self.learner, self._clock
 
-        def emit(piece: str) -> None:
-            learner.chunk(forward.timeline, clock())
-            forward.emit(piece)
+        def counted(chunk: ChunkRead) -> None:
+            at = clock()
+            if chunk.tokens:
+                learner.chunk(forward.timeline, at, chunk.tokens)
+            forward.counted(chunk, at)
 
         async def run() -> None:
             try:
                 forward.result = await self.forwarder.forward(self._session, job.prompt, job.max_new_tokens,
-                                                              job.stop, emit, job.asked)
+                                                              job.stop, None, job.asked, counted)
+                if forward.result.prompt_tokens is not None:
+                    forward.prompt_tokens = forward.result.prompt_tokens
                 learner.ended(forward.timeline, forward.result.tokens)
             except UpstreamError as exc:
                 forward.error = exc
@@ -305,19 +331,21 @@ class UpstreamBatchEngine:
         model = self.learner.checkpoint()
         if model is not None and self.on_refit is not None:
             self.on_refit(model)
-        return StepDone(self._upstream_s(producing, got, work.model_s), failed, pieces, finished)
+        said = {key: self._forwards[key].prompt_tokens for key in producing
+                if self._forwards[key].prompt_tokens is not None}
+        return StepDone(self._upstream_s(producing, got, work.model_s), failed, pieces, finished, said)
 
     def _upstream_s(self, producing: list, got: list, model_s: float) -> float:
-        """The step's seconds for the speed tracker: the upstream's own, the median gap between the chunk each
-        producing answer took now and its one before (the gate's step may have found them waiting, or waited for
-        two). Gaps under :data:`BURST_SHARE` of the model's step are chunks read together (the gate's loop was
-        busy), not a step; 0 where no gap is left (the tracker then learns nothing from the step)."""
+        """The step's seconds for the speed tracker: the upstream's own, the median gap between the chunk of the
+        token each producing answer took now and its token before (the gate's step may have found them waiting,
+        or waited for two). Gaps under :data:`BURST_SHARE` of the model's step are chunks read together (the
+        gate's loop was busy, or one chunk held several tokens), not a step; 0 where no gap is left (the tracker
+        then learns nothing from the step)."""
         gaps = []
         for key, piece in zip(producing, got):
-            forward = self._forwards[key]
-            times, taken = forward.timeline.times, forward.taken
-            if piece is not None and taken >= 2 and times[taken - 1] - times[taken - 2] >= BURST_SHARE * model_s:
-                gaps.append(times[taken - 1] - times[taken - 2])
+            gap = self._forwards[key].gap
+            if piece is not None and gap is not None and gap >= BURST_SHARE * model_s:
+                gaps.append(gap)
         return float(np.median(gaps)) if gaps else 0.0
 
     def release(self, key) -> None:

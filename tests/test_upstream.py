@@ -121,7 +121,7 @@ def test_completion_and_chat_through_the_gate(urls):
     assert body["tokens"] == 3 and 0 < body["timings"]["first_token_s"] <= body["timings"]["engine_s"]
     health = httpx.get(f"{gate}/healthz", timeout=10).json()
     assert health["engine"] == {"engine": "upstream", "url": urls["ok"][1], "model": MODEL, "timeout_s": 60.0,
-                                "tokenizer": "bytes", "routes": {"completions": True, "chat": True}}
+                                "tokenizer": "bytes", "routes": {"completions": True, "chat": True, "continuous_usage": True}}
     assert health["engines"] == 2 and health["ready"] is True and health["not_ready"] == []
 
 
