@@ -318,6 +318,8 @@ class Stats(BaseModel):
     rejected_by_reason: dict[str, int] = {}
     cancelled: int = 0
     submitted: int = 0
+    # The answered requests' prompt and generated tokens, the prompt by the engine's count (an upstream's).
+    answered_tokens: dict[str, int] = {}
     limits: LimitsBody = LimitsBody()
     engine: EngineInfo | None = None  # as in /healthz
     server_config: dict[str, Any] | None = None  # qsim.config.ServerConfig's fields: what a replay simulates

@@ -490,6 +490,9 @@ class Gate:
         self.workers = len(self.engines)
         self.queue = self._make_queue(config)
         self.counts = dict.fromkeys(COUNTED, 0)
+        # The answered requests' tokens, the prompt's as the engine counted it (an upstream's own count):
+        # what a vLLM upstream's prompt_tokens_total and generation_tokens_total count of them.
+        self.answered_tokens = {"prompt": 0, "generated": 0}
         self.rejected_by_reason = dict.fromkeys(map(str, (*REJECT_REASONS, NEVER_IN_TIME)), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
@@ -759,6 +762,9 @@ class Gate:
             return
         self.counts[outcome] += 1
         if exc is None:
+            said = answer.prompt_tokens
+            self.answered_tokens["prompt"] += ticket.job.prompt_tokens if said is None else said
+            self.answered_tokens["generated"] += answer.tokens
             ticket.future.set_result(answer)
         else:
             key = (outcome, exc.reason)
@@ -893,6 +899,7 @@ class Gate:
             "stall_rule": None if self.config.stall is None else asdict(self.config.stall),
             "tracker_weight": self.config.tracker_weight,
             "counts": dict(self.counts),
+            "answered_tokens": dict(self.answered_tokens),
             "server_config": self.config.to_fields(),
             "rejected_by_reason": dict(self.rejected_by_reason),
             "cancelled": self.cancelled,

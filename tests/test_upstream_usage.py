@@ -145,11 +145,12 @@ def test_a_batching_gate_records_the_upstreams_tokens_and_tells_its_prompt_count
         config = gate_config(PRESETS["none"], engine=Batching(StepModel(), max_num_seqs=4))
         async with BatchGate(engine, config) as gate:
             jobs = [Job("a long prompt of many bytes", 6, prompt_tokens=27) for _ in range(3)]
-            return await asyncio.gather(*(gate.submit(job) for job in jobs))
+            return await asyncio.gather(*(gate.submit(job) for job in jobs)), gate.stats()
 
     with scripted(respond) as url:
-        answers = asyncio.run(go(url))
+        answers, stats = asyncio.run(go(url))
     assert [(a.tokens, a.text, a.prompt_tokens) for a in answers] == [(6, "xyxyxy", 4)] * 3
+    assert stats["answered_tokens"] == {"prompt": 12, "generated": 18}
 
 
 def test_text_that_came_without_a_token_goes_with_the_next_token():
