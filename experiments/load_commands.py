@@ -368,7 +368,9 @@ def _calibrate_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=_lengths, metavar="N,N,...",
                    help="prompt lengths in the server's tokens (default: the --prompt-words prompt, 256 and 768, "
                         "those that fit the context beside 64 new tokens); one length fits no prompt term")
-    p.add_argument("--deadline-ms", type=positive_int, help="deadline sent with each request (default: the server's)")
+    p.add_argument("--deadline-ms", type=positive_int,
+                   help="deadline sent with each request (default: the calibrator's own timeout, 120 s: "
+                        "a predictive gate must not refuse its own calibration for the deadline)")
     p.add_argument("--in-flight", type=_in_flight, metavar="N,N,...|none",
                    help="requests in flight at once under load, each >= 2 and at most the server's engines, or a "
                         "batching server's max_num_seqs (default: 2, 4, ... and that count; none: one at a time "

@@ -76,7 +76,10 @@ class CalibrationConfig:
     per_size: int = 12
     sizes: tuple[int, ...] = SIZES
     prompt_words: int = 16
-    deadline_ms: int | None = None  # None: the server's default (run calibration on an idle server)
+    # None: as long as the calibrator waits (timeout_s). The server's default deadline is its promise to
+    # clients; a predictive gate whose estimate of a 64-token request is past it would refuse (503
+    # deadline_unreachable) the very requests that would correct the estimate.
+    deadline_ms: int | None = None
     timeout_s: float = 120.0
     prompt_tokens: tuple[int, ...] | None = None
     # Requests in flight at once under load (None: 2, 4, ... up to the server's engines; (): none), and each
@@ -454,10 +457,8 @@ def measure_round(http: httpx.Client, cfg: CalibrationConfig, number: int, texts
 
 
 def _body(cfg: CalibrationConfig, text: str, tokens: int) -> dict:
-    body = {"prompt": text, "max_new_tokens": tokens}
-    if cfg.deadline_ms is not None:
-        body["deadline_ms"] = cfg.deadline_ms
-    return body
+    deadline_ms = cfg.deadline_ms if cfg.deadline_ms is not None else round(cfg.timeout_s * 1000)
+    return {"prompt": text, "max_new_tokens": tokens, "deadline_ms": deadline_ms}
 
 
 def measure_load(http: httpx.Client, cfg: CalibrationConfig, level: int, texts: dict[int, str],
