@@ -121,3 +121,12 @@ def test_the_synthetic_engine_charges_the_prompt_term():
     assert engine.duration_s(4, 500) == pytest.approx(float(TRUTH.estimate(4, 500)))
     assert engine.info()["per_prompt_token_s"] == TRUTH.per_prompt_token_s
     np.testing.assert_allclose(SyntheticEngine().duration_s(4, 500), ServiceModel().estimate(4))  # no term: none
+
+
+def test_calibration_requests_carry_the_calibrators_patience_as_their_deadline():
+    """A predictive gate refuses a request whose estimate is past its deadline: under the server's
+    default deadline it refused its own 64-token calibration (503 deadline_unreachable)."""
+    from live.calibrate import CalibrationConfig, _body
+
+    assert _body(CalibrationConfig("http://h"), "p", 64)["deadline_ms"] == 120_000
+    assert _body(CalibrationConfig("http://h", deadline_ms=500), "p", 64)["deadline_ms"] == 500
