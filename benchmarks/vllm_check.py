@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import vllm_server  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
+from live.contract import Stats  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 
@@ -69,7 +70,7 @@ class Traffic:
     seed: int = 0
 
 
-async def _send(base: str, model: str, traffic: Traffic) -> list[dict]:
+async def _send(base: str, model: str, traffic: Traffic) -> list:
     """Each request's usage as its client was told: completions and chats, streamed and not."""
     import openai
 
@@ -79,7 +80,7 @@ async def _send(base: str, model: str, traffic: Traffic) -> list[dict]:
     prompts = [" ".join(rng.choices(words, k=rng.randint(4, 80))) for _ in range(traffic.requests)]
     gate = asyncio.Semaphore(traffic.in_flight)
 
-    async def one(i: int) -> dict:
+    async def one(i: int):
         chat, stream = i % 4 in (2, 3), i % 2 == 1
         ask = {"model": model, "max_tokens": traffic.max_tokens}
         if stream:
@@ -91,11 +92,11 @@ async def _send(base: str, model: str, traffic: Traffic) -> list[dict]:
             else:
                 answer = await client.completions.create(prompt=prompts[i], **ask)
             if not stream:
-                return answer.usage.model_dump()
+                return answer.usage
             usage = None
             async for chunk in answer:
                 usage = chunk.usage or usage
-            return usage.model_dump()
+            return usage
 
     try:
         return await asyncio.gather(*(one(i) for i in range(traffic.requests)))
@@ -103,10 +104,10 @@ async def _send(base: str, model: str, traffic: Traffic) -> list[dict]:
         await client.close()
 
 
-def _stats(url: str) -> dict:
+def _stats(url: str) -> Stats:
     import httpx
 
-    return httpx.get(url + "/stats", timeout=30).json()
+    return Stats.model_validate(httpx.get(url + "/stats", timeout=30).json())
 
 
 def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
@@ -115,7 +116,7 @@ def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
     server = Server(options, logs / "gate-tokens.log")
     try:
         gate = server.start(120)
-        model = _stats(gate)["engine"]["model"]
+        model = _stats(gate).engine.model
         before, gate_before = vllm_server.metrics(upstream), _stats(gate)
         usages = asyncio.run(_send(gate, model, traffic))
         after, gate_after = vllm_server.metrics(upstream), _stats(gate)
@@ -125,13 +126,13 @@ def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
     def vllm(name: str) -> int:
         return round(after[f"vllm:{name}"] - before[f"vllm:{name}"])
 
-    answered = {k: gate_after["answered_tokens"][k] - gate_before["answered_tokens"].get(k, 0)
+    answered = {k: gate_after.answered_tokens[k] - gate_before.answered_tokens.get(k, 0)
                 for k in ("prompt", "generated")}
-    good = sum(gate_after["counts"][k] - gate_before["counts"][k] for k in ("good", "late"))
-    clients = {"prompt": sum(u["prompt_tokens"] for u in usages),
-               "generated": sum(u["completion_tokens"] for u in usages)}
-    full = sum(u["completion_tokens"] == traffic.max_tokens for u in usages)
-    learned = gate_after["engine"]["learned"]
+    good = sum(gate_after.counts[k] - gate_before.counts[k] for k in ("good", "late"))
+    clients = {"prompt": sum(u.prompt_tokens for u in usages),
+               "generated": sum(u.completion_tokens for u in usages)}
+    full = sum(u.completion_tokens == traffic.max_tokens for u in usages)
+    learned = gate_after.engine.learned
     counted = {"requests": vllm("request_success_total"), "prompt": vllm("prompt_tokens_total"),
                "generated": vllm("generation_tokens_total")}
     return [
@@ -168,9 +169,9 @@ def check_calibration(upstream: str, logs: Path, out: Path, quick: bool) -> list
         stats = _stats(gate)
     finally:
         server.stop()
-    rejected = stats["counts"].get("rejected", 0)
+    rejected = stats.counts.get("rejected", 0)
     checks = [Check("calibrate through a predictive gate", refused is None and rejected == 0,
-                    refused or f"{stats['submitted']} requests, {rejected} refused")]
+                    refused or f"{stats.submitted} requests, {rejected} refused")]
     if result is not None and result.steps is not None:
         result.save(out / "calibration.json")
         fit = result.steps.fit

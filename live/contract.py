@@ -262,6 +262,8 @@ class EngineFacts(BaseModel):
     speed: float | None = None
     schedule: list[tuple[float, float]] | None = None
     schedule_started_at: Num = None
+    # A batching upstream engine's learner: the step model it learned, its fit and refits (live.upstream_batch).
+    learned: dict[str, Any] | None = None
 
 
 class EngineInfo(EngineFacts):
