@@ -36,14 +36,19 @@ The rule (a checkpoint, documented in docs/live.md): after every :data:`REFIT_EV
 of an answer, once :data:`MIN_GAPS` steps have been read at two batch sizes at least, the model is fitted again on
 the last :data:`WINDOW` steps and replaces the gate's at once (its next admission and next step read it:
 :meth:`live.batching.BatchGate.use_step_model`); until the first fit the gate plans with ``--step`` (or its
-default). ``/stats`` says the model in use (``server_config``) and the learner's state (``engine.learned``: the
-fit, its errors, how many gaps and refits). Prompt tokens are the gate's count (the byte tokenizer): the same as a
+default). The learner settles: once :data:`SETTLE` fits in a row each fall inside the 95 % intervals of the fit
+before (every coefficient within 1.96 of its standard errors), more fits would only move the estimates within their
+own uncertainty, and it stops refitting; at each later checkpoint it only checks the settled model against the last
+steps, and a median error :data:`DRIFT` times the fit's own (the server's speed moved) starts the fits again.
+``/stats`` says the model in use (``server_config``) and the learner's state (``engine.learned``: the fit, its
+errors, its intervals, whether it converged, how many gaps, refits and drifts). Prompt tokens are the gate's count (the byte tokenizer): the same as a
 ``qlab serve`` upstream's; another server's tokenizer makes ``b1`` per byte, not per token of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -53,7 +58,10 @@ import aiohttp
 import httpx
 import numpy as np
 
-from qsim.engines import StepFit, StepModel
+from qsim.engines import STEP_FIELDS, StepFit, StepModel
+
+#: The step model's coefficients, in the order of a fit's standard errors.
+COEFFICIENTS = STEP_FIELDS[:4]
 
 from .batching import StepDone, StepWork
 from .engine import EngineResult, UpstreamError
@@ -155,6 +163,9 @@ class StepLearner:
         self.gaps_seen = 0
         self._since_fit = 0
         self.last_problem: str | None = None  # why the last checkpoint kept the model (None: it did not, or none yet)
+        self.settled = 0  # fits in a row inside the intervals of the one before
+        self.drifts = 0  # times a settled model stopped fitting the steps, and the fits began again
+        self.drift_error: float | None = None  # the settled model's median error on the last steps
 
     def started(self, prompt_tokens: int) -> Timeline:
         timeline = Timeline(prompt_tokens)
@@ -178,11 +189,15 @@ class StepLearner:
             timeline.one_token_chunks = False
 
     def checkpoint(self) -> StepModel | None:
-        """The refitted model when a fit is due and the gaps allow one (module docstring), else None."""
+        """The refitted model when a fit is due and the gaps allow one (module docstring), else None. Once
+        settled, no fit: only a check that the steps still follow the model (a drift starts the fits again)."""
         if self._since_fit < self.refit_every:
             return None
         self._since_fit = 0
         gaps = gaps_of(list(self.timelines), self.window)
+        if self.converged:
+            self._check_drift(gaps)
+            return None
         if len(gaps) < self.min_gaps or len(np.unique(gaps.seqs)) < 2:
             self.last_problem = (f"{len(gaps)} steps read at {len(np.unique(gaps.seqs))} batch size(s): "
                                  f"a fit needs {self.min_gaps} at two sizes at least")
@@ -193,9 +208,38 @@ class StepLearner:
         except ValueError as exc:  # every coefficient 0: no step would take time
             self.last_problem = str(exc)
             return None
+        within = self.fit is not None and inside(fit.model, self.fit)
+        self.settled = self.settled + 1 if within else 0
         self.fit, self.model, self.last_problem = fit, model, None
         self.refits += 1
         return model
+
+    @property
+    def converged(self) -> bool:
+        """:data:`SETTLE` fits in a row each inside the one before's intervals: refitting would only move the
+        estimates within their own uncertainty."""
+        return self.settled >= SETTLE
+
+    def _check_drift(self, gaps: Gaps) -> None:
+        """The settled model against the steps since the last checkpoint: a median error :data:`DRIFT` times the
+        fit's own starts the fits again (the server's speed moved)."""
+        last = slice(-self.refit_every, None)
+        if not len(gaps):
+            return
+        model = self.fit.model
+        predicted = np.array([model.time(p, q, c) for p, q, c
+                              in zip(gaps.prefill[last], gaps.seqs[last], gaps.context[last])])
+        error = float(np.median(np.abs(gaps.seconds[last] / predicted - 1)))
+        self.drift_error = error
+        if error > DRIFT * max(self.fit.median_rel_error, 0.01):
+            self.settled, self.drifts = 0, self.drifts + 1
+
+    def intervals(self) -> dict[str, list[float | None]] | None:
+        """The fit's 95 % intervals of b0 ... b3 (None bounds: a term the steps did not vary)."""
+        if self.fit is None:
+            return None
+        return {name: _interval(getattr(self.fit.model, name), se)
+                for name, se in zip(COEFFICIENTS, self.fit.se)}
 
     def info(self) -> dict:
         fit = self.fit
@@ -203,7 +247,35 @@ class StepLearner:
                 "refit_every": self.refit_every, "min_gaps": self.min_gaps, "window": self.window,
                 "fitted_on": None if fit is None else fit.n,
                 "median_rel_error": None if fit is None else fit.median_rel_error,
-                "kept": self.last_problem}
+                "converged": self.converged, "settled": self.settled, "intervals": self.intervals(),
+                "drift_error": self.drift_error, "drifts": self.drifts, "kept": self.last_problem}
+
+
+#: Fits in a row inside the intervals of the one before, after which the learner stops refitting.
+SETTLE = 2
+#: Standard errors each side of an estimate in its interval (95 %).
+Z95 = 1.96
+#: A settled model whose median error on the last steps reaches this many times its fit's starts fitting again.
+DRIFT = 2.0
+
+
+def _interval(value: float, se: float) -> list[float | None]:
+    if not math.isfinite(se):
+        return [None, None]
+    return [value - Z95 * se, value + Z95 * se]
+
+
+def inside(model: StepModel, fit: StepFit) -> bool:
+    """Every coefficient of ``model`` inside ``fit``'s 95 % interval of it; a term the fit could not tell (its
+    standard error NaN) counts where both are 0, as non-negative least squares leaves a term it does not need."""
+    for name, se in zip(COEFFICIENTS, fit.se):
+        new, old = getattr(model, name), getattr(fit.model, name)
+        if math.isfinite(se):
+            if abs(new - old) > Z95 * se:
+                return False
+        elif new != old:
+            return False
+    return True
 
 
 class _Forward:

@@ -229,3 +229,50 @@ def test_a_client_that_leaves_closes_its_upstream_stream_though_the_batch_goes_i
     with scripted(respond) as url:
         left, stats = asyncio.run(go(url))
     assert left and stats["counts"]["abandoned"] == 1 and stats["in_service"] == 0
+
+
+def _later(timelines: list[Timeline], offset_s: float) -> list[Timeline]:
+    return [Timeline(t.prompt, [x + offset_s for x in t.times]) for t in timelines]
+
+
+def _feed(learner: StepLearner, model: StepModel, batches: range) -> list[StepModel | None]:
+    """Each batch: a fresh stretch of the server's answers (after the ones before), then a checkpoint."""
+    fitted = []
+    for k in batches:
+        learner.timelines.extend(_later(_served(model, seed=10 + k, requests=120), 1000.0 * k))
+        learner._since_fit = learner.refit_every
+        fitted.append(learner.checkpoint())
+    return fitted
+
+
+def test_the_learner_settles_inside_its_intervals_and_starts_again_when_the_server_drifts():
+    learner = StepLearner(StepModel(), window=1500)
+    fitted = _feed(learner, TRUE, range(6))
+    # Seeded: the same draws every run. It fits until two fits in a row sit inside the intervals of the
+    # one before, then stops: later checkpoints fit nothing.
+    assert learner.converged and fitted[-1] is None and 2 <= learner.refits <= 5
+    info = learner.info()
+    assert info["converged"] and info["drifts"] == 0
+    for name in ("b0", "b1", "b2"):
+        low, high = info["intervals"][name]
+        assert low <= getattr(TRUE, name) <= high, (name, low, high)
+    refits = learner.refits
+    # The server slows to twice its step: the settled model is now off by half, and the fits begin again.
+    # (So slow, the server's 8 seats are full nearly always: its b0 and b2 cannot be told apart, but a
+    # full batch's step can.)
+    slow = StepModel(b0=2 * TRUE.b0, b1=2 * TRUE.b1, b2=2 * TRUE.b2)
+    _feed(learner, slow, range(6, 10))
+    assert learner.drifts == 1 and learner.refits > refits
+    full = (0.0, 8, 8 * 150.0)
+    assert learner.model.time(*full) == pytest.approx(slow.time(*full), rel=0.05)
+
+
+def test_a_fit_is_inside_another_where_each_coefficient_is_within_its_interval():
+    from live.upstream_batch import inside
+    from qsim.engines import StepFit
+
+    fit = StepFit(StepModel(b0=0.02, b1=0.0001, b2=0.002), 0.05, 0.2, 0.05, 100, 0.95,
+                  (0.001, 1e-5, 1e-4, float("nan")))
+    assert inside(StepModel(b0=0.0215, b1=0.0001, b2=0.002), fit)
+    assert not inside(StepModel(b0=0.0225, b1=0.0001, b2=0.002), fit)  # 2.5 standard errors off
+    assert not inside(StepModel(b0=0.02, b1=0.0001, b2=0.002, b3=1e-6), fit)  # a term it could not tell
