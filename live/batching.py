@@ -33,6 +33,8 @@ the speed at its start, as ``simulate(speed_schedule=)`` does.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import math
 import time
 from collections import deque
@@ -55,6 +57,9 @@ from .tokenizer import ByteTokenizer
 
 #: Steps a batching gate remembers for ``GET /stats?steps_since=`` (about half an hour at 100 steps a second).
 STEP_LOG = 200_000
+#: The most steps one answer of ``GET /stats`` holds (and how many unless it asks for fewer): a full log in one
+#: answer was 17 MB and held the event loop over a second; a page is under half a megabyte.
+STEP_PAGE = 5_000
 
 
 class Chunk(NamedTuple):
@@ -312,6 +317,7 @@ class BatchGate(Gate):
         self.steps = 0
         # The last STEP_LOG steps (qsim.runfile.LoggedStep): for a replay and a calibration (step_log).
         self.step_log: deque[LoggedStep] = deque(maxlen=STEP_LOG)
+        self.logged = 0  # steps ever put in the log: the cursor of the step after the newest (step_page)
         self._woken_at: float | None = None  # an idle engine was woken then (the core's wake), and not begun yet
         self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
 
@@ -424,6 +430,7 @@ class BatchGate(Gate):
             self.queue.finish(ticket, now, tokens)
         self.step_log.append(LoggedStep(*self._began, now, result.engine_s, work.model_s, work.prefill_tokens,
                                         work.sampling, work.context))
+        self.logged += 1
         self.queue.step_done(now, result.engine_s)
         self._arm()
 
@@ -540,3 +547,17 @@ class BatchGate(Gate):
         if steps_since is not None:
             stats["step_log"] = [list(step) for step in self.step_log if step.woken >= steps_since]
         return stats
+
+    def step_page(self, since: float | None = None, cursor: int | None = None, limit: int = STEP_PAGE) -> dict:
+        """At most ``limit`` steps of the log, oldest first: those woken for at ``since`` or later (gate clock), or
+        from ``cursor`` on (a number a page before answered); ``step_log_next``: the cursor of the next page (None:
+        this page ends the log). A cursor is a step's number since the gate started, so a page never repeats or
+        skips a step, even among steps woken at the same time; one older than the log holds starts at its oldest."""
+        oldest = self.logged - len(self.step_log)
+        if cursor is not None:
+            start = max(cursor - oldest, 0)
+        else:  # woken times never go back (a step is woken at or after the last one ended): bisect, no scan
+            start = bisect.bisect_left(self.step_log, since, key=lambda step: step.woken)
+        page = [list(step) for step in itertools.islice(self.step_log, start, start + limit)]
+        after = oldest + start + len(page)
+        return {"step_log": page, "step_log_next": after if after < self.logged else None}

@@ -60,15 +60,16 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable
+from typing import Annotated, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from . import openai_api
 from .auth import SCOPE_CLIENT, ApiKeys
+from .batching import STEP_PAGE
 from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
                        Stats, Timings, request_model)
 from .engine import Checked
@@ -250,11 +251,15 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))  # 422: a bad steps_since
-    async def stats(steps_since: float | None = None) -> Response:
-        body = Stats.model_validate({**gate.stats(steps_since), "limits": asdict(limits),
-                                     "engine": gate.engines[0].info()})
-        return json_response(body.model_dump_json(exclude_unset=True))
+    # 422: a bad steps_since (NaN or infinite too), steps_from or steps_limit.
+    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))
+    async def stats(steps_since: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+                    steps_from: Annotated[int | None, Query(ge=0)] = None,
+                    steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE) -> Response:
+        said = {**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()}
+        if (steps_since is not None or steps_from is not None) and hasattr(gate, "step_page"):
+            said.update(gate.step_page(steps_since, steps_from, steps_limit))  # a page: bounded, whatever the log
+        return json_response(Stats.model_validate(said).model_dump_json(exclude_unset=True))
 
     @app.get("/healthz", response_model=Health, responses=error_responses(*ANY_ROUTE))
     async def healthz() -> Response:
