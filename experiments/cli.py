@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from analysis import metrics
 from inputs import clientflags
 from inputs.argtypes import count, number, positive, positive_int
+from inputs.atomic import sigterm_interrupts
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
@@ -330,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "level", 0.5) >= 1:
             raise UsageError("qlab theory: error: --level must be below 1")
-        return args.func(args)
+        # SIGTERM as SIGINT: a writing command (simulate --out, replay --out, sweep) removes its temporary file
+        # on the way out instead of leaving a hidden .partial or .tmp-PID behind ("interrupted", exit 130).
+        with sigterm_interrupts():
+            return args.func(args)
     except UsageError as exc:
         print(exc, file=sys.stderr)
     except BrokenPipeError as exc:  # before OSError, of which it is one
