@@ -315,8 +315,9 @@ class BatchGate(Gate):
         self._timer_at = math.inf
         self._ended: list = []  # keys out of the batch for good since the last step (StepWork.ended)
         self.steps = 0
-        # The last STEP_LOG steps (qsim.runfile.LoggedStep): for a replay and a calibration (step_log).
-        self.step_log: deque[LoggedStep] = deque(maxlen=STEP_LOG)
+        # The last STEP_LOG steps (qsim.runfile.LoggedStep's fields, as plain tuples: see log_step): for a replay
+        # and a calibration (step_log).
+        self.step_log: deque[tuple] = deque(maxlen=STEP_LOG)
         self.logged = 0  # steps ever put in the log: the cursor of the step after the newest (step_page)
         self._woken_at: float | None = None  # an idle engine was woken then (the core's wake), and not begun yet
         self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
@@ -428,9 +429,8 @@ class BatchGate(Gate):
                 self._resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
         for ticket, tokens in finished.items():
             self.queue.finish(ticket, now, tokens)
-        self.step_log.append(LoggedStep(*self._began, now, result.engine_s, work.model_s, work.prefill_tokens,
-                                        work.sampling, work.context))
-        self.logged += 1
+        self.log_step(LoggedStep(*self._began, now, result.engine_s, work.model_s, work.prefill_tokens,
+                                 work.sampling, work.context))
         self.queue.step_done(now, result.engine_s)
         self._arm()
 
@@ -545,7 +545,7 @@ class BatchGate(Gate):
             "kv_blocks_used": self.queue.kv_used, "kv_blocks": engine.kv_blocks, "block_size": engine.block_size,
             "kv_use": self.queue.kv_use, "steps": self.steps}}
         if steps_since is not None:
-            stats["step_log"] = [list(step) for step in self.step_log if step.woken >= steps_since]
+            stats["step_log"] = [list(step) for step in self.step_log if step[0] >= steps_since]  # woken
         return stats
 
     def step_page(self, since: float | None = None, cursor: int | None = None, limit: int = STEP_PAGE) -> dict:
@@ -557,7 +557,21 @@ class BatchGate(Gate):
         if cursor is not None:
             start = max(cursor - oldest, 0)
         else:  # woken times never go back (a step is woken at or after the last one ended): bisect, no scan
-            start = bisect.bisect_left(self.step_log, since, key=lambda step: step.woken)
-        page = [list(step) for step in itertools.islice(self.step_log, start, start + limit)]
+            start = bisect.bisect_left(self.step_log, since, key=lambda step: step[0])  # woken
+        page = self._steps(start, min(start + limit, len(self.step_log)))
         after = oldest + start + len(page)
         return {"step_log": page, "step_log_next": after if after < self.logged else None}
+
+    def _steps(self, start: int, end: int) -> list[tuple]:
+        """The log's steps ``start`` to ``end``, walked from its nearer end (islice walks a deque from its left: a
+        page near the newest would first pass 200,000 steps)."""
+        if start > len(self.step_log) // 2:
+            n = len(self.step_log)
+            return list(itertools.islice(reversed(self.step_log), n - end, n - start))[::-1]
+        return list(itertools.islice(self.step_log, start, end))
+
+    def log_step(self, step: LoggedStep) -> None:
+        """Keep ``step`` in the log, as a plain tuple: pydantic writes a NamedTuple's JSON about four times slower
+        than a tuple's, and copying a page out of its steps cost as much again (the JSON is the same)."""
+        self.step_log.append(tuple(step))
+        self.logged += 1

@@ -190,3 +190,25 @@ def test_the_access_log_says_each_request_and_never_its_query_headers_or_body(ca
     assert all(line.split()[3].endswith("ms") and line.split()[4].startswith("testclient:") for line in lines)
     text = "\n".join(lines)
     assert "sk-gate" not in text and "secret prompt" not in text and "steps_since" not in text
+
+
+@pytest.mark.slow
+def test_qlab_serve_refuses_a_rebound_host_and_logs_each_request(tmp_path):
+    """The flags through a real ``qlab serve``: bound to loopback, a foreign Host is a 421; --access-log writes a
+    line per request on stderr (the server's log here)."""
+    from live.procs import Server
+    from live.serve_options import ServeOptions
+
+    server = Server(ServeOptions(policy="none", access_log=True, allowed_hosts="gate.example"), tmp_path / "s.log")
+    server.start(60)
+    try:
+        rebound = httpx.get(f"{server.url}/healthz", headers={"host": "rebound.attacker.example"})
+        named = httpx.get(f"{server.url}/healthz", headers={"host": "gate.example:8000"})
+        plain = httpx.get(f"{server.url}/stats?steps_since=0")  # the URL's own 127.0.0.1
+    finally:
+        server.stop()
+    assert rebound.status_code == 421 and rebound.json()["error"]["reason"] == "host_not_allowed"
+    assert named.status_code == 200 and plain.status_code == 200
+    logged = [line for line in (tmp_path / "s.log").read_text().splitlines() if "qlab access:" in line]
+    assert any("GET /healthz 421" in line for line in logged) and any("GET /stats 200" in line for line in logged)
+    assert not any("steps_since" in line for line in logged)

@@ -31,8 +31,7 @@ def _gate(steps: int, ties: int = 1) -> BatchGate:
     gate = BatchGate(SyntheticBatchEngine(ENGINE.step), gate_config(PRESETS["none"], engine=ENGINE))
     for i in range(steps):
         woken = float(i // ties)
-        gate.step_log.append(LoggedStep(woken, woken, woken + 0.5, 0.5, 0.5, i, 1, 10))
-        gate.logged += 1
+        gate.log_step(LoggedStep(woken, woken, woken + 0.5, 0.5, 0.5, i, 1, 10))
     return gate
 
 
