@@ -331,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "level", 0.5) >= 1:
             raise UsageError("qlab theory: error: --level must be below 1")
-        # SIGTERM as SIGINT: a writing command (simulate --out, replay --out, sweep) removes its temporary file
-        # on the way out instead of leaving a hidden .partial or .tmp-PID behind ("interrupted", exit 130).
+        # SIGTERM as SIGINT: a writing command (simulate --out, replay --out, sweep) removes its
+        # temporary file on the way out instead of leaving a hidden .partial or .tmp-PID behind
+        # ("interrupted", exit 130).
         with sigterm_interrupts():
             return args.func(args)
     except UsageError as exc:

@@ -1,11 +1,11 @@
 """Files written so a reader never sees half of one: the crash safety of sweeps and live runs.
 
-A file is written under a hidden temporary name in its own folder and renamed
-into place (``os.replace`` is atomic on one file system), so a process killed
-at any moment leaves either the whole file or none. A temporary left by a
-SIGKILL is named ``.NAME.tmp-PID``: :func:`clear_temporaries` removes them.
-SIGINT and SIGTERM leave none: :func:`sigterm_interrupts` makes SIGTERM raise as SIGINT does, so the
-writers' clean-up (here, and :class:`qsim.stream.RecordWriter`'s ``.partial`` file) runs.
+A file is written under a hidden temporary name in its own folder and renamed into place
+(``os.replace`` is atomic on one file system), so a process killed at any moment leaves either the
+whole file or none. A temporary left by a SIGKILL is named ``.NAME.tmp-PID``:
+:func:`clear_temporaries` removes them. SIGINT and SIGTERM leave none: :func:`sigterm_interrupts`
+makes SIGTERM raise as SIGINT does, so the writers' clean-up (here, and
+:class:`qsim.stream.RecordWriter`'s ``.partial`` file) runs.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def clear_temporaries(folder: str | Path) -> None:
 
 @contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt, as SIGINT is, so that ``finally`` blocks run: a temporary file is
-    removed, a server started for a run is stopped.
+    """Turn SIGTERM into KeyboardInterrupt, as SIGINT is, so that ``finally`` blocks run: a
+    temporary file is removed, a server started for a run is stopped.
 
     Python's default for SIGTERM ends the process at once, skipping them. Only the main thread
     may set a handler; elsewhere (a library caller's thread) this does nothing.

@@ -549,14 +549,16 @@ def gate_clock(http: httpx.Client) -> float:
     return num(clock)
 
 
-#: The most pages of a step log a client reads: the whole log (200,000 steps) is 40 of 5,000; a gate that kept
-#: answering a next page past this is broken, and a client must not loop on it forever.
+#: The most pages of a step log a client reads: the whole log (200,000 steps) is 40 of 5,000; a
+#: gate that kept answering a next page past this is broken, and a client must not loop on it
+#: forever.
 MAX_STEP_PAGES = 1_000
 
 
 def step_page(status: int, payload: object) -> tuple[list, int | None]:
-    """One answer of ``/stats?steps_since=`` (or ``steps_from=``): its steps and the cursor of the next page (None:
-    the last page; a gate that does not page answers one). ValueError when it is not a page of steps."""
+    """One answer of ``/stats?steps_since=`` (or ``steps_from=``): its steps and the cursor of the
+    next page (None: the last page; a gate that does not page answers one). ValueError when it is
+    not a page of steps."""
     if status != 200:
         raise ValueError(f"GET /stats?steps_since= answered HTTP {status}")
     steps = payload.get("step_log", []) if isinstance(payload, dict) else None
@@ -572,8 +574,8 @@ def page_params(since: float, cursor: int | None) -> dict[str, str]:
 
 
 def fetch_steps(http: httpx.Client, since: float) -> tuple[LoggedStep, ...]:
-    """The steps a batching gate woke for at ``since`` or later (its clock; ``/stats?steps_since=``'s step log),
-    page after page."""
+    """The steps a batching gate woke for at ``since`` or later (its clock;
+    ``/stats?steps_since=``'s step log), page after page."""
     steps, cursor = [], None
     for _ in range(MAX_STEP_PAGES):
         response = http.get("/stats", params=page_params(since, cursor))

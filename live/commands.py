@@ -57,15 +57,17 @@ def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
 
 
 def _upstream_spec(cfg: ServeOptions):
-    """Where --engine upstream forwards. The URL's user info is sent as basic auth, unless a key is given
-    (--upstream-api-key, QLAB_UPSTREAM_API_KEY): one Authorization header, and the key wins, said once."""
+    """Where --engine upstream forwards. The URL's user info is sent as basic auth, unless a key is
+    given (--upstream-api-key, QLAB_UPSTREAM_API_KEY): one Authorization header, and the key wins,
+    said once."""
     from . import upstream
 
     spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
                                  upstream.api_key(cfg.upstream_api_key))
     if spec.api_key and spec.basic:
-        print("qlab serve: --upstream-url has a user and password and an upstream key is given: the key is sent "
-              "(Authorization: Bearer), the URL's user info is not", file=sys.stderr)
+        print("qlab serve: --upstream-url has a user and password and an upstream key is given: "
+              "the key is sent (Authorization: Bearer), the URL's user info is not",
+              file=sys.stderr)
     return spec
 
 
@@ -222,7 +224,8 @@ def _serve(args, cfg: ServeOptions, gate) -> None:
     tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
     hosts = HostAllowList.for_bind(_is_loopback(cfg.host), cfg.allowed_hosts.split(","))
-    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys, hosts=hosts,
+    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
+                     hosts=hosts,
                      on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
                                                 keys is not None))
     if cfg.access_log:

@@ -148,8 +148,10 @@ class GateService(FastAPI):
     hosts: HostAllowList | None = None  # set: the Host names it answers to (live.hosts; None: any)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.hosts is not None and scope["type"] == "http" and not self.hosts.allows(_header(scope, b"host")):
-            await MISDIRECTED(scope, receive, send)  # first: a rebound name learns nothing, not even a 401
+        if (self.hosts is not None and scope["type"] == "http"
+                and not self.hosts.allows(_header(scope, b"host"))):
+            # First: a rebound name learns nothing, not even a 401.
+            await MISDIRECTED(scope, receive, send)
             return
         if self.keys is not None and scope["type"] == "http" and self.keys.guards(scope["path"]):
             holder = self.keys.holder(_header(scope, b"authorization"))
@@ -176,9 +178,11 @@ UNAUTHORIZED = error_response(401, "invalid_request", "unauthorized", "this rout
                               headers={"WWW-Authenticate": "Bearer"})
 
 
-#: A request naming a Host the server does not answer to (live.hosts: DNS rebinding); the name is not repeated.
-MISDIRECTED = error_response(421, "invalid_request", "host_not_allowed", "this server does not answer to the "
-                             "Host this request names (qlab serve --allowed-hosts)")
+#: A request naming a Host the server does not answer to (live.hosts: DNS rebinding); the name is
+#: not repeated.
+MISDIRECTED = error_response(421, "invalid_request", "host_not_allowed",
+                             "this server does not answer to the Host this request names "
+                             "(qlab serve --allowed-hosts)")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -211,9 +215,9 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
-    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
-    too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none). hosts: the
-    Host names it answers to (live.hosts; None: any).
+    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through
+    FastAPI's routing too (same answers, slower). keys: the API keys the guarded routes want
+    (live.auth; None: none). hosts: the Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -232,7 +236,8 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json", redirect_slashes=False)
     app.keys, app.hosts = keys, hosts
-    # With keys, the upstream's address is for callers with one: open routes say "the upstream" (live.hosts).
+    # With keys, the upstream's address is for callers with one: open routes say "the upstream"
+    # (live.hosts).
     addresses = {url for e in gate.engines if (url := e.info().get("url"))}
     hide = {path: keys is not None and not keys.guards(path) for path in ("/healthz", "/ready")}
     # Handlers are async on purpose: Starlette runs a plain function in its thread pool, which
@@ -270,17 +275,20 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))
     async def stats(steps_since: Annotated[float | None, Query(allow_inf_nan=False)] = None,
                     steps_from: Annotated[int | None, Query(ge=0)] = None,
-                    steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE) -> Response:
+                    steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE,
+                    ) -> Response:
         said = {**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()}
         if (steps_since is not None or steps_from is not None) and hasattr(gate, "step_page"):
-            said.update(gate.step_page(steps_since, steps_from, steps_limit))  # a page: bounded, whatever the log
+            # A page: bounded, whatever the log holds.
+            said.update(gate.step_page(steps_since, steps_from, steps_limit))
         return json_response(Stats.model_validate(said).model_dump_json(exclude_unset=True))
 
     @app.get("/healthz", response_model=Health, responses=error_responses(*ANY_ROUTE))
     async def healthz() -> Response:
         reasons, engine = await readiness(gate), gate.engines[0].info()
         if hide["/healthz"]:
-            reasons, engine = without_addresses(reasons, addresses), {k: v for k, v in engine.items() if k != "url"}
+            reasons = without_addresses(reasons, addresses)
+            engine = {k: v for k, v in engine.items() if k != "url"}
         body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": engine,
                                       "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
         return json_response(body.model_dump_json(exclude_unset=True))

@@ -49,8 +49,8 @@ from qsim.runfile import ClientSettings, batch_step_columns
 
 from . import openai_replay
 from .auth import client_headers
-from .calibrate import (MAX_STEP_PAGES, ServerFacts, default_prompt_tokens, page_params, server_facts,
-                        step_page)
+from .calibrate import (MAX_STEP_PAGES, ServerFacts, default_prompt_tokens, page_params,
+                        server_facts, step_page)
 from .contract import Stats, num
 from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 from .rows import Exchange, ServerInfo, retry_after_s, server_info, to_frame
@@ -475,7 +475,8 @@ async def fetch_steps(lanes: Lanes, since: float) -> list:
     fields each (/stats' step_log, page after page)."""
     steps, cursor = [], None
     for _ in range(MAX_STEP_PAGES):
-        response = await lanes.send(lanes.request("GET", "/stats", params=page_params(since, cursor)))
+        asked = lanes.request("GET", "/stats", params=page_params(since, cursor))
+        response = await lanes.send(asked)
         page, cursor = step_page(response.status_code, response.json())
         steps += page
         if cursor is None:
@@ -484,8 +485,9 @@ async def fetch_steps(lanes: Lanes, since: float) -> list:
 
 
 async def step_log(lanes: Lanes, since: float) -> tuple[list | None, str | None]:
-    """:func:`fetch_steps`, or None and why not. The step log is optional data (qlab compare replays with it):
-    a gate that died, hung up or answered nonsense after the run costs the run its steps, never its rows."""
+    """:func:`fetch_steps`, or None and why not. The step log is optional data (qlab compare
+    replays with it): a gate that died, hung up or answered nonsense after the run costs the run
+    its steps, never its rows."""
     try:
         return await fetch_steps(lanes, since), None
     except (httpx.HTTPError, OSError, ValueError) as exc:
@@ -560,8 +562,8 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
             run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0, api)
             exchanges = await run.run(requests, trace.arrival_s.tolist())
         # A batching server's steps since the run's time 0, for the replay (qlab compare), on the run's clock.
-        steps, lost = (await step_log(lanes, t0 + offset) if stats is not None and info.config.batching
-                       else (None, None))
+        batching = stats is not None and info.config.batching
+        steps, lost = await step_log(lanes, t0 + offset) if batching else (None, None)
     frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
     if steps is not None:
         zero = t0 + offset
@@ -574,7 +576,8 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
             "duration_s": trace.duration_s, "clock_offset_s": offset,
             "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
             "retry_seed": seed, **plan.meta()}
-    if lost is not None:  # said in the file and once on stderr: a reader of the run knows why it has no steps
+    # Said in the file and once on stderr: a reader of the run knows why it has no steps.
+    if lost is not None:
         meta["warnings"] = [lost]
         print(f"qlab replay: warning: {lost}; the rows are written without it", file=sys.stderr)
     if cfg.slo is not None:

@@ -91,7 +91,8 @@ class UpstreamSpec:
     model: str | None = None
     timeout_s: float = 60.0
     api_key: str | None = field(default=None, repr=False)
-    # The URL's user info (user, password), taken out of url: sent as basic auth, never shown (issue 32).
+    # The URL's user info (user, password), taken out of url: sent as basic auth, never shown
+    # (issue 32).
     basic: tuple[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,15 +105,18 @@ class UpstreamSpec:
 
     @property
     def headers(self) -> dict[str, str]:
-        """What every request to the upstream carries besides its body: the key as Bearer, else the URL's user info
-        as basic auth (one Authorization header: the key wins, docs/security.md)."""
+        """What every request to the upstream carries besides its body: the key as Bearer, else the
+        URL's user info as basic auth (one Authorization header: the key wins,
+        docs/security.md)."""
         if self.api_key:
             return {"authorization": f"Bearer {self.api_key}"}
         return {"authorization": _basic_auth(*self.basic)} if self.basic else {}
 
 
-# aiohttp 3.13 deprecates BasicAuth for encode_basic_auth; the range in pyproject.toml reaches back to 3.12.
-_basic_auth = getattr(aiohttp, "encode_basic_auth", None) or (lambda user, pw: aiohttp.BasicAuth(user, pw).encode())
+# aiohttp 3.13 deprecates BasicAuth for encode_basic_auth; the range in pyproject.toml reaches back
+# to 3.12.
+_basic_auth = (getattr(aiohttp, "encode_basic_auth", None)
+               or (lambda user, password: aiohttp.BasicAuth(user, password).encode()))
 
 
 def api_key(given: str | None) -> str | None:

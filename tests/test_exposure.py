@@ -1,8 +1,9 @@
-"""What the gate tells whom (issue 32, section 2): an upstream URL's password nowhere, the upstream's address not
-to callers without a key, Host names it answers to (DNS rebinding), and an access log without secrets.
+"""What the gate tells whom (issue 32, section 2): an upstream URL's password nowhere, the
+upstream's address not to callers without a key, Host names it answers to (DNS rebinding), and an
+access log without secrets.
 
-In-process (FastAPI's TestClient); the upstream is a loopback port nothing listens on, so every run fails there and
-says where, which is what must not leak.
+In-process (FastAPI's TestClient); the upstream is a loopback port nothing listens on, so every run
+fails there and says where, which is what must not leak.
 """
 
 import base64
@@ -30,7 +31,8 @@ SECRET = "hunter2"
 
 
 def _closed_port() -> int:
-    """A loopback port nothing listens on (bound for a moment, never listening: connections are refused)."""
+    """A loopback port nothing listens on (bound for a moment, never listening: connections are
+    refused)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -43,7 +45,8 @@ def _closed_port() -> int:
     ("http://user:hunter2@gpu.example:8001/v1", "http://***@gpu.example:8001/v1"),
     ("https://user:p@ss:w@rd@gpu.example", "https://***@gpu.example"),  # a raw @ in the password
     ("http://hunter2@gpu.example", "http://***@gpu.example"),
-    ("http://user:hunter2@gpu.example:notaport", "http://***@gpu.example:notaport"),  # too broken to parse
+    # Too broken to parse:
+    ("http://user:hunter2@gpu.example:notaport", "http://***@gpu.example:notaport"),
     ("http://gpu.example:8001", "http://gpu.example:8001"),
     ("http://gpu.example/a@b", "http://gpu.example/a@b"),  # an @ in the path is no user info
 ])
@@ -63,13 +66,15 @@ def test_the_urls_user_info_is_basic_auth_and_a_key_wins():
     assert spec.headers == {"authorization": "Basic " + base64.b64encode(b"user:p@ss").decode()}
     assert "p@ss" not in repr(spec) and "p%40ss" not in repr(spec)
     keyed = UpstreamSpec("http://user:p%40ss@gpu.example:8001", "m", api_key="sk-up")
-    assert keyed.headers == {"authorization": "Bearer sk-up"}  # one Authorization header: the key's
+    # One Authorization header: the key's.
+    assert keyed.headers == {"authorization": "Bearer sk-up"}
     assert split_credentials("http://gpu.example")[1] is None
     from dataclasses import replace
     assert replace(spec, timeout_s=5.0).basic == ("user", "p@ss")  # kept when the spec is remade
 
 
-# ---------------------------------------------------------------- what the gate says of its upstream
+# ---------------------------------------------------------------- what the gate says of its
+# upstream
 
 
 def _upstream_gate(**app) -> TestClient:
@@ -83,9 +88,11 @@ def test_no_answer_names_the_upstreams_password():
     with _upstream_gate() as client:
         answers = [client.get("/stats"), client.get("/healthz"), client.get("/ready"),
                    client.post("/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}),
-                   client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})]
+                   client.post("/v1/completions",
+                               json={"model": "m", "prompt": "hi", "max_tokens": 2})]
     assert [a.status_code for a in answers] == [200, 200, 503, 502, 502]
-    assert "127.0.0.1" in answers[3].json()["error"]["message"]  # a keyless gate still says where it failed
+    # A keyless gate still says where it failed.
+    assert "127.0.0.1" in answers[3].json()["error"]["message"]
     assert all(SECRET not in a.text and "user:" not in a.text for a in answers)
 
 
@@ -101,7 +108,8 @@ def test_with_keys_the_open_routes_do_not_say_where_the_upstream_is():
     assert "url" not in health.json()["engine"]
     for answer in (ready, health):
         assert "127.0.0.1" not in answer.text and SECRET not in answer.text
-    # A caller with a key (every /v1/ route) is told; /stats is open here and says it too (--auth-stats guards it).
+    # A caller with a key (every /v1/ route) is told; /stats is open here and says it too
+    # (--auth-stats guards it).
     assert keyed.json()["engine"]["url"].startswith("http://127.0.0.1:")
     assert failed.status_code == 502 and "127.0.0.1" in failed.json()["error"]["message"]
 
@@ -110,20 +118,23 @@ def test_with_auth_stats_healthz_is_for_key_holders_and_says_where():
     with _upstream_gate(keys=load_keys("sk-gate", None, guard_stats=True)) as client:
         health = client.get("/healthz", headers={"authorization": "Bearer sk-gate"})
         ready = client.get("/ready")
-    assert health.json()["engine"]["url"].startswith("http://127.0.0.1:") and SECRET not in health.text
+    assert health.json()["engine"]["url"].startswith("http://127.0.0.1:")
+    assert SECRET not in health.text
     assert "127.0.0.1" not in ready.text
 
 
 def test_without_addresses_replaces_the_longest_first():
-    said = without_addresses(["http://h:1/v1/models: cannot reach", "busy"], {"http://h:1", "http://h:1/v1"})
+    said = without_addresses(["http://h:1/v1/models: cannot reach", "busy"],
+                             {"http://h:1", "http://h:1/v1"})
     assert said == ["the upstream/models: cannot reach", "busy"]
 
 
 # ---------------------------------------------------------------- Host names
 
 
-@pytest.mark.parametrize("header, name", [("localhost:8000", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
-                                          ("Example.COM.", "example.com"), ("127.0.0.1", "127.0.0.1")])
+@pytest.mark.parametrize("header, name", [
+    ("localhost:8000", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
+    ("Example.COM.", "example.com"), ("127.0.0.1", "127.0.0.1")])
 def test_host_name_drops_the_port_even_of_an_ipv6_literal(header, name):
     assert host_name(header) == name
 
@@ -133,10 +144,10 @@ def _plain_gate(**app) -> TestClient:
     return TestClient(create_app(gate, **app))
 
 
-@pytest.mark.parametrize("host, allowed", [("localhost:8000", True), ("127.0.0.1:8000", True), ("[::1]:8000", True),
-                                           ("LOCALHOST", True), ("rebound.attacker.example", False),
-                                           ("localhost.attacker.example:8000", False), ("127.0.0.2", False),
-                                           ("", False)])
+@pytest.mark.parametrize("host, allowed", [
+    ("localhost:8000", True), ("127.0.0.1:8000", True), ("[::1]:8000", True), ("LOCALHOST", True),
+    ("rebound.attacker.example", False), ("localhost.attacker.example:8000", False),
+    ("127.0.0.2", False), ("", False)])
 def test_a_loopback_gate_answers_loopback_names_alone(host, allowed):
     with _plain_gate(hosts=HostAllowList.for_bind(True)) as client:
         answer = client.get("/stats", headers={"host": host})
@@ -145,8 +156,8 @@ def test_a_loopback_gate_answers_loopback_names_alone(host, allowed):
         assert answer.status_code == 200
     else:
         error = answer.json()["error"]
-        assert answer.status_code == 421 and (error["type"], error["reason"]) == ("invalid_request",
-                                                                                  "host_not_allowed")
+        assert answer.status_code == 421
+        assert (error["type"], error["reason"]) == ("invalid_request", "host_not_allowed")
         assert not host or host not in answer.text  # the name asked for is not repeated
     assert after.status_code == 200  # the service keeps serving
 
@@ -176,30 +187,35 @@ def test_a_bad_allowed_host_is_one_line_and_exit_2(value, capsys):
 
 
 def test_the_access_log_says_each_request_and_never_its_query_headers_or_body(caplog):
-    app = AccessLog(create_app(Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("none"))),
-                               keys=load_keys("sk-gate", None), hosts=HostAllowList.for_bind(True)))
-    with caplog.at_level(logging.INFO, logger="qlab.access"), TestClient(app, base_url="http://localhost") as client:
+    gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("none")))
+    app = AccessLog(create_app(gate, keys=load_keys("sk-gate", None),
+                               hosts=HostAllowList.for_bind(True)))
+    with caplog.at_level(logging.INFO, logger="qlab.access"), \
+            TestClient(app, base_url="http://localhost") as client:
         client.post("/v1/generate", json={"prompt": "my secret prompt", "max_new_tokens": 2},
                     headers={"authorization": "Bearer sk-gate"})
         client.get("/stats", params={"steps_since": 0})
         client.get("/v1/models")  # no key: 401
         client.get("/health", headers={"host": "evil.example"})  # 421
     lines = [r.getMessage() for r in caplog.records if r.name == "qlab.access"]
-    assert [line.split()[:3] for line in lines] == [["POST", "/v1/generate", "200"], ["GET", "/stats", "200"],
-                                                    ["GET", "/v1/models", "401"], ["GET", "/health", "421"]]
-    assert all(line.split()[3].endswith("ms") and line.split()[4].startswith("testclient:") for line in lines)
+    assert [line.split()[:3] for line in lines] == [
+        ["POST", "/v1/generate", "200"], ["GET", "/stats", "200"], ["GET", "/v1/models", "401"],
+        ["GET", "/health", "421"]]
+    assert all(line.split()[3].endswith("ms") for line in lines)
+    assert all(line.split()[4].startswith("testclient:") for line in lines)
     text = "\n".join(lines)
     assert "sk-gate" not in text and "secret prompt" not in text and "steps_since" not in text
 
 
 @pytest.mark.slow
 def test_qlab_serve_refuses_a_rebound_host_and_logs_each_request(tmp_path):
-    """The flags through a real ``qlab serve``: bound to loopback, a foreign Host is a 421; --access-log writes a
-    line per request on stderr (the server's log here)."""
+    """The flags through a real ``qlab serve``: bound to loopback, a foreign Host is a 421;
+    --access-log writes a line per request on stderr (the server's log here)."""
     from live.procs import Server
     from live.serve_options import ServeOptions
 
-    server = Server(ServeOptions(policy="none", access_log=True, allowed_hosts="gate.example"), tmp_path / "s.log")
+    options = ServeOptions(policy="none", access_log=True, allowed_hosts="gate.example")
+    server = Server(options, tmp_path / "s.log")
     server.start(60)
     try:
         rebound = httpx.get(f"{server.url}/healthz", headers={"host": "rebound.attacker.example"})
@@ -209,6 +225,8 @@ def test_qlab_serve_refuses_a_rebound_host_and_logs_each_request(tmp_path):
         server.stop()
     assert rebound.status_code == 421 and rebound.json()["error"]["reason"] == "host_not_allowed"
     assert named.status_code == 200 and plain.status_code == 200
-    logged = [line for line in (tmp_path / "s.log").read_text().splitlines() if "qlab access:" in line]
-    assert any("GET /healthz 421" in line for line in logged) and any("GET /stats 200" in line for line in logged)
+    logged = [line for line in (tmp_path / "s.log").read_text().splitlines()
+              if "qlab access:" in line]
+    assert any("GET /healthz 421" in line for line in logged)
+    assert any("GET /stats 200" in line for line in logged)
     assert not any("steps_since" in line for line in logged)

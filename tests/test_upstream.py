@@ -506,8 +506,9 @@ def test_the_key_goes_to_the_upstream_and_is_never_shown(monkeypatch):
 
 @pytest.mark.slow
 def test_the_urls_user_info_goes_as_basic_auth_unless_a_key_is_given():
-    """Issue 32: user:password@ in --upstream-url is sent as basic auth (never in the URL connected to or shown);
-    with a key too, the one Authorization header is the key's (before, both went and the upstream said 401)."""
+    """Issue 32: user:password@ in --upstream-url is sent as basic auth (never in the URL connected
+    to or shown); with a key too, the one Authorization header is the key's (before, both went and
+    the upstream said 401)."""
     basic = "Basic " + base64.b64encode(b"user:p@ss").decode()
     with recording(_streams) as (url, seen):
         creds = url.replace("http://", "http://user:p%40ss@")
