@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from analysis import metrics
 from inputs import clientflags
 from inputs.argtypes import count, number, positive, positive_int
-from inputs.atomic import sigterm_interrupts
+from inputs.atomic import sigterm_interrupts, write_parquet
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
@@ -199,7 +199,7 @@ def cmd_simulate(args) -> int:
             runs.append(_Run(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
-            rows.to_parquet(args.out, index=False)
+            write_parquet(rows, args.out)  # whole or not at all: an interrupt leaves no half file
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
                "policy": policy.__dict__}
