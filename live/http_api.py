@@ -293,13 +293,13 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
                                       "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
         return json_response(body.model_dump_json(exclude_unset=True))
 
-    @app.get("/health", response_model=Liveness, responses=error_responses(408, 431))
+    @app.get("/health", response_model=Liveness, responses=error_responses(408, 421, 431))
     async def health() -> Response:
         # Liveness: the process answers. Nothing else is looked at (a restart would not mend an upstream).
         return json_response(LIVE)
 
     @app.get("/ready", response_model=Readiness,
-             responses=error_responses(408, 431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
+             responses=error_responses(408, 421, 431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
                                                           "not_ready (why, in the message), Retry-After 1"}})
     async def ready() -> Response:
         reasons = await readiness(gate)
