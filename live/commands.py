@@ -36,6 +36,7 @@ from qsim.engines import OneAtATime
 from qsim.service import LoadTerms, ServiceModel
 from qsim.workload import UsedShare
 
+from .admin import operator_key
 from .auth import load_keys
 from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions
@@ -210,6 +211,7 @@ def _serve(args, cfg: ServeOptions, gate) -> None:
     tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
+                     operator=operator_key(cfg.admin_key),
                      on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
                                                 keys is not None))
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,

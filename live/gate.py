@@ -100,7 +100,7 @@ from qsim.entry import Work
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
-from qsim.service import SpeedTracker
+from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
 from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
                      is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
@@ -525,6 +525,13 @@ class Gate:
 
     def _make_queue(self, config: ServerConfig):
         return AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
+
+    def use_calibration(self, model: ServiceModel, terms: LoadTerms) -> None:
+        """Plan with a new calibration from now on (``PUT /admin/calibration``): its line, and its engines'
+        slowdown and noise (qsim.queue.AdmissionQueue.recalibrate says what starts again)."""
+        engine = replace(self.config.engine, concurrency=terms.concurrency, cv=terms.noise_cv or 0.0)
+        self.config = self.config.replace(model=model, engine=engine)
+        self.queue.recalibrate(self.config)
 
     @property
     def tracker(self) -> SpeedTracker:
