@@ -15,8 +15,12 @@ random-weight model (:mod:`benchmarks.vllm_server`); with ``--url`` (a GPU user'
 2. **calibration through a predictive gate**: ``qlab calibrate`` against a gate under the
    ``predictive`` policy, with no restart and no second gate: no request refused; then the gate
    takes the calibration while it runs (``PUT /admin/calibration``, the operator's key);
-3. **the step model**: the fit's r^2 (target >= 0.9) and its median error on one step, and the
-   upstream learner's refits, reported (a MISS says what the model lacks: docs/vllm.md).
+3. **the step model**: the fit's r^2 (target >= 0.9) and its median error on one step, and
+   whether the upstream learner converged (a MISS says what the model lacks: docs/vllm.md);
+4. **vLLM's steps by its own counters**, reported: at each level of requests in flight straight
+   at vLLM (no gate), a step's mean time and what it held (``vllm:iteration_tokens_total``: one
+   observation an engine step), and how much of a request's time at the client vLLM's own
+   end-to-end time accounts for (the rest is its API process and the client, on the same cores).
 
 Every section prints the machine's load average beside its figures (a busy machine's steps are
 slower). The exit status is 0 when every check ran (PASS or MISS), 2 when vLLM could not be
@@ -33,6 +37,7 @@ import random
 import secrets
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -195,13 +200,79 @@ def check_calibration(upstream: str, logs: Path, out: Path, quick: bool) -> list
     return checks
 
 
+@dataclass(frozen=True)
+class StepLevel:
+    """One level of requests in flight straight at vLLM, as its own counters saw it."""
+
+    in_flight: int
+    seconds: float  # the clients' wall time for the level
+    requests: int
+    steps: int
+    generated: int
+    computed: int  # tokens the steps computed: prompts (less what the prefix cache held) and generated
+    e2e_s: float  # summed over the requests, vLLM's own end-to-end time
+    inference_s: float  # ... of it in the engine (prefill and decode)
+
+    def line(self) -> str:
+        per = 1000 / self.requests
+        client = 1000 * self.seconds * self.in_flight / self.requests
+        return (f"{self.in_flight:>3} in flight: a step {1000 * self.seconds / self.steps:6.2f} ms (wall / steps), "
+                f"{self.generated / self.steps:5.2f} sequences a step, {(self.computed - self.generated) / self.steps:6.1f}"
+                f" prompt tokens a step; a request {client:5.0f} ms at the client, {self.e2e_s * per:5.0f} ms in "
+                f"vLLM's end to end, {self.inference_s * per:5.0f} ms in its engine: {1 - self.e2e_s * per / client:.0%}"
+                " outside vLLM's own accounting")
+
+
+async def _level(url: str, model: str, in_flight: int, requests: int, max_tokens: int = 64) -> None:
+    import httpx
+
+    rng = random.Random(in_flight)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async def worker(share: int) -> None:
+            for _ in range(share):
+                prompt = " ".join(rng.choices(["alpha", "beta", "gamma", "delta"], k=rng.randint(4, 80)))
+                answer = await client.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                                                     "max_tokens": max_tokens})
+                answer.raise_for_status()
+        await asyncio.gather(*(worker(requests // in_flight) for _ in range(in_flight)))
+
+
+def measure_steps(upstream: str, levels: tuple[int, ...], requests: int) -> list[StepLevel]:
+    """Requests straight at vLLM at each level (no gate): its steps and its own times, from its counters."""
+    import httpx
+
+    model = httpx.get(upstream + "/v1/models", timeout=30).json()["data"][0]["id"]
+    found = []
+    for level in levels:
+        before, t0 = vllm_server.metrics(upstream), time.perf_counter()
+        asyncio.run(_level(upstream, model, level, requests))
+        seconds, after = time.perf_counter() - t0, vllm_server.metrics(upstream)
+
+        def d(name: str) -> float:
+            return after[f"vllm:{name}"] - before[f"vllm:{name}"]
+
+        found.append(StepLevel(level, seconds, round(d("e2e_request_latency_seconds_count")),
+                               round(d("iteration_tokens_total_count")), round(d("generation_tokens_total")),
+                               round(d("iteration_tokens_total_sum")), d("e2e_request_latency_seconds_sum"),
+                               d("request_inference_time_seconds_sum")))
+    return found
+
+
+def check_steps(upstream: str, quick: bool) -> list[Check]:
+    """What a vLLM step costs here, read from vLLM's own counters (reported: docs/vllm.md reads it)."""
+    levels = measure_steps(upstream, (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32), 32 if quick else 64)
+    return [Check(f"vLLM's steps at {level.in_flight} in flight (reported)", True, level.line())
+            for level in levels]
+
+
 def run(upstream: str, out: Path, quick: bool) -> list[Check]:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     traffic = Traffic(requests=64 if quick else 192)
     checks = []
     for section, fn in (("tokens", lambda: check_tokens(upstream, logs, traffic)),
-                        ("calibration", lambda: check_calibration(upstream, logs, out, quick))):
+                        ("calibration", lambda: check_calibration(upstream, logs, out, quick)),
+                        ("vLLM's steps", lambda: check_steps(upstream, quick))):
         print(f"== {section} ({load_average()})", flush=True)
         for check in fn():
             print(check.line(), flush=True)

@@ -54,7 +54,12 @@ UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 READY_TIMEOUT_S = 600.0
 #: What the check reads of vLLM's /metrics (each summed over its labels).
 COUNTERS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-            "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+            "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+            # Engine steps (the histogram's count) and the tokens they computed (its sum).
+            "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+            # Each request's time as vLLM's engine side saw it: end to end, queued, in the engine.
+            "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+            "vllm:request_queue_time_seconds_sum", "vllm:request_inference_time_seconds_sum")
 
 
 class Unavailable(Exception):
