@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import vllm_server  # noqa: E402
 from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
-from live.contract import ServiceModelBody, Stats  # noqa: E402
+from live.contract import ServiceModelBody, Stats, UpstreamModels  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 
@@ -241,7 +241,7 @@ def measure_steps(upstream: str, levels: tuple[int, ...], requests: int) -> list
     """Requests straight at vLLM at each level (no gate): its steps and its own times, from its counters."""
     import httpx
 
-    model = httpx.get(upstream + "/v1/models", timeout=30).json()["data"][0]["id"]
+    model = UpstreamModels.model_validate_json(httpx.get(upstream + "/v1/models", timeout=30).content).data[0].id
     found = []
     for level in levels:
         before, t0 = vllm_server.metrics(upstream), time.perf_counter()
