@@ -657,11 +657,12 @@ class Gate:
         own = base if estimator is None else estimator.base_s(base, job.max_new_tokens, job.prompt_tokens, None)
         return own * min(1.0, self.tracker.factor)
 
-    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0) -> int:
-        """The most new tokens whose calibrated estimate (prompt term included) fits ``deadline_s`` (None: the
-        policy's) on an idle engine at the calibrated speed; 0 when not even one does. What an OpenAI request
-        that names no ``max_tokens`` gets (at most the server's cap), and what a :class:`NeverInTime` says fits."""
-        deadline = self.queue.deadline_of(deadline_s)
+    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0, speed: float = 1.0) -> int:
+        """The most new tokens whose calibrated estimate (prompt term included) x ``speed`` fits ``deadline_s``
+        (None: the policy's) on an idle engine; 0 when not even one does. At the calibrated speed (1): what a
+        :class:`NeverInTime` says fits; at the tracked one (:attr:`tracker`'s factor, the one admission scales
+        by): what an OpenAI request that names no ``max_tokens`` gets (at most the server's cap)."""
+        deadline = self.queue.deadline_of(deadline_s) / speed
         m = self.config.model
         room = deadline - m.intercept_s - m.per_prompt_token_s * prompt_tokens
         n = max(0, math.floor(room / m.per_token_s + 1e-9))
