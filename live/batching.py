@@ -48,7 +48,7 @@ from qsim.config import ServerConfig
 from qsim.engines import Batching, StepModel
 from qsim.outcomes import Outcome
 from qsim.runfile import LoggedStep
-from qsim.service import SpeedSchedule
+from qsim.service import LoadTerms, ServiceModel, SpeedSchedule
 
 from .engine import WORD, Faults, InjectedFault, apply_stop, close_on_loop, runs_as_coroutine
 from .gate import CUT_SLACK_S, Answer, DeadlineCut, Gate, Job, _Failure, _failure_type, _gone, _InboxThread, _Ticket
@@ -507,6 +507,13 @@ class BatchGate(Gate):
         finally:
             if not self._closed and self._loop is not None:
                 self._arm()
+
+    def use_calibration(self, model: ServiceModel, terms: LoadTerms) -> None:
+        """A new calibration (``PUT /admin/calibration``): its line, and its step model where it has one (an
+        upstream's learner replaces that at its next refit, unless it has settled)."""
+        self.config = self.config.replace(model=model)
+        if terms.step is not None:
+            self.use_step_model(terms.step)
 
     def use_step_model(self, step: StepModel) -> None:
         """Plan with ``step`` from now on (an engine that learns its server's steps: live.upstream_batch): the next

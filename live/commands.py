@@ -36,6 +36,7 @@ from qsim.engines import OneAtATime
 from qsim.service import LoadTerms, ServiceModel
 from qsim.workload import UsedShare
 
+from .admin import operator_key
 from .auth import load_keys
 from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions, redacted
@@ -225,7 +226,7 @@ def _serve(args, cfg: ServeOptions, gate) -> None:
     sock = _bind(cfg.host, cfg.port)
     hosts = HostAllowList.for_bind(_is_loopback(cfg.host), cfg.allowed_hosts.split(","))
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
-                     hosts=hosts,
+                     hosts=hosts, operator=operator_key(cfg.admin_key),
                      on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
                                                 keys is not None))
     if cfg.access_log:

@@ -761,13 +761,16 @@ class UpstreamChoice(CompletionChoice):
 
     text: str = ""
     delta: UpstreamDelta | None = None
+    message: UpstreamDelta | None = None  # a whole chat completion's (an upstream that did not stream)
     finish_reason: str | None = None
     logprobs: Any = None
 
     @property
     def piece(self) -> str:
-        """The text this choice adds: a completion's ``text``, or a chat chunk's ``delta.content``."""
-        return self.text or (self.delta.content or "" if self.delta is not None else "")
+        """The text this choice adds: a completion's ``text``, a chat chunk's ``delta.content``, or a whole chat
+        completion's ``message.content``."""
+        said = self.delta if self.delta is not None else self.message
+        return self.text or (said.content or "" if said is not None else "")
 
 
 class UpstreamChunk(Completion):

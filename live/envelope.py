@@ -201,10 +201,12 @@ async def answer_for(request: Request, exc: Exception) -> Response:
 
 #: What each error status means, for /openapi.json (docs/http.md's table says the same).
 STATUS_TEXT = {
-    400: "invalid_request: malformed_json (not JSON, or a body cut short), deadline_too_short (no queue could "
+    400: "invalid_request: malformed_json (not JSON, or a body cut short), invalid_calibration (PUT "
+         "/admin/calibration), deadline_too_short (no queue could "
          "answer it in time: no Retry-After; numbers.fit_new_tokens says what fits); on the OpenAI-compatible "
          "routes also unsupported_parameter, conflicting_parameters",
     401: "invalid_request: unauthorized (no valid Authorization: Bearer key, where the server has keys)",
+    403: "invalid_request: forbidden (PUT /admin/calibration on a gate started without an operator key)",
     404: "invalid_request: not_found (no such route), model_not_found (OpenAI-compatible routes)",
     405: "invalid_request: method_not_allowed",
     408: "invalid_request: request_timeout (the head or the body did not arrive in time; the connection is closed)",

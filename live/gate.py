@@ -100,7 +100,7 @@ from qsim.entry import Work
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
-from qsim.service import SpeedTracker
+from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
 from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
                      is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
@@ -526,6 +526,13 @@ class Gate:
     def _make_queue(self, config: ServerConfig):
         return AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
 
+    def use_calibration(self, model: ServiceModel, terms: LoadTerms) -> None:
+        """Plan with a new calibration from now on (``PUT /admin/calibration``): its line, and its engines'
+        slowdown and noise (qsim.queue.AdmissionQueue.recalibrate says what starts again)."""
+        engine = replace(self.config.engine, concurrency=terms.concurrency, cv=terms.noise_cv or 0.0)
+        self.config = self.config.replace(model=model, engine=engine)
+        self.queue.recalibrate(self.config)
+
     @property
     def tracker(self) -> SpeedTracker:
         return self.queue.tracker
@@ -650,11 +657,12 @@ class Gate:
         own = base if estimator is None else estimator.base_s(base, job.max_new_tokens, job.prompt_tokens, None)
         return own * min(1.0, self.tracker.factor)
 
-    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0) -> int:
-        """The most new tokens whose calibrated estimate (prompt term included) fits ``deadline_s`` (None: the
-        policy's) on an idle engine at the calibrated speed; 0 when not even one does. What an OpenAI request
-        that names no ``max_tokens`` gets (at most the server's cap), and what a :class:`NeverInTime` says fits."""
-        deadline = self.queue.deadline_of(deadline_s)
+    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0, speed: float = 1.0) -> int:
+        """The most new tokens whose calibrated estimate (prompt term included) x ``speed`` fits ``deadline_s``
+        (None: the policy's) on an idle engine; 0 when not even one does. At the calibrated speed (1): what a
+        :class:`NeverInTime` says fits; at the tracked one (:attr:`tracker`'s factor, the one admission scales
+        by): what an OpenAI request that names no ``max_tokens`` gets (at most the server's cap)."""
+        deadline = self.queue.deadline_of(deadline_s) / speed
         m = self.config.model
         room = deadline - m.intercept_s - m.per_prompt_token_s * prompt_tokens
         n = max(0, math.floor(room / m.per_token_s + 1e-9))

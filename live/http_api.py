@@ -67,7 +67,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from . import openai_api
+from . import admin, openai_api
 from .auth import SCOPE_CLIENT, ApiKeys
 from .batching import STEP_PAGE
 from .hosts import HostAllowList, without_addresses
@@ -210,14 +210,15 @@ def effective_limits(gate: Gate, limits: Limits) -> Limits:
 
 
 def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
-               direct: bool = True, keys: ApiKeys | None = None,
+               direct: bool = True, keys: ApiKeys | None = None, operator: ApiKeys | None = None,
                hosts: HostAllowList | None = None) -> GateService:
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
-    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through
-    FastAPI's routing too (same answers, slower). keys: the API keys the guarded routes want
-    (live.auth; None: none). hosts: the Host names it answers to (live.hosts; None: any).
+    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
+    too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none). operator: the
+    operator's key, which PUT /admin/calibration wants (live.admin; None: the route refuses everyone). hosts: the
+    Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -309,6 +310,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
             return error_response(503, "unavailable", "not_ready", "not ready: " + "; ".join(reasons), retry_after_s=1)
         return json_response(READY)
 
+    admin.mount(app, gate, limits, operator)  # PUT /admin/calibration
     registry = metrics_registry(gate)
 
     @app.get("/metrics", response_class=Response,

@@ -416,11 +416,13 @@ class _Routes:
         return with_headers(job, request, self.limits.max_deadline_ms)
 
     def _default_new_tokens(self, deadline_s: float | None, prompt_tokens: int) -> int:
-        """A request that names no max_tokens: the server's --default-max-tokens, else the most whose calibrated
-        estimate fits its deadline (at least 1, at most the cap): never the cap a deadline cannot hold."""
+        """A request that names no max_tokens: the server's --default-max-tokens, else the most whose estimate at
+        the speed the gate tracks fits its deadline (at least 1, at most the cap): never the cap a deadline cannot
+        hold, nor, on a machine running slow, a size that admission would then refuse (503) on an idle gate."""
         if self.limits.default_max_tokens is not None:
             return self.limits.default_max_tokens
-        return max(1, min(self.limits.max_new_tokens, self.gate.fitting_tokens(deadline_s, prompt_tokens)))
+        fits = self.gate.fitting_tokens(deadline_s, prompt_tokens, self.gate.tracker.factor)
+        return max(1, min(self.limits.max_new_tokens, fits))
 
     async def completions(self, request: Request) -> Response:
         t0 = self.gate.clock()

@@ -179,6 +179,10 @@ class ServeOptions:
                                         "none: open)", metavar="KEY", secret=True)
     api_key_file: str | None = _option(None, "keys, one a line: KEY CLIENT_ID (the client per-client limits and fair "
                                              "share count by) or KEY alone", metavar="FILE")
+    admin_key: str | None = _option(None, "the operator's key, which PUT /admin/calibration wants (a new calibration "
+                                          "without a restart: qlab calibrate --apply; default: the QLAB_ADMIN_KEY "
+                                          "environment variable; none: the route refuses everyone)", metavar="KEY",
+                                    secret=True)
     auth_stats: bool = _option(False, "/stats, /healthz and /metrics want a key too (/health, /ready and "
                                       "/openapi.json stay open)")
     allowed_hosts: str = _option("", "a Host name the server answers to besides loopback's "

@@ -38,6 +38,9 @@ docs/benchmarks.md). Each engine keeps its own session with one keep-alive conne
 the loop that first runs it. :meth:`UpstreamEngine.run` is the same call for a thread (tests,
 scripts): it runs ``arun`` on an event loop of its own.
 
+An upstream that ignores ``stream: true`` and answers with one JSON body (a completion, or a chat completion
+whose text is its ``message.content``) is read whole: its text and usage are one chunk's.
+
 Failures (:class:`~live.engine.UpstreamError`, answered 502 ``upstream_error``): an error
 status (its message is passed on), no connection, a stream that breaks off or ends without
 ``data: [DONE]``, an error event in the stream, a chunk that is not a completion chunk.
@@ -472,6 +475,9 @@ class UpstreamEngine:
                 message = _error_message(content) or _one_line(text) or "no body"
                 raise UpstreamError(f"the upstream answered HTTP {response.status}: {message}",
                                     failing=response.status in FAILING_STATUSES)
+            if response.content_type == "application/json":  # it ignored stream: true: one answer, read whole
+                reading.add(_parse_chunk((await response.read()).decode("utf-8", "replace")), emit, counted)
+                return
             async for payload in _data(response.content):
                 if payload == DONE:
                     return

@@ -41,8 +41,9 @@ before (every coefficient within 1.96 of its standard errors), more fits would o
 own uncertainty, and it stops refitting; at each later checkpoint it only checks the settled model against the last
 steps, and a median error :data:`DRIFT` times the fit's own (the server's speed moved) starts the fits again.
 ``/stats`` says the model in use (``server_config``) and the learner's state (``engine.learned``: the fit, its
-errors, its intervals, whether it converged, how many gaps, refits and drifts). Prompt tokens are the gate's count (the byte tokenizer): the same as a
-``qlab serve`` upstream's; another server's tokenizer makes ``b1`` per byte, not per token of its own.
+errors, its intervals, whether it converged, how many gaps, refits and drifts). Prompt tokens are the gate's count
+(the byte tokenizer): the same as a ``qlab serve`` upstream's; another server's tokenizer makes ``b1`` per byte,
+not per token of its own (the gate plans with its own count: it sees the upstream's only once a request ran).
 """
 
 from __future__ import annotations
@@ -58,15 +59,17 @@ import aiohttp
 import httpx
 import numpy as np
 
-from qsim.engines import STEP_FIELDS, StepFit, StepModel
+from scipy import stats
 
-#: The step model's coefficients, in the order of a fit's standard errors.
-COEFFICIENTS = STEP_FIELDS[:4]
+from qsim.engines import STEP_FIELDS, StepFit, StepModel
 
 from .batching import StepDone, StepWork
 from .engine import EngineResult, UpstreamError
 from .gate import Job
 from .upstream import ChunkRead, UpstreamEngine, UpstreamSpec
+
+#: The step model's coefficients, in the order of a fit's standard errors.
+COEFFICIENTS = STEP_FIELDS[:4]
 
 #: New gaps between two chunks of an answer between two fits of the step model.
 REFIT_EVERY = 200
@@ -253,8 +256,8 @@ class StepLearner:
 
 #: Fits in a row inside the intervals of the one before, after which the learner stops refitting.
 SETTLE = 2
-#: Standard errors each side of an estimate in its interval (95 %).
-Z95 = 1.96
+#: Standard errors each side of an estimate in its interval (95 %, the normal's: the fits read thousands of steps).
+Z95 = float(stats.norm.ppf(0.975))
 #: A settled model whose median error on the last steps reaches this many times its fit's starts fitting again.
 DRIFT = 2.0
 

@@ -168,6 +168,19 @@ class AdmissionQueue(Core):
 
     # -- events -------------------------------------------------------------------
 
+
+    def recalibrate(self, config: ServerConfig) -> None:
+        """A new calibration taken mid-run (live: an operator's ``PUT /admin/calibration``): arrivals from now on are
+        estimated with ``config``'s service model and engine slowdown (the engine count stays). The speed tracker
+        starts again from its initial factor and a learning estimator from nothing: both were relative to the old
+        model. Requests already waiting keep the estimates they arrived with."""
+        if config.engine.engines != self.engines:
+            raise ValueError(f"a calibration cannot change the engines ({self.engines} -> {config.engine.engines})")
+        self.config = config
+        self._slowdown = config.engine.slowdown if config.engine.concurrency else None
+        self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
+                                    fixed=config.fixed_estimate)
+        self.estimator = self.policy.make_estimator(config.model)
     def _arrive_plain(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
                       priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
         """:meth:`arrive` for a policy whose rule reads the brief's numbers alone (no plug-in rule, objectives,

