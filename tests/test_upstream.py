@@ -150,7 +150,7 @@ def _hang_up_once_upstream_runs(gate: str, upstream: str, tokens: int) -> None:
     host, port = gate.removeprefix("http://").split(":")
     running = stats(upstream)["in_service"]
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
         until(lambda: stats(upstream)["in_service"] > running)
 
