@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("qlab theory: error: --level must be below 1")
         # SIGTERM as SIGINT: a writing command (simulate --out, replay --out, sweep) removes its
         # temporary file on the way out instead of leaving a hidden .partial or .tmp-PID behind
-        # ("interrupted", exit 130). A server (own_signals) stops on SIGTERM its own way: gracefully,
-        # then dying by the signal, which is what a service manager counts as a clean stop.
+        # ("interrupted", exit 130). A server (own_signals) stops on SIGTERM its own way:
+        # gracefully, then dying by the signal, which a service manager counts as a clean stop.
         own = getattr(args, "own_signals", False)
         with contextlib.nullcontext() if own else sigterm_interrupts():
             return args.func(args)

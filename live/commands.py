@@ -286,5 +286,6 @@ def register(subparsers) -> None:
         description="Serve POST /v1/generate, the OpenAI-compatible POST /v1/completions, POST /v1/chat/completions "
                     "and GET /v1/models, GET /stats and GET /healthz: the admission gate (qsim's policy "
                     "function) in front of K engines. The first stdout line is 'qlab serve: listening on URL'.")
-    p.set_defaults(func=cmd_serve, own_signals=True)  # uvicorn's graceful stop (experiments.cli.main)
+    # own_signals: SIGTERM is uvicorn's graceful stop, not an interrupt (experiments.cli.main).
+    p.set_defaults(func=cmd_serve, own_signals=True)
     ServeOptions.add_flags(p)

@@ -217,8 +217,8 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
     direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
     too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none). operator: the
-    operator's key, which PUT /admin/calibration wants (live.admin; None: the route refuses everyone). hosts: the
-    Host names it answers to (live.hosts; None: any).
+    operator's key, which PUT /admin/calibration wants (live.admin; None: the route refuses everyone).
+    hosts: the Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
