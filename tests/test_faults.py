@@ -520,7 +520,7 @@ def test_sigterm_of_simulate_out_leaves_no_partial_file(tmp_path):
 @pytest.mark.slow
 def test_sigterm_of_qlab_serve_is_its_graceful_stop_not_an_interrupt(tmp_path):
     """qlab serve keeps its own SIGTERM: uvicorn stops gracefully, then the process dies by the
-    signal, which systemd and the like count as a clean stop (an interrupt's 130 would be a failure)."""
+    signal, which systemd and the like count as a clean stop (an interrupt's 130 would not be)."""
     proc = _qlab("serve", "--port", "0", cwd=tmp_path)
     assert "listening on" in proc.stdout.readline()
     proc.terminate()
