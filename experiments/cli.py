@@ -6,6 +6,7 @@ Bad input is one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -19,6 +20,7 @@ import pyarrow.parquet as pq
 from analysis import metrics
 from inputs import clientflags
 from inputs.argtypes import count, number, positive, positive_int
+from inputs.atomic import sigterm_interrupts, write_parquet
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
@@ -198,7 +200,7 @@ def cmd_simulate(args) -> int:
             runs.append(_Run(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
-            rows.to_parquet(args.out, index=False)
+            write_parquet(rows, args.out)  # whole or not at all: an interrupt leaves no half file
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
                "policy": policy.__dict__}
@@ -330,7 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "level", 0.5) >= 1:
             raise UsageError("qlab theory: error: --level must be below 1")
-        return args.func(args)
+        # SIGTERM as SIGINT: a writing command (simulate --out, replay --out, sweep) removes its
+        # temporary file on the way out instead of leaving a hidden .partial or .tmp-PID behind
+        # ("interrupted", exit 130). A server (own_signals) stops on SIGTERM its own way:
+        # gracefully, then dying by the signal, which a service manager counts as a clean stop.
+        own = getattr(args, "own_signals", False)
+        with contextlib.nullcontext() if own else sigterm_interrupts():
+            return args.func(args)
     except UsageError as exc:
         print(exc, file=sys.stderr)
     except BrokenPipeError as exc:  # before OSError, of which it is one

@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import threading
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pandas as pd
 
 from analysis import compare, metrics
-from inputs.atomic import atomic_write, clear_temporaries, write_parquet
+from inputs.atomic import atomic_write, clear_temporaries, sigterm_interrupts, write_parquet
 from qsim import ServiceModel, Trace, build_trace
 
 from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, probe, report
@@ -202,23 +199,6 @@ def _row_from_file(r: _Run, path: Path) -> dict:
     frame = pd.read_parquet(path)
     speeds = (float(frame["speed_before"].iloc[0]), float(frame["speed_after"].iloc[0]))
     return summary_row(frame, r.trace, r.spec, r.policy, r.position, speeds)
-
-
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt, as SIGINT is, so that ``finally`` blocks stop the servers.
-
-    Python's default for SIGTERM ends the process at once, skipping them. Only the main thread
-    may set a handler; elsewhere (a library caller's thread) this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _one_run(cfg: LiveConfig, model: ServiceModel, url: str, trace: Trace) -> tuple[pd.DataFrame, tuple[float, float]]:

@@ -413,9 +413,9 @@ def cmd_compare(args) -> int:
     result = compare(run)
     out = Path(args.out) if args.out else Path(args.run).with_suffix("")
     out.mkdir(parents=True, exist_ok=True)
-    result.joined.to_parquet(out / "compare.parquet", index=False)
+    write_parquet(result.joined, out / "compare.parquet")  # whole or not at all (SIGINT, SIGTERM)
     if result.requests is not None:
-        result.requests.to_parquet(out / "requests.parquet", index=False)
+        write_parquet(result.requests, out / "requests.parquet")
     figure(result, out / "compare.png")
     s = result.summary
     if args.json:

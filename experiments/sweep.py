@@ -446,8 +446,12 @@ def metric_names(summary: dict) -> list[str]:
 
 
 def _ignore_sigint() -> None:
-    """In a pool worker: Ctrl-C is for the parent, which stops the sweep (a worker would print a traceback)."""
+    """In a pool worker: Ctrl-C is for the parent, which stops the sweep (a worker would print a
+    traceback). SIGTERM ends a worker at once, as Python's default does: a forked worker inherits
+    the parent's handler, which turns it into an interrupt (qlab's main), but a worker writes no
+    file and has nothing to clean up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -70,7 +70,7 @@ def read_calibration(raw: bytes) -> tuple[ServiceModel, LoadTerms]:
 def mount(app: FastAPI, gate, limits: Limits, operator: ApiKeys | None) -> None:
     """``PUT /admin/calibration`` on ``app``, for ``gate``."""
 
-    @app.put(CALIBRATION, responses=error_responses(400, 401, 403, 408, 413, 415, 431))
+    @app.put(CALIBRATION, responses=error_responses(400, 401, 403, 408, 413, 415, 421, 431))
     async def take_calibration(request: Request) -> Response:
         if operator is None:
             return NO_OPERATOR

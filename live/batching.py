@@ -33,6 +33,8 @@ the speed at its start, as ``simulate(speed_schedule=)`` does.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import math
 import time
 from collections import deque
@@ -55,6 +57,10 @@ from .tokenizer import ByteTokenizer
 
 #: Steps a batching gate remembers for ``GET /stats?steps_since=`` (about half an hour at 100 steps a second).
 STEP_LOG = 200_000
+#: The most steps one answer of ``GET /stats`` holds (and how many unless it asks for fewer): a
+#: full log in one answer was 17 MB and held the event loop over a second; a page is under half a
+#: megabyte.
+STEP_PAGE = 5_000
 
 
 class Chunk(NamedTuple):
@@ -310,8 +316,10 @@ class BatchGate(Gate):
         self._timer_at = math.inf
         self._ended: list = []  # keys out of the batch for good since the last step (StepWork.ended)
         self.steps = 0
-        # The last STEP_LOG steps (qsim.runfile.LoggedStep): for a replay and a calibration (step_log).
-        self.step_log: deque[LoggedStep] = deque(maxlen=STEP_LOG)
+        # The last STEP_LOG steps (qsim.runfile.LoggedStep's fields, as plain tuples: see
+        # log_step): for a replay and a calibration (step_log).
+        self.step_log: deque[tuple] = deque(maxlen=STEP_LOG)
+        self.logged = 0  # steps ever logged: the cursor of the step after the newest (step_page)
         self._woken_at: float | None = None  # an idle engine was woken then (the core's wake), and not begun yet
         self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
 
@@ -422,8 +430,8 @@ class BatchGate(Gate):
                 self._resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
         for ticket, tokens in finished.items():
             self.queue.finish(ticket, now, tokens)
-        self.step_log.append(LoggedStep(*self._began, now, result.engine_s, work.model_s, work.prefill_tokens,
-                                        work.sampling, work.context))
+        self.log_step(LoggedStep(*self._began, now, result.engine_s, work.model_s,
+                                 work.prefill_tokens, work.sampling, work.context))
         self.queue.step_done(now, result.engine_s)
         self._arm()
 
@@ -545,5 +553,37 @@ class BatchGate(Gate):
             "kv_blocks_used": self.queue.kv_used, "kv_blocks": engine.kv_blocks, "block_size": engine.block_size,
             "kv_use": self.queue.kv_use, "steps": self.steps}}
         if steps_since is not None:
-            stats["step_log"] = [list(step) for step in self.step_log if step.woken >= steps_since]
+            # step[0]: when it was woken for
+            stats["step_log"] = [list(step) for step in self.step_log if step[0] >= steps_since]
         return stats
+
+    def step_page(self, since: float | None = None, cursor: int | None = None,
+                  limit: int = STEP_PAGE) -> dict:
+        """At most ``limit`` steps of the log, oldest first: those woken for at ``since`` or later
+        (gate clock), or from ``cursor`` on (a number a page before answered); ``step_log_next``:
+        the cursor of the next page (None: this page ends the log). A cursor is a step's number
+        since the gate started, so a page never repeats or skips a step, even among steps woken at
+        the same time; one older than the log holds starts at its oldest."""
+        oldest = self.logged - len(self.step_log)
+        if cursor is not None:
+            start = max(cursor - oldest, 0)
+        else:  # woken times never go back (woken at or after the last one ended): bisect, no scan
+            start = bisect.bisect_left(self.step_log, since, key=lambda step: step[0])  # woken
+        page = self._steps(start, min(start + limit, len(self.step_log)))
+        after = oldest + start + len(page)
+        return {"step_log": page, "step_log_next": after if after < self.logged else None}
+
+    def _steps(self, start: int, end: int) -> list[tuple]:
+        """The log's steps ``start`` to ``end``, walked from its nearer end (islice walks a deque
+        from its left: a page near the newest would first pass 200,000 steps)."""
+        if start > len(self.step_log) // 2:
+            n = len(self.step_log)
+            return list(itertools.islice(reversed(self.step_log), n - end, n - start))[::-1]
+        return list(itertools.islice(self.step_log, start, end))
+
+    def log_step(self, step: LoggedStep) -> None:
+        """Keep ``step`` in the log, as a plain tuple: pydantic writes a NamedTuple's JSON about
+        four times slower than a tuple's, and copying a page out of its steps cost as much again
+        (the JSON is the same)."""
+        self.step_log.append(tuple(step))
+        self.logged += 1

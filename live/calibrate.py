@@ -549,12 +549,41 @@ def gate_clock(http: httpx.Client) -> float:
     return num(clock)
 
 
+#: The most pages of a step log a client reads: the whole log (200,000 steps) is 40 of 5,000; a
+#: gate that kept answering a next page past this is broken, and a client must not loop on it
+#: forever.
+MAX_STEP_PAGES = 1_000
+
+
+def step_page(status: int, payload: object) -> tuple[list, int | None]:
+    """One answer of ``/stats?steps_since=`` (or ``steps_from=``): its steps and the cursor of the
+    next page (None: the last page; a gate that does not page answers one). ValueError when it is
+    not a page of steps."""
+    if status != 200:
+        raise ValueError(f"GET /stats?steps_since= answered HTTP {status}")
+    steps = payload.get("step_log", []) if isinstance(payload, dict) else None
+    cursor = payload.get("step_log_next") if isinstance(payload, dict) else None
+    if not isinstance(steps, list) or not (cursor is None or isinstance(cursor, int)):
+        raise ValueError("GET /stats?steps_since= answered no step log")
+    return steps, cursor
+
+
+def page_params(since: float, cursor: int | None) -> dict[str, str]:
+    """The query of the first page (``steps_since``), or of the page at ``cursor``."""
+    return {"steps_since": repr(since)} if cursor is None else {"steps_from": str(cursor)}
+
+
 def fetch_steps(http: httpx.Client, since: float) -> tuple[LoggedStep, ...]:
-    """The steps a batching gate woke for at ``since`` or later (its clock; ``/stats?steps_since=``'s step log)."""
-    response = http.get("/stats", params={"steps_since": repr(since)})
-    if response.status_code != 200:
-        raise ValueError(f"GET /stats?steps_since= answered HTTP {response.status_code}")
-    return tuple(LoggedStep(*row) for row in response.json().get("step_log", []))
+    """The steps a batching gate woke for at ``since`` or later (its clock;
+    ``/stats?steps_since=``'s step log), page after page."""
+    steps, cursor = [], None
+    for _ in range(MAX_STEP_PAGES):
+        response = http.get("/stats", params=page_params(since, cursor))
+        page, cursor = step_page(response.status_code, response.json())
+        steps += page
+        if cursor is None:
+            return tuple(LoggedStep(*row) for row in steps)
+    raise ValueError(f"GET /stats?steps_since=: more than {MAX_STEP_PAGES} pages of steps")
 
 
 def report(step: Round | LoadLevel | BatchLevel) -> str:

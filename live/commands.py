@@ -39,7 +39,7 @@ from qsim.workload import UsedShare
 from .admin import operator_key
 from .auth import load_keys
 from .engine import Faults, SyntheticEngine, parse_schedule
-from .serve_options import LOOPBACK, ServeOptions
+from .serve_options import LOOPBACK, ServeOptions, redacted
 
 
 def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
@@ -51,12 +51,25 @@ def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
     if cfg.engine == "upstream":
         from . import upstream
 
-        spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
-                                     upstream.api_key(cfg.upstream_api_key))
-        return upstream.make_engines(cfg.engines, spec)
+        return upstream.make_engines(cfg.engines, _upstream_spec(cfg))
     from . import gpt2  # torch loads here and nowhere else
 
     return gpt2.make_engines(cfg.engines, gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
+
+
+def _upstream_spec(cfg: ServeOptions):
+    """Where --engine upstream forwards. The URL's user info is sent as basic auth, unless a key is
+    given (--upstream-api-key, QLAB_UPSTREAM_API_KEY): one Authorization header, and the key wins,
+    said once."""
+    from . import upstream
+
+    spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
+                                 upstream.api_key(cfg.upstream_api_key))
+    if spec.api_key and spec.basic:
+        print("qlab serve: --upstream-url has a user and password and an upstream key is given: "
+              "the key is sent (Authorization: Bearer), the URL's user info is not",
+              file=sys.stderr)
+    return spec
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -112,7 +125,7 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keye
         print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
     engine = f"1 batching {cfg.engine} engine" if cfg.batching else f"{cfg.engines} {cfg.engine} engine(s)"
     print(f"qlab serve: policy {cfg.policy}, {engine}"
-          + (f" forwarding to {cfg.upstream_url}" if cfg.engine == "upstream" else "")
+          + (f" forwarding to {redacted(cfg.upstream_url)}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
     if cfg.engine == "upstream":
         print(f"qlab serve: {engines[0].routes.says()}", flush=True)
@@ -190,8 +203,7 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
     from .batching import BatchGate
     from .gate import gate_config
 
-    spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
-                                 upstream.api_key(cfg.upstream_api_key))
+    spec = _upstream_spec(cfg)
     forwarder = upstream.make_engines(1, spec)[0]
     seats = cfg.max_num_seqs or upstream_batch.upstream_batch(spec) or batching.max_num_seqs
     batching = replace(batching, max_num_seqs=seats,
@@ -207,13 +219,19 @@ def _serve(args, cfg: ServeOptions, gate) -> None:
     from .contract import Limits
     from .http_api import create_app
 
+    from .hosts import AccessLog, HostAllowList, log_to_stderr
+
     keys = load_keys(cfg.api_key, cfg.api_key_file, cfg.auth_stats)
     tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
+    hosts = HostAllowList.for_bind(_is_loopback(cfg.host), cfg.allowed_hosts.split(","))
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
-                     operator=operator_key(cfg.admin_key),
+                     hosts=hosts, operator=operator_key(cfg.admin_key),
                      on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
                                                 keys is not None))
+    if cfg.access_log:
+        log_to_stderr()
+        app = AccessLog(app)
     run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,
             head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout, tls=tls)
 
@@ -268,5 +286,6 @@ def register(subparsers) -> None:
         description="Serve POST /v1/generate, the OpenAI-compatible POST /v1/completions, POST /v1/chat/completions "
                     "and GET /v1/models, GET /stats and GET /healthz: the admission gate (qsim's policy "
                     "function) in front of K engines. The first stdout line is 'qlab serve: listening on URL'.")
-    p.set_defaults(func=cmd_serve)
+    # own_signals: SIGTERM is uvicorn's graceful stop, not an interrupt (experiments.cli.main).
+    p.set_defaults(func=cmd_serve, own_signals=True)
     ServeOptions.add_flags(p)

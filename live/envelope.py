@@ -212,6 +212,8 @@ STATUS_TEXT = {
     408: "invalid_request: request_timeout (the head or the body did not arrive in time; the connection is closed)",
     413: "invalid_request: body_too_large",
     415: "invalid_request: unsupported_media_type (not JSON, or a content-encoding)",
+    421: "invalid_request: host_not_allowed (the Host names a name the server does not answer to: "
+         "qlab serve --allowed-hosts)",
     422: "invalid_request: invalid_field, prompt_too_long",
     429: "rate_limited: this client is over its rate (Retry-After)",
     431: "invalid_request: headers_too_large (the request head passes 64 KiB; the connection is closed)",
@@ -229,7 +231,7 @@ def error_responses(*statuses: int) -> dict[int, dict]:
 
 
 #: What any route can answer, whatever it does: a key missing (where the server has keys), a head or body too
-#: slow, a head too large.
-ANY_ROUTE = (401, 408, 431)
+#: slow, a Host it does not answer to, a head too large.
+ANY_ROUTE = (401, 408, 421, 431)
 #: What a route that admits a request through the gate can answer, besides its 200.
 ADMITTING = (*ANY_ROUTE, 400, 413, 415, 422, 429, 500, 502, 503, 504)

@@ -60,15 +60,17 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable
+from typing import Annotated, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from . import admin, openai_api
 from .auth import SCOPE_CLIENT, ApiKeys
+from .batching import STEP_PAGE
+from .hosts import HostAllowList, without_addresses
 from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
                        Stats, Timings, request_model)
 from .engine import Checked
@@ -143,8 +145,14 @@ class GateService(FastAPI):
     direct: _Direct | None = None
     direct_posts: dict[str, _Direct] = {}  # replaced, never changed in place
     keys: ApiKeys | None = None  # set: the guarded routes want one of them (live.auth)
+    hosts: HostAllowList | None = None  # set: the Host names it answers to (live.hosts; None: any)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.hosts is not None and scope["type"] == "http"
+                and not self.hosts.allows(_header(scope, b"host"))):
+            # First: a rebound name learns nothing, not even a 401.
+            await MISDIRECTED(scope, receive, send)
+            return
         if self.keys is not None and scope["type"] == "http" and self.keys.guards(scope["path"]):
             holder = self.keys.holder(_header(scope, b"authorization"))
             if holder is None:
@@ -168,6 +176,13 @@ POSTS = frozenset({GENERATE, COMPLETIONS, CHAT})
 UNAUTHORIZED = error_response(401, "invalid_request", "unauthorized", "this route needs an API key: send "
                               "Authorization: Bearer KEY with one of the server's keys",
                               headers={"WWW-Authenticate": "Bearer"})
+
+
+#: A request naming a Host the server does not answer to (live.hosts: DNS rebinding); the name is
+#: not repeated.
+MISDIRECTED = error_response(421, "invalid_request", "host_not_allowed",
+                             "this server does not answer to the Host this request names "
+                             "(qlab serve --allowed-hosts)")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -195,13 +210,15 @@ def effective_limits(gate: Gate, limits: Limits) -> Limits:
 
 
 def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
-               direct: bool = True, keys: ApiKeys | None = None, operator: ApiKeys | None = None) -> GateService:
+               direct: bool = True, keys: ApiKeys | None = None, operator: ApiKeys | None = None,
+               hosts: HostAllowList | None = None) -> GateService:
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
     direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
     too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none). operator: the
     operator's key, which PUT /admin/calibration wants (live.admin; None: the route refuses everyone).
+    hosts: the Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -219,7 +236,11 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
     app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json", redirect_slashes=False)
-    app.keys = keys
+    app.keys, app.hosts = keys, hosts
+    # With keys, the upstream's address is for callers with one: open routes say "the upstream"
+    # (live.hosts).
+    addresses = {url for e in gate.engines if (url := e.info().get("url"))}
+    hide = {path: keys is not None and not keys.guards(path) for path in ("/healthz", "/ready")}
     # Handlers are async on purpose: Starlette runs a plain function in its thread pool, which
     # would put every refusal behind a hidden queue of threads in a burst.
     for exc_type, handler in HANDLERS.items():
@@ -251,29 +272,40 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 
-    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))  # 422: a bad steps_since
-    async def stats(steps_since: float | None = None) -> Response:
-        body = Stats.model_validate({**gate.stats(steps_since), "limits": asdict(limits),
-                                     "engine": gate.engines[0].info()})
-        return json_response(body.model_dump_json(exclude_unset=True))
+    # 422: a bad steps_since (NaN or infinite too), steps_from or steps_limit.
+    @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))
+    async def stats(steps_since: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+                    steps_from: Annotated[int | None, Query(ge=0)] = None,
+                    steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE,
+                    ) -> Response:
+        said = {**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()}
+        if (steps_since is not None or steps_from is not None) and hasattr(gate, "step_page"):
+            # A page: bounded, whatever the log holds.
+            said.update(gate.step_page(steps_since, steps_from, steps_limit))
+        return json_response(Stats.model_validate(said).model_dump_json(exclude_unset=True))
 
     @app.get("/healthz", response_model=Health, responses=error_responses(*ANY_ROUTE))
     async def healthz() -> Response:
-        reasons = await readiness(gate)
-        body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": gate.engines[0].info(),
+        reasons, engine = await readiness(gate), gate.engines[0].info()
+        if hide["/healthz"]:
+            reasons = without_addresses(reasons, addresses)
+            engine = {k: v for k, v in engine.items() if k != "url"}
+        body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": engine,
                                       "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
         return json_response(body.model_dump_json(exclude_unset=True))
 
-    @app.get("/health", response_model=Liveness, responses=error_responses(408, 431))
+    @app.get("/health", response_model=Liveness, responses=error_responses(408, 421, 431))
     async def health() -> Response:
         # Liveness: the process answers. Nothing else is looked at (a restart would not mend an upstream).
         return json_response(LIVE)
 
     @app.get("/ready", response_model=Readiness,
-             responses=error_responses(408, 431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
+             responses=error_responses(408, 421, 431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
                                                           "not_ready (why, in the message), Retry-After 1"}})
     async def ready() -> Response:
         reasons = await readiness(gate)
+        if hide["/ready"]:
+            reasons = without_addresses(reasons, addresses)
         if reasons:
             return error_response(503, "unavailable", "not_ready", "not ready: " + "; ".join(reasons), retry_after_s=1)
         return json_response(READY)

@@ -49,7 +49,8 @@ from qsim.runfile import ClientSettings, batch_step_columns
 
 from . import openai_replay
 from .auth import client_headers
-from .calibrate import ServerFacts, default_prompt_tokens, server_facts
+from .calibrate import (MAX_STEP_PAGES, ServerFacts, default_prompt_tokens, page_params,
+                        server_facts, step_page)
 from .contract import Stats, num
 from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 from .rows import Exchange, ServerInfo, retry_after_s, server_info, to_frame
@@ -471,11 +472,26 @@ async def fetch_stats(lanes: Lanes) -> tuple[dict, float]:
 
 async def fetch_steps(lanes: Lanes, since: float) -> list:
     """A batching server's steps woken for at ``since`` or later (its clock): :class:`qsim.runfile.LoggedStep`'s
-    fields each (/stats' step_log)."""
-    response = await lanes.send(lanes.request("GET", "/stats", params={"steps_since": repr(since)}))
-    if response.status_code != 200:
-        raise ValueError(f"GET /stats?steps_since= answered HTTP {response.status_code}")
-    return response.json().get("step_log", [])
+    fields each (/stats' step_log, page after page)."""
+    steps, cursor = [], None
+    for _ in range(MAX_STEP_PAGES):
+        asked = lanes.request("GET", "/stats", params=page_params(since, cursor))
+        response = await lanes.send(asked)
+        page, cursor = step_page(response.status_code, response.json())
+        steps += page
+        if cursor is None:
+            return steps
+    raise ValueError(f"GET /stats?steps_since=: more than {MAX_STEP_PAGES} pages of steps")
+
+
+async def step_log(lanes: Lanes, since: float) -> tuple[list | None, str | None]:
+    """:func:`fetch_steps`, or None and why not. The step log is optional data (qlab compare
+    replays with it): a gate that died, hung up or answered nonsense after the run costs the run
+    its steps, never its rows."""
+    try:
+        return await fetch_steps(lanes, since), None
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        return None, f"the gate's step log was not read ({type(exc).__name__}: {exc})"[:300]
 
 
 def check_patience(trace: Trace) -> None:
@@ -546,7 +562,8 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
             run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0, api)
             exchanges = await run.run(requests, trace.arrival_s.tolist())
         # A batching server's steps since the run's time 0, for the replay (qlab compare), on the run's clock.
-        steps = await fetch_steps(lanes, t0 + offset) if stats is not None and info.config.batching else None
+        batching = stats is not None and info.config.batching
+        steps, lost = await step_log(lanes, t0 + offset) if batching else (None, None)
     frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
     if steps is not None:
         zero = t0 + offset
@@ -559,6 +576,10 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
             "duration_s": trace.duration_s, "clock_offset_s": offset,
             "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
             "retry_seed": seed, **plan.meta()}
+    # Said in the file and once on stderr: a reader of the run knows why it has no steps.
+    if lost is not None:
+        meta["warnings"] = [lost]
+        print(f"qlab replay: warning: {lost}; the rows are written without it", file=sys.stderr)
     if cfg.slo is not None:
         frame = cfg.slo.columns(frame)
     if api.model is not None:

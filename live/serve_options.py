@@ -22,11 +22,12 @@ A field's metadata (see :func:`_option`) holds its help text, its type (a parser
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from inputs import argtypes
 from inputs.batchflags import (BATCHING_FLAGS, BATCHING_HELP, BATCHING_ONLY, NO_CHUNKED_PREFILL_HELP, STEP_METAVAR,
@@ -52,16 +53,52 @@ def _option(default, help: str | None = None, *, type=None, choices=None, metava
                                secret=secret))
 
 
+#: A URL's user info: everything between ``scheme://`` and the authority's last ``@`` (a raw ``@``
+#: in a password included), before any path, query or fragment.
+_USER_INFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def redacted(url: str) -> str:
+    """``url`` with its user info (``user:password@``) shown as ``***@``: what every message, log
+    line and info dict says of an upstream URL. Never parses, so a URL too broken to parse is still
+    redacted."""
+    return _USER_INFO.sub(r"\1***@", url)
+
+
+def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``url`` without its user info, and that user info (user, password; percent-decoded) or None.
+    The gate sends them as HTTP basic auth (live.upstream.UpstreamSpec), never in the URL it shows
+    or connects to."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return bare, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+def check_host_pattern(text: str) -> str:
+    """An ``--allowed-hosts`` value: names, ``*.DOMAIN`` or ``*``, joined by commas; ValueError
+    when one is empty or has a character no host name has."""
+    for pattern in text.split(","):
+        name = pattern.strip()
+        body = name[2:] if name.startswith("*.") else name
+        if name != "*" and (not body or any(c in body for c in "/?#@ *")):
+            raise ValueError(f"--allowed-hosts: {name!r} is not a host name, *.DOMAIN or *")
+    return text
+
+
 def check_upstream_url(url: str) -> str:
     """The root URL of an OpenAI-compatible server, without a trailing slash or ``/v1`` (both are
-    accepted: ``/v1`` is where an OpenAI client's base URL ends); ValueError when it is no http(s) URL."""
+    accepted: ``/v1`` is where an OpenAI client's base URL ends); ValueError when it is no http(s)
+    URL (the message shows it :func:`redacted`)."""
     try:
         parts = urlsplit(url.strip())
         parts.port  # noqa: B018 - a port that is not a number raises here
     except ValueError:
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ValueError(f"the upstream URL must be http://HOST[:PORT] or https://HOST[:PORT], got {url!r}")
+        raise ValueError(f"the upstream URL must be http://HOST[:PORT] or https://HOST[:PORT], "
+                         f"got {redacted(url)!r}")
     root = url.strip().rstrip("/")
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
@@ -148,6 +185,16 @@ class ServeOptions:
                                     secret=True)
     auth_stats: bool = _option(False, "/stats, /healthz and /metrics want a key too (/health, /ready and "
                                       "/openapi.json stay open)")
+    allowed_hosts: str = _option("", "a Host name the server answers to besides loopback's "
+                                     "(localhost, 127.0.0.1, [::1]; repeat, or NAME,NAME; "
+                                     "*.DOMAIN: any name under it; *: any). Bound to loopback "
+                                     "it answers those alone by default (DNS rebinding), "
+                                     "elsewhere any name unless this is given; other names: "
+                                     "421 host_not_allowed",
+                                 metavar="HOST", many=True, check=check_host_pattern)
+    access_log: bool = _option(False, "a line per request on stderr: method, path, status, "
+                                      "milliseconds, client address (never a query, a header or a "
+                                      "body)")
     ssl_certfile: str | None = _option(None, "serve HTTPS with this certificate (PEM), with --ssl-keyfile (uvicorn's "
                                              "TLS)", metavar="FILE", needs=("ssl_keyfile", "the certificate's key"))
     ssl_keyfile: str | None = _option(None, "the certificate's private key (PEM)", metavar="FILE",

@@ -76,7 +76,7 @@ from pydantic import ValidationError
 from .contract import CHAT_FIELDS, ForeignError, UpstreamChatRequest, UpstreamChunk, UpstreamModels, UpstreamRequest
 from .engine import Asked, Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
 from .routes import CHAT, COMPLETIONS, MODELS
-from .serve_options import check_upstream_url
+from .serve_options import check_upstream_url, split_credentials
 from .tokenizer import ByteTokenizer
 
 DONE = "[DONE]"
@@ -94,16 +94,32 @@ class UpstreamSpec:
     model: str | None = None
     timeout_s: float = 60.0
     api_key: str | None = field(default=None, repr=False)
+    # The URL's user info (user, password), taken out of url: sent as basic auth, never shown
+    # (issue 32).
+    basic: tuple[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "url", check_upstream_url(self.url))
+        url, basic = split_credentials(check_upstream_url(self.url))
+        object.__setattr__(self, "url", url)
+        if basic is not None:
+            object.__setattr__(self, "basic", basic)
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"the upstream timeout must be a positive number of seconds, got {self.timeout_s}")
 
     @property
     def headers(self) -> dict[str, str]:
-        """What every request to the upstream carries besides its body."""
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        """What every request to the upstream carries besides its body: the key as Bearer, else the
+        URL's user info as basic auth (one Authorization header: the key wins,
+        docs/security.md)."""
+        if self.api_key:
+            return {"authorization": f"Bearer {self.api_key}"}
+        return {"authorization": _basic_auth(*self.basic)} if self.basic else {}
+
+
+# aiohttp 3.13 deprecates BasicAuth for encode_basic_auth; the range in pyproject.toml reaches back
+# to 3.12.
+_basic_auth = (getattr(aiohttp, "encode_basic_auth", None)
+               or (lambda user, password: aiohttp.BasicAuth(user, password).encode()))
 
 
 def api_key(given: str | None) -> str | None:

@@ -111,3 +111,16 @@ def test_predict_live_quick_judges_each_run_against_the_targets():
 def test_predict_live_refuses_bad_cases_and_loads_in_one_line(args, said):
     proc = _run("predict_live.py", *args, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and said in proc.stderr
+
+
+def test_bench_endpoints_quick_reports_healthz_under_stats_reads_against_the_target():
+    """Issue 32, section 3: /healthz's p99 while whole step logs are read page by page, printed,
+    never asserted."""
+    data = _json_of("bench_endpoints.py", "--quick")
+    assert data["steps"] == 200_000 and data["page"] == 5_000 and data["readers"] == 2
+    assert data["healthz"]["verdict"] in ("PASS", "MISS") and data["healthz"]["target_ms"] == 50.0
+    assert data["healthz"]["n"] > 0 and data["healthz_alone"]["n"] > 0
+    assert data["stats_page"]["n"] > 0
+    # A page, not the whole log (17 MB).
+    assert 100_000 < data["stats_page"]["mean_bytes"] < 1_000_000
+    assert data["whole_log"]["pages"] == 40 and data["whole_log"]["steps_each"] in (None, 200_000)

@@ -400,6 +400,55 @@ def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp
     assert len(again) == 29 and not (again["outcome"] == "error").any()
 
 
+def _stop_once_submitted(server: Server, n: int, sig: signal.Signals) -> None:
+    """:func:`_kill_once_submitted`, with ``sig`` to the server process alone (SIGTERM: uvicorn's
+    graceful stop)."""
+    while True:
+        try:
+            if httpx.get(f"{server.url}/stats", timeout=5).json()["submitted"] >= n:
+                break
+        except httpx.HTTPError:
+            return
+        time.sleep(0.01)
+    server.proc.send_signal(sig)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_batching_gate_dying_under_qlab_replay_loses_no_row(tmp_path, capsys, sig):
+    """Issue 32: the step log read after the run is optional; a gate gone by then costs the run its
+    steps, and says so (the file's metadata, one line on stderr), never its rows."""
+    server = Server(ServeOptions(policy="none", batching=True), tmp_path / "doomed.log")
+    server.start(60)
+    out = tmp_path / "run.parquet"
+    # 30 requests of 30 tokens (about 0.3 s each at the default step model), 0.05 s apart: several
+    # in the batch at once, so the stop finds requests running.
+    trace_csv = tmp_path / "trace.csv"
+    rows_csv = "".join(f"{0.05 * i:.2f},30\n" for i in range(1, 31))
+    trace_csv.write_text("arrival_s,max_new_tokens\n" + rows_csv)
+    argv = ["replay", "--url", server.url, "--trace", str(trace_csv), "--timeout", "20",
+            "--out", str(out)]
+    try:
+        threading.Thread(target=_stop_once_submitted, args=(server, 12, sig), daemon=True).start()
+        assert main(argv) == 0
+    finally:
+        server.stop()
+    said = capsys.readouterr()
+    rows = records.validate(pd.read_parquet(out))
+    # One row each.
+    assert sorted(rows["request_id"]) == list(range(30)) and rows["request_id"].is_unique
+    outcomes = rows["outcome"].value_counts().to_dict()
+    assert set(outcomes) <= {"good", "late", "error"} and outcomes.get("error", 0) >= 10, outcomes
+    assert outcomes.get("good", 0) + outcomes.get("late", 0) >= 1, outcomes
+    assert "batch_steps" not in rows.columns  # no step log: no steps made up
+    warnings = pd.read_parquet(out).attrs["qlab_run"]["warnings"]
+    assert len(warnings) == 1 and "step log was not read" in warnings[0]
+    lines = [line for line in said.err.splitlines() if "step log" in line]
+    assert len(lines) == 1 and lines[0].startswith("qlab replay: warning:")
+    assert "Traceback" not in said.err
+    assert f"wrote 30 rows to {out}" in said.out
+
+
 # ---------------------------------------------------------------- interrupted sweeps and live runs
 
 
@@ -408,9 +457,13 @@ def _child_env() -> dict:
 
 
 @pytest.mark.slow
-def test_sigint_stops_a_sweep_in_one_line_and_it_resumes(tmp_path):
-    # Two cells, one fast and one slow: when the fast one is written its worker is idle, and an idle
-    # pool worker that takes the Ctrl-C prints a traceback unless it ignores SIGINT.
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["SIGINT-to-the-group", "SIGTERM-to-the-sweep"])
+def test_sigint_or_sigterm_stops_a_sweep_in_one_line_and_it_resumes(tmp_path, sig, group):
+    # Two cells, one fast and one slow: when the fast one is written its worker is idle, and an
+    # idle pool worker that takes the Ctrl-C prints a traceback unless it ignores SIGINT. SIGTERM
+    # (`kill PID`) would end the sweep without its clean-up; it is an interrupt as SIGINT is (issue
+    # 32).
     path = tmp_path / "s.toml"
     path.write_text("[sweep]\nduration_s = 8000\nseeds = 1\n[grid]\npolicy = ['none']\nload = [0.05, 3.0]\n")
     out = tmp_path / "out"
@@ -421,7 +474,10 @@ def test_sigint_stops_a_sweep_in_one_line_and_it_resumes(tmp_path):
     while not list((out / "cells").glob("*.parquet")):
         assert time.monotonic() < end and proc.poll() is None, "the sweep wrote nothing"
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    if group:
+        os.killpg(proc.pid, sig)  # what Ctrl-C does: the whole foreground group
+    else:
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err == "qlab: interrupted\n", err
     written = list((out / "cells").glob("*.parquet"))
@@ -429,6 +485,63 @@ def test_sigint_stops_a_sweep_in_one_line_and_it_resumes(tmp_path):
     pd.read_parquet(written[0])
     summary = sweep.run(config.load(path), out, workers=1, quiet=True)
     assert summary.attrs == {"ran": 1, "skipped": 1} and len(summary) == 2
+
+
+def _qlab(*argv: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "experiments", *argv], env=_child_env(),
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _terminated(proc: subprocess.Popen, when) -> str:
+    """SIGTERM ``proc`` (alone, as `kill PID` does) once ``when()``; its stderr, after checking it
+    ended as an interrupt does: exit 130, one line, no traceback."""
+    end = time.monotonic() + 120
+    while not when():
+        assert time.monotonic() < end and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.terminate()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.endswith("qlab: interrupted\n"), err
+    assert "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.slow
+def test_sigterm_of_simulate_out_leaves_no_partial_file(tmp_path):
+    """A streamed run writes row groups to a hidden .partial file: SIGTERM mid-run removes it
+    (issue 32)."""
+    proc = _qlab("simulate", "--requests", "3000000", "--out", "run.parquet", cwd=tmp_path)
+    partial = tmp_path / ".run.parquet.partial"
+    # Once a row group is written.
+    _terminated(proc, lambda: partial.exists() and partial.stat().st_size > 0)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_sigterm_of_qlab_serve_is_its_graceful_stop_not_an_interrupt(tmp_path):
+    """qlab serve keeps its own SIGTERM: uvicorn stops gracefully, then the process dies by the
+    signal, which systemd and the like count as a clean stop (an interrupt's 130 would not be)."""
+    proc = _qlab("serve", "--port", "0", cwd=tmp_path)
+    assert "listening on" in proc.stdout.readline()
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and "interrupted" not in err, err
+
+
+@pytest.mark.slow
+def test_sigterm_of_replay_out_leaves_no_file(servers, tmp_path):
+    """SIGTERM mid-replay: no run file, and no temporary beside where it would have been (issue
+    32)."""
+    trace_csv = tmp_path / "trace.csv"
+    rows_csv = "".join(f"{0.1 * i:.1f},4\n" for i in range(1, 200))
+    trace_csv.write_text("arrival_s,max_new_tokens\n" + rows_csv)
+    out = tmp_path / "out"
+    out.mkdir()
+    before = stats(servers["none"])["submitted"]
+    proc = _qlab("replay", "--url", servers["none"], "--trace", str(trace_csv),
+                 "--out", "run.parquet", cwd=out)
+    _terminated(proc, lambda: stats(servers["none"])["submitted"] >= before + 5)
+    assert list(out.iterdir()) == []
 
 
 def _running(process) -> bool:

@@ -533,11 +533,11 @@ def _complete(raw: bytes) -> bool:
 # Malformed HTTP is answered by uvicorn before the app sees it (a plain-text 400, no envelope):
 # what matters is that it is answered, quickly, and costs the service nothing.
 PROTOCOL_JUNK = {
-    "bad chunk size": b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\n"
+    "bad chunk size": b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
-    "negative length": b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Length: -1\r\n\r\n",
-    "absurd length": b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Length: 99999999999999999999\r\n\r\n",
-    "length and chunked": b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Length: 5\r\n"
+    "negative length": b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: -1\r\n\r\n",
+    "absurd length": b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: 99999999999999999999\r\n\r\n",
+    "length and chunked": b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n"
                           b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     "tls hello": b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(range(32)),
 }
@@ -575,7 +575,7 @@ def test_fuzz_through_a_real_server(served):
 
 
 def _padded_head(pad_bytes: int) -> bytes:
-    return b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nX-Pad: " + b"a" * pad_bytes
+    return b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * pad_bytes
 
 
 def _bytes_taken_before_hang_up(url: str, limit: int) -> int:
@@ -627,9 +627,9 @@ def test_heads_and_bodies_too_slow_are_408_and_the_connection_closed(tmp_path, h
                     tmp_path / "serve.log")
     served.start(60)
     try:
-        for sent, what in ((b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nX-Slow: ", "head"),
+        for sent, what in ((b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nX-Slow: ", "head"),
                            (b"", "head"),  # a connection that sends nothing at all
-                           (b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\n"
+                           (b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                             b"Content-Length: 100\r\n\r\n{\"prompt\": ", "body")):
             answer = _raw_exchange(served.url, sent, until_closed=True)
             head, _, body = answer.partition(b"\r\n\r\n")
@@ -646,7 +646,7 @@ def test_a_client_that_hangs_up_mid_body_is_not_a_server_error(tmp_path):
     server = Server(ServeOptions(policy="predictive", speed=0.001), tmp_path / "serve.log")
     server.start(60)
     try:
-        truncated = (b"POST /v1/generate HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\n"
+        truncated = (b"POST /v1/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"prompt\": ")
         _raw_exchange(server.url, truncated, close_after_send=True)
         assert httpx.post(f"{server.url}/v1/generate", json=_body(), timeout=HANG_S).status_code == 200

@@ -18,6 +18,7 @@ checked in-process against a scripted HTTP server, byte by byte.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import socket
@@ -149,7 +150,7 @@ def _hang_up_once_upstream_runs(gate: str, upstream: str, tokens: int) -> None:
     host, port = gate.removeprefix("http://").split(":")
     running = stats(upstream)["in_service"]
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
         until(lambda: stats(upstream)["in_service"] > running)
 
@@ -501,6 +502,20 @@ def test_the_key_goes_to_the_upstream_and_is_never_shown(monkeypatch):
     assert [s.headers["authorization"] for s in seen] == ["Bearer sk-secret"] * 3
     argv = ServeOptions(engine="upstream", upstream_url="http://h:1", upstream_api_key="sk-secret").argv()
     assert "sk-secret" not in " ".join(argv)  # a child reads it from its environment
+
+
+@pytest.mark.slow
+def test_the_urls_user_info_goes_as_basic_auth_unless_a_key_is_given():
+    """Issue 32: user:password@ in --upstream-url is sent as basic auth (never in the URL connected
+    to or shown); with a key too, the one Authorization header is the key's (before, both went and
+    the upstream said 401)."""
+    basic = "Basic " + base64.b64encode(b"user:p@ss").decode()
+    with recording(_streams) as (url, seen):
+        creds = url.replace("http://", "http://user:p%40ss@")
+        UpstreamEngine(UpstreamSpec(creds, "m"), "m").run("p", 2)
+        probe_routes(UpstreamSpec(creds), "m")
+        UpstreamEngine(UpstreamSpec(creds, "m", api_key="sk-secret"), "m").run("p", 2)
+    assert [s.headers.get("authorization") for s in seen] == [basic] * 3 + ["Bearer sk-secret"]
 
 
 @pytest.mark.slow
