@@ -281,6 +281,7 @@ class UpstreamHealth:
         self.last_problem: str | None = None
         self.learned_at = -float("inf")
         self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None  # the loop that made it
         self._probing: asyncio.Task | None = None
 
     def learned(self, problem: str | None) -> None:
@@ -296,8 +297,9 @@ class UpstreamHealth:
 
     async def _probe(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session.loop is not loop:
+        if self._session is None or self._session.closed or self._session_loop is not loop:
             timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.spec.timeout_s))
+            self._session_loop = loop  # aiohttp's session.loop is deprecated: the loop is kept here
             self._session = aiohttp.ClientSession(self.spec.url, timeout=timeout, headers=self.spec.headers,
                                                   connector=aiohttp.TCPConnector(limit=1))
         try:
@@ -402,6 +404,7 @@ class UpstreamEngine:
         self.health = health if health is not None else UpstreamHealth(spec)
         self._tokenizer = ByteTokenizer()
         self._session: aiohttp.ClientSession | None = None  # on the loop that runs arun (the gate's)
+        self._session_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def run_timeout_s(self) -> float:
@@ -412,8 +415,8 @@ class UpstreamEngine:
                    emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
         """Forward one request; the gate cancels the task to stop it (its connection is then closed)."""
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session.loop is not loop:
-            self._session = self.new_session()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session, self._session_loop = self.new_session(), loop
         return await self.forward(self._session, prompt, max_new_tokens, stop, emit, asked)
 
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
