@@ -70,7 +70,7 @@ class RunStats(NamedTuple):
     tokens: int  # tokens generated
     preemptions: int
     kv_blocks_peak: int
-    cached_tokens: int = -1  # prompt tokens its first scheduling found cached (-1: no prefix cache)
+    cached_tokens: int = -1  # prompt tokens its first scheduling found cached (-1: no cache)
 
 
 class Step(NamedTuple):
@@ -120,9 +120,10 @@ class _Seq:
         self.due = math.inf
         self.in_line = False  # waiting (in the discipline's line or at its front): its prompt counts as queued
         self.hold = 0  # the seat-steps it added to the line's when it joined it
-        # With a prefix cache only: its tokens' identity, the physical blocks it holds for its prompt (a
-        # decoding request's later blocks are the pool's, counted from its tokens), how many of them are
-        # cached, its block hashes as far as computed, and the prompt tokens its first join found cached.
+        # With a prefix cache only: its tokens' identity, the physical blocks it holds for its
+        # prompt (a decoding request's later blocks are the pool's, counted from its tokens), how
+        # many of them are cached, its block hashes as far as computed, and the prompt tokens its
+        # first join found cached.
         self.tokens: Tokens | None = None
         self.table: list[int] = []
         self.hashed = 0
@@ -150,9 +151,10 @@ class BatchQueue(Core):
                  gone: Callable[[Any], bool] | None = None,
                  tokens: Callable[[Any], Tokens | None] | None = None) -> None:
         """joined(req, now): a request joins the batch for the first time (its start). wake(now): the engine was
-        idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has arrived, so that a
-        burst starts in one step (None: the step is planned at once). tokens(req): with prefix caching, the
-        :class:`~qsim.prefix.Tokens` of a request (None, or no hook: tokens shared with no other request)."""
+        idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has
+        arrived, so that a burst starts in one step (None: the step is planned at once).
+        tokens(req): with prefix caching, the :class:`~qsim.prefix.Tokens` of a request (None, or
+        no hook: tokens shared with no other request)."""
         engine = config.engine
         if not isinstance(engine, Batching):
             raise ValueError(f"BatchQueue runs a batching engine, not {engine.kind}")
@@ -197,8 +199,9 @@ class BatchQueue(Core):
         self.buckets: dict = {}
         self.reserved_admitted = 1.0
         self.seen_numbers = Seen(math.nan, 0, 0.0, self.tracker.factor)  # a batch's rule reads more: not recorded
-        # Prefix caching (qsim.prefix): the physical blocks, and the decoding requests' blocks past their
-        # prompt's, which are interchangeable until a request leaves and hashes them (None: no cache).
+        # Prefix caching (qsim.prefix): the physical blocks, and the decoding requests' blocks past
+        # their prompt's, which are interchangeable until a request leaves and hashes them (None:
+        # no cache).
         self.pool = BlockPool(self.kv_cap) if engine.prefix_caching else None
         self.decode_blocks: list[int] = []
         self._tokens_of = tokens
@@ -252,7 +255,8 @@ class BatchQueue(Core):
                 held += seq.blocks
                 assert seq in self.prefilling, f"request {seq.entry.req!r} runs, neither decoding nor computing its prompt"
         if self.pool is None:
-            assert held == self.kv_used, f"KV blocks: {self.kv_used} counted, {held} held by the running"
+            assert held == self.kv_used, \
+                f"KV blocks: {self.kv_used} counted, {held} held by the running"
         else:  # shared blocks are held by several: the pool's count is of distinct blocks
             self._audit_pool(held)
         assert self.kv_used <= self.kv_cap, f"KV blocks: {self.kv_used} in use of {self.kv_cap}"
@@ -267,8 +271,8 @@ class BatchQueue(Core):
                 f"a step of {self.plan.prefill_tokens + self.plan.decoders} tokens over the budget"
 
     def _audit_pool(self, held: int) -> None:
-        """The prefix cache's books against the batch's: each block's holders, the decoding requests'
-        blocks past their tables, and the blocks in use."""
+        """The prefix cache's books against the batch's: each block's holders, the decoding
+        requests' blocks past their tables, and the blocks in use."""
         holders: dict[int, int] = {}
         beyond = 0
         for seq in self.running.values():
@@ -278,18 +282,19 @@ class BatchQueue(Core):
                 tokens = seq.kv0 + self.decoded - seq.d0 + self._decode_reserved
                 beyond += self.engine.blocks_for(tokens) - len(seq.table)
             else:
-                assert seq.blocks == len(seq.table), "a prompt's blocks counted apart from its table"
+                assert seq.blocks == len(seq.table), "a prompt's blocks apart from its table"
         for b in self.decode_blocks:
             holders[b] = holders.get(b, 0) + 1
         assert beyond == len(self.decode_blocks), \
             f"decoding blocks: {len(self.decode_blocks)} held, {beyond} counted from their tokens"
         assert self.kv_used == self.pool.in_use <= held, \
-            f"KV blocks: {self.kv_used} counted, {self.pool.in_use} in use, {held} held with sharing"
+            f"KV blocks: {self.kv_used} counted, {self.pool.in_use} in use, {held} held, shared"
         self.pool.audit(self.kv_cap, holders)
 
     def prefix_cache_stats(self) -> dict | None:
-        """vLLM's prefix cache counters so far, in tokens (None: no prefix cache): queries (the tokens of
-        each request each time the scheduler looked its prefix up) and hits (of them, found cached)."""
+        """vLLM's prefix cache counters so far, in tokens (None: no prefix cache): queries (the
+        tokens of each request each time the scheduler looked its prefix up) and hits (of them,
+        found cached)."""
         if self.pool is None:
             return None
         return {"prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
@@ -350,7 +355,8 @@ class BatchQueue(Core):
         if refusal is not None:
             return refusal
         if room and self.pool is not None:
-            hit, _, blocks, _ = self._first_chunk(seq, self.engine.max_num_batched_tokens, count=True)
+            budget = self.engine.max_num_batched_tokens
+            hit, _, blocks, _ = self._first_chunk(seq, budget, count=True)
             self._join(seq, now, blocks, hit)
         elif room:
             first = min(seq.prompt, self.engine.max_num_batched_tokens) if self.engine.chunked_prefill else seq.prompt
@@ -508,7 +514,8 @@ class BatchQueue(Core):
                     todo = seq.target - seq.computed
                     chunk = min(todo, budget)
                     blocks = engine.blocks_for(max(1, chunk))
-                if (not engine.chunked_prefill and todo > budget) or self.kv_used + extra + blocks > cap:
+                too_long = not engine.chunked_prefill and todo > budget
+                if too_long or self.kv_used + extra + blocks > cap:
                     self.front.appendleft(seq)  # it stays at the head of the line
                     self._into_line(seq)
                     break
@@ -565,8 +572,8 @@ class BatchQueue(Core):
             return seq
 
     def _join(self, seq: _Seq, now: float, blocks: int, hit=()) -> None:
-        """Into the batch, holding ``blocks`` for its first chunk, and sharing the cached blocks ``hit`` of
-        its prefix (computed already); it computes from the next step on."""
+        """Into the batch, holding ``blocks`` for its first chunk, and sharing the cached blocks
+        ``hit`` of its prefix (computed already); it computes from the next step on."""
         self.joined += 1
         seq.order = self.joined
         self.running[seq.order] = seq
@@ -601,21 +608,24 @@ class BatchQueue(Core):
         tokens = None if self._tokens_of is None else self._tokens_of(req)
         if tokens is None:  # keys below 0: none of a trace's (qsim.prefix.own_key) nor another's
             self._unique += 1
-            tokens = Tokens(((-2 * self._unique, prompt),) if prompt else (), -2 * self._unique - 1)
+            key = -2 * self._unique
+            tokens = Tokens(((key, prompt),) if prompt else (), key - 1)
         return tokens
 
     def _hashes(self, seq: _Seq, blocks: int) -> list[int]:
-        """Its first ``blocks`` block hashes (each computed once, as the request's tokens are fixed)."""
+        """Its first ``blocks`` block hashes (each computed once, as the request's tokens are
+        fixed)."""
         have = seq.hashes
         if len(have) < blocks:
             more = block_hashes(seq.tokens, self.engine.block_size)
             have[:] = [h for h, _ in zip(more, range(blocks))]
         return have[:blocks] if len(have) > blocks else have
 
-    def _first_chunk(self, seq: _Seq, budget: int, count: bool = False) -> tuple[list, int, int, int]:
-        """(the cached blocks of its prefix, tokens left to compute, new blocks its first chunk within
-        ``budget`` takes, how many of the cached are free) for ``seq`` joining now; ``count``: a
-        scheduling lookup, counted in the cache's queries and hits."""
+    def _first_chunk(self, seq: _Seq, budget: int,
+                     count: bool = False) -> tuple[list, int, int, int]:
+        """(the cached blocks of its prefix, tokens left to compute, new blocks its first chunk
+        within ``budget`` takes, how many of the cached are free) for ``seq`` joining now;
+        ``count``: a scheduling lookup, counted in the cache's queries and hits."""
         size = self.engine.block_size
         target = seq.target
         hashes = self._hashes(seq, max(0, target - 1) // size)
@@ -627,7 +637,8 @@ class BatchQueue(Core):
         return hit, todo, blocks, self.pool.evictable(hit)
 
     def _reuse(self, seq: _Seq, hit: list) -> None:
-        """It holds the cached blocks of its prefix (one more holder each) and starts after them."""
+        """It holds the cached blocks of its prefix (one more holder each) and starts after them.
+        """
         self.kv_used += self.pool.touch(hit)
         seq.table = list(hit)
         seq.blocks = seq.hashed = len(hit)
@@ -636,8 +647,8 @@ class BatchQueue(Core):
             seq.cached_tokens = seq.computed
 
     def _cache_full(self, seq: _Seq, tokens: int) -> None:
-        """Its blocks filled by its first ``tokens`` tokens are cached (as vLLM caches them when the step
-        that fills them is scheduled); a partial block is not."""
+        """Its blocks filled by its first ``tokens`` tokens are cached (as vLLM caches them when
+        the step that fills them is scheduled); a partial block is not."""
         full = min(tokens // self.engine.block_size, len(seq.table))
         if full <= seq.hashed:
             return
@@ -647,8 +658,9 @@ class BatchQueue(Core):
         seq.hashed = full
 
     def _free_cached(self, seq: _Seq, blocks: int, computed: int) -> None:
-        """Out of the batch with a prefix cache: its ``blocks`` (the table's, then the decoding ones'
-        beyond it) are released last first, the full ones of its ``computed`` tokens cached first."""
+        """Out of the batch with a prefix cache: its ``blocks`` (the table's, then the decoding
+        ones' beyond it) are released last first, the full ones of its ``computed`` tokens cached
+        first."""
         table = seq.table
         extra = blocks - len(table)
         if extra > 0:
@@ -682,8 +694,9 @@ class BatchQueue(Core):
         heapq.heappush(self.finishing, (seq.finish_at, seq.order, seq))
 
     def _trim(self, seq: _Seq, blocks: int) -> None:
-        """Its table down to ``blocks`` (a prompt of no tokens held one for its first chunk): the rest
-        released, and counted out of the blocks in use as the aggregate count already has them."""
+        """Its table down to ``blocks`` (a prompt of no tokens held one for its first chunk): the
+        rest released, and counted out of the blocks in use as the aggregate count already has
+        them."""
         while len(seq.table) > blocks:
             self.kv_used -= self.pool.release((seq.table.pop(),))
             seq.blocks -= 1
@@ -768,8 +781,8 @@ class BatchQueue(Core):
 
     @staticmethod
     def _stats(seq: _Seq) -> RunStats:
-        return _new(RunStats, (seq.start, seq.first_token, seq.generated, seq.preemptions, seq.peak,
-                               seq.cached_tokens))
+        return _new(RunStats, (seq.start, seq.first_token, seq.generated, seq.preemptions,
+                               seq.peak, seq.cached_tokens))
 
     # -- projections for admission ----------------------------------------------------------
 

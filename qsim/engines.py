@@ -162,8 +162,8 @@ class Batching:
     """One engine running requests together in steps, as vLLM's v1 scheduler does (see :mod:`qsim.batch`).
 
     kv_blocks: KV-cache capacity in blocks of ``block_size`` tokens (None: unlimited).
-    prefix_caching: full blocks are cached by their prefix's hash and shared, as vLLM v1 does by default
-    (:mod:`qsim.prefix`); off by default here, so that runs without it keep their rows.
+    prefix_caching: full blocks are cached by their prefix's hash and shared, as vLLM v1 does by
+    default (:mod:`qsim.prefix`); off by default here, so that runs without it keep their rows.
     """
 
     step: StepModel = StepModel()
@@ -222,7 +222,7 @@ def engine_fields(engine: EngineModel) -> dict[str, Any]:
     """The engine model as JSON-able fields, ``kind`` first (what a run file and /stats carry)."""
     fields = asdict(engine)
     if not fields.get("prefix_caching", True):
-        del fields["prefix_caching"]  # off: the fields a run file or /stats carried before it existed
+        del fields["prefix_caching"]  # off: the fields a run file or /stats carried before it
     return {"kind": engine.kind, **fields}
 
 

@@ -398,7 +398,8 @@ class _BatchRun(_Run):
         return queue
 
     def __init__(self, trace: Trace, config: ServerConfig, step_times=None, **inputs) -> None:
-        # The requests' token identities (prefix caching), by trace request: a retry's are its first's.
+        # The requests' token identities (prefix caching), by trace request: a retry's are its
+        # first's.
         self.token_ids = trace.tokens
         super().__init__(trace, config, **inputs)
         self.step_times = step_times  # (seconds it ran, seconds the tracker learns) of each step, in order
@@ -409,8 +410,8 @@ class _BatchRun(_Run):
         self.preempted, self.kv_peak, self.cached = [-1] * n, [-1] * n, [-1] * n
 
     def _per_attempt(self) -> tuple:
-        return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1), (self.kv_peak, -1),
-                (self.cached, -1))
+        return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1),
+                (self.kv_peak, -1), (self.cached, -1))
 
     def _rows(self) -> dict:
         return {**super()._rows(), "first_token": self.first_token, "tokens": self.tokens, "preempted": self.preempted,
@@ -552,9 +553,9 @@ def simulate(
     held: the true times are what each run held its engine live, the engines' slowdown
     (:attr:`qsim.engines.OneAtATime.concurrency`) already in them: the core still slows its
     estimates as the gate's did, the runs are not slowed again.
-    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor; with a
-    prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters in tokens too:
-    prefix_cache_queries, prefix_cache_hits (as vLLM's) and prefix_cache_evictions (in blocks).
+    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
+    with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
+    prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
     """
     if isinstance(config, Policy):
         config = ServerConfig(config, 1 if engines is None else engines)

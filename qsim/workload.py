@@ -182,12 +182,13 @@ class SharedPrefix:
     conversations. A request's drawn prompt length (:class:`Prompts`) is its own new tokens.
 
     system_tokens, system_share: a system prompt of S tokens, the same for all, is put before the
-    prompt of a share p of the conversations (each drawn, from the trace's eighth stream).
-    turns, conversations: each conversation has T turns; turn k's prompt is turn k - 1's prompt, its
+    prompt of a share p of the conversations (each drawn, from the trace's eighth stream). turns,
+    conversations: each conversation has T turns; turn k's prompt is turn k - 1's prompt, its
     answer (the tokens it generates) and the new tokens of turn k. Requests are dealt in arrival
-    order to C conversations open at once, round robin, each replaced by a new one after its T turns:
-    a turn follows the one before it C arrivals later. T = 1: every request is a conversation alone.
-    Spec: ``S:P`` (:meth:`parse_system`) and ``T:C`` (:meth:`parse_turns`); none is ``0:0`` / ``1``.
+    order to C conversations open at once, round robin, each replaced by a new one after its T
+    turns: a turn follows the one before it C arrivals later. T = 1: every request is a
+    conversation alone. Spec: ``S:P`` (:meth:`parse_system`) and ``T:C`` (:meth:`parse_turns`);
+    none is ``0:0`` / ``1``.
     """
 
     system_tokens: int = 0
@@ -197,7 +198,8 @@ class SharedPrefix:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.system_tokens, int) and self.system_tokens >= 0):
-            raise ValueError(f"a system prompt is a whole number of tokens >= 0, got {self.system_tokens!r}")
+            raise ValueError("a system prompt is a whole number of tokens >= 0, "
+                             f"got {self.system_tokens!r}")
         if not 0 <= self.system_share <= 1:
             raise ValueError(f"the system prompt's share is in [0, 1], got {self.system_share}")
         for name in ("turns", "conversations"):
@@ -219,7 +221,8 @@ class SharedPrefix:
             tokens, share = str(spec).split(":")
             return int(tokens), float(share)
         except ValueError:
-            raise ValueError(f"bad system prompt {spec!r}: expected TOKENS:SHARE, e.g. 512:0.8") from None
+            raise ValueError(f"bad system prompt {spec!r}: expected TOKENS:SHARE, "
+                             "e.g. 512:0.8") from None
 
     @staticmethod
     def parse_turns(spec: str) -> tuple[int, int]:
@@ -228,7 +231,8 @@ class SharedPrefix:
             turns, _, open_at_once = str(spec).partition(":")
             return int(turns), int(open_at_once or 16)
         except ValueError:
-            raise ValueError(f"bad turns {spec!r}: expected TURNS or TURNS:CONVERSATIONS, e.g. 4:16") from None
+            raise ValueError(f"bad turns {spec!r}: expected TURNS or TURNS:CONVERSATIONS, "
+                             "e.g. 4:16") from None
 
     @classmethod
     def parse(cls, system: str = "none", turns: str = "1") -> "SharedPrefix":
@@ -236,14 +240,14 @@ class SharedPrefix:
         return cls(*cls.parse_system(system), *cls.parse_turns(turns))
 
     def compose(self, rng: np.random.Generator, own: np.ndarray, answers: np.ndarray):
-        """(prompt lengths, token identities) of requests whose own new tokens are ``own`` and whose
-        answers are ``answers`` long: one uniform per request (whether its conversation has the system
-        prompt, read at its first turn), in request order."""
+        """(prompt lengths, token identities) of requests whose own new tokens are ``own`` and
+        whose answers are ``answers`` long: one uniform per request (whether its conversation has
+        the system prompt, read at its first turn), in request order."""
         n = len(own)
         system = rng.random(n) < self.system_share
         prompts = np.empty(n, dtype=np.int64)
         ids = np.empty(n, dtype=object)
-        history: dict[int, tuple] = {}  # open conversation -> the segments of its next prompt so far
+        history: dict[int, tuple] = {}  # open conversation -> its next prompt's segments so far
         for i in range(n):
             slot, rounds = i % self.conversations, i // self.conversations
             if rounds % self.turns == 0:  # a new conversation in this slot
@@ -358,7 +362,8 @@ class Trace:
     patience_s: np.ndarray | None = None
     tokens_generated: np.ndarray | None = None
     # Each request's token identities (qsim.prefix.Tokens, an object array) where prompts share
-    # prefixes (SharedPrefix); None: no request shares a token with another. A prefix cache reads it.
+    # prefixes (SharedPrefix); None: no request shares a token with another. A prefix cache reads
+    # it.
     tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -380,7 +385,8 @@ class Trace:
         return Trace(self.arrival_s[part], self.max_new_tokens[part], self.size_class[part], self.est_service_s[part],
                      self.true_service_s[part], self.deadline_s[part], self.prompt_tokens[part], self.priority[part],
                      self.client_id[part], self.duration_s, self.name, self.meta, self.patience_s[part],
-                     self.tokens_generated[part], None if self.tokens is None else self.tokens[part])
+                     self.tokens_generated[part],
+                     None if self.tokens is None else self.tokens[part])
 
     def chunks(self, size: int) -> TraceChunks:
         """This trace ``size`` requests at a time (what a streamed run reads: :mod:`qsim.stream`)."""
@@ -732,7 +738,8 @@ class TracePlan:
     def trace(self) -> Trace:
         gaps, *rest = random_streams(self.seed)
         times = _whole(self._pieces(gaps, None))
-        return self._requests(times, self._duration(times[-1] if times.size else None), _Streams(*rest))
+        duration = self._duration(times[-1] if times.size else None)
+        return self._requests(times, duration, _Streams(*rest))
 
     def chunks(self, size: int) -> TraceChunks:
         """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are drawn through
@@ -740,7 +747,7 @@ class TracePlan:
         serves it."""
         if not (isinstance(size, (int, np.integer)) and size >= 1):
             raise ValueError(f"a chunk holds a whole number >= 1 of requests, got {size!r}")
-        if self.prefixes is not None:  # a conversation's turns span chunks: its history is not there
+        if self.prefixes is not None:  # a conversation's turns span chunks: no history there
             raise ValueError("a workload of shared prefixes is drawn whole: it does not stream")
         count, last = 0, None
         for times in self._pieces(random_streams(self.seed)[0], PIECE):
@@ -792,7 +799,8 @@ class TracePlan:
         prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(rng.prompt, n)
         if self.service == "mix":
             tokens = _sizes(rng.size, self.mixes, which)
-            # Each stream is its own: drawing the early stops first changes none of the others' draws.
+            # Each stream is its own: drawing the early stops first changes none of the others'
+            # draws.
             generated = None if used is None else used_tokens(rng.used, tokens, used)
             if self.prefixes is not None:
                 prompt, ids = self._shared(rng, prompt, tokens if generated is None else generated)
@@ -815,9 +823,10 @@ class TracePlan:
             priority = np.asarray([c.priority for c in self.clients], dtype=np.int64)[which]
             client_id = np.asarray([c.name for c in self.clients], dtype=object)[which]
         patience = self.patience
-        trace = assemble_trace(times, tokens, est, true, mix=self.mix, duration_s=duration, name=self.name,
-                               meta=self.meta, priority=priority, client_id=client_id, prompt_tokens=prompt,
-                               patience_s=None if patience is None else patience.draw(rng.patience, n),
+        drawn = None if patience is None else patience.draw(rng.patience, n)
+        trace = assemble_trace(times, tokens, est, true, mix=self.mix, duration_s=duration,
+                               name=self.name, meta=self.meta, priority=priority,
+                               client_id=client_id, prompt_tokens=prompt, patience_s=drawn,
                                tokens_generated=generated)
         return trace if ids is None else dataclasses.replace(trace, tokens=ids)
 
@@ -870,22 +879,22 @@ def plan_trace(
     time.
 
     load is the utilisation at the simulated speed: lambda = load * engines / E[true S] (None:
-    :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`SIZED`) takes none, and giving
-    it one is a ValueError.
-    speed multiplies every true service time (2.25 = the machine 2.25x slower).
-    service: 'mix' (sizes from ``mix`` through ``model``, optional lognormal
-    noise of CV ``noise_cv``), 'exponential' or 'deterministic' with mean
-    ``mean_service_s`` (default: the mix's mean). clients: who sends each request
-    (:class:`Client`; each brings its priority and may bring its own mix); the load counts
-    their mixes by their shares. patience: how long each client waits (:class:`qsim.clients.Patience`,
-    drawn from a fifth stream; None or "none": forever). used: early stops (:class:`UsedShare`, one
-    for all or a mapping from a size to its own, from a sixth stream; None: every request generates its
-    limit): true service times follow the tokens generated, and ``load`` counts that work.
-    prompts: prompt lengths (:class:`Prompts`, from a seventh stream; None: none). prefixes: prompts that share
-    tokens (:class:`SharedPrefix`: a system prompt, conversations; from an eighth stream; None or sharing
-    nothing: every prompt its own), whose tokens a prefix cache reads (Trace.tokens). capacity_rps: the requests per
-    second the server can take (a batching engine's, :func:`qsim.engines.Batching.capacity_rps`): then
-    lambda = load * capacity_rps, and engines, speed and the mix's mean time no longer set the rate.
+    :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`SIZED`) takes none, and
+    giving it one is a ValueError. speed multiplies every true service time (2.25 = the machine
+    2.25x slower). service: 'mix' (sizes from ``mix`` through ``model``, optional lognormal noise
+    of CV ``noise_cv``), 'exponential' or 'deterministic' with mean ``mean_service_s`` (default:
+    the mix's mean). clients: who sends each request (:class:`Client`; each brings its priority and
+    may bring its own mix); the load counts their mixes by their shares. patience: how long each
+    client waits (:class:`qsim.clients.Patience`, drawn from a fifth stream; None or "none":
+    forever). used: early stops (:class:`UsedShare`, one for all or a mapping from a size to its
+    own, from a sixth stream; None: every request generates its limit): true service times follow
+    the tokens generated, and ``load`` counts that work. prompts: prompt lengths (:class:`Prompts`,
+    from a seventh stream; None: none). prefixes: prompts that share tokens (:class:`SharedPrefix`:
+    a system prompt, conversations; from an eighth stream; None or sharing nothing: every prompt
+    its own), whose tokens a prefix cache reads (Trace.tokens). capacity_rps: the requests per
+    second the server can take (a batching engine's, :func:`qsim.engines.Batching.capacity_rps`):
+    then lambda = load * capacity_rps, and engines, speed and the mix's mean time no longer set the
+    rate.
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")

@@ -1,5 +1,6 @@
-"""Prefix caching in the batching engine (qsim.prefix, qsim.batch): vLLM v1's block hashing, sharing, LRU
-eviction and its counters, checked by hand on small cases and audited at every step on random ones."""
+"""Prefix caching in the batching engine (qsim.prefix, qsim.batch): vLLM v1's block hashing,
+sharing, LRU eviction and its counters, checked by hand on small cases and audited at every step on
+random ones."""
 
 import dataclasses
 
@@ -33,8 +34,9 @@ def trace_of(arrival, prompts, out):
 
 
 def run(trace, caching=True, **engine):
-    config = ServerConfig(PRESETS["none"], Batching(PREFILL_STEP, prefix_caching=caching, **engine))
-    with testing.audited_batches():  # the pool's books, each block's holders, checked at every step
+    engine = Batching(PREFILL_STEP, prefix_caching=caching, **engine)
+    config = ServerConfig(PRESETS["none"], engine)
+    with testing.audited_batches():  # the pool's books, each block's holders, at every step
         return records.validate(simulate(trace, config))
 
 
@@ -44,8 +46,8 @@ class Driver:
     def __init__(self, tokens: dict, **engine):
         self.plans, self.ended = [], {}
         config = ServerConfig(PRESETS["none"], Batching(StepModel(0.01, 0, 0, 0), **engine))
-        self.queue = BatchQueue(config, step=lambda plan, now: self.plans.append(plan), end=self._end,
-                                drop=lambda *a: None, tokens=tokens.get)
+        self.queue = BatchQueue(config, step=lambda plan, now: self.plans.append(plan),
+                                end=self._end, drop=lambda *a: None, tokens=tokens.get)
         self.now = 0.0
 
     def _end(self, req, now, outcome, reason, stats):
@@ -68,8 +70,8 @@ class Driver:
 
 
 def test_a_shared_three_block_prefix_is_computed_once_and_the_second_prefills_its_tail():
-    # A: 48 system tokens + 8 of its own, in one step of 56 prefill tokens; B, after A has ended, finds
-    # the three full system blocks cached and prefills its own 8 only.
+    # A: 48 system tokens + 8 of its own, in one step of 56 prefill tokens; B, after A has ended,
+    # finds the three full system blocks cached and prefills its own 8 only.
     trace = trace_of([0.0, 1.0], [[SYSTEM, (own_key(0), 8)], [SYSTEM, (own_key(1), 8)]], [2, 2])
     df = run(trace)
     assert df["ttft_s"].tolist() == pytest.approx([0.01 + 0.056, 0.01 + 0.008])
@@ -82,8 +84,8 @@ def test_a_shared_three_block_prefix_is_computed_once_and_the_second_prefills_it
 
 
 def test_cached_blocks_are_shared_with_a_reference_count_not_allocated_again():
-    # Both at once: A's blocks are cached when its step is scheduled, so B (joining while it runs) shares
-    # the three system blocks: 4 + 1 blocks in use, not 4 + 4.
+    # Both at once: A's blocks are cached when its step is scheduled, so B (joining while it runs)
+    # shares the three system blocks: 4 + 1 blocks in use, not 4 + 4.
     tokens = {"a": Tokens((SYSTEM, (own_key(0), 8)), answer_key(0)),
               "b": Tokens((SYSTEM, (own_key(1), 8)), answer_key(1))}
     driver = Driver(tokens, prefix_caching=True)
@@ -98,21 +100,22 @@ def test_cached_blocks_are_shared_with_a_reference_count_not_allocated_again():
     assert driver.plans[1].chunks == (("b", 8),)  # its 48 shared tokens are not computed again
     driver.run()
     assert driver.ended["b"].cached_tokens == 48 and queue.kv_used == 0 and not pool.ref
-    # Freed, the full blocks stay cached: a's three system blocks, a's and b's 4th (8 + 2 answer tokens:
-    # partial, never cached) are not.
+    # Freed, the full blocks stay cached: a's three system blocks, a's and b's 4th (8 + 2 answer
+    # tokens: partial, never cached) are not.
     assert all(pool.hash_of.get(x) is not None for x in a[:3]) and a[3] not in pool.hash_of
 
 
 def _evicted(last):
-    """A and B (32 tokens each: two full blocks) end, in that order, on a cache of 4 blocks; C (16 tokens)
-    needs one block, and then ``last`` asks for A's or B's prompt and one more token."""
-    prompts = [[(own_key(0), 32)], [(own_key(1), 32)], [(own_key(2), 16)], [*last, (own_key(3), 1)]]
+    """A and B (32 tokens each: two full blocks) end, in that order, on a cache of 4 blocks; C (16
+    tokens) needs one block, and then ``last`` asks for A's or B's prompt and one more token."""
+    prompts = [[(own_key(0), 32)], [(own_key(1), 32)], [(own_key(2), 16)],
+               [*last, (own_key(3), 1)]]
     return run(trace_of([0.0, 1.0, 2.0, 3.0], prompts, [1, 1, 1, 1]), kv_blocks=4)
 
 
 def test_freed_blocks_are_evicted_least_recently_freed_first_and_a_request_s_tail_first():
-    # The free queue after A and B: [A1, A0, B1, B0] (a request's blocks are freed last first). C takes
-    # the head, A's second block: A's prefix keeps its first block, B's both.
+    # The free queue after A and B: [A1, A0, B1, B0] (a request's blocks are freed last first). C
+    # takes the head, A's second block: A's prefix keeps its first block, B's both.
     again_a = _evicted([(own_key(0), 32)])
     again_b = _evicted([(own_key(1), 32)])
     assert again_a["cached_prompt_tokens"].tolist() == [0, 0, 0, 16]
@@ -121,13 +124,15 @@ def test_freed_blocks_are_evicted_least_recently_freed_first_and_a_request_s_tai
 
 
 def test_a_preempted_request_recomputes_only_what_was_evicted():
-    # Five blocks; r1 and r2 (32 tokens each, 20 to generate) join at once. r2 is preempted when both need a
-    # third block; r1's fourth then evicts r2's second block (the tail of the free queue's head request), so
-    # r2, scheduled again with 33 tokens (its prompt and its first token), finds 16 cached: 17 to compute.
-    tokens = {"r1": Tokens(((own_key(0), 32),), answer_key(0)), "r2": Tokens(((own_key(1), 32),), answer_key(1))}
+    # Five blocks; r1 and r2 (32 tokens each, 20 to generate) join at once. r2 is preempted when
+    # both need a third block; r1's fourth then evicts r2's second block (the tail of the free
+    # queue's head request), so r2, scheduled again with 33 tokens (its prompt and its first
+    # token), finds 16 cached: 17 to compute.
+    tokens = {f"r{i + 1}": Tokens(((own_key(i), 32),), answer_key(i)) for i in (0, 1)}
     chunks = {}
     for caching in (True, False):
-        driver = Driver(tokens, kv_blocks=5, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=caching)
+        driver = Driver(tokens, kv_blocks=5, max_num_seqs=4, max_num_batched_tokens=64,
+                        prefix_caching=caching)
         driver.arrive("r1", 32, 20)
         driver.arrive("r2", 32, 20)
         driver.run()
@@ -138,8 +143,9 @@ def test_a_preempted_request_recomputes_only_what_was_evicted():
 
 
 def test_a_partial_last_block_is_never_cached_and_the_last_token_is_always_computed():
-    # A's 40 tokens: two full blocks and a partial one (8). B repeats A's 40 and adds 10: it finds 32, not 40.
-    # C repeats A's 32 exactly: at most 31 tokens may hit (its last is computed for its logits), so 16.
+    # A's 40 tokens: two full blocks and a partial one (8). B repeats A's 40 and adds 10: it finds
+    # 32, not 40. C repeats A's 32 exactly: at most 31 tokens may hit (its last is computed for its
+    # logits), so 16.
     a = (own_key(0), 40)
     prompts = [[a], [a, (own_key(1), 10)], [(own_key(0), 32)]]
     df = run(trace_of([0.0, 1.0, 2.0], prompts, [1, 1, 1]))
@@ -149,7 +155,8 @@ def test_a_partial_last_block_is_never_cached_and_the_last_token_is_always_compu
 def test_a_block_s_hash_depends_on_everything_before_it():
     first = list(zip(block_hashes(Tokens(((5, 16), (7, 16)), 9), 16), range(2)))
     other = list(zip(block_hashes(Tokens(((6, 16), (7, 16)), 9), 16), range(2)))
-    # The second blocks hold the same tokens (7's first 16) after different first blocks: different hashes.
+    # The second blocks hold the same tokens (7's first 16) after different first blocks: different
+    # hashes.
     assert first[0] != other[0] and first[1] != other[1]
     again = list(zip(block_hashes(Tokens(((5, 16), (7, 20)), 3), 16), range(2)))
     assert again == first  # the same tokens, whatever follows them
@@ -186,10 +193,12 @@ def test_caching_that_finds_nothing_shared_changes_no_row():
 def test_a_conversation_s_turn_extends_the_one_before_with_its_answer():
     rng = np.random.default_rng(0)
     shared = SharedPrefix(system_tokens=32, system_share=1.0, turns=3, conversations=2)
-    prompts, ids = shared.compose(rng, np.array([5, 6, 7, 8, 9, 10, 11]), np.array([3, 4, 5, 6, 7, 8, 9]))
-    # Requests 0, 2, 4 are conversation 0's turns; 1, 3, 5 conversation 1's; 6 starts a new one in slot 0.
-    assert ids[4].prompt == ((SYSTEM_KEY, 32), (own_key(0), 5), (answer_key(0), 3), (own_key(2), 7),
-                             (answer_key(2), 5), (own_key(4), 9))
+    own, answers = np.array([5, 6, 7, 8, 9, 10, 11]), np.array([3, 4, 5, 6, 7, 8, 9])
+    prompts, ids = shared.compose(rng, own, answers)
+    # Requests 0, 2, 4 are conversation 0's turns; 1, 3, 5 conversation 1's; 6 starts a new one in
+    # slot 0.
+    assert ids[4].prompt == ((SYSTEM_KEY, 32), (own_key(0), 5), (answer_key(0), 3),
+                             (own_key(2), 7), (answer_key(2), 5), (own_key(4), 9))
     assert ids[6].prompt == ((SYSTEM_KEY, 32), (own_key(6), 11))
     # 32 + 5; 32 + 6; then each turn: the one before, its answer, its own tokens.
     assert prompts.tolist() == [37, 38, 37 + 3 + 7, 38 + 4 + 8, 47 + 5 + 9, 50 + 6 + 10, 32 + 11]
@@ -198,10 +207,11 @@ def test_a_conversation_s_turn_extends_the_one_before_with_its_answer():
 def test_a_turn_finds_its_conversation_s_history_cached_when_the_turn_before_has_ended():
     shared = SharedPrefix(256, 0.8, turns=4, conversations=16)
     # 3 requests a second: a turn follows the one before about 5 s later, mostly after its answer.
-    trace = make_trace(load=1.0, seconds=60, seed=3, prompts=Prompts.parse("uniform:16:64"), capacity_rps=3.0,
-                       prefixes=shared)
+    trace = make_trace(load=1.0, seconds=60, seed=3, prompts=Prompts.parse("uniform:16:64"),
+                       capacity_rps=3.0, prefixes=shared)
     df = run(trace, max_num_seqs=32)  # unlimited memory: nothing is evicted
-    cached, finish, arrival = (df[c].to_numpy() for c in ("cached_prompt_tokens", "finish_s", "arrival_s"))
+    columns = ("cached_prompt_tokens", "finish_s", "arrival_s")
+    cached, finish, arrival = (df[c].to_numpy() for c in columns)
     checked = 0
     for i in range(16, len(df)):
         before = i - 16  # the turn before, in the same slot
@@ -213,7 +223,8 @@ def test_a_turn_finds_its_conversation_s_history_cached_when_the_turn_before_has
         checked += 1
     assert checked > 100
     hits, queries = df.attrs["prefix_cache_hits"], df.attrs["prefix_cache_queries"]
-    assert 0.5 < hits / queries < 1 and df["cached_prompt_tokens"].sum() == hits  # no request waited
+    # No request waited at the head of the line: each was looked up once.
+    assert 0.5 < hits / queries < 1 and df["cached_prompt_tokens"].sum() == hits
 
 
 def test_shared_prefixes_draw_nothing_else_differently():
@@ -241,22 +252,27 @@ def test_bad_shared_prefix_specs_say_what_is_wrong():
 
 
 def caching_engines():
-    return st.builds(lambda e: dataclasses.replace(e, prefix_caching=True), testing.batching_engines(16))
+    engines = testing.batching_engines(16)
+    return st.builds(lambda e: dataclasses.replace(e, prefix_caching=True), engines)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(engine=caching_engines(), seed=st.integers(0, 10_000), load=st.sampled_from([0.5, 2.0, 6.0]),
+@given(engine=caching_engines(), seed=st.integers(0, 10_000),
+       load=st.sampled_from([0.5, 2.0, 6.0]),
        system=st.sampled_from(["none", "64:0.5", "200:1.0"]), turns=st.sampled_from(["1", "3:4"]),
        name=st.sampled_from(["none", "predictive", "predictive-kv", "vllm-caps"]))
-def test_every_request_ends_once_and_the_blocks_in_use_never_exceed_the_cache(engine, seed, load, system, turns,
-                                                                             name):
+def test_every_request_ends_once_and_the_blocks_in_use_never_exceed_the_cache(
+        engine, seed, load, system, turns, name):
     policy = PRESETS[name]
     sim = SimRun(policy, EngineSettings(batching=engine))
     trace = make_trace(load=load, requests=120, seed=seed, prompts=Prompts.parse("uniform:0:80"),
-                       capacity_rps=engine.capacity_rps(100.0, 20.0), prefixes=SharedPrefix.parse(system, turns))
-    df = records.validate(sim.simulate(trace))  # audited at every step: the pool's books, the blocks in use
+                       capacity_rps=engine.capacity_rps(100.0, 20.0),
+                       prefixes=SharedPrefix.parse(system, turns))
+    # Audited at every step: the pool's books, each block's holders, the blocks in use.
+    df = records.validate(sim.simulate(trace))
     testing.check_records(df, sim, trace)
     ran = df["cached_prompt_tokens"].notna()
     assert ran.eq(df["start_s"].notna()).all()
-    assert (df.loc[ran, "cached_prompt_tokens"] < np.maximum(trace.prompt_tokens[df.loc[ran, "request_id"]], 1)).all()
+    prompts = trace.prompt_tokens[df.loc[ran, "request_id"]]
+    assert (df.loc[ran, "cached_prompt_tokens"] < np.maximum(prompts, 1)).all()
     assert 0 <= df.attrs["prefix_cache_hits"] <= df.attrs["prefix_cache_queries"]
