@@ -3,6 +3,7 @@ sharing, LRU eviction and its counters, checked by hand on small cases and audit
 random ones."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -276,3 +277,74 @@ def test_every_request_ends_once_and_the_blocks_in_use_never_exceed_the_cache(
     prompts = trace.prompt_tokens[df.loc[ran, "request_id"]]
     assert (df.loc[ran, "cached_prompt_tokens"] < np.maximum(prompts, 1)).all()
     assert 0 <= df.attrs["prefix_cache_hits"] <= df.attrs["prefix_cache_queries"]
+
+
+# ---------------------------------------------------------------- the command line and sweeps
+
+
+def test_simulate_takes_the_prefix_cache_and_shared_prompts(capsys):
+    from experiments import cli
+    args = ["simulate", "--batching", "--kv-blocks", "500", "--prompts", "uniform:16:64",
+            "--system-prompt", "256:0.9", "--turns", "3:8", "--prefix-caching", "--seconds", "10",
+            "--load", "0.3", "--json"]
+    assert cli.main(args) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert 0.5 < summary["prefix_cache_hit_rate"] < 1
+    assert summary["prefix_cache_hits"] <= summary["prefix_cache_queries"]
+    assert cli.main([a for a in args if a != "--prefix-caching"]) == 0
+    assert "prefix_cache_hit_rate" not in json.loads(capsys.readouterr().out)["summary"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--prefix-caching"], "--prefix-caching is a batching engine's: add --batching"),
+    (["--batching", "--system-prompt", "512"], "expected TOKENS:SHARE"),
+    (["--batching", "--turns", "x"], "expected TURNS or TURNS:CONVERSATIONS"),
+    (["--batching", "--turns", "2", "--trace", "data/azure_llm_2023_code.csv"],
+     "apply to synthetic arrivals only"),
+])
+def test_bad_prefix_options_are_one_line_and_exit_2(capsys, bad, message):
+    from experiments import cli
+    with pytest.raises(SystemExit) as exit_:
+        code = cli.main(["simulate", "--seconds", "5", *bad])
+        raise SystemExit(code)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+SWEEP = """
+[sweep]
+duration_s = 8
+seeds = 1
+prompts = "uniform:16:64"
+system_prompt = "256:0.8"
+[batching]
+b0 = 0.008
+b1 = 5e-05
+b2 = 0.0001
+kv_blocks = 400
+[grid]
+policy = ["none"]
+load = [0.5]
+prefix_caching = [false, true]
+turns = ["1", "3:8"]
+"""
+
+
+def test_a_sweep_has_prefix_caching_and_shared_prompt_axes(tmp_path):
+    from experiments import config, sweep
+    path = tmp_path / "p.toml"
+    path.write_text(SWEEP)
+    cfg = config.load(path)
+    summary = sweep.run(cfg, tmp_path / "out", workers=1, quiet=True)
+    assert len(summary) == 4 and set(summary["turns"]) == {"1", "3:8"}
+    on = summary[summary["prefix_caching"]]
+    off = summary[~summary["prefix_caching"]]
+    assert on["prefix_cache_hit_rate"].between(0.3, 1).all()
+    assert off["prefix_cache_hit_rate"].isna().all()
+    # The cache changes only what the engine does: the same requests arrive in both.
+    assert on["requests"].tolist() == off["requests"].tolist()
+    assert cfg.canonical()["system_prompt"] == "256:0.8"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(SWEEP.replace('turns = ["1", "3:8"]', 'turns = ["0"]'))
+    with pytest.raises(config.ConfigError, match="grid.turns"):
+        config.load(bad)
