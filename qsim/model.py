@@ -510,6 +510,17 @@ class _BatchRun(_Run):
         return columns
 
 
+def _check_tokens(trace: Trace) -> None:
+    """A trace's token identities (Trace.tokens) must be as long as its prompts: a prefix cache hashes
+    the one and the engine computes the other."""
+    if len(trace.tokens) != len(trace):
+        raise ValueError(f"trace tokens: {len(trace.tokens)} for {len(trace)} requests")
+    for i, (tokens, prompt) in enumerate(zip(trace.tokens, trace.prompt_tokens.tolist())):
+        if sum(length for _, length in tokens.prompt) != prompt:
+            raise ValueError(f"request {i}: its tokens' segments do not add up to its {prompt} prompt "
+                             "tokens")
+
+
 def simulate(
     trace: Trace,
     config: ServerConfig | Policy = ServerConfig(),
@@ -579,6 +590,8 @@ def simulate(
         retrier = Retrier(retry, trace.arrival_s, seed)
     if config.batching and (failed is not None or reported_s is not None):
         raise ValueError("failures and reported times are per run: a batching engine's steps have neither here")
+    if trace.tokens is not None:
+        _check_tokens(trace)
     if step_times is not None and not config.batching:
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     batch = {"step_times": step_times} if config.batching else {}

@@ -348,3 +348,10 @@ def test_a_sweep_has_prefix_caching_and_shared_prompt_axes(tmp_path):
     bad.write_text(SWEEP.replace('turns = ["1", "3:8"]', 'turns = ["0"]'))
     with pytest.raises(config.ConfigError, match="grid.turns"):
         config.load(bad)
+
+
+def test_token_identities_must_add_up_to_the_prompt():
+    trace = trace_of([0.0], [[(own_key(0), 8)]], [2])
+    bad = dataclasses.replace(trace, prompt_tokens=np.array([9]))
+    with pytest.raises(ValueError, match="do not add up to its 9 prompt tokens"):
+        simulate(bad, ServerConfig(PRESETS["none"], Batching(prefix_caching=True)))
