@@ -252,13 +252,8 @@ def test_bad_shared_prefix_specs_say_what_is_wrong():
 # ---------------------------------------------------------------- random cases
 
 
-def caching_engines():
-    engines = testing.batching_engines(16)
-    return st.builds(lambda e: dataclasses.replace(e, prefix_caching=True), engines)
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(engine=caching_engines(), seed=st.integers(0, 10_000),
+@given(engine=testing.batching_engines(16, prefix_caching=True), seed=st.integers(0, 10_000),
        load=st.sampled_from([0.5, 2.0, 6.0]),
        system=st.sampled_from(["none", "64:0.5", "200:1.0"]), turns=st.sampled_from(["1", "3:4"]),
        name=st.sampled_from(["none", "predictive", "predictive-kv", "vllm-caps"]))
