@@ -37,7 +37,22 @@ def summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, f
     row = _summary(*_columns(frame), seconds)
     if "attempt" in frame.columns and (frame["attempt"] > 1).any():
         row.update(retry_summary(frame, seconds))
+    row.update(prefix_cache_summary(frame))
     return row
+
+
+#: A prefix cache's counters a run's summary carries (in tokens, as vLLM's of these names).
+PREFIX_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
+
+
+def prefix_cache_summary(frame: pd.DataFrame) -> dict[str, float]:
+    """A batching engine's prefix cache (qsim.prefix), from the run's ``attrs`` (simulate puts
+    them there): tokens queried, tokens hit, hits over queries (NaN: none queried); {} without."""
+    if "prefix_cache_queries" not in frame.attrs:
+        return {}
+    queries, hits = frame.attrs["prefix_cache_queries"], frame.attrs["prefix_cache_hits"]
+    return {"prefix_cache_queries": float(queries), "prefix_cache_hits": float(hits),
+            "prefix_cache_hit_rate": hits / queries if queries else math.nan}
 
 
 def end_to_end(frame: pd.DataFrame) -> pd.DataFrame:

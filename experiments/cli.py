@@ -117,6 +117,10 @@ def _print_single(run: _Run) -> None:
               f"{s['share_good_e2e']:.3f} in time, goodput {s['goodput_e2e_rps']:.3f} requests/s; "
               f"Retry-After adherence {s['retry_after_adherence']:.3f}")
     print(f"latency of the answered: p50 {s['latency_p50_s']:.3f} s, p99 {s['latency_p99_s']:.3f} s")
+    if "prefix_cache_hit_rate" in s:
+        hits, queries = s["prefix_cache_hits"], s["prefix_cache_queries"]
+        print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt "
+              f"tokens looked up were cached (hit rate {s['prefix_cache_hit_rate']:.3f})")
     if run.frame["kv_blocks_peak"].notna().any() or run.frame["ttft_slo_s"].notna().any():
         print(f"time to first token: p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; time per output "
               f"token: p50 {s['tpot_p50_s']:.4f} s, p99 {s['tpot_p99_s']:.4f} s")
@@ -190,7 +194,10 @@ def cmd_simulate(args) -> int:
         return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
 
     seeds = range(args.seed, args.seed + args.seeds)
-    if args.out and not (retry is not None and retry.retries):
+    # What does not stream runs whole: retries, a prefix cache, shared prefixes (qsim.stream).
+    whole = (retry is not None and retry.retries) or "prefixes" in options or \
+        getattr(engine, "prefix_caching", False)
+    if args.out and not whole:
         runs = _streamed_runs(args, seeds, workload, server, schedule)
     else:
         runs = []

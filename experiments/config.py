@@ -76,6 +76,11 @@ b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("defau
 # Batching axes, each optional: max_num_seqs = [64, 256], kv_blocks = [1000, 4000], chunked_prefill = [true, false],
 # step = [...]; objectives of any sweep: ttft_slo_s = [0.5], tpot_slo_s = [0.05] (a request is good only when it
 # meets every objective it has). In [sweep], prompts = "lognormal:512:0.8" (qsim.workload.Prompts; default none).
+# Prefix caching (qsim.prefix): prefix_caching = true in [batching], or in [grid]
+# prefix_caching = [false, true]; prompts that share tokens, in [sweep] or as [grid] axes
+# (qsim.workload.SharedPrefix): system_prompt = "512:0.8" (a system prompt of 512 tokens before a
+# share 0.8 of the prompts; "none": the default) and turns = "4:16" (conversations of 4 turns, 16
+# open at once; "1": the default).
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -100,22 +105,25 @@ from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
 from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
-from qsim.workload import SERVICES, Client, Prompts, UsedShare, arrivals_take_load, check_clients, parse_arrivals
+from qsim.workload import (SERVICES, Client, Prompts, SharedPrefix, UsedShare, arrivals_take_load,
+                           check_clients, parse_arrivals)
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
               "noise_cv": float, "fixed_estimate": bool, "patience_until": str, "prompts": str,
-              "service_dist": str, "mean_service_s": float}
+              "service_dist": str, "mean_service_s": float, "system_prompt": str, "turns": str}
 GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
              "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str, "retry": str,
              "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
              "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
-             "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str}
+             "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str, "prefix_caching": bool,
+             "system_prompt": str, "turns": str}
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
-BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step")
+BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
 #: The step model of a cell without a step axis: [batching]'s own.
 DEFAULT_STEP = "default"
 STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}
 BATCHING_KEYS = {**STEP_KEYS, "max_num_seqs": int, "max_num_batched_tokens": int, "chunked_prefill": bool,
+                 "prefix_caching": bool,
                  "kv_blocks": int, "block_size": int}
 #: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a calibration's).
 SERVICE_KEYS = {"intercept_s": float, "per_token_s": float, "per_prompt_token_s": float, "concurrency": float}
@@ -201,17 +209,21 @@ class SweepConfig:
     batching: Batching | None = None  # [batching]: cells run one batching engine with these settings
     steps: dict[str, StepModel] = field(default_factory=dict)  # [steps.NAME], and "default": [batching]'s
     prompts: str = "none"  # [sweep] prompts: qsim.workload.Prompts' spec
+    system_prompt: str = "none"  # [sweep] system_prompt: SharedPrefix.parse_system's spec
+    turns: str = "1"  # [sweep] turns: SharedPrefix.parse_turns' spec
     concurrency: float = 0.0  # engines one at a time slow each other (qsim.engines.OneAtATime.concurrency)
     # [service] file: where the line, concurrency, noise_cv and [batching]'s step model came from (None: inline).
     calibration: Calibration | None = field(default=None, compare=False)
 
     def engine(self, max_num_seqs: int | None = None, kv_blocks: int | None = None,
-               chunked_prefill: bool | None = None, step: str | None = None) -> Batching | None:
+               chunked_prefill: bool | None = None, step: str | None = None,
+               prefix_caching: bool | None = None) -> Batching | None:
         """A cell's batching engine: [batching] with the cell's axes applied (None: engines run one at a time)."""
         if self.batching is None:
             return None
         changes = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("kv_blocks", kv_blocks),
-                                     ("chunked_prefill", chunked_prefill)) if v is not None}
+                                     ("chunked_prefill", chunked_prefill),
+                                     ("prefix_caching", prefix_caching)) if v is not None}
         if step is not None:
             changes["step"] = self.steps[step]
         if "max_num_seqs" in changes and changes["max_num_seqs"] > self.batching.max_num_batched_tokens:
@@ -259,9 +271,12 @@ class SweepConfig:
                if self.clients else {}),
             **({"retry": {k: asdict(v) for k, v in sorted(self.retries.items())}} if self.retries else {}),
             **({"patience_until": self.patience_until} if "patience" in self.grid else {}),
-            **({"batching": asdict(self.batching), "steps": {k: asdict(v) for k, v in sorted(self.steps.items())}}
+            **({"batching": _batching_dict(self.batching),
+                "steps": {k: asdict(v) for k, v in sorted(self.steps.items())}}
                if self.batching is not None else {}),
             **({"prompts": self.prompts} if self.prompts != "none" else {}),
+            **({"system_prompt": self.system_prompt} if self.system_prompt != "none" else {}),
+            **({"turns": self.turns} if self.turns != "1" else {}),
             # The terms, not the file they came from: a calibration file and the same settings inline are one config.
             **({"concurrency": self.concurrency} if self.concurrency else {}),
             **({"service_dist": self.service_dist, "mean_service_s": self.mean_service_s}
@@ -272,6 +287,15 @@ class SweepConfig:
     def digest(self) -> str:
         text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _batching_dict(engine: Batching) -> dict:
+    """[batching] as the digest reads it: without prefix_caching where it is off, so that a config
+    written before it existed keeps its digest (and its folder)."""
+    fields = asdict(engine)
+    if not fields["prefix_caching"]:
+        del fields["prefix_caching"]
+    return fields
 
 
 def _client_dict(c: Client) -> dict:
@@ -376,9 +400,11 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                 patience_from_table(f"{where}[{i}]", v, patience_until)
             if key == "estimator" and v not in ESTIMATORS:
                 raise ConfigError(f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
-            if key in ("used", "speed_schedule", "arrivals"):
+            if key in ("used", "speed_schedule", "arrivals", "system_prompt", "turns"):
                 try:
-                    {"used": parse_used, "speed_schedule": parse_speed_schedule, "arrivals": parse_arrivals}[key](v)
+                    {"used": parse_used, "speed_schedule": parse_speed_schedule,
+                     "arrivals": parse_arrivals, "system_prompt": _system_prompt,
+                     "turns": _turns}[key](v)
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key in ("load", "speed", "engines", "deadline_s", "time_scale", "max_num_seqs", "kv_blocks",
@@ -412,6 +438,22 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         raise ConfigError(f"{path}: grid.clients applies to synthetic arrivals; a trace file brings its own "
                           "client_id and priority columns")
     return grid
+
+
+def _system_prompt(spec: str) -> SharedPrefix:
+    """A system prompt's spec, checked (ValueError naming what is wrong)."""
+    return SharedPrefix(*SharedPrefix.parse_system(spec))
+
+
+def _turns(spec: str) -> SharedPrefix:
+    turns, open_at_once = SharedPrefix.parse_turns(spec)
+    return SharedPrefix(turns=turns, conversations=open_at_once)
+
+
+def shared_prefix(system_prompt: str, turns: str) -> SharedPrefix | None:
+    """The prompts' shared prefixes of these specs (None: nothing shared)."""
+    shared = SharedPrefix.parse(system_prompt, turns)
+    return shared if shared.shares else None
 
 
 def _key(name: str) -> str:
@@ -488,8 +530,17 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         Prompts.parse(s.get("prompts", "none"))
     except ValueError as exc:
         raise ConfigError(f"{path}: sweep.prompts: {exc}") from None
+    for key, check in (("system_prompt", _system_prompt), ("turns", _turns)):
+        try:
+            check(s.get(key, "none" if key == "system_prompt" else "1"))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: sweep.{key}: {exc}") from None
     grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients, retries, until or "answer",
                  batching is not None, steps)
+    shares = [k for k in ("system_prompt", "turns") if k in grid or k in s]
+    if "trace" in grid and shares:
+        raise ConfigError(f"{path}: {shares[0]} applies to synthetic arrivals; a trace file's "
+                          "prompts are its own")
     if until is not None and "patience" not in grid:
         raise ConfigError(f"{path}: sweep.patience_until applies only with grid.patience")
     if "fixed_estimate" in sweep and "fixed_estimate" in grid:

@@ -14,12 +14,26 @@ from inputs.argtypes import non_negative, positive
 from inputs.batchflags import BATCHING_HELP, BATCHING_ONLY, add_batching_flags, batching_engine
 from qsim.engines import Batching, OneAtATime
 from qsim.service import LoadTerms
-from qsim.workload import Prompts
+from qsim.workload import Prompts, SharedPrefix
 
 
 def prompts_spec(text: str) -> Prompts:
     try:
         return Prompts.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def system_spec(text: str) -> tuple[int, float]:
+    try:
+        return SharedPrefix.parse_system(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def turns_spec(text: str) -> tuple[int, int]:
+    try:
+        return SharedPrefix.parse_turns(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -31,9 +45,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the --service-model calibration's, measured under load; else 0)")
     g.add_argument("--batching", action="store_true", help=BATCHING_HELP + "; --load is then of its saturated "
                    "throughput")
-    add_batching_flags(g)
+    add_batching_flags(g, prefix_caching=True)
     g.add_argument("--prompts", type=prompts_spec, metavar="SPEC",
                    help="prompt lengths: none, fixed:N, uniform:LOW:HIGH or lognormal:MEAN:SIGMA (default none)")
+    g.add_argument("--system-prompt", type=system_spec, metavar="S:P",
+                   help="a system prompt of S tokens before a share P of the prompts (a prefix "
+                        "cache shares it; default none)")
+    g.add_argument("--turns", type=turns_spec, metavar="T[:C]",
+                   help="conversations of T turns, each extending the one before with its answer; "
+                        "C open at once (default 16): a turn follows its last C arrivals later "
+                        "(default 1)")
     g.add_argument("--ttft-slo", type=positive, metavar="SECONDS",
                    help="objective on time to first token: a request is good only if it meets it too")
     g.add_argument("--tpot-slo", type=positive, metavar="SECONDS", help="objective on time per output token")
@@ -54,7 +75,9 @@ def calibrated_defaults(args) -> None:
 
 def engine_from_args(args) -> OneAtATime | Batching:
     """The engine the options describe; ValueError for a batching option without --batching (or the reverse)."""
-    batching = batching_engine(args.batching, {k: getattr(args, k) for k in BATCHING_ONLY}, args.no_chunked_prefill)
+    settings = {k: getattr(args, k) for k in BATCHING_ONLY}
+    batching = batching_engine(args.batching, settings, args.no_chunked_prefill,
+                               getattr(args, "prefix_caching", False))
     if batching is None:
         return OneAtATime(args.engines, args.concurrency or 0.0)
     if args.engines != 1 or args.concurrency:
@@ -65,6 +88,11 @@ def engine_from_args(args) -> OneAtATime | Batching:
 def trace_options(args, engine, mix, model) -> dict:
     """build_trace's options for the engine: prompt lengths, and a batching engine's rate (load x its capacity)."""
     options = {} if args.prompts is None else {"prompts": args.prompts}
+    shared = shared_prefix(args)
+    if shared is not None:
+        if args.trace:
+            raise ValueError("--system-prompt and --turns apply to synthetic arrivals only")
+        options["prefixes"] = shared
     if isinstance(engine, Batching) and args.trace and args.load is not None:
         raise ValueError("--load with --trace and --batching: a trace file's rate is scaled to engines x their "
                          "one-at-a-time capacity, not a batch's; give the file's own rate (--time-scale)")
@@ -77,6 +105,14 @@ def trace_options(args, engine, mix, model) -> dict:
     return options
 
 
+def shared_prefix(args) -> SharedPrefix | None:
+    """The prompts' shared prefixes --system-prompt and --turns describe (None: neither given)."""
+    system, turns = getattr(args, "system_prompt", None), getattr(args, "turns", None)
+    if system is None and turns is None:
+        return None
+    return SharedPrefix(*(system or (0, 0.0)), *(turns or (1, 1)))
+
+
 def describe(engine) -> str:
     """The engine in a few words, for simulate's header line."""
     if isinstance(engine, OneAtATime):
@@ -84,6 +120,7 @@ def describe(engine) -> str:
         return f"{engine.engines} engine(s){slower}"
     kv = "unlimited KV" if engine.kv_blocks is None else f"{engine.kv_blocks} KV blocks of {engine.block_size}"
     chunked = "" if engine.chunked_prefill else ", no chunked prefill"
+    chunked += ", prefix caching" if engine.prefix_caching else ""
     return (f"a batching engine ({engine.max_num_seqs} seqs, {engine.max_num_batched_tokens} tokens a step, "
             f"{kv}{chunked})")
 

@@ -61,7 +61,7 @@ from qsim.engines import OneAtATime
 from qsim.workload import Prompts, blended_means, parse_arrivals, used_mean_s
 
 from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
-                     parse_speed_schedule, parse_used)
+                     parse_speed_schedule, parse_used, shared_prefix)
 
 META_KEY = b"qlab.cell"
 
@@ -103,6 +103,10 @@ class Cell:
     tpot_slo_s: float | None = None
     arrivals: str | None = None  # the grid's arrival process; None: [sweep] arrivals
     policy_args: str | None = None  # the label of its policy's [policy_args] lists' values; None: it has none
+    # A prefix cache (None: [batching]'s) and prompts that share tokens (None: [sweep]'s).
+    prefix_caching: bool | None = None
+    system_prompt: str | None = None
+    turns: str | None = None
 
     @property
     def id(self) -> str:
@@ -117,7 +121,7 @@ class Cell:
 #: carry their column only when the sweep has the axis.
 OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
                  "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s",
-                 "arrivals", "policy_args")
+                 "arrivals", "policy_args", "prefix_caching", "system_prompt", "turns")
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
@@ -177,6 +181,7 @@ def cells(config: SweepConfig) -> list[Cell]:
         **{axis: g.get(axis, (None,)) for axis in ("max_num_seqs", "kv_blocks", "chunked_prefill", "step",
                                                    "ttft_slo_s", "tpot_slo_s")},
         arrivals=g.get("arrivals", (None,)),
+        **{axis: g.get(axis, (None,)) for axis in ("prefix_caching", "system_prompt", "turns")},
     )
     out = []
     for combo in itertools.product(*axes.values()):
@@ -188,7 +193,8 @@ def cells(config: SweepConfig) -> list[Cell]:
 
 def _engine(config: SweepConfig, cell: Cell):
     """The cell's batching engine (its step model times the cell's speed), or None: engines one at a time."""
-    engine = config.engine(cell.max_num_seqs, cell.kv_blocks, cell.chunked_prefill, cell.step)
+    engine = config.engine(cell.max_num_seqs, cell.kv_blocks, cell.chunked_prefill, cell.step,
+                           cell.prefix_caching)
     if engine is None or cell.speed == 1.0:
         return engine
     step = engine.step
@@ -225,6 +231,9 @@ def _trace(config: SweepConfig, cell: Cell):
     options = {} if capacity is None or cell.trace is not None else {"capacity_rps": capacity[0]}
     if config.prompts != "none" and cell.trace is None:
         options["prompts"] = Prompts.parse(config.prompts)
+    shared = shared_prefix(cell.system_prompt or config.system_prompt, cell.turns or config.turns)
+    if shared is not None and cell.trace is None:  # a trace file's prompts are its own
+        options["prefixes"] = shared
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
                        time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell), load=cell.load,
                        service=config.service_dist, mean_service_s=config.mean_service_s,
@@ -317,7 +326,8 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        ("used", pa.large_string()), ("speed_schedule", pa.large_string()),
                        ("max_num_seqs", pa.int64()), ("kv_blocks", pa.int64()), ("chunked_prefill", pa.bool_()),
                        ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64()),
-                       ("policy_args", pa.large_string())):
+                       ("policy_args", pa.large_string()), ("prefix_caching", pa.bool_()),
+                       ("system_prompt", pa.large_string()), ("turns", pa.large_string())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))

@@ -18,6 +18,8 @@ from .argtypes import positive_int
 
 BATCHING_HELP = "one engine that batches as vLLM's v1 scheduler (qsim.engines.Batching)"
 NO_CHUNKED_PREFILL_HELP = "a prompt must fit one step's token budget"
+PREFIX_CACHING_HELP = ("cache full KV blocks by their prefix and share them, as vLLM v1 does by "
+                       "default (qsim.prefix; default off)")
 STEP_METAVAR = "B0,B1,B2,B3[,CV] | FILE.json"
 
 
@@ -61,21 +63,27 @@ BATCHING_FLAGS: dict[str, tuple] = {
 BATCHING_ONLY = tuple(BATCHING_FLAGS)
 
 
-def add_batching_flags(group) -> None:
+def add_batching_flags(group, prefix_caching: bool = False) -> None:
     """Each of :data:`BATCHING_FLAGS` and ``--no-chunked-prefill`` on an argparse group (``--batching`` itself is
-    the command's: what it does to the command's load differs)."""
+    the command's: what it does to the command's load differs); ``--prefix-caching`` too where the
+    command's engine can have a prefix cache (the simulator's)."""
     for name, (kind, metavar, text) in BATCHING_FLAGS.items():
         group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
     group.add_argument("--no-chunked-prefill", action="store_true", help=NO_CHUNKED_PREFILL_HELP)
+    if prefix_caching:
+        group.add_argument("--prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
 
 
-def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = False) -> Batching | None:
+def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = False,
+                    prefix_caching: bool = False) -> Batching | None:
     """The batching engine the options describe (None: not batching); ValueError naming the first batching option
     given without ``--batching``. settings: :data:`BATCHING_FLAGS`' fields, None where not given (``step`` a
     StepModel or its text)."""
     given = [name for name in BATCHING_ONLY if settings.get(name) is not None]
     if no_chunked_prefill:
         given.append("no_chunked_prefill")
+    if prefix_caching:
+        given.append("prefix_caching")
     if not batching:
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} is a batching engine's: add --batching")
@@ -85,4 +93,6 @@ def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = F
         fields["step"] = parse_step(fields["step"])
     if no_chunked_prefill:
         fields["chunked_prefill"] = False
+    if prefix_caching:
+        fields["prefix_caching"] = True
     return Batching(**fields)

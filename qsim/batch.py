@@ -53,6 +53,7 @@ from .engines import Batching
 from .entry import Entry, Work
 from .outcomes import CANCELLED, EXPIRED, Reason
 from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, retry_after, take_token
+from .prefix import BlockPool, Tokens, block_hashes
 from .queue import CUT_REASON, RESERVE_WEIGHT, Core, Seen, judge
 from .service import SpeedTracker
 
@@ -69,6 +70,7 @@ class RunStats(NamedTuple):
     tokens: int  # tokens generated
     preemptions: int
     kv_blocks_peak: int
+    cached_tokens: int = -1  # prompt tokens its first scheduling found cached (-1: no cache)
 
 
 class Step(NamedTuple):
@@ -97,7 +99,7 @@ class _Seq:
 
     __slots__ = ("entry", "prompt", "out", "est_out", "order", "computed", "target", "generated", "blocks", "peak",
                  "preemptions", "start", "first_token", "decoding", "d0", "kv0", "finish_at", "alive", "chunk",
-                 "due", "in_line", "hold")
+                 "due", "in_line", "hold", "tokens", "table", "hashed", "hashes", "cached_tokens")
 
     def __init__(self, entry: Entry, prompt: int, out: int, est_out: int) -> None:
         self.entry = entry
@@ -118,6 +120,15 @@ class _Seq:
         self.due = math.inf
         self.in_line = False  # waiting (in the discipline's line or at its front): its prompt counts as queued
         self.hold = 0  # the seat-steps it added to the line's when it joined it
+        # With a prefix cache only: its tokens' identity, the physical blocks it holds for its
+        # prompt (a decoding request's later blocks are the pool's, counted from its tokens), how
+        # many of them are cached, its block hashes as far as computed, and the prompt tokens its
+        # first join found cached.
+        self.tokens: Tokens | None = None
+        self.table: list[int] = []
+        self.hashed = 0
+        self.hashes: list[int] = []
+        self.cached_tokens = -1
 
 
 class BatchQueue(Core):
@@ -137,10 +148,13 @@ class BatchQueue(Core):
 
     def __init__(self, config: ServerConfig, *, step: Callable, end: Callable, drop: Callable,
                  joined: Callable | None = None, wake: Callable | None = None,
-                 gone: Callable[[Any], bool] | None = None) -> None:
+                 gone: Callable[[Any], bool] | None = None,
+                 tokens: Callable[[Any], Tokens | None] | None = None) -> None:
         """joined(req, now): a request joins the batch for the first time (its start). wake(now): the engine was
-        idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has arrived, so that a
-        burst starts in one step (None: the step is planned at once)."""
+        idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has
+        arrived, so that a burst starts in one step (None: the step is planned at once).
+        tokens(req): with prefix caching, the :class:`~qsim.prefix.Tokens` of a request (None, or
+        no hook: tokens shared with no other request)."""
         engine = config.engine
         if not isinstance(engine, Batching):
             raise ValueError(f"BatchQueue runs a batching engine, not {engine.kind}")
@@ -185,6 +199,13 @@ class BatchQueue(Core):
         self.buckets: dict = {}
         self.reserved_admitted = 1.0
         self.seen_numbers = Seen(math.nan, 0, 0.0, self.tracker.factor)  # a batch's rule reads more: not recorded
+        # Prefix caching (qsim.prefix): the physical blocks, and the decoding requests' blocks past
+        # their prompt's, which are interchangeable until a request leaves and hashes them (None:
+        # no cache).
+        self.pool = BlockPool(self.kv_cap) if engine.prefix_caching else None
+        self.decode_blocks: list[int] = []
+        self._tokens_of = tokens
+        self._unique = 0  # requests without tokens of their own: each gets keys nobody else has
 
     # -- the numbers -----------------------------------------------------------------
 
@@ -215,7 +236,7 @@ class BatchQueue(Core):
         """The queue now, for /stats and tests."""
         return {"waiting": self.queued, "in_service": self.in_service, "stalled": 0, "queued_work_s": math.nan,
                 "speed_factor": self.tracker.factor, "engines": 1, "kv_blocks_used": self.kv_used,
-                "kv_use": self.kv_use}
+                "kv_use": self.kv_use, **(self.prefix_cache_stats() or {})}
 
     def audit(self) -> None:
         """Check the batch's bookkeeping against its requests one by one (AssertionError naming what is off):
@@ -233,7 +254,11 @@ class BatchQueue(Core):
             else:
                 held += seq.blocks
                 assert seq in self.prefilling, f"request {seq.entry.req!r} runs, neither decoding nor computing its prompt"
-        assert held == self.kv_used, f"KV blocks: {self.kv_used} counted, {held} held by the running"
+        if self.pool is None:
+            assert held == self.kv_used, \
+                f"KV blocks: {self.kv_used} counted, {held} held by the running"
+        else:  # shared blocks are held by several: the pool's count is of distinct blocks
+            self._audit_pool(held)
         assert self.kv_used <= self.kv_cap, f"KV blocks: {self.kv_used} in use of {self.kv_cap}"
         assert len(self.running) <= engine.max_num_seqs, f"{len(self.running)} running of {engine.max_num_seqs} seats"
         assert (dec, kv, est) == (self.n_dec, self.kv_dec, self.dec_est), \
@@ -244,6 +269,36 @@ class BatchQueue(Core):
         if self.plan is not None:
             assert self.plan.prefill_tokens + self.plan.decoders <= engine.max_num_batched_tokens, \
                 f"a step of {self.plan.prefill_tokens + self.plan.decoders} tokens over the budget"
+
+    def _audit_pool(self, held: int) -> None:
+        """The prefix cache's books against the batch's: each block's holders, the decoding
+        requests' blocks past their tables, and the blocks in use."""
+        holders: dict[int, int] = {}
+        beyond = 0
+        for seq in self.running.values():
+            for b in seq.table:
+                holders[b] = holders.get(b, 0) + 1
+            if seq.decoding:
+                tokens = seq.kv0 + self.decoded - seq.d0 + self._decode_reserved
+                beyond += self.engine.blocks_for(tokens) - len(seq.table)
+            else:
+                assert seq.blocks == len(seq.table), "a prompt's blocks apart from its table"
+        for b in self.decode_blocks:
+            holders[b] = holders.get(b, 0) + 1
+        assert beyond == len(self.decode_blocks), \
+            f"decoding blocks: {len(self.decode_blocks)} held, {beyond} counted from their tokens"
+        assert self.kv_used == self.pool.in_use <= held, \
+            f"KV blocks: {self.kv_used} counted, {self.pool.in_use} in use, {held} held, shared"
+        self.pool.audit(self.kv_cap, holders)
+
+    def prefix_cache_stats(self) -> dict | None:
+        """vLLM's prefix cache counters so far, in tokens (None: no prefix cache): queries (the
+        tokens of each request each time the scheduler looked its prefix up) and hits (of them,
+        found cached)."""
+        if self.pool is None:
+            return None
+        return {"prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
+                "prefix_cache_evictions": self.pool.evictions}
 
     # -- events ------------------------------------------------------------------------
 
@@ -268,6 +323,8 @@ class BatchQueue(Core):
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         seq = _Seq(entry, work.prompt, work.limit if work.generated is None else work.generated, max(1, est_out))
         seq.out = max(1, seq.out)
+        if self.pool is not None:
+            seq.tokens = self._tokens(req, work.prompt)
         never = self._never(seq)
         if never is not None:
             self.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor, math.nan, -1)
@@ -297,7 +354,11 @@ class BatchQueue(Core):
             self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
         if refusal is not None:
             return refusal
-        if room:
+        if room and self.pool is not None:
+            budget = self.engine.max_num_batched_tokens
+            hit, _, blocks, _ = self._first_chunk(seq, budget, count=True)
+            self._join(seq, now, blocks, hit)
+        elif room:
             first = min(seq.prompt, self.engine.max_num_batched_tokens) if self.engine.chunked_prefill else seq.prompt
             self._join(seq, now, self.engine.blocks_for(max(1, first)))
         else:
@@ -415,6 +476,8 @@ class BatchQueue(Core):
             preempted = True
             need = self.residue[(-self.decoded) % engine.block_size] if self.n_dec else 0
         self.kv_used += need
+        if self.pool is not None:
+            self.decode_blocks.extend(self.pool.allocate(need))
         self._decode_reserved = True  # each decoding request holds the slot of this step's token from here
         budget = engine.max_num_batched_tokens - self.n_dec
         chunks = []
@@ -433,6 +496,8 @@ class BatchQueue(Core):
                 break  # it was the newest left: nothing after it runs either
             self._hold(seq, blocks)
             seq.chunk = chunk
+            if self.pool is not None:
+                self._cache_full(seq, seq.computed + chunk)
             budget -= chunk
             chunks.append((seq, chunk))
         # 3. The line, where nothing was preempted.
@@ -441,15 +506,23 @@ class BatchQueue(Core):
                 seq = self._pull(now)
                 if seq is None:
                     break
-                todo = seq.target - seq.computed
-                chunk = min(todo, budget)
-                blocks = engine.blocks_for(max(1, chunk))
-                if (not engine.chunked_prefill and todo > budget) or self.kv_used + blocks > cap:
+                hit, extra = (), 0
+                if self.pool is not None:  # its cached prefix is computed already, and shared
+                    hit, todo, blocks, extra = self._first_chunk(seq, budget, count=True)
+                    chunk = min(todo, budget)
+                else:
+                    todo = seq.target - seq.computed
+                    chunk = min(todo, budget)
+                    blocks = engine.blocks_for(max(1, chunk))
+                too_long = not engine.chunked_prefill and todo > budget
+                if too_long or self.kv_used + extra + blocks > cap:
                     self.front.appendleft(seq)  # it stays at the head of the line
                     self._into_line(seq)
                     break
-                self._join(seq, now, blocks)
+                self._join(seq, now, blocks, hit)
                 seq.chunk = chunk
+                if self.pool is not None:
+                    self._cache_full(seq, seq.computed + chunk)
                 budget -= chunk
                 chunks.append((seq, chunk))
         decoders = self.n_dec
@@ -498,8 +571,9 @@ class BatchQueue(Core):
                 continue
             return seq
 
-    def _join(self, seq: _Seq, now: float, blocks: int) -> None:
-        """Into the batch, holding ``blocks`` for its first chunk; it computes from the next step on."""
+    def _join(self, seq: _Seq, now: float, blocks: int, hit=()) -> None:
+        """Into the batch, holding ``blocks`` for its first chunk, and sharing the cached blocks
+        ``hit`` of its prefix (computed already); it computes from the next step on."""
         self.joined += 1
         seq.order = self.joined
         self.running[seq.order] = seq
@@ -507,6 +581,8 @@ class BatchQueue(Core):
         seq.computed = 0
         seq.decoding = False
         seq.blocks = 0
+        if self.pool is not None:
+            self._reuse(seq, hit)
         self._hold(seq, blocks)
         if math.isnan(seq.start):
             seq.start = now
@@ -521,8 +597,78 @@ class BatchQueue(Core):
     def _hold(self, seq: _Seq, blocks: int) -> None:
         self.kv_used += blocks
         seq.blocks += blocks
+        if self.pool is not None:
+            seq.table.extend(self.pool.allocate(blocks))
         if seq.blocks > seq.peak:
             seq.peak = seq.blocks
+
+    # -- the prefix cache (qsim.prefix), where the engine has one ---------------------------------
+
+    def _tokens(self, req, prompt: int) -> Tokens:
+        tokens = None if self._tokens_of is None else self._tokens_of(req)
+        if tokens is None:  # keys below 0: none of a trace's (qsim.prefix.own_key) nor another's
+            self._unique += 1
+            key = -2 * self._unique
+            tokens = Tokens(((key, prompt),) if prompt else (), key - 1)
+        return tokens
+
+    def _hashes(self, seq: _Seq, blocks: int) -> list[int]:
+        """Its first ``blocks`` block hashes (each computed once, as the request's tokens are
+        fixed)."""
+        have = seq.hashes
+        if len(have) < blocks:
+            more = block_hashes(seq.tokens, self.engine.block_size)
+            have[:] = [h for h, _ in zip(more, range(blocks))]
+        return have[:blocks] if len(have) > blocks else have
+
+    def _first_chunk(self, seq: _Seq, budget: int,
+                     count: bool = False) -> tuple[list, int, int, int]:
+        """(the cached blocks of its prefix, tokens left to compute, new blocks its first chunk
+        within ``budget`` takes, how many of the cached are free) for ``seq`` joining now;
+        ``count``: a scheduling lookup, counted in the cache's queries and hits."""
+        size = self.engine.block_size
+        target = seq.target
+        hashes = self._hashes(seq, max(0, target - 1) // size)
+        hit = self.pool.lookup(hashes, target, size, count)
+        computed = len(hit) * size
+        todo = target - computed
+        first = min(todo, budget) if self.engine.chunked_prefill else todo
+        blocks = self.engine.blocks_for(max(1, computed + first)) - len(hit)
+        return hit, todo, blocks, self.pool.evictable(hit)
+
+    def _reuse(self, seq: _Seq, hit: list) -> None:
+        """It holds the cached blocks of its prefix (one more holder each) and starts after them.
+        """
+        self.kv_used += self.pool.touch(hit)
+        seq.table = list(hit)
+        seq.blocks = seq.hashed = len(hit)
+        seq.computed = len(hit) * self.engine.block_size
+        if seq.cached_tokens < 0:  # vLLM's num_cached_tokens: its first scheduling's
+            seq.cached_tokens = seq.computed
+
+    def _cache_full(self, seq: _Seq, tokens: int) -> None:
+        """Its blocks filled by its first ``tokens`` tokens are cached (as vLLM caches them when
+        the step that fills them is scheduled); a partial block is not."""
+        full = min(tokens // self.engine.block_size, len(seq.table))
+        if full <= seq.hashed:
+            return
+        hashes = self._hashes(seq, full)
+        for b in range(seq.hashed, full):
+            self.pool.cache(seq.table[b], hashes[b])
+        seq.hashed = full
+
+    def _free_cached(self, seq: _Seq, blocks: int, computed: int) -> None:
+        """Out of the batch with a prefix cache: its ``blocks`` (the table's, then the decoding
+        ones' beyond it) are released last first, the full ones of its ``computed`` tokens cached
+        first."""
+        table = seq.table
+        extra = blocks - len(table)
+        if extra > 0:
+            table.extend(self.decode_blocks[-extra:])
+            del self.decode_blocks[-extra:]
+        self._cache_full(seq, computed)
+        self.kv_used -= self.pool.release(reversed(table))
+        seq.table, seq.hashed = [], 0
 
     def _sampled(self, seq: _Seq, now: float) -> None:
         """Its prompt (and, after a preemption, what it had generated) is computed: this step produced a token."""
@@ -537,6 +683,8 @@ class BatchQueue(Core):
         seq.decoding = True
         seq.d0, seq.kv0 = self.decoded, seq.computed
         seq.finish_at = self.decoded + seq.out - seq.generated
+        if self.pool is not None:
+            self._trim(seq, self.engine.blocks_for(seq.kv0))
         self.kv_used += self.engine.blocks_for(seq.kv0) - seq.blocks
         seq.blocks = 0
         self.n_dec += 1
@@ -545,9 +693,18 @@ class BatchQueue(Core):
         self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] += 1
         heapq.heappush(self.finishing, (seq.finish_at, seq.order, seq))
 
+    def _trim(self, seq: _Seq, blocks: int) -> None:
+        """Its table down to ``blocks`` (a prompt of no tokens held one for its first chunk): the
+        rest released, and counted out of the blocks in use as the aggregate count already has
+        them."""
+        while len(seq.table) > blocks:
+            self.kv_used -= self.pool.release((seq.table.pop(),))
+            seq.blocks -= 1
+
     def _release(self, seq: _Seq) -> None:
         """Out of the batch, its blocks freed (what it generated counted)."""
         if seq.decoding:
+            computed = seq.kv0 + self.decoded - seq.d0
             seq.generated += self.decoded - seq.d0
             blocks = self.engine.blocks_for(seq.kv0 + self.decoded - seq.d0 + self._decode_reserved)
             self.n_dec -= 1
@@ -556,11 +713,15 @@ class BatchQueue(Core):
             self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] -= 1
             seq.decoding = False
         else:
+            computed = seq.computed + seq.chunk
             blocks = seq.blocks
             self.prefilling.remove(seq)
         if blocks > seq.peak:
             seq.peak = blocks
-        self.kv_used -= blocks
+        if self.pool is None:
+            self.kv_used -= blocks
+        else:
+            self._free_cached(seq, blocks, computed)
         del self.running[seq.order]
         seq.blocks = 0
         seq.chunk = 0
@@ -620,7 +781,8 @@ class BatchQueue(Core):
 
     @staticmethod
     def _stats(seq: _Seq) -> RunStats:
-        return _new(RunStats, (seq.start, seq.first_token, seq.generated, seq.preemptions, seq.peak))
+        return _new(RunStats, (seq.start, seq.first_token, seq.generated, seq.preemptions,
+                               seq.peak, seq.cached_tokens))
 
     # -- projections for admission ----------------------------------------------------------
 
@@ -644,6 +806,9 @@ class BatchQueue(Core):
         engine = self.engine
         if len(self.running) >= engine.max_num_seqs:
             return False
+        if self.pool is not None:
+            _, _, blocks, extra = self._first_chunk(seq, engine.max_num_batched_tokens)
+            return self.kv_used + extra + blocks <= self.kv_cap
         first = min(seq.prompt, engine.max_num_batched_tokens) if engine.chunked_prefill else seq.prompt
         return self.kv_used + engine.blocks_for(max(1, first)) <= self.kv_cap
 

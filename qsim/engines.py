@@ -162,6 +162,8 @@ class Batching:
     """One engine running requests together in steps, as vLLM's v1 scheduler does (see :mod:`qsim.batch`).
 
     kv_blocks: KV-cache capacity in blocks of ``block_size`` tokens (None: unlimited).
+    prefix_caching: full blocks are cached by their prefix's hash and shared, as vLLM v1 does by
+    default (:mod:`qsim.prefix`); off by default here, so that runs without it keep their rows.
     """
 
     step: StepModel = StepModel()
@@ -170,6 +172,7 @@ class Batching:
     chunked_prefill: bool = True
     kv_blocks: int | None = None
     block_size: int = VLLM_BLOCK_SIZE
+    prefix_caching: bool = False
 
     kind = "batching"
 
@@ -184,6 +187,8 @@ class Batching:
                              f"({self.max_num_seqs})")
         if self.kv_blocks is not None and not (isinstance(self.kv_blocks, int) and self.kv_blocks >= 1):
             raise ValueError(f"kv_blocks must be an integer >= 1 or None, got {self.kv_blocks!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
 
     @property
     def engines(self) -> int:
@@ -216,6 +221,8 @@ EngineModel = OneAtATime | Batching
 def engine_fields(engine: EngineModel) -> dict[str, Any]:
     """The engine model as JSON-able fields, ``kind`` first (what a run file and /stats carry)."""
     fields = asdict(engine)
+    if not fields.get("prefix_caching", True):
+        del fields["prefix_caching"]  # off: the fields a run file or /stats carried before it
     return {"kind": engine.kind, **fields}
 
 

@@ -48,6 +48,7 @@ from .entry import Work
 from .outcomes import ABANDONED, ANSWERED, CANCELLED, ERROR, GOOD, LATE, REJECTED, Reason
 from .policy import Policy
 from .batch import BatchQueue
+from .prefix import Tokens
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from .service import SpeedSchedule
 from .workload import Trace
@@ -385,8 +386,9 @@ class _BatchRun(_Run):
     mean 1 and the model's ``cv`` where set, times the machine's speed), and one per deadline the core cuts at."""
 
     def _make_queue(self, config: ServerConfig):
+        caching = config.engine.prefix_caching
         queue = BatchQueue(config, step=self._step, end=self._ended, drop=self._drop, joined=self._joined,
-                           wake=self._wake)
+                           wake=self._wake, tokens=self._tokens if caching else None)
         cv = config.engine.step.cv
         self.noise = None
         if cv > 0:  # a stream of its own, from the server's seed: the same draws under every policy
@@ -396,20 +398,31 @@ class _BatchRun(_Run):
         return queue
 
     def __init__(self, trace: Trace, config: ServerConfig, step_times=None, **inputs) -> None:
+        # The requests' token identities (prefix caching), by trace request: a retry's are its
+        # first's.
+        self.token_ids = trace.tokens
         super().__init__(trace, config, **inputs)
         self.step_times = step_times  # (seconds it ran, seconds the tracker learns) of each step, in order
         self.steps_run = 0
         self.step_reported = None
         n = self.n
         self.first_token, self.tokens = [_NAN] * n, [-1] * n
-        self.preempted, self.kv_peak = [-1] * n, [-1] * n
+        self.preempted, self.kv_peak, self.cached = [-1] * n, [-1] * n, [-1] * n
 
     def _per_attempt(self) -> tuple:
-        return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1), (self.kv_peak, -1))
+        return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1),
+                (self.kv_peak, -1), (self.cached, -1))
 
     def _rows(self) -> dict:
         return {**super()._rows(), "first_token": self.first_token, "tokens": self.tokens, "preempted": self.preempted,
-                "kv_peak": self.kv_peak}
+                "kv_peak": self.kv_peak, "cached": self.cached}
+
+    def _tokens(self, i: int) -> Tokens:
+        """Request (or attempt) i's tokens: the trace's, else its own prompt shared with nobody."""
+        first = i if self.first_of is None else self.first_of[i]
+        if self.token_ids is not None:
+            return self.token_ids[first]
+        return Tokens.unique(first, int(self.prompt_tokens[first]))
 
     def arrivals(self, _event=None) -> None:
         super().arrivals(_event)
@@ -460,6 +473,7 @@ class _BatchRun(_Run):
     def _ended(self, i: int, now: float, outcome: str, reason: str | None, stats) -> None:
         self.first_token[i], self.tokens[i] = stats.first_token_s, stats.tokens
         self.preempted[i], self.kv_peak[i] = stats.preemptions, stats.kv_blocks_peak
+        self.cached[i] = stats.cached_tokens
         self.ran[i] = now - stats.start_s
         self._end(i, now, outcome, reason)
 
@@ -491,8 +505,20 @@ class _BatchRun(_Run):
             "output_tokens": tokens,
             "preemptions": np.asarray(self.preempted),
             "kv_blocks_peak": np.asarray(self.kv_peak),
+            "cached_prompt_tokens": np.asarray(self.cached),  # -1 (NA) without a prefix cache
         })
         return columns
+
+
+def _check_tokens(trace: Trace) -> None:
+    """A trace's token identities (Trace.tokens) must be as long as its prompts: a prefix cache hashes
+    the one and the engine computes the other."""
+    if len(trace.tokens) != len(trace):
+        raise ValueError(f"trace tokens: {len(trace.tokens)} for {len(trace)} requests")
+    for i, (tokens, prompt) in enumerate(zip(trace.tokens, trace.prompt_tokens.tolist())):
+        if sum(length for _, length in tokens.prompt) != prompt:
+            raise ValueError(f"request {i}: its tokens' segments do not add up to its {prompt} prompt "
+                             "tokens")
 
 
 def simulate(
@@ -538,7 +564,9 @@ def simulate(
     held: the true times are what each run held its engine live, the engines' slowdown
     (:attr:`qsim.engines.OneAtATime.concurrency`) already in them: the core still slows its
     estimates as the gate's did, the runs are not slowed again.
-    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor.
+    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
+    with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
+    prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
     """
     if isinstance(config, Policy):
         config = ServerConfig(config, 1 if engines is None else engines)
@@ -562,6 +590,8 @@ def simulate(
         retrier = Retrier(retry, trace.arrival_s, seed)
     if config.batching and (failed is not None or reported_s is not None):
         raise ValueError("failures and reported times are per run: a batching engine's steps have neither here")
+    if trace.tokens is not None:
+        _check_tokens(trace)
     if step_times is not None and not config.batching:
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     batch = {"step_times": step_times} if config.batching else {}
@@ -574,4 +604,6 @@ def simulate(
     frame = run.frame(trace)
     frame.attrs.update(duration_s=trace.duration_s, policy=config.policy.name, engines=config.engines,
                        speed_factor=run.queue.tracker.factor)
+    if config.batching and config.engine.prefix_caching:  # vLLM's counters, for a run's summary
+        frame.attrs.update(run.queue.prefix_cache_stats())
     return frame

@@ -60,10 +60,14 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "kv_blocks_peak": ("Int64", "KV-cache blocks it held at its peak (a batching engine's); <NA>: unknown"),
     "ttft_slo_s": ("float64", "its time-to-first-token objective; NaN: none"),
     "tpot_slo_s": ("float64", "its time-per-output-token objective; NaN: none"),
+    "cached_prompt_tokens": ("Int64", "prompt tokens its first scheduling found in a batching "
+                                      "engine's prefix cache (vLLM's num_cached_tokens); <NA>: "
+                                      "no prefix cache, or never ran"),
 }
 COLUMNS = tuple(SCHEMA)
 #: Columns a driver may leave out of :func:`from_arrays` (filled as missing): what older drivers do not know.
 OPTIONAL = ("in_service_work_at_arrival_s", "idle_at_arrival", "ttft_s", "tpot_s", "output_tokens", "preemptions", "kv_blocks_peak", "ttft_slo_s", "tpot_slo_s")
+OPTIONAL += ("cached_prompt_tokens",)  # a prefix cache's (qsim.prefix), added since
 
 
 def empty(n: int = 0) -> pd.DataFrame:

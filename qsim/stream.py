@@ -156,6 +156,9 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
     if retry is not None and retry.retries:
         raise ValueError("clients that send again do not stream (a retry's row follows the whole trace's): "
                          "run qsim.simulate for retries")
+    if config.batching and config.engine.prefix_caching:  # a slot is no trace request: no tokens
+        raise ValueError("a prefix cache does not stream (its requests' tokens are the whole "
+                         "trace's): run qsim.simulate with prefix caching")
     chunks = source.chunks(chunk) if isinstance(source, Trace) else source
     if cancel_until is None:
         cancel_until = chunks.meta.get("patience_until", "answer")

@@ -539,13 +539,14 @@ def step_models() -> st.SearchStrategy[StepModel]:
                      b2=st.sampled_from([0.0, 3e-4]), b3=st.sampled_from([0.0, 1e-6]), cv=st.sampled_from([0.0, 0.5]))
 
 
-def batching_engines(max_num_seqs: int = 32) -> st.SearchStrategy[Batching]:
+def batching_engines(max_num_seqs: int = 32, prefix_caching: bool = False) -> st.SearchStrategy[Batching]:
     """Batching engines (:class:`qsim.engines.Batching`): 1 to ``max_num_seqs`` seats, a token budget of at least
     that, chunked prefill or not, a KV cache unlimited or of 48 to 4,000 tokens (a few requests' to plenty, so
-    that some preempt and some are too large for it), in blocks of 1 or 16 tokens."""
+    that some preempt and some are too large for it), in blocks of 1 or 16 tokens; ``prefix_caching``: each
+    with a prefix cache (:mod:`qsim.prefix`)."""
     def engine(step, seqs, extra, chunked, kv_tokens, block_size):
         blocks = None if kv_tokens is None else max(1, kv_tokens // block_size)
-        return Batching(step, seqs, seqs + extra, chunked, blocks, block_size)
+        return Batching(step, seqs, seqs + extra, chunked, blocks, block_size, prefix_caching)
 
     return st.builds(engine, step_models(), st.integers(1, max_num_seqs), st.sampled_from([0, 31, 256]),
                      st.booleans(), st.none() | st.integers(48, 4000), st.sampled_from([1, 16]))

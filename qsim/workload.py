@@ -9,6 +9,7 @@ and true service time whatever the policy, and at every load.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from scipy import stats
 
 from .chunks import PIECE, BlockStream, TraceChunks, exactly, spans
 from .clients import Patience
+from .prefix import SYSTEM_KEY, Tokens, answer_key, own_key
 from .service import ServiceModel
 
 ARRIVALS = ("poisson", "constant", "gamma:CV", "periodic:PERIOD_S", "surge:START_S:LENGTH_S:LOAD", "burst:N",
@@ -174,6 +176,90 @@ class Prompts:
         return np.maximum(1, np.round(self.a * np.exp(self.b * rng.standard_normal(n)))).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Prompts that share tokens, for a prefix cache (:mod:`qsim.prefix`): a system prompt and
+    conversations. A request's drawn prompt length (:class:`Prompts`) is its own new tokens.
+
+    system_tokens, system_share: a system prompt of S tokens, the same for all, is put before the
+    prompt of a share p of the conversations (each drawn, from the trace's eighth stream). turns,
+    conversations: each conversation has T turns; turn k's prompt is turn k - 1's prompt, its
+    answer (the tokens it generates) and the new tokens of turn k. Requests are dealt in arrival
+    order to C conversations open at once, round robin, each replaced by a new one after its T
+    turns: a turn follows the one before it C arrivals later. T = 1: every request is a
+    conversation alone. Spec: ``S:P`` (:meth:`parse_system`) and ``T:C`` (:meth:`parse_turns`);
+    none is ``0:0`` / ``1``.
+    """
+
+    system_tokens: int = 0
+    system_share: float = 0.0
+    turns: int = 1
+    conversations: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.system_tokens, int) and self.system_tokens >= 0):
+            raise ValueError("a system prompt is a whole number of tokens >= 0, "
+                             f"got {self.system_tokens!r}")
+        if not 0 <= self.system_share <= 1:
+            raise ValueError(f"the system prompt's share is in [0, 1], got {self.system_share}")
+        for name in ("turns", "conversations"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+    @property
+    def shares(self) -> bool:
+        """Whether any two requests share a token."""
+        return (self.system_tokens > 0 and self.system_share > 0) or self.turns > 1
+
+    @staticmethod
+    def parse_system(spec: str) -> tuple[int, float]:
+        """``S:P``: a system prompt of S tokens before a share P of the prompts ("none": 0:0)."""
+        if str(spec).strip() == "none":
+            return 0, 0.0
+        try:
+            tokens, share = str(spec).split(":")
+            return int(tokens), float(share)
+        except ValueError:
+            raise ValueError(f"bad system prompt {spec!r}: expected TOKENS:SHARE, "
+                             "e.g. 512:0.8") from None
+
+    @staticmethod
+    def parse_turns(spec: str) -> tuple[int, int]:
+        """``T`` or ``T:C``: conversations of T turns, C of them open at once (default 16)."""
+        try:
+            turns, _, open_at_once = str(spec).partition(":")
+            return int(turns), int(open_at_once or 16)
+        except ValueError:
+            raise ValueError(f"bad turns {spec!r}: expected TURNS or TURNS:CONVERSATIONS, "
+                             "e.g. 4:16") from None
+
+    @classmethod
+    def parse(cls, system: str = "none", turns: str = "1") -> "SharedPrefix":
+        """From the two specs (ValueError naming what is wrong)."""
+        return cls(*cls.parse_system(system), *cls.parse_turns(turns))
+
+    def compose(self, rng: np.random.Generator, own: np.ndarray, answers: np.ndarray):
+        """(prompt lengths, token identities) of requests whose own new tokens are ``own`` and
+        whose answers are ``answers`` long: one uniform per request (whether its conversation has
+        the system prompt, read at its first turn), in request order."""
+        n = len(own)
+        system = rng.random(n) < self.system_share
+        prompts = np.empty(n, dtype=np.int64)
+        ids = np.empty(n, dtype=object)
+        history: dict[int, tuple] = {}  # open conversation -> its next prompt's segments so far
+        for i in range(n):
+            slot, rounds = i % self.conversations, i // self.conversations
+            if rounds % self.turns == 0:  # a new conversation in this slot
+                history[slot] = ((SYSTEM_KEY, self.system_tokens),) \
+                    if system[i] and self.system_tokens else ()
+            segments = history[slot] + (((own_key(i), int(own[i])),) if own[i] else ())
+            ids[i] = Tokens(segments, answer_key(i))
+            prompts[i] = sum(length for _, length in segments)
+            history[slot] = segments + ((answer_key(i), int(answers[i])),)
+        return prompts, ids
+
+
 def _used_of(used, size: int) -> "UsedShare | None":
     return used if isinstance(used, UsedShare) else used.get(size)
 
@@ -275,6 +361,10 @@ class Trace:
     meta: dict = field(default_factory=dict)
     patience_s: np.ndarray | None = None
     tokens_generated: np.ndarray | None = None
+    # Each request's token identities (qsim.prefix.Tokens, an object array) where prompts share
+    # prefixes (SharedPrefix); None: no request shares a token with another. A prefix cache reads
+    # it.
+    tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         patience = np.full(len(self.arrival_s), math.inf) if self.patience_s is None else self.patience_s
@@ -295,7 +385,8 @@ class Trace:
         return Trace(self.arrival_s[part], self.max_new_tokens[part], self.size_class[part], self.est_service_s[part],
                      self.true_service_s[part], self.deadline_s[part], self.prompt_tokens[part], self.priority[part],
                      self.client_id[part], self.duration_s, self.name, self.meta, self.patience_s[part],
-                     self.tokens_generated[part])
+                     self.tokens_generated[part],
+                     None if self.tokens is None else self.tokens[part])
 
     def chunks(self, size: int) -> TraceChunks:
         """This trace ``size`` requests at a time (what a streamed run reads: :mod:`qsim.stream`)."""
@@ -570,11 +661,11 @@ def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
     (common random numbers).
 
     The fourth was added with clients, the fifth with patience, the sixth with early stops and the
-    seventh with prompt lengths;
+    seventh with prompt lengths, the eighth with shared prefixes;
     SeedSequence's children do not depend on how many are spawned, so the earlier ones (and every
     trace without them) are what they were.
     """
-    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(7))
+    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(8))
 
 
 def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
@@ -613,6 +704,7 @@ class _Streams(NamedTuple):
     patience: np.random.Generator
     used: np.random.Generator
     prompt: np.random.Generator
+    prefix: np.random.Generator
 
 
 @dataclass(frozen=True)
@@ -641,12 +733,13 @@ class TracePlan:
     patience: Patience | None
     name: str
     meta: dict = field(compare=False)
+    prefixes: SharedPrefix | None = None
 
     def trace(self) -> Trace:
-        gaps, size, service, client, patience, used, prompt = random_streams(self.seed)
+        gaps, *rest = random_streams(self.seed)
         times = _whole(self._pieces(gaps, None))
-        return self._requests(times, self._duration(times[-1] if times.size else None),
-                              _Streams(size, service, client, patience, used, prompt))
+        duration = self._duration(times[-1] if times.size else None)
+        return self._requests(times, duration, _Streams(*rest))
 
     def chunks(self, size: int) -> TraceChunks:
         """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are drawn through
@@ -654,6 +747,8 @@ class TracePlan:
         serves it."""
         if not (isinstance(size, (int, np.integer)) and size >= 1):
             raise ValueError(f"a chunk holds a whole number >= 1 of requests, got {size!r}")
+        if self.prefixes is not None:  # a conversation's turns span chunks: no history there
+            raise ValueError("a workload of shared prefixes is drawn whole: it does not stream")
         count, last = 0, None
         for times in self._pieces(random_streams(self.seed)[0], PIECE):
             count, last = count + times.size, times[-1]
@@ -700,20 +795,26 @@ class TracePlan:
         n = times.size
         which = _draw_index(rng.client, self.shares, n) if self.clients else np.zeros(n, dtype=np.int64)
         model, speed, used, prompts = self.model, self.speed, self.used, self.prompts
-        generated = None
+        generated = ids = None
         prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(rng.prompt, n)
         if self.service == "mix":
             tokens = _sizes(rng.size, self.mixes, which)
+            # Each stream is its own: drawing the early stops first changes none of the others'
+            # draws.
+            generated = None if used is None else used_tokens(rng.used, tokens, used)
+            if self.prefixes is not None:
+                prompt, ids = self._shared(rng, prompt, tokens if generated is None else generated)
             est = model.estimate(tokens) if prompt is None else model.estimate(tokens, prompt)
             noise = lognormal_noise(rng.service, n, self.noise_cv)
             if used is None:
                 true = est * speed * noise
             else:  # the engine does the work actually generated; the estimate still sees the limit
-                generated = used_tokens(rng.used, tokens, used)
                 work = model.estimate(generated) if prompt is None else model.estimate(generated, prompt)
                 true = work * speed * noise
         else:
             tokens = np.full(n, model.tokens_for(self.mean_s), dtype=np.int64)
+            if self.prefixes is not None:
+                prompt, ids = self._shared(rng, prompt, tokens)
             est = np.full(n, self.mean_s)
             draws = rng.service.standard_exponential(n) if self.service == "exponential" else np.ones(n)
             true = self.mean_s * speed * draws
@@ -722,10 +823,18 @@ class TracePlan:
             priority = np.asarray([c.priority for c in self.clients], dtype=np.int64)[which]
             client_id = np.asarray([c.name for c in self.clients], dtype=object)[which]
         patience = self.patience
-        return assemble_trace(times, tokens, est, true, mix=self.mix, duration_s=duration, name=self.name,
-                              meta=self.meta, priority=priority, client_id=client_id, prompt_tokens=prompt,
-                              patience_s=None if patience is None else patience.draw(rng.patience, n),
-                              tokens_generated=generated)
+        drawn = None if patience is None else patience.draw(rng.patience, n)
+        trace = assemble_trace(times, tokens, est, true, mix=self.mix, duration_s=duration,
+                               name=self.name, meta=self.meta, priority=priority,
+                               client_id=client_id, prompt_tokens=prompt, patience_s=drawn,
+                               tokens_generated=generated)
+        return trace if ids is None else dataclasses.replace(trace, tokens=ids)
+
+    def _shared(self, rng: _Streams, prompt: np.ndarray | None, answers: np.ndarray):
+        """The prompts (lengths, token identities) with their shared prefixes: ``prompt`` is each
+        request's own new tokens (None: none)."""
+        own = np.zeros(len(answers), dtype=np.int64) if prompt is None else prompt
+        return self.prefixes.compose(rng.prefix, own, np.asarray(answers, dtype=np.int64))
 
 
 def make_trace(arrivals: str = "poisson", service: str = "mix", **options) -> Trace:
@@ -764,25 +873,28 @@ def plan_trace(
     used: "UsedShare | dict[int, UsedShare] | None" = None,
     prompts: "Prompts | None" = None,
     capacity_rps: float | None = None,
+    prefixes: SharedPrefix | None = None,
 ) -> TracePlan:
     """A seeded synthetic workload: what :func:`make_trace` draws whole and :meth:`TracePlan.chunks` a chunk at a
     time.
 
     load is the utilisation at the simulated speed: lambda = load * engines / E[true S] (None:
-    :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`SIZED`) takes none, and giving
-    it one is a ValueError.
-    speed multiplies every true service time (2.25 = the machine 2.25x slower).
-    service: 'mix' (sizes from ``mix`` through ``model``, optional lognormal
-    noise of CV ``noise_cv``), 'exponential' or 'deterministic' with mean
-    ``mean_service_s`` (default: the mix's mean). clients: who sends each request
-    (:class:`Client`; each brings its priority and may bring its own mix); the load counts
-    their mixes by their shares. patience: how long each client waits (:class:`qsim.clients.Patience`,
-    drawn from a fifth stream; None or "none": forever). used: early stops (:class:`UsedShare`, one
-    for all or a mapping from a size to its own, from a sixth stream; None: every request generates its
-    limit): true service times follow the tokens generated, and ``load`` counts that work.
-    prompts: prompt lengths (:class:`Prompts`, from a seventh stream; None: none). capacity_rps: the requests per
-    second the server can take (a batching engine's, :func:`qsim.engines.Batching.capacity_rps`): then
-    lambda = load * capacity_rps, and engines, speed and the mix's mean time no longer set the rate.
+    :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`SIZED`) takes none, and
+    giving it one is a ValueError. speed multiplies every true service time (2.25 = the machine
+    2.25x slower). service: 'mix' (sizes from ``mix`` through ``model``, optional lognormal noise
+    of CV ``noise_cv``), 'exponential' or 'deterministic' with mean ``mean_service_s`` (default:
+    the mix's mean). clients: who sends each request (:class:`Client`; each brings its priority and
+    may bring its own mix); the load counts their mixes by their shares. patience: how long each
+    client waits (:class:`qsim.clients.Patience`, drawn from a fifth stream; None or "none":
+    forever). used: early stops (:class:`UsedShare`, one for all or a mapping from a size to its
+    own, from a sixth stream; None: every request generates its limit): true service times follow
+    the tokens generated, and ``load`` counts that work. prompts: prompt lengths (:class:`Prompts`,
+    from a seventh stream; None: none). prefixes: prompts that share tokens (:class:`SharedPrefix`:
+    a system prompt, conversations; from an eighth stream; None or sharing nothing: every prompt
+    its own), whose tokens a prefix cache reads (Trace.tokens). capacity_rps: the requests per
+    second the server can take (a batching engine's, :func:`qsim.engines.Batching.capacity_rps`):
+    then lambda = load * capacity_rps, and engines, speed and the mix's mean time no longer set the
+    rate.
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")
@@ -828,6 +940,10 @@ def plan_trace(
         meta.update(patience=patience.spec, patience_until=patience.until)
     if prompts is not None and prompts.kind != "none":
         meta["prompts"] = prompts.spec
+    if prefixes is not None and not prefixes.shares:
+        prefixes = None  # nothing shared: the trace it was without (no tokens to carry)
+    if prefixes is not None:
+        meta["prefixes"] = dataclasses.asdict(prefixes)
     return TracePlan(kind, numbers, rate, surge_rate, seconds, requests, seed, service, model, mean_s, speed, noise_cv,
                      mix, tuple(shares), tuple(mixes), tuple(clients), used, prompts, patience,
-                     f"{arrivals}-{service}", meta)
+                     f"{arrivals}-{service}", meta, prefixes)
