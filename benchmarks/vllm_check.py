@@ -21,6 +21,11 @@ random-weight model (:mod:`live.vllm_server`); with ``--url`` (a GPU user's own
    at vLLM (no gate), a step's mean time and what it held (``vllm:iteration_tokens_total``: one
    observation an engine step), and how much of a request's time at the client vLLM's own
    end-to-end time accounts for (the rest is its API process and the client, on the same cores).
+5. **the prefix cache**: the same requests of shared prefixes (a system prompt before 80 % of the
+   prompts; conversations of 4 turns) sent to vLLM one at a time as token ids, each turn carrying
+   the ids vLLM generated for the turn before, and simulated with qsim's prefix cache (vLLM's CPU
+   blocks of 128 tokens): the hit rates, in tokens, from vLLM's ``prefix_cache_queries`` and
+   ``prefix_cache_hits`` and from the simulator's, must agree within 1 %.
 
 Every section prints the machine's load average beside its figures (a busy machine's steps are
 slower). The exit status is 0 when every check ran (PASS or MISS), 2 when vLLM could not be
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -44,12 +50,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
 from live import vllm_server  # noqa: E402
 from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from live.contract import ServiceModelBody, Stats, UpstreamModels  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
+from qsim import Batching, ServerConfig, StepModel, simulate  # noqa: E402
+from qsim.policy import PRESETS  # noqa: E402
+from qsim.workload import Prompts, SharedPrefix, Trace, make_trace  # noqa: E402
+
+
+class VllmChoice(BaseModel):
+    """A completion's choice as vLLM answers it with ``return_token_ids``."""
+
+    token_ids: list[int]
+
+
+class VllmCompletion(BaseModel):
+    choices: list[VllmChoice]
+
 
 #: The step fit's target (the vLLM issue's): r^2 on the steps measured.
 R2_TARGET = 0.9
@@ -345,6 +368,121 @@ def check_steps(upstream: str, quick: bool) -> list[Check]:
         Check(f"vLLM's steps at {level.in_flight} in flight (reported)", True, level.line())
         for level in levels
     ]
+
+
+#: The workloads whose prefix-cache hit rate the simulator must match (qsim.workload.SharedPrefix):
+#: a system prompt of 384 tokens (3 of vLLM's CPU blocks of 128) before 80 % of the prompts, and
+#: conversations of 4 turns, 4 open at once, each turn's prompt the one before plus its answer.
+PREFIX_WORKLOADS = {
+    "system prompt 384:0.8": SharedPrefix(384, 0.8),
+    "conversations 4 turns": SharedPrefix(turns=4, conversations=4),
+}
+#: vLLM's CPU KV cache as vllm_server starts it (2 GiB: 4,096 blocks of 128 tokens for GPT-2 tiny).
+VLLM_CPU_BLOCK = 128
+VLLM_CPU_BLOCKS = 4096
+#: The hit rates of simulator and vLLM may differ by this much (absolute) and pass.
+HIT_RATE_TOLERANCE = 0.01
+
+
+def prefix_trace(prefixes: SharedPrefix, requests: int, seed: int = 0) -> Trace:
+    """A seeded trace of shared prefixes (the reference mix's answers, prompts of 20 to 120 new
+    tokens), its requests an hour apart: one at a time, in vLLM and in the simulator alike."""
+    trace = make_trace(
+        "poisson",
+        requests=requests,
+        seed=seed,
+        load=0.1,
+        prompts=Prompts("uniform", 20, 120),
+        prefixes=prefixes,
+    )
+    return dataclasses.replace(trace, arrival_s=np.arange(len(trace.arrival_s)) * 3600.0)
+
+
+def _token_ids(
+    trace: Trace, i: int, answers: dict[int, list[int]], vocab: int, salt: int
+) -> list[int]:
+    """Request i's prompt as token ids: each segment's key names a run of tokens (a seeded draw,
+    or the ids vLLM generated for an earlier request's answer), of which it takes the first ones.
+    ``salt``: a check's own, so that a server that ran it before has none of its blocks cached."""
+    ids = []
+    for key, length in trace.tokens[i].prompt:
+        run = answers.get(key)
+        if run is None:
+            run = np.random.default_rng((salt, key)).integers(16, vocab, size=length).tolist()
+        ids.extend(run[:length])
+    return ids
+
+
+def vllm_hit_rate(upstream: str, model: str, trace: Trace, vocab: int) -> tuple[int, int]:
+    """The trace's requests sent to vLLM one at a time as token ids (each answer's ids kept for the
+    turns that follow it); vLLM's own prefix-cache queries and hits over them."""
+    import httpx
+
+    before = vllm_server.metrics(upstream)
+    answers: dict[int, list[int]] = {}
+    salt = secrets.randbits(32)
+    with httpx.Client(base_url=upstream, timeout=300) as client:
+        for i in range(len(trace.arrival_s)):
+            body = {
+                "model": model,
+                "prompt": _token_ids(trace, i, answers, vocab, salt),
+                "max_tokens": int(trace.max_new_tokens[i]),
+                "return_token_ids": True,
+            }
+            answer = client.post("/v1/completions", json=body)
+            answer.raise_for_status()
+            answers[trace.tokens[i].answer] = (
+                VllmCompletion.model_validate_json(answer.content).choices[0].token_ids
+            )
+    after = vllm_server.metrics(upstream)
+    return tuple(
+        round(after[f"vllm:prefix_cache_{k}_total"] - before[f"vllm:prefix_cache_{k}_total"])
+        for k in ("queries", "hits")
+    )
+
+
+def simulated_hit_rate(trace: Trace) -> tuple[int, int]:
+    engine = Batching(
+        StepModel(),
+        max_num_seqs=32,
+        kv_blocks=VLLM_CPU_BLOCKS,
+        block_size=VLLM_CPU_BLOCK,
+        prefix_caching=True,
+    )
+    frame = simulate(trace, ServerConfig(PRESETS["none"], engine))
+    return frame.attrs["prefix_cache_queries"], frame.attrs["prefix_cache_hits"]
+
+
+def check_prefix_cache(upstream: str, quick: bool) -> list[Check]:
+    """The simulator's prefix cache against vLLM's own counters on the same requests."""
+    import httpx
+
+    model = UpstreamModels.model_validate_json(
+        httpx.get(upstream + "/v1/models", timeout=30).content
+    )
+    name = model.data[0].id
+    vocab = (
+        json.loads((Path(name) / "config.json").read_text())["vocab_size"]
+        if (Path(name) / "config.json").exists()
+        else 8192
+    )
+    checks = []
+    for label, prefixes in PREFIX_WORKLOADS.items():
+        trace = prefix_trace(prefixes, 24 if quick else 96)
+        (vq, vh), (sq, sh) = vllm_hit_rate(upstream, name, trace, vocab), simulated_hit_rate(trace)
+        detail = (
+            f"vLLM {vh} of {vq} prompt tokens from its cache ({vh / vq:.1%}), the simulator "
+            f"{sh} of {sq} ({sh / sq:.1%})"
+        )
+        checks.append(
+            Check(
+                f"prefix cache hit rate, {label}: simulator == vLLM within "
+                f"{HIT_RATE_TOLERANCE:.0%}",
+                abs(vh / vq - sh / sq) <= HIT_RATE_TOLERANCE,
+                detail,
+            )
+        )
+    return checks
 
 
 def run(upstream: str, out: Path, quick: bool) -> list[Check]:

@@ -40,7 +40,7 @@ def test_the_gates_tokens_are_vllms_and_a_predictive_gate_calibrates(vllm_url, t
         for name in checks
         if not name.startswith(("step model", "the upstream learner", "vLLM's steps"))
     ]
-    assert len(must) == 6, sorted(checks)
+    assert len(must) == 8, sorted(checks)
     missed = [checks[name].line() for name in must if not checks[name].passed]
     assert not missed, missed
     assert (tmp_path / "calibration.json").exists()
