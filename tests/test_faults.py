@@ -9,6 +9,7 @@ servers are real `qlab serve` subprocesses with the synthetic engine on the refe
 """
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -356,9 +357,9 @@ def test_clients_hanging_up_while_waiting_and_while_served_free_their_slots(serv
     assert delta(after, before) == {"good": 1, "abandoned": 2} and settled(after)
 
 
-def _kill_once_submitted(server: Server, n: int) -> None:
-    """Kill the server once its gate has taken n requests: tied to the replay's progress, not to a clock
-    that starts before the replay does (on a busy machine that start can take most of a second)."""
+def _once_submitted(server: Server, n: int, stop) -> None:
+    """``stop()`` once the server's gate has taken n requests: tied to the replay's progress, not to a
+    clock that starts before the replay does (on a busy machine that start can take most of a second)."""
     while True:
         try:
             if httpx.get(f"{server.url}/stats", timeout=5).json()["submitted"] >= n:
@@ -366,7 +367,7 @@ def _kill_once_submitted(server: Server, n: int) -> None:
         except httpx.HTTPError:
             return
         time.sleep(0.01)
-    server.kill()
+    stop()
 
 
 @pytest.mark.slow
@@ -379,7 +380,7 @@ def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp
     trace_csv.write_text("arrival_s,max_new_tokens\n" + "".join(f"{0.1 * i:.1f},4\n" for i in range(1, 30)))
     argv = ["replay", "--url", server.url, "--trace", str(trace_csv), "--timeout", "10", "--out", str(out)]
     try:
-        threading.Thread(target=_kill_once_submitted, args=(server, 12), daemon=True).start()
+        threading.Thread(target=_once_submitted, args=(server, 12, server.kill), daemon=True).start()
         assert main(argv) == 0
     finally:
         server.stop()
@@ -400,19 +401,6 @@ def test_server_killed_under_qlab_replay_then_a_second_replay_works(servers, tmp
     assert len(again) == 29 and not (again["outcome"] == "error").any()
 
 
-def _stop_once_submitted(server: Server, n: int, sig: signal.Signals) -> None:
-    """:func:`_kill_once_submitted`, with ``sig`` to the server process alone (SIGTERM: uvicorn's
-    graceful stop)."""
-    while True:
-        try:
-            if httpx.get(f"{server.url}/stats", timeout=5).json()["submitted"] >= n:
-                break
-        except httpx.HTTPError:
-            return
-        time.sleep(0.01)
-    server.proc.send_signal(sig)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_batching_gate_dying_under_qlab_replay_loses_no_row(tmp_path, capsys, sig):
@@ -429,7 +417,9 @@ def test_a_batching_gate_dying_under_qlab_replay_loses_no_row(tmp_path, capsys, 
     argv = ["replay", "--url", server.url, "--trace", str(trace_csv), "--timeout", "20",
             "--out", str(out)]
     try:
-        threading.Thread(target=_stop_once_submitted, args=(server, 12, sig), daemon=True).start()
+        # The signal to the server process alone (SIGTERM: uvicorn's graceful stop).
+        stop = functools.partial(server.proc.send_signal, sig)
+        threading.Thread(target=_once_submitted, args=(server, 12, stop), daemon=True).start()
         assert main(argv) == 0
     finally:
         server.stop()
