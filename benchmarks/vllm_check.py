@@ -494,6 +494,7 @@ def run(upstream: str, out: Path, quick: bool) -> list[Check]:
         ("tokens", lambda: check_tokens(upstream, logs, traffic)),
         ("calibration", lambda: check_calibration(upstream, logs, out, quick)),
         ("vLLM's steps", lambda: check_steps(upstream, quick)),
+        ("prefix cache", lambda: check_prefix_cache(upstream, quick)),
     ):
         print(f"== {section} ({load_average()})", flush=True)
         for check in fn():
