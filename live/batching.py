@@ -540,26 +540,23 @@ class BatchGate(Gate):
         """Always "ok": the core has no stall rule for a batching engine (a hang ends, see the module)."""
         return {"status": "ok", "stalled": []}
 
-    def stats(self, steps_since: float | None = None) -> dict:
-        """As the gate's, with ``batching`` (the batch and its KV blocks now, the steps so far) and, given
-        ``steps_since`` (gate clock), ``step_log``: each step woken for or begun since then as [woken, began, ended,
-        the engine's seconds, the step model's seconds, prefill tokens, sequences sampling, context tokens]
-        (:class:`qsim.runfile.LoggedStep`), on the gate's clock: when an arrival woke the idle engine for it (its
-        start where it followed a step), when the core began it, when the gate had it back (what ``qlab compare``
-        replays with), and what it computed (what ``qlab calibrate`` fits a step model to)."""
+    def stats(self) -> dict:
+        """As the gate's, with ``batching``: the batch and its KV blocks now, the steps so far (their log
+        comes a page at a time: :meth:`step_page`)."""
         engine = self.config.engine
-        stats = {**super().stats(), "batching": {
+        return {**super().stats(), "batching": {
             "running": self.queue.in_service, "max_num_seqs": engine.max_num_seqs,
             "kv_blocks_used": self.queue.kv_used, "kv_blocks": engine.kv_blocks, "block_size": engine.block_size,
             "kv_use": self.queue.kv_use, "steps": self.steps}}
-        if steps_since is not None:
-            # step[0]: when it was woken for
-            stats["step_log"] = [list(step) for step in self.step_log if step[0] >= steps_since]
-        return stats
 
     def step_page(self, since: float | None = None, cursor: int | None = None,
                   limit: int = STEP_PAGE) -> dict:
-        """At most ``limit`` steps of the log, oldest first: those woken for at ``since`` or later
+        """At most ``limit`` steps of the log, oldest first, each as [woken, began, ended, the engine's
+        seconds, the step model's seconds, prefill tokens, sequences sampling, context tokens]
+        (:class:`qsim.runfile.LoggedStep`) on the gate's clock: when an arrival woke the idle engine for
+        it (its start where it followed a step), when the core began it, when the gate had it back (what
+        ``qlab compare`` replays with), and what it computed (what ``qlab calibrate`` fits a step model
+        to). The steps are those woken for at ``since`` or later
         (gate clock), or from ``cursor`` on (a number a page before answered); ``step_log_next``:
         the cursor of the next page (None: this page ends the log). A cursor is a step's number
         since the gate started, so a page never repeats or skips a step, even among steps woken at

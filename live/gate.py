@@ -892,9 +892,8 @@ class Gate:
         stalled = self.queue.stalled_engines(self.clock())
         return {"status": "degraded" if stalled else "ok", "stalled": stalled}
 
-    def stats(self, steps_since: float | None = None) -> dict:
-        """The queue now; ``clock`` is the gate's clock (monotonic seconds) at this reading. steps_since: a batching
-        gate's steps since then (:class:`live.batching.BatchGate`); engines one at a time have none."""
+    def stats(self) -> dict:
+        """The queue now; ``clock`` is the gate's clock (monotonic seconds) at this reading."""
         return {
             "clock": self.clock(),
             **self.queue.snapshot(),
