@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 import httpx
@@ -323,11 +322,11 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
-    from live.admin import ADMIN_KEY_ENV, send_calibration
+    from live.admin import send_calibration, sending_key
     from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, report
 
-    if args.apply and not os.environ.get(ADMIN_KEY_ENV):  # said before the calibration's minutes, not after
-        raise ValueError(f"--apply: set {ADMIN_KEY_ENV} to the gate's operator key (qlab serve --admin-key)")
+    if args.apply:
+        sending_key()  # a missing key said before the calibration's minutes, not after
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
                             prompt_tokens=args.prompt_tokens, levels=args.in_flight,

@@ -2,8 +2,8 @@
 
 ``qlab calibrate --apply`` (or any client) sends the calibration JSON that ``qlab calibrate``
 writes; the gate plans with it from its next arrival, without a restart
-(:meth:`live.gate.Gate.use_calibration`:
-the line, the engines' slowdown and noise, and a batching gate's step model). The route wants the
+(:meth:`live.gate.Gate.use_calibration`: the line, the engines' slowdown and noise, and a batching
+gate's step model). The route wants the
 operator's key (``qlab serve --admin-key``, else ``QLAB_ADMIN_KEY``): ``Authorization: Bearer KEY``,
 compared as the API keys are (:mod:`live.auth`: constant time, never logged). A gate started without
 one refuses everyone (403): calibrations are then taken at start-up only (``--service-model``). The
@@ -86,17 +86,23 @@ def mount(app: FastAPI, gate, limits: Limits, operator: ApiKeys | None) -> None:
         return json_response(json.dumps(said))
 
 
-def send_calibration(url: str, calibration: dict, timeout_s: float = 30.0) -> dict:
-    """PUT ``calibration`` to the gate at ``url`` with the operator's key (:data:`ADMIN_KEY_ENV`):
-    what the gate
-    now plans with. ValueError (one line) where it is not taken."""
-    import httpx
-
+def sending_key() -> str:
+    """The operator's key a client sends (:data:`ADMIN_KEY_ENV`: never on a command line); ValueError
+    (one line) where it is not set."""
     key = os.environ.get(ADMIN_KEY_ENV)
     if not key:
         raise ValueError(
             f"--apply: set {ADMIN_KEY_ENV} to the gate's operator key (qlab serve --admin-key)"
         )
+    return key
+
+
+def send_calibration(url: str, calibration: dict, timeout_s: float = 30.0) -> dict:
+    """PUT ``calibration`` to the gate at ``url`` with the operator's key (:data:`ADMIN_KEY_ENV`);
+    what the gate now plans with. ValueError (one line) where it is not taken."""
+    import httpx
+
+    key = sending_key()
     try:
         answer = httpx.put(
             url + CALIBRATION,
