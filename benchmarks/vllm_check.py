@@ -56,9 +56,10 @@ from pydantic import BaseModel  # noqa: E402
 from live import vllm_server  # noqa: E402
 from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
-from live.contract import ServiceModelBody, Stats, UpstreamModels  # noqa: E402
+from live.contract import ServiceModelBody, Stats  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
+from live.upstream import UpstreamSpec, resolve_model  # noqa: E402
 from qsim import Batching, ServerConfig, StepModel, simulate  # noqa: E402
 from qsim.policy import PRESETS  # noqa: E402
 from qsim.workload import Prompts, SharedPrefix, Trace, make_trace  # noqa: E402
@@ -327,13 +328,7 @@ async def _level(url: str, model: str, in_flight: int, requests: int, max_tokens
 def measure_steps(upstream: str, levels: tuple[int, ...], requests: int) -> list[StepLevel]:
     """Requests straight at vLLM at each level (no gate): its steps and its own times, from its
     counters."""
-    import httpx
-
-    model = (
-        UpstreamModels.model_validate_json(httpx.get(upstream + "/v1/models", timeout=30).content)
-        .data[0]
-        .id
-    )
+    model = resolve_model(UpstreamSpec(upstream))
     found = []
     for level in levels:
         before, t0 = vllm_server.metrics(upstream), time.perf_counter()
@@ -455,12 +450,7 @@ def simulated_hit_rate(trace: Trace) -> tuple[int, int]:
 
 def check_prefix_cache(upstream: str, quick: bool) -> list[Check]:
     """The simulator's prefix cache against vLLM's own counters on the same requests."""
-    import httpx
-
-    model = UpstreamModels.model_validate_json(
-        httpx.get(upstream + "/v1/models", timeout=30).content
-    )
-    name = model.data[0].id
+    name = resolve_model(UpstreamSpec(upstream))
     vocab = (
         json.loads((Path(name) / "config.json").read_text())["vocab_size"]
         if (Path(name) / "config.json").exists()
