@@ -21,6 +21,7 @@ of the per-seed *difference* (paired by seed), which is narrower than two separa
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -35,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -884,10 +885,18 @@ def _live_run(ctx: Context, folder: Path) -> None:
     from . import live_runner
 
     data = _live_data(ctx)
-    said = data.pop("vllm", None)
-    if said is None:
+    with _vllm_for(data, folder, ctx):
         cfg = live_config.parse(data, str(folder / "live.toml"))
         live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
+
+
+@contextlib.contextmanager
+def _vllm_for(data: dict, folder: Path, ctx: Context) -> Iterator[None]:
+    """Where the live document says vLLM (its ``vllm`` key, taken out), a vLLM server for the block,
+    its URL the server's upstream; otherwise nothing."""
+    said = data.pop("vllm", None)
+    if said is None:
+        yield
         return
     from live import vllm_server
 
@@ -896,8 +905,7 @@ def _live_run(ctx: Context, folder: Path) -> None:
     ctx.log(f"  live: starting vLLM ({spec.model.name}; 1-3 minutes)")
     with vllm_server.serving(spec, folder / "vllm.log", python) as url:
         data["server"]["upstream_url"] = url
-        cfg = live_config.parse(data, str(folder / "live.toml"))
-        live_runner.run(cfg, folder / "live", log=lambda line: ctx.log(f"  live: {line}"))
+        yield
 
 
 #: The columns a live run's model-only prediction adds beside its per-request replay (metric: column).
