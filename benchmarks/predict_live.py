@@ -42,8 +42,10 @@ import math
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -165,15 +167,23 @@ def at_speed_in_run(run: pd.DataFrame, speed: float, seeds: int) -> pd.DataFrame
 
 
 def run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out: Path, log) -> dict:
-    if case.vllm is None:
+    with _vllm_url(case, args, out, log) as url:
+        if url is not None:
+            case = replace(case, server={**case.server, "upstream_url": url})
         return _run_case(case, loads, args, out, log)
-    if args.vllm_url:
-        return _run_case(replace(case, server={**case.server, "upstream_url": args.vllm_url}), loads, args, out, log)
+
+
+@contextmanager
+def _vllm_url(case: Case, args: argparse.Namespace, out: Path, log) -> Iterator[str | None]:
+    """A vLLM case's server for the block: --vllm-url's, else one started now; None for other cases."""
+    if case.vllm is None or args.vllm_url:
+        yield None if case.vllm is None else args.vllm_url
+        return
     python = vllm_server.install()
     spec = vllm_server.ServerSpec(vllm_server.model(python, case.vllm), prefix_caching=case.prefix_caching)
     log(f"{case.name}: starting vLLM ({spec.model.name}, prefix caching {case.prefix_caching})")
     with vllm_server.serving(spec, out / case.name / "vllm.log", python) as url:
-        return _run_case(replace(case, server={**case.server, "upstream_url": url}), loads, args, out, log)
+        yield url
 
 
 def _run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out: Path, log) -> dict:
