@@ -221,8 +221,10 @@ def check_calibration(upstream: str, logs: Path, out: Path, quick: bool) -> list
         batching=True,
         max_num_seqs=32,
     )
-    # The operator's key reaches the gate (a child) through its environment, as qlab serve reads it.
-    os.environ.setdefault(ADMIN_KEY_ENV, secrets.token_hex(16))
+    # The operator's key reaches the gate (a child) and send_calibration through the environment, as
+    # qlab serve and qlab calibrate --apply read it; the caller's environment is left as it was.
+    before = os.environ.get(ADMIN_KEY_ENV)
+    os.environ[ADMIN_KEY_ENV] = before or secrets.token_hex(16)
     server = Server(options, logs / "gate-predictive.log")
     taken = None
     try:
@@ -245,6 +247,8 @@ def check_calibration(upstream: str, logs: Path, out: Path, quick: bool) -> list
         stats = _stats(gate)
     finally:
         server.stop()
+        if before is None:
+            del os.environ[ADMIN_KEY_ENV]
     rejected = stats.counts.get("rejected", 0)
     checks = [
         Check(

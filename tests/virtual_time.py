@@ -275,6 +275,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                 submit(new_row(i, 1, t))
             while pending or gate.in_service:  # retries to come; runs whose client left still hold their engine
                 await asyncio.sleep(0.01)
+            if batching is None:
+                return gate.stats()
             return {**gate.stats(), "step_log": [list(step) for step in gate.step_log]}  # every step
 
     stats = on_virtual_clock(go)
