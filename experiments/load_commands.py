@@ -330,7 +330,7 @@ def cmd_calibrate(args) -> int:
     cfg = CalibrationConfig(args.url.rstrip("/"), rounds=args.rounds, per_size=args.per_size,
                             prompt_words=args.prompt_words, deadline_ms=args.deadline_ms,
                             prompt_tokens=args.prompt_tokens, levels=args.in_flight,
-                            load_per_size=args.load_per_size)
+                            load_per_size=args.load_per_size, engine_metrics=args.engine_metrics)
     prompts = "" if cfg.prompt_tokens is None else f" with prompts of {list(cfg.prompt_tokens)} tokens"
     if cfg.levels is None:
         load = (f"; then {cfg.load_per_size} x the sizes with 2, 4, ... in flight, up to the server's engines (a "
@@ -387,6 +387,10 @@ def _calibrate_parser(sub) -> None:
     p.add_argument("--load-per-size", type=positive_int, default=4,
                    help="under load: requests of each size per in-flight level (default 4; against a batching server "
                         "at least the level's requests in flight)")
+    p.add_argument("--engine-metrics", metavar="URL",
+                   help="a batching gate's engine, where it counts its own steps (vLLM's base URL: its "
+                        "/metrics): the step model is fitted to the engine's steps, each phase in two "
+                        "halves, and judged on the held-out halves")
     p.add_argument("--out", required=True, help="JSON that serve, simulate and compare read with --service-model")
 
 

@@ -56,6 +56,7 @@ from qsim.runfile import LoggedStep
 from qsim.service import Fit, ServiceModel, fit
 
 from .auth import client_headers
+from .engine_steps import EnginePhase, EngineStepFit, counted, fit_phases
 from .contract import (Completion, CompletionRequest, EngineFacts, GenerateRequest, GenerateResponse, HealthFacts,
                        Stats, Timings, UpstreamModels, num)
 from .tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
@@ -86,6 +87,9 @@ class CalibrationConfig:
     # level's schedule's repetitions of the sizes.
     levels: tuple[int, ...] | None = None
     load_per_size: int = 4
+    # A batching engine's own counters (vLLM's /metrics at this base URL), read around each phase:
+    # the step model is fitted to the engine's steps rather than the gate's (live.engine_steps).
+    engine_metrics: str | None = None
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.per_size < 1:
@@ -348,17 +352,19 @@ class StepCalibration:
 
     fit: StepFit
     levels: tuple[BatchLevel, ...]
+    engine: EngineStepFit | None = None  # fitted to the engine's own counters: the model, where there
 
     @property
     def model(self) -> StepModel:
-        return self.fit.calibrated
+        return (self.fit if self.engine is None else self.engine.fit).calibrated
 
     def as_dict(self) -> dict:
         f = self.fit
         return {"median_rel_error": f.median_rel_error, "worst_rel_error": f.worst_rel_error, "cv": f.cv,
                 "r2": _json_number(f.r2), "n": f.n, "standard_errors": dict(zip(STEP_FIELDS, map(_json_number, f.se))),
                 "seconds": "gate: each step's start to the gate having it back",
-                "levels": [lv.as_dict() for lv in self.levels]}
+                "levels": [lv.as_dict() for lv in self.levels],
+                "engine": None if self.engine is None else self.engine.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -488,20 +494,24 @@ def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
     with httpx.Client(base_url=cfg.url, timeout=cfg.timeout_s, headers=client_headers(),
                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as http:
         facts = read_facts(http)
+        if cfg.engine_metrics and facts.batching is None:
+            raise ValueError(f"--engine-metrics reads a batching engine's steps; {cfg.url} runs requests one at a "
+                             "time (no --batching)")
         lengths = prompt_schedule(cfg, facts)
         texts = {p: prompt_of(p, facts.tokenizer) for p in lengths}
         # The first request pays for lazy set-up (connections, allocator, kernels): not service time.
         _engine_seconds(http, {"prompt": texts[lengths[-1]], "max_new_tokens": max(cfg.sizes)})
         counts = counted_by_gate(http, texts) if len(lengths) > 1 else {p: p for p in lengths}
         since = gate_clock(http) if facts.batching is not None else None
-        rounds = []
+        rounds, phases = [], []
         for number in range(1, cfg.rounds + 1):
-            rounds.append(measure_round(http, cfg, number, texts, counts))
+            rounds.append(_counted(cfg, phases, 1, (number - 1) % 2,
+                                   lambda n=number: measure_round(http, cfg, n, texts, counts)))
             if progress:
                 progress(rounds[-1])
         if facts.batching is not None:
             batch = [BatchLevel(1, sum(len(r.tokens) for r in rounds), fetch_steps(http, since))]
-            batch.extend(measure_batches(http, cfg, facts.batching, texts, counts, progress))
+            batch.extend(measure_batches(http, cfg, facts.batching, texts, counts, progress, phases))
         else:
             levels = []
             for level in cfg.load_levels(facts.engines):
@@ -513,7 +523,8 @@ def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
     seconds = np.concatenate([r.engine_s for r in rounds])
     overall = fit(tokens, seconds, prompt_tokens=prompt_tokens)
     if facts.batching is not None:  # a batch's requests share each step: the step model, no concurrency term
-        steps = StepCalibration(fit_steps([s for level in batch for s in level.steps]), tuple(batch))
+        engine = fit_phases(phases) if cfg.engine_metrics else None
+        steps = StepCalibration(fit_steps([s for level in batch for s in level.steps]), tuple(batch), engine)
         return Calibration(overall, tuple(rounds), facts.tokenizer, steps=steps)
     # The rounds ran one at a time: busy 1 each.
     every = [*((r.tokens, r.prompt_tokens, r.engine_s, (1,) * len(r.tokens)) for r in rounds),
@@ -522,18 +533,34 @@ def calibrate(cfg: CalibrationConfig, progress=None) -> Calibration:
     return Calibration(overall, tuple(rounds), facts.tokenizer, tuple(levels), load)
 
 
+def _counted(cfg: CalibrationConfig, phases: list[EnginePhase], level: int, half: int, run):
+    """``run()``; with the engine's counters, what the engine did meanwhile joins ``phases``."""
+    if cfg.engine_metrics is None:
+        return run()
+    result, phase = counted(cfg.engine_metrics, level, half, run)
+    phases.append(phase)
+    return result
+
+
 def measure_batches(http: httpx.Client, cfg: CalibrationConfig, batching: Batching, texts: dict[int, str],
-                    counts: dict[int, int], progress=None) -> list[BatchLevel]:
+                    counts: dict[int, int], progress=None,
+                    phases: list[EnginePhase] | None = None) -> list[BatchLevel]:
     """A batching server under load: at each level (2, 4, ... up to its ``max_num_seqs``, or as asked) the
     schedule sent with that many in flight (:func:`measure_load`; repeated at least ``level`` times, so that each
     worker sends about one request of each size: the batch is full for most of the phase, not only until the
-    first workers run out), and the steps the server ran meanwhile."""
+    first workers run out), and the steps the server ran meanwhile. With the engine's counters, each level
+    is sent in two halves, each half a phase of ``phases``."""
     measured = []
     for level in cfg.load_levels(batching.max_num_seqs, "seats in the batch (max_num_seqs)"):
         since = gate_clock(http)
         per_size = max(cfg.load_per_size, level)
-        sent = measure_load(http, cfg, level, texts, counts, per_size)
-        measured.append(BatchLevel(level, len(sent.tokens), fetch_steps(http, since)))
+        if cfg.engine_metrics is None:
+            sent = measure_load(http, cfg, level, texts, counts, per_size).tokens
+        else:
+            half = max(1, per_size // 2)
+            sent = [t for h in (0, 1) for t in _counted(
+                cfg, phases, level, h, lambda: measure_load(http, cfg, level, texts, counts, half)).tokens]
+        measured.append(BatchLevel(level, len(sent), fetch_steps(http, since)))
         if progress:
             progress(measured[-1])
     return measured
@@ -607,11 +634,17 @@ def describe_terms(result: Calibration) -> str:
 
 
 def describe_steps(steps: StepCalibration) -> str:
-    """The fitted step model and how well it fits, in one line."""
+    """The fitted step model and how well it fits, in a line (two with the engine's counters)."""
     m, f = steps.model, steps.fit
-    return (f"step model: {m.b0 * 1e3:.3f} ms + {m.b1 * 1e6:.3f} us/prefill token + {m.b2 * 1e6:.1f} us/sequence + "
-            f"{m.b3 * 1e9:.2f} ns/context token, CV {m.cv:.3f}; r^2 {f.r2:.3f}, error on one step: median "
-            f"{f.median_rel_error:.1%}, worst {f.worst_rel_error:.1%}; {f.n} steps")
+    line = (f"step model: {m.b0 * 1e3:.3f} ms + {m.b1 * 1e6:.3f} us/prefill token + {m.b2 * 1e6:.1f} us/sequence + "
+            f"{m.b3 * 1e9:.2f} ns/context token, CV {m.cv:.3f}; ")
+    gate = (f"the gate's steps: r^2 {f.r2:.3f}, error on one step: median {f.median_rel_error:.1%}, worst "
+            f"{f.worst_rel_error:.1%}; {f.n} steps")
+    e = steps.engine
+    if e is None:
+        return line + gate
+    return (line + f"fitted to the engine's counters ({len(e.phases)} phases): r^2 {e.fit.r2:.3f}, on held-out "
+            f"phases {e.held_out_r2:.3f} (median error {e.held_out_median_rel_error:.1%})\n  beside it, {gate}")
 
 
 def describe_level(level: LoadLevel) -> str:

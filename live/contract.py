@@ -178,6 +178,9 @@ class GenerateResponse(BaseModel):
     engine: int
     timings: Timings
     admission: Admission
+    # The prompt's tokens as the engine counted them (an upstream's usage; the gate's own count
+    # where the engine does not say). None: a server that did not say.
+    prompt_tokens: int | None = None
 
 
 # ---------------------------------------------------------------------- the error envelope
@@ -652,15 +655,17 @@ def _as_generate(q: QlabInfo | None, usage: Usage | None, choices: list) -> Gene
     return generate_of(q, text, usage.completion_tokens)
 
 
-def generate_of(q: QlabInfo | None, text: str, tokens: int) -> GenerateResponse:
+def generate_of(q: QlabInfo | None, text: str, tokens: int, prompt_tokens: int | None = None) -> GenerateResponse:
     """An OpenAI-compatible answer as ``/v1/generate``'s: a qlab gate's ``qlab`` part gives the outcome, engine,
     timings and admission numbers; without one (a server that is not a qlab gate) they are unknown: nulls,
     engine -1, and outcome good, which nothing reads (a client judges an answer by the latency it measured)."""
     if q is None:
         return GenerateResponse(text=text, tokens=tokens, outcome="good", engine=-1, admission=Admission(),
+                                prompt_tokens=prompt_tokens,
                                 timings=Timings(queue_s=None, engine_s=None, total_s=None, est_service_s=None,
                                                 started_at=None, returned_at=None))
     return GenerateResponse(text=text, tokens=tokens, outcome=q.outcome, engine=q.engine, admission=q.admission,
+                            prompt_tokens=prompt_tokens,
                             timings=Timings(queue_s=q.queue_s, engine_s=q.engine_s, total_s=q.total_s,
                                             est_service_s=q.est_service_s, started_at=q.started_at,
                                             returned_at=q.returned_at, first_token_s=q.first_token_s))

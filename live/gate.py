@@ -770,8 +770,11 @@ class Gate:
             return
         self.counts[outcome] += 1
         if exc is None:
-            said = answer.prompt_tokens
-            self.answered_tokens["prompt"] += ticket.job.prompt_tokens if said is None else said
+            # The engine's own count of the prompt where it has one (an upstream's tokenizer), else
+            # the gate's: settled here once, for /stats, the clients' usage and /v1/generate's answer.
+            if answer.prompt_tokens is None:
+                answer = replace(answer, prompt_tokens=ticket.job.prompt_tokens)
+            self.answered_tokens["prompt"] += answer.prompt_tokens
             self.answered_tokens["generated"] += answer.tokens
             ticket.future.set_result(answer)
         else:

@@ -114,7 +114,7 @@ def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
                       est_service_s=a.seen.est_service_s, started_at=answer.started_at,
                       returned_at=answer.returned_at, first_token_s=answer.first_token_s)
     return GenerateResponse(text=answer.text, tokens=answer.tokens, outcome=answer.outcome, engine=answer.engine,
-                            timings=timings, admission=Admission.model_validate(a.numbers()))
+                            prompt_tokens=answer.prompt_tokens, timings=timings, admission=Admission.model_validate(a.numbers()))
 
 
 # ---------------------------------------------------------------------- the app

@@ -263,9 +263,7 @@ class _Run:
 
     @property
     def usage(self) -> Usage:
-        # The engine's own count where it has one (an upstream's tokenizer), else the gate's.
-        said = self.answer.prompt_tokens
-        prompt = self.job.prompt_tokens if said is None else said
+        prompt = self.answer.prompt_tokens  # the gate settled it (Gate._resolve)
         return Usage(prompt_tokens=prompt, completion_tokens=self.answer.tokens, total_tokens=prompt + self.answer.tokens)
 
     @property

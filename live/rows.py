@@ -10,7 +10,8 @@ timeouts, 4xx, 5xx, an answer that is not the contract's).
 arrival_s is the actual send time. Columns beyond qsim's schema:
 scheduled_s, sent_s, send_lateness_s, http_status, error; the service's own
 timings (engine_s, queue_s, server_total_s), tokens, prompt_tokens (the prompt's length
-in the server's tokens, as sent);
+in the server's tokens, as sent), answered_prompt_tokens (the prompt's tokens as the answer
+counted them: an upstream engine's own count, e.g. vLLM's tokenizer; <NA>: the answer did not say);
 calibrated_est_s (the server's estimate before speed tracking);
 server_arrival_s (when the gate took it, see :func:`_received`); and the
 server's configuration (:meth:`ServerInfo.columns`), so that ``qlab compare``
@@ -231,6 +232,7 @@ def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float)
         "outcome": outcome, "reason": reason, "error": error, "est": est,
         "engine_s": num(timings.engine_s), "queue_s": num(timings.queue_s), "total_s": num(timings.total_s),
         "tokens": answer.tokens if answered else -1,
+        "answered_prompt": _int_or(answer.prompt_tokens, -1) if answered else -1,
         "engine": answer.engine if answered else _int_or(seen.engine, -1),
         "queued": _int_or(seen.queued, -1), "queued_work": num(seen.queued_work_s),
         "in_service": num(seen.in_service_s), "idle": _int_or(seen.idle, -1),
@@ -325,6 +327,7 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_t
         "server_total_s": rows["total_s"].to_numpy(float),
         "tokens": _nullable_int(rows["tokens"]),
         "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64)[first],
+        "answered_prompt_tokens": _nullable_int(rows["answered_prompt"]),
         "server_arrival_s": rows["received"].to_numpy(float),
         "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
         "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),

@@ -68,6 +68,12 @@ COUNTERS = (
     "vllm:e2e_request_latency_seconds_count",
     "vllm:request_queue_time_seconds_sum",
     "vllm:request_inference_time_seconds_sum",
+    # The engine's own gap between a request's tokens (its step, seen by each running request).
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    # Gauges: what the engine holds now.
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
 )
 
 

@@ -99,18 +99,23 @@ class StepModel:
     def fit(cls, prefill, seqs, context, seconds) -> "StepFit":
         """Non-negative least squares (scipy's lsq_linear) of measured steps' times on the four terms; the fit's
         errors on one step, the CV of steps around it, r^2, and each coefficient's standard error (White's
-        heteroscedasticity-consistent one: a step's spread grows with its time)."""
-        x = np.column_stack([np.ones(len(seconds)), np.asarray(prefill, float), np.asarray(seqs, float),
-                             np.asarray(context, float)])
+        heteroscedasticity-consistent one: a step's spread grows with its time). ``context`` None: the
+        measurements do not say the context held (an engine's counters), so b3 is 0, not fitted."""
         y = np.asarray(seconds, dtype=float)
-        if x.shape[0] < 4:
-            raise ValueError(f"a step model needs at least 4 measured steps, got {x.shape[0]}")
+        terms = [np.ones(len(y)), np.asarray(prefill, float), np.asarray(seqs, float)]
+        if context is not None:
+            terms.append(np.asarray(context, float))
+        x = np.column_stack(terms)
+        if x.shape[0] < x.shape[1]:
+            raise ValueError(f"a step model of {x.shape[1]} terms needs at least {x.shape[1]} measured "
+                             f"steps, got {x.shape[0]}")
         b = optimize.lsq_linear(x, y, bounds=(0, np.inf)).x
         model = cls(*map(float, b))
         rel = np.abs(x @ b - y) / np.where(y > 0, y, np.nan)
         resid = y / np.where(x @ b > 0, x @ b, np.nan)
+        se = _standard_errors(x, y - x @ b) + (math.nan,) * (4 - x.shape[1])
         return StepFit(model, float(np.nanmedian(rel)), float(np.nanmax(rel)), float(np.nanstd(resid)), len(y),
-                       _r2(y, x @ b), _standard_errors(x, y - x @ b))
+                       _r2(y, x @ b), se)
 
 
 def _r2(y: np.ndarray, fitted: np.ndarray) -> float:

@@ -135,7 +135,7 @@ def test_openai_routes_are_their_models(client):
 
 #: The wire format as docs/http.md states it: changing a model's field name changes these, and fails here.
 WIRE = {
-    "answer": {"text", "tokens", "outcome", "engine", "timings", "admission"},
+    "answer": {"text", "tokens", "prompt_tokens", "outcome", "engine", "timings", "admission"},
     "timings": {"queue_s", "engine_s", "total_s", "est_service_s", "started_at", "returned_at", "first_token_s"},
     "admission": {"arrived_at", "est_service_s", "deadline_s", "queued", "queued_work_s", "speed_factor", "in_service_s",
                   "idle"},
@@ -165,6 +165,22 @@ def test_rows_read_an_answer_and_a_refusal_without_a_nan(client):
         assert math.isfinite(row[column]), column
 
 
+def test_the_run_file_holds_the_engines_count_of_the_prompt(client):
+    """An answer's prompt_tokens (an upstream's own count, e.g. vLLM's) reaches the row; an answer
+    without it (a server that does not count) leaves the row's count missing, not 0."""
+    from live.contract import EventUsage
+    from live.openai_replay import answer_body
+
+    body = client.post("/v1/generate", json=OK).json()
+    assert body["prompt_tokens"] == 5  # the synthetic engine does not count: the gate's bytes
+    said = _row(Exchange(0.0, 0.0, 0.01, 200, {**body, "prompt_tokens": 4}), 2.0, 0.1, 0.0)
+    silent = {k: v for k, v in body.items() if k != "prompt_tokens"}
+    assert said["answered_prompt"] == 4
+    assert _row(Exchange(0.0, 0.0, 0.01, 200, silent), 2.0, 0.1, 0.0)["answered_prompt"] == -1
+    streamed = answer_body("hi", EventUsage(prompt_tokens=4, completion_tokens=2), None)
+    assert (streamed["prompt_tokens"], streamed["tokens"]) == (4, 2)
+
+
 def _renamed(body: dict, path: tuple[str, ...]) -> dict:
     body = json.loads(json.dumps(body))
     holder = body
@@ -174,7 +190,8 @@ def _renamed(body: dict, path: tuple[str, ...]) -> dict:
     return body
 
 
-@pytest.mark.parametrize("path", [(k,) for k in sorted(WIRE["answer"])] +
+# prompt_tokens is optional: a server that does not count the prompt's tokens answers without it.
+@pytest.mark.parametrize("path", [(k,) for k in sorted(WIRE["answer"] - {"prompt_tokens"})] +
                          [("timings", k) for k in sorted(WIRE["timings"] - {"first_token_s"})])
 def test_a_renamed_answer_field_is_an_error_not_a_nan(client, path):
     """The client reads through the model: a body whose field changed name is not an answer at all."""
