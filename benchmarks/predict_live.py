@@ -56,6 +56,7 @@ from live import vllm_server  # noqa: E402
 from experiments import live_runner  # noqa: E402
 from live.live_config import CalibrateConfig, LiveConfig, ProbeConfig, ReplaySettings, TraceSpec  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
+from qsim.engines import StepModel  # noqa: E402
 
 #: The prediction's metrics, as the table names them (analysis.metrics.summary's names: a short label).
 METRICS = {"share_good": "share in time", "goodput_rps": "goodput", "latency_p99_s": "p99 e2e",
@@ -113,13 +114,27 @@ def config(case: Case, loads: tuple[float, ...], args: argparse.Namespace, folde
     """The case as a ``qlab live`` experiment of one policy: calibrate first, one trace per load."""
     traces = tuple(TraceSpec(name=f"load{load:g}", arrivals="poisson", nominal_load=load, seconds=args.seconds,
                              seed=args.seed) for load in loads)
-    return LiveConfig(server=ServeOptions(**case.server), calibrate=CalibrateConfig(args.rounds, args.per_size),
+    # A vLLM case's step model is fitted to vLLM's own counters (calibrate --engine-metrics).
+    engine = case.server.get("upstream_url") if case.vllm else None
+    return LiveConfig(server=ServeOptions(**case.server),
+                      calibrate=CalibrateConfig(args.rounds, args.per_size, engine),
                       probe=ProbeConfig(requests=args.probe), replay=ReplaySettings(api=args.api),
                       traces=traces, policies=(POLICY,), startup_timeout_s=300.0, source=str(folder / "case.toml"),
                       policy_args={POLICY: case.policy_args} if case.policy_args else {})
 
 
-def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int) -> dict:
+def engine_speed(run: pd.DataFrame, calibration: dict) -> float:
+    """A vLLM case's speed in the run by vLLM's own counters: the engine's mean step over the run
+    over the calibrated step model's at the run's mean sequences and prefill a step (NaN: not read)."""
+    if "engine_step_s" not in run.columns or "step" not in calibration:
+        return math.nan
+    first = run.iloc[0]
+    model = StepModel.from_fields(calibration["step"])
+    return float(first["engine_step_s"]) / model.time(
+        float(first["engine_prefill_a_step"]), float(first["engine_seqs_a_step"]), 0.0)
+
+
+def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int, calibration: dict) -> dict:
     """One run's figures: its summary row's loads and speeds, the replay's disagreement, the prediction's errors."""
     p = compare.predict(run, seeds=seeds)
     within = p.within_targets()
@@ -142,6 +157,7 @@ def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int) -> dict:
     # Only engines one at a time that do not slow each other: where they do, the speed in the run holds that
     # slowdown, which the prediction adds again; a batching engine's prediction runs at its step model's times,
     # not at a speed (its concurrency is NaN).
+    out["engine_speed_in_run"] = engine_speed(run, calibration)
     alone = p.concurrency == 0
     hindsight = (at_speed_in_run(run, row["speed_in_run"], seeds) if alone and p.speed_source.startswith("probed")
                  else None)
@@ -192,11 +208,11 @@ def _run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, ou
     cfg = config(case, loads, args, folder)
     summary = live_runner.run(cfg, folder, log=lambda line: log(f"  {case.name}: {line}"))
     runs = []
+    calibration = json.loads((folder / "calibration.json").read_text())
     for spec, (_, row) in zip(cfg.traces, summary.iterrows()):
         run = pd.read_parquet(folder / "runs" / f"{spec.name}__{POLICY}.parquet")
-        runs.append(judged(case, row.to_dict(), run, args.seeds))
+        runs.append(judged(case, row.to_dict(), run, args.seeds, calibration))
         log(describe(runs[-1]))
-    calibration = json.loads((folder / "calibration.json").read_text())
     # What the case was predicted from (the per-round fits apart): the line, the load terms, a step model.
     return {"case": case.name, "what": case.what, "skipped": None, "runs": runs,
             "calibration": {k: v for k, v in calibration.items() if k != "rounds"}}
@@ -217,6 +233,8 @@ def describe(r: dict) -> str:
             f"{r['speed_in_run_median']:.3f}), after {r['speed_after']:.3f}; predicted at speed {at['speed']:.3f} "
             f"({at['speed_source']}), noise CV {at['noise_cv']:.3g} ({at['noise_source']}), concurrency "
             f"{at['concurrency']:.3g}"
+            + (f"; vLLM's own steps in the run at {r['engine_speed_in_run']:.3f} x the calibrated step model"
+               if math.isfinite(r.get("engine_speed_in_run", math.nan)) else "")
             + (f"\n    at the speed in the run (hindsight): {hindsight}" if hindsight else ""))
 
 

@@ -42,6 +42,7 @@ from inputs.atomic import atomic_write, clear_temporaries, sigterm_interrupts, w
 from qsim import ServiceModel, Trace, build_trace
 
 from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, probe, report
+from live.engine_steps import counted
 from live.live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
 from live.loadgen import ReplayConfig, lateness, replay
 from live.procs import serving
@@ -80,7 +81,8 @@ def run_calibration(cfg: LiveConfig, out: Path, log: Callable[[str], None]) -> s
     options = replace(cfg.server, policy="none", service_model="")
     with serving([options], out / "logs", cfg.startup_timeout_s, prefix="calibrate") as (server,):
         result = calibrate(CalibrationConfig(server.url, cfg.calibrate.rounds, cfg.calibrate.per_size,
-                                             prompt_words=cfg.replay.prompt_words),
+                                             prompt_words=cfg.replay.prompt_words,
+                                             engine_metrics=cfg.calibrate.engine_metrics),
                            progress=lambda step: log(f"calibration {report(step)}"))
     result.save(path)
     log(describe(result.overall, "calibration, all rounds"))
@@ -204,9 +206,19 @@ def _row_from_file(r: _Run, path: Path) -> dict:
 def _one_run(cfg: LiveConfig, model: ServiceModel, url: str, trace: Trace) -> tuple[pd.DataFrame, tuple[float, float]]:
     p = cfg.probe
     before = probe(url, model, p.requests, p.max_new_tokens, cfg.replay.prompt_words)
-    frame = replay(trace, ReplayConfig(url, timeout_s=cfg.replay.timeout_s, prompt_words=cfg.replay.prompt_words,
-                                       context_tokens=cfg.replay.context_tokens, retry=cfg.retry,
-                                       api=cfg.replay.api))
+
+    def run() -> pd.DataFrame:
+        return replay(trace, ReplayConfig(url, timeout_s=cfg.replay.timeout_s, prompt_words=cfg.replay.prompt_words,
+                                          context_tokens=cfg.replay.context_tokens, retry=cfg.retry,
+                                          api=cfg.replay.api))
+
+    engine = cfg.calibrate.engine_metrics if cfg.calibrate is not None else None
+    if engine is None:
+        frame = run()
+    else:  # the engine's own steps during the run: its speed then, beside the probes around it
+        frame, phase = counted(engine, 0, 0, run)
+        frame["engine_step_s"], frame["engine_seqs_a_step"] = phase.step_s, phase.seqs
+        frame["engine_prefill_a_step"] = phase.prefill
     after = probe(url, model, p.requests, p.max_new_tokens, cfg.replay.prompt_words)
     frame["speed_before"], frame["speed_after"] = before, after
     return frame, (before, after)

@@ -20,6 +20,7 @@ codel_target_s = 0.2
 [calibrate]              # optional: calibrate first (its own server, policy none); the fit is used everywhere
 rounds = 2
 per_size = 12
+# engine_metrics = "http://127.0.0.1:8000"  # a vLLM upstream: fit its steps to its own /metrics
 
 [probe]                  # a speed probe before and after every run
 requests = 5
@@ -75,7 +76,7 @@ from .tokenizer import MIN_CONTEXT_TOKENS
 #: The serve options (see :mod:`live.serve_options`), and two keys that are not: one server per policy, and how
 #: long each may take to start.
 SERVER_KEYS = {**ServeOptions.toml_kinds(), "policies": list, "startup_timeout_s": float}
-CALIBRATE_KEYS = {"rounds": int, "per_size": int}
+CALIBRATE_KEYS = {"rounds": int, "per_size": int, "engine_metrics": str}
 PROBE_KEYS = {"requests": int, "max_new_tokens": int}
 REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "context_tokens": int, "patience": str,
                "patience_until": str, "api": str}
@@ -98,6 +99,8 @@ DEFAULT_NOMINAL_LOAD = 1.0
 class CalibrateConfig:
     rounds: int = 2
     per_size: int = 12
+    # A batching upstream's own counters (vLLM's base URL), as qlab calibrate --engine-metrics.
+    engine_metrics: str | None = None
 
 
 @dataclass(frozen=True)
