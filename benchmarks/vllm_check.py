@@ -57,6 +57,7 @@ from live import vllm_server  # noqa: E402
 from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
 from live.calibrate import CalibrationConfig, StepCalibration, calibrate  # noqa: E402
 from live.contract import ServiceModelBody, Stats  # noqa: E402
+from live.engine_steps import Counters, EnginePhase, fit_phases  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from live.upstream import UpstreamSpec, resolve_model  # noqa: E402
@@ -348,15 +349,23 @@ async def _level(url: str, model: str, in_flight: int, requests: int, max_tokens
         await asyncio.gather(*(worker(requests // in_flight) for _ in range(in_flight)))
 
 
-def measure_steps(upstream: str, levels: tuple[int, ...], requests: int) -> list[StepLevel]:
+def measure_steps(
+    upstream: str, levels: tuple[int, ...], requests: int
+) -> tuple[list[StepLevel], list[EnginePhase]]:
     """Requests straight at vLLM at each level (no gate): its steps and its own times, from its
     counters."""
     model = resolve_model(UpstreamSpec(upstream))
-    found = []
+    found, phases = [], []
     for level in levels:
-        before, t0 = vllm_server.metrics(upstream), time.perf_counter()
-        asyncio.run(_level(upstream, model, level, requests))
-        seconds, after = time.perf_counter() - t0, vllm_server.metrics(upstream)
+        # Two halves, each a phase of the step model's held-out fit (live.engine_steps).
+        readings = [(vllm_server.metrics(upstream), time.perf_counter())]
+        for half in (0, 1):
+            asyncio.run(_level(upstream, model, level, max(level, requests // 2)))
+            readings.append((vllm_server.metrics(upstream), time.perf_counter()))
+        ends = [Counters.of(m, at) for m, at in readings]
+        phases += [EnginePhase.between(level, h, ends[h], ends[h + 1]) for h in (0, 1)]
+        (before, t0), (after, t1) = readings[0], readings[-1]
+        seconds = t1 - t0
 
         def d(name: str) -> float:
             return after[f"vllm:{name}"] - before[f"vllm:{name}"]
@@ -373,18 +382,29 @@ def measure_steps(upstream: str, levels: tuple[int, ...], requests: int) -> list
                 d("request_inference_time_seconds_sum"),
             )
         )
-    return found
+    return found, phases
 
 
 def check_steps(upstream: str, quick: bool) -> list[Check]:
     """What a vLLM step costs here, read from vLLM's own counters (reported: docs/vllm.md reads
     it)."""
-    levels = measure_steps(
-        upstream, (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32), 32 if quick else 64
+    levels, phases = measure_steps(
+        upstream, (1, 4, 8, 32) if quick else (1, 2, 4, 8, 16, 24, 32), 32 if quick else 64
     )
+    fitted = fit_phases(phases)
+    m = fitted.fit.model
     return [
         Check(f"vLLM's steps at {level.in_flight} in flight (reported)", True, level.line())
         for level in levels
+    ] + [
+        Check(
+            f"vLLM's steps straight at it: a step model of r^2 >= {R2_TARGET} on held-out phases",
+            fitted.held_out_r2 >= R2_TARGET,
+            f"r^2 {fitted.held_out_r2:.3f}, median error {fitted.held_out_median_rel_error:.1%} "
+            f"(fitted to the first halves of {len(levels)} levels, judged on the second); "
+            f"b0 {m.b0 * 1e3:.2f} ms, b1 {m.b1 * 1e6:.2f} us/prefill token, "
+            f"b2 {m.b2 * 1e3:.3f} ms/sequence",
+        )
     ]
 
 

@@ -47,9 +47,13 @@ class Counters:
 
     @classmethod
     def read(cls, url: str) -> Counters:
-        m = metrics(url)
+        return cls.of(metrics(url), time.perf_counter())
+
+    @classmethod
+    def of(cls, m: dict[str, float], at: float) -> Counters:
+        """From :func:`live.vllm_server.metrics`' reading ``m``, taken at ``at``."""
         return cls(
-            time.perf_counter(),
+            at,
             m["vllm:iteration_tokens_total_count"],
             m["vllm:iteration_tokens_total_sum"],
             m["vllm:generation_tokens_total"],
