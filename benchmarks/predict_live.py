@@ -193,6 +193,12 @@ def run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out
 def _vllm_url(case: Case, args: argparse.Namespace, out: Path, log) -> Iterator[str | None]:
     """A vLLM case's server for the block: --vllm-url's, else one started now; None for other cases."""
     if case.vllm is None or args.vllm_url:
+        if case.vllm is not None:  # a server of the user's decides its own prefix caching
+            caching = vllm_server.prefix_caching(args.vllm_url.rstrip("/"))
+            if caching is not None and caching != case.prefix_caching:
+                raise vllm_server.Unavailable(
+                    f"--vllm-url's server runs with prefix caching {'on' if caching else 'off'}; "
+                    f"{case.name} needs it {'on' if case.prefix_caching else 'off'}")
         yield None if case.vllm is None else args.vllm_url
         return
     python = vllm_server.install()

@@ -276,6 +276,18 @@ def metrics(url: str) -> dict[str, float]:
     return found
 
 
+def prefix_caching(url: str) -> bool | None:
+    """Whether the vLLM at ``url`` caches prefixes (its ``vllm:cache_config_info`` says; None: it
+    does not say)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            said = sample.labels.get("enable_prefix_caching")
+            if sample.name.startswith("vllm:cache_config_info") and said is not None:
+                return said.lower() == "true"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
