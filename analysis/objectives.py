@@ -21,6 +21,10 @@ COMPARISONS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": oper
 _SYMBOLS = {">=": "≥", "<=": "≤", ">": ">", "<": "<"}
 _TERM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<|=)\s*([^\s=<>]+)\s*$")
 _LATENCY = re.compile(r"^latency_p(\d+(?:\.\d+)?)_s$")
+#: Metrics that are a fraction (shares, hit rates, Jain's index): between 0 and 1.
+_FRACTION = re.compile(r"^(share_.*|.*_share|.*_hit_rate|jain_.*)$")
+#: Times and rates that cannot be negative.
+_NONNEGATIVE = re.compile(r"^(latency_|ttft_|tpot_|goodput).*$")
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,23 @@ def parse_objectives(text: str) -> tuple[Objective, ...]:
         if op == "=":  # the good direction: times should be short, shares and rates high
             op = "<=" if metric.endswith("_s") else ">="
         found.append(Objective(metric, op, value))
+        never = unmeetable(found[-1])
+        if never:
+            raise ValueError(f"objective {term!r}: {never}: no load can meet it")
     return tuple(found)
+
+
+def unmeetable(o: Objective) -> str | None:
+    """Why no run could meet ``o`` (a share above 1, a time below 0), else None: a search for
+    the load that meets it would only report the lowest load it tried."""
+    if _FRACTION.match(o.metric):
+        low, high, what = 0.0, 1.0, "a fraction, between 0 and 1"
+    elif _NONNEGATIVE.match(o.metric):
+        low, high, what = 0.0, math.inf, "never below 0"
+    else:
+        return None
+    reachable = {">=": o.value <= high, ">": o.value < high, "<=": o.value >= low, "<": o.value > low}
+    return None if reachable[o.op] else f"{o.metric} is {what}"
 
 
 def written(objectives: Iterable[Objective]) -> str:

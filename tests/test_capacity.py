@@ -30,13 +30,21 @@ def test_objectives_parse():
 
 @pytest.mark.parametrize("text", ["", "share_good", "share_good=>0.9", "share_good==0.9", "share_good>=high",
                                   "share_good>=0.9 or latency_p99_s<=2", "share_good>=nan", "share_good>=inf",
-                                  "share_good>=0.9 and", "9>=share_good"])
+                                  "share_good>=0.9 and", "9>=share_good", "share_good>=2",
+                                  "jain_share>1", "latency_p99_s<0", "share_good>=0.9 and ttft_p99_s<-1"])
 def test_a_bad_objective_is_one_line_and_exit_2(text, tmp_path, capsys):
     with pytest.raises(ValueError, match="objective '.*'"):
         parse_objectives(text)
     assert main(["capacity", "--policy", "none", "--objective", text, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+def test_an_objective_no_load_can_meet_says_so_and_one_at_its_edge_is_taken():
+    with pytest.raises(ValueError, match="share_good is a fraction, between 0 and 1: no load can meet it"):
+        parse_objectives("share_good>=2")
+    assert written(parse_objectives("share_good>=1 and latency_p99_s<=0")) == (
+        "share_good>=1 and latency_p99_s<=0")
 
 
 def test_an_unknown_metric_names_those_there_are_and_runs_nothing(tmp_path, capsys):
