@@ -31,9 +31,10 @@ core's :class:`~qsim.admission.Admission`, the batching core's too; the core
 projects its own numbers for it and places what it admits. The estimator learns
 from each completion's tokens here, for both drivers. Two drivers exist:
 :mod:`qsim.model` on SimPy's simulated clock and :mod:`live.gate` on the event
-loop's real one. Neither keeps queue state, so the simulator and the gate cannot drift apart: every
-number :func:`~qsim.policy.decide`, :func:`~qsim.policy.cannot_finish` and the
-tracker see is computed here and nowhere else.
+loop's real one. Neither keeps queue state, so the simulator and the gate cannot
+drift apart: every number :func:`~qsim.policy.decide`,
+:func:`~qsim.policy.cannot_finish` and the tracker see is computed here and
+nowhere else.
 
 ``req`` is opaque to the queue (a request index in the simulator, a ticket in
 the gate); it is compared with ``==``. The order in which waiting requests are
