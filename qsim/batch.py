@@ -32,8 +32,10 @@ finishes at the end of the step that produces its last token. A request admitted
 has a free seat and blocks for its first chunk, and nobody waits, is in the batch from that
 instant (it computes from the next step on), as an idle engine's request is in service at once.
 
-Admission (:meth:`BatchQueue.arrive`) shares the policy's rule (:meth:`qsim.policy.Policy.decide`)
-with the one-at-a-time core; what differs is the :class:`~qsim.policy.View` it is given: the wait
+Admission (:meth:`BatchQueue.arrive`) is the one-at-a-time core's
+(:class:`qsim.admission.Admission`: the estimator, token buckets, reserve, shedding draw and the
+policy's rule); what differs is the queue's part of the :class:`~qsim.policy.View`
+(:class:`~qsim.admission.Projection`): the wait
 and the time to first token are projected from the running batch (each running request's remaining
 tokens, the line before it, the step model at the batch size that will be), and with
 ``kv_admission`` a second projection in which everyone holds the blocks of their prompt and limit
@@ -47,14 +49,14 @@ import math
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
-from .clients import uniform
+from .admission import Admission, Core, Projection, Seen
 from .config import ServerConfig
 from .engines import Batching
 from .entry import Entry, Work
 from .outcomes import CANCELLED, EXPIRED, Reason
-from .policy import EXPIRE_REASON, Policy, Rejection, View, cannot_finish, decide_view, retry_after, take_token
+from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, retry_after
 from .prefix import BlockPool, Tokens, block_hashes
-from .queue import CUT_REASON, RESERVE_WEIGHT, Core, Seen, judge
+from .queue import CUT_REASON, judge
 from .service import SpeedTracker
 
 _new = tuple.__new__
@@ -167,14 +169,14 @@ class BatchQueue(Core):
                                     fixed=config.fixed_estimate)
         self.waiting = policy.make_discipline()
         self.front: deque[_Seq] = deque()  # preempted, or pulled but not fitting yet: ahead of the discipline's line
-        self.estimator = policy.make_estimator(config.model)
+        # A batch's rule reads more than the one-at-a-time numbers: those are not recorded.
+        self.admission = Admission(config, counts_refused=True,
+                                   empty=Seen(math.nan, 0, 0.0, self.tracker.factor))
         self._step, self._end, self._drop, self._gone, self._joined = step, end, drop, gone, joined
         self._wake = wake
         self.waking = False  # the driver was asked to begin a step
-        self._decide = decide_view if type(policy).decide is Policy.decide else type(policy).decide
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._started = getattr(self.waiting, "started", None)
-        self._sheds = policy.shed_queue_threshold is not None
         # Projecting the batch costs a walk over it and the line: only for rules that read the projection.
         self._projects = policy.predictive or type(policy).decide is not Policy.decide
         self.seq_of: dict[int, _Seq] = {}  # id(entry) -> its sequence, while it waits in the discipline's line
@@ -191,14 +193,10 @@ class BatchQueue(Core):
         self.line_hold = 0  # seat-steps the line will hold (each one's _holds when it joined the line)
         self.dec_est = 0  # over the decoding: est_out - generated at d0 + d0, summed (see _running_steps)
         self.joined = 0
-        self.arrivals = 0
         self.plan: Step | None = None
         self.plan_started = math.nan
         self.prefill_per_step = 0.0  # an EWMA (weight PREFILL_WEIGHT) of the prompt tokens a step computed
         self.cuts: list = []  # heap of (deadline, order, seq) of those that joined, where the policy cuts there
-        self.buckets: dict = {}
-        self.reserved_admitted = 1.0
-        self.seen_numbers = Seen(math.nan, 0, 0.0, self.tracker.factor)  # a batch's rule reads more: not recorded
         # Prefix caching (qsim.prefix): the physical blocks, and the decoding requests' blocks past
         # their prompt's, which are interchangeable until a request leaves and hashes them (None:
         # no cache).
@@ -308,15 +306,11 @@ class BatchQueue(Core):
         line) or return the refusal. ``work`` (limit, prompt tokens, tokens it will generate) is what the batch
         runs: without it the request asks for the tokens ``config.model`` gives ``base_est_s`` and no prompt; a
         ``generated`` of None (a live gate's) runs to the limit."""
-        self.arrivals += 1
-        policy = self.policy
-        deadline_s = self.deadline_of(deadline_s)
+        admission = self.admission
         if work is None:
             work = Work(self.config.model.tokens_for(base_est_s), 0, None)
-        elif type(work) is not Work:
-            work = Work(*work)
-        if self.estimator is not None:
-            base_est_s = self.estimator.base_s(base_est_s, *work)
+        base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
+        if admission.estimator is not None:
             est_out = min(work.limit, self.config.model.tokens_for(base_est_s)) if work.limit > 0 else 1
         else:
             est_out = work.limit
@@ -327,31 +321,12 @@ class BatchQueue(Core):
             seq.tokens = self._tokens(req, work.prompt)
         never = self._never(seq)
         if never is not None:
-            self.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor, math.nan, -1)
+            admission.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor,
+                                      math.nan, -1)
             return never
         factor = self.tracker.factor
-        queued = self.queued
-        room = not queued and self._has_room(seq)
-        wait, ttft, finish, kv_wait = self._project(seq, now, room)
-        est = finish - wait
-        self.seen_numbers = (est, queued, math.nan, factor, math.nan, -1)
-        if client is not None and policy.client_rate is not None:
-            tokens, last = self.buckets.get(client, (policy.client_burst, now))
-            tokens, refusal = take_token(tokens, last, now, policy.client_rate, policy.client_burst)
-            self.buckets[client] = (tokens, now)
-            if refusal is not None:
-                return refusal
-        budget = deadline_s
-        if policy.reserve_min_s is not None and base_est_s < policy.reserve_min_s \
-                and self.reserved_admitted < policy.reserve_share:
-            budget = deadline_s - policy.reserve_min_s * factor
-        tpot = (finish - ttft) / (seq.est_out - 1) if seq.est_out > 1 else math.nan
-        u = uniform(self.config.seed, self.arrivals, 0) if self._sheds else math.nan
-        view = _new(View, (queued, math.nan, math.nan, est, budget, 1, 1 if room else 0, priority, None, client, wait,
-                           ttft, tpot, kv_wait, self.kv_use, self.line_tokens, work.prompt, u))
-        refusal = self._decide(policy, view)
-        if policy.reserve_min_s is not None and base_est_s >= policy.reserve_min_s:
-            self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
+        room = not self.queued and self._has_room(seq)
+        refusal = admission.admit(now, entry, factor, self._projection(seq, now, room))
         if refusal is not None:
             return refusal
         if room and self.pool is not None:
@@ -745,8 +720,9 @@ class BatchQueue(Core):
     def _done(self, seq: _Seq, now: float) -> None:
         seq.alive = False
         entry = seq.entry
-        if self.estimator is not None and self.estimator.learns:
-            self.estimator.learn(entry.work.limit, seq.generated)
+        estimator = self.admission.estimator
+        if estimator is not None and estimator.learns:
+            estimator.learn(entry.work.limit, seq.generated)
         self._end(entry.req, now, judge(self.policy, entry, now, seq.first_token, seq.generated), None,
                   self._stats(seq))
 
@@ -843,6 +819,16 @@ class BatchQueue(Core):
     def _wait_now(self, now: float) -> float:
         """The wait an arrival would be given now (a Retry-After's basis)."""
         return self._work_wait(now)
+
+    def _projection(self, seq: _Seq, now: float, room: bool) -> Projection:
+        """The batch's numbers for an arrival's view (see :class:`~qsim.admission.Projection`): its
+        wait, first token and time per token projected (:meth:`_project`), nothing of the
+        one-at-a-time wait's."""
+        wait, ttft, finish, kv_wait = self._project(seq, now, room)
+        tpot = (finish - ttft) / (seq.est_out - 1) if seq.est_out > 1 else math.nan
+        seat = 1 if room else 0
+        return _new(Projection, (self.queued, math.nan, math.nan, finish - wait, 1, seat, None,
+                                 wait, ttft, tpot, kv_wait, self.kv_use, self.line_tokens))
 
     def _project(self, seq: _Seq, now: float, room: bool) -> tuple[float, float, float, float | None]:
         """(wait, time to first token, finish, wait with memory held), in seconds from ``now``, for ``seq``

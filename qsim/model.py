@@ -241,7 +241,7 @@ class _Run:
                                None if self.work is None else self.work[i])
         # What the decision was made on (queue.Seen's fields, in order), straight into the record's columns.
         (self.est[i], self.queued_at_arrival[i], self.queued_work[i], _, self.in_service_work[i],
-         self.idle_at_arrival[i]) = queue.seen_numbers
+         self.idle_at_arrival[i]) = queue.admission.seen_numbers
         if refusal is not None:
             self._end(i, t, REJECTED, refusal.reason,
                       -1 if refusal.retry_after_s is None else refusal.retry_after_s)

@@ -499,7 +499,9 @@ def rule(policy: Policy, queued: int, queued_work_s: float, remaining_s: float, 
     if view is None:
         wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = _NO_VIEW
     else:
-        wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = view[10:]
+        wait, ttft, tpot, kv_wait = view.wait_s, view.ttft_s, view.tpot_s, view.kv_wait_s
+        kv_use, queued_tokens, u = view.kv_use, view.queued_tokens, view.u
+        prompt_tokens = view.prompt_tokens
     if wait is None:
         wait = 0.0 if idle > 0 else ((queued_work_s if ahead_s is None else ahead_s) + remaining_s) / engines
     if idle <= 0:

@@ -25,13 +25,16 @@ handed a request back, with the engine's own time and whether it failed),
 :meth:`~AdmissionQueue.cancel` (a client left),
 :meth:`~AdmissionQueue.cut` (a running request's deadline passed, under a policy
 that cancels at the deadline) and :meth:`~AdmissionQueue.give_up` (every engine
-is stalled: waiting past a deadline is hopeless). The policy's estimator
-(:mod:`qsim.estimators`) lives here too: it makes each arrival's estimate and
-learns from each completion's tokens, for both drivers. Two drivers exist: :mod:`qsim.model` on SimPy's
-simulated clock and :mod:`live.gate` on the event loop's real one. Neither
-keeps queue state, so the simulator and the gate cannot drift apart: every
-number :func:`~qsim.policy.decide`, :func:`~qsim.policy.cannot_finish` and the
-tracker see is computed here and nowhere else.
+is stalled: waiting past a deadline is hopeless). What the policy does with an
+arrival (its estimator, token buckets, reserve, shedding draw and rule) is the
+core's :class:`~qsim.admission.Admission`, the batching core's too; the core
+projects its own numbers for it and places what it admits. The estimator learns
+from each completion's tokens here, for both drivers. Two drivers exist:
+:mod:`qsim.model` on SimPy's simulated clock and :mod:`live.gate` on the event
+loop's real one. Neither keeps queue state, so the simulator and the gate cannot
+drift apart: every number :func:`~qsim.policy.decide`,
+:func:`~qsim.policy.cannot_finish` and the tracker see is computed here and
+nowhere else.
 
 ``req`` is opaque to the queue (a request index in the simulator, a ticket in
 the gate); it is compared with ``==``. The order in which waiting requests are
@@ -46,21 +49,16 @@ uses instead of all of it).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
-import numpy as np
-
+from .admission import Admission, Core, Projection, Seen
 from .config import ServerConfig, StallRule, as_config
 from .engines import OneAtATime
 from .entry import Entry, Work
 from .outcomes import ERROR, EXPIRED, GOOD, LATE, Outcome, Reason
-from .clients import uniform
-from .policy import (EXPIRE_REASON, Policy, Rejection, View, cannot_finish, on_time, reads_more, retry_after, rule,
-                     take_token)
+from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, on_time, retry_after
 from .service import SpeedTracker
 
-#: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
-RESERVE_WEIGHT = 0.05
 _new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
 _NAN = math.nan
 #: Reason of a request ended because its engine stalled, or given up behind stalled engines.
@@ -69,45 +67,6 @@ STALL_REASON = Reason.ENGINE_STALLED
 CUT_REASON = Reason.DEADLINE_PASSED
 
 __all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Core", "Seen", "StallRule"]
-
-
-class Seen(NamedTuple):
-    """What an admission decision was made on: the admission columns of the request's record."""
-
-    est_service_s: float  # its estimate x the speed factor
-    queued: int  # requests waiting (not in service) before it
-    queued_work_s: float  # their estimated work
-    speed_factor: float  # the tracker's factor the estimates were scaled by
-    # The rest of what the built-in rule reads, so that a decision can be checked against qsim.policy.decide from
-    # its record alone (analysis.compare names a disagreement's cause so): NaN and -1 where a queue does not say.
-    in_service_s: float = math.nan  # estimated work left in service, summed over the busy engines (0 with one idle)
-    idle: int = -1  # engines free
-
-
-class Core:
-    """What every queue core (this module's, :class:`qsim.batch.BatchQueue`) answers the same way: the deadline a
-    request gets, and what its last admission decision was made on.
-
-    ``seen_numbers`` holds :class:`Seen`'s fields in their order as a plain tuple: a named tuple made on every
-    arrival cost a plain simulation a twentieth of its time (bench_qsim's case A), and the simulator, which
-    unpacks the numbers straight into its record columns, reads them so. ``seen`` is the named view."""
-
-    policy: Policy
-    seen_numbers: tuple = Seen(math.nan, 0, 0.0, 1.0)
-
-    @property
-    def seen(self) -> Seen:
-        return _new(Seen, self.seen_numbers)
-
-    def deadline_of(self, deadline_s: float | None) -> float:
-        """The deadline a request gets: its own (seconds after arrival), or the policy's where it brings none
-        (None or NaN)."""
-        return self.policy.deadline_s if deadline_s is None or deadline_s != deadline_s else deadline_s
-
-    def deadlines_of(self, deadline_s: np.ndarray) -> list[float]:
-        """:meth:`deadline_of` of a trace's column at once (the simulator's: per request it cost a tenth of a plain
-        run's set-up and loop)."""
-        return np.where(np.isnan(deadline_s), self.policy.deadline_s, deadline_s).tolist()
 
 
 class AdmissionQueue(Core):
@@ -133,10 +92,10 @@ class AdmissionQueue(Core):
         self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
                                     fixed=config.fixed_estimate)
         self.waiting = policy.make_discipline()
-        self.estimator = policy.make_estimator(config.model)
+        self.admission = Admission(config, counts_refused=False,
+                                   empty=Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines))
         self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
         self.waiting_tokens = 0  # their prompt tokens, summed
-        self.arrivals = 0
         self.running: list[Entry | None] = [None] * engines
         self.busy_until = [0.0] * engines  # estimated end of each engine's request
         self.started_at = [math.nan] * engines
@@ -151,23 +110,11 @@ class AdmissionQueue(Core):
         self._ahead = getattr(self.waiting, "ahead_s", None)
         self._n_stalled = 0
         self.slow = [1.0] * engines  # the slowdown each engine's run started with (OneAtATime.concurrency)
-        self.buckets: dict = {}  # client -> (tokens, when last counted): the per-client token buckets
-        self.reserved_admitted = 1.0  # EWMA of the reserved class's admissions (see Policy.reserve_share)
-        self.seen_numbers = Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines)
-        # The admission rule: the policy's own where its class overrides decide, else the built-in one directly.
-        self._decide = None if type(policy).decide is Policy.decide else type(policy).decide  # None: rule()
-        self._reads_more = reads_more(policy)
         self._objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
-        self._sheds = policy.shed_queue_threshold is not None
-        if (self._decide is None and not self._reads_more and not self._objectives and not self._sheds
-                and self._slowdown is None and policy.client_rate is None and policy.reserve_min_s is None):
+        if self.admission.plain and self._slowdown is None:
             self.arrive = self._arrive_plain  # the brief's policies: the same decisions on a shorter path
-        # A rule that can refuse only the sheddable (priority below 0) while others wait.
-        self._admits_all = not policy.predictive and policy.max_queue is None and policy.max_queued_seconds is None \
-            and policy.max_queued_tokens is None
 
     # -- events -------------------------------------------------------------------
-
 
     def recalibrate(self, config: ServerConfig) -> None:
         """A new calibration taken mid-run (live: an operator's ``PUT /admin/calibration``): arrivals from now on are
@@ -180,51 +127,7 @@ class AdmissionQueue(Core):
         self._slowdown = config.engine.slowdown if config.engine.concurrency else None
         self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
                                     fixed=config.fixed_estimate)
-        self.estimator = self.policy.make_estimator(config.model)
-    def _arrive_plain(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-                      priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
-        """:meth:`arrive` for a policy whose rule reads the brief's numbers alone (no plug-in rule, objectives,
-        shedding, slowdown, client rate or reserve): the same decisions, without the checks that cannot apply.
-        It runs once per arrival of every plain simulation (bench_qsim's cases A and B)."""
-        policy = self.policy
-        if deadline_s is None or deadline_s != deadline_s:
-            deadline_s = policy.deadline_s
-        if work is not None:
-            if type(work) is not Work:
-                work = Work(*work)
-            if self.estimator is not None:
-                base_est_s = self.estimator.base_s(base_est_s, *work)
-        factor = self.tracker.factor
-        est = base_est_s * factor
-        waiting = self.waiting
-        queued = len(waiting)
-        queued_work = self.waiting_base_s * factor
-        idle = self.idle
-        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
-        if idle:
-            self.seen_numbers = (est, queued, queued_work, factor, 0.0, len(idle))
-            if not self._admits_all:
-                refusal = rule(policy, queued, queued_work, 0.0, est, deadline_s, self.engines, len(idle), priority, None)
-                if refusal is not None:
-                    return refusal
-            self._begin(idle.pop(), entry, now)
-            return None
-        if self._admits_all and priority >= 0:
-            # A rule that admits all reads nothing: the work in service is left unsaid (NaN) rather than summed
-            # on every arrival of bench_qsim's case A.
-            self.seen_numbers = (est, queued, queued_work, factor, _NAN, 0)
-        else:
-            remaining = self.remaining_s(now)
-            self.seen_numbers = (est, queued, queued_work, factor, remaining, 0)
-            ahead = None if self._ahead is None else self._ahead(entry) * factor
-            refusal = rule(policy, queued, queued_work, remaining, est, deadline_s, self.engines, 0, priority, ahead)
-            if refusal is not None:
-                return refusal
-        waiting.push(entry)
-        self.waiting_base_s += base_est_s
-        if work is not None:
-            self.waiting_tokens += work.prompt
-        return None
+        self.admission.recalibrate(config)
 
     def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
                priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
@@ -239,59 +142,68 @@ class AdmissionQueue(Core):
         while an engine is idle is in service from this instant, so a burst cannot slip one more past a
         bound than the bound allows.
         """
-        # Per arrival, so kept lean: named tuples are made with tuple.__new__ (their Python __new__ costs a
-        # sixth of a plain run's simulation time), the built-in rule takes the view's fields as arguments, and
-        # what a policy does not use is not computed.
-        policy = self.policy
-        if deadline_s is None or deadline_s != deadline_s:
-            deadline_s = policy.deadline_s
-        if work is not None:
-            if type(work) is not Work:
-                work = Work(*work)
-            if self.estimator is not None:
-                base_est_s = self.estimator.base_s(base_est_s, *work)
+        admission = self.admission
+        base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
+        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         factor = self.tracker.factor
-        est = base_est_s * factor
-        waiting = self.waiting
-        queued = len(waiting)
+        refusal = admission.admit(now, entry, factor, self._projection(entry, now, factor))
+        if refusal is None:
+            self._place(entry, now)
+        return refusal
+
+    def _arrive_plain(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
+                      priority: int = 0, client=None,
+                      work: Work | tuple | None = None) -> Rejection | None:
+        """:meth:`arrive` for a :attr:`~qsim.admission.Admission.plain` policy on engines that do
+        not slow each other: the same decisions (tests/test_admission.py holds it to
+        :meth:`arrive`), on the admission's fast path. It runs once per arrival of every plain
+        simulation (bench_qsim's cases A and B)."""
+        admission = self.admission
+        base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
+        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
+        factor = self.tracker.factor
+        idle = len(self.idle)
+        if idle:
+            remaining, ahead = 0.0, None
+        elif admission.admits_all and priority >= 0:
+            # A rule that admits all reads nothing: the work in service is left unsaid (NaN)
+            # rather than summed on every arrival of bench_qsim's case A.
+            remaining, ahead = _NAN, None
+        else:
+            remaining = self.remaining_s(now)
+            ahead = None if self._ahead is None else self._ahead(entry) * factor
+        refusal = admission.admit_plain(len(self.waiting), self.waiting_base_s * factor,
+                                        remaining, base_est_s * factor, deadline_s, self.engines,
+                                        idle, priority, ahead, factor)
+        if refusal is None:
+            self._place(entry, now)
+        return refusal
+
+    def _projection(self, entry: Entry, now: float, factor: float) -> Projection:
+        """The queue's numbers for an arrival's view (see :class:`~qsim.admission.Projection`)."""
+        idle = len(self.idle)
+        est = entry.base_s * factor
         queued_work = self.waiting_base_s * factor
-        idle = self.idle
         if self._slowdown is not None:  # engines that share a machine: what it would take when it starts
-            est *= self._slowdown(self.engines - len(idle) + 1 if idle else self.engines)
+            est *= self._slowdown(self.engines - idle + 1 if idle else self.engines)
             queued_work *= self._slowdown(self.engines)
         remaining = 0.0 if idle else self.remaining_s(now)
-        self.seen_numbers = (est, queued, queued_work, factor, remaining, len(idle))
-        if client is not None and policy.client_rate is not None:
-            refusal = self._rate_limit(client, now)
-            if refusal is not None:
-                return refusal
-        budget = deadline_s if policy.reserve_min_s is None else self._reserve(base_est_s, deadline_s, factor)
-        entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         ahead = None if self._ahead is None or idle else self._ahead(entry) * factor
-        prompt = 0 if work is None else work.prompt
-        ttft = tpot = u = _NAN
+        ttft = tpot = _NAN
         if self._objectives:
             ttft, tpot = first_token_split(self.config.model, entry, est, self.wait_s(now))
-        if self._sheds:
-            self.arrivals += 1
-            u = uniform(self.config.seed, self.arrivals, 0)
-        if self._decide is None and not self._reads_more:  # the brief's numbers are all the rule reads
-            refusal = rule(policy, queued, queued_work, remaining, est, budget, self.engines, len(idle), priority, ahead)
-        else:
-            view = _new(View, (queued, queued_work, remaining, est, budget, self.engines, len(idle), priority, ahead,
-                               client, None, ttft, tpot, None, 0.0, self.waiting_tokens, prompt, u))
-            refusal = rule(policy, *view[:9], view) if self._decide is None else self._decide(policy, view)
-        if self.policy.reserve_min_s is not None and base_est_s >= self.policy.reserve_min_s:
-            self.reserved_admitted += RESERVE_WEIGHT * ((refusal is None) - self.reserved_admitted)
-        if refusal is not None:
-            return refusal
-        if idle:
-            self._begin(idle.pop(), entry, now)
-        else:
-            waiting.push(entry)
-            self.waiting_base_s += base_est_s
-            self.waiting_tokens += prompt
-        return None
+        return _new(Projection, (len(self.waiting), queued_work, remaining, est, self.engines,
+                                 idle, ahead, None, ttft, tpot, None, 0.0, self.waiting_tokens))
+
+    def _place(self, entry: Entry, now: float) -> None:
+        """An admitted entry starts on the lowest idle engine, or waits."""
+        if self.idle:
+            self._begin(self.idle.pop(), entry, now)
+            return
+        self.waiting.push(entry)
+        self.waiting_base_s += entry.base_s
+        if entry.work is not None:
+            self.waiting_tokens += entry.work.prompt
 
     def finished(self, k: int, now: float, engine_s: float, ok: bool = True, tokens: int | None = None,
                  first_token_at: float = math.nan) -> Outcome | None:
@@ -317,7 +229,7 @@ class AdmissionQueue(Core):
             self.ended[k] = False
         outcome = None
         if ok and not stalled:
-            est = self.estimator
+            est = self.admission.estimator
             slow = self.slow[k]  # 1.0 unless engines slow each other
             if est is not None and est.learns and entry.work is not None and tokens is not None:
                 work = entry.work
@@ -436,22 +348,6 @@ class AdmissionQueue(Core):
         self.waiting_base_s = self.waiting_base_s - entry.base_s if self.waiting else 0.0
         if entry.work is not None:
             self.waiting_tokens = self.waiting_tokens - entry.work.prompt if self.waiting else 0
-
-    def _reserve(self, base_est_s: float, deadline_s: float, factor: float) -> float:
-        """The deadline the rule sees: shortened for the unreserved while the reserved class is under its share."""
-        p = self.policy
-        if base_est_s >= p.reserve_min_s or self.reserved_admitted >= p.reserve_share:
-            return deadline_s
-        return deadline_s - p.reserve_min_s * factor
-
-    def _rate_limit(self, client, now: float) -> Rejection | None:
-        # A client's tokens are spent when it asks, admitted or not by the rest of the policy:
-        # the limit is on what a client sends, as a gateway's token bucket is.
-        p = self.policy
-        tokens, last = self.buckets.get(client, (p.client_burst, now))
-        tokens, refusal = take_token(tokens, last, now, p.client_rate, p.client_burst)
-        self.buckets[client] = (tokens, now)
-        return refusal
 
     # -- the numbers ----------------------------------------------------------------
 

@@ -1,0 +1,260 @@
+"""Admission: what both queue cores do with an arrival before each places it.
+
+An :class:`Admission` is the policy's side of an arrival, the same for
+:class:`qsim.queue.AdmissionQueue` and :class:`qsim.batch.BatchQueue`: the deadline a request
+gets, the policy's estimator (its estimate from the work, and what it learns), the per-client
+token buckets, the reserve for the long requests and its EWMA, llm-d's shedding draw, the
+:class:`~qsim.policy.View` built and the policy's rule asked, and what the decision was made on
+(:class:`Seen`). What differs between the cores is only the queue's part of the view, which each
+projects of itself (:class:`Projection`: how much waits, what is in service, a batch's projected
+wait and first token), and where an admitted request goes.
+
+An arrival takes two calls: :meth:`Admission.arrival` (its estimate, deadline and work), then
+:meth:`Admission.admit` with the core's projection (the refusal, or None: the core places it). A
+policy that reads the brief's numbers alone (:attr:`Admission.plain`) may take
+:meth:`Admission.admit_plain` instead, the one fast path: the same decisions without the checks
+that cannot apply (tests/test_admission.py holds it to the general path).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .clients import uniform
+from .config import ServerConfig
+from .entry import Entry, Work
+from .policy import Policy, Rejection, View, decide_view, reads_more, rule, take_token
+
+#: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
+RESERVE_WEIGHT = 0.05
+_new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
+_NAN = math.nan
+
+__all__ = ["RESERVE_WEIGHT", "Admission", "Buckets", "Core", "Projection", "Reserve", "Seen"]
+
+
+class Seen(NamedTuple):
+    """What an admission decision was made on: the admission columns of the request's record."""
+
+    est_service_s: float  # its estimate x the speed factor
+    queued: int  # requests waiting (not in service) before it
+    queued_work_s: float  # their estimated work
+    speed_factor: float  # the tracker's factor the estimates were scaled by
+    # The rest of what the built-in rule reads, so that a decision can be checked against
+    # qsim.policy.decide from its record alone (analysis.compare names a disagreement's cause so):
+    # NaN and -1 where a queue does not say.
+    in_service_s: float = math.nan  # estimated work left in service, summed over the busy engines
+    idle: int = -1  # engines free
+
+
+class Projection(NamedTuple):
+    """The queue's part of an arrival's :class:`~qsim.policy.View`, as a core projects it of itself
+    (the fields of the same names there). A core that projects the wait itself (``wait_s`` not
+    None: a batch's) says nothing of what the one-at-a-time wait is made of: it leaves
+    ``queued_work_s`` and ``remaining_s`` NaN, and its record shows -1 idle engines (its view has
+    the seat the request would take)."""
+
+    queued: int
+    queued_work_s: float
+    remaining_s: float
+    est_service_s: float
+    engines: int
+    idle: int
+    ahead_s: float | None
+    wait_s: float | None
+    ttft_s: float
+    tpot_s: float
+    kv_wait_s: float | None
+    kv_use: float
+    queued_tokens: int
+
+
+class Buckets:
+    """A token bucket per client (``Policy.client_rate``, ``client_burst``). A client's token is
+    spent when it asks, admitted or not by the rest of the policy: the limit is on what a client
+    sends, as a gateway's token bucket is."""
+
+    __slots__ = ("rate", "burst", "held")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.held: dict = {}  # client -> (tokens, when last counted)
+
+    def take(self, client, now: float) -> Rejection | None:
+        tokens, last = self.held.get(client, (self.burst, now))
+        tokens, refusal = take_token(tokens, last, now, self.rate, self.burst)
+        self.held[client] = (tokens, now)
+        return refusal
+
+
+class Reserve:
+    """The reserve for the long requests (``Policy.reserve_min_s``, ``reserve_share``) and the EWMA
+    of their admissions, which says whether the others must leave room."""
+
+    __slots__ = ("min_s", "share", "admitted")
+
+    def __init__(self, min_s: float, share: float) -> None:
+        self.min_s, self.share = min_s, share
+        self.admitted = 1.0  # EWMA of the reserved class's admissions
+
+    def budget(self, base_s: float, deadline_s: float, factor: float) -> float:
+        """The deadline the rule sees: shortened for the unreserved while the reserved class is
+        under its share."""
+        if base_s >= self.min_s or self.admitted >= self.share:
+            return deadline_s
+        return deadline_s - self.min_s * factor
+
+    def decided(self, base_s: float, admitted: bool) -> None:
+        """The rule answered an arrival (one its client's bucket let through): the EWMA counts the
+        reserved class's."""
+        if base_s >= self.min_s:
+            self.admitted += RESERVE_WEIGHT * (admitted - self.admitted)
+
+
+class Admission:
+    """One core's admission; see the module docstring.
+
+    counts_refused: every arrival takes an index of the shedding draw
+    (:func:`qsim.clients.uniform`), also one refused before the rule (its client over its rate, or
+    one the core refuses as too large): the batching core's. False: only an arrival its client's
+    bucket let through, the one-at-a-time core's. The two differ only under a client rate and
+    shedding together; both are kept so that no seeded run moves. empty: what
+    :attr:`seen_numbers` holds before any arrival."""
+
+    def __init__(self, config: ServerConfig, *, counts_refused: bool, empty: Seen) -> None:
+        self.policy = policy = config.policy
+        self.seed = config.seed
+        self.estimator = policy.make_estimator(config.model)
+        self.buckets = None if policy.client_rate is None else \
+            Buckets(policy.client_rate, policy.client_burst)
+        self.reserve = None if policy.reserve_min_s is None else \
+            Reserve(policy.reserve_min_s, policy.reserve_share)
+        self.sheds = policy.shed_queue_threshold is not None
+        self.counts_refused = counts_refused
+        self.arrivals = 0  # the shedding draw's index
+        self.seen_numbers: tuple = empty
+        own = type(policy).decide is not Policy.decide
+        self._decide = type(policy).decide if own else decide_view
+        # The built-in rule on the brief's numbers, no view made: the rule reads nothing more.
+        self._brief = not own and not reads_more(policy)
+        #: Whether :meth:`admit_plain` decides as :meth:`admit` for this policy: no plug-in rule,
+        #: nothing read beyond the brief's numbers, no client rate or reserve.
+        self.plain = self._brief and self.buckets is None and self.reserve is None
+        #: A rule that can refuse only the sheddable (priority below 0) while others wait.
+        self.admits_all = not policy.predictive and policy.max_queue is None and \
+            policy.max_queued_seconds is None and policy.max_queued_tokens is None
+
+    def recalibrate(self, config: ServerConfig) -> None:
+        """A new calibration (the policy stays): a learning estimator starts again from nothing, as
+        it was relative to the old model; the draws follow the new configuration's seed."""
+        self.seed = config.seed
+        self.estimator = self.policy.make_estimator(config.model)
+
+    def deadline_of(self, deadline_s: float | None) -> float:
+        """The deadline a request gets: its own (seconds after arrival), or the policy's where it
+        brings none (None or NaN)."""
+        if deadline_s is None or deadline_s != deadline_s:
+            return self.policy.deadline_s
+        return deadline_s
+
+    def deadlines_of(self, deadline_s: np.ndarray) -> list[float]:
+        """:meth:`deadline_of` of a trace's column at once (the simulator's: per request it cost a
+        tenth of a plain run's set-up and loop)."""
+        return np.where(np.isnan(deadline_s), self.policy.deadline_s, deadline_s).tolist()
+
+    def arrival(self, base_est_s: float, deadline_s: float | None,
+                work: Work | tuple | None) -> tuple[float, float, Work | None]:
+        """An arrival's (calibrated estimate, deadline, work): the estimator's estimate from its
+        work (None: ``base_est_s``, the estimate at the limit, as it is), its deadline or the
+        policy's, its work as a Work."""
+        if self.counts_refused:
+            self.arrivals += 1
+        if deadline_s is None or deadline_s != deadline_s:
+            deadline_s = self.policy.deadline_s
+        if work is not None:
+            if type(work) is not Work:
+                work = Work(*work)
+            if self.estimator is not None:
+                base_est_s = self.estimator.base_s(base_est_s, *work)
+        return base_est_s, deadline_s, work
+
+    def admit(self, now: float, entry: Entry, factor: float, p: Projection) -> Rejection | None:
+        """The refusal of ``entry`` (arrived at ``now``; estimates scaled by ``factor``), or None.
+
+        Its client's bucket first (a refusal there teaches the reserve nothing), then the deadline
+        the reserve leaves it, the shedding draw, and the policy's rule on the view of ``p`` and
+        the request."""
+        self.seen_numbers = (p.est_service_s, p.queued, p.queued_work_s, factor, p.remaining_s,
+                             p.idle if p.wait_s is None else -1)
+        if entry.client is not None and self.buckets is not None:
+            refusal = self.buckets.take(entry.client, now)
+            if refusal is not None:
+                return refusal
+        reserve, deadline = self.reserve, entry.deadline_s
+        budget = deadline if reserve is None else reserve.budget(entry.base_s, deadline, factor)
+        if not self.counts_refused:
+            self.arrivals += 1
+        if self._brief and p.wait_s is None:  # most runs' arrivals: no view made
+            refusal = rule(self.policy, p.queued, p.queued_work_s, p.remaining_s, p.est_service_s,
+                           budget, p.engines, p.idle, entry.priority, p.ahead_s)
+        else:
+            refusal = self._decide(self.policy, self._view(entry, p, budget))
+        if reserve is not None:
+            reserve.decided(entry.base_s, refusal is None)
+        return refusal
+
+    def admit_plain(self, queued: int, queued_work_s: float, remaining_s: float, est: float,
+                    deadline_s: float, engines: int, idle: int, priority: int,
+                    ahead_s: float | None, factor: float) -> Rejection | None:
+        """:meth:`admit` for a :attr:`plain` policy, on the brief's numbers as arguments (no
+        projection made): it runs once per arrival of every plain simulation (bench_qsim's cases A
+        and B). A rule that admits all reads nothing while an engine is idle, nor for a request
+        that is not sheddable: there the core may leave ``remaining_s`` unsaid (NaN)."""
+        self.seen_numbers = (est, queued, queued_work_s, factor, remaining_s, idle)
+        if self.admits_all and (idle or priority >= 0):
+            return None
+        return rule(self.policy, queued, queued_work_s, remaining_s, est, deadline_s, engines,
+                    idle, priority, ahead_s)
+
+    def _view(self, entry: Entry, p: Projection, budget: float) -> View:
+        work = entry.work
+        u = uniform(self.seed, self.arrivals, 0) if self.sheds else _NAN
+        return _new(View, (p.queued, p.queued_work_s, p.remaining_s, p.est_service_s, budget,
+                           p.engines, p.idle, entry.priority, p.ahead_s, entry.client, p.wait_s,
+                           p.ttft_s, p.tpot_s, p.kv_wait_s, p.kv_use, p.queued_tokens,
+                           0 if work is None else work.prompt, u))
+
+
+class Core:
+    """What every queue core (:class:`qsim.queue.AdmissionQueue`, :class:`qsim.batch.BatchQueue`)
+    answers the same way, through its :class:`Admission`: the deadline a request gets, the
+    estimator, and what its last admission decision was made on.
+
+    ``seen_numbers`` holds :class:`Seen`'s fields in their order as a plain tuple: a named tuple
+    made on every arrival cost a plain simulation a twentieth of its time (bench_qsim's case A),
+    and the simulator, which unpacks the numbers straight into its record columns, reads them so.
+    ``seen`` is the named view."""
+
+    policy: Policy
+    admission: Admission
+
+    @property
+    def seen_numbers(self) -> tuple:
+        return self.admission.seen_numbers
+
+    @property
+    def seen(self) -> Seen:
+        return _new(Seen, self.admission.seen_numbers)
+
+    @property
+    def estimator(self):
+        return self.admission.estimator
+
+    def deadline_of(self, deadline_s: float | None) -> float:
+        return self.admission.deadline_of(deadline_s)
+
+    def deadlines_of(self, deadline_s: np.ndarray) -> list[float]:
+        return self.admission.deadlines_of(deadline_s)
