@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.qlab-installed
 # users with a GPU can pass TORCH=torch (or any pin) to get theirs.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast bench notebook audit clean vllm-check
+.PHONY: demo test test-fast lint bench notebook audit clean vllm-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/qlab study --out runs/study --quick
 
-test: $(STAMP)
+# ruff's lint ([tool.ruff] in pyproject.toml) first: seconds, and a failure names file and line.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # Everything but the tests that start servers or other processes (marked slow), one worker per core

@@ -93,7 +93,6 @@ the seeds, as Vidur-like simulators report their error.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +105,7 @@ from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
 from qsim.engines import Batching, OneAtATime
 from qsim.records import with_optional
-from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Outcome, Reason
+from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Reason
 from qsim.policy import Policy, decide, on_time, reads_more
 from qsim.runfile import batch_step_times, engine_info, server_config, speed_probe, speed_schedule
 from qsim.service import LoadTerms, SpeedSchedule, SpeedTracker

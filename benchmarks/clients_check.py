@@ -329,7 +329,9 @@ def table(results: list[Result]) -> str:
              "| statuses of its POSTs | TTFT median (tool's) | result |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         t, g = r.tool_counts, r.gate_counts
-        pair = (lambda f: f"{getattr(t, f)} / {getattr(g, f)}" if t and g else "-")
+        def pair(f: str, t=t, g=g) -> str:
+            return f"{getattr(t, f)} / {getattr(g, f)}" if t and g else "-"
+
         statuses = ", ".join(f"{s}: {n}" for s, n in r.statuses.items()) or "-"
         ttft = f"{r.ttft_ms:.0f} ms" if math.isfinite(r.ttft_ms) else "-"
         verdict = "pass" if r.passed else "FAIL: " + "; ".join(r.problems)

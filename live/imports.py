@@ -200,7 +200,9 @@ def _aiperf(lines: list[dict], inputs: dict[str, dict]) -> list[Sent]:
             out.append(Sent(status=status, body=refusal_body(status, _envelope_in(message)) if status else None,
                             error=None if status else str(message)[:300], **common))
             continue
-        value = (lambda name: (metrics.get(name) or {}).get("value"))
+        def value(name: str, metrics=metrics):
+            return (metrics.get(name) or {}).get("value")
+
         ttft_ms = value("time_to_first_token")
         gaps = value("inter_chunk_latency") or []
         first = start + ttft_ms / 1e3 if ttft_ms is not None else math.nan

@@ -36,7 +36,7 @@ import httpx
 from .auth import client_headers
 from .contract import (AnswerEvent, CompletionRequest, EventChoice, EventUsage, ForeignError, GenerateRequest,
                        QlabInfo, StreamOptions, UpstreamModels, generate_of)
-from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS
+from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 (COMPLETIONS: loadgen reads it here)
 
 #: Error types under which qlab's gate refuses or drops (live.rows reads them); a server that is
 #: not a qlab gate has its own words for overload.

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qsim import Policy, ServiceModel, Trace, preset, records
+from qsim import ServiceModel, Trace, preset, records
 from qsim.config import ServerConfig, StallRule
 from qsim.runfile import ClientSettings, engine_columns, server_columns
 from qsim.service import SpeedSchedule

@@ -3,7 +3,6 @@ small cases, its bookkeeping checked after every step on random ones, and a batc
 run one at a time."""
 
 import dataclasses
-import math
 
 import numpy as np
 import pandas as pd

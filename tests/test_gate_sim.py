@@ -8,7 +8,6 @@ finish can be read one float step before the simulator's).
 """
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from qsim import PRESETS, ServiceModel, from_arrays, make_trace, records, simulate

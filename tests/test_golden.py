@@ -31,7 +31,7 @@ import pytest
 
 from qsim import Batching, ServerConfig, StepModel, make_trace, simulate
 from qsim.clients import Patience, RetryPolicy
-from qsim.policy import PRESETS, Policy, resolve
+from qsim.policy import PRESETS, resolve
 from qsim.tracefiles import TraceWindow, build_trace
 from qsim.workload import Client, Prompts, UsedShare, arrivals_take_load
 

@@ -90,7 +90,7 @@ def _upward(module: str, imported: str) -> bool:
 
 def test_each_package_imports_only_from_the_layers_below():
     wrong = sorted(f"{m} imports {i}" for m, p in _modules().items() for i in _imports(p) if _upward(m, i))
-    assert not wrong, "imports across the layering (" + " < ".join(" & ".join(l) for l in LAYERS) + "): " + \
+    assert not wrong, "imports across the layering (" + " < ".join(" & ".join(layer) for layer in LAYERS) + "): " + \
         "; ".join(wrong)
 
 

@@ -215,7 +215,6 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
 
     async def wait(gate: Gate, j: int, future: asyncio.Future) -> None:
         row = rows[j]
-        loop = asyncio.get_running_loop()
         waiter = asyncio.ensure_future(asyncio.shield(future))
         first = row["first_request_id"]
         patience = patience_of[first] - (row["arrival_s"] - arrival[first])
