@@ -11,7 +11,7 @@ wait and first token), and where an admitted request goes.
 
 An arrival takes two calls: :meth:`Admission.arrival` (its estimate, deadline and work), then
 :meth:`Admission.admit` with the core's projection (the refusal, or None: the core places it). A
-policy that reads the brief's numbers alone (:attr:`Admission.plain`) may take
+policy that reads the basic numbers alone (:attr:`Admission.plain`) may take
 :meth:`Admission.admit_plain` instead, the one fast path: the same decisions without the checks
 that cannot apply (tests/test_admission.py holds it to the general path).
 """
@@ -138,11 +138,11 @@ class Admission:
         self.seen_numbers: tuple = empty
         own = type(policy).decide is not Policy.decide
         self._decide = type(policy).decide if own else decide_view
-        # The built-in rule on the brief's numbers, no view made: the rule reads nothing more.
-        self._brief = not own and not reads_more(policy)
+        # The built-in rule on the basic numbers, no view made: the rule reads nothing more.
+        self._basic = not own and not reads_more(policy)
         #: Whether :meth:`admit_plain` decides as :meth:`admit` for this policy: no plug-in rule,
-        #: nothing read beyond the brief's numbers, no client rate or reserve.
-        self.plain = self._brief and self.buckets is None and self.reserve is None
+        #: nothing read beyond the basic numbers, no client rate or reserve.
+        self.plain = self._basic and self.buckets is None and self.reserve is None
         #: A rule that can refuse only the sheddable (priority below 0) while others wait.
         self.admits_all = not policy.predictive and policy.max_queue is None and \
             policy.max_queued_seconds is None and policy.max_queued_tokens is None
@@ -197,7 +197,7 @@ class Admission:
         budget = deadline if reserve is None else reserve.budget(entry.base_s, deadline, factor)
         if not self.counts_refused:
             self.arrivals += 1
-        if self._brief and p.wait_s is None:  # most runs' arrivals: no view made
+        if self._basic and p.wait_s is None:  # most runs' arrivals: no view made
             refusal = rule(self.policy, p.queued, p.queued_work_s, p.remaining_s, p.est_service_s,
                            budget, p.engines, p.idle, entry.priority, p.ahead_s)
         else:
@@ -209,7 +209,7 @@ class Admission:
     def admit_plain(self, queued: int, queued_work_s: float, remaining_s: float, est: float,
                     deadline_s: float, engines: int, idle: int, priority: int,
                     ahead_s: float | None, factor: float) -> Rejection | None:
-        """:meth:`admit` for a :attr:`plain` policy, on the brief's numbers as arguments (no
+        """:meth:`admit` for a :attr:`plain` policy, on the basic numbers as arguments (no
         projection made): it runs once per arrival of every plain simulation (bench_qsim's cases A
         and B). A rule that admits all reads nothing while an engine is idle, nor for a request
         that is not sheddable: there the core may leave ``remaining_s`` unsaid (NaN)."""

@@ -463,7 +463,7 @@ def decide(
     ahead_s: float | None = None,
 ) -> Rejection | None:
     """Admit (``None``) or refuse (:class:`Rejection`) one arriving request: :meth:`Policy.decide` on a
-    :class:`View` of these numbers (the brief's signature).
+    :class:`View` of these numbers: the basic numbers, what every policy may read.
 
     queued / queued_work_s: requests waiting and their estimated work, not
     counting this one. in_service_remaining_s: estimated remaining work summed
@@ -493,7 +493,7 @@ def decide_view(policy: Policy, view: View) -> Rejection | None:
 def rule(policy: Policy, queued: int, queued_work_s: float, remaining_s: float, est: float, deadline: float | None,
          engines: int = 1, idle: int = 0, priority: int = 0, ahead_s: float | None = None,
          view: View | None = None) -> Rejection | None:
-    """:func:`decide_view` on a view's first fields, the brief's numbers (the queue cores call it so where the
+    """:func:`decide_view` on a view's first fields, the basic numbers (the queue cores call it so where the
     policy keeps the built-in rule: it runs once per arrival), and on ``view`` itself for the rest (None: the
     view of those numbers alone, for a policy that reads nothing more: see :func:`reads_more`)."""
     if view is None:
@@ -543,14 +543,14 @@ def rule(policy: Policy, queued: int, queued_work_s: float, remaining_s: float, 
 
 
 def reads_more(policy: Policy) -> bool:
-    """Whether the built-in rule reads more of a view than the brief's numbers for this policy (queued tokens,
+    """Whether the built-in rule reads more of a view than the basic numbers for this policy (queued tokens,
     the KV share, objectives, a draw): the queue cores build the whole view only then."""
     return (policy.max_queued_tokens is not None or policy.shed_queue_threshold is not None or policy.kv_admission
             or policy.ttft_slo_s is not None or policy.tpot_slo_s is not None)
 
 
 _NAN = math.nan
-#: The view's fields after the brief's numbers, for a call without a view (a constant: built once, not per call).
+#: The view's fields after the basic numbers, for a call without a view (a constant: built once, not per call).
 _NO_VIEW = (None, _NAN, _NAN, None, 0.0, 0, 0, _NAN)
 # The reasons decide_view gives most, as module names (an enum member read through its class is slow).
 _SHED, _QUEUE_FULL, _WORK_LIMIT, _UNREACHABLE = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LIMIT, \

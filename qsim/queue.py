@@ -84,7 +84,7 @@ class AdmissionQueue(Core):
         config = as_config(config)
         if not isinstance(config.engine, OneAtATime):
             raise ValueError(f"AdmissionQueue runs engines one at a time; {config.engine.kind} engines run in "
-                             "qsim.batch.BatchQueue (qsim.queue.make_queue picks)")
+                             "qsim.batch.BatchQueue (the simulator picks the core by the engine model)")
         self.config = config
         self.policy = policy = config.policy
         self.engines = engines = config.engine.engines
@@ -112,7 +112,7 @@ class AdmissionQueue(Core):
         self.slow = [1.0] * engines  # the slowdown each engine's run started with (OneAtATime.concurrency)
         self._objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
         if self.admission.plain and self._slowdown is None:
-            self.arrive = self._arrive_plain  # the brief's policies: the same decisions on a shorter path
+            self.arrive = self._arrive_plain  # the basic policies: the same decisions on a shorter path
 
     # -- events -------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The admission component both queue cores share (:mod:`qsim.admission`).
 
 Its one fast path (``Admission.admit_plain``, which ``AdmissionQueue`` takes for a policy
-that reads the brief's numbers alone) is held to the general path (``Admission.admit``, as
+that reads the basic numbers alone) is held to the general path (``Admission.admit``, as
 ``AdmissionQueue.arrive`` calls it) on random policies and histories: the same refusals, the
 same starts and drops, the same queue, and the same numbers seen, but for the work in service
 that a rule admitting all leaves unsaid.

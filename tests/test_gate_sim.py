@@ -41,7 +41,7 @@ def _agree(trace, policy, engines, *, model=ServiceModel(), engine_ties=False, *
 
 
 BURSTS = {
-    # The brief's trap: two start at once, four wait, four are refused.
+    # The counting trap: two start at once, four wait, four are refused.
     "bounded 10/limit 4/2 engines": (PRESETS["bounded"].with_overrides(max_queue=4), 2, [12] * 10),
     "none": (PRESETS["none"], 2, [4, 12, 8, 12, 4, 4, 8, 12]),
     "bounded": (PRESETS["bounded"].with_overrides(max_queue=3), 1, [12] * 6),
@@ -62,7 +62,7 @@ def test_burst_matches_the_simulator_exactly(name):
     _agree(trace, policy, engines, model=MODEL, engine_ties=True)
 
 
-def test_the_brief_trap_in_numbers():
+def test_the_counting_trap_in_numbers():
     policy, engines, tokens = BURSTS["bounded 10/limit 4/2 engines"]
     sim = _agree(from_arrays(np.zeros(10), tokens, model=MODEL), policy, engines, model=MODEL, engine_ties=True)
     assert sim["outcome"].tolist() == ["good"] * 6 + ["rejected"] * 4

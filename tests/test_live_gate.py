@@ -68,7 +68,7 @@ def _simulated(policy, engines: int, tokens: list[int]) -> list[str]:
 
 
 def test_a_burst_in_real_time_matches_the_simulator():
-    # The brief's trap, with real engine threads: two start at once, four wait, four are refused.
+    # The counting trap, with real engine threads: two start at once, four wait, four are refused.
     policy, tokens = PRESETS["bounded"].with_overrides(max_queue=4), [12] * 10
     live, stats = _live(policy, 2, tokens)
     assert live == _simulated(policy, 2, tokens) == ["good"] * 6 + ["rejected"] * 4

@@ -11,7 +11,7 @@ def burst(n, tokens=16, **kw):
 
 
 def test_starter_burst_six_accepted_four_rejected():
-    # The brief's trap: two start at once, four wait, four are refused.
+    # The counting trap: two start at once, four wait, four are refused.
     df = simulate(burst(10), Policy(max_queue=4), engines=2)
     assert (df["outcome"] != "rejected").sum() == 6
     assert (df["outcome"] == "rejected").sum() == 4
