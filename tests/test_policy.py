@@ -5,7 +5,7 @@ import pytest
 from qsim.policy import TIME_TOLERANCE_S, PRESETS, Policy, Rejection, cannot_finish, decide, on_time, preset, retry_after
 
 
-def test_presets_match_the_brief():
+def test_presets_match_the_reference_study():
     assert PRESETS["none"] == Policy("none")
     assert PRESETS["bounded"].max_queue == 8 and not PRESETS["bounded"].expire_at_front
     bd = PRESETS["bounded-deadline"]

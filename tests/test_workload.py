@@ -8,7 +8,7 @@ from qsim.service import ServiceModel
 from qsim.tracefiles import load_trace
 from qsim.workload import REFERENCE_MIX, Mix, arrivals_take_load, make_trace, parse_arrivals
 
-def test_reference_mix_moments_match_the_brief():
+def test_reference_mix_moments_match_the_reference_study():
     m = ServiceModel()
     assert REFERENCE_MIX.mean_s(m) == pytest.approx(0.146, rel=0.02)
     assert REFERENCE_MIX.capacity(m) == pytest.approx(6.86, rel=0.02)
