@@ -245,8 +245,9 @@ def from_schema(schema: dict) -> st.SearchStrategy:
     kind = schema["type"]
     if kind == "null":
         return st.none()
-    if kind == "integer":
-        return st.integers(schema.get("minimum"), schema.get("maximum"))
+    if kind == "integer":  # JSON Schema's integer: 61 and 61.0 alike
+        whole = st.integers(schema.get("minimum"), schema.get("maximum"))
+        return whole | whole.map(float)
     if kind == "string":
         low, high = schema.get("minLength", 0), schema.get("maxLength", 10_000)
         near_the_cap = st.tuples(st.integers(max(low, high - 64), high), st.sampled_from(WIDE_CHARS))
@@ -310,7 +311,8 @@ def is_json_media(content_type: str | None) -> bool:
 # Values that break one field of an otherwise valid body: wrong types, out of range, too long.
 _not_a_string = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.lists(st.text(max_size=3), max_size=3),
                           st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
-_not_an_int = st.one_of(st.booleans(), st.floats(allow_nan=False), st.text(max_size=10),
+_fractional = st.floats(allow_nan=False).filter(lambda f: not f.is_integer())  # 61.0 is an integer
+_not_an_int = st.one_of(st.booleans(), _fractional, st.text(max_size=10),
                         st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 BAD_VALUES = {
     "prompt": _not_a_string | st.integers(16_385, 20_000).map(lambda n: "p" * n),
@@ -364,7 +366,7 @@ def test_bodies_valid_by_the_schema_are_answered(service):
         assert r.status_code in (200, 400), r.text
         if r.status_code == 200:
             stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop")
-            text = " tok" * body["max_new_tokens"]
+            text = " tok" * int(body["max_new_tokens"])
             cut = apply_stop(text, stop)
             assert r.json()["tokens"] == body["max_new_tokens"]
             assert r.json()["text"] == (text if cut is None else cut)
@@ -411,7 +413,8 @@ def test_arbitrary_bytes_and_content_types_never_break_the_service(service):
         elif r.status_code in (200, 503) or gate_outcome(r) is not None:  # reached the gate: it was well-formed
             sent = json.loads(body)
             assert isinstance(sent, dict) and isinstance(sent["prompt"], str), body
-            assert type(sent["max_new_tokens"]) is int and 1 <= sent["max_new_tokens"] <= 1024, body
+            new = sent["max_new_tokens"]
+            assert type(new) in (int, float) and new == int(new) and 1 <= new <= 1024, body
 
     run()
     service.assert_still_serving()
