@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from qsim.service import LoadTerms, ServiceModel
 
-from .auth import ApiKeys, Holder, digest
+from .auth import OPERATOR_SCHEME, ApiKeys, Holder, digest
 from .contract import Limits
 from .envelope import InvalidRequest, error_response, error_responses, json_response
 from .request_io import read_body
@@ -70,7 +70,11 @@ def read_calibration(raw: bytes) -> tuple[ServiceModel, LoadTerms]:
 def mount(app: FastAPI, gate, limits: Limits, operator: ApiKeys | None) -> None:
     """``PUT /admin/calibration`` on ``app``, for ``gate``."""
 
-    @app.put(CALIBRATION, responses=error_responses(400, 401, 403, 408, 413, 415, 421, 431))
+    # The operator's bearer scheme where there is an operator key (without one, all get the 403).
+    security = {} if operator is None else {"security": [{OPERATOR_SCHEME: []}]}
+
+    @app.put(CALIBRATION, responses=error_responses(400, 401, 403, 408, 413, 415, 421, 431),
+             openapi_extra=security)
     async def take_calibration(request: Request) -> Response:
         if operator is None:
             return NO_OPERATOR

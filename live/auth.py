@@ -35,6 +35,36 @@ GUARDED_PREFIX = "/v1/"
 STATS_ROUTES = frozenset({"/stats", "/healthz", "/metrics"})
 
 
+#: /openapi.json's names of the two bearer schemes: the clients' API keys, and the operator's
+#: (live.admin).
+API_KEY_SCHEME = "apiKey"
+OPERATOR_SCHEME = "operatorKey"
+_SCHEMES = {
+    API_KEY_SCHEME: "one of the server's API keys (qlab serve --api-key, --api-key-file); a route "
+                    "that wants one answers 401 unauthorized without it",
+    OPERATOR_SCHEME: "the operator's key (qlab serve --admin-key), which PUT /admin/calibration "
+                     "wants",
+}
+
+
+def declare_security(doc: dict, keys: "ApiKeys | None") -> dict:
+    """The OpenAPI document ``doc`` with the schemes the server enforces: its API keys on each
+    route they guard (none without keys: every route is then open), and the operator's key on the
+    routes that name it in their own ``security`` (PUT /admin/calibration, on a gate with an
+    operator key)."""
+    for path, item in doc.get("paths", {}).items():
+        if keys is not None and keys.guards(path):
+            for operation in item.values():
+                operation["security"] = [{API_KEY_SCHEME: []}]
+    used = {name for item in doc.get("paths", {}).values() for operation in item.values()
+            for need in operation.get("security", ()) for name in need}
+    schemes = {name: {"type": "http", "scheme": "bearer", "description": text}
+               for name, text in _SCHEMES.items() if name in used}
+    if schemes:
+        doc.setdefault("components", {})["securitySchemes"] = schemes
+    return doc
+
+
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

@@ -20,18 +20,22 @@ the same test scans the client modules for body keys named by string.
   :class:`EngineFacts`), :class:`AnswerEvent` (a streamed or whole OpenAI-compatible answer, read by
   ``qlab replay --api openai``; :func:`generate_of` makes it ``/v1/generate``'s answer).
 
-Requests are strict (``"16"`` is not a number, unknown fields are refused). Answers are
+Requests are strict (``"16"`` is not a number, unknown fields are refused; ``16.0`` is an
+integer, as JSON Schema says: :func:`integer`), and their schemas list only the values served
+(:class:`Only`). Answers are
 lenient where a server may say more than qlab reads (``extra="allow"`` on the numbers and
 ``/stats``), so a newer server does not break an older client.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
@@ -63,9 +67,71 @@ def num(value: Num) -> float:
     return math.nan if value is None else float(value)
 
 
+def _integral(value):
+    # JSON Schema's integer is any number without a fractional part (61.0 is one, and OpenAI's API
+    # and vLLM take it): such a float is read as its int. Strict all the same: "61", 61.5 and true
+    # stay refused.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: int) -> Any:
+    """An integer field's type, within pydantic's bounds (ge, le), that takes an integral float as
+    its int."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
 def _stop_list(value):
     # One stop string may come bare; a union type would make the error messages name its branches.
     return [value] if isinstance(value, str) else value
+
+
+def stops(max_items: int | None = None, max_chars: int | None = None) -> Any:
+    """``stop``'s type: a list of strings, or one string read as a list of one; the schema says
+    both (OpenAI's does)."""
+    text = Annotated[str, StringConstraints(min_length=1, max_length=max_chars)]
+    many = Annotated[list[text], Field(max_length=max_items)]
+    return Annotated[many, BeforeValidator(_stop_list, json_schema_input_type=text | many)]
+
+
+class Published:
+    """Constraints /openapi.json states beyond a field's type, which the route checks itself
+    (where it answers better than a 422: a 400 naming what is not supported, a 404 for a model
+    not served)."""
+
+    def __init__(self, **schema: Any) -> None:
+        self.schema = schema
+
+    def __get_pydantic_json_schema__(self, core_schema, handler) -> dict:
+        return {**handler(core_schema), **self.schema}
+
+
+class Only:
+    """A field of OpenAI's of whose values the server honours only ``values`` (and null, leaving it
+    out): /openapi.json lists just those, and the route refuses any other with 400
+    ``unsupported_parameter`` saying ``why`` (:func:`unsupported`), as OpenAI-compatible servers
+    refuse what they cannot do."""
+
+    def __init__(self, *values: Any, why: str) -> None:
+        self.values, self.why = values, why
+
+    def __get_pydantic_json_schema__(self, core_schema, handler) -> dict:
+        return {"enum": [*self.values, None]}
+
+
+def unsupported(req: BaseModel) -> tuple[str, str] | None:
+    """The first field given a value its :class:`Only` does not list: (its name, the message);
+    None: none."""
+    for name, only in _only_fields(type(req)):
+        value = getattr(req, name)
+        if value is not None and value not in only.values:
+            return name, f"{name}: {only.why}, not {json.dumps(value)[:80]}"
+    return None
+
+
+@functools.cache
+def _only_fields(model: type[BaseModel]) -> tuple[tuple[str, Only], ...]:
+    return tuple((name, m) for name, field in model.model_fields.items() for m in field.metadata
+                 if isinstance(m, Only))
 
 
 # ---------------------------------------------------------------------- POST /v1/generate
@@ -78,18 +144,13 @@ class GenerateRequest(BaseModel):
     model_config = _STRICT
 
     prompt: str
-    max_new_tokens: Annotated[int, Field(ge=1)]
-    deadline_ms: Annotated[int, Field(ge=1)] | None = None
-    stop: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
+    max_new_tokens: integer(ge=1)
+    deadline_ms: integer(ge=1) | None = None
+    stop: stops() | None = None
     # Whose per-client rate limit it counts against (also the x-client-id header; the body wins).
     client_id: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
     # Higher first under a priority discipline (the policy's; FIFO ignores it).
-    priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_or_many(cls, value):
-        return _stop_list(value)
+    priority: integer(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND) = 0
 
     def body(self) -> dict:
         """The JSON body: the fields given, defaults left out (the server applies its own)."""
@@ -101,13 +162,11 @@ _GenerateRequest = GenerateRequest  # the caps' subclass below has the same name
 
 def request_model(limits: Limits) -> type[GenerateRequest]:
     """The body schema with these caps. Strict: "16" is not a number and unknown fields are refused."""
-    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
-
     class GenerateRequest(_GenerateRequest):  # the same name in /openapi.json
         prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
-        max_new_tokens: Annotated[int, Field(ge=1, le=limits.max_new_tokens)]
-        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
-        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
+        max_new_tokens: integer(ge=1, le=limits.max_new_tokens)
+        deadline_ms: integer(ge=1, le=limits.max_deadline_ms) | None = None
+        stop: stops(limits.max_stops, limits.max_stop_chars) | None = None
 
     return GenerateRequest
 
@@ -395,54 +454,59 @@ class ChatMessage(BaseModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
 
 
-_NewTokens = Annotated[int, Field(ge=1)] | None
+_NewTokens = integer(ge=1) | None
+_ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+_NO_LOGPROBS = "log probabilities are not returned by this server"
+_NO_TOOLS = "tool and function calls are not supported"
+_NO_BEAMS = "the engines decode greedily; beam search is not supported"
+_ONE_PROMPT = Published(minItems=1, maxItems=1)
+# The cross-field rules a JSON schema cannot state, said in the fields' descriptions.
+_MAX_TOKENS_RULE = "with max_tokens, the same number (else 400 conflicting_parameters)"
+_MIN_TOKENS_RULE = "at most the new tokens asked for (else 400 conflicting_parameters)"
 
 
 class _Common(BaseModel):
     model_config = _STRICT
 
-    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-    stop: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
+    model: _ModelName
+    stop: stops() | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None  # only 1
+    n: Annotated[integer() | None, Only(1, why="only 1 choice per request is supported")] = None
     # OpenAI's end-user id: whose per-client limit it counts against (else the x-client-id header).
     user: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
     # qlab's extensions (the openai SDK sends them with extra_body).
-    deadline_ms: Annotated[int, Field(ge=1)] | None = None
-    priority: Annotated[int, Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
+    deadline_ms: integer(ge=1) | None = None
+    priority: integer(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND) = 0
     # Accepted and ignored: the engines decode greedily.
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: int | None = None
+    seed: integer() | None = None
     logit_bias: dict[str, float] | None = None
     # Vendor fields: the sampling parameters vLLM (and the benchmark clients written for it) send. Typed, so a
     # malformed value is a 422; min_tokens, ignore_eos and top_k are honoured (live.openai_api), the rest
     # ignored; all go on to an upstream as given (SAMPLING_FIELDS). use_beam_search and prompt_logprobs are
     # refused when they ask for something.
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0: every token, as vLLM reads them
+    top_k: integer(ge=-1) | None = None  # -1 and 0: every token, as vLLM reads them
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     length_penalty: float | None = None
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[integer(ge=0) | None, Field(description=_MIN_TOKENS_RULE)] = None
+    stop_token_ids: list[integer()] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncate_prompt_tokens: integer(ge=-1) | None = None
     add_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: Annotated[str, StringConstraints(max_length=256)] | None = None
-    use_beam_search: bool | None = None
-    prompt_logprobs: int | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_or_many(cls, value):
-        return _stop_list(value)
+    use_beam_search: Annotated[bool | None, Only(False, why=_NO_BEAMS)] = None
+    prompt_logprobs: Annotated[integer() | None, Only(why=_NO_LOGPROBS)] = None
 
     def body(self) -> dict:
         """The JSON body: the fields given, defaults left out."""
@@ -464,12 +528,14 @@ CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template
 class CompletionRequest(_Common):
     """``POST /v1/completions`` without a server's caps (see :func:`request_models`)."""
 
-    prompt: str | list[str]
+    # A list: of exactly one prompt (the route refuses a batch with 400 unsupported_parameter).
+    prompt: str | Annotated[list[str], _ONE_PROMPT]
     max_tokens: _NewTokens = None
     echo: bool = False
-    best_of: int | None = None  # only 1
-    logprobs: int | None = None  # refused when given
-    suffix: str | None = None  # refused when given
+    best_of: Annotated[integer() | None, Only(1, why="only 1 is supported")] = None
+    logprobs: Annotated[integer() | None, Only(why=_NO_LOGPROBS)] = None
+    # "": no suffix, the completion as without one.
+    suffix: Annotated[str | None, Only("", why="insertion after a suffix is not supported")] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -477,15 +543,16 @@ class ChatCompletionRequest(_Common):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: _NewTokens = None
-    max_completion_tokens: _NewTokens = None
+    max_completion_tokens: Annotated[_NewTokens, Field(description=_MAX_TOKENS_RULE)] = None
     # Refused when they ask for something (live.openai_api).
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: Annotated[bool | None, Only(False, why=_NO_LOGPROBS)] = None
+    top_logprobs: Annotated[integer() | None, Only(why=_NO_LOGPROBS)] = None
+    tools: Annotated[list[dict[str, Any]] | None, Only([], why=_NO_TOOLS)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, Only("none", why=_NO_TOOLS)] = None
+    functions: Annotated[list[dict[str, Any]] | None, Only([], why=_NO_TOOLS)] = None
+    function_call: Annotated[str | dict[str, Any] | None, Only("none", why=_NO_TOOLS)] = None
+    response_format: Annotated[dict[str, Any] | None,
+                               Only({"type": "text"}, why="only text answers")] = None
     # Accepted and ignored.
     parallel_tool_calls: bool | None = None
     store: bool | None = None
@@ -503,23 +570,30 @@ class ChatCompletionRequest(_Common):
 _CompletionRequest, _ChatCompletionRequest = CompletionRequest, ChatCompletionRequest
 
 
-def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
-    """(CompletionRequest, ChatCompletionRequest) with these caps. Strict: unknown fields are refused."""
-    stop_text = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_stop_chars)]
+def request_models(limits: Limits, model_id: str | None = None,
+                   ) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+    """(CompletionRequest, ChatCompletionRequest) with these caps, and the model served (None: any
+    name validates; the route compares). Strict: unknown fields are refused."""
+    stop_type = stops(limits.max_stops, limits.max_stop_chars) | None
     prompt_text = Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
-    new_tokens = Annotated[int, Field(ge=1, le=limits.max_new_tokens)] | None
+    new_tokens = integer(ge=1, le=limits.max_new_tokens) | None
+    deadline_type = integer(ge=1, le=limits.max_deadline_ms) | None
+    # The one model served: the schema says so (the route answers any other 404 model_not_found).
+    served = _ModelName if model_id is None else Annotated[_ModelName, Published(enum=[model_id])]
 
     class CompletionRequest(_CompletionRequest):
-        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
-        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
-        prompt: prompt_text | list[prompt_text]
+        model: served
+        stop: stop_type = None
+        deadline_ms: deadline_type = None
+        prompt: prompt_text | Annotated[list[prompt_text], _ONE_PROMPT]
         max_tokens: new_tokens = None
 
     class ChatCompletionRequest(_ChatCompletionRequest):
-        stop: Annotated[list[stop_text], Field(max_length=limits.max_stops)] | None = None
-        deadline_ms: Annotated[int, Field(ge=1, le=limits.max_deadline_ms)] | None = None
+        model: served
+        stop: stop_type = None
+        deadline_ms: deadline_type = None
         max_tokens: new_tokens = None
-        max_completion_tokens: new_tokens = None
+        max_completion_tokens: Annotated[new_tokens, Field(description=_MAX_TOKENS_RULE)] = None
 
     return CompletionRequest, ChatCompletionRequest
 

@@ -201,7 +201,9 @@ async def answer_for(request: Request, exc: Exception) -> Response:
 
 #: What each error status means, for /openapi.json (docs/http.md's table says the same).
 STATUS_TEXT = {
-    400: "invalid_request: malformed_json (not JSON, or a body cut short), invalid_calibration (PUT "
+    400: "invalid_request: malformed_json (not JSON, or a body cut short), "
+         "malformed_http (not HTTP/1.1 the parser can read: the connection is closed), "
+         "invalid_calibration (PUT "
          "/admin/calibration), deadline_too_short (no queue could "
          "answer it in time: no Retry-After; numbers.fit_new_tokens says what fits); on the OpenAI-compatible "
          "routes also unsupported_parameter, conflicting_parameters",

@@ -61,6 +61,11 @@ def _raw_answer(status: int, reason: str, message: str) -> bytes:
 
 #: A head past the cap's answer (the connection is closed after it).
 TOO_LARGE = _raw_answer(431, "headers_too_large", f"the request head passes the limit of {HEAD_CAP_BYTES} bytes")
+#: What a request the parser cannot read is answered (a bad Content-Length or chunk size, a length
+#: beside chunked, a TLS hello on the plain port...): uvicorn does not pass the parser's reason on.
+MALFORMED = _raw_answer(400, "malformed_http",
+                        "the request is not valid HTTP/1.1 (its request line, headers, length or "
+                        "chunks); the connection is closed")
 
 
 class ReadDeadlines:
@@ -127,6 +132,18 @@ class _ReadGuard:
         if self.transport.is_closing() or (self.cycle is not None and self.cycle.response_started):
             return  # answered already (a refusal before the body was read): the body is nobody's concern
         self._refuse(_timed_out_answer(phase, self._deadlines))
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's one hook for what its parser refuses (both protocols call it, then stop
+        # reading): the envelope instead of its plain text. Mid-answer (a bad request pipelined
+        # behind one being answered) nothing written could be told apart from that answer: the
+        # connection is only closed.
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._refused = True
+            self.transport.close()
+            return
+        self._refuse(MALFORMED)
 
     def _refuse(self, answer: bytes) -> None:
         self._refused = True
@@ -248,9 +265,12 @@ def http_options(http: str, head_timeout_s: float, body_timeout_s: float) -> dic
     each with the read deadlines.
 
     Both answer a head past the cap with 431 in the envelope (h11's own cap stays behind it, for a
-    head h11 holds unfinished).
+    head h11 holds unfinished). No WebSocket protocol (``ws="none"``): the gate has no WebSocket
+    route, and uvicorn's would refuse an ``Upgrade: websocket`` with its own plain 403; without it,
+    such a request is an HTTP request like any other, answered by the app.
     """
     timeouts = {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s}
     if http == "h11":
-        return {"http": partial(CappedH11, **timeouts), "h11_max_incomplete_event_size": HEAD_CAP_BYTES}
-    return {"http": partial(HeadCappedHttpTools, **timeouts)}
+        return {"http": partial(CappedH11, **timeouts), "ws": "none",
+                "h11_max_incomplete_event_size": HEAD_CAP_BYTES}
+    return {"http": partial(HeadCappedHttpTools, **timeouts), "ws": "none"}

@@ -68,7 +68,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from . import admin, openai_api
-from .auth import SCOPE_CLIENT, ApiKeys
+from .auth import SCOPE_CLIENT, ApiKeys, declare_security
 from .batching import STEP_PAGE
 from .hosts import HostAllowList, without_addresses
 from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
@@ -78,7 +78,7 @@ from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_fo
                        json_response, parse_body, shutdown_response, stopped_by_shutdown)
 from .gate import Answer, Gate, Job, Rejected
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
-from .request_io import outcome, read_body, with_headers
+from .request_io import header_parameters, outcome, read_body, request_deadline, with_headers
 from .routes import CHAT, COMPLETIONS, GENERATE
 
 # Limits and request_model (the body schema with a server's caps) live in live.contract, with every body; the
@@ -94,15 +94,17 @@ class _Preparer:
     limits: Limits
     count_tokens: Callable[[str], int]
 
-    def __call__(self, body: bytes) -> Job:
+    def __call__(self, body: bytes, request: Request) -> Job:
         req = parse_body(self.schema, body)
         tokens = self.count_tokens(req.prompt)
         if tokens > self.limits.max_prompt_tokens:
             raise InvalidRequest(422, "prompt_too_long",
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
         stop = tuple(req.stop or ())
-        deadline = None if req.deadline_ms is None else req.deadline_ms / 1000.0
-        return Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority, tokens)
+        deadline = request_deadline(req.deadline_ms, request, self.limits.max_deadline_ms)
+        job = Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority,
+                  tokens)
+        return with_headers(job, request, self.limits.max_deadline_ms)
 
 
 # ---------------------------------------------------------------------- execute and finish
@@ -146,6 +148,11 @@ class GateService(FastAPI):
     direct_posts: dict[str, _Direct] = {}  # replaced, never changed in place
     keys: ApiKeys | None = None  # set: the guarded routes want one of them (live.auth)
     hosts: HostAllowList | None = None  # set: the Host names it answers to (live.hosts; None: any)
+
+    def openapi(self) -> dict:
+        fresh = self.openapi_schema is None
+        doc = super().openapi()  # made once, then kept
+        return declare_security(doc, self.keys) if fresh else doc
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.hosts is not None and scope["type"] == "http"
@@ -248,7 +255,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
 
     async def generate(request: Request) -> Response:
         t0 = gate.clock()
-        job = with_headers(prepare(await read_body(request, limits.max_body_bytes)), request, limits.max_deadline_ms)
+        job = prepare(await read_body(request, limits.max_body_bytes), request)
         # Rejected, DeadlineExceeded, EngineFailed and EngineStalled go to their handlers.
         try:
             future = gate.submit(job)
@@ -262,13 +269,16 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         return json_response(_answer_body(answer, gate.clock() - t0).model_dump_json())
 
     # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
-    app.post(GENERATE, openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": prepare.schema.model_json_schema()}}}},
+    body = {"application/json": {"schema": prepare.schema.model_json_schema()}}
+    app.post(GENERATE, openapi_extra={"parameters": header_parameters(limits.max_deadline_ms),
+                                      "requestBody": {"required": True, "content": body}},
              responses={200: {"model": GenerateResponse}, **error_responses(*ADMITTING)})(generate)
     if direct:
         app.direct = _Direct(generate)
 
-    posts = openai_api.mount(app, gate, limits)  # POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    # POST /v1/completions, POST /v1/chat/completions, GET /v1/models; the open document names the
+    # model served only where /v1/models, which names it too, is open.
+    posts = openai_api.mount(app, gate, limits, name_model=keys is None)
     if direct:
         app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
 

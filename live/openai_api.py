@@ -23,8 +23,11 @@ What a request becomes (docs/http.md, "OpenAI-compatible API", says the same for
 * sampling fields (temperature, top_p, penalties, seed, logit_bias, and a chat's store, metadata,
   service_tier, parallel_tool_calls) are accepted and ignored: the engines decode greedily;
 * what cannot be honoured is a 400 ``unsupported_parameter`` naming it: ``n`` or ``best_of`` other
-  than 1, a list of several prompts, ``suffix``, ``logprobs``, ``top_logprobs``, tools and functions,
-  a ``response_format`` other than text. Any other field is a 422, as on ``/v1/generate`` (strict).
+  than 1, a list of several prompts, a ``suffix`` other than ``""``, ``logprobs``,
+  ``top_logprobs``, tools and functions, a ``response_format`` other than ``{"type": "text"}``;
+  /openapi.json lists only the values served (:class:`live.contract.Only`). Any other bad field
+  is a 422, as on ``/v1/generate`` (strict); an integer field takes an integral float
+  (``61.0``), as JSON Schema's integer and vLLM do.
 
 Streaming (``stream: true``). The answer is passed through as the engine produces it
 (:meth:`live.gate.Gate.submit_streaming`; an engine's ``emit``, :mod:`live.engine`): (chat) a role
@@ -71,14 +74,15 @@ from starlette.types import Receive, Scope, Send
 from .contract import (CHAT_FIELDS, OWNER, SAMPLING_FIELDS, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
                        CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
-                       Usage, request_models)
+                       Usage, request_models, unsupported)
 from .contract import STOPPED, ErrorEnvelope, Stopped
 from .contract import Limits
 from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
                        shutdown_response, stopped_by_shutdown)
 from .engine import Asked
 from .gate import END, Answer, DeadlineCut, Gate, Job, Rejected, Streamed
-from .request_io import deadline_header, outcome, read_body, until_disconnect, with_headers
+from .request_io import (header_parameters, outcome, read_body, request_deadline, until_disconnect,
+                         with_headers)
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
 
@@ -113,17 +117,12 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return "\n".join([*lines, "assistant:"])
 
 
-def _unsupported(name: str, why: str) -> InvalidRequest:
-    return InvalidRequest(400, "unsupported_parameter", f"{name}: {why}")
-
-
-def _check_common(req) -> None:
-    if req.n is not None and req.n != 1:
-        raise _unsupported("n", f"only 1 choice per request is supported, not {req.n}")
-    if req.use_beam_search:
-        raise _unsupported("use_beam_search", "the engines decode greedily; beam search is not supported")
-    if req.prompt_logprobs is not None:
-        raise _unsupported("prompt_logprobs", "log probabilities are not returned by this server")
+def _check_supported(req) -> None:
+    """400 unsupported_parameter for the first field set to a value this server cannot honour (the
+    values it can are the fields' :class:`~live.contract.Only`, which /openapi.json lists)."""
+    found = unsupported(req)
+    if found is not None:
+        raise InvalidRequest(400, "unsupported_parameter", found[1])
 
 
 def _asked(req) -> Asked:
@@ -141,33 +140,18 @@ _NOTHING_ASKED = Asked()
 
 
 def _completion_prompt(req) -> str:
-    _check_common(req)
-    if req.best_of is not None and req.best_of != 1:
-        raise _unsupported("best_of", f"only 1 is supported, not {req.best_of}")
-    if req.logprobs is not None:
-        raise _unsupported("logprobs", "log probabilities are not returned by this server")
-    if req.suffix is not None:
-        raise _unsupported("suffix", "insertion after a suffix is not supported")
+    _check_supported(req)
     if isinstance(req.prompt, list):
-        if len(req.prompt) != 1:
-            raise _unsupported("prompt", f"a batch of {len(req.prompt)} prompts is not supported: send one string")
+        if len(req.prompt) != 1:  # as the schema says (minItems and maxItems 1)
+            raise InvalidRequest(400, "unsupported_parameter",
+                                 f"prompt: a batch of {len(req.prompt)} prompts is not supported: "
+                                 "send one string")
         return req.prompt[0]
     return req.prompt
 
 
 def _chat_messages_prompt(req) -> str:
-    _check_common(req)
-    if req.logprobs or req.top_logprobs is not None:
-        raise _unsupported("logprobs" if req.logprobs else "top_logprobs",
-                           "log probabilities are not returned by this server")
-    if req.tools or req.functions:
-        raise _unsupported("tools" if req.tools else "functions", "tool and function calls are not supported")
-    for name in ("tool_choice", "function_call"):
-        value = getattr(req, name)
-        if value is not None and value != "none":
-            raise _unsupported(name, "tool and function calls are not supported (only \"none\")")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise _unsupported("response_format", 'only {"type": "text"} is supported')
+    _check_supported(req)
     return chat_prompt(req.messages)
 
 
@@ -184,6 +168,11 @@ def _new_tokens(req, default: Callable[[], int]) -> int:
 
 
 DONE_EVENT = "data: [DONE]\n\n"
+#: One event of a stream, as /openapi.json says it (OpenAPI 3.1: a text/event-stream's schema is
+#: each event's).
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string",
+    "description": "a chunk (Completion, ChatCompletionChunk), an error envelope, or [DONE]"}}}
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
@@ -403,8 +392,7 @@ class _Routes:
         if tokens > self.limits.max_prompt_tokens:
             raise InvalidRequest(422, "prompt_too_long",
                                  f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
-        deadline = (req.deadline_ms / 1000.0 if req.deadline_ms is not None
-                    else deadline_header(request, self.limits.max_deadline_ms))
+        deadline = request_deadline(req.deadline_ms, request, self.limits.max_deadline_ms)
         max_new = _new_tokens(req, lambda: self._default_new_tokens(deadline, tokens))
         if req.min_tokens is not None and req.min_tokens > max_new:
             raise InvalidRequest(400, "conflicting_parameters", f"min_tokens {req.min_tokens} is more than the "
@@ -475,23 +463,27 @@ def _inline(schema: dict) -> dict:
     return walk(schema)
 
 
-def _body_spec(schema: type[BaseModel]) -> dict:
+def _body_spec(schema: type[BaseModel], limits: Limits) -> dict:
     body = {"schema": _inline(schema.model_json_schema())}
-    return {"requestBody": {"required": True, "content": {"application/json": body}}}
+    return {"parameters": header_parameters(limits.max_deadline_ms),
+            "requestBody": {"required": True, "content": {"application/json": body}}}
 
 
-def mount(app: FastAPI, gate: Gate, limits: Limits) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+def mount(app: FastAPI, gate: Gate, limits: Limits, name_model: bool = True,
+          ) -> dict[str, Callable[[Request], Awaitable[Response]]]:
     """Add the OpenAI-compatible routes to ``app`` (its exception handlers answer their errors); returns
-    the POST routes' functions by path, for the direct path of :class:`live.http_api.GateService`."""
-    completion_schema, chat_schema = request_models(limits)
-    routes = _Routes(gate, limits, served_model_id(gate.engines[0].info()), int(time.time()),
-                     completion_schema, chat_schema)
+    the POST routes' functions by path, for the direct path of :class:`live.http_api.GateService`.
+    name_model: the body schemas name the model served (else any name validates, and the route
+    answers another 404 model_not_found)."""
+    model_id = served_model_id(gate.engines[0].info())
+    completion_schema, chat_schema = request_models(limits, model_id if name_model else None)
+    routes = _Routes(gate, limits, model_id, int(time.time()), completion_schema, chat_schema)
     # The routes read the raw body (to cap its size before parsing): state the schemas for /openapi.json.
-    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    stream = {"text/event-stream": {"schema": SSE_EVENT}}
     errors = error_responses(*ADMITTING, 404)
-    app.post(COMPLETIONS, openapi_extra=_body_spec(completion_schema),
+    app.post(COMPLETIONS, openapi_extra=_body_spec(completion_schema, limits),
              responses={200: {"model": Completion, "content": stream}, **errors})(routes.completions)
-    app.post(CHAT, openapi_extra=_body_spec(chat_schema),
+    app.post(CHAT, openapi_extra=_body_spec(chat_schema, limits),
              responses={200: {"model": ChatCompletion, "content": stream}, **errors})(routes.chat)
 
     @app.get(MODELS, responses=error_responses(*ANY_ROUTE))

@@ -88,6 +88,13 @@ def deadline_header(request: Request, max_ms: int) -> float | None:
     return int(value) / 1000.0
 
 
+def request_deadline(body_ms: int | None, request: Request, max_ms: int) -> float | None:
+    """A request's deadline in seconds, on every route that admits: the body's ``deadline_ms``,
+    else the ``x-request-deadline-ms`` header (:func:`deadline_header`), else None (the policy's
+    default)."""
+    return body_ms / 1000.0 if body_ms is not None else deadline_header(request, max_ms)
+
+
 def slo_header(request: Request, name: str, max_ms: int) -> float | None:
     """An objective's header (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) in seconds (None: absent); 422 unless a
     number of milliseconds in (0, max_ms]."""
@@ -102,6 +109,24 @@ def slo_header(request: Request, name: str, max_ms: int) -> float | None:
         raise InvalidRequest(422, "invalid_field", f"{name}: a number of milliseconds above 0 and at most "
                                                    f"{max_ms}, not {value[:40]!r}")
     return ms / 1000.0
+
+
+def header_parameters(max_ms: int) -> list[dict]:
+    """The headers an admitting route reads, as /openapi.json's parameters (each optional; what
+    :func:`deadline_header`, :func:`client_header` and :func:`slo_header` accept)."""
+    ms = {"type": "number", "exclusiveMinimum": 0, "maximum": max_ms}
+    said = {
+        DEADLINE_HEADER: ({"type": "integer", "minimum": 1, "maximum": max_ms},
+                          "the deadline in milliseconds, where the body gives no deadline_ms"),
+        CLIENT_HEADER: ({"type": "string", "maxLength": CLIENT_ID_CHARS},
+                        "whose per-client limit it counts against, where the body and the API key "
+                        "name none"),
+        TTFT_SLO_HEADER: (ms, "the objective for the time to the first token, milliseconds"),
+        TPOT_SLO_HEADER: (ms, "the objective for the time per output token after the first, "
+                              "milliseconds"),
+    }
+    return [{"name": name, "in": "header", "required": False, "schema": schema,
+             "description": text} for name, (schema, text) in said.items()]
 
 
 def with_headers(job: Job, request: Request, max_ms: int) -> Job:

@@ -23,11 +23,14 @@ from live.calibrate import ServerFacts, server_facts  # noqa: E402
 from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
                            Completion, ErrorEnvelope, GenerateRequest, GenerateResponse, Health, Limits, ModelList,
                            Stats, read_answer, read_error)
+from live.admin import operator_key  # noqa: E402
+from live.auth import load_keys  # noqa: E402
 from live.engine import Faults, SyntheticEngine  # noqa: E402
 from live.gate import Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from live.openai_replay import completion_request, read_completion, refusal_body  # noqa: E402
 from live.rows import Exchange, _row, classify, server_info  # noqa: E402
+from live.routes import DEADLINE_HEADER  # noqa: E402
 from qsim import preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -418,3 +421,139 @@ def test_the_openai_routes_answer_the_same_on_the_direct_path():
     direct, routed = _openai_answers(True), _openai_answers(False)
     assert direct == routed
     assert [status for status, _, _ in direct] == [200, 200, 500, 400, 400, 404, 200]
+
+
+# ---------------------------------------------------------- (c) /openapi.json and the server agree
+
+COMPLETION = {"model": "synthetic", "prompt": "hi", "max_tokens": 2}
+
+
+def _published(client, path: str) -> dict:
+    operation = client.get("/openapi.json").json()["paths"][path]["post"]
+    return operation["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/generate", OK, "max_new_tokens"), ("/v1/generate", OK, "deadline_ms"),
+    ("/v1/generate", OK, "priority"), ("/v1/completions", COMPLETION, "max_tokens"),
+    ("/v1/completions", COMPLETION, "seed"), ("/v1/completions", COMPLETION, "top_k"),
+    ("/v1/chat/completions", CHAT.body(), "max_completion_tokens"),
+    ("/v1/chat/completions", CHAT.body(), "stop_token_ids"),
+])
+def test_an_integer_field_takes_an_integral_float_as_json_schema_and_vllm_do(client, path, body,
+                                                                            field):
+    """61.0 is an integer by JSON Schema (what /openapi.json says), and vLLM takes it; 61.5 and
+    "61" are not."""
+    value = {"max_new_tokens": 3, "deadline_ms": 60_000, "priority": 1, "max_tokens": 3, "seed": 7,
+             "top_k": 5, "max_completion_tokens": 3, "stop_token_ids": [5]}[field]
+    as_float = [float(v) for v in value] if isinstance(value, list) else float(value)
+    whole = client.post(path, json={**body, field: as_float})
+    exact = client.post(path, json={**body, field: value})
+    assert whole.status_code == exact.status_code == 200, whole.text
+    assert read_answer(whole.json()).tokens == read_answer(exact.json()).tokens
+    schema = _published(client, path)[field]
+    assert "integer" in json.dumps(schema), schema
+    for bad in (value[0] + 0.5 if isinstance(value, list) else value + 0.5, str(value), True):
+        bad = [bad] if isinstance(value, list) else bad
+        refused = client.post(path, json={**body, field: bad})
+        error = read_error(refused.json())
+        assert refused.status_code == 422 and error.reason == "invalid_field", bad
+        assert field in error.message
+
+
+@pytest.mark.parametrize("path, body", [("/v1/generate", OK), ("/v1/completions", COMPLETION),
+                                        ("/v1/chat/completions", CHAT.body())])
+def test_stop_is_a_string_or_an_array_in_the_schema_as_the_server_takes_it(client, path, body):
+    kinds = {branch["type"] for branch in _published(client, path)["stop"]["anyOf"]}
+    assert kinds == {"string", "array", "null"}
+    for stop in ("tok", ["tok"]):
+        r = client.post(path, json={**body, "stop": stop})
+        assert r.status_code == 200 and read_answer(r.json()).text == " ", r.text  # cut there
+    for bad in ("", 5, "s" * 65, ["a"] * 9):
+        refused = client.post(path, json={**body, "stop": bad})
+        assert refused.status_code == 422 and "stop" in read_error(refused.json()).message, bad
+
+
+#: Each field of which the server honours only some values: one it honours, one it refuses (400).
+ONLY = {
+    "/v1/completions": {"n": (1, 2), "best_of": (1, 3), "logprobs": (None, 2),
+                        "suffix": ("", "end"), "use_beam_search": (False, True),
+                        "prompt_logprobs": (None, 1)},
+    "/v1/chat/completions": {"logprobs": (False, True), "top_logprobs": (None, 2),
+                             "tools": ([], [{"x": 1}]), "tool_choice": ("none", "auto"),
+                             "functions": ([], [{"x": 1}]), "function_call": ("none", "auto"),
+                             "response_format": ({"type": "text"}, {})},
+}
+
+
+@pytest.mark.parametrize("path, field", [(p, f) for p, fields in ONLY.items() for f in fields])
+def test_a_field_served_in_part_lists_in_the_schema_just_what_is_served(client, path, field):
+    """``suffix: ""`` (no suffix) is served; ``response_format: {}`` is refused; the schema says
+    both."""
+    served, refused = ONLY[path][field]
+    body = COMPLETION if path == "/v1/completions" else CHAT.body()
+    schema = _published(client, path)[field]
+    assert served in schema["enum"] and None in schema["enum"], schema
+    assert refused not in schema["enum"], schema
+    assert client.post(path, json={**body, field: served}).status_code == 200
+    r = client.post(path, json={**body, field: refused})
+    error = read_error(r.json())
+    assert r.status_code == 400 and error.reason == "unsupported_parameter"
+    assert field in error.message
+    assert client.post(path, json={**body, field: None}).status_code == 200
+
+
+def test_the_schema_names_the_one_model_served_and_a_batch_of_one_prompt(client):
+    completion = _published(client, "/v1/completions")
+    assert completion["model"]["enum"] == ["synthetic"]
+    assert _published(client, "/v1/chat/completions")["model"]["enum"] == ["synthetic"]
+    batch = next(b for b in completion["prompt"]["anyOf"] if b["type"] == "array")
+    assert (batch["minItems"], batch["maxItems"]) == (1, 1)
+    assert client.post("/v1/completions", json={**COMPLETION, "prompt": ["hi"]}).status_code == 200
+    two = client.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]})
+    assert two.status_code == 400 and read_error(two.json()).reason == "unsupported_parameter"
+
+
+def _security(keys=None, operator=None) -> dict:
+    gate = Gate([SyntheticEngine(speed=1e-4)],
+                gate_config(preset("predictive"), fixed_estimate=True))
+    with TestClient(create_app(gate, keys=keys, operator=operator)) as c:
+        return c.get("/openapi.json").json()
+
+
+def test_the_schema_declares_the_bearer_keys_the_gate_enforces():
+    open_doc = _security()
+    assert "securitySchemes" not in open_doc["components"]
+    assert not any("security" in op for item in open_doc["paths"].values() for op in item.values())
+    doc = _security(load_keys("k", None), operator_key("op"))
+    schemes = doc["components"]["securitySchemes"]
+    assert schemes["apiKey"] == {**schemes["apiKey"], "type": "http", "scheme": "bearer"}
+    assert schemes["operatorKey"] == {**schemes["operatorKey"], "type": "http", "scheme": "bearer"}
+    security = {path: op.get("security") for path, item in doc["paths"].items()
+                for op in item.values()}
+    keyed = {p for p, s in security.items() if s == [{"apiKey": []}]}
+    assert keyed == {p for p in security if p.startswith("/v1/")}
+    assert security["/admin/calibration"] == [{"operatorKey": []}]
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert "enum" not in body["schema"]["properties"]["model"]  # /v1/models wants a key: it says
+    assert security["/stats"] is security["/ready"] is None  # open without --auth-stats, as served
+    guarded = _security(load_keys("k", None, guard_stats=True))["paths"]
+    assert all(guarded[p]["get"]["security"] == [{"apiKey": []}]
+               for p in ("/stats", "/healthz", "/metrics"))
+
+
+@pytest.mark.parametrize("path, body", [("/v1/generate", OK), ("/v1/completions", COMPLETION),
+                                        ("/v1/chat/completions", CHAT.body())])
+def test_every_admitting_route_honours_the_deadline_header_the_same_way(client, path, body):
+    short = client.post(path, json=body, headers={DEADLINE_HEADER: "1"})
+    error = read_error(short.json())
+    assert short.status_code == 400 and error.reason == "deadline_too_short"
+    assert error.numbers.deadline_s == pytest.approx(0.001)
+    bad = client.post(path, json=body, headers={DEADLINE_HEADER: "soon"})
+    assert bad.status_code == 422 and DEADLINE_HEADER in read_error(bad.json()).message
+    body_wins = client.post(path, json={**body, "deadline_ms": 60_000},
+                            headers={DEADLINE_HEADER: "1"})
+    assert body_wins.status_code == 200, body_wins.text
+    operation = client.get("/openapi.json").json()["paths"][path]["post"]
+    declared = {p["name"]: p["schema"] for p in operation["parameters"] if p["in"] == "header"}
+    assert declared[DEADLINE_HEADER] == {"type": "integer", "minimum": 1, "maximum": 600_000}

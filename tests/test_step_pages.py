@@ -74,7 +74,8 @@ def test_a_cursor_older_than_the_log_starts_at_its_oldest_step():
 
 
 @pytest.mark.parametrize("query", [
-    {"steps_since": "nan"}, {"steps_since": "inf"}, {"steps_since": "soon"},
+    {"steps_since": "nan"}, {"steps_since": "NaN"}, {"steps_since": "inf"},
+    {"steps_since": "-Infinity"}, {"steps_since": "soon"},
     {"steps_since": 0, "steps_limit": 0}, {"steps_since": 0, "steps_limit": STEP_PAGE + 1},
     {"steps_from": -1}])
 def test_a_bad_step_query_is_a_422_in_the_envelope_and_the_gate_keeps_serving(query):
