@@ -74,7 +74,7 @@ def check_answer(r: httpx.Response) -> dict:
     assert r.status_code in (200, 503, *INVALID_REASONS), f"unexpected status {r.status_code}: {r.text[:300]}"
     body = r.json()
     if r.status_code == 200:
-        assert set(body) == {"text", "tokens", "outcome", "engine", "timings", "admission"}, body
+        assert set(body) == {"text", "tokens", "prompt_tokens", "outcome", "engine", "timings", "admission"}, body
         assert body["outcome"] in ("good", "late")
         return body
     assert set(body) == {"error"} and set(body["error"]) == ENVELOPE_KEYS, body
