@@ -916,16 +916,16 @@ PREDICTION_COLUMNS = {"share_good": "predicted share in time, rel. error", "good
 def _prediction(run: pd.DataFrame, seeds: int) -> dict:
     """A live run's model-only prediction (``qlab compare --predict``: its arrivals and the calibrated model alone),
     as report columns: the relative error of each judged metric, and whether all are within their targets."""
-    from analysis import compare
+    from analysis.prediction import predict
 
-    judged = compare.predict(run, seeds=seeds)
+    judged = predict(run, seeds=seeds)
     return {**{column: float(judged.table.loc[m, "relative_error"]) for m, column in PREDICTION_COLUMNS.items()},
             "prediction": judged.verdict()}
 
 
 def _prediction_verdict(rows: list[dict], seeds: int) -> Verdict:
     """Whether the model alone predicted every live run within the targets, with the worst error of each metric."""
-    from analysis.compare import PREDICTION_TARGETS
+    from analysis.prediction import PREDICTION_TARGETS
 
     judged = [r for r in rows if r.get("prediction") in ("PASS", "MISS")]
     worst = "; ".join(f"{column.split(',')[0]} worst {max(abs(r[column]) for r in judged):.1%} "
@@ -1131,7 +1131,7 @@ def _disagreement(rows: list[dict]) -> list[Verdict]:
             *_rule_verdict(rows)]
 
 
-#: Per live run, its disagreements with the simulator by cause (analysis.compare.CAUSES).
+#: Per live run, its disagreements with the simulator by cause (analysis.diagnosis.CAUSES).
 CAUSE_COLUMNS = ("sim_rule_disagreements", "sim_timing_disagreements")
 
 
