@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -355,3 +356,62 @@ def aggregate(table: pd.DataFrame, by: list[str], columns: list[str], level: flo
             row[col], row[f"{col}_low"], row[f"{col}_high"] = mean_ci(part[col], level)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def with_ci(frame: pd.DataFrame) -> pd.DataFrame:
+    """:func:`aggregate`'s columns ``m``, ``m_low``, ``m_high`` shown as one column
+    "mean [low, high]"; other columns as they are."""
+    out = pd.DataFrame(index=frame.index)
+    for col in frame.columns:
+        if col.endswith(("_low", "_high")) and col.rsplit("_", 1)[0] in frame.columns:
+            continue
+        if f"{col}_low" in frame.columns and f"{col}_high" in frame.columns:
+            out[col] = [str(Est(m, lo, hi)) if pd.notna(m) else "-"
+                        for m, lo, hi in zip(frame[col], frame[f"{col}_low"], frame[f"{col}_high"])]
+        else:
+            out[col] = frame[col]
+    return out.reset_index(drop=True)
+
+
+# Paired comparisons across seeds: cells that differ only in policy (or speed, or load) share their
+# seed's random numbers, so the interval of the per-seed difference is narrower than two apart.
+
+
+@dataclass(frozen=True)
+class Est:
+    """A mean over seeds and its 95 % interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values) -> "Est":
+        return cls(*mean_ci(values))
+
+    def __str__(self) -> str:
+        if math.isnan(self.low):
+            return f"{self.mean:.3g}"
+        return f"{self.mean:.3g} [{self.low:.3g}, {self.high:.3g}]"
+
+
+def _select(table: pd.DataFrame, equal: dict) -> pd.DataFrame:
+    mask = np.ones(len(table), dtype=bool)
+    for key, value in equal.items():
+        mask &= (table[key] == value).to_numpy()
+    return table[mask]
+
+
+def per_seed(table: pd.DataFrame, metric: str, **equal) -> pd.Series:
+    """``metric`` of the cells matching ``equal``, one value per seed (averaged over any other axis)."""
+    return _select(table, equal).groupby("seed")[metric].mean()
+
+
+def estimate(table: pd.DataFrame, metric: str, **equal) -> Est:
+    """Mean and interval over seeds of ``metric`` in the cells matching ``equal``."""
+    return Est.of(per_seed(table, metric, **equal))
+
+
+def paired_difference(table: pd.DataFrame, metric: str, a: dict, b: dict) -> Est:
+    """Mean and interval of metric(a) - metric(b), paired by seed."""
+    return Est.of((per_seed(table, metric, **a) - per_seed(table, metric, **b)).dropna())

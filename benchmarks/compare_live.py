@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.compare import compare, predict  # noqa: E402
+from analysis.compare import compare  # noqa: E402
+from analysis.prediction import predict  # noqa: E402
 from live.loadgen import ReplayConfig, lateness, replay  # noqa: E402
 from live.procs import serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402

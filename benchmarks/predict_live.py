@@ -10,7 +10,7 @@ so the run records the time to the first token), and a probe after. Each run is 
   :data:`analysis.compare.REPLAY_DISAGREEMENT_TARGET`;
 * predicted from its arrivals and the calibrated model alone (``qlab compare RUN --predict``): the relative
   error of share in time, goodput, p99 end-to-end latency and p99 time to first token, each judged PASS or
-  MISS against :data:`analysis.compare.PREDICTION_TARGETS` (the issue's 5 %, 5 %, 10 %, 15 %).
+  MISS against :data:`analysis.prediction.PREDICTION_TARGETS` (the issue's 5 %, 5 %, 10 %, 15 %).
 
 Beside the errors it prints what a miss is read from: the nominal and effective load (nominal x total engine
 time over total calibrated time), the probe before the run and the speed in the run (total and median ratio),
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pandas as pd  # noqa: E402
 
-from analysis import compare  # noqa: E402
+from analysis import compare, prediction  # noqa: E402
 from live import vllm_server  # noqa: E402
 from experiments import live_runner  # noqa: E402
 from live.live_config import CalibrateConfig, LiveConfig, ProbeConfig, ReplaySettings, TraceSpec  # noqa: E402
@@ -136,7 +136,7 @@ def engine_speed(run: pd.DataFrame, calibration: dict) -> float:
 
 def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int, calibration: dict) -> dict:
     """One run's figures: its summary row's loads and speeds, the replay's disagreement, the prediction's errors."""
-    p = compare.predict(run, seeds=seeds)
+    p = prediction.predict(run, seeds=seeds)
     within = p.within_targets()
     rate = row["sim_disagreement_rate"]
     # The machine's load average as the run ends (its 1-minute figure spans most of a run): a busy machine's
@@ -167,7 +167,8 @@ def judged(case: Case, row: dict, run: pd.DataFrame, seeds: int, calibration: di
         t = p.table.loc[m]
         verdict = within.get(m)
         out["metrics"][m] = {"live": float(t["live"]), "sim_mean": float(t["sim_mean"]),
-                             "relative_error": float(t["relative_error"]), "target": compare.PREDICTION_TARGETS[m],
+                             "relative_error": float(t["relative_error"]),
+                             "target": prediction.PREDICTION_TARGETS[m],
                              "verdict": "n/a" if verdict is None else "PASS" if verdict else "MISS",
                              "relative_error_at_speed_in_run": math.nan if hindsight is None else
                              float(hindsight.loc[m, "relative_error"])}
@@ -179,7 +180,7 @@ def at_speed_in_run(run: pd.DataFrame, speed: float, seeds: int) -> pd.DataFrame
     hindsight, not a prediction, that tells a speed that drifted from the probe apart from a model that is wrong."""
     if not math.isfinite(speed):
         return None
-    return compare.predict(run.assign(speed_before=speed), seeds=seeds).table
+    return prediction.predict(run.assign(speed_before=speed), seeds=seeds).table
 
 
 def run_case(case: Case, loads: tuple[float, ...], args: argparse.Namespace, out: Path, log) -> dict:
@@ -315,7 +316,8 @@ def main(argv=None) -> int:
                 log(f"{name}: skipped: {missing}")
                 cases.append({"case": name, "what": case.what, "skipped": missing, "runs": []})
     log(table(cases))
-    result = {"seconds": args.seconds, "api": args.api, "seeds": args.seeds, "targets": compare.PREDICTION_TARGETS,
+    result = {"seconds": args.seconds, "api": args.api, "seeds": args.seeds,
+              "targets": prediction.PREDICTION_TARGETS,
               "replay_disagreement_target": compare.REPLAY_DISAGREEMENT_TARGET, "cases": cases}
     text = json.dumps(result, indent=2, default=float)
     if to_stdout:

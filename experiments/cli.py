@@ -312,8 +312,8 @@ def _command_modules():
     import importlib
 
     found = []
-    for name in ("experiments.commands", "live.commands", "experiments.load_commands", "experiments.study",
-                 "experiments.capacity"):
+    for name in ("experiments.commands", "live.commands", "experiments.load_commands",
+                 "experiments.study.runner", "experiments.capacity"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -38,6 +38,7 @@ from typing import Callable
 import pandas as pd
 
 from analysis import compare, metrics
+from analysis.replay import engine_time_ratio
 from inputs.atomic import atomic_write, clear_temporaries, sigterm_interrupts, write_parquet
 from qsim import ServiceModel, Trace, build_trace
 
@@ -94,7 +95,7 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
                 speeds: tuple[float, float]) -> dict:
     """One run: what ran, how fast the machine was, outcomes and goodput, send lateness, agreement with qsim."""
     versus = compare.compare(frame).summary
-    in_run = compare.engine_time_ratio(frame)  # the effective load's: total engine time over calibrated time
+    in_run = engine_time_ratio(frame)  # the effective load's: engine time over calibrated time
     probes = [s for s in speeds if math.isfinite(s)]
     speed = in_run if math.isfinite(in_run) else (sum(probes) / len(probes) if probes else math.nan)
     late = lateness(frame)
@@ -108,7 +109,8 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
         "send_lateness_p99_s": late["p99_s"], "send_lateness_max_s": late["max_s"],
         "retry_send_lateness_p99_s": lateness(frame, retries=True)["p99_s"],
         "sim_disagreements": versus["disagreements"], "sim_disagreement_rate": versus["disagreement_rate"],
-        # Why they began (analysis.compare.CAUSES): a rule difference is a bug, timing a coin flip.
+        # Why they began (analysis.diagnosis.CAUSES): a rule difference is a bug, timing a coin
+        # flip.
         "sim_rule_disagreements": versus["rule_disagreements"],
         "sim_timing_disagreements": versus["timing_disagreements"],
         "sim_e2e_disagreement_rate": versus.get("e2e_disagreement_rate", math.nan),

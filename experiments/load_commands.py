@@ -81,7 +81,7 @@ def _print_effective_load(args, frame: pd.DataFrame) -> None:
     nominal = _nominal_load(args)
     if nominal is None:
         return  # a trace file at its own rate, or a burst, has no nominal load of its own
-    from analysis.compare import engine_time_ratio, measured_speed
+    from analysis.replay import engine_time_ratio, measured_speed
 
     ratio = engine_time_ratio(frame)
     if math.isfinite(ratio):  # NaN when nothing was served
@@ -398,7 +398,10 @@ def _calibrate_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from analysis.compare import RULES, compare, describe_first_divergence, figure, predict
+    from analysis.compare import compare, figure
+    from analysis.diagnosis import describe_first_divergence
+    from analysis.prediction import predict
+    from analysis.replay import RULES
 
     try:
         run = pd.read_parquet(args.run)

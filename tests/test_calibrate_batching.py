@@ -175,7 +175,7 @@ def _batching_run(step: StepModel):
 
 
 def test_the_prediction_of_a_batching_run_draws_other_steps_for_each_seed(tmp_path):
-    from analysis.compare import calibrated_setup, predict
+    from analysis.prediction import calibrated_setup, predict
 
     noisy = StepModel(0.01, 0.0001, 0.0002, 0.000001, cv=0.5)
     run = _batching_run(noisy)
@@ -193,7 +193,7 @@ def test_the_prediction_of_a_batching_run_draws_other_steps_for_each_seed(tmp_pa
 
 
 def test_the_prediction_of_a_batching_run_runs_its_steps_at_the_probed_speed():
-    from analysis.compare import predict
+    from analysis.prediction import predict
 
     run = _batching_run(TRUE)
     twice = StepModel(*(2 * b for b in (TRUE.b0, TRUE.b1, TRUE.b2, TRUE.b3)))

@@ -184,7 +184,7 @@ def test_simulate_takes_the_calibrated_terms_unless_told(tmp_path, capsys):
 
 
 def test_the_prediction_takes_the_calibrated_noise_and_concurrency(tmp_path):
-    from analysis.compare import DEFAULT_NOISE_CV, predict, prediction_noise
+    from analysis.prediction import DEFAULT_NOISE_CV, predict, prediction_noise
     from qsim.runfile import ENGINE_INFO
     from test_compare import live_like_run
 

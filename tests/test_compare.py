@@ -1,4 +1,5 @@
-"""Simulator versus service, request by request (analysis/compare.py and `qlab compare`).
+"""Simulator versus service, request by request (analysis/compare.py, replay.py, diagnosis.py and
+prediction.py, and `qlab compare`).
 
 The pure parts run on live-like runs made by the simulator itself, written in
 exactly the run-file format `qlab replay` produces (answer bodies read back by
@@ -14,7 +15,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.compare import PREDICTION_TARGETS, compare, confusion, describe_first_divergence, predict, run_setup
+from analysis.compare import compare
+from analysis.diagnosis import confusion, describe_first_divergence
+from analysis.prediction import PREDICTION_TARGETS, predict
+from analysis.replay import run_setup
 from qsim import from_arrays, make_trace, preset, records, simulate
 from qsim.config import ServerConfig
 from qsim.clients import Patience, RetryPolicy
@@ -442,7 +446,7 @@ def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracke
     # Request 1's client hung up around the end of its run: the gate's factor at the next arrival (request 3)
     # says whether it was stopped (taught nothing) or ran out (and what it taught), with request 2's teaching in
     # between folded in as the replay has it.
-    from analysis.compare import _TrackerEvidence, _Unsaid
+    from analysis.replay import Unsaid, _TrackerEvidence
     from qsim.service import SpeedTracker
 
     base, reported2 = np.array([0.1, 0.2, 0.1, 0.1]), 0.11
@@ -457,11 +461,11 @@ def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracke
                         "finish_s": [0.1, 0.3, 0.5, 0.6], "est_service_s": base})
     position = pd.Series(range(4), index=pd.MultiIndex.from_arrays([range(4), [1] * 4]))
     setup = ServerConfig(preset("predictive"), 1, tracker_weight=0.2)
-    evidence = _TrackerEvidence(run, setup, _Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim,
+    evidence = _TrackerEvidence(run, setup, Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim,
                                 position, np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool))
     said = evidence.learned(1, 0.3)
     assert said is False if taught is None else said == pytest.approx(taught * base[1], rel=1e-9)
     # Apart before its end (the replay's factor at request 0 is not the gate's): the run cannot tell.
     run.loc[0, "arrival_speed_factor"] = 1.01
-    assert _TrackerEvidence(run, setup, _Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim, position,
+    assert _TrackerEvidence(run, setup, Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim, position,
                             np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool)).learned(1, 0.3) is None

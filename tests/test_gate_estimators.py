@@ -254,7 +254,8 @@ PROMPTED = ServiceModel(intercept_s=0.001, per_token_s=0.0085, per_prompt_token_
 
 
 def _replayed(url, load: float):
-    from analysis.compare import compare, run_setup
+    from analysis.compare import compare
+    from analysis.replay import run_setup
     from live.loadgen import ReplayConfig, replay
     from qsim.runfile import speed_schedule
 
@@ -264,7 +265,7 @@ def _replayed(url, load: float):
 
 @pytest.mark.slow
 def test_a_speed_schedule_is_in_the_run_file_on_the_runs_clock(servers):
-    from analysis.compare import predict
+    from analysis.prediction import predict
 
     run, (setup, schedule), s = _replayed(servers["schedule"], 2.0)
     assert schedule is not None and not setup.fixed_estimate

@@ -1,8 +1,9 @@
 """The import layering, read from the source (every import, also those inside functions): each
 package imports only from the layers below its own (qsim; inputs; analysis and live, which never
 import each other; experiments), no modules import each other in a circle, only qsim.testing
-imports hypothesis, and nothing imports the project's tests as a package (a `tests` package
-installed in site-packages would answer instead)."""
+imports hypothesis, nothing imports the project's tests as a package (a `tests` package
+installed in site-packages would answer instead), and no module of analysis or experiments is
+longer than MAX_LINES."""
 
 from __future__ import annotations
 
@@ -99,6 +100,21 @@ def test_the_layering_check_sees_an_import_up_or_sideways():
     assert _upward("qsim.model", "inputs.atomic") and _upward("inputs.atomic", "experiments.cli")
     assert not _upward("experiments.study", "live.procs") and not _upward("live.gate", "qsim.queue")
     assert not _upward("live.gate", "live.engine") and not _upward("live.gate", "numpy")
+
+
+#: The packages whose modules each hold one thing (issue 30): none of their modules is longer than
+#: this. (qsim's and live's largest modules still are.)
+MAX_LINES = 800
+SPLIT = ("analysis", "experiments")
+
+
+def test_no_module_of_analysis_or_experiments_is_longer_than_max_lines():
+    lines = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in _modules().items()
+             if m.split(".")[0] in SPLIT}
+    long = sorted(f"{m} ({n} lines)" for m, n in lines.items() if n > MAX_LINES)
+    assert not long, f"over {MAX_LINES} lines: {', '.join(long)}"
+    # The check reads the split modules (a package's modules, not only top-level files).
+    assert {"experiments.study.runner", "analysis.replay", "analysis.prediction"} <= set(lines)
 
 
 def test_no_import_circles():

@@ -15,8 +15,9 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from analysis.compare import (DEFAULT_NOISE_CV, engine_time_ratio, measured_speed, predict,  # noqa: E402
-                              prediction_noise, prediction_speed)
+from analysis.prediction import (DEFAULT_NOISE_CV, predict, prediction_noise,  # noqa: E402
+                                 prediction_speed)
+from analysis.replay import engine_time_ratio, measured_speed  # noqa: E402
 from live.engine import SyntheticEngine  # noqa: E402
 from live.gate import Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402

