@@ -195,7 +195,7 @@ def _divergence(both: pd.DataFrame) -> pd.DataFrame:
 
 def _checkable(policy: Policy) -> bool:
     """Whether a record holds every number this policy's admission rule reads: the built-in rule over the
-    brief's numbers (no plug-in rule, queued tokens, shedding draw, objectives or memory, reserved class, or a
+    basic numbers (no plug-in rule, queued tokens, shedding draw, objectives or memory, reserved class, or a
     discipline that serves some arrivals ahead of others, as the queue core's own test for it)."""
     return (type(policy).decide is Policy.decide and not reads_more(policy) and policy.reserve_min_s is None
             and getattr(policy.make_discipline(), "ahead_s", None) is None)

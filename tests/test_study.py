@@ -62,7 +62,7 @@ def test_hypotheses_have_verdicts_with_their_numbers(done):
     for label, word, text in VERDICT.findall(md):
         assert INTERVAL.search(text), f"{label} states no mean with its interval: {text}"
         verdicts.setdefault(label, set()).add(word)
-    # The brief's answers, from 3 seeds of 60 s: the differences are wide apart from zero.
+    # The reference study's answers, from 3 seeds of 60 s: the differences are wide apart from zero.
     for label in ("H1", "H2", "H3", "H5"):
         assert verdicts[label] == {"supported"}, (label, verdicts)
     assert "**Check supported**: bounded accepts exactly K + 8 of a burst of 30" in md

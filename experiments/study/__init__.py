@@ -1,4 +1,4 @@
-"""``qlab study``: the whole reference study (../shared/docs/brief.md) as one resumable command, written up.
+"""``qlab study``: the whole reference study (docs/study.md) as one resumable command, written up.
 
 The study is a list of sections (:data:`experiments.study.runner.SECTIONS`), run in order into
 ``DIR/sections/NAME/``:

@@ -1,4 +1,4 @@
-"""A burst of 30 requests at once: the brief's trap of counting those that start at once as
+"""A burst of 30 requests at once: the counting trap of counting those that start at once as
 waiting."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _report(ctx: Context, folder: Path) -> list:
     return [
         Text(f"30 requests arrive at once ({summary['seed'].nunique()} seeds of sizes). A request admitted to an idle "
              "engine is in service from that instant: with K engines and at most 8 waiting, bounded accepts K + 8 "
-             "(the brief's trap: counting those that start at once as waiting admits too few, or too many)."),
+             "(the counting trap: counting those that start at once as waiting admits too few, or too many)."),
         Verdict("check", "bounded accepts exactly K + 8 of a burst of 30", right,
                 f"accepted by bounded, per seed: {seen} (expected {', '.join(map(str, sorted(set(expected))))})"),
         Table(shown, "a burst of 30 per policy and number of engines: mean [95 % CI] over seeds"),

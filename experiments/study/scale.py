@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The brief's four policies: the burst's, the capacity search's, the live pass's at full scale.
+#: The reference study's four policies: the burst's, the capacity search's, the live pass's at full scale.
 POLICIES = ("none", "bounded", "bounded-deadline", "predictive")
 
 

@@ -1,4 +1,4 @@
-"""The theory section: every closed form of the brief against the simulator (``qlab theory``)."""
+"""The theory section: every closed form of the reference study against the simulator (``qlab theory``)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _report(ctx: Context, folder: Path) -> list:
     attrs = read_json(folder / "attrs.json") or {}
     too_wide = attrs.get("too_wide", TOO_WIDE)
     return [
-        Text(f"Every closed form of the brief against the simulator: {attrs.get('replications')} replications from "
+        Text(f"Every closed form of the reference study against the simulator: {attrs.get('replications')} replications from "
              f"seed {attrs.get('seed')}, {attrs.get('level', 0.95):.0%} simultaneous intervals (Bonferroni over "
              f"{len(table)}: {attrs.get('level_each', math.nan):.4f} each), run lengths x{ctx.scale.theory_scale:g}. "
              f"A row whose half-width exceeds {too_wide:.0%} of its value is too wide to judge (neither pass nor "
