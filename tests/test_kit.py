@@ -88,10 +88,12 @@ class Idler(Fifo):
 
 
 def test_an_engine_idle_while_one_waits_is_named():
-    # Its lie breaks two promises: an engine idle beside a waiting request, and (the core resets its sum of the
-    # waiting's estimates when the line says it is empty) that sum; whichever a run's events reach first is named.
+    # Its lie breaks three promises: an engine idle beside a waiting request, (the core resets its sum of the
+    # waiting's estimates when the line says it is empty) that sum, and a queue bound (a policy that counts the
+    # waiting sees none where one waits); whichever a run's events reach first is named.
     with pytest.raises(InvariantBroken, match=r"no idle engine while work waits: engines \[.*\] idle while requests "
-                                              r"\[\d+\] wait|summed estimate: waiting_base_s 0.0 but the waiting sum"):
+                                              r"\[\d+\] wait|summed estimate: waiting_base_s 0.0 but the waiting sum"
+                                              r"|queue bound: \d+ wait under a bound of \d+"):
         testing.check_queue_core(disciplines=[DisciplineCase("idler", Idler, testing.by_arrival)], max_examples=60,
                                  shrink=False)
 
