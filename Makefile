@@ -26,8 +26,19 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/qlab study --out runs/study --quick
 
+# The whole suite, as CI runs it, in two steps (docs/testing.md). First all but the tests marked
+# alone, on two workers (pytest-xdist; loadgroup keeps an xdist_group's tests on one worker), with
+# vLLM's venv installed meanwhile (minutes, once; where it cannot be, tests/test_vllm.py says why).
+# Then those marked alone, one at a time: they assert on real processes' timing (a learner's step
+# model, the vLLM check), which another worker's tests would disturb.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	@if [ "$${QLAB_VLLM_CHECK:-1}" != 0 ]; then \
+		$(BIN)/python -m live.vllm_server install >/dev/null 2>&1 & \
+	fi; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not alone"; others=$$?; \
+	wait; \
+	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
+	[ $$others -eq 0 ] && [ $$alone -eq 0 ]
 
 # Everything but the tests that start servers or other processes (marked slow), one worker per core
 # (pytest-xdist): see docs/testing.md.
