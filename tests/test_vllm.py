@@ -13,9 +13,8 @@ import os
 import pytest
 
 # alone: the learner times vLLM's steps, and vLLM takes its port minutes after it is chosen (time
-# for another test's server to take it). xdist_group: should the module gain tests and run under
-# `pytest -n`, one worker for all, so one install of .vllm-venv and one vLLM server (its fixture).
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("vllm")]
+# for another test's server to take it).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 @pytest.fixture(scope="module")
