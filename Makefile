@@ -30,8 +30,20 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The whole suite, as CI runs it, in two steps (docs/testing.md). First all but the tests marked
+# alone, on two workers (pytest-xdist), each module's tests on one worker in their order, as in one
+# process (loadscope: a module's shared fixture, a server or a whole experiment, is set up once),
+# with vLLM's venv installed meanwhile (minutes, once; where it cannot be, test_vllm.py says why).
+# Then those marked alone, one at a time: they assert on real processes' timing (a learner's step
+# model, the vLLM check), which another worker's tests would disturb.
 test: lint
-	$(BIN)/python -m pytest -q
+	@if [ "$${QLAB_VLLM_CHECK:-1}" != 0 ]; then \
+		$(BIN)/python -m live.vllm_server install >/dev/null 2>&1 & \
+	fi; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not alone"; others=$$?; \
+	wait; \
+	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
+	[ $$others -eq 0 ] && [ $$alone -eq 0 ]
 
 # Everything but the tests that start servers or other processes (marked slow), one worker per core
 # (pytest-xdist): see docs/testing.md.

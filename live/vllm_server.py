@@ -77,6 +77,10 @@ COUNTERS = (
 )
 
 
+#: Written in the venv once install() has finished, fixes included.
+READY = ".qlab-ready"
+
+
 class Unavailable(Exception):
     """vLLM cannot be installed or started on this machine (the reason, one line)."""
 
@@ -93,9 +97,13 @@ def venv_python(venv: Path = VENV) -> Path:
 
 
 def installed(venv: Path = VENV) -> bool:
+    """Whether ``venv`` holds a vLLM that :func:`install` finished (its mark written last, so that
+    a check while another process installs, make test's background install, says no) and that
+    imports."""
     python = venv_python(venv)
     return (
         python.exists()
+        and (venv / READY).exists()
         and subprocess.run(
             [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
             capture_output=True,
@@ -115,6 +123,7 @@ def install(venv: Path = VENV, package: str = PACKAGE) -> Path:
     _run([str(python), "-m", "pip", "install", "--quiet", package], f"pip install {package}")
     # pip uninstall of a package that is not there only warns: the rc stays 0.
     _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *UNLOADABLE], "pip uninstall")
+    (venv / READY).write_text(f"{package}\n")
     if not installed(venv):
         raise Unavailable(f"{package} installed, but `import vllm` fails in {venv}")
     return python

@@ -1,9 +1,11 @@
 import contextlib
+import importlib.abc
 import multiprocessing.process
 import os
 import platform
 import socket
 import subprocess
+import sys
 import sysconfig
 import traceback
 from pathlib import Path
@@ -65,19 +67,67 @@ def _caller() -> str:
     """Where the start was asked for: the innermost frame outside the standard library (a test, a fixture, or
     the package that spawns)."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(stdlib)]
+    # "<frozen importlib._bootstrap>": the machinery between an import statement and a finder.
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if not f.filename.startswith((stdlib, "<frozen "))]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "the standard library"
+
+
+# Loading torch costs 10 to 40 s of CPU (and GPT-2 more), which is what the slow marker is for. A
+# test not marked slow whose code or fixtures make torch appear in sys.modules fails the same way.
+# Only a first import is seen: once a slow test has loaded it in a process, a later test finds it
+# there and is not blamed (`make test-fast` runs no slow test: there every first import is seen).
+HEAVY_MODULES = ("torch",)
+
+
+class _FirstImports(importlib.abc.MetaPathFinder):
+    """Notes where a heavy module is first imported from, and finds nothing: the import goes on
+    to the finders after it as it would have."""
+
+    def __init__(self, noted: list[str]):
+        self.noted = noted
+
+    def find_spec(self, name, path=None, target=None):
+        if name in HEAVY_MODULES and name not in sys.modules:
+            self.noted.append(f"{name}, from {_caller()}")
+        return None
+
+
+@contextlib.contextmanager
+def _no_heavy_imports(item: pytest.Item):
+    before = {name for name in HEAVY_MODULES if name in sys.modules}
+    noted: list[str] = []
+    finder = _FirstImports(noted)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+    loaded = [name for name in HEAVY_MODULES if name in sys.modules and name not in before]
+    if loaded:
+        what = noted[0] if noted else loaded[0]
+        pytest.fail(f"{item.nodeid} imports {what}, but is not marked slow: give it "
+                    "@pytest.mark.slow (docs/testing.md)", pytrace=False)
+
+
+@contextlib.contextmanager
+def _kept_fast(item: pytest.Item):
+    if item.get_closest_marker("slow"):
+        yield
+        return
+    with _no_heavy_imports(item), _no_servers_or_processes(item):
+        yield
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    with contextlib.nullcontext() if item.get_closest_marker("slow") else _no_servers_or_processes(item):
+    with _kept_fast(item):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    with contextlib.nullcontext() if item.get_closest_marker("slow") else _no_servers_or_processes(item):
+    with _kept_fast(item):
         return (yield)
 
 

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -10,8 +11,23 @@ from experiments.cli import main
 from qsim import PRESETS, make_trace, records, simulate
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def run(args, capsys):
     code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def exit_status(args, capsys):
+    """main(args) as the console script `qlab` runs it (experiments.cli:main), in this process:
+    the status it returns or exits with (argparse may exit itself), and what it printed.
+    An exception that escapes main is not caught: it fails the test, as a traceback would."""
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -140,7 +156,6 @@ def test_theory_exit_status_on_a_judged_failure(capsys, monkeypatch):
     assert code == 1 and " FAIL" in out and "0 of 1 judged rows inside their interval" in out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -195,22 +210,35 @@ def test_theory_exit_status_on_a_judged_failure(capsys, monkeypatch):
         ([], "required"),
     ],
 )
-def test_bad_arguments_one_line_exit_2(args, needle):
-    proc = subprocess.run([sys.executable, "-m", "experiments", *args], capture_output=True, text=True)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert needle in lines[0] and "Traceback" not in proc.stderr
-    assert proc.stdout == ""
+def test_bad_arguments_one_line_exit_2(args, needle, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # "missing.csv" is missing, and a stray x.parquet lands nowhere
+    code, out, err = exit_status(args, capsys)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert needle in lines[0] and "Traceback" not in err
 
 
-@pytest.mark.slow
-def test_bad_trace_file_names_the_line(tmp_path):
-    bad = tmp_path / "bad.csv"
+def test_bad_trace_file_names_the_line(tmp_path, capsys):
+    code, out, err = exit_status(["simulate", "--trace", str(_bad_trace(tmp_path))], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "line 3" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a process: the one case that sees what the interpreter adds on its way out
+def test_a_bad_argument_is_one_line_and_exit_2_at_process_level(tmp_path):
+    """The in-process cases above see what main prints; only a process of its own shows that
+    nothing else reaches stderr (an import's warning, an exit hook, a traceback at exit)."""
+    proc = subprocess.run([sys.executable, "-m", "experiments", "simulate", "--trace",
+                           str(_bad_trace(tmp_path))], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "line 3" in proc.stderr, proc.stderr
+
+
+def _bad_trace(folder):
+    bad = folder / "bad.csv"
     bad.write_text("arrival_s,max_new_tokens\n0.0,4\n0.5,lots\n")
-    proc = subprocess.run([sys.executable, "-m", "experiments", "simulate", "--trace", str(bad)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "line 3" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    return bad
 
 
 def test_simulate_with_impatient_retrying_clients(capsys, tmp_path):

@@ -145,6 +145,7 @@ def test_no_pickle_or_eval_of_data_in_the_source_tree():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow  # loads torch and transformers: 36 s of CPU
 def test_gpt2_refuses_a_pickled_checkpoint(tmp_path):
     """A local model directory with only pytorch_model.bin (a pickle) is refused, not loaded."""
     torch = pytest.importorskip("torch")

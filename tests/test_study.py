@@ -311,8 +311,12 @@ def test_the_live_sections_report_the_model_only_prediction_beside_the_replay(tm
     assert set(runs.frame["prediction"]) <= {"PASS", "MISS"}
 
 
-def test_the_live_pass_runs_on_vllm_where_it_is_asked_for_and_says_so(tmp_path):
+def test_the_live_pass_runs_on_vllm_where_it_is_asked_for_and_says_so(tmp_path, monkeypatch):
     from live import live_config
+
+    # Whether CUDA is here, decided for the test: asking torch would load it (10 to 40 s of CPU).
+    cuda = False
+    monkeypatch.setattr(live_pass, "_cuda", lambda: cuda)
 
     def data(engine):
         return live_pass.live_data(Context(tmp_path, TINY, live_engine=engine))
@@ -323,5 +327,9 @@ def test_the_live_pass_runs_on_vllm_where_it_is_asked_for_and_says_so(tmp_path):
     vllm["server"]["upstream_url"] = "http://127.0.0.1:8100"  # what _live_run sets once vLLM is up
     cfg = live_config.parse(vllm, str(tmp_path / "live.toml"))
     assert cfg.server.batching and cfg.server.upstream_url == "http://127.0.0.1:8100"
-    assert data("synthetic")["server"]["engine"] in ("synthetic", "gpt2")  # gpt2 where CUDA is
+    assert data("synthetic")["server"]["engine"] == "synthetic"
     assert "vllm" not in data("synthetic")
+    cuda = True
+    assert data("synthetic")["server"] | {"policies": None} == {
+        "engine": "gpt2", "model": "random", "device": "cuda", "policies": None,
+        "startup_timeout_s": 180}

@@ -121,6 +121,7 @@ def test_the_core_finishes_a_request_its_engine_ended_early():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the learner times a real server's steps: another test beside it blurs them
 def test_a_gate_in_front_of_a_batching_qlab_serve_learns_its_step_model(tmp_path):
     """Real processes, real HTTP: the upstream is ``qlab serve --batching --step 0.02,0.0001,0.002,0`` with 8 seats;
     the gate, ``--engine upstream --batching`` under predictive, is told neither (it reads the seats from the

@@ -12,7 +12,9 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# alone: the learner times vLLM's steps, and vLLM takes its port minutes after it is chosen (time
+# for another test's server to take it).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 @pytest.fixture(scope="module")
