@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"qlab: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
+        # An interrupt inside asyncio.run (qlab replay) can leave a task whose cancellation raised
+        # destroyed at exit, which asyncio reports with a traceback: noise after a stop on purpose.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         print("qlab: interrupted", file=sys.stderr)
         return 130
     return 2
