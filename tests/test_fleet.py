@@ -159,3 +159,58 @@ def test_retries_and_patience_in_a_fleet():
 def test_bad_fleets_are_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call(trace(0.5, 2, 50))
+
+
+# ---------------------------------------------------------------- qlab simulate --replicas
+
+
+def qlab(args, capsys):
+    from experiments.cli import main
+
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_a_fleet_prints_its_replicas_and_balance(capsys):
+    code, out, err = qlab(["simulate", "--replicas", "3", "--router", "power_of_d", "--router-d", "2",
+                           "--load", "0.9", "--requests", "3000", "--policy", "vllm-caps"], capsys)
+    assert code == 0 and err == ""
+    assert "3 replicas behind router power_of_d (d 2) of 1 engine(s)" in out
+    assert "by replica (router power_of_d (d 2)):" in out and "busy_s" in out
+    assert "load imbalance (busiest replica's busy seconds over the mean): 1.0" in out
+    assert "Jain's index over replicas: 0.99" in out or "Jain's index over replicas: 1.0000" in out
+
+
+def test_simulate_a_fleet_as_json_and_over_seeds(capsys):
+    import json
+
+    code, out, _ = qlab(["simulate", "--replicas", "2", "--router", "central", "--engines", "2",
+                         "--requests", "800", "--json"], capsys)
+    fleet = json.loads(out)["fleet"]
+    assert code == 0 and fleet["router"] == "central" and set(fleet["by_replica"]) == {"0", "1"}
+    assert sum(r["requests"] for r in fleet["by_replica"].values()) <= 800
+    assert 1 <= fleet["load_imbalance"] <= 2 and 0.5 <= fleet["jain_replicas"] <= 1
+    code, out, _ = qlab(["simulate", "--replicas", "2", "--requests", "500", "--seeds", "3"], capsys)
+    assert code == 0 and "fleet balance (router round_robin), mean and 95 % CI over seeds" in out
+
+
+def test_simulate_a_fleet_writes_its_replicas(tmp_path, capsys):
+    out_file = tmp_path / "rows.parquet"
+    code, _, _ = qlab(["simulate", "--replicas", "2", "--router", "jsq", "--requests", "400",
+                       "--out", str(out_file)], capsys)
+    rows = pd.read_parquet(out_file)
+    assert code == 0 and len(rows) == 400 and set(rows["replica"]) == {0, 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "jsq"], "--router and --router-d route between --replicas N > 1"),
+    (["--replicas", "2", "--router", "nearest"], "unknown router 'nearest'"),
+    (["--replicas", "2", "--router", "jsq", "--router-d", "3"], "router 'jsq' takes no d"),
+    (["--replicas", "2", "--router", "power_of_d", "--router-d", "0"], "--router-d"),
+    (["--replicas", "0"], "--replicas"),
+    (["--replicas", "2", "--batching"], "batching replicas are not simulated"),
+])
+def test_simulate_refuses_a_bad_fleet_in_one_line(args, message, capsys):
+    code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
