@@ -237,7 +237,8 @@ def by_replica(frame: pd.DataFrame, replicas: int) -> pd.DataFrame:
     index = pd.RangeIndex(replicas, name="replica")
     count = replica.value_counts().reindex(index, fill_value=0)
     started = replica[ran].value_counts().reindex(index, fill_value=0)
-    busy = frame.loc[ran, "true_service_s"].groupby(replica[ran]).sum().reindex(index, fill_value=0.0)
+    busy = frame.loc[ran, "true_service_s"].groupby(replica[ran]).sum()
+    busy = busy.reindex(index, fill_value=0.0)
     return pd.DataFrame({"requests": count.astype(int), "started": started.astype(int),
                          "busy_s": busy.astype(float)}, index=index)
 

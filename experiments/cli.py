@@ -90,7 +90,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
             f"{args.arrivals} arrivals{at}, {args.service} service, "
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
-    replicas = "" if fleet is None else f"{fleet.replicas} replicas behind {_router_words(fleet)} of "
+    replicas = "" if fleet is None else \
+        f"{fleet.replicas} replicas behind {_router_words(fleet)} of "
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
             f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}")
 
@@ -243,7 +244,8 @@ def cmd_simulate(args) -> int:
 
     fleet = _fleet_from_args(args, server(args.seed))
     seeds = range(args.seed, args.seed + args.seeds)
-    # What does not stream runs whole: retries, a prefix cache, shared prefixes, a fleet (qsim.stream).
+    # What does not stream runs whole: retries, a prefix cache, shared prefixes, a fleet
+    # (qsim.stream).
     whole = (retry is not None and retry.retries) or "prefixes" in options or \
         getattr(engine, "prefix_caching", False) or fleet is not None
     if args.out and not whole:
@@ -321,7 +323,8 @@ def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
 def router_name(text: str) -> str:
     """A built-in router's name (qsim.routers.ROUTERS), as argparse checks a type."""
     if text not in ROUTERS:
-        raise argparse.ArgumentTypeError(f"unknown router {text!r}; choose one of {', '.join(ROUTERS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown router {text!r}; choose one of {', '.join(ROUTERS)}")
     return text
 
 
@@ -342,11 +345,12 @@ def _simulate_parser(sub) -> None:
     add_trace_flags(p, load_flag="--load")
     add_workload_options(p)
     p.add_argument("--replicas", type=positive_int, default=1,
-                   help="replicas of the server (each --engines K, its own line and admission) behind "
-                        "--router; the load is each replica's (default 1: one server)")
+                   help="replicas of the server (each --engines K, its own line and admission) "
+                        "behind --router; the load is each replica's (default 1: one server)")
     p.add_argument("--router", type=router_name, metavar="NAME",
-                   help=f"which replica an arrival goes to: {', '.join(ROUTERS)} (default round_robin; "
-                        "central: one shared line in front of every replica's engines)")
+                   help=f"which replica an arrival goes to: {', '.join(ROUTERS)} (default "
+                        "round_robin; central: one shared line in front of every replica's "
+                        "engines)")
     p.add_argument("--router-d", type=positive_int, metavar="D",
                    help="power_of_d's choices (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -1,4 +1,4 @@
-"""A fleet: N replicas of one server, each its own waiting line, engines and admission, and a router.
+"""A fleet: N replicas of one server, each its own line, engines and admission, and a router.
 
 :class:`Fleet` answers its driver (:mod:`qsim.model`) as one
 :class:`~qsim.queue.AdmissionQueue` does, engines numbered across the fleet (replica r's engine k
@@ -43,8 +43,9 @@ class FleetSpec:
                 and self.replicas >= 1):
             raise ValueError(f"replicas must be a whole number >= 1, got {self.replicas!r}")
         if not isinstance(self.router, Router):
-            raise ValueError(f"a fleet needs a router, a qsim.routers.Router (random, round_robin, "
-                             f"jsq, least_work, power_of_d, central, or a class of one's own), "
+            raise ValueError(f"a fleet needs a router, a qsim.routers.Router (random, "
+                             f"round_robin, jsq, least_work, power_of_d, central, or a class "
+                             f"of one's own), "
                              f"got {self.router!r}")
 
     def check(self, config: ServerConfig) -> None:

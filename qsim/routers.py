@@ -74,7 +74,8 @@ class RoundRobin(Router):
 
 @dataclass(frozen=True)
 class JoinShortestQueue(Router):
-    """The replica with the fewest outstanding requests (waiting or running); ties to the lowest."""
+    """The replica with the fewest outstanding requests (waiting or running); ties to the
+    lowest."""
 
     name: ClassVar[str] = "jsq"
 
@@ -131,7 +132,8 @@ ROUTERS: dict[str, type[Router]] = {r.name: r for r in (
 
 
 def make_router(name: str, d: int | None = None) -> Router:
-    """The built-in router ``name``; ``d`` is power_of_d's choices (default 2), refused elsewhere."""
+    """The built-in router ``name``; ``d`` is power_of_d's choices (default 2), refused
+    elsewhere."""
     try:
         kind = ROUTERS[name]
     except KeyError:

@@ -16,8 +16,8 @@ from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastWork, PowerO
 
 
 def trace(load=0.9, replicas=4, requests=3000, seed=3, service="exponential"):
-    return make_trace("poisson", service, load=load, engines=replicas, requests=requests, seed=seed,
-                      mean_service_s=1.0)
+    return make_trace("poisson", service, load=load, engines=replicas, requests=requests,
+                      seed=seed, mean_service_s=1.0)
 
 
 def wait(frame):
@@ -71,8 +71,8 @@ def test_the_routers_draws_are_their_own():
     # Common random numbers: a policy that refuses does not move the random router's choices, and
     # another server seed draws others.
     t = trace(1.5, 4, 2000)
-    picks = [simulate(t, ServerConfig(PRESETS[p], 1, seed=2), replicas=4, router=Random())["replica"]
-             for p in ("none", "bounded", "predictive")]
+    picks = [simulate(t, ServerConfig(PRESETS[p], 1, seed=2), replicas=4,
+                      router=Random())["replica"] for p in ("none", "bounded", "predictive")]
     assert picks[0].equals(picks[1]) and picks[0].equals(picks[2])
     other = simulate(t, ServerConfig(PRESETS["none"], 1, seed=3), replicas=4, router=Random())
     assert not other["replica"].equals(picks[0])
@@ -84,7 +84,8 @@ def test_each_replica_admits_on_its_own_state():
     frame = simulate(t, ServerConfig(Policy("cap", max_queue=2), 1), replicas=3,
                      router=RoundRobin())
     admitted = frame[frame["outcome"] != "rejected"]
-    assert admitted.groupby("replica").size().tolist() == [3, 3, 3]  # one running, two waiting each
+    # One running and two waiting at each.
+    assert admitted.groupby("replica").size().tolist() == [3, 3, 3]
     assert frame["queued_at_arrival"].max() == 2
 
 
@@ -129,7 +130,8 @@ class Nowhere(Router):
 
 
 def test_a_users_router_is_a_class():
-    frame = simulate(trace(0.3, 2, 200), ServerConfig(PRESETS["none"]), replicas=2, router=Busiest())
+    frame = simulate(trace(0.3, 2, 200), ServerConfig(PRESETS["none"]), replicas=2,
+                     router=Busiest())
     assert (frame["replica"] == 0).all()
     with pytest.raises(ValueError, match="chose 2, not a replica of 0..1"):
         simulate(trace(0.3, 2, 20), ServerConfig(PRESETS["none"]), replicas=2, router=Nowhere())
@@ -137,8 +139,9 @@ def test_a_users_router_is_a_class():
 
 def test_retries_and_patience_in_a_fleet():
     t = trace(2.0, 3, 1500)
-    frame = simulate(t, ServerConfig(PRESETS["bounded"], 1), replicas=3, router=JoinShortestQueue(),
-                     retry=RetryPolicy("fixed", delay_s=0.5), cancel_after_s=np.full(len(t), 4.0))
+    frame = simulate(t, ServerConfig(PRESETS["bounded"], 1), replicas=3,
+                     router=JoinShortestQueue(), retry=RetryPolicy("fixed", delay_s=0.5),
+                     cancel_after_s=np.full(len(t), 4.0))
     records.validate(frame)
     assert (frame["attempt"] > 1).any() and frame["outcome"].eq("abandoned").any()
     assert frame["replica"].notna().all()
@@ -173,8 +176,9 @@ def qlab(args, capsys):
 
 
 def test_simulate_a_fleet_prints_its_replicas_and_balance(capsys):
-    code, out, err = qlab(["simulate", "--replicas", "3", "--router", "power_of_d", "--router-d", "2",
-                           "--load", "0.9", "--requests", "3000", "--policy", "vllm-caps"], capsys)
+    code, out, err = qlab(["simulate", "--replicas", "3", "--router", "power_of_d",
+                           "--router-d", "2", "--load", "0.9", "--requests", "3000",
+                           "--policy", "vllm-caps"], capsys)
     assert code == 0 and err == ""
     assert "3 replicas behind router power_of_d (d 2) of 1 engine(s)" in out
     assert "by replica (router power_of_d (d 2)):" in out and "busy_s" in out
@@ -191,7 +195,8 @@ def test_simulate_a_fleet_as_json_and_over_seeds(capsys):
     assert code == 0 and fleet["router"] == "central" and set(fleet["by_replica"]) == {"0", "1"}
     assert sum(r["requests"] for r in fleet["by_replica"].values()) <= 800
     assert 1 <= fleet["load_imbalance"] <= 2 and 0.5 <= fleet["jain_replicas"] <= 1
-    code, out, _ = qlab(["simulate", "--replicas", "2", "--requests", "500", "--seeds", "3"], capsys)
+    code, out, _ = qlab(["simulate", "--replicas", "2", "--requests", "500", "--seeds", "3"],
+                        capsys)
     assert code == 0 and "fleet balance (router round_robin), mean and 95 % CI over seeds" in out
 
 
