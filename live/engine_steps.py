@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from qsim.engines import StepFit, StepModel
+from qsim.engines import StepFit, StepModel, r_squared
 
 from .vllm_server import metrics
 
@@ -173,8 +173,6 @@ def fit_phases(phases: Sequence[EnginePhase]) -> EngineStepFit:
     model = _fit(first).model
     y = np.array([p.step_s for p in second])
     fitted = np.array([model.time(p.prefill, p.seqs, 0.0) for p in second])
-    total = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - float(np.sum((y - fitted) ** 2)) / total if total > 0 else float("nan")
     return EngineStepFit(
-        _fit(phases), r2, float(np.median(np.abs(fitted - y) / y)), tuple(phases)
+        _fit(phases), r_squared(y, fitted), float(np.median(np.abs(fitted - y) / y)), tuple(phases)
     )

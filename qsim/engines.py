@@ -115,10 +115,11 @@ class StepModel:
         resid = y / np.where(x @ b > 0, x @ b, np.nan)
         se = _standard_errors(x, y - x @ b) + (math.nan,) * (4 - x.shape[1])
         return StepFit(model, float(np.nanmedian(rel)), float(np.nanmax(rel)), float(np.nanstd(resid)), len(y),
-                       _r2(y, x @ b), se)
+                       r_squared(y, x @ b), se)
 
 
-def _r2(y: np.ndarray, fitted: np.ndarray) -> float:
+def r_squared(y: np.ndarray, fitted: np.ndarray) -> float:
+    """1 - residual / total sum of squares (NaN: ``y`` does not vary)."""
     total = float(np.sum((y - y.mean()) ** 2))
     return 1.0 - float(np.sum((y - fitted) ** 2)) / total if total > 0 else math.nan
 
