@@ -229,6 +229,31 @@ def jain_index(values) -> float:
     return float(x.sum() ** 2 / (x.size * squares))
 
 
+def by_replica(frame: pd.DataFrame, replicas: int) -> pd.DataFrame:
+    """Each replica of a fleet (the records' ``replica``, 0..replicas-1, every one listed, an idle
+    one too): its requests, those it ran (``started``) and its busy seconds (``busy_s``: the engine
+    time of what it ran, its load)."""
+    ran = frame["start_s"].notna()
+    replica = frame["replica"]
+    index = pd.RangeIndex(replicas, name="replica")
+    count = replica.value_counts().reindex(index, fill_value=0)
+    started = replica[ran].value_counts().reindex(index, fill_value=0)
+    busy = frame.loc[ran, "true_service_s"].groupby(replica[ran]).sum()
+    busy = busy.reindex(index, fill_value=0.0)
+    return pd.DataFrame({"requests": count.astype(int), "started": started.astype(int),
+                         "busy_s": busy.astype(float)}, index=index)
+
+
+def fleet_balance(table: pd.DataFrame) -> dict[str, float]:
+    """How evenly a fleet's load (a :func:`by_replica` table's busy seconds) is spread: the load
+    imbalance (the busiest replica's over the mean: 1 when even, N when one takes all) and Jain's
+    index over replicas (1 when even, 1 / N when one takes all)."""
+    busy = table["busy_s"].to_numpy(dtype=float)
+    mean = busy.mean() if busy.size else math.nan
+    return {"load_imbalance": float(busy.max() / mean) if mean > 0 else math.nan,
+            "jain_replicas": jain_index(busy)}
+
+
 def client_fairness(table: pd.DataFrame) -> dict[str, float]:
     """Jain's index across the named clients of a :func:`by_client` table (the <NA> group left out).
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,7 +26,9 @@ from inputs.atomic import sigterm_interrupts, write_parquet
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
+from qsim.fleet import FleetSpec
 from qsim.records import OUTCOMES
+from qsim.routers import ROUTERS, make_router
 from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
 from qsim.stream import CHUNK, RecordWriter, stream_run
@@ -79,7 +82,7 @@ class _Run:
     duration_s: float
 
 
-def _describe(args, policy, engine) -> str:
+def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     bound = "" if policy.max_queue is None else f", max queue {policy.max_queue}"
     # A process that brings its own rate (a burst) has no load to state.
     at = (f" at load {DEFAULT_LOAD if args.load is None else args.load:g}"
@@ -88,8 +91,53 @@ def _describe(args, policy, engine) -> str:
             f"{args.arrivals} arrivals{at}, {args.service} service, "
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
-    return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {engineflags.describe(engine)}, "
-            f"speed {args.speed:g}, {what}, {seeds}")
+    replicas = "" if fleet is None else \
+        f"{fleet.replicas} replicas behind {_router_words(fleet)} of "
+    return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
+            f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}")
+
+
+def _router_words(fleet: FleetSpec) -> str:
+    """The router by name, with its parameters (a router is a dataclass of them)."""
+    router = fleet.router
+    params = ", ".join(f"{f.name} {getattr(router, f.name)}" for f in dataclasses.fields(router))
+    return f"router {router.name}" + (f" ({params})" if params else "")
+
+
+def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
+    """The fleet --replicas and --router ask for (None: one server), checked against the server."""
+    if args.replicas == 1:
+        if args.router is not None or args.router_d is not None:
+            raise UsageError("qlab simulate: error: --router and --router-d route between "
+                             "--replicas N > 1")
+        return None
+    try:
+        fleet = FleetSpec(args.replicas, make_router(args.router or "round_robin", args.router_d))
+        fleet.check(config)
+    except ValueError as exc:
+        raise UsageError(f"qlab simulate: error: {exc}") from None
+    return fleet
+
+
+def _balance_across_seeds(runs: list["_Run"], fleet: FleetSpec) -> pd.DataFrame:
+    return metrics.across_seeds(pd.DataFrame(
+        [metrics.fleet_balance(metrics.by_replica(r.frame, fleet.replicas)) for r in runs]))
+
+
+def _print_fleet(runs: list["_Run"], fleet: FleetSpec) -> None:
+    """Per replica (one run), the load imbalance and Jain's index over replicas."""
+    if len(runs) == 1:
+        table = metrics.by_replica(runs[0].frame, fleet.replicas)
+        balance = metrics.fleet_balance(table)
+        print(f"\nby replica ({_router_words(fleet)}):")
+        print(_fmt(table))
+        print(f"load imbalance (busiest replica's busy seconds over the mean): "
+              f"{balance['load_imbalance']:.3f}; Jain's index over replicas: "
+              f"{balance['jain_replicas']:.4f}")
+        return
+    ci = _balance_across_seeds(runs, fleet)
+    print(f"\nfleet balance ({_router_words(fleet)}), mean and 95 % CI over seeds:")
+    print(_fmt(ci))
 
 
 def _window(args) -> str:
@@ -187,24 +235,29 @@ def cmd_simulate(args) -> int:
 
     def workload(seed: int) -> dict:
         return dict(window=window, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service, load=args.load,
-                    engines=args.engines, speed=args.speed, seconds=args.seconds, requests=args.requests, seed=seed,
+                    engines=args.engines * args.replicas, speed=args.speed, seconds=args.seconds,
+                    requests=args.requests, seed=seed,
                     model=model, mean_service_s=args.mean_service, noise_cv=args.noise, patience=patience,
                     used=None if args.used is None else parse_used(args.used), **options)
 
     def server(seed: int) -> ServerConfig:
         return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
 
+    fleet = _fleet_from_args(args, server(args.seed))
     seeds = range(args.seed, args.seed + args.seeds)
-    # What does not stream runs whole: retries, a prefix cache, shared prefixes (qsim.stream).
+    # What does not stream runs whole: retries, a prefix cache, shared prefixes, a fleet
+    # (qsim.stream).
     whole = (retry is not None and retry.retries) or "prefixes" in options or \
-        getattr(engine, "prefix_caching", False)
+        getattr(engine, "prefix_caching", False) or fleet is not None
     if args.out and not whole:
         runs = _streamed_runs(args, seeds, workload, server, schedule)
     else:
         runs = []
         for seed in seeds:
             trace = build_trace(args.trace, **workload(seed))
-            frame = simulate(trace, server(seed), retry=retry, speed_schedule=schedule)
+            frame = simulate(trace, server(seed), retry=retry, speed_schedule=schedule,
+                             **({} if fleet is None else dict(replicas=fleet.replicas,
+                                                               router=fleet.router)))
             runs.append(_Run(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
@@ -216,19 +269,28 @@ def cmd_simulate(args) -> int:
             run = runs[0]
             out["summary"] = metrics.summary(run.frame, run.duration_s)
             out["by_class"] = metrics.by_class(run.frame, run.duration_s).to_dict(orient="index")
+            if fleet is not None:
+                table = metrics.by_replica(run.frame, fleet.replicas)
+                out["fleet"] = {"router": fleet.router.name, **metrics.fleet_balance(table),
+                                "by_replica": table.to_dict(orient="index")}
         else:
             ci, by_class = _seed_tables(runs)
             out["seeds"] = [r.seed for r in runs]
             out["summary"] = ci.to_dict(orient="index")
             out["by_class"] = {cls: part.droplevel(0).to_dict(orient="index")
                                for cls, part in by_class.groupby(level=0, sort=False)}
+            if fleet is not None:
+                out["fleet"] = {"router": fleet.router.name, **_balance_across_seeds(runs, fleet)
+                                .to_dict(orient="index")}
         print(json.dumps(_json_ready(out), indent=2))
         return 0
-    print(_describe(args, policy, engine))
+    print(_describe(args, policy, engine, fleet))
     if len(runs) == 1:
         _print_single(runs[0])
     else:
         _print_seeds(runs)
+    if fleet is not None:
+        _print_fleet(runs, fleet)
     if args.out:
         print(f"\nwrote {sum(len(r.frame) for r in runs)} rows to {args.out}")
     return 0
@@ -259,6 +321,14 @@ def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
     return runs
 
 
+def router_name(text: str) -> str:
+    """A built-in router's name (qsim.routers.ROUTERS), as argparse checks a type."""
+    if text not in ROUTERS:
+        raise argparse.ArgumentTypeError(
+            f"unknown router {text!r}; choose one of {', '.join(ROUTERS)}")
+    return text
+
+
 def _simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a policy on a seeded workload or a trace file",
                        description="Simulate one admission policy in front of K engines and print outcomes, "
@@ -275,6 +345,15 @@ def _simulate_parser(sub) -> None:
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
     add_trace_flags(p, load_flag="--load")
     add_workload_options(p)
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="replicas of the server (each --engines K, its own line and admission) "
+                        "behind --router; the load is each replica's (default 1: one server)")
+    p.add_argument("--router", type=router_name, metavar="NAME",
+                   help=f"which replica an arrival goes to: {', '.join(ROUTERS)} (default "
+                        "round_robin; central: one shared line in front of every replica's "
+                        "engines)")
+    p.add_argument("--router-d", type=positive_int, metavar="D",
+                   help="power_of_d's choices (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
                                  "goes (in memory first with --retry)")

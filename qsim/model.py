@@ -50,6 +50,8 @@ from .policy import Policy
 from .batch import BatchQueue
 from .prefix import Tokens
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
+from .fleet import Fleet, FleetSpec
+from .routers import Router
 from .service import SpeedSchedule
 from .workload import Trace
 
@@ -354,9 +356,18 @@ class _Run:
             "idle_at_arrival": self.idle_at_arrival,
             "retry_after_s": self.retry_after,
             "engine": self.engine_of,
+            "replica": self._replicas(len(arrival)),
         }
         columns.update(self._token_columns(trace, first, columns))
         return columns
+
+    def _replicas(self, n: int) -> np.ndarray:
+        """The replica each row went to: the one server's, 0."""
+        return np.zeros(n, dtype=np.int64)
+
+    def speed_factor(self) -> float:
+        """The speed tracker's factor at the end of the run."""
+        return self.queue.tracker.factor
 
     def _token_columns(self, trace: Trace, first: np.ndarray, columns: dict) -> dict:
         """ttft_s, tpot_s, output_tokens, preemptions and the objectives of answered runs, engines one at a time
@@ -510,6 +521,36 @@ class _BatchRun(_Run):
         return columns
 
 
+class _FleetRun(_Run):
+    """N replicas of one-at-a-time engines behind a router (:mod:`qsim.fleet`): the fleet answers
+    as one queue with its engines numbered across it; each row notes its replica."""
+
+    def __init__(self, trace: Trace, config: ServerConfig, fleet: FleetSpec, **inputs) -> None:
+        self.spec = fleet
+        self.replica_of = [-1] * len(trace)
+        super().__init__(trace, config, **inputs)
+        self.job = [-1] * self.queue.engines
+
+    def _make_queue(self, config: ServerConfig) -> Fleet:
+        return Fleet(config, self.spec, start=self._start, drop=self._drop, routed=self._routed)
+
+    def _routed(self, i: int, r: int) -> None:
+        self.replica_of[i] = r
+
+    def _start(self, k: int, i: int, now: float, est: float) -> None:
+        self.replica_of[i] = self.queue.replica_of_engine(k)  # a central queue binds here
+        super()._start(k, i, now, est)
+
+    def _per_attempt(self) -> tuple:
+        return ((self.replica_of, -1),)
+
+    def _replicas(self, n: int) -> np.ndarray:
+        return records.column(self.replica_of, np.int64)
+
+    def speed_factor(self) -> float:
+        return self.queue.speed_factor
+
+
 def _check_tokens(trace: Trace) -> None:
     """A trace's token identities (Trace.tokens) must be as long as its prompts: a prefix cache hashes
     the one and the engine computes the other."""
@@ -538,6 +579,8 @@ def simulate(
     speed_schedule: SpeedSchedule | None = None,
     step_times=None,
     held: bool = False,
+    replicas: int = 1,
+    router: Router | None = None,
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -564,6 +607,9 @@ def simulate(
     held: the true times are what each run held its engine live, the engines' slowdown
     (:attr:`qsim.engines.OneAtATime.concurrency`) already in them: the core still slows its
     estimates as the gate's did, the runs are not slowed again.
+    replicas: N copies of the server (a fleet, :mod:`qsim.fleet`), each its own line, engines
+    and admission, behind ``router`` (:mod:`qsim.routers`; required where N > 1); 1 (the default):
+    the one server, whatever the router. Each row's ``replica`` says where it went.
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
     with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
     prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
@@ -595,7 +641,11 @@ def simulate(
     if step_times is not None and not config.batching:
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     batch = {"step_times": step_times} if config.batching else {}
-    run = (_BatchRun if config.batching else _Run)(trace, config, **batch, failed=failed, reported_s=reported_s,
+    kind = _BatchRun if config.batching else _Run
+    fleet = _fleet(replicas, router, config)
+    if fleet is not None:
+        kind, batch = _FleetRun, {"fleet": fleet}
+    run = kind(trace, config, **batch, failed=failed, reported_s=reported_s,
                cancel_after_s=cancel_after_s,
                cancel_until=cancel_until, priority=priority, client=client, retrier=retrier,
                speed_schedule=speed_schedule, held=held)
@@ -603,7 +653,18 @@ def simulate(
     run.env.run()
     frame = run.frame(trace)
     frame.attrs.update(duration_s=trace.duration_s, policy=config.policy.name, engines=config.engines,
-                       speed_factor=run.queue.tracker.factor)
+                       speed_factor=run.speed_factor())
+    if fleet is not None:
+        frame.attrs.update(replicas=fleet.replicas, router=fleet.router.name)
     if config.batching and config.engine.prefix_caching:  # vLLM's counters, for a run's summary
         frame.attrs.update(run.queue.prefix_cache_stats())
     return frame
+
+
+def _fleet(replicas: int, router: Router | None, config: ServerConfig) -> FleetSpec | None:
+    """The fleet of a run (None: one server, today's path), checked against its server."""
+    if replicas == 1 and not isinstance(replicas, bool):
+        return None
+    fleet = FleetSpec(replicas, router)
+    fleet.check(config)
+    return fleet

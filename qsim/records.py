@@ -63,11 +63,15 @@ SCHEMA: dict[str, tuple[str, str]] = {
     "cached_prompt_tokens": ("Int64", "prompt tokens its first scheduling found in a batching "
                                       "engine's prefix cache (vLLM's num_cached_tokens); <NA>: "
                                       "no prefix cache, or never ran"),
+    "replica": ("Int64", "replica of a fleet it went to, from 0 (qsim.fleet): routed there, or "
+                         "bound where it started under a central queue; <NA>: none (a central "
+                         "queue's request that never started, or a service that did not say)"),
 }
 COLUMNS = tuple(SCHEMA)
 #: Columns a driver may leave out of :func:`from_arrays` (filled as missing): what older drivers do not know.
 OPTIONAL = ("in_service_work_at_arrival_s", "idle_at_arrival", "ttft_s", "tpot_s", "output_tokens", "preemptions", "kv_blocks_peak", "ttft_slo_s", "tpot_slo_s")
 OPTIONAL += ("cached_prompt_tokens",)  # a prefix cache's (qsim.prefix), added since
+OPTIONAL += ("replica",)  # a fleet's (qsim.fleet), added since
 
 
 def empty(n: int = 0) -> pd.DataFrame:

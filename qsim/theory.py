@@ -395,3 +395,83 @@ def continuous_batching_steps(lam: float, step_s: float, per_seq_s: float, mean_
     held = float(pi @ (n * tau + lam * tau**2 / 2))
     length = float(pi @ (tau + idle / lam))
     return held / length / lam
+
+
+# ---------------------------------------------------------------- fleets: replicas behind a router
+
+
+def random_routing(lam: float, mu: float, n: int) -> Queue:
+    """N M/M/1 replicas fed a Poisson stream of rate lam, each arrival to a replica drawn
+    uniformly: by Poisson thinning each replica is an M/M/1 at lam / N."""
+    _check_rates(lam, mu, n)
+    return mm1(lam / n, mu)
+
+
+def gi_m1_root(lst, mu: float) -> float:
+    """The root sigma in (0, 1) of sigma = A*(mu (1 - sigma)) of a stable GI/M/1 queue, A* the
+    Laplace-Stieltjes transform of its interarrival time (scipy's brentq).
+
+    g(sigma) = A*(mu (1 - sigma)) - sigma is convex (A* is completely monotone) with g(0) > 0 and
+    g(1) = 0; stable (rho = 1 / (mu E[T]) < 1), g'(1) = mu E[T] - 1 > 0, so g dips below 0 before
+    1, at its minimum, and the root lies between 0 and that minimum."""
+    def g(sigma: float) -> float:
+        return lst(mu * (1 - sigma)) - sigma
+
+    low = optimize.minimize_scalar(g, bounds=(0.0, 1.0), method="bounded",
+                                   options={"xatol": 1e-12})
+    if not g(low.x) < 0:
+        raise ValueError("unstable: the GI/M/1 queue has no root below 1 (utilisation >= 1)")
+    return float(optimize.brentq(g, 0.0, low.x, xtol=1e-15, rtol=4 * np.finfo(float).eps))
+
+
+def round_robin(lam: float, mu: float, n: int) -> Queue:
+    """N M/M/1 replicas fed a Poisson stream of rate lam dealt in turn: each replica's
+    interarrival is the sum of N exponentials of rate lam (Erlang-N, mean N / lam), so each is an
+    E_N/M/1 queue. GI/M/1: an arrival finds n with probability (1 - sigma) sigma^n, sigma the root
+    of sigma = (lam / (lam + mu (1 - sigma)))^N (:func:`gi_m1_root`);
+    Wq = sigma / (mu (1 - sigma)), W = 1 / (mu (1 - sigma)), p_wait = sigma. N = 1 is M/M/1
+    (sigma = rho)."""
+    _stable(lam, mu, n)
+    sigma = gi_m1_root(lambda s: (lam / (lam + s)) ** n, mu)
+    rate = lam / n
+    wq, w = sigma / (mu * (1 - sigma)), 1 / (mu * (1 - sigma))
+    return Queue(wq=wq, w=w, lq=rate * wq, l=rate * w, p_wait=sigma)
+
+
+def power_of_d_tail(rho: float, d: int, i: int) -> float:
+    """Mean-field fraction of replicas holding at least i requests under the power of d choices
+    (Mitzenmacher 1996/2001; Vvedenskaya, Dobrushin and Karpelevich 1996):
+    s_i = rho^((d^i-1)/(d-1)) (rho^i for d = 1, the M/M/1 tail)."""
+    if d == 1:
+        return rho ** i
+    return rho ** ((d ** i - 1) / (d - 1))
+
+
+def power_of_d(lam: float, mu: float, d: int) -> Queue:
+    """The power of d choices in its mean-field limit (N -> infinity): Poisson arrivals of rate
+    lam per replica, each sent to the least loaded of d replicas drawn, exponential service of
+    rate mu, FIFO at each replica.
+
+    Mitzenmacher's fixed point: the fraction of replicas with at least i requests is
+    s_i = rho^((d^i - 1) / (d - 1)), rho = lam / mu (:func:`power_of_d_tail`). The mean number at
+    a replica is L = sum_{i>=1} s_i, so by Little W = L / lam =
+    (1 / mu) sum_{i>=1} rho^((d^i - d) / (d - 1)) (the exponent (d^i - 1) / (d - 1) - 1); the sum
+    converges doubly exponentially and is cut once a term is below 1e-18 of the first. d = 1 is
+    M/M/1. A fleet of N replicas differs from this by O(1 / N)."""
+    _stable(lam, mu)
+    if not (isinstance(d, (int, np.integer)) and d >= 1):
+        raise ValueError(f"d must be a whole number >= 1, got {d!r}")
+    if d == 1:
+        return mm1(lam, mu)
+    rho = lam / mu
+    length, i = 0.0, 1
+    while True:
+        s = power_of_d_tail(rho, d, i)
+        length += s
+        if s < 1e-18 * rho:
+            break
+        i += 1
+    w = length / lam
+    wq = w - 1 / mu
+    # An arrival waits when all d drawn are busy: s_1^d.
+    return Queue(wq=wq, w=w, lq=lam * wq, l=length, p_wait=rho ** d)

@@ -326,3 +326,53 @@ def test_batching_in_steps_against_the_continuous_forms():
     assert lone == pytest.approx(5 * 0.010, rel=1e-3)
     with pytest.raises(ValueError):
         theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 12)
+
+
+# ---------------------------------------------------------------- fleets behind a router
+
+
+def test_random_routing_is_thinned_mm1():
+    assert theory.random_routing(3.2, 1.0, 4) == theory.mm1(0.8, 1.0)
+    with pytest.raises(ValueError):
+        theory.random_routing(4.0, 1.0, 4)
+
+
+def test_round_robin_solves_the_gi_m1_root():
+    # One replica: every arrival, M/M/1 (sigma = rho).
+    assert theory.round_robin(0.8, 1.0, 1).wq == pytest.approx(theory.mm1(0.8, 1.0).wq, rel=1e-9)
+    q = theory.round_robin(3.2, 1.0, 4)
+    sigma = q.p_wait
+    assert sigma == pytest.approx((3.2 / (3.2 + 1.0 * (1 - sigma))) ** 4, rel=1e-12)
+    assert q.wq == pytest.approx(sigma / (1 - sigma)) and 0 < sigma < 0.8
+    # More regular arrivals wait less; the many-replica limit is D/M/1,
+    # sigma = exp(-(1 - sigma) / rho).
+    waits = [theory.round_robin(0.8 * n, 1.0, n).wq for n in (1, 2, 4, 16)]
+    assert waits == sorted(waits, reverse=True)
+    dm1 = optimize_root(lambda s: np.exp(-(1 - s) / 0.8) - s)
+    assert theory.round_robin(0.8 * 4000, 1.0, 4000).p_wait == pytest.approx(dm1, rel=1e-3)
+    with pytest.raises(ValueError):
+        theory.round_robin(4.0, 1.0, 4)
+
+
+def optimize_root(f):
+    from scipy.optimize import brentq
+
+    return brentq(f, 1e-9, 0.999)
+
+
+def test_power_of_d_is_mitzenmachers_fixed_point():
+    # d = 1 is M/M/1; the mean-field tails s_i solve lam (s_(i-1)^d - s_i^d) = mu (s_i - s_(i+1)).
+    assert theory.power_of_d(0.9, 1.0, 1).w == pytest.approx(theory.mm1(0.9, 1.0).w)
+    rho, d = 0.9, 2
+    s = [theory.power_of_d_tail(rho, d, i) for i in range(12)]
+    assert s[0] == 1 and s[1] == pytest.approx(rho)
+    for i in range(1, 10):
+        assert rho * (s[i - 1] ** d - s[i] ** d) == pytest.approx(s[i] - s[i + 1], abs=1e-15)
+    q = theory.power_of_d(rho, 1.0, d)
+    assert q.l == pytest.approx(sum(s[1:]), rel=1e-12) and q.w == pytest.approx(q.l / rho)
+    assert q.w == pytest.approx(2.6141, abs=1e-4)  # sum of 0.9^(2^i - 2), i >= 1
+    # More choices wait less, and all of them far less than one M/M/1 at rho 0.9 (W = 10 s).
+    ws = [theory.power_of_d(rho, 1.0, k).w for k in (1, 2, 3, 10)]
+    assert ws == sorted(ws, reverse=True) and ws[1] < ws[0] / 3
+    with pytest.raises(ValueError):
+        theory.power_of_d(0.9, 1.0, 0)

@@ -8,7 +8,7 @@ import pytest
 
 from analysis.validation import (
     TOO_WIDE, BatchScenario, Lengths, Scenario, blocked_share, check, judge_interval, mean_sojourn, mean_step_s,
-    mean_wait, queue_scenarios, sharing_scenarios, standard_scenarios, tally,
+    fleet_scenarios, mean_wait, queue_scenarios, sharing_scenarios, standard_scenarios, tally,
 )
 from qsim import StepModel, theory
 
@@ -42,7 +42,8 @@ def test_the_standard_set_covers_the_issue(table):
     assert set(table.columns) == COLUMNS
     assert (table["ci_low"] < table["ci_high"]).all()
     names = [s.name for s in standard_scenarios(0.01)]
-    assert names == [s.name for s in (*queue_scenarios(0.01), *sharing_scenarios(0.01))]
+    assert names == [s.name for s in (*queue_scenarios(0.01), *sharing_scenarios(0.01),
+                                      *fleet_scenarios(0.01))]
     for needle in ("M/M/1-PS", "M/G/1-PS", "E[L]=200 lambda=5", "E[L]=200 lambda=12.5", "K=16 lambda=5",
                    "M/M^[4]/1 bulk service lambda=3 mu=1"):
         assert any(needle in name for name in names), needle
@@ -166,3 +167,32 @@ def test_patience_while_waiting_against_erlang_a_short():
                  if "Erlang A" in s.name or ("M/M/1+D" in s.name and "leave" in s.name)]
     result = check(scenarios, replications=4, seed=11, workers=2)
     assert len(result) == 4 and result["inside"].all(), result.to_string()
+
+
+# ---------------------------------------------------------------- fleets behind a router
+
+
+@pytest.fixture(scope="module")
+def fleets():
+    # A quarter of qlab theory's lengths (half-widths of about 2 % at full size): about 80 CPU s.
+    return check(fleet_scenarios(0.25), replications=10, seed=1, workers=2)
+
+
+@pytest.mark.slow
+def test_fleets_against_their_closed_forms(fleets):
+    misses = fleets[fleets["verdict"] != "pass"]
+    assert misses.empty, "\n" + misses.to_string()
+    assert (fleets["rel_half_width"] < 0.06).all()  # 0.7-4.2 % with seed 1
+    cases = " ".join(fleets["case"])
+    for needle in ("random routing", "round robin", "power of 2 choices", "central queue"):
+        assert needle in cases
+
+
+def test_the_fleet_rows_can_fail():
+    # Random routing is not round robin (E_4/M/1 waits 2.27 s, not 4), and a fleet of 400 behind
+    # two choices is not 400 M/M/1s (W 10 s, not 2.6): short runs must refuse both.
+    random, _, pod, _ = fleet_scenarios(0.05)
+    wrong = [replace(random, checks=(("Wq", theory.round_robin(3.2, 1, 4).wq, mean_wait),)),
+             replace(pod, requests=20_000, checks=(("W", theory.mm1(0.9, 1).w, mean_sojourn),))]
+    result = check(wrong, replications=5, workers=1)
+    assert list(result["verdict"]) == ["fail", "fail"], result.to_string()
