@@ -50,7 +50,7 @@ from qsim.outcomes import Outcome
 from qsim.runfile import LoggedStep
 from qsim.service import LoadTerms, ServiceModel, SpeedSchedule
 
-from .engine import WORD, Faults, InjectedFault, apply_stop, close_on_loop, runs_as_coroutine
+from .engine import WORD, Abilities, Faults, InjectedFault, abilities_of, apply_stop, close_on_loop
 from .gate import CUT_SLACK_S, Answer, DeadlineCut, Gate, Job, _Failure, _failure_type, _gone, _InboxThread, _Ticket
 from .tokenizer import ByteTokenizer
 
@@ -116,7 +116,8 @@ class StepDone:
 @runtime_checkable
 class BatchEngine(Protocol):
     """An engine that runs requests together, one step at a time: ``step(work) -> StepDone`` (called from one
-    engine thread) or ``async def astep(work) -> StepDone`` (a task on the gate's loop). ``text(key, job, tokens)``
+    engine thread) or ``async def astep(work) -> StepDone`` (a task on the gate's loop; it declares
+    ``abilities = Abilities(coroutine=True)``, :class:`live.engine.Abilities`). ``text(key, job, tokens)``
     is the answer of a request that generated ``tokens`` tokens (called on the loop when it ends)."""
 
     max_new_tokens_limit: int | None
@@ -141,8 +142,8 @@ class Releases(Protocol):
 
 def is_batch_engine(engine) -> bool:
     """Whether ``engine`` runs steps (:class:`BatchEngine`: ``step`` or ``astep``) rather than one request a run."""
-    return isinstance(engine, BatchEngine) and (callable(getattr(engine, "step", None))
-                                                or runs_as_coroutine(engine, "astep"))
+    steps = "astep" if abilities_of(engine).coroutine else "step"
+    return isinstance(engine, BatchEngine) and callable(getattr(engine, steps, None))
 
 
 class SyntheticBatchEngine:
@@ -154,6 +155,8 @@ class SyntheticBatchEngine:
     run on a virtual clock is the simulator's step by step), times the speed at the step's start (``speed`` and
     ``schedule``, seconds since construction on ``clock``). ``faults``: see the module. The text is one word per
     token generated, cut at a stop string (which shortens the text, not the work)."""
+
+    abilities = Abilities(coroutine=True)
 
     max_new_tokens_limit = None
 
@@ -295,7 +298,7 @@ class _StepThread(_InboxThread):
 
 
 def _step_worker_for(k: int, engine, deliver: Callable):
-    return (_StepTask if runs_as_coroutine(engine, "astep") else _StepThread)(engine, deliver)
+    return (_StepTask if abilities_of(engine).coroutine else _StepThread)(engine, deliver)
 
 
 # ---------------------------------------------------------------- the gate

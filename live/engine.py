@@ -7,29 +7,30 @@ whole harness runs on machines without a GPU, in tests and in the demo, and the
 upstream engine (:mod:`live.upstream`), which forwards each request to an
 OpenAI-compatible server (vLLM, or another ``qlab serve``).
 
-Stopping a run. The gate hands ``run`` a :class:`Cancel` (``cancel=``, optional: an
-engine whose ``run`` has no such parameter is called without it) and sets it when the
+Stopping a run. The gate hands ``run`` a :class:`Cancel` (``cancel=``, where the engine
+declares it takes one: ``abilities = Abilities(cancel=True)``, :class:`Abilities`) and sets it when the
 client of the running request leaves. An engine may stop early then and return an
 :class:`EngineResult` with ``stopped=True``; the gate teaches the speed tracker nothing
 from a stopped run's time. The synthetic engine waits on it instead of sleeping, GPT-2
 looks at it between decoding steps, the upstream engine closes its connection at once
 (:meth:`Cancel.when_set`: a thread blocked reading a socket cannot look at anything).
 
-Streaming. An engine whose ``run`` also takes ``emit`` (an :data:`Emit`, optional like ``cancel``;
-:func:`takes_emit`) is handed one when the client asked for a stream, and calls it in its thread with
+Streaming. An engine whose ``run`` also takes ``emit`` (an :data:`Emit`, declared like ``cancel``:
+``Abilities(emit=True)``) is handed one when the client asked for a stream, and calls it in its thread with
 each piece of text as it is produced: the upstream engine per upstream chunk, GPT-2 per decoding step
 (the new token's text, held back while a stop string may be starting), the synthetic engine per token
 (it then sleeps its run's time token by token, the same total). The pieces joined are the result's text.
 An engine without ``emit`` streams its whole answer at the end.
 
 What else a client asked. An engine whose ``run`` (or ``arun``) also takes ``asked`` (an :class:`Asked`,
-optional like ``cancel``; :func:`takes_asked`) is handed what the client asked beyond the prompt, the size
+declared like ``cancel``: ``Abilities(asked=True)``) is handed what the client asked beyond the prompt, the size
 and the stop strings: ``min_tokens`` (the synthetic and GPT-2 engines let no stop string end a run before
 that many tokens, as vLLM does), and, for the upstream engine, the chat's messages as they came and the
 client's sampling fields, which it forwards unchanged.
 
 Coroutine engines. An engine whose work is waiting on I/O (the upstream engine: a socket) may instead
-define ``async def arun(prompt, max_new_tokens, stop, emit=None)`` (:func:`is_coroutine_engine`). The
+define ``async def arun(prompt, max_new_tokens, stop, emit=None)`` and declare
+``Abilities(coroutine=True)`` (:func:`is_coroutine_engine`). The
 gate runs it as a task on its own event loop, with no thread: nothing to hand over between threads, and
 ``emit`` is called on the loop. It is stopped by cancelling its task (:func:`cancellable`, which turns a
 set :class:`Cancel` into that), so it takes no ``cancel``. :func:`run_coroutine` runs one from a thread.
@@ -48,7 +49,6 @@ server, not only in-process. A very slow engine needs no fault of its own:
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import threading
 import time
@@ -165,7 +165,7 @@ class Engine(Protocol):
 
     max_new_tokens_limit: int | None
 
-    # An engine may also take ``cancel: Cancel | None = None`` and ``emit: Emit | None = None`` (module docstring).
+    # It may also take ``cancel``, ``emit`` and ``asked``, declared in ``abilities`` (module docstring).
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None) -> EngineResult: ...
 
     def count_tokens(self, text: str) -> int: ...
@@ -206,39 +206,38 @@ async def close_on_loop(engine) -> None:
         await engine.aclose()
 
 
-def runs_as_coroutine(engine, method: str) -> bool:
-    """Whether ``engine.<method>`` is an ``async def``: the gate then runs it as a task on its event loop, with no
-    thread. (A Protocol cannot say which of a blocking and a coroutine spelling an engine chose.)"""
-    return inspect.iscoroutinefunction(getattr(engine, method, None))
+@dataclass(frozen=True)
+class Abilities:
+    """What an engine declares it takes beyond the prompt, the size and the stop strings, as a class
+    attribute ``abilities`` (an engine without one takes none of them). Declared, not probed: a
+    wrapper or a ``**kwargs`` signature says nothing about what an engine does with an argument.
+
+    cancel: ``run`` takes ``cancel=`` (a :class:`Cancel`); emit: it takes ``emit=`` (streaming);
+    asked: it takes ``asked=`` (an :class:`Asked`); coroutine: it defines ``async def arun`` (or, a
+    batching engine, ``async def astep``) that the gate awaits on its loop, with no thread."""
+
+    cancel: bool = False
+    emit: bool = False
+    asked: bool = False
+    coroutine: bool = False
+
+
+NO_ABILITIES = Abilities()
+
+
+def abilities_of(engine) -> Abilities:
+    """What ``engine`` declares (:class:`Abilities`); nothing for an engine that declares nothing."""
+    declared = getattr(engine, "abilities", NO_ABILITIES)
+    if not isinstance(declared, Abilities):
+        raise TypeError(f"{type(engine).__name__}.abilities is {type(declared).__name__}, "
+                        "not live.engine.Abilities")
+    return declared
 
 
 def is_coroutine_engine(engine) -> bool:
-    """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as ``run`` but
-    ``cancel``): the gate then runs it as a task on its event loop, with no thread (module docstring)."""
-    return runs_as_coroutine(engine, "arun")
-
-
-def _takes(engine, name: str) -> bool:
-    try:
-        params = inspect.signature(engine.arun if is_coroutine_engine(engine) else engine.run).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def takes_cancel(engine) -> bool:
-    """Whether ``engine.run`` takes ``cancel=`` (engines written before it existed do not)."""
-    return _takes(engine, "cancel")
-
-
-def takes_emit(engine) -> bool:
-    """Whether ``engine.run`` takes ``emit=`` (see the module docstring: streaming)."""
-    return _takes(engine, "emit")
-
-
-def takes_asked(engine) -> bool:
-    """Whether ``engine.run`` takes ``asked=`` (see the module docstring: what else a client asked)."""
-    return _takes(engine, "asked")
+    """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as ``run``
+    but ``cancel``): the gate then runs it as a task on its event loop (module docstring)."""
+    return abilities_of(engine).coroutine
 
 
 #: What an engine calls, in its own thread, with each piece of text as it produces it.
@@ -372,6 +371,8 @@ class SyntheticEngine:
     generates a share of its limit drawn from it, as if a stop string ended it, and takes the time
     of the tokens it generated (what a learning estimator learns); None: every run generates its limit.
     """
+
+    abilities = Abilities(cancel=True, emit=True, asked=True)
 
     max_new_tokens_limit = None
 

@@ -102,8 +102,8 @@ from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
 from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
-from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError, UpstreamTimeout, cancellable,
-                     is_coroutine_engine, takes_asked, takes_cancel, takes_emit)
+from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError,
+                     UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
 from .timings import Timings
 
 #: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its client left
@@ -390,9 +390,7 @@ class _EngineThread(_InboxThread):
 
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
-        self._takes_cancel = takes_cancel(engine)
-        self._takes_emit = takes_emit(engine)
-        self._takes_asked = takes_asked(engine)
+        self._abilities = abilities_of(engine)
         # Never holds more than one ticket: the gate gives work only to an idle engine.
         super().__init__(f"qlab-engine-{k}")
 
@@ -400,10 +398,10 @@ class _EngineThread(_InboxThread):
         while (ticket := self._inbox.get()) is not None:
             job = ticket.job
             began = time.perf_counter()
-            cancel = {"cancel": ticket.cancel} if self._takes_cancel else {}
-            if ticket.emit is not None and self._takes_emit:
+            cancel = {"cancel": ticket.cancel} if self._abilities.cancel else {}
+            if ticket.emit is not None and self._abilities.emit:
                 cancel["emit"] = ticket.emit
-            if self._takes_asked and job.asked != Asked():
+            if self._abilities.asked and job.asked != Asked():
                 cancel["asked"] = job.asked
             try:
                 result = _checked(self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel))
@@ -426,8 +424,7 @@ class _EngineTask:
 
     def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
         self.k, self.engine, self._deliver = k, engine, deliver
-        self._takes_emit = takes_emit(engine)
-        self._takes_asked = takes_asked(engine)
+        self._abilities = abilities_of(engine)
         self._tasks: list[asyncio.Task] = []  # the run in progress, and a next one waiting for it to stop
 
     def start(self) -> None:
@@ -452,8 +449,9 @@ class _EngineTask:
         if previous is not None:
             await asyncio.wait([previous])  # a run cut at its deadline, stopping
         job, began = ticket.job, time.perf_counter()
-        emit = {"emit": ticket.pieces.put_nowait} if ticket.pieces is not None and self._takes_emit else {}
-        if self._takes_asked and job.asked != Asked():
+        pieces = ticket.pieces
+        emit = {"emit": pieces.put_nowait} if pieces is not None and self._abilities.emit else {}
+        if self._abilities.asked and job.asked != Asked():
             emit["asked"] = job.asked
         try:
             run = self.engine.arun(job.prompt, job.max_new_tokens, job.stop or None, **emit)

@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from .engine import Asked, Emit, EngineResult, PieceFeed, apply_stop
+from .engine import Abilities, Asked, Emit, EngineResult, PieceFeed, apply_stop
 from .tokenizer import ByteTokenizer
 
 #: The test model: GPT-2's vocabulary and context, two thin layers.
@@ -153,6 +153,8 @@ def _accepts(net, name: str) -> bool:
 
 class GPT2Engine:
     """One engine; several engines may share one loaded model (see :func:`make_engines`)."""
+
+    abilities = Abilities(cancel=True, emit=True, asked=True)
 
     def __init__(self, spec: GPT2Spec = GPT2Spec(), loaded=None) -> None:
         self.spec = spec

@@ -74,7 +74,7 @@ import httpx
 from pydantic import ValidationError
 
 from .contract import CHAT_FIELDS, ForeignError, UpstreamChatRequest, UpstreamChunk, UpstreamModels, UpstreamRequest
-from .engine import Asked, Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
+from .engine import Abilities, Asked, Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
 from .routes import CHAT, COMPLETIONS, MODELS
 from .serve_options import check_upstream_url, split_credentials
 from .tokenizer import ByteTokenizer
@@ -395,6 +395,8 @@ KEEPALIVE_S = 4.0
 
 class UpstreamEngine:
     """Forwards one request at a time to an OpenAI-compatible server's streaming completions or chat route."""
+
+    abilities = Abilities(cancel=True, emit=True, asked=True, coroutine=True)
 
     max_new_tokens_limit = None
 

@@ -64,7 +64,7 @@ from scipy import stats
 from qsim.engines import STEP_FIELDS, StepFit, StepModel
 
 from .batching import StepDone, StepWork
-from .engine import EngineResult, UpstreamError
+from .engine import Abilities, EngineResult, UpstreamError
 from .gate import Job
 from .upstream import ChunkRead, UpstreamEngine, UpstreamSpec
 
@@ -336,6 +336,8 @@ class UpstreamBatchEngine:
     """Runs a :class:`~live.batching.BatchGate`'s steps by forwarding to a batching server (module docstring).
     ``forwarder``: the one-at-a-time upstream engine whose forwarding it reuses; ``on_refit``: told each model the
     learner fits (the gate's :meth:`~live.batching.BatchGate.use_step_model`)."""
+
+    abilities = Abilities(coroutine=True)
 
     max_new_tokens_limit = None
 

@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 from experiments import config, sweep  # noqa: E402
 from experiments import live_runner as runner  # noqa: E402
 from live import live_config  # noqa: E402
-from live.engine import Faults, InjectedFault, SyntheticEngine  # noqa: E402
+from live.engine import NO_ABILITIES, Faults, InjectedFault, SyntheticEngine  # noqa: E402
 from live.gate import DeadlineExceeded, EngineStalled, Gate, gate_config, Job, Rejected  # noqa: E402
 from experiments.cli import main  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
@@ -163,6 +163,8 @@ def test_a_very_slow_engine_is_stalled_at_ten_times_its_estimate_and_teaches_not
 
 class _Deaf(SyntheticEngine):
     """A synthetic engine whose run takes no cancel: it cannot be stopped, as an engine written before cancel."""
+
+    abilities = NO_ABILITIES
 
     def run(self, prompt, max_new_tokens, stop=None):
         return super().run(prompt, max_new_tokens, stop)

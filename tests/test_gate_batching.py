@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from live.batching import BatchGate, StepWork, SyntheticBatchEngine
-from live.engine import Faults
+from live.engine import NO_ABILITIES, Faults
 from live.gate import EngineFailed, Job, gate_config
 from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
@@ -280,7 +280,7 @@ def test_an_engine_with_a_blocking_step_runs_on_a_thread_of_its_own():
     from live.batching import StepDone
 
     class Blocking(SyntheticBatchEngine):
-        astep = None  # a blocking step, not a coroutine: the gate runs it on one engine thread
+        abilities = NO_ABILITIES  # a blocking step, not a coroutine: the gate runs it on a thread
 
         def __init__(self):
             super().__init__(STEP)

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from live.engine import EngineResult
+from live.engine import Abilities, EngineResult
 from live.gate import CUT_LEAD_S
 from qsim import PRESETS, ServiceModel, make_trace, simulate
 from qsim.config import ServerConfig
@@ -446,6 +446,7 @@ def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stoppe
 
     class SlowToStop:  # a coroutine engine: 1 s a run, 0.25 s to stop once cancelled
         max_new_tokens_limit = None
+        abilities = Abilities(coroutine=True)
 
         def __init__(self):
             self.spans = []  # (prompt, began, ended) per run, on the loop's clock

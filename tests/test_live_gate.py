@@ -13,7 +13,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from live.engine import Cancel, EngineResult, SyntheticEngine, UpstreamError, UpstreamTimeout, takes_cancel
+from live.engine import (Abilities, Cancel, EngineResult, SyntheticEngine, UpstreamError,
+                         UpstreamTimeout, abilities_of)
 from live.gate import (END, DeadlineExceeded, EngineFailed, Gate, gate_config, Job, Rejected, UpstreamFailed,
                        UpstreamTimedOut)
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
@@ -117,6 +118,8 @@ def test_rejection_carries_qsim_rejection():
 
 class _Recording(SyntheticEngine):
     """A synthetic engine that keeps what each run was given and returned."""
+
+    abilities = Abilities(cancel=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -289,7 +292,7 @@ def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing
     assert stats["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
 
 
-def test_cancel_runs_its_callbacks_once_and_engines_without_it_are_called_without_it():
+def test_cancel_runs_its_callbacks_once_and_engines_declare_whether_they_take_it():
     cancel, calls = Cancel(), []
     forget = cancel.when_set(lambda: calls.append("a"))
     cancel.when_set(lambda: calls.append("b"))
@@ -298,7 +301,15 @@ def test_cancel_runs_its_callbacks_once_and_engines_without_it_are_called_withou
     cancel.set()
     cancel.when_set(lambda: calls.append("late"))  # already set: at once
     assert calls == ["b", "late"] and cancel.is_set()
-    assert takes_cancel(SyntheticEngine(MODEL)) and not takes_cancel(_Flaky())
+    assert abilities_of(SyntheticEngine(MODEL)).cancel and not abilities_of(_Flaky()).cancel
+
+
+def test_an_engine_declares_its_abilities_with_the_one_dataclass():
+    class Sloppy(_Flaky):
+        abilities = {"cancel": True}  # a dict says nothing the gate reads: refused, not guessed at
+
+    with pytest.raises(TypeError, match="not live.engine.Abilities"):
+        abilities_of(Sloppy())
 
 
 class _Upstream(_Flaky):
@@ -335,6 +346,8 @@ def test_upstream_failures_are_their_own_errors_counted_apart():
 class _Quitter(_Flaky):
     """Says its run stopped though nobody asked."""
 
+    abilities = Abilities(cancel=True)
+
     def run(self, prompt, max_new_tokens, stop, cancel=None):
         return EngineResult("", 0, 0.001, stopped=True)
 
@@ -357,6 +370,7 @@ class _Steered:
     """A coroutine engine whose runs end when the test says: each run waits on its own asyncio.Event."""
 
     max_new_tokens_limit = None
+    abilities = Abilities(emit=True, coroutine=True)
 
     def __init__(self) -> None:
         self.runs: list[tuple[str, asyncio.Event]] = []  # (prompt, its release)

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from live.engine import WORD, EngineResult, Faults
+from live.engine import WORD, Abilities, EngineResult, Faults
 from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, gate_config, Job, Rejected
 from live.gate import _Failure  # what a worker hands back for a run that raised
 from live.batching import BatchGate, SyntheticBatchEngine
@@ -73,6 +73,7 @@ class LoopSynthetic:
     """
 
     max_new_tokens_limit = None
+    abilities = Abilities(coroutine=True)
 
     def __init__(self, model: ServiceModel, speed: float = 1.0, faults: Faults = Faults()) -> None:
         self.model, self.speed, self.faults = model, speed, faults
