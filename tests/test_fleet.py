@@ -49,7 +49,11 @@ def test_central_is_the_shared_queue_of_every_engine():
     assert fleet.attrs["replicas"] == 4 and fleet.attrs["router"] == "central"
 
 
-@pytest.mark.parametrize("name", [n for n in ROUTERS if n != "central"])
+#: The routers that route one-at-a-time replicas (the rest read a batching engine's memory).
+PLAIN = [n for n in ROUTERS if not ROUTERS[n].needs_batching]
+
+
+@pytest.mark.parametrize("name", [n for n in PLAIN if n != "central"])
 def test_every_router_runs_valid_records_and_is_seeded(name):
     t = trace(0.9, 4, 2000)
     config = ServerConfig(PRESETS["bounded"], 1, seed=5)
@@ -93,7 +97,7 @@ def test_load_aware_routers_wait_less_than_blind_ones():
     t = trace(0.9, 4, 20_000)
     config = ServerConfig(PRESETS["none"], 1, seed=1)
     waits = {name: wait(simulate(t, config, replicas=4, router=make_router(name)))
-             for name in ROUTERS}
+             for name in PLAIN}
     assert waits["central"] < waits["jsq"] < waits["power_of_d"] < waits["random"]
     assert waits["least_work"] < waits["round_robin"] < waits["random"]
 
@@ -151,8 +155,16 @@ def test_retries_and_patience_in_a_fleet():
     (lambda t: simulate(t, ServerConfig(), replicas=2), "needs a router"),
     (lambda t: simulate(t, ServerConfig(), replicas=0, router=Random()), "whole number >= 1"),
     (lambda t: simulate(t, ServerConfig(), replicas=True, router=Random()), "whole number >= 1"),
-    (lambda t: simulate(t, ServerConfig(engine=Batching()), replicas=2, router=Random()),
-     "batching replicas"),
+    (lambda t: simulate(t, ServerConfig(engine=Batching()), replicas=2, router=Central()),
+     "central queue in front of batching replicas"),
+    (lambda t: simulate(t, ServerConfig(), replicas=2, router=make_router("prefix")),
+     "router prefix reads a batching engine's"),
+    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1]),
+     "one number > 0 for each of the 2"),
+    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1, 0]),
+     "one number > 0"),
+    (lambda t: make_router("jsq", weights={"kv": 1}), "takes no weights"),
+    (lambda t: make_router("weighted", weights={"kv": -1}), "weights >= 0"),
     (lambda t: simulate(t, ServerConfig(engine=OneAtATime(2, concurrency=0.1)), replicas=2,
                         router=Random()), "concurrency 0"),
     (lambda t: make_router("nearest"), "unknown router 'nearest'"),
@@ -209,12 +221,20 @@ def test_simulate_a_fleet_writes_its_replicas(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--router", "jsq"], "--router and --router-d route between --replicas N > 1"),
+    (["--router", "jsq"], "--router: a fleet's options, for --replicas N > 1"),
+    (["--router-d", "2", "--replica-speeds", "1"],
+     "--router-d, --replica-speeds: a fleet's options"),
     (["--replicas", "2", "--router", "nearest"], "unknown router 'nearest'"),
     (["--replicas", "2", "--router", "jsq", "--router-d", "3"], "router 'jsq' takes no d"),
     (["--replicas", "2", "--router", "power_of_d", "--router-d", "0"], "--router-d"),
     (["--replicas", "0"], "--replicas"),
-    (["--replicas", "2", "--batching"], "batching replicas are not simulated"),
+    (["--replicas", "2", "--batching", "--router", "central"],
+     "central queue in front of batching replicas"),
+    (["--replicas", "2", "--router", "least_kv"], "its replicas need --batching"),
+    (["--replicas", "2", "--router", "jsq", "--router-weights", "kv=1"], "takes no weights"),
+    (["--replicas", "2", "--batching", "--router", "weighted", "--router-weights", "cpu=1"],
+     "bad router weights"),
+    (["--replicas", "2", "--replica-speeds", "1,1,1"], "each of the 2 replicas"),
 ])
 def test_simulate_refuses_a_bad_fleet_in_one_line(args, message, capsys):
     code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
