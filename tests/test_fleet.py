@@ -1,5 +1,6 @@
 """Fleets (qsim.fleet) and routers (qsim.routers): N replicas of one server behind a router."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -7,12 +8,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qsim import PRESETS, Policy, from_arrays, make_trace, records, simulate
+from qsim import PRESETS, Policy, from_arrays, make_trace, records, simulate, testing
 from qsim.clients import RetryPolicy
 from qsim.config import ServerConfig
 from qsim.engines import Batching, OneAtATime
-from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastWork, PowerOfD, Random,
-                          ReplicaState, RoundRobin, Router, make_router)
+from qsim.outcomes import OUTCOMES
+from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastWork, PowerOfD,
+                          PrefixAffinity, Random, ReplicaState, RoundRobin, Router, Weighted,
+                          make_router)
+from qsim.workload import Prompts, SharedPrefix
 
 
 def trace(load=0.9, replicas=4, requests=3000, seed=3, service="exponential"):
@@ -239,3 +243,127 @@ def test_simulate_a_fleet_writes_its_replicas(tmp_path, capsys):
 def test_simulate_refuses_a_bad_fleet_in_one_line(args, message, capsys):
     code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- batching replicas
+
+BATCH = Batching(kv_blocks=600, prefix_caching=True)
+#: Every router that binds at arrival: what a batching fleet takes.
+EARLY = [n for n in ROUTERS if not ROUTERS[n].shared]
+
+
+def shared_trace(system="none", turns="4:16", replicas=3, load=0.6, requests=800, seed=2):
+    """Conversations (and a system prompt) of prompts that share tokens, the load each replica's."""
+    return make_trace(load=load, requests=requests, seed=seed, prompts=Prompts.parse("uniform:16:128"),
+                      capacity_rps=replicas * BATCH.capacity_rps(72, 20),
+                      prefixes=SharedPrefix.parse(system, turns))
+
+
+@pytest.mark.parametrize("router", EARLY)
+def test_one_batching_replica_is_the_one_engine(router):
+    # A speed of 1 takes the fleet's own path (its lines, its router, the replica hook) for one
+    # replica: every row is the engine's without a fleet, noise in the steps and a cut at the
+    # deadline included.
+    engine = dataclasses.replace(BATCH, kv_blocks=200, step=dataclasses.replace(BATCH.step, cv=0.3))
+    config = ServerConfig(dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True), engine, seed=4)
+    t = shared_trace("128:0.5", "3:8", replicas=1, load=1.5, requests=500)
+    plain = simulate(t, config)
+    d = 1 if router == "power_of_d" else None  # d choices of one replica
+    one = simulate(t, config, replicas=1, router=make_router(router, d), replica_speeds=[1.0])
+    pd.testing.assert_frame_equal(plain, one)
+    assert one.attrs["router"] == router and (one["replica"] == 0).all()
+    assert one.attrs["prefix_cache_hits"] == plain.attrs["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("router", EARLY)
+def test_every_request_ends_once_in_a_batching_fleet(router):
+    config = ServerConfig(dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True),
+                          dataclasses.replace(BATCH, kv_blocks=150), seed=1)
+    t = shared_trace("128:0.5", "3:8", replicas=3, load=1.4, requests=600)
+    patience = np.random.default_rng(0).exponential(3.0, len(t))
+    with testing.audited_batches():  # every replica's blocks and seats, at every step
+        frame = records.validate(simulate(t, config, replicas=3, router=make_router(router),
+                                          cancel_after_s=patience))
+    assert len(frame) == len(t) and frame["request_id"].is_unique
+    assert frame["outcome"].isin(OUTCOMES).all() and frame["finish_s"].notna().all()
+    assert frame["replica"].between(0, 2).all() and set(frame["replica"]) == {0, 1, 2}
+    started = frame["start_s"].notna()
+    assert (frame.loc[started, "engine"] == frame.loc[started, "replica"]).all()
+    assert frame["outcome"].eq("abandoned").any() and frame["outcome"].eq("good").any()
+
+
+def test_batching_routers_move_no_arrival_and_no_draw_of_another():
+    # Common random numbers: a refusing policy does not move random's picks between batching
+    # replicas, and no router moves an arrival, a request's tokens or its step noise's stream.
+    t = shared_trace(load=2.0, requests=500)
+    picks = [simulate(t, ServerConfig(PRESETS[p], BATCH, seed=2), replicas=3,
+                      router=Random())["replica"] for p in ("none", "vllm-caps", "predictive")]
+    assert picks[0].equals(picks[1]) and picks[0].equals(picks[2])
+    frames = [simulate(t, ServerConfig(PRESETS["none"], BATCH, seed=2), replicas=3,
+                       router=make_router(name)) for name in ("random", "prefix", "weighted")]
+    for f in frames[1:]:
+        for column in ("arrival_s", "max_new_tokens", "deadline_s", "client_id"):
+            assert f[column].equals(frames[0][column])
+
+
+def test_prefix_affinity_finds_more_of_the_prompts_cached_than_round_robin():
+    # Conversations of four turns, 16 open at once, over three replicas: round robin sends a turn
+    # to another replica than the one before it two times in three; prefix affinity sends it to the
+    # one holding its history.
+    t = shared_trace()
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    cached = {name: simulate(t, config, replicas=3, router=make_router(name))
+              for name in ("round_robin", "prefix", "weighted")}
+    for frame in cached.values():
+        assert frame["outcome"].eq("good").all()
+    tokens = {name: int(f["cached_prompt_tokens"].sum()) for name, f in cached.items()}
+    assert tokens["prefix"] > 3 * tokens["round_robin"]
+    assert tokens["weighted"] > 3 * tokens["round_robin"]
+    assert cached["prefix"].attrs["prefix_cache_hits"] > cached["round_robin"].attrs[
+        "prefix_cache_hits"]
+
+
+def test_pure_affinity_piles_a_shared_system_prompt_on_one_replica_and_weighted_does_not():
+    # A system prompt before nine conversations in ten: every replica that has it cached scores
+    # the same on it, but the first to cache it holds it first and takes nearly everything;
+    # weighted's queue and memory scores spread the load again.
+    t = shared_trace("256:0.9")
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    share = {name: simulate(t, config, replicas=3, router=make_router(name))["replica"]
+             .value_counts(normalize=True).max() for name in ("prefix", "weighted")}
+    assert share["prefix"] > 0.8 and share["weighted"] < 0.45
+
+
+def test_the_batching_routers_choices_from_states():
+    s = [ReplicaState(3, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.0),
+         ReplicaState(1, 1.0, 1, 0, kv_use=0.9, prefix_hit=0.75),
+         ReplicaState(2, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.75)]
+    rng = np.random.default_rng(0)
+    assert LeastKV().choose(s, 0, rng) == 2  # 0 and 2 tie on memory: fewer outstanding
+    assert PrefixAffinity().choose(s, 0, rng) == 1  # 1 and 2 tie on the cache: fewer outstanding
+    # Scores: queue (3 - q) / 2 = 0, 1, 0.5; kv 0.8, 0.1, 0.8; prefix 0, 0.75, 0.75.
+    assert Weighted().choose(s, 0, rng) == 2  # 2 x 0.75 + 0.5 + 0.8 = 2.8 against 2.6 and 0.8
+    assert Weighted(prefix=0, queue=1, kv=0).choose(s, 0, rng) == 1
+    assert Weighted(prefix=0, queue=0, kv=1).choose(s, 0, rng) == 2  # ties to fewer outstanding
+    assert make_router("weighted", weights={"kv": 3}) == Weighted(2, 1, 3)
+    with pytest.raises(ValueError, match="not all 0"):
+        Weighted(0, 0, 0)
+
+
+def test_a_batching_replicas_state_reads_its_memory_and_cache():
+    from qsim.batch import BatchQueue
+    from qsim.entry import Work
+    from qsim.prefix import SYSTEM_KEY, Tokens
+
+    tokens = {0: Tokens(((SYSTEM_KEY, 64), (10, 8)), 11), 1: Tokens(((SYSTEM_KEY, 64), (12, 8)), 13),
+              2: Tokens(((14, 72),), 15)}
+    engine = Batching(kv_blocks=100, prefix_caching=True)
+    queue = BatchQueue(ServerConfig(PRESETS["none"], engine), step=lambda plan, now: None,
+                       end=lambda *a: None, drop=lambda *a: None, tokens=tokens.get)
+    assert queue.replica_state(0.0, 1) == ReplicaState(0, 0.0, 1, 1, 0.0, 0.0)
+    assert queue.arrive(0, 0.0, 1.0, 100.0, work=Work(4, 72, 4)) is None
+    state = queue.replica_state(0.0, 1)
+    # Request 0's first chunk holds 5 blocks of 16 (72 tokens); its 4 system blocks are cached.
+    assert (state.outstanding, state.kv_use, state.prefix_hit) == (1, 0.05, 1.0)
+    assert queue.replica_state(0.0, 2).prefix_hit == 0.0
+    assert queue.prefix_cache_stats()["prefix_cache_queries"] == 72  # the probes counted nothing
