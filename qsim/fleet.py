@@ -43,6 +43,8 @@ class FleetSpec:
     router: Router
     # Each replica's speed over the server's (1: as calibrated, 0.5: half as fast); None: all 1.
     speeds: tuple | None = None
+    # Failures: (replica, from_s, to_s) each, the replica down from from_s until to_s.
+    down: tuple = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.replicas, int) and not isinstance(self.replicas, bool)
@@ -62,6 +64,21 @@ class FleetSpec:
             if self.router.shared:
                 raise ValueError("replica speeds apply to replicas with lines of their own, "
                                  "not a central queue")
+
+        self._check_down()
+
+    def _check_down(self) -> None:
+        for window in self.down:
+            if not (len(window) == 3 and isinstance(window[0], int) and
+                    0 <= window[0] < self.replicas and 0 <= window[1] < window[2]):
+                raise ValueError(f"a replica down is (replica of 0..{self.replicas - 1}, from_s, "
+                                 f"to_s) with 0 <= from_s < to_s, got {window!r}")
+        if self.down and self.router.shared:
+            raise ValueError("a replica down applies to replicas with lines of their own, "
+                             "not a central queue")
+        for _, at, _ in self.down:  # all down at once is no fleet: somewhere must take arrivals
+            if len({r for r, a, b in self.down if a <= at < b}) == self.replicas:
+                raise ValueError(f"every replica is down at {at:g} s: keep one up")
 
     def speed(self, r: int) -> float:
         return 1.0 if self.speeds is None else float(self.speeds[r])
@@ -132,6 +149,7 @@ class Fleet:
         else:
             self.lines = [line(r, config) for r in range(n)]
             self.per_line = per
+        self.up = [True] * len(self.lines)
         self.config, self.policy = config, config.policy
         self.rng = np.random.default_rng([config.seed, ROUTER_STREAM])
         self.routed_count = 0
@@ -173,14 +191,17 @@ class Fleet:
         if self.router.shared:
             line = self.lines[0]
         else:
-            r = self.router.choose(_States(self.lines, now, req), self.routed_count, self.rng)
-            if not (isinstance(r, (int, np.integer)) and 0 <= r < len(self.lines)):
+            # The router sees the replicas up only (all, but while one is down), and chooses among
+            # them by their index there.
+            up = self.lines if all(self.up) else [q for q, ok in zip(self.lines, self.up) if ok]
+            r = self.router.choose(_States(up, now, req), self.routed_count, self.rng)
+            if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
                 raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
-                                 f"of 0..{len(self.lines) - 1}")
+                                 f"of 0..{len(up) - 1}")
             self.routed_count += 1
-            line = self.lines[int(r)]
+            line = up[int(r)]
             self.where[req] = line
-            self._routed(req, int(r))
+            self._routed(req, self.lines.index(line) if up is not self.lines else int(r))
         self.last = line
         return line.arrive(req, now, *args, **kwargs)
 
@@ -211,6 +232,22 @@ class Fleet:
 
     def give_up(self, now: float) -> int:
         return sum(line.give_up(now) for line in self.lines)
+
+    # -- a replica down and back ------------------------------------------------------
+
+    def fail(self, r: int, now: float) -> list[tuple]:
+        """Replica r goes down: no arrival is routed to it until :meth:`restore`, and each request
+        it holds leaves it, as a client that left would: (request, "running" or "waiting") each.
+        A run one at a time holds its engine to its own end (a run is not stopped); a batch's
+        blocks are freed at once."""
+        self.up[r] = False
+        line = self.lines[r]
+        held = [req for req, where in self.where.items() if where is line]
+        return [(req, state) for req in held
+                if (state := line.cancel(req, now)) is not None]
+
+    def restore(self, r: int) -> None:
+        self.up[r] = True
 
     # -- batching replicas: their timers and caches --------------------------------------
 

@@ -62,6 +62,8 @@ LEFT_REASON = Reason.CLIENT_LEFT
 CANCEL_UNTIL = ("answer", "start")
 #: Reason of a request whose engine raised (outcome ``error``), as the live gate says it.
 FAILED_REASON = Reason.ENGINE_EXCEPTION
+#: Reason of a request that waited at a fleet's replica when it went down (outcome ``error``).
+DOWN_REASON = Reason.SHUTTING_DOWN
 
 
 class _Run:
@@ -544,9 +546,23 @@ class _InFleet:
         self.spec = fleet
         self.replica_of = [-1] * len(trace)
         super().__init__(trace, config, **inputs)
+        for r, down_s, up_s in fleet.down:
+            Timeout(self.env, down_s).callbacks.append(lambda _, r=r: self._replica_down(r))
+            Timeout(self.env, up_s).callbacks.append(lambda _, r=r: self.queue.restore(r))
 
     def _routed(self, i: int, r: int) -> None:
         self.replica_of[i] = r
+
+    def _replica_down(self, r: int) -> None:
+        """Replica r fails: what ran there ends an engine's error, what waited there the error of a
+        server that stopped while it waited (qsim.outcomes); a client may send either again."""
+        now = self.env.now
+        for i, state in self.queue.fail(r, now):
+            self._end(i, now, ERROR, FAILED_REASON if state == "running" else DOWN_REASON)
+        self._after_down()
+
+    def _after_down(self) -> None:
+        """A driver's own bookkeeping after a replica went down."""
 
     def _per_attempt(self) -> tuple:
         return (*super()._per_attempt(), (self.replica_of, -1))
@@ -585,6 +601,9 @@ class _FleetRun(_InFleet, _Run):
 class _BatchFleetRun(_InFleet, _BatchRun):
     """N replicas, each a batching engine (its line, KV memory, prefix cache), behind a router:
     replica r is engine r, its steps' events carry r."""
+
+    def _after_down(self) -> None:
+        self._arm()  # the deadlines cut there are gone
 
     def _make_queue(self, config: ServerConfig) -> Fleet:
         self.noise, self.slow = [], []
@@ -626,6 +645,7 @@ def simulate(
     replicas: int = 1,
     router: Router | None = None,
     replica_speeds=None,
+    replica_down=(),
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -658,6 +678,9 @@ def simulate(
     are one-at-a-time engines or batching engines, as ``config``'s engine is.
     replica_speeds: each replica's speed over the server's (0.5: its runs, or its steps, take
     twice as long; its speed tracker learns so); None: all as calibrated.
+    replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends
+    ``error`` (engine_exception) and what waits there ``error`` (shutting_down); the router sends
+    nothing there until to_s.
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
     with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
     prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
@@ -690,7 +713,7 @@ def simulate(
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     batch = {"step_times": step_times} if config.batching else {}
     kind = _BatchRun if config.batching else _Run
-    fleet = _fleet(replicas, router, config, replica_speeds)
+    fleet = _fleet(replicas, router, config, replica_speeds, replica_down)
     if fleet is not None:
         if step_times is not None:
             raise ValueError("step_times replay one live engine's steps: not a fleet's")
@@ -712,12 +735,13 @@ def simulate(
 
 
 def _fleet(replicas: int, router: Router | None, config: ServerConfig,
-           speeds=None) -> FleetSpec | None:
+           speeds=None, down=()) -> FleetSpec | None:
     """The fleet of a run (None: one server, today's path), checked against its server."""
-    if replicas == 1 and not isinstance(replicas, bool) and speeds is None:
+    if replicas == 1 and not isinstance(replicas, bool) and speeds is None and not down:
         return None
     if replicas == 1 and router is None:
         router = RoundRobin()  # one replica of its own speed: nothing to route
-    fleet = FleetSpec(replicas, router, None if speeds is None else tuple(speeds))
+    fleet = FleetSpec(replicas, router, None if speeds is None else tuple(speeds),
+                      tuple(tuple(w) for w in down))
     fleet.check(config)
     return fleet
