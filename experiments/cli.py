@@ -93,6 +93,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
     speeds = "" if fleet is None or fleet.speeds is None else \
         f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
+    if fleet is not None and fleet.down:
+        speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
     replicas = "" if fleet is None else \
         f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)} of "
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
@@ -111,7 +113,8 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
     if args.replicas == 1:
         given = [flag for flag, value in (("--router", args.router), ("--router-d", args.router_d),
                                           ("--router-weights", args.router_weights),
-                                          ("--replica-speeds", args.replica_speeds))
+                                          ("--replica-speeds", args.replica_speeds),
+                                          ("--replica-down", args.replica_down or None))
                  if value is not None]
         if given:
             raise UsageError(f"qlab simulate: error: {', '.join(given)}: a fleet's options, "
@@ -120,7 +123,8 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
     try:
         weights = None if args.router_weights is None else parse_weights(args.router_weights)
         router = make_router(args.router or "round_robin", args.router_d, weights)
-        fleet = FleetSpec(args.replicas, router, _speeds(args.replica_speeds))
+        fleet = FleetSpec(args.replicas, router, _speeds(args.replica_speeds),
+                          tuple(_down(text) for text in args.replica_down or ()))
         fleet.check(config)
     except ValueError as exc:
         raise UsageError(f"qlab simulate: error: {exc}") from None
@@ -135,6 +139,16 @@ def _speeds(text: str | None) -> tuple | None:
         return tuple(float(v) for v in text.split(","))
     except ValueError:
         raise ValueError(f"bad --replica-speeds {text!r}: expected numbers, e.g. 1,1,0.5") from None
+
+
+def _down(text: str) -> tuple:
+    """--replica-down R:FROM:TO as (replica, from_s, to_s) (FleetSpec checks them)."""
+    try:
+        r, down_s, up_s = text.split(":")
+        return int(r), float(down_s), float(up_s)
+    except ValueError:
+        raise ValueError(f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, "
+                         "e.g. 1:100:200") from None
 
 
 def _balance_across_seeds(runs: list["_Run"], fleet: FleetSpec) -> pd.DataFrame:
@@ -278,7 +292,8 @@ def cmd_simulate(args) -> int:
             frame = simulate(trace, server(seed), retry=retry, speed_schedule=schedule,
                              **({} if fleet is None else dict(replicas=fleet.replicas,
                                                                router=fleet.router,
-                                                               replica_speeds=fleet.speeds)))
+                                                               replica_speeds=fleet.speeds,
+                                                               replica_down=fleet.down)))
             runs.append(_Run(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
@@ -381,6 +396,9 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--replica-speeds", metavar="S,S,...",
                    help="each replica's speed over the server's, one per replica (e.g. 1,1,0.5: "
                         "the third takes twice as long); the load counts speed 1 for all")
+    p.add_argument("--replica-down", action="append", metavar="R:FROM:TO",
+                   help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
+                        "and waits there ends in error, the router sends nothing there meanwhile")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
                                  "goes (in memory first with --retry)")

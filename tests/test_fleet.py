@@ -1,6 +1,7 @@
 """Fleets (qsim.fleet) and routers (qsim.routers): N replicas of one server behind a router."""
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -367,3 +368,95 @@ def test_a_batching_replicas_state_reads_its_memory_and_cache():
     assert (state.outstanding, state.kv_use, state.prefix_hit) == (1, 0.05, 1.0)
     assert queue.replica_state(0.0, 2).prefix_hit == 0.0
     assert queue.prefix_cache_stats()["prefix_cache_queries"] == 72  # the probes counted nothing
+
+
+# ---------------------------------------------------------------- heterogeneous replicas, failures
+
+
+def test_a_slower_one_at_a_time_replica_takes_longer_and_jsq_sends_it_less():
+    t = trace(0.8, 3, 6000)
+    config = ServerConfig(PRESETS["none"], 1, seed=1)
+    rr = simulate(t, config, replicas=3, router=RoundRobin(), replica_speeds=[1, 1, 0.5])
+    ran = rr[rr["start_s"].notna()]
+    ratio = ran["true_service_s"] / t.true_service_s[ran["request_id"]]
+    assert np.allclose(ratio[ran["replica"] == 2], 2.0) and np.allclose(ratio[ran["replica"] < 2], 1)
+    sent = simulate(t, config, replicas=3, router=JoinShortestQueue(),
+                    replica_speeds=[1, 1, 0.5])["replica"].value_counts()
+    assert sent[2] < 0.8 * sent[0] and sent[2] < 0.8 * sent[1]
+
+
+def test_a_slower_batching_replica_answers_later_and_jsq_sends_it_less():
+    t = shared_trace(load=0.8)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    rr = simulate(t, config, replicas=2, router=RoundRobin(), replica_speeds=[1, 0.25])
+    ttft = rr.groupby("replica")["ttft_s"].median()
+    assert ttft[1] > 3 * ttft[0]
+    plain = simulate(t, config, replicas=2, router=RoundRobin())
+    assert plain.groupby("replica")["ttft_s"].median()[1] < 1.5 * ttft[0]
+    sent = simulate(t, config, replicas=2, router=make_router("jsq"),
+                    replica_speeds=[1, 0.25])["replica"].value_counts()
+    assert sent[1] < 0.7 * sent[0]
+
+
+@pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
+def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind):
+    if kind == "batching":
+        t, config, down = shared_trace(load=0.9, requests=1500), ServerConfig(
+            PRESETS["none"], BATCH, seed=1), (1, 1.0, 2.0)
+    else:
+        t, config, down = trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1), \
+            (1, 100.0, 200.0)
+    _, at, back = down
+    with testing.audited_batches():
+        frame = records.validate(simulate(t, config, replicas=3, router=make_router("jsq"),
+                                          replica_down=[down]))
+    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    failed = frame[frame["outcome"] == "error"]
+    # Each ended at the failure, on the replica that failed: what ran there an engine's error,
+    # what waited a stopped server's.
+    assert len(failed) and (failed["finish_s"] == at).all() and (failed["replica"] == 1).all()
+    assert (failed["arrival_s"] < at).all()
+    reasons = set(failed["reason"])
+    assert "engine_exception" in reasons and (kind == "batching" or "shutting_down" in reasons)
+    running = failed["reason"] == "engine_exception"
+    assert failed.loc[running, "start_s"].notna().all()
+    while_down = frame[(frame["arrival_s"] >= at) & (frame["arrival_s"] < back)]
+    assert len(while_down) and not (while_down["replica"] == 1).any()
+    after = frame[frame["arrival_s"] >= back + 0.1 * (back - at)]
+    assert (after["replica"] == 1).mean() > 0.2  # back in the rotation (jsq: it is the emptiest)
+    # Nothing else ended in error, and the other replicas' rows are those of the fleet without it
+    # until the failure.
+    before = simulate(t, config, replicas=3, router=make_router("jsq"))
+    early = frame["arrival_s"] < at
+    same = early & ~frame["outcome"].eq("error") & (frame["finish_s"] < at)
+    pd.testing.assert_frame_equal(frame[same].reset_index(drop=True),
+                                  before[same].reset_index(drop=True))
+
+
+@pytest.mark.parametrize("down, message", [
+    ([(3, 1.0, 2.0)], "replica of 0..2"),
+    ([(0, 2.0, 1.0)], "from_s < to_s"),
+    ([(0, 1.0, 5.0), (1, 2.0, 3.0), (2, 2.5, 4.0)], "every replica is down at 2.5 s"),
+])
+def test_bad_replica_downs_are_refused(down, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(trace(0.5, 3, 50), ServerConfig(), replicas=3, router=Random(), replica_down=down)
+
+
+def test_simulate_a_batching_fleet_with_prefix_affinity(capsys):
+    args = ["simulate", "--batching", "--kv-blocks", "600", "--prefix-caching", "--prompts",
+            "uniform:16:128", "--turns", "4:16", "--replicas", "3", "--load", "0.6",
+            "--seconds", "5", "--seed", "1"]
+    code, out, err = qlab([*args, "--router", "prefix"], capsys)
+    assert code == 0 and err == ""
+    assert "3 replicas behind router prefix of a batching engine (" in out
+    assert "by replica (router prefix):" in out and "prefix cache:" in out
+    hit = float(out.split("(hit rate ")[1].split(")")[0])
+    code, out, _ = qlab([*args, "--router", "round_robin"], capsys)
+    assert code == 0 and float(out.split("(hit rate ")[1].split(")")[0]) < hit / 2
+    code, out, _ = qlab([*args, "--router", "weighted", "--router-weights", "prefix=1,kv=0",
+                         "--replica-speeds", "1,1,0.5", "--replica-down", "2:1:2", "--json"],
+                        capsys)
+    summary = json.loads(out)
+    assert code == 0 and summary["fleet"]["router"] == "weighted"
+    assert summary["summary"]["error"] > 0 and set(summary["fleet"]["by_replica"]) == {"0", "1", "2"}
