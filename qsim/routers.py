@@ -35,7 +35,9 @@ class ReplicaState(NamedTuple):
     """What a router sees of one replica at an arrival."""
 
     outstanding: int  # requests waiting or in service there
-    work_s: float  # their estimated work left (waiting + in service), speed factor in
+    # Their estimated work left (waiting + in service), speed factor in; a batching replica: the
+    # wait it would give an arrival (its seat-steps over its seats), its one engine's work.
+    work_s: float
     engines: int
     idle: int  # engines free (a batching replica: 1 while a seat and blocks are free, nobody waits)
     # A batching replica's only (0 for one run one at a time): its KV blocks in use over its
