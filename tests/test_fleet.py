@@ -20,6 +20,11 @@ from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastWor
 from qsim.workload import Prompts, SharedPrefix
 
 
+#: The routers that route one-at-a-time replicas (the rest read a batching engine's memory).
+PLAIN = [n for n in ROUTERS if not ROUTERS[n].needs_batching]
+PLAIN_EARLY = [n for n in PLAIN if not ROUTERS[n].shared]
+
+
 def trace(load=0.9, replicas=4, requests=3000, seed=3, service="exponential"):
     return make_trace("poisson", service, load=load, engines=replicas, requests=requests,
                       seed=seed, mean_service_s=1.0)
@@ -40,6 +45,16 @@ def test_one_replica_is_the_one_server(router):
     assert (plain["replica"] == 0).all()
 
 
+@pytest.mark.parametrize("router", PLAIN_EARLY)
+def test_one_replica_through_the_fleets_own_path_is_the_one_server(router):
+    # A speed of 1 takes the fleet's path (its line, its router, each run through _run_time).
+    t = trace(1.3, 2, 1500)
+    config = ServerConfig(PRESETS["bounded-deadline"], 2)
+    d = 1 if router == "power_of_d" else None
+    one = simulate(t, config, replicas=1, router=make_router(router, d), replica_speeds=[1])
+    pd.testing.assert_frame_equal(simulate(t, config), one)
+
+
 def test_central_is_the_shared_queue_of_every_engine():
     # Four replicas of two engines behind one line: today's --engines 8, the replica where each
     # request started.
@@ -54,11 +69,9 @@ def test_central_is_the_shared_queue_of_every_engine():
     assert fleet.attrs["replicas"] == 4 and fleet.attrs["router"] == "central"
 
 
-#: The routers that route one-at-a-time replicas (the rest read a batching engine's memory).
-PLAIN = [n for n in ROUTERS if not ROUTERS[n].needs_batching]
 
 
-@pytest.mark.parametrize("name", [n for n in PLAIN if n != "central"])
+@pytest.mark.parametrize("name", PLAIN_EARLY)
 def test_every_router_runs_valid_records_and_is_seeded(name):
     t = trace(0.9, 4, 2000)
     config = ServerConfig(PRESETS["bounded"], 1, seed=5)
