@@ -28,7 +28,7 @@ from qsim.config import ServerConfig
 from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
 from qsim.fleet import FleetSpec
 from qsim.records import OUTCOMES
-from qsim.routers import ROUTERS, make_router
+from qsim.routers import ROUTERS, make_router, parse_weights
 from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
 from qsim.stream import CHUNK, RecordWriter, stream_run
@@ -91,8 +91,12 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
             f"{args.arrivals} arrivals{at}, {args.service} service, "
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
+    speeds = "" if fleet is None or fleet.speeds is None else \
+        f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
+    if fleet is not None and fleet.down:
+        speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
     replicas = "" if fleet is None else \
-        f"{fleet.replicas} replicas behind {_router_words(fleet)} of "
+        f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)} of "
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
             f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}")
 
@@ -107,16 +111,44 @@ def _router_words(fleet: FleetSpec) -> str:
 def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
     """The fleet --replicas and --router ask for (None: one server), checked against the server."""
     if args.replicas == 1:
-        if args.router is not None or args.router_d is not None:
-            raise UsageError("qlab simulate: error: --router and --router-d route between "
-                             "--replicas N > 1")
+        given = [flag for flag, value in (("--router", args.router), ("--router-d", args.router_d),
+                                          ("--router-weights", args.router_weights),
+                                          ("--replica-speeds", args.replica_speeds),
+                                          ("--replica-down", args.replica_down or None))
+                 if value is not None]
+        if given:
+            raise UsageError(f"qlab simulate: error: {', '.join(given)}: a fleet's options, "
+                             "for --replicas N > 1")
         return None
     try:
-        fleet = FleetSpec(args.replicas, make_router(args.router or "round_robin", args.router_d))
+        weights = None if args.router_weights is None else parse_weights(args.router_weights)
+        router = make_router(args.router or "round_robin", args.router_d, weights)
+        fleet = FleetSpec(args.replicas, router, _speeds(args.replica_speeds),
+                          tuple(_down(text) for text in args.replica_down or ()))
         fleet.check(config)
     except ValueError as exc:
         raise UsageError(f"qlab simulate: error: {exc}") from None
     return fleet
+
+
+def _speeds(text: str | None) -> tuple | None:
+    """--replica-speeds 1,1,0.5 as numbers (FleetSpec checks them)."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"bad --replica-speeds {text!r}: expected numbers, e.g. 1,1,0.5") from None
+
+
+def _down(text: str) -> tuple:
+    """--replica-down R:FROM:TO as (replica, from_s, to_s) (FleetSpec checks them)."""
+    try:
+        r, down_s, up_s = text.split(":")
+        return int(r), float(down_s), float(up_s)
+    except ValueError:
+        raise ValueError(f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, "
+                         "e.g. 1:100:200") from None
 
 
 def _balance_across_seeds(runs: list["_Run"], fleet: FleetSpec) -> pd.DataFrame:
@@ -244,6 +276,8 @@ def cmd_simulate(args) -> int:
         return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
 
     fleet = _fleet_from_args(args, server(args.seed))
+    if fleet is not None and "capacity_rps" in options:  # the load is each batching replica's
+        options["capacity_rps"] *= fleet.replicas
     seeds = range(args.seed, args.seed + args.seeds)
     # What does not stream runs whole: retries, a prefix cache, shared prefixes, a fleet
     # (qsim.stream).
@@ -257,7 +291,9 @@ def cmd_simulate(args) -> int:
             trace = build_trace(args.trace, **workload(seed))
             frame = simulate(trace, server(seed), retry=retry, speed_schedule=schedule,
                              **({} if fleet is None else dict(replicas=fleet.replicas,
-                                                               router=fleet.router)))
+                                                               router=fleet.router,
+                                                               replica_speeds=fleet.speeds,
+                                                               replica_down=fleet.down)))
             runs.append(_Run(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
@@ -354,6 +390,15 @@ def _simulate_parser(sub) -> None:
                         "engines)")
     p.add_argument("--router-d", type=positive_int, metavar="D",
                    help="power_of_d's choices (default 2)")
+    p.add_argument("--router-weights", metavar="NAME=W,...",
+                   help="weighted's weights of its scores prefix, queue and kv "
+                        "(default prefix=2,queue=1,kv=1)")
+    p.add_argument("--replica-speeds", metavar="S,S,...",
+                   help="each replica's speed over the server's, one per replica (e.g. 1,1,0.5: "
+                        "the third takes twice as long); the load counts speed 1 for all")
+    p.add_argument("--replica-down", action="append", metavar="R:FROM:TO",
+                   help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
+                        "and waits there ends in error, the router sends nothing there meanwhile")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
                                  "goes (in memory first with --retry)")

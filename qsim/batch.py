@@ -57,6 +57,7 @@ from .outcomes import CANCELLED, EXPIRED, Reason
 from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, retry_after
 from .prefix import BlockPool, Tokens, block_hashes
 from .queue import CUT_REASON, judge
+from .routers import ReplicaState
 from .service import SpeedTracker
 
 _new = tuple.__new__
@@ -229,6 +230,26 @@ class BatchQueue(Core):
         others' prompts share the steps a request decodes in)."""
         return self.model.time(self.prefill_per_step if prefill is None else prefill, seqs, context) * \
             self.tracker.factor
+
+    def replica_state(self, now: float, req=None) -> ReplicaState:
+        """What a fleet's router reads of this engine at ``req``'s arrival: its outstanding, the
+        wait an arrival would be given (its work per seat), a seat free, its KV use and the share of
+        ``req``'s full prompt blocks its prefix cache holds (a probe: vLLM's counters not moved)."""
+        idle = int(not self.queued and len(self.running) < self.engine.max_num_seqs)
+        return ReplicaState(self.queued + self.in_service, self._work_wait(now), 1, idle,
+                            self.kv_use, self._prefix_hit(req))
+
+    def _prefix_hit(self, req) -> float:
+        tokens = None if self.pool is None or self._tokens_of is None else self._tokens_of(req)
+        if tokens is None:
+            return 0.0
+        size = self.engine.block_size
+        prompt = sum(length for _, length in tokens.prompt)
+        full = max(0, prompt - 1) // size  # what a lookup can find: the last token is computed
+        if not full:
+            return 0.0
+        hit = self.pool.lookup(block_hashes(tokens, size), prompt, size, count=False)
+        return len(hit) / full
 
     def snapshot(self) -> dict:
         """The queue now, for /stats and tests."""

@@ -8,8 +8,13 @@ caps per replica, the baseline) decides on its own state. Under :class:`~qsim.ro
 the fleet is one line in front of all N x K engines, which is the one-queue core itself: early and
 late binding run on the same trace through the same code.
 
-Engines that slow each other (:attr:`qsim.engines.OneAtATime.concurrency`) share one machine,
-and batching replicas are not simulated as a fleet yet: both are refused.
+A replica is one-at-a-time engines (an :class:`~qsim.queue.AdmissionQueue`) or a batching engine
+(a :class:`~qsim.batch.BatchQueue`, with its own KV memory and prefix cache); the fleet holds the
+lines its driver builds and reads each through the one hook both have, ``replica_state(now, req)``
+(a :class:`~qsim.routers.ReplicaState`), so the routing is the same code for both.
+
+Engines that slow each other (:attr:`qsim.engines.OneAtATime.concurrency`) share one machine, and
+a central queue in front of batching engines is not simulated: both are refused.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class FleetSpec:
 
     replicas: int
     router: Router
+    # Each replica's speed over the server's (1: as calibrated, 0.5: half as fast); None: all 1.
+    speeds: tuple | None = None
+    # Failures: (replica, from_s, to_s) each, the replica down from from_s until to_s.
+    down: tuple = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.replicas, int) and not isinstance(self.replicas, bool)
@@ -46,33 +55,65 @@ class FleetSpec:
                              f"round_robin, jsq, least_work, power_of_d, central, or a class "
                              f"of one's own), "
                              f"got {self.router!r}")
+        if self.speeds is not None:
+            if len(self.speeds) != self.replicas or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                    for v in self.speeds):
+                raise ValueError(f"replica speeds: one number > 0 for each of the {self.replicas} "
+                                 f"replicas, got {self.speeds!r}")
+            if self.router.shared:
+                raise ValueError("replica speeds apply to replicas with lines of their own, "
+                                 "not a central queue")
+
+        self._check_down()
+
+    def _check_down(self) -> None:
+        for window in self.down:
+            if not (len(window) == 3 and isinstance(window[0], int) and
+                    0 <= window[0] < self.replicas and 0 <= window[1] < window[2]):
+                raise ValueError(f"a replica down is (replica of 0..{self.replicas - 1}, from_s, "
+                                 f"to_s) with 0 <= from_s < to_s, got {window!r}")
+        if self.down and self.router.shared:
+            raise ValueError("a replica down applies to replicas with lines of their own, "
+                             "not a central queue")
+        for _, at, _ in self.down:  # all down at once is no fleet: somewhere must take arrivals
+            if len({r for r, a, b in self.down if a <= at < b}) == self.replicas:
+                raise ValueError(f"every replica is down at {at:g} s: keep one up")
+
+    def speed(self, r: int) -> float:
+        return 1.0 if self.speeds is None else float(self.speeds[r])
 
     def check(self, config: ServerConfig) -> None:
         """ValueError where ``config``'s server cannot be a replica here."""
         if config.batching:
-            raise ValueError("batching replicas are not simulated as a fleet yet: "
-                             "a fleet's replicas run engines one at a time")
+            if self.router.shared:
+                raise ValueError("a central queue in front of batching replicas is not simulated: "
+                                 "route at arrival (any router but central)")
+            return
+        if self.router.needs_batching:
+            raise ValueError(f"router {self.router.name} reads a batching engine's KV memory and "
+                             f"prefix cache: its replicas need --batching")
         if config.engine.concurrency:
             raise ValueError("engines that slow each other share one machine: "
                              "a fleet's replicas take engines with concurrency 0")
 
 
 class _States:
-    """The replicas' states at ``now``, each computed when a router reads it."""
+    """The replicas' states at ``now`` for the arrival ``req``, each computed when a router reads
+    it (the line's own ``replica_state``)."""
 
-    __slots__ = ("lines", "now")
+    __slots__ = ("lines", "now", "req")
 
-    def __init__(self, lines: list[AdmissionQueue], now: float) -> None:
-        self.lines, self.now = lines, now
+    def __init__(self, lines: list, now: float, req) -> None:
+        self.lines, self.now, self.req = lines, now, req
 
     def __len__(self) -> int:
         return len(self.lines)
 
     def __getitem__(self, r: int) -> ReplicaState:
-        line = self.lines[r]
-        busy = line.in_service
-        work = line.queued_work_s + (line.remaining_s(self.now) if busy else 0.0)
-        return ReplicaState(len(line.waiting) + busy, work, line.engines, len(line.idle))
+        if not 0 <= r < len(self.lines):
+            raise IndexError(r)
+        return self.lines[r].replica_state(self.now, self.req)
 
 
 class _ByEngine:
@@ -89,10 +130,12 @@ class _ByEngine:
 
 
 class Fleet:
-    """N replicas and a router; see the module docstring. ``routed(req, r)``: request ``req`` was
-    routed to replica r (not called under a central queue: there it binds where it starts)."""
+    """N replicas and a router; see the module docstring. ``line(r, config)``: the driver's queue
+    core for replica r (under a central queue: the one line, r 0, ``config`` of every engine);
+    ``routed(req, r)``: request ``req`` was routed to replica r (not called under a central queue:
+    there it binds where it starts)."""
 
-    def __init__(self, config: ServerConfig, spec: FleetSpec, *, start: Callable, drop: Callable,
+    def __init__(self, config: ServerConfig, spec: FleetSpec, *, line: Callable,
                  routed: Callable) -> None:
         spec.check(config)
         self.spec, self.router = spec, spec.router
@@ -101,12 +144,12 @@ class Fleet:
         self.engines = n * per
         if self.router.shared:
             engine = dataclasses.replace(config.engine, engines=n * per)
-            self.lines = [AdmissionQueue(config.replace(engine=engine), start=start, drop=drop)]
+            self.lines = [line(0, config.replace(engine=engine))]
             self.per_line = n * per
         else:
-            self.lines = [AdmissionQueue(config, start=_offset(start, r * per), drop=drop)
-                          for r in range(n)]
+            self.lines = [line(r, config) for r in range(n)]
             self.per_line = per
+        self.up = [True] * len(self.lines)
         self.config, self.policy = config, config.policy
         self.rng = np.random.default_rng([config.seed, ROUTER_STREAM])
         self.routed_count = 0
@@ -148,14 +191,17 @@ class Fleet:
         if self.router.shared:
             line = self.lines[0]
         else:
-            r = self.router.choose(_States(self.lines, now), self.routed_count, self.rng)
-            if not (isinstance(r, (int, np.integer)) and 0 <= r < len(self.lines)):
+            # The router sees the replicas up only (all, but while one is down), and chooses among
+            # them by their index there.
+            up = self.lines if all(self.up) else [q for q, ok in zip(self.lines, self.up) if ok]
+            r = self.router.choose(_States(up, now, req), self.routed_count, self.rng)
+            if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
                 raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
-                                 f"of 0..{len(self.lines) - 1}")
+                                 f"of 0..{len(up) - 1}")
             self.routed_count += 1
-            line = self.lines[int(r)]
+            line = up[int(r)]
             self.where[req] = line
-            self._routed(req, int(r))
+            self._routed(req, self.lines.index(line) if up is not self.lines else int(r))
         self.last = line
         return line.arrive(req, now, *args, **kwargs)
 
@@ -187,7 +233,40 @@ class Fleet:
     def give_up(self, now: float) -> int:
         return sum(line.give_up(now) for line in self.lines)
 
+    # -- a replica down and back ------------------------------------------------------
 
-def _offset(start: Callable, first: int) -> Callable:
+    def fail(self, r: int, now: float) -> list[tuple]:
+        """Replica r goes down: no arrival is routed to it until :meth:`restore`, and each request
+        it holds leaves it, as a client that left would: (request, "running" or "waiting") each.
+        A run one at a time holds its engine to its own end (a run is not stopped); a batch's
+        blocks are freed at once."""
+        self.up[r] = False
+        line = self.lines[r]
+        held = [req for req, where in self.where.items() if where is line]
+        return [(req, state) for req in held
+                if (state := line.cancel(req, now)) is not None]
+
+    def restore(self, r: int) -> None:
+        self.up[r] = True
+
+    # -- batching replicas: their timers and caches --------------------------------------
+
+    def next_timer(self) -> float:
+        return min(line.next_timer() for line in self.lines)
+
+    def timer(self, now: float) -> None:
+        for line in self.lines:
+            if line.next_timer() <= now:
+                line.timer(now)
+
+    def prefix_cache_stats(self) -> dict | None:
+        """vLLM's prefix cache counters summed over the replicas (None: no prefix cache)."""
+        stats = [line.prefix_cache_stats() for line in self.lines]
+        if stats[0] is None:
+            return None
+        return {key: sum(s[key] for s in stats) for key in stats[0]}
+
+
+def offset(start: Callable, first: int) -> Callable:
     """A line's start hook with its engine numbered across the fleet."""
     return lambda k, req, now, est: start(first + k, req, now, est)

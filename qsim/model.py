@@ -50,8 +50,8 @@ from .policy import Policy
 from .batch import BatchQueue
 from .prefix import Tokens
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
-from .fleet import Fleet, FleetSpec
-from .routers import Router
+from .fleet import Fleet, FleetSpec, offset
+from .routers import RoundRobin, Router
 from .service import SpeedSchedule
 from .workload import Trace
 
@@ -62,6 +62,8 @@ LEFT_REASON = Reason.CLIENT_LEFT
 CANCEL_UNTIL = ("answer", "start")
 #: Reason of a request whose engine raised (outcome ``error``), as the live gate says it.
 FAILED_REASON = Reason.ENGINE_EXCEPTION
+#: Reason of a request that waited at a fleet's replica when it went down (outcome ``error``).
+DOWN_REASON = Reason.SHUTTING_DOWN
 
 
 class _Run:
@@ -264,7 +266,7 @@ class _Run:
         the engines busy beside it), up to its deadline where the core cuts it there."""
         run = self.true[i]
         if self.schedule is not None:
-            self.speed_at[i] = self.schedule.at(now) / self.schedule.base
+            self.speed_at[i] *= self.schedule.at(now) / self.schedule.base
         if self.shared:  # the busy engines' slowdown at its start, which the core set as it started it
             self.speed_at[i] *= self.queue.slow[k]
         run *= self.speed_at[i]
@@ -397,15 +399,28 @@ class _BatchRun(_Run):
     mean 1 and the model's ``cv`` where set, times the machine's speed), and one per deadline the core cuts at."""
 
     def _make_queue(self, config: ServerConfig):
-        caching = config.engine.prefix_caching
-        queue = BatchQueue(config, step=self._step, end=self._ended, drop=self._drop, joined=self._joined,
-                           wake=self._wake, tokens=self._tokens if caching else None)
-        cv = config.engine.step.cv
-        self.noise = None
-        if cv > 0:  # a stream of its own, from the server's seed: the same draws under every policy
-            rng, shape = np.random.default_rng([config.seed, 7919]), 1.0 / cv**2
-            self.noise = lambda: rng.gamma(shape, 1.0 / shape)
+        self.noise, self.slow = [], []  # each engine's step noise (None: none) and slowness
         self.timer_at = math.inf
+        queue = self._batch_line(0, config)
+        self.lines = [queue]  # the engines, by the index their steps' events carry
+        return queue
+
+    def _batch_line(self, r: int, config: ServerConfig, slow: float = 1.0) -> BatchQueue:
+        """Engine r's queue core, its hooks carrying r; its steps take ``slow`` x the model's."""
+        caching = config.engine.prefix_caching
+        queue = BatchQueue(config, step=lambda plan, now: self._step(plan, now, r), end=self._ended,
+                           drop=self._drop, joined=lambda i, now: self._joined(i, now, r),
+                           wake=lambda now: self._wake(now, r),
+                           tokens=self._tokens if caching else None)
+        cv = config.engine.step.cv
+        noise = None
+        if cv > 0:  # a stream of its own, from the server's seed: the same draws under every policy
+            # Engine 0's is the one server's stream: a fleet of one runs as the server.
+            key = [config.seed, 7919] + ([r] if r else [])
+            rng, shape = np.random.default_rng(key), 1.0 / cv**2
+            noise = lambda: rng.gamma(shape, 1.0 / shape)  # noqa: E731
+        self.noise.append(noise)
+        self.slow.append(slow)
         return queue
 
     def __init__(self, trace: Trace, config: ServerConfig, step_times=None, **inputs) -> None:
@@ -449,36 +464,38 @@ class _BatchRun(_Run):
 
     # -- the core's hooks --------------------------------------------------------------
 
-    def _joined(self, i: int, now: float) -> None:
-        self.start[i], self.engine_of[i] = now, 0
+    def _joined(self, i: int, now: float, r: int = 0) -> None:
+        self.start[i], self.engine_of[i] = now, r
 
-    def _wake(self, now: float) -> None:
+    def _wake(self, now: float, r: int = 0) -> None:
         # An idle engine wakes on a zero timeout: arrivals at this same instant join its first step. A live run's
         # step began as long after its wake as the gate took (a replay): arrivals in between join it too.
         k = self.steps_run
         wait = self.step_times[k][0] if self.step_times is not None and k < len(self.step_times) else 0
-        Timeout(self.env, wait).callbacks.append(self._begin)
+        Timeout(self.env, wait, r).callbacks.append(self._begin)
 
-    def _begin(self, _event) -> None:
-        self.queue.begin(self.env.now)
+    def _begin(self, event) -> None:
+        self.lines[event._value].begin(self.env.now)
         self._arm()
 
-    def _step(self, plan, now: float) -> None:
+    def _step(self, plan, now: float, r: int = 0) -> None:
         k = self.steps_run
         self.steps_run += 1
         if self.step_times is not None and k < len(self.step_times):  # a live run's step, as it ran (a replay)
             _, run, self.step_reported = self.step_times[k]
         else:
             run = plan.model_s
-            if self.noise is not None:
-                run *= self.noise()
+            if self.noise[r] is not None:
+                run *= self.noise[r]()
             if self.schedule is not None:
                 run *= self.schedule.at(now) / self.schedule.base
-        Timeout(self.env, run).callbacks.append(self._step_done)
+            if self.slow[r] != 1.0:  # a slower replica (FleetSpec.speeds): its tracker learns it
+                run *= self.slow[r]
+        Timeout(self.env, run, r).callbacks.append(self._step_done)
 
     def _step_done(self, event) -> None:
         reported, self.step_reported = self.step_reported, None  # step_done plans (and sets) the next step's
-        self.queue.step_done(self.env.now, reported)
+        self.lines[event._value].step_done(self.env.now, reported)
         self._arm()
 
     def _ended(self, i: int, now: float, outcome: str, reason: str | None, stats) -> None:
@@ -521,34 +538,80 @@ class _BatchRun(_Run):
         return columns
 
 
-class _FleetRun(_Run):
-    """N replicas of one-at-a-time engines behind a router (:mod:`qsim.fleet`): the fleet answers
-    as one queue with its engines numbered across it; each row notes its replica."""
+class _InFleet:
+    """What a fleet's driver adds to one server's (:mod:`qsim.fleet`): the fleet answers as one
+    queue, each row notes its replica. Mixed in before :class:`_Run` or :class:`_BatchRun`."""
 
     def __init__(self, trace: Trace, config: ServerConfig, fleet: FleetSpec, **inputs) -> None:
         self.spec = fleet
         self.replica_of = [-1] * len(trace)
         super().__init__(trace, config, **inputs)
-        self.job = [-1] * self.queue.engines
-
-    def _make_queue(self, config: ServerConfig) -> Fleet:
-        return Fleet(config, self.spec, start=self._start, drop=self._drop, routed=self._routed)
+        for r, down_s, up_s in fleet.down:
+            Timeout(self.env, down_s).callbacks.append(lambda _, r=r: self._replica_down(r))
+            Timeout(self.env, up_s).callbacks.append(lambda _, r=r: self.queue.restore(r))
 
     def _routed(self, i: int, r: int) -> None:
         self.replica_of[i] = r
 
-    def _start(self, k: int, i: int, now: float, est: float) -> None:
-        self.replica_of[i] = self.queue.replica_of_engine(k)  # a central queue binds here
-        super()._start(k, i, now, est)
+    def _replica_down(self, r: int) -> None:
+        """Replica r fails: what ran there ends an engine's error, what waited there the error of a
+        server that stopped while it waited (qsim.outcomes); a client may send either again."""
+        now = self.env.now
+        for i, state in self.queue.fail(r, now):
+            self._end(i, now, ERROR, FAILED_REASON if state == "running" else DOWN_REASON)
+        self._after_down()
+
+    def _after_down(self) -> None:
+        """A driver's own bookkeeping after a replica went down."""
 
     def _per_attempt(self) -> tuple:
-        return ((self.replica_of, -1),)
+        return (*super()._per_attempt(), (self.replica_of, -1))
 
     def _replicas(self, n: int) -> np.ndarray:
         return records.column(self.replica_of, np.int64)
 
     def speed_factor(self) -> float:
         return self.queue.speed_factor
+
+
+class _FleetRun(_InFleet, _Run):
+    """N replicas of one-at-a-time engines behind a router, engines numbered across the fleet."""
+
+    def __init__(self, trace: Trace, config: ServerConfig, fleet: FleetSpec, **inputs) -> None:
+        super().__init__(trace, config, fleet, **inputs)
+        self.job = [-1] * self.queue.engines
+        if fleet.speeds is not None:
+            self.plain = False  # each run's time goes through _run_time, its replica's speed in
+
+    def _make_queue(self, config: ServerConfig) -> Fleet:
+        per = config.engines
+        return Fleet(config, self.spec, routed=self._routed, line=lambda r, cfg: AdmissionQueue(
+            cfg, start=offset(self._start, r * per), drop=self._drop))
+
+    def _start(self, k: int, i: int, now: float, est: float) -> None:
+        self.replica_of[i] = self.queue.replica_of_engine(k)  # a central queue binds here
+        super()._start(k, i, now, est)
+
+    def _run_time(self, k: int, i: int, now: float) -> float:
+        # Its replica's speed, as a speed schedule's: the run and what the tracker learns take it.
+        self.speed_at[i] = 1.0 / self.spec.speed(self.queue.replica_of_engine(k))
+        return super()._run_time(k, i, now)
+
+
+class _BatchFleetRun(_InFleet, _BatchRun):
+    """N replicas, each a batching engine (its line, KV memory, prefix cache), behind a router:
+    replica r is engine r, its steps' events carry r."""
+
+    def _after_down(self) -> None:
+        self._arm()  # the deadlines cut there are gone
+
+    def _make_queue(self, config: ServerConfig) -> Fleet:
+        self.noise, self.slow = [], []
+        self.timer_at = math.inf
+        fleet = Fleet(config, self.spec, routed=self._routed, line=lambda r, cfg: self._batch_line(
+            r, cfg, 1.0 / self.spec.speed(r)))
+        self.lines = fleet.lines
+        return fleet
 
 
 def _check_tokens(trace: Trace) -> None:
@@ -581,6 +644,8 @@ def simulate(
     held: bool = False,
     replicas: int = 1,
     router: Router | None = None,
+    replica_speeds=None,
+    replica_down=(),
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -609,7 +674,13 @@ def simulate(
     estimates as the gate's did, the runs are not slowed again.
     replicas: N copies of the server (a fleet, :mod:`qsim.fleet`), each its own line, engines
     and admission, behind ``router`` (:mod:`qsim.routers`; required where N > 1); 1 (the default):
-    the one server, whatever the router. Each row's ``replica`` says where it went.
+    the one server, whatever the router. Each row's ``replica`` says where it went. Replicas
+    are one-at-a-time engines or batching engines, as ``config``'s engine is.
+    replica_speeds: each replica's speed over the server's (0.5: its runs, or its steps, take
+    twice as long; its speed tracker learns so); None: all as calibrated.
+    replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends
+    ``error`` (engine_exception) and what waits there ``error`` (shutting_down); the router sends
+    nothing there until to_s.
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
     with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
     prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
@@ -642,9 +713,11 @@ def simulate(
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     batch = {"step_times": step_times} if config.batching else {}
     kind = _BatchRun if config.batching else _Run
-    fleet = _fleet(replicas, router, config)
+    fleet = _fleet(replicas, router, config, replica_speeds, replica_down)
     if fleet is not None:
-        kind, batch = _FleetRun, {"fleet": fleet}
+        if step_times is not None:
+            raise ValueError("step_times replay one live engine's steps: not a fleet's")
+        kind, batch = (_BatchFleetRun if config.batching else _FleetRun), {"fleet": fleet}
     run = kind(trace, config, **batch, failed=failed, reported_s=reported_s,
                cancel_after_s=cancel_after_s,
                cancel_until=cancel_until, priority=priority, client=client, retrier=retrier,
@@ -661,10 +734,14 @@ def simulate(
     return frame
 
 
-def _fleet(replicas: int, router: Router | None, config: ServerConfig) -> FleetSpec | None:
+def _fleet(replicas: int, router: Router | None, config: ServerConfig,
+           speeds=None, down=()) -> FleetSpec | None:
     """The fleet of a run (None: one server, today's path), checked against its server."""
-    if replicas == 1 and not isinstance(replicas, bool):
+    if replicas == 1 and not isinstance(replicas, bool) and speeds is None and not down:
         return None
-    fleet = FleetSpec(replicas, router)
+    if replicas == 1 and router is None:
+        router = RoundRobin()  # one replica of its own speed: nothing to route
+    fleet = FleetSpec(replicas, router, None if speeds is None else tuple(speeds),
+                      tuple(tuple(w) for w in down))
     fleet.check(config)
     return fleet

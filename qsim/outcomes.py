@@ -50,7 +50,7 @@ class Reason(StrEnum):
     PROMPT_CANNOT_FIT = "prompt_cannot_fit"  # a live replayer did not send it: its new tokens fill the context
     # The gate's words for its HTTP answers (the record keeps the core's reason).
     DEADLINE_TOO_SHORT = "deadline_too_short"  # refused, and no queue state could answer it in time (HTTP 400)
-    SHUTTING_DOWN = "shutting_down"  # the server stopped while it waited (outcome error)
+    SHUTTING_DOWN = "shutting_down"  # the server stopped while it waited (outcome error; a fleet: its replica went down)
 
 
 #: Every outcome, in the schema's order.

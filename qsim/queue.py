@@ -57,6 +57,7 @@ from .engines import OneAtATime
 from .entry import Entry, Work
 from .outcomes import ERROR, EXPIRED, GOOD, LATE, Outcome, Reason
 from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, on_time, retry_after
+from .routers import ReplicaState
 from .service import SpeedTracker
 
 _new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
@@ -376,6 +377,12 @@ class AdmissionQueue(Core):
     @property
     def in_service(self) -> int:
         return self.engines - len(self.idle)
+
+    def replica_state(self, now: float, req=None) -> ReplicaState:
+        """What a fleet's router reads of this line at an arrival (``req``'s: unread here)."""
+        busy = self.in_service
+        work = self.queued_work_s + (self.remaining_s(now) if busy else 0.0)
+        return ReplicaState(len(self.waiting) + busy, work, self.engines, len(self.idle))
 
     def snapshot(self) -> dict:
         """The queue now, for /stats and tests."""

@@ -13,6 +13,10 @@ in front of every replica's engines (today's ``--engines K`` for N x K engines, 
 inference extension's flow control), and a request binds to a replica only when an engine there
 frees (late binding). Every other router binds at arrival (early binding), to that replica's own
 line and admission.
+
+Routers that read a batching engine's state (:class:`LeastKV`, :class:`PrefixAffinity`,
+:class:`Weighted`: ``needs_batching``) route between batching replicas only: a replica run one at a
+time has no KV memory and no prefix cache to read.
 """
 
 from __future__ import annotations
@@ -22,25 +26,34 @@ from typing import ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["ROUTERS", "Central", "JoinShortestQueue", "LeastWork", "PowerOfD", "Random",
-           "ReplicaState", "RoundRobin", "Router", "make_router"]
+__all__ = ["ROUTERS", "Central", "JoinShortestQueue", "LeastKV", "LeastWork", "PowerOfD",
+           "PrefixAffinity", "Random", "ReplicaState", "RoundRobin", "Router", "Weighted",
+           "make_router", "parse_weights"]
 
 
 class ReplicaState(NamedTuple):
     """What a router sees of one replica at an arrival."""
 
     outstanding: int  # requests waiting or in service there
-    work_s: float  # their estimated work left (waiting + in service), speed factor in
+    # Their estimated work left (waiting + in service), speed factor in; a batching replica: the
+    # wait it would give an arrival (its seat-steps over its seats), its one engine's work.
+    work_s: float
     engines: int
-    idle: int  # engines free
+    idle: int  # engines free (a batching replica: 1 while a seat and blocks are free, nobody waits)
+    # A batching replica's only (0 for one run one at a time): its KV blocks in use over its
+    # capacity, and the share of this arrival's full prompt blocks its prefix cache holds.
+    kv_use: float = 0.0
+    prefix_hit: float = 0.0
 
 
 class Router:
     """The shape every router has (a frozen dataclass of its parameters; see the module docstring).
-    ``shared``: the fleet is one line in front of every engine, and ``choose`` is not asked."""
+    ``shared``: the fleet is one line in front of every engine, and ``choose`` is not asked;
+    ``needs_batching``: it reads a batching replica's memory or cache."""
 
     name: ClassVar[str] = "router"
     shared: ClassVar[bool] = False
+    needs_batching: ClassVar[bool] = False  # it reads kv_use or prefix_hit
 
     def choose(self, replicas: Sequence[ReplicaState], arrival: int,
                rng: np.random.Generator) -> int:
@@ -115,6 +128,82 @@ class PowerOfD(Router):
 
 
 @dataclass(frozen=True)
+class LeastKV(Router):
+    """The replica with the least of its KV memory in use; ties to fewer outstanding, then to the
+    lowest (llm-d's kv-cache-utilization scorer alone)."""
+
+    name: ClassVar[str] = "least_kv"
+    needs_batching: ClassVar[bool] = True
+
+    def choose(self, replicas, arrival, rng):
+        return _least(replicas, range(len(replicas)), lambda s: (s.kv_use, s.outstanding))
+
+
+@dataclass(frozen=True)
+class PrefixAffinity(Router):
+    """The replica whose prefix cache holds the most of this arrival's prompt blocks; ties to fewer
+    outstanding, then to the lowest (a request with nothing cached anywhere goes as jsq sends it).
+    """
+
+    name: ClassVar[str] = "prefix"
+    needs_batching: ClassVar[bool] = True
+
+    def choose(self, replicas, arrival, rng):
+        return _least(replicas, range(len(replicas)), lambda s: (-s.prefix_hit, s.outstanding))
+
+
+#: The scorers of :class:`Weighted`, by the name ``--router-weights`` gives each weight.
+WEIGHTS = ("prefix", "queue", "kv")
+
+
+@dataclass(frozen=True)
+class Weighted(Router):
+    """llm-d's scheduler: each replica's weighted sum of three scores in [0, 1], the highest wins
+    (ties to fewer outstanding, then to the lowest). As llm-d's scorers: prefix, the share of the
+    prompt's blocks cached there; queue, (most - its outstanding) / (most - fewest) over the
+    replicas (1 for all when equal); kv, 1 - its KV use."""
+
+    prefix: float = 2.0
+    queue: float = 1.0
+    kv: float = 1.0
+    name: ClassVar[str] = "weighted"
+    needs_batching: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        weights = [getattr(self, w) for w in WEIGHTS]
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
+                   for w in weights) or not any(weights):
+            raise ValueError(f"weighted needs weights >= 0, not all 0, got "
+                             f"{dict(zip(WEIGHTS, weights))}")
+
+    def choose(self, replicas, arrival, rng):
+        states = [replicas[r] for r in range(len(replicas))]  # the queue score reads them all
+        most = max(s.outstanding for s in states)
+        spread = most - min(s.outstanding for s in states)
+
+        def score(s: ReplicaState) -> float:
+            queue = 1.0 if spread == 0 else (most - s.outstanding) / spread
+            return self.prefix * s.prefix_hit + self.queue * queue + self.kv * (1.0 - s.kv_use)
+
+        return _least(states, range(len(states)), lambda s: (-score(s), s.outstanding))
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``prefix=2,queue=1,kv=1`` (any of them; the rest at their defaults) as a mapping."""
+    weights = {}
+    for part in str(text).split(","):
+        key, eq, value = part.strip().partition("=")
+        if not eq or key not in WEIGHTS:
+            raise ValueError(f"bad router weights {text!r}: expected NAME=WEIGHT,... with names "
+                             f"of {', '.join(WEIGHTS)}")
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            raise ValueError(f"bad router weight {part.strip()!r}: not a number") from None
+    return weights
+
+
+@dataclass(frozen=True)
 class Central(Router):
     """One shared FIFO in front of every replica's engines: a request binds to a replica when an
     engine there frees (the lowest free engine), never at arrival. ``choose`` is not asked."""
@@ -128,18 +217,21 @@ class Central(Router):
 
 #: The built-in routers by name (``qlab simulate --router``).
 ROUTERS: dict[str, type[Router]] = {r.name: r for r in (
-    Random, RoundRobin, JoinShortestQueue, LeastWork, PowerOfD, Central)}
+    Random, RoundRobin, JoinShortestQueue, LeastWork, PowerOfD, Central, LeastKV, PrefixAffinity,
+    Weighted)}
 
 
-def make_router(name: str, d: int | None = None) -> Router:
-    """The built-in router ``name``; ``d`` is power_of_d's choices (default 2), refused
-    elsewhere."""
+def make_router(name: str, d: int | None = None, weights: dict | None = None) -> Router:
+    """The built-in router ``name``; ``d`` is power_of_d's choices (default 2), ``weights``
+    weighted's (:func:`parse_weights`), each refused elsewhere."""
     try:
         kind = ROUTERS[name]
     except KeyError:
         raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}") from None
-    if d is None:
-        return kind()
-    if kind is not PowerOfD:
+    if d is not None and kind is not PowerOfD:
         raise ValueError(f"router {name!r} takes no d (only power_of_d does)")
-    return PowerOfD(d)
+    if weights is not None and kind is not Weighted:
+        raise ValueError(f"router {name!r} takes no weights (only weighted does)")
+    if d is not None:
+        return PowerOfD(d)
+    return kind(**(weights or {}))

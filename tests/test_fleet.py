@@ -1,5 +1,7 @@
 """Fleets (qsim.fleet) and routers (qsim.routers): N replicas of one server behind a router."""
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -7,12 +9,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qsim import PRESETS, Policy, from_arrays, make_trace, records, simulate
+from qsim import PRESETS, Policy, from_arrays, make_trace, records, simulate, testing
 from qsim.clients import RetryPolicy
 from qsim.config import ServerConfig
 from qsim.engines import Batching, OneAtATime
-from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastWork, PowerOfD, Random,
-                          ReplicaState, RoundRobin, Router, make_router)
+from qsim.outcomes import OUTCOMES
+from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastWork, PowerOfD,
+                          PrefixAffinity, Random, ReplicaState, RoundRobin, Router, Weighted,
+                          make_router)
+from qsim.workload import Prompts, SharedPrefix
+
+
+#: The routers that route one-at-a-time replicas (the rest read a batching engine's memory).
+PLAIN = [n for n in ROUTERS if not ROUTERS[n].needs_batching]
+PLAIN_EARLY = [n for n in PLAIN if not ROUTERS[n].shared]
 
 
 def trace(load=0.9, replicas=4, requests=3000, seed=3, service="exponential"):
@@ -35,6 +45,16 @@ def test_one_replica_is_the_one_server(router):
     assert (plain["replica"] == 0).all()
 
 
+@pytest.mark.parametrize("router", PLAIN_EARLY)
+def test_one_replica_through_the_fleets_own_path_is_the_one_server(router):
+    # A speed of 1 takes the fleet's path (its line, its router, each run through _run_time).
+    t = trace(1.3, 2, 1500)
+    config = ServerConfig(PRESETS["bounded-deadline"], 2)
+    d = 1 if router == "power_of_d" else None
+    one = simulate(t, config, replicas=1, router=make_router(router, d), replica_speeds=[1])
+    pd.testing.assert_frame_equal(simulate(t, config), one)
+
+
 def test_central_is_the_shared_queue_of_every_engine():
     # Four replicas of two engines behind one line: today's --engines 8, the replica where each
     # request started.
@@ -49,7 +69,9 @@ def test_central_is_the_shared_queue_of_every_engine():
     assert fleet.attrs["replicas"] == 4 and fleet.attrs["router"] == "central"
 
 
-@pytest.mark.parametrize("name", [n for n in ROUTERS if n != "central"])
+
+
+@pytest.mark.parametrize("name", PLAIN_EARLY)
 def test_every_router_runs_valid_records_and_is_seeded(name):
     t = trace(0.9, 4, 2000)
     config = ServerConfig(PRESETS["bounded"], 1, seed=5)
@@ -93,7 +115,7 @@ def test_load_aware_routers_wait_less_than_blind_ones():
     t = trace(0.9, 4, 20_000)
     config = ServerConfig(PRESETS["none"], 1, seed=1)
     waits = {name: wait(simulate(t, config, replicas=4, router=make_router(name)))
-             for name in ROUTERS}
+             for name in PLAIN}
     assert waits["central"] < waits["jsq"] < waits["power_of_d"] < waits["random"]
     assert waits["least_work"] < waits["round_robin"] < waits["random"]
 
@@ -151,8 +173,16 @@ def test_retries_and_patience_in_a_fleet():
     (lambda t: simulate(t, ServerConfig(), replicas=2), "needs a router"),
     (lambda t: simulate(t, ServerConfig(), replicas=0, router=Random()), "whole number >= 1"),
     (lambda t: simulate(t, ServerConfig(), replicas=True, router=Random()), "whole number >= 1"),
-    (lambda t: simulate(t, ServerConfig(engine=Batching()), replicas=2, router=Random()),
-     "batching replicas"),
+    (lambda t: simulate(t, ServerConfig(engine=Batching()), replicas=2, router=Central()),
+     "central queue in front of batching replicas"),
+    (lambda t: simulate(t, ServerConfig(), replicas=2, router=make_router("prefix")),
+     "router prefix reads a batching engine's"),
+    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1]),
+     "one number > 0 for each of the 2"),
+    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1, 0]),
+     "one number > 0"),
+    (lambda t: make_router("jsq", weights={"kv": 1}), "takes no weights"),
+    (lambda t: make_router("weighted", weights={"kv": -1}), "weights >= 0"),
     (lambda t: simulate(t, ServerConfig(engine=OneAtATime(2, concurrency=0.1)), replicas=2,
                         router=Random()), "concurrency 0"),
     (lambda t: make_router("nearest"), "unknown router 'nearest'"),
@@ -209,13 +239,237 @@ def test_simulate_a_fleet_writes_its_replicas(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--router", "jsq"], "--router and --router-d route between --replicas N > 1"),
+    (["--router", "jsq"], "--router: a fleet's options, for --replicas N > 1"),
+    (["--router-d", "2", "--replica-speeds", "1"],
+     "--router-d, --replica-speeds: a fleet's options"),
     (["--replicas", "2", "--router", "nearest"], "unknown router 'nearest'"),
     (["--replicas", "2", "--router", "jsq", "--router-d", "3"], "router 'jsq' takes no d"),
     (["--replicas", "2", "--router", "power_of_d", "--router-d", "0"], "--router-d"),
     (["--replicas", "0"], "--replicas"),
-    (["--replicas", "2", "--batching"], "batching replicas are not simulated"),
+    (["--replicas", "2", "--batching", "--router", "central"],
+     "central queue in front of batching replicas"),
+    (["--replicas", "2", "--router", "least_kv"], "its replicas need --batching"),
+    (["--replicas", "2", "--router", "jsq", "--router-weights", "kv=1"], "takes no weights"),
+    (["--replicas", "2", "--batching", "--router", "weighted", "--router-weights", "cpu=1"],
+     "bad router weights"),
+    (["--replicas", "2", "--replica-speeds", "1,1,1"], "each of the 2 replicas"),
 ])
 def test_simulate_refuses_a_bad_fleet_in_one_line(args, message, capsys):
     code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- batching replicas
+
+BATCH = Batching(kv_blocks=600, prefix_caching=True)
+#: Every router that binds at arrival: what a batching fleet takes.
+EARLY = [n for n in ROUTERS if not ROUTERS[n].shared]
+
+
+def shared_trace(system="none", turns="4:16", replicas=3, load=0.6, requests=800, seed=2):
+    """Conversations (and a system prompt) of prompts that share tokens, the load each replica's."""
+    return make_trace(load=load, requests=requests, seed=seed, prompts=Prompts.parse("uniform:16:128"),
+                      capacity_rps=replicas * BATCH.capacity_rps(72, 20),
+                      prefixes=SharedPrefix.parse(system, turns))
+
+
+@pytest.mark.parametrize("router", EARLY)
+def test_one_batching_replica_is_the_one_engine(router):
+    # A speed of 1 takes the fleet's own path (its lines, its router, the replica hook) for one
+    # replica: every row is the engine's without a fleet, noise in the steps and a cut at the
+    # deadline included.
+    engine = dataclasses.replace(BATCH, kv_blocks=200, step=dataclasses.replace(BATCH.step, cv=0.3))
+    config = ServerConfig(dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True), engine, seed=4)
+    t = shared_trace("128:0.5", "3:8", replicas=1, load=1.5, requests=500)
+    plain = simulate(t, config)
+    d = 1 if router == "power_of_d" else None  # d choices of one replica
+    one = simulate(t, config, replicas=1, router=make_router(router, d), replica_speeds=[1.0])
+    pd.testing.assert_frame_equal(plain, one)
+    assert one.attrs["router"] == router and (one["replica"] == 0).all()
+    assert one.attrs["prefix_cache_hits"] == plain.attrs["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("router", EARLY)
+def test_every_request_ends_once_in_a_batching_fleet(router):
+    config = ServerConfig(dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True),
+                          dataclasses.replace(BATCH, kv_blocks=150), seed=1)
+    t = shared_trace("128:0.5", "3:8", replicas=3, load=1.4, requests=600)
+    patience = np.random.default_rng(0).exponential(3.0, len(t))
+    with testing.audited_batches():  # every replica's blocks and seats, at every step
+        frame = records.validate(simulate(t, config, replicas=3, router=make_router(router),
+                                          cancel_after_s=patience))
+    assert len(frame) == len(t) and frame["request_id"].is_unique
+    assert frame["outcome"].isin(OUTCOMES).all() and frame["finish_s"].notna().all()
+    assert frame["replica"].between(0, 2).all() and set(frame["replica"]) == {0, 1, 2}
+    started = frame["start_s"].notna()
+    assert (frame.loc[started, "engine"] == frame.loc[started, "replica"]).all()
+    assert frame["outcome"].eq("abandoned").any() and frame["outcome"].eq("good").any()
+
+
+def test_batching_routers_move_no_arrival_and_no_draw_of_another():
+    # Common random numbers: a refusing policy does not move random's picks between batching
+    # replicas, and no router moves an arrival, a request's tokens or its step noise's stream.
+    t = shared_trace(load=2.0, requests=500)
+    picks = [simulate(t, ServerConfig(PRESETS[p], BATCH, seed=2), replicas=3,
+                      router=Random())["replica"] for p in ("none", "vllm-caps", "predictive")]
+    assert picks[0].equals(picks[1]) and picks[0].equals(picks[2])
+    frames = [simulate(t, ServerConfig(PRESETS["none"], BATCH, seed=2), replicas=3,
+                       router=make_router(name)) for name in ("random", "prefix", "weighted")]
+    for f in frames[1:]:
+        for column in ("arrival_s", "max_new_tokens", "deadline_s", "client_id"):
+            assert f[column].equals(frames[0][column])
+
+
+def test_prefix_affinity_finds_more_of_the_prompts_cached_than_round_robin():
+    # Conversations of four turns, 16 open at once, over three replicas: round robin sends a turn
+    # to another replica than the one before it two times in three; prefix affinity sends it to the
+    # one holding its history.
+    t = shared_trace()
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    cached = {name: simulate(t, config, replicas=3, router=make_router(name))
+              for name in ("round_robin", "prefix", "weighted")}
+    for frame in cached.values():
+        assert frame["outcome"].eq("good").all()
+    tokens = {name: int(f["cached_prompt_tokens"].sum()) for name, f in cached.items()}
+    assert tokens["prefix"] > 3 * tokens["round_robin"]
+    assert tokens["weighted"] > 3 * tokens["round_robin"]
+    assert cached["prefix"].attrs["prefix_cache_hits"] > cached["round_robin"].attrs[
+        "prefix_cache_hits"]
+
+
+def test_pure_affinity_piles_a_shared_system_prompt_on_one_replica_and_weighted_does_not():
+    # A system prompt before nine conversations in ten: every replica that has it cached scores
+    # the same on it, but the first to cache it holds it first and takes nearly everything;
+    # weighted's queue and memory scores spread the load again.
+    t = shared_trace("256:0.9")
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    share = {name: simulate(t, config, replicas=3, router=make_router(name))["replica"]
+             .value_counts(normalize=True).max() for name in ("prefix", "weighted")}
+    assert share["prefix"] > 0.8 and share["weighted"] < 0.45
+
+
+def test_the_batching_routers_choices_from_states():
+    s = [ReplicaState(3, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.0),
+         ReplicaState(1, 1.0, 1, 0, kv_use=0.9, prefix_hit=0.75),
+         ReplicaState(2, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.75)]
+    rng = np.random.default_rng(0)
+    assert LeastKV().choose(s, 0, rng) == 2  # 0 and 2 tie on memory: fewer outstanding
+    assert PrefixAffinity().choose(s, 0, rng) == 1  # 1 and 2 tie on the cache: fewer outstanding
+    # Scores: queue (3 - q) / 2 = 0, 1, 0.5; kv 0.8, 0.1, 0.8; prefix 0, 0.75, 0.75.
+    assert Weighted().choose(s, 0, rng) == 2  # 2 x 0.75 + 0.5 + 0.8 = 2.8 against 2.6 and 0.8
+    assert Weighted(prefix=0, queue=1, kv=0).choose(s, 0, rng) == 1
+    assert Weighted(prefix=0, queue=0, kv=1).choose(s, 0, rng) == 2  # ties to fewer outstanding
+    assert make_router("weighted", weights={"kv": 3}) == Weighted(2, 1, 3)
+    with pytest.raises(ValueError, match="not all 0"):
+        Weighted(0, 0, 0)
+
+
+def test_a_batching_replicas_state_reads_its_memory_and_cache():
+    from qsim.batch import BatchQueue
+    from qsim.entry import Work
+    from qsim.prefix import SYSTEM_KEY, Tokens
+
+    tokens = {0: Tokens(((SYSTEM_KEY, 64), (10, 8)), 11), 1: Tokens(((SYSTEM_KEY, 64), (12, 8)), 13),
+              2: Tokens(((14, 72),), 15)}
+    engine = Batching(kv_blocks=100, prefix_caching=True)
+    queue = BatchQueue(ServerConfig(PRESETS["none"], engine), step=lambda plan, now: None,
+                       end=lambda *a: None, drop=lambda *a: None, tokens=tokens.get)
+    assert queue.replica_state(0.0, 1) == ReplicaState(0, 0.0, 1, 1, 0.0, 0.0)
+    assert queue.arrive(0, 0.0, 1.0, 100.0, work=Work(4, 72, 4)) is None
+    state = queue.replica_state(0.0, 1)
+    # Request 0's first chunk holds 5 blocks of 16 (72 tokens); its 4 system blocks are cached.
+    assert (state.outstanding, state.kv_use, state.prefix_hit) == (1, 0.05, 1.0)
+    assert queue.replica_state(0.0, 2).prefix_hit == 0.0
+    assert queue.prefix_cache_stats()["prefix_cache_queries"] == 72  # the probes counted nothing
+
+
+# ---------------------------------------------------------------- heterogeneous replicas, failures
+
+
+def test_a_slower_one_at_a_time_replica_takes_longer_and_jsq_sends_it_less():
+    t = trace(0.8, 3, 6000)
+    config = ServerConfig(PRESETS["none"], 1, seed=1)
+    rr = simulate(t, config, replicas=3, router=RoundRobin(), replica_speeds=[1, 1, 0.5])
+    ran = rr[rr["start_s"].notna()]
+    ratio = ran["true_service_s"] / t.true_service_s[ran["request_id"]]
+    assert np.allclose(ratio[ran["replica"] == 2], 2.0) and np.allclose(ratio[ran["replica"] < 2], 1)
+    sent = simulate(t, config, replicas=3, router=JoinShortestQueue(),
+                    replica_speeds=[1, 1, 0.5])["replica"].value_counts()
+    assert sent[2] < 0.8 * sent[0] and sent[2] < 0.8 * sent[1]
+
+
+def test_a_slower_batching_replica_answers_later_and_jsq_sends_it_less():
+    t = shared_trace(load=0.8)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    rr = simulate(t, config, replicas=2, router=RoundRobin(), replica_speeds=[1, 0.25])
+    ttft = rr.groupby("replica")["ttft_s"].median()
+    assert ttft[1] > 3 * ttft[0]
+    plain = simulate(t, config, replicas=2, router=RoundRobin())
+    assert plain.groupby("replica")["ttft_s"].median()[1] < 1.5 * ttft[0]
+    sent = simulate(t, config, replicas=2, router=make_router("jsq"),
+                    replica_speeds=[1, 0.25])["replica"].value_counts()
+    assert sent[1] < 0.7 * sent[0]
+
+
+@pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
+def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind):
+    if kind == "batching":
+        t, config, down = shared_trace(load=0.9, requests=1500), ServerConfig(
+            PRESETS["none"], BATCH, seed=1), (1, 1.0, 2.0)
+    else:
+        t, config, down = trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1), \
+            (1, 100.0, 200.0)
+    _, at, back = down
+    with testing.audited_batches():
+        frame = records.validate(simulate(t, config, replicas=3, router=make_router("jsq"),
+                                          replica_down=[down]))
+    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    failed = frame[frame["outcome"] == "error"]
+    # Each ended at the failure, on the replica that failed: what ran there an engine's error,
+    # what waited a stopped server's.
+    assert len(failed) and (failed["finish_s"] == at).all() and (failed["replica"] == 1).all()
+    assert (failed["arrival_s"] < at).all()
+    reasons = set(failed["reason"])
+    assert "engine_exception" in reasons and (kind == "batching" or "shutting_down" in reasons)
+    running = failed["reason"] == "engine_exception"
+    assert failed.loc[running, "start_s"].notna().all()
+    while_down = frame[(frame["arrival_s"] >= at) & (frame["arrival_s"] < back)]
+    assert len(while_down) and not (while_down["replica"] == 1).any()
+    after = frame[frame["arrival_s"] >= back + 0.1 * (back - at)]
+    assert (after["replica"] == 1).mean() > 0.2  # back in the rotation (jsq: it is the emptiest)
+    # Nothing else ended in error, and the other replicas' rows are those of the fleet without it
+    # until the failure.
+    before = simulate(t, config, replicas=3, router=make_router("jsq"))
+    early = frame["arrival_s"] < at
+    same = early & ~frame["outcome"].eq("error") & (frame["finish_s"] < at)
+    pd.testing.assert_frame_equal(frame[same].reset_index(drop=True),
+                                  before[same].reset_index(drop=True))
+
+
+@pytest.mark.parametrize("down, message", [
+    ([(3, 1.0, 2.0)], "replica of 0..2"),
+    ([(0, 2.0, 1.0)], "from_s < to_s"),
+    ([(0, 1.0, 5.0), (1, 2.0, 3.0), (2, 2.5, 4.0)], "every replica is down at 2.5 s"),
+])
+def test_bad_replica_downs_are_refused(down, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(trace(0.5, 3, 50), ServerConfig(), replicas=3, router=Random(), replica_down=down)
+
+
+def test_simulate_a_batching_fleet_with_prefix_affinity(capsys):
+    args = ["simulate", "--batching", "--kv-blocks", "600", "--prefix-caching", "--prompts",
+            "uniform:16:128", "--turns", "4:16", "--replicas", "3", "--load", "0.6",
+            "--seconds", "5", "--seed", "1"]
+    code, out, err = qlab([*args, "--router", "prefix"], capsys)
+    assert code == 0 and err == ""
+    assert "3 replicas behind router prefix of a batching engine (" in out
+    assert "by replica (router prefix):" in out and "prefix cache:" in out
+    hit = float(out.split("(hit rate ")[1].split(")")[0])
+    code, out, _ = qlab([*args, "--router", "round_robin"], capsys)
+    assert code == 0 and float(out.split("(hit rate ")[1].split(")")[0]) < hit / 2
+    code, out, _ = qlab([*args, "--router", "weighted", "--router-weights", "prefix=1,kv=0",
+                         "--replica-speeds", "1,1,0.5", "--replica-down", "2:1:2", "--json"],
+                        capsys)
+    summary = json.loads(out)
+    assert code == 0 and summary["fleet"]["router"] == "weighted"
+    assert summary["summary"]["error"] > 0 and set(summary["fleet"]["by_replica"]) == {"0", "1", "2"}
