@@ -37,7 +37,8 @@ from qsim.tracefiles import build_chunks
 from . import engineflags
 from .config import parse_used
 from .jsonout import json_ready as _json_ready
-from .simflags import add_trace_flags, add_workload_options, trace_window
+from .simflags import (add_dataset_flags, add_trace_flags, add_workload_options, dataset_from_args,
+                       trace_window)
 
 
 class UsageError(Exception):
@@ -229,7 +230,8 @@ def cmd_simulate(args) -> int:
     engineflags.calibrated_defaults(args)
     engine = engineflags.engine_from_args(args)
     policy = engineflags.with_objectives(policy, args)
-    options = engineflags.trace_options(args, engine, REFERENCE_MIX, model)
+    dataset = dataset_from_args(args)
+    options = engineflags.trace_options(args, engine, REFERENCE_MIX, model, dataset)
     # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
     schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
 
@@ -265,6 +267,8 @@ def cmd_simulate(args) -> int:
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
                "policy": policy.__dict__}
+        if dataset is not None:
+            out["dataset"] = dataset.summary()
         if len(runs) == 1:
             run = runs[0]
             out["summary"] = metrics.summary(run.frame, run.duration_s)
@@ -285,6 +289,8 @@ def cmd_simulate(args) -> int:
         print(json.dumps(_json_ready(out), indent=2))
         return 0
     print(_describe(args, policy, engine, fleet))
+    if dataset is not None:
+        print(dataset.describe())
     if len(runs) == 1:
         _print_single(runs[0])
     else:
@@ -344,6 +350,7 @@ def _simulate_parser(sub) -> None:
                                                           "whole length, or N seconds of it from --start)")
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
     add_trace_flags(p, load_flag="--load")
+    add_dataset_flags(p, "each request's prompt and output lengths from its rows")
     add_workload_options(p)
     p.add_argument("--replicas", type=positive_int, default=1,
                    help="replicas of the server (each --engines K, its own line and admission) "

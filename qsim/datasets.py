@@ -110,10 +110,19 @@ class Dataset:
 
     def describe(self) -> str:
         """The file, its counts and its means, in a line."""
-        p, o = self.prompt_tokens, self.output_tokens
-        return (f"dataset {self.path}: {len(self.requests)} of {self.entries} entries usable, "
-                f"prompt {p.mean():.1f} and output {o.mean():.1f} tokens on average "
-                f"({self.counting})")
+        p, o, n = self.prompt_tokens, self.output_tokens, len(self.requests)
+        dropped = ", ".join(f"{k} {why}" for why, k in self.dropped)
+        return (f"dataset {self.path}: {n} of {self.entries} entries usable"
+                f"{f' (dropped: {dropped})' if dropped else ''}; prompt {p.mean():.1f} and output "
+                f"{o.mean():.1f} tokens on average ({self.counting}); rows taken in a seeded "
+                f"shuffle, drawn with replacement after the first {n} requests")
+
+    def summary(self) -> dict:
+        """What a run's JSON says of the dataset."""
+        return {"path": self.path, "tokens": self.counting, "entries": self.entries,
+                "usable": len(self.requests), "dropped": dict(self.dropped),
+                "mean_prompt_tokens": float(self.prompt_tokens.mean()),
+                "mean_output_tokens": float(self.output_tokens.mean())}
 
 
 def read_dataset(path: str | Path, counting: str = "pieces", limits: Limits = Limits()) -> Dataset:

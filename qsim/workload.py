@@ -669,9 +669,10 @@ def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(8))
 
 
-def dataset_stream(seed: int) -> np.random.Generator:
-    """The ninth stream: which rows of a dataset the requests take (the eight before unchanged)."""
-    return np.random.default_rng(np.random.SeedSequence(seed).spawn(9)[8])
+def dataset_rows(dataset: Dataset, n: int, seed: int) -> np.ndarray:
+    """The rows of ``dataset`` that a trace of n requests from ``seed`` takes, in request order: from
+    the ninth stream (the eight before unchanged). What the simulator and the replayer both read."""
+    return dataset.sample(n, np.random.default_rng(np.random.SeedSequence(seed).spawn(9)[8]))
 
 
 def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
@@ -752,7 +753,7 @@ class TracePlan:
         """The dataset's rows that the n requests take, in request order (None: no dataset): drawn
         for all n at once (:meth:`qsim.datasets.Dataset.sample`, a shuffle), from a stream of its
         own, so the other streams draw what they drew without a dataset."""
-        return None if self.dataset is None else self.dataset.sample(n, dataset_stream(self.seed))
+        return None if self.dataset is None else dataset_rows(self.dataset, n, self.seed)
 
     def chunks(self, size: int) -> TraceChunks:
         """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are drawn through
