@@ -89,7 +89,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     at = (f" at load {DEFAULT_LOAD if args.load is None else args.load:g}"
           if not args.trace and arrivals_take_load(args.arrivals) else "")
     what = (f"trace {args.trace} ({_window(args)})" if args.trace else
-            f"{args.arrivals} arrivals{at}, {args.service} service, "
+            f"{args.arrivals} arrivals{at}, "
+            + ("lengths from --dataset, " if args.dataset else f"{args.service} service, ")
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
     replicas = "" if fleet is None else \
