@@ -17,7 +17,7 @@ import pytest
 from experiments.cli import main
 from qsim import make_trace
 from qsim.datasets import Limits, count_tokens, read_dataset
-from qsim.workload import dataset_rows
+from qsim.workload import dataset_rows, trace_chunks
 
 DATA = Path(__file__).parent / "data" / "datasets"
 CHAT, CHAT_L, PLAIN = (str(DATA / name) for name in ("chat.json", "chat.jsonl", "plain.jsonl"))
@@ -105,6 +105,14 @@ def test_a_dataset_changes_the_lengths_and_leaves_the_arrivals_as_they_were():
     rows = dataset_rows(data, 200, 3)
     assert (with_data.max_new_tokens == data.output_tokens[rows]).all()
     assert (with_data.prompt_tokens == data.prompt_tokens[rows]).all()
+
+
+def test_a_streamed_trace_takes_the_rows_the_whole_one_takes():
+    data = read_dataset(CHAT)
+    whole = make_trace(requests=250, seed=7, dataset=data)
+    parts = list(trace_chunks(60, requests=250, seed=7, dataset=data))
+    for column in ("arrival_s", "max_new_tokens", "prompt_tokens", "true_service_s"):
+        assert (np.concatenate([getattr(p, column) for p in parts]) == getattr(whole, column)).all()
 
 
 def test_the_same_seed_gives_the_same_run_and_json_and_jsonl_the_same_one(capsys):
