@@ -37,7 +37,8 @@ from qsim.tracefiles import build_chunks
 from . import engineflags
 from .config import parse_used
 from .jsonout import json_ready as _json_ready
-from .simflags import add_trace_flags, add_workload_options, trace_window
+from .simflags import (add_dataset_flags, add_trace_flags, add_workload_options, dataset_from_args,
+                       trace_window)
 
 
 class UsageError(Exception):
@@ -88,7 +89,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     at = (f" at load {DEFAULT_LOAD if args.load is None else args.load:g}"
           if not args.trace and arrivals_take_load(args.arrivals) else "")
     what = (f"trace {args.trace} ({_window(args)})" if args.trace else
-            f"{args.arrivals} arrivals{at}, {args.service} service, "
+            f"{args.arrivals} arrivals{at}, "
+            + ("lengths from --dataset, " if args.dataset else f"{args.service} service, ")
             + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
     speeds = "" if fleet is None or fleet.speeds is None else \
@@ -261,7 +263,8 @@ def cmd_simulate(args) -> int:
     engineflags.calibrated_defaults(args)
     engine = engineflags.engine_from_args(args)
     policy = engineflags.with_objectives(policy, args)
-    options = engineflags.trace_options(args, engine, REFERENCE_MIX, model)
+    dataset = dataset_from_args(args)
+    options = engineflags.trace_options(args, engine, REFERENCE_MIX, model, dataset)
     # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
     schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
 
@@ -301,6 +304,8 @@ def cmd_simulate(args) -> int:
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
                "policy": policy.__dict__}
+        if dataset is not None:
+            out["dataset"] = dataset.summary()
         if len(runs) == 1:
             run = runs[0]
             out["summary"] = metrics.summary(run.frame, run.duration_s)
@@ -321,6 +326,8 @@ def cmd_simulate(args) -> int:
         print(json.dumps(_json_ready(out), indent=2))
         return 0
     print(_describe(args, policy, engine, fleet))
+    if dataset is not None:
+        print(dataset.describe())
     if len(runs) == 1:
         _print_single(runs[0])
     else:
@@ -380,6 +387,7 @@ def _simulate_parser(sub) -> None:
                                                           "whole length, or N seconds of it from --start)")
     length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
     add_trace_flags(p, load_flag="--load")
+    add_dataset_flags(p, "each request's prompt and output lengths from its rows")
     add_workload_options(p)
     p.add_argument("--replicas", type=positive_int, default=1,
                    help="replicas of the server (each --engines K, its own line and admission) "

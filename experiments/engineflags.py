@@ -85,9 +85,13 @@ def engine_from_args(args) -> OneAtATime | Batching:
     return batching
 
 
-def trace_options(args, engine, mix, model) -> dict:
-    """build_trace's options for the engine: prompt lengths, and a batching engine's rate (load x its capacity)."""
+def trace_options(args, engine, mix, model, dataset=None) -> dict:
+    """build_trace's options for the engine: prompt lengths (``dataset``: a
+    :class:`qsim.datasets.Dataset`'s, with its output lengths), and a batching engine's rate (load x
+    its capacity)."""
     options = {} if args.prompts is None else {"prompts": args.prompts}
+    if dataset is not None:
+        options["dataset"] = dataset
     shared = shared_prefix(args)
     if shared is not None:
         if args.trace:
@@ -101,6 +105,9 @@ def trace_options(args, engine, mix, model) -> dict:
             raise ValueError("--batching needs --service mix: a batching engine's steps count tokens")
         mean_tokens = float(sum(s * p for s, p in zip(mix.sizes, mix.probs)))
         mean_prompt = 0.0 if args.prompts is None else args.prompts.mean()
+        if dataset is not None:  # its rows are the sizes and the prompts
+            mean_tokens = float(dataset.output_tokens.mean())
+            mean_prompt = float(dataset.prompt_tokens.mean())
         options["capacity_rps"] = engine.capacity_rps(mean_prompt, mean_tokens)
     return options
 

@@ -22,12 +22,12 @@ from qsim import ServiceModel, build_trace, records
 from qsim.service import LoadTerms
 from qsim.records import OUTCOMES
 from qsim.runfile import SPEED_PROBES
-from qsim.workload import ARRIVALS, arrivals_take_load
+from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows
 
 from live.contract import Stats
 from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS
 
-from .simflags import add_trace_flags, trace_window
+from .simflags import add_dataset_flags, add_trace_flags, dataset_from_args, trace_window
 
 
 def _model(path: str | None) -> ServiceModel:
@@ -53,9 +53,23 @@ def _trace(args, patience=None):
     # arrivals are.
     engines = 1 if args.trace and load is None else args.engines or _server_engines(args.url)
     # A nominal load is relative to the calibrated capacity: make_trace at speed 1 (the calibration).
-    return build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=load,
-                       engines=engines, seconds=args.seconds, requests=args.requests, default_seconds=DEFAULT_SECONDS,
-                       seed=args.seed, model=model, patience=patience, window=window)
+    dataset = dataset_from_args(args)
+    trace = build_trace(args.trace, time_scale=args.time_scale, arrivals=args.arrivals, load=load,
+                        engines=engines, seconds=args.seconds, requests=args.requests,
+                        default_seconds=DEFAULT_SECONDS, seed=args.seed, model=model,
+                        patience=patience, window=window, dataset=dataset)
+    return trace, _given(dataset, trace, args.seed)
+
+
+def _given(dataset, trace, seed: int):
+    """The dataset's prompt texts of the trace's requests: the rows ``qlab simulate --dataset`` with
+    the same seed takes (None: no dataset)."""
+    if dataset is None:
+        return None
+    from live.loadgen import GivenPrompts
+
+    rows = dataset_rows(dataset, len(trace), seed)
+    return GivenPrompts(tuple(dataset.requests[i].prompt for i in rows), dataset.counting)
 
 
 def _clients(args):
@@ -212,14 +226,17 @@ def cmd_replay(args) -> int:
     cfg = ReplayConfig(args.url.rstrip("/"), timeout_s=args.timeout, prompt_words=args.prompt_words,
                        context_tokens=args.context_tokens, late_warn_s=args.late_warn_ms / 1e3, retry=retry,
                        api=args.api, model=args.model, slo=_objectives(args))
-    trace = _trace(args, patience)
+    trace, given = _trace(args, patience)
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
     check_patience(trace)
     api = "" if cfg.api == "qlab" else " (OpenAI-compatible /v1/completions, streamed)"
     print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}", flush=True)
     before = _probe(args)
-    frame = records.validate(judged(replay(trace, cfg)))  # TTFT and TPOT where it streamed, judged by every objective
+    if given is not None:
+        print(f"prompts: the texts of {args.dataset} ({len(set(given.texts))} distinct), max_tokens "
+              f"their answers' lengths ({given.counting})", flush=True)
+    frame = records.validate(judged(replay(trace, cfg, given)))  # TTFT and TPOT where it streamed, judged by every objective
     if args.probe:  # the columns qlab live writes: what qlab compare --predict runs the model at
         frame[SPEED_PROBES[0]], frame[SPEED_PROBES[1]] = before, _probe(args)
         print(f"speed probe ({args.probe} requests, one at a time): {before:.3f} before, "
@@ -258,6 +275,8 @@ def _replay_parser(sub) -> None:
     p.add_argument("--slo-tpot-ms", type=positive, help="an objective for the time per output token after the "
                                                           "first: sent as x-slo-tpot-ms and judged in goodput")
     add_trace_flags(p, load_flag="--nominal-load")
+    add_dataset_flags(p, "sends its rows' prompt texts, max_tokens their answers' lengths (the "
+                         "rows qlab simulate --dataset takes at the same --seed)")
     p.add_argument("--arrivals", default="poisson", help=" | ".join(ARRIVALS))
     p.add_argument("--nominal-load", type=positive,
                    help="arrival rate over the calibrated capacity of the engines (the run reports the effective "

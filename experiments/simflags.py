@@ -11,6 +11,7 @@ import argparse
 
 from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int
+from qsim.datasets import COUNTS, Dataset, read_dataset
 from qsim.service import parse_schedule
 from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.workload import ARRIVALS
@@ -94,3 +95,25 @@ def trace_window(args, load: float | None, load_flag: str) -> TraceWindow | None
         return None
     return TraceWindow.asked(args.start, args.seconds, load, requests=args.requests, time_scale=args.time_scale,
                              names=WindowNames(load=load_flag))
+
+
+def add_dataset_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """--dataset and --dataset-tokens (``what``: what the command does with the rows, for the help)."""
+    p.add_argument("--dataset", metavar="FILE",
+                   help="a ShareGPT JSON or JSONL file (or JSONL of prompt with output_tokens or "
+                        f"completion): {what}, rows drawn by --seed (docs/simulate.md)")
+    p.add_argument("--dataset-tokens", choices=COUNTS, default="pieces",
+                   help="how --dataset's texts are counted: pieces (GPT-2's pre-tokenizer pieces, "
+                        "close to a BPE count for English; default) or bytes (exact for qlab's "
+                        "byte tokenizer)")
+
+
+def dataset_from_args(args) -> Dataset | None:
+    """The dataset --dataset names (None: none); ValueError, in a line, for a file that cannot be
+    used and for --trace beside it (a trace file brings its own lengths)."""
+    if args.dataset is None:
+        return None
+    if args.trace:
+        raise ValueError("--dataset gives synthetic arrivals their lengths; a --trace file brings "
+                         "its own: give one or the other")
+    return read_dataset(args.dataset, args.dataset_tokens)

@@ -54,7 +54,7 @@ from .calibrate import (MAX_STEP_PAGES, ServerFacts, default_prompt_tokens, page
 from .contract import Stats, num
 from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 from .rows import Exchange, ServerInfo, retry_after_s, server_info, to_frame
-from .tokenizer import MIN_CONTEXT_TOKENS, prompt_of
+from .tokenizer import MIN_CONTEXT_TOKENS, ByteTokenizer, prompt_of
 
 #: qlab: qlab's own /v1/generate; openai: POST /v1/completions, streamed, on any OpenAI-compatible server.
 APIS = ("qlab", "openai")
@@ -162,11 +162,22 @@ class PromptPlan:
                 "prompts_capped": int(self.capped.sum()), "prompts_cannot_fit": int(self.unfit.sum())}
 
 
-def plan_prompts(trace: Trace, cfg: ReplayConfig, facts: ServerFacts = ServerFacts()) -> PromptPlan:
+@dataclass(frozen=True)
+class GivenPrompts:
+    """Each request's own prompt text (a dataset's rows, :mod:`qsim.datasets`), whose length the
+    trace's prompt_tokens gives under the rule ``counting`` (pieces or bytes)."""
+
+    texts: tuple[str, ...]
+    counting: str
+
+
+def plan_prompts(trace: Trace, cfg: ReplayConfig, facts: ServerFacts = ServerFacts(),
+                 given: GivenPrompts | None = None) -> PromptPlan:
     """The trace's prompt lengths where it has them, else the default prompt's; each capped at the room
     its new tokens leave in the context (``cfg.context_tokens``, else the server's), and at the gate's
     prompt cap. A request that leaves no room (max_new_tokens >= context) is not sent: never shortened
-    without being counted."""
+    without being counted. A given text (``given``) is never shortened: where it would be, it is not
+    sent either."""
     if cfg.context_tokens is not None:
         facts = dataclasses.replace(facts, context=cfg.context_tokens)
     own = np.asarray(trace.prompt_tokens, dtype=np.int64)
@@ -174,22 +185,27 @@ def plan_prompts(trace: Trace, cfg: ReplayConfig, facts: ServerFacts = ServerFac
     room = np.array([facts.longest_prompt(int(n)) for n in trace.max_new_tokens], dtype=float)
     unfit = room < 1
     capped = ~unfit & (wanted > room)
+    if given is not None:  # a dataset's text is sent whole or not at all
+        unfit, capped = unfit | capped, np.zeros_like(capped)
     tokens = np.where(unfit, 0, np.minimum(wanted, np.where(np.isfinite(room), room, wanted))).astype(np.int64)
     return PromptPlan(tokens, capped, unfit, facts)
 
 
-def payloads(trace: Trace, cfg: ReplayConfig, plan: PromptPlan | None = None) -> list[dict | None]:
+def payloads(trace: Trace, cfg: ReplayConfig, plan: PromptPlan | None = None,
+             given: GivenPrompts | None = None) -> list[dict | None]:
     """One request body per trace entry (None: not sent, see :func:`plan_prompts`); deadline_ms only where the
     trace sets one (else the server's default), priority where it is not 0 and client_id where the trace
-    names a client."""
-    plan = plan_prompts(trace, cfg) if plan is None else plan
+    names a client. The prompt is the given text (``given``), else generated to the planned length."""
+    plan = plan_prompts(trace, cfg, given=given) if plan is None else plan
     out = []
-    for tokens, length, unfit, deadline, priority, client in zip(trace.max_new_tokens, plan.tokens, plan.unfit,
-                                                                 trace.deadline_s, trace.priority, trace.client_id):
+    for i, (tokens, length, unfit, deadline, priority, client) in enumerate(zip(
+            trace.max_new_tokens, plan.tokens, plan.unfit, trace.deadline_s, trace.priority,
+            trace.client_id)):
         if unfit:
             out.append(None)
             continue
-        body = {"prompt": prompt_of(int(length), plan.facts.tokenizer), "max_new_tokens": int(tokens)}
+        prompt = prompt_of(int(length), plan.facts.tokenizer) if given is None else given.texts[i]
+        body = {"prompt": prompt, "max_new_tokens": int(tokens)}
         if math.isfinite(deadline):
             body["deadline_ms"] = int(round(deadline * 1000))
         if priority:
@@ -531,15 +547,19 @@ def report_prompts(plan: PromptPlan, requests: int) -> None:
         print(f"qlab replay: {int(plan.capped.sum())} of {requests} prompts capped to fit the context "
               f"({plan.facts.context} tokens) beside their new tokens, or the server's prompt cap", file=sys.stderr)
     if plan.unfit.any():
+        # A dataset's text, never shortened, is unfit also where its prompt and new tokens overflow.
         print(f"qlab replay: {int(plan.unfit.sum())} of {requests} requests not sent: max_new_tokens fills the "
-              f"context of {plan.facts.context} tokens (outcome error, reason {CANNOT_FIT})", file=sys.stderr)
+              f"context of {plan.facts.context} tokens, or a dataset's prompt beside it would overflow it "
+              f"(outcome error, reason {CANNOT_FIT})", file=sys.stderr)
 
 
-async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
+async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | None = None) -> pd.DataFrame:
     """Send every request of ``trace`` at its time (and its retries at theirs); return one validated row
-    per attempt."""
+    per attempt. ``given``: each request's own prompt text, sent as it is."""
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
+    if given is not None and len(given.texts) != len(trace):
+        raise ValueError(f"{len(given.texts)} prompt texts for {len(trace)} requests")
     if np.any(np.diff(trace.arrival_s) < 0):
         raise ValueError("trace arrivals must be sorted by time")
     check_patience(trace)
@@ -550,8 +570,10 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
     async with Lanes(cfg) as lanes:
         stats, offset, facts = await _server(lanes, cfg)
         info = server_info(stats) if stats is not None else bare_server_info()
-        plan = plan_prompts(trace, cfg, facts)
-        bodies = payloads(trace, cfg, plan)
+        plan = plan_prompts(trace, cfg, facts, given)
+        bodies = payloads(trace, cfg, plan, given)
+        if given is not None:
+            warn_counting(given, facts)
         # Requests are built (JSON encoded) and connections opened before the clock starts:
         # at send time only the send is left.
         requests = [None if b is None else api.request(lanes, b) for b in bodies]
@@ -597,9 +619,17 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
     return frame
 
 
-def replay(trace: Trace, cfg: ReplayConfig) -> pd.DataFrame:
+def warn_counting(given: GivenPrompts, facts: ServerFacts) -> None:
+    """Say on stderr where the server counts tokens by another rule than the texts were counted by:
+    the simulated run of the same rows then describes other lengths than the server sees."""
+    if facts.tokenizer == ByteTokenizer.name and given.counting != "bytes":
+        print(f"qlab replay: warning: the server counts bytes, the dataset's lengths are "
+              f"{given.counting}; --dataset-tokens bytes counts as it does", file=sys.stderr)
+
+
+def replay(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | None = None) -> pd.DataFrame:
     """Synchronous :func:`replay_async`."""
-    return asyncio.run(replay_async(trace, cfg))
+    return asyncio.run(replay_async(trace, cfg, given))
 
 
 def _plain(meta: dict) -> dict:

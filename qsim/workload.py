@@ -22,6 +22,7 @@ from scipy import stats
 
 from .chunks import PIECE, BlockStream, TraceChunks, exactly, spans
 from .clients import Patience
+from .datasets import Dataset
 from .prefix import SYSTEM_KEY, Tokens, answer_key, own_key
 from .service import ServiceModel
 
@@ -668,6 +669,12 @@ def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(8))
 
 
+def dataset_rows(dataset: Dataset, n: int, seed: int) -> np.ndarray:
+    """The rows of ``dataset`` that a trace of n requests from ``seed`` takes, in request order: from
+    the ninth stream (the eight before unchanged). What the simulator and the replayer both read."""
+    return dataset.sample(n, np.random.default_rng(np.random.SeedSequence(seed).spawn(9)[8]))
+
+
 def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
     """n draws of an index with these probabilities, one uniform each: what ``rng.choice(len(probs), n,
     p=probs)`` draws, written out so that each request's uniform can be mapped through its own client's mix."""
@@ -734,12 +741,19 @@ class TracePlan:
     name: str
     meta: dict = field(compare=False)
     prefixes: SharedPrefix | None = None
+    dataset: Dataset | None = None
 
     def trace(self) -> Trace:
         gaps, *rest = random_streams(self.seed)
         times = _whole(self._pieces(gaps, None))
         duration = self._duration(times[-1] if times.size else None)
-        return self._requests(times, duration, _Streams(*rest))
+        return self._requests(times, duration, _Streams(*rest), self.dataset_rows(times.size))
+
+    def dataset_rows(self, n: int) -> np.ndarray | None:
+        """The dataset's rows that the n requests take, in request order (None: no dataset): drawn
+        for all n at once (:meth:`qsim.datasets.Dataset.sample`, a shuffle), from a stream of its
+        own, so the other streams draw what they drew without a dataset."""
+        return None if self.dataset is None else dataset_rows(self.dataset, n, self.seed)
 
     def chunks(self, size: int) -> TraceChunks:
         """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are drawn through
@@ -759,10 +773,13 @@ class TracePlan:
     def _chunked(self, size: int, count: int, duration: float) -> Iterator[Trace]:
         gaps, *rest = random_streams(self.seed)
         streams = _Streams(*(BlockStream(rng, count) for rng in rest))
+        rows, done = self.dataset_rows(count), 0  # one int a request: a dataset's shuffle is whole
         for times in exactly(self._pieces(gaps, size), size):
             for stream in streams:
                 stream.chunk()
-            yield self._requests(times, duration, streams)
+            part = None if rows is None else rows[done:done + times.size]
+            done += times.size
+            yield self._requests(times, duration, streams, part)
 
     def _pieces(self, gaps: np.random.Generator, size: int | None) -> Iterator[np.ndarray]:
         """The arrival times in pieces of at most ``size`` (None: as drawn)."""
@@ -790,15 +807,21 @@ class TracePlan:
             return 0.0
         return last + self.numbers[-1] if self.kind == "periodic" else last
 
-    def _requests(self, times: np.ndarray, duration: float, rng: _Streams) -> Trace:
-        """The requests that arrive at ``times``: each stream drawn once per request, in request order."""
+    def _requests(self, times: np.ndarray, duration: float, rng: _Streams,
+                  rows: np.ndarray | None = None) -> Trace:
+        """The requests that arrive at ``times``: each stream drawn once per request, in request order
+        (``rows``: the dataset's row of each, whose lengths replace the mix's and the prompts')."""
         n = times.size
         which = _draw_index(rng.client, self.shares, n) if self.clients else np.zeros(n, dtype=np.int64)
         model, speed, used, prompts = self.model, self.speed, self.used, self.prompts
         generated = ids = None
         prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(rng.prompt, n)
+        if rows is not None:
+            prompt = self.dataset.prompt_tokens[rows]
         if self.service == "mix":
             tokens = _sizes(rng.size, self.mixes, which)
+            if rows is not None:  # the sizes' stream still draws: the noise's is its own anyway
+                tokens = self.dataset.output_tokens[rows]
             # Each stream is its own: drawing the early stops first changes none of the others'
             # draws.
             generated = None if used is None else used_tokens(rng.used, tokens, used)
@@ -874,6 +897,7 @@ def plan_trace(
     prompts: "Prompts | None" = None,
     capacity_rps: float | None = None,
     prefixes: SharedPrefix | None = None,
+    dataset: Dataset | None = None,
 ) -> TracePlan:
     """A seeded synthetic workload: what :func:`make_trace` draws whole and :meth:`TracePlan.chunks` a chunk at a
     time.
@@ -894,7 +918,9 @@ def plan_trace(
     its own), whose tokens a prefix cache reads (Trace.tokens). capacity_rps: the requests per
     second the server can take (a batching engine's, :func:`qsim.engines.Batching.capacity_rps`):
     then lambda = load * capacity_rps, and engines, speed and the mix's mean time no longer set the
-    rate.
+    rate. dataset: each request's prompt and output lengths from a dataset's rows
+    (:class:`qsim.datasets.Dataset`, sampled from a ninth stream); it replaces the mix's sizes
+    and ``prompts``, and the load counts its mean estimate.
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")
@@ -920,6 +946,9 @@ def plan_trace(
     mean_s = blended_means(mix, clients, model)[0] if mean_service_s is None else float(mean_service_s)
     if used is not None and service == "mix":  # the load is of the work actually done
         mean_s = used_mean_s(mix, clients, model, used)
+    if dataset is not None:
+        _check_dataset(service, used, prompts, prefixes, clients)
+        mean_s = float(np.mean(model.estimate(dataset.output_tokens, dataset.prompt_tokens)))
     if service == "mix" and mean_service_s is not None:
         raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
 
@@ -944,6 +973,23 @@ def plan_trace(
         prefixes = None  # nothing shared: the trace it was without (no tokens to carry)
     if prefixes is not None:
         meta["prefixes"] = dataclasses.asdict(prefixes)
+    if dataset is not None:
+        meta.update(dataset=dataset.path, dataset_tokens=dataset.counting)
     return TracePlan(kind, numbers, rate, surge_rate, seconds, requests, seed, service, model, mean_s, speed, noise_cv,
                      mix, tuple(shares), tuple(mixes), tuple(clients), used, prompts, patience,
-                     f"{arrivals}-{service}", meta, prefixes)
+                     f"{arrivals}-{service}", meta, prefixes, dataset)
+
+
+def _check_dataset(service: str, used, prompts, prefixes, clients) -> None:
+    """What a dataset's lengths cannot stand beside (ValueError): they are the sizes, the prompts
+    and the tokens generated (each request generates its output length, as vLLM's benchmark asks)."""
+    if service != "mix":
+        raise ValueError("a dataset's output lengths are the sizes: it needs --service mix")
+    if used is not None:
+        raise ValueError("a dataset's output lengths are the tokens generated: drop the early stops (--used)")
+    if prompts is not None and prompts.kind != "none":
+        raise ValueError("a dataset brings its own prompt lengths: drop --prompts")
+    if prefixes is not None and prefixes.shares:
+        raise ValueError("a dataset's prompts share no prefixes here: drop --system-prompt and --turns")
+    if any(c.mix is not None for c in clients):
+        raise ValueError("a dataset's output lengths replace every mix: clients may bring no mix of their own")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER_URL = "http://127.0.0.1:8000"
-LINKED_INTO_TMP = ("data", "experiments", "docs")
+LINKED_INTO_TMP = ("data", "experiments", "docs", "tests")  # tests/data: fixtures a doc reads
 COMMAND_TIMEOUT_S = 120
 SLOW_COMMAND_TIMEOUT_S = 3600  # a slow block (run with QLAB_DOCS_SLOW=1) may take minutes, e.g. the full qlab theory
 
