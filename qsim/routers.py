@@ -23,7 +23,7 @@ from typing import ClassVar, NamedTuple, Sequence
 import numpy as np
 
 __all__ = ["ROUTERS", "Central", "JoinShortestQueue", "LeastWork", "PowerOfD", "Random",
-           "ReplicaState", "RoundRobin", "Router", "make_router"]
+           "ReplicaState", "RoundRobin", "Router", "make_router", "parse_router", "router_spec"]
 
 
 class ReplicaState(NamedTuple):
@@ -143,3 +143,19 @@ def make_router(name: str, d: int | None = None) -> Router:
     if kind is not PowerOfD:
         raise ValueError(f"router {name!r} takes no d (only power_of_d does)")
     return PowerOfD(d)
+
+
+def router_spec(name: str, d: int | None = None) -> str:
+    """The text a sweep names a router by: NAME, or power_of_d:D where D is given."""
+    return name if d is None else f"{name}:{d}"
+
+
+def parse_router(spec: str) -> Router:
+    """A router from its sweep text, NAME or power_of_d:D (:func:`router_spec`); ValueError naming
+    what is wrong."""
+    name, _, d = spec.strip().partition(":")
+    if not d:
+        return make_router(name)
+    if not d.isdigit():
+        raise ValueError(f"router {spec!r}: expected NAME or power_of_d:D, D a whole number")
+    return make_router(name, int(d))
