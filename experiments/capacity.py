@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -188,13 +188,15 @@ class Capacity:
         return cls(load, fails_at, ci_low, ci_high, len(judged))
 
 
-def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list, bounds: Bounds,
-           log: Callable[[str], None] = lambda line: None) -> dict:
+def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list, bounds: Bounds | None,
+           log: Callable[[str], None] = lambda line: None, propose: Callable | None = None) -> dict:
     """Search every unit (a policy, say) at once: each round asks ``evaluate`` for the judgements of every unit's
-    next loads, as (unit, load) pairs, until none has a load left to try. Returns {unit: {load: Judgement}}."""
+    next loads, as (unit, load) pairs, until none has a load left to try. Returns {unit: {load: Judgement}}.
+    ``propose(unit, judged)``: the points to try next (default :func:`next_loads` within ``bounds``)."""
+    propose = propose or (lambda unit, judged: next_loads(judged, bounds))
     judged: dict = {unit: {} for unit in units}
     for round_ in range(1, 1000):
-        asks = [(unit, load) for unit in units for load in next_loads(judged[unit], bounds)]
+        asks = [(unit, load) for unit in units for load in propose(unit, judged[unit])]
         if not asks:
             return judged
         log(f"round {round_}: {len(asks)} load(s): " + ", ".join(sorted({f'{load:.4g}' for _, load in asks})))
@@ -214,12 +216,25 @@ class Search:
     objective: Objectives
     bounds: Bounds = Bounds()
     level: float = 0.95
+    #: The grid's axes the search moves along (the digest leaves them out).
+    searched: ClassVar[tuple[str, ...]] = ("load",)
+
+    def cells_at(self, cells: list[sweep.Cell], load: float) -> list[sweep.Cell]:
+        """A unit's cells (one per seed) at a point of the search."""
+        return [dataclasses.replace(c, load=load) for c in cells]
+
+    def propose(self, unit: sweep.Cell, judged: dict) -> list:
+        return next_loads(judged, self.bounds)
+
+    def settings(self) -> dict:
+        """The search's settings, as the manifest records them."""
+        return {"objective": written(self.objective), "level": self.level, **asdict(self.bounds)}
 
     @property
     def digest(self) -> str:
         """Of everything that decides the cells' rows but their loads (the folder holds any of them)."""
         canonical = self.config.canonical()
-        canonical["grid"] = {k: v for k, v in canonical["grid"].items() if k != "load"}
+        canonical["grid"] = {k: v for k, v in canonical["grid"].items() if k not in self.searched}
         text = json.dumps({"capacity_search": canonical}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -261,20 +276,42 @@ class Outcome:
     reused: int  # cells the search used that OUT already held
 
 
+@dataclass(frozen=True)
+class Searched:
+    """What a search on cells found: each unit's judgements by point, and the cells it used."""
+
+    units: list
+    judged: dict  # unit -> {point: Judgement}
+    rate: dict  # unit -> its cells' capacity_rps at the last point asked (requests/s at load 1)
+    used: list[str]  # the ids of every cell used, in the order asked
+    ran: int  # cells run by this call
+
+
 def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
         log: Callable[[str], None] = lambda line: None) -> Outcome:
     """Search every policy's capacity, running the cells it needs into OUT (resuming the ones there); write the
     sweep dataset and ``capacity.json``."""
+    found = run_cells(spec, out, workers=workers, scheduler=scheduler, log=log)
+    results = [Result(unit, sweep.arrivals_of(spec.config, unit), Capacity.of(found.judged[unit]),
+                      found.rate[unit], found.judged[unit]) for unit in found.units]
+    atomic_write(Path(out) / "capacity.json",
+                 (json.dumps(json_ready(_report(spec, results)), indent=2) + "\n").encode())
+    return Outcome(results, found.ran, len(found.used) - found.ran)
+
+
+def run_cells(spec: Search, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
+              log: Callable[[str], None] = lambda line: None) -> Searched:
+    """Run ``spec``'s search on its cells into OUT (resuming the ones there) and write the sweep dataset."""
     out = Path(out)
     spec.check()
     units = spec.units()
-    sweep.claim(out, _manifest(spec, []))
+    sweep.claim(out, _manifest(spec))
     used: dict[str, dict] = {}  # every cell the search used (its summary), in the order asked
     rate: dict = {}  # unit -> its cells' capacity_rps (requests/s at load 1)
     ran = 0
 
-    def cells_at(unit, load):
-        return [dataclasses.replace(c, load=load) for c in units[unit]]
+    def cells_at(unit, point):
+        return spec.cells_at(units[unit], point)
 
     with sweep.executor(spec.config, workers=workers, scheduler=scheduler) as runner:
         def evaluate(asks):
@@ -293,25 +330,26 @@ def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler:
                 judged[unit, load] = judge(per_seed, spec.objective, spec.level)
             return judged
 
-        judged = search(evaluate, list(units), spec.bounds, log)
-    results = [Result(unit, sweep.arrivals_of(spec.config, unit), Capacity.of(judged[unit]), rate[unit], judged[unit])
-               for unit in units]
+        judged = search(evaluate, list(units), spec.bounds, log, propose=spec.propose)
     summary = sweep.write_summaries(out, list(used))
-    manifest = _manifest(spec, sorted(set(summary["load"])), len(summary))
-    atomic_write(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
-    atomic_write(out / "capacity.json", (json.dumps(json_ready(_report(spec, results)), indent=2) + "\n").encode())
-    return Outcome(results, ran, len(used) - ran)
+    atomic_write(out / "manifest.json", (json.dumps(_manifest(spec, summary), indent=2) + "\n").encode())
+    return Searched(list(units), judged, rate, list(used), ran)
 
 
-def _manifest(spec: Search, loads: list[float], n_cells: int = 0) -> dict:
-    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the loads out."""
-    cfg = dataclasses.replace(spec.config, grid={**spec.config.grid, "load": tuple(loads) or (_SOME_LOAD,)})
-    manifest = sweep.manifest(cfg, n_cells)
-    manifest.update(config_sha256=spec.digest, source="qlab capacity",
-                    capacity={"objective": written(spec.objective), "level": spec.level, **asdict(spec.bounds)})
-    if loads:
-        manifest["config"]["grid"]["load"] = list(loads)
+def _manifest(spec: Search, summary: pd.DataFrame | None = None) -> dict:
+    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the searched axes
+    out, and whose grid holds their values tried (the summary's)."""
+    tried = {} if summary is None else {k: [_plain(v) for v in sorted(set(summary[k]))] for k in spec.searched}
+    cfg = dataclasses.replace(spec.config, grid={**spec.config.grid, **{k: tuple(v) for k, v in tried.items()}})
+    manifest = sweep.manifest(cfg, 0 if summary is None else len(summary))
+    manifest.update(config_sha256=spec.digest, source="qlab capacity", capacity=spec.settings())
+    manifest["config"]["grid"].update(tried)
     return manifest
+
+
+def _plain(value):
+    """A summary's number as JSON writes it (numpy's integers are not)."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def _report(spec: Search, results: list[Result]) -> dict:
