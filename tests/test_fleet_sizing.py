@@ -1,10 +1,17 @@
 """Fleets everywhere a run is described: sweep axes (replicas, router), qlab capacity for a fleet,
 sizing (the fewest replicas at a rate) and --rate."""
 
+import json
+import math
+
+import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
-from experiments import config, sweep
+from analysis.objectives import parse_objectives
+from experiments import capacity, config, sizing, sweep
+from experiments.cli import main
 
 FLEET = """
 [sweep]
@@ -79,3 +86,121 @@ def test_a_fleet_of_batching_replicas_is_refused(tmp_path):
     text = '[grid]\npolicy = ["none"]\nload = [0.5]\nreplicas = [2]\n[batching]\nb0 = 0.01\n'
     with pytest.raises(config.ConfigError, match="batching replicas"):
         load_text(tmp_path, text)
+
+
+# ------------------------------------------------------------------ sizing, on a synthetic metric
+
+
+def synthetic(offsets, objective):
+    """capacity.search's evaluate: seed s's metric at N replicas is 1 - 4 / N + offsets[s]."""
+    def evaluate(asks):
+        return {(unit, n): capacity.judge({"m": 1 - 4 / n + offsets}, objective) for unit, n in asks}
+    return evaluate
+
+
+def size(offsets, text, most=64, least=1, start=1):
+    propose = lambda unit, judged: sizing.next_counts(judged, least, most, start)  # noqa: E731
+    judged = capacity.search(synthetic(offsets, parse_objectives(text)), ["a"], None,
+                             propose=propose)["a"]
+    return sizing.Fewest.of(judged)
+
+
+def test_the_count_search_finds_the_fewest_that_meets_and_its_neighbour_that_fails():
+    offsets = np.random.default_rng(3).normal(0, 0.02, 8)
+    fewest = size(offsets, "m>=0.8")  # 1 - 4/N >= 0.8 from N = 20 on (the seeds' mean: near it)
+    assert fewest.replicas == math.ceil(4 / (0.2 + offsets.mean())) and fewest.fails_at == fewest.replicas - 1
+    assert fewest.ci_low <= fewest.replicas <= fewest.ci_high
+    assert fewest.counts_tried < 15
+    answers = [size(offsets, f"m>={t}").replicas for t in (0.5, 0.8, 0.9)]
+    assert answers == [math.ceil(4 / (1 - t + offsets.mean())) for t in (0.5, 0.8, 0.9)]
+    assert answers == sorted(answers) and answers[0] < answers[-1]
+
+
+def test_the_count_search_says_where_it_ran_out_of_replicas():
+    flat = np.zeros(4)
+    never = size(flat, "m>=0.99", most=16)  # needs 400
+    assert never.replicas is None and never.ci_high is None and never.fails_at == 16
+    always = size(flat, "m>=-5")
+    assert always.replicas == 1 and always.fails_at is None and always.ci_low == 1
+
+
+# ------------------------------------------------------------------ sizing, on the simulator
+
+
+def mm1_fewest(rate, deadline, target):
+    """The fewest N for which random routing of Poisson arrivals at ``rate`` to N M/M/1 replicas
+    (mu 1) answers ``target`` within ``deadline``: each replica's sojourn is exponential of rate
+    mu - rate / N."""
+    return next(n for n in range(1, 1000) if rate / n < 1
+                and stats.expon(scale=1 / (1 - rate / n)).cdf(deadline) >= target)
+
+
+MM1 = ["capacity", "--policy", "none", "--deadline", "5", "--service", "exponential",
+       "--mean-service", "1", "--objective", "share_good>=0.9", "--router", "random",
+       "--seconds", "1000", "--seeds", "5", "--workers", "1"]
+
+
+def test_sizing_random_routing_to_mm1_replicas_matches_the_closed_form(tmp_path, capsys):
+    assert mm1_fewest(2, 5, 0.9) == 4  # N = 3: P(W <= 5) = 0.81; 4: 0.92
+    assert main([*MM1, "--rate", "2", "--json", "--out", str(tmp_path / "two")]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["replicas"] == 4 and record["fails_at"] == 3 and record["router"] == "random"
+    assert record["ci_low"] <= 4 <= record["ci_high"] and record["load"] == pytest.approx(0.5)
+    report = json.loads((tmp_path / "two" / "sizing.json").read_text())
+    shares = {t["replicas"]: t["values"]["share_good"]["mean"] for t in report["tried"]}
+    assert shares[3] == pytest.approx(1 - math.exp(-5 / 3), abs=0.03)
+    assert list(shares.values()) == sorted(shares.values())  # more replicas, more in time
+
+
+@pytest.mark.slow  # two searches of 5 seeds of 1000 s
+def test_sizing_grows_with_the_rate_as_the_closed_form_does(tmp_path, capsys):
+    for rate in (3, 5):
+        assert main([*MM1, "--rate", str(rate), "--json", "--out", str(tmp_path / str(rate))]) == 0
+        (record,) = json.loads(capsys.readouterr().out)
+        assert record["replicas"] == mm1_fewest(rate, 5, 0.9)  # 6 and 10
+
+
+def test_sizing_prints_a_row_per_router(tmp_path, capsys):
+    args = ["capacity", "--policy", "none", "--service", "exponential", "--mean-service", "1",
+            "--objective", "share_good>=0.5", "--seconds", "60", "--seeds", "2", "--workers", "1",
+            "--rate", "1.5", "--router", "random", "--router", "central", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the fewest replicas at which share_good>=0.5" in out and "1.5 requests/s" in out
+    lines = out.splitlines()
+    assert [line.split()[1] for line in lines[2:4]] == ["random", "central"]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["capacity"]["rate_rps"] == 1.5 and manifest["config"]["grid"]["replicas"]
+
+
+def test_capacity_of_a_fleet(tmp_path, capsys):
+    args = ["capacity", "--policy", "none", "--service", "exponential", "--mean-service", "1",
+            "--objective", "share_good>=0.5", "--seconds", "200", "--seeds", "3", "--workers", "1",
+            "--tolerance", "0.2", "--replicas", "2", "--router", "power_of_d", "--json",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["replicas"] == 2 and record["router"] == "power_of_d"
+    # The rate counts both replicas: load x 2 requests/s.
+    assert record["rate_rps"] == pytest.approx(2 * record["load"])
+    rows = pd.read_parquet(tmp_path / "cells", columns=["replica"])
+    assert set(rows["replica"]) == {0, 1}
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--rate", "0"], "--rate"),
+    (["--rate", "-1"], "--rate"),
+    (["--rate", "2", "--replicas", "4"], "not both"),
+    (["--rate", "2", "--start", "0.5"], "--start bounds a search over load"),
+    (["--max-replicas", "8"], "give --rate"),
+    (["--router", "random"], "--router routes between"),
+    (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
+    (["--replicas", "2", "--router", "fastest"], "unknown router"),
+])
+def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, extra, says):
+    args = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", *extra,
+            "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
