@@ -204,3 +204,37 @@ def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, ext
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ --rate on qlab simulate
+
+
+def simulate_json(capsys, *extra):
+    args = ["simulate", "--service", "exponential", "--mean-service", "0.5", "--engines", "2",
+            "--requests", "2000", "--json", *extra]
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_rate_is_the_load_of_all_engines_at_the_mean_service(capsys):
+    # 4 replicas of 2 engines of mean 0.5 s take 16 requests/s at load 1: 12 requests/s is load 0.75.
+    fleet = ["--replicas", "4", "--router", "random"]
+    by_rate = simulate_json(capsys, "--rate", "12", *fleet)
+    by_load = simulate_json(capsys, "--load", "0.75", *fleet)
+    assert by_rate["config"]["load"] == pytest.approx(0.75)
+    assert by_rate["summary"] == by_load["summary"]
+    assert main(["simulate", "--rate", "12", "--replicas", "4", "--router", "random",
+                 "--requests", "200"]) == 0
+    # The reference mix: 6.79 requests/s per engine at load 1, so 12 over 4 replicas is load 0.442.
+    assert "poisson arrivals at 12 requests/s, load 0.44" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--rate", "0"], "--rate: value must be > 0"),
+    (["--rate", "2", "--load", "0.5"], "give --rate or --load"),
+    (["--rate", "2", "--arrivals", "burst:10"], "bring their own rate"),
+])
+def test_bad_rates_are_one_line_and_exit_2(capsys, extra, says):
+    assert main(["simulate", "--requests", "10", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
