@@ -30,6 +30,7 @@ probs = [0.5, 0.35, 0.15]
 [grid]                       # every combination is one cell (times each seed)
 policy = ["none", "bounded", "bounded-deadline", "predictive"]
 load = [0.5, 1.0, 2.0]       # utilisation at the simulated speed: lambda = load * engines / E[true S]
+# rate = [10.0, 20.0]        #   or instead: requests per second (load = rate / the cell's capacity_rps)
 speed = [1.0, 2.25]          # true service times are SPEED times the calibration
 engines = [1]
 deadline_s = [2.0]           # optional, else the preset's
@@ -120,7 +121,7 @@ GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "dead
              "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
              "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
              "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str, "prefix_caching": bool,
-             "system_prompt": str, "turns": str, "replicas": int, "router": str}
+             "system_prompt": str, "turns": str, "replicas": int, "router": str, "rate": float}
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
 BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
 #: The step model of a cell without a step axis: [batching]'s own.
@@ -412,7 +413,7 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key in ("load", "speed", "engines", "deadline_s", "time_scale", "max_num_seqs", "kv_blocks",
-                       "ttft_slo_s", "tpot_slo_s", "replicas"):
+                       "ttft_slo_s", "tpot_slo_s", "replicas", "rate"):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
                 positive_value(f"{where}[{i}]", v, zero_ok=True)
@@ -421,8 +422,13 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         grid[key] = checked
     if "policy" not in grid:
         raise ConfigError(f"{path}: grid.policy is required")
-    if "trace" in grid and "load" in grid:
-        raise ConfigError(f"{path}: grid.trace and grid.load exclude each other: a trace brings its own arrivals")
+    for key in ("load", "rate"):
+        if "trace" in grid and key in grid:
+            raise ConfigError(f"{path}: grid.trace and grid.{key} exclude each other: a trace brings its own "
+                              "arrivals")
+    if "load" in grid and "rate" in grid:
+        raise ConfigError(f"{path}: grid.load and grid.rate exclude each other: a rate is a load (of the "
+                          "cell's capacity_rps); give one")
     if "trace" in grid and "arrivals" in grid:
         raise ConfigError(f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own")
     if "time_scale" in grid and "trace" not in grid:
@@ -614,13 +620,14 @@ def _check_load(path: str, grid: dict, sweep: dict) -> None:
     where = "grid.arrivals" if "arrivals" in grid else "sweep.arrivals"
     for spec in grid.get("arrivals", (sweep.get("arrivals", "poisson"),)):
         takes = arrivals_take_load(spec)
-        if takes and "load" not in grid:
-            raise ConfigError(f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} takes one) "
-                              "or trace (a file's arrivals)")
-        if not takes and "load" in grid:
-            raise ConfigError(f"{path}: {where} {spec!r} takes no load (its burst size sets its rate); leave "
-                              "grid.load out, give periodic:PERIOD_S (its burst size follows the load), or sweep it "
-                              "in a file of its own")
+        given = next((k for k in ("load", "rate") if k in grid), None)
+        if takes and given is None:
+            raise ConfigError(f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} takes one), "
+                              "rate or trace (a file's arrivals)")
+        if not takes and given is not None:
+            raise ConfigError(f"{path}: {where} {spec!r} takes no {given} (its burst size sets its rate); leave "
+                              f"grid.{given} out, give periodic:PERIOD_S (its burst size follows the load), or "
+                              "sweep it in a file of its own")
 
 
 def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> StepModel:

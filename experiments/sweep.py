@@ -111,6 +111,7 @@ class Cell:
     # A fleet: copies of the cell's server behind a router (None: one server; router None: round_robin).
     replicas: int | None = None
     router: str | None = None
+    rate: float | None = None  # requests per second in place of a load (None: the grid's load)
 
     @property
     def id(self) -> str:
@@ -126,7 +127,7 @@ class Cell:
 OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
                  "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s",
                  "arrivals", "policy_args", "prefix_caching", "system_prompt", "turns", "replicas",
-                 "router")
+                 "router", "rate")
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
@@ -187,7 +188,7 @@ def cells(config: SweepConfig) -> list[Cell]:
                                                    "ttft_slo_s", "tpot_slo_s")},
         arrivals=g.get("arrivals", (None,)),
         **{axis: g.get(axis, (None,)) for axis in ("prefix_caching", "system_prompt", "turns",
-                                                   "replicas", "router")},
+                                                   "replicas", "router", "rate")},
     )
     out = []
     for combo in itertools.product(*axes.values()):
@@ -225,6 +226,11 @@ def capacity_rps(config: SweepConfig, cell: Cell) -> float:
     """Requests per second at load 1 of the cell (its whole fleet): load x this is its rate."""
     batch = _capacity(config, cell)
     return batch[0] if batch is not None else all_engines(cell) / (cell.speed * _mean_times(config, cell)[0])
+
+
+def load_of(config: SweepConfig, cell: Cell) -> float | None:
+    """The cell's load: the grid's, or its rate over its capacity_rps (the rate at load 1)."""
+    return cell.load if cell.rate is None else cell.rate / capacity_rps(config, cell)
 
 
 def _mean_times(config: SweepConfig, cell: Cell) -> tuple[float, float]:
@@ -271,7 +277,7 @@ def _trace(config: SweepConfig, cell: Cell):
     if shared is not None and cell.trace is None:  # a trace file's prompts are its own
         options["prefixes"] = shared
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
-                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell), load=cell.load,
+                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell), load=load_of(config, cell),
                        service=config.service_dist, mean_service_s=config.mean_service_s,
                        engines=all_engines(cell), speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
@@ -363,7 +369,7 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64()),
                        ("policy_args", pa.large_string()), ("prefix_caching", pa.bool_()),
                        ("system_prompt", pa.large_string()), ("turns", pa.large_string()),
-                       ("replicas", pa.int64()), ("router", pa.large_string())):
+                       ("replicas", pa.int64()), ("router", pa.large_string()), ("rate", pa.float64())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from analysis.objectives import parse_objectives
-from experiments import capacity, config, sizing, sweep
+from experiments import capacity, commands, config, sizing, sweep
 from experiments.cli import main
 
 FLEET = """
@@ -64,6 +64,19 @@ def test_a_sweep_over_replicas_and_routers_writes_the_replica_column(tmp_path):
     assert one["jain_replicas"].between(0, 1).all() and (one["load_imbalance"] >= 1).all()
 
 
+def test_a_sweep_at_a_rate_spreads_it_over_the_replicas(tmp_path):
+    text = FLEET.replace("load = [0.8]", "rate = [3.0]").replace("duration_s = 20", "duration_s = 200")
+    summary = sweep.run(load_text(tmp_path, text), tmp_path / "out", workers=1, quiet=True)
+    assert summary["load"].isna().all() and set(summary["rate"]) == {3.0}
+    # 3 requests/s of mean 1 s: load 0.75 on 4 replicas, 1.5 on 2.
+    offered = summary.groupby("replicas")["offered_load"].mean()
+    assert offered[2] == pytest.approx(1.5, rel=0.1) and offered[4] == pytest.approx(0.75, rel=0.1)
+    assert (summary["requests"] / summary["duration_s"]).mean() == pytest.approx(3.0, rel=0.1)
+    table = commands.summary_numbers(summary)
+    assert {"replicas", "router", "rate"} <= set(table.axes) and len(table.table) == 6
+    assert "jain_replicas" in table.metrics
+
+
 def test_a_config_without_fleet_axes_keeps_its_cells():
     cfg = config.load("docs/examples/tiny.toml")
     assert all(c.replicas is None and c.router is None for c in sweep.cells(cfg))
@@ -75,6 +88,7 @@ def test_a_config_without_fleet_axes_keeps_its_cells():
     ('replicas = [2]\nrouter = ["fastest"]', "unknown router"),
     ('replicas = [2]\nrouter = ["power_of_d:3"]', "3 choices among 2 replicas"),
     ('replicas = [0]', "replicas"),
+    ('rate = [2.0]', "grid.load and grid.rate exclude each other"),
 ])
 def test_bad_fleet_axes_are_refused_before_anything_runs(tmp_path, grid, says):
     text = f'[sweep]\nduration_s = 5\n[grid]\npolicy = ["none"]\nload = [0.5]\n{grid}\n'
