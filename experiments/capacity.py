@@ -189,11 +189,13 @@ class Capacity:
         return cls(load, fails_at, ci_low, ci_high, len(judged))
 
 
-def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list, bounds: Bounds | None,
-           log: Callable[[str], None] = lambda line: None, propose: Callable | None = None) -> dict:
+def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list,
+           bounds: Bounds | None, log: Callable[[str], None] = lambda line: None,
+           propose: Callable | None = None) -> dict:
     """Search every unit (a policy, say) at once: each round asks ``evaluate`` for the judgements of every unit's
     next loads, as (unit, load) pairs, until none has a load left to try. Returns {unit: {load: Judgement}}.
-    ``propose(unit, judged)``: the points to try next (default :func:`next_loads` within ``bounds``)."""
+    ``propose(unit, judged)``: the points to try next (default :func:`next_loads` within
+    ``bounds``)."""
     propose = propose or (lambda unit, judged: next_loads(judged, bounds))
     judged: dict = {unit: {} for unit in units}
     for round_ in range(1, 1000):
@@ -266,7 +268,8 @@ class Result:
         c = self.capacity
         rate = None if c.load is None else c.load * self.capacity_rps
         return {"policy": self.unit.policy, **({"policy_args": self.unit.policy_args} if self.unit.policy_args else {}),
-                **({"replicas": self.unit.replicas, "router": self.unit.router} if self.unit.replicas else {}),
+                **({"replicas": self.unit.replicas, "router": self.unit.router}
+                   if self.unit.replicas else {}),
                 "arrivals": self.arrivals, "load": c.load, "ci_low": c.ci_low, "ci_high": c.ci_high,
                 "fails_at": c.fails_at, "rate_rps": rate, "loads_tried": c.loads_tried}
 
@@ -301,9 +304,11 @@ def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler:
     return Outcome(results, found.ran, len(found.used) - found.ran)
 
 
-def run_cells(spec: Search, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
+def run_cells(spec: Search, out: str | Path, *, workers: int | None = None,
+              scheduler: str | None = None,
               log: Callable[[str], None] = lambda line: None) -> Searched:
-    """Run ``spec``'s search on its cells into OUT (resuming the ones there) and write the sweep dataset."""
+    """Run ``spec``'s search on its cells into OUT (resuming the ones there) and write the sweep
+    dataset."""
     out = Path(out)
     spec.check()
     units = spec.units()
@@ -334,15 +339,18 @@ def run_cells(spec: Search, out: str | Path, *, workers: int | None = None, sche
 
         judged = search(evaluate, list(units), spec.bounds, log, propose=spec.propose)
     summary = sweep.write_summaries(out, list(used))
-    atomic_write(out / "manifest.json", (json.dumps(_manifest(spec, summary), indent=2) + "\n").encode())
+    manifest = json.dumps(_manifest(spec, summary), indent=2) + "\n"
+    atomic_write(out / "manifest.json", manifest.encode())
     return Searched(list(units), judged, rate, list(used), ran)
 
 
 def _manifest(spec: Search, summary: pd.DataFrame | None = None) -> dict:
-    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the searched axes
-    out, and whose grid holds their values tried (the summary's)."""
-    tried = {} if summary is None else {k: [_plain(v) for v in sorted(set(summary[k]))] for k in spec.searched}
-    cfg = dataclasses.replace(spec.config, grid={**spec.config.grid, **{k: tuple(v) for k, v in tried.items()}})
+    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the
+    searched axes out, and whose grid holds their values tried (the summary's)."""
+    tried = {} if summary is None else {k: [_plain(v) for v in sorted(set(summary[k]))]
+                                        for k in spec.searched}
+    grid = {**spec.config.grid, **{k: tuple(v) for k, v in tried.items()}}
+    cfg = dataclasses.replace(spec.config, grid=grid)
     manifest = sweep.manifest(cfg, 0 if summary is None else len(summary))
     manifest.update(config_sha256=spec.digest, source="qlab capacity", capacity=spec.settings())
     manifest["config"]["grid"].update(tried)
@@ -451,11 +459,12 @@ def _fleet_grid(args) -> dict:
     (--rate) holds one replica as a placeholder, its counts the points searched. ValueError for a
     router without a fleet, and for --replicas beside --rate."""
     if args.rate is not None and args.replicas is not None:
-        raise ValueError("--rate searches the fewest replicas; give --replicas N (a fleet's capacity) "
-                         "or --rate R (the replicas at a rate), not both")
+        raise ValueError("--rate searches the fewest replicas; give --replicas N (a fleet's "
+                         "capacity) or --rate R (the replicas at a rate), not both")
     if args.router_d is not None and "power_of_d" not in (args.router or []):
         raise ValueError("--router-d is power_of_d's choices: give --router power_of_d")
-    routers = [router_spec(r, args.router_d if r == "power_of_d" else None) for r in args.router or []]
+    routers = [router_spec(r, args.router_d if r == "power_of_d" else None)
+               for r in args.router or []]
     if args.rate is not None:
         return {"replicas": [1], "router": routers or ["round_robin"]}
     if (args.replicas or 1) == 1:
@@ -555,8 +564,9 @@ def _cmd_sizing(args, began: float) -> int:
           f"{cfg.seeds} seeds of {cfg.duration_s:g} s at {spec.rate_rps:g} requests/s; "
           f"{_header(cfg, each=True)}")
     print(sizing.table(outcome.answers, spec).to_string(index=False))
-    print("95 % interval: from the fewest replicas not failed surely to the fewest met surely, by the "
-          "seeds' t-intervals (docs/capacity.md); load each: each replica's load at the answer")
+    print("95 % interval: from the fewest replicas not failed surely to the fewest met surely, "
+          "by the seeds' t-intervals (docs/capacity.md); load each: each replica's load at the "
+          "answer")
     print(f"{outcome.ran} cells run ({outcome.reused} already done) in "
           f"{time.perf_counter() - began:.1f} s -> {args.out}")
     return 0
@@ -588,11 +598,12 @@ def register(sub) -> None:
     p.add_argument("--tolerance", type=positive,
                    help="stop when each crossing's bracket is narrower than this share of its load (default 0.02)")
     p.add_argument("--replicas", type=positive_int, metavar="N",
-                   help="the capacity of a fleet: N replicas of the server behind --router (the load "
-                        "each replica's)")
+                   help="the capacity of a fleet: N replicas of the server behind --router "
+                        "(the load each replica's)")
     p.add_argument("--router", action="append", type=_router_name, metavar="NAME",
                    help=f"{', '.join(ROUTERS)} (repeat for several; default round_robin)")
-    p.add_argument("--router-d", type=positive_int, metavar="D", help="power_of_d's choices (default 2)")
+    p.add_argument("--router-d", type=positive_int, metavar="D",
+                   help="power_of_d's choices (default 2)")
     p.add_argument("--rate", type=positive, metavar="R",
                    help="sizing: the fewest replicas that meet the objective at R requests per "
                         "second, for each policy and router (in place of a search over load)")

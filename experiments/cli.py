@@ -223,8 +223,9 @@ def cmd_simulate(args) -> int:
     if args.time_scale != 1.0 and not args.trace:
         raise UsageError("qlab simulate: error: --time-scale applies only with --trace")
     if args.rate is not None and (args.load is not None or args.trace):
-        raise UsageError("qlab simulate: error: --rate sets synthetic arrivals' rate; give --rate or "
-                         "--load" + (" (with --trace: --load or --time-scale)" if args.trace else ""))
+        with_trace = " (with --trace: --load or --time-scale)" if args.trace else ""
+        raise UsageError("qlab simulate: error: --rate sets synthetic arrivals' rate; give "
+                         f"--rate or --load{with_trace}")
     window = trace_window(args, args.load, "--load")
     if not args.trace and args.seconds is None and args.requests is None:
         args.seconds = 600.0
@@ -248,7 +249,8 @@ def cmd_simulate(args) -> int:
         return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
 
     if args.rate is not None:  # the load at which the same workload sends that rate
-        options_at = {k: v for k, v in workload(args.seed).items() if k not in ("window", "time_scale")}
+        options_at = {k: v for k, v in workload(args.seed).items()
+                      if k not in ("window", "time_scale")}
         try:
             args.load = load_at_rate(args.rate, **options_at)
         except ValueError as exc:
@@ -350,8 +352,9 @@ def _simulate_parser(sub) -> None:
                    help=f"utilisation at the simulated speed: lambda = LOAD * K / E[true S] (default {DEFAULT_LOAD:g}; "
                         "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
     p.add_argument("--rate", type=positive, metavar="R",
-                   help="arrivals at R requests per second in place of --load: load = R over the rate "
-                        "at load 1, i.e. R x E[true S] / (K x replicas) (docs/simulate.md)")
+                   help="arrivals at R requests per second in place of --load: load = R over "
+                        "the rate at load 1, i.e. R x SPEED x E[true S] / (K x replicas) "
+                        "(docs/simulate.md)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=positive, help="arrival window (default 600; with --trace: the file's "
                                                           "whole length, or N seconds of it from --start)")

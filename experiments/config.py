@@ -30,7 +30,7 @@ probs = [0.5, 0.35, 0.15]
 [grid]                       # every combination is one cell (times each seed)
 policy = ["none", "bounded", "bounded-deadline", "predictive"]
 load = [0.5, 1.0, 2.0]       # utilisation at the simulated speed: lambda = load * engines / E[true S]
-# rate = [10.0, 20.0]        #   or instead: requests per second (load = rate / the cell's capacity_rps)
+# rate = [10.0, 20.0]        #   or instead: requests/s (load = rate / the cell's capacity_rps)
 speed = [1.0, 2.25]          # true service times are SPEED times the calibration
 engines = [1]
 deadline_s = [2.0]           # optional, else the preset's
@@ -424,11 +424,11 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         raise ConfigError(f"{path}: grid.policy is required")
     for key in ("load", "rate"):
         if "trace" in grid and key in grid:
-            raise ConfigError(f"{path}: grid.trace and grid.{key} exclude each other: a trace brings its own "
-                              "arrivals")
+            raise ConfigError(f"{path}: grid.trace and grid.{key} exclude each other: a trace "
+                              "brings its own arrivals")
     if "load" in grid and "rate" in grid:
-        raise ConfigError(f"{path}: grid.load and grid.rate exclude each other: a rate is a load (of the "
-                          "cell's capacity_rps); give one")
+        raise ConfigError(f"{path}: grid.load and grid.rate exclude each other: a rate is a load "
+                          "(of the cell's capacity_rps); give one")
     if "trace" in grid and "arrivals" in grid:
         raise ConfigError(f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own")
     if "time_scale" in grid and "trace" not in grid:
@@ -577,8 +577,9 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         raise ConfigError(f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one")
     _check_load(path, grid, sweep)
     if concurrency and max(grid.get("replicas", (1,))) > 1:
-        raise ConfigError(f"{path}: grid.replicas: engines that slow each other share one machine; a "
-                          "fleet's replicas take engines with concurrency 0 (no service.concurrency)")
+        raise ConfigError(f"{path}: grid.replicas: engines that slow each other share one "
+                          "machine; a fleet's replicas take engines with concurrency 0 (no "
+                          "service.concurrency)")
     if batching is not None and s.get("service_dist", "mix") != "mix":
         raise ConfigError(f"{path}: sweep.service_dist: a [batching] engine's work is its requests' tokens, drawn "
                           "from the mix; service_dist applies to engines that run one request at a time")

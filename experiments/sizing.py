@@ -99,7 +99,16 @@ class Sizing(Search):
 
     def __post_init__(self) -> None:
         if not (self.rate_rps > 0 and math.isfinite(self.rate_rps)):
-            raise ValueError(f"--rate must be a positive number of requests per second, got {self.rate_rps:g}")
+            raise ValueError(f"--rate must be a positive number of requests per second, "
+                             f"got {self.rate_rps:g}")
+        # What a fleet cannot be yet (qsim.fleet.FleetSpec.check), before any cell runs: the
+        # config's own check sees only the placeholder of one replica.
+        if self.config.batching is not None:
+            raise ValueError("--rate with --batching: batching replicas are not simulated as a "
+                             "fleet yet (a fleet's replicas run engines one at a time)")
+        if self.config.concurrency:
+            raise ValueError("--rate with --concurrency: engines that slow each other share one "
+                             "machine; a fleet's replicas take engines with concurrency 0")
 
     def cells_at(self, cells: list[sweep.Cell], n: int) -> list[sweep.Cell]:
         fleet = [dataclasses.replace(c, replicas=n) for c in cells]
@@ -163,7 +172,8 @@ def run(spec: Sizing, out: str | Path, **options) -> Outcome:
               "tried": [{"policy": a.unit.policy, "router": a.unit.router, "replicas": n,
                          **{k: getattr(j, k) for k in ("met", "surely_met", "surely_failed")},
                          "values": j.values} for a in answers for n, j in sorted(a.judged.items())]}
-    atomic_write(Path(out) / "sizing.json", (json.dumps(json_ready(report), indent=2) + "\n").encode())
+    text = json.dumps(json_ready(report), indent=2) + "\n"
+    atomic_write(Path(out) / "sizing.json", text.encode())
     return Outcome(answers, found.ran, len(found.used) - found.ran)
 
 
@@ -177,7 +187,8 @@ def table(answers: list[Answer], spec: Sizing) -> pd.DataFrame:
     rows = [{"policy": a.unit.policy + (f" ({a.unit.policy_args})" if a.unit.policy_args else ""),
              "router": a.unit.router or "round_robin", "arrivals": a.arrivals,
              "replicas": _count(a.fewest.replicas, most),
-             "95 % interval": f"[{_count(a.fewest.ci_low, most)}, {_count(a.fewest.ci_high, most)}]",
+             "95 % interval": f"[{_count(a.fewest.ci_low, most)}, "
+                              f"{_count(a.fewest.ci_high, most)}]",
              "fails at": _count(a.fewest.fails_at, "-"),
              "load each": "-" if a.load is None else f"{a.load:.3g}",
              "counts tried": a.fewest.counts_tried} for a in answers]

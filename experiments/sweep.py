@@ -108,7 +108,8 @@ class Cell:
     prefix_caching: bool | None = None
     system_prompt: str | None = None
     turns: str | None = None
-    # A fleet: copies of the cell's server behind a router (None: one server; router None: round_robin).
+    # A fleet: copies of the cell's server behind a router (None: one server; router None:
+    # round_robin).
     replicas: int | None = None
     router: str | None = None
     rate: float | None = None  # requests per second in place of a load (None: the grid's load)
@@ -225,7 +226,9 @@ def fleet_of(cell: Cell) -> dict:
 def capacity_rps(config: SweepConfig, cell: Cell) -> float:
     """Requests per second at load 1 of the cell (its whole fleet): load x this is its rate."""
     batch = _capacity(config, cell)
-    return batch[0] if batch is not None else all_engines(cell) / (cell.speed * _mean_times(config, cell)[0])
+    if batch is not None:
+        return batch[0]
+    return all_engines(cell) / (cell.speed * _mean_times(config, cell)[0])
 
 
 def load_of(config: SweepConfig, cell: Cell) -> float | None:
@@ -237,10 +240,11 @@ def _mean_times(config: SweepConfig, cell: Cell) -> tuple[float, float]:
     """The mean true service seconds at speed 1 and mean new tokens that the cell's load counts."""
     mix, clients = config.mixes[cell.mix], config.clients.get(cell.clients, ())
     mean_s, mean_tokens = blended_means(mix, clients, config.service)
-    if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
+    if cell.used is not None:  # capacity in the work requests actually do, as the load counts it
         mean_s = used_mean_s(mix, clients, config.service, parse_used(cell.used))
     if config.mean_service_s is not None:  # exponential or deterministic service of a given mean
-        mean_s, mean_tokens = config.mean_service_s, float(config.service.tokens_for(config.mean_service_s))
+        mean_s = config.mean_service_s
+        mean_tokens = float(config.service.tokens_for(mean_s))
     return mean_s, mean_tokens
 
 
@@ -277,7 +281,8 @@ def _trace(config: SweepConfig, cell: Cell):
     if shared is not None and cell.trace is None:  # a trace file's prompts are its own
         options["prefixes"] = shared
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
-                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell), load=load_of(config, cell),
+                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell),
+                       load=load_of(config, cell),
                        service=config.service_dist, mean_service_s=config.mean_service_s,
                        engines=all_engines(cell), speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
@@ -369,7 +374,8 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64()),
                        ("policy_args", pa.large_string()), ("prefix_caching", pa.bool_()),
                        ("system_prompt", pa.large_string()), ("turns", pa.large_string()),
-                       ("replicas", pa.int64()), ("router", pa.large_string()), ("rate", pa.float64())):
+                       ("replicas", pa.int64()), ("router", pa.large_string()),
+                       ("rate", pa.float64())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))

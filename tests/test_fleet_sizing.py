@@ -65,7 +65,8 @@ def test_a_sweep_over_replicas_and_routers_writes_the_replica_column(tmp_path):
 
 
 def test_a_sweep_at_a_rate_spreads_it_over_the_replicas(tmp_path):
-    text = FLEET.replace("load = [0.8]", "rate = [3.0]").replace("duration_s = 20", "duration_s = 200")
+    text = FLEET.replace("load = [0.8]", "rate = [3.0]")
+    text = text.replace("duration_s = 20", "duration_s = 200")
     summary = sweep.run(load_text(tmp_path, text), tmp_path / "out", workers=1, quiet=True)
     assert summary["load"].isna().all() and set(summary["rate"]) == {3.0}
     # 3 requests/s of mean 1 s: load 0.75 on 4 replicas, 1.5 on 2.
@@ -122,7 +123,8 @@ def size(offsets, text, most=64, least=1, start=1):
 def test_the_count_search_finds_the_fewest_that_meets_and_its_neighbour_that_fails():
     offsets = np.random.default_rng(3).normal(0, 0.02, 8)
     fewest = size(offsets, "m>=0.8")  # 1 - 4/N >= 0.8 from N = 20 on (the seeds' mean: near it)
-    assert fewest.replicas == math.ceil(4 / (0.2 + offsets.mean())) and fewest.fails_at == fewest.replicas - 1
+    assert fewest.replicas == math.ceil(4 / (0.2 + offsets.mean()))
+    assert fewest.fails_at == fewest.replicas - 1
     assert fewest.ci_low <= fewest.replicas <= fewest.ci_high
     assert fewest.counts_tried < 15
     answers = [size(offsets, f"m>={t}").replicas for t in (0.5, 0.8, 0.9)]
@@ -210,6 +212,9 @@ def test_capacity_of_a_fleet(tmp_path, capsys):
     (["--router", "random"], "--router routes between"),
     (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
     (["--replicas", "2", "--router", "fastest"], "unknown router"),
+    (["--rate", "2", "--batching"], "batching replicas"),
+    (["--rate", "2", "--concurrency", "0.1"], "concurrency 0"),
+    (["--replicas", "2", "--batching"], "batching replicas"),
 ])
 def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, extra, says):
     args = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", *extra,
