@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -53,6 +53,7 @@ from inputs.atomic import atomic_write
 from qsim import PRESETS
 from qsim.engines import Batching, OneAtATime
 from qsim.policy import parse_args, policy_spec
+from qsim.routers import ROUTERS, router_spec
 from qsim.workload import arrivals_take_load
 
 from . import config as sweep_config
@@ -188,13 +189,17 @@ class Capacity:
         return cls(load, fails_at, ci_low, ci_high, len(judged))
 
 
-def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list, bounds: Bounds,
-           log: Callable[[str], None] = lambda line: None) -> dict:
+def search(evaluate: Callable[[list[tuple]], dict[tuple, Judgement]], units: list,
+           bounds: Bounds | None, log: Callable[[str], None] = lambda line: None,
+           propose: Callable | None = None) -> dict:
     """Search every unit (a policy, say) at once: each round asks ``evaluate`` for the judgements of every unit's
-    next loads, as (unit, load) pairs, until none has a load left to try. Returns {unit: {load: Judgement}}."""
+    next loads, as (unit, load) pairs, until none has a load left to try. Returns {unit: {load: Judgement}}.
+    ``propose(unit, judged)``: the points to try next (default :func:`next_loads` within
+    ``bounds``)."""
+    propose = propose or (lambda unit, judged: next_loads(judged, bounds))
     judged: dict = {unit: {} for unit in units}
     for round_ in range(1, 1000):
-        asks = [(unit, load) for unit in units for load in next_loads(judged[unit], bounds)]
+        asks = [(unit, load) for unit in units for load in propose(unit, judged[unit])]
         if not asks:
             return judged
         log(f"round {round_}: {len(asks)} load(s): " + ", ".join(sorted({f'{load:.4g}' for _, load in asks})))
@@ -214,12 +219,25 @@ class Search:
     objective: Objectives
     bounds: Bounds = Bounds()
     level: float = 0.95
+    #: The grid's axes the search moves along (the digest leaves them out).
+    searched: ClassVar[tuple[str, ...]] = ("load",)
+
+    def cells_at(self, cells: list[sweep.Cell], load: float) -> list[sweep.Cell]:
+        """A unit's cells (one per seed) at a point of the search."""
+        return [dataclasses.replace(c, load=load) for c in cells]
+
+    def propose(self, unit: sweep.Cell, judged: dict) -> list:
+        return next_loads(judged, self.bounds)
+
+    def settings(self) -> dict:
+        """The search's settings, as the manifest records them."""
+        return {"objective": written(self.objective), "level": self.level, **asdict(self.bounds)}
 
     @property
     def digest(self) -> str:
         """Of everything that decides the cells' rows but their loads (the folder holds any of them)."""
         canonical = self.config.canonical()
-        canonical["grid"] = {k: v for k, v in canonical["grid"].items() if k != "load"}
+        canonical["grid"] = {k: v for k, v in canonical["grid"].items() if k not in self.searched}
         text = json.dumps({"capacity_search": canonical}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -250,6 +268,8 @@ class Result:
         c = self.capacity
         rate = None if c.load is None else c.load * self.capacity_rps
         return {"policy": self.unit.policy, **({"policy_args": self.unit.policy_args} if self.unit.policy_args else {}),
+                **({"replicas": self.unit.replicas, "router": self.unit.router}
+                   if self.unit.replicas else {}),
                 "arrivals": self.arrivals, "load": c.load, "ci_low": c.ci_low, "ci_high": c.ci_high,
                 "fails_at": c.fails_at, "rate_rps": rate, "loads_tried": c.loads_tried}
 
@@ -261,20 +281,44 @@ class Outcome:
     reused: int  # cells the search used that OUT already held
 
 
+@dataclass(frozen=True)
+class Searched:
+    """What a search on cells found: each unit's judgements by point, and the cells it used."""
+
+    units: list
+    judged: dict  # unit -> {point: Judgement}
+    rate: dict  # unit -> its cells' capacity_rps at the last point asked (requests/s at load 1)
+    used: list[str]  # the ids of every cell used, in the order asked
+    ran: int  # cells run by this call
+
+
 def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
         log: Callable[[str], None] = lambda line: None) -> Outcome:
     """Search every policy's capacity, running the cells it needs into OUT (resuming the ones there); write the
     sweep dataset and ``capacity.json``."""
+    found = run_cells(spec, out, workers=workers, scheduler=scheduler, log=log)
+    results = [Result(unit, sweep.arrivals_of(spec.config, unit), Capacity.of(found.judged[unit]),
+                      found.rate[unit], found.judged[unit]) for unit in found.units]
+    atomic_write(Path(out) / "capacity.json",
+                 (json.dumps(json_ready(_report(spec, results)), indent=2) + "\n").encode())
+    return Outcome(results, found.ran, len(found.used) - found.ran)
+
+
+def run_cells(spec: Search, out: str | Path, *, workers: int | None = None,
+              scheduler: str | None = None,
+              log: Callable[[str], None] = lambda line: None) -> Searched:
+    """Run ``spec``'s search on its cells into OUT (resuming the ones there) and write the sweep
+    dataset."""
     out = Path(out)
     spec.check()
     units = spec.units()
-    sweep.claim(out, _manifest(spec, []))
+    sweep.claim(out, _manifest(spec))
     used: dict[str, dict] = {}  # every cell the search used (its summary), in the order asked
     rate: dict = {}  # unit -> its cells' capacity_rps (requests/s at load 1)
     ran = 0
 
-    def cells_at(unit, load):
-        return [dataclasses.replace(c, load=load) for c in units[unit]]
+    def cells_at(unit, point):
+        return spec.cells_at(units[unit], point)
 
     with sweep.executor(spec.config, workers=workers, scheduler=scheduler) as runner:
         def evaluate(asks):
@@ -293,25 +337,29 @@ def run(spec: Search, out: str | Path, *, workers: int | None = None, scheduler:
                 judged[unit, load] = judge(per_seed, spec.objective, spec.level)
             return judged
 
-        judged = search(evaluate, list(units), spec.bounds, log)
-    results = [Result(unit, sweep.arrivals_of(spec.config, unit), Capacity.of(judged[unit]), rate[unit], judged[unit])
-               for unit in units]
+        judged = search(evaluate, list(units), spec.bounds, log, propose=spec.propose)
     summary = sweep.write_summaries(out, list(used))
-    manifest = _manifest(spec, sorted(set(summary["load"])), len(summary))
-    atomic_write(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
-    atomic_write(out / "capacity.json", (json.dumps(json_ready(_report(spec, results)), indent=2) + "\n").encode())
-    return Outcome(results, ran, len(used) - ran)
+    manifest = json.dumps(_manifest(spec, summary), indent=2) + "\n"
+    atomic_write(out / "manifest.json", manifest.encode())
+    return Searched(list(units), judged, rate, list(used), ran)
 
 
-def _manifest(spec: Search, loads: list[float], n_cells: int = 0) -> dict:
-    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the loads out."""
-    cfg = dataclasses.replace(spec.config, grid={**spec.config.grid, "load": tuple(loads) or (_SOME_LOAD,)})
-    manifest = sweep.manifest(cfg, n_cells)
-    manifest.update(config_sha256=spec.digest, source="qlab capacity",
-                    capacity={"objective": written(spec.objective), "level": spec.level, **asdict(spec.bounds)})
-    if loads:
-        manifest["config"]["grid"]["load"] = list(loads)
+def _manifest(spec: Search, summary: pd.DataFrame | None = None) -> dict:
+    """A sweep manifest (``qlab summary`` and ``qlab plot`` read it) whose digest leaves the
+    searched axes out, and whose grid holds their values tried (the summary's)."""
+    tried = {} if summary is None else {k: [_plain(v) for v in sorted(set(summary[k]))]
+                                        for k in spec.searched}
+    grid = {**spec.config.grid, **{k: tuple(v) for k, v in tried.items()}}
+    cfg = dataclasses.replace(spec.config, grid=grid)
+    manifest = sweep.manifest(cfg, 0 if summary is None else len(summary))
+    manifest.update(config_sha256=spec.digest, source="qlab capacity", capacity=spec.settings())
+    manifest["config"]["grid"].update(tried)
     return manifest
+
+
+def _plain(value):
+    """A summary's number as JSON writes it (numpy's integers are not)."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def _report(spec: Search, results: list[Result]) -> dict:
@@ -398,11 +446,33 @@ def config_from_args(args) -> SweepConfig:
     clientflags.from_args(args)  # the patience and retry flags, checked as simulate checks them
     if args.patience_until is not None:
         settings["patience_until"] = args.patience_until
+    grid.update(_fleet_grid(args))
     pairs = parse_args(args.policy_arg)
     return search_config(args.policy, args.arrivals or ["poisson"], seconds=args.seconds, seeds=args.seeds,
                          first_seed=args.seed, sweep_settings=settings, grid=grid,
                          policy_args={p: dict(pairs) for p in args.policy} if pairs else None, service=_service_table(args),
                          retry=clientflags.retry_table(args) or None, batching=batching)
+
+
+def _fleet_grid(args) -> dict:
+    """The fleet axes of --replicas, --router (repeated: an axis) and --router-d; a sizing search
+    (--rate) holds one replica as a placeholder, its counts the points searched. ValueError for a
+    router without a fleet, and for --replicas beside --rate."""
+    if args.rate is not None and args.replicas is not None:
+        raise ValueError("--rate searches the fewest replicas; give --replicas N (a fleet's "
+                         "capacity) or --rate R (the replicas at a rate), not both")
+    if args.router_d is not None and "power_of_d" not in (args.router or []):
+        raise ValueError("--router-d is power_of_d's choices: give --router power_of_d")
+    routers = [router_spec(r, args.router_d if r == "power_of_d" else None)
+               for r in args.router or []]
+    if args.rate is not None:
+        return {"replicas": [1], "router": routers or ["round_robin"]}
+    if (args.replicas or 1) == 1:
+        if routers:
+            raise ValueError("--router routes between --replicas N > 1 (or, with --rate, the "
+                             "replicas searched)")
+        return {}
+    return {"replicas": [args.replicas], "router": routers or ["round_robin"]}
 
 
 def _number(value: float | None, missing: str) -> str:
@@ -422,16 +492,43 @@ def shown(record: dict, bounds: Bounds) -> dict[str, str]:
 def table(results: list[Result], bounds: Bounds) -> pd.DataFrame:
     """The results as printed: a row per policy (and arrival process, where there are several)."""
     rows = [{"policy": r.unit.policy + (f" ({r.unit.policy_args})" if r.unit.policy_args else ""),
+             **({"router": r.unit.router} if r.unit.router else {}),
              "arrivals": r.arrivals, **shown(r.record(), bounds), "loads tried": r.capacity.loads_tried}
             for r in results]
     frame = pd.DataFrame(rows)
     return frame if frame["arrivals"].nunique() > 1 else frame.drop(columns="arrivals")
 
 
+def _bounds(args) -> Bounds:
+    """The load search's bounds (each option's default where not given); a sizing search (--rate)
+    searches replicas, so it takes none of them."""
+    given = {k: v for k, v in (("start", args.start), ("min_load", args.min_load),
+                               ("max_load", args.max_load), ("tolerance", args.tolerance))
+             if v is not None}
+    if args.rate is not None and given:
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise ValueError(f"{flag} bounds a search over load; --rate searches replicas "
+                         "(--max-replicas)")
+    if args.rate is None and args.max_replicas is not None:
+        raise ValueError("--max-replicas bounds a sizing search: give --rate R")
+    return Bounds(**given)
+
+
+def _header(cfg: SweepConfig, each: bool = False) -> str:
+    """The cells' arrivals, engines (and fleet, or ``each`` replica's) and speed, in words."""
+    engine = cfg.engine() or OneAtATime(cfg.grid["engines"][0], cfg.concurrency)
+    replicas = cfg.grid.get("replicas", (1,))[0]
+    fleet = "each replica " if each else f"{replicas} replicas of " if replicas > 1 else ""
+    return (f"{', '.join(cfg.arrival_processes)} arrivals, {fleet}{engineflags.describe(engine)}, "
+            f"speed {cfg.grid['speed'][0]:g}")
+
+
 def cmd_capacity(args) -> int:
     began = time.perf_counter()
-    spec = Search(config_from_args(args), parse_objectives(args.objective),
-                  Bounds(args.start, args.min_load, args.max_load, args.tolerance))
+    bounds = _bounds(args)
+    if args.rate is not None:
+        return _cmd_sizing(args, began)
+    spec = Search(config_from_args(args), parse_objectives(args.objective), bounds)
     show = not args.quiet and not args.json and sys.stderr.isatty()
     outcome = run(spec, args.out, workers=args.workers, scheduler=args.scheduler,
                   log=lambda line: show and print(f"qlab capacity: {line}", file=sys.stderr, flush=True))
@@ -439,16 +536,46 @@ def cmd_capacity(args) -> int:
         print(json.dumps(json_ready([r.record() for r in outcome.results]), indent=2))
         return 0
     cfg = spec.config
-    engine = cfg.engine() or OneAtATime(cfg.grid["engines"][0], cfg.concurrency)
     print(f"capacity: the highest load at which {written(spec.objective)} holds for the mean of {cfg.seeds} seeds of "
-          f"{cfg.duration_s:g} s; {', '.join(cfg.arrival_processes)} arrivals, {engineflags.describe(engine)}, "
-          f"speed {cfg.grid['speed'][0]:g}")
+          f"{cfg.duration_s:g} s; {_header(cfg)}")
     print(table(outcome.results, spec.bounds).to_string(index=False))
     print(f"95 % interval: from the last load met surely to the first failed surely, by the seeds' t-intervals "
           f"(docs/capacity.md); brackets within {spec.bounds.tolerance:.0%}")
     print(f"{outcome.ran} cells run ({outcome.reused} already done) in {time.perf_counter() - began:.1f} s "
           f"-> {args.out}")
     return 0
+
+
+def _cmd_sizing(args, began: float) -> int:
+    """--rate: the fewest replicas meeting the objective at the rate, per policy and router."""
+    from . import sizing
+
+    spec = sizing.Sizing(config_from_args(args), parse_objectives(args.objective),
+                         rate_rps=args.rate, max_replicas=args.max_replicas or sizing.MAX_REPLICAS)
+    show = not args.quiet and not args.json and sys.stderr.isatty()
+    outcome = sizing.run(spec, args.out, workers=args.workers, scheduler=args.scheduler,
+                         log=lambda line: show and print(f"qlab capacity: {line}", file=sys.stderr,
+                                                         flush=True))
+    if args.json:
+        print(json.dumps(json_ready([a.record(spec.rate_rps) for a in outcome.answers]), indent=2))
+        return 0
+    cfg = spec.config
+    print(f"sizing: the fewest replicas at which {written(spec.objective)} holds for the mean of "
+          f"{cfg.seeds} seeds of {cfg.duration_s:g} s at {spec.rate_rps:g} requests/s; "
+          f"{_header(cfg, each=True)}")
+    print(sizing.table(outcome.answers, spec).to_string(index=False))
+    print("95 % interval: from the fewest replicas not failed surely to the fewest met surely, "
+          "by the seeds' t-intervals (docs/capacity.md); load each: each replica's load at the "
+          "answer")
+    print(f"{outcome.ran} cells run ({outcome.reused} already done) in "
+          f"{time.perf_counter() - began:.1f} s -> {args.out}")
+    return 0
+
+
+def _router_name(text: str) -> str:
+    from .cli import router_name  # simulate's check of a router's name, where it lives
+
+    return router_name(text)
 
 
 def register(sub) -> None:
@@ -465,11 +592,23 @@ def register(sub) -> None:
                    help="METRIC>=NUMBER (or <=, >, <) over a cell summary's metrics, several joined with 'and', "
                         "e.g. 'share_good>=0.9' or 'share_good>=0.9 and latency_p99_s<=2'")
     p.add_argument("--seconds", type=positive, default=300.0, help="simulated seconds of arrivals per run (default 300)")
-    p.add_argument("--start", type=positive, default=Bounds.start, help="the first load tried (default 1)")
-    p.add_argument("--min-load", type=positive, default=Bounds.min_load, help="the lowest load tried (default 0.01)")
-    p.add_argument("--max-load", type=positive, default=Bounds.max_load, help="the highest load tried (default 10)")
-    p.add_argument("--tolerance", type=positive, default=Bounds.tolerance,
+    p.add_argument("--start", type=positive, help="the first load tried (default 1)")
+    p.add_argument("--min-load", type=positive, help="the lowest load tried (default 0.01)")
+    p.add_argument("--max-load", type=positive, help="the highest load tried (default 10)")
+    p.add_argument("--tolerance", type=positive,
                    help="stop when each crossing's bracket is narrower than this share of its load (default 0.02)")
+    p.add_argument("--replicas", type=positive_int, metavar="N",
+                   help="the capacity of a fleet: N replicas of the server behind --router "
+                        "(the load each replica's)")
+    p.add_argument("--router", action="append", type=_router_name, metavar="NAME",
+                   help=f"{', '.join(ROUTERS)} (repeat for several; default round_robin)")
+    p.add_argument("--router-d", type=positive_int, metavar="D",
+                   help="power_of_d's choices (default 2)")
+    p.add_argument("--rate", type=positive, metavar="R",
+                   help="sizing: the fewest replicas that meet the objective at R requests per "
+                        "second, for each policy and router (in place of a search over load)")
+    p.add_argument("--max-replicas", type=positive_int, metavar="N",
+                   help="--rate: the most replicas tried (default 64)")
     add_workload_options(p, seeds=10, several_arrivals=True)
     engineflags.add_flags(p)
     p.add_argument("--out", required=True, help="output folder: a sweep dataset (created; resumed if it holds this search)")

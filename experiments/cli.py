@@ -25,7 +25,7 @@ from inputs.argtypes import count, number, positive, positive_int
 from inputs.atomic import sigterm_interrupts, write_parquet
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load
+from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load, load_at_rate
 from qsim.fleet import FleetSpec
 from qsim.records import OUTCOMES
 from qsim.routers import ROUTERS, make_router, parse_weights
@@ -86,7 +86,8 @@ class _Run:
 def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     bound = "" if policy.max_queue is None else f", max queue {policy.max_queue}"
     # A process that brings its own rate (a burst) has no load to state.
-    at = (f" at load {DEFAULT_LOAD if args.load is None else args.load:g}"
+    rate = "" if args.rate is None else f"{args.rate:g} requests/s, "
+    at = (f" at {rate}load {DEFAULT_LOAD if args.load is None else args.load:g}"
           if not args.trace and arrivals_take_load(args.arrivals) else "")
     what = (f"trace {args.trace} ({_window(args)})" if args.trace else
             f"{args.arrivals} arrivals{at}, "
@@ -255,6 +256,10 @@ def cmd_simulate(args) -> int:
         raise UsageError(f"qlab simulate: error: --trace replaces {', '.join(args.trace_conflicts)}; give one or the other")
     if args.time_scale != 1.0 and not args.trace:
         raise UsageError("qlab simulate: error: --time-scale applies only with --trace")
+    if args.rate is not None and (args.load is not None or args.trace):
+        with_trace = " (with --trace: --load or --time-scale)" if args.trace else ""
+        raise UsageError("qlab simulate: error: --rate sets synthetic arrivals' rate; give "
+                         f"--rate or --load{with_trace}")
     window = trace_window(args, args.load, "--load")
     if not args.trace and args.seconds is None and args.requests is None:
         args.seconds = 600.0
@@ -278,6 +283,13 @@ def cmd_simulate(args) -> int:
     def server(seed: int) -> ServerConfig:
         return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
 
+    if args.rate is not None:  # the load at which the same workload sends that rate
+        options_at = {k: v for k, v in workload(args.seed).items()
+                      if k not in ("window", "time_scale")}
+        try:
+            args.load = load_at_rate(args.rate, **options_at)
+        except ValueError as exc:
+            raise UsageError(f"qlab simulate: error: --rate: {exc}") from None
     fleet = _fleet_from_args(args, server(args.seed))
     if fleet is not None and "capacity_rps" in options:  # the load is each batching replica's
         options["capacity_rps"] *= fleet.replicas
@@ -382,6 +394,10 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--load", type=positive,
                    help=f"utilisation at the simulated speed: lambda = LOAD * K / E[true S] (default {DEFAULT_LOAD:g}; "
                         "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
+    p.add_argument("--rate", type=positive, metavar="R",
+                   help="arrivals at R requests per second in place of --load: load = R over "
+                        "the rate at load 1, i.e. R x SPEED x E[true S] / (K x replicas) "
+                        "(docs/simulate.md)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=positive, help="arrival window (default 600; with --trace: the file's "
                                                           "whole length, or N seconds of it from --start)")

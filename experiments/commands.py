@@ -43,12 +43,14 @@ def summary_numbers(summary: pd.DataFrame) -> SummaryNumbers:
     optional = ("clients", "retry", "patience", "used", "speed_schedule", "policy_args")
     summary = summary.assign(**{c: summary[c].astype(object).where(summary[c].notna(), NO_CLIENTS)
                                 for c in optional if c in summary})
-    by = [c for c in ("speed", "engines", "arrivals", "load", "clients", "retry", "patience", "used", "speed_schedule",
-                      "fixed_estimate", "cancel_at_deadline", "estimator", "policy", "policy_args")
+    by = [c for c in ("speed", "engines", "replicas", "router", "arrivals", "load", "rate", "clients", "retry",
+                      "patience", "used", "speed_schedule", "fixed_estimate", "cancel_at_deadline", "estimator",
+                      "policy", "policy_args")
           if c in summary and summary[c].notna().any() and not (c in optional and set(summary[c]) == {NO_CLIENTS})]
     metrics = ["share_good", "goodput_rps", "good_tokens_per_s", "latency_p99_s"]
     metrics += [m for m in ("jain_goodput", "jain_share", "share_good_e2e", "attempts_per_request", "recovery_s",
-                            "recovered") if m in summary and summary[m].notna().any()]
+                            "recovered", "load_imbalance", "jain_replicas")
+                if m in summary and summary[m].notna().any()]
     agg = aggregate(summary, by, metrics)
     columns = [*by, "n", *(c for m in metrics for c in (m, f"{m}_low", f"{m}_high"))]
     return SummaryNumbers(agg[columns], tuple(by), tuple(metrics))

@@ -30,6 +30,7 @@ probs = [0.5, 0.35, 0.15]
 [grid]                       # every combination is one cell (times each seed)
 policy = ["none", "bounded", "bounded-deadline", "predictive"]
 load = [0.5, 1.0, 2.0]       # utilisation at the simulated speed: lambda = load * engines / E[true S]
+# rate = [10.0, 20.0]        #   or instead: requests/s (load = rate / the cell's capacity_rps)
 speed = [1.0, 2.25]          # true service times are SPEED times the calibration
 engines = [1]
 deadline_s = [2.0]           # optional, else the preset's
@@ -81,6 +82,9 @@ b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("defau
 # (qsim.workload.SharedPrefix): system_prompt = "512:0.8" (a system prompt of 512 tokens before a
 # share 0.8 of the prompts; "none": the default) and turns = "4:16" (conversations of 4 turns, 16
 # open at once; "1": the default).
+# A fleet (qsim.fleet), optional axes: replicas = [2, 4, 8] (copies of the cell's server, each its
+# engines, line and admission; the load is each replica's) and router = ["random", "power_of_d",
+# "power_of_d:3", "central"] (qsim.routers; default round_robin; needs replicas).
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -105,6 +109,7 @@ from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
 from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
+from qsim.routers import parse_router
 from qsim.workload import (SERVICES, Client, Prompts, SharedPrefix, UsedShare, arrivals_take_load,
                            check_clients, parse_arrivals)
 
@@ -116,7 +121,7 @@ GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "dead
              "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
              "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
              "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str, "prefix_caching": bool,
-             "system_prompt": str, "turns": str}
+             "system_prompt": str, "turns": str, "replicas": int, "router": str, "rate": float}
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
 BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
 #: The step model of a cell without a step axis: [batching]'s own.
@@ -400,15 +405,15 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                 patience_from_table(f"{where}[{i}]", v, patience_until)
             if key == "estimator" and v not in ESTIMATORS:
                 raise ConfigError(f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
-            if key in ("used", "speed_schedule", "arrivals", "system_prompt", "turns"):
+            if key in ("used", "speed_schedule", "arrivals", "system_prompt", "turns", "router"):
                 try:
                     {"used": parse_used, "speed_schedule": parse_speed_schedule,
                      "arrivals": parse_arrivals, "system_prompt": _system_prompt,
-                     "turns": _turns}[key](v)
+                     "turns": _turns, "router": parse_router}[key](v)
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key in ("load", "speed", "engines", "deadline_s", "time_scale", "max_num_seqs", "kv_blocks",
-                       "ttft_slo_s", "tpot_slo_s"):
+                       "ttft_slo_s", "tpot_slo_s", "replicas", "rate"):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
                 positive_value(f"{where}[{i}]", v, zero_ok=True)
@@ -417,8 +422,13 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         grid[key] = checked
     if "policy" not in grid:
         raise ConfigError(f"{path}: grid.policy is required")
-    if "trace" in grid and "load" in grid:
-        raise ConfigError(f"{path}: grid.trace and grid.load exclude each other: a trace brings its own arrivals")
+    for key in ("load", "rate"):
+        if "trace" in grid and key in grid:
+            raise ConfigError(f"{path}: grid.trace and grid.{key} exclude each other: a trace "
+                              "brings its own arrivals")
+    if "load" in grid and "rate" in grid:
+        raise ConfigError(f"{path}: grid.load and grid.rate exclude each other: a rate is a load "
+                          "(of the cell's capacity_rps); give one")
     if "trace" in grid and "arrivals" in grid:
         raise ConfigError(f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own")
     if "time_scale" in grid and "trace" not in grid:
@@ -434,10 +444,30 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         if name not in (steps or {}):
             raise ConfigError(f"{path}: grid.step[{i}]: unknown step model {name!r}; define it under "
                               f"[steps.{_key(name)}] (or use {DEFAULT_STEP!r}: [batching]'s)")
+    _check_fleet(path, grid, batching)
     if "trace" in grid and set(grid.get("clients", (NO_CLIENTS,))) != {NO_CLIENTS}:
         raise ConfigError(f"{path}: grid.clients applies to synthetic arrivals; a trace file brings its own "
                           "client_id and priority columns")
     return grid
+
+
+def _check_fleet(path: str, grid: dict, batching: bool) -> None:
+    """A fleet's axes: replicas (each a copy of the cell's server, the load each replica's) and the
+    router between them (default round_robin, as ``qlab simulate``'s); what a fleet cannot be yet
+    (qsim.fleet.FleetSpec.check) is refused here, before any cell runs."""
+    if "router" in grid and "replicas" not in grid:
+        raise ConfigError(f"{path}: grid.router routes between replicas: add grid.replicas")
+    if max(grid.get("replicas", (1,))) == 1:
+        return
+    if batching:
+        raise ConfigError(f"{path}: grid.replicas: batching replicas are not simulated as a fleet "
+                          "yet (a fleet's replicas run engines one at a time)")
+    fleets = [n for n in grid["replicas"] if n > 1]
+    for spec in grid.get("router", ()):
+        d = getattr(parse_router(spec), "d", 1)
+        if d > min(fleets):
+            raise ConfigError(f"{path}: grid.router {spec!r}: {d} choices among "
+                              f"{min(fleets)} replicas")
 
 
 def _system_prompt(spec: str) -> SharedPrefix:
@@ -546,6 +576,10 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     if "fixed_estimate" in sweep and "fixed_estimate" in grid:
         raise ConfigError(f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one")
     _check_load(path, grid, sweep)
+    if concurrency and max(grid.get("replicas", (1,))) > 1:
+        raise ConfigError(f"{path}: grid.replicas: engines that slow each other share one "
+                          "machine; a fleet's replicas take engines with concurrency 0 (no "
+                          "service.concurrency)")
     if batching is not None and s.get("service_dist", "mix") != "mix":
         raise ConfigError(f"{path}: sweep.service_dist: a [batching] engine's work is its requests' tokens, drawn "
                           "from the mix; service_dist applies to engines that run one request at a time")
@@ -587,13 +621,14 @@ def _check_load(path: str, grid: dict, sweep: dict) -> None:
     where = "grid.arrivals" if "arrivals" in grid else "sweep.arrivals"
     for spec in grid.get("arrivals", (sweep.get("arrivals", "poisson"),)):
         takes = arrivals_take_load(spec)
-        if takes and "load" not in grid:
-            raise ConfigError(f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} takes one) "
-                              "or trace (a file's arrivals)")
-        if not takes and "load" in grid:
-            raise ConfigError(f"{path}: {where} {spec!r} takes no load (its burst size sets its rate); leave "
-                              "grid.load out, give periodic:PERIOD_S (its burst size follows the load), or sweep it "
-                              "in a file of its own")
+        given = next((k for k in ("load", "rate") if k in grid), None)
+        if takes and given is None:
+            raise ConfigError(f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} takes one), "
+                              "rate or trace (a file's arrivals)")
+        if not takes and given is not None:
+            raise ConfigError(f"{path}: {where} {spec!r} takes no {given} (its burst size sets its rate); leave "
+                              f"grid.{given} out, give periodic:PERIOD_S (its burst size follows the load), or "
+                              "sweep it in a file of its own")
 
 
 def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> StepModel:

@@ -58,6 +58,7 @@ from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.engines import OneAtATime
+from qsim.routers import parse_router
 from qsim.workload import Prompts, blended_means, parse_arrivals, used_mean_s
 
 from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
@@ -107,6 +108,11 @@ class Cell:
     prefix_caching: bool | None = None
     system_prompt: str | None = None
     turns: str | None = None
+    # A fleet: copies of the cell's server behind a router (None: one server; router None:
+    # round_robin).
+    replicas: int | None = None
+    router: str | None = None
+    rate: float | None = None  # requests per second in place of a load (None: the grid's load)
 
     @property
     def id(self) -> str:
@@ -121,7 +127,8 @@ class Cell:
 #: carry their column only when the sweep has the axis.
 OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
                  "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s",
-                 "arrivals", "policy_args", "prefix_caching", "system_prompt", "turns")
+                 "arrivals", "policy_args", "prefix_caching", "system_prompt", "turns", "replicas",
+                 "router", "rate")
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
@@ -181,7 +188,8 @@ def cells(config: SweepConfig) -> list[Cell]:
         **{axis: g.get(axis, (None,)) for axis in ("max_num_seqs", "kv_blocks", "chunked_prefill", "step",
                                                    "ttft_slo_s", "tpot_slo_s")},
         arrivals=g.get("arrivals", (None,)),
-        **{axis: g.get(axis, (None,)) for axis in ("prefix_caching", "system_prompt", "turns")},
+        **{axis: g.get(axis, (None,)) for axis in ("prefix_caching", "system_prompt", "turns",
+                                                   "replicas", "router", "rate")},
     )
     out = []
     for combo in itertools.product(*axes.values()):
@@ -200,6 +208,44 @@ def _engine(config: SweepConfig, cell: Cell):
     step = engine.step
     return dataclasses.replace(engine, step=dataclasses.replace(
         step, b0=step.b0 * cell.speed, b1=step.b1 * cell.speed, b2=step.b2 * cell.speed, b3=step.b3 * cell.speed))
+
+
+def all_engines(cell: Cell) -> int:
+    """The engines of the cell's whole fleet (its server's, times its replicas): a fleet's load is
+    each replica's, so its arrivals are those of one server with all of them."""
+    return cell.engines * (cell.replicas or 1)
+
+
+def fleet_of(cell: Cell) -> dict:
+    """simulate's fleet options for the cell ({}: one server)."""
+    if cell.replicas is None:
+        return {}
+    return {"replicas": cell.replicas, "router": parse_router(cell.router or "round_robin")}
+
+
+def capacity_rps(config: SweepConfig, cell: Cell) -> float:
+    """Requests per second at load 1 of the cell (its whole fleet): load x this is its rate."""
+    batch = _capacity(config, cell)
+    if batch is not None:
+        return batch[0]
+    return all_engines(cell) / (cell.speed * _mean_times(config, cell)[0])
+
+
+def load_of(config: SweepConfig, cell: Cell) -> float | None:
+    """The cell's load: the grid's, or its rate over its capacity_rps (the rate at load 1)."""
+    return cell.load if cell.rate is None else cell.rate / capacity_rps(config, cell)
+
+
+def _mean_times(config: SweepConfig, cell: Cell) -> tuple[float, float]:
+    """The mean true service seconds at speed 1 and mean new tokens that the cell's load counts."""
+    mix, clients = config.mixes[cell.mix], config.clients.get(cell.clients, ())
+    mean_s, mean_tokens = blended_means(mix, clients, config.service)
+    if cell.used is not None:  # capacity in the work requests actually do, as the load counts it
+        mean_s = used_mean_s(mix, clients, config.service, parse_used(cell.used))
+    if config.mean_service_s is not None:  # exponential or deterministic service of a given mean
+        mean_s = config.mean_service_s
+        mean_tokens = float(config.service.tokens_for(mean_s))
+    return mean_s, mean_tokens
 
 
 def _capacity(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
@@ -235,9 +281,10 @@ def _trace(config: SweepConfig, cell: Cell):
     if shared is not None and cell.trace is None:  # a trace file's prompts are its own
         options["prefixes"] = shared
     return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
-                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell), load=cell.load,
+                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell),
+                       load=load_of(config, cell),
                        service=config.service_dist, mean_service_s=config.mean_service_s,
-                       engines=cell.engines, speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
+                       engines=all_engines(cell), speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
                        mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
                        clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience),
                        used=None if cell.used is None else parse_used(cell.used), **options)
@@ -262,13 +309,10 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     if engine is None:  # engines one at a time, slowing each other by the calibrated concurrency term (if any)
         engine = OneAtATime(cell.engines, config.concurrency)
     server = ServerConfig(policy, engine, config.service, fixed_estimate=fixed, seed=cell.seed)
-    frame = simulate(trace, server, retry=config.retries.get(cell.retry), speed_schedule=schedule)
-    mean_s, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
-    if cell.used is not None:  # capacity in the work requests actually do (tokens generated), as the load counts it
-        mean_s = used_mean_s(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service,
-                             parse_used(cell.used))
-    if config.mean_service_s is not None:  # exponential or deterministic service of a given mean
-        mean_s, mean_tokens = config.mean_service_s, float(config.service.tokens_for(config.mean_service_s))
+    frame = simulate(trace, server, retry=config.retries.get(cell.retry), speed_schedule=schedule,
+                     **fleet_of(cell))
+    mean_s, mean_tokens = _mean_times(config, cell)
+    engines = all_engines(cell)
     # The effective bound and deadline (the preset's unless the grid overrides them).
     params = {"cell_id": cell.id, **_params(config, cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
     seconds = metrics.run_duration(frame, trace.duration_s)
@@ -276,10 +320,12 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
         **params,
         **metrics.summary(frame, trace.duration_s),
         "duration_s": seconds,
-        "offered_load": float(trace.true_service_s.sum() / (seconds * cell.engines)),
-        "capacity_rps": cell.engines / (cell.speed * mean_s),
-        "capacity_tokens_per_s": cell.engines * mean_tokens / (cell.speed * mean_s),
+        "offered_load": float(trace.true_service_s.sum() / (seconds * engines)),
+        "capacity_rps": capacity_rps(config, cell),
+        "capacity_tokens_per_s": engines * mean_tokens / (cell.speed * mean_s),
     }
+    if cell.replicas is not None:  # how evenly the router spread the work
+        summary.update(metrics.fleet_balance(metrics.by_replica(frame, cell.replicas)))
     batch_capacity = _capacity(config, cell)
     if batch_capacity is not None:  # a batching engine: what it can serve saturated, and what it did
         summary.update(capacity_rps=batch_capacity[0], capacity_tokens_per_s=batch_capacity[1],
@@ -289,7 +335,7 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        if frame["kv_blocks_peak"].notna().any() else math.nan)
     if any(axis in config.grid for axis in ESTIMATION_AXES):  # what the estimates got wrong, and what cutting saved
         change = None if schedule is None or not schedule.steps else schedule.steps[0][0]
-        summary.update(estimation.cell_summary(frame, cell.engines, change_s=change))
+        summary.update(estimation.cell_summary(frame, engines, change_s=change))
     if "retry" in config.grid:  # every cell of a retry sweep has the end-to-end view, its no-retry baseline too
         summary.update(metrics.retry_summary(frame, seconds))
     over_time = None
@@ -327,7 +373,9 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        ("max_num_seqs", pa.int64()), ("kv_blocks", pa.int64()), ("chunked_prefill", pa.bool_()),
                        ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64()),
                        ("policy_args", pa.large_string()), ("prefix_caching", pa.bool_()),
-                       ("system_prompt", pa.large_string()), ("turns", pa.large_string())):
+                       ("system_prompt", pa.large_string()), ("turns", pa.large_string()),
+                       ("replicas", pa.int64()), ("router", pa.large_string()),
+                       ("rate", pa.float64())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))

@@ -28,7 +28,7 @@ import numpy as np
 
 __all__ = ["ROUTERS", "Central", "JoinShortestQueue", "LeastKV", "LeastWork", "PowerOfD",
            "PrefixAffinity", "Random", "ReplicaState", "RoundRobin", "Router", "Weighted",
-           "make_router", "parse_weights"]
+           "make_router", "parse_router", "parse_weights", "router_spec"]
 
 
 class ReplicaState(NamedTuple):
@@ -235,3 +235,19 @@ def make_router(name: str, d: int | None = None, weights: dict | None = None) ->
     if d is not None:
         return PowerOfD(d)
     return kind(**(weights or {}))
+
+
+def router_spec(name: str, d: int | None = None) -> str:
+    """The text a sweep names a router by: NAME, or power_of_d:D where D is given."""
+    return name if d is None else f"{name}:{d}"
+
+
+def parse_router(spec: str) -> Router:
+    """A router from its sweep text, NAME or power_of_d:D (:func:`router_spec`); ValueError naming
+    what is wrong."""
+    name, _, d = spec.strip().partition(":")
+    if not d:
+        return make_router(name)
+    if not d.isdigit():
+        raise ValueError(f"router {spec!r}: expected NAME or power_of_d:D, D a whole number")
+    return make_router(name, int(d))

@@ -877,6 +877,21 @@ def load_rate(load: float, engines: int, mean_true_s: float) -> float:
     return load * engines / mean_true_s
 
 
+def load_at_rate(rate_rps: float, **options) -> float:
+    """The load at which :func:`plan_trace` with ``options`` sends ``rate_rps`` requests per second.
+    The rate is linear in the load (:func:`load_rate`, or load x capacity_rps), so this is the
+    rate over the one at load 1: whatever counts in the load (engines, speed, the mix, clients,
+    early stops, a batching engine's capacity) counts here. ValueError for a process that takes
+    no load (its bursts bring their own rate)."""
+    if not (rate_rps > 0 and math.isfinite(rate_rps)):
+        raise ValueError(f"a rate must be a positive number of requests per second, got {rate_rps}")
+    arrivals = options.get("arrivals", "poisson")
+    if not arrivals_take_load(arrivals):
+        raise ValueError(f"arrivals {arrivals!r} bring their own rate (their burst size sets it) "
+                         "and take no --rate")
+    return rate_rps / plan_trace(**{**options, "load": 1.0}).rate
+
+
 def plan_trace(
     arrivals: str = "poisson",
     service: str = "mix",
