@@ -402,7 +402,7 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 def cmd_calibrate(args) -> int:
     from live.admin import send_calibration, sending_key
-    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, report
+    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms
 
     if args.apply:
         sending_key()  # a missing key said before the calibration's minutes, not after
@@ -416,12 +416,18 @@ def cmd_calibrate(args) -> int:
                 "batching server's seats)")
     else:
         load = f"; then {cfg.load_per_size} x the sizes with {', '.join(map(str, cfg.levels))} in flight" if cfg.levels else ""
-    print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
-          f"one request at a time{load}", flush=True)
+    say = _saying(args.json)
+    say(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
+        f"one request at a time{load}")
     try:
-        result = calibrate(cfg, progress=lambda step: print(report(step), flush=True))
+        result = calibrate(cfg, progress=_step_reports(args))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
+    if args.json:
+        result.save(args.out)
+        taken = send_calibration(cfg.url, result.as_dict()) if args.apply else None
+        print(json.dumps(json_ready(_calibration_facts(cfg, result, args.out, taken)), indent=2))
+        return 0
     print(describe(result.overall, "all rounds"))
     print(describe_terms(result))
     lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
@@ -433,6 +439,36 @@ def cmd_calibrate(args) -> int:
         taken = send_calibration(cfg.url, result.as_dict())
         print(f"the gate plans with it now: {taken['service_model']}")
     return 0
+
+
+def _step_reports(args):
+    """Each step's line as it ends: on stdout with the text, on stderr beside --json (still minutes
+    of work to follow), none with --quiet."""
+    import sys
+
+    from live.calibrate import report
+
+    if args.quiet:
+        return None
+    stream = sys.stderr if args.json else sys.stdout
+    return lambda step: print(report(step), file=stream, flush=True)
+
+
+def _calibration_facts(cfg, result, out: str, taken: dict | None) -> dict:
+    """--json's document: the fit the text describes (the saved file's, less its raw points), the
+    prompt lengths measured, the file written, and what the gate took with --apply (None without)."""
+    saved = result.as_dict()
+    points = ("tokens", "prompt_tokens", "engine_s", "busy")
+    rounds = [{k: v for k, v in r.items() if k not in points} for r in saved["rounds"]]
+    load = saved["load"]
+    if load is not None:
+        load = {**load, "levels": [{k: v for k, v in lv.items() if k not in points}
+                                   for lv in load["levels"]]}
+    lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
+    return {"url": cfg.url, **{k: saved[k] for k in ("model", "median_rel_error", "worst_rel_error", "n")},
+            "prompt_tokenizer": result.tokenizer, "prompt_lengths": lengths, "rounds": rounds,
+            "load": load, "step": saved.get("step"), "step_fit": saved.get("step_fit"),
+            "out": str(out), "applied": None if taken is None else taken.get("service_model")}
 
 
 def _calibrate_parser(sub) -> None:
@@ -471,6 +507,10 @@ def _calibrate_parser(sub) -> None:
                         "/metrics): the step model is fitted to the engine's steps, each phase in two "
                         "halves, and judged on the held-out halves")
     p.add_argument("--out", required=True, help="JSON that serve, simulate and compare read with --service-model")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the text: the fit, the rounds' and load levels' "
+                        "summaries, the file written (each step's line goes to stderr), NaN as null")
+    p.add_argument("--quiet", action="store_true", help="no line per round or load level as it ends")
 
 
 # ------------------------------------------------------------------ compare
