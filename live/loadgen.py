@@ -634,6 +634,7 @@ def _ticking(run: _Clients, bar):
     finally:
         task.cancel()
         draw()
+        bar.close()  # its line ended before the run's warnings (report_prompts, warn_if_late)
 
 
 def _plain(meta: dict) -> dict:
