@@ -107,3 +107,32 @@ def test_sweep_json_is_the_summary_and_the_files(tiny_sweep, tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert again["ran"] == 0 and again["skipped"] == doc["cells"]
     assert again["summary"] == doc["summary"]
+
+
+class _RefusesFirst:
+    """The stub gate, refusing the first ``n`` generate requests (queue full) and answering the rest."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/generate" and self.left > 0:
+            self.left -= 1
+            over = {"error": {"type": "overloaded", "reason": "queue_full", "numbers": {},
+                              "retry_after_s": 1}}
+            return httpx.Response(503, json=over, headers={"retry-after": "1"})
+        return _gate(request)
+
+
+def test_replay_json_of_retrying_clients_says_the_end_to_end_view(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_RefusesFirst(3)))
+    out = tmp_path / "run.parquet"
+    assert main(_replay("http://gate.test", out, "--retry", "fixed", "--retry-delay", "0.05",
+                        "--retry-max-attempts", "2", "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = records.validate(pd.read_parquet(out))
+    assert doc["rows"] == len(rows) == 6 + 3 and doc["outcomes"]["rejected"] == 3
+    e2e = doc["end_to_end"]
+    assert e2e["requests"] == 6 and e2e["outcomes"]["good"] == 6
+    assert e2e["attempts_per_request"] == pytest.approx(9 / 6)
+    assert doc["retry_send_lateness"] is not None
