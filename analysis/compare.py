@@ -7,6 +7,7 @@ is :mod:`analysis.prediction`'s.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,21 +53,39 @@ def figure(result: Comparison, path: str | Path) -> None:
     """Three panels: the confusion heatmap (with refusal reasons agreeing), the distribution of latency
     errors (sim - live) of requests both answered, and disagreements over the run's time, independent
     and cascade, with the first divergence marked and its cause named."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(result)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+#: Characters of a panel's title line: a longer title is wrapped, not cut at the panel's edge.
+TITLE_WIDTH = 52
+
+
+def _title(ax, text: str) -> None:
+    ax.set_title(textwrap.fill(text, TITLE_WIDTH), fontsize=9)
+
+
+def draw(result: Comparison):
+    """:func:`figure`'s figure, not yet saved. Constrained layout makes room for the wrapped titles
+    and the confusion matrix's outcome names, upright so that long ones do not run into each other."""
     # No backend is forced (as in analysis.plots): without a display matplotlib picks Agg by itself.
     import matplotlib.pyplot as plt
 
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 5), layout="constrained")
     table = result.confusion
     left.imshow(table.to_numpy(), cmap="Blues")
-    left.set_xticks(range(table.shape[1]), table.columns)
+    left.set_xticks(range(table.shape[1]), table.columns, rotation=90)
     left.set_yticks(range(table.shape[0]), table.index)
     left.set_xlabel("simulator")
     left.set_ylabel("live service")
     for (i, j), v in np.ndenumerate(table.to_numpy()):
         left.text(j, i, str(v), ha="center", va="center", color="black" if v < table.to_numpy().max() / 2 else "white")
     s = result.summary
-    left.set_title(f"outcomes: {int(s['disagreements'])} disagree ({s['disagreement_rate']:.1%}); refusal reasons "
-                   f"agree {int(s['reasons_agree'])}/{int(s['both_refused'])}", fontsize=9)
+    _title(left, f"outcomes: {int(s['disagreements'])} disagree ({s['disagreement_rate']:.1%}); "
+           f"refusal reasons agree {int(s['reasons_agree'])}/{int(s['both_refused'])}")
     error_ms = result.joined["latency_error_s"].dropna().to_numpy() * 1e3
     if error_ms.size:
         middle.hist(error_ms, bins=min(50, max(5, error_ms.size // 5)), color="tab:blue", alpha=0.7)
@@ -76,8 +95,8 @@ def figure(result: Comparison, path: str | Path) -> None:
         cdf.set_ylim(0, 1)
     middle.set_xlabel("latency error, simulator - live (ms)")
     middle.set_ylabel("requests")
-    middle.set_title(f"both answered: {int(s['both_answered'])}, |error| p50 "
-                     f"{s['latency_abs_error_p50_s'] * 1e3:.1f} ms, p99 {s['latency_abs_error_p99_s'] * 1e3:.1f} ms", fontsize=9)
+    _title(middle, f"both answered: {int(s['both_answered'])}, |error| p50 "
+           f"{s['latency_abs_error_p50_s'] * 1e3:.1f} ms, p99 {s['latency_abs_error_p99_s'] * 1e3:.1f} ms")
     joined = result.joined.sort_values("gate_arrival_s")
     for kind, color in (("independent", "tab:red"), ("cascade", "tab:gray")):
         mine = joined["disagreement"].eq(kind).to_numpy()
@@ -90,9 +109,7 @@ def figure(result: Comparison, path: str | Path) -> None:
     right.set_xlabel("arrival at the gate (s)")
     right.set_ylabel("disagreements so far")
     right.legend(fontsize=8, loc="upper left")
-    right.set_title(f"independent (same queue at arrival) vs cascade; by cause: rule {int(s['rule_disagreements'])}, "
-                    f"timing {int(s['timing_disagreements'])}, unknown {int(s['unknown_cause_disagreements'])}",
-                    fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _title(right, f"independent (same queue at arrival) vs cascade; by cause: rule "
+           f"{int(s['rule_disagreements'])}, timing {int(s['timing_disagreements'])}, unknown "
+           f"{int(s['unknown_cause_disagreements'])}")
+    return fig

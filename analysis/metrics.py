@@ -383,6 +383,30 @@ def aggregate(table: pd.DataFrame, by: list[str], columns: list[str], level: flo
     return pd.DataFrame(rows)
 
 
+#: Metrics that are shares (in [0, 1]) and ones that cannot be negative (rates, seconds, counts), by
+#: how their names begin; a paired difference or a signed error is neither and is left alone.
+SHARE_PREFIXES = ("share", "jain", "recovered")
+NON_NEGATIVE_PREFIXES = ("goodput", "good_tokens", "good_requests", "latency_p", "capacity", "attempts",
+                         "recovery", "offered", "ttft_p", "tpot_p", "itl_p", "e2e_p", "requests")
+
+
+def clip_bounds(table: pd.DataFrame) -> pd.DataFrame:
+    """:func:`aggregate`'s table with each interval cut to what its metric can be, for display.
+
+    A t-interval over a few seeds can reach below 0, or past 1 for a share; shown as it is, a share
+    "between -0.05 and 0.4" reads as nonsense. The mean is left as it is."""
+    out = table.copy()
+    for col in table.columns:
+        if not (f"{col}_low" in table.columns and f"{col}_high" in table.columns):
+            continue
+        low, high = f"{col}_low", f"{col}_high"
+        if col.startswith(SHARE_PREFIXES):
+            out[low], out[high] = table[low].clip(0, 1), table[high].clip(0, 1)
+        elif col.startswith(NON_NEGATIVE_PREFIXES):
+            out[low], out[high] = table[low].clip(lower=0), table[high].clip(lower=0)
+    return out
+
+
 def with_ci(frame: pd.DataFrame) -> pd.DataFrame:
     """:func:`aggregate`'s columns ``m``, ``m_low``, ``m_high`` shown as one column
     "mean [low, high]"; other columns as they are."""

@@ -22,7 +22,7 @@ from matplotlib.ticker import FuncFormatter
 
 from .metrics import _class_key, aggregate
 from .objectives import Objective
-from .styles import OUTCOME_COLORS, policy_color, policy_order, policy_styles
+from .styles import MARKERS, OUTCOME_COLORS, policy_color, policy_order, policy_styles
 
 #: Panels in a row before a figure of one panel per policy wraps to the next row.
 MAX_COLUMNS = 4
@@ -150,21 +150,31 @@ def share_by_class(by_class: pd.DataFrame, objectives: Sequence[Objective] | Non
     fig, (axes,), spare = _grid(len(policies), (3.6, 3.1), sharey=True)
     agg = aggregate(by_class, ["policy", "speed", "size_class", "load"], ["share_good"])
     classes = sorted(by_class["size_class"].unique(), key=_class_key)
+    speeds = _speeds(by_class)
     for ax, policy in zip(axes, policies):
-        for i, speed in enumerate(_speeds(by_class)):
+        for i, speed in enumerate(speeds):
             for j, cls in enumerate(classes):
                 part = agg[(agg["policy"] == policy) & (agg["speed"] == speed) & (agg["size_class"] == cls)]
+                # One entry per class (the colour); the speed is the line style, said once below.
                 ax.plot(part["load"], part["share_good"], marker="o", ms=3, color=f"C{j}",
-                        ls="-" if i == 0 else "--", label=f"<= {cls} tokens, service times x{speed:g}")
+                        ls="-" if i == 0 else "--", label=f"<= {cls} tokens" if i == 0 else "_")
         _objective_lines(ax, "share_good", objectives)
         ax.set(title=policy, xlabel="load", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     for ax in axes[::MAX_COLUMNS]:
         ax.set_ylabel("share answered within deadline")
-    fig.suptitle("share answered in time by size class (max_new_tokens up to); load: utilisation at the "
-                 "simulated speed", fontsize=10)
+    fig.suptitle("share answered in time by size class (max_new_tokens up to), "
+                 + _speeds_said(speeds) + "; load: utilisation at the simulated speed", fontsize=10)
     _legend(fig, axes, spare, title="size class")
     return fig
+
+
+def _speeds_said(speeds: list[float]) -> str:
+    """The speeds of a figure whose legend leaves them out: "service times x1", or which line style
+    is which speed."""
+    if len(speeds) == 1:
+        return f"service times x{speeds[0]:g}"
+    return f"service times x{speeds[0]:g} solid, " + ", ".join(f"x{v:g}" for v in speeds[1:]) + " dashed"
 
 
 def _latency_scale(ax, latencies: np.ndarray) -> None:
@@ -252,6 +262,10 @@ def _by_group(table: pd.DataFrame, group: str, what: str, panels: list[tuple[str
     return fig
 
 
+#: Jain's index, one client set after another: greys, never one of the clients' colours (C0, C1, ...).
+JAIN_COLORS = ("#000000", "#666666", "#999999")
+
+
 def by_client(table: pd.DataFrame, summary: pd.DataFrame, objectives: Sequence[Objective] | None = None) -> plt.Figure:
     """Per policy (a row each): each client's share in time and good tokens/s against load (from
     summary_by_client), and Jain's index across the clients (from summary: over good tokens/s
@@ -267,8 +281,10 @@ def by_client(table: pd.DataFrame, summary: pd.DataFrame, objectives: Sequence[O
         for i, ((clients, speed), part) in enumerate(agg[agg["policy"] == policy].groupby(["clients", "speed"])):
             name = ", ".join([str(clients)] * many_sets + [f"x{speed:g}"] * many_speeds)
             name = f" ({name})" if name else ""
-            _band(ax, part, "load", "jain_goodput", f"Jain over good tokens/s{name}", color=f"C{i}")
-            _band(ax, part, "load", "jain_share", f"Jain over share in time{name}", color=f"C{i}", ls="--")
+            # Not a client's colour: the clients' panels beside it use C0, C1, ... for the clients.
+            style = {"color": JAIN_COLORS[i % len(JAIN_COLORS)], "marker": MARKERS[i % len(MARKERS)]}
+            _band(ax, part, "load", "jain_goodput", f"Jain over good tokens/s{name}", **style)
+            _band(ax, part, "load", "jain_share", f"Jain over share in time{name}", ls="--", **style)
         for n in sorted(n_clients):
             ax.axhline(1 / n, color="grey", lw=0.8, ls=":")
         ax.set(title=f"{policy}: Jain's index", ylabel="Jain's index across clients (1/n dotted)",
@@ -362,13 +378,13 @@ def outcome_bars(summary: pd.DataFrame) -> plt.Figure:
 
 def per_client_set(table: pd.DataFrame) -> pd.DataFrame:
     """``table`` with its policy labelled "POLICY / CLIENTS" where it holds more than one client set
-    (the sweep's ``clients`` axis; "none" for requests naming no client), else as it is."""
+    (the sweep's ``clients`` axis; "no clients" for requests naming none), else as it is."""
     if "clients" not in table:
         return table
-    sets = table["clients"].astype(object).where(table["clients"].notna(), "none")
+    sets = _axis_text(table, "clients")
     if sets.nunique() < 2:
         return table
-    return table.assign(policy=table["policy"].astype(str) + " / " + sets.astype(str))
+    return table.assign(policy=table["policy"].astype(str) + " / " + sets)
 
 
 #: Axes of a sweep that label a policy's curve when they hold more than one value (None: "none").
@@ -378,17 +394,27 @@ VARIANT_AXES = ("clients", "retry", "patience", "used", "speed_schedule", "estim
 FLAG_LABELS = {"fixed_estimate": ("tracking", "fixed estimate"), "cancel_at_deadline": ("runs on", "cut at deadline")}
 
 
+#: What a cell without an axis's value is, in a label: "none / none" said nothing of which "none"
+#: was the policy and which the client set.
+NONE_WORDS = {"clients": "no clients", "retry": "no retries", "patience": "no patience",
+              "used": "full lengths", "speed_schedule": "steady speed", "estimator": "own estimator",
+              "policy_args": "preset"}
+
+
 def _axis_text(table: pd.DataFrame, axis: str) -> pd.Series:
-    """An axis's values as label text: "none" for a cell without, a yes/no axis in words."""
+    """An axis's values as label text: a cell without in words (NONE_WORDS; "none" for any other),
+    a yes/no axis in words."""
+    none = NONE_WORDS.get(axis, "none")
     if axis in FLAG_LABELS:
         no, yes = FLAG_LABELS[axis]
-        return table[axis].map(lambda v: "none" if pd.isna(v) else yes if bool(v) else no).astype(str)
-    return table[axis].astype(object).where(table[axis].notna(), "none").astype(str)
+        return table[axis].map(lambda v: none if pd.isna(v) else yes if bool(v) else no).astype(str)
+    text = table[axis].astype(object).where(table[axis].notna(), "none").astype(str)
+    return text.where(text != "none", none)
 
 
 def per_variant(table: pd.DataFrame) -> pd.DataFrame:
     """``table`` with its policy labelled "POLICY / CLIENTS / RETRY / PATIENCE", naming each of those
-    axes that holds more than one value ("none" for a cell without), else as it is; with only a clients
+    axes that holds more than one value (NONE_WORDS for a cell without), else as it is; with only a clients
     axis the same as :func:`per_client_set`."""
     parts = []
     for axis in VARIANT_AXES:

@@ -1,7 +1,7 @@
 """How the figures tell policies and outcomes apart: one colour per policy, in every figure and the notebook.
 
 A policy's colour depends on its name alone, never on which other policies a figure shows, so
-``predictive`` is the same red beside three policies or ten. A curve labelled by a variant of a
+``predictive`` is the same blue beside three policies or ten. A curve labelled by a variant of a
 policy ("predictive / two-tenant", see :func:`analysis.plots.per_variant`) keeps its policy's
 colour and gets a line style, marker and hatch of its own.
 """
@@ -12,18 +12,23 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+#: Okabe and Ito's eight colours, which colour-blind readers tell apart too ("Color Universal Design").
+OKABE_ITO = {"black": "#000000", "orange": "#e69f00", "sky blue": "#56b4e9", "bluish green": "#009e73",
+             "yellow": "#f0e442", "blue": "#0072b2", "vermillion": "#d55e00", "reddish purple": "#cc79a7"}
+
 #: Every built-in policy (qsim.policy.PRESETS) in the order figures list them: the reference study's
-#: four first (in matplotlib's first four default colours, as the figures always had them), then
-#: the other predictive ones, then the orders that need no estimate.
+#: four first, then the other predictive ones, then the orders that need no estimate. The first eight
+#: take the Okabe-Ito colours (grey for none, the baseline), so that the headline pair, bounded and
+#: predictive, are orange and blue: apart in hue and lightness alike, for every reader.
 POLICY_COLORS: dict[str, str] = {
-    "none": "#1f77b4",                 # blue
-    "bounded": "#ff7f0e",              # orange
-    "bounded-deadline": "#2ca02c",     # green
-    "predictive": "#d62728",           # red
-    "predictive-edf": "#9467bd",       # purple
-    "predictive-sjf": "#8c564b",       # brown
-    "predictive-priority": "#e377c2",  # pink
-    "predictive-reserved": "#7f7f7f",  # grey
+    "none": "#999999",                                   # grey: the baseline
+    "bounded": OKABE_ITO["orange"],
+    "bounded-deadline": OKABE_ITO["bluish green"],
+    "predictive": OKABE_ITO["blue"],
+    "predictive-edf": OKABE_ITO["reddish purple"],
+    "predictive-sjf": OKABE_ITO["vermillion"],
+    "predictive-priority": OKABE_ITO["sky blue"],
+    "predictive-reserved": OKABE_ITO["yellow"],
     "predictive-fair": "#bcbd22",      # olive
     "adaptive-lifo": "#17becf",        # cyan
     "codel": "#393b79",                # indigo

@@ -55,9 +55,14 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_theory(args) -> int:
     from analysis.validation import TOO_WIDE, check, shown, standard_scenarios, tally
+    from inputs.progress import progress_bar
 
-    table = check(standard_scenarios(args.scale), replications=args.replications, seed=args.seed,
-                  level=args.level, workers=args.workers)
+    scenarios = standard_scenarios(args.scale)
+    # A minute or two of silence otherwise: one tick per replication, on a terminal's stderr only.
+    with progress_bar(len(scenarios) * args.replications, unit="run", desc="theory",
+                      quiet=args.quiet or args.json) as bar:
+        table = check(scenarios, replications=args.replications, seed=args.seed,
+                      level=args.level, workers=args.workers, on_each=lambda: bar.update(1))
     counts = tally(table)
     if args.json:
         print(json.dumps(_json_ready(table.to_dict(orient="records")), indent=2))
@@ -441,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print a list of {case, quantity, theory, sim_mean, ci_low, "
                                                        "ci_high, control, rel_half_width, inside, verdict}")
     t.add_argument("--strict", action="store_true", help="exit 1 also when a row is too wide to judge")
+    t.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
     t.add_argument("--replications", type=number(int, 1), default=10)
     t.add_argument("--seed", type=count, default=1)
     t.add_argument("--level", type=positive, default=0.95, help="simultaneous confidence level")

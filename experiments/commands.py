@@ -13,6 +13,8 @@ import pandas as pd
 
 from analysis.metrics import aggregate
 
+from .jsonout import json_ready
+
 from inputs.argtypes import positive, positive_int
 
 
@@ -99,13 +101,28 @@ def cmd_sweep(args) -> int:
     cfg = config.load(args.file)
     n = len(sweep.cells(cfg))
     began = time.perf_counter()
-    summary = sweep.run(cfg, args.out, workers=args.workers, scheduler=args.scheduler, quiet=args.quiet)
+    summary = sweep.run(cfg, args.out, workers=args.workers, scheduler=args.scheduler,
+                        quiet=args.quiet or args.json)
     wall = time.perf_counter() - began
-    if not args.quiet:
+    if args.json:
+        print(json.dumps(json_ready(_sweep_facts(cfg, summary, n, wall, Path(args.out))), indent=2))
+    elif not args.quiet:
         print(f"sweep {cfg.name}: {n} cells ({summary.attrs['ran']} run, {summary.attrs['skipped']} already done) "
               f"in {wall:.1f} s -> {args.out}")
         _print_summary(summary)
     return 0
+
+
+def _sweep_facts(cfg, summary: pd.DataFrame, cells: int, wall_s: float, out: Path) -> dict:
+    """--json's document: what the text says (cells run and skipped, requests, the summary table of
+    qlab summary --format json) and the files written at the folder's top (cells/ holds the rows)."""
+    table = summary_numbers(summary).table
+    files = sorted(str(p) for p in out.iterdir() if p.is_file() and not p.name.startswith("."))
+    return {"sweep": cfg.name, "cells": cells, "ran": summary.attrs["ran"],
+            "skipped": summary.attrs["skipped"], "wall_s": wall_s, "out": str(out),
+            "requests": int(summary["requests"].sum()), "seeds": int(summary["seed"].nunique()),
+            "files": files, "rows": str(out / "cells"),
+            "summary": table.to_dict(orient="records")}
 
 
 def cmd_summary(args) -> int:
@@ -204,6 +221,9 @@ def register(sub) -> None:
     s.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
     s.add_argument("--scheduler", help="run on an existing dask.distributed cluster, e.g. tcp://HOST:8786")
     s.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the text: cells run and skipped, requests, "
+                        "the files written and the summary (as qlab summary --format json), NaN as null")
 
     t = sub.add_parser("summary", help="print a sweep's summary table",
                        description="Mean over seeds and 95 % CI of share in time, goodput and p99 latency per cell "

@@ -27,6 +27,7 @@ from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows
 from live.contract import Stats
 from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS
 
+from .jsonout import json_ready
 from .simflags import add_dataset_flags, add_trace_flags, dataset_from_args, trace_window
 
 
@@ -173,6 +174,56 @@ def _print_latency(frame: pd.DataFrame, seconds: float) -> None:
     print(f"goodput: {int(s['good'])} answered meeting {', '.join(objectives)}; {s['goodput_rps']:.3f} requests/s")
 
 
+def _outcome_counts(frame: pd.DataFrame) -> dict[str, int]:
+    counts = frame["outcome"].value_counts().reindex(list(OUTCOMES), fill_value=0)
+    return {o: int(n) for o, n in counts.items()}
+
+
+def _run_facts(frame: pd.DataFrame, seconds: float, out: str) -> dict:
+    """What every run's text says, for --json: outcomes, errors, latency and goodput, the file."""
+    from analysis.latency import summary
+
+    errors = frame["error"].dropna()
+    return {"outcomes": _outcome_counts(frame), "errors": int(len(errors)),
+            "first_error": str(errors.iloc[0]) if len(errors) else None,
+            "latency": summary(frame, seconds), "rows": int(len(frame)), "out": str(out)}
+
+
+def _replay_facts(args, frame: pd.DataFrame, trace, cfg) -> dict:
+    """--json's document: the facts the text of a replay prints, by the same functions."""
+    from analysis.metrics import end_to_end, retry_summary
+    from analysis.replay import engine_time_ratio, measured_speed
+
+    from live.loadgen import lateness
+
+    meta = frame.attrs.get("qlab_run", {})
+    sent = frame.loc[frame["prompt_tokens"] > 0, "prompt_tokens"]
+    nominal = _nominal_load(args)
+    ratio = engine_time_ratio(frame)
+    retried = bool(frame["attempt"].gt(1).any())
+    facts = {"url": cfg.url, "api": cfg.api, "trace": trace.name, "requests": len(trace),
+             "duration_s": trace.duration_s,
+             "load": {"nominal": nominal, "engine_time_ratio": ratio,
+                      "effective": None if nominal is None else nominal * ratio,
+                      "median_ratio": measured_speed(frame)},
+             "send_lateness": lateness(frame),
+             "retry_send_lateness": lateness(frame, retries=True) if retried else None,
+             "prompts": {"median_tokens": float(sent.median()) if len(sent) else None,
+                         "max_tokens": int(sent.max()) if len(sent) else None,
+                         "context_tokens": meta.get("context_tokens"),
+                         "capped": int(meta.get("prompts_capped", 0)),
+                         "cannot_fit": int(meta.get("prompts_cannot_fit", 0))},
+             "end_to_end": None}
+    if retried or frame["outcome"].eq("abandoned").any():
+        e2e = end_to_end(frame)
+        facts["end_to_end"] = {"requests": len(e2e), "outcomes": _outcome_counts(e2e),
+                               **(retry_summary(frame, trace.duration_s or None) if retried else {})}
+    if args.probe:
+        facts["speed_probe"] = {"requests": args.probe, "before": float(frame[SPEED_PROBES[0]].iloc[0]),
+                                "after": float(frame[SPEED_PROBES[1]].iloc[0])}
+    return {**facts, **_run_facts(frame, trace.duration_s or frame["finish_s"].max(), args.out)}
+
+
 def _objectives(args):
     from live.loadgen import Objectives
 
@@ -206,6 +257,11 @@ def _import(args) -> int:
         frame = objectives.columns(frame)
     frame = records.validate(judged(frame))
     write_parquet(frame, args.out)
+    if args.json:
+        facts = {"imported": tool, "file": str(args.import_file), "requests": len(frame),
+                 **_run_facts(frame, frame.attrs["qlab_run"]["duration_s"], args.out)}
+        print(json.dumps(json_ready(facts), indent=2))
+        return 0
     print(f"imported {len(frame)} requests of {tool} ({args.import_file})")
     _print_outcomes(frame)
     _print_latency(frame, frame.attrs["qlab_run"]["duration_s"])
@@ -231,17 +287,23 @@ def cmd_replay(args) -> int:
         raise ValueError("the trace has no requests")
     check_patience(trace)
     api = "" if cfg.api == "qlab" else " (OpenAI-compatible /v1/completions, streamed)"
-    print(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}", flush=True)
+    say = _saying(args.json)
+    say(f"replaying {len(trace)} requests ({trace.name}, {trace.duration_s:g} s) against {cfg.url}{api}")
     before = _probe(args)
     if given is not None:
-        print(f"prompts: the texts of {args.dataset} ({len(set(given.texts))} distinct), max_tokens "
-              f"their answers' lengths ({given.counting})", flush=True)
-    frame = records.validate(judged(replay(trace, cfg, given)))  # TTFT and TPOT where it streamed, judged by every objective
+        say(f"prompts: the texts of {args.dataset} ({len(set(given.texts))} distinct), max_tokens "
+            f"their answers' lengths ({given.counting})")
+    with _replay_bar(trace, cfg, quiet=args.quiet or args.json) as bar:
+        # TTFT and TPOT where it streamed, judged by every objective
+        frame = records.validate(judged(replay(trace, cfg, given, bar)))
     if args.probe:  # the columns qlab live writes: what qlab compare --predict runs the model at
         frame[SPEED_PROBES[0]], frame[SPEED_PROBES[1]] = before, _probe(args)
-        print(f"speed probe ({args.probe} requests, one at a time): {before:.3f} before, "
-              f"{float(frame[SPEED_PROBES[1]].iloc[0]):.3f} after")
+        say(f"speed probe ({args.probe} requests, one at a time): {before:.3f} before, "
+            f"{float(frame[SPEED_PROBES[1]].iloc[0]):.3f} after")
     write_parquet(frame, args.out)  # whole or not at all, even if the replay is killed while writing
+    if args.json:
+        print(json.dumps(json_ready(_replay_facts(args, frame, trace, cfg)), indent=2))
+        return 0
     late = lateness(frame)
     _print_outcomes(frame)
     _print_retries(frame, trace.duration_s)
@@ -256,6 +318,19 @@ def cmd_replay(args) -> int:
     _print_latency(frame, trace.duration_s or frame["finish_s"].max())
     print(f"wrote {len(frame)} rows to {args.out}")
     return 0
+
+
+def _saying(as_json: bool):
+    """print, flushed (a line said before minutes of work), or nothing: --json's stdout is one document."""
+    return (lambda line: None) if as_json else (lambda line: print(line, flush=True))
+
+
+def _replay_bar(trace, cfg, *, quiet: bool):
+    """Attempts answered (of the trace's requests; a count alone when retries can add more), on stderr."""
+    from inputs.progress import progress_bar
+
+    total = None if cfg.retry is not None and cfg.retry.retries else len(trace)
+    return progress_bar(total, unit="req", desc="answered", quiet=quiet)
 
 
 def _replay_parser(sub) -> None:
@@ -310,6 +385,10 @@ def _replay_parser(sub) -> None:
                         "--predict runs the model at (default 0: no probe; a qlab gate only)")
     p.add_argument("--late-warn-ms", type=positive, default=5.0, help="warn when the p99 send lateness passes this")
     p.add_argument("--out", required=True, help="the run's .parquet file")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the text: the run's outcomes, lateness, "
+                        "latency and goodput, loads, prompts, and the file written (NaN as null)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
     clientflags.add_flags(p)
 
 
@@ -342,7 +421,7 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 def cmd_calibrate(args) -> int:
     from live.admin import send_calibration, sending_key
-    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, report
+    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms
 
     if args.apply:
         sending_key()  # a missing key said before the calibration's minutes, not after
@@ -356,12 +435,18 @@ def cmd_calibrate(args) -> int:
                 "batching server's seats)")
     else:
         load = f"; then {cfg.load_per_size} x the sizes with {', '.join(map(str, cfg.levels))} in flight" if cfg.levels else ""
-    print(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
-          f"one request at a time{load}", flush=True)
+    say = _saying(args.json)
+    say(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
+        f"one request at a time{load}")
     try:
-        result = calibrate(cfg, progress=lambda step: print(report(step), flush=True))
+        result = calibrate(cfg, progress=_step_reports(args))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
+    if args.json:
+        result.save(args.out)
+        taken = send_calibration(cfg.url, result.as_dict()) if args.apply else None
+        print(json.dumps(json_ready(_calibration_facts(cfg, result, args.out, taken)), indent=2))
+        return 0
     print(describe(result.overall, "all rounds"))
     print(describe_terms(result))
     lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
@@ -373,6 +458,36 @@ def cmd_calibrate(args) -> int:
         taken = send_calibration(cfg.url, result.as_dict())
         print(f"the gate plans with it now: {taken['service_model']}")
     return 0
+
+
+def _step_reports(args):
+    """Each step's line as it ends: on stdout with the text, on stderr beside --json (still minutes
+    of work to follow), none with --quiet."""
+    import sys
+
+    from live.calibrate import report
+
+    if args.quiet:
+        return None
+    stream = sys.stderr if args.json else sys.stdout
+    return lambda step: print(report(step), file=stream, flush=True)
+
+
+def _calibration_facts(cfg, result, out: str, taken: dict | None) -> dict:
+    """--json's document: the fit the text describes (the saved file's, less its raw points), the
+    prompt lengths measured, the file written, and what the gate took with --apply (None without)."""
+    saved = result.as_dict()
+    points = ("tokens", "prompt_tokens", "engine_s", "busy")
+    rounds = [{k: v for k, v in r.items() if k not in points} for r in saved["rounds"]]
+    load = saved["load"]
+    if load is not None:
+        load = {**load, "levels": [{k: v for k, v in lv.items() if k not in points}
+                                   for lv in load["levels"]]}
+    lengths = sorted({p for r in result.rounds for p in r.prompt_tokens})
+    return {"url": cfg.url, **{k: saved[k] for k in ("model", "median_rel_error", "worst_rel_error", "n")},
+            "prompt_tokenizer": result.tokenizer, "prompt_lengths": lengths, "rounds": rounds,
+            "load": load, "step": saved.get("step"), "step_fit": saved.get("step_fit"),
+            "out": str(out), "applied": None if taken is None else taken.get("service_model")}
 
 
 def _calibrate_parser(sub) -> None:
@@ -411,6 +526,10 @@ def _calibrate_parser(sub) -> None:
                         "/metrics): the step model is fitted to the engine's steps, each phase in two "
                         "halves, and judged on the held-out halves")
     p.add_argument("--out", required=True, help="JSON that serve, simulate and compare read with --service-model")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the text: the fit, the rounds' and load levels' "
+                        "summaries, the file written (each step's line goes to stderr), NaN as null")
+    p.add_argument("--quiet", action="store_true", help="no line per round or load level as it ends")
 
 
 # ------------------------------------------------------------------ compare

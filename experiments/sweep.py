@@ -635,10 +635,9 @@ def store(out: Path, runner: Runner, todo: list[Cell], on_each: Callable[[], obj
 
 
 def _progress(total: int, initial: int, quiet: bool):
-    from tqdm import tqdm
+    from inputs.progress import progress_bar
 
-    show = not quiet and sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, unit="cell", disable=not show, dynamic_ncols=True)
+    return progress_bar(total, initial=initial, unit="cell", quiet=quiet)
 
 
 def run(config: SweepConfig, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,

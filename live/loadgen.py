@@ -341,6 +341,7 @@ class _Clients:
         self.new_tokens = np.asarray(trace.max_new_tokens).tolist()
         self.exchanges: list[Exchange | None] = [None] * len(trace)
         self._tasks: set[asyncio.Task] = set()
+        self.sent = self.ended = 0  # attempts, retries included: what a progress bar shows
 
     async def run(self, requests: list[httpx.Request], times) -> list[Exchange]:
         """Start request i's first attempt at its time, never waiting for an answer: the open loop;
@@ -386,7 +387,9 @@ class _Clients:
         if attempt == 1:
             self.first_sent[first] = sent
         hangup, why = self._hangup(first, sent)
+        self.sent += 1
         ex = await self._exchange(request, at, sent, hangup, why)
+        self.ended += 1
         decision = self._next(first, attempt, ex)
         self.exchanges[slot] = dataclasses.replace(ex, first=first, attempt=attempt,
                                                    hangup_s=hangup if math.isfinite(hangup) else math.nan,
@@ -553,9 +556,11 @@ def report_prompts(plan: PromptPlan, requests: int) -> None:
               f"(outcome error, reason {CANNOT_FIT})", file=sys.stderr)
 
 
-async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | None = None) -> pd.DataFrame:
+async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | None = None,
+                       progress=None) -> pd.DataFrame:
     """Send every request of ``trace`` at its time (and its retries at theirs); return one validated row
-    per attempt. ``given``: each request's own prompt text, sent as it is."""
+    per attempt. ``given``: each request's own prompt text, sent as it is. ``progress``: a tqdm bar to
+    show attempts answered and sent as the run goes (None: none)."""
     if len(trace) == 0:
         raise ValueError("the trace has no requests")
     if given is not None and len(given.texts) != len(trace):
@@ -582,7 +587,8 @@ async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | No
         with _frozen_heap():
             t0 = asyncio.get_running_loop().time() + cfg.lead_s  # the trace's time 0
             run = _Clients(lanes, trace, bodies, cfg.retry, seed, t0, api)
-            exchanges = await run.run(requests, trace.arrival_s.tolist())
+            with _ticking(run, progress):
+                exchanges = await run.run(requests, trace.arrival_s.tolist())
         # A batching server's steps since the run's time 0, for the replay (qlab compare), on the run's clock.
         batching = stats is not None and info.config.batching
         steps, lost = await step_log(lanes, t0 + offset) if batching else (None, None)
@@ -627,9 +633,41 @@ def warn_counting(given: GivenPrompts, facts: ServerFacts) -> None:
               f"{given.counting}; --dataset-tokens bytes counts as it does", file=sys.stderr)
 
 
-def replay(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | None = None) -> pd.DataFrame:
+def replay(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | None = None,
+           progress=None) -> pd.DataFrame:
     """Synchronous :func:`replay_async`."""
-    return asyncio.run(replay_async(trace, cfg, given))
+    return asyncio.run(replay_async(trace, cfg, given, progress))
+
+
+#: How often the bar is redrawn. From a task of its own rather than at each answer: the sends keep
+#: their schedule, and a terminal is written twice a second at most.
+TICK_S = 0.5
+
+
+@contextmanager
+def _ticking(run: _Clients, bar):
+    """Redraw ``bar`` from ``run``'s counts every TICK_S while the block runs, and once at its end."""
+    if bar is None or bar.disable:
+        yield
+        return
+
+    def draw() -> None:
+        bar.n = run.ended
+        bar.set_postfix_str(f"sent {run.sent}", refresh=False)
+        bar.refresh()
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            draw()
+
+    task = asyncio.ensure_future(tick())
+    try:
+        yield
+    finally:
+        task.cancel()
+        draw()
+        bar.close()  # its line ended before the run's warnings (report_prompts, warn_if_late)
 
 
 def _plain(meta: dict) -> dict:

@@ -135,6 +135,30 @@ def test_one_engine_has_no_load_phase(virtual):
     assert result.load.noise_cv == result.load.noise_cv_one
 
 
+def test_calibrate_json_is_one_document_agreeing_with_the_file(virtual, tmp_path, capsys):
+    virtual(VirtualServer(engines=2, concurrency=0.4, cv=0.1))
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--url", "http://virtual", "--rounds", "1", "--per-size", "4",
+                 "--prompt-tokens", "16", "--load-per-size", "4", "--out", str(out), "--json"]) == 0
+    said = capsys.readouterr()
+    doc = json.loads(said.out)  # the whole of stdout; each step's line went to stderr
+    assert "round 1" in said.err and "2 in flight" in said.err
+    saved = json.loads(out.read_text())
+    assert doc["out"] == str(out) and doc["applied"] is None and doc["url"] == "http://virtual"
+    for key in ("model", "median_rel_error", "worst_rel_error", "n"):
+        assert doc[key] == saved[key]
+    assert doc["prompt_lengths"] == [16] and len(doc["rounds"]) == len(saved["rounds"]) == 1
+    assert doc["rounds"][0]["model"] == saved["rounds"][0]["model"] and "engine_s" not in doc["rounds"][0]
+    assert doc["load"]["concurrency"] == saved["load"]["concurrency"]
+    assert doc["load"]["levels"][0]["n"] == saved["load"]["levels"][0]["n"]
+    assert "busy" not in doc["load"]["levels"][0]
+    assert main(["calibrate", "--url", "http://virtual", "--rounds", "1", "--per-size", "4",
+                 "--prompt-tokens", "16", "--in-flight", "none", "--out", str(out), "--json",
+                 "--quiet"]) == 0
+    said = capsys.readouterr()
+    assert said.err == "" and json.loads(said.out)["load"]["levels"] == []
+
+
 def test_levels_default_to_doublings_up_to_the_engines_and_refuse_more():
     cfg = CalibrationConfig("http://x")
     assert [cfg.load_levels(k) for k in (1, 2, 3, 4, 6)] == [(), (2,), (2, 3), (2, 4), (2, 4, 6)]

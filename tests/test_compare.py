@@ -469,3 +469,27 @@ def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracke
     run.loc[0, "arrival_speed_factor"] = 1.01
     assert _TrackerEvidence(run, setup, Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim, position,
                             np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool)).learned(1, 0.3) is None
+
+
+def test_the_compare_figure_wraps_its_titles_and_keeps_outcome_names_apart():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from analysis.compare import TITLE_WIDTH, draw
+
+    trace = make_trace("poisson", load=1.5, seconds=30, seed=3, noise_cv=0.3)
+    fig = draw(compare(live_like_run(trace, "predictive")))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes[:3]:
+        title = ax.get_title()
+        assert max(map(len, title.split("\n"))) <= TITLE_WIDTH, title
+        # Inside the figure: none cut at its edge.
+        box = ax.title.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 + 1
+    names = [t for t in fig.axes[0].get_xticklabels() if t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in names]
+    assert all(not a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

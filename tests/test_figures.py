@@ -311,3 +311,90 @@ def test_with_too_few_panels_for_a_spare_one_the_legend_goes_outside_clear_of_th
         assert_legends_cover_nothing(fig)
         assert overlapping_texts(fig) == []
         plt.close(fig)
+
+
+# ------------------------------------------------------------------ issue 32: palette, labels, bounds
+
+
+def test_the_headline_policies_have_colour_blind_safe_colours_far_apart():
+    import colorsys
+
+    from matplotlib.colors import to_rgb
+
+    from analysis.styles import OKABE_ITO
+
+    safe = {c.lower() for c in OKABE_ITO.values()}
+    bounded, predictive = (to_rgb(policy_color(p)) for p in ("bounded", "predictive"))
+    assert {to_hex(bounded), to_hex(predictive)} <= safe
+    # Orange and red were one hue apart (and alike to a red-green colour-blind reader); these are not.
+    hue = [colorsys.rgb_to_hsv(*c)[0] * 360 for c in (bounded, predictive)]
+    assert min(abs(hue[0] - hue[1]), 360 - abs(hue[0] - hue[1])) > 90
+    assert all(to_hex(policy_color(p)) in safe | {"#999999"}
+               for p in ("none", "bounded", "bounded-deadline", "predictive"))
+
+
+def test_share_by_class_says_the_speed_once_not_in_every_entry(seven, tmp_path):
+    _, _, by_class, _ = seven
+    for table, said in ((by_class[by_class["speed"] == 1.0], "service times x1"),
+                        (by_class, "service times x1 solid, x2.25 dashed")):
+        fig = plots.share_by_class(table)
+        labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        assert labels == ["<= 4 tokens", "<= 16 tokens", "<= 64 tokens"]
+        assert said in fig.get_suptitle()
+        plt.close(fig)
+
+
+def test_interval_bounds_are_cut_to_what_the_metric_can_be():
+    from analysis.metrics import aggregate, clip_bounds
+
+    # Two seeds far apart: a t-interval reaching below 0 (and past 1 for the share).
+    table = pd.DataFrame({"seed": [1, 2], "share_good": [0.02, 0.98], "goodput_rps": [0.1, 5.0],
+                          "latency_error_mean_s": [-0.5, 0.5]})
+    agg = aggregate(table.assign(policy="p"), ["policy"], ["share_good", "goodput_rps",
+                                                           "latency_error_mean_s"])
+    assert agg["share_good_low"].iloc[0] < 0 < 1 < agg["share_good_high"].iloc[0]
+    shown = clip_bounds(agg)
+    assert shown["share_good_low"].iloc[0] == 0 and shown["share_good_high"].iloc[0] == 1
+    assert shown["goodput_rps_low"].iloc[0] == 0 and shown["goodput_rps"].iloc[0] == agg["goodput_rps"].iloc[0]
+    # A signed error can be negative: left as it is.
+    assert shown["latency_error_mean_s_low"].iloc[0] == agg["latency_error_mean_s_low"].iloc[0] < 0
+
+
+CLIENTS = """
+[sweep]
+duration_s = 20
+seeds = 2
+[clients.two-tenant]
+heavy = { share = 0.85 }
+light = { share = 0.15 }
+[grid]
+policy = ["none", "predictive"]
+load = [1.5]
+clients = ["none", "two-tenant"]
+"""
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tenants") / "out"
+    (out.parent / "t.toml").write_text(CLIENTS)
+    summary = sweep.run(config.load(out.parent / "t.toml"), out, workers=1, quiet=True)
+    return summary, pd.read_parquet(out / "summary_by_client.parquet")
+
+
+def test_jains_index_takes_no_clients_colour(tenants):
+    summary, by_client = tenants
+    fig = plots.by_client(by_client, summary)
+    colours = line_colors(fig)
+    jain = set().union(*(c for label, c in colours.items() if label.startswith("Jain")))
+    clients = set().union(*(c for label, c in colours.items() if "client" in label))
+    assert jain and clients and not jain & clients, (jain, clients)
+    plt.close(fig)
+
+
+def test_a_cell_without_clients_is_named_so_not_none_none(tenants):
+    summary, _ = tenants
+    labels = set(plots.per_variant(summary)["policy"])
+    assert labels == {"none / no clients", "none / two-tenant", "predictive / no clients",
+                      "predictive / two-tenant"}
+    assert labels == set(plots.per_client_set(summary)["policy"])

@@ -26,7 +26,7 @@ policy = ["none", "bounded", "predictive"]
 load = [0.5, 1.5]
 clients = ["none", "two-tenant"]
 """
-POLICIES = [f"{p} / {c}" for p in ("none", "bounded", "predictive") for c in ("none", "two-tenant")]
+POLICIES = [f"{p} / {c}" for p in ("none", "bounded", "predictive") for c in ("no clients", "two-tenant")]
 #: Run after the notebook in its kernel: what its tables hold.
 CHECKS = f"""
 import numpy as np
@@ -37,9 +37,12 @@ assert LOAD == 1.5  # the load closest to 1.3
 # At the named load: each entry is that load's cells only.
 cells = by_class[(by_class['load'] == LOAD) & (by_class['policy'] == 'predictive') & (by_class['size_class'] == '64')
                  & by_class['clients'].isna()]
-assert np.isclose(classes_at_load.loc[('predictive / none', 1.0), '64'], cells['share_good'].mean())
+assert np.isclose(classes_at_load.loc[('predictive / no clients', 1.0), '64'], cells['share_good'].mean())
 cells = summary[(summary['load'] == LOAD) & (summary['policy'] == 'bounded') & (summary['clients'] == 'two-tenant')]
 assert len(cells) == 2 and np.isclose(at_load.loc[(1.0, 'bounded / two-tenant'), 'share_good'], cells['share_good'].mean())
+# Intervals shown as what a share and a rate can be (2 seeds' t-intervals reach past them).
+assert at_load['share_good_low'].ge(0).all() and at_load['share_good_high'].le(1).all()
+assert at_load['goodput_rps_low'].ge(0).all()
 # Per load: every load of the grid is a row of its own.
 for table in (share_by_load, goodput_by_load, classes_by_load):
     assert sorted(set(table.index.get_level_values('load'))) == [0.5, 1.5]

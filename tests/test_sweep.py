@@ -516,8 +516,10 @@ def test_per_variant_labels_each_axis_that_varies(retries):
 
     _, _, summary = retries
     labelled = plots.per_variant(summary)
-    assert set(labelled["policy"]) == {f"{p} / {r} / {q}" for p in ("none", "predictive") for r in ("none", "naive")
-                                       for q in ("none", "exponential:20")}
+    # A cell without retries or patience says so: "none / none / none" said nothing of which was which.
+    assert set(labelled["policy"]) == {f"{p} / {r} / {q}" for p in ("none", "predictive")
+                                       for r in ("no retries", "naive")
+                                       for q in ("no patience", "exponential:20")}
     one = summary[summary["patience"].isna()]
-    assert set(plots.per_variant(one)["policy"]) == {"none / none", "none / naive", "predictive / none",
-                                                     "predictive / naive"}
+    assert set(plots.per_variant(one)["policy"]) == {"none / no retries", "none / naive",
+                                                     "predictive / no retries", "predictive / naive"}

@@ -83,7 +83,7 @@ def test_the_summary_table_and_figures_tell_the_variants_apart(axes, tmp_path):
     from analysis import plots
 
     labels = set(plots.per_variant(summary)["policy"])
-    assert "adaptive-lifo / poisson / lifo_threshold=2" in labels and "predictive / periodic:10 / none" in labels
+    assert "adaptive-lifo / poisson / lifo_threshold=2" in labels and "predictive / periodic:10 / preset" in labels
 
 
 def test_a_burst_of_its_own_size_has_no_load_axis(tmp_path):
