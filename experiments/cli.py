@@ -468,7 +468,7 @@ def _command_modules():
 
     found = []
     for name in ("experiments.commands", "live.commands", "experiments.load_commands",
-                 "experiments.study.runner", "experiments.capacity"):
+                 "experiments.study.runner", "experiments.capacity_cli"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

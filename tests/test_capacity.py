@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from analysis.objectives import Objective, parse_objectives, written
-from experiments import capacity, sweep
+from experiments import capacity, capacity_cli, sweep
 from experiments.cli import main
 
 # A small search: few seeds, short runs, a coarse tolerance (a test need not locate the crossing finely).
@@ -245,7 +245,7 @@ def test_same_search_on_a_dask_cluster(small, tmp_path):
 
 @pytest.mark.slow  # a search run twice: 7 s of CPU
 def test_an_interrupted_search_resumes(small, tmp_path):
-    cfg = capacity.config_from_args(_args(SMALL))
+    cfg = capacity_cli.config_from_args(_args(SMALL))
     spec = capacity.Search(cfg, parse_objectives("share_good>=0.9"), capacity.Bounds(tolerance=0.05))
     out = tmp_path / "resumed"
 

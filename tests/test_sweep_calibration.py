@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments import capacity, config, sweep
+from experiments import capacity_cli, config, sweep
 from experiments.cli import main
 from qsim.engines import StepModel
 
@@ -131,7 +131,7 @@ def _capacity(argv):
     from experiments.cli import build_parser
 
     base = ["capacity", "--policy", "bounded", "--objective", "share_good>=0.9", "--out", "unused"]
-    return capacity.config_from_args(build_parser().parse_args([*base, *argv]))
+    return capacity_cli.config_from_args(build_parser().parse_args([*base, *argv]))
 
 
 def test_capacity_reads_the_calibrations_terms(tmp_path):
