@@ -249,15 +249,7 @@ class Fleet:
     def restore(self, r: int) -> None:
         self.up[r] = True
 
-    # -- batching replicas: their timers and caches --------------------------------------
-
-    def next_timer(self) -> float:
-        return min(line.next_timer() for line in self.lines)
-
-    def timer(self, now: float) -> None:
-        for line in self.lines:
-            if line.next_timer() <= now:
-                line.timer(now)
+    # -- batching replicas: their caches (each line's timer is its driver's: qsim.model) ------
 
     def prefix_cache_stats(self) -> dict | None:
         """vLLM's prefix cache counters summed over the replicas (None: no prefix cache)."""
