@@ -692,7 +692,8 @@ def simulate(
     replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends
     ``error`` (engine_exception) and what waits there ``error`` (shutting_down); the router sends
     nothing there until to_s.
-    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
+    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor
+    (a batching engine's: its steps run too, all replicas' in a fleet);
     with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
     prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
     """
@@ -740,6 +741,8 @@ def simulate(
                        speed_factor=run.speed_factor())
     if fleet is not None:
         frame.attrs.update(replicas=fleet.replicas, router=fleet.router.name)
+    if config.batching:  # the simulator's unit of work (benchmarks/bench_fleet.py counts by it)
+        frame.attrs["steps"] = run.steps_run
     if config.batching and config.engine.prefix_caching:  # vLLM's counters, for a run's summary
         frame.attrs.update(run.queue.prefix_cache_stats())
     return frame
