@@ -348,6 +348,21 @@ def test_pure_affinity_piles_a_shared_system_prompt_on_one_replica_and_weighted_
     assert share["prefix"] > 0.8 and share["weighted"] < 0.45
 
 
+def test_a_router_that_reads_no_prefix_hit_spares_the_probe_and_changes_no_row():
+    @dataclass(frozen=True)
+    class ProbedJSQ(JoinShortestQueue):
+        reads_prefix: ClassVar[bool] = True  # a router of one's own: probed unless it says so
+
+    t = shared_trace("256:0.9", replicas=4)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    spared, probed = (simulate(t, config, replicas=4, router=r) for r in (JoinShortestQueue(),
+                                                                         ProbedJSQ()))
+    pd.testing.assert_frame_equal(spared, probed)
+    assert spared.attrs == probed.attrs  # the probes counted nothing in vLLM's counters
+    assert not JoinShortestQueue.reads_prefix and PrefixAffinity.reads_prefix
+    assert [n for n, r in ROUTERS.items() if r.reads_prefix] == ["prefix", "weighted"]
+
+
 def test_the_batching_routers_choices_from_states():
     s = [ReplicaState(3, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.0),
          ReplicaState(1, 1.0, 1, 0, kv_use=0.9, prefix_hit=0.75),
