@@ -53,6 +53,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_qsim.py
 	$(BIN)/python benchmarks/bench_batching.py
+	$(BIN)/python benchmarks/bench_fleet.py
 	$(BIN)/python benchmarks/bench_memory.py
 	$(BIN)/python benchmarks/bench_sweep.py
 

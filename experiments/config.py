@@ -83,8 +83,9 @@ b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("defau
 # share 0.8 of the prompts; "none": the default) and turns = "4:16" (conversations of 4 turns, 16
 # open at once; "1": the default).
 # A fleet (qsim.fleet), optional axes: replicas = [2, 4, 8] (copies of the cell's server, each its
-# engines, line and admission; the load is each replica's) and router = ["random", "power_of_d",
-# "power_of_d:3", "central"] (qsim.routers; default round_robin; needs replicas).
+# engines, line and admission; the load is each replica's; with [batching] each replica a batching
+# engine) and router = ["random", "power_of_d", "power_of_d:3", "central"] (qsim.routers; default
+# round_robin; needs replicas; with [batching] also "least_kv", "prefix", "weighted", not central).
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -457,14 +458,20 @@ def _check_fleet(path: str, grid: dict, batching: bool) -> None:
     (qsim.fleet.FleetSpec.check) is refused here, before any cell runs."""
     if "router" in grid and "replicas" not in grid:
         raise ConfigError(f"{path}: grid.router routes between replicas: add grid.replicas")
+    routers = {spec: parse_router(spec) for spec in grid.get("router", ())}
+    # Checked at one replica too: a sizing search (experiments/sizing.py) starts there.
+    for spec, router in routers.items():
+        if batching and router.shared:
+            raise ConfigError(f"{path}: grid.router {spec!r}: a central queue in front of "
+                              "batching replicas is not simulated (route at arrival)")
+        if router.needs_batching and not batching:
+            raise ConfigError(f"{path}: grid.router {spec!r} reads a batching engine's KV "
+                              "memory and prefix cache: add a [batching] table")
     if max(grid.get("replicas", (1,))) == 1:
         return
-    if batching:
-        raise ConfigError(f"{path}: grid.replicas: batching replicas are not simulated as a fleet "
-                          "yet (a fleet's replicas run engines one at a time)")
     fleets = [n for n in grid["replicas"] if n > 1]
-    for spec in grid.get("router", ()):
-        d = getattr(parse_router(spec), "d", 1)
+    for spec, router in routers.items():
+        d = getattr(router, "d", 1)
         if d > min(fleets):
             raise ConfigError(f"{path}: grid.router {spec!r}: {d} choices among "
                               f"{min(fleets)} replicas")

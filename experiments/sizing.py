@@ -103,9 +103,6 @@ class Sizing(Search):
                              f"got {self.rate_rps:g}")
         # What a fleet cannot be yet (qsim.fleet.FleetSpec.check), before any cell runs: the
         # config's own check sees only the placeholder of one replica.
-        if self.config.batching is not None:
-            raise ValueError("--rate with --batching: batching replicas are not simulated as a "
-                             "fleet yet (a fleet's replicas run engines one at a time)")
         if self.config.concurrency:
             raise ValueError("--rate with --concurrency: engines that slow each other share one "
                              "machine; a fleet's replicas take engines with concurrency 0")

@@ -249,12 +249,13 @@ def _mean_times(config: SweepConfig, cell: Cell) -> tuple[float, float]:
 
 
 def _capacity(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
-    """A batching cell's saturated throughput (requests/s, tokens/s) for its mix and prompts; None otherwise."""
+    """A batching cell's saturated throughput (requests/s, tokens/s) for its mix and prompts, its
+    whole fleet's (each replica one engine); None otherwise."""
     engine = _engine(config, cell)
     if engine is None:
         return None
     _, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
-    rps = engine.capacity_rps(Prompts.parse(config.prompts).mean(), mean_tokens)
+    rps = engine.capacity_rps(Prompts.parse(config.prompts).mean(), mean_tokens) * (cell.replicas or 1)
     return rps, rps * mean_tokens
 
 

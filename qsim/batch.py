@@ -240,7 +240,9 @@ class BatchQueue(Core):
                             self.kv_use, self._prefix_hit(req))
 
     def _prefix_hit(self, req) -> float:
-        tokens = None if self.pool is None or self._tokens_of is None else self._tokens_of(req)
+        if req is None or self.pool is None or self._tokens_of is None:
+            return 0.0  # no arrival to probe for (its router reads no prefix_hit), or no cache
+        tokens = self._tokens_of(req)
         if tokens is None:
             return 0.0
         size = self.engine.block_size

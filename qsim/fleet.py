@@ -194,7 +194,9 @@ class Fleet:
             # The router sees the replicas up only (all, but while one is down), and chooses among
             # them by their index there.
             up = self.lines if all(self.up) else [q for q, ok in zip(self.lines, self.up) if ok]
-            r = self.router.choose(_States(up, now, req), self.routed_count, self.rng)
+            # A router that reads no prefix_hit is not given the arrival to probe the caches for.
+            probe = req if self.router.reads_prefix else None
+            r = self.router.choose(_States(up, now, probe), self.routed_count, self.rng)
             if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
                 raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
                                  f"of 0..{len(up) - 1}")
@@ -249,15 +251,7 @@ class Fleet:
     def restore(self, r: int) -> None:
         self.up[r] = True
 
-    # -- batching replicas: their timers and caches --------------------------------------
-
-    def next_timer(self) -> float:
-        return min(line.next_timer() for line in self.lines)
-
-    def timer(self, now: float) -> None:
-        for line in self.lines:
-            if line.next_timer() <= now:
-                line.timer(now)
+    # -- batching replicas: their caches (each line's timer is its driver's: qsim.model) ------
 
     def prefix_cache_stats(self) -> dict | None:
         """vLLM's prefix cache counters summed over the replicas (None: no prefix cache)."""

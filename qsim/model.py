@@ -400,7 +400,7 @@ class _BatchRun(_Run):
 
     def _make_queue(self, config: ServerConfig):
         self.noise, self.slow = [], []  # each engine's step noise (None: none) and slowness
-        self.timer_at = math.inf
+        self.timer_at = []  # each engine's timer armed (inf: none)
         queue = self._batch_line(0, config)
         self.lines = [queue]  # the engines, by the index their steps' events carry
         return queue
@@ -421,6 +421,7 @@ class _BatchRun(_Run):
             noise = lambda: rng.gamma(shape, 1.0 / shape)  # noqa: E731
         self.noise.append(noise)
         self.slow.append(slow)
+        self.timer_at.append(math.inf)
         return queue
 
     def __init__(self, trace: Trace, config: ServerConfig, step_times=None, **inputs) -> None:
@@ -456,11 +457,15 @@ class _BatchRun(_Run):
 
     def _admit(self, i: int, t: float) -> None:
         super()._admit(i, t)
-        self._arm()
+        self._arm(self._engine_at(i))
 
     def _cancel(self, i: int, reason: str = LEFT_REASON) -> None:
         super()._cancel(i, reason)
-        self._arm()
+        self._arm(self._engine_at(i))
+
+    def _engine_at(self, i: int) -> int:
+        """The engine whose line request (or attempt) i was handed to."""
+        return 0
 
     # -- the core's hooks --------------------------------------------------------------
 
@@ -476,7 +481,7 @@ class _BatchRun(_Run):
 
     def _begin(self, event) -> None:
         self.lines[event._value].begin(self.env.now)
-        self._arm()
+        self._arm(event._value)
 
     def _step(self, plan, now: float, r: int = 0) -> None:
         k = self.steps_run
@@ -496,7 +501,7 @@ class _BatchRun(_Run):
     def _step_done(self, event) -> None:
         reported, self.step_reported = self.step_reported, None  # step_done plans (and sets) the next step's
         self.lines[event._value].step_done(self.env.now, reported)
-        self._arm()
+        self._arm(event._value)
 
     def _ended(self, i: int, now: float, outcome: str, reason: str | None, stats) -> None:
         self.first_token[i], self.tokens[i] = stats.first_token_s, stats.tokens
@@ -507,18 +512,22 @@ class _BatchRun(_Run):
 
     # -- the core's timers (cutting at the deadline) ----------------------------------------
 
-    def _arm(self) -> None:
-        due = self.queue.next_timer()
-        if due < self.timer_at:
-            self.timer_at = due
-            Timeout(self.env, max(0.0, due - self.env.now)).callbacks.append(lambda _, due=due: self._timer(due))
+    # Each engine's line has a timer of its own, armed where that line changed: a fleet's event
+    # costs the same whatever its number of replicas (a timer over all of them would read every
+    # line at every event).
+    def _arm(self, r: int = 0) -> None:
+        due = self.lines[r].next_timer()
+        if due < self.timer_at[r]:
+            self.timer_at[r] = due
+            Timeout(self.env, max(0.0, due - self.env.now)).callbacks.append(
+                lambda _, due=due: self._timer(r, due))
 
-    def _timer(self, due: float) -> None:
-        if due != self.timer_at:
+    def _timer(self, r: int, due: float) -> None:
+        if due != self.timer_at[r]:
             return  # an earlier one was set since, and has run
-        self.timer_at = math.inf
-        self.queue.timer(self.env.now)
-        self._arm()
+        self.timer_at[r] = math.inf
+        self.lines[r].timer(self.env.now)
+        self._arm(r)
 
     def _columns(self, trace: Trace) -> dict:
         columns = super()._columns(trace)
@@ -559,9 +568,9 @@ class _InFleet:
         now = self.env.now
         for i, state in self.queue.fail(r, now):
             self._end(i, now, ERROR, FAILED_REASON if state == "running" else DOWN_REASON)
-        self._after_down()
+        self._after_down(r)
 
-    def _after_down(self) -> None:
+    def _after_down(self, r: int) -> None:
         """A driver's own bookkeeping after a replica went down."""
 
     def _per_attempt(self) -> tuple:
@@ -602,12 +611,14 @@ class _BatchFleetRun(_InFleet, _BatchRun):
     """N replicas, each a batching engine (its line, KV memory, prefix cache), behind a router:
     replica r is engine r, its steps' events carry r."""
 
-    def _after_down(self) -> None:
-        self._arm()  # the deadlines cut there are gone
+    def _after_down(self, r: int) -> None:
+        self._arm(r)  # the deadlines cut there are gone
+
+    def _engine_at(self, i: int) -> int:
+        return self.replica_of[i]
 
     def _make_queue(self, config: ServerConfig) -> Fleet:
-        self.noise, self.slow = [], []
-        self.timer_at = math.inf
+        self.noise, self.slow, self.timer_at = [], [], []
         fleet = Fleet(config, self.spec, routed=self._routed, line=lambda r, cfg: self._batch_line(
             r, cfg, 1.0 / self.spec.speed(r)))
         self.lines = fleet.lines
@@ -681,7 +692,8 @@ def simulate(
     replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends
     ``error`` (engine_exception) and what waits there ``error`` (shutting_down); the router sends
     nothing there until to_s.
-    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor;
+    The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor
+    (a batching engine's: its steps run too, all replicas' in a fleet);
     with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
     prefix_cache_queries, prefix_cache_hits (in tokens, as vLLM's) and prefix_cache_evictions.
     """
@@ -729,6 +741,8 @@ def simulate(
                        speed_factor=run.speed_factor())
     if fleet is not None:
         frame.attrs.update(replicas=fleet.replicas, router=fleet.router.name)
+    if config.batching:  # the simulator's unit of work (benchmarks/bench_fleet.py counts by it)
+        frame.attrs["steps"] = run.steps_run
     if config.batching and config.engine.prefix_caching:  # vLLM's counters, for a run's summary
         frame.attrs.update(run.queue.prefix_cache_stats())
     return frame

@@ -49,11 +49,14 @@ class ReplicaState(NamedTuple):
 class Router:
     """The shape every router has (a frozen dataclass of its parameters; see the module docstring).
     ``shared``: the fleet is one line in front of every engine, and ``choose`` is not asked;
-    ``needs_batching``: it reads a batching replica's memory or cache."""
+    ``needs_batching``: it reads a batching replica's memory or cache; ``reads_prefix``: it reads
+    prefix_hit, a probe of each replica's prefix cache for the arrival's prompt (False spares the
+    probe, and prefix_hit reads 0; a router of one's own is probed unless it says so)."""
 
     name: ClassVar[str] = "router"
     shared: ClassVar[bool] = False
     needs_batching: ClassVar[bool] = False  # it reads kv_use or prefix_hit
+    reads_prefix: ClassVar[bool] = True
 
     def choose(self, replicas: Sequence[ReplicaState], arrival: int,
                rng: np.random.Generator) -> int:
@@ -70,6 +73,7 @@ class Random(Router):
     """Each arrival to a replica drawn uniformly: N independent queues, each fed lambda / N."""
 
     name: ClassVar[str] = "random"
+    reads_prefix: ClassVar[bool] = False
 
     def choose(self, replicas, arrival, rng):
         return int(rng.integers(len(replicas)))
@@ -80,6 +84,7 @@ class RoundRobin(Router):
     """Arrival n to replica n mod N (Kubernetes' Service): each replica sees every N-th arrival."""
 
     name: ClassVar[str] = "round_robin"
+    reads_prefix: ClassVar[bool] = False
 
     def choose(self, replicas, arrival, rng):
         return arrival % len(replicas)
@@ -91,6 +96,7 @@ class JoinShortestQueue(Router):
     lowest."""
 
     name: ClassVar[str] = "jsq"
+    reads_prefix: ClassVar[bool] = False
 
     def choose(self, replicas, arrival, rng):
         return _least(replicas, range(len(replicas)), lambda s: s.outstanding)
@@ -102,6 +108,7 @@ class LeastWork(Router):
     to the lowest."""
 
     name: ClassVar[str] = "least_work"
+    reads_prefix: ClassVar[bool] = False
 
     def choose(self, replicas, arrival, rng):
         return _least(replicas, range(len(replicas)), lambda s: s.work_s / s.engines)
@@ -114,6 +121,7 @@ class PowerOfD(Router):
 
     d: int = 2
     name: ClassVar[str] = "power_of_d"
+    reads_prefix: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.d, int) and not isinstance(self.d, bool) and self.d >= 1):
@@ -133,6 +141,7 @@ class LeastKV(Router):
     lowest (llm-d's kv-cache-utilization scorer alone)."""
 
     name: ClassVar[str] = "least_kv"
+    reads_prefix: ClassVar[bool] = False
     needs_batching: ClassVar[bool] = True
 
     def choose(self, replicas, arrival, rng):
@@ -209,6 +218,7 @@ class Central(Router):
     engine there frees (the lowest free engine), never at arrival. ``choose`` is not asked."""
 
     name: ClassVar[str] = "central"
+    reads_prefix: ClassVar[bool] = False
     shared: ClassVar[bool] = True
 
     def choose(self, replicas, arrival, rng):

@@ -124,3 +124,12 @@ def test_bench_endpoints_quick_reports_healthz_under_stats_reads_against_the_tar
     # A page, not the whole log (17 MB).
     assert 100_000 < data["stats_page"]["mean_bytes"] < 1_000_000
     assert data["whole_log"]["pages"] == 40 and data["whole_log"]["steps_each"] in (None, 200_000)
+
+
+def test_bench_fleet_quick_reports_the_hour_and_linearity_against_their_targets():
+    """Issue 31, item 7: a batching fleet's hour and its cost per request at 16/64/256 replicas."""
+    data = _json_of("bench_fleet.py", "--quick")
+    assert data["hour"]["replicas"] == 16 and data["hour"]["requests"] > 10 * data["baseline"]["requests"]
+    assert data["hour"]["verdict"] in ("PASS", "MISS") and data["linear_verdict"] in ("PASS", "MISS")
+    assert [r["replicas"] for r in data["linear"]] == [16, 64, 256]
+    assert data["linear"][0]["over_16"] == 1.0 and all(r["cpu_s"] > 0 for r in data["linear"])

@@ -306,6 +306,18 @@ def test_every_request_ends_once_in_a_batching_fleet(router):
     assert frame["outcome"].eq("abandoned").any() and frame["outcome"].eq("good").any()
 
 
+def test_each_batching_replica_cuts_at_its_deadlines_on_its_own_timer():
+    # Each replica's line arms a timer of its own (qsim.model._BatchRun._arm): every cut, on
+    # every replica, lands at its request's deadline, as the one engine's do.
+    config = ServerConfig(dataclasses.replace(PRESETS["none"], cancel_at_deadline=True),
+                          dataclasses.replace(BATCH, kv_blocks=150), seed=1)
+    t = shared_trace("128:0.5", "3:8", replicas=4, load=1.6, requests=800)
+    frame = simulate(t, config, replicas=4, router=RoundRobin())
+    cut = frame[frame["outcome"] == "cancelled"]
+    assert set(cut["replica"]) == {0, 1, 2, 3} and not frame["outcome"].eq("late").any()
+    np.testing.assert_allclose(cut["finish_s"], cut["arrival_s"] + cut["deadline_s"])
+
+
 def test_batching_routers_move_no_arrival_and_no_draw_of_another():
     # Common random numbers: a refusing policy does not move random's picks between batching
     # replicas, and no router moves an arrival, a request's tokens or its step noise's stream.
@@ -346,6 +358,21 @@ def test_pure_affinity_piles_a_shared_system_prompt_on_one_replica_and_weighted_
     share = {name: simulate(t, config, replicas=3, router=make_router(name))["replica"]
              .value_counts(normalize=True).max() for name in ("prefix", "weighted")}
     assert share["prefix"] > 0.8 and share["weighted"] < 0.45
+
+
+def test_a_router_that_reads_no_prefix_hit_spares_the_probe_and_changes_no_row():
+    @dataclass(frozen=True)
+    class ProbedJSQ(JoinShortestQueue):
+        reads_prefix: ClassVar[bool] = True  # a router of one's own: probed unless it says so
+
+    t = shared_trace("256:0.9", replicas=4)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    spared, probed = (simulate(t, config, replicas=4, router=r) for r in (JoinShortestQueue(),
+                                                                         ProbedJSQ()))
+    pd.testing.assert_frame_equal(spared, probed)
+    assert spared.attrs == probed.attrs  # the probes counted nothing in vLLM's counters
+    assert not JoinShortestQueue.reads_prefix and PrefixAffinity.reads_prefix
+    assert [n for n, r in ROUTERS.items() if r.reads_prefix] == ["prefix", "weighted"]
 
 
 def test_the_batching_routers_choices_from_states():

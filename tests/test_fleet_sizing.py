@@ -97,9 +97,56 @@ def test_bad_fleet_axes_are_refused_before_anything_runs(tmp_path, grid, says):
         load_text(tmp_path, text)
 
 
-def test_a_fleet_of_batching_replicas_is_refused(tmp_path):
-    text = '[grid]\npolicy = ["none"]\nload = [0.5]\nreplicas = [2]\n[batching]\nb0 = 0.01\n'
-    with pytest.raises(config.ConfigError, match="batching replicas"):
+BATCH_FLEET = """
+[sweep]
+duration_s = 10
+seeds = 2
+prompts = "uniform:16:256"
+[grid]
+policy = ["none"]
+load = [0.7]
+replicas = [1, 2]
+router = ["round_robin", "least_kv"]
+[batching]
+b0 = 0.01
+b1 = 0.0001
+max_num_seqs = 8
+kv_blocks = 400
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_of_batching_replicas_gives_the_same_rows_on_two_workers(tmp_path):
+    cfg = load_text(tmp_path, BATCH_FLEET)
+    sweep.run(cfg, tmp_path / "one", workers=1, quiet=True)
+    sweep.run(cfg, tmp_path / "two", workers=2, quiet=True)
+    pd.testing.assert_frame_equal(rows(tmp_path / "one"), rows(tmp_path / "two"))
+
+
+def test_a_sweep_of_batching_replicas_writes_each_replica_at_the_load_of_each(tmp_path):
+    one = sweep.run(load_text(tmp_path, BATCH_FLEET), tmp_path / "one", workers=1, quiet=True)
+    frame = rows(tmp_path / "one")
+    assert set(frame.loc[frame["replicas"] == 2, "replica"]) == {0, 1}
+    assert set(frame.loc[frame["replicas"] == 1, "replica"]) == {0}
+    # The load is each replica's: two batching replicas take twice one's saturated throughput.
+    rate = one.groupby("replicas")["capacity_rps"].first()
+    assert rate[2] == pytest.approx(2 * rate[1])
+    per_replica = one.groupby("replicas")["offered_load"].mean()
+    assert per_replica[2] == pytest.approx(per_replica[1], rel=0.2)
+
+
+@pytest.mark.parametrize("router, says", [
+    ("central", "central queue in front of batching replicas"),
+])
+def test_a_central_queue_in_front_of_batching_replicas_is_refused(tmp_path, router, says):
+    text = BATCH_FLEET.replace('["round_robin", "least_kv"]', f'["{router}"]')
+    with pytest.raises(config.ConfigError, match=says):
+        load_text(tmp_path, text)
+
+
+def test_a_batch_aware_router_needs_batching_replicas(tmp_path):
+    text = '[grid]\npolicy = ["none"]\nload = [0.5]\nreplicas = [2]\nrouter = ["least_kv"]\n'
+    with pytest.raises(config.ConfigError, match="add a \\[batching\\] table"):
         load_text(tmp_path, text)
 
 
@@ -176,6 +223,37 @@ def test_sizing_grows_with_the_rate_as_the_closed_form_does(tmp_path, capsys):
         assert record["replicas"] == mm1_fewest(rate, 5, 0.9)  # 6 and 10
 
 
+# Batching replicas of 4 sequences, steps of 10 ms + 0.2 ms a sequence: about 21 requests/s each.
+BATCH_SIZING = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", "--batching",
+                "--max-num-seqs", "4", "--step", "0.01,0,0.0002,0", "--seconds", "30",
+                "--seeds", "2", "--workers", "1", "--json"]
+
+
+def batch_sizing(tmp_path, capsys, rate: float) -> tuple[dict, dict]:
+    out = tmp_path / str(rate)
+    assert main([*BATCH_SIZING, "--rate", str(rate), "--out", str(out)]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    report = json.loads((out / "sizing.json").read_text())
+    return record, {t["replicas"]: t["values"]["share_good"]["mean"] for t in report["tried"]}
+
+
+def test_sizing_batching_replicas_finds_the_fewest_that_keep_up(tmp_path, capsys):
+    record, shares = batch_sizing(tmp_path, capsys, 30)
+    n = record["replicas"]
+    assert n >= 2 and record["fails_at"] == n - 1 and record["load"] <= 1  # 30 over ~21 each
+    assert list(shares.values()) == sorted(shares.values())  # more replicas, more in time
+    assert shares[n] >= 0.9 > shares[n - 1]
+
+
+@pytest.mark.slow  # two searches
+def test_sizing_batching_replicas_grows_with_the_rate(tmp_path, capsys):
+    low, _ = batch_sizing(tmp_path, capsys, 30)
+    high, shares = batch_sizing(tmp_path, capsys, 90)
+    each = 30 / (low["replicas"] * low["load"])  # one replica's saturated requests/s
+    assert high["replicas"] > low["replicas"] and high["replicas"] >= math.ceil(90 / each)
+    assert list(shares.values()) == sorted(shares.values())
+
+
 def test_sizing_prints_a_row_per_router(tmp_path, capsys):
     args = ["capacity", "--policy", "none", "--service", "exponential", "--mean-service", "1",
             "--objective", "share_good>=0.5", "--seconds", "60", "--seeds", "2", "--workers", "1",
@@ -212,9 +290,8 @@ def test_capacity_of_a_fleet(tmp_path, capsys):
     (["--router", "random"], "--router routes between"),
     (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
     (["--replicas", "2", "--router", "fastest"], "unknown router"),
-    (["--rate", "2", "--batching"], "batching replicas"),
+    (["--rate", "2", "--batching", "--router", "central"], "central queue in front of batching"),
     (["--rate", "2", "--concurrency", "0.1"], "concurrency 0"),
-    (["--replicas", "2", "--batching"], "batching replicas"),
 ])
 def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, extra, says):
     args = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", *extra,
