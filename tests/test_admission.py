@@ -24,7 +24,7 @@ from qsim.config import ServerConfig
 from qsim.disciplines import DISCIPLINES
 from qsim.engines import Batching, StepModel
 from qsim.entry import Work
-from qsim.policy import PRESETS, Policy, Rejection, View, decide_view
+from qsim.policy import PRESETS, Policy, Rejection, View
 from qsim.queue import AdmissionQueue
 
 
@@ -129,7 +129,7 @@ class _Drawn(Policy):
 
     def decide(self, view: View) -> Rejection | None:
         DRAWS.append(view.u)
-        return decide_view(self, view)
+        return super().decide(view)
 
 
 def _batch(policy: Policy) -> BatchQueue:
