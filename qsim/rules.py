@@ -26,7 +26,7 @@ _SHED, _QUEUE_FULL, _WORK_LIMIT = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LI
 _UNREACHABLE = Reason.DEADLINE_UNREACHABLE
 
 __all__ = [
-    "TIME_TOLERANCE_S", "DeadlineRule", "KvAdmission", "Predictive", "PromptBound", "QueueBound",
+    "TIME_TOLERANCE_S", "DeadlineRule", "KvAdmission", "Predictive", "QueueBound",
     "Rejection", "Rule", "Sheddable", "Shedding", "TokenBound", "TpotObjective", "TtftObjective",
     "View", "WorkBound", "retry_after",
 ]
@@ -262,20 +262,4 @@ class TpotObjective(DeadlineRule):
             return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
                                             "tpot_slo_s": self.tpot_slo_s,
                                             "tpot_projected_s": view.tpot_s}, retry_after(wait))
-        return None
-
-
-@dataclass(frozen=True)
-class PromptBound(Rule):
-    """Refuse a prompt longer than ``max_prompt_tokens`` (``too_large``, no Retry-After: sending
-    it again cannot help). Not in any preset: the worked example of a rule added to one
-    (docs/policies.md)."""
-
-    max_prompt_tokens: int
-
-    def check(self, view: View) -> Rejection | None:
-        if view.prompt_tokens > self.max_prompt_tokens:
-            return Rejection(Reason.TOO_LARGE, {"prompt_tokens": view.prompt_tokens,
-                                                 "max_prompt_tokens": self.max_prompt_tokens},
-                             None)
         return None
