@@ -93,6 +93,10 @@ class Rule:
     #: Reads only the basic numbers (the view's first nine fields). False, the safe default for
     #: a rule of one's own: the core builds it the whole view.
     basic: ClassVar[bool] = False
+    #: Reads the core's projections (``wait_s``, ``ttft_s``, ``tpot_s``, ``kv_wait_s``): a
+    #: batching core walks its batch to make them only for a policy with such a rule. True, the
+    #: safe default for a rule of one's own.
+    projected: ClassVar[bool] = True
     #: Refuses only a sheddable request while others wait (a policy of such rules alone admits
     #: everything else: the fast path need not sum the work in service for it).
     sheds_only: ClassVar[bool] = False
@@ -115,6 +119,7 @@ class Sheddable(Rule):
     so that under overload the sheddable go first. Every preset starts with it."""
 
     basic: ClassVar[bool] = True
+    projected: ClassVar[bool] = False
     sheds_only: ClassVar[bool] = True
 
     def check(self, view: View) -> Rejection | None:
@@ -130,6 +135,7 @@ class QueueBound(Rule):
 
     max_queue: int
     basic: ClassVar[bool] = True
+    projected: ClassVar[bool] = False
 
     def check(self, view: View) -> Rejection | None:
         if view.idle <= 0 and view.queued >= self.max_queue:
@@ -143,6 +149,7 @@ class TokenBound(Rule):
     ``max_num_queued_tokens``; ``tokens_queued``)."""
 
     max_queued_tokens: int
+    projected: ClassVar[bool] = False
 
     def check(self, view: View) -> Rejection | None:
         if view.idle <= 0 and view.queued_tokens + view.prompt_tokens > self.max_queued_tokens:
@@ -159,6 +166,7 @@ class WorkBound(Rule):
 
     max_queued_seconds: float
     basic: ClassVar[bool] = True
+    projected: ClassVar[bool] = False
 
     def check(self, view: View) -> Rejection | None:
         est = view.est_service_s
@@ -179,6 +187,7 @@ class Shedding(Rule):
     power: float = 5.0
     k: float = 300.0
     below_priority: int = 0
+    projected: ClassVar[bool] = False
 
     def check(self, view: View) -> Rejection | None:
         if view.priority >= self.below_priority:
