@@ -26,7 +26,7 @@ _SHED, _QUEUE_FULL, _WORK_LIMIT = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LI
 _UNREACHABLE = Reason.DEADLINE_UNREACHABLE
 
 __all__ = [
-    "TIME_TOLERANCE_S", "DeadlineRule", "KvAdmission", "Predictive", "QueueBound",
+    "TIME_TOLERANCE_S", "KvAdmission", "Predictive", "QueueBound",
     "Rejection", "Rule", "Sheddable", "Shedding", "TokenBound", "TpotObjective", "TtftObjective",
     "View", "WorkBound", "retry_after",
 ]
@@ -201,24 +201,13 @@ class Shedding(Rule):
 
 
 @dataclass(frozen=True)
-class DeadlineRule(Rule):
-    """A rule on a request's deadline: it admits one that has none."""
-
-    def check(self, view: View) -> Rejection | None:
-        return None if view.deadline_s is None else self.check_deadline(view, view.deadline_s)
-
-    def check_deadline(self, view: View, deadline: float) -> Rejection | None:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class KvAdmission(DeadlineRule):
+class KvAdmission(Rule):
     """Admission by memory (the reference study's exercise 6), for a batching engine: ``kv_full``
     when its KV blocks cannot be had in time for its deadline, though its wait alone fits."""
 
-    def check_deadline(self, view: View, deadline: float) -> Rejection | None:
-        kv_wait, est = view.kv_wait_s, view.est_service_s
-        if kv_wait is None or kv_wait + est <= deadline + TIME_TOLERANCE_S:
+    def check(self, view: View) -> Rejection | None:
+        deadline, kv_wait, est = view.deadline_s, view.kv_wait_s, view.est_service_s
+        if deadline is None or kv_wait is None or kv_wait + est <= deadline + TIME_TOLERANCE_S:
             return None
         wait = view.wait
         if wait + est > deadline + TIME_TOLERANCE_S:  # late anyway: Predictive's refusal
@@ -229,13 +218,16 @@ class KvAdmission(DeadlineRule):
 
 
 @dataclass(frozen=True)
-class Predictive(DeadlineRule):
+class Predictive(Rule):
     """Refuse at arrival (``deadline_unreachable``) when estimated wait + own service would pass
-    the deadline."""
+    the deadline (none: no refusal)."""
 
     basic: ClassVar[bool] = True
 
-    def check_deadline(self, view: View, deadline: float) -> Rejection | None:
+    def check(self, view: View) -> Rejection | None:
+        deadline = view.deadline_s
+        if deadline is None:
+            return None
         wait, est = view.wait, view.est_service_s
         if wait + est > deadline + TIME_TOLERANCE_S:
             return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est,
@@ -244,14 +236,15 @@ class Predictive(DeadlineRule):
 
 
 @dataclass(frozen=True)
-class TtftObjective(DeadlineRule):
+class TtftObjective(Rule):
     """Predictive admission's objective on the time to first token: refuse one projected to miss
     ``ttft_slo_s`` (``deadline_unreachable``)."""
 
     ttft_slo_s: float
 
-    def check_deadline(self, view: View, deadline: float) -> Rejection | None:
-        if view.ttft_s > self.ttft_slo_s + TIME_TOLERANCE_S:
+    def check(self, view: View) -> Rejection | None:
+        # Predictive admission's objective: like its deadline, none for a request without one.
+        if view.deadline_s is not None and view.ttft_s > self.ttft_slo_s + TIME_TOLERANCE_S:
             wait = view.wait
             return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
                                             "ttft_slo_s": self.ttft_slo_s,
@@ -260,13 +253,14 @@ class TtftObjective(DeadlineRule):
 
 
 @dataclass(frozen=True)
-class TpotObjective(DeadlineRule):
+class TpotObjective(Rule):
     """Predictive admission's objective on the time per output token (``tpot_slo_s``)."""
 
     tpot_slo_s: float
 
-    def check_deadline(self, view: View, deadline: float) -> Rejection | None:
-        if view.tpot_s > self.tpot_slo_s + TIME_TOLERANCE_S:
+    def check(self, view: View) -> Rejection | None:
+        # Predictive admission's objective: like its deadline, none for a request without one.
+        if view.deadline_s is not None and view.tpot_s > self.tpot_slo_s + TIME_TOLERANCE_S:
             wait = view.wait
             return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
                                             "tpot_slo_s": self.tpot_slo_s,
