@@ -38,7 +38,7 @@ import pandas as pd
 from qsim.config import ServerConfig
 from qsim.records import with_optional
 from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Reason
-from qsim.policy import Policy, decide, on_time, reads_more
+from qsim.policy import Policy, decide, on_time, reads_basic
 
 from .metrics import end_to_end
 from .replay import KEYS, RULES, TOLERANCE_S, Unsaid, arrival_times, gate_knew, run_setup
@@ -197,7 +197,7 @@ def _checkable(policy: Policy) -> bool:
     """Whether a record holds every number this policy's admission rule reads: the built-in rule over the
     basic numbers (no plug-in rule, queued tokens, shedding draw, objectives or memory, reserved class, or a
     discipline that serves some arrivals ahead of others, as the queue core's own test for it)."""
-    return (type(policy).decide is Policy.decide and not reads_more(policy) and policy.reserve_min_s is None
+    return (reads_basic(policy) and policy.reserve_min_s is None
             and getattr(policy.make_discipline(), "ahead_s", None) is None)
 
 

@@ -26,12 +26,14 @@ import numpy as np
 from .clients import uniform
 from .config import ServerConfig
 from .entry import Entry, Work
-from .policy import Policy, Rejection, View, decide_view, reads_more, rule, take_token
+from .policy import Policy, Rejection, View, reads_basic, take_token
 
 #: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
 RESERVE_WEIGHT = 0.05
 _new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
 _NAN = math.nan
+#: A view's fields after the basic numbers, for :meth:`Admission.admit_plain` (built once).
+_NO_MORE = (None, None, _NAN, _NAN, None, 0.0, 0, 0, _NAN)
 
 __all__ = ["RESERVE_WEIGHT", "Admission", "Buckets", "Core", "Projection", "Reserve", "Seen"]
 
@@ -136,16 +138,12 @@ class Admission:
         self.counts_refused = counts_refused
         self.arrivals = 0  # the shedding draw's index
         self.seen_numbers: tuple = empty
-        own = type(policy).decide is not Policy.decide
-        self._decide = type(policy).decide if own else decide_view
-        # The built-in rule on the basic numbers, no view made: the rule reads nothing more.
-        self._basic = not own and not reads_more(policy)
-        #: Whether :meth:`admit_plain` decides as :meth:`admit` for this policy: no plug-in rule,
-        #: nothing read beyond the basic numbers, no client rate or reserve.
-        self.plain = self._basic and self.buckets is None and self.reserve is None
-        #: A rule that can refuse only the sheddable (priority below 0) while others wait.
-        self.admits_all = not policy.predictive and policy.max_queue is None and \
-            policy.max_queued_seconds is None and policy.max_queued_tokens is None
+        self._decide = policy.decide
+        #: Whether :meth:`admit_plain` decides as :meth:`admit` for this policy: its rules read
+        #: nothing beyond the basic numbers, and no client rate or reserve.
+        self.plain = reads_basic(policy) and self.buckets is None and self.reserve is None
+        #: Rules that can refuse only the sheddable (priority below 0) while others wait.
+        self.admits_all = all(r.sheds_only for r in policy.rules)
 
     def recalibrate(self, config: ServerConfig) -> None:
         """A new calibration (the policy stays): a learning estimator starts again from nothing, as
@@ -197,11 +195,7 @@ class Admission:
         budget = deadline if reserve is None else reserve.budget(entry.base_s, deadline, factor)
         if not self.counts_refused:
             self.arrivals += 1
-        if self._basic and p.wait_s is None:  # most runs' arrivals: no view made
-            refusal = rule(self.policy, p.queued, p.queued_work_s, p.remaining_s, p.est_service_s,
-                           budget, p.engines, p.idle, entry.priority, p.ahead_s)
-        else:
-            refusal = self._decide(self.policy, self._view(entry, p, budget))
+        refusal = self._decide(self._view(entry, p, budget))
         if reserve is not None:
             reserve.decided(entry.base_s, refusal is None)
         return refusal
@@ -216,8 +210,8 @@ class Admission:
         self.seen_numbers = (est, queued, queued_work_s, factor, remaining_s, idle)
         if self.admits_all and (idle or priority >= 0):
             return None
-        return rule(self.policy, queued, queued_work_s, remaining_s, est, deadline_s, engines,
-                    idle, priority, ahead_s)
+        return self._decide(_new(View, (queued, queued_work_s, remaining_s, est, deadline_s,
+                                        engines, idle, priority, ahead_s) + _NO_MORE))
 
     def _view(self, entry: Entry, p: Projection, budget: float) -> View:
         work = entry.work

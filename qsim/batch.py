@@ -179,7 +179,8 @@ class BatchQueue(Core):
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._started = getattr(self.waiting, "started", None)
         # Projecting the batch costs a walk over it and the line: only for rules that read the projection.
-        self._projects = policy.predictive or type(policy).decide is not Policy.decide
+        self._projects = type(policy).decide is not Policy.decide or \
+            any(rule.projected for rule in policy.rules)
         self.seq_of: dict[int, _Seq] = {}  # id(entry) -> its sequence, while it waits in the discipline's line
         self.running: dict[int, _Seq] = {}  # order -> sequence, oldest first: the batch
         self.prefilling: list[_Seq] = []  # those still computing their prompt, in batch order

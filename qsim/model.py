@@ -46,7 +46,7 @@ from .clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
 from .config import ServerConfig, StallRule, as_config  # noqa: F401 (StallRule: re-exported)
 from .entry import Work
 from .outcomes import ABANDONED, ANSWERED, CANCELLED, ERROR, GOOD, LATE, REJECTED, Reason
-from .policy import Policy
+from .policy import Policy, reads_basic
 from .batch import BatchQueue
 from .prefix import Tokens
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
@@ -134,7 +134,8 @@ class _Run:
         self.prompt_tokens, self.generated = trace.prompt_tokens, trace.tokens_generated
         # The estimator's inputs: each request's work (limit, prompt, tokens generated) and what it generated.
         self.work = None
-        if self.queue.estimator is not None or config.batching:
+        # A rule that reads more than the basic numbers may read the prompt (as the gate's does).
+        if self.queue.estimator is not None or config.batching or not reads_basic(policy):
             self.work = list(map(Work, trace.max_new_tokens.tolist(), trace.prompt_tokens.tolist(),
                                  trace.tokens_generated.tolist()))
 

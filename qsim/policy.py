@@ -1,9 +1,11 @@
-"""Admission policies and the one decision function shared by simulator and live gate.
+"""Admission policies and the one decision shared by simulator and live gate.
 
-A policy is data (:class:`Policy`); the rules live in :func:`decide` and
-:func:`cannot_finish`, which are pure: the caller reads its clock and its queue
-once and passes the numbers in, so the simulator and the gate cannot disagree
-about a rule, only about the numbers they feed it.
+A policy is data (:class:`Policy`): a name, a deadline, a discipline, an estimator, objectives
+and a tuple of admission rules (:mod:`qsim.rules`), which its fields name. Its decision,
+:meth:`Policy.decide`, is the first of its rules that refuses; the rules and
+:func:`cannot_finish` are pure: the caller reads its clock and its queue once and passes the
+numbers in, so the simulator and the gate cannot disagree about a rule, only about the numbers
+they feed it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -18,19 +21,20 @@ import math
 import textwrap
 import types
 import typing
-from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
 from .disciplines import DISCIPLINES
 from .estimators import ESTIMATORS, make_estimator
 from .outcomes import REJECT_REASONS, Reason  # noqa: F401 (REJECT_REASONS: re-exported)
+# Re-exported: the rules' vocabulary was this module's before the rules were parts.
+from .rules import TIME_TOLERANCE_S, Rejection, View, retry_after  # noqa: F401
+from .rules import (KvAdmission, Predictive, QueueBound, Rule, Sheddable, Shedding, TokenBound,
+                    TpotObjective, TtftObjective, WorkBound)
 
 RATE_LIMITED = Reason.RATE_LIMITED
 #: Reason recorded for a request dropped unrun when it reached the front.
 EXPIRE_REASON = Reason.CANNOT_FINISH
-#: Times closer than this are equal. Sums of the same service times taken in another order
-#: differ in the last bit, and a deadline met exactly must not read as missed by 1e-16 s.
-TIME_TOLERANCE_S = 1e-9
 
 
 #: The policy fields a discipline is built with, in the order its class takes them.
@@ -79,9 +83,10 @@ class Policy:
         ``shed_below_priority`` (llm-d: 0, the sheddable) is shed with probability
         min(saturation ** shed_power * shed_k, 1). None: no such shedding.
 
-    A policy class of one's own may override :meth:`decide` (the admission rule itself),
-    :meth:`make_discipline` (the order of the waiting) and :meth:`make_estimator`; its own
-    dataclass fields are its parameters (docs/policies.md).
+    The admission fields name the policy's rules (:attr:`rules`, :meth:`make_rules`). A policy
+    class of one's own may override :meth:`make_rules` (a rule of its own is one more part),
+    :meth:`decide`, :meth:`make_discipline` (the order of the waiting) and :meth:`make_estimator`;
+    its own dataclass fields are its parameters (docs/policies.md).
     """
 
     name: str = "custom"
@@ -150,14 +155,29 @@ class Policy:
         if not self.estimator_window >= 1:
             raise ValueError(f"estimator_window must be >= 1, got {self.estimator_window}")
 
-    def decide(self, view: "View") -> "Rejection | None":
-        """The admission rule: admit (None) or refuse (a :class:`Rejection`) the request ``view`` describes.
+    def decide(self, view: View) -> Rejection | None:
+        """Admit (None) or refuse the request ``view`` describes: the first of :attr:`rules` that
+        refuses, in their order (so a request is told the first reason there is).
 
-        The queue core calls this for every arrival, in the simulator and the gate alike, with a read-only
-        :class:`View` of the queue it computed once. Override it in a policy class of one's own to change the
-        rule (call ``super().decide(view)`` for the built-in checks); keep it pure: the same view, the same
-        answer."""
-        return decide_view(self, view)
+        The queue core calls this for every arrival, in the simulator and the gate alike, with a
+        read-only :class:`View` of the queue it computed once. Keep an override pure: the same
+        view, the same answer."""
+        for rule in self.rules:
+            refusal = rule.check(view)
+            if refusal is not None:
+                return refusal
+        return None
+
+    @functools.cached_property
+    def rules(self) -> tuple[Rule, ...]:
+        """The admission rules, in the order they are asked (:meth:`make_rules`, made once: a
+        frozen policy's rules cannot change)."""
+        return tuple(self.make_rules())
+
+    def make_rules(self) -> tuple[Rule, ...]:
+        """The rules this policy's fields name (:func:`field_rules`). A policy class of one's own
+        adds a rule of its own as one more part: ``(*super().make_rules(), MyRule(...))``."""
+        return field_rules(self)
 
     def make_discipline(self):
         """A new, empty queue of this policy's discipline (one per queue: it holds the waiting).
@@ -250,7 +270,7 @@ def resolve(spec: str, args: Mapping[str, Any] | None = None) -> Policy:
 
 
 #: What a policy class of one's own may define besides its fields: the hooks the queue core calls.
-HOOKS = ("decide", "make_discipline", "make_estimator")
+HOOKS = ("decide", "make_rules", "make_discipline", "make_estimator")
 
 
 def check_plugin(cls: type, spec: str = "") -> None:
@@ -400,56 +420,6 @@ def preset(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-@dataclass(frozen=True)
-class Rejection:
-    """A refusal at arrival: why, the numbers behind it, and when to come back (None: never, it can never be
-    served; such a refusal is a client's error, not overload)."""
-
-    reason: str
-    numbers: Mapping[str, float] = field(default_factory=dict)
-    retry_after_s: int | None = 1
-
-
-def retry_after(wait_s: float) -> int:
-    """Retry-After in whole seconds: the estimated wait rounded up, at least 1."""
-    if not math.isfinite(wait_s):
-        raise ValueError(f"estimated wait must be finite, got {wait_s}")
-    return max(1, math.ceil(wait_s))
-
-
-class View(NamedTuple):
-    """What an admission rule sees of the queue when a request arrives: read-only numbers the queue core
-    computed once (:meth:`Policy.decide` takes one). Times are seconds, estimates include the speed factor."""
-
-    queued: int  # requests waiting (not in service), not counting this one
-    queued_work_s: float  # their estimated work
-    remaining_s: float  # estimated work left in service, summed over the engines
-    est_service_s: float  # this request's own estimated service time
-    deadline_s: float | None  # its deadline, from now (shortened where a reserve applies)
-    engines: int = 1
-    idle: int = 0  # engines free now: with one free it starts at once (a batching engine: a seat it takes now)
-    priority: int = 0  # below 0: sheddable
-    ahead_s: float | None = None  # the part of queued_work_s that would start before it (None: all, FIFO)
-    client: Any = None
-    wait_s: float | None = None  # the core's projection of its wait (batching); None: (ahead + remaining) / engines
-    ttft_s: float = math.nan  # projected time from now to its first token (NaN: not projected)
-    tpot_s: float = math.nan  # projected time per output token
-    kv_wait_s: float | None = None  # its wait with the KV blocks of everyone before it reserved (batching)
-    kv_use: float = 0.0  # share of the KV blocks in use
-    queued_tokens: int = 0  # prompt tokens waiting
-    prompt_tokens: int = 0  # its own
-    u: float = math.nan  # a uniform draw for randomised rules, the same for the same arrival under any policy
-
-    @property
-    def wait(self) -> float:
-        """The estimated wait before it starts."""
-        if self.wait_s is not None:
-            return self.wait_s
-        if self.idle > 0:
-            return 0.0
-        return ((self.queued_work_s if self.ahead_s is None else self.ahead_s) + self.remaining_s) / self.engines
-
-
 def decide(
     policy: Policy,
     queued: int,
@@ -462,99 +432,55 @@ def decide(
     priority: int = 0,
     ahead_s: float | None = None,
 ) -> Rejection | None:
-    """Admit (``None``) or refuse (:class:`Rejection`) one arriving request: :meth:`Policy.decide` on a
-    :class:`View` of these numbers: the basic numbers, what every policy may read.
+    """Admit (``None``) or refuse (:class:`Rejection`) one arriving request: :meth:`Policy.decide`
+    on a :class:`View` of the basic numbers alone (the rest at their defaults).
 
-    queued / queued_work_s: requests waiting and their estimated work, not
-    counting this one. in_service_remaining_s: estimated remaining work summed
-    over busy engines. idle: engines free right now; with one free the request
-    starts at once, so it waits for nobody and the queue bounds do not apply
-    to it (this is what makes max_queue=0 the Erlang loss system). ahead_s: the part of
-    queued_work_s that would start before this request (None: all of it, as in FIFO); a
-    discipline that serves some arrivals ahead of others says how much (fair share does).
+    queued / queued_work_s: requests waiting and their estimated work, not counting this one.
+    in_service_remaining_s: estimated remaining work summed over busy engines. idle: engines free
+    right now; with one free the request starts at once, so it waits for nobody and the queue
+    bounds do not apply to it (this is what makes max_queue=0 the Erlang loss system). ahead_s:
+    the part of queued_work_s that would start before this request (None: all of it, as in
+    FIFO); a discipline that serves some arrivals ahead of others says how much (fair share does).
     """
-    return policy.decide(View(queued, queued_work_s, in_service_remaining_s, est_service_s, deadline_s, workers, idle,
-                              priority, ahead_s))
+    return policy.decide(View(queued, queued_work_s, in_service_remaining_s, est_service_s,
+                              deadline_s, workers, idle, priority, ahead_s))
 
 
-def decide_view(policy: Policy, view: View) -> Rejection | None:
-    """The built-in rules, in order (what :meth:`Policy.decide` does unless a policy class overrides it).
-
-    A request of priority below 0 is sheddable: refused (``shed``) whenever it would have to wait behind
-    others, so that under overload the sheddable go first. Then the bounds on what waits (count, prompt
-    tokens, estimated work), llm-d's probabilistic shedding, and the predictive rule: refuse when the
-    estimated wait plus service passes the deadline, or the projected time to first token or per output
-    token passes its objective; with ``kv_admission``, ``kv_full`` when it is memory that makes it late.
-    """
-    return rule(policy, view.queued, view.queued_work_s, view.remaining_s, view.est_service_s, view.deadline_s,
-                view.engines, view.idle, view.priority, view.ahead_s, view)
+#: Refuses the sheddable while others wait: first in every policy's rules (a value: it has none).
+SHEDDABLE = Sheddable()
 
 
-def rule(policy: Policy, queued: int, queued_work_s: float, remaining_s: float, est: float, deadline: float | None,
-         engines: int = 1, idle: int = 0, priority: int = 0, ahead_s: float | None = None,
-         view: View | None = None) -> Rejection | None:
-    """:func:`decide_view` on a view's first fields, the basic numbers (the queue cores call it so where the
-    policy keeps the built-in rule: it runs once per arrival), and on ``view`` itself for the rest (None: the
-    view of those numbers alone, for a policy that reads nothing more: see :func:`reads_more`)."""
-    if view is None:
-        wait, ttft, tpot, kv_wait, kv_use, queued_tokens, prompt_tokens, u = _NO_VIEW
-    else:
-        wait, ttft, tpot, kv_wait = view.wait_s, view.ttft_s, view.tpot_s, view.kv_wait_s
-        kv_use, queued_tokens, u = view.kv_use, view.queued_tokens, view.u
-        prompt_tokens = view.prompt_tokens
-    if wait is None:
-        wait = 0.0 if idle > 0 else ((queued_work_s if ahead_s is None else ahead_s) + remaining_s) / engines
-    if idle <= 0:
-        if priority < 0 and queued > 0:
-            return Rejection(_SHED, {"priority": priority, "queued": queued, "wait_s": wait}, retry_after(wait))
-        if policy.max_queue is not None and queued >= policy.max_queue:
-            return Rejection(_QUEUE_FULL, {"queued": queued, "max_queue": policy.max_queue, "wait_s": wait},
-                             retry_after(wait))
-        tokens = policy.max_queued_tokens
-        if tokens is not None and queued_tokens + prompt_tokens > tokens:
-            return Rejection(Reason.TOKENS_QUEUED, {"queued_tokens": queued_tokens, "prompt_tokens": prompt_tokens,
-                                                    "max_queued_tokens": tokens, "wait_s": wait}, retry_after(wait))
-        limit = policy.max_queued_seconds
-        if limit is not None and queued_work_s + est > limit:
-            return Rejection(_WORK_LIMIT, {"queued_work_s": queued_work_s, "est_service_s": est,
-                                           "max_queued_seconds": limit, "wait_s": wait}, retry_after(wait))
-    if policy.shed_queue_threshold is not None and priority < policy.shed_below_priority:
-        saturation = max(queued / policy.shed_queue_threshold, kv_use / policy.shed_kv_threshold)
-        chance = min(saturation ** policy.shed_power * policy.shed_k, 1.0)
-        if u < chance:
-            return Rejection(_SHED, {"saturation": saturation, "probability": chance, "queued": queued,
-                                     "kv_use": kv_use, "wait_s": wait}, retry_after(wait))
-    if not policy.predictive or deadline is None:
-        return None
-    if policy.kv_admission and kv_wait is not None and kv_wait + est > deadline + TIME_TOLERANCE_S:
-        if wait + est <= deadline + TIME_TOLERANCE_S:  # it is the memory that makes it late
-            return Rejection(Reason.KV_FULL, {"kv_wait_s": kv_wait, "wait_s": wait, "est_service_s": est,
-                                              "deadline_s": deadline, "kv_use": kv_use}, retry_after(kv_wait))
-    if wait + est > deadline + TIME_TOLERANCE_S:
-        return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "deadline_s": deadline},
-                         retry_after(wait))
-    if policy.ttft_slo_s is not None and ttft > policy.ttft_slo_s + TIME_TOLERANCE_S:
-        return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "ttft_slo_s": policy.ttft_slo_s,
-                                        "ttft_projected_s": ttft}, retry_after(wait))
-    if policy.tpot_slo_s is not None and tpot > policy.tpot_slo_s + TIME_TOLERANCE_S:
-        return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est, "tpot_slo_s": policy.tpot_slo_s,
-                                        "tpot_projected_s": tpot}, retry_after(wait))
-    return None
+def field_rules(policy: Policy) -> tuple[Rule, ...]:
+    """The rules ``policy``'s admission fields name, in the order they are asked: the sheddable
+    while others wait, the bounds on what waits (count, prompt tokens, estimated work), llm-d's
+    shedding, then with ``predictive`` memory (``kv_admission``), the deadline and the objectives.
+    A preset is so a tuple of rules (``PRESETS["vllm-caps"].rules``)."""
+    rules: list[Rule] = [SHEDDABLE]
+    if policy.max_queue is not None:
+        rules.append(QueueBound(policy.max_queue))
+    if policy.max_queued_tokens is not None:
+        rules.append(TokenBound(policy.max_queued_tokens))
+    if policy.max_queued_seconds is not None:
+        rules.append(WorkBound(policy.max_queued_seconds))
+    if policy.shed_queue_threshold is not None:
+        rules.append(Shedding(policy.shed_queue_threshold, policy.shed_kv_threshold,
+                              policy.shed_power, policy.shed_k, policy.shed_below_priority))
+    if policy.predictive:
+        if policy.kv_admission:  # before the deadline: kv_full says it is memory that is short
+            rules.append(KvAdmission())
+        rules.append(Predictive())
+        if policy.ttft_slo_s is not None:
+            rules.append(TtftObjective(policy.ttft_slo_s))
+        if policy.tpot_slo_s is not None:
+            rules.append(TpotObjective(policy.tpot_slo_s))
+    return tuple(rules)
 
 
-def reads_more(policy: Policy) -> bool:
-    """Whether the built-in rule reads more of a view than the basic numbers for this policy (queued tokens,
-    the KV share, objectives, a draw): the queue cores build the whole view only then."""
-    return (policy.max_queued_tokens is not None or policy.shed_queue_threshold is not None or policy.kv_admission
-            or policy.ttft_slo_s is not None or policy.tpot_slo_s is not None)
-
-
-_NAN = math.nan
-#: The view's fields after the basic numbers, for a call without a view (a constant: built once, not per call).
-_NO_VIEW = (None, _NAN, _NAN, None, 0.0, 0, 0, _NAN)
-# The reasons decide_view gives most, as module names (an enum member read through its class is slow).
-_SHED, _QUEUE_FULL, _WORK_LIMIT, _UNREACHABLE = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LIMIT, \
-    Reason.DEADLINE_UNREACHABLE
+def reads_basic(policy: Policy) -> bool:
+    """Whether ``policy`` decides on the basic numbers alone (the view's first nine fields): it
+    keeps :meth:`Policy.decide` and every rule of it is :attr:`~qsim.rules.Rule.basic`. The queue
+    cores build the whole view (projections, a draw) only where it does not."""
+    return type(policy).decide is Policy.decide and all(r.basic for r in policy.rules)
 
 
 def take_token(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, Rejection | None]:

@@ -24,7 +24,8 @@ from qsim.config import ServerConfig
 from qsim.disciplines import DISCIPLINES
 from qsim.engines import Batching, StepModel
 from qsim.entry import Work
-from qsim.policy import PRESETS, Policy, Rejection, View, decide_view
+from qsim.policy import PRESETS, Policy, Rejection, View
+from qsim.rules import Rule
 from qsim.queue import AdmissionQueue
 
 
@@ -129,7 +130,7 @@ class _Drawn(Policy):
 
     def decide(self, view: View) -> Rejection | None:
         DRAWS.append(view.u)
-        return decide_view(self, view)
+        return super().decide(view)
 
 
 def _batch(policy: Policy) -> BatchQueue:
@@ -169,3 +170,26 @@ def test_a_plug_in_rule_sees_the_view_by_name():
     assert view.deadline_s == 3.0 and view.remaining_s == pytest.approx(0.4)
     assert (view.priority, view.client, view.prompt_tokens, view.queued_tokens) == (2, "c", 20, 0)
     assert view.wait_s is None and view.kv_wait_s is None and math.isnan(view.u)
+
+
+def test_a_rule_of_its_own_gets_the_batching_cores_projection():
+    # A rule part (not an override of decide) reads the projected wait and first token by name.
+    views: list[View] = []
+
+    @dataclass(frozen=True)
+    class Noting(Rule):
+        def check(self, view: View) -> Rejection | None:
+            views.append(view)
+            return None
+
+    @dataclass(frozen=True)
+    class Noted(Policy):
+        def make_rules(self):
+            return (*super().make_rules(), Noting())
+
+    queue = _batch(Noted(name="noted"))
+    assert queue._projects and not _batch(PRESETS["vllm-caps"])._projects  # the walk is for it
+    for i in range(3):
+        assert queue.arrive(i, 0.0, 0.1, work=Work(4, 10, 4)) is None
+    assert len(views) == 3 and all(v.wait_s is not None and v.ttft_s > 0 for v in views)
+    assert [v.prompt_tokens for v in views] == [10, 10, 10]

@@ -102,3 +102,30 @@ def test_a_rule_of_its_own_decides_in_the_gate_as_in_the_simulator():
     assert len(differ) and sim["outcome"].iloc[differ[0]] == "rejected" != plain["outcome"].iloc[differ[0]]
     with pytest.raises(ValueError, match="margin_s must be >= 0"):
         resolve("margin:Margin", {"margin_s": "-1"})
+
+
+def test_a_rule_of_its_own_is_one_more_part_in_the_gate_as_in_the_simulator():
+    """docs/examples/prompts.py adds a rule refusing long prompts to the predictive preset's rules: the
+    simulator and the gate (on a virtual clock) refuse exactly the prompts over the bound, as too_large."""
+    from virtual_time import run_gate
+
+    from qsim.policy import PRESETS
+    from qsim.workload import Prompts
+
+    policy = resolve("prompts:ShortPrompts", {"max_prompt_tokens": "120"})
+    bound = policy.rules[-1]
+    assert type(bound).__name__ == "PromptBound" and bound.max_prompt_tokens == 120
+    assert policy.rules == (*PRESETS["predictive"].rules, bound)
+    trace = make_trace("poisson", "mix", load=1.5, engines=2, seconds=15, seed=5, noise_cv=0.3,
+                       prompts=Prompts("uniform", 0, 200))
+    sim = simulate(trace, policy, 2)
+    gate, _ = run_gate(trace, policy, 2)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("").tolist() == sim["reason"].fillna("").tolist()
+    long = trace.prompt_tokens > 120
+    assert long.any() and (~long).any()
+    np.testing.assert_array_equal(sim["reason"].fillna("").eq("too_large").to_numpy(), long)
+    retry = sim["retry_after_s"].to_numpy(dtype=float, na_value=np.nan)[long]
+    assert not (retry > 0).any()  # no Retry-After: sending it again cannot help
+    with pytest.raises(ValueError, match="max_prompt_tokens must be >= 0"):
+        resolve("prompts:ShortPrompts", {"max_prompt_tokens": "-1"})

@@ -1,8 +1,12 @@
 import math
+from dataclasses import dataclass
 
 import pytest
 
 from qsim.policy import TIME_TOLERANCE_S, PRESETS, Policy, Rejection, cannot_finish, decide, on_time, preset, retry_after
+from qsim.policy import SHEDDABLE, View, check_plugin, from_options, resolve
+from qsim.rules import (KvAdmission, Predictive, QueueBound, Rule, Shedding, TokenBound, TpotObjective,
+                        TtftObjective, WorkBound)
 
 
 def test_presets_match_the_reference_study():
@@ -123,3 +127,88 @@ def test_a_sheddable_request_is_refused_whenever_it_would_wait():
     assert shed.reason == "shed" and shed.numbers["priority"] == -1 and shed.retry_after_s == 1
     assert decide(policy, 2, 0.4, 0.5, 0.1, 2.0, idle=1, priority=-1) is None  # an idle engine takes it at once
     assert decide(policy, 2, 0.4, 0.5, 0.1, 2.0, idle=0, priority=0) is None
+
+
+# -- rules as parts (qsim.rules) ------------------------------------------------------------
+
+def test_presets_are_tuples_of_rules():
+    assert PRESETS["none"].rules == PRESETS["codel"].rules == (SHEDDABLE,)
+    assert PRESETS["bounded"].rules == (SHEDDABLE, QueueBound(8))
+    assert PRESETS["predictive"].rules == (SHEDDABLE, Predictive())
+    assert PRESETS["predictive-kv"].rules == (SHEDDABLE, KvAdmission(), Predictive())
+    assert PRESETS["vllm-caps"].rules == (SHEDDABLE, QueueBound(64), TokenBound(16384))
+    assert PRESETS["llm-d-shed"].rules == (SHEDDABLE, Shedding(5.0, 0.8, 5.0, 300.0, 0))
+
+
+def test_every_field_rule_in_the_order_the_reasons_are_checked():
+    policy = Policy(max_queue=4, max_queued_tokens=100, max_queued_seconds=3.0,
+                    shed_queue_threshold=2.0, predictive=True, kv_admission=True,
+                    ttft_slo_s=0.5, tpot_slo_s=0.05)
+    assert policy.rules == (SHEDDABLE, QueueBound(4), TokenBound(100), WorkBound(3.0),
+                            Shedding(2.0), KvAdmission(), Predictive(), TtftObjective(0.5),
+                            TpotObjective(0.05))
+    # Objectives and memory are predictive admission's: without it they name no rule.
+    assert Policy(kv_admission=True, ttft_slo_s=0.5).rules == (SHEDDABLE,)
+
+
+def test_the_configuration_surface_builds_the_rules():
+    # Keyword fields, --policy-arg pairs, --max-queue: the rules follow the fields they are made of.
+    assert from_options("predictive", ["max_queued_seconds=3"], max_queue=5).rules == \
+        (SHEDDABLE, QueueBound(5), WorkBound(3.0), Predictive())
+    assert resolve("bounded", {"max_queue": 2}).rules == (SHEDDABLE, QueueBound(2))
+    assert PRESETS["bounded"].rules == (SHEDDABLE, QueueBound(8))  # the preset is unchanged
+
+
+def test_decide_is_the_first_rule_that_refuses():
+    # queue_full and work_limit both apply: the bound checked first gives the reason.
+    view = View(queued=2, queued_work_s=5.0, remaining_s=5.0, est_service_s=1.0, deadline_s=2.0)
+    both = Policy(max_queue=2, max_queued_seconds=1.0, predictive=True)
+    assert both.decide(view).reason == "queue_full"
+    assert Policy(max_queued_seconds=1.0, predictive=True).decide(view).reason == "work_limit"
+    assert Policy(predictive=True).decide(view).reason == "deadline_unreachable"
+    assert Policy().decide(view) is None
+
+
+def test_each_rule_reads_the_view_by_name():
+    view = View(queued=3, queued_work_s=0.9, remaining_s=0.3, est_service_s=0.2, deadline_s=1.0,
+                engines=2, queued_tokens=90, prompt_tokens=20, priority=-1, kv_use=0.9, u=0.5,
+                kv_wait_s=0.9, ttft_s=0.7, tpot_s=0.01)
+    assert view.wait == pytest.approx(0.6)
+    assert SHEDDABLE.check(view).numbers == {"priority": -1, "queued": 3, "wait_s": view.wait}
+    assert QueueBound(3).check(view).reason == "queue_full" and QueueBound(4).check(view) is None
+    assert TokenBound(109).check(view).reason == "tokens_queued" and TokenBound(110).check(view) is None
+    assert WorkBound(1.0).check(view).reason == "work_limit" and WorkBound(1.2).check(view) is None
+    assert Shedding(100.0, kv_threshold=0.5).check(view).reason == "shed"  # saturation 1.8 by KV
+    assert Shedding(100.0, below_priority=-1).check(view) is None  # priority -1 is not below -1
+    assert KvAdmission().check(view).reason == "kv_full"  # 0.9 + 0.2 > 1.0 though 0.6 + 0.2 fits
+    assert Predictive().check(view) is None
+    assert TtftObjective(0.5).check(view).numbers["ttft_projected_s"] == 0.7
+    assert TpotObjective(0.02).check(view) is None
+    idle = view._replace(idle=1)  # one starts at once: it waits for nobody, no bound applies
+    assert all(r.check(idle) is None for r in (SHEDDABLE, QueueBound(0), TokenBound(0), WorkBound(0.1)))
+
+
+@dataclass(frozen=True)
+class _Even(Rule):
+    """Refuses a request whose queue position is odd (a rule of one's own, for the tests)."""
+
+    def check(self, view: View) -> Rejection | None:
+        return Rejection("queue_full", {"queued": view.queued}) if view.queued % 2 else None
+
+
+@dataclass(frozen=True)
+class _EvenPolicy(Policy):
+    bound: int = 4
+
+    def make_rules(self):
+        return (*super().make_rules(), QueueBound(self.bound), _Even())
+
+
+def test_a_rule_of_ones_own_is_one_more_part():
+    policy = _EvenPolicy(max_queued_seconds=10.0)
+    assert policy.rules == (SHEDDABLE, WorkBound(10.0), QueueBound(4), _Even())
+    assert decide(policy, 1, 0.1, 0.1, 0.1, 2.0).numbers == {"queued": 1}
+    assert decide(policy, 2, 0.1, 0.1, 0.1, 2.0) is None
+    assert decide(policy, 4, 0.1, 0.1, 0.1, 2.0).reason == "queue_full"
+    assert not _Even.basic  # the core gives a rule of one's own the whole view
+    check_plugin(_EvenPolicy)  # make_rules is a hook, and it reads the field

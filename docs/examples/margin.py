@@ -1,9 +1,10 @@
 """A safety margin on the deadline: an admission rule of one's own, written once, run everywhere.
 
 Predictive admission compares an estimate with the deadline, but an estimate is a mean: with noisy
-engines about half of what only just fits ends late. ``Margin`` refuses a request unless its estimated
-wait plus service fits ``margin_s`` inside its deadline. ``qlab simulate --policy margin:Margin
---policy-arg margin_s=0.3``, a sweep's ``policy = ["margin:Margin"]`` (with ``[policy_args."margin:Margin"]``),
+engines about half of what only just fits ends late. ``Margin`` is the predictive preset's rules and
+one more part, :class:`KeepMargin`, which refuses a request unless its estimated wait plus service
+fits ``margin_s`` inside its deadline. ``qlab simulate --policy margin:Margin --policy-arg
+margin_s=0.3``, a sweep's ``policy = ["margin:Margin"]`` (with ``[policy_args."margin:Margin"]``),
 ``qlab serve --policy margin:Margin`` and ``qlab compare`` all run it
 (the module must be importable: run from this folder, or put it on PYTHONPATH).
 """
@@ -12,6 +13,24 @@ from dataclasses import dataclass
 
 from qsim.outcomes import Reason
 from qsim.policy import Policy, Rejection, View, retry_after
+from qsim.rules import Rule
+
+
+@dataclass(frozen=True)
+class KeepMargin(Rule):
+    """Refuse unless the estimated wait plus service ends ``margin_s`` before the deadline."""
+
+    margin_s: float
+
+    def check(self, view: View) -> Rejection | None:
+        if view.deadline_s is None:
+            return None
+        wait = view.wait  # the core's estimate of its wait (a batching engine's projection where there is one)
+        if wait + view.est_service_s > view.deadline_s - self.margin_s:
+            return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
+                                                           "deadline_s": view.deadline_s, "margin_s": self.margin_s},
+                             retry_after(wait))
+        return None
 
 
 @dataclass(frozen=True)
@@ -27,13 +46,6 @@ class Margin(Policy):
         if not self.margin_s >= 0:
             raise ValueError(f"margin_s must be >= 0, got {self.margin_s}")
 
-    def decide(self, view: View) -> Rejection | None:
-        refusal = super().decide(view)  # the built-in checks first: bounds, rates, the deadline itself
-        if refusal is not None or view.deadline_s is None:
-            return refusal
-        wait = view.wait  # the core's estimate of its wait (a batching engine's projection where there is one)
-        if wait + view.est_service_s > view.deadline_s - self.margin_s:
-            return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
-                                                           "deadline_s": view.deadline_s, "margin_s": self.margin_s},
-                             retry_after(wait))
-        return None
+    def make_rules(self):
+        # The built-in checks first (bounds, the deadline itself), so their reasons come first.
+        return (*super().make_rules(), KeepMargin(self.margin_s))
