@@ -158,7 +158,8 @@ class Arrival:
     at: float  # gate clock
     deadline_s: float
     seen: Seen  # what the queue core decided on (AdmissionQueue.seen)
-    replica: int | None = None  # a fleet's replica that decided on it (live.fleet_gate; None: no fleet)
+    # The fleet's replica that decided on it (live.fleet_gate; a central queue's: where it ran; None: no fleet).
+    replica: int | None = None
 
     def numbers(self) -> dict[str, float]:
         """For answers and refusals; arrived_at lets a client put the gate's own arrival order on its clock.
@@ -709,7 +710,10 @@ class Gate:
 
     def _start(self, k: int, ticket: _Ticket, now: float, est: float) -> None:
         ticket.engine, ticket.start = k, now
-        ticket.replica = self.replica_of(k)  # a central queue's request binds here
+        ticket.replica = self.replica_of(k)
+        if ticket.arrival is not None and ticket.arrival.replica != ticket.replica:
+            # A central queue's request binds where an engine frees: what it says from now on.
+            ticket.arrival = replace(ticket.arrival, replica=ticket.replica)
         ticket.cancel = Cancel()
         if self._closed:  # shutting down: no engine thread will take it; close() cancels its future
             return

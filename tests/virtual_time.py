@@ -156,7 +156,7 @@ class SimEngine(LoopWorker):
 
 def _seen(row: dict, arrival) -> None:
     row.update(queued=arrival.seen.queued, queued_work_s=arrival.seen.queued_work_s, est_service_s=arrival.seen.est_service_s,
-               replica=0 if arrival.replica is None else arrival.replica)
+               replica=-1 if arrival.replica is None else arrival.replica)
 
 
 _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error", EngineStalled: "error",
