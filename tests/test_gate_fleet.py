@@ -11,7 +11,7 @@ from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
 from qsim.fleet import FleetSpec
 from qsim.routers import make_router
-from virtual_time import run_gate
+from virtual_time import _ENDS, run_gate
 
 ROUTERS = ["random", "round_robin", "jsq", "least_work", "power_of_d", "central"]
 
@@ -49,3 +49,74 @@ def test_a_fleet_of_one_engine_replicas_under_overload():
     trace = make_trace("poisson", "mix", load=2.0, engines=4, seconds=10, seed=11, noise_cv=0.3)
     sim, _ = _agree(trace, PRESETS["predictive"], 1, "power_of_d", replicas=4)
     assert sim["outcome"].eq("rejected").sum() > 20
+
+
+# -- a replica that dies mid-run --------------------------------------------------------------
+
+HANG_AT, HANG_S = 4, 20.0  # replica 1's 4th run hangs 20 s: stalled after 5 s (the gate's rule)
+
+
+def _run_with_a_hung_replica(router: str):
+    """Every 0.03 s for 39 s a request of 12 tokens (0.05 s) to 3 one-engine replicas, replica 1's
+    engine hanging at its 4th run; each request's (arrival, replica, outcome, reason), and /stats."""
+    from live.engine import Faults
+    from live.gate import Gate, Job, Rejected, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import LoopSynthetic, on_virtual_clock
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except Rejected as exc:
+            row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
+        except tuple(_ENDS) as exc:  # every ending of a request is a row
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        engines = [LoopSynthetic(MODEL), LoopSynthetic(MODEL, faults=Faults(hang_after=HANG_AT - 1,
+                                                                            hang_s=HANG_S)),
+                   LoopSynthetic(MODEL)]
+        config = gate_config(PRESETS["predictive"], model=MODEL)
+        tasks = []
+        async with Gate(engines, config, clock=loop.time, fleet=FleetSpec(3, make_router(router))) as gate:
+            for i in range(1300):
+                await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+            await asyncio.gather(*tasks)
+            while gate.in_service:
+                await asyncio.sleep(0.05)
+            return gate.stats()
+
+    import pandas as pd
+
+    stats = on_virtual_clock(go)
+    return pd.DataFrame(rows), stats, ups
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "random"])
+def test_a_replica_whose_engine_hangs_is_routed_around_until_it_is_back(router):
+    frame, stats, ups = _run_with_a_hung_replica(router)
+    # Every request ended once, and the counts say so.
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    assert stats["counts"]["error"] == frame["outcome"].eq("error").sum() >= 1
+    assert set(frame.loc[frame["outcome"].eq("error"), "reason"]) == {"engine_stalled"}
+    # Down once its one engine is stalled (5 s after the hung run started), up once it handed it back.
+    down = [t for t, up in ups if not up[1]]
+    assert down and 5.0 < down[0] < 7.0 and HANG_S < down[-1] < HANG_S + 3.0
+    assert all(up[0] and up[2] for _, up in ups)
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert not sent.between(down[0], down[-1]).any()  # the router sent it nothing while down
+    assert (sent > down[-1]).sum() > 20  # and sends again once it is back
+    assert all(r["up"] for r in stats["replicas"])
