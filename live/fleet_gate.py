@@ -11,7 +11,9 @@ and ``qsim.simulate(..., replicas=N, router=...)`` drive one :class:`~qsim.fleet
 :class:`LiveFleet` adds only what the gate reads of its queue beyond what the simulator reads
 (engine lists across the fleet, sums for /stats), and a replica's health: a replica whose
 engines are all stalled (the gate's stall rule, :class:`qsim.config.StallRule`) is down, so the
-router sends nothing there, and up again once one of its engines hands its run back.
+router sends nothing there, and up again once one of its engines hands its run back; so is one
+whose engine says what it depends on is not there (:class:`live.engine.Checked`: an upstream that
+went away), until its readiness says it is back.
 """
 
 from __future__ import annotations
@@ -120,16 +122,18 @@ class LiveFleet(Fleet):
         """``req`` has ended for the gate: its replica need not be kept (a server runs for days)."""
         self.where.pop(req, None)
 
-    def watch(self, now: float) -> list[tuple]:
-        """Mark down each replica whose engines are all stalled while another is up (the router
-        then sends it nothing), and up again each whose engine came back. The requests a replica
-        held when it went down, (request, "waiting" or "running") each, are the gate's to end."""
+    def watch(self, now: float, unready=frozenset()) -> list[tuple]:
+        """Mark down each replica whose engines are all stalled, or that is ``unready``, while
+        another is up (the router then sends it nothing), and up again each that came back. The
+        requests a replica held when it went down, (request, "waiting" or "running", replica)
+        each, are the gate's to end."""
         if self.router.shared:
             return []  # one line in front of every engine: no replica to route around
         left = []
         for r, line in enumerate(self.lines):
-            if not self.up[r] and not line.all_stalled:
+            down = line.all_stalled or r in unready
+            if not self.up[r] and not down:
                 self.restore(r)
-            elif self.up[r] and line.all_stalled and sum(self.up) > 1:
-                left += self.fail(r, now)
+            elif self.up[r] and down and sum(self.up) > 1:
+                left += [(req, state, r) for req, state in self.fail(r, now)]
         return left

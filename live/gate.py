@@ -104,7 +104,7 @@ from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
 from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
 from .fleet_gate import fleet_queue
-from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError,
+from .engine import (Asked, Cancel, Checked, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError,
                      UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
 from .timings import Timings
 
@@ -522,6 +522,8 @@ class Gate:
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
+        self._unready: dict[int, str] = {}  # a fleet's replicas whose engine says it is not ready, and why
+        self._probes: dict[int, asyncio.Task] = {}  # the readiness question asked of each, in flight
 
     def _fitted(self, config: ServerConfig) -> ServerConfig:
         """The config this gate runs: engines one at a time, as many as it is given (a batching engine has its own
@@ -585,6 +587,8 @@ class Gate:
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
+        for probe in self._probes.values():
+            probe.cancel()
         running = [entry.req for entry in self.queue.running if entry is not None]
         for ticket in running:
             if ticket.timer is not None:
@@ -905,15 +909,42 @@ class Gate:
         self._resolve(ticket, Outcome.ERROR, exc=EngineStalled(message, k, numbers, ticket.arrival))
 
     def _watch_replicas(self, now: float) -> None:
-        """A replica whose engines are all stalled goes down (the router sends it nothing) and comes
-        back when one hands its run back (LiveFleet.watch); what waited there ends now, as a stall."""
-        for ticket, _ in self.queue.watch(now):
+        """A replica whose engines are all stalled, or whose engine is not ready, goes down (the
+        router sends it nothing) and comes back when it is well (LiveFleet.watch); what it held
+        ends now: an error of the stall or of the upstream."""
+        self._probe_replicas()
+        for ticket, state, r in self.queue.watch(now, self._unready):
+            if state == "running" and ticket.cancel is not None:
+                ticket.cancel.set()  # nobody waits for it now: the engine may stop
             waited = now - ticket.arrival.at
-            numbers = {**ticket.arrival.numbers(), "waited_s": waited,
-                       "stalled_engines": self.queue.engines_per_replica}
-            message = (f"replica {ticket.replica}'s every engine is stalled; the gate took it out of "
-                       f"routing and ended this request after {waited:.3f} s; send it again")
-            self._resolve(ticket, Outcome.ERROR, exc=EngineStalled(message, None, numbers, ticket.arrival))
+            numbers = {**ticket.arrival.numbers(), "waited_s": waited}
+            problem = self._unready.get(r)
+            if problem is None:
+                message = (f"replica {r}'s every engine is stalled; the gate took it out of routing and "
+                           f"ended this request after {waited:.3f} s; send it again")
+                exc = EngineStalled(message, None, numbers, ticket.arrival)
+            else:
+                k = r * self.queue.engines_per_replica
+                exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
+                                     ticket.arrival, numbers)
+            self._resolve(ticket, Outcome.ERROR, exc=exc)
+
+    def _probe_replicas(self) -> None:
+        """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which answers
+        from what its last run or probe learned, probing at most every few seconds) whether it is
+        ready; one question per replica at a time."""
+        per = self.queue.engines_per_replica
+        for r in range(self.fleet.replicas):
+            engine, probe = self.engines[r * per], self._probes.get(r)
+            if isinstance(engine, Checked) and (probe is None or probe.done()):
+                self._probes[r] = self._loop.create_task(self._probe(r, engine))
+
+    async def _probe(self, r: int, engine: Checked) -> None:
+        problem = await engine.readiness()
+        if problem is None:
+            self._unready.pop(r, None)
+        else:
+            self._unready[r] = problem
 
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
         """A cancelled future is a client that left: a waiting one leaves the queue with its work, a

@@ -11,6 +11,7 @@ from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
 from qsim.fleet import FleetSpec
 from qsim.routers import make_router
+from live.engine import WORD, Abilities, EngineResult, UpstreamError
 from virtual_time import _ENDS, run_gate
 
 ROUTERS = ["random", "round_robin", "jsq", "least_work", "power_of_d", "central"]
@@ -120,3 +121,91 @@ def test_a_replica_whose_engine_hangs_is_routed_around_until_it_is_back(router):
     assert not sent.between(down[0], down[-1]).any()  # the router sent it nothing while down
     assert (sent > down[-1]).sum() > 20  # and sends again once it is back
     assert all(r["up"] for r in stats["replicas"])
+
+
+class _GoneUpstream:
+    """A coroutine engine on the loop's clock whose upstream is away from ``away[0]`` to ``away[1]``
+    s: its runs then fail at once, as a refused connection does, and its readiness says so
+    (live.engine.Checked, as the upstream engine's)."""
+
+    abilities = Abilities(coroutine=True)
+    max_new_tokens_limit = None
+
+    def __init__(self, model, away=(None, None)) -> None:
+        self.model, self.away = model, away
+
+    def _gone(self) -> bool:
+        import asyncio
+
+        now = asyncio.get_running_loop().time()
+        return self.away[0] is not None and self.away[0] <= now < self.away[1]
+
+    async def arun(self, prompt, max_new_tokens, stop=None):
+        import asyncio
+
+        if self._gone():
+            raise UpstreamError("http://b:8001/v1/completions: ClientConnectorError: refused")
+        await asyncio.sleep(float(self.model.estimate(max_new_tokens)))
+        return EngineResult(WORD * max_new_tokens, max_new_tokens, 0.0)
+
+    async def readiness(self):
+        return "http://b:8001/v1/models: cannot reach the upstream" if self._gone() else None
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.encode())
+
+    def warmup(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"engine": "gone-upstream"}
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq"])
+def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(router):
+    import asyncio
+
+    import pandas as pd
+
+    from live.gate import Gate, Job, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import on_virtual_clock
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except tuple(_ENDS) as exc:
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engines = [_GoneUpstream(MODEL), _GoneUpstream(MODEL, away=(5.0, 15.0)), _GoneUpstream(MODEL)]
+        config = gate_config(PRESETS["predictive"], model=MODEL)
+        tasks = []
+        async with Gate(engines, config, clock=loop.time, fleet=FleetSpec(3, make_router(router))) as gate:
+            for i in range(800):
+                await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+            await asyncio.gather(*tasks)
+            return gate.stats()
+
+    stats = on_virtual_clock(go)
+    frame = pd.DataFrame(rows)
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    down = [t for t, up in ups if not up[1]]
+    assert 5.0 <= down[0] < 5.2 and 15.0 <= down[-1] < 15.2  # within a watchdog tick or two
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert not sent.between(down[0], down[-1]).any()
+    assert (sent > down[-1]).sum() > 20
+    failed = frame[frame["outcome"].eq("error")]
+    assert len(failed) >= 1 and set(failed["reason"]) == {"upstream_error"}
+    assert failed["arrival_s"].between(5.0, 5.2).all()  # what it took before the gate noticed
