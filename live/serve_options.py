@@ -33,6 +33,7 @@ from inputs import argtypes
 from inputs.batchflags import (BATCHING_FLAGS, BATCHING_HELP, BATCHING_ONLY, NO_CHUNKED_PREFILL_HELP, STEP_METAVAR,
                                batching_engine, parse_step)
 from inputs.tomlfiles import ConfigError
+from qsim.config import ServerConfig
 from qsim.engines import Batching
 from qsim.fleet import FleetSpec
 from qsim.routers import ROUTERS, make_router
@@ -293,7 +294,9 @@ class ServeOptions:
                 raise ValueError(f"{', '.join(given)}: a fleet's options, for --replicas N > 1 "
                                  "(or several --upstream-url)")
             return None
-        return FleetSpec(n, make_router(self.router or "round_robin", self.router_d))
+        fleet = FleetSpec(n, make_router(self.router or "round_robin", self.router_d))
+        fleet.check(ServerConfig())  # replicas of engines one at a time (the gate checks its own again)
+        return fleet
 
     # ------------------------------------------------------------ the command line
 

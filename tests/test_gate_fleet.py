@@ -209,3 +209,52 @@ def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(ro
     failed = frame[frame["outcome"].eq("error")]
     assert len(failed) >= 1 and set(failed["reason"]) == {"upstream_error"}
     assert failed["arrival_s"].between(5.0, 5.2).all()  # what it took before the gate noticed
+
+
+# -- qlab serve's options ----------------------------------------------------------------------
+
+
+def _options(*argv):
+    import argparse
+
+    from live.serve_options import ServeOptions
+
+    parser = argparse.ArgumentParser()
+    ServeOptions.add_flags(parser)
+    return ServeOptions.from_args(parser.parse_args(list(argv)))
+
+
+def test_serve_options_say_the_fleet():
+    assert _options().fleet() is None
+    fleet = _options("--replicas", "3", "--router", "power_of_d", "--router-d", "3").fleet()
+    assert (fleet.replicas, fleet.router) == (3, make_router("power_of_d", 3))
+    assert _options("--replicas", "2").fleet().router.name == "round_robin"
+    up = _options("--engine", "upstream", "--upstream-url", "http://a:1/v1", "--upstream-url", "http://b:2")
+    assert up.upstream_urls() == ["http://a:1/v1", "http://b:2"] and up.fleet().replicas == 2
+    assert "--upstream-url" in up.argv() and "http://a:1/v1,http://b:2" in up.argv()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--replicas", "2", "--batching"), "--batching with replicas"),
+    (("--router", "jsq"), "--router: a fleet's options"),
+    (("--replicas", "2", "--router", "least_kv"), "its replicas need --batching"),
+    (("--replicas", "2", "--faulty-replica", "2"), "replicas are 0..1"),
+    (("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "http://b:2",
+      "--replicas", "3"), "one replica per --upstream-url"),
+    (("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "ftp://b"),
+     "must be http"),
+])
+def test_serve_options_refuse_a_fleet_that_cannot_run(argv, says):
+    with pytest.raises(ValueError, match=says):
+        _options(*argv)
+
+
+def test_a_server_table_takes_the_fleet_too():
+    from inputs.tomlfiles import ConfigError
+    from live.serve_options import ServeOptions
+
+    assert ServeOptions.from_table("t", {"replicas": 3, "router": "jsq"}).fleet().replicas == 3
+    with pytest.raises(ConfigError, match="t: --batching with replicas"):
+        ServeOptions.from_table("t", {"replicas": 2, "batching": True})
+    with pytest.raises(ConfigError, match="t.router: must be"):
+        ServeOptions.from_table("t", {"replicas": 2, "router": "nearest"})
