@@ -258,3 +258,26 @@ def test_a_server_table_takes_the_fleet_too():
         ServeOptions.from_table("t", {"replicas": 2, "batching": True})
     with pytest.raises(ConfigError, match="t.router: must be"):
         ServeOptions.from_table("t", {"replicas": 2, "router": "nearest"})
+
+
+def test_a_new_calibration_reaches_every_replica():
+    import asyncio
+
+    from live.gate import Gate, gate_config
+    from qsim import ServiceModel
+    from qsim.service import LoadTerms
+    from virtual_time import LoopSynthetic, on_virtual_clock
+    from test_gate_sim import MODEL
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        gate = Gate([LoopSynthetic(MODEL) for _ in range(4)], gate_config(PRESETS["predictive"], model=MODEL),
+                    clock=loop.time, fleet=FleetSpec(2, make_router("jsq")))
+        async with gate:
+            new = ServiceModel(intercept_s=0.01, per_token_s=0.002)
+            gate.use_calibration(new, LoadTerms())
+            return [line.config.model for line in gate.queue.lines], gate.stats()
+
+    models, stats = on_virtual_clock(go)
+    assert models == [ServiceModel(intercept_s=0.01, per_token_s=0.002)] * 2
+    assert stats["engines"] == 4 and [r["engines"] for r in stats["replicas"]] == [2, 2]
