@@ -53,10 +53,12 @@ def _engines(cfg: ServeOptions, model: ServiceModel, replicas: int = 1) -> list:
         from . import upstream
 
         urls = cfg.upstream_urls()  # one replica each
-        return [e for url in urls for e in upstream.make_engines(cfg.engines, _upstream_spec(cfg, url))]
+        return [e for url in urls
+                for e in upstream.make_engines(cfg.engines, _upstream_spec(cfg, url))]
     from . import gpt2  # torch loads here and nowhere else
 
-    return gpt2.make_engines(cfg.engines * replicas, gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
+    spec = gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads)
+    return gpt2.make_engines(cfg.engines * replicas, spec)
 
 
 def _faults(cfg: ServeOptions, replica: int) -> Faults:
@@ -171,8 +173,8 @@ def cmd_serve(args) -> int:
         _serve(args, cfg, _batching_gate(cfg, policy, model, batching))
         return 0
     fleet = cfg.fleet()
-    engines = _engines(cfg, model, 1 if fleet is None else fleet.replicas)  # first: an engine that cannot start
-    # is the one line said
+    # First: an engine that cannot start is the one line said.
+    engines = _engines(cfg, model, 1 if fleet is None else fleet.replicas)
     if cfg.engine != "synthetic" and not cfg.service_model:
         print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
               "speed tracker corrects them; `qlab calibrate` fits this engine", file=sys.stderr)
@@ -184,7 +186,7 @@ def cmd_serve(args) -> int:
     engine = OneAtATime(len(engines), terms.concurrency, terms.noise_cv or 0.0)
     gate = Gate(engines, gate_config(policy, engine=engine, model=model, fixed_estimate=cfg.fixed_estimate,
                                      stall=StallRule(cfg.stall_factor, cfg.stall_after),
-                                     # --seed seeds a fleet's router too (one server's gate kept its 0)
+                                     # --seed seeds a fleet's router (one server's gate: 0)
                                      seed=0 if fleet is None else cfg.seed),
                 fleet=fleet)
     _serve(args, cfg, gate, fleet)

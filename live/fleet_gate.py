@@ -1,4 +1,4 @@
-"""The live gate as a router: :class:`qsim.fleet.Fleet`, the simulator's own fleet, as the gate's queue.
+"""The live gate as a router: the simulator's own :class:`qsim.fleet.Fleet` as the gate's queue.
 
 A gate given a :class:`~qsim.fleet.FleetSpec` (``Gate(engines, config, fleet=spec)``) drives
 N replicas of ``config``'s K engines (its engines list holds replica r's engine k at r * K + k,
@@ -39,7 +39,8 @@ def fleet_queue(config: ServerConfig, spec: FleetSpec, *, start, drop, gone, rou
 
 
 class LiveFleet(Fleet):
-    """A :class:`~qsim.fleet.Fleet` read as the gate reads one :class:`~qsim.queue.AdmissionQueue`."""
+    """A :class:`~qsim.fleet.Fleet` read as the gate reads one
+    :class:`~qsim.queue.AdmissionQueue`."""
 
     # -- per engine, across the fleet (the gate indexes them by its engine) ---------------
 
@@ -67,7 +68,8 @@ class LiveFleet(Fleet):
         return line.cut_at(k)
 
     def overdue(self, now: float) -> list[int]:
-        return [q * self.per_line + k for q, line in enumerate(self.lines) for k in line.overdue(now)]
+        return [q * self.per_line + k
+                for q, line in enumerate(self.lines) for k in line.overdue(now)]
 
     def stalled_engines(self, now: float) -> list[dict]:
         return [{**s, "engine": q * self.per_line + s["engine"]}
@@ -103,8 +105,8 @@ class LiveFleet(Fleet):
         return all(line.all_stalled for line in self.lines)
 
     def snapshot(self) -> dict:
-        """The fleet's queue summed (the keys of one line's), and each replica's own with whether the
-        router sends there."""
+        """The fleet's queue summed (the keys of one line's), and each replica's own with
+        whether the router sends there."""
         each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
         total = {key: sum(s[key] for s in each) for key in ("waiting", "in_service", "stalled",
                                                             "queued_work_s", "engines")}

@@ -104,8 +104,8 @@ from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
 from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
 from .fleet_gate import fleet_queue
-from .engine import (Asked, Cancel, Checked, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError,
-                     UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
+from .engine import (Asked, Cancel, Checked, Engine, close_on_loop, EngineResult, SelfTimed,
+                     UpstreamError, UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
 from .timings import Timings
 
 #: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its client left
@@ -158,7 +158,8 @@ class Arrival:
     at: float  # gate clock
     deadline_s: float
     seen: Seen  # what the queue core decided on (AdmissionQueue.seen)
-    # The fleet's replica that decided on it (live.fleet_gate; a central queue's: where it ran; None: no fleet).
+    # The fleet's replica that decided on it (live.fleet_gate; a central queue's: where it ran;
+    # None: no fleet).
     replica: int | None = None
 
     def numbers(self) -> dict[str, float]:
@@ -522,8 +523,9 @@ class Gate:
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
-        self._unready: dict[int, str] = {}  # a fleet's replicas whose engine says it is not ready, and why
-        self._probes: dict[int, asyncio.Task] = {}  # the readiness question asked of each, in flight
+        # A fleet's replicas whose engine says it is not ready (and why); the question to each.
+        self._unready: dict[int, str] = {}
+        self._probes: dict[int, asyncio.Task] = {}
 
     def _fitted(self, config: ServerConfig) -> ServerConfig:
         """The config this gate runs: engines one at a time, as many as it is given (a batching engine has its own
@@ -802,7 +804,8 @@ class Gate:
         latency = now - ticket.arrival.at
         self._resolve(ticket, outcome, Answer(result.text, result.tokens, outcome, ticket.start - ticket.arrival.at,
                                               result.engine_s, latency, k, ticket.arrival, ticket.start, now,
-                                              result.first_token_s, result.prompt_tokens, ticket.replica))
+                                              result.first_token_s, result.prompt_tokens,
+                                              ticket.replica))
 
     def _resolve(self, ticket: _Ticket, outcome: str, answer: Answer | None = None, exc: Exception | None = None,
                  cause: BaseException | None = None) -> None:
@@ -920,8 +923,8 @@ class Gate:
             numbers = {**ticket.arrival.numbers(), "waited_s": waited}
             problem = self._unready.get(r)
             if problem is None:
-                message = (f"replica {r}'s every engine is stalled; the gate took it out of routing and "
-                           f"ended this request after {waited:.3f} s; send it again")
+                message = (f"replica {r}'s every engine is stalled; the gate took it out of "
+                           f"routing and ended this request after {waited:.3f} s; send it again")
                 exc = EngineStalled(message, None, numbers, ticket.arrival)
             else:
                 k = r * self.queue.engines_per_replica
@@ -930,9 +933,9 @@ class Gate:
             self._resolve(ticket, Outcome.ERROR, exc=exc)
 
     def _probe_replicas(self) -> None:
-        """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which answers
-        from what its last run or probe learned, probing at most every few seconds) whether it is
-        ready; one question per replica at a time."""
+        """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which
+        answers from what its last run or probe learned, probing at most every few seconds)
+        whether it is ready; one question per replica at a time."""
         per = self.queue.engines_per_replica
         for r in range(self.fleet.replicas):
             engine, probe = self.engines[r * per], self._probes.get(r)

@@ -205,7 +205,7 @@ async def readiness(gate: Gate) -> list[str]:
     checked = [e for e in gate.engines if isinstance(e, Checked)]
     problems = await asyncio.gather(*(e.readiness() for e in checked))
     if gate.fleet is not None and None in problems:
-        problems = []  # a replica not ready is routed around (live.fleet_gate): the fleet still answers
+        problems = []  # one not ready is routed around (live.fleet_gate): the fleet answers
     for problem in problems:
         if problem is not None and problem not in reasons:
             reasons.append(problem)

@@ -1,4 +1,4 @@
-"""The live gate as a router (live.fleet_gate) agrees with the simulator's fleet, request by request.
+"""The live gate as a router (live.fleet_gate) agrees with the simulator's fleet, per request.
 
 Both drive one :class:`qsim.fleet.Fleet` with the same routers (qsim.routers) and the same
 random stream (qsim.fleet.ROUTER_STREAM); the gate runs on a virtual clock (tests/virtual_time.py).
@@ -59,7 +59,7 @@ HANG_AT, HANG_S = 4, 20.0  # replica 1's 4th run hangs 20 s: stalled after 5 s (
 
 def _run_with_a_hung_replica(router: str):
     """Every 0.03 s for 39 s a request of 12 tokens (0.05 s) to 3 one-engine replicas, replica 1's
-    engine hanging at its 4th run; each request's (arrival, replica, outcome, reason), and /stats."""
+    engine hanging at its 4th run; each request's (arrival, replica, outcome, reason), /stats."""
     from live.engine import Faults
     from live.gate import Gate, Job, Rejected, gate_config
     from test_gate_sim import MODEL
@@ -87,7 +87,8 @@ def _run_with_a_hung_replica(router: str):
                    LoopSynthetic(MODEL)]
         config = gate_config(PRESETS["predictive"], model=MODEL)
         tasks = []
-        async with Gate(engines, config, clock=loop.time, fleet=FleetSpec(3, make_router(router))) as gate:
+        fleet = FleetSpec(3, make_router(router))
+        async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
             for i in range(1300):
                 await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
                 row = {"arrival_s": loop.time(), "outcome": None}
@@ -113,7 +114,7 @@ def test_a_replica_whose_engine_hangs_is_routed_around_until_it_is_back(router):
     assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
     assert stats["counts"]["error"] == frame["outcome"].eq("error").sum() >= 1
     assert set(frame.loc[frame["outcome"].eq("error"), "reason"]) == {"engine_stalled"}
-    # Down once its one engine is stalled (5 s after the hung run started), up once it handed it back.
+    # Down once its one engine is stalled (5 s after the hung run began), up once it is back.
     down = [t for t, up in ups if not up[1]]
     assert down and 5.0 < down[0] < 7.0 and HANG_S < down[-1] < HANG_S + 3.0
     assert all(up[0] and up[2] for _, up in ups)
@@ -184,10 +185,12 @@ def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(ro
 
     async def go():
         loop = asyncio.get_running_loop()
-        engines = [_GoneUpstream(MODEL), _GoneUpstream(MODEL, away=(5.0, 15.0)), _GoneUpstream(MODEL)]
+        engines = [_GoneUpstream(MODEL), _GoneUpstream(MODEL, away=(5.0, 15.0)),
+                   _GoneUpstream(MODEL)]
         config = gate_config(PRESETS["predictive"], model=MODEL)
         tasks = []
-        async with Gate(engines, config, clock=loop.time, fleet=FleetSpec(3, make_router(router))) as gate:
+        fleet = FleetSpec(3, make_router(router))
+        async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
             for i in range(800):
                 await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
                 row = {"arrival_s": loop.time(), "outcome": None}
@@ -229,7 +232,8 @@ def test_serve_options_say_the_fleet():
     fleet = _options("--replicas", "3", "--router", "power_of_d", "--router-d", "3").fleet()
     assert (fleet.replicas, fleet.router) == (3, make_router("power_of_d", 3))
     assert _options("--replicas", "2").fleet().router.name == "round_robin"
-    up = _options("--engine", "upstream", "--upstream-url", "http://a:1/v1", "--upstream-url", "http://b:2")
+    up = _options("--engine", "upstream", "--upstream-url", "http://a:1/v1",
+                  "--upstream-url", "http://b:2")
     assert up.upstream_urls() == ["http://a:1/v1", "http://b:2"] and up.fleet().replicas == 2
     assert "--upstream-url" in up.argv() and "http://a:1/v1,http://b:2" in up.argv()
 
@@ -271,8 +275,9 @@ def test_a_new_calibration_reaches_every_replica():
 
     async def go():
         loop = asyncio.get_running_loop()
-        gate = Gate([LoopSynthetic(MODEL) for _ in range(4)], gate_config(PRESETS["predictive"], model=MODEL),
-                    clock=loop.time, fleet=FleetSpec(2, make_router("jsq")))
+        config = gate_config(PRESETS["predictive"], model=MODEL)
+        gate = Gate([LoopSynthetic(MODEL) for _ in range(4)], config, clock=loop.time,
+                    fleet=FleetSpec(2, make_router("jsq")))
         async with gate:
             new = ServiceModel(intercept_s=0.01, per_token_s=0.002)
             gate.use_calibration(new, LoadTerms())
