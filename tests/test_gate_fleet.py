@@ -286,3 +286,28 @@ def test_a_new_calibration_reaches_every_replica():
     models, stats = on_virtual_clock(go)
     assert models == [ServiceModel(intercept_s=0.01, per_token_s=0.002)] * 2
     assert stats["engines"] == 4 and [r["engines"] for r in stats["replicas"]] == [2, 2]
+
+
+def test_draining_a_fleet_gate_answers_every_replicas_waiting():
+    import asyncio
+
+    from live.gate import Gate, Job, ShuttingDown, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import LoopSynthetic, on_virtual_clock
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        config = gate_config(PRESETS["none"], model=MODEL)
+        gate = Gate([LoopSynthetic(MODEL) for _ in range(3)], config, clock=loop.time,
+                    fleet=FleetSpec(3, make_router("round_robin")))
+        async with gate:
+            futures = [gate.submit(Job(str(i), 12)) for i in range(12)]
+            assert [r["waiting"] for r in gate.stats()["replicas"]] == [3, 3, 3]
+            gate.drain()
+            ended = await asyncio.gather(*futures, return_exceptions=True)
+            return ended, gate.stats(), gate.queue.where
+
+    ended, stats, where = on_virtual_clock(go)
+    assert sum(isinstance(e, ShuttingDown) for e in ended) == 9
+    assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
+    assert not where  # each ended request's replica is forgotten
