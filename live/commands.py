@@ -42,28 +42,39 @@ from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions, redacted
 
 
-def _engines(cfg: ServeOptions, model: ServiceModel) -> list:
+def _engines(cfg: ServeOptions, model: ServiceModel, replicas: int = 1) -> list:
+    """Every replica's engines in the fleet's order (replica r's engine k at r * K + k)."""
     if cfg.engine == "synthetic":
-        faults = Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for)
         early = UsedShare() if cfg.early_stops else None
         return [SyntheticEngine(model, cfg.speed, cfg.noise, cfg.seed + k, parse_schedule(cfg.speed_schedule),
-                                faults=faults, early_stops=early) for k in range(cfg.engines)]
+                                faults=_faults(cfg, k // cfg.engines), early_stops=early)
+                for k in range(cfg.engines * replicas)]
     if cfg.engine == "upstream":
         from . import upstream
 
-        return upstream.make_engines(cfg.engines, _upstream_spec(cfg))
+        urls = cfg.upstream_urls()  # one replica each
+        return [e for url in urls
+                for e in upstream.make_engines(cfg.engines, _upstream_spec(cfg, url))]
     from . import gpt2  # torch loads here and nowhere else
 
-    return gpt2.make_engines(cfg.engines, gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
+    spec = gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads)
+    return gpt2.make_engines(cfg.engines * replicas, spec)
 
 
-def _upstream_spec(cfg: ServeOptions):
-    """Where --engine upstream forwards. The URL's user info is sent as basic auth, unless a key is
-    given (--upstream-api-key, QLAB_UPSTREAM_API_KEY): one Authorization header, and the key wins,
-    said once."""
+def _faults(cfg: ServeOptions, replica: int) -> Faults:
+    """The synthetic engines' fault schedule: every engine's, or --faulty-replica's alone."""
+    if cfg.faulty_replica not in (None, replica):
+        return Faults()
+    return Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for)
+
+
+def _upstream_spec(cfg: ServeOptions, url: str | None = None):
+    """Where --engine upstream forwards (``url``: one of several, default the one). The URL's user
+    info is sent as basic auth, unless a key is given (--upstream-api-key, QLAB_UPSTREAM_API_KEY):
+    one Authorization header, and the key wins, said once."""
     from . import upstream
 
-    spec = upstream.UpstreamSpec(cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
+    spec = upstream.UpstreamSpec(url or cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
                                  upstream.api_key(cfg.upstream_api_key))
     if spec.api_key and spec.basic:
         print("qlab serve: --upstream-url has a user and password and an upstream key is given: "
@@ -111,7 +122,8 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keyed: bool) -> None:
+def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keyed: bool,
+              fleet=None) -> None:
     print(f"qlab serve: listening on {url}", flush=True)
     if not host_given:
         print(f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere", flush=True)
@@ -124,8 +136,11 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keye
             guard = "requests need a key, over TLS"
         print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
     engine = f"1 batching {cfg.engine} engine" if cfg.batching else f"{cfg.engines} {cfg.engine} engine(s)"
+    if fleet is not None:
+        engine = f"{fleet.replicas} replicas of {engine} behind router {fleet.router.name}"
+    urls = ", ".join(map(redacted, cfg.upstream_urls()))
     print(f"qlab serve: policy {cfg.policy}, {engine}"
-          + (f" forwarding to {redacted(cfg.upstream_url)}" if cfg.engine == "upstream" else "")
+          + (f" forwarding to {urls}" if cfg.engine == "upstream" else "")
           + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
     if cfg.engine == "upstream":
         print(f"qlab serve: {engines[0].routes.says()}", flush=True)
@@ -157,7 +172,9 @@ def cmd_serve(args) -> int:
     if batching is not None:
         _serve(args, cfg, _batching_gate(cfg, policy, model, batching))
         return 0
-    engines = _engines(cfg, model)  # first: an engine that cannot start is the one line said
+    fleet = cfg.fleet()
+    # First: an engine that cannot start is the one line said.
+    engines = _engines(cfg, model, 1 if fleet is None else fleet.replicas)
     if cfg.engine != "synthetic" and not cfg.service_model:
         print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
               "speed tracker corrects them; `qlab calibrate` fits this engine", file=sys.stderr)
@@ -168,8 +185,11 @@ def cmd_serve(args) -> int:
     terms = LoadTerms.load(cfg.service_model)
     engine = OneAtATime(len(engines), terms.concurrency, terms.noise_cv or 0.0)
     gate = Gate(engines, gate_config(policy, engine=engine, model=model, fixed_estimate=cfg.fixed_estimate,
-                                     stall=StallRule(cfg.stall_factor, cfg.stall_after)))
-    _serve(args, cfg, gate)
+                                     stall=StallRule(cfg.stall_factor, cfg.stall_after),
+                                     # --seed seeds a fleet's router (one server's gate: 0)
+                                     seed=0 if fleet is None else cfg.seed),
+                fleet=fleet)
+    _serve(args, cfg, gate, fleet)
     return 0
 
 
@@ -215,7 +235,7 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
     return gate
 
 
-def _serve(args, cfg: ServeOptions, gate) -> None:
+def _serve(args, cfg: ServeOptions, gate, fleet=None) -> None:
     from .contract import Limits
     from .http_api import create_app
 
@@ -228,7 +248,7 @@ def _serve(args, cfg: ServeOptions, gate) -> None:
     app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
                      hosts=hosts, operator=operator_key(cfg.admin_key),
                      on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
-                                                keys is not None))
+                                                keys is not None, fleet))
     if cfg.access_log:
         log_to_stderr()
         app = AccessLog(app)

@@ -213,6 +213,7 @@ class Numbers(Admission):
     engine_s: Num = None  # a failed run's own time
     at: Num = None  # gate clock: when the gate gave up on it, or cut it
     fit_new_tokens: Num = None  # deadline_too_short: the most new tokens whose estimate fits the deadline
+    replica: Num = None  # a fleet's replica that decided on it (qlab serve --replicas)
 
 
 class Timings(BaseModel):

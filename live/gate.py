@@ -97,13 +97,15 @@ from qsim.config import ServerConfig, StallRule
 from qsim.disciplines import CODEL_REASON
 from qsim.engines import Batching, OneAtATime
 from qsim.entry import Work
+from qsim.fleet import FleetSpec
 from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
 from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
 from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
 from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
-from .engine import (Asked, Cancel, Engine, close_on_loop, EngineResult, SelfTimed, UpstreamError,
-                     UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
+from .fleet_gate import fleet_queue
+from .engine import (Asked, Cancel, Checked, Engine, close_on_loop, EngineResult, SelfTimed,
+                     UpstreamError, UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
 from .timings import Timings
 
 #: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its client left
@@ -156,6 +158,9 @@ class Arrival:
     at: float  # gate clock
     deadline_s: float
     seen: Seen  # what the queue core decided on (AdmissionQueue.seen)
+    # The fleet's replica that decided on it (live.fleet_gate; a central queue's: where it ran;
+    # None: no fleet).
+    replica: int | None = None
 
     def numbers(self) -> dict[str, float]:
         """For answers and refusals; arrived_at lets a client put the gate's own arrival order on its clock.
@@ -164,6 +169,8 @@ class Arrival:
         said = {"in_service_s": seen.in_service_s} if math.isfinite(seen.in_service_s) else {}
         if seen.idle >= 0:
             said["idle"] = seen.idle
+        if self.replica is not None:
+            said["replica"] = self.replica
         return {"arrived_at": self.at, "est_service_s": seen.est_service_s, "deadline_s": self.deadline_s,
                 "queued": seen.queued, "queued_work_s": seen.queued_work_s, "speed_factor": seen.speed_factor,
                 **said}
@@ -190,6 +197,7 @@ class Answer:
     returned_at: float = math.nan
     first_token_s: float | None = None  # the engine's own seconds to its first token, where it sees that
     prompt_tokens: int | None = None  # the engine's own count of the prompt (an upstream's usage), where it says
+    replica: int | None = None  # the fleet's replica that ran it (None: no fleet)
 
 
 class Rejected(Exception):
@@ -331,6 +339,7 @@ class _Ticket:
     emit: Callable[[str], None] | None = None  # a streamed job's: posts a piece of text to ``pieces``
     pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
     prompt_tokens: int | None = None  # a batching engine's own count of its prompt, once it said (StepDone)
+    replica: int | None = None  # where a fleet's router sent it (live.fleet_gate)
 
 
 #: How long before a run's deadline its cut timer is set, on a real clock: a loop's timer can come up to a
@@ -474,14 +483,18 @@ class Gate:
     stop(timeout_s)); by default an engine thread, or a task on the loop for a coroutine engine.
     Tests pass one that runs on the loop's (virtual) clock, to check the gate against the simulator
     in simulated time.
+
+    fleet: N replicas behind a router (:mod:`live.fleet_gate`): ``engines`` holds replica r's
+    engine k at r * K + k, K = len(engines) / N each (``config``, one replica's, is fitted to K).
     """
 
     def __init__(self, engines: Sequence[Engine], config: ServerConfig, clock: Callable[[], float] = time.monotonic,
-                 worker: Callable = _worker_for) -> None:
+                 worker: Callable = _worker_for, fleet: FleetSpec | None = None) -> None:
         if not engines:
             raise ValueError("the gate needs at least one engine")
         check_live_policy(config.policy)
         self.engines = list(engines)
+        self.fleet = fleet
         self.config = config = self._fitted(config)
         self.policy = config.policy
         self.clock = clock
@@ -510,6 +523,9 @@ class Gate:
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.draining = False  # the server is stopping: waiting requests were answered, new ones are refused
+        # A fleet's replicas whose engine says it is not ready (and why); the question to each.
+        self._unready: dict[int, str] = {}
+        self._probes: dict[int, asyncio.Task] = {}
 
     def _fitted(self, config: ServerConfig) -> ServerConfig:
         """The config this gate runs: engines one at a time, as many as it is given (a batching engine has its own
@@ -517,12 +533,33 @@ class Gate:
         if not isinstance(config.engine, OneAtATime):
             raise ValueError(f"the gate runs {config.engine.kind} engines through its batching driver "
                              "(live.batching.BatchGate), not this one")
-        if config.engines != len(self.engines):  # the gate runs as many engines as it is given
-            config = config.replace(engine=replace(config.engine, engines=len(self.engines)))
+        per = len(self.engines)
+        if self.fleet is not None:  # each replica runs its share of the engines
+            per, left = divmod(len(self.engines), self.fleet.replicas)
+            if left or not per:
+                raise ValueError(f"{len(self.engines)} engines do not split into "
+                                 f"{self.fleet.replicas} replicas of equal size")
+            self.fleet.check(config)
+        if config.engines != per:  # the gate runs as many engines as it is given
+            config = config.replace(engine=replace(config.engine, engines=per))
         return config
 
     def _make_queue(self, config: ServerConfig):
+        if self.fleet is not None:
+            return fleet_queue(config, self.fleet, start=self._start, drop=self._drop, gone=_gone,
+                               routed=self._routed)
         return AdmissionQueue(config, start=self._start, drop=self._drop, gone=_gone)
+
+    def _routed(self, ticket: "_Ticket", r: int) -> None:
+        ticket.replica = r
+
+    def replica_of(self, k: int) -> int | None:
+        """The replica of engine k (None: no fleet)."""
+        return None if self.fleet is None else self.queue.replica_of_engine(k)
+
+    def _forget(self, ticket: "_Ticket") -> None:
+        if self.fleet is not None:
+            self.queue.forget(ticket)
 
     def use_calibration(self, model: ServiceModel, terms: LoadTerms) -> None:
         """Plan with a new calibration from now on (``PUT /admin/calibration``): its line, and its engines'
@@ -552,6 +589,8 @@ class Gate:
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
+        for probe in self._probes.values():
+            probe.cancel()
         running = [entry.req for entry in self.queue.running if entry is not None]
         for ticket in running:
             if ticket.timer is not None:
@@ -629,8 +668,9 @@ class Gate:
                                     Work(job.max_new_tokens, job.prompt_tokens))
         # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn, and a
         # refusal (most arrivals under overload) needs no future.
-        ticket.arrival = Arrival(now, deadline, self.queue.seen)
+        ticket.arrival = Arrival(now, deadline, self.queue.seen, ticket.replica)
         if refusal is not None:
+            self._forget(ticket)
             # The core refused it (and kept its state as the simulator's would); one no queue could answer in time
             # is told so, not told to come back.
             est_idle = self._idle_estimate_s(job, base)
@@ -676,6 +716,10 @@ class Gate:
 
     def _start(self, k: int, ticket: _Ticket, now: float, est: float) -> None:
         ticket.engine, ticket.start = k, now
+        ticket.replica = self.replica_of(k)
+        if ticket.arrival is not None and ticket.arrival.replica != ticket.replica:
+            # A central queue's request binds where an engine frees: what it says from now on.
+            ticket.arrival = replace(ticket.arrival, replica=ticket.replica)
         ticket.cancel = Cancel()
         if self._closed:  # shutting down: no engine thread will take it; close() cancels its future
             return
@@ -760,7 +804,8 @@ class Gate:
         latency = now - ticket.arrival.at
         self._resolve(ticket, outcome, Answer(result.text, result.tokens, outcome, ticket.start - ticket.arrival.at,
                                               result.engine_s, latency, k, ticket.arrival, ticket.start, now,
-                                              result.first_token_s, result.prompt_tokens))
+                                              result.first_token_s, result.prompt_tokens,
+                                              ticket.replica))
 
     def _resolve(self, ticket: _Ticket, outcome: str, answer: Answer | None = None, exc: Exception | None = None,
                  cause: BaseException | None = None) -> None:
@@ -849,6 +894,8 @@ class Gate:
             if ticket is not None:
                 self._stalled(k, ticket, now)
         self.queue.give_up(now)
+        if self.fleet is not None:
+            self._watch_replicas(now)
         if not self._closed:
             self._watch = self._loop.call_later(self.config.watch_interval_s, self._watchdog)
 
@@ -864,15 +911,55 @@ class Gate:
                    f"and {self.config.stall.floor_s:g} s); the gate stopped waiting for it")
         self._resolve(ticket, Outcome.ERROR, exc=EngineStalled(message, k, numbers, ticket.arrival))
 
+    def _watch_replicas(self, now: float) -> None:
+        """A replica whose engines are all stalled, or whose engine is not ready, goes down (the
+        router sends it nothing) and comes back when it is well (LiveFleet.watch); what it held
+        ends now: an error of the stall or of the upstream."""
+        self._probe_replicas()
+        for ticket, state, r in self.queue.watch(now, self._unready):
+            if state == "running" and ticket.cancel is not None:
+                ticket.cancel.set()  # nobody waits for it now: the engine may stop
+            waited = now - ticket.arrival.at
+            numbers = {**ticket.arrival.numbers(), "waited_s": waited}
+            problem = self._unready.get(r)
+            if problem is None:
+                message = (f"replica {r}'s every engine is stalled; the gate took it out of "
+                           f"routing and ended this request after {waited:.3f} s; send it again")
+                exc = EngineStalled(message, None, numbers, ticket.arrival)
+            else:
+                k = r * self.queue.engines_per_replica
+                exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
+                                     ticket.arrival, numbers)
+            self._resolve(ticket, Outcome.ERROR, exc=exc)
+
+    def _probe_replicas(self) -> None:
+        """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which
+        answers from what its last run or probe learned, probing at most every few seconds)
+        whether it is ready; one question per replica at a time."""
+        per = self.queue.engines_per_replica
+        for r in range(self.fleet.replicas):
+            engine, probe = self.engines[r * per], self._probes.get(r)
+            if isinstance(engine, Checked) and (probe is None or probe.done()):
+                self._probes[r] = self._loop.create_task(self._probe(r, engine))
+
+    async def _probe(self, r: int, engine: Checked) -> None:
+        problem = await engine.readiness()
+        if problem is None:
+            self._unready.pop(r, None)
+        else:
+            self._unready[r] = problem
+
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
         """A cancelled future is a client that left: a waiting one leaves the queue with its work, a
         running one's engine is asked to stop."""
         if not future.cancelled():
+            self._forget(ticket)
             return
         self.cancelled += 1
         self.counts[Outcome.ABANDONED] += 1
         if self.queue.cancel(ticket, self._now()) == "running" and ticket.cancel is not None:
             ticket.cancel.set()
+        self._forget(ticket)
 
     # -- observation ------------------------------------------------------------
 

@@ -203,7 +203,10 @@ async def readiness(gate: Gate) -> list[str]:
     if gate.queue.all_stalled:
         reasons.append(f"every engine ({gate.workers}) is stalled")
     checked = [e for e in gate.engines if isinstance(e, Checked)]
-    for problem in await asyncio.gather(*(e.readiness() for e in checked)):
+    problems = await asyncio.gather(*(e.readiness() for e in checked))
+    if gate.fleet is not None and None in problems:
+        problems = []  # one not ready is routed around (live.fleet_gate): the fleet answers
+    for problem in problems:
         if problem is not None and problem not in reasons:
             reasons.append(problem)
     return reasons

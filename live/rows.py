@@ -234,6 +234,9 @@ def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float)
         "tokens": answer.tokens if answered else -1,
         "answered_prompt": _int_or(answer.prompt_tokens, -1) if answered else -1,
         "engine": answer.engine if answered else _int_or(seen.engine, -1),
+        # A fleet's replica (an answer's admission says it beside its fields); 0: one server.
+        "replica": _int_or((answer.admission.model_extra or {}).get("replica") if answered
+                           else seen.replica, 0),
         "queued": _int_or(seen.queued, -1), "queued_work": num(seen.queued_work_s),
         "in_service": num(seen.in_service_s), "idle": _int_or(seen.idle, -1),
         "retry_after": retry_after_s(ex), "status": -1 if ex.status is None else ex.status,
@@ -316,6 +319,7 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_t
         "idle_at_arrival": rows["idle"].to_numpy(np.int64),
         "retry_after_s": rows["retry_after"].to_numpy(np.int64),
         "engine": rows["engine"].to_numpy(np.int64),
+        "replica": rows["replica"].to_numpy(np.int64),
         "scheduled_s": scheduled,
         "sent_s": sent,
         "send_lateness_s": sent - scheduled,

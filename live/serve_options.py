@@ -33,7 +33,10 @@ from inputs import argtypes
 from inputs.batchflags import (BATCHING_FLAGS, BATCHING_HELP, BATCHING_ONLY, NO_CHUNKED_PREFILL_HELP, STEP_METAVAR,
                                batching_engine, parse_step)
 from inputs.tomlfiles import ConfigError
+from qsim.config import ServerConfig
 from qsim.engines import Batching
+from qsim.fleet import FleetSpec
+from qsim.routers import ROUTERS, make_router
 from qsim.policy import PRESETS, from_options, policy_spec
 from qsim.service import LoadTerms
 
@@ -103,6 +106,12 @@ def check_upstream_url(url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
+def check_upstream_urls(text: str) -> list[str]:
+    """``--upstream-url`` given once or more (kept joined by commas): each checked as
+    :func:`check_upstream_url` does."""
+    return [check_upstream_url(url) for url in text.split(",")]
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """Every option of ``qlab serve``; the defaults are the server's."""
@@ -117,6 +126,15 @@ class ServeOptions:
                                        "(forward to an OpenAI-compatible server: --upstream-url)",
                           choices=("gpt2", "synthetic", "upstream"))
     engines: int = _option(1, "engines behind the queue (K), one thread each", type=argtypes.positive_int)
+    replicas: int = _option(1, "N replicas of the server, each its own --engines K, line and "
+                               "admission, behind --router (live.fleet_gate; default 1: one "
+                               "server); --engine upstream: one replica per --upstream-url",
+                            type=argtypes.positive_int)
+    router: str | None = _option(None, f"which replica an arrival goes to: {', '.join(ROUTERS)} "
+                                       "(qsim.routers, the simulator's; default round_robin)",
+                                 choices=tuple(ROUTERS), metavar="NAME")
+    router_d: int | None = _option(None, "power_of_d's choices (default 2)",
+                                   type=argtypes.positive_int, metavar="D")
     batching: bool = _option(False, BATCHING_HELP + ": the synthetic engine runs each step for its step model's "
                                     "time, gpt2 one forward pass over the batch; the gate drives it through the "
                                     "simulator's batching core (live.batching)")
@@ -143,6 +161,10 @@ class ServeOptions:
     early_stops: bool = _option(False, "synthetic: each run stops early as the reference study measured (a share of "
                                        "its limit, median 13 %%, 4 in 60 at the limit: qsim's UsedShare) and takes the "
                                        "time of the tokens it generated", engine="synthetic")
+    faulty_replica: int | None = _option(None, "synthetic, fault injection: --fail-every and "
+                                               "--hang-after apply to this replica's engines only "
+                                               "(from 0; default: every engine)",
+                                         type=argtypes.count, metavar="R", engine="synthetic")
     fail_every: int = _option(0, "synthetic, fault injection: every Nth run of an engine raises at once",
                               type=argtypes.positive_int, metavar="N", engine="synthetic")
     hang_after: int | None = _option(None, "synthetic, fault injection: run N+1 of an engine hangs (--hang-for "
@@ -152,7 +174,8 @@ class ServeOptions:
                                      metavar="SECONDS", engine="synthetic", needs=("hang_after", "which run hangs"))
     upstream_url: str | None = _option(None, "upstream: the OpenAI-compatible server to forward to, e.g. "
                                              "http://127.0.0.1:8001 (vllm serve, or another qlab serve)",
-                                       metavar="URL", engine="upstream", check=check_upstream_url, required=True)
+                                       metavar="URL", engine="upstream", check=check_upstream_urls,
+                                       required=True, many=True)
     upstream_model: str | None = _option(None, "upstream: the model to ask for (default: the first the upstream's "
                                                "GET /v1/models lists)", metavar="NAME", engine="upstream")
     upstream_timeout: float = _option(60.0, "upstream: a request fails as upstream_timeout (504) when the upstream "
@@ -242,12 +265,43 @@ class ServeOptions:
         for bad, why in unfit:
             if bad:
                 raise ValueError(why)
+        if self.replicas > 1 or len(self.upstream_urls()) > 1:
+            raise ValueError("--batching with replicas: a fleet's replicas run engines one at a "
+                             "time here (drop --batching, or serve one replica)")
         calibrated = LoadTerms.load(self.service_model).step
         if self.step is None and calibrated is not None:  # --step given wins over the calibration's
             batching = replace(batching, step=calibrated)
         if self.noise:  # the spread of a step's time around the model (a gamma of mean 1), the simulator's too
             batching = replace(batching, step=replace(batching.step, cv=self.noise))
         return batching
+
+    def upstream_urls(self) -> list[str]:
+        """Each ``--upstream-url`` given, in order (none for another engine)."""
+        if self.engine != "upstream" or not self.upstream_url:
+            return []
+        return self.upstream_url.split(",")
+
+    def fleet(self) -> FleetSpec | None:
+        """The replicas and router these options ask for (None: one server); ValueError naming the
+        flag where they do not fit."""
+        n, urls = self.replicas, len(self.upstream_urls())
+        if urls > 1 or (self.engine == "upstream" and n > 1):
+            if n not in (1, urls):
+                raise ValueError(f"--replicas {n}: --engine upstream runs one replica per "
+                                 f"--upstream-url ({urls} given)")
+            n = urls
+        if self.faulty_replica is not None and self.faulty_replica >= n:
+            raise ValueError(f"--faulty-replica {self.faulty_replica}: replicas are 0..{n - 1}")
+        if n == 1:
+            given = [_flag(name) for name in ("router", "router_d")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a fleet's options, for --replicas N > 1 "
+                                 "(or several --upstream-url)")
+            return None
+        fleet = FleetSpec(n, make_router(self.router or "round_robin", self.router_d))
+        fleet.check(ServerConfig())  # replicas of engines one at a time (the gate checks its own)
+        return fleet
 
     # ------------------------------------------------------------ the command line
 
@@ -285,6 +339,7 @@ class ServeOptions:
             if f.metadata["check"] and f.name in given:
                 f.metadata["check"](given[f.name])
         options.engine_model()
+        options.fleet()
         return options
 
     def argv(self) -> list[str]:
@@ -332,6 +387,7 @@ class ServeOptions:
             raise ConfigError(f"{where}.{f.name}: required with engine = {options.engine!r}")
         try:
             options.engine_model()
+            options.fleet()
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         return options

@@ -155,7 +155,10 @@ class SimEngine(LoopWorker):
 
 
 def _seen(row: dict, arrival) -> None:
-    row.update(queued=arrival.seen.queued, queued_work_s=arrival.seen.queued_work_s, est_service_s=arrival.seen.est_service_s)
+    seen = arrival.seen
+    row.update(queued=seen.queued, queued_work_s=seen.queued_work_s,
+               est_service_s=seen.est_service_s,
+               replica=-1 if arrival.replica is None else arrival.replica)
 
 
 _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error", EngineStalled: "error",
@@ -165,7 +168,7 @@ _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error
 def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
              cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None,
              retry: RetryPolicy | None = None, speed_schedule=None,
-             config: ServerConfig | None = None) -> tuple[pd.DataFrame, dict]:
+             config: ServerConfig | None = None, fleet=None) -> tuple[pd.DataFrame, dict]:
     """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
@@ -177,6 +180,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     a :class:`live.batching.BatchGate` in front of the real :class:`live.batching.SyntheticBatchEngine` (a task on
     the loop, its steps taking the step model's time on the virtual clock); each row also has first_token_s
     (absolute, NaN where none) and tokens. Each request then runs to its limit (the gate cannot know early stops).
+    fleet: a :class:`qsim.fleet.FleetSpec`: the gate routes over its replicas of ``engines``
+    engines each (live.fleet_gate); each row's replica is where the router sent it.
     """
     batching = config
     if batching is not None:
@@ -197,7 +202,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     def new_row(first: int, attempt: int, at: float) -> int:
         rows.append(dict(first_request_id=first, attempt=attempt, arrival_s=at, outcome=None, reason=None,
                          start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1, queued_work_s=math.nan,
-                         est_service_s=math.nan, retry_after_s=-1, first_token_s=math.nan, tokens=-1))
+                         est_service_s=math.nan, retry_after_s=-1, first_token_s=math.nan,
+                         tokens=-1, replica=-1))
         return len(rows) - 1
 
     def end(j: int, outcome: str, reason, retry_after_s: int = -1) -> None:
@@ -261,7 +267,9 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
         loop = asyncio.get_running_loop()
         config = gate_config(policy, model=model, fixed_estimate=fixed_estimate) if batching is None else batching
         worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver, tokens, speed_schedule)  # noqa: E731
-        gate = Gate([None] * engines, config, clock=loop.time, worker=worker) if batching is None else \
+        n = engines * (1 if fleet is None else fleet.replicas)
+        gate = Gate([None] * n, config, clock=loop.time, worker=worker, fleet=fleet) \
+            if batching is None else \
             BatchGate(SyntheticBatchEngine(batching.engine.step, seed=batching.seed, clock=loop.time,
                                            schedule=() if speed_schedule is None else speed_schedule.steps),
                       batching, clock=loop.time)

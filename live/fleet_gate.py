@@ -1,0 +1,141 @@
+"""The live gate as a router: the simulator's own :class:`qsim.fleet.Fleet` as the gate's queue.
+
+A gate given a :class:`~qsim.fleet.FleetSpec` (``Gate(engines, config, fleet=spec)``) drives
+N replicas of ``config``'s K engines (its engines list holds replica r's engine k at r * K + k,
+the fleet's own numbering): each replica has its own line and admission (its policy, estimator,
+speed tracker) and the router (:mod:`qsim.routers`) picks a replica per arrival from each
+replica's :class:`~qsim.routers.ReplicaState`, with the fleet's random stream
+(:data:`qsim.fleet.ROUTER_STREAM`). The routing is the simulator's code, not a copy: the gate
+and ``qsim.simulate(..., replicas=N, router=...)`` drive one :class:`~qsim.fleet.Fleet`.
+
+:class:`LiveFleet` adds only what the gate reads of its queue beyond what the simulator reads
+(engine lists across the fleet, sums for /stats), and a replica's health: a replica whose
+engines are all stalled (the gate's stall rule, :class:`qsim.config.StallRule`) is down, so the
+router sends nothing there, and up again once one of its engines hands its run back; so is one
+whose engine says what it depends on is not there (:class:`live.engine.Checked`: an upstream that
+went away), until its readiness says it is back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from qsim.config import ServerConfig
+from qsim.fleet import Fleet, FleetSpec, offset
+from qsim.queue import AdmissionQueue
+
+__all__ = ["LiveFleet", "fleet_queue"]
+
+
+def fleet_queue(config: ServerConfig, spec: FleetSpec, *, start, drop, gone, routed) -> "LiveFleet":
+    """The gate's queue core for ``spec``'s replicas of ``config`` (K engines each): the gate's
+    hooks on each replica's line, its engine numbered across the fleet."""
+    per = config.engines
+
+    def line(r: int, cfg: ServerConfig) -> AdmissionQueue:
+        return AdmissionQueue(cfg, start=offset(start, r * per), drop=drop, gone=gone)
+
+    return LiveFleet(config, spec, line=line, routed=routed)
+
+
+class LiveFleet(Fleet):
+    """A :class:`~qsim.fleet.Fleet` read as the gate reads one
+    :class:`~qsim.queue.AdmissionQueue`."""
+
+    # -- per engine, across the fleet (the gate indexes them by its engine) ---------------
+
+    def _across(self, name: str) -> list:
+        return [x for line in self.lines for x in getattr(line, name)]
+
+    @property
+    def running(self) -> list:
+        return self._across("running")
+
+    @property
+    def ended(self) -> list:
+        return self._across("ended")
+
+    @property
+    def busy_until(self) -> list:
+        return self._across("busy_until")
+
+    @property
+    def waiting(self) -> list:
+        return self._across("waiting")
+
+    def cut_at(self, g: int) -> float:
+        line, k = self.line_of(g)
+        return line.cut_at(k)
+
+    def overdue(self, now: float) -> list[int]:
+        return [q * self.per_line + k
+                for q, line in enumerate(self.lines) for k in line.overdue(now)]
+
+    def stalled_engines(self, now: float) -> list[dict]:
+        return [{**s, "engine": q * self.per_line + s["engine"]}
+                for q, line in enumerate(self.lines) for s in line.stalled_engines(now)]
+
+    # -- the line that decided the last arrival ------------------------------------------
+
+    @property
+    def seen(self):
+        return self.last.seen
+
+    @property
+    def tracker(self):
+        return self.last.tracker
+
+    def deadline_of(self, deadline_s):
+        return self.lines[0].deadline_of(deadline_s)
+
+    # -- sums -------------------------------------------------------------------------------
+
+    @property
+    def in_service(self) -> int:
+        return sum(line.in_service for line in self.lines)
+
+    @property
+    def queued_work_s(self) -> float:
+        return sum(line.queued_work_s for line in self.lines)
+
+    @property
+    def all_stalled(self) -> bool:
+        """Every replica's engines are all stalled: nothing can move (the gate is not ready). One
+        replica stalled is that replica down, not the gate's (see :meth:`watch`)."""
+        return all(line.all_stalled for line in self.lines)
+
+    def snapshot(self) -> dict:
+        """The fleet's queue summed (the keys of one line's), and each replica's own with
+        whether the router sends there."""
+        each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
+        total = {key: sum(s[key] for s in each) for key in ("waiting", "in_service", "stalled",
+                                                            "queued_work_s", "engines")}
+        return {**total, "speed_factor": self.speed_factor, "router": self.router.name,
+                "replicas": each}
+
+    def recalibrate(self, config: ServerConfig) -> None:
+        for line in self.lines:
+            engine = replace(config.engine, engines=line.engines)
+            line.recalibrate(config.replace(engine=engine))
+
+    # -- a replica's health ---------------------------------------------------------------
+
+    def forget(self, req) -> None:
+        """``req`` has ended for the gate: its replica need not be kept (a server runs for days)."""
+        self.where.pop(req, None)
+
+    def watch(self, now: float, unready=frozenset()) -> list[tuple]:
+        """Mark down each replica whose engines are all stalled, or that is ``unready``, while
+        another is up (the router then sends it nothing), and up again each that came back. The
+        requests a replica held when it went down, (request, "waiting" or "running", replica)
+        each, are the gate's to end."""
+        if self.router.shared:
+            return []  # one line in front of every engine: no replica to route around
+        left = []
+        for r, line in enumerate(self.lines):
+            down = line.all_stalled or r in unready
+            if not self.up[r] and not down:
+                self.restore(r)
+            elif self.up[r] and down and sum(self.up) > 1:
+                left += [(req, state, r) for req, state in self.fail(r, now)]
+        return left

@@ -1,0 +1,313 @@
+"""The live gate as a router (live.fleet_gate) agrees with the simulator's fleet, per request.
+
+Both drive one :class:`qsim.fleet.Fleet` with the same routers (qsim.routers) and the same
+random stream (qsim.fleet.ROUTER_STREAM); the gate runs on a virtual clock (tests/virtual_time.py).
+"""
+
+import numpy as np
+import pytest
+
+from qsim import PRESETS, make_trace, simulate
+from qsim.config import ServerConfig
+from qsim.fleet import FleetSpec
+from qsim.routers import make_router
+from live.engine import WORD, Abilities, EngineResult, UpstreamError
+from virtual_time import _ENDS, run_gate
+
+ROUTERS = ["random", "round_robin", "jsq", "least_work", "power_of_d", "central"]
+
+
+def _agree(trace, policy, engines: int, router: str, replicas: int = 3):
+    spec = FleetSpec(replicas, make_router(router))
+    gate, stats = run_gate(trace, policy, engines, fleet=spec)
+    sim = simulate(trace, ServerConfig(policy, engines), replicas=replicas, router=spec.router)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    assert gate["replica"].tolist() == sim["replica"].fillna(-1).tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(gate["engine"], sim["engine"].fillna(-1))
+    seen = gate["queued"].ge(0).to_numpy()
+    np.testing.assert_array_equal(gate.loc[seen, "queued"], sim.loc[seen, "queued_at_arrival"])
+    counts = sim["outcome"].value_counts()
+    assert {k: v for k, v in stats["counts"].items() if v} == {k: int(v) for k, v in counts.items()}
+    assert stats["waiting"] == 0 and stats["in_service"] == 0
+    return sim, stats
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("policy", ["predictive", "bounded"])
+def test_a_fleet_gate_matches_the_simulators_fleet_exactly(router, policy):
+    trace = make_trace("poisson", "mix", load=1.4, engines=6, seconds=10, seed=3, noise_cv=0.3)
+    sim, stats = _agree(trace, PRESETS[policy], 2, router)
+    assert len(sim) > 200
+    if router != "central":  # a central queue binds where an engine frees, and says so per row too
+        assert sorted(sim["replica"].unique()) == [0, 1, 2]
+        assert [r["up"] for r in stats["replicas"]] == [True] * 3
+    assert stats["router"] == router and len(stats["replicas"]) == (1 if router == "central" else 3)
+
+
+def test_a_fleet_of_one_engine_replicas_under_overload():
+    trace = make_trace("poisson", "mix", load=2.0, engines=4, seconds=10, seed=11, noise_cv=0.3)
+    sim, _ = _agree(trace, PRESETS["predictive"], 1, "power_of_d", replicas=4)
+    assert sim["outcome"].eq("rejected").sum() > 20
+
+
+# -- a replica that dies mid-run --------------------------------------------------------------
+
+HANG_AT, HANG_S = 4, 20.0  # replica 1's 4th run hangs 20 s: stalled after 5 s (the gate's rule)
+
+
+def _run_with_a_hung_replica(router: str):
+    """Every 0.03 s for 39 s a request of 12 tokens (0.05 s) to 3 one-engine replicas, replica 1's
+    engine hanging at its 4th run; each request's (arrival, replica, outcome, reason), /stats."""
+    from live.engine import Faults
+    from live.gate import Gate, Job, Rejected, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import LoopSynthetic, on_virtual_clock
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except Rejected as exc:
+            row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
+        except tuple(_ENDS) as exc:  # every ending of a request is a row
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        engines = [LoopSynthetic(MODEL), LoopSynthetic(MODEL, faults=Faults(hang_after=HANG_AT - 1,
+                                                                            hang_s=HANG_S)),
+                   LoopSynthetic(MODEL)]
+        config = gate_config(PRESETS["predictive"], model=MODEL)
+        tasks = []
+        fleet = FleetSpec(3, make_router(router))
+        async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
+            for i in range(1300):
+                await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+            await asyncio.gather(*tasks)
+            while gate.in_service:
+                await asyncio.sleep(0.05)
+            return gate.stats()
+
+    import pandas as pd
+
+    stats = on_virtual_clock(go)
+    return pd.DataFrame(rows), stats, ups
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "random"])
+def test_a_replica_whose_engine_hangs_is_routed_around_until_it_is_back(router):
+    frame, stats, ups = _run_with_a_hung_replica(router)
+    # Every request ended once, and the counts say so.
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    assert stats["counts"]["error"] == frame["outcome"].eq("error").sum() >= 1
+    assert set(frame.loc[frame["outcome"].eq("error"), "reason"]) == {"engine_stalled"}
+    # Down once its one engine is stalled (5 s after the hung run began), up once it is back.
+    down = [t for t, up in ups if not up[1]]
+    assert down and 5.0 < down[0] < 7.0 and HANG_S < down[-1] < HANG_S + 3.0
+    assert all(up[0] and up[2] for _, up in ups)
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert not sent.between(down[0], down[-1]).any()  # the router sent it nothing while down
+    assert (sent > down[-1]).sum() > 20  # and sends again once it is back
+    assert all(r["up"] for r in stats["replicas"])
+
+
+class _GoneUpstream:
+    """A coroutine engine on the loop's clock whose upstream is away from ``away[0]`` to ``away[1]``
+    s: its runs then fail at once, as a refused connection does, and its readiness says so
+    (live.engine.Checked, as the upstream engine's)."""
+
+    abilities = Abilities(coroutine=True)
+    max_new_tokens_limit = None
+
+    def __init__(self, model, away=(None, None)) -> None:
+        self.model, self.away = model, away
+
+    def _gone(self) -> bool:
+        import asyncio
+
+        now = asyncio.get_running_loop().time()
+        return self.away[0] is not None and self.away[0] <= now < self.away[1]
+
+    async def arun(self, prompt, max_new_tokens, stop=None):
+        import asyncio
+
+        if self._gone():
+            raise UpstreamError("http://b:8001/v1/completions: ClientConnectorError: refused")
+        await asyncio.sleep(float(self.model.estimate(max_new_tokens)))
+        return EngineResult(WORD * max_new_tokens, max_new_tokens, 0.0)
+
+    async def readiness(self):
+        return "http://b:8001/v1/models: cannot reach the upstream" if self._gone() else None
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.encode())
+
+    def warmup(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"engine": "gone-upstream"}
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq"])
+def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(router):
+    import asyncio
+
+    import pandas as pd
+
+    from live.gate import Gate, Job, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import on_virtual_clock
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except tuple(_ENDS) as exc:
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engines = [_GoneUpstream(MODEL), _GoneUpstream(MODEL, away=(5.0, 15.0)),
+                   _GoneUpstream(MODEL)]
+        config = gate_config(PRESETS["predictive"], model=MODEL)
+        tasks = []
+        fleet = FleetSpec(3, make_router(router))
+        async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
+            for i in range(800):
+                await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+            await asyncio.gather(*tasks)
+            return gate.stats()
+
+    stats = on_virtual_clock(go)
+    frame = pd.DataFrame(rows)
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    down = [t for t, up in ups if not up[1]]
+    assert 5.0 <= down[0] < 5.2 and 15.0 <= down[-1] < 15.2  # within a watchdog tick or two
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert not sent.between(down[0], down[-1]).any()
+    assert (sent > down[-1]).sum() > 20
+    failed = frame[frame["outcome"].eq("error")]
+    assert len(failed) >= 1 and set(failed["reason"]) == {"upstream_error"}
+    assert failed["arrival_s"].between(5.0, 5.2).all()  # what it took before the gate noticed
+
+
+# -- qlab serve's options ----------------------------------------------------------------------
+
+
+def _options(*argv):
+    import argparse
+
+    from live.serve_options import ServeOptions
+
+    parser = argparse.ArgumentParser()
+    ServeOptions.add_flags(parser)
+    return ServeOptions.from_args(parser.parse_args(list(argv)))
+
+
+def test_serve_options_say_the_fleet():
+    assert _options().fleet() is None
+    fleet = _options("--replicas", "3", "--router", "power_of_d", "--router-d", "3").fleet()
+    assert (fleet.replicas, fleet.router) == (3, make_router("power_of_d", 3))
+    assert _options("--replicas", "2").fleet().router.name == "round_robin"
+    up = _options("--engine", "upstream", "--upstream-url", "http://a:1/v1",
+                  "--upstream-url", "http://b:2")
+    assert up.upstream_urls() == ["http://a:1/v1", "http://b:2"] and up.fleet().replicas == 2
+    assert "--upstream-url" in up.argv() and "http://a:1/v1,http://b:2" in up.argv()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--replicas", "2", "--batching"), "--batching with replicas"),
+    (("--router", "jsq"), "--router: a fleet's options"),
+    (("--replicas", "2", "--router", "least_kv"), "its replicas need --batching"),
+    (("--replicas", "2", "--faulty-replica", "2"), "replicas are 0..1"),
+    (("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "http://b:2",
+      "--replicas", "3"), "one replica per --upstream-url"),
+    (("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "ftp://b"),
+     "must be http"),
+])
+def test_serve_options_refuse_a_fleet_that_cannot_run(argv, says):
+    with pytest.raises(ValueError, match=says):
+        _options(*argv)
+
+
+def test_a_server_table_takes_the_fleet_too():
+    from inputs.tomlfiles import ConfigError
+    from live.serve_options import ServeOptions
+
+    assert ServeOptions.from_table("t", {"replicas": 3, "router": "jsq"}).fleet().replicas == 3
+    with pytest.raises(ConfigError, match="t: --batching with replicas"):
+        ServeOptions.from_table("t", {"replicas": 2, "batching": True})
+    with pytest.raises(ConfigError, match="t.router: must be"):
+        ServeOptions.from_table("t", {"replicas": 2, "router": "nearest"})
+
+
+def test_a_new_calibration_reaches_every_replica():
+    import asyncio
+
+    from live.gate import Gate, gate_config
+    from qsim import ServiceModel
+    from qsim.service import LoadTerms
+    from virtual_time import LoopSynthetic, on_virtual_clock
+    from test_gate_sim import MODEL
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        config = gate_config(PRESETS["predictive"], model=MODEL)
+        gate = Gate([LoopSynthetic(MODEL) for _ in range(4)], config, clock=loop.time,
+                    fleet=FleetSpec(2, make_router("jsq")))
+        async with gate:
+            new = ServiceModel(intercept_s=0.01, per_token_s=0.002)
+            gate.use_calibration(new, LoadTerms())
+            return [line.config.model for line in gate.queue.lines], gate.stats()
+
+    models, stats = on_virtual_clock(go)
+    assert models == [ServiceModel(intercept_s=0.01, per_token_s=0.002)] * 2
+    assert stats["engines"] == 4 and [r["engines"] for r in stats["replicas"]] == [2, 2]
+
+
+def test_draining_a_fleet_gate_answers_every_replicas_waiting():
+    import asyncio
+
+    from live.gate import Gate, Job, ShuttingDown, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import LoopSynthetic, on_virtual_clock
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        config = gate_config(PRESETS["none"], model=MODEL)
+        gate = Gate([LoopSynthetic(MODEL) for _ in range(3)], config, clock=loop.time,
+                    fleet=FleetSpec(3, make_router("round_robin")))
+        async with gate:
+            futures = [gate.submit(Job(str(i), 12)) for i in range(12)]
+            assert [r["waiting"] for r in gate.stats()["replicas"]] == [3, 3, 3]
+            gate.drain()
+            ended = await asyncio.gather(*futures, return_exceptions=True)
+            return ended, gate.stats(), gate.queue.where
+
+    ended, stats, where = on_virtual_clock(go)
+    assert sum(isinstance(e, ShuttingDown) for e in ended) == 9
+    assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
+    assert not where  # each ended request's replica is forgotten
