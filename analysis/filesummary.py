@@ -21,8 +21,8 @@ from qsim.records import OUTCOMES
 from . import metrics
 
 BATCH = 65_536  # rows read at a time
-DIGIT = 16  # bits a pass selects on
-COLLECT = 1 << 16  # values few enough to gather and sort instead of another pass
+DIGIT = 12  # bits a pass selects on: a histogram of 4,096 counts (32 KB) a series
+COLLECT = 8_192  # values few enough to gather and sort instead of another pass
 #: metrics._summary's quantiles of each series.
 QUANTILES = {"latency": (0.5, 0.9, 0.99), "refusal": (0.5, 0.99), "ttft": (0.5, 0.99),
              "tpot": (0.5, 0.99)}
@@ -63,6 +63,29 @@ def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
     return out
 
 
+def _width(depth: int) -> int:
+    """Bits the digit below ``depth`` bits holds (the last: what is left of 64)."""
+    return min(DIGIT, 64 - depth)
+
+
+def _column(file: pq.ParquetFile, group: int, name: str) -> np.ndarray:
+    """One column of one row group as numpy (nulls NaN, or None in a dictionary column's labels)."""
+    return file.read_row_group(group, columns=[name], use_threads=False).column(0).to_numpy()
+
+
+def _codes(file: pq.ParquetFile, group: int, name: str, code_of) -> np.ndarray:
+    """A dictionary column of one row group as integer codes: ``code_of`` of each label (None: null),
+    looked up once a label, not once a row (strings through pandas cost more than the rest)."""
+    column = file.read_row_group(group, columns=[name], use_threads=False).column(0)
+    parts = []
+    for chunk in column.chunks:
+        null = code_of(None) if chunk.null_count else -1  # a null is a label only where there is one
+        lookup = np.array([code_of(v) for v in chunk.dictionary.to_pylist()] + [null], dtype=np.intp)
+        indices = chunk.indices.fill_null(len(lookup) - 1).to_numpy()
+        parts.append(lookup[indices])
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.intp)
+
+
 class _Pass:
     """One read of the file: for each series, a histogram of one digit of its keys under a prefix, or the
     keys under a prefix gathered."""
@@ -70,6 +93,10 @@ class _Pass:
     def __init__(self) -> None:
         self.hist: dict[tuple, np.ndarray] = {}  # (series, depth, prefix) -> counts of the next digit
         self.gather: dict[tuple, list] = {}  # (series, depth, prefix) -> keys
+        # (series, depth, prefix) -> (distinct keys, their counts) under it, while there are at most
+        # COLLECT of them (None: more): values that repeat (a refusal's 0 s, a time per token of a few
+        # values) are read off these at once, where digits would take a pass each down to the last bit.
+        self.distinct: dict[tuple, tuple | None] = {}
 
     def wants(self, series) -> bool:
         return any(k[0] == series for k in (*self.hist, *self.gather))
@@ -81,10 +108,22 @@ class _Pass:
             _, depth, prefix = job
             mine = keys if depth == 0 else keys[(keys >> np.uint64(64 - depth)) == np.uint64(prefix)]
             if job in self.hist:
-                digit = (mine >> np.uint64(64 - depth - DIGIT)) & np.uint64((1 << DIGIT) - 1)
-                self.hist[job] += np.bincount(digit.astype(np.intp), minlength=1 << DIGIT)
+                width = _width(depth)
+                digit = (mine >> np.uint64(64 - depth - width)) & np.uint64((1 << width) - 1)
+                self.hist[job] += np.bincount(digit.astype(np.intp), minlength=1 << width)
+                self._tally(job, mine)
             else:
                 self.gather[job].append(mine)
+
+    def _tally(self, job: tuple, keys: np.ndarray) -> None:
+        if job in self.distinct and self.distinct[job] is None:
+            return
+        seen = [self.distinct[job]] if job in self.distinct else []
+        merged = np.concatenate([*(k for k, _ in seen), keys])
+        weights = np.concatenate([*(c for _, c in seen), np.ones(len(keys), dtype=np.int64)])
+        unique, where = np.unique(merged, return_inverse=True)
+        self.distinct[job] = None if len(unique) > COLLECT else \
+            (unique, np.bincount(where, weights=weights).astype(np.int64))
 
 
 class FileSummary:
@@ -108,23 +147,29 @@ class FileSummary:
 
     # ------------------------------------------------------------ reading
     def _batches(self, first: bool):
+        """The rows of this seed a row group at a time, as numpy arrays, read a column at a time: reading
+        them together, or through pandas, holds more of the file at once."""
         columns = ["outcome", "size_class", "latency_s", "ttft_s", "tpot_s"]
         if first:
             columns += ["max_new_tokens", "kv_blocks_peak", "ttft_slo_s", "arrival_s", "finish_s"]
-        file = pq.ParquetFile(self.path)
+        file = pq.ParquetFile(self.path, pre_buffer=False,
+                              read_dictionary=["outcome", "size_class"])
         names = set(file.schema_arrow.names)
-        wanted = [c for c in columns if c in names] + (["seed"] if self.seed is not None else [])
-        for batch in file.iter_batches(batch_size=BATCH, columns=wanted, use_threads=False):
-            frame = batch.to_pandas()
+        wanted = [c for c in columns if c in names]
+        for group in range(file.num_row_groups):
+            mine = None
             if self.seed is not None:
-                frame = frame[frame["seed"].to_numpy() == self.seed]
-            if len(frame):
-                yield frame
+                mine = _column(file, group, "seed") == self.seed
+                if not mine.any():
+                    continue
+            batch = {c: _column(file, group, c) for c in wanted if c not in ("outcome", "size_class")}
+            batch["outcome"] = _codes(file, group, "outcome", self._outcome_code)
+            batch["size_class"] = _codes(file, group, "size_class", self._group_code(first))
+            yield batch if mine is None or mine.all() else {c: v[mine] for c, v in batch.items()}
 
     def _scan(self, job: _Pass, first: bool = False) -> None:
         for frame in self._batches(first):
-            outcome = pd.Categorical(frame["outcome"], categories=OUTCOMES).codes
-            group = self._groups(frame["size_class"], first)
+            outcome, group = frame["outcome"], frame["size_class"]
             if first:
                 self._count(frame, outcome, group)
             for series, keys in self._series(frame, outcome, group, first):
@@ -133,33 +178,40 @@ class FileSummary:
                 if job.wants(series):
                     job.add(series, keys)
 
-    def _groups(self, size_class: pd.Series, first: bool) -> np.ndarray:
-        codes, uniques = pd.factorize(size_class, use_na_sentinel=False)
-        for label in uniques:
+    @staticmethod
+    def _outcome_code(label) -> int:
+        return OUTCOMES.index(label) if label in OUTCOMES else -1
+
+    def _group_code(self, first: bool):
+        """A size class's group number (1, 2, ... in the order met; NaN's None too), new ones in the
+        first pass."""
+        def code_of(label) -> int:
             if first and label not in self.labels:
                 self.labels[label] = len(self.labels) + 1
-        return np.asarray([self.labels[v] for v in uniques], dtype=np.intp)[codes]
+            return self.labels.get(label, -1)
+        return code_of
 
-    def _count(self, frame: pd.DataFrame, outcome: np.ndarray, group: np.ndarray) -> None:
-        tokens = frame["max_new_tokens"].to_numpy()
+    def _count(self, frame: dict, outcome: np.ndarray, group: np.ndarray) -> None:
+        tokens = frame["max_new_tokens"]
         good = outcome == OUTCOMES.index("good")
         for g in [0, *np.unique(group)]:
             mine = slice(None) if g == 0 else group == g
             counts = np.bincount(outcome[mine][outcome[mine] >= 0], minlength=len(OUTCOMES))
             self.counts[g] = self.counts.get(g, 0) + counts
             self.tokens[g] = self.tokens.get(g, 0) + tokens[mine][good[mine]].sum()
-        self.span = [min(self.span[0], frame["arrival_s"].min()), max(self.span[1], frame["finish_s"].max())]
-        self.timed = self.timed or any(c in frame and frame[c].notna().any()
+        self.span = [min(self.span[0], np.min(frame["arrival_s"])),
+                     max(self.span[1], np.max(frame["finish_s"]))]
+        self.timed = self.timed or any(c in frame and pd.notna(frame[c]).any()
                                        for c in ("kv_blocks_peak", "ttft_slo_s"))
 
     def _series(self, frame, outcome, group, first: bool):
         """(group, name) and the keys of its values in this batch: the whole run's and each class's."""
         answered, refused = np.isin(outcome, _ANSWERED), np.isin(outcome, _REFUSED)
-        latency = frame["latency_s"].to_numpy(dtype=float)
-        nan = np.full(len(frame), np.nan)
+        latency = np.asarray(frame["latency_s"], dtype=float)
+        nan = np.full(len(latency), np.nan)
         columns = {"latency": (latency, answered), "refusal": (latency, refused),
-                   "ttft": (frame["ttft_s"].to_numpy(dtype=float) if "ttft_s" in frame else nan, answered),
-                   "tpot": (frame["tpot_s"].to_numpy(dtype=float) if "tpot_s" in frame else nan, answered)}
+                   "ttft": (np.asarray(frame.get("ttft_s", nan), dtype=float), answered),
+                   "tpot": (np.asarray(frame.get("tpot_s", nan), dtype=float), answered)}
         for g in [0, *np.unique(group)]:
             for name, (values, take) in columns.items():
                 mask = take if g == 0 else take & (group == g)
@@ -191,7 +243,7 @@ class FileSummary:
                 if self._under(series, depth, prefix) <= COLLECT:
                     job.gather.setdefault(target, [])
                 else:
-                    job.hist.setdefault(target, np.zeros(1 << DIGIT, dtype=np.int64))
+                    job.hist.setdefault(target, np.zeros(1 << _width(depth), dtype=np.int64))
             self._scan(job)
         return {series: self._interpolate(series, wanted) for series in self.n}
 
@@ -209,12 +261,15 @@ class FileSummary:
             if target in job.gather:
                 keys = np.sort(np.concatenate(job.gather[target] or [np.empty(0, np.uint64)]))
                 w[3] = int(keys[rank])
+            elif job.distinct.get(target) is not None:
+                keys, counts = job.distinct[target]
+                w[3] = int(keys[np.searchsorted(np.cumsum(counts), rank, side="right")])
             elif target in job.hist:
                 cum = np.cumsum(job.hist[target])
                 digit = int(np.searchsorted(cum, rank, side="right"))
                 before = int(cum[digit - 1]) if digit else 0
-                depth += DIGIT
-                prefix = (prefix << DIGIT) | digit
+                prefix = (prefix << _width(depth)) | digit
+                depth += _width(depth)
                 self._sizes[series, depth, prefix] = int(job.hist[target][digit])
                 w[:3] = depth, prefix, rank - before
                 if depth == 64:
