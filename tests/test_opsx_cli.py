@@ -1,0 +1,68 @@
+"""Issue 32, items 6 and 8: simulate --out summarises from its file (the same text and JSON as a
+run in memory); --json on qlab summary and qlab live."""
+
+import json
+
+import pandas as pd
+
+from experiments import live_runner
+from experiments.cli import main
+
+RUN = ["simulate", "--policy", "predictive", "--load", "1.3", "--requests", "3000", "--seed", "5"]
+
+
+def _out(capsys, argv) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_simulate_out_prints_what_a_run_in_memory_prints(tmp_path, capsys):
+    whole = _out(capsys, RUN)
+    streamed = _out(capsys, [*RUN, "--out", str(tmp_path / "r.parquet")])
+    assert streamed == whole + f"\nwrote 3000 rows to {tmp_path / 'r.parquet'}\n"
+
+
+def test_simulate_out_json_is_the_run_in_memorys(tmp_path, capsys):
+    whole = json.loads(_out(capsys, [*RUN, "--json"]))
+    streamed = json.loads(_out(capsys, [*RUN, "--json", "--out", str(tmp_path / "r.parquet")]))
+    assert streamed["summary"] == whole["summary"] and streamed["by_class"] == whole["by_class"]
+
+
+def test_simulate_out_of_seeds_prints_what_runs_in_memory_print(tmp_path, capsys):
+    seeds = [*RUN[:-4], "--requests", "1500", "--seeds", "3"]
+    whole = _out(capsys, seeds)
+    streamed = _out(capsys, [*seeds, "--out", str(tmp_path / "r.parquet")])
+    assert streamed.startswith(whole)
+
+
+def test_summary_json_is_format_json(tiny_sweep, capsys):
+    by_format = json.loads(_out(capsys, ["summary", str(tiny_sweep), "--format", "json"]))
+    assert json.loads(_out(capsys, ["summary", str(tiny_sweep), "--json"])) == by_format
+
+
+def _fake_live(monkeypatch):
+    def run(cfg, out, log=print):
+        log("a run's line")
+        return pd.DataFrame({c: [0] for c in ["good", "late", "rejected", "expired", "error"]}
+                            | {"trace": ["t"], "policy": ["none"], "effective_load": [1.0],
+                               "goodput_rps": [float("nan")], "good_tokens_per_s": [2.0],
+                               "sim_disagreement_rate": [0.0]})
+    monkeypatch.setattr(live_runner, "run", run)
+    monkeypatch.setattr("live.live_config.load", lambda path: None)
+
+
+def test_live_json_is_one_document_its_lines_on_stderr(monkeypatch, tmp_path, capsys):
+    _fake_live(monkeypatch)
+    assert main(["live", "x.toml", "--out", str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["runs"][0]["policy"] == "none" and doc["runs"][0]["goodput_rps"] is None
+    assert doc["summary"] == str(tmp_path / "summary.parquet")
+    assert captured.err == "a run's line\n"
+
+
+def test_live_quiet_says_no_line_as_it_goes(monkeypatch, tmp_path, capsys):
+    _fake_live(monkeypatch)
+    assert main(["live", "x.toml", "--out", str(tmp_path), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "a run's line" not in captured.out + captured.err and "wrote 1 runs" in captured.out
