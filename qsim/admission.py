@@ -146,6 +146,9 @@ class Admission:
         #: A rule that can refuse only the sheddable (priority below 0) while others wait.
         self.admits_all = not policy.predictive and policy.max_queue is None and \
             policy.max_queued_seconds is None and policy.max_queued_tokens is None
+        #: Whether the rule admits every request that is not sheddable reading nothing of its view
+        #: (policy none's): a core that projects its wait need make no view for those.
+        self.blind = not own and self.admits_all and not self.sheds
 
     def recalibrate(self, config: ServerConfig) -> None:
         """A new calibration (the policy stays): a learning estimator starts again from nothing, as
@@ -200,6 +203,8 @@ class Admission:
         if self._basic and p.wait_s is None:  # most runs' arrivals: no view made
             refusal = rule(self.policy, p.queued, p.queued_work_s, p.remaining_s, p.est_service_s,
                            budget, p.engines, p.idle, entry.priority, p.ahead_s)
+        elif self.blind and entry.priority >= 0:  # the rule would read nothing of a view
+            refusal = None
         else:
             refusal = self._decide(self.policy, self._view(entry, p, budget))
         if reserve is not None:
