@@ -22,7 +22,7 @@ from qsim import ServiceModel, build_trace, records
 from qsim.service import LoadTerms
 from qsim.records import OUTCOMES
 from qsim.runfile import SPEED_PROBES
-from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows
+from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows, load_at_rate
 
 from live.contract import Stats
 from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS
@@ -48,6 +48,8 @@ def _server_engines(url: str) -> int:
 
 def _trace(args, patience=None):
     model = _model(args.service_model)
+    if args.rate is not None:  # the nominal load that sends that rate; reported as one from here on
+        args.nominal_load = _load_at_rate(args, model, patience)
     load = _nominal_load(args)
     window = trace_window(args, load, "--nominal-load")  # what a trace file cannot take, refused before asking the server
     # A trace file at its own rate needs no engine count; scaled to a nominal load, it is per engine as synthetic
@@ -60,6 +62,19 @@ def _trace(args, patience=None):
                         default_seconds=DEFAULT_SECONDS, seed=args.seed, model=model,
                         patience=patience, window=window, dataset=dataset)
     return trace, _given(dataset, trace, args.seed)
+
+
+def _load_at_rate(args, model, patience) -> float:
+    """--rate R as the nominal load at which the same synthetic arrivals send R requests per second
+    (over the calibrated capacity of the engines, as --nominal-load is)."""
+    if args.trace or args.nominal_load is not None:
+        raise ValueError("--rate sets synthetic arrivals' rate; give --rate or --nominal-load "
+                         "(with --trace: --nominal-load or --time-scale)")
+    engines = args.engines or _server_engines(args.url)
+    seconds = args.seconds if args.seconds or args.requests else DEFAULT_SECONDS
+    return load_at_rate(args.rate, arrivals=args.arrivals, engines=engines, seconds=seconds,
+                        requests=args.requests, seed=args.seed, model=model, patience=patience,
+                        dataset=dataset_from_args(args))
 
 
 def _given(dataset, trace, seed: int):
@@ -357,6 +372,9 @@ def _replay_parser(sub) -> None:
                    help="arrival rate over the calibrated capacity of the engines (the run reports the effective "
                         f"load: nominal x its engine time over the calibrated time; default {DEFAULT_NOMINAL_LOAD:g}; "
                         "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
+    p.add_argument("--rate", type=positive, metavar="R",
+                   help="arrivals at R requests per second in place of --nominal-load (the nominal load "
+                        "that sends R, at the calibrated capacity of the engines)")
     p.add_argument("--load", action=renamed("--nominal-load", "a replay's rate is relative to the calibrated "
                                             "capacity, not the utilisation at the machine's unknown speed"))
     length = p.add_mutually_exclusive_group()

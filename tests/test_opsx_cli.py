@@ -66,3 +66,21 @@ def test_live_quiet_says_no_line_as_it_goes(monkeypatch, tmp_path, capsys):
     assert main(["live", "x.toml", "--out", str(tmp_path), "--quiet"]) == 0
     captured = capsys.readouterr()
     assert "a run's line" not in captured.out + captured.err and "wrote 1 runs" in captured.out
+
+
+def test_replay_rate_is_the_nominal_load_that_sends_it(monkeypatch, tmp_path, capsys):
+    import httpx
+
+    from live import loadgen
+    from qsim.workload import load_at_rate
+    from test_json_output import _gate  # tests/ is on the path (rootdir-relative imports)
+
+    monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_gate))
+    argv = ["replay", "--url", "http://gate.test", "--arrivals", "poisson", "--requests", "6",
+            "--engines", "1", "--seed", "3", "--out", str(tmp_path / "r.parquet"), "--json"]
+    assert main([*argv, "--rate", "40"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    want = load_at_rate(40.0, arrivals="poisson", engines=1, requests=6, seed=3)
+    assert doc["load"]["nominal"] == want and doc["requests"] == 6
+    assert main([*argv, "--rate", "40", "--nominal-load", "1"]) == 2
+    assert "give --rate or --nominal-load" in capsys.readouterr().err
