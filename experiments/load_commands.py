@@ -683,7 +683,7 @@ def cmd_live(args) -> int:
     from . import live_runner
 
     cfg = live_config.load(args.config)
-    summary = live_runner.run(cfg, args.out, log=_live_log(args))
+    summary = live_runner.run(cfg, args.out, log=_live_log(args), bar=_live_bar(args))
     runs, table = Path(args.out) / "runs", Path(args.out) / "summary.parquet"
     if args.json:  # every column of the summary, one object a run
         print(json.dumps(json_ready({"runs": summary.to_dict(orient="records"), "rows": str(runs),
@@ -692,6 +692,14 @@ def cmd_live(args) -> int:
         print(summary[LIVE_COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         print(f"wrote {len(summary)} runs to {runs} and {table}")
     return 0 if summary["error"].sum() == 0 else 1
+
+
+def _live_bar(args):
+    """A bar over the runs (minutes each), on a terminal's stderr only, none with --quiet or --json."""
+    from inputs.progress import progress_bar
+
+    return lambda total, initial: progress_bar(total, unit="run", desc="live", initial=initial,
+                                               quiet=args.quiet or args.json)
 
 
 def _live_log(args):

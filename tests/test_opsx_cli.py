@@ -41,8 +41,10 @@ def test_summary_json_is_format_json(tiny_sweep, capsys):
 
 
 def _fake_live(monkeypatch):
-    def run(cfg, out, log=print):
+    def run(cfg, out, log=print, bar=None):
         log("a run's line")
+        with bar(2, 1) as shown:  # one run of two done before: the bar starts there
+            shown.update(1)
         return pd.DataFrame({c: [0] for c in ["good", "late", "rejected", "expired", "error"]}
                             | {"trace": ["t"], "policy": ["none"], "effective_load": [1.0],
                                "goodput_rps": [float("nan")], "good_tokens_per_s": [2.0],
@@ -84,3 +86,18 @@ def test_replay_rate_is_the_nominal_load_that_sends_it(monkeypatch, tmp_path, ca
     assert doc["load"]["nominal"] == want and doc["requests"] == 6
     assert main([*argv, "--rate", "40", "--nominal-load", "1"]) == 2
     assert "give --rate or --nominal-load" in capsys.readouterr().err
+
+
+def test_live_bar_on_a_terminal_only(monkeypatch, tmp_path, capsys):
+    import sys
+
+    _fake_live(monkeypatch)
+    assert main(["live", "x.toml", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().err == ""  # stderr no terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["live", "x.toml", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "live" in err and "2/2" in err
+    for flag in ("--quiet", "--json"):
+        assert main(["live", "x.toml", "--out", str(tmp_path), flag]) == 0
+        assert "2/2" not in capsys.readouterr().err
