@@ -456,8 +456,12 @@ def cmd_calibrate(args) -> int:
     say = _saying(args.json)
     say(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
         f"one request at a time{load}")
+    from inputs.progress import progress_bar
+
+    # A count of the steps done (their number depends on the server's engines): minutes of work.
     try:
-        result = calibrate(cfg, progress=_step_reports(args))
+        with progress_bar(None, unit="step", desc="calibrate", quiet=args.quiet or args.json) as bar:
+            result = calibrate(cfg, progress=_ticking(_step_reports(args), bar))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
     if args.json:
@@ -476,6 +480,15 @@ def cmd_calibrate(args) -> int:
         taken = send_calibration(cfg.url, result.as_dict())
         print(f"the gate plans with it now: {taken['service_model']}")
     return 0
+
+
+def _ticking(report, bar):
+    """Each step reported (``report``: None, nothing to say) and counted on the bar."""
+    def each(step) -> None:
+        if report is not None:
+            report(step)
+        bar.update(1)
+    return each
 
 
 def _step_reports(args):

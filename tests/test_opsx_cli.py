@@ -101,3 +101,20 @@ def test_live_bar_on_a_terminal_only(monkeypatch, tmp_path, capsys):
     for flag in ("--quiet", "--json"):
         assert main(["live", "x.toml", "--out", str(tmp_path), flag]) == 0
         assert "2/2" not in capsys.readouterr().err
+
+
+def test_study_bar_over_sections_on_a_terminal_only(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from experiments.study import runner
+
+    monkeypatch.setattr(runner, "run_section", lambda ctx, section, force: "done")
+    monkeypatch.setattr(runner, "write_report", lambda ctx: [])
+    runner.run(tmp_path / "a", runner.QUICK, log=lambda line: None, quiet=False)
+    assert capsys.readouterr().err == ""  # stderr no terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    runner.run(tmp_path / "b", runner.QUICK, log=lambda line: None, quiet=False)
+    n = len(runner.SECTIONS)
+    assert f"{n}/{n}" in capsys.readouterr().err
+    runner.run(tmp_path / "c", runner.QUICK, log=lambda line: None)  # quiet unless asked: no bar
+    assert capsys.readouterr().err == ""
