@@ -118,3 +118,20 @@ def test_study_bar_over_sections_on_a_terminal_only(monkeypatch, tmp_path, capsy
     assert f"{n}/{n}" in capsys.readouterr().err
     runner.run(tmp_path / "c", runner.QUICK, log=lambda line: None)  # quiet unless asked: no bar
     assert capsys.readouterr().err == ""
+
+
+def test_study_json_is_its_verdicts(monkeypatch, tmp_path, capsys):
+    from experiments.study import runner
+    from experiments.study.blocks import Verdict
+
+    section = runner.SECTIONS[0]
+    parts = [(section, [Verdict("H1", "a claim", True, "the numbers"),
+                        Verdict("check", "a check", True, "")])]
+    monkeypatch.setattr(runner, "run_section", lambda ctx, section, force: "done")
+    monkeypatch.setattr(runner, "write_report", lambda ctx: parts)
+    assert main(["study", "--out", str(tmp_path / "s"), "--quick", "--json"]) == 0
+    said = capsys.readouterr()
+    doc = json.loads(said.out)
+    assert doc["hypotheses"] == [{"label": "H1", "claim": "a claim", "verdict": "supported",
+                                  "evidence": "the numbers"}]
+    assert doc["failed"] == [] and section.name in said.err  # the sections' lines on stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -102,12 +103,21 @@ def _run_one(ctx: Context, out: Path, section: Section, force: tuple[str, ...], 
 
 
 def cmd_study(args) -> int:
+    # --json: stdout is one document, so each section's line goes to stderr (still minutes apart).
+    stream = sys.stderr if args.json else sys.stdout
     parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers, skip_live=args.skip_live,
-                force=tuple(args.force or ()), log=lambda line: print(line, flush=True),
-                live_engine=args.live_engine, quiet=args.quiet)
-    for verdict in hypotheses(parts):
-        print(f"{verdict.label} {verdict.word}")
+                force=tuple(args.force or ()), log=lambda line: print(line, file=stream, flush=True),
+                live_engine=args.live_engine, quiet=args.quiet or args.json)
     failed = [section.name for section, blocks in parts if any(isinstance(b, Failed) for b in blocks)]
+    if args.json:
+        out = Path(args.out)
+        verdicts = [{"label": v.label, "claim": v.claim, "verdict": v.word, "evidence": v.evidence}
+                    for v in hypotheses(parts)]
+        print(json.dumps({"out": str(out), "report": [str(out / "report.md"), str(out / "report.html")],
+                          "hypotheses": verdicts, "failed": failed}, indent=2))
+    else:
+        for verdict in hypotheses(parts):
+            print(f"{verdict.label} {verdict.word}")
     if failed:
         print(f"qlab study: failed sections (see the report): {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -125,6 +135,10 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a reduced study: a few minutes on 2 cores")
     p.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the verdicts' lines: each hypothesis's "
+                        "verdict and evidence, the failed sections, the report's files (the "
+                        "sections' lines on stderr)")
     p.add_argument("--skip-live", action="store_true", help="leave out the live sections (no servers started)")
     p.add_argument("--live-engine", choices=live_pass.LIVE_ENGINES, default="auto",
                    help="the live pass's engine: vllm (vLLM itself, installed by make vllm-check), synthetic, or "
