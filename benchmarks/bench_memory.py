@@ -11,14 +11,14 @@ with its process time:
   each size: flat when the largest size's peak is within 10 % of the smallest's;
 * in memory: ``simulate`` on ``make_trace``'s whole trace, then ``DataFrame.to_parquet`` (what ``--out`` ran
   before), at the target's size, for the ratio;
-* cli: ``qlab simulate --requests N --out F`` in-process (``experiments.cli.main``), the summary it prints
-  included (issue 32, item 8: it read every record back, 670-740 MB at 2 million), at the target's size:
-  the same target, under 300 MB.
+* cli: ``qlab simulate --requests N --out F`` in-process (``experiments.cli.main``), the
+  summary it prints included (issue 32, item 8: it read every record back, 670-740 MB at 2
+  million), at the target's size: the same target, under 300 MB.
 
     PYTHONPATH=. python benchmarks/bench_memory.py            # stream at 200,000 and 2 million, in memory at 2 million
     PYTHONPATH=. python benchmarks/bench_memory.py --full     # and stream at 20 million (an hour or more on one core)
     PYTHONPATH=. python benchmarks/bench_memory.py --quick    # 20,000 and 100,000 (a smoke test)
-    PYTHONPATH=. python benchmarks/bench_memory.py --cli-only # the command line's case alone, at 2 million
+    PYTHONPATH=. python benchmarks/bench_memory.py --cli-only # qlab simulate --out alone, 2 million
     PYTHONPATH=. python benchmarks/bench_memory.py --json
 """
 
@@ -38,7 +38,8 @@ TARGET_MB = 300.0  # peak at the target's size
 TARGET_REQUESTS = 2_000_000
 FLAT = 0.10  # the largest size's peak at most this much above the smallest's
 BEFORE = {"peak_mb": 1690.0, "requests": 2_000_000}  # issue 21's figure for the in-memory run
-CLI_BEFORE_MB = (670.0, 740.0)  # issue 32, item 8: qlab simulate --out at 2 million, summary read whole
+#: Issue 32, item 8: qlab simulate --out at 2 million, its summary from every record read back.
+CLI_BEFORE_MB = (670.0, 740.0)
 WORKLOAD = dict(arrivals="poisson", load=1.3, seed=1)
 POLICY = "predictive"
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="20,000 and 100,000 requests")
     size.add_argument("--full", action="store_true", help="stream 20 million requests too")
-    size.add_argument("--cli-only", action="store_true", help="qlab simulate --out alone, at 2 million")
+    size.add_argument("--cli-only", action="store_true",
+                      help="qlab simulate --out alone, at 2 million")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("MODE", "REQUESTS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     at = max(n for n in sizes if n <= TARGET_REQUESTS)
     if args.cli_only:
         rows = [measure("cli", TARGET_REQUESTS)]
-        result = {"policy": POLICY, "workload": WORKLOAD, "rows": rows, "cli": verdicts(rows)["cli"]}
+        result = {"policy": POLICY, "workload": WORKLOAD, "rows": rows,
+                  "cli": verdicts(rows)["cli"]}
     else:
         rows = [measure("stream", n) for n in sizes] + [measure("memory", at), measure("cli", at)]
         result = {"policy": POLICY, "workload": WORKLOAD, "before": BEFORE, "rows": rows,

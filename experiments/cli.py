@@ -93,13 +93,16 @@ class _Run:
         return self.stats.summary() if self.stats else metrics.summary(self.frame, self.duration_s)
 
     def by_class(self) -> pd.DataFrame:
-        return self.stats.by_class() if self.stats else metrics.by_class(self.frame, self.duration_s)
+        if self.stats:
+            return self.stats.by_class()
+        return metrics.by_class(self.frame, self.duration_s)
 
     def timed(self) -> bool:
         """Whether the run has token times to show (a batching engine's, or TTFT objectives)."""
         if self.stats:
             return self.stats.timed
-        return bool(self.frame["kv_blocks_peak"].notna().any() or self.frame["ttft_slo_s"].notna().any())
+        frame = self.frame
+        return bool(frame["kv_blocks_peak"].notna().any() or frame["ttft_slo_s"].notna().any())
 
 
 def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
@@ -372,9 +375,9 @@ def cmd_simulate(args) -> int:
 
 
 def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
-    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in memory all at
-    once), then summarised from the file a batch of rows at a time (analysis.filesummary): reading the
-    records back whole took more memory than the run."""
+    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in
+    memory all at once), then summarised from the file a row group at a time
+    (analysis.filesummary): reading the records back whole took more memory than the run."""
     finished = []
     with RecordWriter(args.out) as writer:
         for seed in seeds:

@@ -160,9 +160,9 @@ def check_folder(cfg: LiveConfig, out: Path) -> None:
 
 def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print,
         bar: Callable | None = None) -> pd.DataFrame:
-    """Run the experiment's runs not yet written; write them and the summary under ``out``; return the summary.
-    ``bar(total, initial)``: a progress bar (a context manager with update) over the runs, the done ones
-    counted from the start."""
+    """Run the experiment's runs not yet written; write them and the summary under ``out``;
+    return the summary. ``bar(total, initial)``: a progress bar (a context manager with update)
+    over the runs, the done ones counted from the start."""
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     check_folder(cfg, out)

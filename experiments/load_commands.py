@@ -373,8 +373,8 @@ def _replay_parser(sub) -> None:
                         f"load: nominal x its engine time over the calibrated time; default {DEFAULT_NOMINAL_LOAD:g}; "
                         "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
     p.add_argument("--rate", type=positive, metavar="R",
-                   help="arrivals at R requests per second in place of --nominal-load (the nominal load "
-                        "that sends R, at the calibrated capacity of the engines)")
+                   help="arrivals at R requests per second in place of --nominal-load (the "
+                        "nominal load that sends R, at the calibrated capacity of the engines)")
     p.add_argument("--load", action=renamed("--nominal-load", "a replay's rate is relative to the calibrated "
                                             "capacity, not the utilisation at the machine's unknown speed"))
     length = p.add_mutually_exclusive_group()
@@ -460,7 +460,8 @@ def cmd_calibrate(args) -> int:
 
     # A count of the steps done (their number depends on the server's engines): minutes of work.
     try:
-        with progress_bar(None, unit="step", desc="calibrate", quiet=args.quiet or args.json) as bar:
+        with progress_bar(None, unit="step", desc="calibrate",
+                          quiet=args.quiet or args.json) as bar:
             result = calibrate(cfg, progress=_ticking(_step_reports(args), bar))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
@@ -708,7 +709,7 @@ def cmd_live(args) -> int:
 
 
 def _live_bar(args):
-    """A bar over the runs (minutes each), on a terminal's stderr only, none with --quiet or --json."""
+    """A bar over the runs (minutes each), on a terminal's stderr only; none with --quiet, --json."""
     from inputs.progress import progress_bar
 
     return lambda total, initial: progress_bar(total, unit="run", desc="live", initial=initial,
@@ -734,8 +735,8 @@ def _live_parser(sub) -> None:
     p.add_argument("config", help="the experiment's TOML file (see experiments/live.toml)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON document instead of the table: every run's summary row, NaN as "
-                        "null (the lines as it goes on stderr)")
+                   help="print one JSON document instead of the table: every run's summary "
+                        "row, NaN as null (the lines as it goes on stderr)")
     p.add_argument("--quiet", action="store_true", help="no line per run as it goes")
 
 

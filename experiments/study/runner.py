@@ -88,7 +88,8 @@ def run(out: str | Path, scale: Scale = FULL, *, workers: int | None = None, ski
 
 
 def _run_one(ctx: Context, out: Path, section: Section, force: tuple[str, ...], log) -> None:
-    """One section, its failure kept in its folder (a server that will not start keeps the others)."""
+    """One section, its failure kept in its folder (a server that will not start keeps the
+    others)."""
     began = time.perf_counter()
     try:
         said = run_section(ctx, section, section.name in force)
@@ -105,16 +106,18 @@ def _run_one(ctx: Context, out: Path, section: Section, force: tuple[str, ...], 
 def cmd_study(args) -> int:
     # --json: stdout is one document, so each section's line goes to stderr (still minutes apart).
     stream = sys.stderr if args.json else sys.stdout
-    parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers, skip_live=args.skip_live,
-                force=tuple(args.force or ()), log=lambda line: print(line, file=stream, flush=True),
+    parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers,
+                skip_live=args.skip_live, force=tuple(args.force or ()),
+                log=lambda line: print(line, file=stream, flush=True),
                 live_engine=args.live_engine, quiet=args.quiet or args.json)
     failed = [section.name for section, blocks in parts if any(isinstance(b, Failed) for b in blocks)]
     if args.json:
         out = Path(args.out)
         verdicts = [{"label": v.label, "claim": v.claim, "verdict": v.word, "evidence": v.evidence}
                     for v in hypotheses(parts)]
-        print(json.dumps({"out": str(out), "report": [str(out / "report.md"), str(out / "report.html")],
-                          "hypotheses": verdicts, "failed": failed}, indent=2))
+        report = [str(out / "report.md"), str(out / "report.html")]
+        print(json.dumps({"out": str(out), "report": report, "hypotheses": verdicts,
+                          "failed": failed}, indent=2))
     else:
         for verdict in hypotheses(parts):
             print(f"{verdict.label} {verdict.word}")
