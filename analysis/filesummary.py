@@ -3,7 +3,7 @@
 ``qlab simulate --out`` streams records to a file (qsim.stream); reading every record back to summarise
 them cost more memory than the run itself (0.7 GB at 2 million requests). Here the file is read a batch of
 rows at a time: counts and sums add up batch by batch, and each latency percentile is found by radix
-selection (a few passes over the file, each a histogram of 16 more bits of the values' order-preserving
+selection (a few passes over the file, each a histogram of 12 more bits of the values' order-preserving
 keys, then the few values left, sorted). The percentiles are np.quantile's own (its linear method, from the
 same two order statistics), not an estimate: the printed output of a streamed run is unchanged.
 """
