@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass
 
 import pandas as pd
-import pyarrow.parquet as pq
 
 from analysis import metrics
+from analysis.filesummary import FileSummary
 from inputs import clientflags
 from inputs.argtypes import count, number, positive, positive_int
 from inputs.atomic import sigterm_interrupts, write_parquet
@@ -84,8 +84,25 @@ def cmd_theory(args) -> int:
 @dataclass(frozen=True)
 class _Run:
     seed: int
-    frame: pd.DataFrame
+    frame: pd.DataFrame | None  # None: streamed to --out, summarised from the file (stats)
     duration_s: float
+    stats: FileSummary | None = None
+    rows: int = 0
+
+    def summary(self) -> dict:
+        return self.stats.summary() if self.stats else metrics.summary(self.frame, self.duration_s)
+
+    def by_class(self) -> pd.DataFrame:
+        if self.stats:
+            return self.stats.by_class()
+        return metrics.by_class(self.frame, self.duration_s)
+
+    def timed(self) -> bool:
+        """Whether the run has token times to show (a batching engine's, or TTFT objectives)."""
+        if self.stats:
+            return self.stats.timed
+        frame = self.frame
+        return bool(frame["kv_blocks_peak"].notna().any() or frame["ttft_slo_s"].notna().any())
 
 
 def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
@@ -193,7 +210,7 @@ def _fmt(table: pd.DataFrame) -> str:
 
 
 def _print_single(run: _Run) -> None:
-    s = metrics.summary(run.frame, run.duration_s)
+    s = run.summary()
     n = max(s["requests"], 1)
     shown = [o for o in OUTCOMES if o in ("good", "late", "rejected", "expired") or s[o]]
     counts = pd.DataFrame({"count": [int(s[o]) for o in shown]}, index=shown)
@@ -210,10 +227,10 @@ def _print_single(run: _Run) -> None:
         hits, queries = s["prefix_cache_hits"], s["prefix_cache_queries"]
         print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt "
               f"tokens looked up were cached (hit rate {s['prefix_cache_hit_rate']:.3f})")
-    if run.frame["kv_blocks_peak"].notna().any() or run.frame["ttft_slo_s"].notna().any():
+    if run.timed():
         print(f"time to first token: p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; time per output "
               f"token: p50 {s['tpot_p50_s']:.4f} s, p99 {s['tpot_p99_s']:.4f} s")
-    cls = metrics.by_class(run.frame, run.duration_s)
+    cls = run.by_class()
     cols = ["requests", "good", "late", "rejected", "expired", "share_good", "goodput_rps",
             "good_tokens_per_s", "latency_p50_s", "latency_p99_s"]
     print("\nby size class (max_new_tokens up to):")
@@ -228,10 +245,10 @@ RETRY_METRICS = ["attempts_per_request", "share_good_e2e", "goodput_e2e_rps", "r
 
 
 def _seed_tables(runs: list[_Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    overall = pd.DataFrame([metrics.summary(r.frame, r.duration_s) for r in runs])
+    overall = pd.DataFrame([r.summary() for r in runs])
     shown = SEED_METRICS + [m for m in ("abandoned", "error", *RETRY_METRICS) if m in overall and overall[m].any()]
     per_class = pd.concat(
-        [metrics.by_class(r.frame, r.duration_s).assign(seed=r.seed) for r in runs]
+        [r.by_class().assign(seed=r.seed) for r in runs]
     ).reset_index()
     ci = metrics.across_seeds(overall[shown])
     by_class = {
@@ -325,8 +342,8 @@ def cmd_simulate(args) -> int:
             out["dataset"] = dataset.summary()
         if len(runs) == 1:
             run = runs[0]
-            out["summary"] = metrics.summary(run.frame, run.duration_s)
-            out["by_class"] = metrics.by_class(run.frame, run.duration_s).to_dict(orient="index")
+            out["summary"] = run.summary()
+            out["by_class"] = run.by_class().to_dict(orient="index")
             if fleet is not None:
                 table = metrics.by_replica(run.frame, fleet.replicas)
                 out["fleet"] = {"router": fleet.router.name, **metrics.fleet_balance(table),
@@ -352,33 +369,24 @@ def cmd_simulate(args) -> int:
     if fleet is not None:
         _print_fleet(runs, fleet)
     if args.out:
-        print(f"\nwrote {sum(len(r.frame) for r in runs)} rows to {args.out}")
+        print(f"\nwrote {sum(r.rows if r.frame is None else len(r.frame) for r in runs)} rows "
+              f"to {args.out}")
     return 0
 
 
-#: The records' columns that the printed summary reads back from a streamed run's file (and, where the trace
-#: has no arrival window to take rates over, a burst's, the run's span: arrival_s and finish_s).
-SUMMARY_COLUMNS = ["outcome", "size_class", "latency_s", "max_new_tokens", "ttft_s", "tpot_s", "kv_blocks_peak",
-                   "ttft_slo_s"]
-
-
 def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
-    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in memory all at
-    once), then the columns its summary reads, read back (the outcome and size class as categories)."""
+    """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in
+    memory all at once), then summarised from the file a row group at a time
+    (analysis.filesummary): reading the records back whole took more memory than the run."""
     finished = []
     with RecordWriter(args.out) as writer:
         for seed in seeds:
             config = server(seed)
             info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, config,
                               speed_schedule=schedule, columns={"seed": seed, "policy": config.policy.name})
-            finished.append((seed, info.duration_s))
-    runs = []
-    for seed, duration_s in finished:
-        columns = SUMMARY_COLUMNS + ([] if duration_s > 0 else ["arrival_s", "finish_s"])
-        table = pq.read_table(args.out, columns=columns, filters=[("seed", "=", seed)],
-                              read_dictionary=["outcome", "size_class"], use_threads=False, pre_buffer=False)
-        runs.append(_Run(seed, table.to_pandas(self_destruct=True), duration_s))
-    return runs
+            finished.append((seed, info.duration_s, info.rows))
+    return [_Run(seed, None, duration_s, FileSummary(args.out, seed, duration_s), rows)
+            for seed, duration_s, rows in finished]
 
 
 def router_name(text: str) -> str:

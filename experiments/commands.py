@@ -126,6 +126,8 @@ def _sweep_facts(cfg, summary: pd.DataFrame, cells: int, wall_s: float, out: Pat
 
 
 def cmd_summary(args) -> int:
+    if args.json:  # as every other command that prints results takes it
+        args.format = "json"
     src, summary = _sweep_summary(args.dir)
     if args.format == "table":
         print(f"{src}: {len(summary)} cells")
@@ -234,6 +236,7 @@ def register(sub) -> None:
                    help="table: mean ± 95 %% CI half-width, for reading (the default); markdown: the same as a pipe "
                         "table; csv, json: one row (object) per cell of the grid but the seed, with the axes, n (seeds), "
                         "and each metric's mean, METRIC_low and METRIC_high (95 %% CI)")
+    t.add_argument("--json", action="store_true", help="the same as --format json")
 
     p = sub.add_parser("plot", help="draw a sweep's figures (PNG and SVG)",
                        description="Share in time, goodput (requests/s and tokens/s), share by size class, "

@@ -29,6 +29,8 @@ the kernel closes their stdin pipe.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -156,8 +158,11 @@ def check_folder(cfg: LiveConfig, out: Path) -> None:
     atomic_write(path, (json.dumps({"config": mine, "source": cfg.source}, indent=2) + "\n").encode())
 
 
-def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print) -> pd.DataFrame:
-    """Run the experiment's runs not yet written; write them and the summary under ``out``; return the summary."""
+def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print,
+        bar: Callable | None = None) -> pd.DataFrame:
+    """Run the experiment's runs not yet written; write them and the summary under ``out``;
+    return the summary. ``bar(total, initial)``: a progress bar (a context manager with update)
+    over the runs, the done ones counted from the start."""
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     check_folder(cfg, out)
@@ -175,14 +180,17 @@ def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print) ->
         if rows:
             log(f"resuming: {len(rows)} of {len(runs)} runs already in {out / 'runs'}; running the other {len(todo)}")
         if todo:
-            rows.update(_run_all(cfg, model, model_path, todo, out, log))
+            with bar(len(runs), len(rows)) if bar else contextlib.nullcontext() as shown:
+                tick = shown.update if shown is not None else lambda n: None
+                rows.update(_run_all(cfg, model, model_path, todo, out, log, tick))
     summary = pd.DataFrame([rows[r.path(out)] for r in runs])
     write_parquet(summary, out / "summary.parquet")
     return summary
 
 
 def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_Run], out: Path,
-             log: Callable[[str], None]) -> dict[Path, dict]:
+             log: Callable[[str], None], tick: Callable[[int], object] = lambda n: None
+             ) -> dict[Path, dict]:
     """Start a server for each policy that has runs to do, run them in order, write each run's file whole."""
     needed = {r.policy for r in todo}
     options = [cfg.serve_options(p, service_model=model_path) for p in cfg.policies if p in needed]
@@ -195,6 +203,7 @@ def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_
             write_parquet(frame, r.path(out))
             rows[r.path(out)] = summary_row(frame, r.trace, r.spec, r.policy, r.position, speeds)
             _log_row(log, rows[r.path(out)])
+            tick(1)
     return rows
 
 

@@ -22,7 +22,7 @@ from qsim import ServiceModel, build_trace, records
 from qsim.service import LoadTerms
 from qsim.records import OUTCOMES
 from qsim.runfile import SPEED_PROBES
-from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows
+from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows, load_at_rate
 
 from live.contract import Stats
 from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS
@@ -48,6 +48,8 @@ def _server_engines(url: str) -> int:
 
 def _trace(args, patience=None):
     model = _model(args.service_model)
+    if args.rate is not None:  # the nominal load that sends that rate; reported as one from here on
+        args.nominal_load = _load_at_rate(args, model, patience)
     load = _nominal_load(args)
     window = trace_window(args, load, "--nominal-load")  # what a trace file cannot take, refused before asking the server
     # A trace file at its own rate needs no engine count; scaled to a nominal load, it is per engine as synthetic
@@ -60,6 +62,19 @@ def _trace(args, patience=None):
                         default_seconds=DEFAULT_SECONDS, seed=args.seed, model=model,
                         patience=patience, window=window, dataset=dataset)
     return trace, _given(dataset, trace, args.seed)
+
+
+def _load_at_rate(args, model, patience) -> float:
+    """--rate R as the nominal load at which the same synthetic arrivals send R requests per second
+    (over the calibrated capacity of the engines, as --nominal-load is)."""
+    if args.trace or args.nominal_load is not None:
+        raise ValueError("--rate sets synthetic arrivals' rate; give --rate or --nominal-load "
+                         "(with --trace: --nominal-load or --time-scale)")
+    engines = args.engines or _server_engines(args.url)
+    seconds = args.seconds if args.seconds or args.requests else DEFAULT_SECONDS
+    return load_at_rate(args.rate, arrivals=args.arrivals, engines=engines, seconds=seconds,
+                        requests=args.requests, seed=args.seed, model=model, patience=patience,
+                        dataset=dataset_from_args(args))
 
 
 def _given(dataset, trace, seed: int):
@@ -357,6 +372,9 @@ def _replay_parser(sub) -> None:
                    help="arrival rate over the calibrated capacity of the engines (the run reports the effective "
                         f"load: nominal x its engine time over the calibrated time; default {DEFAULT_NOMINAL_LOAD:g}; "
                         "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
+    p.add_argument("--rate", type=positive, metavar="R",
+                   help="arrivals at R requests per second in place of --nominal-load (the "
+                        "nominal load that sends R, at the calibrated capacity of the engines)")
     p.add_argument("--load", action=renamed("--nominal-load", "a replay's rate is relative to the calibrated "
                                             "capacity, not the utilisation at the machine's unknown speed"))
     length = p.add_mutually_exclusive_group()
@@ -438,8 +456,13 @@ def cmd_calibrate(args) -> int:
     say = _saying(args.json)
     say(f"calibrating {cfg.url}: {cfg.rounds} round(s) of {cfg.per_size} x {list(cfg.sizes)} new tokens{prompts}, "
         f"one request at a time{load}")
+    from inputs.progress import progress_bar
+
+    # A count of the steps done (their number depends on the server's engines): minutes of work.
     try:
-        result = calibrate(cfg, progress=_step_reports(args))
+        with progress_bar(None, unit="step", desc="calibrate",
+                          quiet=args.quiet or args.json) as bar:
+            result = calibrate(cfg, progress=_ticking(_step_reports(args), bar))
     except httpx.HTTPError as exc:
         raise ValueError(f"{cfg.url}: {type(exc).__name__}: {exc}") from None
     if args.json:
@@ -458,6 +481,15 @@ def cmd_calibrate(args) -> int:
         taken = send_calibration(cfg.url, result.as_dict())
         print(f"the gate plans with it now: {taken['service_model']}")
     return 0
+
+
+def _ticking(report, bar):
+    """Each step reported (``report``: None, nothing to say) and counted on the bar."""
+    def each(step) -> None:
+        if report is not None:
+            report(step)
+        bar.update(1)
+    return each
 
 
 def _step_reports(args):
@@ -655,18 +687,44 @@ def _compare_parser(sub) -> None:
 # ------------------------------------------------------------------ live
 
 
+LIVE_COLUMNS = ["trace", "policy", "effective_load", "good", "late", "rejected", "expired", "error",
+                "goodput_rps", "good_tokens_per_s", "sim_disagreement_rate"]
+
+
 def cmd_live(args) -> int:
     from live import live_config
 
     from . import live_runner
 
     cfg = live_config.load(args.config)
-    summary = live_runner.run(cfg, args.out, log=lambda line: print(line, flush=True))
-    cols = ["trace", "policy", "effective_load", "good", "late", "rejected", "expired", "error", "goodput_rps",
-            "good_tokens_per_s", "sim_disagreement_rate"]
-    print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    print(f"wrote {len(summary)} runs to {Path(args.out) / 'runs'} and {Path(args.out) / 'summary.parquet'}")
+    summary = live_runner.run(cfg, args.out, log=_live_log(args), bar=_live_bar(args))
+    runs, table = Path(args.out) / "runs", Path(args.out) / "summary.parquet"
+    if args.json:  # every column of the summary, one object a run
+        print(json.dumps(json_ready({"runs": summary.to_dict(orient="records"), "rows": str(runs),
+                                     "summary": str(table)}), indent=2))
+    else:
+        print(summary[LIVE_COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        print(f"wrote {len(summary)} runs to {runs} and {table}")
     return 0 if summary["error"].sum() == 0 else 1
+
+
+def _live_bar(args):
+    """A bar over the runs (minutes each), on a terminal's stderr only; none with --quiet, --json."""
+    from inputs.progress import progress_bar
+
+    return lambda total, initial: progress_bar(total, unit="run", desc="live", initial=initial,
+                                               quiet=args.quiet or args.json)
+
+
+def _live_log(args):
+    """Each run's lines as it goes: on stdout with the text, on stderr beside --json (stdout is one
+    document), none with --quiet."""
+    import sys
+
+    if args.quiet:
+        return lambda line: None
+    stream = sys.stderr if args.json else sys.stdout
+    return lambda line: print(line, file=stream, flush=True)
 
 
 def _live_parser(sub) -> None:
@@ -676,6 +734,10 @@ def _live_parser(sub) -> None:
     p.set_defaults(func=cmd_live)
     p.add_argument("config", help="the experiment's TOML file (see experiments/live.toml)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the table: every run's summary "
+                        "row, NaN as null (the lines as it goes on stderr)")
+    p.add_argument("--quiet", action="store_true", help="no line per run as it goes")
 
 
 def register(subparsers) -> None:

@@ -144,6 +144,9 @@ class Admission:
         self.plain = reads_basic(policy) and self.buckets is None and self.reserve is None
         #: Rules that can refuse only the sheddable (priority below 0) while others wait.
         self.admits_all = all(r.sheds_only for r in policy.rules)
+        #: Whether the rules admit every request that is not sheddable reading nothing of its view
+        #: (policy none's): a core that projects its wait need make no view for those.
+        self.blind = type(policy).decide is Policy.decide and self.admits_all and not self.sheds
 
     def recalibrate(self, config: ServerConfig) -> None:
         """A new calibration (the policy stays): a learning estimator starts again from nothing, as
@@ -195,7 +198,10 @@ class Admission:
         budget = deadline if reserve is None else reserve.budget(entry.base_s, deadline, factor)
         if not self.counts_refused:
             self.arrivals += 1
-        refusal = self._decide(self._view(entry, p, budget))
+        if self.blind and entry.priority >= 0:  # the rules would read nothing of a view
+            refusal = None
+        else:
+            refusal = self._decide(self._view(entry, p, budget))
         if reserve is not None:
             reserve.decided(entry.base_s, refusal is None)
         return refusal

@@ -849,8 +849,11 @@ class BatchQueue(Core):
         wait, first token and time per token projected (:meth:`_project`), nothing of the
         one-at-a-time wait's."""
         wait, ttft, finish, kv_wait = self._project(seq, now, room)
-        tpot = (finish - ttft) / (seq.est_out - 1) if seq.est_out > 1 else math.nan
         seat = 1 if room else 0
+        if self.admission.blind and seq.entry.priority >= 0:  # nothing reads more than the estimate
+            return _new(Projection, (self.queued, math.nan, math.nan, finish - wait, 1, seat, None,
+                                     wait, ttft, math.nan, kv_wait, 0.0, 0))
+        tpot = (finish - ttft) / (seq.est_out - 1) if seq.est_out > 1 else math.nan
         return _new(Projection, (self.queued, math.nan, math.nan, finish - wait, 1, seat, None,
                                  wait, ttft, tpot, kv_wait, self.kv_use, self.line_tokens))
 

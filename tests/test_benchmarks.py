@@ -63,11 +63,14 @@ def test_bench_memory_quick_reports_peaks_flatness_and_the_ratio():
     """Issue 21, section 5: peak memory of streamed runs against the target, printed, never asserted."""
     data = _json_of("bench_memory.py", "--quick")
     assert [(r["mode"], r["requests"]) for r in data["rows"]] == [("stream", 20_000), ("stream", 100_000),
-                                                                  ("memory", 100_000)]
+                                                                  ("memory", 100_000), ("cli", 100_000)]
     assert all(r["peak_mb"] > r["imports_mb"] > 0 and r["rows"] == r["requests"] for r in data["rows"])
     assert data["rows"][1]["row_groups"] == 2  # 100,000 rows in row groups of 65,536
     assert data["peak"]["verdict"] in ("PASS", "MISS") and data["flat"]["verdict"] in ("PASS", "MISS")
     assert data["ratio"]["in_memory_over_stream"] > 0
+    # Issue 32, item 8: qlab simulate --out, its summary included, against the same target.
+    assert data["cli"]["verdict"] in ("PASS", "MISS") and data["cli"]["requests"] == 100_000
+    assert data["rows"][3]["printed_lines"] > 10
 
 
 def test_bench_gpt2_batch_quick_reports_each_batch_against_batch_one():

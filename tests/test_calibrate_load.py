@@ -307,3 +307,20 @@ def test_a_request_on_a_connection_the_server_closed_idle_goes_again_once():
             else:
                 assert cal._timings(http, {"prompt": "hi", "max_new_tokens": 1}).engine_s == 0.01
         assert len(calls) == 2
+
+
+def test_calibrate_counts_its_steps_on_a_terminal_only(virtual, tmp_path, capsys, monkeypatch):
+    import sys
+
+    virtual(VirtualServer(engines=2, concurrency=0.4, cv=0.1))
+    argv = ["calibrate", "--url", "http://virtual", "--rounds", "1", "--per-size", "4",
+            "--prompt-tokens", "16", "--load-per-size", "4", "--out", str(tmp_path / "cal.json")]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""  # stderr no terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(argv) == 0
+    said = capsys.readouterr()
+    assert "calibrate" in said.err and "step" in said.err and "round 1" in said.out
+    for flag in ("--quiet", "--json"):
+        assert main([*argv, flag]) == 0
+        assert "step/s" not in capsys.readouterr().err

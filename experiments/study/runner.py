@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -66,38 +67,60 @@ def write_report(ctx: Context) -> list[tuple[Section, list]]:
 
 def run(out: str | Path, scale: Scale = FULL, *, workers: int | None = None, skip_live: bool = False,
         force: tuple[str, ...] = (), log: Callable[[str], None] = print,
-        live_engine: str = "auto") -> list[tuple[Section, list]]:
-    """Run every section not yet done into OUT and write the report; return the report's parts."""
+        live_engine: str = "auto", quiet: bool = True) -> list[tuple[Section, list]]:
+    """Run every section not yet done into OUT and write the report; return the report's parts.
+    ``quiet`` False: a bar over the sections on a terminal's stderr (inputs.progress)."""
+    from inputs.progress import progress_bar
+
     out = Path(out)
     check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "study.json",
                {"scale": dataclasses.asdict(scale), "qlab_version": qlab_version()})
     ctx = Context(out, scale, workers, skip_live, log, live_engine)
-    for section in SECTIONS:
-        began = time.perf_counter()
-        try:
-            said = run_section(ctx, section, section.name in force)
-        except Exception as exc:  # noqa: BLE001 - one failed section (a server that will not start) keeps the others
-            error = f"{type(exc).__name__}: {exc}"
-            said = f"FAILED: {error}"
-            (out / "sections" / section.name).mkdir(parents=True, exist_ok=True)
-            write_json(out / "sections" / section.name / "failed.json", {"error": error})
-        else:
-            (out / "sections" / section.name / "failed.json").unlink(missing_ok=True)
-        log(f"{section.name}: {said} ({time.perf_counter() - began:.1f} s)")
+    with progress_bar(len(SECTIONS), unit="section", desc="study", quiet=quiet) as bar:
+        for section in SECTIONS:
+            _run_one(ctx, out, section, force, log)
+            bar.update(1)
     parts = write_report(ctx)
     log(f"wrote {out / 'report.md'} and {out / 'report.html'}")
     return parts
 
 
+def _run_one(ctx: Context, out: Path, section: Section, force: tuple[str, ...], log) -> None:
+    """One section, its failure kept in its folder (a server that will not start keeps the
+    others)."""
+    began = time.perf_counter()
+    try:
+        said = run_section(ctx, section, section.name in force)
+    except Exception as exc:  # noqa: BLE001 - one failed section (a server that will not start) keeps the others
+        error = f"{type(exc).__name__}: {exc}"
+        said = f"FAILED: {error}"
+        (out / "sections" / section.name).mkdir(parents=True, exist_ok=True)
+        write_json(out / "sections" / section.name / "failed.json", {"error": error})
+    else:
+        (out / "sections" / section.name / "failed.json").unlink(missing_ok=True)
+    log(f"{section.name}: {said} ({time.perf_counter() - began:.1f} s)")
+
+
 def cmd_study(args) -> int:
-    parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers, skip_live=args.skip_live,
-                force=tuple(args.force or ()), log=lambda line: print(line, flush=True),
-                live_engine=args.live_engine)
-    for verdict in hypotheses(parts):
-        print(f"{verdict.label} {verdict.word}")
+    # --json: stdout is one document, so each section's line goes to stderr (still minutes apart).
+    stream = sys.stderr if args.json else sys.stdout
+    parts = run(args.out, QUICK if args.quick else FULL, workers=args.workers,
+                skip_live=args.skip_live, force=tuple(args.force or ()),
+                log=lambda line: print(line, file=stream, flush=True),
+                live_engine=args.live_engine, quiet=args.quiet or args.json)
     failed = [section.name for section, blocks in parts if any(isinstance(b, Failed) for b in blocks)]
+    if args.json:
+        out = Path(args.out)
+        verdicts = [{"label": v.label, "claim": v.claim, "verdict": v.word, "evidence": v.evidence}
+                    for v in hypotheses(parts)]
+        report = [str(out / "report.md"), str(out / "report.html")]
+        print(json.dumps({"out": str(out), "report": report, "hypotheses": verdicts,
+                          "failed": failed}, indent=2))
+    else:
+        for verdict in hypotheses(parts):
+            print(f"{verdict.label} {verdict.word}")
     if failed:
         print(f"qlab study: failed sections (see the report): {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -114,6 +137,11 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="the study's folder (created; resumed if it holds a study)")
     p.add_argument("--quick", action="store_true", help="a reduced study: a few minutes on 2 cores")
     p.add_argument("--workers", type=positive_int, help="local processes (default: all cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document instead of the verdicts' lines: each hypothesis's "
+                        "verdict and evidence, the failed sections, the report's files (the "
+                        "sections' lines on stderr)")
     p.add_argument("--skip-live", action="store_true", help="leave out the live sections (no servers started)")
     p.add_argument("--live-engine", choices=live_pass.LIVE_ENGINES, default="auto",
                    help="the live pass's engine: vllm (vLLM itself, installed by make vllm-check), synthetic, or "
