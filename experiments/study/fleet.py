@@ -118,6 +118,8 @@ def _report(ctx: Context, folder: Path) -> list:
     summary = _labelled(pd.read_parquet(folder / "sweep" / "summary.parquet"))
     results = [{**r, "policy": f"{r['policy']} / {r['router']}"} for r in data["results"]]
     figure = plots.capacity(summary, results, parse_objectives(data["objective"])[0])
+    # One panel: the search's own title is wider than it.
+    figure.suptitle("share in time against load per replica", fontsize=10)
     return [
         Text(f"{FLEET_REPLICAS} replicas of one engine each behind a router "
              f"({', '.join(FLEET_ROUTERS)}), each replica gated by {' or '.join(FLEET_POLICIES)}: "
@@ -125,7 +127,8 @@ def _report(ctx: Context, folder: Path) -> list:
              f"over {data['seeds']} seeds of {data['duration_s']:g} simulated s of Poisson "
              "arrivals), searched by qlab capacity --replicas as in the capacity section. random "
              "and jsq bind a request to a replica on arrival (early), central holds one queue and "
-             "hands each request to the first replica free (late), so the gate sees one queue."),
+             "hands each request to the first replica free (late), so the gate sees one queue: "
+             "bounded's 8 waiting are then the fleet's, not each replica's."),
         hypothesis_6(data["results"]),
         Table(capacity_table(results, data["bounds"]).rename(columns={"policy": "policy / router"}),
               "the fleet: each policy and router's capacity per replica, and the fleet's "
