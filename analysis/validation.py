@@ -149,9 +149,11 @@ def load_deviation(rate: float, mean_s: float) -> Stat:
     """The run's realised load less the offered, to first order: mean service / ``mean_s`` minus
     ``rate`` x the mean gap between arrivals (a control variate whose true mean is 0). Unlike the
     mean service alone it sees the arrivals too, which move a wait as much as the sizes do."""
-    def stat(frame: pd.DataFrame) -> float:
-        return mean_service(frame) / mean_s - rate * mean_gap(frame)
-    return stat
+    return partial(_load_deviation, rate, mean_s)  # a partial, not a closure: workers pickle it
+
+
+def _load_deviation(rate: float, mean_s: float, frame: pd.DataFrame) -> float:
+    return mean_service(frame) / mean_s - rate * mean_gap(frame)
 
 
 def mean_step_s(frame: pd.DataFrame) -> float:

@@ -202,7 +202,7 @@ def test_each_check_may_have_its_own_control():
     # Round robin's P(wait) keeps the mean service; its Wq has the realised load, arrivals and sizes.
     rr = fleet_scenarios(0.1)[1]
     assert [c.name for c in control_columns(rr)] == ["mean service", "realised load"]
-    result = check([rr], replications=6, seed=3, workers=1)
+    result = check([rr], replications=6, seed=3, workers=2)  # workers: its controls pickle
     assert list(result["control"]) == ["mean service", "realised load"]
     assert list(result["verdict"]) == ["pass", "pass"], result.to_string()
     # The same runs against M/M/1's wait (4 s, not 2.27): the narrower interval must refuse it.
