@@ -198,6 +198,7 @@ def test_the_fleet_rows_can_fail():
     assert list(result["verdict"]) == ["fail", "fail"], result.to_string()
 
 
+@pytest.mark.slow
 def test_each_check_may_have_its_own_control():
     # Round robin's P(wait) keeps the mean service; its Wq has the realised load, arrivals and sizes.
     rr = fleet_scenarios(0.1)[1]
