@@ -56,9 +56,9 @@ class Control:
 
 class Case(Protocol):
     """A simulated system and the closed forms it is checked against: ``checks`` are (quantity, closed-form
-    value, statistic of a replication's records); ``control`` a control variate or None, or a tuple of
-    one per check (:func:`controls_of`); ``run(seed)`` gives the statistics of one replication, then
-    those of its controls (:func:`control_columns`)."""
+    value, statistic of a replication's records); ``control`` a control variate or None, or a
+    tuple of one per check (:func:`controls_of`); ``run(seed)`` gives the statistics of one
+    replication, then those of its controls (:func:`control_columns`)."""
 
     name: str
     checks: tuple[tuple[str, float, Stat], ...]
@@ -84,7 +84,8 @@ def control_columns(case: Case) -> list[Control]:
 
 def _statistics(case: Case, frame: pd.DataFrame) -> list[float]:
     """A replication's checked statistics, then its controls'."""
-    return [stat(frame) for _, _, stat in case.checks] + [c.stat(frame) for c in control_columns(case)]
+    stats = [stat(frame) for _, _, stat in case.checks]
+    return stats + [c.stat(frame) for c in control_columns(case)]
 
 
 def _served(frame: pd.DataFrame) -> pd.DataFrame:
@@ -545,7 +546,8 @@ def check(
     for i, scenario in enumerate(scenarios):
         reps = np.array(results[i * replications:(i + 1) * replications])
         columns, k = control_columns(scenario), len(scenario.checks)
-        for j, ((quantity, value, _), control) in enumerate(zip(scenario.checks, controls_of(scenario))):
+        pairs = zip(scenario.checks, controls_of(scenario))
+        for j, ((quantity, value, _), control) in enumerate(pairs):
             if control is None:
                 mean, low, high = mean_ci(reps[:, j], each)
             else:

@@ -63,8 +63,8 @@ def _run(ctx: Context, folder: Path) -> None:
 
 
 def _find(results: list[dict], unit: Unit) -> dict | None:
-    return next((r for r in results if (r["policy"], r.get("router")) == (unit.policy, unit.router)),
-                None)
+    key = (unit.policy, unit.router)
+    return next((r for r in results if (r["policy"], r.get("router")) == key), None)
 
 
 def _text(r: dict) -> str:
@@ -89,9 +89,9 @@ def hypothesis_6(results: list[dict]) -> Verdict:
     """H6: a load-aware router with predictive admission keeps 90 % in time to a higher load per
     replica than random routing with per-replica count bounds, and late binding (one central
     queue) to a higher one than early binding (jsq), both with predictive admission."""
-    claim = ("in a fleet of 4, a load-aware router (jsq) with predictive admission answers 90 % in "
-             "time at a higher load per replica than random routing with a count bound (bounded), "
-             "and late binding (central) at a higher one than early binding (jsq)")
+    claim = ("in a fleet of 4, a load-aware router (jsq) with predictive admission answers 90 % "
+             "in time at a higher load per replica than random routing with a count bound "
+             "(bounded), and late binding (central) at a higher one than early binding (jsq)")
     parts = [above(results, AWARE, BLIND), above(results, LATE, EARLY)]
     words = [ok for ok, _ in parts]
     supported = None if None in words else all(words)
@@ -100,8 +100,8 @@ def hypothesis_6(results: list[dict]) -> Verdict:
     alone = [] if gate is None or gate["load"] is None else [
         f"{gate['policy']} behind {gate['router']} alone reaches {_text(gate)}"]
     evidence = "; ".join([*(text for _, text in parts), *alone])
-    return Verdict("H6", claim, supported, evidence + "; a pair holds where the first one's interval "
-                   "starts at or past the second one's end")
+    rule = "; a pair holds where the first one's interval starts at or past the second one's end"
+    return Verdict("H6", claim, supported, evidence + rule)
 
 
 def _labelled(frame: pd.DataFrame) -> pd.DataFrame:
@@ -130,7 +130,8 @@ def _report(ctx: Context, folder: Path) -> list:
              "hands each request to the first replica free (late), so the gate sees one queue: "
              "bounded's 8 waiting are then the fleet's, not each replica's."),
         hypothesis_6(data["results"]),
-        Table(capacity_table(results, data["bounds"]).rename(columns={"policy": "policy / router"}),
+        Table(capacity_table(results, data["bounds"]).rename(
+                  columns={"policy": "policy / router"}),
               "the fleet: each policy and router's capacity per replica, and the fleet's "
               "requests/s at it"),
         Figure("fleet_capacity", png(figure), "share in time at every load per replica the search "
