@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from experiments.cli import main
-from experiments.study import (batching, capacity, live_cancellation, live_checks, live_pass,
-                               live_stale, reference, runner, theory)
+from experiments.study import (batching, capacity, fleet, live_cancellation, live_checks,
+                               live_pass, live_stale, reference, runner, theory)
 from experiments.study.blocks import Table, Text, Verdict
 from experiments.study.scale import FULL, POLICIES, QUICK, Scale
 from experiments.study.section import Context, Section, run_section
@@ -106,10 +106,62 @@ def test_the_quick_and_full_studies_search_capacity_at_their_sizes():
 
 
 @pytest.mark.slow
+def test_h6_searches_each_policy_and_routers_capacity_in_a_fleet(done):
+    out, *_ = done
+    md = (out / "report.md").read_text()
+    section = md.split(f"{fleet.SECTION.title}\n", 1)[1].split("\n## ", 1)[0]
+    assert "(figures/fleet_capacity.png)" in section and "**H6 " in section
+    rows = [line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| policy")]
+    expected = [f"{p} / {r}" for p in fleet.FLEET_POLICIES for r in fleet.FLEET_ROUTERS]
+    assert sorted(row.split("|")[1].strip() for row in rows) == sorted(expected)
+    results = pd.read_json(out / "sections" / "fleet" / "sweep" / "capacity.json",
+                           typ="series")["results"]
+    assert {r["replicas"] for r in results} == {fleet.FLEET_REPLICAS}
+    for r in results:
+        assert r["ci_low"] <= r["load"] < r["fails_at"] <= r["ci_high"]
+
+
+def _fleet_result(policy, router, low, load, high):
+    return dict(policy=policy, router=router, replicas=4, arrivals="poisson", load=load,
+                ci_low=low, ci_high=high, fails_at=load * 1.02, rate_rps=load * 27)
+
+
+def _fleet_results(central_low: float) -> list[dict]:
+    """A search's capacity.json results: jsq + predictive above random + bounded, and central
+    + predictive starting at central_low (jsq + predictive's interval ends at 1.5)."""
+    return [_fleet_result("bounded", "random", 0.8, 0.9, 1.0),
+            _fleet_result("predictive", "random", 1.2, 1.3, 1.5),
+            _fleet_result("predictive", "jsq", 1.2, 1.3, 1.5),
+            _fleet_result("predictive", "central", central_low, central_low + 0.1, 2.0)]
+
+
+def test_h6_verdict_follows_the_intervals():
+    both = fleet.hypothesis_6(_fleet_results(1.5))
+    assert both.supported is True and "capacity 1.3 [1.2, 1.5] against 0.9 [0.8, 1]" in both.evidence
+    assert "predictive behind random alone reaches 1.3 [1.2, 1.5]" in both.evidence
+    overlapping = fleet.hypothesis_6(_fleet_results(1.4))  # central's interval starts inside jsq's
+    assert overlapping.supported is False
+    results = _fleet_results(1.5)
+    assert fleet.hypothesis_6(results[1:]).supported is None  # no random + bounded
+    results[0] = {**results[0], "ci_high": None}  # never failed surely within the loads searched
+    assert fleet.hypothesis_6(results).supported is None
+
+
+def test_the_quick_and_full_studies_size_the_fleet_search():
+    quick, full = fleet.search(QUICK), fleet.search(FULL)
+    assert (quick.config.seeds, quick.config.duration_s) == (5, 300)
+    assert (full.config.seeds, full.config.duration_s) == (fleet.FLEET_SEEDS, fleet.FLEET_SECONDS)
+    for spec in (quick, full):
+        assert tuple(spec.config.grid["router"]) == fleet.FLEET_ROUTERS
+        assert tuple(spec.config.grid["replicas"]) == (fleet.FLEET_REPLICAS,)
+
+
+@pytest.mark.slow
 def test_a_second_run_skips_done_sections_and_redoes_a_forced_one(done):
     out, first, second, cells = done
     assert any(line.startswith("reference: ran") for line in first)
-    for name in ("theory", "reference", "estimation", "stale", "cancellation", "capacity"):
+    for name in ("theory", "reference", "estimation", "stale", "cancellation", "capacity", "fleet"):
         line = next(line for line in second if line.startswith(f"{name}:"))
         assert "skipped" in line or "not available" in line, line
     assert any(line.startswith("burst: ran") for line in second)

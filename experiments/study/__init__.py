@@ -4,7 +4,7 @@ The study is a list of sections (:data:`experiments.study.runner.SECTIONS`), run
 ``DIR/sections/NAME/``:
 
 theory, reference (hypotheses H1-H3), burst, estimation, stale (H4), cancellation, batching (H5),
-capacity (exercise 8), live, live_stale, live_cancellation, configuration.
+capacity (exercise 8), fleet (H6), live, live_stale, live_cancellation, configuration.
 
 Each section has its inputs (everything that decides its results: the scaled sweep config, the
 theory's replications, the live config); their digest goes into ``inputs.json`` when the section
@@ -23,7 +23,7 @@ The modules: ``scale`` (how big the study is), ``section`` (a section, its marke
 is run, skipped or resumed), ``blocks`` (what a section's report is made of), ``sweeps`` (the
 sections that run a sweep), one module per section with its hypothesis (``theory``,
 ``reference``, ``burst``, ``estimation`` for the estimation, stale and cancellation sweeps,
-``batching``, ``capacity``, ``live_pass``, ``live_stale``, ``live_cancellation``,
+``batching``, ``capacity``, ``fleet``, ``live_pass``, ``live_stale``, ``live_cancellation``,
 ``configuration``), ``live_runs`` (the live sections' servers and runs) and ``live_checks`` (their
 verdicts), ``render`` (the report as Markdown and HTML) and ``runner`` (the sections in order, the
 report, and the ``qlab study`` command).

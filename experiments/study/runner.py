@@ -12,8 +12,8 @@ from typing import Callable
 from inputs.argtypes import positive_int
 from inputs.atomic import atomic_write
 
-from . import (batching, burst, capacity, configuration, estimation, live_cancellation, live_pass,
-               live_stale, reference, theory)
+from . import (batching, burst, capacity, configuration, estimation, fleet, live_cancellation,
+               live_pass, live_stale, reference, theory)
 from .blocks import Failed, Figure, Text
 from .configuration import qlab_version
 from .render import hypotheses, render_html, render_markdown
@@ -22,8 +22,8 @@ from .section import Context, Section, check_out, read_json, run_section, write_
 
 #: The sections that run, in the report's order; the configuration section follows them.
 _RUN = (theory.SECTION, reference.SECTION, burst.SECTION, estimation.ESTIMATION, estimation.STALE,
-        estimation.CANCELLATION, batching.SECTION, capacity.SECTION, live_pass.SECTION,
-        live_stale.SECTION, live_cancellation.SECTION)
+        estimation.CANCELLATION, batching.SECTION, capacity.SECTION, fleet.SECTION,
+        live_pass.SECTION, live_stale.SECTION, live_cancellation.SECTION)
 SECTIONS = (*_RUN, configuration.section(tuple(s.name for s in _RUN)))
 NAMES = tuple(s.name for s in SECTIONS)
 
@@ -130,7 +130,8 @@ def register(sub) -> None:
     p = sub.add_parser("study", help="run the whole reference study and write report.md and report.html",
                        description="Theory, the reference sweep (H1-H3), the burst of 30, estimation, the stale "
                                    "estimator (H4), cancellation, a batching engine (H5), each policy's capacity "
-                                   "(exercise 8), a live pass, and the stale estimator and "
+                                   "(exercise 8), a fleet of 4 behind routers (H6), a live pass, "
+                                   "and the stale estimator and "
                                    "cancellation live, each live run compared with the simulator, into one folder, "
                                    "with a report. Re-running resumes: done sections are skipped.")
     p.set_defaults(func=cmd_study)
