@@ -10,7 +10,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import pandas as pd
 
 from analysis.objectives import parse_objectives, written
 from inputs import clientflags
@@ -21,7 +20,7 @@ from qsim.policy import parse_args, policy_spec
 from qsim.routers import ROUTERS, router_spec
 
 from . import engineflags, sizing
-from .capacity import Bounds, Result, Search, run, search_config
+from .capacity import Bounds, Search, run, search_config, table
 from .config import SweepConfig
 from .jsonout import json_ready
 from .simflags import add_workload_options
@@ -100,30 +99,6 @@ def _fleet_grid(args) -> dict:
                              "replicas searched)")
         return {}
     return {"replicas": [args.replicas], "router": routers or ["round_robin"]}
-
-
-def _number(value: float | None, missing: str) -> str:
-    return missing if value is None else f"{value:.3g}"
-
-
-def shown(record: dict, bounds: Bounds) -> dict[str, str]:
-    """A result's :meth:`Result.record` as printed: its capacity, interval, the load it fails at and the rate; a bound
-    the search ran into reads ``< MIN`` or ``> MAX`` (and an interval's low end never met surely, 0)."""
-    load = (f"< {bounds.min_load:g}" if record["load"] is None else
-            f">= {record['load']:.3g}" if record["fails_at"] is None else f"{record['load']:.3g}")
-    return {"capacity": load,
-            "95 % interval": f"[{_number(record['ci_low'], '0')}, {_number(record['ci_high'], f'> {bounds.max_load:g}')}]",
-            "fails at": _number(record["fails_at"], "-"), "requests/s": _number(record["rate_rps"], "-")}
-
-
-def table(results: list[Result], bounds: Bounds) -> pd.DataFrame:
-    """The results as printed: a row per policy (and arrival process, where there are several)."""
-    rows = [{"policy": r.unit.policy + (f" ({r.unit.policy_args})" if r.unit.policy_args else ""),
-             **({"router": r.unit.router} if r.unit.router else {}),
-             "arrivals": r.arrivals, **shown(r.record(), bounds), "loads tried": r.capacity.loads_tried}
-            for r in results]
-    frame = pd.DataFrame(rows)
-    return frame if frame["arrivals"].nunique() > 1 else frame.drop(columns="arrivals")
 
 
 def _bounds(args) -> Bounds:
