@@ -11,6 +11,7 @@ curve; a figure of one panel per policy wraps them into rows of at most four. Ob
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,6 +80,13 @@ def _grid(panels: int, size: tuple[float, float], blocks: int = 1, **subplots) -
     for ax in spare:
         ax.axis("off")
     return fig, used, spare
+
+
+def _suptitle(fig: plt.Figure, text: str, fontsize: float = 10, **style) -> None:
+    """The figure's title, wrapped to the figure's width: a title longer than the panels is cut
+    at both sides when saved."""
+    chars = max(20, int(fig.get_figwidth() * 72 / (fontsize * 0.6)))
+    fig.suptitle(textwrap.fill(text, chars), fontsize=fontsize, **style)
 
 
 def _legend(fig: plt.Figure, axes, spare: list | None = None, loc: str | None = None, **style) -> None:
@@ -163,7 +171,7 @@ def share_by_class(by_class: pd.DataFrame, objectives: Sequence[Objective] | Non
         ax.grid(alpha=0.3)
     for ax in axes[::MAX_COLUMNS]:
         ax.set_ylabel("share answered within deadline")
-    fig.suptitle("share answered in time by size class (max_new_tokens up to), "
+    _suptitle(fig, "share answered in time by size class (max_new_tokens up to), "
                  + _speeds_said(speeds) + "; load: utilisation at the simulated speed", fontsize=10)
     _legend(fig, axes, spare, title="size class")
     return fig
@@ -370,7 +378,7 @@ def outcome_bars(summary: pd.DataFrame) -> plt.Figure:
                    ylim=(0, 1))
         for ax in axes[::MAX_COLUMNS]:
             ax.set_ylabel("share of requests")
-    fig.suptitle("outcomes by policy and load (utilisation at the simulated speed)"
+    _suptitle(fig, "outcomes by policy and load (utilisation at the simulated speed)"
                  + (f", service times x{speeds[0]:g}" if len(speeds) == 1 else ""), fontsize=10)
     _legend(fig, [blocks[0][0]], spare, title="outcome")
     return fig
@@ -484,7 +492,7 @@ def retries(series: pd.DataFrame, surge: tuple[float, float] | None = None, smoo
     for row in axes:  # once every panel of the row is drawn (they share their y axis)
         row[0].set_ylim(bottom=0)
     seeds = series.groupby(["policy", "line"])["seed"].nunique().max() if "seed" in series else 1
-    fig.suptitle(f"goodput and offered attempts over time, {smooth_s:g} s moving average", fontsize=10)
+    _suptitle(fig, f"goodput and offered attempts over time, {smooth_s:g} s moving average", fontsize=10)
     _legend(fig, axes, title=f"retry (mean of {seeds} seeds)" if "retry" in series else None, title_fontsize=8)
     return fig
 
@@ -567,7 +575,7 @@ def estimation(summary: pd.DataFrame) -> plt.Figure:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     policy = ", ".join(map(str, dict.fromkeys(summary["policy"])))
-    fig.suptitle(f"estimates from the limit, learned, or exact: {policy}, requests stop early "
+    _suptitle(fig, f"estimates from the limit, learned, or exact: {policy}, requests stop early "
                  "(mean over seeds, 95 % CI)", fontsize=10)
     _legend(fig, axes, title="estimator")
     return fig
@@ -594,7 +602,7 @@ def stale(summary: pd.DataFrame) -> plt.Figure:
         ax.set_ylim(bottom=0)
     change = ", ".join(map(str, dict.fromkeys(summary["speed_schedule"].dropna()))) \
         if "speed_schedule" in summary else "none"
-    fig.suptitle(f"a machine that slows down mid-run (speed schedule {change}): tracking against a fixed estimate "
+    _suptitle(fig, f"a machine that slows down mid-run (speed schedule {change}): tracking against a fixed estimate "
                  "(mean over seeds, 95 % CI)", fontsize=10)
     _legend(fig, axes, title="estimate")
     return fig
@@ -627,7 +635,7 @@ def cancellation(summary: pd.DataFrame) -> plt.Figure:
         ax.axhline(0, color="black", lw=0.8)
         ax.set(xlabel="load", ylabel=unit)
     # The bars are in the policies' colours of the goodput panel's lines: one legend serves all three.
-    fig.suptitle("cutting a run at its deadline (mean over seeds, 95 % CI)", fontsize=10)
+    _suptitle(fig, "cutting a run at its deadline (mean over seeds, 95 % CI)", fontsize=10)
     _legend(fig, [axes[0][0]], title="policy")
     return fig
 
@@ -660,7 +668,7 @@ def goodput_vs_refused(summary: pd.DataFrame, objectives: Sequence[Objective] | 
         ax.set(xlabel="share refused at arrival", ylabel=unit, xlim=(-0.02, 1.02))
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"goodput against the share refused, loads {', '.join(f'{v:g}' for v in loads)} along each line "
+    _suptitle(fig, f"goodput against the share refused, loads {', '.join(f'{v:g}' for v in loads)} along each line "
                  "(mean over seeds, 95 % CI)", fontsize=10)
     _legend(fig, axes, title="policy")
     return fig
@@ -749,7 +757,7 @@ def capacity(summary: pd.DataFrame, results: list[dict], objective: Objective) -
         right = max((r["ci_high"] or r["load"] or 0.0) for r in mine) * 1.6
         ax.set(title=f"{process} arrivals", xlabel=LOAD_LABEL, ylabel=metric, xlim=(0, right if right > 0 else None))
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{metric} against load: each capacity (diamond) and its 95 % interval (bar) at {objective.value:g}",
+    _suptitle(fig, f"{metric} against load: each capacity (diamond) and its 95 % interval (bar) at {objective.value:g}",
                  fontsize=10)
     _legend(fig, [axes], spare, title="policy")
     return fig

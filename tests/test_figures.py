@@ -398,3 +398,15 @@ def test_a_cell_without_clients_is_named_so_not_none_none(tenants):
     assert labels == {"none / no clients", "none / two-tenant", "predictive / no clients",
                       "predictive / two-tenant"}
     assert labels == set(plots.per_client_set(summary)["policy"])
+
+
+def test_a_figure_title_longer_than_the_figure_is_wrapped_not_cut():
+    import matplotlib.pyplot as plt
+
+    from analysis.plots import _suptitle
+
+    fig = plt.figure(figsize=(4, 3))
+    _suptitle(fig, "share answered in time by size class (max_new_tokens up to), service times x1")
+    lines = fig.get_suptitle().splitlines()
+    plt.close(fig)
+    assert len(lines) > 1 and all(len(line) <= 4 * 72 / 6 for line in lines)
