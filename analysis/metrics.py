@@ -409,7 +409,9 @@ def clip_bounds(table: pd.DataFrame) -> pd.DataFrame:
 
 def with_ci(frame: pd.DataFrame) -> pd.DataFrame:
     """:func:`aggregate`'s columns ``m``, ``m_low``, ``m_high`` shown as one column
-    "mean [low, high]"; other columns as they are."""
+    "mean [low, high]", each interval cut to what its metric can be (:func:`clip_bounds`);
+    other columns as they are."""
+    frame = clip_bounds(frame)
     out = pd.DataFrame(index=frame.index)
     for col in frame.columns:
         if col.endswith(("_low", "_high")) and col.rsplit("_", 1)[0] in frame.columns:

@@ -209,3 +209,12 @@ def test_recovery_on_a_constructed_series():
     # No steady state to return to: unknown.
     r = metrics.recovery(_series([0.0] * 40), 20, 30)
     assert math.isnan(r["recovery_s"]) and math.isnan(r["recovered"])
+
+
+def test_with_ci_shows_a_share_inside_0_1_and_a_rate_above_0():
+    from analysis.metrics import with_ci
+
+    frame = pd.DataFrame({"share_good": [0.98], "share_good_low": [0.93], "share_good_high": [1.03],
+                          "goodput_rps": [0.2], "goodput_rps_low": [-0.1], "goodput_rps_high": [0.5]})
+    shown = with_ci(frame).iloc[0]
+    assert "1.03" not in shown["share_good"] and "-0.1" not in shown["goodput_rps"]
