@@ -102,7 +102,8 @@ class _Seq:
 
     __slots__ = ("entry", "prompt", "out", "est_out", "order", "computed", "target", "generated", "blocks", "peak",
                  "preemptions", "start", "first_token", "decoding", "d0", "kv0", "finish_at", "alive", "chunk",
-                 "due", "in_line", "hold", "tokens", "table", "hashed", "hashes", "cached_tokens")
+                 "due", "in_line", "hold", "tokens", "table", "hashed", "hashes", "cached_tokens",
+                 "ready", "draining")
 
     def __init__(self, entry: Entry, prompt: int, out: int, est_out: int) -> None:
         self.entry = entry
@@ -132,6 +133,10 @@ class _Seq:
         self.hashed = 0
         self.hashes: list[int] = []
         self.cached_tokens = -1
+        # With a front end only: when its intake is done (it computes from then on), and whether
+        # the engine is done with it while its last tokens are still on their way to the client.
+        self.ready = 0.0
+        self.draining = False
 
 
 class BatchQueue(Core):
@@ -206,6 +211,14 @@ class BatchQueue(Core):
         self.decode_blocks: list[int] = []
         self._tokens_of = tokens
         self._unique = 0  # requests without tokens of their own: each gets keys nobody else has
+        # The front end (qsim.engines.FrontEnd): when its FIFO core is next free, the requests
+        # whose intake is not done yet and those done in the engine whose tokens are not yet
+        # delivered (heaps of (time, order, seq)); the latter hold their seats.
+        self.fe = engine.front_end
+        self.fe_free = 0.0
+        self.intake: list = []
+        self.delivering: list = []
+        self.draining = 0
 
     # -- the numbers -----------------------------------------------------------------
 
@@ -236,7 +249,7 @@ class BatchQueue(Core):
         """What a fleet's router reads of this engine at ``req``'s arrival: its outstanding, the
         wait an arrival would be given (its work per seat), a seat free, its KV use and the share of
         ``req``'s full prompt blocks its prefix cache holds (a probe: vLLM's counters not moved)."""
-        idle = int(not self.queued and len(self.running) < self.engine.max_num_seqs)
+        idle = int(not self.queued and self._seats_taken() < self.engine.max_num_seqs)
         return ReplicaState(self.queued + self.in_service, self._work_wait(now), 1, idle,
                             self.kv_use, self._prefix_hit(req))
 
@@ -282,7 +295,10 @@ class BatchQueue(Core):
         else:  # shared blocks are held by several: the pool's count is of distinct blocks
             self._audit_pool(held)
         assert self.kv_used <= self.kv_cap, f"KV blocks: {self.kv_used} in use of {self.kv_cap}"
-        assert len(self.running) <= engine.max_num_seqs, f"{len(self.running)} running of {engine.max_num_seqs} seats"
+        assert self._seats_taken() <= engine.max_num_seqs, \
+            f"{len(self.running)} running and {self.draining} streaming of {engine.max_num_seqs} seats"
+        streaming = sum(1 for _, _, s in self.delivering if s.draining)
+        assert streaming == self.draining, f"{self.draining} counted streaming, {streaming} are"
         assert (dec, kv, est) == (self.n_dec, self.kv_dec, self.dec_est), \
             f"decoding aggregates {(self.n_dec, self.kv_dec, self.dec_est)} against {(dec, kv, est)} recounted"
         line = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
@@ -396,17 +412,19 @@ class BatchQueue(Core):
         if plan.decoders:
             self.decoded += 1
         self._decode_reserved = False  # the slots held for this step's tokens are now counted in their tokens
+        # When this step's tokens reach their clients: at once, or once the front end has streamed them.
+        delivered = now if self.fe is None else self._fe_job(now, self.fe.token_s * plan.sampling)
         for seq, chunk in self._planned:
             if seq.alive and seq.chunk == chunk and seq.order in self.running:
                 seq.chunk = 0
                 seq.computed += chunk
                 if seq.computed >= seq.target:
-                    self._sampled(seq, now)
+                    self._sampled(seq, now, delivered)
         finishing = self.finishing
         while finishing and finishing[0][0] <= self.decoded:
             _, order, seq = heapq.heappop(finishing)
             if seq.alive and seq.decoding and seq.order == order and seq.finish_at <= self.decoded:
-                self._finish(seq, now)
+                self._finish(seq, now, delivered)
         self._next_step(now)
 
     def cancel(self, req, now: float) -> str | None:
@@ -431,21 +449,39 @@ class BatchQueue(Core):
                 if self.plan is None:
                     self._next_step(now)
                 return "running"
+        for _, _, seq in self.delivering:
+            if seq.draining and seq.entry.req == req:
+                self._undrain(seq)
+                seq.alive = False
+                self._kick(now)
+                return "running"
         return None
 
     # -- timers: cutting at the deadline -----------------------------------------------
 
     def next_timer(self) -> float:
         """When the core next needs to be told the time (a joined request's deadline, where the policy cuts
-        there); inf: never."""
+        there; with a front end, an intake done or tokens delivered); inf: never."""
         cuts = self.cuts
         while cuts and not cuts[0][2].alive:
             heapq.heappop(cuts)
-        return cuts[0][0] if cuts else math.inf
+        due = cuts[0][0] if cuts else math.inf
+        if self.fe is None:
+            return due
+        intake, delivering = self.intake, self.delivering
+        while intake and not intake[0][2].alive:
+            heapq.heappop(intake)
+        while delivering and not delivering[0][2].draining:
+            heapq.heappop(delivering)
+        return min(due, intake[0][0] if intake else math.inf,
+                   delivering[0][0] if delivering else math.inf)
 
     def timer(self, now: float) -> None:
         """Time ``now`` has come: cut the joined requests whose deadline it is (outcome cancelled), in the batch
-        or preempted and waiting to join again."""
+        or preempted and waiting to join again; with a front end, end those whose last token has
+        reached the client and let in those whose intake is done."""
+        if self.fe is not None:
+            self._front_end_timer(now)
         cuts = self.cuts
         while cuts and (not cuts[0][2].alive or cuts[0][0] <= now):
             due, _, seq = heapq.heappop(cuts)
@@ -455,12 +491,58 @@ class BatchQueue(Core):
                 self.front.remove(seq)
                 self._out_of_line(seq)
                 seq.alive = False
+            elif seq.draining:
+                self._undrain(seq)
+                seq.alive = False
             else:
                 self._leave(seq)
             # One that joined after its deadline (it waited past it) is cut as it joins, as an engine run one at a
             # time cuts it as it starts: never before its start.
             self._end(seq.entry.req, max(due, seq.start), CANCELLED, CUT_REASON, self._stats(seq))
         self._kick(now)
+
+    # -- the front end (qsim.engines.FrontEnd) ---------------------------------------------
+
+    def _seats_taken(self) -> int:
+        """Seats held: the batch's, and those whose last tokens are still being streamed."""
+        return len(self.running) + self.draining
+
+    def _fe_job(self, now: float, cost: float) -> float:
+        """A job of ``cost`` seconds for the front end's FIFO core from ``now``: when it is done (a
+        job of no cost is none: it waits for nothing)."""
+        if cost <= 0:
+            return now
+        self.fe_free = max(self.fe_free, now) + cost
+        return self.fe_free
+
+    def _front_end_timer(self, now: float) -> None:
+        delivering = self.delivering
+        while delivering and delivering[0][0] <= now:
+            at, _, seq = heapq.heappop(delivering)
+            if seq.draining:  # else its client left, or it was cut, meanwhile
+                self._undrain(seq)
+                self._done(seq, at)
+        intake = self.intake
+        while intake and intake[0][0] <= now:
+            heapq.heappop(intake)  # it computes from the next step, which the kick plans
+
+    def _fe_lag(self, now: float, seqs: int) -> float:
+        """What the front end adds to a request's first token joining now, ``seqs`` in the batch:
+        the work it holds, its intake, and streaming one step's tokens (its last token's lag as
+        well, while the front end keeps up)."""
+        fe = self.fe
+        if fe is None:
+            return 0.0
+        return max(0.0, self.fe_free - now) + fe.request_s + fe.token_s * seqs
+
+    def _drain(self, seq: _Seq, delivered: float) -> None:
+        seq.draining = True
+        self.draining += 1
+        heapq.heappush(self.delivering, (delivered, seq.order, seq))
+
+    def _undrain(self, seq: _Seq) -> None:
+        seq.draining = False
+        self.draining -= 1
 
     # -- planning -------------------------------------------------------------------------
 
@@ -486,6 +568,8 @@ class BatchQueue(Core):
                 break
             if seq.order not in self.running:
                 continue  # preempted just now
+            if seq.ready > now:
+                continue  # the front end has not handed it over yet
             chunk = min(seq.target - seq.computed, budget)
             blocks = max(0, engine.blocks_for(seq.computed + chunk) - seq.blocks)
             while self.kv_used + blocks > cap and seq.order in self.running:
@@ -501,7 +585,7 @@ class BatchQueue(Core):
             chunks.append((seq, chunk))
         # 3. The line, where nothing was preempted.
         if not preempted:
-            while budget > 0 and len(self.running) < engine.max_num_seqs:
+            while budget > 0 and self._seats_taken() < engine.max_num_seqs:
                 seq = self._pull(now)
                 if seq is None:
                     break
@@ -519,6 +603,8 @@ class BatchQueue(Core):
                     self._into_line(seq)
                     break
                 self._join(seq, now, blocks, hit)
+                if seq.ready > now:
+                    continue  # it holds its seat and first blocks while the front end takes it in
                 seq.chunk = chunk
                 if self.pool is not None:
                     self._cache_full(seq, seq.computed + chunk)
@@ -585,6 +671,9 @@ class BatchQueue(Core):
         self._hold(seq, blocks)
         if math.isnan(seq.start):
             seq.start = now
+            if self.fe is not None:
+                seq.ready = self._fe_job(now, self.fe.request_s)
+                heapq.heappush(self.intake, (seq.ready, seq.order, seq))
             if self._joined is not None:
                 self._joined(seq.entry.req, now)
             if self.policy.cancel_at_deadline:
@@ -669,13 +758,14 @@ class BatchQueue(Core):
         self.kv_used -= self.pool.release(reversed(table))
         seq.table, seq.hashed = [], 0
 
-    def _sampled(self, seq: _Seq, now: float) -> None:
-        """Its prompt (and, after a preemption, what it had generated) is computed: this step produced a token."""
+    def _sampled(self, seq: _Seq, now: float, delivered: float) -> None:
+        """Its prompt (and, after a preemption, what it had generated) is computed: this step produced a token,
+        which reaches its client at ``delivered``."""
         seq.generated += 1
         if seq.first_token != seq.first_token:
-            seq.first_token = now
+            seq.first_token = delivered
         if seq.generated >= seq.out:
-            self._finish(seq, now)
+            self._finish(seq, now, delivered)
             return
         # Decoding from now on: its KV tokens grow by one each decode step (the blocks follow from the tokens).
         self.prefilling.remove(seq)
@@ -737,9 +827,12 @@ class BatchQueue(Core):
                 return True
         return False
 
-    def _finish(self, seq: _Seq, now: float) -> None:
+    def _finish(self, seq: _Seq, now: float, delivered: float) -> None:
         self._release(seq)
-        self._done(seq, now)
+        if delivered > now:
+            self._drain(seq, delivered)
+        else:
+            self._done(seq, now)
 
     def _done(self, seq: _Seq, now: float) -> None:
         seq.alive = False
@@ -804,7 +897,7 @@ class BatchQueue(Core):
     def _has_room(self, seq: _Seq) -> bool:
         """A seat free, and blocks for its first chunk, now."""
         engine = self.engine
-        if len(self.running) >= engine.max_num_seqs:
+        if self._seats_taken() >= engine.max_num_seqs:
             return False
         if self.pool is not None:
             _, _, blocks, extra = self._first_chunk(seq, engine.max_num_batched_tokens)
@@ -833,7 +926,7 @@ class BatchQueue(Core):
         flight, then the seat-steps the running and the line will hold over the seats, and the line's prompts
         (work over servers, as the one-at-a-time core estimates; exact for a batch of one)."""
         left = self._left(now)
-        n, seats = len(self.running), self.engine.max_num_seqs
+        n, seats = self._seats_taken(), self.engine.max_num_seqs
         if n < seats and not self.queued:
             return left
         step = self.step_s(min(seats, n + self.queued + 1), self.context())
@@ -870,6 +963,7 @@ class BatchQueue(Core):
             step = self.step_s(min(engine.max_num_seqs, len(self.running) + 1), self.context() + seq.prompt)
             prompt_steps = self._holds(seq) - max(0, seq.est_out - 1)
             ttft = wait + prompt_steps * step + self.model.b1 * seq.prompt * self.tracker.factor
+            ttft += self._fe_lag(now, len(self.running) + 1)
             return wait, ttft, ttft + (seq.est_out - 1) * step, None
         running = self.running
         ahead = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
@@ -896,6 +990,7 @@ class BatchQueue(Core):
             backlog = sum(s.target - s.computed for s in self.prefilling) + sum(a.prompt for a in ahead)
             steps = math.ceil((backlog + seq.prompt) / budget)
             ttft = max(ttft, left + steps * self.step_s(n_after, per_seq * n_after, budget))
+        ttft += self._fe_lag(now, n_after)
         return wait, ttft, ttft + (seq.est_out - 1) * step, kv_wait
 
     def _remaining_steps(self, s: _Seq) -> int:

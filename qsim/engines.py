@@ -164,12 +164,38 @@ VLLM_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
+class FrontEnd:
+    """The API process in front of a batching engine, as one FIFO server on a core of its own.
+
+    vLLM's takes each request in (tokenises it, hands it to the engine) and, after each engine
+    step, detokenises and streams every token the step produced; on a machine of few cores that
+    process, not the engine, can set the pace (docs/vllm.md measured 2.3 s a request outside
+    vLLM's engine at 32 in flight). Here it does one job of ``request_s`` per request as it joins
+    the batch (the request computes once that job is done) and one of ``token_s`` per token after
+    each step (its tokens reach the client when that job is done). A request keeps its seat until
+    its last token has reached the client, as a gate in front counts it; its KV blocks are free
+    when the engine is done with it. Jobs are served in the order they come.
+    """
+
+    request_s: float = 0.0
+    token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_s", "token_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)):
+                raise ValueError(f"front_end {name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class Batching:
     """One engine running requests together in steps, as vLLM's v1 scheduler does (see :mod:`qsim.batch`).
 
     kv_blocks: KV-cache capacity in blocks of ``block_size`` tokens (None: unlimited).
     prefix_caching: full blocks are cached by their prefix's hash and shared, as vLLM v1 does by
     default (:mod:`qsim.prefix`); off by default here, so that runs without it keep their rows.
+    front_end: the API process in front of the engine (:class:`FrontEnd`; None: none, requests
+    reach the engine and tokens the client at once).
     """
 
     step: StepModel = StepModel()
@@ -179,6 +205,7 @@ class Batching:
     kv_blocks: int | None = None
     block_size: int = VLLM_BLOCK_SIZE
     prefix_caching: bool = False
+    front_end: FrontEnd | None = None
 
     kind = "batching"
 
@@ -195,6 +222,14 @@ class Batching:
             raise ValueError(f"kv_blocks must be an integer >= 1 or None, got {self.kv_blocks!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
+        if isinstance(self.front_end, Mapping):  # as a TOML table or a run file's fields carry it
+            unknown = set(self.front_end) - {"request_s", "token_s"}
+            if unknown:
+                raise ValueError(f"front_end takes request_s and token_s, not {sorted(unknown)}")
+            object.__setattr__(self, "front_end", FrontEnd(**self.front_end))
+        if self.front_end is not None and not isinstance(self.front_end, FrontEnd):
+            raise ValueError(f"front_end must be a table of request_s and token_s, "
+                             f"got {self.front_end!r}")
 
     @property
     def engines(self) -> int:
@@ -229,6 +264,8 @@ def engine_fields(engine: EngineModel) -> dict[str, Any]:
     fields = asdict(engine)
     if not fields.get("prefix_caching", True):
         del fields["prefix_caching"]  # off: the fields a run file or /stats carried before it
+    if fields.get("front_end", 0) is None:
+        del fields["front_end"]  # none: likewise
     return {"kind": engine.kind, **fields}
 
 
