@@ -126,7 +126,9 @@ def calibrated_setup(run: pd.DataFrame, terms: LoadTerms | None = None) -> Serve
     calibration has one; ``terms`` None: as the run file says (a batching gate's: the step model it planned with)."""
     setup = run_setup(run)
     if terms is not None and isinstance(setup.engine, Batching) and terms.step is not None:
-        return setup.replace(engine=dataclasses.replace(setup.engine, step=terms.step))
+        # The engine's API process in front of it too, where the calibration measured it.
+        front = terms.front_end or setup.engine.front_end
+        return setup.replace(engine=dataclasses.replace(setup.engine, step=terms.step, front_end=front))
     if terms is None or not isinstance(setup.engine, OneAtATime):
         return setup
     return setup.replace(engine=dataclasses.replace(setup.engine, concurrency=terms.concurrency,

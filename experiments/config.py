@@ -82,6 +82,8 @@ b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("defau
 # (qsim.workload.SharedPrefix): system_prompt = "512:0.8" (a system prompt of 512 tokens before a
 # share 0.8 of the prompts; "none": the default) and turns = "4:16" (conversations of 4 turns, 16
 # open at once; "1": the default).
+# An API process in front of the engine (qsim.engines.FrontEnd), in [batching]:
+# front_end = {request_s = 0.002, token_s = 0.0004}.
 # A fleet (qsim.fleet), optional axes: replicas = [2, 4, 8] (copies of the cell's server, each its
 # engines, line and admission; the load is each replica's; with [batching] each replica a batching
 # engine) and router = ["random", "power_of_d", "power_of_d:3", "central"] (qsim.routers; default
@@ -129,7 +131,7 @@ BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix
 DEFAULT_STEP = "default"
 STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}
 BATCHING_KEYS = {**STEP_KEYS, "max_num_seqs": int, "max_num_batched_tokens": int, "chunked_prefill": bool,
-                 "prefix_caching": bool,
+                 "prefix_caching": bool, "front_end": dict,
                  "kv_blocks": int, "block_size": int}
 #: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a calibration's).
 SERVICE_KEYS = {"intercept_s": float, "per_token_s": float, "per_prompt_token_s": float, "concurrency": float}
@@ -301,6 +303,8 @@ def _batching_dict(engine: Batching) -> dict:
     fields = asdict(engine)
     if not fields["prefix_caching"]:
         del fields["prefix_caching"]
+    if fields["front_end"] is None:
+        del fields["front_end"]
     return fields
 
 

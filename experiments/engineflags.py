@@ -45,7 +45,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the --service-model calibration's, measured under load; else 0)")
     g.add_argument("--batching", action="store_true", help=BATCHING_HELP + "; --load is then of its saturated "
                    "throughput")
-    add_batching_flags(g, prefix_caching=True)
+    add_batching_flags(g, simulated=True)
     g.add_argument("--prompts", type=prompts_spec, metavar="SPEC",
                    help="prompt lengths: none, fixed:N, uniform:LOW:HIGH or lognormal:MEAN:SIGMA (default none)")
     g.add_argument("--system-prompt", type=system_spec, metavar="S:P",
@@ -67,6 +67,8 @@ def calibrated_defaults(args) -> None:
     terms = LoadTerms.load(args.service_model)
     if args.batching and args.step is None:
         args.step = terms.step
+    if args.batching and getattr(args, "front_end", None) is None:
+        args.front_end = terms.front_end
     if args.concurrency is None:
         args.concurrency = 0.0 if args.batching else terms.concurrency
     if args.noise is None:
@@ -77,7 +79,7 @@ def engine_from_args(args) -> OneAtATime | Batching:
     """The engine the options describe; ValueError for a batching option without --batching (or the reverse)."""
     settings = {k: getattr(args, k) for k in BATCHING_ONLY}
     batching = batching_engine(args.batching, settings, args.no_chunked_prefill,
-                               getattr(args, "prefix_caching", False))
+                               getattr(args, "prefix_caching", False), getattr(args, "front_end", None))
     if batching is None:
         return OneAtATime(args.engines, args.concurrency or 0.0)
     if args.engines != 1 or args.concurrency:
@@ -128,6 +130,9 @@ def describe(engine) -> str:
     kv = "unlimited KV" if engine.kv_blocks is None else f"{engine.kv_blocks} KV blocks of {engine.block_size}"
     chunked = "" if engine.chunked_prefill else ", no chunked prefill"
     chunked += ", prefix caching" if engine.prefix_caching else ""
+    fe = engine.front_end
+    chunked += "" if fe is None else (f", a front end of {fe.request_s * 1e3:g} ms a request and "
+                                      f"{fe.token_s * 1e3:g} ms a token")
     return (f"a batching engine ({engine.max_num_seqs} seqs, {engine.max_num_batched_tokens} tokens a step, "
             f"{kv}{chunked})")
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from qsim.engines import Batching, StepModel
+from qsim.engines import Batching, FrontEnd, StepModel
 
 from .argtypes import positive_int
 
@@ -21,6 +21,9 @@ NO_CHUNKED_PREFILL_HELP = "a prompt must fit one step's token budget"
 PREFIX_CACHING_HELP = ("cache full KV blocks by their prefix and share them, as vLLM v1 does by "
                        "default (qsim.prefix; default off)")
 STEP_METAVAR = "B0,B1,B2,B3[,CV] | FILE.json"
+FRONT_END_HELP = ("an API process in front of the batching engine, as one FIFO core: seconds a "
+                  "request to take it in, seconds a token to stream it (qsim.engines.FrontEnd), or a "
+                  "calibration's front_end (default: none; --service-model's where it has one)")
 
 
 def parse_step(text: str) -> StepModel:
@@ -40,6 +43,35 @@ def parse_step(text: str) -> StepModel:
         raise ValueError(f"cannot read step model {text}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad step model {text!r}: {exc}") from None
+
+
+def parse_front_end(text: str) -> FrontEnd:
+    """``REQUEST_S,TOKEN_S`` or a JSON file whose ``front_end`` key (a calibration's) holds them;
+    ValueError naming what is wrong."""
+    path = Path(text)
+    try:
+        if path.suffix == ".json" or path.is_file():
+            raw = json.loads(path.read_text())
+            front = raw.get("front_end") if isinstance(raw, dict) else None
+            if not isinstance(front, dict):
+                raise ValueError("it has no front_end table (qlab calibrate --engine-metrics writes one)")
+            return FrontEnd(front.get("request_s", 0.0), front.get("token_s", 0.0))
+        numbers = [float(v) for v in text.split(",")]
+        if len(numbers) != 2:
+            raise ValueError("give REQUEST_S,TOKEN_S")
+        return FrontEnd(*numbers)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read a front end from {text}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad front end {text!r}: {exc}") from None
+
+
+def front_end_spec(text: str) -> FrontEnd:
+    """:func:`parse_front_end` for argparse."""
+    try:
+        return parse_front_end(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def step_spec(text: str) -> StepModel:
@@ -63,19 +95,21 @@ BATCHING_FLAGS: dict[str, tuple] = {
 BATCHING_ONLY = tuple(BATCHING_FLAGS)
 
 
-def add_batching_flags(group, prefix_caching: bool = False) -> None:
+def add_batching_flags(group, simulated: bool = False) -> None:
     """Each of :data:`BATCHING_FLAGS` and ``--no-chunked-prefill`` on an argparse group (``--batching`` itself is
-    the command's: what it does to the command's load differs); ``--prefix-caching`` too where the
-    command's engine can have a prefix cache (the simulator's)."""
+    the command's: what it does to the command's load differs); ``--prefix-caching`` and
+    ``--front-end`` too where the engine is the simulator's (a live gate's upstream has its own)."""
     for name, (kind, metavar, text) in BATCHING_FLAGS.items():
         group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
     group.add_argument("--no-chunked-prefill", action="store_true", help=NO_CHUNKED_PREFILL_HELP)
-    if prefix_caching:
+    if simulated:
         group.add_argument("--prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
+        group.add_argument("--front-end", type=front_end_spec, metavar="REQUEST_S,TOKEN_S | FILE.json",
+                           help=FRONT_END_HELP)
 
 
 def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = False,
-                    prefix_caching: bool = False) -> Batching | None:
+                    prefix_caching: bool = False, front_end: FrontEnd | None = None) -> Batching | None:
     """The batching engine the options describe (None: not batching); ValueError naming the first batching option
     given without ``--batching``. settings: :data:`BATCHING_FLAGS`' fields, None where not given (``step`` a
     StepModel or its text)."""
@@ -84,6 +118,8 @@ def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = F
         given.append("no_chunked_prefill")
     if prefix_caching:
         given.append("prefix_caching")
+    if front_end is not None:
+        given.append("front_end")
     if not batching:
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} is a batching engine's: add --batching")
@@ -95,4 +131,6 @@ def batching_engine(batching: bool, settings: dict, no_chunked_prefill: bool = F
         fields["chunked_prefill"] = False
     if prefix_caching:
         fields["prefix_caching"] = True
+    if front_end is not None:
+        fields["front_end"] = front_end
     return Batching(**fields)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from scipy import optimize, stats
 
-from .engines import StepModel
+from .engines import FrontEnd, StepModel
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,14 @@ class LoadTerms:
     """What ``qlab calibrate`` measured beside the line, under load: ``concurrency``, the slowdown per other busy
     engine (:class:`qsim.engines.OneAtATime`), and ``noise_cv``, the CV of one request's time around the model x
     that slowdown (None: not measured); against a batching server, ``step``: the step model fitted to the steps it
-    ran, its CV the spread of a step around the fit (None: not a batching server's calibration). A calibration file
+    ran, its CV the spread of a step around the fit (None: not a batching server's calibration), and
+    ``front_end``: its API process's costs (:class:`qsim.engines.FrontEnd`; None: not measured). A calibration file
     without them (an older ``qlab calibrate``'s) reads as no slowdown, noise not said, no step model."""
 
     concurrency: float = 0.0
     noise_cv: float | None = None
     step: StepModel | None = None
+    front_end: FrontEnd | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("concurrency", self.concurrency), ("noise_cv", self.noise_cv)):
@@ -119,16 +121,21 @@ class LoadTerms:
     def from_calibration(cls, data: Any, where: str = "calibration") -> "LoadTerms":
         """The terms of a calibration's parsed JSON (``where`` names it in a ValueError)."""
         data = data if isinstance(data, dict) else {}
-        load, step = data.get("load"), data.get("step")
+        load, step, front = data.get("load"), data.get("step"), data.get("front_end")
         try:
             step = None if step is None else StepModel.from_fields(step)
         except ValueError as exc:
             raise ValueError(f"{where}: bad calibrated step model ({exc})") from None
+        try:
+            front = None if front is None else FrontEnd(front["request_s"], front["token_s"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"{where}: bad calibrated front end ({exc!r})") from None
         if not isinstance(load, dict):
-            return cls(step=step)
+            return cls(step=step, front_end=front)
         try:
             concurrency, cv = load.get("concurrency"), load.get("noise_cv")
-            return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv), step)
+            return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv), step,
+                       front)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: bad calibrated load terms ({exc})") from None
 

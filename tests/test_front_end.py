@@ -127,3 +127,59 @@ def test_every_request_ends_once_with_a_front_end(audited, seed, load, seqs, blo
     assert (df.loc[answered, "output_tokens"] ==
             trace.tokens_generated[df.loc[answered, "request_id"]]).all()
     assert (df.loc[df["start_s"].notna(), "ttft_s"].dropna() >= 0).all()
+
+
+# ---------------------------------------------------------------- where a front end is given
+
+
+def test_simulate_takes_a_front_end_from_the_flag_or_a_calibration(capsys, tmp_path):
+    import json
+
+    from experiments import cli
+    args = ["simulate", "--batching", "--seconds", "10", "--load", "0.5", "--json"]
+    assert cli.main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["summary"]
+    assert cli.main([*args, "--front-end", "0.01,0.002"]) == 0
+    slowed = json.loads(capsys.readouterr().out)["summary"]
+    assert slowed["latency_p50_s"] > plain["latency_p50_s"]
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"model": {"intercept_s": 0.01, "per_token_s": 0.01},
+                                       "front_end": {"request_s": 0.01, "token_s": 0.002}}))
+    assert cli.main([*args, "--front-end", str(calibration)]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"] == slowed
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--front-end", "0.01,0.002"], "--front-end is a batching engine's: add --batching"),
+    (["--batching", "--front-end", "0.01"], "give REQUEST_S,TOKEN_S"),
+    (["--batching", "--front-end=-1,0"], "request_s must be a number >= 0"),
+])
+def test_bad_front_ends_are_one_line_and_exit_2(capsys, bad, message):
+    from experiments import cli
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(cli.main(["simulate", "--seconds", "5", *bad]))
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_a_sweep_reads_the_front_end_in_its_batching_table(tmp_path):
+    from experiments import config
+    path = tmp_path / "s.toml"
+    text = ("[sweep]\nduration_s = 5\nseeds = 1\n[batching]\nmax_num_seqs = 8\n"
+            "front_end = {request_s = 0.002, token_s = 0.0004}\n[grid]\npolicy = [\"none\"]\n"
+            "load = [0.5]\n")
+    path.write_text(text)
+    assert config.load(path).batching.front_end == FrontEnd(0.002, 0.0004)
+    path.write_text(text.replace("request_s = 0.002", "request = 0.002"))
+    with pytest.raises(config.ConfigError, match="front_end takes request_s and token_s"):
+        config.load(path)
+
+
+def test_a_calibration_front_end_is_a_load_term_and_the_prediction_takes_it():
+    from qsim.service import LoadTerms
+    terms = LoadTerms.from_calibration({"step": {"b0": 0.005}, "front_end":
+                                        {"request_s": 0.003, "token_s": 0.0005}})
+    assert terms.front_end == FrontEnd(0.003, 0.0005)
+    assert LoadTerms.from_calibration({"step": {"b0": 0.005}}).front_end is None
+    with pytest.raises(ValueError, match="bad calibrated front end"):
+        LoadTerms.from_calibration({"front_end": {"request_s": -1, "token_s": 0}})
