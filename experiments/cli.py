@@ -82,7 +82,7 @@ def cmd_theory(args) -> int:
 
 
 @dataclass(frozen=True)
-class _Run:
+class _SeedRun:
     seed: int
     frame: pd.DataFrame | None  # None: streamed to --out, summarised from the file (stats)
     duration_s: float
@@ -176,12 +176,12 @@ def _down(text: str) -> tuple:
                          "e.g. 1:100:200") from None
 
 
-def _balance_across_seeds(runs: list["_Run"], fleet: FleetSpec) -> pd.DataFrame:
+def _balance_across_seeds(runs: list["_SeedRun"], fleet: FleetSpec) -> pd.DataFrame:
     return metrics.across_seeds(pd.DataFrame(
         [metrics.fleet_balance(metrics.by_replica(r.frame, fleet.replicas)) for r in runs]))
 
 
-def _print_fleet(runs: list["_Run"], fleet: FleetSpec) -> None:
+def _print_fleet(runs: list["_SeedRun"], fleet: FleetSpec) -> None:
     """Per replica (one run), the load imbalance and Jain's index over replicas."""
     if len(runs) == 1:
         table = metrics.by_replica(runs[0].frame, fleet.replicas)
@@ -209,7 +209,7 @@ def _fmt(table: pd.DataFrame) -> str:
     return table.to_string(float_format=lambda v: f"{v:.4g}")
 
 
-def _print_single(run: _Run) -> None:
+def _print_single(run: _SeedRun) -> None:
     s = run.summary()
     n = max(s["requests"], 1)
     shown = [o for o in OUTCOMES if o in ("good", "late", "rejected", "expired") or s[o]]
@@ -244,7 +244,7 @@ SEED_METRICS = ["good", "late", "rejected", "expired", "share_good", "goodput_rp
 RETRY_METRICS = ["attempts_per_request", "share_good_e2e", "goodput_e2e_rps", "retry_after_adherence"]
 
 
-def _seed_tables(runs: list[_Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _seed_tables(runs: list[_SeedRun]) -> tuple[pd.DataFrame, pd.DataFrame]:
     overall = pd.DataFrame([r.summary() for r in runs])
     shown = SEED_METRICS + [m for m in ("abandoned", "error", *RETRY_METRICS) if m in overall and overall[m].any()]
     per_class = pd.concat(
@@ -260,7 +260,7 @@ def _seed_tables(runs: list[_Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
     return ci, stacked.loc[order]
 
 
-def _print_seeds(runs: list[_Run]) -> None:
+def _print_seeds(runs: list[_SeedRun]) -> None:
     ci, by_class = _seed_tables(runs)
     print(f"mean and 95 % confidence interval over {len(runs)} seeds:")
     print(_fmt(ci))
@@ -331,7 +331,7 @@ def cmd_simulate(args) -> int:
                                                                router=fleet.router,
                                                                replica_speeds=fleet.speeds,
                                                                replica_down=fleet.down)))
-            runs.append(_Run(seed, frame, trace.duration_s))
+            runs.append(_SeedRun(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
             write_parquet(rows, args.out)  # whole or not at all: an interrupt leaves no half file
@@ -374,7 +374,7 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
+def _streamed_runs(args, seeds, workload, server, schedule) -> list[_SeedRun]:
     """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in
     memory all at once), then summarised from the file a row group at a time
     (analysis.filesummary): reading the records back whole took more memory than the run."""
@@ -385,7 +385,7 @@ def _streamed_runs(args, seeds, workload, server, schedule) -> list[_Run]:
             info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, config,
                               speed_schedule=schedule, columns={"seed": seed, "policy": config.policy.name})
             finished.append((seed, info.duration_s, info.rows))
-    return [_Run(seed, None, duration_s, FileSummary(args.out, seed, duration_s), rows)
+    return [_SeedRun(seed, None, duration_s, FileSummary(args.out, seed, duration_s), rows)
             for seed, duration_s, rows in finished]
 
 

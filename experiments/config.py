@@ -150,7 +150,7 @@ NO_SCHEDULE = "none"
 
 
 @dataclass(frozen=True)
-class Calibration:
+class CalibrationFile:
     """[service] file: a ``qlab calibrate`` JSON as read once, when the config is (so every executor's cells get the
     same terms): its line (:meth:`qsim.ServiceModel.load`) and what it measured under load
     (:meth:`qsim.service.LoadTerms.load`)."""
@@ -160,7 +160,7 @@ class Calibration:
     terms: LoadTerms
 
     @classmethod
-    def read(cls, where: str, file: Path) -> "Calibration":
+    def read(cls, where: str, file: Path) -> "CalibrationFile":
         try:
             return cls(str(file), ServiceModel.load(file), LoadTerms.load(file))
         except ValueError as exc:
@@ -221,7 +221,7 @@ class SweepConfig:
     turns: str = "1"  # [sweep] turns: SharedPrefix.parse_turns' spec
     concurrency: float = 0.0  # engines one at a time slow each other (qsim.engines.OneAtATime.concurrency)
     # [service] file: where the line, concurrency, noise_cv and [batching]'s step model came from (None: inline).
-    calibration: Calibration | None = field(default=None, compare=False)
+    calibration: CalibrationFile | None = field(default=None, compare=False)
 
     def engine(self, max_num_seqs: int | None = None, kv_blocks: int | None = None,
                chunked_prefill: bool | None = None, step: str | None = None,
@@ -600,7 +600,7 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
                        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"], grid), **s)
 
 
-def _service(path: str, table: Any) -> tuple[ServiceModel, float, Calibration | None]:
+def _service(path: str, table: Any) -> tuple[ServiceModel, float, CalibrationFile | None]:
     """[service]: the line and the concurrency term inline, or ``file``, a calibration (from the sweep file's folder)."""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [service] must be a table")
@@ -611,7 +611,7 @@ def _service(path: str, table: Any) -> tuple[ServiceModel, float, Calibration | 
             raise ConfigError(f"{path}: service.file and service.{inline[0]} exclude each other: the calibration "
                               "file holds the line and its load terms; give the file or the keys")
         file = typed_value(f"{path}: service.file", table["file"], str)
-        calibration = Calibration.read(f"{path}: service.file", Path(path).parent / file)
+        calibration = CalibrationFile.read(f"{path}: service.file", Path(path).parent / file)
         return calibration.model, calibration.terms.concurrency, calibration
     values = {k: typed_value(f"{path}: service.{k}", v, SERVICE_KEYS[k]) for k, v in table.items()}
     concurrency = values.pop("concurrency", 0.0)

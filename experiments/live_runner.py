@@ -122,7 +122,7 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
 
 
 @dataclass(frozen=True)
-class _Run:
+class _TraceRun:
     """One trace under one policy, at its place in the rotated order."""
 
     spec: TraceSpec
@@ -134,9 +134,9 @@ class _Run:
         return out / "runs" / f"{self.spec.name}__{self.policy}.parquet"
 
 
-def plan(cfg: LiveConfig, traces: list[tuple[TraceSpec, Trace]]) -> list[_Run]:
+def plan(cfg: LiveConfig, traces: list[tuple[TraceSpec, Trace]]) -> list[_TraceRun]:
     """Every run in the order it goes: trace by trace, policies rotated by the trace's index."""
-    return [_Run(spec, trace, policy, position) for k, (spec, trace) in enumerate(traces)
+    return [_TraceRun(spec, trace, policy, position) for k, (spec, trace) in enumerate(traces)
             for position, policy in enumerate(rotated(cfg.policies, k))]
 
 
@@ -188,7 +188,7 @@ def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print,
     return summary
 
 
-def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_Run], out: Path,
+def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_TraceRun], out: Path,
              log: Callable[[str], None], tick: Callable[[int], object] = lambda n: None
              ) -> dict[Path, dict]:
     """Start a server for each policy that has runs to do, run them in order, write each run's file whole."""
@@ -207,7 +207,7 @@ def _run_all(cfg: LiveConfig, model: ServiceModel, model_path: str, todo: list[_
     return rows
 
 
-def _row_from_file(r: _Run, path: Path) -> dict:
+def _row_from_file(r: _TraceRun, path: Path) -> dict:
     """The summary row of a run written by an earlier, interrupted attempt."""
     frame = pd.read_parquet(path)
     speeds = (float(frame["speed_before"].iloc[0]), float(frame["speed_after"].iloc[0]))

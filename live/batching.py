@@ -1,7 +1,7 @@
 """Engines that batch, and the gate that drives them through the queue core's batching model.
 
 :class:`BatchGate` is :class:`live.gate.Gate` with :class:`qsim.batch.BatchQueue` in place of the one-at-a-time
-core: the same core the simulator's batching run (``qsim.model._BatchRun``) drives on SimPy's clock, so admission,
+core: the same core the simulator's batching run (``qsim.model._BatchSimulation``) drives on SimPy's clock, so admission,
 batch membership, KV blocks, preemption and cuts at the deadline follow one set of rules in both, and the gate
 only turns the core's answers into futures and engine steps:
 
@@ -170,7 +170,7 @@ class SyntheticBatchEngine:
         self._clock = clock
         self._started = clock()
         self._noise = None
-        if step.cv > 0:  # the simulator's stream (qsim.model._BatchRun): the same draws, in step order
+        if step.cv > 0:  # the simulator's stream (qsim.model._BatchSimulation): the same draws, in step order
             rng, shape = np.random.default_rng([seed, 7919]), 1.0 / step.cv**2
             self._noise = lambda: rng.gamma(shape, 1.0 / shape)
         self._tokenizer = ByteTokenizer()

@@ -66,7 +66,7 @@ returns): it takes the next request then, which its thread or task starts once t
 has returned, so the stopping time counts in that request's time, where a replay sees it.
 
 Streaming. :meth:`Gate.submit_streaming` admits a job as ``submit`` does (the same core, the same
-counts) and also returns the queue of its text pieces (:class:`Streamed`): the engine thread hands
+counts) and also returns the queue of its text pieces (:class:`StreamingJob`): the engine thread hands
 each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run`` takes ``emit``, see
 :mod:`live.engine`; a coroutine engine's task puts it in the queue itself), and :data:`END` follows once the future is done. Nothing else changes: the
 future is answered, fails or is cut exactly as a job that does not stream.
@@ -354,7 +354,7 @@ END = object()
 
 
 @dataclass(frozen=True)
-class Streamed:
+class StreamingJob:
     """A streamed job: its future (as :meth:`Gate.submit`'s) and the text pieces the engine produces.
 
     ``pieces`` holds each piece as it comes, then :data:`END` once the future is done; what came after
@@ -706,11 +706,11 @@ class Gate:
         n = max(0, math.floor(room / m.per_token_s + 1e-9))
         return n - 1 if n > 0 and float(m.estimate(n, prompt_tokens)) > deadline + 1e-9 else n  # a rounding edge
 
-    def submit_streaming(self, job: Job) -> Streamed:
+    def submit_streaming(self, job: Job) -> StreamingJob:
         """:meth:`submit` for a client that reads the answer as it is produced: the engine (one whose
         ``run`` takes ``emit``) hands each piece of text to the loop as it goes. Raises :class:`Rejected`."""
         ticket = self._submit(job if job.stream else replace(job, stream=True))
-        return Streamed(ticket.future, ticket.pieces)
+        return StreamingJob(ticket.future, ticket.pieces)
 
     # -- the core's hooks -------------------------------------------------------------
 

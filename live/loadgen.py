@@ -435,7 +435,7 @@ class _Clients:
                 response = await self.lanes.send(request, self.api.read)
         except Exception as exc:  # any failure is this attempt's one row, never a lost request
             return Exchange(at, sent, loop.time() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
-        if isinstance(response, openai_replay.Streamed):
+        if isinstance(response, openai_replay.StreamReading):
             return Exchange(at, sent, response.done_at - t0, response.status, response.body, response.retry_after,
                             error=response.error, first_token_s=response.first_token_at - t0,
                             last_token_s=response.last_token_at - t0, pieces=response.pieces)

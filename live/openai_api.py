@@ -80,7 +80,7 @@ from .contract import Limits
 from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
                        shutdown_response, stopped_by_shutdown)
 from .engine import Asked
-from .gate import END, Answer, DeadlineCut, Gate, Job, Rejected, Streamed
+from .gate import END, Answer, DeadlineCut, Gate, Job, Rejected, StreamingJob
 from .request_io import (header_parameters, outcome, read_body, request_deadline, until_disconnect,
                          with_headers)
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
@@ -239,7 +239,7 @@ def _json(body: BaseModel) -> Response:
 
 
 @dataclass(frozen=True)
-class _Run:
+class _Admitted:
     """What one admitted request produced."""
 
     answer: Answer
@@ -272,7 +272,7 @@ class _Shape:
 
     lead: tuple[BaseModel, ...]
     piece: Callable[[str], BaseModel]
-    tail: Callable[[_Run], list[BaseModel]]
+    tail: Callable[[_Admitted], list[BaseModel]]
     stopped: Callable[[Stopped], BaseModel]
     prefix: str = ""
 
@@ -281,7 +281,7 @@ def _completion_shape(head: dict, include_usage: bool, prefix: str) -> _Shape:
     def piece(text: str) -> BaseModel:
         return Completion(**head, choices=[CompletionChoice(text=text, finish_reason=None)])
 
-    def tail(run: _Run) -> list[BaseModel]:
+    def tail(run: _Admitted) -> list[BaseModel]:
         last = Completion(**head, choices=[CompletionChoice(text="", finish_reason=run.finish_reason)], qlab=run.qlab)
         return [last, *([Completion(**head, choices=[], usage=run.usage)] if include_usage else [])]
 
@@ -295,7 +295,7 @@ def _chat_shape(head: dict, include_usage: bool) -> _Shape:
     def piece(text: str) -> BaseModel:
         return ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(content=text))])
 
-    def tail(run: _Run) -> list[BaseModel]:
+    def tail(run: _Admitted) -> list[BaseModel]:
         done = ChatChunkChoice(delta=ChatDelta(), finish_reason=run.finish_reason)
         last = ChatCompletionChunk(**head, choices=[done], qlab=run.qlab)
         return [last, *([ChatCompletionChunk(**head, choices=[], usage=run.usage)] if include_usage else [])]
@@ -321,13 +321,13 @@ class _Routes:
     completion_schema: type[BaseModel]
     chat_schema: type[BaseModel]
 
-    async def _run(self, request: Request, req, prompt: str, t0: float) -> _Run | None:
+    async def _run(self, request: Request, req, prompt: str, t0: float) -> _Admitted | None:
         """Admit and run; None when the client left first. Refusals and failures raise to their handlers."""
         job = self._job(request, req, prompt)
         answer = await outcome(self._admit(self.gate.submit, job, t0), request)
         if answer is None:
             return None
-        return _Run(answer, job, self.gate.clock() - t0)
+        return _Admitted(answer, job, self.gate.clock() - t0)
 
     def _admit(self, submit, job: Job, t0: float):
         try:
@@ -355,10 +355,10 @@ class _Routes:
         watch.cancel()  # done before any piece: an engine without emit, a failure, or the client left
         if streamed.future.cancelled():
             return Response(status_code=499)
-        run = _Run(streamed.future.result(), job, self.gate.clock() - t0)
+        run = _Admitted(streamed.future.result(), job, self.gate.clock() - t0)
         return _sse([*shape.lead, shape.piece(shape.prefix + run.answer.text), *shape.tail(run)])
 
-    async def _events(self, request: Request, streamed: Streamed, watch: asyncio.Future, first: str,
+    async def _events(self, request: Request, streamed: StreamingJob, watch: asyncio.Future, first: str,
                       shape: _Shape, job: Job, t0: float) -> AsyncIterator[str]:
         # Events ready together go out in one write (the lead with the first piece, the tail with [DONE]):
         # each write is a wake-up for the client, and for a gate in front of this one, a read.
@@ -376,7 +376,7 @@ class _Routes:
             elif future.exception() is not None:
                 yield await _error_event(request, future.exception()) + DONE_EVENT
             else:
-                run = _Run(future.result(), job, self.gate.clock() - t0)
+                run = _Admitted(future.result(), job, self.gate.clock() - t0)
                 yield "".join(_event(event) for event in shape.tail(run)) + DONE_EVENT
         finally:
             watch.cancel()  # and so the future: a stream closed early stops its run

@@ -86,7 +86,7 @@ def choose_model(url: str, model: str | None, timeout_s: float = 10.0) -> str:
 
 
 @dataclass(frozen=True)
-class Streamed:
+class StreamReading:
     """One completion as the client read it. Times are the event loop's clock.
 
     body: a 200's answer as ``/v1/generate``'s, else the error body (None: not JSON); done_at: when
@@ -161,7 +161,7 @@ def _event_of(body: Any) -> AnswerEvent | None:
         return None
 
 
-async def read_completion(response: httpx.Response, clock=None) -> Streamed:
+async def read_completion(response: httpx.Response, clock=None) -> StreamReading:
     """Read one answer as it arrives (see the module): a 200 event stream event by event, anything else whole.
     clock: what times are read from (default: the running event loop's)."""
     now = clock or asyncio.get_running_loop().time
@@ -174,8 +174,8 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
         whole = _event_of(body) if response.status_code == 200 else None
         if whole is not None and whole.choices is not None:
             # A server that ignored stream: true answered whole; no first token to time.
-            return Streamed(200, answer_body(_text_of(whole), whole.usage, whole.qlab), None, now())
-        return Streamed(response.status_code, refusal_body(response.status_code, body),
+            return StreamReading(200, answer_body(_text_of(whole), whole.usage, whole.qlab), None, now())
+        return StreamReading(response.status_code, refusal_body(response.status_code, body),
                         response.headers.get("retry-after"), now())
     first, last, done, pieces, usage, qlab, broken = math.nan, math.nan, math.nan, [], None, None, None
     stopped = None
@@ -208,11 +208,11 @@ async def read_completion(response: httpx.Response, clock=None) -> Streamed:
     end = now()
     if broken or math.isnan(done):
         why = broken or f"the stream ended before data: {DONE}"
-        return Streamed(200, None, None, end, first, error=f"broken stream: {why}", last_token_at=last,
+        return StreamReading(200, None, None, end, first, error=f"broken stream: {why}", last_token_at=last,
                         pieces=len(pieces))
     if stopped is not None:  # the gate stopped it: the row of the same stop unstreamed
-        return Streamed(stopped.status, {"error": stopped.error.model_dump(exclude_unset=True)}, None, done, first,
+        return StreamReading(stopped.status, {"error": stopped.error.model_dump(exclude_unset=True)}, None, done, first,
                         last_token_at=last, pieces=len(pieces))
-    return Streamed(200, answer_body("".join(pieces), usage, qlab), None, done, first, last_token_at=last,
+    return StreamReading(200, answer_body("".join(pieces), usage, qlab), None, done, first, last_token_at=last,
                     pieces=len(pieces))
 

@@ -66,7 +66,7 @@ FAILED_REASON = Reason.ENGINE_EXCEPTION
 DOWN_REASON = Reason.SHUTTING_DOWN
 
 
-class _Run:
+class _Simulation:
     """One simulation: the records it writes, and the processes that drive the queue core."""
 
     def __init__(self, trace: Trace, config: ServerConfig, *, failed=None, reported_s=None,
@@ -395,7 +395,7 @@ class _Run:
         }
 
 
-class _BatchRun(_Run):
+class _BatchSimulation(_Simulation):
     """A batching engine on SimPy's clock: one event per step (its time the step model's, times a gamma draw of
     mean 1 and the model's ``cv`` where set, times the machine's speed), and one per deadline the core cuts at."""
 
@@ -550,7 +550,7 @@ class _BatchRun(_Run):
 
 class _InFleet:
     """What a fleet's driver adds to one server's (:mod:`qsim.fleet`): the fleet answers as one
-    queue, each row notes its replica. Mixed in before :class:`_Run` or :class:`_BatchRun`."""
+    queue, each row notes its replica. Mixed in before :class:`_Simulation` or :class:`_BatchSimulation`."""
 
     def __init__(self, trace: Trace, config: ServerConfig, fleet: FleetSpec, **inputs) -> None:
         self.spec = fleet
@@ -584,7 +584,7 @@ class _InFleet:
         return self.queue.speed_factor
 
 
-class _FleetRun(_InFleet, _Run):
+class _FleetSimulation(_InFleet, _Simulation):
     """N replicas of one-at-a-time engines behind a router, engines numbered across the fleet."""
 
     def __init__(self, trace: Trace, config: ServerConfig, fleet: FleetSpec, **inputs) -> None:
@@ -608,7 +608,7 @@ class _FleetRun(_InFleet, _Run):
         return super()._run_time(k, i, now)
 
 
-class _BatchFleetRun(_InFleet, _BatchRun):
+class _BatchFleetSimulation(_InFleet, _BatchSimulation):
     """N replicas, each a batching engine (its line, KV memory, prefix cache), behind a router:
     replica r is engine r, its steps' events carry r."""
 
@@ -725,12 +725,12 @@ def simulate(
     if step_times is not None and not config.batching:
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     batch = {"step_times": step_times} if config.batching else {}
-    kind = _BatchRun if config.batching else _Run
+    kind = _BatchSimulation if config.batching else _Simulation
     fleet = _fleet(replicas, router, config, replica_speeds, replica_down)
     if fleet is not None:
         if step_times is not None:
             raise ValueError("step_times replay one live engine's steps: not a fleet's")
-        kind, batch = (_BatchFleetRun if config.batching else _FleetRun), {"fleet": fleet}
+        kind, batch = (_BatchFleetSimulation if config.batching else _FleetSimulation), {"fleet": fleet}
     run = kind(trace, config, **batch, failed=failed, reported_s=reported_s,
                cancel_after_s=cancel_after_s,
                cancel_until=cancel_until, priority=priority, client=client, retrier=retrier,

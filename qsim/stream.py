@@ -35,7 +35,7 @@ from . import records
 from .chunks import TraceChunks
 from .clients import RetryPolicy
 from .config import ServerConfig, as_config
-from .model import CANCEL_UNTIL, _BatchRun, _Run
+from .model import CANCEL_UNTIL, _BatchSimulation, _Simulation
 from .policy import Policy
 from .service import SpeedSchedule
 from .workload import REFERENCE_MIX, Trace, assemble_trace
@@ -50,7 +50,7 @@ ROW_GROUP = 65_536
 
 
 @dataclass(frozen=True)
-class Streamed:
+class StreamResult:
     """What a streamed run wrote: ``rows`` records; ``slots``, the most requests its window held at once (its
     memory); and what :func:`qsim.simulate` puts in its frame's attrs (the trace's duration, the policy, the
     engines, the final speed factor)."""
@@ -134,7 +134,7 @@ class RecordWriter:
 def simulate_to_parquet(source: Trace | TraceChunks, path: str | Path, config: ServerConfig | Policy = ServerConfig(),
                         *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
                         speed_schedule: SpeedSchedule | None = None, chunk: int = CHUNK,
-                        row_group: int = ROW_GROUP) -> Streamed:
+                        row_group: int = ROW_GROUP) -> StreamResult:
     """Run ``source`` through a server as :func:`qsim.simulate` does and write its records to the parquet file
     ``path`` as the run goes, in request order, in row groups of ``row_group`` rows (reading the file back gives
     simulate's frame for the same trace and server). source: a trace's chunks (:class:`qsim.chunks.TraceChunks`,
@@ -148,7 +148,7 @@ def simulate_to_parquet(source: Trace | TraceChunks, path: str | Path, config: S
 def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: ServerConfig | Policy = ServerConfig(),
                *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
                speed_schedule: SpeedSchedule | None = None, chunk: int = CHUNK,
-               columns: dict | None = None) -> Streamed:
+               columns: dict | None = None) -> StreamResult:
     """:func:`simulate_to_parquet` into an open :class:`RecordWriter` (several runs may share one file), each
     record with the constant ``columns`` added (as ``frame.assign(**columns)``: the command line adds each
     run's seed and policy)."""
@@ -165,7 +165,7 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
     if cancel_until not in CANCEL_UNTIL:
         raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
     inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule)
-    base = _BatchRun if config.batching else _Run
+    base = _BatchSimulation if config.batching else _Simulation
     rows = 0
 
     def write(frame: pd.DataFrame) -> None:
@@ -185,7 +185,7 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
         factor, slots = run.queue.tracker.factor, len(run.arrival)
     if not writer.started:  # no requests, and the first run in the file: its schema, its own columns too
         write(records.empty())
-    return Streamed(rows, slots, chunks.duration_s, config.policy.name, config.engines, factor)
+    return StreamResult(rows, slots, chunks.duration_s, config.policy.name, config.engines, factor)
 
 
 _NO_REQUESTS = assemble_trace(np.empty(0), np.empty(0, dtype=np.int64), np.empty(0), np.empty(0), mix=REFERENCE_MIX,
@@ -301,7 +301,7 @@ class _Streamed:
         return records.from_arrays(columns)
 
 
-def _rows(run: _Run) -> dict:
+def _rows(run: _Simulation) -> dict:
     """A run's per-request rows by name, every one a list: an in-memory run keeps some as arrays, and patience as
     None where nobody is impatient (forever, as a list)."""
     if run.patience is None:
@@ -311,9 +311,9 @@ def _rows(run: _Run) -> dict:
     return {name: values for name, values in run._rows().items() if values is not None}
 
 
-class _StreamedRun(_Streamed, _Run):
+class _StreamedRun(_Streamed, _Simulation):
     pass
 
 
-class _StreamedBatchRun(_Streamed, _BatchRun):
+class _StreamedBatchRun(_Streamed, _BatchSimulation):
     pass

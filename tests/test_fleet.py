@@ -307,7 +307,7 @@ def test_every_request_ends_once_in_a_batching_fleet(router):
 
 
 def test_each_batching_replica_cuts_at_its_deadlines_on_its_own_timer():
-    # Each replica's line arms a timer of its own (qsim.model._BatchRun._arm): every cut, on
+    # Each replica's line arms a timer of its own (qsim.model._BatchSimulation._arm): every cut, on
     # every replica, lands at its request's deadline, as the one engine's do.
     config = ServerConfig(dataclasses.replace(PRESETS["none"], cancel_at_deadline=True),
                           dataclasses.replace(BATCH, kv_blocks=150), seed=1)
