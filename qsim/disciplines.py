@@ -1,8 +1,9 @@
 """Queue disciplines: the order in which waiting requests are started.
 
 A discipline is what :class:`qsim.queue.AdmissionQueue` keeps its waiting
-requests in. It holds the queue's entries, ``(req, arrived_at, base_est_s,
-deadline_s, priority, client)``, and answers five things: ``push(entry)``,
+requests in. It holds the queue's entries (:class:`qsim.entry.Entry`: ``req,
+arrived_at, base_s, deadline_s, priority, client, work``, read by name), and
+answers five things: ``push(entry)``,
 ``pop_next(now)`` (the entry to start next), ``remove(entry)`` (a client
 left), ``len()`` and iteration. A discipline may also say that the entry it
 just popped is to be dropped unrun: ``drop_reason(entry, now, est_s)``
