@@ -131,8 +131,8 @@ def describe(engine) -> str:
     chunked = "" if engine.chunked_prefill else ", no chunked prefill"
     chunked += ", prefix caching" if engine.prefix_caching else ""
     fe = engine.front_end
-    chunked += "" if fe is None else (f", a front end of {fe.request_s * 1e3:g} ms a request and "
-                                      f"{fe.token_s * 1e3:g} ms a token")
+    chunked += "" if fe is None else (f", a front end of {fe.request_s * 1e3:g} ms a request, "
+                                      f"{fe.step_s * 1e3:g} ms a step, {fe.token_s * 1e3:g} ms a token")
     return (f"a batching engine ({engine.max_num_seqs} seqs, {engine.max_num_batched_tokens} tokens a step, "
             f"{kv}{chunked})")
 

@@ -22,8 +22,9 @@ PREFIX_CACHING_HELP = ("cache full KV blocks by their prefix and share them, as 
                        "default (qsim.prefix; default off)")
 STEP_METAVAR = "B0,B1,B2,B3[,CV] | FILE.json"
 FRONT_END_HELP = ("an API process in front of the batching engine, as one FIFO core: seconds a "
-                  "request to take it in, seconds a token to stream it (qsim.engines.FrontEnd), or a "
-                  "calibration's front_end (default: none; --service-model's where it has one)")
+                  "request to take it in, seconds a token to stream it and seconds a step to handle "
+                  "its outputs (qsim.engines.FrontEnd), or a calibration's front_end (default: "
+                  "none; --service-model's where it has one)")
 
 
 def parse_step(text: str) -> StepModel:
@@ -46,7 +47,7 @@ def parse_step(text: str) -> StepModel:
 
 
 def parse_front_end(text: str) -> FrontEnd:
-    """``REQUEST_S,TOKEN_S`` or a JSON file whose ``front_end`` key (a calibration's) holds them;
+    """``REQUEST_S,TOKEN_S[,STEP_S]`` or a JSON file whose ``front_end`` key (a calibration's) holds them;
     ValueError naming what is wrong."""
     path = Path(text)
     try:
@@ -55,10 +56,11 @@ def parse_front_end(text: str) -> FrontEnd:
             front = raw.get("front_end") if isinstance(raw, dict) else None
             if not isinstance(front, dict):
                 raise ValueError("it has no front_end table (qlab calibrate --engine-metrics writes one)")
-            return FrontEnd(front.get("request_s", 0.0), front.get("token_s", 0.0))
+            return FrontEnd(front.get("request_s", 0.0), front.get("token_s", 0.0),
+                            front.get("step_s", 0.0))
         numbers = [float(v) for v in text.split(",")]
-        if len(numbers) != 2:
-            raise ValueError("give REQUEST_S,TOKEN_S")
+        if len(numbers) not in (2, 3):
+            raise ValueError("give REQUEST_S,TOKEN_S or REQUEST_S,TOKEN_S,STEP_S")
         return FrontEnd(*numbers)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read a front end from {text}: {exc}") from None
@@ -104,7 +106,8 @@ def add_batching_flags(group, simulated: bool = False) -> None:
     group.add_argument("--no-chunked-prefill", action="store_true", help=NO_CHUNKED_PREFILL_HELP)
     if simulated:
         group.add_argument("--prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
-        group.add_argument("--front-end", type=front_end_spec, metavar="REQUEST_S,TOKEN_S | FILE.json",
+        group.add_argument("--front-end", type=front_end_spec,
+                           metavar="REQUEST_S,TOKEN_S[,STEP_S] | FILE.json",
                            help=FRONT_END_HELP)
 
 

@@ -413,7 +413,8 @@ class BatchQueue(Core):
             self.decoded += 1
         self._decode_reserved = False  # the slots held for this step's tokens are now counted in their tokens
         # When this step's tokens reach their clients: at once, or once the front end has streamed them.
-        delivered = now if self.fe is None else self._fe_job(now, self.fe.token_s * plan.sampling)
+        fe = self.fe
+        delivered = now if fe is None else self._fe_job(now, fe.step_s + fe.token_s * plan.sampling)
         for seq, chunk in self._planned:
             if seq.alive and seq.chunk == chunk and seq.order in self.running:
                 seq.chunk = 0
@@ -533,7 +534,7 @@ class BatchQueue(Core):
         fe = self.fe
         if fe is None:
             return 0.0
-        return max(0.0, self.fe_free - now) + fe.request_s + fe.token_s * seqs
+        return max(0.0, self.fe_free - now) + fe.request_s + fe.step_s + fe.token_s * seqs
 
     def _drain(self, seq: _Seq, delivered: float) -> None:
         seq.draining = True

@@ -171,17 +171,20 @@ class FrontEnd:
     step, detokenises and streams every token the step produced; on a machine of few cores that
     process, not the engine, can set the pace (docs/vllm.md measured 2.3 s a request outside
     vLLM's engine at 32 in flight). Here it does one job of ``request_s`` per request as it joins
-    the batch (the request computes once that job is done) and one of ``token_s`` per token after
-    each step (its tokens reach the client when that job is done). A request keeps its seat until
+    the batch (the request computes once that job is done) and, after each step, one of
+    ``step_s`` plus ``token_s`` per token the step produced (its tokens reach the client when that
+    job is done; vLLM's API process handles each step's outputs together, at a cost a step and a
+    smaller one a token: ``benchmarks/vllm_front_end.py``). A request keeps its seat until
     its last token has reached the client, as a gate in front counts it; its KV blocks are free
     when the engine is done with it. Jobs are served in the order they come.
     """
 
     request_s: float = 0.0
     token_s: float = 0.0
+    step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("request_s", "token_s"):
+        for name in ("request_s", "token_s", "step_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)):
                 raise ValueError(f"front_end {name} must be a number >= 0, got {value!r}")
@@ -223,12 +226,13 @@ class Batching:
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
         if isinstance(self.front_end, Mapping):  # as a TOML table or a run file's fields carry it
-            unknown = set(self.front_end) - {"request_s", "token_s"}
+            unknown = set(self.front_end) - {"request_s", "token_s", "step_s"}
             if unknown:
-                raise ValueError(f"front_end takes request_s and token_s, not {sorted(unknown)}")
+                raise ValueError(f"front_end takes request_s, token_s and step_s, "
+                                 f"not {sorted(unknown)}")
             object.__setattr__(self, "front_end", FrontEnd(**self.front_end))
         if self.front_end is not None and not isinstance(self.front_end, FrontEnd):
-            raise ValueError(f"front_end must be a table of request_s and token_s, "
+            raise ValueError(f"front_end must be a table of request_s, token_s and step_s, "
                              f"got {self.front_end!r}")
 
     @property

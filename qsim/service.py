@@ -127,7 +127,8 @@ class LoadTerms:
         except ValueError as exc:
             raise ValueError(f"{where}: bad calibrated step model ({exc})") from None
         try:
-            front = None if front is None else FrontEnd(front["request_s"], front["token_s"])
+            front = None if front is None else FrontEnd(front["request_s"], front["token_s"],
+                                                        front.get("step_s", 0.0))
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"{where}: bad calibrated front end ({exc!r})") from None
         if not isinstance(load, dict):

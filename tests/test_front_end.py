@@ -45,6 +45,14 @@ def test_intake_delays_the_engine_and_each_step_streams_after_its_tokens(audited
     assert row["output_tokens"] == 3
 
 
+def test_each_steps_outputs_cost_a_step_and_a_token_each(audited):
+    fe = FrontEnd(token_s=0.01, step_s=0.02)
+    df = run(trace_of([0.0, 0.0], [0, 0], [2, 2]), fe, step=StepModel(0.1, 0, 0, 0))
+    # Two steps of both, ending 0.1 and 0.2; each streamed in 0.02 + 2 x 0.01 after its end.
+    assert df["ttft_s"].tolist() == pytest.approx([0.14, 0.14])
+    assert df["finish_s"].tolist() == pytest.approx([0.24, 0.24])
+
+
 def test_a_seat_is_held_until_the_last_token_is_streamed(audited):
     fe = FrontEnd(request_s=0.0, token_s=0.05)
     df = run(trace_of([0.0, 0.0], [0, 0], [1, 1]), fe, step=StepModel(0.01, 0, 0, 0),
@@ -95,7 +103,7 @@ def test_under_overload_tokens_reach_clients_at_the_front_ends_pace():
 def test_the_front_end_is_in_the_engine_fields_and_read_back():
     engine = Batching(front_end=FrontEnd(request_s=0.002, token_s=1e-4))
     fields = engine_fields(engine)
-    assert fields["front_end"] == {"request_s": 0.002, "token_s": 1e-4}
+    assert fields["front_end"] == {"request_s": 0.002, "token_s": 1e-4, "step_s": 0.0}
     assert engine_from_fields(fields) == engine
     assert "front_end" not in engine_fields(Batching())
     with pytest.raises(ValueError, match="token_s"):
@@ -152,6 +160,7 @@ def test_simulate_takes_a_front_end_from_the_flag_or_a_calibration(capsys, tmp_p
 @pytest.mark.parametrize("bad, message", [
     (["--front-end", "0.01,0.002"], "--front-end is a batching engine's: add --batching"),
     (["--batching", "--front-end", "0.01"], "give REQUEST_S,TOKEN_S"),
+    (["--batching", "--front-end", "1,2,3,4"], "give REQUEST_S,TOKEN_S"),
     (["--batching", "--front-end=-1,0"], "request_s must be a number >= 0"),
 ])
 def test_bad_front_ends_are_one_line_and_exit_2(capsys, bad, message):
@@ -171,7 +180,7 @@ def test_a_sweep_reads_the_front_end_in_its_batching_table(tmp_path):
     path.write_text(text)
     assert config.load(path).batching.front_end == FrontEnd(0.002, 0.0004)
     path.write_text(text.replace("request_s = 0.002", "request = 0.002"))
-    with pytest.raises(config.ConfigError, match="front_end takes request_s and token_s"):
+    with pytest.raises(config.ConfigError, match="front_end takes request_s, token_s and step_s"):
         config.load(path)
 
 
@@ -183,3 +192,5 @@ def test_a_calibration_front_end_is_a_load_term_and_the_prediction_takes_it():
     assert LoadTerms.from_calibration({"step": {"b0": 0.005}}).front_end is None
     with pytest.raises(ValueError, match="bad calibrated front end"):
         LoadTerms.from_calibration({"front_end": {"request_s": -1, "token_s": 0}})
+    with_step = {"request_s": 0.003, "token_s": 0.0, "step_s": 2e-4}
+    assert LoadTerms.from_calibration({"front_end": with_step}).front_end == FrontEnd(**with_step)
