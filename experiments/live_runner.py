@@ -43,6 +43,7 @@ from analysis import compare, metrics
 from analysis.replay import engine_time_ratio
 from inputs.atomic import atomic_write, clear_temporaries, sigterm_interrupts, write_parquet
 from qsim import ServiceModel, Trace, build_trace
+from qsim.workload import load_at_rate
 
 from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, probe, report
 from live.engine_steps import counted
@@ -55,6 +56,16 @@ def rotated(items: tuple[str, ...], k: int) -> list[str]:
     """``items`` starting at position k mod len: trace k's policy order."""
     k %= len(items)
     return list(items[k:] + items[:k])
+
+
+def resolved_rate(spec: TraceSpec, model: ServiceModel, engines: int, patience=None) -> TraceSpec:
+    """A [[trace]] given as a rate, with the nominal load at which its arrivals send that rate over
+    the calibrated capacity (``qlab replay --rate``'s rule); any other as it is."""
+    if spec.rate is None:
+        return spec
+    load = load_at_rate(spec.rate, arrivals=spec.arrivals, engines=engines, seconds=spec.seconds,
+                        requests=spec.requests, seed=spec.seed, model=model, patience=patience)
+    return replace(spec, nominal_load=load)
 
 
 def trace_for(spec: TraceSpec, model: ServiceModel, engines: int, base: Path, patience=None) -> Trace:
@@ -105,7 +116,8 @@ def summary_row(frame: pd.DataFrame, trace: Trace, spec: TraceSpec, policy: str,
     nominal = math.nan if spec.load is None else spec.load
     return {
         "trace": spec.name, "policy": policy, "position": position, "arrivals": spec.file or spec.arrivals,
-        "nominal_load": nominal, "speed_before": speeds[0], "speed_in_run": in_run,
+        "nominal_load": nominal, "rate_rps": math.nan if spec.rate is None else spec.rate,
+        "speed_before": speeds[0], "speed_in_run": in_run,
         "speed_after": speeds[1], "speed_in_run_median": versus["measured_speed"], "effective_load": nominal * speed,
         **metrics.summary(frame, trace.duration_s or None),
         "send_lateness_p99_s": late["p99_s"], "send_lateness_max_s": late["max_s"],
@@ -174,7 +186,9 @@ def run(cfg: LiveConfig, out: str | Path, log: Callable[[str], None] = print,
             model_path = run_calibration(cfg, out, log)
         model = ServiceModel.load(model_path) if model_path else ServiceModel()
         patience = cfg.replay.clients_patience
-        runs = plan(cfg, [(spec, trace_for(spec, model, cfg.server.engines, base, patience)) for spec in cfg.traces])
+        engines = cfg.server.engines
+        specs = [resolved_rate(spec, model, engines, patience) for spec in cfg.traces]
+        runs = plan(cfg, [(spec, trace_for(spec, model, engines, base, patience)) for spec in specs])
         rows = {r.path(out): _row_from_file(r, r.path(out)) for r in runs if r.path(out).is_file()}
         todo = [r for r in runs if r.path(out) not in rows]
         if rows:

@@ -46,6 +46,8 @@ name = "poisson"
 arrivals = "poisson"     # poisson | constant | gamma:CV | periodic:PERIOD_S, or burst:N | periodic:N:PERIOD_S (no load)
 nominal_load = [0.5, 1.0]  # arrival rate / the calibrated capacity of `engines` engines (the summary
                          # adds effective_load = nominal x engine time / calibrated time); `load` is refused
+# rate = [2.0, 4.0]      # or requests per second (synthetic arrivals; a list: one trace per value),
+                         # turned into the nominal load that sends it once the server is calibrated
 seconds = 40             # or requests = N (a burst needs neither)
 seed = 1
 # file = "trace.csv"     # a trace file instead (arrivals then unused); time_scale = 1.0. As qlab replay's --trace
@@ -81,7 +83,7 @@ PROBE_KEYS = {"requests": int, "max_new_tokens": int}
 REPLAY_KEYS = {"timeout_s": float, "prompt_words": int, "context_tokens": int, "patience": str,
                "patience_until": str, "api": str}
 TRACE_KEYS = {"name": str, "arrivals": str, "nominal_load": (float, list), "seconds": float, "requests": int,
-              "seed": int, "file": str, "time_scale": float, "start": float}
+              "seed": int, "file": str, "time_scale": float, "start": float, "rate": (float, list)}
 #: A [[trace]]'s keys under the names a trace window's refusals use.
 WINDOW_KEYS = WindowNames(trace="file", start="start", seconds="seconds", requests="requests", load="nominal_load",
                           time_scale="time_scale")
@@ -139,6 +141,7 @@ class TraceSpec:
     time_scale: float = 1.0
     start: float | None = None
     file_load: bool = False  # a file's nominal_load was given: its window is scaled to it
+    rate: float | None = None  # requests per second in place of nominal_load (resolved_rate sets that)
 
     @property
     def load(self) -> float | None:
@@ -210,6 +213,23 @@ def _server(path: str, data: dict) -> tuple[ServeOptions, dict]:
     return options, extra
 
 
+def _rates(where: str, t: dict) -> list[float]:
+    """A [[trace]]'s rate (requests per second), taken out of ``t``: a list of them, or none."""
+    if "rate" not in t:
+        return []
+    rates = t.pop("rate")
+    rates = rates if isinstance(rates, list) else [rates]
+    if not rates:
+        _fail(f"{where}.rate", "empty list")
+    rates = [typed_value(f"{where}.rate", v, float) for v in rates]
+    for v in rates:
+        positive_value(f"{where}.rate", v)
+    if "nominal_load" in t or "file" in t:
+        _fail(f"{where}.rate", "a rate sets synthetic arrivals' rate: give rate or nominal_load, "
+                               "and no file")
+    return rates
+
+
 def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
     entries = data.get("trace")
     if not isinstance(entries, list) or not entries:
@@ -222,6 +242,7 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
                 _fail(f"{where}.{old}", f"renamed {new} ({why})")
         t = _table(path, {f"trace[{i}]": entry}, f"trace[{i}]", TRACE_KEYS)
         name = t.pop("name", None) or _fail(where, "needs a name")
+        rates = _rates(where, t)
         given = "nominal_load" in t
         loads = t.pop("nominal_load", DEFAULT_NOMINAL_LOAD)
         loads = [typed_value(f"{where}.nominal_load", v, float) for v in loads] if isinstance(loads, list) else [loads]
@@ -256,6 +277,10 @@ def _traces(path: str, data: dict) -> tuple[TraceSpec, ...]:
                 _fail(f"{where}.nominal_load", str(exc))
             if kind != "burst" and ("seconds" in t) == ("requests" in t):
                 _fail(where, "give exactly one of seconds and requests")
+        if rates:
+            out.extend(TraceSpec(name=f"{name}-rate{r:g}" if len(rates) > 1 else name, rate=r, **t)
+                       for r in rates)
+            continue
         for nominal in loads:
             suffix = f"-nominal{nominal:g}" if len(loads) > 1 else ""
             out.append(TraceSpec(name=f"{name}{suffix}", nominal_load=nominal, **t))

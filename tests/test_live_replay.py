@@ -313,3 +313,35 @@ def test_a_start_without_a_trace_file_is_refused(tmp_path):
     with pytest.raises(live_config.ConfigError, match=re.escape("trace[0].start: a window's start applies to a "
                                                                 "trace file")):
         live_config.load(path)
+
+
+def test_a_live_trace_takes_a_rate_in_requests_per_second(tmp_path):
+    from qsim import workload
+
+    path = tmp_path / "live.toml"
+    path.write_text("[[trace]]\nname = 'p'\nrate = [3.0, 6.0]\nseconds = 200\n")
+    specs = live_config.load(path).traces
+    assert [(s.name, s.rate) for s in specs] == [("p-rate3", 3.0), ("p-rate6", 6.0)]
+    model = ServiceModel(intercept_s=0.05, per_token_s=0.02)
+    for spec in specs:
+        resolved = runner.resolved_rate(spec, model, 2)
+        trace = runner.trace_for(resolved, model, 2, tmp_path)
+        # The nominal load that sends it, over the calibrated capacity of the two engines: qlab
+        # replay --rate's rule, so the arrivals come at that rate.
+        assert resolved.load == pytest.approx(workload.load_at_rate(spec.rate, engines=2, seconds=200,
+                                                           seed=spec.seed, model=model))
+        assert len(trace) / trace.duration_s == pytest.approx(spec.rate, rel=0.15)
+    file_spec = _file_trace(tmp_path, "").traces[0]
+    assert runner.resolved_rate(file_spec, model, 2) is file_spec
+
+
+@pytest.mark.parametrize("keys, message", [
+    ("rate = 2\nnominal_load = 1\nseconds = 5\n", "trace[0].rate: a rate sets synthetic arrivals"),
+    ("rate = -2\nseconds = 5\n", "trace[0].rate: must be > 0"),
+    ("rate = []\nseconds = 5\n", "trace[0].rate: empty list"),
+])
+def test_a_bad_live_rate_is_named(tmp_path, keys, message):
+    path = tmp_path / "live.toml"
+    path.write_text(f"[[trace]]\nname = 'p'\n{keys}")
+    with pytest.raises(live_config.ConfigError, match=re.escape(message)):
+        live_config.load(path)
