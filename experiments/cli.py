@@ -129,7 +129,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
 def _router_words(fleet: FleetSpec) -> str:
     """The router by name, with its parameters (a router is a dataclass of them)."""
     router = fleet.router
-    params = ", ".join(f"{f.name} {getattr(router, f.name)}" for f in dataclasses.fields(router))
+    params = ", ".join(f"{f.name} {getattr(router, f.name)}" for f in dataclasses.fields(router)
+                       if getattr(router, f.name) is not None)  # None: the router's default
     return f"router {router.name}" + (f" ({params})" if params else "")
 
 
@@ -426,7 +427,7 @@ def _simulate_parser(sub) -> None:
                         "round_robin; central: one shared line in front of every replica's "
                         "engines)")
     p.add_argument("--router-d", type=positive_int, metavar="D",
-                   help="power_of_d's choices (default 2)")
+                   help="power_of_d's choices (default 2); least_ttft's (default all)")
     p.add_argument("--router-weights", metavar="NAME=W,...",
                    help="weighted's weights of its scores prefix, queue and kv "
                         "(default prefix=2,queue=1,kv=1)")

@@ -245,13 +245,39 @@ class BatchQueue(Core):
         return self.model.time(self.prefill_per_step if prefill is None else prefill, seqs, context) * \
             self.tracker.factor
 
-    def replica_state(self, now: float, req=None) -> ReplicaState:
+    def replica_state(self, now: float, req=None, ask=None) -> ReplicaState:
         """What a fleet's router reads of this engine at ``req``'s arrival: its outstanding, the
         wait an arrival would be given (its work per seat), a seat free, its KV use and the share of
-        ``req``'s full prompt blocks its prefix cache holds (a probe: vLLM's counters not moved)."""
+        ``req``'s full prompt blocks its prefix cache holds (a probe: vLLM's counters not moved);
+        with ``ask`` (a :class:`~qsim.routers.Arrival`), its projected time to first token here."""
         idle = int(not self.queued and self._seats_taken() < self.engine.max_num_seqs)
+        ttft = math.nan if ask is None else self._probe_ttft(ask, now, req)
         return ReplicaState(self.queued + self.in_service, self._work_wait(now), 1, idle,
-                            self.kv_use, self._prefix_hit(req))
+                            self.kv_use, self._prefix_hit(req), ttft)
+
+    def _probe_ttft(self, ask, now: float, req=None) -> float:
+        """The time to first token :meth:`_project` gives an arrival of ``ask``'s estimate and
+        work now, nothing counted (a router's question, not an arrival)."""
+        work = ask.work
+        if work is None:
+            work = Work(self.config.model.tokens_for(ask.base_est_s), 0, None)
+        elif type(work) is not Work:
+            work = Work(*work)
+        estimator = self.admission.estimator
+        base_est_s = ask.base_est_s if estimator is None else estimator.base_s(ask.base_est_s, *work)
+        seq = _Seq(None, work.prompt, work.limit, self._est_out(base_est_s, work))
+        if self.pool is not None:  # its own tokens where the trace says them; else shared by none
+            own = None if req is None or self._tokens_of is None else self._tokens_of(req)
+            seq.tokens = own or Tokens(((-1, work.prompt),) if work.prompt else (), -1)
+        room = not self.queued and self._has_room(seq)
+        return self._project(seq, now, room)[1]
+
+    def _est_out(self, base_est_s: float, work: Work) -> int:
+        """The tokens a request is estimated to generate (its limit, or the estimator's)."""
+        if self.admission.estimator is None:
+            return max(1, work.limit)
+        est = min(work.limit, self.config.model.tokens_for(base_est_s)) if work.limit > 0 else 1
+        return max(1, est)
 
     def _prefix_hit(self, req) -> float:
         if req is None or self.pool is None or self._tokens_of is None:
@@ -350,12 +376,9 @@ class BatchQueue(Core):
         if work is None:
             work = Work(self.config.model.tokens_for(base_est_s), 0, None)
         base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
-        if admission.estimator is not None:
-            est_out = min(work.limit, self.config.model.tokens_for(base_est_s)) if work.limit > 0 else 1
-        else:
-            est_out = work.limit
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
-        seq = _Seq(entry, work.prompt, work.limit if work.generated is None else work.generated, max(1, est_out))
+        seq = _Seq(entry, work.prompt, work.limit if work.generated is None else work.generated,
+                   self._est_out(base_est_s, work))
         seq.out = max(1, seq.out)
         if self.pool is not None:
             seq.tokens = self._tokens(req, work.prompt)

@@ -27,7 +27,7 @@ import numpy as np
 
 from .config import ServerConfig
 from .queue import AdmissionQueue
-from .routers import ReplicaState, Router
+from .routers import Arrival, ReplicaState, Router
 
 __all__ = ["Fleet", "FleetSpec", "ROUTER_STREAM"]
 
@@ -100,12 +100,13 @@ class FleetSpec:
 
 class _States:
     """The replicas' states at ``now`` for the arrival ``req``, each computed when a router reads
-    it (the line's own ``replica_state``)."""
+    it (the line's own ``replica_state``); ``ask``: the :class:`~qsim.routers.Arrival` to project,
+    for a router that reads a replica's projection (None: none)."""
 
-    __slots__ = ("lines", "now", "req")
+    __slots__ = ("lines", "now", "req", "ask")
 
-    def __init__(self, lines: list, now: float, req) -> None:
-        self.lines, self.now, self.req = lines, now, req
+    def __init__(self, lines: list, now: float, req, ask: Arrival | None = None) -> None:
+        self.lines, self.now, self.req, self.ask = lines, now, req, ask
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -113,7 +114,7 @@ class _States:
     def __getitem__(self, r: int) -> ReplicaState:
         if not 0 <= r < len(self.lines):
             raise IndexError(r)
-        return self.lines[r].replica_state(self.now, self.req)
+        return self.lines[r].replica_state(self.now, self.req, self.ask)
 
 
 class _ByEngine:
@@ -196,7 +197,8 @@ class Fleet:
             up = self.lines if all(self.up) else [q for q, ok in zip(self.lines, self.up) if ok]
             # A router that reads no prefix_hit is not given the arrival to probe the caches for.
             probe = req if self.router.reads_prefix else None
-            r = self.router.choose(_States(up, now, probe), self.routed_count, self.rng)
+            ask = _arrival(*args, **kwargs) if self.router.reads_ttft else None
+            r = self.router.choose(_States(up, now, probe, ask), self.routed_count, self.rng)
             if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
                 raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
                                  f"of 0..{len(up) - 1}")
@@ -259,6 +261,11 @@ class Fleet:
         if stats[0] is None:
             return None
         return {key: sum(s[key] for s in stats) for key in stats[0]}
+
+
+def _arrival(base_est_s: float, deadline_s=None, priority=0, client=None, work=None) -> Arrival:
+    """The arrival a replica projects, from a line's ``arrive`` arguments after the request."""
+    return Arrival(base_est_s, work)
 
 
 def offset(start: Callable, first: int) -> Callable:

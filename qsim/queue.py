@@ -378,7 +378,7 @@ class AdmissionQueue(Core):
     def in_service(self) -> int:
         return self.engines - len(self.idle)
 
-    def replica_state(self, now: float, req=None) -> ReplicaState:
+    def replica_state(self, now: float, req=None, ask=None) -> ReplicaState:
         """What a fleet's router reads of this line at an arrival (``req``'s: unread here)."""
         busy = self.in_service
         work = self.queued_work_s + (self.remaining_s(now) if busy else 0.0)

@@ -21,13 +21,15 @@ time has no KV memory and no prefix cache to read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["ROUTERS", "Central", "JoinShortestQueue", "LeastKV", "LeastWork", "PowerOfD",
-           "PrefixAffinity", "Random", "ReplicaState", "RoundRobin", "Router", "Weighted",
+__all__ = ["ROUTERS", "Arrival", "Central", "JoinShortestQueue", "LeastKV", "LeastTTFT",
+           "LeastWork", "PowerOfD", "PrefixAffinity", "Random", "ReplicaState", "RoundRobin",
+           "Router", "Weighted",
            "make_router", "parse_router", "parse_weights", "router_spec"]
 
 
@@ -44,6 +46,16 @@ class ReplicaState(NamedTuple):
     # capacity, and the share of this arrival's full prompt blocks its prefix cache holds.
     kv_use: float = 0.0
     prefix_hit: float = 0.0
+    # A batching replica's projection of this arrival's time to first token there, seconds from
+    # now (its admission's projection; NaN: the router reads none, or one run one at a time).
+    ttft_s: float = math.nan
+
+
+class Arrival(NamedTuple):
+    """The arrival a router that reads ``ttft_s`` is routing: what a replica projects it from."""
+
+    base_est_s: float
+    work: Any = None  # a qsim.entry.Work (limit, prompt tokens, tokens it will generate), or None
 
 
 class Router:
@@ -57,6 +69,7 @@ class Router:
     shared: ClassVar[bool] = False
     needs_batching: ClassVar[bool] = False  # it reads kv_use or prefix_hit
     reads_prefix: ClassVar[bool] = True
+    reads_ttft: ClassVar[bool] = False  # it reads ttft_s: each replica projects the arrival
 
     def choose(self, replicas: Sequence[ReplicaState], arrival: int,
                rng: np.random.Generator) -> int:
@@ -161,6 +174,32 @@ class PrefixAffinity(Router):
         return _least(replicas, range(len(replicas)), lambda s: (-s.prefix_hit, s.outstanding))
 
 
+@dataclass(frozen=True)
+class LeastTTFT(Router):
+    """The replica whose own projection gives this arrival the earliest first token (the step
+    model's, as a predictive replica's admission projects it: the batch, the line before it, its
+    prompt's steps at its tracked speed, its front end; ties to fewer outstanding, then to the
+    lowest). ``d``: replicas drawn to compare (None: all of them). Each projection walks that
+    replica's batch and line."""
+
+    d: int | None = None
+    name: ClassVar[str] = "least_ttft"
+    needs_batching: ClassVar[bool] = True
+    reads_prefix: ClassVar[bool] = False
+    reads_ttft: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.d is not None and not (isinstance(self.d, int) and not isinstance(self.d, bool)
+                                       and self.d >= 1):
+            raise ValueError(f"least_ttft needs d, a whole number >= 1 (or none), got {self.d!r}")
+
+    def choose(self, replicas, arrival, rng):
+        n = len(replicas)
+        order = range(n) if self.d is None or self.d >= n else \
+            rng.choice(n, self.d, replace=False).tolist()
+        return _least(replicas, order, lambda s: (s.ttft_s, s.outstanding))
+
+
 #: The scorers of :class:`Weighted`, by the name ``--router-weights`` gives each weight.
 WEIGHTS = ("prefix", "queue", "kv")
 
@@ -228,22 +267,22 @@ class Central(Router):
 #: The built-in routers by name (``qlab simulate --router``).
 ROUTERS: dict[str, type[Router]] = {r.name: r for r in (
     Random, RoundRobin, JoinShortestQueue, LeastWork, PowerOfD, Central, LeastKV, PrefixAffinity,
-    Weighted)}
+    Weighted, LeastTTFT)}
 
 
 def make_router(name: str, d: int | None = None, weights: dict | None = None) -> Router:
-    """The built-in router ``name``; ``d`` is power_of_d's choices (default 2), ``weights``
-    weighted's (:func:`parse_weights`), each refused elsewhere."""
+    """The built-in router ``name``; ``d`` is power_of_d's choices (default 2) or least_ttft's
+    (default all), ``weights`` weighted's (:func:`parse_weights`), each refused elsewhere."""
     try:
         kind = ROUTERS[name]
     except KeyError:
         raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}") from None
-    if d is not None and kind is not PowerOfD:
-        raise ValueError(f"router {name!r} takes no d (only power_of_d does)")
+    if d is not None and kind not in (PowerOfD, LeastTTFT):
+        raise ValueError(f"router {name!r} takes no d (only power_of_d and least_ttft do)")
     if weights is not None and kind is not Weighted:
         raise ValueError(f"router {name!r} takes no weights (only weighted does)")
     if d is not None:
-        return PowerOfD(d)
+        return kind(d)
     return kind(**(weights or {}))
 
 

@@ -14,7 +14,7 @@ from qsim.clients import RetryPolicy
 from qsim.config import ServerConfig
 from qsim.engines import Batching, OneAtATime
 from qsim.outcomes import OUTCOMES
-from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastWork, PowerOfD,
+from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastTTFT, LeastWork, PowerOfD,
                           PrefixAffinity, Random, ReplicaState, RoundRobin, Router, Weighted,
                           make_router)
 from qsim.workload import Prompts, SharedPrefix
@@ -500,3 +500,31 @@ def test_simulate_a_batching_fleet_with_prefix_affinity(capsys):
     summary = json.loads(out)
     assert code == 0 and summary["fleet"]["router"] == "weighted"
     assert summary["summary"]["error"] > 0 and set(summary["fleet"]["by_replica"]) == {"0", "1", "2"}
+
+
+def test_least_ttft_chooses_the_earliest_projected_first_token():
+    s = [ReplicaState(1, 1.0, 1, 0, ttft_s=0.9), ReplicaState(3, 2.0, 1, 0, ttft_s=0.2),
+         ReplicaState(0, 0.1, 1, 0, ttft_s=0.2)]
+    rng = np.random.default_rng(0)
+    assert LeastTTFT().choose(s, 0, rng) == 2  # 1 and 2 tie: fewer outstanding
+    drawn = {LeastTTFT(d=1).choose(s, 0, rng) for _ in range(50)}
+    assert drawn == {0, 1, 2}  # one drawn: any of them
+    with pytest.raises(ValueError, match="least_ttft needs d"):
+        LeastTTFT(d=0)
+    assert make_router("least_ttft", 2) == LeastTTFT(2)
+
+
+def test_least_ttft_asks_each_replica_its_projection_and_beats_jsq_on_a_slow_replica():
+    # Two batching replicas, one at a quarter of the speed: jsq counts requests, least_work the
+    # work per seat; least_ttft asks each replica's own projection of the arrival's first token
+    # (its batch, its line, its prompt's steps at its tracked speed), and has the shortest tail.
+    p99 = {name: [] for name in ("jsq", "least_work", "least_ttft")}
+    for seed in (1, 2, 3):
+        t = shared_trace(load=0.8, seed=seed)
+        config = ServerConfig(PRESETS["none"], BATCH, seed=seed)
+        for name in p99:
+            frame = simulate(t, config, replicas=2, router=make_router(name),
+                             replica_speeds=[1, 0.25])
+            p99[name].append(frame["ttft_s"].quantile(0.99))
+    assert np.mean(p99["least_ttft"]) < 0.9 * np.mean(p99["least_work"])
+    assert np.mean(p99["least_ttft"]) < 0.6 * np.mean(p99["jsq"])
