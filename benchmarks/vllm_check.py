@@ -11,7 +11,9 @@ random-weight model (:mod:`live.vllm_server`); with ``--url`` (a GPU user's own
    front; completions and chats, streamed and not, at 32 in flight, through the openai SDK. The
    gate's ``/stats`` (requests answered, prompt and generated tokens) and the clients' ``usage``
    must equal what vLLM's own ``/metrics`` counted over the same requests; every answer has all
-   its ``max_tokens`` (the model has no end-of-text token);
+   its ``max_tokens`` (the model has no end-of-text token); the gate's ``/stats``
+   ``upstream_counters`` (vLLM's counters as the gate read them: requests, tokens, preemptions)
+   must move as vLLM's ``/metrics`` read directly;
 2. **calibration through a predictive gate**: ``qlab calibrate`` against a gate under the
    ``predictive`` policy, with no restart and no second gate: no request refused; then the gate
    takes the calibration while it runs (``PUT /admin/calibration``, the operator's key);
@@ -61,6 +63,7 @@ from live.engine_steps import Counters, EnginePhase, fit_phases  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from live.upstream import UpstreamSpec, resolve_model  # noqa: E402
+from live.vllm_metrics import UPSTREAM_COUNTERS  # noqa: E402
 from qsim import Batching, ServerConfig, StepModel, simulate  # noqa: E402
 from qsim.policy import PRESETS  # noqa: E402
 from qsim.workload import Prompts, SharedPrefix, Trace, make_trace  # noqa: E402
@@ -144,6 +147,20 @@ def _stats(url: str) -> Stats:
     return Stats.model_validate(httpx.get(url + "/stats", timeout=30).json())
 
 
+def upstream_counters_check(
+    before: dict[str, float], after: dict[str, float], gate_before: Stats, gate_after: Stats
+) -> Check:
+    """vLLM's own counters as the gate's /stats says them (``upstream_counters``) against vLLM's
+    /metrics read here, over the same requests: requests, tokens and preemptions alike."""
+    name = "vLLM's counters in the gate's /stats == vLLM's /metrics"
+    said = gate_before.upstream_counters, gate_after.upstream_counters
+    direct = {key: round(after[c] - before[c]) for key, c in UPSTREAM_COUNTERS.items()}
+    if None in said:
+        return Check(name, False, f"the gate's /stats has no upstream_counters; vLLM {direct}")
+    gate = {key: getattr(said[1], key) - getattr(said[0], key) for key in UPSTREAM_COUNTERS}
+    return Check(name, gate == direct, f"gate {gate}, vLLM {direct}")
+
+
 def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
     options = ServeOptions(
         policy="none",
@@ -204,6 +221,7 @@ def check_tokens(upstream: str, logs: Path, traffic: Traffic) -> list[Check]:
             f"{full} of {traffic.requests} have {traffic.max_tokens}; "
             f"vLLM preemptions {vllm('num_preemptions_total')}",
         ),
+        upstream_counters_check(before, after, gate_before, gate_after),
         Check(
             "the upstream learner converged",
             bool(learned["converged"]),

@@ -358,6 +358,22 @@ class LimitsBody(BaseModel):
     default_max_tokens: int | None = None
 
 
+class UpstreamCountersBody(BaseModel):
+    """``/stats`` ``upstream_counters``: what the upstream counted itself, read from its Prometheus
+    ``/metrics`` (vLLM's counters, each summed over its labels; a fleet's upstreams summed), beside
+    the gate's own counts. Only a gate in front of a vLLM-like upstream has it."""
+
+    model_config = _OPEN
+
+    finished_requests: int  # vllm:request_success_total, whatever the reason they finished
+    prompt_tokens: int  # vllm:prompt_tokens_total
+    generation_tokens: int  # vllm:generation_tokens_total
+    preemptions: int  # vllm:num_preemptions_total: requests it put back to wait, KV cache full
+    # The gate's clock when it was read: at this /stats, unless that read failed and an older
+    # reading stands (live.upstream.UpstreamCounters); a fleet's, the oldest of its upstreams'.
+    read_at: float
+
+
 class Stats(BaseModel):
     """``GET /stats``: the gate's queue, counts and configuration. The defaults are what a client
     assumes of a server that does not say (one engine, a tracking estimate, speed 1); the server
@@ -387,6 +403,7 @@ class Stats(BaseModel):
     answered_tokens: dict[str, int] = {}
     limits: LimitsBody = LimitsBody()
     engine: EngineInfo | None = None  # as in /healthz
+    upstream_counters: UpstreamCountersBody | None = None
     server_config: dict[str, Any] | None = None  # qsim.config.ServerConfig's fields: what a replay simulates
 
 

@@ -192,6 +192,22 @@ class Checked(Protocol):
     async def readiness(self) -> str | None: ...
 
 
+class CounterReader(Protocol):
+    """What reads a server's own counters for ``/stats`` (live.upstream.UpstreamCounters): the
+    reading now on ``clock`` (the gate's), with its ``read_at``; None where it gives none."""
+
+    async def reading(self, clock: Callable[[], float]) -> dict | None: ...
+
+
+@runtime_checkable
+class CountsUpstream(Protocol):
+    """An engine in front of a server that counts for itself (the upstream engines: vLLM's
+    ``/metrics``), for ``/stats`` ``upstream_counters``: its ``counters``, one reader shared by the
+    engines of one server (so that the gate reads each server once)."""
+
+    counters: CounterReader
+
+
 @runtime_checkable
 class ClosesOnLoop(Protocol):
     """An engine that holds something on the gate's event loop (the upstream engines: their HTTP connections) and

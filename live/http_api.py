@@ -73,7 +73,7 @@ from .batching import STEP_PAGE
 from .hosts import HostAllowList, without_addresses
 from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
                        Stats, Timings, request_model)
-from .engine import Checked
+from .engine import Checked, CountsUpstream
 from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_for, error_response, error_responses,
                        json_response, parse_body, shutdown_response, stopped_by_shutdown)
 from .gate import Answer, Gate, Job, Rejected
@@ -212,6 +212,18 @@ async def readiness(gate: Gate) -> list[str]:
     return reasons
 
 
+async def upstream_counters(gate: Gate) -> dict | None:
+    """What the gate's upstream counted itself, for /stats (:class:`live.engine.CountsUpstream`):
+    each upstream read once, a fleet's summed (requests, tokens and preemptions add up; read_at:
+    the oldest reading). None where an upstream gives none: a sum without it would be wrong."""
+    readers = {id(e.counters): e.counters for e in gate.engines if isinstance(e, CountsUpstream)}
+    readings = await asyncio.gather(*(r.reading(gate.clock) for r in readers.values()))
+    if not readings or any(r is None for r in readings):
+        return None
+    return {key: (min if key == "read_at" else sum)(r[key] for r in readings)
+            for key in readings[0]}
+
+
 def effective_limits(gate: Gate, limits: Limits) -> Limits:
     """The caps, with max_new_tokens lowered to what every engine can generate."""
     caps = [limits.max_new_tokens] + [n for e in gate.engines if (n := getattr(e, "max_new_tokens_limit", None))]
@@ -291,8 +303,13 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
                     steps_from: Annotated[int | None, Query(ge=0)] = None,
                     steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE,
                     ) -> Response:
+        paging = steps_since is not None or steps_from is not None
+        # A page of steps is about the steps: it waits on no upstream.
+        counted = None if paging else await upstream_counters(gate)
         said = {**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()}
-        if (steps_since is not None or steps_from is not None) and hasattr(gate, "step_page"):
+        if counted is not None:
+            said["upstream_counters"] = counted
+        if paging and hasattr(gate, "step_page"):
             # A page: bounded, whatever the log holds.
             said.update(gate.step_page(steps_since, steps_from, steps_limit))
         return json_response(Stats.model_validate(said).model_dump_json(exclude_unset=True))

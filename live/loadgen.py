@@ -513,6 +513,28 @@ async def step_log(lanes: Lanes, since: float) -> tuple[list | None, str | None]
         return None, f"the gate's step log was not read ({type(exc).__name__}: {exc})"[:300]
 
 
+def counted_upstream(start: dict | None, end: dict | None, zero: float) -> dict | None:
+    """The upstream's own counters (/stats' upstream_counters) at the run's start and end, for the
+    run's metadata: what vLLM counted over the run (its preemptions too) beside the rows, each
+    reading's ``read_at`` (gate clock) also as ``read_s`` on the run's clock (``zero``: the gate's
+    clock at the run's time 0). None where either /stats lacks them (an upstream without vLLM's
+    counters, another engine, a failed read at the end)."""
+    said = [None if s is None else Stats.model_validate(s).upstream_counters for s in (start, end)]
+    if None in said:
+        return None
+    return {at: {**c.model_dump(), "read_s": c.read_at - zero}
+            for at, c in zip(("start", "end"), said)}
+
+
+async def stats_at_end(lanes: Lanes) -> dict | None:
+    """/stats after the run, or None: optional data (the upstream's counters), as the step log is:
+    a gate that died or answered nonsense after the run costs the run nothing else."""
+    try:
+        return (await fetch_stats(lanes))[0]
+    except (httpx.HTTPError, OSError, ValueError):
+        return None
+
+
 def check_patience(trace: Trace) -> None:
     """Refuse what a live client cannot do: patience until its request *starts* (the simulator's alone)."""
     if trace.meta.get("patience_until", "answer") == "start" and np.isfinite(trace.patience_s).any():
@@ -592,6 +614,8 @@ async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | No
         # A batching server's steps since the run's time 0, for the replay (qlab compare), on the run's clock.
         batching = stats is not None and info.config.batching
         steps, lost = await step_log(lanes, t0 + offset) if batching else (None, None)
+        counts = stats is not None and Stats.model_validate(stats).upstream_counters is not None
+        upstream = counted_upstream(stats, await stats_at_end(lanes), t0 + offset) if counts else None
     frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
     if steps is not None:
         zero = t0 + offset
@@ -604,6 +628,8 @@ async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | No
             "duration_s": trace.duration_s, "clock_offset_s": offset,
             "retry": None if cfg.retry is None else dataclasses.asdict(cfg.retry),
             "retry_seed": seed, **plan.meta()}
+    if upstream is not None:
+        meta["upstream_counters"] = upstream
     # Said in the file and once on stderr: a reader of the run knows why it has no steps.
     if lost is not None:
         meta["warnings"] = [lost]

@@ -55,6 +55,11 @@ upstream, from each run's end (no connection, a timeout, a 5xx, 404, 405, 401 or
 ready; an answer makes it ready) and, when nothing was learned for a few seconds, from a
 ``GET /v1/models``; ``GET /ready`` and ``/healthz`` report it.
 
+The upstream's own counters (:class:`UpstreamCounters`, shared by the K engines): what a vLLM
+upstream counted itself (requests, prompt and generated tokens, preemptions, which the gate
+cannot see), read from its ``GET /metrics`` when ``/stats`` asks, and said there as
+``upstream_counters``; an upstream without vLLM's counters gives none.
+
 Cancelling. The gate cancels the run's task when the run's :class:`~live.engine.Cancel` is set
 (its client left, or its deadline passed): aiohttp then closes the connection it was reading,
 so the upstream sees its client leave and can free its own slot, and the next run opens a new one.
@@ -78,6 +83,7 @@ from .engine import Abilities, Asked, Emit, EngineResult, UpstreamError, Upstrea
 from .routes import CHAT, COMPLETIONS, MODELS
 from .serve_options import check_upstream_url, split_credentials
 from .tokenizer import ByteTokenizer
+from .vllm_metrics import upstream_counters
 
 DONE = "[DONE]"
 #: Where ``--upstream-api-key`` is read from when the flag is not given.
@@ -249,13 +255,13 @@ def resolve_model(spec: UpstreamSpec) -> str:
 
 def make_engines(k: int, spec: UpstreamSpec) -> list["UpstreamEngine"]:
     """K engines forwarding to one upstream, each with its own connection, sharing what is known of the upstream:
-    its model, the routes it serves (asked now) and its readiness."""
+    its model, the routes it serves (asked now), its readiness and its own counters."""
     if k < 1:
         raise ValueError(f"engines must be >= 1, got {k}")
     model = resolve_model(spec)
     routes = probe_routes(spec, model)
-    health = UpstreamHealth(spec)
-    return [UpstreamEngine(spec, model, routes, health) for _ in range(k)]
+    health, counters = UpstreamHealth(spec), UpstreamCounters(spec)
+    return [UpstreamEngine(spec, model, routes, health, counters) for _ in range(k)]
 
 
 # ---------------------------------------------------------------------- readiness
@@ -298,10 +304,8 @@ class UpstreamHealth:
     async def _probe(self) -> None:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.spec.timeout_s))
             self._session_loop = loop  # aiohttp's session.loop is deprecated: the loop is kept here
-            self._session = aiohttp.ClientSession(self.spec.url, timeout=timeout, headers=self.spec.headers,
-                                                  connector=aiohttp.TCPConnector(limit=1))
+            self._session = _short_session(self.spec, PROBE_TIMEOUT_S)
         try:
             async with self._session.get(MODELS) as response:
                 await response.read()
@@ -310,6 +314,85 @@ class UpstreamHealth:
             self.learned(f"{self.spec.url}{MODELS}: cannot reach the upstream ({type(exc).__name__})")
             return
         self.learned(None if status == 200 else f"{self.spec.url}{MODELS} answered HTTP {status}")
+
+    async def aclose(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
+
+
+def _short_session(spec: UpstreamSpec, timeout_s: float) -> aiohttp.ClientSession:
+    """A session of one connection whose every call ends within ``timeout_s`` (or the upstream's
+    timeout, if shorter), for the gate's own calls beside the runs: a probe, a read of /metrics."""
+    timeout = aiohttp.ClientTimeout(total=min(timeout_s, spec.timeout_s))
+    return aiohttp.ClientSession(spec.url, timeout=timeout, headers=spec.headers,
+                                 connector=aiohttp.TCPConnector(limit=1))
+
+
+# ---------------------------------------------------------------------- the upstream's own counters
+
+
+#: The longest ``/stats`` waits on the upstream's ``/metrics``: a slow upstream keeps /stats fast.
+COUNTERS_TIMEOUT_S = 1.0
+#: After a read that gave no counters (no /metrics, others than vLLM's, no answer in time), the
+#: upstream is not asked again for this long: /stats waits on a failing upstream once in a while.
+COUNTERS_RETRY_S = 5.0
+#: Where vLLM serves its Prometheus counters.
+METRICS = "/metrics"
+
+
+class UpstreamCounters:
+    """What the upstream counted itself (vLLM's counters,
+    :func:`live.vllm_metrics.upstream_counters`), for ``/stats`` ``upstream_counters``; shared by
+    the engines of one upstream.
+
+    :meth:`reading` reads ``GET /metrics`` when /stats asks, so that a reading is as fresh as the
+    /stats that carries it (one GET of the upstream's /metrics each, as a Prometheus scrape is);
+    the /stats asking while a read is under way share it. A read that fails (no /metrics, other
+    counters, garbage, no answer within :data:`COUNTERS_TIMEOUT_S`) raises nothing: the last
+    reading stands, with its ``read_at``, and the upstream is left alone for
+    :data:`COUNTERS_RETRY_S`. An upstream that never gave a reading gives None: no
+    ``upstream_counters`` in /stats.
+    """
+
+    def __init__(self, spec: UpstreamSpec) -> None:
+        self.spec = spec
+        self.last: dict | None = None  # the last reading, read_at on the clock given to reading()
+        self.retry_at = -float("inf")
+        self._reading: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    async def reading(self, clock: Callable[[], float]) -> dict | None:
+        """The upstream's counters now (read on ``clock``, the gate's), else the last reading, else
+        None."""
+        if clock() >= self.retry_at:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self._read(clock))
+            # Shielded: a /stats whose client left does not cancel the read the others wait on.
+            await asyncio.shield(self._reading)
+        return self.last
+
+    async def _read(self, clock: Callable[[], float]) -> None:
+        counted = await self._fetch()
+        if counted is None:
+            self.retry_at = clock() + COUNTERS_RETRY_S
+        else:
+            self.last = {**counted, "read_at": clock()}
+
+    async def _fetch(self) -> dict[str, int] | None:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session_loop = loop
+            self._session = _short_session(self.spec, COUNTERS_TIMEOUT_S)
+        try:
+            async with self._session.get(METRICS) as response:
+                content = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        text = content.decode("utf-8", "replace")
+        return upstream_counters(text) if status == 200 else None
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
@@ -401,9 +484,12 @@ class UpstreamEngine:
     max_new_tokens_limit = None
 
     def __init__(self, spec: UpstreamSpec, model: str, routes: UpstreamRoutes = UpstreamRoutes(),
-                 health: UpstreamHealth | None = None) -> None:
+                 health: UpstreamHealth | None = None,
+                 counters: UpstreamCounters | None = None) -> None:
         self.spec, self.model, self.routes = spec, model, routes
         self.health = health if health is not None else UpstreamHealth(spec)
+        # For /stats' upstream_counters (live.engine.CountsUpstream).
+        self.counters = counters if counters is not None else UpstreamCounters(spec)
         self._tokenizer = ByteTokenizer()
         self._session: aiohttp.ClientSession | None = None  # on the loop that runs arun (the gate's)
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -512,6 +598,7 @@ class UpstreamEngine:
         if session is not None and not session.closed:
             await session.close()
         await self.health.aclose()
+        await self.counters.aclose()
 
     def info(self) -> dict:
         return {"engine": "upstream", "url": self.spec.url, "model": self.model, "timeout_s": self.spec.timeout_s,

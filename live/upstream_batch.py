@@ -437,6 +437,11 @@ class UpstreamBatchEngine:
         return "" if forward is None else "".join(forward.text)
 
     @property
+    def counters(self):
+        """The upstream's own counters, for /stats (the forwarder's: live.engine.CountsUpstream)."""
+        return self.forwarder.counters
+
+    @property
     def routes(self):
         """The routes the upstream serves (what ``qlab serve`` says at start-up)."""
         return self.forwarder.routes

