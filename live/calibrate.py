@@ -384,6 +384,9 @@ class Calibration:
         ``step`` keys; ``step`` is a step model file too, as ``--step FILE`` reads), and people read."""
         load = None if self.load is None else {**self.load.as_dict(), "levels": [lv.as_dict() for lv in self.levels]}
         step = {} if self.steps is None else {"step": asdict(self.steps.model), "step_fit": self.steps.as_dict()}
+        engine = None if self.steps is None else self.steps.engine
+        if engine is not None and engine.front_end is not None:  # LoadTerms reads it
+            step["front_end"] = asdict(engine.front_end.model)
         return {"model": asdict(self.overall.model), "median_rel_error": self.overall.median_rel_error,
                 "worst_rel_error": self.overall.worst_rel_error, "n": self.overall.n,
                 "prompt_tokenizer": self.tokenizer, "rounds": [r.as_dict() for r in self.rounds], "load": load, **step}

@@ -10,6 +10,9 @@ own clock: a step's time, seen once by every sequence in it. Read around a phase
 they give the phase's mean step, its prefill tokens and its sequences a step; and, from vLLM's
 ``request_inference_time_seconds``, how much of a request's time at the client was not in the
 engine at all (the gate, vLLM's API process, the client: what a step model cannot hold).
+The API process's own CPU (``process_cpu_seconds_total``, prometheus-client's, of the process
+serving ``/metrics``) gives its front end (:class:`qsim.engines.FrontEnd`): its CPU seconds over
+the phases fitted to their requests, engine steps and tokens (:func:`fit_front_end`).
 The step model is fitted to the phases (:meth:`qsim.engines.StepModel.fit`, without a context term:
 the counters do not say the context held). Each phase is measured in two halves, and the model
 fitted to the first halves is judged on the second (its held-out r^2): a step model that only
@@ -25,7 +28,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from qsim.engines import StepFit, StepModel, r_squared
+from scipy import optimize
+
+from qsim.engines import FrontEnd, StepFit, StepModel, r_squared
 
 from .vllm_server import metrics
 
@@ -44,6 +49,7 @@ class Counters:
     itl_n: float
     requests: float
     inference_s: float
+    api_cpu_s: float = 0.0  # the API process's CPU (0: not shown)
 
     @classmethod
     def read(cls, url: str) -> Counters:
@@ -61,6 +67,7 @@ class Counters:
             m["vllm:inter_token_latency_seconds_count"],
             m["vllm:e2e_request_latency_seconds_count"],
             m["vllm:request_inference_time_seconds_sum"],
+            m.get("process_cpu_seconds_total", 0.0),
         )
 
 
@@ -78,6 +85,7 @@ class EnginePhase:
     gaps_s: float  # ... and their seconds
     requests: int
     inference_s: float  # the requests' seconds in the engine (prefill and decode), summed
+    api_cpu_s: float = 0.0  # the API process's CPU seconds (0: its counter not shown)
 
     @classmethod
     def between(cls, level: int, half: int, before: Counters, after: Counters) -> EnginePhase:
@@ -86,7 +94,7 @@ class EnginePhase:
 
         return cls(level, half, d("at"), round(d("steps")), round(d("computed")),
                    round(d("generated")), round(d("itl_n")), d("itl_s"), round(d("requests")),
-                   d("inference_s"))
+                   d("inference_s"), d("api_cpu_s"))
 
     @property
     def step_s(self) -> float:
@@ -121,6 +129,7 @@ class EnginePhase:
             "outside_engine_ms_a_request": 1000 * self.outside_s,
             "prefill_a_step": self.prefill,
             "sequences_a_step": self.seqs,
+            "api_cpu_s": self.api_cpu_s,
         }
 
 
@@ -146,6 +155,7 @@ class EngineStepFit:
     held_out_r2: float
     held_out_median_rel_error: float
     phases: tuple[EnginePhase, ...]
+    front_end: FrontEndFit | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -155,6 +165,7 @@ class EngineStepFit:
             "median_rel_error": self.fit.median_rel_error,
             "seconds": "engine: its tokens' mean gap in a phase, on the engine's own clock",
             "outside_engine_ms_a_request": 1000 * float(np.median([p.outside_s for p in self.phases])),
+            "front_end": None if self.front_end is None else self.front_end.as_dict(),
             "phases": [p.as_dict() for p in self.phases],
         }
 
@@ -174,5 +185,43 @@ def fit_phases(phases: Sequence[EnginePhase]) -> EngineStepFit:
     y = np.array([p.step_s for p in second])
     fitted = np.array([model.time(p.prefill, p.seqs, 0.0) for p in second])
     return EngineStepFit(
-        _fit(phases), r_squared(y, fitted), float(np.median(np.abs(fitted - y) / y)), tuple(phases)
+        _fit(phases), r_squared(y, fitted), float(np.median(np.abs(fitted - y) / y)), tuple(phases),
+        fit_front_end(phases),
     )
+
+
+@dataclass(frozen=True)
+class FrontEndFit:
+    """The API process's CPU over the phases, fitted: the front end, the CPU a second it takes
+    idle, and the fit's r^2."""
+
+    model: FrontEnd
+    idle_cpu_a_second: float
+    r2: float
+    n: int
+
+    def as_dict(self) -> dict:
+        return {"request_s": self.model.request_s, "step_s": self.model.step_s,
+                "token_s": self.model.token_s, "idle_cpu_a_second": self.idle_cpu_a_second,
+                "r2": self.r2, "n": self.n,
+                "seconds": "the API process's CPU (process_cpu_seconds_total), not wall time"}
+
+
+def fit_front_end(phases: Sequence[EnginePhase]) -> FrontEndFit | None:
+    """The front end from the API process's CPU seconds in each phase, fitted non-negative to its
+    requests, engine steps, tokens and seconds (the process's idle rate): vLLM's API process
+    handles each step's outputs together, at a cost a step beside one a token
+    (``benchmarks/vllm_front_end.py``: requests and tokens alone fit at r^2 0.5-0.6). None where
+    the counter is not shown, or fewer than five phases."""
+    used = [p for p in phases if p.api_cpu_s > 0]
+    if len(used) < 5:
+        return None
+    x = np.array([[p.requests, p.steps, p.generated, p.seconds] for p in used], float)
+    y = np.array([p.api_cpu_s for p in used])
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = optimize.nnls(x / scale, y)
+    coef = coef / scale
+    r2 = r_squared(y, x @ coef)
+    return FrontEndFit(FrontEnd(request_s=float(coef[0]), token_s=float(coef[2]),
+                                step_s=float(coef[1])), float(coef[3]), float(r2), len(used))

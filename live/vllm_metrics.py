@@ -37,6 +37,9 @@ COUNTERS = (
     # Gauges: what the engine holds now.
     "vllm:num_requests_running",
     "vllm:kv_cache_usage_perc",
+    # prometheus-client's own: the CPU of the process serving /metrics, vLLM's API server
+    # (benchmarks/vllm_front_end.py checked it against /proc): its front end's cost.
+    "process_cpu_seconds_total",
 )
 
 #: ``/stats`` ``upstream_counters``: each field's vLLM counter. ``finished_requests``: whatever the

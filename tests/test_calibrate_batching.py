@@ -105,6 +105,17 @@ def test_the_calibration_json_carries_the_step_model_and_its_fit(tmp_path):
     assert LoadTerms.load(tmp_path / "cal.json").step == calibrated.model == StepModel(**saved["step"])
     assert set(saved["step_fit"]["standard_errors"]) == {"b0", "b1", "b2", "b3"}
     assert describe_terms(result).startswith("step model: ") and f"{len(steps)} steps" in describe_terms(result)
+    assert "front_end" not in saved and LoadTerms.load(tmp_path / "cal.json").front_end is None
+    # With the engine's own counters and its API process's CPU: the front end, where LoadTerms
+    # (so simulate --service-model and the prediction) reads it.
+    from live.engine_steps import EnginePhase, EngineStepFit, FrontEndFit
+    from qsim.engines import FrontEnd
+
+    front = FrontEndFit(FrontEnd(0.0025, 3e-5, 2.3e-4), 0.002, 0.93, 12)
+    phase = EnginePhase(1, 0, 1.0, 100, 200, 100, 100, 0.5, 2, 0.5, 0.05)
+    engine = EngineStepFit(calibrated.fit, 0.9, 0.05, (phase,), front)
+    replace(result, steps=replace(calibrated, engine=engine)).save(tmp_path / "cal2.json")
+    assert LoadTerms.load(tmp_path / "cal2.json").front_end == front.model
 
 
 def test_a_batching_servers_levels_go_up_to_its_seats():

@@ -66,3 +66,34 @@ def test_a_step_model_without_the_context_term_needs_three_steps():
         StepModel.fit([1, 2], [1, 2], None, [0.01, 0.02])
     fit = StepModel.fit([0, 0, 10], [1, 2, 1], None, [0.006, 0.007, 0.0065])
     assert fit.model.b3 == 0.0 and len(fit.se) == 4
+
+
+def test_the_api_process_cpu_gives_the_front_end():
+    """Phases whose API-process CPU is 2.5 ms a request, 0.23 ms a step, 0.03 ms a token and
+    2 ms a second idle: the fit finds each, and the calibration writes it where LoadTerms reads
+    it."""
+    from dataclasses import replace
+
+    from live.engine_steps import fit_front_end
+    from qsim.engines import FrontEnd
+    from qsim.service import LoadTerms
+
+    levels = [(1, 1.0, 2.0), (4, 3.5, 8.0), (8, 7.0, 4.0), (16, 14.0, 20.0), (32, 28.0, 12.0)]
+    phases = []
+    for n, s, p in levels:
+        for h in (0, 1):
+            phase = _phase(n, h, s * (1 + 0.3 * h), p)
+            cpu = (0.0025 * phase.requests + 0.00023 * phase.steps + 0.00003 * phase.generated
+                   + 0.002 * phase.seconds)
+            phases.append(replace(phase, api_cpu_s=cpu))
+    fitted = fit_front_end(phases)
+    m = fitted.model
+    assert (m.request_s, m.step_s, m.token_s) == pytest.approx((0.0025, 0.00023, 0.00003), rel=1e-6)
+    assert fitted.idle_cpu_a_second == pytest.approx(0.002) and fitted.r2 > 0.999999
+    engine = fit_phases(phases)
+    assert engine.front_end == fitted and engine.as_dict()["front_end"]["step_s"] == m.step_s
+    assert fit_front_end([replace(p, api_cpu_s=0.0) for p in phases]) is None  # not shown
+    assert fit_front_end(phases[:4]) is None
+    written = {"step": {"b0": 0.005}, "front_end": {"request_s": m.request_s, "token_s": m.token_s,
+                                                    "step_s": m.step_s}}
+    assert LoadTerms.from_calibration(written).front_end == FrontEnd(**written["front_end"])
