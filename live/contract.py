@@ -405,6 +405,7 @@ class Stats(BaseModel):
     engine: EngineInfo | None = None  # as in /healthz
     upstream_counters: UpstreamCountersBody | None = None
     server_config: dict[str, Any] | None = None  # qsim.config.ServerConfig's fields: what a replay simulates
+    fleet: dict[str, Any] | None = None  # a fleet gate's qsim.fleet.FleetSpec fields (None: one server)
 
 
 class StalledEngine(BaseModel):

@@ -21,6 +21,7 @@ explains the steps it was fitted to is no model.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,24 +100,26 @@ class EnginePhase:
     @property
     def step_s(self) -> float:
         """The engine's mean step: its tokens' mean gap (each step counted once a sequence in it,
-        as the sequences a step are)."""
-        return self.gaps_s / self.gaps
+        as the sequences a step are; NaN: the engine made no second token in the phase)."""
+        return self.gaps_s / self.gaps if self.gaps else math.nan
 
     @property
     def outside_s(self) -> float:
         """A request's mean seconds at the client not in vLLM's engine (``level`` clients, each
-        always waiting on one)."""
+        always waiting on one; NaN: none finished)."""
+        if not self.requests:
+            return math.nan
         return (self.level * self.seconds - self.inference_s) / self.requests
 
     @property
     def prefill(self) -> float:
         """Prompt tokens computed a step (a step's computed tokens are its prefill and one a
-        sequence that made a token)."""
-        return (self.computed - self.generated) / self.steps
+        sequence that made a token; NaN: no step)."""
+        return (self.computed - self.generated) / self.steps if self.steps else math.nan
 
     @property
     def seqs(self) -> float:
-        return self.generated / self.steps
+        return self.generated / self.steps if self.steps else math.nan
 
     def as_dict(self) -> dict:
         return {

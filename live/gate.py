@@ -996,6 +996,7 @@ class Gate:
             "counts": dict(self.counts),
             "answered_tokens": dict(self.answered_tokens),
             "server_config": self.config.to_fields(),
+            **({} if self.fleet is None else {"fleet": self.fleet.to_fields()}),
             "rejected_by_reason": dict(self.rejected_by_reason),
             "cancelled": self.cancelled,
             "submitted": self.submitted,

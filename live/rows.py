@@ -77,12 +77,14 @@ class ServerInfo:
     schedule_zero: float = math.nan
     model_known: bool = True  # the server reported its calibration (config.model); else the trace's estimates stand
     engine: dict | None = None  # the engine's info() in /stats (None: not said), for the model-only prediction
+    fleet: dict | None = None  # a fleet gate's FleetSpec fields in /stats (None: one server)
 
     def columns(self, n: int, server_zero: float = math.nan) -> dict[str, Any]:
         """Constant per-run columns (:func:`qsim.runfile.server_columns`, :func:`qsim.runfile.engine_columns`):
         the contract between a run file and ``qlab compare``. server_zero: the server's clock at the run's time 0,
         which puts the speed schedule on the run's clock."""
-        return {**server_columns(self.config, n, self._schedule_on_run_clock(server_zero)),
+        return {**server_columns(self.config, n, self._schedule_on_run_clock(server_zero),
+                                 self.fleet),
                 **engine_columns(self.engine, n)}
 
     def _schedule_on_run_clock(self, server_zero: float) -> str | None:
@@ -136,7 +138,8 @@ def server_info(stats: Any) -> ServerInfo:
     if math.isfinite(factor) and factor > 0:
         config = config.replace(initial_speed_factor=factor)
     engine = None if parsed.engine is None else parsed.engine.model_dump(mode="json")
-    return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known, engine=engine)
+    return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known, engine=engine,
+                      fleet=parsed.fleet)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ ZERO = 1000.0  # the gate's clock at the run's time 0: the rows must map it away
 
 
 def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, trip_in_s=4e-4, trip_out_s=3e-4,
-                  retry=None, retry_seed=7, gate=None):
+                  retry=None, retry_seed=7, gate=None, fleet=None):
     """A live run made by the simulator, in exactly the format `qlab replay` writes.
 
     The engine of request i runs trace.true_service_s (0 when it fails: instant failures, every
@@ -39,7 +39,8 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     end and reach the gate at once, so the trips must then be 0, and the gate's clock is the run's
     (retries due at one instant keep their order: no rounding through ZERO tells them apart).
     ``gate``: a Policy the simulated gate ran in place of ``policy``, which the run file still names (a
-    gate whose rule is wrong).
+    gate whose rule is wrong). ``fleet``: a FleetSpec of replicas of the server, each ``engines``
+    engines (the fleet gate's run, each answer saying its replica).
     """
     from live.rows import Exchange, ServerInfo, to_frame
     from qsim.runfile import ClientSettings
@@ -54,8 +55,9 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     engine_s = np.where(failed, 0.0, trace.true_service_s)
     held = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=engine_s + handback_s,
                        est_service_s=trace.est_service_s, deadline_s=trace.deadline_s)
+    routed = {} if fleet is None else dict(replicas=fleet.replicas, router=fleet.router)
     sim = simulate(held, ServerConfig(gate or preset(policy), engines, stall=StallRule()), failed=failed,
-                   reported_s=engine_s, retry=retry, retry_seed=retry_seed)
+                   reported_s=engine_s, retry=retry, retry_seed=retry_seed, **routed)
     exchanges = []
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
@@ -64,6 +66,8 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
                      "queued": int(r["queued_at_arrival"]), "queued_work_s": r["queued_work_at_arrival_s"],
                      "speed_factor": est / base, "in_service_s": r["in_service_work_at_arrival_s"],
                      "idle": int(r["idle_at_arrival"])}
+        if fleet is not None and not pd.isna(r["replica"]):
+            admission["replica"] = int(r["replica"])
         start, finish = r["start_s"], r["finish_s"]
         ran = {"started_at": start + zero, "returned_at": finish + zero}
         outcome = r["outcome"]
@@ -91,7 +95,8 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
                                                        "engine_s": engine_s[i]}}}
         sent = arrival - trip_in_s
         exchanges.append(Exchange(sent, sent, finish + trip_out_s, status, body, first=i, attempt=int(r["attempt"])))
-    info = ServerInfo(ServerConfig(preset(policy), engines, stall=StallRule(10.0, 5.0), tracker_weight=0.2))
+    info = ServerInfo(ServerConfig(preset(policy), engines, stall=StallRule(10.0, 5.0), tracker_weight=0.2),
+                      fleet=None if fleet is None else fleet.to_fields())
     return to_frame(trace, exchanges, info, np.full(n, 16), server_zero=zero, clients=ClientSettings(retry, retry_seed))
 
 
@@ -105,6 +110,44 @@ def assert_no_disagreement(result):
     for outcome in ("good", "late", "rejected", "expired", "error"):
         assert s[f"live_{outcome}"] == s[f"sim_{outcome}"]
     assert result.joined["same_queue"].all() and not result.joined["diverged"].any()
+
+
+@pytest.mark.parametrize("router", ["random", "jsq", "power_of_d", "least_work", "central"])
+@pytest.mark.parametrize("policy", ["bounded", "predictive"])
+def test_a_fleet_run_is_replayed_exactly(router, policy):
+    """A fleet gate's run file names its fleet (FleetSpec in the fleet column): the replay routes
+    the run's arrivals with the same router and its own random stream, request by request."""
+    from qsim.fleet import FleetSpec
+    from qsim.routers import make_router
+    from qsim.runfile import fleet_spec
+
+    trace = make_trace("poisson", seed=3, noise_cv=0.3, seconds=40, load=1.3, engines=4)
+    fleet = FleetSpec(2, make_router(router))
+    run = live_like_run(trace, policy, engines=2, fail_every=17, fleet=fleet)
+    assert fleet_spec(run) == fleet
+    if not fleet.router.shared:
+        assert set(run["replica"].dropna()) == {0, 1}
+    assert_no_disagreement(compare(run))
+    # The same run read as one server's disagrees: the fleet is what the replay needs.
+    alone = compare(run.drop(columns=["fleet"]))
+    assert alone.summary["disagreements"] > 0 or router == "central"
+
+
+def test_a_fleet_s_fields_come_back_and_a_router_of_ones_own_is_named():
+    from dataclasses import dataclass
+
+    from qsim.fleet import FleetSpec
+    from qsim.routers import PowerOfD, Random
+
+    spec = FleetSpec(3, PowerOfD(3), speeds=(1.0, 0.5, 1.0), down=((1, 2.0, 4.0),))
+    assert FleetSpec.from_fields(json.loads(json.dumps(spec.to_fields()))) == spec
+
+    @dataclass(frozen=True)
+    class Mine(Random):
+        name = "mine"
+
+    with pytest.raises(ValueError, match="router 'mine' is not one of qsim's"):
+        FleetSpec.from_fields(FleetSpec(2, Mine()).to_fields())
 
 
 @pytest.mark.parametrize("policy", ["none", "bounded", "bounded-deadline", "predictive"])

@@ -97,3 +97,11 @@ def test_the_api_process_cpu_gives_the_front_end():
     written = {"step": {"b0": 0.005}, "front_end": {"request_s": m.request_s, "token_s": m.token_s,
                                                     "step_s": m.step_s}}
     assert LoadTerms.from_calibration(written).front_end == FrontEnd(**written["front_end"])
+
+
+def test_a_phase_in_which_the_engine_ran_nothing_reads_nan_not_an_error():
+    import math
+
+    idle = EnginePhase.between(4, 0, Counters(0, 0, 0, 0, 0, 0, 0, 0), Counters(1, 0, 0, 0, 0, 0, 0, 0))
+    assert math.isnan(idle.step_s) and math.isnan(idle.seqs) and math.isnan(idle.prefill)
+    assert math.isnan(idle.outside_s)

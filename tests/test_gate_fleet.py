@@ -44,6 +44,11 @@ def test_a_fleet_gate_matches_the_simulators_fleet_exactly(router, policy):
         assert sorted(sim["replica"].unique()) == [0, 1, 2]
         assert [r["up"] for r in stats["replicas"]] == [True] * 3
     assert stats["router"] == router and len(stats["replicas"]) == (1 if router == "central" else 3)
+    # /stats names the fleet, which a replay's run file keeps and qlab compare rebuilds.
+    from live.rows import server_info
+
+    assert FleetSpec.from_fields(stats["fleet"]) == FleetSpec(3, make_router(router))
+    assert server_info(stats).fleet == stats["fleet"]
 
 
 def test_a_fleet_of_one_engine_replicas_under_overload():
