@@ -24,7 +24,7 @@ import pandas as pd
 
 from qsim.config import ServerConfig
 from qsim.engines import Batching, OneAtATime
-from qsim.runfile import engine_info, speed_probe, speed_schedule
+from qsim.runfile import engine_info, fleet_spec, speed_probe, speed_schedule
 from qsim.service import LoadTerms, SpeedSchedule
 from qsim.workload import lognormal_noise
 
@@ -174,7 +174,8 @@ def predict(run: pd.DataFrame, seeds: int = 20, noise_cv: float | None = None, o
         # the run's seed alone every seed drew the same steps, and the interval across seeds was too narrow.
         seeded = setup.replace(seed=setup.seed + seed)
         got = summary(simulate_arrivals(ordered, arrival, seeded, true, "predicted",
-                                        generated_tokens(run, ordered), schedule, **faults),
+                                        generated_tokens(run, ordered), schedule,
+                                        fleet_spec(run), **faults),
                       seconds)
         rows.append({"seed": seed, **{m: got[m] for m in metrics}})
     per_seed = pd.DataFrame(rows)

@@ -66,7 +66,8 @@ from qsim.clients import Decision, Retrier
 from qsim.config import ServerConfig
 from qsim.engines import OneAtATime
 from qsim.outcomes import ANSWERED
-from qsim.runfile import batch_step_times, server_config
+from qsim.fleet import FleetSpec
+from qsim.runfile import batch_step_times, fleet_spec, server_config
 from qsim.service import SpeedSchedule, SpeedTracker
 
 #: Columns of a live run file besides the server's configuration (qsim.runfile).
@@ -215,9 +216,11 @@ def in_arrival_order(run: pd.DataFrame, arrival: np.ndarray,
 
 def simulate_arrivals(ordered: pd.DataFrame, arrival: np.ndarray, setup: ServerConfig,
                       true_s: np.ndarray, name: str, generated: np.ndarray | None = None,
-                      schedule: SpeedSchedule | None = None, **faults) -> pd.DataFrame:
-    """The run's arrivals through qsim as the server was set up, each request held for ``true_s`` (times the
-    speed ``schedule``, where given), generating ``generated`` tokens (default: its limit)."""
+                      schedule: SpeedSchedule | None = None, fleet: FleetSpec | None = None,
+                      **faults) -> pd.DataFrame:
+    """The run's arrivals through qsim as the server was set up (``fleet``: replicas of it behind
+    its router, as the gate ran them), each request held for ``true_s`` (times the speed
+    ``schedule``, where given), generating ``generated`` tokens (default: its limit)."""
     trace = from_arrays(arrival, ordered["max_new_tokens"].to_numpy(), true_service_s=true_s,
                         est_service_s=ordered["calibrated_est_s"].to_numpy(float),
                         deadline_s=ordered["deadline_s"].to_numpy(), priority=ordered["priority"].to_numpy(),
@@ -227,6 +230,9 @@ def simulate_arrivals(ordered: pd.DataFrame, arrival: np.ndarray, setup: ServerC
         trace = dataclasses.replace(trace, tokens_generated=np.asarray(generated, dtype=np.int64))
     if "prompt_tokens" in ordered.columns:  # the prompts as sent: the estimator's work has their term too
         trace = dataclasses.replace(trace, prompt_tokens=ordered["prompt_tokens"].to_numpy(np.int64))
+    if fleet is not None:
+        faults = {**faults, "replicas": fleet.replicas, "router": fleet.router,
+                  "replica_speeds": fleet.speeds, "replica_down": fleet.down}
     return simulate(trace, setup, speed_schedule=schedule, **faults)
 
 
@@ -417,7 +423,8 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: Unsaid) -> pd.D
         runs = ({"step_times": batch_step_times(run)} if setup.batching
                 else {"failed": failed, "reported_s": reported, "held": True})
         sim = simulate_arrivals(ordered, first_arrival, setup, hold, "live-arrivals",
-                                generated_tokens(run, ordered), retrier=retrier, **runs, **faults)
+                                generated_tokens(run, ordered), retrier=retrier,
+                                fleet=fleet_spec(run), **runs, **faults)
         if setup.batching or not _cancelled_runs(run, setup, unsaid, ordered, sim, hold, reported, failed, rule, usual):
             break
     unsaid.settled = {first: (hold[j], reported[j], failed[j], rule[j]) for j, first in enumerate(ids)

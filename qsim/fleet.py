@@ -27,7 +27,7 @@ import numpy as np
 
 from .config import ServerConfig
 from .queue import AdmissionQueue
-from .routers import Arrival, ReplicaState, Router
+from .routers import ROUTERS, Arrival, ReplicaState, Router
 
 __all__ = ["Fleet", "FleetSpec", "ROUTER_STREAM"]
 
@@ -82,6 +82,32 @@ class FleetSpec:
 
     def speed(self, r: int) -> float:
         return 1.0 if self.speeds is None else float(self.speeds[r])
+
+    def to_fields(self) -> dict:
+        """The fleet as JSON-able fields (``/stats``' and a run file's ``fleet``): the router by
+        name with its parameters."""
+        router = self.router
+        params = {f.name: getattr(router, f.name) for f in dataclasses.fields(router)} \
+            if dataclasses.is_dataclass(router) else {}
+        return {"replicas": self.replicas, "router": router.name, "router_params": params,
+                "speeds": None if self.speeds is None else list(self.speeds),
+                "down": [list(w) for w in self.down]}
+
+    @classmethod
+    def from_fields(cls, raw: dict) -> "FleetSpec":
+        """:meth:`to_fields`' fleet again; ValueError naming what is wrong (a router of one's own
+        is named, not rebuilt: it is not built in)."""
+        try:
+            name = raw["router"]
+            if name not in ROUTERS:
+                raise ValueError(f"router {name!r} is not one of qsim's ({', '.join(ROUTERS)}): "
+                                 "a fleet of a router of one's own cannot be rebuilt from its name")
+            router = ROUTERS[name](**raw.get("router_params", {}))
+            speeds = raw.get("speeds")
+            return cls(int(raw["replicas"]), router, None if speeds is None else tuple(speeds),
+                       tuple((int(r), float(a), float(b)) for r, a, b in raw.get("down", ())))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None
 
     def check(self, config: ServerConfig) -> None:
         """ValueError where ``config``'s server cannot be a replica here."""

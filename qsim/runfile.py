@@ -23,25 +23,40 @@ import pandas as pd
 
 from .clients import RetryPolicy
 from .config import ServerConfig, StallRule
+from .fleet import FleetSpec
 from .policy import Policy, policy_from_fields
 from .service import ServiceModel, SpeedSchedule
 
 #: The column holding the server's ServerConfig as JSON.
 SERVER_CONFIG = "server_config"
+#: The column holding a fleet gate's FleetSpec as JSON (empty: one server).
+FLEET = "fleet"
 #: What a run file from before the config column had instead (qlab 0.1 run files).
 LEGACY_COLUMNS = ("policy", "engines", "max_queue", "max_queued_seconds", "predictive", "expire_at_front",
                   "policy_deadline_s", "fixed_estimate", "initial_speed_factor")
 
 
-def server_columns(config: ServerConfig, n: int, speed_schedule: str | None = None) -> dict[str, Any]:
+def server_columns(config: ServerConfig, n: int, speed_schedule: str | None = None,
+                   fleet: dict | None = None) -> dict[str, Any]:
     """The constant columns a run file of ``n`` rows gets from its server (speed_schedule: JSON, see
-    :func:`speed_schedule`)."""
-    return {
+    :func:`speed_schedule`; fleet: a fleet gate's :meth:`~qsim.fleet.FleetSpec.to_fields`)."""
+    columns = {
         SERVER_CONFIG: pd.array([config.to_json()] * n, dtype="string"),
         "policy": pd.array([config.policy.name] * n, dtype="string"),
         "engines": np.full(n, config.engines, dtype=np.int64),
         "speed_schedule": pd.array([speed_schedule] * n, dtype="string"),
     }
+    if fleet is not None:  # one server's run file keeps the columns it had
+        columns[FLEET] = pd.array([json.dumps(fleet)] * n, dtype="string")
+    return columns
+
+
+def fleet_spec(run: pd.DataFrame) -> FleetSpec | None:
+    """The fleet a run ran against (None: one server, or a run file from before fleets)."""
+    if FLEET not in run.columns:
+        return None
+    raw = constant(run, FLEET)
+    return None if raw is None else FleetSpec.from_fields(json.loads(str(raw)))
 
 
 def constant(run: pd.DataFrame, column: str):
