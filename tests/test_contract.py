@@ -112,8 +112,9 @@ def test_an_engine_failure_and_an_unknown_route_are_the_envelope(client):
 def test_stats_and_health_are_their_models_exactly(client):
     stats = client.get("/stats")
     parsed = validated(Stats, stats)
-    # upstream_counters: only a gate in front of a vLLM says them (tests/test_upstream_counters.py).
-    assert set(stats.json()) == keys(Stats) - {"upstream_counters"}, \
+    # upstream_counters: only a gate in front of a vLLM says them (tests/test_upstream_counters.py);
+    # fleet: only a fleet gate (tests/test_gate_fleet.py).
+    assert set(stats.json()) == keys(Stats) - {"upstream_counters", "fleet"}, \
         "a /stats key the contract's Stats does not name, or one it lost"
     assert parsed.service_model is not None and not parsed.service_model.model_extra
     assert parsed.engines == 1 and math.isfinite(contract.num(parsed.clock))
