@@ -27,45 +27,46 @@ FRONT_END_HELP = ("an API process in front of the batching engine, as one FIFO c
                   "none; --service-model's where it has one)")
 
 
-def parse_step(text: str) -> StepModel:
-    """``B0,B1,B2,B3[,CV]`` (seconds: fixed, per prefill token, per sequence, per context token) or a JSON file
-    with those fields (b0 ... cv), e.g. a fitted step model; ValueError naming what is wrong."""
+def _numbers_or_file(text: str, what: str, counts: tuple[int, ...], usage: str, build, from_file):
+    """``text`` as comma-separated numbers (``counts`` of them, else ValueError ``usage``) given to
+    ``build``, or a JSON file (a ``.json`` name, or a file that exists) given to ``from_file``;
+    ValueError naming ``what`` and what is wrong."""
     path = Path(text)
     try:
         if path.suffix == ".json" or path.is_file():
-            raw = json.loads(path.read_text())
-            raw = raw.get("step", raw) if isinstance(raw, dict) else raw  # a calibration's: its "step" key
-            return StepModel.from_fields(raw)
+            return from_file(json.loads(path.read_text()))
         numbers = [float(v) for v in text.split(",")]
-        if not 4 <= len(numbers) <= 5:
-            raise ValueError("give B0,B1,B2,B3 or B0,B1,B2,B3,CV")
-        return StepModel(*numbers)
+        if len(numbers) not in counts:
+            raise ValueError(usage)
+        return build(*numbers)
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read step model {text}: {exc}") from None
+        raise ValueError(f"cannot read {what} {text}: {exc}") from None
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"bad step model {text!r}: {exc}") from None
+        raise ValueError(f"bad {what} {text!r}: {exc}") from None
+
+
+def parse_step(text: str) -> StepModel:
+    """``B0,B1,B2,B3[,CV]`` (seconds: fixed, per prefill token, per sequence, per context token) or a JSON file
+    with those fields (b0 ... cv), e.g. a fitted step model; ValueError naming what is wrong."""
+    def from_file(raw):
+        raw = raw.get("step", raw) if isinstance(raw, dict) else raw  # a calibration's: its "step" key
+        return StepModel.from_fields(raw)
+
+    return _numbers_or_file(text, "step model", (4, 5), "give B0,B1,B2,B3 or B0,B1,B2,B3,CV",
+                            StepModel, from_file)
 
 
 def parse_front_end(text: str) -> FrontEnd:
     """``REQUEST_S,TOKEN_S[,STEP_S]`` or a JSON file whose ``front_end`` key (a calibration's) holds them;
     ValueError naming what is wrong."""
-    path = Path(text)
-    try:
-        if path.suffix == ".json" or path.is_file():
-            raw = json.loads(path.read_text())
-            front = raw.get("front_end") if isinstance(raw, dict) else None
-            if not isinstance(front, dict):
-                raise ValueError("it has no front_end table (qlab calibrate --engine-metrics writes one)")
-            return FrontEnd(front.get("request_s", 0.0), front.get("token_s", 0.0),
-                            front.get("step_s", 0.0))
-        numbers = [float(v) for v in text.split(",")]
-        if len(numbers) not in (2, 3):
-            raise ValueError("give REQUEST_S,TOKEN_S or REQUEST_S,TOKEN_S,STEP_S")
-        return FrontEnd(*numbers)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read a front end from {text}: {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"bad front end {text!r}: {exc}") from None
+    def from_file(raw):
+        front = raw.get("front_end") if isinstance(raw, dict) else None
+        if not isinstance(front, dict):
+            raise ValueError("it has no front_end table (qlab calibrate --engine-metrics writes one)")
+        return FrontEnd(front.get("request_s", 0.0), front.get("token_s", 0.0), front.get("step_s", 0.0))
+
+    return _numbers_or_file(text, "front end", (2, 3),
+                            "give REQUEST_S,TOKEN_S or REQUEST_S,TOKEN_S,STEP_S", FrontEnd, from_file)
 
 
 def front_end_spec(text: str) -> FrontEnd:
