@@ -561,12 +561,28 @@ def measure_batches(http: httpx.Client, cfg: CalibrationConfig, batching: Batchi
             sent = measure_load(http, cfg, level, texts, counts, per_size).tokens
         else:
             half = max(1, per_size // 2)
+            # Each phase its own share of the sizes, alternating with the level and the half: with every
+            # size in every phase, prompt tokens a step stay proportional to sequences a step and the fit
+            # cannot tell a prefill token from a sequence (vllm-tiny-nocache: nine to one in each phase).
+            mixes = output_mixes(cfg.sizes)
+            k = len(measured)
             sent = [t for h in (0, 1) for t in _counted(
-                cfg, phases, level, h, lambda: measure_load(http, cfg, level, texts, counts, half)).tokens]
+                cfg, phases, level, h, lambda h=h: measure_load(
+                    http, replace(cfg, sizes=mixes[(k + h) % 2]), level, texts, counts, half)).tokens]
         measured.append(BatchLevel(level, len(sent), fetch_steps(http, since)))
         if progress:
             progress(measured[-1])
     return measured
+
+
+def output_mixes(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shorter and the longer half of the output sizes (each at least two sizes; fewer than four:
+    all of them both times), so that phases differ in prompt tokens per token generated."""
+    ordered = tuple(sorted(set(sizes)))
+    if len(ordered) < 4:
+        return ordered, ordered
+    middle = len(ordered) // 2
+    return ordered[:middle], ordered[middle:]
 
 
 def gate_clock(http: httpx.Client) -> float:

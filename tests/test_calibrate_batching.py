@@ -243,3 +243,14 @@ def test_qlab_calibrate_fits_a_batching_servers_step_model_and_serve_plans_with_
     with serving([replace(options, step=None, service_model=str(out))], tmp_path, 60) as (server,):
         stats = httpx.get(f"{server.url}/stats").json()
     assert stats["server_config"]["engine"]["step"] == saved["step"]
+
+
+def test_the_engine_phases_alternate_short_and_long_outputs():
+    # With every size in every phase prompt tokens a step stay proportional to sequences a step:
+    # the phases take the shorter and the longer half of the sizes by turns.
+    from live.calibrate import SIZES, output_mixes
+
+    short, long = output_mixes(SIZES)
+    assert short == (1, 2, 4) and long == (8, 16, 32, 64)
+    assert output_mixes((64, 1, 16)) == ((1, 16, 64), (1, 16, 64))  # too few to split
+    assert all(CalibrationConfig("http://x", sizes=m) for m in output_mixes(SIZES))
