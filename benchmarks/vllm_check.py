@@ -367,6 +367,10 @@ async def _level(url: str, model: str, in_flight: int, requests: int, max_tokens
         await asyncio.gather(*(worker(requests // in_flight) for _ in range(in_flight)))
 
 
+#: The output lengths the straight-at-vLLM phases take by turns (measure_steps).
+OUTPUT_LENGTHS = (16, 64)
+
+
 def measure_steps(
     upstream: str, levels: tuple[int, ...], requests: int
 ) -> tuple[list[StepLevel], list[EnginePhase]]:
@@ -374,11 +378,14 @@ def measure_steps(
     counters."""
     model = resolve_model(UpstreamSpec(upstream))
     found, phases = [], []
-    for level in levels:
-        # Two halves, each a phase of the step model's held-out fit (live.engine_steps).
+    for k, level in enumerate(levels):
+        # Two halves, each a phase of the step model's held-out fit (live.engine_steps), of 16 or
+        # 64 tokens by turns: with one length everywhere prompt tokens a step stay proportional to
+        # sequences a step and the fit cannot tell them apart (qlab calibrate does the same).
         readings = [(vllm_server.metrics(upstream), time.perf_counter())]
         for half in (0, 1):
-            asyncio.run(_level(upstream, model, level, max(level, requests // 2)))
+            tokens = OUTPUT_LENGTHS[(k + half) % 2]
+            asyncio.run(_level(upstream, model, level, max(level, requests // 2), tokens))
             readings.append((vllm_server.metrics(upstream), time.perf_counter()))
         ends = [Counters.of(m, at) for m, at in readings]
         phases += [EnginePhase.between(level, h, ends[h], ends[h + 1]) for h in (0, 1)]
