@@ -13,7 +13,8 @@ and ``qsim.simulate(..., replicas=N, router=...)`` drive one :class:`~qsim.fleet
 engines are all stalled (the gate's stall rule, :class:`qsim.config.StallRule`) is down, so the
 router sends nothing there, and up again once one of its engines hands its run back; so is one
 whose engine says what it depends on is not there (:class:`live.engine.Checked`: an upstream that
-went away), until its readiness says it is back.
+went away), until its readiness says it is back, and one whose runs fail in a row (the gate's
+:data:`live.gate.FAILING_STREAK`), for a pause.
 """
 
 from __future__ import annotations

@@ -349,6 +349,11 @@ CUT_LEAD_S = 0.002
 #: resolution of two clocks that are apart, waiting on would never end.
 CUT_SLACK_S = 1e-6
 
+#: Runs in a row that fail on one replica of a fleet before the gate takes it out of routing for
+#: :data:`FAILING_PAUSE_S` (a replica that fails at once looks idle: load-aware routers would send
+#: it everything); then it is sent to again, and one more failure takes it out again.
+FAILING_STREAK = 5
+FAILING_PAUSE_S = 5.0
 #: The last item of a streamed job's pieces: its future is done (answered, failed, or cancelled).
 END = object()
 
@@ -526,6 +531,10 @@ class Gate:
         # A fleet's replicas whose engine says it is not ready (and why); the question to each.
         self._unready: dict[int, str] = {}
         self._probes: dict[int, asyncio.Task] = {}
+        # Per replica: its runs that failed in a row, and until when a streak of them keeps it
+        # out of routing.
+        self._failing = [0] * (fleet.replicas if fleet is not None else 0)
+        self._paused: dict[int, float] = {}
 
     def _fitted(self, config: ServerConfig) -> ServerConfig:
         """The config this gate runs: engines one at a time, as many as it is given (a batching engine has its own
@@ -792,6 +801,8 @@ class Gate:
         if not failed and result.stopped:  # cut short: its time is no service time
             result = _Failure(RuntimeError("the engine stopped the run unasked"), result.engine_s)
         ok = not isinstance(result, _Failure)
+        if self.fleet is not None:
+            self._count_failure(self.queue.replica_of_engine(k), ok, now)
         # The tokens it generated: what a learning estimator learns (a stop string ends a run early).
         outcome = self.queue.finished(k, now, result.engine_s, ok=ok, tokens=result.tokens if ok else None)
         if outcome is None:
@@ -916,12 +927,13 @@ class Gate:
         router sends it nothing) and comes back when it is well (LiveFleet.watch); what it held
         ends now: an error of the stall or of the upstream."""
         self._probe_replicas()
-        for ticket, state, r in self.queue.watch(now, self._unready):
+        unready = {**self._failing_now(now), **self._unready}
+        for ticket, state, r in self.queue.watch(now, unready):
             if state == "running" and ticket.cancel is not None:
                 ticket.cancel.set()  # nobody waits for it now: the engine may stop
             waited = now - ticket.arrival.at
             numbers = {**ticket.arrival.numbers(), "waited_s": waited}
-            problem = self._unready.get(r)
+            problem = unready.get(r)
             if problem is None:
                 message = (f"replica {r}'s every engine is stalled; the gate took it out of "
                            f"routing and ended this request after {waited:.3f} s; send it again")
@@ -931,6 +943,25 @@ class Gate:
                 exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
                                      ticket.arrival, numbers)
             self._resolve(ticket, Outcome.ERROR, exc=exc)
+
+    def _count_failure(self, r: int, ok: bool, now: float) -> None:
+        """Replica r's run ended ``ok`` or failed: :data:`FAILING_STREAK` failures in a row pause it
+        for :data:`FAILING_PAUSE_S` (an answer ends the streak)."""
+        if ok:
+            self._failing[r] = 0
+            self._paused.pop(r, None)
+            return
+        self._failing[r] += 1
+        if self._failing[r] >= FAILING_STREAK and r not in self._paused:
+            self._paused[r] = now + FAILING_PAUSE_S
+
+    def _failing_now(self, now: float) -> dict[int, str]:
+        """The replicas a streak of failures keeps out of routing now, and why."""
+        for r in [r for r, until in self._paused.items() if until <= now]:
+            del self._paused[r]  # sent to again; its next failure pauses it once more
+            self._failing[r] = FAILING_STREAK - 1
+        return {r: f"its last {self._failing[r]} runs failed; sent to again in "
+                   f"{until - now:.1f} s" for r, until in self._paused.items()}
 
     def _probe_replicas(self) -> None:
         """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which

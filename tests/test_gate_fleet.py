@@ -316,3 +316,68 @@ def test_draining_a_fleet_gate_answers_every_replicas_waiting():
     assert sum(isinstance(e, ShuttingDown) for e in ended) == 9
     assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
     assert not where  # each ended request's replica is forgotten
+
+
+class _FailingUpstream(_GoneUpstream):
+    """Reachable and ready all along (its readiness says nothing is wrong), but from ``away[0]`` to
+    ``away[1]`` s every run fails at once: an upstream that answers 500 to everything."""
+
+    async def readiness(self):
+        return None
+
+
+@pytest.mark.parametrize("router", ["jsq", "least_work"])
+def test_a_replica_that_fails_at_once_is_paused_and_tried_again(router):
+    """A replica whose runs fail at once looks idle: jsq and least_work would send it nearly
+    everything. After FAILING_STREAK failures in a row the gate pauses it for FAILING_PAUSE_S,
+    sends to it again, and keeps it once it answers."""
+    import asyncio
+
+    import pandas as pd
+
+    from live.gate import FAILING_PAUSE_S, FAILING_STREAK, Gate, Job, gate_config
+    from test_gate_sim import MODEL
+    from virtual_time import on_virtual_clock
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except tuple(_ENDS) as exc:
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engines = [_GoneUpstream(MODEL), _FailingUpstream(MODEL, away=(5.0, 15.0)),
+                   _GoneUpstream(MODEL)]
+        config = gate_config(PRESETS["none"], model=MODEL)
+        tasks = []
+        async with Gate(engines, config, clock=loop.time, fleet=FleetSpec(3, make_router(router))) \
+                as gate:
+            for i in range(800):
+                await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+            await asyncio.gather(*tasks)
+            return gate.stats()
+
+    stats = on_virtual_clock(go)
+    frame = pd.DataFrame(rows)
+    assert frame["outcome"].notna().all() and sum(stats["counts"].values()) == len(frame)
+    failed = frame[frame["outcome"].eq("error")]
+    assert set(failed["reason"]) == {"upstream_error"}
+    # Without the pause the idle-looking replica would take most of the 333 arrivals of the 10 s;
+    # with it, a streak before each pause and one trial after it.
+    pauses = 10.0 / FAILING_PAUSE_S
+    assert len(failed) <= FAILING_STREAK + pauses + 2
+    down = [t for t, up in ups if not up[1]]
+    assert down and 5.0 <= down[0] < 6.0 and down[-1] < 15.0 + FAILING_PAUSE_S + 0.2
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert (sent > 15.0 + FAILING_PAUSE_S + 0.2).sum() > 20  # it answers again, and is kept
+    assert all(r["up"] for r in stats["replicas"])
