@@ -63,7 +63,7 @@ def parse_front_end(text: str) -> FrontEnd:
         front = raw.get("front_end") if isinstance(raw, dict) else None
         if not isinstance(front, dict):
             raise ValueError("it has no front_end table (qlab calibrate --engine-metrics writes one)")
-        return FrontEnd(front.get("request_s", 0.0), front.get("token_s", 0.0), front.get("step_s", 0.0))
+        return FrontEnd.from_fields(front)
 
     return _numbers_or_file(text, "front end", (2, 3),
                             "give REQUEST_S,TOKEN_S or REQUEST_S,TOKEN_S,STEP_S", FrontEnd, from_file)

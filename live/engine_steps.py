@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -204,8 +204,7 @@ class FrontEndFit:
     n: int
 
     def as_dict(self) -> dict:
-        return {"request_s": self.model.request_s, "step_s": self.model.step_s,
-                "token_s": self.model.token_s, "idle_cpu_a_second": self.idle_cpu_a_second,
+        return {**asdict(self.model), "idle_cpu_a_second": self.idle_cpu_a_second,
                 "r2": self.r2, "n": self.n,
                 "seconds": "the API process's CPU (process_cpu_seconds_total), not wall time"}
 

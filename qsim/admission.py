@@ -175,12 +175,18 @@ class Admission:
             self.arrivals += 1
         if deadline_s is None or deadline_s != deadline_s:
             deadline_s = self.policy.deadline_s
+        base_est_s, work = self.estimated(base_est_s, work)
+        return base_est_s, deadline_s, work
+
+    def estimated(self, base_est_s: float, work: Work | tuple | None) -> tuple[float, Work | None]:
+        """An arrival's calibrated estimate from its work (the estimator's; None: ``base_est_s`` as
+        it is) and its work as a Work; nothing counted (a fleet router's probe asks it too)."""
         if work is not None:
             if type(work) is not Work:
                 work = Work(*work)
             if self.estimator is not None:
                 base_est_s = self.estimator.base_s(base_est_s, *work)
-        return base_est_s, deadline_s, work
+        return base_est_s, work
 
     def admit(self, now: float, entry: Entry, factor: float, p: Projection) -> Rejection | None:
         """The refusal of ``entry`` (arrived at ``now``; estimates scaled by ``factor``), or None.

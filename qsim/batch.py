@@ -260,12 +260,9 @@ class BatchQueue(Projections, Core):
         """The time to first token :meth:`_project` gives an arrival of ``ask``'s estimate and
         work now, nothing counted (a router's question, not an arrival)."""
         work = ask.work
-        if work is None:
+        if work is None:  # as arrive takes it
             work = Work(self.config.model.tokens_for(ask.base_est_s), 0, None)
-        elif type(work) is not Work:
-            work = Work(*work)
-        estimator = self.admission.estimator
-        base_est_s = ask.base_est_s if estimator is None else estimator.base_s(ask.base_est_s, *work)
+        base_est_s, work = self.admission.estimated(ask.base_est_s, work)
         seq = _Seq(None, work.prompt, work.limit, self._est_out(base_est_s, work))
         if self.pool is not None:  # its own tokens where the trace says them; else shared by none
             own = None if req is None or self._tokens_of is None else self._tokens_of(req)

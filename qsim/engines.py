@@ -189,6 +189,15 @@ class FrontEnd:
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)):
                 raise ValueError(f"front_end {name} must be a number >= 0, got {value!r}")
 
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> "FrontEnd":
+        """The front end a table of its fields describes (as TOML, a run file or a calibration
+        carries it; a field not given is 0); ValueError naming a field it does not have."""
+        unknown = set(raw) - {"request_s", "token_s", "step_s"}
+        if unknown:
+            raise ValueError(f"front_end takes request_s, token_s and step_s, not {sorted(unknown)}")
+        return cls(**raw)
+
 
 @dataclass(frozen=True)
 class Batching:
@@ -226,11 +235,7 @@ class Batching:
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
         if isinstance(self.front_end, Mapping):  # as a TOML table or a run file's fields carry it
-            unknown = set(self.front_end) - {"request_s", "token_s", "step_s"}
-            if unknown:
-                raise ValueError(f"front_end takes request_s, token_s and step_s, "
-                                 f"not {sorted(unknown)}")
-            object.__setattr__(self, "front_end", FrontEnd(**self.front_end))
+            object.__setattr__(self, "front_end", FrontEnd.from_fields(self.front_end))
         if self.front_end is not None and not isinstance(self.front_end, FrontEnd):
             raise ValueError(f"front_end must be a table of request_s, token_s and step_s, "
                              f"got {self.front_end!r}")
