@@ -167,8 +167,10 @@ class _GoneUpstream:
         return {"engine": "gone-upstream"}
 
 
-@pytest.mark.parametrize("router", ["round_robin", "jsq"])
-def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(router):
+def _fleet_of_upstreams(engines, policy: str, router: str):
+    """800 requests, one each 30 ms, through a fleet gate of one replica per engine, on the
+    virtual clock: each request's row (arrival, outcome, reason, replica), whether each replica
+    was up at each arrival, and the final /stats."""
     import asyncio
 
     import pandas as pd
@@ -190,11 +192,9 @@ def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(ro
 
     async def go():
         loop = asyncio.get_running_loop()
-        engines = [_GoneUpstream(MODEL), _GoneUpstream(MODEL, away=(5.0, 15.0)),
-                   _GoneUpstream(MODEL)]
-        config = gate_config(PRESETS["predictive"], model=MODEL)
+        config = gate_config(PRESETS[policy], model=MODEL)
         tasks = []
-        fleet = FleetSpec(3, make_router(router))
+        fleet = FleetSpec(len(engines), make_router(router))
         async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
             for i in range(800):
                 await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
@@ -206,7 +206,15 @@ def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(ro
             return gate.stats()
 
     stats = on_virtual_clock(go)
-    frame = pd.DataFrame(rows)
+    return pd.DataFrame(rows), ups, stats
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq"])
+def test_a_replica_whose_upstream_goes_away_is_routed_around_until_it_is_back(router):
+    from test_gate_sim import MODEL
+
+    engines = [_GoneUpstream(MODEL), _GoneUpstream(MODEL, away=(5.0, 15.0)), _GoneUpstream(MODEL)]
+    frame, ups, stats = _fleet_of_upstreams(engines, "predictive", router)
     assert frame["outcome"].notna().all()
     assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
     down = [t for t, up in ups if not up[1]]
@@ -331,44 +339,11 @@ def test_a_replica_that_fails_at_once_is_paused_and_tried_again(router):
     """A replica whose runs fail at once looks idle: jsq and least_work would send it nearly
     everything. After FAILING_STREAK failures in a row the gate pauses it for FAILING_PAUSE_S,
     sends to it again, and keeps it once it answers."""
-    import asyncio
-
-    import pandas as pd
-
-    from live.gate import FAILING_PAUSE_S, FAILING_STREAK, Gate, Job, gate_config
+    from live.gate import FAILING_PAUSE_S, FAILING_STREAK
     from test_gate_sim import MODEL
-    from virtual_time import on_virtual_clock
 
-    rows, ups = [], []
-
-    async def one(gate, job, row):
-        try:
-            answer = await gate.submit(job)
-        except tuple(_ENDS) as exc:
-            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
-            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
-        else:
-            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
-
-    async def go():
-        loop = asyncio.get_running_loop()
-        engines = [_GoneUpstream(MODEL), _FailingUpstream(MODEL, away=(5.0, 15.0)),
-                   _GoneUpstream(MODEL)]
-        config = gate_config(PRESETS["none"], model=MODEL)
-        tasks = []
-        async with Gate(engines, config, clock=loop.time, fleet=FleetSpec(3, make_router(router))) \
-                as gate:
-            for i in range(800):
-                await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
-                row = {"arrival_s": loop.time(), "outcome": None}
-                rows.append(row)
-                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
-                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
-            await asyncio.gather(*tasks)
-            return gate.stats()
-
-    stats = on_virtual_clock(go)
-    frame = pd.DataFrame(rows)
+    engines = [_GoneUpstream(MODEL), _FailingUpstream(MODEL, away=(5.0, 15.0)), _GoneUpstream(MODEL)]
+    frame, ups, stats = _fleet_of_upstreams(engines, "none", router)
     assert frame["outcome"].notna().all() and sum(stats["counts"].values()) == len(frame)
     failed = frame[frame["outcome"].eq("error")]
     assert set(failed["reason"]) == {"upstream_error"}
