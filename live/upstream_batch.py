@@ -24,13 +24,17 @@ Learning the step model (:class:`StepLearner`). The gate sees no step of the ups
 streamed answer arrives. A server that batches ends a step with one token for every sequence it runs, written
 together: the chunks of all answers fall in bursts, one a step (chunks closer than :data:`BURST_SHARE` of the median
 gap between one answer's chunks are one burst; the gate reads a burst within a fraction of a millisecond, a step is
-tens of them). A burst is what one step computed: each answer with a chunk in it ran in it (``seqs``), one whose
-*first* chunk is in it computed its prompt in it (``prefill``: its prompt tokens), and each held its prompt and the
-tokens it had (``context``); its seconds are the gap from the burst before, the median over the answers that have a
-chunk in both (a burst with no such answer followed an idle server and is left out, as is one where an answer has
-two chunks, one :data:`PAUSE` times the median step or longer, and the answers whose
-``usage.completion_tokens`` says that their chunks carried more than one token each). The four coefficients are then :meth:`qsim.engines.StepModel.fit`'s (non-negative least squares), the CV
-the spread of the steps around the fit.
+tens of them). A burst is what the steps since the burst before computed: each answer with a chunk in it ran in them
+(``seqs``), one whose *first* chunk is in it computed its prompt in them (``prefill``: its prompt tokens), and each
+held its prompt and the tokens it had (``context``: the mean over those steps). A chunk of ``k`` tokens (``usage``'s
+count: a loaded vLLM's API server writes the tokens of several steps in one chunk when it falls behind its engine)
+spans ``k`` steps of its answer, so a burst whose chunks carry ``k`` tokens stands for ``k`` steps: its row is their
+mean (each term's sum over the answers' own steps, over ``k``; seconds the median gap of the answers with a chunk in
+both bursts and ``k`` tokens, over ``k``). A burst with no such answer followed an idle server and is left out, as
+is one where an answer has two chunks, one :data:`PAUSE` times the median step or longer, and the answers whose
+``usage.completion_tokens`` says more tokens than their chunks counted (tokens the gate cannot place). The four
+coefficients are then :meth:`qsim.engines.StepModel.fit`'s (non-negative least squares), the CV the spread of the
+steps around the fit.
 
 The rule (a checkpoint, documented in docs/live.md): after every :data:`REFIT_EVERY` new gaps between two chunks
 of an answer, once :data:`MIN_GAPS` steps have been read at two batch sizes at least, the model is fitted again on
@@ -87,7 +91,11 @@ class Timeline:
 
     prompt: int
     times: list[float] = field(default_factory=list)
-    one_token_chunks: bool = True  # False: usage said its chunks carried more tokens than there were chunks
+    tokens: list[int] = field(default_factory=list)  # each chunk's tokens; empty: one a chunk
+    counted: bool = True  # False: usage said more tokens than its chunks counted
+
+    def chunk_tokens(self) -> np.ndarray:
+        return np.asarray(self.tokens if self.tokens else [1] * len(self.times), float)
 
 
 @dataclass(frozen=True)
@@ -106,50 +114,95 @@ class Gaps:
 #: Chunks of different answers closer than this share of the median gap between one answer's chunks belong to one
 #: step of the server (it writes a step's tokens together; the gate reads them within a fraction of a millisecond).
 BURST_SHARE = 0.25
+#: Chunks closer than this came in one read of the stream, whatever the server: no step is this short (a decode
+#: step takes milliseconds), and a read hands the gate its events within microseconds.
+READ_S = 0.0005
 #: A "step" this many times the median step is a pause of the server (a hang, a stop of the world), not a step.
 PAUSE = 10.0
 
 
 def gaps_of(timelines: list[Timeline], window: int = WINDOW) -> Gaps:
-    """The last ``window`` single steps that the answers' chunk times show (see the module)."""
-    kept = [t for t in timelines if t.one_token_chunks and t.times]
+    """The last ``window`` rows of steps that the answers' chunk times show (see the module)."""
+    kept = [t for t in timelines if t.counted and t.times]
+    own = np.concatenate([np.diff(t.times) for t in kept] or [np.zeros(0)])
+    own = own[own > READ_S]
     rows = []
-    if kept:
-        times = np.concatenate([np.asarray(t.times, float) for t in kept])
+    if len(own):
+        # Bursts: a server step's chunks, split where the time between two chunks is a real gap.
+        tau = BURST_SHARE * float(np.median(own))
+        kept = [_delivered(t, tau) for t in kept]
+        times = np.concatenate([t.times for t in kept])
         rid = np.concatenate([np.full(len(t.times), i) for i, t in enumerate(kept)])
-        idx = np.concatenate([np.arange(len(t.times)) for t in kept])
+        steps = np.concatenate([t.tokens for t in kept])
+        before = np.concatenate([np.cumsum(t.tokens) - t.tokens for t in kept])
         prompt = np.array([t.prompt for t in kept], float)[rid]
         order = np.argsort(times, kind="stable")
-        times, rid, idx, prompt = times[order], rid[order], idx[order], prompt[order]
-        own = np.concatenate([np.diff(t.times) for t in kept if len(t.times) > 1] or [np.zeros(0)])
-        if len(own):
-            # Bursts: a server step's chunks, split where the time between two chunks is a real gap.
-            tau = BURST_SHARE * float(np.median(own))
-            burst = np.concatenate([[0], np.cumsum(np.diff(times) > tau)])
-            rows = _steps(times, rid, idx, prompt, burst, window)
+        chunks = _Chunks(times[order], rid[order], steps[order], before[order], prompt[order])
+        burst = np.concatenate([[0], np.cumsum(np.diff(chunks.times) > tau)])
+        rows = _steps(chunks, burst, window)
     a = np.array(rows, float).reshape(-1, 4)
     if len(a):
         a = a[a[:, 3] <= PAUSE * np.median(a[:, 3])]
     return Gaps(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
 
 
-def _steps(times, rid, idx, prompt, burst, window: int) -> list[tuple[float, float, float, float]]:
-    """One row per burst that is one step after the burst before it: each answer in it has one chunk there, and
-    some answer has its previous chunk in the burst before (the server was busy in between, not idle); seconds:
-    the median over those answers of their two chunks' gap."""
+@dataclass(frozen=True)
+class _Delivered:
+    """One answer's chunks as the server delivered them: when, and how many tokens each."""
+
+    prompt: int
+    times: np.ndarray
+    tokens: np.ndarray
+
+
+def _delivered(timeline: Timeline, tau: float) -> _Delivered:
+    """Chunks of one answer closer than ``tau`` came in one read (the server wrote several steps' tokens before
+    the gate read them): one delivery, at the last one's time, of all their tokens."""
+    times, tokens = np.asarray(timeline.times, float), timeline.chunk_tokens()
+    last = np.append(np.diff(times) > tau, True)  # each delivery's last chunk
+    group = np.concatenate([[0], np.cumsum(last[:-1])])
+    return _Delivered(timeline.prompt, times[last], np.bincount(group, weights=tokens))
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """Every chunk of the kept answers in the order they came: when, whose, its tokens (the steps it spans),
+    the tokens its answer had before it, and its answer's prompt tokens."""
+
+    times: np.ndarray
+    rid: np.ndarray
+    steps: np.ndarray
+    before: np.ndarray
+    prompt: np.ndarray
+
+
+def _steps(chunks: _Chunks, burst: np.ndarray, window: int) -> list[tuple[float, float, float, float]]:
+    """One row per burst that follows the burst before it: each answer in it has one chunk there, and some
+    answer has its previous chunk in the burst before (the server was busy in between, not idle). The burst
+    stands for the ``k`` steps its chunks span (the most tokens of those answers'); its row is their mean."""
     bounds = np.flatnonzero(np.diff(burst)) + 1
-    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(times)]])
-    rows, before = [], {}
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(chunks.times)]])
+    rows, last = [], {}
     for lo, hi in zip(starts, ends):
-        who = rid[lo:hi].tolist()
-        now = dict(zip(who, times[lo:hi].tolist()))
+        part = slice(lo, hi)
+        who = chunks.rid[part].tolist()
+        now = dict(zip(who, chunks.times[part].tolist()))
         if len(now) == len(who):  # an answer with two chunks in a burst: not one step's
-            gaps = [now[r] - before[r] for r, i in zip(who, idx[lo:hi].tolist()) if i >= 1 and r in before]
-            if gaps:
-                first = idx[lo:hi] == 0
-                rows.append((float(prompt[lo:hi][first].sum()), float(len(who)),
-                             float((prompt[lo:hi] + idx[lo:hi] + 1).sum()), float(np.median(gaps))))
-        before = now
+            went = [(now[r] - last[r], k) for r, b, k
+                    in zip(who, chunks.before[part], chunks.steps[part]) if b >= 1 and r in last]
+            if went:
+                # The steps since the burst before: an answer that ran in all of them has k tokens here (one
+                # that ended among them fewer, and its chunk waited for the rest); the mean of each term is
+                # then its sum over the answers' own steps over k.
+                k = max(k for _, k in went)
+                steps = chunks.steps[part]
+                first = chunks.before[part] == 0
+                # An answer's mean context over its steps: its prompt, its tokens before, (steps + 1) / 2.
+                context = chunks.prompt[part] + chunks.before[part] + (steps + 1) / 2
+                rows.append((float(chunks.prompt[part][first].sum()) / k, float(steps.sum()) / k,
+                             float((context * steps).sum()) / k,
+                             float(np.median([g for g, n in went if n == k])) / k))
+        last = now
     return rows[-window:]
 
 
@@ -176,20 +229,19 @@ class StepLearner:
         return timeline
 
     def chunk(self, timeline: Timeline, at: float, tokens: int = 1) -> None:
-        """A chunk of ``tokens`` tokens came at ``at``; one of several tokens spans steps the gate cannot see
-        apart, so its answer leaves the gaps' count (its time still spans them)."""
+        """A chunk of ``tokens`` tokens came at ``at``: it spans that many steps of its answer."""
         timeline.times.append(at)
-        if tokens != 1:
-            timeline.one_token_chunks = False
+        timeline.tokens.append(tokens)
         if len(timeline.times) > 1:
             self.gaps_seen += 1
             self._since_fit += 1
 
     @staticmethod
     def ended(timeline: Timeline, tokens: int) -> None:
-        """The answer's tokens as the upstream counted them (``usage``, else its chunks)."""
-        if tokens > len(timeline.times):
-            timeline.one_token_chunks = False
+        """The answer's tokens as the upstream counted them (``usage``, else its chunks): more than its chunks
+        counted (a server that says its count only at the end) leaves tokens the gate cannot place."""
+        if tokens > sum(timeline.tokens or [1] * len(timeline.times)):
+            timeline.counted = False
 
     def checkpoint(self) -> StepModel | None:
         """The refitted model when a fit is due and the gaps allow one (module docstring), else None. Once

@@ -19,7 +19,7 @@ pytest.importorskip("httpx")
 
 from live.contract import UpstreamChunk  # noqa: E402
 from live.upstream import ChunkRead, UpstreamRoutes, _Reading  # noqa: E402
-from live.upstream_batch import StepLearner, Timeline, _Forward  # noqa: E402
+from live.upstream_batch import gaps_of, StepLearner, Timeline, _Forward  # noqa: E402
 from live.gate import Job  # noqa: E402
 from qsim.engines import StepModel  # noqa: E402
 
@@ -109,14 +109,18 @@ def test_the_batching_forwarder_follows_the_upstream_token_by_token():
     assert (forward.taken, forward.prompt_tokens, "".join(forward.text)) == (5, 4, "abcde")
 
 
-def test_a_chunk_of_several_tokens_leaves_its_answer_out_of_the_step_gaps():
+def test_a_chunk_of_several_tokens_counts_as_that_many_steps_of_its_answer():
     learner = StepLearner(StepModel())
-    one, several = learner.started(3), learner.started(3)
-    for at in (0.0, 0.01, 0.02):
-        learner.chunk(one, at)
-    learner.chunk(several, 0.0)
-    learner.chunk(several, 0.02, tokens=2)
-    assert one.one_token_chunks and not several.one_token_chunks
+    alone = learner.started(3)
+    for at, tokens in ((0.0, 1), (0.01, 1), (0.03, 2), (0.06, 3)):
+        learner.chunk(alone, at, tokens)
+    learner.ended(alone, 7)
+    gaps = gaps_of(list(learner.timelines))
+    assert gaps.seconds.round(6).tolist() == [0.01, 0.01, 0.01]
+    # Its mean context over each chunk's steps: prompt 3, tokens before, then (k + 1) / 2.
+    assert gaps.context.tolist() == [3 + 1 + 1, 3 + 2 + 1.5, 3 + 4 + 2]
+    learner.ended(alone, 9)  # usage says more than the chunks counted: tokens the gate cannot place
+    assert not alone.counted and len(gaps_of(list(learner.timelines))) == 0
 
 
 def test_forwarded_requests_ask_for_usage_in_every_chunk_where_the_upstream_takes_it():
