@@ -156,16 +156,32 @@ class FileSummary:
                               read_dictionary=["outcome", "size_class"])
         names = set(file.schema_arrow.names)
         wanted = [c for c in columns if c in names]
+        for group, mine in self._groups(file):
+            batch = {c: _column(file, group, c) for c in wanted if c not in ("outcome", "size_class")}
+            batch["outcome"] = _codes(file, group, "outcome", self._outcome_code)
+            batch["size_class"] = _codes(file, group, "size_class", self._group_code(first))
+            yield batch if mine is None or mine.all() else {c: v[mine] for c, v in batch.items()}
+
+    def _groups(self, file: pq.ParquetFile):
+        """Each row group holding rows of this seed, with which of its rows are (None: all, no seed)."""
         for group in range(file.num_row_groups):
             mine = None
             if self.seed is not None:
                 mine = _column(file, group, "seed") == self.seed
                 if not mine.any():
                     continue
-            batch = {c: _column(file, group, c) for c in wanted if c not in ("outcome", "size_class")}
-            batch["outcome"] = _codes(file, group, "outcome", self._outcome_code)
-            batch["size_class"] = _codes(file, group, "size_class", self._group_code(first))
-            yield batch if mine is None or mine.all() else {c: v[mine] for c, v in batch.items()}
+            yield group, mine
+
+    def by_replica(self, replicas: int) -> pd.DataFrame:
+        """metrics.by_replica of this seed's rows, a row group at a time (its counts and sums add up)."""
+        file = pq.ParquetFile(self.path, pre_buffer=False)
+        total = metrics.by_replica(pd.DataFrame({"replica": pd.array([], dtype="Int64"),
+                                                 "start_s": [], "true_service_s": []}), replicas)
+        for group, mine in self._groups(file):
+            rows = file.read_row_group(group, columns=["replica", "start_s", "true_service_s"],
+                                       use_threads=False).to_pandas()
+            total += metrics.by_replica(rows if mine is None else rows[mine], replicas)
+        return total
 
     def _scan(self, job: _Pass, first: bool = False) -> None:
         for frame in self._batches(first):

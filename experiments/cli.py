@@ -97,6 +97,11 @@ class _SeedRun:
             return self.stats.by_class()
         return metrics.by_class(self.frame, self.duration_s)
 
+    def by_replica(self, replicas: int) -> pd.DataFrame:
+        if self.stats:
+            return self.stats.by_replica(replicas)
+        return metrics.by_replica(self.frame, replicas)
+
     def timed(self) -> bool:
         """Whether the run has token times to show (a batching engine's, or TTFT objectives)."""
         if self.stats:
@@ -179,13 +184,13 @@ def _down(text: str) -> tuple:
 
 def _balance_across_seeds(runs: list["_SeedRun"], fleet: FleetSpec) -> pd.DataFrame:
     return metrics.across_seeds(pd.DataFrame(
-        [metrics.fleet_balance(metrics.by_replica(r.frame, fleet.replicas)) for r in runs]))
+        [metrics.fleet_balance(r.by_replica(fleet.replicas)) for r in runs]))
 
 
 def _print_fleet(runs: list["_SeedRun"], fleet: FleetSpec) -> None:
     """Per replica (one run), the load imbalance and Jain's index over replicas."""
     if len(runs) == 1:
-        table = metrics.by_replica(runs[0].frame, fleet.replicas)
+        table = runs[0].by_replica(fleet.replicas)
         balance = metrics.fleet_balance(table)
         print(f"\nby replica ({_router_words(fleet)}):")
         print(_fmt(table))
@@ -317,12 +322,11 @@ def cmd_simulate(args) -> int:
     if fleet is not None and "capacity_rps" in options:  # the load is each batching replica's
         options["capacity_rps"] *= fleet.replicas
     seeds = range(args.seed, args.seed + args.seeds)
-    # What does not stream runs whole: retries, a prefix cache, shared prefixes, a fleet
-    # (qsim.stream).
+    # What does not stream runs whole: retries, a prefix cache, shared prefixes (qsim.stream).
     whole = (retry is not None and retry.retries) or "prefixes" in options or \
-        getattr(engine, "prefix_caching", False) or fleet is not None
+        getattr(engine, "prefix_caching", False)
     if args.out and not whole:
-        runs = _streamed_runs(args, seeds, workload, server, schedule)
+        runs = _streamed_runs(args, seeds, workload, server, schedule, fleet)
     else:
         runs = []
         for seed in seeds:
@@ -346,7 +350,7 @@ def cmd_simulate(args) -> int:
             out["summary"] = run.summary()
             out["by_class"] = run.by_class().to_dict(orient="index")
             if fleet is not None:
-                table = metrics.by_replica(run.frame, fleet.replicas)
+                table = run.by_replica(fleet.replicas)
                 out["fleet"] = {"router": fleet.router.name, **metrics.fleet_balance(table),
                                 "by_replica": table.to_dict(orient="index")}
         else:
@@ -375,7 +379,8 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-def _streamed_runs(args, seeds, workload, server, schedule) -> list[_SeedRun]:
+def _streamed_runs(args, seeds, workload, server, schedule,
+                   fleet: FleetSpec | None) -> list[_SeedRun]:
     """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in
     memory all at once), then summarised from the file a row group at a time
     (analysis.filesummary): reading the records back whole took more memory than the run."""
@@ -384,7 +389,8 @@ def _streamed_runs(args, seeds, workload, server, schedule) -> list[_SeedRun]:
         for seed in seeds:
             config = server(seed)
             info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, config,
-                              speed_schedule=schedule, columns={"seed": seed, "policy": config.policy.name})
+                              speed_schedule=schedule, fleet=fleet,
+                              columns={"seed": seed, "policy": config.policy.name})
             finished.append((seed, info.duration_s, info.rows))
     return [_SeedRun(seed, None, duration_s, FileSummary(args.out, seed, duration_s), rows)
             for seed, duration_s, rows in finished]

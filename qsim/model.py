@@ -577,6 +577,9 @@ class _InFleet:
     def _per_attempt(self) -> tuple:
         return (*super()._per_attempt(), (self.replica_of, -1))
 
+    def _rows(self) -> dict:
+        return {**super()._rows(), "replica_of": self.replica_of}
+
     def _replicas(self, n: int) -> np.ndarray:
         return records.column(self.replica_of, np.int64)
 

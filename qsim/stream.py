@@ -12,8 +12,10 @@ arrivals reach the end of a block, the next chunk of the trace is loaded into a 
 whose every request has an outcome are written (in request order: a block waits for the ones before it), and a
 written block is free again once no timer of its requests (a client's patience, an engine's run) can still fire.
 
-What does not stream: clients that send again (a retry's row follows the whole trace's, and the retry budget
-counts first sends around it), and the per-request inputs that :func:`qsim.simulate` takes beside its trace
+A fleet (N replicas behind a router, :mod:`qsim.fleet`) streams as one server does: its driver's lists are the
+same window, and the replica each request went to is one more of them. What does not stream: clients that send
+again (a retry's row follows the whole trace's, and the retry budget counts first sends around it), a prefix
+cache (its requests' tokens are the whole trace's), and the per-request inputs that :func:`qsim.simulate` takes beside its trace
 (failures, reported times): a streamed run reads what its trace carries.
 """
 
@@ -35,7 +37,9 @@ from . import records
 from .chunks import TraceChunks
 from .clients import RetryPolicy
 from .config import ServerConfig, as_config
-from .model import CANCEL_UNTIL, _BatchSimulation, _Simulation
+from .fleet import FleetSpec
+from .model import (CANCEL_UNTIL, _BatchFleetSimulation, _BatchSimulation, _FleetSimulation,
+                    _Simulation)
 from .policy import Policy
 from .service import SpeedSchedule
 from .workload import REFERENCE_MIX, Trace, assemble_trace
@@ -134,21 +138,22 @@ class RecordWriter:
 def simulate_to_parquet(source: Trace | TraceChunks, path: str | Path, config: ServerConfig | Policy = ServerConfig(),
                         *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
                         speed_schedule: SpeedSchedule | None = None, chunk: int = CHUNK,
-                        row_group: int = ROW_GROUP) -> StreamResult:
+                        row_group: int = ROW_GROUP, fleet: FleetSpec | None = None) -> StreamResult:
     """Run ``source`` through a server as :func:`qsim.simulate` does and write its records to the parquet file
     ``path`` as the run goes, in request order, in row groups of ``row_group`` rows (reading the file back gives
     simulate's frame for the same trace and server). source: a trace's chunks (:class:`qsim.chunks.TraceChunks`,
     read in its own chunk size) or a trace (cut into chunks of ``chunk``). config, cancel_until and
-    speed_schedule: as simulate's. retry: None or one that never retries (retries do not stream)."""
+    speed_schedule: as simulate's. retry: None or one that never retries (retries do not stream). fleet: N
+    replicas of the server behind a router (simulate's replicas, router, replica_speeds, replica_down)."""
     with RecordWriter(path, row_group) as writer:
         return stream_run(source, writer, config, cancel_until=cancel_until, retry=retry,
-                          speed_schedule=speed_schedule, chunk=chunk)
+                          speed_schedule=speed_schedule, chunk=chunk, fleet=fleet)
 
 
 def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: ServerConfig | Policy = ServerConfig(),
                *, cancel_until: str | None = None, retry: RetryPolicy | None = None,
                speed_schedule: SpeedSchedule | None = None, chunk: int = CHUNK,
-               columns: dict | None = None) -> StreamResult:
+               columns: dict | None = None, fleet: FleetSpec | None = None) -> StreamResult:
     """:func:`simulate_to_parquet` into an open :class:`RecordWriter` (several runs may share one file), each
     record with the constant ``columns`` added (as ``frame.assign(**columns)``: the command line adds each
     run's seed and policy)."""
@@ -165,7 +170,10 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
     if cancel_until not in CANCEL_UNTIL:
         raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
     inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule)
-    base = _BatchSimulation if config.batching else _Simulation
+    if fleet is not None:
+        fleet.check(config)
+        inputs["fleet"] = fleet
+    base, streamed = _DRIVERS[config.batching, fleet is not None]
     rows = 0
 
     def write(frame: pd.DataFrame) -> None:
@@ -177,12 +185,11 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
     first = next(parts, None)
     slots = 0
     if first is None:  # no requests: the schema alone
-        factor = base(_NO_REQUESTS, config, **inputs).queue.tracker.factor
+        factor = base(_NO_REQUESTS, config, **inputs).speed_factor()
     else:
-        run = (_StreamedBatchRun if config.batching else _StreamedRun)(first, config, cancel_after_s=first.patience_s,
-                                                                      **inputs)
+        run = streamed(first, config, cancel_after_s=first.patience_s, **inputs)
         run.stream(first, parts, chunks.size, base, inputs, write)
-        factor, slots = run.queue.tracker.factor, len(run.arrival)
+        factor, slots = run.speed_factor(), len(run.arrival)
     if not writer.started:  # no requests, and the first run in the file: its schema, its own columns too
         write(records.empty())
     return StreamResult(rows, slots, chunks.duration_s, config.policy.name, config.engines, factor)
@@ -317,3 +324,17 @@ class _StreamedRun(_Streamed, _Simulation):
 
 class _StreamedBatchRun(_Streamed, _BatchSimulation):
     pass
+
+
+class _StreamedFleetRun(_Streamed, _FleetSimulation):
+    pass
+
+
+class _StreamedBatchFleetRun(_Streamed, _BatchFleetSimulation):
+    pass
+
+
+#: (batching, a fleet) -> the in-memory driver a block's rows are built with, and its streamed run.
+_DRIVERS = {(False, False): (_Simulation, _StreamedRun), (True, False): (_BatchSimulation, _StreamedBatchRun),
+            (False, True): (_FleetSimulation, _StreamedFleetRun),
+            (True, True): (_BatchFleetSimulation, _StreamedBatchFleetRun)}

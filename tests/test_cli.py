@@ -71,6 +71,23 @@ def test_simulate_out_streams_simulates_rows_and_prints_the_same_summary(tmp_pat
     assert pq.ParquetFile(out_file).num_row_groups == 1  # the two seeds' 1,700 rows: one row group
 
 
+@pytest.mark.parametrize("seeds", ["1", "2"])
+def test_simulate_out_of_a_fleet_streams_and_says_what_a_run_in_memory_says(tmp_path, capsys, seeds):
+    """A fleet's run streams to --out (qsim.stream): the summary, the classes and the fleet's table
+    (by replica for one seed, its balance across seeds) read from the file are the run's own."""
+    args = ["simulate", "--policy", "predictive", "--batching", "--replicas", "3", "--router", "jsq",
+            "--load", "1.3", "--seconds", "30", "--replica-speeds", "1,1,0.5", "--seeds", seeds,
+            "--json"]
+    plain = json.loads(run(args, capsys)[1])
+    out_file = tmp_path / "rows.parquet"
+    code, out, err = run(args + ["--out", str(out_file)], capsys)
+    assert code == 0 and err == ""
+    streamed = json.loads(out)
+    for key in ("summary", "by_class", "fleet"):
+        assert streamed[key] == plain[key], key
+    assert pd.read_parquet(out_file, columns=["replica"])["replica"].nunique() == 3
+
+
 def test_simulate_out_of_a_burst_takes_its_rates_over_the_run(tmp_path, capsys):
     args = ["simulate", "--policy", "bounded", "--engines", "2", "--arrivals", "burst:40", "--json"]
     plain = json.loads(run(args, capsys)[1])

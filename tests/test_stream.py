@@ -9,6 +9,8 @@ import pytest
 
 from qsim import PRESETS, Batching, ServerConfig, StepModel, from_arrays, make_trace, records, simulate
 from qsim.engines import OneAtATime
+from qsim.fleet import FleetSpec
+from qsim.routers import Central, JoinShortestQueue, LeastKV, PowerOfD
 from qsim.clients import Patience, RetryPolicy
 from qsim.config import StallRule
 from qsim.policy import resolve
@@ -162,3 +164,36 @@ def test_a_run_whose_client_left_keeps_its_slot_until_its_engine_is_free(tmp_pat
     got, info = streamed(tmp_path, trace, config, chunk=16)
     assert_same_rows(got, want)
     assert info.speed_factor == want.attrs["speed_factor"]
+
+
+FLEETS = {
+    # Early binding by queue length, replicas of unequal speeds, one down for a while.
+    "jsq, speeds, a replica down": (
+        dict(arrivals="poisson", seconds=60.0, load=1.3, engines=3),
+        ServerConfig(PRESETS["predictive"]),
+        FleetSpec(3, JoinShortestQueue(), (1.0, 1.0, 0.5), ((1, 10.0, 30.0),))),
+    "central queue, two engines a replica": (
+        dict(arrivals="poisson", seconds=60.0, load=1.2, engines=6),
+        ServerConfig(PRESETS["bounded-deadline"], 2), FleetSpec(3, Central())),
+    "batching replicas, power of 2, one down": (
+        dict(arrivals="poisson", seconds=30.0, load=20.0, prompts=Prompts.parse("uniform:0:120")),
+        ServerConfig(PRESETS["predictive-kv"], BATCHING),
+        FleetSpec(3, PowerOfD(2), None, ((2, 5.0, 15.0),))),
+    "batching replicas, least KV, speeds": (
+        dict(arrivals="poisson", seconds=30.0, load=20.0, used=UsedShare()),
+        ServerConfig(PRESETS["predictive"], BATCHING, seed=4),
+        FleetSpec(2, LeastKV(), (1.0, 0.6))),
+}
+
+
+@pytest.mark.parametrize("case", list(FLEETS))
+def test_a_streamed_fleet_run_writes_simulates_rows(tmp_path, case):
+    options, config, fleet = FLEETS[case]
+    want = simulate(make_trace(**options), config, replicas=fleet.replicas, router=fleet.router,
+                    replica_speeds=fleet.speeds, replica_down=fleet.down)
+    assert want["replica"].nunique() == fleet.replicas  # every replica ran something
+    got, info = streamed(tmp_path, plan_trace(**options).chunks(64), config, row_group=150,
+                         fleet=fleet)
+    assert_same_rows(got, want)
+    records.validate(got)
+    assert info.rows == len(want)
