@@ -38,7 +38,7 @@ import itertools
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -111,6 +111,9 @@ class StepDone:
     # key -> the prompt's tokens as the engine counted them, once it knows (an upstream's usage): what the
     # request's client is told, where the gate's own count differs.
     prompt_tokens: Mapping[object, int] = field(default_factory=dict)
+    # A step model the engine learned in this step (live.upstream_batch): the gate plans with it from the
+    # next step on, which is when a replay takes it too (the step log says after which step).
+    step_model: StepModel | None = None
 
 
 @runtime_checkable
@@ -323,6 +326,7 @@ class BatchGate(Gate):
         # log_step): for a replay and a calibration (step_log).
         self.step_log: deque[tuple] = deque(maxlen=STEP_LOG)
         self.logged = 0  # steps ever logged: the cursor of the step after the newest (step_page)
+        self.step_models: list[tuple[int, StepModel]] = []  # (the step's cursor, the model from it on)
         self._woken_at: float | None = None  # an idle engine was woken then (the core's wake), and not begun yet
         self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
 
@@ -435,6 +439,8 @@ class BatchGate(Gate):
             self.queue.finish(ticket, now, tokens)
         self.log_step(LoggedStep(*self._began, now, result.engine_s, work.model_s,
                                  work.prefill_tokens, work.sampling, work.context))
+        if not isinstance(result, _Failure) and result.step_model is not None:
+            self.use_step_model(result.step_model)
         self.queue.step_done(now, result.engine_s)
         self._arm()
 
@@ -523,6 +529,8 @@ class BatchGate(Gate):
         admission and the next step read it, and /stats's server_config says it."""
         self.queue.model = step
         self.config = replace(self.config, engine=replace(self.config.engine, step=step))
+        # Planned with from the step numbered ``logged`` on: the step log's pages say it (step_page).
+        self.step_models.append((self.logged, step))
 
     def _idle_estimate_s(self, job: Job, base: float) -> float:
         """No "never in time" here: the gate's service line is not what a batching engine's steps take, so a
@@ -563,15 +571,21 @@ class BatchGate(Gate):
         (gate clock), or from ``cursor`` on (a number a page before answered); ``step_log_next``:
         the cursor of the next page (None: this page ends the log). A cursor is a step's number
         since the gate started, so a page never repeats or skips a step, even among steps woken at
-        the same time; one older than the log holds starts at its oldest."""
+        the same time; one older than the log holds starts at its oldest. ``step_models``: the step
+        models the gate took while these steps ran (a learner's refit, a new calibration), each as
+        [the steps of this page before it, b0, b1, b2, b3, cv]: it planned every step after those
+        with it (:func:`qsim.runfile.batch_step_times`)."""
         oldest = self.logged - len(self.step_log)
         if cursor is not None:
             start = max(cursor - oldest, 0)
         else:  # woken times never go back (woken at or after the last one ended): bisect, no scan
             start = bisect.bisect_left(self.step_log, since, key=lambda step: step[0])  # woken
         page = self._steps(start, min(start + limit, len(self.step_log)))
-        after = oldest + start + len(page)
-        return {"step_log": page, "step_log_next": after if after < self.logged else None}
+        first = oldest + start
+        after = first + len(page)
+        models = [[at - first, *astuple(step)] for at, step in self.step_models if first < at <= after]
+        return {"step_log": page, "step_log_next": after if after < self.logged else None,
+                "step_models": models}
 
     def _steps(self, start: int, end: int) -> list[tuple]:
         """The log's steps ``start`` to ``end``, walked from its nearer end (islice walks a deque

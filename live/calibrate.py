@@ -601,17 +601,31 @@ def gate_clock(http: httpx.Client) -> float:
 MAX_STEP_PAGES = 1_000
 
 
-def step_page(status: int, payload: object) -> tuple[list, int | None]:
-    """One answer of ``/stats?steps_since=`` (or ``steps_from=``): its steps and the cursor of the
-    next page (None: the last page; a gate that does not page answers one). ValueError when it is
-    not a page of steps."""
+@dataclass(frozen=True)
+class StepPage:
+    """One answer of ``/stats?steps_since=``: its steps, the cursor of the next page (None: the
+    last), and the step models the gate took among them ([steps of the page before it, b0, b1, b2,
+    b3, cv] each: :meth:`live.batching.BatchGate.step_page`)."""
+
+    steps: list
+    next: int | None
+    models: list
+
+
+def step_page(status: int, payload: object) -> StepPage:
+    """One answer of ``/stats?steps_since=`` (or ``steps_from=``); a gate that does not page
+    answers one, and one that took no step model says none. ValueError when it is not a page of
+    steps."""
     if status != 200:
         raise ValueError(f"GET /stats?steps_since= answered HTTP {status}")
     steps = payload.get("step_log", []) if isinstance(payload, dict) else None
     cursor = payload.get("step_log_next") if isinstance(payload, dict) else None
+    models = payload.get("step_models", []) if isinstance(payload, dict) else None
     if not isinstance(steps, list) or not (cursor is None or isinstance(cursor, int)):
         raise ValueError("GET /stats?steps_since= answered no step log")
-    return steps, cursor
+    if not isinstance(models, list):
+        raise ValueError("GET /stats?steps_since= answered step models that are no list")
+    return StepPage(steps, cursor, models)
 
 
 def page_params(since: float, cursor: int | None) -> dict[str, str]:
@@ -625,8 +639,9 @@ def fetch_steps(http: httpx.Client, since: float) -> tuple[LoggedStep, ...]:
     steps, cursor = [], None
     for _ in range(MAX_STEP_PAGES):
         response = http.get("/stats", params=page_params(since, cursor))
-        page, cursor = step_page(response.status_code, response.json())
-        steps += page
+        page = step_page(response.status_code, response.json())
+        steps += page.steps
+        cursor = page.next
         if cursor is None:
             return tuple(LoggedStep(*row) for row in steps)
     raise ValueError(f"GET /stats?steps_since=: more than {MAX_STEP_PAGES} pages of steps")

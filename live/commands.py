@@ -231,7 +231,6 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
     engine = upstream_batch.UpstreamBatchEngine(forwarder, seats, upstream_batch.StepLearner(batching.step))
     gate = BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
                                          seed=cfg.seed))
-    engine.on_refit = gate.use_step_model
     return gate
 
 

@@ -49,7 +49,7 @@ from qsim.runfile import ClientSettings, batch_step_columns
 
 from . import openai_replay
 from .auth import client_headers
-from .calibrate import (MAX_STEP_PAGES, ServerFacts, default_prompt_tokens, page_params,
+from .calibrate import (MAX_STEP_PAGES, ServerFacts, StepPage, default_prompt_tokens, page_params,
                         server_facts, step_page)
 from .contract import Stats, num
 from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
@@ -489,21 +489,24 @@ async def fetch_stats(lanes: Lanes) -> tuple[dict, float]:
     return stats, (0.0 if abs(offset) <= (after - before) / 2 else offset)
 
 
-async def fetch_steps(lanes: Lanes, since: float) -> list:
+async def fetch_steps(lanes: Lanes, since: float) -> StepPage:
     """A batching server's steps woken for at ``since`` or later (its clock): :class:`qsim.runfile.LoggedStep`'s
-    fields each (/stats' step_log, page after page)."""
-    steps, cursor = [], None
+    fields each (/stats' step_log, page after page), and the step models it took among them, each after the
+    steps before it counted from the first (:func:`qsim.runfile.batch_step_columns`)."""
+    steps, models, cursor = [], [], None
     for _ in range(MAX_STEP_PAGES):
         asked = lanes.request("GET", "/stats", params=page_params(since, cursor))
         response = await lanes.send(asked)
-        page, cursor = step_page(response.status_code, response.json())
-        steps += page
+        page = step_page(response.status_code, response.json())
+        models += [[len(steps) + after, *fields] for after, *fields in page.models]
+        steps += page.steps
+        cursor = page.next
         if cursor is None:
-            return steps
+            return StepPage(steps, None, models)
     raise ValueError(f"GET /stats?steps_since=: more than {MAX_STEP_PAGES} pages of steps")
 
 
-async def step_log(lanes: Lanes, since: float) -> tuple[list | None, str | None]:
+async def step_log(lanes: Lanes, since: float) -> tuple[StepPage | None, str | None]:
     """:func:`fetch_steps`, or None and why not. The step log is optional data (qlab compare
     replays with it): a gate that died, hung up or answered nonsense after the run costs the run
     its steps, never its rows."""
@@ -619,8 +622,9 @@ async def replay_async(trace: Trace, cfg: ReplayConfig, given: GivenPrompts | No
     frame = to_frame(trace, exchanges, info, plan.tokens, server_zero=t0 + offset, clients=clients)
     if steps is not None:
         zero = t0 + offset
-        frame = frame.assign(**batch_step_columns([[w - zero, b - zero, e - zero, *rest] for w, b, e, *rest in steps],
-                                                  len(frame)))
+        frame = frame.assign(**batch_step_columns(
+            [[w - zero, b - zero, e - zero, *rest] for w, b, e, *rest in steps.steps], len(frame),
+            steps.models))
     first = frame["first_request_id"].to_numpy()
     frame["prompt_capped"] = plan.capped[first]
     frame.loc[plan.unfit[first], "send_lateness_s"] = math.nan  # never sent: no lateness to speak of

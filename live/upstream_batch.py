@@ -39,7 +39,7 @@ steps around the fit.
 The rule (a checkpoint, documented in docs/live.md): after every :data:`REFIT_EVERY` new gaps between two chunks
 of an answer, once :data:`MIN_GAPS` steps have been read at two batch sizes at least, the model is fitted again on
 the last :data:`WINDOW` steps and replaces the gate's at once (its next admission and next step read it:
-:meth:`live.batching.BatchGate.use_step_model`); until the first fit the gate plans with ``--step`` (or its
+:meth:`live.batching.BatchGate.use_step_model`, from the step after the one that fitted it); until the first fit the gate plans with ``--step`` (or its
 default). The learner settles: once :data:`SETTLE` fits in a row each fall inside the 95 % intervals of the fit
 before (every coefficient within 1.96 of its standard errors), more fits would only move the estimates within their
 own uncertainty, and it stops refitting; at each later checkpoint it only checks the settled model against the last
@@ -386,17 +386,17 @@ class _Forward:
 
 class UpstreamBatchEngine:
     """Runs a :class:`~live.batching.BatchGate`'s steps by forwarding to a batching server (module docstring).
-    ``forwarder``: the one-at-a-time upstream engine whose forwarding it reuses; ``on_refit``: told each model the
-    learner fits (the gate's :meth:`~live.batching.BatchGate.use_step_model`)."""
+    ``forwarder``: the one-at-a-time upstream engine whose forwarding it reuses. A model the learner fits in a step
+    goes back with the step (:attr:`live.batching.StepDone.step_model`): the gate plans with it from the next step
+    on, a point its step log says, so that a replay takes it where the gate did."""
 
     abilities = Abilities(coroutine=True)
 
     max_new_tokens_limit = None
 
     def __init__(self, forwarder: UpstreamEngine, max_num_seqs: int, learner: StepLearner,
-                 on_refit: Callable[[StepModel], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter):
         self.forwarder, self.max_num_seqs, self.learner = forwarder, max_num_seqs, learner
-        self.on_refit = on_refit
         self._clock = clock
         self._forwards: dict[object, _Forward] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -457,12 +457,10 @@ class UpstreamBatchEngine:
                 # Its stream ended (end of text, or a stop string, at the upstream) short of the core's count: it
                 # finishes at this step, with the chunks it had (the core counts a token a step).
                 finished[key] = forward.taken
-        model = self.learner.checkpoint()
-        if model is not None and self.on_refit is not None:
-            self.on_refit(model)
         said = {key: self._forwards[key].prompt_tokens for key in producing
                 if self._forwards[key].prompt_tokens is not None}
-        return StepDone(self._upstream_s(producing, got, work.model_s), failed, pieces, finished, said)
+        return StepDone(self._upstream_s(producing, got, work.model_s), failed, pieces, finished, said,
+                        step_model=self.learner.checkpoint())
 
     def _upstream_s(self, producing: list, got: list, model_s: float) -> float:
         """The step's seconds for the speed tracker: the upstream's own, the median gap between the chunk of the

@@ -433,6 +433,7 @@ class _BatchSimulation(_Simulation):
         self.step_times = step_times  # (seconds it ran, seconds the tracker learns) of each step, in order
         self.steps_run = 0
         self.step_reported = None
+        self.step_model_after = None
         n = self.n
         self.first_token, self.tokens = [_NAN] * n, [-1] * n
         self.preempted, self.kv_peak, self.cached = [-1] * n, [-1] * n, [-1] * n
@@ -488,7 +489,8 @@ class _BatchSimulation(_Simulation):
         k = self.steps_run
         self.steps_run += 1
         if self.step_times is not None and k < len(self.step_times):  # a live run's step, as it ran (a replay)
-            _, run, self.step_reported = self.step_times[k]
+            _, run, self.step_reported, *after = self.step_times[k]
+            self.step_model_after = after[0] if after else None
         else:
             run = plan.model_s
             if self.noise[r] is not None:
@@ -501,7 +503,10 @@ class _BatchSimulation(_Simulation):
 
     def _step_done(self, event) -> None:
         reported, self.step_reported = self.step_reported, None  # step_done plans (and sets) the next step's
-        self.lines[event._value].step_done(self.env.now, reported)
+        line = self.lines[event._value]
+        if self.step_model_after is not None:  # the live gate took a new step model here (a replay)
+            line.model, self.step_model_after = self.step_model_after, None
+        line.step_done(self.env.now, reported)
         self._arm(event._value)
 
     def _ended(self, i: int, now: float, outcome: str, reason: str | None, stats) -> None:
@@ -682,8 +687,9 @@ def simulate(
     speed_schedule: the machine's speed over time (:class:`qsim.service.SpeedSchedule`, base = the trace's
     speed): each run takes its true time x the speed at its start / base.
     step_times: a batching engine's steps as a live run's took them, in order (``qlab compare``'s replay): (seconds
-    from an idle engine's wake to the step's start, seconds the step ran, seconds the speed tracker learns) each; the
-    steps after the last take the step model's.
+    from an idle engine's wake to the step's start, seconds the step ran, seconds the speed tracker learns, and
+    optionally the step model the live gate planned with from the next step on, or None) each; the steps after the
+    last take the step model's.
     held: the true times are what each run held its engine live, the engines' slowdown
     (:attr:`qsim.engines.OneAtATime.concurrency`) already in them: the core still slows its
     estimates as the gate's did, the runs are not slowed again.

@@ -23,6 +23,7 @@ import pandas as pd
 
 from .clients import RetryPolicy
 from .config import ServerConfig, StallRule
+from .engines import StepModel
 from .fleet import FleetSpec
 from .policy import Policy, policy_from_fields
 from .service import ServiceModel, SpeedSchedule
@@ -139,21 +140,32 @@ class LoggedStep(NamedTuple):
     context: int = -1
 
 
-def batch_step_columns(steps: list, n: int) -> dict[str, Any]:
-    """The constant column of a run of ``n`` rows against a batching server whose steps were ``steps``
-    (:class:`LoggedStep` fields each, times on the run's clock)."""
-    return {BATCH_STEPS: pd.array([json.dumps(steps)] * n, dtype="string")}
+def batch_step_columns(steps: list, n: int, models: list = ()) -> dict[str, Any]:
+    """The constant columns of a run of ``n`` rows against a batching server whose steps were ``steps``
+    (:class:`LoggedStep` fields each, times on the run's clock) and which took the step ``models`` while they ran
+    ([the steps before it, b0, b1, b2, b3, cv] each: it planned the steps after those with it)."""
+    return {BATCH_STEPS: pd.array([json.dumps(steps)] * n, dtype="string"),
+            STEP_MODELS: pd.array([json.dumps(list(models))] * n, dtype="string")}
 
 
-def batch_step_times(run: pd.DataFrame) -> list[tuple[float, float, float]] | None:
+#: The column of the step models a batching gate took during the run (a learner's refits): JSON [[steps before it,
+#: b0, b1, b2, b3, cv], ...]. A run file from before it has none: its gate planned with one model throughout.
+STEP_MODELS = "batch_step_models"
+
+
+def batch_step_times(run: pd.DataFrame) -> list[tuple] | None:
     """A batching server's steps as the run's replay takes them (``simulate(step_times=)``): (seconds from its wake
-    to its start, seconds it ran as the gate's core counted it, seconds the engine reported) each; None where the
-    run file has none."""
+    to its start, seconds it ran as the gate's core counted it, seconds the engine reported, the step model the
+    gate planned with from the next step on, or None: the same as before) each; None where the run file has
+    none."""
     raw = constant(run, BATCH_STEPS) if BATCH_STEPS in run.columns else None
     if raw is None:
         return None
     steps = [LoggedStep(*row) for row in json.loads(str(raw))]
-    return [(float(s.began) - float(s.woken), float(s.ended) - float(s.began), float(s.engine_s)) for s in steps]
+    said = constant(run, STEP_MODELS) if STEP_MODELS in run.columns else None
+    after = {int(k): StepModel(*fields) for k, *fields in json.loads(str(said or "[]"))}
+    return [(float(s.began) - float(s.woken), float(s.ended) - float(s.began), float(s.engine_s), after.get(k + 1))
+            for k, s in enumerate(steps)]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ one-line refusals of ``qlab serve``, and a real HTTP server with ``--batching``.
 """
 
 import asyncio
+import dataclasses
 import json
 
 import numpy as np
@@ -115,6 +116,54 @@ def test_a_runs_own_steps_replayed_give_its_rows():
     assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
     with pytest.raises(ValueError, match="step_times are a batching engine's"):
         simulate(trace, PRESETS["none"], step_times=times)
+
+
+class _Refits:
+    """A batching engine that, as a learner does, hands the gate a new step model with some steps:
+    ``refits`` maps a step's number (from 0) to the model."""
+
+    def __init__(self, engine, refits: dict) -> None:
+        self.engine, self.refits, self.steps = engine, refits, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def astep(self, work: StepWork):
+        done = await self.engine.astep(work)
+        k, self.steps = self.steps, self.steps + 1
+        return dataclasses.replace(done, step_model=self.refits[k]) if k in self.refits else done
+
+
+def test_a_step_model_the_gate_took_mid_run_is_replayed_where_it_took_it():
+    """A learner's refit changes the model the gate plans and admits with from the next step on: the
+    step log's pages say after which step (step_models), the run file keeps it, and the replay
+    takes it there (qsim.runfile.batch_step_times); without it, the replay parts from the run."""
+    import pandas as pd
+
+    from qsim.runfile import batch_step_columns, batch_step_times
+
+    trace = _trace(ENGINE, 1.4, seed=12)
+    config = ServerConfig(PRESETS["predictive"], engine=ENGINE)
+    slower = StepModel(4 * STEP.b0, 2 * STEP.b1, 4 * STEP.b2, STEP.b3)
+    refits = {150: slower, 400: STEP}
+    gate, stats = run_gate(trace, None, 1, config=config,
+                           wrap_engine=lambda engine: _Refits(engine, refits))
+    models = stats["step_models"]
+    assert [m[0] for m in models] == [151, 401]  # each after the step it came with
+    assert stats["server_config"]["engine"]["step"]["b0"] == STEP.b0
+    run = pd.DataFrame(batch_step_columns(stats["step_log"], 1, models))
+    times = batch_step_times(run)
+    assert [k for k, t in enumerate(times) if t[3] is not None] == [150, 400]
+    replayed = simulate(trace, config, step_times=times)
+    assert gate["outcome"].tolist() == replayed["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == replayed["reason"].fillna("-").tolist()
+    np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
+    seen = gate["queued"].ge(0).to_numpy()
+    np.testing.assert_allclose(gate.loc[seen, "est_service_s"], replayed.loc[seen, "est_service_s"],
+                               rtol=0, atol=1e-9)
+    blind = simulate(trace, config, step_times=[t[:3] for t in times])
+    moved = ~np.isclose(gate.loc[seen, "est_service_s"], blind.loc[seen, "est_service_s"], rtol=1e-6)
+    assert moved.sum() >= 50  # the refits moved what the gate projected
 
 
 def test_retrying_impatient_clients_match_the_simulator():
@@ -424,6 +473,6 @@ def test_qlab_serve_batching_answers_over_http(tmp_path):
     with serving([options], tmp_path, 60) as (server,):
         run = replay(make_trace("poisson", load=3.0, seconds=5, seed=5), ReplayConfig(server.url))
     steps = batch_step_times(run)
-    assert len(steps) > 50 and all(wait >= 0 and ran > 0 for wait, ran, _ in steps)
+    assert len(steps) > 50 and all(wait >= 0 and ran > 0 for wait, ran, _, _ in steps)
     summary = compare(run).summary
     assert summary["live_errors"] == 0 and summary["disagreement_rate"] <= 0.02

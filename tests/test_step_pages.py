@@ -7,6 +7,7 @@ step is run.
 
 import asyncio
 import math
+from dataclasses import astuple
 
 import pytest
 
@@ -95,7 +96,11 @@ def test_stats_without_a_step_query_holds_no_step_log():
 
 
 def test_the_calibrator_and_the_replayer_read_every_page():
-    with TestClient(create_app(_gate(STEP_PAGE * 2 + 17))) as client:
+    gate = _gate(STEP_PAGE * 2 + 17)
+    # Step models the gate took after steps 3 and STEP_PAGE + 5 (a learner's refits): the replayer
+    # counts each from the run's first step, across pages.
+    gate.step_models += [(4, StepModel(0.02)), (STEP_PAGE + 6, StepModel(0.03, cv=0.1))]
+    with TestClient(create_app(gate)) as client:
         read = calibrate.fetch_steps(client, 0.0)
 
         def forward(request: httpx.Request) -> httpx.Response:  # the replayer's lanes, in-process
@@ -105,7 +110,8 @@ def test_the_calibrator_and_the_replayer_read_every_page():
 
         replayed = asyncio.run(_with_lanes(forward, lambda lanes: loadgen.fetch_steps(lanes, 0.0)))
     assert [s.prefill_tokens for s in read] == list(range(STEP_PAGE * 2 + 17))
-    assert [s[5] for s in replayed] == list(range(STEP_PAGE * 2 + 17))
+    assert [s[5] for s in replayed.steps] == list(range(STEP_PAGE * 2 + 17))
+    assert replayed.models == [[at, *astuple(model)] for at, model in gate.step_models]
 
 
 async def _with_lanes(handler, use):
@@ -138,4 +144,4 @@ def test_a_readable_step_log_has_no_warning():
     page = {"step_log": [[0.0, 0.0, 1.0, 1.0, 1.0, 5, 1, 10]], "step_log_next": None}
     steps, why = asyncio.run(_with_lanes(lambda r: httpx.Response(200, json=page),
                                          lambda lanes: loadgen.step_log(lanes, -math.inf)))
-    assert steps == page["step_log"] and why is None
+    assert steps.steps == page["step_log"] and steps.models == [] and why is None

@@ -168,7 +168,8 @@ _ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error
 def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
              cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None,
              retry: RetryPolicy | None = None, speed_schedule=None,
-             config: ServerConfig | None = None, fleet=None) -> tuple[pd.DataFrame, dict]:
+             config: ServerConfig | None = None, fleet=None,
+             wrap_engine=None) -> tuple[pd.DataFrame, dict]:
     """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
@@ -182,6 +183,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     (absolute, NaN where none) and tokens. Each request then runs to its limit (the gate cannot know early stops).
     fleet: a :class:`qsim.fleet.FleetSpec`: the gate routes over its replicas of ``engines``
     engines each (live.fleet_gate); each row's replica is where the router sent it.
+    wrap_engine: what the batching engine is given to before the gate (a test's engine around it).
     """
     batching = config
     if batching is not None:
@@ -270,9 +272,10 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
         n = engines * (1 if fleet is None else fleet.replicas)
         gate = Gate([None] * n, config, clock=loop.time, worker=worker, fleet=fleet) \
             if batching is None else \
-            BatchGate(SyntheticBatchEngine(batching.engine.step, seed=batching.seed, clock=loop.time,
-                                           schedule=() if speed_schedule is None else speed_schedule.steps),
-                      batching, clock=loop.time)
+            BatchGate((wrap_engine or (lambda e: e))(SyntheticBatchEngine(
+                batching.engine.step, seed=batching.seed, clock=loop.time,
+                schedule=() if speed_schedule is None else speed_schedule.steps)),
+                batching, clock=loop.time)
         async with gate:
             gate_of.append(gate)
             for i, t in enumerate(arrival):
@@ -285,7 +288,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                 await asyncio.sleep(0.01)
             if batching is None:
                 return gate.stats()
-            return {**gate.stats(), "step_log": [list(step) for step in gate.step_log]}  # every step
+            return {**gate.stats(), "step_log": [list(step) for step in gate.step_log],  # every step
+                    "step_models": gate.step_page(cursor=0, limit=len(gate.step_log))["step_models"]}
 
     stats = on_virtual_clock(go)
     frame = pd.DataFrame(rows)
