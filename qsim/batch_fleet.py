@@ -58,7 +58,8 @@ class Replica(BatchQueue):
         super().__init__(config, **hooks)
         self.central, self.index = central, index
         self.share = 1.0
-        self._started = getattr(central.waiting, "started", None)  # the line's discipline hears
+        # Each start, here or on another replica, is the line's discipline's to hear (fair share).
+        self._started = getattr(central.waiting, "started", None)
 
     @staticmethod
     def _bound(seq: _Seq) -> bool:
@@ -135,7 +136,7 @@ class CentralBatch(Fleet):
                  routed: Callable | None = None) -> None:
         self.waiting = config.policy.make_discipline()
         self.drop_reason = getattr(self.waiting, "drop_reason", None)
-        self.seq_of: dict = {}  # id(entry) -> its sequence, while it waits in the discipline's line
+        self.seq_of: dict = {}  # id(entry) -> its sequence, while in the discipline's line
         self.front: deque[_Seq] = deque()  # pulled by a replica, not fitting there yet
         self.line_tokens = self.line_hold = 0
         super().__init__(config, spec, routed=routed,
@@ -204,7 +205,8 @@ class CentralBatch(Fleet):
 
     def _nearest(self, up: list, seq: _Seq, now: float) -> tuple:
         """(the replica whose projection gives ``seq`` the earliest wait, that projection), each
-        replica counting its share of the line ahead (by 1 / its speed factor; ties: the lowest)."""
+        replica counting its share of the line ahead (by 1 / its speed factor; ties: the
+        lowest)."""
         inverse = [1.0 / replica.tracker.factor for replica in up]
         total = sum(inverse)
         best = None

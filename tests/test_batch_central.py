@@ -123,7 +123,7 @@ def watched(broken: list):
         CentralBatch.dispatch, CentralBatch.arrive = dispatch, arrive
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10_000), replicas=st.integers(2, 4),
        seqs=st.sampled_from([1, 2, 4]), kv_blocks=st.sampled_from([30, 60, 400]),
        load=st.sampled_from([0.7, 1.5, 3.0]), caching=st.booleans(), chunked=st.booleans(),
