@@ -430,8 +430,8 @@ def _simulate_parser(sub) -> None:
                         "behind --router; the load is each replica's (default 1: one server)")
     p.add_argument("--router", type=router_name, metavar="NAME",
                    help=f"which replica an arrival goes to: {', '.join(ROUTERS)} (default "
-                        "round_robin; central: one shared line in front of every replica's "
-                        "engines)")
+                        "round_robin; central: one shared line in front of every replica, "
+                        "each request bound where it starts)")
     p.add_argument("--router-d", type=positive_int, metavar="D",
                    help="power_of_d's choices (default 2); least_ttft's (default all)")
     p.add_argument("--router-weights", metavar="NAME=W,...",

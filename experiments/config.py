@@ -87,7 +87,7 @@ b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("defau
 # A fleet (qsim.fleet), optional axes: replicas = [2, 4, 8] (copies of the cell's server, each its
 # engines, line and admission; the load is each replica's; with [batching] each replica a batching
 # engine) and router = ["random", "power_of_d", "power_of_d:3", "central"] (qsim.routers; default
-# round_robin; needs replicas; with [batching] also "least_kv", "prefix", "weighted", not central).
+# round_robin; needs replicas; with [batching] also "least_kv", "prefix", "weighted").
 ```
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
@@ -465,9 +465,6 @@ def _check_fleet(path: str, grid: dict, batching: bool) -> None:
     routers = {spec: parse_router(spec) for spec in grid.get("router", ())}
     # Checked at one replica too: a sizing search (experiments/sizing.py) starts there.
     for spec, router in routers.items():
-        if batching and router.shared:
-            raise ConfigError(f"{path}: grid.router {spec!r}: a central queue in front of "
-                              "batching replicas is not simulated (route at arrival)")
         if router.needs_batching and not batching:
             raise ConfigError(f"{path}: grid.router {spec!r} reads a batching engine's KV "
                               "memory and prefix cache: add a [batching] table")

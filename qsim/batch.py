@@ -50,6 +50,7 @@ from collections import deque
 from typing import Any, Callable, NamedTuple
 
 from .admission import Admission, Core, Seen
+from .batch_audit import Books
 from .batch_projection import Projections
 from .config import ServerConfig
 from .engines import Batching
@@ -140,7 +141,7 @@ class _Seq:
         self.draining = False
 
 
-class BatchQueue(Projections, Core):
+class BatchQueue(Projections, Books, Core):
     """The waiting line, the running batch and the KV blocks of one batching engine; see the module.
 
     Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when it is over;
@@ -290,62 +291,6 @@ class BatchQueue(Projections, Core):
                 "speed_factor": self.tracker.factor, "engines": 1, "kv_blocks_used": self.kv_used,
                 "kv_use": self.kv_use, **(self.prefix_cache_stats() or {})}
 
-    def audit(self) -> None:
-        """Check the batch's bookkeeping against its requests one by one (AssertionError naming what is off):
-        the blocks held add up, the cache and the seats are not overrun, the aggregates over the decoding
-        match. For tests and the test kit; costs a walk over the batch."""
-        engine = self.engine
-        held, dec, kv, est = 0, 0, 0, 0
-        for seq in self.running.values():
-            if seq.decoding:
-                tokens = seq.kv0 + self.decoded - seq.d0
-                held += engine.blocks_for(tokens + self._decode_reserved)
-                dec += 1
-                kv += seq.kv0 - seq.d0
-                est += seq.est_out - seq.generated + seq.d0
-            else:
-                held += seq.blocks
-                assert seq in self.prefilling, f"request {seq.entry.req!r} runs, neither decoding nor computing its prompt"
-        if self.pool is None:
-            assert held == self.kv_used, \
-                f"KV blocks: {self.kv_used} counted, {held} held by the running"
-        else:  # shared blocks are held by several: the pool's count is of distinct blocks
-            self._audit_pool(held)
-        assert self.kv_used <= self.kv_cap, f"KV blocks: {self.kv_used} in use of {self.kv_cap}"
-        assert self._seats_taken() <= engine.max_num_seqs, \
-            f"{len(self.running)} running and {self.draining} streaming of {engine.max_num_seqs} seats"
-        streaming = sum(1 for _, _, s in self.delivering if s.draining)
-        assert streaming == self.draining, f"{self.draining} counted streaming, {streaming} are"
-        assert (dec, kv, est) == (self.n_dec, self.kv_dec, self.dec_est), \
-            f"decoding aggregates {(self.n_dec, self.kv_dec, self.dec_est)} against {(dec, kv, est)} recounted"
-        line = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
-        assert sum(s.prompt for s in line) == self.line_tokens, "prompt tokens of the line"
-        assert sum(s.hold for s in line) == self.line_hold, "seat-steps of the line"
-        if self.plan is not None:
-            assert self.plan.prefill_tokens + self.plan.decoders <= engine.max_num_batched_tokens, \
-                f"a step of {self.plan.prefill_tokens + self.plan.decoders} tokens over the budget"
-
-    def _audit_pool(self, held: int) -> None:
-        """The prefix cache's books against the batch's: each block's holders, the decoding
-        requests' blocks past their tables, and the blocks in use."""
-        holders: dict[int, int] = {}
-        beyond = 0
-        for seq in self.running.values():
-            for b in seq.table:
-                holders[b] = holders.get(b, 0) + 1
-            if seq.decoding:
-                tokens = seq.kv0 + self.decoded - seq.d0 + self._decode_reserved
-                beyond += self.engine.blocks_for(tokens) - len(seq.table)
-            else:
-                assert seq.blocks == len(seq.table), "a prompt's blocks apart from its table"
-        for b in self.decode_blocks:
-            holders[b] = holders.get(b, 0) + 1
-        assert beyond == len(self.decode_blocks), \
-            f"decoding blocks: {len(self.decode_blocks)} held, {beyond} counted from their tokens"
-        assert self.kv_used == self.pool.in_use <= held, \
-            f"KV blocks: {self.kv_used} counted, {self.pool.in_use} in use, {held} held, shared"
-        self.pool.audit(self.kv_cap, holders)
-
     def prefix_cache_stats(self) -> dict | None:
         """vLLM's prefix cache counters so far, in tokens (None: no prefix cache): queries (the
         tokens of each request each time the scheduler looked its prefix up) and hits (of them,
@@ -363,39 +308,50 @@ class BatchQueue(Projections, Core):
         line) or return the refusal. ``work`` (limit, prompt tokens, tokens it will generate) is what the batch
         runs: without it the request asks for the tokens ``config.model`` gives ``base_est_s`` and no prompt; a
         ``generated`` of None (a live gate's) runs to the limit."""
-        admission = self.admission
+        seq = self._arrival(req, now, base_est_s, deadline_s, priority, client, work)
+        never = self._never(seq)
+        if never is not None:
+            self.admission.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor,
+                                           math.nan, -1)
+            return never
+        room = not self.queued and self._has_room(seq)
+        refusal = self.admission.admit(now, seq.entry, self.tracker.factor,
+                                       self._projection(seq, now, room))
+        if refusal is not None:
+            return refusal
+        if room:
+            self._take(seq, now)
+        else:
+            self.seq_of[id(seq.entry)] = seq
+            self.waiting.push(seq.entry)
+            self._into_line(seq)
+        self._kick(now)
+        return None
+
+    def _arrival(self, req, now: float, base_est_s: float, deadline_s, priority: int, client,
+                 work) -> _Seq:
+        """An arrival's entry (its estimate, deadline and work as admission gives them) and its
+        sequence (a central queue's fleet, qsim.batch_fleet, makes it so too)."""
         if work is None:
             work = Work(self.config.model.tokens_for(base_est_s), 0, None)
-        base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
+        base_est_s, deadline_s, work = self.admission.arrival(base_est_s, deadline_s, work)
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
         seq = _Seq(entry, work.prompt, work.limit if work.generated is None else work.generated,
                    self._est_out(base_est_s, work))
         seq.out = max(1, seq.out)
         if self.pool is not None:
             seq.tokens = self._tokens(req, work.prompt)
-        never = self._never(seq)
-        if never is not None:
-            admission.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor,
-                                      math.nan, -1)
-            return never
-        factor = self.tracker.factor
-        room = not self.queued and self._has_room(seq)
-        refusal = admission.admit(now, entry, factor, self._projection(seq, now, room))
-        if refusal is not None:
-            return refusal
-        if room and self.pool is not None:
-            budget = self.engine.max_num_batched_tokens
-            hit, _, blocks, _ = self._first_chunk(seq, budget, count=True)
+        return seq
+
+    def _take(self, seq: _Seq, now: float) -> None:
+        """An arrival with room (:meth:`_has_room`) into the batch at once, holding its first
+        chunk's blocks (its cached prefix shared)."""
+        if self.pool is not None:
+            hit, _, blocks, _ = self._first_chunk(seq, self.engine.max_num_batched_tokens, count=True)
             self._join(seq, now, blocks, hit)
-        elif room:
+        else:
             first = min(seq.prompt, self.engine.max_num_batched_tokens) if self.engine.chunked_prefill else seq.prompt
             self._join(seq, now, self.engine.blocks_for(max(1, first)))
-        else:
-            self.seq_of[id(entry)] = seq
-            self.waiting.push(entry)
-            self._into_line(seq)
-        self._kick(now)
-        return None
 
     def begin(self, now: float) -> None:
         """The driver's answer to ``wake``: plan the first step now (see __init__)."""
@@ -445,19 +401,8 @@ class BatchQueue(Projections, Core):
     def cancel(self, req, now: float) -> str | None:
         """The client of ``req`` left: "waiting" (it left the line), "running" (it left the batch: its blocks are
         free for the next step), or None (it had ended)."""
-        for seq in self.front:
-            if seq.entry.req == req:
-                self.front.remove(seq)
-                self._out_of_line(seq)
-                seq.alive = False
-                return "waiting"
-        for entry in self.waiting:
-            if entry.req == req:
-                self.waiting.remove(entry)
-                seq = self.seq_of.pop(id(entry))
-                self._out_of_line(seq)
-                seq.alive = False
-                return "waiting"
+        if self._leave_line(req, self.front, self.waiting, self.seq_of):
+            return "waiting"
         for seq in self.running.values():
             if seq.entry.req == req:
                 self._leave(seq)
@@ -471,6 +416,22 @@ class BatchQueue(Projections, Core):
                 self._kick(now)
                 return "running"
         return None
+
+    def _leave_line(self, req, front: deque, waiting, seq_of: dict) -> bool:
+        """``req`` out of a line (``front``, then the discipline's ``waiting``): False if not there."""
+        for seq in front:
+            if seq.entry.req == req:
+                front.remove(seq)
+                break
+        else:
+            entry = next((e for e in waiting if e.req == req), None)
+            if entry is None:
+                return False
+            waiting.remove(entry)
+            seq = seq_of.pop(id(entry))
+        self._out_of_line(seq)
+        seq.alive = False
+        return True
 
     # -- timers: cutting at the deadline -----------------------------------------------
 
@@ -605,8 +566,7 @@ class BatchQueue(Projections, Core):
                     blocks = engine.blocks_for(max(1, chunk))
                 too_long = not engine.chunked_prefill and todo > budget
                 if too_long or self.kv_used + extra + blocks > cap:
-                    self.front.appendleft(seq)  # it stays at the head of the line
-                    self._into_line(seq)
+                    self._requeue(seq)  # it stays at the head of the line
                     break
                 self._join(seq, now, blocks, hit)
                 if seq.ready > now:
@@ -637,15 +597,17 @@ class BatchQueue(Projections, Core):
     def _pull(self, now: float) -> _Seq | None:
         """The next of the line that may still join (the preempted first), dropping at the front those the
         policy expires (they could not finish in time even if they joined now) and those whose client has left."""
-        while True:
-            if self.front:
-                seq = self.front.popleft()
-                self._out_of_line(seq)
-                return seq
-            if not self.waiting:
-                return None
-            entry = self.waiting.pop_next(now)
-            seq = self.seq_of.pop(id(entry))
+        if self.front:
+            seq = self.front.popleft()
+            self._out_of_line(seq)
+            return seq
+        return self._next_waiting(now, self.waiting, self.seq_of, self._drop_reason)
+
+    def _next_waiting(self, now: float, waiting, seq_of: dict, drop_reason) -> _Seq | None:
+        """:meth:`_pull` from a discipline's line ``waiting`` (this engine's, or a central queue's)."""
+        while waiting:
+            entry = waiting.pop_next(now)
+            seq = seq_of.pop(id(entry))
             self._out_of_line(seq)
             if self._gone is not None and self._gone(entry.req):
                 seq.alive = False
@@ -654,13 +616,14 @@ class BatchQueue(Projections, Core):
             reason = None
             if self.policy.expire_at_front and cannot_finish(now, est, entry.arrived_at + entry.deadline_s):
                 reason = EXPIRE_REASON
-            elif self._drop_reason is not None:
-                reason = self._drop_reason(entry, now, est)
+            elif drop_reason is not None:
+                reason = drop_reason(entry, now, est)
             if reason is not None:
                 seq.alive = False
                 self._drop(entry.req, now, EXPIRED, reason, est, retry_after(self._wait_now(now)))
                 continue
             return seq
+        return None
 
     def _join(self, seq: _Seq, now: float, blocks: int, hit=()) -> None:
         """Into the batch, holding ``blocks`` for its first chunk, and sharing the cached blocks
@@ -855,6 +818,10 @@ class BatchQueue(Projections, Core):
         seq.preemptions += 1
         seq.computed = 0
         seq.target = seq.prompt + seq.generated
+        self._requeue(seq)
+
+    def _requeue(self, seq: _Seq) -> None:
+        """Back to the head of the line: preempted, or pulled and not fitting yet."""
         self.front.appendleft(seq)
         self._into_line(seq)
 

@@ -83,17 +83,28 @@ class Projections:
         decoded = self.decoded + (1 if self.plan is not None and self.plan.decoders else 0)
         return max(0, self.dec_est - self.n_dec * decoded) + sum(map(self._remaining_steps, self.prefilling))
 
+    def _line(self) -> tuple:
+        """The line ahead of an arrival in aggregate: (requests, seat-steps they will hold, prompt
+        tokens); a replica behind a central queue (qsim.batch_fleet) adds its share of that line."""
+        return self.queued, self.line_hold, self.line_tokens
+
+    def _ahead(self) -> list:
+        """The line ahead of an arrival, request by request, in the order it is walked (as
+        :meth:`_line`)."""
+        return [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
+
     def _work_wait(self, now: float) -> float:
         """The wait without the projection (for rules that do not read it, and a Retry-After's basis): the step in
         flight, then the seat-steps the running and the line will hold over the seats, and the line's prompts
         (work over servers, as the one-at-a-time core estimates; exact for a batch of one)."""
         left = self._left(now)
         n, seats = self._seats_taken(), self.engine.max_num_seqs
-        if n < seats and not self.queued:
+        queued, hold, tokens = self._line()
+        if n < seats and not queued:
             return left
-        step = self.step_s(min(seats, n + self.queued + 1), self.context())
-        return left + (self._running_steps() + self.line_hold) / seats * step + \
-            self.model.b1 * self.tracker.factor * self.line_tokens
+        step = self.step_s(min(seats, n + queued + 1), self.context())
+        return left + (self._running_steps() + hold) / seats * step + \
+            self.model.b1 * self.tracker.factor * tokens
 
     def _wait_now(self, now: float) -> float:
         """The wait an arrival would be given now (a Retry-After's basis)."""
@@ -128,7 +139,7 @@ class Projections:
             ttft += self._fe_lag(now, len(self.running) + 1)
             return wait, ttft, ttft + (seq.est_out - 1) * step, None
         running = self.running
-        ahead = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
+        ahead = self._ahead()
         n_after = min(engine.max_num_seqs, len(running) + len(ahead) + 1)
         per_seq = self.context() / len(running) if running else seq.prompt + seq.est_out / 2
         step = self.step_s(n_after, per_seq * n_after)

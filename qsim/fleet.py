@@ -13,8 +13,9 @@ A replica is one-at-a-time engines (an :class:`~qsim.queue.AdmissionQueue`) or a
 lines its driver builds and reads each through the one hook both have, ``replica_state(now, req)``
 (a :class:`~qsim.routers.ReplicaState`), so the routing is the same code for both.
 
-Engines that slow each other (:attr:`qsim.engines.OneAtATime.concurrency`) share one machine, and
-a central queue in front of batching engines is not simulated: both are refused.
+A central queue in front of batching replicas is :class:`qsim.batch_fleet.CentralBatch`, this
+fleet with one line that each replica takes from when it plans a step. Engines that slow each other
+(:attr:`qsim.engines.OneAtATime.concurrency`) share one machine: a fleet refuses them.
 """
 
 from __future__ import annotations
@@ -61,10 +62,6 @@ class FleetSpec:
                     for v in self.speeds):
                 raise ValueError(f"replica speeds: one number > 0 for each of the {self.replicas} "
                                  f"replicas, got {self.speeds!r}")
-            if self.router.shared:
-                raise ValueError("replica speeds apply to replicas with lines of their own, "
-                                 "not a central queue")
-
         self._check_down()
 
     def _check_down(self) -> None:
@@ -73,9 +70,6 @@ class FleetSpec:
                     0 <= window[0] < self.replicas and 0 <= window[1] < window[2]):
                 raise ValueError(f"a replica down is (replica of 0..{self.replicas - 1}, from_s, "
                                  f"to_s) with 0 <= from_s < to_s, got {window!r}")
-        if self.down and self.router.shared:
-            raise ValueError("a replica down applies to replicas with lines of their own, "
-                             "not a central queue")
         for _, at, _ in self.down:  # all down at once is no fleet: somewhere must take arrivals
             if len({r for r, a, b in self.down if a <= at < b}) == self.replicas:
                 raise ValueError(f"every replica is down at {at:g} s: keep one up")
@@ -110,12 +104,15 @@ class FleetSpec:
             raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None
 
     def check(self, config: ServerConfig) -> None:
-        """ValueError where ``config``'s server cannot be a replica here."""
+        """ValueError where ``config``'s server cannot be a replica here. A central queue in
+        front of engines one at a time is one line of N x K engines, with no replica of its own
+        to run slower or go down (in front of batching replicas each is its own engine)."""
         if config.batching:
-            if self.router.shared:
-                raise ValueError("a central queue in front of batching replicas is not simulated: "
-                                 "route at arrival (any router but central)")
             return
+        if self.router.shared and (self.speeds is not None or self.down):
+            what = "replica speeds" if self.speeds is not None else "a replica down"
+            raise ValueError(f"{what}: a central queue in front of engines one at a time is one "
+                             f"line of N x K engines (give --batching, or route at arrival)")
         if self.router.needs_batching:
             raise ValueError(f"router {self.router.name} reads a batching engine's KV memory and "
                              f"prefix cache: its replicas need --batching")
@@ -162,6 +159,10 @@ class Fleet:
     ``routed(req, r)``: request ``req`` was routed to replica r (not called under a central queue:
     there it binds where it starts)."""
 
+    #: Whether this fleet's replicas take from a central line themselves (batching replicas:
+    #: :class:`qsim.batch_fleet.CentralBatch`).
+    binds_late = False
+
     def __init__(self, config: ServerConfig, spec: FleetSpec, *, line: Callable,
                  routed: Callable) -> None:
         spec.check(config)
@@ -169,7 +170,10 @@ class Fleet:
         n, per = spec.replicas, config.engines
         self.engines_per_replica = per
         self.engines = n * per
-        if self.router.shared:
+        if self.router.shared and config.batching and not self.binds_late:
+            raise ValueError("a central queue in front of batching replicas is "
+                             "qsim.batch_fleet.CentralBatch, not a Fleet")
+        if self.router.shared and not config.batching:
             engine = dataclasses.replace(config.engine, engines=n * per)
             self.lines = [line(0, config.replace(engine=engine))]
             self.per_line = n * per
@@ -276,7 +280,8 @@ class Fleet:
         return [(req, state) for req in held
                 if (state := line.cancel(req, now)) is not None]
 
-    def restore(self, r: int) -> None:
+    def restore(self, r: int, now: float | None = None) -> None:
+        """Replica r is back (``now``: when, for a fleet that wakes it)."""
         self.up[r] = True
 
     # -- batching replicas: their caches (each line's timer is its driver's: qsim.model) ------

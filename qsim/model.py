@@ -48,6 +48,7 @@ from .entry import Work
 from .outcomes import ABANDONED, ANSWERED, CANCELLED, ERROR, GOOD, LATE, REJECTED, Reason
 from .policy import Policy, reads_basic
 from .batch import BatchQueue
+from .batch_fleet import CentralBatch
 from .prefix import Tokens
 from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from .fleet import Fleet, FleetSpec, offset
@@ -406,13 +407,14 @@ class _BatchSimulation(_Simulation):
         self.lines = [queue]  # the engines, by the index their steps' events carry
         return queue
 
-    def _batch_line(self, r: int, config: ServerConfig, slow: float = 1.0) -> BatchQueue:
-        """Engine r's queue core, its hooks carrying r; its steps take ``slow`` x the model's."""
+    def _batch_line(self, r: int, config: ServerConfig, slow: float = 1.0,
+                    make=BatchQueue) -> BatchQueue:
+        """Engine r's queue core (``make``'s: a BatchQueue, or a central queue's replica), its
+        hooks carrying r; its steps take ``slow`` x the model's."""
         caching = config.engine.prefix_caching
-        queue = BatchQueue(config, step=lambda plan, now: self._step(plan, now, r), end=self._ended,
-                           drop=self._drop, joined=lambda i, now: self._joined(i, now, r),
-                           wake=lambda now: self._wake(now, r),
-                           tokens=self._tokens if caching else None)
+        queue = make(config, step=lambda plan, now: self._step(plan, now, r), end=self._ended,
+                     drop=self._drop, joined=lambda i, now: self._joined(i, now, r),
+                     wake=lambda now: self._wake(now, r), tokens=self._tokens if caching else None)
         cv = config.engine.step.cv
         noise = None
         if cv > 0:  # a stream of its own, from the server's seed: the same draws under every policy
@@ -459,14 +461,17 @@ class _BatchSimulation(_Simulation):
 
     def _admit(self, i: int, t: float) -> None:
         super()._admit(i, t)
-        self._arm(self._engine_at(i))
+        if (r := self._engine_at(i)) >= 0:
+            self._arm(r)
 
     def _cancel(self, i: int, reason: str = LEFT_REASON) -> None:
         super()._cancel(i, reason)
-        self._arm(self._engine_at(i))
+        if (r := self._engine_at(i)) >= 0:
+            self._arm(r)
 
     def _engine_at(self, i: int) -> int:
-        """The engine whose line request (or attempt) i was handed to."""
+        """The engine whose line request (or attempt) i was handed to (-1: none, a central
+        queue's that has not started)."""
         return 0
 
     # -- the core's hooks --------------------------------------------------------------
@@ -563,7 +568,8 @@ class _InFleet:
         super().__init__(trace, config, **inputs)
         for r, down_s, up_s in fleet.down:
             Timeout(self.env, down_s).callbacks.append(lambda _, r=r: self._replica_down(r))
-            Timeout(self.env, up_s).callbacks.append(lambda _, r=r: self.queue.restore(r))
+            Timeout(self.env, up_s).callbacks.append(
+                lambda _, r=r: self.queue.restore(r, self.env.now))
 
     def _routed(self, i: int, r: int) -> None:
         self.replica_of[i] = r
@@ -617,8 +623,8 @@ class _FleetSimulation(_InFleet, _Simulation):
 
 
 class _BatchFleetSimulation(_InFleet, _BatchSimulation):
-    """N replicas, each a batching engine (its line, KV memory, prefix cache), behind a router:
-    replica r is engine r, its steps' events carry r."""
+    """N replicas, each a batching engine (its line, KV memory, prefix cache), behind a router or
+    a central queue (qsim.batch_fleet): replica r is engine r, its steps' events carry r."""
 
     def _after_down(self, r: int) -> None:
         self._arm(r)  # the deadlines cut there are gone
@@ -626,10 +632,16 @@ class _BatchFleetSimulation(_InFleet, _BatchSimulation):
     def _engine_at(self, i: int) -> int:
         return self.replica_of[i]
 
+    def _joined(self, i: int, now: float, r: int = 0) -> None:
+        self.replica_of[i] = r  # a central queue binds here (routed: where it was routed)
+        super()._joined(i, now, r)
+
     def _make_queue(self, config: ServerConfig) -> Fleet:
         self.noise, self.slow, self.timer_at = [], [], []
-        fleet = Fleet(config, self.spec, routed=self._routed, line=lambda r, cfg: self._batch_line(
-            r, cfg, 1.0 / self.spec.speed(r)))
+        kind = CentralBatch if self.spec.router.shared else Fleet
+        fleet = kind(config, self.spec, routed=self._routed,
+                     line=lambda r, cfg, make=BatchQueue: self._batch_line(
+                         r, cfg, 1.0 / self.spec.speed(r), make))
         self.lines = fleet.lines
         return fleet
 
@@ -696,7 +708,10 @@ def simulate(
     replicas: N copies of the server (a fleet, :mod:`qsim.fleet`), each its own line, engines
     and admission, behind ``router`` (:mod:`qsim.routers`; required where N > 1); 1 (the default):
     the one server, whatever the router. Each row's ``replica`` says where it went. Replicas
-    are one-at-a-time engines or batching engines, as ``config``'s engine is.
+    are one-at-a-time engines or batching engines, as ``config``'s engine is; behind router
+    ``central`` they share one line, each request bound where it starts (:mod:`qsim.batch_fleet`
+    for batching replicas; engines one at a time are one line of N x K engines, which takes no
+    replica speeds and no replica down).
     replica_speeds: each replica's speed over the server's (0.5: its runs, or its steps, take
     twice as long; its speed tracker learns so); None: all as calibrated.
     replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends

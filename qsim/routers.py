@@ -9,10 +9,12 @@ a change of policy or router moves no arrival and no service time: common random
 user's router is such a class; :data:`ROUTERS` names the built-in ones for ``--router``.
 
 :class:`Central` is the one router that does not choose at arrival: its fleet is one shared line
-in front of every replica's engines (today's ``--engines K`` for N x K engines, the Gateway API
-inference extension's flow control), and a request binds to a replica only when an engine there
-frees (late binding). Every other router binds at arrival (early binding), to that replica's own
-line and admission.
+in front of every replica (the Gateway API inference extension's flow control), and a request
+binds to a replica only when that replica can take it (late binding): for engines one at a time
+when an engine there frees (the line is today's ``--engines K`` for N x K engines), for batching
+replicas when one plans a step with a seat, the KV blocks and the token budget for it
+(:mod:`qsim.batch_fleet`). Every other router binds at arrival (early binding), to that replica's
+own line and admission.
 
 Routers that read a batching engine's state (:class:`LeastKV`, :class:`PrefixAffinity`,
 :class:`Weighted`: ``needs_batching``) route between batching replicas only: a replica run one at a
@@ -253,8 +255,10 @@ def parse_weights(text: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Central(Router):
-    """One shared FIFO in front of every replica's engines: a request binds to a replica when an
-    engine there frees (the lowest free engine), never at arrival. ``choose`` is not asked."""
+    """One shared line (the policy's discipline) in front of every replica: a request binds to a
+    replica when an engine there frees (the lowest free engine), or, batching replicas
+    (:mod:`qsim.batch_fleet`), when one takes it into its batch; never at arrival. ``choose`` is
+    not asked."""
 
     name: ClassVar[str] = "central"
     reads_prefix: ClassVar[bool] = False

@@ -135,13 +135,15 @@ def test_a_sweep_of_batching_replicas_writes_each_replica_at_the_load_of_each(tm
     assert per_replica[2] == pytest.approx(per_replica[1], rel=0.2)
 
 
-@pytest.mark.parametrize("router, says", [
-    ("central", "central queue in front of batching replicas"),
-])
-def test_a_central_queue_in_front_of_batching_replicas_is_refused(tmp_path, router, says):
-    text = BATCH_FLEET.replace('["round_robin", "least_kv"]', f'["{router}"]')
-    with pytest.raises(config.ConfigError, match=says):
-        load_text(tmp_path, text)
+def test_a_sweep_of_batching_replicas_behind_a_central_queue(tmp_path):
+    # Late binding is one more router: each row says the replica it started on (none: <NA>).
+    text = BATCH_FLEET.replace('["round_robin", "least_kv"]', '["central", "jsq"]')
+    summary = sweep.run(load_text(tmp_path, text), tmp_path / "out", workers=1, quiet=True)
+    assert set(summary["router"]) == {"central", "jsq"} and len(summary) == 2 * 2 * 2
+    frame = rows(tmp_path / "out")
+    central = frame[(frame["router"] == "central") & (frame["replicas"] == 2)]
+    assert set(central["replica"].dropna()) == {0, 1}
+    assert central["replica"].isna().eq(central["start_s"].isna()).all()
 
 
 def test_a_batch_aware_router_needs_batching_replicas(tmp_path):
@@ -290,7 +292,6 @@ def test_capacity_of_a_fleet(tmp_path, capsys):
     (["--router", "random"], "--router routes between"),
     (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
     (["--replicas", "2", "--router", "fastest"], "unknown router"),
-    (["--rate", "2", "--batching", "--router", "central"], "central queue in front of batching"),
     (["--rate", "2", "--concurrency", "0.1"], "concurrency 0"),
 ])
 def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, extra, says):

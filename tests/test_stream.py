@@ -179,6 +179,10 @@ FLEETS = {
         dict(arrivals="poisson", seconds=30.0, load=20.0, prompts=Prompts.parse("uniform:0:120")),
         ServerConfig(PRESETS["predictive-kv"], BATCHING),
         FleetSpec(3, PowerOfD(2), None, ((2, 5.0, 15.0),))),
+    "batching replicas, central, speeds, one down": (
+        dict(arrivals="poisson", seconds=30.0, load=20.0, prompts=Prompts.parse("uniform:0:120")),
+        ServerConfig(PRESETS["predictive"], BATCHING),
+        FleetSpec(3, Central(), (1.0, 1.0, 0.5), ((1, 5.0, 12.0),))),
     "batching replicas, least KV, speeds": (
         dict(arrivals="poisson", seconds=30.0, load=20.0, used=UsedShare()),
         ServerConfig(PRESETS["predictive"], BATCHING, seed=4),
