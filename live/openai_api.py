@@ -80,7 +80,9 @@ from .contract import Limits
 from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
                        shutdown_response, stopped_by_shutdown)
 from .engine import Asked
-from .gate import END, Answer, DeadlineCut, Gate, Job, Rejected, StreamingJob
+from .gate import Gate
+from .gate_errors import DeadlineCut, Rejected
+from .jobs import END, Answer, Job, StreamingJob
 from .request_io import (header_parameters, outcome, read_body, request_deadline, until_disconnect,
                          with_headers)
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too

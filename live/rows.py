@@ -62,7 +62,7 @@ from qsim.policy import on_time, policy_from_fields
 
 from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings, num, read_error
 from .contract import read_answer as answer_of
-from .gate import NEVER_IN_TIME
+from .gate_errors import NEVER_IN_TIME
 
 
 @dataclass(frozen=True)
