@@ -34,7 +34,7 @@ import threading
 
 from qsim.engines import OneAtATime
 from qsim.service import LoadTerms, ServiceModel
-from qsim.workload import UsedShare
+from qsim.mixes import UsedShare
 
 from .admin import operator_key
 from .auth import load_keys

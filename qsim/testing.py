@@ -59,7 +59,10 @@ from .policy import PRESETS, Policy, Rejection
 from .queue import AdmissionQueue
 from .records import OUTCOMES
 from .service import ServiceModel
-from .workload import REFERENCE_MIX, Prompts, Trace, arrivals_take_load, blended_means, make_trace
+from .arrivals import arrivals_take_load
+from .mixes import REFERENCE_MIX, Prompts, blended_means
+from .trace import Trace
+from .workload import make_trace
 
 __all__ = [
     "ARRIVALS", "DECLARED", "DISCIPLINES", "PROMPTS", "DisciplineCase", "EngineSettings", "InvariantBroken",
@@ -457,7 +460,7 @@ def policies(disciplines: Iterable[str] = ("fifo",), name: str = "random") -> st
     )
 
 
-#: Prompt lengths :func:`workloads` draws from (:class:`qsim.workload.Prompts` specs): a batching engine computes
+#: Prompt lengths :func:`workloads` draws from (:class:`qsim.mixes.Prompts` specs): a batching engine computes
 #: them before the first token; an engine run one at a time does not see them (its calibration has no prompt term).
 PROMPTS = ("none", "fixed:64", "uniform:0:300", "lognormal:64:0.8")
 
@@ -489,7 +492,7 @@ class EngineSettings:
 @dataclass(frozen=True)
 class Workload:
     """A seeded synthetic workload, as :func:`qsim.make_trace` takes it (``prompts``: a
-    :class:`qsim.workload.Prompts` spec)."""
+    :class:`qsim.mixes.Prompts` spec)."""
 
     arrivals: str = "poisson"
     service: str = "mix"

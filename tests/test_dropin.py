@@ -26,7 +26,7 @@ from live.http_api import create_app  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from qsim import preset  # noqa: E402
 from qsim.config import StallRule  # noqa: E402
-from qsim.workload import UsedShare  # noqa: E402
+from qsim.mixes import UsedShare  # noqa: E402
 from virtual_time import SimEngine, VirtualLoop  # noqa: E402
 
 MODEL = "synthetic"

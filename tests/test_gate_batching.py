@@ -24,7 +24,7 @@ from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
 from qsim.engines import Batching, StepModel
 from qsim.service import SpeedSchedule
-from qsim.workload import Prompts
+from qsim.mixes import Prompts
 from virtual_time import on_virtual_clock, run_gate
 
 STEP = StepModel(0.01, 0.0001, 0.0002, 0.000001)

@@ -18,7 +18,8 @@ from live.engine import Abilities, EngineResult
 from live.gate import CUT_LEAD_S
 from qsim import PRESETS, ServiceModel, make_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import UsedShare, lognormal_noise
+from qsim.mixes import UsedShare
+from qsim.workload import lognormal_noise
 from virtual_time import LoopWorker, run_gate
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004, per_prompt_token_s=0.0002)
