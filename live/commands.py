@@ -236,7 +236,7 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
 
 
 def _serve(args, cfg: ServeOptions, gate, fleet=None) -> None:
-    from .contract import Limits
+    from .contract_fields import Limits
     from .http_api import create_app
 
     from .hosts import AccessLog, HostAllowList, log_to_stderr

@@ -71,8 +71,9 @@ from . import admin, openai_api
 from .auth import SCOPE_CLIENT, ApiKeys, declare_security
 from .batching import STEP_PAGE
 from .hosts import HostAllowList, without_addresses
-from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
-                       Stats, Timings, request_model)
+from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Liveness,
+                       Readiness, Stats, Timings, request_model)
+from .contract_fields import Limits
 from .engine import Checked, CountsUpstream
 from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_for, error_response, error_responses,
                        json_response, parse_body, shutdown_response, stopped_by_shutdown)

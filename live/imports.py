@@ -39,7 +39,7 @@ import pandas as pd
 from qsim.service import ServiceModel
 from qsim.trace import from_arrays
 
-from .contract import AnswerEvent, EventUsage
+from .contract_clients import AnswerEvent, EventUsage
 from .openai_replay import answer_body, refusal_body
 from .rows import Exchange, ServerInfo, to_frame
 

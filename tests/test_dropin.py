@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from live.auth import load_keys  # noqa: E402
-from live.contract import Limits  # noqa: E402
+from live.contract_fields import Limits  # noqa: E402
 from live.engine import WORD, Asked, Faults, SyntheticEngine  # noqa: E402
 from live.gate import Gate, gate_config  # noqa: E402
 from live.gate_errors import Rejected, ShuttingDown  # noqa: E402
