@@ -142,7 +142,8 @@ def shutdown_response(message: str = "the server is shutting down and stopped th
                                       "send it again") -> Response:
     """What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
     cancels it then): 503 in the envelope, as a stream's last event where the stream had begun. A request still
-    waiting when the shutdown began, or arriving after, gets the same at once (:class:`live.gate_errors.ShuttingDown`)."""
+    waiting when the shutdown began, or arriving after, gets the same at once
+    (:class:`live.gate_errors.ShuttingDown`)."""
     return error_response(503, "unavailable", "shutting_down", message, retry_after_s=1)
 
 

@@ -63,10 +63,11 @@ returns): it takes the next request then, which its thread or task starts once t
 has returned, so the stopping time counts in that request's time, where a replay sees it.
 
 Streaming. :meth:`Gate.submit_streaming` admits a job as ``submit`` does (the same core, the same
-counts) and also returns the queue of its text pieces (:class:`~live.jobs.StreamingJob`): the engine thread hands
-each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run`` takes ``emit``, see
-:mod:`live.engine`; a coroutine engine's task puts it in the queue itself), and :data:`~live.jobs.END` follows once the future is done. Nothing else changes: the
-future is answered, fails or is cut exactly as a job that does not stream.
+counts) and also returns the queue of its text pieces (:class:`~live.jobs.StreamingJob`): the
+engine thread hands each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run``
+takes ``emit``, see :mod:`live.engine`; a coroutine engine's task puts it in the queue itself), and
+:data:`~live.jobs.END` follows once the future is done. Nothing else changes: the future is
+answered, fails or is cut exactly as a job that does not stream.
 
 Replicas. A fleet's replicas (:mod:`live.fleet_gate`) are watched for stalls, readiness and runs
 that fail in a row by :class:`~live.fleet_gate.ReplicaWatch`, the gate's base.
@@ -94,9 +95,9 @@ from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 from .engine import Cancel, Engine, EngineResult, SelfTimed, UpstreamError
 from .engine_workers import _Failure, _Ticket, _worker_for
 from .fleet_gate import ReplicaWatch, fleet_queue
-from .gate_errors import (NEVER_IN_TIME, SHUTDOWN_REASON, DeadlineCut, DeadlineExceeded, EngineFailed,
-                          EngineStalled, NeverInTime, Rejected, ShuttingDown, UpstreamFailed,
-                          UpstreamTimedOut, _failure_type, never_in_time)
+from .gate_errors import (NEVER_IN_TIME, SHUTDOWN_REASON, DeadlineCut, DeadlineExceeded,
+                          EngineFailed, EngineStalled, NeverInTime, Rejected, ShuttingDown,
+                          UpstreamFailed, UpstreamTimedOut, _failure_type, never_in_time)
 from .jobs import END, Answer, Arrival, Job, StreamingJob
 from .timings import Timings
 

@@ -93,7 +93,8 @@ END = object()
 
 @dataclass(frozen=True)
 class StreamingJob:
-    """A streamed job: its future (as :meth:`live.gate.Gate.submit`'s) and the text pieces the engine produces.
+    """A streamed job: its future (as :meth:`live.gate.Gate.submit`'s) and the text pieces the
+    engine produces.
 
     ``pieces`` holds each piece as it comes, then :data:`END` once the future is done; what came after
     (an engine still going after a cut) is never read. An engine without ``emit`` puts no piece.
