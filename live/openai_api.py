@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
 
-The request and response bodies are pydantic models of :mod:`live.contract`; the routes
+The request and response bodies are pydantic models of :mod:`live.contract_openai`; the routes
 are mounted by :func:`live.http_api.create_app` (:func:`mount`) beside ``/v1/generate``
 and admit through the same ``gate.submit(Job(...))``: the same policy, deadlines,
 per-client limits, counts and metrics. Every answer that is not a 200 is qlab's error
