@@ -33,7 +33,9 @@ from qsim.engines import Batching, StepModel
 from qsim.model import simulate
 from qsim.policy import Policy
 from qsim.routers import Central, PowerOfD, Random, RoundRobin, Router
-from qsim.workload import REFERENCE_MIX, Mix, from_arrays, make_trace
+from qsim.mixes import REFERENCE_MIX, Mix
+from qsim.trace import from_arrays
+from qsim.workload import make_trace
 from qsim.service import ServiceModel
 
 from .metrics import controlled_mean_ci, mean_ci

@@ -22,7 +22,7 @@ import sys
 import time
 
 from qsim import PRESETS, Batching, ServerConfig, StepModel, make_trace, simulate
-from qsim.workload import Mix, Prompts
+from qsim.mixes import Mix, Prompts
 
 TARGET_S = 10.0  # an hour's trace, on one core
 TARGET_SPEEDUP = 360.0  # simulated seconds per wall-clock second

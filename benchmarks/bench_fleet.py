@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks.bench_batching import ENGINE, best_of
 from qsim import REFERENCE_MIX, PRESETS, ServerConfig, load_trace, simulate
 from qsim.routers import PowerOfD
-from qsim.workload import Trace, assemble_trace
+from qsim.trace import Trace, assemble_trace
 
 AZURE = Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_code.csv"
 HOUR_S = 3600.0

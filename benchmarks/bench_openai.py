@@ -56,8 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cli import bench_main  # noqa: E402
 from benchmarks.floor import floors, machine  # noqa: E402
 from benchmarks.lean import Lean, Reply, client_loop  # noqa: E402
-from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
-                           GenerateRequest, QlabInfo)
+from live.contract import GenerateRequest  # noqa: E402
+from live.contract_openai import (ChatCompletion, ChatCompletionChunk,  # noqa: E402
+                                  ChatCompletionRequest, ChatMessage, QlabInfo)
 from live.http_api import GENERATE  # noqa: E402
 from live.openai_api import CHAT  # noqa: E402
 from live.procs import serving  # noqa: E402

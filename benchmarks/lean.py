@@ -26,8 +26,9 @@ import httptools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from live.contract import ChatCompletionChunk, read_error  # noqa: E402
-from live.contract import read_answer as answer_of  # noqa: E402
+from live.contract_clients import read_error  # noqa: E402
+from live.contract_clients import read_answer as answer_of  # noqa: E402
+from live.contract_openai import ChatCompletionChunk  # noqa: E402
 
 #: A pooled connection idle longer than this is closed, not reused.
 IDLE_REUSE_S = 3.0
@@ -162,7 +163,7 @@ class Lean:
 
     def request(self, method: str, path: str, body: dict | None = None) -> bytes:
         """The bytes of one request, built once and written as they are (``body``: e.g. a contract
-        model's ``.body()``, such as :class:`live.contract.ChatCompletionRequest`'s)."""
+        model's ``.body()``, such as :class:`live.contract_openai.ChatCompletionRequest`'s)."""
         data = b"" if body is None else json.dumps(body).encode()
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(data)}\r\n\r\n").encode()

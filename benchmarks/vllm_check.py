@@ -66,7 +66,9 @@ from live.upstream import UpstreamSpec, resolve_model  # noqa: E402
 from live.vllm_metrics import UPSTREAM_COUNTERS  # noqa: E402
 from qsim import Batching, ServerConfig, StepModel, simulate  # noqa: E402
 from qsim.policy import PRESETS  # noqa: E402
-from qsim.workload import Prompts, SharedPrefix, Trace, make_trace  # noqa: E402
+from qsim.mixes import Prompts, SharedPrefix  # noqa: E402
+from qsim.trace import Trace  # noqa: E402
+from qsim.workload import make_trace  # noqa: E402
 
 
 class VllmChoice(BaseModel):
@@ -433,7 +435,7 @@ def check_steps(upstream: str, quick: bool) -> list[Check]:
     ]
 
 
-#: The workloads whose prefix-cache hit rate the simulator must match (qsim.workload.SharedPrefix):
+#: The workloads whose prefix-cache hit rate the simulator must match (qsim.mixes.SharedPrefix):
 #: a system prompt of 384 tokens (3 of vLLM's CPU blocks of 128) before 80 % of the prompts, and
 #: conversations of 4 turns, 4 open at once, each turn's prompt the one before plus its answer.
 PREFIX_WORKLOADS = {

@@ -46,7 +46,7 @@ import pandas as pd
 from analysis.metrics import mean_ci
 from analysis.objectives import Objective, written
 from inputs.atomic import atomic_write
-from qsim.workload import arrivals_take_load
+from qsim.arrivals import arrivals_take_load
 
 from . import config as sweep_config
 from . import sweep

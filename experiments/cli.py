@@ -25,7 +25,9 @@ from inputs.argtypes import count, number, positive, positive_int
 from inputs.atomic import sigterm_interrupts, write_parquet
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import DEFAULT_LOAD, REFERENCE_MIX, arrivals_take_load, load_at_rate
+from qsim.arrivals import arrivals_take_load
+from qsim.mixes import REFERENCE_MIX
+from qsim.workload import DEFAULT_LOAD, load_at_rate
 from qsim.fleet import FleetSpec
 from qsim.records import OUTCOMES
 from qsim.routers import ROUTERS, make_router, parse_weights

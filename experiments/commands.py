@@ -197,7 +197,7 @@ def _capacity_figure(src: Path, summary: pd.DataFrame) -> dict:
 def _surge(src: Path) -> tuple[float, float] | None:
     """(start_s, end_s) of the sweep's surge of arrivals (the first of its arrivals axis), from its manifest; None for
     other arrivals."""
-    from qsim.workload import parse_arrivals
+    from qsim.arrivals import parse_arrivals
 
     try:
         cfg = json.loads((src / "manifest.json").read_text())["config"]

@@ -76,10 +76,10 @@ kv_blocks = 2000             #   (Batching.capacity_rps) and grid.engines must b
 b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("default": [batching]'s)
 # Batching axes, each optional: max_num_seqs = [64, 256], kv_blocks = [1000, 4000], chunked_prefill = [true, false],
 # step = [...]; objectives of any sweep: ttft_slo_s = [0.5], tpot_slo_s = [0.05] (a request is good only when it
-# meets every objective it has). In [sweep], prompts = "lognormal:512:0.8" (qsim.workload.Prompts; default none).
+# meets every objective it has). In [sweep], prompts = "lognormal:512:0.8" (qsim.mixes.Prompts; default none).
 # Prefix caching (qsim.prefix): prefix_caching = true in [batching], or in [grid]
 # prefix_caching = [false, true]; prompts that share tokens, in [sweep] or as [grid] axes
-# (qsim.workload.SharedPrefix): system_prompt = "512:0.8" (a system prompt of 512 tokens before a
+# (qsim.mixes.SharedPrefix): system_prompt = "512:0.8" (a system prompt of 512 tokens before a
 # share 0.8 of the prompts; "none": the default) and turns = "4:16" (conversations of 4 turns, 16
 # open at once; "1": the default).
 # An API process in front of the engine (qsim.engines.FrontEnd), in [batching]:
@@ -113,8 +113,9 @@ from qsim.estimators import ESTIMATORS
 from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
 from qsim.policy import args_tables, resolve
 from qsim.routers import parse_router
-from qsim.workload import (SERVICES, Client, Prompts, SharedPrefix, UsedShare, arrivals_take_load,
-                           check_clients, parse_arrivals)
+from qsim.arrivals import arrivals_take_load, parse_arrivals
+from qsim.mixes import Client, Prompts, SharedPrefix, UsedShare, check_clients
+from qsim.workload import SERVICES
 
 SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
               "noise_cv": float, "fixed_estimate": bool, "patience_until": str, "prompts": str,
@@ -176,7 +177,7 @@ class CalibrationFile:
 
 def parse_used(spec: str) -> UsedShare | None:
     """A ``used`` spec: "none" (None: every request generates its limit), "study" (the study's measured
-    :class:`qsim.workload.UsedShare`) or "AT_LIMIT:MEDIAN:SIGMA"; ValueError saying what is expected."""
+    :class:`qsim.mixes.UsedShare`) or "AT_LIMIT:MEDIAN:SIGMA"; ValueError saying what is expected."""
     text = spec.strip()
     if text == NO_USED:
         return None
@@ -216,7 +217,7 @@ class SweepConfig:
     patience_until: str = "answer"  # what a grid patience waits for (the whole answer, or its start)
     batching: Batching | None = None  # [batching]: cells run one batching engine with these settings
     steps: dict[str, StepModel] = field(default_factory=dict)  # [steps.NAME], and "default": [batching]'s
-    prompts: str = "none"  # [sweep] prompts: qsim.workload.Prompts' spec
+    prompts: str = "none"  # [sweep] prompts: qsim.mixes.Prompts' spec
     system_prompt: str = "none"  # [sweep] system_prompt: SharedPrefix.parse_system's spec
     turns: str = "1"  # [sweep] turns: SharedPrefix.parse_turns' spec
     concurrency: float = 0.0  # engines one at a time slow each other (qsim.engines.OneAtATime.concurrency)

@@ -14,7 +14,7 @@ from inputs.argtypes import non_negative, positive
 from inputs.batchflags import BATCHING_HELP, BATCHING_ONLY, add_batching_flags, batching_engine
 from qsim.engines import Batching, OneAtATime
 from qsim.service import LoadTerms
-from qsim.workload import Prompts, SharedPrefix
+from qsim.mixes import Prompts, SharedPrefix
 
 
 def prompts_spec(text: str) -> Prompts:

@@ -22,7 +22,8 @@ from qsim import ServiceModel, build_trace, records
 from qsim.service import LoadTerms
 from qsim.records import OUTCOMES
 from qsim.runfile import SPEED_PROBES
-from qsim.workload import ARRIVALS, arrivals_take_load, dataset_rows, load_at_rate
+from qsim.arrivals import ARRIVALS, arrivals_take_load
+from qsim.workload import dataset_rows, load_at_rate
 
 from live.contract import Stats
 from live.live_config import DEFAULT_NOMINAL_LOAD, DEFAULT_SECONDS

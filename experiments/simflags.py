@@ -14,7 +14,7 @@ from inputs.argtypes import count, non_negative, positive, positive_int
 from qsim.datasets import COUNTS, Dataset, read_dataset
 from qsim.service import parse_schedule
 from qsim.tracefiles import TraceWindow, WindowNames
-from qsim.workload import ARRIVALS
+from qsim.arrivals import ARRIVALS
 
 from .config import parse_used
 

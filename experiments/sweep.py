@@ -59,7 +59,8 @@ from qsim import build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.engines import OneAtATime
 from qsim.routers import parse_router
-from qsim.workload import Prompts, blended_means, parse_arrivals, used_mean_s
+from qsim.arrivals import parse_arrivals
+from qsim.mixes import Prompts, blended_means, used_mean_s
 
 from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
                      parse_speed_schedule, parse_used, shared_prefix)

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from qsim.service import LoadTerms, ServiceModel
 
 from .auth import OPERATOR_SCHEME, ApiKeys, Holder, digest
-from .contract import Limits
+from .contract_fields import Limits
 from .envelope import InvalidRequest, error_response, error_responses, json_response
 from .request_io import read_body
 

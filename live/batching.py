@@ -16,7 +16,7 @@ only turns the core's answers into futures and engine steps:
   instant starts in one step (the core's ``wake``, as the simulator's zero timeout);
 * a client leaves: its request leaves the line or the batch (its blocks free for the next step);
 * the core's timer (a joined request's deadline, where the policy cuts there) is a loop timer; a cut ends the
-  request at its deadline (:class:`~live.gate.DeadlineCut`, 504), as the simulator's.
+  request at its deadline (:class:`~live.gate_errors.DeadlineCut`, 504), as the simulator's.
 
 As in the gate: every piece of state lives on the event loop; an engine's work runs as a task on the loop (a
 coroutine engine, ``astep``) or on one engine thread (``step``) that posts the result back; waiting requests are
@@ -51,7 +51,10 @@ from qsim.runfile import LoggedStep
 from qsim.service import LoadTerms, ServiceModel, SpeedSchedule
 
 from .engine import WORD, Abilities, Faults, InjectedFault, abilities_of, apply_stop, close_on_loop
-from .gate import CUT_SLACK_S, Answer, DeadlineCut, Gate, Job, _Failure, _failure_type, _gone, _InboxThread, _Ticket
+from .engine_workers import _Failure, _InboxThread, _Ticket
+from .gate import CUT_SLACK_S, Gate, _gone
+from .gate_errors import DeadlineCut, _failure_type
+from .jobs import Answer, Job
 from .tokenizer import ByteTokenizer
 
 

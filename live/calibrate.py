@@ -57,8 +57,10 @@ from qsim.service import Fit, ServiceModel, fit
 
 from .auth import client_headers
 from .engine_steps import EnginePhase, EngineStepFit, counted, fit_phases
-from .contract import (Completion, CompletionRequest, EngineFacts, GenerateRequest, GenerateResponse, HealthFacts,
-                       Stats, Timings, UpstreamModels, num)
+from .contract import EngineFacts, GenerateRequest, GenerateResponse, HealthFacts, Stats, Timings
+from .contract_clients import UpstreamModels
+from .contract_fields import num
+from .contract_openai import Completion, CompletionRequest
 from .tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -34,7 +34,7 @@ import threading
 
 from qsim.engines import OneAtATime
 from qsim.service import LoadTerms, ServiceModel
-from qsim.workload import UsedShare
+from qsim.mixes import UsedShare
 
 from .admin import operator_key
 from .auth import load_keys
@@ -235,7 +235,7 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
 
 
 def _serve(args, cfg: ServeOptions, gate, fleet=None) -> None:
-    from .contract import Limits
+    from .contract_fields import Limits
     from .http_api import create_app
 
     from .hosts import AccessLog, HostAllowList, log_to_stderr

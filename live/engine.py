@@ -59,7 +59,8 @@ from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from qsim.service import ServiceModel, SpeedSchedule, parse_schedule  # noqa: F401 (parse_schedule: re-exported)
-from qsim.workload import UsedShare, lognormal_noise
+from qsim.mixes import UsedShare
+from qsim.workload import lognormal_noise
 
 from .tokenizer import ByteTokenizer
 
@@ -383,7 +384,7 @@ class SyntheticEngine:
     ``tokens`` copies of one word, so its length follows the request.
     ``faults`` makes given runs raise or hang (see :class:`Faults`). A run's ``cancel``
     ends its wait at once (``stopped``); a hang does not listen, as a wedged driver would not.
-    ``early_stops`` (a :class:`qsim.workload.UsedShare`, ``qlab serve --early-stops``): each run
+    ``early_stops`` (a :class:`qsim.mixes.UsedShare`, ``qlab serve --early-stops``): each run
     generates a share of its limit drawn from it, as if a stop string ended it, and takes the time
     of the tokens it generated (what a learning estimator learns); None: every run generates its limit.
     """

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qsim.policy import RATE_LIMITED
 
 from .contract import ErrorEnvelope, error_json
-from .gate import (DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, NeverInTime, Rejected, ShuttingDown,
-                   UpstreamFailed, UpstreamTimedOut)
+from .gate_errors import (DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, NeverInTime,
+                          Rejected, ShuttingDown, UpstreamFailed, UpstreamTimedOut)
 from .routes import ROUTES
 
 log = logging.getLogger("live.http_api")
@@ -142,7 +142,8 @@ def shutdown_response(message: str = "the server is shutting down and stopped th
                                       "send it again") -> Response:
     """What a request still running when the server's graceful shutdown runs out of time is answered (uvicorn
     cancels it then): 503 in the envelope, as a stream's last event where the stream had begun. A request still
-    waiting when the shutdown began, or arriving after, gets the same at once (:class:`live.gate.ShuttingDown`)."""
+    waiting when the shutdown began, or arriving after, gets the same at once
+    (:class:`live.gate_errors.ShuttingDown`)."""
     return error_response(503, "unavailable", "shutting_down", message, retry_after_s=1)
 
 

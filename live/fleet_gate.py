@@ -13,8 +13,9 @@ and ``qsim.simulate(..., replicas=N, router=...)`` drive one :class:`~qsim.fleet
 engines are all stalled (the gate's stall rule, :class:`qsim.config.StallRule`) is down, so the
 router sends nothing there, and up again once one of its engines hands its run back; so is one
 whose engine says what it depends on is not there (:class:`live.engine.Checked`: an upstream that
-went away), until its readiness says it is back, and one whose runs fail in a row (the gate's
-:data:`live.gate.FAILING_STREAK`), for a pause.
+went away), until its readiness says it is back, and one whose runs fail in a row
+(:data:`FAILING_STREAK`), for a pause. :class:`ReplicaWatch`, a part of the gate, tells the fleet
+which replicas are not ready and ends what a replica held when it went down.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from dataclasses import replace
 
 from qsim.config import ServerConfig
 from qsim.fleet import Fleet, FleetSpec, offset
+from qsim.outcomes import Outcome
 from qsim.queue import AdmissionQueue
 
-__all__ = ["LiveFleet", "fleet_queue"]
+from .engine import Checked
+from .gate_errors import EngineStalled, UpstreamFailed
+
+__all__ = ["FAILING_PAUSE_S", "FAILING_STREAK", "LiveFleet", "ReplicaWatch", "fleet_queue"]
 
 
 def fleet_queue(config: ServerConfig, spec: FleetSpec, *, start, drop, gone, routed) -> "LiveFleet":
@@ -140,3 +145,75 @@ class LiveFleet(Fleet):
             elif self.up[r] and down and sum(self.up) > 1:
                 left += [(req, state, r) for req, state in self.fail(r, now)]
         return left
+
+
+#: Runs in a row that fail on one replica of a fleet before the gate takes it out of routing for
+#: :data:`FAILING_PAUSE_S` (a replica that fails at once looks idle: load-aware routers would send
+#: it everything); then it is sent to again, and one more failure takes it out again.
+FAILING_STREAK = 5
+FAILING_PAUSE_S = 5.0
+
+
+class ReplicaWatch:
+    """The gate's watch over a fleet's replicas: a part of :class:`live.gate.Gate` (its base),
+    which holds the state it reads (``_failing``, ``_paused``, ``_unready``, ``_probes``) and
+    calls :meth:`_watch_replicas` from its watchdog and :meth:`_count_failure` at each hand-back."""
+
+    def _watch_replicas(self, now: float) -> None:
+        """A replica whose engines are all stalled, or whose engine is not ready, goes down (the
+        router sends it nothing) and comes back when it is well (LiveFleet.watch); what it held
+        ends now: an error of the stall or of the upstream."""
+        self._probe_replicas()
+        unready = {**self._failing_now(now), **self._unready}
+        for ticket, state, r in self.queue.watch(now, unready):
+            if state == "running" and ticket.cancel is not None:
+                ticket.cancel.set()  # nobody waits for it now: the engine may stop
+            waited = now - ticket.arrival.at
+            numbers = {**ticket.arrival.numbers(), "waited_s": waited}
+            problem = unready.get(r)
+            if problem is None:
+                message = (f"replica {r}'s every engine is stalled; the gate took it out of "
+                           f"routing and ended this request after {waited:.3f} s; send it again")
+                exc = EngineStalled(message, None, numbers, ticket.arrival)
+            else:
+                k = r * self.queue.engines_per_replica
+                exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
+                                     ticket.arrival, numbers)
+            self._resolve(ticket, Outcome.ERROR, exc=exc)
+
+    def _count_failure(self, r: int, ok: bool, now: float) -> None:
+        """Replica r's run ended ``ok`` or failed: :data:`FAILING_STREAK` failures in a row pause it
+        for :data:`FAILING_PAUSE_S` (an answer ends the streak)."""
+        if ok:
+            self._failing[r] = 0
+            self._paused.pop(r, None)
+            return
+        self._failing[r] += 1
+        if self._failing[r] >= FAILING_STREAK and r not in self._paused:
+            self._paused[r] = now + FAILING_PAUSE_S
+
+    def _failing_now(self, now: float) -> dict[int, str]:
+        """The replicas a streak of failures keeps out of routing now, and why."""
+        for r in [r for r, until in self._paused.items() if until <= now]:
+            del self._paused[r]  # sent to again; its next failure pauses it once more
+            self._failing[r] = FAILING_STREAK - 1
+        return {r: f"its last {self._failing[r]} runs failed; sent to again in "
+                   f"{until - now:.1f} s" for r, until in self._paused.items()}
+
+    def _probe_replicas(self) -> None:
+        """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which
+        answers from what its last run or probe learned, probing at most every few seconds)
+        whether it is ready; one question per replica at a time."""
+        per = self.queue.engines_per_replica
+        for r in range(self.fleet.replicas):
+            engine, probe = self.engines[r * per], self._probes.get(r)
+            if isinstance(engine, Checked) and (probe is None or probe.done()):
+                self._probes[r] = self._loop.create_task(self._probe(r, engine))
+
+    async def _probe(self, r: int, engine: Checked) -> None:
+        problem = await engine.readiness()
+        if problem is None:
+            self._unready.pop(r, None)
+        else:
+            self._unready[r] = problem
+

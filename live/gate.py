@@ -17,24 +17,21 @@ only about the times they feed the core:
   queue; a running one holds its engine until ``engine.run`` returns, which the
   gate hastens by setting the run's :class:`~live.engine.Cancel` (below).
 
-Every piece of state lives on the event loop thread; engine threads only run
-``engine.run`` and post the result back with ``call_soon_threadsafe``, so no
-lock is needed and ``submit`` never blocks. A coroutine engine (``arun``: the
-upstream engine, whose work is waiting on a socket) needs no thread at all: each
-of its runs is a task on the same loop, posting back the same way. Waiting requests are futures, not
-threads: a thread pool in front of the gate would be a second, unbounded and
-invisible queue. The clock is read once per event and passed to the core.
+A request is a :class:`~live.jobs.Job`; it comes back an :class:`~live.jobs.Answer`, or ends
+with one of :mod:`live.gate_errors`'s exceptions. The engines run in threads or tasks
+(:mod:`live.engine_workers`, which says why no lock is needed); every piece of state lives on the
+event loop. The clock is read once per event and passed to the core.
 
 Stalled engines. An engine thread cannot be interrupted, so a hung engine
 would hold its request, and everyone behind it, forever. A watchdog on the
 event loop (every ``watch_interval_s``, 50 ms) asks the core which engines ran
 past their stall rule (:class:`qsim.queue.StallRule`: ``max(10 x the estimate
-at start, 5 s)``). Such a request ends as an error (:class:`EngineStalled`); the
+at start, 5 s)``). Such a request ends as an error (:class:`~live.gate_errors.EngineStalled`); the
 engine stays busy until ``engine.run`` returns, and what it returns then
 teaches the tracker nothing. Its remaining work counts as its overrun so far,
 so predictive admission keeps refusing. While *every* engine is stalled, a
 waiting request whose deadline has passed is ended (``expired`` under a policy
-that expires at the front, else :class:`EngineStalled`). ``/healthz`` says
+that expires at the front, else :class:`~live.gate_errors.EngineStalled`). ``/healthz`` says
 "degraded" meanwhile. When nothing stalls the watchdog changes nothing. An engine that bounds its
 own runs (:class:`~live.engine.SelfTimed`: the upstream engine, whose timeout ends a silent upstream
 as 504 ``upstream_timeout``) is left to do so: the stall rule does not end its runs.
@@ -59,37 +56,29 @@ actually generated (``EngineResult.tokens``). The oracle is refused (:func:`chec
 a live gate cannot know how many tokens a request will generate. Under
 ``Policy.cancel_at_deadline`` a run still going at its deadline (arrival + deadline, the
 gate's clock) is cut there: the core ends it (``AdmissionQueue.cut``), the run's Cancel is
-set so that the engine stops, and the client gets :class:`DeadlineCut` (outcome
+set so that the engine stops, and the client gets :class:`~live.gate_errors.DeadlineCut` (outcome
 ``cancelled``, reason ``deadline_passed``; HTTP 504) at once. For the core the engine is
 free at the cut, as the simulator's is (a client that leaves holds it until ``engine.run``
 returns): it takes the next request then, which its thread or task starts once the cut run
 has returned, so the stopping time counts in that request's time, where a replay sees it.
 
 Streaming. :meth:`Gate.submit_streaming` admits a job as ``submit`` does (the same core, the same
-counts) and also returns the queue of its text pieces (:class:`StreamingJob`): the engine thread hands
-each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run`` takes ``emit``, see
-:mod:`live.engine`; a coroutine engine's task puts it in the queue itself), and :data:`END` follows once the future is done. Nothing else changes: the
-future is answered, fails or is cut exactly as a job that does not stream.
+counts) and also returns the queue of its text pieces (:class:`~live.jobs.StreamingJob`): the
+engine thread hands each piece to the loop with ``call_soon_threadsafe`` (an engine whose ``run``
+takes ``emit``, see :mod:`live.engine`; a coroutine engine's task puts it in the queue itself), and
+:data:`~live.jobs.END` follows once the future is done. Nothing else changes: the future is
+answered, fails or is cut exactly as a job that does not stream.
 
-Upstream failures. An upstream engine (:mod:`live.upstream`) raises
-:class:`~live.engine.UpstreamError` or :class:`~live.engine.UpstreamTimeout`; the request
-then fails with :class:`UpstreamFailed` or :class:`UpstreamTimedOut` (both
-:class:`EngineFailed`: outcome error, the tracker learns nothing), which the HTTP layer
-answers 502 and 504, and each one counts in ``Timings.upstream_errors``.
-
-What the gate reports per request is exactly what the core knew at that
-moment (:class:`Arrival`, and the gate-clock times an engine took and handed
-back a request), so a replay needs no information from the future.
+Replicas. A fleet's replicas (:mod:`live.fleet_gate`) are watched for stalls, readiness and runs
+that fail in a row by :class:`~live.fleet_gate.ReplicaWatch`, the gate's base.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import queue
-import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Callable, Sequence
 
@@ -98,14 +87,18 @@ from qsim.disciplines import CODEL_REASON
 from qsim.engines import Batching, OneAtATime
 from qsim.entry import Work
 from qsim.fleet import FleetSpec
-from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome, Reason
-from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy, Rejection, decide
-from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue, Seen
+from qsim.outcomes import OUTCOMES, REJECT_REASONS, Outcome
+from qsim.policy import EXPIRE_REASON, RATE_LIMITED, Policy
+from qsim.queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from qsim.service import LoadTerms, ServiceModel, SpeedTracker
 
-from .fleet_gate import fleet_queue
-from .engine import (Asked, Cancel, Checked, Engine, close_on_loop, EngineResult, SelfTimed,
-                     UpstreamError, UpstreamTimeout, abilities_of, cancellable, is_coroutine_engine)
+from .engine import Cancel, Engine, EngineResult, SelfTimed, UpstreamError
+from .engine_workers import _Failure, _Ticket, _worker_for
+from .fleet_gate import ReplicaWatch, fleet_queue
+from .gate_errors import (NEVER_IN_TIME, SHUTDOWN_REASON, DeadlineCut, DeadlineExceeded,
+                          EngineFailed, EngineStalled, NeverInTime, Rejected, ShuttingDown,
+                          UpstreamFailed, UpstreamTimedOut, _failure_type, never_in_time)
+from .jobs import END, Answer, Arrival, Job, StreamingJob
 from .timings import Timings
 
 #: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its client left
@@ -113,8 +106,6 @@ from .timings import Timings
 COUNTED = tuple(map(str, OUTCOMES))  # plain strings: JSON and label values
 #: The stall rule a gate runs with unless its ServerConfig says otherwise (see gate_config).
 GATE_STALL = StallRule()
-#: Why a request still waiting when the server stops, or arriving while it stops, is not run.
-SHUTDOWN_REASON = Reason.SHUTTING_DOWN
 
 
 def check_live_policy(policy: Policy) -> Policy:
@@ -132,216 +123,6 @@ def gate_config(policy: Policy, **settings) -> ServerConfig:
     return ServerConfig(check_live_policy(policy), **settings)
 
 
-@dataclass(frozen=True)
-class Job:
-    """A prepared request. deadline_s: seconds after arrival; None takes the policy's default."""
-
-    prompt: str
-    max_new_tokens: int
-    stop: tuple[str, ...] = ()
-    deadline_s: float | None = None
-    client_id: str | None = None  # whose token bucket it draws on, where the policy limits each client
-    priority: int = 0  # higher first under a priority discipline
-    prompt_tokens: int = 0  # counted by the engine's tokenizer: the service model's prompt term
-    stream: bool = False  # the engine hands over its text piece by piece (Gate.submit_streaming)
-    asked: Asked = Asked()  # what else the client asked, for an engine that takes it (live.engine)
-    # The client's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; None: not given. Carried
-    # into the answer and the run file; admission does not read them (yet).
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """The gate's view when the request arrived (what a record's admission columns hold)."""
-
-    at: float  # gate clock
-    deadline_s: float
-    seen: Seen  # what the queue core decided on (AdmissionQueue.seen)
-    # The fleet's replica that decided on it (live.fleet_gate; a central queue's: where it ran;
-    # None: no fleet).
-    replica: int | None = None
-
-    def numbers(self) -> dict[str, float]:
-        """For answers and refusals; arrived_at lets a client put the gate's own arrival order on its clock.
-        in_service_s and idle (where the core said them) complete what the admission rule read."""
-        seen = self.seen
-        said = {"in_service_s": seen.in_service_s} if math.isfinite(seen.in_service_s) else {}
-        if seen.idle >= 0:
-            said["idle"] = seen.idle
-        if self.replica is not None:
-            said["replica"] = self.replica
-        return {"arrived_at": self.at, "est_service_s": seen.est_service_s, "deadline_s": self.deadline_s,
-                "queued": seen.queued, "queued_work_s": seen.queued_work_s, "speed_factor": seen.speed_factor,
-                **said}
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A request the engine ran; outcome good or late by the gate's clock.
-
-    started_at / returned_at: gate clock when the engine took it and when the gate got it back;
-    the engine counted as busy in between (engine_s, the engine's own time, is a little less:
-    the hand-back from the engine thread to the event loop). The tracker learned engine_s.
-    """
-
-    text: str
-    tokens: int
-    outcome: str
-    queue_s: float
-    engine_s: float
-    latency_s: float
-    engine: int
-    arrival: Arrival
-    started_at: float = math.nan
-    returned_at: float = math.nan
-    first_token_s: float | None = None  # the engine's own seconds to its first token, where it sees that
-    prompt_tokens: int | None = None  # the engine's own count of the prompt (an upstream's usage), where it says
-    replica: int | None = None  # the fleet's replica that ran it (None: no fleet)
-
-
-class Rejected(Exception):
-    """Refused at arrival; ``rejection`` is qsim's :class:`~qsim.policy.Rejection`."""
-
-    def __init__(self, rejection: Rejection, arrival: Arrival) -> None:
-        super().__init__(rejection.reason)
-        self.rejection = rejection
-        self.arrival = arrival
-
-
-#: Why a request no queue could answer in time is refused (:class:`NeverInTime`).
-NEVER_IN_TIME = Reason.DEADLINE_TOO_SHORT
-
-
-def never_in_time(policy: Policy, est_idle_s: float, deadline_s: float) -> bool:
-    """Whether the policy refuses a request whose estimate on an idle engine is ``est_idle_s`` even with every
-    engine idle and nobody waiting: then no queue state could admit it, and it is not overload but a request
-    that cannot be answered in time (:class:`NeverInTime`). The policy's own rule decides (:func:`qsim.policy.decide`
-    at its best case), so only a policy that refuses for the deadline (predictive) refuses it."""
-    refusal = decide(policy, 0, 0.0, 0.0, est_idle_s, deadline_s, workers=1, idle=1)
-    return refusal is not None and refusal.reason == Reason.DEADLINE_UNREACHABLE
-
-
-class NeverInTime(Rejected):
-    """Refused at arrival, and no queue could have answered it in time (:func:`never_in_time`): its estimate on an
-    idle engine exceeds its deadline. ``rejection`` is the core's refusal, as for any :class:`Rejected` (a driver
-    that compares with the simulator reads it); the answer is not overload (no Retry-After: sending it again
-    meets the same deadline). ``fit_new_tokens``: the most new tokens whose estimate fits the deadline (0: none)."""
-
-    reason = NEVER_IN_TIME
-
-    def __init__(self, rejection: Rejection, arrival: "Arrival", job: "Job", est_idle_s: float,
-                 fit_new_tokens: int) -> None:
-        super().__init__(rejection, arrival)
-        fit = (f"at most {fit_new_tokens} new tokens fit it" if fit_new_tokens > 0
-               else "not even 1 new token fits it")
-        self.args = (f"its estimate on an idle engine, {est_idle_s:.3f} s for {job.max_new_tokens} new tokens, "
-                     f"exceeds its deadline of {arrival.deadline_s:.3f} s, so no queue could answer it in time: "
-                     f"{fit}, or {job.max_new_tokens} need a deadline of at least {math.ceil(est_idle_s * 1000)} ms",)
-        self.numbers = {**arrival.numbers(), "fit_new_tokens": fit_new_tokens}
-
-
-class ShuttingDown(Exception):
-    """The server is stopping (SIGTERM, :meth:`Gate.drain`): a request still waiting is answered at once (outcome
-    error), and one arriving now is refused before the gate decides on it (not counted)."""
-
-    reason = SHUTDOWN_REASON
-
-
-class DeadlineExceeded(Exception):
-    """Dropped unrun at the front: it could not finish by its deadline even if started then
-    (``cannot_finish``), or the discipline dropped it there (``codel``)."""
-
-    def __init__(self, numbers: dict[str, float], retry_after_s: int, arrival: Arrival,
-                 reason: str = EXPIRE_REASON) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.numbers = numbers
-        self.retry_after_s = retry_after_s
-        self.arrival = arrival
-
-
-class DeadlineCut(Exception):
-    """Stopped in service when its deadline passed, under a policy that cancels at the deadline
-    (``Policy.cancel_at_deadline``): outcome ``cancelled``. numbers: what the gate saw, with the
-    engine, when it took the request (``started_at``) and when the gate cut it (``at``, gate clock)."""
-
-    reason = CUT_REASON
-
-    def __init__(self, numbers: dict[str, float], arrival: Arrival) -> None:
-        super().__init__(f"stopped in service after {numbers['running_s']:.3f} s: its deadline of "
-                         f"{arrival.deadline_s:.3f} s passed (the policy cancels at the deadline)")
-        self.numbers = numbers
-        self.arrival = arrival
-
-
-class EngineFailed(Exception):
-    """The engine raised while running the request; ``__cause__`` is what it raised.
-
-    numbers: the engine, and (gate clock) when it took the request and handed the failure back.
-    """
-
-    reason = "engine_exception"
-
-    def __init__(self, engine: int, error: BaseException, arrival: Arrival, numbers: dict | None = None) -> None:
-        super().__init__(f"engine {engine} failed: {type(error).__name__}: {error}")
-        self.engine = engine
-        self.arrival = arrival
-        self.numbers = {"engine": engine, **(numbers or {})}
-
-
-class UpstreamFailed(EngineFailed):
-    """The upstream server of an upstream engine answered an error, could not be reached, or broke off."""
-
-    reason = UpstreamError.reason
-
-
-class UpstreamTimedOut(UpstreamFailed):
-    """The upstream server sent nothing for longer than the upstream engine's timeout."""
-
-    reason = UpstreamTimeout.reason
-
-
-def _failure_type(error: BaseException) -> type[EngineFailed]:
-    if isinstance(error, UpstreamTimeout):
-        return UpstreamTimedOut
-    return UpstreamFailed if isinstance(error, UpstreamError) else EngineFailed
-
-
-class EngineStalled(Exception):
-    """Given up behind a stalled engine: it ran past its engine's threshold, or it waited past its
-    deadline while every engine was stalled.
-
-    engine: the engine that ran it (None: it was still waiting). numbers: what the gate saw.
-    """
-
-    reason = STALL_REASON
-
-    def __init__(self, message: str, engine: int | None, numbers: dict[str, float], arrival: Arrival) -> None:
-        super().__init__(message)
-        self.engine = engine
-        self.numbers = numbers
-        self.arrival = arrival
-
-
-@dataclass(eq=False)  # identity: the queue core finds a ticket by being itself
-class _Ticket:
-    job: Job
-    arrival: Arrival
-    future: asyncio.Future
-    engine: int = -1
-    start: float = math.nan
-    cancel: Cancel | None = None  # set when its client leaves while it runs, or the gate cuts it
-    due: float = math.inf  # gate clock: arrival + deadline, where the policy cuts a run there
-    timer: asyncio.TimerHandle | None = None  # the cut at ``due``, while it runs
-    cut: bool = False  # the gate cut it at its deadline (a worker in tests tells this from a client leaving)
-    released: bool = False  # cut, and its engine given its next request then (its hand-back only ends the run)
-    emit: Callable[[str], None] | None = None  # a streamed job's: posts a piece of text to ``pieces``
-    pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
-    prompt_tokens: int | None = None  # a batching engine's own count of its prompt, once it said (StepDone)
-    replica: int | None = None  # where a fleet's router sent it (live.fleet_gate)
-
-
 #: How long before a run's deadline its cut timer is set, on a real clock: a loop's timer can come up to a
 #: millisecond late, and a cut that comes late shifts every later start on its engine (see Gate._cut).
 CUT_LEAD_S = 0.002
@@ -349,139 +130,8 @@ CUT_LEAD_S = 0.002
 #: resolution of two clocks that are apart, waiting on would never end.
 CUT_SLACK_S = 1e-6
 
-#: Runs in a row that fail on one replica of a fleet before the gate takes it out of routing for
-#: :data:`FAILING_PAUSE_S` (a replica that fails at once looks idle: load-aware routers would send
-#: it everything); then it is sent to again, and one more failure takes it out again.
-FAILING_STREAK = 5
-FAILING_PAUSE_S = 5.0
-#: The last item of a streamed job's pieces: its future is done (answered, failed, or cancelled).
-END = object()
 
-
-@dataclass(frozen=True)
-class StreamingJob:
-    """A streamed job: its future (as :meth:`Gate.submit`'s) and the text pieces the engine produces.
-
-    ``pieces`` holds each piece as it comes, then :data:`END` once the future is done; what came after
-    (an engine still going after a cut) is never read. An engine without ``emit`` puts no piece.
-    """
-
-    future: asyncio.Future
-    pieces: asyncio.Queue
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """What an engine thread posts back when ``engine.run`` raised: the error and how long it ran."""
-
-    error: BaseException
-    engine_s: float
-
-
-class _InboxThread:
-    """A thread of its own that takes one piece of work at a time from its inbox (None stops it); ``_loop`` runs it."""
-
-    def __init__(self, name: str) -> None:
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def give(self, work) -> None:
-        self._inbox.put(work)
-
-    def stop(self, timeout_s: float) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout_s)
-
-    def _loop(self) -> None:
-        raise NotImplementedError
-
-
-class _EngineThread(_InboxThread):
-    """One thread per engine: takes one ticket at a time from the gate, posts the result back."""
-
-    def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
-        self.k, self.engine, self._deliver = k, engine, deliver
-        self._abilities = abilities_of(engine)
-        # Never holds more than one ticket: the gate gives work only to an idle engine.
-        super().__init__(f"qlab-engine-{k}")
-
-    def _loop(self) -> None:
-        while (ticket := self._inbox.get()) is not None:
-            job = ticket.job
-            began = time.perf_counter()
-            cancel = {"cancel": ticket.cancel} if self._abilities.cancel else {}
-            if ticket.emit is not None and self._abilities.emit:
-                cancel["emit"] = ticket.emit
-            if self._abilities.asked and job.asked != Asked():
-                cancel["asked"] = job.asked
-            try:
-                result = _checked(self.engine.run(job.prompt, job.max_new_tokens, job.stop or None, **cancel))
-            except Exception as exc:  # one failed request must not take the engine down
-                result = _Failure(exc, time.perf_counter() - began)
-            self._deliver(self.k, ticket, result)
-
-
-def _checked(result) -> EngineResult:
-    if not isinstance(result, EngineResult):
-        raise TypeError(f"engine returned {type(result).__name__}, not EngineResult")
-    return result
-
-
-class _EngineTask:
-    """A coroutine engine (``arun``, :func:`live.engine.is_coroutine_engine`): each run is a task on the gate's
-    loop. Its work is waiting on I/O, so a thread would add only the two hand-overs between threads (and the
-    GIL's) to every request; ``emit`` puts each piece straight into the ticket's queue. Cancelling the run's
-    Cancel cancels the task (:func:`live.engine.cancellable`)."""
-
-    def __init__(self, k: int, engine: Engine, deliver: Callable) -> None:
-        self.k, self.engine, self._deliver = k, engine, deliver
-        self._abilities = abilities_of(engine)
-        self._tasks: list[asyncio.Task] = []  # the run in progress, and a next one waiting for it to stop
-
-    def start(self) -> None:
-        """Nothing to start: a run's task is made when the gate gives the engine a ticket."""
-
-    def give(self, ticket: _Ticket) -> None:
-        # One run at a time: after a cut the gate gives the next request while the cut run is still stopping.
-        self._tasks = [t for t in self._tasks if not t.done()]
-        previous = self._tasks[-1] if self._tasks else None
-        self._tasks.append(asyncio.get_running_loop().create_task(self._run(ticket, previous),
-                                                                  name=f"qlab-engine-{self.k}"))
-
-    def stop(self, timeout_s: float) -> None:
-        for task in self._tasks:
-            task.cancel()  # the gate is closing: the runs' answers have nobody to go to
-
-    async def aclose(self) -> None:
-        """Let the engine close what it holds on this loop (the upstream engine's session)."""
-        await close_on_loop(self.engine)
-
-    async def _run(self, ticket: _Ticket, previous: asyncio.Task | None) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])  # a run cut at its deadline, stopping
-        job, began = ticket.job, time.perf_counter()
-        pieces = ticket.pieces
-        emit = {"emit": pieces.put_nowait} if pieces is not None and self._abilities.emit else {}
-        if self._abilities.asked and job.asked != Asked():
-            emit["asked"] = job.asked
-        try:
-            run = self.engine.arun(job.prompt, job.max_new_tokens, job.stop or None, **emit)
-            result = _checked(await cancellable(run, ticket.cancel))
-        except Exception as exc:  # as an engine thread's: one failed request must not take the engine down
-            result = _Failure(exc, time.perf_counter() - began)
-        # No await from here on: a cancel the loop delivers later finds this task done.
-        self._deliver(self.k, ticket, result)
-
-
-def _worker_for(k: int, engine: Engine, deliver: Callable):
-    """A task on the loop for a coroutine engine, else a thread of its own."""
-    return (_EngineTask if is_coroutine_engine(engine) else _EngineThread)(k, engine, deliver)
-
-
-class Gate:
+class Gate(ReplicaWatch):
     """The queue core on the event loop, and K engine threads; use inside one running event loop.
 
     worker: what runs engine k (``worker(k, engine, deliver)`` with start, give(ticket) and
@@ -921,64 +571,6 @@ class Gate:
                    f"{after:.3f} s (max of {self.config.stall.factor:g} x its {est:.3f} s estimate "
                    f"and {self.config.stall.floor_s:g} s); the gate stopped waiting for it")
         self._resolve(ticket, Outcome.ERROR, exc=EngineStalled(message, k, numbers, ticket.arrival))
-
-    def _watch_replicas(self, now: float) -> None:
-        """A replica whose engines are all stalled, or whose engine is not ready, goes down (the
-        router sends it nothing) and comes back when it is well (LiveFleet.watch); what it held
-        ends now: an error of the stall or of the upstream."""
-        self._probe_replicas()
-        unready = {**self._failing_now(now), **self._unready}
-        for ticket, state, r in self.queue.watch(now, unready):
-            if state == "running" and ticket.cancel is not None:
-                ticket.cancel.set()  # nobody waits for it now: the engine may stop
-            waited = now - ticket.arrival.at
-            numbers = {**ticket.arrival.numbers(), "waited_s": waited}
-            problem = unready.get(r)
-            if problem is None:
-                message = (f"replica {r}'s every engine is stalled; the gate took it out of "
-                           f"routing and ended this request after {waited:.3f} s; send it again")
-                exc = EngineStalled(message, None, numbers, ticket.arrival)
-            else:
-                k = r * self.queue.engines_per_replica
-                exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
-                                     ticket.arrival, numbers)
-            self._resolve(ticket, Outcome.ERROR, exc=exc)
-
-    def _count_failure(self, r: int, ok: bool, now: float) -> None:
-        """Replica r's run ended ``ok`` or failed: :data:`FAILING_STREAK` failures in a row pause it
-        for :data:`FAILING_PAUSE_S` (an answer ends the streak)."""
-        if ok:
-            self._failing[r] = 0
-            self._paused.pop(r, None)
-            return
-        self._failing[r] += 1
-        if self._failing[r] >= FAILING_STREAK and r not in self._paused:
-            self._paused[r] = now + FAILING_PAUSE_S
-
-    def _failing_now(self, now: float) -> dict[int, str]:
-        """The replicas a streak of failures keeps out of routing now, and why."""
-        for r in [r for r, until in self._paused.items() if until <= now]:
-            del self._paused[r]  # sent to again; its next failure pauses it once more
-            self._failing[r] = FAILING_STREAK - 1
-        return {r: f"its last {self._failing[r]} runs failed; sent to again in "
-                   f"{until - now:.1f} s" for r, until in self._paused.items()}
-
-    def _probe_replicas(self) -> None:
-        """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which
-        answers from what its last run or probe learned, probing at most every few seconds)
-        whether it is ready; one question per replica at a time."""
-        per = self.queue.engines_per_replica
-        for r in range(self.fleet.replicas):
-            engine, probe = self.engines[r * per], self._probes.get(r)
-            if isinstance(engine, Checked) and (probe is None or probe.done()):
-                self._probes[r] = self._loop.create_task(self._probe(r, engine))
-
-    async def _probe(self, r: int, engine: Checked) -> None:
-        problem = await engine.readiness()
-        if problem is None:
-            self._unready.pop(r, None)
-        else:
-            self._unready[r] = problem
 
     def _on_future_done(self, ticket: _Ticket, future: asyncio.Future) -> None:
         """A cancelled future is a client that left: a waiting one leaves the queue with its work, a

@@ -71,12 +71,15 @@ from . import admin, openai_api
 from .auth import SCOPE_CLIENT, ApiKeys, declare_security
 from .batching import STEP_PAGE
 from .hosts import HostAllowList, without_addresses
-from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Limits, Liveness, Readiness,
-                       Stats, Timings, request_model)
+from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Liveness,
+                       Readiness, Stats, Timings, request_model)
+from .contract_fields import Limits
 from .engine import Checked, CountsUpstream
 from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_for, error_response, error_responses,
                        json_response, parse_body, shutdown_response, stopped_by_shutdown)
-from .gate import Answer, Gate, Job, Rejected
+from .gate import Gate
+from .gate_errors import Rejected
+from .jobs import Answer, Job
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 from .request_io import header_parameters, outcome, read_body, request_deadline, with_headers
 from .routes import CHAT, COMPLETIONS, GENERATE

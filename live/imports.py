@@ -36,10 +36,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from qsim import workload
 from qsim.service import ServiceModel
+from qsim.trace import from_arrays
 
-from .contract import AnswerEvent, EventUsage
+from .contract_clients import AnswerEvent, EventUsage
 from .openai_replay import answer_body, refusal_body
 from .rows import Exchange, ServerInfo, to_frame
 
@@ -265,7 +265,7 @@ def to_run(sent: list[Sent], info: ServerInfo, model: ServiceModel, name: str) -
         raise ValueError("the file holds no request qlab can read")
     zero = sent[0].sent_s
     at = np.array([s.sent_s - zero for s in sent])
-    trace = workload.from_arrays(at, [s.max_new_tokens for s in sent], model=model, name=name)
+    trace = from_arrays(at, [s.max_new_tokens for s in sent], model=model, name=name)
     exchanges = [Exchange(t, t, s.done_s - zero, s.status, s.body, None, s.error, left=s.left,
                           first_token_s=s.first_token_s - zero, last_token_s=s.last_token_s - zero, pieces=s.pieces)
                  for t, s in zip(at, sent)]

@@ -69,7 +69,7 @@ from qsim import PRESETS
 from qsim.clients import Patience, RetryPolicy
 from qsim.policy import args_tables, resolve
 from qsim.tracefiles import TraceWindow, WindowNames
-from qsim.workload import arrivals_take_load, check_load, parse_arrivals
+from qsim.arrivals import arrivals_take_load, check_load, parse_arrivals
 
 from .loadgen import APIS
 from .serve_options import ServeOptions

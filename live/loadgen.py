@@ -51,7 +51,8 @@ from . import openai_replay
 from .auth import client_headers
 from .calibrate import (MAX_STEP_PAGES, ServerFacts, StepPage, default_prompt_tokens, page_params,
                         server_facts, step_page)
-from .contract import Stats, num
+from .contract import Stats
+from .contract_fields import num
 from .routes import GENERATE, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 from .rows import Exchange, ServerInfo, retry_after_s, server_info, to_frame
 from .tokenizer import MIN_CONTEXT_TOKENS, ByteTokenizer, prompt_of

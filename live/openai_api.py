@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
 
-The request and response bodies are pydantic models of :mod:`live.contract`; the routes
+The request and response bodies are pydantic models of :mod:`live.contract_openai`; the routes
 are mounted by :func:`live.http_api.create_app` (:func:`mount`) beside ``/v1/generate``
 and admit through the same ``gate.submit(Job(...))``: the same policy, deadlines,
 per-client limits, counts and metrics. Every answer that is not a 200 is qlab's error
@@ -25,8 +25,8 @@ What a request becomes (docs/http.md, "OpenAI-compatible API", says the same for
 * what cannot be honoured is a 400 ``unsupported_parameter`` naming it: ``n`` or ``best_of`` other
   than 1, a list of several prompts, a ``suffix`` other than ``""``, ``logprobs``,
   ``top_logprobs``, tools and functions, a ``response_format`` other than ``{"type": "text"}``;
-  /openapi.json lists only the values served (:class:`live.contract.Only`). Any other bad field
-  is a 422, as on ``/v1/generate`` (strict); an integer field takes an integral float
+  /openapi.json lists only the values served (:class:`live.contract_fields.Only`). Any other bad
+  field is a 422, as on ``/v1/generate`` (strict); an integer field takes an integral float
   (``61.0``), as JSON Schema's integer and vLLM do.
 
 Streaming (``stream: true``). The answer is passed through as the engine produces it
@@ -71,22 +71,26 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 
-from .contract import (CHAT_FIELDS, OWNER, SAMPLING_FIELDS, Admission, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,  # noqa: F401
-                       ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
-                       CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo, StreamOptions, TextPart,
-                       Usage, request_models, unsupported)
-from .contract import STOPPED, ErrorEnvelope, Stopped
-from .contract import Limits
+from .contract import STOPPED, Admission, ErrorEnvelope, Stopped
+from .contract_fields import OWNER, Limits, unsupported  # noqa: F401
+from .contract_openai import (CHAT_FIELDS, SAMPLING_FIELDS, AssistantMessage,  # noqa: F401
+                              ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                              ChatCompletionRequest, ChatDelta, ChatMessage, Completion,
+                              CompletionChoice, CompletionRequest, ModelCard, ModelList, QlabInfo,
+                              StreamOptions, TextPart, Usage, request_models)
 from .envelope import (ADMITTING, ANY_ROUTE, InvalidRequest, answer_for, error_responses, json_response, parse_body,
                        shutdown_response, stopped_by_shutdown)
 from .engine import Asked
-from .gate import END, Answer, DeadlineCut, Gate, Job, Rejected, StreamingJob
+from .gate import Gate
+from .gate_errors import DeadlineCut, Rejected
+from .jobs import END, Answer, Job, StreamingJob
 from .request_io import (header_parameters, outcome, read_body, request_deadline, until_disconnect,
                          with_headers)
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
 
 
-# The request and answer bodies are live.contract's (imported above), with every other body.
+# The request and answer bodies are live.contract_openai's (imported above), with every other
+# body.
 
 
 # ---------------------------------------------------------------------- prompts and names
@@ -119,7 +123,8 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
 
 def _check_supported(req) -> None:
     """400 unsupported_parameter for the first field set to a value this server cannot honour (the
-    values it can are the fields' :class:`~live.contract.Only`, which /openapi.json lists)."""
+    values it can are the fields' :class:`~live.contract_fields.Only`, which /openapi.json
+    lists)."""
     found = unsupported(req)
     if found is not None:
         raise InvalidRequest(400, "unsupported_parameter", found[1])

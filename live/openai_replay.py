@@ -34,8 +34,10 @@ from typing import Any
 import httpx
 
 from .auth import client_headers
-from .contract import (AnswerEvent, CompletionRequest, EventChoice, EventUsage, ForeignError, GenerateRequest,
-                       QlabInfo, StreamOptions, UpstreamModels, generate_of)
+from .contract import GenerateRequest
+from .contract_clients import (AnswerEvent, EventChoice, EventUsage, ForeignError, UpstreamModels,
+                               generate_of)
+from .contract_openai import CompletionRequest, QlabInfo, StreamOptions
 from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 (COMPLETIONS: loadgen reads it here)
 
 #: Error types under which qlab's gate refuses or drops (live.rows reads them); a server that is
@@ -126,7 +128,8 @@ def refusal_body(status: int, body: Any) -> Any:
 
 
 def _foreign_error(body: Any) -> ForeignError | None:
-    """Any server's error body through :class:`live.contract.ForeignError`; None when it is not one."""
+    """Any server's error body through :class:`live.contract_clients.ForeignError`; None when it
+    is not one."""
     try:
         return ForeignError.model_validate(body) if isinstance(body, dict) else None
     except ValueError:
@@ -134,9 +137,9 @@ def _foreign_error(body: Any) -> ForeignError | None:
 
 
 def answer_body(text: str, usage: EventUsage | None, qlab: QlabInfo | None) -> dict:
-    """The streamed events as ``/v1/generate``'s answer (:func:`live.contract.generate_of`): a qlab gate's
-    ``qlab`` part gives the outcome, engine, timings and admission numbers; a bare server gives none (nulls,
-    engine -1: unknown); tokens -1 where the server reported no usage."""
+    """The streamed events as ``/v1/generate``'s answer (:func:`live.contract_clients.generate_of`):
+    a qlab gate's ``qlab`` part gives the outcome, engine, timings and admission numbers; a bare
+    server gives none (nulls, engine -1: unknown); tokens -1 where the server reported no usage."""
     tokens = usage.completion_tokens if usage is not None else None
     prompt = usage.prompt_tokens if usage is not None else None
     return generate_of(qlab, text, -1 if tokens is None else tokens, prompt).model_dump()
@@ -154,7 +157,8 @@ def _piece(choice: EventChoice) -> str:
 
 
 def _event_of(body: Any) -> AnswerEvent | None:
-    """A parsed event (or whole answer) through :class:`live.contract.AnswerEvent`; None when it is not one."""
+    """A parsed event (or whole answer) through :class:`live.contract_clients.AnswerEvent`; None
+    when it is not one."""
     try:
         return AnswerEvent.model_validate(body) if isinstance(body, dict) else None
     except ValueError:

@@ -18,7 +18,7 @@ from qsim.records import CLIENT_ID_CHARS
 
 from .auth import SCOPE_CLIENT
 from .envelope import InvalidRequest
-from .gate import Answer, Job
+from .jobs import Answer, Job
 from .routes import CLIENT_HEADER, DEADLINE_HEADER, TPOT_SLO_HEADER, TTFT_SLO_HEADER
 
 

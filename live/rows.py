@@ -60,9 +60,11 @@ from qsim.runfile import ClientSettings, engine_columns, server_columns
 from qsim.service import SpeedSchedule
 from qsim.policy import on_time, policy_from_fields
 
-from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings, num, read_error
-from .contract import read_answer as answer_of
-from .gate import NEVER_IN_TIME
+from .contract import EngineFacts, ErrorDetail, Numbers, Stats, Timings
+from .contract_clients import read_error
+from .contract_clients import read_answer as answer_of
+from .contract_fields import num
+from .gate_errors import NEVER_IN_TIME
 
 
 @dataclass(frozen=True)

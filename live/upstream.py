@@ -78,7 +78,9 @@ import aiohttp
 import httpx
 from pydantic import ValidationError
 
-from .contract import CHAT_FIELDS, ForeignError, UpstreamChatRequest, UpstreamChunk, UpstreamModels, UpstreamRequest
+from .contract_clients import (ForeignError, UpstreamChatRequest, UpstreamChunk, UpstreamModels,
+                               UpstreamRequest)
+from .contract_openai import CHAT_FIELDS
 from .engine import Abilities, Asked, Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
 from .routes import CHAT, COMPLETIONS, MODELS
 from .serve_options import check_upstream_url, split_credentials

@@ -69,7 +69,7 @@ from qsim.engines import STEP_FIELDS, StepFit, StepModel
 
 from .batching import StepDone, StepWork
 from .engine import Abilities, EngineResult, UpstreamError
-from .gate import Job
+from .jobs import Job
 from .upstream import ChunkRead, UpstreamEngine, UpstreamSpec
 
 #: The step model's coefficients, in the order of a fit's standard errors.

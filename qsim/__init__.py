@@ -2,7 +2,8 @@
 
 It owns the admission queue and its SimPy driver (``queue``, ``model``), the
 policies and their one decision function (``policy``), the service-time line
-and speed tracker (``service``), workloads (``workload``), trace files and the
+and speed tracker (``service``), traces (``trace``) and seeded workloads (``workload``, drawn from
+``mixes`` at the times of ``arrivals``), trace files and the
 one way to build a trace from options (``tracefiles``), the per-request record
 schema (``records``) and the closed forms it is checked against (``theory``).
 Its property-testing kit is :mod:`qsim.testing` (hypothesis strategies and
@@ -23,7 +24,9 @@ from .policy import PRESETS, Policy, Rejection, cannot_finish, decide, preset, r
 from .records import ANSWERED, OUTCOMES, SCHEMA
 from .service import ServiceModel, SpeedTracker, fit
 from .tracefiles import build_trace, load_trace
-from .workload import REFERENCE_MIX, Client, Mix, Trace, from_arrays, make_trace
+from .mixes import REFERENCE_MIX, Client, Mix
+from .trace import Trace, from_arrays
+from .workload import make_trace
 
 __all__ = [
     "ANSWERED", "OUTCOMES", "PRESETS", "REFERENCE_MIX", "SCHEMA", "Batching", "Client", "Mix", "OneAtATime",

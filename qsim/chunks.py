@@ -1,7 +1,7 @@
 """A trace a chunk of requests at a time, in the memory of one chunk: what a streamed run (:mod:`qsim.stream`) reads.
 
 :meth:`qsim.workload.TracePlan.chunks` draws a synthetic trace's requests a chunk at a time, the same values
-that :func:`qsim.workload.make_trace` draws whole; :meth:`qsim.workload.Trace.chunks` cuts a trace in memory.
+that :func:`qsim.workload.make_trace` draws whole; :meth:`qsim.trace.Trace.chunks` cuts a trace in memory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ PIECE = 1 << 16
 @dataclass(frozen=True)
 class TraceChunks:
     """A trace as consecutive chunks of ``size`` requests (the last: what is left), each a
-    :class:`qsim.workload.Trace` whose request_id counts from 0. ``requests``, ``duration_s``, ``meta`` and
+    :class:`qsim.trace.Trace` whose request_id counts from 0. ``requests``, ``duration_s``, ``meta`` and
     ``name`` are the whole trace's. Each iteration draws the chunks again from the start (the same ones)."""
 
     requests: int
@@ -27,7 +27,7 @@ class TraceChunks:
     duration_s: float
     name: str
     meta: dict = field(compare=False)
-    # Traces of qsim.workload, which builds on this module.
+    # Traces of qsim.trace and qsim.workload, which build on this module.
     draw: Callable[[], Iterator] = field(compare=False, repr=False)
 
     def __iter__(self) -> Iterator:

@@ -54,7 +54,7 @@ from .queue import CUT_REASON, STALL_REASON, AdmissionQueue
 from .fleet import Fleet, FleetSpec, offset
 from .routers import RoundRobin, Router
 from .service import SpeedSchedule
-from .workload import Trace
+from .trace import Trace
 
 _NAN = math.nan
 #: Reason of a request whose client left (outcome ``abandoned``).

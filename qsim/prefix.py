@@ -28,7 +28,7 @@ from typing import Iterable, Iterator, NamedTuple
 #: The parent hash of a request's first block (vLLM's NONE_HASH). Keys and hashes are ints, whose
 #: hash() is the same in every process (a str's is salted per process): runs are reproducible.
 ROOT_HASH = 0
-#: The key of the shared system prompt's tokens (:class:`qsim.workload.SharedPrefix`).
+#: The key of the shared system prompt's tokens (:class:`qsim.mixes.SharedPrefix`).
 SYSTEM_KEY = 1
 
 

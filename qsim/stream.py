@@ -2,7 +2,7 @@
 
 :func:`simulate_to_parquet` runs what :func:`qsim.simulate` runs, with the same driver and the same core, and
 writes the same rows; but it reads its trace a chunk at a time (:class:`qsim.chunks.TraceChunks`: a synthetic
-trace's from :meth:`qsim.workload.TracePlan.chunks`, or a trace in memory cut by :meth:`qsim.workload.Trace.chunks`)
+trace's from :meth:`qsim.workload.TracePlan.chunks`, or a trace in memory cut by :meth:`qsim.trace.Trace.chunks`)
 and keeps only the requests it has not written yet. Its memory is that of the requests in flight, a few chunks
 and a row group, whatever the trace's length.
 
@@ -42,7 +42,8 @@ from .model import (CANCEL_UNTIL, _BatchFleetSimulation, _BatchSimulation, _Flee
                     _Simulation)
 from .policy import Policy
 from .service import SpeedSchedule
-from .workload import REFERENCE_MIX, Trace, assemble_trace
+from .mixes import REFERENCE_MIX
+from .trace import Trace, assemble_trace
 
 #: Requests per chunk of the trace (a block of the driver's window) unless told otherwise: the driver keeps two
 #: or three blocks at a time when few requests wait long.

@@ -21,8 +21,9 @@ from .clients import Patience
 from .records import CLIENT_ID_CHARS, PRIORITY_BOUND
 from .service import ServiceModel
 from .chunks import TraceChunks
-from .workload import (REFERENCE_MIX, Mix, Trace, TracePlan, assemble_trace, load_rate, lognormal_noise, plan_trace,
-                       random_streams, used_tokens)
+from .mixes import REFERENCE_MIX, Mix, used_tokens
+from .trace import Trace, assemble_trace
+from .workload import TracePlan, load_rate, lognormal_noise, plan_trace, random_streams
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 OWN_REQUIRED = ["arrival_s", "max_new_tokens"]
@@ -131,7 +132,7 @@ def load_trace(
     the first send; empty: forever) are used when present. ``patience`` draws each request's patience
     instead (from the seed's fifth stream); its kind "column" takes the file's and needs it. A file's
     ``tokens_generated`` (at most max_new_tokens) is the work each request does where it stops early;
-    ``used`` (:class:`qsim.workload.UsedShare`) draws it instead, from the seed's sixth stream.
+    ``used`` (:class:`qsim.mixes.UsedShare`) draws it instead, from the seed's sixth stream.
     Arrival times are multiplied by ``time_scale`` (0.5 replays twice as fast).
     """
     path = Path(path)

@@ -14,7 +14,7 @@ from qsim import Batching, ServerConfig, ServiceModel, StepModel, from_arrays, m
 from qsim import testing
 from qsim.policy import PRESETS, Policy, resolve
 from qsim.testing import EngineSettings, SimRun
-from qsim.workload import UsedShare
+from qsim.mixes import UsedShare
 
 
 def trace_of(arrival, prompt, out, limit=None):

@@ -22,7 +22,7 @@ from qsim import PRESETS, ServerConfig, make_trace, records, simulate, testing
 from qsim.batch_fleet import CentralBatch
 from qsim.engines import Batching, FrontEnd, OneAtATime
 from qsim.routers import Central, make_router
-from qsim.workload import Prompts, SharedPrefix
+from qsim.mixes import Prompts, SharedPrefix
 
 BATCH = Batching(max_num_seqs=8, kv_blocks=400)
 SLOW_HALF = (1, 1, 0.5, 0.5)  # two replicas at half speed: the fleet serves 3/4 of 4 at speed 1

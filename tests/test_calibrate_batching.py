@@ -25,7 +25,8 @@ import pytest
 from experiments.cli import main
 from live.batching import BatchGate, SyntheticBatchEngine
 from live.calibrate import CalibrationConfig, fit_steps, schedule, step_seconds
-from live.gate import Job, gate_config
+from live.gate import gate_config
+from live.jobs import Job
 from qsim import PRESETS, make_trace
 from qsim.engines import Batching, StepModel
 from qsim.runfile import LoggedStep

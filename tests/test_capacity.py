@@ -197,7 +197,7 @@ def test_a_batching_engines_capacity_with_a_ttft_objective(tmp_path, capsys):
     # simulate's engine options: one batching engine, whose saturated throughput is load 1, and an objective on
     # the first token that makes a request good only when it meets it too.
     from qsim.engines import Batching
-    from qsim.workload import REFERENCE_MIX
+    from qsim.mixes import REFERENCE_MIX
 
     argv = ["capacity", "--policy", "predictive", "--objective", "share_good>=0.9", "--batching", "--max-num-seqs",
             "8", "--ttft-slo", "0.5", "--seconds", "30", "--seeds", "2", "--tolerance", "0.1", "--workers", "1",

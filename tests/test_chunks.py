@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from qsim.clients import Patience
-from qsim.workload import Client, Mix, Prompts, UsedShare, make_trace, plan_trace, trace_chunks
+from qsim.mixes import Client, Mix, Prompts, UsedShare
+from qsim.workload import make_trace, plan_trace, trace_chunks
 
 ARRAYS = ("arrival_s", "max_new_tokens", "size_class", "est_service_s", "true_service_s", "deadline_s",
           "prompt_tokens", "priority", "client_id", "patience_s", "tokens_generated")

@@ -1,5 +1,6 @@
-"""One typed contract (live/contract.py): every route's JSON is its model's, a renamed field fails here
-instead of becoming NaN in a run file, and no client module reads a body key by string.
+"""One typed contract (live/contract.py and the live/contract_*.py beside it): every route's JSON
+is its model's, a renamed field fails here instead of becoming NaN in a run file, and no client
+module reads a body key by string.
 
 The service runs in-process (FastAPI's TestClient, synthetic engine at 1/10,000 of the reference time).
 """
@@ -18,11 +19,14 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
-from live import contract  # noqa: E402
+from live import contract, contract_clients, contract_openai  # noqa: E402
 from live.calibrate import ServerFacts, server_facts  # noqa: E402
-from live.contract import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,  # noqa: E402
-                           Completion, ErrorEnvelope, GenerateRequest, GenerateResponse, Health, Limits, ModelList,
-                           Stats, read_answer, read_error)
+from live.contract import (ErrorEnvelope, GenerateRequest, GenerateResponse, Health,  # noqa: E402
+                           Stats)
+from live.contract_clients import read_answer, read_error  # noqa: E402
+from live.contract_fields import Limits, num  # noqa: E402
+from live.contract_openai import (ChatCompletion, ChatCompletionChunk,  # noqa: E402
+                                  ChatCompletionRequest, ChatMessage, Completion, ModelList)
 from live.admin import operator_key  # noqa: E402
 from live.auth import load_keys  # noqa: E402
 from live.engine import Faults, SyntheticEngine  # noqa: E402
@@ -117,7 +121,7 @@ def test_stats_and_health_are_their_models_exactly(client):
     assert set(stats.json()) == keys(Stats) - {"upstream_counters", "fleet"}, \
         "a /stats key the contract's Stats does not name, or one it lost"
     assert parsed.service_model is not None and not parsed.service_model.model_extra
-    assert parsed.engines == 1 and math.isfinite(contract.num(parsed.clock))
+    assert parsed.engines == 1 and math.isfinite(num(parsed.clock))
     health = client.get("/healthz")
     assert set(health.json()) == keys(Health) and validated(Health, health).status == "ok"
 
@@ -127,7 +131,7 @@ def test_openai_routes_are_their_models(client):
     assert [m.id for m in models.data] == ["synthetic"]
     chat = client.post("/v1/chat/completions", json=CHAT.body())
     done = validated(ChatCompletion, chat)
-    assert done.qlab is not None and set(chat.json()["qlab"]) == keys(contract.QlabInfo)
+    assert done.qlab is not None and set(chat.json()["qlab"]) == keys(contract_openai.QlabInfo)
     completion = client.post("/v1/completions", json={"model": "synthetic", "prompt": "hi", "max_tokens": 2})
     assert validated(Completion, completion).usage.completion_tokens == 2
     streamed = client.post("/v1/chat/completions", json=CHAT.model_copy(update={"stream": True}).body())
@@ -174,7 +178,7 @@ def test_rows_read_an_answer_and_a_refusal_without_a_nan(client):
 def test_the_run_file_holds_the_engines_count_of_the_prompt(client):
     """An answer's prompt_tokens (an upstream's own count, e.g. vLLM's) reaches the row; an answer
     without it (a server that does not count) leaves the row's count missing, not 0."""
-    from live.contract import EventUsage
+    from live.contract_clients import EventUsage
     from live.openai_replay import answer_body
 
     body = client.post("/v1/generate", json=OK).json()
@@ -248,8 +252,8 @@ def test_the_openai_replayer_reads_a_gates_stream_as_its_whole_answer(client):
     whole = read_answer(client.post("/v1/completions", json={**request["json"], "stream": False}).json())
     answer = read_answer(got.body)
     assert got.error is None and (answer.text, answer.tokens, answer.outcome) == (whole.text, 4, whole.outcome)
-    assert all(math.isfinite(contract.num(v)) for k, v in answer.timings if k != "first_token_s")
-    assert math.isfinite(contract.num(answer.admission.arrived_at))
+    assert all(math.isfinite(num(v)) for k, v in answer.timings if k != "first_token_s")
+    assert math.isfinite(num(answer.admission.arrived_at))
     refused = client.post("/v1/completions", json={**request["json"], "stream": False},
                           headers=completion_request(UNREACHABLE, "synthetic")["headers"])
     assert read_error(refusal_body(refused.status_code, refused.json())).reason == "deadline_too_short"
@@ -284,10 +288,15 @@ def _types(annotation) -> list:
     return [annotation, *[t for a in args for t in _types(a)]]
 
 
+#: The modules that hold the contract's body models (live.contract_fields holds none).
+CONTRACT = (contract, contract_openai, contract_clients)
+
+
 def contract_fields() -> set[str]:
-    """Every field name of every body model in live.contract."""
-    models = [v for v in vars(contract).values() if isinstance(v, type) and issubclass(v, BaseModel)
-              and v.__module__ == contract.__name__]
+    """Every field name of every body model of the contract's modules."""
+    models = [v for module in CONTRACT for v in vars(module).values()
+              if isinstance(v, type) and issubclass(v, BaseModel)
+              and v.__module__ == module.__name__]
     seen: set = set()
     return set().union(*(_fields(m, seen) for m in models))
 

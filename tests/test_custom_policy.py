@@ -110,7 +110,7 @@ def test_a_rule_of_its_own_is_one_more_part_in_the_gate_as_in_the_simulator():
     from virtual_time import run_gate
 
     from qsim.policy import PRESETS
-    from qsim.workload import Prompts
+    from qsim.mixes import Prompts
 
     policy = resolve("prompts:ShortPrompts", {"max_prompt_tokens": "120"})
     bound = policy.rules[-1]

@@ -17,14 +17,16 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from live.auth import load_keys  # noqa: E402
-from live.contract import Limits  # noqa: E402
+from live.contract_fields import Limits  # noqa: E402
 from live.engine import WORD, Asked, Faults, SyntheticEngine  # noqa: E402
-from live.gate import Gate, Job, Rejected, ShuttingDown, gate_config  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
+from live.gate_errors import Rejected, ShuttingDown  # noqa: E402
+from live.jobs import Job  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from qsim import preset  # noqa: E402
 from qsim.config import StallRule  # noqa: E402
-from qsim.workload import UsedShare  # noqa: E402
+from qsim.mixes import UsedShare  # noqa: E402
 from virtual_time import SimEngine, VirtualLoop  # noqa: E402
 
 MODEL = "synthetic"

@@ -14,7 +14,7 @@ from analysis import estimation, plots
 from experiments import cli, config, sweep
 from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import UsedShare
+from qsim.mixes import UsedShare
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ import pytest
 
 from qsim import PRESETS, from_arrays, make_trace, records, simulate
 from qsim.service import ServiceModel, SpeedSchedule, fit
-from qsim.workload import UsedShare
+from qsim.mixes import UsedShare
 
 
 def test_early_stops_match_their_exact_mean_and_leave_the_limit_alone():

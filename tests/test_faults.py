@@ -30,7 +30,9 @@ from experiments import config, sweep  # noqa: E402
 from experiments import live_runner as runner  # noqa: E402
 from live import live_config  # noqa: E402
 from live.engine import NO_ABILITIES, Faults, InjectedFault, SyntheticEngine  # noqa: E402
-from live.gate import DeadlineExceeded, EngineStalled, Gate, gate_config, Job, Rejected  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
+from live.gate_errors import DeadlineExceeded, EngineStalled, Rejected  # noqa: E402
+from live.jobs import Job  # noqa: E402
 from experiments.cli import main  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.procs import Server, serving  # noqa: E402

@@ -17,7 +17,7 @@ from qsim.outcomes import OUTCOMES
 from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastTTFT, LeastWork, PowerOfD,
                           PrefixAffinity, Random, ReplicaState, RoundRobin, Router, Weighted,
                           make_router)
-from qsim.workload import Prompts, SharedPrefix
+from qsim.mixes import Prompts, SharedPrefix
 
 
 #: The routers that route one-at-a-time replicas (the rest read a batching engine's memory).

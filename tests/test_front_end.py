@@ -15,7 +15,7 @@ from qsim import testing
 from qsim.engines import FrontEnd, engine_fields, engine_from_fields
 from qsim.policy import PRESETS, resolve
 from qsim.testing import EngineSettings, SimRun
-from qsim.workload import UsedShare
+from qsim.mixes import UsedShare
 
 
 def trace_of(arrival, prompt, out):

@@ -18,12 +18,14 @@ import pytest
 
 from live.batching import BatchGate, StepWork, SyntheticBatchEngine
 from live.engine import NO_ABILITIES, Faults
-from live.gate import EngineFailed, Job, gate_config
+from live.gate import gate_config
+from live.gate_errors import EngineFailed
+from live.jobs import Job
 from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
 from qsim.engines import Batching, StepModel
 from qsim.service import SpeedSchedule
-from qsim.workload import Prompts
+from qsim.mixes import Prompts
 from virtual_time import on_virtual_clock, run_gate
 
 STEP = StepModel(0.01, 0.0001, 0.0002, 0.000001)
@@ -208,7 +210,7 @@ def test_the_synthetic_engines_fail_every_fails_every_nth_request_to_join():
 
 
 def test_a_streamed_request_gets_each_token_at_the_end_of_its_step():
-    from live.gate import END
+    from live.jobs import END
 
     config = gate_config(PRESETS["none"], engine=ENGINE)
 
@@ -241,7 +243,7 @@ def test_a_cut_timer_that_fires_early_waits_for_the_deadline():
     """uvloop's clock is libuv's, cached a loop turn: a timer set from it can fire before the gate's clock reaches
     the deadline. The cut waits on (freeing its blocks early would let the next request join a step before the
     simulator's core would)."""
-    from live.gate import DeadlineCut
+    from live.gate_errors import DeadlineCut
 
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.05)
     ahead = [0.002]  # how far the gate's clock reads ahead of the loop's
@@ -352,7 +354,7 @@ def test_an_engine_with_a_blocking_step_runs_on_a_thread_of_its_own():
 
 
 def test_a_refusal_keeps_the_cores_reason():
-    from live.gate import NeverInTime, Rejected
+    from live.gate_errors import NeverInTime, Rejected
 
     # 512 tokens: far past the 2 s deadline at the gate's service line (8.5 ms a token), inside it at 2.1 ms a step
     # for the batch; the core projects the batch, and its refusal (a tighter deadline) keeps its own reason.

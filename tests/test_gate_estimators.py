@@ -18,7 +18,8 @@ from live.engine import Abilities, EngineResult
 from live.gate import CUT_LEAD_S
 from qsim import PRESETS, ServiceModel, make_trace, simulate
 from qsim.config import ServerConfig
-from qsim.workload import UsedShare, lognormal_noise
+from qsim.mixes import UsedShare
+from qsim.workload import lognormal_noise
 from virtual_time import LoopWorker, run_gate
 
 MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004, per_prompt_token_s=0.0002)
@@ -203,7 +204,8 @@ def test_the_gate_learns_the_tokens_gpt2_generated_and_gpt2_stops_when_cut():
     import asyncio
 
     from live.engine import Cancel
-    from live.gate import Gate, gate_config, Job
+    from live.gate import Gate, gate_config
+    from live.jobs import Job
     from live.gpt2 import GPT2Engine, GPT2Spec
 
     engine = GPT2Engine(GPT2Spec("tiny", "cpu", seed=0, threads=1))
@@ -347,7 +349,9 @@ def _cut_then_serve(clock_offset_s: float = 0.0, second_deadline_s: float = 5.0)
     Returns each request's answer or DeadlineCut numbers (with ``seen_at``: the gate-clock time its client saw the cut)."""
     import asyncio
 
-    from live.gate import DeadlineCut, Gate, gate_config, Job
+    from live.gate import Gate, gate_config
+    from live.gate_errors import DeadlineCut
+    from live.jobs import Job
     from virtual_time import VirtualLoop
 
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
@@ -406,7 +410,9 @@ def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
     timer fired. The core hears of the cut first, placed at the deadline, as the simulator orders them."""
     import asyncio
 
-    from live.gate import DeadlineCut, Gate, gate_config, Job
+    from live.gate import Gate, gate_config
+    from live.gate_errors import DeadlineCut
+    from live.jobs import Job
     from virtual_time import VirtualLoop
 
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=0.6)
@@ -441,7 +447,9 @@ def test_an_arrival_read_after_a_deadline_meets_the_queue_with_that_run_cut():
 def test_a_coroutine_engine_starts_the_next_run_only_once_the_cut_one_has_stopped():
     import asyncio
 
-    from live.gate import DeadlineCut, Gate, gate_config, Job
+    from live.gate import Gate, gate_config
+    from live.gate_errors import DeadlineCut
+    from live.jobs import Job
     from virtual_time import VirtualLoop
 
     class SlowToStop:  # a coroutine engine: 1 s a run, 0.25 s to stop once cancelled

@@ -66,7 +66,9 @@ def _run_with_a_hung_replica(router: str):
     """Every 0.03 s for 39 s a request of 12 tokens (0.05 s) to 3 one-engine replicas, replica 1's
     engine hanging at its 4th run; each request's (arrival, replica, outcome, reason), /stats."""
     from live.engine import Faults
-    from live.gate import Gate, Job, Rejected, gate_config
+    from live.gate import Gate, gate_config
+    from live.gate_errors import Rejected
+    from live.jobs import Job
     from test_gate_sim import MODEL
     from virtual_time import LoopSynthetic, on_virtual_clock
 
@@ -175,7 +177,8 @@ def _fleet_of_upstreams(engines, policy: str, router: str):
 
     import pandas as pd
 
-    from live.gate import Gate, Job, gate_config
+    from live.gate import Gate, gate_config
+    from live.jobs import Job
     from test_gate_sim import MODEL
     from virtual_time import on_virtual_clock
 
@@ -304,7 +307,9 @@ def test_a_new_calibration_reaches_every_replica():
 def test_draining_a_fleet_gate_answers_every_replicas_waiting():
     import asyncio
 
-    from live.gate import Gate, Job, ShuttingDown, gate_config
+    from live.gate import Gate, gate_config
+    from live.gate_errors import ShuttingDown
+    from live.jobs import Job
     from test_gate_sim import MODEL
     from virtual_time import LoopSynthetic, on_virtual_clock
 
@@ -339,7 +344,7 @@ def test_a_replica_that_fails_at_once_is_paused_and_tried_again(router):
     """A replica whose runs fail at once looks idle: jsq and least_work would send it nearly
     everything. After FAILING_STREAK failures in a row the gate pauses it for FAILING_PAUSE_S,
     sends to it again, and keeps it once it answers."""
-    from live.gate import FAILING_PAUSE_S, FAILING_STREAK
+    from live.fleet_gate import FAILING_PAUSE_S, FAILING_STREAK
     from test_gate_sim import MODEL
 
     engines = [_GoneUpstream(MODEL), _FailingUpstream(MODEL, away=(5.0, 15.0)), _GoneUpstream(MODEL)]

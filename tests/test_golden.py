@@ -33,7 +33,8 @@ from qsim import Batching, ServerConfig, StepModel, make_trace, simulate
 from qsim.clients import Patience, RetryPolicy
 from qsim.policy import PRESETS, resolve
 from qsim.tracefiles import TraceWindow, build_trace
-from qsim.workload import Client, Prompts, UsedShare, arrivals_take_load
+from qsim.arrivals import arrivals_take_load
+from qsim.mixes import Client, Prompts, UsedShare
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden.json"

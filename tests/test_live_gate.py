@@ -15,8 +15,10 @@ import pytest
 
 from live.engine import (Abilities, Cancel, EngineResult, SyntheticEngine, UpstreamError,
                          UpstreamTimeout, abilities_of)
-from live.gate import (END, DeadlineExceeded, EngineFailed, Gate, gate_config, Job, Rejected, UpstreamFailed,
-                       UpstreamTimedOut)
+from live.gate import Gate, gate_config
+from live.gate_errors import (DeadlineExceeded, EngineFailed, Rejected, UpstreamFailed,
+                              UpstreamTimedOut)
+from live.jobs import END, Job
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
 from virtual_time import LoopSynthetic, on_virtual_clock
 

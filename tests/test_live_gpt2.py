@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from live.engine import Asked, Engine
-from live.gate import Gate, gate_config, Job
+from live.gate import Gate, gate_config
+from live.jobs import Job
 from qsim import PRESETS
 
 # Loading GPT-2 (torch and transformers: 7 s of CPU to import) is a heavy start, as a server's is.

@@ -227,7 +227,8 @@ def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
     import asyncio
 
     from live.batching import BatchGate, is_batch_engine
-    from live.gate import END, Job, gate_config
+    from live.gate import gate_config
+    from live.jobs import END, Job
     from live.gpt2 import GPT2Spec
     from live.gpt2_batch import GPT2BatchEngine
     from qsim import PRESETS

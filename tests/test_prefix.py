@@ -16,7 +16,9 @@ from qsim.entry import Work
 from qsim.policy import PRESETS
 from qsim.prefix import SYSTEM_KEY, BlockPool, Tokens, answer_key, block_hashes, own_key
 from qsim.testing import EngineSettings, SimRun
-from qsim.workload import Prompts, SharedPrefix, from_arrays, trace_chunks
+from qsim.mixes import Prompts, SharedPrefix
+from qsim.trace import from_arrays
+from qsim.workload import trace_chunks
 
 #: A step's time says how many prompt tokens it computed: 10 ms + 1 ms per prefill token.
 PREFILL_STEP = StepModel(b0=0.01, b1=0.001, b2=0.0, b3=0.0)

@@ -32,7 +32,7 @@ from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.specs.openapi.checks import ignored_auth  # noqa: E402
 
 from live.auth import load_keys  # noqa: E402
-from live.contract import read_error  # noqa: E402
+from live.contract_clients import read_error  # noqa: E402
 from live.engine import SyntheticEngine  # noqa: E402
 from live.gate import Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402

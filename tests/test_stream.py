@@ -16,7 +16,8 @@ from qsim.config import StallRule
 from qsim.policy import resolve
 from qsim.service import SpeedSchedule
 from qsim.stream import RecordWriter, simulate_to_parquet, stream_run
-from qsim.workload import Prompts, UsedShare, plan_trace
+from qsim.mixes import Prompts, UsedShare
+from qsim.workload import plan_trace
 
 BATCHING = Batching(StepModel(0.005, 2e-5, 3e-4, 1e-6), max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=200)
 

@@ -39,7 +39,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from experiments.cli import main  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from live.engine import Asked, Cancel, UpstreamError, UpstreamTimeout  # noqa: E402
-from live.gate import Gate, Job, UpstreamTimedOut, gate_config  # noqa: E402
+from live.gate import Gate, gate_config  # noqa: E402
+from live.gate_errors import UpstreamTimedOut  # noqa: E402
+from live.jobs import Job  # noqa: E402
 from live.procs import Server  # noqa: E402
 from live.serve_options import ServeOptions, check_upstream_url  # noqa: E402
 from live.upstream import (API_KEY_ENV, FRESH_S, UpstreamEngine, UpstreamHealth, UpstreamRoutes,  # noqa: E402

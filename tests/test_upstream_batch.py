@@ -186,7 +186,9 @@ def test_answers_the_upstream_ends_early_finish_and_one_that_fails_mid_stream_fa
     from test_upstream import _chunk, _sse, scripted
 
     from live.batching import BatchGate
-    from live.gate import Job, UpstreamFailed, gate_config
+    from live.gate import gate_config
+    from live.gate_errors import UpstreamFailed
+    from live.jobs import Job
     from live.upstream import UpstreamEngine, UpstreamSpec
     from live.upstream_batch import UpstreamBatchEngine
     from qsim import PRESETS
@@ -226,7 +228,8 @@ def test_a_client_that_leaves_closes_its_upstream_stream_though_the_batch_goes_i
     from test_upstream import _chunk, scripted
 
     from live.batching import BatchGate
-    from live.gate import Job, gate_config
+    from live.gate import gate_config
+    from live.jobs import Job
     from live.upstream import UpstreamEngine, UpstreamSpec
     from live.upstream_batch import UpstreamBatchEngine
     from qsim import PRESETS

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("httpx")
 
-from live.contract import UpstreamChunk  # noqa: E402
+from live.contract_clients import UpstreamChunk  # noqa: E402
 from live.upstream import ChunkRead, UpstreamRoutes, _Reading  # noqa: E402
-from live.upstream_batch import gaps_of, StepLearner, Timeline, _Forward  # noqa: E402
-from live.gate import Job  # noqa: E402
+from live.upstream_batch import StepLearner, Timeline, _Forward, gaps_of  # noqa: E402
+from live.jobs import Job  # noqa: E402
 from qsim.engines import StepModel  # noqa: E402
 
 

@@ -6,7 +6,9 @@ import pytest
 
 from qsim.service import ServiceModel
 from qsim.tracefiles import load_trace
-from qsim.workload import REFERENCE_MIX, Mix, arrivals_take_load, make_trace, parse_arrivals
+from qsim.arrivals import arrivals_take_load, parse_arrivals
+from qsim.mixes import REFERENCE_MIX, Mix
+from qsim.workload import make_trace
 
 def test_reference_mix_moments_match_the_reference_study():
     m = ServiceModel()

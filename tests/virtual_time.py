@@ -18,8 +18,10 @@ import numpy as np
 import pandas as pd
 
 from live.engine import WORD, Abilities, EngineResult, Faults
-from live.gate import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Gate, gate_config, Job, Rejected
-from live.gate import _Failure  # what a worker hands back for a run that raised
+from live.gate import Gate, gate_config
+from live.gate_errors import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Rejected
+from live.jobs import Job
+from live.engine_workers import _Failure  # what a worker hands back for a run that raised
 from live.batching import BatchGate, SyntheticBatchEngine
 from qsim.config import ServerConfig
 from qsim import Policy, ServiceModel, Trace

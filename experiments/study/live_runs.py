@@ -21,7 +21,7 @@ from .sweeps import summaries
 
 def _trace(cell: dict):
     from qsim import make_trace
-    from qsim.workload import UsedShare
+    from qsim.mixes import UsedShare
 
     # The load counts the work actually done where runs stop early, as the simulated sweep's (used = "study").
     return make_trace("poisson", load=cell["load"], seconds=cell["seconds"], seed=cell["seed"],
