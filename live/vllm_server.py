@@ -135,7 +135,10 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """How vLLM is started: the model, the port, its batch, context and KV cache, prefix caching."""
+    """How vLLM is started: the model, the port, its batch, context and KV cache, prefix caching,
+    and the cores its CPU worker's threads are bound to (``cpu_bind``, vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND``, e.g. "1"; None: vLLM's own choice): two servers on one machine
+    each take a core of their own."""
 
     model: Path
     port: int = 0  # 0: a free one
@@ -143,6 +146,7 @@ class ServerSpec:
     max_model_len: int = 1024
     kv_cache_gib: int = 2
     prefix_caching: bool = True  # vLLM v1's default
+    cpu_bind: str | None = None
 
     def argv(self, python: Path, port: int) -> list[str]:
         return [
@@ -172,6 +176,7 @@ class ServerSpec:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
+            **({} if self.cpu_bind is None else {"VLLM_CPU_OMP_THREADS_BIND": self.cpu_bind}),
         }
 
 
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--port", type=int, default=8100)
             p.add_argument("--max-num-seqs", type=int, default=32)
             p.add_argument("--no-prefix-caching", action="store_true")
+            p.add_argument("--cpu-bind", metavar="CORES",
+                           help="the cores vLLM's worker threads take (VLLM_CPU_OMP_THREADS_BIND)")
             p.add_argument("--pid-file", type=Path, default=ROOT / ".vllm-models" / "server.pid")
     p = sub.add_parser("stop")
     p.add_argument("--pid-file", type=Path, default=ROOT / ".vllm-models" / "server.pid")
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.port,
                 args.max_num_seqs,
                 prefix_caching=not args.no_prefix_caching,
+                cpu_bind=args.cpu_bind,
             )
             log = args.pid_file.with_suffix(".log")
             proc, url = launch(python, spec, log)
