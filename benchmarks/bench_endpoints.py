@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli import bench_main  # noqa: E402
 from benchmarks.floor import machine  # noqa: E402
-from live.batching import STEP_LOG, STEP_PAGE, BatchGate, SyntheticBatchEngine  # noqa: E402
+from live.batching import STEP_LOG, STEP_PAGE, SyntheticBatchEngine  # noqa: E402
 from live.commands import _bind, run_app  # noqa: E402
-from live.gate import gate_config  # noqa: E402
+from live.gate import BatchGate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from qsim import PRESETS  # noqa: E402
 from qsim.engines import Batching, StepModel  # noqa: E402
@@ -67,7 +67,7 @@ def _serve(sock, steps: int) -> None:
                      gate_config(PRESETS["none"], engine=engine))
     for i in range(steps):  # what a step's numbers are does not matter, only how many there are
         t = i * 0.01
-        gate.log_step(LoggedStep(t, t, t + 0.009, 0.009, 0.009, 512, 64, 20_000))
+        gate.driver.log_step(LoggedStep(t, t, t + 0.009, 0.009, 0.009, 512, 64, 20_000))
     run_app(create_app(gate), sock, "warning", "httptools", watch_stdin=False)
 
 

@@ -607,7 +607,7 @@ MAX_STEP_PAGES = 1_000
 class StepPage:
     """One answer of ``/stats?steps_since=``: its steps, the cursor of the next page (None: the
     last), and the step models the gate took among them ([steps of the page before it, b0, b1, b2,
-    b3, cv] each: :meth:`live.batching.BatchGate.step_page`)."""
+    b3, cv] each: :meth:`live.drive_batch.BatchDriver.step_page`)."""
 
     steps: list
     next: int | None

@@ -195,9 +195,9 @@ def cmd_serve(args) -> int:
 
 def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
     """The batching engine (synthetic: its step model the one given, x --speed; gpt2: one forward pass a step) behind
-    a gate that drives it through the simulator's batching core (live.batching)."""
-    from .batching import BatchGate, SyntheticBatchEngine
-    from .gate import gate_config
+    a gate that drives it through the simulator's batching core (live.drive_batch)."""
+    from .batching import SyntheticBatchEngine
+    from .gate import BatchGate, gate_config
 
     if cfg.engine == "upstream":
         return _upstream_batching_gate(cfg, policy, model, batching)
@@ -220,8 +220,7 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
     from dataclasses import replace
 
     from . import upstream, upstream_batch
-    from .batching import BatchGate
-    from .gate import gate_config
+    from .gate import BatchGate, gate_config
 
     spec = _upstream_spec(cfg)
     forwarder = upstream.make_engines(1, spec)[0]

@@ -14,12 +14,14 @@ engines are all stalled (the gate's stall rule, :class:`qsim.config.StallRule`) 
 router sends nothing there, and up again once one of its engines hands its run back; so is one
 whose engine says what it depends on is not there (:class:`live.engine.Checked`: an upstream that
 went away), until its readiness says it is back, and one whose runs fail in a row
-(:data:`FAILING_STREAK`), for a pause. :class:`ReplicaWatch`, a part of the gate, tells the fleet
-which replicas are not ready and ends what a replica held when it went down.
+(:data:`FAILING_STREAK`), for a pause. :class:`ReplicaWatch`, held by the gate's one-at-a-time
+driver (:mod:`live.drive_one`), tells the fleet which replicas are not ready and ends what a replica
+held when it went down.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from qsim.config import ServerConfig
@@ -155,17 +157,34 @@ FAILING_PAUSE_S = 5.0
 
 
 class ReplicaWatch:
-    """The gate's watch over a fleet's replicas: a part of :class:`live.gate.Gate` (its base),
-    which holds the state it reads (``_failing``, ``_paused``, ``_unready``, ``_probes``) and
-    calls :meth:`_watch_replicas` from its watchdog and :meth:`_count_failure` at each hand-back."""
+    """The one-at-a-time driver's watch over a fleet's replicas (:mod:`live.drive_one`): which
+    replicas are not ready (their engine's readiness, a streak of failed runs), and ending what a
+    replica held when it went down. The driver calls :meth:`watch` from its watchdog and
+    :meth:`count_failure` at each hand-back; ``gate`` is the :class:`live.gate.Gate` it reads."""
 
-    def _watch_replicas(self, now: float) -> None:
+    def __init__(self, gate) -> None:
+        self.gate = gate
+        # The replicas whose engine says it is not ready (and why); the question to each.
+        self._unready: dict[int, str] = {}
+        self._probes: dict[int, asyncio.Task] = {}
+        # Per replica: its runs that failed in a row, and until when a streak of them keeps it
+        # out of routing.
+        self._failing = [0] * gate.fleet.replicas
+        self._paused: dict[int, float] = {}
+
+    def close(self) -> None:
+        """Stop asking the replicas' engines whether they are ready."""
+        for probe in self._probes.values():
+            probe.cancel()
+
+    def watch(self, now: float) -> None:
         """A replica whose engines are all stalled, or whose engine is not ready, goes down (the
         router sends it nothing) and comes back when it is well (LiveFleet.watch); what it held
         ends now: an error of the stall or of the upstream."""
+        gate = self.gate
         self._probe_replicas()
         unready = {**self._failing_now(now), **self._unready}
-        for ticket, state, r in self.queue.watch(now, unready):
+        for ticket, state, r in gate.queue.watch(now, unready):
             if state == "running" and ticket.cancel is not None:
                 ticket.cancel.set()  # nobody waits for it now: the engine may stop
             waited = now - ticket.arrival.at
@@ -176,12 +195,12 @@ class ReplicaWatch:
                            f"routing and ended this request after {waited:.3f} s; send it again")
                 exc = EngineStalled(message, None, numbers, ticket.arrival)
             else:
-                k = r * self.queue.engines_per_replica
+                k = r * gate.queue.engines_per_replica
                 exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
                                      ticket.arrival, numbers)
-            self._resolve(ticket, Outcome.ERROR, exc=exc)
+            gate.resolve(ticket, Outcome.ERROR, exc=exc)
 
-    def _count_failure(self, r: int, ok: bool, now: float) -> None:
+    def count_failure(self, r: int, ok: bool, now: float) -> None:
         """Replica r's run ended ``ok`` or failed: :data:`FAILING_STREAK` failures in a row pause it
         for :data:`FAILING_PAUSE_S` (an answer ends the streak)."""
         if ok:
@@ -204,11 +223,12 @@ class ReplicaWatch:
         """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which
         answers from what its last run or probe learned, probing at most every few seconds)
         whether it is ready; one question per replica at a time."""
-        per = self.queue.engines_per_replica
-        for r in range(self.fleet.replicas):
-            engine, probe = self.engines[r * per], self._probes.get(r)
+        gate = self.gate
+        per = gate.queue.engines_per_replica
+        for r in range(gate.fleet.replicas):
+            engine, probe = gate.engines[r * per], self._probes.get(r)
             if isinstance(engine, Checked) and (probe is None or probe.done()):
-                self._probes[r] = self._loop.create_task(self._probe(r, engine))
+                self._probes[r] = gate.loop.create_task(self._probe(r, engine))
 
     async def _probe(self, r: int, engine: Checked) -> None:
         problem = await engine.readiness()
@@ -216,4 +236,3 @@ class ReplicaWatch:
             self._unready.pop(r, None)
         else:
             self._unready[r] = problem
-

@@ -29,7 +29,6 @@ host as it is decoded and emits its text (held back while a stop string may be s
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 import time
@@ -147,10 +146,6 @@ def load(spec: GPT2Spec):
     return net.to(device).eval(), _tokenizer_for(spec.model), device
 
 
-def _accepts(net, name: str) -> bool:
-    return name in inspect.signature(net.forward).parameters
-
-
 class GPT2Engine:
     """One engine; several engines may share one loaded model (see :func:`make_engines`)."""
 
@@ -165,10 +160,6 @@ class GPT2Engine:
         self.max_new_tokens_limit = self.context - 1
         bos = getattr(config, "bos_token_id", None)
         self._bos = int(bos) if bos is not None else 0
-        # transformers 5 renamed past_key_values to cache; support both.
-        self._cache_kw = "cache" if _accepts(self.net, "cache") else "past_key_values"
-        # Compute the vocabulary projection for the last position only, where the version allows it.
-        self._keep = {"logits_to_keep": 1} if _accepts(self.net, "logits_to_keep") else {}
         self._parameters = sum(p.numel() for p in self.net.parameters())
 
     # -- the Engine protocol ------------------------------------------------
@@ -243,8 +234,10 @@ class GPT2Engine:
             if cancel is not None and cancel.is_set():  # the client left, or its deadline passed: work for nobody
                 stopped = True
                 break
-            out = self.net(input_ids=x, use_cache=True, **{self._cache_kw: cache}, **self._keep)
-            cache = getattr(out, self._cache_kw)
+            # transformers 5's keywords (pyproject requires it), as live.gpt2_batch passes them: the
+            # KV cache, and the vocabulary projection for the last position only.
+            out = self.net(input_ids=x, use_cache=True, cache=cache, logits_to_keep=1)
+            cache = out.cache
             x = out.logits[:, -1:].argmax(-1)  # greedy; shape (1, 1), stays on the device
             if not stop and feed is None:
                 steps.append(x)  # no reason to wait for the device each token

@@ -334,7 +334,7 @@ class BatchedGPT2:
 
 class GPT2BatchEngine:
     """:class:`BatchedGPT2` behind the batching gate's engine protocol (:class:`live.batching.BatchEngine`):
-    :class:`live.batching.BatchGate` hands it each step the queue core planned (a :class:`live.batching.StepWork`)
+    :func:`live.gate.BatchGate` hands it each step the queue core planned (a :class:`live.batching.StepWork`)
     from one engine thread, and it runs the step (:meth:`BatchedGPT2.step`).
 
     The queue core decides the work, as it does for the synthetic batching engine: every request runs to its

@@ -312,7 +312,7 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         said = {**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()}
         if counted is not None:
             said["upstream_counters"] = counted
-        if paging and hasattr(gate, "step_page"):
+        if paging:
             # A page: bounded, whatever the log holds.
             said.update(gate.step_page(steps_since, steps_from, steps_limit))
         return json_response(Stats.model_validate(said).model_dump_json(exclude_unset=True))

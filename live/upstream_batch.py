@@ -1,6 +1,6 @@
 """The upstream engine in front of a batching server, and the step model it learns from what the server streams.
 
-``qlab serve --engine upstream --upstream-url URL --batching`` puts a :class:`live.batching.BatchGate` in front of
+``qlab serve --engine upstream --upstream-url URL --batching`` puts a :func:`live.gate.BatchGate` in front of
 an OpenAI-compatible server that batches (vLLM, SGLang, another ``qlab serve --batching``): the gate's batching
 core (:class:`qsim.batch.BatchQueue`, the simulator's) decides who is admitted, who is in the batch (at most
 ``max_num_seqs``: ``--max-num-seqs``, else what the upstream's ``GET /stats`` says of its own batch, else vLLM's
@@ -39,7 +39,7 @@ steps around the fit.
 The rule (a checkpoint, documented in docs/live.md): after every :data:`REFIT_EVERY` new gaps between two chunks
 of an answer, once :data:`MIN_GAPS` steps have been read at two batch sizes at least, the model is fitted again on
 the last :data:`WINDOW` steps and replaces the gate's at once (its next admission and next step read it:
-:meth:`live.batching.BatchGate.use_step_model`, from the step after the one that fitted it); until the first fit the gate plans with ``--step`` (or its
+:meth:`live.drive_batch.BatchDriver.use_step_model`, from the step after the one that fitted it); until the first fit the gate plans with ``--step`` (or its
 default). The learner settles: once :data:`SETTLE` fits in a row each fall inside the 95 % intervals of the fit
 before (every coefficient within 1.96 of its standard errors), more fits would only move the estimates within their
 own uncertainty, and it stops refitting; at each later checkpoint it only checks the settled model against the last
@@ -385,7 +385,7 @@ class _Forward:
 
 
 class UpstreamBatchEngine:
-    """Runs a :class:`~live.batching.BatchGate`'s steps by forwarding to a batching server (module docstring).
+    """Runs a :func:`~live.gate.BatchGate`'s steps by forwarding to a batching server (module docstring).
     ``forwarder``: the one-at-a-time upstream engine whose forwarding it reuses. A model the learner fits in a step
     goes back with the step (:attr:`live.batching.StepDone.step_model`): the gate plans with it from the next step
     on, a point its step log says, so that a replay takes it where the gate did."""

@@ -152,19 +152,20 @@ class BatchQueue(Projections, Books, Core):
     """
 
     all_stalled = False  # no stall rule here (a live gate's readiness asks)
-    _wants_members = False  # a live driver sets it: it needs the decoding requests by name, the simulator does not
     _decode_reserved = False  # the decoding hold their next token's KV slot (a step is planned or in flight)
     _planned: list = []
 
     def __init__(self, config: ServerConfig, *, step: Callable, end: Callable, drop: Callable,
                  joined: Callable | None = None, wake: Callable | None = None,
                  gone: Callable[[Any], bool] | None = None,
-                 tokens: Callable[[Any], Tokens | None] | None = None) -> None:
+                 tokens: Callable[[Any], Tokens | None] | None = None, members: bool = False) -> None:
         """joined(req, now): a request joins the batch for the first time (its start). wake(now): the engine was
         idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has
         arrived, so that a burst starts in one step (None: the step is planned at once).
         tokens(req): with prefix caching, the :class:`~qsim.prefix.Tokens` of a request (None, or
-        no hook: tokens shared with no other request)."""
+        no hook: tokens shared with no other request). members: each :class:`Step` names its
+        decoding and completing requests and where each chunk starts (a live driver hands them to
+        its engine; the simulator needs only the counts)."""
         engine = config.engine
         if not isinstance(engine, Batching):
             raise ValueError(f"BatchQueue runs a batching engine, not {engine.kind}")
@@ -182,6 +183,7 @@ class BatchQueue(Projections, Books, Core):
                                    empty=Seen(math.nan, 0, 0.0, self.tracker.factor))
         self._step, self._end, self._drop, self._gone, self._joined = step, end, drop, gone, joined
         self._wake = wake
+        self._wants_members = members
         self.waking = False  # the driver was asked to begin a step
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._started = getattr(self.waiting, "started", None)

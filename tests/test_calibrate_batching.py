@@ -1,7 +1,7 @@
 """``qlab calibrate`` against a batching server: the step model, fitted back from the steps an engine of known
 coefficients ran.
 
-On the virtual clock (tests/virtual_time.py) the real :class:`live.batching.BatchGate` drives the real
+On the virtual clock (tests/virtual_time.py) the real :func:`live.gate.BatchGate` drives the real
 :class:`live.batching.SyntheticBatchEngine`, whose steps take its step model's time (x a gamma draw of its CV), under
 calibration's load: the schedule of :func:`live.calibrate.schedule` one at a time and with 2, 4 and 8 in flight. Its
 step log (what each step computed, when it began and ended) is fitted by :func:`live.calibrate.fit_steps`, the
@@ -23,9 +23,9 @@ import pandas as pd
 import pytest
 
 from experiments.cli import main
-from live.batching import BatchGate, SyntheticBatchEngine
+from live.batching import SyntheticBatchEngine
 from live.calibrate import CalibrationConfig, fit_steps, schedule, step_seconds
-from live.gate import gate_config
+from live.gate import BatchGate, gate_config
 from live.jobs import Job
 from qsim import PRESETS, make_trace
 from qsim.engines import Batching, StepModel
@@ -54,7 +54,7 @@ def _calibration_steps(truth: StepModel, levels=(1, 2, 4, 8), per_size: int = 6,
 
             for level in levels:
                 await asyncio.gather(*(worker(points[w::level]) for w in range(level)))
-            return list(gate.step_log)
+            return list(gate.driver.step_log)
 
     return [LoggedStep(*row) for row in on_virtual_clock(go)]
 

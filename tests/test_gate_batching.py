@@ -1,7 +1,7 @@
 """The batching gate (live.batching) and the simulator are two drivers of one batching core: request by request,
 they agree.
 
-On the virtual clock (tests/virtual_time.py) the real :class:`live.batching.BatchGate` drives the real
+On the virtual clock (tests/virtual_time.py) the real :func:`live.gate.BatchGate` drives the real
 :class:`live.batching.SyntheticBatchEngine` (a task on the loop whose steps take the step model's time), and
 ``simulate()`` runs the same trace through the same :class:`qsim.config.ServerConfig`: outcome, reason, start,
 finish, time to first token and tokens must agree, under several policies, with KV blocks that bind (preemption),
@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 
-from live.batching import BatchGate, StepWork, SyntheticBatchEngine
+from live.batching import StepWork, SyntheticBatchEngine
 from live.engine import NO_ABILITIES, Faults
-from live.gate import gate_config
+from live.gate import BatchGate, gate_config
 from live.gate_errors import EngineFailed
 from live.jobs import Job
 from qsim import PRESETS, make_trace, simulate
@@ -382,7 +382,7 @@ def test_the_batching_gate_refuses_what_it_cannot_run():
         BatchGate(SyntheticEngine(), gate_config(PRESETS["none"], engine=ENGINE))
     with pytest.raises(ValueError, match="batching engine"):
         BatchGate(SyntheticBatchEngine(), gate_config(PRESETS["none"]))
-    with pytest.raises(ValueError, match="BatchGate"):
+    with pytest.raises(ValueError, match="runs steps"):
         Gate([SyntheticEngine()], gate_config(PRESETS["none"], engine=ENGINE))
 
 

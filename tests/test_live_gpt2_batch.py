@@ -176,8 +176,8 @@ def test_driven_by_the_queue_cores_batch_plan_each_request_decodes_as_alone(batc
                                                                 max_num_batched_tokens=8)),
                        step=lambda plan, now: planned.append(plan),
                        end=lambda req, now, outcome, reason, stats: ended.setdefault(req, (step, stats.tokens)),
-                       drop=lambda *a: pytest.fail(f"dropped {a}"))
-    queue._wants_members = True  # a live driver needs the decoding requests by name
+                       drop=lambda *a: pytest.fail(f"dropped {a}"),
+                       members=True)  # a live driver needs the decoding requests by name
     sizes = {0: 12, 1: 5, 2: 9, 3: 7, 4: 6}
     ids = {k: batch.encode(PROMPTS[k % len(PROMPTS)], n) for k, n in sizes.items()}
     arrivals = {0: [0, 1], 3: [2, 3], 4: [4]}
@@ -221,12 +221,13 @@ def test_a_step_that_raises_leaves_its_sequences_to_recompute(batch, solo, monke
 
 
 def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
-    """live.batching.BatchGate (the queue core with KV blocks that bind: preemption) drives GPT2BatchEngine from its
+    """live.gate.BatchGate (the queue core with KV blocks that bind: preemption) drives GPT2BatchEngine from its
     engine thread: every answer is the solo engine's text (stop strings cut the text, not the work), a streamed
     one's pieces join to it, and the engine holds nothing at the end."""
     import asyncio
 
-    from live.batching import BatchGate, is_batch_engine
+    from live.batching import is_batch_engine
+    from live.gate import BatchGate
     from live.gate import gate_config
     from live.jobs import END, Job
     from live.gpt2 import GPT2Spec

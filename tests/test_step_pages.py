@@ -17,8 +17,8 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from live import calibrate, loadgen  # noqa: E402
-from live.batching import STEP_PAGE, BatchGate, SyntheticBatchEngine  # noqa: E402
-from live.gate import gate_config  # noqa: E402
+from live.batching import STEP_PAGE, SyntheticBatchEngine  # noqa: E402
+from live.gate import BatchGate, Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
 from qsim import PRESETS  # noqa: E402
 from qsim.engines import Batching, StepModel  # noqa: E402
@@ -28,14 +28,14 @@ ENGINE = Batching(StepModel(0.01, 0.0001, 0.0002, 0.000001), max_num_seqs=8,
                   max_num_batched_tokens=256)
 
 
-def _gate(steps: int, ties: int = 1) -> BatchGate:
+def _gate(steps: int, ties: int = 1) -> Gate:
     """A batching gate whose log holds ``steps`` synthetic steps, ``ties`` of them at a time woken
     at the same instant (step i woken at i // ties, so a page boundary can fall inside a tie)."""
     gate = BatchGate(SyntheticBatchEngine(ENGINE.step),
                      gate_config(PRESETS["none"], engine=ENGINE))
     for i in range(steps):
         woken = float(i // ties)
-        gate.log_step(LoggedStep(woken, woken, woken + 0.5, 0.5, 0.5, i, 1, 10))
+        gate.driver.log_step(LoggedStep(woken, woken, woken + 0.5, 0.5, 0.5, i, 1, 10))
     return gate
 
 
@@ -65,7 +65,7 @@ def test_a_full_step_log_comes_in_bounded_pages_that_never_repeat_or_skip_a_step
 def test_a_cursor_older_than_the_log_starts_at_its_oldest_step():
     gate = _gate(10)
     for _ in range(4):  # the log forgets its oldest: as a full deque does
-        gate.step_log.popleft()
+        gate.driver.step_log.popleft()
     with TestClient(create_app(gate)) as client:
         answer = client.get("/stats", params={"steps_from": 1}).json()
         done = client.get("/stats", params={"steps_from": 10}).json()
@@ -99,7 +99,7 @@ def test_the_calibrator_and_the_replayer_read_every_page():
     gate = _gate(STEP_PAGE * 2 + 17)
     # Step models the gate took after steps 3 and STEP_PAGE + 5 (a learner's refits): the replayer
     # counts each from the run's first step, across pages.
-    gate.step_models += [(4, StepModel(0.02)), (STEP_PAGE + 6, StepModel(0.03, cv=0.1))]
+    gate.driver.step_models += [(4, StepModel(0.02)), (STEP_PAGE + 6, StepModel(0.03, cv=0.1))]
     with TestClient(create_app(gate)) as client:
         read = calibrate.fetch_steps(client, 0.0)
 
@@ -111,7 +111,7 @@ def test_the_calibrator_and_the_replayer_read_every_page():
         replayed = asyncio.run(_with_lanes(forward, lambda lanes: loadgen.fetch_steps(lanes, 0.0)))
     assert [s.prefill_tokens for s in read] == list(range(STEP_PAGE * 2 + 17))
     assert [s[5] for s in replayed.steps] == list(range(STEP_PAGE * 2 + 17))
-    assert replayed.models == [[at, *astuple(model)] for at, model in gate.step_models]
+    assert replayed.models == [[at, *astuple(model)] for at, model in gate.driver.step_models]
 
 
 async def _with_lanes(handler, use):

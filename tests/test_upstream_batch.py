@@ -127,8 +127,8 @@ def test_the_core_finishes_a_request_its_engine_ended_early():
     ended, steps = [], []
     config = ServerConfig(policy=Policy(name="none"), engine=engine)
     queue = BatchQueue(config, step=lambda plan, now: steps.append(plan), drop=lambda *a: None,
-                       end=lambda req, now, outcome, reason, stats: ended.append((req, now, outcome, stats.tokens)))
-    queue._wants_members = True
+                       end=lambda req, now, outcome, reason, stats: ended.append((req, now, outcome, stats.tokens)),
+                       members=True)
     for name in ("a", "b"):
         assert queue.arrive(name, 0.0, 0.1, work=Work(10, 20, None)) is None
     now = 0.0
@@ -185,7 +185,7 @@ def test_answers_the_upstream_ends_early_finish_and_one_that_fails_mid_stream_fa
 
     from test_upstream import _chunk, _sse, scripted
 
-    from live.batching import BatchGate
+    from live.gate import BatchGate
     from live.gate import gate_config
     from live.gate_errors import UpstreamFailed
     from live.jobs import Job
@@ -227,7 +227,7 @@ def test_a_client_that_leaves_closes_its_upstream_stream_though_the_batch_goes_i
 
     from test_upstream import _chunk, scripted
 
-    from live.batching import BatchGate
+    from live.gate import BatchGate
     from live.gate import gate_config
     from live.jobs import Job
     from live.upstream import UpstreamEngine, UpstreamSpec

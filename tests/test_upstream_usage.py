@@ -158,7 +158,7 @@ def test_a_batching_gate_records_the_upstreams_tokens_and_tells_its_prompt_count
     count."""
     from test_upstream import _sse, scripted
 
-    from live.batching import BatchGate
+    from live.gate import BatchGate
     from live.gate import gate_config
     from live.upstream import UpstreamEngine, UpstreamSpec
     from live.upstream_batch import UpstreamBatchEngine

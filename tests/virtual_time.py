@@ -18,11 +18,11 @@ import numpy as np
 import pandas as pd
 
 from live.engine import WORD, Abilities, EngineResult, Faults
-from live.gate import Gate, gate_config
+from live.gate import BatchGate, Gate, gate_config
 from live.gate_errors import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Rejected
 from live.jobs import Job
 from live.engine_workers import _Failure  # what a worker hands back for a run that raised
-from live.batching import BatchGate, SyntheticBatchEngine
+from live.batching import SyntheticBatchEngine
 from qsim.config import ServerConfig
 from qsim import Policy, ServiceModel, Trace
 from qsim.clients import TIMEOUT_REASON, Retrier, RetryPolicy, status_of
@@ -180,7 +180,7 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     Patience (``cancel_after_s``, default the trace's) counts from the first send, as in the simulator.
     speed_schedule: the engines' speed over the virtual clock, as ``simulate(speed_schedule=)`` takes it.
     config: a batching server (its engine a :class:`qsim.engines.Batching`; policy, model and engines come from it):
-    a :class:`live.batching.BatchGate` in front of the real :class:`live.batching.SyntheticBatchEngine` (a task on
+    a :func:`live.gate.BatchGate` in front of the real :class:`live.batching.SyntheticBatchEngine` (a task on
     the loop, its steps taking the step model's time on the virtual clock); each row also has first_token_s
     (absolute, NaN where none) and tokens. Each request then runs to its limit (the gate cannot know early stops).
     fleet: a :class:`qsim.fleet.FleetSpec`: the gate routes over its replicas of ``engines``
@@ -290,8 +290,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                 await asyncio.sleep(0.01)
             if batching is None:
                 return gate.stats()
-            return {**gate.stats(), "step_log": [list(step) for step in gate.step_log],  # every step
-                    "step_models": gate.step_page(cursor=0, limit=len(gate.step_log))["step_models"]}
+            return {**gate.stats(), "step_log": [list(step) for step in gate.driver.step_log],  # every step
+                    "step_models": gate.step_page(cursor=0, limit=len(gate.driver.step_log))["step_models"]}
 
     stats = on_virtual_clock(go)
     frame = pd.DataFrame(rows)

@@ -1,0 +1,388 @@
+"""The gate's driver for an engine that batches: :class:`BatchDriver`.
+
+It drives :class:`qsim.batch.BatchQueue`, the core the simulator's batching run drives on SimPy's
+clock (so admission, batch membership, KV blocks, preemption and cuts at the deadline follow one
+set of rules in both), and runs each step the core plans on the engine's
+:class:`~live.engine_workers.Worker` (``astep`` as a task for a coroutine engine, else ``step`` on
+a thread of its own):
+
+* the core plans a step (its ``step`` hook): the driver hands the engine a
+  :class:`~live.batching.StepWork` and the engine hands back a :class:`~live.batching.StepDone`;
+  the driver tells the core (``step_done``, with the engine's own time for the speed tracker),
+  which ends the requests the step finished and plans the next;
+* an idle engine woken by an arrival begins its first step one loop turn later, so that a burst
+  arriving at one instant starts in one step (the core's ``wake``, as the simulator's zero
+  timeout);
+* a client leaves: its request leaves the line or the batch (its blocks free for the next step);
+* the core's timer (a joined request's deadline, where the policy cuts there) is a loop timer.
+
+Steps never overlap: the core plans the next only when the last is done. The driver keeps the
+last :data:`STEP_LOG` steps for ``GET /stats?steps_since=`` (:meth:`BatchDriver.step_page`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import math
+from collections import deque
+from dataclasses import astuple, replace
+
+from qsim.batch import BatchQueue, RunStats, Step
+from qsim.config import ServerConfig
+from qsim.engines import Batching, StepModel
+from qsim.outcomes import Outcome
+from qsim.runfile import LoggedStep
+from qsim.service import LoadTerms, ServiceModel
+
+from .batching import STEP_LOG, STEP_PAGE, Chunk, Releases, StepDone, StepWork, is_batch_engine
+from .drive_one import CUT_SLACK_S
+from .engine import abilities_of
+from .engine_workers import Worker, _Failure, _gone, _Ticket
+from .gate_errors import DeadlineCut, _failure_type
+from .jobs import Answer, Job
+
+
+
+def step_worker(k: int, engine, deliver) -> Worker:
+    """The batching engine's worker: each :class:`StepWork` given becomes one ``astep`` task (a
+    coroutine engine) or one ``step`` on a thread of its own, delivered as ``deliver(work,
+    result)``."""
+    coroutine = abilities_of(engine).coroutine
+    return Worker("qlab-batch-engine", engine.astep if coroutine else engine.step, deliver,
+                  coroutine=coroutine, engine=engine)
+
+
+class BatchDriver:
+    """One batching engine (:class:`live.batching.BatchEngine`) behind
+    :class:`qsim.batch.BatchQueue`; see the module. The config's engine is a
+    :class:`qsim.engines.Batching` (its step model is the gate's calibration; the engine has its
+    own truth). ``worker(k, engine, deliver)``: the engine's worker (default
+    :func:`step_worker`)."""
+
+    def __init__(self, gate, worker=None) -> None:
+        engines = gate.engines
+        if not is_batch_engine(engines[0]):
+            raise ValueError("a batching gate needs an engine that runs steps "
+                             f"(live.batching.BatchEngine), not {type(engines[0]).__name__}")
+        if len(engines) != 1:
+            raise ValueError("a batching engine is one engine")
+        if gate.fleet is not None:
+            raise ValueError("a fleet's replicas run engines one at a time")
+        self.gate = gate
+        self._make_worker = step_worker if worker is None else worker
+        self._workers: list = []
+        self._closing: list = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._ended: list = []  # out of the batch for good since the last step (StepWork.ended)
+        self.steps = 0
+        # The last STEP_LOG steps (qsim.runfile.LoggedStep's fields, as plain tuples: see
+        # log_step): for a replay and a calibration (step_page).
+        self.step_log: deque[tuple] = deque(maxlen=STEP_LOG)
+        self.logged = 0  # steps ever logged: the cursor of the step after the newest (step_page)
+        # (the step's cursor, the model from it on)
+        self.step_models: list[tuple[int, StepModel]] = []
+        self._woken_at: float | None = None  # the idle engine was woken then, and not begun yet
+        self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
+
+    # -- what the gate runs ------------------------------------------------------------
+
+    def fitted(self, config: ServerConfig) -> ServerConfig:
+        if not isinstance(config.engine, Batching):
+            raise ValueError("a batching gate runs a batching engine (qsim.engines.Batching), "
+                             f"not {config.engine.kind}")
+        return config
+
+    def make_queue(self, config: ServerConfig) -> BatchQueue:
+        """The batching core, naming the decoding requests in each step (the engine needs them)."""
+        return BatchQueue(config, step=self._step, end=self._ended_run, drop=self.gate.dropped,
+                          joined=self._joined, wake=self._wake, gone=_gone, members=True)
+
+    # -- life cycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine's worker (no watchdog: the core has no stall rule here)."""
+        self._workers = [self._make_worker(0, self.gate.engines[0], self._post_step)]
+        self._workers[0].start()
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the core's timer, cancel every pending future and stop the worker."""
+        if self._timer is not None:
+            self._timer.cancel()
+        q = self.gate.queue
+        tickets = [*(e.req for e in q.waiting), *(s.entry.req for s in q.front),
+                   *(s.entry.req for s in q.running.values())]
+        for ticket in tickets:
+            if ticket.future is not None:
+                ticket.future.cancel()
+        for w in self._workers:
+            w.stop(timeout_s)
+        self._closing, self._workers = self._workers, []
+
+    async def aclose(self) -> None:
+        for w in self._closing:
+            if hasattr(w, "aclose"):  # a test's worker holds nothing on the loop
+                await w.aclose()
+        self._closing = []
+
+    # -- events -------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The clock, read once for an event the core is told of; deadlines passed before it are cut
+        first (placed at their deadlines by the core), so that the core hears of events in their
+        order, as the simulator's."""
+        gate = self.gate
+        now = gate.clock()
+        while (due := gate.queue.next_timer()) < now:
+            gate.queue.timer(due)  # at its own time: an idle engine it frees is woken then
+        return now
+
+    def arrived(self) -> None:
+        """After an arrival: the core's timer, where it moved earlier."""
+        gate = self.gate
+        if not gate.closed and gate.loop is not None:
+            self._arm()
+
+    def left(self, ticket: _Ticket, state: str | None) -> None:
+        """Its client left: it leaves the line, or the batch (its blocks free)."""
+        if state == "running":
+            self._ended.append(ticket)
+            self._release(ticket)
+        self._arm()
+
+    def idle_estimate_s(self, job: Job, base: float) -> float:
+        """No "never in time" here: the gate's service line is not what a batching engine's steps
+        take, so a refusal keeps the core's reason (deadline_unreachable), as the simulator's."""
+        return 0.0
+
+    def use_calibration(self, model: ServiceModel, terms: LoadTerms) -> None:
+        """A new calibration: its line, and its step model where it has one (an upstream's learner
+        replaces that at its next refit, unless it has settled)."""
+        gate = self.gate
+        gate.config = gate.config.replace(model=model)
+        if terms.step is not None:
+            self.use_step_model(terms.step)
+
+    def use_step_model(self, step: StepModel) -> None:
+        """Plan with ``step`` from now on (an engine that learns its server's steps:
+        live.upstream_batch): the next admission and the next step read it, and /stats's
+        server_config says it."""
+        gate = self.gate
+        gate.queue.model = step
+        gate.config = replace(gate.config, engine=replace(gate.config.engine, step=step))
+        # Planned with from the step numbered ``logged`` on: the step log's pages say it.
+        self.step_models.append((self.logged, step))
+
+    # -- the core's hooks -------------------------------------------------------------
+
+    def _joined(self, ticket: _Ticket, now: float) -> None:
+        ticket.engine, ticket.start = 0, now
+        # No arrival yet: it joined inside arrive(), at its arrival time.
+        self.gate.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
+
+    def _wake(self, now: float) -> None:
+        # One loop turn later, as the simulator's zero timeout: arrivals at this same instant join
+        # the first step. For the core the step begins then; the engine was busy from ``now`` (the
+        # step log's start, see _step).
+        self._woken_at = now
+        self.gate.loop.call_soon(self._begin)
+
+    def _begin(self) -> None:
+        if self.gate.closed:
+            return
+        self.gate.queue.begin(self.now())
+        self._arm()
+
+    def _step(self, plan: Step, now: float) -> None:
+        if self.gate.closed:
+            return
+        self.steps += 1
+        # The step log's: when an idle engine was woken for it (else now), and when the core began
+        # it (the loop turn in between decides which arrivals join the first step: a replay waits
+        # it too).
+        woken = now if self._woken_at is None else self._woken_at
+        self._began, self._woken_at = (woken, now), None
+        prefill = tuple(Chunk(t, t.job, start, n)
+                        for (t, n), start in zip(plan.chunks, plan.starts))
+        work = StepWork(prefill, plan.decoding, plan.prefill_tokens, plan.sampling, plan.context,
+                        plan.model_s, tuple(self._ended), plan.completing)
+        self._ended = []
+        self._workers[0].give(work)
+
+    def _post_step(self, work: StepWork, result) -> None:
+        """Worker -> event loop."""
+        try:
+            self.gate.loop.call_soon_threadsafe(self._step_finished, work, result)
+        except RuntimeError:  # the loop closed while the engine ran: nobody is waiting any more
+            pass
+
+    def _step_finished(self, work: StepWork, result: StepDone | _Failure) -> None:
+        gate = self.gate
+        if gate.closed:
+            return
+        now = self.now()
+        if isinstance(result, _Failure):  # the whole step raised: every request in it fails
+            failed = dict.fromkeys((*(chunk.key for chunk in work.prefill), *work.decode),
+                                   result.error)
+            finished = {}
+        else:
+            failed, finished = result.failed, result.finished
+            for ticket, tokens in result.prompt_tokens.items():
+                ticket.prompt_tokens = tokens
+            for ticket, piece in result.pieces.items():  # before the step's ends: a last piece, END
+                if ticket.pieces is not None and not ticket.future.done():
+                    ticket.pieces.put_nowait(piece)
+        for ticket, error in failed.items():
+            if gate.queue.cancel(ticket, now) == "running":  # out of the batch, its blocks free
+                self._ended.append(ticket)
+                numbers = {"started_at": ticket.start, "returned_at": now}
+                # An upstream's failure is the one-at-a-time gate's (502 upstream_error, 504
+                # upstream_timeout).
+                failure = _failure_type(error)(0, error, ticket.arrival, numbers)
+                gate.resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
+        for ticket, tokens in finished.items():
+            gate.queue.finish(ticket, now, tokens)
+        self.log_step(LoggedStep(*self._began, now, result.engine_s, work.model_s,
+                                 work.prefill_tokens, work.sampling, work.context))
+        if not isinstance(result, _Failure) and result.step_model is not None:
+            self.use_step_model(result.step_model)
+        gate.queue.step_done(now, result.engine_s)
+        self._arm()
+
+    def _ended_run(self, ticket: _Ticket, now: float, outcome: str, reason: str | None,
+                   stats: RunStats) -> None:
+        """A request that joined the batch ended: answered (good or late), or cut at its
+        deadline."""
+        gate = self.gate
+        self._ended.append(ticket)
+        held = now - stats.start_s
+        gate.timings.engine.observe(held)
+        arrival = ticket.arrival
+        if outcome == Outcome.CANCELLED:
+            ticket.cut = True
+            self._release(ticket)
+            numbers = {**arrival.numbers(), "engine": 0, "started_at": stats.start_s, "at": now,
+                       "running_s": held}
+            gate.resolve(ticket, outcome, exc=DeadlineCut(numbers, arrival))
+            return
+        text = gate.engines[0].text(ticket, ticket.job, stats.tokens)
+        first = None if math.isnan(stats.first_token_s) else stats.first_token_s - stats.start_s
+        gate.resolve(ticket, outcome, Answer(text, stats.tokens, outcome,
+                                             stats.start_s - arrival.at, held, now - arrival.at, 0,
+                                             arrival, stats.start_s, now, first,
+                                             ticket.prompt_tokens))
+
+    def _release(self, ticket: _Ticket) -> None:
+        """Out of the batch before its end (cut, or its client left): an engine that holds something
+        for it lets it go now (:class:`~live.batching.Releases`); every engine hears of it with the
+        next step (StepWork.ended)."""
+        engine = self.gate.engines[0]
+        if isinstance(engine, Releases):
+            engine.release(ticket)
+
+    # -- the core's timer (cutting at the deadline) ----------------------------------------
+
+    def _arm(self) -> None:
+        """A loop timer at the core's next timer, where that is earlier than the one set (as the
+        simulator's)."""
+        gate = self.gate
+        if gate.closed:
+            return
+        due = gate.queue.next_timer()
+        if due < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = due
+            # On the loop's clock: call_at, so that the gate's and the loop's clock being one gives
+            # the deadline to the last bit (a test's virtual clock); a real clock's timer comes up
+            # to a millisecond late.
+            loop = gate.loop
+            when = due if gate.clock == loop.time else loop.time() + (due - gate.clock())
+            self._timer = loop.call_at(when, self._on_timer, due)
+
+    def _on_timer(self, due: float) -> None:
+        gate = self.gate
+        self._timer, self._timer_at = None, math.inf
+        if gate.closed:
+            return
+        if due - gate.clock() > CUT_SLACK_S:
+            # Early: a loop whose clock is coarser than the gate's (uvloop's is libuv's, cached a
+            # loop turn, in milliseconds) fires a timer up to its staleness before the gate's clock
+            # gets there. Wait on: a cut before its deadline would free blocks the simulator's core
+            # still counts.
+            self._arm()
+            return
+        # At the deadline itself, though the loop came round to it later: the core cuts there, and
+        # an idle engine it frees is woken there (the step log's wake), as the simulator's; nothing
+        # else came in between (now()).
+        gate.queue.timer(due)
+        self._arm()
+
+    # -- observation ------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return self.gate.queue.queued
+
+    @property
+    def queued_work_s(self) -> float:
+        return math.nan
+
+    def health(self) -> dict:
+        """Always "ok": the core has no stall rule for a batching engine (a hang ends, see
+        live.batching)."""
+        return {"status": "ok", "stalled": []}
+
+    def stats(self) -> dict:
+        """``batching``: the batch and its KV blocks now, the steps so far (their log comes a page
+        at a time: :meth:`step_page`)."""
+        queue, engine = self.gate.queue, self.gate.config.engine
+        return {"batching": {
+            "running": queue.in_service, "max_num_seqs": engine.max_num_seqs,
+            "kv_blocks_used": queue.kv_used, "kv_blocks": engine.kv_blocks,
+            "block_size": engine.block_size, "kv_use": queue.kv_use, "steps": self.steps}}
+
+    def step_page(self, since: float | None = None, cursor: int | None = None,
+                  limit: int = STEP_PAGE) -> dict:
+        """At most ``limit`` steps of the log, oldest first, each as [woken, began, ended, the
+        engine's seconds, the step model's seconds, prefill tokens, sequences sampling, context
+        tokens] (:class:`qsim.runfile.LoggedStep`) on the gate's clock: when an arrival woke the
+        idle engine for it (its start where it followed a step), when the core began it, when the
+        gate had it back (what ``qlab compare`` replays with), and what it computed (what ``qlab
+        calibrate`` fits a step model to). The steps are those woken for at ``since`` or later
+        (gate clock), or from ``cursor`` on (a number a page before answered); ``step_log_next``:
+        the cursor of the next page (None: this page ends the log). A cursor is a step's number
+        since the gate started, so a page never repeats or skips a step, even among steps woken
+        at the same time; one older than the log holds starts at its oldest. ``step_models``: the
+        step models the gate took while these steps ran (a learner's refit, a new calibration),
+        each as [the steps of this page before it, b0, b1, b2, b3, cv]: it planned every step
+        after those with it (:func:`qsim.runfile.batch_step_times`)."""
+        oldest = self.logged - len(self.step_log)
+        if cursor is not None:
+            start = max(cursor - oldest, 0)
+        else:  # woken times never go back (woken at or after the last one ended): bisect, no scan
+            start = bisect.bisect_left(self.step_log, since, key=lambda step: step[0])  # woken
+        page = self._steps(start, min(start + limit, len(self.step_log)))
+        first = oldest + start
+        after = first + len(page)
+        models = [[at - first, *astuple(step)] for at, step in self.step_models
+                  if first < at <= after]
+        return {"step_log": page, "step_log_next": after if after < self.logged else None,
+                "step_models": models}
+
+    def _steps(self, start: int, end: int) -> list[tuple]:
+        """The log's steps ``start`` to ``end``, walked from its nearer end (islice walks a deque
+        from its left: a page near the newest would first pass 200,000 steps)."""
+        if start > len(self.step_log) // 2:
+            n = len(self.step_log)
+            return list(itertools.islice(reversed(self.step_log), n - end, n - start))[::-1]
+        return list(itertools.islice(self.step_log, start, end))
+
+    def log_step(self, step: LoggedStep) -> None:
+        """Keep ``step`` in the log, as a plain tuple: pydantic writes a NamedTuple's JSON about
+        four times slower than a tuple's, and copying a page out of its steps cost as much again
+        (the JSON is the same)."""
+        self.step_log.append(tuple(step))
+        self.logged += 1
