@@ -1,9 +1,11 @@
-"""The SimPy driver of :class:`qsim.queue.AdmissionQueue`: K engines on a simulated clock.
+"""A simulated run, :func:`simulate`: a trace through a server (or a fleet) on SimPy's clock.
 
-The queue core holds every piece of queue state and applies the rules; this
-module only turns its answers into SimPy events. One arrival process walks
-the trace and hands each request to the core; each engine runs what the core
-starts (a timeout of the request's true service time) and hands it back. Beside the study's model it can simulate what the live gate meets:
+The queue core holds every piece of queue state and applies the rules; the one driver
+(:class:`qsim.driver.Simulation`) only turns its answers into SimPy events. Its arrival process
+walks the trace and hands each request to the core; its engine part (:func:`engine_part`:
+engines one at a time, :mod:`qsim.run_one_at_a_time`, or a batching engine's steps,
+:mod:`qsim.run_batching`) runs what the core starts and hands it back. Beside the study's model
+it can simulate what the live gate meets:
 
 * engine failures (``failed``): the run holds the engine for its time, ends
   as an error and teaches the speed tracker nothing;
