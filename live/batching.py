@@ -4,7 +4,7 @@ gate in front of one.
 
 The gate (:class:`live.gate.Gate`) drives a batching engine through its batching driver
 (:class:`live.drive_batch.BatchDriver`) and :class:`qsim.batch.BatchQueue`, the core the
-simulator's batching run (``qsim.model._BatchSimulation``) drives on SimPy's clock, so admission,
+simulator's batching run (``qsim.run_batching.BatchingRun``) drives on SimPy's clock, so admission,
 batch membership, KV blocks, preemption and cuts at the deadline follow one set of rules in both:
 
 * arrival (:meth:`Gate.submit`): the core admits (into the batch at once, where it has a seat and
@@ -166,7 +166,7 @@ class SyntheticBatchEngine:
         self._clock = clock
         self._started = clock()
         self._noise = None
-        if step.cv > 0:  # the simulator's stream (qsim.model._BatchSimulation): the same draws, in step order
+        if step.cv > 0:  # the simulator's stream (qsim.run_batching.BatchingRun): the same draws, in step order
             rng, shape = np.random.default_rng([seed, 7919]), 1.0 / step.cv**2
             self._noise = lambda: rng.gamma(shape, 1.0 / shape)
         self._tokenizer = ByteTokenizer()

@@ -38,8 +38,8 @@ from .chunks import TraceChunks
 from .clients import RetryPolicy
 from .config import ServerConfig, as_config
 from .fleet import FleetSpec
-from .model import (CANCEL_UNTIL, _BatchFleetSimulation, _BatchSimulation, _FleetSimulation,
-                    _Simulation)
+from .driver import Simulation
+from .model import CANCEL_UNTIL, engine_part
 from .policy import Policy
 from .service import SpeedSchedule
 from .mixes import REFERENCE_MIX
@@ -170,11 +170,10 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
         cancel_until = chunks.meta.get("patience_until", "answer")
     if cancel_until not in CANCEL_UNTIL:
         raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
-    inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule)
     if fleet is not None:
         fleet.check(config)
-        inputs["fleet"] = fleet
-    base, streamed = _DRIVERS[config.batching, fleet is not None]
+    inputs = dict(cancel_until=cancel_until, speed_schedule=speed_schedule, fleet=fleet)
+    part = engine_part(config)
     rows = 0
 
     def write(frame: pd.DataFrame) -> None:
@@ -186,10 +185,10 @@ def stream_run(source: Trace | TraceChunks, writer: RecordWriter, config: Server
     first = next(parts, None)
     slots = 0
     if first is None:  # no requests: the schema alone
-        factor = base(_NO_REQUESTS, config, **inputs).speed_factor()
+        factor = Simulation(_NO_REQUESTS, config, part, **inputs).speed_factor()
     else:
-        run = streamed(first, config, cancel_after_s=first.patience_s, **inputs)
-        run.stream(first, parts, chunks.size, base, inputs, write)
+        run = _StreamedRun(first, config, part, cancel_after_s=first.patience_s, **inputs)
+        run.stream(first, parts, chunks.size, inputs, write)
         factor, slots = run.speed_factor(), len(run.arrival)
     if not writer.started:  # no requests, and the first run in the file: its schema, its own columns too
         write(records.empty())
@@ -208,12 +207,12 @@ class _Block(NamedTuple):
     trace: Trace
 
 
-class _Streamed:
-    """The window of slots, for either driver (:class:`_StreamedRun`, :class:`_StreamedBatchRun`)."""
+class _StreamedRun(Simulation):
+    """The driver whose lists are a window of slots, whatever its engines and queue core."""
 
-    def stream(self, first: Trace, parts, size: int, base: type, inputs: dict, write) -> None:
+    def stream(self, first: Trace, parts, size: int, inputs: dict, write) -> None:
         """Run ``first`` (the chunk this driver was made from) and the chunks ``parts``, writing as it goes."""
-        self._parts, self._size, self._base, self._inputs, self._write = parts, size, base, inputs, write
+        self._parts, self._size, self._inputs, self._write = parts, size, inputs, write
         if len(first) > size:
             raise ValueError(f"a trace's chunks hold at most {size} requests, got {len(first)}")
         self._names = _rows(self)
@@ -271,7 +270,8 @@ class _Streamed:
 
     def _made(self, trace: Trace):
         """An in-memory run of one chunk (never run: its lists are what a row starts with, or a block's rows)."""
-        return self._base(trace, self.queue.config, cancel_after_s=trace.patience_s, **self._inputs)
+        return Simulation(trace, self.queue.config, type(self.engine),
+                          cancel_after_s=trace.patience_s, **self._inputs)
 
     def _flush(self, final: bool = False) -> None:
         """Write the oldest blocks whose every request has ended; free the written ones no timer can reach now."""
@@ -309,7 +309,7 @@ class _Streamed:
         return records.from_arrays(columns)
 
 
-def _rows(run: _Simulation) -> dict:
+def _rows(run: Simulation) -> dict:
     """A run's per-request rows by name, every one a list: an in-memory run keeps some as arrays, and patience as
     None where nobody is impatient (forever, as a list)."""
     if run.patience is None:
@@ -317,25 +317,3 @@ def _rows(run: _Simulation) -> dict:
     if isinstance(run.prompt_tokens, np.ndarray):
         run.prompt_tokens, run.generated = run.prompt_tokens.tolist(), run.generated.tolist()
     return {name: values for name, values in run._rows().items() if values is not None}
-
-
-class _StreamedRun(_Streamed, _Simulation):
-    pass
-
-
-class _StreamedBatchRun(_Streamed, _BatchSimulation):
-    pass
-
-
-class _StreamedFleetRun(_Streamed, _FleetSimulation):
-    pass
-
-
-class _StreamedBatchFleetRun(_Streamed, _BatchFleetSimulation):
-    pass
-
-
-#: (batching, a fleet) -> the in-memory driver a block's rows are built with, and its streamed run.
-_DRIVERS = {(False, False): (_Simulation, _StreamedRun), (True, False): (_BatchSimulation, _StreamedBatchRun),
-            (False, True): (_FleetSimulation, _StreamedFleetRun),
-            (True, True): (_BatchFleetSimulation, _StreamedBatchFleetRun)}

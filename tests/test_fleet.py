@@ -307,8 +307,8 @@ def test_every_request_ends_once_in_a_batching_fleet(router):
 
 
 def test_each_batching_replica_cuts_at_its_deadlines_on_its_own_timer():
-    # Each replica's line arms a timer of its own (qsim.model._BatchSimulation._arm): every cut, on
-    # every replica, lands at its request's deadline, as the one engine's do.
+    # Each replica's line arms a timer of its own (qsim.run_batching.BatchingRun.arm): every cut,
+    # on every replica, lands at its request's deadline, as the one engine's do.
     config = ServerConfig(dataclasses.replace(PRESETS["none"], cancel_at_deadline=True),
                           dataclasses.replace(BATCH, kv_blocks=150), seed=1)
     t = shared_trace("128:0.5", "3:8", replicas=4, load=1.6, requests=800)
