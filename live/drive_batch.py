@@ -39,7 +39,7 @@ from qsim.service import LoadTerms, ServiceModel
 from .batching import STEP_LOG, STEP_PAGE, Chunk, Releases, StepDone, StepWork, is_batch_engine
 from .drive_one import CUT_SLACK_S
 from .engine import abilities_of
-from .engine_workers import Worker, _Failure, _gone, _Ticket
+from .engine_workers import Worker, _Failure, _gone, _Ticket, closed
 from .gate_errors import DeadlineCut, _failure_type
 from .jobs import Answer, Job
 
@@ -122,9 +122,7 @@ class BatchDriver:
         self._closing, self._workers = self._workers, []
 
     async def aclose(self) -> None:
-        for w in self._closing:
-            if hasattr(w, "aclose"):  # a test's worker holds nothing on the loop
-                await w.aclose()
+        await closed(self._closing)
         self._closing = []
 
     # -- events -------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from qsim.service import LoadTerms, ServiceModel
 
 from .engine import (Asked, Cancel, EngineResult, SelfTimed, UpstreamError, abilities_of,
                      cancellable)
-from .engine_workers import Worker, _Failure, _gone, _Ticket
+from .engine_workers import Worker, _Failure, _gone, _Ticket, closed
 from .fleet_gate import ReplicaWatch, fleet_queue
 from .gate_errors import DeadlineCut, EngineStalled, _failure_type
 from .jobs import Answer, Job
@@ -161,9 +161,7 @@ class OneAtATimeDriver:
         self._closing, self._workers = self._workers, []
 
     async def aclose(self) -> None:
-        for w in self._closing:
-            if hasattr(w, "aclose"):  # a test's worker holds nothing on the loop
-                await w.aclose()
+        await closed(self._closing)
         self._closing = []
 
     # -- events -------------------------------------------------------------------------

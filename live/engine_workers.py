@@ -124,3 +124,11 @@ class Worker:
             result = _Failure(exc, time.perf_counter() - began)
         # No await from here on: a cancel the loop delivers later finds this task done.
         self._deliver(work, result)
+
+
+async def closed(workers: list) -> None:
+    """Each stopped worker's end awaited on the loop (:meth:`Worker.aclose`): a task's cancel, a
+    thread's engine closed there; a test's worker holds nothing on the loop."""
+    for w in workers:
+        if hasattr(w, "aclose"):
+            await w.aclose()
