@@ -114,8 +114,9 @@ class Gaps:
 #: Chunks of different answers closer than this share of the median gap between one answer's chunks belong to one
 #: step of the server (it writes a step's tokens together; the gate reads them within a fraction of a millisecond).
 BURST_SHARE = 0.25
-#: Chunks closer than this came in one read of the stream, whatever the server: no step is this short (a decode
-#: step takes milliseconds), and a read hands the gate its events within microseconds.
+#: Gaps between one answer's chunks shorter than this are left out of the median that sets the bursts: they are
+#: events of one read of the stream (a read hands the gate its events within microseconds; no decode step is
+#: this short), and where most are, the median would be theirs, not a step's.
 READ_S = 0.0005
 #: A "step" this many times the median step is a pause of the server (a hang, a stop of the world), not a step.
 PAUSE = 10.0
@@ -240,7 +241,7 @@ class StepLearner:
     def ended(timeline: Timeline, tokens: int) -> None:
         """The answer's tokens as the upstream counted them (``usage``, else its chunks): more than its chunks
         counted (a server that says its count only at the end) leaves tokens the gate cannot place."""
-        if tokens > sum(timeline.tokens or [1] * len(timeline.times)):
+        if tokens > timeline.chunk_tokens().sum():
             timeline.counted = False
 
     def checkpoint(self) -> StepModel | None:
