@@ -769,7 +769,8 @@ def _own_trace_csv(tmp_path: Path) -> bytes:
 
 
 def _minimal_csv() -> bytes:
-    return b"arrival_s,max_new_tokens,deadline_s,prompt_tokens\n0.0,4,1.5,10\n0.2,16,,3\n0.5,64,2.0,0\n"
+    return (b"arrival_s,max_new_tokens,deadline_s,prompt_tokens\n"
+            b"0.0,4,1.5,10\n0.2,16,,3\n0.5,64,2.0,0\n")
 
 
 BAD_CELLS = ["", " ", "-1", "0", "1.5", "nan", "inf", "-inf", "1e309", "0x10", "four", '"', '"unterminated', "\x00",

@@ -35,11 +35,15 @@ assert classes == ['4', '16', '64']
 assert list(classes_at_load.columns) == list(classes_by_load.columns) == ['4', '16', '64']
 assert LOAD == 1.5  # the load closest to 1.3
 # At the named load: each entry is that load's cells only.
-cells = by_class[(by_class['load'] == LOAD) & (by_class['policy'] == 'predictive') & (by_class['size_class'] == '64')
-                 & by_class['clients'].isna()]
-assert np.isclose(classes_at_load.loc[('predictive / no clients', 1.0), '64'], cells['share_good'].mean())
-cells = summary[(summary['load'] == LOAD) & (summary['policy'] == 'bounded') & (summary['clients'] == 'two-tenant')]
-assert len(cells) == 2 and np.isclose(at_load.loc[(1.0, 'bounded / two-tenant'), 'share_good'], cells['share_good'].mean())
+cells = by_class[(by_class['load'] == LOAD) & (by_class['policy'] == 'predictive')
+                 & (by_class['size_class'] == '64') & by_class['clients'].isna()]
+assert np.isclose(classes_at_load.loc[('predictive / no clients', 1.0), '64'],
+                  cells['share_good'].mean())
+cells = summary[(summary['load'] == LOAD) & (summary['policy'] == 'bounded')
+                & (summary['clients'] == 'two-tenant')]
+assert len(cells) == 2
+assert np.isclose(at_load.loc[(1.0, 'bounded / two-tenant'), 'share_good'],
+                  cells['share_good'].mean())
 # Intervals shown as what a share and a rate can be (2 seeds' t-intervals reach past them).
 assert at_load['share_good_low'].ge(0).all() and at_load['share_good_high'].le(1).all()
 assert at_load['goodput_rps_low'].ge(0).all()

@@ -48,11 +48,15 @@ def render_markdown(title: str, preface: list[str], parts: list[tuple[Section, l
     return "\n".join(out)
 
 
-CSS = """body{font-family:system-ui,sans-serif;max-width:75em;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0 1.5em}th,td{border:1px solid #ccc;padding:2px 6px}
-th{background:#f0f0f0}caption{caption-side:top;text-align:left;font-style:italic;padding:4px 0}
-.verdict{padding:0.5em 0.8em;margin:0.8em 0;border-left:5px solid #999}.yes{border-color:#2a9d8f;background:#eef8f6}
-.no{border-color:#e76f51;background:#fdf0ec}img{max-width:100%}figure{margin:1em 0}figcaption{font-style:italic}"""
+CSS = (
+    "body{font-family:system-ui,sans-serif;max-width:75em;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0 1.5em}"
+    "th,td{border:1px solid #ccc;padding:2px 6px}th{background:#f0f0f0}"
+    "caption{caption-side:top;text-align:left;font-style:italic;padding:4px 0}"
+    ".verdict{padding:0.5em 0.8em;margin:0.8em 0;border-left:5px solid #999}"
+    ".yes{border-color:#2a9d8f;background:#eef8f6}.no{border-color:#e76f51;background:#fdf0ec}"
+    "img{max-width:100%}figure{margin:1em 0}figcaption{font-style:italic}"
+)
 
 
 def _html_block(b) -> str:
