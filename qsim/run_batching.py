@@ -10,6 +10,7 @@ each with its line, step noise and timer; their steps' events carry the replica.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 from simpy.events import Timeout
@@ -22,6 +23,19 @@ from .outcomes import ANSWERED
 from .prefix import Tokens
 
 _NAN = math.nan
+
+
+def step_noise(cv: float, seed: int, replica: int = 0) -> Callable[[], float] | None:
+    """Engine ``replica``'s step noise: a draw of a gamma of mean 1 and CV ``cv`` per step (None:
+    ``cv`` 0, no noise), from a stream of its own off the server's ``seed``, so that the draws are
+    the same under every policy. Replica 0's is the one server's stream: a fleet of one runs as
+    the server. A live synthetic batching engine draws from it too (live.batching), so a run on a
+    virtual clock is the simulator's step by step."""
+    if not cv > 0:
+        return None
+    key = [seed, 7919] + ([replica] if replica else [])
+    rng, shape = np.random.default_rng(key), 1.0 / cv**2
+    return lambda: rng.gamma(shape, 1.0 / shape)
 
 
 class BatchingRun:
@@ -65,15 +79,7 @@ class BatchingRun:
         queue = make(config, step=lambda plan, now: self._step(plan, now, r), end=self._ended,
                      drop=self.run._drop, joined=lambda i, now: self._joined(i, now, r),
                      wake=lambda now: self._wake(now, r), tokens=self._tokens if caching else None)
-        cv = config.engine.step.cv
-        noise = None
-        # A stream of its own, from the server's seed: the same draws under every policy.
-        if cv > 0:
-            # Engine 0's is the one server's stream: a fleet of one runs as the server.
-            key = [config.seed, 7919] + ([r] if r else [])
-            rng, shape = np.random.default_rng(key), 1.0 / cv**2
-            noise = lambda: rng.gamma(shape, 1.0 / shape)  # noqa: E731
-        self.noise.append(noise)
+        self.noise.append(step_noise(config.engine.step.cv, config.seed, r))
         self.slow.append(slow)
         self.timer_at.append(math.inf)
         return queue
