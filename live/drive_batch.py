@@ -24,8 +24,8 @@ simulator's fleet of batching lines (:func:`live.fleet_gate.batch_fleet_queue`: 
 :class:`qsim.fleet.Fleet` whose router, :mod:`qsim.routers`, picks a replica per arrival, or a
 :class:`qsim.batch_fleet.CentralBatch`), each replica with its own engine, worker, steps and
 timer, as the simulator's batching run (qsim.run_batching) has them. Replica r is engine r. The
-step log holds every replica's steps in the order they ended (it names no replica: a replay of
-one server's steps, not a fleet's).
+step log holds every replica's steps in the order the cores planned them, as a replay
+(``simulate(step_times=)``) takes them: a step is logged once those planned before it have ended.
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ class BatchDriver:
         # log_step): for a replay and a calibration (step_page).
         self.step_log: deque[tuple] = deque(maxlen=STEP_LOG)
         self.logged = 0  # steps ever logged: the cursor of the step after the newest (step_page)
+        # A fleet's: each replica's step in flight by its number in plan order, and the steps
+        # ended before one planned earlier (the log is in plan order, as a replay takes it).
+        self._in_flight = [-1] * n
+        self._ended_early: dict[int, LoggedStep] = {}
         # (the step's cursor, the model from it on)
         self.step_models: list[tuple[int, StepModel]] = []
         # Per replica: its idle engine was woken then, and not begun yet (None: not so); its step
@@ -251,6 +255,7 @@ class BatchDriver:
     def _step(self, plan: Step, now: float, r: int) -> None:
         if self.gate.closed:
             return
+        self._in_flight[r] = self.steps
         self.steps += 1
         # The step log's: when an idle engine was woken for it (else now), and when the core began
         # it (the loop turn in between decides which arrivals join the first step: a replay waits
@@ -298,8 +303,9 @@ class BatchDriver:
                 gate.resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
         for ticket, tokens in finished.items():
             line.finish(ticket, now, tokens)
-        self.log_step(LoggedStep(*self._began[r], now, result.engine_s, work.model_s,
-                                 work.prefill_tokens, work.sampling, work.context))
+        self._log_in_order(self._in_flight[r], LoggedStep(
+            *self._began[r], now, result.engine_s, work.model_s, work.prefill_tokens,
+            work.sampling, work.context))
         if not isinstance(result, _Failure) and result.step_model is not None:
             self.use_step_model(result.step_model)
         line.step_done(now, result.engine_s)
@@ -438,6 +444,17 @@ class BatchDriver:
             n = len(self.step_log)
             return list(itertools.islice(reversed(self.step_log), n - end, n - start))[::-1]
         return list(itertools.islice(self.step_log, start, end))
+
+    def _log_in_order(self, k: int, step: LoggedStep) -> None:
+        """Log step ``k`` (its number in plan order) once every step planned before it is logged:
+        a fleet's replicas end their steps in another order than they planned them, and a replay
+        (``simulate(step_times=)``) gives the k-th step planned the k-th time logged."""
+        if k != self.logged:
+            self._ended_early[k] = step
+            return
+        self.log_step(step)
+        while self.logged in self._ended_early:
+            self.log_step(self._ended_early.pop(self.logged))
 
     def log_step(self, step: LoggedStep) -> None:
         """Keep ``step`` in the log, as a plain tuple: pydantic writes a NamedTuple's JSON about

@@ -65,8 +65,10 @@ class BatchingRun:
         # each step, in order.
         self.step_times = step_times
         self.steps_run = 0
-        self.step_reported = None
-        self.step_model_after = None
+        # Per engine, of its step in flight (a replay): the seconds its engine reported, and the
+        # step model the live gate took after it (a fleet's replicas step at once).
+        self.step_reported: dict[int, float] = {}
+        self.step_model_after: dict[int, object] = {}
         n = run.n
         self.first_token, self.tokens = [_NAN] * n, [-1] * n
         self.preempted, self.kv_peak, self.cached = [-1] * n, [-1] * n, [-1] * n
@@ -143,8 +145,9 @@ class BatchingRun:
         k = self.steps_run
         self.steps_run += 1
         if self.step_times is not None and k < len(self.step_times):  # a live run's step (replay)
-            _, run, self.step_reported, *after = self.step_times[k]
-            self.step_model_after = after[0] if after else None
+            _, run, self.step_reported[r], *after = self.step_times[k]
+            if after and after[0] is not None:
+                self.step_model_after[r] = after[0]
         else:
             run = plan.model_s
             if self.noise[r] is not None:
@@ -158,10 +161,11 @@ class BatchingRun:
 
     def _step_done(self, event) -> None:
         # step_done plans (and sets) the next step's.
-        reported, self.step_reported = self.step_reported, None
-        line = self.lines[event._value]
-        if self.step_model_after is not None:  # the live gate took a new step model here (replay)
-            line.model, self.step_model_after = self.step_model_after, None
+        r = event._value
+        reported = self.step_reported.pop(r, None)
+        line = self.lines[r]
+        if r in self.step_model_after:  # the live gate took a new step model here (replay)
+            line.model = self.step_model_after.pop(r)
         line.step_done(self.env.now, reported)
         self.arm(event._value)
 

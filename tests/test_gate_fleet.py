@@ -480,3 +480,30 @@ def test_batching_replicas_that_cut_at_the_deadline_and_lose_clients_match_the_s
     counts = sim["outcome"].value_counts()
     assert counts.get("cancelled", 0) >= 3 and counts.get("abandoned", 0) >= 5
     assert stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("router", ["jsq", "central"])
+def test_a_batching_fleets_own_steps_replayed_give_its_rows(router):
+    """qlab compare's replay of a batching fleet's run: the gate logs its replicas' steps in the
+    order their cores planned them, which is the order simulate(step_times=) gives them out, so
+    the run's own step times (another seed's noise in the simulator) give its rows again."""
+    from qsim.engines import Batching, StepModel
+    from test_gate_batching import PROMPTS, STEP
+
+    noisy = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.5), max_num_seqs=8,
+                     max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    trace = make_trace("poisson", "mix", load=4.0, engines=1, seconds=10, seed=9,
+                       prompts=PROMPTS, capacity_rps=noisy.capacity_rps(PROMPTS.mean(), 28.0))
+    config = ServerConfig(PRESETS["predictive"].with_args({"cancel_at_deadline": True}),
+                          engine=noisy, seed=3)
+    spec = FleetSpec(3, make_router(router))
+    gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
+    log = stats["step_log"]
+    assert len(log) == stats["batching"]["steps"] > 300
+    times = [(began - woken, ended - began, engine) for woken, began, ended, engine, *_ in log]
+    replayed = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router,
+                        step_times=times)
+    assert gate["outcome"].tolist() == replayed["outcome"].tolist()
+    np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
+    own = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router)
+    assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
