@@ -508,3 +508,38 @@ def test_a_batching_fleets_own_steps_replayed_give_its_rows(router):
     np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
     own = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router)
     assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
+
+
+@pytest.mark.parametrize("router", ["round_robin", "central"])
+def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(router):
+    """One seat per replica: a burst of 12 to 3 replicas seats 3; drain() answers the 9 waiting
+    (each replica's line, or the central one) ShuttingDown, the 3 in the batches are answered."""
+    import asyncio
+
+    from live.batching import SyntheticBatchEngine
+    from live.gate import Gate, gate_config
+    from live.gate_errors import ShuttingDown
+    from live.jobs import Job
+    from qsim.engines import Batching, StepModel
+    from virtual_time import on_virtual_clock
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engine = Batching(StepModel(0.01, 0.0, 0.0002, 0.0), max_num_seqs=1)
+        engines = [SyntheticBatchEngine(engine.step, clock=loop.time, replica=r) for r in range(3)]
+        gate = Gate(engines, gate_config(PRESETS["none"], engine=engine), clock=loop.time,
+                    fleet=FleetSpec(3, make_router(router)))
+        async with gate:
+            futures = [gate.submit(Job(str(i), 12)) for i in range(12)]
+            assert gate.waiting == 9 and gate.in_service == 3
+            gate.drain()
+            ended = await asyncio.gather(*futures, return_exceptions=True)
+            return ended, gate.stats(), gate.queue.where
+
+    ended, stats, where = on_virtual_clock(go)
+    assert sum(isinstance(e, ShuttingDown) for e in ended) == 9
+    answered = [e for e in ended if not isinstance(e, Exception)]
+    assert sorted(a.replica for a in answered) == [0, 1, 2] and all(a.tokens == 12 for a in answered)
+    assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
+    assert stats["waiting"] == 0 and stats["batching"]["running"] == 0
+    assert not where  # each ended request's replica is forgotten
