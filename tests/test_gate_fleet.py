@@ -539,7 +539,8 @@ def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(r
     ended, stats, where = on_virtual_clock(go)
     assert sum(isinstance(e, ShuttingDown) for e in ended) == 9
     answered = [e for e in ended if not isinstance(e, Exception)]
-    assert sorted(a.replica for a in answered) == [0, 1, 2] and all(a.tokens == 12 for a in answered)
+    assert sorted(a.replica for a in answered) == [0, 1, 2]
+    assert all(a.tokens == 12 for a in answered)
     assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
     assert stats["waiting"] == 0 and stats["batching"]["running"] == 0
     assert not where  # each ended request's replica is forgotten
