@@ -38,9 +38,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
-import numpy as np
-
 from qsim.engines import StepModel
+from qsim.run_batching import step_noise
 from qsim.service import SpeedSchedule
 
 from .engine import WORD, Abilities, Faults, InjectedFault, abilities_of, apply_stop
@@ -149,8 +148,10 @@ class SyntheticBatchEngine:
     The step's time is ``step.time(prefill tokens, sampling, context)`` of the :class:`StepWork`, times a gamma
     draw of mean 1 and the model's ``cv`` (where > 0; drawn from ``seed`` as the simulator draws its steps', so a
     run on a virtual clock is the simulator's step by step), times the speed at the step's start (``speed`` and
-    ``schedule``, seconds since construction on ``clock``). ``faults``: see the module. The text is one word per
-    token generated, cut at a stop string (which shortens the text, not the work)."""
+    ``schedule``, seconds since construction on ``clock``). ``faults``: see the module.
+    ``replica``: which replica of a fleet it is (its noise: that replica's stream,
+    qsim.run_batching.step_noise). The text is one word per token generated, cut at a stop string
+    (which shortens the text, not the work)."""
 
     abilities = Abilities(coroutine=True)
 
@@ -158,17 +159,16 @@ class SyntheticBatchEngine:
 
     def __init__(self, step: StepModel = StepModel(), speed: float = 1.0, seed: int = 0,
                  schedule: Sequence[tuple[float, float]] = (), clock: Callable[[], float] = time.monotonic,
-                 faults: Faults = Faults()) -> None:
+                 faults: Faults = Faults(), replica: int = 0) -> None:
         self.model = step
         self.speed = SpeedSchedule(float(speed), tuple((float(t), float(s)) for t, s in schedule))
         self.seed = seed
         self.faults = faults
         self._clock = clock
         self._started = clock()
-        self._noise = None
-        if step.cv > 0:  # the simulator's stream (qsim.run_batching.BatchingRun): the same draws, in step order
-            rng, shape = np.random.default_rng([seed, 7919]), 1.0 / step.cv**2
-            self._noise = lambda: rng.gamma(shape, 1.0 / shape)
+        self.replica = replica
+        # The simulator's stream for this replica's steps: the same draws, in step order.
+        self._noise = step_noise(step.cv, seed, replica)
         self._tokenizer = ByteTokenizer()
         self._seen: set = set()  # the requests in the batch (or preempted) that it has counted as runs
         self.runs = 0  # requests that joined, in order: what fail_every counts

@@ -169,10 +169,10 @@ def cmd_serve(args) -> int:
     from .gate import Gate, gate_config  # the web stack loads only for the command that serves
 
     batching = cfg.engine_model()
-    if batching is not None:
-        _serve(args, cfg, _batching_gate(cfg, policy, model, batching))
-        return 0
     fleet = cfg.fleet()
+    if batching is not None:
+        _serve(args, cfg, _batching_gate(cfg, policy, model, batching, fleet), fleet)
+        return 0
     # First: an engine that cannot start is the one line said.
     engines = _engines(cfg, model, 1 if fleet is None else fleet.replicas)
     if cfg.engine != "synthetic" and not cfg.service_model:
@@ -193,11 +193,22 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
+def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching, fleet=None):
     """The batching engine (synthetic: its step model the one given, x --speed; gpt2: one forward pass a step) behind
-    a gate that drives it through the simulator's batching core (live.drive_batch)."""
+    a gate that drives it through the simulator's batching core (live.drive_batch); a fleet: one
+    synthetic batching engine per replica (each its replica's step noise and --faulty-replica's
+    faults) behind the router."""
     from .batching import SyntheticBatchEngine
-    from .gate import BatchGate, gate_config
+    from .gate import BatchGate, Gate, gate_config
+
+    if fleet is not None:  # ServeOptions.engine_model: synthetic only
+        schedule = parse_schedule(cfg.speed_schedule)
+        engines = [SyntheticBatchEngine(batching.step, cfg.speed, cfg.seed, schedule,
+                                        faults=_faults(cfg, r), replica=r)
+                   for r in range(fleet.replicas)]
+        config = gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
+                             engine=batching, seed=cfg.seed)
+        return Gate(engines, config, fleet=fleet)
 
     if cfg.engine == "upstream":
         return _upstream_batching_gate(cfg, policy, model, batching)

@@ -18,6 +18,14 @@ a thread of its own):
 
 Steps never overlap: the core plans the next only when the last is done. The driver keeps the
 last :data:`STEP_LOG` steps for ``GET /stats?steps_since=`` (:meth:`BatchDriver.step_page`).
+
+A fleet (``Gate(engines, config, fleet=spec)``, one batching engine per replica): the core is the
+simulator's fleet of batching lines (:func:`live.fleet_gate.batch_fleet_queue`: a
+:class:`qsim.fleet.Fleet` whose router, :mod:`qsim.routers`, picks a replica per arrival, or a
+:class:`qsim.batch_fleet.CentralBatch`), each replica with its own engine, worker, steps and
+timer, as the simulator's batching run (qsim.run_batching) has them. Replica r is engine r. The
+step log holds every replica's steps in the order the cores planned them, as a replay
+(``simulate(step_times=)``) takes them: a step is logged once those planned before it have ended.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import astuple, replace
+from functools import partial
 
 from qsim.batch import BatchQueue, RunStats, Step
 from qsim.config import ServerConfig
@@ -40,9 +49,9 @@ from .batching import STEP_LOG, STEP_PAGE, Chunk, Releases, StepDone, StepWork, 
 from .drive_one import CUT_SLACK_S
 from .engine import abilities_of
 from .engine_workers import Worker, _Failure, _gone, _Ticket, closed
+from .fleet_gate import batch_fleet_queue
 from .gate_errors import DeadlineCut, _failure_type
 from .jobs import Answer, Job
-
 
 
 def step_worker(k: int, engine, deliver) -> Worker:
@@ -56,36 +65,47 @@ def step_worker(k: int, engine, deliver) -> Worker:
 
 class BatchDriver:
     """One batching engine (:class:`live.batching.BatchEngine`) behind
-    :class:`qsim.batch.BatchQueue`; see the module. The config's engine is a
-    :class:`qsim.engines.Batching` (its step model is the gate's calibration; the engine has its
-    own truth). ``worker(k, engine, deliver)``: the engine's worker (default
-    :func:`step_worker`)."""
+    :class:`qsim.batch.BatchQueue`, or a fleet's, one per replica; see the module. The config's
+    engine is a :class:`qsim.engines.Batching` (its step model is the gate's calibration; the
+    engine has its own truth), each replica's. ``worker(k, engine, deliver)``: engine k's worker
+    (default :func:`step_worker`)."""
 
     def __init__(self, gate, worker=None) -> None:
         engines = gate.engines
-        if not is_batch_engine(engines[0]):
-            raise ValueError("a batching gate needs an engine that runs steps "
-                             f"(live.batching.BatchEngine), not {type(engines[0]).__name__}")
-        if len(engines) != 1:
-            raise ValueError("a batching engine is one engine")
-        if gate.fleet is not None:
-            raise ValueError("a fleet's replicas run engines one at a time")
+        for engine in engines:
+            if not is_batch_engine(engine):
+                raise ValueError("a batching gate needs an engine that runs steps "
+                                 f"(live.batching.BatchEngine), not {type(engine).__name__}")
+        n = 1 if gate.fleet is None else gate.fleet.replicas
+        if len(engines) != n:
+            raise ValueError("a batching engine is one engine" if gate.fleet is None else
+                             f"a fleet of {n} batching replicas runs one engine each, "
+                             f"not {len(engines)}")
         self.gate = gate
         self._make_worker = step_worker if worker is None else worker
         self._workers: list = []
         self._closing: list = []
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
-        self._ended: list = []  # out of the batch for good since the last step (StepWork.ended)
+        self.lines: list = []  # each replica's core (one: the gate's queue itself)
+        # Per replica (engine): its core's timer and when it is set.
+        self._timer: list[asyncio.TimerHandle | None] = [None] * n
+        self._timer_at = [math.inf] * n
+        # Per replica: out of the batch for good since its last step (StepWork.ended).
+        self._ended: list[list] = [[] for _ in range(n)]
         self.steps = 0
         # The last STEP_LOG steps (qsim.runfile.LoggedStep's fields, as plain tuples: see
         # log_step): for a replay and a calibration (step_page).
         self.step_log: deque[tuple] = deque(maxlen=STEP_LOG)
         self.logged = 0  # steps ever logged: the cursor of the step after the newest (step_page)
+        # A fleet's: each replica's step in flight by its number in plan order, and the steps
+        # ended before one planned earlier (the log is in plan order, as a replay takes it).
+        self._in_flight = [-1] * n
+        self._ended_early: dict[int, LoggedStep] = {}
         # (the step's cursor, the model from it on)
         self.step_models: list[tuple[int, StepModel]] = []
-        self._woken_at: float | None = None  # the idle engine was woken then, and not begun yet
-        self._began = (math.nan, math.nan)  # the step in flight's wake and start, for the step log
+        # Per replica: its idle engine was woken then, and not begun yet (None: not so); its step
+        # in flight's wake and start, for the step log.
+        self._woken_at: list[float | None] = [None] * n
+        self._began = [(math.nan, math.nan)] * n
 
     # -- what the gate runs ------------------------------------------------------------
 
@@ -93,32 +113,63 @@ class BatchDriver:
         if not isinstance(config.engine, Batching):
             raise ValueError("a batching gate runs a batching engine (qsim.engines.Batching), "
                              f"not {config.engine.kind}")
+        fleet = self.gate.fleet
+        if fleet is not None:
+            fleet.check(config)
+            if fleet.speeds is not None or fleet.down:
+                raise ValueError("replica speeds and replicas down are the simulator's: a live "
+                                 "fleet's replicas run at their engines' speed")
         return config
 
-    def make_queue(self, config: ServerConfig) -> BatchQueue:
-        """The batching core, naming the decoding requests in each step (the engine needs them)."""
-        return BatchQueue(config, step=self._step, end=self._ended_run, drop=self.gate.dropped,
-                          joined=self._joined, wake=self._wake, gone=_gone, members=True)
+    def make_queue(self, config: ServerConfig):
+        """The batching core (a fleet's: each replica's, behind the router), naming the decoding
+        requests in each step (the engine needs them)."""
+        gate = self.gate
+
+        def line(r: int, cfg: ServerConfig, make=BatchQueue) -> BatchQueue:
+            return make(cfg, step=lambda plan, now: self._step(plan, now, r),
+                        end=lambda ticket, now, outcome, reason, stats: self._ended_run(
+                            ticket, now, outcome, reason, stats, r),
+                        drop=gate.dropped, joined=lambda ticket, now: self._joined(ticket, now, r),
+                        wake=lambda now: self._wake(now, r), gone=_gone, members=True)
+
+        if gate.fleet is None:
+            queue = line(0, config)
+            self.lines = [queue]
+            return queue
+        queue = batch_fleet_queue(config, gate.fleet, line=line, routed=self._routed)
+        self.lines = queue.lines
+        return queue
+
+    def _routed(self, ticket: _Ticket, r: int) -> None:
+        ticket.replica = r
 
     # -- life cycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine's worker (no watchdog: the core has no stall rule here)."""
-        self._workers = [self._make_worker(0, self.gate.engines[0], self._post_step)]
-        self._workers[0].start()
+        """Start each engine's worker (no watchdog: the core has no stall rule here)."""
+        self._workers = [self._make_worker(r, engine, partial(self._post_step, r))
+                         for r, engine in enumerate(self.gate.engines)]
+        for w in self._workers:
+            w.start()
 
     def close(self, timeout_s: float) -> None:
-        """Stop the core's timer, cancel every pending future and stop the worker."""
-        if self._timer is not None:
-            self._timer.cancel()
-        q = self.gate.queue
-        tickets = [*(e.req for e in q.waiting), *(s.entry.req for s in q.front),
-                   *(s.entry.req for s in q.running.values())]
+        """Stop the cores' timers, cancel every pending future and stop the workers."""
+        for timer in self._timer:
+            if timer is not None:
+                timer.cancel()
+        queue = self.gate.queue
+        tickets = []
+        if getattr(queue, "binds_late", False):  # a central queue's own line
+            tickets += [*(e.req for e in queue.waiting), *(s.entry.req for s in queue.front)]
+        for q in self.lines:
+            tickets += [*(e.req for e in q.waiting), *(s.entry.req for s in q.front),
+                        *(s.entry.req for s in q.running.values())]
         for ticket in tickets:
             if ticket.future is not None:
                 ticket.future.cancel()
         for w in self._workers:
-            w.stop(timeout_s)
+            w.stop(timeout_s / len(self._workers))
         self._closing, self._workers = self._workers, []
 
     async def aclose(self) -> None:
@@ -131,24 +182,26 @@ class BatchDriver:
         """The clock, read once for an event the core is told of; deadlines passed before it are cut
         first (placed at their deadlines by the core), so that the core hears of events in their
         order, as the simulator's."""
-        gate = self.gate
-        now = gate.clock()
-        while (due := gate.queue.next_timer()) < now:
-            gate.queue.timer(due)  # at its own time: an idle engine it frees is woken then
-        return now
+        now = self.gate.clock()
+        lines = self.lines
+        while True:  # each replica's, earliest first
+            due, r = min((line.next_timer(), r) for r, line in enumerate(lines))
+            if not due < now:
+                return now
+            lines[r].timer(due)  # at its own time: an idle engine it frees is woken then
 
     def arrived(self) -> None:
-        """After an arrival: the core's timer, where it moved earlier."""
+        """After an arrival: the cores' timers, where they moved earlier."""
         gate = self.gate
         if not gate.closed and gate.loop is not None:
-            self._arm()
+            self._arm_all()
 
     def left(self, ticket: _Ticket, state: str | None) -> None:
         """Its client left: it leaves the line, or the batch (its blocks free)."""
         if state == "running":
-            self._ended.append(ticket)
+            self._ended[ticket.engine].append(ticket)
             self._release(ticket)
-        self._arm()
+        self._arm_all()
 
     def idle_estimate_s(self, job: Job, base: float) -> float:
         """No "never in time" here: the gate's service line is not what a batching engine's steps
@@ -168,59 +221,67 @@ class BatchDriver:
         live.upstream_batch): the next admission and the next step read it, and /stats's
         server_config says it."""
         gate = self.gate
-        gate.queue.model = step
+        for line in self.lines:
+            line.model = step
         gate.config = replace(gate.config, engine=replace(gate.config.engine, step=step))
         # Planned with from the step numbered ``logged`` on: the step log's pages say it.
         self.step_models.append((self.logged, step))
 
     # -- the core's hooks -------------------------------------------------------------
 
-    def _joined(self, ticket: _Ticket, now: float) -> None:
-        ticket.engine, ticket.start = 0, now
+    def _joined(self, ticket: _Ticket, now: float, r: int) -> None:
+        ticket.engine, ticket.start = r, now
+        if self.gate.fleet is not None:
+            ticket.replica = r
+            if ticket.arrival is not None and ticket.arrival.replica != r:
+                # A central queue's request binds where a replica takes it: what it says from now.
+                ticket.arrival = replace(ticket.arrival, replica=r)
         # No arrival yet: it joined inside arrive(), at its arrival time.
         self.gate.timings.queue.observe(0.0 if ticket.arrival is None else now - ticket.arrival.at)
 
-    def _wake(self, now: float) -> None:
+    def _wake(self, now: float, r: int) -> None:
         # One loop turn later, as the simulator's zero timeout: arrivals at this same instant join
         # the first step. For the core the step begins then; the engine was busy from ``now`` (the
         # step log's start, see _step).
-        self._woken_at = now
-        self.gate.loop.call_soon(self._begin)
+        self._woken_at[r] = now
+        self.gate.loop.call_soon(self._begin, r)
 
-    def _begin(self) -> None:
+    def _begin(self, r: int) -> None:
         if self.gate.closed:
             return
-        self.gate.queue.begin(self.now())
-        self._arm()
+        self.lines[r].begin(self.now())
+        self._arm(r)
 
-    def _step(self, plan: Step, now: float) -> None:
+    def _step(self, plan: Step, now: float, r: int) -> None:
         if self.gate.closed:
             return
+        self._in_flight[r] = self.steps
         self.steps += 1
         # The step log's: when an idle engine was woken for it (else now), and when the core began
         # it (the loop turn in between decides which arrivals join the first step: a replay waits
         # it too).
-        woken = now if self._woken_at is None else self._woken_at
-        self._began, self._woken_at = (woken, now), None
+        woken = self._woken_at[r]
+        self._began[r], self._woken_at[r] = (now if woken is None else woken, now), None
         prefill = tuple(Chunk(t, t.job, start, n)
                         for (t, n), start in zip(plan.chunks, plan.starts))
         work = StepWork(prefill, plan.decoding, plan.prefill_tokens, plan.sampling, plan.context,
-                        plan.model_s, tuple(self._ended), plan.completing)
-        self._ended = []
-        self._workers[0].give(work)
+                        plan.model_s, tuple(self._ended[r]), plan.completing)
+        self._ended[r] = []
+        self._workers[r].give(work)
 
-    def _post_step(self, work: StepWork, result) -> None:
+    def _post_step(self, r: int, work: StepWork, result) -> None:
         """Worker -> event loop."""
         try:
-            self.gate.loop.call_soon_threadsafe(self._step_finished, work, result)
+            self.gate.loop.call_soon_threadsafe(self._step_finished, r, work, result)
         except RuntimeError:  # the loop closed while the engine ran: nobody is waiting any more
             pass
 
-    def _step_finished(self, work: StepWork, result: StepDone | _Failure) -> None:
+    def _step_finished(self, r: int, work: StepWork, result: StepDone | _Failure) -> None:
         gate = self.gate
         if gate.closed:
             return
         now = self.now()
+        line = self.lines[r]
         if isinstance(result, _Failure):  # the whole step raised: every request in it fails
             failed = dict.fromkeys((*(chunk.key for chunk in work.prefill), *work.decode),
                                    result.error)
@@ -233,76 +294,81 @@ class BatchDriver:
                 if ticket.pieces is not None and not ticket.future.done():
                     ticket.pieces.put_nowait(piece)
         for ticket, error in failed.items():
-            if gate.queue.cancel(ticket, now) == "running":  # out of the batch, its blocks free
-                self._ended.append(ticket)
+            if line.cancel(ticket, now) == "running":  # out of the batch, its blocks free
+                self._ended[r].append(ticket)
                 numbers = {"started_at": ticket.start, "returned_at": now}
                 # An upstream's failure is the one-at-a-time gate's (502 upstream_error, 504
                 # upstream_timeout).
-                failure = _failure_type(error)(0, error, ticket.arrival, numbers)
+                failure = _failure_type(error)(r, error, ticket.arrival, numbers)
                 gate.resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
         for ticket, tokens in finished.items():
-            gate.queue.finish(ticket, now, tokens)
-        self.log_step(LoggedStep(*self._began, now, result.engine_s, work.model_s,
-                                 work.prefill_tokens, work.sampling, work.context))
+            line.finish(ticket, now, tokens)
+        self._log_in_order(self._in_flight[r], LoggedStep(
+            *self._began[r], now, result.engine_s, work.model_s, work.prefill_tokens,
+            work.sampling, work.context))
         if not isinstance(result, _Failure) and result.step_model is not None:
             self.use_step_model(result.step_model)
-        gate.queue.step_done(now, result.engine_s)
-        self._arm()
+        line.step_done(now, result.engine_s)
+        self._arm(r)
 
     def _ended_run(self, ticket: _Ticket, now: float, outcome: str, reason: str | None,
-                   stats: RunStats) -> None:
+                   stats: RunStats, r: int) -> None:
         """A request that joined the batch ended: answered (good or late), or cut at its
         deadline."""
         gate = self.gate
-        self._ended.append(ticket)
+        self._ended[r].append(ticket)
         held = now - stats.start_s
         gate.timings.engine.observe(held)
         arrival = ticket.arrival
         if outcome == Outcome.CANCELLED:
             ticket.cut = True
             self._release(ticket)
-            numbers = {**arrival.numbers(), "engine": 0, "started_at": stats.start_s, "at": now,
+            numbers = {**arrival.numbers(), "engine": r, "started_at": stats.start_s, "at": now,
                        "running_s": held}
             gate.resolve(ticket, outcome, exc=DeadlineCut(numbers, arrival))
             return
-        text = gate.engines[0].text(ticket, ticket.job, stats.tokens)
+        text = gate.engines[r].text(ticket, ticket.job, stats.tokens)
         first = None if math.isnan(stats.first_token_s) else stats.first_token_s - stats.start_s
         gate.resolve(ticket, outcome, Answer(text, stats.tokens, outcome,
-                                             stats.start_s - arrival.at, held, now - arrival.at, 0,
+                                             stats.start_s - arrival.at, held, now - arrival.at, r,
                                              arrival, stats.start_s, now, first,
-                                             ticket.prompt_tokens))
+                                             ticket.prompt_tokens, ticket.replica))
 
     def _release(self, ticket: _Ticket) -> None:
         """Out of the batch before its end (cut, or its client left): an engine that holds something
         for it lets it go now (:class:`~live.batching.Releases`); every engine hears of it with the
         next step (StepWork.ended)."""
-        engine = self.gate.engines[0]
+        engine = self.gate.engines[ticket.engine]
         if isinstance(engine, Releases):
             engine.release(ticket)
 
     # -- the core's timer (cutting at the deadline) ----------------------------------------
 
-    def _arm(self) -> None:
-        """A loop timer at the core's next timer, where that is earlier than the one set (as the
-        simulator's)."""
+    def _arm_all(self) -> None:
+        for r in range(len(self.lines)):
+            self._arm(r)
+
+    def _arm(self, r: int) -> None:
+        """A loop timer at replica r's core's next timer, where that is earlier than the one set
+        (as the simulator's)."""
         gate = self.gate
         if gate.closed:
             return
-        due = gate.queue.next_timer()
-        if due < self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_at = due
+        due = self.lines[r].next_timer()
+        if due < self._timer_at[r]:
+            if self._timer[r] is not None:
+                self._timer[r].cancel()
+            self._timer_at[r] = due
             # On the loop's clock: call_at, so that the gate's and the loop's clock being one gives
             # the deadline to the last bit (a test's virtual clock); a real clock's timer comes up
             # to a millisecond late.
             loop = gate.loop
             when = due if gate.clock == loop.time else loop.time() + (due - gate.clock())
-            self._timer = loop.call_at(when, self._on_timer, due)
+            self._timer[r] = loop.call_at(when, self._on_timer, due, r)
 
-    def _on_timer(self, due: float) -> None:
+    def _on_timer(self, due: float, r: int) -> None:
         gate = self.gate
-        self._timer, self._timer_at = None, math.inf
+        self._timer[r], self._timer_at[r] = None, math.inf
         if gate.closed:
             return
         if due - gate.clock() > CUT_SLACK_S:
@@ -310,19 +376,19 @@ class BatchDriver:
             # loop turn, in milliseconds) fires a timer up to its staleness before the gate's clock
             # gets there. Wait on: a cut before its deadline would free blocks the simulator's core
             # still counts.
-            self._arm()
+            self._arm(r)
             return
         # At the deadline itself, though the loop came round to it later: the core cuts there, and
         # an idle engine it frees is woken there (the step log's wake), as the simulator's; nothing
         # else came in between (now()).
-        gate.queue.timer(due)
-        self._arm()
+        self.lines[r].timer(due)
+        self._arm(r)
 
     # -- observation ------------------------------------------------------------
 
     @property
     def waiting(self) -> int:
-        return self.gate.queue.queued
+        return self.gate.queue.queued  # a fleet's: everywhere (live.fleet_gate)
 
     @property
     def queued_work_s(self) -> float:
@@ -337,6 +403,7 @@ class BatchDriver:
         """``batching``: the batch and its KV blocks now, the steps so far (their log comes a page
         at a time: :meth:`step_page`)."""
         queue, engine = self.gate.queue, self.gate.config.engine
+        # A fleet's: summed over its replicas, each replica's batch and blocks its own.
         return {"batching": {
             "running": queue.in_service, "max_num_seqs": engine.max_num_seqs,
             "kv_blocks_used": queue.kv_used, "kv_blocks": engine.kv_blocks,
@@ -377,6 +444,17 @@ class BatchDriver:
             n = len(self.step_log)
             return list(itertools.islice(reversed(self.step_log), n - end, n - start))[::-1]
         return list(itertools.islice(self.step_log, start, end))
+
+    def _log_in_order(self, k: int, step: LoggedStep) -> None:
+        """Log step ``k`` (its number in plan order) once every step planned before it is logged:
+        a fleet's replicas end their steps in another order than they planned them, and a replay
+        (``simulate(step_times=)``) gives the k-th step planned the k-th time logged."""
+        if k != self.logged:
+            self._ended_early[k] = step
+            return
+        self.log_step(step)
+        while self.logged in self._ended_early:
+            self.log_step(self._ended_early.pop(self.logged))
 
     def log_step(self, step: LoggedStep) -> None:
         """Keep ``step`` in the log, as a plain tuple: pydantic writes a NamedTuple's JSON about

@@ -17,6 +17,13 @@ went away), until its readiness says it is back, and one whose runs fail in a ro
 (:data:`FAILING_STREAK`), for a pause. :class:`ReplicaWatch`, held by the gate's one-at-a-time
 driver (:mod:`live.drive_one`), tells the fleet which replicas are not ready and ends what a replica
 held when it went down.
+
+Batching replicas (:func:`batch_fleet_queue`, the batching driver's, :mod:`live.drive_batch`) are
+the simulator's fleets of :class:`qsim.batch.BatchQueue` lines too: :class:`LiveBatchFleet` (a
+:class:`~qsim.fleet.Fleet` that routes at arrival) or :class:`LiveCentralBatch` (a
+:class:`~qsim.batch_fleet.CentralBatch`: one line, each request bound where a replica takes it
+into its batch), each read by the gate as it reads one :class:`~qsim.batch.BatchQueue`. Their
+replicas' health is not watched (a batching engine's core has no stall rule).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from qsim.batch import BatchQueue
+from qsim.batch_fleet import CentralBatch
 from qsim.config import ServerConfig
 from qsim.fleet import Fleet, FleetSpec, offset
 from qsim.outcomes import Outcome
@@ -32,7 +41,8 @@ from qsim.queue import AdmissionQueue
 from .engine import Checked
 from .gate_errors import EngineStalled, UpstreamFailed
 
-__all__ = ["FAILING_PAUSE_S", "FAILING_STREAK", "LiveFleet", "ReplicaWatch", "fleet_queue"]
+__all__ = ["FAILING_PAUSE_S", "FAILING_STREAK", "LiveBatchFleet", "LiveCentralBatch", "LiveFleet",
+           "ReplicaWatch", "batch_fleet_queue", "fleet_queue"]
 
 
 def fleet_queue(config: ServerConfig, spec: FleetSpec, *, start, drop, gone, routed) -> "LiveFleet":
@@ -236,3 +246,84 @@ class ReplicaWatch:
             self._unready.pop(r, None)
         else:
             self._unready[r] = problem
+
+
+def batch_fleet_queue(config: ServerConfig, spec: FleetSpec, *, line, routed) -> Fleet:
+    """The gate's queue core for ``spec``'s batching replicas of ``config``: ``line(r, config,
+    make)`` builds replica r's core (``make``: :class:`~qsim.batch.BatchQueue`, or a central
+    queue's :class:`~qsim.batch_fleet.Replica`) with the driver's hooks for r, as the simulator's
+    batching run builds its own (qsim.run_batching)."""
+    if spec.router.shared:
+        return LiveCentralBatch(config, spec, line=line, routed=routed)
+    return LiveBatchFleet(config, spec, line=lambda r, cfg: line(r, cfg, BatchQueue),
+                          routed=routed)
+
+
+class _BatchReadings:
+    """What the gate reads of a fleet of batching replicas beyond what the simulator reads: as of
+    one :class:`~qsim.batch.BatchQueue`, summed over the replicas."""
+
+    lines: list
+    up: list
+
+    @property
+    def seen(self):
+        return self.last.seen
+
+    @property
+    def tracker(self):
+        return self.last.tracker
+
+    def deadline_of(self, deadline_s):
+        return self.lines[0].deadline_of(deadline_s)
+
+    def forget(self, req) -> None:
+        """``req`` has ended for the gate: its replica need not be kept."""
+        self.where.pop(req, None)
+
+    @property
+    def in_service(self) -> int:
+        return sum(line.in_service for line in self.lines)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting anywhere in the fleet (a central line's too)."""
+        return sum(line.queued for line in self.lines)
+
+    @property
+    def kv_used(self) -> int:
+        return sum(line.kv_used for line in self.lines)
+
+    @property
+    def kv_use(self) -> float:
+        """The replicas' KV use, averaged (each its own memory)."""
+        return sum(line.kv_use for line in self.lines) / len(self.lines)
+
+    def snapshot(self) -> dict:
+        """One batching core's keys, summed over the replicas (the KV use averaged), and each
+        replica's own with whether the router sends there."""
+        each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
+        total = {key: sum(s[key] for s in each) for key in ("in_service", "stalled",
+                                                            "queued_work_s", "engines",
+                                                            "kv_blocks_used")}
+        return {**total, "waiting": self.queued, "kv_use": self.kv_use,
+                "speed_factor": self.speed_factor, "router": self.router.name, "replicas": each}
+
+
+class LiveBatchFleet(_BatchReadings, Fleet):
+    """A :class:`~qsim.fleet.Fleet` of batching replicas read as the gate reads one
+    :class:`~qsim.batch.BatchQueue`."""
+
+    @property
+    def waiting(self) -> list:
+        """Every replica's line, in replica order (what the gate drains)."""
+        return [entry for line in self.lines for entry in line.waiting]
+
+
+class LiveCentralBatch(_BatchReadings, CentralBatch):
+    """A :class:`~qsim.batch_fleet.CentralBatch` read as the gate reads one
+    :class:`~qsim.batch.BatchQueue` (its ``waiting``: the fleet's one line)."""
+
+    @property
+    def queued(self) -> int:
+        return CentralBatch.queued.fget(self)

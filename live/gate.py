@@ -81,6 +81,7 @@ answered, fails or is cut exactly as a job that does not stream.
 
 Replicas. A fleet's replicas (:mod:`live.fleet_gate`) are watched for stalls, readiness and runs
 that fail in a row by :class:`~live.fleet_gate.ReplicaWatch`, which the one-at-a-time driver holds.
+Batching replicas (one batching engine each) are the batching driver's, :mod:`live.drive_batch`.
 """
 
 from __future__ import annotations
@@ -194,9 +195,10 @@ class Gate:
     task on the loop for a coroutine engine). Tests pass one that runs on the loop's (virtual)
     clock, to check the gate against the simulator in simulated time.
 
-    fleet: N replicas behind a router (:mod:`live.fleet_gate`; engines run one at a time):
+    fleet: N replicas behind a router (:mod:`live.fleet_gate`): engines one at a time, where
     ``engines`` holds replica r's engine k at r * K + k, K = len(engines) / N each (``config``,
-    one replica's, is fitted to K).
+    one replica's, is fitted to K); or, ``config``'s engine a :class:`qsim.engines.Batching`, one
+    batching engine per replica (``engines[r]``).
     """
 
     def __init__(self, engines: Sequence[Engine], config: ServerConfig,

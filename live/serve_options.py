@@ -128,7 +128,8 @@ class ServeOptions:
     engines: int = _option(1, "engines behind the queue (K), one thread each", type=argtypes.positive_int)
     replicas: int = _option(1, "N replicas of the server, each its own --engines K, line and "
                                "admission, behind --router (live.fleet_gate; default 1: one "
-                               "server); --engine upstream: one replica per --upstream-url",
+                               "server); with --batching each one batching engine (synthetic); "
+                               "--engine upstream: one replica per --upstream-url",
                             type=argtypes.positive_int)
     router: str | None = _option(None, f"which replica an arrival goes to: {', '.join(ROUTERS)} "
                                        "(qsim.routers, the simulator's; default round_robin)",
@@ -265,9 +266,10 @@ class ServeOptions:
         for bad, why in unfit:
             if bad:
                 raise ValueError(why)
-        if self.replicas > 1 or len(self.upstream_urls()) > 1:
-            raise ValueError("--batching with replicas: a fleet's replicas run engines one at a "
-                             "time here (drop --batching, or serve one replica)")
+        if (self.replicas > 1 or len(self.upstream_urls()) > 1) and self.engine != "synthetic":
+            raise ValueError(f"--batching with replicas: --engine {self.engine}'s batching "
+                             "serves one replica (a fleet of batching replicas runs --engine "
+                             "synthetic)")
         calibrated = LoadTerms.load(self.service_model).step
         if self.step is None and calibrated is not None:  # --step given wins over the calibration's
             batching = replace(batching, step=calibrated)
@@ -300,7 +302,10 @@ class ServeOptions:
                                  "(or several --upstream-url)")
             return None
         fleet = FleetSpec(n, make_router(self.router or "round_robin", self.router_d))
-        fleet.check(ServerConfig())  # replicas of engines one at a time (the gate checks its own)
+        # Replicas of engines one at a time, or of one batching engine each (the gate checks its
+        # own config too).
+        batching = self.engine_model()
+        fleet.check(ServerConfig() if batching is None else ServerConfig(engine=batching))
         return fleet
 
     # ------------------------------------------------------------ the command line

@@ -162,8 +162,6 @@ def simulate(
     if step_times is not None and not config.batching:
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
     fleet = _fleet(replicas, router, config, replica_speeds, replica_down)
-    if fleet is not None and step_times is not None:
-        raise ValueError("step_times replay one live engine's steps: not a fleet's")
     run = Simulation(trace, config, engine_part(config), fleet=fleet, step_times=step_times,
                      failed=failed, reported_s=reported_s, cancel_after_s=cancel_after_s,
                      cancel_until=cancel_until, priority=priority, client=client,

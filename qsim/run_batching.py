@@ -10,6 +10,7 @@ each with its line, step noise and timer; their steps' events carry the replica.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 from simpy.events import Timeout
@@ -22,6 +23,19 @@ from .outcomes import ANSWERED
 from .prefix import Tokens
 
 _NAN = math.nan
+
+
+def step_noise(cv: float, seed: int, replica: int = 0) -> Callable[[], float] | None:
+    """Engine ``replica``'s step noise: a draw of a gamma of mean 1 and CV ``cv`` per step (None:
+    ``cv`` 0, no noise), from a stream of its own off the server's ``seed``, so that the draws are
+    the same under every policy. Replica 0's is the one server's stream: a fleet of one runs as
+    the server. A live synthetic batching engine draws from it too (live.batching), so a run on a
+    virtual clock is the simulator's step by step."""
+    if not cv > 0:
+        return None
+    key = [seed, 7919] + ([replica] if replica else [])
+    rng, shape = np.random.default_rng(key), 1.0 / cv**2
+    return lambda: rng.gamma(shape, 1.0 / shape)
 
 
 class BatchingRun:
@@ -51,8 +65,10 @@ class BatchingRun:
         # each step, in order.
         self.step_times = step_times
         self.steps_run = 0
-        self.step_reported = None
-        self.step_model_after = None
+        # Per engine, of its step in flight (a replay): the seconds its engine reported, and the
+        # step model the live gate took after it (a fleet's replicas step at once).
+        self.step_reported: dict[int, float] = {}
+        self.step_model_after: dict[int, object] = {}
         n = run.n
         self.first_token, self.tokens = [_NAN] * n, [-1] * n
         self.preempted, self.kv_peak, self.cached = [-1] * n, [-1] * n, [-1] * n
@@ -65,15 +81,7 @@ class BatchingRun:
         queue = make(config, step=lambda plan, now: self._step(plan, now, r), end=self._ended,
                      drop=self.run._drop, joined=lambda i, now: self._joined(i, now, r),
                      wake=lambda now: self._wake(now, r), tokens=self._tokens if caching else None)
-        cv = config.engine.step.cv
-        noise = None
-        # A stream of its own, from the server's seed: the same draws under every policy.
-        if cv > 0:
-            # Engine 0's is the one server's stream: a fleet of one runs as the server.
-            key = [config.seed, 7919] + ([r] if r else [])
-            rng, shape = np.random.default_rng(key), 1.0 / cv**2
-            noise = lambda: rng.gamma(shape, 1.0 / shape)  # noqa: E731
-        self.noise.append(noise)
+        self.noise.append(step_noise(config.engine.step.cv, config.seed, r))
         self.slow.append(slow)
         self.timer_at.append(math.inf)
         return queue
@@ -137,8 +145,9 @@ class BatchingRun:
         k = self.steps_run
         self.steps_run += 1
         if self.step_times is not None and k < len(self.step_times):  # a live run's step (replay)
-            _, run, self.step_reported, *after = self.step_times[k]
-            self.step_model_after = after[0] if after else None
+            _, run, self.step_reported[r], *after = self.step_times[k]
+            if after and after[0] is not None:
+                self.step_model_after[r] = after[0]
         else:
             run = plan.model_s
             if self.noise[r] is not None:
@@ -152,10 +161,11 @@ class BatchingRun:
 
     def _step_done(self, event) -> None:
         # step_done plans (and sets) the next step's.
-        reported, self.step_reported = self.step_reported, None
-        line = self.lines[event._value]
-        if self.step_model_after is not None:  # the live gate took a new step model here (replay)
-            line.model, self.step_model_after = self.step_model_after, None
+        r = event._value
+        reported = self.step_reported.pop(r, None)
+        line = self.lines[r]
+        if r in self.step_model_after:  # the live gate took a new step model here (replay)
+            line.model = self.step_model_after.pop(r)
         line.step_done(self.env.now, reported)
         self.arm(event._value)
 

@@ -254,8 +254,41 @@ def test_serve_options_say_the_fleet():
     assert "--upstream-url" in up.argv() and "http://a:1/v1,http://b:2" in up.argv()
 
 
+@pytest.mark.parametrize("router", ["least_work", "least_kv", "least_ttft", "central"])
+def test_serve_options_take_a_fleet_of_batching_replicas(router):
+    """qlab serve --batching --replicas 3 --router NAME (the synthetic engine): one batching engine
+    per replica behind the simulator's router; routers that read a batch's KV memory or project
+    its first token are a batching fleet's."""
+    from qsim.engines import Batching
+
+    options = _options("--batching", "--replicas", "3", "--router", router, "--kv-blocks", "64",
+                       "--faulty-replica", "2", "--fail-every", "9")
+    assert options.fleet() == FleetSpec(3, make_router(router))
+    assert options.engine_model() == Batching(kv_blocks=64)
+    argv = options.argv()
+    assert "--batching" in argv and argv[argv.index("--replicas") + 1] == "3"
+    assert argv[argv.index("--router") + 1] == router
+
+
+def test_serve_builds_a_gate_of_batching_replicas():
+    """What cmd_serve serves for those options: one SyntheticBatchEngine per replica (its noise
+    that replica's stream, the faults --faulty-replica's alone) in one gate."""
+    from live.commands import _batching_gate
+    from qsim import ServiceModel
+
+    options = _options("--batching", "--replicas", "3", "--router", "jsq", "--faulty-replica", "1",
+                       "--fail-every", "5", "--seed", "4")
+    gate = _batching_gate(options, options.make_policy(), ServiceModel(), options.engine_model(),
+                          options.fleet())
+    assert gate.fleet == FleetSpec(3, make_router("jsq")) and gate.config.seed == 4
+    assert [e.replica for e in gate.engines] == [0, 1, 2]
+    assert [e.faults.fail_every for e in gate.engines] == [0, 5, 0]
+    assert type(gate.driver).__name__ == "BatchDriver"
+
+
 @pytest.mark.parametrize("argv, says", [
-    (("--replicas", "2", "--batching"), "--batching with replicas"),
+    (("--replicas", "2", "--batching", "--engine", "gpt2"), "--batching with replicas"),
+    (("--replicas", "2", "--batching", "--engines", "2"), "--batching runs one batching engine"),
     (("--router", "jsq"), "--router: a fleet's options"),
     (("--replicas", "2", "--router", "least_kv"), "its replicas need --batching"),
     (("--replicas", "2", "--faulty-replica", "2"), "replicas are 0..1"),
@@ -275,7 +308,9 @@ def test_a_server_table_takes_the_fleet_too():
 
     assert ServeOptions.from_table("t", {"replicas": 3, "router": "jsq"}).fleet().replicas == 3
     with pytest.raises(ConfigError, match="t: --batching with replicas"):
-        ServeOptions.from_table("t", {"replicas": 2, "batching": True})
+        ServeOptions.from_table("t", {"replicas": 2, "batching": True, "engine": "gpt2"})
+    table = ServeOptions.from_table("t", {"replicas": 3, "batching": True, "router": "least_kv"})
+    assert table.fleet() == FleetSpec(3, make_router("least_kv"))
     with pytest.raises(ConfigError, match="t.router: must be"):
         ServeOptions.from_table("t", {"replicas": 2, "router": "nearest"})
 
@@ -361,3 +396,151 @@ def test_a_replica_that_fails_at_once_is_paused_and_tried_again(router):
     sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
     assert (sent > 15.0 + FAILING_PAUSE_S + 0.2).sum() > 20  # it answers again, and is kept
     assert all(r["up"] for r in stats["replicas"])
+
+
+# -- batching replicas ---------------------------------------------------------------------------
+
+#: prefix and weighted read a prefix cache the live engine does not model (prefix_hit 0 there).
+BATCH_ROUTERS = ["round_robin", "random", "jsq", "least_work", "least_kv", "least_ttft",
+                 "power_of_d", "prefix", "weighted", "central"]
+
+
+def _agree_batching(trace, config, router: str, replicas: int = 3):
+    """A gate of ``replicas`` batching replicas (the real SyntheticBatchEngine, one each) and the
+    simulator's batching fleet, request by request: outcome, reason, replica, engine, start,
+    finish, first token, tokens and the admission view."""
+    spec = FleetSpec(replicas, make_router(router))
+    gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
+    sim = simulate(trace, config, replicas=replicas, router=spec.router)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    joined = sim["start_s"].notna().to_numpy()
+    early = not spec.router.shared  # a central queue's request has a replica once it joins
+    both = gate["replica"].ge(0).to_numpy() if early else joined
+    assert gate.loc[both, "replica"].tolist() == sim.loc[both, "replica"].astype(int).tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
+    known = gate["outcome"].ne("abandoned").to_numpy() & joined
+    np.testing.assert_allclose(gate.loc[known, "start_s"], sim.loc[known, "start_s"], rtol=0,
+                               atol=1e-9)
+    np.testing.assert_array_equal(gate.loc[known, "engine"], sim.loc[known, "engine"])
+    answered = sim["outcome"].isin(["good", "late"]).to_numpy()
+    np.testing.assert_allclose(gate.loc[answered, "first_token_s"]
+                               - gate.loc[answered, "arrival_s"],
+                               sim.loc[answered, "ttft_s"], rtol=0, atol=1e-9)
+    np.testing.assert_array_equal(gate.loc[answered, "tokens"],
+                                  sim.loc[answered, "output_tokens"])
+    seen = gate["queued"].ge(0).to_numpy()
+    np.testing.assert_array_equal(gate.loc[seen, "queued"],
+                                  sim.loc[seen, "queued_at_arrival"].astype(int))
+    np.testing.assert_allclose(gate.loc[seen, "est_service_s"], sim.loc[seen, "est_service_s"],
+                               rtol=0, atol=1e-9)
+    counts = sim["outcome"].value_counts()
+    assert {k: v for k, v in stats["counts"].items() if v} == \
+        {k: int(v) for k, v in counts.items()}
+    assert stats["waiting"] == 0 and stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["router"] == router and len(stats["replicas"]) == replicas
+    assert FleetSpec.from_fields(stats["fleet"]) == spec
+    return sim, stats
+
+
+@pytest.mark.parametrize("router", BATCH_ROUTERS)
+def test_a_fleet_of_batching_replicas_matches_the_simulators_fleet_exactly(router):
+    """Three batching replicas (KV blocks that bind, noisy steps: each replica its own stream)
+    behind each router, on the virtual clock: 0 disagreements with the simulator's fleet."""
+    from qsim.engines import Batching, StepModel
+    from test_gate_batching import PROMPTS, STEP
+
+    engine = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.3), max_num_seqs=8,
+                      max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    # Load 4 over one replica's capacity: 1.33 on each of the three.
+    trace = make_trace("poisson", "mix", load=4.0, engines=1, seconds=12, seed=4,
+                       prompts=PROMPTS, capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0))
+    config = ServerConfig(PRESETS["predictive"], engine=engine, seed=5)
+    sim, stats = _agree_batching(trace, config, router)
+    assert len(sim) > 300 and sim["preemptions"].max() >= 1
+    if router != "central":
+        assert sorted(sim["replica"].unique()) == [0, 1, 2]
+    assert stats["batching"]["steps"] > 100
+
+
+@pytest.mark.parametrize("router", ["jsq", "central"])
+def test_batching_replicas_that_cut_at_the_deadline_and_lose_clients_match_the_simulator(router):
+    from test_gate_batching import PROMPTS, TIGHT
+
+    trace = make_trace("poisson", "mix", load=6.0, engines=1, seconds=12, seed=7,
+                       prompts=PROMPTS, capacity_rps=TIGHT.capacity_rps(PROMPTS.mean(), 28.0))
+    patience = np.where(np.arange(len(trace)) % 4 == 0, 0.4, np.inf)  # every fourth leaves
+    policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=1.5)
+    spec = FleetSpec(3, make_router(router))
+    config = ServerConfig(policy, engine=TIGHT)
+    gate, stats = run_gate(trace, None, 1, config=config, fleet=spec, cancel_after_s=patience)
+    sim = simulate(trace, config, replicas=3, router=spec.router, cancel_after_s=patience)
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
+    counts = sim["outcome"].value_counts()
+    assert counts.get("cancelled", 0) >= 3 and counts.get("abandoned", 0) >= 5
+    assert stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("router", ["jsq", "central"])
+def test_a_batching_fleets_own_steps_replayed_give_its_rows(router):
+    """qlab compare's replay of a batching fleet's run: the gate logs its replicas' steps in the
+    order their cores planned them, which is the order simulate(step_times=) gives them out, so
+    the run's own step times (another seed's noise in the simulator) give its rows again."""
+    from qsim.engines import Batching, StepModel
+    from test_gate_batching import PROMPTS, STEP
+
+    noisy = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.5), max_num_seqs=8,
+                     max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    trace = make_trace("poisson", "mix", load=4.0, engines=1, seconds=10, seed=9,
+                       prompts=PROMPTS, capacity_rps=noisy.capacity_rps(PROMPTS.mean(), 28.0))
+    config = ServerConfig(PRESETS["predictive"].with_args({"cancel_at_deadline": True}),
+                          engine=noisy, seed=3)
+    spec = FleetSpec(3, make_router(router))
+    gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
+    log = stats["step_log"]
+    assert len(log) == stats["batching"]["steps"] > 300
+    times = [(began - woken, ended - began, engine) for woken, began, ended, engine, *_ in log]
+    replayed = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router,
+                        step_times=times)
+    assert gate["outcome"].tolist() == replayed["outcome"].tolist()
+    np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
+    own = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router)
+    assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
+
+
+@pytest.mark.parametrize("router", ["round_robin", "central"])
+def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(router):
+    """One seat per replica: a burst of 12 to 3 replicas seats 3; drain() answers the 9 waiting
+    (each replica's line, or the central one) ShuttingDown, the 3 in the batches are answered."""
+    import asyncio
+
+    from live.batching import SyntheticBatchEngine
+    from live.gate import Gate, gate_config
+    from live.gate_errors import ShuttingDown
+    from live.jobs import Job
+    from qsim.engines import Batching, StepModel
+    from virtual_time import on_virtual_clock
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engine = Batching(StepModel(0.01, 0.0, 0.0002, 0.0), max_num_seqs=1)
+        engines = [SyntheticBatchEngine(engine.step, clock=loop.time, replica=r) for r in range(3)]
+        gate = Gate(engines, gate_config(PRESETS["none"], engine=engine), clock=loop.time,
+                    fleet=FleetSpec(3, make_router(router)))
+        async with gate:
+            futures = [gate.submit(Job(str(i), 12)) for i in range(12)]
+            assert gate.waiting == 9 and gate.in_service == 3
+            gate.drain()
+            ended = await asyncio.gather(*futures, return_exceptions=True)
+            return ended, gate.stats(), gate.queue.where
+
+    ended, stats, where = on_virtual_clock(go)
+    assert sum(isinstance(e, ShuttingDown) for e in ended) == 9
+    answered = [e for e in ended if not isinstance(e, Exception)]
+    assert sorted(a.replica for a in answered) == [0, 1, 2]
+    assert all(a.tokens == 12 for a in answered)
+    assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
+    assert stats["waiting"] == 0 and stats["batching"]["running"] == 0
+    assert not where  # each ended request's replica is forgotten

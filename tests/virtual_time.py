@@ -184,7 +184,8 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     the loop, its steps taking the step model's time on the virtual clock); each row also has first_token_s
     (absolute, NaN where none) and tokens. Each request then runs to its limit (the gate cannot know early stops).
     fleet: a :class:`qsim.fleet.FleetSpec`: the gate routes over its replicas of ``engines``
-    engines each (live.fleet_gate); each row's replica is where the router sent it.
+    engines each (live.fleet_gate), or, with a batching ``config``, of one batching engine each;
+    each row's replica is where the router sent it (a central queue: where it joined a batch).
     wrap_engine: what the batching engine is given to before the gate (a test's engine around it).
     """
     batching = config
@@ -272,12 +273,15 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
         config = gate_config(policy, model=model, fixed_estimate=fixed_estimate) if batching is None else batching
         worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver, tokens, speed_schedule)  # noqa: E731
         n = engines * (1 if fleet is None else fleet.replicas)
-        gate = Gate([None] * n, config, clock=loop.time, worker=worker, fleet=fleet) \
-            if batching is None else \
-            BatchGate((wrap_engine or (lambda e: e))(SyntheticBatchEngine(
+        if batching is None:
+            gate = Gate([None] * n, config, clock=loop.time, worker=worker, fleet=fleet)
+        else:  # one engine per replica, each drawing its replica's step noise
+            made = [(wrap_engine or (lambda e: e))(SyntheticBatchEngine(
                 batching.engine.step, seed=batching.seed, clock=loop.time,
-                schedule=() if speed_schedule is None else speed_schedule.steps)),
-                batching, clock=loop.time)
+                schedule=() if speed_schedule is None else speed_schedule.steps, replica=r))
+                for r in range(n)]
+            gate = BatchGate(made[0], batching, clock=loop.time) if fleet is None else \
+                Gate(made, batching, clock=loop.time, fleet=fleet)
         async with gate:
             gate_of.append(gate)
             for i, t in enumerate(arrival):
