@@ -14,9 +14,9 @@ from pathlib import Path
 from analysis.objectives import parse_objectives, written
 from inputs import clientflags
 from inputs.argtypes import positive, positive_int
+from inputs.policyflags import parse_args, policy_spec
 from qsim import PRESETS
 from qsim.engines import Batching, OneAtATime
-from qsim.policy import parse_args, policy_spec
 from qsim.routers import ROUTERS, router_spec
 
 from . import engineflags, sizing

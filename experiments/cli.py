@@ -23,6 +23,7 @@ from analysis.filesummary import FileSummary
 from inputs import clientflags
 from inputs.argtypes import count, number, positive, positive_int
 from inputs.atomic import sigterm_interrupts, write_parquet
+from inputs.policyflags import from_options, policy_spec
 from qsim import PRESETS, ServiceModel, build_trace, simulate
 from qsim.config import ServerConfig
 from qsim.arrivals import arrivals_take_load
@@ -31,7 +32,6 @@ from qsim.workload import DEFAULT_LOAD, load_at_rate
 from qsim.fleet import FleetSpec
 from qsim.records import OUTCOMES
 from qsim.routers import ROUTERS, make_router, parse_weights
-from qsim.policy import from_options, policy_spec
 from qsim.service import SpeedSchedule, parse_schedule
 from qsim.stream import CHUNK, RecordWriter, stream_run
 from qsim.tracefiles import build_chunks

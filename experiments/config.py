@@ -105,13 +105,14 @@ from pathlib import Path
 from typing import Any
 
 from inputs.clientflags import patience_from_table, retry_from_table
+from inputs.policyflags import args_tables
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import REFERENCE_MIX, Mix, ServiceModel
 from qsim.clients import PATIENCE_UNTIL, RetryPolicy
 from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
 from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
-from qsim.policy import args_tables, resolve
+from qsim.policy import resolve
 from qsim.routers import parse_router
 from qsim.arrivals import arrivals_take_load, parse_arrivals
 from qsim.mixes import Client, Prompts, SharedPrefix, UsedShare, check_clients

@@ -64,10 +64,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from inputs.clientflags import patience_from_table, retry_from_table
+from inputs.policyflags import args_tables
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
 from qsim import PRESETS
 from qsim.clients import Patience, RetryPolicy
-from qsim.policy import args_tables, resolve
+from qsim.policy import resolve
 from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.arrivals import arrivals_take_load, check_load, parse_arrivals
 

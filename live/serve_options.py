@@ -32,12 +32,13 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from inputs import argtypes
 from inputs.batchflags import (BATCHING_FLAGS, BATCHING_HELP, BATCHING_ONLY, NO_CHUNKED_PREFILL_HELP, STEP_METAVAR,
                                batching_engine, parse_step)
+from inputs.policyflags import from_options, policy_spec
 from inputs.tomlfiles import ConfigError
 from qsim.config import ServerConfig
 from qsim.engines import Batching
 from qsim.fleet import FleetSpec
 from qsim.routers import ROUTERS, make_router
-from qsim.policy import PRESETS, from_options, policy_spec
+from qsim.policy import PRESETS
 from qsim.service import LoadTerms
 
 from .engine import parse_schedule

@@ -52,12 +52,13 @@ from typing import Any, Callable, NamedTuple
 from .admission import Admission, Core, Seen
 from .batch_audit import Books
 from .batch_projection import Projections
+from .batch_prefix import PrefixCache
 from .config import ServerConfig
 from .engines import Batching
 from .entry import Entry, Work
 from .outcomes import CANCELLED, EXPIRED
 from .policy import EXPIRE_REASON, Policy, Rejection, cannot_finish, retry_after
-from .prefix import BlockPool, Tokens, block_hashes
+from .prefix import BlockPool, Tokens
 from .queue import CUT_REASON, judge
 from .routers import ReplicaState
 from .service import SpeedTracker
@@ -141,7 +142,7 @@ class _Seq:
         self.draining = False
 
 
-class BatchQueue(Projections, Books, Core):
+class BatchQueue(Projections, PrefixCache, Books, Core):
     """The waiting line, the running batch and the KV blocks of one batching engine; see the module.
 
     Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when it is over;
@@ -273,34 +274,11 @@ class BatchQueue(Projections, Books, Core):
         room = not self.queued and self._has_room(seq)
         return self._project(seq, now, room)[1]
 
-    def _prefix_hit(self, req) -> float:
-        if req is None or self.pool is None or self._tokens_of is None:
-            return 0.0  # no arrival to probe for (its router reads no prefix_hit), or no cache
-        tokens = self._tokens_of(req)
-        if tokens is None:
-            return 0.0
-        size = self.engine.block_size
-        prompt = sum(length for _, length in tokens.prompt)
-        full = max(0, prompt - 1) // size  # what a lookup can find: the last token is computed
-        if not full:
-            return 0.0
-        hit = self.pool.lookup(block_hashes(tokens, size), prompt, size, count=False)
-        return len(hit) / full
-
     def snapshot(self) -> dict:
         """The queue now, for /stats and tests."""
         return {"waiting": self.queued, "in_service": self.in_service, "stalled": 0, "queued_work_s": math.nan,
                 "speed_factor": self.tracker.factor, "engines": 1, "kv_blocks_used": self.kv_used,
                 "kv_use": self.kv_use, **(self.prefix_cache_stats() or {})}
-
-    def prefix_cache_stats(self) -> dict | None:
-        """vLLM's prefix cache counters so far, in tokens (None: no prefix cache): queries (the
-        tokens of each request each time the scheduler looked its prefix up) and hits (of them,
-        found cached)."""
-        if self.pool is None:
-            return None
-        return {"prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
-                "prefix_cache_evictions": self.pool.evictions}
 
     # -- events ------------------------------------------------------------------------
 
@@ -661,74 +639,6 @@ class BatchQueue(Projections, Books, Core):
         if seq.blocks > seq.peak:
             seq.peak = seq.blocks
 
-    # -- the prefix cache (qsim.prefix), where the engine has one ---------------------------------
-
-    def _tokens(self, req, prompt: int) -> Tokens:
-        tokens = None if self._tokens_of is None else self._tokens_of(req)
-        if tokens is None:  # keys below 0: none of a trace's (qsim.prefix.own_key) nor another's
-            self._unique += 1
-            key = -2 * self._unique
-            tokens = Tokens(((key, prompt),) if prompt else (), key - 1)
-        return tokens
-
-    def _hashes(self, seq: _Seq, blocks: int) -> list[int]:
-        """Its first ``blocks`` block hashes (each computed once, as the request's tokens are
-        fixed)."""
-        have = seq.hashes
-        if len(have) < blocks:
-            more = block_hashes(seq.tokens, self.engine.block_size)
-            have[:] = [h for h, _ in zip(more, range(blocks))]
-        return have[:blocks] if len(have) > blocks else have
-
-    def _first_chunk(self, seq: _Seq, budget: int,
-                     count: bool = False) -> tuple[list, int, int, int]:
-        """(the cached blocks of its prefix, tokens left to compute, new blocks its first chunk
-        within ``budget`` takes, how many of the cached are free) for ``seq`` joining now;
-        ``count``: a scheduling lookup, counted in the cache's queries and hits."""
-        size = self.engine.block_size
-        target = seq.target
-        hashes = self._hashes(seq, max(0, target - 1) // size)
-        hit = self.pool.lookup(hashes, target, size, count)
-        computed = len(hit) * size
-        todo = target - computed
-        first = min(todo, budget) if self.engine.chunked_prefill else todo
-        blocks = self.engine.blocks_for(max(1, computed + first)) - len(hit)
-        return hit, todo, blocks, self.pool.evictable(hit)
-
-    def _reuse(self, seq: _Seq, hit: list) -> None:
-        """It holds the cached blocks of its prefix (one more holder each) and starts after them.
-        """
-        self.kv_used += self.pool.touch(hit)
-        seq.table = list(hit)
-        seq.blocks = seq.hashed = len(hit)
-        seq.computed = len(hit) * self.engine.block_size
-        if seq.cached_tokens < 0:  # vLLM's num_cached_tokens: its first scheduling's
-            seq.cached_tokens = seq.computed
-
-    def _cache_full(self, seq: _Seq, tokens: int) -> None:
-        """Its blocks filled by its first ``tokens`` tokens are cached (as vLLM caches them when
-        the step that fills them is scheduled); a partial block is not."""
-        full = min(tokens // self.engine.block_size, len(seq.table))
-        if full <= seq.hashed:
-            return
-        hashes = self._hashes(seq, full)
-        for b in range(seq.hashed, full):
-            self.pool.cache(seq.table[b], hashes[b])
-        seq.hashed = full
-
-    def _free_cached(self, seq: _Seq, blocks: int, computed: int) -> None:
-        """Out of the batch with a prefix cache: its ``blocks`` (the table's, then the decoding
-        ones' beyond it) are released last first, the full ones of its ``computed`` tokens cached
-        first."""
-        table = seq.table
-        extra = blocks - len(table)
-        if extra > 0:
-            table.extend(self.decode_blocks[-extra:])
-            del self.decode_blocks[-extra:]
-        self._cache_full(seq, computed)
-        self.kv_used -= self.pool.release(reversed(table))
-        seq.table, seq.hashed = [], 0
-
     def _sampled(self, seq: _Seq, now: float, delivered: float) -> None:
         """Its prompt (and, after a preemption, what it had generated) is computed: this step produced a token,
         which reaches its client at ``delivered``."""
@@ -752,14 +662,6 @@ class BatchQueue(Projections, Books, Core):
         self.dec_est += seq.est_out - seq.generated + seq.d0
         self.residue[(seq.kv0 - seq.d0) % self.engine.block_size] += 1
         heapq.heappush(self.finishing, (seq.finish_at, seq.order, seq))
-
-    def _trim(self, seq: _Seq, blocks: int) -> None:
-        """Its table down to ``blocks`` (a prompt of no tokens held one for its first chunk): the
-        rest released, and counted out of the blocks in use as the aggregate count already has
-        them."""
-        while len(seq.table) > blocks:
-            self.kv_used -= self.pool.release((seq.table.pop(),))
-            seq.blocks -= 1
 
     def _release(self, seq: _Seq) -> None:
         """Out of the batch, its blocks freed (what it generated counted)."""

@@ -10,13 +10,11 @@ they feed it.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import functools
 import importlib
 import inspect
-import json
 import math
 import textwrap
 import types
@@ -324,35 +322,6 @@ def _attributes_read(cls: type) -> set[str]:
     return names
 
 
-def from_options(spec: str, pairs=(), max_queue: int | None = None, deadline_s: float | None = None) -> Policy:
-    """The policy a command line names: ``--policy``, its ``--policy-arg`` pairs, then the ``--max-queue``
-    and ``--deadline`` overrides (the same for ``qlab simulate`` and ``qlab serve``)."""
-    return resolve(spec, parse_args(pairs)).with_overrides(max_queue=max_queue, deadline_s=deadline_s)
-
-
-def args_tables(table: Any, policies) -> dict[str, dict]:
-    """A config file's ``[policy_args]``: for each of ``policies`` that has one, a table of its parameters.
-
-    ValueError naming the table (``policy_args.NAME: ...``) when a name is not among ``policies`` or a
-    parameter is one the policy does not have or of the wrong type (sweeps and ``qlab live`` read it alike).
-    """
-    if not isinstance(table, dict):
-        raise ValueError("[policy_args] must be a table of policies")
-    out = {}
-    for name, args in table.items():
-        where = f"policy_args.{json.dumps(name) if not name.replace('-', '').replace('_', '').isalnum() else name}"
-        if name not in policies:
-            raise ValueError(f"{where}: {name!r} is not one of the file's policies ({', '.join(policies)})")
-        if not isinstance(args, dict):
-            raise ValueError(f"{where}: expected a table of the policy's parameters")
-        try:
-            resolve(name, args)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-        out[name] = dict(args)
-    return out
-
-
 def policy_from_fields(raw: Mapping[str, Any]) -> Policy:
     """The policy whose fields (``dataclasses.asdict``, as /stats and run files carry them) these are: resolved
     by its name, so a policy class of one's own comes back as itself; where the name resolves to nothing
@@ -362,27 +331,6 @@ def policy_from_fields(raw: Mapping[str, Any]) -> Policy:
         return resolve(str(raw.get("name")), fields)
     except ValueError:
         return Policy(**{k: raw[k] for k in Policy.__dataclass_fields__ if k in raw})
-
-
-def policy_spec(text: str) -> str:
-    """argparse type of ``--policy``: a name :func:`resolve` knows (the text itself is kept)."""
-    try:
-        resolve(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def parse_args(pairs) -> dict[str, str]:
-    """``["k=v", ...]`` (``--policy-arg``, repeatable; a pair may also hold several, comma-separated) -> dict."""
-    out: dict[str, str] = {}
-    for pair in pairs or ():
-        for item in filter(None, (p.strip() for p in str(pair).split(","))):
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise ValueError(f"policy argument {item!r}: expected KEY=VALUE")
-            out[key.strip()] = value.strip()
-    return out
 
 
 def _typed(key: str, value: Any, hint) -> Any:

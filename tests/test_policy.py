@@ -3,8 +3,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from inputs.policyflags import from_options
 from qsim.policy import TIME_TOLERANCE_S, PRESETS, Policy, Rejection, cannot_finish, decide, on_time, preset, retry_after
-from qsim.policy import SHEDDABLE, View, check_plugin, from_options, resolve
+from qsim.policy import SHEDDABLE, View, check_plugin, resolve
 from qsim.rules import (KvAdmission, Predictive, QueueBound, Rule, Shedding, TokenBound, TpotObjective,
                         TtftObjective, WorkBound)
 
