@@ -2,12 +2,13 @@
 
 An :class:`Admission` is the policy's side of an arrival, the same for
 :class:`qsim.queue.AdmissionQueue` and :class:`qsim.batch.BatchQueue`: the deadline a request
-gets, the policy's estimator (its estimate from the work, and what it learns), the per-client
-token buckets, the reserve for the long requests and its EWMA, llm-d's shedding draw, the
-:class:`~qsim.policy.View` built and the policy's rule asked, and what the decision was made on
-(:class:`Seen`). What differs between the cores is only the queue's part of the view, which each
-projects of itself (:class:`Projection`: how much waits, what is in service, a batch's projected
-wait and first token), and where an admitted request goes.
+gets, the policy's estimator (its estimate from the work, and what it learns), the states of
+the rules that keep one (:meth:`qsim.rules.Rule.state`: a client's token bucket, the reserve's
+EWMA, a rule of one's own), llm-d's shedding draw, the :class:`~qsim.policy.View` built and the
+policy's decision asked, and what the decision was made on (:class:`Seen`). What differs
+between the cores is only the queue's part of the view, which each projects of itself
+(:class:`Projection`: how much waits, what is in service, a batch's projected wait and first
+token), and where an admitted request goes.
 
 An arrival takes two calls: :meth:`Admission.arrival` (its estimate, deadline and work), then
 :meth:`Admission.admit` with the core's projection (the refusal, or None: the core places it). A
@@ -26,16 +27,15 @@ import numpy as np
 from .clients import uniform
 from .config import ServerConfig
 from .entry import Entry, Work
-from .policy import Policy, Rejection, View, reads_basic, take_token
+from .policy import Policy, Rejection, View, reads_basic
+from .rules import RESERVE_WEIGHT, Arrival
 
-#: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
-RESERVE_WEIGHT = 0.05
 _new = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
 _NAN = math.nan
 #: A view's fields after the basic numbers, for :meth:`Admission.admit_plain` (built once).
 _NO_MORE = (None, None, _NAN, _NAN, None, 0.0, 0, 0, _NAN)
 
-__all__ = ["RESERVE_WEIGHT", "Admission", "Buckets", "Core", "Projection", "Reserve", "Seen"]
+__all__ = ["RESERVE_WEIGHT", "Admission", "Core", "Projection", "Seen"]
 
 
 class Seen(NamedTuple):
@@ -74,74 +74,31 @@ class Projection(NamedTuple):
     queued_tokens: int
 
 
-class Buckets:
-    """A token bucket per client (``Policy.client_rate``, ``client_burst``). A client's token is
-    spent when it asks, admitted or not by the rest of the policy: the limit is on what a client
-    sends, as a gateway's token bucket is."""
-
-    __slots__ = ("rate", "burst", "held")
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self.held: dict = {}  # client -> (tokens, when last counted)
-
-    def take(self, client, now: float) -> Rejection | None:
-        tokens, last = self.held.get(client, (self.burst, now))
-        tokens, refusal = take_token(tokens, last, now, self.rate, self.burst)
-        self.held[client] = (tokens, now)
-        return refusal
-
-
-class Reserve:
-    """The reserve for the long requests (``Policy.reserve_min_s``, ``reserve_share``) and the EWMA
-    of their admissions, which says whether the others must leave room."""
-
-    __slots__ = ("min_s", "share", "admitted")
-
-    def __init__(self, min_s: float, share: float) -> None:
-        self.min_s, self.share = min_s, share
-        self.admitted = 1.0  # EWMA of the reserved class's admissions
-
-    def budget(self, base_s: float, deadline_s: float, factor: float) -> float:
-        """The deadline the rule sees: shortened for the unreserved while the reserved class is
-        under its share."""
-        if base_s >= self.min_s or self.admitted >= self.share:
-            return deadline_s
-        return deadline_s - self.min_s * factor
-
-    def decided(self, base_s: float, admitted: bool) -> None:
-        """The rule answered an arrival (one its client's bucket let through): the EWMA counts the
-        reserved class's."""
-        if base_s >= self.min_s:
-            self.admitted += RESERVE_WEIGHT * (admitted - self.admitted)
-
-
 class Admission:
     """One core's admission; see the module docstring.
 
     counts_refused: every arrival takes an index of the shedding draw
-    (:func:`qsim.clients.uniform`), also one refused before the rule (its client over its rate, or
-    one the core refuses as too large): the batching core's. False: only an arrival its client's
-    bucket let through, the one-at-a-time core's. The two differ only under a client rate and
-    shedding together; both are kept so that no seeded run moves. empty: what
-    :attr:`seen_numbers` holds before any arrival."""
+    (:func:`qsim.clients.uniform`), also one refused before the decision (by a rule's state: its
+    client over its rate; or one the core refuses as too large): the batching core's. False:
+    only an arrival the states let through, the one-at-a-time core's. The two differ only under
+    a stateful rule that refuses and shedding together; both are kept so that no seeded run
+    moves. empty: what :attr:`seen_numbers` holds before any arrival."""
 
     def __init__(self, config: ServerConfig, *, counts_refused: bool, empty: Seen) -> None:
         self.policy = policy = config.policy
         self.seed = config.seed
         self.estimator = policy.make_estimator(config.model)
-        self.buckets = None if policy.client_rate is None else \
-            Buckets(policy.client_rate, policy.client_burst)
-        self.reserve = None if policy.reserve_min_s is None else \
-            Reserve(policy.reserve_min_s, policy.reserve_share)
+        #: The per-run states of the rules that keep one, in the order of the rules (made once:
+        #: a recalibration keeps them).
+        self.states = tuple(s for s in (rule.state() for rule in policy.rules) if s is not None)
         self.sheds = policy.shed_queue_threshold is not None
         self.counts_refused = counts_refused
         self.arrivals = 0  # the shedding draw's index
         self.seen_numbers: tuple = empty
         self._decide = policy.decide
         #: Whether :meth:`admit_plain` decides as :meth:`admit` for this policy: its rules read
-        #: nothing beyond the basic numbers, and no client rate or reserve.
-        self.plain = reads_basic(policy) and self.buckets is None and self.reserve is None
+        #: nothing beyond the basic numbers, and none keeps a state.
+        self.plain = reads_basic(policy) and not self.states
         #: Rules that can refuse only the sheddable (priority below 0) while others wait.
         self.admits_all = all(r.sheds_only for r in policy.rules)
         #: Whether the rules admit every request that is not sheddable reading nothing of its view
@@ -191,25 +148,35 @@ class Admission:
     def admit(self, now: float, entry: Entry, factor: float, p: Projection) -> Rejection | None:
         """The refusal of ``entry`` (arrived at ``now``; estimates scaled by ``factor``), or None.
 
-        Its client's bucket first (a refusal there teaches the reserve nothing), then the deadline
-        the reserve leaves it, the shedding draw, and the policy's rule on the view of ``p`` and
-        the request."""
+        The rules' states first, in order (:class:`~qsim.rules.RuleState`: a refusal there ends it,
+        and teaches no state anything; each may adjust the view, as the reserve shortens the
+        deadline), then the shedding draw, the policy's decision on the view of ``p`` and the
+        request, and each state told the decision."""
         self.seen_numbers = (p.est_service_s, p.queued, p.queued_work_s, factor, p.remaining_s,
                              p.idle if p.wait_s is None else -1)
-        if entry.client is not None and self.buckets is not None:
-            refusal = self.buckets.take(entry.client, now)
+        states = self.states
+        if not states:
+            if not self.counts_refused:
+                self.arrivals += 1
+            if self.blind and entry.priority >= 0:  # the rules would read nothing of a view
+                return None
+            return self._decide(self._view(entry, p))
+        # The view holds the draw this arrival takes if the states let it through.
+        view = self._view(entry, p, 0 if self.counts_refused else 1)
+        arrival = _new(Arrival, (now, entry.base_s, factor))
+        for state in states:
+            refusal = state.check(view, arrival)
             if refusal is not None:
                 return refusal
-        reserve, deadline = self.reserve, entry.deadline_s
-        budget = deadline if reserve is None else reserve.budget(entry.base_s, deadline, factor)
+            view = state.adjust(view, arrival)
         if not self.counts_refused:
             self.arrivals += 1
-        if self.blind and entry.priority >= 0:  # the rules would read nothing of a view
+        if self.blind and entry.priority >= 0:
             refusal = None
         else:
-            refusal = self._decide(self._view(entry, p, budget))
-        if reserve is not None:
-            reserve.decided(entry.base_s, refusal is None)
+            refusal = self._decide(view)
+        for state in states:
+            state.decided(view, arrival, refusal)
         return refusal
 
     def admit_plain(self, queued: int, queued_work_s: float, remaining_s: float, est: float,
@@ -225,13 +192,14 @@ class Admission:
         return self._decide(_new(View, (queued, queued_work_s, remaining_s, est, deadline_s,
                                         engines, idle, priority, ahead_s) + _NO_MORE))
 
-    def _view(self, entry: Entry, p: Projection, budget: float) -> View:
+    def _view(self, entry: Entry, p: Projection, ahead: int = 0) -> View:
+        """The view of ``p`` and the request; its draw is the ``ahead``-th after the last taken."""
         work = entry.work
-        u = uniform(self.seed, self.arrivals, 0) if self.sheds else _NAN
-        return _new(View, (p.queued, p.queued_work_s, p.remaining_s, p.est_service_s, budget,
-                           p.engines, p.idle, entry.priority, p.ahead_s, entry.client, p.wait_s,
-                           p.ttft_s, p.tpot_s, p.kv_wait_s, p.kv_use, p.queued_tokens,
-                           0 if work is None else work.prompt, u))
+        u = uniform(self.seed, self.arrivals + ahead, 0) if self.sheds else _NAN
+        return _new(View, (p.queued, p.queued_work_s, p.remaining_s, p.est_service_s,
+                           entry.deadline_s, p.engines, p.idle, entry.priority, p.ahead_s,
+                           entry.client, p.wait_s, p.ttft_s, p.tpot_s, p.kv_wait_s, p.kv_use,
+                           p.queued_tokens, 0 if work is None else work.prompt, u))
 
 
 class Core:

@@ -26,9 +26,9 @@ from .disciplines import DISCIPLINES
 from .estimators import ESTIMATORS, make_estimator
 from .outcomes import REJECT_REASONS, Reason  # noqa: F401 (REJECT_REASONS: re-exported)
 # Re-exported: the rules' vocabulary was this module's before the rules were parts.
-from .rules import TIME_TOLERANCE_S, Rejection, View, retry_after  # noqa: F401
-from .rules import (KvAdmission, Predictive, QueueBound, Rule, Sheddable, Shedding, TokenBound,
-                    TpotObjective, TtftObjective, WorkBound)
+from .rules import TIME_TOLERANCE_S, Rejection, View, retry_after, take_token  # noqa: F401
+from .rules import (ClientRate, KvAdmission, Predictive, QueueBound, ReserveShare, Rule, Sheddable,
+                    Shedding, TokenBound, TpotObjective, TtftObjective, WorkBound)
 
 RATE_LIMITED = Reason.RATE_LIMITED
 #: Reason recorded for a request dropped unrun when it reached the front.
@@ -399,11 +399,18 @@ SHEDDABLE = Sheddable()
 
 
 def field_rules(policy: Policy) -> tuple[Rule, ...]:
-    """The rules ``policy``'s admission fields name, in the order they are asked: the sheddable
-    while others wait, the bounds on what waits (count, prompt tokens, estimated work), llm-d's
-    shedding, then with ``predictive`` memory (``kv_admission``), the deadline and the objectives.
-    A preset is so a tuple of rules (``PRESETS["vllm-caps"].rules``)."""
-    rules: list[Rule] = [SHEDDABLE]
+    """The rules ``policy``'s admission fields name, in the order they are asked: a client's token
+    bucket (``client_rate``) and the reserved share (``reserve_min_s``), the two that keep state
+    (asked before the rest, :meth:`qsim.rules.Rule.state`), then the sheddable while others
+    wait, the bounds on what waits (count, prompt tokens, estimated work), llm-d's shedding, then
+    with ``predictive`` memory (``kv_admission``), the deadline and the objectives. A preset is so
+    a tuple of rules (``PRESETS["vllm-caps"].rules``)."""
+    rules: list[Rule] = []
+    if policy.client_rate is not None:
+        rules.append(ClientRate(policy.client_rate, policy.client_burst))
+    if policy.reserve_min_s is not None:
+        rules.append(ReserveShare(policy.reserve_min_s, policy.reserve_share))
+    rules.append(SHEDDABLE)
     if policy.max_queue is not None:
         rules.append(QueueBound(policy.max_queue))
     if policy.max_queued_tokens is not None:
@@ -429,17 +436,6 @@ def reads_basic(policy: Policy) -> bool:
     keeps :meth:`Policy.decide` and every rule of it is :attr:`~qsim.rules.Rule.basic`. The queue
     cores build the whole view (projections, a draw) only where it does not."""
     return type(policy).decide is Policy.decide and all(r.basic for r in policy.rules)
-
-
-def take_token(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, Rejection | None]:
-    """One request from a client whose bucket held ``tokens`` at ``last``: the tokens left, and the refusal
-    when there was not a whole one (its Retry-After: when there will be). Pure, like :func:`decide`."""
-    tokens = min(burst, tokens + (now - last) * rate)
-    if tokens >= 1.0 - 1e-12:
-        return tokens - 1.0, None
-    wait = (1.0 - tokens) / rate
-    return tokens, Rejection(RATE_LIMITED, {"client_rate": rate, "client_burst": burst, "tokens": tokens,
-                                            "wait_s": wait}, retry_after(wait))
 
 
 def cannot_finish(now: float, est_service_s: float, deadline_at: float) -> bool:

@@ -8,6 +8,12 @@ against the same names (docs/policies.md, "A rule of your own").
 ``basic`` says whether a rule reads only the view's first nine fields (the basic numbers): a
 queue core builds the whole view (a projection, a draw) only for a policy with a rule that is
 not basic, and :meth:`qsim.admission.Admission.admit_plain` is its fast path for the rest.
+
+A rule that keeps state over a run (a client's token bucket, :class:`ClientRate`; the reserve's
+EWMA, :class:`ReserveShare`; a count of one's own) stays a frozen part: its one hook,
+:meth:`Rule.state`, makes a fresh :class:`RuleState` for each queue core (the mutable part:
+``check``, ``adjust``, ``decided``), which the core's admission asks at every arrival before
+the policy's decision. The component knows the hook, never a rule's type.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ TIME_TOLERANCE_S = 1e-9
 # The reasons given most, as module names (an enum member read through its class is slow).
 _SHED, _QUEUE_FULL, _WORK_LIMIT = Reason.SHED, Reason.QUEUE_FULL, Reason.WORK_LIMIT
 _UNREACHABLE = Reason.DEADLINE_UNREACHABLE
+#: Weight of one arrival of the reserved class in the EWMA of its admissions (about the last 20).
+RESERVE_WEIGHT = 0.05
 
 __all__ = [
-    "TIME_TOLERANCE_S", "KvAdmission", "Predictive", "QueueBound",
-    "Rejection", "Rule", "Sheddable", "Shedding", "TokenBound", "TpotObjective", "TtftObjective",
-    "View", "WorkBound", "retry_after",
+    "RESERVE_WEIGHT", "TIME_TOLERANCE_S", "Arrival", "ClientRate", "KvAdmission", "Predictive",
+    "QueueBound", "Rejection", "ReserveShare", "Rule", "RuleState", "Sheddable", "Shedding",
+    "TokenBound", "TpotObjective", "TtftObjective", "View", "WorkBound", "retry_after",
+    "take_token",
 ]
 
 
@@ -104,6 +113,149 @@ class Rule:
     def check(self, view: View) -> Rejection | None:
         """None to admit (as far as this rule goes), or the refusal."""
         raise NotImplementedError
+
+    def state(self) -> RuleState | None:
+        """The hook of a rule that keeps state over a run: a fresh :class:`RuleState`, or None
+        (the default: the rule keeps none, and :meth:`check` is all of it).
+
+        A queue core's admission (:class:`qsim.admission.Admission`) calls it once for each rule
+        when the core is made (a recalibration keeps the states), and asks the states at every
+        arrival before the policy's decision (:meth:`qsim.policy.Policy.decide`, or an override
+        of it), in the order of the rules: see :class:`RuleState`. The rule's own :meth:`check`
+        is what a view alone says (the decision asks it as any rule's; outside a core, as in
+        :func:`qsim.policy.decide` on a record's numbers, it is all that is asked): a stateful
+        rule's usually admits."""
+        return None
+
+
+class Arrival(NamedTuple):
+    """What a :class:`RuleState` reads of an arrival besides its view: the core's clock and the
+    request's calibrated estimate before the speed factor, and that factor."""
+
+    now: float
+    base_s: float
+    factor: float
+
+
+class RuleState:
+    """The per-run part of a rule that keeps state (:meth:`Rule.state` makes one per queue core).
+
+    At each arrival the states are asked in the order of their rules, before the policy's
+    decision: :meth:`check` first (a refusal is the arrival's: no state after it, nor the
+    decision, is asked, and no state is told), then :meth:`adjust` (the view the states after it
+    and the decision see). Once the decision is made, each state whose check was asked (all,
+    where no state refused) is told it by :meth:`decided`. A state spends what it spends in
+    :meth:`check` (a client's token, asked for whatever the decision), and learns from the
+    decision in :meth:`decided` (the reserve's EWMA; a count of admissions)."""
+
+    __slots__ = ()
+
+    def check(self, view: View, arrival: Arrival) -> Rejection | None:
+        """None to go on, or the refusal."""
+        return None
+
+    def adjust(self, view: View, arrival: Arrival) -> View:
+        """The view the states after it and the decision see (the default: ``view`` itself)."""
+        return view
+
+    def decided(self, view: View, arrival: Arrival, refusal: Rejection | None) -> None:
+        """The decision on an arrival its check let through (``refusal`` None: admitted), on the
+        view the decision saw."""
+
+
+def take_token(tokens: float, last: float, now: float, rate: float,
+               burst: float) -> tuple[float, Rejection | None]:
+    """One request from a client whose bucket held ``tokens`` at ``last``: the tokens left, and
+    the refusal when there was not a whole one (its Retry-After: when there will be). Pure."""
+    tokens = min(burst, tokens + (now - last) * rate)
+    if tokens >= 1.0 - 1e-12:
+        return tokens - 1.0, None
+    wait = (1.0 - tokens) / rate
+    return tokens, Rejection(Reason.RATE_LIMITED, {"client_rate": rate, "client_burst": burst,
+                                                   "tokens": tokens, "wait_s": wait},
+                             retry_after(wait))
+
+
+@dataclass(frozen=True)
+class ClientRate(Rule):
+    """A token bucket per client (``Policy.client_rate`` requests per second, ``client_burst`` at
+    once; ``rate_limited``). A client's token is spent when it asks, admitted or not by the rest
+    of the policy: the limit is on what a client sends, as a gateway's token bucket is. A request
+    without a client is not limited. Its state holds each client's bucket; its check (a view
+    alone) admits."""
+
+    rate: float
+    burst: float = 1.0
+    # What its check reads: nothing (the state does the work).
+    basic: ClassVar[bool] = True
+    projected: ClassVar[bool] = False
+    sheds_only: ClassVar[bool] = True
+
+    def check(self, view: View) -> Rejection | None:
+        return None
+
+    def state(self) -> RuleState:
+        return _Buckets(self.rate, self.burst)
+
+
+class _Buckets(RuleState):
+    """:class:`ClientRate`'s state: client -> (tokens, when last counted)."""
+
+    __slots__ = ("rate", "burst", "held")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.held: dict = {}
+
+    def check(self, view: View, arrival: Arrival) -> Rejection | None:
+        client = view.client
+        if client is None:
+            return None
+        now = arrival.now
+        tokens, last = self.held.get(client, (self.burst, now))
+        tokens, refusal = take_token(tokens, last, now, self.rate, self.burst)
+        self.held[client] = (tokens, now)
+        return refusal
+
+
+@dataclass(frozen=True)
+class ReserveShare(Rule):
+    """A reserved share for the long requests (``Policy.reserve_min_s``, ``reserve_share``): while
+    fewer than ``share`` of those estimated at ``min_s`` or more (calibrated, before the speed
+    factor) have been admitted lately (an EWMA of :data:`RESERVE_WEIGHT` over their arrivals),
+    the others see a deadline shortened by ``min_s`` x the speed factor. It refuses nothing
+    itself: its state shortens the deadline the decision sees and learns from the decision."""
+
+    min_s: float
+    share: float = 0.0
+    basic: ClassVar[bool] = True
+    projected: ClassVar[bool] = False
+    sheds_only: ClassVar[bool] = True
+
+    def check(self, view: View) -> Rejection | None:
+        return None
+
+    def state(self) -> RuleState:
+        return _Reserve(self.min_s, self.share)
+
+
+class _Reserve(RuleState):
+    """:class:`ReserveShare`'s state: the EWMA of the reserved class's admissions."""
+
+    __slots__ = ("min_s", "share", "admitted")
+
+    def __init__(self, min_s: float, share: float) -> None:
+        self.min_s, self.share = min_s, share
+        self.admitted = 1.0
+
+    def adjust(self, view: View, arrival: Arrival) -> View:
+        if arrival.base_s >= self.min_s or self.admitted >= self.share:
+            return view
+        return view._replace(deadline_s=view.deadline_s - self.min_s * arrival.factor)
+
+    def decided(self, view: View, arrival: Arrival, refusal: Rejection | None) -> None:
+        if arrival.base_s >= self.min_s:
+            self.admitted += RESERVE_WEIGHT * ((refusal is None) - self.admitted)
 
 
 def _refuse(reason: str, view: View, **numbers: float) -> Rejection:

@@ -10,13 +10,17 @@ that a rule admitting all leaves unsaid.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsim import testing
+from qsim import make_trace, simulate, testing
 from qsim.admission import Admission, Seen
 from qsim.batch import BatchQueue
 from qsim.clients import uniform
@@ -24,8 +28,10 @@ from qsim.config import ServerConfig
 from qsim.disciplines import DISCIPLINES
 from qsim.engines import Batching, StepModel
 from qsim.entry import Work
-from qsim.policy import PRESETS, Policy, Rejection, View
-from qsim.rules import Rule
+from qsim.mixes import Client, Prompts
+from qsim.outcomes import Reason
+from qsim.policy import PRESETS, SHEDDABLE, Policy, Rejection, View
+from qsim.rules import Arrival, ClientRate, Predictive, ReserveShare, Rule, RuleState
 from qsim.queue import AdmissionQueue
 
 
@@ -193,3 +199,144 @@ def test_a_rule_of_its_own_gets_the_batching_cores_projection():
         assert queue.arrive(i, 0.0, 0.1, work=Work(4, 10, 4)) is None
     assert len(views) == 3 and all(v.wait_s is not None and v.ttft_s > 0 for v in views)
     assert [v.prompt_tokens for v in views] == [10, 10, 10]
+
+
+# -- rules that keep state (qsim.rules.Rule.state) -------------------------------------------
+
+@dataclass(frozen=True)
+class AdmissionsPerClient(Rule):
+    """A stateful rule of one's own: at most ``most`` admissions per client in a run."""
+
+    most: int
+    basic: ClassVar[bool] = True  # its check (a view alone) reads nothing: it admits
+    projected: ClassVar[bool] = False
+
+    def check(self, view: View) -> Rejection | None:
+        return None
+
+    def state(self) -> RuleState:
+        return _Admitted(self.most)
+
+
+class _Admitted(RuleState):
+    """Each client's admissions so far: refused once it has ``most``; counted when admitted."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.admitted = most, Counter()
+
+    def check(self, view: View, arrival: Arrival) -> Rejection | None:
+        if view.client is not None and self.admitted[view.client] >= self.most:
+            return Rejection(Reason.RATE_LIMITED, {"admitted": self.most}, None)
+        return None
+
+    def decided(self, view: View, arrival: Arrival, refusal: Rejection | None) -> None:
+        if refusal is None and view.client is not None:
+            self.admitted[view.client] += 1
+
+
+@dataclass(frozen=True)
+class Quota(Policy):
+    """predictive, and at most ``most`` admissions per client."""
+
+    predictive: bool = True
+    most: int = 15
+
+    def make_rules(self):
+        return (*super().make_rules(), AdmissionsPerClient(self.most))
+
+
+@pytest.mark.parametrize("engine", ["one-at-a-time", "batching"])
+def test_a_stateful_rule_of_its_own_is_one_more_part(engine):
+    policy = Quota(name="quota", most=15)
+    assert policy.rules == (SHEDDABLE, Predictive(), AdmissionsPerClient(15))
+    model = 2 if engine == "one-at-a-time" else Batching(StepModel(0.004, 2e-5, 3e-4, 1e-6),
+                                                          max_num_seqs=8, kv_blocks=400)
+    config = ServerConfig(policy, model, seed=3)
+    clients = (Client("a", 0.6, 0), Client("b", 0.3, 0), Client("c", 0.1, 0))
+    trace = make_trace(load=1.0, engines=2, requests=200, seed=3, clients=clients,
+                       **({"prompts": Prompts.parse("uniform:0:100"),
+                           "capacity_rps": model.capacity_rps(50.0, 20.0)}
+                          if engine == "batching" else {}))
+    frame = simulate(trace, config)
+    clients = frame["client_id"].astype(object).to_numpy()
+    admitted = frame["outcome"].astype(object).to_numpy() != "rejected"
+    reasons = frame["reason"].astype(object).to_numpy()
+    for name in "abc":
+        mine = clients == name
+        # Fifteen admitted (each client sent more than it could have), and every arrival after
+        # its fifteenth admission refused by the quota: the sixteenth never comes.
+        assert admitted[mine].sum() == 15
+        after = np.cumsum(admitted[mine]) == 15
+        after[np.argmax(after)] = False  # the fifteenth itself
+        assert after.any() and (reasons[mine][after] == "rate_limited").all()
+    # The state is the run's: a second run of the same configuration starts from nothing.
+    pd.testing.assert_frame_equal(simulate(trace, config), frame)
+
+
+class _Noting(RuleState):
+    """Notes what it is asked; refuses the arrivals of client ``refuses``."""
+
+    def __init__(self, log: list, name: str, refuses=None) -> None:
+        self.log, self.name, self.refuses = log, name, refuses
+
+    def check(self, view, arrival):
+        self.log.append((self.name, "check", view.client, view.deadline_s))
+        if view.client == self.refuses:
+            return Rejection(Reason.RATE_LIMITED, {}, 1)
+        return None
+
+    def adjust(self, view, arrival):
+        return view._replace(deadline_s=view.deadline_s - 1.0)
+
+    def decided(self, view, arrival, refusal):
+        self.log.append((self.name, "decided", view.client, refusal is None))
+
+
+@dataclass(frozen=True)
+class _Stateful(Rule):
+    name: str
+    refuses: str | None = None
+    check = AdmissionsPerClient.check
+
+    def state(self) -> RuleState:
+        return _Noting(LOG, self.name, self.refuses)
+
+
+LOG: list = []
+
+
+@dataclass(frozen=True)
+class _TwoStates(Policy):
+    def make_rules(self):
+        return (_Stateful("first", refuses="x"), *super().make_rules(), _Stateful("second"))
+
+    def decide(self, view: View) -> Rejection | None:
+        LOG.append(("decide", view.client, view.deadline_s))
+        return super().decide(view)
+
+
+def test_the_states_are_asked_in_order_before_the_decision_and_told_it():
+    queue = AdmissionQueue(ServerConfig(_TwoStates(name="two", deadline_s=5.0), 1),
+                           start=lambda *a: None, drop=lambda *a: None)
+    LOG.clear()
+    assert queue.arrive(0, 0.0, 0.1, client="y") is None
+    # Each state sees the view the one before it adjusted, the decision the last; both are told.
+    assert LOG == [("first", "check", "y", 5.0), ("second", "check", "y", 4.0),
+                   ("decide", "y", 3.0), ("first", "decided", "y", True),
+                   ("second", "decided", "y", True)]
+    LOG.clear()
+    assert queue.arrive(1, 0.1, 0.1, client="x").reason == "rate_limited"
+    assert LOG == [("first", "check", "x", 5.0)]  # a state's refusal ends it: nobody is told
+    # One state per rule and per core: another queue starts its own.
+    other = AdmissionQueue(ServerConfig(_TwoStates(name="two"), 1), start=lambda *a: None,
+                           drop=lambda *a: None)
+    assert all(a is not b for a, b in zip(queue.admission.states, other.admission.states))
+
+
+def test_the_bucket_and_the_reserve_are_parts_with_state():
+    policy = replace(PRESETS["predictive-reserved"], client_rate=2.0, client_burst=3.0)
+    assert policy.rules == (ClientRate(2.0, 3.0), ReserveShare(0.5, 0.3), SHEDDABLE, Predictive())
+    admission = Admission(ServerConfig(policy), counts_refused=False,
+                          empty=Seen(math.nan, 0, 0.0, 1.0))
+    assert len(admission.states) == 2 and not admission.plain
+    assert _plain(PRESETS["predictive"]) and not _plain(PRESETS["predictive-reserved"])
