@@ -28,7 +28,7 @@ from qsim.config import ServerConfig
 from qsim.arrivals import arrivals_take_load
 from qsim.mixes import REFERENCE_MIX
 from qsim.workload import DEFAULT_LOAD, load_at_rate
-from qsim.fleet import FleetSpec
+from qsim.fleet import ADMISSION_AT, FleetSpec
 from qsim.records import OUTCOMES
 from qsim.routers import ROUTERS, make_router, parse_weights
 from qsim.policy import from_options, policy_spec
@@ -127,6 +127,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
         f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
     if fleet is not None and fleet.down:
         speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
+    if fleet is not None and fleet.admission == "gate":
+        speeds += ", admitted at the gate"
     replicas = "" if fleet is None else \
         f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)} of "
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
@@ -147,7 +149,8 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
         given = [flag for flag, value in (("--router", args.router), ("--router-d", args.router_d),
                                           ("--router-weights", args.router_weights),
                                           ("--replica-speeds", args.replica_speeds),
-                                          ("--replica-down", args.replica_down or None))
+                                          ("--replica-down", args.replica_down or None),
+                                          ("--admission-at", args.admission_at))
                  if value is not None]
         if given:
             raise UsageError(f"qlab simulate: error: {', '.join(given)}: a fleet's options, "
@@ -157,7 +160,8 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
         weights = None if args.router_weights is None else parse_weights(args.router_weights)
         router = make_router(args.router or "round_robin", args.router_d, weights)
         fleet = FleetSpec(args.replicas, router, _speeds(args.replica_speeds),
-                          tuple(_down(text) for text in args.replica_down or ()))
+                          tuple(_down(text) for text in args.replica_down or ()),
+                          args.admission_at or "replica")
         fleet.check(config)
     except ValueError as exc:
         raise UsageError(f"qlab simulate: error: {exc}") from None
@@ -337,7 +341,8 @@ def cmd_simulate(args) -> int:
                              **({} if fleet is None else dict(replicas=fleet.replicas,
                                                                router=fleet.router,
                                                                replica_speeds=fleet.speeds,
-                                                               replica_down=fleet.down)))
+                                                               replica_down=fleet.down,
+                                                               admission_at=fleet.admission)))
             runs.append(_SeedRun(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
@@ -406,6 +411,22 @@ def router_name(text: str) -> str:
     return text
 
 
+def admission_at(text: str) -> str:
+    """Where a fleet admits (qsim.fleet.ADMISSION_AT), as argparse checks a type."""
+    if text not in ADMISSION_AT:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r}: a fleet admits at one of {', '.join(ADMISSION_AT)}")
+    return text
+
+
+def add_admission_at(p) -> None:
+    """--admission-at, beside --replicas and --router (qlab simulate's, qlab capacity's)."""
+    p.add_argument("--admission-at", type=admission_at, metavar="{replica,gate}",
+                   help="where a fleet admits: replica (default), each replica on its own state "
+                        "after routing; gate, one admission at the cluster gate on the fleet's "
+                        "state (all its waiting, its engines) before routing (docs/fleets.md)")
+
+
 def _simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a policy on a seeded workload or a trace file",
                        description="Simulate one admission policy in front of K engines and print outcomes, "
@@ -445,6 +466,7 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--replica-down", action="append", metavar="R:FROM:TO",
                    help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
                         "and waits there ends in error, the router sends nothing there meanwhile")
+    add_admission_at(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
                                  "goes (in memory first with --retry)")
