@@ -28,7 +28,7 @@ from qsim.config import ServerConfig
 from qsim.arrivals import arrivals_take_load
 from qsim.mixes import REFERENCE_MIX
 from qsim.workload import DEFAULT_LOAD, load_at_rate
-from qsim.fleet import ADMISSION_AT, FleetSpec
+from qsim.fleet import FleetSpec
 from qsim.records import OUTCOMES
 from qsim.routers import ROUTERS, make_router, parse_weights
 from qsim.policy import from_options, policy_spec
@@ -39,8 +39,8 @@ from qsim.tracefiles import build_chunks
 from . import engineflags
 from .config import parse_used
 from .jsonout import json_ready as _json_ready
-from .simflags import (add_dataset_flags, add_trace_flags, add_workload_options, dataset_from_args,
-                       trace_window)
+from .simflags import (add_admission_at, add_dataset_flags, add_trace_flags, add_workload_options,
+                       dataset_from_args, trace_window)
 
 
 class UsageError(Exception):
@@ -409,22 +409,6 @@ def router_name(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"unknown router {text!r}; choose one of {', '.join(ROUTERS)}")
     return text
-
-
-def admission_at(text: str) -> str:
-    """Where a fleet admits (qsim.fleet.ADMISSION_AT), as argparse checks a type."""
-    if text not in ADMISSION_AT:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice {text!r}: a fleet admits at one of {', '.join(ADMISSION_AT)}")
-    return text
-
-
-def add_admission_at(p) -> None:
-    """--admission-at, beside --replicas and --router (qlab simulate's, qlab capacity's)."""
-    p.add_argument("--admission-at", type=admission_at, metavar="{replica,gate}",
-                   help="where a fleet admits: replica (default), each replica on its own state "
-                        "after routing; gate, one admission at the cluster gate on the fleet's "
-                        "state (all its waiting, its engines) before routing (docs/fleets.md)")
 
 
 def _simulate_parser(sub) -> None:
