@@ -127,10 +127,9 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
         f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
     if fleet is not None and fleet.down:
         speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
-    if fleet is not None and fleet.admission == "gate":
-        speeds += ", admitted at the gate"
+    gate = "" if fleet is None or fleet.admission == "replica" else ", admitted at the gate,"
     replicas = "" if fleet is None else \
-        f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)} of "
+        f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)}{gate} of "
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
             f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}")
 
