@@ -540,7 +540,7 @@ def _waiting_over_time(frame, replicas):
     until = admitted["start_s"].fillna(admitted["finish_s"])
     events = sorted([(t, 1, r) for t, r in zip(admitted["arrival_s"], admitted["replica"])] +
                     [(t, -1, r) for t, r in zip(until, admitted["replica"])],
-                    key=lambda e: (e[0], e[1]))  # a start frees its place before a same-time arrival
+                    key=lambda e: (e[0], e[1]))  # a start frees its place before an arrival
     now, most, each, most_each = 0, 0, [0] * replicas, [0] * replicas
     for _, step, r in events:
         now += step
@@ -565,7 +565,8 @@ def test_a_queue_bound_at_the_gate_is_the_fleets_and_at_each_replica_each_ones()
     # The gate refuses more (a tighter bound), and a refusal is routed nowhere.
     refused = gate["outcome"] == "rejected"
     assert refused.sum() > (each["outcome"] == "rejected").sum()
-    assert gate.loc[refused, "replica"].isna().all() and gate.loc[~refused, "replica"].notna().all()
+    assert gate.loc[refused, "replica"].isna().all()
+    assert gate.loc[~refused, "replica"].notna().all()
     assert each["replica"].notna().all()
 
 
@@ -633,7 +634,7 @@ def test_a_fleets_fields_keep_its_admission():
     assert "admission" not in FleetSpec(3, JoinShortestQueue()).to_fields()  # as before
 
 
-def test_simulate_admission_at_the_gate(capsys):
+def test_simulate_admission_at_the_gate(tmp_path, capsys):
     args = ["simulate", "--replicas", "3", "--router", "jsq", "--policy", "bounded",
             "--load", "1.5", "--requests", "2000", "--json"]
     each = json.loads(qlab(args, capsys)[1])
@@ -641,6 +642,10 @@ def test_simulate_admission_at_the_gate(capsys):
     assert code == 0 and err == ""
     gate = json.loads(out)
     assert gate["summary"]["rejected"] > each["summary"]["rejected"]
+    # Streamed to --out (qsim.stream), the same run.
+    code, out, _ = qlab(args + ["--admission-at", "gate", "--out", str(tmp_path / "r.parquet")],
+                        capsys)
+    assert code == 0 and json.loads(out)["summary"] == gate["summary"]
     code, out, _ = qlab(args[:-1] + ["--admission-at", "gate"], capsys)
     assert code == 0 and "admitted at the gate" in out
 
