@@ -261,6 +261,7 @@ class Result:
         return {"policy": self.unit.policy, **({"policy_args": self.unit.policy_args} if self.unit.policy_args else {}),
                 **({"replicas": self.unit.replicas, "router": self.unit.router}
                    if self.unit.replicas else {}),
+                **({"admission_at": self.unit.admission_at} if self.unit.admission_at else {}),
                 "arrivals": self.arrivals, "load": c.load, "ci_low": c.ci_low, "ci_high": c.ci_high,
                 "fails_at": c.fails_at, "rate_rps": rate, "loads_tried": c.loads_tried}
 

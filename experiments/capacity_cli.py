@@ -23,7 +23,7 @@ from . import engineflags, sizing
 from .capacity import Bounds, Search, run, search_config, table
 from .config import SweepConfig
 from .jsonout import json_ready
-from .simflags import add_workload_options
+from .simflags import add_admission_at, add_workload_options
 
 
 def _batching_table(args) -> dict | None:
@@ -81,9 +81,21 @@ def config_from_args(args) -> SweepConfig:
 
 
 def _fleet_grid(args) -> dict:
-    """The fleet axes of --replicas, --router (repeated: an axis) and --router-d; a sizing search
-    (--rate) holds one replica as a placeholder, its counts the points searched. ValueError for a
-    router without a fleet, and for --replicas beside --rate."""
+    """The fleet axes of --replicas, --router (repeated: an axis), --router-d and --admission-at;
+    a sizing search (--rate) holds one replica as a placeholder, its counts the points searched.
+    ValueError for a router or an admission place without a fleet, and for --replicas beside
+    --rate."""
+    grid = _fleet_axes(args)
+    if args.admission_at is not None:
+        if not grid:
+            raise ValueError("--admission-at is where a fleet admits: give --replicas N > 1 (or "
+                             "--rate R, the replicas searched)")
+        grid["admission_at"] = [args.admission_at]
+    return grid
+
+
+def _fleet_axes(args) -> dict:
+    """_fleet_grid's replicas and routers."""
     if args.rate is not None and args.replicas is not None:
         raise ValueError("--rate searches the fewest replicas; give --replicas N (a fleet's "
                          "capacity) or --rate R (the replicas at a rate), not both")
@@ -204,6 +216,7 @@ def register(sub) -> None:
                    help=f"{', '.join(ROUTERS)} (repeat for several; default round_robin)")
     p.add_argument("--router-d", type=positive_int, metavar="D",
                    help="power_of_d's choices (default 2)")
+    add_admission_at(p)
     p.add_argument("--rate", type=positive, metavar="R",
                    help="sizing: the fewest replicas that meet the objective at R requests per "
                         "second, for each policy and router (in place of a search over load)")

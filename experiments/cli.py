@@ -39,8 +39,8 @@ from qsim.tracefiles import build_chunks
 from . import engineflags
 from .config import parse_used
 from .jsonout import json_ready as _json_ready
-from .simflags import (add_dataset_flags, add_trace_flags, add_workload_options, dataset_from_args,
-                       trace_window)
+from .simflags import (add_admission_at, add_dataset_flags, add_trace_flags, add_workload_options,
+                       dataset_from_args, trace_window)
 
 
 class UsageError(Exception):
@@ -127,8 +127,9 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
         f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
     if fleet is not None and fleet.down:
         speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
+    gate = "" if fleet is None or fleet.admission == "replica" else ", admitted at the gate,"
     replicas = "" if fleet is None else \
-        f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)} of "
+        f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)}{gate} of "
     return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
             f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}")
 
@@ -147,7 +148,8 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
         given = [flag for flag, value in (("--router", args.router), ("--router-d", args.router_d),
                                           ("--router-weights", args.router_weights),
                                           ("--replica-speeds", args.replica_speeds),
-                                          ("--replica-down", args.replica_down or None))
+                                          ("--replica-down", args.replica_down or None),
+                                          ("--admission-at", args.admission_at))
                  if value is not None]
         if given:
             raise UsageError(f"qlab simulate: error: {', '.join(given)}: a fleet's options, "
@@ -157,7 +159,8 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
         weights = None if args.router_weights is None else parse_weights(args.router_weights)
         router = make_router(args.router or "round_robin", args.router_d, weights)
         fleet = FleetSpec(args.replicas, router, _speeds(args.replica_speeds),
-                          tuple(_down(text) for text in args.replica_down or ()))
+                          tuple(_down(text) for text in args.replica_down or ()),
+                          args.admission_at or "replica")
         fleet.check(config)
     except ValueError as exc:
         raise UsageError(f"qlab simulate: error: {exc}") from None
@@ -337,7 +340,8 @@ def cmd_simulate(args) -> int:
                              **({} if fleet is None else dict(replicas=fleet.replicas,
                                                                router=fleet.router,
                                                                replica_speeds=fleet.speeds,
-                                                               replica_down=fleet.down)))
+                                                               replica_down=fleet.down,
+                                                               admission_at=fleet.admission)))
             runs.append(_SeedRun(seed, frame, trace.duration_s))
         if args.out:
             rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
@@ -445,6 +449,7 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--replica-down", action="append", metavar="R:FROM:TO",
                    help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
                         "and waits there ends in error, the router sends nothing there meanwhile")
+    add_admission_at(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
                                  "goes (in memory first with --retry)")

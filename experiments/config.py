@@ -113,6 +113,7 @@ from qsim.engines import Batching, StepModel
 from qsim.estimators import ESTIMATORS
 from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
 from qsim.policy import resolve
+from qsim.fleet import ADMISSION_AT
 from qsim.routers import parse_router
 from qsim.arrivals import arrivals_take_load, parse_arrivals
 from qsim.mixes import Client, Prompts, SharedPrefix, UsedShare, check_clients
@@ -126,7 +127,8 @@ GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "dead
              "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
              "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
              "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str, "prefix_caching": bool,
-             "system_prompt": str, "turns": str, "replicas": int, "router": str, "rate": float}
+             "system_prompt": str, "turns": str, "replicas": int, "router": str, "rate": float,
+             "admission_at": str}
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
 BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
 #: The step model of a cell without a step axis: [batching]'s own.
@@ -412,6 +414,9 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                 patience_from_table(f"{where}[{i}]", v, patience_until)
             if key == "estimator" and v not in ESTIMATORS:
                 raise ConfigError(f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
+            if key == "admission_at" and v not in ADMISSION_AT:
+                raise ConfigError(f"{where}[{i}]: a fleet admits at one of "
+                                  f"{', '.join(ADMISSION_AT)}, got {v!r}")
             if key in ("used", "speed_schedule", "arrivals", "system_prompt", "turns", "router"):
                 try:
                     {"used": parse_used, "speed_schedule": parse_speed_schedule,
@@ -464,6 +469,9 @@ def _check_fleet(path: str, grid: dict, batching: bool) -> None:
     (qsim.fleet.FleetSpec.check) is refused here, before any cell runs."""
     if "router" in grid and "replicas" not in grid:
         raise ConfigError(f"{path}: grid.router routes between replicas: add grid.replicas")
+    if "admission_at" in grid and "replicas" not in grid:
+        raise ConfigError(f"{path}: grid.admission_at is where a fleet admits: add "
+                          "grid.replicas")
     routers = {spec: parse_router(spec) for spec in grid.get("router", ())}
     # Checked at one replica too: a sizing search (experiments/sizing.py) starts there.
     for spec, router in routers.items():

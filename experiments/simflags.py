@@ -12,11 +12,28 @@ import argparse
 from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int
 from qsim.datasets import COUNTS, Dataset, read_dataset
+from qsim.fleet import ADMISSION_AT
 from qsim.service import parse_schedule
 from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.arrivals import ARRIVALS
 
 from .config import parse_used
+
+
+def admission_at(text: str) -> str:
+    """Where a fleet admits (qsim.fleet.ADMISSION_AT), as argparse checks a type."""
+    if text not in ADMISSION_AT:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r}: a fleet admits at one of {', '.join(ADMISSION_AT)}")
+    return text
+
+
+def add_admission_at(p) -> None:
+    """--admission-at, beside --replicas and --router (qlab simulate's, qlab capacity's)."""
+    p.add_argument("--admission-at", type=admission_at, metavar="{replica,gate}",
+                   help="where a fleet admits: replica (default), each replica on its own state "
+                        "after routing; gate, one admission at the cluster gate on the fleet's "
+                        "state (all its waiting, its engines) before routing (docs/fleets.md)")
 
 
 def _checked(parse):

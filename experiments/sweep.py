@@ -114,6 +114,8 @@ class Cell:
     replicas: int | None = None
     router: str | None = None
     rate: float | None = None  # requests per second in place of a load (None: the grid's load)
+    # Where the fleet admits (qsim.fleet.ADMISSION_AT; None: "replica", each replica itself).
+    admission_at: str | None = None
 
     @property
     def id(self) -> str:
@@ -129,7 +131,7 @@ class Cell:
 OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
                  "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s",
                  "arrivals", "policy_args", "prefix_caching", "system_prompt", "turns", "replicas",
-                 "router", "rate")
+                 "router", "rate", "admission_at")
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
@@ -190,7 +192,8 @@ def cells(config: SweepConfig) -> list[Cell]:
                                                    "ttft_slo_s", "tpot_slo_s")},
         arrivals=g.get("arrivals", (None,)),
         **{axis: g.get(axis, (None,)) for axis in ("prefix_caching", "system_prompt", "turns",
-                                                   "replicas", "router", "rate")},
+                                                   "replicas", "router", "rate",
+                                                   "admission_at")},
     )
     out = []
     for combo in itertools.product(*axes.values()):
@@ -221,7 +224,8 @@ def fleet_of(cell: Cell) -> dict:
     """simulate's fleet options for the cell ({}: one server)."""
     if cell.replicas is None:
         return {}
-    return {"replicas": cell.replicas, "router": parse_router(cell.router or "round_robin")}
+    return {"replicas": cell.replicas, "router": parse_router(cell.router or "round_robin"),
+            **({} if cell.admission_at is None else {"admission_at": cell.admission_at})}
 
 
 def capacity_rps(config: SweepConfig, cell: Cell) -> float:
@@ -377,7 +381,7 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
                        ("policy_args", pa.large_string()), ("prefix_caching", pa.bool_()),
                        ("system_prompt", pa.large_string()), ("turns", pa.large_string()),
                        ("replicas", pa.int64()), ("router", pa.large_string()),
-                       ("rate", pa.float64())):
+                       ("rate", pa.float64()), ("admission_at", pa.large_string())):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))

@@ -299,6 +299,14 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
                                        self._projection(seq, now, room))
         if refusal is not None:
             return refusal
+        self._place(seq, now, room)
+        return None
+
+    def _place(self, seq: _Seq, now: float, room: bool | None = None) -> None:
+        """An admitted arrival into the batch at once where it has room (None: see whether it
+        has; a fleet's gate admits it before routing: qsim.gate_view), else into the line."""
+        if room is None:
+            room = not self.queued and self._has_room(seq)
         if room:
             self._take(seq, now)
         else:
@@ -306,7 +314,6 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             self.waiting.push(seq.entry)
             self._into_line(seq)
         self._kick(now)
-        return None
 
     def _arrival(self, req, now: float, base_est_s: float, deadline_s, priority: int, client,
                  work) -> _Seq:

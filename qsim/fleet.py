@@ -4,7 +4,9 @@
 :class:`~qsim.queue.AdmissionQueue` does, engines numbered across the fleet (replica r's engine k
 is ``r * K + k``), and routes each arrival: the router (:mod:`qsim.routers`) picks a replica from
 the replicas' states, and that replica's own admission (its policy, estimator, tracker: vLLM's
-caps per replica, the baseline) decides on its own state. Under :class:`~qsim.routers.Central`
+caps per replica, the baseline) decides on its own state; or, ``FleetSpec(admission="gate")``,
+one admission at the cluster gate decides on the fleet's state before routing
+(:mod:`qsim.gate_view`) and the replica places what it admits. Under :class:`~qsim.routers.Central`
 the fleet is one line in front of all N x K engines, which is the one-queue core itself: early and
 late binding run on the same trace through the same code.
 
@@ -26,11 +28,16 @@ from typing import Callable
 
 import numpy as np
 
+from . import gate_view
 from .config import ServerConfig
 from .queue import AdmissionQueue
 from .routers import ROUTERS, Arrival, ReplicaState, Router
 
-__all__ = ["Fleet", "FleetSpec", "ROUTER_STREAM"]
+__all__ = ["ADMISSION_AT", "Fleet", "FleetSpec", "ROUTER_STREAM"]
+
+#: Where a fleet admits (:attr:`FleetSpec.admission`): each replica on its own state (the
+#: default), or the cluster gate on the fleet's (:mod:`qsim.gate_view`).
+ADMISSION_AT = ("replica", "gate")
 
 #: The router's random stream is the server's seed with this: its draws are its own.
 ROUTER_STREAM = 104729
@@ -46,6 +53,10 @@ class FleetSpec:
     speeds: tuple | None = None
     # Failures: (replica, from_s, to_s) each, the replica down from from_s until to_s.
     down: tuple = ()
+    # Where arrivals are admitted (ADMISSION_AT): "replica", each replica's own admission on its
+    # own state after routing; "gate", one admission at the cluster gate on the fleet's state
+    # before routing (qsim.gate_view), the replicas then placing what it admits.
+    admission: str = "replica"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.replicas, int) and not isinstance(self.replicas, bool)
@@ -63,6 +74,9 @@ class FleetSpec:
                 raise ValueError(f"replica speeds: one number > 0 for each of the {self.replicas} "
                                  f"replicas, got {self.speeds!r}")
         self._check_down()
+        if self.admission not in ADMISSION_AT:
+            raise ValueError(f"a fleet's admission is at one of {', '.join(ADMISSION_AT)}, got "
+                             f"{self.admission!r}")
 
     def _check_down(self) -> None:
         for window in self.down:
@@ -85,7 +99,9 @@ class FleetSpec:
             if dataclasses.is_dataclass(router) else {}
         return {"replicas": self.replicas, "router": router.name, "router_params": params,
                 "speeds": None if self.speeds is None else list(self.speeds),
-                "down": [list(w) for w in self.down]}
+                "down": [list(w) for w in self.down],
+                # Only where it is not the default: a fleet's fields as they were before it.
+                **({} if self.admission == "replica" else {"admission": self.admission})}
 
     @classmethod
     def from_fields(cls, raw: dict) -> "FleetSpec":
@@ -99,7 +115,8 @@ class FleetSpec:
             router = ROUTERS[name](**raw.get("router_params", {}))
             speeds = raw.get("speeds")
             return cls(int(raw["replicas"]), router, None if speeds is None else tuple(speeds),
-                       tuple((int(r), float(a), float(b)) for r, a, b in raw.get("down", ())))
+                       tuple((int(r), float(a), float(b)) for r, a, b in raw.get("down", ())),
+                       raw.get("admission", "replica"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None
 
@@ -188,6 +205,14 @@ class Fleet:
         self.last = self.lines[0]  # the line that decided the last arrival
         self._routed = routed
         self.stall_after_s = _ByEngine(self, "stall_after_s")
+        # Admission at the cluster gate (qsim.gate_view): one for the fleet, every replica's (a
+        # central queue's is the gate's already: its one line, or CentralBatch's own).
+        self.gate = None
+        if spec.admission == "gate" and not self.router.shared:
+            self.gate = self.lines[0].admission
+            for other in self.lines[1:]:
+                other.admission = self.gate
+            self._gate_view = gate_view.batching if config.batching else gate_view.one_at_a_time
 
     def line_of(self, g: int) -> tuple[AdmissionQueue, int]:
         """The line holding the fleet's engine g, and g's index there."""
@@ -201,7 +226,7 @@ class Fleet:
 
     @property
     def admission(self):
-        return self.last.admission
+        return self.last.admission if self.gate is None else self.gate
 
     @property
     def estimator(self):
@@ -218,26 +243,41 @@ class Fleet:
     # -- events ------------------------------------------------------------------------
 
     def arrive(self, req, now: float, *args, **kwargs):
-        """Route ``req`` (a replica's own line, or the shared one) and let that line admit it."""
+        """Route ``req`` (a replica's own line, or the shared one) and let that line admit it; at
+        the gate (:mod:`qsim.gate_view`), admit it on the fleet's state first, then route it."""
         if self.router.shared:
             line = self.lines[0]
+        elif self.gate is not None:
+            up = self.lines if all(self.up) else [q for q, ok in zip(self.lines, self.up) if ok]
+            refusal, admitted = self._gate_view(self.gate, up, req, now, *args, **kwargs)
+            if refusal is not None:
+                return refusal
+            line = self._route(up, req, now, args, kwargs)
+            self.last = line
+            line._place(admitted, now)
+            return None
         else:
             # The router sees the replicas up only (all, but while one is down), and chooses among
             # them by their index there.
             up = self.lines if all(self.up) else [q for q, ok in zip(self.lines, self.up) if ok]
-            # A router that reads no prefix_hit is not given the arrival to probe the caches for.
-            probe = req if self.router.reads_prefix else None
-            ask = _arrival(*args, **kwargs) if self.router.reads_ttft else None
-            r = self.router.choose(_States(up, now, probe, ask), self.routed_count, self.rng)
-            if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
-                raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
-                                 f"of 0..{len(up) - 1}")
-            self.routed_count += 1
-            line = up[int(r)]
-            self.where[req] = line
-            self._routed(req, self.lines.index(line) if up is not self.lines else int(r))
+            line = self._route(up, req, now, args, kwargs)
         self.last = line
         return line.arrive(req, now, *args, **kwargs)
+
+    def _route(self, up: list, req, now: float, args: tuple, kwargs: dict):
+        """The line of the replica up the router chooses for ``req`` (noted: ``routed``)."""
+        # A router that reads no prefix_hit is not given the arrival to probe the caches for.
+        probe = req if self.router.reads_prefix else None
+        ask = _arrival(*args, **kwargs) if self.router.reads_ttft else None
+        r = self.router.choose(_States(up, now, probe, ask), self.routed_count, self.rng)
+        if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
+            raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
+                             f"of 0..{len(up) - 1}")
+        self.routed_count += 1
+        line = up[int(r)]
+        self.where[req] = line
+        self._routed(req, self.lines.index(line) if up is not self.lines else int(r))
+        return line
 
     def finished(self, g: int, now: float, *args, **kwargs):
         line, k = self.line_of(g)

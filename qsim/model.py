@@ -91,6 +91,7 @@ def simulate(
     router: Router | None = None,
     replica_speeds=None,
     replica_down=(),
+    admission_at: str = "replica",
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -130,6 +131,9 @@ def simulate(
     replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends
     ``error`` (engine_exception) and what waits there ``error`` (shutting_down); the router sends
     nothing there until to_s.
+    admission_at: where a fleet admits (:attr:`qsim.fleet.FleetSpec.admission`): "replica" (the
+    default), each replica on its own state after routing; "gate", one admission on the fleet's
+    state before routing (:mod:`qsim.gate_view`).
     The frame's ``attrs`` carry the run's duration_s, policy, engines and final speed factor
     (a batching engine's: its steps run too, all replicas' in a fleet);
     with a prefix cache (:attr:`qsim.engines.Batching.prefix_caching`), its counters too:
@@ -161,7 +165,7 @@ def simulate(
         _check_tokens(trace)
     if step_times is not None and not config.batching:
         raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
-    fleet = _fleet(replicas, router, config, replica_speeds, replica_down)
+    fleet = _fleet(replicas, router, config, replica_speeds, replica_down, admission_at)
     run = Simulation(trace, config, engine_part(config), fleet=fleet, step_times=step_times,
                      failed=failed, reported_s=reported_s, cancel_after_s=cancel_after_s,
                      cancel_until=cancel_until, priority=priority, client=client,
@@ -181,13 +185,15 @@ def simulate(
 
 
 def _fleet(replicas: int, router: Router | None, config: ServerConfig,
-           speeds=None, down=()) -> FleetSpec | None:
-    """The fleet of a run (None: one server, today's path), checked against its server."""
+           speeds=None, down=(), admission: str = "replica") -> FleetSpec | None:
+    """The fleet of a run (None: one server, today's path), checked against its server. One
+    replica admits as the one server, wherever its admission is (refused where it is neither)."""
     if replicas == 1 and not isinstance(replicas, bool) and speeds is None and not down:
+        FleetSpec(1, RoundRobin(), admission=admission)  # checks ``admission``
         return None
     if replicas == 1 and router is None:
         router = RoundRobin()  # one replica of its own speed: nothing to route
     fleet = FleetSpec(replicas, router, None if speeds is None else tuple(speeds),
-                      tuple(tuple(w) for w in down))
+                      tuple(tuple(w) for w in down), admission)
     fleet.check(config)
     return fleet

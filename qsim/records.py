@@ -65,7 +65,8 @@ SCHEMA: dict[str, tuple[str, str]] = {
                                       "no prefix cache, or never ran"),
     "replica": ("Int64", "replica of a fleet it went to, from 0 (qsim.fleet): routed there, or "
                          "bound where it started under a central queue; <NA>: none (a central "
-                         "queue's request that never started, or a service that did not say)"),
+                         "queue's request that never started, one a fleet's gate refused, or a "
+                         "service that did not say)"),
 }
 COLUMNS = tuple(SCHEMA)
 #: Columns a driver may leave out of :func:`from_arrays` (filled as missing): what older drivers do not know.

@@ -528,3 +528,133 @@ def test_least_ttft_asks_each_replica_its_projection_and_beats_jsq_on_a_slow_rep
             p99[name].append(frame["ttft_s"].quantile(0.99))
     assert np.mean(p99["least_ttft"]) < 0.9 * np.mean(p99["least_work"])
     assert np.mean(p99["least_ttft"]) < 0.6 * np.mean(p99["jsq"])
+
+
+# ---------------------------------------------------------------- admission at the gate
+
+
+def _waiting_over_time(frame, replicas):
+    """The most requests waiting at once, in the fleet and at each replica (from the records:
+    a request waits from its arrival until its start, or its end unrun)."""
+    admitted = frame[frame["outcome"] != "rejected"]
+    until = admitted["start_s"].fillna(admitted["finish_s"])
+    events = sorted([(t, 1, r) for t, r in zip(admitted["arrival_s"], admitted["replica"])] +
+                    [(t, -1, r) for t, r in zip(until, admitted["replica"])],
+                    key=lambda e: (e[0], e[1]))  # a start frees its place before an arrival
+    now, most, each, most_each = 0, 0, [0] * replicas, [0] * replicas
+    for _, step, r in events:
+        now += step
+        each[r] += step
+        most, most_each[r] = max(most, now), max(most_each[r], each[r])
+    return most, most_each
+
+
+def test_a_queue_bound_at_the_gate_is_the_fleets_and_at_each_replica_each_ones():
+    # The same seeded trace, a bound of 2 waiting: per replica, up to 2 waiting at each of the
+    # three (6 in the fleet); at the gate, never more than 2 waiting in the whole fleet.
+    t = trace(1.5, 3, 4000)
+    config = ServerConfig(Policy("cap", max_queue=2), 1)
+    each = simulate(t, config, replicas=3, router=JoinShortestQueue())
+    gate = simulate(t, config, replicas=3, router=JoinShortestQueue(), admission_at="gate")
+    records.validate(gate)
+    most, most_each = _waiting_over_time(each, 3)
+    assert max(most_each) == 2 and most > 2
+    most, _ = _waiting_over_time(gate, 3)
+    assert most <= 2
+    assert (gate["queued_at_arrival"] <= 2).all() and gate["queued_at_arrival"].max() == 2
+    # The gate refuses more (a tighter bound), and a refusal is routed nowhere.
+    refused = gate["outcome"] == "rejected"
+    assert refused.sum() > (each["outcome"] == "rejected").sum()
+    assert gate.loc[refused, "replica"].isna().all()
+    assert gate.loc[~refused, "replica"].notna().all()
+    assert each["replica"].notna().all()
+
+
+def test_the_gate_on_zero_time_arrivals_admits_the_fleets_engines_and_its_bound():
+    t = from_arrays(np.zeros(30), np.full(30, 64))
+    frame = simulate(t, ServerConfig(Policy("cap", max_queue=2), 1), replicas=3,
+                     router=RoundRobin(), admission_at="gate")
+    admitted = frame[frame["outcome"] != "rejected"]
+    # Three start at once, two wait in the fleet (at 0 and 1, round robin's turn): 5, not 9.
+    assert len(admitted) == 5 and admitted.groupby("replica").size().tolist() == [2, 2, 1]
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
+def test_admission_at_the_replica_is_todays_fleet(router):
+    t = trace(1.3, 3, 1500)
+    config = ServerConfig(PRESETS["predictive"], 2)
+    today = simulate(t, config, replicas=3, router=make_router(router))
+    pd.testing.assert_frame_equal(
+        simulate(t, config, replicas=3, router=make_router(router), admission_at="replica"), today)
+    if router == "central":  # one line: its admission is the gate's already
+        pd.testing.assert_frame_equal(
+            simulate(t, config, replicas=3, router=make_router(router), admission_at="gate"),
+            today)
+
+
+def test_one_replica_at_the_gate_is_the_one_server():
+    t = trace(1.3, 2, 1500)
+    config = ServerConfig(PRESETS["bounded-deadline"], 2)
+    # Through the fleet's path (a speed of 1): the same decisions; a refusal routed nowhere.
+    one = simulate(t, config, replicas=1, router=RoundRobin(), replica_speeds=[1],
+                   admission_at="gate")
+    plain = simulate(t, config)
+    refused = plain["outcome"] == "rejected"
+    assert refused.any() and one.loc[refused, "replica"].isna().all()
+    pd.testing.assert_frame_equal(plain.drop(columns="replica"), one.drop(columns="replica"))
+    # One replica without a fleet's options is the one server, wherever it admits.
+    pd.testing.assert_frame_equal(plain, simulate(t, config, replicas=1, admission_at="gate"))
+
+
+@pytest.mark.parametrize("policy", ["bounded-deadline", "predictive"])
+def test_batching_replicas_admit_at_the_gate_on_the_fleets_waiting(policy):
+    t = trace(1.5, 3, 3000)
+    config = ServerConfig(PRESETS[policy], engine=Batching(max_num_seqs=4, kv_blocks=600))
+    each = simulate(t, config, replicas=3, router=JoinShortestQueue())
+    gate = simulate(t, config, replicas=3, router=JoinShortestQueue(), admission_at="gate")
+    records.validate(gate)
+    assert not gate.equals(each)
+    refused = gate["outcome"] == "rejected"
+    assert gate.loc[refused, "replica"].isna().all()
+    assert gate["outcome"].isin(OUTCOMES).all() and len(gate) == len(t)
+
+
+def test_a_bad_admission_place_is_refused():
+    with pytest.raises(ValueError, match="admission is at one of replica, gate"):
+        simulate(trace(0.5, 2, 50), ServerConfig(), replicas=2, router=Random(),
+                 admission_at="router")
+
+
+def test_a_fleets_fields_keep_its_admission():
+    from qsim.fleet import FleetSpec
+
+    spec = FleetSpec(3, JoinShortestQueue(), admission="gate")
+    assert spec.to_fields()["admission"] == "gate"
+    assert FleetSpec.from_fields(json.loads(json.dumps(spec.to_fields()))) == spec
+    assert "admission" not in FleetSpec(3, JoinShortestQueue()).to_fields()  # as before
+
+
+def test_simulate_admission_at_the_gate(tmp_path, capsys):
+    args = ["simulate", "--replicas", "3", "--router", "jsq", "--policy", "bounded",
+            "--load", "1.5", "--requests", "2000", "--json"]
+    each = json.loads(qlab(args, capsys)[1])
+    code, out, err = qlab(args + ["--admission-at", "gate"], capsys)
+    assert code == 0 and err == ""
+    gate = json.loads(out)
+    assert gate["summary"]["rejected"] > each["summary"]["rejected"]
+    # Streamed to --out (qsim.stream), the same run.
+    code, out, _ = qlab(args + ["--admission-at", "gate", "--out", str(tmp_path / "r.parquet")],
+                        capsys)
+    assert code == 0 and json.loads(out)["summary"] == gate["summary"]
+    code, out, _ = qlab(args[:-1] + ["--admission-at", "gate"], capsys)
+    assert code == 0 and "admitted at the gate" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "2", "--admission-at", "router"],
+     "--admission-at: invalid choice 'router': a fleet admits at one of replica, gate"),
+    (["--admission-at", "gate"], "--admission-at: a fleet's options, for --replicas N > 1"),
+])
+def test_simulate_refuses_a_bad_admission_place_in_one_line(args, message, capsys):
+    code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1

@@ -78,6 +78,23 @@ def test_a_sweep_at_a_rate_spreads_it_over_the_replicas(tmp_path):
     assert "jain_replicas" in table.metrics
 
 
+def test_a_sweep_over_where_a_fleet_admits(tmp_path):
+    text = FLEET.replace('router = ["random", "power_of_d", "central"]',
+                         'router = ["jsq"]\nadmission_at = ["replica", "gate"]')
+    text = text.replace('policy = ["none"]', 'policy = ["bounded"]').replace("[0.8]", "[1.5]")
+    summary = sweep.run(load_text(tmp_path, text), tmp_path / "out", workers=1, quiet=True)
+    assert set(summary["admission_at"]) == {"replica", "gate"} and len(summary) == 2 * 2 * 2
+    frame = rows(tmp_path / "out")
+    # The gate's bound (bounded's max_queue) is the fleet's: it refuses more, routed nowhere.
+    refused = frame[frame["outcome"] == "rejected"].groupby("admission_at").size()
+    assert refused.get("gate", 0) > refused.get("replica", 0)
+    gate = frame[frame["admission_at"] == "gate"]
+    assert gate.loc[gate["outcome"] == "rejected", "replica"].isna().all()
+    # A sweep without the axis keeps its cells' ids (an axis at its default is the cell's own).
+    plain = load_text(tmp_path, FLEET)
+    assert all(c.admission_at is None for c in sweep.cells(plain))
+
+
 def test_a_config_without_fleet_axes_keeps_its_cells():
     cfg = config.load("docs/examples/tiny.toml")
     assert all(c.replicas is None and c.router is None for c in sweep.cells(cfg))
@@ -90,6 +107,8 @@ def test_a_config_without_fleet_axes_keeps_its_cells():
     ('replicas = [2]\nrouter = ["power_of_d:3"]', "3 choices among 2 replicas"),
     ('replicas = [0]', "replicas"),
     ('rate = [2.0]', "grid.load and grid.rate exclude each other"),
+    ('admission_at = ["gate"]', "grid.admission_at is where a fleet admits: add grid.replicas"),
+    ('replicas = [2]\nadmission_at = ["router"]', "a fleet admits at one of replica, gate"),
 ])
 def test_bad_fleet_axes_are_refused_before_anything_runs(tmp_path, grid, says):
     text = f'[sweep]\nduration_s = 5\n[grid]\npolicy = ["none"]\nload = [0.5]\n{grid}\n'
@@ -281,6 +300,19 @@ def test_capacity_of_a_fleet(tmp_path, capsys):
     assert record["rate_rps"] == pytest.approx(2 * record["load"])
     rows = pd.read_parquet(tmp_path / "cells", columns=["replica"])
     assert set(rows["replica"]) == {0, 1}
+    assert "admission_at" not in record
+
+
+def test_capacity_of_a_fleet_admitting_at_the_gate(tmp_path, capsys):
+    args = ["capacity", "--policy", "bounded", "--service", "exponential", "--mean-service", "1",
+            "--objective", "share_good>=0.5", "--seconds", "100", "--seeds", "2", "--workers", "1",
+            "--tolerance", "0.3", "--replicas", "2", "--router", "jsq", "--admission-at", "gate",
+            "--json", "--out", str(tmp_path)]
+    assert main(args) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["admission_at"] == "gate" and record["replicas"] == 2
+    cells = pd.read_parquet(tmp_path / "cells", columns=["admission_at"])
+    assert set(cells["admission_at"]) == {"gate"}
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -292,6 +324,8 @@ def test_capacity_of_a_fleet(tmp_path, capsys):
     (["--router", "random"], "--router routes between"),
     (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
     (["--replicas", "2", "--router", "fastest"], "unknown router"),
+    (["--admission-at", "gate"], "--admission-at is where a fleet admits"),
+    (["--replicas", "2", "--admission-at", "pod"], "a fleet admits at one of replica, gate"),
     (["--rate", "2", "--concurrency", "0.1"], "concurrency 0"),
 ])
 def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, extra, says):
