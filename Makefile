@@ -26,9 +26,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/qlab study --out runs/study --quick
 
-# ruff's lint ([tool.ruff] in pyproject.toml) first: seconds, and a failure names file and line.
+# ruff's lint and format check ([tool.ruff] in pyproject.toml) first: seconds, and a failure names
+# file and line (`ruff format .` then fixes the layout).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The whole suite, as CI runs it, in two steps (docs/testing.md). First all but the tests marked
 # alone, on two workers (pytest-xdist), each module's tests on one worker in their order, as in one

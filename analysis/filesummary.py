@@ -1,11 +1,13 @@
-"""A run's summary read from its records' parquet file in bounded memory, exactly as metrics computes it.
+"""A run's summary read from its records' parquet file in bounded memory, exactly as metrics
+computes it.
 
-``qlab simulate --out`` streams records to a file (qsim.stream); reading every record back to summarise
-them cost more memory than the run itself (0.7 GB at 2 million requests). Here the file is read a batch of
-rows at a time: counts and sums add up batch by batch, and each latency percentile is found by radix
-selection (a few passes over the file, each a histogram of 12 more bits of the values' order-preserving
-keys, then the few values left, sorted). The percentiles are np.quantile's own (its linear method, from the
-same two order statistics), not an estimate: the printed output of a streamed run is unchanged.
+``qlab simulate --out`` streams records to a file (qsim.stream); reading every record back to
+summarise them cost more memory than the run itself (0.7 GB at 2 million requests). Here the file is
+read a batch of rows at a time: counts and sums add up batch by batch, and each latency percentile
+is found by radix selection (a few passes over the file, each a histogram of 12 more bits of the
+values' order-preserving keys, then the few values left, sorted). The percentiles are np.quantile's
+own (its linear method, from the same two order statistics), not an estimate: the printed output of
+a streamed run is unchanged.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ BATCH = 65_536  # rows read at a time
 DIGIT = 12  # bits a pass selects on: a histogram of 4,096 counts (32 KB) a series
 COLLECT = 8_192  # values few enough to gather and sort instead of another pass
 #: metrics._summary's quantiles of each series.
-QUANTILES = {"latency": (0.5, 0.9, 0.99), "refusal": (0.5, 0.99), "ttft": (0.5, 0.99),
-             "tpot": (0.5, 0.99)}
+QUANTILES = {
+    "latency": (0.5, 0.9, 0.99),
+    "refusal": (0.5, 0.99),
+    "ttft": (0.5, 0.99),
+    "tpot": (0.5, 0.99),
+}
 _ANSWERED = [OUTCOMES.index("good"), OUTCOMES.index("late")]
 _REFUSED = [OUTCOMES.index("rejected"), OUTCOMES.index("expired")]
 _SIGN = np.uint64(1 << 63)
@@ -44,7 +50,8 @@ def _value(key: int) -> float:
 
 
 def _ranks(n: int, qs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """np.quantile's linear method: the order statistics below and above each quantile, and the weight."""
+    """np.quantile's linear method: the order statistics below and above each quantile, and the
+    weight."""
     virtual = np.asanyarray((n - 1) * np.asarray(qs, dtype=np.float64))
     below = np.floor(virtual).astype(np.intp)
     above = below + 1
@@ -74,28 +81,34 @@ def _column(file: pq.ParquetFile, group: int, name: str) -> np.ndarray:
 
 
 def _codes(file: pq.ParquetFile, group: int, name: str, code_of) -> np.ndarray:
-    """A dictionary column of one row group as integer codes: ``code_of`` of each label (None: null),
-    looked up once a label, not once a row (strings through pandas cost more than the rest)."""
+    """A dictionary column of one row group as integer codes: ``code_of`` of each label (None:
+    null), looked up once a label, not once a row (strings through pandas cost more than the
+    rest)."""
     column = file.read_row_group(group, columns=[name], use_threads=False).column(0)
     parts = []
     for chunk in column.chunks:
-        null = code_of(None) if chunk.null_count else -1  # a null is a label only where there is one
-        lookup = np.array([code_of(v) for v in chunk.dictionary.to_pylist()] + [null], dtype=np.intp)
+        # a null is a label only where there is one
+        null = code_of(None) if chunk.null_count else -1
+        lookup = np.array(
+            [code_of(v) for v in chunk.dictionary.to_pylist()] + [null], dtype=np.intp
+        )
         indices = chunk.indices.fill_null(len(lookup) - 1).to_numpy()
         parts.append(lookup[indices])
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.intp)
 
 
 class _Pass:
-    """One read of the file: for each series, a histogram of one digit of its keys under a prefix, or the
-    keys under a prefix gathered."""
+    """One read of the file: for each series, a histogram of one digit of its keys under a prefix,
+    or the keys under a prefix gathered."""
 
     def __init__(self) -> None:
-        self.hist: dict[tuple, np.ndarray] = {}  # (series, depth, prefix) -> counts of the next digit
+        # (series, depth, prefix) -> counts of the next digit
+        self.hist: dict[tuple, np.ndarray] = {}
         self.gather: dict[tuple, list] = {}  # (series, depth, prefix) -> keys
         # (series, depth, prefix) -> (distinct keys, their counts) under it, while there are at most
-        # COLLECT of them (None: more): values that repeat (a refusal's 0 s, a time per token of a few
-        # values) are read off these at once, where digits would take a pass each down to the last bit.
+        # COLLECT of them (None: more): values that repeat (a refusal's 0 s, a time per token of a
+        # few values) are read off these at once, where digits would take a pass each down to the
+        # last bit.
         self.distinct: dict[tuple, tuple | None] = {}
 
     def wants(self, series) -> bool:
@@ -106,7 +119,9 @@ class _Pass:
             if job[0] != series:
                 continue
             _, depth, prefix = job
-            mine = keys if depth == 0 else keys[(keys >> np.uint64(64 - depth)) == np.uint64(prefix)]
+            mine = (
+                keys if depth == 0 else keys[(keys >> np.uint64(64 - depth)) == np.uint64(prefix)]
+            )
             if job in self.hist:
                 width = _width(depth)
                 digit = (mine >> np.uint64(64 - depth - width)) & np.uint64((1 << width) - 1)
@@ -122,8 +137,11 @@ class _Pass:
         merged = np.concatenate([*(k for k, _ in seen), keys])
         weights = np.concatenate([*(c for _, c in seen), np.ones(len(keys), dtype=np.int64)])
         unique, where = np.unique(merged, return_inverse=True)
-        self.distinct[job] = None if len(unique) > COLLECT else \
-            (unique, np.bincount(where, weights=weights).astype(np.int64))
+        self.distinct[job] = (
+            None
+            if len(unique) > COLLECT
+            else (unique, np.bincount(where, weights=weights).astype(np.int64))
+        )
 
 
 class FileSummary:
@@ -147,23 +165,27 @@ class FileSummary:
 
     # ------------------------------------------------------------ reading
     def _batches(self, first: bool):
-        """The rows of this seed a row group at a time, as numpy arrays, read a column at a time: reading
-        them together, or through pandas, holds more of the file at once."""
+        """The rows of this seed a row group at a time, as numpy arrays, read a column at a time:
+        reading them together, or through pandas, holds more of the file at once."""
         columns = ["outcome", "size_class", "latency_s", "ttft_s", "tpot_s"]
         if first:
             columns += ["max_new_tokens", "kv_blocks_peak", "ttft_slo_s", "arrival_s", "finish_s"]
-        file = pq.ParquetFile(self.path, pre_buffer=False,
-                              read_dictionary=["outcome", "size_class"])
+        file = pq.ParquetFile(
+            self.path, pre_buffer=False, read_dictionary=["outcome", "size_class"]
+        )
         names = set(file.schema_arrow.names)
         wanted = [c for c in columns if c in names]
         for group, mine in self._groups(file):
-            batch = {c: _column(file, group, c) for c in wanted if c not in ("outcome", "size_class")}
+            batch = {
+                c: _column(file, group, c) for c in wanted if c not in ("outcome", "size_class")
+            }
             batch["outcome"] = _codes(file, group, "outcome", self._outcome_code)
             batch["size_class"] = _codes(file, group, "size_class", self._group_code(first))
             yield batch if mine is None or mine.all() else {c: v[mine] for c, v in batch.items()}
 
     def _groups(self, file: pq.ParquetFile):
-        """Each row group holding rows of this seed, with which of its rows are (None: all, no seed)."""
+        """Each row group holding rows of this seed, with which of its rows are (None: all, no
+        seed)."""
         for group in range(file.num_row_groups):
             mine = None
             if self.seed is not None:
@@ -173,13 +195,19 @@ class FileSummary:
             yield group, mine
 
     def by_replica(self, replicas: int) -> pd.DataFrame:
-        """metrics.by_replica of this seed's rows, a row group at a time (its counts and sums add up)."""
+        """metrics.by_replica of this seed's rows, a row group at a time (its counts and sums add
+        up)."""
         file = pq.ParquetFile(self.path, pre_buffer=False)
-        total = metrics.by_replica(pd.DataFrame({"replica": pd.array([], dtype="Int64"),
-                                                 "start_s": [], "true_service_s": []}), replicas)
+        total = metrics.by_replica(
+            pd.DataFrame(
+                {"replica": pd.array([], dtype="Int64"), "start_s": [], "true_service_s": []}
+            ),
+            replicas,
+        )
         for group, mine in self._groups(file):
-            rows = file.read_row_group(group, columns=["replica", "start_s", "true_service_s"],
-                                       use_threads=False).to_pandas()
+            rows = file.read_row_group(
+                group, columns=["replica", "start_s", "true_service_s"], use_threads=False
+            ).to_pandas()
             total += metrics.by_replica(rows if mine is None else rows[mine], replicas)
         return total
 
@@ -201,10 +229,12 @@ class FileSummary:
     def _group_code(self, first: bool):
         """A size class's group number (1, 2, ... in the order met; NaN's None too), new ones in the
         first pass."""
+
         def code_of(label) -> int:
             if first and label not in self.labels:
                 self.labels[label] = len(self.labels) + 1
             return self.labels.get(label, -1)
+
         return code_of
 
     def _count(self, frame: dict, outcome: np.ndarray, group: np.ndarray) -> None:
@@ -215,19 +245,26 @@ class FileSummary:
             counts = np.bincount(outcome[mine][outcome[mine] >= 0], minlength=len(OUTCOMES))
             self.counts[g] = self.counts.get(g, 0) + counts
             self.tokens[g] = self.tokens.get(g, 0) + tokens[mine][good[mine]].sum()
-        self.span = [min(self.span[0], np.min(frame["arrival_s"])),
-                     max(self.span[1], np.max(frame["finish_s"]))]
-        self.timed = self.timed or any(c in frame and pd.notna(frame[c]).any()
-                                       for c in ("kv_blocks_peak", "ttft_slo_s"))
+        self.span = [
+            min(self.span[0], np.min(frame["arrival_s"])),
+            max(self.span[1], np.max(frame["finish_s"])),
+        ]
+        self.timed = self.timed or any(
+            c in frame and pd.notna(frame[c]).any() for c in ("kv_blocks_peak", "ttft_slo_s")
+        )
 
     def _series(self, frame, outcome, group, first: bool):
-        """(group, name) and the keys of its values in this batch: the whole run's and each class's."""
+        """(group, name) and the keys of its values in this batch: the whole run's and each
+        class's."""
         answered, refused = np.isin(outcome, _ANSWERED), np.isin(outcome, _REFUSED)
         latency = np.asarray(frame["latency_s"], dtype=float)
         nan = np.full(len(latency), np.nan)
-        columns = {"latency": (latency, answered), "refusal": (latency, refused),
-                   "ttft": (np.asarray(frame.get("ttft_s", nan), dtype=float), answered),
-                   "tpot": (np.asarray(frame.get("tpot_s", nan), dtype=float), answered)}
+        columns = {
+            "latency": (latency, answered),
+            "refusal": (latency, refused),
+            "ttft": (np.asarray(frame.get("ttft_s", nan), dtype=float), answered),
+            "tpot": (np.asarray(frame.get("tpot_s", nan), dtype=float), answered),
+        }
         for g in [0, *np.unique(group)]:
             for name, (values, take) in columns.items():
                 mask = take if g == 0 else take & (group == g)
@@ -268,7 +305,8 @@ class FileSummary:
         return self._sizes.get((series, depth, prefix), self.n[series])
 
     def _settle(self, job: _Pass, wanted: dict) -> None:
-        """Move each open order statistic a digit down the histograms, or read it off the gathered keys."""
+        """Move each open order statistic a digit down the histograms, or read it off the
+        gathered keys."""
         for (series, _), w in wanted.items():
             depth, prefix, rank, key = w
             if key is not None:
@@ -317,20 +355,32 @@ class FileSummary:
         row: dict[str, float] = {"requests": n}
         row.update({o: int(c) for o, c in zip(OUTCOMES, counts)})
         row["refused"] = row["rejected"] + row["expired"]
-        q = {name: self.quantiles.get((g, name), [math.nan] * len(qs)) for name, qs in QUANTILES.items()}
-        row.update(share_good=row["good"] / n if n else math.nan,
-                   share_refused=row["refused"] / n if n else math.nan,
-                   goodput_rps=np.int64(row["good"]) / self.seconds,
-                   good_tokens_per_s=np.int64(self.tokens.get(g, 0)) / self.seconds,
-                   latency_p50_s=q["latency"][0], latency_p90_s=q["latency"][1],
-                   latency_p99_s=q["latency"][2], refusal_p50_s=q["refusal"][0],
-                   refusal_p99_s=q["refusal"][1])
-        row.update(ttft_p50_s=q["ttft"][0], ttft_p99_s=q["ttft"][1], tpot_p50_s=q["tpot"][0],
-                   tpot_p99_s=q["tpot"][1])
+        q = {
+            name: self.quantiles.get((g, name), [math.nan] * len(qs))
+            for name, qs in QUANTILES.items()
+        }
+        row.update(
+            share_good=row["good"] / n if n else math.nan,
+            share_refused=row["refused"] / n if n else math.nan,
+            goodput_rps=np.int64(row["good"]) / self.seconds,
+            good_tokens_per_s=np.int64(self.tokens.get(g, 0)) / self.seconds,
+            latency_p50_s=q["latency"][0],
+            latency_p90_s=q["latency"][1],
+            latency_p99_s=q["latency"][2],
+            refusal_p50_s=q["refusal"][0],
+            refusal_p99_s=q["refusal"][1],
+        )
+        row.update(
+            ttft_p50_s=q["ttft"][0],
+            ttft_p99_s=q["ttft"][1],
+            tpot_p50_s=q["tpot"][0],
+            tpot_p99_s=q["tpot"][1],
+        )
         return {k: float(v) for k, v in row.items()}
 
     def summary(self) -> dict[str, float]:
-        """What metrics.summary gives for the frame of these rows (no retries or prefix cache stream)."""
+        """What metrics.summary gives for the frame of these rows (no retries or prefix cache
+        stream)."""
         return self._row(0)
 
     def by_class(self) -> pd.DataFrame:
@@ -338,9 +388,16 @@ class FileSummary:
         total = self._row(0)["requests"]
         named = sorted((v for v in self.labels if not pd.isna(v)), key=metrics._class_key)
         index = named + [v for v in self.labels if pd.isna(v)]
-        rows = [{**self._row(self.labels[v]), "share_of_requests": float(self._row(self.labels[v])["requests"]
-                                                                          / total)} for v in index]
+        rows = [
+            {
+                **self._row(self.labels[v]),
+                "share_of_requests": float(self._row(self.labels[v])["requests"] / total),
+            }
+            for v in index
+        ]
         if not rows:
             columns = list(self._row(0)) + ["share_of_requests"]
-            return pd.DataFrame(columns=columns, index=pd.Index([], name="size_class", dtype=object))
+            return pd.DataFrame(
+                columns=columns, index=pd.Index([], name="size_class", dtype=object)
+            )
         return pd.DataFrame(rows, index=pd.Index(index, name="size_class", dtype=object))

@@ -52,12 +52,16 @@ def prefix_cache_summary(frame: pd.DataFrame) -> dict[str, float]:
     if "prefix_cache_queries" not in frame.attrs:
         return {}
     queries, hits = frame.attrs["prefix_cache_queries"], frame.attrs["prefix_cache_hits"]
-    return {"prefix_cache_queries": float(queries), "prefix_cache_hits": float(hits),
-            "prefix_cache_hit_rate": hits / queries if queries else math.nan}
+    return {
+        "prefix_cache_queries": float(queries),
+        "prefix_cache_hits": float(hits),
+        "prefix_cache_hit_rate": hits / queries if queries else math.nan,
+    }
 
 
 def end_to_end(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per request (its first attempt's ``first_request_id``) as its client saw it, retries included.
+    """One row per request (its first attempt's ``first_request_id``) as its client saw it, retries
+    included.
 
     ``outcome`` is its last attempt's, with good/late judged from the *first* send against the first
     attempt's deadline (``latency_s`` = last finish - first send); ``attempts`` counts its rows.
@@ -81,10 +85,10 @@ def end_to_end(frame: pd.DataFrame) -> pd.DataFrame:
 def retry_summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[str, float]:
     """What retries did: amplification, end-to-end goodput, and whether clients waited as told.
 
-    attempts_per_request: rows per request (1 without retries). goodput_e2e_rps and share_good_e2e: requests
-    answered within their deadline from their first send (:func:`end_to_end`), beside the attempt-level
-    goodput_rps. retry_after_adherence: of the retries that followed an answer carrying Retry-After, the
-    share sent no sooner than it said (NaN when none did).
+    attempts_per_request: rows per request (1 without retries). goodput_e2e_rps and share_good_e2e:
+    requests answered within their deadline from their first send (:func:`end_to_end`), beside the
+    attempt-level goodput_rps. retry_after_adherence: of the retries that followed an answer
+    carrying Retry-After, the share sent no sooner than it said (NaN when none did).
     """
     seconds = run_duration(frame, duration_s)
     e2e = end_to_end(frame)
@@ -92,7 +96,10 @@ def retry_summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[
     rows = frame.sort_values(["first_request_id", "attempt"], kind="stable")
     prev = rows.groupby("first_request_id", sort=False).shift(1)
     told = (rows["attempt"] > 1) & prev["retry_after_s"].notna()
-    waited = rows.loc[told, "arrival_s"] >= prev.loc[told, "finish_s"] + prev.loc[told, "retry_after_s"].astype(float) - 1e-9
+    waited = (
+        rows.loc[told, "arrival_s"]
+        >= prev.loc[told, "finish_s"] + prev.loc[told, "retry_after_s"].astype(float) - 1e-9
+    )
     return {
         "requests_e2e": float(len(e2e)),
         "attempts_per_request": len(frame) / len(e2e) if len(e2e) else math.nan,
@@ -102,20 +109,25 @@ def retry_summary(frame: pd.DataFrame, duration_s: float | None = None) -> dict[
     }
 
 
-def over_time(frame: pd.DataFrame, bin_s: float = 1.0, until_s: float | None = None) -> pd.DataFrame:
-    """What happened each ``bin_s`` seconds of a run, one row per bin [t_s, t_s + bin_s) from 0, as rates per second.
+def over_time(
+    frame: pd.DataFrame, bin_s: float = 1.0, until_s: float | None = None
+) -> pd.DataFrame:
+    """What happened each ``bin_s`` seconds of a run, one row per bin [t_s, t_s + bin_s) from 0, as
+    rates per second.
 
     attempts_per_s: attempts sent (every row, retries included: the load the service was offered);
-    first_sends_per_s: requests sent for the first time (attempt 1); goodput_rps: good answers by the time they
-    came back (``finish_s``, attempt-level: an attempt answered within its deadline from its own send);
-    goodput_e2e_rps: requests good end to end (:func:`end_to_end`: answered within the deadline from the
-    *first* send), by the time of that first send. Bins run to ``until_s`` (default: the last send or
-    finish); events at or after it are left out.
+    first_sends_per_s: requests sent for the first time (attempt 1); goodput_rps: good answers by
+    the time they came back (``finish_s``, attempt-level: an attempt answered within its deadline
+    from its own send); goodput_e2e_rps: requests good end to end (:func:`end_to_end`: answered
+    within the deadline from the *first* send), by the time of that first send. Bins run to
+    ``until_s`` (default: the last send or finish); events at or after it are left out.
     """
     if not bin_s > 0:
         raise ValueError(f"bin_s must be > 0, got {bin_s}")
     if until_s is None:
-        until_s = float(np.nanmax(frame[["arrival_s", "finish_s"]].to_numpy(dtype=float), initial=0.0))
+        until_s = float(
+            np.nanmax(frame[["arrival_s", "finish_s"]].to_numpy(dtype=float), initial=0.0)
+        )
         n = int(np.floor(until_s / bin_s)) + 1  # the bin holding the last event
     else:
         n = int(np.ceil(until_s / bin_s - 1e-9))
@@ -125,32 +137,44 @@ def over_time(frame: pd.DataFrame, bin_s: float = 1.0, until_s: float | None = N
         index = index[(index >= 0) & (index < n)].astype(np.int64)
         return np.bincount(index, minlength=n)[:n] / bin_s
 
-    first = frame["attempt"].to_numpy() == 1 if "attempt" in frame else np.ones(len(frame), dtype=bool)
+    first = (
+        frame["attempt"].to_numpy() == 1 if "attempt" in frame else np.ones(len(frame), dtype=bool)
+    )
     good = frame["outcome"].to_numpy(dtype=object) == "good"
     if "first_request_id" in frame and len(frame):
         e2e = end_to_end(frame)
         e2e_good = e2e.loc[e2e["outcome"].eq("good").to_numpy(), "arrival_s"]
     else:
         e2e_good = frame.loc[good, "arrival_s"]
-    return pd.DataFrame({
-        "t_s": np.arange(n) * bin_s,
-        "attempts_per_s": per_s(frame["arrival_s"]),
-        "first_sends_per_s": per_s(frame.loc[first, "arrival_s"]),
-        "goodput_rps": per_s(frame.loc[good, "finish_s"]),
-        "goodput_e2e_rps": per_s(e2e_good),
-    })
+    return pd.DataFrame(
+        {
+            "t_s": np.arange(n) * bin_s,
+            "attempts_per_s": per_s(frame["arrival_s"]),
+            "first_sends_per_s": per_s(frame.loc[first, "arrival_s"]),
+            "goodput_rps": per_s(frame.loc[good, "finish_s"]),
+            "goodput_e2e_rps": per_s(e2e_good),
+        }
+    )
 
 
-def recovery(series: pd.DataFrame, start_s: float, end_s: float, column: str = "goodput_e2e_rps", *,
-             window_s: float = 5.0, within: float = 0.1) -> dict[str, float]:
-    """How long after a disturbance [start_s, end_s) a run's goodput took to come back (an :func:`over_time` table).
+def recovery(
+    series: pd.DataFrame,
+    start_s: float,
+    end_s: float,
+    column: str = "goodput_e2e_rps",
+    *,
+    window_s: float = 5.0,
+    within: float = 0.1,
+) -> dict[str, float]:
+    """How long after a disturbance [start_s, end_s) a run's goodput took to come back (an
+    :func:`over_time` table).
 
-    The steady state is ``column``'s mean over the bins before ``start_s``. Recovered at the first bin from
-    ``end_s`` on whose ``window_s`` seconds (that bin and the following ones: a forward moving average) average
-    at least (1 - within) times the steady state; above it counts as recovered (a backlog being served).
-    recovery_s: seconds from ``end_s`` to that bin's start, NaN when no whole window of the run reached it
-    ("never"); recovered: 1 or 0 (NaN, with recovery_s, when there was no steady state to return to);
-    steady_rps: the steady state.
+    The steady state is ``column``'s mean over the bins before ``start_s``. Recovered at the first
+    bin from ``end_s`` on whose ``window_s`` seconds (that bin and the following ones: a forward
+    moving average) average at least (1 - within) times the steady state; above it counts as
+    recovered (a backlog being served). recovery_s: seconds from ``end_s`` to that bin's start, NaN
+    when no whole window of the run reached it ("never"); recovered: 1 or 0 (NaN, with recovery_s,
+    when there was no steady state to return to); steady_rps: the steady state.
     """
     t = series["t_s"].to_numpy(dtype=float)
     values = series[column].to_numpy(dtype=float)
@@ -160,7 +184,8 @@ def recovery(series: pd.DataFrame, start_s: float, end_s: float, column: str = "
     if not level > 0:
         return {"recovery_s": math.nan, "recovered": math.nan, "steady_rps": level}
     width = max(1, int(round(window_s / bin_s)))
-    # Forward mean of each bin and the width - 1 after it; only whole windows (the run's last bins have none).
+    # Forward mean of each bin and the width - 1 after it; only whole windows (the run's last bins
+    # have none).
     forward = pd.Series(values[::-1]).rolling(width).mean().to_numpy()[::-1]
     ok = np.flatnonzero((t >= end_s - 1e-9) & (forward >= (1.0 - within) * level))
     if not len(ok):
@@ -168,8 +193,9 @@ def recovery(series: pd.DataFrame, start_s: float, end_s: float, column: str = "
     return {"recovery_s": float(t[ok[0]] - end_s), "recovered": 1.0, "steady_rps": level}
 
 
-def by_group(frame: pd.DataFrame, column: str, duration_s: float | None = None, *,
-             order=None) -> pd.DataFrame:
+def by_group(
+    frame: pd.DataFrame, column: str, duration_s: float | None = None, *, order=None
+) -> pd.DataFrame:
     """:func:`summary` for each value of ``column``, one row each, indexed by that value.
 
     Rates are per the whole run's seconds (so the groups' goodputs add up to the run's), and
@@ -180,19 +206,24 @@ def by_group(frame: pd.DataFrame, column: str, duration_s: float | None = None, 
     seconds = run_duration(frame, duration_s)
     columns = _columns(frame)
     codes, uniques = pd.factorize(frame[column], use_na_sentinel=False)
-    labels = [v.item() if isinstance(v, np.generic) else v for v in uniques]  # plain ints: JSON-ready
+    # plain ints: JSON-ready
+    labels = [v.item() if isinstance(v, np.generic) else v for v in uniques]
     total = len(frame)
     rows = {}
     for i, label in enumerate(labels):
         mine = codes == i
-        rows[label] = {**_summary(*(c[mine] for c in columns), seconds),
-                       "share_of_requests": float(mine.sum() / total)}
+        rows[label] = {
+            **_summary(*(c[mine] for c in columns), seconds),
+            "share_of_requests": float(mine.sum() / total),
+        }
     named = sorted((v for v in labels if not pd.isna(v)), key=order)
     index = named + [v for v in labels if pd.isna(v)]
     table = pd.DataFrame([rows[v] for v in index], index=pd.Index(index, name=column, dtype=object))
     if table.empty:
-        table = pd.DataFrame(columns=list(_summary(*(c[:0] for c in columns), seconds)) + ["share_of_requests"],
-                             index=pd.Index([], name=column, dtype=object))
+        table = pd.DataFrame(
+            columns=list(_summary(*(c[:0] for c in columns), seconds)) + ["share_of_requests"],
+            index=pd.Index([], name=column, dtype=object),
+        )
     return table
 
 
@@ -240,8 +271,14 @@ def by_replica(frame: pd.DataFrame, replicas: int) -> pd.DataFrame:
     started = replica[ran].value_counts().reindex(index, fill_value=0)
     busy = frame.loc[ran, "true_service_s"].groupby(replica[ran]).sum()
     busy = busy.reindex(index, fill_value=0.0)
-    return pd.DataFrame({"requests": count.astype(int), "started": started.astype(int),
-                         "busy_s": busy.astype(float)}, index=index)
+    return pd.DataFrame(
+        {
+            "requests": count.astype(int),
+            "started": started.astype(int),
+            "busy_s": busy.astype(float),
+        },
+        index=index,
+    )
 
 
 def fleet_balance(table: pd.DataFrame) -> dict[str, float]:
@@ -250,8 +287,10 @@ def fleet_balance(table: pd.DataFrame) -> dict[str, float]:
     index over replicas (1 when even, 1 / N when one takes all)."""
     busy = table["busy_s"].to_numpy(dtype=float)
     mean = busy.mean() if busy.size else math.nan
-    return {"load_imbalance": float(busy.max() / mean) if mean > 0 else math.nan,
-            "jain_replicas": jain_index(busy)}
+    return {
+        "load_imbalance": float(busy.max() / mean) if mean > 0 else math.nan,
+        "jain_replicas": jain_index(busy),
+    }
 
 
 def client_fairness(table: pd.DataFrame) -> dict[str, float]:
@@ -265,18 +304,23 @@ def client_fairness(table: pd.DataFrame) -> dict[str, float]:
     raises jain_goodput at the price of the heavy client's share in time.
     """
     named = table[table.index.notna()]
-    return {"jain_goodput": jain_index(named["good_tokens_per_s"]),
-            "jain_share": jain_index(named["share_good"])}
+    return {
+        "jain_goodput": jain_index(named["good_tokens_per_s"]),
+        "jain_share": jain_index(named["share_good"]),
+    }
 
 
 def _columns(frame: pd.DataFrame) -> tuple[np.ndarray, ...]:
     # numpy arrays, read once: a sweep summarises every cell and each size class in it, and pandas'
     # string comparisons cost more than the rest of a small cell's summary.
     nan = np.full(len(frame), np.nan)
-    return (frame["outcome"].to_numpy(dtype=object), frame["latency_s"].to_numpy(dtype=float),
-            frame["max_new_tokens"].to_numpy(),
-            frame["ttft_s"].to_numpy(dtype=float) if "ttft_s" in frame else nan,
-            frame["tpot_s"].to_numpy(dtype=float) if "tpot_s" in frame else nan)
+    return (
+        frame["outcome"].to_numpy(dtype=object),
+        frame["latency_s"].to_numpy(dtype=float),
+        frame["max_new_tokens"].to_numpy(),
+        frame["ttft_s"].to_numpy(dtype=float) if "ttft_s" in frame else nan,
+        frame["tpot_s"].to_numpy(dtype=float) if "tpot_s" in frame else nan,
+    )
 
 
 def _quantiles(values: np.ndarray, qs) -> list[float]:
@@ -284,8 +328,14 @@ def _quantiles(values: np.ndarray, qs) -> list[float]:
     return list(np.quantile(values, qs)) if len(values) else [math.nan] * len(qs)
 
 
-def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, ttft: np.ndarray, tpot: np.ndarray,
-             seconds: float) -> dict[str, float]:
+def _summary(
+    outcome: np.ndarray,
+    latency: np.ndarray,
+    tokens: np.ndarray,
+    ttft: np.ndarray,
+    tpot: np.ndarray,
+    seconds: float,
+) -> dict[str, float]:
     n = len(outcome)
     each = {str(o): outcome == o for o in OUTCOMES}
     good = each["good"]
@@ -301,8 +351,11 @@ def _summary(outcome: np.ndarray, latency: np.ndarray, tokens: np.ndarray, ttft:
         share_refused=row["refused"] / n if n else math.nan,
         goodput_rps=good.sum() / seconds,
         good_tokens_per_s=tokens[good].sum() / seconds,
-        latency_p50_s=lat[0], latency_p90_s=lat[1], latency_p99_s=lat[2],
-        refusal_p50_s=ref[0], refusal_p99_s=ref[1],
+        latency_p50_s=lat[0],
+        latency_p90_s=lat[1],
+        latency_p99_s=lat[2],
+        refusal_p50_s=ref[0],
+        refusal_p99_s=ref[1],
     )
     # Time to first token and per output token of the answered (definitions: docs/metrics.md).
     answered_mask = each["good"] | each["late"]
@@ -322,7 +375,8 @@ def _class_key(label: str) -> tuple[float, str]:
 
 
 def class_order(labels) -> list[str]:
-    """The distinct size classes of ``labels`` in numeric order ('4', '16', '64', not '16', '4', '64')."""
+    """The distinct size classes of ``labels`` in numeric order ('4', '16', '64', not '16', '4',
+    '64')."""
     return sorted(dict.fromkeys(str(v) for v in labels), key=_class_key)
 
 
@@ -342,8 +396,11 @@ def mean_ci(values, level: float = 0.95) -> tuple[float, float, float]:
     return (mean, float(low), float(high))
 
 
-def controlled_mean_ci(values, controls, known_mean: float, level: float = 0.95) -> tuple[float, float, float]:
-    """Mean and interval of independent replications by a control variate (Lavenberg and Welch, 1981).
+def controlled_mean_ci(
+    values, controls, known_mean: float, level: float = 0.95
+) -> tuple[float, float, float]:
+    """Mean and interval of independent replications by a control variate (Lavenberg and Welch,
+    1981).
 
     ``controls`` holds, per replication, a statistic whose true mean ``known_mean`` is known (the
     run's mean output length, its mean step time) and which moves with ``values`` from one
@@ -368,7 +425,9 @@ def across_seeds(table: pd.DataFrame, level: float = 0.95) -> pd.DataFrame:
     return pd.DataFrame.from_dict(out, orient="index", columns=["mean", "ci_low", "ci_high"])
 
 
-def aggregate(table: pd.DataFrame, by: list[str], columns: list[str], level: float = 0.95) -> pd.DataFrame:
+def aggregate(
+    table: pd.DataFrame, by: list[str], columns: list[str], level: float = 0.95
+) -> pd.DataFrame:
     """Mean and CI over seeds of ``columns`` for each group of ``by`` (e.g. policy, speed, load).
 
     Returns one row per group with columns <metric>, <metric>_low, <metric>_high, and n (seeds).
@@ -386,8 +445,21 @@ def aggregate(table: pd.DataFrame, by: list[str], columns: list[str], level: flo
 #: Metrics that are shares (in [0, 1]) and ones that cannot be negative (rates, seconds, counts), by
 #: how their names begin; a paired difference or a signed error is neither and is left alone.
 SHARE_PREFIXES = ("share", "jain", "recovered")
-NON_NEGATIVE_PREFIXES = ("goodput", "good_tokens", "good_requests", "latency_p", "capacity", "attempts",
-                         "recovery", "offered", "ttft_p", "tpot_p", "itl_p", "e2e_p", "requests")
+NON_NEGATIVE_PREFIXES = (
+    "goodput",
+    "good_tokens",
+    "good_requests",
+    "latency_p",
+    "capacity",
+    "attempts",
+    "recovery",
+    "offered",
+    "ttft_p",
+    "tpot_p",
+    "itl_p",
+    "e2e_p",
+    "requests",
+)
 
 
 def clip_bounds(table: pd.DataFrame) -> pd.DataFrame:
@@ -417,8 +489,10 @@ def with_ci(frame: pd.DataFrame) -> pd.DataFrame:
         if col.endswith(("_low", "_high")) and col.rsplit("_", 1)[0] in frame.columns:
             continue
         if f"{col}_low" in frame.columns and f"{col}_high" in frame.columns:
-            out[col] = [str(Est(m, lo, hi)) if pd.notna(m) else "-"
-                        for m, lo, hi in zip(frame[col], frame[f"{col}_low"], frame[f"{col}_high"])]
+            out[col] = [
+                str(Est(m, lo, hi)) if pd.notna(m) else "-"
+                for m, lo, hi in zip(frame[col], frame[f"{col}_low"], frame[f"{col}_high"])
+            ]
         else:
             out[col] = frame[col]
     return out.reset_index(drop=True)
@@ -454,7 +528,8 @@ def _select(table: pd.DataFrame, equal: dict) -> pd.DataFrame:
 
 
 def per_seed(table: pd.DataFrame, metric: str, **equal) -> pd.Series:
-    """``metric`` of the cells matching ``equal``, one value per seed (averaged over any other axis)."""
+    """``metric`` of the cells matching ``equal``, one value per seed (averaged over any other
+    axis)."""
     return _select(table, equal).groupby("seed")[metric].mean()
 
 

@@ -4,8 +4,8 @@
 An objective is a metric, a comparison and a value: ``share_good>=0.9`` (at least 90 % in time),
 ``latency_p99_s<=2`` (p99 latency of the answered at most 2 s), ``ttft_p99_s<0.5``; ``>`` and ``<``
 are strict. ``METRIC=VALUE`` means the metric's good direction: at most VALUE for a time (a metric
-in seconds, ``..._s``: latencies, TTFT, TPOT), at least VALUE for anything else (a share, a goodput).
-Several are joined with ``and``.
+in seconds, ``..._s``: latencies, TTFT, TPOT), at least VALUE for anything else (a share, a
+goodput). Several are joined with ``and``.
 """
 
 from __future__ import annotations
@@ -60,8 +60,12 @@ def parse_objectives(text: str) -> tuple[Objective, ...]:
     for term in re.split(r"\s+and\s+", str(text).strip()):
         match = _TERM.match(term)
         if not match:
-            raise ValueError(f"objective {term!r}: expected METRIC>=VALUE or METRIC<=VALUE (or >, <, or = for the "
-                             "metric's good direction), e.g. share_good>=0.9, several joined with 'and'")
+            raise ValueError(
+                f"objective {term!r}: expected METRIC>=VALUE or METRIC<=VALUE (or >, "
+                "<, or = for the "
+                "metric's good direction), e.g. share_good>=0.9, several joined with "
+                "'and'"
+            )
         metric, op, number = match.groups()
         try:
             value = float(number)
@@ -87,10 +91,16 @@ def unmeetable(o: Objective) -> str | None:
         low, high, what = 0.0, math.inf, "never below 0"
     else:
         return None
-    reachable = {">=": o.value <= high, ">": o.value < high, "<=": o.value >= low, "<": o.value > low}
+    reachable = {
+        ">=": o.value <= high,
+        ">": o.value < high,
+        "<=": o.value >= low,
+        "<": o.value > low,
+    }
     return None if reachable[o.op] else f"{o.metric} is {what}"
 
 
 def written(objectives: Iterable[Objective]) -> str:
-    """Objectives as one command-line text, joined with 'and' (:func:`parse_objectives` reads it back)."""
+    """Objectives as one command-line text, joined with 'and' (:func:`parse_objectives` reads it
+    back)."""
     return " and ".join(o.text for o in objectives)

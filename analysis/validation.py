@@ -43,7 +43,8 @@ from .metrics import controlled_mean_ci, mean_ci
 Stat = Callable[[pd.DataFrame], float]
 
 
-#: A row whose interval's half-width exceeds this share of its closed-form value is too wide to judge.
+#: A row whose interval's half-width exceeds this share of its closed-form value is too wide to
+#: judge.
 TOO_WIDE = 0.25
 
 
@@ -57,9 +58,9 @@ class Control:
 
 
 class Case(Protocol):
-    """A simulated system and the closed forms it is checked against: ``checks`` are (quantity, closed-form
-    value, statistic of a replication's records); ``control`` a control variate or None, or a
-    tuple of one per check (:func:`controls_of`); ``run(seed)`` gives the statistics of one
+    """A simulated system and the closed forms it is checked against: ``checks`` are (quantity,
+    closed-form value, statistic of a replication's records); ``control`` a control variate or None,
+    or a tuple of one per check (:func:`controls_of`); ``run(seed)`` gives the statistics of one
     replication, then those of its controls (:func:`control_columns`)."""
 
     name: str
@@ -126,14 +127,16 @@ def wait_where(column: str, value) -> Stat:
 
 
 def work_weighted_wait(frame: pd.DataFrame) -> float:
-    """Sum of S_i W_i over sum of S_i: the load-weighted mean wait that the M/G/1 conservation law fixes."""
+    """Sum of S_i W_i over sum of S_i: the load-weighted mean wait that the M/G/1 conservation
+    law fixes."""
     served = _served(frame)
     s = served["true_service_s"]
     return float(((served["start_s"] - served["arrival_s"]) * s).sum() / s.sum())
 
 
 def mean_tokens(frame: pd.DataFrame) -> float:
-    """Mean output length of the served, in tokens (a control variate: its true mean is the drawn lengths')."""
+    """Mean output length of the served, in tokens (a control variate: its true mean is the drawn
+    lengths')."""
     return float(_served(frame)["output_tokens"].mean())
 
 
@@ -160,13 +163,15 @@ def _load_deviation(rate: float, mean_s: float, frame: pd.DataFrame) -> float:
 
 
 def mean_step_s(frame: pd.DataFrame) -> float:
-    """Mean step time of a batching engine whose every request is one step long (no prompt, one token).
+    """Mean step time of a batching engine whose every request is one step long (no prompt, one
+    token).
 
     Every step then ends with all of its requests, at their common finish time; it began when the
     previous step ended, or, where the engine was idle by then, when its first request arrived (an
-    arrival to an idle engine starts a step at once): start_k = max(end_(k-1), first arrival in step k).
-    The first step of the frame is left out: it may hold requests of the warm-up, left out of the frame.
-    A step's time does not depend on who is in it, so these are independent draws of the step time.
+    arrival to an idle engine starts a step at once): start_k = max(end_(k-1), first arrival in step
+    k). The first step of the frame is left out: it may hold requests of the warm-up, left out of
+    the frame. A step's time does not depend on who is in it, so these are independent draws of the
+    step time.
     """
     ends, step_of = np.unique(frame["finish_s"].to_numpy(), return_inverse=True)
     first = np.full(len(ends), np.inf)
@@ -181,7 +186,8 @@ def blocked_share(frame: pd.DataFrame) -> float:
 
 def waited_share(frame: pd.DataFrame) -> float:
     """P(wait) over every arrival, the abandoned included: the share that did not start at once."""
-    at_once = (frame["start_s"] - frame["arrival_s"]) <= 1e-9  # never started (NaN) counts as waited
+    # never started (NaN) counts as waited
+    at_once = (frame["start_s"] - frame["arrival_s"]) <= 1e-9
     return float(1.0 - at_once.mean())
 
 
@@ -192,7 +198,8 @@ def abandoned_share(frame: pd.DataFrame) -> float:
 
 
 def mean_wait_all(frame: pd.DataFrame) -> float:
-    """Mean wait over every arrival: to the start for the served, to the moment it left for the abandoned."""
+    """Mean wait over every arrival: to the start for the served, to the moment it left for the
+    abandoned."""
     left = frame["start_s"].fillna(frame["finish_s"])
     return float((left - frame["arrival_s"]).mean())
 
@@ -213,11 +220,13 @@ class Scenario:
     high_share: float = 0.0  # share of requests in priority class 1 (the rest in class 0)
     mix: Mix = REFERENCE_MIX
     mean_service_s: float = 1.0  # exponential and deterministic service
-    # Patience while waiting, ("exponential", mean) or ("deterministic", tau): each client leaves if its
-    # request has not started that long after arrival (simulate's cancel_after_s with cancel_until="start").
+    # Patience while waiting, ("exponential", mean) or ("deterministic", tau): each client leaves if
+    # its request has not started that long after arrival (simulate's cancel_after_s with
+    # cancel_until="start").
     patience: tuple[str, float] | None = None
-    # Expiry at the front with a fixed estimate (the mean service time) and deadline tau + that estimate:
-    # a request that reaches the front after waiting more than tau is dropped unrun (M/M/c+D).
+    # Expiry at the front with a fixed estimate (the mean service time) and deadline tau + that
+    # estimate: a request that reaches the front after waiting more than tau is dropped unrun
+    # (M/M/c+D).
     expire_after_s: float | None = None
     # A fleet (qsim.fleet): ``replicas`` copies of the ``engines`` behind ``router``; ``load`` is
     # then each replica's, and the trace's rate replicas times that of one.
@@ -228,37 +237,58 @@ class Scenario:
 
     def run(self, seed: int) -> list[float]:
         mean = None if self.service == "mix" else self.mean_service_s
-        trace = make_trace("poisson", self.service, load=self.load,
-                           engines=self.engines * self.replicas, requests=self.requests, seed=seed,
-                           mean_service_s=mean, mix=self.mix)
+        trace = make_trace(
+            "poisson",
+            self.service,
+            load=self.load,
+            engines=self.engines * self.replicas,
+            requests=self.requests,
+            seed=seed,
+            mean_service_s=mean,
+            mix=self.mix,
+        )
         # Classes from a stream of their own, so the arrivals and sizes are those of the seed.
-        priority = (np.random.default_rng([seed, 1954]).random(len(trace)) < self.high_share).astype(int)
-        policy = Policy("theory", max_queue=self.max_queue, deadline_s=1e12, discipline=self.discipline)
+        priority = (
+            np.random.default_rng([seed, 1954]).random(len(trace)) < self.high_share
+        ).astype(int)
+        policy = Policy(
+            "theory", max_queue=self.max_queue, deadline_s=1e12, discipline=self.discipline
+        )
         extra: dict = {}
         fixed = False
         if self.patience is not None:  # patience from a stream of its own too
             kind, value = self.patience
             if kind not in ("exponential", "deterministic"):
                 raise ValueError(f"patience must be exponential or deterministic, got {kind!r}")
-            draws = np.random.default_rng([seed, 1981]).standard_exponential(len(trace)) \
-                if kind == "exponential" else np.ones(len(trace))
+            draws = (
+                np.random.default_rng([seed, 1981]).standard_exponential(len(trace))
+                if kind == "exponential"
+                else np.ones(len(trace))
+            )
             extra.update(cancel_after_s=value * draws, cancel_until="start")
         if self.expire_after_s is not None:
-            policy = Policy("theory", max_queue=self.max_queue, discipline=self.discipline, expire_at_front=True,
-                            deadline_s=self.expire_after_s + self.mean_service_s)
+            policy = Policy(
+                "theory",
+                max_queue=self.max_queue,
+                discipline=self.discipline,
+                expire_at_front=True,
+                deadline_s=self.expire_after_s + self.mean_service_s,
+            )
             fixed = True
         # The server's seed is the router's stream (nothing else here draws from it).
         server = ServerConfig(policy, self.engines, fixed_estimate=fixed, seed=seed)
-        frame = simulate(trace, server, priority=priority, replicas=self.replicas,
-                         router=self.router, **extra).assign(priority=priority)
-        frame = frame.iloc[int(self.requests * self.warmup_share):]
+        frame = simulate(
+            trace, server, priority=priority, replicas=self.replicas, router=self.router, **extra
+        ).assign(priority=priority)
+        frame = frame.iloc[int(self.requests * self.warmup_share) :]
         return _statistics(self, frame)
 
 
 @dataclass(frozen=True)
 class Lengths:
-    """Output lengths in tokens of mean ``mean``: ``geometric`` (on 1, 2, ...: each token is the last with
-    probability 1 / mean, as the chains of :func:`qsim.theory.continuous_batching` assume) or ``deterministic``."""
+    """Output lengths in tokens of mean ``mean``: ``geometric`` (on 1, 2, ...: each token is the
+    last with probability 1 / mean, as the chains of :func:`qsim.theory.continuous_batching` assume)
+    or ``deterministic``."""
 
     kind: str
     mean: int
@@ -273,11 +303,12 @@ class Lengths:
 
 @dataclass(frozen=True)
 class BatchScenario:
-    """A batching engine (:class:`qsim.engines.Batching`) fed Poisson arrivals of prompt-less requests.
+    """A batching engine (:class:`qsim.engines.Batching`) fed Poisson arrivals of prompt-less
+    requests.
 
-    Every request has no prompt (its first step gives its first token) and generates its drawn length
-    (its ``max_new_tokens`` too), so a step with n sequences takes the step model's b0 + b2 n; the batch
-    holds at most ``max_num_seqs`` with a FIFO line behind, and memory is unlimited.
+    Every request has no prompt (its first step gives its first token) and generates its drawn
+    length (its ``max_new_tokens`` too), so a step with n sequences takes the step model's b0 + b2
+    n; the batch holds at most ``max_num_seqs`` with a FIFO line behind, and memory is unlimited.
     """
 
     name: str
@@ -295,13 +326,18 @@ class BatchScenario:
         rng = np.random.default_rng([seed, 2007])
         arrival = np.cumsum(rng.exponential(1 / self.rate, self.requests))
         tokens = self.lengths.draw(rng, self.requests)
-        trace = replace(from_arrays(arrival, tokens), prompt_tokens=np.zeros(self.requests, dtype=np.int64))
-        engine = Batching(self.step, max_num_seqs=self.max_num_seqs,
-                          max_num_batched_tokens=max(2048, self.max_num_seqs))
+        trace = replace(
+            from_arrays(arrival, tokens), prompt_tokens=np.zeros(self.requests, dtype=np.int64)
+        )
+        engine = Batching(
+            self.step,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(2048, self.max_num_seqs),
+        )
         return simulate(trace, ServerConfig(Policy("theory", deadline_s=1e12), engine, seed=seed))
 
     def run(self, seed: int) -> list[float]:
-        frame = self.records(seed).iloc[int(self.requests * self.warmup_share):]
+        frame = self.records(seed).iloc[int(self.requests * self.warmup_share) :]
         return _statistics(self, frame)
 
 
@@ -313,8 +349,9 @@ def standard_scenarios(scale: float = 1.0) -> list[Case]:
 
 
 def queue_scenarios(scale: float = 1.0) -> list[Scenario]:
-    """K = 1, 2 and 8, loads up to 0.95, loss systems, the reference mix at rho 0.9, the disciplines,
-    and clients that give up while waiting (Erlang A; M/M/c+D as clients that leave and as expiry at the front).
+    """K = 1, 2 and 8, loads up to 0.95, loss systems, the reference mix at rho 0.9, the
+    disciplines, and clients that give up while waiting (Erlang A; M/M/c+D as clients that leave and
+    as expiry at the front).
 
     Exponential service has mean 1 s, so rates are in units of the service rate.
     ``scale`` multiplies the run lengths (the high loads need long runs: at
@@ -330,97 +367,222 @@ def queue_scenarios(scale: float = 1.0) -> list[Scenario]:
     pk_mix = theory.mg1(lam_mix, mix_mean, mix_m2).wq
     # Two priority classes on M/M/1 (lambda 0.3 and 0.5, mu 1): Cobham's 1.143 s and 5.714 s.
     cobham = theory.priority_mg1([0.3, 0.5], [1.0, 1.0], [2.0, 2.0])
-    # Shortest first on two sizes (4 and 64 tokens, 70 % / 30 %) at rho 0.8: Cobham with classes by size.
+    # Shortest first on two sizes (4 and 64 tokens, 70 % / 30 %) at rho 0.8: Cobham with classes by
+    # size.
     two = Mix((4, 64), (0.7, 0.3))
     sizes_s = model.estimate(list(two.sizes))
     lam_two = 0.8 / two.mean_s(model)
     sjf = theory.priority_mg1(lam_two * np.asarray(two.probs), sizes_s, sizes_s**2)
-    # Erlang A in minutes, simulated as seconds: lambda 100/30 per minute, mean service 3, mean patience 5, c 14.
+    # Erlang A in minutes, simulated as seconds: lambda 100/30 per minute, mean service 3, mean
+    # patience 5, c 14.
     erlang_a = theory.erlang_a(100 / 30, 1 / 3, 14, 1 / 5)
-    # M/M/c+D at rho 0.9: patience tau while waiting, as clients that leave and as expiry at the front.
-    mmcd = [(c, tau, theory.mmc_deterministic_patience(0.9 * c, 1, c, tau)) for c, tau in ((1, 2.0), (4, 1.0))]
+    # M/M/c+D at rho 0.9: patience tau while waiting, as clients that leave and as expiry at the
+    # front.
+    mmcd = [
+        (c, tau, theory.mmc_deterministic_patience(0.9 * c, 1, c, tau))
+        for c, tau in ((1, 2.0), (4, 1.0))
+    ]
     return [
-        Scenario("M/M/1 rho=0.5", 1, 0.5, n(20_000), 0.1, checks=(
-            ("Wq", theory.mm1(0.5, 1).wq, mean_wait),
-            ("P(wait>1s)", theory.mm1_wait_tail(0.5, 1, 1.0), wait_share_over(1.0)),
-        )),
-        Scenario("M/M/1 rho=0.8", 1, 0.8, n(40_000), 0.1, checks=(
-            ("Wq", theory.mm1(0.8, 1).wq, mean_wait),
-            ("W", theory.mm1(0.8, 1).w, mean_sojourn),
-        )),
-        Scenario("M/M/1 rho=0.95", 1, 0.95, n(150_000), 0.1, checks=(
-            ("Wq", theory.mm1(0.95, 1).wq, mean_wait),
-        )),
-        Scenario("M/M/2 rho=0.9 (Erlang C)", 2, 0.9, n(60_000), 0.1, checks=(
-            ("P(wait)", theory.mmc(1.8, 1, 2).p_wait, wait_share_over(0.0)),
-            ("Wq", theory.mmc(1.8, 1, 2).wq, mean_wait),
-        )),
-        Scenario("M/M/8 rho=0.95 (Erlang C)", 8, 0.95, n(100_000), 0.1, checks=(
-            ("P(wait)", theory.mmc(7.6, 1, 8).p_wait, wait_share_over(0.0)),
-            ("Wq", theory.mmc(7.6, 1, 8).wq, mean_wait),
-            ("P(wait>1s)", theory.mmc_wait_tail(7.6, 1, 8, 1.0), wait_share_over(1.0)),
-        )),
-        Scenario("M/M/1/5 rho=0.9", 1, 0.9, n(30_000), 0.0333333, max_queue=4, checks=(
-            ("P(block)", theory.mm1k(0.9, 1, 5).p_block, blocked_share),
-            ("Wq", theory.mm1k(0.9, 1, 5).wq, mean_wait),
-        )),
-        Scenario("M/M/1/10 rho=1.5", 1, 1.5, n(30_000), 0.0333333, max_queue=9, checks=(
-            ("P(block)", theory.mm1k(1.5, 1, 10).p_block, blocked_share),
-        )),
-        Scenario("M/M/8/8 a=6 (Erlang B)", 8, 0.75, n(30_000), 0.0333333, max_queue=0, checks=(
-            ("P(block)", theory.erlang_b(8, 6.0), blocked_share),
-        )),
-        Scenario("M/M/2/6 rho=1.2", 2, 1.2, n(30_000), 0.0333333, max_queue=4, checks=(
-            ("P(block)", theory.mmck(2.4, 1, 2, 6).p_block, blocked_share),
-            ("Wq", theory.mmck(2.4, 1, 2, 6).wq, mean_wait),
-        )),
-        Scenario("M/D/1 rho=0.9", 1, 0.9, n(60_000), 0.1, service="deterministic", checks=(
-            ("Wq", theory.md1(0.9, 1.0).wq, mean_wait),
-        )),
-        Scenario("M/G/1 reference mix rho=0.9 (P-K)", 1, 0.9, n(60_000), 0.1, service="mix", checks=(
-            ("Wq", pk_mix, mean_wait),
-        )),
-        Scenario("M/M/1 two priority classes rho=0.8 (Cobham)", 1, 0.8, n(60_000), 0.1, discipline="priority",
-                 high_share=0.375, checks=(
-            ("Wq high", cobham[0], wait_where("priority", 1)),
-            ("Wq low", cobham[1], wait_where("priority", 0)),
-        )),
-        Scenario("M/G/1 two sizes rho=0.8, shortest first", 1, 0.8, n(60_000), 0.1, service="mix", mix=two,
-                 discipline="sjf", checks=(
-            ("Wq 4 tokens", sjf[0], wait_where("max_new_tokens", 4)),
-            ("Wq 64 tokens", sjf[1], wait_where("max_new_tokens", 64)),
-        )),
+        Scenario(
+            "M/M/1 rho=0.5",
+            1,
+            0.5,
+            n(20_000),
+            0.1,
+            checks=(
+                ("Wq", theory.mm1(0.5, 1).wq, mean_wait),
+                ("P(wait>1s)", theory.mm1_wait_tail(0.5, 1, 1.0), wait_share_over(1.0)),
+            ),
+        ),
+        Scenario(
+            "M/M/1 rho=0.8",
+            1,
+            0.8,
+            n(40_000),
+            0.1,
+            checks=(
+                ("Wq", theory.mm1(0.8, 1).wq, mean_wait),
+                ("W", theory.mm1(0.8, 1).w, mean_sojourn),
+            ),
+        ),
+        Scenario(
+            "M/M/1 rho=0.95",
+            1,
+            0.95,
+            n(150_000),
+            0.1,
+            checks=(("Wq", theory.mm1(0.95, 1).wq, mean_wait),),
+        ),
+        Scenario(
+            "M/M/2 rho=0.9 (Erlang C)",
+            2,
+            0.9,
+            n(60_000),
+            0.1,
+            checks=(
+                ("P(wait)", theory.mmc(1.8, 1, 2).p_wait, wait_share_over(0.0)),
+                ("Wq", theory.mmc(1.8, 1, 2).wq, mean_wait),
+            ),
+        ),
+        Scenario(
+            "M/M/8 rho=0.95 (Erlang C)",
+            8,
+            0.95,
+            n(100_000),
+            0.1,
+            checks=(
+                ("P(wait)", theory.mmc(7.6, 1, 8).p_wait, wait_share_over(0.0)),
+                ("Wq", theory.mmc(7.6, 1, 8).wq, mean_wait),
+                ("P(wait>1s)", theory.mmc_wait_tail(7.6, 1, 8, 1.0), wait_share_over(1.0)),
+            ),
+        ),
+        Scenario(
+            "M/M/1/5 rho=0.9",
+            1,
+            0.9,
+            n(30_000),
+            0.0333333,
+            max_queue=4,
+            checks=(
+                ("P(block)", theory.mm1k(0.9, 1, 5).p_block, blocked_share),
+                ("Wq", theory.mm1k(0.9, 1, 5).wq, mean_wait),
+            ),
+        ),
+        Scenario(
+            "M/M/1/10 rho=1.5",
+            1,
+            1.5,
+            n(30_000),
+            0.0333333,
+            max_queue=9,
+            checks=(("P(block)", theory.mm1k(1.5, 1, 10).p_block, blocked_share),),
+        ),
+        Scenario(
+            "M/M/8/8 a=6 (Erlang B)",
+            8,
+            0.75,
+            n(30_000),
+            0.0333333,
+            max_queue=0,
+            checks=(("P(block)", theory.erlang_b(8, 6.0), blocked_share),),
+        ),
+        Scenario(
+            "M/M/2/6 rho=1.2",
+            2,
+            1.2,
+            n(30_000),
+            0.0333333,
+            max_queue=4,
+            checks=(
+                ("P(block)", theory.mmck(2.4, 1, 2, 6).p_block, blocked_share),
+                ("Wq", theory.mmck(2.4, 1, 2, 6).wq, mean_wait),
+            ),
+        ),
+        Scenario(
+            "M/D/1 rho=0.9",
+            1,
+            0.9,
+            n(60_000),
+            0.1,
+            service="deterministic",
+            checks=(("Wq", theory.md1(0.9, 1.0).wq, mean_wait),),
+        ),
+        Scenario(
+            "M/G/1 reference mix rho=0.9 (P-K)",
+            1,
+            0.9,
+            n(60_000),
+            0.1,
+            service="mix",
+            checks=(("Wq", pk_mix, mean_wait),),
+        ),
+        Scenario(
+            "M/M/1 two priority classes rho=0.8 (Cobham)",
+            1,
+            0.8,
+            n(60_000),
+            0.1,
+            discipline="priority",
+            high_share=0.375,
+            checks=(
+                ("Wq high", cobham[0], wait_where("priority", 1)),
+                ("Wq low", cobham[1], wait_where("priority", 0)),
+            ),
+        ),
+        Scenario(
+            "M/G/1 two sizes rho=0.8, shortest first",
+            1,
+            0.8,
+            n(60_000),
+            0.1,
+            service="mix",
+            mix=two,
+            discipline="sjf",
+            checks=(
+                ("Wq 4 tokens", sjf[0], wait_where("max_new_tokens", 4)),
+                ("Wq 64 tokens", sjf[1], wait_where("max_new_tokens", 64)),
+            ),
+        ),
         # The conservation law: a work-conserving, non-preemptive order that does not look at the
         # remaining work moves waiting between requests but keeps sum(S W) / sum(S) at the P-K Wq.
-        *(Scenario(f"M/G/1 reference mix rho=0.9, {d} (conservation)", 1, 0.9, n(60_000), 0.1, service="mix",
-                   discipline=d, high_share=0.3 if d == "priority" else 0.0, checks=(
-            ("load-weighted Wq", pk_mix, work_weighted_wait),
-        )) for d in ("sjf", "priority", "lifo")),
-        Scenario("M/M/14+M (Erlang A), minutes as s", 14, 10 / 14, n(30_000), 0.05, mean_service_s=3.0,
-                 patience=("exponential", 5.0), checks=(
-            ("P(wait)", erlang_a.p_wait, waited_share),
-            ("P(abandon)", erlang_a.p_abandon, abandoned_share),
-            ("Wq", erlang_a.wq, mean_wait_all),
-        )),
-        *(Scenario(f"M/M/{c}+D tau={tau:g} rho=0.9, {how}", c, 0.9, n(25_000), 0.05, checks=(
-            ("P(abandon)", p_abandon, abandoned_share),
-        ), **setting) for c, tau, p_abandon in mmcd for how, setting in (
-            ("clients leave while waiting", dict(patience=("deterministic", tau))),
-            ("expiry at the front", dict(expire_after_s=tau)),
-        )),
+        *(
+            Scenario(
+                f"M/G/1 reference mix rho=0.9, {d} (conservation)",
+                1,
+                0.9,
+                n(60_000),
+                0.1,
+                service="mix",
+                discipline=d,
+                high_share=0.3 if d == "priority" else 0.0,
+                checks=(("load-weighted Wq", pk_mix, work_weighted_wait),),
+            )
+            for d in ("sjf", "priority", "lifo")
+        ),
+        Scenario(
+            "M/M/14+M (Erlang A), minutes as s",
+            14,
+            10 / 14,
+            n(30_000),
+            0.05,
+            mean_service_s=3.0,
+            patience=("exponential", 5.0),
+            checks=(
+                ("P(wait)", erlang_a.p_wait, waited_share),
+                ("P(abandon)", erlang_a.p_abandon, abandoned_share),
+                ("Wq", erlang_a.wq, mean_wait_all),
+            ),
+        ),
+        *(
+            Scenario(
+                f"M/M/{c}+D tau={tau:g} rho=0.9, {how}",
+                c,
+                0.9,
+                n(25_000),
+                0.05,
+                checks=(("P(abandon)", p_abandon, abandoned_share),),
+                **setting,
+            )
+            for c, tau, p_abandon in mmcd
+            for how, setting in (
+                ("clients leave while waiting", dict(patience=("deterministic", tau))),
+                ("expiry at the front", dict(expire_after_s=tau)),
+            )
+        ),
     ]
 
 
 def sharing_scenarios(scale: float = 1.0) -> list[BatchScenario]:
-    """A batching engine against the closed forms of engines that share: processor sharing for two length
-    distributions (insensitivity), continuous batching as state-dependent processor sharing (a step of
-    a + b n seconds, geometric lengths) without and with a cap K on the batch, and bulk service M/M^[K]/1.
+    """A batching engine against the closed forms of engines that share: processor sharing for two
+    length distributions (insensitivity), continuous batching as state-dependent processor sharing
+    (a step of a + b n seconds, geometric lengths) without and with a cap K on the batch, and bulk
+    service M/M^[K]/1.
 
-    Steps are discrete and a request joins at a step's end, so the engine is close to, not equal to, these
-    continuous-time forms; the parameters keep the gap (docs/simulate.md, "Engines that share") well inside
-    the intervals. At ``scale`` 1 with 10 replications every half-width is under 2 % of its value (0.7-1.6 % with
-    seed 1, 0.6-1.1 % with seed 2; the lengths aim at about 1.2 %: the half-width of 10 replications varies by a
-    third from seed to seed).
+    Steps are discrete and a request joins at a step's end, so the engine is close to, not equal to,
+    these continuous-time forms; the parameters keep the gap (docs/simulate.md, "Engines that
+    share") well inside the intervals. At ``scale`` 1 with 10 replications every half-width is under
+    2 % of its value (0.7-1.6 % with seed 1, 0.6-1.1 % with seed 2; the lengths aim at about 1.2 %:
+    the half-width of 10 replications varies by a third from seed to seed).
     """
 
     def n(requests: int) -> int:
@@ -428,30 +590,71 @@ def sharing_scenarios(scale: float = 1.0) -> list[BatchScenario]:
 
     a, b, tokens = 0.010, 0.0002, 200
     batching = StepModel(b0=a, b1=0.0, b2=b, b3=0.0)
-    # Processor sharing: no step overhead, so a step of n sequences takes b n and each gets b of service; mean
-    # size 1 s in both, so rho = lam. Deterministic lengths need many tokens (see the docs); geometric ones do not.
+    # Processor sharing: no step overhead, so a step of n sequences takes b n and each gets b of
+    # service; mean size 1 s in both, so rho = lam. Deterministic lengths need many tokens (see the
+    # docs); geometric ones do not.
     ps = theory.mg1_ps(0.3, 1.0).w
     capped = theory.continuous_batching_capped(5.0, a, b, tokens, 16).w
     bulk = theory.bulk_service(3.0, 1.0, 4).w
     return [
-        BatchScenario("M/M/1-PS rho=0.3, batching: geometric lengths", 0.3, Lengths("geometric", 10),
-                      StepModel(b0=0.0, b1=0.0, b2=0.1, b3=0.0), n(20_000), 0.05,
-                      checks=(("W", ps, mean_sojourn),), control=Control("mean tokens", 10, mean_tokens)),
-        BatchScenario("M/G/1-PS rho=0.3, batching: 50 tokens each", 0.3, Lengths("deterministic", 50),
-                      StepModel(b0=0.0, b1=0.0, b2=0.02, b3=0.0), n(16_000), 0.05,
-                      checks=(("W", ps, mean_sojourn),), control=Control("mean gap", 1 / 0.3, mean_gap)),
-        # No control here: the steps add a / (2 (1 - c)) = 0.25 % to W, which a much narrower interval would see.
-        *(BatchScenario(f"batching a=10ms b=0.2ms E[L]=200 lambda={lam:g}", lam, Lengths("geometric", tokens),
-                        batching, n(requests), 0.05,
-                        checks=(("W", theory.continuous_batching(lam, a, b, tokens).w, mean_sojourn),))
-          for lam, requests in ((5.0, 35_000), (12.5, 80_000))),
-        BatchScenario("batching a=10ms b=0.2ms E[L]=200 K=16 lambda=5", 5.0,
-                      Lengths("geometric", tokens), batching, n(70_000), 0.05, max_num_seqs=16,
-                      checks=(("W", capped, mean_sojourn),), control=Control("mean tokens", tokens, mean_tokens)),
-        # Every request one token and no prompt: a step is a batch's service, exponential whatever its size.
-        BatchScenario("M/M^[4]/1 bulk service lambda=3 mu=1 (Bailey)", 3.0, Lengths("deterministic", 1),
-                      StepModel(b0=1.0, b1=0.0, b2=0.0, b3=0.0, cv=1.0), n(300_000), 0.02, max_num_seqs=4,
-                      checks=(("W", bulk, mean_sojourn),), control=Control("mean step time", 1.0, mean_step_s)),
+        BatchScenario(
+            "M/M/1-PS rho=0.3, batching: geometric lengths",
+            0.3,
+            Lengths("geometric", 10),
+            StepModel(b0=0.0, b1=0.0, b2=0.1, b3=0.0),
+            n(20_000),
+            0.05,
+            checks=(("W", ps, mean_sojourn),),
+            control=Control("mean tokens", 10, mean_tokens),
+        ),
+        BatchScenario(
+            "M/G/1-PS rho=0.3, batching: 50 tokens each",
+            0.3,
+            Lengths("deterministic", 50),
+            StepModel(b0=0.0, b1=0.0, b2=0.02, b3=0.0),
+            n(16_000),
+            0.05,
+            checks=(("W", ps, mean_sojourn),),
+            control=Control("mean gap", 1 / 0.3, mean_gap),
+        ),
+        # No control here: the steps add a / (2 (1 - c)) = 0.25 % to W, which a much narrower
+        # interval would see.
+        *(
+            BatchScenario(
+                f"batching a=10ms b=0.2ms E[L]=200 lambda={lam:g}",
+                lam,
+                Lengths("geometric", tokens),
+                batching,
+                n(requests),
+                0.05,
+                checks=(("W", theory.continuous_batching(lam, a, b, tokens).w, mean_sojourn),),
+            )
+            for lam, requests in ((5.0, 35_000), (12.5, 80_000))
+        ),
+        BatchScenario(
+            "batching a=10ms b=0.2ms E[L]=200 K=16 lambda=5",
+            5.0,
+            Lengths("geometric", tokens),
+            batching,
+            n(70_000),
+            0.05,
+            max_num_seqs=16,
+            checks=(("W", capped, mean_sojourn),),
+            control=Control("mean tokens", tokens, mean_tokens),
+        ),
+        # Every request one token and no prompt: a step is a batch's service, exponential whatever
+        # its size.
+        BatchScenario(
+            "M/M^[4]/1 bulk service lambda=3 mu=1 (Bailey)",
+            3.0,
+            Lengths("deterministic", 1),
+            StepModel(b0=1.0, b1=0.0, b2=0.0, b3=0.0, cv=1.0),
+            n(300_000),
+            0.02,
+            max_num_seqs=4,
+            checks=(("W", bulk, mean_sojourn),),
+            control=Control("mean step time", 1.0, mean_step_s),
+        ),
     ]
 
 
@@ -487,25 +690,56 @@ def fleet_scenarios(scale: float = 1.0) -> list[Scenario]:
     central = theory.mmc(3.2, 1, 4)
     pod = theory.power_of_d(0.9, 1, 2)
     return [
-        Scenario("4 replicas, random routing, rho=0.8 (4 x M/M/1)", 1, 0.8,
-                 n(1_000_000, 150_000), 0.1, replicas=4, router=Random(), control=service, checks=(
-            ("Wq", theory.random_routing(3.2, 1, 4).wq, mean_wait),
-        )),
-        Scenario("4 replicas, round robin, rho=0.8 (E_4/M/1)", 1, 0.8, n(300_000), 0.1,
-                 replicas=4, router=RoundRobin(), control=(service, load), checks=(
-            ("P(wait)", rr.p_wait, wait_share_over(0.0)),
-            ("Wq", rr.wq, mean_wait),
-        )),
-        Scenario(f"{POWER_OF_D_REPLICAS} replicas, power of 2 choices, rho=0.9 (mean field)", 1,
-                 0.9, n(300_000, 100_000), 0.1, replicas=POWER_OF_D_REPLICAS, router=PowerOfD(2),
-                 control=service, checks=(
-            ("W", pod.w, mean_sojourn),
-        )),
-        Scenario("4 replicas, central queue, rho=0.8 (Erlang C)", 1, 0.8, n(300_000), 0.1,
-                 replicas=4, router=Central(), control=service, checks=(
-            ("P(wait)", central.p_wait, wait_share_over(0.0)),
-            ("W", central.w, mean_sojourn),
-        )),
+        Scenario(
+            "4 replicas, random routing, rho=0.8 (4 x M/M/1)",
+            1,
+            0.8,
+            n(1_000_000, 150_000),
+            0.1,
+            replicas=4,
+            router=Random(),
+            control=service,
+            checks=(("Wq", theory.random_routing(3.2, 1, 4).wq, mean_wait),),
+        ),
+        Scenario(
+            "4 replicas, round robin, rho=0.8 (E_4/M/1)",
+            1,
+            0.8,
+            n(300_000),
+            0.1,
+            replicas=4,
+            router=RoundRobin(),
+            control=(service, load),
+            checks=(
+                ("P(wait)", rr.p_wait, wait_share_over(0.0)),
+                ("Wq", rr.wq, mean_wait),
+            ),
+        ),
+        Scenario(
+            f"{POWER_OF_D_REPLICAS} replicas, power of 2 choices, rho=0.9 (mean field)",
+            1,
+            0.9,
+            n(300_000, 100_000),
+            0.1,
+            replicas=POWER_OF_D_REPLICAS,
+            router=PowerOfD(2),
+            control=service,
+            checks=(("W", pod.w, mean_sojourn),),
+        ),
+        Scenario(
+            "4 replicas, central queue, rho=0.8 (Erlang C)",
+            1,
+            0.8,
+            n(300_000),
+            0.1,
+            replicas=4,
+            router=Central(),
+            control=service,
+            checks=(
+                ("P(wait)", central.p_wait, wait_share_over(0.0)),
+                ("W", central.w, mean_sojourn),
+            ),
+        ),
     ]
 
 
@@ -526,11 +760,11 @@ def check(
     """Simulate every scenario and return one row per checked quantity; ``on_each()`` after each
     replication (a progress bar's tick; in the order they were asked for).
 
-    Columns: case, quantity, theory, sim_mean, ci_low, ci_high, rel_half_width (the interval's half-width
-    over the closed-form value), control (the control variate's name; "" for a plain mean), inside (the
-    closed form lies in the interval) and verdict: "pass", "fail", or "too wide" where rel_half_width
-    exceeds TOO_WIDE (or there is no interval), which is neither. Results do not depend on ``workers``:
-    each replication has its own seed.
+    Columns: case, quantity, theory, sim_mean, ci_low, ci_high, rel_half_width (the interval's
+    half-width over the closed-form value), control (the control variate's name; "" for a plain
+    mean), inside (the closed form lies in the interval) and verdict: "pass", "fail", or "too wide"
+    where rel_half_width exceeds TOO_WIDE (or there is no interval), which is neither. Results do
+    not depend on ``workers``: each replication has its own seed.
     """
     if replications < 2:
         raise ValueError("need at least 2 replications for a confidence interval")
@@ -546,7 +780,7 @@ def check(
     each = 1 - (1 - level) / m
     rows = []
     for i, scenario in enumerate(scenarios):
-        reps = np.array(results[i * replications:(i + 1) * replications])
+        reps = np.array(results[i * replications : (i + 1) * replications])
         columns, k = control_columns(scenario), len(scenario.checks)
         pairs = zip(scenario.checks, controls_of(scenario))
         for j, ((quantity, value, _), control) in enumerate(pairs):
@@ -555,11 +789,22 @@ def check(
             else:
                 x = reps[:, k + columns.index(control)]
                 mean, low, high = controlled_mean_ci(reps[:, j], x, control.mean, each)
-            rows.append(dict(case=scenario.name, quantity=quantity, theory=value, sim_mean=mean, ci_low=low,
-                             ci_high=high, control="" if control is None else control.name,
-                             **judge_interval(value, low, high)))
+            rows.append(
+                dict(
+                    case=scenario.name,
+                    quantity=quantity,
+                    theory=value,
+                    sim_mean=mean,
+                    ci_low=low,
+                    ci_high=high,
+                    control="" if control is None else control.name,
+                    **judge_interval(value, low, high),
+                )
+            )
     table = pd.DataFrame(rows)
-    table.attrs.update(level=level, level_each=each, replications=replications, seed=seed, too_wide=TOO_WIDE)
+    table.attrs.update(
+        level=level, level_each=each, replications=replications, seed=seed, too_wide=TOO_WIDE
+    )
     return table
 
 
@@ -569,7 +814,8 @@ def _ticked(result, on_each: Callable[[], object]):
 
 
 def judge_interval(value: float, low: float, high: float) -> dict:
-    """rel_half_width, inside and verdict of a closed-form ``value`` against the interval [low, high]."""
+    """rel_half_width, inside and verdict of a closed-form ``value`` against the interval [low,
+    high]."""
     width = (high - low) / 2 / abs(value) if value != 0 else np.inf
     inside = bool(low <= value <= high)
     if not width <= TOO_WIDE:  # NaN (no interval) included
@@ -586,8 +832,13 @@ def tally(table: pd.DataFrame) -> dict[str, int]:
 
 
 def shown(table: pd.DataFrame) -> pd.DataFrame:
-    """A :func:`check` table as printed: the half-width in per cent of the value, FAIL in capitals."""
-    return table.drop(columns="inside").assign(
-        rel_half_width=[f"{w:.1%}" if np.isfinite(w) else "-" for w in table["rel_half_width"]],
-        verdict=table["verdict"].replace({"fail": "FAIL"}),
-    ).rename(columns={"rel_half_width": "half-width"})
+    """A :func:`check` table as printed: the half-width in per cent of the value, FAIL in
+    capitals."""
+    return (
+        table.drop(columns="inside")
+        .assign(
+            rel_half_width=[f"{w:.1%}" if np.isfinite(w) else "-" for w in table["rel_half_width"]],
+            verdict=table["verdict"].replace({"fail": "FAIL"}),
+        )
+        .rename(columns={"rel_half_width": "half-width"})
+    )

@@ -1,17 +1,19 @@
-"""How fast does qsim simulate a batching engine? One event per step, so an hour of traffic in seconds.
+"""How fast does qsim simulate a batching engine? One event per step, so an hour of traffic in
+seconds.
 
-Target (issue 21, section 5): a one-hour trace of about 24,000 requests against a 256-sequence batching
-engine simulates in under 10 s on one core, over 360x real time (BLIS, inference-sim's simulator, reports
-about 200x). The trace: Poisson arrivals at 24,000 an hour, prompts lognormal (median 512 tokens, sigma 0.8)
-and outputs of 64, 256 or 1,024 tokens (50 / 35 / 15 %: a chat-like mix, longer than the reference study's),
-on vLLM's defaults (256 sequences, 2,048 tokens a step, chunked prefill, blocks of 16) with 8,000 KV blocks
-and a step model of a 7B-class model on one GPU (8 ms + 0.05 ms a prompt token + 0.1 ms a sequence + 0.1 us
-a context token). Each policy's time is the best of ``--repeat`` runs of process time (``simulate`` with its
-per-request frame; making the trace is not timed), so other processes on the machine count little.
+Target (issue 21, section 5): a one-hour trace of about 24,000 requests against a 256-sequence
+batching engine simulates in under 10 s on one core, over 360x real time (BLIS, inference-sim's
+simulator, reports about 200x). The trace: Poisson arrivals at 24,000 an hour, prompts lognormal
+(median 512 tokens, sigma 0.8) and outputs of 64, 256 or 1,024 tokens (50 / 35 / 15 %: a chat-like
+mix, longer than the reference study's), on vLLM's defaults (256 sequences, 2,048 tokens a step,
+chunked prefill, blocks of 16) with 8,000 KV blocks and a step model of a 7B-class model on one GPU
+(8 ms + 0.05 ms a prompt token + 0.1 ms a sequence + 0.1 us a context token). Each policy's time is
+the best of ``--repeat`` runs of process time (``simulate`` with its per-request frame; making the
+trace is not timed), so other processes on the machine count little.
 
     PYTHONPATH=. python benchmarks/bench_batching.py            # 24,000 requests, best of 3
-    PYTHONPATH=. python benchmarks/bench_batching.py --quick    # 2,400 requests (6 minutes of traffic), 1 run
-    PYTHONPATH=. python benchmarks/bench_batching.py --json
+    PYTHONPATH=. python benchmarks/bench_batching.py --quick    # 2,400 requests (6 minutes of
+    traffic), 1 run PYTHONPATH=. python benchmarks/bench_batching.py --json
 """
 
 from __future__ import annotations
@@ -33,8 +35,15 @@ PER_HOUR = 24_000
 
 
 def trace(requests: int, seed: int = 1):
-    return make_trace("poisson", load=1.0, requests=requests, seed=seed, mix=MIX, prompts=Prompts.parse(PROMPTS),
-                      capacity_rps=PER_HOUR / 3600)
+    return make_trace(
+        "poisson",
+        load=1.0,
+        requests=requests,
+        seed=seed,
+        mix=MIX,
+        prompts=Prompts.parse(PROMPTS),
+        capacity_rps=PER_HOUR / 3600,
+    )
 
 
 def best_of(repeat: int, fn, *args) -> tuple[float, object]:
@@ -60,19 +69,40 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("none", "predictive", "predictive-kv"):
         seconds, frame = best_of(repeat, simulate, t, ServerConfig(PRESETS[name], ENGINE))
         scaled = seconds * PER_HOUR / requests  # an hour's worth at this rate
-        rows.append({"policy": name, "requests": requests, "simulated_s": simulated, "cpu_s": seconds,
-                     "hour_cpu_s": scaled, "speedup": simulated / seconds,
-                     "preempted": int(frame["preemptions"].fillna(0).gt(0).sum()),
-                     "verdict": "PASS" if scaled < TARGET_S and simulated / seconds > TARGET_SPEEDUP else "MISS"})
+        rows.append(
+            {
+                "policy": name,
+                "requests": requests,
+                "simulated_s": simulated,
+                "cpu_s": seconds,
+                "hour_cpu_s": scaled,
+                "speedup": simulated / seconds,
+                "preempted": int(frame["preemptions"].fillna(0).gt(0).sum()),
+                "verdict": "PASS"
+                if scaled < TARGET_S and simulated / seconds > TARGET_SPEEDUP
+                else "MISS",
+            }
+        )
     if args.json:
-        print(json.dumps({"target_s": TARGET_S, "target_speedup": TARGET_SPEEDUP, "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {"target_s": TARGET_S, "target_speedup": TARGET_SPEEDUP, "rows": rows}, indent=2
+            )
+        )
         return 0
-    print(f"batching engine, {requests:,} requests over {simulated:,.0f} simulated s "
-          f"({'quick: a tenth of the hour' if args.quick else 'one hour'}), best of {repeat} (process time)")
+    print(
+        f"batching engine, {requests:,} requests over {simulated:,.0f} simulated s "
+        f"({'quick: a tenth of the hour' if args.quick else 'one hour'}), best of {repeat} "
+        "(process time)"
+    )
     for r in rows:
-        print(f"  {r['policy']:<14} {r['cpu_s']:7.2f} s  ({r['hour_cpu_s']:5.2f} s an hour's trace, "
-              f"{r['speedup']:6.0f}x real time, {r['preempted']} preempted)  target < {TARGET_S:g} s, "
-              f"> {TARGET_SPEEDUP:g}x: {r['verdict']}")
+        print(
+            f"  {r['policy']:<14} {r['cpu_s']:7.2f} s  ({r['hour_cpu_s']:5.2f} s an hour's "
+            "trace, "
+            f"{r['speedup']:6.0f}x real time, {r['preempted']} preempted)  target < {TARGET_S:g} "
+            "s, "
+            f"> {TARGET_SPEEDUP:g}x: {r['verdict']}"
+        )
     return 0
 
 

@@ -34,15 +34,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli import bench_main  # noqa: E402
-from benchmarks.floor import machine  # noqa: E402
-from live.batching import STEP_LOG, STEP_PAGE, SyntheticBatchEngine  # noqa: E402
-from live.commands import _bind, run_app  # noqa: E402
-from live.gate import BatchGate, gate_config  # noqa: E402
-from live.http_api import create_app  # noqa: E402
-from qsim import PRESETS  # noqa: E402
-from qsim.engines import Batching, StepModel  # noqa: E402
-from qsim.runfile import LoggedStep  # noqa: E402
+from benchmarks.cli import bench_main
+from benchmarks.floor import machine
+from live.batching import STEP_LOG, STEP_PAGE, SyntheticBatchEngine
+from live.commands import _bind, run_app
+from live.gate import BatchGate, gate_config
+from live.http_api import create_app
+from qsim import PRESETS
+from qsim.engines import Batching, StepModel
+from qsim.runfile import LoggedStep
 
 TARGET_MS = 50.0
 PROBE_EVERY_S = 0.01
@@ -63,8 +63,7 @@ def _serve(sock, steps: int) -> None:
     """The child: a batching gate with ``steps`` synthetic steps in its log, served on ``sock``
     until killed."""
     engine = Batching(StepModel(), max_num_seqs=256, max_num_batched_tokens=8192)
-    gate = BatchGate(SyntheticBatchEngine(engine.step),
-                     gate_config(PRESETS["none"], engine=engine))
+    gate = BatchGate(SyntheticBatchEngine(engine.step), gate_config(PRESETS["none"], engine=engine))
     for i in range(steps):  # what a step's numbers are does not matter, only how many there are
         t = i * 0.01
         gate.driver.log_step(LoggedStep(t, t, t + 0.009, 0.009, 0.009, 512, 64, 20_000))
@@ -75,13 +74,17 @@ def _ms(values: list[float]) -> dict:
     a = np.asarray(values) * 1e3
     if not a.size:
         return {"n": 0, "p50_ms": float("nan"), "p99_ms": float("nan"), "max_ms": float("nan")}
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)),
-            "p99_ms": float(np.percentile(a, 99)),
-            "max_ms": float(a.max())}
+    return {
+        "n": int(a.size),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "max_ms": float(a.max()),
+    }
 
 
-async def _read_log(client: httpx.AsyncClient, pages: list, sizes: list,
-                    until: float = math.inf) -> int | None:
+async def _read_log(
+    client: httpx.AsyncClient, pages: list, sizes: list, until: float = math.inf
+) -> int | None:
     """The whole step log, page by page as the replayer reads it; the steps read (None: ``until``
     came first)."""
     params, read = {"steps_since": "0"}, 0
@@ -144,7 +147,8 @@ def _measure(url: str, size: Size) -> dict:
     until = time.perf_counter() + size.seconds  # CLOCK_MONOTONIC: the same clock in every process
     mine, theirs = multiprocessing.get_context("fork").Pipe()
     readers = multiprocessing.get_context("fork").Process(
-        target=_reading, args=(url, until, size.readers, theirs))
+        target=_reading, args=(url, until, size.readers, theirs)
+    )
     readers.start()
     probes: list = []
     asyncio.run(_prober(url, until, probes))
@@ -155,12 +159,22 @@ def _measure(url: str, size: Size) -> dict:
     healthz.update(target_ms=TARGET_MS, verdict=verdict)
     page = {**_ms(pages), "mean_bytes": float(np.mean(sizes)) if sizes else 0.0}
     under_load = float(np.median([s for s, _ in logs])) if logs else float("nan")
-    return {"steps": size.steps, "page": STEP_PAGE, "readers": size.readers,
-            "seconds": size.seconds,
-            "healthz": healthz, "healthz_alone": _ms(floor), "stats_page": page,
-            "whole_log": {"alone_s": alone_s, "pages": alone_pages, "reads_under_load": len(logs),
-                          "steps_each": logs[0][1] if logs else None,
-                          "p50_s_under_load": under_load}}
+    return {
+        "steps": size.steps,
+        "page": STEP_PAGE,
+        "readers": size.readers,
+        "seconds": size.seconds,
+        "healthz": healthz,
+        "healthz_alone": _ms(floor),
+        "stats_page": page,
+        "whole_log": {
+            "alone_s": alone_s,
+            "pages": alone_pages,
+            "reads_under_load": len(logs),
+            "steps_each": logs[0][1] if logs else None,
+            "p50_s_under_load": under_load,
+        },
+    }
 
 
 def _wait_up(url: str, timeout_s: float = 60.0) -> None:
@@ -179,8 +193,9 @@ def _wait_up(url: str, timeout_s: float = 60.0) -> None:
 def run(size: Size) -> dict:
     sock = _bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    child = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, size.steps),
-                                                        daemon=True)
+    child = multiprocessing.get_context("fork").Process(
+        target=_serve, args=(sock, size.steps), daemon=True
+    )
     child.start()
     try:
         _wait_up(url)
@@ -194,25 +209,37 @@ def run(size: Size) -> dict:
 
 def report(r: dict) -> None:
     h, p, w = r["healthz"], r["stats_page"], r["whole_log"]
-    print(f"a batching gate with {r['steps']:,} steps in its log; {r['readers']} readers of the "
-          f"whole log (pages of {r['page']:,}) and a /healthz every {PROBE_EVERY_S * 1e3:g} ms, "
-          f"for {r['seconds']:g} s")
-    print(f"GET /healthz: n {h['n']}, p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, "
-          f"max {h['max_ms']:.2f} ms "
-          f"(target p99 < {h['target_ms']:g} ms): {h['verdict']}")
+    print(
+        f"a batching gate with {r['steps']:,} steps in its log; {r['readers']} readers of the "
+        f"whole log (pages of {r['page']:,}) and a /healthz every {PROBE_EVERY_S * 1e3:g} ms, "
+        f"for {r['seconds']:g} s"
+    )
+    print(
+        f"GET /healthz: n {h['n']}, p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, "
+        f"max {h['max_ms']:.2f} ms "
+        f"(target p99 < {h['target_ms']:g} ms): {h['verdict']}"
+    )
     f = r["healthz_alone"]
-    print(f"  the floor, /healthz with no reader (the same gate, the same prober): n {f['n']}, "
-          f"p50 {f['p50_ms']:.2f} ms, "
-          f"p99 {f['p99_ms']:.2f} ms, max {f['max_ms']:.2f} ms")
-    print(f"GET /stats, a page: n {p['n']}, p50 {p['p50_ms']:.1f} ms, p99 {p['p99_ms']:.1f} ms, "
-          f"{p['mean_bytes'] / 1e3:.0f} kB")
-    print(f"the whole log: {w['pages']} pages in {w['alone_s']:.2f} s alone, "
-          f"{w['p50_s_under_load']:.2f} s (p50) "
-          f"with the others reading; read whole {w['reads_under_load']} times under load")
+    print(
+        f"  the floor, /healthz with no reader (the same gate, the same prober): n {f['n']}, "
+        f"p50 {f['p50_ms']:.2f} ms, "
+        f"p99 {f['p99_ms']:.2f} ms, max {f['max_ms']:.2f} ms"
+    )
+    print(
+        f"GET /stats, a page: n {p['n']}, p50 {p['p50_ms']:.1f} ms, p99 {p['p99_ms']:.1f} ms, "
+        f"{p['mean_bytes'] / 1e3:.0f} kB"
+    )
+    print(
+        f"the whole log: {w['pages']} pages in {w['alone_s']:.2f} s alone, "
+        f"{w['p50_s_under_load']:.2f} s (p50) "
+        f"with the others reading; read whole {w['reads_under_load']} times under load"
+    )
     m = r["machine"]
-    print(f"machine: {m['cpus']} CPUs, {m['cpu_model']}, Python {m['python']}; load average "
-          f"{r['load_average_1m']:.2f} at the end (the server, the readers and the prober share "
-          "these CPUs)")
+    print(
+        f"machine: {m['cpus']} CPUs, {m['cpu_model']}, Python {m['python']}; load average "
+        f"{r['load_average_1m']:.2f} at the end (the server, the readers and the prober share "
+        "these CPUs)"
+    )
 
 
 def main(argv=None) -> int:

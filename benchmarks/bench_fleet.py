@@ -57,10 +57,17 @@ def azure(speedup: int, copies: int, seconds: float) -> Trace:
     arrival = np.concatenate([np.sort(np.concatenate(shifted)) + k * span for k in range(laps)])
     keep = arrival < seconds
     tile = lambda a: np.tile(np.tile(a, copies)[order], laps)[keep]  # noqa: E731
-    return assemble_trace(arrival[keep], tile(one.max_new_tokens), tile(one.est_service_s),
-                          tile(one.true_service_s), mix=REFERENCE_MIX, duration_s=seconds,
-                          name=f"azure x{speedup * copies}", meta={},
-                          prompt_tokens=tile(one.prompt_tokens))
+    return assemble_trace(
+        arrival[keep],
+        tile(one.max_new_tokens),
+        tile(one.est_service_s),
+        tile(one.true_service_s),
+        mix=REFERENCE_MIX,
+        duration_s=seconds,
+        name=f"azure x{speedup * copies}",
+        meta={},
+        prompt_tokens=tile(one.prompt_tokens),
+    )
 
 
 def timed(trace: Trace, replicas: int, repeat: int) -> dict:
@@ -69,9 +76,16 @@ def timed(trace: Trace, replicas: int, repeat: int) -> dict:
     seconds, frame = best_of(repeat, lambda: simulate(trace, config, **fleet))
     good = float((frame["outcome"] == "good").mean())
     steps = frame.attrs["steps"]
-    return {"replicas": replicas, "requests": len(trace), "simulated_s": trace.duration_s,
-            "steps": steps, "cpu_s": seconds, "us_per_request": 1e6 * seconds / len(trace),
-            "us_per_step": 1e6 * seconds / steps, "good": good}
+    return {
+        "replicas": replicas,
+        "requests": len(trace),
+        "simulated_s": trace.duration_s,
+        "steps": steps,
+        "cpu_s": seconds,
+        "us_per_request": 1e6 * seconds / len(trace),
+        "us_per_step": 1e6 * seconds / steps,
+        "good": good,
+    }
 
 
 def run(quick: bool, repeat: int, seconds: float) -> dict:
@@ -86,36 +100,56 @@ def run(quick: bool, repeat: int, seconds: float) -> dict:
         row["over_16"] = row["us_per_step"] / rows[0]["us_per_step"]
         row["request_over_16"] = row["us_per_request"] / rows[0]["us_per_request"]
     worst = max(row["over_16"] for row in rows)
-    return {"baseline": base, "hour": hour, "linear": rows, "worst_over_16": worst,
-            "linear_verdict": "PASS" if worst <= TARGET_LINEAR else "MISS",
-            "target_s": TARGET_S, "target_linear": TARGET_LINEAR, "router": "power_of_d:2"}
+    return {
+        "baseline": base,
+        "hour": hour,
+        "linear": rows,
+        "worst_over_16": worst,
+        "linear_verdict": "PASS" if worst <= TARGET_LINEAR else "MISS",
+        "target_s": TARGET_S,
+        "target_linear": TARGET_LINEAR,
+        "router": "power_of_d:2",
+    }
 
 
 def report(data: dict, quick: bool) -> None:
     base, hour = data["baseline"], data["hour"]
     part = "quick: a tenth of the hour" if quick else "one hour"
     print(f"batching fleet on the Azure trace ({part}), router {data['router']}, process time")
-    print(f"  baseline: 1 engine, no fleet, {base['requests']:,} requests: {base['cpu_s']:.2f} s "
-          f"({base['us_per_request']:.0f} us a request, {base['us_per_step']:.1f} us a step)")
-    print(f"  16 replicas at 16x: {hour['requests']:,} requests, {hour['cpu_s']:.2f} s "
-          f"({hour['hour_cpu_s']:.1f} s an hour; {hour['us_per_step']:.1f} us a step, "
-          f"{hour['over_baseline']:.2f}x the baseline's; good {hour['good']:.3f})  "
-          f"target < {data['target_s']:g} s: {hour['verdict']}")
+    print(
+        f"  baseline: 1 engine, no fleet, {base['requests']:,} requests: {base['cpu_s']:.2f} s "
+        f"({base['us_per_request']:.0f} us a request, {base['us_per_step']:.1f} us a step)"
+    )
+    print(
+        f"  16 replicas at 16x: {hour['requests']:,} requests, {hour['cpu_s']:.2f} s "
+        f"({hour['hour_cpu_s']:.1f} s an hour; {hour['us_per_step']:.1f} us a step, "
+        f"{hour['over_baseline']:.2f}x the baseline's; good {hour['good']:.3f})  "
+        f"target < {data['target_s']:g} s: {hour['verdict']}"
+    )
     for row in data["linear"]:
-        print(f"  {row['replicas']:>4} replicas: {row['requests']:>7,} requests over "
-              f"{row['simulated_s']:g} s, {row['cpu_s']:6.2f} s; {row['us_per_step']:4.1f} us a step "
-              f"({row['over_16']:.2f}x 16's), {row['us_per_request']:4.0f} us a request "
-              f"({row['request_over_16']:.2f}x)")
-    print(f"  linear: worst {data['worst_over_16']:.2f}x 16's per step, target <= "
-          f"{data['target_linear']:g}x: {data['linear_verdict']}")
+        print(
+            f"  {row['replicas']:>4} replicas: {row['requests']:>7,} requests over "
+            f"{row['simulated_s']:g} s, {row['cpu_s']:6.2f} s; {row['us_per_step']:4.1f} us a "
+            "step "
+            f"({row['over_16']:.2f}x 16's), {row['us_per_request']:4.0f} us a request "
+            f"({row['request_over_16']:.2f}x)"
+        )
+    print(
+        f"  linear: worst {data['worst_over_16']:.2f}x 16's per step, target <= "
+        f"{data['target_linear']:g}x: {data['linear_verdict']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of each run, one run")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=60.0,
-                        help="simulated seconds of each linearity run (default 60)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=60.0,
+        help="simulated seconds of each linearity run (default 60)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     data = run(args.quick, 1 if args.quick else args.repeat, args.seconds)

@@ -41,13 +41,12 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli import bench_main  # noqa: E402
-from benchmarks.lean import Lean, client_loop  # noqa: E402
-from live.loadgen import ReplayConfig, lateness, replay, replay_async  # noqa: E402
-from live.procs import serving  # noqa: E402
-from live.serve_options import ServeOptions  # noqa: E402
-from qsim import REFERENCE_MIX, ServiceModel, make_trace  # noqa: E402
-
+from benchmarks.cli import bench_main
+from benchmarks.lean import Lean, client_loop
+from live.loadgen import ReplayConfig, lateness, replay, replay_async
+from live.procs import serving
+from live.serve_options import ServeOptions
+from qsim import REFERENCE_MIX, ServiceModel, make_trace
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,12 @@ QUICK = Sizes(sustained_s=4.0, bursts=2, burst_period_s=2.0, lateness_s=3.0)
 
 def quantiles(seconds) -> dict:
     values = pd.Series(seconds, dtype=float)
-    return {"refusals": int(len(values)), "p50_ms": float(values.quantile(0.5) * 1e3),
-            "p99_ms": float(values.quantile(0.99) * 1e3), "max_ms": float(values.max() * 1e3)}
+    return {
+        "refusals": int(len(values)),
+        "p50_ms": float(values.quantile(0.5) * 1e3),
+        "p99_ms": float(values.quantile(0.99) * 1e3),
+        "max_ms": float(values.max() * 1e3),
+    }
 
 
 def refusal_times(frame: pd.DataFrame) -> pd.Series:
@@ -74,7 +77,8 @@ def refusal_times(frame: pd.DataFrame) -> pd.Series:
 
 
 async def _probe_while(url: str, until: asyncio.Future, every_s: float = 0.02) -> list[float]:
-    """Probe every ``every_s`` until ``until`` is done; the refusals' times (a 503 after a wait is not one)."""
+    """Probe every ``every_s`` until ``until`` is done; the refusals' times (a 503 after a wait
+    is not one)."""
     lean = Lean(url)
     data = lean.request("POST", "/v1/generate", {"prompt": "probe", "max_new_tokens": 64})
     tasks = []
@@ -92,8 +96,11 @@ async def _sustained(url: str, seconds: float) -> dict:
     await asyncio.sleep(min(2.0, seconds / 3))  # let the queue fill first
     lean = await _probe_while(url, load)
     frame = await load
-    return {"replayer": quantiles(refusal_times(frame)), "lean": quantiles(lean),
-            "send_p99_ms": lateness(frame)["p99_s"] * 1e3}
+    return {
+        "replayer": quantiles(refusal_times(frame)),
+        "lean": quantiles(lean),
+        "send_p99_ms": lateness(frame)["p99_s"] * 1e3,
+    }
 
 
 async def _lean_bursts(url: str, count: int, period_s: float) -> list[float]:
@@ -102,7 +109,8 @@ async def _lean_bursts(url: str, count: int, period_s: float) -> list[float]:
     out = []
     for _ in range(count):
         conns = [await lean.connect() for _ in range(30)]
-        # exchange() writes before its first await: all 30 are written before the first answer is read.
+        # exchange() writes before its first await: all 30 are written before the first answer is
+        # read.
         answers = await asyncio.gather(*(lean.exchange(c, data) for c in conns))
         out += [reply.seconds for reply, _ in answers if reply.outcome == "rejected"]
         lean.close()
@@ -112,33 +120,53 @@ async def _lean_bursts(url: str, count: int, period_s: float) -> list[float]:
 
 def bursts(url: str, count: int, period_s: float) -> dict:
     trace = make_trace(f"periodic:30:{period_s:g}", requests=30 * count, seed=1)
-    frame = replay(trace, ReplayConfig(url, late_warn_s=0.05))  # a burst leaves over some ms by nature
+    # a burst leaves over some ms by nature
+    frame = replay(trace, ReplayConfig(url, late_warn_s=0.05))
     time.sleep(period_s)
     with asyncio.Runner(loop_factory=client_loop()) as runner:
         lean = runner.run(_lean_bursts(url, count, period_s))
-    return {"replayer": quantiles(refusal_times(frame)), "lean": quantiles(lean),
-            "send_p99_ms": lateness(frame)["p99_s"] * 1e3}
+    return {
+        "replayer": quantiles(refusal_times(frame)),
+        "lean": quantiles(lean),
+        "send_p99_ms": lateness(frame)["p99_s"] * 1e3,
+    }
 
 
 def punctuality(url: str, seconds: float, rate: float = 200.0) -> dict:
     model = ServiceModel()
-    load = rate * REFERENCE_MIX.mean_s(model)  # make_trace's load is relative to the reference capacity
+    # make_trace's load is relative to the reference capacity
+    load = rate * REFERENCE_MIX.mean_s(model)
     frame = replay(make_trace("poisson", load=load, seconds=seconds, seed=2), ReplayConfig(url))
     late = frame["send_lateness_s"]
-    return {"rate_per_s": len(frame) / seconds, "requests": len(frame), "p50_ms": late.quantile(0.5) * 1e3,
-            "p99_ms": late.quantile(0.99) * 1e3, "max_ms": late.max() * 1e3,
-            "errors": int((frame["outcome"] == "error").sum())}
+    return {
+        "rate_per_s": len(frame) / seconds,
+        "requests": len(frame),
+        "p50_ms": late.quantile(0.5) * 1e3,
+        "p99_ms": late.quantile(0.99) * 1e3,
+        "max_ms": late.max() * 1e3,
+        "errors": int((frame["outcome"] == "error").sum()),
+    }
 
 
 def run(sizes: Sizes) -> dict:
-    options = [ServeOptions(policy="bounded"), ServeOptions(policy="predictive"),
-               ServeOptions(policy="none", speed=0.01)]
+    options = [
+        ServeOptions(policy="bounded"),
+        ServeOptions(policy="predictive"),
+        ServeOptions(policy="none", speed=0.01),
+    ]
     results: dict = {}
-    with tempfile.TemporaryDirectory() as logs, serving(options, logs, 120) as (bounded, predictive, fast):
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        serving(options, logs, 120) as (bounded, predictive, fast),
+    ):
         for server in (bounded, predictive):
             policy = server.options.policy
-            results[f"sustained 2x, {policy}"] = asyncio.run(_sustained(server.url, sizes.sustained_s))
-            results[f"burst of 30, {policy}"] = bursts(server.url, sizes.bursts, sizes.burst_period_s)
+            results[f"sustained 2x, {policy}"] = asyncio.run(
+                _sustained(server.url, sizes.sustained_s)
+            )
+            results[f"burst of 30, {policy}"] = bursts(
+                server.url, sizes.bursts, sizes.burst_period_s
+            )
         results["send lateness at 200/s"] = punctuality(fast.url, sizes.lateness_s)
     return results
 
@@ -154,9 +182,12 @@ def report(results: dict) -> None:
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print("targets: sustained p50 < 1 ms and p99 < 3 ms; burst p99 < 15 ms")
     late = results["send lateness at 200/s"]
-    print(f"\nload generator at {late['rate_per_s']:.0f} requests/s ({late['requests']} requests, "
-          f"{late['errors']} errors): send lateness p50 {late['p50_ms']:.2f} ms, p99 {late['p99_ms']:.2f} ms, "
-          f"max {late['max_ms']:.2f} ms")
+    print(
+        f"\nload generator at {late['rate_per_s']:.0f} requests/s ({late['requests']} requests, "
+        f"{late['errors']} errors): send lateness p50 {late['p50_ms']:.2f} ms, p99 "
+        f"{late['p99_ms']:.2f} ms, "
+        f"max {late['max_ms']:.2f} ms"
+    )
 
 
 def main(argv=None) -> int:

@@ -65,8 +65,12 @@ except ImportError:  # pragma: no cover - depends on the environment
 # recorded at least 1.9x plain SimPy and 4x ciw; predictive at least as fast as plain SimPy.
 # Disciplines that need a heap (C: EDF, D: two priority classes) at least at plain SimPy's speed
 # (its model stays the FIFO predictive one of case B: the baseline a heap must not fall behind).
-TARGETS = {"A": {"plain SimPy": 1.9, "ciw": 4.0}, "B": {"plain SimPy": 1.0, "ciw": 2.0},
-           "C": {"plain SimPy": 1.0}, "D": {"plain SimPy": 1.0}}
+TARGETS = {
+    "A": {"plain SimPy": 1.9, "ciw": 4.0},
+    "B": {"plain SimPy": 1.0, "ciw": 2.0},
+    "C": {"plain SimPy": 1.0},
+    "D": {"plain SimPy": 1.0},
+}
 CIW_QUEUE_CAPACITY = 13  # ~ deadline 2 s / mean reference-mix service 0.147 s
 
 
@@ -98,14 +102,21 @@ class Row:
 
 
 def cases(n: int) -> list[Case]:
-    a = dict(arrivals="poisson", service="exponential", load=0.9, requests=n, seed=1, mean_service_s=1.0)
+    a = dict(
+        arrivals="poisson", service="exponential", load=0.9, requests=n, seed=1, mean_service_s=1.0
+    )
     b = dict(arrivals="poisson", service="mix", load=2.0, requests=n, seed=1)
     return [
         Case("A", "M/M/1 rho 0.9", a, preset("none")),
         Case("B", "predictive, load 2, reference mix", b, preset("predictive")),
         Case("C", "predictive-edf, load 2, reference mix", b, preset("predictive-edf")),
-        Case("D", "predictive, priority classes, load 2", b, replace(preset("predictive"), discipline="priority"),
-             classes=True),
+        Case(
+            "D",
+            "predictive, priority classes, load 2",
+            b,
+            replace(preset("predictive"), discipline="priority"),
+            classes=True,
+        ),
     ]
 
 
@@ -140,7 +151,10 @@ def run_qlab(trace, policy, priority=None):
 def qlab_check(frame) -> dict:
     served = frame["start_s"].notna()
     wait = (frame["start_s"] - frame["arrival_s"])[served]
-    return {"mean_wait_s": float(wait.mean()), "rejected_share": float((frame["outcome"] == "rejected").mean())}
+    return {
+        "mean_wait_s": float(wait.mean()),
+        "rejected_share": float((frame["outcome"] == "rejected").mean()),
+    }
 
 
 # ------------------------------------------------------------------ plain SimPy
@@ -219,7 +233,9 @@ def simpy_check(waits, rejected=None) -> dict:
 
 def run_plain(case: Case, trace):
     if case.policy.predictive:
-        return run_simpy_predictive(trace.arrival_s, trace.true_service_s, trace.est_service_s, case.policy.deadline_s)
+        return run_simpy_predictive(
+            trace.arrival_s, trace.true_service_s, trace.est_service_s, case.policy.deadline_s
+        )
     return run_simpy_fifo(trace.arrival_s, trace.true_service_s), None
 
 
@@ -284,7 +300,10 @@ def bench_case(case: Case, args) -> list[Row]:
 def ciw_note(case: Case, m: int, n: int) -> str:
     note = "ciw draws its own random numbers from the same distributions"
     if case.key == "B":
-        note += f"; closest ciw equivalent, not identical: M/G/1 with queue_capacities=[{CIW_QUEUE_CAPACITY}], no predictive admission"
+        note += (
+            "; closest ciw equivalent, not identical: M/G/1 with "
+            f"queue_capacities=[{CIW_QUEUE_CAPACITY}], no predictive admission"
+        )
     if m < n:
         note += f"; run on {m:,} requests (requests/s is the metric)"
     return note
@@ -298,8 +317,14 @@ def ratio(rows: list[Row], case: str, impl: str) -> float | None:
 
 
 def print_table(rows: list[Row], all_cases: list[Case], args) -> None:
-    head = f"{'case':<5}| {'implementation':<15}| {'requests':>9} | {'seconds':>8} | {'requests/s':>11} | ratio qlab/this"
-    print(f"qlab simulator benchmark: best of {args.repeat} run(s), CPU time (time.process_time), Python {sys.version.split()[0]}")
+    head = (
+        f"{'case':<5}| {'implementation':<15}| {'requests':>9} | {'seconds':>8} | "
+        f"{'requests/s':>11} | ratio qlab/this"
+    )
+    print(
+        f"qlab simulator benchmark: best of {args.repeat} run(s), CPU time (time.process_time), "
+        f"Python {sys.version.split()[0]}"
+    )
     for c in all_cases:
         print(f"  Case {c.key}: {c.title}")
     print()
@@ -307,10 +332,16 @@ def print_table(rows: list[Row], all_cases: list[Case], args) -> None:
     print("-" * len(head))
     for r in rows:
         q = ratio(rows, r.case, r.impl)
-        print(f"{r.case:<5}| {r.impl:<15}| {r.requests:>9,} | {r.seconds:>8.3f} | {r.rate:>11,.0f} | {q:.2f}x")
+        print(
+            f"{r.case:<5}| {r.impl:<15}| {r.requests:>9,} | {r.seconds:>8.3f} | "
+            f"{r.rate:>11,.0f} | {q:.2f}x"
+        )
     print("\nUntimed check of what each model computed (qlab and plain SimPy see the same trace):")
     for r in rows:
-        print(f"  {r.case} {r.impl:<12} mean wait {r.check['mean_wait_s']:.4f} s, rejected {r.check['rejected_share']:.4f}")
+        print(
+            f"  {r.case} {r.impl:<12} mean wait {r.check['mean_wait_s']:.4f} s, rejected "
+            f"{r.check['rejected_share']:.4f}"
+        )
     notes = sorted({f"  Case {r.case} ciw: {r.note}" for r in rows if r.note})
     if notes:
         print("\nNotes:")
@@ -336,8 +367,16 @@ def to_json(rows: list[Row], args) -> str:
         "repeat": args.repeat,
         "ciw_available": ciw is not None,
         "rows": [
-            dict(case=r.case, implementation=r.impl, requests=r.requests, seconds=r.seconds,
-                 requests_per_s=r.rate, ratio_qlab_over_this=ratio(rows, r.case, r.impl), check=r.check, note=r.note)
+            dict(
+                case=r.case,
+                implementation=r.impl,
+                requests=r.requests,
+                seconds=r.seconds,
+                requests_per_s=r.rate,
+                ratio_qlab_over_this=ratio(rows, r.case, r.impl),
+                check=r.check,
+                note=r.note,
+            )
             for r in rows
         ],
     }
@@ -346,12 +385,20 @@ def to_json(rows: list[Row], args) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=200_000, help="requests per case (default 200000)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per measurement, best kept (default 3)")
-    p.add_argument("--ciw-requests", type=int, default=None, help="run ciw on at most this many requests")
+    p.add_argument(
+        "--requests", type=int, default=200_000, help="requests per case (default 200000)"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=3, help="runs per measurement, best kept (default 3)"
+    )
+    p.add_argument(
+        "--ciw-requests", type=int, default=None, help="run ciw on at most this many requests"
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 20000 requests, 1 run")
     p.add_argument("--no-ciw", action="store_true", help="skip ciw")
-    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument(
+        "--json", action="store_true", help="print the results as JSON instead of a table"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.repeat = 20_000, 1

@@ -56,7 +56,9 @@ def main() -> None:
     per_worker = requests / wall / args.workers
     base = baseline_rate(cfg, every[:: max(1, len(every) // 40)])
     print(f"sweep {cfg.name}: {len(every)} cells, {requests:,} requests, {args.workers} workers")
-    print(f"wall time: {wall:.1f} s (target < 60 s for the reference sweep with 2 workers on 2 cores)")
+    print(
+        f"wall time: {wall:.1f} s (target < 60 s for the reference sweep with 2 workers on 2 cores)"
+    )
     print(f"requests simulated per second per worker: {per_worker:,.0f}")
     print(f"baseline, bare simulate() in this process: {base:,.0f} requests/s")
     print(f"sweep rate per worker / bare simulate: {per_worker / base:.2f}")

@@ -1,4 +1,5 @@
-"""The command line the live benchmarks share: ``--quick`` for a short smoke run, ``--json`` for the figures."""
+"""The command line the live benchmarks share: ``--quick`` for a short smoke run, ``--json`` for
+the figures."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def to_json(results: dict) -> str:
     return json.dumps(_plain(results), indent=2, default=str)
 
 
-def bench_main(doc: str, run: Callable, report: Callable[[dict], None], quick, full, argv=None) -> int:
-    """Parse ``--quick`` and ``--json``, run with ``quick`` or ``full`` sizes, print the report or the JSON."""
+def bench_main(
+    doc: str, run: Callable, report: Callable[[dict], None], quick, full, argv=None
+) -> int:
+    """Parse ``--quick`` and ``--json``, run with ``quick`` or ``full`` sizes, print the report
+    or the JSON."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--json", action="store_true")

@@ -1,4 +1,5 @@
-"""Do the benchmark clients people point at OpenAI-compatible servers work against ``qlab serve`` unchanged?
+"""Do the benchmark clients people point at OpenAI-compatible servers work against ``qlab serve``
+unchanged?
 
 For each tool (guidellm, inference-perf, aiperf, as installed by benchmarks/clients_check.sh in
 throwaway environments from PyPI): a fresh ``qlab serve --engine synthetic --policy predictive``
@@ -7,10 +8,10 @@ tool run against the tap for ``--seconds`` at a rate past the engine's capacity,
 
 * the HTTP statuses the tool got (the tap counts them): no 4xx other than 429 (503 is the
   gate's refusal, expected past capacity);
-* the tool's own counts against the gate's ``/stats`` (:func:`agree`): its successes = good + late, its
-  errors = rejected + expired + error + cancelled, the requests it cut off at its end = abandoned, or more:
-  the gate may have answered or refused one before it saw the client go, and one cut off before it
-  reached the gate is the tool's alone;
+* the tool's own counts against the gate's ``/stats`` (:func:`agree`): its successes = good + late,
+  its errors = rejected + expired + error + cancelled, the requests it cut off at its end =
+  abandoned, or more: the gate may have answered or refused one before it saw the client go, and one
+  cut off before it reached the gate is the tool's alone;
 * its time to the first token is reported (a finite median).
 
 The tools size prompts with a Hugging Face tokenizer they would download; this machine reaches
@@ -19,8 +20,10 @@ no hub, so each gets benchmarks/byte_tokenizer.py's (one token per byte, as qlab
 ``--record DIR`` writes the first requests each tool sent (method, path, headers, body) to
 DIR/TOOL.json: tests/test_clients_recorded.py replays them in ``make test``.
 
-    bash benchmarks/clients_check.sh                     # installs the tools, runs this, prints the table
-    PYTHONPATH=. python benchmarks/clients_check.py --guidellm BIN --aiperf BIN --inference-perf BIN \\
+    bash benchmarks/clients_check.sh                     # installs the tools, runs this, prints the
+                                                         table
+    PYTHONPATH=. python benchmarks/clients_check.py --guidellm BIN --aiperf BIN --inference-perf BIN
+    \\
         --tokenizer DIR [--seconds 20] [--record tests/data/clients]
 """
 
@@ -51,7 +54,8 @@ from qsim.records import ANSWERED
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "synthetic"
-#: Requests a second: the reference line answers about 3.7 of these 32-token requests a second on its one engine.
+#: Requests a second: the reference line answers about 3.7 of these 32-token requests a second on
+#: its one engine.
 RATE = 8
 TOKENS = 32
 #: Headers a recording leaves out: the connection's own, and a key.
@@ -64,13 +68,15 @@ LEFT = ("abandoned",)
 
 
 class Tap:
-    """An ASGI pass-through to ``target`` that counts the statuses it passes back and keeps the first ``keep``
-    requests; a client that hangs up is passed on (the upstream request is closed, so the gate sees it leave)."""
+    """An ASGI pass-through to ``target`` that counts the statuses it passes back and keeps the
+    first ``keep`` requests; a client that hangs up is passed on (the upstream request is closed, so
+    the gate sees it leave)."""
 
     def __init__(self, target: str, keep: int) -> None:
         self.target, self.keep = target, keep
         self.statuses: Counter = Counter()  # every answer's
-        self.post_statuses: Counter = Counter()  # the generating requests' (the others: health checks, scrapes)
+        # the generating requests' (the others: health checks, scrapes)
+        self.post_statuses: Counter = Counter()
         self.recorded: list[dict] = []
         self._client: httpx.AsyncClient | None = None
 
@@ -90,9 +96,14 @@ class Tap:
                 break
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         if len(self.recorded) < self.keep and scope["method"] == "POST":
-            self.recorded.append({"method": scope["method"], "path": scope["path"],
-                                  "headers": {k: v for k, v in headers if k not in UNRECORDED},
-                                  "body": json.loads(body) if body else None})
+            self.recorded.append(
+                {
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "headers": {k: v for k, v in headers if k not in UNRECORDED},
+                    "body": json.loads(body) if body else None,
+                }
+            )
         forward = asyncio.ensure_future(self._forward(scope, headers, body, send))
         gone = asyncio.ensure_future(_disconnected(receive))
         await asyncio.wait([forward, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -104,14 +115,20 @@ class Tap:
             self._client = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None))
         query = f"?{scope['query_string'].decode()}" if scope["query_string"] else ""
         sent = [(k, v) for k, v in headers if k not in ("host", "content-length", "connection")]
-        async with self._client.stream(scope["method"], self.target + scope["path"] + query, headers=sent,
-                                       content=body) as response:
+        async with self._client.stream(
+            scope["method"], self.target + scope["path"] + query, headers=sent, content=body
+        ) as response:
             self.statuses[response.status_code] += 1
             if scope["method"] == "POST":
                 self.post_statuses[response.status_code] += 1
-            back = [(k.encode(), v.encode()) for k, v in response.headers.items()
-                    if k not in ("content-length", "transfer-encoding", "connection")]
-            await send({"type": "http.response.start", "status": response.status_code, "headers": back})
+            back = [
+                (k.encode(), v.encode())
+                for k, v in response.headers.items()
+                if k not in ("content-length", "transfer-encoding", "connection")
+            ]
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": back}
+            )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -126,8 +143,16 @@ class _Serving:
     """The tap on a free loopback port, in a thread of its own."""
 
     def __init__(self, tap: Tap) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(tap, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_keep_alive=30))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                tap,
+                host="127.0.0.1",
+                port=0,
+                log_level="warning",
+                lifespan="on",
+                timeout_keep_alive=30,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -170,24 +195,44 @@ class Tool:
 
 def _guidellm(binary: str, tokenizer: str, seconds: int) -> Tool:
     def command(url: str, out: Path) -> list[str]:
-        return [binary, "run", "--backend", f"kind=openai_http,target={url},request_format=/v1/chat/completions",
-                "--profile", f"kind=constant,rate={RATE}", "--constraint", f"kind=max_duration,seconds={seconds}",
-                "--data", f"kind=synthetic_text,prompt_tokens={TOKENS},output_tokens={TOKENS}",
-                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-                "--output", f"kind=json,path={out / 'guidellm.json'}", "--disable-console-interactive"]
+        return [
+            binary,
+            "run",
+            "--backend",
+            f"kind=openai_http,target={url},request_format=/v1/chat/completions",
+            "--profile",
+            f"kind=constant,rate={RATE}",
+            "--constraint",
+            f"kind=max_duration,seconds={seconds}",
+            "--data",
+            f"kind=synthetic_text,prompt_tokens={TOKENS},output_tokens={TOKENS}",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={tokenizer}",
+            "--output",
+            f"kind=json,path={out / 'guidellm.json'}",
+            "--disable-console-interactive",
+        ]
 
     def read(out: Path) -> tuple[Counts, float]:
         bench = json.loads((out / "guidellm.json").read_text())["benchmarks"][0]
         requests = bench["requests"]
-        ttft = [r["info"]["timings"]["first_token_iteration"] - r["info"]["timings"]["request_start"]
-                for r in requests["successful"] if r["info"]["timings"].get("first_token_iteration")]
-        counts = Counts(len(requests["successful"]), len(requests["errored"]), len(requests["incomplete"]))
+        ttft = [
+            r["info"]["timings"]["first_token_iteration"] - r["info"]["timings"]["request_start"]
+            for r in requests["successful"]
+            if r["info"]["timings"].get("first_token_iteration")
+        ]
+        counts = Counts(
+            len(requests["successful"]), len(requests["errored"]), len(requests["incomplete"])
+        )
         return counts, statistics.median(ttft) * 1000 if ttft else math.nan
 
-    shown = (f"guidellm run --backend kind=openai_http,target=URL,request_format=/v1/chat/completions --profile "
-             f"kind=constant,rate={RATE} --constraint kind=max_duration,seconds={seconds} --data "
-             f"kind=synthetic_text,prompt_tokens={TOKENS},output_tokens={TOKENS} --tokenizer "
-             "kind=huggingface_auto,model=BYTES --output kind=json,path=OUT")
+    shown = (
+        "guidellm run --backend "
+        "kind=openai_http,target=URL,request_format=/v1/chat/completions --profile "
+        f"kind=constant,rate={RATE} --constraint kind=max_duration,seconds={seconds} --data "
+        f"kind=synthetic_text,prompt_tokens={TOKENS},output_tokens={TOKENS} --tokenizer "
+        "kind=huggingface_auto,model=BYTES --output kind=json,path=OUT"
+    )
     return Tool("guidellm", binary, command, read, shown)
 
 
@@ -195,14 +240,33 @@ def _inference_perf(binary: str, tokenizer: str, seconds: int) -> Tool:
     def command(url: str, out: Path) -> list[str]:
         config = {
             "load": {"type": "constant", "stages": [{"rate": RATE, "duration": seconds}]},
-            "api": {"type": "completion", "streaming": True,
-                    "headers": {"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "50"}},
+            "api": {
+                "type": "completion",
+                "streaming": True,
+                "headers": {"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "50"},
+            },
             "server": {"type": "vllm", "model_name": MODEL, "base_url": url, "ignore_eos": True},
             "tokenizer": {"pretrained_model_name_or_path": tokenizer},
-            "data": {"type": "synthetic",
-                     "input_distribution": {"min": 16, "max": 48, "mean": TOKENS, "std_dev": 8, "total_count": 1000},
-                     "output_distribution": {"min": 16, "max": 48, "mean": TOKENS, "std_dev": 8, "total_count": 1000}},
-            "report": {"request_lifecycle": {"summary": True, "per_stage": True, "per_request": True}},
+            "data": {
+                "type": "synthetic",
+                "input_distribution": {
+                    "min": 16,
+                    "max": 48,
+                    "mean": TOKENS,
+                    "std_dev": 8,
+                    "total_count": 1000,
+                },
+                "output_distribution": {
+                    "min": 16,
+                    "max": 48,
+                    "mean": TOKENS,
+                    "std_dev": 8,
+                    "total_count": 1000,
+                },
+            },
+            "report": {
+                "request_lifecycle": {"summary": True, "per_stage": True, "per_request": True}
+            },
             "storage": {"local_storage": {"path": str(out / "inference-perf")}},
         }
         path = out / "inference-perf.json"  # YAML is a superset of JSON
@@ -210,35 +274,73 @@ def _inference_perf(binary: str, tokenizer: str, seconds: int) -> Tool:
         return [binary, "-c", str(path)]
 
     def read(out: Path) -> tuple[Counts, float]:
-        summary = json.loads((out / "inference-perf" / "summary_lifecycle_metrics.json").read_text())
-        ttft = summary["successes"]["latency"].get("time_to_first_token", {}).get("median", math.nan)
+        summary = json.loads(
+            (out / "inference-perf" / "summary_lifecycle_metrics.json").read_text()
+        )
+        ttft = (
+            summary["successes"]["latency"].get("time_to_first_token", {}).get("median", math.nan)
+        )
         failures = summary.get("failures") or {}
         return Counts(summary["successes"]["count"], failures.get("count", 0), 0), ttft * 1000
 
-    shown = (f"inference-perf -c CONFIG (load constant, rate {RATE}, {seconds} s; api completion, streaming, headers "
-             f"x-slo-ttft-ms and x-slo-tpot-ms; server vllm, ignore_eos; data synthetic, about {TOKENS} tokens in "
-             "and out; tokenizer BYTES)")
+    shown = (
+        f"inference-perf -c CONFIG (load constant, rate {RATE}, {seconds} s; api completion, "
+        "streaming, headers "
+        "x-slo-ttft-ms and x-slo-tpot-ms; server vllm, ignore_eos; data synthetic, about "
+        f"{TOKENS} tokens in "
+        "and out; tokenizer BYTES)"
+    )
     return Tool("inference-perf", binary, command, read, shown)
 
 
 def _aiperf(binary: str, tokenizer: str, seconds: int) -> Tool:
     def command(url: str, out: Path) -> list[str]:
-        return [binary, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat", "--streaming",
-                "--tokenizer", tokenizer, "--request-rate", str(RATE), "--benchmark-duration", str(seconds),
-                "--isl", str(TOKENS), "--osl", str(TOKENS), "--extra-inputs", "ignore_eos:true",
-                "--artifact-dir", str(out / "aiperf"), "--ui-type", "simple"]
+        return [
+            binary,
+            "profile",
+            "--model",
+            MODEL,
+            "--url",
+            url,
+            "--endpoint-type",
+            "chat",
+            "--streaming",
+            "--tokenizer",
+            tokenizer,
+            "--request-rate",
+            str(RATE),
+            "--benchmark-duration",
+            str(seconds),
+            "--isl",
+            str(TOKENS),
+            "--osl",
+            str(TOKENS),
+            "--extra-inputs",
+            "ignore_eos:true",
+            "--artifact-dir",
+            str(out / "aiperf"),
+            "--ui-type",
+            "simple",
+        ]
 
     def read(out: Path) -> tuple[Counts, float]:
         export = json.loads((out / "aiperf" / "profile_export_aiperf.json").read_text())
-        records = [json.loads(line) for line in (out / "aiperf" / "profile_export.jsonl").read_text().splitlines() if line]
+        records = [
+            json.loads(line)
+            for line in (out / "aiperf" / "profile_export.jsonl").read_text().splitlines()
+            if line
+        ]
         cut = sum(1 for r in records if r["metadata"].get("was_cancelled"))
         answered = int(export["request_count"]["avg"])
         failed = int(export.get("error_request_count", {}).get("avg", 0)) - cut
         return Counts(answered, failed, cut), export["time_to_first_token"]["p50"]
 
-    shown = (f"aiperf profile --model synthetic --url URL --endpoint-type chat --streaming --tokenizer BYTES "
-             f"--request-rate {RATE} --benchmark-duration {seconds} --isl {TOKENS} --osl {TOKENS} "
-             "--extra-inputs ignore_eos:true")
+    shown = (
+        "aiperf profile --model synthetic --url URL --endpoint-type chat --streaming "
+        "--tokenizer BYTES "
+        f"--request-rate {RATE} --benchmark-duration {seconds} --isl {TOKENS} --osl {TOKENS} "
+        "--extra-inputs ignore_eos:true"
+    )
     return Tool("aiperf", binary, command, read, shown)
 
 
@@ -261,17 +363,22 @@ class Result:
         return not self.problems
 
 
-#: The gate's outcomes a tool counts as an error: refused at arrival, dropped, failed, cut at the deadline.
+#: The gate's outcomes a tool counts as an error: refused at arrival, dropped, failed, cut at the
+#: deadline.
 REFUSED = ("rejected", "expired", "error", "cancelled")
 
 
 def agree(tool: Counts, gate: Counts) -> bool:
-    """Whether the tool's counts are the gate's. A request the tool cut off at its end may have been answered or
-    refused by the gate before it saw the client go, or never reached it: so the tool's answered and refused are at
-    most the gate's, its cut-off ones at least the gate's abandoned, and it sent at least what the gate took.
-    Without cut-offs at the end, all four are equalities."""
-    return (tool.answered <= gate.answered and tool.failed <= gate.failed and tool.unfinished >= gate.unfinished
-            and tool.total >= gate.total)
+    """Whether the tool's counts are the gate's. A request the tool cut off at its end may have been
+    answered or refused by the gate before it saw the client go, or never reached it: so the tool's
+    answered and refused are at most the gate's, its cut-off ones at least the gate's abandoned, and
+    it sent at least what the gate took. Without cut-offs at the end, all four are equalities."""
+    return (
+        tool.answered <= gate.answered
+        and tool.failed <= gate.failed
+        and tool.unfinished >= gate.unfinished
+        and tool.total >= gate.total
+    )
 
 
 def gate_counts(stats: Stats) -> Counts:
@@ -297,64 +404,95 @@ def check(tool: Tool, version: str, seconds: int, work: Path, record: Path | Non
     try:
         tap = Tap(server.url, keep=4)
         with _Serving(tap) as url:
-            run = subprocess.run(tool.command(url, out), capture_output=True, text=True, timeout=seconds + 300,
-                                 cwd=out)
+            run = subprocess.run(
+                tool.command(url, out),
+                capture_output=True,
+                text=True,
+                timeout=seconds + 300,
+                cwd=out,
+            )
             (out / "tool.log").write_text(run.stdout + run.stderr)
         stats = _settled(server.url)
-        (out / "stats.json").write_text(stats.model_dump_json())  # what `qlab replay --import --stats` reads
+        # what `qlab replay --import --stats` reads
+        (out / "stats.json").write_text(stats.model_dump_json())
     finally:
         server.stop()
     result.statuses = dict(sorted(tap.post_statuses.items()))
     result.gate_counts = gate_counts(stats)
     if run.returncode != 0:
-        result.problems.append(f"exit status {run.returncode}: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+        result.problems.append(
+            f"exit status {run.returncode}: {(run.stderr or run.stdout).strip().splitlines()[-1:]}"
+        )
         return result
     result.tool_counts, result.ttft_ms = tool.read(out)
     bad = {s: n for s, n in tap.statuses.items() if 400 <= s < 500 and s != 429}
     if bad:
         result.problems.append(f"4xx other than 429: {bad}")
     if not agree(result.tool_counts, result.gate_counts):
-        result.problems.append(f"the tool counted {result.tool_counts}, the gate {result.gate_counts}")
+        result.problems.append(
+            f"the tool counted {result.tool_counts}, the gate {result.gate_counts}"
+        )
     if not (result.ttft_ms > 0 and math.isfinite(result.ttft_ms)):
         result.problems.append("no time to first token reported")
     if record is not None:
         record.mkdir(parents=True, exist_ok=True)
-        (record / f"{tool.name}.json").write_text(json.dumps({"tool": tool.name, "version": version,
-                                                              "requests": tap.recorded}, indent=1) + "\n")
+        (record / f"{tool.name}.json").write_text(
+            json.dumps({"tool": tool.name, "version": version, "requests": tap.recorded}, indent=1)
+            + "\n"
+        )
     return result
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| tool | version | answered (tool / gate) | refused (tool / gate) | cut off at its end (tool / gate) "
-             "| statuses of its POSTs | TTFT median (tool's) | result |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| tool | version | answered (tool / gate) | refused (tool / gate) | cut off at its "
+        "end (tool / gate) "
+        "| statuses of its POSTs | TTFT median (tool's) | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         t, g = r.tool_counts, r.gate_counts
+
         def pair(f: str, t=t, g=g) -> str:
             return f"{getattr(t, f)} / {getattr(g, f)}" if t and g else "-"
 
         statuses = ", ".join(f"{s}: {n}" for s, n in r.statuses.items()) or "-"
         ttft = f"{r.ttft_ms:.0f} ms" if math.isfinite(r.ttft_ms) else "-"
         verdict = "pass" if r.passed else "FAIL: " + "; ".join(r.problems)
-        lines.append(f"| {r.tool} | {r.version} | {pair('answered')} | {pair('failed')} | {pair('unfinished')} "
-                     f"| {statuses} | {ttft} | {verdict} |")
+        lines.append(
+            f"| {r.tool} | {r.version} | {pair('answered')} | {pair('failed')} | "
+            f"{pair('unfinished')} "
+            f"| {statuses} | {ttft} | {verdict} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--guidellm", help="the guidellm command (absent: skipped)")
-    p.add_argument("--inference-perf", dest="inference_perf", help="the inference-perf command (absent: skipped)")
+    p.add_argument(
+        "--inference-perf",
+        dest="inference_perf",
+        help="the inference-perf command (absent: skipped)",
+    )
     p.add_argument("--aiperf", help="the aiperf command (absent: skipped)")
     p.add_argument("--version", action="append", default=[], metavar="TOOL=VERSION")
-    p.add_argument("--skip", action="append", default=[], metavar="TOOL=WHY", help="a tool not run, and why")
+    p.add_argument(
+        "--skip", action="append", default=[], metavar="TOOL=WHY", help="a tool not run, and why"
+    )
     p.add_argument("--tokenizer", required=True, help="benchmarks/byte_tokenizer.py's directory")
     p.add_argument("--seconds", type=int, default=20)
     p.add_argument("--record", type=Path, help="write each tool's first requests to DIR/TOOL.json")
-    p.add_argument("--keep", type=Path, help="keep each tool's output, log and the gate's /stats in DIR/TOOL/")
+    p.add_argument(
+        "--keep", type=Path, help="keep each tool's output, log and the gate's /stats in DIR/TOOL/"
+    )
     args = p.parse_args(argv)
     versions = dict(v.split("=", 1) for v in args.version)
-    makers = {"guidellm": (_guidellm, args.guidellm), "inference-perf": (_inference_perf, args.inference_perf),
-              "aiperf": (_aiperf, args.aiperf)}
+    makers = {
+        "guidellm": (_guidellm, args.guidellm),
+        "inference-perf": (_inference_perf, args.inference_perf),
+        "aiperf": (_aiperf, args.aiperf),
+    }
     results = []
     with tempfile.TemporaryDirectory(prefix="clients-check-") as temporary:
         work = args.keep or temporary
@@ -362,8 +500,14 @@ def main(argv: list[str] | None = None) -> int:
             if binary is None:
                 continue
             tool = make(binary, args.tokenizer, args.seconds)
-            print(f"clients_check: {name} {versions.get(name, '?')} for {args.seconds} s ...", file=sys.stderr, flush=True)
-            results.append(check(tool, versions.get(name, "?"), args.seconds, Path(work), args.record))
+            print(
+                f"clients_check: {name} {versions.get(name, '?')} for {args.seconds} s ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            results.append(
+                check(tool, versions.get(name, "?"), args.seconds, Path(work), args.record)
+            )
     print(table(results))
     for skipped in args.skip:
         name, why = skipped.split("=", 1)

@@ -1,4 +1,5 @@
-"""The machine's floor: the bare minimum of an HTTP server, measured beside the gate (benchmarks/bench_openai.py).
+"""The machine's floor: the bare minimum of an HTTP server, measured beside the gate
+(benchmarks/bench_openai.py).
 
 On a small machine a good part of what bench_openai.py measures is not the
 gate's: it is the kernel's loopback, waking idle CPUs, uvicorn and its HTTP
@@ -44,22 +45,35 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from live.commands import _bind, _url, run_app  # noqa: E402
-from live.contract import error_json  # noqa: E402
-from live.procs import ROOT, Server  # noqa: E402
-from live.serve_options import LOOPBACK, ServeOptions  # noqa: E402
-from live.upstream import KEEPALIVE_S  # noqa: E402
+from live.commands import _bind, _url, run_app
+from live.contract import error_json
+from live.procs import ROOT, Server
+from live.serve_options import LOOPBACK, ServeOptions
+from live.upstream import KEEPALIVE_S
 
-#: The proxy's connections to its upstream at most (aiohttp's default): far above what the benchmark has in flight.
+#: The proxy's connections to its upstream at most (aiohttp's default): far above what the benchmark
+#: has in flight.
 PROXY_CONNECTIONS = 100
 RETRY_AFTER_S = 1
-#: A refusal as the gate writes one for an unreachable deadline (about the same size, the same envelope).
-REFUSAL = error_json("overloaded", "deadline_unreachable",
-                     f"estimated wait 0.820 s plus service 0.550 s exceeds the deadline of 1.000 s; "
-                     f"retry after {RETRY_AFTER_S} s",
-                     {"arrived_at": 12.345678, "est_service_s": 0.55, "deadline_s": 1.0, "queued": 3,
-                      "queued_work_s": 0.82, "speed_factor": 1.0, "wait_s": 0.82},
-                     RETRY_AFTER_S).encode()
+#: A refusal as the gate writes one for an unreachable deadline (about the same size, the same
+#: envelope).
+REFUSAL = error_json(
+    "overloaded",
+    "deadline_unreachable",
+    "estimated wait 0.820 s plus service 0.550 s exceeds the deadline of 1.000 "
+    "s; "
+    f"retry after {RETRY_AFTER_S} s",
+    {
+        "arrived_at": 12.345678,
+        "est_service_s": 0.55,
+        "deadline_s": 1.0,
+        "queued": 3,
+        "queued_work_s": 0.82,
+        "speed_factor": 1.0,
+        "wait_s": 0.82,
+    },
+    RETRY_AFTER_S,
+).encode()
 JSON = b"application/json"
 
 
@@ -81,7 +95,8 @@ async def _answer(send, status: int, body: bytes, headers: list | None = None) -
 
 
 class FloorApp:
-    """One of the two bare apps (see the module docstring); ``announce`` runs once the server is up."""
+    """One of the two bare apps (see the module docstring); ``announce`` runs once the server is
+    up."""
 
     def __init__(self, kind: str, announce, upstream: str | None = None) -> None:
         self.kind, self.announce, self.upstream = kind, announce, upstream
@@ -114,42 +129,65 @@ class FloorApp:
     async def _forward(self, scope, receive, send) -> None:
         body = await _body(receive)
         if self._session is None:  # here, on the server's own loop
-            # auto_decompress off: the bytes go back as they came, so the upstream's Content-Length holds.
+            # auto_decompress off: the bytes go back as they came, so the upstream's Content-Length
+            # holds.
             self._session = aiohttp.ClientSession(
-                self.upstream, auto_decompress=False,
-                connector=aiohttp.TCPConnector(limit=PROXY_CONNECTIONS, keepalive_timeout=KEEPALIVE_S))
+                self.upstream,
+                auto_decompress=False,
+                connector=aiohttp.TCPConnector(
+                    limit=PROXY_CONNECTIONS, keepalive_timeout=KEEPALIVE_S
+                ),
+            )
         content_type = dict(scope["headers"]).get(b"content-type", JSON).decode("latin-1")
-        async with self._session.request(scope["method"], scope["path"], data=body,
-                                         headers={"content-type": content_type}) as response:
-            head = [(b"content-type", response.headers.get("content-type", "application/json").encode("latin-1"))]
-            if "content-length" in response.headers:  # a whole JSON answer: sent as the upstream framed it
-                head.append((b"content-length", response.headers["content-length"].encode("latin-1")))
+        async with self._session.request(
+            scope["method"], scope["path"], data=body, headers={"content-type": content_type}
+        ) as response:
+            head = [
+                (
+                    b"content-type",
+                    response.headers.get("content-type", "application/json").encode("latin-1"),
+                )
+            ]
+            # a whole JSON answer: sent as the upstream framed it
+            if "content-length" in response.headers:
+                head.append(
+                    (b"content-length", response.headers["content-length"].encode("latin-1"))
+                )
             await send({"type": "http.response.start", "status": response.status, "headers": head})
-            async for chunk in response.content.iter_any():  # each chunk as soon as it arrives (an event stream)
+            # each chunk as soon as it arrives (an event stream)
+            async for chunk in response.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="A bare ASGI server: the machine's floor beside the gate.")
+    parser = argparse.ArgumentParser(
+        description="A bare ASGI server: the machine's floor beside the gate."
+    )
     parser.add_argument("kind", choices=("refuser", "proxy"))
     parser.add_argument("--upstream", metavar="URL", help="proxy: the server to forward to")
     parser.add_argument("--host", default=LOOPBACK)
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--watch-stdin", action="store_true", help="stop when stdin reaches end of file")
+    parser.add_argument(
+        "--watch-stdin", action="store_true", help="stop when stdin reaches end of file"
+    )
     args = parser.parse_args(argv)
     if args.kind == "proxy" and not args.upstream:
         parser.error("proxy needs --upstream URL")
     sock = _bind(args.host, args.port)
     url = _url(sock)
-    app = FloorApp(args.kind, lambda: print(f"floor {args.kind}: listening on {url}", flush=True),
-                   args.upstream.rstrip("/") if args.upstream else None)
+    app = FloorApp(
+        args.kind,
+        lambda: print(f"floor {args.kind}: listening on {url}", flush=True),
+        args.upstream.rstrip("/") if args.upstream else None,
+    )
     run_app(app, sock, "warning", "httptools", args.watch_stdin)  # qlab serve's own server stack
     return 0
 
 
 class FloorServer(Server):
-    """A floor app as a subprocess, started, awaited and stopped as :class:`live.procs.Server` does qlab serve."""
+    """A floor app as a subprocess, started, awaited and stopped as :class:`live.procs.Server`
+    does qlab serve."""
 
     def __init__(self, kind: str, log_dir: str | Path, upstream: str | None = None) -> None:
         # The options only name it in Server's messages; the argv is the floor's own (spawn).
@@ -162,8 +200,16 @@ class FloorServer(Server):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         argv = [sys.executable, "-m", "benchmarks.floor", self.kind, "--port", "0", "--watch-stdin"]
         argv += ["--upstream", self.upstream] if self.upstream else []
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, cwd=ROOT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def _read(path: str) -> str:
@@ -174,21 +220,36 @@ def _read(path: str) -> str:
 
 
 def machine() -> dict:
-    """What a floor depends on, printed beside the figures: the same code meets or misses the targets by the
-    host (docs/benchmarks.md). Linux's /proc and /sys where they are; None where not."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), None)
+    """What a floor depends on, printed beside the figures: the same code meets or misses the
+    targets by the host (docs/benchmarks.md). Linux's /proc and /sys where they are; None where
+    not."""
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        None,
+    )
     try:
         uvloop = metadata.version("uvloop")
     except metadata.PackageNotFoundError:
         uvloop = None
-    return {"cpus": os.cpu_count(), "cpu_model": cpu,
-            "cpuidle_governor": _read("/sys/devices/system/cpu/cpuidle/current_governor").strip() or None,
-            "kernel": platform.release(), "python": platform.python_version(), "uvloop": uvloop}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "cpuidle_governor": _read("/sys/devices/system/cpu/cpuidle/current_governor").strip()
+        or None,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "uvloop": uvloop,
+    }
 
 
 @contextmanager
-def floors(log_dir: str | Path, upstream: str, timeout_s: float = 60.0) -> Iterator[tuple[FloorServer, FloorServer]]:
+def floors(
+    log_dir: str | Path, upstream: str, timeout_s: float = 60.0
+) -> Iterator[tuple[FloorServer, FloorServer]]:
     """The refuser and a proxy to ``upstream``, started side by side; always stopped."""
     with ExitStack() as stack:
         servers = (FloorServer("refuser", log_dir), FloorServer("proxy", log_dir, upstream))

@@ -1,4 +1,5 @@
-"""The benchmarks' lean HTTP/1.1 client: what the service takes, with as little of the client's as can be.
+"""The benchmarks' lean HTTP/1.1 client: what the service takes, with as little of the client's as
+can be.
 
 Through httpx the client's own ~1 ms per request would be most of a refusal's
 measured time, so the benchmarks write requests on raw asyncio streams and
@@ -26,13 +27,14 @@ import httptools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from live.contract_clients import read_error  # noqa: E402
-from live.contract_clients import read_answer as answer_of  # noqa: E402
-from live.contract_openai import ChatCompletionChunk  # noqa: E402
+from live.contract_clients import read_error
+from live.contract_clients import read_answer as answer_of
+from live.contract_openai import ChatCompletionChunk
 
 #: A pooled connection idle longer than this is closed, not reused.
 IDLE_REUSE_S = 3.0
-#: No request may take longer than this (the slowest admitted one waits a few seconds): past it, a hang.
+#: No request may take longer than this (the slowest admitted one waits a few seconds): past it, a
+#: hang.
 REQUEST_TIMEOUT_S = 30.0
 #: Outcome of each non-200 envelope type; anything else is "unexpected".
 OUTCOME_OF = {"overloaded": "rejected", "deadline_exceeded": "expired", "engine_error": "error"}
@@ -40,7 +42,8 @@ OUTCOMES = ("good", "late", "rejected", "expired", "error")
 
 
 def client_loop():
-    """uvloop's loop factory where uvloop is installed (it comes with uvicorn[standard]), else None."""
+    """uvloop's loop factory where uvloop is installed (it comes with uvicorn[standard]), else
+    None."""
     try:
         import uvloop
     except ImportError:
@@ -49,8 +52,9 @@ def client_loop():
 
 
 def classify(status: int, payload: dict | list | None) -> str:
-    """One outcome per answer, as the server counts it, read through live.contract (a streamed answer: the list
-    of its chunks, see :func:`stream_events`); anything off-contract is 'unexpected:STATUS'."""
+    """One outcome per answer, as the server counts it, read through live.contract (a streamed
+    answer: the list of its chunks, see :func:`stream_events`); anything off-contract is
+    'unexpected:STATUS'."""
     if status == 200:
         if isinstance(payload, list):
             outcome = _streamed_outcome(payload)
@@ -77,7 +81,8 @@ def _streamed_outcome(chunks: list | None) -> str | None:
 
 
 def stream_events(body: bytes) -> list | None:
-    """The JSON events of a server-sent event stream that ends ``data: [DONE]``; None when it is not one."""
+    """The JSON events of a server-sent event stream that ends ``data: [DONE]``; None when it is
+    not one."""
     events, done = [], False
     for line in body.split(b"\n"):
         if not line.startswith(b"data:"):
@@ -98,7 +103,8 @@ class Reply:
     outcome: str  # good late rejected expired error, or unexpected:STATUS / transport:ERROR
     seconds: float  # from the write to the last byte of the answer
     lateness_s: float = 0.0  # how late the write left against its schedule
-    first_s: float = float("nan")  # from the write to the first byte of the body (a stream's first event)
+    # from the write to the first byte of the body (a stream's first event)
+    first_s: float = float("nan")
 
 
 @dataclass(eq=False)  # identity: the pool's set holds each connection once
@@ -134,8 +140,9 @@ class _Answer:
 
 
 async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict | list | None, bool, float]:
-    """(status, JSON body or None, whether the connection may be reused, perf_counter at the body's first bytes)
-    of the next answer on ``reader``; a server-sent event stream's body is the list of its JSON events."""
+    """(status, JSON body or None, whether the connection may be reused, perf_counter at the body's
+    first bytes) of the next answer on ``reader``; a server-sent event stream's body is the list of
+    its JSON events."""
     answer = _Answer()
     parser = httptools.HttpResponseParser(answer)
     while not answer.complete:
@@ -144,7 +151,12 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict | list | 
             raise ConnectionError("the server closed the connection before the end of its answer")
         parser.feed_data(data)
     if answer.stream:
-        return parser.get_status_code(), stream_events(bytes(answer.body)), parser.should_keep_alive(), answer.first_at
+        return (
+            parser.get_status_code(),
+            stream_events(bytes(answer.body)),
+            parser.should_keep_alive(),
+            answer.first_at,
+        )
     try:
         payload = json.loads(answer.body) if answer.body else None
     except ValueError:
@@ -165,8 +177,11 @@ class Lean:
         """The bytes of one request, built once and written as they are (``body``: e.g. a contract
         model's ``.body()``, such as :class:`live.contract_openai.ChatCompletionRequest`'s)."""
         data = b"" if body is None else json.dumps(body).encode()
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+            "application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        ).encode()
         return head + data
 
     async def connect(self) -> Conn:
@@ -193,16 +208,20 @@ class Lean:
         self._all.discard(conn)
 
     async def exchange(self, conn: Conn, data: bytes) -> tuple[Reply, dict | None]:
-        """Write one request on ``conn`` and read its answer; the connection goes back to the pool or is closed.
+        """Write one request on ``conn`` and read its answer; the connection goes back to the pool
+        or is closed.
 
-        The write happens before the first await: tasks started together write in the order they start.
+        The write happens before the first await: tasks started together write in the order they
+        start.
         """
         start = time.perf_counter()
         try:
             conn.writer.write(data)
-            async with asyncio.timeout(REQUEST_TIMEOUT_S):  # no task of its own, as wait_for would make
+            # no task of its own, as wait_for would make
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
                 status, payload, reusable, first_at = await read_answer(conn.reader)
-        except Exception as exc:  # a transport failure is this request's one outcome, never a lost request
+        # a transport failure is this request's one outcome, never a lost request
+        except Exception as exc:
             self._discard(conn)
             return Reply(f"transport:{type(exc).__name__}", time.perf_counter() - start), None
         seconds = time.perf_counter() - start
@@ -210,7 +229,8 @@ class Lean:
         return Reply(classify(status, payload), seconds, first_s=first_at - start), payload
 
     async def send(self, data: bytes) -> tuple[Reply, dict | None]:
-        """One request on a pooled connection (opened first if none is idle; the opening is not timed)."""
+        """One request on a pooled connection (opened first if none is idle; the opening is not
+        timed)."""
         return await self.exchange(await self.take(), data)
 
     async def get_json(self, path: str) -> dict:

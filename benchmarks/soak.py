@@ -96,8 +96,13 @@ def _serve_with_probe(flags: list[str]) -> int:
         async def loop_state() -> dict:
             # This handler's own task is running: it is not one of the counted.
             tasks = len(asyncio.all_tasks()) - 1
-            pending = sum(1 for o in gc.get_objects()
-                          if isinstance(o, asyncio.Future) and not isinstance(o, asyncio.Task) and not o.done())
+            pending = sum(
+                1
+                for o in gc.get_objects()
+                if isinstance(o, asyncio.Future)
+                and not isinstance(o, asyncio.Task)
+                and not o.done()
+            )
             return {"tasks": tasks, "pending_futures": pending}
 
         return app
@@ -124,8 +129,11 @@ def proc_status(pid: int) -> dict:
         for line in f:
             key, _, value = line.partition(":")
             fields[key] = value.split()
-    return {"rss_mb": int(fields["VmRSS"][0]) / 1024, "threads": int(fields["Threads"][0]),
-            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    return {
+        "rss_mb": int(fields["VmRSS"][0]) / 1024,
+        "threads": int(fields["Threads"][0]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    }
 
 
 # ====================================================================== one case
@@ -140,21 +148,29 @@ class CaseResult:
     refusal_ms: dict  # p50, p99, max of the time to a refusal at arrival
     send_late_ms: dict  # p50, p99, max of how late the writes left
     memory_mb: dict  # rss after warm-up, peak, end, growth
-    leaks: dict  # server state before and after: tasks, pending futures, fds, threads, waiting, in service
+    # server state before and after: tasks, pending futures, fds, threads, waiting, in service
+    leaks: dict
     duration_s: float
     notes: list[str] = field(default_factory=list)
 
     @property
     def counts_agree(self) -> bool:
-        return all(self.client.get(k, 0) == self.server.get(k, 0) for k in set(self.client) | set(self.server))
+        return all(
+            self.client.get(k, 0) == self.server.get(k, 0)
+            for k in set(self.client) | set(self.server)
+        )
 
 
 def _quantiles_ms(seconds: list[float]) -> dict:
     if not seconds:
         return {"n": 0, "p50": float("nan"), "p99": float("nan"), "max": float("nan")}
     values = np.asarray(seconds) * 1e3
-    return {"n": int(values.size), "p50": float(np.quantile(values, 0.5)), "p99": float(np.quantile(values, 0.99)),
-            "max": float(values.max())}
+    return {
+        "n": int(values.size),
+        "p50": float(np.quantile(values, 0.5)),
+        "p99": float(np.quantile(values, 0.99)),
+        "max": float(values.max()),
+    }
 
 
 async def _until(loop: asyncio.AbstractEventLoop, when: float) -> None:
@@ -188,8 +204,13 @@ async def _sample_rss(pid: int, every_s: float, out: list, stop: asyncio.Event) 
 async def _server_state(lean: Lean, pid: int) -> dict:
     loop_state = await lean.get_json("/debug/loop")
     stats = Stats.model_validate(await lean.get_json("/stats"))  # read through the contract
-    return {**loop_state, **proc_status(pid), "waiting": stats.waiting, "in_service": stats.in_service,
-            "counts": stats.counts}
+    return {
+        **loop_state,
+        **proc_status(pid),
+        "waiting": stats.waiting,
+        "in_service": stats.in_service,
+        "counts": stats.counts,
+    }
 
 
 async def _settled_state(url: str, pid: int, before: dict, timeout_s: float = 5.0) -> dict:
@@ -214,14 +235,19 @@ async def _settled_state(url: str, pid: int, before: dict, timeout_s: float = 5.
 
 async def sustained(url: str, pid: int, plan: Plan) -> CaseResult:
     """Poisson at plan.load x capacity for plan.seconds, open loop; RSS sampled every 0.5 s."""
-    trace = make_trace("poisson", load=plan.load, seconds=plan.seconds, seed=plan.seed, speed=plan.speed)
+    trace = make_trace(
+        "poisson", load=plan.load, seconds=plan.seconds, seed=plan.seed, speed=plan.speed
+    )
     lean = Lean(url)
-    bodies = [lean.request("POST", "/v1/generate", {"prompt": "soak", "max_new_tokens": int(n)})
-              for n in trace.max_new_tokens]
+    bodies = [
+        lean.request("POST", "/v1/generate", {"prompt": "soak", "max_new_tokens": int(n)})
+        for n in trace.max_new_tokens
+    ]
     before = await _server_state(lean, pid)
     lean.close()
     lean = Lean(url)
-    for conn in await asyncio.gather(*(lean.connect() for _ in range(64))):  # warm pool: no connect in the timing
+    # warm pool: no connect in the timing
+    for conn in await asyncio.gather(*(lean.connect() for _ in range(64))):
         lean.give_back(conn)
     samples: list = []
     stop = asyncio.Event()
@@ -240,13 +266,22 @@ async def sustained(url: str, pid: int, plan: Plan) -> CaseResult:
     lean.close()
     after = await _settled_state(url, pid, before)
     warm = [rss for t, rss in samples if t >= plan.warmup_s] or [samples[-1][1]]
-    memory = {"before": before["rss_mb"], "after_warmup": warm[0], "peak": max(r for _, r in samples),
-              "end": after["rss_mb"], "growth_after_warmup": after["rss_mb"] - warm[0], "bound": RSS_BOUND_MB}
-    return _result(f"sustained {plan.load:g}x, {plan.policy}", replies, before, after, memory, duration)
+    memory = {
+        "before": before["rss_mb"],
+        "after_warmup": warm[0],
+        "peak": max(r for _, r in samples),
+        "end": after["rss_mb"],
+        "growth_after_warmup": after["rss_mb"] - warm[0],
+        "bound": RSS_BOUND_MB,
+    }
+    return _result(
+        f"sustained {plan.load:g}x, {plan.policy}", replies, before, after, memory, duration
+    )
 
 
 async def burst(url: str, pid: int, plan: Plan) -> CaseResult:
-    """plan.bursts bursts of plan.burst requests, one after the other; the first is the memory's warm-up.
+    """plan.bursts bursts of plan.burst requests, one after the other; the first is the memory's
+    warm-up.
 
     In a burst every request has a connection of its own, opened beforehand, and
     all are written back to back before the first answer is read. The next burst
@@ -265,34 +300,61 @@ async def burst(url: str, pid: int, plan: Plan) -> CaseResult:
         rss_after.append(proc_status(pid)["rss_mb"])
     duration = time.monotonic() - start
     after = await _settled_state(url, pid, before)
-    memory = {"before": before["rss_mb"], "after_warmup": rss_after[0], "peak": max(rss_after + [after["rss_mb"]]),
-              "end": after["rss_mb"], "growth_after_warmup": after["rss_mb"] - rss_after[0], "bound": RSS_BOUND_MB}
+    memory = {
+        "before": before["rss_mb"],
+        "after_warmup": rss_after[0],
+        "peak": max(rss_after + [after["rss_mb"]]),
+        "end": after["rss_mb"],
+        "growth_after_warmup": after["rss_mb"] - rss_after[0],
+        "bound": RSS_BOUND_MB,
+    }
     name = f"{plan.bursts} bursts of {plan.burst}, {plan.policy}"
     return _result(name, replies, before, after, memory, duration)
 
 
 async def _one_burst(url: str, sizes: list[int]) -> list[Reply]:
     lean = Lean(url)
-    data = [lean.request("POST", "/v1/generate", {"prompt": "burst", "max_new_tokens": n}) for n in sizes]
+    data = [
+        lean.request("POST", "/v1/generate", {"prompt": "burst", "max_new_tokens": n})
+        for n in sizes
+    ]
     conns = []
-    for i in range(0, len(sizes), 100):  # opened in batches: the server's accept queue is deep, not infinite
+    # opened in batches: the server's accept queue is deep, not infinite
+    for i in range(0, len(sizes), 100):
         conns += await asyncio.gather(*(lean.connect() for _ in range(min(100, len(sizes) - i))))
     try:
         # exchange() writes before its first await, and gather starts the tasks in order in one pass
         # of the loop: every request is written before the first answer is read.
-        return [reply for reply, _ in await asyncio.gather(*(lean.exchange(c, d) for c, d in zip(conns, data)))]
+        return [
+            reply
+            for reply, _ in await asyncio.gather(
+                *(lean.exchange(c, d) for c, d in zip(conns, data))
+            )
+        ]
     finally:
         lean.close()
 
 
-def _result(name: str, replies: list[Reply], before: dict, after: dict, memory: dict, duration: float) -> CaseResult:
+def _result(
+    name: str, replies: list[Reply], before: dict, after: dict, memory: dict, duration: float
+) -> CaseResult:
     client = Counter(r.outcome for r in replies)
     server = {k: after["counts"][k] - before["counts"][k] for k in OUTCOMES}
-    leaks = {k: {"before": before[k], "after": after[k]}
-             for k in ("tasks", "pending_futures", "fds", "threads", "waiting", "in_service")}
-    result = CaseResult(name, len(replies), dict(client), server,
-                        _quantiles_ms([r.seconds for r in replies if r.outcome == "rejected"]),
-                        _quantiles_ms([r.lateness_s for r in replies]), memory, leaks, duration)
+    leaks = {
+        k: {"before": before[k], "after": after[k]}
+        for k in ("tasks", "pending_futures", "fds", "threads", "waiting", "in_service")
+    }
+    result = CaseResult(
+        name,
+        len(replies),
+        dict(client),
+        server,
+        _quantiles_ms([r.seconds for r in replies if r.outcome == "rejected"]),
+        _quantiles_ms([r.lateness_s for r in replies]),
+        memory,
+        leaks,
+        duration,
+    )
     if not result.counts_agree:
         result.notes.append("client and server counts DIFFER")
     if any(o.startswith(("transport:", "unexpected:")) for o in client):
@@ -310,7 +372,10 @@ def _result(name: str, replies: list[Reply], before: dict, after: dict, memory: 
 def _raise_fd_limit(wanted: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE,
+            (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard),
+        )
 
 
 # ====================================================================== the whole run
@@ -318,12 +383,20 @@ def _raise_fd_limit(wanted: int) -> None:
 
 def run(plan: Plan, log_dir: str | Path) -> list[CaseResult]:
     """Both cases against one fresh server for ``plan.policy``."""
-    _raise_fd_limit(plan.burst + 256)  # the server inherits it: it holds one descriptor per connection
-    server = Server(ProbedOptions(policy=plan.policy, speed=plan.speed), Path(log_dir) / f"soak-{plan.policy}.log")
+    # the server inherits it: it holds one descriptor per connection
+    _raise_fd_limit(plan.burst + 256)
+    server = Server(
+        ProbedOptions(policy=plan.policy, speed=plan.speed),
+        Path(log_dir) / f"soak-{plan.policy}.log",
+    )
     server.start(60)
     try:
+
         async def both():
-            return [await sustained(server.url, server.proc.pid, plan), await burst(server.url, server.proc.pid, plan)]
+            return [
+                await sustained(server.url, server.proc.pid, plan),
+                await burst(server.url, server.proc.pid, plan),
+            ]
 
         with asyncio.Runner(loop_factory=client_loop()) as runner:
             return runner.run(both())
@@ -341,16 +414,31 @@ def report(results: list[CaseResult]) -> None:
         print(f"  client: {client}" + (f"  OTHER {others}" if others else ""))
         print(f"  server: {server}  ({'agree' if r.counts_agree else 'DIFFER'})")
         q = r.refusal_ms
-        print(f"  time to a refusal: p50 {q['p50']:.2f} ms, p99 {q['p99']:.2f} ms, max {q['max']:.2f} ms ({q['n']} refusals)")
+        print(
+            f"  time to a refusal: p50 {q['p50']:.2f} ms, p99 {q['p99']:.2f} ms, max "
+            f"{q['max']:.2f} ms ({q['n']} refusals)"
+        )
         s = r.send_late_ms
-        print(f"  client send lateness: p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms, max {s['max']:.2f} ms")
-        print(f"  server RSS: {m['before']:.1f} MB before, {m['after_warmup']:.1f} after warm-up, peak {m['peak']:.1f}, "
-              f"end {m['end']:.1f}: {m['growth_after_warmup']:+.1f} MB after warm-up (bound +{m['bound']:g} MB)")
-        print("  after the client hung up (before -> after): "
-              + ", ".join(f"{k} {v['before']} -> {v['after']}" for k, v in lk.items()))
+        print(
+            f"  client send lateness: p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms, max "
+            f"{s['max']:.2f} ms"
+        )
+        print(
+            f"  server RSS: {m['before']:.1f} MB before, {m['after_warmup']:.1f} after warm-up, "
+            f"peak {m['peak']:.1f}, "
+            f"end {m['end']:.1f}: {m['growth_after_warmup']:+.1f} MB after warm-up (bound "
+            f"+{m['bound']:g} MB)"
+        )
+        print(
+            "  after the client hung up (before -> after): "
+            + ", ".join(f"{k} {v['before']} -> {v['after']}" for k, v in lk.items())
+        )
         for note in r.notes:
             print(f"  NOTE: {note}")
-    print("\ntargets (live harness): sustained refusal p50 < 1 ms, p99 < 3 ms; burst of 30 p99 < 15 ms")
+    print(
+        "\ntargets (live harness): sustained refusal p50 < 1 ms, p99 < 3 ms; burst of 30 p99 < "
+        "15 ms"
+    )
 
 
 def main(argv=None) -> int:
@@ -360,22 +448,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 s instead of 60 s per policy")
     parser.add_argument("--policies", default="bounded,predictive")
-    parser.add_argument("--load", type=float, default=10.0,
-                        help="utilisation at the engine's --speed: times its capacity at that speed (default 10)")
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=10.0,
+        help="utilisation at the engine's --speed: times its capacity at that speed (default 10)",
+    )
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--burst", type=int)
-    parser.add_argument("--speed", type=float, default=1.0, help="synthetic engine speed (0.1: 10x faster, 10x the rate)")
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="synthetic engine speed (0.1: 10x faster, 10x the rate)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     sizes = dict(QUICK if args.quick else FULL)
-    sizes.update({k: v for k, v in (("seconds", args.seconds), ("burst", args.burst)) if v is not None})
+    sizes.update(
+        {k: v for k, v in (("seconds", args.seconds), ("burst", args.burst)) if v is not None}
+    )
     sizes["warmup_s"] = min(sizes["warmup_s"], sizes["seconds"] / 4)
     results = []
     with tempfile.TemporaryDirectory() as logs:
         for policy in args.policies.split(","):
             results += run(Plan(policy=policy, load=args.load, speed=args.speed, **sizes), logs)
     if args.json:
-        print(json.dumps([{**asdict(r), "counts_agree": r.counts_agree} for r in results], indent=2))
+        print(
+            json.dumps([{**asdict(r), "counts_agree": r.counts_agree} for r in results], indent=2)
+        )
     else:
         report(results)
     return 0

@@ -52,23 +52,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
+import numpy as np
+from pydantic import BaseModel
 
-from live import vllm_server  # noqa: E402
-from live.admin import ADMIN_KEY_ENV, send_calibration  # noqa: E402
-from live.calibrate import CalibrationConfig, StepCalibration, calibrate  # noqa: E402
-from live.contract import ServiceModelBody, Stats  # noqa: E402
-from live.engine_steps import Counters, EnginePhase, fit_phases  # noqa: E402
-from live.procs import Server  # noqa: E402
-from live.serve_options import ServeOptions  # noqa: E402
-from live.upstream import UpstreamSpec, resolve_model  # noqa: E402
-from live.vllm_metrics import UPSTREAM_COUNTERS  # noqa: E402
-from qsim import Batching, ServerConfig, StepModel, simulate  # noqa: E402
-from qsim.policy import PRESETS  # noqa: E402
-from qsim.mixes import Prompts, SharedPrefix  # noqa: E402
-from qsim.trace import Trace  # noqa: E402
-from qsim.workload import make_trace  # noqa: E402
+from live import vllm_server
+from live.admin import ADMIN_KEY_ENV, send_calibration
+from live.calibrate import CalibrationConfig, StepCalibration, calibrate
+from live.contract import ServiceModelBody, Stats
+from live.engine_steps import Counters, EnginePhase, fit_phases
+from live.procs import Server
+from live.serve_options import ServeOptions
+from live.upstream import UpstreamSpec, resolve_model
+from live.vllm_metrics import UPSTREAM_COUNTERS
+from qsim import Batching, ServerConfig, StepModel, simulate
+from qsim.policy import PRESETS
+from qsim.mixes import Prompts, SharedPrefix
+from qsim.trace import Trace
+from qsim.workload import make_trace
 
 
 class VllmChoice(BaseModel):
@@ -315,7 +315,8 @@ def step_checks(steps: StepCalibration) -> list[Check]:
         Check(
             "step model on the gate's own steps of vLLM (reported)",
             True,
-            f"r^2 {gate.r2:.3f}, median error on one step {gate.median_rel_error:.1%}, {gate.n} steps",
+            f"r^2 {gate.r2:.3f}, median error on one step {gate.median_rel_error:.1%}, {gate.n} "
+            "steps",
         ),
     ]
 

@@ -51,13 +51,13 @@ from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from scipy import stats  # noqa: E402
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from scipy import stats
 
-from live import vllm_server  # noqa: E402
-from live.upstream import UpstreamSpec, resolve_model  # noqa: E402
+from live import vllm_server
+from live.upstream import UpstreamSpec, resolve_model
 
 #: prometheus-client's process collector: the CPU time of the process serving /metrics.
 PROCESS_CPU = "process_cpu_seconds_total"
@@ -545,6 +545,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+
     # Progress goes to stderr, so that stdout is the report (or the JSON) alone.
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -39,8 +39,14 @@ from qsim.tracefiles import build_chunks
 from . import engineflags
 from .config import parse_used
 from .jsonout import json_ready as _json_ready
-from .simflags import (add_admission_at, add_dataset_flags, add_trace_flags, add_workload_options,
-                       dataset_from_args, trace_window)
+from .simflags import (
+    add_admission_at,
+    add_dataset_flags,
+    add_trace_flags,
+    add_workload_options,
+    dataset_from_args,
+    trace_window,
+)
 
 
 class UsageError(Exception):
@@ -61,21 +67,37 @@ def cmd_theory(args) -> int:
 
     scenarios = standard_scenarios(args.scale)
     # A minute or two of silence otherwise: one tick per replication, on a terminal's stderr only.
-    with progress_bar(len(scenarios) * args.replications, unit="run", desc="theory",
-                      quiet=args.quiet or args.json) as bar:
-        table = check(scenarios, replications=args.replications, seed=args.seed,
-                      level=args.level, workers=args.workers, on_each=lambda: bar.update(1))
+    with progress_bar(
+        len(scenarios) * args.replications, unit="run", desc="theory", quiet=args.quiet or args.json
+    ) as bar:
+        table = check(
+            scenarios,
+            replications=args.replications,
+            seed=args.seed,
+            level=args.level,
+            workers=args.workers,
+            on_each=lambda: bar.update(1),
+        )
     counts = tally(table)
     if args.json:
         print(json.dumps(_json_ready(table.to_dict(orient="records")), indent=2))
     else:
         attrs = table.attrs
-        print(f"closed forms against qsim: {attrs['replications']} replications from seed {attrs['seed']}, "
-              f"{attrs['level']:.0%} simultaneous intervals ({attrs['level_each']:.4f} each, Bonferroni over {len(table)})")
+        print(
+            f"closed forms against qsim: {attrs['replications']} replications from seed "
+            f"{attrs['seed']}, "
+            f"{attrs['level']:.0%} simultaneous intervals ({attrs['level_each']:.4f} each, "
+            f"Bonferroni over {len(table)})"
+        )
         print(shown(table).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
         judged = counts["pass"] + counts["fail"]
-        wide = (f"; {counts['too wide']} too wide to judge (half-width over {TOO_WIDE:.0%} of the value: "
-                "run longer with --scale or more --replications)" if counts["too wide"] else "")
+        wide = (
+            f"; {counts['too wide']} too wide to judge (half-width over {TOO_WIDE:.0%} of the "
+            "value: "
+            "run longer with --scale or more --replications)"
+            if counts["too wide"]
+            else ""
+        )
         print(f"{counts['pass']} of {judged} judged rows inside their interval{wide}")
     return 1 if counts["fail"] or (args.strict and counts["too wide"]) else 0
 
@@ -116,51 +138,83 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     bound = "" if policy.max_queue is None else f", max queue {policy.max_queue}"
     # A process that brings its own rate (a burst) has no load to state.
     rate = "" if args.rate is None else f"{args.rate:g} requests/s, "
-    at = (f" at {rate}load {DEFAULT_LOAD if args.load is None else args.load:g}"
-          if not args.trace and arrivals_take_load(args.arrivals) else "")
-    what = (f"trace {args.trace} ({_window(args)})" if args.trace else
-            f"{args.arrivals} arrivals{at}, "
-            + ("lengths from --dataset, " if args.dataset else f"{args.service} service, ")
-            + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests"))
-    seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{args.seed + args.seeds - 1}"
-    speeds = "" if fleet is None or fleet.speeds is None else \
-        f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
+    at = (
+        f" at {rate}load {DEFAULT_LOAD if args.load is None else args.load:g}"
+        if not args.trace and arrivals_take_load(args.arrivals)
+        else ""
+    )
+    what = (
+        f"trace {args.trace} ({_window(args)})"
+        if args.trace
+        else f"{args.arrivals} arrivals{at}, "
+        + ("lengths from --dataset, " if args.dataset else f"{args.service} service, ")
+        + (f"{args.seconds:g} s" if args.seconds else f"{args.requests} requests")
+    )
+    seeds = (
+        f"seed {args.seed}"
+        if args.seeds == 1
+        else (f"seeds {args.seed}..{args.seed + args.seeds - 1}")
+    )
+    speeds = (
+        ""
+        if fleet is None or fleet.speeds is None
+        else f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
+    )
     if fleet is not None and fleet.down:
         speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
     gate = "" if fleet is None or fleet.admission == "replica" else ", admitted at the gate,"
-    replicas = "" if fleet is None else \
-        f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)}{gate} of "
-    return (f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
-            f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}")
+    replicas = (
+        ""
+        if fleet is None
+        else f"{fleet.replicas} replicas{speeds} behind {_router_words(fleet)}{gate} of "
+    )
+    return (
+        f"policy {policy.name}{bound}, deadline {policy.deadline_s:g} s, {replicas}"
+        f"{engineflags.describe(engine)}, speed {args.speed:g}, {what}, {seeds}"
+    )
 
 
 def _router_words(fleet: FleetSpec) -> str:
     """The router by name, with its parameters (a router is a dataclass of them)."""
     router = fleet.router
-    params = ", ".join(f"{f.name} {getattr(router, f.name)}" for f in dataclasses.fields(router)
-                       if getattr(router, f.name) is not None)  # None: the router's default
+    params = ", ".join(
+        f"{f.name} {getattr(router, f.name)}"
+        for f in dataclasses.fields(router)
+        if getattr(router, f.name) is not None
+    )  # None: the router's default
     return f"router {router.name}" + (f" ({params})" if params else "")
 
 
 def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
     """The fleet --replicas and --router ask for (None: one server), checked against the server."""
     if args.replicas == 1:
-        given = [flag for flag, value in (("--router", args.router), ("--router-d", args.router_d),
-                                          ("--router-weights", args.router_weights),
-                                          ("--replica-speeds", args.replica_speeds),
-                                          ("--replica-down", args.replica_down or None),
-                                          ("--admission-at", args.admission_at))
-                 if value is not None]
+        given = [
+            flag
+            for flag, value in (
+                ("--router", args.router),
+                ("--router-d", args.router_d),
+                ("--router-weights", args.router_weights),
+                ("--replica-speeds", args.replica_speeds),
+                ("--replica-down", args.replica_down or None),
+                ("--admission-at", args.admission_at),
+            )
+            if value is not None
+        ]
         if given:
-            raise UsageError(f"qlab simulate: error: {', '.join(given)}: a fleet's options, "
-                             "for --replicas N > 1")
+            raise UsageError(
+                f"qlab simulate: error: {', '.join(given)}: a fleet's options, for --replicas N > 1"
+            )
         return None
     try:
         weights = None if args.router_weights is None else parse_weights(args.router_weights)
         router = make_router(args.router or "round_robin", args.router_d, weights)
-        fleet = FleetSpec(args.replicas, router, _speeds(args.replica_speeds),
-                          tuple(_down(text) for text in args.replica_down or ()),
-                          args.admission_at or "replica")
+        fleet = FleetSpec(
+            args.replicas,
+            router,
+            _speeds(args.replica_speeds),
+            tuple(_down(text) for text in args.replica_down or ()),
+            args.admission_at or "replica",
+        )
         fleet.check(config)
     except ValueError as exc:
         raise UsageError(f"qlab simulate: error: {exc}") from None
@@ -183,13 +237,15 @@ def _down(text: str) -> tuple:
         r, down_s, up_s = text.split(":")
         return int(r), float(down_s), float(up_s)
     except ValueError:
-        raise ValueError(f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, "
-                         "e.g. 1:100:200") from None
+        raise ValueError(
+            f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, e.g. 1:100:200"
+        ) from None
 
 
 def _balance_across_seeds(runs: list["_SeedRun"], fleet: FleetSpec) -> pd.DataFrame:
-    return metrics.across_seeds(pd.DataFrame(
-        [metrics.fleet_balance(r.by_replica(fleet.replicas)) for r in runs]))
+    return metrics.across_seeds(
+        pd.DataFrame([metrics.fleet_balance(r.by_replica(fleet.replicas)) for r in runs])
+    )
 
 
 def _print_fleet(runs: list["_SeedRun"], fleet: FleetSpec) -> None:
@@ -199,9 +255,11 @@ def _print_fleet(runs: list["_SeedRun"], fleet: FleetSpec) -> None:
         balance = metrics.fleet_balance(table)
         print(f"\nby replica ({_router_words(fleet)}):")
         print(_fmt(table))
-        print(f"load imbalance (busiest replica's busy seconds over the mean): "
-              f"{balance['load_imbalance']:.3f}; Jain's index over replicas: "
-              f"{balance['jain_replicas']:.4f}")
+        print(
+            f"load imbalance (busiest replica's busy seconds over the mean): "
+            f"{balance['load_imbalance']:.3f}; Jain's index over replicas: "
+            f"{balance['jain_replicas']:.4f}"
+        )
         return
     ci = _balance_across_seeds(runs, fleet)
     print(f"\nfleet balance ({_router_words(fleet)}), mean and 95 % CI over seeds:")
@@ -210,9 +268,14 @@ def _print_fleet(runs: list["_SeedRun"], fleet: FleetSpec) -> None:
 
 def _window(args) -> str:
     """The part of the trace file a run takes, and at what rate, in words."""
-    part = ("" if args.seconds is None else f"{args.seconds:g} s from ") + \
-        ("the start" if args.start is None else f"{args.start:g} s")
-    rate = f"time scale {args.time_scale:g}" if args.load is None else f"scaled to load {args.load:g}"
+    part = ("" if args.seconds is None else f"{args.seconds:g} s from ") + (
+        "the start" if args.start is None else f"{args.start:g} s"
+    )
+    rate = (
+        f"time scale {args.time_scale:g}"
+        if args.load is None
+        else (f"scaled to load {args.load:g}")
+    )
     return rate if args.start is None and args.seconds is None else f"{part}, {rate}"
 
 
@@ -230,37 +293,71 @@ def _print_single(run: _SeedRun) -> None:
     print(f"share in time (good): {s['share_good']:.3f}")
     print(f"goodput: {s['goodput_rps']:.3f} requests/s, {s['good_tokens_per_s']:.1f} good tokens/s")
     if "attempts_per_request" in s:
-        print(f"retries: {s['attempts_per_request']:.3f} attempts per request; end to end (from the first send) "
-              f"{s['share_good_e2e']:.3f} in time, goodput {s['goodput_e2e_rps']:.3f} requests/s; "
-              f"Retry-After adherence {s['retry_after_adherence']:.3f}")
-    print(f"latency of the answered: p50 {s['latency_p50_s']:.3f} s, p99 {s['latency_p99_s']:.3f} s")
+        print(
+            f"retries: {s['attempts_per_request']:.3f} attempts per request; end to end (from "
+            "the first send) "
+            f"{s['share_good_e2e']:.3f} in time, goodput {s['goodput_e2e_rps']:.3f} requests/s; "
+            f"Retry-After adherence {s['retry_after_adherence']:.3f}"
+        )
+    print(
+        f"latency of the answered: p50 {s['latency_p50_s']:.3f} s, p99 {s['latency_p99_s']:.3f} s"
+    )
     if "prefix_cache_hit_rate" in s:
         hits, queries = s["prefix_cache_hits"], s["prefix_cache_queries"]
-        print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt "
-              f"tokens looked up were cached (hit rate {s['prefix_cache_hit_rate']:.3f})")
+        print(
+            f"prefix cache: {hits:.0f} of {queries:.0f} prompt "
+            f"tokens looked up were cached (hit rate {s['prefix_cache_hit_rate']:.3f})"
+        )
     if run.timed():
-        print(f"time to first token: p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; time per output "
-              f"token: p50 {s['tpot_p50_s']:.4f} s, p99 {s['tpot_p99_s']:.4f} s")
+        print(
+            f"time to first token: p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; "
+            "time per output "
+            f"token: p50 {s['tpot_p50_s']:.4f} s, p99 {s['tpot_p99_s']:.4f} s"
+        )
     cls = run.by_class()
-    cols = ["requests", "good", "late", "rejected", "expired", "share_good", "goodput_rps",
-            "good_tokens_per_s", "latency_p50_s", "latency_p99_s"]
+    cols = [
+        "requests",
+        "good",
+        "late",
+        "rejected",
+        "expired",
+        "share_good",
+        "goodput_rps",
+        "good_tokens_per_s",
+        "latency_p50_s",
+        "latency_p99_s",
+    ]
     print("\nby size class (max_new_tokens up to):")
     print(_fmt(cls[cols]))
 
 
-SEED_METRICS = ["good", "late", "rejected", "expired", "share_good", "goodput_rps", "good_tokens_per_s",
-                "latency_p50_s", "latency_p99_s"]
+SEED_METRICS = [
+    "good",
+    "late",
+    "rejected",
+    "expired",
+    "share_good",
+    "goodput_rps",
+    "good_tokens_per_s",
+    "latency_p50_s",
+    "latency_p99_s",
+]
 
 
-RETRY_METRICS = ["attempts_per_request", "share_good_e2e", "goodput_e2e_rps", "retry_after_adherence"]
+RETRY_METRICS = [
+    "attempts_per_request",
+    "share_good_e2e",
+    "goodput_e2e_rps",
+    "retry_after_adherence",
+]
 
 
 def _seed_tables(runs: list[_SeedRun]) -> tuple[pd.DataFrame, pd.DataFrame]:
     overall = pd.DataFrame([r.summary() for r in runs])
-    shown = SEED_METRICS + [m for m in ("abandoned", "error", *RETRY_METRICS) if m in overall and overall[m].any()]
-    per_class = pd.concat(
-        [r.by_class().assign(seed=r.seed) for r in runs]
-    ).reset_index()
+    shown = SEED_METRICS + [
+        m for m in ("abandoned", "error", *RETRY_METRICS) if m in overall and overall[m].any()
+    ]
+    per_class = pd.concat([r.by_class().assign(seed=r.seed) for r in runs]).reset_index()
     ci = metrics.across_seeds(overall[shown])
     by_class = {
         cls: metrics.across_seeds(part[SEED_METRICS])
@@ -286,13 +383,18 @@ def _print_seeds(runs: list[_SeedRun]) -> None:
 def cmd_simulate(args) -> int:
     policy = from_options(args.policy, args.policy_arg, args.max_queue, args.deadline)
     if args.trace and args.trace_conflicts:
-        raise UsageError(f"qlab simulate: error: --trace replaces {', '.join(args.trace_conflicts)}; give one or the other")
+        raise UsageError(
+            "qlab simulate: error: --trace replaces "
+            f"{', '.join(args.trace_conflicts)}; give one or the other"
+        )
     if args.time_scale != 1.0 and not args.trace:
         raise UsageError("qlab simulate: error: --time-scale applies only with --trace")
     if args.rate is not None and (args.load is not None or args.trace):
         with_trace = " (with --trace: --load or --time-scale)" if args.trace else ""
-        raise UsageError("qlab simulate: error: --rate sets synthetic arrivals' rate; give "
-                         f"--rate or --load{with_trace}")
+        raise UsageError(
+            "qlab simulate: error: --rate sets synthetic arrivals' rate; give "
+            f"--rate or --load{with_trace}"
+        )
     window = trace_window(args, args.load, "--load")
     if not args.trace and args.seconds is None and args.requests is None:
         args.seconds = 600.0
@@ -303,22 +405,41 @@ def cmd_simulate(args) -> int:
     policy = engineflags.with_objectives(policy, args)
     dataset = dataset_from_args(args)
     options = engineflags.trace_options(args, engine, REFERENCE_MIX, model, dataset)
-    # The speed schedule's factors are over the calibration; the trace's own speed is where it starts.
-    schedule = None if args.speed_schedule is None else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
+    # The speed schedule's factors are over the calibration; the trace's own speed is where it
+    # starts.
+    schedule = (
+        None
+        if args.speed_schedule is None
+        else SpeedSchedule(args.speed, parse_schedule(args.speed_schedule))
+    )
 
     def workload(seed: int) -> dict:
-        return dict(window=window, time_scale=args.time_scale, arrivals=args.arrivals, service=args.service, load=args.load,
-                    engines=args.engines * args.replicas, speed=args.speed, seconds=args.seconds,
-                    requests=args.requests, seed=seed,
-                    model=model, mean_service_s=args.mean_service, noise_cv=args.noise, patience=patience,
-                    used=None if args.used is None else parse_used(args.used), **options)
+        return dict(
+            window=window,
+            time_scale=args.time_scale,
+            arrivals=args.arrivals,
+            service=args.service,
+            load=args.load,
+            engines=args.engines * args.replicas,
+            speed=args.speed,
+            seconds=args.seconds,
+            requests=args.requests,
+            seed=seed,
+            model=model,
+            mean_service_s=args.mean_service,
+            noise_cv=args.noise,
+            patience=patience,
+            used=None if args.used is None else parse_used(args.used),
+            **options,
+        )
 
     def server(seed: int) -> ServerConfig:
         return ServerConfig(policy, engine, model, fixed_estimate=args.fixed_estimate, seed=seed)
 
     if args.rate is not None:  # the load at which the same workload sends that rate
-        options_at = {k: v for k, v in workload(args.seed).items()
-                      if k not in ("window", "time_scale")}
+        options_at = {
+            k: v for k, v in workload(args.seed).items() if k not in ("window", "time_scale")
+        }
         try:
             args.load = load_at_rate(args.rate, **options_at)
         except ValueError as exc:
@@ -328,27 +449,45 @@ def cmd_simulate(args) -> int:
         options["capacity_rps"] *= fleet.replicas
     seeds = range(args.seed, args.seed + args.seeds)
     # What does not stream runs whole: retries, a prefix cache, shared prefixes (qsim.stream).
-    whole = (retry is not None and retry.retries) or "prefixes" in options or \
-        getattr(engine, "prefix_caching", False)
+    whole = (
+        (retry is not None and retry.retries)
+        or "prefixes" in options
+        or getattr(engine, "prefix_caching", False)
+    )
     if args.out and not whole:
         runs = _streamed_runs(args, seeds, workload, server, schedule, fleet)
     else:
         runs = []
         for seed in seeds:
             trace = build_trace(args.trace, **workload(seed))
-            frame = simulate(trace, server(seed), retry=retry, speed_schedule=schedule,
-                             **({} if fleet is None else dict(replicas=fleet.replicas,
-                                                               router=fleet.router,
-                                                               replica_speeds=fleet.speeds,
-                                                               replica_down=fleet.down,
-                                                               admission_at=fleet.admission)))
+            frame = simulate(
+                trace,
+                server(seed),
+                retry=retry,
+                speed_schedule=schedule,
+                **(
+                    {}
+                    if fleet is None
+                    else dict(
+                        replicas=fleet.replicas,
+                        router=fleet.router,
+                        replica_speeds=fleet.speeds,
+                        replica_down=fleet.down,
+                        admission_at=fleet.admission,
+                    )
+                ),
+            )
             runs.append(_SeedRun(seed, frame, trace.duration_s))
         if args.out:
-            rows = pd.concat([r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True)
+            rows = pd.concat(
+                [r.frame.assign(seed=r.seed, policy=policy.name) for r in runs], ignore_index=True
+            )
             write_parquet(rows, args.out)  # whole or not at all: an interrupt leaves no half file
     if args.json:
-        out = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
-               "policy": policy.__dict__}
+        out = {
+            "config": {k: v for k, v in vars(args).items() if k not in ("func", "trace_conflicts")},
+            "policy": policy.__dict__,
+        }
         if dataset is not None:
             out["dataset"] = dataset.summary()
         if len(runs) == 1:
@@ -357,17 +496,24 @@ def cmd_simulate(args) -> int:
             out["by_class"] = run.by_class().to_dict(orient="index")
             if fleet is not None:
                 table = run.by_replica(fleet.replicas)
-                out["fleet"] = {"router": fleet.router.name, **metrics.fleet_balance(table),
-                                "by_replica": table.to_dict(orient="index")}
+                out["fleet"] = {
+                    "router": fleet.router.name,
+                    **metrics.fleet_balance(table),
+                    "by_replica": table.to_dict(orient="index"),
+                }
         else:
             ci, by_class = _seed_tables(runs)
             out["seeds"] = [r.seed for r in runs]
             out["summary"] = ci.to_dict(orient="index")
-            out["by_class"] = {cls: part.droplevel(0).to_dict(orient="index")
-                               for cls, part in by_class.groupby(level=0, sort=False)}
+            out["by_class"] = {
+                cls: part.droplevel(0).to_dict(orient="index")
+                for cls, part in by_class.groupby(level=0, sort=False)
+            }
             if fleet is not None:
-                out["fleet"] = {"router": fleet.router.name, **_balance_across_seeds(runs, fleet)
-                                .to_dict(orient="index")}
+                out["fleet"] = {
+                    "router": fleet.router.name,
+                    **_balance_across_seeds(runs, fleet).to_dict(orient="index"),
+                }
         print(json.dumps(_json_ready(out), indent=2))
         return 0
     print(_describe(args, policy, engine, fleet))
@@ -380,13 +526,16 @@ def cmd_simulate(args) -> int:
     if fleet is not None:
         _print_fleet(runs, fleet)
     if args.out:
-        print(f"\nwrote {sum(r.rows if r.frame is None else len(r.frame) for r in runs)} rows "
-              f"to {args.out}")
+        print(
+            f"\nwrote {sum(r.rows if r.frame is None else len(r.frame) for r in runs)} rows "
+            f"to {args.out}"
+        )
     return 0
 
 
-def _streamed_runs(args, seeds, workload, server, schedule,
-                   fleet: FleetSpec | None) -> list[_SeedRun]:
+def _streamed_runs(
+    args, seeds, workload, server, schedule, fleet: FleetSpec | None
+) -> list[_SeedRun]:
     """Each seed's run streamed to ``--out`` as it goes (qsim.stream: its records never sit in
     memory all at once), then summarised from the file a row group at a time
     (analysis.filesummary): reading the records back whole took more memory than the run."""
@@ -394,80 +543,158 @@ def _streamed_runs(args, seeds, workload, server, schedule,
     with RecordWriter(args.out) as writer:
         for seed in seeds:
             config = server(seed)
-            info = stream_run(build_chunks(CHUNK, args.trace, **workload(seed)), writer, config,
-                              speed_schedule=schedule, fleet=fleet,
-                              columns={"seed": seed, "policy": config.policy.name})
+            info = stream_run(
+                build_chunks(CHUNK, args.trace, **workload(seed)),
+                writer,
+                config,
+                speed_schedule=schedule,
+                fleet=fleet,
+                columns={"seed": seed, "policy": config.policy.name},
+            )
             finished.append((seed, info.duration_s, info.rows))
-    return [_SeedRun(seed, None, duration_s, FileSummary(args.out, seed, duration_s), rows)
-            for seed, duration_s, rows in finished]
+    return [
+        _SeedRun(seed, None, duration_s, FileSummary(args.out, seed, duration_s), rows)
+        for seed, duration_s, rows in finished
+    ]
 
 
 def router_name(text: str) -> str:
     """A built-in router's name (qsim.routers.ROUTERS), as argparse checks a type."""
     if text not in ROUTERS:
         raise argparse.ArgumentTypeError(
-            f"unknown router {text!r}; choose one of {', '.join(ROUTERS)}")
+            f"unknown router {text!r}; choose one of {', '.join(ROUTERS)}"
+        )
     return text
 
 
 def _simulate_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="simulate a policy on a seeded workload or a trace file",
-                       description="Simulate one admission policy in front of K engines and print outcomes, "
-                                   "goodput and latency, by size class too.")
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a policy on a seeded workload or a trace file",
+        description="Simulate one admission policy in front of K engines and print "
+        "outcomes, "
+        "goodput and latency, by size class too.",
+    )
     p.set_defaults(func=cmd_simulate)
-    p.add_argument("--policy", type=policy_spec, default="none", metavar="POLICY",
-                   help=f"a preset ({', '.join(PRESETS)}) or module:Class, a qsim.policy.Policy of your own")
-    p.add_argument("--load", type=positive,
-                   help=f"utilisation at the simulated speed: lambda = LOAD * K / E[true S] (default {DEFAULT_LOAD:g}; "
-                        "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's rate, scaled to it)")
-    p.add_argument("--rate", type=positive, metavar="R",
-                   help="arrivals at R requests per second in place of --load: load = R over "
-                        "the rate at load 1, i.e. R x SPEED x E[true S] / (K x replicas) "
-                        "(docs/simulate.md)")
+    p.add_argument(
+        "--policy",
+        type=policy_spec,
+        default="none",
+        metavar="POLICY",
+        help=f"a preset ({', '.join(PRESETS)}) or module:Class, a qsim.policy.Policy of your own",
+    )
+    p.add_argument(
+        "--load",
+        type=positive,
+        help="utilisation at the simulated speed: lambda = LOAD * K / E[true S] "
+        f"(default {DEFAULT_LOAD:g}; "
+        "burst:N and periodic:N:PERIOD_S take none; with --trace: the file's "
+        "rate, scaled to it)",
+    )
+    p.add_argument(
+        "--rate",
+        type=positive,
+        metavar="R",
+        help="arrivals at R requests per second in place of --load: load = R over "
+        "the rate at load 1, i.e. R x SPEED x E[true S] / (K x replicas) "
+        "(docs/simulate.md)",
+    )
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=positive, help="arrival window (default 600; with --trace: the file's "
-                                                          "whole length, or N seconds of it from --start)")
-    length.add_argument("--requests", type=positive_int, help="number of requests instead of a window")
+    length.add_argument(
+        "--seconds",
+        type=positive,
+        help="arrival window (default 600; with "
+        "--trace: the file's "
+        "whole length, or N seconds of it from "
+        "--start)",
+    )
+    length.add_argument(
+        "--requests", type=positive_int, help="number of requests instead of a window"
+    )
     add_trace_flags(p, load_flag="--load")
     add_dataset_flags(p, "each request's prompt and output lengths from its rows")
     add_workload_options(p)
-    p.add_argument("--replicas", type=positive_int, default=1,
-                   help="replicas of the server (each --engines K, its own line and admission) "
-                        "behind --router; the load is each replica's (default 1: one server)")
-    p.add_argument("--router", type=router_name, metavar="NAME",
-                   help=f"which replica an arrival goes to: {', '.join(ROUTERS)} (default "
-                        "round_robin; central: one shared line in front of every replica, "
-                        "each request bound where it starts)")
-    p.add_argument("--router-d", type=positive_int, metavar="D",
-                   help="power_of_d's choices (default 2); least_ttft's (default all)")
-    p.add_argument("--router-weights", metavar="NAME=W,...",
-                   help="weighted's weights of its scores prefix, queue and kv "
-                        "(default prefix=2,queue=1,kv=1)")
-    p.add_argument("--replica-speeds", metavar="S,S,...",
-                   help="each replica's speed over the server's, one per replica (e.g. 1,1,0.5: "
-                        "the third takes twice as long); the load counts speed 1 for all")
-    p.add_argument("--replica-down", action="append", metavar="R:FROM:TO",
-                   help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
-                        "and waits there ends in error, the router sends nothing there meanwhile")
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="replicas of the server (each --engines K, its own line and admission) "
+        "behind --router; the load is each replica's (default 1: one server)",
+    )
+    p.add_argument(
+        "--router",
+        type=router_name,
+        metavar="NAME",
+        help=f"which replica an arrival goes to: {', '.join(ROUTERS)} (default "
+        "round_robin; central: one shared line in front of every replica, "
+        "each request bound where it starts)",
+    )
+    p.add_argument(
+        "--router-d",
+        type=positive_int,
+        metavar="D",
+        help="power_of_d's choices (default 2); least_ttft's (default all)",
+    )
+    p.add_argument(
+        "--router-weights",
+        metavar="NAME=W,...",
+        help="weighted's weights of its scores prefix, queue and kv "
+        "(default prefix=2,queue=1,kv=1)",
+    )
+    p.add_argument(
+        "--replica-speeds",
+        metavar="S,S,...",
+        help="each replica's speed over the server's, one per replica (e.g. 1,1,0.5: "
+        "the third takes twice as long); the load counts speed 1 for all",
+    )
+    p.add_argument(
+        "--replica-down",
+        action="append",
+        metavar="R:FROM:TO",
+        help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
+        "and waits there ends in error, the router sends nothing there meanwhile",
+    )
     add_admission_at(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--out", help="write every request's record to this .parquet file, in row groups as the run "
-                                 "goes (in memory first with --retry)")
+    p.add_argument(
+        "--out",
+        help="write every request's record to this .parquet file, in row "
+        "groups as the run "
+        "goes (in memory first with --retry)",
+    )
     engineflags.add_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qlab", description="Admission control in front of LLM engines: simulate, check, compare.")
+    parser = _Parser(
+        prog="qlab",
+        description="Admission control in front of LLM engines: simulate, check, compare.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    t = sub.add_parser("theory", help="check the simulator against every closed form",
-                       description="Simulate M/M/1, M/M/1/K, M/M/c, M/M/c/c, M/M/c/K, M/D/1, M/G/1, priority, "
-                                   "impatient-client and batching-engine cases and compare each with its closed form "
-                                   "inside a confidence interval. A row whose interval's half-width exceeds 25 %% of the "
-                                   "value is too wide to judge, neither pass nor fail. Exit 1 when a judged row fails.")
+    t = sub.add_parser(
+        "theory",
+        help="check the simulator against every closed form",
+        description="Simulate M/M/1, M/M/1/K, M/M/c, M/M/c/c, M/M/c/K, M/D/1, "
+        "M/G/1, priority, "
+        "impatient-client and batching-engine cases and compare each "
+        "with its closed form "
+        "inside a confidence interval. A row whose interval's "
+        "half-width exceeds 25 %% of the "
+        "value is too wide to judge, neither pass nor fail. Exit 1 "
+        "when a judged row fails.",
+    )
     t.set_defaults(func=cmd_theory)
-    t.add_argument("--json", action="store_true", help="print a list of {case, quantity, theory, sim_mean, ci_low, "
-                                                       "ci_high, control, rel_half_width, inside, verdict}")
-    t.add_argument("--strict", action="store_true", help="exit 1 also when a row is too wide to judge")
+    t.add_argument(
+        "--json",
+        action="store_true",
+        help="print a list of {case, quantity, theory, "
+        "sim_mean, ci_low, "
+        "ci_high, control, rel_half_width, inside, "
+        "verdict}",
+    )
+    t.add_argument(
+        "--strict", action="store_true", help="exit 1 also when a row is too wide to judge"
+    )
     t.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
     t.add_argument("--replications", type=number(int, 1), default=10)
     t.add_argument("--seed", type=count, default=1)
@@ -489,8 +716,13 @@ def _command_modules():
     import importlib
 
     found = []
-    for name in ("experiments.commands", "live.commands", "experiments.load_commands",
-                 "experiments.study.runner", "experiments.capacity_cli"):
+    for name in (
+        "experiments.commands",
+        "live.commands",
+        "experiments.load_commands",
+        "experiments.study.runner",
+        "experiments.capacity_cli",
+    ):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -502,7 +734,8 @@ def _command_modules():
 
 
 def _stdout_closed() -> bool:
-    """Whether stdout is a pipe (or socket) whose reader has gone: poll reports an error or hang-up on it."""
+    """Whether stdout is a pipe (or socket) whose reader has gone: poll reports an error or
+    hang-up on it."""
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
@@ -529,8 +762,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _stdout_closed():
             print(f"qlab: error: {exc}", file=sys.stderr)
             return 2
-        # `qlab ... | head`: the reader has gone, which is no error of ours. Point stdout at /dev/null so that
-        # the interpreter's last flush at exit finds nowhere to fail either, and exit as SIGPIPE would have.
+        # `qlab ... | head`: the reader has gone, which is no error of ours. Point stdout at
+        # /dev/null so that the interpreter's last flush at exit finds nowhere to fail either, and
+        # exit as SIGPIPE would have.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except (ValueError, OSError) as exc:

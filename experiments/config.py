@@ -6,22 +6,26 @@ name = "reference"
 duration_s = 600             # simulated seconds of arrivals per cell
 seeds = 20                   # replications: seeds first_seed .. first_seed + seeds - 1
 first_seed = 1
-arrivals = "poisson"         # poisson | constant | gamma:CV | periodic:PERIOD_S | surge:START_S:LENGTH_S:LOAD
-                             #   (these take the grid's load), or burst:N | periodic:N:PERIOD_S (their size
-                             #   sets their rate: the grid then has no load)
-service_dist = "mix"         # mix | exponential | deterministic (the latter two: mean_service_s, else the mix's mean)
+arrivals = "poisson"         # poisson | constant | gamma:CV | periodic:PERIOD_S |
+                             surge:START_S:LENGTH_S:LOAD #   (these take the grid's load), or
+                             burst:N | periodic:N:PERIOD_S # (their size sets their rate: the grid
+                             then has no load)
+service_dist = "mix"         # mix | exponential | deterministic (the latter two: mean_service_s,
+                             else the mix's mean)
 noise_cv = 0.0               # lognormal noise on true service times
 fixed_estimate = false       # true: no speed tracking
 
-[service]                    # optional: the calibrated line (default 1 ms + 8.5 ms per new token), inline:
+[service]                    # optional: the calibrated line (default 1 ms + 8.5 ms per new token),
+                             inline:
 intercept_s = 0.001
 per_token_s = 0.0085
 # per_prompt_token_s = 0.0   #   the prefill term (seconds per prompt token)
 # concurrency = 0.0          #   engines one at a time slow each other: a run x (1 + C (busy - 1))
-# or instead, from a `qlab calibrate` JSON (relative to this file's folder; exclusive with the keys above):
-# file = "calibration.json"  #   its line, its concurrency term, its noise CV (the cells' noise_cv unless
-#                            #   [sweep] noise_cv is given) and, for a [batching] sweep, its step model (unless
-#                            #   [batching] gives b0 .. cv); the manifest records the file and its terms
+# or instead, from a `qlab calibrate` JSON (relative to this file's folder; exclusive with the keys
+# above): file = "calibration.json"  #   its line, its concurrency term, its noise CV (the cells'
+# noise_cv unless #   [sweep] noise_cv is given) and, for a [batching] sweep, its step model (unless
+#                            #   [batching] gives b0 .. cv); the manifest records the file and its
+# terms
 
 [mixes.reference]            # optional: named size mixes ("reference" is built in)
 sizes = [4, 16, 64]
@@ -29,7 +33,8 @@ probs = [0.5, 0.35, 0.15]
 
 [grid]                       # every combination is one cell (times each seed)
 policy = ["none", "bounded", "bounded-deadline", "predictive"]
-load = [0.5, 1.0, 2.0]       # utilisation at the simulated speed: lambda = load * engines / E[true S]
+load = [0.5, 1.0, 2.0]       # utilisation at the simulated speed: lambda = load * engines / E[true
+                             S]
 # rate = [10.0, 20.0]        #   or instead: requests/s (load = rate / the cell's capacity_rps)
 speed = [1.0, 2.25]          # true service times are SPEED times the calibration
 engines = [1]
@@ -38,50 +43,59 @@ max_queue = [8]              # optional, else the preset's
 mix = ["reference"]          # names from [mixes]; or
 trace = ["data/x.csv"]       # trace files instead of synthetic arrivals (load then unused)
 time_scale = [1.0]           # with trace
-arrivals = ["poisson", "periodic:10"]  # optional: an axis of arrival processes, in place of [sweep] arrivals
+arrivals = ["poisson", "periodic:10"]  # optional: an axis of arrival processes, in place of [sweep]
+                                       arrivals
 
 [policy_args.codel]          # optional: parameters of a grid policy (its dataclass fields)
 codel_target_s = 0.2
 [policy_args.adaptive-lifo]  # a list is an axis of that parameter's values (for this policy only):
-lifo_threshold = [4, 8]      #   each value is a cell of its own, labelled policy_args = "lifo_threshold=4"
+lifo_threshold = [4, 8]      #   each value is a cell of its own, labelled policy_args =
+                             "lifo_threshold=4"
 
 [clients.two-tenant]         # optional: named sets of clients (tenants), each client a table:
 heavy = { share = 0.85 }     #   share of the arrivals (a set's shares sum to 1),
-light = { share = 0.15, priority = 0, mix = "reference" }  # priority (default 0), mix (default the cell's)
-# and in [grid]: clients = ["none", "two-tenant"]  ("none": requests name no client; the default)
+light = { share = 0.15, priority = 0, mix = "reference" }  # priority (default 0), mix (default the
+cell's) # and in [grid]: clients = ["none", "two-tenant"]  ("none": requests name no client; the
+default)
 
-[retry.naive]                # optional: named retry policies (keys: qsim.clients.RetryPolicy's fields)
+[retry.naive]                # optional: named retry policies (keys: qsim.clients.RetryPolicy's
+                             fields)
 mode = "immediate"           #   none | immediate | fixed | exponential
 retry_after = "ignore"
 max_attempts = 5
 timeout_s = 8                #   the client hangs up on an attempt after 8 s and sends it again
 # and in [grid]: retry = ["none", "naive"]  ("none": clients never retry; the default)
-# and in [grid]: patience = ["none", "exponential:30"]  (qsim.clients.Patience specs; "none": the default)
-# with, in [sweep], patience_until = "answer" | "start" (default answer)
-# What the controller knows (optional axes; docs/sweeps.md "Estimation, stale estimates, cancelling"):
-# estimator = ["limit", "learned", "oracle"]  # the policy's estimator (qsim.estimators); default the policy's
-# used = ["none", "study"]    # early stops: "none" every request generates its limit (the default), "study"
-#                             #   the study's measured UsedShare, or "AT_LIMIT:MEDIAN:SIGMA"; load counts the work done
-# speed_schedule = ["none", "20:2.2"]  # the machine's speed over time, SECONDS:FACTOR,... ("none": constant)
-# fixed_estimate = [false, true]       # per cell, in place of [sweep] fixed_estimate
-# cancel_at_deadline = [false, true]   # cut a run in service when its deadline passes (outcome cancelled)
+# and in [grid]: patience = ["none", "exponential:30"]  (qsim.clients.Patience specs; "none": the
+# default) with, in [sweep], patience_until = "answer" | "start" (default answer)
+# What the controller knows (optional axes; docs/sweeps.md "Estimation, stale estimates,
+# cancelling"): estimator = ["limit", "learned", "oracle"]  # the policy's estimator
+# (qsim.estimators); default the policy's used = ["none", "study"]    # early stops: "none" every
+# request generates its limit (the default), "study" #   the study's measured UsedShare, or
+# "AT_LIMIT:MEDIAN:SIGMA"; load counts the work done speed_schedule = ["none", "20:2.2"]  # the
+# machine's speed over time, SECONDS:FACTOR,... ("none": constant) fixed_estimate = [false, true]
+# # per cell, in place of [sweep] fixed_estimate cancel_at_deadline = [false, true]   # cut a run in
+# service when its deadline passes (outcome cancelled)
 
-[batching]                   # optional: one engine that runs requests together (qsim.engines.Batching);
-b0 = 0.008                   #   its step model (seconds: per step, per prefill token, per sequence producing a
-b1 = 5e-05                   #   token, per context token held), cv (a step's spread), and its vLLM settings
-b2 = 0.0001                  #   max_num_seqs, max_num_batched_tokens, chunked_prefill, kv_blocks (absent:
+[batching]                   # optional: one engine that runs requests together
+                             (qsim.engines.Batching);
+b0 = 0.008                   #   its step model (seconds: per step, per prefill token, per sequence
+                             producing a
+b1 = 5e-05                   #   token, per context token held), cv (a step's spread), and its vLLM
+                             settings
+b2 = 0.0001                  #   max_num_seqs, max_num_batched_tokens, chunked_prefill, kv_blocks
+                             (absent:
 b3 = 1e-07                   #   unlimited), block_size. load is then of its saturated throughput
 kv_blocks = 2000             #   (Batching.capacity_rps) and grid.engines must be absent.
 [steps.slow]                 # optional: named step models (b0, b1, b2, b3, cv), a grid axis:
 b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("default": [batching]'s)
-# Batching axes, each optional: max_num_seqs = [64, 256], kv_blocks = [1000, 4000], chunked_prefill = [true, false],
-# step = [...]; objectives of any sweep: ttft_slo_s = [0.5], tpot_slo_s = [0.05] (a request is good only when it
-# meets every objective it has). In [sweep], prompts = "lognormal:512:0.8" (qsim.mixes.Prompts; default none).
-# Prefix caching (qsim.prefix): prefix_caching = true in [batching], or in [grid]
-# prefix_caching = [false, true]; prompts that share tokens, in [sweep] or as [grid] axes
-# (qsim.mixes.SharedPrefix): system_prompt = "512:0.8" (a system prompt of 512 tokens before a
-# share 0.8 of the prompts; "none": the default) and turns = "4:16" (conversations of 4 turns, 16
-# open at once; "1": the default).
+# Batching axes, each optional: max_num_seqs = [64, 256], kv_blocks = [1000, 4000], chunked_prefill
+# = [true, false], step = [...]; objectives of any sweep: ttft_slo_s = [0.5], tpot_slo_s = [0.05] (a
+# request is good only when it meets every objective it has). In [sweep], prompts =
+# "lognormal:512:0.8" (qsim.mixes.Prompts; default none). Prefix caching (qsim.prefix):
+# prefix_caching = true in [batching], or in [grid] prefix_caching = [false, true]; prompts that
+# share tokens, in [sweep] or as [grid] axes (qsim.mixes.SharedPrefix): system_prompt = "512:0.8" (a
+# system prompt of 512 tokens before a share 0.8 of the prompts; "none": the default) and turns =
+# "4:16" (conversations of 4 turns, 16 open at once; "1": the default).
 # An API process in front of the engine (qsim.engines.FrontEnd), in [batching]:
 # front_end = {request_s = 0.002, token_s = 0.0004}.
 # A fleet (qsim.fleet), optional axes: replicas = [2, 4, 8] (copies of the cell's server, each its
@@ -119,27 +133,88 @@ from qsim.arrivals import arrivals_take_load, parse_arrivals
 from qsim.mixes import Client, Prompts, SharedPrefix, UsedShare, check_clients
 from qsim.workload import SERVICES
 
-SWEEP_KEYS = {"name": str, "duration_s": float, "seeds": int, "first_seed": int, "arrivals": str,
-              "noise_cv": float, "fixed_estimate": bool, "patience_until": str, "prompts": str,
-              "service_dist": str, "mean_service_s": float, "system_prompt": str, "turns": str}
-GRID_KEYS = {"policy": str, "load": float, "speed": float, "engines": int, "deadline_s": float,
-             "max_queue": int, "mix": str, "trace": str, "time_scale": float, "clients": str, "retry": str,
-             "patience": str, "estimator": str, "cancel_at_deadline": bool, "used": str, "speed_schedule": str,
-             "fixed_estimate": bool, "max_num_seqs": int, "kv_blocks": int, "chunked_prefill": bool, "step": str,
-             "ttft_slo_s": float, "tpot_slo_s": float, "arrivals": str, "prefix_caching": bool,
-             "system_prompt": str, "turns": str, "replicas": int, "router": str, "rate": float,
-             "admission_at": str}
+SWEEP_KEYS = {
+    "name": str,
+    "duration_s": float,
+    "seeds": int,
+    "first_seed": int,
+    "arrivals": str,
+    "noise_cv": float,
+    "fixed_estimate": bool,
+    "patience_until": str,
+    "prompts": str,
+    "service_dist": str,
+    "mean_service_s": float,
+    "system_prompt": str,
+    "turns": str,
+}
+GRID_KEYS = {
+    "policy": str,
+    "load": float,
+    "speed": float,
+    "engines": int,
+    "deadline_s": float,
+    "max_queue": int,
+    "mix": str,
+    "trace": str,
+    "time_scale": float,
+    "clients": str,
+    "retry": str,
+    "patience": str,
+    "estimator": str,
+    "cancel_at_deadline": bool,
+    "used": str,
+    "speed_schedule": str,
+    "fixed_estimate": bool,
+    "max_num_seqs": int,
+    "kv_blocks": int,
+    "chunked_prefill": bool,
+    "step": str,
+    "ttft_slo_s": float,
+    "tpot_slo_s": float,
+    "arrivals": str,
+    "prefix_caching": bool,
+    "system_prompt": str,
+    "turns": str,
+    "replicas": int,
+    "router": str,
+    "rate": float,
+    "admission_at": str,
+}
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
 BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
 #: The step model of a cell without a step axis: [batching]'s own.
 DEFAULT_STEP = "default"
 STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}
-BATCHING_KEYS = {**STEP_KEYS, "max_num_seqs": int, "max_num_batched_tokens": int, "chunked_prefill": bool,
-                 "prefix_caching": bool, "front_end": dict,
-                 "kv_blocks": int, "block_size": int}
-#: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a calibration's).
-SERVICE_KEYS = {"intercept_s": float, "per_token_s": float, "per_prompt_token_s": float, "concurrency": float}
-SECTIONS = {"sweep", "service", "mixes", "grid", "policy_args", "clients", "retry", "batching", "steps"}
+BATCHING_KEYS = {
+    **STEP_KEYS,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "chunked_prefill": bool,
+    "prefix_caching": bool,
+    "front_end": dict,
+    "kv_blocks": int,
+    "block_size": int,
+}
+#: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a
+#: calibration's).
+SERVICE_KEYS = {
+    "intercept_s": float,
+    "per_token_s": float,
+    "per_prompt_token_s": float,
+    "concurrency": float,
+}
+SECTIONS = {
+    "sweep",
+    "service",
+    "mixes",
+    "grid",
+    "policy_args",
+    "clients",
+    "retry",
+    "batching",
+    "steps",
+}
 CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
 #: The client set of a cell whose requests name no client.
 NO_CLIENTS = "none"
@@ -147,7 +222,8 @@ NO_CLIENTS = "none"
 NO_RETRY = "none"
 #: The patience of a cell whose clients wait forever (a trace file's own patience_s column, if any).
 NO_PATIENCE = "none"
-#: The early stops of a cell whose requests all generate their limit (a trace file's own tokens_generated).
+#: The early stops of a cell whose requests all generate their limit (a trace file's own
+#: tokens_generated).
 NO_USED = "none"
 #: The speed schedule of a cell whose machine keeps its speed.
 NO_SCHEDULE = "none"
@@ -155,9 +231,9 @@ NO_SCHEDULE = "none"
 
 @dataclass(frozen=True)
 class CalibrationFile:
-    """[service] file: a ``qlab calibrate`` JSON as read once, when the config is (so every executor's cells get the
-    same terms): its line (:meth:`qsim.ServiceModel.load`) and what it measured under load
-    (:meth:`qsim.service.LoadTerms.load`)."""
+    """[service] file: a ``qlab calibrate`` JSON as read once, when the config is (so every
+    executor's cells get the same terms): its line (:meth:`qsim.ServiceModel.load`) and what it
+    measured under load (:meth:`qsim.service.LoadTerms.load`)."""
 
     file: str
     model: ServiceModel
@@ -173,14 +249,19 @@ class CalibrationFile:
     def record(self) -> dict[str, Any]:
         """The file and its terms, as the manifest records them."""
         step = self.terms.step
-        return {"file": self.file, "model": asdict(self.model),
-                "load": {"concurrency": self.terms.concurrency, "noise_cv": self.terms.noise_cv},
-                "step": None if step is None else asdict(step)}
+        return {
+            "file": self.file,
+            "model": asdict(self.model),
+            "load": {"concurrency": self.terms.concurrency, "noise_cv": self.terms.noise_cv},
+            "step": None if step is None else asdict(step),
+        }
 
 
 def parse_used(spec: str) -> UsedShare | None:
-    """A ``used`` spec: "none" (None: every request generates its limit), "study" (the study's measured
-    :class:`qsim.mixes.UsedShare`) or "AT_LIMIT:MEDIAN:SIGMA"; ValueError saying what is expected."""
+    """A ``used`` spec: "none" (None: every request generates its limit), "study" (the study's
+    measured
+    :class:`qsim.mixes.UsedShare`) or "AT_LIMIT:MEDIAN:SIGMA"; ValueError saying what is
+    expected."""
     text = spec.strip()
     if text == NO_USED:
         return None
@@ -192,12 +273,15 @@ def parse_used(spec: str) -> UsedShare | None:
     except ValueError:
         numbers = []
     if len(numbers) != 3:
-        raise ValueError(f"expected none, study or AT_LIMIT:MEDIAN:SIGMA (e.g. 0.067:0.13:1), got {spec!r}")
+        raise ValueError(
+            f"expected none, study or AT_LIMIT:MEDIAN:SIGMA (e.g. 0.067:0.13:1), got {spec!r}"
+        )
     return UsedShare(*numbers)
 
 
 def parse_speed_schedule(spec: str, base: float = 1.0) -> SpeedSchedule | None:
-    """A ``speed_schedule`` spec: "none" (None) or SECONDS:FACTOR,... over a machine of speed ``base``."""
+    """A ``speed_schedule`` spec: "none" (None) or SECONDS:FACTOR,... over a machine of speed
+    ``base``."""
     return None if spec.strip() == NO_SCHEDULE else SpeedSchedule(base, parse_schedule(spec))
 
 
@@ -215,49 +299,80 @@ class SweepConfig:
     grid: dict[str, tuple]
     source: str = field(default="", compare=False)
     policy_args: dict[str, dict] = field(default_factory=dict)  # grid policy -> its parameters
-    clients: dict[str, tuple[Client, ...]] = field(default_factory=dict)  # client set name -> its clients
+    # client set name -> its clients
+    clients: dict[str, tuple[Client, ...]] = field(default_factory=dict)
     retries: dict[str, RetryPolicy] = field(default_factory=dict)  # [retry.NAME] -> its policy
-    patience_until: str = "answer"  # what a grid patience waits for (the whole answer, or its start)
-    batching: Batching | None = None  # [batching]: cells run one batching engine with these settings
-    steps: dict[str, StepModel] = field(default_factory=dict)  # [steps.NAME], and "default": [batching]'s
+    # what a grid patience waits for (the whole answer, or its start)
+    patience_until: str = "answer"
+    # [batching]: cells run one batching engine with these settings
+    batching: Batching | None = None
+    # [steps.NAME], and "default": [batching]'s
+    steps: dict[str, StepModel] = field(default_factory=dict)
     prompts: str = "none"  # [sweep] prompts: qsim.mixes.Prompts' spec
     system_prompt: str = "none"  # [sweep] system_prompt: SharedPrefix.parse_system's spec
     turns: str = "1"  # [sweep] turns: SharedPrefix.parse_turns' spec
-    concurrency: float = 0.0  # engines one at a time slow each other (qsim.engines.OneAtATime.concurrency)
-    # [service] file: where the line, concurrency, noise_cv and [batching]'s step model came from (None: inline).
+    # engines one at a time slow each other (qsim.engines.OneAtATime.concurrency)
+    concurrency: float = 0.0
+    # [service] file: where the line, concurrency, noise_cv and [batching]'s step model came from
+    # (None: inline).
     calibration: CalibrationFile | None = field(default=None, compare=False)
 
-    def engine(self, max_num_seqs: int | None = None, kv_blocks: int | None = None,
-               chunked_prefill: bool | None = None, step: str | None = None,
-               prefix_caching: bool | None = None) -> Batching | None:
-        """A cell's batching engine: [batching] with the cell's axes applied (None: engines run one at a time)."""
+    def engine(
+        self,
+        max_num_seqs: int | None = None,
+        kv_blocks: int | None = None,
+        chunked_prefill: bool | None = None,
+        step: str | None = None,
+        prefix_caching: bool | None = None,
+    ) -> Batching | None:
+        """A cell's batching engine: [batching] with the cell's axes applied (None: engines run
+        one at a time)."""
         if self.batching is None:
             return None
-        changes = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("kv_blocks", kv_blocks),
-                                     ("chunked_prefill", chunked_prefill),
-                                     ("prefix_caching", prefix_caching)) if v is not None}
+        changes = {
+            k: v
+            for k, v in (
+                ("max_num_seqs", max_num_seqs),
+                ("kv_blocks", kv_blocks),
+                ("chunked_prefill", chunked_prefill),
+                ("prefix_caching", prefix_caching),
+            )
+            if v is not None
+        }
         if step is not None:
             changes["step"] = self.steps[step]
-        if "max_num_seqs" in changes and changes["max_num_seqs"] > self.batching.max_num_batched_tokens:
+        if (
+            "max_num_seqs" in changes
+            and changes["max_num_seqs"] > self.batching.max_num_batched_tokens
+        ):
             changes["max_num_batched_tokens"] = changes["max_num_seqs"]
         return replace(self.batching, **changes) if changes else self.batching
+
     service_dist: str = "mix"  # mix | exponential | deterministic (qsim.make_trace's service)
-    mean_service_s: float | None = None  # exponential and deterministic: their mean (None: the mix's)
+    # exponential and deterministic: their mean (None: the mix's)
+    mean_service_s: float | None = None
 
     def patience(self, spec: str | None):
         """The grid patience ``spec`` (None: the trace's own, i.e. none for synthetic arrivals)."""
-        return None if spec is None else patience_from_table("grid.patience", spec, self.patience_until)
+        return (
+            None
+            if spec is None
+            else patience_from_table("grid.patience", spec, self.patience_until)
+        )
 
     def policy(self, name: str, variant: str | None = None):
-        """The grid policy ``name`` with its [policy_args], at ``variant``: the label of one combination of
-        its list-valued parameters (:meth:`policy_variants`; None: it has none)."""
+        """The grid policy ``name`` with its [policy_args], at ``variant``: the label of one
+        combination of its list-valued parameters (:meth:`policy_variants`; None: it has none)."""
         args = self.policy_args.get(name, {})
         fixed = {k: v for k, v in args.items() if not isinstance(v, list)}
-        return resolve(name, {**fixed, **(self.policy_variants(name)[variant] if variant is not None else {})})
+        return resolve(
+            name, {**fixed, **(self.policy_variants(name)[variant] if variant is not None else {})}
+        )
 
     def policy_variants(self, name: str) -> dict[str | None, dict]:
-        """The combinations of the grid policy's list-valued [policy_args] (its parameter axes), each by its label
-        ("lifo_threshold=4", several joined by ", "), in the lists' order; {None: {}} when it has no list."""
+        """The combinations of the grid policy's list-valued [policy_args] (its parameter axes),
+        each by its label ("lifo_threshold=4", several joined by ", "), in the lists' order; {None:
+        {}} when it has no list."""
         return policy_variants(self.policy_args.get(name, {}))
 
     @property
@@ -272,27 +387,55 @@ class SweepConfig:
     def canonical(self) -> dict[str, Any]:
         """Everything that decides the rows, as plain JSON-able data (the hash is over this)."""
         return {
-            "name": self.name, "duration_s": self.duration_s, "seeds": self.seeds, "first_seed": self.first_seed,
-            "arrivals": self.arrivals, "noise_cv": self.noise_cv, "fixed_estimate": self.fixed_estimate,
+            "name": self.name,
+            "duration_s": self.duration_s,
+            "seeds": self.seeds,
+            "first_seed": self.first_seed,
+            "arrivals": self.arrivals,
+            "noise_cv": self.noise_cv,
+            "fixed_estimate": self.fixed_estimate,
             "service": asdict(self.service),
-            "mixes": {k: {"sizes": list(m.sizes), "probs": list(m.probs)} for k, m in sorted(self.mixes.items())},
+            "mixes": {
+                k: {"sizes": list(m.sizes), "probs": list(m.probs)}
+                for k, m in sorted(self.mixes.items())
+            },
             "grid": {k: list(v) for k, v in sorted(self.grid.items())},
             # Only when given, so a config without it keeps the digest (and the folders) it had.
             **({"policy_args": self.policy_args} if self.policy_args else {}),
-            **({"clients": {k: [_client_dict(c) for c in v] for k, v in sorted(self.clients.items())}}
-               if self.clients else {}),
-            **({"retry": {k: asdict(v) for k, v in sorted(self.retries.items())}} if self.retries else {}),
+            **(
+                {
+                    "clients": {
+                        k: [_client_dict(c) for c in v] for k, v in sorted(self.clients.items())
+                    }
+                }
+                if self.clients
+                else {}
+            ),
+            **(
+                {"retry": {k: asdict(v) for k, v in sorted(self.retries.items())}}
+                if self.retries
+                else {}
+            ),
             **({"patience_until": self.patience_until} if "patience" in self.grid else {}),
-            **({"batching": _batching_dict(self.batching),
-                "steps": {k: asdict(v) for k, v in sorted(self.steps.items())}}
-               if self.batching is not None else {}),
+            **(
+                {
+                    "batching": _batching_dict(self.batching),
+                    "steps": {k: asdict(v) for k, v in sorted(self.steps.items())},
+                }
+                if self.batching is not None
+                else {}
+            ),
             **({"prompts": self.prompts} if self.prompts != "none" else {}),
             **({"system_prompt": self.system_prompt} if self.system_prompt != "none" else {}),
             **({"turns": self.turns} if self.turns != "1" else {}),
-            # The terms, not the file they came from: a calibration file and the same settings inline are one config.
+            # The terms, not the file they came from: a calibration file and the same settings
+            # inline are one config.
             **({"concurrency": self.concurrency} if self.concurrency else {}),
-            **({"service_dist": self.service_dist, "mean_service_s": self.mean_service_s}
-               if self.service_dist != "mix" else {}),
+            **(
+                {"service_dist": self.service_dist, "mean_service_s": self.mean_service_s}
+                if self.service_dist != "mix"
+                else {}
+            ),
         }
 
     @property
@@ -322,25 +465,31 @@ def _label_value(value: Any) -> str:
 
 
 def policy_variants(args: dict) -> dict[str | None, dict]:
-    """A [policy_args.NAME] table's list-valued parameters (axes) combined: {label: {parameter: value}}, the first
-    parameter (by name) outermost; {None: {}} when none is a list."""
+    """A [policy_args.NAME] table's list-valued parameters (axes) combined: {label: {parameter:
+    value}}, the first parameter (by name) outermost; {None: {}} when none is a list."""
     axes = {k: v for k, v in sorted(args.items()) if isinstance(v, list)}
     if not axes:
         return {None: {}}
     combos = (dict(zip(axes, values)) for values in itertools.product(*axes.values()))
-    return {", ".join(f"{k}={_label_value(v)}" for k, v in combo.items()): combo for combo in combos}
+    return {
+        ", ".join(f"{k}={_label_value(v)}" for k, v in combo.items()): combo for combo in combos
+    }
 
 
-def _named(path: str, table: Any, section: str, what: str, builtin: tuple[str, str], build) -> dict[str, Any]:
-    """[SECTION.NAME] tables, each built by ``build(where, spec)``; ``builtin``: the name of the axis's built-in
-    value, which no table may take, and what it is."""
+def _named(
+    path: str, table: Any, section: str, what: str, builtin: tuple[str, str], build
+) -> dict[str, Any]:
+    """[SECTION.NAME] tables, each built by ``build(where, spec)``; ``builtin``: the name of the
+    axis's built-in value, which no table may take, and what it is."""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [{section}] must be a table of named {what}")
     out = {}
     for name, spec in table.items():
         where = f"{path}: {section}.{_key(name)}"
         if name == builtin[0]:
-            raise ConfigError(f"{where}: {builtin[0]!r} is the built-in {builtin[1]}; choose another name")
+            raise ConfigError(
+                f"{where}: {builtin[0]!r} is the built-in {builtin[1]}; choose another name"
+            )
         out[name] = build(where, spec)
     return out
 
@@ -359,9 +508,15 @@ def _client_set(where: str, members: Any, mixes: dict[str, Mix]) -> tuple[Client
             raise ConfigError(f"{here}: share is required")
         v = {k: typed_value(f"{here}.{k}", x, CLIENT_KEYS[k]) for k, x in spec.items()}
         if "mix" in v and v["mix"] not in mixes:
-            raise ConfigError(f"{here}.mix: unknown mix {v['mix']!r}; define it under [mixes.{_key(v['mix'])}]")
+            raise ConfigError(
+                f"{here}.mix: unknown mix {v['mix']!r}; define it under [mixes.{_key(v['mix'])}]"
+            )
         try:
-            built.append(Client(name, v["share"], v.get("priority", 0), mixes[v["mix"]] if "mix" in v else None))
+            built.append(
+                Client(
+                    name, v["share"], v.get("priority", 0), mixes[v["mix"]] if "mix" in v else None
+                )
+            )
         except ValueError as exc:
             raise ConfigError(f"{here}: {exc}") from None
     try:
@@ -373,17 +528,35 @@ def _client_set(where: str, members: Any, mixes: dict[str, Mix]) -> tuple[Client
 
 def _clients(path: str, table: Any, mixes: dict[str, Mix]) -> dict[str, tuple[Client, ...]]:
     """[clients.SET] tables."""
-    return _named(path, table, "clients", "client sets", (NO_CLIENTS, "set of no clients"), lambda where, spec: _client_set(where, spec, mixes))
+    return _named(
+        path,
+        table,
+        "clients",
+        "client sets",
+        (NO_CLIENTS, "set of no clients"),
+        lambda where, spec: _client_set(where, spec, mixes),
+    )
 
 
 def _retries(path: str, table: Any) -> dict[str, RetryPolicy]:
-    """[retry.NAME] tables: each a RetryPolicy's fields, checked as ``qlab simulate``'s --retry-* flags are."""
-    return _named(path, table, "retry", "retry policies", (NO_RETRY, "policy of no retries"), retry_from_table)
+    """[retry.NAME] tables: each a RetryPolicy's fields, checked as ``qlab simulate``'s --retry-*
+    flags are."""
+    return _named(
+        path, table, "retry", "retry policies", (NO_RETRY, "policy of no retries"), retry_from_table
+    )
 
 
-def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dict,
-          retries: dict | None = None, patience_until: str = "answer", batching: bool = False,
-          steps: dict | None = None) -> dict[str, tuple]:
+def _grid(
+    path: str,
+    table: Any,
+    mixes: dict[str, Mix],
+    base: Path,
+    clients: dict,
+    retries: dict | None = None,
+    patience_until: str = "answer",
+    batching: bool = False,
+    steps: dict | None = None,
+) -> dict[str, tuple]:
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
     no_unknown_keys(f"{path}: [grid]", table, GRID_KEYS)
@@ -393,7 +566,9 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
         values = values if isinstance(values, list) else [values]
         if not values:
             raise ConfigError(f"{where}: empty list: a grid axis needs at least one value")
-        checked = tuple(typed_value(f"{where}[{i}]", v, GRID_KEYS[key]) for i, v in enumerate(values))
+        checked = tuple(
+            typed_value(f"{where}[{i}]", v, GRID_KEYS[key]) for i, v in enumerate(values)
+        )
         if len(set(checked)) != len(checked):
             raise ConfigError(f"{where}: a value appears twice")
         for i, v in enumerate(checked):
@@ -403,63 +578,113 @@ def _grid(path: str, table: Any, mixes: dict[str, Mix], base: Path, clients: dic
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
             if key == "mix" and v not in mixes:
-                raise ConfigError(f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]")
+                raise ConfigError(
+                    f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]"
+                )
             if key == "clients" and v != NO_CLIENTS and v not in clients:
-                raise ConfigError(f"{where}[{i}]: unknown client set {v!r}; define it under [clients.{_key(v)}] "
-                                  f"(or use {NO_CLIENTS!r})")
+                raise ConfigError(
+                    f"{where}[{i}]: unknown client set {v!r}; define it under "
+                    f"[clients.{_key(v)}] "
+                    f"(or use {NO_CLIENTS!r})"
+                )
             if key == "retry" and v != NO_RETRY and v not in (retries or {}):
-                raise ConfigError(f"{where}[{i}]: unknown retry policy {v!r}; define it under [retry.{_key(v)}] "
-                                  f"(or use {NO_RETRY!r})")
+                raise ConfigError(
+                    f"{where}[{i}]: unknown retry policy {v!r}; define it under "
+                    f"[retry.{_key(v)}] "
+                    f"(or use {NO_RETRY!r})"
+                )
             if key == "patience":
                 patience_from_table(f"{where}[{i}]", v, patience_until)
             if key == "estimator" and v not in ESTIMATORS:
-                raise ConfigError(f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
+                raise ConfigError(
+                    f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}"
+                )
             if key == "admission_at" and v not in ADMISSION_AT:
-                raise ConfigError(f"{where}[{i}]: a fleet admits at one of "
-                                  f"{', '.join(ADMISSION_AT)}, got {v!r}")
+                raise ConfigError(
+                    f"{where}[{i}]: a fleet admits at one of {', '.join(ADMISSION_AT)}, got {v!r}"
+                )
             if key in ("used", "speed_schedule", "arrivals", "system_prompt", "turns", "router"):
                 try:
-                    {"used": parse_used, "speed_schedule": parse_speed_schedule,
-                     "arrivals": parse_arrivals, "system_prompt": _system_prompt,
-                     "turns": _turns, "router": parse_router}[key](v)
+                    {
+                        "used": parse_used,
+                        "speed_schedule": parse_speed_schedule,
+                        "arrivals": parse_arrivals,
+                        "system_prompt": _system_prompt,
+                        "turns": _turns,
+                        "router": parse_router,
+                    }[key](v)
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
-            if key in ("load", "speed", "engines", "deadline_s", "time_scale", "max_num_seqs", "kv_blocks",
-                       "ttft_slo_s", "tpot_slo_s", "replicas", "rate"):
+            if key in (
+                "load",
+                "speed",
+                "engines",
+                "deadline_s",
+                "time_scale",
+                "max_num_seqs",
+                "kv_blocks",
+                "ttft_slo_s",
+                "tpot_slo_s",
+                "replicas",
+                "rate",
+            ):
                 positive_value(f"{where}[{i}]", v)
             if key == "max_queue":
                 positive_value(f"{where}[{i}]", v, zero_ok=True)
             if key == "trace" and not (base / v).is_file():
-                raise ConfigError(f"{where}[{i}]: no such trace file {v!r} (relative paths are from the sweep file's folder)")
+                raise ConfigError(
+                    f"{where}[{i}]: no such trace file {v!r} (relative paths are "
+                    "from the sweep file's folder)"
+                )
         grid[key] = checked
     if "policy" not in grid:
         raise ConfigError(f"{path}: grid.policy is required")
     for key in ("load", "rate"):
         if "trace" in grid and key in grid:
-            raise ConfigError(f"{path}: grid.trace and grid.{key} exclude each other: a trace "
-                              "brings its own arrivals")
+            raise ConfigError(
+                f"{path}: grid.trace and grid.{key} exclude each other: a trace "
+                "brings its own arrivals"
+            )
     if "load" in grid and "rate" in grid:
-        raise ConfigError(f"{path}: grid.load and grid.rate exclude each other: a rate is a load "
-                          "(of the cell's capacity_rps); give one")
+        raise ConfigError(
+            f"{path}: grid.load and grid.rate exclude each other: a rate is a load "
+            "(of the cell's capacity_rps); give one"
+        )
     if "trace" in grid and "arrivals" in grid:
-        raise ConfigError(f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own")
+        raise ConfigError(
+            f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own"
+        )
     if "time_scale" in grid and "trace" not in grid:
         raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
     if "trace" not in grid and any(p.strip() == "column" for p in grid.get("patience", ())):
-        raise ConfigError(f"{path}: grid.patience 'column' reads a trace file's patience_s column; it needs grid.trace")
+        raise ConfigError(
+            f"{path}: grid.patience 'column' reads a trace file's patience_s "
+            "column; it needs grid.trace"
+        )
     if any(axis in grid for axis in BATCHING_AXES) and not batching:
-        raise ConfigError(f"{path}: grid.{next(a for a in BATCHING_AXES if a in grid)} is a batching engine's "
-                          "setting: add a [batching] table")
+        raise ConfigError(
+            f"{path}: grid.{next(a for a in BATCHING_AXES if a in grid)} is a "
+            "batching engine's "
+            "setting: add a [batching] table"
+        )
     if batching and grid.get("engines", (1,)) != (1,):
-        raise ConfigError(f"{path}: grid.engines: a [batching] sweep runs one batching engine per cell")
+        raise ConfigError(
+            f"{path}: grid.engines: a [batching] sweep runs one batching engine per cell"
+        )
     for i, name in enumerate(grid.get("step", ())):
         if name not in (steps or {}):
-            raise ConfigError(f"{path}: grid.step[{i}]: unknown step model {name!r}; define it under "
-                              f"[steps.{_key(name)}] (or use {DEFAULT_STEP!r}: [batching]'s)")
+            raise ConfigError(
+                f"{path}: grid.step[{i}]: unknown step model {name!r}; define it "
+                "under "
+                f"[steps.{_key(name)}] (or use {DEFAULT_STEP!r}: [batching]'s)"
+            )
     _check_fleet(path, grid, batching)
     if "trace" in grid and set(grid.get("clients", (NO_CLIENTS,))) != {NO_CLIENTS}:
-        raise ConfigError(f"{path}: grid.clients applies to synthetic arrivals; a trace file brings its own "
-                          "client_id and priority columns")
+        raise ConfigError(
+            f"{path}: grid.clients applies to synthetic arrivals; a trace file "
+            "brings its own "
+            "client_id and priority columns"
+        )
     return grid
 
 
@@ -470,22 +695,24 @@ def _check_fleet(path: str, grid: dict, batching: bool) -> None:
     if "router" in grid and "replicas" not in grid:
         raise ConfigError(f"{path}: grid.router routes between replicas: add grid.replicas")
     if "admission_at" in grid and "replicas" not in grid:
-        raise ConfigError(f"{path}: grid.admission_at is where a fleet admits: add "
-                          "grid.replicas")
+        raise ConfigError(f"{path}: grid.admission_at is where a fleet admits: add grid.replicas")
     routers = {spec: parse_router(spec) for spec in grid.get("router", ())}
     # Checked at one replica too: a sizing search (experiments/sizing.py) starts there.
     for spec, router in routers.items():
         if router.needs_batching and not batching:
-            raise ConfigError(f"{path}: grid.router {spec!r} reads a batching engine's KV "
-                              "memory and prefix cache: add a [batching] table")
+            raise ConfigError(
+                f"{path}: grid.router {spec!r} reads a batching engine's KV "
+                "memory and prefix cache: add a [batching] table"
+            )
     if max(grid.get("replicas", (1,))) == 1:
         return
     fleets = [n for n in grid["replicas"] if n > 1]
     for spec, router in routers.items():
         d = getattr(router, "d", 1)
         if d > min(fleets):
-            raise ConfigError(f"{path}: grid.router {spec!r}: {d} choices among "
-                              f"{min(fleets)} replicas")
+            raise ConfigError(
+                f"{path}: grid.router {spec!r}: {d} choices among {min(fleets)} replicas"
+            )
 
 
 def _system_prompt(spec: str) -> SharedPrefix:
@@ -505,7 +732,8 @@ def shared_prefix(system_prompt: str, turns: str) -> SharedPrefix | None:
 
 
 def _key(name: str) -> str:
-    """A TOML key as it would be written: bare when it can be, else quoted (so an error stays one line)."""
+    """A TOML key as it would be written: bare when it can be, else quoted (so an error stays one
+    line)."""
     return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
 
 
@@ -520,7 +748,9 @@ def _mixes(path: str, table: Any) -> dict[str, Mix]:
         no_unknown_keys(where, spec, {"sizes", "probs"})
         for key in ("sizes", "probs"):
             if not isinstance(spec.get(key, []), list):
-                raise ConfigError(f"{where}.{key}: expected a list, got {type(spec[key]).__name__} {spec[key]!r}")
+                raise ConfigError(
+                    f"{where}.{key}: expected a list, got {type(spec[key]).__name__} {spec[key]!r}"
+                )
         try:
             sizes = tuple(typed_value(f"{where}.sizes", s, int) for s in spec.get("sizes", []))
             probs = tuple(typed_value(f"{where}.probs", p, float) for p in spec.get("probs", []))
@@ -540,8 +770,15 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         raise ConfigError(f"{path}: [sweep] must be a table")
     no_unknown_keys(f"{path}: [sweep]", sweep, SWEEP_KEYS)
     s = {k: typed_value(f"{path}: sweep.{k}", v, SWEEP_KEYS[k]) for k, v in sweep.items()}
-    defaults = dict(name=Path(path).stem, duration_s=600.0, seeds=20, first_seed=1, arrivals="poisson",
-                    noise_cv=0.0, fixed_estimate=False)
+    defaults = dict(
+        name=Path(path).stem,
+        duration_s=600.0,
+        seeds=20,
+        first_seed=1,
+        arrivals="poisson",
+        noise_cv=0.0,
+        fixed_estimate=False,
+    )
     s = {**defaults, **s}
     positive_value(f"{path}: sweep.duration_s", s["duration_s"])
     positive_value(f"{path}: sweep.seeds", s["seeds"])
@@ -549,31 +786,50 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
     positive_value(f"{path}: sweep.noise_cv", s["noise_cv"], zero_ok=True)
     until = s.pop("patience_until", None)
     if until is not None and until not in PATIENCE_UNTIL:
-        raise ConfigError(f"{path}: sweep.patience_until: expected one of {', '.join(PATIENCE_UNTIL)}, got {until!r}")
+        raise ConfigError(
+            f"{path}: sweep.patience_until: expected one of "
+            f"{', '.join(PATIENCE_UNTIL)}, got {until!r}"
+        )
     try:
         parse_arrivals(s["arrivals"])
     except ValueError as exc:
         raise ConfigError(f"{path}: sweep.arrivals: {exc}") from None
     if s.get("service_dist", "mix") not in SERVICES:
-        raise ConfigError(f"{path}: sweep.service_dist: expected one of {', '.join(SERVICES)}, got {s['service_dist']!r}")
+        raise ConfigError(
+            f"{path}: sweep.service_dist: expected one of {', '.join(SERVICES)}, "
+            f"got {s['service_dist']!r}"
+        )
     if "mean_service_s" in s:
         positive_value(f"{path}: sweep.mean_service_s", s["mean_service_s"])
         if s.get("service_dist", "mix") == "mix":
-            raise ConfigError(f"{path}: sweep.mean_service_s applies to exponential and deterministic service_dist, "
-                              "not to the mix")
+            raise ConfigError(
+                f"{path}: sweep.mean_service_s applies to exponential and "
+                "deterministic service_dist, "
+                "not to the mix"
+            )
     model, concurrency, calibration = _service(path, data.get("service", {}))
-    if calibration is not None and "noise_cv" not in sweep:  # the noise measured under load, unless given
+    # the noise measured under load, unless given
+    if calibration is not None and "noise_cv" not in sweep:
         s["noise_cv"] = calibration.terms.noise_cv or 0.0
     mixes = _mixes(path, data.get("mixes", {}))
     clients = _clients(path, data.get("clients", {}), mixes)
     retries = _retries(path, data.get("retry", {}))
-    batching, steps = _batching(path, data.get("batching"), data.get("steps", {}),
-                                None if calibration is None else calibration.terms.step)
+    batching, steps = _batching(
+        path,
+        data.get("batching"),
+        data.get("steps", {}),
+        None if calibration is None else calibration.terms.step,
+    )
     if batching is not None and concurrency:
         if calibration is None:
-            raise ConfigError(f"{path}: service.concurrency slows engines that run one request at a time; a "
-                              "[batching] engine's requests share its steps (its step model says how)")
-        concurrency = 0.0  # a calibration's concurrency term is of engines one at a time, not of a batch
+            raise ConfigError(
+                f"{path}: service.concurrency slows engines that run one request at "
+                "a time; a "
+                "[batching] engine's requests share its steps (its step model says "
+                "how)"
+            )
+        # a calibration's concurrency term is of engines one at a time, not of a batch
+        concurrency = 0.0
     try:
         Prompts.parse(s.get("prompts", "none"))
     except ValueError as exc:
@@ -583,40 +839,73 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
             check(s.get(key, "none" if key == "system_prompt" else "1"))
         except ValueError as exc:
             raise ConfigError(f"{path}: sweep.{key}: {exc}") from None
-    grid = _grid(path, data.get("grid"), mixes, Path(path).parent, clients, retries, until or "answer",
-                 batching is not None, steps)
+    grid = _grid(
+        path,
+        data.get("grid"),
+        mixes,
+        Path(path).parent,
+        clients,
+        retries,
+        until or "answer",
+        batching is not None,
+        steps,
+    )
     shares = [k for k in ("system_prompt", "turns") if k in grid or k in s]
     if "trace" in grid and shares:
-        raise ConfigError(f"{path}: {shares[0]} applies to synthetic arrivals; a trace file's "
-                          "prompts are its own")
+        raise ConfigError(
+            f"{path}: {shares[0]} applies to synthetic arrivals; a trace file's prompts are its own"
+        )
     if until is not None and "patience" not in grid:
         raise ConfigError(f"{path}: sweep.patience_until applies only with grid.patience")
     if "fixed_estimate" in sweep and "fixed_estimate" in grid:
-        raise ConfigError(f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one")
+        raise ConfigError(
+            f"{path}: sweep.fixed_estimate and grid.fixed_estimate exclude each other; give one"
+        )
     _check_load(path, grid, sweep)
     if concurrency and max(grid.get("replicas", (1,))) > 1:
-        raise ConfigError(f"{path}: grid.replicas: engines that slow each other share one "
-                          "machine; a fleet's replicas take engines with concurrency 0 (no "
-                          "service.concurrency)")
+        raise ConfigError(
+            f"{path}: grid.replicas: engines that slow each other share one "
+            "machine; a fleet's replicas take engines with concurrency 0 (no "
+            "service.concurrency)"
+        )
     if batching is not None and s.get("service_dist", "mix") != "mix":
-        raise ConfigError(f"{path}: sweep.service_dist: a [batching] engine's work is its requests' tokens, drawn "
-                          "from the mix; service_dist applies to engines that run one request at a time")
-    return SweepConfig(service=model, mixes=mixes, grid=grid, source=path, clients=clients, retries=retries,
-                       patience_until=until or "answer", batching=batching, steps=steps, concurrency=concurrency,
-                       calibration=calibration,
-                       policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"], grid), **s)
+        raise ConfigError(
+            f"{path}: sweep.service_dist: a [batching] engine's work is its "
+            "requests' tokens, drawn "
+            "from the mix; service_dist applies to engines that run one request at "
+            "a time"
+        )
+    return SweepConfig(
+        service=model,
+        mixes=mixes,
+        grid=grid,
+        source=path,
+        clients=clients,
+        retries=retries,
+        patience_until=until or "answer",
+        batching=batching,
+        steps=steps,
+        concurrency=concurrency,
+        calibration=calibration,
+        policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"], grid),
+        **s,
+    )
 
 
 def _service(path: str, table: Any) -> tuple[ServiceModel, float, CalibrationFile | None]:
-    """[service]: the line and the concurrency term inline, or ``file``, a calibration (from the sweep file's folder)."""
+    """[service]: the line and the concurrency term inline, or ``file``, a calibration (from the
+    sweep file's folder)."""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [service] must be a table")
     no_unknown_keys(f"{path}: [service]", table, {*SERVICE_KEYS, "file"})
     if "file" in table:
         inline = sorted(set(table) - {"file"})
         if inline:
-            raise ConfigError(f"{path}: service.file and service.{inline[0]} exclude each other: the calibration "
-                              "file holds the line and its load terms; give the file or the keys")
+            raise ConfigError(
+                f"{path}: service.file and service.{inline[0]} exclude each other: "
+                "the calibration "
+                "file holds the line and its load terms; give the file or the keys"
+            )
         file = typed_value(f"{path}: service.file", table["file"], str)
         calibration = CalibrationFile.read(f"{path}: service.file", Path(path).parent / file)
         return calibration.model, calibration.terms.concurrency, calibration
@@ -630,8 +919,9 @@ def _service(path: str, table: Any) -> tuple[ServiceModel, float, CalibrationFil
 
 
 def _check_load(path: str, grid: dict, sweep: dict) -> None:
-    """Synthetic arrivals take the grid's load exactly when their process does: a load given to bursts of their
-    own size would be ignored, so it is refused (and a process that needs one without it)."""
+    """Synthetic arrivals take the grid's load exactly when their process does: a load given to
+    bursts of their own size would be ignored, so it is refused (and a process that needs one
+    without it)."""
     if "trace" in grid:
         return
     if "arrivals" in grid and "arrivals" in sweep:
@@ -641,37 +931,55 @@ def _check_load(path: str, grid: dict, sweep: dict) -> None:
         takes = arrivals_take_load(spec)
         given = next((k for k in ("load", "rate") if k in grid), None)
         if takes and given is None:
-            raise ConfigError(f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} takes one), "
-                              "rate or trace (a file's arrivals)")
+            raise ConfigError(
+                f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} "
+                "takes one), "
+                "rate or trace (a file's arrivals)"
+            )
         if not takes and given is not None:
-            raise ConfigError(f"{path}: {where} {spec!r} takes no {given} (its burst size sets its rate); leave "
-                              f"grid.{given} out, give periodic:PERIOD_S (its burst size follows the load), or "
-                              "sweep it in a file of its own")
+            raise ConfigError(
+                f"{path}: {where} {spec!r} takes no {given} (its burst size sets its "
+                "rate); leave "
+                f"grid.{given} out, give periodic:PERIOD_S (its burst size follows "
+                "the load), or "
+                "sweep it in a file of its own"
+            )
 
 
 def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> StepModel:
-    values = {k: typed_value(f"{where}.{k}", v, STEP_KEYS[k]) for k, v in table.items() if k in STEP_KEYS}
+    values = {
+        k: typed_value(f"{where}.{k}", v, STEP_KEYS[k]) for k, v in table.items() if k in STEP_KEYS
+    }
     try:
         return replace(defaults, **values)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _batching(path: str, table: Any, steps: Any,
-              calibrated: StepModel | None = None) -> tuple[Batching | None, dict[str, StepModel]]:
-    """[batching] (the engine, with its step model inline) and [steps.NAME] (other step models). ``calibrated``: a
-    calibration's step model, [batching]'s where it gives none of b0 .. cv (given ones win, as ``--step`` does)."""
+def _batching(
+    path: str, table: Any, steps: Any, calibrated: StepModel | None = None
+) -> tuple[Batching | None, dict[str, StepModel]]:
+    """[batching] (the engine, with its step model inline) and [steps.NAME] (other step models).
+    ``calibrated``: a calibration's step model, [batching]'s where it gives none of b0 .. cv (given
+    ones win, as ``--step`` does)."""
     if table is None:
         if steps:
-            raise ConfigError(f"{path}: [steps] are step models of a batching engine: add a [batching] table")
+            raise ConfigError(
+                f"{path}: [steps] are step models of a batching engine: add a [batching] table"
+            )
         return None, {}
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [batching] must be a table")
     no_unknown_keys(f"{path}: [batching]", table, BATCHING_KEYS)
     inline = any(k in STEP_KEYS for k in table)
-    step = _step_model(f"{path}: batching", table, StepModel() if inline or calibrated is None else calibrated)
-    settings = {k: typed_value(f"{path}: batching.{k}", v, BATCHING_KEYS[k]) for k, v in table.items()
-                if k not in STEP_KEYS}
+    step = _step_model(
+        f"{path}: batching", table, StepModel() if inline or calibrated is None else calibrated
+    )
+    settings = {
+        k: typed_value(f"{path}: batching.{k}", v, BATCHING_KEYS[k])
+        for k, v in table.items()
+        if k not in STEP_KEYS
+    }
     try:
         engine = Batching(step=step, **settings)
     except ValueError as exc:
@@ -682,7 +990,9 @@ def _batching(path: str, table: Any, steps: Any,
     for name, spec in steps.items():
         where = f"{path}: steps.{_key(name)}"
         if name == DEFAULT_STEP:
-            raise ConfigError(f"{where}: {DEFAULT_STEP!r} is [batching]'s own step model; name yours otherwise")
+            raise ConfigError(
+                f"{where}: {DEFAULT_STEP!r} is [batching]'s own step model; name yours otherwise"
+            )
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a table of b0, b1, b2, b3, cv")
         no_unknown_keys(where, spec, STEP_KEYS)
@@ -691,8 +1001,8 @@ def _batching(path: str, table: Any, steps: Any,
 
 
 def _policy_args(path: str, table: Any, policies: tuple, grid: dict) -> dict[str, dict]:
-    """[policy_args]: each policy's parameters; a list is an axis of that parameter's values, each combination
-    checked as a plain table is."""
+    """[policy_args]: each policy's parameters; a list is an axis of that parameter's values, each
+    combination checked as a plain table is."""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [policy_args] must be a table of policies")
     candidates = []  # (name, one plain table): every combination of a table's lists
@@ -707,7 +1017,10 @@ def _policy_args(path: str, table: Any, policies: tuple, grid: dict) -> dict[str
             if isinstance(value, list) and len({json.dumps(v) for v in value}) != len(value):
                 raise ConfigError(f"{where}: a value appears twice")
             if key in GRID_KEYS and key in grid:  # the grid's axis would set it over this value
-                raise ConfigError(f"{where}: the grid's {key} axis sets it for every policy; give its values there")
+                raise ConfigError(
+                    f"{where}: the grid's {key} axis sets it for every policy; give "
+                    "its values there"
+                )
         plain = {k: v for k, v in args.items() if not isinstance(v, list)}
         candidates += [(name, {**plain, **combo}) for combo in policy_variants(args).values()]
     try:

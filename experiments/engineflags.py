@@ -1,8 +1,9 @@
-"""``qlab simulate``'s engine options, written once: the engine model (K engines one at a time, with a concurrency
-slowdown, or one batching engine), prompt lengths, and the objectives on time to first token and time per token.
+"""``qlab simulate``'s engine options, written once: the engine model (K engines one at a time, with
+a concurrency slowdown, or one batching engine), prompt lengths, and the objectives on time to first
+token and time per token.
 
-A batching engine's ``--load`` is of its saturated throughput (:meth:`qsim.engines.Batching.capacity_rps`), as in a
-sweep with a ``[batching]`` table.
+A batching engine's ``--load`` is of its saturated throughput
+(:meth:`qsim.engines.Batching.capacity_rps`), as in a sweep with a ``[batching]`` table.
 """
 
 from __future__ import annotations
@@ -40,30 +41,57 @@ def turns_spec(text: str) -> tuple[int, int]:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the engine model (default: --engines K, one request each at a time)")
-    g.add_argument("--concurrency", type=non_negative,
-                   help="engines one at a time: a run takes x (1 + C (busy - 1)) with that many engines busy "
-                        "(default: the --service-model calibration's, measured under load; else 0)")
-    g.add_argument("--batching", action="store_true", help=BATCHING_HELP + "; --load is then of its saturated "
-                   "throughput")
+    g.add_argument(
+        "--concurrency",
+        type=non_negative,
+        help="engines one at a time: a run takes x (1 + C (busy - 1)) with that many "
+        "engines busy "
+        "(default: the --service-model calibration's, measured under load; else 0)",
+    )
+    g.add_argument(
+        "--batching",
+        action="store_true",
+        help=BATCHING_HELP + "; --load is then of its saturated throughput",
+    )
     add_batching_flags(g, simulated=True)
-    g.add_argument("--prompts", type=prompts_spec, metavar="SPEC",
-                   help="prompt lengths: none, fixed:N, uniform:LOW:HIGH or lognormal:MEAN:SIGMA (default none)")
-    g.add_argument("--system-prompt", type=system_spec, metavar="S:P",
-                   help="a system prompt of S tokens before a share P of the prompts (a prefix "
-                        "cache shares it; default none)")
-    g.add_argument("--turns", type=turns_spec, metavar="T[:C]",
-                   help="conversations of T turns, each extending the one before with its answer; "
-                        "C open at once (default 16): a turn follows its last C arrivals later "
-                        "(default 1)")
-    g.add_argument("--ttft-slo", type=positive, metavar="SECONDS",
-                   help="objective on time to first token: a request is good only if it meets it too")
-    g.add_argument("--tpot-slo", type=positive, metavar="SECONDS", help="objective on time per output token")
+    g.add_argument(
+        "--prompts",
+        type=prompts_spec,
+        metavar="SPEC",
+        help="prompt lengths: none, fixed:N, uniform:LOW:HIGH or lognormal:MEAN:SIGMA "
+        "(default none)",
+    )
+    g.add_argument(
+        "--system-prompt",
+        type=system_spec,
+        metavar="S:P",
+        help="a system prompt of S tokens before a share P of the prompts (a prefix "
+        "cache shares it; default none)",
+    )
+    g.add_argument(
+        "--turns",
+        type=turns_spec,
+        metavar="T[:C]",
+        help="conversations of T turns, each extending the one before with its answer; "
+        "C open at once (default 16): a turn follows its last C arrivals later "
+        "(default 1)",
+    )
+    g.add_argument(
+        "--ttft-slo",
+        type=positive,
+        metavar="SECONDS",
+        help="objective on time to first token: a request is good only if it meets it too",
+    )
+    g.add_argument(
+        "--tpot-slo", type=positive, metavar="SECONDS", help="objective on time per output token"
+    )
 
 
 def calibrated_defaults(args) -> None:
-    """--concurrency and --noise where they are not given: what the --service-model calibration measured under load
-    (:class:`qsim.service.LoadTerms`; a batching engine takes no concurrency term), else 0; with --batching, --step
-    where it is not given: the calibration's fitted step model, where it has one."""
+    """--concurrency and --noise where they are not given: what the --service-model calibration
+    measured under load (:class:`qsim.service.LoadTerms`; a batching engine takes no concurrency
+    term), else 0; with --batching, --step where it is not given: the calibration's fitted step
+    model, where it has one."""
     terms = LoadTerms.load(args.service_model)
     if args.batching and args.step is None:
         args.step = terms.step
@@ -76,10 +104,16 @@ def calibrated_defaults(args) -> None:
 
 
 def engine_from_args(args) -> OneAtATime | Batching:
-    """The engine the options describe; ValueError for a batching option without --batching (or the reverse)."""
+    """The engine the options describe; ValueError for a batching option without --batching (or
+    the reverse)."""
     settings = {k: getattr(args, k) for k in BATCHING_ONLY}
-    batching = batching_engine(args.batching, settings, args.no_chunked_prefill,
-                               getattr(args, "prefix_caching", False), getattr(args, "front_end", None))
+    batching = batching_engine(
+        args.batching,
+        settings,
+        args.no_chunked_prefill,
+        getattr(args, "prefix_caching", False),
+        getattr(args, "front_end", None),
+    )
     if batching is None:
         return OneAtATime(args.engines, args.concurrency or 0.0)
     if args.engines != 1 or args.concurrency:
@@ -100,11 +134,17 @@ def trace_options(args, engine, mix, model, dataset=None) -> dict:
             raise ValueError("--system-prompt and --turns apply to synthetic arrivals only")
         options["prefixes"] = shared
     if isinstance(engine, Batching) and args.trace and args.load is not None:
-        raise ValueError("--load with --trace and --batching: a trace file's rate is scaled to engines x their "
-                         "one-at-a-time capacity, not a batch's; give the file's own rate (--time-scale)")
+        raise ValueError(
+            "--load with --trace and --batching: a trace file's rate is scaled to "
+            "engines x their "
+            "one-at-a-time capacity, not a batch's; give the file's own rate "
+            "(--time-scale)"
+        )
     if isinstance(engine, Batching) and not args.trace:
         if args.service != "mix":
-            raise ValueError("--batching needs --service mix: a batching engine's steps count tokens")
+            raise ValueError(
+                "--batching needs --service mix: a batching engine's steps count tokens"
+            )
         mean_tokens = float(sum(s * p for s, p in zip(mix.sizes, mix.probs)))
         mean_prompt = 0.0 if args.prompts is None else args.prompts.mean()
         if dataset is not None:  # its rows are the sizes and the prompts
@@ -127,17 +167,35 @@ def describe(engine) -> str:
     if isinstance(engine, OneAtATime):
         slower = f" (concurrency {engine.concurrency:g})" if engine.concurrency else ""
         return f"{engine.engines} engine(s){slower}"
-    kv = "unlimited KV" if engine.kv_blocks is None else f"{engine.kv_blocks} KV blocks of {engine.block_size}"
+    kv = (
+        "unlimited KV"
+        if engine.kv_blocks is None
+        else (f"{engine.kv_blocks} KV blocks of {engine.block_size}")
+    )
     chunked = "" if engine.chunked_prefill else ", no chunked prefill"
     chunked += ", prefix caching" if engine.prefix_caching else ""
     fe = engine.front_end
-    chunked += "" if fe is None else (f", a front end of {fe.request_s * 1e3:g} ms a request, "
-                                      f"{fe.step_s * 1e3:g} ms a step, {fe.token_s * 1e3:g} ms a token")
-    return (f"a batching engine ({engine.max_num_seqs} seqs, {engine.max_num_batched_tokens} tokens a step, "
-            f"{kv}{chunked})")
+    chunked += (
+        ""
+        if fe is None
+        else (
+            f", a front end of {fe.request_s * 1e3:g} ms a request, "
+            f"{fe.step_s * 1e3:g} ms a step, {fe.token_s * 1e3:g} ms a "
+            "token"
+        )
+    )
+    return (
+        f"a batching engine ({engine.max_num_seqs} seqs, {engine.max_num_batched_tokens} "
+        "tokens a step, "
+        f"{kv}{chunked})"
+    )
 
 
 def with_objectives(policy, args):
     """The policy with the objectives the options set."""
-    changes = {k: v for k, v in (("ttft_slo_s", args.ttft_slo), ("tpot_slo_s", args.tpot_slo)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (("ttft_slo_s", args.ttft_slo), ("tpot_slo_s", args.tpot_slo))
+        if v is not None
+    }
     return dataclasses.replace(policy, **changes) if changes else policy

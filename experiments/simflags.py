@@ -1,5 +1,6 @@
-"""The workload, engine and client options that ``qlab simulate`` and ``qlab capacity`` share, written once;
-and the trace file's options that ``qlab simulate`` and ``qlab replay`` share (:func:`add_trace_flags`,
+"""The workload, engine and client options that ``qlab simulate`` and ``qlab capacity`` share,
+written once; and the trace file's options that ``qlab simulate`` and ``qlab replay`` share
+(:func:`add_trace_flags`,
 :func:`trace_window`).
 
 Each command adds its own ``--policy``, ``--load`` and length options, and its output options.
@@ -24,26 +25,34 @@ def admission_at(text: str) -> str:
     """Where a fleet admits (qsim.fleet.ADMISSION_AT), as argparse checks a type."""
     if text not in ADMISSION_AT:
         raise argparse.ArgumentTypeError(
-            f"invalid choice {text!r}: a fleet admits at one of {', '.join(ADMISSION_AT)}")
+            f"invalid choice {text!r}: a fleet admits at one of {', '.join(ADMISSION_AT)}"
+        )
     return text
 
 
 def add_admission_at(p) -> None:
     """--admission-at, beside --replicas and --router (qlab simulate's, qlab capacity's)."""
-    p.add_argument("--admission-at", type=admission_at, metavar="{replica,gate}",
-                   help="where a fleet admits: replica (default), each replica on its own state "
-                        "after routing; gate, one admission at the cluster gate on the fleet's "
-                        "state (all its waiting, its engines) before routing (docs/fleets.md)")
+    p.add_argument(
+        "--admission-at",
+        type=admission_at,
+        metavar="{replica,gate}",
+        help="where a fleet admits: replica (default), each replica on its own state "
+        "after routing; gate, one admission at the cluster gate on the fleet's "
+        "state (all its waiting, its engines) before routing (docs/fleets.md)",
+    )
 
 
 def _checked(parse):
-    """An argparse type that checks the text with ``parse`` and keeps the text (a sweep cell names it so)."""
+    """An argparse type that checks the text with ``parse`` and keeps the text (a sweep cell
+    names it so)."""
+
     def check(text: str) -> str:
         try:
             parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return text
+
     check.__name__ = parse.__name__  # argparse names the type in its error
     return check
 
@@ -56,73 +65,157 @@ class Remember(argparse.Action):
         namespace.trace_conflicts = [*getattr(namespace, "trace_conflicts", []), option_string]
 
 
-def add_workload_options(p: argparse.ArgumentParser, *, seeds: int = 1, several_arrivals: bool = False) -> None:
-    """The options of the policy's settings, the engines, the workload and its clients (``seeds``: --seeds' default;
-    ``several_arrivals``: --arrivals may be repeated, a list, None when not given)."""
+def add_workload_options(
+    p: argparse.ArgumentParser, *, seeds: int = 1, several_arrivals: bool = False
+) -> None:
+    """The options of the policy's settings, the engines, the workload and its clients (``seeds``:
+    --seeds' default; ``several_arrivals``: --arrivals may be repeated, a list, None when not
+    given)."""
     p.set_defaults(trace_conflicts=[])
-    p.add_argument("--policy-arg", action="append", metavar="KEY=VALUE", help="a parameter of the policy (repeat)")
-    p.add_argument("--max-queue", type=count, help="override the preset's bound on waiting requests")
+    p.add_argument(
+        "--policy-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a parameter of the policy (repeat)",
+    )
+    p.add_argument(
+        "--max-queue", type=count, help="override the preset's bound on waiting requests"
+    )
     p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
     p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K)")
-    p.add_argument("--speed", type=positive, default=1.0, help="true service times are SPEED times the calibration")
-    p.add_argument("--arrivals", default=None if several_arrivals else "poisson",
-                   action="append" if several_arrivals else Remember,
-                   help=" | ".join(ARRIVALS) + " (periodic:PERIOD_S: a burst every PERIOD_S whose size follows the "
-                        "load; burst:N and periodic:N:PERIOD_S bring their own rate and take no load)"
-                        + (" (repeat for several; default poisson)" if several_arrivals else ""))
-    p.add_argument("--service", choices=["mix", "exponential", "deterministic"], default="mix", action=Remember)
-    p.add_argument("--mean-service", type=positive, action=Remember,
-                   help="mean service seconds for exponential/deterministic (default: the mix's mean)")
-    p.add_argument("--noise", type=non_negative,
-                   help="CV of lognormal noise on true service times (mix and trace files; default: the --service-model "
-                        "calibration's CV under load, else 0)")
-    p.add_argument("--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)")
-    p.add_argument("--fixed-estimate", action="store_true", help="do not track speed: keep the calibrated estimate")
-    p.add_argument("--used", type=_checked(parse_used), metavar="SPEC",
-                   help="early stops: none (every request generates its limit, the default), study (the study's "
-                        "measured share: median 13 %% of the limit, 4 in 60 at it) or AT_LIMIT:MEDIAN:SIGMA; "
-                        "the load then counts the work actually done (estimators: --policy-arg estimator=learned)")
-    p.add_argument("--speed-schedule", type=_checked(parse_schedule), metavar="SECONDS:FACTOR,...",
-                   help="the machine's speed over time, e.g. 20:2.2 (2.2x slower than calibrated from 20 s on)")
+    p.add_argument(
+        "--speed",
+        type=positive,
+        default=1.0,
+        help="true service times are SPEED times the calibration",
+    )
+    p.add_argument(
+        "--arrivals",
+        default=None if several_arrivals else "poisson",
+        action="append" if several_arrivals else Remember,
+        help=" | ".join(ARRIVALS) + " (periodic:PERIOD_S: a burst every PERIOD_S whose "
+        "size follows the "
+        "load; burst:N and periodic:N:PERIOD_S bring their own rate and take no "
+        "load)" + (" (repeat for several; default poisson)" if several_arrivals else ""),
+    )
+    p.add_argument(
+        "--service", choices=["mix", "exponential", "deterministic"], default="mix", action=Remember
+    )
+    p.add_argument(
+        "--mean-service",
+        type=positive,
+        action=Remember,
+        help="mean service seconds for exponential/deterministic (default: the mix's mean)",
+    )
+    p.add_argument(
+        "--noise",
+        type=non_negative,
+        help="CV of lognormal noise on true service times (mix and trace files; "
+        "default: the --service-model "
+        "calibration's CV under load, else 0)",
+    )
+    p.add_argument(
+        "--service-model", help="JSON with intercept_s and per_token_s (from qlab calibrate)"
+    )
+    p.add_argument(
+        "--fixed-estimate",
+        action="store_true",
+        help="do not track speed: keep the calibrated estimate",
+    )
+    p.add_argument(
+        "--used",
+        type=_checked(parse_used),
+        metavar="SPEC",
+        help="early stops: none (every request generates its limit, the default), study "
+        "(the study's "
+        "measured share: median 13 %% of the limit, 4 in 60 at it) or "
+        "AT_LIMIT:MEDIAN:SIGMA; "
+        "the load then counts the work actually done (estimators: --policy-arg "
+        "estimator=learned)",
+    )
+    p.add_argument(
+        "--speed-schedule",
+        type=_checked(parse_schedule),
+        metavar="SECONDS:FACTOR,...",
+        help="the machine's speed over time, e.g. 20:2.2 (2.2x slower than calibrated "
+        "from 20 s on)",
+    )
     p.add_argument("--seed", type=count, default=1)
-    p.add_argument("--seeds", type=positive_int, default=seeds, help=f"replications, seeds SEED..SEED+N-1 (default {seeds})")
+    p.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=seeds,
+        help=f"replications, seeds SEED..SEED+N-1 (default {seeds})",
+    )
     clientflags.add_flags(p)
 
 
 def add_trace_flags(p: argparse.ArgumentParser, *, load_flag: str) -> None:
-    """--trace, --time-scale and --start (``load_flag``: the command's load option, which with --trace sets the
-    file's rate; --seconds is the command's own, a window of the file with --trace)."""
-    p.add_argument("--trace", help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of synthetic arrivals")
-    p.add_argument("--time-scale", type=positive, default=1.0, help="--trace: multiply the file's arrival times")
-    p.add_argument("--start", type=non_negative, metavar="S",
-                   help="--trace: take the requests arriving from S seconds into the file (its own clock, after "
-                        "--time-scale), their times shifted to start at 0; with --seconds N, those in [S, S+N). "
-                        f"{load_flag} with --trace scales the window's times so that its mean rate is that load "
-                        "x the engines' capacity at its requests' mean service time (docs/simulate.md)")
+    """--trace, --time-scale and --start (``load_flag``: the command's load option, which with
+    --trace sets the file's rate; --seconds is the command's own, a window of the file with
+    --trace)."""
+    p.add_argument(
+        "--trace",
+        help="a trace file (Azure LLM CSV or qlab .csv/.parquet) instead of synthetic arrivals",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=positive,
+        default=1.0,
+        help="--trace: multiply the file's arrival times",
+    )
+    p.add_argument(
+        "--start",
+        type=non_negative,
+        metavar="S",
+        help="--trace: take the requests arriving from S seconds into the file (its own "
+        "clock, after "
+        "--time-scale), their times shifted to start at 0; with --seconds N, those "
+        "in [S, S+N). "
+        f"{load_flag} with --trace scales the window's times so that its mean rate "
+        "is that load "
+        "x the engines' capacity at its requests' mean service time "
+        "(docs/simulate.md)",
+    )
 
 
 def trace_window(args, load: float | None, load_flag: str) -> TraceWindow | None:
-    """The window of the trace file that --start, --seconds and the load (given as ``load``, None when left out;
-    ``load_flag`` names it) ask for (None without --trace; the load is of the engines build_trace is given).
-    ValueError, one line, for what a trace file cannot take: --requests (a window is in seconds), --start
-    without --trace, and a load beside --time-scale (both would set the file's rate)."""
+    """The window of the trace file that --start, --seconds and the load (given as ``load``, None
+    when left out; ``load_flag`` names it) ask for (None without --trace; the load is of the engines
+    build_trace is given). ValueError, one line, for what a trace file cannot take: --requests (a
+    window is in seconds), --start without --trace, and a load beside --time-scale (both would set
+    the file's rate)."""
     if not args.trace:
         if args.start is not None:
             raise ValueError("--start applies only with --trace")
         return None
-    return TraceWindow.asked(args.start, args.seconds, load, requests=args.requests, time_scale=args.time_scale,
-                             names=WindowNames(load=load_flag))
+    return TraceWindow.asked(
+        args.start,
+        args.seconds,
+        load,
+        requests=args.requests,
+        time_scale=args.time_scale,
+        names=WindowNames(load=load_flag),
+    )
 
 
 def add_dataset_flags(p: argparse.ArgumentParser, what: str) -> None:
-    """--dataset and --dataset-tokens (``what``: what the command does with the rows, for the help)."""
-    p.add_argument("--dataset", metavar="FILE",
-                   help="a ShareGPT JSON or JSONL file (or JSONL of prompt with output_tokens or "
-                        f"completion): {what}, rows drawn by --seed (docs/simulate.md)")
-    p.add_argument("--dataset-tokens", choices=COUNTS, default="pieces",
-                   help="how --dataset's texts are counted: pieces (GPT-2's pre-tokenizer pieces, "
-                        "close to a BPE count for English; default) or bytes (exact for qlab's "
-                        "byte tokenizer)")
+    """--dataset and --dataset-tokens (``what``: what the command does with the rows, for the
+    help)."""
+    p.add_argument(
+        "--dataset",
+        metavar="FILE",
+        help="a ShareGPT JSON or JSONL file (or JSONL of prompt with output_tokens or "
+        f"completion): {what}, rows drawn by --seed (docs/simulate.md)",
+    )
+    p.add_argument(
+        "--dataset-tokens",
+        choices=COUNTS,
+        default="pieces",
+        help="how --dataset's texts are counted: pieces (GPT-2's pre-tokenizer pieces, "
+        "close to a BPE count for English; default) or bytes (exact for qlab's "
+        "byte tokenizer)",
+    )
 
 
 def dataset_from_args(args) -> Dataset | None:
@@ -131,6 +224,8 @@ def dataset_from_args(args) -> Dataset | None:
     if args.dataset is None:
         return None
     if args.trace:
-        raise ValueError("--dataset gives synthetic arrivals their lengths; a --trace file brings "
-                         "its own: give one or the other")
+        raise ValueError(
+            "--dataset gives synthetic arrivals their lengths; a --trace file brings "
+            "its own: give one or the other"
+        )
     return read_dataset(args.dataset, args.dataset_tokens)

@@ -99,13 +99,16 @@ class Sizing(Search):
 
     def __post_init__(self) -> None:
         if not (self.rate_rps > 0 and math.isfinite(self.rate_rps)):
-            raise ValueError(f"--rate must be a positive number of requests per second, "
-                             f"got {self.rate_rps:g}")
+            raise ValueError(
+                f"--rate must be a positive number of requests per second, got {self.rate_rps:g}"
+            )
         # What a fleet cannot be yet (qsim.fleet.FleetSpec.check), before any cell runs: the
         # config's own check sees only the placeholder of one replica.
         if self.config.concurrency:
-            raise ValueError("--rate with --concurrency: engines that slow each other share one "
-                             "machine; a fleet's replicas take engines with concurrency 0")
+            raise ValueError(
+                "--rate with --concurrency: engines that slow each other share one "
+                "machine; a fleet's replicas take engines with concurrency 0"
+            )
 
     def cells_at(self, cells: list[sweep.Cell], n: int) -> list[sweep.Cell]:
         fleet = [dataclasses.replace(c, replicas=n) for c in cells]
@@ -125,8 +128,12 @@ class Sizing(Search):
         return next_counts(judged, fewest_possible(unit), self.max_replicas, self.start(unit))
 
     def settings(self) -> dict:
-        return {"objective": written(self.objective), "level": self.level,
-                "rate_rps": self.rate_rps, "max_replicas": self.max_replicas}
+        return {
+            "objective": written(self.objective),
+            "level": self.level,
+            "rate_rps": self.rate_rps,
+            "max_replicas": self.max_replicas,
+        }
 
 
 @dataclass(frozen=True)
@@ -139,12 +146,19 @@ class Answer:
 
     def record(self, rate_rps: float) -> dict:
         f = self.fewest
-        return {"policy": self.unit.policy,
-                **({"policy_args": self.unit.policy_args} if self.unit.policy_args else {}),
-                "router": self.unit.router or "round_robin", "arrivals": self.arrivals,
-                "rate_rps": rate_rps, "replicas": f.replicas, "ci_low": f.ci_low,
-                "ci_high": f.ci_high, "fails_at": f.fails_at, "load": self.load,
-                "counts_tried": f.counts_tried}
+        return {
+            "policy": self.unit.policy,
+            **({"policy_args": self.unit.policy_args} if self.unit.policy_args else {}),
+            "router": self.unit.router or "round_robin",
+            "arrivals": self.arrivals,
+            "rate_rps": rate_rps,
+            "replicas": f.replicas,
+            "ci_low": f.ci_low,
+            "ci_high": f.ci_high,
+            "fails_at": f.fails_at,
+            "load": self.load,
+            "counts_tried": f.counts_tried,
+        }
 
 
 @dataclass(frozen=True)
@@ -162,13 +176,26 @@ def run(spec: Sizing, out: str | Path, **options) -> Outcome:
     for unit in found.units:
         fewest = Fewest.of(found.judged[unit])
         load = None if fewest.replicas is None else spec.cells_at([unit], fewest.replicas)[0].load
-        answers.append(Answer(unit, sweep.arrivals_of(spec.config, unit), fewest, load,
-                              found.judged[unit]))
-    report = {**spec.settings(), "seeds": spec.config.seeds, "duration_s": spec.config.duration_s,
-              "results": [a.record(spec.rate_rps) for a in answers],
-              "tried": [{"policy": a.unit.policy, "router": a.unit.router, "replicas": n,
-                         **{k: getattr(j, k) for k in ("met", "surely_met", "surely_failed")},
-                         "values": j.values} for a in answers for n, j in sorted(a.judged.items())]}
+        answers.append(
+            Answer(unit, sweep.arrivals_of(spec.config, unit), fewest, load, found.judged[unit])
+        )
+    report = {
+        **spec.settings(),
+        "seeds": spec.config.seeds,
+        "duration_s": spec.config.duration_s,
+        "results": [a.record(spec.rate_rps) for a in answers],
+        "tried": [
+            {
+                "policy": a.unit.policy,
+                "router": a.unit.router,
+                "replicas": n,
+                **{k: getattr(j, k) for k in ("met", "surely_met", "surely_failed")},
+                "values": j.values,
+            }
+            for a in answers
+            for n, j in sorted(a.judged.items())
+        ],
+    }
     text = json.dumps(json_ready(report), indent=2) + "\n"
     atomic_write(Path(out) / "sizing.json", text.encode())
     return Outcome(answers, found.ran, len(found.used) - found.ran)
@@ -181,13 +208,18 @@ def _count(value: int | None, missing: str) -> str:
 def table(answers: list[Answer], spec: Sizing) -> pd.DataFrame:
     """The answers as printed: a row per policy and router (and arrival process, where several)."""
     most = f"> {spec.max_replicas}"
-    rows = [{"policy": a.unit.policy + (f" ({a.unit.policy_args})" if a.unit.policy_args else ""),
-             "router": a.unit.router or "round_robin", "arrivals": a.arrivals,
-             "replicas": _count(a.fewest.replicas, most),
-             "95 % interval": f"[{_count(a.fewest.ci_low, most)}, "
-                              f"{_count(a.fewest.ci_high, most)}]",
-             "fails at": _count(a.fewest.fails_at, "-"),
-             "load each": "-" if a.load is None else f"{a.load:.3g}",
-             "counts tried": a.fewest.counts_tried} for a in answers]
+    rows = [
+        {
+            "policy": a.unit.policy + (f" ({a.unit.policy_args})" if a.unit.policy_args else ""),
+            "router": a.unit.router or "round_robin",
+            "arrivals": a.arrivals,
+            "replicas": _count(a.fewest.replicas, most),
+            "95 % interval": f"[{_count(a.fewest.ci_low, most)}, {_count(a.fewest.ci_high, most)}]",
+            "fails at": _count(a.fewest.fails_at, "-"),
+            "load each": "-" if a.load is None else f"{a.load:.3g}",
+            "counts tried": a.fewest.counts_tried,
+        }
+        for a in answers
+    ]
     frame = pd.DataFrame(rows)
     return frame if frame["arrivals"].nunique() > 1 else frame.drop(columns="arrivals")

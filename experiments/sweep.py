@@ -2,15 +2,17 @@
 
 Layout of ``OUT``::
 
-    manifest.json              config, its sha256, qlab version, seeds, cell count, and what load means
+    manifest.json              config, its sha256, qlab version, seeds, cell count, and what load
+                               means
     cells/<cell_id>.parquet    one file per cell: its per-request rows (qsim schema + cell columns);
                                the cell's summaries ride in the file's metadata
     summary.parquet            one row per cell: parameters, outcome counts, goodput, latency
     summary_by_class.parquet   one row per cell and size class
     summary_by_client.parquet  one row per cell and client, for cells with clients ([clients] sets)
     summary_by_priority.parquet  one row per cell and priority, for cells with more than one
-    timeseries.parquet         one row per cell and second (analysis.metrics.over_time): offered attempts,
-                               goodput; for sweeps with a retry or patience axis or surge arrivals
+    timeseries.parquet         one row per cell and second (analysis.metrics.over_time): offered
+                               attempts, goodput; for sweeps with a retry or patience axis or surge
+                               arrivals
 
 Crash safety: every file is written under a temporary name and renamed into
 place, so a file that exists is whole. Resuming: a cell whose file exists is
@@ -62,8 +64,18 @@ from qsim.routers import parse_router
 from qsim.arrivals import parse_arrivals
 from qsim.mixes import Prompts, blended_means, used_mean_s
 
-from .config import (NO_CLIENTS, NO_PATIENCE, NO_RETRY, NO_SCHEDULE, NO_USED, ConfigError, SweepConfig,
-                     parse_speed_schedule, parse_used, shared_prefix)
+from .config import (
+    NO_CLIENTS,
+    NO_PATIENCE,
+    NO_RETRY,
+    NO_SCHEDULE,
+    NO_USED,
+    ConfigError,
+    SweepConfig,
+    parse_speed_schedule,
+    parse_used,
+    shared_prefix,
+)
 
 META_KEY = b"qlab.cell"
 
@@ -89,11 +101,13 @@ class Cell:
     seed: int
     clients: str | None = None  # a [clients] set; None: requests name no client
     retry: str | None = None  # a [retry] policy; None: clients never retry
-    patience: str | None = None  # a patience spec; None: clients wait forever (or a trace file's own)
+    # a patience spec; None: clients wait forever (or a trace file's own)
+    patience: str | None = None
     # What the controller knows (issue 12's axes); None: the policy's own, or the sweep's.
     estimator: str | None = None  # limit | learned | oracle
     cancel_at_deadline: bool | None = None
-    used: str | None = None  # early stops (config.parse_used); None: every request generates its limit
+    # early stops (config.parse_used); None: every request generates its limit
+    used: str | None = None
     speed_schedule: str | None = None  # SECONDS:FACTOR,...; None: the machine keeps its speed
     fixed_estimate: bool | None = None  # None: [sweep] fixed_estimate
     # A batching engine's settings ([batching] and its axes; None: [batching]'s) and the objectives.
@@ -104,7 +118,8 @@ class Cell:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     arrivals: str | None = None  # the grid's arrival process; None: [sweep] arrivals
-    policy_args: str | None = None  # the label of its policy's [policy_args] lists' values; None: it has none
+    # the label of its policy's [policy_args] lists' values; None: it has none
+    policy_args: str | None = None
     # A prefix cache (None: [batching]'s) and prompts that share tokens (None: [sweep]'s).
     prefix_caching: bool | None = None
     system_prompt: str | None = None
@@ -119,32 +134,55 @@ class Cell:
 
     @property
     def id(self) -> str:
-        # A cell without clients, retries, patience (or any optional axis) keeps the id it had before those
-        # axes existed (its file is resumed).
+        # A cell without clients, retries, patience (or any optional axis) keeps the id it had
+        # before those axes existed (its file is resumed).
         fields = {k: v for k, v in asdict(self).items() if not (k in OPTIONAL_AXES and v is None)}
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-#: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and summary
-#: carry their column only when the sweep has the axis.
-OPTIONAL_AXES = ("clients", "retry", "patience", "estimator", "cancel_at_deadline", "used", "speed_schedule",
-                 "fixed_estimate", "max_num_seqs", "kv_blocks", "chunked_prefill", "step", "ttft_slo_s", "tpot_slo_s",
-                 "arrivals", "policy_args", "prefix_caching", "system_prompt", "turns", "replicas",
-                 "router", "rate", "admission_at")
-#: The axes of what the controller knows: a sweep with any of them gets the estimation columns (analysis.estimation).
+#: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and
+#: summary carry their column only when the sweep has the axis.
+OPTIONAL_AXES = (
+    "clients",
+    "retry",
+    "patience",
+    "estimator",
+    "cancel_at_deadline",
+    "used",
+    "speed_schedule",
+    "fixed_estimate",
+    "max_num_seqs",
+    "kv_blocks",
+    "chunked_prefill",
+    "step",
+    "ttft_slo_s",
+    "tpot_slo_s",
+    "arrivals",
+    "policy_args",
+    "prefix_caching",
+    "system_prompt",
+    "turns",
+    "replicas",
+    "router",
+    "rate",
+    "admission_at",
+)
+#: The axes of what the controller knows: a sweep with any of them gets the estimation columns
+#: (analysis.estimation).
 ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
 
 
 def _swept(config: SweepConfig) -> set[str]:
-    """The sweep's axes: its grid's, and policy_args where a grid policy has a list of a parameter's values."""
+    """The sweep's axes: its grid's, and policy_args where a grid policy has a list of a
+    parameter's values."""
     variants = any(None not in config.policy_variants(name) for name in config.grid["policy"])
     return set(config.grid) | ({"policy_args"} if variants else set())
 
 
 def _params(config: SweepConfig, cell: Cell) -> dict:
-    """The cell's parameters as its rows and summary carry them: each optional axis but clients (always carried)
-    only in sweeps with that axis, so an older sweep's columns are unchanged."""
+    """The cell's parameters as its rows and summary carry them: each optional axis but clients
+    (always carried) only in sweeps with that axis, so an older sweep's columns are unchanged."""
     swept = _swept(config)
     return {k: v for k, v in asdict(cell).items() if k not in OPTIONAL_AXES[1:] or k in swept}
 
@@ -155,7 +193,8 @@ def arrivals_of(config: SweepConfig, cell: Cell) -> str:
 
 
 def _surge(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
-    """(start_s, end_s) of the cell's surge of arrivals, or None (other arrivals, or a trace file)."""
+    """(start_s, end_s) of the cell's surge of arrivals, or None (other arrivals, or a trace
+    file)."""
     if cell.trace is not None:
         return None
     kind, numbers = parse_arrivals(arrivals_of(config, cell))
@@ -163,20 +202,29 @@ def _surge(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
 
 
 def _keeps_over_time(config: SweepConfig) -> bool:
-    """Whether cells keep their time series: sweeps of surges, retries or impatient clients, which change in time."""
-    return ("retry" in config.grid or "patience" in config.grid
-            or any(parse_arrivals(a)[0] == "surge" for a in config.arrival_processes))
+    """Whether cells keep their time series: sweeps of surges, retries or impatient clients,
+    which change in time."""
+    return (
+        "retry" in config.grid
+        or "patience" in config.grid
+        or any(parse_arrivals(a)[0] == "surge" for a in config.arrival_processes)
+    )
 
 
 def cells(config: SweepConfig) -> list[Cell]:
-    """Every cell of the grid, in a fixed order (seeds innermost); a policy with lists in its [policy_args] has a
-    cell for each combination of their values (beside it, in the policy axis's place)."""
+    """Every cell of the grid, in a fixed order (seeds innermost); a policy with lists in its
+    [policy_args] has a cell for each combination of their values (beside it, in the policy axis's
+    place)."""
     g = config.grid
     policies = [(name, label) for name in g["policy"] for label in config.policy_variants(name)]
     axes = dict(
-        policy=policies, load=g.get("load", (None,)), speed=g.get("speed", (1.0,)),
-        engines=g.get("engines", (1,)), deadline_s=g.get("deadline_s", (None,)),
-        max_queue=g.get("max_queue", (None,)), mix=g.get("mix", ("reference",)),
+        policy=policies,
+        load=g.get("load", (None,)),
+        speed=g.get("speed", (1.0,)),
+        engines=g.get("engines", (1,)),
+        deadline_s=g.get("deadline_s", (None,)),
+        max_queue=g.get("max_queue", (None,)),
+        mix=g.get("mix", ("reference",)),
         trace=g.get("trace", (None,)),
         time_scale=g.get("time_scale", (1.0,)) if "trace" in g else (None,),
         seed=tuple(range(config.first_seed, config.first_seed + config.seeds)),
@@ -186,14 +234,34 @@ def cells(config: SweepConfig) -> list[Cell]:
         estimator=g.get("estimator", (None,)),
         cancel_at_deadline=g.get("cancel_at_deadline", (None,)),
         used=tuple(None if u == NO_USED else u for u in g.get("used", (NO_USED,))),
-        speed_schedule=tuple(None if v == NO_SCHEDULE else v for v in g.get("speed_schedule", (NO_SCHEDULE,))),
+        speed_schedule=tuple(
+            None if v == NO_SCHEDULE else v for v in g.get("speed_schedule", (NO_SCHEDULE,))
+        ),
         fixed_estimate=g.get("fixed_estimate", (None,)),
-        **{axis: g.get(axis, (None,)) for axis in ("max_num_seqs", "kv_blocks", "chunked_prefill", "step",
-                                                   "ttft_slo_s", "tpot_slo_s")},
+        **{
+            axis: g.get(axis, (None,))
+            for axis in (
+                "max_num_seqs",
+                "kv_blocks",
+                "chunked_prefill",
+                "step",
+                "ttft_slo_s",
+                "tpot_slo_s",
+            )
+        },
         arrivals=g.get("arrivals", (None,)),
-        **{axis: g.get(axis, (None,)) for axis in ("prefix_caching", "system_prompt", "turns",
-                                                   "replicas", "router", "rate",
-                                                   "admission_at")},
+        **{
+            axis: g.get(axis, (None,))
+            for axis in (
+                "prefix_caching",
+                "system_prompt",
+                "turns",
+                "replicas",
+                "router",
+                "rate",
+                "admission_at",
+            )
+        },
     )
     out = []
     for combo in itertools.product(*axes.values()):
@@ -204,14 +272,24 @@ def cells(config: SweepConfig) -> list[Cell]:
 
 
 def _engine(config: SweepConfig, cell: Cell):
-    """The cell's batching engine (its step model times the cell's speed), or None: engines one at a time."""
-    engine = config.engine(cell.max_num_seqs, cell.kv_blocks, cell.chunked_prefill, cell.step,
-                           cell.prefix_caching)
+    """The cell's batching engine (its step model times the cell's speed), or None: engines one
+    at a time."""
+    engine = config.engine(
+        cell.max_num_seqs, cell.kv_blocks, cell.chunked_prefill, cell.step, cell.prefix_caching
+    )
     if engine is None or cell.speed == 1.0:
         return engine
     step = engine.step
-    return dataclasses.replace(engine, step=dataclasses.replace(
-        step, b0=step.b0 * cell.speed, b1=step.b1 * cell.speed, b2=step.b2 * cell.speed, b3=step.b3 * cell.speed))
+    return dataclasses.replace(
+        engine,
+        step=dataclasses.replace(
+            step,
+            b0=step.b0 * cell.speed,
+            b1=step.b1 * cell.speed,
+            b2=step.b2 * cell.speed,
+            b3=step.b3 * cell.speed,
+        ),
+    )
 
 
 def all_engines(cell: Cell) -> int:
@@ -224,8 +302,11 @@ def fleet_of(cell: Cell) -> dict:
     """simulate's fleet options for the cell ({}: one server)."""
     if cell.replicas is None:
         return {}
-    return {"replicas": cell.replicas, "router": parse_router(cell.router or "round_robin"),
-            **({} if cell.admission_at is None else {"admission_at": cell.admission_at})}
+    return {
+        "replicas": cell.replicas,
+        "router": parse_router(cell.router or "round_robin"),
+        **({} if cell.admission_at is None else {"admission_at": cell.admission_at}),
+    }
 
 
 def capacity_rps(config: SweepConfig, cell: Cell) -> float:
@@ -259,8 +340,12 @@ def _capacity(config: SweepConfig, cell: Cell) -> tuple[float, float] | None:
     engine = _engine(config, cell)
     if engine is None:
         return None
-    _, mean_tokens = blended_means(config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service)
-    rps = engine.capacity_rps(Prompts.parse(config.prompts).mean(), mean_tokens) * (cell.replicas or 1)
+    _, mean_tokens = blended_means(
+        config.mixes[cell.mix], config.clients.get(cell.clients, ()), config.service
+    )
+    rps = engine.capacity_rps(Prompts.parse(config.prompts).mean(), mean_tokens) * (
+        cell.replicas or 1
+    )
     return rps, rps * mean_tokens
 
 
@@ -276,9 +361,10 @@ class CellResult:
 
 
 def _trace(config: SweepConfig, cell: Cell):
-    # A sweep's load is make_trace's: utilisation at the simulated speed (lambda = load * K / E[true S]),
-    # so load 1 at speed 2.25 arrives 2.25x more slowly than load 1 at speed 1 (the study's definition).
-    # A batching engine's load is of its saturated throughput (Batching.capacity_rps; its speed is in its steps).
+    # A sweep's load is make_trace's: utilisation at the simulated speed (lambda = load * K / E[true
+    # S]), so load 1 at speed 2.25 arrives 2.25x more slowly than load 1 at speed 1 (the study's
+    # definition). A batching engine's load is of its saturated throughput (Batching.capacity_rps;
+    # its speed is in its steps).
     capacity = _capacity(config, cell)
     options = {} if capacity is None or cell.trace is not None else {"capacity_rps": capacity[0]}
     if config.prompts != "none" and cell.trace is None:
@@ -286,22 +372,43 @@ def _trace(config: SweepConfig, cell: Cell):
     shared = shared_prefix(cell.system_prompt or config.system_prompt, cell.turns or config.turns)
     if shared is not None and cell.trace is None:  # a trace file's prompts are its own
         options["prefixes"] = shared
-    return build_trace(None if cell.trace is None else config.trace_path(cell.trace),
-                       time_scale=cell.time_scale or 1.0, arrivals=arrivals_of(config, cell),
-                       load=load_of(config, cell),
-                       service=config.service_dist, mean_service_s=config.mean_service_s,
-                       engines=all_engines(cell), speed=cell.speed, seconds=config.duration_s, seed=cell.seed,
-                       mix=config.mixes[cell.mix], model=config.service, noise_cv=config.noise_cv,
-                       clients=config.clients.get(cell.clients, ()), patience=config.patience(cell.patience),
-                       used=None if cell.used is None else parse_used(cell.used), **options)
+    return build_trace(
+        None if cell.trace is None else config.trace_path(cell.trace),
+        time_scale=cell.time_scale or 1.0,
+        arrivals=arrivals_of(config, cell),
+        load=load_of(config, cell),
+        service=config.service_dist,
+        mean_service_s=config.mean_service_s,
+        engines=all_engines(cell),
+        speed=cell.speed,
+        seconds=config.duration_s,
+        seed=cell.seed,
+        mix=config.mixes[cell.mix],
+        model=config.service,
+        noise_cv=config.noise_cv,
+        clients=config.clients.get(cell.clients, ()),
+        patience=config.patience(cell.patience),
+        used=None if cell.used is None else parse_used(cell.used),
+        **options,
+    )
 
 
 def _policy(config: SweepConfig, cell: Cell):
-    """The cell's policy: the grid's, with the bound, deadline, estimator and cutting at the deadline that the grid sets."""
-    policy = config.policy(cell.policy, cell.policy_args).with_overrides(max_queue=cell.max_queue,
-                                                                          deadline_s=cell.deadline_s)
-    changes = {k: v for k, v in (("estimator", cell.estimator), ("cancel_at_deadline", cell.cancel_at_deadline),
-                                 ("ttft_slo_s", cell.ttft_slo_s), ("tpot_slo_s", cell.tpot_slo_s)) if v is not None}
+    """The cell's policy: the grid's, with the bound, deadline, estimator and cutting at the
+    deadline that the grid sets."""
+    policy = config.policy(cell.policy, cell.policy_args).with_overrides(
+        max_queue=cell.max_queue, deadline_s=cell.deadline_s
+    )
+    changes = {
+        k: v
+        for k, v in (
+            ("estimator", cell.estimator),
+            ("cancel_at_deadline", cell.cancel_at_deadline),
+            ("ttft_slo_s", cell.ttft_slo_s),
+            ("tpot_slo_s", cell.tpot_slo_s),
+        )
+        if v is not None
+    }
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
@@ -309,18 +416,33 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     """Simulate one cell: its rows as parquet bytes, and its summaries."""
     policy = _policy(config, cell)
     trace = _trace(config, cell)
-    schedule = None if cell.speed_schedule is None else parse_speed_schedule(cell.speed_schedule, cell.speed)
+    schedule = (
+        None
+        if cell.speed_schedule is None
+        else parse_speed_schedule(cell.speed_schedule, cell.speed)
+    )
     fixed = config.fixed_estimate if cell.fixed_estimate is None else cell.fixed_estimate
     engine = _engine(config, cell)
-    if engine is None:  # engines one at a time, slowing each other by the calibrated concurrency term (if any)
+    # engines one at a time, slowing each other by the calibrated concurrency term (if any)
+    if engine is None:
         engine = OneAtATime(cell.engines, config.concurrency)
     server = ServerConfig(policy, engine, config.service, fixed_estimate=fixed, seed=cell.seed)
-    frame = simulate(trace, server, retry=config.retries.get(cell.retry), speed_schedule=schedule,
-                     **fleet_of(cell))
+    frame = simulate(
+        trace,
+        server,
+        retry=config.retries.get(cell.retry),
+        speed_schedule=schedule,
+        **fleet_of(cell),
+    )
     mean_s, mean_tokens = _mean_times(config, cell)
     engines = all_engines(cell)
     # The effective bound and deadline (the preset's unless the grid overrides them).
-    params = {"cell_id": cell.id, **_params(config, cell), "max_queue": policy.max_queue, "deadline_s": policy.deadline_s}
+    params = {
+        "cell_id": cell.id,
+        **_params(config, cell),
+        "max_queue": policy.max_queue,
+        "deadline_s": policy.deadline_s,
+    }
     seconds = metrics.run_duration(frame, trace.duration_s)
     summary = {
         **params,
@@ -333,16 +455,23 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     if cell.replicas is not None:  # how evenly the router spread the work
         summary.update(metrics.fleet_balance(metrics.by_replica(frame, cell.replicas)))
     batch_capacity = _capacity(config, cell)
-    if batch_capacity is not None:  # a batching engine: what it can serve saturated, and what it did
-        summary.update(capacity_rps=batch_capacity[0], capacity_tokens_per_s=batch_capacity[1],
-                       offered_load=float(len(trace) / seconds / batch_capacity[0]),
-                       preempted_share=float(frame["preemptions"].fillna(0).gt(0).mean()),
-                       kv_blocks_peak_p99=float(frame["kv_blocks_peak"].dropna().quantile(0.99))
-                       if frame["kv_blocks_peak"].notna().any() else math.nan)
-    if any(axis in config.grid for axis in ESTIMATION_AXES):  # what the estimates got wrong, and what cutting saved
+    # a batching engine: what it can serve saturated, and what it did
+    if batch_capacity is not None:
+        summary.update(
+            capacity_rps=batch_capacity[0],
+            capacity_tokens_per_s=batch_capacity[1],
+            offered_load=float(len(trace) / seconds / batch_capacity[0]),
+            preempted_share=float(frame["preemptions"].fillna(0).gt(0).mean()),
+            kv_blocks_peak_p99=float(frame["kv_blocks_peak"].dropna().quantile(0.99))
+            if frame["kv_blocks_peak"].notna().any()
+            else math.nan,
+        )
+    # what the estimates got wrong, and what cutting saved
+    if any(axis in config.grid for axis in ESTIMATION_AXES):
         change = None if schedule is None or not schedule.steps else schedule.steps[0][0]
         summary.update(estimation.cell_summary(frame, engines, change_s=change))
-    if "retry" in config.grid:  # every cell of a retry sweep has the end-to-end view, its no-retry baseline too
+    # every cell of a retry sweep has the end-to-end view, its no-retry baseline too
+    if "retry" in config.grid:
         summary.update(metrics.retry_summary(frame, seconds))
     over_time = None
     if _keeps_over_time(config):
@@ -353,8 +482,10 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
             summary.update(metrics.recovery(series, *surge))
 
     def _grouped(column: str, table: pd.DataFrame) -> list[dict]:  # one JSON-ready row per group
-        return [{**params, column: None if pd.isna(label) else label, **row}
-                for label, row in zip(table.index, table.to_dict(orient="records"))]
+        return [
+            {**params, column: None if pd.isna(label) else label, **row}
+            for label, row in zip(table.index, table.to_dict(orient="records"))
+        ]
 
     by_class = _grouped("size_class", metrics.by_class(frame, trace.duration_s))
     groups = {}
@@ -369,19 +500,35 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     # Rows keep their own per-request deadline_s.
     rows = frame.assign(**{k: v for k, v in params.items() if k != "deadline_s"})
     table = pa.Table.from_pandas(rows, preserve_index=False)
-    # A parameter that is None in this cell (no client set, no queue bound) would be a column of arrow
-    # type null, which a dataset of the cells cannot read beside another cell's typed one (cast to null is
-    # unsupported): give it its axis's type. The values (all null) are unchanged.
-    for name, kind in (("clients", pa.large_string()), ("trace", pa.large_string()), ("max_queue", pa.int64()),
-                       ("time_scale", pa.float64()), ("load", pa.float64()), ("retry", pa.large_string()),
-                       ("patience", pa.large_string()), ("estimator", pa.large_string()),
-                       ("used", pa.large_string()), ("speed_schedule", pa.large_string()),
-                       ("max_num_seqs", pa.int64()), ("kv_blocks", pa.int64()), ("chunked_prefill", pa.bool_()),
-                       ("step", pa.large_string()), ("ttft_slo_s", pa.float64()), ("tpot_slo_s", pa.float64()),
-                       ("policy_args", pa.large_string()), ("prefix_caching", pa.bool_()),
-                       ("system_prompt", pa.large_string()), ("turns", pa.large_string()),
-                       ("replicas", pa.int64()), ("router", pa.large_string()),
-                       ("rate", pa.float64()), ("admission_at", pa.large_string())):
+    # A parameter that is None in this cell (no client set, no queue bound) would be a column of
+    # arrow type null, which a dataset of the cells cannot read beside another cell's typed one
+    # (cast to null is unsupported): give it its axis's type. The values (all null) are unchanged.
+    for name, kind in (
+        ("clients", pa.large_string()),
+        ("trace", pa.large_string()),
+        ("max_queue", pa.int64()),
+        ("time_scale", pa.float64()),
+        ("load", pa.float64()),
+        ("retry", pa.large_string()),
+        ("patience", pa.large_string()),
+        ("estimator", pa.large_string()),
+        ("used", pa.large_string()),
+        ("speed_schedule", pa.large_string()),
+        ("max_num_seqs", pa.int64()),
+        ("kv_blocks", pa.int64()),
+        ("chunked_prefill", pa.bool_()),
+        ("step", pa.large_string()),
+        ("ttft_slo_s", pa.float64()),
+        ("tpot_slo_s", pa.float64()),
+        ("policy_args", pa.large_string()),
+        ("prefix_caching", pa.bool_()),
+        ("system_prompt", pa.large_string()),
+        ("turns", pa.large_string()),
+        ("replicas", pa.int64()),
+        ("router", pa.large_string()),
+        ("rate", pa.float64()),
+        ("admission_at", pa.large_string()),
+    ):
         i = table.schema.get_field_index(name)
         if i >= 0 and pa.types.is_null(table.schema.field(i).type):
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))
@@ -420,13 +567,18 @@ def manifest(config: SweepConfig, n_cells: int) -> dict:
 
 
 def old_load_meaning(out: Path, manifest: dict) -> str | None:
-    """Why a folder's ``load`` column means something else than this version's, or None if it does not."""
+    """Why a folder's ``load`` column means something else than this version's, or None if it
+    does not."""
     meaning = manifest.get("load_meaning")
     if meaning == LOAD_MEANING:
         return None
     was = "nominal (of the calibrated capacity)" if meaning is None else repr(meaning)
-    return (f"{out} was written when a sweep's load was {was}; it is now utilisation at the simulated speed "
-            "(lambda = load * K / E[true S]), so its cells with speed != 1 had another arrival rate")
+    return (
+        f"{out} was written when a sweep's load was {was}; it is now utilisation at the "
+        "simulated speed "
+        "(lambda = load * K / E[true S]), so its cells with speed != 1 had another arrival "
+        "rate"
+    )
 
 
 def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
@@ -435,8 +587,9 @@ def prepare(config: SweepConfig, out: Path, n_cells: int) -> None:
 
 
 def claim(out: Path, written: dict) -> None:
-    """Create OUT with the manifest ``written``, or check that its manifest has the same ``config_sha256`` (the
-    digest of what decides the cells' rows); clear temporaries of a killed run."""
+    """Create OUT with the manifest ``written``, or check that its manifest has the same
+    ``config_sha256`` (the digest of what decides the cells' rows); clear temporaries of a killed
+    run."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     path = out / "manifest.json"
@@ -452,8 +605,10 @@ def claim(out: Path, written: dict) -> None:
             raise ConfigError(f"{why}: re-run this config into a new --out (or remove that folder)")
         if old.get("config_sha256") != written["config_sha256"]:
             raise ConfigError(
-                f"{out} holds cells of another sweep config (sha256 {str(old.get('config_sha256'))[:12]}, "
-                f"this one {written['config_sha256'][:12]}); choose another --out or remove that folder"
+                f"{out} holds cells of another sweep config (sha256 "
+                f"{str(old.get('config_sha256'))[:12]}, "
+                f"this one {written['config_sha256'][:12]}); choose another --out or remove that "
+                "folder"
             )
     else:
         atomic_write(path, (json.dumps(written, indent=2) + "\n").encode())
@@ -481,18 +636,31 @@ def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
     by_class = pd.DataFrame([row for m in metas for row in m["by_class"]])
     atomic_write(out / "summary.parquet", parquet_bytes(summary))
     atomic_write(out / "summary_by_class.parquet", parquet_bytes(by_class))
-    for key, column, dtype in (("by_client", "client_id", "string"), ("by_priority", "priority", "int64")):
+    for key, column, dtype in (
+        ("by_client", "client_id", "string"),
+        ("by_priority", "priority", "int64"),
+    ):
         grouped = pd.DataFrame([row for m in metas for row in m.get(key, ())])
         if len(grouped):
-            atomic_write(out / f"summary_{key}.parquet", parquet_bytes(grouped.astype({column: dtype})))
-    # Each cell's seconds, beside its parameters (those of the summary before its metrics: cell_id .. deadline_s).
-    series = [pd.DataFrame(m["over_time"]).assign(**_cell_columns(m["summary"])) for m in metas if "over_time" in m]
+            atomic_write(
+                out / f"summary_{key}.parquet", parquet_bytes(grouped.astype({column: dtype}))
+            )
+    # Each cell's seconds, beside its parameters (those of the summary before its metrics: cell_id
+    # .. deadline_s).
+    series = [
+        pd.DataFrame(m["over_time"]).assign(**_cell_columns(m["summary"]))
+        for m in metas
+        if "over_time" in m
+    ]
     if series:
-        atomic_write(out / "timeseries.parquet", parquet_bytes(pd.concat(series, ignore_index=True)))
+        atomic_write(
+            out / "timeseries.parquet", parquet_bytes(pd.concat(series, ignore_index=True))
+        )
     return summary
 
 
-#: The summary's columns that are a cell's parameters (those before its metrics: cell_id .. deadline_s).
+#: The summary's columns that are a cell's parameters (those before its metrics: cell_id ..
+#: deadline_s).
 PARAMETERS = ("cell_id", *(f.name for f in dataclasses.fields(Cell)), "max_queue", "deadline_s")
 
 
@@ -501,9 +669,13 @@ def _cell_columns(summary: dict) -> dict:
 
 
 def metric_names(summary: dict) -> list[str]:
-    """A cell summary's metrics: its numbers that are not the cell's parameters (what an objective may name)."""
-    return [k for k, v in summary.items() if k not in PARAMETERS and isinstance(v, (int, float))
-            and not isinstance(v, bool)]
+    """A cell summary's metrics: its numbers that are not the cell's parameters (what an
+    objective may name)."""
+    return [
+        k
+        for k, v in summary.items()
+        if k not in PARAMETERS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
 
 
 # ------------------------------------------------------------------ executors
@@ -522,7 +694,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _die_with_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux); False where it cannot."""
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); False where it
+    cannot."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -542,7 +715,8 @@ def _watch(still_there, every_s: float = 0.5) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs: it exists (a zombie, killed but not yet reaped, does not count)."""
+    """Whether process ``pid`` runs: it exists (a zombie, killed but not yet reaped, does not
+    count)."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):  # gone (or its pid is now someone else's)
@@ -582,7 +756,9 @@ def _worker_start(sweep_pid: int) -> None:
         still_there = lambda: _alive(sweep_pid)  # noqa: E731
     if not still_there():
         os._exit(1)
-    threading.Thread(target=_watch, args=(still_there,), name="qlab-sweep-watch", daemon=True).start()
+    threading.Thread(
+        target=_watch, args=(still_there,), name="qlab-sweep-watch", daemon=True
+    ).start()
 
 
 #: Runs cells and yields their results as they finish (in any order).
@@ -594,7 +770,10 @@ def _local(config: SweepConfig, workers: int) -> Iterator[Runner]:
     if workers <= 1:
         yield lambda todo: (run_cell(config, cell) for cell in todo)
         return
-    with ProcessPoolExecutor(max_workers=workers, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers, initializer=_worker_start, initargs=(os.getpid(),)
+    ) as pool:
+
         def results(todo: list[Cell]) -> Iterator[CellResult]:
             futures = [pool.submit(run_cell, config, cell) for cell in todo]
             try:
@@ -603,6 +782,7 @@ def _local(config: SweepConfig, workers: int) -> Iterator[Runner]:
             finally:
                 for future in futures:
                     future.cancel()
+
         yield results
 
 
@@ -611,12 +791,15 @@ def _dask(config: SweepConfig, scheduler: str) -> Iterator[Runner]:
     try:
         from distributed import Client, as_completed as dask_completed
     except ImportError:
-        raise ConfigError("--scheduler needs dask.distributed: pip install 'qlab[cluster]'") from None
+        raise ConfigError(
+            "--scheduler needs dask.distributed: pip install 'qlab[cluster]'"
+        ) from None
     try:
         client = Client(scheduler, timeout="10s")
     except (OSError, TimeoutError) as exc:
         raise ConfigError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
     with client:
+
         def results(todo: list[Cell]) -> Iterator[CellResult]:
             futures = client.map(run_cell, [config] * len(todo), todo, pure=False)
             try:
@@ -624,17 +807,22 @@ def _dask(config: SweepConfig, scheduler: str) -> Iterator[Runner]:
                     yield future.result()
             finally:
                 client.cancel(futures)
+
         yield results
 
 
 def executor(config: SweepConfig, *, workers: int | None = None, scheduler: str | None = None):
-    """A context holding local processes (``workers``, default all cores) or a dask client (``scheduler``), and
-    giving a :data:`Runner` of ``config``'s cells: one pool or client for every batch of cells it is given."""
+    """A context holding local processes (``workers``, default all cores) or a dask client
+    (``scheduler``), and giving a :data:`Runner` of ``config``'s cells: one pool or client for every
+    batch of cells it is given."""
     return _dask(config, scheduler) if scheduler else _local(config, workers or os.cpu_count() or 1)
 
 
-def store(out: Path, runner: Runner, todo: list[Cell], on_each: Callable[[], object] = lambda: None) -> None:
-    """Run ``todo`` and write each cell's file into OUT as it finishes (atomically: a file that exists is whole)."""
+def store(
+    out: Path, runner: Runner, todo: list[Cell], on_each: Callable[[], object] = lambda: None
+) -> None:
+    """Run ``todo`` and write each cell's file into OUT as it finishes (atomically: a file that
+    exists is whole)."""
     for result in runner(todo):
         atomic_write(out / "cells" / f"{result.cell_id}.parquet", result.parquet)
         on_each()
@@ -646,16 +834,25 @@ def _progress(total: int, initial: int, quiet: bool):
     return progress_bar(total, initial=initial, unit="cell", quiet=quiet)
 
 
-def run(config: SweepConfig, out: str | Path, *, workers: int | None = None, scheduler: str | None = None,
-        quiet: bool = False) -> pd.DataFrame:
-    """Run every unfinished cell of ``config`` into ``out`` and return the summary (one row per cell)."""
+def run(
+    config: SweepConfig,
+    out: str | Path,
+    *,
+    workers: int | None = None,
+    scheduler: str | None = None,
+    quiet: bool = False,
+) -> pd.DataFrame:
+    """Run every unfinished cell of ``config`` into ``out`` and return the summary (one row per
+    cell)."""
     out = Path(out)
     every = cells(config)
     prepare(config, out, len(every))
     done = finished(out)
     todo = [c for c in every if c.id not in done]
-    with executor(config, workers=workers, scheduler=scheduler) as runner, \
-            _progress(len(every), len(every) - len(todo), quiet) as bar:
+    with (
+        executor(config, workers=workers, scheduler=scheduler) as runner,
+        _progress(len(every), len(every) - len(todo), quiet) as bar,
+    ):
         store(out, runner, todo, lambda: bar.update(1))
     summary = write_summaries(out, [c.id for c in every])
     summary.attrs.update(ran=len(todo), skipped=len(every) - len(todo))

@@ -1,4 +1,5 @@
-"""Markdown (pipe) tables, as ``qlab summary --format markdown`` prints them and ``qlab study``'s report holds them.
+"""Markdown (pipe) tables, as ``qlab summary --format markdown`` prints them and ``qlab study``'s
+report holds them.
 
 A module of its own so that the summary command and the study share it without importing each other.
 """
@@ -22,7 +23,9 @@ def table_cell(value) -> str:
 
 def pipe_table(frame: pd.DataFrame) -> str:
     """A markdown (pipe) table; | in a cell is escaped."""
-    cells = [[table_cell(v).replace("|", "\\|") for v in row] for row in frame.itertuples(index=False)]
+    cells = [
+        [table_cell(v).replace("|", "\\|") for v in row] for row in frame.itertuples(index=False)
+    ]
     head = [str(c).replace("|", "\\|") for c in frame.columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])

@@ -13,7 +13,8 @@ import math
 
 
 class Number:
-    """A parser of ``kind`` (int or float) that is finite and above ``low`` (or at least ``low`` if not strict)."""
+    """A parser of ``kind`` (int or float) that is finite and above ``low`` (or at least ``low``
+    if not strict)."""
 
     def __init__(self, kind: type, low: float | None = None, strict: bool = True) -> None:
         self.kind, self.low, self.strict = kind, low, strict
@@ -22,7 +23,9 @@ class Number:
         try:
             value = self.kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"value must be a {self.kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"value must be a {self.kind.__name__}, got {text!r}"
+            ) from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"value must be finite, got {text!r}")
         if self.out_of_range(value):
@@ -63,7 +66,9 @@ def renamed(new: str, why: str = "") -> type[argparse.Action]:
 
     class Renamed(argparse.Action):
         def __init__(self, option_strings, dest, **kwargs):
-            super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            super().__init__(
+                option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
 
         def __call__(self, parser, namespace, values, option_string=None):
             raise argparse.ArgumentError(self, f"renamed {new}" + (f": {why}" if why else ""))

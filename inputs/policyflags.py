@@ -38,8 +38,9 @@ def parse_args(pairs) -> dict[str, str]:
     return out
 
 
-def from_options(spec: str, pairs=(), max_queue: int | None = None,
-                 deadline_s: float | None = None) -> Policy:
+def from_options(
+    spec: str, pairs=(), max_queue: int | None = None, deadline_s: float | None = None
+) -> Policy:
     """The policy a command line names: ``--policy``, its ``--policy-arg`` pairs, then the
     ``--max-queue`` and ``--deadline`` overrides (the same for ``qlab simulate`` and
     ``qlab serve``)."""
@@ -59,11 +60,12 @@ def args_tables(table: Any, policies) -> dict[str, dict]:
         raise ValueError("[policy_args] must be a table of policies")
     out = {}
     for name, args in table.items():
-        bare = name.replace('-', '').replace('_', '').isalnum()
+        bare = name.replace("-", "").replace("_", "").isalnum()
         where = f"policy_args.{name if bare else json.dumps(name)}"
         if name not in policies:
-            raise ValueError(f"{where}: {name!r} is not one of the file's policies "
-                             f"({', '.join(policies)})")
+            raise ValueError(
+                f"{where}: {name!r} is not one of the file's policies ({', '.join(policies)})"
+            )
         if not isinstance(args, dict):
             raise ValueError(f"{where}: expected a table of the policy's parameters")
         try:

@@ -73,8 +73,11 @@ def mount(app: FastAPI, gate, limits: Limits, operator: ApiKeys | None) -> None:
     # The operator's bearer scheme where there is an operator key (without one, all get the 403).
     security = {} if operator is None else {"security": [{OPERATOR_SCHEME: []}]}
 
-    @app.put(CALIBRATION, responses=error_responses(400, 401, 403, 408, 413, 415, 421, 431),
-             openapi_extra=security)
+    @app.put(
+        CALIBRATION,
+        responses=error_responses(400, 401, 403, 408, 413, 415, 421, 431),
+        openapi_extra=security,
+    )
     async def take_calibration(request: Request) -> Response:
         if operator is None:
             return NO_OPERATOR
@@ -91,8 +94,8 @@ def mount(app: FastAPI, gate, limits: Limits, operator: ApiKeys | None) -> None:
 
 
 def sending_key() -> str:
-    """The operator's key a client sends (:data:`ADMIN_KEY_ENV`: never on a command line); ValueError
-    (one line) where it is not set."""
+    """The operator's key a client sends (:data:`ADMIN_KEY_ENV`: never on a command line);
+    ValueError (one line) where it is not set."""
     key = os.environ.get(ADMIN_KEY_ENV)
     if not key:
         raise ValueError(

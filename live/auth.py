@@ -1,18 +1,20 @@
-"""API keys, as OpenAI-compatible servers have them: ``qlab serve --api-key KEY`` or ``--api-key-file FILE``.
+"""API keys, as OpenAI-compatible servers have them: ``qlab serve --api-key KEY`` or
+``--api-key-file FILE``.
 
-A request to a guarded route (every ``/v1/`` route; with ``--auth-stats`` also ``/stats``, ``/healthz`` and
-``/metrics``) must carry ``Authorization: Bearer KEY`` with one of the server's keys, else it is answered 401
-``unauthorized`` in the envelope (with ``WWW-Authenticate: Bearer``) before anything else reads it.
-``/health``, ``/ready`` and ``/openapi.json`` stay open: orchestrators and clients read them unauthenticated.
+A request to a guarded route (every ``/v1/`` route; with ``--auth-stats`` also ``/stats``,
+``/healthz`` and ``/metrics``) must carry ``Authorization: Bearer KEY`` with one of the server's
+keys, else it is answered 401 ``unauthorized`` in the envelope (with ``WWW-Authenticate: Bearer``)
+before anything else reads it. ``/health``, ``/ready`` and ``/openapi.json`` stay open:
+orchestrators and clients read them unauthenticated.
 
-Keys are compared in constant time (:func:`hmac.compare_digest`, on SHA-256 digests, against every key the
-server has whatever matches first), are never logged or put in a message, and never go on a child
-process's command line (``QLAB_API_KEY`` passes one through the environment instead).
+Keys are compared in constant time (:func:`hmac.compare_digest`, on SHA-256 digests, against every
+key the server has whatever matches first), are never logged or put in a message, and never go on a
+child process's command line (``QLAB_API_KEY`` passes one through the environment instead).
 
-A key file maps keys to client ids, one key a line: ``KEY CLIENT_ID`` (whitespace between; ``#`` starts a
-comment; a key alone names no client). The key's client id is the request's client, whatever its body or
-``x-client-id`` header say: it is what a policy's per-client rate (``client_rate``) and fair share count by,
-as real gateways key their tenants.
+A key file maps keys to client ids, one key a line: ``KEY CLIENT_ID`` (whitespace between; ``#``
+starts a comment; a key alone names no client). The key's client id is the request's client,
+whatever its body or ``x-client-id`` header say: it is what a policy's per-client rate
+(``client_rate``) and fair share count by, as real gateways key their tenants.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ API_KEY_SCHEME = "apiKey"
 OPERATOR_SCHEME = "operatorKey"
 _SCHEMES = {
     API_KEY_SCHEME: "one of the server's API keys (qlab serve --api-key, --api-key-file); a route "
-                    "that wants one answers 401 unauthorized without it",
+    "that wants one answers 401 unauthorized without it",
     OPERATOR_SCHEME: "the operator's key (qlab serve --admin-key), which PUT /admin/calibration "
-                     "wants",
+    "wants",
 }
 
 
@@ -56,10 +58,18 @@ def declare_security(doc: dict, keys: "ApiKeys | None") -> dict:
         if keys is not None and keys.guards(path):
             for operation in item.values():
                 operation["security"] = [{API_KEY_SCHEME: []}]
-    used = {name for item in doc.get("paths", {}).values() for operation in item.values()
-            for need in operation.get("security", ()) for name in need}
-    schemes = {name: {"type": "http", "scheme": "bearer", "description": text}
-               for name, text in _SCHEMES.items() if name in used}
+    used = {
+        name
+        for item in doc.get("paths", {}).values()
+        for operation in item.values()
+        for need in operation.get("security", ())
+        for name in need
+    }
+    schemes = {
+        name: {"type": "http", "scheme": "bearer", "description": text}
+        for name, text in _SCHEMES.items()
+        if name in used
+    }
     if schemes:
         doc.setdefault("components", {})["securitySchemes"] = schemes
     return doc
@@ -71,7 +81,8 @@ def digest(key: str) -> bytes:
 
 @dataclass(frozen=True)
 class Holder:
-    """Who a valid key belongs to: a client id (None: the key names none; the request's own then counts)."""
+    """Who a valid key belongs to: a client id (None: the key names none; the request's own then
+    counts)."""
 
     client_id: str | None
 
@@ -91,7 +102,8 @@ class ApiKeys:
         return path.startswith(GUARDED_PREFIX) or (self.guard_stats and path in STATS_ROUTES)
 
     def holder(self, authorization: bytes | None) -> Holder | None:
-        """Whose key an ``Authorization`` header carries; None when it carries none of the server's."""
+        """Whose key an ``Authorization`` header carries; None when it carries none of the
+        server's."""
         if authorization is None:
             return None
         scheme, _, token = authorization.decode("latin-1").strip().partition(" ")
@@ -99,7 +111,8 @@ class ApiKeys:
             return None
         presented = digest(token.strip())
         found = None
-        for kept, holder in self.holders:  # every key, whichever matches: the time does not tell which
+        # every key, whichever matches: the time does not tell which
+        for kept, holder in self.holders:
             if hmac.compare_digest(presented, kept):
                 found = holder
         return found
@@ -116,19 +129,28 @@ def _file_keys(path: str) -> list[tuple[str, str | None]]:
         if not words:
             continue
         if len(words) > 2:  # the message names the line, never the key
-            raise ValueError(f"--api-key-file {path}:{number}: a line is KEY or KEY CLIENT_ID, found {len(words)} words")
+            raise ValueError(
+                f"--api-key-file {path}:{number}: a line is KEY or KEY CLIENT_ID, "
+                f"found {len(words)} words"
+            )
         client = words[1] if len(words) == 2 else None
         if client is not None and len(client) > CLIENT_ID_CHARS:
-            raise ValueError(f"--api-key-file {path}:{number}: a client id is at most {CLIENT_ID_CHARS} characters")
+            raise ValueError(
+                f"--api-key-file {path}:{number}: a client id is at most "
+                f"{CLIENT_ID_CHARS} characters"
+            )
         keys.append((words[0], client))
     if not keys:
         raise ValueError(f"--api-key-file {path}: holds no key")
     return keys
 
 
-def load_keys(api_key: str | None, key_file: str | None, guard_stats: bool = False) -> ApiKeys | None:
-    """The server's keys: ``--api-key`` (else ``QLAB_API_KEY``) and a key file's; None when there are none (every
-    route open). ValueError (one line, without the key) on a file that cannot be read or a malformed line."""
+def load_keys(
+    api_key: str | None, key_file: str | None, guard_stats: bool = False
+) -> ApiKeys | None:
+    """The server's keys: ``--api-key`` (else ``QLAB_API_KEY``) and a key file's; None when there
+    are none (every route open). ValueError (one line, without the key) on a file that cannot be
+    read or a malformed line."""
     pairs = [(k, None) for k in [api_key or os.environ.get(API_KEY_ENV)] if k]
     if key_file:
         pairs += _file_keys(key_file)

@@ -47,7 +47,8 @@ from .jobs import Job
 from .tokenizer import ByteTokenizer
 
 
-#: Steps a batching gate remembers for ``GET /stats?steps_since=`` (about half an hour at 100 steps a second).
+#: Steps a batching gate remembers for ``GET /stats?steps_since=`` (about half an hour at 100 steps
+#: a second).
 STEP_LOG = 200_000
 #: The most steps one answer of ``GET /stats`` holds (and how many unless it asks for fewer): a
 #: full log in one answer was 17 MB and held the event loop over a second; a page is under half a
@@ -56,9 +57,9 @@ STEP_PAGE = 5_000
 
 
 class Chunk(NamedTuple):
-    """A request computing part of its prompt in a step: ``tokens`` of them from ``start`` (those it had computed
-    before this step: 0 for its first chunk, or the first after a preemption, which computes its prompt and what it
-    had generated again)."""
+    """A request computing part of its prompt in a step: ``tokens`` of them from ``start`` (those it
+    had computed before this step: 0 for its first chunk, or the first after a preemption, which
+    computes its prompt and what it had generated again)."""
 
     key: object
     job: Job
@@ -70,13 +71,15 @@ class Chunk(NamedTuple):
 class StepWork:
     """One step as the gate hands it to a batching engine.
 
-    prefill: a :class:`Chunk` for each request computing its prompt (a request preempted, recompute, comes back
-    here from its first token, to compute its prompt and what it had generated). decode: the keys of the requests that compute one token each; completing: the keys among prefill whose prompt
-    completes in this step (each produces a token, as each of decode does). ended: the keys that left the batch for good
-    since the last step (answered, cut, failed, or their client left): the engine may forget them. The step's
-    shape, as the step model reads it: prefill_tokens, sampling (the requests that produce a token), context (KV
-    tokens held); model_s: the gate's step model's seconds for it (its calibration, not the engine's truth).
-    A key is the gate's handle of a request: hashable, compared by identity."""
+    prefill: a :class:`Chunk` for each request computing its prompt (a request preempted, recompute,
+    comes back here from its first token, to compute its prompt and what it had generated). decode:
+    the keys of the requests that compute one token each; completing: the keys among prefill whose
+    prompt completes in this step (each produces a token, as each of decode does). ended: the keys
+    that left the batch for good since the last step (answered, cut, failed, or their client left):
+    the engine may forget them. The step's shape, as the step model reads it: prefill_tokens,
+    sampling (the requests that produce a token), context (KV tokens held); model_s: the gate's step
+    model's seconds for it (its calibration, not the engine's truth). A key is the gate's handle of
+    a request: hashable, compared by identity."""
 
     prefill: tuple[Chunk, ...]
     decode: tuple[object, ...]
@@ -90,30 +93,33 @@ class StepWork:
 
 @dataclass(frozen=True)
 class StepDone:
-    """What a step did: the engine's own seconds for it (what the speed tracker learns); failed: the requests that
-    failed in it, key -> the exception (they leave the batch as errors); pieces: key -> the text of the token it
-    produced, for the streamed requests (``job.stream``), which the gate hands to their clients as they come."""
+    """What a step did: the engine's own seconds for it (what the speed tracker learns); failed: the
+    requests that failed in it, key -> the exception (they leave the batch as errors); pieces: key
+    -> the text of the token it produced, for the streamed requests (``job.stream``), which the gate
+    hands to their clients as they come."""
 
     engine_s: float
     failed: Mapping[object, BaseException] = field(default_factory=dict)
     pieces: Mapping[object, str] = field(default_factory=dict)
-    # key -> tokens generated, for the requests the engine ended before the core's count of their tokens (an
-    # upstream server's end of text: live.upstream_batch): they finish at this step.
+    # key -> tokens generated, for the requests the engine ended before the core's count of their
+    # tokens (an upstream server's end of text: live.upstream_batch): they finish at this step.
     finished: Mapping[object, int] = field(default_factory=dict)
-    # key -> the prompt's tokens as the engine counted them, once it knows (an upstream's usage): what the
-    # request's client is told, where the gate's own count differs.
+    # key -> the prompt's tokens as the engine counted them, once it knows (an upstream's usage):
+    # what the request's client is told, where the gate's own count differs.
     prompt_tokens: Mapping[object, int] = field(default_factory=dict)
-    # A step model the engine learned in this step (live.upstream_batch): the gate plans with it from the
-    # next step on, which is when a replay takes it too (the step log says after which step).
+    # A step model the engine learned in this step (live.upstream_batch): the gate plans with it
+    # from the next step on, which is when a replay takes it too (the step log says after which
+    # step).
     step_model: StepModel | None = None
 
 
 @runtime_checkable
 class BatchEngine(Protocol):
-    """An engine that runs requests together, one step at a time: ``step(work) -> StepDone`` (called from one
-    engine thread) or ``async def astep(work) -> StepDone`` (a task on the gate's loop; it declares
-    ``abilities = Abilities(coroutine=True)``, :class:`live.engine.Abilities`). ``text(key, job, tokens)``
-    is the answer of a request that generated ``tokens`` tokens (called on the loop when it ends)."""
+    """An engine that runs requests together, one step at a time: ``step(work) -> StepDone`` (called
+    from one engine thread) or ``async def astep(work) -> StepDone`` (a task on the gate's loop; it
+    declares ``abilities = Abilities(coroutine=True)``, :class:`live.engine.Abilities`). ``text(key,
+    job, tokens)`` is the answer of a request that generated ``tokens`` tokens (called on the loop
+    when it ends)."""
 
     max_new_tokens_limit: int | None
 
@@ -128,38 +134,46 @@ class BatchEngine(Protocol):
 
 @runtime_checkable
 class Releases(Protocol):
-    """A batching engine that holds something outside the gate for each request (an upstream's stream), and lets
-    it go as soon as the request is cut or its client leaves, rather than at the next step (which an idle batch
-    may not have for a while): ``release(key)``, on the loop."""
+    """A batching engine that holds something outside the gate for each request (an upstream's
+    stream), and lets it go as soon as the request is cut or its client leaves, rather than at the
+    next step (which an idle batch may not have for a while): ``release(key)``, on the loop."""
 
     def release(self, key) -> None: ...
 
 
 def is_batch_engine(engine) -> bool:
-    """Whether ``engine`` runs steps (:class:`BatchEngine`: ``step`` or ``astep``) rather than one request a run."""
+    """Whether ``engine`` runs steps (:class:`BatchEngine`: ``step`` or ``astep``) rather than
+    one request a run."""
     steps = "astep" if abilities_of(engine).coroutine else "step"
     return isinstance(engine, BatchEngine) and callable(getattr(engine, steps, None))
 
 
 class SyntheticBatchEngine:
-    """A batching engine that sleeps each step for its step model's time (x speed, x noise): a real step loop on
-    the server, so a real HTTP service with real batching runs wherever qlab does.
+    """A batching engine that sleeps each step for its step model's time (x speed, x noise): a real
+    step loop on the server, so a real HTTP service with real batching runs wherever qlab does.
 
-    The step's time is ``step.time(prefill tokens, sampling, context)`` of the :class:`StepWork`, times a gamma
-    draw of mean 1 and the model's ``cv`` (where > 0; drawn from ``seed`` as the simulator draws its steps', so a
-    run on a virtual clock is the simulator's step by step), times the speed at the step's start (``speed`` and
-    ``schedule``, seconds since construction on ``clock``). ``faults``: see the module.
-    ``replica``: which replica of a fleet it is (its noise: that replica's stream,
-    qsim.run_batching.step_noise). The text is one word per token generated, cut at a stop string
-    (which shortens the text, not the work)."""
+    The step's time is ``step.time(prefill tokens, sampling, context)`` of the :class:`StepWork`,
+    times a gamma draw of mean 1 and the model's ``cv`` (where > 0; drawn from ``seed`` as the
+    simulator draws its steps', so a run on a virtual clock is the simulator's step by step), times
+    the speed at the step's start (``speed`` and ``schedule``, seconds since construction on
+    ``clock``). ``faults``: see the module. ``replica``: which replica of a fleet it is (its noise:
+    that replica's stream, qsim.run_batching.step_noise). The text is one word per token generated,
+    cut at a stop string (which shortens the text, not the work)."""
 
     abilities = Abilities(coroutine=True)
 
     max_new_tokens_limit = None
 
-    def __init__(self, step: StepModel = StepModel(), speed: float = 1.0, seed: int = 0,
-                 schedule: Sequence[tuple[float, float]] = (), clock: Callable[[], float] = time.monotonic,
-                 faults: Faults = Faults(), replica: int = 0) -> None:
+    def __init__(
+        self,
+        step: StepModel = StepModel(),
+        speed: float = 1.0,
+        seed: int = 0,
+        schedule: Sequence[tuple[float, float]] = (),
+        clock: Callable[[], float] = time.monotonic,
+        faults: Faults = Faults(),
+        replica: int = 0,
+    ) -> None:
         self.model = step
         self.speed = SpeedSchedule(float(speed), tuple((float(t), float(s)) for t, s in schedule))
         self.seed = seed
@@ -170,10 +184,12 @@ class SyntheticBatchEngine:
         # The simulator's stream for this replica's steps: the same draws, in step order.
         self._noise = step_noise(step.cv, seed, replica)
         self._tokenizer = ByteTokenizer()
-        self._seen: set = set()  # the requests in the batch (or preempted) that it has counted as runs
+        # the requests in the batch (or preempted) that it has counted as runs
+        self._seen: set = set()
         self.runs = 0  # requests that joined, in order: what fail_every counts
         self.steps = 0
-        self._streamed: dict = {}  # key -> [job, tokens streamed so far], for the streamed requests in the batch
+        # key -> [job, tokens streamed so far], for the streamed requests in the batch
+        self._streamed: dict = {}
 
     def _faulty(self, work: StepWork) -> dict:
         self._seen.difference_update(work.ended)
@@ -186,15 +202,19 @@ class SyntheticBatchEngine:
                 self._seen.add(key)
                 self.runs += 1
                 if self.faults.fails(self.runs):
-                    failed[key] = InjectedFault(f"injected failure on request {self.runs} of the batch "
-                                                f"(fail every {self.faults.fail_every})")
+                    failed[key] = InjectedFault(
+                        f"injected failure on request {self.runs} of the "
+                        "batch "
+                        f"(fail every {self.faults.fail_every})"
+                    )
                 elif job.stream:
                     self._streamed[key] = [job, 0]
         return failed
 
     def _pieces(self, work: StepWork) -> dict:
-        """Each streamed request's token of this step: its share of the text it ends with (every run generates its
-        limit), so that the pieces joined are the answer's text, a stop string's cut included."""
+        """Each streamed request's token of this step: its share of the text it ends with (every run
+        generates its limit), so that the pieces joined are the answer's text, a stop string's cut
+        included."""
         pieces = {}
         for key in (*work.decode, *work.completing):
             streamed = self._streamed.get(key)
@@ -202,14 +222,14 @@ class SyntheticBatchEngine:
                 continue
             job, i = streamed
             streamed[1] = i + 1
-            piece = self.text(key, job, job.max_new_tokens)[len(WORD) * i: len(WORD) * (i + 1)]
+            piece = self.text(key, job, job.max_new_tokens)[len(WORD) * i : len(WORD) * (i + 1)]
             if piece:  # empty past a stop string's cut
                 pieces[key] = piece
         return pieces
 
     def duration_s(self, work: StepWork) -> float:
-        """The step's seconds (draws the noise): the model, x noise, x the speed at its start (that order: the
-        simulator's)."""
+        """The step's seconds (draws the noise): the model, x noise, x the speed at its start (that
+        order: the simulator's)."""
         run = self.model.time(work.prefill_tokens, work.sampling, work.context)
         if self._noise is not None:
             run *= self._noise()
@@ -236,8 +256,16 @@ class SyntheticBatchEngine:
         """Nothing to warm: sleeping needs no kernels or caches."""
 
     def info(self) -> dict:
-        return {"engine": "synthetic", "batching": True, "step": asdict(self.model), "speed": self.speed.base,
-                "schedule": [list(step) for step in self.speed.steps],
-                # The engine's clock when the schedule's seconds began (as the one-at-a-time engine's info says).
-                "schedule_started_at": self._started, "seed": self.seed, "tokenizer": self._tokenizer.name,
-                **({"faults": self.faults.info()} if self.faults != Faults() else {})}
+        return {
+            "engine": "synthetic",
+            "batching": True,
+            "step": asdict(self.model),
+            "speed": self.speed.base,
+            "schedule": [list(step) for step in self.speed.steps],
+            # The engine's clock when the schedule's seconds began (as the one-at-a-time
+            # engine's info says).
+            "schedule_started_at": self._started,
+            "seed": self.seed,
+            "tokenizer": self._tokenizer.name,
+            **({"faults": self.faults.info()} if self.faults != Faults() else {}),
+        }

@@ -46,15 +46,25 @@ def _engines(cfg: ServeOptions, model: ServiceModel, replicas: int = 1) -> list:
     """Every replica's engines in the fleet's order (replica r's engine k at r * K + k)."""
     if cfg.engine == "synthetic":
         early = UsedShare() if cfg.early_stops else None
-        return [SyntheticEngine(model, cfg.speed, cfg.noise, cfg.seed + k, parse_schedule(cfg.speed_schedule),
-                                faults=_faults(cfg, k // cfg.engines), early_stops=early)
-                for k in range(cfg.engines * replicas)]
+        return [
+            SyntheticEngine(
+                model,
+                cfg.speed,
+                cfg.noise,
+                cfg.seed + k,
+                parse_schedule(cfg.speed_schedule),
+                faults=_faults(cfg, k // cfg.engines),
+                early_stops=early,
+            )
+            for k in range(cfg.engines * replicas)
+        ]
     if cfg.engine == "upstream":
         from . import upstream
 
         urls = cfg.upstream_urls()  # one replica each
-        return [e for url in urls
-                for e in upstream.make_engines(cfg.engines, _upstream_spec(cfg, url))]
+        return [
+            e for url in urls for e in upstream.make_engines(cfg.engines, _upstream_spec(cfg, url))
+        ]
     from . import gpt2  # torch loads here and nowhere else
 
     spec = gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads)
@@ -74,12 +84,18 @@ def _upstream_spec(cfg: ServeOptions, url: str | None = None):
     one Authorization header, and the key wins, said once."""
     from . import upstream
 
-    spec = upstream.UpstreamSpec(url or cfg.upstream_url, cfg.upstream_model, cfg.upstream_timeout,
-                                 upstream.api_key(cfg.upstream_api_key))
+    spec = upstream.UpstreamSpec(
+        url or cfg.upstream_url,
+        cfg.upstream_model,
+        cfg.upstream_timeout,
+        upstream.api_key(cfg.upstream_api_key),
+    )
     if spec.api_key and spec.basic:
-        print("qlab serve: --upstream-url has a user and password and an upstream key is given: "
-              "the key is sent (Authorization: Bearer), the URL's user info is not",
-              file=sys.stderr)
+        print(
+            "qlab serve: --upstream-url has a user and password and an upstream key is given: "
+            "the key is sent (Authorization: Bearer), the URL's user info is not",
+            file=sys.stderr,
+        )
     return spec
 
 
@@ -97,15 +113,18 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _tls(certfile: str | None, keyfile: str | None) -> dict:
-    """uvicorn's TLS arguments (empty: plain HTTP), after loading the pair once here: a file that is not a
-    certificate and its key is one line on stderr, not a traceback from inside the server."""
+    """uvicorn's TLS arguments (empty: plain HTTP), after loading the pair once here: a file that is
+    not a certificate and its key is one line on stderr, not a traceback from inside the server."""
     if not certfile:
         return {}
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a usable certificate and key "
-                         f"({type(exc).__name__}: {exc.strerror or exc})") from None
+        raise ValueError(
+            f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a usable "
+            "certificate and key "
+            f"({type(exc).__name__}: {exc.strerror or exc})"
+        ) from None
     return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
 
 
@@ -122,11 +141,15 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keyed: bool,
-              fleet=None) -> None:
+def _announce(
+    url: str, cfg: ServeOptions, host_given: bool, engines: list, keyed: bool, fleet=None
+) -> None:
     print(f"qlab serve: listening on {url}", flush=True)
     if not host_given:
-        print(f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere", flush=True)
+        print(
+            f"qlab serve: bound to loopback ({LOOPBACK}) only; pass --host to listen elsewhere",
+            flush=True,
+        )
     elif not _is_loopback(cfg.host):
         if not keyed:
             guard = "there is no authentication (--api-key, --api-key-file)"
@@ -135,19 +158,27 @@ def _announce(url: str, cfg: ServeOptions, host_given: bool, engines: list, keye
         else:
             guard = "requests need a key, over TLS"
         print(f"qlab serve: --host {cfg.host}: reachable from other machines; {guard}", flush=True)
-    engine = f"1 batching {cfg.engine} engine" if cfg.batching else f"{cfg.engines} {cfg.engine} engine(s)"
+    engine = (
+        f"1 batching {cfg.engine} engine"
+        if cfg.batching
+        else (f"{cfg.engines} {cfg.engine} engine(s)")
+    )
     if fleet is not None:
         engine = f"{fleet.replicas} replicas of {engine} behind router {fleet.router.name}"
     urls = ", ".join(map(redacted, cfg.upstream_urls()))
-    print(f"qlab serve: policy {cfg.policy}, {engine}"
-          + (f" forwarding to {urls}" if cfg.engine == "upstream" else "")
-          + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"), flush=True)
+    print(
+        f"qlab serve: policy {cfg.policy}, {engine}"
+        + (f" forwarding to {urls}" if cfg.engine == "upstream" else "")
+        + (", fixed estimate" if cfg.fixed_estimate else ", speed tracking"),
+        flush=True,
+    )
     if cfg.engine == "upstream":
         print(f"qlab serve: {engines[0].routes.says()}", flush=True)
 
 
 def _stop_at_stdin_eof() -> None:
-    """Stop the server (as SIGTERM does: uvicorn finishes gracefully) once stdin reaches end of file."""
+    """Stop the server (as SIGTERM does: uvicorn finishes gracefully) once stdin reaches end of
+    file."""
 
     def watch() -> None:
         try:
@@ -176,38 +207,54 @@ def cmd_serve(args) -> int:
     # First: an engine that cannot start is the one line said.
     engines = _engines(cfg, model, 1 if fleet is None else fleet.replicas)
     if cfg.engine != "synthetic" and not cfg.service_model:
-        print("qlab serve: no --service-model: estimates start from the reference line (8.5 ms/token) and the "
-              "speed tracker corrects them; `qlab calibrate` fits this engine", file=sys.stderr)
+        print(
+            "qlab serve: no --service-model: estimates start from the reference line (8.5 "
+            "ms/token) and the "
+            "speed tracker corrects them; `qlab calibrate` fits this engine",
+            file=sys.stderr,
+        )
     for engine in engines:
         engine.warmup()
-    # The calibration's load terms (LoadTerms): admission counts the slowdown of engines that share the machine,
-    # and the run files of this server say the noise that qlab compare --predict draws.
+    # The calibration's load terms (LoadTerms): admission counts the slowdown of engines that share
+    # the machine, and the run files of this server say the noise that qlab compare --predict draws.
     terms = LoadTerms.load(cfg.service_model)
     engine = OneAtATime(len(engines), terms.concurrency, terms.noise_cv or 0.0)
-    gate = Gate(engines, gate_config(policy, engine=engine, model=model, fixed_estimate=cfg.fixed_estimate,
-                                     stall=StallRule(cfg.stall_factor, cfg.stall_after),
-                                     # --seed seeds a fleet's router (one server's gate: 0)
-                                     seed=0 if fleet is None else cfg.seed),
-                fleet=fleet)
+    gate = Gate(
+        engines,
+        gate_config(
+            policy,
+            engine=engine,
+            model=model,
+            fixed_estimate=cfg.fixed_estimate,
+            stall=StallRule(cfg.stall_factor, cfg.stall_after),
+            # --seed seeds a fleet's router (one server's gate: 0)
+            seed=0 if fleet is None else cfg.seed,
+        ),
+        fleet=fleet,
+    )
     _serve(args, cfg, gate, fleet)
     return 0
 
 
 def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching, fleet=None):
-    """The batching engine (synthetic: its step model the one given, x --speed; gpt2: one forward pass a step) behind
-    a gate that drives it through the simulator's batching core (live.drive_batch); a fleet: one
-    synthetic batching engine per replica (each its replica's step noise and --faulty-replica's
-    faults) behind the router."""
+    """The batching engine (synthetic: its step model the one given, x --speed; gpt2: one forward
+    pass a step) behind a gate that drives it through the simulator's batching core
+    (live.drive_batch); a fleet: one synthetic batching engine per replica (each its replica's step
+    noise and --faulty-replica's faults) behind the router."""
     from .batching import SyntheticBatchEngine
     from .gate import BatchGate, Gate, gate_config
 
     if fleet is not None:  # ServeOptions.engine_model: synthetic only
         schedule = parse_schedule(cfg.speed_schedule)
-        engines = [SyntheticBatchEngine(batching.step, cfg.speed, cfg.seed, schedule,
-                                        faults=_faults(cfg, r), replica=r)
-                   for r in range(fleet.replicas)]
-        config = gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate,
-                             engine=batching, seed=cfg.seed)
+        engines = [
+            SyntheticBatchEngine(
+                batching.step, cfg.speed, cfg.seed, schedule, faults=_faults(cfg, r), replica=r
+            )
+            for r in range(fleet.replicas)
+        ]
+        config = gate_config(
+            policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching, seed=cfg.seed
+        )
         return Gate(engines, config, fleet=fleet)
 
     if cfg.engine == "upstream":
@@ -215,19 +262,30 @@ def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching, fle
     if cfg.engine == "gpt2":
         from . import gpt2, gpt2_batch  # torch loads here and nowhere else
 
-        engine = gpt2_batch.GPT2BatchEngine(gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads))
+        engine = gpt2_batch.GPT2BatchEngine(
+            gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads)
+        )
         engine.warmup()
     else:
-        engine = SyntheticBatchEngine(batching.step, cfg.speed, cfg.seed, parse_schedule(cfg.speed_schedule),
-                                      faults=Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for))
-    return BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
-                                         seed=cfg.seed))
+        engine = SyntheticBatchEngine(
+            batching.step,
+            cfg.speed,
+            cfg.seed,
+            parse_schedule(cfg.speed_schedule),
+            faults=Faults(cfg.fail_every, cfg.hang_after, cfg.hang_for),
+        )
+    return BatchGate(
+        engine,
+        gate_config(
+            policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching, seed=cfg.seed
+        ),
+    )
 
 
 def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
-    """A batching gate in front of a batching upstream (live.upstream_batch): its batch limit --max-num-seqs, else
-    what the upstream says of its own, else vLLM's default; its step model --step (or the default) until it has
-    learned the upstream's."""
+    """A batching gate in front of a batching upstream (live.upstream_batch): its batch limit
+    --max-num-seqs, else what the upstream says of its own, else vLLM's default; its step model
+    --step (or the default) until it has learned the upstream's."""
     from dataclasses import replace
 
     from . import upstream, upstream_batch
@@ -236,11 +294,20 @@ def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batc
     spec = _upstream_spec(cfg)
     forwarder = upstream.make_engines(1, spec)[0]
     seats = cfg.max_num_seqs or upstream_batch.upstream_batch(spec) or batching.max_num_seqs
-    batching = replace(batching, max_num_seqs=seats,
-                       max_num_batched_tokens=max(seats, batching.max_num_batched_tokens))
-    engine = upstream_batch.UpstreamBatchEngine(forwarder, seats, upstream_batch.StepLearner(batching.step))
-    gate = BatchGate(engine, gate_config(policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching,
-                                         seed=cfg.seed))
+    batching = replace(
+        batching,
+        max_num_seqs=seats,
+        max_num_batched_tokens=max(seats, batching.max_num_batched_tokens),
+    )
+    engine = upstream_batch.UpstreamBatchEngine(
+        forwarder, seats, upstream_batch.StepLearner(batching.step)
+    )
+    gate = BatchGate(
+        engine,
+        gate_config(
+            policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching, seed=cfg.seed
+        ),
+    )
     return gate
 
 
@@ -254,38 +321,66 @@ def _serve(args, cfg: ServeOptions, gate, fleet=None) -> None:
     tls = _tls(cfg.ssl_certfile, cfg.ssl_keyfile)
     sock = _bind(cfg.host, cfg.port)
     hosts = HostAllowList.for_bind(_is_loopback(cfg.host), cfg.allowed_hosts.split(","))
-    app = create_app(gate, Limits(default_max_tokens=cfg.default_max_tokens), keys=keys,
-                     hosts=hosts, operator=operator_key(cfg.admin_key),
-                     on_ready=lambda: _announce(_url(sock, bool(tls)), cfg, args.host is not None, gate.engines,
-                                                keys is not None, fleet))
+    app = create_app(
+        gate,
+        Limits(default_max_tokens=cfg.default_max_tokens),
+        keys=keys,
+        hosts=hosts,
+        operator=operator_key(cfg.admin_key),
+        on_ready=lambda: _announce(
+            _url(sock, bool(tls)), cfg, args.host is not None, gate.engines, keys is not None, fleet
+        ),
+    )
     if cfg.access_log:
         log_to_stderr()
         app = AccessLog(app)
-    run_app(app, sock, cfg.log_level, cfg.http, cfg.watch_stdin, on_exit=gate.drain_soon,
-            head_timeout_s=cfg.header_timeout, body_timeout_s=cfg.body_timeout, tls=tls)
+    run_app(
+        app,
+        sock,
+        cfg.log_level,
+        cfg.http,
+        cfg.watch_stdin,
+        on_exit=gate.drain_soon,
+        head_timeout_s=cfg.header_timeout,
+        body_timeout_s=cfg.body_timeout,
+        tls=tls,
+    )
 
 
-#: Seconds the server gives the requests still running after SIGTERM or SIGINT (those waiting are answered at once).
+#: Seconds the server gives the requests still running after SIGTERM or SIGINT (those waiting are
+#: answered at once).
 GRACEFUL_S = 5
 
 
 class _GracefulCut(logging.Filter):
-    """uvicorn logs the requests its graceful shutdown cut at ERROR; they are answered (503 shutting_down) and a
-    stop is normal, so the line is a warning."""
+    """uvicorn logs the requests its graceful shutdown cut at ERROR; they are answered (503
+    shutting_down) and a stop is normal, so the line is a warning."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in record.getMessage():
+        if (
+            record.levelno == logging.ERROR
+            and "timeout graceful shutdown exceeded" in record.getMessage()
+        ):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
 
 
-def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=None,
-            head_timeout_s: float = ServeOptions.header_timeout,
-            body_timeout_s: float = ServeOptions.body_timeout, tls: dict | None = None) -> None:
-    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps the same way).
-    on_exit runs when a signal asks the server to stop (in the signal handler: it must only schedule work);
-    head_timeout_s and body_timeout_s: how long a request head and its body may take to arrive (live.headcap);
-    tls: uvicorn's ``ssl_certfile`` and ``ssl_keyfile``, for HTTPS."""
+def run_app(
+    app,
+    sock,
+    log_level: str,
+    http: str,
+    watch_stdin: bool,
+    on_exit=None,
+    head_timeout_s: float = ServeOptions.header_timeout,
+    body_timeout_s: float = ServeOptions.body_timeout,
+    tls: dict | None = None,
+) -> None:
+    """Serve ``app`` on ``sock`` as ``qlab serve`` does (benchmarks/floor.py serves its bare apps
+    the same way). on_exit runs when a signal asks the server to stop (in the signal handler: it
+    must only schedule work); head_timeout_s and body_timeout_s: how long a request head and its
+    body may take to arrive (live.headcap); tls: uvicorn's ``ssl_certfile`` and ``ssl_keyfile``, for
+    HTTPS."""
     import uvicorn
 
     from .headcap import http_options
@@ -296,14 +391,23 @@ def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=Non
             if on_exit is not None:
                 on_exit()
 
-    server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                   timeout_graceful_shutdown=GRACEFUL_S,
-                                   **http_options(http, head_timeout_s, body_timeout_s), **(tls or {})))
+    server = Server(
+        uvicorn.Config(
+            app,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=GRACEFUL_S,
+            **http_options(http, head_timeout_s, body_timeout_s),
+            **(tls or {}),
+        )
+    )
     logging.getLogger("uvicorn.error").addFilter(_GracefulCut())
     if watch_stdin:
         _stop_at_stdin_eof()
     # What exists now (modules, weights, the app) lives as long as the server: take it out of the
-    # collector's sight, so a full collection does not stall the event loop (and a refusal) for tens of ms.
+    # collector's sight, so a full collection does not stall the event loop (and a refusal) for tens
+    # of ms.
     gc.collect()
     gc.freeze()
     server.run(sockets=[sock])
@@ -311,10 +415,15 @@ def run_app(app, sock, log_level: str, http: str, watch_stdin: bool, on_exit=Non
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve the gate and an engine over HTTP (loopback only unless --host)",
-        description="Serve POST /v1/generate, the OpenAI-compatible POST /v1/completions, POST /v1/chat/completions "
-                    "and GET /v1/models, GET /stats and GET /healthz: the admission gate (qsim's policy "
-                    "function) in front of K engines. The first stdout line is 'qlab serve: listening on URL'.")
+        "serve",
+        help="serve the gate and an engine over HTTP (loopback only unless --host)",
+        description="Serve POST /v1/generate, the OpenAI-compatible POST /v1/completions, POST "
+        "/v1/chat/completions "
+        "and GET /v1/models, GET /stats and GET /healthz: the admission gate (qsim's "
+        "policy "
+        "function) in front of K engines. The first stdout line is 'qlab serve: "
+        "listening on URL'.",
+    )
     # own_signals: SIGTERM is uvicorn's graceful stop, not an interrupt (experiments.cli.main).
     p.set_defaults(func=cmd_serve, own_signals=True)
     ServeOptions.add_flags(p)

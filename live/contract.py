@@ -55,7 +55,9 @@ class GenerateRequest(BaseModel):
     deadline_ms: integer(ge=1) | None = None
     stop: stops() | None = None
     # Whose per-client rate limit it counts against (also the x-client-id header; the body wins).
-    client_id: Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None = None
+    client_id: (
+        Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_ID_CHARS)] | None
+    ) = None
     # Higher first under a priority discipline (the policy's; FIFO ignores it).
     priority: integer(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND) = 0
 
@@ -64,11 +66,14 @@ class GenerateRequest(BaseModel):
         return self.model_dump(exclude_defaults=True)
 
 
-_GenerateRequest = GenerateRequest  # the caps' subclass below has the same name (its schema's title)
+# the caps' subclass below has the same name (its schema's title)
+_GenerateRequest = GenerateRequest
 
 
 def request_model(limits: Limits) -> type[GenerateRequest]:
-    """The body schema with these caps. Strict: "16" is not a number and unknown fields are refused."""
+    """The body schema with these caps. Strict: "16" is not a number and unknown fields are
+    refused."""
+
     class GenerateRequest(_GenerateRequest):  # the same name in /openapi.json
         prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
         max_new_tokens: integer(ge=1, le=limits.max_new_tokens)
@@ -79,7 +84,8 @@ def request_model(limits: Limits) -> type[GenerateRequest]:
 
 
 class Admission(BaseModel):
-    """What the gate saw when the request arrived (``admission`` of an answer; the start of an error's ``numbers``).
+    """What the gate saw when the request arrived (``admission`` of an answer; the start of an
+    error's ``numbers``).
 
     arrived_at: the gate's clock; a client maps it onto its own to learn the gate's arrival order.
     """
@@ -119,13 +125,15 @@ class Numbers(Admission):
     returned_at: Num = None  # gate clock: the failure came back
     engine_s: Num = None  # a failed run's own time
     at: Num = None  # gate clock: when the gate gave up on it, or cut it
-    fit_new_tokens: Num = None  # deadline_too_short: the most new tokens whose estimate fits the deadline
+    # deadline_too_short: the most new tokens whose estimate fits the deadline
+    fit_new_tokens: Num = None
     replica: Num = None  # a fleet's replica that decided on it (qlab serve --replicas)
 
 
 class Timings(BaseModel):
-    """An answer's seconds. started_at / returned_at are the gate's clock: the engine counted busy in between.
-    first_token_s: the engine's own time to its first token (null for an engine that does not see it)."""
+    """An answer's seconds. started_at / returned_at are the gate's clock: the engine counted busy
+    in between. first_token_s: the engine's own time to its first token (null for an engine that
+    does not see it)."""
 
     queue_s: Num
     engine_s: Num
@@ -156,8 +164,9 @@ class GenerateResponse(BaseModel):
 class ErrorDetail(BaseModel):
     """qlab's error object: OpenAI's (``message``, ``type``, ``code``) and more.
 
-    code repeats reason (OpenAI's name for it, so the openai SDK reads qlab's errors); numbers: what the
-    gate knew (see :class:`Numbers`); retry_after_s: also the Retry-After header, on a 503 or 429.
+    code repeats reason (OpenAI's name for it, so the openai SDK reads qlab's errors); numbers: what
+    the gate knew (see :class:`Numbers`); retry_after_s: also the Retry-After header, on a 503 or
+    429.
     """
 
     type: str
@@ -174,27 +183,40 @@ class ErrorEnvelope(BaseModel):
     error: ErrorDetail
 
 
-#: A streamed answer's finish_reason when the server stopped it before its end (vLLM's and SGLang's word for a
-#: request they abort; the openai SDK passes any finish_reason through).
+#: A streamed answer's finish_reason when the server stopped it before its end (vLLM's and SGLang's
+#: word for a request they abort; the openai SDK passes any finish_reason through).
 STOPPED = "abort"
 
 
 class Stopped(BaseModel):
-    """Why the gate stopped a streamed answer after its first piece, on its last chunk (``qlab_stopped``, beside
-    finish_reason :data:`STOPPED`): the status and the error object its handler answers the same stop unstreamed
-    (a cut at the deadline: 504 ``deadline_exceeded``, with its numbers). Not ``error``: the openai SDK raises on
-    an event with an ``error`` key, and an answer the gate cut is a partial answer, not a failure."""
+    """Why the gate stopped a streamed answer after its first piece, on its last chunk
+    (``qlab_stopped``, beside finish_reason :data:`STOPPED`): the status and the error object its
+    handler answers the same stop unstreamed (a cut at the deadline: 504 ``deadline_exceeded``, with
+    its numbers). Not ``error``: the openai SDK raises on an event with an ``error`` key, and an
+    answer the gate cut is a partial answer, not a failure."""
 
     status: int
     error: ErrorDetail
 
 
-def error_json(type_: str, reason: str, message: str, numbers: dict | None = None,
-               retry_after_s: int | None = None) -> str:
+def error_json(
+    type_: str,
+    reason: str,
+    message: str,
+    numbers: dict | None = None,
+    retry_after_s: int | None = None,
+) -> str:
     """The envelope's JSON (non-finite numbers as null: JSON has neither NaN nor infinity)."""
-    detail = {"type": type_, "reason": reason, "code": reason, "message": message, "numbers": numbers or {},
-              "retry_after_s": retry_after_s}
-    return ErrorEnvelope.model_validate({"error": detail}).model_dump_json(exclude_unset=True)  # one validation
+    detail = {
+        "type": type_,
+        "reason": reason,
+        "code": reason,
+        "message": message,
+        "numbers": numbers or {},
+        "retry_after_s": retry_after_s,
+    }
+    # one validation
+    return ErrorEnvelope.model_validate({"error": detail}).model_dump_json(exclude_unset=True)
 
 
 # ---------------------------------------------------------------------- GET /stats and GET /healthz
@@ -227,23 +249,27 @@ class EngineFacts(BaseModel):
     model: str | None = None  # gpt2's model name, or the upstream's model
     tokenizer: str | None = None  # the tokenizer its prompts are counted with
     context: int | None = None  # gpt2: the model's context, in tokens
-    # The synthetic engine's speed now and its schedule of [seconds, speed] steps, whose seconds began at
-    # schedule_started_at (the gate's clock): a run file puts the schedule on its own clock with it.
+    # The synthetic engine's speed now and its schedule of [seconds, speed] steps, whose seconds
+    # began at schedule_started_at (the gate's clock): a run file puts the schedule on its own clock
+    # with it.
     speed: float | None = None
     schedule: list[tuple[float, float]] | None = None
     schedule_started_at: Num = None
-    # A batching upstream engine's learner: the step model it learned, its fit and refits (live.upstream_batch).
+    # A batching upstream engine's learner: the step model it learned, its fit and refits
+    # (live.upstream_batch).
     learned: dict[str, Any] | None = None
 
 
 class EngineInfo(EngineFacts):
-    """An engine's description of itself (``engine.info()``), in /stats and /healthz; each engine says more."""
+    """An engine's description of itself (``engine.info()``), in /stats and /healthz; each engine
+    says more."""
 
     engine: str
 
 
 class HealthFacts(BaseModel):
-    """What a client reads of any server's ``GET /healthz`` (:class:`Health` is qlab's): its engine, if it says."""
+    """What a client reads of any server's ``GET /healthz`` (:class:`Health` is qlab's): its
+    engine, if it says."""
 
     model_config = _OPEN
 
@@ -306,13 +332,16 @@ class Stats(BaseModel):
     rejected_by_reason: dict[str, int] = {}
     cancelled: int = 0
     submitted: int = 0
-    # The answered requests' prompt and generated tokens, the prompt by the engine's count (an upstream's).
+    # The answered requests' prompt and generated tokens, the prompt by the engine's count (an
+    # upstream's).
     answered_tokens: dict[str, int] = {}
     limits: LimitsBody = LimitsBody()
     engine: EngineInfo | None = None  # as in /healthz
     upstream_counters: UpstreamCountersBody | None = None
-    server_config: dict[str, Any] | None = None  # qsim.config.ServerConfig's fields: what a replay simulates
-    fleet: dict[str, Any] | None = None  # a fleet gate's qsim.fleet.FleetSpec fields (None: one server)
+    # qsim.config.ServerConfig's fields: what a replay simulates
+    server_config: dict[str, Any] | None = None
+    # a fleet gate's qsim.fleet.FleetSpec fields (None: one server)
+    fleet: dict[str, Any] | None = None
 
 
 class StalledEngine(BaseModel):
@@ -323,9 +352,9 @@ class StalledEngine(BaseModel):
 
 
 class Health(BaseModel):
-    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process answers);
-    ready: whether it can answer now (``GET /ready``'s verdict), and not_ready: why not (the upstream
-    unreachable or failing, every engine stalled)."""
+    """``GET /healthz``: "ok", or "degraded" while an engine is stalled (still a 200: the process
+    answers); ready: whether it can answer now (``GET /ready``'s verdict), and not_ready: why not
+    (the upstream unreachable or failing, every engine stalled)."""
 
     status: Literal["ok", "degraded"]
     stalled: list[StalledEngine]

@@ -14,16 +14,26 @@ from pydantic import BaseModel
 
 from .contract import Admission, ErrorDetail, ErrorEnvelope, GenerateResponse, Stopped, Timings
 from .contract_fields import _OPEN
-from .contract_openai import (ChatChoice, ChatCompletion, Completion, CompletionChoice, ModelCard,
-                              ModelList, QlabInfo, Usage)
+from .contract_openai import (
+    ChatChoice,
+    ChatCompletion,
+    Completion,
+    CompletionChoice,
+    ModelCard,
+    ModelList,
+    QlabInfo,
+    Usage,
+)
 
 
-# ---------------------------------------------------------------------- reading answers (the clients' side)
+# ---------------------------------------------------------------------- reading answers (the
+# clients' side)
 
 
 def read_answer(body: Any) -> GenerateResponse | None:
-    """A 200's answer by the contract (a parsed JSON body): /v1/generate's, or an OpenAI-compatible (chat)
-    completion's, whose ``qlab`` part has the same timings and admission numbers; None when it is neither."""
+    """A 200's answer by the contract (a parsed JSON body): /v1/generate's, or an OpenAI-compatible
+    (chat) completion's, whose ``qlab`` part has the same timings and admission numbers; None when
+    it is neither."""
     try:
         return GenerateResponse.model_validate(body)
     except ValueError:
@@ -45,20 +55,47 @@ def _as_generate(q: QlabInfo | None, usage: Usage | None, choices: list) -> Gene
     return generate_of(q, text, usage.completion_tokens)
 
 
-def generate_of(q: QlabInfo | None, text: str, tokens: int, prompt_tokens: int | None = None) -> GenerateResponse:
-    """An OpenAI-compatible answer as ``/v1/generate``'s: a qlab gate's ``qlab`` part gives the outcome, engine,
-    timings and admission numbers; without one (a server that is not a qlab gate) they are unknown: nulls,
-    engine -1, and outcome good, which nothing reads (a client judges an answer by the latency it measured)."""
+def generate_of(
+    q: QlabInfo | None, text: str, tokens: int, prompt_tokens: int | None = None
+) -> GenerateResponse:
+    """An OpenAI-compatible answer as ``/v1/generate``'s: a qlab gate's ``qlab`` part gives the
+    outcome, engine, timings and admission numbers; without one (a server that is not a qlab gate)
+    they are unknown: nulls, engine -1, and outcome good, which nothing reads (a client judges an
+    answer by the latency it measured)."""
     if q is None:
-        return GenerateResponse(text=text, tokens=tokens, outcome="good", engine=-1, admission=Admission(),
-                                prompt_tokens=prompt_tokens,
-                                timings=Timings(queue_s=None, engine_s=None, total_s=None, est_service_s=None,
-                                                started_at=None, returned_at=None))
-    return GenerateResponse(text=text, tokens=tokens, outcome=q.outcome, engine=q.engine, admission=q.admission,
-                            prompt_tokens=prompt_tokens,
-                            timings=Timings(queue_s=q.queue_s, engine_s=q.engine_s, total_s=q.total_s,
-                                            est_service_s=q.est_service_s, started_at=q.started_at,
-                                            returned_at=q.returned_at, first_token_s=q.first_token_s))
+        return GenerateResponse(
+            text=text,
+            tokens=tokens,
+            outcome="good",
+            engine=-1,
+            admission=Admission(),
+            prompt_tokens=prompt_tokens,
+            timings=Timings(
+                queue_s=None,
+                engine_s=None,
+                total_s=None,
+                est_service_s=None,
+                started_at=None,
+                returned_at=None,
+            ),
+        )
+    return GenerateResponse(
+        text=text,
+        tokens=tokens,
+        outcome=q.outcome,
+        engine=q.engine,
+        admission=q.admission,
+        prompt_tokens=prompt_tokens,
+        timings=Timings(
+            queue_s=q.queue_s,
+            engine_s=q.engine_s,
+            total_s=q.total_s,
+            est_service_s=q.est_service_s,
+            started_at=q.started_at,
+            returned_at=q.returned_at,
+            first_token_s=q.first_token_s,
+        ),
+    )
 
 
 class EventUsage(BaseModel):
@@ -78,7 +115,8 @@ class EventDelta(BaseModel):
 
 
 class EventChoice(BaseModel):
-    """A choice of a completion (its ``text``) or of a chat chunk (its ``delta``), read leniently."""
+    """A choice of a completion (its ``text``) or of a chat chunk (its ``delta``), read
+    leniently."""
 
     model_config = _OPEN
 
@@ -87,11 +125,11 @@ class EventChoice(BaseModel):
 
 
 class AnswerEvent(BaseModel):
-    """One ``data:`` event of any OpenAI-compatible server's streamed answer, or its whole answer, as the
-    replayer reads it (:mod:`live.openai_replay`); qlab's :class:`Completion` and :class:`ChatCompletionChunk`
-    are such events. Lenient (other servers say more, or less); ``qlab``: a qlab gate's part; ``qlab_stopped``: a
-    qlab gate's word that it stopped the answer (:class:`Stopped`); ``error``: an error event (its content is not
-    read)."""
+    """One ``data:`` event of any OpenAI-compatible server's streamed answer, or its whole answer,
+    as the replayer reads it (:mod:`live.openai_replay`); qlab's :class:`Completion` and
+    :class:`ChatCompletionChunk` are such events. Lenient (other servers say more, or less);
+    ``qlab``: a qlab gate's part; ``qlab_stopped``: a qlab gate's word that it stopped the answer
+    (:class:`Stopped`); ``error``: an error event (its content is not read)."""
 
     model_config = _OPEN
 
@@ -110,13 +148,14 @@ def read_error(body: Any) -> ErrorDetail | None:
         return None
 
 
-# ---------------------------------------------------------------------- to and from an upstream server
+# ---------------------------------------------------------------------- to and from an upstream
+# server
 
 
 class UpstreamRequest(BaseModel):
-    """What the upstream engine sends to a completions route: what the gate decided (the model, the size, the stop
-    strings, a stream with its usage), and the sampling fields the client gave, unchanged (extra keys: the
-    upstream's defaults apply to what the client did not give)."""
+    """What the upstream engine sends to a completions route: what the gate decided (the model, the
+    size, the stop strings, a stream with its usage), and the sampling fields the client gave,
+    unchanged (extra keys: the upstream's defaults apply to what the client did not give)."""
 
     model_config = _OPEN
     route: ClassVar[str] = "/v1/completions"  # where it goes (live.routes.COMPLETIONS)
@@ -151,25 +190,27 @@ class UpstreamDelta(BaseModel):
 
 
 class UpstreamChoice(CompletionChoice):
-    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort"); a chat
-    chunk's text is its ``delta.content``."""
+    """A chunk's choice, read leniently: servers have finish reasons of their own (vLLM's "abort");
+    a chat chunk's text is its ``delta.content``."""
 
     text: str = ""
     delta: UpstreamDelta | None = None
-    message: UpstreamDelta | None = None  # a whole chat completion's (an upstream that did not stream)
+    # a whole chat completion's (an upstream that did not stream)
+    message: UpstreamDelta | None = None
     finish_reason: str | None = None
     logprobs: Any = None
 
     @property
     def piece(self) -> str:
-        """The text this choice adds: a completion's ``text``, a chat chunk's ``delta.content``, or a whole chat
-        completion's ``message.content``."""
+        """The text this choice adds: a completion's ``text``, a chat chunk's ``delta.content``, or
+        a whole chat completion's ``message.content``."""
         said = self.delta if self.delta is not None else self.message
         return self.text or (said.content or "" if said is not None else "")
 
 
 class UpstreamChunk(Completion):
-    """One event of the upstream's stream: a completion chunk (qlab's own, read leniently) or a chat chunk."""
+    """One event of the upstream's stream: a completion chunk (qlab's own, read leniently) or a
+    chat chunk."""
 
     object: str = "text_completion"
     choices: list[UpstreamChoice] = []
@@ -178,7 +219,8 @@ class UpstreamChunk(Completion):
 
 
 class ForeignErrorDetail(BaseModel):
-    """Any server's error object, read leniently (qlab's :class:`ErrorDetail` is one: its other keys are kept)."""
+    """Any server's error object, read leniently (qlab's :class:`ErrorDetail` is one: its other
+    keys are kept)."""
 
     model_config = _OPEN
 

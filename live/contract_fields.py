@@ -17,7 +17,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _OPEN = ConfigDict(extra="allow")
-#: A number as the gate reports it: an int stays an int on the wire, non-finite floats go out as null.
+#: A number as the gate reports it: an int stays an int on the wire, non-finite floats go out as
+#: null.
 Num = float | int | None
 OWNER = "qlab"
 
@@ -33,8 +34,8 @@ class Limits:
     max_body_bytes: int = 64 * 1024
     max_stops: int = 8
     max_stop_chars: int = 64
-    # An OpenAI request that names no max_tokens gets this many (None: the most whose calibrated estimate fits
-    # its deadline, at most max_new_tokens; live.gate.Gate.fitting_tokens).
+    # An OpenAI request that names no max_tokens gets this many (None: the most whose calibrated
+    # estimate fits its deadline, at most max_new_tokens; live.gate.Gate.fitting_tokens).
     default_max_tokens: int | None = None
 
 
@@ -106,5 +107,9 @@ def unsupported(req: BaseModel) -> tuple[str, str] | None:
 
 @functools.cache
 def _only_fields(model: type[BaseModel]) -> tuple[tuple[str, Only], ...]:
-    return tuple((name, m) for name, field in model.model_fields.items() for m in field.metadata
-                 if isinstance(m, Only))
+    return tuple(
+        (name, m)
+        for name, field in model.model_fields.items()
+        for m in field.metadata
+        if isinstance(m, Only)
+    )

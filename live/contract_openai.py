@@ -78,10 +78,10 @@ class _Common(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: integer() | None = None
     logit_bias: dict[str, float] | None = None
-    # Vendor fields: the sampling parameters vLLM (and the benchmark clients written for it) send. Typed, so a
-    # malformed value is a 422; min_tokens, ignore_eos and top_k are honoured (live.openai_api), the rest
-    # ignored; all go on to an upstream as given (SAMPLING_FIELDS). use_beam_search and prompt_logprobs are
-    # refused when they ask for something.
+    # Vendor fields: the sampling parameters vLLM (and the benchmark clients written for it) send.
+    # Typed, so a malformed value is a 422; min_tokens, ignore_eos and top_k are honoured
+    # (live.openai_api), the rest ignored; all go on to an upstream as given (SAMPLING_FIELDS).
+    # use_beam_search and prompt_logprobs are refused when they ask for something.
     top_k: integer(ge=-1) | None = None  # -1 and 0: every token, as vLLM reads them
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
@@ -104,16 +104,40 @@ class _Common(BaseModel):
         return self.model_dump(exclude_defaults=True)
 
 
-#: The fields of a request that go on to an upstream server as the client gave them (where it gave them):
-#: OpenAI's sampling fields and the vendor ones above. The others are the gate's (the model, size, stop strings,
-#: streaming, the client, qlab's extensions) or refused when they ask for something.
-SAMPLING_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "logit_bias", "top_k",
-                   "min_p", "repetition_penalty", "length_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                   "truncate_prompt_tokens", "add_special_tokens", "return_tokens_as_token_ids", "request_id")
+#: The fields of a request that go on to an upstream server as the client gave them (where it gave
+#: them): OpenAI's sampling fields and the vendor ones above. The others are the gate's (the model,
+#: size, stop strings, streaming, the client, qlab's extensions) or refused when they ask for
+#: something.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "logit_bias",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "add_special_tokens",
+    "return_tokens_as_token_ids",
+    "request_id",
+)
 #: A chat's own fields that go on to an upstream's chat route likewise.
-CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-               "reasoning_effort")
+CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "reasoning_effort",
+)
 
 
 class CompletionRequest(_Common):
@@ -142,15 +166,16 @@ class ChatCompletionRequest(_Common):
     tool_choice: Annotated[str | dict[str, Any] | None, Only("none", why=_NO_TOOLS)] = None
     functions: Annotated[list[dict[str, Any]] | None, Only([], why=_NO_TOOLS)] = None
     function_call: Annotated[str | dict[str, Any] | None, Only("none", why=_NO_TOOLS)] = None
-    response_format: Annotated[dict[str, Any] | None,
-                               Only({"type": "text"}, why="only text answers")] = None
+    response_format: Annotated[
+        dict[str, Any] | None, Only({"type": "text"}, why="only text answers")
+    ] = None
     # Accepted and ignored.
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # Vendor (vLLM's chat template controls) and OpenAI's reasoning effort: ignored here, forwarded to an
-    # upstream's chat route (CHAT_FIELDS).
+    # Vendor (vLLM's chat template controls) and OpenAI's reasoning effort: ignored here, forwarded
+    # to an upstream's chat route (CHAT_FIELDS).
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template: str | None = None
@@ -161,8 +186,10 @@ class ChatCompletionRequest(_Common):
 _CompletionRequest, _ChatCompletionRequest = CompletionRequest, ChatCompletionRequest
 
 
-def request_models(limits: Limits, model_id: str | None = None,
-                   ) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+def request_models(
+    limits: Limits,
+    model_id: str | None = None,
+) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
     """(CompletionRequest, ChatCompletionRequest) with these caps, and the model served (None: any
     name validates; the route compares). Strict: unknown fields are refused."""
     stop_type = stops(limits.max_stops, limits.max_stop_chars) | None
@@ -199,7 +226,8 @@ class Usage(BaseModel):
 
 
 class QlabInfo(BaseModel):
-    """The gate's view of the request: /v1/generate's ``timings`` and ``admission``, and the outcome."""
+    """The gate's view of the request: /v1/generate's ``timings`` and ``admission``, and the
+    outcome."""
 
     outcome: Literal["good", "late"]
     engine: int
@@ -211,7 +239,8 @@ class QlabInfo(BaseModel):
     returned_at: float  # gate clock: the engine handed it back
     admission: Admission
     first_token_s: float | None = None  # the engine's own time to its first token, where it sees it
-    # The request's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; null: none given.
+    # The request's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; null: none
+    # given.
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
 
@@ -239,7 +268,8 @@ class Completion(_AnswerHead):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     qlab: QlabInfo | None = None
-    qlab_stopped: Stopped | None = None  # the gate stopped it after its first piece (finish_reason abort)
+    # the gate stopped it after its first piece (finish_reason abort)
+    qlab_stopped: Stopped | None = None
 
 
 class AssistantMessage(BaseModel):

@@ -59,8 +59,13 @@ def step_worker(k: int, engine, deliver) -> Worker:
     coroutine engine) or one ``step`` on a thread of its own, delivered as ``deliver(work,
     result)``."""
     coroutine = abilities_of(engine).coroutine
-    return Worker("qlab-batch-engine", engine.astep if coroutine else engine.step, deliver,
-                  coroutine=coroutine, engine=engine)
+    return Worker(
+        "qlab-batch-engine",
+        engine.astep if coroutine else engine.step,
+        deliver,
+        coroutine=coroutine,
+        engine=engine,
+    )
 
 
 class BatchDriver:
@@ -74,13 +79,17 @@ class BatchDriver:
         engines = gate.engines
         for engine in engines:
             if not is_batch_engine(engine):
-                raise ValueError("a batching gate needs an engine that runs steps "
-                                 f"(live.batching.BatchEngine), not {type(engine).__name__}")
+                raise ValueError(
+                    "a batching gate needs an engine that runs steps "
+                    f"(live.batching.BatchEngine), not {type(engine).__name__}"
+                )
         n = 1 if gate.fleet is None else gate.fleet.replicas
         if len(engines) != n:
-            raise ValueError("a batching engine is one engine" if gate.fleet is None else
-                             f"a fleet of {n} batching replicas runs one engine each, "
-                             f"not {len(engines)}")
+            raise ValueError(
+                "a batching engine is one engine"
+                if gate.fleet is None
+                else f"a fleet of {n} batching replicas runs one engine each, not {len(engines)}"
+            )
         self.gate = gate
         self._make_worker = step_worker if worker is None else worker
         self._workers: list = []
@@ -111,14 +120,18 @@ class BatchDriver:
 
     def fitted(self, config: ServerConfig) -> ServerConfig:
         if not isinstance(config.engine, Batching):
-            raise ValueError("a batching gate runs a batching engine (qsim.engines.Batching), "
-                             f"not {config.engine.kind}")
+            raise ValueError(
+                "a batching gate runs a batching engine (qsim.engines.Batching), "
+                f"not {config.engine.kind}"
+            )
         fleet = self.gate.fleet
         if fleet is not None:
             fleet.check(config)
             if fleet.speeds is not None or fleet.down:
-                raise ValueError("replica speeds and replicas down are the simulator's: a live "
-                                 "fleet's replicas run at their engines' speed")
+                raise ValueError(
+                    "replica speeds and replicas down are the simulator's: a live "
+                    "fleet's replicas run at their engines' speed"
+                )
         return config
 
     def make_queue(self, config: ServerConfig):
@@ -127,11 +140,18 @@ class BatchDriver:
         gate = self.gate
 
         def line(r: int, cfg: ServerConfig, make=BatchQueue) -> BatchQueue:
-            return make(cfg, step=lambda plan, now: self._step(plan, now, r),
-                        end=lambda ticket, now, outcome, reason, stats: self._ended_run(
-                            ticket, now, outcome, reason, stats, r),
-                        drop=gate.dropped, joined=lambda ticket, now: self._joined(ticket, now, r),
-                        wake=lambda now: self._wake(now, r), gone=_gone, members=True)
+            return make(
+                cfg,
+                step=lambda plan, now: self._step(plan, now, r),
+                end=lambda ticket, now, outcome, reason, stats: self._ended_run(
+                    ticket, now, outcome, reason, stats, r
+                ),
+                drop=gate.dropped,
+                joined=lambda ticket, now: self._joined(ticket, now, r),
+                wake=lambda now: self._wake(now, r),
+                gone=_gone,
+                members=True,
+            )
 
         if gate.fleet is None:
             queue = line(0, config)
@@ -148,8 +168,10 @@ class BatchDriver:
 
     def start(self) -> None:
         """Start each engine's worker (no watchdog: the core has no stall rule here)."""
-        self._workers = [self._make_worker(r, engine, partial(self._post_step, r))
-                         for r, engine in enumerate(self.gate.engines)]
+        self._workers = [
+            self._make_worker(r, engine, partial(self._post_step, r))
+            for r, engine in enumerate(self.gate.engines)
+        ]
         for w in self._workers:
             w.start()
 
@@ -163,8 +185,11 @@ class BatchDriver:
         if getattr(queue, "binds_late", False):  # a central queue's own line
             tickets += [*(e.req for e in queue.waiting), *(s.entry.req for s in queue.front)]
         for q in self.lines:
-            tickets += [*(e.req for e in q.waiting), *(s.entry.req for s in q.front),
-                        *(s.entry.req for s in q.running.values())]
+            tickets += [
+                *(e.req for e in q.waiting),
+                *(s.entry.req for s in q.front),
+                *(s.entry.req for s in q.running.values()),
+            ]
         for ticket in tickets:
             if ticket.future is not None:
                 ticket.future.cancel()
@@ -262,10 +287,19 @@ class BatchDriver:
         # it too).
         woken = self._woken_at[r]
         self._began[r], self._woken_at[r] = (now if woken is None else woken, now), None
-        prefill = tuple(Chunk(t, t.job, start, n)
-                        for (t, n), start in zip(plan.chunks, plan.starts))
-        work = StepWork(prefill, plan.decoding, plan.prefill_tokens, plan.sampling, plan.context,
-                        plan.model_s, tuple(self._ended[r]), plan.completing)
+        prefill = tuple(
+            Chunk(t, t.job, start, n) for (t, n), start in zip(plan.chunks, plan.starts)
+        )
+        work = StepWork(
+            prefill,
+            plan.decoding,
+            plan.prefill_tokens,
+            plan.sampling,
+            plan.context,
+            plan.model_s,
+            tuple(self._ended[r]),
+            plan.completing,
+        )
         self._ended[r] = []
         self._workers[r].give(work)
 
@@ -283,8 +317,9 @@ class BatchDriver:
         now = self.now()
         line = self.lines[r]
         if isinstance(result, _Failure):  # the whole step raised: every request in it fails
-            failed = dict.fromkeys((*(chunk.key for chunk in work.prefill), *work.decode),
-                                   result.error)
+            failed = dict.fromkeys(
+                (*(chunk.key for chunk in work.prefill), *work.decode), result.error
+            )
             finished = {}
         else:
             failed, finished = result.failed, result.finished
@@ -303,16 +338,26 @@ class BatchDriver:
                 gate.resolve(ticket, Outcome.ERROR, exc=failure, cause=error)
         for ticket, tokens in finished.items():
             line.finish(ticket, now, tokens)
-        self._log_in_order(self._in_flight[r], LoggedStep(
-            *self._began[r], now, result.engine_s, work.model_s, work.prefill_tokens,
-            work.sampling, work.context))
+        self._log_in_order(
+            self._in_flight[r],
+            LoggedStep(
+                *self._began[r],
+                now,
+                result.engine_s,
+                work.model_s,
+                work.prefill_tokens,
+                work.sampling,
+                work.context,
+            ),
+        )
         if not isinstance(result, _Failure) and result.step_model is not None:
             self.use_step_model(result.step_model)
         line.step_done(now, result.engine_s)
         self._arm(r)
 
-    def _ended_run(self, ticket: _Ticket, now: float, outcome: str, reason: str | None,
-                   stats: RunStats, r: int) -> None:
+    def _ended_run(
+        self, ticket: _Ticket, now: float, outcome: str, reason: str | None, stats: RunStats, r: int
+    ) -> None:
         """A request that joined the batch ended: answered (good or late), or cut at its
         deadline."""
         gate = self.gate
@@ -323,16 +368,36 @@ class BatchDriver:
         if outcome == Outcome.CANCELLED:
             ticket.cut = True
             self._release(ticket)
-            numbers = {**arrival.numbers(), "engine": r, "started_at": stats.start_s, "at": now,
-                       "running_s": held}
+            numbers = {
+                **arrival.numbers(),
+                "engine": r,
+                "started_at": stats.start_s,
+                "at": now,
+                "running_s": held,
+            }
             gate.resolve(ticket, outcome, exc=DeadlineCut(numbers, arrival))
             return
         text = gate.engines[r].text(ticket, ticket.job, stats.tokens)
         first = None if math.isnan(stats.first_token_s) else stats.first_token_s - stats.start_s
-        gate.resolve(ticket, outcome, Answer(text, stats.tokens, outcome,
-                                             stats.start_s - arrival.at, held, now - arrival.at, r,
-                                             arrival, stats.start_s, now, first,
-                                             ticket.prompt_tokens, ticket.replica))
+        gate.resolve(
+            ticket,
+            outcome,
+            Answer(
+                text,
+                stats.tokens,
+                outcome,
+                stats.start_s - arrival.at,
+                held,
+                now - arrival.at,
+                r,
+                arrival,
+                stats.start_s,
+                now,
+                first,
+                ticket.prompt_tokens,
+                ticket.replica,
+            ),
+        )
 
     def _release(self, ticket: _Ticket) -> None:
         """Out of the batch before its end (cut, or its client left): an engine that holds something
@@ -404,13 +469,21 @@ class BatchDriver:
         at a time: :meth:`step_page`)."""
         queue, engine = self.gate.queue, self.gate.config.engine
         # A fleet's: summed over its replicas, each replica's batch and blocks its own.
-        return {"batching": {
-            "running": queue.in_service, "max_num_seqs": engine.max_num_seqs,
-            "kv_blocks_used": queue.kv_used, "kv_blocks": engine.kv_blocks,
-            "block_size": engine.block_size, "kv_use": queue.kv_use, "steps": self.steps}}
+        return {
+            "batching": {
+                "running": queue.in_service,
+                "max_num_seqs": engine.max_num_seqs,
+                "kv_blocks_used": queue.kv_used,
+                "kv_blocks": engine.kv_blocks,
+                "block_size": engine.block_size,
+                "kv_use": queue.kv_use,
+                "steps": self.steps,
+            }
+        }
 
-    def step_page(self, since: float | None = None, cursor: int | None = None,
-                  limit: int = STEP_PAGE) -> dict:
+    def step_page(
+        self, since: float | None = None, cursor: int | None = None, limit: int = STEP_PAGE
+    ) -> dict:
         """At most ``limit`` steps of the log, oldest first, each as [woken, began, ended, the
         engine's seconds, the step model's seconds, prefill tokens, sequences sampling, context
         tokens] (:class:`qsim.runfile.LoggedStep`) on the gate's clock: when an arrival woke the
@@ -432,10 +505,14 @@ class BatchDriver:
         page = self._steps(start, min(start + limit, len(self.step_log)))
         first = oldest + start
         after = first + len(page)
-        models = [[at - first, *astuple(step)] for at, step in self.step_models
-                  if first < at <= after]
-        return {"step_log": page, "step_log_next": after if after < self.logged else None,
-                "step_models": models}
+        models = [
+            [at - first, *astuple(step)] for at, step in self.step_models if first < at <= after
+        ]
+        return {
+            "step_log": page,
+            "step_log_next": after if after < self.logged else None,
+            "step_models": models,
+        }
 
     def _steps(self, start: int, end: int) -> list[tuple]:
         """The log's steps ``start`` to ``end``, walked from its nearer end (islice walks a deque

@@ -30,8 +30,7 @@ from qsim.outcomes import Outcome
 from qsim.queue import AdmissionQueue
 from qsim.service import LoadTerms, ServiceModel
 
-from .engine import (Asked, Cancel, EngineResult, SelfTimed, UpstreamError, abilities_of,
-                     cancellable)
+from .engine import Asked, Cancel, EngineResult, SelfTimed, UpstreamError, abilities_of, cancellable
 from .engine_workers import Worker, _Failure, _gone, _Ticket, closed
 from .fleet_gate import ReplicaWatch, fleet_queue
 from .gate_errors import DeadlineCut, EngineStalled, _failure_type
@@ -79,8 +78,13 @@ def engine_worker(k: int, engine, deliver) -> Worker:
         deliver(k, ticket, result)
 
     coroutine = abilities.coroutine
-    return Worker(f"qlab-engine-{k}", arun if coroutine else run, delivered, coroutine=coroutine,
-                  engine=engine)
+    return Worker(
+        f"qlab-engine-{k}",
+        arun if coroutine else run,
+        delivered,
+        coroutine=coroutine,
+        engine=engine,
+    )
 
 
 def _checked(result) -> EngineResult:
@@ -115,8 +119,10 @@ class OneAtATimeDriver:
         if gate.fleet is not None:  # each replica runs its share of the engines
             per, left = divmod(len(gate.engines), gate.fleet.replicas)
             if left or not per:
-                raise ValueError(f"{len(gate.engines)} engines do not split into "
-                                 f"{gate.fleet.replicas} replicas of equal size")
+                raise ValueError(
+                    f"{len(gate.engines)} engines do not split into "
+                    f"{gate.fleet.replicas} replicas of equal size"
+                )
             gate.fleet.check(config)
         if config.engines != per:  # the gate runs as many engines as it is given
             config = config.replace(engine=replace(config.engine, engines=per))
@@ -125,8 +131,14 @@ class OneAtATimeDriver:
     def make_queue(self, config: ServerConfig):
         gate = self.gate
         if gate.fleet is not None:
-            return fleet_queue(config, gate.fleet, start=self._start, drop=gate.dropped,
-                               gone=_gone, routed=self._routed)
+            return fleet_queue(
+                config,
+                gate.fleet,
+                start=self._start,
+                drop=gate.dropped,
+                gone=_gone,
+                routed=self._routed,
+            )
         return AdmissionQueue(config, start=self._start, drop=gate.dropped, gone=_gone)
 
     def _routed(self, ticket: _Ticket, r: int) -> None:
@@ -191,16 +203,20 @@ class OneAtATimeDriver:
         passes)."""
         queue = self.gate.queue
         estimator = queue.estimator
-        own = base if estimator is None else estimator.base_s(base, job.max_new_tokens,
-                                                              job.prompt_tokens, None)
+        own = (
+            base
+            if estimator is None
+            else estimator.base_s(base, job.max_new_tokens, job.prompt_tokens, None)
+        )
         return own * min(1.0, queue.tracker.factor)
 
     def use_calibration(self, model: ServiceModel, terms: LoadTerms) -> None:
         """Plan with a new calibration: its line, and its engines' slowdown and noise
         (qsim.queue.AdmissionQueue.recalibrate says what starts again)."""
         gate = self.gate
-        engine = replace(gate.config.engine, concurrency=terms.concurrency,
-                         cv=terms.noise_cv or 0.0)
+        engine = replace(
+            gate.config.engine, concurrency=terms.concurrency, cv=terms.noise_cv or 0.0
+        )
         gate.config = gate.config.replace(model=model, engine=engine)
         gate.queue.recalibrate(gate.config)
 
@@ -263,22 +279,38 @@ class OneAtATimeDriver:
             self.replicas.count_failure(gate.queue.replica_of_engine(k), ok, now)
         # The tokens it generated: what a learning estimator learns (a stop string ends a run
         # early).
-        outcome = gate.queue.finished(k, now, result.engine_s, ok=ok,
-                                      tokens=result.tokens if ok else None)
+        outcome = gate.queue.finished(
+            k, now, result.engine_s, ok=ok, tokens=result.tokens if ok else None
+        )
         if outcome is None:
             return  # ended already: stalled (a hang's time teaches nothing), or its client left
         held = {"started_at": ticket.start, "returned_at": now}
         if isinstance(result, _Failure):
-            error = _failure_type(result.error)(k, result.error, ticket.arrival,
-                                                {**held, "engine_s": result.engine_s})
+            error = _failure_type(result.error)(
+                k, result.error, ticket.arrival, {**held, "engine_s": result.engine_s}
+            )
             gate.resolve(ticket, outcome, exc=error, cause=result.error)
             return
         arrival = ticket.arrival
-        gate.resolve(ticket, outcome, Answer(result.text, result.tokens, outcome,
-                                             ticket.start - arrival.at, result.engine_s,
-                                             now - arrival.at, k, arrival, ticket.start, now,
-                                             result.first_token_s, result.prompt_tokens,
-                                             ticket.replica))
+        gate.resolve(
+            ticket,
+            outcome,
+            Answer(
+                result.text,
+                result.tokens,
+                outcome,
+                ticket.start - arrival.at,
+                result.engine_s,
+                now - arrival.at,
+                k,
+                arrival,
+                ticket.start,
+                now,
+                result.first_token_s,
+                result.prompt_tokens,
+                ticket.replica,
+            ),
+        )
 
     # -- cutting a run at its deadline (Policy.cancel_at_deadline) -------------------
 
@@ -319,8 +351,11 @@ class OneAtATimeDriver:
         simulator's would."""
         queue = self.gate.queue
         while True:
-            late = [(max(e.req.due, e.req.start), k) for k, e in enumerate(queue.running)
-                    if e is not None and not queue.ended[k] and e.req.due + CUT_SLACK_S < now]
+            late = [
+                (max(e.req.due, e.req.start), k)
+                for k, e in enumerate(queue.running)
+                if e is not None and not queue.ended[k] and e.req.due + CUT_SLACK_S < now
+            ]
             if not late:
                 return
             at, k = min(late)
@@ -335,8 +370,13 @@ class OneAtATimeDriver:
         if gate.queue.cut(k, now) is None:
             return  # it had ended already: stalled, or its client left
         ticket.cut = True
-        numbers = {**ticket.arrival.numbers(), "engine": k, "started_at": ticket.start, "at": now,
-                   "running_s": now - ticket.start}
+        numbers = {
+            **ticket.arrival.numbers(),
+            "engine": k,
+            "started_at": ticket.start,
+            "at": now,
+            "running_s": now - ticket.start,
+        }
         gate.resolve(ticket, Outcome.CANCELLED, exc=DeadlineCut(numbers, ticket.arrival))
         ticket.cancel.set()  # the engine stops (between decode steps, or its wait)
         # Its engine is free at the cut, as the simulator's is: the core gives it its next request
@@ -371,12 +411,20 @@ class OneAtATimeDriver:
         est = gate.queue.busy_until[k] - ticket.start
         after = gate.queue.stall_after_s[k]
         stall = gate.config.stall
-        numbers = {**ticket.arrival.numbers(), "engine": k, "running_s": running,
-                   "est_service_s": est, "stall_after_s": after, "started_at": ticket.start,
-                   "at": now}
-        message = (f"engine {k} has run this request for {running:.3f} s, past its stall threshold "
-                   f"of {after:.3f} s (max of {stall.factor:g} x its {est:.3f} s estimate "
-                   f"and {stall.floor_s:g} s); the gate stopped waiting for it")
+        numbers = {
+            **ticket.arrival.numbers(),
+            "engine": k,
+            "running_s": running,
+            "est_service_s": est,
+            "stall_after_s": after,
+            "started_at": ticket.start,
+            "at": now,
+        }
+        message = (
+            f"engine {k} has run this request for {running:.3f} s, past its stall threshold "
+            f"of {after:.3f} s (max of {stall.factor:g} x its {est:.3f} s estimate "
+            f"and {stall.floor_s:g} s); the gate stopped waiting for it"
+        )
         gate.resolve(ticket, Outcome.ERROR, exc=EngineStalled(message, k, numbers, ticket.arrival))
 
     # -- observation ------------------------------------------------------------
@@ -400,7 +448,8 @@ class OneAtATimeDriver:
         """Nothing beyond the gate's own."""
         return {}
 
-    def step_page(self, since: float | None = None, cursor: int | None = None,
-                  limit: int = 0) -> dict:
+    def step_page(
+        self, since: float | None = None, cursor: int | None = None, limit: int = 0
+    ) -> dict:
         """No steps: an engine run one request at a time keeps no step log."""
         return {}

@@ -1,4 +1,5 @@
-"""Engines: what runs one request. The gate calls ``run`` from an engine thread, or awaits ``arun`` on its loop.
+"""Engines: what runs one request. The gate calls ``run`` from an engine thread, or awaits ``arun``
+on its loop.
 
 An engine is anything with the :class:`Engine` shape. Three exist: the GPT-2
 engine (:mod:`live.gpt2`, the only module that imports torch),
@@ -8,32 +9,33 @@ upstream engine (:mod:`live.upstream`), which forwards each request to an
 OpenAI-compatible server (vLLM, or another ``qlab serve``).
 
 Stopping a run. The gate hands ``run`` a :class:`Cancel` (``cancel=``, where the engine
-declares it takes one: ``abilities = Abilities(cancel=True)``, :class:`Abilities`) and sets it when the
-client of the running request leaves. An engine may stop early then and return an
+declares it takes one: ``abilities = Abilities(cancel=True)``, :class:`Abilities`) and sets it when
+the client of the running request leaves. An engine may stop early then and return an
 :class:`EngineResult` with ``stopped=True``; the gate teaches the speed tracker nothing
 from a stopped run's time. The synthetic engine waits on it instead of sleeping, GPT-2
 looks at it between decoding steps, the upstream engine closes its connection at once
 (:meth:`Cancel.when_set`: a thread blocked reading a socket cannot look at anything).
 
 Streaming. An engine whose ``run`` also takes ``emit`` (an :data:`Emit`, declared like ``cancel``:
-``Abilities(emit=True)``) is handed one when the client asked for a stream, and calls it in its thread with
-each piece of text as it is produced: the upstream engine per upstream chunk, GPT-2 per decoding step
-(the new token's text, held back while a stop string may be starting), the synthetic engine per token
-(it then sleeps its run's time token by token, the same total). The pieces joined are the result's text.
-An engine without ``emit`` streams its whole answer at the end.
+``Abilities(emit=True)``) is handed one when the client asked for a stream, and calls it in its
+thread with each piece of text as it is produced: the upstream engine per upstream chunk, GPT-2 per
+decoding step (the new token's text, held back while a stop string may be starting), the synthetic
+engine per token (it then sleeps its run's time token by token, the same total). The pieces joined
+are the result's text. An engine without ``emit`` streams its whole answer at the end.
 
-What else a client asked. An engine whose ``run`` (or ``arun``) also takes ``asked`` (an :class:`Asked`,
-declared like ``cancel``: ``Abilities(asked=True)``) is handed what the client asked beyond the prompt, the size
-and the stop strings: ``min_tokens`` (the synthetic and GPT-2 engines let no stop string end a run before
-that many tokens, as vLLM does), and, for the upstream engine, the chat's messages as they came and the
-client's sampling fields, which it forwards unchanged.
+What else a client asked. An engine whose ``run`` (or ``arun``) also takes ``asked`` (an
+:class:`Asked`, declared like ``cancel``: ``Abilities(asked=True)``) is handed what the client asked
+beyond the prompt, the size and the stop strings: ``min_tokens`` (the synthetic and GPT-2 engines
+let no stop string end a run before that many tokens, as vLLM does), and, for the upstream engine,
+the chat's messages as they came and the client's sampling fields, which it forwards unchanged.
 
-Coroutine engines. An engine whose work is waiting on I/O (the upstream engine: a socket) may instead
-define ``async def arun(prompt, max_new_tokens, stop, emit=None)`` and declare
+Coroutine engines. An engine whose work is waiting on I/O (the upstream engine: a socket) may
+instead define ``async def arun(prompt, max_new_tokens, stop, emit=None)`` and declare
 ``Abilities(coroutine=True)`` (:func:`is_coroutine_engine`). The
-gate runs it as a task on its own event loop, with no thread: nothing to hand over between threads, and
-``emit`` is called on the loop. It is stopped by cancelling its task (:func:`cancellable`, which turns a
-set :class:`Cancel` into that), so it takes no ``cancel``. :func:`run_coroutine` runs one from a thread.
+gate runs it as a task on its own event loop, with no thread: nothing to hand over between threads,
+and ``emit`` is called on the loop. It is stopped by cancelling its task (:func:`cancellable`, which
+turns a set :class:`Cancel` into that), so it takes no ``cancel``. :func:`run_coroutine` runs one
+from a thread.
 
 An upstream engine's failures are :class:`UpstreamError` (an error status, no connection,
 an answer broken off) and :class:`UpstreamTimeout`; the gate tells them apart from an
@@ -69,11 +71,12 @@ from .tokenizer import ByteTokenizer
 class Asked:
     """What a client asked of a run beyond its prompt, size and stop strings.
 
-    min_tokens: no stop string ends the run before this many tokens are out (vLLM's ``min_tokens``; the
-    engines here never stop at end-of-text, so that is all it changes). messages: a chat's messages as the
-    client sent them (None: a prompt), for an engine that forwards a chat as a chat (the upstream engine).
-    sampling: the client's sampling fields as (name, value) pairs, forwarded unchanged by the upstream engine
-    (the synthetic and GPT-2 engines decode greedily, which every ``top_k`` admits).
+    min_tokens: no stop string ends the run before this many tokens are out (vLLM's ``min_tokens``;
+    the engines here never stop at end-of-text, so that is all it changes). messages: a chat's
+    messages as the client sent them (None: a prompt), for an engine that forwards a chat as a chat
+    (the upstream engine). sampling: the client's sampling fields as (name, value) pairs, forwarded
+    unchanged by the upstream engine (the synthetic and GPT-2 engines decode greedily, which every
+    ``top_k`` admits).
     """
 
     min_tokens: int = 0
@@ -87,8 +90,9 @@ class EngineResult:
 
     first_token_s: seconds to the first token, where the engine sees it apart (None: it does not).
     stopped: the run was cut short because its :class:`Cancel` was set; text and tokens are what
-    it had by then, and engine_s is not a service time (the gate teaches the tracker nothing from it).
-    prompt_tokens: the engine's own count of the prompt (None: the gate's count, Job.prompt_tokens).
+    it had by then, and engine_s is not a service time (the gate teaches the tracker nothing from
+    it). prompt_tokens: the engine's own count of the prompt (None: the gate's count,
+    Job.prompt_tokens).
     """
 
     text: str
@@ -122,7 +126,8 @@ class Cancel(threading.Event):
             callback()
 
     def when_set(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Run ``callback`` once this is set (now, if it is already); returns a function that unregisters it."""
+        """Run ``callback`` once this is set (now, if it is already); returns a function that
+        unregisters it."""
         with self._callbacks_lock:
             if not self.is_set():
                 self._callbacks.append(callback)
@@ -139,8 +144,9 @@ class Cancel(threading.Event):
 class UpstreamError(RuntimeError):
     """An upstream server answered an error status, could not be reached, or broke its answer off.
 
-    failing: whether it says the upstream is failing (no connection, a broken stream, a 5xx, a missing route),
-    not only this request (a 400 for its body): the upstream is then not ready (``GET /ready``)."""
+    failing: whether it says the upstream is failing (no connection, a broken stream, a 5xx, a
+    missing route), not only this request (a 400 for its body): the upstream is then not ready
+    (``GET /ready``)."""
 
     reason = "upstream_error"
 
@@ -157,8 +163,8 @@ class UpstreamTimeout(UpstreamError):
 
 @runtime_checkable
 class Engine(Protocol):
-    """One request at a time; ``run`` blocks and is called from one engine thread (or, instead, a coroutine
-    ``arun`` that the gate awaits on its loop: module docstring, "Coroutine engines").
+    """One request at a time; ``run`` blocks and is called from one engine thread (or, instead, a
+    coroutine ``arun`` that the gate awaits on its loop: module docstring, "Coroutine engines").
 
     max_new_tokens_limit: the most new tokens a request may ask for (None: no
     limit of the engine's own; the service applies its cap).
@@ -166,7 +172,8 @@ class Engine(Protocol):
 
     max_new_tokens_limit: int | None
 
-    # It may also take ``cancel``, ``emit`` and ``asked``, declared in ``abilities`` (module docstring).
+    # It may also take ``cancel``, ``emit`` and ``asked``, declared in ``abilities`` (module
+    # docstring).
     def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None) -> EngineResult: ...
 
     def count_tokens(self, text: str) -> int: ...
@@ -178,17 +185,18 @@ class Engine(Protocol):
 
 @runtime_checkable
 class SelfTimed(Protocol):
-    """An engine that bounds its own runs (the upstream engine: nothing received for ``run_timeout_s`` is a
-    timeout). The gate's stall rule does not end its runs: one that keeps producing is not stalled, and a silent
-    one ends as the engine's own timeout (504 ``upstream_timeout``), whatever the stall settings."""
+    """An engine that bounds its own runs (the upstream engine: nothing received for
+    ``run_timeout_s`` is a timeout). The gate's stall rule does not end its runs: one that keeps
+    producing is not stalled, and a silent one ends as the engine's own timeout (504
+    ``upstream_timeout``), whatever the stall settings."""
 
     run_timeout_s: float
 
 
 @runtime_checkable
 class Checked(Protocol):
-    """An engine that can say whether what it depends on is there (the upstream engine: its server), for
-    ``GET /ready`` and ``/healthz``: None when ready, else why not, in one line."""
+    """An engine that can say whether what it depends on is there (the upstream engine: its server),
+    for ``GET /ready`` and ``/healthz``: None when ready, else why not, in one line."""
 
     async def readiness(self) -> str | None: ...
 
@@ -211,14 +219,15 @@ class CountsUpstream(Protocol):
 
 @runtime_checkable
 class ClosesOnLoop(Protocol):
-    """An engine that holds something on the gate's event loop (the upstream engines: their HTTP connections) and
-    closes it there when the gate stops: ``async def aclose()``."""
+    """An engine that holds something on the gate's event loop (the upstream engines: their HTTP
+    connections) and closes it there when the gate stops: ``async def aclose()``."""
 
     async def aclose(self) -> None: ...
 
 
 async def close_on_loop(engine) -> None:
-    """Let ``engine`` close what it holds on this loop, where it holds anything (:class:`ClosesOnLoop`)."""
+    """Let ``engine`` close what it holds on this loop, where it holds anything
+    (:class:`ClosesOnLoop`)."""
     if isinstance(engine, ClosesOnLoop):
         await engine.aclose()
 
@@ -243,17 +252,21 @@ NO_ABILITIES = Abilities()
 
 
 def abilities_of(engine) -> Abilities:
-    """What ``engine`` declares (:class:`Abilities`); nothing for an engine that declares nothing."""
+    """What ``engine`` declares (:class:`Abilities`); nothing for an engine that declares
+    nothing."""
     declared = getattr(engine, "abilities", NO_ABILITIES)
     if not isinstance(declared, Abilities):
-        raise TypeError(f"{type(engine).__name__}.abilities is {type(declared).__name__}, "
-                        "not live.engine.Abilities")
+        raise TypeError(
+            f"{type(engine).__name__}.abilities is {type(declared).__name__}, "
+            "not live.engine.Abilities"
+        )
     return declared
 
 
 def is_coroutine_engine(engine) -> bool:
-    """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as ``run``
-    but ``cancel``): the gate then runs it as a task on its event loop (module docstring)."""
+    """Whether the engine runs a request as a coroutine (``async def arun``, same arguments as
+    ``run`` but ``cancel``): the gate then runs it as a task on its event loop (module
+    docstring)."""
     return abilities_of(engine).coroutine
 
 
@@ -262,9 +275,9 @@ Emit = Callable[[str], None]
 
 
 async def cancellable(run: Awaitable[EngineResult], cancel: Cancel | None) -> EngineResult:
-    """Await a coroutine engine's run in the current task; ``cancel`` set (from any thread, before or during the
-    run) cancels the task's wait, and the run ends as a stopped result (the engine's ``async with`` blocks have
-    closed what they held: the upstream engine's connection)."""
+    """Await a coroutine engine's run in the current task; ``cancel`` set (from any thread, before
+    or during the run) cancels the task's wait, and the run ends as a stopped result (the engine's
+    ``async with`` blocks have closed what they held: the upstream engine's connection)."""
     began = time.perf_counter()
     if cancel is None:
         return await run
@@ -272,7 +285,8 @@ async def cancellable(run: Awaitable[EngineResult], cancel: Cancel | None) -> En
 
     def stop() -> None:
         try:
-            loop.call_soon_threadsafe(task.cancel)  # the setting thread may be the loop's own or another
+            # the setting thread may be the loop's own or another
+            loop.call_soon_threadsafe(task.cancel)
         except RuntimeError:
             pass  # the loop has closed: the run is over
 
@@ -288,8 +302,11 @@ async def cancellable(run: Awaitable[EngineResult], cancel: Cancel | None) -> En
         forget()
 
 
-def run_coroutine(make: Callable[[], Awaitable[EngineResult]], cancel: threading.Event | None = None) -> EngineResult:
-    """A coroutine engine's run called from a thread (tests, scripts): on an event loop of its own. A
+def run_coroutine(
+    make: Callable[[], Awaitable[EngineResult]], cancel: threading.Event | None = None
+) -> EngineResult:
+    """A coroutine engine's run called from a thread (tests, scripts): on an event loop of its own.
+    A
     :class:`Cancel` stops it at once; a plain Event is looked at before the run only."""
     if cancel is not None and cancel.is_set():
         return EngineResult("", 0, 0.0, stopped=True)
@@ -301,30 +318,36 @@ def run_coroutine(make: Callable[[], Awaitable[EngineResult]], cancel: threading
 
 
 class PieceFeed:
-    """Hands ``emit`` the new part of a text that grows as decoding goes, holding back its last ``hold``
-    characters (where a stop string may be starting) and a character whose bytes are not all there yet."""
+    """Hands ``emit`` the new part of a text that grows as decoding goes, holding back its last
+    ``hold`` characters (where a stop string may be starting) and a character whose bytes are not
+    all there yet."""
 
     def __init__(self, emit: Emit, hold: int = 0) -> None:
         self.emit, self.hold, self.sent = emit, hold, 0
 
     def grow(self, text: str, final: bool = False) -> None:
         end = len(text) if final else len(text) - self.hold
-        while not final and end > self.sent and text[end - 1] == "\ufffd":  # a partial UTF-8 sequence decoded
+        # a partial UTF-8 sequence decoded
+        while not final and end > self.sent and text[end - 1] == "\ufffd":
             end -= 1
         if end > self.sent:
-            self.emit(text[self.sent:end])
+            self.emit(text[self.sent : end])
             self.sent = end
 
 
-def apply_stop(text: str, stop: Sequence[str] | None, search_from: int = 0, ends_after: int = 0) -> str | None:
-    """Text cut before the earliest stop string found at or after ``search_from`` that ends past the first
-    ``ends_after`` characters (the text of a request's ``min_tokens``); None if none is found.
+def apply_stop(
+    text: str, stop: Sequence[str] | None, search_from: int = 0, ends_after: int = 0
+) -> str | None:
+    """Text cut before the earliest stop string found at or after ``search_from`` that ends past the
+    first ``ends_after`` characters (the text of a request's ``min_tokens``); None if none is found.
 
     The stop string itself is not part of the answer.
     """
     if not stop:
         return None
-    hits = [i for i in (text.find(s, max(search_from, ends_after - len(s) + 1)) for s in stop) if i >= 0]
+    hits = [
+        i for i in (text.find(s, max(search_from, ends_after - len(s) + 1)) for s in stop) if i >= 0
+    ]
     return text[: min(hits)] if hits else None
 
 
@@ -386,7 +409,8 @@ class SyntheticEngine:
     ends its wait at once (``stopped``); a hang does not listen, as a wedged driver would not.
     ``early_stops`` (a :class:`qsim.mixes.UsedShare`, ``qlab serve --early-stops``): each run
     generates a share of its limit drawn from it, as if a stop string ended it, and takes the time
-    of the tokens it generated (what a learning estimator learns); None: every run generates its limit.
+    of the tokens it generated (what a learning estimator learns); None: every run generates its
+    limit.
     """
 
     abilities = Abilities(cancel=True, emit=True, asked=True)
@@ -410,7 +434,8 @@ class SyntheticEngine:
         self.speed = SpeedSchedule(float(speed), tuple((float(t), float(s)) for t, s in schedule))
         self.noise_cv = float(noise_cv)
         self._rng = np.random.default_rng(seed)
-        self._rng_lock = threading.Lock()  # an engine is normally used by one thread; be safe anyway
+        # an engine is normally used by one thread; be safe anyway
+        self._rng_lock = threading.Lock()
         self._clock = clock
         self._started = clock()
         self._tokenizer = ByteTokenizer()
@@ -427,47 +452,74 @@ class SyntheticEngine:
             noise = float(lognormal_noise(self._rng, 1, self.noise_cv)[0])
         return float(self.model.estimate(max_new_tokens, prompt_tokens)) * speed * noise
 
-    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
+    def run(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        stop: Sequence[str] | None = None,
+        cancel: threading.Event | None = None,
+        emit: Emit | None = None,
+        asked: Asked = Asked(),
+    ) -> EngineResult:
         start = time.perf_counter()
         with self._rng_lock:
             self._runs += 1
             n = self._runs
         if self.faults.fails(n):
-            raise InjectedFault(f"injected failure on run {n} (fail every {self.faults.fail_every})")
+            raise InjectedFault(
+                f"injected failure on run {n} (fail every {self.faults.fail_every})"
+            )
         if self.faults.hangs(n):
             self._never.wait(self.faults.hang_s)  # a wedged driver: deaf to cancel too
         generated = max_new_tokens
         if self.early_stops is not None:
-            with self._rng_lock:  # two draws per run, after the noise's: the same seed gives the same runs
+            # two draws per run, after the noise's: the same seed gives the same runs
+            with self._rng_lock:
                 generated = int(self.early_stops.draw(self._rng, [max_new_tokens])[0])
-            generated = max(generated, min(asked.min_tokens, max_new_tokens))  # no early end before min_tokens
+            # no early end before min_tokens
+            generated = max(generated, min(asked.min_tokens, max_new_tokens))
         prompt_tokens = self.count_tokens(prompt)
         duration = self.duration_s(generated, prompt_tokens)
         text = WORD * generated
         cut = apply_stop(text, stop, ends_after=len(WORD) * min(asked.min_tokens, generated))
-        # The sleep is for every token generated: a stop string given by the client shortens the text, not the work.
+        # The sleep is for every token generated: a stop string given by the client shortens the
+        # text, not the work.
         text = text if cut is None else cut
         if emit is not None and generated > 0:
             return self._stream(text, generated, prompt_tokens, duration, start, cancel, emit)
-        if _waited_out(cancel, duration):  # the client left, or its deadline passed: the rest of the work is not done
+        # the client left, or its deadline passed: the rest of the work is not done
+        if _waited_out(cancel, duration):
             return EngineResult("", 0, time.perf_counter() - start, stopped=True)
         return EngineResult(text, generated, time.perf_counter() - start)
 
-    def _stream(self, text: str, generated: int, prompt_tokens: int, duration: float, start: float,
-                cancel: threading.Event | None, emit: Emit) -> EngineResult:
-        """The run's time token by token: each token the model's per-token share of it, the rest (intercept,
-        prompt) before the first; each token's text is emitted when its time is up. Each wait runs to the
-        token's time since the start, so that the sleeps' overshoots do not add up: the run takes its time."""
+    def _stream(
+        self,
+        text: str,
+        generated: int,
+        prompt_tokens: int,
+        duration: float,
+        start: float,
+        cancel: threading.Event | None,
+        emit: Emit,
+    ) -> EngineResult:
+        """The run's time token by token: each token the model's per-token share of it, the rest
+        (intercept, prompt) before the first; each token's text is emitted when its time is up. Each
+        wait runs to the token's time since the start, so that the sleeps' overshoots do not add up:
+        the run takes its time."""
         estimate = float(self.model.estimate(generated, prompt_tokens))
-        step = duration * self.model.per_token_s / estimate if estimate > 0 else duration / generated
+        step = (
+            duration * self.model.per_token_s / estimate if estimate > 0 else duration / generated
+        )
         first_s = None
         for i in range(generated):
-            due = duration - step * (generated - 1 - i)  # seconds since the start at which token i is out
+            # seconds since the start at which token i is out
+            due = duration - step * (generated - 1 - i)
             if _waited_out(cancel, max(0.0, due - (time.perf_counter() - start))):
-                return EngineResult(text[: len(WORD) * i], i, time.perf_counter() - start, first_s, stopped=True)
+                return EngineResult(
+                    text[: len(WORD) * i], i, time.perf_counter() - start, first_s, stopped=True
+                )
             first_s = time.perf_counter() - start if first_s is None else first_s
-            piece = text[len(WORD) * i: len(WORD) * (i + 1)]  # empty past a stop string's cut
+            piece = text[len(WORD) * i : len(WORD) * (i + 1)]  # empty past a stop string's cut
             if piece:
                 emit(piece)
         return EngineResult(text, generated, time.perf_counter() - start, first_s)
@@ -486,8 +538,9 @@ class SyntheticEngine:
             "per_prompt_token_s": self.model.per_prompt_token_s,
             "speed": self.speed.base,
             "schedule": [list(step) for step in self.speed.steps],
-            # The engine's clock (the gate's: time.monotonic) when the schedule's seconds began: a run file maps
-            # the schedule onto its own clock with it, so that qlab compare simulates the same change.
+            # The engine's clock (the gate's: time.monotonic) when the schedule's seconds began: a
+            # run file maps the schedule onto its own clock with it, so that qlab compare simulates
+            # the same change.
             "schedule_started_at": self._started,
             "noise_cv": self.noise_cv,
             "early_stops": None if self.early_stops is None else asdict(self.early_stops),

@@ -1,9 +1,9 @@
 """A batching engine's steps as its own counters say them (vLLM's Prometheus ``/metrics``).
 
-A gate in front of vLLM cannot see vLLM's steps: its own steps of an upstream end whenever a streamed
-chunk arrives, and a loaded vLLM writes several steps' tokens into one chunk. vLLM counts its steps
-itself: ``vllm:iteration_tokens_total`` is observed once an engine step (its count: the steps; its
-sum: the tokens they computed, prompts less what the prefix cache held, and one a running
+A gate in front of vLLM cannot see vLLM's steps: its own steps of an upstream end whenever a
+streamed chunk arrives, and a loaded vLLM writes several steps' tokens into one chunk. vLLM counts
+its steps itself: ``vllm:iteration_tokens_total`` is observed once an engine step (its count: the
+steps; its sum: the tokens they computed, prompts less what the prefix cache held, and one a running
 sequence), ``vllm:generation_tokens_total`` counts the tokens they made, and
 ``vllm:inter_token_latency_seconds`` each running request's gap between two tokens, on the engine's
 own clock: a step's time, seen once by every sequence in it. Read around a phase of the calibration,
@@ -93,9 +93,19 @@ class EnginePhase:
         def d(name: str) -> float:
             return getattr(after, name) - getattr(before, name)
 
-        return cls(level, half, d("at"), round(d("steps")), round(d("computed")),
-                   round(d("generated")), round(d("itl_n")), d("itl_s"), round(d("requests")),
-                   d("inference_s"), d("api_cpu_s"))
+        return cls(
+            level,
+            half,
+            d("at"),
+            round(d("steps")),
+            round(d("computed")),
+            round(d("generated")),
+            round(d("itl_n")),
+            d("itl_s"),
+            round(d("requests")),
+            d("inference_s"),
+            d("api_cpu_s"),
+        )
 
     @property
     def step_s(self) -> float:
@@ -167,7 +177,8 @@ class EngineStepFit:
             "r2": self.fit.r2,
             "median_rel_error": self.fit.median_rel_error,
             "seconds": "engine: its tokens' mean gap in a phase, on the engine's own clock",
-            "outside_engine_ms_a_request": 1000 * float(np.median([p.outside_s for p in self.phases])),
+            "outside_engine_ms_a_request": 1000
+            * float(np.median([p.outside_s for p in self.phases])),
             "front_end": None if self.front_end is None else self.front_end.as_dict(),
             "phases": [p.as_dict() for p in self.phases],
         }
@@ -177,18 +188,26 @@ def fit_phases(phases: Sequence[EnginePhase]) -> EngineStepFit:
     """ValueError where the engine ran no steps in a phase, or too few phases to fit and judge."""
     empty = [p.level for p in phases if p.gaps < 1 or p.requests < 1]
     if empty:
-        raise ValueError(f"the engine's counters saw no step in the phases at {empty} in flight: "
-                         "is --engine-metrics the engine the gate forwards to?")
+        raise ValueError(
+            f"the engine's counters saw no step in the phases at {empty} in flight: "
+            "is --engine-metrics the engine the gate forwards to?"
+        )
     first = [p for p in phases if p.half == 0]
     second = [p for p in phases if p.half == 1]
     if len(first) < 3 or len(second) < 2:
-        raise ValueError(f"judging a step model on held-out phases needs 3 first and 2 second halves, "
-                         f"got {len(first)} and {len(second)}: calibrate with more levels")
+        raise ValueError(
+            "judging a step model on held-out phases needs 3 first and 2 second "
+            "halves, "
+            f"got {len(first)} and {len(second)}: calibrate with more levels"
+        )
     model = _fit(first).model
     y = np.array([p.step_s for p in second])
     fitted = np.array([model.time(p.prefill, p.seqs, 0.0) for p in second])
     return EngineStepFit(
-        _fit(phases), r_squared(y, fitted), float(np.median(np.abs(fitted - y) / y)), tuple(phases),
+        _fit(phases),
+        r_squared(y, fitted),
+        float(np.median(np.abs(fitted - y) / y)),
+        tuple(phases),
         fit_front_end(phases),
     )
 
@@ -204,9 +223,13 @@ class FrontEndFit:
     n: int
 
     def as_dict(self) -> dict:
-        return {**asdict(self.model), "idle_cpu_a_second": self.idle_cpu_a_second,
-                "r2": self.r2, "n": self.n,
-                "seconds": "the API process's CPU (process_cpu_seconds_total), not wall time"}
+        return {
+            **asdict(self.model),
+            "idle_cpu_a_second": self.idle_cpu_a_second,
+            "r2": self.r2,
+            "n": self.n,
+            "seconds": "the API process's CPU (process_cpu_seconds_total), not wall time",
+        }
 
 
 def fit_front_end(phases: Sequence[EnginePhase]) -> FrontEndFit | None:
@@ -225,5 +248,9 @@ def fit_front_end(phases: Sequence[EnginePhase]) -> FrontEndFit | None:
     coef, _ = optimize.nnls(x / scale, y)
     coef = coef / scale
     r2 = r_squared(y, x @ coef)
-    return FrontEndFit(FrontEnd(request_s=float(coef[0]), token_s=float(coef[2]),
-                                step_s=float(coef[1])), float(coef[3]), float(r2), len(used))
+    return FrontEndFit(
+        FrontEnd(request_s=float(coef[0]), token_s=float(coef[2]), step_s=float(coef[1])),
+        float(coef[3]),
+        float(r2),
+        len(used),
+    )

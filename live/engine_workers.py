@@ -66,8 +66,9 @@ class Worker:
     running loop; a call given while the last still runs (a run cut at its deadline, stopping)
     waits for it. ``engine``: what :meth:`aclose` lets close what it holds on the loop."""
 
-    def __init__(self, name: str, call: Callable, deliver: Callable, *, coroutine: bool,
-                 engine=None) -> None:
+    def __init__(
+        self, name: str, call: Callable, deliver: Callable, *, coroutine: bool, engine=None
+    ) -> None:
         self.name, self._call, self._deliver = name, call, deliver
         self.coroutine, self.engine = coroutine, engine
         self._tasks: list[asyncio.Task] = []  # the call in progress, and a next one waiting for it
@@ -88,8 +89,9 @@ class Worker:
             return
         self._tasks = [t for t in self._tasks if not t.done()]
         previous = self._tasks[-1] if self._tasks else None
-        self._tasks.append(asyncio.get_running_loop().create_task(self._run(work, previous),
-                                                                  name=self.name))
+        self._tasks.append(
+            asyncio.get_running_loop().create_task(self._run(work, previous), name=self.name)
+        )
 
     def stop(self, timeout_s: float) -> None:
         """Stop taking work: the thread ends after its call (waited for up to ``timeout_s``); the

@@ -41,8 +41,16 @@ from qsim.queue import AdmissionQueue
 from .engine import Checked
 from .gate_errors import EngineStalled, UpstreamFailed
 
-__all__ = ["FAILING_PAUSE_S", "FAILING_STREAK", "LiveBatchFleet", "LiveCentralBatch", "LiveFleet",
-           "ReplicaWatch", "batch_fleet_queue", "fleet_queue"]
+__all__ = [
+    "FAILING_PAUSE_S",
+    "FAILING_STREAK",
+    "LiveBatchFleet",
+    "LiveCentralBatch",
+    "LiveFleet",
+    "ReplicaWatch",
+    "batch_fleet_queue",
+    "fleet_queue",
+]
 
 
 def fleet_queue(config: ServerConfig, spec: FleetSpec, *, start, drop, gone, routed) -> "LiveFleet":
@@ -86,12 +94,16 @@ class LiveFleet(Fleet):
         return line.cut_at(k)
 
     def overdue(self, now: float) -> list[int]:
-        return [q * self.per_line + k
-                for q, line in enumerate(self.lines) for k in line.overdue(now)]
+        return [
+            q * self.per_line + k for q, line in enumerate(self.lines) for k in line.overdue(now)
+        ]
 
     def stalled_engines(self, now: float) -> list[dict]:
-        return [{**s, "engine": q * self.per_line + s["engine"]}
-                for q, line in enumerate(self.lines) for s in line.stalled_engines(now)]
+        return [
+            {**s, "engine": q * self.per_line + s["engine"]}
+            for q, line in enumerate(self.lines)
+            for s in line.stalled_engines(now)
+        ]
 
     # -- the line that decided the last arrival ------------------------------------------
 
@@ -126,10 +138,16 @@ class LiveFleet(Fleet):
         """The fleet's queue summed (the keys of one line's), and each replica's own with
         whether the router sends there."""
         each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
-        total = {key: sum(s[key] for s in each) for key in ("waiting", "in_service", "stalled",
-                                                            "queued_work_s", "engines")}
-        return {**total, "speed_factor": self.speed_factor, "router": self.router.name,
-                "replicas": each}
+        total = {
+            key: sum(s[key] for s in each)
+            for key in ("waiting", "in_service", "stalled", "queued_work_s", "engines")
+        }
+        return {
+            **total,
+            "speed_factor": self.speed_factor,
+            "router": self.router.name,
+            "replicas": each,
+        }
 
     def recalibrate(self, config: ServerConfig) -> None:
         for line in self.lines:
@@ -201,13 +219,16 @@ class ReplicaWatch:
             numbers = {**ticket.arrival.numbers(), "waited_s": waited}
             problem = unready.get(r)
             if problem is None:
-                message = (f"replica {r}'s every engine is stalled; the gate took it out of "
-                           f"routing and ended this request after {waited:.3f} s; send it again")
+                message = (
+                    f"replica {r}'s every engine is stalled; the gate took it out of "
+                    f"routing and ended this request after {waited:.3f} s; send it again"
+                )
                 exc = EngineStalled(message, None, numbers, ticket.arrival)
             else:
                 k = r * gate.queue.engines_per_replica
-                exc = UpstreamFailed(k, RuntimeError(f"replica {r} is not ready: {problem}"),
-                                     ticket.arrival, numbers)
+                exc = UpstreamFailed(
+                    k, RuntimeError(f"replica {r} is not ready: {problem}"), ticket.arrival, numbers
+                )
             gate.resolve(ticket, Outcome.ERROR, exc=exc)
 
     def count_failure(self, r: int, ok: bool, now: float) -> None:
@@ -226,8 +247,10 @@ class ReplicaWatch:
         for r in [r for r, until in self._paused.items() if until <= now]:
             del self._paused[r]  # sent to again; its next failure pauses it once more
             self._failing[r] = FAILING_STREAK - 1
-        return {r: f"its last {self._failing[r]} runs failed; sent to again in "
-                   f"{until - now:.1f} s" for r, until in self._paused.items()}
+        return {
+            r: f"its last {self._failing[r]} runs failed; sent to again in {until - now:.1f} s"
+            for r, until in self._paused.items()
+        }
 
     def _probe_replicas(self) -> None:
         """Ask each replica's engine that can tell (live.engine.Checked: an upstream's, which
@@ -255,8 +278,7 @@ def batch_fleet_queue(config: ServerConfig, spec: FleetSpec, *, line, routed) ->
     batching run builds its own (qsim.run_batching)."""
     if spec.router.shared:
         return LiveCentralBatch(config, spec, line=line, routed=routed)
-    return LiveBatchFleet(config, spec, line=lambda r, cfg: line(r, cfg, BatchQueue),
-                          routed=routed)
+    return LiveBatchFleet(config, spec, line=lambda r, cfg: line(r, cfg, BatchQueue), routed=routed)
 
 
 class _BatchReadings:
@@ -303,11 +325,18 @@ class _BatchReadings:
         """One batching core's keys, summed over the replicas (the KV use averaged), and each
         replica's own with whether the router sends there."""
         each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
-        total = {key: sum(s[key] for s in each) for key in ("in_service", "stalled",
-                                                            "queued_work_s", "engines",
-                                                            "kv_blocks_used")}
-        return {**total, "waiting": self.queued, "kv_use": self.kv_use,
-                "speed_factor": self.speed_factor, "router": self.router.name, "replicas": each}
+        total = {
+            key: sum(s[key] for s in each)
+            for key in ("in_service", "stalled", "queued_work_s", "engines", "kv_blocks_used")
+        }
+        return {
+            **total,
+            "waiting": self.queued,
+            "kv_use": self.kv_use,
+            "speed_factor": self.speed_factor,
+            "router": self.router.name,
+            "replicas": each,
+        }
 
 
 class LiveBatchFleet(_BatchReadings, Fleet):

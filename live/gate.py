@@ -108,14 +108,33 @@ from .drive_batch import BatchDriver
 from .drive_one import CUT_LEAD_S, CUT_SLACK_S, OneAtATimeDriver
 from .engine import Engine
 from .engine_workers import _Ticket
-from .gate_errors import (NEVER_IN_TIME, SHUTDOWN_REASON, DeadlineExceeded, EngineFailed,
-                          EngineStalled, NeverInTime, Rejected, ShuttingDown, UpstreamFailed,
-                          UpstreamTimedOut, never_in_time)
+from .gate_errors import (
+    NEVER_IN_TIME,
+    SHUTDOWN_REASON,
+    DeadlineExceeded,
+    EngineFailed,
+    EngineStalled,
+    NeverInTime,
+    Rejected,
+    ShuttingDown,
+    UpstreamFailed,
+    UpstreamTimedOut,
+    never_in_time,
+)
 from .jobs import END, Answer, Arrival, Job, StreamingJob
 from .timings import Timings
 
-__all__ = ["COUNTED", "CUT_LEAD_S", "CUT_SLACK_S", "GATE_STALL", "BatchGate", "Driver", "Gate",
-           "check_live_policy", "gate_config"]
+__all__ = [
+    "COUNTED",
+    "CUT_LEAD_S",
+    "CUT_SLACK_S",
+    "GATE_STALL",
+    "BatchGate",
+    "Driver",
+    "Gate",
+    "check_live_policy",
+    "gate_config",
+]
 
 #: Outcomes the gate counts: the record's (``cancelled``: cut at its deadline; ``abandoned``: its
 #: client left first, also stats' top-level ``cancelled``, kept for older clients). At rest they
@@ -128,8 +147,10 @@ GATE_STALL = StallRule()
 def check_live_policy(policy: Policy) -> Policy:
     """The policy, or ValueError where a live gate cannot run it (the oracle estimator)."""
     if policy.estimator == "oracle":
-        raise ValueError("oracle is simulator-only: a live gate cannot know how many tokens a "
-                         "request will generate")
+        raise ValueError(
+            "oracle is simulator-only: a live gate cannot know how many tokens a "
+            "request will generate"
+        )
     return policy
 
 
@@ -141,8 +162,6 @@ def gate_config(policy: Policy, **settings) -> ServerConfig:
     batching = isinstance(settings.get("engine"), Batching)
     settings.setdefault("stall", None if batching else GATE_STALL)
     return ServerConfig(check_live_policy(policy), **settings)
-
-
 
 
 class Driver(Protocol):
@@ -201,9 +220,14 @@ class Gate:
     batching engine per replica (``engines[r]``).
     """
 
-    def __init__(self, engines: Sequence[Engine], config: ServerConfig,
-                 clock: Callable[[], float] = time.monotonic, worker: Callable | None = None,
-                 fleet: FleetSpec | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        config: ServerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        worker: Callable | None = None,
+        fleet: FleetSpec | None = None,
+    ) -> None:
         if not engines:
             raise ValueError("the gate needs at least one engine")
         check_live_policy(config.policy)
@@ -223,11 +247,22 @@ class Gate:
         self.rejected_by_reason = dict.fromkeys(map(str, (*REJECT_REASONS, NEVER_IN_TIME)), 0)
         # Admitted requests that ended without an answer, by (outcome, reason); the reasons known up
         # front start at 0 so that /metrics shows every series from the first scrape.
-        self.ended_by_reason = dict.fromkeys([(str(o), str(r)) for o, r in (
-            (Outcome.EXPIRED, EXPIRE_REASON), (Outcome.EXPIRED, CODEL_REASON),
-            (Outcome.ERROR, EngineFailed.reason), (Outcome.ERROR, STALL_REASON),
-            (Outcome.ERROR, UpstreamFailed.reason), (Outcome.ERROR, UpstreamTimedOut.reason),
-            (Outcome.CANCELLED, CUT_REASON), (Outcome.ERROR, SHUTDOWN_REASON))], 0)
+        self.ended_by_reason = dict.fromkeys(
+            [
+                (str(o), str(r))
+                for o, r in (
+                    (Outcome.EXPIRED, EXPIRE_REASON),
+                    (Outcome.EXPIRED, CODEL_REASON),
+                    (Outcome.ERROR, EngineFailed.reason),
+                    (Outcome.ERROR, STALL_REASON),
+                    (Outcome.ERROR, UpstreamFailed.reason),
+                    (Outcome.ERROR, UpstreamTimedOut.reason),
+                    (Outcome.CANCELLED, CUT_REASON),
+                    (Outcome.ERROR, SHUTDOWN_REASON),
+                )
+            ],
+            0,
+        )
         self.timings = Timings()  # per-request times for /metrics (live.prometheus_metrics)
         self.cancelled = 0  # clients that left before their answer
         self.submitted = 0  # every request decided on: at rest, counts plus cancelled add up to it
@@ -284,8 +319,13 @@ class Gate:
         for entry in list(self.queue.waiting):
             ticket = entry.req
             if self.queue.cancel(ticket, now) == "waiting":
-                self.resolve(ticket, Outcome.ERROR, exc=ShuttingDown(
-                    "the server is shutting down and did not start this request; send it again"))
+                self.resolve(
+                    ticket,
+                    Outcome.ERROR,
+                    exc=ShuttingDown(
+                        "the server is shutting down and did not start this request; send it again"
+                    ),
+                )
 
     def drain_soon(self) -> None:
         """:meth:`drain` on the gate's loop, from any thread or a signal handler (where the server's
@@ -323,11 +363,13 @@ class Gate:
 
     def _admit(self, job: Job) -> _Ticket:
         if self.loop is None or self.closed:
-            raise RuntimeError("the gate is not running: start it inside the event loop "
-                               "(and not after close)")
+            raise RuntimeError(
+                "the gate is not running: start it inside the event loop (and not after close)"
+            )
         if self.draining:
-            raise ShuttingDown("the server is shutting down and takes no new requests; "
-                               "send it again")
+            raise ShuttingDown(
+                "the server is shutting down and takes no new requests; send it again"
+            )
         now = self.driver.now()
         self.submitted += 1
         # The calibrated estimate at the limit, prompt term included; the policy's estimator scales
@@ -339,8 +381,15 @@ class Gate:
         if job.stream:  # before arrive(): an idle engine may take it there
             ticket.pieces = asyncio.Queue()
             ticket.emit = partial(self._post_piece, ticket.pieces)
-        refusal = self.queue.arrive(ticket, now, base, deadline, job.priority, job.client_id,
-                                    Work(job.max_new_tokens, job.prompt_tokens))
+        refusal = self.queue.arrive(
+            ticket,
+            now,
+            base,
+            deadline,
+            job.priority,
+            job.client_id,
+            Work(job.max_new_tokens, job.prompt_tokens),
+        )
         # Set after arrive(): a ticket an idle engine took there comes back on a later loop turn,
         # and a refusal (most arrivals under overload) needs no future.
         ticket.arrival = Arrival(now, deadline, self.queue.seen, ticket.replica)
@@ -349,14 +398,20 @@ class Gate:
             # The core refused it (and kept its state as the simulator's would); one no queue could
             # answer in time is told so, not told to come back.
             est_idle = self.driver.idle_estimate_s(job, base)
-            never = refusal.reason != RATE_LIMITED and never_in_time(self.policy, est_idle,
-                                                                     deadline)
+            never = refusal.reason != RATE_LIMITED and never_in_time(
+                self.policy, est_idle, deadline
+            )
             reason = NEVER_IN_TIME if never else refusal.reason
             self.counts[Outcome.REJECTED] += 1
             self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
             if never:
-                raise NeverInTime(refusal, ticket.arrival, job, est_idle,
-                                  self.fitting_tokens(deadline, job.prompt_tokens))
+                raise NeverInTime(
+                    refusal,
+                    ticket.arrival,
+                    job,
+                    est_idle,
+                    self.fitting_tokens(deadline, job.prompt_tokens),
+                )
             raise Rejected(refusal, ticket.arrival)
         ticket.future = self.loop.create_future()
         ticket.future.add_done_callback(partial(self._on_future_done, ticket))
@@ -366,8 +421,9 @@ class Gate:
             ticket.future.add_done_callback(lambda _: ticket.pieces.put_nowait(END))
         return ticket
 
-    def fitting_tokens(self, deadline_s: float | None, prompt_tokens: int = 0,
-                       speed: float = 1.0) -> int:
+    def fitting_tokens(
+        self, deadline_s: float | None, prompt_tokens: int = 0, speed: float = 1.0
+    ) -> int:
         """The most new tokens whose calibrated estimate (prompt term included) x ``speed`` fits
         ``deadline_s`` (None: the policy's) on an idle engine; 0 when not even one does. At the
         calibrated speed (1): what a :class:`NeverInTime` says fits; at the tracked one
@@ -389,20 +445,33 @@ class Gate:
 
     # -- outcomes ------------------------------------------------------------------------
 
-    def dropped(self, ticket: _Ticket, now: float, outcome: str, reason: str, est: float,
-                retry_after_s: int | None) -> None:
+    def dropped(
+        self,
+        ticket: _Ticket,
+        now: float,
+        outcome: str,
+        reason: str,
+        est: float,
+        retry_after_s: int | None,
+    ) -> None:
         """The core's drop hook: a waiting request ended unrun (expired, or behind stalled
         engines)."""
         a = ticket.arrival
         waited = now - a.at
         if outcome == Outcome.EXPIRED:
-            numbers = {**a.numbers(), "est_service_s": est, "waited_s": waited,
-                       "left_s": a.deadline_s - waited}
+            numbers = {
+                **a.numbers(),
+                "est_service_s": est,
+                "waited_s": waited,
+                "left_s": a.deadline_s - waited,
+            }
             self.resolve(ticket, outcome, exc=DeadlineExceeded(numbers, retry_after_s, a, reason))
             return
         numbers = {**a.numbers(), "waited_s": waited, "stalled_engines": self.workers}
-        message = (f"every engine is stalled; this request waited {waited:.3f} s, past its "
-                   f"deadline of {a.deadline_s:.3f} s, and no engine can take it")
+        message = (
+            f"every engine is stalled; this request waited {waited:.3f} s, past its "
+            f"deadline of {a.deadline_s:.3f} s, and no engine can take it"
+        )
         self.resolve(ticket, outcome, exc=EngineStalled(message, None, numbers, a))
 
     def _post_piece(self, pieces: asyncio.Queue, text: str) -> None:
@@ -413,8 +482,14 @@ class Gate:
         except RuntimeError:  # the loop closed while the engine ran: nobody is reading any more
             pass
 
-    def resolve(self, ticket: _Ticket, outcome: str, answer: Answer | None = None,
-                exc: Exception | None = None, cause: BaseException | None = None) -> None:
+    def resolve(
+        self,
+        ticket: _Ticket,
+        outcome: str,
+        answer: Answer | None = None,
+        exc: Exception | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
         """End ``ticket`` with ``outcome``: its answer, or ``exc`` (raised from ``cause``), counted
         once (a client that left was counted then)."""
         if ticket.future.done():  # cancelled: the client left, and was counted then
@@ -475,8 +550,10 @@ class Gate:
             "policy": asdict(self.policy),
             "service_model": asdict(self.config.model),
             # A learning estimator's used share of the limit now, per size class (empty: none yet).
-            "estimator_shares": {str(c): share for c, share
-                                 in sorted(getattr(self.queue.estimator, "share_now", {}).items())},
+            "estimator_shares": {
+                str(c): share
+                for c, share in sorted(getattr(self.queue.estimator, "share_now", {}).items())
+            },
             "stall_rule": None if self.config.stall is None else asdict(self.config.stall),
             "tracker_weight": self.config.tracker_weight,
             "counts": dict(self.counts),
@@ -489,24 +566,33 @@ class Gate:
             **self.driver.stats(),
         }
 
-    def step_page(self, since: float | None = None, cursor: int | None = None,
-                  limit: int = STEP_PAGE) -> dict:
+    def step_page(
+        self, since: float | None = None, cursor: int | None = None, limit: int = STEP_PAGE
+    ) -> dict:
         """A page of the step log (``GET /stats?steps_since=``; empty for engines run one at a
         time): :meth:`live.drive_batch.BatchDriver.step_page`."""
         return self.driver.step_page(since, cursor, limit)
 
 
-def BatchGate(engine, config: ServerConfig, clock: Callable[[], float] = time.monotonic,
-              worker: Callable | None = None) -> Gate:
+def BatchGate(
+    engine,
+    config: ServerConfig,
+    clock: Callable[[], float] = time.monotonic,
+    worker: Callable | None = None,
+) -> Gate:
     """The gate in front of one batching engine (:class:`live.batching.BatchEngine`): a
     :class:`Gate` whose driver is :class:`~live.drive_batch.BatchDriver`. config: a
     :class:`~qsim.config.ServerConfig` whose engine is a :class:`qsim.engines.Batching` (its step
     model is the gate's calibration; the engine has its own truth)."""
     if not is_batch_engine(engine):
-        raise ValueError("a batching gate needs an engine that runs steps "
-                         f"(live.batching.BatchEngine), not {type(engine).__name__}")
+        raise ValueError(
+            "a batching gate needs an engine that runs steps "
+            f"(live.batching.BatchEngine), not {type(engine).__name__}"
+        )
     check_live_policy(config.policy)
     if not isinstance(config.engine, Batching):
-        raise ValueError("a batching gate runs a batching engine (qsim.engines.Batching), "
-                         f"not {config.engine.kind}")
+        raise ValueError(
+            "a batching gate runs a batching engine (qsim.engines.Batching), "
+            f"not {config.engine.kind}"
+        )
     return Gate([engine], config, clock, worker)

@@ -105,19 +105,27 @@ def _local_then_hub(loader, name: str):
     try:
         return loader(name, local_files_only=True)
     except OSError:
-        print(f"qlab: {name!r} is not on this machine; trying the Hugging Face hub "
-              "(HF_HUB_OFFLINE=1 skips this)", file=sys.stderr)
+        print(
+            f"qlab: {name!r} is not on this machine; trying the Hugging Face hub "
+            "(HF_HUB_OFFLINE=1 skips this)",
+            file=sys.stderr,
+        )
         return loader(name)
 
 
 def _pretrained(name: str):
     # safetensors only: a pickled .bin checkpoint can run code when it is loaded.
     try:
-        return _local_then_hub(partial(AutoModelForCausalLM.from_pretrained, use_safetensors=True), name)
+        return _local_then_hub(
+            partial(AutoModelForCausalLM.from_pretrained, use_safetensors=True), name
+        )
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise ValueError(f"cannot load model {name!r} ({type(exc).__name__}: {first}); "
-                         "--model random gives GPT-2 small's architecture with random weights, no download needed") from None
+        raise ValueError(
+            f"cannot load model {name!r} ({type(exc).__name__}: {first}); "
+            "--model random gives GPT-2 small's architecture with random weights, "
+            "no download needed"
+        ) from None
 
 
 def _tokenizer_for(name: str):
@@ -131,9 +139,12 @@ def _tokenizer_for(name: str):
         if tok.decode(tok.encode(probe)) != probe:
             raise ValueError("the tokenizer does not round-trip text (no vocabulary?)")
         return tok
-    except Exception as exc:  # noqa: BLE001 - missing files, no network, unknown format: all mean "fall back"
-        print(f"qlab: no usable tokenizer for {name!r} ({type(exc).__name__}: {exc}); "
-              "using the byte-level tokenizer (one token per UTF-8 byte)", file=sys.stderr)
+    except Exception as exc:
+        print(
+            f"qlab: no usable tokenizer for {name!r} ({type(exc).__name__}: {exc}); "
+            "using the byte-level tokenizer (one token per UTF-8 byte)",
+            file=sys.stderr,
+        )
         return ByteTokenizer()
 
 
@@ -142,7 +153,11 @@ def load(spec: GPT2Spec):
     device = resolve_device(spec.device)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
-    net = _random_model(spec.model, spec.seed) if spec.model in RANDOM_MODELS else _pretrained(spec.model)
+    net = (
+        _random_model(spec.model, spec.seed)
+        if spec.model in RANDOM_MODELS
+        else _pretrained(spec.model)
+    )
     return net.to(device).eval(), _tokenizer_for(spec.model), device
 
 
@@ -155,7 +170,9 @@ class GPT2Engine:
         self.spec = spec
         self.net, self.tokenizer, self.device = loaded if loaded is not None else load(spec)
         config = self.net.config
-        self.context = int(getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 1024))
+        self.context = int(
+            getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 1024)
+        )
         # At least one prompt token must fit beside the new ones.
         self.max_new_tokens_limit = self.context - 1
         bos = getattr(config, "bos_token_id", None)
@@ -164,13 +181,23 @@ class GPT2Engine:
 
     # -- the Engine protocol ------------------------------------------------
 
-    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
+    def run(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        stop: Sequence[str] | None = None,
+        cancel: threading.Event | None = None,
+        emit: Emit | None = None,
+        asked: Asked = Asked(),
+    ) -> EngineResult:
         start = time.perf_counter()
         ids = self.prompt_ids(prompt, max_new_tokens)
-        new_ids, text, stopped = self._generate(ids, max_new_tokens, tuple(stop or ()), cancel, emit, asked.min_tokens)
-        # tokens: what it generated (fewer than asked where a stop string or the Cancel ended it), which a
-        # learning estimator learns from; the stop string's own tokens are work done, so they count.
+        new_ids, text, stopped = self._generate(
+            ids, max_new_tokens, tuple(stop or ()), cancel, emit, asked.min_tokens
+        )
+        # tokens: what it generated (fewer than asked where a stop string or the Cancel ended it),
+        # which a learning estimator learns from; the stop string's own tokens are work done, so
+        # they count.
         return EngineResult(text, len(new_ids), time.perf_counter() - start, stopped=stopped)
 
     def count_tokens(self, text: str) -> int:
@@ -200,27 +227,36 @@ class GPT2Engine:
 
     def check_max_new_tokens(self, max_new_tokens: int) -> None:
         if not 1 <= max_new_tokens <= self.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens must be 1..{self.max_new_tokens_limit}, got {max_new_tokens}")
+            raise ValueError(
+                f"max_new_tokens must be 1..{self.max_new_tokens_limit}, got {max_new_tokens}"
+            )
 
     def prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """The prompt's token ids as a run decodes from them (also the batched engine's, :mod:`live.gpt2_batch`)."""
+        """The prompt's token ids as a run decodes from them (also the batched engine's,
+        :mod:`live.gpt2_batch`)."""
         self.check_max_new_tokens(max_new_tokens)
         # Keep the end of a long prompt: it is what the continuation follows.
-        ids = self.tokenizer.encode(prompt)[-(self.context - max_new_tokens):]
+        ids = self.tokenizer.encode(prompt)[-(self.context - max_new_tokens) :]
         return ids or [self._bos]
 
     def greedy_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
-        """The token ids a run decodes after these prompt ids, with no stop string: what a batched engine
-        (:mod:`live.gpt2_batch`) must decode for the same sequence."""
+        """The token ids a run decodes after these prompt ids, with no stop string: what a batched
+        engine (:mod:`live.gpt2_batch`) must decode for the same sequence."""
         return self._generate(ids, max_new_tokens, ())[0]
 
     @torch.inference_mode()
-    def _generate(self, ids: list[int], max_new_tokens: int, stop: tuple[str, ...],
-                  cancel: threading.Event | None = None, emit: Emit | None = None,
-                  min_tokens: int = 0) -> tuple[list[int], str, bool]:
-        """The new token ids, their text (cut before a stop string that ends past the first ``min_tokens``
-        tokens' text) and whether the Cancel stopped it; ``emit`` gets the text as it grows, step by step
-        (live.engine.PieceFeed)."""
+    def _generate(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        stop: tuple[str, ...],
+        cancel: threading.Event | None = None,
+        emit: Emit | None = None,
+        min_tokens: int = 0,
+    ) -> tuple[list[int], str, bool]:
+        """The new token ids, their text (cut before a stop string that ends past the first
+        ``min_tokens`` tokens' text) and whether the Cancel stopped it; ``emit`` gets the text as it
+        grows, step by step (live.engine.PieceFeed)."""
         x = torch.tensor([ids], device=self.device)
         cache = None
         steps: list[torch.Tensor] = []
@@ -231,7 +267,8 @@ class GPT2Engine:
         stopped = False
         feed = None if emit is None else PieceFeed(emit, longest)
         for _ in range(max_new_tokens):
-            if cancel is not None and cancel.is_set():  # the client left, or its deadline passed: work for nobody
+            # the client left, or its deadline passed: work for nobody
+            if cancel is not None and cancel.is_set():
                 stopped = True
                 break
             # transformers 5's keywords (pyproject requires it), as live.gpt2_batch passes them: the
@@ -248,7 +285,11 @@ class GPT2Engine:
                 floor = len(text)  # a stop string must end past the first min_tokens tokens' text
             # Only the tail can hold a new match; a few extra characters cover
             # a multi-byte character that completed this step.
-            cut = None if len(new_ids) < min_tokens else apply_stop(text, stop, max(0, seen - longest - 4), floor)
+            cut = (
+                None
+                if len(new_ids) < min_tokens
+                else apply_stop(text, stop, max(0, seen - longest - 4), floor)
+            )
             if cut is not None:
                 if feed is not None:
                     feed.grow(cut, final=True)
@@ -265,7 +306,8 @@ class GPT2Engine:
 
 
 def make_engines(k: int, spec: GPT2Spec) -> list[GPT2Engine]:
-    """K engines sharing one copy of the weights (inference only reads them, so threads may share)."""
+    """K engines sharing one copy of the weights (inference only reads them, so threads may
+    share)."""
     if k < 1:
         raise ValueError(f"engines must be >= 1, got {k}")
     loaded = load(spec)

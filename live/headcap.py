@@ -1,4 +1,5 @@
-"""uvicorn's HTTP protocols for ``qlab serve``: the request head capped, and heads and bodies read in time.
+"""uvicorn's HTTP protocols for ``qlab serve``: the request head capped, and heads and bodies read
+in time.
 
 The head cap. httptools (llhttp) keeps a header it has not finished reading in memory, so
 one client sending an endless header grows the server without bound (200 MB of
@@ -16,11 +17,13 @@ Reading in time. A client that sends its head, or its body, slowly holds a conne
 with it a file descriptor and the parser's buffer) as long as it likes unless the server
 stops waiting: :class:`ReadDeadlines` gives a request head ``qlab serve --header-timeout``
 seconds (10) from the connection's opening, or from the first byte of a head on a kept-alive
-connection, and its body ``--body-timeout`` seconds (30) from the end of its head. Past either, the server answers 408 ``request_timeout`` in the envelope
-and closes the connection (a request whose answer has begun, a refusal before its body was
-read, is left alone). Both parsers get these deadlines.
+connection, and its body ``--body-timeout`` seconds (30) from the end of its head. Past either, the
+server answers 408 ``request_timeout`` in the envelope and closes the connection (a request whose
+answer has begun, a refusal before its body was read, is left alone). Both parsers get these
+deadlines.
 
-:class:`CappedH11` (``--http h11``) caps h11's heads the same way, measuring them as their bytes arrive.
+:class:`CappedH11` (``--http h11``) caps h11's heads the same way, measuring them as their bytes
+arrive.
 
 It builds on uvicorn's ``HttpToolsProtocol`` and ``H11Protocol`` through asyncio's
 ``connection_made``, ``data_received`` and ``connection_lost``, httptools' ``on_url``,
@@ -50,8 +53,8 @@ _LINE_EXTRA = len(" HTTP/1.1\r\n\r\n")
 
 
 def _raw_answer(status: int, reason: str, message: str) -> bytes:
-    """A whole HTTP/1.1 answer in the envelope that closes the connection, for a protocol to write itself
-    (before any application has the request)."""
+    """A whole HTTP/1.1 answer in the envelope that closes the connection, for a protocol to write
+    itself (before any application has the request)."""
     response = error_response(status, "invalid_request", reason, message)
     code = HTTPStatus(response.status_code)
     head = [f"HTTP/1.1 {code.value} {code.phrase}\r\n".encode()]
@@ -60,16 +63,22 @@ def _raw_answer(status: int, reason: str, message: str) -> bytes:
 
 
 #: A head past the cap's answer (the connection is closed after it).
-TOO_LARGE = _raw_answer(431, "headers_too_large", f"the request head passes the limit of {HEAD_CAP_BYTES} bytes")
+TOO_LARGE = _raw_answer(
+    431, "headers_too_large", f"the request head passes the limit of {HEAD_CAP_BYTES} bytes"
+)
 #: What a request the parser cannot read is answered (a bad Content-Length or chunk size, a length
 #: beside chunked, a TLS hello on the plain port...): uvicorn does not pass the parser's reason on.
-MALFORMED = _raw_answer(400, "malformed_http",
-                        "the request is not valid HTTP/1.1 (its request line, headers, length or "
-                        "chunks); the connection is closed")
+MALFORMED = _raw_answer(
+    400,
+    "malformed_http",
+    "the request is not valid HTTP/1.1 (its request line, headers, length or "
+    "chunks); the connection is closed",
+)
 
 
 class ReadDeadlines:
-    """The two read deadlines of one connection: a head, then its body. ``expired(what)`` runs when one passes."""
+    """The two read deadlines of one connection: a head, then its body. ``expired(what)`` runs
+    when one passes."""
 
     def __init__(self, head_s: float, body_s: float, expired: Callable[[str], None]) -> None:
         self.head_s, self.body_s, self._expired = head_s, body_s, expired
@@ -82,7 +91,8 @@ class ReadDeadlines:
             self._arm("head", self.head_s)
 
     def head_done(self) -> None:
-        """The head is whole: its body's clock starts (a message without a body ends it at once, below)."""
+        """The head is whole: its body's clock starts (a message without a body ends it at once,
+        below)."""
         if self.phase in (None, "head"):
             self._arm("body", self.body_s)
 
@@ -109,12 +119,15 @@ class ReadDeadlines:
 
 def _timed_out_answer(phase: str, deadlines: ReadDeadlines) -> bytes:
     seconds = deadlines.head_s if phase == "head" else deadlines.body_s
-    return _raw_answer(408, "request_timeout", f"the request {phase} did not arrive within {seconds:g} s")
+    return _raw_answer(
+        408, "request_timeout", f"the request {phase} did not arrive within {seconds:g} s"
+    )
 
 
 class _ReadGuard:
-    """What both protocols add to uvicorn's: the read deadlines, and an answer of their own written before they
-    close the connection (after which the parser's callbacks are for nobody: ``_refused``)."""
+    """What both protocols add to uvicorn's: the read deadlines, and an answer of their own written
+    before they close the connection (after which the parser's callbacks are for nobody:
+    ``_refused``)."""
 
     def _guard(self, head_timeout_s: float, body_timeout_s: float) -> None:
         self._refused = False
@@ -130,7 +143,8 @@ class _ReadGuard:
 
     def _timed_out(self, phase: str) -> None:
         if self.transport.is_closing() or (self.cycle is not None and self.cycle.response_started):
-            return  # answered already (a refusal before the body was read): the body is nobody's concern
+            # answered already (a refusal before the body was read): the body is nobody's concern
+            return
         self._refuse(_timed_out_answer(phase, self._deadlines))
 
     def send_400_response(self, msg: str) -> None:
@@ -153,8 +167,8 @@ class _ReadGuard:
 
 
 class HeadCappedHttpTools(_ReadGuard, HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering 431 to a request head past HEAD_CAP_BYTES (unfinished, or whole)
-    and 408 to a head or body that does not arrive in time."""
+    """uvicorn's httptools protocol, answering 431 to a request head past HEAD_CAP_BYTES
+    (unfinished, or whole) and 408 to a head or body that does not arrive in time."""
 
     def __init__(self, *args, head_timeout_s: float, body_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -168,8 +182,9 @@ class HeadCappedHttpTools(_ReadGuard, HttpToolsProtocol):
             return
         if self._in_head:
             self._deadlines.reading_head()
-            # Counted whole: a read that also holds the end of the head resets the count below, in the parser's
-            # callback, so a small head followed by a large body in one read is not mistaken for a large head.
+            # Counted whole: a read that also holds the end of the head resets the count below, in
+            # the parser's callback, so a small head followed by a large body in one read is not
+            # mistaken for a large head.
             self._head_bytes += len(data)
         super().data_received(data)
         if self._in_head and self._head_bytes > HEAD_CAP_BYTES and not self.transport.is_closing():
@@ -206,8 +221,10 @@ class HeadCappedHttpTools(_ReadGuard, HttpToolsProtocol):
         super().on_message_complete()
         self._in_head = True  # what comes next on this connection starts a new head
 
+
 class HeadMeter:
-    """The size of a request head as its bytes arrive, whatever the reads: the bytes before its blank line."""
+    """The size of a request head as its bytes arrive, whatever the reads: the bytes before its
+    blank line."""
 
     END = b"\r\n\r\n"
 
@@ -216,12 +233,13 @@ class HeadMeter:
         self._tail = b""  # the last bytes seen, where the blank line may have begun
 
     def feed(self, data: bytes) -> bool:
-        """Count ``data``; True when the head ended in it (``size`` is then the whole head's, blank line included)."""
+        """Count ``data``; True when the head ended in it (``size`` is then the whole head's,
+        blank line included)."""
         seen = self._tail + data
         end = seen.find(self.END)
         if end < 0:
             self.size += len(data)
-            self._tail = seen[-(len(self.END) - 1):]
+            self._tail = seen[-(len(self.END) - 1) :]
             return False
         self.size += end + len(self.END) - len(self._tail)
         return True
@@ -231,8 +249,9 @@ class HeadMeter:
 
 
 class CappedH11(_ReadGuard, H11Protocol):
-    """uvicorn's h11 protocol with the head capped as the httptools one (h11's own cap lets a whole head of any
-    size through when it comes in one read) and the same read deadlines, from h11's states."""
+    """uvicorn's h11 protocol with the head capped as the httptools one (h11's own cap lets a whole
+    head of any size through when it comes in one read) and the same read deadlines, from h11's
+    states."""
 
     def __init__(self, *args, head_timeout_s: float, body_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -259,10 +278,9 @@ class CappedH11(_ReadGuard, H11Protocol):
             self._deadlines.message_done()
 
 
-
 def http_options(http: str, head_timeout_s: float, body_timeout_s: float) -> dict:
-    """uvicorn.Config's arguments for ``--http``: httptools (the default, capped here) or h11 (capped by h11),
-    each with the read deadlines.
+    """uvicorn.Config's arguments for ``--http``: httptools (the default, capped here) or h11
+    (capped by h11), each with the read deadlines.
 
     Both answer a head past the cap with 431 in the envelope (h11's own cap stays behind it, for a
     head h11 holds unfinished). No WebSocket protocol (``ws="none"``): the gate has no WebSocket
@@ -271,6 +289,9 @@ def http_options(http: str, head_timeout_s: float, body_timeout_s: float) -> dic
     """
     timeouts = {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s}
     if http == "h11":
-        return {"http": partial(CappedH11, **timeouts), "ws": "none",
-                "h11_max_incomplete_event_size": HEAD_CAP_BYTES}
+        return {
+            "http": partial(CappedH11, **timeouts),
+            "ws": "none",
+            "h11_max_incomplete_event_size": HEAD_CAP_BYTES,
+        }
     return {"http": partial(HeadCappedHttpTools, **timeouts), "ws": "none"}

@@ -54,12 +54,14 @@ class HostAllowList:
     patterns: tuple[str, ...]
 
     @classmethod
-    def for_bind(cls, bound_to_loopback: bool,
-                 extra: Iterable[str] = ()) -> "HostAllowList | None":
+    def for_bind(cls, bound_to_loopback: bool, extra: Iterable[str] = ()) -> "HostAllowList | None":
         """A loopback-bound gate's list: the loopback names and ``extra``; None (any name) for a
         gate bound elsewhere unless ``extra`` names some (then loopback names and those)."""
-        extra = tuple(e.strip().lower() if e.strip().startswith("*") else host_name(e)
-                      for e in extra if e.strip())
+        extra = tuple(
+            e.strip().lower() if e.strip().startswith("*") else host_name(e)
+            for e in extra
+            if e.strip()
+        )
         if not bound_to_loopback and not extra:
             return None
         return cls(LOOPBACK_NAMES + extra)
@@ -107,8 +109,15 @@ class AccessLog:
             await self.app(scope, receive, noting)
         finally:  # a request cut by the client or the shutdown is a line too (status 0: none sent)
             client = scope.get("client") or ("-", 0)
-            access_log.info("%s %s %d %.1fms %s:%s", scope["method"], scope["path"], status[0],
-                            (time.perf_counter() - t0) * 1e3, client[0], client[1])
+            access_log.info(
+                "%s %s %d %.1fms %s:%s",
+                scope["method"],
+                scope["path"],
+                status[0],
+                (time.perf_counter() - t0) * 1e3,
+                client[0],
+                client[1],
+            )
 
 
 def log_to_stderr() -> None:

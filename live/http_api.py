@@ -1,5 +1,5 @@
-"""The HTTP surface: ``POST /v1/generate``, ``GET /stats``, ``GET /healthz``, ``GET /metrics``, and the
-OpenAI-compatible routes of :mod:`live.openai_api`.
+"""The HTTP surface: ``POST /v1/generate``, ``GET /stats``, ``GET /healthz``, ``GET /metrics``, and
+the OpenAI-compatible routes of :mod:`live.openai_api`.
 
 A request goes prepare (read the body under a size cap, validate, count
 prompt tokens) -> ``gate.submit`` (admit or refuse, never blocks) -> execute
@@ -24,8 +24,8 @@ when the upstream server of ``--engine upstream`` answered an error, could not b
 reached or broke its answer off; 504 ``upstream_timeout`` when it sent nothing for
 ``--upstream-timeout`` seconds), ``unavailable`` (503, reason ``shutting_down``: still running when
 the server's graceful shutdown ran out of time) or ``internal_error`` (500). Overload is 503 with
-Retry-After, never 429: the server cannot take the work now, not "this client sent too much". That one is
-type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
+Retry-After, never 429: the server cannot take the work now, not "this client sent too much". That
+one is type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
 bucket (``client_rate``, ``client_burst``) refused a client over its rate,
 named by the body's ``client_id`` or the ``x-client-id`` header.
 
@@ -71,12 +71,34 @@ from . import admin, openai_api
 from .auth import SCOPE_CLIENT, ApiKeys, declare_security
 from .batching import STEP_PAGE
 from .hosts import HostAllowList, without_addresses
-from .contract import (LIVE, READY, Admission, ErrorEnvelope, GenerateResponse, Health, Liveness,
-                       Readiness, Stats, Timings, request_model)
+from .contract import (
+    LIVE,
+    READY,
+    Admission,
+    ErrorEnvelope,
+    GenerateResponse,
+    Health,
+    Liveness,
+    Readiness,
+    Stats,
+    Timings,
+    request_model,
+)
 from .contract_fields import Limits
 from .engine import Checked, CountsUpstream
-from .envelope import (ADMITTING, ANY_ROUTE, HANDLERS, InvalidRequest, answer_for, error_response, error_responses,
-                       json_response, parse_body, shutdown_response, stopped_by_shutdown)
+from .envelope import (
+    ADMITTING,
+    ANY_ROUTE,
+    HANDLERS,
+    InvalidRequest,
+    answer_for,
+    error_response,
+    error_responses,
+    json_response,
+    parse_body,
+    shutdown_response,
+    stopped_by_shutdown,
+)
 from .gate import Gate
 from .gate_errors import Rejected
 from .jobs import Answer, Job
@@ -84,8 +106,8 @@ from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registr
 from .request_io import header_parameters, outcome, read_body, request_deadline, with_headers
 from .routes import CHAT, COMPLETIONS, GENERATE
 
-# Limits and request_model (the body schema with a server's caps) live in live.contract, with every body; the
-# envelope and the answer to each exception in live.envelope.
+# Limits and request_model (the body schema with a server's caps) live in live.contract, with every
+# body; the envelope and the answer to each exception in live.envelope.
 
 
 # ---------------------------------------------------------------------- prepare
@@ -101,12 +123,16 @@ class _Preparer:
         req = parse_body(self.schema, body)
         tokens = self.count_tokens(req.prompt)
         if tokens > self.limits.max_prompt_tokens:
-            raise InvalidRequest(422, "prompt_too_long",
-                                 f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}")
+            raise InvalidRequest(
+                422,
+                "prompt_too_long",
+                f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}",
+            )
         stop = tuple(req.stop or ())
         deadline = request_deadline(req.deadline_ms, request, self.limits.max_deadline_ms)
-        job = Job(req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority,
-                  tokens)
+        job = Job(
+            req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority, tokens
+        )
         return with_headers(job, request, self.limits.max_deadline_ms)
 
 
@@ -115,11 +141,24 @@ class _Preparer:
 
 def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
     a = answer.arrival
-    timings = Timings(queue_s=answer.queue_s, engine_s=answer.engine_s, total_s=total_s,
-                      est_service_s=a.seen.est_service_s, started_at=answer.started_at,
-                      returned_at=answer.returned_at, first_token_s=answer.first_token_s)
-    return GenerateResponse(text=answer.text, tokens=answer.tokens, outcome=answer.outcome, engine=answer.engine,
-                            prompt_tokens=answer.prompt_tokens, timings=timings, admission=Admission.model_validate(a.numbers()))
+    timings = Timings(
+        queue_s=answer.queue_s,
+        engine_s=answer.engine_s,
+        total_s=total_s,
+        est_service_s=a.seen.est_service_s,
+        started_at=answer.started_at,
+        returned_at=answer.returned_at,
+        first_token_s=answer.first_token_s,
+    )
+    return GenerateResponse(
+        text=answer.text,
+        tokens=answer.tokens,
+        outcome=answer.outcome,
+        engine=answer.engine,
+        prompt_tokens=answer.prompt_tokens,
+        timings=timings,
+        admission=Admission.model_validate(a.numbers()),
+    )
 
 
 # ---------------------------------------------------------------------- the app
@@ -127,7 +166,8 @@ def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
 
 @dataclass(frozen=True)
 class _Direct:
-    """A route's function as a plain ASGI app: its answer, or the answer of its exception's handler in HANDLERS."""
+    """A route's function as a plain ASGI app: its answer, or the answer of its exception's
+    handler in HANDLERS."""
 
     endpoint: Callable[[Request], Awaitable[Response]]
 
@@ -135,7 +175,8 @@ class _Direct:
         request = Request(scope, receive, send)
         try:
             response = await self.endpoint(request)
-        except asyncio.CancelledError:  # only the server cancels a request's task: its shutdown timed out
+        # only the server cancels a request's task: its shutdown timed out
+        except asyncio.CancelledError:
             stopped_by_shutdown()
             response = shutdown_response()
         except Exception as exc:
@@ -144,8 +185,9 @@ class _Direct:
 
 
 class GateService(FastAPI):
-    """FastAPI, with ``POST /v1/generate`` (:attr:`direct`) and the OpenAI-compatible POST routes sent
-    straight to their functions (:attr:`direct_posts`, by path) when set (see the module docstring)."""
+    """FastAPI, with ``POST /v1/generate`` (:attr:`direct`) and the OpenAI-compatible POST routes
+    sent straight to their functions (:attr:`direct_posts`, by path) when set (see the module
+    docstring)."""
 
     direct: _Direct | None = None
     direct_posts: dict[str, _Direct] = {}  # replaced, never changed in place
@@ -158,8 +200,11 @@ class GateService(FastAPI):
         return declare_security(doc, self.keys) if fresh else doc
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.hosts is not None and scope["type"] == "http"
-                and not self.hosts.allows(_header(scope, b"host"))):
+        if (
+            self.hosts is not None
+            and scope["type"] == "http"
+            and not self.hosts.allows(_header(scope, b"host"))
+        ):
             # First: a rebound name learns nothing, not even a 401.
             await MISDIRECTED(scope, receive, send)
             return
@@ -168,31 +213,45 @@ class GateService(FastAPI):
             if holder is None:
                 await UNAUTHORIZED(scope, receive, send)
                 return
-            scope[SCOPE_CLIENT] = holder.client_id  # the key's client: what per-client limits count by
-        route = self.direct_posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+            # the key's client: what per-client limits count by
+            scope[SCOPE_CLIENT] = holder.client_id
+        route = (
+            self.direct_posts.get(scope["path"])
+            if scope["type"] == "http" and scope["method"] == "POST"
+            else None
+        )
         if route is not None:
             await route(scope, receive, send)
             return
         if scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] not in POSTS:
-            # HEAD on every GET route, as orchestrators' and load balancers' checks send it: routed as the GET,
-            # whose body the server leaves out (uvicorn reads the method from its own copy of the scope).
+            # HEAD on every GET route, as orchestrators' and load balancers' checks send it: routed
+            # as the GET, whose body the server leaves out (uvicorn reads the method from its own
+            # copy of the scope).
             scope = {**scope, "method": "GET"}
         await super().__call__(scope, receive, send)
 
 
 #: The POST routes: HEAD on them stays a 405.
 POSTS = frozenset({GENERATE, COMPLETIONS, CHAT})
-#: A guarded route's answer to a request without one of the server's keys (the message never names a key).
-UNAUTHORIZED = error_response(401, "invalid_request", "unauthorized", "this route needs an API key: send "
-                              "Authorization: Bearer KEY with one of the server's keys",
-                              headers={"WWW-Authenticate": "Bearer"})
+#: A guarded route's answer to a request without one of the server's keys (the message never names a
+#: key).
+UNAUTHORIZED = error_response(
+    401,
+    "invalid_request",
+    "unauthorized",
+    "this route needs an API key: send Authorization: Bearer KEY with one of the server's keys",
+    headers={"WWW-Authenticate": "Bearer"},
+)
 
 
 #: A request naming a Host the server does not answer to (live.hosts: DNS rebinding); the name is
 #: not repeated.
-MISDIRECTED = error_response(421, "invalid_request", "host_not_allowed",
-                             "this server does not answer to the Host this request names "
-                             "(qlab serve --allowed-hosts)")
+MISDIRECTED = error_response(
+    421,
+    "invalid_request",
+    "host_not_allowed",
+    "this server does not answer to the Host this request names (qlab serve --allowed-hosts)",
+)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -200,8 +259,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 async def readiness(gate: Gate) -> list[str]:
-    """Why the service cannot answer now (empty: ready): it is stopping, every engine is stalled, or what an
-    engine depends on is not there (the upstream engine's server: :class:`live.engine.Checked`)."""
+    """Why the service cannot answer now (empty: ready): it is stopping, every engine is stalled, or
+    what an engine depends on is not there (the upstream engine's server:
+    :class:`live.engine.Checked`)."""
     reasons = ["the server is shutting down"] if gate.draining else []
     if gate.queue.all_stalled:
         reasons.append(f"every engine ({gate.workers}) is stalled")
@@ -223,27 +283,36 @@ async def upstream_counters(gate: Gate) -> dict | None:
     readings = await asyncio.gather(*(r.reading(gate.clock) for r in readers.values()))
     if not readings or any(r is None for r in readings):
         return None
-    return {key: (min if key == "read_at" else sum)(r[key] for r in readings)
-            for key in readings[0]}
+    return {
+        key: (min if key == "read_at" else sum)(r[key] for r in readings) for key in readings[0]
+    }
 
 
 def effective_limits(gate: Gate, limits: Limits) -> Limits:
     """The caps, with max_new_tokens lowered to what every engine can generate."""
-    caps = [limits.max_new_tokens] + [n for e in gate.engines if (n := getattr(e, "max_new_tokens_limit", None))]
+    caps = [limits.max_new_tokens] + [
+        n for e in gate.engines if (n := getattr(e, "max_new_tokens_limit", None))
+    ]
     default = None if limits.default_max_tokens is None else min(limits.default_max_tokens, *caps)
     return Limits(**{**asdict(limits), "max_new_tokens": min(caps), "default_max_tokens": default})
 
 
-def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], None] | None = None,
-               direct: bool = True, keys: ApiKeys | None = None, operator: ApiKeys | None = None,
-               hosts: HostAllowList | None = None) -> GateService:
+def create_app(
+    gate: Gate,
+    limits: Limits = Limits(),
+    on_ready: Callable[[], None] | None = None,
+    direct: bool = True,
+    keys: ApiKeys | None = None,
+    operator: ApiKeys | None = None,
+    hosts: HostAllowList | None = None,
+) -> GateService:
     """The service around ``gate``; the gate starts and stops with the app (lifespan).
 
     on_ready runs once the gate's engine threads are up (``qlab serve`` prints its URL then).
-    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's routing
-    too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None: none). operator: the
-    operator's key, which PUT /admin/calibration wants (live.admin; None: the route refuses everyone).
-    hosts: the Host names it answers to (live.hosts; None: any).
+    direct=False sends ``POST /v1/generate`` and the OpenAI-compatible POST routes through FastAPI's
+    routing too (same answers, slower). keys: the API keys the guarded routes want (live.auth; None:
+    none). operator: the operator's key, which PUT /admin/calibration wants (live.admin; None: the
+    route refuses everyone). hosts: the Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
     prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
@@ -258,9 +327,16 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         finally:
             await gate.aclose()
 
-    # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to /v1/generate.
-    app = GateService(title="qlab gate", lifespan=lifespan, docs_url=None, redoc_url=None,
-                      openapi_url="/openapi.json", redirect_slashes=False)
+    # redirect_slashes=False: /v1/generate/ is a 404 in the envelope, not a bare 307 to
+    # /v1/generate.
+    app = GateService(
+        title="qlab gate",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        redirect_slashes=False,
+    )
     app.keys, app.hosts = keys, hosts
     # With keys, the upstream's address is for callers with one: open routes say "the upstream"
     # (live.hosts).
@@ -278,7 +354,8 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         try:
             future = gate.submit(job)
         except Rejected:  # refused at arrival (NeverInTime too)
-            # Timed here, not in middleware: the direct path and FastAPI's routing both run this function.
+            # Timed here, not in middleware: the direct path and FastAPI's routing both run this
+            # function.
             gate.timings.refusal.observe(gate.clock() - t0)
             raise
         answer = await outcome(future, request)
@@ -286,11 +363,17 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
             return Response(status_code=499)  # nobody is listening; the status is only for logs
         return json_response(_answer_body(answer, gate.clock() - t0).model_dump_json())
 
-    # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the schema: state it.
+    # The route reads the raw body (to cap its size before parsing), so FastAPI cannot see the
+    # schema: state it.
     body = {"application/json": {"schema": prepare.schema.model_json_schema()}}
-    app.post(GENERATE, openapi_extra={"parameters": header_parameters(limits.max_deadline_ms),
-                                      "requestBody": {"required": True, "content": body}},
-             responses={200: {"model": GenerateResponse}, **error_responses(*ADMITTING)})(generate)
+    app.post(
+        GENERATE,
+        openapi_extra={
+            "parameters": header_parameters(limits.max_deadline_ms),
+            "requestBody": {"required": True, "content": body},
+        },
+        responses={200: {"model": GenerateResponse}, **error_responses(*ADMITTING)},
+    )(generate)
     if direct:
         app.direct = _Direct(generate)
 
@@ -298,14 +381,18 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
     # model served only where /v1/models, which names it too, is open.
     posts = openai_api.mount(app, gate, limits, name_model=keys is None)
     if direct:
-        app.direct_posts = {GENERATE: app.direct, **{path: _Direct(route) for path, route in posts.items()}}
+        app.direct_posts = {
+            GENERATE: app.direct,
+            **{path: _Direct(route) for path, route in posts.items()},
+        }
 
     # 422: a bad steps_since (NaN or infinite too), steps_from or steps_limit.
     @app.get("/stats", response_model=Stats, responses=error_responses(*ANY_ROUTE, 422))
-    async def stats(steps_since: Annotated[float | None, Query(allow_inf_nan=False)] = None,
-                    steps_from: Annotated[int | None, Query(ge=0)] = None,
-                    steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE,
-                    ) -> Response:
+    async def stats(
+        steps_since: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+        steps_from: Annotated[int | None, Query(ge=0)] = None,
+        steps_limit: Annotated[int, Query(ge=1, le=STEP_PAGE)] = STEP_PAGE,
+    ) -> Response:
         paging = steps_since is not None or steps_from is not None
         # A page of steps is about the steps: it waits on no upstream.
         counted = None if paging else await upstream_counters(gate)
@@ -323,34 +410,59 @@ def create_app(gate: Gate, limits: Limits = Limits(), on_ready: Callable[[], Non
         if hide["/healthz"]:
             reasons = without_addresses(reasons, addresses)
             engine = {k: v for k, v in engine.items() if k != "url"}
-        body = Health.model_validate({**gate.health(), "engines": gate.workers, "engine": engine,
-                                      "policy": gate.policy.name, "ready": not reasons, "not_ready": reasons})
+        body = Health.model_validate(
+            {
+                **gate.health(),
+                "engines": gate.workers,
+                "engine": engine,
+                "policy": gate.policy.name,
+                "ready": not reasons,
+                "not_ready": reasons,
+            }
+        )
         return json_response(body.model_dump_json(exclude_unset=True))
 
     @app.get("/health", response_model=Liveness, responses=error_responses(408, 421, 431))
     async def health() -> Response:
-        # Liveness: the process answers. Nothing else is looked at (a restart would not mend an upstream).
+        # Liveness: the process answers. Nothing else is looked at (a restart would not mend an
+        # upstream).
         return json_response(LIVE)
 
-    @app.get("/ready", response_model=Readiness,
-             responses=error_responses(408, 421, 431, 503) | {503: {"model": ErrorEnvelope, "description": "unavailable: "
-                                                          "not_ready (why, in the message), Retry-After 1"}})
+    @app.get(
+        "/ready",
+        response_model=Readiness,
+        responses=error_responses(408, 421, 431, 503)
+        | {
+            503: {
+                "model": ErrorEnvelope,
+                "description": "unavailable: not_ready (why, in the message), Retry-After 1",
+            }
+        },
+    )
     async def ready() -> Response:
         reasons = await readiness(gate)
         if hide["/ready"]:
             reasons = without_addresses(reasons, addresses)
         if reasons:
-            return error_response(503, "unavailable", "not_ready", "not ready: " + "; ".join(reasons), retry_after_s=1)
+            return error_response(
+                503, "unavailable", "not_ready", "not ready: " + "; ".join(reasons), retry_after_s=1
+            )
         return json_response(READY)
 
     admin.mount(app, gate, limits, operator)  # PUT /admin/calibration
     registry = metrics_registry(gate)
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"},
-                        **error_responses(*ANY_ROUTE)})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {}}, "description": "Prometheus' text format"},
+            **error_responses(*ANY_ROUTE),
+        },
+    )
     async def metrics() -> Response:
-        # Async on purpose: the collector then reads the gate on the event loop, where the gate changes it.
+        # Async on purpose: the collector then reads the gate on the event loop, where the gate
+        # changes it.
         return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

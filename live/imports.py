@@ -48,7 +48,8 @@ TOOLS = ("guidellm", "inference-perf", "aiperf")
 
 @dataclass(frozen=True)
 class Sent:
-    """One request of a tool's file, on its clock (seconds): what qlab's replayer would have recorded of it."""
+    """One request of a tool's file, on its clock (seconds): what qlab's replayer would have
+    recorded of it."""
 
     sent_s: float
     done_s: float
@@ -73,13 +74,18 @@ def _new_tokens(body: dict) -> int:
 
 
 def _prompt_bytes(body: dict) -> int:
-    """The prompt's length as the gate counts it (one token per UTF-8 byte): a prompt, or a chat's text parts."""
+    """The prompt's length as the gate counts it (one token per UTF-8 byte): a prompt, or a
+    chat's text parts."""
     if isinstance(body.get("prompt"), str):
         return len(body["prompt"].encode())
     parts = []
     for message in body.get("messages") or ():
         content = message.get("content")
-        parts += [content] if isinstance(content, str) else [p.get("text", "") for p in content or () if isinstance(p, dict)]
+        parts += (
+            [content]
+            if isinstance(content, str)
+            else [p.get("text", "") for p in content or () if isinstance(p, dict)]
+        )
     return len("\n".join(parts).encode())
 
 
@@ -100,7 +106,9 @@ def _envelope_in(text: str | None) -> Any:
 
 
 def _answer(text: str, tokens: int | None) -> dict:
-    return answer_body(text, EventUsage(completion_tokens=tokens) if tokens is not None else None, None)
+    return answer_body(
+        text, EventUsage(completion_tokens=tokens) if tokens is not None else None, None
+    )
 
 
 # ---------------------------------------------------------------------- guidellm
@@ -116,19 +124,37 @@ def _guidellm(data: dict) -> list[Sent]:
                 start = t.get("request_start") or t.get("resolve_start")
                 end = t.get("request_end") or t.get("resolve_end") or start
                 tokens = (r.get("output_metrics") or {}).get("text_tokens")
-                prompt = _prompt_bytes(body) or int((r.get("input_metrics") or {}).get("text_tokens") or 0)
-                common = dict(sent_s=start, done_s=end, max_new_tokens=_new_tokens(body), prompt_tokens=prompt)
+                prompt = _prompt_bytes(body) or int(
+                    (r.get("input_metrics") or {}).get("text_tokens") or 0
+                )
+                common = dict(
+                    sent_s=start, done_s=end, max_new_tokens=_new_tokens(body), prompt_tokens=prompt
+                )
                 if kind == "successful":
                     first = t.get("first_token_iteration") or math.nan
                     last = t.get("last_token_iteration") or math.nan
-                    out.append(Sent(status=200, body=_answer(r.get("output") or "", tokens), first_token_s=first,
-                                    last_token_s=last, pieces=int(t.get("token_iterations") or 0), **common))
+                    out.append(
+                        Sent(
+                            status=200,
+                            body=_answer(r.get("output") or "", tokens),
+                            first_token_s=first,
+                            last_token_s=last,
+                            pieces=int(t.get("token_iterations") or 0),
+                            **common,
+                        )
+                    )
                 elif kind == "errored":
                     error = r["info"].get("error") or ""
                     status = _status_in(error)
                     envelope = _envelope_in(error)
-                    out.append(Sent(status=status, body=refusal_body(status, envelope) if status else None,
-                                    error=None if status else error[:300], **common))
+                    out.append(
+                        Sent(
+                            status=status,
+                            body=refusal_body(status, envelope) if status else None,
+                            error=None if status else error[:300],
+                            **common,
+                        )
+                    )
                 else:
                     out.append(Sent(status=None, body=None, left="client_left", **common))
     return out
@@ -146,29 +172,64 @@ def _guidellm_body(r: dict) -> dict:
 def _inference_perf(data: list) -> list[Sent]:
     out = []
     for r in data:
-        body = json.loads(r["request"]) if isinstance(r.get("request"), str) else (r.get("request") or {})
-        common = dict(sent_s=r["start_time"], done_s=r["end_time"], max_new_tokens=_new_tokens(body),
-                      prompt_tokens=_prompt_bytes(body))
+        body = (
+            json.loads(r["request"])
+            if isinstance(r.get("request"), str)
+            else (r.get("request") or {})
+        )
+        common = dict(
+            sent_s=r["start_time"],
+            done_s=r["end_time"],
+            max_new_tokens=_new_tokens(body),
+            prompt_tokens=_prompt_bytes(body),
+        )
         error = r.get("error")
         if error:
             message = error.get("error_msg") if isinstance(error, dict) else str(error)
             status = _status_in(error.get("error_type") if isinstance(error, dict) else message)
-            out.append(Sent(status=status, body=refusal_body(status, _envelope_in(message)) if status else None,
-                            error=None if status else str(message)[:300], **common))
+            out.append(
+                Sent(
+                    status=status,
+                    body=refusal_body(status, _envelope_in(message)) if status else None,
+                    error=None if status else str(message)[:300],
+                    **common,
+                )
+            )
             continue
         metrics = (r.get("info") or {}).get("response_metrics") or {}
-        # The whole stream where it kept it (with a qlab gate's last chunk, its qlab part), else its text chunks.
-        raw = ([line[5:].strip() for line in r["response"].splitlines() if line.startswith("data:")]
-               if isinstance(r.get("response"), str) else metrics.get("response_chunks") or ())
+        # The whole stream where it kept it (with a qlab gate's last chunk, its qlab part), else its
+        # text chunks.
+        raw = (
+            [line[5:].strip() for line in r["response"].splitlines() if line.startswith("data:")]
+            if isinstance(r.get("response"), str)
+            else metrics.get("response_chunks") or ()
+        )
         chunks = [c for c in map(_event, raw) if c is not None]
         qlab = next((c.qlab for c in reversed(chunks) if c.qlab is not None), None)
         usage = (metrics.get("server_usage") or {}).get("completion_tokens")
-        text = "".join(("".join(ch.text or (ch.delta.content if ch.delta else "") or "" for ch in c.choices or ()))
-                       for c in chunks)
+        text = "".join(
+            (
+                "".join(
+                    ch.text or (ch.delta.content if ch.delta else "") or ""
+                    for ch in c.choices or ()
+                )
+            )
+            for c in chunks
+        )
         times = metrics.get("chunk_times") or metrics.get("output_token_times") or []
-        answer = answer_body(text, EventUsage(completion_tokens=usage) if usage is not None else None, qlab)
-        out.append(Sent(status=200, body=answer, first_token_s=times[0] if times else math.nan,
-                        last_token_s=times[-1] if times else math.nan, pieces=len(times), **common))
+        answer = answer_body(
+            text, EventUsage(completion_tokens=usage) if usage is not None else None, qlab
+        )
+        out.append(
+            Sent(
+                status=200,
+                body=answer,
+                first_token_s=times[0] if times else math.nan,
+                last_token_s=times[-1] if times else math.nan,
+                pieces=len(times),
+                **common,
+            )
+        )
     return out
 
 
@@ -189,7 +250,12 @@ def _aiperf(lines: list[dict], inputs: dict[str, dict]) -> list[Sent]:
         body = inputs.get(meta.get("x_correlation_id"), inputs.get(meta.get("conversation_id"), {}))
         start = meta["request_start_ns"] / 1e9
         end = (meta.get("request_end_ns") or meta["request_start_ns"]) / 1e9
-        common = dict(sent_s=start, done_s=end, max_new_tokens=_new_tokens(body), prompt_tokens=_prompt_bytes(body))
+        common = dict(
+            sent_s=start,
+            done_s=end,
+            max_new_tokens=_new_tokens(body),
+            prompt_tokens=_prompt_bytes(body),
+        )
         if meta.get("was_cancelled"):
             out.append(Sent(status=None, body=None, left="client_left", **common))
             continue
@@ -197,9 +263,16 @@ def _aiperf(lines: list[dict], inputs: dict[str, dict]) -> list[Sent]:
         if error:
             status = error.get("code") if isinstance(error, dict) else _status_in(str(error))
             message = error.get("message") if isinstance(error, dict) else str(error)
-            out.append(Sent(status=status, body=refusal_body(status, _envelope_in(message)) if status else None,
-                            error=None if status else str(message)[:300], **common))
+            out.append(
+                Sent(
+                    status=status,
+                    body=refusal_body(status, _envelope_in(message)) if status else None,
+                    error=None if status else str(message)[:300],
+                    **common,
+                )
+            )
             continue
+
         def value(name: str, metrics=metrics):
             return (metrics.get(name) or {}).get("value")
 
@@ -207,8 +280,16 @@ def _aiperf(lines: list[dict], inputs: dict[str, dict]) -> list[Sent]:
         gaps = value("inter_chunk_latency") or []
         first = start + ttft_ms / 1e3 if ttft_ms is not None else math.nan
         tokens = value("usage_completion_tokens")
-        out.append(Sent(status=200, body=_answer("", None if tokens is None else int(tokens)), first_token_s=first,
-                        last_token_s=first + sum(gaps) / 1e3, pieces=len(gaps) + 1, **common))
+        out.append(
+            Sent(
+                status=200,
+                body=_answer("", None if tokens is None else int(tokens)),
+                first_token_s=first,
+                last_token_s=first + sum(gaps) / 1e3,
+                pieces=len(gaps) + 1,
+                **common,
+            )
+        )
     return out
 
 
@@ -230,7 +311,8 @@ def _aiperf_inputs(path: Path) -> dict[str, dict]:
 
 
 def read_tool_file(path: str | Path) -> tuple[str, list[Sent]]:
-    """(the tool, its requests) of a result file; ValueError (one line) when it is none of the three."""
+    """(the tool, its requests) of a result file; ValueError (one line) when it is none of the
+    three."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -244,31 +326,59 @@ def read_tool_file(path: str | Path) -> tuple[str, list[Sent]]:
         data = json.loads(text)
         if isinstance(data, dict) and "benchmarks" in data:
             return "guidellm", _guidellm(data)
-        if isinstance(data, list) and data and {"start_time", "end_time", "request"} <= set(data[0]):
+        if (
+            isinstance(data, list)
+            and data
+            and {"start_time", "end_time", "request"} <= set(data[0])
+        ):
             return "inference-perf", _inference_perf(data)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path}: not a result file qlab reads ({type(exc).__name__}: {exc})") from None
-    raise ValueError(f"{path}: not a result file qlab reads: guidellm's --output kind=json, inference-perf's "
-                     "per_request_lifecycle_metrics.json or aiperf's profile_export.jsonl")
+        raise ValueError(
+            f"{path}: not a result file qlab reads ({type(exc).__name__}: {exc})"
+        ) from None
+    raise ValueError(
+        f"{path}: not a result file qlab reads: guidellm's --output kind=json, "
+        "inference-perf's "
+        "per_request_lifecycle_metrics.json or aiperf's profile_export.jsonl"
+    )
 
 
 def to_run(sent: list[Sent], info: ServerInfo, model: ServiceModel, name: str) -> pd.DataFrame:
-    """The requests as qlab's run file (:func:`live.rows.to_frame`), in their send order, on a clock whose 0 is
-    the first send. A request whose body the tool did not keep (guidellm's errored ones) is given the size most
-    of those it kept asked for."""
+    """The requests as qlab's run file (:func:`live.rows.to_frame`), in their send order, on a clock
+    whose 0 is the first send. A request whose body the tool did not keep (guidellm's errored ones)
+    is given the size most of those it kept asked for."""
     sizes = [s.max_new_tokens for s in sent if s.max_new_tokens > 0]
     usual = max(set(sizes), key=sizes.count) if sizes else -1
-    sent = sorted((s if s.max_new_tokens > 0 else replace(s, max_new_tokens=usual)
-                   for s in sent if math.isfinite(s.sent_s)), key=lambda s: s.sent_s)
+    sent = sorted(
+        (
+            s if s.max_new_tokens > 0 else replace(s, max_new_tokens=usual)
+            for s in sent
+            if math.isfinite(s.sent_s)
+        ),
+        key=lambda s: s.sent_s,
+    )
     sent = [s for s in sent if s.max_new_tokens > 0]
     if not sent:
         raise ValueError("the file holds no request qlab can read")
     zero = sent[0].sent_s
     at = np.array([s.sent_s - zero for s in sent])
     trace = from_arrays(at, [s.max_new_tokens for s in sent], model=model, name=name)
-    exchanges = [Exchange(t, t, s.done_s - zero, s.status, s.body, None, s.error, left=s.left,
-                          first_token_s=s.first_token_s - zero, last_token_s=s.last_token_s - zero, pieces=s.pieces)
-                 for t, s in zip(at, sent)]
+    exchanges = [
+        Exchange(
+            t,
+            t,
+            s.done_s - zero,
+            s.status,
+            s.body,
+            None,
+            s.error,
+            left=s.left,
+            first_token_s=s.first_token_s - zero,
+            last_token_s=s.last_token_s - zero,
+            pieces=s.pieces,
+        )
+        for t, s in zip(at, sent)
+    ]
     frame = to_frame(trace, exchanges, info, [s.prompt_tokens for s in sent])
     frame["ttft_s"] = np.array([e.first_token_s - e.sent_s for e in exchanges], dtype=float)
     frame["last_token_s"] = np.array([e.last_token_s - e.sent_s for e in exchanges], dtype=float)
@@ -280,4 +390,8 @@ def to_run(sent: list[Sent], info: ServerInfo, model: ServiceModel, name: str) -
 
 
 #: What each tool's reader is (for tests and the docs).
-READERS: dict[str, Callable] = {"guidellm": _guidellm, "inference-perf": _inference_perf, "aiperf": _aiperf}
+READERS: dict[str, Callable] = {
+    "guidellm": _guidellm,
+    "inference-perf": _inference_perf,
+    "aiperf": _aiperf,
+}

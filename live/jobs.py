@@ -27,13 +27,14 @@ class Job:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     deadline_s: float | None = None
-    client_id: str | None = None  # whose token bucket it draws on, where the policy limits each client
+    # whose token bucket it draws on, where the policy limits each client
+    client_id: str | None = None
     priority: int = 0  # higher first under a priority discipline
     prompt_tokens: int = 0  # counted by the engine's tokenizer: the service model's prompt term
     stream: bool = False  # the engine hands over its text piece by piece (Gate.submit_streaming)
     asked: Asked = Asked()  # what else the client asked, for an engine that takes it (live.engine)
-    # The client's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; None: not given. Carried
-    # into the answer and the run file; admission does not read them (yet).
+    # The client's objectives (the x-slo-ttft-ms and x-slo-tpot-ms headers), seconds; None: not
+    # given. Carried into the answer and the run file; admission does not read them (yet).
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
 
@@ -50,17 +51,24 @@ class Arrival:
     replica: int | None = None
 
     def numbers(self) -> dict[str, float]:
-        """For answers and refusals; arrived_at lets a client put the gate's own arrival order on its clock.
-        in_service_s and idle (where the core said them) complete what the admission rule read."""
+        """For answers and refusals; arrived_at lets a client put the gate's own arrival order on
+        its clock. in_service_s and idle (where the core said them) complete what the admission rule
+        read."""
         seen = self.seen
         said = {"in_service_s": seen.in_service_s} if math.isfinite(seen.in_service_s) else {}
         if seen.idle >= 0:
             said["idle"] = seen.idle
         if self.replica is not None:
             said["replica"] = self.replica
-        return {"arrived_at": self.at, "est_service_s": seen.est_service_s, "deadline_s": self.deadline_s,
-                "queued": seen.queued, "queued_work_s": seen.queued_work_s, "speed_factor": seen.speed_factor,
-                **said}
+        return {
+            "arrived_at": self.at,
+            "est_service_s": seen.est_service_s,
+            "deadline_s": self.deadline_s,
+            "queued": seen.queued,
+            "queued_work_s": seen.queued_work_s,
+            "speed_factor": seen.speed_factor,
+            **said,
+        }
 
 
 @dataclass(frozen=True)
@@ -82,8 +90,10 @@ class Answer:
     arrival: Arrival
     started_at: float = math.nan
     returned_at: float = math.nan
-    first_token_s: float | None = None  # the engine's own seconds to its first token, where it sees that
-    prompt_tokens: int | None = None  # the engine's own count of the prompt (an upstream's usage), where it says
+    # the engine's own seconds to its first token, where it sees that
+    first_token_s: float | None = None
+    # the engine's own count of the prompt (an upstream's usage), where it says
+    prompt_tokens: int | None = None
     replica: int | None = None  # the fleet's replica that ran it (None: no fleet)
 
 
@@ -96,10 +106,10 @@ class StreamingJob:
     """A streamed job: its future (as :meth:`live.gate.Gate.submit`'s) and the text pieces the
     engine produces.
 
-    ``pieces`` holds each piece as it comes, then :data:`END` once the future is done; what came after
-    (an engine still going after a cut) is never read. An engine without ``emit`` puts no piece.
+    ``pieces`` holds each piece as it comes, then :data:`END` once the future is done; what came
+    after (an engine still going after a cut) is never read. An engine without ``emit`` puts no
+    piece.
     """
 
     future: asyncio.Future
     pieces: asyncio.Queue
-

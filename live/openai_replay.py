@@ -16,11 +16,12 @@ compare`` needs; a bare server's answer has only the text and the usage. Anythin
 a 200 event stream is read whole as an error body: qlab's envelope is a superset of
 OpenAI's error object, so a qlab gate's refusals keep their type and reason; a 503 or
 429 from a server that is not a qlab gate is a refusal too (:func:`refusal_body`).
-A stream that ends without ``[DONE]`` or carries an error event is an error. A qlab gate that stopped
-a streamed answer (cut at its deadline after its first token) says so on its last chunk
-(``qlab_stopped``: the status and error its handler answers the cut unstreamed, beside ``finish_reason:
-"abort"``): the answer is then read as that status and error body, so that its row is the one
-``/v1/generate`` gives the same cut (outcome ``cancelled``, its numbers), with the stream's token times.
+A stream that ends without ``[DONE]`` or carries an error event is an error. A qlab gate that
+stopped a streamed answer (cut at its deadline after its first token) says so on its last chunk
+(``qlab_stopped``: the status and error its handler answers the cut unstreamed, beside
+``finish_reason: "abort"``): the answer is then read as that status and error body, so that its row
+is the one ``/v1/generate`` gives the same cut (outcome ``cancelled``, its numbers), with the
+stream's token times.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ import httpx
 
 from .auth import client_headers
 from .contract import GenerateRequest
-from .contract_clients import (AnswerEvent, EventChoice, EventUsage, ForeignError, UpstreamModels,
-                               generate_of)
+from .contract_clients import (
+    AnswerEvent,
+    EventChoice,
+    EventUsage,
+    ForeignError,
+    UpstreamModels,
+    generate_of,
+)
 from .contract_openai import CompletionRequest, QlabInfo, StreamOptions
 from .routes import COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 (COMPLETIONS: loadgen reads it here)
 
@@ -47,33 +54,48 @@ DONE = "[DONE]"
 
 
 def completion_request(body: dict, model: str) -> dict:
-    """A ``/v1/generate`` body as keyword arguments of an ``httpx.Request`` to ``/v1/completions``, streamed."""
-    asked = GenerateRequest.model_validate(body, strict=False)  # the contract's body: a misnamed key fails here
-    request = CompletionRequest(model=model, prompt=asked.prompt, max_tokens=asked.max_new_tokens, stop=asked.stop,
-                                stream=True, stream_options=StreamOptions(include_usage=True),
-                                priority=asked.priority, user=asked.client_id)
+    """A ``/v1/generate`` body as keyword arguments of an ``httpx.Request`` to
+    ``/v1/completions``, streamed."""
+    # the contract's body: a misnamed key fails here
+    asked = GenerateRequest.model_validate(body, strict=False)
+    request = CompletionRequest(
+        model=model,
+        prompt=asked.prompt,
+        max_tokens=asked.max_new_tokens,
+        stop=asked.stop,
+        stream=True,
+        stream_options=StreamOptions(include_usage=True),
+        priority=asked.priority,
+        user=asked.client_id,
+    )
     headers = {} if asked.deadline_ms is None else {DEADLINE_HEADER: str(asked.deadline_ms)}
-    return {"json": request.model_dump(exclude_none=True, exclude_defaults=True), "headers": headers}
+    return {
+        "json": request.model_dump(exclude_none=True, exclude_defaults=True),
+        "headers": headers,
+    }
 
 
 def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
-    """The ids ``GET /v1/models`` lists; ValueError when the server lists none or cannot be asked."""
+    """The ids ``GET /v1/models`` lists; ValueError when the server lists none or cannot be
+    asked."""
     try:
         response = httpx.get(url + MODELS, timeout=timeout_s, headers=client_headers())
         response.raise_for_status()
         ids = [card.id for card in UpstreamModels.model_validate_json(response.content).data]
     except (httpx.HTTPError, ValueError) as exc:
-        raise ValueError(f"{url}{MODELS}: cannot list the served models ({type(exc).__name__}); "
-                         "name one with --model") from None
+        raise ValueError(
+            f"{url}{MODELS}: cannot list the served models ({type(exc).__name__}); "
+            "name one with --model"
+        ) from None
     if not ids:
         raise ValueError(f"{url}{MODELS} lists no model")
     return ids
 
 
 def choose_model(url: str, model: str | None, timeout_s: float = 10.0) -> str:
-    """``model`` when the server serves it, else the first it lists (None); a model it does not list is refused
-    before anything is sent, rather than every request failing with a 404. A server that cannot list its
-    models is taken at its word for a named one."""
+    """``model`` when the server serves it, else the first it lists (None); a model it does not list
+    is refused before anything is sent, rather than every request failing with a 404. A server that
+    cannot list its models is taken at its word for a named one."""
     try:
         ids = served_models(url, timeout_s)
     except ValueError:
@@ -83,7 +105,9 @@ def choose_model(url: str, model: str | None, timeout_s: float = 10.0) -> str:
     if model is None:
         return ids[0]
     if model not in ids:
-        raise ValueError(f"{url} does not serve model {model!r}; it serves {', '.join(map(repr, ids[:5]))}")
+        raise ValueError(
+            f"{url} does not serve model {model!r}; it serves {', '.join(map(repr, ids[:5]))}"
+        )
     return model
 
 
@@ -92,9 +116,9 @@ class StreamReading:
     """One completion as the client read it. Times are the event loop's clock.
 
     body: a 200's answer as ``/v1/generate``'s, else the error body (None: not JSON); done_at: when
-    ``data: [DONE]`` (or the whole error body) had arrived; first_token_at and last_token_at: when the
-    first and the last event with text did (NaN: none did); pieces: the events with text; error: a broken
-    stream (the attempt is then an error).
+    ``data: [DONE]`` (or the whole error body) had arrived; first_token_at and last_token_at: when
+    the first and the last event with text did (NaN: none did); pieces: the events with text; error:
+    a broken stream (the attempt is then an error).
     """
 
     status: int
@@ -108,12 +132,16 @@ class StreamReading:
 
 
 def refusal_body(status: int, body: Any) -> Any:
-    """An error body in qlab's envelope: as it is when it is one, else OpenAI's (or vLLM's older top-level)
-    error object put in it; a 503 or 429 typed as qlab's refusal (overloaded, rate_limited) when the server
-    did not type it so, with no reason (the server did not give one)."""
+    """An error body in qlab's envelope: as it is when it is one, else OpenAI's (or vLLM's older
+    top-level) error object put in it; a 503 or 429 typed as qlab's refusal (overloaded,
+    rate_limited) when the server did not type it so, with no reason (the server did not give
+    one)."""
     foreign = _foreign_error(body)
-    if foreign is not None and foreign.error is None and foreign.object == "error":  # vLLM's older top level
-        body = {"error": foreign.model_dump(include={"message", "type", "code"}, exclude_unset=True)}
+    # vLLM's older top level
+    if foreign is not None and foreign.error is None and foreign.object == "error":
+        body = {
+            "error": foreign.model_dump(include={"message", "type", "code"}, exclude_unset=True)
+        }
         foreign = _foreign_error(body)
     if status not in QLAB_REFUSALS:
         return body
@@ -146,7 +174,8 @@ def answer_body(text: str, usage: EventUsage | None, qlab: QlabInfo | None) -> d
 
 
 def _text_of(event: AnswerEvent) -> str:
-    """The text an event carries: a completion chunk's ``text``, or a chat chunk's ``delta.content``."""
+    """The text an event carries: a completion chunk's ``text``, or a chat chunk's
+    ``delta.content``."""
     return "".join(_piece(choice) for choice in event.choices or ())
 
 
@@ -166,10 +195,12 @@ def _event_of(body: Any) -> AnswerEvent | None:
 
 
 async def read_completion(response: httpx.Response, clock=None) -> StreamReading:
-    """Read one answer as it arrives (see the module): a 200 event stream event by event, anything else whole.
-    clock: what times are read from (default: the running event loop's)."""
+    """Read one answer as it arrives (see the module): a 200 event stream event by event, anything
+    else whole. clock: what times are read from (default: the running event loop's)."""
     now = clock or asyncio.get_running_loop().time
-    if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+    if response.status_code != 200 or not response.headers.get("content-type", "").startswith(
+        "text/event-stream"
+    ):
         await response.aread()
         try:
             body = response.json()
@@ -178,10 +209,24 @@ async def read_completion(response: httpx.Response, clock=None) -> StreamReading
         whole = _event_of(body) if response.status_code == 200 else None
         if whole is not None and whole.choices is not None:
             # A server that ignored stream: true answered whole; no first token to time.
-            return StreamReading(200, answer_body(_text_of(whole), whole.usage, whole.qlab), None, now())
-        return StreamReading(response.status_code, refusal_body(response.status_code, body),
-                        response.headers.get("retry-after"), now())
-    first, last, done, pieces, usage, qlab, broken = math.nan, math.nan, math.nan, [], None, None, None
+            return StreamReading(
+                200, answer_body(_text_of(whole), whole.usage, whole.qlab), None, now()
+            )
+        return StreamReading(
+            response.status_code,
+            refusal_body(response.status_code, body),
+            response.headers.get("retry-after"),
+            now(),
+        )
+    first, last, done, pieces, usage, qlab, broken = (
+        math.nan,
+        math.nan,
+        math.nan,
+        [],
+        None,
+        None,
+        None,
+    )
     stopped = None
     # Read to the stream's end even after [DONE], so that the connection is clean to reuse.
     async for line in response.aiter_lines():
@@ -212,11 +257,32 @@ async def read_completion(response: httpx.Response, clock=None) -> StreamReading
     end = now()
     if broken or math.isnan(done):
         why = broken or f"the stream ended before data: {DONE}"
-        return StreamReading(200, None, None, end, first, error=f"broken stream: {why}", last_token_at=last,
-                        pieces=len(pieces))
+        return StreamReading(
+            200,
+            None,
+            None,
+            end,
+            first,
+            error=f"broken stream: {why}",
+            last_token_at=last,
+            pieces=len(pieces),
+        )
     if stopped is not None:  # the gate stopped it: the row of the same stop unstreamed
-        return StreamReading(stopped.status, {"error": stopped.error.model_dump(exclude_unset=True)}, None, done, first,
-                        last_token_at=last, pieces=len(pieces))
-    return StreamReading(200, answer_body("".join(pieces), usage, qlab), None, done, first, last_token_at=last,
-                    pieces=len(pieces))
-
+        return StreamReading(
+            stopped.status,
+            {"error": stopped.error.model_dump(exclude_unset=True)},
+            None,
+            done,
+            first,
+            last_token_at=last,
+            pieces=len(pieces),
+        )
+    return StreamReading(
+        200,
+        answer_body("".join(pieces), usage, qlab),
+        None,
+        done,
+        first,
+        last_token_at=last,
+        pieces=len(pieces),
+    )

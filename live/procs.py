@@ -1,7 +1,8 @@
 """A ``qlab serve`` subprocess: start it on a free port, learn its URL, stop it cleanly.
 
-Its flags are its :class:`live.serve_options.ServeOptions` (:meth:`~live.serve_options.ServeOptions.argv`),
-with ``--port 0`` (a free port) and ``--watch-stdin``.
+Its flags are its :class:`live.serve_options.ServeOptions`
+(:meth:`~live.serve_options.ServeOptions.argv`), with ``--port 0`` (a free port) and
+``--watch-stdin``.
 
 The server prints ``qlab serve: listening on http://HOST:PORT`` as its first
 line on stdout; everything it says after that goes to a log file, so a chatty
@@ -52,19 +53,33 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         # stdin: the pipe whose end tells the server (--watch-stdin) that this process is gone.
         argv = replace(self.options, port=0, watch_stdin=True).argv()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, cwd=ROOT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout_s: float) -> str:
-        """Read the URL from the first stdout line, then wait for /healthz; ValueError on failure."""
+        """Read the URL from the first stdout line, then wait for /healthz; ValueError on
+        failure."""
         line = _first_line(self.proc, timeout_s)
         match = LISTENING.search(line or "")
         if not match:
             self.stop()
-            raise ValueError(f"qlab serve --policy {self.options.policy} did not start: first line {line!r}; "
-                             f"see {self.log_path}:\n{_tail(self.log_path)}")
+            raise ValueError(
+                f"qlab serve --policy {self.options.policy} did not start: first line "
+                f"{line!r}; "
+                f"see {self.log_path}:\n{_tail(self.log_path)}"
+            )
         self.url = match.group(1).rstrip("/")
-        self._copier = threading.Thread(target=shutil.copyfileobj, args=(self.proc.stdout, self._log), daemon=True)
+        self._copier = threading.Thread(
+            target=shutil.copyfileobj, args=(self.proc.stdout, self._log), daemon=True
+        )
         self._copier.start()
         _wait_healthy(self.url, timeout_s)
         return self.url
@@ -130,8 +145,12 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 @contextmanager
-def serving(options: list[ServeOptions], log_dir: str | Path, timeout_s: float = 180.0,
-            prefix: str = "serve") -> Iterator[list[Server]]:
+def serving(
+    options: list[ServeOptions],
+    log_dir: str | Path,
+    timeout_s: float = 180.0,
+    prefix: str = "serve",
+) -> Iterator[list[Server]]:
     """Start every server at once (models load in parallel), yield them ready, always stop them.
 
     Logs go to LOG_DIR/PREFIX-POLICY.log.

@@ -18,9 +18,12 @@ CLIENT_HEADER = "x-client-id"
 DEADLINE_HEADER = "x-request-deadline-ms"
 
 #: What a 404 or 405 lists.
-ROUTES = (f"POST {GENERATE}, POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}, GET /stats, "
-          "GET /health, GET /ready, GET /healthz, GET /metrics, GET /openapi.json (and HEAD on each GET route)")
-#: The request's objectives, in milliseconds: time to the first token and time per output token after it
-#: (the headers inference-perf and the Gateway API inference extension send).
+ROUTES = (
+    f"POST {GENERATE}, POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}, GET /stats, "
+    "GET /health, GET /ready, GET /healthz, GET /metrics, GET /openapi.json (and HEAD on "
+    "each GET route)"
+)
+#: The request's objectives, in milliseconds: time to the first token and time per output token
+#: after it (the headers inference-perf and the Gateway API inference extension send).
 TTFT_SLO_HEADER = "x-slo-ttft-ms"
 TPOT_SLO_HEADER = "x-slo-tpot-ms"

@@ -69,29 +69,34 @@ from .gate_errors import NEVER_IN_TIME
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """What the server says about itself in /stats, as the simulator needs it: its configuration, with the
-    tracker's factor at this reading as its initial_speed_factor (a resident server's speed carries over
-    from run to run), and a synthetic engine's speed over time with the server's clock when its seconds
-    began (NaN: unknown)."""
+    """What the server says about itself in /stats, as the simulator needs it: its configuration,
+    with the tracker's factor at this reading as its initial_speed_factor (a resident server's speed
+    carries over from run to run), and a synthetic engine's speed over time with the server's clock
+    when its seconds began (NaN: unknown)."""
 
     config: ServerConfig
     speed_schedule: SpeedSchedule | None = None
     schedule_zero: float = math.nan
-    model_known: bool = True  # the server reported its calibration (config.model); else the trace's estimates stand
-    engine: dict | None = None  # the engine's info() in /stats (None: not said), for the model-only prediction
+    # the server reported its calibration (config.model); else the trace's estimates stand
+    model_known: bool = True
+    # the engine's info() in /stats (None: not said), for the model-only prediction
+    engine: dict | None = None
     fleet: dict | None = None  # a fleet gate's FleetSpec fields in /stats (None: one server)
 
     def columns(self, n: int, server_zero: float = math.nan) -> dict[str, Any]:
-        """Constant per-run columns (:func:`qsim.runfile.server_columns`, :func:`qsim.runfile.engine_columns`):
-        the contract between a run file and ``qlab compare``. server_zero: the server's clock at the run's time 0,
-        which puts the speed schedule on the run's clock."""
-        return {**server_columns(self.config, n, self._schedule_on_run_clock(server_zero),
-                                 self.fleet),
-                **engine_columns(self.engine, n)}
+        """Constant per-run columns (:func:`qsim.runfile.server_columns`,
+        :func:`qsim.runfile.engine_columns`): the contract between a run file and ``qlab compare``.
+        server_zero: the server's clock at the run's time 0, which puts the speed schedule on the
+        run's clock."""
+        return {
+            **server_columns(self.config, n, self._schedule_on_run_clock(server_zero), self.fleet),
+            **engine_columns(self.engine, n),
+        }
 
     def _schedule_on_run_clock(self, server_zero: float) -> str | None:
-        """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a step before
-        the run's start sets the base. None where there is none or the clocks are unknown."""
+        """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a
+        step before the run's start sets the base. None where there is none or the clocks are
+        unknown."""
         schedule, shift = self.speed_schedule, self.schedule_zero - server_zero
         if schedule is None or not math.isfinite(shift):
             return None
@@ -105,15 +110,18 @@ class ServerInfo:
 
 
 def _speed_schedule(engine: EngineFacts | None) -> tuple[SpeedSchedule | None, float]:
-    """A synthetic engine's schedule and its start (its info() in /stats); (None, NaN) for other engines."""
+    """A synthetic engine's schedule and its start (its info() in /stats); (None, NaN) for other
+    engines."""
     if engine is None or engine.engine != "synthetic" or engine.speed is None:
         return None, math.nan
-    return SpeedSchedule(engine.speed, tuple(engine.schedule or ())), num(engine.schedule_started_at)
+    return SpeedSchedule(engine.speed, tuple(engine.schedule or ())), num(
+        engine.schedule_started_at
+    )
 
 
 def server_info(stats: Any) -> ServerInfo:
-    """Read /stats (a parsed body, through :class:`live.contract.Stats`; ValueError when it is not one):
-    ``policy`` as a preset name or a dict of Policy fields."""
+    """Read /stats (a parsed body, through :class:`live.contract.Stats`; ValueError when it is not
+    one): ``policy`` as a preset name or a dict of Policy fields."""
     parsed = Stats.model_validate(stats)
     raw = parsed.policy
     if isinstance(raw, str):
@@ -131,17 +139,31 @@ def server_info(stats: Any) -> ServerInfo:
         known = model is not None
         stall_rule = None if stall is None else (num(stall.factor), num(stall.floor_s))
         config = ServerConfig(
-            policy, parsed.engines,
-            ServiceModel() if model is None else ServiceModel(intercept_s=model.intercept_s,
-                                                              per_token_s=model.per_token_s,
-                                                              per_prompt_token_s=model.per_prompt_token_s),
-            fixed_estimate=parsed.fixed_estimate, tracker_weight=weight if math.isfinite(weight) else 0.2,
-            stall=StallRule(*stall_rule) if stall_rule and all(map(math.isfinite, stall_rule)) else StallRule())
+            policy,
+            parsed.engines,
+            ServiceModel()
+            if model is None
+            else ServiceModel(
+                intercept_s=model.intercept_s,
+                per_token_s=model.per_token_s,
+                per_prompt_token_s=model.per_prompt_token_s,
+            ),
+            fixed_estimate=parsed.fixed_estimate,
+            tracker_weight=weight if math.isfinite(weight) else 0.2,
+            stall=StallRule(*stall_rule)
+            if stall_rule and all(map(math.isfinite, stall_rule))
+            else StallRule(),
+        )
     if math.isfinite(factor) and factor > 0:
         config = config.replace(initial_speed_factor=factor)
     engine = None if parsed.engine is None else parsed.engine.model_dump(mode="json")
-    return ServerInfo(config, *_speed_schedule(parsed.engine), model_known=known, engine=engine,
-                      fleet=parsed.fleet)
+    return ServerInfo(
+        config,
+        *_speed_schedule(parsed.engine),
+        model_known=known,
+        engine=engine,
+        fleet=parsed.fleet,
+    )
 
 
 @dataclass(frozen=True)
@@ -152,9 +174,9 @@ class Exchange:
     each); attempt counts from 1. left: why the client hung up before the answer (client_left,
     client_timeout), making it abandoned. hangup_s: when the client would have hung up (NaN: never);
     next: what the client did after it ("retry" or why not; None without a retry policy).
-    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit); first_token_s and
-    last_token_s: when the first and the last piece of text arrived (a streamed answer; NaN: not seen);
-    pieces: how many pieces of text came.
+    reason: with ``error``, why (the replayer's own refusal to send: prompt_cannot_fit);
+    first_token_s and last_token_s: when the first and the last piece of text arrived (a streamed
+    answer; NaN: not seen); pieces: how many pieces of text came.
     """
 
     scheduled_s: float
@@ -177,11 +199,14 @@ class Exchange:
 
 _NO_ERROR = ErrorDetail(type="")
 #: What an exchange without an answer's timings reads: every number null (NaN).
-_NO_TIMINGS = Timings(queue_s=None, engine_s=None, total_s=None, est_service_s=None, started_at=None, returned_at=None)
+_NO_TIMINGS = Timings(
+    queue_s=None, engine_s=None, total_s=None, est_service_s=None, started_at=None, returned_at=None
+)
 
 
 def _error_of(body: Any) -> ErrorDetail:
-    """The envelope's error (:class:`live.contract.ErrorDetail`); an empty one when the body is not an envelope."""
+    """The envelope's error (:class:`live.contract.ErrorDetail`); an empty one when the body is
+    not an envelope."""
     return read_error(body) or _NO_ERROR
 
 
@@ -195,8 +220,12 @@ def classify(ex: Exchange, deadline_s: float) -> tuple[str, str | None, str | No
     if ex.status == 200 and answer_of(ex.body) is not None:
         return ("good" if on_time(ex.done_s - ex.sent_s, deadline_s) else "late"), None, None
     error = _error_of(ex.body)
-    if (ex.status, error.type) in ((503, "overloaded"), (429, "rate_limited")) or error.reason == NEVER_IN_TIME:
-        return "rejected", error.reason, None  # overload, a client over its rate, or never answerable in time
+    if (ex.status, error.type) in (
+        (503, "overloaded"),
+        (429, "rate_limited"),
+    ) or error.reason == NEVER_IN_TIME:
+        # overload, a client over its rate, or never answerable in time
+        return "rejected", error.reason, None
     if ex.status == 503 and error.type == "deadline_exceeded":
         return "expired", error.reason, None
     if ex.status == 504 and error.type == "deadline_exceeded":  # cut in service at its deadline
@@ -216,44 +245,73 @@ def retry_after_s(ex: Exchange) -> int:
 
 
 def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float) -> dict[str, Any]:
-    """The per-request values one exchange gives, NaN or -1 (missing) where the answer does not say."""
+    """The per-request values one exchange gives, NaN or -1 (missing) where the answer does not
+    say."""
     outcome, reason, error = classify(ex, deadline_s)
     answer = answer_of(ex.body) if ex.status == 200 else None
     answered = outcome in records.ANSWERED and answer is not None
     timings = answer.timings if answered else _NO_TIMINGS
-    # The gate's view at arrival: an answer's admission, a refusal's (or drop's, or failure's) numbers.
-    seen = Numbers.model_validate(answer.admission, from_attributes=True) if answered else _error_of(ex.body).numbers
-    est = next((v for v in (num(timings.est_service_s), num(seen.est_service_s)) if math.isfinite(v)), base_est_s)
+    # The gate's view at arrival: an answer's admission, a refusal's (or drop's, or failure's)
+    # numbers.
+    seen = (
+        Numbers.model_validate(answer.admission, from_attributes=True)
+        if answered
+        else _error_of(ex.body).numbers
+    )
+    est = next(
+        (v for v in (num(timings.est_service_s), num(seen.est_service_s)) if math.isfinite(v)),
+        base_est_s,
+    )
     failed = outcome == "error" and reason == "engine_exception"
     stalled = outcome == "error" and reason == "engine_stalled"
     # The run's clock readings and own time: an answer's timings, a failure's numbers.
-    cut = outcome == "cancelled"  # its numbers say when the engine took it and how long it ran until the cut
+    # its numbers say when the engine took it and how long it ran until the cut
+    cut = outcome == "cancelled"
     ran = timings if answered else seen if failed or cut else _NO_TIMINGS
     if stalled and math.isfinite(num(seen.running_s)):  # ended running_s after the engine took it
         started, returned = ex.done_s - num(seen.running_s), math.nan
     else:
         started, returned = num(ran.started_at) - server_zero, num(ran.returned_at) - server_zero
     return {
-        "outcome": outcome, "reason": reason, "error": error, "est": est,
-        "engine_s": num(timings.engine_s), "queue_s": num(timings.queue_s), "total_s": num(timings.total_s),
+        "outcome": outcome,
+        "reason": reason,
+        "error": error,
+        "est": est,
+        "engine_s": num(timings.engine_s),
+        "queue_s": num(timings.queue_s),
+        "total_s": num(timings.total_s),
         "tokens": answer.tokens if answered else -1,
         "answered_prompt": _int_or(answer.prompt_tokens, -1) if answered else -1,
         "engine": answer.engine if answered else _int_or(seen.engine, -1),
         # A fleet's replica (an answer's admission says it beside its fields); 0: one server.
-        "replica": _int_or((answer.admission.model_extra or {}).get("replica") if answered
-                           else seen.replica, 0),
-        "queued": _int_or(seen.queued, -1), "queued_work": num(seen.queued_work_s),
-        "in_service": num(seen.in_service_s), "idle": _int_or(seen.idle, -1),
-        "retry_after": retry_after_s(ex), "status": -1 if ex.status is None else ex.status,
+        "replica": _int_or(
+            (answer.admission.model_extra or {}).get("replica") if answered else seen.replica, 0
+        ),
+        "queued": _int_or(seen.queued, -1),
+        "queued_work": num(seen.queued_work_s),
+        "in_service": num(seen.in_service_s),
+        "idle": _int_or(seen.idle, -1),
+        "retry_after": retry_after_s(ex),
+        "status": -1 if ex.status is None else ex.status,
         "received": _received(ex, outcome, timings, seen, server_zero),
-        "speed_factor": num(seen.speed_factor), "started": started, "returned": returned,
-        "reported": num(ran.engine_s), "failed": failed, "stalled": stalled,
-        "waited": num(seen.waited_s) if outcome == "expired" else 0.0 if outcome == "rejected" else math.nan,
+        "speed_factor": num(seen.speed_factor),
+        "started": started,
+        "returned": returned,
+        "reported": num(ran.engine_s),
+        "failed": failed,
+        "stalled": stalled,
+        "waited": num(seen.waited_s)
+        if outcome == "expired"
+        else 0.0
+        if outcome == "rejected"
+        else math.nan,
         "running": num(seen.running_s) if stalled or cut else math.nan,
     }
 
 
-def _received(ex: Exchange, outcome: str, timings: Timings, seen: Numbers, server_zero: float) -> float:
+def _received(
+    ex: Exchange, outcome: str, timings: Timings, seen: Numbers, server_zero: float
+) -> float:
     """When the gate took the request, on the run's clock; NaN when the answer cannot tell.
 
     The send time is not it: a burst's requests wait in the server's accept
@@ -269,12 +327,20 @@ def _received(ex: Exchange, outcome: str, timings: Timings, seen: Numbers, serve
     if math.isfinite(exact):
         return exact
     in_gate = num(timings.queue_s) + num(timings.engine_s)
-    back = {"good": in_gate, "late": in_gate, "expired": num(seen.waited_s), "rejected": 0.0}.get(outcome, math.nan)
+    back = {"good": in_gate, "late": in_gate, "expired": num(seen.waited_s), "rejected": 0.0}.get(
+        outcome, math.nan
+    )
     return max(ex.sent_s, ex.done_s - back) if math.isfinite(back) else math.nan
 
 
-def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_tokens,
-             server_zero: float = math.nan, clients: ClientSettings = ClientSettings()) -> pd.DataFrame:
+def to_frame(
+    trace: Trace,
+    exchanges: list[Exchange],
+    info: ServerInfo,
+    prompt_tokens,
+    server_zero: float = math.nan,
+    clients: ClientSettings = ClientSettings(),
+) -> pd.DataFrame:
     """Rows of qsim's schema plus the live columns, built through :func:`qsim.records.from_arrays`:
     one per exchange (attempt), in the order given (the trace's first attempts, then the retries).
 
@@ -282,14 +348,24 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_t
     tracking) when /stats reports its model: the number its gate started from.
     server_zero: the server's clock at the run's time 0 (NaN: unknown).
     """
-    first = np.array([k if ex.first < 0 else ex.first for k, ex in enumerate(exchanges)], dtype=np.int64)
+    first = np.array(
+        [k if ex.first < 0 else ex.first for k, ex in enumerate(exchanges)], dtype=np.int64
+    )
     n = len(exchanges)
-    deadline = np.where(np.isnan(trace.deadline_s), info.config.policy.deadline_s, trace.deadline_s)[first]
-    # The server's line with its prompt term, over the prompts as sent: what the gate's estimate started from.
+    deadline = np.where(
+        np.isnan(trace.deadline_s), info.config.policy.deadline_s, trace.deadline_s
+    )[first]
+    # The server's line with its prompt term, over the prompts as sent: what the gate's estimate
+    # started from.
     model = info.config.model
-    base = (model.estimate(trace.max_new_tokens, np.asarray(prompt_tokens, dtype=np.int64)) if info.model_known
-            else np.asarray(trace.est_service_s, dtype=float))[first]
-    rows = pd.DataFrame([_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)])
+    base = (
+        model.estimate(trace.max_new_tokens, np.asarray(prompt_tokens, dtype=np.int64))
+        if info.model_known
+        else np.asarray(trace.est_service_s, dtype=float)
+    )[first]
+    rows = pd.DataFrame(
+        [_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)]
+    )
     sent = np.array([ex.sent_s for ex in exchanges], dtype=float)
     done = np.array([ex.done_s for ex in exchanges], dtype=float)
     scheduled = np.array([ex.scheduled_s for ex in exchanges], dtype=float)
@@ -298,66 +374,72 @@ def to_frame(trace: Trace, exchanges: list[Exchange], info: ServerInfo, prompt_t
     taken = rows["received"].fillna(pd.Series(sent)).to_numpy(float)
     start = np.where(answered, taken + rows["queue_s"].fillna(0.0).to_numpy(), np.nan)
     # A run cut at its deadline started when the gate's numbers say (the engine took it).
-    start = np.where(rows["outcome"].eq("cancelled").to_numpy(), rows["started"].to_numpy(float), start)
+    start = np.where(
+        rows["outcome"].eq("cancelled").to_numpy(), rows["started"].to_numpy(float), start
+    )
     patience = np.asarray(trace.patience_s, dtype=float)[first]
-    frame = records.from_arrays({
-        "request_id": np.arange(n, dtype=np.int64),
-        "first_request_id": first,
-        "attempt": np.array([ex.attempt for ex in exchanges], dtype=np.int64),
-        "arrival_s": sent,
-        "size_class": trace.size_class[first],
-        "max_new_tokens": trace.max_new_tokens[first],
-        "est_service_s": rows["est"].to_numpy(float),
-        "true_service_s": rows["engine_s"].to_numpy(float),
-        "deadline_s": deadline,
-        "priority": trace.priority[first],
-        "client_id": trace.client_id[first],
-        "outcome": rows["outcome"].tolist(),
-        "reason": rows["reason"].tolist(),
-        "start_s": start,
-        "finish_s": done,
-        "latency_s": done - sent,
-        # The schema's int64 column cannot hold "unknown": -1 marks a count the service did not report.
-        "queued_at_arrival": rows["queued"].to_numpy(np.int64),
-        "queued_work_at_arrival_s": rows["queued_work"].to_numpy(float),
-        "in_service_work_at_arrival_s": rows["in_service"].to_numpy(float),
-        "idle_at_arrival": rows["idle"].to_numpy(np.int64),
-        "retry_after_s": rows["retry_after"].to_numpy(np.int64),
-        "engine": rows["engine"].to_numpy(np.int64),
-        "replica": rows["replica"].to_numpy(np.int64),
-        "scheduled_s": scheduled,
-        "sent_s": sent,
-        "send_lateness_s": sent - scheduled,
-        "http_status": _nullable_int(rows["status"]),
-        "error": pd.array(rows["error"].tolist(), dtype="string"),
-        "calibrated_est_s": np.asarray(base, dtype=float),
-        "engine_s": rows["engine_s"].to_numpy(float),
-        "queue_s": rows["queue_s"].to_numpy(float),
-        "server_total_s": rows["total_s"].to_numpy(float),
-        "tokens": _nullable_int(rows["tokens"]),
-        "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64)[first],
-        "answered_prompt_tokens": _nullable_int(rows["answered_prompt"]),
-        "server_arrival_s": rows["received"].to_numpy(float),
-        "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
-        "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),
-        "engine_started_s": rows["started"].to_numpy(float),
-        "engine_returned_s": rows["returned"].to_numpy(float),
-        "engine_reported_s": rows["reported"].to_numpy(float),
-        "failed": rows["failed"].to_numpy(bool),
-        "stalled": rows["stalled"].to_numpy(bool),
-        "server_finish_s": _gate_end(rows),
-        "patience_s": np.where(np.isfinite(patience), patience, np.nan),
-        "hangup_s": np.array([ex.hangup_s for ex in exchanges], dtype=float),
-        "client_next": pd.array([ex.next for ex in exchanges], dtype="string"),
-        **info.columns(n, server_zero),
-        **clients.columns(n),
-    })
+    frame = records.from_arrays(
+        {
+            "request_id": np.arange(n, dtype=np.int64),
+            "first_request_id": first,
+            "attempt": np.array([ex.attempt for ex in exchanges], dtype=np.int64),
+            "arrival_s": sent,
+            "size_class": trace.size_class[first],
+            "max_new_tokens": trace.max_new_tokens[first],
+            "est_service_s": rows["est"].to_numpy(float),
+            "true_service_s": rows["engine_s"].to_numpy(float),
+            "deadline_s": deadline,
+            "priority": trace.priority[first],
+            "client_id": trace.client_id[first],
+            "outcome": rows["outcome"].tolist(),
+            "reason": rows["reason"].tolist(),
+            "start_s": start,
+            "finish_s": done,
+            "latency_s": done - sent,
+            # The schema's int64 column cannot hold "unknown": -1 marks a count the service did not
+            # report.
+            "queued_at_arrival": rows["queued"].to_numpy(np.int64),
+            "queued_work_at_arrival_s": rows["queued_work"].to_numpy(float),
+            "in_service_work_at_arrival_s": rows["in_service"].to_numpy(float),
+            "idle_at_arrival": rows["idle"].to_numpy(np.int64),
+            "retry_after_s": rows["retry_after"].to_numpy(np.int64),
+            "engine": rows["engine"].to_numpy(np.int64),
+            "replica": rows["replica"].to_numpy(np.int64),
+            "scheduled_s": scheduled,
+            "sent_s": sent,
+            "send_lateness_s": sent - scheduled,
+            "http_status": _nullable_int(rows["status"]),
+            "error": pd.array(rows["error"].tolist(), dtype="string"),
+            "calibrated_est_s": np.asarray(base, dtype=float),
+            "engine_s": rows["engine_s"].to_numpy(float),
+            "queue_s": rows["queue_s"].to_numpy(float),
+            "server_total_s": rows["total_s"].to_numpy(float),
+            "tokens": _nullable_int(rows["tokens"]),
+            "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64)[first],
+            "answered_prompt_tokens": _nullable_int(rows["answered_prompt"]),
+            "server_arrival_s": rows["received"].to_numpy(float),
+            "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
+            "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),
+            "engine_started_s": rows["started"].to_numpy(float),
+            "engine_returned_s": rows["returned"].to_numpy(float),
+            "engine_reported_s": rows["reported"].to_numpy(float),
+            "failed": rows["failed"].to_numpy(bool),
+            "stalled": rows["stalled"].to_numpy(bool),
+            "server_finish_s": _gate_end(rows),
+            "patience_s": np.where(np.isfinite(patience), patience, np.nan),
+            "hangup_s": np.array([ex.hangup_s for ex in exchanges], dtype=float),
+            "client_next": pd.array([ex.next for ex in exchanges], dtype="string"),
+            **info.columns(n, server_zero),
+            **clients.columns(n),
+        }
+    )
     return records.validate(frame)
 
 
 def _gate_end(rows: pd.DataFrame) -> np.ndarray:
-    """When the gate ended each request, on the run's clock: the hand-back of a run, the arrival of a
-    refusal, arrival + waited_s of a drop, start + running_s of a stalled run; NaN when unknown."""
+    """When the gate ended each request, on the run's clock: the hand-back of a run, the arrival of
+    a refusal, arrival + waited_s of a drop, start + running_s of a stalled run; NaN when
+    unknown."""
     ran = rows["returned"].to_numpy(float)
     refused = rows["received"].to_numpy(float) + rows["waited"].to_numpy(float)
     stalled = rows["started"].to_numpy(float) + rows["running"].to_numpy(float)
@@ -365,7 +447,11 @@ def _gate_end(rows: pd.DataFrame) -> np.ndarray:
 
 
 def _int_or(value: Any, default: int) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else default
+    return (
+        int(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else default
+    )
 
 
 def _nullable_int(values) -> pd.arrays.IntegerArray:

@@ -14,13 +14,45 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 #: Engine and queue times: a few milliseconds (a refusal-sized run) to minutes (a long generation).
-SERVICE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-#: Time to a refusal: the target is p50 < 1 ms, p99 < 3 ms; a burst of 1,000 reaches a few hundred ms.
-REFUSAL_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+SERVICE_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+#: Time to a refusal: the target is p50 < 1 ms, p99 < 3 ms; a burst of 1,000 reaches a few hundred
+#: ms.
+REFUSAL_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
 
 
 class Histogram:
-    """Counts per bucket (upper bounds, inclusive, then +Inf) and the sum, as Prometheus histograms keep them."""
+    """Counts per bucket (upper bounds, inclusive, then +Inf) and the sum, as Prometheus
+    histograms keep them."""
 
     __slots__ = ("bounds", "counts", "sum")
 

@@ -11,8 +11,8 @@ four times GPT-2's BPE counts for English text.
 
 from __future__ import annotations
 
-#: The smallest context a replay may assume (``--context-tokens``, a live file's ``context_tokens``): a prompt token
-#: and a new one.
+#: The smallest context a replay may assume (``--context-tokens``, a live file's
+#: ``context_tokens``): a prompt token and a new one.
 MIN_CONTEXT_TOKENS = 2
 
 
@@ -32,23 +32,28 @@ class ByteTokenizer:
         return len(text.encode("utf-8"))
 
 
-#: Words of the synthetic prompts: common lowercase words, each one GPT-2 token (with its leading space).
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
-         "tree near the quiet river bank").split()
+#: Words of the synthetic prompts: common lowercase words, each one GPT-2 token (with its leading
+#: space).
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
+    "tree near the quiet river bank"
+).split()
 
 
 def words_prompt(words: int) -> str:
-    """``words`` of :data:`WORDS` (at least one) in a fixed order: about that many tokens of a BPE vocabulary."""
+    """``words`` of :data:`WORDS` (at least one) in a fixed order: about that many tokens of a
+    BPE vocabulary."""
     return " ".join(WORDS[i % len(WORDS)] for i in range(max(1, words)))
 
 
 def prompt_of(tokens: int, tokenizer: str | None) -> str:
-    """A deterministic prompt of ``tokens`` tokens (at least one) under the server's tokenizer, by its name.
+    """A deterministic prompt of ``tokens`` tokens (at least one) under the server's tokenizer, by
+    its name.
 
-    The byte tokenizer (``bytes``, what the synthetic engine, GPT-2 with random weights and the upstream
-    engine's gate count with) gets exactly that many ASCII bytes; any other (GPT-2's own BPE, or None: a
-    server that does not say) gets that many words of one GPT-2 token each, exact for GPT-2 and close for
-    other BPE vocabularies.
+    The byte tokenizer (``bytes``, what the synthetic engine, GPT-2 with random weights and the
+    upstream engine's gate count with) gets exactly that many ASCII bytes; any other (GPT-2's own
+    BPE, or None: a server that does not say) gets that many words of one GPT-2 token each, exact
+    for GPT-2 and close for other BPE vocabularies.
     """
     tokens = max(1, int(tokens))
     if tokenizer == ByteTokenizer.name:
@@ -58,7 +63,8 @@ def prompt_of(tokens: int, tokenizer: str | None) -> str:
 
 
 def max_tokens_within(chars: int, tokenizer: str | None) -> int:
-    """The longest :func:`prompt_of` (in tokens) whose text has at most ``chars`` characters (a server's cap)."""
+    """The longest :func:`prompt_of` (in tokens) whose text has at most ``chars`` characters (a
+    server's cap)."""
     if tokenizer == ByteTokenizer.name:
         return chars
     lengths = [len(w) + 1 for w in WORDS]  # each word and the space before the next

@@ -38,8 +38,8 @@ docs/benchmarks.md). Each engine keeps its own session with one keep-alive conne
 the loop that first runs it. :meth:`UpstreamEngine.run` is the same call for a thread (tests,
 scripts): it runs ``arun`` on an event loop of its own.
 
-An upstream that ignores ``stream: true`` and answers with one JSON body (a completion, or a chat completion
-whose text is its ``message.content``) is read whole: its text and usage are one chunk's.
+An upstream that ignores ``stream: true`` and answers with one JSON body (a completion, or a chat
+completion whose text is its ``message.content``) is read whole: its text and usage are one chunk's.
 
 Failures (:class:`~live.engine.UpstreamError`, answered 502 ``upstream_error``): an error
 status (its message is passed on), no connection, a stream that breaks off or ends without
@@ -78,10 +78,23 @@ import aiohttp
 import httpx
 from pydantic import ValidationError
 
-from .contract_clients import (ForeignError, UpstreamChatRequest, UpstreamChunk, UpstreamModels,
-                               UpstreamRequest)
+from .contract_clients import (
+    ForeignError,
+    UpstreamChatRequest,
+    UpstreamChunk,
+    UpstreamModels,
+    UpstreamRequest,
+)
 from .contract_openai import CHAT_FIELDS
-from .engine import Abilities, Asked, Emit, EngineResult, UpstreamError, UpstreamTimeout, run_coroutine
+from .engine import (
+    Abilities,
+    Asked,
+    Emit,
+    EngineResult,
+    UpstreamError,
+    UpstreamTimeout,
+    run_coroutine,
+)
 from .routes import CHAT, COMPLETIONS, MODELS
 from .serve_options import check_upstream_url, split_credentials
 from .tokenizer import ByteTokenizer
@@ -95,8 +108,8 @@ API_KEY_ENV = "QLAB_UPSTREAM_API_KEY"
 @dataclass(frozen=True)
 class UpstreamSpec:
     """Where to forward: the server's root URL, the model to ask for (None: the first it lists), the
-    longest the engine waits for the upstream to connect or send its next bytes, and the key to send it
-    (None: none; never shown)."""
+    longest the engine waits for the upstream to connect or send its next bytes, and the key to send
+    it (None: none; never shown)."""
 
     url: str
     model: str | None = None
@@ -112,7 +125,9 @@ class UpstreamSpec:
         if basic is not None:
             object.__setattr__(self, "basic", basic)
         if not 0 < self.timeout_s < float("inf"):
-            raise ValueError(f"the upstream timeout must be a positive number of seconds, got {self.timeout_s}")
+            raise ValueError(
+                f"the upstream timeout must be a positive number of seconds, got {self.timeout_s}"
+            )
 
     @property
     def headers(self) -> dict[str, str]:
@@ -126,8 +141,9 @@ class UpstreamSpec:
 
 # aiohttp 3.13 deprecates BasicAuth for encode_basic_auth; the range in pyproject.toml reaches back
 # to 3.12.
-_basic_auth = (getattr(aiohttp, "encode_basic_auth", None)
-               or (lambda user, password: aiohttp.BasicAuth(user, password).encode()))
+_basic_auth = getattr(aiohttp, "encode_basic_auth", None) or (
+    lambda user, password: aiohttp.BasicAuth(user, password).encode()
+)
 
 
 def api_key(given: str | None) -> str | None:
@@ -138,8 +154,9 @@ def api_key(given: str | None) -> str | None:
 # ---------------------------------------------------------------------- what goes up and comes back
 
 
-# The bodies (what goes up, the chunks and errors that come back) are live.contract's: UpstreamRequest,
-# UpstreamChatRequest, UpstreamChunk, ForeignError and UpstreamModels, read leniently there.
+# The bodies (what goes up, the chunks and errors that come back) are live.contract's:
+# UpstreamRequest, UpstreamChatRequest, UpstreamChunk, ForeignError and UpstreamModels, read
+# leniently there.
 
 
 def _error_message(payload: bytes | str) -> str | None:
@@ -155,9 +172,9 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 @dataclass(frozen=True)
 class UpstreamRoutes:
-    """Which of OpenAI's generating routes the upstream serves, as :func:`probe_routes` found at start-up, and
-    why not where it does not (one line per route); ``continuous_usage``: it takes vLLM's
-    ``stream_options.continuous_usage_stats`` (the tokens so far in every chunk)."""
+    """Which of OpenAI's generating routes the upstream serves, as :func:`probe_routes` found at
+    start-up, and why not where it does not (one line per route); ``continuous_usage``: it takes
+    vLLM's ``stream_options.continuous_usage_stats`` (the tokens so far in every chunk)."""
 
     completions: bool = True
     chat: bool = True
@@ -169,33 +186,52 @@ class UpstreamRoutes:
         if self.completions and self.chat:
             return f"the upstream serves {COMPLETIONS} and {CHAT}: each request goes to its own"
         if self.completions:
-            return (f"the upstream serves {COMPLETIONS} only ({'; '.join(self.why_not)}): chats go there as their "
-                    "flattened prompt")
-        return (f"the upstream serves {CHAT} only ({'; '.join(self.why_not)}): a prompt goes there as one user "
-                "message")
+            return (
+                f"the upstream serves {COMPLETIONS} only ({'; '.join(self.why_not)}): chats go "
+                "there as their "
+                "flattened prompt"
+            )
+        return (
+            f"the upstream serves {CHAT} only ({'; '.join(self.why_not)}): a prompt goes there "
+            "as one user "
+            "message"
+        )
 
     @property
     def stream_options(self) -> dict[str, bool]:
-        """What each forwarded request asks of the stream: its usage, in every chunk where the upstream can."""
-        return {"include_usage": True, **({"continuous_usage_stats": True} if self.continuous_usage else {})}
+        """What each forwarded request asks of the stream: its usage, in every chunk where the
+        upstream can."""
+        return {
+            "include_usage": True,
+            **({"continuous_usage_stats": True} if self.continuous_usage else {}),
+        }
 
     def info(self) -> dict:
-        return {"completions": self.completions, "chat": self.chat, "continuous_usage": self.continuous_usage}
+        return {
+            "completions": self.completions,
+            "chat": self.chat,
+            "continuous_usage": self.continuous_usage,
+        }
 
 
 #: How a start-up probe asks each route: one new token.
-_PROBES = {COMPLETIONS: {"prompt": "Hello", "max_tokens": 1},
-           CHAT: {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}}
+_PROBES = {
+    COMPLETIONS: {"prompt": "Hello", "max_tokens": 1},
+    CHAT: {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1},
+}
 #: A probe streams as forwarded requests do, first asking for usage in every chunk.
-_CONTINUOUS = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+_CONTINUOUS = {
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
 #: Statuses that say the route is there (it served, or refused the probe for load).
 _THERE = (200, 429, 503)
 
 
 def _route_problem(client: httpx.Client, route: str, model: str) -> tuple[str | None, bool]:
-    """None when ``route`` served a one-token probe (or refused it for load: the route is there), else why not;
-    and whether it took ``continuous_usage_stats`` (a server that refuses unknown stream options answers 400,
-    and is asked again without it)."""
+    """None when ``route`` served a one-token probe (or refused it for load: the route is there),
+    else why not; and whether it took ``continuous_usage_stats`` (a server that refuses unknown
+    stream options answers 400, and is asked again without it)."""
     body = {"model": model, **_PROBES[route]}
     try:
         response = client.post(route, json={**body, **_CONTINUOUS})
@@ -212,52 +248,77 @@ def _route_problem(client: httpx.Client, route: str, model: str) -> tuple[str | 
 
 
 def probe_routes(spec: UpstreamSpec, model: str) -> UpstreamRoutes:
-    """Which generating routes the upstream serves: one one-token request to each. ValueError (one line) when it
-    serves neither."""
-    # A connection per probe: a server that closes a kept-alive one between them must not look like a missing route.
-    with httpx.Client(base_url=spec.url, timeout=spec.timeout_s, headers={**spec.headers, "connection": "close"}) as client:
+    """Which generating routes the upstream serves: one one-token request to each. ValueError (one
+    line) when it serves neither."""
+    # A connection per probe: a server that closes a kept-alive one between them must not look like
+    # a missing route.
+    with httpx.Client(
+        base_url=spec.url, timeout=spec.timeout_s, headers={**spec.headers, "connection": "close"}
+    ) as client:
         found = {route: _route_problem(client, route, model) for route in (COMPLETIONS, CHAT)}
     why_not = tuple(problem for problem, _ in found.values() if problem is not None)
     if len(why_not) == 2:
-        raise ValueError(f"--upstream-url {spec.url}: serves neither {COMPLETIONS} nor {CHAT} for model {model!r} "
-                         f"({'; '.join(why_not)})")
+        raise ValueError(
+            f"--upstream-url {spec.url}: serves neither {COMPLETIONS} nor {CHAT} for "
+            f"model {model!r} "
+            f"({'; '.join(why_not)})"
+        )
     served = [continuous for problem, continuous in found.values() if problem is None]
-    return UpstreamRoutes(found[COMPLETIONS][0] is None, found[CHAT][0] is None, why_not, all(served))
+    return UpstreamRoutes(
+        found[COMPLETIONS][0] is None, found[CHAT][0] is None, why_not, all(served)
+    )
 
 
 # ---------------------------------------------------------------------- start-up
 
 
 def resolve_model(spec: UpstreamSpec) -> str:
-    """The model to ask for: the spec's, else the first the upstream lists. ValueError (one line) when the
-    upstream cannot be reached, or lists nothing usable and no model was given."""
+    """The model to ask for: the spec's, else the first the upstream lists. ValueError (one line)
+    when the upstream cannot be reached, or lists nothing usable and no model was given."""
     try:
-        with httpx.Client(base_url=spec.url, timeout=spec.timeout_s, headers=spec.headers) as client:
+        with httpx.Client(
+            base_url=spec.url, timeout=spec.timeout_s, headers=spec.headers
+        ) as client:
             response = client.get(MODELS)
     except httpx.HTTPError as exc:
-        raise ValueError(f"--upstream-url {spec.url}: cannot reach the upstream "
-                         f"({type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}); is it running?") from None
+        raise ValueError(
+            f"--upstream-url {spec.url}: cannot reach the upstream "
+            f"({type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}); is it "
+            "running?"
+        ) from None
     if response.status_code in (401, 403):
-        raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} answered HTTP {response.status_code}: the upstream "
-                         f"wants a key (--upstream-api-key, or {API_KEY_ENV})")
+        raise ValueError(
+            f"--upstream-url {spec.url}: GET {MODELS} answered HTTP "
+            f"{response.status_code}: the upstream "
+            f"wants a key (--upstream-api-key, or {API_KEY_ENV})"
+        )
     if spec.model:
         return spec.model  # it answered: reachable, and the model is the operator's word
     if response.status_code != 200:
-        raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} answered HTTP {response.status_code}; "
-                         "name the model with --upstream-model")
+        raise ValueError(
+            f"--upstream-url {spec.url}: GET {MODELS} answered HTTP "
+            f"{response.status_code}; "
+            "name the model with --upstream-model"
+        )
     try:
         models = UpstreamModels.model_validate_json(response.content).data
     except ValidationError:
-        raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} is not an OpenAI model list; "
-                         "name the model with --upstream-model") from None
+        raise ValueError(
+            f"--upstream-url {spec.url}: GET {MODELS} is not an OpenAI model list; "
+            "name the model with --upstream-model"
+        ) from None
     if not models:
-        raise ValueError(f"--upstream-url {spec.url}: GET {MODELS} lists no model; name one with --upstream-model")
+        raise ValueError(
+            f"--upstream-url {spec.url}: GET {MODELS} lists no model; name one with "
+            "--upstream-model"
+        )
     return models[0].id
 
 
 def make_engines(k: int, spec: UpstreamSpec) -> list["UpstreamEngine"]:
-    """K engines forwarding to one upstream, each with its own connection, sharing what is known of the upstream:
-    its model, the routes it serves (asked now), its readiness and its own counters."""
+    """K engines forwarding to one upstream, each with its own connection, sharing what is known of
+    the upstream: its model, the routes it serves (asked now), its readiness and its own
+    counters."""
     if k < 1:
         raise ValueError(f"engines must be >= 1, got {k}")
     model = resolve_model(spec)
@@ -269,19 +330,24 @@ def make_engines(k: int, spec: UpstreamSpec) -> list["UpstreamEngine"]:
 # ---------------------------------------------------------------------- readiness
 
 
-#: What the gate learned of the upstream (a run's end, or a probe) counts for this long; then /ready probes again.
+#: What the gate learned of the upstream (a run's end, or a probe) counts for this long; then /ready
+#: probes again.
 FRESH_S = 5.0
 #: The longest a readiness probe waits: a monitor's poll must not hang on a hung upstream.
 PROBE_TIMEOUT_S = 2.0
-#: Statuses of a run's answer that say the upstream is failing, not the request: it is then not ready.
+#: Statuses of a run's answer that say the upstream is failing, not the request: it is then not
+#: ready.
 FAILING_STATUSES = frozenset({401, 403, 404, 405}) | frozenset(range(500, 600)) - {503}
 
 
 class UpstreamHealth:
-    """What the gate last learned of its upstream: None (ready) or why it is not, and when it learned it.
+    """What the gate last learned of its upstream: None (ready) or why it is not, and when it
+    learned it.
 
-    Each run's end tells it (:meth:`learned`); :meth:`problem` probes ``GET /v1/models`` (at most every
-    :data:`FRESH_S`) when nothing newer is known, so an idle gate still notices an upstream going away.
+    Each run's end tells it (:meth:`learned`); :meth:`problem` probes ``GET /v1/models`` (at most
+    every
+    :data:`FRESH_S`) when nothing newer is known, so an idle gate still notices an upstream going
+    away.
     """
 
     def __init__(self, spec: UpstreamSpec, clock=time.monotonic) -> None:
@@ -298,7 +364,8 @@ class UpstreamHealth:
     async def problem(self) -> str | None:
         """None when the upstream is ready, else why not (one line)."""
         if self.clock() - self.learned_at > FRESH_S:
-            if self._probing is None or self._probing.done():  # several monitors polling at once share one probe
+            # several monitors polling at once share one probe
+            if self._probing is None or self._probing.done():
                 self._probing = asyncio.ensure_future(self._probe())
             await asyncio.shield(self._probing)
         return self.last_problem
@@ -313,7 +380,9 @@ class UpstreamHealth:
                 await response.read()
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.learned(f"{self.spec.url}{MODELS}: cannot reach the upstream ({type(exc).__name__})")
+            self.learned(
+                f"{self.spec.url}{MODELS}: cannot reach the upstream ({type(exc).__name__})"
+            )
             return
         self.learned(None if status == 200 else f"{self.spec.url}{MODELS} answered HTTP {status}")
 
@@ -327,8 +396,9 @@ def _short_session(spec: UpstreamSpec, timeout_s: float) -> aiohttp.ClientSessio
     """A session of one connection whose every call ends within ``timeout_s`` (or the upstream's
     timeout, if shorter), for the gate's own calls beside the runs: a probe, a read of /metrics."""
     timeout = aiohttp.ClientTimeout(total=min(timeout_s, spec.timeout_s))
-    return aiohttp.ClientSession(spec.url, timeout=timeout, headers=spec.headers,
-                                 connector=aiohttp.TCPConnector(limit=1))
+    return aiohttp.ClientSession(
+        spec.url, timeout=timeout, headers=spec.headers, connector=aiohttp.TCPConnector(limit=1)
+    )
 
 
 # ---------------------------------------------------------------------- the upstream's own counters
@@ -407,8 +477,9 @@ class UpstreamCounters:
 
 @dataclass(frozen=True)
 class ChunkRead:
-    """One chunk of the upstream's stream as read: its text, the tokens it carried (either may be empty or 0),
-    and the prompt's tokens as the upstream counted them (None: its usage has not said yet)."""
+    """One chunk of the upstream's stream as read: its text, the tokens it carried (either may be
+    empty or 0), and the prompt's tokens as the upstream counted them (None: its usage has not said
+    yet)."""
 
     text: str
     tokens: int
@@ -436,14 +507,19 @@ class _Reading:
     first_s: float | None = None
     last_s: float | None = None
     usage_tokens: int | None = None
-    prompt_tokens: int | None = None  # the upstream's own count of the prompt (usage), where it says
+    # the upstream's own count of the prompt (usage), where it says
+    prompt_tokens: int | None = None
 
-    def add(self, chunk: UpstreamChunk, emit: Emit | None = None, counted: Counted | None = None) -> None:
+    def add(
+        self, chunk: UpstreamChunk, emit: Emit | None = None, counted: Counted | None = None
+    ) -> None:
         text = "".join(choice.piece for choice in chunk.choices)
         usage = chunk.usage
         said = usage.completion_tokens if usage is not None else None
         if said is not None:
-            new = max(0, said - (self.usage_tokens if self.usage_tokens is not None else self.tokens))
+            new = max(
+                0, said - (self.usage_tokens if self.usage_tokens is not None else self.tokens)
+            )
             self.usage_tokens = said
         else:
             new = 1 if text else 0
@@ -467,51 +543,81 @@ class _Reading:
         # Engine time: to the last token; a stream without one, to its end.
         engine_s = self.last_s if self.last_s is not None else time.perf_counter() - self.start
         tokens = self.usage_tokens if self.usage_tokens is not None else self.tokens
-        return EngineResult("".join(self.text), min(tokens, self.max_tokens), engine_s, self.first_s,
-                            prompt_tokens=self.prompt_tokens)
+        return EngineResult(
+            "".join(self.text),
+            min(tokens, self.max_tokens),
+            engine_s,
+            self.first_s,
+            prompt_tokens=self.prompt_tokens,
+        )
 
 
 #: Longest line of the upstream's event stream read (aiohttp's buffer): far above any token's chunk.
 READ_BUFFER = 1 << 20
-#: A kept-alive connection idle this long is closed rather than reused: below uvicorn's 5 s (``qlab serve``
-#: as the upstream), so that the engine never writes on a connection the upstream is closing.
+#: A kept-alive connection idle this long is closed rather than reused: below uvicorn's 5 s (``qlab
+#: serve`` as the upstream), so that the engine never writes on a connection the upstream is
+#: closing.
 KEEPALIVE_S = 4.0
 
 
 class UpstreamEngine:
-    """Forwards one request at a time to an OpenAI-compatible server's streaming completions or chat route."""
+    """Forwards one request at a time to an OpenAI-compatible server's streaming completions or
+    chat route."""
 
     abilities = Abilities(cancel=True, emit=True, asked=True, coroutine=True)
 
     max_new_tokens_limit = None
 
-    def __init__(self, spec: UpstreamSpec, model: str, routes: UpstreamRoutes = UpstreamRoutes(),
-                 health: UpstreamHealth | None = None,
-                 counters: UpstreamCounters | None = None) -> None:
+    def __init__(
+        self,
+        spec: UpstreamSpec,
+        model: str,
+        routes: UpstreamRoutes = UpstreamRoutes(),
+        health: UpstreamHealth | None = None,
+        counters: UpstreamCounters | None = None,
+    ) -> None:
         self.spec, self.model, self.routes = spec, model, routes
         self.health = health if health is not None else UpstreamHealth(spec)
         # For /stats' upstream_counters (live.engine.CountsUpstream).
         self.counters = counters if counters is not None else UpstreamCounters(spec)
         self._tokenizer = ByteTokenizer()
-        self._session: aiohttp.ClientSession | None = None  # on the loop that runs arun (the gate's)
+        # on the loop that runs arun (the gate's)
+        self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def run_timeout_s(self) -> float:
-        """The engine bounds its own runs (live.engine.SelfTimed): nothing received for this long is a timeout."""
+        """The engine bounds its own runs (live.engine.SelfTimed): nothing received for this long
+        is a timeout."""
         return self.spec.timeout_s
 
-    async def arun(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-                   emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
-        """Forward one request; the gate cancels the task to stop it (its connection is then closed)."""
+    async def arun(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        stop: Sequence[str] | None = None,
+        emit: Emit | None = None,
+        asked: Asked = Asked(),
+    ) -> EngineResult:
+        """Forward one request; the gate cancels the task to stop it (its connection is then
+        closed)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
             self._session, self._session_loop = self.new_session(), loop
         return await self.forward(self._session, prompt, max_new_tokens, stop, emit, asked)
 
-    def run(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None = None,
-            cancel: threading.Event | None = None, emit: Emit | None = None, asked: Asked = Asked()) -> EngineResult:
-        """:meth:`arun` from a thread, on an event loop (and a session) of its own; ``cancel`` stops it."""
+    def run(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        stop: Sequence[str] | None = None,
+        cancel: threading.Event | None = None,
+        emit: Emit | None = None,
+        asked: Asked = Asked(),
+    ) -> EngineResult:
+        """:meth:`arun` from a thread, on an event loop (and a session) of its own; ``cancel``
+        stops it."""
+
         async def once() -> EngineResult:
             async with self.new_session() as session:
                 return await self.forward(session, prompt, max_new_tokens, stop, emit, asked)
@@ -519,37 +625,64 @@ class UpstreamEngine:
         return run_coroutine(once, cancel)
 
     def new_session(self, connections: int = 1) -> aiohttp.ClientSession:
-        """A session of ``connections`` kept-alive connections: one where the engine runs one request at a time, a
-        batch's seats where it forwards a batch (live.upstream_batch). Timeouts: connecting, and between two reads."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=self.spec.timeout_s)
-        return aiohttp.ClientSession(self.spec.url, timeout=timeout, read_bufsize=READ_BUFFER,
-                                     headers=self.spec.headers,
-                                     connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_S))
+        """A session of ``connections`` kept-alive connections: one where the engine runs one
+        request at a time, a batch's seats where it forwards a batch (live.upstream_batch).
+        Timeouts: connecting, and between two reads."""
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.spec.timeout_s, sock_read=self.spec.timeout_s
+        )
+        return aiohttp.ClientSession(
+            self.spec.url,
+            timeout=timeout,
+            read_bufsize=READ_BUFFER,
+            headers=self.spec.headers,
+            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_S),
+        )
 
-    def request(self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None, asked: Asked) -> UpstreamRequest:
-        """The body for one request (its ``route`` says where it goes): a chat to the chat route with its messages, a prompt to the
-        completions route, each to the other where the upstream serves only that one (module docstring)."""
-        gate = {"model": self.model, "max_tokens": max_new_tokens, "stop": list(stop) if stop else None,
-                "stream_options": self.routes.stream_options}
+    def request(
+        self, prompt: str, max_new_tokens: int, stop: Sequence[str] | None, asked: Asked
+    ) -> UpstreamRequest:
+        """The body for one request (its ``route`` says where it goes): a chat to the chat route
+        with its messages, a prompt to the completions route, each to the other where the upstream
+        serves only that one (module docstring)."""
+        gate = {
+            "model": self.model,
+            "max_tokens": max_new_tokens,
+            "stop": list(stop) if stop else None,
+            "stream_options": self.routes.stream_options,
+        }
         sampling = dict(asked.sampling)
         chat = self.routes.chat and (asked.messages is not None or not self.routes.completions)
         if chat:
-            messages = list(asked.messages) if asked.messages is not None else [{"role": "user", "content": prompt}]
+            messages = (
+                list(asked.messages)
+                if asked.messages is not None
+                else [{"role": "user", "content": prompt}]
+            )
             return UpstreamChatRequest(**sampling, **gate, messages=messages)
-        plain = {k: v for k, v in sampling.items() if k not in CHAT_FIELDS}  # a flattened chat's own fields stay
+        # a flattened chat's own fields stay
+        plain = {k: v for k, v in sampling.items() if k not in CHAT_FIELDS}
         return UpstreamRequest(**plain, **gate, prompt=prompt)
 
-    async def forward(self, session: aiohttp.ClientSession, prompt: str, max_new_tokens: int,
-                      stop: Sequence[str] | None, emit: Emit | None, asked: Asked,
-                      counted: Counted | None = None) -> EngineResult:
-        """One request forwarded on ``session``, read to its end (``emit``: each chunk's text as it comes;
-        ``counted``: each chunk's text and tokens); the health learns how it went. UpstreamError (or
-        UpstreamTimeout) for a failure."""
+    async def forward(
+        self,
+        session: aiohttp.ClientSession,
+        prompt: str,
+        max_new_tokens: int,
+        stop: Sequence[str] | None,
+        emit: Emit | None,
+        asked: Asked,
+        counted: Counted | None = None,
+    ) -> EngineResult:
+        """One request forwarded on ``session``, read to its end (``emit``: each chunk's text as it
+        comes; ``counted``: each chunk's text and tokens); the health learns how it went.
+        UpstreamError (or UpstreamTimeout) for a failure."""
         body = self.request(prompt, max_new_tokens, stop, asked)
         reading = _Reading(time.perf_counter(), max_new_tokens)
         try:
             await self._stream(session, body, reading, emit, counted)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a line past READ_BUFFER
+        # ValueError: a line past READ_BUFFER
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             failure = self._failure(body.route, exc)
             self.health.learned(str(failure) if failure.failing else None)
             raise failure from None
@@ -559,17 +692,30 @@ class UpstreamEngine:
         self.health.learned(None)
         return reading.result()
 
-    async def _stream(self, session: aiohttp.ClientSession, body: UpstreamRequest, reading: _Reading,
-                      emit: Emit | None, counted: Counted | None) -> None:
-        async with session.post(body.route, data=body.wire(), headers={"content-type": "application/json"}) as response:
+    async def _stream(
+        self,
+        session: aiohttp.ClientSession,
+        body: UpstreamRequest,
+        reading: _Reading,
+        emit: Emit | None,
+        counted: Counted | None,
+    ) -> None:
+        async with session.post(
+            body.route, data=body.wire(), headers={"content-type": "application/json"}
+        ) as response:
             if response.status != 200:
                 content = await response.read()
                 text = content.decode("utf-8", "replace")
                 message = _error_message(content) or _one_line(text) or "no body"
-                raise UpstreamError(f"the upstream answered HTTP {response.status}: {message}",
-                                    failing=response.status in FAILING_STATUSES)
-            if response.content_type == "application/json":  # it ignored stream: true: one answer, read whole
-                reading.add(_parse_chunk((await response.read()).decode("utf-8", "replace")), emit, counted)
+                raise UpstreamError(
+                    f"the upstream answered HTTP {response.status}: {message}",
+                    failing=response.status in FAILING_STATUSES,
+                )
+            # it ignored stream: true: one answer, read whole
+            if response.content_type == "application/json":
+                reading.add(
+                    _parse_chunk((await response.read()).decode("utf-8", "replace")), emit, counted
+                )
                 return
             async for payload in _data(response.content):
                 if payload == DONE:
@@ -580,7 +726,9 @@ class UpstreamEngine:
     def _failure(self, route: str, exc: Exception) -> UpstreamError:
         where = f"{self.spec.url}{route}"
         if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors
-            return UpstreamTimeout(f"{where} sent nothing for {self.spec.timeout_s:g} s ({type(exc).__name__})")
+            return UpstreamTimeout(
+                f"{where} sent nothing for {self.spec.timeout_s:g} s ({type(exc).__name__})"
+            )
         detail = _one_line(str(exc)) or "no detail"
         return UpstreamError(f"{where}: {type(exc).__name__}: {detail}")
 
@@ -603,12 +751,19 @@ class UpstreamEngine:
         await self.counters.aclose()
 
     def info(self) -> dict:
-        return {"engine": "upstream", "url": self.spec.url, "model": self.model, "timeout_s": self.spec.timeout_s,
-                "routes": self.routes.info(), "tokenizer": self._tokenizer.name}
+        return {
+            "engine": "upstream",
+            "url": self.spec.url,
+            "model": self.model,
+            "timeout_s": self.spec.timeout_s,
+            "routes": self.routes.info(),
+            "tokenizer": self._tokenizer.name,
+        }
 
 
 async def _data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The payloads of a server-sent event stream's ``data:`` lines (OpenAI's events are one line each)."""
+    """The payloads of a server-sent event stream's ``data:`` lines (OpenAI's events are one line
+    each)."""
     async for raw in lines:
         line = raw.decode("utf-8", "replace")
         if line.startswith("data:"):
@@ -616,10 +771,13 @@ async def _data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
 
 
 def _parse_chunk(payload: str) -> UpstreamChunk:
-    message = _error_message(payload) if "error" in payload else None  # only such an event can be an error
+    # only such an event can be an error
+    message = _error_message(payload) if "error" in payload else None
     if message is not None:
         raise UpstreamError(f"the upstream failed mid-stream: {_one_line(message) or 'no message'}")
     try:
         return UpstreamChunk.model_validate_json(payload)
     except ValidationError:
-        raise UpstreamError(f"the upstream sent an event that is not a completion chunk: {payload[:200]!r}") from None
+        raise UpstreamError(
+            f"the upstream sent an event that is not a completion chunk: {payload[:200]!r}"
+        ) from None

@@ -287,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--port", type=int, default=8100)
             p.add_argument("--max-num-seqs", type=int, default=32)
             p.add_argument("--no-prefix-caching", action="store_true")
-            p.add_argument("--cpu-bind", metavar="CORES",
-                           help="the cores vLLM's worker threads take (VLLM_CPU_OMP_THREADS_BIND)")
+            p.add_argument(
+                "--cpu-bind",
+                metavar="CORES",
+                help="the cores vLLM's worker threads take (VLLM_CPU_OMP_THREADS_BIND)",
+            )
             p.add_argument("--pid-file", type=Path, default=ROOT / ".vllm-models" / "server.pid")
     p = sub.add_parser("stop")
     p.add_argument("--pid-file", type=Path, default=ROOT / ".vllm-models" / "server.pid")

@@ -123,8 +123,9 @@ class Admission:
         tenth of a plain run's set-up and loop)."""
         return np.where(np.isnan(deadline_s), self.policy.deadline_s, deadline_s).tolist()
 
-    def arrival(self, base_est_s: float, deadline_s: float | None,
-                work: Work | tuple | None) -> tuple[float, float, Work | None]:
+    def arrival(
+        self, base_est_s: float, deadline_s: float | None, work: Work | tuple | None
+    ) -> tuple[float, float, Work | None]:
         """An arrival's (calibrated estimate, deadline, work): the estimator's estimate from its
         work (None: ``base_est_s``, the estimate at the limit, as it is), its deadline or the
         policy's, its work as a Work."""
@@ -152,8 +153,14 @@ class Admission:
         and teaches no state anything; each may adjust the view, as the reserve shortens the
         deadline), then the shedding draw, the policy's decision on the view of ``p`` and the
         request, and each state told the decision."""
-        self.seen_numbers = (p.est_service_s, p.queued, p.queued_work_s, factor, p.remaining_s,
-                             p.idle if p.wait_s is None else -1)
+        self.seen_numbers = (
+            p.est_service_s,
+            p.queued,
+            p.queued_work_s,
+            factor,
+            p.remaining_s,
+            p.idle if p.wait_s is None else -1,
+        )
         states = self.states
         if not states:
             if not self.counts_refused:
@@ -179,9 +186,19 @@ class Admission:
             state.decided(view, arrival, refusal)
         return refusal
 
-    def admit_plain(self, queued: int, queued_work_s: float, remaining_s: float, est: float,
-                    deadline_s: float, engines: int, idle: int, priority: int,
-                    ahead_s: float | None, factor: float) -> Rejection | None:
+    def admit_plain(
+        self,
+        queued: int,
+        queued_work_s: float,
+        remaining_s: float,
+        est: float,
+        deadline_s: float,
+        engines: int,
+        idle: int,
+        priority: int,
+        ahead_s: float | None,
+        factor: float,
+    ) -> Rejection | None:
         """:meth:`admit` for a :attr:`plain` policy, on the basic numbers as arguments (no
         projection made): it runs once per arrival of every plain simulation (bench_qsim's cases A
         and B). A rule that admits all reads nothing while an engine is idle, nor for a request
@@ -189,17 +206,51 @@ class Admission:
         self.seen_numbers = (est, queued, queued_work_s, factor, remaining_s, idle)
         if self.admits_all and (idle or priority >= 0):
             return None
-        return self._decide(_new(View, (queued, queued_work_s, remaining_s, est, deadline_s,
-                                        engines, idle, priority, ahead_s) + _NO_MORE))
+        return self._decide(
+            _new(
+                View,
+                (
+                    queued,
+                    queued_work_s,
+                    remaining_s,
+                    est,
+                    deadline_s,
+                    engines,
+                    idle,
+                    priority,
+                    ahead_s,
+                )
+                + _NO_MORE,
+            )
+        )
 
     def _view(self, entry: Entry, p: Projection, ahead: int = 0) -> View:
         """The view of ``p`` and the request; its draw is the ``ahead``-th after the last taken."""
         work = entry.work
         u = uniform(self.seed, self.arrivals + ahead, 0) if self.sheds else _NAN
-        return _new(View, (p.queued, p.queued_work_s, p.remaining_s, p.est_service_s,
-                           entry.deadline_s, p.engines, p.idle, entry.priority, p.ahead_s,
-                           entry.client, p.wait_s, p.ttft_s, p.tpot_s, p.kv_wait_s, p.kv_use,
-                           p.queued_tokens, 0 if work is None else work.prompt, u))
+        return _new(
+            View,
+            (
+                p.queued,
+                p.queued_work_s,
+                p.remaining_s,
+                p.est_service_s,
+                entry.deadline_s,
+                p.engines,
+                p.idle,
+                entry.priority,
+                p.ahead_s,
+                entry.client,
+                p.wait_s,
+                p.ttft_s,
+                p.tpot_s,
+                p.kv_wait_s,
+                p.kv_use,
+                p.queued_tokens,
+                0 if work is None else work.prompt,
+                u,
+            ),
+        )
 
 
 class Core:

@@ -1,4 +1,5 @@
-"""The queue core of a batching engine: continuous batching as vLLM's v1 scheduler does it, and no clock.
+"""The queue core of a batching engine: continuous batching as vLLM's v1 scheduler does it, and no
+clock.
 
 :class:`BatchQueue` is :class:`qsim.queue.AdmissionQueue`'s sibling for an engine that runs its
 requests together (:class:`qsim.engines.Batching`). It holds the waiting line, the running batch and
@@ -64,7 +65,8 @@ from .routers import ReplicaState
 from .service import SpeedTracker
 
 _new = tuple.__new__
-#: Weight of one step in the average of the prompt tokens steps compute (about the last twenty steps).
+#: Weight of one step in the average of the prompt tokens steps compute (about the last twenty
+#: steps).
 PREFILL_WEIGHT = 0.05
 
 
@@ -82,12 +84,13 @@ class RunStats(NamedTuple):
 class Step(NamedTuple):
     """One planned step: what the engine computes, and how long the step model says it takes.
 
-    ``chunks`` lists (request, tokens of its prompt computed in this step) for the requests computing their
-    prompt; ``decoding`` the requests that compute one token each, and ``completing`` those among ``chunks`` whose
-    prompt completes in this step (each produces a token: its first, or after a preemption its next); a live engine
-    needs both, the simulator neither; ``starts``, for each of ``chunks``, the tokens its request had computed before
-    this step (0: its first chunk, or the first after a preemption), for a live engine's cache. model_s: the step
-    model's seconds (before the speed factor)."""
+    ``chunks`` lists (request, tokens of its prompt computed in this step) for the requests
+    computing their prompt; ``decoding`` the requests that compute one token each, and
+    ``completing`` those among ``chunks`` whose prompt completes in this step (each produces a
+    token: its first, or after a preemption its next); a live engine needs both, the simulator
+    neither; ``starts``, for each of ``chunks``, the tokens its request had computed before this
+    step (0: its first chunk, or the first after a preemption), for a live engine's cache. model_s:
+    the step model's seconds (before the speed factor)."""
 
     chunks: tuple
     decoding: tuple
@@ -103,19 +106,48 @@ class Step(NamedTuple):
 class _Seq:
     """A request in the batch, or preempted and waiting to join again."""
 
-    __slots__ = ("entry", "prompt", "out", "est_out", "order", "computed", "target", "generated", "blocks", "peak",
-                 "preemptions", "start", "first_token", "decoding", "d0", "kv0", "finish_at", "alive", "chunk",
-                 "due", "in_line", "hold", "tokens", "table", "hashed", "hashes", "cached_tokens",
-                 "ready", "draining")
+    __slots__ = (
+        "entry",
+        "prompt",
+        "out",
+        "est_out",
+        "order",
+        "computed",
+        "target",
+        "generated",
+        "blocks",
+        "peak",
+        "preemptions",
+        "start",
+        "first_token",
+        "decoding",
+        "d0",
+        "kv0",
+        "finish_at",
+        "alive",
+        "chunk",
+        "due",
+        "in_line",
+        "hold",
+        "tokens",
+        "table",
+        "hashed",
+        "hashes",
+        "cached_tokens",
+        "ready",
+        "draining",
+    )
 
     def __init__(self, entry: Entry, prompt: int, out: int, est_out: int) -> None:
         self.entry = entry
         self.prompt, self.out, self.est_out = prompt, out, est_out
         self.order = -1
         self.computed = 0  # tokens whose KV is computed (while computing its prompt)
-        self.target = prompt  # tokens to compute before it samples: its prompt, and after a preemption what it generated
+        # tokens to compute before it samples: its prompt, and after a preemption what it generated
+        self.target = prompt
         self.generated = 0
-        self.blocks = 0  # KV blocks held while computing its prompt (a decoding request's follow from its tokens)
+        # KV blocks held while computing its prompt (a decoding request's follow from its tokens)
+        self.blocks = 0
         self.peak = 0
         self.preemptions = 0
         self.start = math.nan
@@ -125,7 +157,8 @@ class _Seq:
         self.alive = True
         self.chunk = 0
         self.due = math.inf
-        self.in_line = False  # waiting (in the discipline's line or at its front): its prompt counts as queued
+        # waiting (in the discipline's line or at its front): its prompt counts as queued
+        self.in_line = False
         self.hold = 0  # the seat-steps it added to the line's when it joined it
         # With a prefix cache only: its tokens' identity, the physical blocks it holds for its
         # prompt (a decoding request's later blocks are the pool's, counted from its tokens), how
@@ -145,24 +178,36 @@ class _Seq:
 class BatchQueue(Projections, PrefixCache, Books, Core):
     """The waiting line, the running batch and the KV blocks of one batching engine; see the module.
 
-    Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when it is over;
-    ``end(req, now, outcome, reason, stats)``: a request that joined the batch ended (answered good or late, or
-    cut at its deadline), with its :class:`RunStats`; ``drop(req, now, outcome, reason, est_s, retry_after_s)``: a
-    waiting request ended unrun (as :class:`~qsim.queue.AdmissionQueue`'s). After any event the driver asks
-    :meth:`next_timer` when to call :meth:`timer` (a running request's deadline, where the policy cuts there).
+    Hooks: ``step(plan, now)``: run this :class:`Step` from ``now`` and call :meth:`step_done` when
+    it is over; ``end(req, now, outcome, reason, stats)``: a request that joined the batch ended
+    (answered good or late, or cut at its deadline), with its :class:`RunStats`; ``drop(req, now,
+    outcome, reason, est_s, retry_after_s)``: a waiting request ended unrun (as
+    :class:`~qsim.queue.AdmissionQueue`'s). After any event the driver asks
+    :meth:`next_timer` when to call :meth:`timer` (a running request's deadline, where the policy
+    cuts there).
     """
 
     all_stalled = False  # no stall rule here (a live gate's readiness asks)
-    _decode_reserved = False  # the decoding hold their next token's KV slot (a step is planned or in flight)
+    # the decoding hold their next token's KV slot (a step is planned or in flight)
+    _decode_reserved = False
     _planned: list = []
 
-    def __init__(self, config: ServerConfig, *, step: Callable, end: Callable, drop: Callable,
-                 joined: Callable | None = None, wake: Callable | None = None,
-                 gone: Callable[[Any], bool] | None = None,
-                 tokens: Callable[[Any], Tokens | None] | None = None, members: bool = False) -> None:
-        """joined(req, now): a request joins the batch for the first time (its start). wake(now): the engine was
-        idle and has work: the driver calls :meth:`begin` once everything due at ``now`` has
-        arrived, so that a burst starts in one step (None: the step is planned at once).
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        step: Callable,
+        end: Callable,
+        drop: Callable,
+        joined: Callable | None = None,
+        wake: Callable | None = None,
+        gone: Callable[[Any], bool] | None = None,
+        tokens: Callable[[Any], Tokens | None] | None = None,
+        members: bool = False,
+    ) -> None:
+        """joined(req, now): a request joins the batch for the first time (its start). wake(now):
+        the engine was idle and has work: the driver calls :meth:`begin` once everything due at
+        ``now`` has arrived, so that a burst starts in one step (None: the step is planned at once).
         tokens(req): with prefix caching, the :class:`~qsim.prefix.Tokens` of a request (None, or
         no hook: tokens shared with no other request). members: each :class:`Step` names its
         decoding and completing requests and where each chunk starts (a live driver hands them to
@@ -171,44 +216,59 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         if not isinstance(engine, Batching):
             raise ValueError(f"BatchQueue runs a batching engine, not {engine.kind}")
         if config.stall is not None:
-            raise ValueError("a stall rule applies to engines run one at a time; a batching engine has none here")
+            raise ValueError(
+                "a stall rule applies to engines run one at a time; a batching engine has none here"
+            )
         self.config, self.engine = config, engine
         self.policy = policy = config.policy
         self.model = engine.step
-        self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
-                                    fixed=config.fixed_estimate)
+        self.tracker = SpeedTracker(
+            weight=config.tracker_weight,
+            initial=config.initial_speed_factor,
+            fixed=config.fixed_estimate,
+        )
         self.waiting = policy.make_discipline()
-        self.front: deque[_Seq] = deque()  # preempted, or pulled but not fitting yet: ahead of the discipline's line
+        # preempted, or pulled but not fitting yet: ahead of the discipline's line
+        self.front: deque[_Seq] = deque()
         # A batch's rule reads more than the one-at-a-time numbers: those are not recorded.
-        self.admission = Admission(config, counts_refused=True,
-                                   empty=Seen(math.nan, 0, 0.0, self.tracker.factor))
+        self.admission = Admission(
+            config, counts_refused=True, empty=Seen(math.nan, 0, 0.0, self.tracker.factor)
+        )
         self._step, self._end, self._drop, self._gone, self._joined = step, end, drop, gone, joined
         self._wake = wake
         self._wants_members = members
         self.waking = False  # the driver was asked to begin a step
         self._drop_reason = getattr(self.waiting, "drop_reason", None)
         self._started = getattr(self.waiting, "started", None)
-        # Projecting the batch costs a walk over it and the line: only for rules that read the projection.
-        self._projects = type(policy).decide is not Policy.decide or \
-            any(rule.projected for rule in policy.rules)
-        self.seq_of: dict[int, _Seq] = {}  # id(entry) -> its sequence, while it waits in the discipline's line
+        # Projecting the batch costs a walk over it and the line: only for rules that read the
+        # projection.
+        self._projects = type(policy).decide is not Policy.decide or any(
+            rule.projected for rule in policy.rules
+        )
+        # id(entry) -> its sequence, while it waits in the discipline's line
+        self.seq_of: dict[int, _Seq] = {}
         self.running: dict[int, _Seq] = {}  # order -> sequence, oldest first: the batch
         self.prefilling: list[_Seq] = []  # those still computing their prompt, in batch order
         self.finishing: list = []  # the decoding: heap of (decode count it finishes at, order, seq)
         self.residue = [0] * engine.block_size  # the decoding by (kv0 - d0) mod block size
         self.n_dec = 0
-        self.kv_dec = 0  # sum over the decoding of kv0 - d0: their KV tokens are kv_dec + n_dec x decoded
+        # sum over the decoding of kv0 - d0: their KV tokens are kv_dec + n_dec x decoded
+        self.kv_dec = 0
         self.decoded = 0  # decode steps so far
         self.kv_used = 0
         self.kv_cap = math.inf if engine.kv_blocks is None else engine.kv_blocks
         self.line_tokens = 0  # prompt tokens of the line
-        self.line_hold = 0  # seat-steps the line will hold (each one's _holds when it joined the line)
-        self.dec_est = 0  # over the decoding: est_out - generated at d0 + d0, summed (see _running_steps)
+        # seat-steps the line will hold (each one's _holds when it joined the line)
+        self.line_hold = 0
+        # over the decoding: est_out - generated at d0 + d0, summed (see _running_steps)
+        self.dec_est = 0
         self.joined = 0
         self.plan: Step | None = None
         self.plan_started = math.nan
-        self.prefill_per_step = 0.0  # an EWMA (weight PREFILL_WEIGHT) of the prompt tokens a step computed
-        self.cuts: list = []  # heap of (deadline, order, seq) of those that joined, where the policy cuts there
+        # an EWMA (weight PREFILL_WEIGHT) of the prompt tokens a step computed
+        self.prefill_per_step = 0.0
+        # heap of (deadline, order, seq) of those that joined, where the policy cuts there
+        self.cuts: list = []
         # Prefix caching (qsim.prefix): the physical blocks, and the decoding requests' blocks past
         # their prompt's, which are interchangeable until a request leaves and hashes them (None:
         # no cache).
@@ -244,11 +304,13 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         return self.kv_dec + self.n_dec * self.decoded + sum(s.computed for s in self.prefilling)
 
     def step_s(self, seqs: float, context: float, prefill: float | None = None) -> float:
-        """A step's estimated seconds (speed factor in) for ``seqs`` sequences holding ``context`` tokens, computing
-        ``prefill`` prompt tokens (None: as many as steps have lately, an average over the last twenty or so:
-        others' prompts share the steps a request decodes in)."""
-        return self.model.time(self.prefill_per_step if prefill is None else prefill, seqs, context) * \
-            self.tracker.factor
+        """A step's estimated seconds (speed factor in) for ``seqs`` sequences holding ``context``
+        tokens, computing ``prefill`` prompt tokens (None: as many as steps have lately, an average
+        over the last twenty or so: others' prompts share the steps a request decodes in)."""
+        return (
+            self.model.time(self.prefill_per_step if prefill is None else prefill, seqs, context)
+            * self.tracker.factor
+        )
 
     def replica_state(self, now: float, req=None, ask=None) -> ReplicaState:
         """What a fleet's router reads of this engine at ``req``'s arrival: its outstanding, the
@@ -257,8 +319,15 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         with ``ask`` (a :class:`~qsim.routers.Arrival`), its projected time to first token here."""
         idle = int(not self.queued and self._seats_taken() < self.engine.max_num_seqs)
         ttft = math.nan if ask is None else self._probe_ttft(ask, now, req)
-        return ReplicaState(self.queued + self.in_service, self._work_wait(now), 1, idle,
-                            self.kv_use, self._prefix_hit(req), ttft)
+        return ReplicaState(
+            self.queued + self.in_service,
+            self._work_wait(now),
+            1,
+            idle,
+            self.kv_use,
+            self._prefix_hit(req),
+            ttft,
+        )
 
     def _probe_ttft(self, ask, now: float, req=None) -> float:
         """The time to first token :meth:`_project` gives an arrival of ``ask``'s estimate and
@@ -276,27 +345,51 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
 
     def snapshot(self) -> dict:
         """The queue now, for /stats and tests."""
-        return {"waiting": self.queued, "in_service": self.in_service, "stalled": 0, "queued_work_s": math.nan,
-                "speed_factor": self.tracker.factor, "engines": 1, "kv_blocks_used": self.kv_used,
-                "kv_use": self.kv_use, **(self.prefix_cache_stats() or {})}
+        return {
+            "waiting": self.queued,
+            "in_service": self.in_service,
+            "stalled": 0,
+            "queued_work_s": math.nan,
+            "speed_factor": self.tracker.factor,
+            "engines": 1,
+            "kv_blocks_used": self.kv_used,
+            "kv_use": self.kv_use,
+            **(self.prefix_cache_stats() or {}),
+        }
 
     # -- events ------------------------------------------------------------------------
 
-    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None, priority: int = 0,
-               client=None, work: Work | tuple | None = None) -> Rejection | None:
-        """Admit ``req`` (into the batch at once where it has a seat and blocks and nobody waits, else into the
-        line) or return the refusal. ``work`` (limit, prompt tokens, tokens it will generate) is what the batch
-        runs: without it the request asks for the tokens ``config.model`` gives ``base_est_s`` and no prompt; a
-        ``generated`` of None (a live gate's) runs to the limit."""
+    def arrive(
+        self,
+        req,
+        now: float,
+        base_est_s: float,
+        deadline_s: float | None = None,
+        priority: int = 0,
+        client=None,
+        work: Work | tuple | None = None,
+    ) -> Rejection | None:
+        """Admit ``req`` (into the batch at once where it has a seat and blocks and nobody waits,
+        else into the line) or return the refusal. ``work`` (limit, prompt tokens, tokens it will
+        generate) is what the batch runs: without it the request asks for the tokens
+        ``config.model`` gives ``base_est_s`` and no prompt; a ``generated`` of None (a live gate's)
+        runs to the limit."""
         seq = self._arrival(req, now, base_est_s, deadline_s, priority, client, work)
         never = self._never(seq)
         if never is not None:
-            self.admission.seen_numbers = (math.nan, self.queued, math.nan, self.tracker.factor,
-                                           math.nan, -1)
+            self.admission.seen_numbers = (
+                math.nan,
+                self.queued,
+                math.nan,
+                self.tracker.factor,
+                math.nan,
+                -1,
+            )
             return never
         room = not self.queued and self._has_room(seq)
-        refusal = self.admission.admit(now, seq.entry, self.tracker.factor,
-                                       self._projection(seq, now, room))
+        refusal = self.admission.admit(
+            now, seq.entry, self.tracker.factor, self._projection(seq, now, room)
+        )
         if refusal is not None:
             return refusal
         self._place(seq, now, room)
@@ -315,16 +408,21 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             self._into_line(seq)
         self._kick(now)
 
-    def _arrival(self, req, now: float, base_est_s: float, deadline_s, priority: int, client,
-                 work) -> _Seq:
+    def _arrival(
+        self, req, now: float, base_est_s: float, deadline_s, priority: int, client, work
+    ) -> _Seq:
         """An arrival's entry (its estimate, deadline and work as admission gives them) and its
         sequence (a central queue's fleet, qsim.batch_fleet, makes it so too)."""
         if work is None:
             work = Work(self.config.model.tokens_for(base_est_s), 0, None)
         base_est_s, deadline_s, work = self.admission.arrival(base_est_s, deadline_s, work)
         entry = _new(Entry, (req, now, base_est_s, deadline_s, priority, client, work))
-        seq = _Seq(entry, work.prompt, work.limit if work.generated is None else work.generated,
-                   self._est_out(base_est_s, work))
+        seq = _Seq(
+            entry,
+            work.prompt,
+            work.limit if work.generated is None else work.generated,
+            self._est_out(base_est_s, work),
+        )
         seq.out = max(1, seq.out)
         if self.pool is not None:
             seq.tokens = self._tokens(req, work.prompt)
@@ -334,10 +432,16 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         """An arrival with room (:meth:`_has_room`) into the batch at once, holding its first
         chunk's blocks (its cached prefix shared)."""
         if self.pool is not None:
-            hit, _, blocks, _ = self._first_chunk(seq, self.engine.max_num_batched_tokens, count=True)
+            hit, _, blocks, _ = self._first_chunk(
+                seq, self.engine.max_num_batched_tokens, count=True
+            )
             self._join(seq, now, blocks, hit)
         else:
-            first = min(seq.prompt, self.engine.max_num_batched_tokens) if self.engine.chunked_prefill else seq.prompt
+            first = (
+                min(seq.prompt, self.engine.max_num_batched_tokens)
+                if self.engine.chunked_prefill
+                else seq.prompt
+            )
             self._join(seq, now, self.engine.blocks_for(max(1, first)))
 
     def begin(self, now: float) -> None:
@@ -347,7 +451,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             self._next_step(now)
 
     def _kick(self, now: float) -> None:
-        """Work for an idle engine: a step now, or once the driver has taken in the rest of this instant."""
+        """Work for an idle engine: a step now, or once the driver has taken in the rest of this
+        instant."""
         if self.plan is not None or self.waking:
             return
         if self._wake is None:
@@ -357,19 +462,23 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             self._wake(now)
 
     def step_done(self, now: float, elapsed_s: float | None = None) -> None:
-        """The step in flight ended at ``now`` (it took ``elapsed_s``, for the speed tracker: a live engine's own
-        time; None: ``now`` minus its start). Its tokens are counted, the requests it finished end, and the
-        next step is planned."""
+        """The step in flight ended at ``now`` (it took ``elapsed_s``, for the speed tracker: a live
+        engine's own time; None: ``now`` minus its start). Its tokens are counted, the requests it
+        finished end, and the next step is planned."""
         plan = self.plan
         if plan is None:
             raise RuntimeError("step_done with no step in flight")
         self.plan = None
-        self.tracker.observe(plan.model_s, now - self.plan_started if elapsed_s is None else elapsed_s)
+        self.tracker.observe(
+            plan.model_s, now - self.plan_started if elapsed_s is None else elapsed_s
+        )
         self.prefill_per_step += PREFILL_WEIGHT * (plan.prefill_tokens - self.prefill_per_step)
         if plan.decoders:
             self.decoded += 1
-        self._decode_reserved = False  # the slots held for this step's tokens are now counted in their tokens
-        # When this step's tokens reach their clients: at once, or once the front end has streamed them.
+        # the slots held for this step's tokens are now counted in their tokens
+        self._decode_reserved = False
+        # When this step's tokens reach their clients: at once, or once the front end has streamed
+        # them.
         fe = self.fe
         delivered = now if fe is None else self._fe_job(now, fe.step_s + fe.token_s * plan.sampling)
         for seq, chunk in self._planned:
@@ -386,8 +495,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         self._next_step(now)
 
     def cancel(self, req, now: float) -> str | None:
-        """The client of ``req`` left: "waiting" (it left the line), "running" (it left the batch: its blocks are
-        free for the next step), or None (it had ended)."""
+        """The client of ``req`` left: "waiting" (it left the line), "running" (it left the batch:
+        its blocks are free for the next step), or None (it had ended)."""
         if self._leave_line(req, self.front, self.waiting, self.seq_of):
             return "waiting"
         for seq in self.running.values():
@@ -405,7 +514,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         return None
 
     def _leave_line(self, req, front: deque, waiting, seq_of: dict) -> bool:
-        """``req`` out of a line (``front``, then the discipline's ``waiting``): False if not there."""
+        """``req`` out of a line (``front``, then the discipline's ``waiting``): False if not
+        there."""
         for seq in front:
             if seq.entry.req == req:
                 front.remove(seq)
@@ -423,8 +533,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
     # -- timers: cutting at the deadline -----------------------------------------------
 
     def next_timer(self) -> float:
-        """When the core next needs to be told the time (a joined request's deadline, where the policy cuts
-        there; with a front end, an intake done or tokens delivered); inf: never."""
+        """When the core next needs to be told the time (a joined request's deadline, where the
+        policy cuts there; with a front end, an intake done or tokens delivered); inf: never."""
         cuts = self.cuts
         while cuts and not cuts[0][2].alive:
             heapq.heappop(cuts)
@@ -436,13 +546,14 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             heapq.heappop(intake)
         while delivering and not delivering[0][2].draining:
             heapq.heappop(delivering)
-        return min(due, intake[0][0] if intake else math.inf,
-                   delivering[0][0] if delivering else math.inf)
+        return min(
+            due, intake[0][0] if intake else math.inf, delivering[0][0] if delivering else math.inf
+        )
 
     def timer(self, now: float) -> None:
-        """Time ``now`` has come: cut the joined requests whose deadline it is (outcome cancelled), in the batch
-        or preempted and waiting to join again; with a front end, end those whose last token has
-        reached the client and let in those whose intake is done."""
+        """Time ``now`` has come: cut the joined requests whose deadline it is (outcome cancelled),
+        in the batch or preempted and waiting to join again; with a front end, end those whose last
+        token has reached the client and let in those whose intake is done."""
         if self.fe is not None:
             self._front_end_timer(now)
         cuts = self.cuts
@@ -459,8 +570,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
                 seq.alive = False
             else:
                 self._leave(seq)
-            # One that joined after its deadline (it waited past it) is cut as it joins, as an engine run one at a
-            # time cuts it as it starts: never before its start.
+            # One that joined after its deadline (it waited past it) is cut as it joins, as an
+            # engine run one at a time cuts it as it starts: never before its start.
             self._end(seq.entry.req, max(due, seq.start), CANCELLED, CUT_REASON, self._stats(seq))
         self._kick(now)
 
@@ -501,7 +612,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
     # -- planning -------------------------------------------------------------------------
 
     def _next_step(self, now: float) -> None:
-        """Plan the next step from ``now`` and hand it to the driver, or rest when there is nothing to run."""
+        """Plan the next step from ``now`` and hand it to the driver, or rest when there is
+        nothing to run."""
         engine, cap = self.engine, self.kv_cap
         preempted = False
         # 1. The decoding: one token each, a new block for those whose last block is full.
@@ -513,7 +625,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         self.kv_used += need
         if self.pool is not None:
             self.decode_blocks.extend(self.pool.allocate(need))
-        self._decode_reserved = True  # each decoding request holds the slot of this step's token from here
+        # each decoding request holds the slot of this step's token from here
+        self._decode_reserved = True
         budget = engine.max_num_batched_tokens - self.n_dec
         chunks = []
         # 2. Those still computing their prompt, in batch order.
@@ -568,22 +681,37 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             return  # nothing can run: idle until an arrival, a client leaving or a cut changes that
         prefill = sum(c for _, c in chunks)
         done = [s for s, c in chunks if s.computed + c >= s.target]
-        context = self.kv_dec + decoders * (self.decoded + 1) + sum(s.computed + c for s, c in chunks)
+        context = (
+            self.kv_dec + decoders * (self.decoded + 1) + sum(s.computed + c for s, c in chunks)
+        )
         model_s = self.model.time(prefill, decoders + len(done), context)
         members, completing, starts = (), (), ()
         if self._wants_members:
             members = tuple(s.entry.req for s in self.running.values() if s.decoding)
             completing = tuple(s.entry.req for s in done)
             starts = tuple(s.computed for s, _ in chunks)
-        self.plan = _new(Step, (tuple((s.entry.req, c) for s, c in chunks), members, decoders, prefill,
-                                decoders + len(done), context, model_s, completing, starts))
+        self.plan = _new(
+            Step,
+            (
+                tuple((s.entry.req, c) for s, c in chunks),
+                members,
+                decoders,
+                prefill,
+                decoders + len(done),
+                context,
+                model_s,
+                completing,
+                starts,
+            ),
+        )
         self._planned = chunks
         self.plan_started = now
         self._step(self.plan, now)
 
     def _pull(self, now: float) -> _Seq | None:
-        """The next of the line that may still join (the preempted first), dropping at the front those the
-        policy expires (they could not finish in time even if they joined now) and those whose client has left."""
+        """The next of the line that may still join (the preempted first), dropping at the front
+        those the policy expires (they could not finish in time even if they joined now) and those
+        whose client has left."""
         if self.front:
             seq = self.front.popleft()
             self._out_of_line(seq)
@@ -591,7 +719,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         return self._next_waiting(now, self.waiting, self.seq_of, self._drop_reason)
 
     def _next_waiting(self, now: float, waiting, seq_of: dict, drop_reason) -> _Seq | None:
-        """:meth:`_pull` from a discipline's line ``waiting`` (this engine's, or a central queue's)."""
+        """:meth:`_pull` from a discipline's line ``waiting`` (this engine's, or a central
+        queue's)."""
         while waiting:
             entry = waiting.pop_next(now)
             seq = seq_of.pop(id(entry))
@@ -601,7 +730,9 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
                 continue
             est = self._alone_s(seq)
             reason = None
-            if self.policy.expire_at_front and cannot_finish(now, est, entry.arrived_at + entry.deadline_s):
+            if self.policy.expire_at_front and cannot_finish(
+                now, est, entry.arrived_at + entry.deadline_s
+            ):
                 reason = EXPIRE_REASON
             elif drop_reason is not None:
                 reason = drop_reason(entry, now, est)
@@ -647,15 +778,16 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
             seq.peak = seq.blocks
 
     def _sampled(self, seq: _Seq, now: float, delivered: float) -> None:
-        """Its prompt (and, after a preemption, what it had generated) is computed: this step produced a token,
-        which reaches its client at ``delivered``."""
+        """Its prompt (and, after a preemption, what it had generated) is computed: this step
+        produced a token, which reaches its client at ``delivered``."""
         seq.generated += 1
         if seq.first_token != seq.first_token:
             seq.first_token = delivered
         if seq.generated >= seq.out:
             self._finish(seq, now, delivered)
             return
-        # Decoding from now on: its KV tokens grow by one each decode step (the blocks follow from the tokens).
+        # Decoding from now on: its KV tokens grow by one each decode step (the blocks follow from
+        # the tokens).
         self.prefilling.remove(seq)
         seq.decoding = True
         seq.d0, seq.kv0 = self.decoded, seq.computed
@@ -696,9 +828,9 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         seq.chunk = 0
 
     def finish(self, req, now: float, tokens: int) -> bool:
-        """A live engine ended ``req`` in the batch before its count of tokens did (an upstream server's end of
-        text or stop string), having generated ``tokens``: it finishes now, as at its last token (judged, ended
-        through ``end``). False when it is not in the batch."""
+        """A live engine ended ``req`` in the batch before its count of tokens did (an upstream
+        server's end of text or stop string), having generated ``tokens``: it finishes now, as at
+        its last token (judged, ended through ``end``). False when it is not in the batch."""
         for seq in self.running.values():
             if seq.entry.req == req:
                 self._release(seq)
@@ -720,8 +852,13 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         estimator = self.admission.estimator
         if estimator is not None and estimator.learns:
             estimator.learn(entry.work.limit, seq.generated)
-        self._end(entry.req, now, judge(self.policy, entry, now, seq.first_token, seq.generated), None,
-                  self._stats(seq))
+        self._end(
+            entry.req,
+            now,
+            judge(self.policy, entry, now, seq.first_token, seq.generated),
+            None,
+            self._stats(seq),
+        )
 
     def _preempt(self, seq: _Seq) -> None:
         """Recompute preemption: out of the batch with its blocks freed, to the head of the line."""
@@ -737,7 +874,8 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
         self._into_line(seq)
 
     def _leave(self, seq: _Seq) -> None:
-        """Out of the batch for good (its client left, or it was cut): blocks freed, no outcome here."""
+        """Out of the batch for good (its client left, or it was cut): blocks freed, no outcome
+        here."""
         self._release(seq)
         seq.alive = False
 
@@ -758,5 +896,14 @@ class BatchQueue(Projections, PrefixCache, Books, Core):
 
     @staticmethod
     def _stats(seq: _Seq) -> RunStats:
-        return _new(RunStats, (seq.start, seq.first_token, seq.generated, seq.preemptions,
-                               seq.peak, seq.cached_tokens))
+        return _new(
+            RunStats,
+            (
+                seq.start,
+                seq.first_token,
+                seq.generated,
+                seq.preemptions,
+                seq.peak,
+                seq.cached_tokens,
+            ),
+        )

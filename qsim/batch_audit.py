@@ -28,29 +28,34 @@ class Books:
                 est += seq.est_out - seq.generated + seq.d0
             else:
                 held += seq.blocks
-                assert seq in self.prefilling, \
+                assert seq in self.prefilling, (
                     f"request {seq.entry.req!r} runs, neither decoding nor computing its prompt"
+                )
         if self.pool is None:
-            assert held == self.kv_used, \
+            assert held == self.kv_used, (
                 f"KV blocks: {self.kv_used} counted, {held} held by the running"
+            )
         else:  # shared blocks are held by several: the pool's count is of distinct blocks
             self._audit_pool(held)
         assert self.kv_used <= self.kv_cap, f"KV blocks: {self.kv_used} in use of {self.kv_cap}"
-        assert self._seats_taken() <= engine.max_num_seqs, \
-            f"{len(self.running)} running and {self.draining} streaming of " \
+        assert self._seats_taken() <= engine.max_num_seqs, (
+            f"{len(self.running)} running and {self.draining} streaming of "
             f"{engine.max_num_seqs} seats"
+        )
         streaming = sum(1 for _, _, s in self.delivering if s.draining)
         assert streaming == self.draining, f"{self.draining} counted streaming, {streaming} are"
-        assert (dec, kv, est) == (self.n_dec, self.kv_dec, self.dec_est), \
-            f"decoding aggregates {(self.n_dec, self.kv_dec, self.dec_est)} against " \
+        assert (dec, kv, est) == (self.n_dec, self.kv_dec, self.dec_est), (
+            f"decoding aggregates {(self.n_dec, self.kv_dec, self.dec_est)} against "
             f"{(dec, kv, est)} recounted"
+        )
         line = [*self.front, *(self.seq_of[id(e)] for e in self.waiting)]
         assert sum(s.prompt for s in line) == self.line_tokens, "prompt tokens of the line"
         assert sum(s.hold for s in line) == self.line_hold, "seat-steps of the line"
         if self.plan is not None:
             tokens = self.plan.prefill_tokens + self.plan.decoders
-            assert tokens <= engine.max_num_batched_tokens, \
+            assert tokens <= engine.max_num_batched_tokens, (
                 f"a step of {tokens} tokens over the budget"
+            )
 
     def _audit_pool(self, held: int) -> None:
         """The prefix cache's books against the batch's: each block's holders, the decoding
@@ -67,8 +72,10 @@ class Books:
                 assert seq.blocks == len(seq.table), "a prompt's blocks apart from its table"
         for b in self.decode_blocks:
             holders[b] = holders.get(b, 0) + 1
-        assert beyond == len(self.decode_blocks), \
+        assert beyond == len(self.decode_blocks), (
             f"decoding blocks: {len(self.decode_blocks)} held, {beyond} counted from their tokens"
-        assert self.kv_used == self.pool.in_use <= held, \
+        )
+        assert self.kv_used == self.pool.in_use <= held, (
             f"KV blocks: {self.kv_used} counted, {self.pool.in_use} in use, {held} held, shared"
+        )
         self.pool.audit(self.kv_cap, holders)

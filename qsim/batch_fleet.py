@@ -132,15 +132,22 @@ class CentralBatch(Fleet):
 
     binds_late = True
 
-    def __init__(self, config: ServerConfig, spec: FleetSpec, *, line: Callable,
-                 routed: Callable | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        spec: FleetSpec,
+        *,
+        line: Callable,
+        routed: Callable | None = None,
+    ) -> None:
         self.waiting = config.policy.make_discipline()
         self.drop_reason = getattr(self.waiting, "drop_reason", None)
         self.seq_of: dict = {}  # id(entry) -> its sequence, while in the discipline's line
         self.front: deque[_Seq] = deque()  # pulled by a replica, not fitting there yet
         self.line_tokens = self.line_hold = 0
-        super().__init__(config, spec, routed=routed,
-                         line=lambda r, cfg: line(r, cfg, partial(Replica, self, r)))
+        super().__init__(
+            config, spec, routed=routed, line=lambda r, cfg: line(r, cfg, partial(Replica, self, r))
+        )
         admission = self.lines[0].admission
         for replica in self.lines[1:]:
             replica.admission = admission  # the cluster gate's, one for the fleet
@@ -167,8 +174,16 @@ class CentralBatch(Fleet):
 
     # -- events ----------------------------------------------------------------------
 
-    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-               priority: int = 0, client=None, work=None):
+    def arrive(
+        self,
+        req,
+        now: float,
+        base_est_s: float,
+        deadline_s: float | None = None,
+        priority: int = 0,
+        client=None,
+        work=None,
+    ):
         """Admit ``req`` at the fleet's gate (the refusal, or None): into a replica's batch at
         once where the line is empty and one has room, else into the line."""
         first = self.lines[0]  # what is the same on every replica: the admission, the config
@@ -176,14 +191,23 @@ class CentralBatch(Fleet):
         admission = first.admission
         never = first._never(seq)
         if never is not None:
-            admission.seen_numbers = (math.nan, self.queued, math.nan, first.tracker.factor,
-                                      math.nan, -1)
+            admission.seen_numbers = (
+                math.nan,
+                self.queued,
+                math.nan,
+                first.tracker.factor,
+                math.nan,
+                -1,
+            )
             return never
         up = [replica for replica, ok in zip(self.lines, self.up) if ok]
         room = None
         if not self.line_queued:
-            room = min((q for q in up if not q.queued and q._has_room(seq)), default=None,
-                       key=lambda q: q._seats_taken())
+            room = min(
+                (q for q in up if not q.queued and q._has_room(seq)),
+                default=None,
+                key=lambda q: q._seats_taken(),
+            )
         if room is not None:
             line, view = room, room._projection(seq, now, True)
         else:
@@ -227,8 +251,11 @@ class CentralBatch(Fleet):
         for replica, ok in zip(self.lines, self.up):
             if not ok or replica is planned or replica.plan is not None or replica.waking:
                 continue
-            if replica._has_room(head) if head is not None else \
-                    replica._seats_taken() < replica.engine.max_num_seqs:
+            if (
+                replica._has_room(head)
+                if head is not None
+                else replica._seats_taken() < replica.engine.max_num_seqs
+            ):
                 replica._kick(now)
 
     def cancel(self, req, now: float):

@@ -37,8 +37,11 @@ class PrefixCache:
         found cached)."""
         if self.pool is None:
             return None
-        return {"prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
-                "prefix_cache_evictions": self.pool.evictions}
+        return {
+            "prefix_cache_queries": self.pool.queries,
+            "prefix_cache_hits": self.pool.hits,
+            "prefix_cache_evictions": self.pool.evictions,
+        }
 
     def _tokens(self, req, prompt: int) -> Tokens:
         tokens = None if self._tokens_of is None else self._tokens_of(req)
@@ -57,8 +60,7 @@ class PrefixCache:
             have[:] = [h for h, _ in zip(more, range(blocks))]
         return have[:blocks] if len(have) > blocks else have
 
-    def _first_chunk(self, seq, budget: int,
-                     count: bool = False) -> tuple[list, int, int, int]:
+    def _first_chunk(self, seq, budget: int, count: bool = False) -> tuple[list, int, int, int]:
         """(the cached blocks of its prefix, tokens left to compute, new blocks its first chunk
         within ``budget`` takes, how many of the cached are free) for ``seq`` joining now;
         ``count``: a scheduling lookup, counted in the cache's queries and hits."""
@@ -73,8 +75,7 @@ class PrefixCache:
         return hit, todo, blocks, self.pool.evictable(hit)
 
     def _reuse(self, seq, hit: list) -> None:
-        """It holds the cached blocks of its prefix (one more holder each) and starts after them.
-        """
+        """It holds the cached blocks of its prefix (one more holder each) and starts after them."""
         self.kv_used += self.pool.touch(hit)
         seq.table = list(hit)
         seq.blocks = seq.hashed = len(hit)

@@ -1,7 +1,9 @@
-"""A trace a chunk of requests at a time, in the memory of one chunk: what a streamed run (:mod:`qsim.stream`) reads.
+"""A trace a chunk of requests at a time, in the memory of one chunk: what a streamed run
+(:mod:`qsim.stream`) reads.
 
-:meth:`qsim.workload.TracePlan.chunks` draws a synthetic trace's requests a chunk at a time, the same values
-that :func:`qsim.workload.make_trace` draws whole; :meth:`qsim.trace.Trace.chunks` cuts a trace in memory.
+:meth:`qsim.workload.TracePlan.chunks` draws a synthetic trace's requests a chunk at a time, the
+same values that :func:`qsim.workload.make_trace` draws whole; :meth:`qsim.trace.Trace.chunks` cuts
+a trace in memory.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ PIECE = 1 << 16
 @dataclass(frozen=True)
 class TraceChunks:
     """A trace as consecutive chunks of ``size`` requests (the last: what is left), each a
-    :class:`qsim.trace.Trace` whose request_id counts from 0. ``requests``, ``duration_s``, ``meta`` and
-    ``name`` are the whole trace's. Each iteration draws the chunks again from the start (the same ones)."""
+    :class:`qsim.trace.Trace` whose request_id counts from 0. ``requests``, ``duration_s``, ``meta``
+    and ``name`` are the whole trace's. Each iteration draws the chunks again from the start (the
+    same ones)."""
 
     requests: int
     size: int
@@ -41,7 +44,8 @@ def spans(count: int, size: int | None) -> Iterator[tuple[int, int]]:
 
 
 def exactly(pieces: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
-    """The values of ``pieces`` in order, cut again into arrays of exactly ``size`` (the last: what is left)."""
+    """The values of ``pieces`` in order, cut again into arrays of exactly ``size`` (the last:
+    what is left)."""
     held: list[np.ndarray] = []
     count = 0
     for piece in pieces:
@@ -58,14 +62,16 @@ def exactly(pieces: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
 
 
 class BlockStream:
-    """One random stream as :func:`qsim.workload.make_trace` draws it, served a chunk of requests at a time.
+    """One random stream as :func:`qsim.workload.make_trace` draws it, served a chunk of requests at
+    a time.
 
-    make_trace draws a stream in blocks of one value per request: a uniform for every request, then (say) a
-    normal for every request. Drawn a chunk at a time, a chunk's k-th draw takes its values from block k at
-    the chunk's place in it, from a generator of the block's own. Block k's generator is set at its start by
-    drawing blocks 0..k-1 through once, a piece at a time: a numpy Generator draws n values in pieces exactly
-    as it draws them at once. It has the Generator methods the workload's draws use, each called with one
-    size per request of the chunk; :meth:`chunk` starts a chunk.
+    make_trace draws a stream in blocks of one value per request: a uniform for every request, then
+    (say) a normal for every request. Drawn a chunk at a time, a chunk's k-th draw takes its values
+    from block k at the chunk's place in it, from a generator of the block's own. Block k's
+    generator is set at its start by drawing blocks 0..k-1 through once, a piece at a time: a numpy
+    Generator draws n values in pieces exactly as it draws them at once. It has the Generator
+    methods the workload's draws use, each called with one size per request of the chunk;
+    :meth:`chunk` starts a chunk.
     """
 
     def __init__(self, rng: np.random.Generator, n: int) -> None:
@@ -78,10 +84,13 @@ class BlockStream:
     def chunk(self) -> None:
         self._k = 0
 
-    def _draw(self, draw: Callable[[np.random.Generator, int], np.ndarray], size: int) -> np.ndarray:
+    def _draw(
+        self, draw: Callable[[np.random.Generator, int], np.ndarray], size: int
+    ) -> np.ndarray:
         k = self._k
         self._k += 1
-        if k == len(self._blocks):  # a block not drawn before: find its start, after the blocks before it
+        # a block not drawn before: find its start, after the blocks before it
+        if k == len(self._blocks):
             start = self._start
             if self._last is not None:
                 start, drew = self._last

@@ -1,4 +1,5 @@
-"""One configuration of a server: what ``simulate``, the gate, a run file and ``qlab compare`` all read and write.
+"""One configuration of a server: what ``simulate``, the gate, a run file and ``qlab compare`` all
+read and write.
 
 A :class:`ServerConfig` is everything the queue core (:mod:`qsim.queue`) is built from: the
 policy, the engine model, the calibrated service line, the speed tracker's settings and the
@@ -38,10 +39,13 @@ class StallRule:
         if not (self.factor >= 1 and math.isfinite(self.factor)):
             raise ValueError(f"stall factor must be a finite number >= 1, got {self.factor}")
         if not (self.floor_s > 0 and math.isfinite(self.floor_s)):
-            raise ValueError(f"stall floor must be a positive number of seconds, got {self.floor_s}")
+            raise ValueError(
+                f"stall floor must be a positive number of seconds, got {self.floor_s}"
+            )
 
     def after_s(self, est_service_s: float) -> float:
-        """How long a request estimated at ``est_service_s`` may run before its engine counts as stalled."""
+        """How long a request estimated at ``est_service_s`` may run before its engine counts as
+        stalled."""
         return max(self.factor * est_service_s, self.floor_s)
 
 
@@ -51,13 +55,16 @@ class ServerConfig:
 
     engine: an engine model (:mod:`qsim.engines`), or an int K for K engines one at a time.
     model: the calibrated service line estimates come from.
-    fixed_estimate: keep the calibrated estimate (speed factor fixed at initial_speed_factor) instead of
+    fixed_estimate: keep the calibrated estimate (speed factor fixed at initial_speed_factor)
+    instead of
         tracking the machine's speed: the baseline tracking is measured against.
-    tracker_weight: the speed tracker's EWMA weight; initial_speed_factor: where it starts (a live server's
+    tracker_weight: the speed tracker's EWMA weight; initial_speed_factor: where it starts (a live
+    server's
         is resident across runs).
-    stall: the stall rule (None: engines never stall, the study's model; the gate's default is StallRule()).
-    watch_interval_s: while every engine is stalled, how often the waiting past their deadline are ended.
-    seed: the seed of the server's own random draws (a randomised admission rule's, a batching engine's
+    stall: the stall rule (None: engines never stall, the study's model; the gate's default is
+    StallRule()). watch_interval_s: while every engine is stalled, how often the waiting past their
+    deadline are ended. seed: the seed of the server's own random draws (a randomised admission
+    rule's, a batching engine's
         step times in the simulator); the n-th arrival draws the same under every policy.
     """
 
@@ -77,13 +84,20 @@ class ServerConfig:
         if isinstance(self.engine, int) and not isinstance(self.engine, bool):
             object.__setattr__(self, "engine", OneAtATime(self.engine))
         if not isinstance(self.engine, (OneAtATime, Batching)):
-            raise ValueError(f"engine must be an engine model (qsim.engines) or a count, got {self.engine!r}")
+            raise ValueError(
+                f"engine must be an engine model (qsim.engines) or a count, got {self.engine!r}"
+            )
         if not 0 < self.tracker_weight <= 1:
             raise ValueError(f"tracker_weight must be in (0, 1], got {self.tracker_weight}")
         if not (self.initial_speed_factor > 0 and math.isfinite(self.initial_speed_factor)):
-            raise ValueError(f"initial_speed_factor must be a positive number, got {self.initial_speed_factor}")
+            raise ValueError(
+                f"initial_speed_factor must be a positive number, got {self.initial_speed_factor}"
+            )
         if not (self.watch_interval_s > 0 and math.isfinite(self.watch_interval_s)):
-            raise ValueError(f"watch_interval_s must be a positive number of seconds, got {self.watch_interval_s}")
+            raise ValueError(
+                "watch_interval_s must be a positive number of seconds, got "
+                f"{self.watch_interval_s}"
+            )
 
     @property
     def engines(self) -> int:
@@ -118,7 +132,8 @@ class ServerConfig:
 
     @classmethod
     def from_fields(cls, raw: Mapping[str, Any]) -> "ServerConfig":
-        """The config :meth:`to_fields` wrote (keys it lacks take their defaults). ValueError naming what is wrong."""
+        """The config :meth:`to_fields` wrote (keys it lacks take their defaults). ValueError
+        naming what is wrong."""
         if not isinstance(raw, Mapping):
             raise ValueError(f"a server config is a table, got {type(raw).__name__}")
         unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
@@ -134,7 +149,13 @@ class ServerConfig:
                 changes["model"] = ServiceModel.from_fields(raw["model"])
             if "stall" in raw:
                 changes["stall"] = None if raw["stall"] is None else StallRule(**raw["stall"])
-            for name in ("fixed_estimate", "tracker_weight", "initial_speed_factor", "watch_interval_s", "seed"):
+            for name in (
+                "fixed_estimate",
+                "tracker_weight",
+                "initial_speed_factor",
+                "watch_interval_s",
+                "seed",
+            ):
                 if name in raw:
                     changes[name] = raw[name]
         except (TypeError, KeyError) as exc:
@@ -151,7 +172,8 @@ class ServerConfig:
 
 
 def as_config(config: "ServerConfig | Policy") -> ServerConfig:
-    """A ServerConfig, or a bare Policy as the config of one engine with everything else at its default."""
+    """A ServerConfig, or a bare Policy as the config of one engine with everything else at its
+    default."""
     if isinstance(config, ServerConfig):
         return config
     if isinstance(config, Policy):

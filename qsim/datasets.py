@@ -1,5 +1,5 @@
-"""Prompt datasets: ShareGPT-style conversations (what vLLM's ``bench serve --dataset-name sharegpt``
-and guidellm take) read into requests of a prompt text and an output length.
+"""Prompt datasets: ShareGPT-style conversations (what vLLM's ``bench serve --dataset-name
+sharegpt`` and guidellm take) read into requests of a prompt text and an output length.
 
 Formats (one file, JSON or JSONL, each entry either kind):
 
@@ -112,17 +112,24 @@ class Dataset:
         """The file, its counts and its means, in a line."""
         p, o, n = self.prompt_tokens, self.output_tokens, len(self.requests)
         dropped = ", ".join(f"{k} {why}" for why, k in self.dropped)
-        return (f"dataset {self.path}: {n} of {self.entries} entries usable"
-                f"{f' (dropped: {dropped})' if dropped else ''}; prompt {p.mean():.1f} and output "
-                f"{o.mean():.1f} tokens on average ({self.counting}); rows taken in a seeded "
-                f"shuffle, drawn with replacement after the first {n} requests")
+        return (
+            f"dataset {self.path}: {n} of {self.entries} entries usable"
+            f"{f' (dropped: {dropped})' if dropped else ''}; prompt {p.mean():.1f} and output "
+            f"{o.mean():.1f} tokens on average ({self.counting}); rows taken in a seeded "
+            f"shuffle, drawn with replacement after the first {n} requests"
+        )
 
     def summary(self) -> dict:
         """What a run's JSON says of the dataset."""
-        return {"path": self.path, "tokens": self.counting, "entries": self.entries,
-                "usable": len(self.requests), "dropped": dict(self.dropped),
-                "mean_prompt_tokens": float(self.prompt_tokens.mean()),
-                "mean_output_tokens": float(self.output_tokens.mean())}
+        return {
+            "path": self.path,
+            "tokens": self.counting,
+            "entries": self.entries,
+            "usable": len(self.requests),
+            "dropped": dict(self.dropped),
+            "mean_prompt_tokens": float(self.prompt_tokens.mean()),
+            "mean_output_tokens": float(self.output_tokens.mean()),
+        }
 
 
 def read_dataset(path: str | Path, counting: str = "pieces", limits: Limits = Limits()) -> Dataset:
@@ -163,8 +170,10 @@ def _entries(path: Path) -> list[tuple[str, object]]:
             try:
                 out.append((f"line {number}", json.loads(line)))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: bad JSON on line {number}: {exc.msg} "
-                                 "(JSONL: one entry a line; JSON: one list)") from None
+                raise ValueError(
+                    f"{path}: bad JSON on line {number}: {exc.msg} "
+                    "(JSONL: one entry a line; JSON: one list)"
+                ) from None
     return out
 
 
@@ -198,7 +207,7 @@ def _first_exchange(turns) -> tuple[str, str] | str:
     texts = [(t.get("from"), t.get("value")) for t in turns if isinstance(t, dict)]
     for i, (role, value) in enumerate(texts):
         if role in HUMAN and isinstance(value, str):
-            answer = next((v for r, v in texts[i + 1:] if r in GPT and isinstance(v, str)), None)
+            answer = next((v for r, v in texts[i + 1 :] if r in GPT and isinstance(v, str)), None)
             return "no gpt turn after the human one" if answer is None else (value, answer)
     return "no human turn"
 

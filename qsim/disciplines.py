@@ -38,7 +38,8 @@ class Fifo(deque):
 
 
 class Lifo(deque):
-    """Last come, first served: under overload the newest request, which can still make its deadline, goes first."""
+    """Last come, first served: under overload the newest request, which can still make its
+    deadline, goes first."""
 
     push = deque.append
 
@@ -47,8 +48,9 @@ class Lifo(deque):
 
 
 class AdaptiveLifo(deque):
-    """FIFO while the queue is short, LIFO once it holds ``threshold`` or more (Facebook's adaptive LIFO):
-    a short queue is served fairly, a long one sheds its oldest requests' chances instead of everyone's."""
+    """FIFO while the queue is short, LIFO once it holds ``threshold`` or more (Facebook's adaptive
+    LIFO): a short queue is served fairly, a long one sheds its oldest requests' chances instead of
+    everyone's."""
 
     push = deque.append
 
@@ -63,7 +65,8 @@ class AdaptiveLifo(deque):
 
 
 class Keyed:
-    """A heap ordered by ``key(entry)``, ties broken by arrival order: subclass it and give ``key``."""
+    """A heap ordered by ``key(entry)``, ties broken by arrival order: subclass it and give
+    ``key``."""
 
     def __init__(self) -> None:
         self._heap: list = []
@@ -88,10 +91,12 @@ class Keyed:
         raise ValueError("entry is not waiting")
 
     def work_before(self, entry) -> float:
-        """Calibrated work waiting that would start before ``entry`` if it arrived now and nobody else
-        came: every entry of a key no greater (ties go to the earlier arrival). Linear in the queue."""
-        # An item (*key, order, entry) is below (*mine, inf) exactly when its key is no greater than mine: the
-        # comparison ends at the order at the latest, without slicing each item's key out (once per arrival).
+        """Calibrated work waiting that would start before ``entry`` if it arrived now and nobody
+        else came: every entry of a key no greater (ties go to the earlier arrival). Linear in the
+        queue."""
+        # An item (*key, order, entry) is below (*mine, inf) exactly when its key is no greater than
+        # mine: the comparison ends at the order at the latest, without slicing each item's key out
+        # (once per arrival).
         bound = (*self.key(entry), math.inf)
         return sum(item[-1].base_s for item in self._heap if item < bound)
 
@@ -110,7 +115,8 @@ class Edf(Keyed):
 
 
 class ShortestFirst(Keyed):
-    """Shortest estimated job first (by the calibrated estimate: the speed factor scales all alike)."""
+    """Shortest estimated job first (by the calibrated estimate: the speed factor scales all
+    alike)."""
 
     def key(self, entry) -> tuple:
         return (entry.base_s,)
@@ -122,11 +128,17 @@ class Priority(Keyed):
     def __init__(self, within: str = "fifo") -> None:
         super().__init__()
         if within not in ("fifo", "edf"):
-            raise ValueError(f"priority classes order within a class by fifo or edf, got {within!r}")
+            raise ValueError(
+                f"priority classes order within a class by fifo or edf, got {within!r}"
+            )
         self.within = within
 
     def key(self, entry) -> tuple:
-        return (-entry.priority, entry.arrived_at + entry.deadline_s) if self.within == "edf" else (-entry.priority,)
+        return (
+            (-entry.priority, entry.arrived_at + entry.deadline_s)
+            if self.within == "edf"
+            else (-entry.priority,)
+        )
 
     # Admission sees the classes: a request waits only behind its own class and those above it, so a
     # high class is not refused for a queue of low ones (future arrivals of higher classes aside).
@@ -202,12 +214,13 @@ class FairShare:
         self._queues: dict = {}  # backlogged client -> its waiting entries, oldest first
         self.counter: dict = {}  # client -> service given so far (seconds of calibrated estimate)
         self._floor = 0.0  # the counter of the last client served, before its charge
-        self._popped = None  # the entry pop_next just gave out (its client was lifted when it joined)
+        # the entry pop_next just gave out (its client was lifted when it joined)
+        self._popped = None
         self._n = 0
 
     def _joining(self, client) -> float:
-        """The counter ``client`` has when it joins the backlogged: its own, lifted to the least among
-        those waiting (or, when none waits, to the counter of the last one served)."""
+        """The counter ``client`` has when it joins the backlogged: its own, lifted to the least
+        among those waiting (or, when none waits, to the counter of the last one served)."""
         lift = min(map(self.counter.__getitem__, self._queues)) if self._queues else self._floor
         return max(self.counter.get(client, 0.0), lift)
 
@@ -234,11 +247,12 @@ class FairShare:
         return entry
 
     def ahead_s(self, entry) -> float:
-        """Calibrated work that would start before a request of ``client`` arriving now, if nobody else came:
-        its own client's waiting, and from each other client what is served while that client's counter is
-        below the level this request's client reaches when the request comes to its head (on a tie the
-        client that has waited longer goes first, as in :meth:`pop_next`). Sums are taken in the order the
-        counters are charged, so the answer is exact, not a bound (tests/test_queue.py checks it)."""
+        """Calibrated work that would start before a request of ``client`` arriving now, if nobody
+        else came: its own client's waiting, and from each other client what is served while that
+        client's counter is below the level this request's client reaches when the request comes to
+        its head (on a tie the client that has waited longer goes first, as in :meth:`pop_next`).
+        Sums are taken in the order the counters are charged, so the answer is exact, not a bound
+        (tests/test_queue.py checks it)."""
         client = entry.client
         own = self._queues.get(client)
         level = self.counter[client] if own else self._joining(client)
@@ -246,7 +260,8 @@ class FairShare:
         for waiting in own or ():
             ahead += waiting.base_s
             level += waiting.base_s
-        first = True  # the other client has waited longer than this one (it comes first in the dict)
+        # the other client has waited longer than this one (it comes first in the dict)
+        first = True
         for other, queue in self._queues.items():
             if other == client:
                 first = False

@@ -53,11 +53,24 @@ class Simulation:
     """One simulation: the records it writes, the arrivals and clients that drive the queue
     core, and the engine part that runs what the core starts."""
 
-    def __init__(self, trace: Trace, config: ServerConfig, part: type, *, failed=None,
-                 reported_s=None, cancel_after_s=None, cancel_until: str = "answer",
-                 priority=None, client=None,
-                 retrier: Retrier | None = None, speed_schedule: SpeedSchedule | None = None,
-                 held: bool = False, step_times=None, fleet: FleetSpec | None = None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        config: ServerConfig,
+        part: type,
+        *,
+        failed=None,
+        reported_s=None,
+        cancel_after_s=None,
+        cancel_until: str = "answer",
+        priority=None,
+        client=None,
+        retrier: Retrier | None = None,
+        speed_schedule: SpeedSchedule | None = None,
+        held: bool = False,
+        step_times=None,
+        fleet: FleetSpec | None = None,
+    ) -> None:
         n = len(trace)
         self.env = simpy.Environment()
         self.spec = fleet
@@ -76,17 +89,22 @@ class Simulation:
         self.arrival = trace.arrival_s.tolist()
         self.base_est = trace.est_service_s.tolist()
         self.true = trace.true_service_s.tolist()
-        self.reported = list(self.true) if reported_s is None else \
-            np.asarray(reported_s, dtype=float).tolist()
-        self.failed = None if failed is None or not np.any(failed) else \
-            np.asarray(failed, dtype=bool).tolist()
+        self.reported = (
+            list(self.true) if reported_s is None else np.asarray(reported_s, dtype=float).tolist()
+        )
+        self.failed = (
+            None
+            if failed is None or not np.any(failed)
+            else np.asarray(failed, dtype=bool).tolist()
+        )
         self.deadline = queue.deadlines_of(trace.deadline_s)
         self.patience = None
         if cancel_after_s is not None and np.isfinite(cancel_after_s).any():
             self.patience = np.asarray(cancel_after_s, dtype=float).tolist()
         self.wait_only = cancel_until == "start"  # a client whose request has started stays
-        self.priority = np.asarray(trace.priority if priority is None else priority,
-                                   dtype=np.int64).tolist()
+        self.priority = np.asarray(
+            trace.priority if priority is None else priority, dtype=np.int64
+        ).tolist()
         self.client = list(trace.client_id if client is None else client)
         self.est = [_NAN] * n
         self.outcome: list = [None] * n
@@ -105,8 +123,11 @@ class Simulation:
         self.retrier = retrier
         self.first_of = list(range(n)) if retrier is not None else None
         self.attempt = [1] * n if retrier is not None else None
-        self.timeout_s = math.inf if retrier is None or retrier.policy.timeout_s is None \
+        self.timeout_s = (
+            math.inf
+            if retrier is None or retrier.policy.timeout_s is None
             else retrier.policy.timeout_s
+        )
         if retrier is not None and self.patience is None:
             self.patience = [math.inf] * n
         if retrier is not None and self.failed is None:
@@ -124,27 +145,36 @@ class Simulation:
         self.work = None
         # A rule that reads more than the basic numbers may read the prompt (as the gate's does).
         if queue.estimator is not None or config.batching or not reads_basic(policy):
-            self.work = list(map(Work, trace.max_new_tokens.tolist(),
-                                 trace.prompt_tokens.tolist(), trace.tokens_generated.tolist()))
+            self.work = list(
+                map(
+                    Work,
+                    trace.max_new_tokens.tolist(),
+                    trace.prompt_tokens.tolist(),
+                    trace.tokens_generated.tolist(),
+                )
+            )
         self.arms = self.engine.arms
         self.engine.attach()
         if fleet is not None:
             for r, down_s, up_s in fleet.down:
                 Timeout(self.env, down_s).callbacks.append(lambda _, r=r: self._replica_down(r))
                 Timeout(self.env, up_s).callbacks.append(
-                    lambda _, r=r: self.queue.restore(r, self.env.now))
+                    lambda _, r=r: self.queue.restore(r, self.env.now)
+                )
 
     # -- the core's hooks --------------------------------------------------------
 
-    def _drop(self, i: int, now: float, outcome: str, reason: str, est: float,
-              retry_after_s: int | None) -> None:
+    def _drop(
+        self, i: int, now: float, outcome: str, reason: str, est: float, retry_after_s: int | None
+    ) -> None:
         self._end(i, now, outcome, reason, -1 if retry_after_s is None else retry_after_s)
 
     def _routed(self, i: int, r: int) -> None:
         self.replica_of[i] = r
 
-    def _end(self, i: int, now: float, outcome: str, reason: str | None,
-             retry_after_s: int = -1) -> None:
+    def _end(
+        self, i: int, now: float, outcome: str, reason: str | None, retry_after_s: int = -1
+    ) -> None:
         self.outcome[i], self.reason[i] = outcome, reason
         self.finish[i] = now
         self.retry_after[i] = retry_after_s
@@ -165,21 +195,35 @@ class Simulation:
     def _maybe_retry(self, i: int, now: float, status: int | None, retry_after_s: int) -> None:
         first = self.first_of[i]
         sent = self.arrival[first]
-        decision = self.retrier.after(first, self.attempt[i], sent, now, status,
-                                      retry_after_s if retry_after_s >= 0 else None,
-                                      self.patience[first])
+        decision = self.retrier.after(
+            first,
+            self.attempt[i],
+            sent,
+            now,
+            status,
+            retry_after_s if retry_after_s >= 0 else None,
+            self.patience[first],
+        )
         if decision.at_s is None:
             return
         j = self._copy(i, decision.at_s)
         Timeout(self.env, decision.at_s - now).callbacks.append(
-            lambda _, j=j: self._admit(j, self.arrival[j]))
+            lambda _, j=j: self._admit(j, self.arrival[j])
+        )
 
     def _copy(self, i: int, at: float) -> int:
         """A new row: attempt i's request sent again at ``at``, with the patience it has left."""
         first = self.first_of[i]
         j = len(self.arrival)
-        for values in (self.base_est, self.true, self.reported, self.failed, self.deadline,
-                       self.priority, self.client):
+        for values in (
+            self.base_est,
+            self.true,
+            self.reported,
+            self.failed,
+            self.deadline,
+            self.priority,
+            self.client,
+        ):
             values.append(values[i])
         if self.work is not None:
             self.work.append(self.work[i])
@@ -188,13 +232,24 @@ class Simulation:
         self.first_of.append(first)
         self.attempt.append(self.attempt[i] + 1)
         fleet = () if self.replica_of is None else ((self.replica_of, -1),)
-        for values, missing in ((self.est, _NAN), (self.outcome, None), (self.reason, None),
-                                (self.start, _NAN), (self.finish, _NAN),
-                                (self.queued_at_arrival, 0), (self.queued_work, _NAN),
-                                (self.in_service_work, _NAN), (self.idle_at_arrival, -1),
-                                (self.retry_after, -1), (self.engine_of, -1), (self.ran, _NAN),
-                                (self.speed_at, 1.0), (self.cut, False),
-                                *self.engine.per_attempt(), *fleet):
+        for values, missing in (
+            (self.est, _NAN),
+            (self.outcome, None),
+            (self.reason, None),
+            (self.start, _NAN),
+            (self.finish, _NAN),
+            (self.queued_at_arrival, 0),
+            (self.queued_work, _NAN),
+            (self.in_service_work, _NAN),
+            (self.idle_at_arrival, -1),
+            (self.retry_after, -1),
+            (self.engine_of, -1),
+            (self.ran, _NAN),
+            (self.speed_at, 1.0),
+            (self.cut, False),
+            *self.engine.per_attempt(),
+            *fleet,
+        ):
             values.append(missing)
         return j
 
@@ -203,17 +258,35 @@ class Simulation:
         writes (None: this run has none): a streamed run (:mod:`qsim.stream`) keeps them as a
         window of slots."""
         rows = {
-            "arrival": self.arrival, "base_est": self.base_est, "true": self.true,
-            "reported": self.reported, "failed": self.failed, "deadline": self.deadline,
-            "patience": self.patience, "priority": self.priority, "client": self.client,
-            "work": self.work, "first_of": self.first_of, "attempt": self.attempt,
-            "prompt_tokens": self.prompt_tokens, "generated": self.generated, "est": self.est,
-            "outcome": self.outcome, "reason": self.reason, "start": self.start,
-            "finish": self.finish, "queued_at_arrival": self.queued_at_arrival,
-            "queued_work": self.queued_work, "in_service_work": self.in_service_work,
-            "idle_at_arrival": self.idle_at_arrival, "retry_after": self.retry_after,
-            "engine_of": self.engine_of, "ran": self.ran, "speed_at": self.speed_at,
-            "cut": self.cut, **self.engine.rows(),
+            "arrival": self.arrival,
+            "base_est": self.base_est,
+            "true": self.true,
+            "reported": self.reported,
+            "failed": self.failed,
+            "deadline": self.deadline,
+            "patience": self.patience,
+            "priority": self.priority,
+            "client": self.client,
+            "work": self.work,
+            "first_of": self.first_of,
+            "attempt": self.attempt,
+            "prompt_tokens": self.prompt_tokens,
+            "generated": self.generated,
+            "est": self.est,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "start": self.start,
+            "finish": self.finish,
+            "queued_at_arrival": self.queued_at_arrival,
+            "queued_work": self.queued_work,
+            "in_service_work": self.in_service_work,
+            "idle_at_arrival": self.idle_at_arrival,
+            "retry_after": self.retry_after,
+            "engine_of": self.engine_of,
+            "ran": self.ran,
+            "speed_at": self.speed_at,
+            "cut": self.cut,
+            **self.engine.rows(),
         }
         if self.replica_of is not None:
             rows["replica_of"] = self.replica_of
@@ -247,15 +320,33 @@ class Simulation:
         """Hand request (or attempt) i, sent at t, to the queue core and note what it decided
         on."""
         queue = self.queue
-        refusal = queue.arrive(i, t, self.base_est[i], self.deadline[i], self.priority[i],
-                               self.client[i], None if self.work is None else self.work[i])
+        refusal = queue.arrive(
+            i,
+            t,
+            self.base_est[i],
+            self.deadline[i],
+            self.priority[i],
+            self.client[i],
+            None if self.work is None else self.work[i],
+        )
         # What the decision was made on (queue.Seen's fields, in order), straight into the
         # record's columns.
-        (self.est[i], self.queued_at_arrival[i], self.queued_work[i], _, self.in_service_work[i],
-         self.idle_at_arrival[i]) = queue.admission.seen_numbers
+        (
+            self.est[i],
+            self.queued_at_arrival[i],
+            self.queued_work[i],
+            _,
+            self.in_service_work[i],
+            self.idle_at_arrival[i],
+        ) = queue.admission.seen_numbers
         if refusal is not None:
-            self._end(i, t, REJECTED, refusal.reason,
-                      -1 if refusal.retry_after_s is None else refusal.retry_after_s)
+            self._end(
+                i,
+                t,
+                REJECTED,
+                refusal.reason,
+                -1 if refusal.retry_after_s is None else refusal.retry_after_s,
+            )
         elif self.client_timers:
             self._client_timers(i)
         if self.arms:
@@ -270,7 +361,8 @@ class Simulation:
             Timeout(self.env, patience).callbacks.append(lambda _, i=i: self._cancel(i))
         if self.timeout_s < patience or (self.wait_only and math.isfinite(self.timeout_s)):
             Timeout(self.env, self.timeout_s).callbacks.append(
-                lambda _, i=i: self._cancel(i, TIMEOUT_REASON))
+                lambda _, i=i: self._cancel(i, TIMEOUT_REASON)
+            )
 
     def _cancel(self, i: int, reason: str = LEFT_REASON) -> None:
         # Started: a patience while waiting is over.
@@ -288,10 +380,12 @@ class Simulation:
     def _columns(self, trace: Trace) -> dict:
         # Each list becomes an array once: a conversion costs a plain run of 200,000 requests
         # ~15 ms a column.
-        finish, arrival, start = (records.column(values, float)
-                                  for values in (self.finish, self.arrival, self.start))
-        first = trace.request_id if self.first_of is None else \
-            records.column(self.first_of, np.int64)
+        finish, arrival, start = (
+            records.column(values, float) for values in (self.finish, self.arrival, self.start)
+        )
+        first = (
+            trace.request_id if self.first_of is None else records.column(self.first_of, np.int64)
+        )
         n = len(arrival)
         columns = {
             "request_id": np.arange(n, dtype=np.int64),
@@ -301,8 +395,7 @@ class Simulation:
             "size_class": trace.size_class[first],
             "max_new_tokens": trace.max_new_tokens[first],
             "est_service_s": self.est,
-            "true_service_s": trace.true_service_s[first] *
-            records.column(self.speed_at, float),
+            "true_service_s": trace.true_service_s[first] * records.column(self.speed_at, float),
             "deadline_s": self.deadline,
             "priority": self.priority,
             "client_id": self.client,  # records.from_arrays names a number client by its str
@@ -317,15 +410,18 @@ class Simulation:
             "idle_at_arrival": self.idle_at_arrival,
             "retry_after_s": self.retry_after,
             "engine": self.engine_of,
-            "replica": np.zeros(n, dtype=np.int64) if self.replica_of is None else
-            records.column(self.replica_of, np.int64),
+            "replica": np.zeros(n, dtype=np.int64)
+            if self.replica_of is None
+            else records.column(self.replica_of, np.int64),
         }
         self.engine.columns(trace, first, columns)
         policy = self.queue.policy
-        columns["ttft_slo_s"] = np.full(len(first), np.nan if policy.ttft_slo_s is None
-                                        else policy.ttft_slo_s)
-        columns["tpot_slo_s"] = np.full(len(first), np.nan if policy.tpot_slo_s is None
-                                        else policy.tpot_slo_s)
+        columns["ttft_slo_s"] = np.full(
+            len(first), np.nan if policy.ttft_slo_s is None else policy.ttft_slo_s
+        )
+        columns["tpot_slo_s"] = np.full(
+            len(first), np.nan if policy.tpot_slo_s is None else policy.tpot_slo_s
+        )
         return columns
 
     def speed_factor(self) -> float:

@@ -33,10 +33,11 @@ def _finite(value: float, lowest: float = 0.0) -> bool:
 
 @dataclass(frozen=True)
 class OneAtATime:
-    """K engines, one request each at a time; ``concurrency``: the slowdown per other busy engine; ``cv``: the CV
-    of one run's time around the model x that slowdown, as calibrated (0: not said). A trace's service times
-    carry their own noise, so the simulator does not draw this again: it is where ``qlab simulate`` (without
-    ``--noise``) and ``qlab compare --predict`` take their noise from."""
+    """K engines, one request each at a time; ``concurrency``: the slowdown per other busy engine;
+    ``cv``: the CV of one run's time around the model x that slowdown, as calibrated (0: not said).
+    A trace's service times carry their own noise, so the simulator does not draw this again: it is
+    where ``qlab simulate`` (without ``--noise``) and ``qlab compare --predict`` take their noise
+    from."""
 
     engines: int = 1
     concurrency: float = 0.0
@@ -53,7 +54,8 @@ class OneAtATime:
             raise ValueError(f"cv must be a finite number >= 0, got {self.cv}")
 
     def slowdown(self, busy: int) -> float:
-        """How many times its calibrated time a run takes that starts with ``busy`` engines busy, itself included."""
+        """How many times its calibrated time a run takes that starts with ``busy`` engines busy,
+        itself included."""
         return 1.0 + self.concurrency * (busy - 1)
 
 
@@ -77,17 +79,22 @@ class StepModel:
     def __post_init__(self) -> None:
         for name in ("b0", "b1", "b2", "b3", "cv"):
             if not _finite(getattr(self, name)):
-                raise ValueError(f"step model {name} must be a finite number >= 0, got {getattr(self, name)}")
+                raise ValueError(
+                    f"step model {name} must be a finite number >= 0, got {getattr(self, name)}"
+                )
         if self.b0 + self.b1 + self.b2 + self.b3 <= 0:
-            raise ValueError("a step model needs a positive coefficient: every step would take no time")
+            raise ValueError(
+                "a step model needs a positive coefficient: every step would take no time"
+            )
 
     def time(self, prefill: float, seqs: float, context: float) -> float:
         return self.b0 + self.b1 * prefill + self.b2 * seqs + self.b3 * context
 
     @classmethod
     def from_fields(cls, raw: Mapping[str, Any]) -> "StepModel":
-        """From a table of the fields (b0 ... cv; any may be absent: its default), as a step model file, a
-        calibration's ``step`` and a run file's server config hold it; ValueError naming what is wrong."""
+        """From a table of the fields (b0 ... cv; any may be absent: its default), as a step model
+        file, a calibration's ``step`` and a run file's server config hold it; ValueError naming
+        what is wrong."""
         if not isinstance(raw, Mapping) or set(raw) - set(STEP_FIELDS):
             raise ValueError(f"a step model is a table of {', '.join(STEP_FIELDS)}, got {raw!r}")
         try:
@@ -97,25 +104,36 @@ class StepModel:
 
     @classmethod
     def fit(cls, prefill, seqs, context, seconds) -> "StepFit":
-        """Non-negative least squares (scipy's lsq_linear) of measured steps' times on the four terms; the fit's
-        errors on one step, the CV of steps around it, r^2, and each coefficient's standard error (White's
-        heteroscedasticity-consistent one: a step's spread grows with its time). ``context`` None: the
-        measurements do not say the context held (an engine's counters), so b3 is 0, not fitted."""
+        """Non-negative least squares (scipy's lsq_linear) of measured steps' times on the four
+        terms; the fit's errors on one step, the CV of steps around it, r^2, and each coefficient's
+        standard error (White's heteroscedasticity-consistent one: a step's spread grows with its
+        time). ``context`` None: the measurements do not say the context held (an engine's
+        counters), so b3 is 0, not fitted."""
         y = np.asarray(seconds, dtype=float)
         terms = [np.ones(len(y)), np.asarray(prefill, float), np.asarray(seqs, float)]
         if context is not None:
             terms.append(np.asarray(context, float))
         x = np.column_stack(terms)
         if x.shape[0] < x.shape[1]:
-            raise ValueError(f"a step model of {x.shape[1]} terms needs at least {x.shape[1]} measured "
-                             f"steps, got {x.shape[0]}")
+            raise ValueError(
+                f"a step model of {x.shape[1]} terms needs at least {x.shape[1]} "
+                "measured "
+                f"steps, got {x.shape[0]}"
+            )
         b = optimize.lsq_linear(x, y, bounds=(0, np.inf)).x
         model = cls(*map(float, b))
         rel = np.abs(x @ b - y) / np.where(y > 0, y, np.nan)
         resid = y / np.where(x @ b > 0, x @ b, np.nan)
         se = _standard_errors(x, y - x @ b) + (math.nan,) * (4 - x.shape[1])
-        return StepFit(model, float(np.nanmedian(rel)), float(np.nanmax(rel)), float(np.nanstd(resid)), len(y),
-                       r_squared(y, x @ b), se)
+        return StepFit(
+            model,
+            float(np.nanmedian(rel)),
+            float(np.nanmax(rel)),
+            float(np.nanstd(resid)),
+            len(y),
+            r_squared(y, x @ b),
+            se,
+        )
 
 
 def r_squared(y: np.ndarray, fitted: np.ndarray) -> float:
@@ -125,12 +143,14 @@ def r_squared(y: np.ndarray, fitted: np.ndarray) -> float:
 
 
 def _standard_errors(x: np.ndarray, resid: np.ndarray) -> tuple[float, ...]:
-    """White's (HC0) standard error of each coefficient; NaN for a term the steps did not vary (its column is
-    constant or zero: the intercept takes it, and nothing can be said of it alone)."""
+    """White's (HC0) standard error of each coefficient; NaN for a term the steps did not vary (its
+    column is constant or zero: the intercept takes it, and nothing can be said of it alone)."""
     xtx_inv = np.linalg.pinv(x.T @ x)
     cov = xtx_inv @ (x.T * resid**2) @ x @ xtx_inv
     varied = np.array([True, *(np.ptp(x[:, k]) > 0 for k in range(1, x.shape[1]))])
-    return tuple(float(np.sqrt(v)) if ok and v >= 0 else math.nan for v, ok in zip(np.diag(cov), varied))
+    return tuple(
+        float(np.sqrt(v)) if ok and v >= 0 else math.nan for v, ok in zip(np.diag(cov), varied)
+    )
 
 
 #: A step model's fields, in order (what ``--step B0,B1,B2,B3[,CV]`` gives).
@@ -139,9 +159,9 @@ STEP_FIELDS = ("b0", "b1", "b2", "b3", "cv")
 
 @dataclass(frozen=True)
 class StepFit:
-    """A fitted step model (its ``cv`` 0: the spread is :attr:`cv`), its median and worst relative error on one
-    step, the CV of steps around it (each step's time over the model's), the number of steps, r^2, and the
-    standard errors of b0 ... b3 (NaN: a term the steps did not vary)."""
+    """A fitted step model (its ``cv`` 0: the spread is :attr:`cv`), its median and worst relative
+    error on one step, the CV of steps around it (each step's time over the model's), the number of
+    steps, r^2, and the standard errors of b0 ... b3 (NaN: a term the steps did not vary)."""
 
     model: StepModel
     median_rel_error: float
@@ -153,11 +173,13 @@ class StepFit:
 
     @property
     def calibrated(self) -> StepModel:
-        """The fitted model with the spread of steps around it as its CV: what a simulator draws from."""
+        """The fitted model with the spread of steps around it as its CV: what a simulator draws
+        from."""
         return replace(self.model, cv=self.cv)
 
 
-#: vLLM's defaults for an OpenAI-compatible server on a GPU under 70 GiB (its EngineArgs.get_batch_defaults).
+#: vLLM's defaults for an OpenAI-compatible server on a GPU under 70 GiB (its
+#: EngineArgs.get_batch_defaults).
 VLLM_MAX_NUM_SEQS = 256
 VLLM_MAX_NUM_BATCHED_TOKENS = 2048
 VLLM_BLOCK_SIZE = 16
@@ -186,7 +208,9 @@ class FrontEnd:
     def __post_init__(self) -> None:
         for name in ("request_s", "token_s", "step_s"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)):
+            if not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
+            ):
                 raise ValueError(f"front_end {name} must be a number >= 0, got {value!r}")
 
     @classmethod
@@ -195,13 +219,16 @@ class FrontEnd:
         carries it; a field not given is 0); ValueError naming a field it does not have."""
         unknown = set(raw) - {"request_s", "token_s", "step_s"}
         if unknown:
-            raise ValueError(f"front_end takes request_s, token_s and step_s, not {sorted(unknown)}")
+            raise ValueError(
+                f"front_end takes request_s, token_s and step_s, not {sorted(unknown)}"
+            )
         return cls(**raw)
 
 
 @dataclass(frozen=True)
 class Batching:
-    """One engine running requests together in steps, as vLLM's v1 scheduler does (see :mod:`qsim.batch`).
+    """One engine running requests together in steps, as vLLM's v1 scheduler does (see
+    :mod:`qsim.batch`).
 
     kv_blocks: KV-cache capacity in blocks of ``block_size`` tokens (None: unlimited).
     prefix_caching: full blocks are cached by their prefix's hash and shared, as vLLM v1 does by
@@ -228,17 +255,24 @@ class Batching:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # vLLM refuses this too: every running request must be able to decode in each step.
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs})")
-        if self.kv_blocks is not None and not (isinstance(self.kv_blocks, int) and self.kv_blocks >= 1):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                "max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+        if self.kv_blocks is not None and not (
+            isinstance(self.kv_blocks, int) and self.kv_blocks >= 1
+        ):
             raise ValueError(f"kv_blocks must be an integer >= 1 or None, got {self.kv_blocks!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
         if isinstance(self.front_end, Mapping):  # as a TOML table or a run file's fields carry it
             object.__setattr__(self, "front_end", FrontEnd.from_fields(self.front_end))
         if self.front_end is not None and not isinstance(self.front_end, FrontEnd):
-            raise ValueError(f"front_end must be a table of request_s, token_s and step_s, "
-                             f"got {self.front_end!r}")
+            raise ValueError(
+                f"front_end must be a table of request_s, token_s and step_s, "
+                f"got {self.front_end!r}"
+            )
 
     @property
     def engines(self) -> int:
@@ -249,13 +283,16 @@ class Batching:
         return -(-tokens // self.block_size)
 
     def capacity_rps(self, mean_prompt: float, mean_out: float) -> float:
-        """Requests per second this engine serves when saturated, for requests of these mean prompt and output
-        lengths: a full batch (``max_num_seqs``, or as many as the KV blocks hold at a request's mean context,
-        prompt plus half its output), each finishing after its output tokens, at the step model's time for that
-        batch (its prefill tokens spread over the steps). An approximation a sweep's load is measured against
-        (load 1: about saturation); the simulator, not this, says what the engine does."""
+        """Requests per second this engine serves when saturated, for requests of these mean prompt
+        and output lengths: a full batch (``max_num_seqs``, or as many as the KV blocks hold at a
+        request's mean context, prompt plus half its output), each finishing after its output
+        tokens, at the step model's time for that batch (its prefill tokens spread over the steps).
+        An approximation a sweep's load is measured against (load 1: about saturation); the
+        simulator, not this, says what the engine does."""
         if not (mean_out >= 1 and mean_prompt >= 0):
-            raise ValueError(f"a capacity needs mean output >= 1 and prompt >= 0, got {mean_out}, {mean_prompt}")
+            raise ValueError(
+                f"a capacity needs mean output >= 1 and prompt >= 0, got {mean_out}, {mean_prompt}"
+            )
         context = mean_prompt + mean_out / 2
         seqs = float(self.max_num_seqs)
         if self.kv_blocks is not None:
@@ -279,8 +316,8 @@ def engine_fields(engine: EngineModel) -> dict[str, Any]:
 
 
 def engine_from_fields(raw: Mapping[str, Any] | int) -> EngineModel:
-    """The engine model ``raw`` describes (:func:`engine_fields`'s output; an int: that many engines one at a time).
-    ValueError naming what is wrong."""
+    """The engine model ``raw`` describes (:func:`engine_fields`'s output; an int: that many engines
+    one at a time). ValueError naming what is wrong."""
     if isinstance(raw, int) and not isinstance(raw, bool):
         return OneAtATime(raw)
     if not isinstance(raw, Mapping):
@@ -292,7 +329,11 @@ def engine_from_fields(raw: Mapping[str, Any] | int) -> EngineModel:
             return OneAtATime(**fields)
         if kind == Batching.kind:
             step = fields.pop("step", {})
-            return Batching(step=step if isinstance(step, StepModel) else StepModel(**step), **fields)
+            return Batching(
+                step=step if isinstance(step, StepModel) else StepModel(**step), **fields
+            )
     except TypeError as exc:
         raise ValueError(f"engine model {kind}: {exc}") from None
-    raise ValueError(f"unknown engine model kind {kind!r}; choose {OneAtATime.kind} or {Batching.kind}")
+    raise ValueError(
+        f"unknown engine model kind {kind!r}; choose {OneAtATime.kind} or {Batching.kind}"
+    )

@@ -6,8 +6,9 @@ from typing import Any, NamedTuple
 
 
 class Work(NamedTuple):
-    """What a request asks of an engine: its limit, its prompt, and the tokens it will generate (None: unknown,
-    as on a live gate). The estimators estimate from it and the batching engine runs it."""
+    """What a request asks of an engine: its limit, its prompt, and the tokens it will generate
+    (None: unknown, as on a live gate). The estimators estimate from it and the batching engine runs
+    it."""
 
     limit: int  # max_new_tokens
     prompt: int  # prompt tokens
@@ -15,8 +16,8 @@ class Work(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """A waiting or running request. ``req`` is the driver's own handle (a request index in the simulator, a
-    ticket in the gate), compared with ``==``; the queue never looks inside it."""
+    """A waiting or running request. ``req`` is the driver's own handle (a request index in the
+    simulator, a ticket in the gate), compared with ``==``; the queue never looks inside it."""
 
     req: Any
     arrived_at: float

@@ -10,9 +10,10 @@ when a run completes, tells it the tokens generated, in the simulator and the ga
   class used, their mean or a chosen quantile over the last ``window`` completions (1 before any);
 * :class:`Oracle`: the tokens the request will generate, which only the simulator knows.
 
-An estimate is the calibrated one scaled by the service line's ratio (work estimated over work at the
-limit), so a trace's own estimates keep their calibration. The speed tracker then learns the machine's
-speed against the tokens actually generated: the estimator, not the tracker, accounts for early stops.
+An estimate is the calibrated one scaled by the service line's ratio (work estimated over work at
+the limit), so a trace's own estimates keep their calibration. The speed tracker then learns the
+machine's speed against the tokens actually generated: the estimator, not the tracker, accounts for
+early stops.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def size_class(limit: int) -> int:
 
 
 class _Scaled:
-    """An estimate of the work of ``tokens`` new tokens, scaled from the calibrated estimate at the limit."""
+    """An estimate of the work of ``tokens`` new tokens, scaled from the calibrated estimate at
+    the limit."""
 
     learns = False
 
@@ -39,10 +41,15 @@ class _Scaled:
 
     def _scale(self, calibrated_s: float, limit: int, prompt: int, tokens: float) -> float:
         at_limit = float(self.model.estimate(limit, prompt))
-        return calibrated_s * float(self.model.estimate(tokens, prompt)) / at_limit if at_limit > 0 else calibrated_s
+        return (
+            calibrated_s * float(self.model.estimate(tokens, prompt)) / at_limit
+            if at_limit > 0
+            else calibrated_s
+        )
 
     def work_s(self, limit: int, prompt: int, generated: int) -> float:
-        """The calibrated time of the work a completed run did: what the speed tracker compares with."""
+        """The calibrated time of the work a completed run did: what the speed tracker compares
+        with."""
         return float(self.model.estimate(generated, prompt))
 
     def learn(self, limit: int, generated: int) -> None:
@@ -50,7 +57,8 @@ class _Scaled:
 
 
 class Learned(_Scaled):
-    """The limit times the used share of recent completions of the same size class (mean, or a quantile)."""
+    """The limit times the used share of recent completions of the same size class (mean, or a
+    quantile)."""
 
     learns = True
 
@@ -58,9 +66,12 @@ class Learned(_Scaled):
         super().__init__(model)
         self.quantile, self.window = quantile, int(window)
         self.shares: dict[int, deque[float]] = {}
-        self.share_now: dict[int, float] = {}  # the statistic, recomputed at each completion, read at each arrival
+        # the statistic, recomputed at each completion, read at each arrival
+        self.share_now: dict[int, float] = {}
 
-    def base_s(self, calibrated_s: float, limit: int, prompt: int, generated: int | None = None) -> float:
+    def base_s(
+        self, calibrated_s: float, limit: int, prompt: int, generated: int | None = None
+    ) -> float:
         share = self.share_now.get(size_class(limit), 1.0)
         return self._scale(calibrated_s, limit, prompt, max(1.0, share * limit))
 
@@ -68,20 +79,27 @@ class Learned(_Scaled):
         key = size_class(limit)
         seen = self.shares.setdefault(key, deque(maxlen=self.window))
         seen.append(min(1.0, max(0.0, generated / limit)))
-        self.share_now[key] = float(np.mean(seen) if self.quantile is None else np.quantile(seen, self.quantile))
+        self.share_now[key] = float(
+            np.mean(seen) if self.quantile is None else np.quantile(seen, self.quantile)
+        )
 
 
 class Oracle(_Scaled):
     """The tokens the request will generate (the simulator passes them; a live gate cannot)."""
 
-    def base_s(self, calibrated_s: float, limit: int, prompt: int, generated: int | None = None) -> float:
+    def base_s(
+        self, calibrated_s: float, limit: int, prompt: int, generated: int | None = None
+    ) -> float:
         if generated is None:
-            raise ValueError("the oracle estimator needs each request's tokens generated (simulator only)")
+            raise ValueError(
+                "the oracle estimator needs each request's tokens generated (simulator only)"
+            )
         return self._scale(calibrated_s, limit, prompt, generated)
 
 
 def make_estimator(kind: str, model, quantile: float | None = None, window: int = 200):
-    """The estimator ``kind`` names over ``model``; None for "limit" (the driver's estimate as it is)."""
+    """The estimator ``kind`` names over ``model``; None for "limit" (the driver's estimate as it
+    is)."""
     if kind == "limit":
         return None
     if kind == "learned":

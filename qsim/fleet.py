@@ -59,31 +59,47 @@ class FleetSpec:
     admission: str = "replica"
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.replicas, int) and not isinstance(self.replicas, bool)
-                and self.replicas >= 1):
+        if not (
+            isinstance(self.replicas, int)
+            and not isinstance(self.replicas, bool)
+            and self.replicas >= 1
+        ):
             raise ValueError(f"replicas must be a whole number >= 1, got {self.replicas!r}")
         if not isinstance(self.router, Router):
-            raise ValueError(f"a fleet needs a router, a qsim.routers.Router (random, "
-                             f"round_robin, jsq, least_work, power_of_d, central, or a class "
-                             f"of one's own), "
-                             f"got {self.router!r}")
+            raise ValueError(
+                f"a fleet needs a router, a qsim.routers.Router (random, "
+                f"round_robin, jsq, least_work, power_of_d, central, or a class "
+                f"of one's own), "
+                f"got {self.router!r}"
+            )
         if self.speeds is not None:
             if len(self.speeds) != self.replicas or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                    for v in self.speeds):
-                raise ValueError(f"replica speeds: one number > 0 for each of the {self.replicas} "
-                                 f"replicas, got {self.speeds!r}")
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for v in self.speeds
+            ):
+                raise ValueError(
+                    f"replica speeds: one number > 0 for each of the {self.replicas} "
+                    f"replicas, got {self.speeds!r}"
+                )
         self._check_down()
         if self.admission not in ADMISSION_AT:
-            raise ValueError(f"a fleet's admission is at one of {', '.join(ADMISSION_AT)}, got "
-                             f"{self.admission!r}")
+            raise ValueError(
+                f"a fleet's admission is at one of {', '.join(ADMISSION_AT)}, got "
+                f"{self.admission!r}"
+            )
 
     def _check_down(self) -> None:
         for window in self.down:
-            if not (len(window) == 3 and isinstance(window[0], int) and
-                    0 <= window[0] < self.replicas and 0 <= window[1] < window[2]):
-                raise ValueError(f"a replica down is (replica of 0..{self.replicas - 1}, from_s, "
-                                 f"to_s) with 0 <= from_s < to_s, got {window!r}")
+            if not (
+                len(window) == 3
+                and isinstance(window[0], int)
+                and 0 <= window[0] < self.replicas
+                and 0 <= window[1] < window[2]
+            ):
+                raise ValueError(
+                    f"a replica down is (replica of 0..{self.replicas - 1}, from_s, "
+                    f"to_s) with 0 <= from_s < to_s, got {window!r}"
+                )
         for _, at, _ in self.down:  # all down at once is no fleet: somewhere must take arrivals
             if len({r for r, a, b in self.down if a <= at < b}) == self.replicas:
                 raise ValueError(f"every replica is down at {at:g} s: keep one up")
@@ -95,13 +111,20 @@ class FleetSpec:
         """The fleet as JSON-able fields (``/stats``' and a run file's ``fleet``): the router by
         name with its parameters."""
         router = self.router
-        params = {f.name: getattr(router, f.name) for f in dataclasses.fields(router)} \
-            if dataclasses.is_dataclass(router) else {}
-        return {"replicas": self.replicas, "router": router.name, "router_params": params,
-                "speeds": None if self.speeds is None else list(self.speeds),
-                "down": [list(w) for w in self.down],
-                # Only where it is not the default: a fleet's fields as they were before it.
-                **({} if self.admission == "replica" else {"admission": self.admission})}
+        params = (
+            {f.name: getattr(router, f.name) for f in dataclasses.fields(router)}
+            if dataclasses.is_dataclass(router)
+            else {}
+        )
+        return {
+            "replicas": self.replicas,
+            "router": router.name,
+            "router_params": params,
+            "speeds": None if self.speeds is None else list(self.speeds),
+            "down": [list(w) for w in self.down],
+            # Only where it is not the default: a fleet's fields as they were before it.
+            **({} if self.admission == "replica" else {"admission": self.admission}),
+        }
 
     @classmethod
     def from_fields(cls, raw: dict) -> "FleetSpec":
@@ -110,13 +133,19 @@ class FleetSpec:
         try:
             name = raw["router"]
             if name not in ROUTERS:
-                raise ValueError(f"router {name!r} is not one of qsim's ({', '.join(ROUTERS)}): "
-                                 "a fleet of a router of one's own cannot be rebuilt from its name")
+                raise ValueError(
+                    f"router {name!r} is not one of qsim's ({', '.join(ROUTERS)}): "
+                    "a fleet of a router of one's own cannot be rebuilt from its name"
+                )
             router = ROUTERS[name](**raw.get("router_params", {}))
             speeds = raw.get("speeds")
-            return cls(int(raw["replicas"]), router, None if speeds is None else tuple(speeds),
-                       tuple((int(r), float(a), float(b)) for r, a, b in raw.get("down", ())),
-                       raw.get("admission", "replica"))
+            return cls(
+                int(raw["replicas"]),
+                router,
+                None if speeds is None else tuple(speeds),
+                tuple((int(r), float(a), float(b)) for r, a, b in raw.get("down", ())),
+                raw.get("admission", "replica"),
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None
 
@@ -128,14 +157,20 @@ class FleetSpec:
             return
         if self.router.shared and (self.speeds is not None or self.down):
             what = "replica speeds" if self.speeds is not None else "a replica down"
-            raise ValueError(f"{what}: a central queue in front of engines one at a time is one "
-                             f"line of N x K engines (give --batching, or route at arrival)")
+            raise ValueError(
+                f"{what}: a central queue in front of engines one at a time is one "
+                f"line of N x K engines (give --batching, or route at arrival)"
+            )
         if self.router.needs_batching:
-            raise ValueError(f"router {self.router.name} reads a batching engine's KV memory and "
-                             f"prefix cache: its replicas need --batching")
+            raise ValueError(
+                f"router {self.router.name} reads a batching engine's KV memory and "
+                f"prefix cache: its replicas need --batching"
+            )
         if config.engine.concurrency:
-            raise ValueError("engines that slow each other share one machine: "
-                             "a fleet's replicas take engines with concurrency 0")
+            raise ValueError(
+                "engines that slow each other share one machine: "
+                "a fleet's replicas take engines with concurrency 0"
+            )
 
 
 class _States:
@@ -180,16 +215,19 @@ class Fleet:
     #: :class:`qsim.batch_fleet.CentralBatch`).
     binds_late = False
 
-    def __init__(self, config: ServerConfig, spec: FleetSpec, *, line: Callable,
-                 routed: Callable) -> None:
+    def __init__(
+        self, config: ServerConfig, spec: FleetSpec, *, line: Callable, routed: Callable
+    ) -> None:
         spec.check(config)
         self.spec, self.router = spec, spec.router
         n, per = spec.replicas, config.engines
         self.engines_per_replica = per
         self.engines = n * per
         if self.router.shared and config.batching and not self.binds_late:
-            raise ValueError("a central queue in front of batching replicas is "
-                             "qsim.batch_fleet.CentralBatch, not a Fleet")
+            raise ValueError(
+                "a central queue in front of batching replicas is "
+                "qsim.batch_fleet.CentralBatch, not a Fleet"
+            )
         if self.router.shared and not config.batching:
             engine = dataclasses.replace(config.engine, engines=n * per)
             self.lines = [line(0, config.replace(engine=engine))]
@@ -271,8 +309,10 @@ class Fleet:
         ask = _arrival(*args, **kwargs) if self.router.reads_ttft else None
         r = self.router.choose(_States(up, now, probe, ask), self.routed_count, self.rng)
         if not (isinstance(r, (int, np.integer)) and 0 <= r < len(up)):
-            raise ValueError(f"router {type(self.router).__name__} chose {r!r}, not a replica "
-                             f"of 0..{len(up) - 1}")
+            raise ValueError(
+                f"router {type(self.router).__name__} chose {r!r}, not a replica "
+                f"of 0..{len(up) - 1}"
+            )
         self.routed_count += 1
         line = up[int(r)]
         self.where[req] = line
@@ -317,8 +357,7 @@ class Fleet:
         self.up[r] = False
         line = self.lines[r]
         held = [req for req, where in self.where.items() if where is line]
-        return [(req, state) for req in held
-                if (state := line.cancel(req, now)) is not None]
+        return [(req, state) for req in held if (state := line.cancel(req, now)) is not None]
 
     def restore(self, r: int, now: float | None = None) -> None:
         """Replica r is back (``now``: when, for a fleet that wakes it)."""

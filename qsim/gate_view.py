@@ -52,9 +52,17 @@ __all__ = ["batching", "one_at_a_time"]
 _new = tuple.__new__
 
 
-def one_at_a_time(admission: Admission, up: list, req, now: float, base_est_s: float,
-                  deadline_s=None, priority: int = 0, client=None, work=None
-                  ) -> tuple[Rejection | None, Entry]:
+def one_at_a_time(
+    admission: Admission,
+    up: list,
+    req,
+    now: float,
+    base_est_s: float,
+    deadline_s=None,
+    priority: int = 0,
+    client=None,
+    work=None,
+) -> tuple[Rejection | None, Entry]:
     """(the gate's refusal or None, the arrival's entry) for replicas of engines one at a time
     (:class:`~qsim.queue.AdmissionQueue` each): the view of them as one line."""
     base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
@@ -65,21 +73,48 @@ def one_at_a_time(admission: Admission, up: list, req, now: float, base_est_s: f
     queued_work = math.fsum(q.queued_work_s for q in up)
     remaining = 0.0 if idle else math.fsum(q.remaining_s(now) for q in up)
     first = up[0]
-    ahead = None if first._ahead is None or idle else \
-        math.fsum(q._ahead(entry) * q.tracker.factor for q in up)
+    ahead = (
+        None
+        if first._ahead is None or idle
+        else math.fsum(q._ahead(entry) * q.tracker.factor for q in up)
+    )
     est = base_est_s * factor
     ttft = tpot = math.nan
     if first._objectives:
         wait = 0.0 if idle else (queued_work + remaining) / engines
         ttft, tpot = first_token_split(first.config.model, entry, est, wait)
-    view = _new(Projection, (sum(len(q.waiting) for q in up), queued_work, remaining, est,
-                             engines, idle, ahead, None, ttft, tpot, None, 0.0,
-                             sum(q.waiting_tokens for q in up)))
+    view = _new(
+        Projection,
+        (
+            sum(len(q.waiting) for q in up),
+            queued_work,
+            remaining,
+            est,
+            engines,
+            idle,
+            ahead,
+            None,
+            ttft,
+            tpot,
+            None,
+            0.0,
+            sum(q.waiting_tokens for q in up),
+        ),
+    )
     return admission.admit(now, entry, factor, view), entry
 
 
-def batching(admission: Admission, up: list, req, now: float, base_est_s: float,
-             deadline_s=None, priority: int = 0, client=None, work=None):
+def batching(
+    admission: Admission,
+    up: list,
+    req,
+    now: float,
+    base_est_s: float,
+    deadline_s=None,
+    priority: int = 0,
+    client=None,
+    work=None,
+):
     """(the gate's refusal or None, the arrival's sequence) for batching replicas
     (:class:`~qsim.batch.BatchQueue` each): the fleet's waiting, the soonest replica's
     projection."""
@@ -90,8 +125,11 @@ def batching(admission: Admission, up: list, req, now: float, base_est_s: float,
     if never is not None:
         admission.seen_numbers = (math.nan, queued, math.nan, first.tracker.factor, math.nan, -1)
         return never, seq
-    room = min((q for q in up if not q.queued and q._has_room(seq)), default=None,
-               key=lambda q: q._seats_taken())
+    room = min(
+        (q for q in up if not q.queued and q._has_room(seq)),
+        default=None,
+        key=lambda q: q._seats_taken(),
+    )
     if room is not None:
         line, view = room, room._projection(seq, now, True)
     else:

@@ -47,7 +47,8 @@ class Mix:
         return engines / self.mean_s(model)
 
     def size_class(self, tokens) -> np.ndarray:
-        """Label each token count by the smallest mix size that holds it ('16' = up to 16 tokens)."""
+        """Label each token count by the smallest mix size that holds it ('16' = up to 16
+        tokens)."""
         tokens = np.asarray(tokens)
         edges = np.asarray(self.sizes)
         labels = np.array([str(s) for s in self.sizes] + [f">{self.sizes[-1]}"], dtype=object)
@@ -81,14 +82,16 @@ class UsedShare:
             raise ValueError(f"sigma must be a finite number >= 0, got {self.sigma}")
 
     def mean_tokens(self, limit: int) -> float:
-        """Expected tokens generated at this limit, exactly: the rounded, clipped lognormal summed by scipy."""
+        """Expected tokens generated at this limit, exactly: the rounded, clipped lognormal
+        summed by scipy."""
         t = np.arange(1, limit + 1, dtype=float)
         if self.sigma == 0:
             early = float(np.clip(np.round(self.median * limit), 1, limit))
         else:
             cdf = stats.lognorm(s=self.sigma, scale=self.median).cdf
             edges = cdf(np.concatenate([[0.0], (t[:-1] + 0.5) / limit, [np.inf]]))
-            early = float(np.dot(np.diff(edges), t))  # the last bin holds every share rounded up to the limit
+            # the last bin holds every share rounded up to the limit
+            early = float(np.dot(np.diff(edges), t))
         return self.at_limit * limit + (1 - self.at_limit) * early
 
     def draw(self, rng: np.random.Generator, limits) -> np.ndarray:
@@ -102,9 +105,10 @@ class UsedShare:
 
 @dataclass(frozen=True)
 class Prompts:
-    """How long requests' prompts are, in tokens: ``none`` (0, the reference study's short prompts counted as
-    nothing), ``fixed:N``, ``uniform:LOW:HIGH`` (whole numbers, both ends included) or ``lognormal:MEDIAN:SIGMA``
-    (rounded, at least 1). A batching engine computes them before the first token (:mod:`qsim.batch`)."""
+    """How long requests' prompts are, in tokens: ``none`` (0, the reference study's short prompts
+    counted as nothing), ``fixed:N``, ``uniform:LOW:HIGH`` (whole numbers, both ends included) or
+    ``lognormal:MEDIAN:SIGMA`` (rounded, at least 1). A batching engine computes them before the
+    first token (:mod:`qsim.batch`)."""
 
     kind: str = "none"
     a: float = 0.0
@@ -114,21 +118,34 @@ class Prompts:
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
-            raise ValueError(f"prompt lengths are none, fixed:N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA, "
-                             f"got {self.kind!r}")
+            raise ValueError(
+                "prompt lengths are none, fixed:N, uniform:LOW:HIGH or "
+                "lognormal:MEDIAN:SIGMA, "
+                f"got {self.kind!r}"
+            )
         if self.kind in ("fixed", "uniform") and not (self.a >= 0 and self.a == int(self.a)):
             raise ValueError(f"prompt lengths are whole numbers of tokens >= 0, got {self.a}")
         if self.kind == "uniform" and not (self.b >= self.a and self.b == int(self.b)):
-            raise ValueError(f"uniform prompt lengths need LOW <= HIGH, whole numbers, got {self.a}, {self.b}")
-        if self.kind == "lognormal" and not (self.a >= 1 and self.b >= 0 and math.isfinite(self.a * self.b)):
-            raise ValueError(f"lognormal prompt lengths need a median >= 1 and a sigma >= 0, got {self.a}, {self.b}")
+            raise ValueError(
+                f"uniform prompt lengths need LOW <= HIGH, whole numbers, got {self.a}, {self.b}"
+            )
+        if self.kind == "lognormal" and not (
+            self.a >= 1 and self.b >= 0 and math.isfinite(self.a * self.b)
+        ):
+            raise ValueError(
+                "lognormal prompt lengths need a median >= 1 and a sigma >= 0, got "
+                f"{self.a}, {self.b}"
+            )
 
     @classmethod
     def parse(cls, spec: str) -> "Prompts":
         kind, *numbers = str(spec).strip().split(":")
         if kind not in cls.KINDS or len(numbers) != cls.KINDS[kind]:
-            raise ValueError(f"bad prompt lengths {spec!r}: expected none, fixed:N, uniform:LOW:HIGH or "
-                             "lognormal:MEDIAN:SIGMA")
+            raise ValueError(
+                f"bad prompt lengths {spec!r}: expected none, fixed:N, "
+                "uniform:LOW:HIGH or "
+                "lognormal:MEDIAN:SIGMA"
+            )
         try:
             return cls(kind, *(float(x) for x in numbers))
         except ValueError as exc:
@@ -136,8 +153,12 @@ class Prompts:
 
     @property
     def spec(self) -> str:
-        return {"none": "none", "fixed": f"fixed:{self.a:g}", "uniform": f"uniform:{self.a:g}:{self.b:g}",
-                "lognormal": f"lognormal:{self.a:g}:{self.b:g}"}[self.kind]
+        return {
+            "none": "none",
+            "fixed": f"fixed:{self.a:g}",
+            "uniform": f"uniform:{self.a:g}:{self.b:g}",
+            "lognormal": f"lognormal:{self.a:g}:{self.b:g}",
+        }[self.kind]
 
     def mean(self) -> float:
         if self.kind == "none":
@@ -146,7 +167,8 @@ class Prompts:
             return self.a
         if self.kind == "uniform":
             return (self.a + self.b) / 2
-        return float(np.mean(self.draw(np.random.default_rng(0), 200_000)))  # rounding and the floor of 1
+        # rounding and the floor of 1
+        return float(np.mean(self.draw(np.random.default_rng(0), 200_000)))
 
     def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.kind == "none":
@@ -155,7 +177,9 @@ class Prompts:
             return np.full(n, int(self.a), dtype=np.int64)
         if self.kind == "uniform":
             return rng.integers(int(self.a), int(self.b) + 1, n).astype(np.int64)
-        return np.maximum(1, np.round(self.a * np.exp(self.b * rng.standard_normal(n)))).astype(np.int64)
+        return np.maximum(1, np.round(self.a * np.exp(self.b * rng.standard_normal(n)))).astype(
+            np.int64
+        )
 
 
 @dataclass(frozen=True)
@@ -180,8 +204,9 @@ class SharedPrefix:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.system_tokens, int) and self.system_tokens >= 0):
-            raise ValueError("a system prompt is a whole number of tokens >= 0, "
-                             f"got {self.system_tokens!r}")
+            raise ValueError(
+                f"a system prompt is a whole number of tokens >= 0, got {self.system_tokens!r}"
+            )
         if not 0 <= self.system_share <= 1:
             raise ValueError(f"the system prompt's share is in [0, 1], got {self.system_share}")
         for name in ("turns", "conversations"):
@@ -203,8 +228,9 @@ class SharedPrefix:
             tokens, share = str(spec).split(":")
             return int(tokens), float(share)
         except ValueError:
-            raise ValueError(f"bad system prompt {spec!r}: expected TOKENS:SHARE, "
-                             "e.g. 512:0.8") from None
+            raise ValueError(
+                f"bad system prompt {spec!r}: expected TOKENS:SHARE, e.g. 512:0.8"
+            ) from None
 
     @staticmethod
     def parse_turns(spec: str) -> tuple[int, int]:
@@ -213,8 +239,9 @@ class SharedPrefix:
             turns, _, open_at_once = str(spec).partition(":")
             return int(turns), int(open_at_once or 16)
         except ValueError:
-            raise ValueError(f"bad turns {spec!r}: expected TURNS or TURNS:CONVERSATIONS, "
-                             "e.g. 4:16") from None
+            raise ValueError(
+                f"bad turns {spec!r}: expected TURNS or TURNS:CONVERSATIONS, e.g. 4:16"
+            ) from None
 
     @classmethod
     def parse(cls, system: str = "none", turns: str = "1") -> "SharedPrefix":
@@ -233,8 +260,9 @@ class SharedPrefix:
         for i in range(n):
             slot, rounds = i % self.conversations, i // self.conversations
             if rounds % self.turns == 0:  # a new conversation in this slot
-                history[slot] = ((SYSTEM_KEY, self.system_tokens),) \
-                    if system[i] and self.system_tokens else ()
+                history[slot] = (
+                    ((SYSTEM_KEY, self.system_tokens),) if system[i] and self.system_tokens else ()
+                )
             segments = history[slot] + (((own_key(i), int(own[i])),) if own[i] else ())
             ids[i] = Tokens(segments, answer_key(i))
             prompts[i] = sum(length for _, length in segments)
@@ -247,11 +275,16 @@ def _used_of(used, size: int) -> "UsedShare | None":
 
 
 def used_mean_s(mix: Mix, clients: tuple, model: ServiceModel, used) -> float:
-    """Mean calibrated time of the work requests actually do (tokens generated), over the blend's mixes."""
+    """Mean calibrated time of the work requests actually do (tokens generated), over the blend's
+    mixes."""
     shares, mixes = blend(mix, clients)
+
     def mean_of(m: Mix) -> float:
-        tokens = [s if _used_of(used, s) is None else _used_of(used, s).mean_tokens(s) for s in m.sizes]
+        tokens = [
+            s if _used_of(used, s) is None else _used_of(used, s).mean_tokens(s) for s in m.sizes
+        ]
         return float(np.dot(m.probs, model.estimate(tokens)))
+
     return float(np.dot(shares, [mean_of(m) for m in mixes]))
 
 
@@ -262,7 +295,8 @@ def used_tokens(rng: np.random.Generator, limits, used) -> np.ndarray:
     if isinstance(used, UsedShare):
         return used.draw(rng, limits)
     out = limits.copy()
-    draws = {size: share.draw(rng, limits) for size, share in sorted(used.items())}  # every class draws for all
+    # every class draws for all
+    draws = {size: share.draw(rng, limits) for size, share in sorted(used.items())}
     for size, tokens in draws.items():
         out = np.where(limits == size, tokens, out)
     return out
@@ -299,11 +333,16 @@ def blend(mix: Mix, clients: tuple[Client, ...] = ()) -> tuple[list[float], list
     return [c.share for c in clients], [c.mix or mix for c in clients]
 
 
-def blended_means(mix: Mix, clients: tuple[Client, ...], model: ServiceModel) -> tuple[float, float]:
-    """Mean calibrated service time and mean max_new_tokens of a request drawn from :func:`blend`."""
+def blended_means(
+    mix: Mix, clients: tuple[Client, ...], model: ServiceModel
+) -> tuple[float, float]:
+    """Mean calibrated service time and mean max_new_tokens of a request drawn from
+    :func:`blend`."""
     shares, mixes = blend(mix, clients)
-    return (float(np.dot(shares, [m.mean_s(model) for m in mixes])),
-            float(np.dot(shares, [np.dot(m.sizes, m.probs) for m in mixes])))
+    return (
+        float(np.dot(shares, [m.mean_s(model) for m in mixes])),
+        float(np.dot(shares, [np.dot(m.sizes, m.probs) for m in mixes])),
+    )
 
 
 def check_clients(clients: tuple[Client, ...]) -> None:

@@ -60,14 +60,15 @@ def engine_part(config: ServerConfig) -> type:
 
 
 def _check_tokens(trace: Trace) -> None:
-    """A trace's token identities (Trace.tokens) must be as long as its prompts: a prefix cache hashes
-    the one and the engine computes the other."""
+    """A trace's token identities (Trace.tokens) must be as long as its prompts: a prefix cache
+    hashes the one and the engine computes the other."""
     if len(trace.tokens) != len(trace):
         raise ValueError(f"trace tokens: {len(trace.tokens)} for {len(trace)} requests")
     for i, (tokens, prompt) in enumerate(zip(trace.tokens, trace.prompt_tokens.tolist())):
         if sum(length for _, length in tokens.prompt) != prompt:
-            raise ValueError(f"request {i}: its tokens' segments do not add up to its {prompt} prompt "
-                             "tokens")
+            raise ValueError(
+                f"request {i}: its tokens' segments do not add up to its {prompt} prompt tokens"
+            )
 
 
 def simulate(
@@ -96,27 +97,27 @@ def simulate(
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
     config: the server (:class:`qsim.config.ServerConfig`: policy, engine model, calibration, speed
-    tracking, stall rule), or a bare Policy on ``engines`` engines (default 1) with the rest at its defaults.
-    The rest are the run's inputs, per request in trace order: failed (bools), reported_s (the engine's
-    own seconds, which the tracker learns; default the true service time), cancel_after_s (seconds after
-    arrival at which the client leaves; NaN or inf: never; default the trace's patience_s), priority
-    (ints, higher first under a priority discipline) and client (any hashable; the policy's per-client
-    token bucket and fair share count by it); priority and client default to the trace's own.
-    cancel_until: what the patience cancel_after_s waits for, "answer" (the client leaves at that time
-    whether its request waits or runs) or "start" (it leaves only if its request has not started by then:
-    patience while waiting); default what the trace's patience was drawn for (its meta's
-    patience_until), else "answer". Either way a client that leaves ends its request ``abandoned``
-    (reason client_left). retry: how clients send refused requests again (None or mode "none": never);
-    each attempt is a row, with ``attempt`` and ``first_request_id``. retry_seed: the jitter's seed
-    (default the trace's seed). retrier: the clients' state machine itself, in place of one built from
-    ``retry`` (``qlab compare`` passes one that hears each answer when the live client did).
-    speed_schedule: the machine's speed over time (:class:`qsim.service.SpeedSchedule`, base = the trace's
-    speed): each run takes its true time x the speed at its start / base.
-    step_times: a batching engine's steps as a live run's took them, in order (``qlab compare``'s replay): (seconds
-    from an idle engine's wake to the step's start, seconds the step ran, seconds the speed tracker learns, and
-    optionally the step model the live gate planned with from the next step on, or None) each; the steps after the
-    last take the step model's.
-    held: the true times are what each run held its engine live, the engines' slowdown
+    tracking, stall rule), or a bare Policy on ``engines`` engines (default 1) with the rest at its
+    defaults. The rest are the run's inputs, per request in trace order: failed (bools), reported_s
+    (the engine's own seconds, which the tracker learns; default the true service time),
+    cancel_after_s (seconds after arrival at which the client leaves; NaN or inf: never; default the
+    trace's patience_s), priority (ints, higher first under a priority discipline) and client (any
+    hashable; the policy's per-client token bucket and fair share count by it); priority and client
+    default to the trace's own. cancel_until: what the patience cancel_after_s waits for, "answer"
+    (the client leaves at that time whether its request waits or runs) or "start" (it leaves only if
+    its request has not started by then: patience while waiting); default what the trace's patience
+    was drawn for (its meta's patience_until), else "answer". Either way a client that leaves ends
+    its request ``abandoned`` (reason client_left). retry: how clients send refused requests again
+    (None or mode "none": never); each attempt is a row, with ``attempt`` and ``first_request_id``.
+    retry_seed: the jitter's seed (default the trace's seed). retrier: the clients' state machine
+    itself, in place of one built from ``retry`` (``qlab compare`` passes one that hears each answer
+    when the live client did). speed_schedule: the machine's speed over time
+    (:class:`qsim.service.SpeedSchedule`, base = the trace's speed): each run takes its true time x
+    the speed at its start / base. step_times: a batching engine's steps as a live run's took them,
+    in order (``qlab compare``'s replay): (seconds from an idle engine's wake to the step's start,
+    seconds the step ran, seconds the speed tracker learns, and optionally the step model the live
+    gate planned with from the next step on, or None) each; the steps after the last take the step
+    model's. held: the true times are what each run held its engine live, the engines' slowdown
     (:attr:`qsim.engines.OneAtATime.concurrency`) already in them: the core still slows its
     estimates as the gate's did, the runs are not slowed again.
     replicas: N copies of the server (a fleet, :mod:`qsim.fleet`), each its own line, engines
@@ -149,32 +150,62 @@ def simulate(
     if cancel_after_s is None:
         cancel_after_s = trace.patience_s
     if cancel_until not in CANCEL_UNTIL:
-        raise ValueError(f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}")
+        raise ValueError(
+            f"cancel_until must be one of {', '.join(CANCEL_UNTIL)}, got {cancel_until!r}"
+        )
     if len(trace) and np.any(np.diff(trace.arrival_s) < 0):
         raise ValueError("trace arrivals must be sorted by time")
-    for name, values in (("failed", failed), ("reported_s", reported_s), ("cancel_after_s", cancel_after_s),
-                         ("priority", priority), ("client", client)):
+    for name, values in (
+        ("failed", failed),
+        ("reported_s", reported_s),
+        ("cancel_after_s", cancel_after_s),
+        ("priority", priority),
+        ("client", client),
+    ):
         if values is not None and np.shape(values) != (len(trace),):
-            raise ValueError(f"{name} must have one value per request ({len(trace)}), got shape {np.shape(values)}")
+            raise ValueError(
+                f"{name} must have one value per request ({len(trace)}), got shape "
+                f"{np.shape(values)}"
+            )
     if retrier is None and retry is not None and retry.retries:
         seed = trace.meta.get("seed", 0) if retry_seed is None else retry_seed
         retrier = Retrier(retry, trace.arrival_s, seed)
     if config.batching and (failed is not None or reported_s is not None):
-        raise ValueError("failures and reported times are per run: a batching engine's steps have neither here")
+        raise ValueError(
+            "failures and reported times are per run: a batching engine's steps have neither here"
+        )
     if trace.tokens is not None:
         _check_tokens(trace)
     if step_times is not None and not config.batching:
-        raise ValueError("step_times are a batching engine's steps: this server runs engines one at a time")
+        raise ValueError(
+            "step_times are a batching engine's steps: this server runs engines one at a time"
+        )
     fleet = _fleet(replicas, router, config, replica_speeds, replica_down, admission_at)
-    run = Simulation(trace, config, engine_part(config), fleet=fleet, step_times=step_times,
-                     failed=failed, reported_s=reported_s, cancel_after_s=cancel_after_s,
-                     cancel_until=cancel_until, priority=priority, client=client,
-                     retrier=retrier, speed_schedule=speed_schedule, held=held)
+    run = Simulation(
+        trace,
+        config,
+        engine_part(config),
+        fleet=fleet,
+        step_times=step_times,
+        failed=failed,
+        reported_s=reported_s,
+        cancel_after_s=cancel_after_s,
+        cancel_until=cancel_until,
+        priority=priority,
+        client=client,
+        retrier=retrier,
+        speed_schedule=speed_schedule,
+        held=held,
+    )
     run.arrivals()
     run.env.run()
     frame = run.frame(trace)
-    frame.attrs.update(duration_s=trace.duration_s, policy=config.policy.name, engines=config.engines,
-                       speed_factor=run.speed_factor())
+    frame.attrs.update(
+        duration_s=trace.duration_s,
+        policy=config.policy.name,
+        engines=config.engines,
+        speed_factor=run.speed_factor(),
+    )
     if fleet is not None:
         frame.attrs.update(replicas=fleet.replicas, router=fleet.router.name)
     if config.batching:  # the simulator's unit of work (benchmarks/bench_fleet.py counts by it)
@@ -184,8 +215,14 @@ def simulate(
     return frame
 
 
-def _fleet(replicas: int, router: Router | None, config: ServerConfig,
-           speeds=None, down=(), admission: str = "replica") -> FleetSpec | None:
+def _fleet(
+    replicas: int,
+    router: Router | None,
+    config: ServerConfig,
+    speeds=None,
+    down=(),
+    admission: str = "replica",
+) -> FleetSpec | None:
     """The fleet of a run (None: one server, today's path), checked against its server. One
     replica admits as the one server, wherever its admission is (refused where it is neither)."""
     if replicas == 1 and not isinstance(replicas, bool) and speeds is None and not down:
@@ -193,7 +230,12 @@ def _fleet(replicas: int, router: Router | None, config: ServerConfig,
         return None
     if replicas == 1 and router is None:
         router = RoundRobin()  # one replica of its own speed: nothing to route
-    fleet = FleetSpec(replicas, router, None if speeds is None else tuple(speeds),
-                      tuple(tuple(w) for w in down), admission)
+    fleet = FleetSpec(
+        replicas,
+        router,
+        None if speeds is None else tuple(speeds),
+        tuple(tuple(w) for w in down),
+        admission,
+    )
     fleet.check(config)
     return fleet

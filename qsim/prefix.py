@@ -58,8 +58,8 @@ class Tokens(NamedTuple):
 
 
 def _full_blocks(tokens: Tokens, block_size: int) -> Iterator[tuple]:
-    """Each full block's tokens, as runs ``(key, first offset, end offset)``: prompt, then answer.
-    """
+    """Each full block's tokens, as runs ``(key, first offset, end offset)``: prompt, then
+    answer."""
     piece: list = []
     room = block_size
     segments = (*tokens.prompt, (tokens.answer, math.inf))  # the answer: as long as it is asked
@@ -107,8 +107,9 @@ class BlockPool:
     def in_use(self) -> int:
         return len(self.ref)
 
-    def lookup(self, hashes: Iterable[int], num_tokens: int, block_size: int,
-               count: bool = True) -> list[int]:
+    def lookup(
+        self, hashes: Iterable[int], num_tokens: int, block_size: int, count: bool = True
+    ) -> list[int]:
         """The cached blocks of the longest cached prefix of a request of ``num_tokens`` tokens
         whose block hashes are ``hashes``: at most (num_tokens - 1) // block_size blocks.
         ``count``: a scheduling lookup, counted in queries and hits (False: a probe, as
@@ -194,8 +195,9 @@ class BlockPool:
         assert self.ref == holders, f"{what} reference counts differ from the blocks requests hold"
         assert not set(self.ref) & set(self.free), f"{what} a block in use is on the free queue"
         if capacity != math.inf:
-            assert self.fresh + len(self.free) + len(self.ref) == capacity, \
-                f"{what} {self.fresh} fresh + {len(self.free)} free + {len(self.ref)} in use " \
+            assert self.fresh + len(self.free) + len(self.ref) == capacity, (
+                f"{what} {self.fresh} fresh + {len(self.free)} free + {len(self.ref)} in use "
                 f"!= {capacity} blocks"
+            )
         for h, blocks in self.by_hash.items():
             assert all(self.hash_of.get(b) == h for b in blocks), f"{what} hash index out of date"

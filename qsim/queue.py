@@ -73,36 +73,56 @@ __all__ = ["AdmissionQueue", "CUT_REASON", "STALL_REASON", "Core", "Seen", "Stal
 class AdmissionQueue(Core):
     """Queue state and the rules applied to it; see the module docstring."""
 
-    def __init__(self, config: ServerConfig | Policy, engines: int | None = None, *, start: Callable,
-                 drop: Callable, gone: Callable[[Any], bool] | None = None) -> None:
-        """config: the server (a bare Policy: that policy on ``engines`` engines, everything else at its
-        default). gone(req): True when a waiting request's client has left but has not been cancelled yet
-        (the gate's futures report a hang-up a loop turn late); such a request is skipped at the front."""
+    def __init__(
+        self,
+        config: ServerConfig | Policy,
+        engines: int | None = None,
+        *,
+        start: Callable,
+        drop: Callable,
+        gone: Callable[[Any], bool] | None = None,
+    ) -> None:
+        """config: the server (a bare Policy: that policy on ``engines`` engines, everything else at
+        its default). gone(req): True when a waiting request's client has left but has not been
+        cancelled yet (the gate's futures report a hang-up a loop turn late); such a request is
+        skipped at the front."""
         if isinstance(config, Policy):
             config = ServerConfig(config, OneAtATime(1 if engines is None else engines))
         elif engines is not None:
             raise ValueError("engines come from the ServerConfig; pass them there")
         config = as_config(config)
         if not isinstance(config.engine, OneAtATime):
-            raise ValueError(f"AdmissionQueue runs engines one at a time; {config.engine.kind} engines run in "
-                             "qsim.batch.BatchQueue (the simulator picks the core by the engine model)")
+            raise ValueError(
+                f"AdmissionQueue runs engines one at a time; {config.engine.kind} "
+                "engines run in "
+                "qsim.batch.BatchQueue (the simulator picks the core by the engine "
+                "model)"
+            )
         self.config = config
         self.policy = policy = config.policy
         self.engines = engines = config.engine.engines
         self._slowdown = config.engine.slowdown if config.engine.concurrency else None
-        self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
-                                    fixed=config.fixed_estimate)
+        self.tracker = SpeedTracker(
+            weight=config.tracker_weight,
+            initial=config.initial_speed_factor,
+            fixed=config.fixed_estimate,
+        )
         self.waiting = policy.make_discipline()
-        self.admission = Admission(config, counts_refused=False,
-                                   empty=Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines))
+        self.admission = Admission(
+            config,
+            counts_refused=False,
+            empty=Seen(math.nan, 0, 0.0, self.tracker.factor, 0.0, engines),
+        )
         self.waiting_base_s = 0.0  # calibrated estimates of the waiting, summed
         self.waiting_tokens = 0  # their prompt tokens, summed
         self.running: list[Entry | None] = [None] * engines
         self.busy_until = [0.0] * engines  # estimated end of each engine's request
         self.started_at = [math.nan] * engines
-        self.stall_after_s = [math.inf] * engines  # the engine is stalled once its request has run this long
+        # the engine is stalled once its request has run this long
+        self.stall_after_s = [math.inf] * engines
         self.stalled = [False] * engines
-        self.ended = [False] * engines  # its request already has an outcome (stalled, or its client left)
+        # its request already has an outcome (stalled, or its client left)
+        self.ended = [False] * engines
         self.idle = list(range(engines - 1, -1, -1))  # pop() gives the lowest free engine
         self.stall_rule = config.stall
         self._start, self._drop, self._gone = start, drop, gone
@@ -110,38 +130,55 @@ class AdmissionQueue(Core):
         self._started = getattr(self.waiting, "started", None)
         self._ahead = getattr(self.waiting, "ahead_s", None)
         self._n_stalled = 0
-        self.slow = [1.0] * engines  # the slowdown each engine's run started with (OneAtATime.concurrency)
+        # the slowdown each engine's run started with (OneAtATime.concurrency)
+        self.slow = [1.0] * engines
         self._objectives = policy.ttft_slo_s is not None or policy.tpot_slo_s is not None
         if self.admission.plain and self._slowdown is None:
-            self.arrive = self._arrive_plain  # the basic policies: the same decisions on a shorter path
+            # the basic policies: the same decisions on a shorter path
+            self.arrive = self._arrive_plain
 
     # -- events -------------------------------------------------------------------
 
     def recalibrate(self, config: ServerConfig) -> None:
-        """A new calibration taken mid-run (live: an operator's ``PUT /admin/calibration``): arrivals from now on are
-        estimated with ``config``'s service model and engine slowdown (the engine count stays). The speed tracker
-        starts again from its initial factor and a learning estimator from nothing: both were relative to the old
-        model. Requests already waiting keep the estimates they arrived with."""
+        """A new calibration taken mid-run (live: an operator's ``PUT /admin/calibration``):
+        arrivals from now on are estimated with ``config``'s service model and engine slowdown (the
+        engine count stays). The speed tracker starts again from its initial factor and a learning
+        estimator from nothing: both were relative to the old model. Requests already waiting keep
+        the estimates they arrived with."""
         if config.engine.engines != self.engines:
-            raise ValueError(f"a calibration cannot change the engines ({self.engines} -> {config.engine.engines})")
+            raise ValueError(
+                f"a calibration cannot change the engines ({self.engines} -> "
+                f"{config.engine.engines})"
+            )
         self.config = config
         self._slowdown = config.engine.slowdown if config.engine.concurrency else None
-        self.tracker = SpeedTracker(weight=config.tracker_weight, initial=config.initial_speed_factor,
-                                    fixed=config.fixed_estimate)
+        self.tracker = SpeedTracker(
+            weight=config.tracker_weight,
+            initial=config.initial_speed_factor,
+            fixed=config.fixed_estimate,
+        )
         self.admission.recalibrate(config)
 
-    def arrive(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-               priority: int = 0, client=None, work: Work | tuple | None = None) -> Rejection | None:
+    def arrive(
+        self,
+        req,
+        now: float,
+        base_est_s: float,
+        deadline_s: float | None = None,
+        priority: int = 0,
+        client=None,
+        work: Work | tuple | None = None,
+    ) -> Rejection | None:
         """Admit ``req`` (started on an idle engine at once, else queued) or return the refusal.
 
-        deadline_s is relative to ``now``; None (or NaN) takes the policy's. priority orders it under a priority
-        discipline (below 0: sheddable); client names whose token bucket it draws on, where the policy
-        limits each client (None: no client). work: a :class:`~qsim.entry.Work` (max_new_tokens, prompt
-        tokens, tokens it will generate or None), what the policy's estimator estimates from in place of
-        base_est_s (which is the estimate at the limit); None: base_est_s as it is. ``self.seen`` says what
-        the decision was made on (:class:`Seen`), the admission columns of its record. A request admitted
-        while an engine is idle is in service from this instant, so a burst cannot slip one more past a
-        bound than the bound allows.
+        deadline_s is relative to ``now``; None (or NaN) takes the policy's. priority orders it
+        under a priority discipline (below 0: sheddable); client names whose token bucket it draws
+        on, where the policy limits each client (None: no client). work: a :class:`~qsim.entry.Work`
+        (max_new_tokens, prompt tokens, tokens it will generate or None), what the policy's
+        estimator estimates from in place of base_est_s (which is the estimate at the limit); None:
+        base_est_s as it is. ``self.seen`` says what the decision was made on (:class:`Seen`), the
+        admission columns of its record. A request admitted while an engine is idle is in service
+        from this instant, so a burst cannot slip one more past a bound than the bound allows.
         """
         admission = self.admission
         base_est_s, deadline_s, work = admission.arrival(base_est_s, deadline_s, work)
@@ -152,9 +189,16 @@ class AdmissionQueue(Core):
             self._place(entry, now)
         return refusal
 
-    def _arrive_plain(self, req, now: float, base_est_s: float, deadline_s: float | None = None,
-                      priority: int = 0, client=None,
-                      work: Work | tuple | None = None) -> Rejection | None:
+    def _arrive_plain(
+        self,
+        req,
+        now: float,
+        base_est_s: float,
+        deadline_s: float | None = None,
+        priority: int = 0,
+        client=None,
+        work: Work | tuple | None = None,
+    ) -> Rejection | None:
         """:meth:`arrive` for a :attr:`~qsim.admission.Admission.plain` policy on engines that do
         not slow each other: the same decisions (tests/test_admission.py holds it to
         :meth:`arrive`), on the admission's fast path. It runs once per arrival of every plain
@@ -173,9 +217,18 @@ class AdmissionQueue(Core):
         else:
             remaining = self.remaining_s(now)
             ahead = None if self._ahead is None else self._ahead(entry) * factor
-        refusal = admission.admit_plain(len(self.waiting), self.waiting_base_s * factor,
-                                        remaining, base_est_s * factor, deadline_s, self.engines,
-                                        idle, priority, ahead, factor)
+        refusal = admission.admit_plain(
+            len(self.waiting),
+            self.waiting_base_s * factor,
+            remaining,
+            base_est_s * factor,
+            deadline_s,
+            self.engines,
+            idle,
+            priority,
+            ahead,
+            factor,
+        )
         if refusal is None:
             self._place(entry, now)
         return refusal
@@ -185,7 +238,8 @@ class AdmissionQueue(Core):
         idle = len(self.idle)
         est = entry.base_s * factor
         queued_work = self.waiting_base_s * factor
-        if self._slowdown is not None:  # engines that share a machine: what it would take when it starts
+        # engines that share a machine: what it would take when it starts
+        if self._slowdown is not None:
             est *= self._slowdown(self.engines - idle + 1 if idle else self.engines)
             queued_work *= self._slowdown(self.engines)
         remaining = 0.0 if idle else self.remaining_s(now)
@@ -193,8 +247,24 @@ class AdmissionQueue(Core):
         ttft = tpot = _NAN
         if self._objectives:
             ttft, tpot = first_token_split(self.config.model, entry, est, self.wait_s(now))
-        return _new(Projection, (len(self.waiting), queued_work, remaining, est, self.engines,
-                                 idle, ahead, None, ttft, tpot, None, 0.0, self.waiting_tokens))
+        return _new(
+            Projection,
+            (
+                len(self.waiting),
+                queued_work,
+                remaining,
+                est,
+                self.engines,
+                idle,
+                ahead,
+                None,
+                ttft,
+                tpot,
+                None,
+                0.0,
+                self.waiting_tokens,
+            ),
+        )
 
     def _place(self, entry: Entry, now: float) -> None:
         """An admitted entry starts on the lowest idle engine, or waits."""
@@ -206,17 +276,24 @@ class AdmissionQueue(Core):
         if entry.work is not None:
             self.waiting_tokens += entry.work.prompt
 
-    def finished(self, k: int, now: float, engine_s: float, ok: bool = True, tokens: int | None = None,
-                 first_token_at: float = math.nan) -> Outcome | None:
+    def finished(
+        self,
+        k: int,
+        now: float,
+        engine_s: float,
+        ok: bool = True,
+        tokens: int | None = None,
+        first_token_at: float = math.nan,
+    ) -> Outcome | None:
         """Engine k handed its request back at ``now``; ``engine_s`` is the engine's own time.
 
         Returns the request's outcome (good or late by ``now``, error when ``ok`` is false), or
         None when it already had one (stalled, cut, or its client left). A failed, stalled or cut
         run teaches the tracker nothing (a hang's time would multiply every later estimate); one
         whose client left still does. tokens: the tokens it generated, which the estimator learns
-        (and the tracker compares against, where the estimator learns). first_token_at: when its first token
-        came (NaN: not known), which the policy's TTFT and TPOT objectives are judged on. Then engine k takes
-        the next waiting request, or goes idle.
+        (and the tracker compares against, where the estimator learns). first_token_at: when its
+        first token came (NaN: not known), which the policy's TTFT and TPOT objectives are judged
+        on. Then engine k takes the next waiting request, or goes idle.
         """
         entry = self.running[k]
         if entry is None:
@@ -237,8 +314,8 @@ class AdmissionQueue(Core):
                 est.learn(work.limit, tokens)
                 self.tracker.observe(est.work_s(work.limit, work.prompt, tokens) * slow, engine_s)
             else:
-                # Against the estimate made at arrival (from max_new_tokens, the study's): a stop string
-                # that ends a request early reads as a faster machine.
+                # Against the estimate made at arrival (from max_new_tokens, the study's): a stop
+                # string that ends a request early reads as a faster machine.
                 self.tracker.observe(entry.base_s * slow, engine_s)
             if not ended:
                 if self._objectives:
@@ -251,8 +328,9 @@ class AdmissionQueue(Core):
         return outcome
 
     def cancel(self, req, now: float) -> str | None:
-        """The client of ``req`` left: "waiting" (it left the queue with its work), "running" (its engine
-        stays busy until it hands the request back: a run cannot always be stopped), or None (it had ended)."""
+        """The client of ``req`` left: "waiting" (it left the queue with its work), "running" (its
+        engine stays busy until it hands the request back: a run cannot always be stopped), or None
+        (it had ended)."""
         for entry in self.waiting:
             if entry.req == req:
                 self._left(entry)
@@ -266,16 +344,17 @@ class AdmissionQueue(Core):
     # -- cutting a run at its deadline (Policy.cancel_at_deadline) ---------------------------
 
     def cut_at(self, k: int) -> float:
-        """When engine k's run is cut: its request's deadline where the policy cancels there, else never (inf).
-        The gate sets its timer from this."""
+        """When engine k's run is cut: its request's deadline where the policy cancels there, else
+        never (inf). The gate sets its timer from this."""
         entry = self.running[k]
         if entry is None or not self.policy.cancel_at_deadline:
             return math.inf
         return entry.arrived_at + entry.deadline_s
 
     def cut_after(self, k: int, now: float, run_s: float) -> float | None:
-        """For a run of ``run_s`` started on engine k at ``now`` (a driver that knows how long it will take: the
-        simulator): the seconds after which it is cut, or None where it ends in time or the policy does not cut."""
+        """For a run of ``run_s`` started on engine k at ``now`` (a driver that knows how long it
+        will take: the simulator): the seconds after which it is cut, or None where it ends in time
+        or the policy does not cut."""
         entry = self.running[k]
         if entry is None or not self.policy.cancel_at_deadline:
             return None
@@ -284,10 +363,12 @@ class AdmissionQueue(Core):
         return max(0.0, entry.arrived_at + entry.deadline_s - now)
 
     def cut(self, k: int, now: float):
-        """Engine k's request passed its deadline under ``cancel_at_deadline``: it ends now (cancelled).
+        """Engine k's request passed its deadline under ``cancel_at_deadline``: it ends now
+        (cancelled).
 
-        Returns the request, or None when it had ended already. The driver stops the engine, which then
-        hands the request back through :meth:`finished` (with ``ok`` False: a cut run teaches nothing).
+        Returns the request, or None when it had ended already. The driver stops the engine, which
+        then hands the request back through :meth:`finished` (with ``ok`` False: a cut run teaches
+        nothing).
         """
         entry = self.running[k]
         if entry is None or self.ended[k]:
@@ -298,19 +379,30 @@ class AdmissionQueue(Core):
     # -- stalled engines -----------------------------------------------------------------------
 
     def stall_at(self, k: int) -> float:
-        """When engine k counts as stalled if its run has not come back (inf: never, or nothing runs)."""
-        return self.started_at[k] + self.stall_after_s[k] if self.running[k] is not None else math.inf
+        """When engine k counts as stalled if its run has not come back (inf: never, or nothing
+        runs)."""
+        return (
+            self.started_at[k] + self.stall_after_s[k] if self.running[k] is not None else math.inf
+        )
 
     def overdue(self, now: float) -> list[int]:
-        """Engines whose request has run past its stall threshold and that are not marked stalled yet."""
-        return [k for k in range(self.engines)
-                if self.running[k] is not None and not self.stalled[k] and now - self.started_at[k] > self.stall_after_s[k]]
+        """Engines whose request has run past its stall threshold and that are not marked stalled
+        yet."""
+        return [
+            k
+            for k in range(self.engines)
+            if self.running[k] is not None
+            and not self.stalled[k]
+            and now - self.started_at[k] > self.stall_after_s[k]
+        ]
 
     def stall(self, k: int, now: float):
-        """Mark engine k stalled. Returns its request when that request now ends (as an error), else None.
+        """Mark engine k stalled. Returns its request when that request now ends (as an error), else
+        None.
 
-        The engine stays busy until it hands the request back; meanwhile its remaining work counts as
-        its overrun so far, so the wait estimate keeps growing instead of reading it as about to finish.
+        The engine stays busy until it hands the request back; meanwhile its remaining work counts
+        as its overrun so far, so the wait estimate keeps growing instead of reading it as about to
+        finish.
         """
         if self.running[k] is None or self.stalled[k]:
             return None
@@ -326,9 +418,9 @@ class AdmissionQueue(Core):
         return self._n_stalled == self.engines
 
     def give_up(self, now: float) -> int:
-        """While every engine is stalled the queue cannot move: end each waiting request whose deadline
-        has passed, ``expired`` where the policy expires at the front (what the front would decide), else
-        an error. Returns how many were ended."""
+        """While every engine is stalled the queue cannot move: end each waiting request whose
+        deadline has passed, ``expired`` where the policy expires at the front (what the front would
+        decide), else an error. Returns how many were ended."""
         if not self.all_stalled:
             return 0
         late = [e for e in self.waiting if now >= e.arrived_at + e.deadline_s]
@@ -338,7 +430,9 @@ class AdmissionQueue(Core):
                 continue
             est = entry.base_s * self.tracker.factor
             if self.policy.expire_at_front:
-                self._drop(entry.req, now, EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
+                self._drop(
+                    entry.req, now, EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now))
+                )
             else:
                 self._drop(entry.req, now, ERROR, STALL_REASON, est, None)
         return len(late)
@@ -353,17 +447,23 @@ class AdmissionQueue(Core):
     # -- the numbers ----------------------------------------------------------------
 
     def remaining_s(self, now: float) -> float:
-        """Estimated work left in service, summed over the engines. An engine past its estimate counts as
-        about to finish (0), unless it is stalled: then its overrun so far, since it has shown it is not."""
+        """Estimated work left in service, summed over the engines. An engine past its estimate
+        counts as about to finish (0), unless it is stalled: then its overrun so far, since it has
+        shown it is not."""
         if not self._n_stalled:
-            if self.engines == 1:  # a generator per arrival costs a sixth of predictive's simulation time
+            # a generator per arrival costs a sixth of predictive's simulation time
+            if self.engines == 1:
                 end = self.busy_until[0]
                 return end - now if end > now else 0.0
             return sum(max(0.0, end - now) for end in self.busy_until)
-        return sum((now - end) if st else max(0.0, end - now) for end, st in zip(self.busy_until, self.stalled))
+        return sum(
+            (now - end) if st else max(0.0, end - now)
+            for end, st in zip(self.busy_until, self.stalled)
+        )
 
     def wait_s(self, now: float) -> float:
-        """The wait :func:`~qsim.policy.decide` would estimate for an arrival now (a Retry-After's basis)."""
+        """The wait :func:`~qsim.policy.decide` would estimate for an arrival now (a
+        Retry-After's basis)."""
         if self.idle:
             return 0.0
         return (self.queued_work_s + self.remaining_s(now)) / self.engines
@@ -386,15 +486,27 @@ class AdmissionQueue(Core):
 
     def snapshot(self) -> dict:
         """The queue now, for /stats and tests."""
-        return {"waiting": len(self.waiting), "in_service": self.in_service, "stalled": self._n_stalled,
-                "queued_work_s": self.queued_work_s, "speed_factor": self.tracker.factor, "engines": self.engines}
+        return {
+            "waiting": len(self.waiting),
+            "in_service": self.in_service,
+            "stalled": self._n_stalled,
+            "queued_work_s": self.queued_work_s,
+            "speed_factor": self.tracker.factor,
+            "engines": self.engines,
+        }
 
     def stalled_engines(self, now: float) -> list[dict]:
         """Each stalled engine: how long its request has run, its threshold and estimate."""
-        return [{"engine": k, "running_s": now - self.started_at[k],
-                 "stall_after_s": self.stall_after_s[k],
-                 "est_service_s": self.busy_until[k] - self.started_at[k]}
-                for k in range(self.engines) if self.stalled[k]]
+        return [
+            {
+                "engine": k,
+                "running_s": now - self.started_at[k],
+                "stall_after_s": self.stall_after_s[k],
+                "est_service_s": self.busy_until[k] - self.started_at[k],
+            }
+            for k in range(self.engines)
+            if self.stalled[k]
+        ]
 
     # -- inside -------------------------------------------------------------------------
 
@@ -428,7 +540,9 @@ class AdmissionQueue(Core):
             if expire:
                 est = entry.base_s * self.tracker.factor
                 if cannot_finish(now, est, entry.arrived_at + entry.deadline_s):
-                    self._drop(entry.req, now, EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now)))
+                    self._drop(
+                        entry.req, now, EXPIRED, EXPIRE_REASON, est, retry_after(self.wait_s(now))
+                    )
                     continue
             if drop_reason is not None:
                 est = entry.base_s * self.tracker.factor
@@ -444,9 +558,9 @@ class AdmissionQueue(Core):
 
 
 def first_token_split(model, entry: Entry, est: float, wait: float) -> tuple[float, float]:
-    """(time from now to the first token, time per output token) for a request of estimate ``est`` (speed
-    factor in) that waits ``wait`` first: the calibrated line's share of its first token (fixed and prompt
-    terms and one token) of ``est``, and the rest over its other tokens."""
+    """(time from now to the first token, time per output token) for a request of estimate ``est``
+    (speed factor in) that waits ``wait`` first: the calibrated line's share of its first token
+    (fixed and prompt terms and one token) of ``est``, and the rest over its other tokens."""
     work = entry.work
     limit, prompt = (1, 0) if work is None else (max(1, work.limit), work.prompt)
     whole = float(model.estimate(limit, prompt))
@@ -454,15 +568,27 @@ def first_token_split(model, entry: Entry, est: float, wait: float) -> tuple[flo
     return wait + first, (est - first) / (limit - 1) if limit > 1 else math.nan
 
 
-def judge(policy: Policy, entry: Entry, now: float, first_token_at: float = math.nan, tokens: int | None = None) -> Outcome:
-    """An answered request's outcome at ``now``: good when it met every objective it had (its deadline; the
-    policy's time to first token and per output token where set and known), else late (DistServe's goodput)."""
+def judge(
+    policy: Policy,
+    entry: Entry,
+    now: float,
+    first_token_at: float = math.nan,
+    tokens: int | None = None,
+) -> Outcome:
+    """An answered request's outcome at ``now``: good when it met every objective it had (its
+    deadline; the policy's time to first token and per output token where set and known), else late
+    (DistServe's goodput)."""
     if not on_time(now - entry.arrived_at, entry.deadline_s):
         return LATE
     if first_token_at == first_token_at:
         ttft, tpot = policy.ttft_slo_s, policy.tpot_slo_s
         if ttft is not None and not on_time(first_token_at - entry.arrived_at, ttft):
             return LATE
-        if tpot is not None and tokens is not None and tokens > 1 and not on_time((now - first_token_at) / (tokens - 1), tpot):
+        if (
+            tpot is not None
+            and tokens is not None
+            and tokens > 1
+            and not on_time((now - first_token_at) / (tokens - 1), tpot)
+        ):
             return LATE
     return GOOD

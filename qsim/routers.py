@@ -29,10 +29,26 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["ROUTERS", "Arrival", "Central", "JoinShortestQueue", "LeastKV", "LeastTTFT",
-           "LeastWork", "PowerOfD", "PrefixAffinity", "Random", "ReplicaState", "RoundRobin",
-           "Router", "Weighted",
-           "make_router", "parse_router", "parse_weights", "router_spec"]
+__all__ = [
+    "ROUTERS",
+    "Arrival",
+    "Central",
+    "JoinShortestQueue",
+    "LeastKV",
+    "LeastTTFT",
+    "LeastWork",
+    "PowerOfD",
+    "PrefixAffinity",
+    "Random",
+    "ReplicaState",
+    "RoundRobin",
+    "Router",
+    "Weighted",
+    "make_router",
+    "parse_router",
+    "parse_weights",
+    "router_spec",
+]
 
 
 class ReplicaState(NamedTuple):
@@ -73,8 +89,9 @@ class Router:
     reads_prefix: ClassVar[bool] = True
     reads_ttft: ClassVar[bool] = False  # it reads ttft_s: each replica projects the arrival
 
-    def choose(self, replicas: Sequence[ReplicaState], arrival: int,
-               rng: np.random.Generator) -> int:
+    def choose(
+        self, replicas: Sequence[ReplicaState], arrival: int, rng: np.random.Generator
+    ) -> int:
         raise NotImplementedError(f"{type(self).__name__} must define choose()")
 
 
@@ -191,14 +208,18 @@ class LeastTTFT(Router):
     reads_ttft: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.d is not None and not (isinstance(self.d, int) and not isinstance(self.d, bool)
-                                       and self.d >= 1):
+        if self.d is not None and not (
+            isinstance(self.d, int) and not isinstance(self.d, bool) and self.d >= 1
+        ):
             raise ValueError(f"least_ttft needs d, a whole number >= 1 (or none), got {self.d!r}")
 
     def choose(self, replicas, arrival, rng):
         n = len(replicas)
-        order = range(n) if self.d is None or self.d >= n else \
-            rng.choice(n, self.d, replace=False).tolist()
+        order = (
+            range(n)
+            if self.d is None or self.d >= n
+            else rng.choice(n, self.d, replace=False).tolist()
+        )
         return _least(replicas, order, lambda s: (s.ttft_s, s.outstanding))
 
 
@@ -221,10 +242,12 @@ class Weighted(Router):
 
     def __post_init__(self) -> None:
         weights = [getattr(self, w) for w in WEIGHTS]
-        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
-                   for w in weights) or not any(weights):
-            raise ValueError(f"weighted needs weights >= 0, not all 0, got "
-                             f"{dict(zip(WEIGHTS, weights))}")
+        if not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights
+        ) or not any(weights):
+            raise ValueError(
+                f"weighted needs weights >= 0, not all 0, got {dict(zip(WEIGHTS, weights))}"
+            )
 
     def choose(self, replicas, arrival, rng):
         states = [replicas[r] for r in range(len(replicas))]  # the queue score reads them all
@@ -244,8 +267,10 @@ def parse_weights(text: str) -> dict[str, float]:
     for part in str(text).split(","):
         key, eq, value = part.strip().partition("=")
         if not eq or key not in WEIGHTS:
-            raise ValueError(f"bad router weights {text!r}: expected NAME=WEIGHT,... with names "
-                             f"of {', '.join(WEIGHTS)}")
+            raise ValueError(
+                f"bad router weights {text!r}: expected NAME=WEIGHT,... with names "
+                f"of {', '.join(WEIGHTS)}"
+            )
         try:
             weights[key] = float(value)
         except ValueError:
@@ -269,9 +294,21 @@ class Central(Router):
 
 
 #: The built-in routers by name (``qlab simulate --router``).
-ROUTERS: dict[str, type[Router]] = {r.name: r for r in (
-    Random, RoundRobin, JoinShortestQueue, LeastWork, PowerOfD, Central, LeastKV, PrefixAffinity,
-    Weighted, LeastTTFT)}
+ROUTERS: dict[str, type[Router]] = {
+    r.name: r
+    for r in (
+        Random,
+        RoundRobin,
+        JoinShortestQueue,
+        LeastWork,
+        PowerOfD,
+        Central,
+        LeastKV,
+        PrefixAffinity,
+        Weighted,
+        LeastTTFT,
+    )
+}
 
 
 def make_router(name: str, d: int | None = None, weights: dict | None = None) -> Router:

@@ -1,9 +1,9 @@
 """Admission rules as parts: small frozen objects, each ``check(view) -> Rejection | None``.
 
-A policy's admission decision is the first of its rules that refuses (:meth:`qsim.policy.Policy.decide`).
-Each rule answers one concern (a bound on what waits, the deadline, memory, shedding) and reads
-the :class:`View` by attribute name only, so that a rule of one's own is one more part, written
-against the same names (docs/policies.md, "A rule of your own").
+A policy's admission decision is the first of its rules that refuses
+(:meth:`qsim.policy.Policy.decide`). Each rule answers one concern (a bound on what waits, the
+deadline, memory, shedding) and reads the :class:`View` by attribute name only, so that a rule of
+one's own is one more part, written against the same names (docs/policies.md, "A rule of your own").
 
 ``basic`` says whether a rule reads only the view's first nine fields (the basic numbers): a
 queue core builds the whole view (a projection, a draw) only for a policy with a rule that is
@@ -34,9 +34,25 @@ _UNREACHABLE = Reason.DEADLINE_UNREACHABLE
 RESERVE_WEIGHT = 0.05
 
 __all__ = [
-    "RESERVE_WEIGHT", "TIME_TOLERANCE_S", "Arrival", "ClientRate", "KvAdmission", "Predictive",
-    "QueueBound", "Rejection", "ReserveShare", "Rule", "RuleState", "Sheddable", "Shedding",
-    "TokenBound", "TpotObjective", "TtftObjective", "View", "WorkBound", "retry_after",
+    "RESERVE_WEIGHT",
+    "TIME_TOLERANCE_S",
+    "Arrival",
+    "ClientRate",
+    "KvAdmission",
+    "Predictive",
+    "QueueBound",
+    "Rejection",
+    "ReserveShare",
+    "Rule",
+    "RuleState",
+    "Sheddable",
+    "Shedding",
+    "TokenBound",
+    "TpotObjective",
+    "TtftObjective",
+    "View",
+    "WorkBound",
+    "retry_after",
     "take_token",
 ]
 
@@ -163,17 +179,20 @@ class RuleState:
         view the decision saw."""
 
 
-def take_token(tokens: float, last: float, now: float, rate: float,
-               burst: float) -> tuple[float, Rejection | None]:
+def take_token(
+    tokens: float, last: float, now: float, rate: float, burst: float
+) -> tuple[float, Rejection | None]:
     """One request from a client whose bucket held ``tokens`` at ``last``: the tokens left, and
     the refusal when there was not a whole one (its Retry-After: when there will be). Pure."""
     tokens = min(burst, tokens + (now - last) * rate)
     if tokens >= 1.0 - 1e-12:
         return tokens - 1.0, None
     wait = (1.0 - tokens) / rate
-    return tokens, Rejection(Reason.RATE_LIMITED, {"client_rate": rate, "client_burst": burst,
-                                                   "tokens": tokens, "wait_s": wait},
-                             retry_after(wait))
+    return tokens, Rejection(
+        Reason.RATE_LIMITED,
+        {"client_rate": rate, "client_burst": burst, "tokens": tokens, "wait_s": wait},
+        retry_after(wait),
+    )
 
 
 @dataclass(frozen=True)
@@ -305,9 +324,13 @@ class TokenBound(Rule):
 
     def check(self, view: View) -> Rejection | None:
         if view.idle <= 0 and view.queued_tokens + view.prompt_tokens > self.max_queued_tokens:
-            return _refuse(Reason.TOKENS_QUEUED, view, queued_tokens=view.queued_tokens,
-                           prompt_tokens=view.prompt_tokens,
-                           max_queued_tokens=self.max_queued_tokens)
+            return _refuse(
+                Reason.TOKENS_QUEUED,
+                view,
+                queued_tokens=view.queued_tokens,
+                prompt_tokens=view.prompt_tokens,
+                max_queued_tokens=self.max_queued_tokens,
+            )
         return None
 
 
@@ -323,8 +346,13 @@ class WorkBound(Rule):
     def check(self, view: View) -> Rejection | None:
         est = view.est_service_s
         if view.idle <= 0 and view.queued_work_s + est > self.max_queued_seconds:
-            return _refuse(_WORK_LIMIT, view, queued_work_s=view.queued_work_s, est_service_s=est,
-                           max_queued_seconds=self.max_queued_seconds)
+            return _refuse(
+                _WORK_LIMIT,
+                view,
+                queued_work_s=view.queued_work_s,
+                est_service_s=est,
+                max_queued_seconds=self.max_queued_seconds,
+            )
         return None
 
 
@@ -345,10 +373,16 @@ class Shedding(Rule):
         if view.priority >= self.below_priority:
             return None
         saturation = max(view.queued / self.queue_threshold, view.kv_use / self.kv_threshold)
-        chance = min(saturation ** self.power * self.k, 1.0)
+        chance = min(saturation**self.power * self.k, 1.0)
         if view.u < chance:  # NaN (no draw) never sheds
-            return _refuse(_SHED, view, saturation=saturation, probability=chance,
-                           queued=view.queued, kv_use=view.kv_use)
+            return _refuse(
+                _SHED,
+                view,
+                saturation=saturation,
+                probability=chance,
+                queued=view.queued,
+                kv_use=view.kv_use,
+            )
         return None
 
 
@@ -364,9 +398,17 @@ class KvAdmission(Rule):
         wait = view.wait
         if wait + est > deadline + TIME_TOLERANCE_S:  # late anyway: Predictive's refusal
             return None
-        return Rejection(Reason.KV_FULL, {"kv_wait_s": kv_wait, "wait_s": wait,
-                                          "est_service_s": est, "deadline_s": deadline,
-                                          "kv_use": view.kv_use}, retry_after(kv_wait))
+        return Rejection(
+            Reason.KV_FULL,
+            {
+                "kv_wait_s": kv_wait,
+                "wait_s": wait,
+                "est_service_s": est,
+                "deadline_s": deadline,
+                "kv_use": view.kv_use,
+            },
+            retry_after(kv_wait),
+        )
 
 
 @dataclass(frozen=True)
@@ -382,8 +424,11 @@ class Predictive(Rule):
             return None
         wait, est = view.wait, view.est_service_s
         if wait + est > deadline + TIME_TOLERANCE_S:
-            return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": est,
-                                            "deadline_s": deadline}, retry_after(wait))
+            return Rejection(
+                _UNREACHABLE,
+                {"wait_s": wait, "est_service_s": est, "deadline_s": deadline},
+                retry_after(wait),
+            )
         return None
 
 
@@ -398,9 +443,16 @@ class TtftObjective(Rule):
         # Predictive admission's objective: like its deadline, none for a request without one.
         if view.deadline_s is not None and view.ttft_s > self.ttft_slo_s + TIME_TOLERANCE_S:
             wait = view.wait
-            return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
-                                            "ttft_slo_s": self.ttft_slo_s,
-                                            "ttft_projected_s": view.ttft_s}, retry_after(wait))
+            return Rejection(
+                _UNREACHABLE,
+                {
+                    "wait_s": wait,
+                    "est_service_s": view.est_service_s,
+                    "ttft_slo_s": self.ttft_slo_s,
+                    "ttft_projected_s": view.ttft_s,
+                },
+                retry_after(wait),
+            )
         return None
 
 
@@ -414,7 +466,14 @@ class TpotObjective(Rule):
         # Predictive admission's objective: like its deadline, none for a request without one.
         if view.deadline_s is not None and view.tpot_s > self.tpot_slo_s + TIME_TOLERANCE_S:
             wait = view.wait
-            return Rejection(_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
-                                            "tpot_slo_s": self.tpot_slo_s,
-                                            "tpot_projected_s": view.tpot_s}, retry_after(wait))
+            return Rejection(
+                _UNREACHABLE,
+                {
+                    "wait_s": wait,
+                    "est_service_s": view.est_service_s,
+                    "tpot_slo_s": self.tpot_slo_s,
+                    "tpot_projected_s": view.tpot_s,
+                },
+                retry_after(wait),
+            )
         return None

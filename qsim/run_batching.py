@@ -45,8 +45,15 @@ class BatchingRun:
     #: Each engine's timer is armed after arrivals and cancellations.
     arms = True
 
-    def __init__(self, run, config: ServerConfig, fleet: FleetSpec | None, *, held: bool = False,
-                 step_times=None) -> None:
+    def __init__(
+        self,
+        run,
+        config: ServerConfig,
+        fleet: FleetSpec | None,
+        *,
+        held: bool = False,
+        step_times=None,
+    ) -> None:
         self.run = run
         self.env = run.env
         self.fleet = fleet
@@ -57,9 +64,12 @@ class BatchingRun:
             self.lines = [self.queue]  # the engines, by the index their steps' events carry
         else:
             kind = CentralBatch if fleet.router.shared else Fleet
-            self.queue = kind(config, fleet, routed=run._routed,
-                              line=lambda r, cfg, make=BatchQueue: self._line(
-                                  r, cfg, 1.0 / fleet.speed(r), make))
+            self.queue = kind(
+                config,
+                fleet,
+                routed=run._routed,
+                line=lambda r, cfg, make=BatchQueue: self._line(r, cfg, 1.0 / fleet.speed(r), make),
+            )
             self.lines = self.queue.lines
         # (seconds from the wake, seconds it ran, seconds the tracker learns[, step model]) of
         # each step, in order.
@@ -73,14 +83,19 @@ class BatchingRun:
         self.first_token, self.tokens = [_NAN] * n, [-1] * n
         self.preempted, self.kv_peak, self.cached = [-1] * n, [-1] * n, [-1] * n
 
-    def _line(self, r: int, config: ServerConfig, slow: float = 1.0,
-              make=BatchQueue) -> BatchQueue:
+    def _line(self, r: int, config: ServerConfig, slow: float = 1.0, make=BatchQueue) -> BatchQueue:
         """Engine r's queue core (``make``'s: a BatchQueue, or a central queue's replica), its
         hooks carrying r; its steps take ``slow`` x the model's."""
         caching = config.engine.prefix_caching
-        queue = make(config, step=lambda plan, now: self._step(plan, now, r), end=self._ended,
-                     drop=self.run._drop, joined=lambda i, now: self._joined(i, now, r),
-                     wake=lambda now: self._wake(now, r), tokens=self._tokens if caching else None)
+        queue = make(
+            config,
+            step=lambda plan, now: self._step(plan, now, r),
+            end=self._ended,
+            drop=self.run._drop,
+            joined=lambda i, now: self._joined(i, now, r),
+            wake=lambda now: self._wake(now, r),
+            tokens=self._tokens if caching else None,
+        )
         self.noise.append(step_noise(config.engine.step.cv, config.seed, r))
         self.slow.append(slow)
         self.timer_at.append(math.inf)
@@ -90,12 +105,22 @@ class BatchingRun:
         """Nothing to keep: a step's event is rare beside a request's."""
 
     def per_attempt(self) -> tuple:
-        return ((self.first_token, _NAN), (self.tokens, -1), (self.preempted, -1),
-                (self.kv_peak, -1), (self.cached, -1))
+        return (
+            (self.first_token, _NAN),
+            (self.tokens, -1),
+            (self.preempted, -1),
+            (self.kv_peak, -1),
+            (self.cached, -1),
+        )
 
     def rows(self) -> dict:
-        return {"first_token": self.first_token, "tokens": self.tokens,
-                "preempted": self.preempted, "kv_peak": self.kv_peak, "cached": self.cached}
+        return {
+            "first_token": self.first_token,
+            "tokens": self.tokens,
+            "preempted": self.preempted,
+            "kv_peak": self.kv_peak,
+            "cached": self.cached,
+        }
 
     def _tokens(self, i: int) -> Tokens:
         """Request (or attempt) i's tokens: the trace's, else its own prompt shared with nobody."""
@@ -133,8 +158,9 @@ class BatchingRun:
         # step. A live run's step began as long after its wake as the gate took (a replay):
         # arrivals in between join it too.
         k = self.steps_run
-        wait = self.step_times[k][0] if self.step_times is not None and k < len(self.step_times) \
-            else 0
+        wait = (
+            self.step_times[k][0] if self.step_times is not None and k < len(self.step_times) else 0
+        )
         Timeout(self.env, wait, r).callbacks.append(self._begin)
 
     def _begin(self, event) -> None:
@@ -186,7 +212,8 @@ class BatchingRun:
         if due < self.timer_at[r]:
             self.timer_at[r] = due
             Timeout(self.env, max(0.0, due - self.env.now)).callbacks.append(
-                lambda _, due=due: self._timer(r, due))
+                lambda _, due=due: self._timer(r, due)
+            )
 
     def _timer(self, r: int, due: float) -> None:
         if due != self.timer_at[r]:
@@ -203,12 +230,16 @@ class BatchingRun:
         first_token, tokens = np.asarray(self.first_token), np.asarray(self.tokens)
         answered = np.isin(columns["outcome"], ANSWERED)
         many = answered & (tokens > 1)
-        columns.update({
-            "true_service_s": np.asarray(self.run.ran),  # how long it was in the batch
-            "ttft_s": first_token - arrival,
-            "tpot_s": np.where(many, (finish - first_token) / np.maximum(tokens - 1, 1), np.nan),
-            "output_tokens": tokens,
-            "preemptions": np.asarray(self.preempted),
-            "kv_blocks_peak": np.asarray(self.kv_peak),
-            "cached_prompt_tokens": np.asarray(self.cached),  # -1 (NA) without a prefix cache
-        })
+        columns.update(
+            {
+                "true_service_s": np.asarray(self.run.ran),  # how long it was in the batch
+                "ttft_s": first_token - arrival,
+                "tpot_s": np.where(
+                    many, (finish - first_token) / np.maximum(tokens - 1, 1), np.nan
+                ),
+                "output_tokens": tokens,
+                "preemptions": np.asarray(self.preempted),
+                "kv_blocks_peak": np.asarray(self.kv_peak),
+                "cached_prompt_tokens": np.asarray(self.cached),  # -1 (NA) without a prefix cache
+            }
+        )

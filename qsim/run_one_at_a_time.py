@@ -32,8 +32,15 @@ class OneAtATimeRun:
     #: No timers of its own to arm after arrivals and cancellations.
     arms = False
 
-    def __init__(self, run, config: ServerConfig, fleet: FleetSpec | None, *, held: bool = False,
-                 step_times=None) -> None:
+    def __init__(
+        self,
+        run,
+        config: ServerConfig,
+        fleet: FleetSpec | None,
+        *,
+        held: bool = False,
+        step_times=None,
+    ) -> None:
         self.run = run
         self.env = run.env
         self.spec = fleet
@@ -41,10 +48,14 @@ class OneAtATimeRun:
             self.queue = AdmissionQueue(config, start=self._start, drop=run._drop)
         else:
             per = config.engines
-            self.queue = Fleet(config, fleet, routed=run._routed,
-                               line=lambda r, cfg: AdmissionQueue(
-                                   cfg, start=offset(self._start_in_fleet, r * per),
-                                   drop=run._drop))
+            self.queue = Fleet(
+                config,
+                fleet,
+                routed=run._routed,
+                line=lambda r, cfg: AdmissionQueue(
+                    cfg, start=offset(self._start_in_fleet, r * per), drop=run._drop
+                ),
+            )
         # The driver's hand-off to each engine (what the gate's engine threads get in their inbox).
         self.job = [-1] * (config.engines if fleet is None else self.queue.engines)
         self.finishing = -1  # the engine whose finish is being handled
@@ -55,8 +66,12 @@ class OneAtATimeRun:
         # slowdown already in it.
         self.shared = config.engine.concurrency > 0 and not held
         # A fleet's replica speeds: each run's time goes through _run_time, its replica's in.
-        self.plain = (run.schedule is None and not run.cuts and not self.shared
-                      and (fleet is None or fleet.speeds is None))
+        self.plain = (
+            run.schedule is None
+            and not run.cuts
+            and not self.shared
+            and (fleet is None or fleet.speeds is None)
+        )
 
     def attach(self) -> None:
         """Keep the driver's lists this part reads in the event loop (each is kept in place)."""
@@ -90,8 +105,7 @@ class OneAtATimeRun:
         self.ran[i] = run
         stall_after_s = self.queue.stall_after_s[k]
         if run > stall_after_s:  # it will run past its threshold: the watchdog sees it then
-            Timeout(self.env, stall_after_s).callbacks.append(
-                lambda _, k=k, i=i: self._stall(k, i))
+            Timeout(self.env, stall_after_s).callbacks.append(lambda _, k=k, i=i: self._stall(k, i))
         if self.finishing == k:  # the engine goes straight on to its next request
             Timeout(self.env, run, k).callbacks.append(self._finished)
         else:  # an idle engine wakes first: a same-time arrival is looked at before its run is
@@ -135,8 +149,9 @@ class OneAtATimeRun:
         first = self._first_token_at(i) if self.objectives else _NAN
         self.finishing = k
         # It may start k's next.
-        outcome = self.queue.finished(k, now, self.reported[i] * self.speed_at[i], ok, tokens,
-                                      first)
+        outcome = self.queue.finished(
+            k, now, self.reported[i] * self.speed_at[i], ok, tokens, first
+        )
         self.finishing = -1
         if outcome is not None:
             self._end(i, now, outcome, None if ok else FAILED_REASON)
@@ -149,8 +164,9 @@ class OneAtATimeRun:
         run = self.run
         first = run.first_of[i] if run.first_of is not None else i
         prompt, tokens = int(run.prompt_tokens[first]), int(run.generated[first])
-        return self.start[i] + self.ran[i] * (float(model.estimate(1, prompt)) /
-                                              float(model.estimate(tokens, prompt)))
+        return self.start[i] + self.ran[i] * (
+            float(model.estimate(1, prompt)) / float(model.estimate(tokens, prompt))
+        )
 
     def _stall(self, k: int, i: int) -> None:
         now = self.env.now
@@ -177,13 +193,18 @@ class OneAtATimeRun:
         prompt, tokens = trace.prompt_tokens[first], trace.tokens_generated[first]
         arrival, finish = columns["arrival_s"], columns["finish_s"]
         done = answered(columns["outcome"])
-        share = np.asarray(model.estimate(np.ones_like(tokens), prompt), dtype=float) / \
-            np.asarray(model.estimate(tokens, prompt), dtype=float)
+        share = np.asarray(model.estimate(np.ones_like(tokens), prompt), dtype=float) / np.asarray(
+            model.estimate(tokens, prompt), dtype=float
+        )
         first_token = columns["start_s"] + records.column(self.run.ran, float) * share
         many = done & (tokens > 1)
-        columns.update({
-            "ttft_s": np.where(done, first_token - arrival, np.nan),
-            "tpot_s": np.where(many, (finish - first_token) / np.maximum(tokens - 1, 1), np.nan),
-            "output_tokens": np.where(done, tokens, -1),
-            "preemptions": np.where(done, 0, -1),
-        })
+        columns.update(
+            {
+                "ttft_s": np.where(done, first_token - arrival, np.nan),
+                "tpot_s": np.where(
+                    many, (finish - first_token) / np.maximum(tokens - 1, 1), np.nan
+                ),
+                "output_tokens": np.where(done, tokens, -1),
+                "preemptions": np.where(done, 0, -1),
+            }
+        )

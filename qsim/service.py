@@ -35,24 +35,40 @@ class ServiceModel:
     per_prompt_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.intercept_s >= 0 and self.per_token_s > 0 and self.per_prompt_token_s >= 0
-                and all(map(math.isfinite, (self.intercept_s, self.per_token_s, self.per_prompt_token_s)))):
+        if not (
+            self.intercept_s >= 0
+            and self.per_token_s > 0
+            and self.per_prompt_token_s >= 0
+            and all(
+                map(math.isfinite, (self.intercept_s, self.per_token_s, self.per_prompt_token_s))
+            )
+        ):
             raise ValueError(
-                f"service model needs intercept_s >= 0, per_token_s > 0 and per_prompt_token_s >= 0, all finite, "
+                "service model needs intercept_s >= 0, per_token_s > 0 and per_prompt_token_s >= "
+                "0, all finite, "
                 f"got {self.intercept_s}, {self.per_token_s}, {self.per_prompt_token_s}"
             )
 
     def estimate(self, max_new_tokens, prompt_tokens=0):
         """Estimated seconds for a request (works on scalars and numpy arrays)."""
         if type(max_new_tokens) is int and type(prompt_tokens) is int:
-            # One request (the gate's every arrival): plain floats, the same operations in the same order as
-            # numpy's below, so the same bits, without numpy's array machinery on a refusal's path.
+            # One request (the gate's every arrival): plain floats, the same operations in the same
+            # order as numpy's below, so the same bits, without numpy's array machinery on a
+            # refusal's path.
             seconds = self.intercept_s + self.per_token_s * float(max_new_tokens)
-            return seconds if self.per_prompt_token_s == 0 else seconds + self.per_prompt_token_s * float(prompt_tokens)
+            return (
+                seconds
+                if self.per_prompt_token_s == 0
+                else seconds + self.per_prompt_token_s * float(prompt_tokens)
+            )
         new = self.per_token_s * np.asarray(max_new_tokens, dtype=float)
         if self.per_prompt_token_s == 0:  # no prefill term: the study's line, exactly
             return self.intercept_s + new
-        return self.intercept_s + new + self.per_prompt_token_s * np.asarray(prompt_tokens, dtype=float)
+        return (
+            self.intercept_s
+            + new
+            + self.per_prompt_token_s * np.asarray(prompt_tokens, dtype=float)
+        )
 
     def tokens_for(self, seconds: float) -> int:
         """The whole number of new tokens (>= 1) whose estimate is closest to ``seconds``."""
@@ -81,19 +97,24 @@ class ServiceModel:
 
     @classmethod
     def from_fields(cls, data) -> "ServiceModel":
-        """From a mapping of the fields (as saved, or as /stats reports them); the prompt term may be absent."""
-        return cls(intercept_s=float(data["intercept_s"]), per_token_s=float(data["per_token_s"]),
-                   per_prompt_token_s=float(data.get("per_prompt_token_s", 0.0)))
+        """From a mapping of the fields (as saved, or as /stats reports them); the prompt term
+        may be absent."""
+        return cls(
+            intercept_s=float(data["intercept_s"]),
+            per_token_s=float(data["per_token_s"]),
+            per_prompt_token_s=float(data.get("per_prompt_token_s", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
 class LoadTerms:
-    """What ``qlab calibrate`` measured beside the line, under load: ``concurrency``, the slowdown per other busy
-    engine (:class:`qsim.engines.OneAtATime`), and ``noise_cv``, the CV of one request's time around the model x
-    that slowdown (None: not measured); against a batching server, ``step``: the step model fitted to the steps it
-    ran, its CV the spread of a step around the fit (None: not a batching server's calibration), and
-    ``front_end``: its API process's costs (:class:`qsim.engines.FrontEnd`; None: not measured). A calibration file
-    without them (an older ``qlab calibrate``'s) reads as no slowdown, noise not said, no step model."""
+    """What ``qlab calibrate`` measured beside the line, under load: ``concurrency``, the slowdown
+    per other busy engine (:class:`qsim.engines.OneAtATime`), and ``noise_cv``, the CV of one
+    request's time around the model x that slowdown (None: not measured); against a batching server,
+    ``step``: the step model fitted to the steps it ran, its CV the spread of a step around the fit
+    (None: not a batching server's calibration), and ``front_end``: its API process's costs
+    (:class:`qsim.engines.FrontEnd`; None: not measured). A calibration file without them (an older
+    ``qlab calibrate``'s) reads as no slowdown, noise not said, no step model."""
 
     concurrency: float = 0.0
     noise_cv: float | None = None
@@ -107,8 +128,8 @@ class LoadTerms:
 
     @classmethod
     def load(cls, path: str | Path | None) -> "LoadTerms":
-        """The terms of a calibration JSON (its ``load`` and ``step`` keys); none (None, or a file without the keys)
-        reads as :class:`LoadTerms`'s defaults."""
+        """The terms of a calibration JSON (its ``load`` and ``step`` keys); none (None, or a file
+        without the keys) reads as :class:`LoadTerms`'s defaults."""
         if not path:
             return cls()
         try:
@@ -127,16 +148,23 @@ class LoadTerms:
         except ValueError as exc:
             raise ValueError(f"{where}: bad calibrated step model ({exc})") from None
         try:
-            front = None if front is None else FrontEnd(front["request_s"], front["token_s"],
-                                                        front.get("step_s", 0.0))
+            front = (
+                None
+                if front is None
+                else FrontEnd(front["request_s"], front["token_s"], front.get("step_s", 0.0))
+            )
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"{where}: bad calibrated front end ({exc!r})") from None
         if not isinstance(load, dict):
             return cls(step=step, front_end=front)
         try:
             concurrency, cv = load.get("concurrency"), load.get("noise_cv")
-            return cls(0.0 if concurrency is None else float(concurrency), None if cv is None else float(cv), step,
-                       front)
+            return cls(
+                0.0 if concurrency is None else float(concurrency),
+                None if cv is None else float(cv),
+                step,
+                front,
+            )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: bad calibrated load terms ({exc})") from None
 
@@ -154,8 +182,8 @@ class Fit:
 def fit(tokens, seconds, prompt_tokens=None) -> Fit:
     """Fit the service line by least squares; report per-request relative errors.
 
-    With ``prompt_tokens`` of at least two lengths, the prompt term too: a least-squares fit of all three
-    terms bounded at 0 (scipy's lsq_linear), since a negative cost is noise around a tiny one.
+    With ``prompt_tokens`` of at least two lengths, the prompt term too: a least-squares fit of all
+    three terms bounded at 0 (scipy's lsq_linear), since a negative cost is noise around a tiny one.
     """
     x = np.asarray(tokens, dtype=float)
     y = np.asarray(seconds, dtype=float)
@@ -169,17 +197,26 @@ def fit(tokens, seconds, prompt_tokens=None) -> Fit:
     if p is None or np.unique(p).size < 2:
         line = stats.linregress(x, y)
         # A negative intercept is noise around a tiny fixed cost; clamp it rather than predict < 0.
-        model = ServiceModel(intercept_s=max(0.0, float(line.intercept)), per_token_s=float(line.slope))
+        model = ServiceModel(
+            intercept_s=max(0.0, float(line.intercept)), per_token_s=float(line.slope)
+        )
     else:
-        terms = optimize.lsq_linear(np.column_stack([np.ones_like(x), x, p]), y, bounds=(0, np.inf)).x
-        model = ServiceModel(intercept_s=float(terms[0]), per_token_s=float(terms[1]), per_prompt_token_s=float(terms[2]))
+        terms = optimize.lsq_linear(
+            np.column_stack([np.ones_like(x), x, p]), y, bounds=(0, np.inf)
+        ).x
+        model = ServiceModel(
+            intercept_s=float(terms[0]),
+            per_token_s=float(terms[1]),
+            per_prompt_token_s=float(terms[2]),
+        )
     rel = np.abs(model.estimate(x, 0 if p is None else p) - y) / y
     return Fit(model, float(np.median(rel)), float(np.max(rel)), int(x.size))
 
 
-#: The most one observation moves the speed factor up, as a share of it: a run far beyond the model (an
-#: upstream that paused, a machine that hiccuped) is one observation, not a new speed. 25 % up mirrors the 20 %
-#: down that the EWMA's weight (0.2) already bounds a step to (a ratio is never below 0): factor x 1.25 or / 1.25.
+#: The most one observation moves the speed factor up, as a share of it: a run far beyond the model
+#: (an upstream that paused, a machine that hiccuped) is one observation, not a new speed. 25 % up
+#: mirrors the 20 % down that the EWMA's weight (0.2) already bounds a step to (a ratio is never
+#: below 0): factor x 1.25 or / 1.25.
 MAX_STEP = 0.25
 _INF = math.inf  # a module global: observe() runs once per completed request
 
@@ -195,12 +232,17 @@ class SpeedTracker:
     as before (a machine 2.25 x slower: no step reaches the bound; 5 x slower: the factor passes
     4 after 9 requests, 7 unbounded). Inside the bound, which an observation below 2.25 x the factor
     is (with the default weight the lower bound is where the plain EWMA's step ends anyway), the
-    step is the plain EWMA's. With ``fixed=True`` it stays at its initial value: the stale-calibration
-    baseline that tracking is measured against.
+    step is the plain EWMA's. With ``fixed=True`` it stays at its initial value: the
+    stale-calibration baseline that tracking is measured against.
     """
 
-    def __init__(self, weight: float = 0.2, initial: float = 1.0, fixed: bool = False,
-                 max_step: float = MAX_STEP) -> None:
+    def __init__(
+        self,
+        weight: float = 0.2,
+        initial: float = 1.0,
+        fixed: bool = False,
+        max_step: float = MAX_STEP,
+    ) -> None:
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         if not initial > 0:
@@ -240,11 +282,12 @@ class SpeedTracker:
 
 @dataclass(frozen=True)
 class SpeedSchedule:
-    """How many times slower than calibrated the machine is, as a step function of seconds since it started.
+    """How many times slower than calibrated the machine is, as a step function of seconds since it
+    started.
 
-    ``steps`` are (elapsed_s, speed) pairs; before the first step the base speed holds. The simulator
-    (``simulate(..., speed_schedule=)``) and the synthetic engine (``--speed-schedule``) read the same one:
-    a run takes its estimate times the speed at the moment it starts.
+    ``steps`` are (elapsed_s, speed) pairs; before the first step the base speed holds. The
+    simulator (``simulate(..., speed_schedule=)``) and the synthetic engine (``--speed-schedule``)
+    read the same one: a run takes its estimate times the speed at the moment it starts.
     """
 
     base: float = 1.0
@@ -263,7 +306,8 @@ class SpeedSchedule:
 
 
 def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
-    """'10:2.2,30:1' -> ((10.0, 2.2), (30.0, 1.0)): from 10 s on 2.2x slower, from 30 s back to 1x."""
+    """'10:2.2,30:1' -> ((10.0, 2.2), (30.0, 1.0)): from 10 s on 2.2x slower, from 30 s back to
+    1x."""
     steps = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:

@@ -89,9 +89,12 @@ def mmck(lam: float, mu: float, c: int, K: int) -> Queue:
     length = float(np.dot(n, p))
     p_block = float(p[K])
     lam_eff = lam * (1 - p_block)
-    # PASTA: an arrival finds n with probability p[n]; it waits if it is admitted and all c are busy.
+    # PASTA: an arrival finds n with probability p[n]; it waits if it is admitted and all c are
+    # busy.
     p_wait = float(p[c:K].sum() / (1 - p_block)) if K > c else 0.0
-    return Queue(wq=lq / lam_eff, w=length / lam_eff, lq=lq, l=length, p_wait=p_wait, p_block=p_block)
+    return Queue(
+        wq=lq / lam_eff, w=length / lam_eff, lq=lq, l=length, p_wait=p_wait, p_block=p_block
+    )
 
 
 def mm1k(lam: float, mu: float, K: int) -> Queue:
@@ -136,7 +139,8 @@ def mmc_wait_tail(lam: float, mu: float, c: int, t: float) -> float:
 
 
 def priority_mg1(lams, means_s, second_moments_s) -> list[float]:
-    """Mean wait of each class of a non-preemptive priority M/G/1, highest priority first (Cobham, 1954).
+    """Mean wait of each class of a non-preemptive priority M/G/1, highest priority first (Cobham,
+    1954).
 
     W0 = sum(lam_i E[S_i^2]) / 2 is the expected residual work found in service;
     Wq_k = W0 / ((1 - sigma_{k-1}) (1 - sigma_k)) with sigma_k the load of classes 1..k.
@@ -171,7 +175,8 @@ TAIL_LOG = 40.0
 
 
 def erlang_a(lam: float, mu: float, c: int, theta: float) -> Impatient:
-    """M/M/c+M (Erlang A): c engines, waiting customers abandon at rate theta (mean patience 1 / theta).
+    """M/M/c+M (Erlang A): c engines, waiting customers abandon at rate theta (mean patience 1 /
+    theta).
 
     The patience runs while waiting only: a customer in service stays. The birth-death
     chain has birth rate lam and death rate min(n, c) mu + max(n - c, 0) theta in state n;
@@ -184,15 +189,18 @@ def erlang_a(lam: float, mu: float, c: int, theta: float) -> Impatient:
     """
     _check_rates(lam, mu, c)
     if not (theta > 0 and math.isfinite(theta)):
-        raise ValueError(f"the abandonment rate theta must be positive and finite, got {theta} "
-                         "(theta = 0 is M/M/c: use mmc)")
+        raise ValueError(
+            f"the abandonment rate theta must be positive and finite, got {theta} "
+            "(theta = 0 is M/M/c: use mmc)"
+        )
 
     def log_weights(top: int) -> np.ndarray:
         n = np.arange(1, top + 1)
         death = np.minimum(n, c) * mu + np.maximum(n - c, 0) * theta
         return np.concatenate([[0.0], np.cumsum(np.log(lam / death))])
 
-    # From `half` on, every ratio is below 1/2, so each step lowers the log weight by at least log 2.
+    # From `half` on, every ratio is below 1/2, so each step lowers the log weight by at least log
+    # 2.
     half = c + max(0, math.ceil((2 * lam - c * mu) / theta) + 1)
     logw = log_weights(half)
     extra = math.ceil((logw[-1] - logw.max() + TAIL_LOG) / math.log(2)) + 1
@@ -239,15 +247,24 @@ def mg1_ps(lam: float, mean_s: float) -> Queue:
 def _check_batching(lam: float, step_s: float, per_seq_s: float, mean_tokens: float) -> None:
     if not (lam > 0 and math.isfinite(lam)):
         raise ValueError(f"the arrival rate must be positive and finite, got {lam}")
-    if not (step_s >= 0 and per_seq_s >= 0 and step_s + per_seq_s > 0
-            and math.isfinite(step_s) and math.isfinite(per_seq_s)):
-        raise ValueError(f"a step takes a + b n seconds with a, b >= 0 and a + b > 0, got a={step_s}, b={per_seq_s}")
+    if not (
+        step_s >= 0
+        and per_seq_s >= 0
+        and step_s + per_seq_s > 0
+        and math.isfinite(step_s)
+        and math.isfinite(per_seq_s)
+    ):
+        raise ValueError(
+            "a step takes a + b n seconds with a, b >= 0 and a + b > 0, got "
+            f"a={step_s}, b={per_seq_s}"
+        )
     if not (mean_tokens >= 1 and math.isfinite(mean_tokens)):
         raise ValueError(f"the mean output length is at least 1 token, got {mean_tokens}")
 
 
 def continuous_batching(lam: float, step_s: float, per_seq_s: float, mean_tokens: float) -> Queue:
-    """Continuous batching as state-dependent processor sharing: W = E[L] (a + b) / (1 - lam E[L] b).
+    """Continuous batching as state-dependent processor sharing: W = E[L] (a + b) / (1 - lam E[L]
+    b).
 
     Every request present runs (no cap on the batch); a step with n sequences takes
     a + b n seconds (``step_s`` = a, ``per_seq_s`` = b) and gives each of them one token;
@@ -270,9 +287,11 @@ def continuous_batching(lam: float, step_s: float, per_seq_s: float, mean_tokens
     return Queue(wq=0.0, w=w, lq=0.0, l=lam * w, p_wait=0.0)
 
 
-def continuous_batching_capped(lam: float, step_s: float, per_seq_s: float, mean_tokens: float,
-                               max_running: int) -> Queue:
-    """:func:`continuous_batching` with at most K (``max_running``) in the batch and a FIFO line behind.
+def continuous_batching_capped(
+    lam: float, step_s: float, per_seq_s: float, mean_tokens: float, max_running: int
+) -> Queue:
+    """:func:`continuous_batching` with at most K (``max_running``) in the batch and a FIFO line
+    behind.
 
     The birth-death chain on the number present n has births lam and deaths
     mu_n = m / (E[L] (a + b m)), m = min(n, K) running. Its weights up to K are the
@@ -302,7 +321,8 @@ def continuous_batching_capped(lam: float, step_s: float, per_seq_s: float, mean
 
 
 def bulk_service_root(lam: float, mu: float, K: int) -> float:
-    """The root r0 in (0, 1) of mu z^(K+1) - (lam + mu) z + lam = 0 (Bailey 1954), by scipy's brentq.
+    """The root r0 in (0, 1) of mu z^(K+1) - (lam + mu) z + lam = 0 (Bailey 1954), by scipy's
+    brentq.
 
     f(z) = mu z^(K+1) - (lam + mu) z + lam is convex on z > 0 with f(0) = lam > 0 and
     f(1) = 0; when the queue is stable (lam < K mu) f'(1) = K mu - lam > 0, so f dips below 0
@@ -312,26 +332,36 @@ def bulk_service_root(lam: float, mu: float, K: int) -> float:
     if not (isinstance(K, (int, np.integer)) and K >= 1):
         raise ValueError(f"the batch size K must be a whole number >= 1, got {K}")
     if lam >= K * mu:
-        raise ValueError(f"unstable: utilisation lam / (K mu) = {lam / (K * mu):.3f} >= 1 has no steady state")
+        raise ValueError(
+            f"unstable: utilisation lam / (K mu) = {lam / (K * mu):.3f} >= 1 has no steady state"
+        )
     z_min = ((lam + mu) / ((K + 1) * mu)) ** (1 / K)
-    return float(optimize.brentq(lambda z: mu * z ** (K + 1) - (lam + mu) * z + lam, 0.0, z_min, xtol=1e-15,
-                                 rtol=4 * np.finfo(float).eps))
+    return float(
+        optimize.brentq(
+            lambda z: mu * z ** (K + 1) - (lam + mu) * z + lam,
+            0.0,
+            z_min,
+            xtol=1e-15,
+            rtol=4 * np.finfo(float).eps,
+        )
+    )
 
 
 def bulk_service(lam: float, mu: float, K: int) -> Queue:
-    """M/M^[K]/1 (Bailey 1954): one server takes up to K waiting customers at once (fewer if fewer wait),
-    serves the batch in an exponential time of rate mu whatever its size; arrivals during a service
-    wait for the next; an arrival to an idle server starts a batch of one at once.
+    """M/M^[K]/1 (Bailey 1954): one server takes up to K waiting customers at once (fewer if fewer
+    wait), serves the batch in an exponential time of rate mu whatever its size; arrivals during a
+    service wait for the next; an arrival to an idle server starts a batch of one at once.
 
     States: idle, and busy with n waiting (n >= 0). Balance: lam P_idle = mu p_0 (a batch ends with
-    nobody waiting); (lam + mu) p_n = lam p_(n-1) + mu p_(n+K) for n >= 1, solved by p_n = C r0^n with
-    r0 = :func:`bulk_service_root`; the n = 0 equation, (lam + mu) p_0 = lam P_idle + mu (p_1 + ... + p_K),
-    then holds because mu r0 (1 - r0^K) / (1 - r0) = lam is the characteristic equation itself. So the
-    waiting count is geometric of ratio r0 beyond 0; normalising, C = 1 / (1 / (1 - r0) + mu / lam).
-    Lq = C r0 / (1 - r0)^2, Wq = Lq / lam (Little), W = Wq + 1 / mu (a batch's service does not depend
-    on who is in it), p_wait = 1 - P_idle = 1 - C mu / lam (PASTA: an arrival to a busy server waits).
-    (The textbook variant whose server keeps cycling when empty, so that every arrival waits for the
-    next service epoch, has p_n = (1 - r0) r0^n for all n >= 0 instead.) K = 1 is M/M/1 (r0 = rho).
+    nobody waiting); (lam + mu) p_n = lam p_(n-1) + mu p_(n+K) for n >= 1, solved by p_n = C r0^n
+    with r0 = :func:`bulk_service_root`; the n = 0 equation, (lam + mu) p_0 = lam P_idle + mu (p_1 +
+    ... + p_K), then holds because mu r0 (1 - r0^K) / (1 - r0) = lam is the characteristic equation
+    itself. So the waiting count is geometric of ratio r0 beyond 0; normalising, C = 1 / (1 / (1 -
+    r0) + mu / lam). Lq = C r0 / (1 - r0)^2, Wq = Lq / lam (Little), W = Wq + 1 / mu (a batch's
+    service does not depend on who is in it), p_wait = 1 - P_idle = 1 - C mu / lam (PASTA: an
+    arrival to a busy server waits). (The textbook variant whose server keeps cycling when empty, so
+    that every arrival waits for the next service epoch, has p_n = (1 - r0) r0^n for all n >= 0
+    instead.) K = 1 is M/M/1 (r0 = rho).
     """
     r0 = bulk_service_root(lam, mu, K)
     c = 1 / (1 / (1 - r0) + mu / lam)
@@ -340,8 +370,9 @@ def bulk_service(lam: float, mu: float, K: int) -> Queue:
     return Queue(wq=wq, w=wq + 1 / mu, lq=lq, l=lam * (wq + 1 / mu), p_wait=1 - c * mu / lam)
 
 
-def continuous_batching_steps(lam: float, step_s: float, per_seq_s: float, mean_tokens: float,
-                              max_running: int | None = None) -> float:
+def continuous_batching_steps(
+    lam: float, step_s: float, per_seq_s: float, mean_tokens: float, max_running: int | None = None
+) -> float:
     """Mean time in system of continuous batching as a step-level simulator runs it, solved exactly.
 
     The model of :func:`continuous_batching` (and, with ``max_running`` K, of
@@ -364,11 +395,15 @@ def continuous_batching_steps(lam: float, step_s: float, per_seq_s: float, mean_
         c = lam * mean_tokens * per_seq_s
         if c >= 1:
             raise ValueError(f"unstable: lam E[L] b = {c:.3f} >= 1 has no steady state")
-        far = (stats.poisson.isf(1e-15, lam * mean_tokens * step_s) if per_seq_s == 0
-               else stats.nbinom.isf(1e-15, step_s / per_seq_s + 1, 1 - c))
+        far = (
+            stats.poisson.isf(1e-15, lam * mean_tokens * step_s)
+            if per_seq_s == 0
+            else stats.nbinom.isf(1e-15, step_s / per_seq_s + 1, 1 - c)
+        )
         cap = math.inf
     else:
-        capped = continuous_batching_capped(lam, step_s, per_seq_s, mean_tokens, max_running)  # checks K, stability
+        # checks K, stability
+        capped = continuous_batching_capped(lam, step_s, per_seq_s, mean_tokens, max_running)
         s = lam * mean_tokens * (step_s + per_seq_s * max_running) / max_running
         far = max_running + math.log(1e-15) / math.log(s) + capped.l
         cap = max_running
@@ -379,12 +414,15 @@ def continuous_batching_steps(lam: float, step_s: float, per_seq_s: float, mean_
     p_end = 1 / mean_tokens
     moves = np.zeros((top + 1, top + 1))  # from n (row, 1..top) to n' (column, 0..top)
     for i, (k, m, t) in enumerate(zip(n, run, tau), start=1):
-        nxt = np.convolve(stats.binom.pmf(np.arange(m + 1), m, 1 - p_end),
-                          stats.poisson.pmf(np.arange(top + 1), lam * t))
-        nxt = np.concatenate([np.zeros(k - m), nxt])[:top + 1]
+        nxt = np.convolve(
+            stats.binom.pmf(np.arange(m + 1), m, 1 - p_end),
+            stats.poisson.pmf(np.arange(top + 1), lam * t),
+        )
+        nxt = np.concatenate([np.zeros(k - m), nxt])[: top + 1]
         nxt[-1] += max(0.0, 1.0 - nxt.sum())  # the far tail, kept at the top
         moves[i] = nxt
-    idle = moves[1:, 0].copy()  # the batch empties after this step: an idle time of mean 1 / lam follows
+    # the batch empties after this step: an idle time of mean 1 / lam follows
+    idle = moves[1:, 0].copy()
     chain = moves[1:, 1:]
     chain[:, 0] += idle  # ... and the next arrival starts a step alone
     a = chain.T - np.eye(top)
@@ -414,11 +452,11 @@ def gi_m1_root(lst, mu: float) -> float:
     g(sigma) = A*(mu (1 - sigma)) - sigma is convex (A* is completely monotone) with g(0) > 0 and
     g(1) = 0; stable (rho = 1 / (mu E[T]) < 1), g'(1) = mu E[T] - 1 > 0, so g dips below 0 before
     1, at its minimum, and the root lies between 0 and that minimum."""
+
     def g(sigma: float) -> float:
         return lst(mu * (1 - sigma)) - sigma
 
-    low = optimize.minimize_scalar(g, bounds=(0.0, 1.0), method="bounded",
-                                   options={"xatol": 1e-12})
+    low = optimize.minimize_scalar(g, bounds=(0.0, 1.0), method="bounded", options={"xatol": 1e-12})
     if not g(low.x) < 0:
         raise ValueError("unstable: the GI/M/1 queue has no root below 1 (utilisation >= 1)")
     return float(optimize.brentq(g, 0.0, low.x, xtol=1e-15, rtol=4 * np.finfo(float).eps))
@@ -443,8 +481,8 @@ def power_of_d_tail(rho: float, d: int, i: int) -> float:
     (Mitzenmacher 1996/2001; Vvedenskaya, Dobrushin and Karpelevich 1996):
     s_i = rho^((d^i-1)/(d-1)) (rho^i for d = 1, the M/M/1 tail)."""
     if d == 1:
-        return rho ** i
-    return rho ** ((d ** i - 1) / (d - 1))
+        return rho**i
+    return rho ** ((d**i - 1) / (d - 1))
 
 
 def power_of_d(lam: float, mu: float, d: int) -> Queue:
@@ -474,4 +512,4 @@ def power_of_d(lam: float, mu: float, d: int) -> Queue:
     w = length / lam
     wq = w - 1 / mu
     # An arrival waits when all d drawn are busy: s_1^d.
-    return Queue(wq=wq, w=w, lq=lam * wq, l=length, p_wait=rho ** d)
+    return Queue(wq=wq, w=w, lq=lam * wq, l=length, p_wait=rho**d)

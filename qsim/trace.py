@@ -53,7 +53,9 @@ class Trace:
     tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        patience = np.full(len(self.arrival_s), math.inf) if self.patience_s is None else self.patience_s
+        patience = (
+            np.full(len(self.arrival_s), math.inf) if self.patience_s is None else self.patience_s
+        )
         object.__setattr__(self, "patience_s", np.asarray(patience, dtype=float))
         used = self.max_new_tokens if self.tokens_generated is None else self.tokens_generated
         object.__setattr__(self, "tokens_generated", np.asarray(used, dtype=np.int64))
@@ -66,20 +68,40 @@ class Trace:
         return np.arange(len(self), dtype=np.int64)
 
     def rows(self, lo: int, hi: int) -> "Trace":
-        """Requests lo to hi - 1 as a trace of their own (request_id from 0; duration, name and meta the whole's)."""
+        """Requests lo to hi - 1 as a trace of their own (request_id from 0; duration, name and
+        meta the whole's)."""
         part = slice(lo, hi)
-        return Trace(self.arrival_s[part], self.max_new_tokens[part], self.size_class[part], self.est_service_s[part],
-                     self.true_service_s[part], self.deadline_s[part], self.prompt_tokens[part], self.priority[part],
-                     self.client_id[part], self.duration_s, self.name, self.meta, self.patience_s[part],
-                     self.tokens_generated[part],
-                     None if self.tokens is None else self.tokens[part])
+        return Trace(
+            self.arrival_s[part],
+            self.max_new_tokens[part],
+            self.size_class[part],
+            self.est_service_s[part],
+            self.true_service_s[part],
+            self.deadline_s[part],
+            self.prompt_tokens[part],
+            self.priority[part],
+            self.client_id[part],
+            self.duration_s,
+            self.name,
+            self.meta,
+            self.patience_s[part],
+            self.tokens_generated[part],
+            None if self.tokens is None else self.tokens[part],
+        )
 
     def chunks(self, size: int) -> TraceChunks:
-        """This trace ``size`` requests at a time (what a streamed run reads: :mod:`qsim.stream`)."""
+        """This trace ``size`` requests at a time (what a streamed run reads:
+        :mod:`qsim.stream`)."""
         if not (isinstance(size, (int, np.integer)) and size >= 1):
             raise ValueError(f"a chunk holds a whole number >= 1 of requests, got {size!r}")
-        return TraceChunks(len(self), int(size), self.duration_s, self.name, self.meta,
-                           lambda: (self.rows(lo, hi) for lo, hi in spans(len(self), int(size))))
+        return TraceChunks(
+            len(self),
+            int(size),
+            self.duration_s,
+            self.name,
+            self.meta,
+            lambda: (self.rows(lo, hi) for lo, hi in spans(len(self), int(size))),
+        )
 
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame(
@@ -96,13 +118,17 @@ class Trace:
                 "client_id": pd.array(self.client_id, dtype="string"),
                 # Only where someone is impatient: a file without the column reads back as patient.
                 **({"patience_s": self.patience_s} if np.isfinite(self.patience_s).any() else {}),
-                **({"tokens_generated": self.tokens_generated}
-                   if (self.tokens_generated != self.max_new_tokens).any() else {}),
+                **(
+                    {"tokens_generated": self.tokens_generated}
+                    if (self.tokens_generated != self.max_new_tokens).any()
+                    else {}
+                ),
             }
         )
 
     def save(self, path: str | Path) -> None:
-        """Write the per-request file that :func:`qsim.tracefiles.load_trace` reads back (.parquet or .csv)."""
+        """Write the per-request file that :func:`qsim.tracefiles.load_trace` reads back
+        (.parquet or .csv)."""
         frame = self.to_frame()
         if str(path).endswith(".parquet"):
             frame.to_parquet(path, index=False)
@@ -110,9 +136,25 @@ class Trace:
             frame.to_csv(path, index=False)
 
 
-def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta, deadline_s=None,
-                   prompt_tokens=None, priority=None, client_id=None, patience_s=None, tokens_generated=None) -> Trace:
-    """A :class:`Trace` from per-request arrays (what make_trace and the trace file reader both end with)."""
+def assemble_trace(
+    arrival_s,
+    tokens,
+    est,
+    true,
+    *,
+    mix,
+    duration_s,
+    name,
+    meta,
+    deadline_s=None,
+    prompt_tokens=None,
+    priority=None,
+    client_id=None,
+    patience_s=None,
+    tokens_generated=None,
+) -> Trace:
+    """A :class:`Trace` from per-request arrays (what make_trace and the trace file reader both
+    end with)."""
     n = len(arrival_s)
     if client_id is None:
         client_id = np.full(n, None, dtype=object)
@@ -122,9 +164,15 @@ def assemble_trace(arrival_s, tokens, est, true, *, mix, duration_s, name, meta,
         size_class=mix.size_class(tokens),
         est_service_s=np.asarray(est, dtype=float),
         true_service_s=np.asarray(true, dtype=float),
-        deadline_s=np.full(n, np.nan) if deadline_s is None else np.asarray(deadline_s, dtype=float),
-        prompt_tokens=np.zeros(n, dtype=np.int64) if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int64),
-        priority=np.zeros(n, dtype=np.int64) if priority is None else np.asarray(priority, dtype=np.int64),
+        deadline_s=np.full(n, np.nan)
+        if deadline_s is None
+        else np.asarray(deadline_s, dtype=float),
+        prompt_tokens=np.zeros(n, dtype=np.int64)
+        if prompt_tokens is None
+        else np.asarray(prompt_tokens, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64)
+        if priority is None
+        else np.asarray(priority, dtype=np.int64),
         client_id=np.asarray(client_id, dtype=object),
         duration_s=float(duration_s),
         name=name,
@@ -155,5 +203,16 @@ def from_arrays(
     est = model.estimate(tokens) if est_service_s is None else est_service_s
     true = est if true_service_s is None else true_service_s
     duration = float(arrival.max() - arrival.min()) if arrival.size else 0.0
-    return assemble_trace(arrival, tokens, est, true, mix=mix, duration_s=duration, name=name, meta={},
-                          deadline_s=deadline_s, priority=priority, client_id=client_id)
+    return assemble_trace(
+        arrival,
+        tokens,
+        est,
+        true,
+        mix=mix,
+        duration_s=duration,
+        name=name,
+        meta={},
+        deadline_s=deadline_s,
+        priority=priority,
+        client_id=client_id,
+    )

@@ -21,14 +21,33 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrivals import (_whole, arrivals_take_load, burst_pieces, check_load, parse_arrivals,
-                       periodic_at_rate_pieces, periodic_pieces, renewal_pieces, surge_pieces,
-                       takes_load)
+from .arrivals import (
+    _whole,
+    arrivals_take_load,
+    burst_pieces,
+    check_load,
+    parse_arrivals,
+    periodic_at_rate_pieces,
+    periodic_pieces,
+    renewal_pieces,
+    surge_pieces,
+    takes_load,
+)
 from .chunks import PIECE, BlockStream, TraceChunks, exactly
 from .clients import Patience
 from .datasets import Dataset
-from .mixes import (REFERENCE_MIX, Client, Mix, Prompts, SharedPrefix, UsedShare, blend,
-                    blended_means, used_mean_s, used_tokens)
+from .mixes import (
+    REFERENCE_MIX,
+    Client,
+    Mix,
+    Prompts,
+    SharedPrefix,
+    UsedShare,
+    blend,
+    blended_means,
+    used_mean_s,
+    used_tokens,
+)
 from .service import ServiceModel
 from .trace import Trace, assemble_trace
 
@@ -50,20 +69,23 @@ def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
 
 
 def dataset_rows(dataset: Dataset, n: int, seed: int) -> np.ndarray:
-    """The rows of ``dataset`` that a trace of n requests from ``seed`` takes, in request order: from
-    the ninth stream (the eight before unchanged). What the simulator and the replayer both read."""
+    """The rows of ``dataset`` that a trace of n requests from ``seed`` takes, in request order:
+    from the ninth stream (the eight before unchanged). What the simulator and the replayer both
+    read."""
     return dataset.sample(n, np.random.default_rng(np.random.SeedSequence(seed).spawn(9)[8]))
 
 
 def _draw_index(rng: np.random.Generator, probs, n: int) -> np.ndarray:
-    """n draws of an index with these probabilities, one uniform each: what ``rng.choice(len(probs), n,
-    p=probs)`` draws, written out so that each request's uniform can be mapped through its own client's mix."""
+    """n draws of an index with these probabilities, one uniform each: what ``rng.choice(len(probs),
+    n, p=probs)`` draws, written out so that each request's uniform can be mapped through its own
+    client's mix."""
     cdf = np.cumsum(probs)
     return np.searchsorted(cdf / cdf[-1], rng.random(n), side="right")
 
 
 def _sizes(rng: np.random.Generator, mixes: list[Mix], which: np.ndarray) -> np.ndarray:
-    """Each request's size from the mix ``mixes[which[i]]``, one uniform per request in request order."""
+    """Each request's size from the mix ``mixes[which[i]]``, one uniform per request in request
+    order."""
     u = rng.random(len(which))
     tokens = np.empty(len(which), dtype=np.int64)
     for j, mix in enumerate(mixes):
@@ -82,8 +104,9 @@ def lognormal_noise(rng: np.random.Generator, n: int, cv: float) -> np.ndarray:
 
 
 class _Streams(NamedTuple):
-    """The random streams a request's values are drawn from (:func:`random_streams`, gaps aside): numpy
-    Generators, or :class:`qsim.chunks.BlockStream` s that serve the same draws a chunk at a time."""
+    """The random streams a request's values are drawn from (:func:`random_streams`, gaps aside):
+    numpy Generators, or :class:`qsim.chunks.BlockStream` s that serve the same draws a chunk at a
+    time."""
 
     size: np.random.Generator
     service: np.random.Generator
@@ -96,8 +119,9 @@ class _Streams(NamedTuple):
 
 @dataclass(frozen=True)
 class TracePlan:
-    """A synthetic workload as :func:`plan_trace` resolves it from its options: its requests drawn whole
-    (:meth:`trace`, what :func:`make_trace` returns) or a chunk at a time (:meth:`chunks`), the same values."""
+    """A synthetic workload as :func:`plan_trace` resolves it from its options: its requests drawn
+    whole (:meth:`trace`, what :func:`make_trace` returns) or a chunk at a time (:meth:`chunks`),
+    the same values."""
 
     kind: str  # the arrival process (parse_arrivals) and its numbers
     numbers: tuple[float, ...]
@@ -136,9 +160,9 @@ class TracePlan:
         return None if self.dataset is None else dataset_rows(self.dataset, n, self.seed)
 
     def chunks(self, size: int) -> TraceChunks:
-        """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are drawn through
-        once first (to count them and find the duration), every other stream as :class:`qsim.chunks.BlockStream`
-        serves it."""
+        """The requests of :meth:`trace`, ``size`` at a time, in memory of a chunk: the arrivals are
+        drawn through once first (to count them and find the duration), every other stream as
+        :class:`qsim.chunks.BlockStream` serves it."""
         if not (isinstance(size, (int, np.integer)) and size >= 1):
             raise ValueError(f"a chunk holds a whole number >= 1 of requests, got {size!r}")
         if self.prefixes is not None:  # a conversation's turns span chunks: no history there
@@ -147,8 +171,14 @@ class TracePlan:
         for times in self._pieces(random_streams(self.seed)[0], PIECE):
             count, last = count + times.size, times[-1]
         duration = float(self._duration(last))
-        return TraceChunks(count, int(size), duration, self.name, self.meta,
-                           lambda: self._chunked(int(size), count, duration))
+        return TraceChunks(
+            count,
+            int(size),
+            duration,
+            self.name,
+            self.meta,
+            lambda: self._chunked(int(size), count, duration),
+        )
 
     def _chunked(self, size: int, count: int, duration: float) -> Iterator[Trace]:
         gaps, *rest = random_streams(self.seed)
@@ -157,7 +187,7 @@ class TracePlan:
         for times in exactly(self._pieces(gaps, size), size):
             for stream in streams:
                 stream.chunk()
-            part = None if rows is None else rows[done:done + times.size]
+            part = None if rows is None else rows[done : done + times.size]
             done += times.size
             yield self._requests(times, duration, streams, part)
 
@@ -166,16 +196,30 @@ class TracePlan:
         kind, numbers, seconds, requests = self.kind, self.numbers, self.seconds, self.requests
         if kind in ("poisson", "constant", "gamma"):
             cv = numbers[0] if numbers else 1.0
-            return renewal_pieces(kind, gaps, self.rate, seconds=seconds, requests=requests, cv=cv, size=size)
+            return renewal_pieces(
+                kind, gaps, self.rate, seconds=seconds, requests=requests, cv=cv, size=size
+            )
         if kind == "surge":
             start_s, length_s, _ = numbers
-            return surge_pieces(gaps, self.rate, self.surge_rate, start_s, length_s, seconds=seconds,
-                                requests=requests, size=size)
+            return surge_pieces(
+                gaps,
+                self.rate,
+                self.surge_rate,
+                start_s,
+                length_s,
+                seconds=seconds,
+                requests=requests,
+                size=size,
+            )
         if kind == "burst":
             return burst_pieces(int(numbers[0]), size=size)
         if takes_load(kind, numbers):  # periodic:PERIOD_S, bursts whose size follows the load
-            return periodic_at_rate_pieces(self.rate, numbers[-1], seconds=seconds, requests=requests, size=size)
-        return periodic_pieces(int(numbers[0]), numbers[1], seconds=seconds, requests=requests, size=size)
+            return periodic_at_rate_pieces(
+                self.rate, numbers[-1], seconds=seconds, requests=requests, size=size
+            )
+        return periodic_pieces(
+            int(numbers[0]), numbers[1], seconds=seconds, requests=requests, size=size
+        )
 
     def _duration(self, last: float | None) -> float:
         """The arrival window that rates are per, from the last arrival (None: none came)."""
@@ -187,12 +231,16 @@ class TracePlan:
             return 0.0
         return last + self.numbers[-1] if self.kind == "periodic" else last
 
-    def _requests(self, times: np.ndarray, duration: float, rng: _Streams,
-                  rows: np.ndarray | None = None) -> Trace:
-        """The requests that arrive at ``times``: each stream drawn once per request, in request order
-        (``rows``: the dataset's row of each, whose lengths replace the mix's and the prompts')."""
+    def _requests(
+        self, times: np.ndarray, duration: float, rng: _Streams, rows: np.ndarray | None = None
+    ) -> Trace:
+        """The requests that arrive at ``times``: each stream drawn once per request, in request
+        order (``rows``: the dataset's row of each, whose lengths replace the mix's and the
+        prompts')."""
         n = times.size
-        which = _draw_index(rng.client, self.shares, n) if self.clients else np.zeros(n, dtype=np.int64)
+        which = (
+            _draw_index(rng.client, self.shares, n) if self.clients else np.zeros(n, dtype=np.int64)
+        )
         model, speed, used, prompts = self.model, self.speed, self.used, self.prompts
         generated = ids = None
         prompt = None if prompts is None or prompts.kind == "none" else prompts.draw(rng.prompt, n)
@@ -212,14 +260,20 @@ class TracePlan:
             if used is None:
                 true = est * speed * noise
             else:  # the engine does the work actually generated; the estimate still sees the limit
-                work = model.estimate(generated) if prompt is None else model.estimate(generated, prompt)
+                work = (
+                    model.estimate(generated)
+                    if prompt is None
+                    else model.estimate(generated, prompt)
+                )
                 true = work * speed * noise
         else:
             tokens = np.full(n, model.tokens_for(self.mean_s), dtype=np.int64)
             if self.prefixes is not None:
                 prompt, ids = self._shared(rng, prompt, tokens)
             est = np.full(n, self.mean_s)
-            draws = rng.service.standard_exponential(n) if self.service == "exponential" else np.ones(n)
+            draws = (
+                rng.service.standard_exponential(n) if self.service == "exponential" else np.ones(n)
+            )
             true = self.mean_s * speed * draws
         priority = client_id = None
         if self.clients:
@@ -227,10 +281,21 @@ class TracePlan:
             client_id = np.asarray([c.name for c in self.clients], dtype=object)[which]
         patience = self.patience
         drawn = None if patience is None else patience.draw(rng.patience, n)
-        trace = assemble_trace(times, tokens, est, true, mix=self.mix, duration_s=duration,
-                               name=self.name, meta=self.meta, priority=priority,
-                               client_id=client_id, prompt_tokens=prompt, patience_s=drawn,
-                               tokens_generated=generated)
+        trace = assemble_trace(
+            times,
+            tokens,
+            est,
+            true,
+            mix=self.mix,
+            duration_s=duration,
+            name=self.name,
+            meta=self.meta,
+            priority=priority,
+            client_id=client_id,
+            prompt_tokens=prompt,
+            patience_s=drawn,
+            tokens_generated=generated,
+        )
         return trace if ids is None else dataclasses.replace(trace, tokens=ids)
 
     def _shared(self, rng: _Streams, prompt: np.ndarray | None, answers: np.ndarray):
@@ -241,18 +306,21 @@ class TracePlan:
 
 
 def make_trace(arrivals: str = "poisson", service: str = "mix", **options) -> Trace:
-    """A seeded synthetic trace: :func:`plan_trace`'s (which says what each option does), drawn whole."""
+    """A seeded synthetic trace: :func:`plan_trace`'s (which says what each option does), drawn
+    whole."""
     return plan_trace(arrivals, service, **options).trace()
 
 
 def trace_chunks(size: int, **options) -> TraceChunks:
-    """:func:`make_trace`'s trace for these options, ``size`` requests at a time (:meth:`TracePlan.chunks`)."""
+    """:func:`make_trace`'s trace for these options, ``size`` requests at a time
+    (:meth:`TracePlan.chunks`)."""
     return plan_trace(**options).chunks(size)
 
 
 def load_rate(load: float, engines: int, mean_true_s: float) -> float:
-    """Requests per second at utilisation ``load`` of ``engines`` engines whose requests take ``mean_true_s``
-    on average: lambda = load * K / E[true S] (synthetic arrivals here, a trace file's window in
+    """Requests per second at utilisation ``load`` of ``engines`` engines whose requests take
+    ``mean_true_s`` on average: lambda = load * K / E[true S] (synthetic arrivals here, a trace
+    file's window in
     :class:`qsim.tracefiles.TraceWindow`)."""
     return load * engines / mean_true_s
 
@@ -267,8 +335,10 @@ def load_at_rate(rate_rps: float, **options) -> float:
         raise ValueError(f"a rate must be a positive number of requests per second, got {rate_rps}")
     arrivals = options.get("arrivals", "poisson")
     if not arrivals_take_load(arrivals):
-        raise ValueError(f"arrivals {arrivals!r} bring their own rate (their burst size sets it) "
-                         "and take no --rate")
+        raise ValueError(
+            f"arrivals {arrivals!r} bring their own rate (their burst size sets it) "
+            "and take no --rate"
+        )
     return rate_rps / plan_trace(**{**options, "load": 1.0}).rate
 
 
@@ -294,8 +364,8 @@ def plan_trace(
     prefixes: SharedPrefix | None = None,
     dataset: Dataset | None = None,
 ) -> TracePlan:
-    """A seeded synthetic workload: what :func:`make_trace` draws whole and :meth:`TracePlan.chunks` a chunk at a
-    time.
+    """A seeded synthetic workload: what :func:`make_trace` draws whole and :meth:`TracePlan.chunks`
+    a chunk at a time.
 
     load is the utilisation at the simulated speed: lambda = load * engines / E[true S] (None:
     :data:`DEFAULT_LOAD`); a process whose size sets its rate (:data:`qsim.arrivals.SIZED`) takes
@@ -334,30 +404,55 @@ def plan_trace(
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
     if service not in SERVICES:
-        raise ValueError(f"unknown service distribution {service!r}; choose one of {', '.join(SERVICES)}")
+        raise ValueError(
+            f"unknown service distribution {service!r}; choose one of {', '.join(SERVICES)}"
+        )
     if mean_service_s is not None and not mean_service_s > 0:
         raise ValueError(f"mean service time must be > 0, got {mean_service_s}")
     shares, mixes = blend(mix, clients)
-    mean_s = blended_means(mix, clients, model)[0] if mean_service_s is None else float(mean_service_s)
+    mean_s = (
+        blended_means(mix, clients, model)[0] if mean_service_s is None else float(mean_service_s)
+    )
     if used is not None and service == "mix":  # the load is of the work actually done
         mean_s = used_mean_s(mix, clients, model, used)
     if dataset is not None:
         _check_dataset(service, used, prompts, prefixes, clients)
         mean_s = float(np.mean(model.estimate(dataset.output_tokens, dataset.prompt_tokens)))
     if service == "mix" and mean_service_s is not None:
-        raise ValueError("--mean-service applies to exponential and deterministic service, not to the mix")
+        raise ValueError(
+            "--mean-service applies to exponential and deterministic service, not to the mix"
+        )
 
     if capacity_rps is not None and not (capacity_rps > 0 and math.isfinite(capacity_rps)):
-        raise ValueError(f"capacity_rps must be a positive number of requests per second, got {capacity_rps}")
+        raise ValueError(
+            f"capacity_rps must be a positive number of requests per second, got {capacity_rps}"
+        )
     if used is not None and service != "mix":
-        raise ValueError("early stops (used share) apply to the mix's sizes, not to exponential or deterministic service")
-    if load is None:  # a sized process's rate is its own: a burst has none, periodic bursts of N one every period
+        raise ValueError(
+            "early stops (used share) apply to the mix's sizes, not to exponential "
+            "or deterministic service"
+        )
+    # a sized process's rate is its own: a burst has none, periodic bursts of N one every period
+    if load is None:
         rate = numbers[0] / numbers[1] if kind == "periodic" else math.nan
     else:
-        rate = load_rate(load, engines, speed * mean_s) if capacity_rps is None else load * capacity_rps
+        rate = (
+            load_rate(load, engines, speed * mean_s)
+            if capacity_rps is None
+            else load * capacity_rps
+        )
     surge_rate = load_rate(numbers[2], engines, speed * mean_s) if kind == "surge" else math.nan
-    meta = dict(arrivals=arrivals, service=service, load=load, engines=engines, speed=speed,
-                seed=seed, rate=rate, mean_service_s=mean_s, noise_cv=noise_cv)
+    meta = dict(
+        arrivals=arrivals,
+        service=service,
+        load=load,
+        engines=engines,
+        speed=speed,
+        seed=seed,
+        rate=rate,
+        mean_service_s=mean_s,
+        noise_cv=noise_cv,
+    )
     if clients:
         meta["clients"] = [c.name for c in clients]
     if patience is not None and patience.kind != "none":
@@ -370,21 +465,50 @@ def plan_trace(
         meta["prefixes"] = dataclasses.asdict(prefixes)
     if dataset is not None:
         meta.update(dataset=dataset.path, dataset_tokens=dataset.counting)
-    return TracePlan(kind, numbers, rate, surge_rate, seconds, requests, seed, service, model, mean_s, speed, noise_cv,
-                     mix, tuple(shares), tuple(mixes), tuple(clients), used, prompts, patience,
-                     f"{arrivals}-{service}", meta, prefixes, dataset)
+    return TracePlan(
+        kind,
+        numbers,
+        rate,
+        surge_rate,
+        seconds,
+        requests,
+        seed,
+        service,
+        model,
+        mean_s,
+        speed,
+        noise_cv,
+        mix,
+        tuple(shares),
+        tuple(mixes),
+        tuple(clients),
+        used,
+        prompts,
+        patience,
+        f"{arrivals}-{service}",
+        meta,
+        prefixes,
+        dataset,
+    )
 
 
 def _check_dataset(service: str, used, prompts, prefixes, clients) -> None:
     """What a dataset's lengths cannot stand beside (ValueError): they are the sizes, the prompts
-    and the tokens generated (each request generates its output length, as vLLM's benchmark asks)."""
+    and the tokens generated (each request generates its output length, as vLLM's benchmark
+    asks)."""
     if service != "mix":
         raise ValueError("a dataset's output lengths are the sizes: it needs --service mix")
     if used is not None:
-        raise ValueError("a dataset's output lengths are the tokens generated: drop the early stops (--used)")
+        raise ValueError(
+            "a dataset's output lengths are the tokens generated: drop the early stops (--used)"
+        )
     if prompts is not None and prompts.kind != "none":
         raise ValueError("a dataset brings its own prompt lengths: drop --prompts")
     if prefixes is not None and prefixes.shares:
-        raise ValueError("a dataset's prompts share no prefixes here: drop --system-prompt and --turns")
+        raise ValueError(
+            "a dataset's prompts share no prefixes here: drop --system-prompt and --turns"
+        )
     if any(c.mix is not None for c in clients):
-        raise ValueError("a dataset's output lengths replace every mix: clients may bring no mix of their own")
+        raise ValueError(
+            "a dataset's output lengths replace every mix: clients may bring no mix of their own"
+        )

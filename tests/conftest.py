@@ -23,19 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- the slow marker, kept honest
 #
-# A test that starts a server or another process is marked slow (docs/testing.md), so that `make test-fast`
-# leaves it out. Rather than trust each author to remember, a test run without the marker (its fixtures'
-# set-up included) that makes one of these calls fails once it is over, naming what it started and where from.
-# The call itself goes ahead: refusing it would leave a pool or a server half made, to hang the run.
+# A test that starts a server or another process is marked slow (docs/testing.md), so that `make
+# test-fast` leaves it out. Rather than trust each author to remember, a test run without the marker
+# (its fixtures' set-up included) that makes one of these calls fails once it is over, naming what
+# it started and where from. The call itself goes ahead: refusing it would leave a pool or a server
+# half made, to hang the run.
 STARTS = (
     (subprocess.Popen, "__init__", "a process (subprocess.Popen)"),
-    (multiprocessing.process.BaseProcess, "start", "a process (multiprocessing: a pool, a Dask cluster)"),
+    (
+        multiprocessing.process.BaseProcess,
+        "start",
+        "a process (multiprocessing: a pool, a Dask cluster)",
+    ),
     (os, "fork", "a process (os.fork)"),
     (socket.socket, "listen", "a server (a socket listening)"),
 )
 
-# The platform module runs `uname -p` once per process and caches the answer: asked here, before any test, so
-# that a library that asks later (the openai SDK's request headers) starts no process inside a test.
+# The platform module runs `uname -p` once per process and caches the answer: asked here, before any
+# test, so that a library that asks later (the openai SDK's request headers) starts no process
+# inside a test.
 platform.platform()
 platform.processor()
 
@@ -49,6 +55,7 @@ def _no_servers_or_processes(item: pytest.Item):
         def note(*args, **kwargs):
             started.append(f"{what}, from {_caller()}")
             return original(*args, **kwargs)
+
         return note
 
     for (owner, name, what), (_, _, original) in zip(STARTS, originals):
@@ -59,17 +66,22 @@ def _no_servers_or_processes(item: pytest.Item):
         for owner, name, original in originals:
             setattr(owner, name, original)
     if started:  # also where it was started in a thread
-        pytest.fail(f"{item.nodeid} starts {started[0]}, but is not marked slow: give it @pytest.mark.slow "
-                    "(docs/testing.md)", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} starts {started[0]}, but is not marked slow: give it "
+            "@pytest.mark.slow "
+            "(docs/testing.md)",
+            pytrace=False,
+        )
 
 
 def _caller() -> str:
-    """Where the start was asked for: the innermost frame outside the standard library (a test, a fixture, or
-    the package that spawns)."""
+    """Where the start was asked for: the innermost frame outside the standard library (a test, a
+    fixture, or the package that spawns)."""
     stdlib = sysconfig.get_paths()["stdlib"]
     # "<frozen importlib._bootstrap>": the machinery between an import statement and a finder.
-    frames = [f for f in traceback.extract_stack()[:-2]
-              if not f.filename.startswith((stdlib, "<frozen "))]
+    frames = [
+        f for f in traceback.extract_stack()[:-2] if not f.filename.startswith((stdlib, "<frozen "))
+    ]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "the standard library"
 
 
@@ -106,8 +118,11 @@ def _no_heavy_imports(item: pytest.Item):
     loaded = [name for name in HEAVY_MODULES if name in sys.modules and name not in before]
     if loaded:
         what = noted[0] if noted else loaded[0]
-        pytest.fail(f"{item.nodeid} imports {what}, but is not marked slow: give it "
-                    "@pytest.mark.slow (docs/testing.md)", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} imports {what}, but is not marked slow: give it "
+            "@pytest.mark.slow (docs/testing.md)",
+            pytrace=False,
+        )
 
 
 @contextlib.contextmanager
@@ -149,7 +164,8 @@ load = [0.5, 2.0]
 
 @pytest.fixture(scope="session")
 def tiny_sweep(tmp_path_factory) -> Path:
-    """A sweep folder of 2 policies x 2 loads x 3 seeds of 10 s (a second or two), for the commands that read one."""
+    """A sweep folder of 2 policies x 2 loads x 3 seeds of 10 s (a second or two), for the
+    commands that read one."""
     from experiments import config, sweep
 
     tmp = tmp_path_factory.mktemp("tiny_sweep")

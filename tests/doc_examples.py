@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER_URL = "http://127.0.0.1:8000"
 LINKED_INTO_TMP = ("data", "experiments", "docs", "tests")  # tests/data: fixtures a doc reads
 COMMAND_TIMEOUT_S = 120
-SLOW_COMMAND_TIMEOUT_S = 3600  # a slow block (run with QLAB_DOCS_SLOW=1) may take minutes, e.g. the full qlab theory
+# a slow block (run with QLAB_DOCS_SLOW=1) may take minutes, e.g. the full qlab theory
+SLOW_COMMAND_TIMEOUT_S = 3600
 
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc-test:\s*(.*?)\s*-->\s*$")
@@ -122,7 +123,9 @@ def parse_blocks(path: Path, text: str | None = None) -> list[Block]:
                 elif commands:
                     commands[-1].expected.append(line)
                 else:
-                    raise ValueError(f"{path}:{i + 2 + n}: console block text before its first '$ ' command")
+                    raise ValueError(
+                        f"{path}:{i + 2 + n}: console block text before its first '$ ' command"
+                    )
                 n += 1
             blocks.append(Block(path, i + 1, len(blocks), opts, commands, i + 1, j))
         i = j + 1
@@ -208,7 +211,11 @@ class Server:
     def __init__(self, args: str, cwd: str):
         self.proc = subprocess.Popen(
             qlab_argv() + ["serve", "--port", "0", *shlex.split(args)],
-            cwd=cwd, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            cwd=cwd,
+            env=command_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         first = self.proc.stdout.readline()
         m = re.search(r"listening on (http://\S+)", first)
@@ -229,14 +236,22 @@ class Server:
             self.proc.stdout.close()
 
 
-def run_command(cmd: str, cwd: str, url: str | None, timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_command(
+    cmd: str, cwd: str, url: str | None, timeout_s: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     if url:
         cmd = cmd.replace(PLACEHOLDER_URL, url)
     argv = shlex.split(cmd)
     if not argv or argv[0] != "qlab":
-        raise ValueError(f"only qlab commands are run; mark this block <!-- doc-test: skip -->: {cmd}")
+        raise ValueError(
+            f"only qlab commands are run; mark this block <!-- doc-test: skip -->: {cmd}"
+        )
     return subprocess.run(
-        qlab_argv() + argv[1:], cwd=cwd, env=command_env(), capture_output=True, text=True,
+        qlab_argv() + argv[1:],
+        cwd=cwd,
+        env=command_env(),
+        capture_output=True,
+        text=True,
         timeout=timeout_s,
     )
 
@@ -257,12 +272,18 @@ def run_block(block: Block) -> list[Result]:
         try:
             for c in block.commands:
                 t0 = time.perf_counter()
-                p = run_command(c.line, cwd, server.url if server else None,
-                                SLOW_COMMAND_TIMEOUT_S if "slow" in block.options else COMMAND_TIMEOUT_S)
+                p = run_command(
+                    c.line,
+                    cwd,
+                    server.url if server else None,
+                    SLOW_COMMAND_TIMEOUT_S if "slow" in block.options else COMMAND_TIMEOUT_S,
+                )
                 out = p.stdout
                 if server:
                     out = out.replace(server.url, PLACEHOLDER_URL)
-                results.append(Result(c, out.splitlines(), p.stderr, p.returncode, time.perf_counter() - t0))
+                results.append(
+                    Result(c, out.splitlines(), p.stderr, p.returncode, time.perf_counter() - t0)
+                )
                 if p.returncode != 0:
                     break
         finally:
@@ -282,7 +303,9 @@ def rewrite_block(block: Block, new_outputs: list[list[str]]) -> None:
         body.extend(c.raw)
         body.extend(out)
     lines[current.body_start : current.body_end] = body
-    block.path.write_text("\n".join(lines) + ("\n" if text.endswith("\n") else ""), encoding="utf-8")
+    block.path.write_text(
+        "\n".join(lines) + ("\n" if text.endswith("\n") else ""), encoding="utf-8"
+    )
 
 
 # ---------------------------------------------------------------- links

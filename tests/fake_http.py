@@ -1,7 +1,8 @@
 """A scripted HTTP server on a raw socket, for tests that must control every byte an upstream sends.
 
 Each connection carries one request; ``handle(conn)`` reads it (:func:`read_request`) and answers on
-the socket, in a thread of its own, so a test can hold an answer back, break a stream off or hang up.
+the socket, in a thread of its own, so a test can hold an answer back, break a stream off or hang
+up.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Continuous batching in discrete steps, written plainly and apart from qsim, as a reference for the batching engine.
+"""Continuous batching in discrete steps, written plainly and apart from qsim, as a reference for
+the batching engine.
 
-The model of ``qlab theory``'s batching rows: requests without a prompt, each generating its own number of tokens;
-a step with m running takes a + b m seconds and gives each of them one token; a request that arrives during a
-step joins at the step's end (the first K present run, the rest wait in FIFO order); an arrival to an idle
-engine starts a step at once. tests/test_validation.py checks that qsim's batching engine gives these sojourn
-times request by request; run as a script, it measures how far the steps put the mean time in system from
-processor sharing's E[S] / (1 - rho) for equal lengths, where no exact chain is at hand (docs/simulate.md,
-"Engines that share"):
+The model of ``qlab theory``'s batching rows: requests without a prompt, each generating its own
+number of tokens; a step with m running takes a + b m seconds and gives each of them one token; a
+request that arrives during a step joins at the step's end (the first K present run, the rest wait
+in FIFO order); an arrival to an idle engine starts a step at once. tests/test_validation.py checks
+that qsim's batching engine gives these sojourn times request by request; run as a script, it
+measures how far the steps put the mean time in system from processor sharing's E[S] / (1 - rho) for
+equal lengths, where no exact chain is at hand (docs/simulate.md, "Engines that share"):
 
     .venv/bin/python tests/step_reference.py
 """
@@ -42,12 +43,15 @@ def sojourns(arrival_s, tokens, a: float, b: float, max_running: int | None = No
     return out
 
 
-def ps_gap(tokens: int, rho: float = 0.3, requests: int = 1_000_000, seed: int = 1) -> tuple[float, float]:
-    """Relative gap of the mean time in system from processor sharing (a = 0, b = 1 / tokens, so E[S] = 1 s) for
-    ``tokens`` tokens each, and its standard error (batch means over 50 batches); the first 2 % left out."""
+def ps_gap(
+    tokens: int, rho: float = 0.3, requests: int = 1_000_000, seed: int = 1
+) -> tuple[float, float]:
+    """Relative gap of the mean time in system from processor sharing (a = 0, b = 1 / tokens, so
+    E[S] = 1 s) for ``tokens`` tokens each, and its standard error (batch means over 50 batches);
+    the first 2 % left out."""
     rng = np.random.default_rng(seed)
     arrival = np.cumsum(rng.exponential(1 / rho, requests))
-    t = sojourns(arrival, np.full(requests, tokens), 0.0, 1 / tokens)[requests // 50:]
+    t = sojourns(arrival, np.full(requests, tokens), 0.0, 1 / tokens)[requests // 50 :]
     batches = t[: len(t) // 50 * 50].reshape(50, -1).mean(axis=1)
     ps = 1 / (1 - rho)
     return float(t.mean() / ps - 1), float(batches.std(ddof=1) / np.sqrt(50) / ps)
@@ -56,4 +60,7 @@ def ps_gap(tokens: int, rho: float = 0.3, requests: int = 1_000_000, seed: int =
 if __name__ == "__main__":
     for n in map(int, sys.argv[1:] or ("5", "20", "50")):
         gap, se = ps_gap(n)
-        print(f"{n} tokens each: W {gap:+.2%} from processor sharing (standard error {se:.2%})", flush=True)
+        print(
+            f"{n} tokens each: W {gap:+.2%} from processor sharing (standard error {se:.2%})",
+            flush=True,
+        )

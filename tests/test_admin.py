@@ -8,15 +8,15 @@ import json
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from live.admin import operator_key  # noqa: E402
-from live.auth import load_keys  # noqa: E402
-from live.engine import SyntheticEngine  # noqa: E402
-from live.gate import Gate, gate_config  # noqa: E402
-from live.http_api import create_app  # noqa: E402
-from qsim import preset  # noqa: E402
-from qsim.service import ServiceModel  # noqa: E402
+from live.admin import operator_key
+from live.auth import load_keys
+from live.engine import SyntheticEngine
+from live.gate import Gate, gate_config
+from live.http_api import create_app
+from qsim import preset
+from qsim.service import ServiceModel
 
 #: A calibration as qlab calibrate writes it (the keys the gate reads: model, load).
 FAST = {

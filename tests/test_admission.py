@@ -44,21 +44,31 @@ def _plain(policy: Policy) -> bool:
 #: disciplines with either estimator.
 ESTIMATORS = st.sampled_from(["limit", "learned"])
 PLAIN = st.sampled_from([p for p in PRESETS.values() if _plain(p)]) | st.builds(
-    replace, testing.policies(sorted(DISCIPLINES)), estimator=ESTIMATORS)
+    replace, testing.policies(sorted(DISCIPLINES)), estimator=ESTIMATORS
+)
 #: An arrival: its estimate, deadline (None: the policy's), priority, client and work (None: the
 #: estimate as it is).
-ARRIVAL = st.tuples(st.floats(0.01, 1.0), st.none() | st.floats(0.05, 3.0), st.integers(-1, 2),
-                    st.sampled_from([None, "a", "b"]),
-                    st.none() | st.tuples(st.integers(1, 64), st.integers(0, 100),
-                                          st.integers(1, 64)))
+ARRIVAL = st.tuples(
+    st.floats(0.01, 1.0),
+    st.none() | st.floats(0.05, 3.0),
+    st.integers(-1, 2),
+    st.sampled_from([None, "a", "b"]),
+    st.none() | st.tuples(st.integers(1, 64), st.integers(0, 100), st.integers(1, 64)),
+)
 #: Histories: arrivals close together (so that requests wait and a rule has a queue to read),
 #: finishes good or failed, and clients that leave.
-EVENTS = st.lists(st.one_of(
-    st.tuples(st.just("arrive"), st.floats(0, 0.1), ARRIVAL),
-    st.tuples(st.just("finish"), st.floats(0, 1.0),
-              st.tuples(st.integers(0, 3), st.booleans(), st.floats(0, 2.0), st.integers(1, 64))),
-    st.tuples(st.just("cancel"), st.floats(0, 0.3), st.integers(0, 40)),
-), max_size=60)
+EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.floats(0, 0.1), ARRIVAL),
+        st.tuples(
+            st.just("finish"),
+            st.floats(0, 1.0),
+            st.tuples(st.integers(0, 3), st.booleans(), st.floats(0, 2.0), st.integers(1, 64)),
+        ),
+        st.tuples(st.just("cancel"), st.floats(0, 0.3), st.integers(0, 40)),
+    ),
+    max_size=60,
+)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -67,9 +77,11 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _queue(policy: Policy, engines: int, log: list) -> AdmissionQueue:
-    return AdmissionQueue(ServerConfig(policy, engines),
-                          start=lambda *a: log.append(("start", *a)),
-                          drop=lambda *a: log.append(("drop", *a)))
+    return AdmissionQueue(
+        ServerConfig(policy, engines),
+        start=lambda *a: log.append(("start", *a)),
+        drop=lambda *a: log.append(("drop", *a)),
+    )
 
 
 class _Pair:
@@ -109,8 +121,12 @@ class _Pair:
 
 
 @settings(max_examples=300, deadline=None)
-@given(policy=PLAIN, engines=st.integers(1, 3), burst=st.lists(ARRIVAL, min_size=1, max_size=8),
-       events=EVENTS)
+@given(
+    policy=PLAIN,
+    engines=st.integers(1, 3),
+    burst=st.lists(ARRIVAL, min_size=1, max_size=8),
+    events=EVENTS,
+)
 def test_the_fast_path_decides_as_the_general_path(policy, engines, burst, events):
     pair = _Pair(policy, engines)
     now, sent = 0.0, 0
@@ -141,8 +157,12 @@ class _Drawn(Policy):
 
 def _batch(policy: Policy) -> BatchQueue:
     engine = Batching(StepModel(0.01, 0.0, 0.001, 0.0), max_num_seqs=4, kv_blocks=100)
-    return BatchQueue(ServerConfig(policy, engine), step=lambda *a: None, end=lambda *a: None,
-                      drop=lambda *a: None)
+    return BatchQueue(
+        ServerConfig(policy, engine),
+        step=lambda *a: None,
+        end=lambda *a: None,
+        drop=lambda *a: None,
+    )
 
 
 def test_each_core_indexes_the_shedding_draw_as_it_always_has():
@@ -203,6 +223,7 @@ def test_a_rule_of_its_own_gets_the_batching_cores_projection():
 
 # -- rules that keep state (qsim.rules.Rule.state) -------------------------------------------
 
+
 @dataclass(frozen=True)
 class AdmissionsPerClient(Rule):
     """A stateful rule of one's own: at most ``most`` admissions per client in a run."""
@@ -249,14 +270,28 @@ class Quota(Policy):
 def test_a_stateful_rule_of_its_own_is_one_more_part(engine):
     policy = Quota(name="quota", most=15)
     assert policy.rules == (SHEDDABLE, Predictive(), AdmissionsPerClient(15))
-    model = 2 if engine == "one-at-a-time" else Batching(StepModel(0.004, 2e-5, 3e-4, 1e-6),
-                                                          max_num_seqs=8, kv_blocks=400)
+    model = (
+        2
+        if engine == "one-at-a-time"
+        else Batching(StepModel(0.004, 2e-5, 3e-4, 1e-6), max_num_seqs=8, kv_blocks=400)
+    )
     config = ServerConfig(policy, model, seed=3)
     clients = (Client("a", 0.6, 0), Client("b", 0.3, 0), Client("c", 0.1, 0))
-    trace = make_trace(load=1.0, engines=2, requests=200, seed=3, clients=clients,
-                       **({"prompts": Prompts.parse("uniform:0:100"),
-                           "capacity_rps": model.capacity_rps(50.0, 20.0)}
-                          if engine == "batching" else {}))
+    trace = make_trace(
+        load=1.0,
+        engines=2,
+        requests=200,
+        seed=3,
+        clients=clients,
+        **(
+            {
+                "prompts": Prompts.parse("uniform:0:100"),
+                "capacity_rps": model.capacity_rps(50.0, 20.0),
+            }
+            if engine == "batching"
+            else {}
+        ),
+    )
     frame = simulate(trace, config)
     clients = frame["client_id"].astype(object).to_numpy()
     admitted = frame["outcome"].astype(object).to_numpy() != "rejected"
@@ -316,27 +351,36 @@ class _TwoStates(Policy):
 
 
 def test_the_states_are_asked_in_order_before_the_decision_and_told_it():
-    queue = AdmissionQueue(ServerConfig(_TwoStates(name="two", deadline_s=5.0), 1),
-                           start=lambda *a: None, drop=lambda *a: None)
+    queue = AdmissionQueue(
+        ServerConfig(_TwoStates(name="two", deadline_s=5.0), 1),
+        start=lambda *a: None,
+        drop=lambda *a: None,
+    )
     LOG.clear()
     assert queue.arrive(0, 0.0, 0.1, client="y") is None
     # Each state sees the view the one before it adjusted, the decision the last; both are told.
-    assert LOG == [("first", "check", "y", 5.0), ("second", "check", "y", 4.0),
-                   ("decide", "y", 3.0), ("first", "decided", "y", True),
-                   ("second", "decided", "y", True)]
+    assert LOG == [
+        ("first", "check", "y", 5.0),
+        ("second", "check", "y", 4.0),
+        ("decide", "y", 3.0),
+        ("first", "decided", "y", True),
+        ("second", "decided", "y", True),
+    ]
     LOG.clear()
     assert queue.arrive(1, 0.1, 0.1, client="x").reason == "rate_limited"
     assert LOG == [("first", "check", "x", 5.0)]  # a state's refusal ends it: nobody is told
     # One state per rule and per core: another queue starts its own.
-    other = AdmissionQueue(ServerConfig(_TwoStates(name="two"), 1), start=lambda *a: None,
-                           drop=lambda *a: None)
+    other = AdmissionQueue(
+        ServerConfig(_TwoStates(name="two"), 1), start=lambda *a: None, drop=lambda *a: None
+    )
     assert all(a is not b for a, b in zip(queue.admission.states, other.admission.states))
 
 
 def test_the_bucket_and_the_reserve_are_parts_with_state():
     policy = replace(PRESETS["predictive-reserved"], client_rate=2.0, client_burst=3.0)
     assert policy.rules == (ClientRate(2.0, 3.0), ReserveShare(0.5, 0.3), SHEDDABLE, Predictive())
-    admission = Admission(ServerConfig(policy), counts_refused=False,
-                          empty=Seen(math.nan, 0, 0.0, 1.0))
+    admission = Admission(
+        ServerConfig(policy), counts_refused=False, empty=Seen(math.nan, 0, 0.0, 1.0)
+    )
     assert len(admission.states) == 2 and not admission.plain
     assert _plain(PRESETS["predictive"]) and not _plain(PRESETS["predictive-reserved"])

@@ -30,9 +30,14 @@ SLOW_HALF = (1, 1, 0.5, 0.5)  # two replicas at half speed: the fleet serves 3/4
 
 def trace(load=0.9, replicas=4, requests=3000, seed=1, engine=BATCH, **options):
     """Prompts of 16 to 256 tokens at ``load`` on ``replicas`` replicas of ``engine`` (speed 1)."""
-    return make_trace(load=load, requests=requests, seed=seed,
-                      prompts=Prompts.parse("uniform:16:256"),
-                      capacity_rps=replicas * engine.capacity_rps(136, 20), **options)
+    return make_trace(
+        load=load,
+        requests=requests,
+        seed=seed,
+        prompts=Prompts.parse("uniform:16:256"),
+        capacity_rps=replicas * engine.capacity_rps(136, 20),
+        **options,
+    )
 
 
 def waits(frame: pd.DataFrame) -> pd.Series:
@@ -42,29 +47,45 @@ def waits(frame: pd.DataFrame) -> pd.Series:
 # ---------------------------------------------------------------- (a) one replica: the one server
 
 ONE_SERVER = [  # (policy, discipline, front end): what admission reads, its line, the intake
-    ("none", "fifo", None), ("predictive", "fifo", None), ("vllm-caps", "edf", None),
-    ("bounded", "lifo", None), ("predictive-kv", "codel", None), ("predictive", "fair", None),
+    ("none", "fifo", None),
+    ("predictive", "fifo", None),
+    ("vllm-caps", "edf", None),
+    ("bounded", "lifo", None),
+    ("predictive-kv", "codel", None),
+    ("predictive", "fair", None),
     ("predictive", "sjf", FrontEnd(0.002, 0.0001, 0.0005)),
 ]
 
 
 @pytest.mark.parametrize("policy, discipline, front_end", ONE_SERVER)
-def test_one_replica_behind_a_central_queue_is_the_one_batching_server(policy, discipline,
-                                                                       front_end):
+def test_one_replica_behind_a_central_queue_is_the_one_batching_server(
+    policy, discipline, front_end
+):
     # A speed of 1 takes the fleet's path (the central line, its admission, each replica pulling
     # from it) for one replica: every column is the engine's without a fleet, with preemptions
     # (a small KV cache), a prefix cache, step noise, cuts at the deadline and clients leaving.
     # ``replica`` says where a request started: <NA> for one that never did (the one server
     # writes 0 for every row).
-    engine = Batching(max_num_seqs=8, kv_blocks=120, prefix_caching=True, front_end=front_end,
-                      step=dataclasses.replace(Batching().step, cv=0.3))
-    config = ServerConfig(dataclasses.replace(PRESETS[policy], discipline=discipline,
-                                              cancel_at_deadline=True), engine, seed=4)
+    engine = Batching(
+        max_num_seqs=8,
+        kv_blocks=120,
+        prefix_caching=True,
+        front_end=front_end,
+        step=dataclasses.replace(Batching().step, cv=0.3),
+    )
+    config = ServerConfig(
+        dataclasses.replace(PRESETS[policy], discipline=discipline, cancel_at_deadline=True),
+        engine,
+        seed=4,
+    )
     t = trace(1.5, 1, 500, seed=2, engine=engine, prefixes=SharedPrefix.parse("64:0.5", "3:8"))
     patience = np.random.default_rng(0).exponential(3.0, len(t))
     plain = simulate(t, config, cancel_after_s=patience)
-    one = records.validate(simulate(t, config, replicas=1, router=Central(), replica_speeds=[1],
-                                    cancel_after_s=patience))
+    one = records.validate(
+        simulate(
+            t, config, replicas=1, router=Central(), replica_speeds=[1], cancel_after_s=patience
+        )
+    )
     pd.testing.assert_frame_equal(plain.drop(columns="replica"), one.drop(columns="replica"))
     started = one["start_s"].notna()
     assert (one.loc[started, "replica"] == 0).all() and one.loc[~started, "replica"].isna().all()
@@ -88,9 +109,11 @@ def _idle_with_room(central: CentralBatch) -> list[int]:
     head = _head(central)
     if head is None:
         return []
-    return [r for r, q in enumerate(central.lines)
-            if central.up[r] and q.plan is None and not q.waking and not q.front
-            and q._has_room(head)]
+    return [
+        r
+        for r, q in enumerate(central.lines)
+        if central.up[r] and q.plan is None and not q.waking and not q.front and q._has_room(head)
+    ]
 
 
 @contextmanager
@@ -111,8 +134,11 @@ def watched(broken: list):
         refusal = arrive(self, req, now, *args, **kwargs)
         if refusal is None and empty and self.line_queued:  # it waits: nobody had room for it
             seq = _head(self)
-            broken.extend((now, r) for r, q in enumerate(self.lines)
-                          if self.up[r] and not q.queued and q._has_room(seq))
+            broken.extend(
+                (now, r)
+                for r, q in enumerate(self.lines)
+                if self.up[r] and not q.queued and q._has_room(seq)
+            )
         broken.extend((now, r) for r in _idle_with_room(self))
         return refusal
 
@@ -124,15 +150,28 @@ def watched(broken: list):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10_000), replicas=st.integers(2, 4),
-       seqs=st.sampled_from([1, 2, 4]), kv_blocks=st.sampled_from([30, 60, 400]),
-       load=st.sampled_from([0.7, 1.5, 3.0]), caching=st.booleans(), chunked=st.booleans(),
-       slow=st.booleans(), leave=st.booleans(), down=st.booleans())
-def test_no_replica_has_room_while_a_request_that_fits_waits(seed, replicas, seqs, kv_blocks,
-                                                             load, caching, chunked, slow,
-                                                             leave, down):
-    engine = Batching(max_num_seqs=seqs, kv_blocks=kv_blocks, prefix_caching=caching,
-                      chunked_prefill=chunked, max_num_batched_tokens=512)
+@given(
+    seed=st.integers(0, 10_000),
+    replicas=st.integers(2, 4),
+    seqs=st.sampled_from([1, 2, 4]),
+    kv_blocks=st.sampled_from([30, 60, 400]),
+    load=st.sampled_from([0.7, 1.5, 3.0]),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    slow=st.booleans(),
+    leave=st.booleans(),
+    down=st.booleans(),
+)
+def test_no_replica_has_room_while_a_request_that_fits_waits(
+    seed, replicas, seqs, kv_blocks, load, caching, chunked, slow, leave, down
+):
+    engine = Batching(
+        max_num_seqs=seqs,
+        kv_blocks=kv_blocks,
+        prefix_caching=caching,
+        chunked_prefill=chunked,
+        max_num_batched_tokens=512,
+    )
     config = ServerConfig(PRESETS["none"], engine, seed=seed)
     t = trace(load, replicas, 300, seed=seed, engine=engine)
     speeds = [1.0 / (1 + r % 2) for r in range(replicas)] if slow else None
@@ -140,9 +179,17 @@ def test_no_replica_has_room_while_a_request_that_fits_waits(seed, replicas, seq
     window = [(1, float(t.arrival_s[50]), float(t.arrival_s[150]))] if down else ()
     broken: list = []
     with watched(broken), testing.audited_batches():  # each replica's books, at every step
-        frame = records.validate(simulate(t, config, replicas=replicas, router=Central(),
-                                          replica_speeds=speeds, cancel_after_s=patience,
-                                          replica_down=window))
+        frame = records.validate(
+            simulate(
+                t,
+                config,
+                replicas=replicas,
+                router=Central(),
+                replica_speeds=speeds,
+                cancel_after_s=patience,
+                replica_down=window,
+            )
+        )
     assert broken == []
     # One FIFO line: what starts, starts in arrival order (wherever it binds).
     started = frame[frame["start_s"].notna()]
@@ -156,7 +203,8 @@ def test_no_replica_has_room_while_a_request_that_fits_waits(seed, replicas, seq
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_late_binding_gives_every_request_the_fleets_wait_where_jsq_queues_behind_slow_replicas(
-        seed):
+    seed,
+):
     # Four replicas, two at half speed, at 0.9 of four full-speed replicas' capacity: 1.2 of what
     # this fleet serves. jsq evens out the requests outstanding, so a request routed to a slow
     # replica waits behind as many as one at a fast replica, served at half the pace: its wait is
@@ -164,8 +212,10 @@ def test_late_binding_gives_every_request_the_fleets_wait_where_jsq_queues_behin
     # first: its wait is its place in the one line, whatever replica it ends up on.
     t = trace(0.9, seed=seed)
     config = ServerConfig(PRESETS["none"], BATCH, seed=seed)
-    late, early = (simulate(t, config, replicas=4, router=make_router(name),
-                            replica_speeds=SLOW_HALF) for name in ("central", "jsq"))
+    late, early = (
+        simulate(t, config, replicas=4, router=make_router(name), replica_speeds=SLOW_HALF)
+        for name in ("central", "jsq")
+    )
     assert waits(late).quantile(0.99) <= 0.8 * waits(early).quantile(0.99)
     by_late = waits(late).groupby(late["replica"]).mean()
     by_early = waits(early).groupby(early["replica"]).mean()
@@ -186,15 +236,26 @@ def test_a_replica_down_fails_only_what_is_bound_to_it():
     t = trace(0.9, seed=1)
     config = ServerConfig(PRESETS["none"], BATCH, seed=1)
     window = (1, float(t.arrival_s[1000]), float(t.arrival_s[2000]))
-    late, early = (records.validate(simulate(t, config, replicas=4, router=make_router(name),
-                                             replica_speeds=SLOW_HALF, replica_down=[window]))
-                   for name in ("central", "jsq"))
+    late, early = (
+        records.validate(
+            simulate(
+                t,
+                config,
+                replicas=4,
+                router=make_router(name),
+                replica_speeds=SLOW_HALF,
+                replica_down=[window],
+            )
+        )
+        for name in ("central", "jsq")
+    )
     failed = late[late["outcome"] == "error"]
     assert len(failed) > 0 and set(failed["replica"]) == {1}
     assert set(failed["reason"]) == {"engine_exception"}
     assert early["reason"].eq("shutting_down").sum() > 0
-    started_there = late["start_s"].between(window[1], window[2], inclusive="left") & \
-        late["replica"].eq(1)
+    started_there = late["start_s"].between(window[1], window[2], inclusive="left") & late[
+        "replica"
+    ].eq(1)
     assert not started_there.any() and late["replica"].eq(1).sum() > 0
 
 
@@ -202,17 +263,36 @@ def test_a_replica_down_fails_only_what_is_bound_to_it():
 
 
 def test_the_same_seed_gives_the_same_rows():
-    engine = Batching(max_num_seqs=4, kv_blocks=80, prefix_caching=True,
-                      step=dataclasses.replace(Batching().step, cv=0.2))
+    engine = Batching(
+        max_num_seqs=4,
+        kv_blocks=80,
+        prefix_caching=True,
+        step=dataclasses.replace(Batching().step, cv=0.2),
+    )
     config = ServerConfig(PRESETS["predictive"], engine, seed=5)
     t = trace(1.4, 3, 800, seed=5, engine=engine, prefixes=SharedPrefix.parse("64:0.5", "3:8"))
     patience = np.random.default_rng(5).exponential(3.0, len(t))
-    runs = [simulate(t, config, replicas=3, router=Central(), replica_speeds=[1, 0.7, 0.5],
-                     cancel_after_s=patience) for _ in range(2)]
+    runs = [
+        simulate(
+            t,
+            config,
+            replicas=3,
+            router=Central(),
+            replica_speeds=[1, 0.7, 0.5],
+            cancel_after_s=patience,
+        )
+        for _ in range(2)
+    ]
     pd.testing.assert_frame_equal(*runs)
     assert set(runs[0]["replica"].dropna()) == {0, 1, 2}
-    other = simulate(t, dataclasses.replace(config, seed=6), replicas=3, router=Central(),
-                     replica_speeds=[1, 0.7, 0.5], cancel_after_s=patience)
+    other = simulate(
+        t,
+        dataclasses.replace(config, seed=6),
+        replicas=3,
+        router=Central(),
+        replica_speeds=[1, 0.7, 0.5],
+        cancel_after_s=patience,
+    )
     assert not other["finish_s"].equals(runs[0]["finish_s"])  # the seed moves the step noise
 
 
@@ -222,8 +302,11 @@ def test_the_same_seed_gives_the_same_rows():
 def test_a_central_queue_of_engines_one_at_a_time_refuses_replica_speeds_and_downs():
     t = make_trace("poisson", load=0.5, engines=2, requests=50, seed=1)
     config = ServerConfig(PRESETS["none"], OneAtATime(1))
-    with pytest.raises(ValueError, match="replica speeds: a central queue in front of engines "
-                                         "one at a time is one line of N x K engines"):
+    with pytest.raises(
+        ValueError,
+        match="replica speeds: a central queue in front of engines "
+        "one at a time is one line of N x K engines",
+    ):
         simulate(t, config, replicas=2, router=Central(), replica_speeds=[1, 0.5])
     with pytest.raises(ValueError, match="a replica down: a central queue in front of engines"):
         simulate(t, config, replicas=2, router=Central(), replica_down=[(1, 1.0, 2.0)])
@@ -238,9 +321,25 @@ def qlab(args, capsys):
 
 
 def test_simulate_batching_replicas_behind_a_central_queue(capsys):
-    code, out, err = qlab(["simulate", "--batching", "--replicas", "4", "--router", "central",
-                           "--max-num-seqs", "8", "--replica-speeds", "1,1,0.5,0.5",
-                           "--load", "1.2", "--requests", "2000"], capsys)
+    code, out, err = qlab(
+        [
+            "simulate",
+            "--batching",
+            "--replicas",
+            "4",
+            "--router",
+            "central",
+            "--max-num-seqs",
+            "8",
+            "--replica-speeds",
+            "1,1,0.5,0.5",
+            "--load",
+            "1.2",
+            "--requests",
+            "2000",
+        ],
+        capsys,
+    )
     assert code == 0 and err == ""
     assert "4 replicas (speeds 1,1,0.5,0.5) behind router central of a batching engine" in out
     assert "by replica (router central):" in out
@@ -249,11 +348,36 @@ def test_simulate_batching_replicas_behind_a_central_queue(capsys):
 def test_capacity_sizes_batching_replicas_behind_a_central_queue(tmp_path, capsys):
     import json
 
-    code, out, _ = qlab(["capacity", "--policy", "none", "--objective", "share_good>=0.9",
-                         "--batching", "--max-num-seqs", "4", "--step", "0.01,0,0.0002,0",
-                         "--seconds", "30", "--seeds", "2", "--workers", "1", "--rate", "30",
-                         "--router", "central", "--router", "jsq", "--json",
-                         "--out", str(tmp_path)], capsys)
+    code, out, _ = qlab(
+        [
+            "capacity",
+            "--policy",
+            "none",
+            "--objective",
+            "share_good>=0.9",
+            "--batching",
+            "--max-num-seqs",
+            "4",
+            "--step",
+            "0.01,0,0.0002,0",
+            "--seconds",
+            "30",
+            "--seeds",
+            "2",
+            "--workers",
+            "1",
+            "--rate",
+            "30",
+            "--router",
+            "central",
+            "--router",
+            "jsq",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     assert code == 0
     found = {r["router"]: r for r in json.loads(out)}
     assert set(found) == {"central", "jsq"} and found["central"]["replicas"] >= 2

@@ -1,13 +1,14 @@
-"""``qlab calibrate`` against a batching server: the step model, fitted back from the steps an engine of known
-coefficients ran.
+"""``qlab calibrate`` against a batching server: the step model, fitted back from the steps an
+engine of known coefficients ran.
 
 On the virtual clock (tests/virtual_time.py) the real :func:`live.gate.BatchGate` drives the real
-:class:`live.batching.SyntheticBatchEngine`, whose steps take its step model's time (x a gamma draw of its CV), under
-calibration's load: the schedule of :func:`live.calibrate.schedule` one at a time and with 2, 4 and 8 in flight. Its
-step log (what each step computed, when it began and ended) is fitted by :func:`live.calibrate.fit_steps`, the
-function the HTTP calibration fits with: without noise the coefficients come back exactly; with noise each is within
-a few of its standard errors, the tolerance the statistics set. Then the calibration JSON's step model is read by
-``serve``, ``simulate`` and ``compare --predict``, a broken one is one line and exit 2, and a real server is
+:class:`live.batching.SyntheticBatchEngine`, whose steps take its step model's time (x a gamma draw
+of its CV), under calibration's load: the schedule of :func:`live.calibrate.schedule` one at a time
+and with 2, 4 and 8 in flight. Its step log (what each step computed, when it began and ended) is
+fitted by :func:`live.calibrate.fit_steps`, the function the HTTP calibration fits with: without
+noise the coefficients come back exactly; with noise each is within a few of its standard errors,
+the tolerance the statistics set. Then the calibration JSON's step model is read by ``serve``,
+``simulate`` and ``compare --predict``, a broken one is one line and exit 2, and a real server is
 calibrated end to end.
 """
 
@@ -33,24 +34,33 @@ from qsim.runfile import LoggedStep
 from qsim.service import LoadTerms
 from virtual_time import on_virtual_clock
 
-#: The engine's truth: 6 ms a step, 40 us a prefill token, 0.5 ms a sequence, 2 us a context token held.
+#: The engine's truth: 6 ms a step, 40 us a prefill token, 0.5 ms a sequence, 2 us a context token
+#: held.
 TRUE = StepModel(0.006, 0.00004, 0.0005, 0.000002)
 PROMPTS = (16, 256, 768)
 
 
-def _calibration_steps(truth: StepModel, levels=(1, 2, 4, 8), per_size: int = 6, seed: int = 1) -> list[LoggedStep]:
-    """The step log of a batching gate (its own step model the default one: not the engine's) under calibration's
-    load: at each level that many workers, each sending its next request as its last is answered."""
+def _calibration_steps(
+    truth: StepModel, levels=(1, 2, 4, 8), per_size: int = 6, seed: int = 1
+) -> list[LoggedStep]:
+    """The step log of a batching gate (its own step model the default one: not the engine's) under
+    calibration's load: at each level that many workers, each sending its next request as its last
+    is answered."""
     engine_model = Batching(max_num_seqs=8, max_num_batched_tokens=512)
     points = schedule(CalibrationConfig("virtual", per_size=per_size), PROMPTS)
 
     async def go():
         loop = asyncio.get_running_loop()
         engine = SyntheticBatchEngine(truth, seed=seed, clock=loop.time)
-        async with BatchGate(engine, gate_config(PRESETS["none"], engine=engine_model), clock=loop.time) as gate:
+        async with BatchGate(
+            engine, gate_config(PRESETS["none"], engine=engine_model), clock=loop.time
+        ) as gate:
+
             async def worker(share):
                 for tokens, prompt in share:
-                    await gate.submit(Job("x" * prompt, tokens, deadline_s=1e6, prompt_tokens=prompt))
+                    await gate.submit(
+                        Job("x" * prompt, tokens, deadline_s=1e6, prompt_tokens=prompt)
+                    )
 
             for level in levels:
                 await asyncio.gather(*(worker(points[w::level]) for w in range(level)))
@@ -62,10 +72,15 @@ def _calibration_steps(truth: StepModel, levels=(1, 2, 4, 8), per_size: int = 6,
 def test_the_step_log_says_what_each_step_computed():
     steps = _calibration_steps(TRUE, levels=(1, 4))
     gate = StepModel()  # the gate's own plan: its model's seconds for what each step computed
-    assert all(s.model_s == pytest.approx(gate.time(s.prefill_tokens, s.sampling, s.context), rel=1e-12)
-               for s in steps)
-    assert all(step_seconds(s) == pytest.approx(TRUE.time(s.prefill_tokens, s.sampling, s.context), rel=1e-9)
-               for s in steps)
+    assert all(
+        s.model_s == pytest.approx(gate.time(s.prefill_tokens, s.sampling, s.context), rel=1e-12)
+        for s in steps
+    )
+    assert all(
+        step_seconds(s)
+        == pytest.approx(TRUE.time(s.prefill_tokens, s.sampling, s.context), rel=1e-9)
+        for s in steps
+    )
     # A 768-token prompt in chunks of the step's budget (512 tokens).
     assert max(s.sampling for s in steps) == 4 and max(s.prefill_tokens for s in steps) == 512
     assert {s.sampling for s in steps if s.prefill_tokens == 0} >= {1, 2, 3, 4}
@@ -84,11 +99,12 @@ def test_calibrating_a_noisy_engine_recovers_its_step_model_within_its_standard_
     got = fit_steps(_calibration_steps(replace(TRUE, cv=cv), seed=4))
     for name, se in zip(("b0", "b1", "b2", "b3"), got.se):
         true = getattr(TRUE, name)
-        # Each coefficient within 4 of its standard errors (about 1 in 16,000 by chance), and those errors small
-        # beside the coefficient: the calibration's steps tell every term apart.
+        # Each coefficient within 4 of its standard errors (about 1 in 16,000 by chance), and those
+        # errors small beside the coefficient: the calibration's steps tell every term apart.
         assert abs(getattr(got.model, name) - true) < 4 * se, (name, getattr(got.model, name), se)
         assert se < 0.25 * true, (name, se)
-    # The CV of a step around the fit: the engine's, within 5 of its standard errors (about cv / sqrt(2 n)).
+    # The CV of a step around the fit: the engine's, within 5 of its standard errors (about cv /
+    # sqrt(2 n)).
     assert got.cv == pytest.approx(cv, abs=5 * cv / math.sqrt(2 * got.n))
     assert got.calibrated == replace(got.model, cv=got.cv) and 0.5 < got.r2 < 1
 
@@ -102,10 +118,17 @@ def test_the_calibration_json_carries_the_step_model_and_its_fit(tmp_path):
     result = Calibration(fit([1, 2, 4], [0.01, 0.02, 0.04]), (), "bytes", steps=calibrated)
     result.save(tmp_path / "cal.json")
     saved = json.loads((tmp_path / "cal.json").read_text())
-    assert saved["load"] is None and saved["step_fit"]["n"] == len(steps) == saved["step_fit"]["levels"][0]["steps"]
-    assert LoadTerms.load(tmp_path / "cal.json").step == calibrated.model == StepModel(**saved["step"])
+    assert (
+        saved["load"] is None
+        and saved["step_fit"]["n"] == len(steps) == saved["step_fit"]["levels"][0]["steps"]
+    )
+    assert (
+        LoadTerms.load(tmp_path / "cal.json").step == calibrated.model == StepModel(**saved["step"])
+    )
     assert set(saved["step_fit"]["standard_errors"]) == {"b0", "b1", "b2", "b3"}
-    assert describe_terms(result).startswith("step model: ") and f"{len(steps)} steps" in describe_terms(result)
+    assert describe_terms(result).startswith(
+        "step model: "
+    ) and f"{len(steps)} steps" in describe_terms(result)
     assert "front_end" not in saved and LoadTerms.load(tmp_path / "cal.json").front_end is None
     # With the engine's own counters and its API process's CPU: the front end, where LoadTerms
     # (so simulate --service-model and the prediction) reads it.
@@ -126,48 +149,81 @@ def test_a_batching_servers_levels_go_up_to_its_seats():
 
 
 def test_a_step_log_without_compositions_is_refused():
-    old = [LoggedStep(0.0, 0.0, 0.01, 0.01, 0.01)] * 10  # a gate from before compositions were logged
+    # a gate from before compositions were logged
+    old = [LoggedStep(0.0, 0.0, 0.01, 0.01, 0.01)] * 10
     with pytest.raises(ValueError, match="at least 4 logged steps"):
         fit_steps(old)
 
 
-# ---------------------------------------------------------------- the calibration JSON, read by serve/simulate/compare
+# ---------------------------------------------------------------- the calibration JSON, read by
+# serve/simulate/compare
 
 FITTED = StepModel(0.004, 0.00003, 0.0007, 0.000001, cv=0.2)
 
 
 def _calibration(tmp_path, step) -> str:
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"model": {"intercept_s": 0.001, "per_token_s": 0.0085}, "load": None, "step": step,
-                                "step_fit": {"r2": 0.9, "n": 100}}))
+    path.write_text(
+        json.dumps(
+            {
+                "model": {"intercept_s": 0.001, "per_token_s": 0.0085},
+                "load": None,
+                "step": step,
+                "step_fit": {"r2": 0.9, "n": 100},
+            }
+        )
+    )
     return str(path)
 
 
 def test_serve_and_simulate_take_the_calibrated_step_model_unless_told(tmp_path, capsys):
     from live.serve_options import ServeOptions
 
-    path = _calibration(tmp_path, {"b0": 0.004, "b1": 0.00003, "b2": 0.0007, "b3": 0.000001, "cv": 0.2})
+    path = _calibration(
+        tmp_path, {"b0": 0.004, "b1": 0.00003, "b2": 0.0007, "b3": 0.000001, "cv": 0.2}
+    )
     assert LoadTerms.load(path).step == FITTED
     assert ServeOptions(batching=True, service_model=path).engine_model().step == FITTED
-    assert ServeOptions(batching=True, service_model=path, noise=0.1).engine_model().step == replace(FITTED, cv=0.1)
+    assert ServeOptions(
+        batching=True, service_model=path, noise=0.1
+    ).engine_model().step == replace(FITTED, cv=0.1)
     told = ServeOptions(batching=True, service_model=path, step="0.01,0,0.001,0").engine_model()
     assert told.step == StepModel(0.01, 0.0, 0.001, 0.0)  # --step given wins
-    assert ServeOptions(service_model=path).engine_model() is None  # engines one at a time take no step model
-    common = ["simulate", "--batching", "--service", "mix", "--seconds", "30", "--load", "0.8", "--json"]
+    # engines one at a time take no step model
+    assert ServeOptions(service_model=path).engine_model() is None
+    common = [
+        "simulate",
+        "--batching",
+        "--service",
+        "mix",
+        "--seconds",
+        "30",
+        "--load",
+        "0.8",
+        "--json",
+    ]
     assert main([*common, "--service-model", path]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["step"] == {**FITTED.__dict__}
     assert main([*common, "--service-model", path, "--step", "0.01,0,0.001,0"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["step"]["b0"] == 0.01
 
 
-@pytest.mark.parametrize("step, says", [
-    ({"b0": -1.0}, "b0 must be a finite number >= 0"),
-    ({"b0": 0.01, "b9": 1}, "a step model is a table of b0, b1, b2, b3, cv"),
-    ("fast", "a step model is a table"),
-    ({"b0": "x"}, "bad step model"),
-])
-@pytest.mark.parametrize("command", [["simulate", "--batching", "--service", "mix", "--seconds", "5"],
-                                     ["serve", "--batching", "--port", "0"]])
+@pytest.mark.parametrize(
+    "step, says",
+    [
+        ({"b0": -1.0}, "b0 must be a finite number >= 0"),
+        ({"b0": 0.01, "b9": 1}, "a step model is a table of b0, b1, b2, b3, cv"),
+        ("fast", "a step model is a table"),
+        ({"b0": "x"}, "bad step model"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["simulate", "--batching", "--service", "mix", "--seconds", "5"],
+        ["serve", "--batching", "--port", "0"],
+    ],
+)
 def test_a_broken_step_section_is_one_line_and_exit_2(tmp_path, capsys, step, says, command):
     path = _calibration(tmp_path, step)
     assert main([*command, "--service-model", path]) == 2
@@ -181,7 +237,12 @@ def _batching_run(step: StepModel):
 
     run = live_like_run(make_trace("poisson", load=0.8, seconds=30, seed=2), "none")
     config = json.loads(run["server_config"].iloc[0])
-    config["engine"] = {"kind": "batching", "step": step.__dict__, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+    config["engine"] = {
+        "kind": "batching",
+        "step": step.__dict__,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+    }
     config["stall"] = None  # a batching gate has no stall rule
     return run.assign(server_config=pd.array([json.dumps(config)] * len(run), dtype="string"))
 
@@ -193,9 +254,11 @@ def test_the_prediction_of_a_batching_run_draws_other_steps_for_each_seed(tmp_pa
     run = _batching_run(noisy)
     got = predict(run, seeds=4)
     assert got.noise_cv == 0.5 and "step model" in got.noise_source
-    # Each seed its own step draws (before, every seed drew the server's seed's: one run four times over).
+    # Each seed its own step draws (before, every seed drew the server's seed's: one run four times
+    # over).
     assert got.per_seed["latency_p99_s"].nunique() == 4
-    assert predict(run, seeds=4).per_seed.equals(got.per_seed)  # the same seeds, the same prediction
+    # the same seeds, the same prediction
+    assert predict(run, seeds=4).per_seed.equals(got.per_seed)
     exact = predict(run, seeds=3, noise_cv=0.0)
     assert exact.per_seed["latency_p99_s"].nunique() == 1  # no step noise: nothing to draw
     # The calibration's step model in place of the one the gate planned with (--service-model).
@@ -214,33 +277,60 @@ def test_the_prediction_of_a_batching_run_runs_its_steps_at_the_probed_speed():
     # Each step the model's time x 2: the prediction of a server whose steps take twice the model's.
     assert got.per_seed.equals(predict(_batching_run(twice), seeds=2, noise_cv=0.0).per_seed)
     at_one = predict(run, seeds=2, noise_cv=0.0).table
-    assert got.table.loc["latency_p50_s", "sim_mean"] > 1.5 * at_one.loc["latency_p50_s", "sim_mean"]
+    assert (
+        got.table.loc["latency_p50_s", "sim_mean"] > 1.5 * at_one.loc["latency_p50_s", "sim_mean"]
+    )
 
 
 # ---------------------------------------------------------------- end to end, over HTTP
 
+
 @pytest.mark.slow  # two server processes and a calibration: several seconds
-def test_qlab_calibrate_fits_a_batching_servers_step_model_and_serve_plans_with_it(tmp_path, capsys):
+def test_qlab_calibrate_fits_a_batching_servers_step_model_and_serve_plans_with_it(
+    tmp_path, capsys
+):
     import httpx
 
     from live.procs import serving
     from live.serve_options import ServeOptions
 
     truth = "0.004,0.00002,0.0005,0.000001"
-    options = ServeOptions(policy="none", batching=True, step=truth, max_num_seqs=4, max_num_batched_tokens=512,
-                           port=0)
+    options = ServeOptions(
+        policy="none", batching=True, step=truth, max_num_seqs=4, max_num_batched_tokens=512, port=0
+    )
     out = tmp_path / "cal.json"
     with serving([options], tmp_path, 60) as (server,):
-        assert main(["calibrate", "--url", server.url, "--rounds", "1", "--per-size", "2", "--prompt-tokens", "16,200",
-                     "--load-per-size", "2", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "calibrate",
+                    "--url",
+                    server.url,
+                    "--rounds",
+                    "1",
+                    "--per-size",
+                    "2",
+                    "--prompt-tokens",
+                    "16,200",
+                    "--load-per-size",
+                    "2",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     printed = capsys.readouterr().out
     assert "4 in flight:" in printed and "step model:" in printed and "r^2" in printed
     saved = json.loads(out.read_text())
     fit = saved["step_fit"]
     assert saved["load"] is None and set(saved["step"]) == {"b0", "b1", "b2", "b3", "cv"}
-    assert [lv["level"] for lv in fit["levels"]] == [1, 2, 4] and fit["levels"][2]["sampling_max"] == 4
+    assert [lv["level"] for lv in fit["levels"]] == [1, 2, 4] and fit["levels"][2][
+        "sampling_max"
+    ] == 4
     assert fit["n"] == sum(lv["steps"] for lv in fit["levels"]) > 50 and np.isfinite(fit["r2"])
-    # The calibrated server plans with the fitted model (its server config: what a run file records).
+    # The calibrated server plans with the fitted model (its server config: what a run file
+    # records).
     with serving([replace(options, step=None, service_model=str(out))], tmp_path, 60) as (server,):
         stats = httpx.get(f"{server.url}/stats").json()
     assert stats["server_config"]["engine"]["step"] == saved["step"]

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from live.engine import SyntheticEngine  # noqa: E402
-from live.gate import Gate, gate_config  # noqa: E402
-from live.http_api import create_app  # noqa: E402
-from qsim import preset  # noqa: E402
+from live.engine import SyntheticEngine
+from live.gate import Gate, gate_config
+from live.http_api import create_app
+from qsim import preset
 
 RECORDED = Path(__file__).resolve().parent / "data" / "clients"
 TOOLS = ("guidellm", "inference-perf", "aiperf")
@@ -36,7 +36,9 @@ CASES = [(tool, i) for tool in TOOLS for i in range(len(_requests(tool)))]
 
 @pytest.fixture(scope="module")
 def client():
-    gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("predictive"), fixed_estimate=True))
+    gate = Gate(
+        [SyntheticEngine(speed=1e-4)], gate_config(preset("predictive"), fixed_estimate=True)
+    )
     with TestClient(create_app(gate)) as c:
         yield c
 
@@ -50,7 +52,9 @@ def test_each_tool_left_requests_to_replay():
 @pytest.mark.parametrize("tool, i", CASES, ids=[f"{t}-{i}" for t, i in CASES])
 def test_every_recorded_request_is_served(client, tool, i):
     sent = _requests(tool)[i]
-    r = client.request(sent["method"], sent["path"], headers=sent["headers"], content=json.dumps(sent["body"]))
+    r = client.request(
+        sent["method"], sent["path"], headers=sent["headers"], content=json.dumps(sent["body"])
+    )
     assert r.status_code == 200, r.text
     body = sent["body"]
     asked = body.get("max_completion_tokens") or body.get("max_tokens")

@@ -27,19 +27,31 @@ from qsim.queue import StallRule
 ZERO = 1000.0  # the gate's clock at the run's time 0: the rows must map it away
 
 
-def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, trip_in_s=4e-4, trip_out_s=3e-4,
-                  retry=None, retry_seed=7, gate=None, fleet=None):
+def live_like_run(
+    trace,
+    policy,
+    engines=1,
+    *,
+    handback_s=0.0,
+    fail_every=0,
+    trip_in_s=4e-4,
+    trip_out_s=3e-4,
+    retry=None,
+    retry_seed=7,
+    gate=None,
+    fleet=None,
+):
     """A live run made by the simulator, in exactly the format `qlab replay` writes.
 
     The engine of request i runs trace.true_service_s (0 when it fails: instant failures, every
     ``fail_every``-th request) and is held handback_s longer (the hand-back to the gate); the
     tracker learns the engine's time. Each outcome becomes the answer body the service gives
     (live.http_api), read back by live.rows.to_frame. With ``retry`` (a RetryPolicy) the simulator's
-    clients send refused requests again, each attempt a row; its clients hear an answer at the gate's
-    end and reach the gate at once, so the trips must then be 0, and the gate's clock is the run's
-    (retries due at one instant keep their order: no rounding through ZERO tells them apart).
-    ``gate``: a Policy the simulated gate ran in place of ``policy``, which the run file still names (a
-    gate whose rule is wrong). ``fleet``: a FleetSpec of replicas of the server, each ``engines``
+    clients send refused requests again, each attempt a row; its clients hear an answer at the
+    gate's end and reach the gate at once, so the trips must then be 0, and the gate's clock is the
+    run's (retries due at one instant keep their order: no rounding through ZERO tells them apart).
+    ``gate``: a Policy the simulated gate ran in place of ``policy``, which the run file still names
+    (a gate whose rule is wrong). ``fleet``: a FleetSpec of replicas of the server, each ``engines``
     engines (the fleet gate's run, each answer saying its replica).
     """
     from live.rows import Exchange, ServerInfo, to_frame
@@ -51,58 +63,149 @@ def live_like_run(trace, policy, engines=1, *, handback_s=0.0, fail_every=0, tri
     n = len(trace)
     failed = np.zeros(n, dtype=bool)
     if fail_every:
-        failed[fail_every - 1::fail_every] = True
+        failed[fail_every - 1 :: fail_every] = True
     engine_s = np.where(failed, 0.0, trace.true_service_s)
-    held = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=engine_s + handback_s,
-                       est_service_s=trace.est_service_s, deadline_s=trace.deadline_s)
+    held = from_arrays(
+        trace.arrival_s,
+        trace.max_new_tokens,
+        true_service_s=engine_s + handback_s,
+        est_service_s=trace.est_service_s,
+        deadline_s=trace.deadline_s,
+    )
     routed = {} if fleet is None else dict(replicas=fleet.replicas, router=fleet.router)
-    sim = simulate(held, ServerConfig(gate or preset(policy), engines, stall=StallRule()), failed=failed,
-                   reported_s=engine_s, retry=retry, retry_seed=retry_seed, **routed)
+    sim = simulate(
+        held,
+        ServerConfig(gate or preset(policy), engines, stall=StallRule()),
+        failed=failed,
+        reported_s=engine_s,
+        retry=retry,
+        retry_seed=retry_seed,
+        **routed,
+    )
     exchanges = []
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
         arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
-        admission = {"arrived_at": arrival + zero, "est_service_s": est, "deadline_s": r["deadline_s"],
-                     "queued": int(r["queued_at_arrival"]), "queued_work_s": r["queued_work_at_arrival_s"],
-                     "speed_factor": est / base, "in_service_s": r["in_service_work_at_arrival_s"],
-                     "idle": int(r["idle_at_arrival"])}
+        admission = {
+            "arrived_at": arrival + zero,
+            "est_service_s": est,
+            "deadline_s": r["deadline_s"],
+            "queued": int(r["queued_at_arrival"]),
+            "queued_work_s": r["queued_work_at_arrival_s"],
+            "speed_factor": est / base,
+            "in_service_s": r["in_service_work_at_arrival_s"],
+            "idle": int(r["idle_at_arrival"]),
+        }
         if fleet is not None and not pd.isna(r["replica"]):
             admission["replica"] = int(r["replica"])
         start, finish = r["start_s"], r["finish_s"]
         ran = {"started_at": start + zero, "returned_at": finish + zero}
         outcome = r["outcome"]
         if outcome in records.ANSWERED:
-            status, body = 200, {"text": "", "tokens": int(r["max_new_tokens"]), "outcome": outcome,
-                                 "engine": int(r["engine"]), "admission": admission,
-                                 "timings": {"queue_s": start - arrival, "engine_s": engine_s[i],
-                                             "total_s": finish - arrival, "est_service_s": est, **ran}}
+            status, body = (
+                200,
+                {
+                    "text": "",
+                    "tokens": int(r["max_new_tokens"]),
+                    "outcome": outcome,
+                    "engine": int(r["engine"]),
+                    "admission": admission,
+                    "timings": {
+                        "queue_s": start - arrival,
+                        "engine_s": engine_s[i],
+                        "total_s": finish - arrival,
+                        "est_service_s": est,
+                        **ran,
+                    },
+                },
+            )
         elif outcome == "rejected":
-            status, body = 503, {"error": {"type": "overloaded", "reason": r["reason"], "message": "",
-                                           "numbers": admission, "retry_after_s": int(r["retry_after_s"])}}
+            status, body = (
+                503,
+                {
+                    "error": {
+                        "type": "overloaded",
+                        "reason": r["reason"],
+                        "message": "",
+                        "numbers": admission,
+                        "retry_after_s": int(r["retry_after_s"]),
+                    }
+                },
+            )
         elif outcome == "expired":
-            status, body = 503, {"error": {"type": "deadline_exceeded", "reason": r["reason"], "message": "",
-                                           "numbers": {**admission, "waited_s": finish - arrival},
-                                           "retry_after_s": int(r["retry_after_s"])}}
-        elif r["reason"] == "engine_stalled":  # ran past its threshold, or given up behind stalled engines
-            numbers = ({"engine": int(r["engine"]), "running_s": finish - start, "est_service_s": est}
-                       if r["engine"] is not pd.NA else {"waited_s": finish - arrival, "stalled_engines": engines})
-            status, body = 500, {"error": {"type": "engine_error", "reason": "engine_stalled", "message": "",
-                                           "numbers": {**admission, **numbers}}}
+            status, body = (
+                503,
+                {
+                    "error": {
+                        "type": "deadline_exceeded",
+                        "reason": r["reason"],
+                        "message": "",
+                        "numbers": {**admission, "waited_s": finish - arrival},
+                        "retry_after_s": int(r["retry_after_s"]),
+                    }
+                },
+            )
+        # ran past its threshold, or given up behind stalled engines
+        elif r["reason"] == "engine_stalled":
+            numbers = (
+                {"engine": int(r["engine"]), "running_s": finish - start, "est_service_s": est}
+                if r["engine"] is not pd.NA
+                else {"waited_s": finish - arrival, "stalled_engines": engines}
+            )
+            status, body = (
+                500,
+                {
+                    "error": {
+                        "type": "engine_error",
+                        "reason": "engine_stalled",
+                        "message": "",
+                        "numbers": {**admission, **numbers},
+                    }
+                },
+            )
         else:
             assert r["reason"] == "engine_exception"
-            status, body = 500, {"error": {"type": "engine_error", "reason": "engine_exception", "message": "",
-                                           "numbers": {**admission, "engine": int(r["engine"]), **ran,
-                                                       "engine_s": engine_s[i]}}}
+            status, body = (
+                500,
+                {
+                    "error": {
+                        "type": "engine_error",
+                        "reason": "engine_exception",
+                        "message": "",
+                        "numbers": {
+                            **admission,
+                            "engine": int(r["engine"]),
+                            **ran,
+                            "engine_s": engine_s[i],
+                        },
+                    }
+                },
+            )
         sent = arrival - trip_in_s
-        exchanges.append(Exchange(sent, sent, finish + trip_out_s, status, body, first=i, attempt=int(r["attempt"])))
-    info = ServerInfo(ServerConfig(preset(policy), engines, stall=StallRule(10.0, 5.0), tracker_weight=0.2),
-                      fleet=None if fleet is None else fleet.to_fields())
-    return to_frame(trace, exchanges, info, np.full(n, 16), server_zero=zero, clients=ClientSettings(retry, retry_seed))
+        exchanges.append(
+            Exchange(
+                sent, sent, finish + trip_out_s, status, body, first=i, attempt=int(r["attempt"])
+            )
+        )
+    info = ServerInfo(
+        ServerConfig(preset(policy), engines, stall=StallRule(10.0, 5.0), tracker_weight=0.2),
+        fleet=None if fleet is None else fleet.to_fields(),
+    )
+    return to_frame(
+        trace,
+        exchanges,
+        info,
+        np.full(n, 16),
+        server_zero=zero,
+        clients=ClientSettings(retry, retry_seed),
+    )
 
 
 def assert_no_disagreement(result):
     s = result.summary
-    assert s["disagreements"] == 0 and s["failure_disagreements"] == 0, result.joined.query("~agree")
+    assert s["disagreements"] == 0 and s["failure_disagreements"] == 0, result.joined.query(
+        "~agree"
+    )
     assert s["independent_disagreements"] == 0 and s["cascade_disagreements"] == 0
     assert np.isnan(s["first_divergence_s"]) and np.isnan(s["first_disagreement_s"])
     assert s["reasons_agree"] == s["both_refused"] and s["reasons_disagree"] == 0
@@ -153,32 +256,44 @@ def test_a_fleet_s_fields_come_back_and_a_router_of_ones_own_is_named():
 @pytest.mark.parametrize("policy", ["none", "bounded", "bounded-deadline", "predictive"])
 @pytest.mark.parametrize("arrivals", ["poisson", "burst:30"])
 def test_the_simulator_agrees_with_itself_exactly(policy, arrivals):
-    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 60, "load": 1.5}  # a burst takes no load
+    # a burst takes no load
+    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 60, "load": 1.5}
     trace = make_trace(arrivals, seed=3, noise_cv=0.3, **length)
     result = compare(live_like_run(trace, policy))
     assert_no_disagreement(result)
-    assert result.summary["requests"] == len(trace) and result.confusion.to_numpy().sum() == len(trace)
+    assert result.summary["requests"] == len(trace) and result.confusion.to_numpy().sum() == len(
+        trace
+    )
 
 
 @pytest.mark.parametrize("policy", ["bounded-deadline", "predictive"])
 def test_hand_back_delay_and_failures_are_replayed_as_the_gate_saw_them(policy):
-    # The engine is held 2 ms past its own time (the tracker learns the engine's time), and every 7th
-    # run fails at once: the replay must hold, teach and fail exactly as the gate did.
+    # The engine is held 2 ms past its own time (the tracker learns the engine's time), and every
+    # 7th run fails at once: the replay must hold, teach and fail exactly as the gate did.
     trace = make_trace("poisson", load=2.0, seconds=40, seed=11, noise_cv=0.3)
     run = live_like_run(trace, policy, handback_s=0.002, fail_every=7)
-    assert run["failed"].sum() > 0 and (run["engine_returned_s"] - run["engine_started_s"]
-                                        - run["engine_reported_s"]).dropna().round(9).eq(0.002).all()
+    assert (
+        run["failed"].sum() > 0
+        and (run["engine_returned_s"] - run["engine_started_s"] - run["engine_reported_s"])
+        .dropna()
+        .round(9)
+        .eq(0.002)
+        .all()
+    )
     result = compare(run)
     assert_no_disagreement(result)
     s = result.summary
-    assert s["engine_failures"] == run["failed"].sum() and s["live_rejected"] + s["live_expired"] > 0
+    assert (
+        s["engine_failures"] == run["failed"].sum() and s["live_rejected"] + s["live_expired"] > 0
+    )
     # Nothing from the future: what never ran was given its estimate at arrival.
     never = result.joined["replayed_with"].eq("estimate")
     assert never.sum() == s["replayed_estimate"] == run["engine_started_s"].isna().sum()
 
 
 def test_the_old_replay_would_have_disagreed():
-    # Learning the held time instead of the engine's (the old replay) moves the tracker: disagreements.
+    # Learning the held time instead of the engine's (the old replay) moves the tracker:
+    # disagreements.
     trace = make_trace("poisson", load=2.0, seconds=40, seed=11, noise_cv=0.3)
     run = live_like_run(trace, "predictive", handback_s=0.02)
     run["engine_reported_s"] = run["engine_returned_s"] - run["engine_started_s"]
@@ -193,13 +308,20 @@ def test_a_stalled_engine_is_replayed_as_the_gate_saw_it(policy):
     true = trace.true_service_s.copy()
     k = int(np.searchsorted(trace.arrival_s, 5.0))
     true[k] = 12.0
-    hung = from_arrays(trace.arrival_s, trace.max_new_tokens, true_service_s=true, est_service_s=trace.est_service_s)
+    hung = from_arrays(
+        trace.arrival_s,
+        trace.max_new_tokens,
+        true_service_s=true,
+        est_service_s=trace.est_service_s,
+    )
     run = live_like_run(hung, policy)
     # none: the queue behind it ends as engine_stalled errors; bounded-deadline: expired.
     assert run.loc[k, "stalled"] and run["outcome"].isin(["error", "expired"]).sum() > 1
     result = compare(run)
     s = result.summary
-    assert s["replayed_stalled"] == 1 and s["failure_disagreements"] == 0 and s["disagreements"] == 0
+    assert (
+        s["replayed_stalled"] == 1 and s["failure_disagreements"] == 0 and s["disagreements"] == 0
+    )
     assert result.joined.set_index("request_id").loc[k, "sim_outcome"] == "error"
 
 
@@ -215,8 +337,9 @@ def test_two_engines_and_run_setup_round_trip():
 def test_one_early_flip_is_one_independent_disagreement_and_a_cascade():
     trace = make_trace("poisson", load=0.9, seconds=60, seed=4)
     run = live_like_run(trace, "none")
-    # Request k was answered in time; the run file says its engine was held 3 s longer (a measurement
-    # the replay cannot know is wrong): it ends late in the replay, and the queue behind it grows.
+    # Request k was answered in time; the run file says its engine was held 3 s longer (a
+    # measurement the replay cannot know is wrong): it ends late in the replay, and the queue behind
+    # it grows.
     k = int(run.index[run["outcome"].eq("good") & (run["arrival_s"] > 5)][0])
     run.loc[k, "engine_returned_s"] += 3.0
     result = compare(run)
@@ -224,46 +347,67 @@ def test_one_early_flip_is_one_independent_disagreement_and_a_cascade():
     assert joined.loc[k, "disagreement"] == "independent" and s["independent_disagreements"] == 1
     assert s["cascade_disagreements"] >= 2 and s["disagreements"] == 1 + s["cascade_disagreements"]
     assert s["first_divergence_s"] == pytest.approx(run.loc[k, "server_arrival_s"])
-    assert (joined.loc[joined["disagreement"].eq("cascade"), "gate_arrival_s"] > joined.loc[k, "gate_arrival_s"]).all()
+    assert (
+        joined.loc[joined["disagreement"].eq("cascade"), "gate_arrival_s"]
+        > joined.loc[k, "gate_arrival_s"]
+    ).all()
 
 
 def test_a_wrong_rule_at_the_gate_reads_as_a_rule_difference():
-    # The gate refused at a bound of 3 waiting that predictive does not have: the simulator, given the numbers
-    # the gate decided on, admits. The old split calls most of it a cascade; the cause says rule, from the first.
+    # The gate refused at a bound of 3 waiting that predictive does not have: the simulator, given
+    # the numbers the gate decided on, admits. The old split calls most of it a cascade; the cause
+    # says rule, from the first.
     trace = make_trace("poisson", load=2.0, seconds=60, seed=11, noise_cv=0.3)
-    run = live_like_run(trace, "predictive", gate=dataclasses.replace(preset("predictive"), max_queue=3))
+    run = live_like_run(
+        trace, "predictive", gate=dataclasses.replace(preset("predictive"), max_queue=3)
+    )
     result = compare(run)
     s, joined = result.summary, result.joined
     wrong = joined["live_decision"].eq("queue_full")
     assert wrong.any() and joined.loc[wrong, "live_rule"].ne("queue_full").all()
     assert (joined.loc[wrong, "cause"] == "rule").all()
-    assert s["rule_disagreements"] >= (wrong & ~joined["agree"]).sum() > 10 * s["independent_disagreements"]
+    assert (
+        s["rule_disagreements"]
+        >= (wrong & ~joined["agree"]).sum()
+        > 10 * s["independent_disagreements"]
+    )
     assert s["first_divergence_rule"] == 1.0 and result.first_divergence["cause"] == "rule"
     assert result.first_divergence["live_decision"] == "queue_full"
     # The simulator's own decisions are decide's on its own numbers, everywhere.
     sim = joined["sim_rule"].notna()
-    assert sim.sum() > 0.9 * len(joined) and joined.loc[sim, "sim_rule"].eq(joined.loc[sim, "sim_decision"]).all()
+    assert (
+        sim.sum() > 0.9 * len(joined)
+        and joined.loc[sim, "sim_rule"].eq(joined.loc[sim, "sim_decision"]).all()
+    )
 
 
 def test_a_finish_shifted_a_few_ms_reads_as_timing():
-    # The gate's rule is the simulator's; one run handed back 40 ms later than the run file says (a finish a
-    # few ms apart, as on a busy machine): the queues behind it differ, and every decision is still decide's
-    # on the numbers it was made on.
+    # The gate's rule is the simulator's; one run handed back 40 ms later than the run file says (a
+    # finish a few ms apart, as on a busy machine): the queues behind it differ, and every decision
+    # is still decide's on the numbers it was made on.
     trace = make_trace("poisson", load=2.0, seconds=60, seed=11, noise_cv=0.3)
     run = live_like_run(trace, "predictive")
     assert_no_disagreement(compare(run))
     waited = run["queued_at_arrival"].gt(0) & run["outcome"].eq("good") & run["arrival_s"].gt(10)
     k = int(run.index[waited][0])
-    run.loc[k, "engine_returned_s"] -= 0.04  # the replay frees the engine 40 ms sooner than the gate did
+    # the replay frees the engine 40 ms sooner than the gate did
+    run.loc[k, "engine_returned_s"] -= 0.04
     result = compare(run)
     s = result.summary
     assert s["disagreements"] > 0 and s["timing_disagreements"] == s["disagreements"]
     assert s["rule_disagreements"] == s["unknown_cause_disagreements"] == s["rule_divergences"] == 0
     first = result.first_divergence
-    assert first["request_id"] == k and first["cause"] == "timing" and s["first_divergence_rule"] == 0.0
+    assert (
+        first["request_id"] == k
+        and first["cause"] == "timing"
+        and s["first_divergence_rule"] == 0.0
+    )
     assert first["differ"] == ["end_s sim - live -40.000 ms"]
     text = describe_first_divergence(first)
-    assert text.startswith(f"request {k} attempt 1 at") and "timing (end_s sim - live -40.000 ms)" in text
+    assert (
+        text.startswith(f"request {k} attempt 1 at")
+        and ("timing (end_s sim - live -40.000 ms)") in text
+    )
 
 
 def test_disagreements_reasons_and_latency_error_are_counted():
@@ -272,7 +416,8 @@ def test_disagreements_reasons_and_latency_error_are_counted():
     refused = np.flatnonzero(run["outcome"].eq("rejected"))
     assert len(refused) >= 2
     # The service said work_limit where the simulator says queue_full, and started one answer 50 ms
-    # later than the simulator does (same hold): 50 ms more in the gate. A slower trip back is no error.
+    # later than the simulator does (same hold): 50 ms more in the gate. A slower trip back is no
+    # error.
     run.loc[refused[0], "reason"] = "work_limit"
     last = int(np.flatnonzero(run["outcome"].eq("good"))[-1])
     run.loc[last, ["finish_s", "engine_started_s", "engine_returned_s", "server_finish_s"]] += 0.05
@@ -292,8 +437,18 @@ def test_a_refused_request_the_simulator_runs_gets_its_estimate_at_arrival():
     run = live_like_run(trace, "bounded")
     answered = np.flatnonzero(run["outcome"].eq("good"))
     flip = answered[-2:]  # the service said no to two requests the simulator will run
-    run.loc[flip, ["outcome", "reason", "start_s", "engine_s", "engine_started_s", "engine_returned_s",
-                   "engine_reported_s"]] = ["rejected", "queue_full", np.nan, np.nan, np.nan, np.nan, np.nan]
+    run.loc[
+        flip,
+        [
+            "outcome",
+            "reason",
+            "start_s",
+            "engine_s",
+            "engine_started_s",
+            "engine_returned_s",
+            "engine_reported_s",
+        ],
+    ] = ["rejected", "queue_full", np.nan, np.nan, np.nan, np.nan, np.nan]
     run.loc[flip, "finish_s"] = run.loc[flip, "arrival_s"]
     run["latency_s"] = run["finish_s"] - run["arrival_s"]
     result = compare(run)
@@ -301,21 +456,39 @@ def test_a_refused_request_the_simulator_runs_gets_its_estimate_at_arrival():
     assert result.summary["disagreement_rate"] == pytest.approx(2 / len(run))
     joined = result.joined.set_index("request_id")
     assert set(joined.loc[flip, "replayed_with"]) == {"estimate"}
-    assert joined.loc[flip[0], "disagreement"] == "independent"  # the second arrived behind the first's divergence
+    # the second arrived behind the first's divergence
+    assert joined.loc[flip[0], "disagreement"] == "independent"
 
 
 def test_confusion_shows_every_outcome():
     joined = pd.DataFrame({"live_outcome": ["good", "error"], "sim_outcome": ["good", "rejected"]})
     table = confusion(joined)
     assert list(table.index) == list(records.OUTCOMES)
-    assert list(table.columns) == [o for o in records.OUTCOMES if o != "abandoned"]  # the simulator's, without clients
-    assert table.loc["good", "good"] == 1 and table.loc["error", "rejected"] == 1 and table.to_numpy().sum() == 2
+    # the simulator's, without clients
+    assert list(table.columns) == [o for o in records.OUTCOMES if o != "abandoned"]
+    assert (
+        table.loc["good", "good"] == 1
+        and table.loc["error", "rejected"] == 1
+        and table.to_numpy().sum() == 2
+    )
     # Clients that give up and retry: abandoned on both sides, and attempts only one side sent.
-    joined = pd.DataFrame({"live_outcome": ["abandoned", "rejected", "not_sent"],
-                           "sim_outcome": ["abandoned", "not_sent", "rejected"]})
+    joined = pd.DataFrame(
+        {
+            "live_outcome": ["abandoned", "rejected", "not_sent"],
+            "sim_outcome": ["abandoned", "not_sent", "rejected"],
+        }
+    )
     table = confusion(joined)
-    assert list(table.index)[-1] == "not_sent" and list(table.columns)[-2:] == ["abandoned", "not_sent"]
-    assert table.loc["abandoned", "abandoned"] == table.loc["rejected", "not_sent"] == table.loc["not_sent", "rejected"] == 1
+    assert list(table.index)[-1] == "not_sent" and list(table.columns)[-2:] == [
+        "abandoned",
+        "not_sent",
+    ]
+    assert (
+        table.loc["abandoned", "abandoned"]
+        == table.loc["rejected", "not_sent"]
+        == table.loc["not_sent", "rejected"]
+        == 1
+    )
 
 
 def test_prediction_of_a_run_reports_errors_with_intervals():
@@ -324,11 +497,14 @@ def test_prediction_of_a_run_reports_errors_with_intervals():
     result = predict(run, seeds=8, noise_cv=0.1)
     table = result.table
     assert list(table.index) == ["share_good", "goodput_rps", "latency_p50_s", "latency_p99_s"]
-    assert (table["ci_low"] <= table["sim_mean"]).all() and (table["sim_mean"] <= table["ci_high"]).all()
+    assert (table["ci_low"] <= table["sim_mean"]).all() and (
+        table["sim_mean"] <= table["ci_high"]
+    ).all()
     assert len(result.per_seed) == 8 and result.speed == 1.0 and "no probe" in result.speed_source
     # The same model with other noise: the live run is one of the seeds' kind.
     assert abs(table.loc["share_good", "relative_error"]) < 0.1
-    run["speed_before"] = 2.0  # a probe said the machine ran at half speed: the prediction follows it
+    # a probe said the machine ran at half speed: the prediction follows it
+    run["speed_before"] = 2.0
     slow = predict(run, seeds=3).table
     assert slow.loc["latency_p50_s", "sim_mean"] > table.loc["latency_p50_s", "sim_mean"]
 
@@ -338,11 +514,20 @@ def test_prediction_judges_the_time_to_first_token_only_where_the_run_measured_i
     run = live_like_run(trace, "predictive")
     plain = predict(run, seeds=3)  # through /v1/generate: no TTFT in the run, none judged
     assert "ttft_p99_s" not in plain.table.index and set(plain.within_targets()) == {
-        "share_good", "goodput_rps", "latency_p99_s"}
-    run["ttft_s"] = np.where(run["outcome"].isin(records.ANSWERED), 1e3, np.nan)  # streamed, and absurdly slow
+        "share_good",
+        "goodput_rps",
+        "latency_p99_s",
+    }
+    # streamed, and absurdly slow
+    run["ttft_s"] = np.where(run["outcome"].isin(records.ANSWERED), 1e3, np.nan)
     streamed = predict(run, seeds=3)
-    assert streamed.table.loc["ttft_p99_s", "live"] == 1e3 and streamed.within_targets()["ttft_p99_s"] is False
-    assert streamed.verdict() == "MISS" and set(streamed.within_targets()) == set(PREDICTION_TARGETS)
+    assert (
+        streamed.table.loc["ttft_p99_s", "live"] == 1e3
+        and streamed.within_targets()["ttft_p99_s"] is False
+    )
+    assert streamed.verdict() == "MISS" and set(streamed.within_targets()) == set(
+        PREDICTION_TARGETS
+    )
 
 
 def test_a_frame_without_the_live_columns_is_refused():
@@ -351,16 +536,23 @@ def test_a_frame_without_the_live_columns_is_refused():
         compare(run)
 
 
-RETRIES = {"honoured": RetryPolicy(mode="exponential", jitter=1.0, max_attempts=3),
-           "jittered": RetryPolicy(mode="exponential", delay_s=0.5, jitter=1.0, retry_after="ignore", max_attempts=4)}
+RETRIES = {
+    "honoured": RetryPolicy(mode="exponential", jitter=1.0, max_attempts=3),
+    "jittered": RetryPolicy(
+        mode="exponential", delay_s=0.5, jitter=1.0, retry_after="ignore", max_attempts=4
+    ),
+}
 
 
 @pytest.mark.parametrize("retry", list(RETRIES))
-@pytest.mark.parametrize("policy, arrivals", [("predictive", "poisson"), ("bounded", "poisson"), ("bounded", "burst:30")])
+@pytest.mark.parametrize(
+    "policy, arrivals", [("predictive", "poisson"), ("bounded", "poisson"), ("bounded", "burst:30")]
+)
 def test_retries_are_replayed_by_the_simulators_own_clients(policy, arrivals, retry):
-    # A run whose clients retried: compare gives the simulator the first attempts and the run's retry
-    # policy and seed; its clients must send every retry the run has, at the same times, and no other.
-    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 40, "load": 2.0}  # a burst takes no load
+    # A run whose clients retried: compare gives the simulator the first attempts and the run's
+    # retry policy and seed; its clients must send every retry the run has, at the same times, and
+    # no other. a burst takes no load
+    length = {"requests": 30} if arrivals.startswith("burst") else {"seconds": 40, "load": 2.0}
     trace = make_trace(arrivals, seed=5, noise_cv=0.2, **length)
     run = live_like_run(trace, policy, trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES[retry])
     assert run["attempt"].max() > 1 and set(run["retry_seed"]) == {7}
@@ -375,7 +567,9 @@ def test_retries_are_replayed_by_the_simulators_own_clients(policy, arrivals, re
 
 def test_an_attempt_only_the_simulator_sends_is_a_disagreement_of_attempts():
     trace = make_trace("poisson", load=2.0, seconds=40, seed=5)
-    run = live_like_run(trace, "predictive", trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES["honoured"])
+    run = live_like_run(
+        trace, "predictive", trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES["honoured"]
+    )
     # As if the live client of one retried request had given up after its first refusal.
     gone = run.index[run["attempt"].eq(2)][0]
     first = int(run.loc[gone, "first_request_id"])
@@ -396,17 +590,32 @@ def test_a_run_file_carries_its_clients():
     from live.rows import Exchange, to_frame
     from qsim.runfile import client_settings
 
-    trace = make_trace("poisson", load=1.0, seconds=5, seed=2, patience=Patience.parse("deterministic:3"))
+    trace = make_trace(
+        "poisson", load=1.0, seconds=5, seed=2, patience=Patience.parse("deterministic:3")
+    )
     run = live_like_run(trace, "bounded", trip_in_s=0.0, trip_out_s=0.0, retry=RETRIES["jittered"])
     clients, patience = client_settings(run)
-    assert clients.retry == RETRIES["jittered"] and clients.retry_seed == 7 and clients.patience_until == "answer"
+    assert (
+        clients.retry == RETRIES["jittered"]
+        and clients.retry_seed == 7
+        and clients.patience_until == "answer"
+    )
     np.testing.assert_array_equal(patience[run["attempt"].eq(1).to_numpy()], 3.0)
-    # A client that hung up: abandoned, with its reason; no answer, so no status, start or gate arrival.
+    # A client that hung up: abandoned, with its reason; no answer, so no status, start or gate
+    # arrival.
     ex = Exchange(1.0, 1.0, 4.0, first=0, attempt=1, left="client_left", hangup_s=4.0, next="left")
     info_run = to_frame(trace, [ex], *_info_args(), clients=clients)
     row = info_run.iloc[0]
-    assert (row["outcome"], row["reason"], row["client_next"]) == ("abandoned", "client_left", "left")
-    assert pd.isna(row["http_status"]) and np.isnan(row["start_s"]) and np.isnan(row["server_arrival_s"])
+    assert (row["outcome"], row["reason"], row["client_next"]) == (
+        "abandoned",
+        "client_left",
+        "left",
+    )
+    assert (
+        pd.isna(row["http_status"])
+        and np.isnan(row["start_s"])
+        and np.isnan(row["server_arrival_s"])
+    )
     assert row["hangup_s"] == 4.0 and row["patience_s"] == 3.0
     # An older run file: patient clients that never retry.
     old = run.drop(columns=["retry_policy", "retry_seed", "patience_until", "patience_s"])
@@ -430,8 +639,11 @@ def servers(tmp_path_factory):
     from live.procs import serving
     from live.serve_options import ServeOptions
 
-    with serving([ServeOptions(policy=p) for p in ("bounded", "bounded-deadline", "predictive")],
-                 tmp_path_factory.mktemp("logs"), 60) as started:
+    with serving(
+        [ServeOptions(policy=p) for p in ("bounded", "bounded-deadline", "predictive")],
+        tmp_path_factory.mktemp("logs"),
+        60,
+    ) as started:
         yield {s.options.policy: s.url for s in started}
 
 
@@ -450,7 +662,8 @@ def test_a_live_burst_is_replayed_exactly(servers, policy):
     counts = {o: (s[f"live_{o}"], s[f"sim_{o}"]) for o in ("good", "late", "rejected", "expired")}
     assert all(live == sim for live, sim in counts.values()), (
         f"{policy}: live vs sim counts {counts}; exact counts need the gate's arrival times "
-        "(arrived_at in the answers, clock in /stats)")
+        "(arrived_at in the answers, clock in /stats)"
+    )
     assert s["disagreements"] == 0 and s["reasons_disagree"] == 0
 
 
@@ -465,8 +678,13 @@ def test_a_live_overload_run_is_replayed_request_by_request(servers, tmp_path, c
     run.to_parquet(path, index=False)
     assert main(["compare", str(path), "--out", str(tmp_path / "cmp")]) == 0
     text = capsys.readouterr().out
-    for needle in ("outcomes, live (rows) x simulator (columns)", "disagreements:", "independent (same queue",
-                   "refusal reasons of the", "never started: calibrated estimate x speed factor at its arrival"):
+    for needle in (
+        "outcomes, live (rows) x simulator (columns)",
+        "disagreements:",
+        "independent (same queue",
+        "refusal reasons of the",
+        "never started: calibrated estimate x speed factor at its arrival",
+    ):
         assert needle in text
     joined = pd.read_parquet(tmp_path / "cmp" / "compare.parquet")
     assert len(joined) == len(run) and joined["request_id"].is_unique
@@ -478,17 +696,26 @@ def test_a_live_overload_run_is_replayed_request_by_request(servers, tmp_path, c
     assert s["latency_abs_error_p99_s"] < 0.005
     assert main(["compare", str(path), "--predict", "--seeds", "3", "--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
-    assert set(predicted["metrics"]) == {"share_good", "goodput_rps", "latency_p50_s", "latency_p99_s"}
-    # Nothing passed by hand: the run file says the engine is synthetic, at speed 1 and without noise.
-    assert "the synthetic engine's speed setting" in predicted["speed_source"] and predicted["speed"] == 1.0
+    assert set(predicted["metrics"]) == {
+        "share_good",
+        "goodput_rps",
+        "latency_p50_s",
+        "latency_p99_s",
+    }
+    # Nothing passed by hand: the run file says the engine is synthetic, at speed 1 and without
+    # noise.
+    assert (
+        "the synthetic engine's speed setting" in predicted["speed_source"]
+        and predicted["speed"] == 1.0
+    )
     assert "noise setting" in predicted["noise_source"] and predicted["noise_cv"] == 0.0
 
 
 @pytest.mark.parametrize("taught", [None, 0.8, 1.3])
 def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracker(taught):
-    # Request 1's client hung up around the end of its run: the gate's factor at the next arrival (request 3)
-    # says whether it was stopped (taught nothing) or ran out (and what it taught), with request 2's teaching in
-    # between folded in as the replay has it.
+    # Request 1's client hung up around the end of its run: the gate's factor at the next arrival
+    # (request 3) says whether it was stopped (taught nothing) or ran out (and what it taught), with
+    # request 2's teaching in between folded in as the replay has it.
     from analysis.replay import Unsaid, _TrackerEvidence
     from qsim.service import SpeedTracker
 
@@ -497,21 +724,53 @@ def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracke
     if taught is not None:
         tracker.observe(base[1], taught * base[1])
     tracker.observe(base[2], reported2)
-    run = pd.DataFrame({"first_request_id": range(4), "attempt": 1,
-                        "arrival_speed_factor": [1.0, np.nan, np.nan, tracker.factor]})
+    run = pd.DataFrame(
+        {
+            "first_request_id": range(4),
+            "attempt": 1,
+            "arrival_speed_factor": [1.0, np.nan, np.nan, tracker.factor],
+        }
+    )
     ordered = pd.DataFrame({"request_id": range(4), "calibrated_est_s": base})
-    sim = pd.DataFrame({"first_request_id": range(4), "attempt": 1, "start_s": [0.0, 0.1, 0.3, 0.5],
-                        "finish_s": [0.1, 0.3, 0.5, 0.6], "est_service_s": base})
+    sim = pd.DataFrame(
+        {
+            "first_request_id": range(4),
+            "attempt": 1,
+            "start_s": [0.0, 0.1, 0.3, 0.5],
+            "finish_s": [0.1, 0.3, 0.5, 0.6],
+            "est_service_s": base,
+        }
+    )
     position = pd.Series(range(4), index=pd.MultiIndex.from_arrays([range(4), [1] * 4]))
     setup = ServerConfig(preset("predictive"), 1, tracker_weight=0.2)
-    evidence = _TrackerEvidence(run, setup, Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim,
-                                position, np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool))
+    evidence = _TrackerEvidence(
+        run,
+        setup,
+        Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}),
+        ordered,
+        sim,
+        position,
+        np.array([0.1, np.nan, reported2, 0.1]),
+        np.zeros(4, dtype=bool),
+    )
     said = evidence.learned(1, 0.3)
     assert said is False if taught is None else said == pytest.approx(taught * base[1], rel=1e-9)
-    # Apart before its end (the replay's factor at request 0 is not the gate's): the run cannot tell.
+    # Apart before its end (the replay's factor at request 0 is not the gate's): the run cannot
+    # tell.
     run.loc[0, "arrival_speed_factor"] = 1.01
-    assert _TrackerEvidence(run, setup, Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}), ordered, sim, position,
-                            np.array([0.1, np.nan, reported2, 0.1]), np.zeros(4, dtype=bool)).learned(1, 0.3) is None
+    assert (
+        _TrackerEvidence(
+            run,
+            setup,
+            Unsaid(np.array([0.0, 0.05, 0.1, 0.55]), 0.0, {}),
+            ordered,
+            sim,
+            position,
+            np.array([0.1, np.nan, reported2, 0.1]),
+            np.zeros(4, dtype=bool),
+        ).learned(1, 0.3)
+        is None
+    )
 
 
 def test_the_compare_figure_wraps_its_titles_and_keeps_outcome_names_apart():

@@ -1,5 +1,6 @@
-"""A policy of one's own (docs/examples/slack.py, shown in docs/policies.md) runs everywhere a preset does:
-simulate, a sweep, the gate (exactly as the simulator, on a virtual clock), a real server, and compare."""
+"""A policy of one's own (docs/examples/slack.py, shown in docs/policies.md) runs everywhere a
+preset does: simulate, a sweep, the gate (exactly as the simulator, on a virtual clock), a real
+server, and compare."""
 
 import subprocess
 import sys
@@ -59,7 +60,9 @@ weight = 0.5
     cfg = config.load(tmp_path / "s.toml")
     summary = sweep.run(cfg, tmp_path / "out", workers=1, quiet=True)
     assert sorted(summary["policy"].unique()) == sorted(["predictive", SPEC]) and len(summary) == 4
-    (tmp_path / "bad.toml").write_text(f'[grid]\npolicy = ["{SPEC}"]\nload = [1.0]\n[policy_args."{SPEC}"]\nquantum = 1\n')
+    (tmp_path / "bad.toml").write_text(
+        f'[grid]\npolicy = ["{SPEC}"]\nload = [1.0]\n[policy_args."{SPEC}"]\nquantum = 1\n'
+    )
     with pytest.raises(config.ConfigError, match="has no parameter 'quantum'"):
         config.load(tmp_path / "bad.toml")
 
@@ -74,18 +77,26 @@ def test_a_server_serves_it_and_compare_rebuilds_it(tmp_path):
     with serving([options], tmp_path, 60) as (server,):
         qlab = [sys.executable, "-m", "experiments"]
         run = tmp_path / "run.parquet"
-        subprocess.run([*qlab, "replay", "--url", server.url, "--arrivals", "burst:30", "--out", str(run)],
-                       check=True, capture_output=True, text=True)
-        done = subprocess.run([*qlab, "compare", str(run), "--out", str(tmp_path / "cmp")],
-                              check=True, capture_output=True, text=True)
+        subprocess.run(
+            [*qlab, "replay", "--url", server.url, "--arrivals", "burst:30", "--out", str(run)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        done = subprocess.run(
+            [*qlab, "compare", str(run), "--out", str(tmp_path / "cmp")],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     frame = pd.read_parquet(run)
     assert frame["policy"].iloc[0] == SPEC and '"weight": 0.5' in frame["server_config"].iloc[0]
     assert "disagreements: 0 of 30" in done.stdout
 
 
 def test_a_rule_of_its_own_decides_in_the_gate_as_in_the_simulator():
-    """docs/examples/margin.py overrides Policy.decide: the gate, on a virtual clock, makes every decision the
-    simulator makes, and the margin refuses what plain predictive admits."""
+    """docs/examples/margin.py overrides Policy.decide: the gate, on a virtual clock, makes every
+    decision the simulator makes, and the margin refuses what plain predictive admits."""
     from virtual_time import run_gate
 
     trace = make_trace("poisson", "mix", load=2.0, engines=2, seconds=15, seed=5, noise_cv=0.3)
@@ -96,17 +107,22 @@ def test_a_rule_of_its_own_decides_in_the_gate_as_in_the_simulator():
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("").tolist() == sim["reason"].fillna("").tolist()
     np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
-    # The first decision that differs from plain predictive's is the margin's refusal of what predictive admits.
+    # The first decision that differs from plain predictive's is the margin's refusal of what
+    # predictive admits.
     plain = simulate(trace, resolve("predictive"), 2)
     differ = np.flatnonzero(sim["outcome"].to_numpy() != plain["outcome"].to_numpy())
-    assert len(differ) and sim["outcome"].iloc[differ[0]] == "rejected" != plain["outcome"].iloc[differ[0]]
+    assert (
+        len(differ)
+        and sim["outcome"].iloc[differ[0]] == "rejected" != plain["outcome"].iloc[differ[0]]
+    )
     with pytest.raises(ValueError, match="margin_s must be >= 0"):
         resolve("margin:Margin", {"margin_s": "-1"})
 
 
 def test_a_rule_of_its_own_is_one_more_part_in_the_gate_as_in_the_simulator():
-    """docs/examples/prompts.py adds a rule refusing long prompts to the predictive preset's rules: the
-    simulator and the gate (on a virtual clock) refuse exactly the prompts over the bound, as too_large."""
+    """docs/examples/prompts.py adds a rule refusing long prompts to the predictive preset's rules:
+    the simulator and the gate (on a virtual clock) refuse exactly the prompts over the bound, as
+    too_large."""
     from virtual_time import run_gate
 
     from qsim.policy import PRESETS
@@ -116,8 +132,16 @@ def test_a_rule_of_its_own_is_one_more_part_in_the_gate_as_in_the_simulator():
     bound = policy.rules[-1]
     assert type(bound).__name__ == "PromptBound" and bound.max_prompt_tokens == 120
     assert policy.rules == (*PRESETS["predictive"].rules, bound)
-    trace = make_trace("poisson", "mix", load=1.5, engines=2, seconds=15, seed=5, noise_cv=0.3,
-                       prompts=Prompts("uniform", 0, 200))
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=1.5,
+        engines=2,
+        seconds=15,
+        seed=5,
+        noise_cv=0.3,
+        prompts=Prompts("uniform", 0, 200),
+    )
     sim = simulate(trace, policy, 2)
     gate, _ = run_gate(trace, policy, 2)
     assert gate["outcome"].tolist() == sim["outcome"].tolist()

@@ -1,5 +1,5 @@
-"""Prompt datasets (qsim.datasets): ShareGPT JSON and JSONL, plain JSONL, vLLM's filter, seeded rows,
-and ``qlab simulate --dataset`` / ``qlab replay --dataset`` describing the same requests.
+"""Prompt datasets (qsim.datasets): ShareGPT JSON and JSONL, plain JSONL, vLLM's filter, seeded
+rows, and ``qlab simulate --dataset`` / ``qlab replay --dataset`` describing the same requests.
 
 The fixture (tests/data/datasets/) is text written for these tests: 30 one-exchange conversations,
 one of four turns, and one entry for each rule that drops one.
@@ -21,8 +21,14 @@ from qsim.workload import dataset_rows, trace_chunks
 
 DATA = Path(__file__).parent / "data" / "datasets"
 CHAT, CHAT_L, PLAIN = (str(DATA / name) for name in ("chat.json", "chat.jsonl", "plain.jsonl"))
-DROPPED = {"fewer than 2 turns": 1, "prompt under 4 tokens": 1, "output under 4 tokens": 1,
-           "prompt over 1024 tokens": 1, "prompt and output over 2048 tokens": 1, "no human turn": 1}
+DROPPED = {
+    "fewer than 2 turns": 1,
+    "prompt under 4 tokens": 1,
+    "output under 4 tokens": 1,
+    "prompt over 1024 tokens": 1,
+    "prompt and output over 2048 tokens": 1,
+    "no human turn": 1,
+}
 
 
 def _error(capsys, argv) -> str:
@@ -40,26 +46,40 @@ def test_each_of_vllms_rules_drops_its_entry_and_keeps_the_rest():
     data = read_dataset(CHAT)
     assert (data.entries, len(data.requests)) == (37, 31) and dict(data.dropped) == DROPPED
     ids = {r.id for r in data.requests}
-    assert not ids & {"one-turn", "short-prompt", "short-output", "long-prompt",
-                      "too-long-together", "gpt-first"}
+    assert not ids & {
+        "one-turn",
+        "short-prompt",
+        "short-output",
+        "long-prompt",
+        "too-long-together",
+        "gpt-first",
+    }
     multi = next(r for r in data.requests if r.id == "multi")  # only its first exchange counts
     answer = "A line of requests waiting their turn for an engine to become free."
     assert multi.prompt == "What is a queue in plain words?"
     assert (multi.prompt_tokens, multi.output_tokens) == (8, count_tokens(answer)) == (8, 14)
 
 
-@pytest.mark.parametrize("prompt, output, why", [
-    (4, 4, None), (3, 100, "prompt under 4 tokens"), (100, 3, "output under 4 tokens"),
-    (1024, 1024, None), (1025, 4, "prompt over 1024 tokens"),
-    (1000, 1049, "prompt and output over 2048 tokens")])
+@pytest.mark.parametrize(
+    "prompt, output, why",
+    [
+        (4, 4, None),
+        (3, 100, "prompt under 4 tokens"),
+        (100, 3, "output under 4 tokens"),
+        (1024, 1024, None),
+        (1025, 4, "prompt over 1024 tokens"),
+        (1000, 1049, "prompt and output over 2048 tokens"),
+    ],
+)
 def test_the_limits_are_vllms_at_their_edges(prompt, output, why):
     assert Limits().why_not(prompt, output) == why
 
 
 def test_the_counting_rules_are_the_stated_ones():
     # GPT-2's pieces: words with their leading space, runs of digits and of punctuation, "'s".
-    assert count_tokens("Hello, world! It's 2048.") == len(["Hello", ",", " world", "!", " It", "'s",
-                                                            " 2048", "."])
+    assert count_tokens("Hello, world! It's 2048.") == len(
+        ["Hello", ",", " world", "!", " It", "'s", " 2048", "."]
+    )
     assert count_tokens("naïve café", "bytes") == 12 and count_tokens("naïve café") == 2
     with pytest.raises(ValueError, match="unknown token count"):
         count_tokens("x", "words")
@@ -77,7 +97,11 @@ def test_plain_jsonl_takes_output_tokens_as_given_and_counts_a_completion():
     assert len(data.requests) == 10
     for row, request in zip(rows, data.requests):
         expected = row.get("output_tokens") or count_tokens(row["completion"])
-        assert (request.id, request.prompt, request.output_tokens) == (row["id"], row["prompt"], expected)
+        assert (request.id, request.prompt, request.output_tokens) == (
+            row["id"],
+            row["prompt"],
+            expected,
+        )
 
 
 # ------------------------------------------------------------------ seeded rows
@@ -96,12 +120,16 @@ def test_rows_are_seeded_without_repeats_then_with_replacement():
 
 def test_a_dataset_changes_the_lengths_and_leaves_the_arrivals_as_they_were():
     data = read_dataset(CHAT)
-    plain, with_data = make_trace(requests=200, seed=3), make_trace(requests=200, seed=3, dataset=data)
+    plain, with_data = (
+        make_trace(requests=200, seed=3),
+        make_trace(requests=200, seed=3, dataset=data),
+    )
     # The load counts the rows' mean estimate, so the rate differs; the gaps in units of the mean
     # gap are the same draws.
     assert with_data.meta["rate"] != plain.meta["rate"]
-    assert np.allclose(with_data.arrival_s * with_data.meta["rate"],
-                       plain.arrival_s * plain.meta["rate"])
+    assert np.allclose(
+        with_data.arrival_s * with_data.meta["rate"], plain.arrival_s * plain.meta["rate"]
+    )
     rows = dataset_rows(data, 200, 3)
     assert (with_data.max_new_tokens == data.output_tokens[rows]).all()
     assert (with_data.prompt_tokens == data.prompt_tokens[rows]).all()
@@ -117,8 +145,12 @@ def test_a_streamed_trace_takes_the_rows_the_whole_one_takes():
 
 def test_the_same_seed_gives_the_same_run_and_json_and_jsonl_the_same_one(capsys):
     def run(path, seed):
-        assert main(["simulate", "--dataset", path, "--requests", "300", "--seed", str(seed),
-                     "--json"]) == 0
+        assert (
+            main(
+                ["simulate", "--dataset", path, "--requests", "300", "--seed", str(seed), "--json"]
+            )
+            == 0
+        )
         out = json.loads(capsys.readouterr().out)
         return out["summary"], out["dataset"]["usable"]
 
@@ -134,11 +166,28 @@ def test_a_simulated_run_has_the_datasets_mean_prompt_and_output_lengths(tmp_pat
     data = read_dataset(CHAT)
     # A prompt term in the model makes each request's estimate say its prompt length.
     model = tmp_path / "model.json"
-    model.write_text(json.dumps({"intercept_s": 0.01, "per_token_s": 0.001,
-                                 "per_prompt_token_s": 0.002}))
+    model.write_text(
+        json.dumps({"intercept_s": 0.01, "per_token_s": 0.001, "per_prompt_token_s": 0.002})
+    )
     out, n = tmp_path / "run.parquet", 3000
-    assert main(["simulate", "--dataset", CHAT, "--requests", str(n), "--seed", "2",
-                 "--service-model", str(model), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--dataset",
+                CHAT,
+                "--requests",
+                str(n),
+                "--seed",
+                "2",
+                "--service-model",
+                str(model),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = pd.read_parquet(out)
     output = rows["max_new_tokens"].to_numpy(dtype=float)
     prompt = (rows["est_service_s"] - 0.01 - 0.001 * output).to_numpy() / 0.002
@@ -160,7 +209,7 @@ def test_a_missing_file_is_one_line(capsys):
 def test_bad_jsonl_names_its_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     good = json.dumps({"prompt": "What is a queue, briefly?", "output_tokens": 9})
-    path.write_text(f"{good}\n\n{good}\n{{\"prompt\": \"cut off\n")
+    path.write_text(f'{good}\n\n{good}\n{{"prompt": "cut off\n')
     err = _error(capsys, ["simulate", "--dataset", str(path), "--requests", "5"])
     assert f"{path}: bad JSON on line 4" in err
 
@@ -168,27 +217,39 @@ def test_bad_jsonl_names_its_line(tmp_path, capsys):
 def test_a_bad_json_list_names_its_line(tmp_path, capsys):
     path = tmp_path / "bad.json"
     path.write_text('[\n {"prompt": "a b c d e", "output_tokens": 9},\n {"prompt": }\n]\n')
-    assert f"{path}: bad JSON at line 3" in _error(capsys, ["simulate", "--dataset", str(path),
-                                                            "--requests", "5"])
+    assert f"{path}: bad JSON at line 3" in _error(
+        capsys, ["simulate", "--dataset", str(path), "--requests", "5"]
+    )
 
 
 def test_nothing_usable_says_why_each_entry_was_dropped(tmp_path, capsys):
     path = tmp_path / "none.jsonl"
-    path.write_text("\n".join(json.dumps(e) for e in [
-        {"conversations": [{"from": "human", "value": "Just one turn here."}]},
-        {"prompt": "Hi", "output_tokens": 50}, [1, 2]]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(e)
+            for e in [
+                {"conversations": [{"from": "human", "value": "Just one turn here."}]},
+                {"prompt": "Hi", "output_tokens": 50},
+                [1, 2],
+            ]
+        )
+        + "\n"
+    )
     err = _error(capsys, ["simulate", "--dataset", str(path), "--requests", "5"])
     assert "no usable conversations in 3 entries" in err
     assert "1 fewer than 2 turns; 1 prompt under 4 tokens; 1 not an object" in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--prompts", "fixed:8"], "drop --prompts"),
-    (["--used", "study"], "drop the early stops"),
-    (["--service", "exponential"], "needs --service mix"),
-    (["--turns", "3"], "drop --system-prompt and --turns"),
-    (["--dataset-tokens", "words"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompts", "fixed:8"], "drop --prompts"),
+        (["--used", "study"], "drop the early stops"),
+        (["--service", "exponential"], "needs --service mix"),
+        (["--turns", "3"], "drop --system-prompt and --turns"),
+        (["--dataset-tokens", "words"], "invalid choice"),
+    ],
+)
 def test_what_a_dataset_cannot_stand_beside_is_refused(capsys, flags, message):
     assert message in _error(capsys, ["simulate", "--dataset", CHAT, "--requests", "5", *flags])
 
@@ -211,8 +272,26 @@ def test_replay_sends_the_rows_texts_with_max_tokens_their_answers(tmp_path, cap
     data, n, seed = read_dataset(CHAT), 8, 4
     out = tmp_path / "run.parquet"
     with bare_server() as (url, seen):
-        assert main(["replay", "--url", url, "--api", "openai", "--dataset", CHAT,
-                     "--arrivals", f"burst:{n}", "--seed", str(seed), "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "replay",
+                    "--url",
+                    url,
+                    "--api",
+                    "openai",
+                    "--dataset",
+                    CHAT,
+                    "--arrivals",
+                    f"burst:{n}",
+                    "--seed",
+                    str(seed),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     assert "prompts: the texts of" in capsys.readouterr().out
     rows = [data.requests[i] for i in dataset_rows(data, n, seed)]  # what simulate takes too
     sent = sorted((req["prompt"], req["max_tokens"]) for req, _ in seen)

@@ -22,7 +22,9 @@ SLOW = os.environ.get("QLAB_DOCS_SLOW") == "1"
 def _diff(expected: list[str], actual: list[str]) -> str:
     import difflib
 
-    return "\n".join(difflib.unified_diff(de._trim(expected), de._trim(actual), "saved", "now", lineterm=""))
+    return "\n".join(
+        difflib.unified_diff(de._trim(expected), de._trim(actual), "saved", "now", lineterm="")
+    )
 
 
 @pytest.mark.slow
@@ -40,14 +42,19 @@ def test_example(block: de.Block):
     for r in results:
         assert r.returncode == 0, (
             f"{block.id}: `{r.command.line}` exited {r.returncode}\nstdout:\n"
-            + "\n".join(r.stdout) + f"\nstderr:\n{r.stderr}"
+            + "\n".join(r.stdout)
+            + f"\nstderr:\n{r.stderr}"
         )
     if "skip-output" in opts:
         return
     stale = [r for r in results if not de.output_matches(r.command.expected, r.stdout)]
     if stale and UPDATE:
-        de.rewrite_block(block, [de.updated_expected(r.command.expected, r.stdout) for r in results])
-        pytest.skip(f"{block.id}: saved output rewritten (QLAB_DOCS_UPDATE=1); review with git diff")
+        de.rewrite_block(
+            block, [de.updated_expected(r.command.expected, r.stdout) for r in results]
+        )
+        pytest.skip(
+            f"{block.id}: saved output rewritten (QLAB_DOCS_UPDATE=1); review with git diff"
+        )
     assert not stale, "\n\n".join(
         f"{block.id}: `{r.command.line}` prints other output than the docs save"
         f" (QLAB_DOCS_UPDATE=1 rewrites it):\n{_diff(r.command.expected, r.stdout)}"
@@ -55,22 +62,30 @@ def test_example(block: de.Block):
     )
 
 
-@pytest.mark.parametrize("path", de.doc_files(), ids=[str(p.relative_to(de.ROOT)) for p in de.doc_files()])
+@pytest.mark.parametrize(
+    "path", de.doc_files(), ids=[str(p.relative_to(de.ROOT)) for p in de.doc_files()]
+)
 def test_links(path):
     assert not de.broken_links(path)
 
 
 @pytest.mark.slow
 def test_every_subcommand_has_a_readme_example():
-    text = subprocess.run(de.qlab_argv() + ["--help"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        de.qlab_argv() + ["--help"], capture_output=True, text=True, check=True
+    ).stdout
     subcommands = re.search(r"\{([\w,-]+)\}", text).group(1).split(",")
     readme = [c.line for b in BLOCKS if b.path.name == "README.md" for c in b.commands]
-    missing = [s for s in subcommands if not any(line.split()[:2] == ["qlab", s] for line in readme)]
+    missing = [
+        s for s in subcommands if not any(line.split()[:2] == ["qlab", s] for line in readme)
+    ]
     assert not missing, f"README.md has no console example of: {missing}"
 
 
 def test_every_doc_page_is_linked_from_the_readme():
-    linked = {(de.ROOT / t.partition("#")[0]).resolve() for t in de.relative_links(de.ROOT / "README.md")}
+    linked = {
+        (de.ROOT / t.partition("#")[0]).resolve() for t in de.relative_links(de.ROOT / "README.md")
+    }
     pages = [p for p in de.doc_files()[1:] if p.resolve() not in linked]
     assert not pages, f"docs pages the README does not link: {[p.name for p in pages]}"
 

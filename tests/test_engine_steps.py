@@ -19,8 +19,16 @@ def _phase(level: int, half: int, seqs: float, prefill: float, jitter: float = 1
     generated = round(seqs * steps)
     before = Counters(10.0, 0, 0, 0, 0.0, 0, 0, 0.0)
     requests = generated // 64
-    after = Counters(10.0 + steps * step * 1.2, steps, generated + round(prefill * steps),
-                     generated, generated * step, generated, requests, requests * 64 * step)
+    after = Counters(
+        10.0 + steps * step * 1.2,
+        steps,
+        generated + round(prefill * steps),
+        generated,
+        generated * step,
+        generated,
+        requests,
+        requests * 64 * step,
+    )
     return EnginePhase.between(level, half, before, after)
 
 
@@ -48,7 +56,9 @@ def test_a_model_that_only_fits_its_own_phases_fails_on_the_held_out_ones():
     the first halves' fit says nothing of the second."""
     levels = [(1, 1.0, 2.0), (4, 3.5, 8.0), (8, 7.0, 4.0), (16, 14.0, 20.0), (32, 28.0, 12.0)]
     jitter = {0: (1.0, 4.0, 0.5, 3.0, 1.0), 1: (3.0, 0.5, 4.0, 1.0, 0.4)}
-    phases = [_phase(n, h, s, p, jitter[h][k]) for k, (n, s, p) in enumerate(levels) for h in (0, 1)]
+    phases = [
+        _phase(n, h, s, p, jitter[h][k]) for k, (n, s, p) in enumerate(levels) for h in (0, 1)
+    ]
     assert fit_phases(phases).held_out_r2 < 0.5
 
 
@@ -56,7 +66,9 @@ def test_too_few_phases_or_an_engine_that_ran_nothing_is_said():
     phases = [_phase(n, h, n, 1.0) for n in (1, 8) for h in (0, 1)]
     with pytest.raises(ValueError, match="3 first and 2 second halves"):
         fit_phases(phases)
-    idle = EnginePhase.between(4, 0, Counters(0, 0, 0, 0, 0, 0, 0, 0), Counters(1, 0, 0, 0, 0, 0, 0, 0))
+    idle = EnginePhase.between(
+        4, 0, Counters(0, 0, 0, 0, 0, 0, 0, 0), Counters(1, 0, 0, 0, 0, 0, 0, 0)
+    )
     with pytest.raises(ValueError, match="--engine-metrics"):
         fit_phases([*phases, idle])
 
@@ -83,8 +95,12 @@ def test_the_api_process_cpu_gives_the_front_end():
     for n, s, p in levels:
         for h in (0, 1):
             phase = _phase(n, h, s * (1 + 0.3 * h), p)
-            cpu = (0.0025 * phase.requests + 0.00023 * phase.steps + 0.00003 * phase.generated
-                   + 0.002 * phase.seconds)
+            cpu = (
+                0.0025 * phase.requests
+                + 0.00023 * phase.steps
+                + 0.00003 * phase.generated
+                + 0.002 * phase.seconds
+            )
             phases.append(replace(phase, api_cpu_s=cpu))
     fitted = fit_front_end(phases)
     m = fitted.model
@@ -94,14 +110,18 @@ def test_the_api_process_cpu_gives_the_front_end():
     assert engine.front_end == fitted and engine.as_dict()["front_end"]["step_s"] == m.step_s
     assert fit_front_end([replace(p, api_cpu_s=0.0) for p in phases]) is None  # not shown
     assert fit_front_end(phases[:4]) is None
-    written = {"step": {"b0": 0.005}, "front_end": {"request_s": m.request_s, "token_s": m.token_s,
-                                                    "step_s": m.step_s}}
+    written = {
+        "step": {"b0": 0.005},
+        "front_end": {"request_s": m.request_s, "token_s": m.token_s, "step_s": m.step_s},
+    }
     assert LoadTerms.from_calibration(written).front_end == FrontEnd(**written["front_end"])
 
 
 def test_a_phase_in_which_the_engine_ran_nothing_reads_nan_not_an_error():
     import math
 
-    idle = EnginePhase.between(4, 0, Counters(0, 0, 0, 0, 0, 0, 0, 0), Counters(1, 0, 0, 0, 0, 0, 0, 0))
+    idle = EnginePhase.between(
+        4, 0, Counters(0, 0, 0, 0, 0, 0, 0, 0), Counters(1, 0, 0, 0, 0, 0, 0, 0)
+    )
     assert math.isnan(idle.step_s) and math.isnan(idle.seqs) and math.isnan(idle.prefill)
     assert math.isnan(idle.outside_s)

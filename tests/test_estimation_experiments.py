@@ -1,6 +1,6 @@
-"""The estimation, stale-estimator and cancellation experiments (issue 12): their sweep axes, per-cell columns,
-tables and figures. Every comparison is between cells of the same seeds (common random numbers) and is
-deterministic: no wall clock, no margin that a slow machine could break."""
+"""The estimation, stale-estimator and cancellation experiments (issue 12): their sweep axes,
+per-cell columns, tables and figures. Every comparison is between cells of the same seeds (common
+random numbers) and is deterministic: no wall clock, no margin that a slow machine could break."""
 
 import dataclasses
 import hashlib
@@ -79,7 +79,10 @@ def test_old_config_keeps_digest_and_cell_ids(tmp_path):
 def test_new_axes_parse_into_cells(tmp_path):
     cfg = config.load(write(tmp_path, NEW))
     assert cfg.grid["estimator"] == ("limit", "learned", "oracle")
-    assert cfg.grid["fixed_estimate"] == (False, True) and cfg.grid["cancel_at_deadline"] == (False, True)
+    assert cfg.grid["fixed_estimate"] == (False, True) and cfg.grid["cancel_at_deadline"] == (
+        False,
+        True,
+    )
     cells = sweep.cells(cfg)
     assert len(cells) == 3 * 3 * 2 * 2 * 2 * 2 and len({c.id for c in cells}) == len(cells)
     # "none" is the cell without (None), as for clients, retry and patience.
@@ -87,22 +90,38 @@ def test_new_axes_parse_into_cells(tmp_path):
     assert {c.speed_schedule for c in cells} == {None, "10:2.2"}
     cell = next(c for c in cells if c.estimator == "learned" and c.cancel_at_deadline)
     policy = sweep._policy(cfg, cell)
-    assert (policy.estimator, policy.cancel_at_deadline, policy.name) == ("learned", True, "predictive")
+    assert (policy.estimator, policy.cancel_at_deadline, policy.name) == (
+        "learned",
+        True,
+        "predictive",
+    )
     assert config.parse_used("study") == UsedShare() and config.parse_used("none") is None
     assert config.parse_used("0.1:0.2:0.5") == UsedShare(0.1, 0.2, 0.5)
 
 
-@pytest.mark.parametrize("grid, needle", [
-    ('estimator = ["guess"]', "grid.estimator[0]: unknown estimator 'guess'"),
-    ('used = ["x"]', "grid.used[0]: expected none, study or AT_LIMIT:MEDIAN:SIGMA"),
-    ('used = ["0.1:2:1"]', "grid.used[0]: median used share must be in (0, 1]"),
-    ('speed_schedule = ["20"]', "grid.speed_schedule[0]: speed schedule entries are SECONDS:FACTOR"),
-    ('speed_schedule = ["20:2,10:1"]', "grid.speed_schedule[0]: speed schedule times must be >= 0 and increasing"),
-    ('speed_schedule = ["20:0"]', "grid.speed_schedule[0]: speed factors must be > 0"),
-    ('cancel_at_deadline = ["yes"]', "grid.cancel_at_deadline[0]: expected bool, got str 'yes'"),
-    ('fixed_estimate = [1]', "grid.fixed_estimate[0]: expected bool, got int 1"),
-    ('estimator = ["limit", "limit"]', "grid.estimator: a value appears twice"),
-])
+@pytest.mark.parametrize(
+    "grid, needle",
+    [
+        ('estimator = ["guess"]', "grid.estimator[0]: unknown estimator 'guess'"),
+        ('used = ["x"]', "grid.used[0]: expected none, study or AT_LIMIT:MEDIAN:SIGMA"),
+        ('used = ["0.1:2:1"]', "grid.used[0]: median used share must be in (0, 1]"),
+        (
+            'speed_schedule = ["20"]',
+            "grid.speed_schedule[0]: speed schedule entries are SECONDS:FACTOR",
+        ),
+        (
+            'speed_schedule = ["20:2,10:1"]',
+            "grid.speed_schedule[0]: speed schedule times must be >= 0 and increasing",
+        ),
+        ('speed_schedule = ["20:0"]', "grid.speed_schedule[0]: speed factors must be > 0"),
+        (
+            'cancel_at_deadline = ["yes"]',
+            "grid.cancel_at_deadline[0]: expected bool, got str 'yes'",
+        ),
+        ("fixed_estimate = [1]", "grid.fixed_estimate[0]: expected bool, got int 1"),
+        ('estimator = ["limit", "limit"]', "grid.estimator: a value appears twice"),
+    ],
+)
 def test_bad_axis_values_are_one_line_naming_the_key(tmp_path, grid, needle):
     path = write(tmp_path, f'[grid]\npolicy = ["predictive"]\nload = [1.0]\n{grid}\n')
     with pytest.raises(config.ConfigError) as err:
@@ -111,25 +130,42 @@ def test_bad_axis_values_are_one_line_naming_the_key(tmp_path, grid, needle):
 
 
 def test_fixed_estimate_in_sweep_and_grid_is_refused(tmp_path):
-    path = write(tmp_path, '[sweep]\nfixed_estimate = true\n[grid]\npolicy = ["none"]\nload = [1.0]\n'
-                           'fixed_estimate = [false, true]\n')
-    with pytest.raises(config.ConfigError, match="sweep.fixed_estimate and grid.fixed_estimate exclude each other"):
+    path = write(
+        tmp_path,
+        '[sweep]\nfixed_estimate = true\n[grid]\npolicy = ["none"]\nload = '
+        "[1.0]\n"
+        "fixed_estimate = [false, true]\n",
+    )
+    with pytest.raises(
+        config.ConfigError, match="sweep.fixed_estimate and grid.fixed_estimate exclude each other"
+    ):
         config.load(path)
 
 
 def test_the_fixed_estimate_axis_overrides_the_sweeps(tmp_path):
-    """A cell's fixed_estimate is the one simulate gets: with a speed change, the fixed cell keeps factor 1."""
-    cfg = config.load(write(tmp_path, '[sweep]\nduration_s = 30\nseeds = 1\n[grid]\npolicy = ["predictive"]\n'
-                                      'load = [0.9]\nspeed_schedule = ["5:2.2"]\nfixed_estimate = [false, true]\n'))
+    """A cell's fixed_estimate is the one simulate gets: with a speed change, the fixed cell
+    keeps factor 1."""
+    cfg = config.load(
+        write(
+            tmp_path,
+            "[sweep]\nduration_s = 30\nseeds = 1\n[grid]\npolicy = "
+            '["predictive"]\n'
+            'load = [0.9]\nspeed_schedule = ["5:2.2"]\nfixed_estimate '
+            "= [false, true]\n",
+        )
+    )
     tracking, fixed = (sweep.run_cell(cfg, c).summary for c in sweep.cells(cfg))
     assert fixed["late_share_after_change"] > tracking["late_share_after_change"]
 
 
-# ------------------------------------------------------------------ the three experiment files, tiny
+# ------------------------------------------------------------------ the three experiment files,
+# tiny
 
 
 def _tiny(name: str, tmp_path_factory) -> pd.DataFrame:
-    cfg = dataclasses.replace(config.load(ROOT / "experiments" / f"{name}.toml"), duration_s=30.0, seeds=2)
+    cfg = dataclasses.replace(
+        config.load(ROOT / "experiments" / f"{name}.toml"), duration_s=30.0, seeds=2
+    )
     return sweep.run(cfg, tmp_path_factory.mktemp(name) / "out", workers=1, quiet=True)
 
 
@@ -148,7 +184,10 @@ def test_estimation_table(tiny):
     table = estimation.estimation_table(tiny["estimation"])
     assert len(table) == 9 and set(table["estimator"]) == {"limit", "learned", "oracle"}
     assert sorted(set(table["load"])) == [0.8, 1.5, 3.0] and (table["n"] == 2).all()
-    _finite_intervals(table, ["goodput_rps", "share_refused", "share_late", "refused_would_fit", "admitted_missed"])
+    _finite_intervals(
+        table,
+        ["goodput_rps", "share_refused", "share_late", "refused_would_fit", "admitted_missed"],
+    )
 
 
 def test_stale_table(tiny):
@@ -177,21 +216,23 @@ def test_cancellation_table(tiny):
 
 
 def test_the_oracle_refuses_nothing_that_would_fit(tiny):
-    """By construction: at the calibrated speed without noise its estimate is the true time, and the wait
-    rebuilt from the rows is the one the queue decided on, so a refusal means it did not fit."""
+    """By construction: at the calibrated speed without noise its estimate is the true time, and the
+    wait rebuilt from the rows is the one the queue decided on, so a refusal means it did not
+    fit."""
     summary = tiny["estimation"]
     oracle = summary[summary["estimator"] == "oracle"]
     assert (oracle["refused_would_fit"] == 0).all() and (oracle["admitted_missed"] == 0).all()
     assert (oracle["est_rel_error_median"] < 1e-9).all()
-    assert (oracle.loc[oracle["load"] == 3.0, "share_refused"] > 0).all()  # it did refuse: not vacuous
+    # it did refuse: not vacuous
+    assert (oracle.loc[oracle["load"] == 3.0, "share_refused"] > 0).all()
     # The column sees the limit's errors: it refuses requests that would have fit.
     limit = summary[(summary["estimator"] == "limit") & (summary["load"] >= 1.5)]
     assert (limit["refused_would_fit"] > 0).all()
 
 
 def test_learned_refuses_fewer_than_the_limit_at_overload(tiny):
-    """Paired by seed (the same arrivals and early stops): at load 3 the learned estimate refuses fewer
-    requests than the estimate from the limit, and answers more in time."""
+    """Paired by seed (the same arrivals and early stops): at load 3 the learned estimate refuses
+    fewer requests than the estimate from the limit, and answers more in time."""
     summary = tiny["estimation"]
     at3 = summary[summary["load"] == 3.0].set_index(["estimator", "seed"])
     for seed in sorted(set(summary["seed"])):
@@ -206,13 +247,15 @@ def test_cancellation_saves_engine_seconds_and_keeps_the_arrivals(tiny):
     assert (cut["cancelled"] > 0).any()
     assert (cut.loc[cut["cancelled"] > 0, "engine_s_saved"] > 0).all()
     assert (summary.loc[summary["cancelled"] == 0, "engine_s_saved"] == 0).all()
-    pairs = summary.pivot_table(index=["policy", "load", "seed"], columns="cancel_at_deadline", values="requests")
+    pairs = summary.pivot_table(
+        index=["policy", "load", "seed"], columns="cancel_at_deadline", values="requests"
+    )
     assert (pairs[True] == pairs[False]).all()
 
 
 def test_cutting_on_one_trace():
-    """The same trace with and without cutting: the same requests; cut runs end at their deadline, and
-    the engine seconds are those the rows show."""
+    """The same trace with and without cutting: the same requests; cut runs end at their deadline,
+    and the engine seconds are those the rows show."""
     trace = make_trace(load=2.0, seconds=60, seed=4, used=UsedShare())
     off = simulate(trace, PRESETS["none"])
     on = simulate(trace, dataclasses.replace(PRESETS["none"], cancel_at_deadline=True))
@@ -228,9 +271,9 @@ def test_cutting_on_one_trace():
 
 @pytest.mark.parametrize("engines", [1, 3])
 def test_the_rebuilt_wait_is_the_one_decided_on(engines):
-    """With a fixed estimate (the speed factor never moves) the wait rebuilt from the rows reproduces every
-    predictive decision: a request refused as unreachable had wait + estimate past its deadline, and one
-    admitted had not."""
+    """With a fixed estimate (the speed factor never moves) the wait rebuilt from the rows
+    reproduces every predictive decision: a request refused as unreachable had wait + estimate past
+    its deadline, and one admitted had not."""
     trace = make_trace(load=1.8, seconds=60, seed=5, engines=engines, used=UsedShare())
     frame = simulate(trace, ServerConfig(PRESETS["predictive"], engines, fixed_estimate=True))
     wait = estimation.predicted_wait(frame, engines)
@@ -244,7 +287,11 @@ def test_the_rebuilt_wait_is_the_one_decided_on(engines):
 
 
 def test_figures(tiny, tmp_path):
-    for draw, name in ((plots.estimation, "estimation"), (plots.stale, "stale"), (plots.cancellation, "cancellation")):
+    for draw, name in (
+        (plots.estimation, "estimation"),
+        (plots.stale, "stale"),
+        (plots.cancellation, "cancellation"),
+    ):
         fig = draw(tiny[name])
         assert len(fig.axes) >= 3
         plots.plt.close(fig)
@@ -253,19 +300,42 @@ def test_figures(tiny, tmp_path):
 @pytest.mark.slow  # qlab plot end to end, every figure drawn: 6 s of CPU
 def test_plot_draws_the_stale_figure_only_for_a_stale_sweep(tiny, tmp_path):
     summary = tiny["stale"]
-    by_class = pd.DataFrame(summary[["policy", "speed", "load", "seed"]].assign(size_class="4", share_good=1.0))
+    by_class = pd.DataFrame(
+        summary[["policy", "speed", "load", "seed"]].assign(size_class="4", share_good=1.0)
+    )
     paths = plots.save_all(summary, by_class, None, tmp_path)
     names = {p.stem for p in paths}
     assert "stale" in names and not {"estimation", "cancellation"} & names
 
 
 def test_simulate_flags(capsys):
-    assert cli.main(["simulate", "--policy", "predictive", "--load", "2", "--seconds", "30", "--used", "study",
-                     "--policy-arg", "estimator=oracle", "--speed-schedule", "10:2.2", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--policy",
+                "predictive",
+                "--load",
+                "2",
+                "--seconds",
+                "30",
+                "--used",
+                "study",
+                "--policy-arg",
+                "estimator=oracle",
+                "--speed-schedule",
+                "10:2.2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert '"estimator": "oracle"' in capsys.readouterr().out
-    for bad, needle in ((["--used", "0.5"], "argument --used"),
-                        (["--speed-schedule", "x"], "argument --speed-schedule"),
-                        (["--policy-arg", "estimator=guess"], "unknown estimator 'guess'")):
+    for bad, needle in (
+        (["--used", "0.5"], "argument --used"),
+        (["--speed-schedule", "x"], "argument --speed-schedule"),
+        (["--policy-arg", "estimator=guess"], "unknown estimator 'guess'"),
+    ):
         assert cli.main(["simulate", "--seconds", "5", *bad]) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1

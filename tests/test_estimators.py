@@ -1,4 +1,5 @@
-"""What the controller knows (qsim.estimators, early stops, a changing speed, cutting at the deadline, prompt cost)."""
+"""What the controller knows (qsim.estimators, early stops, a changing speed, cutting at the
+deadline, prompt cost)."""
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ def test_early_stops_match_their_exact_mean_and_leave_the_limit_alone():
         assert abs(drawn.mean() - used.mean_tokens(limit)) < 4 * drawn.std() / np.sqrt(drawn.size)
     plain = make_trace(load=1.0, seconds=200, seed=1)
     stops = make_trace(load=1.0, seconds=200, seed=1, used=used)
-    assert (stops.tokens_generated <= stops.max_new_tokens).all() and (stops.tokens_generated < stops.max_new_tokens).any()
+    assert (stops.tokens_generated <= stops.max_new_tokens).all() and (
+        stops.tokens_generated < stops.max_new_tokens
+    ).any()
     np.testing.assert_array_equal(plain.tokens_generated, plain.max_new_tokens)
     # The load counts the work actually done: more requests for the same utilisation.
     assert len(stops) > 2 * len(plain)
@@ -36,16 +39,21 @@ def test_learned_and_oracle_estimates_beat_the_limit_on_early_stops():
 def test_a_quantile_estimator_and_bad_settings():
     policy = PRESETS["predictive"].with_args({"estimator": "learned", "estimator_quantile": 0.9})
     records.validate(simulate(make_trace(load=1.5, seconds=60, seed=3, used=UsedShare()), policy))
-    for args, needle in (({"estimator": "psychic"}, "unknown estimator"),
-                         ({"estimator_quantile": 1.5}, "estimator_quantile"),
-                         ({"estimator_window": 0}, "estimator_window")):
+    for args, needle in (
+        ({"estimator": "psychic"}, "unknown estimator"),
+        ({"estimator_quantile": 1.5}, "estimator_quantile"),
+        ({"estimator_window": 0}, "estimator_window"),
+    ):
         with pytest.raises(ValueError, match=needle):
             PRESETS["predictive"].with_args(args)
 
 
 def test_cutting_at_the_deadline_frees_the_engine():
-    # One engine, 1 s runs, deadline 1.5 s: the second would end at 2.0, 0.5 s late; cut at 1.5, the third starts then.
-    trace = from_arrays([0.0, 0.0, 0.0], [64] * 3, true_service_s=[1.0] * 3, deadline_s=[1.5, 1.5, 5.0])
+    # One engine, 1 s runs, deadline 1.5 s: the second would end at 2.0, 0.5 s late; cut at 1.5, the
+    # third starts then.
+    trace = from_arrays(
+        [0.0, 0.0, 0.0], [64] * 3, true_service_s=[1.0] * 3, deadline_s=[1.5, 1.5, 5.0]
+    )
     late = simulate(trace, PRESETS["none"])
     cut = records.validate(simulate(trace, PRESETS["none"].with_args({"cancel_at_deadline": True})))
     assert late["outcome"].tolist() == ["good", "late", "good"]
@@ -70,4 +78,5 @@ def test_the_prompt_term_is_fitted_when_prompts_differ():
     assert got.model.per_prompt_token_s == pytest.approx(1e-4, rel=1e-6)
     assert got.worst_rel_error < 1e-6
     assert fit(tokens, truth.estimate(tokens)).model.per_prompt_token_s == 0.0
-    assert ServiceModel().estimate(64, 7437) == ServiceModel().estimate(64)  # no prompt term: the study's line
+    # no prompt term: the study's line
+    assert ServiceModel().estimate(64, 7437) == ServiceModel().estimate(64)

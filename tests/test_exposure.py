@@ -41,15 +41,21 @@ def _closed_port() -> int:
 # ---------------------------------------------------------------- the URL's user info
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("http://user:hunter2@gpu.example:8001/v1", "http://***@gpu.example:8001/v1"),
-    ("https://user:p@ss:w@rd@gpu.example", "https://***@gpu.example"),  # a raw @ in the password
-    ("http://hunter2@gpu.example", "http://***@gpu.example"),
-    # Too broken to parse:
-    ("http://user:hunter2@gpu.example:notaport", "http://***@gpu.example:notaport"),
-    ("http://gpu.example:8001", "http://gpu.example:8001"),
-    ("http://gpu.example/a@b", "http://gpu.example/a@b"),  # an @ in the path is no user info
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("http://user:hunter2@gpu.example:8001/v1", "http://***@gpu.example:8001/v1"),
+        (
+            "https://user:p@ss:w@rd@gpu.example",
+            "https://***@gpu.example",
+        ),  # a raw @ in the password
+        ("http://hunter2@gpu.example", "http://***@gpu.example"),
+        # Too broken to parse:
+        ("http://user:hunter2@gpu.example:notaport", "http://***@gpu.example:notaport"),
+        ("http://gpu.example:8001", "http://gpu.example:8001"),
+        ("http://gpu.example/a@b", "http://gpu.example/a@b"),  # an @ in the path is no user info
+    ],
+)
 def test_redacted_hides_the_user_info_and_nothing_else(url, shown):
     assert redacted(url) == shown
 
@@ -70,6 +76,7 @@ def test_the_urls_user_info_is_basic_auth_and_a_key_wins():
     assert keyed.headers == {"authorization": "Bearer sk-up"}
     assert split_credentials("http://gpu.example")[1] is None
     from dataclasses import replace
+
     assert replace(spec, timeout_s=5.0).basic == ("user", "p@ss")  # kept when the spec is remade
 
 
@@ -86,10 +93,13 @@ def _upstream_gate(**app) -> TestClient:
 
 def test_no_answer_names_the_upstreams_password():
     with _upstream_gate() as client:
-        answers = [client.get("/stats"), client.get("/healthz"), client.get("/ready"),
-                   client.post("/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}),
-                   client.post("/v1/completions",
-                               json={"model": "m", "prompt": "hi", "max_tokens": 2})]
+        answers = [
+            client.get("/stats"),
+            client.get("/healthz"),
+            client.get("/ready"),
+            client.post("/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}),
+            client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}),
+        ]
     assert [a.status_code for a in answers] == [200, 200, 503, 502, 502]
     # A keyless gate still says where it failed.
     assert "127.0.0.1" in answers[3].json()["error"]["message"]
@@ -101,8 +111,11 @@ def test_with_keys_the_open_routes_do_not_say_where_the_upstream_is():
     with _upstream_gate(keys=keys) as client:
         ready, health = client.get("/ready"), client.get("/healthz")
         keyed = client.get("/stats")
-        failed = client.post("/v1/generate", json={"prompt": "hi", "max_new_tokens": 2},
-                             headers={"authorization": "Bearer sk-gate"})
+        failed = client.post(
+            "/v1/generate",
+            json={"prompt": "hi", "max_new_tokens": 2},
+            headers={"authorization": "Bearer sk-gate"},
+        )
     assert ready.status_code == 503 and "the upstream" in ready.json()["error"]["message"]
     assert health.json()["ready"] is False and health.json()["not_ready"]
     assert "url" not in health.json()["engine"]
@@ -124,17 +137,25 @@ def test_with_auth_stats_healthz_is_for_key_holders_and_says_where():
 
 
 def test_without_addresses_replaces_the_longest_first():
-    said = without_addresses(["http://h:1/v1/models: cannot reach", "busy"],
-                             {"http://h:1", "http://h:1/v1"})
+    said = without_addresses(
+        ["http://h:1/v1/models: cannot reach", "busy"], {"http://h:1", "http://h:1/v1"}
+    )
     assert said == ["the upstream/models: cannot reach", "busy"]
 
 
 # ---------------------------------------------------------------- Host names
 
 
-@pytest.mark.parametrize("header, name", [
-    ("localhost:8000", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
-    ("Example.COM.", "example.com"), ("127.0.0.1", "127.0.0.1")])
+@pytest.mark.parametrize(
+    "header, name",
+    [
+        ("localhost:8000", "localhost"),
+        ("[::1]:8000", "::1"),
+        ("[::1]", "::1"),
+        ("Example.COM.", "example.com"),
+        ("127.0.0.1", "127.0.0.1"),
+    ],
+)
 def test_host_name_drops_the_port_even_of_an_ipv6_literal(header, name):
     assert host_name(header) == name
 
@@ -144,10 +165,19 @@ def _plain_gate(**app) -> TestClient:
     return TestClient(create_app(gate, **app))
 
 
-@pytest.mark.parametrize("host, allowed", [
-    ("localhost:8000", True), ("127.0.0.1:8000", True), ("[::1]:8000", True), ("LOCALHOST", True),
-    ("rebound.attacker.example", False), ("localhost.attacker.example:8000", False),
-    ("127.0.0.2", False), ("", False)])
+@pytest.mark.parametrize(
+    "host, allowed",
+    [
+        ("localhost:8000", True),
+        ("127.0.0.1:8000", True),
+        ("[::1]:8000", True),
+        ("LOCALHOST", True),
+        ("rebound.attacker.example", False),
+        ("localhost.attacker.example:8000", False),
+        ("127.0.0.2", False),
+        ("", False),
+    ],
+)
 def test_a_loopback_gate_answers_loopback_names_alone(host, allowed):
     with _plain_gate(hosts=HostAllowList.for_bind(True)) as client:
         answer = client.get("/stats", headers={"host": host})
@@ -170,10 +200,22 @@ def test_allowed_hosts_widen_the_list_and_a_gate_bound_elsewhere_answers_any_nam
     assert HostAllowList.for_bind(False, ["gate.example"]).allows(b"gate.example")
     assert HostAllowList.for_bind(True, ["*"]).allows(b"anything.example")
     with _plain_gate(hosts=wider) as client:
-        assert client.post("/v1/generate", json={"prompt": "hi", "max_new_tokens": 2},
-                           headers={"host": "x.corp.example"}).status_code == 200
-        assert client.post("/v1/generate", json={"prompt": "hi", "max_new_tokens": 2},
-                           headers={"host": "evil.example"}).status_code == 421
+        assert (
+            client.post(
+                "/v1/generate",
+                json={"prompt": "hi", "max_new_tokens": 2},
+                headers={"host": "x.corp.example"},
+            ).status_code
+            == 200
+        )
+        assert (
+            client.post(
+                "/v1/generate",
+                json={"prompt": "hi", "max_new_tokens": 2},
+                headers={"host": "evil.example"},
+            ).status_code
+            == 421
+        )
 
 
 @pytest.mark.parametrize("value", ["a/b", "", "user@host", "*x.example"])
@@ -188,19 +230,28 @@ def test_a_bad_allowed_host_is_one_line_and_exit_2(value, capsys):
 
 def test_the_access_log_says_each_request_and_never_its_query_headers_or_body(caplog):
     gate = Gate([SyntheticEngine(speed=1e-4)], gate_config(preset("none")))
-    app = AccessLog(create_app(gate, keys=load_keys("sk-gate", None),
-                               hosts=HostAllowList.for_bind(True)))
-    with caplog.at_level(logging.INFO, logger="qlab.access"), \
-            TestClient(app, base_url="http://localhost") as client:
-        client.post("/v1/generate", json={"prompt": "my secret prompt", "max_new_tokens": 2},
-                    headers={"authorization": "Bearer sk-gate"})
+    app = AccessLog(
+        create_app(gate, keys=load_keys("sk-gate", None), hosts=HostAllowList.for_bind(True))
+    )
+    with (
+        caplog.at_level(logging.INFO, logger="qlab.access"),
+        TestClient(app, base_url="http://localhost") as client,
+    ):
+        client.post(
+            "/v1/generate",
+            json={"prompt": "my secret prompt", "max_new_tokens": 2},
+            headers={"authorization": "Bearer sk-gate"},
+        )
         client.get("/stats", params={"steps_since": 0})
         client.get("/v1/models")  # no key: 401
         client.get("/health", headers={"host": "evil.example"})  # 421
     lines = [r.getMessage() for r in caplog.records if r.name == "qlab.access"]
     assert [line.split()[:3] for line in lines] == [
-        ["POST", "/v1/generate", "200"], ["GET", "/stats", "200"], ["GET", "/v1/models", "401"],
-        ["GET", "/health", "421"]]
+        ["POST", "/v1/generate", "200"],
+        ["GET", "/stats", "200"],
+        ["GET", "/v1/models", "401"],
+        ["GET", "/health", "421"],
+    ]
     assert all(line.split()[3].endswith("ms") for line in lines)
     assert all(line.split()[4].startswith("testclient:") for line in lines)
     text = "\n".join(lines)
@@ -225,8 +276,9 @@ def test_qlab_serve_refuses_a_rebound_host_and_logs_each_request(tmp_path):
         server.stop()
     assert rebound.status_code == 421 and rebound.json()["error"]["reason"] == "host_not_allowed"
     assert named.status_code == 200 and plain.status_code == 200
-    logged = [line for line in (tmp_path / "s.log").read_text().splitlines()
-              if "qlab access:" in line]
+    logged = [
+        line for line in (tmp_path / "s.log").read_text().splitlines() if "qlab access:" in line
+    ]
     assert any("GET /healthz 421" in line for line in logged)
     assert any("GET /stats 200" in line for line in logged)
     assert not any("steps_since" in line for line in logged)

@@ -14,9 +14,22 @@ from qsim.clients import RetryPolicy
 from qsim.config import ServerConfig
 from qsim.engines import Batching, OneAtATime
 from qsim.outcomes import OUTCOMES
-from qsim.routers import (ROUTERS, Central, JoinShortestQueue, LeastKV, LeastTTFT, LeastWork, PowerOfD,
-                          PrefixAffinity, Random, ReplicaState, RoundRobin, Router, Weighted,
-                          make_router)
+from qsim.routers import (
+    ROUTERS,
+    Central,
+    JoinShortestQueue,
+    LeastKV,
+    LeastTTFT,
+    LeastWork,
+    PowerOfD,
+    PrefixAffinity,
+    Random,
+    ReplicaState,
+    RoundRobin,
+    Router,
+    Weighted,
+    make_router,
+)
 from qsim.mixes import Prompts, SharedPrefix
 
 
@@ -26,8 +39,15 @@ PLAIN_EARLY = [n for n in PLAIN if not ROUTERS[n].shared]
 
 
 def trace(load=0.9, replicas=4, requests=3000, seed=3, service="exponential"):
-    return make_trace("poisson", service, load=load, engines=replicas, requests=requests,
-                      seed=seed, mean_service_s=1.0)
+    return make_trace(
+        "poisson",
+        service,
+        load=load,
+        engines=replicas,
+        requests=requests,
+        seed=seed,
+        mean_service_s=1.0,
+    )
 
 
 def wait(frame):
@@ -69,8 +89,6 @@ def test_central_is_the_shared_queue_of_every_engine():
     assert fleet.attrs["replicas"] == 4 and fleet.attrs["router"] == "central"
 
 
-
-
 @pytest.mark.parametrize("name", PLAIN_EARLY)
 def test_every_router_runs_valid_records_and_is_seeded(name):
     t = trace(0.9, 4, 2000)
@@ -84,8 +102,9 @@ def test_every_router_runs_valid_records_and_is_seeded(name):
 
 
 def test_round_robin_deals_arrivals_in_turn():
-    frame = simulate(trace(0.5, 3, 300), ServerConfig(PRESETS["none"]), replicas=3,
-                     router=RoundRobin())
+    frame = simulate(
+        trace(0.5, 3, 300), ServerConfig(PRESETS["none"]), replicas=3, router=RoundRobin()
+    )
     assert frame["replica"].tolist() == [i % 3 for i in range(300)]
 
 
@@ -93,8 +112,10 @@ def test_the_routers_draws_are_their_own():
     # Common random numbers: a policy that refuses does not move the random router's choices, and
     # another server seed draws others.
     t = trace(1.5, 4, 2000)
-    picks = [simulate(t, ServerConfig(PRESETS[p], 1, seed=2), replicas=4,
-                      router=Random())["replica"] for p in ("none", "bounded", "predictive")]
+    picks = [
+        simulate(t, ServerConfig(PRESETS[p], 1, seed=2), replicas=4, router=Random())["replica"]
+        for p in ("none", "bounded", "predictive")
+    ]
     assert picks[0].equals(picks[1]) and picks[0].equals(picks[2])
     other = simulate(t, ServerConfig(PRESETS["none"], 1, seed=3), replicas=4, router=Random())
     assert not other["replica"].equals(picks[0])
@@ -103,8 +124,9 @@ def test_the_routers_draws_are_their_own():
 def test_each_replica_admits_on_its_own_state():
     # vLLM's caps per replica: a bound of 2 waiting at each of three replicas, not 2 in the fleet.
     t = from_arrays(np.zeros(30), np.full(30, 64))
-    frame = simulate(t, ServerConfig(Policy("cap", max_queue=2), 1), replicas=3,
-                     router=RoundRobin())
+    frame = simulate(
+        t, ServerConfig(Policy("cap", max_queue=2), 1), replicas=3, router=RoundRobin()
+    )
     admitted = frame[frame["outcome"] != "rejected"]
     # One running and two waiting at each.
     assert admitted.groupby("replica").size().tolist() == [3, 3, 3]
@@ -114,8 +136,9 @@ def test_each_replica_admits_on_its_own_state():
 def test_load_aware_routers_wait_less_than_blind_ones():
     t = trace(0.9, 4, 20_000)
     config = ServerConfig(PRESETS["none"], 1, seed=1)
-    waits = {name: wait(simulate(t, config, replicas=4, router=make_router(name)))
-             for name in PLAIN}
+    waits = {
+        name: wait(simulate(t, config, replicas=4, router=make_router(name))) for name in PLAIN
+    }
     assert waits["central"] < waits["jsq"] < waits["power_of_d"] < waits["random"]
     assert waits["least_work"] < waits["round_robin"] < waits["random"]
 
@@ -152,8 +175,9 @@ class Nowhere(Router):
 
 
 def test_a_users_router_is_a_class():
-    frame = simulate(trace(0.3, 2, 200), ServerConfig(PRESETS["none"]), replicas=2,
-                     router=Busiest())
+    frame = simulate(
+        trace(0.3, 2, 200), ServerConfig(PRESETS["none"]), replicas=2, router=Busiest()
+    )
     assert (frame["replica"] == 0).all()
     with pytest.raises(ValueError, match="chose 2, not a replica of 0..1"):
         simulate(trace(0.3, 2, 20), ServerConfig(PRESETS["none"]), replicas=2, router=Nowhere())
@@ -161,34 +185,61 @@ def test_a_users_router_is_a_class():
 
 def test_retries_and_patience_in_a_fleet():
     t = trace(2.0, 3, 1500)
-    frame = simulate(t, ServerConfig(PRESETS["bounded"], 1), replicas=3,
-                     router=JoinShortestQueue(), retry=RetryPolicy("fixed", delay_s=0.5),
-                     cancel_after_s=np.full(len(t), 4.0))
+    frame = simulate(
+        t,
+        ServerConfig(PRESETS["bounded"], 1),
+        replicas=3,
+        router=JoinShortestQueue(),
+        retry=RetryPolicy("fixed", delay_s=0.5),
+        cancel_after_s=np.full(len(t), 4.0),
+    )
     records.validate(frame)
     assert (frame["attempt"] > 1).any() and frame["outcome"].eq("abandoned").any()
     assert frame["replica"].notna().all()
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda t: simulate(t, ServerConfig(), replicas=2), "needs a router"),
-    (lambda t: simulate(t, ServerConfig(), replicas=0, router=Random()), "whole number >= 1"),
-    (lambda t: simulate(t, ServerConfig(), replicas=True, router=Random()), "whole number >= 1"),
-    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Central(), replica_speeds=[1, 2]),
-     "replica speeds: a central queue in front of engines one at a time"),
-    (lambda t: simulate(t, ServerConfig(), replicas=2, router=make_router("prefix")),
-     "router prefix reads a batching engine's"),
-    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1]),
-     "one number > 0 for each of the 2"),
-    (lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1, 0]),
-     "one number > 0"),
-    (lambda t: make_router("jsq", weights={"kv": 1}), "takes no weights"),
-    (lambda t: make_router("weighted", weights={"kv": -1}), "weights >= 0"),
-    (lambda t: simulate(t, ServerConfig(engine=OneAtATime(2, concurrency=0.1)), replicas=2,
-                        router=Random()), "concurrency 0"),
-    (lambda t: make_router("nearest"), "unknown router 'nearest'"),
-    (lambda t: make_router("jsq", 2), "takes no d"),
-    (lambda t: make_router("power_of_d", 0), "d, a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda t: simulate(t, ServerConfig(), replicas=2), "needs a router"),
+        (lambda t: simulate(t, ServerConfig(), replicas=0, router=Random()), "whole number >= 1"),
+        (
+            lambda t: simulate(t, ServerConfig(), replicas=True, router=Random()),
+            "whole number >= 1",
+        ),
+        (
+            lambda t: simulate(
+                t, ServerConfig(), replicas=2, router=Central(), replica_speeds=[1, 2]
+            ),
+            "replica speeds: a central queue in front of engines one at a time",
+        ),
+        (
+            lambda t: simulate(t, ServerConfig(), replicas=2, router=make_router("prefix")),
+            "router prefix reads a batching engine's",
+        ),
+        (
+            lambda t: simulate(t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1]),
+            "one number > 0 for each of the 2",
+        ),
+        (
+            lambda t: simulate(
+                t, ServerConfig(), replicas=2, router=Random(), replica_speeds=[1, 0]
+            ),
+            "one number > 0",
+        ),
+        (lambda t: make_router("jsq", weights={"kv": 1}), "takes no weights"),
+        (lambda t: make_router("weighted", weights={"kv": -1}), "weights >= 0"),
+        (
+            lambda t: simulate(
+                t, ServerConfig(engine=OneAtATime(2, concurrency=0.1)), replicas=2, router=Random()
+            ),
+            "concurrency 0",
+        ),
+        (lambda t: make_router("nearest"), "unknown router 'nearest'"),
+        (lambda t: make_router("jsq", 2), "takes no d"),
+        (lambda t: make_router("power_of_d", 0), "d, a whole number >= 1"),
+    ],
+)
 def test_bad_fleets_are_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call(trace(0.5, 2, 50))
@@ -206,9 +257,24 @@ def qlab(args, capsys):
 
 
 def test_simulate_a_fleet_prints_its_replicas_and_balance(capsys):
-    code, out, err = qlab(["simulate", "--replicas", "3", "--router", "power_of_d",
-                           "--router-d", "2", "--load", "0.9", "--requests", "3000",
-                           "--policy", "vllm-caps"], capsys)
+    code, out, err = qlab(
+        [
+            "simulate",
+            "--replicas",
+            "3",
+            "--router",
+            "power_of_d",
+            "--router-d",
+            "2",
+            "--load",
+            "0.9",
+            "--requests",
+            "3000",
+            "--policy",
+            "vllm-caps",
+        ],
+        capsys,
+    )
     assert code == 0 and err == ""
     assert "3 replicas behind router power_of_d (d 2) of 1 engine(s)" in out
     assert "by replica (router power_of_d (d 2)):" in out and "busy_s" in out
@@ -219,41 +285,76 @@ def test_simulate_a_fleet_prints_its_replicas_and_balance(capsys):
 def test_simulate_a_fleet_as_json_and_over_seeds(capsys):
     import json
 
-    code, out, _ = qlab(["simulate", "--replicas", "2", "--router", "central", "--engines", "2",
-                         "--requests", "800", "--json"], capsys)
+    code, out, _ = qlab(
+        [
+            "simulate",
+            "--replicas",
+            "2",
+            "--router",
+            "central",
+            "--engines",
+            "2",
+            "--requests",
+            "800",
+            "--json",
+        ],
+        capsys,
+    )
     fleet = json.loads(out)["fleet"]
     assert code == 0 and fleet["router"] == "central" and set(fleet["by_replica"]) == {"0", "1"}
     assert sum(r["requests"] for r in fleet["by_replica"].values()) <= 800
     assert 1 <= fleet["load_imbalance"] <= 2 and 0.5 <= fleet["jain_replicas"] <= 1
-    code, out, _ = qlab(["simulate", "--replicas", "2", "--requests", "500", "--seeds", "3"],
-                        capsys)
+    code, out, _ = qlab(
+        ["simulate", "--replicas", "2", "--requests", "500", "--seeds", "3"], capsys
+    )
     assert code == 0 and "fleet balance (router round_robin), mean and 95 % CI over seeds" in out
 
 
 def test_simulate_a_fleet_writes_its_replicas(tmp_path, capsys):
     out_file = tmp_path / "rows.parquet"
-    code, _, _ = qlab(["simulate", "--replicas", "2", "--router", "jsq", "--requests", "400",
-                       "--out", str(out_file)], capsys)
+    code, _, _ = qlab(
+        [
+            "simulate",
+            "--replicas",
+            "2",
+            "--router",
+            "jsq",
+            "--requests",
+            "400",
+            "--out",
+            str(out_file),
+        ],
+        capsys,
+    )
     rows = pd.read_parquet(out_file)
     assert code == 0 and len(rows) == 400 and set(rows["replica"]) == {0, 1}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--router", "jsq"], "--router: a fleet's options, for --replicas N > 1"),
-    (["--router-d", "2", "--replica-speeds", "1"],
-     "--router-d, --replica-speeds: a fleet's options"),
-    (["--replicas", "2", "--router", "nearest"], "unknown router 'nearest'"),
-    (["--replicas", "2", "--router", "jsq", "--router-d", "3"], "router 'jsq' takes no d"),
-    (["--replicas", "2", "--router", "power_of_d", "--router-d", "0"], "--router-d"),
-    (["--replicas", "0"], "--replicas"),
-    (["--replicas", "2", "--router", "central", "--replica-down", "1:1:2"],
-     "a replica down: a central queue in front of engines one at a time"),
-    (["--replicas", "2", "--router", "least_kv"], "its replicas need --batching"),
-    (["--replicas", "2", "--router", "jsq", "--router-weights", "kv=1"], "takes no weights"),
-    (["--replicas", "2", "--batching", "--router", "weighted", "--router-weights", "cpu=1"],
-     "bad router weights"),
-    (["--replicas", "2", "--replica-speeds", "1,1,1"], "each of the 2 replicas"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--router", "jsq"], "--router: a fleet's options, for --replicas N > 1"),
+        (
+            ["--router-d", "2", "--replica-speeds", "1"],
+            "--router-d, --replica-speeds: a fleet's options",
+        ),
+        (["--replicas", "2", "--router", "nearest"], "unknown router 'nearest'"),
+        (["--replicas", "2", "--router", "jsq", "--router-d", "3"], "router 'jsq' takes no d"),
+        (["--replicas", "2", "--router", "power_of_d", "--router-d", "0"], "--router-d"),
+        (["--replicas", "0"], "--replicas"),
+        (
+            ["--replicas", "2", "--router", "central", "--replica-down", "1:1:2"],
+            "a replica down: a central queue in front of engines one at a time",
+        ),
+        (["--replicas", "2", "--router", "least_kv"], "its replicas need --batching"),
+        (["--replicas", "2", "--router", "jsq", "--router-weights", "kv=1"], "takes no weights"),
+        (
+            ["--replicas", "2", "--batching", "--router", "weighted", "--router-weights", "cpu=1"],
+            "bad router weights",
+        ),
+        (["--replicas", "2", "--replica-speeds", "1,1,1"], "each of the 2 replicas"),
+    ],
+)
 def test_simulate_refuses_a_bad_fleet_in_one_line(args, message, capsys):
     code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
@@ -268,9 +369,14 @@ EARLY = [n for n in ROUTERS if not ROUTERS[n].shared]
 
 def shared_trace(system="none", turns="4:16", replicas=3, load=0.6, requests=800, seed=2):
     """Conversations (and a system prompt) of prompts that share tokens, the load each replica's."""
-    return make_trace(load=load, requests=requests, seed=seed, prompts=Prompts.parse("uniform:16:128"),
-                      capacity_rps=replicas * BATCH.capacity_rps(72, 20),
-                      prefixes=SharedPrefix.parse(system, turns))
+    return make_trace(
+        load=load,
+        requests=requests,
+        seed=seed,
+        prompts=Prompts.parse("uniform:16:128"),
+        capacity_rps=replicas * BATCH.capacity_rps(72, 20),
+        prefixes=SharedPrefix.parse(system, turns),
+    )
 
 
 @pytest.mark.parametrize("router", EARLY)
@@ -279,7 +385,9 @@ def test_one_batching_replica_is_the_one_engine(router):
     # replica: every row is the engine's without a fleet, noise in the steps and a cut at the
     # deadline included.
     engine = dataclasses.replace(BATCH, kv_blocks=200, step=dataclasses.replace(BATCH.step, cv=0.3))
-    config = ServerConfig(dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True), engine, seed=4)
+    config = ServerConfig(
+        dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True), engine, seed=4
+    )
     t = shared_trace("128:0.5", "3:8", replicas=1, load=1.5, requests=500)
     plain = simulate(t, config)
     d = 1 if router == "power_of_d" else None  # d choices of one replica
@@ -291,13 +399,17 @@ def test_one_batching_replica_is_the_one_engine(router):
 
 @pytest.mark.parametrize("router", EARLY)
 def test_every_request_ends_once_in_a_batching_fleet(router):
-    config = ServerConfig(dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True),
-                          dataclasses.replace(BATCH, kv_blocks=150), seed=1)
+    config = ServerConfig(
+        dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True),
+        dataclasses.replace(BATCH, kv_blocks=150),
+        seed=1,
+    )
     t = shared_trace("128:0.5", "3:8", replicas=3, load=1.4, requests=600)
     patience = np.random.default_rng(0).exponential(3.0, len(t))
     with testing.audited_batches():  # every replica's blocks and seats, at every step
-        frame = records.validate(simulate(t, config, replicas=3, router=make_router(router),
-                                          cancel_after_s=patience))
+        frame = records.validate(
+            simulate(t, config, replicas=3, router=make_router(router), cancel_after_s=patience)
+        )
     assert len(frame) == len(t) and frame["request_id"].is_unique
     assert frame["outcome"].isin(OUTCOMES).all() and frame["finish_s"].notna().all()
     assert frame["replica"].between(0, 2).all() and set(frame["replica"]) == {0, 1, 2}
@@ -309,8 +421,11 @@ def test_every_request_ends_once_in_a_batching_fleet(router):
 def test_each_batching_replica_cuts_at_its_deadlines_on_its_own_timer():
     # Each replica's line arms a timer of its own (qsim.run_batching.BatchingRun.arm): every cut,
     # on every replica, lands at its request's deadline, as the one engine's do.
-    config = ServerConfig(dataclasses.replace(PRESETS["none"], cancel_at_deadline=True),
-                          dataclasses.replace(BATCH, kv_blocks=150), seed=1)
+    config = ServerConfig(
+        dataclasses.replace(PRESETS["none"], cancel_at_deadline=True),
+        dataclasses.replace(BATCH, kv_blocks=150),
+        seed=1,
+    )
     t = shared_trace("128:0.5", "3:8", replicas=4, load=1.6, requests=800)
     frame = simulate(t, config, replicas=4, router=RoundRobin())
     cut = frame[frame["outcome"] == "cancelled"]
@@ -322,11 +437,17 @@ def test_batching_routers_move_no_arrival_and_no_draw_of_another():
     # Common random numbers: a refusing policy does not move random's picks between batching
     # replicas, and no router moves an arrival, a request's tokens or its step noise's stream.
     t = shared_trace(load=2.0, requests=500)
-    picks = [simulate(t, ServerConfig(PRESETS[p], BATCH, seed=2), replicas=3,
-                      router=Random())["replica"] for p in ("none", "vllm-caps", "predictive")]
+    picks = [
+        simulate(t, ServerConfig(PRESETS[p], BATCH, seed=2), replicas=3, router=Random())["replica"]
+        for p in ("none", "vllm-caps", "predictive")
+    ]
     assert picks[0].equals(picks[1]) and picks[0].equals(picks[2])
-    frames = [simulate(t, ServerConfig(PRESETS["none"], BATCH, seed=2), replicas=3,
-                       router=make_router(name)) for name in ("random", "prefix", "weighted")]
+    frames = [
+        simulate(
+            t, ServerConfig(PRESETS["none"], BATCH, seed=2), replicas=3, router=make_router(name)
+        )
+        for name in ("random", "prefix", "weighted")
+    ]
     for f in frames[1:]:
         for column in ("arrival_s", "max_new_tokens", "deadline_s", "client_id"):
             assert f[column].equals(frames[0][column])
@@ -338,15 +459,19 @@ def test_prefix_affinity_finds_more_of_the_prompts_cached_than_round_robin():
     # one holding its history.
     t = shared_trace()
     config = ServerConfig(PRESETS["none"], BATCH, seed=1)
-    cached = {name: simulate(t, config, replicas=3, router=make_router(name))
-              for name in ("round_robin", "prefix", "weighted")}
+    cached = {
+        name: simulate(t, config, replicas=3, router=make_router(name))
+        for name in ("round_robin", "prefix", "weighted")
+    }
     for frame in cached.values():
         assert frame["outcome"].eq("good").all()
     tokens = {name: int(f["cached_prompt_tokens"].sum()) for name, f in cached.items()}
     assert tokens["prefix"] > 3 * tokens["round_robin"]
     assert tokens["weighted"] > 3 * tokens["round_robin"]
-    assert cached["prefix"].attrs["prefix_cache_hits"] > cached["round_robin"].attrs[
-        "prefix_cache_hits"]
+    assert (
+        cached["prefix"].attrs["prefix_cache_hits"]
+        > cached["round_robin"].attrs["prefix_cache_hits"]
+    )
 
 
 def test_pure_affinity_piles_a_shared_system_prompt_on_one_replica_and_weighted_does_not():
@@ -355,8 +480,12 @@ def test_pure_affinity_piles_a_shared_system_prompt_on_one_replica_and_weighted_
     # weighted's queue and memory scores spread the load again.
     t = shared_trace("256:0.9")
     config = ServerConfig(PRESETS["none"], BATCH, seed=1)
-    share = {name: simulate(t, config, replicas=3, router=make_router(name))["replica"]
-             .value_counts(normalize=True).max() for name in ("prefix", "weighted")}
+    share = {
+        name: simulate(t, config, replicas=3, router=make_router(name))["replica"]
+        .value_counts(normalize=True)
+        .max()
+        for name in ("prefix", "weighted")
+    }
     assert share["prefix"] > 0.8 and share["weighted"] < 0.45
 
 
@@ -367,8 +496,9 @@ def test_a_router_that_reads_no_prefix_hit_spares_the_probe_and_changes_no_row()
 
     t = shared_trace("256:0.9", replicas=4)
     config = ServerConfig(PRESETS["none"], BATCH, seed=1)
-    spared, probed = (simulate(t, config, replicas=4, router=r) for r in (JoinShortestQueue(),
-                                                                         ProbedJSQ()))
+    spared, probed = (
+        simulate(t, config, replicas=4, router=r) for r in (JoinShortestQueue(), ProbedJSQ())
+    )
     pd.testing.assert_frame_equal(spared, probed)
     assert spared.attrs == probed.attrs  # the probes counted nothing in vLLM's counters
     assert not JoinShortestQueue.reads_prefix and PrefixAffinity.reads_prefix
@@ -376,9 +506,11 @@ def test_a_router_that_reads_no_prefix_hit_spares_the_probe_and_changes_no_row()
 
 
 def test_the_batching_routers_choices_from_states():
-    s = [ReplicaState(3, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.0),
-         ReplicaState(1, 1.0, 1, 0, kv_use=0.9, prefix_hit=0.75),
-         ReplicaState(2, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.75)]
+    s = [
+        ReplicaState(3, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.0),
+        ReplicaState(1, 1.0, 1, 0, kv_use=0.9, prefix_hit=0.75),
+        ReplicaState(2, 1.0, 1, 0, kv_use=0.2, prefix_hit=0.75),
+    ]
     rng = np.random.default_rng(0)
     assert LeastKV().choose(s, 0, rng) == 2  # 0 and 2 tie on memory: fewer outstanding
     assert PrefixAffinity().choose(s, 0, rng) == 1  # 1 and 2 tie on the cache: fewer outstanding
@@ -396,11 +528,19 @@ def test_a_batching_replicas_state_reads_its_memory_and_cache():
     from qsim.entry import Work
     from qsim.prefix import SYSTEM_KEY, Tokens
 
-    tokens = {0: Tokens(((SYSTEM_KEY, 64), (10, 8)), 11), 1: Tokens(((SYSTEM_KEY, 64), (12, 8)), 13),
-              2: Tokens(((14, 72),), 15)}
+    tokens = {
+        0: Tokens(((SYSTEM_KEY, 64), (10, 8)), 11),
+        1: Tokens(((SYSTEM_KEY, 64), (12, 8)), 13),
+        2: Tokens(((14, 72),), 15),
+    }
     engine = Batching(kv_blocks=100, prefix_caching=True)
-    queue = BatchQueue(ServerConfig(PRESETS["none"], engine), step=lambda plan, now: None,
-                       end=lambda *a: None, drop=lambda *a: None, tokens=tokens.get)
+    queue = BatchQueue(
+        ServerConfig(PRESETS["none"], engine),
+        step=lambda plan, now: None,
+        end=lambda *a: None,
+        drop=lambda *a: None,
+        tokens=tokens.get,
+    )
     assert queue.replica_state(0.0, 1) == ReplicaState(0, 0.0, 1, 1, 0.0, 0.0)
     assert queue.arrive(0, 0.0, 1.0, 100.0, work=Work(4, 72, 4)) is None
     state = queue.replica_state(0.0, 1)
@@ -419,9 +559,12 @@ def test_a_slower_one_at_a_time_replica_takes_longer_and_jsq_sends_it_less():
     rr = simulate(t, config, replicas=3, router=RoundRobin(), replica_speeds=[1, 1, 0.5])
     ran = rr[rr["start_s"].notna()]
     ratio = ran["true_service_s"] / t.true_service_s[ran["request_id"]]
-    assert np.allclose(ratio[ran["replica"] == 2], 2.0) and np.allclose(ratio[ran["replica"] < 2], 1)
-    sent = simulate(t, config, replicas=3, router=JoinShortestQueue(),
-                    replica_speeds=[1, 1, 0.5])["replica"].value_counts()
+    assert np.allclose(ratio[ran["replica"] == 2], 2.0) and np.allclose(
+        ratio[ran["replica"] < 2], 1
+    )
+    sent = simulate(t, config, replicas=3, router=JoinShortestQueue(), replica_speeds=[1, 1, 0.5])[
+        "replica"
+    ].value_counts()
     assert sent[2] < 0.8 * sent[0] and sent[2] < 0.8 * sent[1]
 
 
@@ -433,23 +576,31 @@ def test_a_slower_batching_replica_answers_later_and_jsq_sends_it_less():
     assert ttft[1] > 3 * ttft[0]
     plain = simulate(t, config, replicas=2, router=RoundRobin())
     assert plain.groupby("replica")["ttft_s"].median()[1] < 1.5 * ttft[0]
-    sent = simulate(t, config, replicas=2, router=make_router("jsq"),
-                    replica_speeds=[1, 0.25])["replica"].value_counts()
+    sent = simulate(t, config, replicas=2, router=make_router("jsq"), replica_speeds=[1, 0.25])[
+        "replica"
+    ].value_counts()
     assert sent[1] < 0.7 * sent[0]
 
 
 @pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
 def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind):
     if kind == "batching":
-        t, config, down = shared_trace(load=0.9, requests=1500), ServerConfig(
-            PRESETS["none"], BATCH, seed=1), (1, 1.0, 2.0)
+        t, config, down = (
+            shared_trace(load=0.9, requests=1500),
+            ServerConfig(PRESETS["none"], BATCH, seed=1),
+            (1, 1.0, 2.0),
+        )
     else:
-        t, config, down = trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1), \
-            (1, 100.0, 200.0)
+        t, config, down = (
+            trace(1.1, 3, 3000),
+            ServerConfig(PRESETS["none"], 1, seed=1),
+            (1, 100.0, 200.0),
+        )
     _, at, back = down
     with testing.audited_batches():
-        frame = records.validate(simulate(t, config, replicas=3, router=make_router("jsq"),
-                                          replica_down=[down]))
+        frame = records.validate(
+            simulate(t, config, replicas=3, router=make_router("jsq"), replica_down=[down])
+        )
     assert len(frame) == len(t) and frame["outcome"].notna().all()
     failed = frame[frame["outcome"] == "error"]
     # Each ended at the failure, on the replica that failed: what ran there an engine's error,
@@ -469,24 +620,44 @@ def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind)
     before = simulate(t, config, replicas=3, router=make_router("jsq"))
     early = frame["arrival_s"] < at
     same = early & ~frame["outcome"].eq("error") & (frame["finish_s"] < at)
-    pd.testing.assert_frame_equal(frame[same].reset_index(drop=True),
-                                  before[same].reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        frame[same].reset_index(drop=True), before[same].reset_index(drop=True)
+    )
 
 
-@pytest.mark.parametrize("down, message", [
-    ([(3, 1.0, 2.0)], "replica of 0..2"),
-    ([(0, 2.0, 1.0)], "from_s < to_s"),
-    ([(0, 1.0, 5.0), (1, 2.0, 3.0), (2, 2.5, 4.0)], "every replica is down at 2.5 s"),
-])
+@pytest.mark.parametrize(
+    "down, message",
+    [
+        ([(3, 1.0, 2.0)], "replica of 0..2"),
+        ([(0, 2.0, 1.0)], "from_s < to_s"),
+        ([(0, 1.0, 5.0), (1, 2.0, 3.0), (2, 2.5, 4.0)], "every replica is down at 2.5 s"),
+    ],
+)
 def test_bad_replica_downs_are_refused(down, message):
     with pytest.raises(ValueError, match=message):
         simulate(trace(0.5, 3, 50), ServerConfig(), replicas=3, router=Random(), replica_down=down)
 
 
 def test_simulate_a_batching_fleet_with_prefix_affinity(capsys):
-    args = ["simulate", "--batching", "--kv-blocks", "600", "--prefix-caching", "--prompts",
-            "uniform:16:128", "--turns", "4:16", "--replicas", "3", "--load", "0.6",
-            "--seconds", "5", "--seed", "1"]
+    args = [
+        "simulate",
+        "--batching",
+        "--kv-blocks",
+        "600",
+        "--prefix-caching",
+        "--prompts",
+        "uniform:16:128",
+        "--turns",
+        "4:16",
+        "--replicas",
+        "3",
+        "--load",
+        "0.6",
+        "--seconds",
+        "5",
+        "--seed",
+        "1",
+    ]
     code, out, err = qlab([*args, "--router", "prefix"], capsys)
     assert code == 0 and err == ""
     assert "3 replicas behind router prefix of a batching engine (" in out
@@ -494,17 +665,36 @@ def test_simulate_a_batching_fleet_with_prefix_affinity(capsys):
     hit = float(out.split("(hit rate ")[1].split(")")[0])
     code, out, _ = qlab([*args, "--router", "round_robin"], capsys)
     assert code == 0 and float(out.split("(hit rate ")[1].split(")")[0]) < hit / 2
-    code, out, _ = qlab([*args, "--router", "weighted", "--router-weights", "prefix=1,kv=0",
-                         "--replica-speeds", "1,1,0.5", "--replica-down", "2:1:2", "--json"],
-                        capsys)
+    code, out, _ = qlab(
+        [
+            *args,
+            "--router",
+            "weighted",
+            "--router-weights",
+            "prefix=1,kv=0",
+            "--replica-speeds",
+            "1,1,0.5",
+            "--replica-down",
+            "2:1:2",
+            "--json",
+        ],
+        capsys,
+    )
     summary = json.loads(out)
     assert code == 0 and summary["fleet"]["router"] == "weighted"
-    assert summary["summary"]["error"] > 0 and set(summary["fleet"]["by_replica"]) == {"0", "1", "2"}
+    assert summary["summary"]["error"] > 0 and set(summary["fleet"]["by_replica"]) == {
+        "0",
+        "1",
+        "2",
+    }
 
 
 def test_least_ttft_chooses_the_earliest_projected_first_token():
-    s = [ReplicaState(1, 1.0, 1, 0, ttft_s=0.9), ReplicaState(3, 2.0, 1, 0, ttft_s=0.2),
-         ReplicaState(0, 0.1, 1, 0, ttft_s=0.2)]
+    s = [
+        ReplicaState(1, 1.0, 1, 0, ttft_s=0.9),
+        ReplicaState(3, 2.0, 1, 0, ttft_s=0.2),
+        ReplicaState(0, 0.1, 1, 0, ttft_s=0.2),
+    ]
     rng = np.random.default_rng(0)
     assert LeastTTFT().choose(s, 0, rng) == 2  # 1 and 2 tie: fewer outstanding
     drawn = {LeastTTFT(d=1).choose(s, 0, rng) for _ in range(50)}
@@ -523,8 +713,9 @@ def test_least_ttft_asks_each_replica_its_projection_and_beats_jsq_on_a_slow_rep
         t = shared_trace(load=0.8, seed=seed)
         config = ServerConfig(PRESETS["none"], BATCH, seed=seed)
         for name in p99:
-            frame = simulate(t, config, replicas=2, router=make_router(name),
-                             replica_speeds=[1, 0.25])
+            frame = simulate(
+                t, config, replicas=2, router=make_router(name), replica_speeds=[1, 0.25]
+            )
             p99[name].append(frame["ttft_s"].quantile(0.99))
     assert np.mean(p99["least_ttft"]) < 0.9 * np.mean(p99["least_work"])
     assert np.mean(p99["least_ttft"]) < 0.6 * np.mean(p99["jsq"])
@@ -538,9 +729,11 @@ def _waiting_over_time(frame, replicas):
     a request waits from its arrival until its start, or its end unrun)."""
     admitted = frame[frame["outcome"] != "rejected"]
     until = admitted["start_s"].fillna(admitted["finish_s"])
-    events = sorted([(t, 1, r) for t, r in zip(admitted["arrival_s"], admitted["replica"])] +
-                    [(t, -1, r) for t, r in zip(until, admitted["replica"])],
-                    key=lambda e: (e[0], e[1]))  # a start frees its place before an arrival
+    events = sorted(
+        [(t, 1, r) for t, r in zip(admitted["arrival_s"], admitted["replica"])]
+        + [(t, -1, r) for t, r in zip(until, admitted["replica"])],
+        key=lambda e: (e[0], e[1]),
+    )  # a start frees its place before an arrival
     now, most, each, most_each = 0, 0, [0] * replicas, [0] * replicas
     for _, step, r in events:
         now += step
@@ -572,8 +765,13 @@ def test_a_queue_bound_at_the_gate_is_the_fleets_and_at_each_replica_each_ones()
 
 def test_the_gate_on_zero_time_arrivals_admits_the_fleets_engines_and_its_bound():
     t = from_arrays(np.zeros(30), np.full(30, 64))
-    frame = simulate(t, ServerConfig(Policy("cap", max_queue=2), 1), replicas=3,
-                     router=RoundRobin(), admission_at="gate")
+    frame = simulate(
+        t,
+        ServerConfig(Policy("cap", max_queue=2), 1),
+        replicas=3,
+        router=RoundRobin(),
+        admission_at="gate",
+    )
     admitted = frame[frame["outcome"] != "rejected"]
     # Three start at once, two wait in the fleet (at 0 and 1, round robin's turn): 5, not 9.
     assert len(admitted) == 5 and admitted.groupby("replica").size().tolist() == [2, 2, 1]
@@ -585,19 +783,21 @@ def test_admission_at_the_replica_is_todays_fleet(router):
     config = ServerConfig(PRESETS["predictive"], 2)
     today = simulate(t, config, replicas=3, router=make_router(router))
     pd.testing.assert_frame_equal(
-        simulate(t, config, replicas=3, router=make_router(router), admission_at="replica"), today)
+        simulate(t, config, replicas=3, router=make_router(router), admission_at="replica"), today
+    )
     if router == "central":  # one line: its admission is the gate's already
         pd.testing.assert_frame_equal(
-            simulate(t, config, replicas=3, router=make_router(router), admission_at="gate"),
-            today)
+            simulate(t, config, replicas=3, router=make_router(router), admission_at="gate"), today
+        )
 
 
 def test_one_replica_at_the_gate_is_the_one_server():
     t = trace(1.3, 2, 1500)
     config = ServerConfig(PRESETS["bounded-deadline"], 2)
     # Through the fleet's path (a speed of 1): the same decisions; a refusal routed nowhere.
-    one = simulate(t, config, replicas=1, router=RoundRobin(), replica_speeds=[1],
-                   admission_at="gate")
+    one = simulate(
+        t, config, replicas=1, router=RoundRobin(), replica_speeds=[1], admission_at="gate"
+    )
     plain = simulate(t, config)
     refused = plain["outcome"] == "rejected"
     assert refused.any() and one.loc[refused, "replica"].isna().all()
@@ -621,8 +821,9 @@ def test_batching_replicas_admit_at_the_gate_on_the_fleets_waiting(policy):
 
 def test_a_bad_admission_place_is_refused():
     with pytest.raises(ValueError, match="admission is at one of replica, gate"):
-        simulate(trace(0.5, 2, 50), ServerConfig(), replicas=2, router=Random(),
-                 admission_at="router")
+        simulate(
+            trace(0.5, 2, 50), ServerConfig(), replicas=2, router=Random(), admission_at="router"
+        )
 
 
 def test_a_fleets_fields_keep_its_admission():
@@ -635,26 +836,44 @@ def test_a_fleets_fields_keep_its_admission():
 
 
 def test_simulate_admission_at_the_gate(tmp_path, capsys):
-    args = ["simulate", "--replicas", "3", "--router", "jsq", "--policy", "bounded",
-            "--load", "1.5", "--requests", "2000", "--json"]
+    args = [
+        "simulate",
+        "--replicas",
+        "3",
+        "--router",
+        "jsq",
+        "--policy",
+        "bounded",
+        "--load",
+        "1.5",
+        "--requests",
+        "2000",
+        "--json",
+    ]
     each = json.loads(qlab(args, capsys)[1])
     code, out, err = qlab(args + ["--admission-at", "gate"], capsys)
     assert code == 0 and err == ""
     gate = json.loads(out)
     assert gate["summary"]["rejected"] > each["summary"]["rejected"]
     # Streamed to --out (qsim.stream), the same run.
-    code, out, _ = qlab(args + ["--admission-at", "gate", "--out", str(tmp_path / "r.parquet")],
-                        capsys)
+    code, out, _ = qlab(
+        args + ["--admission-at", "gate", "--out", str(tmp_path / "r.parquet")], capsys
+    )
     assert code == 0 and json.loads(out)["summary"] == gate["summary"]
     code, out, _ = qlab(args[:-1] + ["--admission-at", "gate"], capsys)
     assert code == 0 and "admitted at the gate" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--replicas", "2", "--admission-at", "router"],
-     "--admission-at: invalid choice 'router': a fleet admits at one of replica, gate"),
-    (["--admission-at", "gate"], "--admission-at: a fleet's options, for --replicas N > 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--replicas", "2", "--admission-at", "router"],
+            "--admission-at: invalid choice 'router': a fleet admits at one of replica, gate",
+        ),
+        (["--admission-at", "gate"], "--admission-at: a fleet's options, for --replicas N > 1"),
+    ],
+)
 def test_simulate_refuses_a_bad_admission_place_in_one_line(args, message, capsys):
     code, out, err = qlab(["simulate", "--requests", "50", *args], capsys)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1

@@ -79,8 +79,10 @@ def test_a_sweep_at_a_rate_spreads_it_over_the_replicas(tmp_path):
 
 
 def test_a_sweep_over_where_a_fleet_admits(tmp_path):
-    text = FLEET.replace('router = ["random", "power_of_d", "central"]',
-                         'router = ["jsq"]\nadmission_at = ["replica", "gate"]')
+    text = FLEET.replace(
+        'router = ["random", "power_of_d", "central"]',
+        'router = ["jsq"]\nadmission_at = ["replica", "gate"]',
+    )
     text = text.replace('policy = ["none"]', 'policy = ["bounded"]').replace("[0.8]", "[1.5]")
     summary = sweep.run(load_text(tmp_path, text), tmp_path / "out", workers=1, quiet=True)
     assert set(summary["admission_at"]) == {"replica", "gate"} and len(summary) == 2 * 2 * 2
@@ -101,15 +103,18 @@ def test_a_config_without_fleet_axes_keeps_its_cells():
     assert [c.id for c in sweep.cells(cfg)][:1] == ["57010b41f132e792"]
 
 
-@pytest.mark.parametrize("grid, says", [
-    ('router = ["random"]', "add grid.replicas"),
-    ('replicas = [2]\nrouter = ["fastest"]', "unknown router"),
-    ('replicas = [2]\nrouter = ["power_of_d:3"]', "3 choices among 2 replicas"),
-    ('replicas = [0]', "replicas"),
-    ('rate = [2.0]', "grid.load and grid.rate exclude each other"),
-    ('admission_at = ["gate"]', "grid.admission_at is where a fleet admits: add grid.replicas"),
-    ('replicas = [2]\nadmission_at = ["router"]', "a fleet admits at one of replica, gate"),
-])
+@pytest.mark.parametrize(
+    "grid, says",
+    [
+        ('router = ["random"]', "add grid.replicas"),
+        ('replicas = [2]\nrouter = ["fastest"]', "unknown router"),
+        ('replicas = [2]\nrouter = ["power_of_d:3"]', "3 choices among 2 replicas"),
+        ("replicas = [0]", "replicas"),
+        ("rate = [2.0]", "grid.load and grid.rate exclude each other"),
+        ('admission_at = ["gate"]', "grid.admission_at is where a fleet admits: add grid.replicas"),
+        ('replicas = [2]\nadmission_at = ["router"]', "a fleet admits at one of replica, gate"),
+    ],
+)
 def test_bad_fleet_axes_are_refused_before_anything_runs(tmp_path, grid, says):
     text = f'[sweep]\nduration_s = 5\n[grid]\npolicy = ["none"]\nload = [0.5]\n{grid}\n'
     with pytest.raises(config.ConfigError, match=says):
@@ -176,15 +181,20 @@ def test_a_batch_aware_router_needs_batching_replicas(tmp_path):
 
 def synthetic(offsets, objective):
     """capacity.search's evaluate: seed s's metric at N replicas is 1 - 4 / N + offsets[s]."""
+
     def evaluate(asks):
-        return {(unit, n): capacity.judge({"m": 1 - 4 / n + offsets}, objective) for unit, n in asks}
+        return {
+            (unit, n): capacity.judge({"m": 1 - 4 / n + offsets}, objective) for unit, n in asks
+        }
+
     return evaluate
 
 
 def size(offsets, text, most=64, least=1, start=1):
     propose = lambda unit, judged: sizing.next_counts(judged, least, most, start)  # noqa: E731
-    judged = capacity.search(synthetic(offsets, parse_objectives(text)), ["a"], None,
-                             propose=propose)["a"]
+    judged = capacity.search(
+        synthetic(offsets, parse_objectives(text)), ["a"], None, propose=propose
+    )["a"]
     return sizing.Fewest.of(judged)
 
 
@@ -215,13 +225,34 @@ def mm1_fewest(rate, deadline, target):
     """The fewest N for which random routing of Poisson arrivals at ``rate`` to N M/M/1 replicas
     (mu 1) answers ``target`` within ``deadline``: each replica's sojourn is exponential of rate
     mu - rate / N."""
-    return next(n for n in range(1, 1000) if rate / n < 1
-                and stats.expon(scale=1 / (1 - rate / n)).cdf(deadline) >= target)
+    return next(
+        n
+        for n in range(1, 1000)
+        if rate / n < 1 and stats.expon(scale=1 / (1 - rate / n)).cdf(deadline) >= target
+    )
 
 
-MM1 = ["capacity", "--policy", "none", "--deadline", "5", "--service", "exponential",
-       "--mean-service", "1", "--objective", "share_good>=0.9", "--router", "random",
-       "--seconds", "1000", "--seeds", "5", "--workers", "1"]
+MM1 = [
+    "capacity",
+    "--policy",
+    "none",
+    "--deadline",
+    "5",
+    "--service",
+    "exponential",
+    "--mean-service",
+    "1",
+    "--objective",
+    "share_good>=0.9",
+    "--router",
+    "random",
+    "--seconds",
+    "1000",
+    "--seeds",
+    "5",
+    "--workers",
+    "1",
+]
 
 
 def test_sizing_random_routing_to_mm1_replicas_matches_the_closed_form(tmp_path, capsys):
@@ -245,9 +276,25 @@ def test_sizing_grows_with_the_rate_as_the_closed_form_does(tmp_path, capsys):
 
 
 # Batching replicas of 4 sequences, steps of 10 ms + 0.2 ms a sequence: about 21 requests/s each.
-BATCH_SIZING = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", "--batching",
-                "--max-num-seqs", "4", "--step", "0.01,0,0.0002,0", "--seconds", "30",
-                "--seeds", "2", "--workers", "1", "--json"]
+BATCH_SIZING = [
+    "capacity",
+    "--policy",
+    "none",
+    "--objective",
+    "share_good>=0.9",
+    "--batching",
+    "--max-num-seqs",
+    "4",
+    "--step",
+    "0.01,0,0.0002,0",
+    "--seconds",
+    "30",
+    "--seeds",
+    "2",
+    "--workers",
+    "1",
+    "--json",
+]
 
 
 def batch_sizing(tmp_path, capsys, rate: float) -> tuple[dict, dict]:
@@ -276,9 +323,31 @@ def test_sizing_batching_replicas_grows_with_the_rate(tmp_path, capsys):
 
 
 def test_sizing_prints_a_row_per_router(tmp_path, capsys):
-    args = ["capacity", "--policy", "none", "--service", "exponential", "--mean-service", "1",
-            "--objective", "share_good>=0.5", "--seconds", "60", "--seeds", "2", "--workers", "1",
-            "--rate", "1.5", "--router", "random", "--router", "central", "--out", str(tmp_path)]
+    args = [
+        "capacity",
+        "--policy",
+        "none",
+        "--service",
+        "exponential",
+        "--mean-service",
+        "1",
+        "--objective",
+        "share_good>=0.5",
+        "--seconds",
+        "60",
+        "--seeds",
+        "2",
+        "--workers",
+        "1",
+        "--rate",
+        "1.5",
+        "--router",
+        "random",
+        "--router",
+        "central",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "the fewest replicas at which share_good>=0.5" in out and "1.5 requests/s" in out
@@ -289,10 +358,32 @@ def test_sizing_prints_a_row_per_router(tmp_path, capsys):
 
 
 def test_capacity_of_a_fleet(tmp_path, capsys):
-    args = ["capacity", "--policy", "none", "--service", "exponential", "--mean-service", "1",
-            "--objective", "share_good>=0.5", "--seconds", "200", "--seeds", "3", "--workers", "1",
-            "--tolerance", "0.2", "--replicas", "2", "--router", "power_of_d", "--json",
-            "--out", str(tmp_path)]
+    args = [
+        "capacity",
+        "--policy",
+        "none",
+        "--service",
+        "exponential",
+        "--mean-service",
+        "1",
+        "--objective",
+        "share_good>=0.5",
+        "--seconds",
+        "200",
+        "--seeds",
+        "3",
+        "--workers",
+        "1",
+        "--tolerance",
+        "0.2",
+        "--replicas",
+        "2",
+        "--router",
+        "power_of_d",
+        "--json",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     (record,) = json.loads(capsys.readouterr().out)
     assert record["replicas"] == 2 and record["router"] == "power_of_d"
@@ -304,10 +395,34 @@ def test_capacity_of_a_fleet(tmp_path, capsys):
 
 
 def test_capacity_of_a_fleet_admitting_at_the_gate(tmp_path, capsys):
-    args = ["capacity", "--policy", "bounded", "--service", "exponential", "--mean-service", "1",
-            "--objective", "share_good>=0.5", "--seconds", "100", "--seeds", "2", "--workers", "1",
-            "--tolerance", "0.3", "--replicas", "2", "--router", "jsq", "--admission-at", "gate",
-            "--json", "--out", str(tmp_path)]
+    args = [
+        "capacity",
+        "--policy",
+        "bounded",
+        "--service",
+        "exponential",
+        "--mean-service",
+        "1",
+        "--objective",
+        "share_good>=0.5",
+        "--seconds",
+        "100",
+        "--seeds",
+        "2",
+        "--workers",
+        "1",
+        "--tolerance",
+        "0.3",
+        "--replicas",
+        "2",
+        "--router",
+        "jsq",
+        "--admission-at",
+        "gate",
+        "--json",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     (record,) = json.loads(capsys.readouterr().out)
     assert record["admission_at"] == "gate" and record["replicas"] == 2
@@ -315,22 +430,33 @@ def test_capacity_of_a_fleet_admitting_at_the_gate(tmp_path, capsys):
     assert set(cells["admission_at"]) == {"gate"}
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--rate", "0"], "--rate"),
-    (["--rate", "-1"], "--rate"),
-    (["--rate", "2", "--replicas", "4"], "not both"),
-    (["--rate", "2", "--start", "0.5"], "--start bounds a search over load"),
-    (["--max-replicas", "8"], "give --rate"),
-    (["--router", "random"], "--router routes between"),
-    (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
-    (["--replicas", "2", "--router", "fastest"], "unknown router"),
-    (["--admission-at", "gate"], "--admission-at is where a fleet admits"),
-    (["--replicas", "2", "--admission-at", "pod"], "a fleet admits at one of replica, gate"),
-    (["--rate", "2", "--concurrency", "0.1"], "concurrency 0"),
-])
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--rate", "0"], "--rate"),
+        (["--rate", "-1"], "--rate"),
+        (["--rate", "2", "--replicas", "4"], "not both"),
+        (["--rate", "2", "--start", "0.5"], "--start bounds a search over load"),
+        (["--max-replicas", "8"], "give --rate"),
+        (["--router", "random"], "--router routes between"),
+        (["--replicas", "2", "--router-d", "3"], "give --router power_of_d"),
+        (["--replicas", "2", "--router", "fastest"], "unknown router"),
+        (["--admission-at", "gate"], "--admission-at is where a fleet admits"),
+        (["--replicas", "2", "--admission-at", "pod"], "a fleet admits at one of replica, gate"),
+        (["--rate", "2", "--concurrency", "0.1"], "concurrency 0"),
+    ],
+)
 def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, extra, says):
-    args = ["capacity", "--policy", "none", "--objective", "share_good>=0.9", *extra,
-            "--out", str(tmp_path / "o")]
+    args = [
+        "capacity",
+        "--policy",
+        "none",
+        "--objective",
+        "share_good>=0.9",
+        *extra,
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err and "Traceback" not in err
@@ -341,30 +467,59 @@ def test_bad_fleet_and_sizing_input_is_one_line_and_exit_2(tmp_path, capsys, ext
 
 
 def simulate_json(capsys, *extra):
-    args = ["simulate", "--service", "exponential", "--mean-service", "0.5", "--engines", "2",
-            "--requests", "2000", "--json", *extra]
+    args = [
+        "simulate",
+        "--service",
+        "exponential",
+        "--mean-service",
+        "0.5",
+        "--engines",
+        "2",
+        "--requests",
+        "2000",
+        "--json",
+        *extra,
+    ]
     assert main(args) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_a_rate_is_the_load_of_all_engines_at_the_mean_service(capsys):
-    # 4 replicas of 2 engines of mean 0.5 s take 16 requests/s at load 1: 12 requests/s is load 0.75.
+    # 4 replicas of 2 engines of mean 0.5 s take 16 requests/s at load 1: 12 requests/s is load
+    # 0.75.
     fleet = ["--replicas", "4", "--router", "random"]
     by_rate = simulate_json(capsys, "--rate", "12", *fleet)
     by_load = simulate_json(capsys, "--load", "0.75", *fleet)
     assert by_rate["config"]["load"] == pytest.approx(0.75)
     assert by_rate["summary"] == by_load["summary"]
-    assert main(["simulate", "--rate", "12", "--replicas", "4", "--router", "random",
-                 "--requests", "200"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--rate",
+                "12",
+                "--replicas",
+                "4",
+                "--router",
+                "random",
+                "--requests",
+                "200",
+            ]
+        )
+        == 0
+    )
     # The reference mix: 6.79 requests/s per engine at load 1, so 12 over 4 replicas is load 0.442.
     assert "poisson arrivals at 12 requests/s, load 0.44" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--rate", "0"], "--rate: value must be > 0"),
-    (["--rate", "2", "--load", "0.5"], "give --rate or --load"),
-    (["--rate", "2", "--arrivals", "burst:10"], "bring their own rate"),
-])
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--rate", "0"], "--rate: value must be > 0"),
+        (["--rate", "2", "--load", "0.5"], "give --rate or --load"),
+        (["--rate", "2", "--arrivals", "burst:10"], "bring their own rate"),
+    ],
+)
 def test_bad_rates_are_one_line_and_exit_2(capsys, extra, says):
     assert main(["simulate", "--requests", "10", *extra]) == 2
     err = capsys.readouterr().err

@@ -20,8 +20,11 @@ from qsim.mixes import UsedShare
 
 def trace_of(arrival, prompt, out):
     trace = from_arrays(np.asarray(arrival, float), np.asarray(out))
-    return dataclasses.replace(trace, prompt_tokens=np.asarray(prompt, dtype=np.int64),
-                               tokens_generated=np.asarray(out, dtype=np.int64))
+    return dataclasses.replace(
+        trace,
+        prompt_tokens=np.asarray(prompt, dtype=np.int64),
+        tokens_generated=np.asarray(out, dtype=np.int64),
+    )
 
 
 def run(trace, front_end, policy=PRESETS["none"], **engine):
@@ -55,8 +58,9 @@ def test_each_steps_outputs_cost_a_step_and_a_token_each(audited):
 
 def test_a_seat_is_held_until_the_last_token_is_streamed(audited):
     fe = FrontEnd(request_s=0.0, token_s=0.05)
-    df = run(trace_of([0.0, 0.0], [0, 0], [1, 1]), fe, step=StepModel(0.01, 0, 0, 0),
-             max_num_seqs=1)
+    df = run(
+        trace_of([0.0, 0.0], [0, 0], [1, 1]), fe, step=StepModel(0.01, 0, 0, 0), max_num_seqs=1
+    )
     # The first's one step ends at 0.01 and its token reaches the client at 0.06: the second's
     # seat frees then, its step ends at 0.07 and its token is streamed by 0.12.
     assert df["finish_s"].tolist() == pytest.approx([0.06, 0.12])
@@ -67,14 +71,19 @@ def test_no_front_end_and_an_idle_one_of_no_cost_give_the_same_rows():
     trace = make_trace(load=3.0, seconds=30, seed=3)
     step = StepModel(0.01, 1e-5, 2e-4, 0)
     plain = simulate(trace, ServerConfig(PRESETS["predictive"], Batching(step, max_num_seqs=8)))
-    free = simulate(trace, ServerConfig(PRESETS["predictive"],
-                                        Batching(step, max_num_seqs=8, front_end=FrontEnd())))
+    free = simulate(
+        trace,
+        ServerConfig(PRESETS["predictive"], Batching(step, max_num_seqs=8, front_end=FrontEnd())),
+    )
     assert plain.equals(free)
 
 
 def _md1_waits(seed, rate, service, n=20_000):
-    trace = trace_of(np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n)),
-                     np.zeros(n, int), np.ones(n, int))
+    trace = trace_of(
+        np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n)),
+        np.zeros(n, int),
+        np.ones(n, int),
+    )
     df = run(trace, FrontEnd(request_s=service), step=StepModel(1e-7, 0, 0, 0), max_num_seqs=256)
     return float((df["ttft_s"] - service).mean())
 
@@ -112,28 +121,42 @@ def test_the_front_end_is_in_the_engine_fields_and_read_back():
         engine_from_fields({"kind": "batching", "front_end": {"request": 1}})
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), load=st.sampled_from([0.5, 3.0, 15.0]),
-       seqs=st.sampled_from([1, 4, 32]), blocks=st.sampled_from([None, 8, 400]),
-       name=st.sampled_from(["none", "bounded", "predictive", "bounded-deadline"]),
-       cut=st.booleans(), patient=st.booleans(),
-       fe=st.sampled_from([(0.0, 0.0), (0.01, 0.0), (0.0, 0.002), (0.02, 0.001)]))
-def test_every_request_ends_once_with_a_front_end(audited, seed, load, seqs, blocks, name, cut,
-                                                 patient, fe):
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 10_000),
+    load=st.sampled_from([0.5, 3.0, 15.0]),
+    seqs=st.sampled_from([1, 4, 32]),
+    blocks=st.sampled_from([None, 8, 400]),
+    name=st.sampled_from(["none", "bounded", "predictive", "bounded-deadline"]),
+    cut=st.booleans(),
+    patient=st.booleans(),
+    fe=st.sampled_from([(0.0, 0.0), (0.01, 0.0), (0.0, 0.002), (0.02, 0.001)]),
+)
+def test_every_request_ends_once_with_a_front_end(
+    audited, seed, load, seqs, blocks, name, cut, patient, fe
+):
     trace = make_trace(load=load, seconds=6, seed=seed, used=UsedShare(), clients=())
     rng = np.random.default_rng(seed)
     trace = dataclasses.replace(trace, prompt_tokens=rng.integers(0, 120, len(trace)))
     patience = None if patient else np.where(rng.random(len(trace)) < 0.3, 0.2, np.inf)
     policy = resolve(name, {"cancel_at_deadline": cut})
-    engine = Batching(StepModel(0.005, 2e-5, 3e-4, 1e-6), max_num_seqs=seqs,
-                      max_num_batched_tokens=max(64, seqs), kv_blocks=blocks,
-                      front_end=FrontEnd(*fe))
-    df = records.validate(simulate(trace, ServerConfig(policy, engine, seed=seed),
-                                   cancel_after_s=patience))
+    engine = Batching(
+        StepModel(0.005, 2e-5, 3e-4, 1e-6),
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(64, seqs),
+        kv_blocks=blocks,
+        front_end=FrontEnd(*fe),
+    )
+    df = records.validate(
+        simulate(trace, ServerConfig(policy, engine, seed=seed), cancel_after_s=patience)
+    )
     testing.check_records(df, SimRun(policy, EngineSettings(batching=engine)), trace)
     answered = df["outcome"].isin(["good", "late"])
-    assert (df.loc[answered, "output_tokens"] ==
-            trace.tokens_generated[df.loc[answered, "request_id"]]).all()
+    assert (
+        df.loc[answered, "output_tokens"] == trace.tokens_generated[df.loc[answered, "request_id"]]
+    ).all()
     assert (df.loc[df["start_s"].notna(), "ttft_s"].dropna() >= 0).all()
 
 
@@ -144,6 +167,7 @@ def test_simulate_takes_a_front_end_from_the_flag_or_a_calibration(capsys, tmp_p
     import json
 
     from experiments import cli
+
     args = ["simulate", "--batching", "--seconds", "10", "--load", "0.5", "--json"]
     assert cli.main(args) == 0
     plain = json.loads(capsys.readouterr().out)["summary"]
@@ -151,20 +175,30 @@ def test_simulate_takes_a_front_end_from_the_flag_or_a_calibration(capsys, tmp_p
     slowed = json.loads(capsys.readouterr().out)["summary"]
     assert slowed["latency_p50_s"] > plain["latency_p50_s"]
     calibration = tmp_path / "cal.json"
-    calibration.write_text(json.dumps({"model": {"intercept_s": 0.01, "per_token_s": 0.01},
-                                       "front_end": {"request_s": 0.01, "token_s": 0.002}}))
+    calibration.write_text(
+        json.dumps(
+            {
+                "model": {"intercept_s": 0.01, "per_token_s": 0.01},
+                "front_end": {"request_s": 0.01, "token_s": 0.002},
+            }
+        )
+    )
     assert cli.main([*args, "--front-end", str(calibration)]) == 0
     assert json.loads(capsys.readouterr().out)["summary"] == slowed
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["--front-end", "0.01,0.002"], "--front-end is a batching engine's: add --batching"),
-    (["--batching", "--front-end", "0.01"], "give REQUEST_S,TOKEN_S"),
-    (["--batching", "--front-end", "1,2,3,4"], "give REQUEST_S,TOKEN_S"),
-    (["--batching", "--front-end=-1,0"], "request_s must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--front-end", "0.01,0.002"], "--front-end is a batching engine's: add --batching"),
+        (["--batching", "--front-end", "0.01"], "give REQUEST_S,TOKEN_S"),
+        (["--batching", "--front-end", "1,2,3,4"], "give REQUEST_S,TOKEN_S"),
+        (["--batching", "--front-end=-1,0"], "request_s must be a number >= 0"),
+    ],
+)
 def test_bad_front_ends_are_one_line_and_exit_2(capsys, bad, message):
     from experiments import cli
+
     with pytest.raises(SystemExit) as exit_:
         raise SystemExit(cli.main(["simulate", "--seconds", "5", *bad]))
     err = capsys.readouterr().err.strip()
@@ -173,10 +207,13 @@ def test_bad_front_ends_are_one_line_and_exit_2(capsys, bad, message):
 
 def test_a_sweep_reads_the_front_end_in_its_batching_table(tmp_path):
     from experiments import config
+
     path = tmp_path / "s.toml"
-    text = ("[sweep]\nduration_s = 5\nseeds = 1\n[batching]\nmax_num_seqs = 8\n"
-            "front_end = {request_s = 0.002, token_s = 0.0004}\n[grid]\npolicy = [\"none\"]\n"
-            "load = [0.5]\n")
+    text = (
+        "[sweep]\nduration_s = 5\nseeds = 1\n[batching]\nmax_num_seqs = 8\n"
+        'front_end = {request_s = 0.002, token_s = 0.0004}\n[grid]\npolicy = ["none"]\n'
+        "load = [0.5]\n"
+    )
     path.write_text(text)
     assert config.load(path).batching.front_end == FrontEnd(0.002, 0.0004)
     path.write_text(text.replace("request_s = 0.002", "request = 0.002"))
@@ -186,8 +223,10 @@ def test_a_sweep_reads_the_front_end_in_its_batching_table(tmp_path):
 
 def test_a_calibration_front_end_is_a_load_term_and_the_prediction_takes_it():
     from qsim.service import LoadTerms
-    terms = LoadTerms.from_calibration({"step": {"b0": 0.005}, "front_end":
-                                        {"request_s": 0.003, "token_s": 0.0005}})
+
+    terms = LoadTerms.from_calibration(
+        {"step": {"b0": 0.005}, "front_end": {"request_s": 0.003, "token_s": 0.0005}}
+    )
     assert terms.front_end == FrontEnd(0.003, 0.0005)
     assert LoadTerms.from_calibration({"step": {"b0": 0.005}}).front_end is None
     with pytest.raises(ValueError, match="bad calibrated front end"):

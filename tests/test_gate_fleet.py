@@ -89,9 +89,11 @@ def _run_with_a_hung_replica(router: str):
         import asyncio
 
         loop = asyncio.get_running_loop()
-        engines = [LoopSynthetic(MODEL), LoopSynthetic(MODEL, faults=Faults(hang_after=HANG_AT - 1,
-                                                                            hang_s=HANG_S)),
-                   LoopSynthetic(MODEL)]
+        engines = [
+            LoopSynthetic(MODEL),
+            LoopSynthetic(MODEL, faults=Faults(hang_after=HANG_AT - 1, hang_s=HANG_S)),
+            LoopSynthetic(MODEL),
+        ]
         config = gate_config(PRESETS["predictive"], model=MODEL)
         tasks = []
         fleet = FleetSpec(3, make_router(router))
@@ -248,8 +250,9 @@ def test_serve_options_say_the_fleet():
     fleet = _options("--replicas", "3", "--router", "power_of_d", "--router-d", "3").fleet()
     assert (fleet.replicas, fleet.router) == (3, make_router("power_of_d", 3))
     assert _options("--replicas", "2").fleet().router.name == "round_robin"
-    up = _options("--engine", "upstream", "--upstream-url", "http://a:1/v1",
-                  "--upstream-url", "http://b:2")
+    up = _options(
+        "--engine", "upstream", "--upstream-url", "http://a:1/v1", "--upstream-url", "http://b:2"
+    )
     assert up.upstream_urls() == ["http://a:1/v1", "http://b:2"] and up.fleet().replicas == 2
     assert "--upstream-url" in up.argv() and "http://a:1/v1,http://b:2" in up.argv()
 
@@ -261,8 +264,19 @@ def test_serve_options_take_a_fleet_of_batching_replicas(router):
     its first token are a batching fleet's."""
     from qsim.engines import Batching
 
-    options = _options("--batching", "--replicas", "3", "--router", router, "--kv-blocks", "64",
-                       "--faulty-replica", "2", "--fail-every", "9")
+    options = _options(
+        "--batching",
+        "--replicas",
+        "3",
+        "--router",
+        router,
+        "--kv-blocks",
+        "64",
+        "--faulty-replica",
+        "2",
+        "--fail-every",
+        "9",
+    )
     assert options.fleet() == FleetSpec(3, make_router(router))
     assert options.engine_model() == Batching(kv_blocks=64)
     argv = options.argv()
@@ -276,27 +290,58 @@ def test_serve_builds_a_gate_of_batching_replicas():
     from live.commands import _batching_gate
     from qsim import ServiceModel
 
-    options = _options("--batching", "--replicas", "3", "--router", "jsq", "--faulty-replica", "1",
-                       "--fail-every", "5", "--seed", "4")
-    gate = _batching_gate(options, options.make_policy(), ServiceModel(), options.engine_model(),
-                          options.fleet())
+    options = _options(
+        "--batching",
+        "--replicas",
+        "3",
+        "--router",
+        "jsq",
+        "--faulty-replica",
+        "1",
+        "--fail-every",
+        "5",
+        "--seed",
+        "4",
+    )
+    gate = _batching_gate(
+        options, options.make_policy(), ServiceModel(), options.engine_model(), options.fleet()
+    )
     assert gate.fleet == FleetSpec(3, make_router("jsq")) and gate.config.seed == 4
     assert [e.replica for e in gate.engines] == [0, 1, 2]
     assert [e.faults.fail_every for e in gate.engines] == [0, 5, 0]
     assert type(gate.driver).__name__ == "BatchDriver"
 
 
-@pytest.mark.parametrize("argv, says", [
-    (("--replicas", "2", "--batching", "--engine", "gpt2"), "--batching with replicas"),
-    (("--replicas", "2", "--batching", "--engines", "2"), "--batching runs one batching engine"),
-    (("--router", "jsq"), "--router: a fleet's options"),
-    (("--replicas", "2", "--router", "least_kv"), "its replicas need --batching"),
-    (("--replicas", "2", "--faulty-replica", "2"), "replicas are 0..1"),
-    (("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "http://b:2",
-      "--replicas", "3"), "one replica per --upstream-url"),
-    (("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "ftp://b"),
-     "must be http"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (("--replicas", "2", "--batching", "--engine", "gpt2"), "--batching with replicas"),
+        (
+            ("--replicas", "2", "--batching", "--engines", "2"),
+            "--batching runs one batching engine",
+        ),
+        (("--router", "jsq"), "--router: a fleet's options"),
+        (("--replicas", "2", "--router", "least_kv"), "its replicas need --batching"),
+        (("--replicas", "2", "--faulty-replica", "2"), "replicas are 0..1"),
+        (
+            (
+                "--engine",
+                "upstream",
+                "--upstream-url",
+                "http://a:1",
+                "--upstream-url",
+                "http://b:2",
+                "--replicas",
+                "3",
+            ),
+            "one replica per --upstream-url",
+        ),
+        (
+            ("--engine", "upstream", "--upstream-url", "http://a:1", "--upstream-url", "ftp://b"),
+            "must be http",
+        ),
+    ],
+)
 def test_serve_options_refuse_a_fleet_that_cannot_run(argv, says):
     with pytest.raises(ValueError, match=says):
         _options(*argv)
@@ -327,8 +372,12 @@ def test_a_new_calibration_reaches_every_replica():
     async def go():
         loop = asyncio.get_running_loop()
         config = gate_config(PRESETS["predictive"], model=MODEL)
-        gate = Gate([LoopSynthetic(MODEL) for _ in range(4)], config, clock=loop.time,
-                    fleet=FleetSpec(2, make_router("jsq")))
+        gate = Gate(
+            [LoopSynthetic(MODEL) for _ in range(4)],
+            config,
+            clock=loop.time,
+            fleet=FleetSpec(2, make_router("jsq")),
+        )
         async with gate:
             new = ServiceModel(intercept_s=0.01, per_token_s=0.002)
             gate.use_calibration(new, LoadTerms())
@@ -351,8 +400,12 @@ def test_draining_a_fleet_gate_answers_every_replicas_waiting():
     async def go():
         loop = asyncio.get_running_loop()
         config = gate_config(PRESETS["none"], model=MODEL)
-        gate = Gate([LoopSynthetic(MODEL) for _ in range(3)], config, clock=loop.time,
-                    fleet=FleetSpec(3, make_router("round_robin")))
+        gate = Gate(
+            [LoopSynthetic(MODEL) for _ in range(3)],
+            config,
+            clock=loop.time,
+            fleet=FleetSpec(3, make_router("round_robin")),
+        )
         async with gate:
             futures = [gate.submit(Job(str(i), 12)) for i in range(12)]
             assert [r["waiting"] for r in gate.stats()["replicas"]] == [3, 3, 3]
@@ -382,7 +435,11 @@ def test_a_replica_that_fails_at_once_is_paused_and_tried_again(router):
     from live.fleet_gate import FAILING_PAUSE_S, FAILING_STREAK
     from test_gate_sim import MODEL
 
-    engines = [_GoneUpstream(MODEL), _FailingUpstream(MODEL, away=(5.0, 15.0)), _GoneUpstream(MODEL)]
+    engines = [
+        _GoneUpstream(MODEL),
+        _FailingUpstream(MODEL, away=(5.0, 15.0)),
+        _GoneUpstream(MODEL),
+    ]
     frame, ups, stats = _fleet_of_upstreams(engines, "none", router)
     assert frame["outcome"].notna().all() and sum(stats["counts"].values()) == len(frame)
     failed = frame[frame["outcome"].eq("error")]
@@ -401,8 +458,18 @@ def test_a_replica_that_fails_at_once_is_paused_and_tried_again(router):
 # -- batching replicas ---------------------------------------------------------------------------
 
 #: prefix and weighted read a prefix cache the live engine does not model (prefix_hit 0 there).
-BATCH_ROUTERS = ["round_robin", "random", "jsq", "least_work", "least_kv", "least_ttft",
-                 "power_of_d", "prefix", "weighted", "central"]
+BATCH_ROUTERS = [
+    "round_robin",
+    "random",
+    "jsq",
+    "least_work",
+    "least_kv",
+    "least_ttft",
+    "power_of_d",
+    "prefix",
+    "weighted",
+    "central",
+]
 
 
 def _agree_batching(trace, config, router: str, replicas: int = 3):
@@ -420,23 +487,27 @@ def _agree_batching(trace, config, router: str, replicas: int = 3):
     assert gate.loc[both, "replica"].tolist() == sim.loc[both, "replica"].astype(int).tolist()
     np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
     known = gate["outcome"].ne("abandoned").to_numpy() & joined
-    np.testing.assert_allclose(gate.loc[known, "start_s"], sim.loc[known, "start_s"], rtol=0,
-                               atol=1e-9)
+    np.testing.assert_allclose(
+        gate.loc[known, "start_s"], sim.loc[known, "start_s"], rtol=0, atol=1e-9
+    )
     np.testing.assert_array_equal(gate.loc[known, "engine"], sim.loc[known, "engine"])
     answered = sim["outcome"].isin(["good", "late"]).to_numpy()
-    np.testing.assert_allclose(gate.loc[answered, "first_token_s"]
-                               - gate.loc[answered, "arrival_s"],
-                               sim.loc[answered, "ttft_s"], rtol=0, atol=1e-9)
-    np.testing.assert_array_equal(gate.loc[answered, "tokens"],
-                                  sim.loc[answered, "output_tokens"])
+    np.testing.assert_allclose(
+        gate.loc[answered, "first_token_s"] - gate.loc[answered, "arrival_s"],
+        sim.loc[answered, "ttft_s"],
+        rtol=0,
+        atol=1e-9,
+    )
+    np.testing.assert_array_equal(gate.loc[answered, "tokens"], sim.loc[answered, "output_tokens"])
     seen = gate["queued"].ge(0).to_numpy()
-    np.testing.assert_array_equal(gate.loc[seen, "queued"],
-                                  sim.loc[seen, "queued_at_arrival"].astype(int))
-    np.testing.assert_allclose(gate.loc[seen, "est_service_s"], sim.loc[seen, "est_service_s"],
-                               rtol=0, atol=1e-9)
+    np.testing.assert_array_equal(
+        gate.loc[seen, "queued"], sim.loc[seen, "queued_at_arrival"].astype(int)
+    )
+    np.testing.assert_allclose(
+        gate.loc[seen, "est_service_s"], sim.loc[seen, "est_service_s"], rtol=0, atol=1e-9
+    )
     counts = sim["outcome"].value_counts()
-    assert {k: v for k, v in stats["counts"].items() if v} == \
-        {k: int(v) for k, v in counts.items()}
+    assert {k: v for k, v in stats["counts"].items() if v} == {k: int(v) for k, v in counts.items()}
     assert stats["waiting"] == 0 and stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
     assert stats["router"] == router and len(stats["replicas"]) == replicas
     assert FleetSpec.from_fields(stats["fleet"]) == spec
@@ -450,11 +521,24 @@ def test_a_fleet_of_batching_replicas_matches_the_simulators_fleet_exactly(route
     from qsim.engines import Batching, StepModel
     from test_gate_batching import PROMPTS, STEP
 
-    engine = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.3), max_num_seqs=8,
-                      max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    engine = Batching(
+        StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.3),
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        kv_blocks=40,
+        block_size=16,
+    )
     # Load 4 over one replica's capacity: 1.33 on each of the three.
-    trace = make_trace("poisson", "mix", load=4.0, engines=1, seconds=12, seed=4,
-                       prompts=PROMPTS, capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0))
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=4.0,
+        engines=1,
+        seconds=12,
+        seed=4,
+        prompts=PROMPTS,
+        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
+    )
     config = ServerConfig(PRESETS["predictive"], engine=engine, seed=5)
     sim, stats = _agree_batching(trace, config, router)
     assert len(sim) > 300 and sim["preemptions"].max() >= 1
@@ -467,8 +551,16 @@ def test_a_fleet_of_batching_replicas_matches_the_simulators_fleet_exactly(route
 def test_batching_replicas_that_cut_at_the_deadline_and_lose_clients_match_the_simulator(router):
     from test_gate_batching import PROMPTS, TIGHT
 
-    trace = make_trace("poisson", "mix", load=6.0, engines=1, seconds=12, seed=7,
-                       prompts=PROMPTS, capacity_rps=TIGHT.capacity_rps(PROMPTS.mean(), 28.0))
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=6.0,
+        engines=1,
+        seconds=12,
+        seed=7,
+        prompts=PROMPTS,
+        capacity_rps=TIGHT.capacity_rps(PROMPTS.mean(), 28.0),
+    )
     patience = np.where(np.arange(len(trace)) % 4 == 0, 0.4, np.inf)  # every fourth leaves
     policy = PRESETS["none"].with_args({"cancel_at_deadline": True}).with_overrides(deadline_s=1.5)
     spec = FleetSpec(3, make_router(router))
@@ -491,19 +583,34 @@ def test_a_batching_fleets_own_steps_replayed_give_its_rows(router):
     from qsim.engines import Batching, StepModel
     from test_gate_batching import PROMPTS, STEP
 
-    noisy = Batching(StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.5), max_num_seqs=8,
-                     max_num_batched_tokens=256, kv_blocks=40, block_size=16)
-    trace = make_trace("poisson", "mix", load=4.0, engines=1, seconds=10, seed=9,
-                       prompts=PROMPTS, capacity_rps=noisy.capacity_rps(PROMPTS.mean(), 28.0))
-    config = ServerConfig(PRESETS["predictive"].with_args({"cancel_at_deadline": True}),
-                          engine=noisy, seed=3)
+    noisy = Batching(
+        StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.5),
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        kv_blocks=40,
+        block_size=16,
+    )
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=4.0,
+        engines=1,
+        seconds=10,
+        seed=9,
+        prompts=PROMPTS,
+        capacity_rps=noisy.capacity_rps(PROMPTS.mean(), 28.0),
+    )
+    config = ServerConfig(
+        PRESETS["predictive"].with_args({"cancel_at_deadline": True}), engine=noisy, seed=3
+    )
     spec = FleetSpec(3, make_router(router))
     gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
     log = stats["step_log"]
     assert len(log) == stats["batching"]["steps"] > 300
     times = [(began - woken, ended - began, engine) for woken, began, ended, engine, *_ in log]
-    replayed = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router,
-                        step_times=times)
+    replayed = simulate(
+        trace, config.replace(seed=4), replicas=3, router=spec.router, step_times=times
+    )
     assert gate["outcome"].tolist() == replayed["outcome"].tolist()
     np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
     own = simulate(trace, config.replace(seed=4), replicas=3, router=spec.router)
@@ -527,8 +634,12 @@ def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(r
         loop = asyncio.get_running_loop()
         engine = Batching(StepModel(0.01, 0.0, 0.0002, 0.0), max_num_seqs=1)
         engines = [SyntheticBatchEngine(engine.step, clock=loop.time, replica=r) for r in range(3)]
-        gate = Gate(engines, gate_config(PRESETS["none"], engine=engine), clock=loop.time,
-                    fleet=FleetSpec(3, make_router(router)))
+        gate = Gate(
+            engines,
+            gate_config(PRESETS["none"], engine=engine),
+            clock=loop.time,
+            fleet=FleetSpec(3, make_router(router)),
+        )
         async with gate:
             futures = [gate.submit(Job(str(i), 12)) for i in range(12)]
             assert gate.waiting == 9 and gate.in_service == 3

@@ -42,16 +42,45 @@ AZURE = ROOT / "data" / "azure_llm_2023_code.csv"
 #: The columns the digests cover: the record schema's when the golden file was written. A column
 #: added since (cached_prompt_tokens) has tests of its own, and leaves these digests comparable.
 GOLDEN_COLUMNS = (
-    "request_id", "first_request_id", "attempt", "arrival_s", "size_class", "max_new_tokens",
-    "est_service_s", "true_service_s", "deadline_s", "priority", "client_id", "outcome", "reason",
-    "start_s", "finish_s", "latency_s", "queued_at_arrival", "queued_work_at_arrival_s",
-    "in_service_work_at_arrival_s", "idle_at_arrival", "retry_after_s", "engine", "ttft_s",
-    "tpot_s", "output_tokens", "preemptions", "kv_blocks_peak", "ttft_slo_s", "tpot_slo_s",
+    "request_id",
+    "first_request_id",
+    "attempt",
+    "arrival_s",
+    "size_class",
+    "max_new_tokens",
+    "est_service_s",
+    "true_service_s",
+    "deadline_s",
+    "priority",
+    "client_id",
+    "outcome",
+    "reason",
+    "start_s",
+    "finish_s",
+    "latency_s",
+    "queued_at_arrival",
+    "queued_work_at_arrival_s",
+    "in_service_work_at_arrival_s",
+    "idle_at_arrival",
+    "retry_after_s",
+    "engine",
+    "ttft_s",
+    "tpot_s",
+    "output_tokens",
+    "preemptions",
+    "kv_blocks_peak",
+    "ttft_slo_s",
+    "tpot_slo_s",
 )
 TENANTS = (Client("a", 0.5, 1), Client("b", 0.3, 0), Client("c", 0.2, -1))
 #: A batching engine with little memory: requests are preempted at these loads.
-SMALL_KV = {"kind": "batching", "max_num_seqs": 16, "max_num_batched_tokens": 256, "kv_blocks": 60,
-            "step": [0.004, 2e-5, 3e-4, 1e-6, 0.0]}
+SMALL_KV = {
+    "kind": "batching",
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 256,
+    "kv_blocks": 60,
+    "step": [0.004, 2e-5, 3e-4, 1e-6, 0.0],
+}
 
 
 def _case(policy: str, seed: int, load: float | None = 1.5, requests: int = 500, **rest) -> dict:
@@ -61,26 +90,39 @@ def _case(policy: str, seed: int, load: float | None = 1.5, requests: int = 500,
 def _one_at_a_time_runs() -> dict[str, dict]:
     """One per policy preset on K engines one at a time, the disciplines no preset has, clients
     that leave (patience to the answer, to the start), that send again, and arrival processes."""
-    runs = {f"preset-{name}": _case(name, k, 1.4, 400, engines=1 + k % 3,
-                                    clients=name in ("predictive-fair", "predictive-priority"))
-            for k, name in enumerate(PRESETS)}
+    runs = {
+        f"preset-{name}": _case(
+            name,
+            k,
+            1.4,
+            400,
+            engines=1 + k % 3,
+            clients=name in ("predictive-fair", "predictive-priority"),
+        )
+        for k, name in enumerate(PRESETS)
+    }
     for discipline in ("lifo", "priority", "edf", "sjf"):
-        runs[f"discipline-{discipline}"] = _case("bounded", 40, 1.6, 400, engines=2, clients=True,
-                                                 args={"discipline": discipline})
+        runs[f"discipline-{discipline}"] = _case(
+            "bounded", 40, 1.6, 400, engines=2, clients=True, args={"discipline": discipline}
+        )
     runs["patience-answer"] = _case("none", 11, engines=2, patience=["exponential:1.0", "answer"])
-    runs["patience-start"] = _case("bounded", 12, engines=3,
-                                   patience=["lognormal:0.8:0.5", "start"])
-    runs["retries-exponential"] = _case("bounded", 14, 2.0, engines=2,
-                                        retry={"mode": "exponential", "delay_s": 0.2,
-                                               "jitter": 1.0})
-    runs["retries-timeout"] = _case("predictive", 15, 1.5, 400,
-                                    retry={"mode": "fixed", "delay_s": 0.5, "timeout_s": 1.5})
+    runs["patience-start"] = _case(
+        "bounded", 12, engines=3, patience=["lognormal:0.8:0.5", "start"]
+    )
+    runs["retries-exponential"] = _case(
+        "bounded", 14, 2.0, engines=2, retry={"mode": "exponential", "delay_s": 0.2, "jitter": 1.0}
+    )
+    runs["retries-timeout"] = _case(
+        "predictive", 15, 1.5, 400, retry={"mode": "fixed", "delay_s": 0.5, "timeout_s": 1.5}
+    )
     kinds = ("burst:300", "surge:2:3:4.0", "gamma:3", "periodic:40:1.0")
     for seed, kind in enumerate(kinds, 17):
-        runs[f"arrivals-{kind}"] = _case("bounded-deadline", seed, 1.2, 400, engines=2,
-                                         arrivals=kind)
-    runs["azure-one-at-a-time"] = _case("predictive", 21, 1.3, None, engines=4, trace="azure",
-                                        seconds=60.0)
+        runs[f"arrivals-{kind}"] = _case(
+            "bounded-deadline", seed, 1.2, 400, engines=2, arrivals=kind
+        )
+    runs["azure-one-at-a-time"] = _case(
+        "predictive", 21, 1.3, None, engines=4, trace="azure", seconds=60.0
+    )
     return runs
 
 
@@ -88,25 +130,70 @@ def _batching_runs() -> dict[str, dict]:
     """A batching engine with KV memory and preemption, under the presets made for it and others;
     with noise and without chunked prefill; cutting at the deadline; impatient and retrying
     clients; and on the Azure trace's prompts."""
-    runs = {f"batch-{name}": _case(name, 7, 2.0, 600, engine=SMALL_KV, prompts="uniform:0:200",
-                                   clients=name == "llm-d-shed")
-            for name in ("none", "predictive", "predictive-kv", "vllm-caps", "llm-d-shed",
-                         "bounded-deadline")}
+    runs = {
+        f"batch-{name}": _case(
+            name,
+            7,
+            2.0,
+            600,
+            engine=SMALL_KV,
+            prompts="uniform:0:200",
+            clients=name == "llm-d-shed",
+        )
+        for name in (
+            "none",
+            "predictive",
+            "predictive-kv",
+            "vllm-caps",
+            "llm-d-shed",
+            "bounded-deadline",
+        )
+    }
     noisy = {**SMALL_KV, "chunked_prefill": False, "step": [0.004, 2e-5, 3e-4, 1e-6, 0.5]}
-    runs["batch-unchunked-noisy"] = _case("predictive", 8, engine=noisy,
-                                          prompts="lognormal:64:0.8")
-    runs["batch-cut-at-deadline"] = _case("none", 9, 3.0, engine=SMALL_KV, prompts="fixed:64",
-                                          args={"cancel_at_deadline": True, "deadline_s": 1.0})
-    runs["batch-patience"] = _case("none", 13, 2.0, engine=SMALL_KV, prompts="uniform:0:100",
-                                   patience=["exponential:0.5", "answer"], used=True)
-    runs["batch-retries"] = _case("vllm-caps", 16, 3.0, engine=SMALL_KV, prompts="fixed:32",
-                                  args={"max_queue": 8},
-                                  retry={"mode": "immediate", "max_attempts": 2})
+    runs["batch-unchunked-noisy"] = _case("predictive", 8, engine=noisy, prompts="lognormal:64:0.8")
+    runs["batch-cut-at-deadline"] = _case(
+        "none",
+        9,
+        3.0,
+        engine=SMALL_KV,
+        prompts="fixed:64",
+        args={"cancel_at_deadline": True, "deadline_s": 1.0},
+    )
+    runs["batch-patience"] = _case(
+        "none",
+        13,
+        2.0,
+        engine=SMALL_KV,
+        prompts="uniform:0:100",
+        patience=["exponential:0.5", "answer"],
+        used=True,
+    )
+    runs["batch-retries"] = _case(
+        "vllm-caps",
+        16,
+        3.0,
+        engine=SMALL_KV,
+        prompts="fixed:32",
+        args={"max_queue": 8},
+        retry={"mode": "immediate", "max_attempts": 2},
+    )
     # The file's own rate is 2.6 requests a second: twenty times that keeps a batch at work.
-    azure_engine = {"kind": "batching", "max_num_seqs": 32, "kv_blocks": 2000,
-                    "step": [0.01, 5e-6, 2e-4, 5e-8, 0.0]}
-    runs["azure-batching"] = _case("predictive-kv", 22, None, None, trace="azure", seconds=12.0,
-                                   time_scale=0.05, engine=azure_engine)
+    azure_engine = {
+        "kind": "batching",
+        "max_num_seqs": 32,
+        "kv_blocks": 2000,
+        "step": [0.01, 5e-6, 2e-4, 5e-8, 0.0],
+    }
+    runs["azure-batching"] = _case(
+        "predictive-kv",
+        22,
+        None,
+        None,
+        trace="azure",
+        seconds=12.0,
+        time_scale=0.05,
+        engine=azure_engine,
+    )
     return runs
 
 
@@ -130,8 +217,13 @@ def _trace(case: dict, config: ServerConfig):
     options = {"seed": case["seed"], "patience": patience, "used": used}
     if case.get("trace") == "azure":
         window = TraceWindow(None, case["seconds"], case["load"])
-        return build_trace(AZURE, time_scale=case.get("time_scale", 1.0), window=window,
-                           engines=config.engines, **options)
+        return build_trace(
+            AZURE,
+            time_scale=case.get("time_scale", 1.0),
+            window=window,
+            engines=config.engines,
+            **options,
+        )
     prompts = Prompts.parse(case.get("prompts", "none"))
     arrivals = case.get("arrivals", "poisson")
     # A burst's size sets its own rate: it takes no load.
@@ -140,8 +232,16 @@ def _trace(case: dict, config: ServerConfig):
     if config.batching:  # a batching engine's load is of its saturated throughput (as sweeps)
         extra["capacity_rps"] = config.engine.capacity_rps(prompts.mean(), 20.0)
     clients = TENANTS if case.get("clients") else ()
-    return make_trace(arrivals, load=load, engines=config.engines, requests=case["requests"],
-                      prompts=prompts, clients=clients, **options, **extra)
+    return make_trace(
+        arrivals,
+        load=load,
+        engines=config.engines,
+        requests=case["requests"],
+        prompts=prompts,
+        clients=clients,
+        **options,
+        **extra,
+    )
 
 
 def simulate_case(case: dict) -> pd.DataFrame:
@@ -176,9 +276,13 @@ def summarise(frame: pd.DataFrame) -> dict:
     columns = {c: column_digest(frame[c]) for c in GOLDEN_COLUMNS}
     whole = hashlib.sha256(json.dumps(columns, sort_keys=True).encode()).hexdigest()[:16]
     outcomes = {str(k): int(v) for k, v in frame["outcome"].value_counts().sort_index().items()}
-    return {"digest": whole, "rows": len(frame), "outcomes": outcomes,
-            "finish_s_sum": repr(float(np.nansum(frame["finish_s"].to_numpy(float)))),
-            "columns": columns}
+    return {
+        "digest": whole,
+        "rows": len(frame),
+        "outcomes": outcomes,
+        "finish_s_sum": repr(float(np.nansum(frame["finish_s"].to_numpy(float)))),
+        "columns": columns,
+    }
 
 
 def _golden() -> dict:
@@ -196,7 +300,8 @@ def test_golden_records(name):
     raise AssertionError(
         f"golden run {name}: columns {', '.join(moved)} changed (rows {want['rows']} -> "
         f"{got['rows']}, outcomes {want['outcomes']} -> {got['outcomes']}, sum of finish_s "
-        f"{want['finish_s_sum']} -> {got['finish_s_sum']})")
+        f"{want['finish_s_sum']} -> {got['finish_s_sum']})"
+    )
 
 
 def test_the_golden_file_holds_exactly_these_runs():
@@ -205,8 +310,10 @@ def test_the_golden_file_holds_exactly_these_runs():
 
 def test_the_runs_cover_what_they_claim():
     """A run list that lost its preemptions, retries or impatient clients fixes nothing of them."""
-    frames = {name: simulate_case(RUNS[name]) for name in
-              ("batch-none", "retries-exponential", "patience-answer", "azure-batching")}
+    frames = {
+        name: simulate_case(RUNS[name])
+        for name in ("batch-none", "retries-exponential", "patience-answer", "azure-batching")
+    }
     assert (frames["batch-none"]["preemptions"].fillna(0) > 0).any()
     assert (frames["retries-exponential"]["attempt"] > 1).any()
     assert frames["patience-answer"]["outcome"].eq("abandoned").any()

@@ -20,17 +20,33 @@ STATS = json.loads((EXAMPLES / "gate-stats.json").read_text())
 
 
 def _gate(request: httpx.Request) -> httpx.Response:
-    """A qlab gate that answers every request at once, good; its clock is the replayer's (one machine)."""
+    """A qlab gate that answers every request at once, good; its clock is the replayer's (one
+    machine)."""
     now = time.monotonic()
     if request.url.path == "/stats":
         return httpx.Response(200, json={**STATS, "clock": now})
     if request.url.path == "/healthz":
         return httpx.Response(200, json={"status": "ok"})
     tokens = json.loads(request.content)["max_new_tokens"]
-    timings = {"queue_s": 0.0, "engine_s": 0.001, "total_s": 0.001, "est_service_s": 0.001,
-               "started_at": now, "returned_at": now + 0.001}
-    return httpx.Response(200, json={"text": "x" * tokens, "tokens": tokens, "outcome": "good",
-                                     "engine": 0, "timings": timings, "admission": {}})
+    timings = {
+        "queue_s": 0.0,
+        "engine_s": 0.001,
+        "total_s": 0.001,
+        "est_service_s": 0.001,
+        "started_at": now,
+        "returned_at": now + 0.001,
+    }
+    return httpx.Response(
+        200,
+        json={
+            "text": "x" * tokens,
+            "tokens": tokens,
+            "outcome": "good",
+            "engine": 0,
+            "timings": timings,
+            "admission": {},
+        },
+    )
 
 
 @pytest.fixture
@@ -40,13 +56,25 @@ def stub_gate(monkeypatch):
 
 
 def _replay(url, out, *flags):
-    return ["replay", "--url", url, "--arrivals", "burst:6", "--engines", "1", "--out", str(out), *flags]
+    return [
+        "replay",
+        "--url",
+        url,
+        "--arrivals",
+        "burst:6",
+        "--engines",
+        "1",
+        "--out",
+        str(out),
+        *flags,
+    ]
 
 
 def test_replay_json_is_one_document_agreeing_with_the_run_file(stub_gate, tmp_path, capsys):
     out = tmp_path / "run.parquet"
     assert main(_replay(stub_gate, out, "--json")) == 0
-    doc = json.loads(capsys.readouterr().out)  # the whole of stdout: no "replaying ..." line before it
+    # the whole of stdout: no "replaying ..." line before it
+    doc = json.loads(capsys.readouterr().out)
     rows = records.validate(pd.read_parquet(out))
     assert doc["out"] == str(out) and doc["rows"] == len(rows) == doc["requests"] == 6
     assert doc["outcomes"] == {o: int((rows["outcome"] == o).sum()) for o in records.OUTCOMES}
@@ -65,7 +93,9 @@ def test_replay_text_is_unchanged_without_json(stub_gate, tmp_path, capsys):
     assert not text.lstrip().startswith("{")
 
 
-def test_replay_shows_answered_and_sent_on_a_terminal_only(stub_gate, tmp_path, capsys, monkeypatch):
+def test_replay_shows_answered_and_sent_on_a_terminal_only(
+    stub_gate, tmp_path, capsys, monkeypatch
+):
     import sys
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
@@ -80,8 +110,21 @@ def test_replay_shows_answered_and_sent_on_a_terminal_only(stub_gate, tmp_path, 
 
 def test_imported_json_agrees_with_its_run_file(tmp_path, capsys):
     out = tmp_path / "run.parquet"
-    assert main(["replay", "--import", str(EXAMPLES / "inference-perf-requests.json"), "--stats",
-                 str(EXAMPLES / "gate-stats.json"), "--out", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--import",
+                str(EXAMPLES / "inference-perf-requests.json"),
+                "--stats",
+                str(EXAMPLES / "gate-stats.json"),
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     rows = pd.read_parquet(out)
     assert doc["imported"] == "inference-perf" and doc["rows"] == len(rows)
@@ -100,8 +143,12 @@ def test_sweep_json_is_the_summary_and_the_files(tiny_sweep, tmp_path, capsys):
     assert all(Path(p).exists() for p in doc["files"])
     first = doc["summary"][0]
     assert {"policy", "load", "n", "share_good", "share_good_low", "share_good_high"} <= set(first)
-    assert all(v is None or math.isfinite(v) for row in doc["summary"] for v in row.values()
-               if isinstance(v, float))
+    assert all(
+        v is None or math.isfinite(v)
+        for row in doc["summary"]
+        for v in row.values()
+        if isinstance(v, float)
+    )
     # Run again: every cell already done, and still one document.
     assert main(["sweep", tiny_sweep_toml, "--out", str(out), "--workers", "1", "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
@@ -110,7 +157,8 @@ def test_sweep_json_is_the_summary_and_the_files(tiny_sweep, tmp_path, capsys):
 
 
 class _RefusesFirst:
-    """The stub gate, refusing the first ``n`` generate requests (queue full) and answering the rest."""
+    """The stub gate, refusing the first ``n`` generate requests (queue full) and answering the
+    rest."""
 
     def __init__(self, n: int) -> None:
         self.left = n
@@ -118,8 +166,14 @@ class _RefusesFirst:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/generate" and self.left > 0:
             self.left -= 1
-            over = {"error": {"type": "overloaded", "reason": "queue_full", "numbers": {},
-                              "retry_after_s": 1}}
+            over = {
+                "error": {
+                    "type": "overloaded",
+                    "reason": "queue_full",
+                    "numbers": {},
+                    "retry_after_s": 1,
+                }
+            }
             return httpx.Response(503, json=over, headers={"retry-after": "1"})
         return _gate(request)
 
@@ -127,8 +181,22 @@ class _RefusesFirst:
 def test_replay_json_of_retrying_clients_says_the_end_to_end_view(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_RefusesFirst(3)))
     out = tmp_path / "run.parquet"
-    assert main(_replay("http://gate.test", out, "--retry", "fixed", "--retry-delay", "0.05",
-                        "--retry-max-attempts", "2", "--json")) == 0
+    assert (
+        main(
+            _replay(
+                "http://gate.test",
+                out,
+                "--retry",
+                "fixed",
+                "--retry-delay",
+                "0.05",
+                "--retry-max-attempts",
+                "2",
+                "--json",
+            )
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     rows = records.validate(pd.read_parquet(out))
     assert doc["rows"] == len(rows) == 6 + 3 and doc["outcomes"]["rejected"] == 3

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: qlab's packages, bottom layer first: a package imports only from layers below its own. The run file's
-#: settings (qsim.runfile) are in the bottom layer, so that the comparison (analysis) reads them without live;
-#: the commands that drive live runs and measure them (experiments.load_commands, live_runner) are on top.
+#: qlab's packages, bottom layer first: a package imports only from layers below its own. The run
+#: file's settings (qsim.runfile) are in the bottom layer, so that the comparison (analysis) reads
+#: them without live; the commands that drive live runs and measure them (experiments.load_commands,
+#: live_runner) are on top.
 LAYERS = (("qsim",), ("inputs",), ("analysis", "live"), ("experiments",))
 PACKAGES = tuple(p for layer in LAYERS for p in layer)
 LAYER = {p: i for i, layer in enumerate(LAYERS) for p in layer}
@@ -37,7 +38,8 @@ def _modules() -> dict[str, Path]:
 
 @cache
 def _imports(path: Path) -> frozenset[str]:
-    """What a file imports, as full module names (``from . import records`` in qsim: qsim.records)."""
+    """What a file imports, as full module names (``from . import records`` in qsim:
+    qsim.records)."""
     name = _module(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -71,7 +73,7 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == "open":
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (found := visit(n)):
                 return found
         path.pop()
@@ -85,15 +87,22 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def _upward(module: str, imported: str) -> bool:
-    """Whether ``module`` importing ``imported`` goes sideways or up a layer (into another package not below)."""
+    """Whether ``module`` importing ``imported`` goes sideways or up a layer (into another
+    package not below)."""
     mine, theirs = module.split(".")[0], imported.split(".")[0]
     return theirs in LAYER and theirs != mine and LAYER[theirs] >= LAYER[mine]
 
 
 def test_each_package_imports_only_from_the_layers_below():
-    wrong = sorted(f"{m} imports {i}" for m, p in _modules().items() for i in _imports(p) if _upward(m, i))
-    assert not wrong, "imports across the layering (" + " < ".join(" & ".join(layer) for layer in LAYERS) + "): " + \
-        "; ".join(wrong)
+    wrong = sorted(
+        f"{m} imports {i}" for m, p in _modules().items() for i in _imports(p) if _upward(m, i)
+    )
+    assert not wrong, (
+        "imports across the layering ("
+        + " < ".join(" & ".join(layer) for layer in LAYERS)
+        + "): "
+        + "; ".join(wrong)
+    )
 
 
 def test_the_layering_check_sees_an_import_up_or_sideways():
@@ -108,8 +117,13 @@ PARSERS = {"argparse", "tomllib", "tomli"}
 
 
 def test_qsim_reads_no_command_line_and_no_toml():
-    wrong = sorted(f"{m} imports {i}" for m, p in _modules().items() if m.split(".")[0] == "qsim"
-                   for i in _imports(p) if i.split(".")[0] in PARSERS)
+    wrong = sorted(
+        f"{m} imports {i}"
+        for m, p in _modules().items()
+        if m.split(".")[0] == "qsim"
+        for i in _imports(p)
+        if i.split(".")[0] in PARSERS
+    )
     assert not wrong, "qsim parses no flags or TOML (inputs/ does): " + "; ".join(wrong)
     # The check sees such an import where there is one (inputs' flag types, its TOML files).
     assert "argparse" in _imports(_modules()["inputs.argtypes"])
@@ -128,8 +142,9 @@ def test_no_module_is_longer_than_max_lines():
     long = {m for m, n in lines.items() if n > MAX_LINES}
     over = sorted(f"{m} ({lines[m]} lines)" for m in long - STILL_LONG)
     assert not over, f"over {MAX_LINES} lines: {', '.join(over)}"
-    assert long >= STILL_LONG, \
+    assert long >= STILL_LONG, (
         f"split now, so take them off STILL_LONG: {sorted(STILL_LONG - long)}"
+    )
     # The check reads the split modules (a package's modules, not only top-level files).
     assert {"experiments.study.runner", "analysis.replay", "qsim.testing.queue_core"} <= set(lines)
 
@@ -146,41 +161,75 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_only_the_test_kit_imports_hypothesis():
     kit = {m for m in _modules() if m == "qsim.testing" or m.startswith("qsim.testing.")}
-    users = {m for m, p in _modules().items()
-             if any(i.split(".")[0] == "hypothesis" for i in _imports(p))}
+    users = {
+        m
+        for m, p in _modules().items()
+        if any(i.split(".")[0] == "hypothesis" for i in _imports(p))
+    }
     assert "qsim.testing" in users and users <= kit, sorted(users - kit)
-    importers = sorted(m for m, p in _modules().items()
-                       if m not in kit and any(i in kit for i in _imports(p)))
+    importers = sorted(
+        m for m, p in _modules().items() if m not in kit and any(i in kit for i in _imports(p))
+    )
     assert importers == []  # nothing in qlab needs the kit: qsim runs without hypothesis
 
 
 def test_nothing_imports_the_projects_tests_as_a_package():
-    files = [p for folder in (*PACKAGES, "tests", "benchmarks", "docs") for p in (ROOT / folder).rglob("*.py")]
-    wrong = [str(p.relative_to(ROOT)) for p in files
-             if any(i == "tests" or i.startswith("tests.") for i in _imports(p))]
+    files = [
+        p
+        for folder in (*PACKAGES, "tests", "benchmarks", "docs")
+        for p in (ROOT / folder).rglob("*.py")
+    ]
+    wrong = [
+        str(p.relative_to(ROOT))
+        for p in files
+        if any(i == "tests" or i.startswith("tests.") for i in _imports(p))
+    ]
     assert not wrong
     assert not (ROOT / "tests" / "__init__.py").exists()
 
 
 @pytest.mark.slow
 def test_a_tests_package_in_site_packages_does_not_shadow_the_projects(tmp_path):
-    """Run a test file that imports the helpers of tests/ with a decoy ``tests`` package (and decoy helpers)
-    ahead of everything on the path: pytest still loads the project's."""
+    """Run a test file that imports the helpers of tests/ with a decoy ``tests`` package (and decoy
+    helpers) ahead of everything on the path: pytest still loads the project's."""
     decoy = tmp_path / "decoy"
     (decoy / "tests").mkdir(parents=True)
-    (decoy / "tests" / "__init__.py").write_text("raise ImportError('the decoy tests package was imported')\n")
-    (decoy / "virtual_time.py").write_text("raise ImportError('the decoy virtual_time was imported')\n")
+    (decoy / "tests" / "__init__.py").write_text(
+        "raise ImportError('the decoy tests package was imported')\n"
+    )
+    (decoy / "virtual_time.py").write_text(
+        "raise ImportError('the decoy virtual_time was imported')\n"
+    )
     env = {"PYTHONPATH": str(decoy), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "decoy_probe",
-                           str(ROOT / "tests" / "test_layout.py")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "decoy_probe",
+            str(ROOT / "tests" / "test_layout.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
 
 
 def test_decoy_probe():
-    """Where the helpers come from, whoever runs this (the test above runs it with decoys on the path)."""
+    """Where the helpers come from, whoever runs this (the test above runs it with decoys on the
+    path)."""
     import importlib.util
 
     for helper in ("virtual_time", "fake_http", "doc_examples"):
-        assert Path(importlib.util.find_spec(helper).origin).resolve() == ROOT / "tests" / f"{helper}.py"
+        assert (
+            Path(importlib.util.find_spec(helper).origin).resolve()
+            == ROOT / "tests" / f"{helper}.py"
+        )

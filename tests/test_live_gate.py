@@ -1,4 +1,5 @@
-"""The live gate in real time, with engine threads and the synthetic engine (and coroutine engines as tasks).
+"""The live gate in real time, with engine threads and the synthetic engine (and coroutine engines
+as tasks).
 
 Exact agreement with the simulator is checked on a virtual clock
 (tests/test_gate_sim.py); here the real threads, sleeps and futures, in tests
@@ -13,11 +14,23 @@ import asyncio
 import numpy as np
 import pytest
 
-from live.engine import (Abilities, Cancel, EngineResult, SyntheticEngine, UpstreamError,
-                         UpstreamTimeout, abilities_of)
+from live.engine import (
+    Abilities,
+    Cancel,
+    EngineResult,
+    SyntheticEngine,
+    UpstreamError,
+    UpstreamTimeout,
+    abilities_of,
+)
 from live.gate import Gate, gate_config
-from live.gate_errors import (DeadlineExceeded, EngineFailed, Rejected, UpstreamFailed,
-                              UpstreamTimedOut)
+from live.gate_errors import (
+    DeadlineExceeded,
+    EngineFailed,
+    Rejected,
+    UpstreamFailed,
+    UpstreamTimedOut,
+)
 from live.jobs import END, Job
 from qsim import PRESETS, ServiceModel, from_arrays, simulate
 from virtual_time import LoopSynthetic, on_virtual_clock
@@ -26,7 +39,8 @@ MODEL = ServiceModel(intercept_s=0.002, per_token_s=0.004)  # 12 tokens -> 0.05 
 
 
 async def _burst(gate: Gate, tokens: list[int]) -> list[str]:
-    """Submit every job in one go (no await in between: a true burst), then collect outcomes in order."""
+    """Submit every job in one go (no await in between: a true burst), then collect outcomes in
+    order."""
     pending = []
     for n in tokens:
         try:
@@ -47,15 +61,18 @@ async def _burst(gate: Gate, tokens: list[int]) -> list[str]:
 
 def _live(policy, engines: int, tokens: list[int]) -> tuple[list[str], dict]:
     async def go():
-        async with Gate([SyntheticEngine(MODEL) for _ in range(engines)], gate_config(policy, model=MODEL)) as gate:
+        async with Gate(
+            [SyntheticEngine(MODEL) for _ in range(engines)], gate_config(policy, model=MODEL)
+        ) as gate:
             return await _burst(gate, tokens), gate.stats()
 
     return asyncio.run(go())
 
 
 def _virtual(policy, engines: int, tokens: list[int]) -> tuple[list[str], dict]:
-    """As _live, with the synthetic engines' times on a virtual clock: where an outcome turns on a margin of
-    milliseconds, which a busy machine's threads could miss."""
+    """As _live, with the synthetic engines' times on a virtual clock: where an outcome turns on a
+    margin of milliseconds, which a busy machine's threads could miss."""
+
     async def go():
         loop = asyncio.get_running_loop()
         engines_ = [LoopSynthetic(MODEL) for _ in range(engines)]
@@ -80,8 +97,11 @@ def test_a_burst_in_real_time_matches_the_simulator():
 
 
 def test_bounded_deadline_expires_at_the_front():
-    # Deadline 0.125 s, 0.05 s each: the second finishes at 0.10, the third would end at 0.15 -> expired.
-    live, stats = _virtual(PRESETS["bounded-deadline"].with_overrides(deadline_s=0.125), 1, [12] * 10)
+    # Deadline 0.125 s, 0.05 s each: the second finishes at 0.10, the third would end at 0.15 ->
+    # expired.
+    live, stats = _virtual(
+        PRESETS["bounded-deadline"].with_overrides(deadline_s=0.125), 1, [12] * 10
+    )
     assert live == ["good", "good"] + ["expired"] * 7 + ["rejected"]
     assert stats["counts"]["expired"] == 7 and stats["rejected_by_reason"]["queue_full"] == 1
 
@@ -202,7 +222,11 @@ def test_engine_exception_is_an_error_and_teaches_the_tracker_nothing():
 @pytest.mark.parametrize("fixed", [False, True])
 def test_speed_tracking_and_fixed_estimate(fixed):
     def engine_on(clock: str):
-        return SyntheticEngine(MODEL, speed=2.0) if clock == "real" else LoopSynthetic(MODEL, speed=2.0)
+        return (
+            SyntheticEngine(MODEL, speed=2.0)
+            if clock == "real"
+            else LoopSynthetic(MODEL, speed=2.0)
+        )
 
     async def go(clock: str):
         config = gate_config(PRESETS["none"], model=MODEL, fixed_estimate=fixed)
@@ -216,8 +240,8 @@ def test_speed_tracking_and_fixed_estimate(fixed):
     if fixed:
         assert real == virtual == 1.0
     else:
-        # Four runs at twice their estimate, folded in with weight 0.2: exactly so on the virtual clock; real
-        # sleeps only ever overshoot, so at least so on the wall clock.
+        # Four runs at twice their estimate, folded in with weight 0.2: exactly so on the virtual
+        # clock; real sleeps only ever overshoot, so at least so on the wall clock.
         assert virtual == pytest.approx(1.0 + (1.0 - 0.8**4) * (2.0 - 1.0), rel=1e-12)
         assert real >= virtual - 1e-9
 
@@ -230,7 +254,9 @@ def test_submit_before_start_is_an_error():
 
 def test_synthetic_engine_sleeps_the_estimate_times_speed_on_schedule():
     now = [0.0]
-    engine = SyntheticEngine(ServiceModel(0.0, 0.01), speed=1.0, schedule=[(10.0, 3.0)], clock=lambda: now[0])
+    engine = SyntheticEngine(
+        ServiceModel(0.0, 0.01), speed=1.0, schedule=[(10.0, 3.0)], clock=lambda: now[0]
+    )
     assert engine.duration_s(5) == pytest.approx(0.05)
     now[0] = 12.0
     assert engine.duration_s(5) == pytest.approx(0.15)
@@ -239,7 +265,9 @@ def test_synthetic_engine_sleeps_the_estimate_times_speed_on_schedule():
     assert result.text == " tok" * 3
     noisy = SyntheticEngine(ServiceModel(0.0, 0.01), noise_cv=0.5, seed=3)
     draws = [noisy.duration_s(10) for _ in range(2000)]
-    assert np.mean(draws) == pytest.approx(0.1, rel=0.05) and np.std(draws) / np.mean(draws) == pytest.approx(0.5, rel=0.15)
+    assert np.mean(draws) == pytest.approx(0.1, rel=0.05) and np.std(draws) / np.mean(
+        draws
+    ) == pytest.approx(0.5, rel=0.15)
 
 
 class _Wrong(_Flaky):
@@ -264,7 +292,8 @@ def test_close_cancels_the_waiting_and_refuses_new_work():
         gate = Gate([engine], gate_config(PRESETS["none"], model=MODEL))
         gate.start()
         running, waiting = gate.submit(Job("a", 12)), gate.submit(Job("b", 12))
-        gate.close(timeout_s=5.0)  # the engine thread finishes "a" (0.05 s) and is joined: nothing more starts
+        # the engine thread finishes "a" (0.05 s) and is joined: nothing more starts
+        gate.close(timeout_s=5.0)
         await asyncio.sleep(0)  # a's hand-back, posted by the thread, runs on the loop
         with pytest.raises(RuntimeError):
             gate.submit(Job("c", 1))
@@ -273,7 +302,8 @@ def test_close_cancels_the_waiting_and_refuses_new_work():
     assert asyncio.run(go()) == (True, True, 0, ["a"])
 
 
-# ---------------------------------------------------------------- cancelling a run, upstream failures
+# ---------------------------------------------------------------- cancelling a run, upstream
+# failures
 
 
 def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing():
@@ -289,9 +319,15 @@ def test_a_client_leaving_a_running_request_stops_its_engine_and_teaches_nothing
     results, factor, answer, stats = asyncio.run(asyncio.wait_for(go(), 5))  # well before a's 10 s
     assert results[0].stopped and results[0].tokens == 0 and not results[1].stopped
     # The tracker learned b's run alone: the stopped run's time taught it nothing.
-    assert factor == pytest.approx(1.0 + 0.2 * (answer.engine_s / float(MODEL.estimate(2)) - 1.0), rel=1e-12)
-    assert answer.outcome == "good" and answer.tokens == 2 and answer.arrival.seen.speed_factor == 1.0
-    assert stats["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
+    assert factor == pytest.approx(
+        1.0 + 0.2 * (answer.engine_s / float(MODEL.estimate(2)) - 1.0), rel=1e-12
+    )
+    assert (
+        answer.outcome == "good" and answer.tokens == 2 and answer.arrival.seen.speed_factor == 1.0
+    )
+    assert (
+        stats["cancelled"] == 1 and stats["counts"]["good"] == 1 and stats["counts"]["error"] == 0
+    )
 
 
 def test_cancel_runs_its_callbacks_once_and_engines_declare_whether_they_take_it():
@@ -338,7 +374,9 @@ def test_upstream_failures_are_their_own_errors_counted_apart():
             return caught, factor, answer, gate
 
     (error, timeout), factor, answer, gate = asyncio.run(go())
-    assert type(error) is UpstreamFailed and error.reason == "upstream_error" and "boom" in str(error)
+    assert (
+        type(error) is UpstreamFailed and error.reason == "upstream_error" and "boom" in str(error)
+    )
     assert type(timeout) is UpstreamTimedOut and timeout.reason == "upstream_timeout"
     assert answer.outcome == "good" and gate.timings.upstream_errors == 2 and factor == 1.0
     assert gate.ended_by_reason[("error", "upstream_error")] == 1
@@ -365,11 +403,13 @@ def test_a_run_stopped_unasked_is_an_engine_error():
     assert stats["counts"]["error"] == 1 and stats["in_service"] == 0
 
 
-# ---------------------------------------------------------------------- coroutine engines (arun: a task on the loop)
+# ---------------------------------------------------------------------- coroutine engines (arun: a
+# task on the loop)
 
 
 class _Steered:
-    """A coroutine engine whose runs end when the test says: each run waits on its own asyncio.Event."""
+    """A coroutine engine whose runs end when the test says: each run waits on its own
+    asyncio.Event."""
 
     max_new_tokens_limit = None
     abilities = Abilities(emit=True, coroutine=True)
@@ -422,7 +462,8 @@ def test_a_coroutine_engine_runs_as_a_task_on_the_loop_in_queue_order():
         async with Gate([engine], gate_config(PRESETS["none"], model=MODEL)) as gate:
             first, second = gate.submit(Job("a", 3)), gate.submit(Job("b", 2))
             await _turns()
-            assert [p for p, _ in engine.runs] == ["a"] and gate.waiting == 1  # one at a time, b waits
+            # one at a time, b waits
+            assert [p for p, _ in engine.runs] == ["a"] and gate.waiting == 1
             assert threading.active_count() == before  # no engine thread
             engine.runs[0][1].set()
             answer = await first
@@ -460,7 +501,10 @@ def test_a_client_leaving_cancels_a_coroutine_engines_task_and_frees_it():
             await _turns()
             leaving.cancel()  # its client hung up while it ran
             await _turns()
-            assert engine.ended == ["gone cancelled"] and [p for p, _ in engine.runs] == ["gone", "next"]
+            assert engine.ended == ["gone cancelled"] and [p for p, _ in engine.runs] == [
+                "gone",
+                "next",
+            ]
             engine.runs[1][1].set()
             return (await next_one).outcome, gate.stats()
 

@@ -1,7 +1,8 @@
 """The GPT-2 engine on CPU: the tiny configuration with random weights (no download).
 
 torch and transformers are imported by the ``gpt2`` fixture, not at collection: importing them takes
-longer than running these tests, and a run that leaves them out (``-k``, ``-m``) need not pay for it."""
+longer than running these tests, and a run that leaves them out (``-k``, ``-m``) need not pay for
+it."""
 
 import asyncio
 
@@ -27,7 +28,8 @@ def gpt2():
 
 
 def tiny_spec():
-    """The tiny configuration, random weights, on CPU with one thread (steady on a shared CI machine)."""
+    """The tiny configuration, random weights, on CPU with one thread (steady on a shared CI
+    machine)."""
     from live.gpt2 import GPT2Spec
 
     return GPT2Spec("tiny", "cpu", seed=0, threads=1)
@@ -56,7 +58,8 @@ def test_generates_exactly_max_new_tokens_greedily(engine):
 
 
 class _IdTokenizer:
-    """Decodes each id as '<id>': random weights give unreadable bytes, this makes every token visible."""
+    """Decodes each id as '<id>': random weights give unreadable bytes, this makes every token
+    visible."""
 
     name = "ids"
 
@@ -71,7 +74,8 @@ class _IdTokenizer:
 
 
 def test_min_tokens_holds_a_stop_string_off(engine, gpt2, spec):
-    """vLLM's min_tokens: no stop string ends the answer before that many tokens; one ending after them does."""
+    """vLLM's min_tokens: no stop string ends the answer before that many tokens; one ending
+    after them does."""
     visible = gpt2.GPT2Engine(spec, loaded=(engine.net, _IdTokenizer(), "cpu"))
     full = visible.run("stop here", 24)
     ids = [int(part) for part in full.text.strip("<>").split("><")]
@@ -79,9 +83,13 @@ def test_min_tokens_holds_a_stop_string_off(engine, gpt2, spec):
     assert visible.run("stop here", 24, [stop]).tokens == ids.index(ids[2]) + 1
     later = [i for i, t in enumerate(ids) if t == ids[2] and i >= 5]
     held = visible.run("stop here", 24, [stop], asked=Asked(min_tokens=5))
-    assert held.tokens == (later[0] + 1 if later else 24)  # only a stop past the first 5 tokens counts
-    assert held.text == (full.text[: full.text.index(stop, len("".join(f"<{t}>" for t in ids[:5])) - len(stop) + 1)]
-                         if later else full.text)
+    # only a stop past the first 5 tokens counts
+    assert held.tokens == (later[0] + 1 if later else 24)
+    assert held.text == (
+        full.text[: full.text.index(stop, len("".join(f"<{t}>" for t in ids[:5])) - len(stop) + 1)]
+        if later
+        else full.text
+    )
 
 
 def test_stop_string_ends_generation_early(engine, gpt2, spec):

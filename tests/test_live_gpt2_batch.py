@@ -1,8 +1,10 @@
-"""The batched GPT-2 engine (live.gpt2_batch) on CPU: every sequence of a batch decodes what it decodes alone.
+"""The batched GPT-2 engine (live.gpt2_batch) on CPU: every sequence of a batch decodes what it
+decodes alone.
 
-The model is the tiny configuration with random weights drawn wider than GPT-2's initialisation (0.3, not 0.02):
-GPT-2's own init makes a random model repeat one token, under which a wrong cache could go unseen; this one
-samples varied tokens, so a row that read another row's KV, a wrong position or an unmasked pad shows."""
+The model is the tiny configuration with random weights drawn wider than GPT-2's initialisation
+(0.3, not 0.02): GPT-2's own init makes a random model repeat one token, under which a wrong cache
+could go unseen; this one samples varied tokens, so a row that read another row's KV, a wrong
+position or an unmasked pad shows."""
 
 import pytest
 
@@ -38,7 +40,12 @@ def batch(loaded):
     return BatchedGPT2(GPT2Spec("tiny", "cpu"), loaded)
 
 
-PROMPTS = ("Hello there, my friend", "A", "The queue in front of the engine is long today and", "xyz")
+PROMPTS = (
+    "Hello there, my friend",
+    "A",
+    "The queue in front of the engine is long today and",
+    "xyz",
+)
 
 
 def alone(solo, ids, n):
@@ -46,8 +53,9 @@ def alone(solo, ids, n):
 
 
 def run(batch, joins, chunk=4, leaves=(), preempts=()):
-    """Step until every sequence has finished; joins: {step: [(id, ids, max_new)]}, leaves / preempts: {step: id}.
-    Prompts are fed ``chunk`` tokens a step (chunked prefill). Returns each sequence's sampled tokens."""
+    """Step until every sequence has finished; joins: {step: [(id, ids, max_new)]}, leaves /
+    preempts: {step: id}. Prompts are fed ``chunk`` tokens a step (chunked prefill). Returns each
+    sequence's sampled tokens."""
     got: dict = {}
     for step in range(500):
         for seq_id, ids, n in joins.get(step, ()):
@@ -72,8 +80,12 @@ def test_each_sequence_decodes_as_alone_with_joins_mid_decode(batch, solo):
     ids = [batch.encode(p, 16) for p in PROMPTS]
     joins = {0: [(0, ids[0], 16), (1, ids[1], 9)], 5: [(2, ids[2], 16)], 11: [(3, ids[3], 12)]}
     got = run(batch, joins)
-    assert got == {0: alone(solo, ids[0], 16), 1: alone(solo, ids[1], 9), 2: alone(solo, ids[2], 16),
-                   3: alone(solo, ids[3], 12)}
+    assert got == {
+        0: alone(solo, ids[0], 16),
+        1: alone(solo, ids[1], 9),
+        2: alone(solo, ids[2], 16),
+        3: alone(solo, ids[3], 12),
+    }
     assert len(set(got[0])) > 4  # the model samples varied tokens (see the module docstring)
     assert batch.cached_tokens() == 0 and len(batch) == 0
 
@@ -94,7 +106,7 @@ def test_a_sequence_that_leaves_early_frees_its_cache_and_the_others_go_on(batch
     joins = {0: [(0, ids[0], 16), (1, ids[1], 16), (2, ids[2], 16)]}
     got = run(batch, joins, leaves=((9, 1),))
     assert got[0] == alone(solo, ids[0], 16) and got[2] == alone(solo, ids[2], 16)
-    assert 0 < len(got[1]) < 16 and got[1] == alone(solo, ids[1], 16)[:len(got[1])]
+    assert 0 < len(got[1]) < 16 and got[1] == alone(solo, ids[1], 16)[: len(got[1])]
     assert 1 not in batch
 
 
@@ -163,21 +175,25 @@ def test_bad_plans_and_sequences_are_refused(batch):
 
 
 def test_driven_by_the_queue_cores_batch_plan_each_request_decodes_as_alone(batch, solo):
-    """qsim.batch.BatchQueue plans the steps (3 seats, 8 tokens a step: chunked prefill, requests waiting for a
-    seat), the engine runs them as planned: every request gets its solo tokens, and ends in the step in which the
-    queue core ends it, with as many tokens."""
+    """qsim.batch.BatchQueue plans the steps (3 seats, 8 tokens a step: chunked prefill, requests
+    waiting for a seat), the engine runs them as planned: every request gets its solo tokens, and
+    ends in the step in which the queue core ends it, with as many tokens."""
     from qsim import Batching, ServerConfig, StepModel
     from qsim.batch import BatchQueue
     from qsim.entry import Work
     from qsim.policy import PRESETS
 
     planned, ended = [], {}
-    queue = BatchQueue(ServerConfig(PRESETS["none"], Batching(StepModel(0.01, 0, 0, 0), max_num_seqs=3,
-                                                                max_num_batched_tokens=8)),
-                       step=lambda plan, now: planned.append(plan),
-                       end=lambda req, now, outcome, reason, stats: ended.setdefault(req, (step, stats.tokens)),
-                       drop=lambda *a: pytest.fail(f"dropped {a}"),
-                       members=True)  # a live driver needs the decoding requests by name
+    queue = BatchQueue(
+        ServerConfig(
+            PRESETS["none"],
+            Batching(StepModel(0.01, 0, 0, 0), max_num_seqs=3, max_num_batched_tokens=8),
+        ),
+        step=lambda plan, now: planned.append(plan),
+        end=lambda req, now, outcome, reason, stats: ended.setdefault(req, (step, stats.tokens)),
+        drop=lambda *a: pytest.fail(f"dropped {a}"),
+        members=True,
+    )  # a live driver needs the decoding requests by name
     sizes = {0: 12, 1: 5, 2: 9, 3: 7, 4: 6}
     ids = {k: batch.encode(PROMPTS[k % len(PROMPTS)], n) for k, n in sizes.items()}
     arrivals = {0: [0, 1], 3: [2, 3], 4: [4]}
@@ -189,7 +205,9 @@ def test_driven_by_the_queue_cores_batch_plan_each_request_decodes_as_alone(batc
         if not planned:
             break
         plan = planned.pop()
-        result = batch.step({req: chunk for req, chunk in plan.chunks} | {req: 1 for req in plan.decoding})
+        result = batch.step(
+            {req: chunk for req, chunk in plan.chunks} | {req: 1 for req in plan.decoding}
+        )
         for k, out in result.outputs.items():
             got[k].append(out.token)
             if out.finished:
@@ -209,7 +227,9 @@ def test_a_step_that_raises_leaves_its_sequences_to_recompute(batch, solo, monke
         for k, out in batch.step().outputs.items():
             got[k].append(out.token)
     forward = batch.net.forward
-    monkeypatch.setattr(batch.net, "forward", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("out of memory")))
+    monkeypatch.setattr(
+        batch.net, "forward", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("out of memory"))
+    )
     with pytest.raises(MemoryError):
         batch.step({0: 1, 1: 1})  # 2 is not in this step: it keeps its KV
     monkeypatch.setattr(batch.net, "forward", forward)
@@ -221,9 +241,10 @@ def test_a_step_that_raises_leaves_its_sequences_to_recompute(batch, solo, monke
 
 
 def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
-    """live.gate.BatchGate (the queue core with KV blocks that bind: preemption) drives GPT2BatchEngine from its
-    engine thread: every answer is the solo engine's text (stop strings cut the text, not the work), a streamed
-    one's pieces join to it, and the engine holds nothing at the end."""
+    """live.gate.BatchGate (the queue core with KV blocks that bind: preemption) drives
+    GPT2BatchEngine from its engine thread: every answer is the solo engine's text (stop strings cut
+    the text, not the work), a streamed one's pieces join to it, and the engine holds nothing at the
+    end."""
     import asyncio
 
     from live.batching import is_batch_engine
@@ -239,12 +260,19 @@ def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
     assert is_batch_engine(engine)
     preempted, preempt = [], engine.batch.preempt
     engine.batch.preempt = lambda key: preempted.append(key) or preempt(key)
-    tight = Batching(StepModel(0.01, 0.0001, 0.0002, 0.000001), max_num_seqs=4, max_num_batched_tokens=16,
-                     kv_blocks=20, block_size=8)
+    tight = Batching(
+        StepModel(0.01, 0.0001, 0.0002, 0.000001),
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        kv_blocks=20,
+        block_size=8,
+    )
     prompts = [p * 2 for p in PROMPTS]
     stops = {1: [solo.run(prompts[1], 14).text[6:8]]}
-    jobs = [Job(p, 14, tuple(stops.get(i, ())), prompt_tokens=engine.count_tokens(p), stream=i == 2)
-            for i, p in enumerate(prompts)]
+    jobs = [
+        Job(p, 14, tuple(stops.get(i, ())), prompt_tokens=engine.count_tokens(p), stream=i == 2)
+        for i, p in enumerate(prompts)
+    ]
 
     async def go():
         async with BatchGate(engine, gate_config(PRESETS["none"], engine=tight)) as gate:
@@ -257,7 +285,9 @@ def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
 
     answers, pieces, answer, stats = asyncio.run(go())
     answers.insert(2, answer)
-    assert [a.text for a in answers] == [solo.run(p, 14, stop=stops.get(i)).text for i, p in enumerate(prompts)]
+    assert [a.text for a in answers] == [
+        solo.run(p, 14, stop=stops.get(i)).text for i, p in enumerate(prompts)
+    ]
     assert all(a.tokens == 14 for a in answers)  # the core runs each to its limit
     assert "".join(pieces) == answer.text and len(pieces) > 1
     assert stats["counts"]["good"] + stats["counts"].get("late", 0) == 4
@@ -266,7 +296,8 @@ def test_the_batching_gate_drives_it_preempting_and_streaming(loaded, solo):
 
 
 def test_qlab_serve_batching_gpt2_answers_over_http(tmp_path):
-    """``qlab serve --batching --engine gpt2 --model tiny``: a burst batched over HTTP gets the solo engine's texts."""
+    """``qlab serve --batching --engine gpt2 --model tiny``: a burst batched over HTTP gets the
+    solo engine's texts."""
     import asyncio
 
     import httpx
@@ -275,14 +306,28 @@ def test_qlab_serve_batching_gpt2_answers_over_http(tmp_path):
     from live.procs import serving
     from live.serve_options import ServeOptions
 
-    options = ServeOptions(engine="gpt2", model="tiny", device="cpu", threads=1, policy="none", batching=True,
-                           max_num_seqs=4, max_num_batched_tokens=32, port=0)
+    options = ServeOptions(
+        engine="gpt2",
+        model="tiny",
+        device="cpu",
+        threads=1,
+        policy="none",
+        batching=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        port=0,
+    )
     prompts = [f"request {i}: " + "y" * (7 * i + 1) for i in range(6)]
     with serving([options], tmp_path, 120) as (server,):
+
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-                return await asyncio.gather(*(http.post("/v1/generate", json={"prompt": p, "max_new_tokens": 8})
-                                              for p in prompts))
+                return await asyncio.gather(
+                    *(
+                        http.post("/v1/generate", json={"prompt": p, "max_new_tokens": 8})
+                        for p in prompts
+                    )
+                )
 
         responses = asyncio.run(burst())
         stats = httpx.get(f"{server.url}/stats", timeout=30).json()

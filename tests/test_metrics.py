@@ -48,8 +48,9 @@ def test_mean_ci_matches_scipy_t_interval():
 
 
 def test_controlled_mean_ci_covers_the_mean_and_narrows():
-    # Replications whose value moves with a control of known mean 0: y = 3 + 2 x + noise. Over many such sets of 10
-    # the interval covers 3 about 95 % of the time (500 sets: 0.92-0.98), and is narrower than the plain interval.
+    # Replications whose value moves with a control of known mean 0: y = 3 + 2 x + noise. Over many
+    # such sets of 10 the interval covers 3 about 95 % of the time (500 sets: 0.92-0.98), and is
+    # narrower than the plain interval.
     rng = np.random.default_rng(5)
     covered, ratio = 0, []
     for _ in range(500):
@@ -60,7 +61,8 @@ def test_controlled_mean_ci_covers_the_mean_and_narrows():
         plain = metrics.mean_ci(y)
         ratio.append((high - low) / (plain[2] - plain[1]))
     assert 0.92 <= covered / 500 <= 0.98
-    assert np.median(ratio) < 0.35  # the control explains most of the spread: sqrt(1 - r^2) = 0.24 before the t's
+    # the control explains most of the spread: sqrt(1 - r^2) = 0.24 before the t's
+    assert np.median(ratio) < 0.35
     # The estimate is the regression line at the known mean, not the plain mean.
     mean, _, _ = metrics.controlled_mean_ci([1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0], 1.0)
     assert mean == pytest.approx(2.0)
@@ -79,31 +81,50 @@ def test_aggregate_groups_and_counts():
 def _frame(rows):
     """A hand-built frame: (client_id, priority, outcome, latency_s, max_new_tokens) per request."""
     client, priority, outcome, latency, tokens = zip(*rows)
-    return pd.DataFrame({
-        "client_id": pd.array(client, dtype="string"), "priority": np.array(priority, dtype=np.int64),
-        "size_class": pd.array(["16"] * len(rows), dtype="string"), "outcome": pd.array(outcome, dtype="string"),
-        "latency_s": np.array(latency, dtype=float), "max_new_tokens": np.array(tokens, dtype=np.int64),
-        "arrival_s": np.zeros(len(rows)), "finish_s": np.array(latency, dtype=float),
-    })
+    return pd.DataFrame(
+        {
+            "client_id": pd.array(client, dtype="string"),
+            "priority": np.array(priority, dtype=np.int64),
+            "size_class": pd.array(["16"] * len(rows), dtype="string"),
+            "outcome": pd.array(outcome, dtype="string"),
+            "latency_s": np.array(latency, dtype=float),
+            "max_new_tokens": np.array(tokens, dtype=np.int64),
+            "arrival_s": np.zeros(len(rows)),
+            "finish_s": np.array(latency, dtype=float),
+        }
+    )
 
 
-HAND = _frame([
-    ("a", 0, "good", 1.0, 10), ("a", 0, "good", 3.0, 30), ("a", 0, "late", 5.0, 10), ("a", 0, "rejected", 0.0, 10),
-    ("b", 1, "good", 2.0, 20), ("b", 1, "expired", 4.0, 20),
-    (None, -1, "good", 1.0, 40), (None, -1, "rejected", 0.0, 40),
-])
+HAND = _frame(
+    [
+        ("a", 0, "good", 1.0, 10),
+        ("a", 0, "good", 3.0, 30),
+        ("a", 0, "late", 5.0, 10),
+        ("a", 0, "rejected", 0.0, 10),
+        ("b", 1, "good", 2.0, 20),
+        ("b", 1, "expired", 4.0, 20),
+        (None, -1, "good", 1.0, 40),
+        (None, -1, "rejected", 0.0, 40),
+    ]
+)
 
 
 def test_by_client_known_answers():
     table = metrics.by_client(HAND, duration_s=10)
-    assert list(table.index[:2]) == ["a", "b"] and pd.isna(table.index[2])  # no client named: kept, last
+    # no client named: kept, last
+    assert list(table.index[:2]) == ["a", "b"] and pd.isna(table.index[2])
     a, b, none = (table.iloc[i] for i in range(3))
     assert (a["requests"], a["good"], a["late"], a["rejected"], a["refused"]) == (4, 2, 1, 1, 1)
     assert a["share_good"] == 0.5 and a["share_refused"] == 0.25 and a["share_of_requests"] == 0.5
     assert a["goodput_rps"] == pytest.approx(0.2) and a["good_tokens_per_s"] == pytest.approx(4.0)
     assert a["latency_p50_s"] == 3.0  # over the answered: 1, 3, 5
     assert a["latency_p99_s"] == pytest.approx(np.quantile([1.0, 3.0, 5.0], 0.99))
-    assert (b["refused"], b["expired"], b["share_refused"], b["good_tokens_per_s"]) == (1, 1, 0.5, 2.0)
+    assert (b["refused"], b["expired"], b["share_refused"], b["good_tokens_per_s"]) == (
+        1,
+        1,
+        0.5,
+        2.0,
+    )
     assert (none["requests"], none["good_tokens_per_s"], none["refused"]) == (2, 4.0, 1)
     # The groups add up to the whole run.
     whole = metrics.summary(HAND, 10)
@@ -120,7 +141,9 @@ def test_by_priority_and_by_class_are_the_same_grouped_summary():
     by_client = metrics.by_client(HAND, 10)
     assert table.loc[0].equals(by_client.loc["a"]) and table.loc[1].equals(by_client.loc["b"])
     grouped = metrics.by_group(HAND, "size_class", 10)
-    assert grouped.loc["16"].drop("share_of_requests").to_dict() == pytest.approx(metrics.summary(HAND, 10), nan_ok=True)
+    assert grouped.loc["16"].drop("share_of_requests").to_dict() == pytest.approx(
+        metrics.summary(HAND, 10), nan_ok=True
+    )
 
 
 def test_jain_index():
@@ -138,30 +161,44 @@ def test_client_fairness_leaves_out_requests_naming_no_client():
 
 
 def _attempts(rows):
-    """A hand-made frame of attempts: (first_request_id, attempt, arrival_s, finish_s, outcome), deadline 2 s."""
-    frame = pd.DataFrame(rows, columns=["first_request_id", "attempt", "arrival_s", "finish_s", "outcome"])
-    return frame.assign(request_id=range(len(frame)), latency_s=frame["finish_s"] - frame["arrival_s"],
-                        deadline_s=2.0, reason=None, max_new_tokens=16)
+    """A hand-made frame of attempts: (first_request_id, attempt, arrival_s, finish_s, outcome),
+    deadline 2 s."""
+    frame = pd.DataFrame(
+        rows, columns=["first_request_id", "attempt", "arrival_s", "finish_s", "outcome"]
+    )
+    return frame.assign(
+        request_id=range(len(frame)),
+        latency_s=frame["finish_s"] - frame["arrival_s"],
+        deadline_s=2.0,
+        reason=None,
+        max_new_tokens=16,
+    )
 
 
-TINY = _attempts([
-    (0, 1, 0.2, 1.1, "good"),
-    (1, 1, 0.5, 0.5, "rejected"),
-    (1, 2, 1.5, 2.2, "good"),       # 1.7 s from the first send: good end to end, counted at 0.5
-    (2, 1, 1.0, 3.0, "abandoned"),  # the client's timeout
-    (2, 2, 3.0, 3.5, "good"),       # good as an attempt, late end to end (2.5 s from the first send)
-    (3, 1, 2.9, 5.5, "late"),
-])
+TINY = _attempts(
+    [
+        (0, 1, 0.2, 1.1, "good"),
+        (1, 1, 0.5, 0.5, "rejected"),
+        (1, 2, 1.5, 2.2, "good"),  # 1.7 s from the first send: good end to end, counted at 0.5
+        (2, 1, 1.0, 3.0, "abandoned"),  # the client's timeout
+        # good as an attempt, late end to end (2.5 s from the first send)
+        (2, 2, 3.0, 3.5, "good"),
+        (3, 1, 2.9, 5.5, "late"),
+    ]
+)
 
 
 def test_over_time_bins_a_hand_made_frame():
     series = metrics.over_time(TINY)
-    assert list(series["t_s"]) == [0, 1, 2, 3, 4, 5]  # to the bin of the last event (a finish at 5.5)
+    # to the bin of the last event (a finish at 5.5)
+    assert list(series["t_s"]) == [0, 1, 2, 3, 4, 5]
     assert list(series["attempts_per_s"]) == [2, 2, 1, 1, 0, 0]
     assert list(series["first_sends_per_s"]) == [2, 1, 1, 0, 0, 0]
-    assert list(series["goodput_rps"]) == [0, 1, 1, 1, 0, 0]  # by the time the good answers came back
+    # by the time the good answers came back
+    assert list(series["goodput_rps"]) == [0, 1, 1, 1, 0, 0]
     assert list(series["goodput_e2e_rps"]) == [2, 0, 0, 0, 0, 0]  # by first send
-    # Wider bins give rates per second; until_s ends the bins, and what happens at or after it is left out.
+    # Wider bins give rates per second; until_s ends the bins, and what happens at or after it is
+    # left out.
     two = metrics.over_time(TINY, bin_s=2.0)
     assert list(two["t_s"]) == [0, 2, 4] and list(two["attempts_per_s"]) == [2.0, 1.0, 0.0]
     cut = metrics.over_time(TINY, until_s=3.0)
@@ -180,13 +217,20 @@ def test_over_time_of_a_run_adds_up_to_its_summary():
     frame = simulate(trace, PRESETS["bounded"], retry=RetryPolicy("immediate", max_attempts=3))
     series = metrics.over_time(frame)
     s = metrics.summary(frame, 60)
-    assert series["attempts_per_s"].sum() == len(frame) > s["requests_e2e"] == series["first_sends_per_s"].sum()
+    assert (
+        series["attempts_per_s"].sum()
+        == len(frame)
+        > s["requests_e2e"]
+        == series["first_sends_per_s"].sum()
+    )
     assert series["goodput_rps"].sum() == s["good"]
     assert series["goodput_e2e_rps"].sum() == pytest.approx(s["goodput_e2e_rps"] * 60)
 
 
 def _series(values):
-    return pd.DataFrame({"t_s": np.arange(len(values), dtype=float), "goodput_e2e_rps": np.asarray(values, float)})
+    return pd.DataFrame(
+        {"t_s": np.arange(len(values), dtype=float), "goodput_e2e_rps": np.asarray(values, float)}
+    )
 
 
 def test_recovery_on_a_constructed_series():
@@ -214,7 +258,15 @@ def test_recovery_on_a_constructed_series():
 def test_with_ci_shows_a_share_inside_0_1_and_a_rate_above_0():
     from analysis.metrics import with_ci
 
-    frame = pd.DataFrame({"share_good": [0.98], "share_good_low": [0.93], "share_good_high": [1.03],
-                          "goodput_rps": [0.2], "goodput_rps_low": [-0.1], "goodput_rps_high": [0.5]})
+    frame = pd.DataFrame(
+        {
+            "share_good": [0.98],
+            "share_good_low": [0.93],
+            "share_good_high": [1.03],
+            "goodput_rps": [0.2],
+            "goodput_rps_low": [-0.1],
+            "goodput_rps_high": [0.5],
+        }
+    )
     shown = with_ci(frame).iloc[0]
     assert "1.03" not in shown["share_good"] and "-0.1" not in shown["goodput_rps"]

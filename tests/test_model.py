@@ -126,7 +126,8 @@ def test_a_hung_engine_is_stalled_at_its_threshold_and_the_waiting_give_up():
     df = simulate(trace, ServerConfig(PRESETS["bounded-deadline"], stall=StallRule(10.0, 5.0)))
     assert df["outcome"].tolist() == ["error", "expired", "expired", "expired"]
     assert df.loc[0, "reason"] == "engine_stalled" and df.loc[0, "finish_s"] == pytest.approx(5.0)
-    # The waiting are given up once their 2 s deadline has passed, at the watchdog's next look after 5 s.
+    # The waiting are given up once their 2 s deadline has passed, at the watchdog's next look after
+    # 5 s.
     assert (df.loc[1:, "finish_s"] >= 5.0).all() and (df.loc[1:, "finish_s"] <= 5.1).all()
     assert set(df.loc[1:, "reason"]) == {"cannot_finish"}
     # Without a stall rule (the study's model) the hang is just a long request.
@@ -141,7 +142,8 @@ def test_failures_and_clients_that_leave_end_in_one_outcome_each():
     df = records.validate(simulate(trace, PRESETS["none"], failed=failed, cancel_after_s=patience))
     assert set(df.loc[failed & df["outcome"].ne("abandoned").to_numpy(), "outcome"]) == {"error"}
     assert df["outcome"].eq("abandoned").sum() > 10
-    # A failure teaches the tracker nothing; what the engine reports (not what held it) is what it learns.
+    # A failure teaches the tracker nothing; what the engine reports (not what held it) is what it
+    # learns.
     clean = simulate(trace, PRESETS["none"])
     slower = simulate(trace, PRESETS["none"], reported_s=trace.true_service_s * 2)
     assert slower.attrs["speed_factor"] > 1.5 * clean.attrs["speed_factor"]
@@ -154,11 +156,17 @@ def test_disciplines_change_who_is_served_not_how_many_are_decided():
     sjf = records.validate(simulate(trace, PRESETS["predictive-sjf"]))
     short = trace.max_new_tokens == 4
     # Shortest first starts the 4-token requests ahead of the waiting 64-token ones.
-    assert sjf.loc[short, "outcome"].eq("good").mean() > fifo.loc[short, "outcome"].eq("good").mean()
+    assert (
+        sjf.loc[short, "outcome"].eq("good").mean() > fifo.loc[short, "outcome"].eq("good").mean()
+    )
     nearer = make_trace("poisson", "mix", load=1.3, seconds=300, seed=4, noise_cv=0.2)
     codel = records.validate(simulate(nearer, PRESETS["codel"]))
     assert set(codel.loc[codel["outcome"].eq("expired"), "reason"]) == {"codel"}
-    assert codel["outcome"].eq("good").mean() > 0.5 > simulate(nearer, PRESETS["none"])["outcome"].eq("good").mean()
+    assert (
+        codel["outcome"].eq("good").mean()
+        > 0.5
+        > simulate(nearer, PRESETS["none"])["outcome"].eq("good").mean()
+    )
 
 
 def test_a_policy_names_a_known_discipline():
@@ -171,7 +179,9 @@ def test_a_policy_names_a_known_discipline():
 def test_a_heavy_client_is_rate_limited_and_the_light_one_is_not():
     trace = make_trace("poisson", "mix", load=1.5, seconds=120, seed=6)
     client = np.where(np.arange(len(trace)) % 10 == 0, "light", "heavy")  # heavy sends 90 %
-    policy = Policy("limited", client_rate=4.0, client_burst=5, predictive=True, expire_at_front=True)
+    policy = Policy(
+        "limited", client_rate=4.0, client_burst=5, predictive=True, expire_at_front=True
+    )
     df = records.validate(simulate(trace, policy, client=client))
     limited = df["reason"].eq("rate_limited").fillna(False).to_numpy(bool)
     assert limited[client == "heavy"].mean() > 0.3 and not limited[client == "light"].any()
@@ -187,9 +197,14 @@ def test_a_reserved_share_serves_the_long_class_that_predictive_starves(load):
     trace = make_trace("poisson", "mix", load=load, seconds=600, seed=1)
     long = trace.max_new_tokens == 64
     plain = simulate(trace, PRESETS["predictive"])["outcome"].eq("good").to_numpy()
-    kept = records.validate(simulate(trace, PRESETS["predictive-reserved"]))["outcome"].eq("good").to_numpy()
+    kept = (
+        records.validate(simulate(trace, PRESETS["predictive-reserved"]))["outcome"]
+        .eq("good")
+        .to_numpy()
+    )
     assert plain[long].mean() < 0.2 and kept[long].mean() >= 0.25
-    # What it costs the others: fewer requests in time, the same good tokens per second (within 1 %).
+    # What it costs the others: fewer requests in time, the same good tokens per second (within 1
+    # %).
     assert kept.mean() < plain.mean()
     tokens = trace.max_new_tokens
     assert tokens[kept].sum() >= 0.99 * tokens[plain].sum()
@@ -197,19 +212,27 @@ def test_a_reserved_share_serves_the_long_class_that_predictive_starves(load):
 
 def test_patience_until_start_lets_a_started_request_finish():
     # Three at once on one engine, 1 s each; every client's patience is 1.5 s.
-    trace = from_arrays(np.zeros(3), np.full(3, 16), true_service_s=np.ones(3), est_service_s=np.ones(3))
+    trace = from_arrays(
+        np.zeros(3), np.full(3, 16), true_service_s=np.ones(3), est_service_s=np.ones(3)
+    )
     patience = np.full(3, 1.5)
     answer = simulate(trace, PRESETS["none"], cancel_after_s=patience)
-    start = records.validate(simulate(trace, PRESETS["none"], cancel_after_s=patience, cancel_until="start"))
-    # The first ends at 1 s. Patience for the whole answer: the second runs from 1 s and its client leaves
-    # at 1.5 s, the third leaves the queue then. Patience to the start: the second has started, so it stays.
+    start = records.validate(
+        simulate(trace, PRESETS["none"], cancel_after_s=patience, cancel_until="start")
+    )
+    # The first ends at 1 s. Patience for the whole answer: the second runs from 1 s and its client
+    # leaves at 1.5 s, the third leaves the queue then. Patience to the start: the second has
+    # started, so it stays.
     assert answer["outcome"].tolist() == ["good", "abandoned", "abandoned"]
     assert start["outcome"].tolist() == ["good", "good", "abandoned"]
-    assert start.loc[2, "reason"] == "client_left" and start.loc[2, "finish_s"] == pytest.approx(1.5)
+    assert start.loc[2, "reason"] == "client_left" and start.loc[2, "finish_s"] == pytest.approx(
+        1.5
+    )
     assert start.loc[1, "finish_s"] == pytest.approx(2.0)
     # The default is the whole answer, row for row.
-    pd.testing.assert_frame_equal(answer, simulate(trace, PRESETS["none"], cancel_after_s=patience,
-                                                   cancel_until="answer"))
+    pd.testing.assert_frame_equal(
+        answer, simulate(trace, PRESETS["none"], cancel_after_s=patience, cancel_until="answer")
+    )
     with pytest.raises(ValueError, match="cancel_until must be one of answer, start"):
         simulate(trace, PRESETS["none"], cancel_until="finish")
 
@@ -219,11 +242,28 @@ def test_deterministic_patience_while_waiting_is_expiry_at_the_front(engines):
     # M/M/c+D two ways: clients that leave after tau unstarted, and expiry at the front with a fixed
     # estimate E[S] and deadline tau + E[S]. FIFO: the same requests are served, at the same times.
     tau = 1.0
-    trace = make_trace("poisson", "exponential", load=0.95, engines=engines, requests=3000, seed=7,
-                       mean_service_s=1.0)
-    leave = simulate(trace, Policy(deadline_s=1e12), engines, cancel_after_s=np.full(len(trace), tau),
-                     cancel_until="start")
-    front = simulate(trace, ServerConfig(Policy(deadline_s=tau + 1.0, expire_at_front=True), engines, fixed_estimate=True))
+    trace = make_trace(
+        "poisson",
+        "exponential",
+        load=0.95,
+        engines=engines,
+        requests=3000,
+        seed=7,
+        mean_service_s=1.0,
+    )
+    leave = simulate(
+        trace,
+        Policy(deadline_s=1e12),
+        engines,
+        cancel_after_s=np.full(len(trace), tau),
+        cancel_until="start",
+    )
+    front = simulate(
+        trace,
+        ServerConfig(
+            Policy(deadline_s=tau + 1.0, expire_at_front=True), engines, fixed_estimate=True
+        ),
+    )
     gone = leave["outcome"].eq("abandoned")
     assert gone.mean() > 0.05
     np.testing.assert_array_equal(gone, front["outcome"].eq("expired"))

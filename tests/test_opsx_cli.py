@@ -45,10 +45,18 @@ def _fake_live(monkeypatch):
         log("a run's line")
         with bar(2, 1) as shown:  # one run of two done before: the bar starts there
             shown.update(1)
-        return pd.DataFrame({c: [0] for c in ["good", "late", "rejected", "expired", "error"]}
-                            | {"trace": ["t"], "policy": ["none"], "effective_load": [1.0],
-                               "goodput_rps": [float("nan")], "good_tokens_per_s": [2.0],
-                               "sim_disagreement_rate": [0.0]})
+        return pd.DataFrame(
+            {c: [0] for c in ["good", "late", "rejected", "expired", "error"]}
+            | {
+                "trace": ["t"],
+                "policy": ["none"],
+                "effective_load": [1.0],
+                "goodput_rps": [float("nan")],
+                "good_tokens_per_s": [2.0],
+                "sim_disagreement_rate": [0.0],
+            }
+        )
+
     monkeypatch.setattr(live_runner, "run", run)
     monkeypatch.setattr("live.live_config.load", lambda path: None)
 
@@ -78,8 +86,22 @@ def test_replay_rate_is_the_nominal_load_that_sends_it(monkeypatch, tmp_path, ca
     from test_json_output import _gate  # tests/ is on the path (rootdir-relative imports)
 
     monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_gate))
-    argv = ["replay", "--url", "http://gate.test", "--arrivals", "poisson", "--requests", "6",
-            "--engines", "1", "--seed", "3", "--out", str(tmp_path / "r.parquet"), "--json"]
+    argv = [
+        "replay",
+        "--url",
+        "http://gate.test",
+        "--arrivals",
+        "poisson",
+        "--requests",
+        "6",
+        "--engines",
+        "1",
+        "--seed",
+        "3",
+        "--out",
+        str(tmp_path / "r.parquet"),
+        "--json",
+    ]
     assert main([*argv, "--rate", "40"]) == 0
     doc = json.loads(capsys.readouterr().out)
     want = load_at_rate(40.0, arrivals="poisson", engines=1, requests=6, seed=3)
@@ -125,13 +147,18 @@ def test_study_json_is_its_verdicts(monkeypatch, tmp_path, capsys):
     from experiments.study.blocks import Verdict
 
     section = runner.SECTIONS[0]
-    parts = [(section, [Verdict("H1", "a claim", True, "the numbers"),
-                        Verdict("check", "a check", True, "")])]
+    parts = [
+        (
+            section,
+            [Verdict("H1", "a claim", True, "the numbers"), Verdict("check", "a check", True, "")],
+        )
+    ]
     monkeypatch.setattr(runner, "run_section", lambda ctx, section, force: "done")
     monkeypatch.setattr(runner, "write_report", lambda ctx: parts)
     assert main(["study", "--out", str(tmp_path / "s"), "--quick", "--json"]) == 0
     said = capsys.readouterr()
     doc = json.loads(said.out)
-    assert doc["hypotheses"] == [{"label": "H1", "claim": "a claim", "verdict": "supported",
-                                  "evidence": "the numbers"}]
+    assert doc["hypotheses"] == [
+        {"label": "H1", "claim": "a claim", "verdict": "supported", "evidence": "the numbers"}
+    ]
     assert doc["failed"] == [] and section.name in said.err  # the sections' lines on stderr

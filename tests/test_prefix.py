@@ -32,8 +32,12 @@ def trace_of(arrival, prompts, out):
         tokens[i] = Tokens(tuple(segments), answer_key(i))
     trace = from_arrays(np.asarray(arrival, float), np.asarray(out))
     lengths = [sum(n for _, n in segments) for segments in prompts]
-    return dataclasses.replace(trace, prompt_tokens=np.asarray(lengths, dtype=np.int64),
-                               tokens_generated=np.asarray(out, dtype=np.int64), tokens=tokens)
+    return dataclasses.replace(
+        trace,
+        prompt_tokens=np.asarray(lengths, dtype=np.int64),
+        tokens_generated=np.asarray(out, dtype=np.int64),
+        tokens=tokens,
+    )
 
 
 def run(trace, caching=True, **engine):
@@ -49,8 +53,13 @@ class Driver:
     def __init__(self, tokens: dict, **engine):
         self.plans, self.ended = [], {}
         config = ServerConfig(PRESETS["none"], Batching(StepModel(0.01, 0, 0, 0), **engine))
-        self.queue = BatchQueue(config, step=lambda plan, now: self.plans.append(plan),
-                                end=self._end, drop=lambda *a: None, tokens=tokens.get)
+        self.queue = BatchQueue(
+            config,
+            step=lambda plan, now: self.plans.append(plan),
+            end=self._end,
+            drop=lambda *a: None,
+            tokens=tokens.get,
+        )
         self.now = 0.0
 
     def _end(self, req, now, outcome, reason, stats):
@@ -89,8 +98,10 @@ def test_a_shared_three_block_prefix_is_computed_once_and_the_second_prefills_it
 def test_cached_blocks_are_shared_with_a_reference_count_not_allocated_again():
     # Both at once: A's blocks are cached when its step is scheduled, so B (joining while it runs)
     # shares the three system blocks: 4 + 1 blocks in use, not 4 + 4.
-    tokens = {"a": Tokens((SYSTEM, (own_key(0), 8)), answer_key(0)),
-              "b": Tokens((SYSTEM, (own_key(1), 8)), answer_key(1))}
+    tokens = {
+        "a": Tokens((SYSTEM, (own_key(0), 8)), answer_key(0)),
+        "b": Tokens((SYSTEM, (own_key(1), 8)), answer_key(1)),
+    }
     driver = Driver(tokens, prefix_caching=True)
     driver.arrive("a", 56, 3)
     driver.arrive("b", 56, 3)
@@ -111,8 +122,7 @@ def test_cached_blocks_are_shared_with_a_reference_count_not_allocated_again():
 def _evicted(last):
     """A and B (32 tokens each: two full blocks) end, in that order, on a cache of 4 blocks; C (16
     tokens) needs one block, and then ``last`` asks for A's or B's prompt and one more token."""
-    prompts = [[(own_key(0), 32)], [(own_key(1), 32)], [(own_key(2), 16)],
-               [*last, (own_key(3), 1)]]
+    prompts = [[(own_key(0), 32)], [(own_key(1), 32)], [(own_key(2), 16)], [*last, (own_key(3), 1)]]
     return run(trace_of([0.0, 1.0, 2.0, 3.0], prompts, [1, 1, 1, 1]), kv_blocks=4)
 
 
@@ -134,8 +144,9 @@ def test_a_preempted_request_recomputes_only_what_was_evicted():
     tokens = {f"r{i + 1}": Tokens(((own_key(i), 32),), answer_key(i)) for i in (0, 1)}
     chunks = {}
     for caching in (True, False):
-        driver = Driver(tokens, kv_blocks=5, max_num_seqs=4, max_num_batched_tokens=64,
-                        prefix_caching=caching)
+        driver = Driver(
+            tokens, kv_blocks=5, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=caching
+        )
         driver.arrive("r1", 32, 20)
         driver.arrive("r2", 32, 20)
         driver.run()
@@ -180,14 +191,17 @@ def test_the_pool_evicts_from_the_head_and_counts_in_tokens():
 
 def test_caching_that_finds_nothing_shared_changes_no_row():
     # Prompts of their own on unlimited memory: nothing is ever hit, so every row is what it was.
-    trace = make_trace(load=2.0, seconds=10, seed=4, prompts=Prompts.parse("uniform:0:200"),
-                       capacity_rps=40.0)
+    trace = make_trace(
+        load=2.0, seconds=10, seed=4, prompts=Prompts.parse("uniform:0:200"), capacity_rps=40.0
+    )
     engine = dict(max_num_seqs=16, max_num_batched_tokens=256)
     on, off = run(trace, True, **engine), run(trace, False, **engine)
     assert on.attrs["prefix_cache_hits"] == 0 and on["cached_prompt_tokens"].dropna().eq(0).all()
     for column in (c for c in records.COLUMNS if c != "cached_prompt_tokens"):
-        assert on[column].astype(object).fillna("-").tolist() == \
-            off[column].astype(object).fillna("-").tolist(), column
+        assert (
+            on[column].astype(object).fillna("-").tolist()
+            == off[column].astype(object).fillna("-").tolist()
+        ), column
 
 
 # ---------------------------------------------------------------- shared prefixes in a workload
@@ -200,8 +214,14 @@ def test_a_conversation_s_turn_extends_the_one_before_with_its_answer():
     prompts, ids = shared.compose(rng, own, answers)
     # Requests 0, 2, 4 are conversation 0's turns; 1, 3, 5 conversation 1's; 6 starts a new one in
     # slot 0.
-    assert ids[4].prompt == ((SYSTEM_KEY, 32), (own_key(0), 5), (answer_key(0), 3),
-                             (own_key(2), 7), (answer_key(2), 5), (own_key(4), 9))
+    assert ids[4].prompt == (
+        (SYSTEM_KEY, 32),
+        (own_key(0), 5),
+        (answer_key(0), 3),
+        (own_key(2), 7),
+        (answer_key(2), 5),
+        (own_key(4), 9),
+    )
     assert ids[6].prompt == ((SYSTEM_KEY, 32), (own_key(6), 11))
     # 32 + 5; 32 + 6; then each turn: the one before, its answer, its own tokens.
     assert prompts.tolist() == [37, 38, 37 + 3 + 7, 38 + 4 + 8, 47 + 5 + 9, 50 + 6 + 10, 32 + 11]
@@ -210,8 +230,14 @@ def test_a_conversation_s_turn_extends_the_one_before_with_its_answer():
 def test_a_turn_finds_its_conversation_s_history_cached_when_the_turn_before_has_ended():
     shared = SharedPrefix(256, 0.8, turns=4, conversations=16)
     # 3 requests a second: a turn follows the one before about 5 s later, mostly after its answer.
-    trace = make_trace(load=1.0, seconds=60, seed=3, prompts=Prompts.parse("uniform:16:64"),
-                       capacity_rps=3.0, prefixes=shared)
+    trace = make_trace(
+        load=1.0,
+        seconds=60,
+        seed=3,
+        prompts=Prompts.parse("uniform:16:64"),
+        capacity_rps=3.0,
+        prefixes=shared,
+    )
     df = run(trace, max_num_seqs=32)  # unlimited memory: nothing is evicted
     columns = ("cached_prompt_tokens", "finish_s", "arrival_s")
     cached, finish, arrival = (df[c].to_numpy() for c in columns)
@@ -232,8 +258,13 @@ def test_a_turn_finds_its_conversation_s_history_cached_when_the_turn_before_has
 
 def test_shared_prefixes_draw_nothing_else_differently():
     plain = make_trace(load=1.0, seconds=10, seed=5, prompts=Prompts.parse("fixed:20"))
-    shared = make_trace(load=1.0, seconds=10, seed=5, prompts=Prompts.parse("fixed:20"),
-                        prefixes=SharedPrefix(100, 0.5))
+    shared = make_trace(
+        load=1.0,
+        seconds=10,
+        seed=5,
+        prompts=Prompts.parse("fixed:20"),
+        prefixes=SharedPrefix(100, 0.5),
+    )
     assert np.array_equal(plain.arrival_s, shared.arrival_s)
     assert np.array_equal(plain.max_new_tokens, shared.max_new_tokens)
     assert set(shared.prompt_tokens - plain.prompt_tokens) == {0, 100}
@@ -255,17 +286,27 @@ def test_bad_shared_prefix_specs_say_what_is_wrong():
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(engine=testing.batching_engines(16, prefix_caching=True), seed=st.integers(0, 10_000),
-       load=st.sampled_from([0.5, 2.0, 6.0]),
-       system=st.sampled_from(["none", "64:0.5", "200:1.0"]), turns=st.sampled_from(["1", "3:4"]),
-       name=st.sampled_from(["none", "predictive", "predictive-kv", "vllm-caps"]))
+@given(
+    engine=testing.batching_engines(16, prefix_caching=True),
+    seed=st.integers(0, 10_000),
+    load=st.sampled_from([0.5, 2.0, 6.0]),
+    system=st.sampled_from(["none", "64:0.5", "200:1.0"]),
+    turns=st.sampled_from(["1", "3:4"]),
+    name=st.sampled_from(["none", "predictive", "predictive-kv", "vllm-caps"]),
+)
 def test_every_request_ends_once_and_the_blocks_in_use_never_exceed_the_cache(
-        engine, seed, load, system, turns, name):
+    engine, seed, load, system, turns, name
+):
     policy = PRESETS[name]
     sim = SimRun(policy, EngineSettings(batching=engine))
-    trace = make_trace(load=load, requests=120, seed=seed, prompts=Prompts.parse("uniform:0:80"),
-                       capacity_rps=engine.capacity_rps(100.0, 20.0),
-                       prefixes=SharedPrefix.parse(system, turns))
+    trace = make_trace(
+        load=load,
+        requests=120,
+        seed=seed,
+        prompts=Prompts.parse("uniform:0:80"),
+        capacity_rps=engine.capacity_rps(100.0, 20.0),
+        prefixes=SharedPrefix.parse(system, turns),
+    )
     # Audited at every step: the pool's books, each block's holders, the blocks in use.
     df = records.validate(sim.simulate(trace))
     testing.check_records(df, sim, trace)
@@ -281,9 +322,25 @@ def test_every_request_ends_once_and_the_blocks_in_use_never_exceed_the_cache(
 
 def test_simulate_takes_the_prefix_cache_and_shared_prompts(capsys):
     from experiments import cli
-    args = ["simulate", "--batching", "--kv-blocks", "500", "--prompts", "uniform:16:64",
-            "--system-prompt", "256:0.9", "--turns", "3:8", "--prefix-caching", "--seconds", "10",
-            "--load", "0.3", "--json"]
+
+    args = [
+        "simulate",
+        "--batching",
+        "--kv-blocks",
+        "500",
+        "--prompts",
+        "uniform:16:64",
+        "--system-prompt",
+        "256:0.9",
+        "--turns",
+        "3:8",
+        "--prefix-caching",
+        "--seconds",
+        "10",
+        "--load",
+        "0.3",
+        "--json",
+    ]
     assert cli.main(args) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert 0.5 < summary["prefix_cache_hit_rate"] < 1
@@ -292,15 +349,21 @@ def test_simulate_takes_the_prefix_cache_and_shared_prompts(capsys):
     assert "prefix_cache_hit_rate" not in json.loads(capsys.readouterr().out)["summary"]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["--prefix-caching"], "--prefix-caching is a batching engine's: add --batching"),
-    (["--batching", "--system-prompt", "512"], "expected TOKENS:SHARE"),
-    (["--batching", "--turns", "x"], "expected TURNS or TURNS:CONVERSATIONS"),
-    (["--batching", "--turns", "2", "--trace", "data/azure_llm_2023_code.csv"],
-     "apply to synthetic arrivals only"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--prefix-caching"], "--prefix-caching is a batching engine's: add --batching"),
+        (["--batching", "--system-prompt", "512"], "expected TOKENS:SHARE"),
+        (["--batching", "--turns", "x"], "expected TURNS or TURNS:CONVERSATIONS"),
+        (
+            ["--batching", "--turns", "2", "--trace", "data/azure_llm_2023_code.csv"],
+            "apply to synthetic arrivals only",
+        ),
+    ],
+)
 def test_bad_prefix_options_are_one_line_and_exit_2(capsys, bad, message):
     from experiments import cli
+
     with pytest.raises(SystemExit) as exit_:
         code = cli.main(["simulate", "--seconds", "5", *bad])
         raise SystemExit(code)
@@ -329,6 +392,7 @@ turns = ["1", "3:8"]
 
 def test_a_sweep_has_prefix_caching_and_shared_prompt_axes(tmp_path):
     from experiments import config, sweep
+
     path = tmp_path / "p.toml"
     path.write_text(SWEEP)
     cfg = config.load(path)

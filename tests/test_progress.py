@@ -14,8 +14,14 @@ def one_short_case(monkeypatch):
     """qlab theory on one short M/M/1 case, so that a whole run takes a fraction of a second."""
     from analysis import validation
 
-    case = validation.Scenario("M/M/1 short", 1, 0.5, 500, 0.1,
-                               checks=(("Wq", theory.mm1(0.5, 1).wq, validation.mean_wait),))
+    case = validation.Scenario(
+        "M/M/1 short",
+        1,
+        0.5,
+        500,
+        0.1,
+        checks=(("Wq", theory.mm1(0.5, 1).wq, validation.mean_wait),),
+    )
     monkeypatch.setattr(validation, "standard_scenarios", lambda scale: [case])
 
 

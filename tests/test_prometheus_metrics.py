@@ -25,8 +25,14 @@ from live.timings import Histogram  # noqa: E402
 from qsim import from_arrays, make_trace, records  # noqa: E402
 
 COUNTERS = ("qlab_requests_total", "qlab_requests_submitted_total", "qlab_upstream_errors_total")
-GAUGES = ("qlab_requests_waiting", "qlab_requests_in_service", "qlab_engines", "qlab_engines_stalled",
-          "qlab_queued_work_seconds", "qlab_speed_factor")
+GAUGES = (
+    "qlab_requests_waiting",
+    "qlab_requests_in_service",
+    "qlab_engines",
+    "qlab_engines_stalled",
+    "qlab_queued_work_seconds",
+    "qlab_speed_factor",
+)
 HISTOGRAMS = ("qlab_engine_time_seconds", "qlab_queue_time_seconds", "qlab_time_to_refusal_seconds")
 
 
@@ -39,8 +45,11 @@ def parse(text: str) -> dict[tuple, float]:
         types[family.name] = family.type
         for s in family.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    expected = {**{n.removesuffix("_total"): "counter" for n in COUNTERS}, **dict.fromkeys(GAUGES, "gauge"),
-                **dict.fromkeys(HISTOGRAMS, "histogram")}
+    expected = {
+        **{n.removesuffix("_total"): "counter" for n in COUNTERS},
+        **dict.fromkeys(GAUGES, "gauge"),
+        **dict.fromkeys(HISTOGRAMS, "histogram"),
+    }
     assert types == expected
     return samples
 
@@ -53,8 +62,11 @@ def scrape(client, url: str) -> dict[tuple, float]:
 
 def requests_by(samples: dict) -> dict[tuple[str, str], float]:
     """qlab_requests_total as {(outcome, reason): count}."""
-    return {(dict(labels)["outcome"], dict(labels)["reason"]): v
-            for (name, labels), v in samples.items() if name == "qlab_requests_total"}
+    return {
+        (dict(labels)["outcome"], dict(labels)["reason"]): v
+        for (name, labels), v in samples.items()
+        if name == "qlab_requests_total"
+    }
 
 
 def histogram_count(samples: dict, name: str) -> float:
@@ -63,7 +75,11 @@ def histogram_count(samples: dict, name: str) -> float:
 
 def assert_histograms_consistent(samples: dict) -> None:
     for name in HISTOGRAMS:
-        buckets = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items() if n == f"{name}_bucket")
+        buckets = sorted(
+            (float(dict(labels)["le"]), v)
+            for (n, labels), v in samples.items()
+            if n == f"{name}_bucket"
+        )
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and buckets[-1][0] == math.inf, name
         assert buckets[-1][1] == histogram_count(samples, name)
@@ -88,31 +104,41 @@ def test_histogram_buckets_are_inclusive_upper_bounds():
 
 
 def _in_process_metrics(direct: bool) -> tuple[dict, dict]:
-    """A fresh in-process app (own registry): some answers, an engine failure, refusals; then (metrics, stats)."""
+    """A fresh in-process app (own registry): some answers, an engine failure, refusals; then
+    (metrics, stats)."""
     from live.engine import Faults, SyntheticEngine
     from live.gate import Gate, gate_config
     from live.http_api import create_app
     from qsim import preset
 
     engine = SyntheticEngine(speed=1e-4, faults=Faults(fail_every=3))  # runs 3, 6, ... raise
-    app = create_app(Gate([engine], gate_config(preset("predictive"), fixed_estimate=True)), direct=direct)
+    app = create_app(
+        Gate([engine], gate_config(preset("predictive"), fixed_estimate=True)), direct=direct
+    )
     ok = {"prompt": "hello", "max_new_tokens": 4}
     bodies = [ok, ok, ok, {**ok, "deadline_ms": 1}, ok, {**ok, "deadline_ms": 1}]
 
     async def go():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://qlab.test") as client:
-                assert requests_by(parse((await client.get("/metrics")).text))  # every series, at 0, from the start
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://qlab.test"
+            ) as client:
+                # every series, at 0, from the start
+                assert requests_by(parse((await client.get("/metrics")).text))
                 statuses = [(await client.post("/v1/generate", json=b)).status_code for b in bodies]
-                assert statuses == [200, 200, 500, 400, 200, 400]  # 400: never in time (deadline_too_short)
-                return parse((await client.get("/metrics")).text), (await client.get("/stats")).json()
+                # 400: never in time (deadline_too_short)
+                assert statuses == [200, 200, 500, 400, 200, 400]
+                return parse((await client.get("/metrics")).text), (
+                    await client.get("/stats")
+                ).json()
 
     return asyncio.run(go())
 
 
 def test_both_paths_count_the_same_and_apps_do_not_share_a_registry():
-    """Requests on the direct path (past FastAPI's routing) are counted and timed as routed ones are."""
+    """Requests on the direct path (past FastAPI's routing) are counted and timed as routed ones
+    are."""
     direct, stats = _in_process_metrics(True)
     routed, _ = _in_process_metrics(False)  # a second app in the same process: its own registry
     by = requests_by(direct)
@@ -129,7 +155,8 @@ def test_both_paths_count_the_same_and_apps_do_not_share_a_registry():
 
 
 def _trace():
-    """Poisson arrivals and a burst of 12 at once: answers, refusals past the bound, perhaps expiries."""
+    """Poisson arrivals and a burst of 12 at once: answers, refusals past the bound, perhaps
+    expiries."""
     base = make_trace("poisson", load=1.5, seconds=2.0, seed=5)
     arrival = np.concatenate([base.arrival_s, np.full(12, 1.0)])
     tokens = np.concatenate([base.max_new_tokens, np.resize([4, 16, 64], 12)])
@@ -139,11 +166,15 @@ def _trace():
 
 @pytest.mark.slow
 def test_metrics_scraped_during_a_replay_agree_with_stats_and_the_run_file(tmp_path):
-    options = ServeOptions(policy="bounded-deadline", max_queue=4, deadline=0.5, fail_every=4, speed=0.5)
+    options = ServeOptions(
+        policy="bounded-deadline", max_queue=4, deadline=0.5, fail_every=4, speed=0.5
+    )
     trace = _trace()
     with serving([options], tmp_path / "logs", 60) as (server,), httpx.Client(timeout=10) as client:
         result = {}
-        runner = threading.Thread(target=lambda: result.update(frame=replay(trace, ReplayConfig(server.url))))
+        runner = threading.Thread(
+            target=lambda: result.update(frame=replay(trace, ReplayConfig(server.url)))
+        )
         runner.start()
         scrapes = [scrape(client, server.url)]
         while runner.is_alive():  # however many fit in the replay: each must parse and only grow
@@ -165,18 +196,29 @@ def test_metrics_scraped_during_a_replay_agree_with_stats_and_the_run_file(tmp_p
     # Against /stats: every outcome, every refusal reason, cancelled and submitted.
     for outcome, n in stats["counts"].items():
         assert sum(v for (o, _), v in by.items() if o == outcome) == n, outcome
-    assert {r: by[("rejected", r)] for r in stats["rejected_by_reason"]} == stats["rejected_by_reason"]
+    assert {r: by[("rejected", r)] for r in stats["rejected_by_reason"]} == stats[
+        "rejected_by_reason"
+    ]
     assert by[("cancelled", "")] == stats["cancelled"] == 0
-    assert final[("qlab_requests_submitted_total", ())] == stats["submitted"] == sum(by.values()) == len(trace)
+    assert (
+        final[("qlab_requests_submitted_total", ())]
+        == stats["submitted"]
+        == sum(by.values())
+        == len(trace)
+    )
 
-    # Against the run file: each request once; good and late are judged on each side's own clock, so only their sum.
+    # Against the run file: each request once; good and late are judged on each side's own clock, so
+    # only their sum.
     unanswered = rows[~rows["outcome"].isin(["good", "late"])]
     from_rows = Counter(zip(unanswered["outcome"], unanswered["reason"]))
     assert {k: v for k, v in by.items() if k[0] not in ("good", "late") and v} == dict(from_rows)
     assert by[("good", "")] + by[("late", "")] == rows["outcome"].isin(["good", "late"]).sum()
-    assert from_rows[("rejected", "queue_full")] > 0 and from_rows[("error", "engine_exception")] > 0
+    assert (
+        from_rows[("rejected", "queue_full")] > 0 and from_rows[("error", "engine_exception")] > 0
+    )
 
-    # The histograms: one refusal time per refusal, one engine and queue time per request an engine ran.
+    # The histograms: one refusal time per refusal, one engine and queue time per request an engine
+    # ran.
     ran = by[("good", "")] + by[("late", "")] + by[("error", "engine_exception")]
     assert histogram_count(final, "qlab_time_to_refusal_seconds") == stats["counts"]["rejected"]
     assert histogram_count(final, "qlab_engine_time_seconds") == ran

@@ -37,8 +37,11 @@ def test_fifo_is_the_default_discipline():
 
 def test_a_stalled_engine_counts_its_overrun_and_a_failure_frees_it():
     started = []
-    q = AdmissionQueue(ServerConfig(PRESETS["predictive"], stall=StallRule(2.0, 0.5)),
-                       start=lambda k, r, now, est: started.append(r), drop=lambda *a: None)
+    q = AdmissionQueue(
+        ServerConfig(PRESETS["predictive"], stall=StallRule(2.0, 0.5)),
+        start=lambda k, r, now, est: started.append(r),
+        drop=lambda *a: None,
+    )
     assert q.arrive("a", 0.0, 0.4) is None and started == ["a"]
     assert q.overdue(0.8) == [] and q.overdue(0.81) == [0]  # max(2 x 0.4, 0.5) = 0.8 s
     assert q.stall(0, 0.81) == "a" and q.all_stalled
@@ -55,11 +58,16 @@ def test_stall_rule_refuses_nonsense():
 
 
 @settings(max_examples=300, deadline=None)
-@given(rate=st.floats(0.1, 50), burst=st.integers(1, 10),
-       gaps=st.lists(st.floats(0, 2.0), min_size=1, max_size=80), clients=st.data())
+@given(
+    rate=st.floats(0.1, 50),
+    burst=st.integers(1, 10),
+    gaps=st.lists(st.floats(0, 2.0), min_size=1, max_size=80),
+    clients=st.data(),
+)
 def test_a_token_bucket_never_admits_more_than_its_rate_and_burst(rate, burst, gaps, clients):
     policy = Policy(client_rate=rate, client_burst=burst)
-    q = AdmissionQueue(policy, 1000, start=lambda *a: None, drop=lambda *a: None)  # engines never the limit
+    # engines never the limit
+    q = AdmissionQueue(policy, 1000, start=lambda *a: None, drop=lambda *a: None)
     now, admitted = 0.0, {}
     for i, gap in enumerate(gaps):
         now += gap
@@ -76,13 +84,26 @@ def test_a_token_bucket_never_admits_more_than_its_rate_and_burst(rate, burst, g
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps=st.lists(st.tuples(st.sampled_from(["push", "pop"]), st.sampled_from([None, "a", "b", "c"]),
-                                st.sampled_from([0.25, 0.5, 1.0, 0.1, 0.3]), st.integers(-1, 2),
-                                st.sampled_from([0.5, 1.0, 2.0])), max_size=40),
-       client=st.sampled_from([None, "a", "b", "c", "d"]), base=st.sampled_from([0.25, 0.1]),
-       priority=st.integers(-1, 2), deadline=st.sampled_from([0.5, 1.0, 2.0]),
-       make=st.sampled_from([FairShare, Priority, lambda: Priority("edf")]))
-def test_ahead_s_is_exactly_the_work_that_starts_before_an_arrival(steps, client, base, priority, deadline, make):
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["push", "pop"]),
+            st.sampled_from([None, "a", "b", "c"]),
+            st.sampled_from([0.25, 0.5, 1.0, 0.1, 0.3]),
+            st.integers(-1, 2),
+            st.sampled_from([0.5, 1.0, 2.0]),
+        ),
+        max_size=40,
+    ),
+    client=st.sampled_from([None, "a", "b", "c", "d"]),
+    base=st.sampled_from([0.25, 0.1]),
+    priority=st.integers(-1, 2),
+    deadline=st.sampled_from([0.5, 1.0, 2.0]),
+    make=st.sampled_from([FairShare, Priority, lambda: Priority("edf")]),
+)
+def test_ahead_s_is_exactly_the_work_that_starts_before_an_arrival(
+    steps, client, base, priority, deadline, make
+):
     queue, n = make(), 0
     for op, who, size, level, due in steps:  # any history of joins, starts and returns
         if op == "push":
@@ -98,13 +119,18 @@ def test_ahead_s_is_exactly_the_work_that_starts_before_an_arrival(steps, client
     while (entry := queue.pop_next(0.0)) is not mine:
         getattr(queue, "started", lambda e: None)(entry)
         served += entry[2]
-    assert math.isclose(ahead, served, rel_tol=1e-12, abs_tol=1e-12)  # the same requests, summed in another order
+    # the same requests, summed in another order
+    assert math.isclose(ahead, served, rel_tol=1e-12, abs_tol=1e-12)
 
 
 def test_fair_share_serves_a_light_client_first_and_splits_a_backlog_evenly():
     started = []
-    q = AdmissionQueue(Policy(discipline="fair"), 1, start=lambda k, r, now, est: started.append(r),
-                       drop=lambda *a: None)
+    q = AdmissionQueue(
+        Policy(discipline="fair"),
+        1,
+        start=lambda k, r, now, est: started.append(r),
+        drop=lambda *a: None,
+    )
     for i in range(20):  # the heavy client queues 20 requests of 0.1 s; then the light one sends 5
         q.arrive(("heavy", i), 0.0, 0.1, 100.0, client="heavy")
     for i in range(5):
@@ -121,10 +147,14 @@ def test_fair_share_serves_a_light_client_first_and_splits_a_backlog_evenly():
 
 def test_fair_share_admission_does_not_count_a_heavy_clients_queue_against_a_light_one():
     q = AdmissionQueue(PRESETS["predictive-fair"], 1, start=lambda *a: None, drop=lambda *a: None)
-    assert all(q.arrive(("heavy", i), 0.0, 0.3, client="heavy") is None for i in range(6))  # 1.8 s of work
-    assert q.arrive(("heavy", 6), 0.0, 0.3, client="heavy") is not None  # heavy's next would wait too long
-    assert q.arrive(("light", 0), 0.0, 0.3, client="light") is None  # light waits only for the running one
+    # 1.8 s of work
+    assert all(q.arrive(("heavy", i), 0.0, 0.3, client="heavy") is None for i in range(6))
+    # heavy's next would wait too long
+    assert q.arrive(("heavy", 6), 0.0, 0.3, client="heavy") is not None
+    # light waits only for the running one
+    assert q.arrive(("light", 0), 0.0, 0.3, client="light") is None
     fifo = AdmissionQueue(PRESETS["predictive"], 1, start=lambda *a: None, drop=lambda *a: None)
     for i in range(6):
         fifo.arrive(("heavy", i), 0.0, 0.3, client="heavy")
-    assert fifo.arrive(("light", 0), 0.0, 0.3, client="light") is not None  # FIFO: behind all of heavy's
+    # FIFO: behind all of heavy's
+    assert fifo.arrive(("light", 0), 0.0, 0.3, client="light") is not None

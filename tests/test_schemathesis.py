@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
+
 # It sends a request of its own, past the client here: the security test below does its work.
 from schemathesis.specs.openapi.checks import ignored_auth  # noqa: E402
 
@@ -45,22 +46,41 @@ NOT_IN_ANY_SCHEMA = {"deadline_too_short", "conflicting_parameters"}
 # The positive check's statuses with 400, whose reasons are checked here (NOT_IN_ANY_SCHEMA); the
 # negative one's without 5xx (the test asserts none) and with 413 (a body past the cap is refused
 # before it is read). The key is sent with every case, not drawn: the security test sends none.
-CONFIG = SchemathesisConfig.from_dict({
-    "generation": {"with-security-parameters": False},
-    "checks": {
-        "positive_data_acceptance": {
-            "expected-statuses": ["2xx", "400", "401", "403", "404", "429", "503"]},
-        "negative_data_rejection": {
-            "expected-statuses": ["400", "401", "403", "404", "405", "406", "409", "413", "415",
-                                  "422", "428", "429"]}}})
+CONFIG = SchemathesisConfig.from_dict(
+    {
+        "generation": {"with-security-parameters": False},
+        "checks": {
+            "positive_data_acceptance": {
+                "expected-statuses": ["2xx", "400", "401", "403", "404", "429", "503"]
+            },
+            "negative_data_rejection": {
+                "expected-statuses": [
+                    "400",
+                    "401",
+                    "403",
+                    "404",
+                    "405",
+                    "406",
+                    "409",
+                    "413",
+                    "415",
+                    "422",
+                    "428",
+                    "429",
+                ]
+            },
+        },
+    }
+)
 
 
 @pytest.fixture(scope="module", params=["open", "with keys"])
 def served(request):
     """(the client, the schema, the headers every case carries): a gate without keys, one with."""
     keys = load_keys(KEY, None, guard_stats=True) if request.param == "with keys" else None
-    gate = Gate([SyntheticEngine(speed=1e-4)],
-                gate_config(preset("predictive"), fixed_estimate=True))
+    gate = Gate(
+        [SyntheticEngine(speed=1e-4)], gate_config(preset("predictive"), fixed_estimate=True)
+    )
     with TestClient(create_app(gate, keys=keys)) as client:
         doc = client.get("/openapi.json").json()
         schema = schemathesis.openapi.from_dict(doc, config=CONFIG)
@@ -70,8 +90,9 @@ def served(request):
 def _send(client: TestClient, case, headers: dict):
     sent = case.as_transport_kwargs(base_url=str(client.base_url), headers=headers)
     body = {"json": sent["json"]} if "json" in sent else {"content": sent.get("data")}
-    response = client.request(sent["method"], sent["url"], params=sent.get("params"),
-                              headers=sent.get("headers"), **body)
+    response = client.request(
+        sent["method"], sent["url"], params=sent.get("params"), headers=sent.get("headers"), **body
+    )
     return response, sent
 
 
@@ -85,14 +106,23 @@ def test_the_document_and_the_server_agree(served, mode):
     statuses: Counter = Counter()
     for operation in _operations(schema):
 
-        @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(operation.as_strategy(mode))
         def run(case):
             response, sent = _send(client, case, headers)
             statuses[response.status_code] += 1
-            case.validate_response(response, headers=sent.get("headers"), transport_kwargs=sent,
-                                   excluded_checks=[ignored_auth])
+            case.validate_response(
+                response,
+                headers=sent.get("headers"),
+                transport_kwargs=sent,
+                excluded_checks=[ignored_auth],
+            )
             status, said = response.status_code, case.as_curl_command()
             if status != 200 and response.headers.get("content-type") == "application/json":
                 assert read_error(response.json()) is not None, response.text  # the envelope
@@ -108,8 +138,9 @@ def test_the_document_and_the_server_agree(served, mode):
         except Unsatisfiable:  # nothing to break: no parameters and no body (GET /health)
             assert mode is GenerationMode.NEGATIVE, operation.label
     assert sum(statuses.values()) >= EXAMPLES, statuses
-    still = client.post("/v1/generate", json={"prompt": "still there?", "max_new_tokens": 3},
-                        headers=headers)
+    still = client.post(
+        "/v1/generate", json={"prompt": "still there?", "max_new_tokens": 3}, headers=headers
+    )
     assert still.status_code == 200, still.text
 
 

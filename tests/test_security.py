@@ -1,6 +1,6 @@
-"""Security: the service listens on loopback unless told otherwise, and nothing read from disk or the
-network is unpickled or evaluated (an AST scan of the source tree, checked first against a sample of
-what it must catch)."""
+"""Security: the service listens on loopback unless told otherwise, and nothing read from disk or
+the network is unpickled or evaluated (an AST scan of the source tree, checked first against a
+sample of what it must catch)."""
 
 import argparse
 import ast
@@ -18,10 +18,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("qsim", "live", "analysis", "experiments", "benchmarks", "notebooks")
 
 #: Modules whose loading runs code from the bytes they read.
-UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
+UNSAFE_MODULES = {
+    "pickle",
+    "_pickle",
+    "cPickle",
+    "marshal",
+    "shelve",
+    "dill",
+    "cloudpickle",
+    "joblib",
+}
 #: (file relative to ROOT, finding) -> why it is safe. Empty: nothing needs it. (The process pool of
-#: `qlab sweep` and dask pickle cells between our own processes; that is inside the libraries and reads
-#: nothing from disk or the network, so the scan does not see it and needs no entry.)
+#: `qlab sweep` and dask pickle cells between our own processes; that is inside the libraries and
+#: reads nothing from disk or the network, so the scan does not see it and needs no entry.)
 ALLOWED: dict[tuple[str, str], str] = {}
 
 
@@ -34,7 +43,8 @@ def _kw(call: ast.Call, name: str):
 
 
 def _dotted(node: ast.AST) -> str:
-    """'torch.load' for torch.load, 'AutoTokenizer.from_pretrained' for that attribute; '' otherwise."""
+    """'torch.load' for torch.load, 'AutoTokenizer.from_pretrained' for that attribute; ''
+    otherwise."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -55,7 +65,11 @@ def _call_findings(call: ast.Call, safe_loaders: set[int]) -> list[str]:
         found.append(name)
     if name == "torch.load" and _kw(call, "weights_only") is not True:
         found.append("torch.load without weights_only=True")
-    if last == "load" and name.split(".")[0] in ("np", "numpy") and _kw(call, "allow_pickle") is True:
+    if (
+        last == "load"
+        and name.split(".")[0] in ("np", "numpy")
+        and _kw(call, "allow_pickle") is True
+    ):
         found.append("numpy load with allow_pickle=True")
     if last == "read_pickle":
         found.append(name)
@@ -71,20 +85,29 @@ def _call_findings(call: ast.Call, safe_loaders: set[int]) -> list[str]:
 
 
 def findings(source: str) -> list[str]:
-    """What in ``source`` could load or run code from data: imports, calls, and unsafe model loading."""
+    """What in ``source`` could load or run code from data: imports, calls, and unsafe model
+    loading."""
     tree = ast.parse(source)
     found, safe_loaders = [], set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in UNSAFE_MODULES]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UNSAFE_MODULES:
+            found += [
+                f"import {a.name}" for a in node.names if a.name.split(".")[0] in UNSAFE_MODULES
+            ]
+        elif (
+            isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UNSAFE_MODULES
+        ):
             found.append(f"from {node.module} import")
         elif isinstance(node, ast.Call):
             found += _call_findings(node, safe_loaders)
     for node in ast.walk(tree):  # model weights loaded without use_safetensors=True
         name = _dotted(node) if isinstance(node, ast.Attribute) else ""
         # A tokenizer's from_pretrained reads its vocabulary (JSON), never weights.
-        if name.endswith(".from_pretrained") and id(node) not in safe_loaders and "Tokenizer" not in name.split(".")[0]:
+        if (
+            name.endswith(".from_pretrained")
+            and id(node) not in safe_loaders
+            and "Tokenizer" not in name.split(".")[0]
+        ):
             found.append(f"{name} without use_safetensors=True")
     return found
 
@@ -97,7 +120,12 @@ def _sources():
             cells = json.loads(path.read_text())["cells"]
             code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
             # IPython magics and shell escapes are not Python; they are not data either.
-            yield path, "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!")))
+            yield (
+                path,
+                "\n".join(
+                    line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))
+                ),
+            )
 
 
 SAMPLE = """
@@ -126,13 +154,23 @@ net.eval()
 
 
 def test_the_scan_catches_what_it_should_and_only_that():
-    assert sorted(findings(SAMPLE)) == sorted([
-        "import pickle", "from marshal import", "eval()", "exec()", "yaml.load",
-        "torch.load without weights_only=True", "numpy load with allow_pickle=True", "pd.read_pickle",
-        "AutoModel.from_pretrained without use_safetensors=True",  # the direct call
-        "AutoModel.from_pretrained without use_safetensors=True",  # passed bare to loader()
-        "trust_remote_code=True", "shell command (subprocess.run)", "shell command (os.system)",
-    ])
+    assert sorted(findings(SAMPLE)) == sorted(
+        [
+            "import pickle",
+            "from marshal import",
+            "eval()",
+            "exec()",
+            "yaml.load",
+            "torch.load without weights_only=True",
+            "numpy load with allow_pickle=True",
+            "pd.read_pickle",
+            "AutoModel.from_pretrained without use_safetensors=True",  # the direct call
+            "AutoModel.from_pretrained without use_safetensors=True",  # passed bare to loader()
+            "trust_remote_code=True",
+            "shell command (subprocess.run)",
+            "shell command (os.system)",
+        ]
+    )
 
 
 def test_no_pickle_or_eval_of_data_in_the_source_tree():
@@ -165,19 +203,29 @@ def test_gpt2_refuses_a_pickled_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_serve_binds_loopback_by_default_and_says_so(tmp_path):
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "experiments", "serve", "--port", "0"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments", "serve", "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     lines: list[str] = []
     try:
-        # A thread, not select(): readline buffers past the first line, where select() cannot see it.
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout.readline() for _ in range(2)), daemon=True)
+        # A thread, not select(): readline buffers past the first line, where select() cannot see
+        # it.
+        reader = threading.Thread(
+            target=lambda: lines.extend(proc.stdout.readline() for _ in range(2)), daemon=True
+        )
         reader.start()
         reader.join(60)
     finally:
         proc.terminate()
         proc.wait(10)
     assert lines[0].startswith("qlab serve: listening on http://127.0.0.1:"), lines
-    assert lines[1] == "qlab serve: bound to loopback (127.0.0.1) only; pass --host to listen elsewhere\n"
+    assert lines[1] == (
+        "qlab serve: bound to loopback (127.0.0.1) only; pass --host to listen elsewhere\n"
+    )
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
@@ -190,10 +238,16 @@ def test_host_is_explicit_and_a_non_loopback_host_is_warned_about(capsys):
     assert commands.ServeOptions.from_args(_serve_args()).host == "127.0.0.1"
     cfg = commands.ServeOptions.from_args(_serve_args("--host", "0.0.0.0"))
     assert cfg.host == "0.0.0.0"
-    commands._announce("http://0.0.0.0:8000", cfg, True, [], keyed=False)  # printed only: nothing binds here
+    # printed only: nothing binds here
+    commands._announce("http://0.0.0.0:8000", cfg, True, [], keyed=False)
     assert "reachable from other machines; there is no authentication" in capsys.readouterr().out
-    commands._announce("http://127.0.0.1:8000", commands.ServeOptions.from_args(_serve_args("--host", "127.0.0.1")),
-                       True, [], keyed=False)
+    commands._announce(
+        "http://127.0.0.1:8000",
+        commands.ServeOptions.from_args(_serve_args("--host", "127.0.0.1")),
+        True,
+        [],
+        keyed=False,
+    )
     assert "reachable" not in capsys.readouterr().out
 
 
@@ -212,7 +266,8 @@ ADVISORIES = [
 
 
 def _requirements() -> dict[str, tuple[str, str]]:
-    """name -> (requirement text, its pyproject.toml line), over the build, core and optional dependencies."""
+    """name -> (requirement text, its pyproject.toml line), over the build, core and optional
+    dependencies."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -221,7 +276,9 @@ def _requirements() -> dict[str, tuple[str, str]]:
     data = tomllib.loads(text)
     listed = data["build-system"]["requires"] + data["project"]["dependencies"]
     listed += [r for group in data["project"]["optional-dependencies"].values() for r in group]
-    line_of = {r: next((line for line in text.splitlines() if f'"{r}"' in line), "") for r in listed}
+    line_of = {
+        r: next((line for line in text.splitlines() if f'"{r}"' in line), "") for r in listed
+    }
     return {Requirement(r).name: (r, line_of[r]) for r in listed}
 
 
@@ -230,5 +287,7 @@ def test_dependency_ranges_exclude_releases_with_known_advisories(package, advis
     from packaging.requirements import Requirement
 
     requirement, line = _requirements()[package]
-    assert not Requirement(requirement).specifier.contains(last_affected, prereleases=True), requirement
+    assert not Requirement(requirement).specifier.contains(last_affected, prereleases=True), (
+        requirement
+    )
     assert advisory in line, f"pyproject.toml should say why {package} has its floor: {line!r}"

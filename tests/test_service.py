@@ -31,7 +31,9 @@ def test_fit_exact_line():
     assert f.worst_rel_error < 1e-9
 
 
-@pytest.mark.parametrize("tokens,seconds", [([1], [0.1]), ([2, 2, 2], [0.1, 0.2, 0.3]), ([1, 2], [0.1])])
+@pytest.mark.parametrize(
+    "tokens,seconds", [([1], [0.1]), ([2, 2, 2], [0.1, 0.2, 0.3]), ([1, 2], [0.1])]
+)
 def test_fit_refuses_too_little(tokens, seconds):
     with pytest.raises(ValueError):
         fit(tokens, seconds)
@@ -62,8 +64,9 @@ def test_tracker_ewma():
 
 
 def test_one_observation_moves_the_factor_at_most_max_step():
-    """A run 6 x its estimate (an upstream that paused) is one observation: the factor moves 25 %, not 100 %.
-    Down, the EWMA's own step is the bound (1 - weight = 1 / 1.25). A lasting change is still followed."""
+    """A run 6 x its estimate (an upstream that paused) is one observation: the factor moves 25 %,
+    not 100 %. Down, the EWMA's own step is the bound (1 - weight = 1 / 1.25). A lasting change is
+    still followed."""
     up, down = SpeedTracker(), SpeedTracker()
     assert up.observe(1.7, 10.2) == pytest.approx(1.25)  # unbounded: 1 + 0.2 x 5 = 2.0
     assert down.observe(1.0, 1e-9) == pytest.approx(1 / 1.25)

@@ -1,4 +1,5 @@
-"""Sustained overload and bursts against a real ``qlab serve``: every request answered once, nothing leaked.
+"""Sustained overload and bursts against a real ``qlab serve``: every request answered once, nothing
+leaked.
 
 A reduced run of benchmarks/soak.py (whose figures are printed, never asserted):
 10 s of Poisson arrivals at 10x the synthetic engine's capacity, then two bursts
@@ -20,7 +21,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The benchmark states +20 MB after warm-up; a test on a shared machine allows more before it calls it a leak.
+#: The benchmark states +20 MB after warm-up; a test on a shared machine allows more before it calls
+#: it a leak.
 RSS_TEST_BOUND_MB = 50.0
 
 
@@ -33,7 +35,9 @@ from benchmarks.lean import classify  # noqa: E402
 def results(tmp_path_factory):
     if not Path("/proc/self/status").is_file():
         pytest.skip("memory, descriptors and threads are read from /proc (Linux)")
-    plan = soak.Plan(policy="predictive", load=10.0, seconds=10.0, warmup_s=3.0, burst=1000, bursts=2)
+    plan = soak.Plan(
+        policy="predictive", load=10.0, seconds=10.0, warmup_s=3.0, burst=1000, bursts=2
+    )
     sustained, bursts = soak.run(plan, tmp_path_factory.mktemp("soak"))
     return {"sustained": sustained, "bursts": bursts}
 
@@ -54,10 +58,12 @@ def test_every_request_has_exactly_one_outcome_and_the_server_counts_the_same(re
 def test_nothing_is_left_behind(results, case):
     leaks = results[case].leaks
     assert leaks["waiting"]["after"] == 0 and leaks["in_service"]["after"] == 0, leaks
-    # Once the client hung up, the event loop holds what it held before: no task or future per request.
+    # Once the client hung up, the event loop holds what it held before: no task or future per
+    # request.
     assert leaks["tasks"]["after"] <= leaks["tasks"]["before"], leaks
     assert leaks["pending_futures"]["after"] <= leaks["pending_futures"]["before"], leaks
-    assert leaks["fds"]["after"] <= leaks["fds"]["before"], leaks  # every connection closed on the server too
+    # every connection closed on the server too
+    assert leaks["fds"]["after"] <= leaks["fds"]["before"], leaks
     assert leaks["threads"]["after"] == leaks["threads"]["before"], leaks
 
 
@@ -69,10 +75,19 @@ def test_memory_stays_bounded_after_warm_up(results, case):
 
 
 def test_outcomes_are_read_from_the_envelope():
-    answer = {"text": "", "tokens": 1, "engine": 0, "admission": {},
-              "timings": dict.fromkeys(("queue_s", "engine_s", "total_s", "est_service_s", "started_at", "returned_at"),
-                                       0.0)}
-    assert classify(200, {**answer, "outcome": "good"}) == "good" and classify(200, {**answer, "outcome": "late"}) == "late"
+    answer = {
+        "text": "",
+        "tokens": 1,
+        "engine": 0,
+        "admission": {},
+        "timings": dict.fromkeys(
+            ("queue_s", "engine_s", "total_s", "est_service_s", "started_at", "returned_at"), 0.0
+        ),
+    }
+    assert (
+        classify(200, {**answer, "outcome": "good"}) == "good"
+        and classify(200, {**answer, "outcome": "late"}) == "late"
+    )
     # Read through live.contract: a 200 that is not the whole answer is off the contract.
     assert classify(200, {"outcome": "good"}) == "unexpected:200"
     assert classify(503, {"error": {"type": "overloaded"}}) == "rejected"

@@ -24,15 +24,15 @@ from qsim import PRESETS  # noqa: E402
 from qsim.engines import Batching, StepModel  # noqa: E402
 from qsim.runfile import LoggedStep  # noqa: E402
 
-ENGINE = Batching(StepModel(0.01, 0.0001, 0.0002, 0.000001), max_num_seqs=8,
-                  max_num_batched_tokens=256)
+ENGINE = Batching(
+    StepModel(0.01, 0.0001, 0.0002, 0.000001), max_num_seqs=8, max_num_batched_tokens=256
+)
 
 
 def _gate(steps: int, ties: int = 1) -> Gate:
     """A batching gate whose log holds ``steps`` synthetic steps, ``ties`` of them at a time woken
     at the same instant (step i woken at i // ties, so a page boundary can fall inside a tie)."""
-    gate = BatchGate(SyntheticBatchEngine(ENGINE.step),
-                     gate_config(PRESETS["none"], engine=ENGINE))
+    gate = BatchGate(SyntheticBatchEngine(ENGINE.step), gate_config(PRESETS["none"], engine=ENGINE))
     for i in range(steps):
         woken = float(i // ties)
         gate.driver.log_step(LoggedStep(woken, woken, woken + 0.5, 0.5, 0.5, i, 1, 10))
@@ -74,11 +74,19 @@ def test_a_cursor_older_than_the_log_starts_at_its_oldest_step():
     assert done["step_log"] == [] and done["step_log_next"] is None
 
 
-@pytest.mark.parametrize("query", [
-    {"steps_since": "nan"}, {"steps_since": "NaN"}, {"steps_since": "inf"},
-    {"steps_since": "-Infinity"}, {"steps_since": "soon"},
-    {"steps_since": 0, "steps_limit": 0}, {"steps_since": 0, "steps_limit": STEP_PAGE + 1},
-    {"steps_from": -1}])
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"steps_since": "nan"},
+        {"steps_since": "NaN"},
+        {"steps_since": "inf"},
+        {"steps_since": "-Infinity"},
+        {"steps_since": "soon"},
+        {"steps_since": 0, "steps_limit": 0},
+        {"steps_since": 0, "steps_limit": STEP_PAGE + 1},
+        {"steps_from": -1},
+    ],
+)
 def test_a_bad_step_query_is_a_422_in_the_envelope_and_the_gate_keeps_serving(query):
     with TestClient(create_app(_gate(3))) as client:
         bad = client.get("/stats", params=query)
@@ -105,8 +113,9 @@ def test_the_calibrator_and_the_replayer_read_every_page():
 
         def forward(request: httpx.Request) -> httpx.Response:  # the replayer's lanes, in-process
             answer = client.get(request.url.path, params=request.url.params)
-            return httpx.Response(answer.status_code, content=answer.content,
-                                  headers=answer.headers)
+            return httpx.Response(
+                answer.status_code, content=answer.content, headers=answer.headers
+            )
 
         replayed = asyncio.run(_with_lanes(forward, lambda lanes: loadgen.fetch_steps(lanes, 0.0)))
     assert [s.prefill_tokens for s in read] == list(range(STEP_PAGE * 2 + 17))
@@ -127,14 +136,19 @@ def _died(request: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("All connection attempts failed", request=request)
 
 
-@pytest.mark.parametrize("handler, said", [
-    (_died, "ConnectError"),
-    (lambda r: httpx.Response(500, json={"error": {}}), "HTTP 500"),
-    (lambda r: httpx.Response(200, content=b"<html>"), "JSONDecodeError"),
-    (lambda r: httpx.Response(200, json=[1, 2]), "no step log"),
-    (lambda r: httpx.Response(200, json={"step_log": [], "step_log_next": 0}),
-     "more than 1000 pages"),
-])
+@pytest.mark.parametrize(
+    "handler, said",
+    [
+        (_died, "ConnectError"),
+        (lambda r: httpx.Response(500, json={"error": {}}), "HTTP 500"),
+        (lambda r: httpx.Response(200, content=b"<html>"), "JSONDecodeError"),
+        (lambda r: httpx.Response(200, json=[1, 2]), "no step log"),
+        (
+            lambda r: httpx.Response(200, json={"step_log": [], "step_log_next": 0}),
+            "more than 1000 pages",
+        ),
+    ],
+)
 def test_a_step_log_that_cannot_be_read_is_a_warning_not_an_exception(handler, said):
     steps, why = asyncio.run(_with_lanes(handler, lambda lanes: loadgen.step_log(lanes, 0.0)))
     assert steps is None and said in why and why.startswith("the gate's step log was not read")
@@ -142,6 +156,10 @@ def test_a_step_log_that_cannot_be_read_is_a_warning_not_an_exception(handler, s
 
 def test_a_readable_step_log_has_no_warning():
     page = {"step_log": [[0.0, 0.0, 1.0, 1.0, 1.0, 5, 1, 10]], "step_log_next": None}
-    steps, why = asyncio.run(_with_lanes(lambda r: httpx.Response(200, json=page),
-                                         lambda lanes: loadgen.step_log(lanes, -math.inf)))
+    steps, why = asyncio.run(
+        _with_lanes(
+            lambda r: httpx.Response(200, json=page),
+            lambda lanes: loadgen.step_log(lanes, -math.inf),
+        )
+    )
     assert steps.steps == page["step_log"] and steps.models == [] and why is None

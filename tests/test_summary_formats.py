@@ -12,6 +12,7 @@ import pytest
 from analysis.metrics import aggregate
 from experiments.cli import main
 
+
 @pytest.fixture(scope="module")
 def tiny(tiny_sweep):
     """conftest's tiny sweep (2 policies x 2 loads x 3 seeds) and its summary table."""
@@ -56,11 +57,18 @@ def test_markdown_is_the_table_as_a_pipe_table(tiny, capsys):
     out, _ = tiny
     table = summary_out([str(out)], capsys).splitlines()
     markdown = summary_out([str(out), "--format", "markdown"], capsys).splitlines()
-    assert markdown[0] == "| speed | engines | load | policy | share_good | goodput_rps | good_tokens_per_s | latency_p99_s |"
+    assert markdown[0] == (
+        "| speed | engines | load | policy | share_good | goodput_rps | "
+        "good_tokens_per_s | latency_p99_s |"
+    )
     assert markdown[1] == "|---|---|---|---|---|---|---|---|"
-    assert len(markdown) == 2 + 4 and all(line.startswith("| ") and line.endswith(" |") for line in markdown[2:])
+    assert len(markdown) == 2 + 4 and all(
+        line.startswith("| ") and line.endswith(" |") for line in markdown[2:]
+    )
     # The same cells as the default table (mean ± half-width), without its two lines of preamble.
-    assert [line.split("|")[4].strip() for line in markdown[2:]] == [line.split()[3] for line in table[3:]]
+    assert [line.split("|")[4].strip() for line in markdown[2:]] == [
+        line.split()[3] for line in table[3:]
+    ]
     assert "±" in markdown[2]
 
 
@@ -73,14 +81,20 @@ def test_an_unknown_format_is_one_clear_error(tiny, capsys):
 
 @pytest.mark.slow
 def test_a_closed_pipe_ends_the_command_quietly(tiny):
-    """`qlab summary DIR | head -1`: the reader goes away. Its read end is closed before qlab starts here, so
-    the first write fails, whatever the timing: no traceback, no "Broken pipe" line, the status of SIGPIPE."""
+    """`qlab summary DIR | head -1`: the reader goes away. Its read end is closed before qlab starts
+    here, so the first write fails, whatever the timing: no traceback, no "Broken pipe" line, the
+    status of SIGPIPE."""
     out, _ = tiny
     read, write = os.pipe()
     os.close(read)
     try:
-        proc = subprocess.run([sys.executable, "-m", "experiments", "summary", str(out)], stdout=write,
-                              stderr=subprocess.PIPE, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments", "summary", str(out)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write)
     assert proc.stderr == ""

@@ -1,4 +1,5 @@
-"""Closed forms against each other and against textbook identities (the simulator checks are in test_validation)."""
+"""Closed forms against each other and against textbook identities (the simulator checks are in
+test_validation)."""
 
 import math
 
@@ -35,7 +36,9 @@ def test_pk_and_md1():
     # rho E[S] (1 + CV^2) / (2 (1 - rho))
     mean, scv = 0.146, 1.41
     lam = 0.9 / mean
-    assert theory.mg1(lam, mean, mean**2 * (1 + scv)).wq == pytest.approx(0.9 * mean * (1 + scv) / 0.2)
+    assert theory.mg1(lam, mean, mean**2 * (1 + scv)).wq == pytest.approx(
+        0.9 * mean * (1 + scv) / 0.2
+    )
 
 
 def _erlang_b_factorials(c, a):
@@ -76,11 +79,19 @@ def test_mmc_tail():
     assert theory.mmc_wait_tail(7.6, 1.0, 8, 0.0) == pytest.approx(theory.mmc(7.6, 1.0, 8).p_wait)
 
 
-@pytest.mark.parametrize("call", [
-    lambda: theory.mm1(1.0, 1.0), lambda: theory.mm1(-1, 1), lambda: theory.mmc(2.0, 1.0, 2),
-    lambda: theory.mg1(10, 0.1, 0.02), lambda: theory.mmck(1, 1, 2, 1), lambda: theory.erlang_c(2, 2.0),
-    lambda: theory.erlang_b(-1, 1.0), lambda: theory.mmc(1, 1, 0),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: theory.mm1(1.0, 1.0),
+        lambda: theory.mm1(-1, 1),
+        lambda: theory.mmc(2.0, 1.0, 2),
+        lambda: theory.mg1(10, 0.1, 0.02),
+        lambda: theory.mmck(1, 1, 2, 1),
+        lambda: theory.erlang_c(2, 2.0),
+        lambda: theory.erlang_b(-1, 1.0),
+        lambda: theory.mmc(1, 1, 0),
+    ],
+)
 def test_refuses_what_has_no_answer(call):
     with pytest.raises(ValueError):
         call()
@@ -119,7 +130,9 @@ def test_erlang_a_identities():
     assert q.p_wait == pytest.approx(poisson.sf(c - 1, a), rel=1e-9)
     assert q.lq == pytest.approx(float(np.dot(np.maximum(n - c, 0), p)), rel=1e-9)
     # Nearly infinite patience: Erlang C.
-    assert theory.erlang_a(1.8, 1.0, 2, 1e-7).p_wait == pytest.approx(theory.mmc(1.8, 1.0, 2).p_wait, rel=1e-4)
+    assert theory.erlang_a(1.8, 1.0, 2, 1e-7).p_wait == pytest.approx(
+        theory.mmc(1.8, 1.0, 2).p_wait, rel=1e-4
+    )
     # Heavy overload: the engines serve c mu, the rest abandon.
     assert theory.erlang_a(50.0, 1.0, 10, 0.01).p_abandon == pytest.approx(0.8, rel=1e-6)
     # Large c stays finite.
@@ -132,29 +145,39 @@ def test_mmc_deterministic_patience():
     assert round(theory.mmc_deterministic_patience(3.6, 1.0, 4, 1.0), 4) == 0.1006
     # M/M/1: (1 - rho) rho e^{-(mu - lam) tau} / (1 - rho^2 e^{-(mu - lam) tau}).
     e = math.exp(-0.5 * 3.0)
-    assert theory.mmc_deterministic_patience(0.5, 1.0, 1, 3.0) == pytest.approx(0.5 * 0.5 * e / (1 - 0.25 * e))
+    assert theory.mmc_deterministic_patience(0.5, 1.0, 1, 3.0) == pytest.approx(
+        0.5 * 0.5 * e / (1 - 0.25 * e)
+    )
     # No patience at all is the loss system (Erlang B); endless patience abandons nobody.
-    assert theory.mmc_deterministic_patience(6.0, 1.0, 8, 0.0) == pytest.approx(theory.erlang_b(8, 6.0))
+    assert theory.mmc_deterministic_patience(6.0, 1.0, 8, 0.0) == pytest.approx(
+        theory.erlang_b(8, 6.0)
+    )
     assert theory.mmc_deterministic_patience(6.0, 1.0, 8, 1e3) == pytest.approx(0.0, abs=1e-12)
 
 
-@pytest.mark.parametrize("call", [
-    lambda: theory.erlang_a(1.0, 1.0, 2, 0.0), lambda: theory.erlang_a(1.0, 1.0, 0, 1.0),
-    lambda: theory.mmc_deterministic_patience(2.0, 1.0, 2, 1.0),
-    lambda: theory.mmc_deterministic_patience(0.5, 1.0, 1, -1.0),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: theory.erlang_a(1.0, 1.0, 2, 0.0),
+        lambda: theory.erlang_a(1.0, 1.0, 0, 1.0),
+        lambda: theory.mmc_deterministic_patience(2.0, 1.0, 2, 1.0),
+        lambda: theory.mmc_deterministic_patience(0.5, 1.0, 1, -1.0),
+    ],
+)
 def test_impatience_refuses_what_has_no_answer(call):
     with pytest.raises(ValueError):
         call()
 
 
-# ---------------------------------------------------------------- engines that share, against brute force
-# Each closed form is checked against its continuous-time Markov chain built state by state as a truncated
-# generator matrix and solved with scipy (pi Q = 0, sum pi = 1), not against pinned numbers.
+# ---------------------------------------------------------------- engines that share, against brute
+# force Each closed form is checked against its continuous-time Markov chain built state by state as
+# a truncated generator matrix and solved with scipy (pi Q = 0, sum pi = 1), not against pinned
+# numbers.
 
 
 def _stationary(q) -> np.ndarray:
-    """pi with pi Q = 0 and sum(pi) = 1 for a generator Q (rows sum to 0), by scipy's sparse solver."""
+    """pi with pi Q = 0 and sum(pi) = 1 for a generator Q (rows sum to 0), by scipy's sparse
+    solver."""
     from scipy import sparse
     from scipy.sparse.linalg import spsolve
 
@@ -166,7 +189,8 @@ def _stationary(q) -> np.ndarray:
 
 
 def _birth_death(birth: float, death, top: int):
-    """Generator of a birth-death chain on 0..top (births stop at top), death(n) the rate down from n."""
+    """Generator of a birth-death chain on 0..top (births stop at top), death(n) the rate down
+    from n."""
     from scipy import sparse
 
     n = np.arange(top + 1)
@@ -176,7 +200,8 @@ def _birth_death(birth: float, death, top: int):
 
 
 def _means(pi: np.ndarray, lam: float, running) -> dict:
-    """W, Wq, L, Lq and P(wait) of a chain on the number present, ``running(n)`` of them being served."""
+    """W, Wq, L, Lq and P(wait) of a chain on the number present, ``running(n)`` of them being
+    served."""
     n = np.arange(len(pi))
     served = np.array([running(k) for k in n])
     length, lq = float(n @ pi), float((n - served) @ pi)
@@ -187,10 +212,13 @@ def test_ps_against_its_chain_and_insensitivity():
     # M/M/1-PS: the number present is the M/M/1 chain whatever the order of service.
     lam, mu = 0.7, 1.0
     pi = _stationary(_birth_death(lam, lambda n: mu, 400))
-    assert theory.mg1_ps(lam, 1 / mu).w == pytest.approx(_means(pi, lam, lambda n: n)["w"], rel=1e-9)
-    # M/H2/1-PS: sizes exponential of mean 4 (one in five) or 1/4, mean 1 and squared CV 5.5; the state is how many
-    # of each kind are present, each of the n present served at rate 1/n. Insensitivity: the same mean time in
-    # system as exponential sizes (and the same geometric number present, so the chain truncates at 60).
+    assert theory.mg1_ps(lam, 1 / mu).w == pytest.approx(
+        _means(pi, lam, lambda n: n)["w"], rel=1e-9
+    )
+    # M/H2/1-PS: sizes exponential of mean 4 (one in five) or 1/4, mean 1 and squared CV 5.5; the
+    # state is how many of each kind are present, each of the n present served at rate 1/n.
+    # Insensitivity: the same mean time in system as exponential sizes (and the same geometric
+    # number present, so the chain truncates at 60).
     from scipy import sparse
 
     lam, top, p, rates = 0.5, 60, (0.2, 0.8), (0.25, 4.0)
@@ -215,7 +243,9 @@ def test_ps_against_its_chain_and_insensitivity():
     assert theory.mg1(lam, mean_s, second).wq == pytest.approx(3.25 * theory.mm1(lam, 1.0).wq)
 
 
-@pytest.mark.parametrize("lam,a,b,mean", [(5.0, 0.010, 0.0002, 200), (12.5, 0.010, 0.0002, 200), (3.0, 0.02, 0.01, 8)])
+@pytest.mark.parametrize(
+    "lam,a,b,mean", [(5.0, 0.010, 0.0002, 200), (12.5, 0.010, 0.0002, 200), (3.0, 0.02, 0.01, 8)]
+)
 def test_continuous_batching_against_its_chain(lam, a, b, mean):
     from scipy import stats
 
@@ -224,14 +254,18 @@ def test_continuous_batching_against_its_chain(lam, a, b, mean):
     got = theory.continuous_batching(lam, a, b, mean)
     assert got.w == pytest.approx(_means(pi, lam, lambda n: n)["w"], rel=1e-9)
     assert got.l == pytest.approx(lam * got.w)
-    # The stationary law is negative binomial (r + 1, 1 - c), r = a / b, c = lam E[L] b, as the docstring derives.
+    # The stationary law is negative binomial (r + 1, 1 - c), r = a / b, c = lam E[L] b, as the
+    # docstring derives.
     c = lam * mean * b
     assert pi[:200] == pytest.approx(stats.nbinom.pmf(np.arange(200), a / b + 1, 1 - c), abs=1e-12)
 
 
 def test_continuous_batching_limits():
-    # No step overhead: processor sharing of E[S] = E[L] b. No per-sequence cost: M/M/inf, W = E[L] a.
-    assert theory.continuous_batching(0.5, 0.0, 0.01, 100).w == pytest.approx(theory.mg1_ps(0.5, 1.0).w)
+    # No step overhead: processor sharing of E[S] = E[L] b. No per-sequence cost: M/M/inf, W = E[L]
+    # a.
+    assert theory.continuous_batching(0.5, 0.0, 0.01, 100).w == pytest.approx(
+        theory.mg1_ps(0.5, 1.0).w
+    )
     assert theory.continuous_batching(50.0, 0.01, 0.0, 100).w == pytest.approx(1.0)
     # A cap that is never reached changes nothing; a cap of one is M/M/1 with service E[L] (a + b).
     far = theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 2000)
@@ -242,8 +276,10 @@ def test_continuous_batching_limits():
     assert (one.w, one.wq, one.p_wait) == pytest.approx((mm1.w, mm1.wq, mm1.p_wait), rel=1e-9)
 
 
-@pytest.mark.parametrize("lam,a,b,mean,K", [(5.0, 0.010, 0.0002, 200, 16), (5.0, 0.010, 0.0002, 200, 24),
-                                            (2.0, 0.05, 0.01, 10, 3)])
+@pytest.mark.parametrize(
+    "lam,a,b,mean,K",
+    [(5.0, 0.010, 0.0002, 200, 16), (5.0, 0.010, 0.0002, 200, 24), (2.0, 0.05, 0.01, 10, 3)],
+)
 def test_capped_batching_against_its_chain(lam, a, b, mean, K):
     top = 3000
 
@@ -254,7 +290,9 @@ def test_capped_batching_against_its_chain(lam, a, b, mean, K):
     want = _means(pi, lam, running)
     got = theory.continuous_batching_capped(lam, a, b, mean, K)
     # (rel 1e-7: the sparse solver's rounding on probabilities of a few in a thousand)
-    assert (got.w, got.wq, got.l, got.lq) == pytest.approx((want["w"], want["wq"], want["l"], want["lq"]), rel=1e-7)
+    assert (got.w, got.wq, got.l, got.lq) == pytest.approx(
+        (want["w"], want["wq"], want["l"], want["lq"]), rel=1e-7
+    )
     assert got.p_wait == pytest.approx(float(pi[K:].sum()), rel=1e-7)
 
 
@@ -268,7 +306,8 @@ def _bulk_generator(lam: float, mu: float, K: int, top: int):
         i = 1 + n
         if n < top:
             q[i, i + 1] = lam
-        q[i, 0 if n == 0 else 1 + max(n - K, 0)] = mu  # the batch ends; the next takes up to K of the waiting
+        # the batch ends; the next takes up to K of the waiting
+        q[i, 0 if n == 0 else 1 + max(n - K, 0)] = mu
         q[i, i] = -(mu + (lam if n < top else 0.0))
     q[0, 0] = -lam
     return q
@@ -281,27 +320,40 @@ def test_bulk_service_against_its_chain(lam, mu, K):
     lq = float(waiting @ pi)
     got = theory.bulk_service(lam, mu, K)
     assert got.lq == pytest.approx(lq, rel=1e-9)
-    assert got.wq == pytest.approx(lq / lam, rel=1e-9) and got.w == pytest.approx(lq / lam + 1 / mu, rel=1e-9)
+    assert got.wq == pytest.approx(lq / lam, rel=1e-9) and got.w == pytest.approx(
+        lq / lam + 1 / mu, rel=1e-9
+    )
     assert got.p_wait == pytest.approx(1 - pi[0], rel=1e-9)
-    # The waiting count is geometric of ratio r0 beyond 0 (checked where the probabilities are well above rounding).
+    # The waiting count is geometric of ratio r0 beyond 0 (checked where the probabilities are well
+    # above rounding).
     r0 = theory.bulk_service_root(lam, mu, K)
     assert pi[3:10] / pi[2:9] == pytest.approx(np.full(7, r0), rel=1e-7)
-    assert mu * r0 ** (K + 1) - (lam + mu) * r0 + lam == pytest.approx(0.0, abs=1e-12) and 0 < r0 < 1
+    assert (
+        mu * r0 ** (K + 1) - (lam + mu) * r0 + lam == pytest.approx(0.0, abs=1e-12) and 0 < r0 < 1
+    )
 
 
 def test_bulk_service_of_one_is_mm1():
     q, mm1 = theory.bulk_service(0.9, 1.0, 1), theory.mm1(0.9, 1.0)
     assert theory.bulk_service_root(0.9, 1.0, 1) == pytest.approx(0.9)
-    assert (q.wq, q.w, q.lq, q.p_wait) == pytest.approx((mm1.wq, mm1.w, mm1.lq, mm1.p_wait), rel=1e-9)
+    assert (q.wq, q.w, q.lq, q.p_wait) == pytest.approx(
+        (mm1.wq, mm1.w, mm1.lq, mm1.p_wait), rel=1e-9
+    )
 
 
-@pytest.mark.parametrize("call", [
-    lambda: theory.mg1_ps(1.0, 1.0), lambda: theory.continuous_batching(5.0, 0.01, 0.001, 200),
-    lambda: theory.continuous_batching(5.0, 0.0, 0.0, 200), lambda: theory.continuous_batching(5.0, 0.01, 0.0, 0.5),
-    lambda: theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 12),
-    lambda: theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 0),
-    lambda: theory.bulk_service(4.0, 1.0, 4), lambda: theory.bulk_service(1.0, 1.0, 0),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: theory.mg1_ps(1.0, 1.0),
+        lambda: theory.continuous_batching(5.0, 0.01, 0.001, 200),
+        lambda: theory.continuous_batching(5.0, 0.0, 0.0, 200),
+        lambda: theory.continuous_batching(5.0, 0.01, 0.0, 0.5),
+        lambda: theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 12),
+        lambda: theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 0),
+        lambda: theory.bulk_service(4.0, 1.0, 4),
+        lambda: theory.bulk_service(1.0, 1.0, 0),
+    ],
+)
 def test_sharing_refuses_what_has_no_answer(call):
     with pytest.raises(ValueError):
         call()
@@ -315,13 +367,18 @@ def test_batching_in_steps_against_the_continuous_forms():
         assert steps - cont == pytest.approx(0.010 / (2 * (1 - lam * 200 * 0.0002)), rel=1e-3)
     # A cap that is never reached changes nothing; with K = 16 the gap is of the same size.
     free = theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200)
-    assert theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 400) == pytest.approx(free, rel=1e-9)
+    assert theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 400) == pytest.approx(
+        free, rel=1e-9
+    )
     capped = theory.continuous_batching_steps(5.0, 0.010, 0.0002, 200, 16)
-    assert capped / theory.continuous_batching_capped(5.0, 0.010, 0.0002, 200, 16).w - 1 == pytest.approx(0.002, abs=5e-4)
+    assert capped / theory.continuous_batching_capped(
+        5.0, 0.010, 0.0002, 200, 16
+    ).w - 1 == pytest.approx(0.002, abs=5e-4)
     # No step overhead: processor sharing, the closer the more tokens a request has.
     gaps = [abs(theory.continuous_batching_steps(0.5, 0.0, 1 / m, m) / 2.0 - 1) for m in (2, 5, 20)]
     assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3
-    # No per-sequence cost: every request is in for its own steps, plus the wait for the step in flight.
+    # No per-sequence cost: every request is in for its own steps, plus the wait for the step in
+    # flight.
     lone = theory.continuous_batching_steps(1e-4, 0.010, 0.0, 5)
     assert lone == pytest.approx(5 * 0.010, rel=1e-3)
     with pytest.raises(ValueError):

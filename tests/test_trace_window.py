@@ -1,5 +1,6 @@
-"""A window of a trace file (``--start``, ``--seconds``) and its rate (``--load`` / ``--nominal-load``):
-qsim.tracefiles.TraceWindow, which ``qlab simulate`` and ``qlab replay`` share (experiments.simflags)."""
+"""A window of a trace file (``--start``, ``--seconds``) and its rate (``--load`` /
+``--nominal-load``): qsim.tracefiles.TraceWindow, which ``qlab simulate`` and ``qlab replay`` share
+(experiments.simflags)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,13 @@ def own_csv(tmp_path):
     """A qlab trace file: arrivals, sizes and a prompt length each, true times from the model."""
     path = tmp_path / "own.csv"
     n = len(ARRIVALS)
-    pd.DataFrame({"arrival_s": ARRIVALS, "max_new_tokens": [16 * (1 + i % 4) for i in range(n)],
-                  "prompt_tokens": [10 * i for i in range(n)]}).to_csv(path, index=False)
+    pd.DataFrame(
+        {
+            "arrival_s": ARRIVALS,
+            "max_new_tokens": [16 * (1 + i % 4) for i in range(n)],
+            "prompt_tokens": [10 * i for i in range(n)],
+        }
+    ).to_csv(path, index=False)
     return path
 
 
@@ -46,9 +52,13 @@ def test_a_window_takes_exactly_the_arrivals_in_it_shifted_to_start_at_0(own_csv
     np.testing.assert_array_equal(first.arrival_s, [0.0, 0.5])
 
 
-@pytest.mark.parametrize("load, engines, window", [(0.7, 1, TraceWindow()), (2.0, 3, TraceWindow(1.0, 6.0)),
-                                                    (1.3, 2, TraceWindow(seconds=4.0))])
-def test_a_load_scales_the_windows_mean_rate_to_that_load_of_its_engines(own_csv, load, engines, window):
+@pytest.mark.parametrize(
+    "load, engines, window",
+    [(0.7, 1, TraceWindow()), (2.0, 3, TraceWindow(1.0, 6.0)), (1.3, 2, TraceWindow(seconds=4.0))],
+)
+def test_a_load_scales_the_windows_mean_rate_to_that_load_of_its_engines(
+    own_csv, load, engines, window
+):
     window = TraceWindow(window.start_s, window.seconds, load)
     # No start: the window starts at the file's first request (0.5 s), as its length does.
     plain = build_trace(own_csv, window=TraceWindow(window.start_s or ARRIVALS[0], window.seconds))
@@ -71,14 +81,17 @@ def test_a_load_counts_the_simulated_speed_as_synthetic_arrivals_do(own_csv):
 
 def test_without_a_window_a_trace_file_gives_the_same_rows(own_csv):
     model = ServiceModel(0.002, 0.01, 1e-4)
-    options = dict(model=model, noise_cv=0.3, seed=4, engines=2, load=3.0, seconds=1.0)  # load, seconds: synthetic's
+    # load, seconds: synthetic's
+    options = dict(model=model, noise_cv=0.3, seed=4, engines=2, load=3.0, seconds=1.0)
     before = build_trace(own_csv, **options)
     for window in (None, TraceWindow()):
         after = build_trace(own_csv, window=window, **options)
         pd.testing.assert_frame_equal(after.to_frame(), before.to_frame())
         assert after.duration_s == before.duration_s
-    pd.testing.assert_frame_equal(simulate(build_trace(own_csv, window=TraceWindow()), PRESETS["predictive"]),
-                                  simulate(load_trace(own_csv), PRESETS["predictive"]))
+    pd.testing.assert_frame_equal(
+        simulate(build_trace(own_csv, window=TraceWindow()), PRESETS["predictive"]),
+        simulate(load_trace(own_csv), PRESETS["predictive"]),
+    )
 
 
 def test_streamed_chunks_take_the_same_window(own_csv):
@@ -90,7 +103,11 @@ def test_streamed_chunks_take_the_same_window(own_csv):
 
 
 def test_what_a_window_cannot_be(own_csv):
-    with pytest.raises(ValueError, match=r"no request arrives in \[20, 25\) s \(its arrivals run from 0.5 to 9.25 s\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no request arrives in \[20, 25\) s \(its arrivals run "
+        r"from 0.5 to 9.25 s\)",
+    ):
         build_trace(own_csv, window=TraceWindow(20.0, 5.0))
     with pytest.raises(ValueError, match="no length to take a rate over"):
         build_trace(own_csv, window=TraceWindow(9.25, load=1.0))  # the last request alone: no span
@@ -102,34 +119,119 @@ def test_what_a_window_cannot_be(own_csv):
 
 
 def test_simulate_takes_a_window_of_a_trace_file(own_csv, capsys):
-    assert main(["simulate", "--trace", str(own_csv), "--start", "2", "--seconds", "3", "--load", "0.8",
-                 "--policy", "predictive", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(own_csv),
+                "--start",
+                "2",
+                "--seconds",
+                "3",
+                "--load",
+                "0.8",
+                "--policy",
+                "predictive",
+                "--json",
+            ]
+        )
+        == 0
+    )
     import json
 
     out = json.loads(capsys.readouterr().out)
     assert out["summary"]["requests"] == 4
-    assert main(["simulate", "--trace", str(own_csv), "--start", "2", "--seconds", "3", "--load", "0.8",
-                 "--policy", "predictive"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(own_csv),
+                "--start",
+                "2",
+                "--seconds",
+                "3",
+                "--load",
+                "0.8",
+                "--policy",
+                "predictive",
+            ]
+        )
+        == 0
+    )
     assert f"trace {own_csv} (3 s from 2 s, scaled to load 0.8)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["simulate", "--start", "5"], "--start applies only with --trace"),
-    (["simulate", "--trace", "TRACE", "--requests", "10"], "--requests applies to synthetic arrivals"),
-    (["simulate", "--trace", "TRACE", "--load", "2", "--time-scale", "0.5"],
-     "--load and --time-scale both set the trace's rate"),
-    (["simulate", "--trace", "TRACE", "--start", "100", "--seconds", "5"], "no request arrives in [100, 105) s"),
-    (["simulate", "--trace", "TRACE", "--load", "2", "--batching"], "--load with --trace and --batching"),
-    # qlab replay refuses before it asks the server anything (nothing listens on port 9).
-    (["replay", "--url", "http://127.0.0.1:9", "--start", "3", "--out", "OUT"], "--start applies only with --trace"),
-    (["replay", "--url", "http://127.0.0.1:9", "--trace", "TRACE", "--requests", "3", "--out", "OUT"],
-     "--requests applies to synthetic arrivals"),
-    (["replay", "--url", "http://127.0.0.1:9", "--trace", "TRACE", "--nominal-load", "2", "--time-scale", "2",
-      "--out", "OUT"], "--nominal-load and --time-scale both set the trace's rate"),
-])
-def test_what_a_trace_file_cannot_take_is_one_line_and_exit_2(own_csv, tmp_path, capsys, argv, message):
-    argv = [str(own_csv) if a == "TRACE" else str(tmp_path / "run.parquet") if a == "OUT" else a for a in argv]
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["simulate", "--start", "5"], "--start applies only with --trace"),
+        (
+            ["simulate", "--trace", "TRACE", "--requests", "10"],
+            "--requests applies to synthetic arrivals",
+        ),
+        (
+            ["simulate", "--trace", "TRACE", "--load", "2", "--time-scale", "0.5"],
+            "--load and --time-scale both set the trace's rate",
+        ),
+        (
+            ["simulate", "--trace", "TRACE", "--start", "100", "--seconds", "5"],
+            "no request arrives in [100, 105) s",
+        ),
+        (
+            ["simulate", "--trace", "TRACE", "--load", "2", "--batching"],
+            "--load with --trace and --batching",
+        ),
+        # qlab replay refuses before it asks the server anything (nothing listens on port 9).
+        (
+            ["replay", "--url", "http://127.0.0.1:9", "--start", "3", "--out", "OUT"],
+            "--start applies only with --trace",
+        ),
+        (
+            [
+                "replay",
+                "--url",
+                "http://127.0.0.1:9",
+                "--trace",
+                "TRACE",
+                "--requests",
+                "3",
+                "--out",
+                "OUT",
+            ],
+            "--requests applies to synthetic arrivals",
+        ),
+        (
+            [
+                "replay",
+                "--url",
+                "http://127.0.0.1:9",
+                "--trace",
+                "TRACE",
+                "--nominal-load",
+                "2",
+                "--time-scale",
+                "2",
+                "--out",
+                "OUT",
+            ],
+            "--nominal-load and --time-scale both set the trace's rate",
+        ),
+    ],
+)
+def test_what_a_trace_file_cannot_take_is_one_line_and_exit_2(
+    own_csv, tmp_path, capsys, argv, message
+):
+    argv = [
+        str(own_csv) if a == "TRACE" else str(tmp_path / "run.parquet") if a == "OUT" else a
+        for a in argv
+    ]
     assert main(argv) == 2
     captured = capsys.readouterr()
-    assert message in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert (
+        message in captured.err
+        and captured.err.count("\n") == 1
+        and "Traceback" not in captured.err
+    )
     assert not (tmp_path / "run.parquet").exists()

@@ -27,8 +27,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("aiohttp")
 pytest.importorskip("fastapi")
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,  # noqa: E402
-                               generate_latest)
+from prometheus_client import (  # noqa: E402
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from live import upstream  # noqa: E402
 from live.contract import Stats  # noqa: E402
@@ -53,8 +58,11 @@ def vllm_metrics(requests: int, prompt: int, generated: int, preemptions: int) -
     success.labels("m", "0", "length").inc(requests - requests // 3)
     success.labels("m", "0", "stop").inc(requests // 3)
     success.labels("m", "0", "abort")
-    for name, value in (("prompt_tokens", prompt), ("generation_tokens", generated),
-                        ("num_preemptions", preemptions)):
+    for name, value in (
+        ("prompt_tokens", prompt),
+        ("generation_tokens", generated),
+        ("num_preemptions", preemptions),
+    ):
         Counter(f"vllm:{name}", "", labels, registry=registry).labels("m", "0").inc(value)
     Gauge("vllm:num_requests_running", "", labels, registry=registry).labels("m", "0").set(2)
     steps = Histogram("vllm:iteration_tokens_total", "", labels, registry=registry)
@@ -64,18 +72,27 @@ def vllm_metrics(requests: int, prompt: int, generated: int, preemptions: int) -
 
 def test_vllms_counters_are_read_summed_over_their_labels():
     assert parsed(vllm_metrics(7, 21, 40, 2).decode()) == {
-        "finished_requests": 7, "prompt_tokens": 21, "generation_tokens": 40, "preemptions": 2}
+        "finished_requests": 7,
+        "prompt_tokens": 21,
+        "generation_tokens": 40,
+        "preemptions": 2,
+    }
 
 
-@pytest.mark.parametrize("text", [
-    "<html><body>not found</body></html>",  # not Prometheus' text
-    "vllm:request_success_total{x=\"1} 2",  # broken
-    "",  # nothing at all
-    "qlab_requests_total{outcome=\"good\",reason=\"\"} 4.0\n",  # another qlab gate's
-    "vllm:request_success_total 1\nvllm:prompt_tokens_total 1\nvllm:generation_tokens_total 1\n",
-    "vllm:request_success_total 1\nvllm:prompt_tokens_total 1\nvllm:generation_tokens_total NaN\n"
-    "vllm:num_preemptions_total 0\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<html><body>not found</body></html>",  # not Prometheus' text
+        'vllm:request_success_total{x="1} 2',  # broken
+        "",  # nothing at all
+        'qlab_requests_total{outcome="good",reason=""} 4.0\n',  # another qlab gate's
+        "vllm:request_success_total 1\nvllm:prompt_tokens_total 1\nvllm:generation_tokens_total "
+        "1\n",
+        "vllm:request_success_total 1\nvllm:prompt_tokens_total 1\nvllm:generation_tokens_total "
+        "NaN\n"
+        "vllm:num_preemptions_total 0\n",
+    ],
+)
 def test_text_that_is_not_vllms_counters_gives_none(text):
     assert parsed(text) is None
 
@@ -121,8 +138,11 @@ class FakeVllm:
         tokens = body["max_tokens"]
         chat = path == "/v1/chat/completions"
         chunks = [_chat_chunk("x") if chat else _chunk("x") for _ in range(tokens)]
-        usage = {"prompt_tokens": PROMPT, "completion_tokens": tokens,
-                 "total_tokens": PROMPT + tokens}
+        usage = {
+            "prompt_tokens": PROMPT,
+            "completion_tokens": tokens,
+            "total_tokens": PROMPT + tokens,
+        }
         chunks.append({**_chunk(""), "choices": [], "usage": usage})
         with self.lock:
             self.requests, self.prompt = self.requests + 1, self.prompt + PROMPT
@@ -138,13 +158,23 @@ def _answer(status: str, body: bytes, kind: str = "application/json") -> bytes:
 
 
 def _chunk(text: str) -> dict:
-    return {"id": "c", "object": "text_completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+    return {
+        "id": "c",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": text, "finish_reason": None}],
+    }
 
 
 def _chat_chunk(text: str) -> dict:
-    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
-            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+    }
 
 
 @contextmanager
@@ -195,14 +225,25 @@ def test_stats_carries_vllms_own_counters_and_they_move_with_vllms():
     with fake_vllm(FakeVllm(requests=10, prompt=30, generated=40)) as (url, fake):
         first, answer, second, page = _served(url, script)
     read = first["upstream_counters"]
-    assert read == {"finished_requests": 10, "prompt_tokens": 30, "generation_tokens": 40,
-                    "preemptions": 0, "read_at": read["read_at"]}
+    assert read == {
+        "finished_requests": 10,
+        "prompt_tokens": 30,
+        "generation_tokens": 40,
+        "preemptions": 0,
+        "read_at": read["read_at"],
+    }
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     again = second["upstream_counters"]
-    moved = {k: again[k] - read[k] for k in ("finished_requests", "prompt_tokens",
-                                               "generation_tokens", "preemptions")}
-    assert moved == {"finished_requests": 1, "prompt_tokens": PROMPT, "generation_tokens": 4,
-                     "preemptions": 2}
+    moved = {
+        k: again[k] - read[k]
+        for k in ("finished_requests", "prompt_tokens", "generation_tokens", "preemptions")
+    }
+    assert moved == {
+        "finished_requests": 1,
+        "prompt_tokens": PROMPT,
+        "generation_tokens": 4,
+        "preemptions": 2,
+    }
     # Each reading at its own /stats, before the gate's clock there: the two engines read it once.
     assert read["read_at"] <= first["clock"] < again["read_at"]
     assert fake.paths.count("/metrics") == 2  # a page of steps waits on no upstream
@@ -210,13 +251,17 @@ def test_stats_carries_vllms_own_counters_and_they_move_with_vllms():
 
 
 @pytest.mark.slow  # a scripted HTTP server on a thread
-@pytest.mark.parametrize("metrics", [
-    _answer("404 Not Found", b'{"detail": "Not Found"}'),  # no /metrics
-    _answer("200 OK", b"<html>a page for every path</html>", "text/html"),  # garbage
-    # A qlab gate's:
-    _answer("200 OK", b'qlab_requests_total{outcome="good",reason=""} 4.0\n', "text/plain"),
-    b"HTTP/1.1 200 OK\r\ncontent-length: 900\r\n\r\nvllm:request",  # cut off
-], ids=["404", "html", "other-counters", "cut-off"])
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        _answer("404 Not Found", b'{"detail": "Not Found"}'),  # no /metrics
+        _answer("200 OK", b"<html>a page for every path</html>", "text/html"),  # garbage
+        # A qlab gate's:
+        _answer("200 OK", b'qlab_requests_total{outcome="good",reason=""} 4.0\n', "text/plain"),
+        b"HTTP/1.1 200 OK\r\ncontent-length: 900\r\n\r\nvllm:request",  # cut off
+    ],
+    ids=["404", "html", "other-counters", "cut-off"],
+)
 def test_an_upstream_without_vllms_counters_gives_none_and_the_gate_serves_on(metrics):
     async def script(client):
         stats = [await client.get("/stats") for _ in range(2)]
@@ -226,8 +271,10 @@ def test_an_upstream_without_vllms_counters_gives_none_and_the_gate_serves_on(me
     with fake_vllm(FakeVllm(metrics=metrics)) as (url, fake):
         stats, answer = _served(url, script)
     assert [s.status_code for s in stats] == [200, 200]
-    assert all("upstream_counters" not in s.json() and s.json()["engine"]["engine"] == "upstream"
-               for s in stats)
+    assert all(
+        "upstream_counters" not in s.json() and s.json()["engine"]["engine"] == "upstream"
+        for s in stats
+    )
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "xxxx"
     assert fake.paths.count("/metrics") == 1  # after a failed read it is left alone a while
 
@@ -282,8 +329,13 @@ class Reader:
 
 
 def _reading(requests: int, read_at: float) -> dict:
-    return {"finished_requests": requests, "prompt_tokens": 10 * requests,
-            "generation_tokens": 20 * requests, "preemptions": requests // 2, "read_at": read_at}
+    return {
+        "finished_requests": requests,
+        "prompt_tokens": 10 * requests,
+        "generation_tokens": 20 * requests,
+        "preemptions": requests // 2,
+        "read_at": read_at,
+    }
 
 
 def test_each_upstream_is_read_once_and_a_fleets_are_summed():
@@ -292,8 +344,12 @@ def test_each_upstream_is_read_once_and_a_fleets_are_summed():
     assert all(isinstance(e, CountsUpstream) for e in engines[:4])
     gate = SimpleNamespace(engines=engines, clock=time.monotonic)
     assert asyncio.run(upstream_counters(gate)) == {
-        "finished_requests": 10, "prompt_tokens": 100, "generation_tokens": 200, "preemptions": 5,
-        "read_at": 5.0}
+        "finished_requests": 10,
+        "prompt_tokens": 100,
+        "generation_tokens": 200,
+        "preemptions": 5,
+        "read_at": 5.0,
+    }
     assert (one.asked, other.asked) == (1, 1)
     other.said = None  # one upstream gives none: a sum without it would be wrong
     assert asyncio.run(upstream_counters(gate)) is None
@@ -321,7 +377,9 @@ def test_stats_says_the_counters_where_the_engine_reads_them_and_nothing_where_i
                 return said, await client.get("/stats")
 
     said, none = asyncio.run(go())
-    assert said["upstream_counters"] == _reading(3, 1.5) and set(said) == set(Stats.model_fields) - {"fleet"}
+    assert said["upstream_counters"] == _reading(3, 1.5) and set(said) == set(
+        Stats.model_fields
+    ) - {"fleet"}
     assert none.status_code == 200 and "upstream_counters" not in none.json()
 
 
@@ -341,8 +399,10 @@ def test_the_run_metadata_has_the_counters_at_start_and_end_on_both_clocks():
     start = {"upstream_counters": _reading(2, 100.0)}
     end = {"upstream_counters": _reading(5, 130.0)}
     said = counted_upstream(start, end, zero=101.0)
-    assert said == {"start": {**_reading(2, 100.0), "read_s": -1.0},
-                    "end": {**_reading(5, 130.0), "read_s": 29.0}}
+    assert said == {
+        "start": {**_reading(2, 100.0), "read_s": -1.0},
+        "end": {**_reading(5, 130.0), "read_s": 29.0},
+    }
     assert counted_upstream(start, None, 101.0) is None  # /stats failed at the end
     assert counted_upstream(start, {"clock": 1.0}, 101.0) is None
 
@@ -360,8 +420,13 @@ def test_a_replay_through_a_gate_in_front_of_vllm_records_what_vllm_counted(tmp_
         with serving([options], tmp_path, 60) as (gate,):
             frame = replay(trace, ReplayConfig(gate.url))
     counted = frame.attrs["qlab_run"]["upstream_counters"]
-    moved = {k: counted["end"][k] - counted["start"][k]
-             for k in ("finished_requests", "generation_tokens")}
-    assert moved == {"finished_requests": 4, "generation_tokens": 14} and counted["end"]["preemptions"] == 1
+    moved = {
+        k: counted["end"][k] - counted["start"][k]
+        for k in ("finished_requests", "generation_tokens")
+    }
+    assert (
+        moved == {"finished_requests": 4, "generation_tokens": 14}
+        and counted["end"]["preemptions"] == 1
+    )
     assert counted["start"]["read_s"] < 0 < counted["end"]["read_s"]
     assert frame["outcome"].eq("good").all()

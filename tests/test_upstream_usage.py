@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("httpx")
 
-from live.contract_clients import UpstreamChunk  # noqa: E402
-from live.upstream import ChunkRead, UpstreamRoutes, _Reading  # noqa: E402
-from live.upstream_batch import StepLearner, Timeline, _Forward, gaps_of  # noqa: E402
-from live.jobs import Job  # noqa: E402
-from qsim.engines import StepModel  # noqa: E402
+from live.contract_clients import UpstreamChunk
+from live.upstream import ChunkRead, UpstreamRoutes, _Reading
+from live.upstream_batch import StepLearner, Timeline, _Forward, gaps_of
+from live.jobs import Job
+from qsim.engines import StepModel
 
 
 def _vllm_chunk(text: str | None, so_far: int, prompt: int = 4) -> UpstreamChunk:
@@ -202,21 +202,42 @@ def test_text_that_came_without_a_token_goes_with_the_next_token():
 
 
 @pytest.mark.slow  # a scripted HTTP server on a thread
-@pytest.mark.parametrize("route_body", [
-    {"object": "text_completion", "choices": [{"index": 0, "text": "Hello", "finish_reason": "length"}]},
-    {"object": "chat.completion",
-     "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "length"}]},
-])
+@pytest.mark.parametrize(
+    "route_body",
+    [
+        {
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "Hello", "finish_reason": "length"}],
+        },
+        {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hello"},
+                    "finish_reason": "length",
+                }
+            ],
+        },
+    ],
+)
 def test_an_upstream_that_ignores_stream_true_is_read_whole(route_body):
     from test_upstream import _engine, scripted
 
-    body = {"id": "c", "created": 1, "model": "m", **route_body,
-            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+    body = {
+        "id": "c",
+        "created": 1,
+        "model": "m",
+        **route_body,
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
 
     def respond(conn, _):
         payload = json.dumps(body).encode()
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                     b"connection: close\r\n\r\n%s" % (len(payload), payload))
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (len(payload), payload)
+        )
 
     pieces = []
     with scripted(respond) as url:

@@ -54,16 +54,28 @@ def _vllm(requests: int, prompt: int, generated: int, preemptions: int) -> dict[
     """vLLM's counters as live.vllm_server.metrics reads them (floats, every counter there)."""
     from live.vllm_metrics import COUNTERS
 
-    said = {"vllm:request_success_total": requests, "vllm:prompt_tokens_total": prompt,
-            "vllm:generation_tokens_total": generated, "vllm:num_preemptions_total": preemptions}
+    said = {
+        "vllm:request_success_total": requests,
+        "vllm:prompt_tokens_total": prompt,
+        "vllm:generation_tokens_total": generated,
+        "vllm:num_preemptions_total": preemptions,
+    }
     return {**dict.fromkeys(COUNTERS, 0.0), **{k: float(v) for k, v in said.items()}}
 
 
 def _gate(requests: int, prompt: int, generated: int, preemptions: int) -> Stats:
     """The gate's /stats with its upstream_counters."""
-    return Stats.model_validate({"upstream_counters": {
-        "finished_requests": requests, "prompt_tokens": prompt, "generation_tokens": generated,
-        "preemptions": preemptions, "read_at": 12.5}})
+    return Stats.model_validate(
+        {
+            "upstream_counters": {
+                "finished_requests": requests,
+                "prompt_tokens": prompt,
+                "generation_tokens": generated,
+                "preemptions": preemptions,
+                "read_at": 12.5,
+            }
+        }
+    )
 
 
 def test_the_gates_upstream_counters_are_judged_against_vllms_own():

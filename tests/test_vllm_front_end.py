@@ -9,16 +9,28 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import vllm_front_end as fe  # noqa: E402
+from benchmarks import vllm_front_end as fe
 
 
 def _phase(requests: int, tokens: int, steps: int, api_cpu_s: float, wall_s: float = 1.0):
     return fe.Phase(
-        in_flight=1, max_tokens=tokens // requests, stream=True, requests=requests,
-        tokens=tokens, steps=steps, chunks=tokens, api_cpu_s=api_cpu_s, wall_s=wall_s,
-        latency_s=0.1, vllm_e2e_s=0.1, client_cpu_s=0.1, client_wait_s=0.0,
-        engine_cpu_s=None, api_wait_s=None,
-        engine_wait_s=None, load_1min=0.0,
+        in_flight=1,
+        max_tokens=tokens // requests,
+        stream=True,
+        requests=requests,
+        tokens=tokens,
+        steps=steps,
+        chunks=tokens,
+        api_cpu_s=api_cpu_s,
+        wall_s=wall_s,
+        latency_s=0.1,
+        vllm_e2e_s=0.1,
+        client_cpu_s=0.1,
+        client_wait_s=0.0,
+        engine_cpu_s=None,
+        api_wait_s=None,
+        engine_wait_s=None,
+        load_1min=0.0,
     )
 
 
@@ -50,7 +62,10 @@ def test_the_plan_streams_every_level_and_length_then_the_ends_not_streamed():
     streamed = [(s.in_flight, s.max_tokens) for s in plan if s.stream]
     assert streamed == [(n, m) for n in (1, 4, 32) for m in (16, 64)]
     assert [(s.in_flight, s.max_tokens) for s in plan if not s.stream] == [
-        (1, 16), (1, 64), (32, 16), (32, 64)
+        (1, 16),
+        (1, 64),
+        (32, 16),
+        (32, 64),
     ]
     # A phase is at least three rounds of its level.
     assert all(s.requests >= max(64, 3 * s.in_flight) for s in plan)

@@ -10,6 +10,7 @@ from qsim.arrivals import arrivals_take_load, parse_arrivals
 from qsim.mixes import REFERENCE_MIX, Mix
 from qsim.workload import make_trace
 
+
 def test_reference_mix_moments_match_the_reference_study():
     m = ServiceModel()
     assert REFERENCE_MIX.mean_s(m) == pytest.approx(0.146, rel=0.02)
@@ -26,8 +27,16 @@ def test_mix_moments_are_exact():
     assert mix.scv(m) == pytest.approx(7.0 / 6.25 - 1)
 
 
-@pytest.mark.parametrize("sizes,probs", [((4, 16), (0.5,)), ((16, 4), (0.5, 0.5)), ((4, 16), (0.6, 0.6)),
-                                         ((0, 4), (0.5, 0.5)), ((), ())])
+@pytest.mark.parametrize(
+    "sizes,probs",
+    [
+        ((4, 16), (0.5,)),
+        ((16, 4), (0.5, 0.5)),
+        ((4, 16), (0.6, 0.6)),
+        ((0, 4), (0.5, 0.5)),
+        ((), ()),
+    ],
+)
 def test_bad_mix(sizes, probs):
     with pytest.raises(ValueError):
         Mix(sizes, probs)
@@ -54,7 +63,10 @@ def test_common_random_numbers_across_loads():
     assert np.array_equal(lo.max_new_tokens, hi.max_new_tokens)
     assert np.allclose(lo.arrival_s, 4 * hi.arrival_s)
     # and a window is a prefix of a longer one
-    short, long = make_trace(load=1.0, seconds=50, seed=3), make_trace(load=1.0, seconds=200, seed=3)
+    short, long = (
+        make_trace(load=1.0, seconds=50, seed=3),
+        make_trace(load=1.0, seconds=200, seed=3),
+    )
     assert np.array_equal(short.arrival_s, long.arrival_s[: len(short)])
     assert np.array_equal(short.true_service_s, long.true_service_s[: len(short)])
 
@@ -71,7 +83,9 @@ def test_poisson_rate_and_mix_shares():
 
 
 def test_gamma_cv_and_constant():
-    t = make_trace("gamma:2.0", "exponential", load=0.5, requests=40_000, seed=2, mean_service_s=1.0)
+    t = make_trace(
+        "gamma:2.0", "exponential", load=0.5, requests=40_000, seed=2, mean_service_s=1.0
+    )
     gaps = np.diff(t.arrival_s)
     assert gaps.mean() == pytest.approx(2.0, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.08)
@@ -84,7 +98,8 @@ def test_speed_and_noise():
     slow = make_trace(load=0.9, requests=20_000, seed=4, speed=2.25)
     assert np.allclose(slow.true_service_s, 2.25 * base.true_service_s)
     assert np.array_equal(slow.est_service_s, base.est_service_s)  # the calibration does not know
-    assert slow.arrival_s[-1] == pytest.approx(2.25 * base.arrival_s[-1])  # load is at the simulated speed
+    # load is at the simulated speed
+    assert slow.arrival_s[-1] == pytest.approx(2.25 * base.arrival_s[-1])
     noisy = make_trace(load=0.9, requests=20_000, seed=4, noise_cv=0.3)
     ratio = noisy.true_service_s / noisy.est_service_s
     assert ratio.mean() == pytest.approx(1.0, abs=0.01)
@@ -92,7 +107,9 @@ def test_speed_and_noise():
 
 
 def test_exponential_service():
-    t = make_trace("poisson", "exponential", load=0.9, engines=2, requests=50_000, seed=5, mean_service_s=0.5)
+    t = make_trace(
+        "poisson", "exponential", load=0.9, engines=2, requests=50_000, seed=5, mean_service_s=0.5
+    )
     assert t.true_service_s.mean() == pytest.approx(0.5, rel=0.02)
     assert np.all(t.est_service_s == 0.5)
     assert len(t) / t.arrival_s[-1] == pytest.approx(0.9 * 2 / 0.5, rel=0.02)
@@ -107,8 +124,9 @@ def test_bursts():
 
 @pytest.mark.parametrize("load", [0.05, 0.5, 0.9, 2.0, 3.7])
 def test_periodic_bursts_at_a_load_have_its_rate_and_the_poisson_traces_requests(load):
-    # A burst every 10 s whose size follows the load: the rate is exact over whole periods, the bursts differ
-    # by at most one request, and the requests are the Poisson trace's (common random numbers: the same sizes).
+    # A burst every 10 s whose size follows the load: the rate is exact over whole periods, the
+    # bursts differ by at most one request, and the requests are the Poisson trace's (common random
+    # numbers: the same sizes).
     p = make_trace("periodic:10", load=load, seconds=600, seed=3)
     poisson = make_trace("poisson", load=load, requests=len(p), seed=3)
     rate = load / REFERENCE_MIX.mean_s(ServiceModel())
@@ -120,8 +138,10 @@ def test_periodic_bursts_at_a_load_have_its_rate_and_the_poisson_traces_requests
     assert full.max() - full.min() <= 1 and full.mean() == pytest.approx(rate * 10, abs=1)
     np.testing.assert_array_equal(p.max_new_tokens, poisson.max_new_tokens)
     # requests= takes the first N of the same bursts.
-    np.testing.assert_array_equal(make_trace("periodic:10", load=load, requests=50, seed=3).arrival_s,
-                                  make_trace("periodic:10", load=load, seconds=600, seed=3).arrival_s[:50])
+    np.testing.assert_array_equal(
+        make_trace("periodic:10", load=load, requests=50, seed=3).arrival_s,
+        make_trace("periodic:10", load=load, seconds=600, seed=3).arrival_s[:50],
+    )
 
 
 @pytest.mark.parametrize("spec", ["burst:30", "periodic:20:10"])
@@ -133,16 +153,40 @@ def test_a_process_of_its_own_size_takes_no_load(spec):
     assert len(make_trace(spec, seconds=60)) == (30 if spec == "burst:30" else 120)
 
 
-@pytest.mark.parametrize("spec", ["pareto", "gamma", "gamma:x", "burst:0", "burst:2.5", "periodic:1:2:3", "periodic:0",
-                                  "periodic:2.5:10", "periodic", "gamma:-1"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "pareto",
+        "gamma",
+        "gamma:x",
+        "burst:0",
+        "burst:2.5",
+        "periodic:1:2:3",
+        "periodic:0",
+        "periodic:2.5:10",
+        "periodic",
+        "gamma:-1",
+    ],
+)
 def test_bad_arrival_specs(spec):
     with pytest.raises(ValueError, match="arrival process"):
         parse_arrivals(spec)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(seconds=1, requests=1), dict(seconds=-1), dict(requests=0),
-                                    dict(seconds=1, load=0), dict(seconds=1, speed=0), dict(seconds=1, engines=0),
-                                    dict(seconds=1, service="uniform"), dict(seconds=1, mean_service_s=1.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(seconds=1, requests=1),
+        dict(seconds=-1),
+        dict(requests=0),
+        dict(seconds=1, load=0),
+        dict(seconds=1, speed=0),
+        dict(seconds=1, engines=0),
+        dict(seconds=1, service="uniform"),
+        dict(seconds=1, mean_service_s=1.0),
+    ],
+)
 def test_bad_trace_arguments(kwargs):
     with pytest.raises(ValueError):
         make_trace(**kwargs)
@@ -162,8 +206,10 @@ def test_load_azure_trace(azure_csv):
 
 def test_zoned_timestamps_are_put_on_utc(tmp_path):
     path = tmp_path / "zoned.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:17:04+05:00,10,5\n"
-                    "2023-11-16T13:17:05.5Z,3,4\n2023-11-16T14:17:06+01:00,3,4\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:17:04+05:00,10,5\n"
+        "2023-11-16T13:17:05.5Z,3,4\n2023-11-16T14:17:06+01:00,3,4\n"
+    )
     assert load_trace(path).arrival_s.tolist() == [0.0, 1.5, 2.0]
 
 
@@ -197,14 +243,25 @@ def test_own_trace_minimal_with_deadlines(tmp_path):
         ("arrival_s,max_new_tokens\n-1,4\n", "line 2: bad arrival_s"),
         ("arrival_s,max_new_tokens\n0.1,4\n0.2,4,9\n", "line 3"),
         ("arrival_s,max_new_tokens,deadline_s\n0.1,4,soon\n", "line 2: bad deadline_s 'soon'"),
-        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,5\nyesterday,3,4\n",
-         "line 3: bad TIMESTAMP 'yesterday'"),
-        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,-5\n", "line 2: bad GeneratedTokens"),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,5\nyesterday,3,4\n",
+            "line 3: bad TIMESTAMP 'yesterday'",
+        ),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,-5\n",
+            "line 2: bad GeneratedTokens",
+        ),
         # Local times and zoned times cannot share one axis (found by tests/test_fuzz.py exploring).
-        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,5\n2023-11-16T18:17:04+05:00,3,4\n",
-         "line 3: bad TIMESTAMP '2023-11-16T18:17:04+05:00': a UTC offset, unlike line 2"),
-        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:17:04Z,10,5\n2023-11-16 18:17:05,3,4\n",
-         "line 3: bad TIMESTAMP '2023-11-16 18:17:05': no UTC offset, unlike line 2"),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 "
+            "18:17:03.97,10,5\n2023-11-16T18:17:04+05:00,3,4\n",
+            "line 3: bad TIMESTAMP '2023-11-16T18:17:04+05:00': a UTC offset, unlike line 2",
+        ),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:17:04Z,10,5\n2023-11-16 "
+            "18:17:05,3,4\n",
+            "line 3: bad TIMESTAMP '2023-11-16 18:17:05': no UTC offset, unlike line 2",
+        ),
         ("when,what\n1,2\n", "unrecognised trace columns"),
         ("arrival_s,max_new_tokens\n", "no requests"),
         ("", "empty"),
@@ -242,25 +299,83 @@ def test_build_trace_gives_what_each_command_built_before(tmp_path):
     own = tmp_path / "own.csv"
     make_trace(requests=50, seed=4).save(own)
     # qlab simulate: every option, synthetic or a trace file with speed and noise.
-    _same_trace(build_trace(arrivals="gamma:2", service="mix", load=1.3, engines=2, speed=1.5, requests=300, seed=7,
-                            model=model, noise_cv=0.3),
-                make_trace("gamma:2", "mix", load=1.3, engines=2, speed=1.5, seconds=None, requests=300, seed=7,
-                           model=model, mean_service_s=None, noise_cv=0.3))
-    _same_trace(build_trace(service="exponential", mean_service_s=0.2, seconds=60.0, seed=1),
-                make_trace("poisson", "exponential", load=0.9, seconds=60.0, seed=1, mean_service_s=0.2))
-    _same_trace(build_trace(own, time_scale=0.5, speed=2.0, noise_cv=0.2, seed=3, model=model),
-                load_trace(own, 0.5, model=model, speed=2.0, noise_cv=0.2, seed=3))
+    _same_trace(
+        build_trace(
+            arrivals="gamma:2",
+            service="mix",
+            load=1.3,
+            engines=2,
+            speed=1.5,
+            requests=300,
+            seed=7,
+            model=model,
+            noise_cv=0.3,
+        ),
+        make_trace(
+            "gamma:2",
+            "mix",
+            load=1.3,
+            engines=2,
+            speed=1.5,
+            seconds=None,
+            requests=300,
+            seed=7,
+            model=model,
+            mean_service_s=None,
+            noise_cv=0.3,
+        ),
+    )
+    _same_trace(
+        build_trace(service="exponential", mean_service_s=0.2, seconds=60.0, seed=1),
+        make_trace("poisson", "exponential", load=0.9, seconds=60.0, seed=1, mean_service_s=0.2),
+    )
+    _same_trace(
+        build_trace(own, time_scale=0.5, speed=2.0, noise_cv=0.2, seed=3, model=model),
+        load_trace(own, 0.5, model=model, speed=2.0, noise_cv=0.2, seed=3),
+    )
     # qlab replay and qlab live: a default window of 40 s; a burst's length is its size.
-    _same_trace(build_trace(arrivals="poisson", load=1.2, engines=2, default_seconds=40.0, seed=2, model=model),
-                make_trace("poisson", load=1.2, engines=2, seed=2, model=model, seconds=40.0))
-    _same_trace(build_trace(arrivals="burst:12", default_seconds=40.0, seed=1),
-                make_trace("burst:12", seed=1, requests=12))
-    _same_trace(build_trace(arrivals="constant", load=0.5, requests=40, default_seconds=40.0, seed=4),
-                make_trace("constant", load=0.5, requests=40, seed=4))
-    _same_trace(build_trace(own, time_scale=2.0, seed=9, model=model), load_trace(own, 2.0, model=model, seed=9))
+    _same_trace(
+        build_trace(
+            arrivals="poisson", load=1.2, engines=2, default_seconds=40.0, seed=2, model=model
+        ),
+        make_trace("poisson", load=1.2, engines=2, seed=2, model=model, seconds=40.0),
+    )
+    _same_trace(
+        build_trace(arrivals="burst:12", default_seconds=40.0, seed=1),
+        make_trace("burst:12", seed=1, requests=12),
+    )
+    _same_trace(
+        build_trace(arrivals="constant", load=0.5, requests=40, default_seconds=40.0, seed=4),
+        make_trace("constant", load=0.5, requests=40, seed=4),
+    )
+    _same_trace(
+        build_trace(own, time_scale=2.0, seed=9, model=model),
+        load_trace(own, 2.0, model=model, seed=9),
+    )
     # a sweep cell: a mix of its own, speed and noise.
     mix = Mix((8, 32), (0.7, 0.3))
-    _same_trace(build_trace(arrivals="periodic:2", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
-                            model=model, noise_cv=0.1),
-                make_trace("periodic:2", "mix", load=0.8, engines=2, speed=2.25, seconds=30.0, seed=5, mix=mix,
-                           model=model, noise_cv=0.1))
+    _same_trace(
+        build_trace(
+            arrivals="periodic:2",
+            load=0.8,
+            engines=2,
+            speed=2.25,
+            seconds=30.0,
+            seed=5,
+            mix=mix,
+            model=model,
+            noise_cv=0.1,
+        ),
+        make_trace(
+            "periodic:2",
+            "mix",
+            load=0.8,
+            engines=2,
+            speed=2.25,
+            seconds=30.0,
+            seed=5,
+            mix=mix,
+            model=model,
+            noise_cv=0.1,
+        ),
+    )

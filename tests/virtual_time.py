@@ -56,7 +56,8 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
 
 def on_virtual_clock(main):
-    """Run the coroutine function ``main`` on a fresh :class:`VirtualLoop` to its end; its result."""
+    """Run the coroutine function ``main`` on a fresh :class:`VirtualLoop` to its end; its
+    result."""
     loop = VirtualLoop()
     try:
         return loop.run_until_complete(main())
@@ -65,13 +66,15 @@ def on_virtual_clock(main):
 
 
 class LoopSynthetic:
-    """The synthetic engine's service line, speed and fault schedule as a coroutine engine on the loop's clock.
+    """The synthetic engine's service line, speed and fault schedule as a coroutine engine on the
+    loop's clock.
 
-    The gate runs a coroutine engine as a task on its own loop (its real worker for one, not a test's),
-    so on a :class:`VirtualLoop` a run takes its time in virtual seconds: the watchdog, the stall rule and
-    the deadlines are checked to the exact time, where :class:`live.engine.SyntheticEngine`'s threads and
-    sleeps on the wall clock need slack. As that engine's: a run takes the model's estimate x speed, and run
-    n hangs ``faults.hang_s`` longer where ``faults.hangs(n)``; a cancel (a client that left) stops a run at once.
+    The gate runs a coroutine engine as a task on its own loop (its real worker for one, not a
+    test's), so on a :class:`VirtualLoop` a run takes its time in virtual seconds: the watchdog, the
+    stall rule and the deadlines are checked to the exact time, where
+    :class:`live.engine.SyntheticEngine`'s threads and sleeps on the wall clock need slack. As that
+    engine's: a run takes the model's estimate x speed, and run n hangs ``faults.hang_s`` longer
+    where ``faults.hangs(n)``; a cancel (a client that left) stops a run at once.
     """
 
     max_new_tokens_limit = None
@@ -100,8 +103,8 @@ class LoopSynthetic:
 
 
 class LoopWorker:
-    """A gate worker on the loop's clock, with no thread: nothing to start or stop; a subclass's ``give``
-    schedules the run's hand-back (``deliver(k, ticket, result)``) on the loop."""
+    """A gate worker on the loop's clock, with no thread: nothing to start or stop; a subclass's
+    ``give`` schedules the run's hand-back (``deliver(k, ticket, result)``) on the loop."""
 
     def __init__(self, k: int, deliver) -> None:
         self.k, self.deliver = k, deliver
@@ -125,13 +128,15 @@ class SimEngine(LoopWorker):
     def __init__(self, k: int, true_s, failed, deliver, tokens=None, schedule=None) -> None:
         super().__init__(k, deliver)
         self.true_s, self.failed, self.tokens = true_s, failed, tokens
-        self.schedule = schedule  # qsim.service.SpeedSchedule: a run takes true x speed at its start / base
+        # qsim.service.SpeedSchedule: a run takes true x speed at its start / base
+        self.schedule = schedule
 
     def give(self, ticket) -> None:
         i = int(ticket.job.prompt)
         loop = asyncio.get_running_loop()
         s = self.true_s[i]
-        if self.schedule is not None:  # as the simulator's engines: the speed at the start, over the trace's
+        # as the simulator's engines: the speed at the start, over the trace's
+        if self.schedule is not None:
             s *= self.schedule.at(loop.time()) / self.schedule.base
         if self.failed is not None and self.failed[i]:
             result = _Failure(RuntimeError("injected"), s)
@@ -158,35 +163,58 @@ class SimEngine(LoopWorker):
 
 def _seen(row: dict, arrival) -> None:
     seen = arrival.seen
-    row.update(queued=seen.queued, queued_work_s=seen.queued_work_s,
-               est_service_s=seen.est_service_s,
-               replica=-1 if arrival.replica is None else arrival.replica)
+    row.update(
+        queued=seen.queued,
+        queued_work_s=seen.queued_work_s,
+        est_service_s=seen.est_service_s,
+        replica=-1 if arrival.replica is None else arrival.replica,
+    )
 
 
-_ENDS = {Rejected: "rejected", DeadlineExceeded: "expired", EngineFailed: "error", EngineStalled: "error",
-         DeadlineCut: "cancelled"}
+_ENDS = {
+    Rejected: "rejected",
+    DeadlineExceeded: "expired",
+    EngineFailed: "error",
+    EngineStalled: "error",
+    DeadlineCut: "cancelled",
+}
 
 
-def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel | None = None, failed=None,
-             cancel_after_s=None, fixed_estimate: bool = False, priority=None, client=None,
-             retry: RetryPolicy | None = None, speed_schedule=None,
-             config: ServerConfig | None = None, fleet=None,
-             wrap_engine=None) -> tuple[pd.DataFrame, dict]:
-    """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final /stats.
+def run_gate(
+    trace: Trace,
+    policy: Policy,
+    engines: int,
+    *,
+    model: ServiceModel | None = None,
+    failed=None,
+    cancel_after_s=None,
+    fixed_estimate: bool = False,
+    priority=None,
+    client=None,
+    retry: RetryPolicy | None = None,
+    speed_schedule=None,
+    config: ServerConfig | None = None,
+    fleet=None,
+    wrap_engine=None,
+) -> tuple[pd.DataFrame, dict]:
+    """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final
+    /stats.
 
     The gate estimates from ``model``; give the trace the same model's estimates (from_arrays does).
     retry: clients that send again, through the same :class:`qsim.clients.Retrier` the simulator
     asks; each attempt is a row with first_request_id and attempt, appended in decision order.
-    Patience (``cancel_after_s``, default the trace's) counts from the first send, as in the simulator.
-    speed_schedule: the engines' speed over the virtual clock, as ``simulate(speed_schedule=)`` takes it.
-    config: a batching server (its engine a :class:`qsim.engines.Batching`; policy, model and engines come from it):
-    a :func:`live.gate.BatchGate` in front of the real :class:`live.batching.SyntheticBatchEngine` (a task on
-    the loop, its steps taking the step model's time on the virtual clock); each row also has first_token_s
-    (absolute, NaN where none) and tokens. Each request then runs to its limit (the gate cannot know early stops).
-    fleet: a :class:`qsim.fleet.FleetSpec`: the gate routes over its replicas of ``engines``
-    engines each (live.fleet_gate), or, with a batching ``config``, of one batching engine each;
-    each row's replica is where the router sent it (a central queue: where it joined a batch).
-    wrap_engine: what the batching engine is given to before the gate (a test's engine around it).
+    Patience (``cancel_after_s``, default the trace's) counts from the first send, as in the
+    simulator. speed_schedule: the engines' speed over the virtual clock, as
+    ``simulate(speed_schedule=)`` takes it. config: a batching server (its engine a
+    :class:`qsim.engines.Batching`; policy, model and engines come from it): a
+    :func:`live.gate.BatchGate` in front of the real :class:`live.batching.SyntheticBatchEngine` (a
+    task on the loop, its steps taking the step model's time on the virtual clock); each row also
+    has first_token_s (absolute, NaN where none) and tokens. Each request then runs to its limit
+    (the gate cannot know early stops). fleet: a :class:`qsim.fleet.FleetSpec`: the gate routes over
+    its replicas of ``engines`` engines each (live.fleet_gate), or, with a batching ``config``, of
+    one batching engine each; each row's replica is where the router sent it (a central queue: where
+    it joined a batch). wrap_engine: what the batching engine is given to before the gate (a test's
+    engine around it).
     """
     batching = config
     if batching is not None:
@@ -195,31 +223,62 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
     # The trace's own clients and priorities unless given (the coroutine below is named client).
     client_of = trace.client_id if client is None else client
     priority = trace.priority if priority is None else priority
-    patience_of = trace.patience_s if cancel_after_s is None else np.asarray(cancel_after_s, dtype=float)
+    patience_of = (
+        trace.patience_s if cancel_after_s is None else np.asarray(cancel_after_s, dtype=float)
+    )
     true_s = trace.true_service_s.tolist()
-    tokens = trace.tokens_generated.tolist()  # what each run generates: what a learning estimator learns
+    # what each run generates: what a learning estimator learns
+    tokens = trace.tokens_generated.tolist()
     arrival = trace.arrival_s.tolist()
-    retrier = Retrier(retry, trace.arrival_s, trace.meta.get("seed", 0)) if retry is not None and retry.retries else None
+    retrier = (
+        Retrier(retry, trace.arrival_s, trace.meta.get("seed", 0))
+        if retry is not None and retry.retries
+        else None
+    )
     timeout_s = math.inf if retry is None or retry.timeout_s is None else retry.timeout_s
     rows: list[dict] = []
     pending = set()
 
     def new_row(first: int, attempt: int, at: float) -> int:
-        rows.append(dict(first_request_id=first, attempt=attempt, arrival_s=at, outcome=None, reason=None,
-                         start_s=math.nan, finish_s=math.nan, engine=-1, queued=-1, queued_work_s=math.nan,
-                         est_service_s=math.nan, retry_after_s=-1, first_token_s=math.nan,
-                         tokens=-1, replica=-1))
+        rows.append(
+            dict(
+                first_request_id=first,
+                attempt=attempt,
+                arrival_s=at,
+                outcome=None,
+                reason=None,
+                start_s=math.nan,
+                finish_s=math.nan,
+                engine=-1,
+                queued=-1,
+                queued_work_s=math.nan,
+                est_service_s=math.nan,
+                retry_after_s=-1,
+                first_token_s=math.nan,
+                tokens=-1,
+                replica=-1,
+            )
+        )
         return len(rows) - 1
 
     def end(j: int, outcome: str, reason, retry_after_s: int = -1) -> None:
         loop = asyncio.get_running_loop()
         row = rows[j]
-        row.update(outcome=outcome, reason=reason, finish_s=loop.time(), retry_after_s=retry_after_s)
+        row.update(
+            outcome=outcome, reason=reason, finish_s=loop.time(), retry_after_s=retry_after_s
+        )
         if retrier is None or (outcome == "abandoned" and reason != TIMEOUT_REASON):
             return
         first = row["first_request_id"]
-        decision = retrier.after(first, row["attempt"], arrival[first], loop.time(), status_of(outcome, reason),
-                                 retry_after_s if retry_after_s >= 0 else None, patience_of[first])
+        decision = retrier.after(
+            first,
+            row["attempt"],
+            arrival[first],
+            loop.time(),
+            status_of(outcome, reason),
+            retry_after_s if retry_after_s >= 0 else None,
+            patience_of[first],
+        )
         if decision.at_s is not None:
             k = new_row(first, row["attempt"] + 1, decision.at_s)
             pending.add(k)
@@ -245,9 +304,16 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
             return
         finally:
             pending.discard(j)
-        row.update(outcome=answer.outcome, start_s=answer.started_at, finish_s=answer.returned_at,
-                   engine=answer.engine, tokens=answer.tokens,
-                   first_token_s=math.nan if answer.first_token_s is None else answer.started_at + answer.first_token_s)
+        row.update(
+            outcome=answer.outcome,
+            start_s=answer.started_at,
+            finish_s=answer.returned_at,
+            engine=answer.engine,
+            tokens=answer.tokens,
+            first_token_s=math.nan
+            if answer.first_token_s is None
+            else answer.started_at + answer.first_token_s,
+        )
         _seen(row, answer.arrival)
 
     def submit(j: int) -> None:
@@ -255,9 +321,17 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
         i = row["first_request_id"]
         deadline = None if np.isnan(trace.deadline_s[i]) else float(trace.deadline_s[i])
         try:
-            future = gate_of[0].submit(Job(str(i), int(trace.max_new_tokens[i]), (), deadline,
-                                           None if client_of[i] is None else str(client_of[i]), int(priority[i]),
-                                           int(trace.prompt_tokens[i])))
+            future = gate_of[0].submit(
+                Job(
+                    str(i),
+                    int(trace.max_new_tokens[i]),
+                    (),
+                    deadline,
+                    None if client_of[i] is None else str(client_of[i]),
+                    int(priority[i]),
+                    int(trace.prompt_tokens[i]),
+                )
+            )
         except Rejected as exc:
             pending.discard(j)
             _seen(row, exc.arrival)
@@ -270,18 +344,35 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
 
     async def go():
         loop = asyncio.get_running_loop()
-        config = gate_config(policy, model=model, fixed_estimate=fixed_estimate) if batching is None else batching
-        worker = lambda k, engine, deliver: SimEngine(k, true_s, failed, deliver, tokens, speed_schedule)  # noqa: E731
+        config = (
+            gate_config(policy, model=model, fixed_estimate=fixed_estimate)
+            if batching is None
+            else batching
+        )
+        worker = lambda k, engine, deliver: SimEngine(  # noqa: E731
+            k, true_s, failed, deliver, tokens, speed_schedule
+        )
         n = engines * (1 if fleet is None else fleet.replicas)
         if batching is None:
             gate = Gate([None] * n, config, clock=loop.time, worker=worker, fleet=fleet)
         else:  # one engine per replica, each drawing its replica's step noise
-            made = [(wrap_engine or (lambda e: e))(SyntheticBatchEngine(
-                batching.engine.step, seed=batching.seed, clock=loop.time,
-                schedule=() if speed_schedule is None else speed_schedule.steps, replica=r))
-                for r in range(n)]
-            gate = BatchGate(made[0], batching, clock=loop.time) if fleet is None else \
-                Gate(made, batching, clock=loop.time, fleet=fleet)
+            made = [
+                (wrap_engine or (lambda e: e))(
+                    SyntheticBatchEngine(
+                        batching.engine.step,
+                        seed=batching.seed,
+                        clock=loop.time,
+                        schedule=() if speed_schedule is None else speed_schedule.steps,
+                        replica=r,
+                    )
+                )
+                for r in range(n)
+            ]
+            gate = (
+                BatchGate(made[0], batching, clock=loop.time)
+                if fleet is None
+                else Gate(made, batching, clock=loop.time, fleet=fleet)
+            )
         async with gate:
             gate_of.append(gate)
             for i, t in enumerate(arrival):
@@ -290,12 +381,19 @@ def run_gate(trace: Trace, policy: Policy, engines: int, *, model: ServiceModel 
                     loop.call_at(t, due.set_result, None)
                     await due
                 submit(new_row(i, 1, t))
-            while pending or gate.in_service:  # retries to come; runs whose client left still hold their engine
+            # retries to come; runs whose client left still hold their engine
+            while pending or gate.in_service:
                 await asyncio.sleep(0.01)
             if batching is None:
                 return gate.stats()
-            return {**gate.stats(), "step_log": [list(step) for step in gate.driver.step_log],  # every step
-                    "step_models": gate.step_page(cursor=0, limit=len(gate.driver.step_log))["step_models"]}
+            # every step
+            return {
+                **gate.stats(),
+                "step_log": [list(step) for step in gate.driver.step_log],
+                "step_models": gate.step_page(cursor=0, limit=len(gate.driver.step_log))[
+                    "step_models"
+                ],
+            }
 
     stats = on_virtual_clock(go)
     frame = pd.DataFrame(rows)

@@ -25,17 +25,26 @@ class KeepMargin(Rule):
     def check(self, view: View) -> Rejection | None:
         if view.deadline_s is None:
             return None
-        wait = view.wait  # the core's estimate of its wait (a batching engine's projection where there is one)
+        # the core's estimate of its wait (a batching engine's projection where there is one)
+        wait = view.wait
         if wait + view.est_service_s > view.deadline_s - self.margin_s:
-            return Rejection(Reason.DEADLINE_UNREACHABLE, {"wait_s": wait, "est_service_s": view.est_service_s,
-                                                           "deadline_s": view.deadline_s, "margin_s": self.margin_s},
-                             retry_after(wait))
+            return Rejection(
+                Reason.DEADLINE_UNREACHABLE,
+                {
+                    "wait_s": wait,
+                    "est_service_s": view.est_service_s,
+                    "deadline_s": view.deadline_s,
+                    "margin_s": self.margin_s,
+                },
+                retry_after(wait),
+            )
         return None
 
 
 @dataclass(frozen=True)
 class Margin(Policy):
-    """Predictive admission and expiry at the front, with ``margin_s`` seconds kept free before each deadline."""
+    """Predictive admission and expiry at the front, with ``margin_s`` seconds kept free before
+    each deadline."""
 
     predictive: bool = True
     expire_at_front: bool = True

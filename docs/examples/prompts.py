@@ -22,8 +22,11 @@ class PromptBound(Rule):
 
     def check(self, view: View) -> Rejection | None:
         if view.prompt_tokens > self.max_prompt_tokens:  # the view is read by name
-            return Rejection(Reason.TOO_LARGE, {"prompt_tokens": view.prompt_tokens,
-                                                "max_prompt_tokens": self.max_prompt_tokens}, None)
+            return Rejection(
+                Reason.TOO_LARGE,
+                {"prompt_tokens": view.prompt_tokens, "max_prompt_tokens": self.max_prompt_tokens},
+                None,
+            )
         return None
 
 

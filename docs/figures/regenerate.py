@@ -2,8 +2,8 @@
 
     .venv/bin/python docs/figures/regenerate.py [--runs runs] [--workers N]
 
-runs (or resumes) experiments/{policies,retries,estimation,stale,cancellation,batching}.toml into RUNS/NAME
-(about 30 minutes on 2 cores the first time, nothing after), then writes
+runs (or resumes) experiments/{policies,retries,estimation,stale,cancellation,batching}.toml into
+RUNS/NAME (about 30 minutes on 2 cores the first time, nothing after), then writes
 policies.png (every policy without clients, analysis.plots.policy_comparison),
 policies_by_client.png (three policies with two tenants, analysis.plots.by_client) and the
 figures `qlab plot` draws of the others (retries, recovery, estimation, stale, cancellation,
@@ -27,8 +27,13 @@ from experiments.cli import main as qlab
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 #: Sweep name -> the figures of `qlab plot` kept from it.
-PLOTTED = {"retries": ("retries", "recovery"), "estimation": ("estimation",), "stale": ("stale",),
-           "cancellation": ("cancellation",), "batching": ("goodput_vs_refused",)}
+PLOTTED = {
+    "retries": ("retries", "recovery"),
+    "estimation": ("estimation",),
+    "stale": ("stale",),
+    "cancellation": ("cancellation",),
+    "batching": ("goodput_vs_refused",),
+}
 TENANT_POLICIES = ["predictive", "predictive-priority", "predictive-fair"]
 DPI = 110
 
@@ -53,12 +58,22 @@ def _policies(folder: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="where the sweeps are (default: runs)")
+    parser.add_argument(
+        "--runs", type=Path, default=ROOT / "runs", help="where the sweeps are (default: runs)"
+    )
     parser.add_argument("--workers", help="local processes of each sweep (default: all cores)")
     args = parser.parse_args(argv)
     for name in ("policies", *PLOTTED):
-        _run(["sweep", str(ROOT / "experiments" / f"{name}.toml"), "--out", str(args.runs / name), "--quiet",
-              *(["--workers", args.workers] if args.workers else [])])
+        _run(
+            [
+                "sweep",
+                str(ROOT / "experiments" / f"{name}.toml"),
+                "--out",
+                str(args.runs / name),
+                "--quiet",
+                *(["--workers", args.workers] if args.workers else []),
+            ]
+        )
     _policies(args.runs / "policies")
     with tempfile.TemporaryDirectory() as tmp:
         for name, figures in PLOTTED.items():

@@ -44,16 +44,29 @@ def search(scale: Scale):
     seeds = FLEET_SEEDS if scale.seeds is None else min(FLEET_SEEDS, scale.seeds)
     seconds = FLEET_SECONDS if scale.duration_s is None else min(FLEET_SECONDS, scale.duration_s)
     grid = {"replicas": [FLEET_REPLICAS], "router": list(FLEET_ROUTERS)}
-    cfg = capacity.search_config(list(FLEET_POLICIES), ["poisson"], seconds=seconds, seeds=seeds,
-                                 grid=grid, where="<study fleet>")
-    return capacity.Search(cfg, parse_objectives(CAPACITY_OBJECTIVE),
-                           capacity.Bounds(tolerance=scale.capacity_tolerance))
+    cfg = capacity.search_config(
+        list(FLEET_POLICIES),
+        ["poisson"],
+        seconds=seconds,
+        seeds=seeds,
+        grid=grid,
+        where="<study fleet>",
+    )
+    return capacity.Search(
+        cfg,
+        parse_objectives(CAPACITY_OBJECTIVE),
+        capacity.Bounds(tolerance=scale.capacity_tolerance),
+    )
 
 
 def _inputs(ctx: Context) -> dict:
     spec = search(ctx.scale)
-    return {"config": spec.config.canonical(), "objective": written(spec.objective),
-            "level": spec.level, "bounds": dataclasses.asdict(spec.bounds)}
+    return {
+        "config": spec.config.canonical(),
+        "objective": written(spec.objective),
+        "level": spec.level,
+        "bounds": dataclasses.asdict(spec.bounds),
+    }
 
 
 def _run(ctx: Context, folder: Path) -> None:
@@ -89,16 +102,21 @@ def hypothesis_6(results: list[dict]) -> Verdict:
     """H6: a load-aware router with predictive admission keeps 90 % in time to a higher load per
     replica than random routing with per-replica count bounds, and late binding (one central
     queue) to a higher one than early binding (jsq), both with predictive admission."""
-    claim = ("in a fleet of 4, a load-aware router (jsq) with predictive admission answers 90 % "
-             "in time at a higher load per replica than random routing with a count bound "
-             "(bounded), and late binding (central) at a higher one than early binding (jsq)")
+    claim = (
+        "in a fleet of 4, a load-aware router (jsq) with predictive admission answers 90 % "
+        "in time at a higher load per replica than random routing with a count bound "
+        "(bounded), and late binding (central) at a higher one than early binding (jsq)"
+    )
     parts = [above(results, AWARE, BLIND), above(results, LATE, EARLY)]
     words = [ok for ok, _ in parts]
     supported = None if None in words else all(words)
     # Which half of the first pair carries it: the gate alone, behind the blind router.
     gate = _find(results, Unit(AWARE.policy, BLIND.router))
-    alone = [] if gate is None or gate["load"] is None else [
-        f"{gate['policy']} behind {gate['router']} alone reaches {_text(gate)}"]
+    alone = (
+        []
+        if gate is None or gate["load"] is None
+        else [f"{gate['policy']} behind {gate['router']} alone reaches {_text(gate)}"]
+    )
     evidence = "; ".join([*(text for _, text in parts), *alone])
     rule = "; a pair holds where the first one's interval starts at or past the second one's end"
     return Verdict("H6", claim, supported, evidence + rule)
@@ -121,23 +139,31 @@ def _report(ctx: Context, folder: Path) -> list:
     # One panel: the search's own title is wider than it.
     figure.suptitle("share in time against load per replica", fontsize=10)
     return [
-        Text(f"{FLEET_REPLICAS} replicas of one engine each behind a router "
-             f"({', '.join(FLEET_ROUTERS)}), each replica gated by {' or '.join(FLEET_POLICIES)}: "
-             f"the highest load per replica answering 90 % in time ({data['objective']}, the mean "
-             f"over {data['seeds']} seeds of {data['duration_s']:g} simulated s of Poisson "
-             "arrivals), searched by qlab capacity --replicas as in the capacity section. random "
-             "and jsq bind a request to a replica on arrival (early), central holds one queue and "
-             "hands each request to the first replica free (late), so the gate sees one queue: "
-             "bounded's 8 waiting are then the fleet's, not each replica's."),
+        Text(
+            f"{FLEET_REPLICAS} replicas of one engine each behind a router "
+            f"({', '.join(FLEET_ROUTERS)}), each replica gated by {' or '.join(FLEET_POLICIES)}: "
+            f"the highest load per replica answering 90 % in time ({data['objective']}, the mean "
+            f"over {data['seeds']} seeds of {data['duration_s']:g} simulated s of Poisson "
+            "arrivals), searched by qlab capacity --replicas as in the capacity section. random "
+            "and jsq bind a request to a replica on arrival (early), central holds one queue and "
+            "hands each request to the first replica free (late), so the gate sees one queue: "
+            "bounded's 8 waiting are then the fleet's, not each replica's."
+        ),
         hypothesis_6(data["results"]),
-        Table(capacity_table(results, data["bounds"]).rename(
-                  columns={"policy": "policy / router"}),
-              "the fleet: each policy and router's capacity per replica, and the fleet's "
-              "requests/s at it"),
-        Figure("fleet_capacity", png(figure), "share in time at every load per replica the search "
-               "tried, each policy / router's capacity (diamond) and its 95 % interval (bar)"),
+        Table(
+            capacity_table(results, data["bounds"]).rename(columns={"policy": "policy / router"}),
+            "the fleet: each policy and router's capacity per replica, and the fleet's "
+            "requests/s at it",
+        ),
+        Figure(
+            "fleet_capacity",
+            png(figure),
+            "share in time at every load per replica the search "
+            "tried, each policy / router's capacity (diamond) and its 95 % interval (bar)",
+        ),
     ]
 
 
-SECTION = Section("fleet", f"A fleet of {FLEET_REPLICAS} behind routers: H6", _inputs, _run,
-                  _report)
+SECTION = Section(
+    "fleet", f"A fleet of {FLEET_REPLICAS} behind routers: H6", _inputs, _run, _report
+)

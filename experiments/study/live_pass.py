@@ -17,31 +17,45 @@ from .section import Context, Section, read_json, skippable
 
 
 def live_data(ctx: Context) -> dict:
-    """The live experiment as a ``qlab live`` TOML document: short, on vLLM where it is installed (the vLLM issue's
-    reference engine; ``--live-engine``), else on the synthetic engine (GPT-2 on CUDA). vLLM's server is started for
-    the run (:func:`_run`): the document says its shape and package (the inputs' digest), not its
-    port."""
-    server = {"engine": "synthetic", "policies": list(ctx.scale.live_policies), "startup_timeout_s": 180}
+    """The live experiment as a ``qlab live`` TOML document: short, on vLLM where it is installed
+    (the vLLM issue's reference engine; ``--live-engine``), else on the synthetic engine (GPT-2 on
+    CUDA). vLLM's server is started for the run (:func:`_run`): the document says its shape and
+    package (the inputs' digest), not its port."""
+    server = {
+        "engine": "synthetic",
+        "policies": list(ctx.scale.live_policies),
+        "startup_timeout_s": 180,
+    }
     data = {"probe": {"requests": 3}}
     if _engine(ctx) == "vllm":
         from live import vllm_server
 
-        server.update(engine="upstream", batching=True, max_num_seqs=vllm_server.ServerSpec.max_num_seqs)
+        server.update(
+            engine="upstream", batching=True, max_num_seqs=vllm_server.ServerSpec.max_num_seqs
+        )
         data["calibrate"] = {"rounds": 1, "per_size": 4}
         data["vllm"] = {"package": vllm_server.PACKAGE, "shape": VLLM_SHAPE}
     elif _cuda():
         server.update(engine="gpt2", model="random", device="cuda")
         data["calibrate"] = {"rounds": 1, "per_size": 4}
     data["server"] = server
-    data["trace"] = [{"name": "poisson", "arrivals": "poisson", "nominal_load": list(ctx.scale.live_loads),
-                      "seconds": ctx.scale.live_seconds, "seed": 1},
-                     {"name": "burst30", "arrivals": "burst:30", "seed": 1}]
+    data["trace"] = [
+        {
+            "name": "poisson",
+            "arrivals": "poisson",
+            "nominal_load": list(ctx.scale.live_loads),
+            "seconds": ctx.scale.live_seconds,
+            "seed": 1,
+        },
+        {"name": "burst30", "arrivals": "burst:30", "seed": 1},
+    ]
     return data
 
 
 #: The local model vLLM serves in the study (live.vllm_server: tiny, 4 layers x 256).
 VLLM_SHAPE = "tiny"
-#: ``--live-engine``: auto takes vLLM where its venv has it (live.vllm_server.installed), else the synthetic engine.
+#: ``--live-engine``: auto takes vLLM where its venv has it (live.vllm_server.installed), else the
+#: synthetic engine.
 LIVE_ENGINES = ("auto", "vllm", "synthetic")
 
 
@@ -111,37 +125,80 @@ def _report(ctx: Context, folder: Path) -> list:
     inputs = (read_json(folder / "inputs.json") or {}).get("inputs", {}).get("live", {})
     engine = inputs.get("server", {}).get("engine", "synthetic")
     if "vllm" in inputs:  # the reference engine: vLLM itself behind a batching upstream gate
-        engine = (f"vLLM ({inputs['vllm']['package']}, GPT-2 {inputs['vllm']['shape']} shape with random weights; "
-                  "the gate an upstream batching one) as the")
-    cols = ["trace", "policy", "nominal_load", "effective_load", "requests", "good", "late", "rejected", "expired",
-            "error", "goodput_rps", "sim_disagreements", "sim_disagreement_rate", *CAUSE_COLUMNS]
-    cols = [c for c in cols if c in summary.columns]  # a summary from before the causes were counted lacks them
+        engine = (
+            f"vLLM ({inputs['vllm']['package']}, GPT-2 {inputs['vllm']['shape']} shape with "
+            "random weights; "
+            "the gate an upstream batching one) as the"
+        )
+    cols = [
+        "trace",
+        "policy",
+        "nominal_load",
+        "effective_load",
+        "requests",
+        "good",
+        "late",
+        "rejected",
+        "expired",
+        "error",
+        "goodput_rps",
+        "sim_disagreements",
+        "sim_disagreement_rate",
+        *CAUSE_COLUMNS,
+    ]
+    # a summary from before the causes were counted lacks them
+    cols = [c for c in cols if c in summary.columns]
     blocks = [
-        Text(f"Each trace under each policy against a resident `qlab serve` ({engine} engine), order rotated, a speed "
-             "probe before and after each run; then each run replayed in the simulator with what the gate knew, "
-             "request by request (`qlab compare`), and predicted from its arrivals and the calibrated model alone "
-             f"(`qlab compare --predict`, {ctx.scale.predict_seeds} seeds of the model's noise)."),
-        Verdict("check", "the simulator and the service agree request by request",
-                None if not judged else bool(share <= 0.05),
-                f"{int(summary['sim_disagreements'].sum())} of {int(judged)} requests disagree ({share:.1%}; the "
-                "reference study found about 1.6 %; judged against 5 %)"),
+        Text(
+            f"Each trace under each policy against a resident `qlab serve` ({engine} engine), "
+            "order rotated, a speed "
+            "probe before and after each run; then each run replayed in the simulator with what "
+            "the gate knew, "
+            "request by request (`qlab compare`), and predicted from its arrivals and the "
+            "calibrated model alone "
+            f"(`qlab compare --predict`, {ctx.scale.predict_seeds} seeds of the model's noise)."
+        ),
+        Verdict(
+            "check",
+            "the simulator and the service agree request by request",
+            None if not judged else bool(share <= 0.05),
+            f"{int(summary['sim_disagreements'].sum())} of {int(judged)} requests disagree "
+            f"({share:.1%}; the "
+            "reference study found about 1.6 %; judged against 5 %)",
+        ),
         *rule_verdict(summary.to_dict("records")),
     ]
     keys = list(zip(summary["trace"], summary["policy"]))
-    runs = {key: pd.read_parquet(folder / "live" / "runs" / f"{key[0]}__{key[1]}.parquet") for key in keys}
+    runs = {
+        key: pd.read_parquet(folder / "live" / "runs" / f"{key[0]}__{key[1]}.parquet")
+        for key in keys
+    }
     predicted = pd.DataFrame([prediction(runs[key], ctx.scale.predict_seeds) for key in keys])
-    blocks += [prediction_verdict(predicted.to_dict("records"), ctx.scale.predict_seeds),
-               Table(pd.concat([summary[cols].reset_index(drop=True), predicted], axis=1),
-                     "live runs: their per-request disagreement with the simulator, and the model-only prediction's "
-                     "relative error (simulated mean minus live, over live)")]
+    blocks += [
+        prediction_verdict(predicted.to_dict("records"), ctx.scale.predict_seeds),
+        Table(
+            pd.concat([summary[cols].reset_index(drop=True), predicted], axis=1),
+            "live runs: their per-request disagreement with the simulator, and the "
+            "model-only prediction's "
+            "relative error (simulated mean minus live, over live)",
+        ),
+    ]
     for _, row in summary[summary["trace"] != "burst30"].iterrows():
         run = runs[(row["trace"], row["policy"])]
         png = folder / f"compare-{row['trace']}__{row['policy']}.png"
         compare.figure(compare.compare(run), png)
-        blocks.append(Figure(png.stem, png.read_bytes(), f"simulator against service, {row['policy']} at nominal load "
-                                                         f"{row['nominal_load']:g}"))
+        blocks.append(
+            Figure(
+                png.stem,
+                png.read_bytes(),
+                "simulator against service, "
+                f"{row['policy']} at nominal load "
+                f"{row['nominal_load']:g}",
+            )
+        )
     return blocks
 
 
-SECTION = Section("live", "A live pass and the simulator against the service", _inputs, _run,
-                  _report)
+SECTION = Section(
+    "live", "A live pass and the simulator against the service", _inputs, _run, _report
+)

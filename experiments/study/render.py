@@ -22,10 +22,14 @@ def _verdict_line(v: Verdict) -> str:
 
 def hypotheses(parts: list[tuple[Section, list]]) -> list[Verdict]:
     """The verdicts on hypotheses (not the checks), in the sections' order."""
-    return [b for _, blocks in parts for b in blocks if isinstance(b, Verdict) and b.label != "check"]
+    return [
+        b for _, blocks in parts for b in blocks if isinstance(b, Verdict) and b.label != "check"
+    ]
 
 
-def render_markdown(title: str, preface: list[str], parts: list[tuple[Section, list]], figures: str) -> str:
+def render_markdown(
+    title: str, preface: list[str], parts: list[tuple[Section, list]], figures: str
+) -> str:
     out = [f"# {title}", "", *preface, "", "## Verdicts", ""]
     out += [f"- {_verdict_line(b)}" for b in hypotheses(parts)]
     out.append("")
@@ -65,27 +69,41 @@ def _html_block(b) -> str:
     if isinstance(b, Verdict):
         kind = {True: "yes", False: "no", None: ""}[b.supported]
         name = b.label if b.label != "check" else "Check"
-        return (f'<div class="verdict {kind}"><b>{html.escape(name)} {b.word}</b>: {html.escape(b.claim)}. '
-                f"{html.escape(_sentence(b.evidence))}</div>")
+        return (
+            f'<div class="verdict {kind}"><b>{html.escape(name)} {b.word}</b>: '
+            f"{html.escape(b.claim)}. "
+            f"{html.escape(_sentence(b.evidence))}</div>"
+        )
     if isinstance(b, Table):
         shown = b.frame.map(table_cell) if len(b.frame) else b.frame
-        table = shown.to_html(index=False, border=0, escape=True) if len(b.frame) else "<p>(empty)</p>"
+        table = (
+            shown.to_html(index=False, border=0, escape=True) if len(b.frame) else "<p>(empty)</p>"
+        )
         return (f"<p><i>{html.escape(b.caption)}</i></p>" if b.caption else "") + table
     if isinstance(b, Code):
         return f"<pre>{html.escape(b.text)}</pre>"
     if isinstance(b, Failed):
         return f'<div class="verdict no"><b>FAILED</b>: {html.escape(b.error)}</div>'
     data = base64.b64encode(b.png).decode()
-    return (f'<figure><img alt="{html.escape(b.caption)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(b.caption)}</figcaption></figure>")
+    return (
+        f'<figure><img alt="{html.escape(b.caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{html.escape(b.caption)}</figcaption></figure>"
+    )
 
 
 def render_html(title: str, preface: list[str], parts: list[tuple[Section, list]]) -> str:
     verdicts = hypotheses(parts)
-    body = [f"<h1>{html.escape(title)}</h1>", *(f"<p>{html.escape(p)}</p>" for p in preface), "<h2>Verdicts</h2>",
-            "<ul>" + "".join(f"<li>{_html_block(v)}</li>" for v in verdicts) + "</ul>"]
+    body = [
+        f"<h1>{html.escape(title)}</h1>",
+        *(f"<p>{html.escape(p)}</p>" for p in preface),
+        "<h2>Verdicts</h2>",
+        "<ul>" + "".join(f"<li>{_html_block(v)}</li>" for v in verdicts) + "</ul>",
+    ]
     for number, (section, blocks) in enumerate(parts, 1):
         body.append(f'<h2 id="{section.name}">{number}. {html.escape(section.title)}</h2>')
         body += [_html_block(b) for b in blocks]
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta '
+        f'charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )

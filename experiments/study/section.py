@@ -37,7 +37,8 @@ class Context:
 class Section:
     name: str
     title: str
-    inputs: Callable[[Context], dict]  # what decides the results; {"unavailable": why} when it cannot run
+    # what decides the results; {"unavailable": why} when it cannot run
+    inputs: Callable[[Context], dict]
     run: Callable[[Context, Path], None]  # write results into the folder (resuming what is there)
     report: Callable[[Context, Path], list]  # the blocks, read back from the folder
 
@@ -60,11 +61,15 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def check_out(out: Path) -> None:
-    """OUT must be a folder that is new, empty or a study's; never a file or another tool's folder."""
+    """OUT must be a folder that is new, empty or a study's; never a file or another tool's
+    folder."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / "study.json").is_file():
-        raise ValueError(f"--out {out}: a folder that is not a qlab study (no study.json); choose an empty or new one")
+        raise ValueError(
+            f"--out {out}: a folder that is not a qlab study (no study.json); choose "
+            "an empty or new one"
+        )
 
 
 def run_section(ctx: Context, section: Section, force: bool = False) -> str:
@@ -80,7 +85,8 @@ def run_section(ctx: Context, section: Section, force: bool = False) -> str:
     started = read_json(folder / "inputs.json")
     fresh = force or started is None or started.get("digest") != digest
     if fresh:
-        shutil.rmtree(folder, ignore_errors=True)  # another question's results (or none): nothing to resume
+        # another question's results (or none): nothing to resume
+        shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "done.json").unlink(missing_ok=True)
     write_json(folder / "inputs.json", {"digest": digest, "inputs": inputs})
@@ -90,7 +96,9 @@ def run_section(ctx: Context, section: Section, force: bool = False) -> str:
 
 
 def skippable(name: str, data: Callable[[Context], dict]) -> Callable[[Context], dict]:
-    """A live section's inputs; with --skip-live, those of a pass finished earlier (reported, not run again)."""
+    """A live section's inputs; with --skip-live, those of a pass finished earlier (reported, not
+    run again)."""
+
     def inputs(ctx: Context) -> dict:
         if ctx.skip_live:
             folder = ctx.out / "sections" / name
@@ -99,4 +107,5 @@ def skippable(name: str, data: Callable[[Context], dict]) -> Callable[[Context],
                 return started["inputs"]
             return {"unavailable": "skipped (--skip-live)"}
         return data(ctx)
+
     return inputs

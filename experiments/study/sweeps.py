@@ -17,7 +17,8 @@ HERE = Path(__file__).resolve().parents[1]
 
 
 def scaled(cfg, scale: Scale, loads: bool = False):
-    """A sweep config cut to the scale: at most its seeds and seconds, and the scale's loads if asked."""
+    """A sweep config cut to the scale: at most its seeds and seconds, and the scale's loads if
+    asked."""
     changes = {}
     if scale.seeds is not None:
         changes["seeds"] = min(cfg.seeds, scale.seeds)
@@ -41,8 +42,12 @@ BATCHING_FILE = "batching.toml"
 def _own_scale(file: str, scale: Scale) -> Scale:
     if file != BATCHING_FILE:
         return scale
-    return dataclasses.replace(scale, seeds=scale.batching_seeds, duration_s=scale.batching_duration_s,
-                               loads=scale.batching_loads)
+    return dataclasses.replace(
+        scale,
+        seeds=scale.batching_seeds,
+        duration_s=scale.batching_duration_s,
+        loads=scale.batching_loads,
+    )
 
 
 def _inputs(file: str, loads: bool = False) -> Callable[[Context], dict]:
@@ -56,6 +61,7 @@ def _inputs(file: str, loads: bool = False) -> Callable[[Context], dict]:
         except ConfigError as exc:  # e.g. an axis this qlab's sweeps do not know yet
             return {"unavailable": f"experiments/{file} does not load here: {exc}"}
         return {"file": f"experiments/{file}", "config": cfg.canonical()}
+
     return inputs
 
 
@@ -65,6 +71,7 @@ def _run(file: str, loads: bool = False) -> Callable[[Context, Path], None]:
 
         cfg = _config(file, ctx.scale, loads)
         sweep.run(cfg, folder / "sweep", workers=ctx.workers, quiet=True)
+
     return run
 
 
@@ -84,7 +91,8 @@ def sweep_table(summary: pd.DataFrame, caption: str) -> Table:
     return Table(summary_table(summary), caption)
 
 
-def sweep_section(name: str, title: str, file: str, report: Callable[[Context, Path], list],
-                  loads: bool = False) -> Section:
+def sweep_section(
+    name: str, title: str, file: str, report: Callable[[Context, Path], list], loads: bool = False
+) -> Section:
     """A section that runs experiments/FILE as a sweep (with the scale's loads, if ``loads``)."""
     return Section(name, title, _inputs(file, loads), _run(file, loads), report)

@@ -19,8 +19,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hypothesis.stateful import run_state_machine_as_test
 
 from ..config import ServerConfig, StallRule
-from ..disciplines import (AdaptiveLifo, CoDel, Edf, FairShare, Fifo, Keyed, Lifo, Priority,
-                           ShortestFirst)
+from ..disciplines import (
+    AdaptiveLifo,
+    CoDel,
+    Edf,
+    FairShare,
+    Fifo,
+    Keyed,
+    Lifo,
+    Priority,
+    ShortestFirst,
+)
 from ..entry import Entry
 from ..policy import PRESETS, Policy, Rejection
 from ..queue import AdmissionQueue
@@ -75,8 +84,11 @@ class DisciplineCase:
 
     def __post_init__(self) -> None:
         if self.order is DECLARED and not isinstance(self.make(), Keyed):
-            raise ValueError(f"discipline {self.name!r} declares no key (it is not a qsim.disciplines.Keyed): "
-                             "give the order it promises, order=..., or order=None to promise none")
+            raise ValueError(
+                f"discipline {self.name!r} declares no key (it is not a "
+                "qsim.disciplines.Keyed): "
+                "give the order it promises, order=..., or order=None to promise none"
+            )
 
 
 #: Every discipline qsim ships, with the order it promises (tests/test_queue.py checks each; a
@@ -96,14 +108,18 @@ DISCIPLINES: tuple[DisciplineCase, ...] = (
 
 
 def _queued_in(policy: Policy, case: DisciplineCase) -> Policy:
-    """``policy`` (its class, its fields, its own rule) with its queue in ``case``'s discipline, watched."""
-    return _watched_class(type(policy), case)(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+    """``policy`` (its class, its fields, its own rule) with its queue in ``case``'s discipline,
+    watched."""
+    return _watched_class(type(policy), case)(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    )
 
 
 @functools.cache
 def _watched_class(kind: type, case: DisciplineCase) -> type:
-    """A subclass of a policy class whose queue is ``case``'s discipline, watched: a policy class that overrides
-    make_discipline, as one of one's own does (docs/policies.md)."""
+    """A subclass of a policy class whose queue is ``case``'s discipline, watched: a policy class
+    that overrides make_discipline, as one of one's own does (docs/policies.md)."""
+
     class Watched(kind):
         def make_discipline(self):
             return _Watched(case)
@@ -113,11 +129,13 @@ def _watched_class(kind: type, case: DisciplineCase) -> type:
 
 
 class _Watched:
-    """The discipline under test, checked at every pop against the order it promises; otherwise itself."""
+    """The discipline under test, checked at every pop against the order it promises; otherwise
+    itself."""
 
     def __init__(self, case: DisciplineCase) -> None:
         self.inner, self.case = case.make(), case
-        self.broken = False  # it broke its promise: the queue popped an entry and lost it to the raise
+        # it broke its promise: the queue popped an entry and lost it to the raise
+        self.broken = False
 
     def push(self, entry) -> None:
         self.inner.push(entry)
@@ -130,15 +148,20 @@ class _Watched:
             mine = next((k for k, e in keyed if e is entry), None)
             if mine is None:
                 self.broken = True
-                raise InvariantBroken(f"discipline {self.case.name}",
-                                      f"popped request {entry.req!r}, which was not waiting")
+                raise InvariantBroken(
+                    f"discipline {self.case.name}",
+                    f"popped request {entry.req!r}, which was not waiting",
+                )
             ahead = [(k, e) for k, e in keyed if k < mine]
             if ahead:
                 key, other = min(ahead, key=lambda item: item[0])
                 self.broken = True
-                raise InvariantBroken(f"discipline {self.case.name}'s order",
-                                      f"popped request {entry.req!r} (key {mine!r}) while request {other.req!r} "
-                                      f"(key {key!r}) waited at t={now}")
+                raise InvariantBroken(
+                    f"discipline {self.case.name}'s order",
+                    f"popped request {entry.req!r} (key {mine!r}) while request "
+                    f"{other.req!r} "
+                    f"(key {key!r}) waited at t={now}",
+                )
         return entry
 
     def remove(self, entry) -> None:
@@ -151,8 +174,8 @@ class _Watched:
         return iter(self.inner)
 
     def __getattr__(self, name: str):
-        # What the queue may ask of a discipline beyond the five (drop_reason, started, ahead_s) is the
-        # inner one's, present or absent alike.
+        # What the queue may ask of a discipline beyond the five (drop_reason, started, ahead_s) is
+        # the inner one's, present or absent alike.
         if name == "inner":  # not set yet: no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
@@ -163,26 +186,35 @@ class _Watched:
 
 def preset_policies() -> st.SearchStrategy[Policy]:
     """Every preset, sometimes with a queue bound of 0 to 5 of its own."""
+
     def preset(name: str, bound: int | None) -> Policy:
         return PRESETS[name] if bound is None else PRESETS[name].with_overrides(max_queue=bound)
 
     return st.builds(preset, st.sampled_from(sorted(PRESETS)), st.none() | st.integers(0, 5))
 
 
-#: What an arrival brings: its calibrated estimate, its deadline (None: the policy's), priority and client.
-_ARRIVAL = st.tuples(st.floats(0.01, 1.0), st.none() | st.floats(0.05, 3.0), st.integers(-1, 2),
-                     st.sampled_from([None, "a", "b", "c"]))
+#: What an arrival brings: its calibrated estimate, its deadline (None: the policy's), priority and
+#: client.
+_ARRIVAL = st.tuples(
+    st.floats(0.01, 1.0),
+    st.none() | st.floats(0.05, 3.0),
+    st.integers(-1, 2),
+    st.sampled_from([None, "a", "b", "c"]),
+)
 
 
-def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
-                  disciplines: Iterable[DisciplineCase] = DISCIPLINES) -> type[RuleBasedStateMachine]:
-    """A hypothesis state machine that drives :class:`~qsim.queue.AdmissionQueue` under a policy drawn from
-    ``policy`` (default: :func:`preset_policies`) and a discipline drawn from ``disciplines`` (each is checked against
-    its promised order at every pop), through any interleaving of arrivals, the passing of time, finishes
-    (good or failed), stalls, cancels and give-ups, and checks after every step: one outcome per request and
-    every request accounted for (waiting, running or ended, never two of these), at most K in service, no idle
-    engine while one waits, the queue bound, the summed estimate. At the end
-    every engine hands its request back and every request must have exactly one outcome.
+def queue_machine(
+    policy: st.SearchStrategy[Policy] | None = None,
+    disciplines: Iterable[DisciplineCase] = DISCIPLINES,
+) -> type[RuleBasedStateMachine]:
+    """A hypothesis state machine that drives :class:`~qsim.queue.AdmissionQueue` under a policy
+    drawn from ``policy`` (default: :func:`preset_policies`) and a discipline drawn from
+    ``disciplines`` (each is checked against its promised order at every pop), through any
+    interleaving of arrivals, the passing of time, finishes (good or failed), stalls, cancels and
+    give-ups, and checks after every step: one outcome per request and every request accounted for
+    (waiting, running or ended, never two of these), at most K in service, no idle engine while one
+    waits, the queue bound, the summed estimate. At the end every engine hands its request back and
+    every request must have exactly one outcome.
 
     Built when called, from the cases given then."""
     cases = tuple(disciplines)
@@ -191,13 +223,20 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
     policy = preset_policies() if policy is None else policy
 
     class QueueMachine(RuleBasedStateMachine):
-        @initialize(engines=st.integers(1, 4), policy=policy, stall=st.booleans(), case=st.sampled_from(cases))
+        @initialize(
+            engines=st.integers(1, 4),
+            policy=policy,
+            stall=st.booleans(),
+            case=st.sampled_from(cases),
+        )
         def setup(self, engines, policy, stall, case):
             self.case, self.policy = case, policy
             self.now = 0.0
             self.outcomes: dict[int, str] = {}
             self.next_id = 0
-            config = ServerConfig(_queued_in(policy, case), engines, stall=StallRule(2.0, 0.5) if stall else None)
+            config = ServerConfig(
+                _queued_in(policy, case), engines, stall=StallRule(2.0, 0.5) if stall else None
+            )
             self.q = AdmissionQueue(config, start=self._start, drop=self._drop)
 
         # -- hooks ----------------------------------------------------------------------------
@@ -205,19 +244,27 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
         def _start(self, k, req, now, est):
             entry = self.q.running[k]
             if entry is None or entry.req != req or now != self.now:
-                raise InvariantBroken("start", f"request {req} started on engine {k} at t={now}, which holds "
-                                               f"{entry and entry.req!r} at t={self.now}")
+                raise InvariantBroken(
+                    "start",
+                    f"request {req} started on engine {k} at t={now}, "
+                    "which holds "
+                    f"{entry and entry.req!r} at t={self.now}",
+                )
 
         def _drop(self, req, now, outcome, reason, est, retry_after_s):
             self._end(req, outcome)
 
         def _end(self, req, outcome):
             if req in self.outcomes:
-                raise InvariantBroken("one outcome per request", f"request {req} ended twice: {self.outcomes[req]}, "
-                                                                 f"then {outcome}")
+                raise InvariantBroken(
+                    "one outcome per request",
+                    f"request {req} ended twice: {self.outcomes[req]}, then {outcome}",
+                )
             if outcome not in OUTCOMES:
-                raise InvariantBroken("one outcome per request",
-                                      f"request {req} ended {outcome!r}, not one of {OUTCOMES}")
+                raise InvariantBroken(
+                    "one outcome per request",
+                    f"request {req} ended {outcome!r}, not one of {OUTCOMES}",
+                )
             self.outcomes[req] = outcome
 
         def _busy(self) -> list[int]:
@@ -240,13 +287,15 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
             if isinstance(refusal, Rejection):
                 self._end(req, "rejected")
             elif refusal is not None:
-                raise InvariantBroken("arrival", f"request {req}: arrive() returned {refusal!r}, "
-                                                 "neither None nor a Rejection")
+                raise InvariantBroken(
+                    "arrival",
+                    f"request {req}: arrive() returned {refusal!r}, neither None nor a Rejection",
+                )
 
         @rule(arrivals=st.lists(st.tuples(st.floats(0, 0.2), _ARRIVAL), min_size=2, max_size=8))
         def several(self, arrivals):
-            # Arrivals close together fill the queue, so that a pop has a choice to make (and a wrong
-            # promise is found in a few dozen examples).
+            # Arrivals close together fill the queue, so that a pop has a choice to make (and a
+            # wrong promise is found in a few dozen examples).
             for dt, args in arrivals:
                 self.now += dt
                 self.arrive(*args)
@@ -260,12 +309,21 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
             outcome = self.q.finished(k, self.now, engine_s, ok)
             if outcome is not None:
                 if outcome not in (("good", "late") if ok else ("error",)):
-                    raise InvariantBroken("outcome", f"request {req} finished {'ok' if ok else 'failed'} "
-                                                     f"and was judged {outcome}")
+                    raise InvariantBroken(
+                        "outcome",
+                        f"request {req} finished "
+                        f"{'ok' if ok else 'failed'} "
+                        f"and was judged {outcome}",
+                    )
                 self._end(req, outcome)
             if not ok and self.q.tracker.factor != factor:
-                raise InvariantBroken("a failure teaches nothing", f"request {req} failed and the speed factor "
-                                                                   f"moved from {factor} to {self.q.tracker.factor}")
+                raise InvariantBroken(
+                    "a failure teaches nothing",
+                    f"request {req} failed and the "
+                    "speed factor "
+                    f"moved from {factor} to "
+                    f"{self.q.tracker.factor}",
+                )
 
         @precondition(lambda self: any(e is not None for e in self.q.running))
         @rule(data=st.data())
@@ -292,44 +350,62 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
         def at_most_k_in_service(self):
             busy = self._busy()
             if not len(busy) == self.q.in_service <= self.q.engines:
-                raise InvariantBroken("at most K in service", f"engines {busy} hold a request, in_service says "
-                                                              f"{self.q.in_service}, K = {self.q.engines}")
+                raise InvariantBroken(
+                    "at most K in service",
+                    f"engines {busy} hold a request, "
+                    "in_service says "
+                    f"{self.q.in_service}, K = "
+                    f"{self.q.engines}",
+                )
             idle = [k for k, e in enumerate(self.q.running) if e is None]
             if sorted(self.q.idle) != idle:
-                raise InvariantBroken("at most K in service", f"idle list {sorted(self.q.idle)}, engines holding "
-                                                              f"nothing {idle}")
+                raise InvariantBroken(
+                    "at most K in service",
+                    f"idle list {sorted(self.q.idle)}, engines holding nothing {idle}",
+                )
 
         @invariant()
         def no_idle_engine_while_one_waits(self):
-            waiting = [e.req for e in self.q.waiting]  # its entries, not its len(): a discipline may miscount
+            # its entries, not its len(): a discipline may miscount
+            waiting = [e.req for e in self.q.waiting]
             if self.q.idle and waiting:
-                raise InvariantBroken("no idle engine while work waits", f"engines {sorted(self.q.idle)} idle while "
-                                                                         f"requests {waiting} wait")
+                raise InvariantBroken(
+                    "no idle engine while work waits",
+                    f"engines {sorted(self.q.idle)} idle while requests {waiting} wait",
+                )
 
         @invariant()
         def bound_held(self):
             bound = self.policy.max_queue
             if bound is not None and len(self.q.waiting) > bound:
-                raise InvariantBroken("queue bound", f"{len(self.q.waiting)} wait under a bound of {bound}: "
-                                                     f"{[e.req for e in self.q.waiting]}")
+                raise InvariantBroken(
+                    "queue bound",
+                    f"{len(self.q.waiting)} wait under a bound of "
+                    f"{bound}: "
+                    f"{[e.req for e in self.q.waiting]}",
+                )
 
         @invariant()
         def summed_estimate_is_the_sum_over_the_waiting(self):
             total = sum(e.base_s for e in self.q.waiting)
             if not math.isclose(self.q.waiting_base_s, total, abs_tol=1e-9):
-                raise InvariantBroken("summed estimate", f"waiting_base_s {self.q.waiting_base_s} but the waiting "
-                                                         f"sum to {total}")
+                raise InvariantBroken(
+                    "summed estimate",
+                    f"waiting_base_s {self.q.waiting_base_s} but the waiting sum to {total}",
+                )
 
         @invariant()
         def every_request_accounted_for(self):
             waiting = {e.req for e in self.q.waiting}
-            running = {e.req for k, e in enumerate(self.q.running) if e is not None and not self.q.ended[k]}
+            running = {
+                e.req for k, e in enumerate(self.q.running) if e is not None and not self.q.ended[k]
+            }
             _partition(waiting, running, self.outcomes, self.next_id)
 
         def teardown(self):
-            # At rest (every engine hands its request back, the queue drains) each request has one outcome.
-            # Not after a broken promise: the queue lost the entry it popped, and the drain would report that
-            # instead of the promise.
+            # At rest (every engine hands its request back, the queue drains) each request has one
+            # outcome. Not after a broken promise: the queue lost the entry it popped, and the drain
+            # would report that instead of the promise.
             if not hasattr(self, "q") or self.q.waiting.broken:
                 return
             for _ in range(10 * (self.next_id + 1)):
@@ -343,7 +419,9 @@ def queue_machine(policy: st.SearchStrategy[Policy] | None = None,
                     self._end(req, outcome)
             _partition({e.req for e in self.q.waiting}, set(), self.outcomes, self.next_id)
 
-    QueueMachine.__name__ = QueueMachine.__qualname__ = f"QueueMachine[{', '.join(c.name for c in cases)}]"
+    QueueMachine.__name__ = QueueMachine.__qualname__ = (
+        f"QueueMachine[{', '.join(c.name for c in cases)}]"
+    )
     return QueueMachine
 
 
@@ -353,24 +431,44 @@ def _partition(waiting: set, running: set, outcomes: Mapping, n: int) -> None:
         both = group & set(outcomes)
         if both:
             req = min(both)
-            raise InvariantBroken("one outcome per request", f"request {req} is {name} but already ended "
-                                                             f"{outcomes[req]}")
+            raise InvariantBroken(
+                "one outcome per request",
+                f"request {req} is {name} but already ended {outcomes[req]}",
+            )
     if waiting & running:
-        raise InvariantBroken("conservation", f"request {min(waiting & running)} is both waiting and running")
+        raise InvariantBroken(
+            "conservation", f"request {min(waiting & running)} is both waiting and running"
+        )
     lost = set(range(n)) - waiting - running - set(outcomes)
     if lost:
-        raise InvariantBroken("one outcome per request", f"request {min(lost)} has no outcome and is neither "
-                                                         f"waiting nor running (lost)")
+        raise InvariantBroken(
+            "one outcome per request",
+            f"request {min(lost)} has no outcome and is neither waiting nor running (lost)",
+        )
 
 
-def check_queue_core(policy: st.SearchStrategy[Policy] | None = None,
-                     disciplines: Iterable[DisciplineCase] = DISCIPLINES, *, max_examples: int = 100,
-                     steps: int = 40, shrink: bool = True) -> None:
-    """Run :func:`queue_machine` now, for ``max_examples`` sequences of up to ``steps`` events; raises the first
-    broken invariant with the events that led to it, shrunk by hypothesis to a few (``shrink``; shrinking a
-    long sequence takes seconds, which a test that only needs the failure can save)."""
+def check_queue_core(
+    policy: st.SearchStrategy[Policy] | None = None,
+    disciplines: Iterable[DisciplineCase] = DISCIPLINES,
+    *,
+    max_examples: int = 100,
+    steps: int = 40,
+    shrink: bool = True,
+) -> None:
+    """Run :func:`queue_machine` now, for ``max_examples`` sequences of up to ``steps`` events;
+    raises the first broken invariant with the events that led to it, shrunk by hypothesis to a few
+    (``shrink``; shrinking a long sequence takes seconds, which a test that only needs the failure
+    can save)."""
     machine = queue_machine(policy, disciplines)
     phases = [p for p in Phase if shrink or p not in (Phase.shrink, Phase.explain)]
     # One failure, the first found: a wrong promise breaks many steps, one explanation is enough.
-    run_state_machine_as_test(machine, settings=settings(max_examples=max_examples, stateful_step_count=steps,
-                                                         deadline=None, report_multiple_bugs=False, phases=phases))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=max_examples,
+            stateful_step_count=steps,
+            deadline=None,
+            report_multiple_bugs=False,
+            phases=phases,
+        ),
+    )
