@@ -46,6 +46,7 @@ __all__ = [
     "Rule",
     "RuleState",
     "Sheddable",
+    "StateRule",
     "Shedding",
     "TokenBound",
     "TpotObjective",
@@ -196,7 +197,21 @@ def take_token(
 
 
 @dataclass(frozen=True)
-class ClientRate(Rule):
+class StateRule(Rule):
+    """A rule whose work is all in its per-run state (:meth:`Rule.state`): its check on a view
+    alone admits, and reads nothing (so the fast path and a batching core's projections need
+    nothing for it). Subclass it and define :meth:`~Rule.state`."""
+
+    basic: ClassVar[bool] = True
+    projected: ClassVar[bool] = False
+    sheds_only: ClassVar[bool] = True
+
+    def check(self, view: View) -> Rejection | None:
+        return None
+
+
+@dataclass(frozen=True)
+class ClientRate(StateRule):
     """A token bucket per client (``Policy.client_rate`` requests per second, ``client_burst`` at
     once; ``rate_limited``). A client's token is spent when it asks, admitted or not by the rest
     of the policy: the limit is on what a client sends, as a gateway's token bucket is. A request
@@ -205,13 +220,6 @@ class ClientRate(Rule):
 
     rate: float
     burst: float = 1.0
-    # What its check reads: nothing (the state does the work).
-    basic: ClassVar[bool] = True
-    projected: ClassVar[bool] = False
-    sheds_only: ClassVar[bool] = True
-
-    def check(self, view: View) -> Rejection | None:
-        return None
 
     def state(self) -> RuleState:
         return _Buckets(self.rate, self.burst)
@@ -238,7 +246,7 @@ class _Buckets(RuleState):
 
 
 @dataclass(frozen=True)
-class ReserveShare(Rule):
+class ReserveShare(StateRule):
     """A reserved share for the long requests (``Policy.reserve_min_s``, ``reserve_share``): while
     fewer than ``share`` of those estimated at ``min_s`` or more (calibrated, before the speed
     factor) have been admitted lately (an EWMA of :data:`RESERVE_WEIGHT` over their arrivals),
@@ -247,12 +255,6 @@ class ReserveShare(Rule):
 
     min_s: float
     share: float = 0.0
-    basic: ClassVar[bool] = True
-    projected: ClassVar[bool] = False
-    sheds_only: ClassVar[bool] = True
-
-    def check(self, view: View) -> Rejection | None:
-        return None
 
     def state(self) -> RuleState:
         return _Reserve(self.min_s, self.share)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import numpy as np
 import pandas as pd
@@ -31,7 +30,7 @@ from qsim.entry import Work
 from qsim.mixes import Client, Prompts
 from qsim.outcomes import Reason
 from qsim.policy import PRESETS, SHEDDABLE, Policy, Rejection, View
-from qsim.rules import Arrival, ClientRate, Predictive, ReserveShare, Rule, RuleState
+from qsim.rules import Arrival, ClientRate, Predictive, ReserveShare, Rule, RuleState, StateRule
 from qsim.queue import AdmissionQueue
 
 
@@ -225,15 +224,10 @@ def test_a_rule_of_its_own_gets_the_batching_cores_projection():
 
 
 @dataclass(frozen=True)
-class AdmissionsPerClient(Rule):
+class AdmissionsPerClient(StateRule):
     """A stateful rule of one's own: at most ``most`` admissions per client in a run."""
 
     most: int
-    basic: ClassVar[bool] = True  # its check (a view alone) reads nothing: it admits
-    projected: ClassVar[bool] = False
-
-    def check(self, view: View) -> Rejection | None:
-        return None
 
     def state(self) -> RuleState:
         return _Admitted(self.most)
