@@ -64,7 +64,30 @@ def fleet_queue(config: ServerConfig, spec: FleetSpec, *, start, drop, gone, rou
     return LiveFleet(config, spec, line=line, routed=routed)
 
 
-class LiveFleet(Fleet):
+class _Readings:
+    """What the gate reads of any fleet as of one queue core: the line that decided the last
+    arrival (what it saw, its speed tracker), the deadline rule all lines share, and the
+    requests in service summed over the replicas."""
+
+    lines: list
+
+    @property
+    def seen(self):
+        return self.last.seen
+
+    @property
+    def tracker(self):
+        return self.last.tracker
+
+    def deadline_of(self, deadline_s):
+        return self.lines[0].deadline_of(deadline_s)
+
+    @property
+    def in_service(self) -> int:
+        return sum(line.in_service for line in self.lines)
+
+
+class LiveFleet(_Readings, Fleet):
     """A :class:`~qsim.fleet.Fleet` read as the gate reads one
     :class:`~qsim.queue.AdmissionQueue`."""
 
@@ -105,24 +128,7 @@ class LiveFleet(Fleet):
             for s in line.stalled_engines(now)
         ]
 
-    # -- the line that decided the last arrival ------------------------------------------
-
-    @property
-    def seen(self):
-        return self.last.seen
-
-    @property
-    def tracker(self):
-        return self.last.tracker
-
-    def deadline_of(self, deadline_s):
-        return self.lines[0].deadline_of(deadline_s)
-
     # -- sums -------------------------------------------------------------------------------
-
-    @property
-    def in_service(self) -> int:
-        return sum(line.in_service for line in self.lines)
 
     @property
     def queued_work_s(self) -> float:
@@ -281,31 +287,16 @@ def batch_fleet_queue(config: ServerConfig, spec: FleetSpec, *, line, routed) ->
     return LiveBatchFleet(config, spec, line=lambda r, cfg: line(r, cfg, BatchQueue), routed=routed)
 
 
-class _BatchReadings:
+class _BatchReadings(_Readings):
     """What the gate reads of a fleet of batching replicas beyond what the simulator reads: as of
     one :class:`~qsim.batch.BatchQueue`, summed over the replicas."""
 
     lines: list
     up: list
 
-    @property
-    def seen(self):
-        return self.last.seen
-
-    @property
-    def tracker(self):
-        return self.last.tracker
-
-    def deadline_of(self, deadline_s):
-        return self.lines[0].deadline_of(deadline_s)
-
     def forget(self, req) -> None:
         """``req`` has ended for the gate: its replica need not be kept."""
         self.where.pop(req, None)
-
-    @property
-    def in_service(self) -> int:
-        return sum(line.in_service for line in self.lines)
 
     @property
     def queued(self) -> int:
