@@ -38,7 +38,7 @@ def add_admission_at(p) -> None:
         metavar="{replica,gate}",
         help="where a fleet admits: replica (default), each replica on its own state "
         "after routing; gate, one admission at the cluster gate on the fleet's "
-        "state (all its waiting, its engines) before routing (docs/fleets.md)",
+        "state (all its waiting, its engines) before routing (docs/simulate.md)",
     )
 
 
