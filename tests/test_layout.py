@@ -244,3 +244,16 @@ def test_decoy_probe():
             Path(importlib.util.find_spec(helper).origin).resolve()
             == ROOT / "tests" / f"{helper}.py"
         )
+
+
+def test_the_readmes_map_names_every_module():
+    """The README's layout is current: every module of the packages and every benchmark script
+    is named in its map (a module added without a line there fails here)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("## Map") : readme.index("## Data attribution")]
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    files += list((ROOT / "benchmarks").glob("*.py"))
+    missing = sorted(
+        str(p.relative_to(ROOT)) for p in files if p.name != "__init__.py" and p.name not in block
+    )
+    assert not missing, f"README.md's map names none of: {', '.join(missing)}"
