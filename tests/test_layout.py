@@ -138,7 +138,6 @@ MAX_LINES = 800
 STILL_LONG: set[str] = {
     "analysis.plots",
     "analysis.replay",
-    "analysis.validation",
     "experiments.config",
     "experiments.load_commands",
     "experiments.sweep",
