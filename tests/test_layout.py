@@ -140,7 +140,6 @@ STILL_LONG: set[str] = {
     "analysis.replay",
     "experiments.config",
     "experiments.load_commands",
-    "experiments.sweep",
     "live.calibrate",
     "live.loadgen",
     "qsim.batch",
