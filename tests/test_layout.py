@@ -142,7 +142,6 @@ STILL_LONG: set[str] = {
     "experiments.load_commands",
     "live.calibrate",
     "live.loadgen",
-    "qsim.batch",
 }
 
 
