@@ -138,13 +138,10 @@ MAX_LINES = 800
 STILL_LONG: set[str] = {
     "analysis.plots",
     "analysis.replay",
-    "analysis.validation",
     "experiments.config",
     "experiments.load_commands",
-    "experiments.sweep",
     "live.calibrate",
     "live.loadgen",
-    "qsim.batch",
 }
 
 
