@@ -297,6 +297,15 @@ def test_serve_options_say_where_a_fleet_admits():
     assert argv[argv.index("--admission-at") + 1] == "gate"
     batching = _options("--batching", "--replicas", "2", "--admission-at", "gate")
     assert batching.fleet() == FleetSpec(2, make_router("round_robin"), admission="gate")
+    # What cmd_serve builds of them: one admission, the fleet's, for both replicas.
+    from live.commands import _batching_gate
+    from qsim import ServiceModel
+
+    served = _batching_gate(
+        batching, batching.make_policy(), ServiceModel(), batching.engine_model(), batching.fleet()
+    )
+    lines = served.queue.lines
+    assert served.queue.gate is lines[0].admission is lines[1].admission
     table = ServeOptions.from_table("t", {"replicas": 2, "admission_at": "gate"})
     assert table.fleet().admission == "gate" and ServeOptions.toml_kinds()["admission_at"] is str
     with pytest.raises(ValueError, match=r"^--admission-at: a fleet's options, for --replicas"):
