@@ -300,6 +300,7 @@ def simulate_arrivals(
             "router": fleet.router,
             "replica_speeds": fleet.speeds,
             "replica_down": fleet.down,
+            "admission_at": fleet.admission,
         }
     return simulate(trace, setup, speed_schedule=schedule, **faults)
 

@@ -165,6 +165,8 @@ def _announce(
     )
     if fleet is not None:
         engine = f"{fleet.replicas} replicas of {engine} behind router {fleet.router.name}"
+        if fleet.admission == "gate":
+            engine += ", admitted at the gate"
     urls = ", ".join(map(redacted, cfg.upstream_urls()))
     print(
         f"qlab serve: policy {cfg.policy}, {engine}"

@@ -6,7 +6,10 @@ the fleet's own numbering): each replica has its own line and admission (its pol
 speed tracker) and the router (:mod:`qsim.routers`) picks a replica per arrival from each
 replica's :class:`~qsim.routers.ReplicaState`, with the fleet's random stream
 (:data:`qsim.fleet.ROUTER_STREAM`). The routing is the simulator's code, not a copy: the gate
-and ``qsim.simulate(..., replicas=N, router=...)`` drive one :class:`~qsim.fleet.Fleet`.
+and ``qsim.simulate(..., replicas=N, router=...)`` drive one :class:`~qsim.fleet.Fleet`. Under
+``FleetSpec(admission="gate")`` (``qlab serve --admission-at gate``) that fleet admits once, on
+the fleet's state before routing (:mod:`qsim.gate_view`), as ``simulate(..., admission_at="gate")``
+does: the same code, so the gate needs nothing of its own for it.
 
 :class:`LiveFleet` adds only what the gate reads of its queue beyond what the simulator reads
 (engine lists across the fleet, sums for /stats), and a replica's health: a replica whose
@@ -152,6 +155,7 @@ class LiveFleet(_Readings, Fleet):
             **total,
             "speed_factor": self.speed_factor,
             "router": self.router.name,
+            "admission_at": self.spec.admission,
             "replicas": each,
         }
 
@@ -326,6 +330,7 @@ class _BatchReadings(_Readings):
             "kv_use": self.kv_use,
             "speed_factor": self.speed_factor,
             "router": self.router.name,
+            "admission_at": self.spec.admission,
             "replicas": each,
         }
 

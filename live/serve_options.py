@@ -43,7 +43,7 @@ from inputs.policyflags import from_options, policy_spec
 from inputs.tomlfiles import ConfigError
 from qsim.config import ServerConfig
 from qsim.engines import Batching
-from qsim.fleet import FleetSpec
+from qsim.fleet import ADMISSION_AT, FleetSpec
 from qsim.routers import ROUTERS, make_router
 from qsim.policy import PRESETS
 from qsim.service import LoadTerms
@@ -205,6 +205,13 @@ class ServeOptions:
     )
     router_d: int | None = _option(
         None, "power_of_d's choices (default 2)", type=argtypes.positive_int, metavar="D"
+    )
+    admission_at: str | None = _option(
+        None,
+        "where a fleet admits: replica (each replica's own admission on its own state, after "
+        "routing; default) or gate (one admission on the fleet's state, before routing: "
+        "qsim.gate_view, the simulator's --admission-at)",
+        choices=ADMISSION_AT,
     )
     batching: bool = _option(
         False,
@@ -563,7 +570,9 @@ class ServeOptions:
             raise ValueError(f"--faulty-replica {self.faulty_replica}: replicas are 0..{n - 1}")
         if n == 1:
             given = [
-                _flag(name) for name in ("router", "router_d") if getattr(self, name) is not None
+                _flag(name)
+                for name in ("router", "router_d", "admission_at")
+                if getattr(self, name) is not None
             ]
             if given:
                 raise ValueError(
@@ -571,7 +580,11 @@ class ServeOptions:
                     "(or several --upstream-url)"
                 )
             return None
-        fleet = FleetSpec(n, make_router(self.router or "round_robin", self.router_d))
+        fleet = FleetSpec(
+            n,
+            make_router(self.router or "round_robin", self.router_d),
+            admission=self.admission_at or "replica",
+        )
         # Replicas of engines one at a time, or of one batching engine each (the gate checks its
         # own config too).
         batching = self.engine_model()

@@ -72,7 +72,11 @@ def live_like_run(
         est_service_s=trace.est_service_s,
         deadline_s=trace.deadline_s,
     )
-    routed = {} if fleet is None else dict(replicas=fleet.replicas, router=fleet.router)
+    routed = (
+        {}
+        if fleet is None
+        else dict(replicas=fleet.replicas, router=fleet.router, admission_at=fleet.admission)
+    )
     sim = simulate(
         held,
         ServerConfig(gate or preset(policy), engines, stall=StallRule()),
@@ -234,6 +238,31 @@ def test_a_fleet_run_is_replayed_exactly(router, policy):
     # The same run read as one server's disagrees: the fleet is what the replay needs.
     alone = compare(run.drop(columns=["fleet"]))
     assert alone.summary["disagreements"] > 0 or router == "central"
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin"])
+@pytest.mark.parametrize("policy", ["bounded", "predictive"])
+def test_a_fleet_run_admitted_at_the_gate_is_replayed_so(router, policy):
+    """A gate started with --admission-at gate writes it in the run file's fleet column
+    (FleetSpec.to_fields' admission): qlab compare rebuilds it with admission_at="gate", request
+    by request; the same file without the key (as one written before it) reads as "replica"."""
+    import json
+
+    from qsim.fleet import FleetSpec
+    from qsim.routers import make_router
+    from qsim.runfile import fleet_spec
+
+    trace = make_trace("poisson", seed=3, noise_cv=0.3, seconds=40, load=1.3, engines=4)
+    fleet = FleetSpec(2, make_router(router), admission="gate")
+    run = live_like_run(trace, policy, engines=2, fail_every=17, fleet=fleet)
+    assert fleet_spec(run) == fleet and run["outcome"].eq("rejected").any()
+    assert_no_disagreement(compare(run))
+    old = run.copy()
+    fields = json.loads(str(old["fleet"].iloc[0]))
+    del fields["admission"]
+    old["fleet"] = pd.array([json.dumps(fields)] * len(old), dtype="string")
+    assert fleet_spec(old).admission == "replica"
+    assert compare(old).summary["disagreements"] > 0
 
 
 def test_a_fleet_s_fields_come_back_and_a_router_of_ones_own_is_named():

@@ -17,10 +17,16 @@ from virtual_time import _ENDS, run_gate
 ROUTERS = ["random", "round_robin", "jsq", "least_work", "power_of_d", "central"]
 
 
-def _agree(trace, policy, engines: int, router: str, replicas: int = 3):
-    spec = FleetSpec(replicas, make_router(router))
+def _agree(trace, policy, engines: int, router: str, replicas: int = 3, admission="replica"):
+    spec = FleetSpec(replicas, make_router(router), admission=admission)
     gate, stats = run_gate(trace, policy, engines, fleet=spec)
-    sim = simulate(trace, ServerConfig(policy, engines), replicas=replicas, router=spec.router)
+    sim = simulate(
+        trace,
+        ServerConfig(policy, engines),
+        replicas=replicas,
+        router=spec.router,
+        admission_at=admission,
+    )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
     assert gate["replica"].tolist() == sim["replica"].fillna(-1).tolist()
@@ -55,6 +61,27 @@ def test_a_fleet_of_one_engine_replicas_under_overload():
     trace = make_trace("poisson", "mix", load=2.0, engines=4, seconds=10, seed=11, noise_cv=0.3)
     sim, _ = _agree(trace, PRESETS["predictive"], 1, "power_of_d", replicas=4)
     assert sim["outcome"].eq("rejected").sum() > 20
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin", "power_of_d"])
+@pytest.mark.parametrize("policy", ["predictive", "bounded"])
+def test_a_fleet_gate_admitting_at_the_gate_matches_the_simulator_exactly(router, policy):
+    """qlab serve --replicas 3 --router NAME --admission-at gate: one admission on the fleet's
+    state before routing (qsim.gate_view, through the same Fleet), request by request equal to
+    simulate(..., admission_at="gate"); a refusal is routed nowhere (replica -1)."""
+    trace = make_trace("poisson", "mix", load=1.4, engines=6, seconds=10, seed=3, noise_cv=0.3)
+    sim, stats = _agree(trace, PRESETS[policy], 2, router, admission="gate")
+    assert len(sim) > 200 and sim["outcome"].eq("rejected").sum() > 10
+    assert sim.loc[sim["outcome"].eq("rejected"), "replica"].isna().all()
+    assert stats["admission_at"] == "gate" and stats["fleet"]["admission"] == "gate"
+    assert FleetSpec.from_fields(stats["fleet"]) == FleetSpec(
+        3, make_router(router), admission="gate"
+    )
+    # Where it admits matters: the same trace admitted per replica is another run.
+    apart = simulate(
+        trace, ServerConfig(PRESETS[policy], 2), replicas=3, router=make_router(router)
+    )
+    assert apart["outcome"].tolist() != sim["outcome"].tolist()
 
 
 # -- a replica that dies mid-run --------------------------------------------------------------
@@ -255,6 +282,52 @@ def test_serve_options_say_the_fleet():
     )
     assert up.upstream_urls() == ["http://a:1/v1", "http://b:2"] and up.fleet().replicas == 2
     assert "--upstream-url" in up.argv() and "http://a:1/v1,http://b:2" in up.argv()
+
+
+def test_serve_options_say_where_a_fleet_admits():
+    """--admission-at {replica,gate} (the simulator's flag), and [server]'s admission_at: a
+    fleet's option, refused in one line without replicas or with another value."""
+    from inputs.tomlfiles import ConfigError
+    from live.serve_options import ServeOptions
+
+    assert _options("--replicas", "3").fleet().admission == "replica"
+    gate = _options("--replicas", "3", "--router", "jsq", "--admission-at", "gate")
+    assert gate.fleet() == FleetSpec(3, make_router("jsq"), admission="gate")
+    argv = gate.argv()
+    assert argv[argv.index("--admission-at") + 1] == "gate"
+    batching = _options("--batching", "--replicas", "2", "--admission-at", "gate")
+    assert batching.fleet() == FleetSpec(2, make_router("round_robin"), admission="gate")
+    # What cmd_serve builds of them: one admission, the fleet's, for both replicas.
+    from live.commands import _batching_gate
+    from qsim import ServiceModel
+
+    served = _batching_gate(
+        batching, batching.make_policy(), ServiceModel(), batching.engine_model(), batching.fleet()
+    )
+    lines = served.queue.lines
+    assert served.queue.gate is lines[0].admission is lines[1].admission
+    table = ServeOptions.from_table("t", {"replicas": 2, "admission_at": "gate"})
+    assert table.fleet().admission == "gate" and ServeOptions.toml_kinds()["admission_at"] is str
+    with pytest.raises(ValueError, match=r"^--admission-at: a fleet's options, for --replicas"):
+        _options("--admission-at", "gate")
+    with pytest.raises(ConfigError, match=r"^t: --admission-at: a fleet's options"):
+        ServeOptions.from_table("t", {"admission_at": "gate"})
+    with pytest.raises(ConfigError, match=r"^t.admission_at: must be replica or gate, got 'pod'$"):
+        ServeOptions.from_table("t", {"replicas": 2, "admission_at": "pod"})
+
+
+def test_serve_refuses_a_bad_admission_at_in_one_line(capsys):
+    import argparse
+
+    from live.serve_options import ServeOptions
+
+    parser = argparse.ArgumentParser(prog="qlab serve")
+    ServeOptions.add_flags(parser)
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args(["--replicas", "2", "--admission-at", "pod"])
+    assert exit.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's line, as --router's
+    assert said.startswith("qlab serve: error: argument --admission-at: invalid choice: 'pod'")
 
 
 @pytest.mark.parametrize("router", ["least_work", "least_kv", "least_ttft", "central"])
@@ -472,13 +545,13 @@ BATCH_ROUTERS = [
 ]
 
 
-def _agree_batching(trace, config, router: str, replicas: int = 3):
+def _agree_batching(trace, config, router: str, replicas: int = 3, admission="replica"):
     """A gate of ``replicas`` batching replicas (the real SyntheticBatchEngine, one each) and the
     simulator's batching fleet, request by request: outcome, reason, replica, engine, start,
-    finish, first token, tokens and the admission view."""
-    spec = FleetSpec(replicas, make_router(router))
+    finish, first token, tokens and the admission view (admitted where ``admission`` says)."""
+    spec = FleetSpec(replicas, make_router(router), admission=admission)
     gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
-    sim = simulate(trace, config, replicas=replicas, router=spec.router)
+    sim = simulate(trace, config, replicas=replicas, router=spec.router, admission_at=admission)
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
     joined = sim["start_s"].notna().to_numpy()
@@ -545,6 +618,41 @@ def test_a_fleet_of_batching_replicas_matches_the_simulators_fleet_exactly(route
     if router != "central":
         assert sorted(sim["replica"].unique()) == [0, 1, 2]
     assert stats["batching"]["steps"] > 100
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin", "least_kv"])
+@pytest.mark.parametrize("policy", ["predictive", "bounded"])
+def test_batching_replicas_admitting_at_the_gate_match_the_simulator_exactly(router, policy):
+    """qlab serve --batching --replicas 3 --router NAME --admission-at gate: the fleet's waiting and
+    the soonest replica's projection decide (qsim.gate_view.batching), 0 disagreements with
+    simulate(..., admission_at="gate")."""
+    from qsim.engines import Batching, StepModel
+    from test_gate_batching import PROMPTS, STEP
+
+    engine = Batching(
+        StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.3),
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        kv_blocks=40,
+        block_size=16,
+    )
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=8.0,
+        engines=1,
+        seconds=8,
+        seed=4,
+        prompts=PROMPTS,
+        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
+    )
+    config = ServerConfig(PRESETS[policy], engine=engine, seed=5)
+    sim, stats = _agree_batching(trace, config, router, admission="gate")  # 2.7 on each replica
+    assert len(sim) > 600 and sim["outcome"].eq("rejected").sum() > 10
+    assert sim.loc[sim["outcome"].eq("rejected"), "replica"].isna().all()
+    assert stats["admission_at"] == "gate"
+    apart = simulate(trace, config, replicas=3, router=make_router(router))
+    assert apart["outcome"].tolist() != sim["outcome"].tolist()
 
 
 @pytest.mark.parametrize("router", ["jsq", "central"])
