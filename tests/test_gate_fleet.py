@@ -655,3 +655,115 @@ def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(r
     assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
     assert stats["waiting"] == 0 and stats["batching"]["running"] == 0
     assert not where  # each ended request's replica is forgotten
+
+
+# -- batching replicas' health -------------------------------------------------------------------
+
+
+def _batching_fleet_with(faults, router: str, n: int = 1000, every_s: float = 0.03):
+    """Every ``every_s`` a request of 12 tokens to 3 batching replicas (the real
+    SyntheticBatchEngine), replica 1's with ``faults``, on the virtual clock; each request's
+    (arrival, replica, outcome, reason), each arrival's replicas up, /stats."""
+    import asyncio
+
+    import pandas as pd
+
+    from live.batching import SyntheticBatchEngine
+    from live.gate import Gate, gate_config
+    from live.gate_errors import Rejected
+    from live.jobs import Job
+    from qsim.engines import Batching, StepModel
+    from virtual_time import on_virtual_clock
+
+    from live.engine import Faults
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except Rejected as exc:
+            row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
+        except tuple(_ENDS) as exc:  # every ending of a request is a row
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engine = Batching(StepModel(0.01, 0.0, 0.0002, 0.0), max_num_seqs=4)
+        engines = [
+            SyntheticBatchEngine(
+                engine.step, clock=loop.time, replica=r, faults=faults if r == 1 else Faults()
+            )
+            for r in range(3)
+        ]
+        config = gate_config(PRESETS["none"], engine=engine)
+        tasks = []
+        fleet = FleetSpec(3, make_router(router))
+        async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
+            for i in range(n):
+                await asyncio.sleep(max(0.0, i * every_s - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+            await asyncio.gather(*tasks)
+            while gate.in_service:
+                await asyncio.sleep(0.05)
+            return gate.stats()
+
+    stats = on_virtual_clock(go)
+    return pd.DataFrame(rows), ups, stats
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
+def test_a_batching_replica_whose_step_hangs_is_routed_around_until_it_is_back(router):
+    """Replica 1's 31st step hangs 20 s: past the stall rule (live.drive_batch.STEP_STALL: 5 s for
+    a step this short) the gate takes it out of routing and ends what it held (its batch and its
+    line) engine_stalled, once each; when the step comes back the replica takes requests again."""
+    from live.drive_batch import STEP_STALL
+    from live.engine import Faults
+
+    frame, ups, stats = _batching_fleet_with(Faults(hang_after=30, hang_s=20.0), router)
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    failed = frame[frame["outcome"].eq("error")]
+    assert len(failed) >= 1 and set(failed["reason"]) == {"engine_stalled"}
+    assert set(failed["replica"]) == {1}
+    assert set(frame.loc[frame["outcome"].ne("error"), "outcome"]) == {"good"}
+    # Down once its step has run past the rule, up once the step is back (20 s after it began);
+    # the watchdog looks every 50 ms.
+    down = [t for t, up in ups if not up[1]]
+    assert down and all(up[0] and up[2] for _, up in ups)
+    began = down[0] - STEP_STALL.floor_s
+    assert 0.0 < began < 2.0  # the 31st step of 10 ms ones, 0.05 s of watching late at most
+    assert down[-1] - down[0] < 20.0 - STEP_STALL.floor_s + 0.2
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert not sent.between(down[0], down[-1]).any()  # nothing routed there while down
+    assert (sent > down[-1]).sum() > 20  # and it takes requests again once back
+    assert all(r["up"] for r in stats["replicas"])
+    assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("router", ["jsq", "least_kv"])
+def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(router):
+    """Replica 1's engine fails every request at its first step: it looks idle, so load-aware
+    routers would send it nearly everything. FAILING_STREAK failures in a row pause it for
+    FAILING_PAUSE_S (what it held ends upstream_error, once each), then it is tried again."""
+    from live.engine import Faults
+    from live.fleet_gate import FAILING_PAUSE_S, FAILING_STREAK
+
+    frame, ups, stats = _batching_fleet_with(Faults(fail_every=1), router, n=600)
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    failed = frame[frame["outcome"].eq("error")]
+    assert set(failed["replica"]) == {1}
+    assert set(failed["reason"]) <= {"engine_exception", "upstream_error"}
+    # 18 s: a streak, then one trial after each pause (each trial a batch of up to 4).
+    pauses = 18.0 / FAILING_PAUSE_S
+    assert FAILING_STREAK <= len(failed) <= FAILING_STREAK + 4 * (pauses + 2)
+    down = [t for t, up in ups if not up[1]]
+    assert down and down[0] < 1.0 and all(up[0] and up[2] for _, up in ups)
+    assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
