@@ -767,3 +767,74 @@ def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(r
     down = [t for t, up in ups if not up[1]]
     assert down and down[0] < 1.0 and all(up[0] and up[2] for _, up in ups)
     assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_a_batching_fleet_served_replayed_and_compared(tmp_path):
+    """qlab serve --batching --replicas 3 --router jsq, a short seeded trace through qlab replay,
+    and qlab compare on its run file: every request one outcome, each with its replica; the
+    compare rebuilds the fleet (simulate(replicas=, step_times=) from the run's step log) and
+    reports its disagreements by cause, none of them the rules' (timing ones may be: a real
+    clock)."""
+    import json
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    pytest.importorskip("fastapi")
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+
+    options = ServeOptions(policy="predictive", batching=True, replicas=3, router="jsq")
+    qlab = [sys.executable, "-m", "experiments"]
+    run = tmp_path / "run.parquet"
+    with serving([options], tmp_path, 60) as (server,):
+        subprocess.run(
+            [
+                *qlab,
+                "replay",
+                "--url",
+                server.url,
+                "--arrivals",
+                "poisson",
+                "--nominal-load",
+                "1.5",
+                "--seconds",
+                "8",
+                "--seed",
+                "5",
+                "--out",
+                str(run),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    frame = pd.read_parquet(run)
+    assert len(frame) > 20 and frame["request_id"].is_unique
+    assert frame["outcome"].notna().all()
+    answered = frame["outcome"].isin(["good", "late"])
+    assert frame.loc[answered, "replica"].between(0, 2).all()
+    assert frame.loc[answered, "replica"].nunique() == 3
+    done = subprocess.run(
+        [*qlab, "compare", str(run), "--out", str(tmp_path / "cmp")],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "by cause: rule 0 (" in done.stdout, done.stdout
+    assert "disagreements:" in done.stdout
+    summary = json.loads(
+        subprocess.run(
+            [*qlab, "compare", str(run), "--json", "--out", str(tmp_path / "cmp2")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    s = summary["summary"]
+    assert s["requests"] == len(frame)
+    assert s["rule_disagreements"] == 0
+    assert s["disagreements"] == s["timing_disagreements"] + s["unknown_cause_disagreements"]
+    assert s["unknown_cause_disagreements"] == 0
