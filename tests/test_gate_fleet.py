@@ -838,3 +838,73 @@ def test_a_batching_fleet_served_replayed_and_compared(tmp_path):
     assert s["rule_disagreements"] == 0
     assert s["disagreements"] == s["timing_disagreements"] + s["unknown_cause_disagreements"]
     assert s["unknown_cause_disagreements"] == 0
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin", "central"])
+def test_a_hung_batching_replica_is_the_simulators_replica_down(router, monkeypatch):
+    """The live watch and the simulator's replica_down agree on the virtual clock: replica 1's
+    301st step hangs 20 s; the gate takes it out of routing when the step passes its stall rule
+    and back once the step is in. simulate(replica_down=[(1, down, up)]) at those times, with the
+    run's own steps (the hung one included), gives every request the gate's outcome, replica and
+    finish time; only the error reasons are each side's (the gate's engine_stalled, the
+    simulator's engine_exception for the batch and shutting_down for the line)."""
+    from live.engine import Faults
+    from live.fleet_gate import LiveBatchFleet, LiveCentralBatch
+    from qsim.engines import Batching
+    from test_gate_batching import PROMPTS, STEP
+
+    events = []
+    for cls in (LiveBatchFleet, LiveCentralBatch):
+        fail, restore = cls.fail, cls.restore
+
+        def down(self, r, now, fail=fail):
+            events.append(("down", r, now))
+            return fail(self, r, now)
+
+        def up(self, r, now=None, restore=restore):
+            events.append(("up", r, now))
+            return restore(self, r, now)
+
+        monkeypatch.setattr(cls, "fail", down)
+        monkeypatch.setattr(cls, "restore", up)
+
+    def hang(engine):
+        if engine.replica == 1:
+            engine.faults = Faults(hang_after=300, hang_s=20.0)
+        return engine
+
+    engine = Batching(STEP, max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=2.0,
+        engines=1,
+        seconds=30,
+        seed=9,
+        prompts=PROMPTS,
+        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
+    )
+    config = ServerConfig(PRESETS["predictive"], engine=engine, seed=3)
+    spec = FleetSpec(3, make_router(router))
+    gate, stats = run_gate(trace, None, 1, config=config, fleet=spec, wrap_engine=hang)
+    assert [(kind, r) for kind, r, _ in events] == [("down", 1), ("up", 1)]
+    (_, _, down_s), (_, _, up_s) = events
+    # Down at the first watch past the rule's 5 s, up at the first after the 20 s step is in.
+    assert 15.0 - 0.05 < up_s - down_s < 15.0 + 0.05 + 0.1
+    errors = gate["outcome"].eq("error")
+    assert errors.any() and set(gate.loc[errors, "reason"]) == {"engine_stalled"}
+    times = [(began - woken, ended - began, k) for woken, began, ended, k, *_ in stats["step_log"]]
+    sim = simulate(
+        trace,
+        config,
+        replicas=3,
+        router=spec.router,
+        step_times=times,
+        replica_down=[(1, down_s, up_s)],
+    )
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert set(sim.loc[errors, "reason"]) <= {"engine_exception", "shutting_down"}
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
+    placed = gate["replica"].ge(0).to_numpy() & sim["replica"].ge(0).to_numpy()
+    assert gate.loc[placed, "replica"].tolist() == sim.loc[placed, "replica"].astype(int).tolist()
+    assert stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
