@@ -494,22 +494,39 @@ class BatchDriver:
         if not gate.closed:
             self._watch = gate.loop.call_later(gate.config.watch_interval_s, self._watchdog)
 
-    def _stalled_steps(self, now: float) -> dict[int, str]:
-        """The replicas whose step in flight has run past its stall rule (:data:`STEP_STALL`), and
-        why; an engine that bounds its own steps (an upstream's timeout) is left to do so."""
-        stalled = {}
+    def _step_stalls(self, now: float) -> list[dict]:
+        """A fleet's replicas whose step in flight has run past its stall rule
+        (:data:`STEP_STALL`): how long, its threshold and its model's seconds; an engine that
+        bounds its own steps (an upstream's timeout) is left to do so. One engine: none."""
+        if self.replicas is None:
+            return []
+        stalls = []
         for r, line in enumerate(self.lines):
             plan = line.plan
             if plan is None or self._self_timed[r]:
                 continue
             running, after = now - line.plan_started, STEP_STALL.after_s(plan.model_s)
             if running > after:
-                stalled[r] = (
-                    f"step has run {running:.3f} s, past its stall threshold of {after:.3f} s "
-                    f"(max of {STEP_STALL.factor:g} x its {plan.model_s:.3f} s estimate and "
-                    f"{STEP_STALL.floor_s:g} s)"
+                stalls.append(
+                    {
+                        "engine": r,
+                        "running_s": running,
+                        "stall_after_s": after,
+                        "est_service_s": plan.model_s,
+                    }
                 )
-        return stalled
+        return stalls
+
+    def _stalled_steps(self, now: float) -> dict[int, str]:
+        """The replicas whose step has stalled (:meth:`_step_stalls`), and why."""
+        return {
+            s["engine"]: (
+                f"step has run {s['running_s']:.3f} s, past its stall threshold of "
+                f"{s['stall_after_s']:.3f} s (max of {STEP_STALL.factor:g} x its "
+                f"{s['est_service_s']:.3f} s estimate and {STEP_STALL.floor_s:g} s)"
+            )
+            for s in self._step_stalls(now)
+        }
 
     def _held_left(self, ticket: _Ticket, state: str) -> None:
         """A request of a replica gone down left it (live.fleet_gate.ReplicaWatch ends it): out of
@@ -529,9 +546,11 @@ class BatchDriver:
         return math.nan
 
     def health(self) -> dict:
-        """Always "ok": the core has no stall rule for a batching engine (a hang ends, see
-        live.batching)."""
-        return {"status": "ok", "stalled": []}
+        """ "ok", or for a fleet "degraded" with each replica whose step has stalled (its engine r:
+        how long the step has run, its threshold, its model's seconds); one batching engine is
+        always "ok": it has no stall rule (a hang ends, see live.batching)."""
+        stalled = self._step_stalls(self.gate.clock())
+        return {"status": "degraded" if stalled else "ok", "stalled": stalled}
 
     def stats(self) -> dict:
         """``batching``: the batch and its KV blocks now, the steps so far (their log comes a page

@@ -538,7 +538,8 @@ class Gate:
 
     def health(self) -> dict:
         """Status "ok", or "degraded" with each stalled engine: how long its request has run, and
-        its threshold (a batching engine's core has no stall rule: always "ok")."""
+        its threshold (one batching engine has no stall rule: always "ok"; a fleet's replica whose
+        step has stalled is "degraded")."""
         return self.driver.health()
 
     def stats(self) -> dict:

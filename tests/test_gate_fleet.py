@@ -708,7 +708,13 @@ def _batching_fleet_with(faults, router: str, n: int = 1000, every_s: float = 0.
                 row = {"arrival_s": loop.time(), "outcome": None}
                 rows.append(row)
                 tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
-                ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
+                ups.append(
+                    (
+                        loop.time(),
+                        [r["up"] for r in gate.stats()["replicas"]],
+                        gate.health()["status"],
+                    )
+                )
             await asyncio.gather(*tasks)
             while gate.in_service:
                 await asyncio.sleep(0.05)
@@ -735,11 +741,15 @@ def test_a_batching_replica_whose_step_hangs_is_routed_around_until_it_is_back(r
     assert set(frame.loc[frame["outcome"].ne("error"), "outcome"]) == {"good"}
     # Down once its step has run past the rule, up once the step is back (20 s after it began);
     # the watchdog looks every 50 ms.
-    down = [t for t, up in ups if not up[1]]
-    assert down and all(up[0] and up[2] for _, up in ups)
+    down = [t for t, up, _ in ups if not up[1]]
+    assert down and all(up[0] and up[2] for _, up, _ in ups)
     began = down[0] - STEP_STALL.floor_s
     assert 0.0 < began < 2.0  # the 31st step of 10 ms ones, 0.05 s of watching late at most
     assert down[-1] - down[0] < 20.0 - STEP_STALL.floor_s + 0.2
+    # /healthz says "degraded" while its step is past the rule (from when the watch took it out).
+    degraded = [t for t, _, status in ups if status == "degraded"]
+    assert degraded and degraded[0] <= down[0] and degraded[-1] <= down[-1]
+    assert all(status == "ok" for t, _, status in ups if t > down[-1])
     sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
     assert not sent.between(down[0], down[-1]).any()  # nothing routed there while down
     assert (sent > down[-1]).sum() > 20  # and it takes requests again once back
@@ -764,8 +774,8 @@ def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(r
     # 18 s: a streak, then one trial after each pause (each trial a batch of up to 4).
     pauses = 18.0 / FAILING_PAUSE_S
     assert FAILING_STREAK <= len(failed) <= FAILING_STREAK + 4 * (pauses + 2)
-    down = [t for t, up in ups if not up[1]]
-    assert down and down[0] < 1.0 and all(up[0] and up[2] for _, up in ups)
+    down = [t for t, up, _ in ups if not up[1]]
+    assert down and down[0] < 1.0 and all(up[0] and up[2] for _, up, _ in ups)
     assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
 
 
