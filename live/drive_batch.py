@@ -26,6 +26,10 @@ simulator's fleet of batching lines (:func:`live.fleet_gate.batch_fleet_queue`: 
 timer, as the simulator's batching run (qsim.run_batching) has them. Replica r is engine r. The
 step log holds every replica's steps in the order the cores planned them, as a replay
 (``simulate(step_times=)``) takes them: a step is logged once those planned before it have ended.
+A fleet's replicas are watched as the one-at-a-time driver's are
+(:class:`live.fleet_gate.ReplicaWatch`, every ``watch_interval_s``): a step past
+:data:`STEP_STALL`, an engine not ready, or a streak of failed requests takes a replica out of
+routing until it is well; what it held ends then.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import astuple, replace
 from functools import partial
 
 from qsim.batch import BatchQueue, RunStats, Step
-from qsim.config import ServerConfig
+from qsim.config import ServerConfig, StallRule
 from qsim.engines import Batching, StepModel
 from qsim.outcomes import Outcome
 from qsim.runfile import LoggedStep
@@ -47,11 +51,17 @@ from qsim.service import LoadTerms, ServiceModel
 
 from .batching import STEP_LOG, STEP_PAGE, Chunk, Releases, StepDone, StepWork, is_batch_engine
 from .drive_one import CUT_SLACK_S
-from .engine import abilities_of
+from .engine import SelfTimed, abilities_of
 from .engine_workers import Worker, _Failure, _gone, _Ticket, closed
-from .fleet_gate import batch_fleet_queue
+from .fleet_gate import ReplicaWatch, batch_fleet_queue
 from .gate_errors import DeadlineCut, _failure_type
 from .jobs import Answer, Job
+
+
+#: A fleet's replica whose step has run past ``STEP_STALL.after_s(its model's seconds)`` is stalled
+#: (the one-at-a-time gate's rule, live.gate.GATE_STALL, on a step): taken out of routing until the
+#: step comes back. One batching engine has no stall rule (a hang ends: see live.batching).
+STEP_STALL = StallRule()
 
 
 def step_worker(k: int, engine, deliver) -> Worker:
@@ -115,6 +125,16 @@ class BatchDriver:
         # in flight's wake and start, for the step log.
         self._woken_at: list[float | None] = [None] * n
         self._began = [(math.nan, math.nan)] * n
+        # A fleet's replicas' health (live.fleet_gate.ReplicaWatch, the one-at-a-time driver's):
+        # a replica whose step stalls, whose engine is not ready, or whose runs fail in a row is
+        # taken out of routing, what it held ends, and it is routed to again once it is well.
+        self._watch: asyncio.TimerHandle | None = None
+        self._self_timed = [isinstance(e, SelfTimed) for e in engines]
+        self.replicas = (
+            None
+            if gate.fleet is None
+            else ReplicaWatch(gate, stalled=self._stalled_steps, left=self._held_left)
+        )
 
     # -- what the gate runs ------------------------------------------------------------
 
@@ -167,19 +187,27 @@ class BatchDriver:
     # -- life cycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start each engine's worker (no watchdog: the core has no stall rule here)."""
+        """Start each engine's worker, and a fleet's watchdog (one engine has no stall rule)."""
+        gate = self.gate
         self._workers = [
             self._make_worker(r, engine, partial(self._post_step, r))
-            for r, engine in enumerate(self.gate.engines)
+            for r, engine in enumerate(gate.engines)
         ]
         for w in self._workers:
             w.start()
+        if self.replicas is not None:
+            self._watch = gate.loop.call_later(gate.config.watch_interval_s, self._watchdog)
 
     def close(self, timeout_s: float) -> None:
         """Stop the cores' timers, cancel every pending future and stop the workers."""
         for timer in self._timer:
             if timer is not None:
                 timer.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self.replicas is not None:
+            self.replicas.close()
         queue = self.gate.queue
         tickets = []
         if getattr(queue, "binds_late", False):  # a central queue's own line
@@ -328,6 +356,11 @@ class BatchDriver:
             for ticket, piece in result.pieces.items():  # before the step's ends: a last piece, END
                 if ticket.pieces is not None and not ticket.future.done():
                     ticket.pieces.put_nowait(piece)
+        if self.replicas is not None:  # a streak of failed requests pauses the replica
+            for ticket in failed:
+                self.replicas.count_failure(r, False, now)
+            if finished:
+                self.replicas.count_failure(r, True, now)
         for ticket, error in failed.items():
             if line.cancel(ticket, now) == "running":  # out of the batch, its blocks free
                 self._ended[r].append(ticket)
@@ -449,6 +482,59 @@ class BatchDriver:
         self.lines[r].timer(due)
         self._arm(r)
 
+    # -- a fleet's watchdog: its replicas' health ------------------------------------------
+
+    def _watchdog(self) -> None:
+        gate = self.gate
+        self._watch = None
+        if gate.closed:
+            return
+        self.replicas.watch(self.now())
+        self._arm_all()  # deadlines cut on a replica gone down are gone
+        if not gate.closed:
+            self._watch = gate.loop.call_later(gate.config.watch_interval_s, self._watchdog)
+
+    def _step_stalls(self, now: float) -> list[dict]:
+        """A fleet's replicas whose step in flight has run past its stall rule
+        (:data:`STEP_STALL`): how long, its threshold and its model's seconds; an engine that
+        bounds its own steps (an upstream's timeout) is left to do so. One engine: none."""
+        if self.replicas is None:
+            return []
+        stalls = []
+        for r, line in enumerate(self.lines):
+            plan = line.plan
+            if plan is None or self._self_timed[r]:
+                continue
+            running, after = now - line.plan_started, STEP_STALL.after_s(plan.model_s)
+            if running > after:
+                stalls.append(
+                    {
+                        "engine": r,
+                        "running_s": running,
+                        "stall_after_s": after,
+                        "est_service_s": plan.model_s,
+                    }
+                )
+        return stalls
+
+    def _stalled_steps(self, now: float) -> dict[int, str]:
+        """The replicas whose step has stalled (:meth:`_step_stalls`), and why."""
+        return {
+            s["engine"]: (
+                f"step has run {s['running_s']:.3f} s, past its stall threshold of "
+                f"{s['stall_after_s']:.3f} s (max of {STEP_STALL.factor:g} x its "
+                f"{s['est_service_s']:.3f} s estimate and {STEP_STALL.floor_s:g} s)"
+            )
+            for s in self._step_stalls(now)
+        }
+
+    def _held_left(self, ticket: _Ticket, state: str) -> None:
+        """A request of a replica gone down left it (live.fleet_gate.ReplicaWatch ends it): out of
+        its engine's batch, as a client's that left."""
+        if state == "running":
+            self._ended[ticket.engine].append(ticket)
+            self._release(ticket)
+
     # -- observation ------------------------------------------------------------
 
     @property
@@ -460,9 +546,11 @@ class BatchDriver:
         return math.nan
 
     def health(self) -> dict:
-        """Always "ok": the core has no stall rule for a batching engine (a hang ends, see
-        live.batching)."""
-        return {"status": "ok", "stalled": []}
+        """ "ok", or for a fleet "degraded" with each replica whose step has stalled (its engine r:
+        how long the step has run, its threshold, its model's seconds); one batching engine is
+        always "ok": it has no stall rule (a hang ends, see live.batching)."""
+        stalled = self._step_stalls(self.gate.clock())
+        return {"status": "degraded" if stalled else "ok", "stalled": stalled}
 
     def stats(self) -> dict:
         """``batching``: the batch and its KV blocks now, the steps so far (their log comes a page

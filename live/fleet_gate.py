@@ -26,7 +26,10 @@ the simulator's fleets of :class:`qsim.batch.BatchQueue` lines too: :class:`Live
 :class:`~qsim.fleet.Fleet` that routes at arrival) or :class:`LiveCentralBatch` (a
 :class:`~qsim.batch_fleet.CentralBatch`: one line, each request bound where a replica takes it
 into its batch), each read by the gate as it reads one :class:`~qsim.batch.BatchQueue`. Their
-replicas' health is not watched (a batching engine's core has no stall rule).
+replicas' health is watched by the same :class:`ReplicaWatch` (the batching driver's watchdog): a
+replica whose step runs past the stall rule (:data:`live.drive_batch.STEP_STALL`), whose engine is
+not ready, or whose requests fail in a row is taken out of routing (a central queue binds nothing
+there), what it held (its batch, its line) ends once each, and it takes requests again when well.
 """
 
 from __future__ import annotations
@@ -90,7 +93,32 @@ class _Readings:
         return sum(line.in_service for line in self.lines)
 
 
-class LiveFleet(_Readings, Fleet):
+class _Watched:
+    """A fleet whose replicas' health the gate watches (:class:`ReplicaWatch`): one-at-a-time
+    replicas' (:class:`LiveFleet`) and batching replicas' (:class:`LiveBatchFleet`,
+    :class:`LiveCentralBatch`) alike."""
+
+    def watch(self, now: float, unready=frozenset(), stalled=None) -> list[tuple]:
+        """Mark down each replica that is ``stalled`` (None: those whose engines are all stalled,
+        the line's own stall rule) or ``unready``, while another is up (the router then sends it
+        nothing; a central queue binds nothing there), and up again each that came back. The
+        requests a replica held when it went down, (request, "waiting" or "running", replica) each,
+        are the gate's to end."""
+        if self.router.shared and not self.binds_late:
+            return []  # one line in front of every engine: no replica to route around
+        if stalled is None:
+            stalled = {r for r, line in enumerate(self.lines) if line.all_stalled}
+        left = []
+        for r in range(len(self.lines)):
+            down = r in stalled or r in unready
+            if not self.up[r] and not down:
+                self.restore(r, now)
+            elif self.up[r] and down and sum(self.up) > 1:
+                left += [(req, state, r) for req, state in self.fail(r, now)]
+        return left
+
+
+class LiveFleet(_Readings, _Watched, Fleet):
     """A :class:`~qsim.fleet.Fleet` read as the gate reads one
     :class:`~qsim.queue.AdmissionQueue`."""
 
@@ -170,22 +198,6 @@ class LiveFleet(_Readings, Fleet):
         """``req`` has ended for the gate: its replica need not be kept (a server runs for days)."""
         self.where.pop(req, None)
 
-    def watch(self, now: float, unready=frozenset()) -> list[tuple]:
-        """Mark down each replica whose engines are all stalled, or that is ``unready``, while
-        another is up (the router then sends it nothing), and up again each that came back. The
-        requests a replica held when it went down, (request, "waiting" or "running", replica)
-        each, are the gate's to end."""
-        if self.router.shared:
-            return []  # one line in front of every engine: no replica to route around
-        left = []
-        for r, line in enumerate(self.lines):
-            down = line.all_stalled or r in unready
-            if not self.up[r] and not down:
-                self.restore(r)
-            elif self.up[r] and down and sum(self.up) > 1:
-                left += [(req, state, r) for req, state in self.fail(r, now)]
-        return left
-
 
 #: Runs in a row that fail on one replica of a fleet before the gate takes it out of routing for
 #: :data:`FAILING_PAUSE_S` (a replica that fails at once looks idle: load-aware routers would send
@@ -198,10 +210,16 @@ class ReplicaWatch:
     """The one-at-a-time driver's watch over a fleet's replicas (:mod:`live.drive_one`): which
     replicas are not ready (their engine's readiness, a streak of failed runs), and ending what a
     replica held when it went down. The driver calls :meth:`watch` from its watchdog and
-    :meth:`count_failure` at each hand-back; ``gate`` is the :class:`live.gate.Gate` it reads."""
+    :meth:`count_failure` at each hand-back; ``gate`` is the :class:`live.gate.Gate` it reads.
 
-    def __init__(self, gate) -> None:
+    The batching driver (:mod:`live.drive_batch`) holds one too: its ``stalled(now)`` says which
+    replicas' step has run past the stall rule, and why ({replica: why}; None: a line's own rule,
+    its engines all stalled), and ``left(ticket, state)`` takes a request out of what its engine
+    runs (a batch's: the engine hears of it with its next step) before the watch ends it."""
+
+    def __init__(self, gate, stalled=None, left=None) -> None:
         self.gate = gate
+        self._stalled, self._left = stalled, left
         # The replicas whose engine says it is not ready (and why); the question to each.
         self._unready: dict[int, str] = {}
         self._probes: dict[int, asyncio.Task] = {}
@@ -222,15 +240,19 @@ class ReplicaWatch:
         gate = self.gate
         self._probe_replicas()
         unready = {**self._failing_now(now), **self._unready}
-        for ticket, state, r in gate.queue.watch(now, unready):
-            if state == "running" and ticket.cancel is not None:
+        stalled = None if self._stalled is None else self._stalled(now)
+        for ticket, state, r in gate.queue.watch(now, unready, stalled):
+            if self._left is not None:
+                self._left(ticket, state)
+            elif state == "running" and ticket.cancel is not None:
                 ticket.cancel.set()  # nobody waits for it now: the engine may stop
             waited = now - ticket.arrival.at
             numbers = {**ticket.arrival.numbers(), "waited_s": waited}
             problem = unready.get(r)
             if problem is None:
+                why = "every engine is stalled" if stalled is None else stalled[r]
                 message = (
-                    f"replica {r}'s every engine is stalled; the gate took it out of "
+                    f"replica {r}'s {why}; the gate took it out of "
                     f"routing and ended this request after {waited:.3f} s; send it again"
                 )
                 exc = EngineStalled(message, None, numbers, ticket.arrival)
@@ -335,7 +357,7 @@ class _BatchReadings(_Readings):
         }
 
 
-class LiveBatchFleet(_BatchReadings, Fleet):
+class LiveBatchFleet(_Watched, _BatchReadings, Fleet):
     """A :class:`~qsim.fleet.Fleet` of batching replicas read as the gate reads one
     :class:`~qsim.batch.BatchQueue`."""
 
@@ -345,7 +367,7 @@ class LiveBatchFleet(_BatchReadings, Fleet):
         return [entry for line in self.lines for entry in line.waiting]
 
 
-class LiveCentralBatch(_BatchReadings, CentralBatch):
+class LiveCentralBatch(_Watched, _BatchReadings, CentralBatch):
     """A :class:`~qsim.batch_fleet.CentralBatch` read as the gate reads one
     :class:`~qsim.batch.BatchQueue` (its ``waiting``: the fleet's one line)."""
 

@@ -81,7 +81,8 @@ answered, fails or is cut exactly as a job that does not stream.
 
 Replicas. A fleet's replicas (:mod:`live.fleet_gate`) are watched for stalls, readiness and runs
 that fail in a row by :class:`~live.fleet_gate.ReplicaWatch`, which the one-at-a-time driver holds.
-Batching replicas (one batching engine each) are the batching driver's, :mod:`live.drive_batch`.
+Batching replicas (one batching engine each) are the batching driver's, :mod:`live.drive_batch`,
+which holds a ReplicaWatch too (a step past its stall rule, :data:`live.drive_batch.STEP_STALL`).
 """
 
 from __future__ import annotations
@@ -537,7 +538,8 @@ class Gate:
 
     def health(self) -> dict:
         """Status "ok", or "degraded" with each stalled engine: how long its request has run, and
-        its threshold (a batching engine's core has no stall rule: always "ok")."""
+        its threshold (one batching engine has no stall rule: always "ok"; a fleet's replica whose
+        step has stalled is "degraded")."""
         return self.driver.health()
 
     def stats(self) -> dict:

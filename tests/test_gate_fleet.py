@@ -763,3 +763,266 @@ def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(r
     assert stats["counts"]["good"] == 3 and stats["counts"]["error"] == 9
     assert stats["waiting"] == 0 and stats["batching"]["running"] == 0
     assert not where  # each ended request's replica is forgotten
+
+
+# -- batching replicas' health -------------------------------------------------------------------
+
+
+def _batching_fleet_with(faults, router: str, n: int = 1000, every_s: float = 0.03):
+    """Every ``every_s`` a request of 12 tokens to 3 batching replicas (the real
+    SyntheticBatchEngine), replica 1's with ``faults``, on the virtual clock; each request's
+    (arrival, replica, outcome, reason), each arrival's replicas up, /stats."""
+    import asyncio
+
+    import pandas as pd
+
+    from live.batching import SyntheticBatchEngine
+    from live.gate import Gate, gate_config
+    from live.gate_errors import Rejected
+    from live.jobs import Job
+    from qsim.engines import Batching, StepModel
+    from virtual_time import on_virtual_clock
+
+    from live.engine import Faults
+
+    rows, ups = [], []
+
+    async def one(gate, job, row):
+        try:
+            answer = await gate.submit(job)
+        except Rejected as exc:
+            row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
+        except tuple(_ENDS) as exc:  # every ending of a request is a row
+            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+        else:
+            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engine = Batching(StepModel(0.01, 0.0, 0.0002, 0.0), max_num_seqs=4)
+        engines = [
+            SyntheticBatchEngine(
+                engine.step, clock=loop.time, replica=r, faults=faults if r == 1 else Faults()
+            )
+            for r in range(3)
+        ]
+        config = gate_config(PRESETS["none"], engine=engine)
+        tasks = []
+        fleet = FleetSpec(3, make_router(router))
+        async with Gate(engines, config, clock=loop.time, fleet=fleet) as gate:
+            for i in range(n):
+                await asyncio.sleep(max(0.0, i * every_s - loop.time()))
+                row = {"arrival_s": loop.time(), "outcome": None}
+                rows.append(row)
+                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                ups.append(
+                    (
+                        loop.time(),
+                        [r["up"] for r in gate.stats()["replicas"]],
+                        gate.health()["status"],
+                    )
+                )
+            await asyncio.gather(*tasks)
+            while gate.in_service:
+                await asyncio.sleep(0.05)
+            return gate.stats()
+
+    stats = on_virtual_clock(go)
+    return pd.DataFrame(rows), ups, stats
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
+def test_a_batching_replica_whose_step_hangs_is_routed_around_until_it_is_back(router):
+    """Replica 1's 31st step hangs 20 s: past the stall rule (live.drive_batch.STEP_STALL: 5 s for
+    a step this short) the gate takes it out of routing and ends what it held (its batch and its
+    line) engine_stalled, once each; when the step comes back the replica takes requests again."""
+    from live.drive_batch import STEP_STALL
+    from live.engine import Faults
+
+    frame, ups, stats = _batching_fleet_with(Faults(hang_after=30, hang_s=20.0), router)
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    failed = frame[frame["outcome"].eq("error")]
+    assert len(failed) >= 1 and set(failed["reason"]) == {"engine_stalled"}
+    assert set(failed["replica"]) == {1}
+    assert set(frame.loc[frame["outcome"].ne("error"), "outcome"]) == {"good"}
+    # Down once its step has run past the rule, up once the step is back (20 s after it began);
+    # the watchdog looks every 50 ms.
+    down = [t for t, up, _ in ups if not up[1]]
+    assert down and all(up[0] and up[2] for _, up, _ in ups)
+    began = down[0] - STEP_STALL.floor_s
+    assert 0.0 < began < 2.0  # the 31st step of 10 ms ones, 0.05 s of watching late at most
+    assert down[-1] - down[0] < 20.0 - STEP_STALL.floor_s + 0.2
+    # /healthz says "degraded" while its step is past the rule (from when the watch took it out).
+    degraded = [t for t, _, status in ups if status == "degraded"]
+    assert degraded and degraded[0] <= down[0] and degraded[-1] <= down[-1]
+    assert all(status == "ok" for t, _, status in ups if t > down[-1])
+    sent = frame.loc[frame["replica"].eq(1), "arrival_s"]
+    assert not sent.between(down[0], down[-1]).any()  # nothing routed there while down
+    assert (sent > down[-1]).sum() > 20  # and it takes requests again once back
+    assert all(r["up"] for r in stats["replicas"])
+    assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("router", ["jsq", "least_kv"])
+def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(router):
+    """Replica 1's engine fails every request at its first step: it looks idle, so load-aware
+    routers would send it nearly everything. FAILING_STREAK failures in a row pause it for
+    FAILING_PAUSE_S (what it held ends upstream_error, once each), then it is tried again."""
+    from live.engine import Faults
+    from live.fleet_gate import FAILING_PAUSE_S, FAILING_STREAK
+
+    frame, ups, stats = _batching_fleet_with(Faults(fail_every=1), router, n=600)
+    assert frame["outcome"].notna().all()
+    assert sum(stats["counts"].values()) == stats["submitted"] == len(frame)
+    failed = frame[frame["outcome"].eq("error")]
+    assert set(failed["replica"]) == {1}
+    assert set(failed["reason"]) <= {"engine_exception", "upstream_error"}
+    # 18 s: a streak, then one trial after each pause (each trial a batch of up to 4).
+    pauses = 18.0 / FAILING_PAUSE_S
+    assert FAILING_STREAK <= len(failed) <= FAILING_STREAK + 4 * (pauses + 2)
+    down = [t for t, up, _ in ups if not up[1]]
+    assert down and down[0] < 1.0 and all(up[0] and up[2] for _, up, _ in ups)
+    assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_a_batching_fleet_served_replayed_and_compared(tmp_path):
+    """qlab serve --batching --replicas 3 --router jsq, a short seeded trace through qlab replay,
+    and qlab compare on its run file: every request one outcome, each with its replica; the
+    compare rebuilds the fleet (simulate(replicas=, step_times=) from the run's step log) and
+    reports its disagreements by cause, none of them the rules' (timing ones may be: a real
+    clock)."""
+    import json
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    pytest.importorskip("fastapi")
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+
+    options = ServeOptions(policy="predictive", batching=True, replicas=3, router="jsq")
+    qlab = [sys.executable, "-m", "experiments"]
+    run = tmp_path / "run.parquet"
+    with serving([options], tmp_path, 60) as (server,):
+        subprocess.run(
+            [
+                *qlab,
+                "replay",
+                "--url",
+                server.url,
+                "--arrivals",
+                "poisson",
+                "--nominal-load",
+                "1.5",
+                "--seconds",
+                "8",
+                "--seed",
+                "5",
+                "--out",
+                str(run),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    frame = pd.read_parquet(run)
+    assert len(frame) > 20 and frame["request_id"].is_unique
+    assert frame["outcome"].notna().all()
+    answered = frame["outcome"].isin(["good", "late"])
+    assert frame.loc[answered, "replica"].between(0, 2).all()
+    assert frame.loc[answered, "replica"].nunique() == 3
+    done = subprocess.run(
+        [*qlab, "compare", str(run), "--out", str(tmp_path / "cmp")],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "by cause: rule 0 (" in done.stdout, done.stdout
+    assert "disagreements:" in done.stdout
+    summary = json.loads(
+        subprocess.run(
+            [*qlab, "compare", str(run), "--json", "--out", str(tmp_path / "cmp2")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    s = summary["summary"]
+    assert s["requests"] == len(frame)
+    assert s["rule_disagreements"] == 0
+    assert s["disagreements"] == s["timing_disagreements"] + s["unknown_cause_disagreements"]
+    assert s["unknown_cause_disagreements"] == 0
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin", "central"])
+def test_a_hung_batching_replica_is_the_simulators_replica_down(router, monkeypatch):
+    """The live watch and the simulator's replica_down agree on the virtual clock: replica 1's
+    301st step hangs 20 s; the gate takes it out of routing when the step passes its stall rule
+    and back once the step is in. simulate(replica_down=[(1, down, up)]) at those times, with the
+    run's own steps (the hung one included), gives every request the gate's outcome, replica and
+    finish time; only the error reasons are each side's (the gate's engine_stalled, the
+    simulator's engine_exception for the batch and shutting_down for the line)."""
+    from live.engine import Faults
+    from live.fleet_gate import LiveBatchFleet, LiveCentralBatch
+    from qsim.engines import Batching
+    from test_gate_batching import PROMPTS, STEP
+
+    events = []
+    for cls in (LiveBatchFleet, LiveCentralBatch):
+        fail, restore = cls.fail, cls.restore
+
+        def down(self, r, now, fail=fail):
+            events.append(("down", r, now))
+            return fail(self, r, now)
+
+        def up(self, r, now=None, restore=restore):
+            events.append(("up", r, now))
+            return restore(self, r, now)
+
+        monkeypatch.setattr(cls, "fail", down)
+        monkeypatch.setattr(cls, "restore", up)
+
+    def hang(engine):
+        if engine.replica == 1:
+            engine.faults = Faults(hang_after=300, hang_s=20.0)
+        return engine
+
+    engine = Batching(STEP, max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=2.0,
+        engines=1,
+        seconds=30,
+        seed=9,
+        prompts=PROMPTS,
+        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
+    )
+    config = ServerConfig(PRESETS["predictive"], engine=engine, seed=3)
+    spec = FleetSpec(3, make_router(router))
+    gate, stats = run_gate(trace, None, 1, config=config, fleet=spec, wrap_engine=hang)
+    assert [(kind, r) for kind, r, _ in events] == [("down", 1), ("up", 1)]
+    (_, _, down_s), (_, _, up_s) = events
+    # Down at the first watch past the rule's 5 s, up at the first after the 20 s step is in.
+    assert 15.0 - 0.05 < up_s - down_s < 15.0 + 0.05 + 0.1
+    errors = gate["outcome"].eq("error")
+    assert errors.any() and set(gate.loc[errors, "reason"]) == {"engine_stalled"}
+    times = [(began - woken, ended - began, k) for woken, began, ended, k, *_ in stats["step_log"]]
+    sim = simulate(
+        trace,
+        config,
+        replicas=3,
+        router=spec.router,
+        step_times=times,
+        replica_down=[(1, down_s, up_s)],
+    )
+    assert gate["outcome"].tolist() == sim["outcome"].tolist()
+    assert set(sim.loc[errors, "reason"]) <= {"engine_exception", "shutting_down"}
+    np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-9)
+    placed = gate["replica"].ge(0).to_numpy() & sim["replica"].ge(0).to_numpy()
+    assert gate.loc[placed, "replica"].tolist() == sim.loc[placed, "replica"].astype(int).tolist()
+    assert stats["in_service"] == 0 and stats["kv_blocks_used"] == 0
