@@ -244,7 +244,9 @@ def retry_after_s(ex: Exchange) -> int:
     return -1
 
 
-def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float) -> dict[str, Any]:
+def _row(
+    ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float, no_replica: int = 0
+) -> dict[str, Any]:
     """The per-request values one exchange gives, NaN or -1 (missing) where the answer does not
     say."""
     outcome, reason, error = classify(ex, deadline_s)
@@ -283,9 +285,12 @@ def _row(ex: Exchange, deadline_s: float, base_est_s: float, server_zero: float)
         "tokens": answer.tokens if answered else -1,
         "answered_prompt": _int_or(answer.prompt_tokens, -1) if answered else -1,
         "engine": answer.engine if answered else _int_or(seen.engine, -1),
-        # A fleet's replica (an answer's admission says it beside its fields); 0: one server.
+        # A fleet's replica (an answer's admission says it beside its fields); no_replica where
+        # none is named: 0 for one server, -1 (<NA>, as the simulator's) for a fleet's request
+        # routed nowhere (refused at its gate, or never bound under a central queue).
         "replica": _int_or(
-            (answer.admission.model_extra or {}).get("replica") if answered else seen.replica, 0
+            (answer.admission.model_extra or {}).get("replica") if answered else seen.replica,
+            no_replica,
         ),
         "queued": _int_or(seen.queued, -1),
         "queued_work": num(seen.queued_work_s),
@@ -364,7 +369,10 @@ def to_frame(
         else np.asarray(trace.est_service_s, dtype=float)
     )[first]
     rows = pd.DataFrame(
-        [_row(ex, d, b, server_zero) for ex, d, b in zip(exchanges, deadline, base)]
+        [
+            _row(ex, d, b, server_zero, 0 if info.fleet is None else -1)
+            for ex, d, b in zip(exchanges, deadline, base)
+        ]
     )
     sent = np.array([ex.sent_s for ex in exchanges], dtype=float)
     done = np.array([ex.done_s for ex in exchanges], dtype=float)

@@ -256,6 +256,9 @@ def test_a_fleet_run_admitted_at_the_gate_is_replayed_so(router, policy):
     fleet = FleetSpec(2, make_router(router), admission="gate")
     run = live_like_run(trace, policy, engines=2, fail_every=17, fleet=fleet)
     assert fleet_spec(run) == fleet and run["outcome"].eq("rejected").any()
+    # a request the gate refused went to no replica: <NA>, as the simulator's records say
+    assert run.loc[run["outcome"].eq("rejected"), "replica"].isna().all()
+    assert run.loc[run["outcome"].eq("good"), "replica"].notna().all()
     assert_no_disagreement(compare(run))
     old = run.copy()
     fields = json.loads(str(old["fleet"].iloc[0]))
