@@ -33,6 +33,7 @@ import sys
 import threading
 
 from qsim.engines import OneAtATime
+from qsim.fleet import FleetSpec
 from qsim.service import LoadTerms, ServiceModel
 from qsim.mixes import UsedShare
 
@@ -246,7 +247,9 @@ def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching, fle
     from .batching import SyntheticBatchEngine
     from .gate import BatchGate, Gate, gate_config
 
-    if fleet is not None:  # ServeOptions.engine_model: synthetic only
+    if fleet is not None and cfg.engine == "upstream":
+        return _upstream_batching_gate(cfg, policy, model, batching, fleet)
+    if fleet is not None:  # ServeOptions.engine_model: synthetic (or upstream, above) only
         schedule = parse_schedule(cfg.speed_schedule)
         engines = [
             SyntheticBatchEngine(
@@ -284,33 +287,37 @@ def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching, fle
     )
 
 
-def _upstream_batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching):
-    """A batching gate in front of a batching upstream (live.upstream_batch): its batch limit
-    --max-num-seqs, else what the upstream says of its own, else vLLM's default; its step model
-    --step (or the default) until it has learned the upstream's."""
+def _upstream_batching_gate(
+    cfg: ServeOptions, policy, model: ServiceModel, batching, fleet: FleetSpec | None = None
+):
+    """A batching gate in front of batching upstreams (live.upstream_batch), one replica per
+    --upstream-url behind the fleet's router: the batch limit --max-num-seqs, else the least
+    the upstreams say of their own (the fleet's replicas share one Batching), else vLLM's
+    default; each replica's step model --step (or the default) until its own learner has learned
+    its server's."""
     from dataclasses import replace
 
     from . import upstream, upstream_batch
-    from .gate import BatchGate, gate_config
+    from .gate import BatchGate, Gate, gate_config
 
-    spec = _upstream_spec(cfg)
-    forwarder = upstream.make_engines(1, spec)[0]
-    seats = cfg.max_num_seqs or upstream_batch.upstream_batch(spec) or batching.max_num_seqs
+    specs = [_upstream_spec(cfg, url) for url in cfg.upstream_urls()]
+    said = [s for s in map(upstream_batch.upstream_batch, specs) if s]
+    seats = cfg.max_num_seqs or (min(said) if said else batching.max_num_seqs)
     batching = replace(
         batching,
         max_num_seqs=seats,
         max_num_batched_tokens=max(seats, batching.max_num_batched_tokens),
     )
-    engine = upstream_batch.UpstreamBatchEngine(
-        forwarder, seats, upstream_batch.StepLearner(batching.step)
+    engines = [
+        upstream_batch.UpstreamBatchEngine(
+            upstream.make_engines(1, spec)[0], seats, upstream_batch.StepLearner(batching.step)
+        )
+        for spec in specs
+    ]
+    config = gate_config(
+        policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching, seed=cfg.seed
     )
-    gate = BatchGate(
-        engine,
-        gate_config(
-            policy, model=model, fixed_estimate=cfg.fixed_estimate, engine=batching, seed=cfg.seed
-        ),
-    )
-    return gate
+    return BatchGate(engines[0], config) if fleet is None else Gate(engines, config, fleet=fleet)
 
 
 def _serve(args, cfg: ServeOptions, gate, fleet=None) -> None:

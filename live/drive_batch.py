@@ -269,16 +269,24 @@ class BatchDriver:
         if terms.step is not None:
             self.use_step_model(terms.step)
 
-    def use_step_model(self, step: StepModel) -> None:
-        """Plan with ``step`` from now on (an engine that learns its server's steps:
-        live.upstream_batch): the next admission and the next step read it, and /stats's
-        server_config says it."""
+    def use_step_model(
+        self, step: StepModel, replica: int | None = None, after: int | None = None
+    ) -> None:
+        """Plan with ``step`` from now on: the next admission and the next step read it. A new
+        calibration, or one server's learner (live.upstream_batch), moves every line and /stats's
+        server_config; a fleet's replica's learner (``replica``: each upstream learns its own
+        server's steps) moves that replica's line alone, as the simulator's replay moves the line
+        whose step took the model (qsim.run_batching). ``after``: the number of the step it
+        follows in plan order (default: the steps logged so far)."""
         gate = self.gate
-        for line in self.lines:
-            line.model = step
-        gate.config = replace(gate.config, engine=replace(gate.config.engine, step=step))
-        # Planned with from the step numbered ``logged`` on: the step log's pages say it.
-        self.step_models.append((self.logged, step))
+        if replica is None:
+            for line in self.lines:
+                line.model = step
+            gate.config = replace(gate.config, engine=replace(gate.config.engine, step=step))
+        else:
+            self.lines[replica].model = step
+        # Planned with from the step numbered ``after`` on: the step log's pages say it.
+        self.step_models.append((self.logged if after is None else after, step))
 
     # -- the core's hooks -------------------------------------------------------------
 
@@ -384,7 +392,8 @@ class BatchDriver:
             ),
         )
         if not isinstance(result, _Failure) and result.step_model is not None:
-            self.use_step_model(result.step_model)
+            fleet = self.gate.fleet is not None
+            self.use_step_model(result.step_model, r if fleet else None, self._in_flight[r] + 1)
         line.step_done(now, result.engine_s)
         self._arm(r)
 

@@ -35,7 +35,7 @@ there), what it held (its batch, its line) ends once each, and it takes requests
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from qsim.batch import BatchQueue
 from qsim.batch_fleet import CentralBatch
@@ -341,7 +341,11 @@ class _BatchReadings(_Readings):
     def snapshot(self) -> dict:
         """One batching core's keys, summed over the replicas (the KV use averaged), and each
         replica's own with whether the router sends there."""
-        each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
+        # each replica's step model: a fleet of upstreams learns one per server
+        each = [
+            {**line.snapshot(), "up": up, "step": asdict(line.model)}
+            for line, up in zip(self.lines, self.up)
+        ]
         total = {
             key: sum(s[key] for s in each)
             for key in ("in_service", "stalled", "queued_work_s", "engines", "kv_blocks_used")

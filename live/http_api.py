@@ -397,6 +397,8 @@ def create_app(
         # A page of steps is about the steps: it waits on no upstream.
         counted = None if paging else await upstream_counters(gate)
         said = {**gate.stats(), "limits": asdict(limits), "engine": gate.engines[0].info()}
+        if gate.fleet is not None and gate.config.batching:  # one engine a replica, each its own
+            said["replica_engines"] = [engine.info() for engine in gate.engines]
         if counted is not None:
             said["upstream_counters"] = counted
         if paging:

@@ -535,11 +535,11 @@ class ServeOptions:
         for bad, why in unfit:
             if bad:
                 raise ValueError(why)
-        if (self.replicas > 1 or len(self.upstream_urls()) > 1) and self.engine != "synthetic":
+        if self.replicas > 1 and self.engine == "gpt2":
             raise ValueError(
-                f"--batching with replicas: --engine {self.engine}'s batching "
-                "serves one replica (a fleet of batching replicas runs --engine "
-                "synthetic)"
+                "--batching with replicas: --engine gpt2's batching serves one replica (a fleet "
+                "of batching replicas runs --engine synthetic, or upstream with one "
+                "--upstream-url each)"
             )
         calibrated = LoadTerms.load(self.service_model).step
         if self.step is None and calibrated is not None:  # --step given wins over the calibration's

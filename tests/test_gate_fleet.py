@@ -725,6 +725,55 @@ def test_a_batching_fleets_own_steps_replayed_give_its_rows(router):
     assert own["finish_s"].tolist() != replayed["finish_s"].tolist()
 
 
+@pytest.mark.parametrize("router", ["jsq", "central"])
+def test_a_batching_replicas_own_step_model_moves_its_line_alone_and_is_replayed_so(router):
+    """Each replica of a fleet of batching upstreams learns its own server's steps: a refit on
+    replica 1 moves replica 1's line alone (the others plan on), the step log says after which
+    step, and the replay (qsim.runfile.batch_step_times) moves the line whose step took it: the
+    same rows, and the replicas' estimates moved only where replica 1 planned."""
+    import pandas as pd
+
+    from qsim.engines import StepModel
+    from qsim.runfile import batch_step_columns, batch_step_times
+    from test_gate_batching import ENGINE, STEP, _Refits, _trace
+
+    slower = StepModel(4 * STEP.b0, 2 * STEP.b1, 4 * STEP.b2, STEP.b3)
+    trace = _trace(ENGINE, 3.0, seed=12)
+    config = ServerConfig(PRESETS["predictive"], engine=ENGINE)
+    spec = FleetSpec(3, make_router(router))
+    refits = {40: slower}
+    gate, stats = run_gate(
+        trace,
+        None,
+        1,
+        config=config,
+        fleet=spec,
+        wrap_engine=lambda e: _Refits(e, refits if e.replica == 1 else {}),
+    )
+    models = stats["step_models"]
+    assert len(models) == 1 and stats["server_config"]["engine"]["step"]["b0"] == STEP.b0
+    steps = stats["step_log"]
+    run = pd.DataFrame(batch_step_columns(steps, 1, models))
+    times = batch_step_times(run)
+    assert [t[3] for t in times if t[3] is not None] == [slower]
+    replayed = simulate(trace, config, replicas=3, router=spec.router, step_times=times)
+    assert gate["outcome"].tolist() == replayed["outcome"].tolist()
+    assert gate["replica"].fillna(-1).tolist() == replayed["replica"].fillna(-1).tolist()
+    np.testing.assert_allclose(gate["finish_s"], replayed["finish_s"], rtol=0, atol=1e-9)
+    seen = gate["queued"].ge(0).to_numpy()
+    np.testing.assert_allclose(
+        gate.loc[seen, "est_service_s"], replayed.loc[seen, "est_service_s"], rtol=0, atol=1e-9
+    )
+    # Without the refit the replay projects otherwise; routed early, only where replica 1
+    # decided (a central queue projects over every replica's line).
+    blind = simulate(
+        trace, config, replicas=3, router=spec.router, step_times=[t[:3] for t in times]
+    )
+    moved = seen & ~np.isclose(gate["est_service_s"], blind["est_service_s"], rtol=1e-6)
+    assert moved.sum() >= 20
+    assert router == "central" or gate.loc[moved, "replica"].eq(1).all()
+
+
 @pytest.mark.parametrize("router", ["round_robin", "central"])
 def test_draining_a_batching_fleet_answers_what_waits_and_runs_the_batches_out(router):
     """One seat per replica: a burst of 12 to 3 replicas seats 3; drain() answers the 9 waiting
@@ -885,6 +934,66 @@ def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(r
     down = [t for t, up, _ in ups if not up[1]]
     assert down and down[0] < 1.0 and all(up[0] and up[2] for _, up, _ in ups)
     assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_a_fleet_of_batching_upstreams_routes_learns_each_and_replays(tmp_path):
+    """qlab serve --engine upstream --batching with two --upstream-url, each a real ``qlab serve
+    --batching`` (4 seats, a known step): one replica per upstream behind jsq, every request one
+    outcome on the replica that served it (each upstream counted those routed to it), each
+    replica's learner its own, and qlab compare rebuilds the run with no rule disagreement."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+    import pandas as pd
+
+    pytest.importorskip("fastapi")
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+
+    step = "0.02,0.0001,0.002,0"
+    ups = [ServeOptions(policy="none", batching=True, step=step, max_num_seqs=4)] * 2
+    qlab = [sys.executable, "-m", "experiments"]
+    run = tmp_path / "run.parquet"
+    with serving(ups, tmp_path / "up", 60) as (a, b):
+        gate = ServeOptions(
+            policy="predictive",
+            engine="upstream",
+            upstream_url=f"{a.url},{b.url}",
+            batching=True,
+            router="jsq",
+        )
+        with serving([gate], tmp_path / "gate", 60) as (server,):
+            subprocess.run(
+                [*qlab, "replay", "--url", server.url, "--arrivals", "poisson"]
+                + ["--nominal-load", "1.2", "--seconds", "8", "--seed", "5", "--out", str(run)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            stats = httpx.get(server.url + "/stats", timeout=10).json()
+        served = [httpx.get(u.url + "/stats", timeout=10).json()["counts"] for u in (a, b)]
+    frame = pd.read_parquet(run)
+    assert len(frame) > 20 and frame["outcome"].notna().all()
+    answered = frame["outcome"].isin(["good", "late"])
+    by_replica = frame.loc[answered, "replica"].value_counts()
+    assert set(by_replica.index) == {0, 1}
+    for r, counts in enumerate(served):  # the gate's probes are not answers
+        assert counts.get("good", 0) + counts.get("late", 0) >= by_replica[r]
+    assert [e["max_num_seqs"] for e in stats["replica_engines"]] == [4, 4]
+    assert len(stats["replicas"]) == 2 and all("step" in r for r in stats["replicas"])
+    assert all("learned" in e for e in stats["replica_engines"])
+    summary = json.loads(
+        subprocess.run(
+            [*qlab, "compare", str(run), "--json", "--out", str(tmp_path / "cmp")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )["summary"]
+    assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
 
 
 @pytest.mark.slow

@@ -254,3 +254,25 @@ def test_the_readmes_map_names_every_module():
         str(p.relative_to(ROOT)) for p in files if p.name != "__init__.py" and p.name not in block
     )
     assert not missing, f"README.md's map names none of: {', '.join(missing)}"
+
+
+def _texts():
+    """The repository's own text files: none under a hidden folder (.git, .venv) or a run's
+    output."""
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if any(p.startswith(".") or p in ("runs", "build") for p in parts[:-1]):
+            continue
+        if path.suffix in (".py", ".md", ".toml", ".ipynb") or path.name == "Makefile":
+            yield path
+
+
+def test_no_file_holds_a_merge_conflicts_markers():
+    """A merge resolved by hand leaves no conflict marker behind."""
+    left = [
+        f"{path.relative_to(ROOT)}:{k}"
+        for path in _texts()
+        for k, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if line.startswith(("<<<<<<< ", ">>>>>>> "))
+    ]
+    assert not left, f"conflict markers at {', '.join(left[:10])}"
