@@ -15,7 +15,9 @@ import numpy as np
 import pandas as pd
 
 from .diagnosis import confusion, first_divergence, join, per_request, reasons, summarize
-from .replay import clients_of, measured_speed, replay
+from .replay import replay
+from .replay_clients import clients_of
+from .replay_inputs import measured_speed
 
 #: What the per-request replay of a live run ("with what the gate knew") should reach: the most
 #: share of the requests the service handled on whose outcome the simulator disagrees (issue 22).
@@ -45,7 +47,7 @@ def has_clients(run: pd.DataFrame) -> bool:
 
 def compare(run: pd.DataFrame, origin: str = "server") -> Comparison:
     """Replay the run in the simulator (arrivals the gate's by default, see
-    :func:`analysis.replay.arrival_times`), join and diagnose it."""
+    :func:`analysis.replay_inputs.arrival_times`), join and diagnose it."""
     joined = join(run, *replay(run, origin))
     requests = per_request(run, joined) if has_clients(run) else None
     return Comparison(

@@ -41,7 +41,8 @@ from qsim.outcomes import ANSWERED, OUTCOMES, REJECT_REASONS, Reason
 from qsim.policy import Policy, decide, on_time, reads_basic
 
 from .metrics import end_to_end
-from .replay import KEYS, RULES, TOLERANCE_S, Unsaid, arrival_times, gate_knew, run_setup
+from .replay_inputs import KEYS, RULES, TOLERANCE_S, arrival_times, gate_knew, run_setup
+from .replay_unsaid import Unsaid
 
 SIM_OUTCOMES = tuple(o for o in OUTCOMES if o != "abandoned")
 #: The outcome of an attempt one side never sent (the simulator's clients retried otherwise).

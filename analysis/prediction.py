@@ -29,10 +29,9 @@ from qsim.service import LoadTerms, SpeedSchedule
 from qsim.workload import lognormal_noise
 
 from .metrics import mean_ci, run_duration, summary
-from .replay import (
+from .replay_clients import client_faults, clients_of
+from .replay_inputs import (
     arrival_times,
-    client_faults,
-    clients_of,
     generated_tokens,
     in_arrival_order,
     run_setup,

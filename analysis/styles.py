@@ -3,7 +3,7 @@ notebook.
 
 A policy's colour depends on its name alone, never on which other policies a figure shows, so
 ``predictive`` is the same blue beside three policies or ten. A curve labelled by a variant of a
-policy ("predictive / two-tenant", see :func:`analysis.plots.per_variant`) keeps its policy's
+policy ("predictive / two-tenant", see :func:`analysis.plot_labels.per_variant`) keeps its policy's
 colour and gets a line style, marker and hatch of its own.
 """
 
@@ -81,7 +81,7 @@ LINE_STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D")
 HATCHES = ("", "//", "..", "xx")
 
-#: Between a policy's name and its variant in a curve's label (analysis.plots.per_variant).
+#: Between a policy's name and its variant in a curve's label (analysis.plot_labels.per_variant).
 VARIANT_SEPARATOR = " / "
 
 

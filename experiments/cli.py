@@ -37,7 +37,7 @@ from qsim.stream import CHUNK, RecordWriter, stream_run
 from qsim.tracefiles import build_chunks
 
 from . import engineflags
-from .config import parse_used
+from .config_grid import parse_used
 from .jsonout import json_ready as _json_ready
 from .simflags import (
     add_admission_at,

@@ -40,7 +40,7 @@ def summary_numbers(summary: pd.DataFrame) -> SummaryNumbers:
     arrivals, the seconds after the surge until goodput was back (recovery_s, over the seeds that
     recovered) and the share of seeds that did (recovered).
     """
-    from .config import NO_CLIENTS
+    from .config_tables import NO_CLIENTS
 
     # Axes whose "none" cells carry no name (null).
     optional = ("clients", "retry", "patience", "used", "speed_schedule", "policy_args")

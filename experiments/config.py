@@ -106,6 +106,11 @@ b0 = 0.016                   # and in [grid]: step = ["default", "slow"] ("defau
 
 A grid policy is a preset's name or ``module:Class``, a :class:`qsim.policy.Policy` of one's own
 (``policy = ["predictive", "slack:LeastSlack"]``; the module must be importable).
+
+This module reads the file into a :class:`SweepConfig` (:func:`load`, :func:`parse`) and checks
+[sweep] and [policy_args]; [grid] is checked in :mod:`experiments.config_grid`, the named tables
+and [service] in :mod:`experiments.config_tables`, [batching] and [steps] in
+:mod:`experiments.config_batching`.
 """
 
 from __future__ import annotations
@@ -113,25 +118,24 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from inputs.clientflags import patience_from_table, retry_from_table
+from inputs.clientflags import patience_from_table
 from inputs.policyflags import args_tables
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, read_toml, typed_value
-from qsim import REFERENCE_MIX, Mix, ServiceModel
+from qsim import Mix, ServiceModel
 from qsim.clients import PATIENCE_UNTIL, RetryPolicy
 from qsim.engines import Batching, StepModel
-from qsim.estimators import ESTIMATORS
-from qsim.service import LoadTerms, SpeedSchedule, parse_schedule
 from qsim.policy import resolve
-from qsim.fleet import ADMISSION_AT
-from qsim.routers import parse_router
-from qsim.arrivals import arrivals_take_load, parse_arrivals
-from qsim.mixes import Client, Prompts, SharedPrefix, UsedShare, check_clients
+from qsim.arrivals import parse_arrivals
+from qsim.mixes import Client, Prompts
 from qsim.workload import SERVICES
+
+from .config_batching import _batching, _batching_dict
+from .config_grid import GRID_KEYS, _check_load, _grid, _system_prompt, _turns
+from .config_tables import CalibrationFile, _client_dict, _clients, _key, _mixes, _retries, _service
 
 SWEEP_KEYS = {
     "name": str,
@@ -148,62 +152,8 @@ SWEEP_KEYS = {
     "system_prompt": str,
     "turns": str,
 }
-GRID_KEYS = {
-    "policy": str,
-    "load": float,
-    "speed": float,
-    "engines": int,
-    "deadline_s": float,
-    "max_queue": int,
-    "mix": str,
-    "trace": str,
-    "time_scale": float,
-    "clients": str,
-    "retry": str,
-    "patience": str,
-    "estimator": str,
-    "cancel_at_deadline": bool,
-    "used": str,
-    "speed_schedule": str,
-    "fixed_estimate": bool,
-    "max_num_seqs": int,
-    "kv_blocks": int,
-    "chunked_prefill": bool,
-    "step": str,
-    "ttft_slo_s": float,
-    "tpot_slo_s": float,
-    "arrivals": str,
-    "prefix_caching": bool,
-    "system_prompt": str,
-    "turns": str,
-    "replicas": int,
-    "router": str,
-    "rate": float,
-    "admission_at": str,
-}
-#: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
-BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
-#: The step model of a cell without a step axis: [batching]'s own.
-DEFAULT_STEP = "default"
-STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}
-BATCHING_KEYS = {
-    **STEP_KEYS,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "chunked_prefill": bool,
-    "prefix_caching": bool,
-    "front_end": dict,
-    "kv_blocks": int,
-    "block_size": int,
-}
-#: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a
-#: calibration's).
-SERVICE_KEYS = {
-    "intercept_s": float,
-    "per_token_s": float,
-    "per_prompt_token_s": float,
-    "concurrency": float,
-}
+
+
 SECTIONS = {
     "sweep",
     "service",
@@ -215,74 +165,6 @@ SECTIONS = {
     "batching",
     "steps",
 }
-CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
-#: The client set of a cell whose requests name no client.
-NO_CLIENTS = "none"
-#: The retry policy of a cell whose clients never send a request again.
-NO_RETRY = "none"
-#: The patience of a cell whose clients wait forever (a trace file's own patience_s column, if any).
-NO_PATIENCE = "none"
-#: The early stops of a cell whose requests all generate their limit (a trace file's own
-#: tokens_generated).
-NO_USED = "none"
-#: The speed schedule of a cell whose machine keeps its speed.
-NO_SCHEDULE = "none"
-
-
-@dataclass(frozen=True)
-class CalibrationFile:
-    """[service] file: a ``qlab calibrate`` JSON as read once, when the config is (so every
-    executor's cells get the same terms): its line (:meth:`qsim.ServiceModel.load`) and what it
-    measured under load (:meth:`qsim.service.LoadTerms.load`)."""
-
-    file: str
-    model: ServiceModel
-    terms: LoadTerms
-
-    @classmethod
-    def read(cls, where: str, file: Path) -> "CalibrationFile":
-        try:
-            return cls(str(file), ServiceModel.load(file), LoadTerms.load(file))
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-
-    def record(self) -> dict[str, Any]:
-        """The file and its terms, as the manifest records them."""
-        step = self.terms.step
-        return {
-            "file": self.file,
-            "model": asdict(self.model),
-            "load": {"concurrency": self.terms.concurrency, "noise_cv": self.terms.noise_cv},
-            "step": None if step is None else asdict(step),
-        }
-
-
-def parse_used(spec: str) -> UsedShare | None:
-    """A ``used`` spec: "none" (None: every request generates its limit), "study" (the study's
-    measured
-    :class:`qsim.mixes.UsedShare`) or "AT_LIMIT:MEDIAN:SIGMA"; ValueError saying what is
-    expected."""
-    text = spec.strip()
-    if text == NO_USED:
-        return None
-    if text == "study":
-        return UsedShare()
-    parts = text.split(":")
-    try:
-        numbers = [float(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) != 3:
-        raise ValueError(
-            f"expected none, study or AT_LIMIT:MEDIAN:SIGMA (e.g. 0.067:0.13:1), got {spec!r}"
-        )
-    return UsedShare(*numbers)
-
-
-def parse_speed_schedule(spec: str, base: float = 1.0) -> SpeedSchedule | None:
-    """A ``speed_schedule`` spec: "none" (None) or SECONDS:FACTOR,... over a machine of speed
-    ``base``."""
-    return None if spec.strip() == NO_SCHEDULE else SpeedSchedule(base, parse_schedule(spec))
 
 
 @dataclass(frozen=True)
@@ -444,22 +326,6 @@ class SweepConfig:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _batching_dict(engine: Batching) -> dict:
-    """[batching] as the digest reads it: without prefix_caching where it is off, so that a config
-    written before it existed keeps its digest (and its folder)."""
-    fields = asdict(engine)
-    if not fields["prefix_caching"]:
-        del fields["prefix_caching"]
-    if fields["front_end"] is None:
-        del fields["front_end"]
-    return fields
-
-
-def _client_dict(c: Client) -> dict:
-    mix = None if c.mix is None else {"sizes": list(c.mix.sizes), "probs": list(c.mix.probs)}
-    return {"name": c.name, "share": c.share, "priority": c.priority, "mix": mix}
-
-
 def _label_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
@@ -474,292 +340,6 @@ def policy_variants(args: dict) -> dict[str | None, dict]:
     return {
         ", ".join(f"{k}={_label_value(v)}" for k, v in combo.items()): combo for combo in combos
     }
-
-
-def _named(
-    path: str, table: Any, section: str, what: str, builtin: tuple[str, str], build
-) -> dict[str, Any]:
-    """[SECTION.NAME] tables, each built by ``build(where, spec)``; ``builtin``: the name of the
-    axis's built-in value, which no table may take, and what it is."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [{section}] must be a table of named {what}")
-    out = {}
-    for name, spec in table.items():
-        where = f"{path}: {section}.{_key(name)}"
-        if name == builtin[0]:
-            raise ConfigError(
-                f"{where}: {builtin[0]!r} is the built-in {builtin[1]}; choose another name"
-            )
-        out[name] = build(where, spec)
-    return out
-
-
-def _client_set(where: str, members: Any, mixes: dict[str, Mix]) -> tuple[Client, ...]:
-    """One [clients.SET] table: each key a client, each value its share, priority and mix name."""
-    if not isinstance(members, dict) or not members:
-        raise ConfigError(f"{where}: expected a table of clients, e.g. heavy = {{ share = 0.8 }}")
-    built = []
-    for name, spec in members.items():
-        here = f"{where}.{_key(name)}"
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{here}: expected a table with share (and optionally priority, mix)")
-        no_unknown_keys(here, spec, CLIENT_KEYS)
-        if "share" not in spec:
-            raise ConfigError(f"{here}: share is required")
-        v = {k: typed_value(f"{here}.{k}", x, CLIENT_KEYS[k]) for k, x in spec.items()}
-        if "mix" in v and v["mix"] not in mixes:
-            raise ConfigError(
-                f"{here}.mix: unknown mix {v['mix']!r}; define it under [mixes.{_key(v['mix'])}]"
-            )
-        try:
-            built.append(
-                Client(
-                    name, v["share"], v.get("priority", 0), mixes[v["mix"]] if "mix" in v else None
-                )
-            )
-        except ValueError as exc:
-            raise ConfigError(f"{here}: {exc}") from None
-    try:
-        check_clients(tuple(built))
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    return tuple(built)
-
-
-def _clients(path: str, table: Any, mixes: dict[str, Mix]) -> dict[str, tuple[Client, ...]]:
-    """[clients.SET] tables."""
-    return _named(
-        path,
-        table,
-        "clients",
-        "client sets",
-        (NO_CLIENTS, "set of no clients"),
-        lambda where, spec: _client_set(where, spec, mixes),
-    )
-
-
-def _retries(path: str, table: Any) -> dict[str, RetryPolicy]:
-    """[retry.NAME] tables: each a RetryPolicy's fields, checked as ``qlab simulate``'s --retry-*
-    flags are."""
-    return _named(
-        path, table, "retry", "retry policies", (NO_RETRY, "policy of no retries"), retry_from_table
-    )
-
-
-def _grid(
-    path: str,
-    table: Any,
-    mixes: dict[str, Mix],
-    base: Path,
-    clients: dict,
-    retries: dict | None = None,
-    patience_until: str = "answer",
-    batching: bool = False,
-    steps: dict | None = None,
-) -> dict[str, tuple]:
-    if not isinstance(table, dict) or not table:
-        raise ConfigError(f"{path}: [grid] is missing or empty: it needs at least policy")
-    no_unknown_keys(f"{path}: [grid]", table, GRID_KEYS)
-    grid: dict[str, tuple] = {}
-    for key, values in table.items():
-        where = f"{path}: grid.{key}"
-        values = values if isinstance(values, list) else [values]
-        if not values:
-            raise ConfigError(f"{where}: empty list: a grid axis needs at least one value")
-        checked = tuple(
-            typed_value(f"{where}[{i}]", v, GRID_KEYS[key]) for i, v in enumerate(values)
-        )
-        if len(set(checked)) != len(checked):
-            raise ConfigError(f"{where}: a value appears twice")
-        for i, v in enumerate(checked):
-            if key == "policy":
-                try:
-                    resolve(v)
-                except ValueError as exc:
-                    raise ConfigError(f"{where}[{i}]: {exc}") from None
-            if key == "mix" and v not in mixes:
-                raise ConfigError(
-                    f"{where}[{i}]: unknown mix {v!r}; define it under [mixes.{_key(v)}]"
-                )
-            if key == "clients" and v != NO_CLIENTS and v not in clients:
-                raise ConfigError(
-                    f"{where}[{i}]: unknown client set {v!r}; define it under "
-                    f"[clients.{_key(v)}] "
-                    f"(or use {NO_CLIENTS!r})"
-                )
-            if key == "retry" and v != NO_RETRY and v not in (retries or {}):
-                raise ConfigError(
-                    f"{where}[{i}]: unknown retry policy {v!r}; define it under "
-                    f"[retry.{_key(v)}] "
-                    f"(or use {NO_RETRY!r})"
-                )
-            if key == "patience":
-                patience_from_table(f"{where}[{i}]", v, patience_until)
-            if key == "estimator" and v not in ESTIMATORS:
-                raise ConfigError(
-                    f"{where}[{i}]: unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}"
-                )
-            if key == "admission_at" and v not in ADMISSION_AT:
-                raise ConfigError(
-                    f"{where}[{i}]: a fleet admits at one of {', '.join(ADMISSION_AT)}, got {v!r}"
-                )
-            if key in ("used", "speed_schedule", "arrivals", "system_prompt", "turns", "router"):
-                try:
-                    {
-                        "used": parse_used,
-                        "speed_schedule": parse_speed_schedule,
-                        "arrivals": parse_arrivals,
-                        "system_prompt": _system_prompt,
-                        "turns": _turns,
-                        "router": parse_router,
-                    }[key](v)
-                except ValueError as exc:
-                    raise ConfigError(f"{where}[{i}]: {exc}") from None
-            if key in (
-                "load",
-                "speed",
-                "engines",
-                "deadline_s",
-                "time_scale",
-                "max_num_seqs",
-                "kv_blocks",
-                "ttft_slo_s",
-                "tpot_slo_s",
-                "replicas",
-                "rate",
-            ):
-                positive_value(f"{where}[{i}]", v)
-            if key == "max_queue":
-                positive_value(f"{where}[{i}]", v, zero_ok=True)
-            if key == "trace" and not (base / v).is_file():
-                raise ConfigError(
-                    f"{where}[{i}]: no such trace file {v!r} (relative paths are "
-                    "from the sweep file's folder)"
-                )
-        grid[key] = checked
-    if "policy" not in grid:
-        raise ConfigError(f"{path}: grid.policy is required")
-    for key in ("load", "rate"):
-        if "trace" in grid and key in grid:
-            raise ConfigError(
-                f"{path}: grid.trace and grid.{key} exclude each other: a trace "
-                "brings its own arrivals"
-            )
-    if "load" in grid and "rate" in grid:
-        raise ConfigError(
-            f"{path}: grid.load and grid.rate exclude each other: a rate is a load "
-            "(of the cell's capacity_rps); give one"
-        )
-    if "trace" in grid and "arrivals" in grid:
-        raise ConfigError(
-            f"{path}: grid.arrivals applies to synthetic arrivals; a trace file brings its own"
-        )
-    if "time_scale" in grid and "trace" not in grid:
-        raise ConfigError(f"{path}: grid.time_scale applies only with grid.trace")
-    if "trace" not in grid and any(p.strip() == "column" for p in grid.get("patience", ())):
-        raise ConfigError(
-            f"{path}: grid.patience 'column' reads a trace file's patience_s "
-            "column; it needs grid.trace"
-        )
-    if any(axis in grid for axis in BATCHING_AXES) and not batching:
-        raise ConfigError(
-            f"{path}: grid.{next(a for a in BATCHING_AXES if a in grid)} is a "
-            "batching engine's "
-            "setting: add a [batching] table"
-        )
-    if batching and grid.get("engines", (1,)) != (1,):
-        raise ConfigError(
-            f"{path}: grid.engines: a [batching] sweep runs one batching engine per cell"
-        )
-    for i, name in enumerate(grid.get("step", ())):
-        if name not in (steps or {}):
-            raise ConfigError(
-                f"{path}: grid.step[{i}]: unknown step model {name!r}; define it "
-                "under "
-                f"[steps.{_key(name)}] (or use {DEFAULT_STEP!r}: [batching]'s)"
-            )
-    _check_fleet(path, grid, batching)
-    if "trace" in grid and set(grid.get("clients", (NO_CLIENTS,))) != {NO_CLIENTS}:
-        raise ConfigError(
-            f"{path}: grid.clients applies to synthetic arrivals; a trace file "
-            "brings its own "
-            "client_id and priority columns"
-        )
-    return grid
-
-
-def _check_fleet(path: str, grid: dict, batching: bool) -> None:
-    """A fleet's axes: replicas (each a copy of the cell's server, the load each replica's) and the
-    router between them (default round_robin, as ``qlab simulate``'s); what a fleet cannot be yet
-    (qsim.fleet.FleetSpec.check) is refused here, before any cell runs."""
-    if "router" in grid and "replicas" not in grid:
-        raise ConfigError(f"{path}: grid.router routes between replicas: add grid.replicas")
-    if "admission_at" in grid and "replicas" not in grid:
-        raise ConfigError(f"{path}: grid.admission_at is where a fleet admits: add grid.replicas")
-    routers = {spec: parse_router(spec) for spec in grid.get("router", ())}
-    # Checked at one replica too: a sizing search (experiments/sizing.py) starts there.
-    for spec, router in routers.items():
-        if router.needs_batching and not batching:
-            raise ConfigError(
-                f"{path}: grid.router {spec!r} reads a batching engine's KV "
-                "memory and prefix cache: add a [batching] table"
-            )
-    if max(grid.get("replicas", (1,))) == 1:
-        return
-    fleets = [n for n in grid["replicas"] if n > 1]
-    for spec, router in routers.items():
-        d = getattr(router, "d", 1)
-        if d > min(fleets):
-            raise ConfigError(
-                f"{path}: grid.router {spec!r}: {d} choices among {min(fleets)} replicas"
-            )
-
-
-def _system_prompt(spec: str) -> SharedPrefix:
-    """A system prompt's spec, checked (ValueError naming what is wrong)."""
-    return SharedPrefix(*SharedPrefix.parse_system(spec))
-
-
-def _turns(spec: str) -> SharedPrefix:
-    turns, open_at_once = SharedPrefix.parse_turns(spec)
-    return SharedPrefix(turns=turns, conversations=open_at_once)
-
-
-def shared_prefix(system_prompt: str, turns: str) -> SharedPrefix | None:
-    """The prompts' shared prefixes of these specs (None: nothing shared)."""
-    shared = SharedPrefix.parse(system_prompt, turns)
-    return shared if shared.shares else None
-
-
-def _key(name: str) -> str:
-    """A TOML key as it would be written: bare when it can be, else quoted (so an error stays one
-    line)."""
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
-
-
-def _mixes(path: str, table: Any) -> dict[str, Mix]:
-    mixes = {"reference": REFERENCE_MIX}
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [mixes] must be a table of named mixes")
-    for name, spec in table.items():
-        where = f"{path}: mixes.{_key(name)}"
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{where}: expected a table with sizes and probs")
-        no_unknown_keys(where, spec, {"sizes", "probs"})
-        for key in ("sizes", "probs"):
-            if not isinstance(spec.get(key, []), list):
-                raise ConfigError(
-                    f"{where}.{key}: expected a list, got {type(spec[key]).__name__} {spec[key]!r}"
-                )
-        try:
-            sizes = tuple(typed_value(f"{where}.sizes", s, int) for s in spec.get("sizes", []))
-            probs = tuple(typed_value(f"{where}.probs", p, float) for p in spec.get("probs", []))
-            mixes[name] = Mix(sizes, probs)
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-    return mixes
 
 
 def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
@@ -890,114 +470,6 @@ def parse(data: dict, path: str = "<sweep>") -> SweepConfig:
         policy_args=_policy_args(path, data.get("policy_args", {}), grid["policy"], grid),
         **s,
     )
-
-
-def _service(path: str, table: Any) -> tuple[ServiceModel, float, CalibrationFile | None]:
-    """[service]: the line and the concurrency term inline, or ``file``, a calibration (from the
-    sweep file's folder)."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [service] must be a table")
-    no_unknown_keys(f"{path}: [service]", table, {*SERVICE_KEYS, "file"})
-    if "file" in table:
-        inline = sorted(set(table) - {"file"})
-        if inline:
-            raise ConfigError(
-                f"{path}: service.file and service.{inline[0]} exclude each other: "
-                "the calibration "
-                "file holds the line and its load terms; give the file or the keys"
-            )
-        file = typed_value(f"{path}: service.file", table["file"], str)
-        calibration = CalibrationFile.read(f"{path}: service.file", Path(path).parent / file)
-        return calibration.model, calibration.terms.concurrency, calibration
-    values = {k: typed_value(f"{path}: service.{k}", v, SERVICE_KEYS[k]) for k, v in table.items()}
-    concurrency = values.pop("concurrency", 0.0)
-    positive_value(f"{path}: service.concurrency", concurrency, zero_ok=True)
-    try:
-        return ServiceModel(**values), concurrency, None
-    except ValueError as exc:
-        raise ConfigError(f"{path}: [service]: {exc}") from None
-
-
-def _check_load(path: str, grid: dict, sweep: dict) -> None:
-    """Synthetic arrivals take the grid's load exactly when their process does: a load given to
-    bursts of their own size would be ignored, so it is refused (and a process that needs one
-    without it)."""
-    if "trace" in grid:
-        return
-    if "arrivals" in grid and "arrivals" in sweep:
-        raise ConfigError(f"{path}: sweep.arrivals and grid.arrivals exclude each other; give one")
-    where = "grid.arrivals" if "arrivals" in grid else "sweep.arrivals"
-    for spec in grid.get("arrivals", (sweep.get("arrivals", "poisson"),)):
-        takes = arrivals_take_load(spec)
-        given = next((k for k in ("load", "rate") if k in grid), None)
-        if takes and given is None:
-            raise ConfigError(
-                f"{path}: the grid needs load (synthetic arrivals: {where} {spec!r} "
-                "takes one), "
-                "rate or trace (a file's arrivals)"
-            )
-        if not takes and given is not None:
-            raise ConfigError(
-                f"{path}: {where} {spec!r} takes no {given} (its burst size sets its "
-                "rate); leave "
-                f"grid.{given} out, give periodic:PERIOD_S (its burst size follows "
-                "the load), or "
-                "sweep it in a file of its own"
-            )
-
-
-def _step_model(where: str, table: dict, defaults: StepModel = StepModel()) -> StepModel:
-    values = {
-        k: typed_value(f"{where}.{k}", v, STEP_KEYS[k]) for k, v in table.items() if k in STEP_KEYS
-    }
-    try:
-        return replace(defaults, **values)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-
-
-def _batching(
-    path: str, table: Any, steps: Any, calibrated: StepModel | None = None
-) -> tuple[Batching | None, dict[str, StepModel]]:
-    """[batching] (the engine, with its step model inline) and [steps.NAME] (other step models).
-    ``calibrated``: a calibration's step model, [batching]'s where it gives none of b0 .. cv (given
-    ones win, as ``--step`` does)."""
-    if table is None:
-        if steps:
-            raise ConfigError(
-                f"{path}: [steps] are step models of a batching engine: add a [batching] table"
-            )
-        return None, {}
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [batching] must be a table")
-    no_unknown_keys(f"{path}: [batching]", table, BATCHING_KEYS)
-    inline = any(k in STEP_KEYS for k in table)
-    step = _step_model(
-        f"{path}: batching", table, StepModel() if inline or calibrated is None else calibrated
-    )
-    settings = {
-        k: typed_value(f"{path}: batching.{k}", v, BATCHING_KEYS[k])
-        for k, v in table.items()
-        if k not in STEP_KEYS
-    }
-    try:
-        engine = Batching(step=step, **settings)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: [batching]: {exc}") from None
-    models = {DEFAULT_STEP: step}
-    if not isinstance(steps, dict):
-        raise ConfigError(f"{path}: [steps] must be a table of named step models")
-    for name, spec in steps.items():
-        where = f"{path}: steps.{_key(name)}"
-        if name == DEFAULT_STEP:
-            raise ConfigError(
-                f"{where}: {DEFAULT_STEP!r} is [batching]'s own step model; name yours otherwise"
-            )
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{where}: expected a table of b0, b1, b2, b3, cv")
-        no_unknown_keys(where, spec, STEP_KEYS)
-        models[name] = _step_model(where, spec, step)  # what it does not say is [batching]'s
-    return engine, models
 
 
 def _policy_args(path: str, table: Any, policies: tuple, grid: dict) -> dict[str, dict]:

@@ -42,7 +42,7 @@ from typing import Callable
 import pandas as pd
 
 from analysis import compare, metrics
-from analysis.replay import engine_time_ratio
+from analysis.replay_inputs import engine_time_ratio
 from inputs.atomic import atomic_write, clear_temporaries, sigterm_interrupts, write_parquet
 from qsim import ServiceModel, Trace, build_trace
 from qsim.workload import load_at_rate

@@ -18,7 +18,7 @@ from qsim.service import parse_schedule
 from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.arrivals import ARRIVALS
 
-from .config import parse_used
+from .config_grid import parse_used
 
 
 def admission_at(text: str) -> str:

@@ -61,18 +61,16 @@ from qsim.routers import parse_router
 from qsim.arrivals import parse_arrivals
 from qsim.mixes import Prompts, blended_means, used_mean_s
 
-from .config import (
-    NO_CLIENTS,
+from .config import ConfigError, SweepConfig
+from .config_grid import (
     NO_PATIENCE,
-    NO_RETRY,
     NO_SCHEDULE,
     NO_USED,
-    ConfigError,
-    SweepConfig,
     parse_speed_schedule,
     parse_used,
     shared_prefix,
 )
+from .config_tables import NO_CLIENTS, NO_RETRY
 from .sweep_workers import worker_start
 
 META_KEY = b"qlab.cell"
@@ -104,7 +102,7 @@ class Cell:
     # What the controller knows (issue 12's axes); None: the policy's own, or the sweep's.
     estimator: str | None = None  # limit | learned | oracle
     cancel_at_deadline: bool | None = None
-    # early stops (config.parse_used); None: every request generates its limit
+    # early stops (config_grid.parse_used); None: every request generates its limit
     used: str | None = None
     speed_schedule: str | None = None  # SECONDS:FACTOR,...; None: the machine keeps its speed
     fixed_estimate: bool | None = None  # None: [sweep] fixed_estimate

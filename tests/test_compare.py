@@ -18,7 +18,7 @@ import pytest
 from analysis.compare import compare
 from analysis.diagnosis import confusion, describe_first_divergence
 from analysis.prediction import PREDICTION_TARGETS, predict
-from analysis.replay import run_setup
+from analysis.replay_inputs import run_setup
 from qsim import from_arrays, make_trace, preset, records, simulate
 from qsim.config import ServerConfig
 from qsim.clients import Patience, RetryPolicy
@@ -748,7 +748,7 @@ def test_the_gate_factor_says_whether_a_run_around_its_hang_up_taught_the_tracke
     # Request 1's client hung up around the end of its run: the gate's factor at the next arrival
     # (request 3) says whether it was stopped (taught nothing) or ran out (and what it taught), with
     # request 2's teaching in between folded in as the replay has it.
-    from analysis.replay import Unsaid, _TrackerEvidence
+    from analysis.replay_unsaid import Unsaid, _TrackerEvidence
     from qsim.service import SpeedTracker
 
     base, reported2 = np.array([0.1, 0.2, 0.1, 0.1]), 0.11

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from analysis import estimation, plots
-from experiments import cli, config, sweep
+from experiments import cli, config, config_grid, sweep
 from qsim import PRESETS, make_trace, simulate
 from qsim.config import ServerConfig
 from qsim.mixes import UsedShare
@@ -95,8 +95,8 @@ def test_new_axes_parse_into_cells(tmp_path):
         True,
         "predictive",
     )
-    assert config.parse_used("study") == UsedShare() and config.parse_used("none") is None
-    assert config.parse_used("0.1:0.2:0.5") == UsedShare(0.1, 0.2, 0.5)
+    assert config_grid.parse_used("study") == UsedShare() and config_grid.parse_used("none") is None
+    assert config_grid.parse_used("0.1:0.2:0.5") == UsedShare(0.1, 0.2, 0.5)
 
 
 @pytest.mark.parametrize(

@@ -523,7 +523,7 @@ def test_a_cell_without_clients_is_named_so_not_none_none(tenants):
 def test_a_figure_title_longer_than_the_figure_is_wrapped_not_cut():
     import matplotlib.pyplot as plt
 
-    from analysis.plots import _suptitle
+    from analysis.plot_panels import _suptitle
 
     fig = plt.figure(figsize=(4, 3))
     _suptitle(fig, "share answered in time by size class (max_new_tokens up to), service times x1")

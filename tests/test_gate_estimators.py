@@ -341,7 +341,7 @@ PROMPTED = ServiceModel(intercept_s=0.001, per_token_s=0.0085, per_prompt_token_
 
 def _replayed(url, load: float):
     from analysis.compare import compare
-    from analysis.replay import run_setup
+    from analysis.replay_inputs import run_setup
     from live.loadgen import ReplayConfig, replay
     from qsim.runfile import speed_schedule
 

@@ -21,7 +21,7 @@ from live import live_config  # noqa: E402
 from live.calibrate import CalibrationConfig, calibrate, probe  # noqa: E402
 from live.loadgen import ReplayConfig, replay  # noqa: E402
 from live.rows import Exchange, classify  # noqa: E402
-from analysis.replay import run_setup  # noqa: E402
+from analysis.replay_inputs import run_setup  # noqa: E402
 from live.procs import serving  # noqa: E402
 from live.serve_options import ServeOptions  # noqa: E402
 from qsim import ServiceModel, build_trace, from_arrays, make_trace, records  # noqa: E402

@@ -21,7 +21,7 @@ from analysis.prediction import (
     prediction_noise,
     prediction_speed,
 )
-from analysis.replay import engine_time_ratio, measured_speed
+from analysis.replay_inputs import engine_time_ratio, measured_speed
 from live.engine import SyntheticEngine
 from live.gate import Gate, gate_config
 from live.http_api import create_app
