@@ -587,31 +587,34 @@ def _agree_batching(trace, config, router: str, replicas: int = 3, admission="re
     return sim, stats
 
 
+def _batching(cv: float | None, load: float, seconds: float, seed: int):
+    """Batching replicas of the test step model (noise ``cv``; None: none) whose KV blocks bind,
+    and a Poisson trace of the mix at ``load`` times one replica's capacity."""
+    from qsim.engines import Batching, StepModel
+    from test_gate_batching import PROMPTS, STEP
+
+    step = STEP if cv is None else StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=cv)
+    engine = Batching(step, max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=40, block_size=16)
+    capacity = engine.capacity_rps(PROMPTS.mean(), 28.0)
+    trace = make_trace(
+        "poisson",
+        "mix",
+        load=load,
+        engines=1,
+        seconds=seconds,
+        seed=seed,
+        prompts=PROMPTS,
+        capacity_rps=capacity,
+    )
+    return engine, trace
+
+
 @pytest.mark.parametrize("router", BATCH_ROUTERS)
 def test_a_fleet_of_batching_replicas_matches_the_simulators_fleet_exactly(router):
     """Three batching replicas (KV blocks that bind, noisy steps: each replica its own stream)
     behind each router, on the virtual clock: 0 disagreements with the simulator's fleet."""
-    from qsim.engines import Batching, StepModel
-    from test_gate_batching import PROMPTS, STEP
-
-    engine = Batching(
-        StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.3),
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        kv_blocks=40,
-        block_size=16,
-    )
     # Load 4 over one replica's capacity: 1.33 on each of the three.
-    trace = make_trace(
-        "poisson",
-        "mix",
-        load=4.0,
-        engines=1,
-        seconds=12,
-        seed=4,
-        prompts=PROMPTS,
-        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
-    )
+    engine, trace = _batching(0.3, 4.0, 12, 4)
     config = ServerConfig(PRESETS["predictive"], engine=engine, seed=5)
     sim, stats = _agree_batching(trace, config, router)
     assert len(sim) > 300 and sim["preemptions"].max() >= 1
@@ -626,26 +629,7 @@ def test_batching_replicas_admitting_at_the_gate_match_the_simulator_exactly(rou
     """qlab serve --batching --replicas 3 --router NAME --admission-at gate: the fleet's waiting and
     the soonest replica's projection decide (qsim.gate_view.batching), 0 disagreements with
     simulate(..., admission_at="gate")."""
-    from qsim.engines import Batching, StepModel
-    from test_gate_batching import PROMPTS, STEP
-
-    engine = Batching(
-        StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.3),
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        kv_blocks=40,
-        block_size=16,
-    )
-    trace = make_trace(
-        "poisson",
-        "mix",
-        load=8.0,
-        engines=1,
-        seconds=8,
-        seed=4,
-        prompts=PROMPTS,
-        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
-    )
+    engine, trace = _batching(0.3, 8.0, 8, 4)
     config = ServerConfig(PRESETS[policy], engine=engine, seed=5)
     sim, stats = _agree_batching(trace, config, router, admission="gate")  # 2.7 on each replica
     assert len(sim) > 600 and sim["outcome"].eq("rejected").sum() > 10
@@ -688,26 +672,7 @@ def test_a_batching_fleets_own_steps_replayed_give_its_rows(router):
     """qlab compare's replay of a batching fleet's run: the gate logs its replicas' steps in the
     order their cores planned them, which is the order simulate(step_times=) gives them out, so
     the run's own step times (another seed's noise in the simulator) give its rows again."""
-    from qsim.engines import Batching, StepModel
-    from test_gate_batching import PROMPTS, STEP
-
-    noisy = Batching(
-        StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=0.5),
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        kv_blocks=40,
-        block_size=16,
-    )
-    trace = make_trace(
-        "poisson",
-        "mix",
-        load=4.0,
-        engines=1,
-        seconds=10,
-        seed=9,
-        prompts=PROMPTS,
-        capacity_rps=noisy.capacity_rps(PROMPTS.mean(), 28.0),
-    )
+    noisy, trace = _batching(0.5, 4.0, 10, 9)
     config = ServerConfig(
         PRESETS["predictive"].with_args({"cancel_at_deadline": True}), engine=noisy, seed=3
     )
@@ -1077,8 +1042,6 @@ def test_a_hung_batching_replica_is_the_simulators_replica_down(router, monkeypa
     simulator's engine_exception for the batch and shutting_down for the line)."""
     from live.engine import Faults
     from live.fleet_gate import LiveBatchFleet, LiveCentralBatch
-    from qsim.engines import Batching
-    from test_gate_batching import PROMPTS, STEP
 
     events = []
     for cls in (LiveBatchFleet, LiveCentralBatch):
@@ -1100,17 +1063,7 @@ def test_a_hung_batching_replica_is_the_simulators_replica_down(router, monkeypa
             engine.faults = Faults(hang_after=300, hang_s=20.0)
         return engine
 
-    engine = Batching(STEP, max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=40, block_size=16)
-    trace = make_trace(
-        "poisson",
-        "mix",
-        load=2.0,
-        engines=1,
-        seconds=30,
-        seed=9,
-        prompts=PROMPTS,
-        capacity_rps=engine.capacity_rps(PROMPTS.mean(), 28.0),
-    )
+    engine, trace = _batching(None, 2.0, 30, 9)
     config = ServerConfig(PRESETS["predictive"], engine=engine, seed=3)
     spec = FleetSpec(3, make_router(router))
     gate, stats = run_gate(trace, None, 1, config=config, fleet=spec, wrap_engine=hang)
