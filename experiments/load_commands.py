@@ -109,7 +109,7 @@ def _given(dataset, trace, seed: int):
     the same seed takes (None: no dataset)."""
     if dataset is None:
         return None
-    from live.loadgen import GivenPrompts
+    from live.replay_bodies import GivenPrompts
 
     rows = dataset_rows(dataset, len(trace), seed)
     return GivenPrompts(tuple(dataset.requests[i].prompt for i in rows), dataset.counting)
@@ -316,7 +316,7 @@ def _replay_facts(args, frame: pd.DataFrame, trace, cfg) -> dict:
 
 
 def _objectives(args):
-    from live.loadgen import Objectives
+    from live.replay_config import Objectives
 
     if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
         return None
@@ -374,7 +374,8 @@ def _import(args) -> int:
 def cmd_replay(args) -> int:
     from analysis.latency import judged
 
-    from live.loadgen import ReplayConfig, check_patience, lateness, replay
+    from live.loadgen import ReplayConfig, lateness, replay
+    from live.replay_clients import check_patience
 
     if args.import_file:
         return _import(args)
@@ -659,7 +660,8 @@ def _in_flight(text: str) -> tuple[int, ...]:
 
 def cmd_calibrate(args) -> int:
     from live.admin import send_calibration, sending_key
-    from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms
+    from live.calibrate import CalibrationConfig, calibrate
+    from live.calibration_report import describe, describe_terms
 
     if args.apply:
         sending_key()  # a missing key said before the calibration's minutes, not after
@@ -744,7 +746,7 @@ def _step_reports(args):
     of work to follow), none with --quiet."""
     import sys
 
-    from live.calibrate import report
+    from live.calibration_report import report
 
     if args.quiet:
         return None

@@ -140,8 +140,6 @@ STILL_LONG: set[str] = {
     "analysis.replay",
     "experiments.config",
     "experiments.load_commands",
-    "live.calibrate",
-    "live.loadgen",
 }
 
 
