@@ -376,7 +376,8 @@ SCANNED = [
     "live/calibrate.py",
     "live/server_facts.py",
     "live/step_pages.py",
-    "experiments/load_commands.py",
+    "experiments/replay_command.py",
+    "experiments/calibrate_command.py",
     "live/openai_replay.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")),
 ]

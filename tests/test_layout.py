@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: qlab's packages, bottom layer first: a package imports only from layers below its own. The run
 #: file's settings (qsim.runfile) are in the bottom layer, so that the comparison (analysis) reads
-#: them without live; the commands that drive live runs and measure them (experiments.load_commands,
-#: live_runner) are on top.
+#: them without live; the commands that drive live runs and measure them (experiments.replay_command
+#: and its siblings, live_runner) are on top.
 LAYERS = (("qsim",), ("inputs",), ("analysis", "live"), ("experiments",))
 PACKAGES = tuple(p for layer in LAYERS for p in layer)
 LAYER = {p: i for i, layer in enumerate(LAYERS) for p in layer}
@@ -139,7 +139,6 @@ STILL_LONG: set[str] = {
     "analysis.plots",
     "analysis.replay",
     "experiments.config",
-    "experiments.load_commands",
 }
 
 
