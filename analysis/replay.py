@@ -79,9 +79,6 @@ from .replay_inputs import (
 )
 from .replay_unsaid import Unsaid, _cancelled_runs, _guessed, _misplaced
 
-# experiments.load_commands reads the run's speed and the rules' words from here.
-from .replay_inputs import RULES, engine_time_ratio, measured_speed  # noqa: F401 (re-exported)
-
 
 def simulate_run(run: pd.DataFrame, origin: str = "server") -> pd.DataFrame:
     """qsim's rows for the run's arrivals, with the run's request ids (times on the run's clock).

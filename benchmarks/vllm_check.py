@@ -57,7 +57,8 @@ from pydantic import BaseModel
 
 from live import vllm_server
 from live.admin import ADMIN_KEY_ENV, send_calibration
-from live.calibrate import CalibrationConfig, StepCalibration, calibrate
+from live.calibrate import CalibrationConfig, calibrate
+from live.calibration_fit import StepCalibration
 from live.contract import ServiceModelBody, Stats
 from live.engine_steps import Counters, EnginePhase, fit_phases
 from live.procs import Server

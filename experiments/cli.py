@@ -719,7 +719,10 @@ def _command_modules():
     for name in (
         "experiments.commands",
         "live.commands",
-        "experiments.load_commands",
+        "experiments.replay_command",
+        "experiments.calibrate_command",
+        "experiments.compare_command",
+        "experiments.live_command",
         "experiments.study.runner",
         "experiments.capacity_cli",
     ):

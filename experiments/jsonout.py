@@ -21,3 +21,9 @@ def json_ready(obj):
     if isinstance(obj, np.integer):
         return int(obj)
     return obj
+
+
+def saying(as_json: bool):
+    """print, flushed (a line said before minutes of work), or nothing: --json's stdout is one
+    document."""
+    return (lambda line: None) if as_json else (lambda line: print(line, flush=True))

@@ -47,7 +47,8 @@ from inputs.atomic import atomic_write, clear_temporaries, sigterm_interrupts, w
 from qsim import ServiceModel, Trace, build_trace
 from qsim.workload import load_at_rate
 
-from live.calibrate import CalibrationConfig, calibrate, describe, describe_terms, probe, report
+from live.calibrate import CalibrationConfig, calibrate, probe
+from live.calibration_report import describe, describe_terms, report
 from live.engine_steps import counted
 from live.live_config import DEFAULT_SECONDS, LiveConfig, TraceSpec
 from live.loadgen import ReplayConfig, lateness, replay

@@ -7,8 +7,9 @@ heads), ``serve_options`` (every option of ``qlab serve``, written once) and ``c
 (``qlab serve``). The load side: ``procs`` (a server as a child process), ``loadgen``
 (open-loop replay), ``rows`` (an exchange as a record), ``calibrate``, ``live_config``
 (``qlab live``'s file). The commands of the load side (``qlab replay``, ``calibrate``,
-``compare``, ``live``) are :mod:`experiments.load_commands` and :mod:`experiments.live_runner`:
-they use :mod:`analysis` too, and live imports nothing from analysis (tests/test_layout.py).
+``compare``, ``live``) are :mod:`experiments.replay_command` and its siblings, and
+:mod:`experiments.live_runner`: they use :mod:`analysis` too, and live imports nothing from
+analysis (tests/test_layout.py).
 
 It reuses qsim's ``decide``, ``cannot_finish``, ``SpeedTracker``, traces and record
 schema rather than copies of them. Torch is imported only by ``live.gpt2``.

@@ -21,13 +21,13 @@ asked for by name).
 **Under load** (:func:`measure_load`). With K engines on the server, the same schedule is then sent
 with 2, 4, ... K requests in flight at once (each of L workers sends its next request as its last
 one is answered), and each request's engines busy at its start (itself included) counted from the
-gate's own ``started_at`` / ``returned_at``. :func:`fit_load` fits the concurrency term of
-:class:`qsim.engines.OneAtATime` (a run takes its time x (1 + c (busy - 1))) to every point, the
-rounds' (busy 1) included, by bounded least squares, and the noise: the CV of a request's time
-around the model x that slowdown, one at a time and under load. Both go into the calibration JSON
-(key ``load``), which ``serve``, ``simulate`` and ``compare`` read (:class:`qsim.service.LoadTerms`:
-``noise_cv`` there is
-:attr:`LoadFit.noise_cv`).
+gate's own ``started_at`` / ``returned_at``. :func:`live.calibration_fit.fit_load` fits the
+concurrency term of :class:`qsim.engines.OneAtATime` (a run takes its time x (1 + c (busy - 1))) to
+every point, the rounds' (busy 1) included, by bounded least squares, and the noise: the CV of a
+request's time around the model x that slowdown, one at a time and under load. Both go into the
+calibration JSON (key ``load``), which ``serve``, ``simulate`` and ``compare`` read
+(:class:`qsim.service.LoadTerms`: ``noise_cv`` there is
+:attr:`live.calibration_fit.LoadFit.noise_cv`).
 
 **A batching server** (its ``/stats`` server config's engine is :class:`qsim.engines.Batching`) runs
 requests together in steps, so there is no concurrency term to fit: after the rounds, the schedule
@@ -37,39 +37,48 @@ it computed, prefill tokens, sequences that produced a token, context tokens hel
 step model (:meth:`qsim.engines.StepModel.fit`), the rounds' steps with them. The fitted model, its
 CV the spread of a step's time around it, goes into the calibration JSON (key ``step``, which
 ``--step FILE`` reads too; ``step_fit``: r^2, the errors, the standard errors, the levels), where
-``LoadTerms`` reads it (:func:`fit_steps`).
+``LoadTerms`` reads it (:func:`live.calibration_fit.fit_steps`).
+
+This module sends the requests and measures; what it measured and the fits are
+:mod:`live.calibration_fit`'s, the lines said of them :mod:`live.calibration_report`'s, what
+the server says of itself :mod:`live.server_facts`', and a batching gate's step log is read by
+:mod:`live.step_pages`.
 """
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
 
 import httpx
 import numpy as np
-from pydantic import BaseModel
-from scipy import optimize, stats
 
-from inputs.atomic import atomic_write
-from qsim.engines import STEP_FIELDS, Batching, StepFit, StepModel, engine_from_fields
-from qsim.runfile import LoggedStep
-from qsim.service import Fit, ServiceModel, fit
+from qsim.engines import Batching
+from qsim.service import ServiceModel, fit
 
 from .auth import client_headers
-from .engine_steps import EnginePhase, EngineStepFit, counted, fit_phases
-from .contract import EngineFacts, GenerateRequest, GenerateResponse, HealthFacts, Stats, Timings
+from .calibration_fit import (
+    BatchLevel,
+    Calibration,
+    LoadLevel,
+    Round,
+    StepCalibration,
+    busy_at_start,
+    fit_load,
+    fit_steps,
+)
+from .engine_steps import EnginePhase, counted, fit_phases
+from .contract import GenerateRequest, GenerateResponse, Timings
 from .contract_clients import UpstreamModels
 from .contract_fields import num
 from .contract_openai import Completion, CompletionRequest
-from .tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
+from .server_facts import ServerFacts, default_prompt_tokens, read_facts
+from .step_pages import fetch_steps, gate_clock
+from .tokenizer import prompt_of, words_prompt
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: Longer prompts of the default schedule, beside the replayer's default prompt.
 LONG_PROMPTS = (256, 768)
-M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -138,97 +147,6 @@ class CalibrationConfig:
         return tuple(sorted({*doubling, engines} - {1}))
 
 
-@dataclass(frozen=True)
-class ServerFacts:
-    """What the server says that prompts depend on: its tokenizer's name, the engine's context
-    (None: no limit of its own) and the gate's caps on a prompt (tokens, characters; None: not
-    said); and its engines, which the load phase fills, or its batching engine (None: engines one at
-    a time, or not said)."""
-
-    tokenizer: str | None = None
-    context: int | None = None
-    max_prompt_tokens: int | None = None
-    max_prompt_chars: int | None = None
-    engines: int = 1
-    batching: Batching | None = None
-
-    def longest_prompt(self, new_tokens: int) -> float:
-        """The most prompt tokens a request of ``new_tokens`` new tokens may bring (inf: no
-        limit)."""
-        caps = [float("inf")]
-        if self.context is not None:
-            caps.append(self.context - new_tokens)
-        if self.max_prompt_tokens is not None:
-            caps.append(self.max_prompt_tokens)
-        if self.max_prompt_chars is not None:
-            caps.append(max_tokens_within(self.max_prompt_chars, self.tokenizer))
-        return min(caps)
-
-
-def _positive_int(value) -> int | None:
-    return (
-        int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-    )
-
-
-def server_facts(health: Any, stats: Any) -> ServerFacts:
-    """Read ``GET /healthz``'s engine (tokenizer, context) and ``GET /stats``'s limits (parsed
-    bodies, through
-    :class:`live.contract.HealthFacts` and :class:`~live.contract.Stats`); a page that is not one
-    (None: not there, or not a qlab gate's) says nothing."""
-    engine = _lenient(HealthFacts, health).engine or EngineFacts()
-    said = _lenient(Stats, stats)
-    limits = said.limits
-    return ServerFacts(
-        engine.tokenizer,
-        _positive_int(engine.context),
-        _positive_int(limits.max_prompt_tokens),
-        _positive_int(limits.max_prompt_chars),
-        _positive_int(said.engines) or 1,
-        _batching(said.server_config),
-    )
-
-
-def _batching(server_config: dict | None) -> Batching | None:
-    """The batching engine a gate's server config names (None: engines one at a time, or no config
-    said); its engine alone is read (a policy of the server's own need not be known here)."""
-    if server_config is None or "engine" not in server_config:
-        return None
-    try:
-        engine = engine_from_fields(server_config["engine"])
-    except ValueError:
-        return None
-    return engine if isinstance(engine, Batching) else None
-
-
-def _lenient(model: type[M], body: Any) -> M:
-    """``body`` through ``model``; the model's defaults (nothing said) when it is not one."""
-    try:
-        return model() if body is None else model.model_validate(body)
-    except ValueError:
-        return model()
-
-
-def read_facts(http: httpx.Client) -> ServerFacts:
-    """:func:`server_facts` of the server behind ``http`` (a page that is not there says
-    nothing)."""
-    pages = []
-    for path in ("/healthz", "/stats"):
-        try:
-            response = http.get(path)
-            pages.append(response.json() if response.status_code == 200 else None)
-        except (httpx.HTTPError, ValueError):
-            pages.append(None)
-    return server_facts(*pages)
-
-
-def default_prompt_tokens(facts: ServerFacts, prompt_words: int) -> int:
-    """How many of the server's tokens the replayer's default prompt of ``prompt_words`` words
-    is."""
-    text = words_prompt(prompt_words)
-    return len(text.encode()) if facts.tokenizer == ByteTokenizer.name else prompt_words
-
-
 def prompt_schedule(cfg: CalibrationConfig, facts: ServerFacts) -> tuple[int, ...]:
     """The prompt lengths to measure: as asked (each must fit beside the largest size), or the
     default prompt and those of :data:`LONG_PROMPTS` that fit."""
@@ -249,260 +167,6 @@ def prompt_schedule(cfg: CalibrationConfig, facts: ServerFacts) -> tuple[int, ..
             f"context is {facts.context})"
         )
     return tuple(dict.fromkeys([short, *(p for p in LONG_PROMPTS if short < p <= room)]))
-
-
-@dataclass(frozen=True)
-class Round:
-    """One round's fit and the points it was made from."""
-
-    round: int
-    model: ServiceModel
-    median_rel_error: float
-    worst_rel_error: float
-    tokens: tuple[int, ...]
-    engine_s: tuple[float, ...]
-    prompt_tokens: tuple[int, ...] = ()
-
-    def as_dict(self) -> dict:
-        return {
-            "round": self.round,
-            "model": asdict(self.model),
-            "n": len(self.tokens),
-            "median_rel_error": self.median_rel_error,
-            "worst_rel_error": self.worst_rel_error,
-            "tokens": list(self.tokens),
-            "prompt_tokens": list(self.prompt_tokens),
-            "engine_s": list(self.engine_s),
-        }
-
-
-@dataclass(frozen=True)
-class LoadLevel:
-    """One in-flight level's requests under load: their sizes, engine times, and engines busy at
-    each start."""
-
-    level: int
-    tokens: tuple[int, ...]
-    prompt_tokens: tuple[int, ...]
-    engine_s: tuple[float, ...]
-    busy: tuple[int, ...]
-
-    def as_dict(self) -> dict:
-        return {
-            "level": self.level,
-            "n": len(self.tokens),
-            "tokens": list(self.tokens),
-            "prompt_tokens": list(self.prompt_tokens),
-            "engine_s": list(self.engine_s),
-            "busy": list(self.busy),
-        }
-
-
-@dataclass(frozen=True)
-class LoadFit:
-    """The concurrency term and the noise, fitted to every point (the rounds' at busy 1 and the load
-    levels').
-
-    ratio = engine time / the line's estimate = speed x (1 + concurrency x (busy - 1)) x noise;
-    ``speed``: the fitted ratio at busy 1 (about 1: the line was fitted to those points);
-    ``concurrency``: None where no point had another engine busy; ``noise_cv_one`` /
-    ``noise_cv_load``: the CV of the noise at busy 1 and above (NaN: no such point); ``noise_cv``:
-    the one a prediction draws, under load where it was measured."""
-
-    speed: float
-    concurrency: float | None
-    noise_cv_one: float
-    noise_cv_load: float
-    n: int
-    busy_counts: dict[int, int]
-
-    @property
-    def noise_cv(self) -> float:
-        return self.noise_cv_load if np.isfinite(self.noise_cv_load) else self.noise_cv_one
-
-    def as_dict(self) -> dict:
-        finite = _json_number
-        return {
-            "concurrency": self.concurrency,
-            "noise_cv": finite(self.noise_cv),
-            "speed_at_one": self.speed,
-            "noise_cv_one_at_a_time": finite(self.noise_cv_one),
-            "noise_cv_under_load": finite(self.noise_cv_load),
-            "n": self.n,
-            "busy_counts": {str(k): v for k, v in sorted(self.busy_counts.items())},
-        }
-
-
-def _json_number(value: float) -> float | None:
-    """A number for the JSON: None where it is not finite (not measured; JSON has no NaN)."""
-    return float(value) if np.isfinite(value) else None
-
-
-def busy_at_start(started: np.ndarray, returned: np.ndarray) -> np.ndarray:
-    """For each request, how many of these requests held an engine when it started, itself included:
-    those started at or before it and not yet returned (the gate's clock, where only these requests
-    ran)."""
-    started, returned = np.asarray(started, float), np.asarray(returned, float)
-    holding = (started[None, :] <= started[:, None]) & (returned[None, :] > started[:, None])
-    return holding.sum(axis=1)
-
-
-def _cv(values: np.ndarray) -> float:
-    return float(stats.variation(values, ddof=1)) if values.size >= 2 else float("nan")
-
-
-def fit_load(model: ServiceModel, tokens, prompt_tokens, engine_s, busy) -> LoadFit:
-    """Fit ratio = speed + d x (busy - 1) by least squares bounded at 0 (scipy's lsq_linear),
-    concurrency = d / speed, and the noise: the CV of ratio / (speed + d (busy - 1)), at busy 1 and
-    above."""
-    ratio = np.asarray(engine_s, float) / model.estimate(
-        np.asarray(tokens), np.asarray(prompt_tokens)
-    )
-    busy = np.asarray(busy, dtype=int)
-    if (
-        ratio.size < 2
-        or not np.all(np.isfinite(ratio))
-        or busy.shape != ratio.shape
-        or busy.min() < 1
-    ):
-        raise ValueError(
-            "a load fit needs at least 2 points, each with a finite time and busy >= 1"
-        )
-    shared = np.unique(busy).size > 1
-    if shared:
-        x = np.column_stack([np.ones_like(ratio), busy - 1.0])
-        speed, slope = optimize.lsq_linear(x, ratio, bounds=([1e-9, 0.0], [np.inf, np.inf])).x
-    else:  # every point at one busy count: no slope to fit, the speed is the mean ratio
-        speed, slope = float(ratio.mean()), 0.0
-    noise = ratio / (speed + slope * (busy - 1.0))
-    return LoadFit(
-        float(speed),
-        float(slope / speed) if shared else None,
-        _cv(noise[busy == 1]),
-        _cv(noise[busy > 1]),
-        int(ratio.size),
-        {int(b): int(n) for b, n in zip(*np.unique(busy, return_counts=True))},
-    )
-
-
-@dataclass(frozen=True)
-class BatchLevel:
-    """A phase against a batching server: ``level`` requests in flight (1: the rounds, one at a
-    time), the requests it sent, and the steps the server ran meanwhile (its step log)."""
-
-    level: int
-    requests: int
-    steps: tuple[LoggedStep, ...]
-
-    def as_dict(self) -> dict:
-        running = np.array([s.sampling for s in self.steps], dtype=float)
-        return {
-            "level": self.level,
-            "requests": self.requests,
-            "steps": len(self.steps),
-            "sampling_median": float(np.median(running)) if running.size else None,
-            "sampling_max": int(running.max()) if running.size else None,
-        }
-
-
-def step_seconds(step: LoggedStep) -> float:
-    """A logged step's seconds as the gate's core counted them (from its start to the gate having it
-    back): what the simulator's step takes, the engine's own time and the hop back to the gate's
-    loop included."""
-    return float(step.ended) - float(step.began)
-
-
-def fit_steps(steps) -> StepFit:
-    """The step model fitted to logged steps (:class:`qsim.runfile.LoggedStep`; those without their
-    composition, from an older gate, are left out): :meth:`qsim.engines.StepModel.fit` of
-    :func:`step_seconds` on the prefill tokens, the sequences that produced a token and the context
-    held."""
-    known = [s for s in steps if s.prefill_tokens >= 0]
-    if len(known) < 4:
-        raise ValueError(
-            "a step model needs at least 4 logged steps with what they computed, the "
-            "server logged "
-            f"{len(known)} (a qlab gate from before step compositions were logged?)"
-        )
-    return StepModel.fit(
-        [s.prefill_tokens for s in known],
-        [s.sampling for s in known],
-        [s.context for s in known],
-        [step_seconds(s) for s in known],
-    )
-
-
-@dataclass(frozen=True)
-class StepCalibration:
-    """A batching server's step model, fitted to the steps of every phase (:func:`fit_steps`)."""
-
-    fit: StepFit
-    levels: tuple[BatchLevel, ...]
-    # fitted to the engine's own counters: the model, where there
-    engine: EngineStepFit | None = None
-
-    @property
-    def model(self) -> StepModel:
-        return (self.fit if self.engine is None else self.engine.fit).calibrated
-
-    def as_dict(self) -> dict:
-        f = self.fit
-        return {
-            "median_rel_error": f.median_rel_error,
-            "worst_rel_error": f.worst_rel_error,
-            "cv": f.cv,
-            "r2": _json_number(f.r2),
-            "n": f.n,
-            "standard_errors": dict(zip(STEP_FIELDS, map(_json_number, f.se))),
-            "seconds": "gate: each step's start to the gate having it back",
-            "levels": [lv.as_dict() for lv in self.levels],
-            "engine": None if self.engine is None else self.engine.as_dict(),
-        }
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The overall fit over every round, each round's own, and the load phase's levels and fit
-    (engines one at a time) or the step model (a batching server)."""
-
-    overall: Fit
-    rounds: tuple[Round, ...]
-    tokenizer: str | None = None
-    levels: tuple[LoadLevel, ...] = ()
-    load: LoadFit | None = None
-    steps: StepCalibration | None = None
-
-    def as_dict(self) -> dict:
-        """The JSON that ``ServiceModel.load`` reads (its ``model`` key), ``LoadTerms.load`` too
-        (its ``load`` and ``step`` keys; ``step`` is a step model file too, as ``--step FILE``
-        reads), and people read."""
-        load = (
-            None
-            if self.load is None
-            else {**self.load.as_dict(), "levels": [lv.as_dict() for lv in self.levels]}
-        )
-        step = (
-            {}
-            if self.steps is None
-            else {"step": asdict(self.steps.model), "step_fit": self.steps.as_dict()}
-        )
-        engine = None if self.steps is None else self.steps.engine
-        if engine is not None and engine.front_end is not None:  # LoadTerms reads it
-            step["front_end"] = asdict(engine.front_end.model)
-        return {
-            "model": asdict(self.overall.model),
-            "median_rel_error": self.overall.median_rel_error,
-            "worst_rel_error": self.overall.worst_rel_error,
-            "n": self.overall.n,
-            "prompt_tokenizer": self.tokenizer,
-            "rounds": [r.as_dict() for r in self.rounds],
-            "load": load,
-            **step,
-        }
-
-    def save(self, path: str | Path) -> None:
-        """Write the JSON whole or not at all (a resumed ``qlab live`` reuses it)."""
-        atomic_write(path, (json.dumps(self.as_dict(), indent=2) + "\n").encode())
 
 
 def schedule(cfg: CalibrationConfig, prompts: tuple[int, ...] = (0,)) -> list[tuple[int, int]]:
@@ -778,159 +442,6 @@ def output_mixes(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ..
         return ordered, ordered
     middle = len(ordered) // 2
     return ordered[:middle], ordered[middle:]
-
-
-def gate_clock(http: httpx.Client) -> float:
-    """The gate's clock now (``/stats``' ``clock``): where a phase's steps begin in its step log."""
-    response = http.get("/stats")
-    clock = _lenient(Stats, response.json() if response.status_code == 200 else None).clock
-    if clock is None:
-        raise ValueError(
-            f"GET /stats does not say the gate's clock (HTTP {response.status_code}): "
-            "a batching "
-            "server's steps cannot be read back"
-        )
-    return num(clock)
-
-
-#: The most pages of a step log a client reads: the whole log (200,000 steps) is 40 of 5,000; a
-#: gate that kept answering a next page past this is broken, and a client must not loop on it
-#: forever.
-MAX_STEP_PAGES = 1_000
-
-
-@dataclass(frozen=True)
-class StepPage:
-    """One answer of ``/stats?steps_since=``: its steps, the cursor of the next page (None: the
-    last), and the step models the gate took among them ([steps of the page before it, b0, b1, b2,
-    b3, cv] each: :meth:`live.drive_batch.BatchDriver.step_page`)."""
-
-    steps: list
-    next: int | None
-    models: list
-
-
-def step_page(status: int, payload: object) -> StepPage:
-    """One answer of ``/stats?steps_since=`` (or ``steps_from=``); a gate that does not page
-    answers one, and one that took no step model says none. ValueError when it is not a page of
-    steps."""
-    if status != 200:
-        raise ValueError(f"GET /stats?steps_since= answered HTTP {status}")
-    steps = payload.get("step_log", []) if isinstance(payload, dict) else None
-    cursor = payload.get("step_log_next") if isinstance(payload, dict) else None
-    models = payload.get("step_models", []) if isinstance(payload, dict) else None
-    if not isinstance(steps, list) or not (cursor is None or isinstance(cursor, int)):
-        raise ValueError("GET /stats?steps_since= answered no step log")
-    if not isinstance(models, list):
-        raise ValueError("GET /stats?steps_since= answered step models that are no list")
-    return StepPage(steps, cursor, models)
-
-
-def page_params(since: float, cursor: int | None) -> dict[str, str]:
-    """The query of the first page (``steps_since``), or of the page at ``cursor``."""
-    return {"steps_since": repr(since)} if cursor is None else {"steps_from": str(cursor)}
-
-
-def fetch_steps(http: httpx.Client, since: float) -> tuple[LoggedStep, ...]:
-    """The steps a batching gate woke for at ``since`` or later (its clock;
-    ``/stats?steps_since=``'s step log), page after page."""
-    steps, cursor = [], None
-    for _ in range(MAX_STEP_PAGES):
-        response = http.get("/stats", params=page_params(since, cursor))
-        page = step_page(response.status_code, response.json())
-        steps += page.steps
-        cursor = page.next
-        if cursor is None:
-            return tuple(LoggedStep(*row) for row in steps)
-    raise ValueError(f"GET /stats?steps_since=: more than {MAX_STEP_PAGES} pages of steps")
-
-
-def report(step: Round | LoadLevel | BatchLevel) -> str:
-    """A line on one step of :func:`calibrate` as it ends (its ``progress``): a round's fit, or a
-    load level."""
-    if isinstance(step, Round):
-        return describe(step, f"round {step.round}")
-    return describe_level(step) if isinstance(step, LoadLevel) else describe_batch(step)
-
-
-def describe_batch(level: BatchLevel) -> str:
-    said = level.as_dict()
-    batch = (
-        ""
-        if not level.steps
-        else ", sequences producing a token per step: median "
-        f"{said['sampling_median']:g}, "
-        f"max {said['sampling_max']}"
-    )
-    return f"{level.level} in flight: {level.requests} requests, {said['steps']} steps{batch}"
-
-
-def describe_terms(result: Calibration) -> str:
-    """What the calibration fitted beside the line, in one line: the concurrency term and the noise
-    (engines one at a time), or the step model (a batching server)."""
-    return describe_load(result.load) if result.steps is None else describe_steps(result.steps)
-
-
-def describe_steps(steps: StepCalibration) -> str:
-    """The fitted step model and how well it fits, in a line (two with the engine's counters)."""
-    m, f = steps.model, steps.fit
-    line = (
-        f"step model: {m.b0 * 1e3:.3f} ms + {m.b1 * 1e6:.3f} us/prefill token + "
-        f"{m.b2 * 1e6:.1f} us/sequence + "
-        f"{m.b3 * 1e9:.2f} ns/context token, CV {m.cv:.3f}; "
-    )
-    gate = (
-        f"the gate's steps: r^2 {f.r2:.3f}, error on one step: median "
-        f"{f.median_rel_error:.1%}, worst "
-        f"{f.worst_rel_error:.1%}; {f.n} steps"
-    )
-    e = steps.engine
-    if e is None:
-        return line + gate
-    return (
-        line + f"fitted to the engine's counters ({len(e.phases)} phases): r^2 {e.fit.r2:.3f}, "
-        "on held-out "
-        f"phases {e.held_out_r2:.3f} (median error {e.held_out_median_rel_error:.1%})\n  "
-        f"beside it, {gate}"
-    )
-
-
-def describe_level(level: LoadLevel) -> str:
-    busy = np.asarray(level.busy)
-    return (
-        f"{level.level} in flight: {len(busy)} requests, engines busy at their start: median "
-        f"{np.median(busy):g}, "
-        f"max {busy.max()}"
-    )
-
-
-def describe_load(load: LoadFit) -> str:
-    """The fitted concurrency term and noise, in one line."""
-
-    def cv(value: float) -> str:
-        return f"{value:.3f}" if np.isfinite(value) else "not measured"
-
-    slowdown = (
-        "not measured (one engine)"
-        if load.concurrency is None
-        else f"{load.concurrency:.3f} (a run x {1 + load.concurrency:.3f} with two engines busy)"
-    )
-    return (
-        f"under load: concurrency {slowdown}; noise CV one at a time {cv(load.noise_cv_one)}, "
-        "under load "
-        f"{cv(load.noise_cv_load)}; ratio at one busy {load.speed:.3f}; {load.n} requests"
-    )
-
-
-def describe(r: Round | Fit, label: str) -> str:
-    m = r.model
-    prompt = f", {m.per_prompt_token_s * 1e6:.2f} us/prompt token" if m.per_prompt_token_s else ""
-    return (
-        f"{label}: intercept {m.intercept_s * 1e3:.2f} ms, {m.per_token_s * 1e3:.3f} "
-        f"ms/token{prompt}; "
-        f"error of the fit on one request: median {r.median_rel_error:.1%}, worst "
-        f"{r.worst_rel_error:.1%}"
-    )
 
 
 def probe(

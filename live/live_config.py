@@ -85,7 +85,7 @@ from qsim.policy import resolve
 from qsim.tracefiles import TraceWindow, WindowNames
 from qsim.arrivals import arrivals_take_load, check_load, parse_arrivals
 
-from .loadgen import APIS
+from .replay_config import APIS
 from .serve_options import ServeOptions
 from .tokenizer import MIN_CONTEXT_TOKENS
 

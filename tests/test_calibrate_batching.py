@@ -5,11 +5,11 @@ On the virtual clock (tests/virtual_time.py) the real :func:`live.gate.BatchGate
 :class:`live.batching.SyntheticBatchEngine`, whose steps take its step model's time (x a gamma draw
 of its CV), under calibration's load: the schedule of :func:`live.calibrate.schedule` one at a time
 and with 2, 4 and 8 in flight. Its step log (what each step computed, when it began and ended) is
-fitted by :func:`live.calibrate.fit_steps`, the function the HTTP calibration fits with: without
-noise the coefficients come back exactly; with noise each is within a few of its standard errors,
-the tolerance the statistics set. Then the calibration JSON's step model is read by ``serve``,
-``simulate`` and ``compare --predict``, a broken one is one line and exit 2, and a real server is
-calibrated end to end.
+fitted by :func:`live.calibration_fit.fit_steps`, the function the HTTP calibration fits with:
+without noise the coefficients come back exactly; with noise each is within a few of its standard
+errors, the tolerance the statistics set. Then the calibration JSON's step model is read by
+``serve``, ``simulate`` and ``compare --predict``, a broken one is one line and exit 2, and a real
+server is calibrated end to end.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import pytest
 
 from experiments.cli import main
 from live.batching import SyntheticBatchEngine
-from live.calibrate import CalibrationConfig, fit_steps, schedule, step_seconds
+from live.calibrate import CalibrationConfig, schedule
+from live.calibration_fit import fit_steps, step_seconds
 from live.gate import BatchGate, gate_config
 from live.jobs import Job
 from qsim import PRESETS, make_trace
@@ -110,7 +111,8 @@ def test_calibrating_a_noisy_engine_recovers_its_step_model_within_its_standard_
 
 
 def test_the_calibration_json_carries_the_step_model_and_its_fit(tmp_path):
-    from live.calibrate import BatchLevel, Calibration, StepCalibration, describe_terms
+    from live.calibration_fit import BatchLevel, Calibration, StepCalibration
+    from live.calibration_report import describe_terms
     from qsim.service import fit
 
     steps = _calibration_steps(replace(TRUE, cv=0.1), levels=(1, 4))

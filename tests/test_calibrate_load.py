@@ -20,7 +20,8 @@ import pytest
 
 from experiments.cli import main
 from live import calibrate as cal
-from live.calibrate import CalibrationConfig, busy_at_start, calibrate, fit_load
+from live.calibrate import CalibrationConfig, calibrate
+from live.calibration_fit import busy_at_start, fit_load
 from qsim import ServiceModel, make_trace
 from qsim.engines import OneAtATime
 from qsim.service import LoadTerms

@@ -15,18 +15,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from experiments.cli import main
-from live.calibrate import (
-    CalibrationConfig,
-    ServerFacts,
-    calibrate,
-    default_prompt_tokens,
-    prompt_schedule,
-    schedule,
-    server_facts,
-)
+from live.calibrate import CalibrationConfig, calibrate, prompt_schedule, schedule
 from live.engine import SyntheticEngine
 from live.procs import serving
 from live.serve_options import ServeOptions
+from live.server_facts import ServerFacts, default_prompt_tokens, server_facts
 from live.tokenizer import ByteTokenizer, max_tokens_within, prompt_of, words_prompt
 from qsim import ServiceModel
 

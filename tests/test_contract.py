@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from live import contract, contract_clients, contract_openai
-from live.calibrate import ServerFacts, server_facts
+from live.server_facts import ServerFacts, server_facts
 from live.contract import (
     ErrorEnvelope,
     GenerateRequest,
@@ -370,8 +370,14 @@ def test_the_openai_replayer_reads_a_gates_stream_as_its_whole_answer(client):
 SCANNED = [
     "live/rows.py",
     "live/loadgen.py",
+    "live/replay_server.py",
+    "live/loadgen_clients.py",
+    "live/lanes.py",
     "live/calibrate.py",
-    "experiments/load_commands.py",
+    "live/server_facts.py",
+    "live/step_pages.py",
+    "experiments/replay_command.py",
+    "experiments/calibrate_command.py",
     "live/openai_replay.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")),
 ]

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from experiments.cli import main
-from live import loadgen
+from live import lanes
 from qsim import records
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
@@ -51,7 +51,7 @@ def _gate(request: httpx.Request) -> httpx.Response:
 
 @pytest.fixture
 def stub_gate(monkeypatch):
-    monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_gate))
+    monkeypatch.setattr(lanes.Lanes, "_new", lambda self: httpx.MockTransport(_gate))
     return "http://gate.test"
 
 
@@ -179,7 +179,7 @@ class _RefusesFirst:
 
 
 def test_replay_json_of_retrying_clients_says_the_end_to_end_view(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_RefusesFirst(3)))
+    monkeypatch.setattr(lanes.Lanes, "_new", lambda self: httpx.MockTransport(_RefusesFirst(3)))
     out = tmp_path / "run.parquet"
     assert (
         main(

@@ -81,11 +81,11 @@ def test_live_quiet_says_no_line_as_it_goes(monkeypatch, tmp_path, capsys):
 def test_replay_rate_is_the_nominal_load_that_sends_it(monkeypatch, tmp_path, capsys):
     import httpx
 
-    from live import loadgen
+    from live import lanes
     from qsim.workload import load_at_rate
     from test_json_output import _gate  # tests/ is on the path (rootdir-relative imports)
 
-    monkeypatch.setattr(loadgen.Lanes, "_new", lambda self: httpx.MockTransport(_gate))
+    monkeypatch.setattr(lanes.Lanes, "_new", lambda self: httpx.MockTransport(_gate))
     argv = [
         "replay",
         "--url",

@@ -23,8 +23,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from experiments.cli import main  # noqa: E402
-from live.calibrate import ServerFacts  # noqa: E402
-from live.loadgen import CANNOT_FIT, ReplayConfig, payloads, plan_prompts, replay  # noqa: E402
+from live.server_facts import ServerFacts  # noqa: E402
+from live.loadgen import ReplayConfig, replay  # noqa: E402
+from live.replay_bodies import CANNOT_FIT, payloads, plan_prompts  # noqa: E402
 from live.openai_api import DEADLINE_HEADER  # noqa: E402
 from live.openai_replay import refusal_body  # noqa: E402
 from live.procs import serving  # noqa: E402

@@ -16,10 +16,12 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from live import calibrate, loadgen  # noqa: E402
+from live import replay_server, step_pages  # noqa: E402
 from live.batching import STEP_PAGE, SyntheticBatchEngine  # noqa: E402
 from live.gate import BatchGate, Gate, gate_config  # noqa: E402
 from live.http_api import create_app  # noqa: E402
+from live.lanes import Lanes  # noqa: E402
+from live.replay_config import ReplayConfig  # noqa: E402
 from qsim import PRESETS  # noqa: E402
 from qsim.engines import Batching, StepModel  # noqa: E402
 from qsim.runfile import LoggedStep  # noqa: E402
@@ -109,7 +111,7 @@ def test_the_calibrator_and_the_replayer_read_every_page():
     # counts each from the run's first step, across pages.
     gate.driver.step_models += [(4, StepModel(0.02)), (STEP_PAGE + 6, StepModel(0.03, cv=0.1))]
     with TestClient(create_app(gate)) as client:
-        read = calibrate.fetch_steps(client, 0.0)
+        read = step_pages.fetch_steps(client, 0.0)
 
         def forward(request: httpx.Request) -> httpx.Response:  # the replayer's lanes, in-process
             answer = client.get(request.url.path, params=request.url.params)
@@ -117,16 +119,18 @@ def test_the_calibrator_and_the_replayer_read_every_page():
                 answer.status_code, content=answer.content, headers=answer.headers
             )
 
-        replayed = asyncio.run(_with_lanes(forward, lambda lanes: loadgen.fetch_steps(lanes, 0.0)))
+        replayed = asyncio.run(
+            _with_lanes(forward, lambda lanes: replay_server.fetch_steps(lanes, 0.0))
+        )
     assert [s.prefill_tokens for s in read] == list(range(STEP_PAGE * 2 + 17))
     assert [s[5] for s in replayed.steps] == list(range(STEP_PAGE * 2 + 17))
     assert replayed.models == [[at, *astuple(model)] for at, model in gate.driver.step_models]
 
 
 async def _with_lanes(handler, use):
-    """``use(lanes)`` on the replayer's :class:`live.loadgen.Lanes` whose every lane is httpx's
+    """``use(lanes)`` on the replayer's :class:`live.lanes.Lanes` whose every lane is httpx's
     MockTransport of ``handler``."""
-    lanes = loadgen.Lanes(loadgen.ReplayConfig("http://gate.test"))
+    lanes = Lanes(ReplayConfig("http://gate.test"))
     lanes._new = lambda: httpx.MockTransport(handler)
     async with lanes:
         return await use(lanes)
@@ -150,7 +154,7 @@ def _died(request: httpx.Request) -> httpx.Response:
     ],
 )
 def test_a_step_log_that_cannot_be_read_is_a_warning_not_an_exception(handler, said):
-    steps, why = asyncio.run(_with_lanes(handler, lambda lanes: loadgen.step_log(lanes, 0.0)))
+    steps, why = asyncio.run(_with_lanes(handler, lambda lanes: replay_server.step_log(lanes, 0.0)))
     assert steps is None and said in why and why.startswith("the gate's step log was not read")
 
 
@@ -159,7 +163,7 @@ def test_a_readable_step_log_has_no_warning():
     steps, why = asyncio.run(
         _with_lanes(
             lambda r: httpx.Response(200, json=page),
-            lambda lanes: loadgen.step_log(lanes, -math.inf),
+            lambda lanes: replay_server.step_log(lanes, -math.inf),
         )
     )
     assert steps.steps == page["step_log"] and steps.models == [] and why is None

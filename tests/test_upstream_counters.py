@@ -40,7 +40,7 @@ from live.contract import Stats  # noqa: E402
 from live.engine import CountsUpstream, SyntheticEngine  # noqa: E402
 from live.gate import Gate, gate_config  # noqa: E402
 from live.http_api import create_app, upstream_counters  # noqa: E402
-from live.loadgen import counted_upstream  # noqa: E402
+from live.replay_server import counted_upstream  # noqa: E402
 from live.upstream import UpstreamCounters, UpstreamEngine, UpstreamSpec  # noqa: E402
 from live.vllm_metrics import upstream_counters as parsed  # noqa: E402
 from qsim import preset  # noqa: E402
