@@ -1,5 +1,6 @@
-"""The load generator's clients (:class:`Clients`): the open-loop sends of the first attempts, and clients
-that give up and retry, as the simulator's do (:mod:`qsim.clients`, one copy of the rules).
+"""The load generator's clients (:class:`Clients`): the open-loop sends of the first attempts,
+and clients that give up and retry, as the simulator's do (:mod:`qsim.clients`, one copy of the
+rules).
 
 Patience (the trace's ``patience_s``, counted from the request's first send): the client hangs up on
 the attempt in flight at first send + patience, cancelling the HTTP request, which closes its
