@@ -339,8 +339,8 @@ class _BatchReadings(_Readings):
         return sum(line.kv_use for line in self.lines) / len(self.lines)
 
     def snapshot(self) -> dict:
-        """One batching core's keys, summed over the replicas (the KV use averaged), and each
-        replica's own with whether the router sends there."""
+        """One batching core's keys, summed over the replicas (the KV use averaged; a prefix
+        cache's counters summed), and each replica's own with whether the router sends there."""
         each = [{**line.snapshot(), "up": up} for line, up in zip(self.lines, self.up)]
         total = {
             key: sum(s[key] for s in each)
@@ -354,6 +354,7 @@ class _BatchReadings(_Readings):
             "router": self.router.name,
             "admission_at": self.spec.admission,
             "replicas": each,
+            **(self.prefix_cache_stats() or {}),
         }
 
 
