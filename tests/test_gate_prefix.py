@@ -123,3 +123,24 @@ def test_without_prefix_caching_nothing_is_cached():
     trace = _trace(SHARED["system prompt"], 1.3, seed=3, seconds=5)
     gate, stats = run_gate(trace, None, 1, config=config, prompt_ids=_ids(trace))
     assert (gate["cached"] == -1).all() and "prefix_cache_queries" not in stats
+
+
+def test_an_answer_says_its_cached_prompt_tokens_and_the_run_file_keeps_them():
+    """/v1/generate's answer (live.http_api) carries cached_prompt_tokens; live.rows.to_frame
+    writes them, <NA> where an answer says none."""
+    from live.http_api import _answer_body
+    from live.jobs import Answer, Arrival
+    from live.rows import Exchange, ServerInfo, to_frame
+    from qsim.admission import Seen
+
+    trace = make_trace("poisson", requests=2, load=1.0, seed=2)
+    arrival = Arrival(0.0, 5.0, Seen(0.1, 0, 0.0, 1.0))
+    exchanges = []
+    for i, cached in enumerate([48, None]):
+        answer = Answer("x", 3, "good", 0.0, 0.1, 0.1, 0, arrival, 0.0, 0.1, 0.05, 60, None, cached)
+        body = _answer_body(answer, 0.1).model_dump(mode="json")
+        assert body["cached_prompt_tokens"] == cached
+        exchanges.append(Exchange(float(i), float(i), i + 0.2, 200, body, first=i))
+    info = ServerInfo(ServerConfig(PRESETS["none"]))
+    run = to_frame(trace, exchanges, info, np.full(2, 16))
+    assert run["cached_prompt_tokens"].iloc[0] == 48 and run["cached_prompt_tokens"].isna().iloc[1]
