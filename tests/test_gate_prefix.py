@@ -144,3 +144,48 @@ def test_an_answer_says_its_cached_prompt_tokens_and_the_run_file_keeps_them():
     info = ServerInfo(ServerConfig(PRESETS["none"]))
     run = to_frame(trace, exchanges, info, np.full(2, 16))
     assert run["cached_prompt_tokens"].iloc[0] == 48 and run["cached_prompt_tokens"].isna().iloc[1]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--prefix-caching"], "--prefix-caching is a batching engine's: add --batching"),
+        (["--batching", "--prefix-caching", "--engine", "gpt2"], "--prefix-caching"),
+    ],
+)
+def test_qlab_serve_refuses_prefix_caching_it_cannot_run_in_one_line(capsys, argv, says):
+    from experiments.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_a_batching_gate_refuses_prefix_caching_without_token_ids():
+    from live.batching import StepWork, StepDone
+    from live.gate import BatchGate
+    from virtual_time import on_virtual_clock
+
+    class Blind:  # a batching engine that says no token ids
+        max_new_tokens_limit = None
+
+        def step(self, work: StepWork) -> StepDone:
+            return StepDone(0.0)
+
+        def text(self, key, job, tokens):
+            return ""
+
+        def count_tokens(self, text):
+            return len(text)
+
+        def warmup(self):
+            pass
+
+        def info(self):
+            return {}
+
+    async def main():
+        with pytest.raises(ValueError, match="prefix caching needs an engine"):
+            BatchGate(Blind(), ServerConfig(PRESETS["none"], engine=_engine()))
+
+    on_virtual_clock(main)
