@@ -10,7 +10,8 @@ batch membership, KV blocks, preemption and cuts at the deadline follow one set 
 * arrival (:meth:`Gate.submit`): the core admits (into the batch at once, where it has a seat and
   blocks and nobody waits) or refuses;
 * the core plans a step: the gate hands the engine a :class:`StepWork` (who computes how much of
-  their prompt, who decodes, the step's shape) and the engine runs it
+  their prompt, who decodes, the step's shape: with a prefix cache, ``--prefix-caching``, only the
+  prompt tokens not found cached, :class:`HasTokenIds`) and the engine runs it
   (:class:`SyntheticBatchEngine`: a sleep of its step model's time), then hands back a
   :class:`StepDone`; the core ends the requests the step finished (good or late, by the gate's
   clock) and plans the next;
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from qsim.engines import StepModel
+from qsim.prefix import TokenIds
 from qsim.run_batching import step_noise
 from qsim.service import SpeedSchedule
 
@@ -139,6 +141,16 @@ class Releases(Protocol):
     next step (which an idle batch may not have for a while): ``release(key)``, on the loop."""
 
     def release(self, key) -> None: ...
+
+
+@runtime_checkable
+class HasTokenIds(Protocol):
+    """A batching engine whose KV blocks the gate's core can model with a prefix cache
+    (``qlab serve --prefix-caching``): ``token_ids(job)`` is the request's tokens as ids
+    (:class:`qsim.prefix.TokenIds`: its prompt's, then its answer's), and its steps compute only
+    the prompt tokens the plan gives them (a cached prefix is not computed again)."""
+
+    def token_ids(self, job: Job) -> TokenIds: ...
 
 
 def is_batch_engine(engine) -> bool:
@@ -243,6 +255,13 @@ class SyntheticBatchEngine:
             await asyncio.sleep(self.faults.hang_s)  # a wedged driver: the whole batch waits
         await asyncio.sleep(self.duration_s(work))
         return StepDone(self._clock() - began, failed, self._pieces(work))
+
+    def token_ids(self, job: Job) -> TokenIds:
+        """The request's tokens as ids (:class:`HasTokenIds`): its prompt's as sent, else its
+        text's bytes (the engine's tokenizer), then its answer's, a run seeded from its prompt's
+        ids (:func:`qsim.prefix.answer_ids`: the same prompt, the same answer)."""
+        ids = job.prompt_ids
+        return TokenIds.of(self._tokenizer.encode(job.prompt) if ids is None else ids)
 
     def text(self, key, job: Job, tokens: int) -> str:
         text = WORD * tokens

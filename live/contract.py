@@ -156,6 +156,9 @@ class GenerateResponse(BaseModel):
     # The prompt's tokens as the engine counted them (an upstream's usage; the gate's own count
     # where the engine does not say). None: a server that did not say.
     prompt_tokens: int | None = None
+    # Of the prompt, the tokens the prefix cache held when it was first scheduled (vLLM's
+    # num_cached_tokens; qlab serve --prefix-caching). None: no prefix cache.
+    cached_prompt_tokens: int | None = None
 
 
 # ---------------------------------------------------------------------- the error envelope

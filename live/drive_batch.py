@@ -49,7 +49,16 @@ from qsim.outcomes import Outcome
 from qsim.runfile import LoggedStep
 from qsim.service import LoadTerms, ServiceModel
 
-from .batching import STEP_LOG, STEP_PAGE, Chunk, Releases, StepDone, StepWork, is_batch_engine
+from .batching import (
+    STEP_LOG,
+    STEP_PAGE,
+    Chunk,
+    HasTokenIds,
+    Releases,
+    StepDone,
+    StepWork,
+    is_batch_engine,
+)
 from .drive_one import CUT_SLACK_S
 from .engine import SelfTimed, abilities_of
 from .engine_workers import Worker, _Failure, _gone, _Ticket, closed
@@ -144,6 +153,14 @@ class BatchDriver:
                 "a batching gate runs a batching engine (qsim.engines.Batching), "
                 f"not {config.engine.kind}"
             )
+        if config.engine.prefix_caching:
+            lacking = [e for e in self.gate.engines if not isinstance(e, HasTokenIds)]
+            if lacking:
+                raise ValueError(
+                    "prefix caching needs an engine that says its requests' token ids and "
+                    "computes only what is not cached (live.batching.HasTokenIds: the synthetic "
+                    f"batching engine), not {type(lacking[0]).__name__}"
+                )
         fleet = self.gate.fleet
         if fleet is not None:
             fleet.check(config)
@@ -171,6 +188,7 @@ class BatchDriver:
                 wake=lambda now: self._wake(now, r),
                 gone=_gone,
                 members=True,
+                tokens=self._tokens if cfg.engine.prefix_caching else None,
             )
 
         if gate.fleet is None:
@@ -183,6 +201,14 @@ class BatchDriver:
 
     def _routed(self, ticket: _Ticket, r: int) -> None:
         ticket.replica = r
+
+    def _tokens(self, ticket: _Ticket):
+        """With a prefix cache, the core's ``tokens`` hook: the request's token ids, as its engine
+        says them (:class:`~live.batching.HasTokenIds`; one rule for every replica's, so the
+        first engine's), asked once."""
+        if ticket.tokens is None:
+            ticket.tokens = self.gate.engines[0].token_ids(ticket.job)
+        return ticket.tokens
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -438,6 +464,7 @@ class BatchDriver:
                 first,
                 ticket.prompt_tokens,
                 ticket.replica,
+                None if stats.cached_tokens < 0 else stats.cached_tokens,
             ),
         )
 

@@ -41,6 +41,7 @@ class _Ticket:
     pieces: asyncio.Queue | None = None  # on the loop: the pieces, then END once the future is done
     prompt_tokens: int | None = None  # a batching engine's own count of its prompt (StepDone)
     replica: int | None = None  # where a fleet's router sent it (live.fleet_gate)
+    tokens: object = None  # with a prefix cache: its qsim.prefix.TokenIds, once asked for
 
 
 def _gone(ticket: _Ticket) -> bool:

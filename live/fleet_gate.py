@@ -339,9 +339,9 @@ class _BatchReadings(_Readings):
         return sum(line.kv_use for line in self.lines) / len(self.lines)
 
     def snapshot(self) -> dict:
-        """One batching core's keys, summed over the replicas (the KV use averaged), and each
-        replica's own with whether the router sends there."""
-        # each replica's step model: a fleet of upstreams learns one per server
+        """One batching core's keys, summed over the replicas (the KV use averaged; a prefix
+        cache's counters summed), and each replica's own with whether the router sends there and
+        its step model (a fleet of upstreams learns one per server)."""
         each = [
             {**line.snapshot(), "up": up, "step": asdict(line.model)}
             for line, up in zip(self.lines, self.up)
@@ -358,6 +358,7 @@ class _BatchReadings(_Readings):
             "router": self.router.name,
             "admission_at": self.spec.admission,
             "replicas": each,
+            **(self.prefix_cache_stats() or {}),
         }
 
 

@@ -156,6 +156,7 @@ def _answer_body(answer: Answer, total_s: float) -> GenerateResponse:
         outcome=answer.outcome,
         engine=answer.engine,
         prompt_tokens=answer.prompt_tokens,
+        cached_prompt_tokens=answer.cached_prompt_tokens,
         timings=timings,
         admission=Admission.model_validate(a.numbers()),
     )

@@ -37,6 +37,10 @@ class Job:
     # given. Carried into the answer and the run file; admission does not read them (yet).
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    # The prompt as token ids, where the client sent them (its prompt_tokens is then their number):
+    # what a prefix cache hashes (qsim.prefix.TokenIds); None: the engine's tokenizer's ids of the
+    # text.
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ class Answer:
     # the engine's own count of the prompt (an upstream's usage), where it says
     prompt_tokens: int | None = None
     replica: int | None = None  # the fleet's replica that ran it (None: no fleet)
+    # Of its prompt, the tokens its first scheduling found in the prefix cache (vLLM's
+    # num_cached_tokens); None: no prefix cache.
+    cached_prompt_tokens: int | None = None
 
 
 #: The last item of a streamed job's pieces: its future is done (answered, failed, or cancelled).

@@ -12,6 +12,7 @@ scheduled_s, sent_s, send_lateness_s, http_status, error; the service's own
 timings (engine_s, queue_s, server_total_s), tokens, prompt_tokens (the prompt's length
 in the server's tokens, as sent), answered_prompt_tokens (the prompt's tokens as the answer
 counted them: an upstream engine's own count, e.g. vLLM's tokenizer; <NA>: the answer did not say);
+cached_prompt_tokens (of them, found in the gate's prefix cache, ``--prefix-caching``; <NA>: none);
 calibrated_est_s (the server's estimate before speed tracking);
 server_arrival_s (when the gate took it, see :func:`_received`); and the
 server's configuration (:meth:`ServerInfo.columns`), so that ``qlab compare``
@@ -284,6 +285,7 @@ def _row(
         "total_s": num(timings.total_s),
         "tokens": answer.tokens if answered else -1,
         "answered_prompt": _int_or(answer.prompt_tokens, -1) if answered else -1,
+        "cached_prompt": _int_or(answer.cached_prompt_tokens, -1) if answered else -1,
         "engine": answer.engine if answered else _int_or(seen.engine, -1),
         # A fleet's replica (an answer's admission says it beside its fields); no_replica where
         # none is named: 0 for one server, -1 (<NA>, as the simulator's) for a fleet's request
@@ -425,6 +427,8 @@ def to_frame(
             "tokens": _nullable_int(rows["tokens"]),
             "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64)[first],
             "answered_prompt_tokens": _nullable_int(rows["answered_prompt"]),
+            # a prefix cache's (qlab serve --prefix-caching), <NA> where the answer says none
+            "cached_prompt_tokens": rows["cached_prompt"].to_numpy(np.int64),
             "server_arrival_s": rows["received"].to_numpy(float),
             "arrival_speed_factor": rows["speed_factor"].to_numpy(float),
             "arrival_est_s": np.asarray(base, dtype=float) * rows["speed_factor"].to_numpy(float),

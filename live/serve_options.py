@@ -35,6 +35,7 @@ from inputs.batchflags import (
     BATCHING_HELP,
     BATCHING_ONLY,
     NO_CHUNKED_PREFILL_HELP,
+    PREFIX_CACHING_HELP,
     STEP_METAVAR,
     batching_engine,
     parse_step,
@@ -237,6 +238,13 @@ class ServeOptions:
         None, BATCHING_FLAGS["block_size"][2], type=argtypes.positive_int
     )
     no_chunked_prefill: bool = _option(False, NO_CHUNKED_PREFILL_HELP)
+    prefix_caching: bool = _option(
+        False,
+        PREFIX_CACHING_HELP + "; synthetic: each request's blocks hashed from its prompt's token "
+        "ids (a prompt sent as ids, else its text's bytes), its steps computing only the uncached "
+        "prompt tokens",
+        engine="synthetic",
+    )
     model: str = _option(
         "random",
         "gpt2: a hub name or local path, 'random' (GPT-2 small, random "
@@ -504,6 +512,7 @@ class ServeOptions:
             self.batching,
             {name: getattr(self, name) for name in BATCHING_ONLY},
             self.no_chunked_prefill,
+            self.prefix_caching,
         )
         if batching is None:
             return None

@@ -24,7 +24,7 @@ class PrefixCache:
         if tokens is None:
             return 0.0
         size = self.engine.block_size
-        prompt = sum(length for _, length in tokens.prompt)
+        prompt = tokens.prompt_tokens
         full = max(0, prompt - 1) // size  # what a lookup can find: the last token is computed
         if not full:
             return 0.0

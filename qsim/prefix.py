@@ -1,6 +1,6 @@
 """Prefix caching of a batching engine's KV blocks, as vLLM v1 does it
 (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``, ``kv_cache_utils.py``), at block
-granularity and without token ids.
+granularity, with or without token ids.
 
 A request's tokens are described compactly (:class:`Tokens`): its prompt as segments ``(key,
 length)``, each the first ``length`` tokens of a token run named ``key`` (equal keys: equal tokens;
@@ -8,7 +8,8 @@ distinct keys: distinct tokens), then its answer, the run named ``Tokens.answer`
 token is so ``(key, offset)``, and a full block of ``block_size`` positions is hashed, as vLLM
 hashes it, from the hash of the block before it and its own tokens (:func:`block_hashes`): a
 block's identity depends on everything before it, and a partial last block has no hash, so it is
-never cached.
+never cached. A live request's tokens are its token ids (:class:`TokenIds`: the ids its prompt
+carries, then its answer's), a full block's tokens then being its ids, as vLLM hashes them.
 
 :class:`BlockPool` is vLLM's block pool: blocks in use are reference-counted (a cached prefix is
 shared, not allocated again); a block whose count falls to 0 goes to the tail of the free queue and
@@ -50,11 +51,64 @@ class Tokens(NamedTuple):
     prompt: tuple
     answer: int
 
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(length for _, length in self.prompt)
+
+    def blocks(self, block_size: int) -> Iterator[tuple]:
+        """Each full block's tokens (see :func:`_full_blocks`), endless through the answer."""
+        return _full_blocks(self, block_size)
+
     @classmethod
     def unique(cls, request: int, prompt_tokens: int) -> "Tokens":
         """A request that shares no token with any other (its prompt and answer its own)."""
         prompt = ((own_key(request), int(prompt_tokens)),) if prompt_tokens else ()
         return cls(prompt, answer_key(request))
+
+
+class TokenIds(NamedTuple):
+    """A request's tokens as token ids (a live request's: the ids its prompt carries or its
+    tokenizer gives): its prompt's ids, then its answer's, the endless run :func:`answer_ids` of
+    ``answer`` (its seed). A full block's tokens are its ids, whichever part of the request they
+    come from, so two requests whose ids agree on their first k full blocks share k cached blocks,
+    as vLLM's hash chain over block token ids has them; a conversation's next turn carrying the
+    ids of the answer before it finds that answer's full blocks cached."""
+
+    ids: tuple
+    answer: int
+
+    @classmethod
+    def of(cls, ids) -> "TokenIds":
+        """A prompt's ids, its answer seeded from them (the same prompt, the same answer: a
+        deterministic engine's, as greedy decoding's)."""
+        ids = tuple(int(i) for i in ids)
+        return cls(ids, hash(ids))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
+
+    def blocks(self, block_size: int) -> Iterator[tuple]:
+        """Each full block's ids, prompt then answer, endless."""
+        ids, n = self.ids, len(self.ids)
+        whole = n - n % block_size
+        for start in range(0, whole, block_size):
+            yield ids[start : start + block_size]
+        first = block_size - (n - whole)  # the answer's ids in the block after those
+        yield ids[whole:] + answer_ids(self.answer, 0, first)
+        while True:
+            yield answer_ids(self.answer, first, first + block_size)
+            first += block_size
+
+
+#: The answer ids of :class:`TokenIds` are drawn from [0, ANSWER_VOCAB) (GPT-2's vocabulary).
+ANSWER_VOCAB = 50257
+
+
+def answer_ids(seed: int, start: int, end: int) -> tuple:
+    """Ids ``start`` to ``end`` of the answer run seeded ``seed`` (:class:`TokenIds`): each a fixed
+    draw (hash() of a tuple of ints is the same in every process)."""
+    return tuple(hash((seed, o)) % ANSWER_VOCAB for o in range(start, end))
 
 
 def _full_blocks(tokens: Tokens, block_size: int) -> Iterator[tuple]:
@@ -75,12 +129,12 @@ def _full_blocks(tokens: Tokens, block_size: int) -> Iterator[tuple]:
                 piece, room = [], block_size
 
 
-def block_hashes(tokens: Tokens, block_size: int) -> Iterator[int]:
+def block_hashes(tokens: "Tokens | TokenIds", block_size: int) -> Iterator[int]:
     """The chained hash of each full block of ``tokens``, first block first (vLLM's
     hash_block_tokens: hash((parent hash, the block's tokens))); endless, through the answer: take
     what is needed."""
     parent = ROOT_HASH
-    for piece in _full_blocks(tokens, block_size):
+    for piece in tokens.blocks(block_size):
         parent = hash((parent, piece))
         yield parent
 

@@ -196,6 +196,7 @@ def run_gate(
     config: ServerConfig | None = None,
     fleet=None,
     wrap_engine=None,
+    prompt_ids=None,
 ) -> tuple[pd.DataFrame, dict]:
     """Replay ``trace`` through a real Gate on a virtual clock; one row per attempt, and the final
     /stats.
@@ -214,7 +215,9 @@ def run_gate(
     its replicas of ``engines`` engines each (live.fleet_gate), or, with a batching ``config``, of
     one batching engine each; each row's replica is where the router sent it (a central queue: where
     it joined a batch). wrap_engine: what the batching engine is given to before the gate (a test's
-    engine around it).
+    engine around it). prompt_ids: each request's prompt as token ids (a prefix cache's: its
+    prompt_tokens their number); each row also has cached (an answer's cached_prompt_tokens, -1:
+    none).
     """
     batching = config
     if batching is not None:
@@ -257,6 +260,7 @@ def run_gate(
                 first_token_s=math.nan,
                 tokens=-1,
                 replica=-1,
+                cached=-1,
             )
         )
         return len(rows) - 1
@@ -310,6 +314,7 @@ def run_gate(
             finish_s=answer.returned_at,
             engine=answer.engine,
             tokens=answer.tokens,
+            cached=-1 if answer.cached_prompt_tokens is None else answer.cached_prompt_tokens,
             first_token_s=math.nan
             if answer.first_token_s is None
             else answer.started_at + answer.first_token_s,
@@ -330,6 +335,7 @@ def run_gate(
                     None if client_of[i] is None else str(client_of[i]),
                     int(priority[i]),
                     int(trace.prompt_tokens[i]),
+                    prompt_ids=None if prompt_ids is None else tuple(prompt_ids[i]),
                 )
             )
         except Rejected as exc:
