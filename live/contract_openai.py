@@ -219,10 +219,20 @@ def request_models(
 # ---------------------------------------------------------------------- OpenAI-compatible answers
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details`` (vLLM's too): of the prompt, the tokens the
+    engine's prefix cache held."""
+
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # None (null, as vLLM without its prompt-token details): no prefix cache (qlab serve
+    # --prefix-caching fills it)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class QlabInfo(BaseModel):

@@ -91,6 +91,7 @@ from .contract_openai import (
     CompletionRequest,  # noqa: F401
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     QlabInfo,
     StreamOptions,  # noqa: F401
     TextPart,
@@ -336,10 +337,14 @@ class _Admitted:
     @property
     def usage(self) -> Usage:
         prompt = self.answer.prompt_tokens  # the gate settled it (Gate._resolve)
+        cached = self.answer.cached_prompt_tokens
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=self.answer.tokens,
             total_tokens=prompt + self.answer.tokens,
+            prompt_tokens_details=None
+            if cached is None
+            else PromptTokensDetails(cached_tokens=cached),
         )
 
     @property

@@ -189,3 +189,26 @@ def test_a_batching_gate_refuses_prefix_caching_without_token_ids():
             BatchGate(Blind(), ServerConfig(PRESETS["none"], engine=_engine()))
 
     on_virtual_clock(main)
+
+
+def test_openai_usage_says_the_cached_prompt_tokens_as_openai_and_vllm_do():
+    """/v1/completions' and chat's ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field,
+    vLLM's too): the answer's cached prompt tokens; null without a prefix cache."""
+    from live.contract_openai import Usage
+    from live.jobs import Answer, Arrival, Job
+    from live.openai_api import _Admitted
+    from qsim.admission import Seen
+
+    arrival = Arrival(0.0, 5.0, Seen(0.1, 0, 0.0, 1.0))
+    said = []
+    for cached in (48, None):
+        answer = Answer("x", 3, "good", 0.0, 0.1, 0.1, 0, arrival, 0.0, 0.1, 0.05, 60, None, cached)
+        usage = _Admitted(answer, Job("p" * 60, 3, prompt_tokens=60), 0.1).usage
+        said.append(Usage.model_validate_json(usage.model_dump_json()).model_dump())
+    assert said[0] == {
+        "prompt_tokens": 60,
+        "completion_tokens": 3,
+        "total_tokens": 63,
+        "prompt_tokens_details": {"cached_tokens": 48},
+    }
+    assert said[1]["prompt_tokens_details"] is None
