@@ -95,6 +95,7 @@ def check_answer(r: httpx.Response) -> dict:
             "text",
             "tokens",
             "prompt_tokens",
+            "cached_prompt_tokens",
             "outcome",
             "engine",
             "timings",
