@@ -12,6 +12,7 @@ from qsim.config import ServerConfig
 from qsim.fleet import FleetSpec
 from qsim.routers import make_router
 from live.engine import WORD, Abilities, EngineResult, UpstreamError
+from live.gate_errors import Rejected
 from virtual_time import _ENDS, run_gate
 
 ROUTERS = ["random", "round_robin", "jsq", "least_work", "power_of_d", "central"]
@@ -89,28 +90,30 @@ def test_a_fleet_gate_admitting_at_the_gate_matches_the_simulator_exactly(router
 HANG_AT, HANG_S = 4, 20.0  # replica 1's 4th run hangs 20 s: stalled after 5 s (the gate's rule)
 
 
+async def _submit_row(gate, job, row: dict) -> None:
+    """Submit ``job`` and write how it ended into ``row``: outcome, reason, replica (every ending
+    of a request is a row)."""
+    try:
+        answer = await gate.submit(job)
+    except Rejected as exc:
+        row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
+    except tuple(_ENDS) as exc:
+        outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
+        row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
+    else:
+        row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
+
+
 def _run_with_a_hung_replica(router: str):
     """Every 0.03 s for 39 s a request of 12 tokens (0.05 s) to 3 one-engine replicas, replica 1's
     engine hanging at its 4th run; each request's (arrival, replica, outcome, reason), /stats."""
     from live.engine import Faults
     from live.gate import Gate, gate_config
-    from live.gate_errors import Rejected
     from live.jobs import Job
     from test_gate_sim import MODEL
     from virtual_time import LoopSynthetic, on_virtual_clock
 
     rows, ups = [], []
-
-    async def one(gate, job, row):
-        try:
-            answer = await gate.submit(job)
-        except Rejected as exc:
-            row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
-        except tuple(_ENDS) as exc:  # every ending of a request is a row
-            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
-            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
-        else:
-            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
 
     async def go():
         import asyncio
@@ -129,7 +132,7 @@ def _run_with_a_hung_replica(router: str):
                 await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
                 row = {"arrival_s": loop.time(), "outcome": None}
                 rows.append(row)
-                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                tasks.append(asyncio.ensure_future(_submit_row(gate, Job(str(i), 12), row)))
                 ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
             await asyncio.gather(*tasks)
             while gate.in_service:
@@ -213,15 +216,6 @@ def _fleet_of_upstreams(engines, policy: str, router: str):
 
     rows, ups = [], []
 
-    async def one(gate, job, row):
-        try:
-            answer = await gate.submit(job)
-        except tuple(_ENDS) as exc:
-            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
-            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
-        else:
-            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
-
     async def go():
         loop = asyncio.get_running_loop()
         config = gate_config(PRESETS[policy], model=MODEL)
@@ -232,7 +226,7 @@ def _fleet_of_upstreams(engines, policy: str, router: str):
                 await asyncio.sleep(max(0.0, i * 0.03 - loop.time()))
                 row = {"arrival_s": loop.time(), "outcome": None}
                 rows.append(row)
-                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                tasks.append(asyncio.ensure_future(_submit_row(gate, Job(str(i), 12), row)))
                 ups.append((loop.time(), [r["up"] for r in gate.stats()["replicas"]]))
             await asyncio.gather(*tasks)
             return gate.stats()
@@ -792,7 +786,6 @@ def _batching_fleet_with(faults, router: str, n: int = 1000, every_s: float = 0.
 
     from live.batching import SyntheticBatchEngine
     from live.gate import Gate, gate_config
-    from live.gate_errors import Rejected
     from live.jobs import Job
     from qsim.engines import Batching, StepModel
     from virtual_time import on_virtual_clock
@@ -800,17 +793,6 @@ def _batching_fleet_with(faults, router: str, n: int = 1000, every_s: float = 0.
     from live.engine import Faults
 
     rows, ups = [], []
-
-    async def one(gate, job, row):
-        try:
-            answer = await gate.submit(job)
-        except Rejected as exc:
-            row.update(outcome="rejected", reason=exc.rejection.reason, replica=exc.arrival.replica)
-        except tuple(_ENDS) as exc:  # every ending of a request is a row
-            outcome = next(o for kind, o in _ENDS.items() if isinstance(exc, kind))
-            row.update(outcome=outcome, reason=exc.reason, replica=exc.arrival.replica)
-        else:
-            row.update(outcome=answer.outcome, reason=None, replica=answer.replica)
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -829,7 +811,7 @@ def _batching_fleet_with(faults, router: str, n: int = 1000, every_s: float = 0.
                 await asyncio.sleep(max(0.0, i * every_s - loop.time()))
                 row = {"arrival_s": loop.time(), "outcome": None}
                 rows.append(row)
-                tasks.append(asyncio.ensure_future(one(gate, Job(str(i), 12), row)))
+                tasks.append(asyncio.ensure_future(_submit_row(gate, Job(str(i), 12), row)))
                 ups.append(
                     (
                         loop.time(),
