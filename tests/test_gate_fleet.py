@@ -583,24 +583,13 @@ def _agree_batching(trace, config, router: str, replicas: int = 3, admission="re
 
 def _batching(cv: float | None, load: float, seconds: float, seed: int):
     """Batching replicas of the test step model (noise ``cv``; None: none) whose KV blocks bind,
-    and a Poisson trace of the mix at ``load`` times one replica's capacity."""
+    and test_gate_batching's Poisson trace of the mix at ``load`` times one replica's capacity."""
     from qsim.engines import Batching, StepModel
-    from test_gate_batching import PROMPTS, STEP
+    from test_gate_batching import STEP, _trace
 
     step = STEP if cv is None else StepModel(STEP.b0, STEP.b1, STEP.b2, STEP.b3, cv=cv)
     engine = Batching(step, max_num_seqs=8, max_num_batched_tokens=256, kv_blocks=40, block_size=16)
-    capacity = engine.capacity_rps(PROMPTS.mean(), 28.0)
-    trace = make_trace(
-        "poisson",
-        "mix",
-        load=load,
-        engines=1,
-        seconds=seconds,
-        seed=seed,
-        prompts=PROMPTS,
-        capacity_rps=capacity,
-    )
-    return engine, trace
+    return engine, _trace(engine, load, seed, seconds)
 
 
 @pytest.mark.parametrize("router", BATCH_ROUTERS)
