@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from qsim.policy import on_time
 from qsim.records import ANSWERED, OUTCOMES
@@ -389,6 +388,8 @@ def mean_ci(values, level: float = 0.95) -> tuple[float, float, float]:
     mean = float(x.mean())
     if x.size < 2:
         return (mean, math.nan, math.nan)
+    from scipy import stats  # at first use, not import: it costs each qlab process ~1 s
+
     sem = stats.sem(x)
     if sem == 0:
         return (mean, mean, mean)
@@ -414,6 +415,8 @@ def controlled_mean_ci(
     y, x = y[keep], x[keep]
     if y.size < 3:
         return (float(y.mean()) if y.size else math.nan, math.nan, math.nan)
+    from scipy import stats  # at first use, not import: it costs each qlab process ~1 s
+
     fit = stats.linregress(x - known_mean, y)
     half = stats.t.ppf(0.5 + level / 2, y.size - 2) * fit.intercept_stderr
     return (float(fit.intercept), float(fit.intercept - half), float(fit.intercept + half))

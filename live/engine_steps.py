@@ -29,7 +29,6 @@ from typing import TypeVar
 
 import numpy as np
 
-from scipy import optimize
 
 from qsim.engines import FrontEnd, StepFit, StepModel, r_squared
 
@@ -245,6 +244,8 @@ def fit_front_end(phases: Sequence[EnginePhase]) -> FrontEndFit | None:
     y = np.array([p.api_cpu_s for p in used])
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
+    from scipy import optimize  # at first use, not import: it costs each qlab process ~1 s
+
     coef, _ = optimize.nnls(x / scale, y)
     coef = coef / scale
     r2 = r_squared(y, x @ coef)

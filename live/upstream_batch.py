@@ -64,6 +64,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from statistics import NormalDist
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -71,7 +72,6 @@ import aiohttp
 import httpx
 import numpy as np
 
-from scipy import stats
 
 from qsim.engines import STEP_FIELDS, StepFit, StepModel
 
@@ -364,7 +364,7 @@ class StepLearner:
 SETTLE = 2
 #: Standard errors each side of an estimate in its interval (95 %, the normal's: the fits read
 #: thousands of steps).
-Z95 = float(stats.norm.ppf(0.975))
+Z95 = NormalDist().inv_cdf(0.975)
 #: A settled model whose median error on the last steps reaches this many times its fit's starts
 #: fitting again.
 DRIFT = 2.0

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
-from scipy import optimize
 
 
 def _finite(value: float, lowest: float = 0.0) -> bool:
@@ -120,6 +119,8 @@ class StepModel:
                 "measured "
                 f"steps, got {x.shape[0]}"
             )
+        from scipy import optimize  # at first use, not import: it costs each qlab process ~1 s
+
         b = optimize.lsq_linear(x, y, bounds=(0, np.inf)).x
         model = cls(*map(float, b))
         rel = np.abs(x @ b - y) / np.where(y > 0, y, np.nan)

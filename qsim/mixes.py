@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 from .prefix import SYSTEM_KEY, Tokens, answer_key, own_key
 from .service import ServiceModel
@@ -88,6 +87,8 @@ class UsedShare:
         if self.sigma == 0:
             early = float(np.clip(np.round(self.median * limit), 1, limit))
         else:
+            from scipy import stats  # at first use, not import: it costs each qlab process ~1 s
+
             cdf = stats.lognorm(s=self.sigma, scale=self.median).cdf
             edges = cdf(np.concatenate([[0.0], (t[:-1] + 0.5) / limit, [np.inf]]))
             # the last bin holds every share rounded up to the limit

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import optimize, stats
 
 from .engines import FrontEnd, StepModel
 
@@ -194,6 +193,8 @@ def fit(tokens, seconds, prompt_tokens=None) -> Fit:
     p = None if prompt_tokens is None else np.asarray(prompt_tokens, dtype=float)
     if p is not None and p.shape != x.shape:
         raise ValueError("prompt_tokens needs one value per point")
+    from scipy import optimize, stats  # at first use, not import: it costs each qlab process ~1 s
+
     if p is None or np.unique(p).size < 2:
         line = stats.linregress(x, y)
         # A negative intercept is noise around a tiny fixed cost; clamp it rather than predict < 0.

@@ -269,3 +269,20 @@ def test_no_file_holds_a_merge_conflicts_markers():
         if line.startswith(("<<<<<<< ", ">>>>>>> "))
     ]
     assert not left, f"conflict markers at {', '.join(left[:10])}"
+
+
+@pytest.mark.slow
+def test_a_qlab_process_starts_without_scipy_or_torch():
+    """Every qlab process (each server, each docs example, each command) imports the CLI and the
+    gate; scipy's stats and optimize (about a second of CPU) and torch load only where a function
+    uses them, so starting one stays cheap."""
+    code = (
+        "import sys, experiments.cli, live.commands, live.http_api, live.openai_api, "
+        "live.upstream_batch, analysis.compare; "
+        "print(sorted(m for m in ('scipy.stats', 'scipy.optimize', 'torch', 'matplotlib') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
