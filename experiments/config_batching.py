@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
+from inputs.run_axes import in_group
 from inputs.tomlfiles import ConfigError, no_unknown_keys, typed_value
 from qsim.engines import Batching, StepModel
 
@@ -14,7 +15,7 @@ from .config_tables import _key
 
 
 #: The grid axes of a batching engine's settings: a sweep with any of them needs a [batching] table.
-BATCHING_AXES = ("max_num_seqs", "kv_blocks", "chunked_prefill", "step", "prefix_caching")
+BATCHING_AXES = in_group("batching")
 #: The step model of a cell without a step axis: [batching]'s own.
 DEFAULT_STEP = "default"
 STEP_KEYS = {"b0": float, "b1": float, "b2": float, "b3": float, "cv": float}

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from inputs.clientflags import patience_from_table
-from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, typed_value
+from inputs.run_axes import AXES
+from inputs.tomlfiles import ConfigError, no_unknown_keys, typed_value
 from qsim import Mix
 from qsim.estimators import ESTIMATORS
 from qsim.service import SpeedSchedule, parse_schedule
@@ -23,48 +24,17 @@ from .config_batching import BATCHING_AXES, DEFAULT_STEP
 from .config_tables import NO_CLIENTS, NO_RETRY, _key
 
 
-GRID_KEYS = {
-    "policy": str,
-    "load": float,
-    "speed": float,
-    "engines": int,
-    "deadline_s": float,
-    "max_queue": int,
-    "mix": str,
-    "trace": str,
-    "time_scale": float,
-    "clients": str,
-    "retry": str,
-    "patience": str,
-    "estimator": str,
-    "cancel_at_deadline": bool,
-    "used": str,
-    "speed_schedule": str,
-    "fixed_estimate": bool,
-    "max_num_seqs": int,
-    "kv_blocks": int,
-    "chunked_prefill": bool,
-    "step": str,
-    "ttft_slo_s": float,
-    "tpot_slo_s": float,
-    "arrivals": str,
-    "prefix_caching": bool,
-    "system_prompt": str,
-    "turns": str,
-    "replicas": int,
-    "router": str,
-    "rate": float,
-    "admission_at": str,
-}
-
+#: Each [grid] key's TOML type (inputs.run_axes: every axis but those given elsewhere, seeds and
+#: [policy_args]).
+GRID_KEYS = {name: axis.toml_type for name, axis in AXES.items() if axis.in_grid}
 
 #: The patience of a cell whose clients wait forever (a trace file's own patience_s column, if any).
-NO_PATIENCE = "none"
+NO_PATIENCE = AXES["patience"].none
 #: The early stops of a cell whose requests all generate their limit (a trace file's own
 #: tokens_generated).
-NO_USED = "none"
+NO_USED = AXES["used"].none
 #: The speed schedule of a cell whose machine keeps its speed.
-NO_SCHEDULE = "none"
+NO_SCHEDULE = AXES["speed_schedule"].none
 
 
 def parse_used(spec: str) -> UsedShare | None:
@@ -164,22 +134,10 @@ def _grid(
                     }[key](v)
                 except ValueError as exc:
                     raise ConfigError(f"{where}[{i}]: {exc}") from None
-            if key in (
-                "load",
-                "speed",
-                "engines",
-                "deadline_s",
-                "time_scale",
-                "max_num_seqs",
-                "kv_blocks",
-                "ttft_slo_s",
-                "tpot_slo_s",
-                "replicas",
-                "rate",
-            ):
-                positive_value(f"{where}[{i}]", v)
-            if key == "max_queue":
-                positive_value(f"{where}[{i}]", v, zero_ok=True)
+            # a number's bound, as its flag's (inputs.argtypes)
+            number = AXES[key].number
+            if number is not None and number.out_of_range(v):
+                raise ConfigError(f"{where}[{i}]: {number.out_of_range(v)}, got {v!r}")
             if key == "trace" and not (base / v).is_file():
                 raise ConfigError(
                     f"{where}[{i}]: no such trace file {v!r} (relative paths are "

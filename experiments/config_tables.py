@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from inputs.clientflags import retry_from_table
+from inputs.run_axes import AXES
 from inputs.tomlfiles import ConfigError, no_unknown_keys, positive_value, typed_value
 from qsim import REFERENCE_MIX, Mix, ServiceModel
 from qsim.clients import RetryPolicy
@@ -26,9 +27,9 @@ def _key(name: str) -> str:
 
 CLIENT_KEYS = {"share": float, "priority": int, "mix": str}
 #: The client set of a cell whose requests name no client.
-NO_CLIENTS = "none"
+NO_CLIENTS = AXES["clients"].none
 #: The retry policy of a cell whose clients never send a request again.
-NO_RETRY = "none"
+NO_RETRY = AXES["retry"].none
 
 
 #: [service]'s inline keys: the calibrated line and the engines' concurrency term (else ``file``: a

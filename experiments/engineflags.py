@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from inputs.argtypes import non_negative, positive
+from inputs.argtypes import non_negative
+from inputs.run_axes import AXES, flag_help
 from inputs.batchflags import BATCHING_HELP, BATCHING_ONLY, add_batching_flags, batching_engine
 from qsim.engines import Batching, OneAtATime
 from qsim.service import LoadTerms
@@ -65,26 +66,21 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         "--system-prompt",
         type=system_spec,
         metavar="S:P",
-        help="a system prompt of S tokens before a share P of the prompts (a prefix "
-        "cache shares it; default none)",
+        help=flag_help("system_prompt"),
     )
     g.add_argument(
         "--turns",
         type=turns_spec,
         metavar="T[:C]",
-        help="conversations of T turns, each extending the one before with its answer; "
-        "C open at once (default 16): a turn follows its last C arrivals later "
-        "(default 1)",
+        help=flag_help("turns"),
     )
-    g.add_argument(
-        "--ttft-slo",
-        type=positive,
-        metavar="SECONDS",
-        help="objective on time to first token: a request is good only if it meets it too",
-    )
-    g.add_argument(
-        "--tpot-slo", type=positive, metavar="SECONDS", help="objective on time per output token"
-    )
+    for name in ("ttft_slo_s", "tpot_slo_s"):  # a sweep's axes too (inputs.run_axes)
+        g.add_argument(
+            "--" + name.removesuffix("_s").replace("_", "-"),
+            type=AXES[name].number,
+            metavar="SECONDS",
+            help=flag_help(name),
+        )
 
 
 def calibrated_defaults(args) -> None:

@@ -12,6 +12,7 @@ import argparse
 
 from inputs import clientflags
 from inputs.argtypes import count, non_negative, positive, positive_int
+from inputs.run_axes import AXES, flag_help
 from qsim.datasets import COUNTS, Dataset, read_dataset
 from qsim.fleet import ADMISSION_AT
 from qsim.service import parse_schedule
@@ -36,9 +37,7 @@ def add_admission_at(p) -> None:
         "--admission-at",
         type=admission_at,
         metavar="{replica,gate}",
-        help="where a fleet admits: replica (default), each replica on its own state "
-        "after routing; gate, one admission at the cluster gate on the fleet's "
-        "state (all its waiting, its engines) before routing (docs/simulate.md)",
+        help=flag_help("admission_at"),
     )
 
 
@@ -78,17 +77,11 @@ def add_workload_options(
         metavar="KEY=VALUE",
         help="a parameter of the policy (repeat)",
     )
-    p.add_argument(
-        "--max-queue", type=count, help="override the preset's bound on waiting requests"
-    )
-    p.add_argument("--deadline", type=positive, help="override the default deadline (seconds)")
-    p.add_argument("--engines", type=positive_int, default=1, help="engines behind the queue (K)")
-    p.add_argument(
-        "--speed",
-        type=positive,
-        default=1.0,
-        help="true service times are SPEED times the calibration",
-    )
+    # the knobs a sweep's grid sets too: their type and help are its axes' (inputs.run_axes)
+    p.add_argument("--max-queue", type=AXES["max_queue"].number, help=flag_help("max_queue"))
+    p.add_argument("--deadline", type=AXES["deadline_s"].number, help=flag_help("deadline_s"))
+    p.add_argument("--engines", type=AXES["engines"].number, default=1, help=flag_help("engines"))
+    p.add_argument("--speed", type=AXES["speed"].number, default=1.0, help=flag_help("speed"))
     p.add_argument(
         "--arrivals",
         default=None if several_arrivals else "poisson",
@@ -126,19 +119,13 @@ def add_workload_options(
         "--used",
         type=_checked(parse_used),
         metavar="SPEC",
-        help="early stops: none (every request generates its limit, the default), study "
-        "(the study's "
-        "measured share: median 13 %% of the limit, 4 in 60 at it) or "
-        "AT_LIMIT:MEDIAN:SIGMA; "
-        "the load then counts the work actually done (estimators: --policy-arg "
-        "estimator=learned)",
+        help=flag_help("used"),
     )
     p.add_argument(
         "--speed-schedule",
         type=_checked(parse_schedule),
         metavar="SECONDS:FACTOR,...",
-        help="the machine's speed over time, e.g. 20:2.2 (2.2x slower than calibrated "
-        "from 20 s on)",
+        help=flag_help("speed_schedule"),
     )
     p.add_argument("--seed", type=count, default=1)
     p.add_argument(
@@ -160,9 +147,9 @@ def add_trace_flags(p: argparse.ArgumentParser, *, load_flag: str) -> None:
     )
     p.add_argument(
         "--time-scale",
-        type=positive,
+        type=AXES["time_scale"].number,
         default=1.0,
-        help="--trace: multiply the file's arrival times",
+        help=flag_help("time_scale"),
     )
     p.add_argument(
         "--start",

@@ -53,6 +53,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis import estimation, metrics
+from inputs import run_axes
 from inputs.atomic import atomic_write, clear_temporaries, parquet_bytes
 from qsim import build_trace, simulate
 from qsim.config import ServerConfig
@@ -62,15 +63,7 @@ from qsim.arrivals import parse_arrivals
 from qsim.mixes import Prompts, blended_means, used_mean_s
 
 from .config import ConfigError, SweepConfig
-from .config_grid import (
-    NO_PATIENCE,
-    NO_SCHEDULE,
-    NO_USED,
-    parse_speed_schedule,
-    parse_used,
-    shared_prefix,
-)
-from .config_tables import NO_CLIENTS, NO_RETRY
+from .config_grid import parse_speed_schedule, parse_used, shared_prefix
 from .sweep_workers import worker_start
 
 META_KEY = b"qlab.cell"
@@ -81,52 +74,8 @@ META_KEY = b"qlab.cell"
 LOAD_MEANING = "utilisation-at-simulated-speed"
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One point of the grid and one seed."""
-
-    policy: str
-    load: float | None
-    speed: float
-    engines: int
-    deadline_s: float | None
-    max_queue: int | None
-    mix: str
-    trace: str | None
-    time_scale: float | None
-    seed: int
-    clients: str | None = None  # a [clients] set; None: requests name no client
-    retry: str | None = None  # a [retry] policy; None: clients never retry
-    # a patience spec; None: clients wait forever (or a trace file's own)
-    patience: str | None = None
-    # What the controller knows (issue 12's axes); None: the policy's own, or the sweep's.
-    estimator: str | None = None  # limit | learned | oracle
-    cancel_at_deadline: bool | None = None
-    # early stops (config_grid.parse_used); None: every request generates its limit
-    used: str | None = None
-    speed_schedule: str | None = None  # SECONDS:FACTOR,...; None: the machine keeps its speed
-    fixed_estimate: bool | None = None  # None: [sweep] fixed_estimate
-    # A batching engine's settings ([batching] and its axes; None: [batching]'s) and the objectives.
-    max_num_seqs: int | None = None
-    kv_blocks: int | None = None
-    chunked_prefill: bool | None = None
-    step: str | None = None
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-    arrivals: str | None = None  # the grid's arrival process; None: [sweep] arrivals
-    # the label of its policy's [policy_args] lists' values; None: it has none
-    policy_args: str | None = None
-    # A prefix cache (None: [batching]'s) and prompts that share tokens (None: [sweep]'s).
-    prefix_caching: bool | None = None
-    system_prompt: str | None = None
-    turns: str | None = None
-    # A fleet: copies of the cell's server behind a router (None: one server; router None:
-    # round_robin).
-    replicas: int | None = None
-    router: str | None = None
-    rate: float | None = None  # requests per second in place of a load (None: the grid's load)
-    # Where the fleet admits (qsim.fleet.ADMISSION_AT; None: "replica", each replica itself).
-    admission_at: str | None = None
+class _CellAxes:
+    """What a cell is beyond its fields: its id, and its axes by group."""
 
     @property
     def id(self) -> str:
@@ -136,37 +85,29 @@ class Cell:
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def group(self, name: str):
+        """The cell's axes of group ``name`` (inputs.run_axes.GROUPS: "batching", "fleet", ...)."""
+        return run_axes.group(self, name)
+
+
+#: One point of the grid and one seed: every axis of inputs.run_axes, flat, in its CELL_ORDER (a
+#: cell's id hashes its fields by name, so the order is its columns', not its id's).
+Cell = dataclasses.make_dataclass(
+    "Cell",
+    run_axes.cell_fields(),
+    bases=(_CellAxes,),
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": "One point of the grid and one seed."},
+)
 
 #: Cell fields whose axis a sweep may lack: a cell without them has its old id, and its rows and
-#: summary carry their column only when the sweep has the axis.
-OPTIONAL_AXES = (
-    "clients",
-    "retry",
-    "patience",
-    "estimator",
-    "cancel_at_deadline",
-    "used",
-    "speed_schedule",
-    "fixed_estimate",
-    "max_num_seqs",
-    "kv_blocks",
-    "chunked_prefill",
-    "step",
-    "ttft_slo_s",
-    "tpot_slo_s",
-    "arrivals",
-    "policy_args",
-    "prefix_caching",
-    "system_prompt",
-    "turns",
-    "replicas",
-    "router",
-    "rate",
-    "admission_at",
-)
+#: summary carry their column only when the sweep has the axis (clients' always).
+OPTIONAL_AXES = tuple(name for name, axis in run_axes.AXES.items() if axis.optional)
 #: The axes of what the controller knows: a sweep with any of them gets the estimation columns
 #: (analysis.estimation).
-ESTIMATION_AXES = ("estimator", "cancel_at_deadline", "used", "speed_schedule", "fixed_estimate")
+ESTIMATION_AXES = tuple(name for name, axis in run_axes.AXES.items() if axis.estimation)
+#: The arrow type of each axis's column where a cell has None (a TOML type's).
+_ARROW = {str: pa.large_string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
 
 
 def _swept(config: SweepConfig) -> set[str]:
@@ -180,7 +121,13 @@ def _params(config: SweepConfig, cell: Cell) -> dict:
     """The cell's parameters as its rows and summary carry them: each optional axis but clients
     (always carried) only in sweeps with that axis, so an older sweep's columns are unchanged."""
     swept = _swept(config)
-    return {k: v for k, v in asdict(cell).items() if k not in OPTIONAL_AXES[1:] or k in swept}
+    return {k: v for k, v in asdict(cell).items() if _carried(k) or k in swept}
+
+
+def _carried(name: str) -> bool:
+    """Whether every sweep's rows carry the axis's column (not an optional one's, but clients')."""
+    axis = run_axes.AXES[name]
+    return not axis.optional or axis.in_every_row
 
 
 def arrivals_of(config: SweepConfig, cell: Cell) -> str:
@@ -211,54 +158,12 @@ def cells(config: SweepConfig) -> list[Cell]:
     """Every cell of the grid, in a fixed order (seeds innermost); a policy with lists in its
     [policy_args] has a cell for each combination of their values (beside it, in the policy axis's
     place)."""
-    g = config.grid
-    policies = [(name, label) for name in g["policy"] for label in config.policy_variants(name)]
-    axes = dict(
-        policy=policies,
-        load=g.get("load", (None,)),
-        speed=g.get("speed", (1.0,)),
-        engines=g.get("engines", (1,)),
-        deadline_s=g.get("deadline_s", (None,)),
-        max_queue=g.get("max_queue", (None,)),
-        mix=g.get("mix", ("reference",)),
-        trace=g.get("trace", (None,)),
-        time_scale=g.get("time_scale", (1.0,)) if "trace" in g else (None,),
-        seed=tuple(range(config.first_seed, config.first_seed + config.seeds)),
-        clients=tuple(None if c == NO_CLIENTS else c for c in g.get("clients", (NO_CLIENTS,))),
-        retry=tuple(None if r == NO_RETRY else r for r in g.get("retry", (NO_RETRY,))),
-        patience=tuple(None if p == NO_PATIENCE else p for p in g.get("patience", (NO_PATIENCE,))),
-        estimator=g.get("estimator", (None,)),
-        cancel_at_deadline=g.get("cancel_at_deadline", (None,)),
-        used=tuple(None if u == NO_USED else u for u in g.get("used", (NO_USED,))),
-        speed_schedule=tuple(
-            None if v == NO_SCHEDULE else v for v in g.get("speed_schedule", (NO_SCHEDULE,))
-        ),
-        fixed_estimate=g.get("fixed_estimate", (None,)),
-        **{
-            axis: g.get(axis, (None,))
-            for axis in (
-                "max_num_seqs",
-                "kv_blocks",
-                "chunked_prefill",
-                "step",
-                "ttft_slo_s",
-                "tpot_slo_s",
-            )
-        },
-        arrivals=g.get("arrivals", (None,)),
-        **{
-            axis: g.get(axis, (None,))
-            for axis in (
-                "prefix_caching",
-                "system_prompt",
-                "turns",
-                "replicas",
-                "router",
-                "rate",
-                "admission_at",
-            )
-        },
-    )
+    policies = [
+        (name, label) for name in config.grid["policy"] for label in config.policy_variants(name)
+    ]
+    # policy_args rides with its policy (a (name, label) pair); every other axis in CELL_ORDER
+    axes = {name: _values(config, name) for name in run_axes.CELL_ORDER if name != "policy_args"}
+    axes["policy"] = policies
     out = []
     for combo in itertools.product(*axes.values()):
         fields = dict(zip(axes, combo))
@@ -267,12 +172,21 @@ def cells(config: SweepConfig) -> list[Cell]:
     return out
 
 
+def _values(config: SweepConfig, name: str) -> tuple:
+    """An axis's values in the cells: the grid's (its "none" sentinel None), else its default
+    (None where it needs an axis that the grid lacks); a seed's, [sweep]'s seeds."""
+    if name == "seed":
+        return tuple(range(config.first_seed, config.first_seed + config.seeds))
+    axis = run_axes.AXES[name]
+    if axis.needs is not None and axis.needs not in config.grid:
+        return (None,)
+    return tuple(None if v == axis.none else v for v in config.grid.get(name, axis.default))
+
+
 def _engine(config: SweepConfig, cell: Cell):
     """The cell's batching engine (its step model times the cell's speed), or None: engines one
     at a time."""
-    engine = config.engine(
-        cell.max_num_seqs, cell.kv_blocks, cell.chunked_prefill, cell.step, cell.prefix_caching
-    )
+    engine = config.engine(**asdict(cell.group("batching")))
     if engine is None or cell.speed == 1.0:
         return engine
     step = engine.step
@@ -296,12 +210,13 @@ def all_engines(cell: Cell) -> int:
 
 def fleet_of(cell: Cell) -> dict:
     """simulate's fleet options for the cell ({}: one server)."""
-    if cell.replicas is None:
+    fleet = cell.group("fleet")
+    if fleet.replicas is None:
         return {}
     return {
-        "replicas": cell.replicas,
-        "router": parse_router(cell.router or "round_robin"),
-        **({} if cell.admission_at is None else {"admission_at": cell.admission_at}),
+        "replicas": fleet.replicas,
+        "router": parse_router(fleet.router or "round_robin"),
+        **({} if fleet.admission_at is None else {"admission_at": fleet.admission_at}),
     }
 
 
@@ -392,19 +307,14 @@ def _trace(config: SweepConfig, cell: Cell):
 def _policy(config: SweepConfig, cell: Cell):
     """The cell's policy: the grid's, with the bound, deadline, estimator and cutting at the
     deadline that the grid sets."""
-    policy = config.policy(cell.policy, cell.policy_args).with_overrides(
-        max_queue=cell.max_queue, deadline_s=cell.deadline_s
+    axes = cell.group("admission")
+    policy = config.policy(axes.policy, axes.policy_args).with_overrides(
+        max_queue=axes.max_queue, deadline_s=axes.deadline_s
     )
-    changes = {
-        k: v
-        for k, v in (
-            ("estimator", cell.estimator),
-            ("cancel_at_deadline", cell.cancel_at_deadline),
-            ("ttft_slo_s", cell.ttft_slo_s),
-            ("tpot_slo_s", cell.tpot_slo_s),
-        )
-        if v is not None
-    }
+    # The Policy's own fields that the group sets (not fixed_estimate: the server's, nor those
+    # naming the policy); the bound and deadline are with_overrides'.
+    own = {f.name for f in dataclasses.fields(policy)} - {"name", "max_queue", "deadline_s"}
+    changes = {k: v for k, v in asdict(axes).items() if k in own and v is not None}
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
@@ -494,39 +404,16 @@ def run_cell(config: SweepConfig, cell: Cell) -> CellResult:
     if frame["priority"].nunique() > 1:
         groups["by_priority"] = _grouped("priority", metrics.by_priority(frame, trace.duration_s))
     # Rows keep their own per-request deadline_s.
-    rows = frame.assign(**{k: v for k, v in params.items() if k != "deadline_s"})
+    columns = {k: v for k, v in params.items() if k != "deadline_s"}
+    rows = frame.assign(**columns)
     table = pa.Table.from_pandas(rows, preserve_index=False)
     # A parameter that is None in this cell (no client set, no queue bound) would be a column of
     # arrow type null, which a dataset of the cells cannot read beside another cell's typed one
     # (cast to null is unsupported): give it its axis's type. The values (all null) are unchanged.
-    for name, kind in (
-        ("clients", pa.large_string()),
-        ("trace", pa.large_string()),
-        ("max_queue", pa.int64()),
-        ("time_scale", pa.float64()),
-        ("load", pa.float64()),
-        ("retry", pa.large_string()),
-        ("patience", pa.large_string()),
-        ("estimator", pa.large_string()),
-        ("used", pa.large_string()),
-        ("speed_schedule", pa.large_string()),
-        ("max_num_seqs", pa.int64()),
-        ("kv_blocks", pa.int64()),
-        ("chunked_prefill", pa.bool_()),
-        ("step", pa.large_string()),
-        ("ttft_slo_s", pa.float64()),
-        ("tpot_slo_s", pa.float64()),
-        ("policy_args", pa.large_string()),
-        ("prefix_caching", pa.bool_()),
-        ("system_prompt", pa.large_string()),
-        ("turns", pa.large_string()),
-        ("replicas", pa.int64()),
-        ("router", pa.large_string()),
-        ("rate", pa.float64()),
-        ("admission_at", pa.large_string()),
-    ):
+    for name in columns.keys() & run_axes.AXES.keys():
         i = table.schema.get_field_index(name)
-        if i >= 0 and pa.types.is_null(table.schema.field(i).type):
+        if pa.types.is_null(table.schema.field(i).type):
+            kind = _ARROW[run_axes.AXES[name].toml_type]
             table = table.set_column(i, pa.field(name, kind), table.column(i).cast(kind))
     if over_time is not None:
         groups["over_time"] = over_time
@@ -657,7 +544,7 @@ def write_summaries(out: Path, wanted: Iterable[str]) -> pd.DataFrame:
 
 #: The summary's columns that are a cell's parameters (those before its metrics: cell_id ..
 #: deadline_s).
-PARAMETERS = ("cell_id", *(f.name for f in dataclasses.fields(Cell)), "max_queue", "deadline_s")
+PARAMETERS = ("cell_id", *run_axes.CELL_ORDER)
 
 
 def _cell_columns(summary: dict) -> dict:

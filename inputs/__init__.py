@@ -5,6 +5,7 @@
 - :mod:`inputs.policyflags`: ``--policy``, ``--policy-arg`` and a config's ``[policy_args]``;
 - :mod:`inputs.clientflags`: the patience and retry flags and their TOML tables;
 - :mod:`inputs.batchflags`: the batching engine's flags (``qlab simulate`` and ``qlab serve``);
+- :mod:`inputs.run_axes`: a run's axes by group, declared once (a sweep's cells and [grid]);
 - :mod:`inputs.progress`: the progress bar a long command draws;
 - :mod:`inputs.atomic`: files written whole or not at all (parquet included).
 

@@ -16,13 +16,11 @@ from pathlib import Path
 from qsim.engines import Batching, FrontEnd, StepModel
 
 from .argtypes import positive_int
+from .run_axes import AXES, flag_help
 
 BATCHING_HELP = "one engine that batches as vLLM's v1 scheduler (qsim.engines.Batching)"
 NO_CHUNKED_PREFILL_HELP = "a prompt must fit one step's token budget"
-PREFIX_CACHING_HELP = (
-    "cache full KV blocks by their prefix and share them, as vLLM v1 does by "
-    "default (qsim.prefix; default off)"
-)
+PREFIX_CACHING_HELP = flag_help("prefix_caching")
 STEP_METAVAR = "B0,B1,B2,B3[,CV] | FILE.json"
 FRONT_END_HELP = (
     "an API process in front of the batching engine, as one FIFO core: seconds a "
@@ -114,9 +112,10 @@ BATCHING_FLAGS: dict[str, tuple] = {
         "(default "
         f"{StepModel().b0:g},{StepModel().b1:g},{StepModel().b2:g},{StepModel().b3:g})",
     ),
-    "max_num_seqs": (positive_int, None, "at most this many running (vLLM's; default 256)"),
+    # a sweep's axes too: their type and help are the axes' (inputs.run_axes)
+    "max_num_seqs": (AXES["max_num_seqs"].number, None, flag_help("max_num_seqs")),
     "max_num_batched_tokens": (positive_int, None, "tokens a step computes (default 2048)"),
-    "kv_blocks": (positive_int, None, "KV memory in blocks (default unlimited)"),
+    "kv_blocks": (AXES["kv_blocks"].number, None, flag_help("kv_blocks")),
     "block_size": (positive_int, None, "tokens per KV block (default 16)"),
 }
 BATCHING_ONLY = tuple(BATCHING_FLAGS)
