@@ -65,13 +65,11 @@ class OneAtATimeRun:
         # slowdown. A live run's replay (held) gives each run the time it held its engine, the
         # slowdown already in it.
         self.shared = config.engine.concurrency > 0 and not held
-        # A fleet's replica speeds: each run's time goes through _run_time, its replica's in.
-        self.plain = (
-            run.schedule is None
-            and not run.cuts
-            and not self.shared
-            and (fleet is None or fleet.speeds is None)
-        )
+        # A fleet's replica speeds: each run's time goes through _run_time, its replica's in. A
+        # replay's held times are what each engine took, its replica's speed already in them: the
+        # speed is applied once, there (as the slowdown is).
+        self.slowed = fleet is not None and fleet.speeds is not None and not held
+        self.plain = run.schedule is None and not run.cuts and not self.shared and not self.slowed
 
     def attach(self) -> None:
         """Keep the driver's lists this part reads in the event loop (each is kept in place)."""
@@ -115,7 +113,7 @@ class OneAtATimeRun:
         """How long request i holds engine k from ``now``: its true time at its replica's speed and
         the machine's then (and slowed by the engines busy beside it), up to its deadline where
         the core cuts it there."""
-        if self.spec is not None:  # its replica's speed, as a speed schedule's
+        if self.slowed:  # its replica's speed, as a speed schedule's
             self.speed_at[i] = 1.0 / self.spec.speed(self.queue.replica_of_engine(k))
         run = self.true[i]
         schedule = self.run.schedule

@@ -75,7 +75,13 @@ def live_like_run(
     routed = (
         {}
         if fleet is None
-        else dict(replicas=fleet.replicas, router=fleet.router, admission_at=fleet.admission)
+        else dict(
+            replicas=fleet.replicas,
+            router=fleet.router,
+            admission_at=fleet.admission,
+            replica_speeds=fleet.speeds,
+            replica_down=fleet.down,
+        )
     )
     sim = simulate(
         held,
@@ -89,6 +95,8 @@ def live_like_run(
     exchanges = []
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
+        # what the engine measured: its replica's speed in it, as a slower replica's engine's is
+        slow = 1.0 if fleet is None or pd.isna(r["replica"]) else 1.0 / fleet.speed(int(r["replica"]))
         arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
         admission = {
             "arrived_at": arrival + zero,
@@ -116,7 +124,7 @@ def live_like_run(
                     "admission": admission,
                     "timings": {
                         "queue_s": start - arrival,
-                        "engine_s": engine_s[i],
+                        "engine_s": engine_s[i] * slow,
                         "total_s": finish - arrival,
                         "est_service_s": est,
                         **ran,
@@ -180,7 +188,7 @@ def live_like_run(
                             **admission,
                             "engine": int(r["engine"]),
                             **ran,
-                            "engine_s": engine_s[i],
+                            "engine_s": engine_s[i] * slow,
                         },
                     }
                 },
@@ -238,6 +246,25 @@ def test_a_fleet_run_is_replayed_exactly(router, policy):
     # The same run read as one server's disagrees: the fleet is what the replay needs.
     alone = compare(run.drop(columns=["fleet"]))
     assert alone.summary["disagreements"] > 0 or router == "central"
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin"])
+@pytest.mark.parametrize("policy", ["bounded", "predictive"])
+def test_a_fleet_run_of_replicas_at_their_own_speeds_is_replayed_exactly(router, policy):
+    """qlab serve --replica-speeds 1,0.5: the run file's fleet says the speeds, and each run's held
+    time is what its engine took, its replica's speed already in it: the replay applies the speed
+    once (not again to the held times), request by request equal."""
+    from qsim.fleet import FleetSpec
+    from qsim.routers import make_router
+    from qsim.runfile import fleet_spec
+
+    trace = make_trace("poisson", "mix", load=1.3, engines=3, seconds=60, seed=2, noise_cv=0.3)
+    fleet = FleetSpec(2, make_router(router), (1.0, 0.5))
+    run = live_like_run(trace, policy, engines=2, fail_every=17, fleet=fleet)
+    assert fleet_spec(run) == fleet
+    slow = run[run["replica"].eq(1) & run["outcome"].eq("good")]
+    assert len(slow) > 20
+    assert_no_disagreement(compare(run))
 
 
 @pytest.mark.parametrize("router", ["jsq", "round_robin"])
