@@ -96,7 +96,8 @@ def live_like_run(
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
         # what the engine measured: its replica's speed in it, as a slower replica's engine's is
-        slow = 1.0 if fleet is None or pd.isna(r["replica"]) else 1.0 / fleet.speed(int(r["replica"]))
+        routed_to = None if fleet is None or pd.isna(r["replica"]) else int(r["replica"])
+        slow = 1.0 if routed_to is None else 1.0 / fleet.speed(routed_to)
         arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
         admission = {
             "arrived_at": arrival + zero,
