@@ -287,8 +287,11 @@ class OneAtATimeDriver:
             self.replicas.count_failure(gate.queue.replica_of_engine(k), ok, now)
         # The tokens it generated: what a learning estimator learns (a stop string ends a run
         # early).
+        # A run its replica's going down ended (--replica-down) teaches nothing, as the
+        # simulator's: it ended as an engine's error.
+        taught = ok and not ticket.downed
         outcome = gate.queue.finished(
-            k, now, result.engine_s, ok=ok, tokens=result.tokens if ok else None
+            k, now, result.engine_s, ok=taught, tokens=result.tokens if taught else None
         )
         if outcome is None:
             return  # ended already: stalled (a hang's time teaches nothing), or its client left

@@ -246,6 +246,11 @@ class ReplicaWatch:
                 when = at if gate.clock == loop.time else loop.time() + (at - gate.clock())
                 self._timers.append(loop.call_at(when, watch, at))
 
+    @property
+    def zero(self) -> float:
+        """The gate's clock when --replica-down's seconds began."""
+        return self._zero
+
     def _scheduled(self, now: float) -> dict[int, str]:
         """The replicas --replica-down keeps down now, and why."""
         since = now - self._zero
@@ -341,6 +346,7 @@ def _down(ticket, state: str, r: int, why: str, now: float, numbers: dict) -> Ex
     its engine runs it out, as the simulator's, so no hand-back is said), a request waiting, the
     error of a server that stopped while it waited (shutting_down)."""
     if state == "running":
+        ticket.downed = True  # its engine's hand-back teaches nothing, as the simulator's
         ran = {"started_at": ticket.start, "at": now, "running_s": now - ticket.start}
         error = RuntimeError(f"replica {r} is {why}")
         return EngineFailed(ticket.engine, error, ticket.arrival, ran)

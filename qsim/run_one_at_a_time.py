@@ -59,6 +59,7 @@ class OneAtATimeRun:
         # The driver's hand-off to each engine (what the gate's engine threads get in their inbox).
         self.job = [-1] * (config.engines if fleet is None else self.queue.engines)
         self.finishing = -1  # the engine whose finish is being handled
+        self.downed: set[int] = set()  # rows a replica's going down ended while they ran
         self.watch_interval_s = config.watch_interval_s
         self.watching = False
         # Engines that slow each other (OneAtATime.concurrency): a run takes its time x the core's
@@ -86,8 +87,11 @@ class OneAtATimeRun:
     def rows(self) -> dict:
         return {}
 
-    def after_down(self, r: int) -> None:
-        """Nothing: a run there holds its engine to its own end."""
+    def after_down(self, r: int, ran: list) -> None:
+        """A run there holds its engine to its own end, and teaches the tracker nothing then: it
+        ended as an engine's error (the gate's runs on a replica down hand back so, live.drive_one,
+        and a replay cannot know their times)."""
+        self.downed.update(ran)
 
     # -- the core's hooks --------------------------------------------------------
 
@@ -142,7 +146,7 @@ class OneAtATimeRun:
                 self._end(i, now, CANCELLED, CUT_REASON)
             ok, tokens = False, None
         else:
-            ok = self.failed is None or not self.failed[i]
+            ok = (self.failed is None or not self.failed[i]) and i not in self.downed
             tokens = None if self.work is None else self.work[i].generated
         first = self._first_token_at(i) if self.objectives else _NAN
         self.finishing = k

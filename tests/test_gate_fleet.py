@@ -5,6 +5,7 @@ random stream (qsim.fleet.ROUTER_STREAM); the gate runs on a virtual clock (test
 """
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from qsim import PRESETS, make_trace, simulate
@@ -123,6 +124,19 @@ def test_replicas_at_their_own_speeds_and_down_for_a_while_match_the_simulator(r
     )
     assert FleetSpec.from_fields(stats["fleet"]) == FleetSpec(3, make_router(router), SPEEDS, DOWN)
     assert all(r["up"] for r in stats["replicas"])
+    # A run file puts the windows on its own clock: they count from the gate's start.
+    from live.rows import server_info
+    from qsim.runfile import fleet_spec
+
+    assert stats["fleet"]["down_started_at"] == 0.0
+    columns = server_info(stats).columns(1, server_zero=-2.0)  # the run began 2 s before the gate
+    run = pd.DataFrame({k: list(v) for k, v in columns.items()})
+    assert fleet_spec(run).down == ((1, 5.0, 8.0), (2, 9.5, 10.25))
+    late = server_info(stats).columns(1, server_zero=4.0)  # began 4 s after: the first window 0-2
+    assert fleet_spec(pd.DataFrame({k: list(v) for k, v in late.items()})).down == (
+        (1, 0.0, 2.0),
+        (2, 3.5, 4.25),
+    )
 
 
 @pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
