@@ -141,12 +141,16 @@ class OneAtATimeRun:
         k = event._value
         now = self.env.now
         i = self.job[k]
+        # ended by its replica's going down: teaches nothing (its row, a stream's slot, is free
+        # for another after this hand-back)
+        downed = i in self.downed
+        self.downed.discard(i)
         if self.cut[i]:  # its deadline passed in service: stopped there, its engine free at once
             if self.queue.cut(k, now) is not None:
                 self._end(i, now, CANCELLED, CUT_REASON)
             ok, tokens = False, None
         else:
-            ok = (self.failed is None or not self.failed[i]) and i not in self.downed
+            ok = (self.failed is None or not self.failed[i]) and not downed
             tokens = None if self.work is None else self.work[i].generated
         first = self._first_token_at(i) if self.objectives else _NAN
         self.finishing = k
