@@ -46,6 +46,8 @@ RULES = {
     "held": "returned - started (what the gate counted busy)",
     "engine_s": "the engine's own time (an older run file: no hand-back known)",
     "stalled": "a stalled run: until its engine next took a request",
+    "down": "a run its replica's going down ended (qlab serve --replica-down: no hand-back "
+    "known): until its engine next took a request",
     "estimate": "never started: calibrated estimate x speed factor at its arrival",
     "cancelled": "its client hung up while it ran: until the hang-up reached the gate",
     "cut": "cut at its deadline live: its deadline plus its estimate, so that it passes it "
@@ -145,6 +147,9 @@ def replay_inputs(run: pd.DataFrame, setup: ServerConfig) -> pd.DataFrame:
     engine_s = known["engine_reported_s"].to_numpy(float)
     failed = known["failed"].to_numpy(bool)
     stalled = known["stalled"].to_numpy(bool) & np.isfinite(started)
+    # Ended as an engine's error while it ran, its hand-back never said: its replica went down
+    # (the gate ends it then; its engine runs it out, as the simulator's replica_down).
+    down = failed & np.isfinite(started) & ~np.isfinite(held) & ~np.isfinite(engine_s)
     ran = run["outcome"].isin(ANSWERED).to_numpy() | failed
     ran_old = ~np.isfinite(held) & ~stalled & np.isfinite(engine_s) & ran
     factor = known["arrival_speed_factor"].to_numpy(float)
@@ -156,7 +161,11 @@ def replay_inputs(run: pd.DataFrame, setup: ServerConfig) -> pd.DataFrame:
     rule = np.where(
         np.isfinite(held),
         "held",
-        np.where(ran_old, "engine_s", np.where(stalled, "stalled", "estimate")),
+        np.where(
+            ran_old,
+            "engine_s",
+            np.where(stalled, "stalled", np.where(down, "down", "estimate")),
+        ),
     )
     rule = np.where(cut, "cut", rule)
     hold = np.select(
@@ -166,6 +175,8 @@ def replay_inputs(run: pd.DataFrame, setup: ServerConfig) -> pd.DataFrame:
     )
     if stalled.any():
         hold[stalled] = _stalled_hold(run, started, stalled)
+    if down.any():
+        hold[down] = _stalled_hold(run, started, down)
     if setup.policy.cancel_at_deadline:
         # Answered, so handed back before its cut was due, though the gate read its clock a little
         # later (a busy loop): the replay's run ends just inside its deadline, which the live one

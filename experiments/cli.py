@@ -21,7 +21,7 @@ import pandas as pd
 from analysis import metrics
 from analysis.filesummary import FileSummary
 from inputs import clientflags
-from inputs.argtypes import count, number, positive, positive_int
+from inputs.argtypes import count, number, positive, positive_int, replica_down, replica_speeds
 from inputs.atomic import sigterm_interrupts, write_parquet
 from inputs.policyflags import from_options, policy_spec
 from qsim import PRESETS, ServiceModel, build_trace, simulate
@@ -211,35 +211,14 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
         fleet = FleetSpec(
             args.replicas,
             router,
-            _speeds(args.replica_speeds),
-            tuple(_down(text) for text in args.replica_down or ()),
+            replica_speeds(args.replica_speeds),
+            tuple(map(replica_down, args.replica_down or ())),
             args.admission_at or "replica",
         )
         fleet.check(config)
     except ValueError as exc:
         raise UsageError(f"qlab simulate: error: {exc}") from None
     return fleet
-
-
-def _speeds(text: str | None) -> tuple | None:
-    """--replica-speeds 1,1,0.5 as numbers (FleetSpec checks them)."""
-    if text is None:
-        return None
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"bad --replica-speeds {text!r}: expected numbers, e.g. 1,1,0.5") from None
-
-
-def _down(text: str) -> tuple:
-    """--replica-down R:FROM:TO as (replica, from_s, to_s) (FleetSpec checks them)."""
-    try:
-        r, down_s, up_s = text.split(":")
-        return int(r), float(down_s), float(up_s)
-    except ValueError:
-        raise ValueError(
-            f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, e.g. 1:100:200"
-        ) from None
 
 
 def _balance_across_seeds(runs: list["_SeedRun"], fleet: FleetSpec) -> pd.DataFrame:

@@ -74,3 +74,29 @@ def renamed(new: str, why: str = "") -> type[argparse.Action]:
             raise argparse.ArgumentError(self, f"renamed {new}" + (f": {why}" if why else ""))
 
     return Renamed
+
+
+def replica_speeds(text: str | None) -> tuple | None:
+    """--replica-speeds 1,1,0.5 as numbers (qsim.fleet.FleetSpec checks them; None: not given)."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"bad --replica-speeds {text!r}: expected numbers, e.g. 1,1,0.5") from None
+
+
+def replica_down(text: str) -> tuple:
+    """--replica-down R:FROM:TO as (replica, from_s, to_s) (qsim.fleet.FleetSpec checks them)."""
+    try:
+        r, down_s, up_s = text.split(":")
+        return int(r), float(down_s), float(up_s)
+    except ValueError:
+        raise ValueError(
+            f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, e.g. 1:100:200"
+        ) from None
+
+
+def replica_downs(text: str) -> tuple:
+    """--replica-down given once or more (kept joined by commas), each as :func:`replica_down`."""
+    return tuple(map(replica_down, text.split(",")))

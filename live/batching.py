@@ -169,8 +169,10 @@ class SyntheticBatchEngine:
     simulator draws its steps', so a run on a virtual clock is the simulator's step by step), times
     the speed at the step's start (``speed`` and ``schedule``, seconds since construction on
     ``clock``). ``faults``: see the module. ``replica``: which replica of a fleet it is (its noise:
-    that replica's stream, qsim.run_batching.step_noise). The text is one word per token generated,
-    cut at a stop string (which shortens the text, not the work)."""
+    that replica's stream, qsim.run_batching.step_noise); ``replica_speed``: its speed over the
+    server's (``qlab serve --replica-speeds``: each step takes 1 / it times as long, as the
+    simulator's replica_speeds). The text is one word per token generated, cut at a stop string
+    (which shortens the text, not the work)."""
 
     abilities = Abilities(coroutine=True)
 
@@ -185,7 +187,11 @@ class SyntheticBatchEngine:
         clock: Callable[[], float] = time.monotonic,
         faults: Faults = Faults(),
         replica: int = 0,
+        replica_speed: float = 1.0,
     ) -> None:
+        if not replica_speed > 0:
+            raise ValueError(f"replica_speed must be > 0, got {replica_speed}")
+        self.slow = 1.0 / float(replica_speed)
         self.model = step
         self.speed = SpeedSchedule(float(speed), tuple((float(t), float(s)) for t, s in schedule))
         self.seed = seed
@@ -240,12 +246,13 @@ class SyntheticBatchEngine:
         return pieces
 
     def duration_s(self, work: StepWork) -> float:
-        """The step's seconds (draws the noise): the model, x noise, x the speed at its start (that
-        order: the simulator's)."""
+        """The step's seconds (draws the noise): the model, x noise, x the speed at its start, x
+        1 / its replica's speed (that order: the simulator's)."""
         run = self.model.time(work.prefill_tokens, work.sampling, work.context)
         if self._noise is not None:
             run *= self._noise()
-        return run * self.speed.at(self._clock() - self._started)
+        run *= self.speed.at(self._clock() - self._started)
+        return run if self.slow == 1.0 else run * self.slow
 
     async def astep(self, work: StepWork) -> StepDone:
         began = self._clock()

@@ -43,8 +43,9 @@ from .engine import Faults, SyntheticEngine, parse_schedule
 from .serve_options import LOOPBACK, ServeOptions, redacted
 
 
-def _engines(cfg: ServeOptions, model: ServiceModel, replicas: int = 1) -> list:
+def _engines(cfg: ServeOptions, model: ServiceModel, fleet: FleetSpec | None = None) -> list:
     """Every replica's engines in the fleet's order (replica r's engine k at r * K + k)."""
+    replicas = 1 if fleet is None else fleet.replicas
     if cfg.engine == "synthetic":
         early = UsedShare() if cfg.early_stops else None
         return [
@@ -56,6 +57,7 @@ def _engines(cfg: ServeOptions, model: ServiceModel, replicas: int = 1) -> list:
                 parse_schedule(cfg.speed_schedule),
                 faults=_faults(cfg, k // cfg.engines),
                 early_stops=early,
+                replica_speed=_replica_speed(fleet, k // cfg.engines),
             )
             for k in range(cfg.engines * replicas)
         ]
@@ -70,6 +72,11 @@ def _engines(cfg: ServeOptions, model: ServiceModel, replicas: int = 1) -> list:
 
     spec = gpt2.GPT2Spec(cfg.model, cfg.device, cfg.seed, cfg.threads)
     return gpt2.make_engines(cfg.engines * replicas, spec)
+
+
+def _replica_speed(fleet: FleetSpec | None, replica: int) -> float:
+    """A synthetic replica's speed over the server's (--replica-speeds; 1 without)."""
+    return 1.0 if fleet is None else fleet.speed(replica)
 
 
 def _faults(cfg: ServeOptions, replica: int) -> Faults:
@@ -208,7 +215,7 @@ def cmd_serve(args) -> int:
         _serve(args, cfg, _batching_gate(cfg, policy, model, batching, fleet), fleet)
         return 0
     # First: an engine that cannot start is the one line said.
-    engines = _engines(cfg, model, 1 if fleet is None else fleet.replicas)
+    engines = _engines(cfg, model, fleet)
     if cfg.engine != "synthetic" and not cfg.service_model:
         print(
             "qlab serve: no --service-model: estimates start from the reference line (8.5 "
@@ -253,7 +260,13 @@ def _batching_gate(cfg: ServeOptions, policy, model: ServiceModel, batching, fle
         schedule = parse_schedule(cfg.speed_schedule)
         engines = [
             SyntheticBatchEngine(
-                batching.step, cfg.speed, cfg.seed, schedule, faults=_faults(cfg, r), replica=r
+                batching.step,
+                cfg.speed,
+                cfg.seed,
+                schedule,
+                faults=_faults(cfg, r),
+                replica=r,
+                replica_speed=fleet.speed(r),
             )
             for r in range(fleet.replicas)
         ]

@@ -153,6 +153,14 @@ class OneAtATimeDriver:
         for w in self._workers:
             w.start()
         self._watch = gate.loop.call_later(gate.config.watch_interval_s, self._watchdog)
+        if self.replicas is not None:
+            self.replicas.start(self._replicas_turn)
+
+    def _replicas_turn(self, at: float) -> None:
+        """A --replica-down window begins or ends: the replicas' watch, at that very time (a loop
+        timer early by its clock's resolution is placed there)."""
+        if not self.gate.closed:
+            self.replicas.watch(max(self.now(), at))
 
     def close(self, timeout_s: float) -> None:
         """Stop the watchdog, cancel every pending future and stop the workers (a run in progress
@@ -279,8 +287,11 @@ class OneAtATimeDriver:
             self.replicas.count_failure(gate.queue.replica_of_engine(k), ok, now)
         # The tokens it generated: what a learning estimator learns (a stop string ends a run
         # early).
+        # A run its replica's going down ended (--replica-down) teaches nothing, as the
+        # simulator's: it ended as an engine's error.
+        taught = ok and not ticket.downed
         outcome = gate.queue.finished(
-            k, now, result.engine_s, ok=ok, tokens=result.tokens if ok else None
+            k, now, result.engine_s, ok=taught, tokens=result.tokens if taught else None
         )
         if outcome is None:
             return  # ended already: stalled (a hang's time teaches nothing), or its client left

@@ -410,7 +410,8 @@ class SyntheticEngine:
     ``early_stops`` (a :class:`qsim.mixes.UsedShare`, ``qlab serve --early-stops``): each run
     generates a share of its limit drawn from it, as if a stop string ended it, and takes the time
     of the tokens it generated (what a learning estimator learns); None: every run generates its
-    limit.
+    limit. ``replica_speed``: a fleet's replica's speed over the server's (``qlab serve
+    --replica-speeds``; 0.5: each run takes twice as long), as the simulator's replica_speeds.
     """
 
     abilities = Abilities(cancel=True, emit=True, asked=True)
@@ -427,9 +428,14 @@ class SyntheticEngine:
         clock=time.monotonic,
         faults: Faults = Faults(),
         early_stops: UsedShare | None = None,
+        replica_speed: float = 1.0,
     ) -> None:
         if noise_cv < 0:
             raise ValueError(f"noise_cv must be >= 0, got {noise_cv}")
+        if not replica_speed > 0:
+            raise ValueError(f"replica_speed must be > 0, got {replica_speed}")
+        # x 1 / speed, as the simulator's run: the same operations, the same seconds
+        self.slow = 1.0 / float(replica_speed)
         self.model = model
         self.speed = SpeedSchedule(float(speed), tuple((float(t), float(s)) for t, s in schedule))
         self.noise_cv = float(noise_cv)
@@ -450,7 +456,7 @@ class SyntheticEngine:
         speed = self.speed.at(self._clock() - self._started)
         with self._rng_lock:
             noise = float(lognormal_noise(self._rng, 1, self.noise_cv)[0])
-        return float(self.model.estimate(max_new_tokens, prompt_tokens)) * speed * noise
+        return float(self.model.estimate(max_new_tokens, prompt_tokens)) * speed * noise * self.slow
 
     def run(
         self,

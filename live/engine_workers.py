@@ -42,6 +42,8 @@ class _Ticket:
     prompt_tokens: int | None = None  # a batching engine's own count of its prompt (StepDone)
     replica: int | None = None  # where a fleet's router sent it (live.fleet_gate)
     tokens: object = None  # with a prefix cache: its qsim.prefix.TokenIds, once asked for
+    # ended running by its replica's going down (--replica-down): its hand-back teaches nothing
+    downed: bool = False
 
 
 def _gone(ticket: _Ticket) -> bool:

@@ -32,6 +32,7 @@ from .gate_errors import (
     EngineStalled,
     NeverInTime,
     Rejected,
+    ReplicaDown,
     ShuttingDown,
     UpstreamFailed,
     UpstreamTimedOut,
@@ -205,6 +206,10 @@ async def _shutting_down(_: Request, exc: ShuttingDown) -> Response:
     return shutdown_response(str(exc))
 
 
+async def _replica_down(_: Request, exc: ReplicaDown) -> Response:
+    return error_response(503, "unavailable", exc.reason, str(exc), exc.numbers, retry_after_s=1)
+
+
 def stopped_by_shutdown() -> None:
     """The request's task was cancelled (the server's shutdown) and answers it instead of ending:
     the cancellation is handled, so the task is not counted as cancelled (asyncio.Task.uncancel)."""
@@ -248,6 +253,7 @@ HANDLERS: dict[type, Callable[[Request, Exception], Awaitable[Response]]] = {
     DeadlineCut: _deadline_cut,
     EngineFailed: _engine_failed,
     ShuttingDown: _shutting_down,
+    ReplicaDown: _replica_down,
     UpstreamFailed: _upstream_failed,
     EngineStalled: _engine_stalled,
     InvalidRequest: _invalid,

@@ -45,7 +45,7 @@ from qsim.outcomes import Outcome
 from qsim.queue import AdmissionQueue
 
 from .engine import Checked
-from .gate_errors import EngineStalled, UpstreamFailed
+from .gate_errors import EngineFailed, EngineStalled, ReplicaDown, UpstreamFailed
 
 __all__ = [
     "FAILING_PAUSE_S",
@@ -227,11 +227,45 @@ class ReplicaWatch:
         # out of routing.
         self._failing = [0] * gate.fleet.replicas
         self._paused: dict[int, float] = {}
+        # --replica-down's windows (FleetSpec.down), in seconds since the gate started (start()).
+        self._zero = 0.0
+        self._timers: list[asyncio.TimerHandle] = []
+
+    def start(self, watch) -> None:
+        """Count --replica-down's windows from now (the gate's start, as the simulator's from its
+        time 0), and call ``watch(at)`` (the driver's: it reads the clock, then :meth:`watch` at
+        ``at`` or later) at each window's ends (``at``, gate clock), so that a replica goes down
+        and comes back at those very times."""
+        gate = self.gate
+        loop, self._zero = gate.loop, gate.clock()
+        for _, down_s, up_s in gate.fleet.down:
+            for at in (self._zero + down_s, self._zero + up_s):
+                # call_at where the gate's clock is the loop's (to the last bit, as the drivers'
+                # cut timers); a loop timer comes up to its clock's resolution early, and the
+                # driver then places the event at ``at`` itself, as the simulator's.
+                when = at if gate.clock == loop.time else loop.time() + (at - gate.clock())
+                self._timers.append(loop.call_at(when, watch, at))
+
+    @property
+    def zero(self) -> float:
+        """The gate's clock when --replica-down's seconds began."""
+        return self._zero
+
+    def _scheduled(self, now: float) -> dict[int, str]:
+        """The replicas --replica-down keeps down now, and why."""
+        since = now - self._zero
+        return {
+            r: f"down from {a:g} s to {b:g} s after the gate started (--replica-down)"
+            for r, a, b in self.gate.fleet.down
+            if a <= since < b
+        }
 
     def close(self) -> None:
         """Stop asking the replicas' engines whether they are ready."""
         for probe in self._probes.values():
             probe.cancel()
+        for timer in self._timers:
+            timer.cancel()
 
     def watch(self, now: float) -> None:
         """A replica whose engines are all stalled, or whose engine is not ready, goes down (the
@@ -239,17 +273,20 @@ class ReplicaWatch:
         ends now: an error of the stall or of the upstream."""
         gate = self.gate
         self._probe_replicas()
-        unready = {**self._failing_now(now), **self._unready}
+        scheduled = self._scheduled(now)
+        unready = {**self._failing_now(now), **self._unready, **scheduled}
         stalled = None if self._stalled is None else self._stalled(now)
         for ticket, state, r in gate.queue.watch(now, unready, stalled):
             if self._left is not None:
                 self._left(ticket, state)
-            elif state == "running" and ticket.cancel is not None:
+            elif state == "running" and ticket.cancel is not None and r not in scheduled:
                 ticket.cancel.set()  # nobody waits for it now: the engine may stop
             waited = now - ticket.arrival.at
             numbers = {**ticket.arrival.numbers(), "waited_s": waited}
             problem = unready.get(r)
-            if problem is None:
+            if r in scheduled:
+                exc = _down(ticket, state, r, scheduled[r], now, numbers)
+            elif problem is None:
                 why = "every engine is stalled" if stalled is None else stalled[r]
                 message = (
                     f"replica {r}'s {why}; the gate took it out of "
@@ -301,6 +338,20 @@ class ReplicaWatch:
             self._unready.pop(r, None)
         else:
             self._unready[r] = problem
+
+
+def _down(ticket, state: str, r: int, why: str, now: float, numbers: dict) -> Exception:
+    """What a request held by replica r ends with when --replica-down takes it down, as the
+    simulator's replica_down ends it: a run, the engine's error (engine_exception; one at a time
+    its engine runs it out, as the simulator's, so no hand-back is said), a request waiting, the
+    error of a server that stopped while it waited (shutting_down)."""
+    if state == "running":
+        ticket.downed = True  # its engine's hand-back teaches nothing, as the simulator's
+        ran = {"started_at": ticket.start, "at": now, "running_s": now - ticket.start}
+        error = RuntimeError(f"replica {r} is {why}")
+        return EngineFailed(ticket.engine, error, ticket.arrival, ran)
+    message = f"replica {r} is {why}; this request waited there {numbers['waited_s']:.3f} s"
+    return ReplicaDown(message + "; send it again", numbers, ticket.arrival)
 
 
 def batch_fleet_queue(config: ServerConfig, spec: FleetSpec, *, line, routed) -> Fleet:

@@ -271,6 +271,15 @@ class Gate:
         self.closed = False
         self.draining = False  # the server is stopping: the waiting were answered, new ones refused
 
+    def _fleet_fields(self) -> dict:
+        """The fleet's FleetSpec fields, with the gate's clock when --replica-down's seconds began
+        (its start): a run file puts the windows on its own clock with it (live.rows)."""
+        fields = self.fleet.to_fields()
+        watch = getattr(self.driver, "replicas", None)
+        if self.fleet.down and watch is not None:
+            fields["down_started_at"] = watch.zero
+        return fields
+
     def replica_of(self, k: int) -> int | None:
         """The replica of engine k (None: no fleet)."""
         return None if self.fleet is None else self.queue.replica_of_engine(k)
@@ -561,7 +570,7 @@ class Gate:
             "counts": dict(self.counts),
             "answered_tokens": dict(self.answered_tokens),
             "server_config": self.config.to_fields(),
-            **({} if self.fleet is None else {"fleet": self.fleet.to_fields()}),
+            **({} if self.fleet is None else {"fleet": self._fleet_fields()}),
             "rejected_by_reason": dict(self.rejected_by_reason),
             "cancelled": self.cancelled,
             "submitted": self.submitted,

@@ -90,6 +90,18 @@ class ShuttingDown(Exception):
     reason = SHUTDOWN_REASON
 
 
+class ReplicaDown(ShuttingDown):
+    """Waiting at a fleet's replica when it went down (``qlab serve --replica-down``): outcome
+    error, reason ``shutting_down`` as the simulator's replica_down ends a request that waited
+    there (a server that stopped while it waited); 503, sent again it goes to a replica up.
+    numbers: what the gate saw at its arrival (its replica), and how long it waited."""
+
+    def __init__(self, message: str, numbers: dict, arrival: Arrival) -> None:
+        super().__init__(message)
+        self.numbers = numbers
+        self.arrival = arrival
+
+
 class DeadlineExceeded(Exception):
     """Dropped unrun at the front: it could not finish by its deadline even if started then
     (``cannot_finish``), or the discipline dropped it there (``codel``)."""

@@ -23,7 +23,8 @@ the gate gave up on a stalled engine, see :mod:`live.gate`; 502 ``upstream_error
 when the upstream server of ``--engine upstream`` answered an error, could not be
 reached or broke its answer off; 504 ``upstream_timeout`` when it sent nothing for
 ``--upstream-timeout`` seconds), ``unavailable`` (503, reason ``shutting_down``: still running when
-the server's graceful shutdown ran out of time) or ``internal_error`` (500). Overload is 503 with
+the server's graceful shutdown ran out of time, or waiting at a replica that went down, ``qlab serve
+--replica-down``) or ``internal_error`` (500). Overload is 503 with
 Retry-After, never 429: the server cannot take the work now, not "this client sent too much". That
 one is type ``rate_limited`` (429 with Retry-After): a policy with a per-client token
 bucket (``client_rate``, ``client_burst``) refused a client over its rate,

@@ -90,9 +90,26 @@ class ServerInfo:
         server_zero: the server's clock at the run's time 0, which puts the speed schedule on the
         run's clock."""
         return {
-            **server_columns(self.config, n, self._schedule_on_run_clock(server_zero), self.fleet),
+            **server_columns(
+                self.config,
+                n,
+                self._schedule_on_run_clock(server_zero),
+                self._fleet_on_run_clock(server_zero),
+            ),
             **engine_columns(self.engine, n),
         }
+
+    def _fleet_on_run_clock(self, server_zero: float) -> dict | None:
+        """The fleet's fields with --replica-down's windows in the run's seconds (they count from
+        the gate's start, ``down_started_at``): a window before the run's start is left out, one
+        that began before it begins at 0. As said where the clocks are unknown."""
+        fleet = self.fleet
+        if fleet is None or "down_started_at" not in fleet or not math.isfinite(server_zero):
+            return fleet
+        shift = num(fleet["down_started_at"]) - server_zero
+        down = [[r, max(0.0, a + shift), b + shift] for r, a, b in fleet["down"] if b + shift > 0]
+        rest = {k: v for k, v in fleet.items() if k != "down_started_at"}
+        return {**rest, "down": down}
 
     def _schedule_on_run_clock(self, server_zero: float) -> str | None:
         """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a
@@ -307,12 +324,14 @@ def _row(
         "reported": num(ran.engine_s),
         "failed": failed,
         "stalled": stalled,
+        # a drop's wait, or one's that waited at a replica that went down (--replica-down)
         "waited": num(seen.waited_s)
-        if outcome == "expired"
+        if outcome == "expired" or reason == "shutting_down"
         else 0.0
         if outcome == "rejected"
         else math.nan,
-        "running": num(seen.running_s) if stalled or cut else math.nan,
+        # a run's that ended running: stalled, cut, or its replica went down (failed, no hand-back)
+        "running": num(seen.running_s) if stalled or cut or failed else math.nan,
     }
 
 
@@ -450,8 +469,8 @@ def to_frame(
 
 def _gate_end(rows: pd.DataFrame) -> np.ndarray:
     """When the gate ended each request, on the run's clock: the hand-back of a run, the arrival of
-    a refusal, arrival + waited_s of a drop, start + running_s of a stalled run; NaN when
-    unknown."""
+    a refusal, arrival + waited_s of a drop (or of one waiting at a replica that went down), start +
+    running_s of a stalled run (or one its replica's going down ended); NaN when unknown."""
     ran = rows["returned"].to_numpy(float)
     refused = rows["received"].to_numpy(float) + rows["waited"].to_numpy(float)
     stalled = rows["started"].to_numpy(float) + rows["running"].to_numpy(float)

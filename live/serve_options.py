@@ -52,6 +52,8 @@ from qsim.service import LoadTerms
 from .engine import parse_schedule
 
 LOOPBACK = "127.0.0.1"
+#: A fleet's options besides --replicas: refused for one server.
+_FLEET_ONLY = ("router", "router_d", "admission_at")
 
 
 def _option(
@@ -213,6 +215,25 @@ class ServeOptions:
         "routing; default) or gate (one admission on the fleet's state, before routing: "
         "qsim.gate_view, the simulator's --admission-at)",
         choices=ADMISSION_AT,
+    )
+    replica_speeds: str | None = _option(
+        None,
+        "synthetic: each replica's speed over the server's, one per replica (e.g. 1,1,0.5: the "
+        "third's runs, or steps, take twice as long; the simulator's --replica-speeds); needs "
+        "--replicas N",
+        metavar="S,S,...",
+        engine="synthetic",
+        check=argtypes.replica_speeds,
+    )
+    replica_down: str | None = _option(
+        None,
+        "synthetic: replica R is down from FROM to TO seconds after the gate starts (repeat): "
+        "what runs and waits there ends in error once, the router sends nothing there "
+        "meanwhile (the simulator's --replica-down); needs --replicas N",
+        metavar="R:FROM:TO",
+        engine="synthetic",
+        check=argtypes.replica_downs,
+        many=True,
     )
     batching: bool = _option(
         False,
@@ -580,7 +601,7 @@ class ServeOptions:
         if n == 1:
             given = [
                 _flag(name)
-                for name in ("router", "router_d", "admission_at")
+                for name in (*_FLEET_ONLY, "replica_speeds", "replica_down")
                 if getattr(self, name) is not None
             ]
             if given:
@@ -592,6 +613,7 @@ class ServeOptions:
         fleet = FleetSpec(
             n,
             make_router(self.router or "round_robin", self.router_d),
+            *self._replica_faults(),
             admission=self.admission_at or "replica",
         )
         # Replicas of engines one at a time, or of one batching engine each (the gate checks its
@@ -599,6 +621,18 @@ class ServeOptions:
         batching = self.engine_model()
         fleet.check(ServerConfig() if batching is None else ServerConfig(engine=batching))
         return fleet
+
+    def _replica_faults(self) -> tuple:
+        """(speeds, down) of the fleet's replicas, the simulator's FleetSpec fields; ValueError for
+        an engine whose speed is its own (a [server] table's keys are not checked per engine)."""
+        if self.engine != "synthetic" and (self.replica_speeds or self.replica_down):
+            raise ValueError(
+                "--replica-speeds, --replica-down: only with --engine synthetic (another "
+                "engine's speed and health are its own)"
+            )
+        speeds = argtypes.replica_speeds(self.replica_speeds)
+        down = () if self.replica_down is None else argtypes.replica_downs(self.replica_down)
+        return speeds, down
 
     # ------------------------------------------------------------ the command line
 

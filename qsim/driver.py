@@ -14,7 +14,7 @@ it starts and writes its own columns; its protocol:
 * ``arms``: whether the part wants :meth:`arrived` after each arrival walk and
   :meth:`touched` after an admission or a cancellation (a batching engine's timers);
 * ``per_attempt()``, ``rows()``: its own per-attempt lists, as the driver's;
-* ``after_down(r)``: replica r of a fleet went down;
+* ``after_down(r, ran)``: replica r of a fleet went down, ending the rows ``ran`` that ran there;
 * ``columns(trace, first, columns)``: its columns of the records, into ``columns``;
 
 A fleet (:mod:`qsim.fleet`) is the queue core's concern: the driver notes each row's replica
@@ -186,9 +186,12 @@ class Simulation:
         """Replica r fails: what ran there ends an engine's error, what waited there the error of
         a server that stopped while it waited (qsim.outcomes); a client may send either again."""
         now = self.env.now
+        ran = []
         for i, state in self.queue.fail(r, now):
             self._end(i, now, ERROR, FAILED_REASON if state == "running" else DOWN_REASON)
-        self.engine.after_down(r)
+            if state == "running":
+                ran.append(i)
+        self.engine.after_down(r, ran)
 
     # -- retries ----------------------------------------------------------------------
 

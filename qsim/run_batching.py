@@ -142,7 +142,7 @@ class BatchingRun:
         if r >= 0:
             self.arm(r)
 
-    def after_down(self, r: int) -> None:
+    def after_down(self, r: int, ran: list) -> None:
         self.arm(r)  # the deadlines cut there are gone
 
     # -- the core's hooks --------------------------------------------------------------

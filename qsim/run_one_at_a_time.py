@@ -59,19 +59,18 @@ class OneAtATimeRun:
         # The driver's hand-off to each engine (what the gate's engine threads get in their inbox).
         self.job = [-1] * (config.engines if fleet is None else self.queue.engines)
         self.finishing = -1  # the engine whose finish is being handled
+        self.downed: set[int] = set()  # rows a replica's going down ended while they ran
         self.watch_interval_s = config.watch_interval_s
         self.watching = False
         # Engines that slow each other (OneAtATime.concurrency): a run takes its time x the core's
         # slowdown. A live run's replay (held) gives each run the time it held its engine, the
         # slowdown already in it.
         self.shared = config.engine.concurrency > 0 and not held
-        # A fleet's replica speeds: each run's time goes through _run_time, its replica's in.
-        self.plain = (
-            run.schedule is None
-            and not run.cuts
-            and not self.shared
-            and (fleet is None or fleet.speeds is None)
-        )
+        # A fleet's replica speeds: each run's time goes through _run_time, its replica's in. A
+        # replay's held times are what each engine took, its replica's speed already in them: the
+        # speed is applied once, there (as the slowdown is).
+        self.slowed = fleet is not None and fleet.speeds is not None and not held
+        self.plain = run.schedule is None and not run.cuts and not self.shared and not self.slowed
 
     def attach(self) -> None:
         """Keep the driver's lists this part reads in the event loop (each is kept in place)."""
@@ -88,8 +87,11 @@ class OneAtATimeRun:
     def rows(self) -> dict:
         return {}
 
-    def after_down(self, r: int) -> None:
-        """Nothing: a run there holds its engine to its own end."""
+    def after_down(self, r: int, ran: list) -> None:
+        """A run there holds its engine to its own end, and teaches the tracker nothing then: it
+        ended as an engine's error (the gate's runs on a replica down hand back so, live.drive_one,
+        and a replay cannot know their times)."""
+        self.downed.update(ran)
 
     # -- the core's hooks --------------------------------------------------------
 
@@ -115,7 +117,7 @@ class OneAtATimeRun:
         """How long request i holds engine k from ``now``: its true time at its replica's speed and
         the machine's then (and slowed by the engines busy beside it), up to its deadline where
         the core cuts it there."""
-        if self.spec is not None:  # its replica's speed, as a speed schedule's
+        if self.slowed:  # its replica's speed, as a speed schedule's
             self.speed_at[i] = 1.0 / self.spec.speed(self.queue.replica_of_engine(k))
         run = self.true[i]
         schedule = self.run.schedule
@@ -139,12 +141,16 @@ class OneAtATimeRun:
         k = event._value
         now = self.env.now
         i = self.job[k]
+        # ended by its replica's going down: teaches nothing (its row, a stream's slot, is free
+        # for another after this hand-back)
+        downed = i in self.downed
+        self.downed.discard(i)
         if self.cut[i]:  # its deadline passed in service: stopped there, its engine free at once
             if self.queue.cut(k, now) is not None:
                 self._end(i, now, CANCELLED, CUT_REASON)
             ok, tokens = False, None
         else:
-            ok = self.failed is None or not self.failed[i]
+            ok = (self.failed is None or not self.failed[i]) and not downed
             tokens = None if self.work is None else self.work[i].generated
         first = self._first_token_at(i) if self.objectives else _NAN
         self.finishing = k

@@ -75,7 +75,13 @@ def live_like_run(
     routed = (
         {}
         if fleet is None
-        else dict(replicas=fleet.replicas, router=fleet.router, admission_at=fleet.admission)
+        else dict(
+            replicas=fleet.replicas,
+            router=fleet.router,
+            admission_at=fleet.admission,
+            replica_speeds=fleet.speeds,
+            replica_down=fleet.down,
+        )
     )
     sim = simulate(
         held,
@@ -89,6 +95,9 @@ def live_like_run(
     exchanges = []
     for _, r in sim.iterrows():
         i = int(r["first_request_id"])
+        # what the engine measured: its replica's speed in it, as a slower replica's engine's is
+        routed_to = None if fleet is None or pd.isna(r["replica"]) else int(r["replica"])
+        slow = 1.0 if routed_to is None else 1.0 / fleet.speed(routed_to)
         arrival, est, base = r["arrival_s"], r["est_service_s"], trace.est_service_s[i]
         admission = {
             "arrived_at": arrival + zero,
@@ -116,7 +125,7 @@ def live_like_run(
                     "admission": admission,
                     "timings": {
                         "queue_s": start - arrival,
-                        "engine_s": engine_s[i],
+                        "engine_s": engine_s[i] * slow,
                         "total_s": finish - arrival,
                         "est_service_s": est,
                         **ran,
@@ -167,6 +176,32 @@ def live_like_run(
                     }
                 },
             )
+        elif r["reason"] == "shutting_down":  # waiting at a replica that went down
+            status, body = (
+                503,
+                {
+                    "error": {
+                        "type": "unavailable",
+                        "reason": "shutting_down",
+                        "message": "",
+                        "numbers": {**admission, "waited_s": finish - arrival},
+                    }
+                },
+            )
+        elif not failed[i]:  # running on a replica that went down: the gate's numbers, no hand-back
+            assert r["reason"] == "engine_exception" and fleet is not None and fleet.down
+            numbers = {"engine": int(r["engine"]), "started_at": start + zero, "at": finish + zero}
+            status, body = (
+                500,
+                {
+                    "error": {
+                        "type": "engine_error",
+                        "reason": "engine_exception",
+                        "message": "",
+                        "numbers": {**admission, **numbers, "running_s": finish - start},
+                    }
+                },
+            )
         else:
             assert r["reason"] == "engine_exception"
             status, body = (
@@ -180,7 +215,7 @@ def live_like_run(
                             **admission,
                             "engine": int(r["engine"]),
                             **ran,
-                            "engine_s": engine_s[i],
+                            "engine_s": engine_s[i] * slow,
                         },
                     }
                 },
@@ -238,6 +273,48 @@ def test_a_fleet_run_is_replayed_exactly(router, policy):
     # The same run read as one server's disagrees: the fleet is what the replay needs.
     alone = compare(run.drop(columns=["fleet"]))
     assert alone.summary["disagreements"] > 0 or router == "central"
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin"])
+@pytest.mark.parametrize("policy", ["bounded", "predictive"])
+def test_a_fleet_run_of_replicas_at_their_own_speeds_is_replayed_exactly(router, policy):
+    """qlab serve --replica-speeds 1,0.5: the run file's fleet says the speeds, and each run's held
+    time is what its engine took, its replica's speed already in it: the replay applies the speed
+    once (not again to the held times), request by request equal."""
+    from qsim.fleet import FleetSpec
+    from qsim.routers import make_router
+    from qsim.runfile import fleet_spec
+
+    trace = make_trace("poisson", "mix", load=1.3, engines=3, seconds=60, seed=2, noise_cv=0.3)
+    fleet = FleetSpec(2, make_router(router), (1.0, 0.5))
+    run = live_like_run(trace, policy, engines=2, fail_every=17, fleet=fleet)
+    assert fleet_spec(run) == fleet
+    slow = run[run["replica"].eq(1) & run["outcome"].eq("good")]
+    assert len(slow) > 20
+    assert_no_disagreement(compare(run))
+
+
+@pytest.mark.parametrize("router", ["jsq", "round_robin"])
+@pytest.mark.parametrize("policy", ["bounded", "predictive"])
+def test_a_fleet_run_with_replicas_down_for_a_while_is_replayed_exactly(router, policy):
+    """qlab serve --replica-down 1:20:35 --replica-down 0:40:41.5 (and a slower replica): the run
+    file's fleet says the windows on the run's clock; a run its replica's going down ended
+    (engine_exception, no hand-back said) holds its engine until the engine next took a request
+    (rule down), a request waiting there ends shutting_down; request by request equal."""
+    from qsim.fleet import FleetSpec
+    from qsim.routers import make_router
+    from qsim.runfile import fleet_spec
+
+    trace = make_trace("poisson", "mix", load=1.3, engines=3, seconds=60, seed=2, noise_cv=0.3)
+    down = ((1, 20.0, 35.0), (0, 40.0, 41.5))
+    fleet = FleetSpec(2, make_router(router), (1.0, 0.8), down)
+    run = live_like_run(trace, policy, engines=2, fail_every=17, fleet=fleet)
+    assert fleet_spec(run) == fleet
+    ended = run[run["reason"].isin(["engine_exception", "shutting_down"])]
+    assert set(ended["reason"]) == {"engine_exception", "shutting_down"}
+    result = compare(run)
+    assert_no_disagreement(result)
+    assert result.joined["replayed_with"].eq("down").sum() >= 2
 
 
 @pytest.mark.parametrize("router", ["jsq", "round_robin"])

@@ -5,6 +5,7 @@ random stream (qsim.fleet.ROUTER_STREAM); the gate runs on a virtual clock (test
 """
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from qsim import PRESETS, make_trace, simulate
@@ -18,8 +19,17 @@ from virtual_time import _ENDS, run_gate
 ROUTERS = ["random", "round_robin", "jsq", "least_work", "power_of_d", "central"]
 
 
-def _agree(trace, policy, engines: int, router: str, replicas: int = 3, admission="replica"):
-    spec = FleetSpec(replicas, make_router(router), admission=admission)
+def _agree(
+    trace,
+    policy,
+    engines: int,
+    router: str,
+    replicas: int = 3,
+    admission="replica",
+    speeds=None,
+    down=(),
+):
+    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission)
     gate, stats = run_gate(trace, policy, engines, fleet=spec)
     sim = simulate(
         trace,
@@ -27,11 +37,14 @@ def _agree(trace, policy, engines: int, router: str, replicas: int = 3, admissio
         replicas=replicas,
         router=spec.router,
         admission_at=admission,
+        replica_speeds=speeds,
+        replica_down=down,
     )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
     assert gate["replica"].tolist() == sim["replica"].fillna(-1).tolist()
     np.testing.assert_allclose(gate["finish_s"], sim["finish_s"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(gate["start_s"], sim["start_s"], rtol=0, atol=1e-12)
     np.testing.assert_array_equal(gate["engine"], sim["engine"].fillna(-1))
     seen = gate["queued"].ge(0).to_numpy()
     np.testing.assert_array_equal(gate.loc[seen, "queued"], sim.loc[seen, "queued_at_arrival"])
@@ -83,6 +96,59 @@ def test_a_fleet_gate_admitting_at_the_gate_matches_the_simulator_exactly(router
         trace, ServerConfig(PRESETS[policy], 2), replicas=3, router=make_router(router)
     )
     assert apart["outcome"].tolist() != sim["outcome"].tolist()
+
+
+# -- replicas at their own speeds, and down for a while (--replica-speeds, --replica-down) --------
+
+SPEEDS, DOWN = (1.0, 0.5, 1.0), ((1, 3.0, 6.0), (2, 7.5, 8.25))
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq"])
+@pytest.mark.parametrize("policy", ["predictive", "bounded"])
+def test_replicas_at_their_own_speeds_and_down_for_a_while_match_the_simulator(router, policy):
+    """qlab serve --replicas 3 --replica-speeds 1,0.5,1 --replica-down 1:3:6 --replica-down
+    2:7.5:8.25, one engine at a time: the gate takes each replica down at its window's start (what
+    it held ends once: a run engine_exception, a request waiting shutting_down), routes around it
+    and back at its end, request by request equal to simulate(replica_speeds=, replica_down=)."""
+    trace = make_trace("poisson", "mix", load=1.2, engines=5, seconds=10, seed=3, noise_cv=0.3)
+    sim, stats = _agree(trace, PRESETS[policy], 2, router, speeds=SPEEDS, down=DOWN)
+    ended = sim[sim["reason"].isin(["engine_exception", "shutting_down"])]
+    assert set(ended["replica"]) == {1, 2} and set(ended["reason"]) >= {"engine_exception"}
+    np.testing.assert_allclose(sorted(set(ended["finish_s"])), [3.0, 7.5], rtol=0, atol=0)
+    sent = sim["replica"].eq(1) & sim["arrival_s"].between(3.0, 6.0, inclusive="left")
+    assert not sent.any() and sim["replica"].eq(1).any()
+    # The slower replica's runs took twice their true time.
+    slow = sim[sim["replica"].eq(1) & sim["outcome"].eq("good")]
+    np.testing.assert_allclose(
+        slow["finish_s"] - slow["start_s"], 2 * trace.true_service_s[slow.index], rtol=1e-12
+    )
+    assert FleetSpec.from_fields(stats["fleet"]) == FleetSpec(3, make_router(router), SPEEDS, DOWN)
+    assert all(r["up"] for r in stats["replicas"])
+    # A run file puts the windows on its own clock: they count from the gate's start.
+    from live.rows import server_info
+    from qsim.runfile import fleet_spec
+
+    assert stats["fleet"]["down_started_at"] == 0.0
+    columns = server_info(stats).columns(1, server_zero=-2.0)  # the run began 2 s before the gate
+    run = pd.DataFrame({k: list(v) for k, v in columns.items()})
+    assert fleet_spec(run).down == ((1, 5.0, 8.0), (2, 9.5, 10.25))
+    late = server_info(stats).columns(1, server_zero=4.0)  # began 4 s after: the first window 0-2
+    assert fleet_spec(pd.DataFrame({k: list(v) for k, v in late.items()})).down == (
+        (1, 0.0, 2.0),
+        (2, 3.5, 4.25),
+    )
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
+def test_batching_replicas_at_their_own_speeds_and_down_for_a_while_match_the_simulator(router):
+    """The same for three batching replicas (the synthetic batching engine's steps x 1 / its
+    replica's speed; a replica down: its batch and line end once each, its blocks free)."""
+    engine, trace = _batching(0.3, 3.0, 12, 4)
+    config = ServerConfig(PRESETS["predictive"], engine=engine, seed=5)
+    sim, stats = _agree_batching(trace, config, router, speeds=SPEEDS, down=DOWN)
+    ended = sim[sim["reason"].isin(["engine_exception", "shutting_down"])]
+    assert set(ended["replica"]) == {1, 2} and len(ended) > 3
+    assert stats["fleet"]["speeds"] == list(SPEEDS)
 
 
 # -- a replica that dies mid-run --------------------------------------------------------------
@@ -324,6 +390,89 @@ def test_serve_refuses_a_bad_admission_at_in_one_line(capsys):
     assert said.startswith("qlab serve: error: argument --admission-at: invalid choice: 'pod'")
 
 
+def test_serve_options_take_replica_speeds_and_replicas_down():
+    """--replica-speeds S,S,... and --replica-down R:FROM:TO (repeat), and [server]'s keys of the
+    same names: the fleet's FleetSpec speeds and down, on a child's command line too; what
+    cmd_serve builds of them: each replica's synthetic engines at its speed."""
+    from live.commands import _batching_gate, _engines
+    from live.serve_options import ServeOptions
+    from qsim import ServiceModel
+
+    argv = ("--replicas", "3", "--engines", "2", "--replica-speeds", "1,1,0.5")
+    options = _options(*argv, "--replica-down", "1:3:6", "--replica-down", "0:1:2.5")
+    fleet = options.fleet()
+    assert fleet == FleetSpec(
+        3, make_router("round_robin"), (1.0, 1.0, 0.5), ((1, 3, 6), (0, 1, 2.5))
+    )
+    child = options.argv()
+    assert child[child.index("--replica-down") + 1] == "1:3:6,0:1:2.5"
+    engines = _engines(options, ServiceModel(), fleet)
+    times = [e.duration_s(10) for e in engines]
+    assert times[:4] == [times[0]] * 4 and times[4] == times[5] == 2 * times[0]
+    batching = _options("--batching", "--replicas", "2", "--replica-speeds", "2,1")
+    gate = _batching_gate(
+        batching, batching.make_policy(), ServiceModel(), batching.engine_model(), batching.fleet()
+    )
+    assert [e.slow for e in gate.engines] == [0.5, 1.0]
+    assert gate.fleet.speeds == (2.0, 1.0)
+    table = ServeOptions.from_table(
+        "t", {"replicas": 2, "replica_speeds": "1,0.5", "replica_down": "1:2:3"}
+    )
+    assert table.fleet() == FleetSpec(2, make_router("round_robin"), (1.0, 0.5), ((1, 2, 3),))
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (("--replica-speeds", "1,1"), "--replica-speeds: a fleet's options, for --replicas N > 1"),
+        (("--replica-down", "0:1:2"), "--replica-down: a fleet's options"),
+        (("--replicas", "2", "--replica-speeds", "1,x"), "bad --replica-speeds '1,x'"),
+        (("--replicas", "2", "--replica-speeds", "1"), "one number > 0 for each of the 2"),
+        (("--replicas", "2", "--replica-speeds", "1,0"), "one number > 0 for each of the 2"),
+        (("--replicas", "2", "--replica-down", "1:3"), "bad --replica-down '1:3'"),
+        (("--replicas", "2", "--replica-down", "2:1:3"), "replica of 0..1"),
+        (("--replicas", "2", "--replica-down", "1:3:2"), "0 <= from_s < to_s"),
+        (
+            ("--replicas", "2", "--replica-down", "0:1:3", "--replica-down", "1:2:4"),
+            "every replica is down at 2 s",
+        ),
+        (
+            ("--replicas", "2", "--router", "central", "--replica-speeds", "1,2"),
+            "a central queue in front of engines one at a time",
+        ),
+        (
+            (
+                "--engine",
+                "upstream",
+                "--upstream-url",
+                "http://a:1",
+                "--upstream-url",
+                "http://b:2",
+                "--replica-speeds",
+                "1,2",
+            ),
+            "--replica-speeds: only with --engine synthetic",
+        ),
+        (("--engine", "gpt2", "--replica-down", "0:1:2"), "only with --engine synthetic"),
+    ],
+)
+def test_serve_refuses_bad_replica_speeds_and_downs_in_one_line(argv, says, capsys):
+    from experiments.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and says in said[0], said
+
+
+def test_a_server_table_refuses_replica_speeds_for_an_engine_of_its_own_speed():
+    from inputs.tomlfiles import ConfigError
+    from live.serve_options import ServeOptions
+
+    table = {"engine": "upstream", "upstream_url": "http://a:1,http://b:2"}
+    with pytest.raises(ConfigError, match=r"^t: --replica-speeds, --replica-down: only with"):
+        ServeOptions.from_table("t", {**table, "replica_speeds": "1,2"})
+
+
 @pytest.mark.parametrize("router", ["least_work", "least_kv", "least_ttft", "central"])
 def test_serve_options_take_a_fleet_of_batching_replicas(router):
     """qlab serve --batching --replicas 3 --router NAME (the synthetic engine): one batching engine
@@ -539,13 +688,23 @@ BATCH_ROUTERS = [
 ]
 
 
-def _agree_batching(trace, config, router: str, replicas: int = 3, admission="replica"):
+def _agree_batching(
+    trace, config, router: str, replicas: int = 3, admission="replica", speeds=None, down=()
+):
     """A gate of ``replicas`` batching replicas (the real SyntheticBatchEngine, one each) and the
     simulator's batching fleet, request by request: outcome, reason, replica, engine, start,
     finish, first token, tokens and the admission view (admitted where ``admission`` says)."""
-    spec = FleetSpec(replicas, make_router(router), admission=admission)
+    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission)
     gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
-    sim = simulate(trace, config, replicas=replicas, router=spec.router, admission_at=admission)
+    sim = simulate(
+        trace,
+        config,
+        replicas=replicas,
+        router=spec.router,
+        admission_at=admission,
+        replica_speeds=speeds,
+        replica_down=down,
+    )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
     joined = sim["start_s"].notna().to_numpy()

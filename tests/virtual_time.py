@@ -19,7 +19,14 @@ import pandas as pd
 
 from live.engine import WORD, Abilities, EngineResult, Faults
 from live.gate import BatchGate, Gate, gate_config
-from live.gate_errors import DeadlineCut, DeadlineExceeded, EngineFailed, EngineStalled, Rejected
+from live.gate_errors import (
+    DeadlineCut,
+    DeadlineExceeded,
+    EngineFailed,
+    EngineStalled,
+    Rejected,
+    ReplicaDown,
+)
 from live.jobs import Job
 from live.engine_workers import _Failure  # what a worker hands back for a run that raised
 from live.batching import SyntheticBatchEngine
@@ -125,11 +132,16 @@ class SimEngine(LoopWorker):
     simulator models it.
     """
 
-    def __init__(self, k: int, true_s, failed, deliver, tokens=None, schedule=None) -> None:
+    def __init__(
+        self, k: int, true_s, failed, deliver, tokens=None, schedule=None, replica_speed=1.0
+    ) -> None:
         super().__init__(k, deliver)
         self.true_s, self.failed, self.tokens = true_s, failed, tokens
         # qsim.service.SpeedSchedule: a run takes true x speed at its start / base
         self.schedule = schedule
+        # a fleet's replica's speed (qlab serve --replica-speeds): its runs x 1 / it, as the
+        # synthetic engine's (live.engine.SyntheticEngine's replica_speed)
+        self.slow = 1.0 / replica_speed
 
     def give(self, ticket) -> None:
         i = int(ticket.job.prompt)
@@ -138,6 +150,7 @@ class SimEngine(LoopWorker):
         # as the simulator's engines: the speed at the start, over the trace's
         if self.schedule is not None:
             s *= self.schedule.at(loop.time()) / self.schedule.base
+        s *= self.slow
         if self.failed is not None and self.failed[i]:
             result = _Failure(RuntimeError("injected"), s)
         else:
@@ -177,6 +190,7 @@ _ENDS = {
     EngineFailed: "error",
     EngineStalled: "error",
     DeadlineCut: "cancelled",
+    ReplicaDown: "error",
 }
 
 
@@ -356,7 +370,13 @@ def run_gate(
             else batching
         )
         worker = lambda k, engine, deliver: SimEngine(  # noqa: E731
-            k, true_s, failed, deliver, tokens, speed_schedule
+            k,
+            true_s,
+            failed,
+            deliver,
+            tokens,
+            speed_schedule,
+            1.0 if fleet is None else fleet.speed(k // engines),
         )
         n = engines * (1 if fleet is None else fleet.replicas)
         if batching is None:
@@ -370,6 +390,7 @@ def run_gate(
                         clock=loop.time,
                         schedule=() if speed_schedule is None else speed_schedule.steps,
                         replica=r,
+                        replica_speed=1.0 if fleet is None else fleet.speed(r),
                     )
                 )
                 for r in range(n)
