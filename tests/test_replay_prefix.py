@@ -54,6 +54,8 @@ def _served_replay(monkeypatch, trace, config, fleet=None, api="qlab"):
     """The run file of ``trace`` replayed against an in-process gate of ``config`` (``fleet``:
     replicas of it behind their router)."""
     transports = []
+    # the model named: the replayer asks /v1/models with a client of its own, not its lanes
+    model = "synthetic" if api == "openai" else None
     monkeypatch.setattr(Lanes, "_new", lambda self: transports[0])
     monkeypatch.setattr(loadgen_clients, "_until", _at)
     monkeypatch.setattr(loadgen_clients, "_within", _within)
@@ -73,7 +75,7 @@ def _served_replay(monkeypatch, trace, config, fleet=None, api="qlab"):
         app = create_app(gate)
         transports.append(httpx.ASGITransport(app=app, raise_app_exceptions=False))
         async with app.router.lifespan_context(app):
-            return await replay_async(trace, ReplayConfig("http://gate.test", api=api))
+            return await replay_async(trace, ReplayConfig("http://gate.test", api=api, model=model))
 
     return on_virtual_clock(go)
 
@@ -136,3 +138,55 @@ def test_a_run_file_without_segments_replays_as_before(monkeypatch):
     old = run.drop(columns=[SEGMENTS])  # an older run file
     assert compare(old).summary["disagreements"] == 0
     assert np.array_equal(simulate_run(old)["outcome"], simulate_run(run)["outcome"])
+
+
+@pytest.mark.parametrize(
+    "route, body, status, reason",
+    [
+        ("/v1/generate", {"prompt": [5, "x"]}, 422, None),
+        ("/v1/generate", {"prompt": [5, -1]}, 422, None),
+        ("/v1/generate", {"prompt": []}, 422, None),
+        ("/v1/generate", {"prompt": [5, 50257]}, 422, "invalid_prompt"),
+        ("/v1/completions", {"prompt": [5, 50257]}, 422, "invalid_prompt"),
+        ("/v1/completions", {"prompt": [5, 6], "echo": True}, 400, "unsupported_parameter"),
+        ("/v1/generate", {"prompt": [1] * 20000}, 422, "prompt_too_long"),
+    ],
+)
+def test_a_bad_token_id_prompt_is_a_4xx_in_the_envelope(route, body, status, reason):
+    answer = _posted(route, body, SyntheticBatchEngine)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert reason is None or error["reason"] == reason, error
+
+
+def test_token_ids_are_counted_as_the_prompt_and_refused_by_an_engine_that_takes_none():
+    answer = _posted("/v1/completions", {"prompt": [7] * 40}, SyntheticBatchEngine)
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 40
+    from live.engine import SyntheticEngine
+
+    refused = _posted("/v1/generate", {"prompt": [7] * 40}, SyntheticEngine)
+    assert refused.status_code == 400 and refused.json()["error"]["reason"] == (
+        "unsupported_parameter"
+    )
+
+
+def _posted(route, body, kind):
+    """One POST to an in-process gate of one engine of ``kind`` (batching: a prefix cache)."""
+    size = {"max_new_tokens": 4} if route == "/v1/generate" else {"model": "synthetic"}
+
+    async def go():
+        clock = asyncio.get_running_loop().time
+        if kind is SyntheticBatchEngine:
+            config = ServerConfig(PRESETS["none"], engine=_engine(), seed=3)
+            gate = BatchGate(SyntheticBatchEngine(config.engine.step, clock=clock), config, clock)
+        else:
+            from live.gate import gate_config
+
+            gate = Gate([kind()], gate_config(PRESETS["none"]), clock=clock)
+        app = create_app(gate)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://q.test") as client:
+                return await client.post(route, json={**size, **body})
+
+    return on_virtual_clock(go)
