@@ -15,6 +15,7 @@ from qsim import from_arrays, simulate
 from qsim.config import ServerConfig
 from qsim.outcomes import ANSWERED
 from qsim.fleet import FleetSpec
+from qsim.prefix import SEGMENTS, Tokens
 from qsim.runfile import server_config
 from qsim.service import SpeedSchedule
 
@@ -253,6 +254,9 @@ def simulate_arrivals(
         trace = dataclasses.replace(
             trace, prompt_tokens=ordered["prompt_tokens"].to_numpy(np.int64)
         )
+    tokens = recorded_tokens(ordered)
+    if tokens is not None:
+        trace = dataclasses.replace(trace, tokens=tokens)
     if fleet is not None:
         faults = {
             **faults,
@@ -263,6 +267,24 @@ def simulate_arrivals(
             "admission_at": fleet.admission,
         }
     return simulate(trace, setup, speed_schedule=schedule, **faults)
+
+
+def recorded_tokens(ordered: pd.DataFrame) -> np.ndarray | None:
+    """Per row of ``ordered``: the tokens its prompt carried, as the run file keeps them (column
+    :data:`SEGMENTS`, :meth:`qsim.prefix.Tokens.spec`), for a prefix cache to share as the gate's
+    did. A row without (a dataset's text: unknown) shares nothing, its keys negative so that they
+    meet no recorded key; None: a run file without the column (each prompt its own, as before)."""
+    if SEGMENTS not in ordered.columns or ordered[SEGMENTS].isna().all():
+        return None
+    out = np.empty(len(ordered), dtype=object)
+    lengths = ordered["prompt_tokens"].to_numpy(np.int64)
+    for j, spec in enumerate(ordered[SEGMENTS].to_numpy(dtype=object, na_value=None)):
+        if spec is None:
+            own = ((-2 * j - 2, int(lengths[j])),) if lengths[j] else ()
+            out[j] = Tokens(own, -2 * j - 3)
+        else:
+            out[j] = Tokens.parse(spec)
+    return out
 
 
 def generated_tokens(run: pd.DataFrame, ordered: pd.DataFrame) -> np.ndarray:

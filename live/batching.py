@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from qsim.engines import StepModel
-from qsim.prefix import TokenIds
+from qsim.prefix import ANSWER_VOCAB, TokenIds
 from qsim.run_batching import step_noise
 from qsim.service import SpeedSchedule
 
@@ -177,6 +177,9 @@ class SyntheticBatchEngine:
     abilities = Abilities(coroutine=True)
 
     max_new_tokens_limit = None
+    # A prompt may come as token ids from this vocabulary (live.token_prompts): its answers' ids
+    # are drawn from it (qsim.prefix.answer_ids), so a conversation's turn may carry them.
+    token_id_vocab = ANSWER_VOCAB
 
     def __init__(
         self,
@@ -293,5 +296,6 @@ class SyntheticBatchEngine:
             "schedule_started_at": self._started,
             "seed": self.seed,
             "tokenizer": self._tokenizer.name,
+            "token_id_vocab": self.token_id_vocab,
             **({"faults": self.faults.info()} if self.faults != Faults() else {}),
         }

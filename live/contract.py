@@ -38,7 +38,7 @@ from pydantic import BaseModel, StringConstraints
 
 from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
-from .contract_fields import _OPEN, _STRICT, Limits, Num, integer, stops
+from .contract_fields import _OPEN, _STRICT, Limits, Num, integer, stops, token_ids
 
 
 # ---------------------------------------------------------------------- POST /v1/generate
@@ -50,7 +50,8 @@ class GenerateRequest(BaseModel):
 
     model_config = _STRICT
 
-    prompt: str
+    # Text, or token ids (an engine that takes them: live.token_prompts).
+    prompt: str | token_ids()
     max_new_tokens: integer(ge=1)
     deadline_ms: integer(ge=1) | None = None
     stop: stops() | None = None
@@ -75,7 +76,7 @@ def request_model(limits: Limits) -> type[GenerateRequest]:
     refused."""
 
     class GenerateRequest(_GenerateRequest):  # the same name in /openapi.json
-        prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
+        prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)] | token_ids()
         max_new_tokens: integer(ge=1, le=limits.max_new_tokens)
         deadline_ms: integer(ge=1, le=limits.max_deadline_ms) | None = None
         stop: stops(limits.max_stops, limits.max_stop_chars) | None = None
@@ -252,6 +253,9 @@ class EngineFacts(BaseModel):
     model: str | None = None  # gpt2's model name, or the upstream's model
     tokenizer: str | None = None  # the tokenizer its prompts are counted with
     context: int | None = None  # gpt2: the model's context, in tokens
+    # An engine that takes prompts as token ids says from which vocabulary (live.token_prompts);
+    # None: text prompts only.
+    token_id_vocab: int | None = None
     # The synthetic engine's speed now and its schedule of [seconds, speed] steps, whose seconds
     # began at schedule_started_at (the gate's clock): a run file puts the schedule on its own clock
     # with it.

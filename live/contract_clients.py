@@ -56,7 +56,11 @@ def _as_generate(q: QlabInfo | None, usage: Usage | None, choices: list) -> Gene
 
 
 def generate_of(
-    q: QlabInfo | None, text: str, tokens: int, prompt_tokens: int | None = None
+    q: QlabInfo | None,
+    text: str,
+    tokens: int,
+    prompt_tokens: int | None = None,
+    cached_prompt_tokens: int | None = None,
 ) -> GenerateResponse:
     """An OpenAI-compatible answer as ``/v1/generate``'s: a qlab gate's ``qlab`` part gives the
     outcome, engine, timings and admission numbers; without one (a server that is not a qlab gate)
@@ -86,6 +90,7 @@ def generate_of(
         engine=q.engine,
         admission=q.admission,
         prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached_prompt_tokens,
         timings=Timings(
             queue_s=q.queue_s,
             engine_s=q.engine_s,
@@ -106,6 +111,13 @@ class EventUsage(BaseModel):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
+    # OpenAI's (and vLLM's) prompt_tokens_details: cached_tokens, the prefix cache's share
+    prompt_tokens_details: dict | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        cached = (self.prompt_tokens_details or {}).get("cached_tokens")
+        return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 class EventDelta(BaseModel):

@@ -57,6 +57,12 @@ def integer(**bounds: int) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
+def token_ids() -> Any:
+    """A prompt given as token ids: a list of at least one integer >= 0 (an engine's vocabulary
+    bounds them further: live.token_prompts)."""
+    return Annotated[list[integer(ge=0)], Field(min_length=1)]
+
+
 def _stop_list(value):
     # One stop string may come bare; a union type would make the error messages name its branches.
     return [value] if isinstance(value, str) else value

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
 from .contract import Admission, Stopped
-from .contract_fields import _STRICT, OWNER, Limits, Only, Published, integer, stops
+from .contract_fields import _STRICT, OWNER, Limits, Only, Published, integer, stops, token_ids
 
 
 # ---------------------------------------------------------------------- OpenAI-compatible requests
@@ -143,8 +143,9 @@ CHAT_FIELDS = (
 class CompletionRequest(_Common):
     """``POST /v1/completions`` without a server's caps (see :func:`request_models`)."""
 
-    # A list: of exactly one prompt (the route refuses a batch with 400 unsupported_parameter).
-    prompt: str | Annotated[list[str], _ONE_PROMPT]
+    # A list: of exactly one prompt (the route refuses a batch with 400 unsupported_parameter), or
+    # token ids (an engine that takes them: live.token_prompts).
+    prompt: str | Annotated[list[str], _ONE_PROMPT] | token_ids()
     max_tokens: _NewTokens = None
     echo: bool = False
     best_of: Annotated[integer() | None, Only(1, why="only 1 is supported")] = None
@@ -203,7 +204,7 @@ def request_models(
         model: served
         stop: stop_type = None
         deadline_ms: deadline_type = None
-        prompt: prompt_text | Annotated[list[prompt_text], _ONE_PROMPT]
+        prompt: prompt_text | Annotated[list[prompt_text], _ONE_PROMPT] | token_ids()
         max_tokens: new_tokens = None
 
     class ChatCompletionRequest(_ChatCompletionRequest):

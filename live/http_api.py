@@ -91,7 +91,6 @@ from .envelope import (
     ADMITTING,
     ANY_ROUTE,
     HANDLERS,
-    InvalidRequest,
     answer_for,
     error_response,
     error_responses,
@@ -106,6 +105,7 @@ from .jobs import Answer, Job
 from .prometheus_metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
 from .request_io import header_parameters, outcome, read_body, request_deadline, with_headers
 from .routes import CHAT, COMPLETIONS, GENERATE
+from .token_prompts import read_prompt
 
 # Limits and request_model (the body schema with a server's caps) live in live.contract, with every
 # body; the envelope and the answer to each exception in live.envelope.
@@ -118,21 +118,22 @@ from .routes import CHAT, COMPLETIONS, GENERATE
 class _Preparer:
     schema: type[BaseModel]
     limits: Limits
-    count_tokens: Callable[[str], int]
+    engine: object  # the gate's first engine: it counts the prompt's tokens (all count alike)
 
     def __call__(self, body: bytes, request: Request) -> Job:
         req = parse_body(self.schema, body)
-        tokens = self.count_tokens(req.prompt)
-        if tokens > self.limits.max_prompt_tokens:
-            raise InvalidRequest(
-                422,
-                "prompt_too_long",
-                f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}",
-            )
+        prompt = read_prompt(req.prompt, self.engine, self.limits)
         stop = tuple(req.stop or ())
         deadline = request_deadline(req.deadline_ms, request, self.limits.max_deadline_ms)
         job = Job(
-            req.prompt, req.max_new_tokens, stop, deadline, req.client_id, req.priority, tokens
+            prompt.text,
+            req.max_new_tokens,
+            stop,
+            deadline,
+            req.client_id,
+            req.priority,
+            prompt.tokens,
+            prompt_ids=prompt.ids,
         )
         return with_headers(job, request, self.limits.max_deadline_ms)
 
@@ -317,7 +318,7 @@ def create_app(
     route refuses everyone). hosts: the Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
-    prepare = _Preparer(request_model(limits), limits, gate.engines[0].count_tokens)
+    prepare = _Preparer(request_model(limits), limits, gate.engines[0])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import gc
 import math
+import secrets
 import sys
 from contextlib import contextmanager
 
@@ -29,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from qsim import Trace
+from qsim.prefix import SEGMENTS
 from qsim.runfile import ClientSettings, batch_step_columns
 
 from . import openai_replay
@@ -66,7 +68,8 @@ async def replay_async(
         stats, offset, facts = await read_server(lanes, cfg)
         info = server_info(stats) if stats is not None else bare_server_info()
         plan = plan_prompts(trace, cfg, facts, given)
-        bodies = payloads(trace, cfg, plan, given)
+        # a run's own salt: a server that ran the trace before has none of its prompts cached
+        bodies = payloads(trace, cfg, plan, given, salt=secrets.randbits(31))
         if given is not None:
             warn_counting(given, facts)
         # Requests are built (JSON encoded) and connections opened before the clock starts:
@@ -102,6 +105,8 @@ async def replay_async(
         )
     first = frame["first_request_id"].to_numpy()
     frame["prompt_capped"] = plan.capped[first]
+    # what a prefix cache shared of the prompts sent as token ids, for the replay (qlab compare)
+    frame[SEGMENTS] = plan.segment_specs()[first]
     # never sent: no lateness to speak of
     frame.loc[plan.unfit[first], "send_lateness_s"] = math.nan
     meta = {

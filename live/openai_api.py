@@ -122,6 +122,7 @@ from .request_io import (
     with_headers,
 )
 from .routes import CHAT, CLIENT_HEADER, COMPLETIONS, DEADLINE_HEADER, MODELS  # noqa: F401 - named here too
+from .token_prompts import read_prompt
 
 
 # The request and answer bodies are live.contract_openai's (imported above), with every other
@@ -183,8 +184,15 @@ def _asked(req) -> Asked:
 _NOTHING_ASKED = Asked()
 
 
-def _completion_prompt(req) -> str:
+def _completion_prompt(req) -> str | list[int]:
+    """The prompt's text, or its token ids (live.token_prompts checks them against the engine)."""
     _check_supported(req)
+    if isinstance(req.prompt, list) and all(isinstance(p, int) for p in req.prompt):
+        if req.echo:
+            raise InvalidRequest(
+                400, "unsupported_parameter", "echo: a prompt of token ids is not echoed"
+            )
+        return req.prompt
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:  # as the schema says (minItems and maxItems 1)
             raise InvalidRequest(
@@ -516,7 +524,7 @@ class _Routes:
         finally:
             watch.cancel()  # and so the future: a stream closed early stops its run
 
-    def _job(self, request: Request, req, prompt: str) -> Job:
+    def _job(self, request: Request, req, prompt: str | list[int]) -> Job:
         if req.model != self.model_id:
             raise InvalidRequest(
                 404,
@@ -526,19 +534,14 @@ class _Routes:
                 f"this server serves {self.model_id!r} "
                 f"(GET {MODELS})",
             )
-        if len(prompt) > self.limits.max_prompt_chars:
+        if isinstance(prompt, str) and len(prompt) > self.limits.max_prompt_chars:
             raise InvalidRequest(
                 422,
                 "prompt_too_long",
                 f"prompt: {len(prompt)} characters; the limit is {self.limits.max_prompt_chars}",
             )
-        tokens = self.gate.engines[0].count_tokens(prompt)
-        if tokens > self.limits.max_prompt_tokens:
-            raise InvalidRequest(
-                422,
-                "prompt_too_long",
-                f"prompt: {tokens} tokens; the limit is {self.limits.max_prompt_tokens}",
-            )
+        read = read_prompt(prompt, self.gate.engines[0], self.limits)
+        tokens = read.tokens
         deadline = request_deadline(req.deadline_ms, request, self.limits.max_deadline_ms)
         max_new = _new_tokens(req, lambda: self._default_new_tokens(deadline, tokens))
         if req.min_tokens is not None and req.min_tokens > max_new:
@@ -548,7 +551,7 @@ class _Routes:
                 f"min_tokens {req.min_tokens} is more than the {max_new} new tokens asked for",
             )
         job = Job(
-            prompt,
+            read.text,
             max_new,
             tuple(req.stop or ()),
             deadline,
@@ -556,6 +559,7 @@ class _Routes:
             req.priority,
             tokens,
             asked=_asked(req),
+            prompt_ids=read.ids,
         )
         return with_headers(job, request, self.limits.max_deadline_ms)
 

@@ -170,7 +170,8 @@ def answer_body(text: str, usage: EventUsage | None, qlab: QlabInfo | None) -> d
     server gives none (nulls, engine -1: unknown); tokens -1 where the server reported no usage."""
     tokens = usage.completion_tokens if usage is not None else None
     prompt = usage.prompt_tokens if usage is not None else None
-    return generate_of(qlab, text, -1 if tokens is None else tokens, prompt).model_dump()
+    cached = usage.cached_tokens if usage is not None else None
+    return generate_of(qlab, text, -1 if tokens is None else tokens, prompt, cached).model_dump()
 
 
 def _text_of(event: AnswerEvent) -> str:

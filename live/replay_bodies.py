@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
+import pandas as pd
 
 from qsim import Trace
+from qsim.prefix import Tokens, render_ids
 
 from . import openai_replay
 from .lanes import Lanes
@@ -42,6 +44,16 @@ class PromptPlan:
     capped: np.ndarray
     unfit: np.ndarray
     facts: ServerFacts
+    # Per request, where its prompt goes as token ids (a server that takes them): its tokens
+    # (qsim.prefix.Tokens, capped as its length), which the run file keeps; None: text.
+    segments: tuple = ()
+
+    def segment_specs(self) -> pd.arrays.StringArray:
+        """The run file's column of them (:meth:`qsim.prefix.Tokens.spec`; <NA>: text)."""
+        specs = [None if t is None else t.spec() for t in self.segments] or [None] * len(
+            self.tokens
+        )
+        return pd.array(specs, dtype="string")
 
     def meta(self) -> dict:
         """The counts, for the run's attrs and the command's report."""
@@ -85,7 +97,22 @@ def plan_prompts(
     tokens = np.where(
         unfit, 0, np.minimum(wanted, np.where(np.isfinite(room), room, wanted))
     ).astype(np.int64)
-    return PromptPlan(tokens, capped, unfit, facts)
+    segments = () if given is not None else _segments(trace, tokens, unfit, facts)
+    return PromptPlan(tokens, capped, unfit, facts, segments)
+
+
+def _segments(trace: Trace, tokens: np.ndarray, unfit: np.ndarray, facts: ServerFacts) -> tuple:
+    """Where the server takes token ids, each sent request's tokens at its planned length: the
+    trace's (a shared system prompt, a conversation's turns) or, a trace that shares none, its own
+    (what the simulator makes of such a trace)."""
+    if facts.token_id_vocab is None:
+        return ()
+    return tuple(
+        None
+        if unfit[i]
+        else (Tokens.unique(i, n) if trace.tokens is None else trace.tokens[i].first(n))
+        for i, n in enumerate(tokens.tolist())
+    )
 
 
 def payloads(
@@ -93,12 +120,15 @@ def payloads(
     cfg: ReplayConfig,
     plan: PromptPlan | None = None,
     given: GivenPrompts | None = None,
+    salt: int = 0,
 ) -> list[dict | None]:
     """One request body per trace entry (None: not sent, see :func:`plan_prompts`); deadline_ms only
     where the trace sets one (else the server's default), priority where it is not 0 and client_id
-    where the trace names a client. The prompt is the given text (``given``), else generated to the
-    planned length."""
+    where the trace names a client. The prompt is the given text (``given``), else token ids of the
+    plan's segments where it has them (:func:`qsim.prefix.render_ids`, salted with ``salt``), else
+    text generated to the planned length."""
     plan = plan_prompts(trace, cfg, given=given) if plan is None else plan
+    ids = _rendered(plan, salt)
     out = []
     for i, (tokens, length, unfit, deadline, priority, client) in enumerate(
         zip(
@@ -113,7 +143,12 @@ def payloads(
         if unfit:
             out.append(None)
             continue
-        prompt = prompt_of(int(length), plan.facts.tokenizer) if given is None else given.texts[i]
+        if ids is not None:
+            prompt = list(ids[i])
+        elif given is None:
+            prompt = prompt_of(int(length), plan.facts.tokenizer)
+        else:
+            prompt = given.texts[i]
         body = {"prompt": prompt, "max_new_tokens": int(tokens)}
         if math.isfinite(deadline):
             body["deadline_ms"] = int(round(deadline * 1000))
@@ -123,6 +158,16 @@ def payloads(
             body["client_id"] = str(client)
         out.append(body)
     return out
+
+
+def _rendered(plan: PromptPlan, salt: int) -> list[tuple] | None:
+    """The plan's segments as token ids (None: it has none); a request not sent renders as no
+    tokens, so that no later turn takes an answer it never had from it."""
+    if not plan.segments:
+        return None
+    empty = Tokens((), -1)
+    tokens = [empty if t is None else t for t in plan.segments]
+    return render_ids(tokens, plan.facts.token_id_vocab, salt)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ class ServerFacts:
     max_prompt_chars: int | None = None
     engines: int = 1
     batching: Batching | None = None
+    # The vocabulary of token-id prompts, where the engine takes them (live.token_prompts); None:
+    # text only.
+    token_id_vocab: int | None = None
 
     def longest_prompt(self, new_tokens: int) -> float:
         """The most prompt tokens a request of ``new_tokens`` new tokens may bring (inf: no
@@ -68,6 +71,7 @@ def server_facts(health: Any, stats: Any) -> ServerFacts:
         _positive_int(limits.max_prompt_chars),
         _positive_int(said.engines) or 1,
         _batching(said.server_config),
+        _positive_int(engine.token_id_vocab),
     )
 
 

@@ -26,6 +26,8 @@ import math
 from collections import OrderedDict
 from typing import Iterable, Iterator, NamedTuple
 
+import numpy as np
+
 #: The parent hash of a request's first block (vLLM's NONE_HASH). Keys and hashes are ints, whose
 #: hash() is the same in every process (a str's is salted per process): runs are reproducible.
 ROOT_HASH = 0
@@ -65,6 +67,38 @@ class Tokens(NamedTuple):
         prompt = ((own_key(request), int(prompt_tokens)),) if prompt_tokens else ()
         return cls(prompt, answer_key(request))
 
+    def first(self, n: int) -> "Tokens":
+        """Its first ``n`` prompt tokens (a prompt capped to fit a context), the same answer."""
+        kept, left = [], int(n)
+        for key, length in self.prompt:
+            if left <= 0:
+                break
+            kept.append((key, min(length, left)))
+            left -= length
+        return Tokens(tuple(kept), self.answer)
+
+    def spec(self) -> str:
+        """The compact text a run file keeps (:meth:`parse`): ``KEY:LENGTH`` per prompt segment,
+        comma-separated, then ``;`` and the answer's key, e.g. ``1:96,10:40;11``."""
+        return ",".join(f"{k}:{n}" for k, n in self.prompt) + f";{self.answer}"
+
+    @classmethod
+    def parse(cls, spec: str) -> "Tokens":
+        """The tokens :meth:`spec` wrote (ValueError naming the text where it is not one)."""
+        try:
+            segments, answer = str(spec).split(";")
+            prompt = tuple(
+                (int(k), int(n))
+                for k, n in (part.split(":") for part in segments.split(",") if part)
+            )
+            if any(n < 0 for _, n in prompt):
+                raise ValueError
+            return cls(prompt, int(answer))
+        except ValueError:
+            raise ValueError(
+                f"bad prompt segments {spec!r}: expected KEY:LENGTH,...;ANSWER_KEY"
+            ) from None
+
 
 class TokenIds(NamedTuple):
     """A request's tokens as token ids (a live request's: the ids its prompt carries or its
@@ -101,6 +135,10 @@ class TokenIds(NamedTuple):
             first += block_size
 
 
+#: The column in which a live run file keeps each request's tokens as :meth:`Tokens.spec` writes
+#: them (the replayer's, live.replay_bodies; read by analysis.replay_inputs).
+SEGMENTS = "prompt_segments"
+
 #: The answer ids of :class:`TokenIds` are drawn from [0, ANSWER_VOCAB) (GPT-2's vocabulary).
 ANSWER_VOCAB = 50257
 
@@ -109,6 +147,28 @@ def answer_ids(seed: int, start: int, end: int) -> tuple:
     """Ids ``start`` to ``end`` of the answer run seeded ``seed`` (:class:`TokenIds`): each a fixed
     draw (hash() of a tuple of ints is the same in every process)."""
     return tuple(hash((seed, o)) % ANSWER_VOCAB for o in range(start, end))
+
+
+def render_ids(tokens, vocab: int = ANSWER_VOCAB, salt: int = 0) -> list[tuple]:
+    """Each request's prompt as token ids, from its :class:`Tokens` (in trace order), such that a
+    server hashing ids (:class:`TokenIds`) shares exactly the blocks the simulator's keys share: a
+    key's run a seeded draw from [16, vocab) (``salt``: a run's own, so that a server that ran the
+    trace before has none of its blocks cached), an earlier request's answer the ids a synthetic
+    engine generates for it (:func:`answer_ids`, seeded from that request's prompt ids). An answer
+    of a request not rendered before (a later one's) is a seeded draw too: no engine gave it."""
+    seeds: dict[int, int] = {}  # answer key -> its answer's seed
+    out = []
+    for request in tokens:
+        ids: list[int] = []
+        for key, length in request.prompt:
+            if key in seeds:
+                ids.extend(answer_ids(seeds[key], 0, length))
+            else:
+                ids.extend(np.random.default_rng((salt, key)).integers(16, vocab, size=length))
+        rendered = tuple(int(i) for i in ids)
+        seeds[request.answer] = TokenIds.of(rendered).answer
+        out.append(rendered)
+    return out
 
 
 def _full_blocks(tokens: Tokens, block_size: int) -> Iterator[tuple]:

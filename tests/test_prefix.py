@@ -416,3 +416,27 @@ def test_token_identities_must_add_up_to_the_prompt():
     bad = dataclasses.replace(trace, prompt_tokens=np.array([9]))
     with pytest.raises(ValueError, match="do not add up to its 9 prompt tokens"):
         simulate(bad, ServerConfig(PRESETS["none"], Batching(prefix_caching=True)))
+
+
+def test_tokens_spec_round_trips_and_a_bad_one_is_named():
+    from qsim.prefix import Tokens
+
+    t = Tokens(((1, 96), (10, 40)), 11)
+    assert t.spec() == "1:96,10:40;11" and Tokens.parse(t.spec()) == t
+    assert Tokens.parse(";7") == Tokens((), 7)
+    assert t.first(100) == Tokens(((1, 96), (10, 4)), 11)
+    with pytest.raises(ValueError, match="bad prompt segments"):
+        Tokens.parse("1:-3;4")
+
+
+def test_rendered_ids_share_exactly_what_the_keys_share():
+    from qsim.prefix import TokenIds, Tokens, answer_ids, render_ids
+
+    a = Tokens(((1, 20), (2, 5)), 3)
+    b = Tokens(((1, 20), (2, 5), (3, 8), (4, 2)), 5)  # a's prompt, its answer, its own
+    c = Tokens(((1, 12),), 7)
+    ids = render_ids([a, b, c], vocab=1000, salt=9)
+    assert ids[1][:25] == ids[0] and ids[2] == ids[0][:12]
+    assert ids[1][25:33] == answer_ids(TokenIds.of(ids[0]).answer, 0, 8)
+    assert all(16 <= i < 1000 for i in ids[0] + ids[1][33:])  # drawn runs; answers: the engine's
+    assert render_ids([a], vocab=1000, salt=10)[0] != ids[0]  # another run's salt
