@@ -174,12 +174,11 @@ class SyntheticBatchEngine:
     simulator's replica_speeds). The text is one word per token generated, cut at a stop string
     (which shortens the text, not the work)."""
 
-    abilities = Abilities(coroutine=True)
+    # A prompt may come as token ids from ANSWER_VOCAB (live.token_prompts): its answers' ids
+    # are drawn from it (qsim.prefix.answer_ids), so a conversation's turn may carry them.
+    abilities = Abilities(coroutine=True, token_id_vocab=ANSWER_VOCAB)
 
     max_new_tokens_limit = None
-    # A prompt may come as token ids from this vocabulary (live.token_prompts): its answers' ids
-    # are drawn from it (qsim.prefix.answer_ids), so a conversation's turn may carry them.
-    token_id_vocab = ANSWER_VOCAB
 
     def __init__(
         self,
@@ -296,6 +295,6 @@ class SyntheticBatchEngine:
             "schedule_started_at": self._started,
             "seed": self.seed,
             "tokenizer": self._tokenizer.name,
-            "token_id_vocab": self.token_id_vocab,
+            "token_id_vocab": self.abilities.token_id_vocab,
             **({"faults": self.faults.info()} if self.faults != Faults() else {}),
         }

@@ -240,12 +240,15 @@ class Abilities:
 
     cancel: ``run`` takes ``cancel=`` (a :class:`Cancel`); emit: it takes ``emit=`` (streaming);
     asked: it takes ``asked=`` (an :class:`Asked`); coroutine: it defines ``async def arun`` (or, a
-    batching engine, ``async def astep``) that the gate awaits on its loop, with no thread."""
+    batching engine, ``async def astep``) that the gate awaits on its loop, with no thread;
+    token_id_vocab: a prompt may come as token ids below it (:mod:`live.token_prompts`; None:
+    text only)."""
 
     cancel: bool = False
     emit: bool = False
     asked: bool = False
     coroutine: bool = False
+    token_id_vocab: int | None = None
 
 
 NO_ABILITIES = Abilities()

@@ -1,10 +1,11 @@
 """A request's prompt as the routes read it: text, or token ids (``prompt: [int, ...]``, the form
 OpenAI's schema and vLLM take) on ``POST /v1/generate`` and ``POST /v1/completions``.
 
-Token ids go to an engine that takes them (:class:`live.batching.HasTokenIds`: the synthetic
-batching engine, whose prefix cache hashes them, ``qlab serve --batching --prefix-caching``), each
-within its vocabulary; the prompt's tokens are then the ids' number. A server whose engine counts
-text only refuses them (400 unsupported_parameter) rather than counting them wrongly.
+Token ids go to an engine that declares their vocabulary (``Abilities.token_id_vocab``: the
+synthetic batching engine, whose prefix cache hashes them, ``qlab serve --batching
+--prefix-caching``), each within its vocabulary; the prompt's tokens are then the ids' number. A
+server whose engine counts text only refuses them (400 unsupported_parameter) rather than counting
+them wrongly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .contract_fields import Limits
+from .engine import abilities_of
 from .envelope import InvalidRequest
 
 
@@ -46,7 +48,7 @@ def token_ids(given: list[int], engine) -> tuple[int, ...]:
     """``given`` as the prompt's ids: 400 unsupported_parameter where the engine takes no token
     ids, 422 invalid_prompt where the list is empty or an id is outside the engine's vocabulary
     (a negative or non-integral one never gets here: the body's schema refuses it, 422)."""
-    vocab = getattr(engine, "token_id_vocab", None)  # an engine that says none takes no ids
+    vocab = abilities_of(engine).token_id_vocab
     if vocab is None:
         raise InvalidRequest(
             400,
