@@ -38,7 +38,16 @@ from pydantic import BaseModel, StringConstraints
 
 from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
-from .contract_fields import _OPEN, _STRICT, Limits, Num, integer, stops, token_ids
+from .contract_fields import (
+    _OPEN,
+    _STRICT,
+    Limits,
+    Num,
+    integer,
+    stops,
+    token_ids,
+    with_token_ids,
+)
 
 
 # ---------------------------------------------------------------------- POST /v1/generate
@@ -71,12 +80,15 @@ class GenerateRequest(BaseModel):
 _GenerateRequest = GenerateRequest
 
 
-def request_model(limits: Limits) -> type[GenerateRequest]:
-    """The body schema with these caps. Strict: "16" is not a number and unknown fields are
-    refused."""
+def request_model(limits: Limits, token_id_vocab: int | None = None) -> type[GenerateRequest]:
+    """The body schema with these caps, its prompt text or (where the engine takes them) token ids
+    below ``token_id_vocab``. Strict: "16" is not a number and unknown fields are refused."""
+    prompt_type = with_token_ids(
+        Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)], token_id_vocab
+    )
 
     class GenerateRequest(_GenerateRequest):  # the same name in /openapi.json
-        prompt: Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)] | token_ids()
+        prompt: prompt_type
         max_new_tokens: integer(ge=1, le=limits.max_new_tokens)
         deadline_ms: integer(ge=1, le=limits.max_deadline_ms) | None = None
         stop: stops(limits.max_stops, limits.max_stop_chars) | None = None

@@ -57,10 +57,18 @@ def integer(**bounds: int) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
-def token_ids() -> Any:
-    """A prompt given as token ids: a list of at least one integer >= 0 (an engine's vocabulary
-    bounds them further: live.token_prompts)."""
-    return Annotated[list[integer(ge=0)], Field(min_length=1)]
+def token_ids(vocab: int | None = None) -> Any:
+    """A prompt given as token ids: a list of at least one integer >= 0, below ``vocab`` where an
+    engine's vocabulary is known (live.token_prompts)."""
+    return Annotated[
+        list[integer(ge=0, le=None if vocab is None else vocab - 1)], Field(min_length=1)
+    ]
+
+
+def with_token_ids(text: Any, vocab: int | None) -> Any:
+    """A server's prompt type: ``text``, or token ids below ``vocab`` too where its engine takes
+    them (None: it takes none, and its published schema says so)."""
+    return text if vocab is None else text | token_ids(vocab)
 
 
 def _stop_list(value):

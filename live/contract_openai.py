@@ -14,7 +14,17 @@ from pydantic import BaseModel, Field, StringConstraints
 from qsim.records import CLIENT_ID_CHARS, PRIORITY_BOUND
 
 from .contract import Admission, Stopped
-from .contract_fields import _STRICT, OWNER, Limits, Only, Published, integer, stops, token_ids
+from .contract_fields import (
+    _STRICT,
+    OWNER,
+    Limits,
+    Only,
+    Published,
+    integer,
+    stops,
+    token_ids,
+    with_token_ids,
+)
 
 
 # ---------------------------------------------------------------------- OpenAI-compatible requests
@@ -190,12 +200,17 @@ _CompletionRequest, _ChatCompletionRequest = CompletionRequest, ChatCompletionRe
 def request_models(
     limits: Limits,
     model_id: str | None = None,
+    token_id_vocab: int | None = None,
 ) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
     """(CompletionRequest, ChatCompletionRequest) with these caps, and the model served (None: any
-    name validates; the route compares). Strict: unknown fields are refused."""
+    name validates; the route compares); a completion's prompt may be token ids below
+    ``token_id_vocab`` (None: the engine takes none). Strict: unknown fields are refused."""
     stop_type = stops(limits.max_stops, limits.max_stop_chars) | None
     prompt_text = Annotated[str, StringConstraints(max_length=limits.max_prompt_chars)]
     new_tokens = integer(ge=1, le=limits.max_new_tokens) | None
+    prompt_type = with_token_ids(
+        prompt_text | Annotated[list[prompt_text], _ONE_PROMPT], token_id_vocab
+    )
     deadline_type = integer(ge=1, le=limits.max_deadline_ms) | None
     # The one model served: the schema says so (the route answers any other 404 model_not_found).
     served = _ModelName if model_id is None else Annotated[_ModelName, Published(enum=[model_id])]
@@ -204,7 +219,7 @@ def request_models(
         model: served
         stop: stop_type = None
         deadline_ms: deadline_type = None
-        prompt: prompt_text | Annotated[list[prompt_text], _ONE_PROMPT] | token_ids()
+        prompt: prompt_type
         max_tokens: new_tokens = None
 
     class ChatCompletionRequest(_ChatCompletionRequest):

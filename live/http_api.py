@@ -86,7 +86,7 @@ from .contract import (
     request_model,
 )
 from .contract_fields import Limits
-from .engine import Checked, CountsUpstream
+from .engine import Checked, CountsUpstream, abilities_of
 from .envelope import (
     ADMITTING,
     ANY_ROUTE,
@@ -318,7 +318,9 @@ def create_app(
     route refuses everyone). hosts: the Host names it answers to (live.hosts; None: any).
     """
     limits = effective_limits(gate, limits)
-    prepare = _Preparer(request_model(limits), limits, gate.engines[0])
+    engine = gate.engines[0]
+    vocab = abilities_of(engine).token_id_vocab
+    prepare = _Preparer(request_model(limits, vocab), limits, engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -109,7 +109,7 @@ from .envelope import (
     shutdown_response,
     stopped_by_shutdown,
 )
-from .engine import Asked
+from .engine import Asked, abilities_of
 from .gate import Gate
 from .gate_errors import DeadlineCut, Rejected
 from .jobs import END, Answer, Job, StreamingJob
@@ -676,7 +676,11 @@ def mount(
     :class:`live.http_api.GateService`. name_model: the body schemas name the model served (else any
     name validates, and the route answers another 404 model_not_found)."""
     model_id = served_model_id(gate.engines[0].info())
-    completion_schema, chat_schema = request_models(limits, model_id if name_model else None)
+    completion_schema, chat_schema = request_models(
+        limits,
+        model_id if name_model else None,
+        abilities_of(gate.engines[0]).token_id_vocab,
+    )
     routes = _Routes(gate, limits, model_id, int(time.time()), completion_schema, chat_schema)
     # The routes read the raw body (to cap its size before parsing): state the schemas for
     # /openapi.json.

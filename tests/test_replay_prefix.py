@@ -146,8 +146,9 @@ def test_a_run_file_without_segments_replays_as_before(monkeypatch):
         ("/v1/generate", {"prompt": [5, "x"]}, 422, "invalid_field"),
         ("/v1/generate", {"prompt": [5, -1]}, 422, "invalid_field"),
         ("/v1/generate", {"prompt": []}, 422, "invalid_field"),
-        ("/v1/generate", {"prompt": [5, 50257]}, 422, "invalid_prompt"),
-        ("/v1/completions", {"prompt": [5, 50257]}, 422, "invalid_prompt"),
+        # the vocabulary is in that server's published schema: an id past it is a field's error
+        ("/v1/generate", {"prompt": [5, 50257]}, 422, "invalid_field"),
+        ("/v1/completions", {"prompt": [5, 50257]}, 422, "invalid_field"),
         ("/v1/completions", {"prompt": [5, 6], "echo": True}, 400, "unsupported_parameter"),
         ("/v1/generate", {"prompt": [1] * 20000}, 422, "prompt_too_long"),
     ],
@@ -164,10 +165,9 @@ def test_token_ids_are_counted_as_the_prompt_and_refused_by_an_engine_that_takes
     assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 40
     from live.engine import SyntheticEngine
 
+    # its schema takes text only (test_a_servers_schema_says_whether_it_takes_token_ids)
     refused = _posted("/v1/generate", {"prompt": [7] * 40}, SyntheticEngine)
-    assert refused.status_code == 400 and refused.json()["error"]["reason"] == (
-        "unsupported_parameter"
-    )
+    assert refused.status_code == 422 and refused.json()["error"]["reason"] == "invalid_field"
 
 
 def _posted(route, body, kind):
@@ -190,3 +190,22 @@ def _posted(route, body, kind):
                 return await client.post(route, json={**size, **body})
 
     return on_virtual_clock(go)
+
+
+def test_a_servers_schema_says_whether_it_takes_token_ids():
+    """A server publishes token-id prompts only where its engine takes them, bounded by its
+    vocabulary: a body its document allows is never refused for carrying ids."""
+    from live.contract import request_model
+    from live.contract_fields import Limits
+    from live.contract_openai import request_models
+
+    def prompt_of(model) -> dict:
+        return model.model_json_schema()["properties"]["prompt"]
+
+    assert "anyOf" not in prompt_of(request_model(Limits())), "text only"
+    ids = [t for t in prompt_of(request_model(Limits(), 50257))["anyOf"] if t["type"] == "array"]
+    assert [t["items"]["maximum"] for t in ids] == [50256] and ids[0]["minItems"] == 1
+    text_only = prompt_of(request_models(Limits())[0])["anyOf"]
+    assert all(t.get("items", {}).get("type") != "integer" for t in text_only)
+    with_ids = prompt_of(request_models(Limits(), None, 50257)[0])["anyOf"]
+    assert any(t.get("items", {}).get("maximum") == 50256 for t in with_ids)
