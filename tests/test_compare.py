@@ -27,6 +27,14 @@ from qsim.queue import StallRule
 ZERO = 1000.0  # the gate's clock at the run's time 0: the rows must map it away
 
 
+def _error(status: int, kind: str, reason: str, numbers: dict, retry_after_s=None):
+    """An error answer as the gate writes it: (status, body)."""
+    error = {"type": kind, "reason": reason, "message": "", "numbers": numbers}
+    if retry_after_s is not None:
+        error["retry_after_s"] = retry_after_s
+    return status, {"error": error}
+
+
 def live_like_run(
     trace,
     policy,
@@ -133,30 +141,16 @@ def live_like_run(
                 },
             )
         elif outcome == "rejected":
-            status, body = (
-                503,
-                {
-                    "error": {
-                        "type": "overloaded",
-                        "reason": r["reason"],
-                        "message": "",
-                        "numbers": admission,
-                        "retry_after_s": int(r["retry_after_s"]),
-                    }
-                },
+            status, body = _error(
+                503, "overloaded", r["reason"], admission, int(r["retry_after_s"])
             )
         elif outcome == "expired":
-            status, body = (
+            status, body = _error(
                 503,
-                {
-                    "error": {
-                        "type": "deadline_exceeded",
-                        "reason": r["reason"],
-                        "message": "",
-                        "numbers": {**admission, "waited_s": finish - arrival},
-                        "retry_after_s": int(r["retry_after_s"]),
-                    }
-                },
+                "deadline_exceeded",
+                r["reason"],
+                {**admission, "waited_s": finish - arrival},
+                int(r["retry_after_s"]),
             )
         # ran past its threshold, or given up behind stalled engines
         elif r["reason"] == "engine_stalled":
@@ -165,61 +159,24 @@ def live_like_run(
                 if r["engine"] is not pd.NA
                 else {"waited_s": finish - arrival, "stalled_engines": engines}
             )
-            status, body = (
-                500,
-                {
-                    "error": {
-                        "type": "engine_error",
-                        "reason": "engine_stalled",
-                        "message": "",
-                        "numbers": {**admission, **numbers},
-                    }
-                },
-            )
+            status, body = _error(500, "engine_error", "engine_stalled", {**admission, **numbers})
         elif r["reason"] == "shutting_down":  # waiting at a replica that went down
-            status, body = (
-                503,
-                {
-                    "error": {
-                        "type": "unavailable",
-                        "reason": "shutting_down",
-                        "message": "",
-                        "numbers": {**admission, "waited_s": finish - arrival},
-                    }
-                },
-            )
+            numbers = {**admission, "waited_s": finish - arrival}
+            status, body = _error(503, "unavailable", "shutting_down", numbers)
         elif not failed[i]:  # running on a replica that went down: the gate's numbers, no hand-back
             assert r["reason"] == "engine_exception" and fleet is not None and fleet.down
             numbers = {"engine": int(r["engine"]), "started_at": start + zero, "at": finish + zero}
-            status, body = (
-                500,
-                {
-                    "error": {
-                        "type": "engine_error",
-                        "reason": "engine_exception",
-                        "message": "",
-                        "numbers": {**admission, **numbers, "running_s": finish - start},
-                    }
-                },
-            )
+            numbers = {**admission, **numbers, "running_s": finish - start}
+            status, body = _error(500, "engine_error", "engine_exception", numbers)
         else:
             assert r["reason"] == "engine_exception"
-            status, body = (
-                500,
-                {
-                    "error": {
-                        "type": "engine_error",
-                        "reason": "engine_exception",
-                        "message": "",
-                        "numbers": {
-                            **admission,
-                            "engine": int(r["engine"]),
-                            **ran,
-                            "engine_s": engine_s[i] * slow,
-                        },
-                    }
-                },
-            )
+            numbers = {
+                **admission,
+                "engine": int(r["engine"]),
+                **ran,
+                "engine_s": engine_s[i] * slow,
+            }
+            status, body = _error(500, "engine_error", "engine_exception", numbers)
         sent = arrival - trip_in_s
         exchanges.append(
             Exchange(
