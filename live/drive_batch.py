@@ -218,15 +218,9 @@ class BatchDriver:
             w.start()
         if self.replicas is not None:
             self._watch = gate.loop.call_later(gate.config.watch_interval_s, self._watchdog)
-            self.replicas.start(self._replicas_turn)
-
-    def _replicas_turn(self, at: float) -> None:
-        """A --replica-down window begins or ends: the replicas' watch, at that very time (a loop
-        timer early by its clock's resolution is placed there; the deadlines cut on a replica gone
-        down are gone, as the simulator's after_down)."""
-        if not self.gate.closed:
-            self.replicas.watch(max(self.now(), at))
-            self._arm_all()
+            # after a window's turn, the timers again: the deadlines cut on a replica gone down
+            # are gone, as the simulator's after_down
+            self.replicas.start(self.now, self._arm_all)
 
     def close(self, timeout_s: float) -> None:
         """Stop the cores' timers, cancel every pending future and stop the workers."""

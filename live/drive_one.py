@@ -154,13 +154,7 @@ class OneAtATimeDriver:
             w.start()
         self._watch = gate.loop.call_later(gate.config.watch_interval_s, self._watchdog)
         if self.replicas is not None:
-            self.replicas.start(self._replicas_turn)
-
-    def _replicas_turn(self, at: float) -> None:
-        """A --replica-down window begins or ends: the replicas' watch, at that very time (a loop
-        timer early by its clock's resolution is placed there)."""
-        if not self.gate.closed:
-            self.replicas.watch(max(self.now(), at))
+            self.replicas.start(self.now)
 
     def close(self, timeout_s: float) -> None:
         """Stop the watchdog, cancel every pending future and stop the workers (a run in progress

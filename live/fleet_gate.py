@@ -231,11 +231,12 @@ class ReplicaWatch:
         self._zero = 0.0
         self._timers: list[asyncio.TimerHandle] = []
 
-    def start(self, watch) -> None:
+    def start(self, now, after=lambda: None) -> None:
         """Count --replica-down's windows from now (the gate's start, as the simulator's from its
-        time 0), and call ``watch(at)`` (the driver's: it reads the clock, then :meth:`watch` at
-        ``at`` or later) at each window's ends (``at``, gate clock), so that a replica goes down
-        and comes back at those very times."""
+        time 0), and at each window's ends (``at``, gate clock) :meth:`watch` at that very time
+        (``now``: the driver's clock read for an event; a loop timer early by its clock's
+        resolution is placed at ``at``), then ``after()`` (the driver's own, e.g. its timers), so
+        that a replica goes down and comes back at those very times."""
         gate = self.gate
         loop, self._zero = gate.loop, gate.clock()
         for _, down_s, up_s in gate.fleet.down:
@@ -244,7 +245,13 @@ class ReplicaWatch:
                 # cut timers); a loop timer comes up to its clock's resolution early, and the
                 # driver then places the event at ``at`` itself, as the simulator's.
                 when = at if gate.clock == loop.time else loop.time() + (at - gate.clock())
-                self._timers.append(loop.call_at(when, watch, at))
+                self._timers.append(loop.call_at(when, self._turn, at, now, after))
+
+    def _turn(self, at: float, now, after) -> None:
+        """A --replica-down window begins or ends (see :meth:`start`)."""
+        if not self.gate.closed:
+            self.watch(max(now(), at))
+            after()
 
     @property
     def zero(self) -> float:
