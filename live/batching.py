@@ -253,8 +253,7 @@ class SyntheticBatchEngine:
         run = self.model.time(work.prefill_tokens, work.sampling, work.context)
         if self._noise is not None:
             run *= self._noise()
-        run *= self.speed.at(self._clock() - self._started)
-        return run if self.slow == 1.0 else run * self.slow
+        return run * self.speed.at(self._clock() - self._started) * self.slow
 
     async def astep(self, work: StepWork) -> StepDone:
         began = self._clock()

@@ -275,9 +275,8 @@ class Gate:
         """The fleet's FleetSpec fields, with the gate's clock when --replica-down's seconds began
         (its start): a run file puts the windows on its own clock with it (live.rows)."""
         fields = self.fleet.to_fields()
-        watch = getattr(self.driver, "replicas", None)
-        if self.fleet.down and watch is not None:
-            fields["down_started_at"] = watch.zero
+        if self.fleet.down:
+            fields["down_started_at"] = self.driver.replicas.zero
         return fields
 
     def replica_of(self, k: int) -> int | None:

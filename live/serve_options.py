@@ -53,7 +53,7 @@ from .engine import parse_schedule
 
 LOOPBACK = "127.0.0.1"
 #: A fleet's options besides --replicas: refused for one server.
-_FLEET_ONLY = ("router", "router_d", "admission_at")
+_FLEET_ONLY = ("router", "router_d", "admission_at", "replica_speeds", "replica_down")
 
 
 def _option(
@@ -599,11 +599,7 @@ class ServeOptions:
         if self.faulty_replica is not None and self.faulty_replica >= n:
             raise ValueError(f"--faulty-replica {self.faulty_replica}: replicas are 0..{n - 1}")
         if n == 1:
-            given = [
-                _flag(name)
-                for name in (*_FLEET_ONLY, "replica_speeds", "replica_down")
-                if getattr(self, name) is not None
-            ]
+            given = [_flag(name) for name in _FLEET_ONLY if getattr(self, name) is not None]
             if given:
                 raise ValueError(
                     f"{', '.join(given)}: a fleet's options, for --replicas N > 1 "
