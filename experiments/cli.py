@@ -21,7 +21,15 @@ import pandas as pd
 from analysis import metrics
 from analysis.filesummary import FileSummary
 from inputs import clientflags
-from inputs.argtypes import count, number, positive, positive_int, replica_down, replica_speeds
+from inputs.argtypes import (
+    count,
+    number,
+    positive,
+    positive_int,
+    replica_down,
+    replica_drain,
+    replica_speeds,
+)
 from inputs.atomic import sigterm_interrupts, write_parquet
 from inputs.policyflags import from_options, policy_spec
 from qsim import PRESETS, ServiceModel, build_trace, simulate
@@ -162,6 +170,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
     )
     if fleet is not None and fleet.down:
         speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
+    if fleet is not None and fleet.drain:
+        speeds += "".join(f", replica {r} draining {a:g}-{b:g} s" for r, a, b in fleet.drain)
     gate = "" if fleet is None or fleet.admission == "replica" else ", admitted at the gate,"
     replicas = (
         ""
@@ -196,6 +206,7 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
                 ("--router-weights", args.router_weights),
                 ("--replica-speeds", args.replica_speeds),
                 ("--replica-down", args.replica_down or None),
+                ("--replica-drain", args.replica_drain or None),
                 ("--admission-at", args.admission_at),
             )
             if value is not None
@@ -214,6 +225,7 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
             replica_speeds(args.replica_speeds),
             tuple(map(replica_down, args.replica_down or ())),
             args.admission_at or "replica",
+            tuple(map(replica_drain, args.replica_drain or ())),
         )
         fleet.check(config)
     except ValueError as exc:
@@ -453,6 +465,7 @@ def cmd_simulate(args) -> int:
                         replica_speeds=fleet.speeds,
                         replica_down=fleet.down,
                         admission_at=fleet.admission,
+                        replica_drain=fleet.drain,
                     )
                 ),
             )
@@ -632,6 +645,13 @@ def _simulate_parser(sub) -> None:
         metavar="R:FROM:TO",
         help="replica R fails at FROM s and is back at TO s (repeatable): what runs "
         "and waits there ends in error, the router sends nothing there meanwhile",
+    )
+    p.add_argument(
+        "--replica-drain",
+        action="append",
+        metavar="R:FROM:TO",
+        help="replica R drains from FROM s to TO s (repeatable): the router sends nothing "
+        "there meanwhile, what it holds (running and waiting) runs to its end",
     )
     add_admission_at(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -86,15 +86,20 @@ def replica_speeds(text: str | None) -> tuple | None:
         raise ValueError(f"bad --replica-speeds {text!r}: expected numbers, e.g. 1,1,0.5") from None
 
 
-def replica_down(text: str) -> tuple:
+def replica_down(text: str, flag: str = "--replica-down") -> tuple:
     """--replica-down R:FROM:TO as (replica, from_s, to_s) (qsim.fleet.FleetSpec checks them)."""
     try:
         r, down_s, up_s = text.split(":")
         return int(r), float(down_s), float(up_s)
     except ValueError:
         raise ValueError(
-            f"bad --replica-down {text!r}: expected REPLICA:FROM_S:TO_S, e.g. 1:100:200"
+            f"bad {flag} {text!r}: expected REPLICA:FROM_S:TO_S, e.g. 1:100:200"
         ) from None
+
+
+def replica_drain(text: str) -> tuple:
+    """--replica-drain R:FROM:TO, the same window as :func:`replica_down`'s."""
+    return replica_down(text, "--replica-drain")
 
 
 def replica_downs(text: str) -> tuple:

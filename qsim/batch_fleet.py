@@ -31,6 +31,8 @@ binding (every other router) and late binding run through the same stepping code
 * **A replica down** (``FleetSpec.down``) fails what is bound to it (its batch and its preempted,
   as under early binding) and takes nothing from the line until it is back; what waits in the line
   is not bound anywhere and waits on for the others.
+* **A replica draining** (``FleetSpec.drain``) takes nothing from the line until its window ends,
+  while what is bound to it (its batch, its preempted) runs to its end there.
 
 With one replica the fleet is the one batching server, record for record.
 """
@@ -265,10 +267,10 @@ class CentralBatch(Fleet):
         line = self.where.get(req)
         return None if line is None else line.cancel(req, now)
 
-    def restore(self, r: int, now: float | None = None) -> None:
-        super().restore(r, now)
+    def _back(self, r: int, now: float | None) -> None:
+        super()._back(r, now)
         if now is not None:
-            self.dispatch(now)
+            self.dispatch(now)  # back up (not down, not draining), it may take the line's head
 
     def audit(self) -> None:
         """The line's books against its requests, and each replica's (BatchQueue.audit);

@@ -161,6 +161,12 @@ class Simulation:
                 Timeout(self.env, up_s).callbacks.append(
                     lambda _, r=r: self.queue.restore(r, self.env.now)
                 )
+            # Draining ends nothing: the router only skips the replica until up_s.
+            for r, from_s, up_s in fleet.drain:
+                Timeout(self.env, from_s).callbacks.append(lambda _, r=r: self.queue.drain(r))
+                Timeout(self.env, up_s).callbacks.append(
+                    lambda _, r=r: self.queue.end_drain(r, self.env.now)
+                )
 
     # -- the core's hooks --------------------------------------------------------
 

@@ -57,6 +57,9 @@ class FleetSpec:
     # own state after routing; "gate", one admission at the cluster gate on the fleet's state
     # before routing (qsim.gate_view), the replicas then placing what it admits.
     admission: str = "replica"
+    # Draining: (replica, from_s, to_s) each, the router sending the replica nothing from from_s
+    # until to_s (as while down), while what it holds then, running or waiting, runs to its end.
+    drain: tuple = ()
 
     def __post_init__(self) -> None:
         if not (
@@ -89,20 +92,24 @@ class FleetSpec:
             )
 
     def _check_down(self) -> None:
-        for window in self.down:
-            if not (
-                len(window) == 3
-                and isinstance(window[0], int)
-                and 0 <= window[0] < self.replicas
-                and 0 <= window[1] < window[2]
-            ):
-                raise ValueError(
-                    f"a replica down is (replica of 0..{self.replicas - 1}, from_s, "
-                    f"to_s) with 0 <= from_s < to_s, got {window!r}"
-                )
-        for _, at, _ in self.down:  # all down at once is no fleet: somewhere must take arrivals
-            if len({r for r, a, b in self.down if a <= at < b}) == self.replicas:
-                raise ValueError(f"every replica is down at {at:g} s: keep one up")
+        for what, windows in (("down", self.down), ("draining", self.drain)):
+            for window in windows:
+                if not (
+                    len(window) == 3
+                    and isinstance(window[0], int)
+                    and 0 <= window[0] < self.replicas
+                    and 0 <= window[1] < window[2]
+                ):
+                    raise ValueError(
+                        f"a replica {what} is (replica of 0..{self.replicas - 1}, from_s, "
+                        f"to_s) with 0 <= from_s < to_s, got {window!r}"
+                    )
+        # All unavailable at once (down or draining) is no fleet: somewhere must take arrivals.
+        off = (*self.down, *self.drain)
+        for _, at, _ in off:
+            if len({r for r, a, b in off if a <= at < b}) == self.replicas:
+                what = "down" if not self.drain else "down or draining"
+                raise ValueError(f"every replica is {what} at {at:g} s: keep one up")
 
     def speed(self, r: int) -> float:
         return 1.0 if self.speeds is None else float(self.speeds[r])
@@ -124,6 +131,7 @@ class FleetSpec:
             "down": [list(w) for w in self.down],
             # Only where it is not the default: a fleet's fields as they were before it.
             **({} if self.admission == "replica" else {"admission": self.admission}),
+            **({"drain": [list(w) for w in self.drain]} if self.drain else {}),
         }
 
     @classmethod
@@ -143,8 +151,9 @@ class FleetSpec:
                 int(raw["replicas"]),
                 router,
                 None if speeds is None else tuple(speeds),
-                tuple((int(r), float(a), float(b)) for r, a, b in raw.get("down", ())),
+                _windows(raw.get("down", ())),
                 raw.get("admission", "replica"),
+                _windows(raw.get("drain", ())),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None
@@ -155,8 +164,10 @@ class FleetSpec:
         to run slower or go down (in front of batching replicas each is its own engine)."""
         if config.batching:
             return
-        if self.router.shared and (self.speeds is not None or self.down):
-            what = "replica speeds" if self.speeds is not None else "a replica down"
+        if self.router.shared and (self.speeds is not None or self.down or self.drain):
+            what = "a replica down" if self.down else "a replica draining"
+            if self.speeds is not None:
+                what = "replica speeds"
             raise ValueError(
                 f"{what}: a central queue in front of engines one at a time is one "
                 f"line of N x K engines (give --batching, or route at arrival)"
@@ -171,6 +182,11 @@ class FleetSpec:
                 "engines that slow each other share one machine: "
                 "a fleet's replicas take engines with concurrency 0"
             )
+
+
+def _windows(raw) -> tuple:
+    """A run file's windows, [replica, from_s, to_s] each, as FleetSpec's tuples."""
+    return tuple((int(r), float(a), float(b)) for r, a, b in raw)
 
 
 class _States:
@@ -235,7 +251,10 @@ class Fleet:
         else:
             self.lines = [line(r, config) for r in range(n)]
             self.per_line = per
+        # Whether the router may send a replica anything: neither down nor draining.
         self.up = [True] * len(self.lines)
+        self._down = [False] * len(self.lines)
+        self._draining = [False] * len(self.lines)
         self.config, self.policy = config, config.policy
         self.rng = np.random.default_rng([config.seed, ROUTER_STREAM])
         self.routed_count = 0
@@ -354,14 +373,29 @@ class Fleet:
         it holds leaves it, as a client that left would: (request, "running" or "waiting") each.
         A run one at a time holds its engine to its own end (a run is not stopped); a batch's
         blocks are freed at once."""
-        self.up[r] = False
+        self._down[r] = self.up[r] = False
         line = self.lines[r]
         held = [req for req, where in self.where.items() if where is line]
         return [(req, state) for req in held if (state := line.cancel(req, now)) is not None]
 
     def restore(self, r: int, now: float | None = None) -> None:
         """Replica r is back (``now``: when, for a fleet that wakes it)."""
-        self.up[r] = True
+        self._down[r] = False
+        self._back(r, now)
+
+    def drain(self, r: int) -> None:
+        """Replica r drains: no arrival is routed to it until :meth:`end_drain`, while what it
+        holds (running, and waiting in its own line) stays and runs to its end."""
+        self._draining[r] = self.up[r] = False
+
+    def end_drain(self, r: int, now: float | None = None) -> None:
+        """Replica r takes arrivals again (``now``: when, for a fleet that wakes it)."""
+        self._draining[r] = False
+        self._back(r, now)
+
+    def _back(self, r: int, now: float | None) -> None:
+        """Replica r's window ended: it is up where no other (down, draining) holds it off."""
+        self.up[r] = not (self._down[r] or self._draining[r])
 
     # -- batching replicas: their caches (each line's timer is its driver's: qsim.model) ------
 

@@ -93,6 +93,7 @@ def simulate(
     replica_speeds=None,
     replica_down=(),
     admission_at: str = "replica",
+    replica_drain=(),
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -132,6 +133,9 @@ def simulate(
     replica_down: failures, (replica, from_s, to_s) each: at from_s what runs there ends
     ``error`` (engine_exception) and what waits there ``error`` (shutting_down); the router sends
     nothing there until to_s.
+    replica_drain: drains, (replica, from_s, to_s) each: the router sends nothing there from
+    from_s until to_s (as while down), while what the replica holds at from_s, running or waiting
+    in its line, runs to its end there as any other.
     admission_at: where a fleet admits (:attr:`qsim.fleet.FleetSpec.admission`): "replica" (the
     default), each replica on its own state after routing; "gate", one admission on the fleet's
     state before routing (:mod:`qsim.gate_view`).
@@ -180,7 +184,9 @@ def simulate(
         raise ValueError(
             "step_times are a batching engine's steps: this server runs engines one at a time"
         )
-    fleet = _fleet(replicas, router, config, replica_speeds, replica_down, admission_at)
+    fleet = _fleet(
+        replicas, router, config, replica_speeds, replica_down, admission_at, replica_drain
+    )
     run = Simulation(
         trace,
         config,
@@ -222,10 +228,12 @@ def _fleet(
     speeds=None,
     down=(),
     admission: str = "replica",
+    drain=(),
 ) -> FleetSpec | None:
     """The fleet of a run (None: one server, today's path), checked against its server. One
     replica admits as the one server, wherever its admission is (refused where it is neither)."""
-    if replicas == 1 and not isinstance(replicas, bool) and speeds is None and not down:
+    plain = speeds is None and not down and not drain
+    if replicas == 1 and not isinstance(replicas, bool) and plain:
         FleetSpec(1, RoundRobin(), admission=admission)  # checks ``admission``
         return None
     if replicas == 1 and router is None:
@@ -236,6 +244,7 @@ def _fleet(
         None if speeds is None else tuple(speeds),
         tuple(tuple(w) for w in down),
         admission,
+        tuple(tuple(w) for w in drain),
     )
     fleet.check(config)
     return fleet

@@ -30,6 +30,7 @@ from qsim.routers import (
     Weighted,
     make_router,
 )
+from qsim.fleet import FleetSpec
 from qsim.mixes import Prompts, SharedPrefix
 
 
@@ -623,6 +624,58 @@ def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind)
     pd.testing.assert_frame_equal(
         frame[same].reset_index(drop=True), before[same].reset_index(drop=True)
     )
+
+
+@pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
+def test_a_draining_replica_finishes_what_it_held_and_gets_nothing_until_back(kind):
+    if kind == "batching":
+        t, config, window = (
+            shared_trace(load=0.9, requests=1500),
+            ServerConfig(PRESETS["none"], BATCH, seed=1),
+            (1, 1.0, 2.0),
+        )
+    else:
+        t, config, window = (
+            trace(1.1, 3, 3000),
+            ServerConfig(PRESETS["none"], 1, seed=1),
+            (1, 100.0, 200.0),
+        )
+    _, at, back = window
+    with testing.audited_batches():
+        frame = records.validate(
+            simulate(t, config, replicas=3, router=make_router("jsq"), replica_drain=[window])
+        )
+    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    # What replica 1 held at the drain (arrived before it, not ended by then) ends answered.
+    held = frame[(frame["replica"] == 1) & (frame["arrival_s"] < at) & (frame["finish_s"] > at)]
+    assert len(held) and held["outcome"].isin(["good", "late"]).all()  # answered, late or not
+    assert held["finish_s"].max() > at  # it ran on in the window, not cut at its start
+    assert not (frame["outcome"] == "error").any()
+    during = frame[(frame["arrival_s"] >= at) & (frame["arrival_s"] < back)]
+    assert len(during) and not (during["replica"] == 1).any()
+    after = frame[frame["arrival_s"] >= back + 0.1 * (back - at)]
+    assert (after["replica"] == 1).mean() > 0.2  # back in the rotation
+
+
+def test_a_drain_rides_a_fleets_fields_and_old_fields_read_as_none():
+    spec = FleetSpec(3, RoundRobin(), drain=((1, 1.0, 2.0),))
+    assert FleetSpec.from_fields(spec.to_fields()) == spec
+    plain = FleetSpec(3, RoundRobin()).to_fields()
+    assert "drain" not in plain and FleetSpec.from_fields(plain).drain == ()
+    with pytest.raises(ValueError, match="every replica is down or draining at 1.5 s"):
+        FleetSpec(2, RoundRobin(), down=((0, 1.0, 3.0),), drain=((1, 1.5, 2.0),))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--replica-drain", "1:x:2"], "bad --replica-drain '1:x:2'"),
+        (["--replica-drain", "5:1:2"], "a replica draining is (replica of 0..1"),
+    ],
+)
+def test_simulate_refuses_a_bad_drain_in_one_line(args, message, capsys):
+    code, out, err = qlab(["simulate", "--requests", "50", "--replicas", "2", *args], capsys)
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
