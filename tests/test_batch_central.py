@@ -6,7 +6,8 @@ steps has a free seat and the KV blocks for the line's head while it waits (chec
 and arrival on the virtual clock), and one FIFO line starts its requests in arrival order; against
 early binding (jsq) on the same trace past capacity with replicas of two speeds, the line gives
 every request the fleet's wait where jsq makes those behind a slow replica wait longer; a replica
-down fails only what it holds; the same seed gives the same rows; and the command line runs it.
+down fails only what it holds, one draining finishes its batch and starts nothing new; the same seed
+gives the same rows; and the command line runs it.
 """
 
 import dataclasses
@@ -257,6 +258,25 @@ def test_a_replica_down_fails_only_what_is_bound_to_it():
         "replica"
     ].eq(1)
     assert not started_there.any() and late["replica"].eq(1).sum() > 0
+
+
+def test_a_draining_replica_behind_the_line_finishes_its_batch_and_starts_nothing_new():
+    # Replica 1 drains from arrival 1000 to arrival 2000: what its batch holds then runs to its
+    # end there (no error anywhere), nothing starts there until the window ends, and afterwards
+    # it takes from the line again.
+    t = trace(0.9, seed=1)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    _, at, back = window = (1, float(t.arrival_s[1000]), float(t.arrival_s[2000]))
+    with testing.audited_batches():
+        frame = records.validate(
+            simulate(t, config, replicas=4, router=Central(), replica_drain=[window])
+        )
+    assert not frame["outcome"].eq("error").any()
+    there = frame["replica"].eq(1)
+    assert not (there & frame["start_s"].between(at, back, inclusive="left")).any()
+    held = frame[there & (frame["start_s"] < at) & (frame["finish_s"] > at)]
+    assert len(held) and held["outcome"].isin(["good", "late"]).all()
+    assert (there & (frame["start_s"] >= back)).sum() > 0
 
 
 # ---------------------------------------------------------------- (d) determinism
