@@ -90,6 +90,22 @@ def simulate_run(run: pd.DataFrame, origin: str = "server") -> pd.DataFrame:
     return replay(run, origin)[0]
 
 
+def _base_estimates(ordered: pd.DataFrame, batching: bool) -> np.ndarray:
+    """Each request's estimate before the speed factor, the divisor of its simulated factor.
+
+    One at a time that is calibrated_est_s. A batching gate estimates with its step model (then
+    x the factor), not from calibrated_est_s: its base is the live estimate over the live factor,
+    and the simulated factor the live one x the ratio of the two estimates (qsim's records do not
+    carry the tracker's factor): equal where the estimates are, apart where they are not."""
+    base = ordered["calibrated_est_s"].to_numpy(float)
+    if not batching or "arrival_speed_factor" not in ordered.columns:
+        return base
+    live = ordered["est_service_s"].to_numpy(float) / ordered["arrival_speed_factor"].to_numpy(
+        float
+    )
+    return np.where(np.isfinite(live) & (live > 0), live, base)
+
+
 def replay(run: pd.DataFrame, origin: str) -> tuple[pd.DataFrame, Unsaid]:
     """:func:`simulate_run`, and what it took for what the run does not say (:class:`Unsaid`).
 
@@ -176,7 +192,7 @@ def _replay_once(run: pd.DataFrame, setup: ServerConfig, unsaid: Unsaid) -> pd.D
     }
     sim_first = sim["first_request_id"].to_numpy()
     sim["first_request_id"] = ordered["request_id"].to_numpy()[sim_first]
-    base = ordered["calibrated_est_s"].to_numpy(float)[sim_first]
+    base = _base_estimates(ordered, setup.batching)[sim_first]
     sim["speed_factor_at_arrival"] = sim["est_service_s"].to_numpy(float) / base
     sim["replayed_with"] = rule[sim_first]
     # a request's rule is its run's: an attempt the simulator did not start held nothing

@@ -83,6 +83,9 @@ def _served_replay(monkeypatch, trace, config, fleet=None, api="qlab"):
 def _agrees(run):
     summary = compare(run).summary
     assert summary["live_errors"] == 0 and summary["disagreements"] == 0, summary
+    # Nor did any request part: the same queue at each arrival (the speed factor too, which a
+    # batching gate's estimate does not carry as calibrated_est_s x factor).
+    assert np.isnan(summary["first_divergence_s"]) and summary["cascade_disagreements"] == 0
     sim = simulate_run(run).set_index("request_id")
     live = run.set_index("request_id")
     answered = live["outcome"].isin(["good", "late"])
