@@ -28,6 +28,7 @@ from inputs.argtypes import (
     positive_int,
     replica_down,
     replica_drain,
+    replica_kv_blocks,
     replica_speeds,
 )
 from inputs.atomic import sigterm_interrupts, write_parquet
@@ -168,6 +169,8 @@ def _describe(args, policy, engine, fleet: FleetSpec | None = None) -> str:
         if fleet is None or fleet.speeds is None
         else f" (speeds {','.join(f'{v:g}' for v in fleet.speeds)})"
     )
+    if fleet is not None and fleet.kv_blocks is not None:
+        speeds += f", KV blocks {','.join(map(str, fleet.kv_blocks))}"
     if fleet is not None and fleet.down:
         speeds += "".join(f", replica {r} down {a:g}-{b:g} s" for r, a, b in fleet.down)
     if fleet is not None and fleet.drain:
@@ -207,6 +210,7 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
                 ("--replica-speeds", args.replica_speeds),
                 ("--replica-down", args.replica_down or None),
                 ("--replica-drain", args.replica_drain or None),
+                ("--replica-kv-blocks", args.replica_kv_blocks),
                 ("--admission-at", args.admission_at),
             )
             if value is not None
@@ -226,6 +230,7 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
             tuple(map(replica_down, args.replica_down or ())),
             args.admission_at or "replica",
             tuple(map(replica_drain, args.replica_drain or ())),
+            replica_kv_blocks(args.replica_kv_blocks),
         )
         fleet.check(config)
     except ValueError as exc:
@@ -466,6 +471,7 @@ def cmd_simulate(args) -> int:
                         replica_down=fleet.down,
                         admission_at=fleet.admission,
                         replica_drain=fleet.drain,
+                        replica_kv_blocks=fleet.kv_blocks,
                     )
                 ),
             )
@@ -652,6 +658,12 @@ def _simulate_parser(sub) -> None:
         metavar="R:FROM:TO",
         help="replica R drains from FROM s to TO s (repeatable): the router sends nothing "
         "there meanwhile, what it holds (running and waiting) runs to its end",
+    )
+    p.add_argument(
+        "--replica-kv-blocks",
+        metavar="B,B,...",
+        help="each batching replica's KV memory in blocks, one per replica (e.g. 800,800,400: "
+        "the third holds half as many tokens); the load counts --kv-blocks for all",
     )
     add_admission_at(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -78,12 +78,23 @@ def renamed(new: str, why: str = "") -> type[argparse.Action]:
 
 def replica_speeds(text: str | None) -> tuple | None:
     """--replica-speeds 1,1,0.5 as numbers (qsim.fleet.FleetSpec checks them; None: not given)."""
+    return _per_replica(text, "--replica-speeds", float, "numbers, e.g. 1,1,0.5")
+
+
+def replica_kv_blocks(text: str | None) -> tuple | None:
+    """--replica-kv-blocks 800,800,400 as whole numbers (qsim.fleet.FleetSpec checks them; None:
+    not given)."""
+    return _per_replica(text, "--replica-kv-blocks", int, "whole numbers, e.g. 800,800,400")
+
+
+def _per_replica(text: str | None, flag: str, kind: type, expected: str) -> tuple | None:
+    """One value of ``kind`` per replica, comma-separated (None: not given)."""
     if text is None:
         return None
     try:
-        return tuple(float(v) for v in text.split(","))
+        return tuple(kind(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"bad --replica-speeds {text!r}: expected numbers, e.g. 1,1,0.5") from None
+        raise ValueError(f"bad {flag} {text!r}: expected {expected}") from None
 
 
 def replica_down(text: str, flag: str = "--replica-down") -> tuple:

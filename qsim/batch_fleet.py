@@ -28,6 +28,8 @@ binding (every other router) and late binding run through the same stepping code
   request binds to the replica that frees room first. A replica between steps with a free seat is
   woken whenever the head may have changed (taken, put back, gone), so none sits with room for the
   head while it waits (tests/test_batch_central.py checks it at every step).
+* **Replicas of their own KV sizes** (``FleetSpec.kv_blocks``): each replica's memory, preemption
+  and prefix cache are its own size; the gate refuses a request the smallest could never hold.
 * **A replica down** (``FleetSpec.down``) fails what is bound to it (its batch and its preempted,
   as under early binding) and takes nothing from the line until it is back; what waits in the line
   is not bound anywhere and waits on for the others.
@@ -153,6 +155,9 @@ class CentralBatch(Fleet):
         admission = self.lines[0].admission
         for replica in self.lines[1:]:
             replica.admission = admission  # the cluster gate's, one for the fleet
+        # The line may bind a request to any replica: the gate refuses what the smallest KV memory
+        # could never hold (bound where it cannot fit, it would be preempted over and over).
+        self.smallest = min(self.lines, key=lambda replica: replica.kv_cap)
 
     # -- the line's books ----------------------------------------------------------------
 
@@ -191,7 +196,7 @@ class CentralBatch(Fleet):
         first = self.lines[0]  # what is the same on every replica: the admission, the config
         seq = first._arrival(req, now, base_est_s, deadline_s, priority, client, work)
         admission = first.admission
-        never = first._never(seq)
+        never = self.smallest._never(seq)
         if never is not None:
             admission.seen_numbers = (
                 math.nan,

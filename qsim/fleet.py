@@ -60,6 +60,9 @@ class FleetSpec:
     # Draining: (replica, from_s, to_s) each, the router sending the replica nothing from from_s
     # until to_s (as while down), while what it holds then, running or waiting, runs to its end.
     drain: tuple = ()
+    # Each replica's KV memory in blocks (a batching engine's kv_blocks: a smaller GPU's, or one
+    # shared with more weights); None: every replica has its engine's.
+    kv_blocks: tuple | None = None
 
     def __post_init__(self) -> None:
         if not (
@@ -75,14 +78,13 @@ class FleetSpec:
                 f"of one's own), "
                 f"got {self.router!r}"
             )
-        if self.speeds is not None:
-            if len(self.speeds) != self.replicas or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for v in self.speeds
-            ):
+        for what, values, kind, ok in (
+            ("replica speeds", self.speeds, "number > 0", _positive_number),
+            ("replica kv_blocks", self.kv_blocks, "whole number >= 1", _whole_number),
+        ):
+            if values is not None and not (len(values) == self.replicas and all(map(ok, values))):
                 raise ValueError(
-                    f"replica speeds: one number > 0 for each of the {self.replicas} "
-                    f"replicas, got {self.speeds!r}"
+                    f"{what}: one {kind} for each of the {self.replicas} replicas, got {values!r}"
                 )
         self._check_down()
         if self.admission not in ADMISSION_AT:
@@ -114,6 +116,15 @@ class FleetSpec:
     def speed(self, r: int) -> float:
         return 1.0 if self.speeds is None else float(self.speeds[r])
 
+    def replica_config(self, config: ServerConfig, r: int) -> ServerConfig:
+        """Replica r's server: ``config``, with its own KV blocks where the fleet gives them (its
+        engine rebuilt, so Batching's own checks hold)."""
+        if self.kv_blocks is None:
+            return config
+        return config.replace(
+            engine=dataclasses.replace(config.engine, kv_blocks=self.kv_blocks[r])
+        )
+
     def to_fields(self) -> dict:
         """The fleet as JSON-able fields (``/stats``' and a run file's ``fleet``): the router by
         name with its parameters."""
@@ -132,6 +143,7 @@ class FleetSpec:
             # Only where it is not the default: a fleet's fields as they were before it.
             **({} if self.admission == "replica" else {"admission": self.admission}),
             **({"drain": [list(w) for w in self.drain]} if self.drain else {}),
+            **({} if self.kv_blocks is None else {"kv_blocks": list(self.kv_blocks)}),
         }
 
     @classmethod
@@ -146,7 +158,7 @@ class FleetSpec:
                     "a fleet of a router of one's own cannot be rebuilt from its name"
                 )
             router = ROUTERS[name](**raw.get("router_params", {}))
-            speeds = raw.get("speeds")
+            speeds, kv_blocks = raw.get("speeds"), raw.get("kv_blocks")
             return cls(
                 int(raw["replicas"]),
                 router,
@@ -154,6 +166,7 @@ class FleetSpec:
                 _windows(raw.get("down", ())),
                 raw.get("admission", "replica"),
                 _windows(raw.get("drain", ())),
+                None if kv_blocks is None else tuple(kv_blocks),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None
@@ -161,9 +174,16 @@ class FleetSpec:
     def check(self, config: ServerConfig) -> None:
         """ValueError where ``config``'s server cannot be a replica here. A central queue in
         front of engines one at a time is one line of N x K engines, with no replica of its own
-        to run slower or go down (in front of batching replicas each is its own engine)."""
+        to run slower or go down (in front of batching replicas each is its own engine); engines
+        one at a time hold no KV memory to size per replica."""
         if config.batching:
+            # A request too large for a replica's blocks is refused as the one server refuses it
+            # (TOO_LARGE, per request): nothing to check of the sizes here.
             return
+        if self.kv_blocks is not None:
+            raise ValueError(
+                "replica kv_blocks: engines one at a time hold no KV memory (give --batching)"
+            )
         if self.router.shared and (self.speeds is not None or self.down or self.drain):
             what = "a replica down" if self.down else "a replica draining"
             if self.speeds is not None:
@@ -182,6 +202,15 @@ class FleetSpec:
                 "engines that slow each other share one machine: "
                 "a fleet's replicas take engines with concurrency 0"
             )
+
+
+def _positive_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _whole_number(v) -> bool:
+    """A count of KV blocks: an int >= 1, as :class:`~qsim.engines.Batching` takes (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def _windows(raw) -> tuple:
@@ -249,7 +278,8 @@ class Fleet:
             self.lines = [line(0, config.replace(engine=engine))]
             self.per_line = n * per
         else:
-            self.lines = [line(r, config) for r in range(n)]
+            # Each replica's own server (its KV blocks), here once for every kind of fleet.
+            self.lines = [line(r, spec.replica_config(config, r)) for r in range(n)]
             self.per_line = per
         # Whether the router may send a replica anything: neither down nor draining.
         self.up = [True] * len(self.lines)

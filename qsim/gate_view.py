@@ -28,8 +28,9 @@ The view the policy reads is the fleet's, over the replicas up:
 What a replica still enforces: nothing of the policy. Its line keeps its discipline (an expiry at
 the front, CoDel's drops), and a batching replica its physical limits: a request no replica could
 ever hold (its prompt and limit over the KV cache, or over a step without chunked prefill) is
-refused at the gate as the replica would (the replicas are copies of one server), and one admitted
-waits for the seat and blocks it needs where it is routed.
+refused at the gate as the replica would (the replicas are copies of one server; of replicas of
+their own KV sizes, ``FleetSpec.kv_blocks``, the smallest up refuses), and one admitted waits for
+the seat and blocks it needs where it is routed.
 
 The idle engines the gate counts are the fleet's: a request admitted because an engine is free
 somewhere starts at once where the router sends it to a free engine (jsq does while one is free;
@@ -118,10 +119,11 @@ def batching(
     """(the gate's refusal or None, the arrival's sequence) for batching replicas
     (:class:`~qsim.batch.BatchQueue` each): the fleet's waiting, the soonest replica's
     projection."""
-    first = up[0]  # the replicas are copies of one server: its entry, its physical limits
+    first = up[0]  # its entry is the same on every replica (only their KV sizes may differ)
     seq = first._arrival(req, now, base_est_s, deadline_s, priority, client, work)
     queued = sum(q.queued for q in up)
-    never = first._never(seq)
+    # The router may place it on any replica up: refused where the smallest could never hold it.
+    never = min(up, key=lambda q: q.kv_cap)._never(seq)
     if never is not None:
         admission.seen_numbers = (math.nan, queued, math.nan, first.tracker.factor, math.nan, -1)
         return never, seq

@@ -94,6 +94,7 @@ def simulate(
     replica_down=(),
     admission_at: str = "replica",
     replica_drain=(),
+    replica_kv_blocks=None,
 ) -> pd.DataFrame:
     """Run ``trace`` through a server and return one record per request (see :mod:`qsim.records`).
 
@@ -136,6 +137,9 @@ def simulate(
     replica_drain: drains, (replica, from_s, to_s) each: the router sends nothing there from
     from_s until to_s (as while down), while what the replica holds at from_s, running or waiting
     in its line, runs to its end there as any other.
+    replica_kv_blocks: each batching replica's KV memory in blocks (its engine's kv_blocks: its
+    batch, preemption and prefix cache, and what the routers read of its KV use, at that size);
+    None: all the engine's.
     admission_at: where a fleet admits (:attr:`qsim.fleet.FleetSpec.admission`): "replica" (the
     default), each replica on its own state after routing; "gate", one admission on the fleet's
     state before routing (:mod:`qsim.gate_view`).
@@ -185,7 +189,14 @@ def simulate(
             "step_times are a batching engine's steps: this server runs engines one at a time"
         )
     fleet = _fleet(
-        replicas, router, config, replica_speeds, replica_down, admission_at, replica_drain
+        replicas,
+        router,
+        config,
+        replica_speeds,
+        replica_down,
+        admission_at,
+        replica_drain,
+        replica_kv_blocks,
     )
     run = Simulation(
         trace,
@@ -229,10 +240,11 @@ def _fleet(
     down=(),
     admission: str = "replica",
     drain=(),
+    kv_blocks=None,
 ) -> FleetSpec | None:
     """The fleet of a run (None: one server, today's path), checked against its server. One
     replica admits as the one server, wherever its admission is (refused where it is neither)."""
-    plain = speeds is None and not down and not drain
+    plain = speeds is None and not down and not drain and kv_blocks is None
     if replicas == 1 and not isinstance(replicas, bool) and plain:
         FleetSpec(1, RoundRobin(), admission=admission)  # checks ``admission``
         return None
@@ -245,6 +257,7 @@ def _fleet(
         tuple(tuple(w) for w in down),
         admission,
         tuple(tuple(w) for w in drain),
+        None if kv_blocks is None else tuple(kv_blocks),
     )
     fleet.check(config)
     return fleet

@@ -279,6 +279,44 @@ def test_a_draining_replica_behind_the_line_finishes_its_batch_and_starts_nothin
     assert (there & (frame["start_s"] >= back)).sum() > 0
 
 
+def test_one_replica_of_its_own_kv_blocks_behind_the_line_is_the_engine_of_that_size():
+    config = ServerConfig(PRESETS["predictive"], BATCH, seed=2)
+    t = trace(1.5, 1, 500, seed=2)
+    one = simulate(t, config, replicas=1, router=Central(), replica_kv_blocks=[40])
+    engine = simulate(t, config.replace(engine=dataclasses.replace(BATCH, kv_blocks=40)))
+    pd.testing.assert_frame_equal(engine.drop(columns="replica"), one.drop(columns="replica"))
+    assert one["preemptions"].gt(0).any()
+
+
+@pytest.mark.parametrize("router, admission", [("central", "replica"), ("jsq", "gate")])
+def test_the_gate_refuses_what_the_smallest_replica_could_never_hold(router, admission):
+    # Replica 3 holds 12 blocks (192 tokens): the line (or the gate, before routing) may place a
+    # request on any replica, so it refuses one whose prompt and limit need more, as that replica
+    # alone would; bound there, it would be preempted over and over and never end. What it
+    # admits ends once, and the small replica takes fewer than the others.
+    t = trace(0.9, seed=1, requests=1500)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    with testing.audited_batches():
+        frame = records.validate(
+            simulate(
+                t,
+                config,
+                replicas=4,
+                router=make_router(router),
+                admission_at=admission,
+                replica_kv_blocks=[400, 400, 400, 12],
+            )
+        )
+    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    refused = frame["reason"].eq("too_large")
+    assert refused.any() and frame.loc[refused, "replica"].isna().all()
+    assert frame.loc[~refused, "outcome"].isin(["good", "late"]).all()
+    count = frame["replica"].value_counts()
+    assert count[3] < 0.7 * count[[0, 1, 2]].min()
+    plain = simulate(t, config, replicas=4, router=make_router(router), admission_at=admission)
+    assert not plain["reason"].eq("too_large").any()
+
+
 # ---------------------------------------------------------------- (d) determinism
 
 

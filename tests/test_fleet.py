@@ -678,6 +678,131 @@ def test_simulate_refuses_a_bad_drain_in_one_line(args, message, capsys):
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
+# ---------------------------------------------------------------- replicas of their own KV sizes
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_kv", "weighted", "central"])
+def test_every_replica_at_the_engines_kv_blocks_is_the_fleet_without_them(router):
+    t = shared_trace(load=1.2, requests=600)
+    config = ServerConfig(PRESETS["predictive"], BATCH, seed=1)
+    plain = simulate(t, config, replicas=3, router=make_router(router))
+    same = simulate(t, config, replicas=3, router=make_router(router), replica_kv_blocks=[600] * 3)
+    pd.testing.assert_frame_equal(plain, same)
+
+
+def test_a_replica_of_little_kv_memory_preempts_more_and_answers_later():
+    # Past capacity, round robin deals each replica the same arrivals: the one of 40 blocks (a
+    # few requests' worth) preempts what the others seldom do and makes its line wait, while the
+    # others, on their own memory, run exactly as in the fleet without the field.
+    t = shared_trace(load=1.3, requests=800)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    with testing.audited_batches():  # every replica's blocks within its own size, at every step
+        small = records.validate(
+            simulate(t, config, replicas=3, router=RoundRobin(), replica_kv_blocks=[600, 600, 40])
+        )
+    plain = simulate(t, config, replicas=3, router=RoundRobin())
+    preempted = small.groupby("replica")["preemptions"].mean()
+    assert preempted[2] > 3 * max(preempted[0], preempted[1])
+    assert plain.groupby("replica")["preemptions"].mean()[2] < preempted[2] / 3
+    ttft = small.groupby("replica")["ttft_s"].median()
+    assert ttft[2] > 5 * max(ttft[0], ttft[1])
+    assert small.loc[small["replica"] == 2, "kv_blocks_peak"].max() <= 40
+    others = small["replica"] < 2
+    pd.testing.assert_frame_equal(small[others], plain[others])
+
+
+def test_least_kv_sends_the_replica_of_more_kv_memory_more():
+    # Within the memory's reach the same batch is a larger share of a smaller cache: least_kv
+    # reads the share in use, so it sends the replica of 600 blocks most (about evenly without
+    # the field). Past a small memory's reach its use swings low at each finish, and this holds
+    # no more: least_kv alone reads no line.
+    t = shared_trace(load=0.5, requests=800, replicas=2)
+    config = ServerConfig(PRESETS["none"], BATCH, seed=1)
+    sent = simulate(t, config, replicas=2, router=LeastKV(), replica_kv_blocks=[600, 150])[
+        "replica"
+    ].value_counts()
+    assert sent[0] > 2 * sent[1]
+    even = simulate(t, config, replicas=2, router=LeastKV())["replica"].value_counts()
+    assert even[0] < 1.2 * even[1]
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_kv"])
+def test_one_replica_of_its_own_kv_blocks_is_the_engine_of_that_size(router):
+    # A kv_blocks given takes the fleet's path for one replica: every row is the engine's of
+    # that size without a fleet (its preemptions and prefix cache at 200 blocks, not 600).
+    config = ServerConfig(
+        dataclasses.replace(PRESETS["predictive"], cancel_at_deadline=True), BATCH
+    )
+    t = shared_trace("128:0.5", "3:8", replicas=1, load=1.5, requests=500)
+    one = simulate(t, config, replicas=1, router=make_router(router), replica_kv_blocks=[200])
+    engine = simulate(t, config.replace(engine=dataclasses.replace(BATCH, kv_blocks=200)))
+    pd.testing.assert_frame_equal(engine, one)
+    assert one["preemptions"].gt(0).any() and not simulate(t, config).equals(one)
+
+
+def test_kv_blocks_ride_a_fleets_fields_and_old_fields_read_as_none():
+    spec = FleetSpec(3, RoundRobin(), kv_blocks=(800, 800, 400))
+    assert FleetSpec.from_fields(json.loads(json.dumps(spec.to_fields()))) == spec
+    plain = FleetSpec(3, RoundRobin()).to_fields()
+    assert "kv_blocks" not in plain and FleetSpec.from_fields(plain).kv_blocks is None
+
+
+@pytest.mark.parametrize("kv_blocks", [(800, 800), (800, 0, 400), (800, 1.5, 400), (800, True, 1)])
+def test_bad_replica_kv_blocks_are_refused(kv_blocks):
+    with pytest.raises(
+        ValueError, match="replica kv_blocks: one whole number >= 1 for each of the 3 replicas"
+    ):
+        FleetSpec(3, RoundRobin(), kv_blocks=kv_blocks)
+
+
+def test_engines_one_at_a_time_take_no_replica_kv_blocks():
+    with pytest.raises(ValueError, match="engines one at a time hold no KV memory"):
+        simulate(
+            trace(0.5, 2, 50), ServerConfig(), replicas=2, router=Random(), replica_kv_blocks=[8, 8]
+        )
+
+
+def test_simulate_a_fleet_of_its_own_kv_sizes(capsys):
+    code, out, err = qlab(
+        [
+            "simulate",
+            "--batching",
+            "--kv-blocks",
+            "600",
+            "--requests",
+            "200",
+            "--replicas",
+            "3",
+            "--replica-kv-blocks",
+            "600,600,100",
+        ],
+        capsys,
+    )
+    assert code == 0 and err == "" and "3 replicas, KV blocks 600,600,100 behind" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--replicas", "3", "--replica-kv-blocks", "800,800"], "each of the 3 replicas"),
+        (["--replicas", "2", "--replica-kv-blocks", "800,0"], "one whole number >= 1"),
+        (["--replicas", "2", "--replica-kv-blocks", "800,x"], "bad --replica-kv-blocks '800,x'"),
+        (["--replicas", "2", "--replica-kv-blocks", "8.5,8"], "expected whole numbers"),
+        (["--replica-kv-blocks", "800"], "--replica-kv-blocks: a fleet's options"),
+    ],
+)
+def test_simulate_refuses_bad_replica_kv_blocks_in_one_line(args, message, capsys):
+    code, out, err = qlab(["simulate", "--requests", "50", "--batching", *args], capsys)
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_refuses_replica_kv_blocks_of_engines_one_at_a_time_in_one_line(capsys):
+    args = ["simulate", "--requests", "50", "--replicas", "2", "--replica-kv-blocks", "8,8"]
+    code, out, err = qlab(args, capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "engines one at a time hold no KV memory" in err
+
+
 @pytest.mark.parametrize(
     "down, message",
     [
