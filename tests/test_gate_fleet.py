@@ -1034,7 +1034,8 @@ def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(r
 # -- served, replayed and compared: real processes ---------------------------------------------
 
 # the replay of a fleet with a replica down for a while: its window, trace and load
-E2E_DOWN, E2E_SECONDS, E2E_LOAD = "1:2:4", 6, {False: 0.8, True: 1.5}
+# (the window opens 4 s after the gate starts: inside the trace wherever its start-up took < 3 s)
+E2E_DOWN, E2E_SECONDS, E2E_LOAD = "1:4:6", 8, {False: 0.8, True: 1.5}
 
 
 def _qlab(*argv) -> str:
@@ -1144,8 +1145,9 @@ def test_replicas_at_their_own_speeds_and_down_for_a_while_served_replayed_and_c
     """qlab serve --replicas 2 --router jsq --replica-speeds 1,0.5 --replica-down 1:FROM:TO (one
     at a time, and --batching), a seeded trace of a few seconds through qlab replay and qlab
     compare on its run file: every request one outcome; replica 1 sent nothing while down (but
-    what the gate took as the window began, before its timer ran: ended there at once); the slow
-    replica's runs twice the other's; the replay's rule disagreements 0."""
+    what the gate took as the window began, before its timer ran: ended there at once); the replay's
+    rule disagreements 0 (the speeds' times are the virtual-clock tests' above: a wall clock's
+    would be a margin)."""
     import httpx
 
     pytest.importorskip("fastapi")
@@ -1165,7 +1167,7 @@ def test_replicas_at_their_own_speeds_and_down_for_a_while_served_replayed_and_c
     with serving([options], tmp_path, 60) as (server,):
         frame = _replayed(server.url, run, E2E_LOAD[batching], seconds=E2E_SECONDS)
         fleet = httpx.get(server.url + "/stats", timeout=10).json()["fleet"]
-    assert fleet["speeds"] == [1.0, 0.5] and fleet["down"] == [[1, 2.0, 4.0]]
+    assert fleet["speeds"] == [1.0, 0.5] and fleet["down"] == [[1, 4.0, 6.0]]
     assert len(frame) > 20 and frame["request_id"].is_unique
     assert frame["outcome"].notna().all() and frame["server_arrival_s"].notna().all()
     # The window on the run's clock (the gate's own, /stats' down_started_at), inside the run.
@@ -1180,10 +1182,6 @@ def test_replicas_at_their_own_speeds_and_down_for_a_while_served_replayed_and_c
     errors = frame[frame["outcome"].eq("error")]
     assert errors["replica"].eq(1).all()
     assert errors["reason"].isin(["engine_exception", "shutting_down"]).all()
-    if not batching:  # each run sleeps its calibrated estimate x 1 / its replica's speed
-        answered = frame[frame["outcome"].isin(["good", "late"])]
-        slow = (answered["engine_s"] / answered["calibrated_est_s"]).groupby(answered["replica"])
-        assert 1.8 < slow.median()[1] / slow.median()[0] < 2.2
     summary = _compared(run, tmp_path / "cmp")
     assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
 
