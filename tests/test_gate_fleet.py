@@ -1031,18 +1031,49 @@ def test_a_batching_replica_that_fails_every_request_is_paused_and_tried_again(r
     assert stats["in_service"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
 
 
+# -- served, replayed and compared: real processes ---------------------------------------------
+
+# the replay of a fleet with a replica down for a while: its window, trace and load
+# (the window opens 4 s after the gate starts: inside the trace wherever its start-up took < 3 s)
+E2E_DOWN, E2E_SECONDS, E2E_LOAD = "1:4:6", 8, {False: 0.8, True: 1.5}
+
+
+def _qlab(*argv) -> str:
+    """``qlab ARGV`` in a process of its own, as a user runs it; its stdout (its stderr said where
+    it fails)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments", *map(str, argv)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _replayed(url: str, run, load: float, seconds: float = 8, seed: int = 5) -> pd.DataFrame:
+    """``qlab replay`` of a seeded poisson trace against ``url``, written to ``run``; its rows."""
+    _qlab(
+        *("replay", "--url", url, "--arrivals", "poisson", "--nominal-load", load),
+        *("--seconds", seconds, "--seed", seed, "--out", run),
+    )
+    return pd.read_parquet(run)
+
+
+def _compared(run, out) -> dict:
+    """``qlab compare RUN --json``'s summary: the run rebuilt and replayed by the simulator."""
+    import json
+
+    return json.loads(_qlab("compare", run, "--json", "--out", out))["summary"]
+
+
 @pytest.mark.slow
 def test_a_fleet_of_batching_upstreams_routes_learns_each_and_replays(tmp_path):
     """qlab serve --engine upstream --batching with two --upstream-url, each a real ``qlab serve
     --batching`` (4 seats, a known step): one replica per upstream behind jsq, every request one
     outcome on the replica that served it (each upstream counted those routed to it), each
     replica's learner its own, and qlab compare rebuilds the run with no rule disagreement."""
-    import json
-    import subprocess
-    import sys
-
     import httpx
-    import pandas as pd
 
     pytest.importorskip("fastapi")
     from live.procs import serving
@@ -1050,7 +1081,6 @@ def test_a_fleet_of_batching_upstreams_routes_learns_each_and_replays(tmp_path):
 
     step = "0.02,0.0001,0.002,0"
     ups = [ServeOptions(policy="none", batching=True, step=step, max_num_seqs=4)] * 2
-    qlab = [sys.executable, "-m", "experiments"]
     run = tmp_path / "run.parquet"
     with serving(ups, tmp_path / "up", 60) as (a, b):
         gate = ServeOptions(
@@ -1061,16 +1091,9 @@ def test_a_fleet_of_batching_upstreams_routes_learns_each_and_replays(tmp_path):
             router="jsq",
         )
         with serving([gate], tmp_path / "gate", 60) as (server,):
-            subprocess.run(
-                [*qlab, "replay", "--url", server.url, "--arrivals", "poisson"]
-                + ["--nominal-load", "1.2", "--seconds", "8", "--seed", "5", "--out", str(run)],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
+            frame = _replayed(server.url, run, 1.2)
             stats = httpx.get(server.url + "/stats", timeout=10).json()
         served = [httpx.get(u.url + "/stats", timeout=10).json()["counts"] for u in (a, b)]
-    frame = pd.read_parquet(run)
     assert len(frame) > 20 and frame["outcome"].notna().all()
     answered = frame["outcome"].isin(["good", "late"])
     by_replica = frame.loc[answered, "replica"].value_counts()
@@ -1080,14 +1103,7 @@ def test_a_fleet_of_batching_upstreams_routes_learns_each_and_replays(tmp_path):
     assert [e["max_num_seqs"] for e in stats["replica_engines"]] == [4, 4]
     assert len(stats["replicas"]) == 2 and all("step" in r for r in stats["replicas"])
     assert all("learned" in e for e in stats["replica_engines"])
-    summary = json.loads(
-        subprocess.run(
-            [*qlab, "compare", str(run), "--json", "--out", str(tmp_path / "cmp")],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-    )["summary"]
+    summary = _compared(run, tmp_path / "cmp")
     assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
 
 
@@ -1098,68 +1114,76 @@ def test_a_batching_fleet_served_replayed_and_compared(tmp_path):
     compare rebuilds the fleet (simulate(replicas=, step_times=) from the run's step log) and
     reports its disagreements by cause, none of them the rules' (timing ones may be: a real
     clock)."""
-    import json
-    import subprocess
-    import sys
-
-    import pandas as pd
-
     pytest.importorskip("fastapi")
     from live.procs import serving
     from live.serve_options import ServeOptions
 
     options = ServeOptions(policy="predictive", batching=True, replicas=3, router="jsq")
-    qlab = [sys.executable, "-m", "experiments"]
     run = tmp_path / "run.parquet"
     with serving([options], tmp_path, 60) as (server,):
-        subprocess.run(
-            [
-                *qlab,
-                "replay",
-                "--url",
-                server.url,
-                "--arrivals",
-                "poisson",
-                "--nominal-load",
-                "1.5",
-                "--seconds",
-                "8",
-                "--seed",
-                "5",
-                "--out",
-                str(run),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    frame = pd.read_parquet(run)
+        frame = _replayed(server.url, run, 1.5)
     assert len(frame) > 20 and frame["request_id"].is_unique
     assert frame["outcome"].notna().all()
     answered = frame["outcome"].isin(["good", "late"])
     assert frame.loc[answered, "replica"].between(0, 2).all()
     assert frame.loc[answered, "replica"].nunique() == 3
-    done = subprocess.run(
-        [*qlab, "compare", str(run), "--out", str(tmp_path / "cmp")],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    assert "by cause: rule 0 (" in done.stdout, done.stdout
-    assert "disagreements:" in done.stdout
-    summary = json.loads(
-        subprocess.run(
-            [*qlab, "compare", str(run), "--json", "--out", str(tmp_path / "cmp2")],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-    )
-    s = summary["summary"]
+    said = _qlab("compare", run, "--out", tmp_path / "cmp")
+    assert "by cause: rule 0 (" in said, said
+    assert "disagreements:" in said
+    s = _compared(run, tmp_path / "cmp2")
     assert s["requests"] == len(frame)
     assert s["rule_disagreements"] == 0
     assert s["disagreements"] == s["timing_disagreements"] + s["unknown_cause_disagreements"]
     assert s["unknown_cause_disagreements"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", [False, True], ids=["one_at_a_time", "batching"])
+def test_replicas_at_their_own_speeds_and_down_for_a_while_served_replayed_and_compared(
+    batching, tmp_path
+):
+    """qlab serve --replicas 2 --router jsq --replica-speeds 1,0.5 --replica-down 1:FROM:TO (one
+    at a time, and --batching), a seeded trace of a few seconds through qlab replay and qlab
+    compare on its run file: every request one outcome; replica 1 sent nothing while down (but
+    what the gate took as the window began, before its timer ran: ended there at once); the replay's
+    rule disagreements 0 (the speeds' times are the virtual-clock tests' above: a wall clock's
+    would be a margin)."""
+    import httpx
+
+    pytest.importorskip("fastapi")
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+    from qsim.runfile import fleet_spec
+
+    options = ServeOptions(
+        policy="predictive",
+        batching=batching,
+        replicas=2,
+        router="jsq",
+        replica_speeds="1,0.5",
+        replica_down=E2E_DOWN,
+    )
+    run = tmp_path / "run.parquet"
+    with serving([options], tmp_path, 60) as (server,):
+        frame = _replayed(server.url, run, E2E_LOAD[batching], seconds=E2E_SECONDS)
+        fleet = httpx.get(server.url + "/stats", timeout=10).json()["fleet"]
+    assert fleet["speeds"] == [1.0, 0.5] and fleet["down"] == [[1, 4.0, 6.0]]
+    assert len(frame) > 20 and frame["request_id"].is_unique
+    assert frame["outcome"].notna().all() and frame["server_arrival_s"].notna().all()
+    # The window on the run's clock (the gate's own, /stats' down_started_at), inside the run.
+    ((r, down_s, up_s),) = fleet_spec(frame).down
+    assert r == 1 and 0 < down_s < up_s < E2E_SECONDS
+    took, there = frame["server_arrival_s"], frame["replica"].eq(1)
+    inside = took.ge(down_s) & took.lt(up_s)
+    assert inside.any() and there[~inside].any() and frame["replica"].eq(0)[inside].any()
+    edge = frame[there & inside]
+    assert edge["reason"].isin(["engine_exception", "shutting_down"]).all()
+    assert edge["server_arrival_s"].lt(down_s + 0.05).all()
+    errors = frame[frame["outcome"].eq("error")]
+    assert errors["replica"].eq(1).all()
+    assert errors["reason"].isin(["engine_exception", "shutting_down"]).all()
+    summary = _compared(run, tmp_path / "cmp")
+    assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
 
 
 @pytest.mark.parametrize("router", ["jsq", "round_robin", "central"])
