@@ -583,20 +583,21 @@ def test_a_slower_batching_replica_answers_later_and_jsq_sends_it_less():
     assert sent[1] < 0.7 * sent[0]
 
 
-@pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
-def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind):
+def _windowed(kind: str):
+    """(trace, config, replica 1's window) of the down and drain tests: three replicas past
+    capacity, one at a time (a window of 100 s) or batching (1 s)."""
     if kind == "batching":
-        t, config, down = (
+        return (
             shared_trace(load=0.9, requests=1500),
             ServerConfig(PRESETS["none"], BATCH, seed=1),
             (1, 1.0, 2.0),
         )
-    else:
-        t, config, down = (
-            trace(1.1, 3, 3000),
-            ServerConfig(PRESETS["none"], 1, seed=1),
-            (1, 100.0, 200.0),
-        )
+    return trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1), (1, 100.0, 200.0)
+
+
+@pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
+def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind):
+    t, config, down = _windowed(kind)
     _, at, back = down
     with testing.audited_batches():
         frame = records.validate(
@@ -628,18 +629,7 @@ def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind)
 
 @pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
 def test_a_draining_replica_finishes_what_it_held_and_gets_nothing_until_back(kind):
-    if kind == "batching":
-        t, config, window = (
-            shared_trace(load=0.9, requests=1500),
-            ServerConfig(PRESETS["none"], BATCH, seed=1),
-            (1, 1.0, 2.0),
-        )
-    else:
-        t, config, window = (
-            trace(1.1, 3, 3000),
-            ServerConfig(PRESETS["none"], 1, seed=1),
-            (1, 100.0, 200.0),
-        )
+    t, config, window = _windowed(kind)
     _, at, back = window
     with testing.audited_batches():
         frame = records.validate(
