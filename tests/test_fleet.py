@@ -583,27 +583,32 @@ def test_a_slower_batching_replica_answers_later_and_jsq_sends_it_less():
     assert sent[1] < 0.7 * sent[0]
 
 
-def _windowed(kind: str):
-    """(trace, config, replica 1's window) of the down and drain tests: three replicas past
-    capacity, one at a time (a window of 100 s) or batching (1 s)."""
+def _windowed(kind: str, what: str):
+    """(trace, config, replica 1's window's start and end, the records) of three replicas past
+    capacity behind jsq, replica 1 ``what`` ("down" or "drain") in its window: one at a time
+    (a window of 100 s) or batching (1 s)."""
     if kind == "batching":
-        return (
+        t, config, window = (
             shared_trace(load=0.9, requests=1500),
             ServerConfig(PRESETS["none"], BATCH, seed=1),
             (1, 1.0, 2.0),
         )
-    return trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1), (1, 100.0, 200.0)
+    else:
+        t, config = trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1)
+        window = (1, 100.0, 200.0)
+    with testing.audited_batches():
+        frame = records.validate(
+            simulate(
+                t, config, replicas=3, router=make_router("jsq"), **{f"replica_{what}": [window]}
+            )
+        )
+    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    return t, config, window[1], window[2], frame
 
 
 @pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
 def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind):
-    t, config, down = _windowed(kind)
-    _, at, back = down
-    with testing.audited_batches():
-        frame = records.validate(
-            simulate(t, config, replicas=3, router=make_router("jsq"), replica_down=[down])
-        )
-    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    t, config, at, back, frame = _windowed(kind, "down")
     failed = frame[frame["outcome"] == "error"]
     # Each ended at the failure, on the replica that failed: what ran there an engine's error,
     # what waited a stopped server's.
@@ -629,13 +634,7 @@ def test_a_replica_down_ends_what_it_held_once_and_gets_nothing_until_back(kind)
 
 @pytest.mark.parametrize("kind", ["one_at_a_time", "batching"])
 def test_a_draining_replica_finishes_what_it_held_and_gets_nothing_until_back(kind):
-    t, config, window = _windowed(kind)
-    _, at, back = window
-    with testing.audited_batches():
-        frame = records.validate(
-            simulate(t, config, replicas=3, router=make_router("jsq"), replica_drain=[window])
-        )
-    assert len(frame) == len(t) and frame["outcome"].notna().all()
+    _, _, at, back, frame = _windowed(kind, "drain")
     # What replica 1 held at the drain (arrived before it, not ended by then) ends answered.
     held = frame[(frame["replica"] == 1) & (frame["arrival_s"] < at) & (frame["finish_s"] > at)]
     assert len(held) and held["outcome"].isin(["good", "late"]).all()  # answered, late or not
