@@ -226,11 +226,11 @@ def _fleet_from_args(args, config: ServerConfig) -> FleetSpec | None:
         fleet = FleetSpec(
             args.replicas,
             router,
-            replica_speeds(args.replica_speeds),
-            tuple(map(replica_down, args.replica_down or ())),
-            args.admission_at or "replica",
-            tuple(map(replica_drain, args.replica_drain or ())),
-            replica_kv_blocks(args.replica_kv_blocks),
+            speeds=replica_speeds(args.replica_speeds),
+            down=tuple(map(replica_down, args.replica_down or ())),
+            admission=args.admission_at or "replica",
+            drain=tuple(map(replica_drain, args.replica_drain or ())),
+            kv_blocks=replica_kv_blocks(args.replica_kv_blocks),
         )
         fleet.check(config)
     except ValueError as exc:

@@ -162,11 +162,11 @@ class FleetSpec:
             return cls(
                 int(raw["replicas"]),
                 router,
-                None if speeds is None else tuple(speeds),
-                _windows(raw.get("down", ())),
-                raw.get("admission", "replica"),
-                _windows(raw.get("drain", ())),
-                None if kv_blocks is None else tuple(kv_blocks),
+                speeds=None if speeds is None else tuple(speeds),
+                down=_windows(raw.get("down", ())),
+                admission=raw.get("admission", "replica"),
+                drain=_windows(raw.get("drain", ())),
+                kv_blocks=None if kv_blocks is None else tuple(kv_blocks),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a fleet's fields {raw!r}: {exc!r}") from None

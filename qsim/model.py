@@ -253,11 +253,11 @@ def _fleet(
     fleet = FleetSpec(
         replicas,
         router,
-        None if speeds is None else tuple(speeds),
-        tuple(tuple(w) for w in down),
-        admission,
-        tuple(tuple(w) for w in drain),
-        None if kv_blocks is None else tuple(kv_blocks),
+        speeds=None if speeds is None else tuple(speeds),
+        down=tuple(tuple(w) for w in down),
+        admission=admission,
+        drain=tuple(tuple(w) for w in drain),
+        kv_blocks=None if kv_blocks is None else tuple(kv_blocks),
     )
     fleet.check(config)
     return fleet
