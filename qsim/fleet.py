@@ -403,7 +403,7 @@ class Fleet:
         it holds leaves it, as a client that left would: (request, "running" or "waiting") each.
         A run one at a time holds its engine to its own end (a run is not stopped); a batch's
         blocks are freed at once."""
-        self._down[r] = self.up[r] = False
+        self._down[r], self.up[r] = True, False
         line = self.lines[r]
         held = [req for req, where in self.where.items() if where is line]
         return [(req, state) for req in held if (state := line.cancel(req, now)) is not None]
