@@ -416,7 +416,7 @@ class Fleet:
     def drain(self, r: int) -> None:
         """Replica r drains: no arrival is routed to it until :meth:`end_drain`, while what it
         holds (running, and waiting in its own line) stays and runs to its end."""
-        self._draining[r] = self.up[r] = False
+        self._draining[r], self.up[r] = True, False
 
     def end_drain(self, r: int, now: float | None = None) -> None:
         """Replica r takes arrivals again (``now``: when, for a fleet that wakes it)."""
