@@ -28,8 +28,9 @@ def _agree(
     admission="replica",
     speeds=None,
     down=(),
+    drain=(),
 ):
-    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission)
+    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission, drain=drain)
     gate, stats = run_gate(trace, policy, engines, fleet=spec)
     sim = simulate(
         trace,
@@ -39,6 +40,7 @@ def _agree(
         admission_at=admission,
         replica_speeds=speeds,
         replica_down=down,
+        replica_drain=drain,
     )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
@@ -149,6 +151,94 @@ def test_batching_replicas_at_their_own_speeds_and_down_for_a_while_match_the_si
     ended = sim[sim["reason"].isin(["engine_exception", "shutting_down"])]
     assert set(ended["replica"]) == {1, 2} and len(ended) > 3
     assert stats["fleet"]["speeds"] == list(SPEEDS)
+
+
+# -- a replica that drains for a while (--replica-drain) ----------------------------------------
+
+DRAIN = ((1, 3.0, 6.0),)
+
+
+def _drained(sim, at: float = 3.0, back: float = 6.0) -> None:
+    """Nothing ended in error; replica 1 was sent nothing inside its window (what it held then ran
+    on there, answered), and was sent to again after it."""
+    assert not sim["outcome"].eq("error").any()
+    there = sim["replica"].eq(1)
+    arrived = sim["arrival_s"]
+    assert not (there & arrived.between(at, back, inclusive="left")).any()
+    assert (there & arrived.lt(at)).any() and (there & arrived.ge(back)).any()
+    held = sim[there & arrived.lt(at) & sim["finish_s"].gt(at)]
+    assert len(held) and held["outcome"].isin(["good", "late"]).all()
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq"])
+@pytest.mark.parametrize("policy", ["predictive", "bounded"])
+def test_a_replica_draining_for_a_while_matches_the_simulator(router, policy):
+    """qlab serve --replicas 3 --replica-drain 1:3:6, one engine at a time: the router sends
+    replica 1 nothing from 3 s to 6 s after the gate's start while what it holds runs out there,
+    request by request equal to simulate(replica_drain=); the run file's window on its clock."""
+    trace = make_trace("poisson", "mix", load=1.2, engines=5, seconds=10, seed=3, noise_cv=0.3)
+    sim, stats = _agree(trace, PRESETS[policy], 2, router, drain=DRAIN)
+    _drained(sim)
+    assert FleetSpec.from_fields(stats["fleet"]) == FleetSpec(3, make_router(router), drain=DRAIN)
+    assert all(r["up"] for r in stats["replicas"])
+    from live.rows import server_info
+    from qsim.runfile import fleet_spec
+
+    assert stats["fleet"]["down_started_at"] == 0.0
+    columns = server_info(stats).columns(1, server_zero=4.0)  # began 4 s after: the window 0-2
+    assert fleet_spec(pd.DataFrame({k: list(v) for k, v in columns.items()})).drain == (
+        (1, 0.0, 2.0),
+    )
+    early = server_info(stats).columns(1, server_zero=-2.0)
+    assert fleet_spec(pd.DataFrame({k: list(v) for k, v in early.items()})).drain == (
+        (1, 5.0, 8.0),
+    )
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
+def test_batching_replicas_draining_for_a_while_match_the_simulator(router):
+    """The same for three batching replicas: a draining replica's batch and line run out there (a
+    central line's: it takes nothing from it in the window, and takes from it at once after)."""
+    engine, trace = _batching(0.3, 3.0, 12, 4)
+    config = ServerConfig(PRESETS["predictive"], engine=engine, seed=5)
+    sim, stats = _agree_batching(trace, config, router, drain=DRAIN)
+    if router == "central":  # bound where it joins a batch: none joins replica 1 in the window
+        there = sim["replica"].eq(1)
+        assert not (there & sim["start_s"].between(3.0, 6.0, inclusive="neither")).any()
+        assert (there & sim["start_s"].ge(6.0)).any()
+        # the line waited at 6 s: replica 1 took from it then, as the simulator's
+        assert np.isclose(sim.loc[there & sim["start_s"].ge(6.0), "start_s"].min(), 6.0)
+        assert not sim["outcome"].eq("error").any()
+    else:
+        _drained(sim)
+    assert stats["fleet"]["drain"] == [list(w) for w in DRAIN]
+
+
+def test_the_watch_leaves_a_draining_replica_draining_and_takes_it_down_when_unwell():
+    """LiveFleet.watch reads a replica's down state, not its routing flag: a draining replica (not
+    up, not down) is not brought back by a watch while well, goes down when unready, and once well
+    again is still draining until its window ends."""
+    from live.fleet_gate import fleet_queue
+
+    def hook(*_):
+        return None
+
+    fleet = fleet_queue(
+        ServerConfig(PRESETS["none"], 1),
+        FleetSpec(3, make_router("round_robin")),
+        start=hook,
+        drop=hook,
+        gone=hook,
+        routed=hook,
+    )
+    fleet.drain(1)
+    assert fleet.watch(1.0) == [] and fleet.up == [True, False, True]
+    fleet.watch(2.0, unready={1})
+    assert fleet._down[1] and fleet.up == [True, False, True]
+    fleet.watch(3.0)
+    assert not fleet._down[1] and fleet.up == [True, False, True]  # well, still draining
+    fleet.end_drain(1, 4.0)
+    assert fleet.up == [True] * 3
 
 
 # -- a replica that dies mid-run --------------------------------------------------------------
@@ -689,12 +779,19 @@ BATCH_ROUTERS = [
 
 
 def _agree_batching(
-    trace, config, router: str, replicas: int = 3, admission="replica", speeds=None, down=()
+    trace,
+    config,
+    router: str,
+    replicas: int = 3,
+    admission="replica",
+    speeds=None,
+    down=(),
+    drain=(),
 ):
     """A gate of ``replicas`` batching replicas (the real SyntheticBatchEngine, one each) and the
     simulator's batching fleet, request by request: outcome, reason, replica, engine, start,
     finish, first token, tokens and the admission view (admitted where ``admission`` says)."""
-    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission)
+    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission, drain=drain)
     gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
     sim = simulate(
         trace,
@@ -704,6 +801,7 @@ def _agree_batching(
         admission_at=admission,
         replica_speeds=speeds,
         replica_down=down,
+        replica_drain=drain,
     )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
