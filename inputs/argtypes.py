@@ -116,3 +116,8 @@ def replica_drain(text: str) -> tuple:
 def replica_downs(text: str) -> tuple:
     """--replica-down given once or more (kept joined by commas), each as :func:`replica_down`."""
     return tuple(map(replica_down, text.split(",")))
+
+
+def replica_drains(text: str) -> tuple:
+    """--replica-drain given once or more (kept joined by commas), each as :func:`replica_drain`."""
+    return tuple(map(replica_drain, text.split(",")))

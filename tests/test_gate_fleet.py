@@ -511,9 +511,52 @@ def test_serve_options_take_replica_speeds_and_replicas_down():
     assert table.fleet() == FleetSpec(2, make_router("round_robin"), (1.0, 0.5), ((1, 2, 3),))
 
 
+def test_serve_options_take_replica_drains_for_every_engine():
+    """--replica-drain R:FROM:TO (repeat) and [server]'s replica_drain: the fleet's FleetSpec
+    drain, on a child's command line too; a drain is routing, so any engine's fleet takes it (a
+    fleet of upstreams, one per --upstream-url, included)."""
+    from live.serve_options import ServeOptions
+
+    options = _options("--replicas", "3", "--replica-drain", "1:3:6", "--replica-drain", "0:1:2.5")
+    assert options.fleet() == FleetSpec(
+        3, make_router("round_robin"), drain=((1, 3, 6), (0, 1, 2.5))
+    )
+    child = options.argv()
+    assert child[child.index("--replica-drain") + 1] == "1:3:6,0:1:2.5"
+    assert _options(*child[child.index("serve") + 1 :]).fleet() == options.fleet()
+    both = _options("--replicas", "2", "--replica-down", "0:1:2", "--replica-drain", "1:3:4")
+    assert both.fleet() == FleetSpec(
+        2, make_router("round_robin"), down=((0, 1, 2),), drain=((1, 3, 4),)
+    )
+    urls = ("--upstream-url", "http://a:1", "--upstream-url", "http://b:2")
+    upstream = _options("--engine", "upstream", *urls, "--replica-drain", "1:2:3")
+    assert upstream.fleet().drain == ((1, 2.0, 3.0),)
+    assert "--replica-drain" in upstream.argv()
+    table = ServeOptions.from_table("t", {"replicas": 2, "replica_drain": "1:2:3,0:5:6"})
+    assert table.fleet().drain == ((1, 2.0, 3.0), (0, 5.0, 6.0))
+    assert ServeOptions.toml_kinds()["replica_drain"] is str
+    up_table = ServeOptions.from_table(
+        "t",
+        {"engine": "upstream", "upstream_url": "http://a:1,http://b:2", "replica_drain": "0:1:2"},
+    )
+    assert up_table.fleet().drain == ((0, 1.0, 2.0),)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
+        (("--replica-drain", "0:1:2"), "--replica-drain: a fleet's options"),
+        (("--replicas", "2", "--replica-drain", "1:3"), "bad --replica-drain '1:3'"),
+        (("--replicas", "2", "--replica-drain", "2:1:3"), "a replica draining is (replica of 0..1"),
+        (("--replicas", "2", "--replica-drain", "1:3:2"), "0 <= from_s < to_s"),
+        (
+            ("--replicas", "2", "--replica-down", "0:1:3", "--replica-drain", "1:2:4"),
+            "every replica is down or draining at 2 s",
+        ),
+        (
+            ("--replicas", "2", "--router", "central", "--replica-drain", "1:2:3"),
+            "a replica draining: a central queue in front of engines one at a time",
+        ),
         (("--replica-speeds", "1,1"), "--replica-speeds: a fleet's options, for --replicas N > 1"),
         (("--replica-down", "0:1:2"), "--replica-down: a fleet's options"),
         (("--replicas", "2", "--replica-speeds", "1,x"), "bad --replica-speeds '1,x'"),
@@ -546,7 +589,7 @@ def test_serve_options_take_replica_speeds_and_replicas_down():
         (("--engine", "gpt2", "--replica-down", "0:1:2"), "only with --engine synthetic"),
     ],
 )
-def test_serve_refuses_bad_replica_speeds_and_downs_in_one_line(argv, says, capsys):
+def test_serve_refuses_bad_replica_speeds_downs_and_drains_in_one_line(argv, says, capsys):
     from experiments.cli import main
 
     assert main(["serve", "--port", "0", *argv]) == 2
