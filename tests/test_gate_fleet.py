@@ -1327,6 +1327,40 @@ def test_replicas_at_their_own_speeds_and_down_for_a_while_served_replayed_and_c
     assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", [False, True], ids=["one_at_a_time", "batching"])
+def test_a_replica_draining_for_a_while_served_replayed_and_compared(batching, tmp_path):
+    """qlab serve --replicas 2 --router jsq --replica-drain 1:4:6 (one at a time, and --batching),
+    a seeded trace through qlab replay and qlab compare on its run file: nothing ends in error,
+    replica 1 sent nothing in its window on the run's clock (but what the gate took as it began,
+    before its timer ran), sent to again after; the replay's rule disagreements 0."""
+    import httpx
+
+    pytest.importorskip("fastapi")
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+    from qsim.runfile import fleet_spec
+
+    options = ServeOptions(
+        policy="predictive", batching=batching, replicas=2, router="jsq", replica_drain=E2E_DOWN
+    )
+    run = tmp_path / "run.parquet"
+    with serving([options], tmp_path, 60) as (server,):
+        frame = _replayed(server.url, run, E2E_LOAD[batching], seconds=E2E_SECONDS)
+        fleet = httpx.get(server.url + "/stats", timeout=10).json()["fleet"]
+    assert fleet["drain"] == [[1, 4.0, 6.0]] and "down_started_at" in fleet
+    assert len(frame) > 20 and frame["request_id"].is_unique
+    assert frame["outcome"].notna().all() and not frame["outcome"].eq("error").any()
+    ((r, from_s, to_s),) = fleet_spec(frame).drain
+    assert r == 1 and 0 < from_s < to_s < E2E_SECONDS
+    took, there = frame["server_arrival_s"], frame["replica"].eq(1)
+    inside = took.ge(from_s) & took.lt(to_s)
+    assert inside.any() and there[took.lt(from_s)].any() and there[took.ge(to_s + 0.1)].any()
+    assert frame.loc[there & inside, "server_arrival_s"].lt(from_s + 0.05).all()
+    summary = _compared(run, tmp_path / "cmp")
+    assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
+
+
 @pytest.mark.parametrize("router", ["jsq", "round_robin", "central"])
 def test_a_hung_batching_replica_is_the_simulators_replica_down(router, monkeypatch):
     """The live watch and the simulator's replica_down agree on the virtual clock: replica 1's
