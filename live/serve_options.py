@@ -645,8 +645,8 @@ class ServeOptions:
             )
         return {
             "speeds": argtypes.replica_speeds(self.replica_speeds),
-            "down": _windows(argtypes.replica_downs, self.replica_down),
-            "drain": _windows(argtypes.replica_drains, self.replica_drain),
+            "down": argtypes.replica_downs(self.replica_down),
+            "drain": argtypes.replica_drains(self.replica_drain),
         }
 
     # ------------------------------------------------------------ the command line
@@ -785,11 +785,6 @@ class ServeOptions:
             and getattr(self, f.name) is not None
             and getattr(self, f.metadata["needs"][0]) is None
         ]
-
-
-def _windows(parse, text: str | None) -> tuple:
-    """A window flag's (replica, from_s, to_s) tuples, ``parse``'d (none: not given)."""
-    return () if text is None else parse(text)
 
 
 def _flag(name: str) -> str:
