@@ -264,6 +264,7 @@ def simulate_arrivals(
             "router": fleet.router,
             "replica_speeds": fleet.speeds,
             "replica_down": fleet.down,
+            "replica_drain": fleet.drain,
             "admission_at": fleet.admission,
         }
     return simulate(trace, setup, speed_schedule=schedule, **faults)

@@ -113,6 +113,13 @@ def replica_drain(text: str) -> tuple:
     return replica_down(text, "--replica-drain")
 
 
-def replica_downs(text: str) -> tuple:
-    """--replica-down given once or more (kept joined by commas), each as :func:`replica_down`."""
-    return tuple(map(replica_down, text.split(",")))
+def replica_downs(text: str | None) -> tuple:
+    """--replica-down given once or more (kept joined by commas), each as :func:`replica_down`
+    (none: not given)."""
+    return () if text is None else tuple(map(replica_down, text.split(",")))
+
+
+def replica_drains(text: str | None) -> tuple:
+    """--replica-drain given once or more (kept joined by commas), each as :func:`replica_drain`
+    (none: not given)."""
+    return () if text is None else tuple(map(replica_drain, text.split(",")))

@@ -111,11 +111,17 @@ class _Watched:
         left = []
         for r in range(len(self.lines)):
             down = r in stalled or r in unready
-            if not self.up[r] and not down:
+            # Down or not is the replica's own state (_down): a draining replica is not up (the
+            # router skips it) but is not down either, and goes down when it is unwell.
+            if self._down[r] and not down:
                 self.restore(r, now)
-            elif self.up[r] and down and sum(self.up) > 1:
+            elif not self._down[r] and down and self._another_up(r):
                 left += [(req, state, r) for req, state in self.fail(r, now)]
         return left
+
+    def _another_up(self, r: int) -> bool:
+        """Some replica but r is up (the router has somewhere to send)."""
+        return any(up for q, up in enumerate(self.up) if q != r)
 
 
 class LiveFleet(_Readings, _Watched, Fleet):
@@ -227,25 +233,38 @@ class ReplicaWatch:
         # out of routing.
         self._failing = [0] * gate.fleet.replicas
         self._paused: dict[int, float] = {}
-        # --replica-down's windows (FleetSpec.down), in seconds since the gate started (start()).
+        # --replica-down's and --replica-drain's windows (FleetSpec.down, .drain), in seconds
+        # since the gate started (start()).
         self._zero = 0.0
         self._timers: list[asyncio.TimerHandle] = []
 
     def start(self, now, after=lambda: None) -> None:
-        """Count --replica-down's windows from now (the gate's start, as the simulator's from its
-        time 0), and at each window's ends (``at``, gate clock) :meth:`watch` at that very time
-        (``now``: the driver's clock read for an event; a loop timer early by its clock's
-        resolution is placed at ``at``), then ``after()`` (the driver's own, e.g. its timers), so
-        that a replica goes down and comes back at those very times."""
+        """Count --replica-down's and --replica-drain's windows from now (the gate's start, as the
+        simulator's from its time 0), and at each window's ends (``at``, gate clock) turn it at
+        that very time (``now``: the driver's clock read for an event; a loop timer early by its
+        clock's resolution is placed at ``at``): a down window's :meth:`watch`, a drain's the
+        fleet's ``drain(r)`` and ``end_drain(r, at)`` (the simulator's own; a central line's
+        replica back takes from it), then ``after()`` (the driver's own, e.g. its timers), so that
+        a replica goes down or drains and comes back at those very times. Down windows first, as
+        the simulator's timers (qsim.driver)."""
+        fleet, self._zero = self.gate.fleet, self.gate.clock()
+        for _, down_s, up_s in fleet.down:
+            for seconds in (down_s, up_s):
+                self._at(seconds, self._turn, now, after)
+        for r, from_s, to_s in fleet.drain:
+            self._at(from_s, self._drain, r, True, now, after)
+            self._at(to_s, self._drain, r, False, now, after)
+
+    def _at(self, seconds: float, turn, *args) -> None:
+        """``turn(at, *args)`` on a loop timer at ``seconds`` after the gate's start (``at``: that
+        time on the gate's clock)."""
         gate = self.gate
-        loop, self._zero = gate.loop, gate.clock()
-        for _, down_s, up_s in gate.fleet.down:
-            for at in (self._zero + down_s, self._zero + up_s):
-                # call_at where the gate's clock is the loop's (to the last bit, as the drivers'
-                # cut timers); a loop timer comes up to its clock's resolution early, and the
-                # driver then places the event at ``at`` itself, as the simulator's.
-                when = at if gate.clock == loop.time else loop.time() + (at - gate.clock())
-                self._timers.append(loop.call_at(when, self._turn, at, now, after))
+        loop, at = gate.loop, self._zero + seconds
+        # call_at where the gate's clock is the loop's (to the last bit, as the drivers' cut
+        # timers); a loop timer comes up to its clock's resolution early, and the driver then
+        # places the event at ``at`` itself, as the simulator's.
+        when = at if gate.clock == loop.time else loop.time() + (at - gate.clock())
+        self._timers.append(loop.call_at(when, turn, at, *args))
 
     def _turn(self, at: float, now, after) -> None:
         """A --replica-down window begins or ends (see :meth:`start`)."""
@@ -253,9 +272,19 @@ class ReplicaWatch:
             self.watch(max(now(), at))
             after()
 
+    def _drain(self, at: float, r: int, begins: bool, now, after) -> None:
+        """Replica r's --replica-drain window begins or ends (see :meth:`start`): what it holds
+        stays and runs out either way."""
+        if not self.gate.closed:
+            if begins:
+                self.gate.queue.drain(r)
+            else:
+                self.gate.queue.end_drain(r, max(now(), at))
+            after()
+
     @property
     def zero(self) -> float:
-        """The gate's clock when --replica-down's seconds began."""
+        """The gate's clock when --replica-down's and --replica-drain's seconds began."""
         return self._zero
 
     def _scheduled(self, now: float) -> dict[int, str]:

@@ -272,10 +272,11 @@ class Gate:
         self.draining = False  # the server is stopping: the waiting were answered, new ones refused
 
     def _fleet_fields(self) -> dict:
-        """The fleet's FleetSpec fields, with the gate's clock when --replica-down's seconds began
-        (its start): a run file puts the windows on its own clock with it (live.rows)."""
+        """The fleet's FleetSpec fields, with the gate's clock when --replica-down's and
+        --replica-drain's seconds began (its start): a run file puts the windows on its own clock
+        with it (live.rows)."""
         fields = self.fleet.to_fields()
-        if self.fleet.down:
+        if self.fleet.down or self.fleet.drain:
             fields["down_started_at"] = self.driver.replicas.zero
         return fields
 

@@ -100,16 +100,18 @@ class ServerInfo:
         }
 
     def _fleet_on_run_clock(self, server_zero: float) -> dict | None:
-        """The fleet's fields with --replica-down's windows in the run's seconds (they count from
-        the gate's start, ``down_started_at``): a window before the run's start is left out, one
-        that began before it begins at 0. As said where the clocks are unknown."""
+        """The fleet's fields with --replica-down's and --replica-drain's windows in the run's
+        seconds (they count from the gate's start, ``down_started_at``): a window before the run's
+        start is left out, one that began before it begins at 0. As said where the clocks are
+        unknown."""
         fleet = self.fleet
         if fleet is None or "down_started_at" not in fleet or not math.isfinite(server_zero):
             return fleet
         shift = num(fleet["down_started_at"]) - server_zero
-        down = [[r, max(0.0, a + shift), b + shift] for r, a, b in fleet["down"] if b + shift > 0]
         rest = {k: v for k, v in fleet.items() if k != "down_started_at"}
-        return {**rest, "down": down}
+        # A fleet's fields say drain only where there is one (FleetSpec.to_fields).
+        windows = [key for key in ("down", "drain") if key in fleet]
+        return {**rest, **{key: _shifted(fleet[key], shift) for key in windows}}
 
     def _schedule_on_run_clock(self, server_zero: float) -> str | None:
         """The speed schedule as JSON ({"base", "steps"}) with its steps in the run's seconds; a
@@ -125,6 +127,12 @@ class ServerInfo:
             else:
                 steps.append([t + shift, speed])
         return json.dumps({"base": base, "steps": steps})
+
+
+def _shifted(windows: list, shift: float) -> list:
+    """Windows [replica, from_s, to_s] moved by ``shift`` seconds: one that ended before 0 is left
+    out, one that began before 0 begins at 0."""
+    return [[r, max(0.0, a + shift), b + shift] for r, a, b in windows if b + shift > 0]
 
 
 def _speed_schedule(engine: EngineFacts | None) -> tuple[SpeedSchedule | None, float]:

@@ -53,7 +53,14 @@ from .engine import parse_schedule
 
 LOOPBACK = "127.0.0.1"
 #: A fleet's options besides --replicas: refused for one server.
-_FLEET_ONLY = ("router", "router_d", "admission_at", "replica_speeds", "replica_down")
+_FLEET_ONLY = (
+    "router",
+    "router_d",
+    "admission_at",
+    "replica_speeds",
+    "replica_down",
+    "replica_drain",
+)
 
 
 def _option(
@@ -233,6 +240,15 @@ class ServeOptions:
         metavar="R:FROM:TO",
         engine="synthetic",
         check=argtypes.replica_downs,
+        many=True,
+    )
+    replica_drain: str | None = _option(
+        None,
+        "replica R drains from FROM to TO seconds after the gate starts (repeat): the router "
+        "sends nothing there meanwhile, while what it holds, running and waiting, runs to its "
+        "end (the simulator's --replica-drain; any engine: it is routing); needs --replicas N",
+        metavar="R:FROM:TO",
+        check=argtypes.replica_drains,
         many=True,
     )
     batching: bool = _option(
@@ -609,7 +625,7 @@ class ServeOptions:
         fleet = FleetSpec(
             n,
             make_router(self.router or "round_robin", self.router_d),
-            *self._replica_faults(),
+            **self._replica_faults(),
             admission=self.admission_at or "replica",
         )
         # Replicas of engines one at a time, or of one batching engine each (the gate checks its
@@ -618,17 +634,20 @@ class ServeOptions:
         fleet.check(ServerConfig() if batching is None else ServerConfig(engine=batching))
         return fleet
 
-    def _replica_faults(self) -> tuple:
-        """(speeds, down) of the fleet's replicas, the simulator's FleetSpec fields; ValueError for
-        an engine whose speed is its own (a [server] table's keys are not checked per engine)."""
+    def _replica_faults(self) -> dict:
+        """The speeds, down and drain windows of the fleet's replicas, the simulator's FleetSpec
+        fields; ValueError for an engine whose speed is its own (a [server] table's keys are not
+        checked per engine). A drain is routing, not an engine's speed or health: any engine's."""
         if self.engine != "synthetic" and (self.replica_speeds or self.replica_down):
             raise ValueError(
                 "--replica-speeds, --replica-down: only with --engine synthetic (another "
                 "engine's speed and health are its own)"
             )
-        speeds = argtypes.replica_speeds(self.replica_speeds)
-        down = () if self.replica_down is None else argtypes.replica_downs(self.replica_down)
-        return speeds, down
+        return {
+            "speeds": argtypes.replica_speeds(self.replica_speeds),
+            "down": argtypes.replica_downs(self.replica_down),
+            "drain": argtypes.replica_drains(self.replica_drain),
+        }
 
     # ------------------------------------------------------------ the command line
 

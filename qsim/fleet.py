@@ -403,7 +403,7 @@ class Fleet:
         it holds leaves it, as a client that left would: (request, "running" or "waiting") each.
         A run one at a time holds its engine to its own end (a run is not stopped); a batch's
         blocks are freed at once."""
-        self._down[r] = self.up[r] = False
+        self._down[r], self.up[r] = True, False
         line = self.lines[r]
         held = [req for req, where in self.where.items() if where is line]
         return [(req, state) for req in held if (state := line.cancel(req, now)) is not None]
@@ -416,7 +416,7 @@ class Fleet:
     def drain(self, r: int) -> None:
         """Replica r drains: no arrival is routed to it until :meth:`end_drain`, while what it
         holds (running, and waiting in its own line) stays and runs to its end."""
-        self._draining[r] = self.up[r] = False
+        self._draining[r], self.up[r] = True, False
 
     def end_drain(self, r: int, now: float | None = None) -> None:
         """Replica r takes arrivals again (``now``: when, for a fleet that wakes it)."""

@@ -28,8 +28,9 @@ def _agree(
     admission="replica",
     speeds=None,
     down=(),
+    drain=(),
 ):
-    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission)
+    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission, drain=drain)
     gate, stats = run_gate(trace, policy, engines, fleet=spec)
     sim = simulate(
         trace,
@@ -39,6 +40,7 @@ def _agree(
         admission_at=admission,
         replica_speeds=speeds,
         replica_down=down,
+        replica_drain=drain,
     )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
@@ -149,6 +151,94 @@ def test_batching_replicas_at_their_own_speeds_and_down_for_a_while_match_the_si
     ended = sim[sim["reason"].isin(["engine_exception", "shutting_down"])]
     assert set(ended["replica"]) == {1, 2} and len(ended) > 3
     assert stats["fleet"]["speeds"] == list(SPEEDS)
+
+
+# -- a replica that drains for a while (--replica-drain) ----------------------------------------
+
+DRAIN = ((1, 3.0, 6.0),)
+
+
+def _drained(sim, at: float = 3.0, back: float = 6.0) -> None:
+    """Nothing ended in error; replica 1 was sent nothing inside its window (what it held then ran
+    on there, answered), and was sent to again after it."""
+    assert not sim["outcome"].eq("error").any()
+    there = sim["replica"].eq(1)
+    arrived = sim["arrival_s"]
+    assert not (there & arrived.between(at, back, inclusive="left")).any()
+    assert (there & arrived.lt(at)).any() and (there & arrived.ge(back)).any()
+    held = sim[there & arrived.lt(at) & sim["finish_s"].gt(at)]
+    assert len(held) and held["outcome"].isin(["good", "late"]).all()
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq"])
+@pytest.mark.parametrize("policy", ["predictive", "bounded"])
+def test_a_replica_draining_for_a_while_matches_the_simulator(router, policy):
+    """qlab serve --replicas 3 --replica-drain 1:3:6, one engine at a time: the router sends
+    replica 1 nothing from 3 s to 6 s after the gate's start while what it holds runs out there,
+    request by request equal to simulate(replica_drain=); the run file's window on its clock."""
+    trace = make_trace("poisson", "mix", load=1.2, engines=5, seconds=10, seed=3, noise_cv=0.3)
+    sim, stats = _agree(trace, PRESETS[policy], 2, router, drain=DRAIN)
+    _drained(sim)
+    assert FleetSpec.from_fields(stats["fleet"]) == FleetSpec(3, make_router(router), drain=DRAIN)
+    assert all(r["up"] for r in stats["replicas"])
+    from live.rows import server_info
+    from qsim.runfile import fleet_spec
+
+    assert stats["fleet"]["down_started_at"] == 0.0
+    columns = server_info(stats).columns(1, server_zero=4.0)  # began 4 s after: the window 0-2
+    assert fleet_spec(pd.DataFrame({k: list(v) for k, v in columns.items()})).drain == (
+        (1, 0.0, 2.0),
+    )
+    early = server_info(stats).columns(1, server_zero=-2.0)
+    assert fleet_spec(pd.DataFrame({k: list(v) for k, v in early.items()})).drain == (
+        (1, 5.0, 8.0),
+    )
+
+
+@pytest.mark.parametrize("router", ["round_robin", "jsq", "central"])
+def test_batching_replicas_draining_for_a_while_match_the_simulator(router):
+    """The same for three batching replicas: a draining replica's batch and line run out there (a
+    central line's: it takes nothing from it in the window, and takes from it at once after)."""
+    engine, trace = _batching(0.3, 3.0, 12, 4)
+    config = ServerConfig(PRESETS["predictive"], engine=engine, seed=5)
+    sim, stats = _agree_batching(trace, config, router, drain=DRAIN)
+    if router == "central":  # bound where it joins a batch: none joins replica 1 in the window
+        there = sim["replica"].eq(1)
+        assert not (there & sim["start_s"].between(3.0, 6.0, inclusive="neither")).any()
+        assert (there & sim["start_s"].ge(6.0)).any()
+        # the line waited at 6 s: replica 1 took from it then, as the simulator's
+        assert np.isclose(sim.loc[there & sim["start_s"].ge(6.0), "start_s"].min(), 6.0)
+        assert not sim["outcome"].eq("error").any()
+    else:
+        _drained(sim)
+    assert stats["fleet"]["drain"] == [list(w) for w in DRAIN]
+
+
+def test_the_watch_leaves_a_draining_replica_draining_and_takes_it_down_when_unwell():
+    """LiveFleet.watch reads a replica's down state, not its routing flag: a draining replica (not
+    up, not down) is not brought back by a watch while well, goes down when unready, and once well
+    again is still draining until its window ends."""
+    from live.fleet_gate import fleet_queue
+
+    def hook(*_):
+        return None
+
+    fleet = fleet_queue(
+        ServerConfig(PRESETS["none"], 1),
+        FleetSpec(3, make_router("round_robin")),
+        start=hook,
+        drop=hook,
+        gone=hook,
+        routed=hook,
+    )
+    fleet.drain(1)
+    assert fleet.watch(1.0) == [] and fleet.up == [True, False, True]
+    fleet.watch(2.0, unready={1})
+    assert fleet._down[1] and fleet.up == [True, False, True]
+    fleet.watch(3.0)
+    assert not fleet._down[1] and fleet.up == [True, False, True]  # well, still draining
+    fleet.end_drain(1, 4.0)
+    assert fleet.up == [True] * 3
 
 
 # -- a replica that dies mid-run --------------------------------------------------------------
@@ -421,9 +511,52 @@ def test_serve_options_take_replica_speeds_and_replicas_down():
     assert table.fleet() == FleetSpec(2, make_router("round_robin"), (1.0, 0.5), ((1, 2, 3),))
 
 
+def test_serve_options_take_replica_drains_for_every_engine():
+    """--replica-drain R:FROM:TO (repeat) and [server]'s replica_drain: the fleet's FleetSpec
+    drain, on a child's command line too; a drain is routing, so any engine's fleet takes it (a
+    fleet of upstreams, one per --upstream-url, included)."""
+    from live.serve_options import ServeOptions
+
+    options = _options("--replicas", "3", "--replica-drain", "1:3:6", "--replica-drain", "0:1:2.5")
+    assert options.fleet() == FleetSpec(
+        3, make_router("round_robin"), drain=((1, 3, 6), (0, 1, 2.5))
+    )
+    child = options.argv()
+    assert child[child.index("--replica-drain") + 1] == "1:3:6,0:1:2.5"
+    assert _options(*child[child.index("serve") + 1 :]).fleet() == options.fleet()
+    both = _options("--replicas", "2", "--replica-down", "0:1:2", "--replica-drain", "1:3:4")
+    assert both.fleet() == FleetSpec(
+        2, make_router("round_robin"), down=((0, 1, 2),), drain=((1, 3, 4),)
+    )
+    urls = ("--upstream-url", "http://a:1", "--upstream-url", "http://b:2")
+    upstream = _options("--engine", "upstream", *urls, "--replica-drain", "1:2:3")
+    assert upstream.fleet().drain == ((1, 2.0, 3.0),)
+    assert "--replica-drain" in upstream.argv()
+    table = ServeOptions.from_table("t", {"replicas": 2, "replica_drain": "1:2:3,0:5:6"})
+    assert table.fleet().drain == ((1, 2.0, 3.0), (0, 5.0, 6.0))
+    assert ServeOptions.toml_kinds()["replica_drain"] is str
+    up_table = ServeOptions.from_table(
+        "t",
+        {"engine": "upstream", "upstream_url": "http://a:1,http://b:2", "replica_drain": "0:1:2"},
+    )
+    assert up_table.fleet().drain == ((0, 1.0, 2.0),)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
+        (("--replica-drain", "0:1:2"), "--replica-drain: a fleet's options"),
+        (("--replicas", "2", "--replica-drain", "1:3"), "bad --replica-drain '1:3'"),
+        (("--replicas", "2", "--replica-drain", "2:1:3"), "a replica draining is (replica of 0..1"),
+        (("--replicas", "2", "--replica-drain", "1:3:2"), "0 <= from_s < to_s"),
+        (
+            ("--replicas", "2", "--replica-down", "0:1:3", "--replica-drain", "1:2:4"),
+            "every replica is down or draining at 2 s",
+        ),
+        (
+            ("--replicas", "2", "--router", "central", "--replica-drain", "1:2:3"),
+            "a replica draining: a central queue in front of engines one at a time",
+        ),
         (("--replica-speeds", "1,1"), "--replica-speeds: a fleet's options, for --replicas N > 1"),
         (("--replica-down", "0:1:2"), "--replica-down: a fleet's options"),
         (("--replicas", "2", "--replica-speeds", "1,x"), "bad --replica-speeds '1,x'"),
@@ -456,7 +589,7 @@ def test_serve_options_take_replica_speeds_and_replicas_down():
         (("--engine", "gpt2", "--replica-down", "0:1:2"), "only with --engine synthetic"),
     ],
 )
-def test_serve_refuses_bad_replica_speeds_and_downs_in_one_line(argv, says, capsys):
+def test_serve_refuses_bad_replica_speeds_downs_and_drains_in_one_line(argv, says, capsys):
     from experiments.cli import main
 
     assert main(["serve", "--port", "0", *argv]) == 2
@@ -689,12 +822,19 @@ BATCH_ROUTERS = [
 
 
 def _agree_batching(
-    trace, config, router: str, replicas: int = 3, admission="replica", speeds=None, down=()
+    trace,
+    config,
+    router: str,
+    replicas: int = 3,
+    admission="replica",
+    speeds=None,
+    down=(),
+    drain=(),
 ):
     """A gate of ``replicas`` batching replicas (the real SyntheticBatchEngine, one each) and the
     simulator's batching fleet, request by request: outcome, reason, replica, engine, start,
     finish, first token, tokens and the admission view (admitted where ``admission`` says)."""
-    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission)
+    spec = FleetSpec(replicas, make_router(router), speeds, down, admission=admission, drain=drain)
     gate, stats = run_gate(trace, None, 1, config=config, fleet=spec)
     sim = simulate(
         trace,
@@ -704,6 +844,7 @@ def _agree_batching(
         admission_at=admission,
         replica_speeds=speeds,
         replica_down=down,
+        replica_drain=drain,
     )
     assert gate["outcome"].tolist() == sim["outcome"].tolist()
     assert gate["reason"].fillna("-").tolist() == sim["reason"].fillna("-").tolist()
@@ -1182,6 +1323,40 @@ def test_replicas_at_their_own_speeds_and_down_for_a_while_served_replayed_and_c
     errors = frame[frame["outcome"].eq("error")]
     assert errors["replica"].eq(1).all()
     assert errors["reason"].isin(["engine_exception", "shutting_down"]).all()
+    summary = _compared(run, tmp_path / "cmp")
+    assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", [False, True], ids=["one_at_a_time", "batching"])
+def test_a_replica_draining_for_a_while_served_replayed_and_compared(batching, tmp_path):
+    """qlab serve --replicas 2 --router jsq --replica-drain 1:4:6 (one at a time, and --batching),
+    a seeded trace through qlab replay and qlab compare on its run file: nothing ends in error,
+    replica 1 sent nothing in its window on the run's clock (but what the gate took as it began,
+    before its timer ran), sent to again after; the replay's rule disagreements 0."""
+    import httpx
+
+    pytest.importorskip("fastapi")
+    from live.procs import serving
+    from live.serve_options import ServeOptions
+    from qsim.runfile import fleet_spec
+
+    options = ServeOptions(
+        policy="predictive", batching=batching, replicas=2, router="jsq", replica_drain=E2E_DOWN
+    )
+    run = tmp_path / "run.parquet"
+    with serving([options], tmp_path, 60) as (server,):
+        frame = _replayed(server.url, run, E2E_LOAD[batching], seconds=E2E_SECONDS)
+        fleet = httpx.get(server.url + "/stats", timeout=10).json()["fleet"]
+    assert fleet["drain"] == [[1, 4.0, 6.0]] and "down_started_at" in fleet
+    assert len(frame) > 20 and frame["request_id"].is_unique
+    assert frame["outcome"].notna().all() and not frame["outcome"].eq("error").any()
+    ((r, from_s, to_s),) = fleet_spec(frame).drain
+    assert r == 1 and 0 < from_s < to_s < E2E_SECONDS
+    took, there = frame["server_arrival_s"], frame["replica"].eq(1)
+    inside = took.ge(from_s) & took.lt(to_s)
+    assert inside.any() and there[took.lt(from_s)].any() and there[took.ge(to_s + 0.1)].any()
+    assert frame.loc[there & inside, "server_arrival_s"].lt(from_s + 0.05).all()
     summary = _compared(run, tmp_path / "cmp")
     assert summary["requests"] == len(frame) and summary["rule_disagreements"] == 0
 
