@@ -272,8 +272,8 @@ class CentralBatch(Fleet):
         line = self.where.get(req)
         return None if line is None else line.cancel(req, now)
 
-    def _back(self, r: int, now: float | None) -> None:
-        super()._back(r, now)
+    def _settle(self, r: int, now: float | None) -> None:
+        super()._settle(r, now)
         if now is not None:
             self.dispatch(now)  # back up (not down, not draining), it may take the line's head
 

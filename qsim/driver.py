@@ -156,17 +156,18 @@ class Simulation:
         self.arms = self.engine.arms
         self.engine.attach()
         if fleet is not None:
-            for r, down_s, up_s in fleet.down:
-                Timeout(self.env, down_s).callbacks.append(lambda _, r=r: self._replica_down(r))
-                Timeout(self.env, up_s).callbacks.append(
-                    lambda _, r=r: self.queue.restore(r, self.env.now)
-                )
-            # Draining ends nothing: the router only skips the replica until up_s.
-            for r, from_s, up_s in fleet.drain:
-                Timeout(self.env, from_s).callbacks.append(lambda _, r=r: self.queue.drain(r))
-                Timeout(self.env, up_s).callbacks.append(
-                    lambda _, r=r: self.queue.end_drain(r, self.env.now)
-                )
+            # Each window's two ends, down windows first (the live gate's order too): a replica
+            # down ends what it holds; draining ends nothing, the router only skips it.
+            turns = (
+                (fleet.down, self._replica_down, self.queue.restore),
+                (fleet.drain, self.queue.drain, self.queue.end_drain),
+            )
+            for windows, begin, end in turns:
+                for r, from_s, to_s in windows:
+                    Timeout(self.env, from_s).callbacks.append(lambda _, r=r, f=begin: f(r))
+                    Timeout(self.env, to_s).callbacks.append(
+                        lambda _, r=r, f=end: f(r, self.env.now)
+                    )
 
     # -- the core's hooks --------------------------------------------------------
 

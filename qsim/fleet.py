@@ -281,7 +281,7 @@ class Fleet:
             # Each replica's own server (its KV blocks), here once for every kind of fleet.
             self.lines = [line(r, spec.replica_config(config, r)) for r in range(n)]
             self.per_line = per
-        # Whether the router may send a replica anything: neither down nor draining.
+        # Whether the router may send a replica anything: neither down nor draining (_settle).
         self.up = [True] * len(self.lines)
         self._down = [False] * len(self.lines)
         self._draining = [False] * len(self.lines)
@@ -403,7 +403,8 @@ class Fleet:
         it holds leaves it, as a client that left would: (request, "running" or "waiting") each.
         A run one at a time holds its engine to its own end (a run is not stopped); a batch's
         blocks are freed at once."""
-        self._down[r], self.up[r] = True, False
+        self._down[r] = True
+        self._settle(r, None)
         line = self.lines[r]
         held = [req for req, where in self.where.items() if where is line]
         return [(req, state) for req in held if (state := line.cancel(req, now)) is not None]
@@ -411,20 +412,23 @@ class Fleet:
     def restore(self, r: int, now: float | None = None) -> None:
         """Replica r is back (``now``: when, for a fleet that wakes it)."""
         self._down[r] = False
-        self._back(r, now)
+        self._settle(r, now)
 
     def drain(self, r: int) -> None:
         """Replica r drains: no arrival is routed to it until :meth:`end_drain`, while what it
         holds (running, and waiting in its own line) stays and runs to its end."""
-        self._draining[r], self.up[r] = True, False
+        self._draining[r] = True
+        self._settle(r, None)
 
     def end_drain(self, r: int, now: float | None = None) -> None:
         """Replica r takes arrivals again (``now``: when, for a fleet that wakes it)."""
         self._draining[r] = False
-        self._back(r, now)
+        self._settle(r, now)
 
-    def _back(self, r: int, now: float | None) -> None:
-        """Replica r's window ended: it is up where no other (down, draining) holds it off."""
+    def _settle(self, r: int, now: float | None) -> None:
+        """Replica r's routing flag from its states, the one place it is set: up where neither
+        down nor draining holds it off (``now``: when a window ended, for a fleet that wakes a
+        replica back up; None where one began)."""
         self.up[r] = not (self._down[r] or self._draining[r])
 
     # -- batching replicas: their caches (each line's timer is its driver's: qsim.model) ------
