@@ -646,35 +646,29 @@ def test_a_draining_replica_finishes_what_it_held_and_gets_nothing_until_back(ki
     assert (after["replica"] == 1).mean() > 0.2  # back in the rotation
 
 
-def test_a_drain_that_ends_inside_a_down_window_leaves_the_replica_down():
-    """Replica 1 down 100-200 s and draining 120-150 s: the drain's end does not route to it
-    while it is down (Fleet.fail marks it down; end_drain brings back only what nothing else
-    holds off), and it takes requests again after 200 s."""
+@pytest.mark.parametrize(
+    "down, drain",
+    [
+        # down 100-200 s, draining 120-150 s: the drain's end does not route to it while it is
+        # down (Fleet.fail marks it down; end_drain brings back only what nothing else holds off)
+        ((1, 100.0, 200.0), (1, 120.0, 150.0)),
+        # draining 100-200 s, down 120-150 s: the restore at 150 s does not route to it while it
+        # still drains (Fleet.drain marks it draining)
+        ((1, 120.0, 150.0), (1, 100.0, 200.0)),
+    ],
+    ids=["drain_inside_down", "down_inside_drain"],
+)
+def test_a_window_that_ends_inside_another_leaves_the_replica_off_until_both_end(down, drain):
+    """Replica 1 down and draining in windows one inside the other, 100-200 s in all: nothing is
+    routed to it until the outer one ends, and it takes requests again after 200 s."""
     t, config = trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1)
     frame = simulate(
         t,
         config,
         replicas=3,
         router=make_router("jsq"),
-        replica_down=[(1, 100.0, 200.0)],
-        replica_drain=[(1, 120.0, 150.0)],
-    )
-    during = frame[frame["arrival_s"].between(100.0, 200.0, inclusive="left")]
-    assert len(during) and not during["replica"].eq(1).any()
-    assert frame.loc[frame["arrival_s"].ge(210.0), "replica"].eq(1).mean() > 0.2
-
-
-def test_a_down_window_that_ends_inside_a_drain_leaves_the_replica_draining():
-    """Replica 1 draining 100-200 s and down 120-150 s: the restore at 150 s does not route to it
-    while it still drains (Fleet.drain marks it draining), and it takes requests after 200 s."""
-    t, config = trace(1.1, 3, 3000), ServerConfig(PRESETS["none"], 1, seed=1)
-    frame = simulate(
-        t,
-        config,
-        replicas=3,
-        router=make_router("jsq"),
-        replica_down=[(1, 120.0, 150.0)],
-        replica_drain=[(1, 100.0, 200.0)],
+        replica_down=[down],
+        replica_drain=[drain],
     )
     during = frame[frame["arrival_s"].between(100.0, 200.0, inclusive="left")]
     assert len(during) and not during["replica"].eq(1).any()
